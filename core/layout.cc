@@ -1,0 +1,363 @@
+#include "kvtier/core/layout.h"
+
+#include <algorithm>
+#include <set>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace kvtier {
+namespace {
+
+// FNV-1a 64 over a canonical byte encoding: stable across processes/machines.
+class Fnv64 {
+ public:
+  void bytes(const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) {
+      h_ ^= p[i];
+      h_ *= 1099511628211ull;
+    }
+  }
+  void u64(std::uint64_t v) {
+    unsigned char le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(v >> (8 * i));
+    bytes(le, 8);
+  }
+  void str(std::string_view s) {
+    u64(s.size());
+    bytes(s.data(), s.size());
+  }
+  std::uint64_t value() const { return h_; }
+
+ private:
+  std::uint64_t h_ = 14695981039346656037ull;
+};
+
+std::string human_bytes(std::uint64_t b) {
+  if (b % (1u << 20) == 0 && b >= (1u << 20)) return fmt::format("{}MiB", b >> 20);
+  if (b % 1024 == 0 && b >= 1024) return fmt::format("{}KiB", b >> 10);
+  return fmt::format("{}B", b);
+}
+
+std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return a <= 1 ? v : (v + a - 1) / a * a; }
+
+}  // namespace
+
+std::uint32_t dtype_bytes(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kBf16:
+    case DType::kFp16: return 2;
+    case DType::kFp32: return 4;
+    case DType::kFp8E4M3:
+    case DType::kFp8E5M2:
+    case DType::kInt8:
+    case DType::kUint8: return 1;
+  }
+  return 1;
+}
+
+std::string_view dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kBf16: return "bf16";
+    case DType::kFp16: return "fp16";
+    case DType::kFp32: return "fp32";
+    case DType::kFp8E4M3: return "fp8_e4m3";
+    case DType::kFp8E5M2: return "fp8_e5m2";
+    case DType::kInt8: return "int8";
+    case DType::kUint8: return "uint8";
+  }
+  return "?";
+}
+
+Result<DType> parse_dtype(std::string_view name) {
+  for (DType d : {DType::kBf16, DType::kFp16, DType::kFp32, DType::kFp8E4M3, DType::kFp8E5M2, DType::kInt8,
+                  DType::kUint8}) {
+    if (dtype_name(d) == name) return d;
+  }
+  if (name == "bfloat16") return DType::kBf16;
+  if (name == "float16") return DType::kFp16;
+  if (name == "float32") return DType::kFp32;
+  if (name == "fp8") return DType::kFp8E4M3;
+  return InvalidArgument(fmt::format("unknown dtype '{}' (expected bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, uint8)", name));
+}
+
+std::string_view role_name(Role role) noexcept {
+  switch (role) {
+    case Role::kKey: return "key";
+    case Role::kValue: return "value";
+    case Role::kKeyScale: return "key_scale";
+    case Role::kValueScale: return "value_scale";
+    case Role::kLatent: return "latent";
+    case Role::kIndexer: return "indexer";
+    case Role::kOther: return "other";
+  }
+  return "?";
+}
+
+std::string_view token_order_name(TokenOrder order) noexcept {
+  switch (order) {
+    case TokenOrder::kHnd: return "HND";
+    case TokenOrder::kNhd: return "NHD";
+    case TokenOrder::kOpaque: return "opaque";
+  }
+  return "?";
+}
+
+std::string_view memory_kind_name(MemoryKind kind) noexcept {
+  switch (kind) {
+    case MemoryKind::kDevice: return "device";
+    case MemoryKind::kPinnedHost: return "pinned_host";
+  }
+  return "?";
+}
+
+Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t block_tokens,
+                                  TokenOrder token_order) {
+  if (layers.empty()) return InvalidArgument("KvLayout needs at least one layer, got 0");
+  if (block_tokens == 0) return InvalidArgument("KvLayout block_tokens must be >= 1, got 0");
+  KvLayout out;
+  out.block_tokens_ = block_tokens;
+  out.token_order_ = token_order;
+  Fnv64 h;
+  h.str("kvtier.layout.v1");
+  h.u64(block_tokens);
+  h.u64(static_cast<std::uint64_t>(token_order));
+  h.u64(layers.size());
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const LayerLayout& layer = layers[l];
+    if (layer.roles.empty()) return InvalidArgument(fmt::format("KvLayout layer {} has no roles", l));
+    std::set<std::pair<int, std::string>> seen;
+    h.u64(layer.draft ? 1 : 0);
+    h.u64(layer.roles.size());
+    for (std::size_t r = 0; r < layer.roles.size(); ++r) {
+      const RoleLayout& role = layer.roles[r];
+      if (role.block_bytes == 0)
+        return InvalidArgument(fmt::format("KvLayout layer {} role {} ({}) has block_bytes 0", l, r, role_name(role.role)));
+      if (static_cast<int>(role.role) >= kNumRoleKinds)
+        return InvalidArgument(fmt::format("KvLayout layer {} role {} has invalid role value {}", l, r,
+                                           static_cast<int>(role.role)));
+      if (role.role == Role::kOther && role.name.empty())
+        return InvalidArgument(fmt::format("KvLayout layer {} role {} is Role::kOther but has no name", l, r));
+      if (!seen.emplace(static_cast<int>(role.role), role.name).second)
+        return InvalidArgument(fmt::format("KvLayout layer {} has role '{}{}{}' twice", l, role_name(role.role),
+                                           role.name.empty() ? "" : ":", role.name));
+      h.u64(static_cast<std::uint64_t>(role.role));
+      h.u64(static_cast<std::uint64_t>(role.dtype));
+      h.u64(role.block_bytes);
+      h.str(role.name);
+      out.total_block_bytes_ += role.block_bytes;
+      ++out.num_planes_;
+    }
+  }
+  out.fingerprint_ = h.value();
+  out.layers_ = std::move(layers);
+  return out;
+}
+
+Result<KvLayout> KvLayout::gqa(const GqaShape& s) {
+  if (s.num_layers + s.num_draft_layers == 0) return InvalidArgument("GqaShape has 0 layers");
+  if (s.kv_heads == 0 || s.block_tokens == 0 || s.head_dim == 0)
+    return InvalidArgument(fmt::format("GqaShape dimensions must be >= 1: kv_heads={} block_tokens={} head_dim={}",
+                                       s.kv_heads, s.block_tokens, s.head_dim));
+  const std::uint64_t kv_bytes = std::uint64_t{s.kv_heads} * s.block_tokens * s.head_dim * dtype_bytes(s.dtype);
+  const std::uint64_t scale_bytes = std::uint64_t{s.kv_heads} * s.block_tokens * dtype_bytes(s.scale_dtype);
+  std::vector<LayerLayout> layers;
+  for (std::uint32_t l = 0; l < s.num_layers + s.num_draft_layers; ++l) {
+    LayerLayout layer;
+    layer.draft = l >= s.num_layers;
+    layer.roles.push_back({Role::kKey, s.dtype, kv_bytes, {}});
+    layer.roles.push_back({Role::kValue, s.dtype, kv_bytes, {}});
+    if (s.fp8_scales) {
+      layer.roles.push_back({Role::kKeyScale, s.scale_dtype, scale_bytes, {}});
+      layer.roles.push_back({Role::kValueScale, s.scale_dtype, scale_bytes, {}});
+    }
+    layers.push_back(std::move(layer));
+  }
+  return create(std::move(layers), s.block_tokens, s.token_order);
+}
+
+Result<KvLayout> KvLayout::mla(const MlaShape& s) {
+  if (s.num_layers + s.num_draft_layers == 0) return InvalidArgument("MlaShape has 0 layers");
+  if (s.block_tokens == 0 || s.latent_dim == 0)
+    return InvalidArgument(fmt::format("MlaShape dimensions must be >= 1: block_tokens={} latent_dim={}",
+                                       s.block_tokens, s.latent_dim));
+  std::vector<LayerLayout> layers;
+  for (std::uint32_t l = 0; l < s.num_layers + s.num_draft_layers; ++l) {
+    LayerLayout layer;
+    layer.draft = l >= s.num_layers;
+    layer.roles.push_back(
+        {Role::kLatent, s.dtype, std::uint64_t{s.block_tokens} * s.latent_dim * dtype_bytes(s.dtype), {}});
+    if (s.indexer_dim > 0)
+      layer.roles.push_back({Role::kIndexer, s.indexer_dtype,
+                             std::uint64_t{s.block_tokens} * s.indexer_dim * dtype_bytes(s.indexer_dtype), {}});
+    layers.push_back(std::move(layer));
+  }
+  return create(std::move(layers), s.block_tokens, TokenOrder::kOpaque);
+}
+
+Result<KvLayout> KvLayout::uniform(std::uint32_t num_layers, std::uint32_t roles_per_layer,
+                                   std::uint64_t block_bytes) {
+  if (roles_per_layer == 0 || roles_per_layer > 2 + 4)
+    return InvalidArgument(fmt::format("uniform layout roles_per_layer must be in [1, 6], got {}", roles_per_layer));
+  static constexpr Role kOrder[] = {Role::kKey, Role::kValue, Role::kKeyScale, Role::kValueScale, Role::kLatent,
+                                    Role::kIndexer};
+  std::vector<LayerLayout> layers(num_layers);
+  for (auto& layer : layers)
+    for (std::uint32_t r = 0; r < roles_per_layer; ++r) layer.roles.push_back({kOrder[r], DType::kUint8, block_bytes, {}});
+  return create(std::move(layers), 1, TokenOrder::kOpaque);
+}
+
+std::uint64_t KvLayout::layer_block_bytes(std::uint32_t l) const {
+  std::uint64_t sum = 0;
+  for (const auto& r : layers_[l].roles) sum += r.block_bytes;
+  return sum;
+}
+
+Result<std::uint32_t> KvLayout::find_role(std::uint32_t l, Role role) const {
+  if (l >= layers_.size()) return OutOfRange(fmt::format("layer {} >= num_layers {}", l, layers_.size()));
+  for (std::uint32_t r = 0; r < layers_[l].roles.size(); ++r)
+    if (layers_[l].roles[r].role == role) return r;
+  return NotFound(fmt::format("layer {} has no role '{}'", l, role_name(role)));
+}
+
+std::string KvLayout::describe() const {
+  if (layers_.empty()) return "empty layout";
+  std::string roles;
+  for (const auto& r : layers_[0].roles) {
+    if (!roles.empty()) roles += ", ";
+    roles += fmt::format("{}{}{} {} {}", role_name(r.role), r.name.empty() ? "" : ":", r.name, dtype_name(r.dtype),
+                         human_bytes(r.block_bytes));
+  }
+  return fmt::format("{} layers x {{{}}}, {} tokens/block, {} per block", layers_.size(), roles, block_tokens_,
+                     human_bytes(total_block_bytes_));
+}
+
+Result<BlockSpace> BlockSpace::from_planes(MemoryKind kind, int device_ordinal, KvLayout layout,
+                                           std::uint64_t num_blocks, std::vector<std::vector<Plane>> planes,
+                                           std::vector<std::vector<std::uint64_t>> region_bytes) {
+  if (layout.num_layers() == 0) return InvalidArgument("BlockSpace needs a non-empty KvLayout");
+  if (num_blocks == 0) return InvalidArgument("BlockSpace num_blocks must be >= 1, got 0");
+  if (num_blocks > static_cast<std::uint64_t>(INT32_MAX))
+    return InvalidArgument(fmt::format("BlockSpace num_blocks {} exceeds the int32 block id range", num_blocks));
+  if (planes.size() != layout.num_layers())
+    return InvalidArgument(fmt::format("BlockSpace has planes for {} layers, layout has {}", planes.size(),
+                                       layout.num_layers()));
+  if (!region_bytes.empty() && region_bytes.size() != planes.size())
+    return InvalidArgument(fmt::format("BlockSpace region_bytes has {} layers, layout has {}", region_bytes.size(),
+                                       layout.num_layers()));
+  struct Interval {
+    std::uintptr_t begin, end;
+    std::uint32_t l, r;
+  };
+  std::vector<Interval> intervals;
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+    if (planes[l].size() != layout.num_roles(l))
+      return InvalidArgument(fmt::format("BlockSpace layer {} has {} planes, layout has {} roles", l, planes[l].size(),
+                                         layout.num_roles(l)));
+    if (!region_bytes.empty() && region_bytes[l].size() != planes[l].size())
+      return InvalidArgument(fmt::format("BlockSpace region_bytes layer {} has {} entries, expected {}", l,
+                                         region_bytes[l].size(), planes[l].size()));
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      const Plane& p = planes[l][r];
+      const std::uint64_t bb = layout.block_bytes(l, r);
+      const auto rname = role_name(layout.layer(l).roles[r].role);
+      if (p.base == nullptr) return InvalidArgument(fmt::format("BlockSpace layer {} role {} has a null base", l, rname));
+      if (p.stride < bb)
+        return InvalidArgument(fmt::format("BlockSpace layer {} role {}: stride {} < block_bytes {}", l, rname,
+                                           p.stride, bb));
+      const std::uint64_t extent = (num_blocks - 1) * p.stride + bb;
+      if (!region_bytes.empty() && region_bytes[l][r] < extent)
+        return InvalidArgument(fmt::format(
+            "BlockSpace layer {} role {}: region of {} bytes is too small for {} blocks (needs {} bytes)", l, rname,
+            region_bytes[l][r], num_blocks, extent));
+      const auto begin = reinterpret_cast<std::uintptr_t>(p.base);
+      intervals.push_back({begin, begin + extent, l, r});
+    }
+  }
+  // Overlap check between planes. Interleaved planes (e.g. K/V in one block
+  // with stride 2*block_bytes) overlap as ranges but not byte-wise; compare
+  // block footprints when the strides match, else ranges.
+  std::sort(intervals.begin(), intervals.end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < intervals.size(); ++i) {
+    const Interval& a = intervals[i - 1];
+    const Interval& b = intervals[i];
+    if (b.begin >= a.end) continue;
+    const Plane& pa = planes[a.l][a.r];
+    const Plane& pb = planes[b.l][b.r];
+    const std::uint64_t delta = b.begin - a.begin;
+    const bool interleaved = pa.stride == pb.stride && delta % pa.stride >= layout.block_bytes(a.l, a.r) &&
+                             (delta % pa.stride) + layout.block_bytes(b.l, b.r) <= pa.stride;
+    if (!interleaved)
+      return InvalidArgument(fmt::format("BlockSpace planes (layer {}, {}) and (layer {}, {}) overlap", a.l,
+                                         role_name(layout.layer(a.l).roles[a.r].role), b.l,
+                                         role_name(layout.layer(b.l).roles[b.r].role)));
+  }
+  BlockSpace out;
+  out.kind_ = kind;
+  out.device_ordinal_ = device_ordinal;
+  out.layout_ = std::move(layout);
+  out.num_blocks_ = num_blocks;
+  out.planes_ = std::move(planes);
+  return out;
+}
+
+std::uint64_t BlockSpace::layer_first_region_bytes(const KvLayout& layout, std::uint32_t l, std::uint32_t r,
+                                                   std::uint64_t num_blocks) {
+  return layout.block_bytes(l, r) * num_blocks;
+}
+
+Result<BlockSpace> BlockSpace::layer_first(MemoryKind kind, int device_ordinal, KvLayout layout,
+                                           std::uint64_t num_blocks, std::vector<std::vector<void*>> bases) {
+  if (bases.size() != layout.num_layers())
+    return InvalidArgument(fmt::format("layer_first: {} layers of bases, layout has {}", bases.size(),
+                                       layout.num_layers()));
+  std::vector<std::vector<Plane>> planes(layout.num_layers());
+  std::vector<std::vector<std::uint64_t>> sizes(layout.num_layers());
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+    if (bases[l].size() != layout.num_roles(l))
+      return InvalidArgument(fmt::format("layer_first: layer {} has {} bases, layout has {} roles", l, bases[l].size(),
+                                         layout.num_roles(l)));
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      planes[l].push_back({static_cast<std::byte*>(bases[l][r]), layout.block_bytes(l, r)});
+      sizes[l].push_back(layer_first_region_bytes(layout, l, r, num_blocks));
+    }
+  }
+  return from_planes(kind, device_ordinal, std::move(layout), num_blocks, std::move(planes), std::move(sizes));
+}
+
+std::uint64_t BlockSpace::page_first_page_bytes(const KvLayout& layout, std::uint64_t page_alignment,
+                                                std::uint64_t role_alignment) {
+  std::uint64_t offset = 0;
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
+      offset = align_up(offset, role_alignment) + layout.block_bytes(l, r);
+  return align_up(offset, page_alignment);
+}
+
+Result<BlockSpace> BlockSpace::page_first(MemoryKind kind, int device_ordinal, KvLayout layout,
+                                          std::uint64_t num_blocks, void* base, std::uint64_t region_bytes,
+                                          std::uint64_t page_alignment, std::uint64_t role_alignment) {
+  if (base == nullptr) return InvalidArgument("page_first: null base");
+  if (page_alignment == 0 || role_alignment == 0)
+    return InvalidArgument(fmt::format("page_first: alignments must be >= 1 (page {}, role {})", page_alignment,
+                                       role_alignment));
+  const std::uint64_t page = page_first_page_bytes(layout, page_alignment, role_alignment);
+  if (region_bytes < page * num_blocks)
+    return InvalidArgument(fmt::format("page_first: region of {} bytes < {} blocks x {} page bytes", region_bytes,
+                                       num_blocks, page));
+  std::vector<std::vector<Plane>> planes(layout.num_layers());
+  std::uint64_t offset = 0;
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      offset = align_up(offset, role_alignment);
+      planes[l].push_back({static_cast<std::byte*>(base) + offset, page});
+      offset += layout.block_bytes(l, r);
+    }
+  KVTIER_ASSIGN_OR_RETURN(BlockSpace out,
+                          from_planes(kind, device_ordinal, std::move(layout), num_blocks, std::move(planes)));
+  out.page_bytes_ = page;
+  return out;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,81 @@
+#include "kvtier/core/status.h"
+
+namespace kvtier {
+
+std::string_view status_code_name(StatusCode code) noexcept {
+  switch (code) {
+    case StatusCode::kOk: return "OK";
+    case StatusCode::kInvalidArgument: return "InvalidArgument";
+    case StatusCode::kOutOfRange: return "OutOfRange";
+    case StatusCode::kFailedPrecondition: return "FailedPrecondition";
+    case StatusCode::kNotFound: return "NotFound";
+    case StatusCode::kAlreadyExists: return "AlreadyExists";
+    case StatusCode::kResourceExhausted: return "ResourceExhausted";
+    case StatusCode::kUnavailable: return "Unavailable";
+    case StatusCode::kAborted: return "Aborted";
+    case StatusCode::kCancelled: return "Cancelled";
+    case StatusCode::kTimedOut: return "TimedOut";
+    case StatusCode::kDataLoss: return "DataLoss";
+    case StatusCode::kNotSupported: return "NotSupported";
+    case StatusCode::kDeviceLost: return "DeviceLost";
+    case StatusCode::kInternal: return "Internal";
+  }
+  return "Unknown";
+}
+
+RetryAdvice Status::retry_advice() const noexcept {
+  switch (code_) {
+    case StatusCode::kOk: return RetryAdvice::kNone;
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfRange:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kNotFound:
+    case StatusCode::kAlreadyExists:
+    case StatusCode::kNotSupported:
+    case StatusCode::kInternal: return RetryAdvice::kDoNotRetry;
+    case StatusCode::kUnavailable:
+    case StatusCode::kTimedOut: return RetryAdvice::kRetry;
+    case StatusCode::kResourceExhausted: return RetryAdvice::kBackoffRetry;
+    case StatusCode::kAborted:
+    case StatusCode::kCancelled:
+    case StatusCode::kDataLoss: return RetryAdvice::kRecompute;
+    case StatusCode::kDeviceLost: return RetryAdvice::kFatal;
+  }
+  return RetryAdvice::kDoNotRetry;
+}
+
+std::string Status::to_string() const {
+  if (ok()) return "OK";
+  std::string out(status_code_name(code_));
+  out += ": ";
+  out += message_;
+  return out;
+}
+
+Status Status::with_context(std::string_view context) const {
+  if (ok()) return *this;
+  std::string msg(context);
+  msg += ": ";
+  msg += message_;
+  return Status(code_, std::move(msg));
+}
+
+#define KVTIER_DEFINE_STATUS_FACTORY(Name)                              \
+  Status Name(std::string message) { return Status(StatusCode::k##Name, std::move(message)); }
+KVTIER_DEFINE_STATUS_FACTORY(InvalidArgument)
+KVTIER_DEFINE_STATUS_FACTORY(OutOfRange)
+KVTIER_DEFINE_STATUS_FACTORY(FailedPrecondition)
+KVTIER_DEFINE_STATUS_FACTORY(NotFound)
+KVTIER_DEFINE_STATUS_FACTORY(AlreadyExists)
+KVTIER_DEFINE_STATUS_FACTORY(ResourceExhausted)
+KVTIER_DEFINE_STATUS_FACTORY(Unavailable)
+KVTIER_DEFINE_STATUS_FACTORY(Aborted)
+KVTIER_DEFINE_STATUS_FACTORY(Cancelled)
+KVTIER_DEFINE_STATUS_FACTORY(TimedOut)
+KVTIER_DEFINE_STATUS_FACTORY(DataLoss)
+KVTIER_DEFINE_STATUS_FACTORY(NotSupported)
+KVTIER_DEFINE_STATUS_FACTORY(DeviceLost)
+KVTIER_DEFINE_STATUS_FACTORY(Internal)
+#undef KVTIER_DEFINE_STATUS_FACTORY
+
+}  // namespace kvtier

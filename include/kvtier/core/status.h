@@ -1,0 +1,204 @@
+// kvtier error model: Status and Result<T>.
+//
+// Contract: every fallible library function returns a [[nodiscard]] Status or
+// Result<T>. No exception crosses the public API; the library never aborts.
+// Codes say what the caller should do next (see retry_advice()); messages name
+// the offending value ("block id 17 >= num_blocks 16 in dst list at index 3").
+//
+// Thread-safety: Status and Result are values; copying them is safe.
+#pragma once
+
+#include <cstdint>
+#include <new>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+namespace kvtier {
+
+enum class StatusCode : std::uint8_t {
+  kOk = 0,
+  kInvalidArgument,     // caller bug: fix the input, do not retry
+  kOutOfRange,          // an index/id outside its valid range: do not retry
+  kFailedPrecondition,  // system state must be fixed first (e.g. not registered)
+  kNotFound,            // lookup miss (key, tensor name)
+  kAlreadyExists,       // duplicate registration / key
+  kResourceExhausted,   // out of memory / pool empty / queue full: back off, retry
+  kUnavailable,         // transient (server down, busy): retry the call
+  kAborted,             // retry at a higher level (the whole step / request)
+  kCancelled,           // the caller (or shutdown) cancelled it
+  kTimedOut,            // deadline passed; state unknown until the work completes
+  kDataLoss,            // bytes corrupted or lost: treat as a miss, recompute
+  kNotSupported,        // this backend/strategy cannot do it
+  kDeviceLost,          // sticky device error: the device context is unusable
+  kInternal,            // kvtier bug: invariant broken
+};
+
+// What a caller should do with a failed status.
+enum class RetryAdvice : std::uint8_t {
+  kNone,          // success
+  kDoNotRetry,    // fix the input or the configuration
+  kRetry,         // retry the same call
+  kBackoffRetry,  // retry after freeing resources / waiting
+  kRecompute,     // the data is gone: recompute it (KV cache miss)
+  kFatal,         // the device or library instance is unusable
+};
+
+std::string_view status_code_name(StatusCode code) noexcept;
+
+class [[nodiscard]] Status {
+ public:
+  Status() noexcept = default;  // OK
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+
+  static Status Ok() noexcept { return Status(); }
+
+  bool ok() const noexcept { return code_ == StatusCode::kOk; }
+  StatusCode code() const noexcept { return code_; }
+  const std::string& message() const noexcept { return message_; }
+  RetryAdvice retry_advice() const noexcept;
+  // "InvalidArgument: block id 17 >= 16"; "OK" for success.
+  std::string to_string() const;
+
+  // Returns a copy whose message is prefixed with `context: `.
+  Status with_context(std::string_view context) const;
+
+  // Explicitly discards a status (greppable).
+  void ignore_error() const noexcept {}
+
+  friend bool operator==(const Status& a, const Status& b) noexcept {
+    return a.code_ == b.code_ && a.message_ == b.message_;
+  }
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+Status InvalidArgument(std::string message);
+Status OutOfRange(std::string message);
+Status FailedPrecondition(std::string message);
+Status NotFound(std::string message);
+Status AlreadyExists(std::string message);
+Status ResourceExhausted(std::string message);
+Status Unavailable(std::string message);
+Status Aborted(std::string message);
+Status Cancelled(std::string message);
+Status TimedOut(std::string message);
+Status DataLoss(std::string message);
+Status NotSupported(std::string message);
+Status DeviceLost(std::string message);
+Status Internal(std::string message);
+
+// Result<T>: a T or a non-OK Status. Modelled on std::expected.
+template <typename T>
+class [[nodiscard]] Result {
+  static_assert(!std::is_same_v<std::remove_cv_t<T>, Status>, "Result<Status> is meaningless");
+  static_assert(!std::is_reference_v<T>, "Result<T&> is not supported");
+
+ public:
+  Result(const T& value) : has_value_(true) { new (&value_) T(value); }  // NOLINT
+  Result(T&& value) : has_value_(true) { new (&value_) T(std::move(value)); }  // NOLINT
+  template <typename U,
+            typename = std::enable_if_t<std::is_constructible_v<T, U&&> &&
+                                        !std::is_same_v<std::decay_t<U>, T> &&
+                                        !std::is_same_v<std::decay_t<U>, Status> &&
+                                        !std::is_same_v<std::decay_t<U>, Result<T>>>>
+  Result(U&& value) : has_value_(true) {  // NOLINT
+    new (&value_) T(std::forward<U>(value));
+  }
+  Result(Status status) : status_(std::move(status)) {  // NOLINT
+    if (status_.ok()) status_ = Status(StatusCode::kInternal, "Result constructed from OK status without a value");
+  }
+
+  Result(const Result& other) : status_(other.status_), has_value_(other.has_value_) {
+    if (has_value_) new (&value_) T(other.value_);
+  }
+  Result(Result&& other) noexcept(std::is_nothrow_move_constructible_v<T>)
+      : status_(std::move(other.status_)), has_value_(other.has_value_) {
+    if (has_value_) new (&value_) T(std::move(other.value_));
+  }
+  Result& operator=(const Result& other) {
+    if (this != &other) {
+      reset();
+      status_ = other.status_;
+      has_value_ = other.has_value_;
+      if (has_value_) new (&value_) T(other.value_);
+    }
+    return *this;
+  }
+  Result& operator=(Result&& other) noexcept(std::is_nothrow_move_constructible_v<T>) {
+    if (this != &other) {
+      reset();
+      status_ = std::move(other.status_);
+      has_value_ = other.has_value_;
+      if (has_value_) new (&value_) T(std::move(other.value_));
+    }
+    return *this;
+  }
+  ~Result() { reset(); }
+
+  bool ok() const noexcept { return has_value_; }
+  explicit operator bool() const noexcept { return has_value_; }
+  // OK when a value is held.
+  const Status& status() const noexcept { return status_; }
+
+  // Precondition: ok(). Calling these on an error is a caller bug.
+  T& value() & noexcept { return value_; }
+  const T& value() const& noexcept { return value_; }
+  T&& value() && noexcept { return std::move(value_); }
+  T& operator*() & noexcept { return value_; }
+  const T& operator*() const& noexcept { return value_; }
+  T&& operator*() && noexcept { return std::move(value_); }
+  T* operator->() noexcept { return &value_; }
+  const T* operator->() const noexcept { return &value_; }
+
+  template <typename U>
+  T value_or(U&& fallback) const& {
+    return has_value_ ? value_ : static_cast<T>(std::forward<U>(fallback));
+  }
+
+ private:
+  void reset() noexcept {
+    if (has_value_) {
+      value_.~T();
+      has_value_ = false;
+    }
+  }
+
+  Status status_;
+  bool has_value_ = false;
+  union {
+    T value_;
+  };
+};
+
+namespace detail {
+inline const Status& status_of(const Status& s) noexcept { return s; }
+template <typename T>
+const Status& status_of(const Result<T>& r) noexcept {
+  return r.status();
+}
+}  // namespace detail
+
+}  // namespace kvtier
+
+#define KVTIER_CONCAT_INNER_(a, b) a##b
+#define KVTIER_CONCAT_(a, b) KVTIER_CONCAT_INNER_(a, b)
+
+// Returns the status of `expr` (a Status or Result) from the enclosing function if not OK.
+#define KVTIER_RETURN_IF_ERROR(expr)                                        \
+  do {                                                                      \
+    auto&& kvtier_status_or_result_ = (expr);                               \
+    if (!::kvtier::detail::status_of(kvtier_status_or_result_).ok())        \
+      return ::kvtier::detail::status_of(kvtier_status_or_result_);         \
+  } while (0)
+
+// `lhs = value of expr` or returns its status. lhs may be a declaration: `auto x`.
+#define KVTIER_ASSIGN_OR_RETURN(lhs, expr) \
+  KVTIER_ASSIGN_OR_RETURN_IMPL_(KVTIER_CONCAT_(kvtier_result_, __LINE__), lhs, expr)
+#define KVTIER_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                  \
+  if (!tmp.ok()) return tmp.status();                 \
+  lhs = std::move(tmp).value()

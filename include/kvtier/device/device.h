@@ -1,0 +1,213 @@
+// Device abstraction: streams, events, device and pinned memory.
+//
+// Two backends implement it:
+//   - CudaDevice (device/cuda): one CUDA device, non-blocking streams, events
+//     with timing disabled, cudaMalloc, chunked cudaHostRegister.
+//   - HostDevice (device/host): a device simulated in RAM. Streams are
+//     in-order worker threads, events are fences, device memory is host
+//     memory. Optional injected delays and failures. Every layer above runs on
+//     it in CI, where there is no GPU.
+//
+// Semantics shared by both backends (the conformance suite checks them):
+//   - Work enqueued on one stream runs in order. Streams run concurrently.
+//   - record(e, s) captures all work enqueued on s so far; re-recording
+//     replaces the captured point (CUDA semantics). wait(s, e) makes later
+//     work on s wait for the captured point; waiting on a never-recorded event
+//     is a no-op. Neither call blocks the host.
+//   - query(e) never blocks: true when the captured work completed, false
+//     while pending, an error Status when that work failed (a failed copy on
+//     the host backend; a sticky error on CUDA). An event recorded after a
+//     failed operation on the same stream reports that failure.
+//   - synchronize(...) blocks the calling thread up to `timeout`; TimedOut
+//     when it expires (the work continues).
+//   - Stream and Event objects must not be destroyed while work that uses
+//     them is pending; the owner drains first (Stream's destructor
+//     synchronizes as a last resort).
+//
+// Thread-safety: Device methods are safe to call from any thread. A single
+// Stream may be used from several threads, but the caller orders their
+// submissions; a Stream is not a mutex.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvtier/core/layout.h"
+#include "kvtier/core/status.h"
+
+namespace kvtier {
+
+class Device;
+
+enum class BackendKind : std::uint8_t { kHost, kCuda };
+std::string_view backend_name(BackendKind kind) noexcept;
+
+enum class StreamPriority : std::uint8_t { kNormal, kHigh };
+
+struct StreamOptions {
+  StreamPriority priority = StreamPriority::kNormal;
+  std::string name;  // for logs and stats
+};
+
+// An in-order queue of device work. Owned through std::unique_ptr; created by
+// Device::create_stream. Non-copyable, non-movable (the address is the identity).
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  virtual Device& device() const noexcept = 0;
+  // Unique per process, never reused.
+  std::uint64_t id() const noexcept { return id_; }
+  // Backend handle (cudaStream_t for CUDA; the worker for the host backend).
+  virtual void* native_handle() const noexcept = 0;
+
+ protected:
+  Stream();
+
+ private:
+  std::uint64_t id_;
+};
+
+// A point in a stream's work. Owned through std::unique_ptr.
+class Event {
+ public:
+  virtual ~Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  virtual void* native_handle() const noexcept = 0;
+
+ protected:
+  Event() = default;
+};
+
+// Owner of a memory allocation (device or pinned host). Move-only; frees on
+// destruction. The releaser runs exactly once and never throws.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(void* data, std::uint64_t bytes, MemoryKind kind, std::function<void()> releaser)
+      : data_(data), bytes_(bytes), kind_(kind), releaser_(std::move(releaser)) {}
+  Buffer(Buffer&& other) noexcept { swap(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      swap(other);
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { reset(); }
+
+  void* data() const noexcept { return data_; }
+  std::byte* bytes_ptr() const noexcept { return static_cast<std::byte*>(data_); }
+  std::uint64_t size() const noexcept { return bytes_; }
+  MemoryKind kind() const noexcept { return kind_; }
+  bool empty() const noexcept { return data_ == nullptr; }
+  void reset() noexcept {
+    if (releaser_) {
+      auto releaser = std::move(releaser_);
+      releaser_ = nullptr;
+      releaser();
+    }
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  void swap(Buffer& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    std::swap(kind_, other.kind_);
+    std::swap(releaser_, other.releaser_);
+  }
+  void* data_ = nullptr;
+  std::uint64_t bytes_ = 0;
+  MemoryKind kind_ = MemoryKind::kDevice;
+  std::function<void()> releaser_;
+};
+
+// Pinned host memory options. Large regions are mapped once (contiguous
+// virtual range) and registered in chunks of at most `chunk_bytes` (the driver
+// rejects or slows single registrations over 64 GiB), after a parallel first
+// touch so that pages land on the intended NUMA node.
+struct PinnedOptions {
+  std::uint64_t chunk_bytes = std::uint64_t{1} << 30;  // <= 64 GiB
+  int numa_node = -1;                                  // -1: no binding
+  unsigned touch_threads = 0;                          // 0: min(hardware threads, 16)
+  // true: return immediately; registration continues in the background and
+  // PinnedMemory::wait_ready / progress report it.
+  bool background = false;
+};
+
+// Pinned host memory: allocated by kvtier (allocate_pinned) or borrowed and
+// registered (register_host; the caller keeps ownership of the bytes and must
+// keep them alive until this object is destroyed). Usable for copies only
+// once ready().
+class PinnedMemory {
+ public:
+  virtual ~PinnedMemory() = default;
+  virtual std::byte* data() const noexcept = 0;
+  virtual std::uint64_t size() const noexcept = 0;
+  virtual bool borrowed() const noexcept = 0;
+  // Bytes touched and registered so far.
+  virtual std::uint64_t bytes_ready() const noexcept = 0;
+  bool ready() const noexcept { return bytes_ready() == size(); }
+  // Blocks until every chunk is registered (or failed) or the timeout passes.
+  virtual Status wait_ready(std::chrono::milliseconds timeout) = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  virtual BackendKind backend() const noexcept = 0;
+  // Ordinal as the process sees it (after CUDA_VISIBLE_DEVICES remapping).
+  virtual int ordinal() const noexcept = 0;
+  virtual std::string name() const = 0;
+  // Number of SMs (host backend: a simulated count).
+  virtual int multiprocessor_count() const noexcept = 0;
+
+  virtual Result<std::unique_ptr<Stream>> create_stream(const StreamOptions& options = {}) = 0;
+  virtual Result<std::unique_ptr<Event>> create_event() = 0;
+
+  // Device memory, uninitialised.
+  virtual Result<Buffer> allocate_device(std::uint64_t bytes) = 0;
+  virtual Result<std::unique_ptr<PinnedMemory>> allocate_pinned(std::uint64_t bytes,
+                                                                const PinnedOptions& options = {}) = 0;
+  virtual Result<std::unique_ptr<PinnedMemory>> register_host(void* data, std::uint64_t bytes,
+                                                               const PinnedOptions& options = {}) = 0;
+
+  // Asynchronous copy of `bytes` on `stream`; any direction between device and
+  // pinned host memory. Never blocks on the copy.
+  virtual Status memcpy_async(void* dst, const void* src, std::uint64_t bytes, Stream& stream) = 0;
+  virtual Status memset_async(void* dst, int value, std::uint64_t bytes, Stream& stream) = 0;
+  // Blocking copy (tests, setup). Uses an internal stream.
+  virtual Status memcpy_sync(void* dst, const void* src, std::uint64_t bytes) = 0;
+
+  virtual Status record(Event& event, Stream& stream) = 0;
+  virtual Status wait(Stream& stream, Event& event) = 0;
+  virtual Result<bool> query(Event& event) = 0;
+  virtual Status synchronize(Event& event, std::chrono::nanoseconds timeout) = 0;
+  virtual Status synchronize(Stream& stream, std::chrono::nanoseconds timeout) = 0;
+
+  // Runs `fn` on a backend thread after all work enqueued on `stream` so far
+  // has completed (cudaLaunchHostFunc). `fn` receives the status of that
+  // work. It must not call back into this stream's device synchronously.
+  virtual Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) = 0;
+
+ protected:
+  Device() = default;
+};
+
+}  // namespace kvtier

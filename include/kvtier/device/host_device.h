@@ -1,0 +1,97 @@
+// HostDevice: a device simulated in RAM, so that everything above the device
+// layer runs and is tested where there is no GPU (CI).
+//
+//   - "Device memory" is ordinary host memory (64-byte aligned), poisoned
+//     with 0xA5 on allocation so that unwritten bytes are visible.
+//   - Each Stream is one worker thread executing its queue in order.
+//   - Events are fences: record() enqueues a marker; query() reads it;
+//     wait() makes the waiting stream's worker block until the marker passes.
+//   - Injected delays (uniform in [min_delay, max_delay] before each
+//     operation, per stream, seeded) reorder completions across streams to
+//     expose missing ordering. Injected failures make a chosen operation fail:
+//     its bytes are not written (poisoned instead, when poison_on_failure),
+//     and events recorded after it on that stream report the failure.
+//
+// Thread-safety: as Device. Failure-injection setters may be called from any
+// thread at any time.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "kvtier/device/device.h"
+
+namespace kvtier {
+
+struct HostDeviceOptions {
+  int ordinal = 0;
+  std::string name = "host-sim";
+  int simulated_multiprocessors = 132;
+  std::chrono::microseconds min_delay{0};
+  std::chrono::microseconds max_delay{0};
+  std::uint64_t seed = 1;
+  bool poison_on_failure = true;  // a failed copy writes 0xDB over its destination
+};
+
+// Decides whether one asynchronous data operation fails. Called on the stream
+// worker with the operation's destination and size and a global 1-based
+// sequence number of data operations (copies and memsets).
+using FailurePredicate = std::function<bool(std::uint64_t seq, const void* dst, std::uint64_t bytes)>;
+
+class HostDevice final : public Device {
+ public:
+  static Result<std::unique_ptr<HostDevice>> create(const HostDeviceOptions& options = {});
+  ~HostDevice() override;
+
+  BackendKind backend() const noexcept override { return BackendKind::kHost; }
+  int ordinal() const noexcept override;
+  std::string name() const override;
+  int multiprocessor_count() const noexcept override;
+
+  Result<std::unique_ptr<Stream>> create_stream(const StreamOptions& options = {}) override;
+  Result<std::unique_ptr<Event>> create_event() override;
+  Result<Buffer> allocate_device(std::uint64_t bytes) override;
+  Result<std::unique_ptr<PinnedMemory>> allocate_pinned(std::uint64_t bytes,
+                                                        const PinnedOptions& options = {}) override;
+  Result<std::unique_ptr<PinnedMemory>> register_host(void* data, std::uint64_t bytes,
+                                                      const PinnedOptions& options = {}) override;
+  Status memcpy_async(void* dst, const void* src, std::uint64_t bytes, Stream& stream) override;
+  Status memset_async(void* dst, int value, std::uint64_t bytes, Stream& stream) override;
+  Status memcpy_sync(void* dst, const void* src, std::uint64_t bytes) override;
+  Status record(Event& event, Stream& stream) override;
+  Status wait(Stream& stream, Event& event) override;
+  Result<bool> query(Event& event) override;
+  Status synchronize(Event& event, std::chrono::nanoseconds timeout) override;
+  Status synchronize(Stream& stream, std::chrono::nanoseconds timeout) override;
+  Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) override;
+
+  // Enqueues arbitrary work on a stream's worker, ordered like a copy. The
+  // task's Status becomes the stream's status for later events (a failing
+  // task marks the stream failed, as a failed kernel would). Used by the copy
+  // engine to run its batched and kernel strategies on the host backend.
+  // `dst`/`bytes` describe what the task writes, for failure injection and
+  // poisoning (dst may be null).
+  Status enqueue_task(Stream& stream, std::function<Status()> task, void* dst = nullptr,
+                      std::uint64_t bytes = 0);
+
+  // Fault injection (nullptr clears). Applies to operations that start after the call.
+  void set_failure_predicate(FailurePredicate predicate);
+  // Convenience: the n-th data operation from now (1-based) fails.
+  void fail_nth_operation(std::uint64_t n);
+  void set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay);
+  // Data operations executed so far (copies, memsets, tasks).
+  std::uint64_t operations_executed() const noexcept;
+  // Clears the sticky failure state of a stream (tests only; CUDA cannot).
+  void clear_stream_error(Stream& stream);
+
+  struct Impl;
+
+ private:
+  explicit HostDevice(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,130 @@
+#include "kvtier/core/layout.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace kvtier {
+namespace {
+
+TEST(KvLayout, GqaShapeBytes) {
+  GqaShape s;  // 32 layers, 8 heads, 64 tokens, head_dim 128, bf16
+  auto layout = KvLayout::gqa(s);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  EXPECT_EQ(layout->num_layers(), 32u);
+  EXPECT_EQ(layout->num_roles(0), 2u);
+  EXPECT_EQ(layout->block_bytes(0, 0), 128u * 1024u);  // 8*64*128*2
+  EXPECT_EQ(layout->total_block_bytes(), 32u * 2u * 128u * 1024u);
+  EXPECT_EQ(layout->num_planes(), 64u);
+}
+
+TEST(KvLayout, Fp8ScalesAndDraftLayers) {
+  GqaShape s;
+  s.num_layers = 4;
+  s.num_draft_layers = 1;
+  s.dtype = DType::kFp8E4M3;
+  s.fp8_scales = true;
+  auto layout = KvLayout::gqa(s);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(layout->num_layers(), 5u);
+  EXPECT_TRUE(layout->layer(4).draft);
+  EXPECT_FALSE(layout->layer(3).draft);
+  ASSERT_EQ(layout->num_roles(0), 4u);
+  EXPECT_EQ(layout->block_bytes(0, 0), 8u * 64 * 128);   // fp8 K
+  EXPECT_EQ(layout->block_bytes(0, 2), 8u * 64 * 2);     // bf16 scale per (head, token)
+  auto r = layout->find_role(2, Role::kValueScale);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(*r, 3u);
+}
+
+TEST(KvLayout, MlaWithIndexerHasNoValue) {
+  MlaShape s;
+  s.num_layers = 3;
+  s.indexer_dim = 128;
+  auto layout = KvLayout::mla(s);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ(layout->num_roles(0), 2u);
+  EXPECT_EQ(layout->layer(0).roles[0].role, Role::kLatent);
+  EXPECT_EQ(layout->block_bytes(0, 0), 64u * 576 * 2);  // 73728 B, not a power of two
+  EXPECT_EQ(layout->find_role(0, Role::kValue).status().code(), StatusCode::kNotFound);
+}
+
+TEST(KvLayout, RejectsBadDescriptions) {
+  EXPECT_EQ(KvLayout::create({}, 16).status().code(), StatusCode::kInvalidArgument);
+  LayerLayout empty;
+  EXPECT_EQ(KvLayout::create({empty}, 16).status().code(), StatusCode::kInvalidArgument);
+  LayerLayout zero;
+  zero.roles.push_back({Role::kKey, DType::kBf16, 0, {}});
+  auto s = KvLayout::create({zero}, 16).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("block_bytes 0"), std::string::npos);
+  LayerLayout dup;
+  dup.roles.push_back({Role::kKey, DType::kBf16, 10, {}});
+  dup.roles.push_back({Role::kKey, DType::kBf16, 10, {}});
+  EXPECT_EQ(KvLayout::create({dup}, 16).status().code(), StatusCode::kInvalidArgument);
+  LayerLayout unnamed;
+  unnamed.roles.push_back({Role::kOther, DType::kUint8, 10, {}});
+  EXPECT_EQ(KvLayout::create({unnamed}, 16).status().code(), StatusCode::kInvalidArgument);
+  unnamed.roles[0].name = "router_cache";
+  EXPECT_TRUE(KvLayout::create({unnamed}, 16).ok());
+}
+
+TEST(KvLayout, FingerprintDistinguishesLayouts) {
+  GqaShape a;
+  GqaShape b = a;
+  b.token_order = TokenOrder::kNhd;
+  GqaShape c = a;
+  c.head_dim = 64;
+  auto la = KvLayout::gqa(a), la2 = KvLayout::gqa(a), lb = KvLayout::gqa(b), lc = KvLayout::gqa(c);
+  EXPECT_EQ(la->fingerprint(), la2->fingerprint());
+  EXPECT_NE(la->fingerprint(), lb->fingerprint());
+  EXPECT_NE(la->fingerprint(), lc->fingerprint());
+}
+
+TEST(BlockSpace, LayerFirstAddresses) {
+  auto layout = *KvLayout::uniform(2, 2, 100);  // odd size: 100 bytes
+  std::vector<std::vector<std::byte>> mem(4, std::vector<std::byte>(100 * 7));
+  auto space = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 7,
+                                       {{mem[0].data(), mem[1].data()}, {mem[2].data(), mem[3].data()}});
+  ASSERT_TRUE(space.ok()) << space.status().to_string();
+  EXPECT_EQ(space->block_ptr(1, 0, 3), mem[2].data() + 300);
+  EXPECT_EQ(space->page_bytes(), 0u);
+}
+
+TEST(BlockSpace, PageFirstPacksEveryRoleOfABlock) {
+  auto layout = *KvLayout::uniform(3, 2, 100);
+  const auto page = BlockSpace::page_first_page_bytes(layout, 4096, 16);
+  // roles at 0,112,224,336,448,560 -> 660 bytes, page aligned to 4096
+  EXPECT_EQ(page, 4096u);
+  std::vector<std::byte> mem(page * 5);
+  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, 5, mem.data(), mem.size(), 4096, 16);
+  ASSERT_TRUE(space.ok()) << space.status().to_string();
+  EXPECT_EQ(space->block_ptr(0, 0, 2), mem.data() + 2 * 4096);
+  EXPECT_EQ(space->block_ptr(2, 1, 2), mem.data() + 2 * 4096 + 560);
+  EXPECT_EQ(space->page_bytes(), 4096u);
+  auto small = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, 5, mem.data(), mem.size() - 1, 4096, 16);
+  EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(BlockSpace, InterleavedKvAccepted_OverlapRejected) {
+  auto layout = *KvLayout::uniform(1, 2, 64);
+  std::vector<std::byte> mem(64 * 2 * 10);
+  // K/V interleaved inside each block: [num_blocks, 2, 64 B]
+  auto ok = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, 10,
+                                    {{Plane{mem.data(), 128}, Plane{mem.data() + 64, 128}}});
+  EXPECT_TRUE(ok.ok()) << ok.status().to_string();
+  auto overlap = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, 10,
+                                         {{Plane{mem.data(), 64}, Plane{mem.data() + 64, 64}}});
+  EXPECT_EQ(overlap.status().code(), StatusCode::kInvalidArgument);
+  auto small_stride = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, 10,
+                                              {{Plane{mem.data(), 32}, Plane{mem.data() + 640, 64}}});
+  EXPECT_EQ(small_stride.status().code(), StatusCode::kInvalidArgument);
+  auto null_base = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, 10, {{Plane{}, Plane{mem.data(), 64}}});
+  EXPECT_EQ(null_base.status().code(), StatusCode::kInvalidArgument);
+  auto region = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, 10,
+                                        {{Plane{mem.data(), 64}, Plane{mem.data() + 640, 64}}}, {{640, 639}});
+  EXPECT_EQ(region.status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,29 @@
+// kvtier CLI: `kvtier info`, `kvtier bench copy`, ... (see --help).
+#include <cstdio>
+#include <vector>
+
+#include "tools/cli.h"
+
+namespace kvtier::cli {
+Action register_info(CLI::App& app);
+}  // namespace kvtier::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvtier: move paged LLM KV-cache blocks between GPU, pinned host, disk and remote tiers"};
+  app.require_subcommand(1);
+  std::vector<kvtier::cli::Action> actions;
+  actions.push_back(kvtier::cli::register_info(app));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  for (auto& action : actions)
+    if (action) {
+      // Each registrar returns an action that checks whether its own subcommand was selected.
+      int rc = action();
+      if (rc >= 0) return rc;
+    }
+  std::fprintf(stderr, "kvtier: no subcommand ran\n");
+  return 2;
+}
