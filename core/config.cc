@@ -1,0 +1,200 @@
+#include "kvtier/core/config.h"
+
+#include <cctype>
+#include <charconv>
+#include <cstring>
+#include <limits>
+
+#include <fmt/format.h>
+
+namespace kvtier {
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+Result<bool> parse_bool(std::string_view t) {
+  if (t == "1" || t == "true" || t == "on" || t == "yes") return true;
+  if (t == "0" || t == "false" || t == "off" || t == "no") return false;
+  return InvalidArgument(fmt::format("'{}' is not a boolean (true/false/1/0/on/off)", t));
+}
+
+}  // namespace
+
+Result<std::uint64_t> parse_size(std::string_view text) {
+  std::string_view t = trim(text);
+  if (t.empty()) return InvalidArgument("empty size");
+  std::uint64_t mult = 1;
+  char last = static_cast<char>(std::toupper(static_cast<unsigned char>(t.back())));
+  if (last == 'B' && t.size() > 1 && std::isalpha(static_cast<unsigned char>(t[t.size() - 2]))) {
+    t.remove_suffix(1);  // "64KB"
+    last = static_cast<char>(std::toupper(static_cast<unsigned char>(t.back())));
+  }
+  if (last == 'K') mult = 1ull << 10;
+  if (last == 'M') mult = 1ull << 20;
+  if (last == 'G') mult = 1ull << 30;
+  if (last == 'T') mult = 1ull << 40;
+  if (mult != 1) t.remove_suffix(1);
+  std::uint64_t v = 0;
+  auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+  if (ec != std::errc() || ptr != t.data() + t.size())
+    return InvalidArgument(fmt::format("'{}' is not a size (examples: 4096, 64K, 1M, 2G)", text));
+  if (v > std::numeric_limits<std::uint64_t>::max() / mult)
+    return InvalidArgument(fmt::format("size '{}' overflows 64 bits", text));
+  return v * mult;
+}
+
+std::string ConfigTable::env_var_for(std::string_view name) {
+  std::string out = "KVTIER_";
+  for (char c : name) out += (c == '.' || c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+void ConfigTable::add_knob(std::string name, std::string type, std::string doc,
+                           std::function<Status(std::string_view)> setter, std::function<std::string()> getter) {
+  Knob k;
+  k.info.name = name;
+  k.info.env_var = env_var_for(name);
+  k.info.type = std::move(type);
+  k.info.default_value = getter();
+  k.info.doc = std::move(doc);
+  k.setter = std::move(setter);
+  k.getter = std::move(getter);
+  knobs_[std::move(name)] = std::move(k);
+}
+
+void ConfigTable::add(std::string name, std::uint64_t* field, std::string doc) {
+  add_knob(
+      std::move(name), "uint64", std::move(doc),
+      [field](std::string_view v) -> Status {
+        KVTIER_ASSIGN_OR_RETURN(*field, parse_size(v));
+        return Status::Ok();
+      },
+      [field] { return std::to_string(*field); });
+}
+
+void ConfigTable::add(std::string name, std::uint32_t* field, std::string doc) {
+  add_knob(
+      std::move(name), "uint32", std::move(doc),
+      [field](std::string_view v) -> Status {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t x, parse_size(v));
+        if (x > std::numeric_limits<std::uint32_t>::max())
+          return InvalidArgument(fmt::format("{} does not fit in 32 bits", x));
+        *field = static_cast<std::uint32_t>(x);
+        return Status::Ok();
+      },
+      [field] { return std::to_string(*field); });
+}
+
+void ConfigTable::add(std::string name, int* field, std::string doc) {
+  add_knob(
+      std::move(name), "int", std::move(doc),
+      [field](std::string_view v) -> Status {
+        v = trim(v);
+        int x = 0;
+        auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+        if (ec != std::errc() || ptr != v.data() + v.size())
+          return InvalidArgument(fmt::format("'{}' is not an integer", v));
+        *field = x;
+        return Status::Ok();
+      },
+      [field] { return std::to_string(*field); });
+}
+
+void ConfigTable::add(std::string name, double* field, std::string doc) {
+  add_knob(
+      std::move(name), "double", std::move(doc),
+      [field](std::string_view v) -> Status {
+        std::string s(trim(v));
+        char* end = nullptr;
+        double x = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return InvalidArgument(fmt::format("'{}' is not a number", v));
+        *field = x;
+        return Status::Ok();
+      },
+      [field] { return fmt::format("{}", *field); });
+}
+
+void ConfigTable::add(std::string name, bool* field, std::string doc) {
+  add_knob(
+      std::move(name), "bool", std::move(doc),
+      [field](std::string_view v) -> Status {
+        KVTIER_ASSIGN_OR_RETURN(*field, parse_bool(trim(v)));
+        return Status::Ok();
+      },
+      [field] { return std::string(*field ? "true" : "false"); });
+}
+
+void ConfigTable::add(std::string name, std::string* field, std::string doc) {
+  add_knob(
+      std::move(name), "string", std::move(doc),
+      [field](std::string_view v) -> Status {
+        *field = std::string(trim(v));
+        return Status::Ok();
+      },
+      [field] { return *field; });
+}
+
+Status ConfigTable::set(std::string_view name, std::string_view value) {
+  auto it = knobs_.find(name);
+  if (it == knobs_.end()) return InvalidArgument(fmt::format("unknown config knob '{}'", name));
+  Status s = it->second.setter(value);
+  if (!s.ok()) return InvalidArgument(fmt::format("config knob '{}' = '{}': {}", name, value, s.message()));
+  return Status::Ok();
+}
+
+Status ConfigTable::apply_env(char** env) {
+  if (env == nullptr) return Status::Ok();
+  for (auto& [name, knob] : knobs_) {
+    const std::string& var = knob.info.env_var;
+    for (char** e = env; *e != nullptr; ++e) {
+      std::string_view entry(*e);
+      if (entry.size() > var.size() && entry.substr(0, var.size()) == var && entry[var.size()] == '=') {
+        KVTIER_RETURN_IF_ERROR(set(name, entry.substr(var.size() + 1)).with_context(var));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status ConfigTable::apply_text(std::string_view text) {
+  std::size_t line_no = 0;
+  while (!text.empty()) {
+    ++line_no;
+    std::size_t nl = text.find('\n');
+    std::string_view line = text.substr(0, nl);
+    text = nl == std::string_view::npos ? std::string_view{} : text.substr(nl + 1);
+    if (auto hash = line.find('#'); hash != std::string_view::npos) line = line.substr(0, hash);
+    line = trim(line);
+    if (line.empty()) continue;
+    std::size_t eq = line.find('=');
+    if (eq == std::string_view::npos)
+      return InvalidArgument(fmt::format("config line {}: expected 'name = value', got '{}'", line_no, line));
+    KVTIER_RETURN_IF_ERROR(
+        set(trim(line.substr(0, eq)), trim(line.substr(eq + 1))).with_context(fmt::format("config line {}", line_no)));
+  }
+  return Status::Ok();
+}
+
+std::vector<KnobInfo> ConfigTable::describe() const {
+  std::vector<KnobInfo> out;
+  for (const auto& [name, knob] : knobs_) {
+    KnobInfo info = knob.info;
+    info.value = knob.getter();
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::string ConfigTable::markdown() const {
+  std::string out = "| knob | env var | type | default | value | meaning |\n|---|---|---|---|---|---|\n";
+  for (const KnobInfo& k : describe())
+    out += fmt::format("| `{}` | `{}` | {} | {} | {} | {} |\n", k.name, k.env_var, k.type, k.default_value, k.value,
+                       k.doc);
+  return out;
+}
+
+}  // namespace kvtier
