@@ -59,38 +59,32 @@ class DeviceGuard {
 
 // Native handles. The caller has checked the backend (a HostDevice stream
 // is not a cudaStream_t).
-inline cudaStream_t native(Stream& stream) noexcept {
-  return static_cast<cudaStream_t>(stream.native_handle());
-}
+inline cudaStream_t native(Stream& stream) noexcept { return static_cast<cudaStream_t>(stream.native_handle()); }
 inline cudaEvent_t native(Event& event) noexcept { return static_cast<cudaEvent_t>(event.native_handle()); }
 
 }  // namespace kvtier::cuda_detail
 
-#define KVTIER_CUDA_STRINGIFY_INNER_(x) #x
-#define KVTIER_CUDA_STRINGIFY_(x) KVTIER_CUDA_STRINGIFY_INNER_(x)
-
 // Evaluates a CUDA runtime call; on error returns (from the enclosing
 // function, which returns Status or Result<T>) a Status naming the call text,
 // the error name and description, and file:line.
-#define KVTIER_CUDA_TRY(expr)                                                              \
-  do {                                                                                     \
-    const cudaError_t kvtier_cuda_err_ = (expr);                                           \
-    if (kvtier_cuda_err_ != cudaSuccess)                                                   \
+#define KVTIER_CUDA_TRY(expr)                                                                    \
+  do {                                                                                           \
+    const cudaError_t kvtier_cuda_err_ = (expr);                                                 \
+    if (kvtier_cuda_err_ != cudaSuccess)                                                         \
       return ::kvtier::cuda_detail::cuda_status_at(kvtier_cuda_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // As KVTIER_CUDA_TRY, prefixing the message with `context` (any expression
 // convertible to std::string_view, evaluated only on error), e.g. the
 // arguments: fmt::format("dst={} bytes={}", dst, bytes).
-#define KVTIER_CUDA_TRY_CTX(expr, context)                                                  \
-  do {                                                                                      \
-    const cudaError_t kvtier_cuda_err_ = (expr);                                            \
-    if (kvtier_cuda_err_ != cudaSuccess)                                                    \
-      return ::kvtier::cuda_detail::cuda_status_at(kvtier_cuda_err_, #expr, __FILE__, __LINE__) \
-          .with_context(context);                                                           \
+#define KVTIER_CUDA_TRY_CTX(expr, context)                                                                             \
+  do {                                                                                                                 \
+    const cudaError_t kvtier_cuda_err_ = (expr);                                                                       \
+    if (kvtier_cuda_err_ != cudaSuccess)                                                                               \
+      return ::kvtier::cuda_detail::cuda_status_at(kvtier_cuda_err_, #expr, __FILE__, __LINE__).with_context(context); \
   } while (0)
 
 // Switches to `ordinal` for the rest of the scope; returns the failure.
-#define KVTIER_CUDA_GUARD(ordinal)                                                 \
+#define KVTIER_CUDA_GUARD(ordinal)                                                            \
   ::kvtier::cuda_detail::DeviceGuard KVTIER_CONCAT_(kvtier_device_guard_, __LINE__)(ordinal); \
   KVTIER_RETURN_IF_ERROR(KVTIER_CONCAT_(kvtier_device_guard_, __LINE__).status())

@@ -12,6 +12,34 @@
 //     its bytes are not written (poisoned instead, when poison_on_failure),
 //     and events recorded after it on that stream report the failure.
 //
+// Details the conformance suite and host_device_test pin down:
+//   - record() captures the stream's queue tail (a sequence number); no
+//     marker is enqueued. wait() on a never-recorded event, or on an event
+//     recorded on the same stream, enqueues nothing. An Event may be
+//     destroyed while a wait on it is still pending (the wait holds the
+//     fence, not the event).
+//   - Failure: a failing operation (injected, or a task returning an error)
+//     makes the stream's status sticky from that operation on; query() /
+//     synchronize() of any fence at or after it return that Status. Injected
+//     failures are kDataLoss with a message such as "injected failure in
+//     memcpy_async #17 on stream 'evict' (3) (dst=0x..., 4096 bytes)", #17
+//     being the global data-operation number. Later operations on the
+//     stream still run (their inputs may be wrong), as bytes would flow on a
+//     GPU. A wait() on a failed fence fails the waiting stream too (with the
+//     original message, prefixed with both stream names), so failures
+//     propagate along every dependency. Callbacks receive the stream's
+//     status; a callback or task that throws fails the stream (kInternal).
+//   - Delays are drawn when an operation starts; memcpy_sync runs on the
+//     calling thread without delay (failure injection still applies).
+//   - Caller bugs are InvalidArgument: null pointers, overlapping copy
+//     ranges, zero-byte allocations, streams/events of another device.
+//     Zero-byte copies and memsets are no-ops. StreamPriority is ignored.
+//   - Lifetime: destroy streams and events before the device. A stream's
+//     destructor drains its queue (the worker exits only when the queue is
+//     empty; destroying a stream from its own callback detaches the worker,
+//     which still drains). Waits cannot deadlock: a wait only targets a fence
+//     captured before it was enqueued, so waits never form a cycle.
+//
 // Thread-safety: as Device. Failure-injection setters may be called from any
 // thread at any time.
 #pragma once
@@ -38,7 +66,8 @@ struct HostDeviceOptions {
 
 // Decides whether one asynchronous data operation fails. Called on the stream
 // worker with the operation's destination and size and a global 1-based
-// sequence number of data operations (copies and memsets).
+// sequence number of data operations (copies, memsets and tasks, numbered in
+// the order they start). Workers call it concurrently: it must be thread-safe.
 using FailurePredicate = std::function<bool(std::uint64_t seq, const void* dst, std::uint64_t bytes)>;
 
 class HostDevice final : public Device {
@@ -79,7 +108,9 @@ class HostDevice final : public Device {
 
   // Fault injection (nullptr clears). Applies to operations that start after the call.
   void set_failure_predicate(FailurePredicate predicate);
-  // Convenience: the n-th data operation from now (1-based) fails.
+  // Convenience: the n-th data operation to start from now (1-based) fails;
+  // counted from operations_executed() at the call. n == 0 clears. Replaces
+  // any predicate.
   void fail_nth_operation(std::uint64_t n);
   void set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay);
   // Data operations executed so far (copies, memsets, tasks).

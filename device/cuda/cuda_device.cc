@@ -1,0 +1,383 @@
+// CudaDevice: the CUDA backend of Device (see kvtier/device/cuda_device.h).
+//
+// Every method switches to the device with a DeviceGuard, so the caller's
+// current device is unchanged, and checks every CUDA call.
+#include "kvtier/device/cuda_device.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "device/cuda/cuda_check.h"
+#include "device/pinned.h"
+
+namespace kvtier {
+namespace {
+
+using cuda_detail::cuda_status;
+using cuda_detail::cuda_status_at;
+using cuda_detail::DeviceGuard;
+
+class CudaDevice;
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(Device& device, int ordinal, cudaStream_t stream, std::string name)
+      : device_(device), ordinal_(ordinal), stream_(stream), name_(std::move(name)) {}
+
+  // Drains as a last resort (the owner should have), then destroys. Never
+  // throws; errors can only be dropped here.
+  ~CudaStream() override {
+    DeviceGuard guard(ordinal_);
+    if (cudaStreamSynchronize(stream_) != cudaSuccess) static_cast<void>(cudaGetLastError());
+    if (cudaStreamDestroy(stream_) != cudaSuccess) static_cast<void>(cudaGetLastError());
+  }
+
+  Device& device() const noexcept override { return device_; }
+  void* native_handle() const noexcept override { return stream_; }
+  int ordinal() const noexcept { return ordinal_; }
+  cudaStream_t stream() const noexcept { return stream_; }
+  const std::string& name() const noexcept { return name_; }
+
+ private:
+  Device& device_;
+  const int ordinal_;
+  const cudaStream_t stream_;
+  const std::string name_;
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(int ordinal, cudaEvent_t event) : ordinal_(ordinal), event_(event) {}
+  // cudaEventDestroy on a pending event is allowed: CUDA releases it once
+  // the captured work completes.
+  ~CudaEvent() override {
+    DeviceGuard guard(ordinal_);
+    if (cudaEventDestroy(event_) != cudaSuccess) static_cast<void>(cudaGetLastError());
+  }
+  void* native_handle() const noexcept override { return event_; }
+  int ordinal() const noexcept { return ordinal_; }
+  cudaEvent_t event() const noexcept { return event_; }
+
+ private:
+  const int ordinal_;
+  const cudaEvent_t event_;
+};
+
+struct HostCallback {
+  std::function<void(const Status&)> fn;
+};
+
+// Runs on a CUDA driver thread. No CUDA call is allowed here, and no
+// exception may escape into the driver.
+void CUDART_CB run_host_callback(void* data) {
+  std::unique_ptr<HostCallback> callback(static_cast<HostCallback*>(data));
+  try {
+    callback->fn(Status::Ok());
+  } catch (...) {  // NOLINT(bugprone-empty-catch): nothing can be reported from a driver thread
+  }
+}
+
+// Largest wait treated as finite; longer timeouts (e.g. nanoseconds::max())
+// would overflow steady_clock arithmetic.
+constexpr std::chrono::nanoseconds kMaxWait = std::chrono::hours(24 * 365);
+
+// Polls `query` (cudaEventQuery / cudaStreamQuery) until it is not
+// cudaErrorNotReady or `timeout` passes. Spins with yield for the first few
+// polls (completion is often imminent), then sleeps with a doubling interval
+// capped at 200 us.
+template <typename Query>
+Status poll_until_done(Query&& query, std::chrono::nanoseconds timeout, const std::string& what) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + std::clamp(timeout, std::chrono::nanoseconds(0), kMaxWait);
+  std::chrono::microseconds sleep{2};
+  int polls = 0;
+  for (;;) {
+    const cudaError_t err = query();
+    if (err == cudaSuccess) return Status::Ok();
+    if (err != cudaErrorNotReady) return cuda_status(err, what.c_str());
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      return TimedOut(fmt::format("{}: work not complete after {} ns (it continues)", what, timeout.count()));
+    }
+    if (++polls <= 64) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::min<Clock::duration>(sleep, deadline - now));
+    sleep = std::min(sleep * 2, std::chrono::microseconds(200));
+  }
+}
+
+class CudaDevice final : public Device {
+ public:
+  static Result<std::unique_ptr<Device>> create(int ordinal) {
+    KVTIER_CUDA_GUARD(ordinal);
+    auto device = std::unique_ptr<CudaDevice>(new CudaDevice(ordinal));
+    cudaDeviceProp props{};
+    KVTIER_CUDA_TRY(cudaGetDeviceProperties(&props, ordinal));
+    device->name_ = props.name;
+    KVTIER_CUDA_TRY(cudaDeviceGetAttribute(&device->multiprocessors_, cudaDevAttrMultiProcessorCount, ordinal));
+    int host_ptr_ok = 0;
+    KVTIER_CUDA_TRY(cudaDeviceGetAttribute(&host_ptr_ok, cudaDevAttrCanUseHostPointerForRegisteredMem, ordinal));
+    device->host_pointer_is_device_pointer_ = host_ptr_ok == 1;
+    KVTIER_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&device->least_priority_, &device->greatest_priority_));
+    KVTIER_CUDA_TRY(cudaStreamCreateWithFlags(&device->sync_stream_, cudaStreamNonBlocking));
+    return std::unique_ptr<Device>(std::move(device));
+  }
+
+  ~CudaDevice() override {
+    if (sync_stream_ == nullptr) return;
+    DeviceGuard guard(ordinal_);
+    if (cudaStreamSynchronize(sync_stream_) != cudaSuccess) static_cast<void>(cudaGetLastError());
+    if (cudaStreamDestroy(sync_stream_) != cudaSuccess) static_cast<void>(cudaGetLastError());
+  }
+
+  BackendKind backend() const noexcept override { return BackendKind::kCuda; }
+  int ordinal() const noexcept override { return ordinal_; }
+  std::string name() const override { return name_; }
+  int multiprocessor_count() const noexcept override { return multiprocessors_; }
+
+  Result<std::unique_ptr<Stream>> create_stream(const StreamOptions& options) override {
+    KVTIER_CUDA_GUARD(ordinal_);
+    const int priority = options.priority == StreamPriority::kHigh ? greatest_priority_ : least_priority_;
+    cudaStream_t stream = nullptr;
+    KVTIER_CUDA_TRY_CTX(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority),
+                        fmt::format("create_stream '{}' (priority {}) on device {}", options.name, priority, ordinal_));
+    return std::unique_ptr<Stream>(std::make_unique<CudaStream>(*this, ordinal_, stream, options.name));
+  }
+
+  Result<std::unique_ptr<Event>> create_event() override {
+    KVTIER_CUDA_GUARD(ordinal_);
+    cudaEvent_t event = nullptr;
+    KVTIER_CUDA_TRY_CTX(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                        fmt::format("create_event on device {}", ordinal_));
+    return std::unique_ptr<Event>(std::make_unique<CudaEvent>(ordinal_, event));
+  }
+
+  Result<Buffer> allocate_device(std::uint64_t bytes) override {
+    if (bytes == 0) return InvalidArgument(fmt::format("allocate_device: 0 bytes on device {}", ordinal_));
+    KVTIER_CUDA_GUARD(ordinal_);
+    void* ptr = nullptr;
+    KVTIER_CUDA_TRY_CTX(cudaMalloc(&ptr, bytes),
+                        fmt::format("allocate_device({} bytes) on device {}", bytes, ordinal_));
+    const int ordinal = ordinal_;
+    return Buffer(ptr, bytes, MemoryKind::kDevice, [ordinal, ptr]() noexcept {
+      DeviceGuard guard(ordinal);
+      if (cudaFree(ptr) != cudaSuccess) static_cast<void>(cudaGetLastError());
+    });
+  }
+
+  Result<std::unique_ptr<PinnedMemory>> allocate_pinned(std::uint64_t bytes, const PinnedOptions& options) override {
+    KVTIER_RETURN_IF_ERROR(check_host_pointer_access("allocate_pinned"));
+    return detail::allocate_pinned_memory(bytes, options, registrar());
+  }
+
+  Result<std::unique_ptr<PinnedMemory>> register_host(void* data, std::uint64_t bytes,
+                                                      const PinnedOptions& options) override {
+    KVTIER_RETURN_IF_ERROR(check_host_pointer_access("register_host"));
+    return detail::register_host_memory(data, bytes, options, registrar());
+  }
+
+  Status memcpy_async(void* dst, const void* src, std::uint64_t bytes, Stream& stream) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "memcpy_async"));
+    if (bytes == 0) return Status::Ok();
+    if (dst == nullptr || src == nullptr) {
+      return InvalidArgument(fmt::format("memcpy_async: null pointer (dst={}, src={}, bytes={})", dst, src, bytes));
+    }
+    KVTIER_CUDA_GUARD(ordinal_);
+    KVTIER_CUDA_TRY_CTX(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->stream()),
+        fmt::format("memcpy_async(dst={}, src={}, bytes={}, stream {} '{}')", dst, src, bytes, stream.id(), s->name()));
+    return Status::Ok();
+  }
+
+  Status memset_async(void* dst, int value, std::uint64_t bytes, Stream& stream) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "memset_async"));
+    if (bytes == 0) return Status::Ok();
+    if (dst == nullptr) return InvalidArgument(fmt::format("memset_async: null dst (bytes={})", bytes));
+    KVTIER_CUDA_GUARD(ordinal_);
+    KVTIER_CUDA_TRY_CTX(cudaMemsetAsync(dst, value, bytes, s->stream()),
+                        fmt::format("memset_async(dst={}, value={}, bytes={}, stream {} '{}')", dst, value, bytes,
+                                    stream.id(), s->name()));
+    return Status::Ok();
+  }
+
+  Status memcpy_sync(void* dst, const void* src, std::uint64_t bytes) override {
+    if (bytes == 0) return Status::Ok();
+    if (dst == nullptr || src == nullptr) {
+      return InvalidArgument(fmt::format("memcpy_sync: null pointer (dst={}, src={}, bytes={})", dst, src, bytes));
+    }
+    KVTIER_CUDA_GUARD(ordinal_);
+    const auto context = [&] { return fmt::format("memcpy_sync(dst={}, src={}, bytes={})", dst, src, bytes); };
+    KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, sync_stream_), context());
+    // Concurrent memcpy_sync calls share the stream: each waits for its own
+    // copy and possibly others queued before it (correct, serialised).
+    KVTIER_CUDA_TRY_CTX(cudaStreamSynchronize(sync_stream_), context());
+    return Status::Ok();
+  }
+
+  Status record(Event& event, Stream& stream) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "record"));
+    KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, cuda_event(event, "record"));
+    if (e->ordinal() != ordinal_) {
+      return InvalidArgument(
+          fmt::format("record: event of device {} on stream {} of device {}", e->ordinal(), stream.id(), ordinal_));
+    }
+    KVTIER_CUDA_GUARD(ordinal_);
+    KVTIER_CUDA_TRY_CTX(cudaEventRecord(e->event(), s->stream()),
+                        fmt::format("record on stream {} '{}'", stream.id(), s->name()));
+    return Status::Ok();
+  }
+
+  // The event may belong to another CUDA device (cross-device waits are legal).
+  Status wait(Stream& stream, Event& event) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "wait"));
+    KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, cuda_event(event, "wait"));
+    KVTIER_CUDA_GUARD(ordinal_);
+    KVTIER_CUDA_TRY_CTX(
+        cudaStreamWaitEvent(s->stream(), e->event(), cudaEventWaitDefault),
+        fmt::format("wait: stream {} '{}' on an event of device {}", stream.id(), s->name(), e->ordinal()));
+    return Status::Ok();
+  }
+
+  Result<bool> query(Event& event) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, cuda_event(event, "query"));
+    KVTIER_CUDA_GUARD(e->ordinal());
+    const cudaError_t err = cudaEventQuery(e->event());
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) return false;
+    return cuda_status_at(err, "cudaEventQuery", __FILE__, __LINE__)
+        .with_context(fmt::format("query event of device {}", e->ordinal()));
+  }
+
+  Status synchronize(Event& event, std::chrono::nanoseconds timeout) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaEvent * e, cuda_event(event, "synchronize"));
+    KVTIER_CUDA_GUARD(e->ordinal());
+    const cudaEvent_t native = e->event();
+    return poll_until_done([native] { return cudaEventQuery(native); }, timeout,
+                           fmt::format("synchronize(event of device {})", e->ordinal()));
+  }
+
+  Status synchronize(Stream& stream, std::chrono::nanoseconds timeout) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "synchronize"));
+    KVTIER_CUDA_GUARD(ordinal_);
+    const cudaStream_t native = s->stream();
+    return poll_until_done([native] { return cudaStreamQuery(native); }, timeout,
+                           fmt::format("synchronize(stream {} '{}')", stream.id(), s->name()));
+  }
+
+  // fn always receives OK: a host function may not call CUDA to learn the
+  // stream's state, and cudaLaunchHostFunc does not run it at all once the
+  // context has a sticky error (then fn never runs; callers bound their waits
+  // with timeouts and learn the error from query/synchronize).
+  Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "launch_host_callback"));
+    if (!fn) return InvalidArgument("launch_host_callback: empty function");
+    KVTIER_CUDA_GUARD(ordinal_);
+    auto callback = std::make_unique<HostCallback>(HostCallback{std::move(fn)});
+    KVTIER_CUDA_TRY_CTX(cudaLaunchHostFunc(s->stream(), &run_host_callback, callback.get()),
+                        fmt::format("launch_host_callback on stream {} '{}'", stream.id(), s->name()));
+    static_cast<void>(callback.release());  // owned by run_host_callback from now on
+    return Status::Ok();
+  }
+
+ private:
+  explicit CudaDevice(int ordinal) : ordinal_(ordinal) {}
+
+  Result<CudaStream*> cuda_stream(Stream& stream, const char* op) const {
+    auto* s = dynamic_cast<CudaStream*>(&stream);
+    if (s == nullptr) {
+      return InvalidArgument(fmt::format("{}: stream {} is not a CUDA stream (backend {})", op, stream.id(),
+                                         backend_name(stream.device().backend())));
+    }
+    if (s->ordinal() != ordinal_) {
+      return InvalidArgument(fmt::format("{}: stream {} '{}' belongs to CUDA device {}, not device {}", op, stream.id(),
+                                         s->name(), s->ordinal(), ordinal_));
+    }
+    return s;
+  }
+
+  static Result<CudaEvent*> cuda_event(Event& event, const char* op) {
+    auto* e = dynamic_cast<CudaEvent*>(&event);
+    if (e == nullptr) return InvalidArgument(fmt::format("{}: the event is not a CUDA event", op));
+    return e;
+  }
+
+  // Kernels read pinned host memory through the host pointer (UVA); that
+  // needs the device to accept host pointers for registered memory.
+  Status check_host_pointer_access(const char* op) const {
+    if (host_pointer_is_device_pointer_) return Status::Ok();
+    return NotSupported(fmt::format(
+        "{}: device {} ({}) has cudaDevAttrCanUseHostPointerForRegisteredMem = 0; kvtier needs registered host "
+        "memory at the same address on the GPU",
+        op, ordinal_, name_));
+  }
+
+  detail::ChunkRegistrar registrar() const {
+    const int ordinal = ordinal_;
+    detail::ChunkRegistrar r;
+    // Portable: usable from every device's context; Mapped: reachable by
+    // kernels (at the host address, checked above).
+    r.register_chunk = [ordinal](void* ptr, std::uint64_t bytes) -> Status {
+      DeviceGuard guard(ordinal);
+      KVTIER_RETURN_IF_ERROR(guard.status());
+      KVTIER_CUDA_TRY_CTX(
+          cudaHostRegister(ptr, bytes, cudaHostRegisterDefault | cudaHostRegisterPortable | cudaHostRegisterMapped),
+          fmt::format("cudaHostRegister(ptr={}, bytes={}) for device {}", ptr, bytes, ordinal));
+      return Status::Ok();
+    };
+    r.unregister_chunk = [ordinal](void* ptr, std::uint64_t /*bytes*/) noexcept {
+      DeviceGuard guard(ordinal);
+      if (cudaHostUnregister(ptr) != cudaSuccess) static_cast<void>(cudaGetLastError());
+    };
+    return r;
+  }
+
+  const int ordinal_;
+  std::string name_;
+  int multiprocessors_ = 0;
+  bool host_pointer_is_device_pointer_ = false;
+  int least_priority_ = 0;
+  int greatest_priority_ = 0;
+  cudaStream_t sync_stream_ = nullptr;  // memcpy_sync
+};
+
+}  // namespace
+
+bool cuda_compiled() noexcept { return true; }
+
+int cuda_device_count() noexcept {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    // No driver, no device, driver too old: CUDA is simply not available.
+    static_cast<void>(cudaGetLastError());
+    return 0;
+  }
+  return count;
+}
+
+Result<std::unique_ptr<Device>> create_cuda_device(int ordinal) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    return Status(StatusCode::kUnavailable, cuda_status(err, "cudaGetDeviceCount").message())
+        .with_context(fmt::format("create_cuda_device({}): no usable CUDA device", ordinal));
+  }
+  if (count == 0) return Unavailable(fmt::format("create_cuda_device({}): no CUDA device visible", ordinal));
+  if (ordinal < 0 || ordinal >= count) {
+    return InvalidArgument(
+        fmt::format("create_cuda_device: ordinal {} out of range, {} CUDA device(s) visible", ordinal, count));
+  }
+  return CudaDevice::create(ordinal);
+}
+
+}  // namespace kvtier

@@ -1,0 +1,35 @@
+#include "kvtier/device/device.h"
+
+#include <atomic>
+#include <memory>
+#include <utility>
+
+#include "kvtier/device/cuda_device.h"
+#include "kvtier/device/host_device.h"
+
+namespace kvtier {
+namespace {
+// Stream ids are process-wide and never reused, so that they can key maps
+// that outlive a stream (stats, hazard records).
+std::atomic<std::uint64_t> g_next_stream_id{1};
+}  // namespace
+
+std::string_view backend_name(BackendKind kind) noexcept {
+  switch (kind) {
+    case BackendKind::kHost: return "host";
+    case BackendKind::kCuda: return "cuda";
+  }
+  return "unknown";
+}
+
+Stream::Stream() : id_(g_next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
+
+Result<std::unique_ptr<Device>> open_default_device(bool prefer_cuda, int ordinal) {
+  if (prefer_cuda && cuda_device_count() > 0) return create_cuda_device(ordinal);
+  HostDeviceOptions options;
+  options.ordinal = ordinal;
+  KVTIER_ASSIGN_OR_RETURN(auto host, HostDevice::create(options));
+  return std::unique_ptr<Device>(std::move(host));
+}
+
+}  // namespace kvtier
