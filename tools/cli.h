@@ -12,4 +12,17 @@ namespace kvtier::cli {
 using Action = std::function<int()>;
 using Registrar = Action (*)(CLI::App& app);
 
+// `kvtier bench <what>` (tools/cmd_bench.cc owns the `bench` subcommand).
+// To add a benchmark:
+//   1. write tools/cmd_bench_<what>.cc defining
+//        Action register_bench_<what>(CLI::App& bench);
+//      which adds its sub-subcommand to `bench` (bench.add_subcommand("<what>",
+//      ...)) and returns an action that returns -1 unless that sub-subcommand
+//      was parsed, else the exit code;
+//   2. declare it and add it to kBenchRegistrars in tools/cmd_bench.cc.
+// Conventions for bench output: a human table by default, `--json` prints one
+// JSON object per line (nlohmann-json); a nonzero exit code on any failed
+// verification.
+using BenchRegistrar = Action (*)(CLI::App& bench);
+
 }  // namespace kvtier::cli

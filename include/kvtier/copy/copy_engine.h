@@ -1,42 +1,83 @@
 // CopyEngine: batched block copies between two BlockSpaces (GPU->host,
-// host->GPU, GPU->GPU) for one layer, some layers or all layers, every role,
-// on a stream the caller gives.
+// host->GPU, GPU->GPU, host->host) for one layer, some layers or all layers,
+// every role or a subset of roles, on a stream the caller gives.
 //
 // A request is a list of (src block, dst block) pairs. Every selected
 // (layer, role) plane copies block_bytes from src block i to dst block i.
 // Both spaces must have the same KvLayout (fingerprint).
 //
 // Strategies:
-//   kDmaPerRun  one cudaMemcpyAsync per run: pairs whose blocks are adjacent on
-//               both sides are merged into one contiguous segment first.
-//   kDmaBatch   one cudaMemcpyBatchAsync over all merged segments. Host->GPU
-//               batches of small segments (<= gate threshold) are submitted on
-//               a "gated" stream (held busy until the whole batch is queued)
-//               to avoid the driver's idle-stream cliff.
+//   kDmaPerRun  one memcpy_async (cudaMemcpyAsync) per segment: pairs whose
+//               blocks are adjacent on both sides (ids consecutive and the
+//               plane stride equal to block_bytes on both sides) are merged
+//               into one contiguous segment first; segments that happen to be
+//               adjacent in memory across planes (page-first on both sides)
+//               are merged too.
+//   kDmaBatch   cudaMemcpyBatchAsync over the merged segments, in chunks of
+//               at most batch_max_descriptors. Host->GPU batches that contain
+//               a segment <= batch_gate_max_segment_bytes are submitted
+//               behind a gate (a spin kernel holding the stream busy until the
+//               whole batch is queued) to avoid the driver's idle-stream cliff
+//               (gpu-transfer-facts.md sec. 2). srcAccessOrder is Stream
+//               (never Any: unsafe for D2H of freshly written KV).
 //   kSmKernel   a gather/scatter kernel with a small, configurable number of
 //               CTAs, reading/writing pinned host memory through UVA with
-//               16-byte accesses (any size: tails are copied exactly).
-//   kAuto       chosen per call from segment size, direction and what else
-//               the engine has in flight (see choose()).
+//               16-byte accesses when both pointers allow it (8/4/1-byte
+//               otherwise; tails are copied exactly). Needs device memory on at
+//               least one side. Work decomposition: copy/kernel_plan.h.
+//   kAuto       chosen per call by choose(), rule below.
 // On the host backend each strategy runs its own code path on the stream's
-// worker (the kernel strategy runs the same work decomposition as the GPU
-// kernel), so every strategy is tested without a GPU.
+// worker (per-run: one memcpy_async per segment; batch: one task copying
+// every segment; kernel: one task executing the kernel's exact work
+// decomposition), so every strategy is tested without a GPU.
 //
-// Validation happens before anything is enqueued: equal list lengths, ids in
-// [0, num_blocks), no duplicate destination block, layers and roles in range,
-// matching layouts, memory kinds the strategy supports. A rejected request
-// writes nothing.
+// kAuto rule (thresholds are CopyEngineOptions; defaults from the H200 facts):
+//   let avg = payload bytes / merged segments, dir = the request's direction.
+//   1. segments <= auto_per_run_max_segments or avg >= auto_per_run_min_segment_bytes
+//        -> kDmaPerRun (a few large copies: one DMA each is at the ceiling).
+//   2. dir == D2D -> kSmKernel (HBM-bound, no PCIe; one launch beats many DMAs).
+//   3. dir == H2H -> kDmaBatch.
+//   4. full duplex (the engine has work of the opposite PCIe direction in
+//      flight) -> kDmaBatch: copy engines reach 94-102 GB/s aggregate, SM
+//      kernels both ways only 48-70.
+//   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
+//      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
+//      (gated when a segment is <= batch_gate_max_segment_bytes).
+//   Set an auto_kernel_max_* threshold to 0 to keep the SMs out of kAuto.
+//   "In flight" = an event the engine recorded after its last copy of that
+//   direction on any stream has not completed (queried, never waited).
 //
-// No allocation and no pageable copy per call on the CUDA path: each stream
-// gets a persistent ring of pinned + device descriptor slots on first use; a
-// slot is reused only after the event recorded behind its last use completed
-// (the engine waits for that event if the ring wrapped; pass larger
-// `descriptor_slots` to make that rarer).
+// Validation happens before anything is enqueued: non-null spaces, same
+// layout fingerprint, equal list lengths, ids in [0, num_blocks), no duplicate
+// destination block, no block both read and written when src and dst are the
+// same space, layers in range and not repeated, a role mask selecting at least
+// one plane, device spaces on the engine's device, a strategy the memory
+// kinds support. A rejected request writes nothing. An empty request is OK and
+// enqueues nothing. Requests larger than max_pairs_per_call are split into
+// chunks internally (not an error).
 //
-// Thread-safety: copy() may be called concurrently from several threads.
-// Calls on the same stream are serialised internally in call order.
-// The BlockSpaces' memory must stay valid until the copy completed on the
-// stream (the caller owns ordering: record an event after copy()).
+// Allocation: steady state allocates nothing per call on the CUDA path. Each
+// stream gets, on first use, persistent scratch (plan vectors, batch
+// descriptor arrays), a gate flag and a ring of `descriptor_slots` kernel
+// descriptor slots (pinned staging + device buffer, grown on demand up to
+// max_pairs_per_call pairs). A slot is reused only after the event recorded
+// behind its kernel completed; when the ring wraps onto a pending slot, copy()
+// blocks in Device::synchronize(event) (cudaEventSynchronize) until it is free
+// -- raise descriptor_slots to make that rarer. The host backend's batch
+// strategy copies the segment list into its task (one allocation per call; the
+// simulator is not a hot path).
+//
+// Thread-safety: copy(), validate() and choose() may be called concurrently
+// from several threads. Calls on the same stream are serialised internally
+// (in the order they take the stream's lock). The BlockSpaces' memory must
+// stay valid until the copy completed on the stream (the caller owns
+// ordering: record an event after copy()).
+//
+// Lifetime: per-stream resources live until forget_stream() or the engine's
+// destruction. The destructor waits for the last work the engine enqueued on
+// each stream it knows (its own events), then frees the slots: destroy the
+// engine only after its streams are drained or while they are still alive;
+// the engine must outlive every copy still in flight that uses its slots.
 #pragma once
 
 #include <cstdint>
@@ -51,28 +92,51 @@
 namespace kvtier {
 
 enum class CopyStrategy : std::uint8_t { kAuto, kDmaPerRun, kDmaBatch, kSmKernel };
+inline constexpr int kNumCopyStrategies = 4;
+// "auto", "dma_per_run", "dma_batch", "sm_kernel".
 std::string_view copy_strategy_name(CopyStrategy s) noexcept;
 Result<CopyStrategy> parse_copy_strategy(std::string_view name);
 
 enum class CopyDirection : std::uint8_t { kDeviceToHost, kHostToDevice, kDeviceToDevice, kHostToHost };
+inline constexpr int kNumCopyDirections = 4;
+// "d2h", "h2d", "d2d", "h2h".
 std::string_view copy_direction_name(CopyDirection d) noexcept;
+CopyDirection copy_direction(MemoryKind src, MemoryKind dst) noexcept;
 
 struct CopyEngineOptions {
-  // SM kernel shape. Host->GPU needs more outstanding reads than GPU->host.
+  // SM kernel shape. Host->GPU needs more outstanding reads than GPU->host
+  // (facts: H2D ~16 CTAs x 512 or 4 x 1024; D2H ~4 CTAs). D2D uses sm_ctas_d2d.
   std::uint32_t sm_ctas_h2d = 16;
   std::uint32_t sm_ctas_d2h = 8;
-  std::uint32_t sm_threads_per_cta = 512;
-  // Descriptor ring per stream: slots x capacity (pairs per call).
+  std::uint32_t sm_ctas_d2d = 32;
+  std::uint32_t sm_threads_per_cta = 512;  // multiple of 32, <= 1024
+  // Bytes of one kernel work item: each (pair, plane) is split into items of
+  // at most this size so that a few large blocks still spread over all warps.
+  // Multiple of 16.
+  std::uint32_t sm_item_bytes = 64 * 1024;
+  // true: descriptors (pair list + plane table) are uploaded to device memory
+  // with one memcpy_async before the kernel, so the kernel's descriptor reads
+  // never compete with its payload reads for PCIe requests. false: the kernel
+  // reads them from the mapped pinned staging through UVA (no extra DMA).
+  bool sm_descriptors_in_device_memory = true;
+  // Descriptor ring per stream: slots x capacity (pairs per kernel launch).
+  // Requests with more pairs are split into several launches.
   std::uint32_t descriptor_slots = 8;
   std::uint32_t max_pairs_per_call = 1u << 18;
-  // Host->GPU batch descriptors at or below this size are submitted gated.
+  // At most this many segments per cudaMemcpyBatchAsync call (the driver
+  // accepts a bounded number of pending copies per stream).
+  std::uint32_t batch_max_descriptors = 2048;
+  // Host->GPU batches with a segment at or below this size are submitted gated.
   std::uint64_t batch_gate_max_segment_bytes = 28 * 1024;
-  // kAuto: merged segments at least this large use kDmaPerRun.
+  // Gate every host->GPU batch regardless of segment size (tuning knob).
+  bool batch_gate_always = false;
+  // kAuto thresholds (see the rule in the file comment).
   std::uint64_t auto_per_run_min_segment_bytes = 2u << 20;
-  // kAuto: segments below this size use the SM kernel when the opposite
-  // direction is idle; otherwise (full duplex) DMA batch is kept.
-  std::uint64_t auto_kernel_max_segment_bytes = 256 * 1024;
-  // Use a high-priority stream for the gate / kernels where applicable.
+  std::uint32_t auto_per_run_max_segments = 2;
+  std::uint64_t auto_kernel_max_segment_bytes_h2d = 32 * 1024;
+  std::uint64_t auto_kernel_max_segment_bytes_d2h = 64 * 1024;
+  // Reserved: the caller's stream priority decides today (a high-priority
+  // copy stream halves interference with compute; create it so).
   bool high_priority_kernels = true;
 };
 
@@ -91,22 +155,34 @@ struct CopyReport {
   CopyDirection direction = CopyDirection::kDeviceToHost;
   std::uint64_t bytes = 0;     // payload bytes enqueued
   std::uint64_t pairs = 0;     // block pairs
+  std::uint64_t planes = 0;    // selected (layer, role) planes
   std::uint64_t segments = 0;  // contiguous segments after run merging
-  std::uint32_t ctas = 0;      // CTAs used by the kernel strategy (0 otherwise)
+  std::uint32_t calls = 0;     // memcpy / batch / kernel launches issued
+  std::uint32_t ctas = 0;      // CTAs per launch of the kernel strategy (0 otherwise)
   bool gated = false;          // batch submitted on a gated stream
 };
 
 class CopyEngine {
  public:
+  // Picks the implementation from device.backend(): HostDevice -> host
+  // executors; CUDA -> CUDA executors (NotSupported when built without CUDA).
   static Result<std::unique_ptr<CopyEngine>> create(Device& device, const CopyEngineOptions& options = {});
   virtual ~CopyEngine() = default;
 
   // Checks a request without enqueuing anything.
   virtual Status validate(const CopyRequest& request) const = 0;
-  // Validates, then enqueues the copy on `stream`. Returns once enqueued.
+  // Validates, then enqueues the copy on `stream` (a stream of device()).
+  // Returns once enqueued; never waits for the copy (it may wait for one of
+  // its own descriptor slots, see the file comment).
   virtual Result<CopyReport> copy(const CopyRequest& request, Stream& stream) = 0;
-  // The strategy kAuto would pick for this request now.
+  // The strategy kAuto would pick for this request now (the request must be
+  // valid; an invalid one gets kDmaPerRun).
   virtual CopyStrategy choose(const CopyRequest& request) const = 0;
+  // Waits for the engine's last work on `stream`, then frees that stream's
+  // resources. Call before destroying a stream the engine has seen when the
+  // engine lives on (optional: otherwise they are freed with the engine).
+  // Must not race with copy() on the same stream.
+  virtual Status forget_stream(Stream& stream) = 0;
   virtual const CopyEngineOptions& options() const noexcept = 0;
   virtual Device& device() const noexcept = 0;
 };

@@ -1,0 +1,84 @@
+// SM gather/scatter copy kernel. Decomposition and alignment split:
+// copy/kernel_plan.h (the host backend runs the same decomposition).
+//
+// Accesses: streaming loads/stores (__ldcs / __stcs: evict-first, so moving KV
+// does not flush the compute kernels' L2 working set); host memory is reached
+// through its mapped (UVA) address. Each lane keeps kUnroll loads in flight
+// before storing, to cover PCIe read latency with few CTAs.
+#include "copy/cuda/block_copy_kernels.h"
+
+namespace kvtier::copy_detail {
+namespace {
+
+constexpr int kUnroll = 4;
+
+template <int W>
+struct Vec;
+template <>
+struct Vec<16> {
+  using T = uint4;
+};
+template <>
+struct Vec<8> {
+  using T = uint2;
+};
+template <>
+struct Vec<4> {
+  using T = unsigned int;
+};
+template <>
+struct Vec<1> {
+  using T = unsigned char;
+};
+
+template <int W>
+__device__ __forceinline__ void copy_body(const unsigned char* src, unsigned char* dst, std::uint64_t n,
+                                          std::uint32_t lane) {
+  using T = typename Vec<W>::T;
+  const T* s = reinterpret_cast<const T*>(src);
+  T* d = reinterpret_cast<T*>(dst);
+  std::uint64_t e = lane;
+  for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) __stcs(d + e + u * kWarpLanes, v[u]);
+  }
+  for (; e < n; e += kWarpLanes) __stcs(d + e, __ldcs(s + e));
+}
+
+__global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
+  extern __shared__ KernelPlane smem_planes[];
+  for (std::uint32_t i = threadIdx.x; i < a.num_planes; i += blockDim.x) smem_planes[i] = a.planes[i];
+  __syncthreads();
+  const std::uint32_t lane = threadIdx.x % kWarpLanes;
+  const std::uint32_t warps = blockDim.x / kWarpLanes;
+  const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
+  for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
+       item += total_warps) {
+    const WorkItem w = resolve_item(smem_planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item);
+    const VectorSplit v = split_for_vectors(w.src, w.dst, w.bytes);
+    if (lane < v.head) w.dst[lane] = w.src[lane];
+    const unsigned char* src = w.src + v.head;
+    unsigned char* dst = w.dst + v.head;
+    switch (v.width) {
+      case 16: copy_body<16>(src, dst, v.body, lane); break;
+      case 8: copy_body<8>(src, dst, v.body, lane); break;
+      case 4: copy_body<4>(src, dst, v.body, lane); break;
+      default: copy_body<1>(src, dst, v.body, lane); break;
+    }
+    const std::uint64_t tail_at = v.body * v.width;
+    if (lane < v.tail) dst[tail_at + lane] = src[tail_at + lane];
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
+  const std::size_t smem = std::size_t{args.num_planes} * sizeof(KernelPlane);
+  block_copy_kernel<<<ctas, threads, smem, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace kvtier::copy_detail

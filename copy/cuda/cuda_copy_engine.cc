@@ -1,0 +1,129 @@
+// CUDA executors of the CopyEngine: cudaMemcpyAsync per segment,
+// cudaMemcpyBatchAsync (optionally gated), and the SM kernel.
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <vector>
+
+#include "copy/cuda/block_copy_kernels.h"
+#include "copy/engine_base.h"
+#include "device/cuda/cuda_check.h"
+#include "device/cuda/gpu_gate.h"
+
+namespace kvtier::copy_detail {
+namespace {
+
+struct CudaStreamState final : BackendStreamState {
+  cuda_detail::GateFlag gate;
+  // Batch descriptor arrays, reused (read by the driver during the call only).
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+};
+
+// Opens the gate on every path out of run_batch (a closed gate would hold the
+// stream until the spin kernel's timeout).
+struct GateOpener {
+  cuda_detail::GateFlag* gate = nullptr;
+  ~GateOpener() {
+    if (gate != nullptr) gate->open();
+  }
+};
+
+cudaMemLocation location_of(CopyDirection dir, bool source, int ordinal) {
+  bool device_side = false;
+  switch (dir) {
+    case CopyDirection::kDeviceToHost: device_side = source; break;
+    case CopyDirection::kHostToDevice: device_side = !source; break;
+    case CopyDirection::kDeviceToDevice: device_side = true; break;
+    case CopyDirection::kHostToHost: device_side = false; break;
+  }
+  cudaMemLocation loc{};
+  loc.type = device_side ? cudaMemLocationTypeDevice : cudaMemLocationTypeHost;
+  loc.id = device_side ? ordinal : 0;
+  return loc;
+}
+
+class CudaCopyEngine final : public EngineBase {
+ public:
+  using EngineBase::EngineBase;
+
+ protected:
+  bool supports_gate() const noexcept override { return true; }
+
+  Result<std::unique_ptr<BackendStreamState>> make_backend_state(Stream&) override {
+    auto cs = std::make_unique<CudaStreamState>();
+    KVTIER_ASSIGN_OR_RETURN(cs->gate, cuda_detail::GateFlag::create(device_.ordinal()));
+    return std::unique_ptr<BackendStreamState>(std::move(cs));
+  }
+
+  Status run_per_run(StreamState&, Stream& stream, std::span<const Segment> segments, CopyDirection) override {
+    KVTIER_CUDA_GUARD(device_.ordinal());
+    const cudaStream_t s = cuda_detail::native(stream);
+    for (std::size_t i = 0; i < segments.size(); ++i) {
+      const Segment& seg = segments[i];
+      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(seg.dst, seg.src, seg.bytes, cudaMemcpyDefault, s),
+                          fmt::format("segment {} of {}: dst={} src={} bytes={}", i, segments.size(),
+                                      static_cast<void*>(seg.dst), static_cast<const void*>(seg.src), seg.bytes));
+    }
+    return Status::Ok();
+  }
+
+  Status run_batch(StreamState& st, Stream& stream, std::span<const Segment> segments, CopyDirection dir,
+                   bool gated) override {
+    KVTIER_CUDA_GUARD(device_.ordinal());
+    auto& cs = static_cast<CudaStreamState&>(*st.backend);
+    const cudaStream_t s = cuda_detail::native(stream);
+    const std::size_t n = segments.size();
+    cs.dsts.resize(n);
+    cs.srcs.resize(n);
+    cs.sizes.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      cs.dsts[i] = segments[i].dst;
+      cs.srcs[i] = segments[i].src;
+      cs.sizes[i] = segments[i].bytes;
+    }
+    cudaMemcpyAttributes attr{};
+    // Stream order: the source may have been written by the previous kernel
+    // on this stream (fresh KV); Any would allow reading it early.
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.srcLocHint = location_of(dir, true, device_.ordinal());
+    attr.dstLocHint = location_of(dir, false, device_.ordinal());
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    std::size_t attr_index = 0;
+    GateOpener opener;
+    if (gated) {
+      KVTIER_RETURN_IF_ERROR(cs.gate.close(s));
+      opener.gate = &cs.gate;
+    }
+    const std::size_t chunk = options_.batch_max_descriptors;
+    for (std::size_t i = 0; i < n; i += chunk) {
+      const std::size_t count = std::min(chunk, n - i);
+      KVTIER_CUDA_TRY_CTX(cudaMemcpyBatchAsync(cs.dsts.data() + i, cs.srcs.data() + i, cs.sizes.data() + i, count,
+                                               &attr, &attr_index, 1, s),
+                          fmt::format("batch descriptors [{}, {}) of {}", i, i + count, n));
+    }
+    return Status::Ok();
+  }
+
+  Status launch_kernel(StreamState&, Stream& stream, const KernelArgs& args, std::uint32_t ctas, const std::byte*,
+                       std::uint64_t) override {
+    KVTIER_CUDA_GUARD(device_.ordinal());
+    const cudaError_t err = launch_block_copy(args, ctas, options_.sm_threads_per_cta, cuda_detail::native(stream));
+    if (err != cudaSuccess)
+      return cuda_detail::cuda_status(err, "block_copy_kernel launch")
+          .with_context(fmt::format("{} CTAs x {} threads, {} items, {} planes", ctas, options_.sm_threads_per_cta,
+                                    args.num_items, args.num_planes));
+    return Status::Ok();
+  }
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CopyEngine>> create_cuda_copy_engine(Device& device, const CopyEngineOptions& options) {
+  if (device.backend() != BackendKind::kCuda)
+    return InvalidArgument(fmt::format("device '{}' is not a CUDA device", device.name()));
+  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(device, options));
+}
+
+}  // namespace kvtier::copy_detail

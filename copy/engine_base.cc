@@ -1,0 +1,359 @@
+#include "copy/engine_base.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace kvtier {
+
+std::string_view copy_strategy_name(CopyStrategy s) noexcept {
+  switch (s) {
+    case CopyStrategy::kAuto: return "auto";
+    case CopyStrategy::kDmaPerRun: return "dma_per_run";
+    case CopyStrategy::kDmaBatch: return "dma_batch";
+    case CopyStrategy::kSmKernel: return "sm_kernel";
+  }
+  return "?";
+}
+
+Result<CopyStrategy> parse_copy_strategy(std::string_view name) {
+  for (int i = 0; i < kNumCopyStrategies; ++i) {
+    const auto s = static_cast<CopyStrategy>(i);
+    if (copy_strategy_name(s) == name) return s;
+  }
+  if (name == "per_run") return CopyStrategy::kDmaPerRun;
+  if (name == "batch") return CopyStrategy::kDmaBatch;
+  if (name == "kernel" || name == "sm") return CopyStrategy::kSmKernel;
+  return InvalidArgument(
+      fmt::format("unknown copy strategy '{}' (expected auto, dma_per_run, dma_batch, sm_kernel)", name));
+}
+
+std::string_view copy_direction_name(CopyDirection d) noexcept {
+  switch (d) {
+    case CopyDirection::kDeviceToHost: return "d2h";
+    case CopyDirection::kHostToDevice: return "h2d";
+    case CopyDirection::kDeviceToDevice: return "d2d";
+    case CopyDirection::kHostToHost: return "h2h";
+  }
+  return "?";
+}
+
+CopyDirection copy_direction(MemoryKind src, MemoryKind dst) noexcept {
+  const bool sd = src == MemoryKind::kDevice;
+  const bool dd = dst == MemoryKind::kDevice;
+  if (sd && dd) return CopyDirection::kDeviceToDevice;
+  if (sd) return CopyDirection::kDeviceToHost;
+  if (dd) return CopyDirection::kHostToDevice;
+  return CopyDirection::kHostToHost;
+}
+
+Result<std::unique_ptr<CopyEngine>> CopyEngine::create(Device& device, const CopyEngineOptions& options) {
+  KVTIER_RETURN_IF_ERROR(copy_detail::EngineBase::check_options(options));
+  switch (device.backend()) {
+    case BackendKind::kHost: return copy_detail::create_host_copy_engine(device, options);
+    case BackendKind::kCuda: return copy_detail::create_cuda_copy_engine(device, options);
+  }
+  return InvalidArgument(fmt::format("unknown device backend {}", static_cast<int>(device.backend())));
+}
+
+namespace copy_detail {
+namespace {
+constexpr auto kSlotWaitTimeout = std::chrono::seconds(120);
+constexpr auto kDrainTimeout = std::chrono::seconds(120);
+constexpr std::uint64_t kMinSlotBytes = 16 * 1024;
+}  // namespace
+
+Status EngineBase::check_options(const CopyEngineOptions& o) {
+  if (o.sm_threads_per_cta == 0 || o.sm_threads_per_cta % 32 != 0 || o.sm_threads_per_cta > 1024)
+    return InvalidArgument(
+        fmt::format("sm_threads_per_cta must be a multiple of 32 in [32, 1024], got {}", o.sm_threads_per_cta));
+  if (o.sm_ctas_h2d == 0 || o.sm_ctas_d2h == 0 || o.sm_ctas_d2d == 0)
+    return InvalidArgument(
+        fmt::format("sm_ctas_* must be >= 1 (h2d {}, d2h {}, d2d {})", o.sm_ctas_h2d, o.sm_ctas_d2h, o.sm_ctas_d2d));
+  if (o.sm_item_bytes == 0 || o.sm_item_bytes % 16 != 0)
+    return InvalidArgument(fmt::format("sm_item_bytes must be a positive multiple of 16, got {}", o.sm_item_bytes));
+  if (o.descriptor_slots == 0) return InvalidArgument("descriptor_slots must be >= 1, got 0");
+  if (o.max_pairs_per_call == 0) return InvalidArgument("max_pairs_per_call must be >= 1, got 0");
+  if (o.batch_max_descriptors == 0) return InvalidArgument("batch_max_descriptors must be >= 1, got 0");
+  return Status::Ok();
+}
+
+EngineBase::EngineBase(Device& device, const CopyEngineOptions& options) : device_(device), options_(options) {}
+
+EngineBase::~EngineBase() {
+  // Wait for the last work enqueued through this engine before its slots (and
+  // their pinned/device buffers and events) are freed.
+  for (auto& [id, st] : streams_) {
+    for (std::size_t d = 0; d < st->last.size(); ++d)
+      if (st->maybe_pending[d] && st->last[d]) device_.synchronize(*st->last[d], kDrainTimeout).ignore_error();
+    for (auto& slot : st->slots)
+      if (slot.pending && slot.done) device_.synchronize(*slot.done, kDrainTimeout).ignore_error();
+  }
+}
+
+Status EngineBase::validate(const CopyRequest& request) const { return validate_request(request, device_.ordinal()); }
+
+Result<std::shared_ptr<StreamState>> EngineBase::state_for(Stream& stream) {
+  std::lock_guard lock(map_mu_);
+  auto it = streams_.find(stream.id());
+  if (it != streams_.end()) return it->second;
+  auto st = std::make_shared<StreamState>();
+  st->stream_id = stream.id();
+  for (auto& e : st->last) {
+    KVTIER_ASSIGN_OR_RETURN(e, device_.create_event());
+  }
+  st->slots.resize(options_.descriptor_slots);
+  KVTIER_ASSIGN_OR_RETURN(st->backend, make_backend_state(stream));
+  streams_.emplace(stream.id(), st);
+  return st;
+}
+
+Status EngineBase::forget_stream(Stream& stream) {
+  std::shared_ptr<StreamState> st;
+  {
+    std::lock_guard lock(map_mu_);
+    auto it = streams_.find(stream.id());
+    if (it == streams_.end()) return Status::Ok();
+    st = std::move(it->second);
+    streams_.erase(it);
+  }
+  // Wait for a copy() in progress on this stream to finish enqueuing (not
+  // under map_mu_: copy() takes map_mu_ while holding the stream lock).
+  std::lock_guard stream_lock(st->mu);
+  Status result;
+  for (std::size_t d = 0; d < st->last.size(); ++d)
+    if (st->maybe_pending[d]) {
+      Status s = device_.synchronize(*st->last[d], kDrainTimeout);
+      if (s.code() == StatusCode::kTimedOut && result.ok()) result = s;
+    }
+  for (auto& slot : st->slots)
+    if (slot.pending) {
+      Status s = device_.synchronize(*slot.done, kDrainTimeout);
+      if (s.code() == StatusCode::kTimedOut && result.ok()) result = s;
+    }
+  if (!result.ok()) {
+    // Do not free buffers a copy may still use: keep them alive with the engine.
+    std::lock_guard lock(map_mu_);
+    const std::uint64_t id = st->stream_id;
+    streams_.emplace(id, std::move(st));
+    return result.with_context("forget_stream");
+  }
+  return Status::Ok();
+}
+
+std::uint32_t EngineBase::ctas_for(CopyDirection dir) const noexcept {
+  switch (dir) {
+    case CopyDirection::kHostToDevice: return options_.sm_ctas_h2d;
+    case CopyDirection::kDeviceToHost: return options_.sm_ctas_d2h;
+    case CopyDirection::kDeviceToDevice: return options_.sm_ctas_d2d;
+    case CopyDirection::kHostToHost: return options_.sm_ctas_d2d;
+  }
+  return options_.sm_ctas_d2h;
+}
+
+bool EngineBase::in_flight(CopyDirection dir, const StreamState* exclude) const {
+  const auto d = static_cast<std::size_t>(dir);
+  std::lock_guard lock(map_mu_);
+  for (const auto& [id, st] : streams_) {
+    if (st.get() == exclude) continue;
+    std::lock_guard track(st->track_mu);
+    if (!st->maybe_pending[d]) continue;
+    Result<bool> done = device_.query(*st->last[d]);
+    if (!done.ok() || *done) {
+      st->maybe_pending[d] = false;  // completed (or failed: not occupying the link)
+      continue;
+    }
+    return true;
+  }
+  return false;
+}
+
+CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* self) const {
+  const std::uint64_t avg = s.average_segment_bytes();
+  if (s.segments <= options_.auto_per_run_max_segments || avg >= options_.auto_per_run_min_segment_bytes)
+    return CopyStrategy::kDmaPerRun;
+  switch (s.direction) {
+    case CopyDirection::kDeviceToDevice: return CopyStrategy::kSmKernel;
+    case CopyDirection::kHostToHost: return CopyStrategy::kDmaBatch;
+    case CopyDirection::kDeviceToHost:
+      if (avg >= options_.auto_kernel_max_segment_bytes_d2h) return CopyStrategy::kDmaBatch;
+      return in_flight(CopyDirection::kHostToDevice, self) ? CopyStrategy::kDmaBatch : CopyStrategy::kSmKernel;
+    case CopyDirection::kHostToDevice:
+      if (avg >= options_.auto_kernel_max_segment_bytes_h2d) return CopyStrategy::kDmaBatch;
+      return in_flight(CopyDirection::kDeviceToHost, self) ? CopyStrategy::kDmaBatch : CopyStrategy::kSmKernel;
+  }
+  return CopyStrategy::kDmaBatch;
+}
+
+CopyStrategy EngineBase::choose(const CopyRequest& request) const {
+  if (!validate(request).ok() || request.src_blocks.empty()) return CopyStrategy::kDmaPerRun;
+  PlanScratch scratch;
+  select_planes(request, scratch.planes);
+  find_runs(request.src_blocks, request.dst_blocks, scratch.runs);
+  return choose_impl(summarize(request, scratch.planes, scratch.runs), nullptr);
+}
+
+Status EngineBase::run_per_run(StreamState&, Stream& stream, std::span<const Segment> segments, CopyDirection) {
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    Status st = device_.memcpy_async(s.dst, s.src, s.bytes, stream);
+    if (!st.ok())
+      return st.with_context(fmt::format("dma_per_run segment {} of {} ({} bytes)", i, segments.size(), s.bytes));
+  }
+  return Status::Ok();
+}
+
+Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t bytes) {
+  DescriptorSlot& slot = st.slots[st.next_slot];
+  st.next_slot = (st.next_slot + 1) % static_cast<std::uint32_t>(st.slots.size());
+  if (slot.pending) {
+    // The ring wrapped onto a slot whose kernel may still read it.
+    Status s = device_.synchronize(*slot.done, kSlotWaitTimeout);
+    if (s.code() == StatusCode::kTimedOut) return s.with_context("waiting for a free kernel descriptor slot");
+    slot.pending = false;  // other errors: the work behind it finished (failed); the slot is free
+  }
+  if (!slot.done) {
+    KVTIER_ASSIGN_OR_RETURN(slot.done, device_.create_event());
+  }
+  if (slot.capacity < bytes) {
+    const std::uint64_t cap = std::max({bytes, slot.capacity * 2, kMinSlotBytes});
+    slot.staging.reset();
+    slot.device.reset();
+    KVTIER_ASSIGN_OR_RETURN(slot.staging, device_.allocate_pinned(cap));
+    if (options_.sm_descriptors_in_device_memory) {
+      KVTIER_ASSIGN_OR_RETURN(slot.device, device_.allocate_device(cap));
+    }
+    slot.capacity = cap;
+  }
+  return &slot;
+}
+
+Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
+                              CopyReport& report) {
+  const auto& planes = st.scratch.planes;
+  auto& kplanes = st.scratch.kernel_planes;
+  const std::uint32_t warps_per_cta = options_.sm_threads_per_cta / kWarpLanes;
+  const std::uint32_t max_ctas = ctas_for(dir);
+  const std::size_t n = r.src_blocks.size();
+  for (std::size_t p0 = 0; p0 < planes.size(); p0 += kMaxKernelPlanes) {
+    const auto g = static_cast<std::uint32_t>(std::min<std::size_t>(kMaxKernelPlanes, planes.size() - p0));
+    kplanes.resize(g);
+    for (std::uint32_t i = 0; i < g; ++i) {
+      const SelectedPlane& sp = planes[p0 + i];
+      kplanes[i] = KernelPlane{reinterpret_cast<std::uint64_t>(sp.src_base),
+                               sp.src_stride,
+                               reinterpret_cast<std::uint64_t>(sp.dst_base),
+                               sp.dst_stride,
+                               sp.block_bytes,
+                               0,
+                               0};
+    }
+    const std::uint32_t items_per_pair = assign_items(kplanes.data(), g, options_.sm_item_bytes);
+    for (std::size_t i0 = 0; i0 < n; i0 += options_.max_pairs_per_call) {
+      const auto count = static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_pairs_per_call, n - i0));
+      const std::uint64_t plane_bytes = std::uint64_t{g} * sizeof(KernelPlane);
+      const std::uint64_t bytes = plane_bytes + std::uint64_t{count} * sizeof(KernelPair);
+      KVTIER_ASSIGN_OR_RETURN(DescriptorSlot * slot, acquire_slot(st, bytes));
+      std::byte* staging = slot->staging->data();
+      std::memcpy(staging, kplanes.data(), plane_bytes);
+      auto* pairs = reinterpret_cast<KernelPair*>(staging + plane_bytes);
+      for (std::uint32_t k = 0; k < count; ++k) pairs[k] = KernelPair{r.src_blocks[i0 + k], r.dst_blocks[i0 + k]};
+      std::byte* base = staging;
+      if (options_.sm_descriptors_in_device_memory) {
+        KVTIER_RETURN_IF_ERROR(device_.memcpy_async(slot->device.data(), staging, bytes, stream)
+                                   .with_context("uploading kernel descriptors"));
+        base = slot->device.bytes_ptr();
+      }
+      KernelArgs args;
+      args.planes = reinterpret_cast<const KernelPlane*>(base);
+      args.pairs = reinterpret_cast<const KernelPair*>(base + plane_bytes);
+      args.num_planes = g;
+      args.num_pairs = count;
+      args.item_bytes = options_.sm_item_bytes;
+      args.items_per_pair = items_per_pair;
+      args.num_items = std::uint64_t{count} * items_per_pair;
+      const std::uint64_t useful = (args.num_items + warps_per_cta - 1) / warps_per_cta;
+      const auto ctas =
+          static_cast<std::uint32_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(max_ctas, useful)));
+      Status launched = launch_kernel(st, stream, args, ctas, staging, bytes);
+      // Record even after a failed launch attempt: the upload may be in flight.
+      Status recorded = device_.record(*slot->done, stream);
+      if (recorded.ok()) slot->pending = true;
+      KVTIER_RETURN_IF_ERROR(launched);
+      KVTIER_RETURN_IF_ERROR(recorded);
+      report.ctas = std::max(report.ctas, ctas);
+      ++report.calls;
+    }
+  }
+  return Status::Ok();
+}
+
+Status EngineBase::note_enqueued(StreamState& st, Stream& stream, CopyDirection dir) {
+  const auto d = static_cast<std::size_t>(dir);
+  std::lock_guard track(st.track_mu);
+  KVTIER_RETURN_IF_ERROR(device_.record(*st.last[d], stream));
+  st.maybe_pending[d] = true;
+  return Status::Ok();
+}
+
+Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
+  if (&stream.device() != &device_)
+    return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
+                                       stream.id(), stream.device().name(), device_.name()));
+  KVTIER_RETURN_IF_ERROR(validate_request(r, device_.ordinal()));
+  CopyReport report;
+  report.direction = copy_direction(r.src->kind(), r.dst->kind());
+  report.strategy = r.strategy;
+  if (r.src_blocks.empty()) return report;
+
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<StreamState> st, state_for(stream));
+  std::lock_guard lock(st->mu);
+  PlanScratch& sc = st->scratch;
+  select_planes(r, sc.planes);
+  find_runs(r.src_blocks, r.dst_blocks, sc.runs);
+  const PlanSummary summary = summarize(r, sc.planes, sc.runs);
+  const CopyStrategy strategy = r.strategy == CopyStrategy::kAuto ? choose_impl(summary, st.get()) : r.strategy;
+  report.strategy = strategy;
+  report.bytes = summary.bytes;
+  report.pairs = summary.pairs;
+  report.planes = summary.planes;
+  const CopyDirection dir = report.direction;
+  Status status;
+  switch (strategy) {
+    case CopyStrategy::kAuto:  // choose_impl never returns kAuto
+    case CopyStrategy::kDmaPerRun: {
+      report.strategy = CopyStrategy::kDmaPerRun;
+      build_segments(r, sc.planes, sc.runs, sc.segments);
+      report.segments = sc.segments.size();
+      report.calls = static_cast<std::uint32_t>(sc.segments.size());
+      status = run_per_run(*st, stream, sc.segments, dir);
+      break;
+    }
+    case CopyStrategy::kDmaBatch: {
+      const std::uint64_t min_segment = build_segments(r, sc.planes, sc.runs, sc.segments);
+      report.segments = sc.segments.size();
+      report.calls = static_cast<std::uint32_t>((sc.segments.size() + options_.batch_max_descriptors - 1) /
+                                                options_.batch_max_descriptors);
+      report.gated = supports_gate() && dir == CopyDirection::kHostToDevice &&
+                     (options_.batch_gate_always || min_segment <= options_.batch_gate_max_segment_bytes);
+      status = run_batch(*st, stream, sc.segments, dir, report.gated);
+      break;
+    }
+    case CopyStrategy::kSmKernel:
+      report.segments = summary.segments;
+      status = run_kernel(*st, stream, r, dir, report);
+      break;
+  }
+  // Track the direction even after a partial failure: some work may be queued.
+  Status noted = note_enqueued(*st, stream, dir);
+  if (!status.ok())
+    return status.with_context(fmt::format("{} {} copy of {} pairs", copy_strategy_name(report.strategy),
+                                           copy_direction_name(dir), report.pairs));
+  KVTIER_RETURN_IF_ERROR(noted);
+  return report;
+}
+
+}  // namespace copy_detail
+}  // namespace kvtier

@@ -1,0 +1,101 @@
+// Backend-independent part of the CopyEngine: validation, planning, kAuto,
+// per-stream state (scratch, descriptor slot ring, in-flight tracking) and the
+// kernel descriptor protocol. Backends implement the three executors.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "copy/kernel_plan.h"
+#include "copy/plan.h"
+#include "kvtier/copy/copy_engine.h"
+
+namespace kvtier::copy_detail {
+
+// Backend-specific per-stream state (e.g. the CUDA gate flag).
+struct BackendStreamState {
+  virtual ~BackendStreamState() = default;
+};
+
+// One kernel descriptor slot: pinned staging (CPU writes the plane table and
+// pairs) + device buffer (uploaded copy), reusable once `done` completed.
+struct DescriptorSlot {
+  std::unique_ptr<PinnedMemory> staging;
+  Buffer device;
+  std::unique_ptr<Event> done;
+  bool pending = false;  // `done` was recorded after the last use
+  std::uint64_t capacity = 0;
+};
+
+struct StreamState {
+  std::mutex mu;  // serialises copy() calls on this stream
+  std::uint64_t stream_id = 0;
+  PlanScratch scratch;
+  std::vector<DescriptorSlot> slots;
+  std::uint32_t next_slot = 0;
+  std::unique_ptr<BackendStreamState> backend;
+
+  // In-flight tracking per direction: an event recorded after the last copy
+  // of that direction. Guarded by track_mu (choose() on other threads queries).
+  std::mutex track_mu;
+  std::array<std::unique_ptr<Event>, kNumCopyDirections> last{};
+  std::array<bool, kNumCopyDirections> maybe_pending{};
+};
+
+class EngineBase : public CopyEngine {
+ public:
+  EngineBase(Device& device, const CopyEngineOptions& options);
+  ~EngineBase() override;
+
+  Status validate(const CopyRequest& request) const override;
+  Result<CopyReport> copy(const CopyRequest& request, Stream& stream) override;
+  CopyStrategy choose(const CopyRequest& request) const override;
+  Status forget_stream(Stream& stream) override;
+  const CopyEngineOptions& options() const noexcept override { return options_; }
+  Device& device() const noexcept override { return device_; }
+
+  // Options sanity (called by create()).
+  static Status check_options(const CopyEngineOptions& o);
+
+ protected:
+  // One memcpy_async per segment (default: Device::memcpy_async).
+  virtual Status run_per_run(StreamState& st, Stream& stream, std::span<const Segment> segments, CopyDirection dir);
+  // All segments as batches of <= batch_max_descriptors; `gated`: hold the
+  // stream busy until every chunk is queued.
+  virtual Status run_batch(StreamState& st, Stream& stream, std::span<const Segment> segments, CopyDirection dir,
+                           bool gated) = 0;
+  // Launches the kernel over `args` (pointers are device-readable) with `ctas`
+  // CTAs of options().sm_threads_per_cta threads. `staging`/`descriptor_bytes`:
+  // the host copy of the descriptors args points to (unchanged until the
+  // kernel completed), for backends that can check them.
+  virtual Status launch_kernel(StreamState& st, Stream& stream, const KernelArgs& args, std::uint32_t ctas,
+                               const std::byte* staging, std::uint64_t descriptor_bytes) = 0;
+  // Creates backend per-stream state on first use (may return null).
+  virtual Result<std::unique_ptr<BackendStreamState>> make_backend_state(Stream& stream) { return {nullptr}; }
+  // Whether a gate exists on this backend (host backend: no idle-stream cliff).
+  virtual bool supports_gate() const noexcept { return false; }
+
+  Device& device_;
+  CopyEngineOptions options_;
+
+ private:
+  Result<std::shared_ptr<StreamState>> state_for(Stream& stream);
+  CopyStrategy choose_impl(const PlanSummary& s, const StreamState* self) const;
+  bool in_flight(CopyDirection dir, const StreamState* exclude) const;
+  Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
+  Result<DescriptorSlot*> acquire_slot(StreamState& st, std::uint64_t bytes);
+  Status note_enqueued(StreamState& st, Stream& stream, CopyDirection dir);
+  std::uint32_t ctas_for(CopyDirection dir) const noexcept;
+
+  mutable std::mutex map_mu_;
+  std::map<std::uint64_t, std::shared_ptr<StreamState>> streams_;
+};
+
+// Factories of the backends (engine_base.cc dispatches on Device::backend()).
+Result<std::unique_ptr<CopyEngine>> create_host_copy_engine(Device& device, const CopyEngineOptions& options);
+Result<std::unique_ptr<CopyEngine>> create_cuda_copy_engine(Device& device, const CopyEngineOptions& options);
+
+}  // namespace kvtier::copy_detail

@@ -1,0 +1,88 @@
+// Host-backend executors: every strategy runs on the simulated stream's
+// worker, so CPU tests exercise the same planning, chunking, descriptor slots
+// and kernel work decomposition as the CUDA backend.
+#include <fmt/format.h>
+
+#include <cstring>
+#include <vector>
+
+#include "copy/engine_base.h"
+#include "copy/kernel_plan.h"
+#include "kvtier/device/host_device.h"
+
+namespace kvtier::copy_detail {
+namespace {
+
+// One warp's copy of one item, lane by lane, exactly as the GPU kernel
+// splits it (split_for_vectors): head bytes, `width`-byte body elements
+// strided by 32 lanes, tail bytes.
+void warp_copy_emulated(const WorkItem& w) {
+  const VectorSplit v = split_for_vectors(w.src, w.dst, w.bytes);
+  for (std::uint32_t lane = 0; lane < kWarpLanes; ++lane)
+    if (lane < v.head) w.dst[lane] = w.src[lane];
+  const unsigned char* src = w.src + v.head;
+  unsigned char* dst = w.dst + v.head;
+  for (std::uint32_t lane = 0; lane < kWarpLanes; ++lane)
+    for (std::uint64_t e = lane; e < v.body; e += kWarpLanes)
+      std::memcpy(dst + e * v.width, src + e * v.width, v.width);
+  const std::uint64_t tail_at = v.body * v.width;
+  for (std::uint32_t lane = 0; lane < kWarpLanes; ++lane)
+    if (lane < v.tail) dst[tail_at + lane] = src[tail_at + lane];
+}
+
+// The kernel's grid: CTA c, warp w takes items c*warps + w, + total_warps, ...
+void run_kernel_emulated(const KernelArgs& a, std::uint32_t ctas, std::uint32_t threads) {
+  const std::uint32_t warps = threads / kWarpLanes;
+  const std::uint64_t total = std::uint64_t{ctas} * warps;
+  for (std::uint32_t c = 0; c < ctas; ++c)
+    for (std::uint32_t w = 0; w < warps; ++w)
+      for (std::uint64_t item = std::uint64_t{c} * warps + w; item < a.num_items; item += total)
+        warp_copy_emulated(resolve_item(a.planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item));
+}
+
+class HostCopyEngine final : public EngineBase {
+ public:
+  HostCopyEngine(HostDevice& host, const CopyEngineOptions& options) : EngineBase(host, options), host_(host) {}
+
+ protected:
+  Status run_batch(StreamState&, Stream& stream, std::span<const Segment> segments, CopyDirection, bool) override {
+    const std::size_t chunk = options_.batch_max_descriptors;
+    for (std::size_t i = 0; i < segments.size(); i += chunk) {
+      const std::size_t n = std::min(chunk, segments.size() - i);
+      std::vector<Segment> copy(segments.begin() + i, segments.begin() + i + n);
+      KVTIER_RETURN_IF_ERROR(host_.enqueue_task(stream, [copy = std::move(copy)]() -> Status {
+        for (const Segment& s : copy) std::memcpy(s.dst, s.src, s.bytes);
+        return Status::Ok();
+      }));
+    }
+    return Status::Ok();
+  }
+
+  Status launch_kernel(StreamState&, Stream& stream, const KernelArgs& args, std::uint32_t ctas,
+                       const std::byte* staging, std::uint64_t descriptor_bytes) override {
+    const std::uint32_t threads = options_.sm_threads_per_cta;
+    return host_.enqueue_task(stream, [args, ctas, threads, staging, descriptor_bytes]() -> Status {
+      // A failed (injected) descriptor upload leaves garbage where a GPU
+      // kernel would fault; refuse to run on it instead of scribbling memory.
+      if (static_cast<const void*>(args.planes) != static_cast<const void*>(staging) &&
+          std::memcmp(args.planes, staging, descriptor_bytes) != 0)
+        return Internal("sm_kernel descriptors in device memory differ from the staged ones (the upload failed)");
+      run_kernel_emulated(args, ctas, threads);
+      return Status::Ok();
+    });
+  }
+
+ private:
+  HostDevice& host_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CopyEngine>> create_host_copy_engine(Device& device, const CopyEngineOptions& options) {
+  auto* host = dynamic_cast<HostDevice*>(&device);
+  if (host == nullptr)
+    return InvalidArgument(fmt::format("device '{}' reports the host backend but is not a HostDevice", device.name()));
+  return std::unique_ptr<CopyEngine>(new HostCopyEngine(*host, options));
+}
+
+}  // namespace kvtier::copy_detail

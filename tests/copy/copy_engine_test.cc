@@ -1,0 +1,132 @@
+// CopyEngine on the host backend (label cpu). The shared body runs every
+// strategy's host executor; the tests below use host-only fault and delay
+// injection.
+#include "copy/copy_engine_test_body.h"
+#include "copy/kernel_plan.h"
+#include "copy/plan.h"
+
+namespace kvtier::copy_test {
+
+Result<std::unique_ptr<Device>> make_copy_test_device() {
+  KVTIER_ASSIGN_OR_RETURN(auto host, HostDevice::create());
+  return std::unique_ptr<Device>(std::move(host));
+}
+
+namespace {
+
+HostDevice& host_of(Device& d) { return static_cast<HostDevice&>(d); }
+
+TEST_F(CopyEngineTest, AutoPrefersCopyEnginesWhenFullDuplex) {
+  auto layout = KvLayout::uniform(1, 2, 16 * 1024);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 64);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 64);
+  auto host2 = layer_first(MemoryKind::kPinnedHost, *layout, 64);
+  ASSERT_TRUE(dev && host && host2);
+  fill_random(*dev, 1);
+  fill_random(*host2, 2);
+  fill_poison(*host);
+  auto other = device_->create_stream();
+  ASSERT_TRUE(other.ok());
+  auto s = random_ids(32, 16, 3);
+  auto d = random_ids(32, 16, 4);
+  auto d2 = random_ids(32, 16, 5);
+  for (auto& x : d2) x += 32;  // H2D writes device blocks 32..63, disjoint from the D2H reads
+  // Slow the simulated streams so that the D2H copy is still in flight.
+  host_of(*device_).set_delays(std::chrono::milliseconds(300), std::chrono::milliseconds(300));
+  CopyRequest d2h{&dev->space, &host->space, s, d, {}, kAllRoles, CopyStrategy::kAuto};
+  auto r1 = engine_->copy(d2h, **other);
+  ASSERT_TRUE(r1.ok()) << r1.status().to_string();
+  EXPECT_EQ(r1->strategy, CopyStrategy::kSmKernel);  // nothing else in flight
+  CopyRequest h2d{&host2->space, &dev->space, s, d2, {}, kAllRoles, CopyStrategy::kAuto};
+  EXPECT_EQ(engine_->choose(h2d), CopyStrategy::kDmaBatch);  // D2H in flight: full duplex
+  auto r2 = engine_->copy(h2d, *stream_);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->strategy, CopyStrategy::kDmaBatch);
+  ASSERT_TRUE(device_->synchronize(**other, kWait).ok());
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  host_of(*device_).set_delays({}, {});
+  // Once the D2H completed, small H2D goes back to the kernel.
+  EXPECT_EQ(engine_->choose(h2d), CopyStrategy::kSmKernel);
+  model_copy(*dev, *host, d2h);
+  expect_matches_model(*host);
+  EXPECT_TRUE(engine_->forget_stream(**other).ok());
+}
+
+TEST_F(CopyEngineTest, FailedCopyIsReportedByTheStream) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  ASSERT_TRUE(dev && host);
+  std::vector<std::int32_t> s{0, 2}, d{1, 3};
+  for (CopyStrategy strategy : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch, CopyStrategy::kSmKernel}) {
+    SCOPED_TRACE(copy_strategy_name(strategy));
+    host_of(*device_).fail_nth_operation(1);
+    auto rep = engine_->copy(CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, strategy}, *stream_);
+    ASSERT_TRUE(rep.ok());  // enqueued; the failure shows on the stream
+    EXPECT_FALSE(device_->synchronize(*stream_, kWait).ok());
+    host_of(*device_).clear_stream_error(*stream_);
+  }
+}
+
+// The index math of the kernel decomposition, checked directly: every byte
+// of every (pair, plane) is covered exactly once, items never cross blocks.
+TEST(KernelPlanTest, ItemsCoverEveryByteOnce) {
+  using namespace copy_detail;
+  const std::uint64_t sizes[] = {1, 15, 16, 17, 100, 4096, 4097, 70000};
+  std::vector<KernelPlane> planes;
+  std::uint64_t base = 0x10000;
+  for (std::uint64_t bb : sizes) {
+    planes.push_back({base, bb + 3, base + (1u << 24), bb, bb, 0, 0});
+    base += (bb + 3) * 8;
+  }
+  const std::uint32_t item_bytes = 4096;
+  const std::uint32_t ipp = assign_items(planes.data(), static_cast<std::uint32_t>(planes.size()), item_bytes);
+  const KernelPair pairs[] = {{0, 5}, {3, 1}, {7, 7}};
+  std::map<std::uint64_t, std::uint64_t> covered;  // dst address -> bytes
+  std::uint64_t total = 0;
+  for (std::uint64_t item = 0; item < 3ull * ipp; ++item) {
+    const WorkItem w =
+        resolve_item(planes.data(), static_cast<std::uint32_t>(planes.size()), pairs, ipp, item_bytes, item);
+    ASSERT_GT(w.bytes, 0u);
+    ASSERT_LE(w.bytes, item_bytes);
+    covered[reinterpret_cast<std::uint64_t>(w.dst)] += w.bytes;
+    total += w.bytes;
+  }
+  std::uint64_t expected = 0;
+  for (std::uint64_t bb : sizes) expected += 3 * bb;
+  EXPECT_EQ(total, expected);
+  // No overlaps: sorted item ranges never intersect.
+  std::uint64_t end = 0;
+  for (auto [addr, bytes] : covered) {
+    EXPECT_GE(addr, end);
+    end = addr + bytes;
+  }
+}
+
+TEST(KernelPlanTest, VectorSplit) {
+  using namespace copy_detail;
+  auto at = [](std::uint64_t a) { return reinterpret_cast<const void*>(a); };
+  VectorSplit v = split_for_vectors(at(0x1000), at(0x2000), 100);
+  EXPECT_EQ(v.width, 16u);
+  EXPECT_EQ(v.head, 0u);
+  EXPECT_EQ(v.body, 6u);
+  EXPECT_EQ(v.tail, 4u);
+  v = split_for_vectors(at(0x1003), at(0x2003), 100);  // same misalignment: head then 16-byte body
+  EXPECT_EQ(v.width, 16u);
+  EXPECT_EQ(v.head, 13u);
+  EXPECT_EQ(v.head + v.body * v.width + v.tail, 100u);
+  v = split_for_vectors(at(0x1008), at(0x2000), 100);
+  EXPECT_EQ(v.width, 8u);
+  v = split_for_vectors(at(0x1001), at(0x2000), 100);
+  EXPECT_EQ(v.width, 1u);
+  EXPECT_EQ(v.body, 100u);
+  v = split_for_vectors(at(0x1001), at(0x2001), 5);  // head longer than the item
+  EXPECT_EQ(v.head, 5u);
+  EXPECT_EQ(v.body, 0u);
+  EXPECT_EQ(v.tail, 0u);
+}
+
+}  // namespace
+}  // namespace kvtier::copy_test

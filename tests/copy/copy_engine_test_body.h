@@ -1,0 +1,749 @@
+// CopyEngine conformance tests, shared by the host-backend binary
+// (tests/copy/copy_engine_test.cc, label cpu) and the CUDA binary
+// (tests/gpu/copy_gpu_test.cc, label gpu). The including file defines
+// make_copy_test_device(); a failure to create the device skips every test.
+//
+// Every test fills sources with random bytes and destinations with a poison
+// pattern, copies, then compares every byte of every destination region with
+// a CPU model (poison everywhere except the moved blocks of the selected
+// planes, which hold the source bytes): exact tails and untouched blocks are
+// checked at once.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kvtier/copy/copy_engine.h"
+#include "kvtier/core/layout.h"
+#include "kvtier/device/device.h"
+#include "kvtier/device/host_device.h"
+
+namespace kvtier::copy_test {
+
+Result<std::unique_ptr<Device>> make_copy_test_device();
+
+inline constexpr std::uint8_t kPoison = 0xA5;
+inline constexpr auto kWait = std::chrono::seconds(60);
+
+// A BlockSpace with its memory and a CPU mirror of that memory.
+struct TestSpace {
+  struct Region {
+    std::byte* base = nullptr;
+    std::uint64_t bytes = 0;
+    std::vector<std::byte> mirror;
+  };
+  std::vector<Buffer> device_buffers;
+  std::vector<std::unique_ptr<PinnedMemory>> pinned;
+  std::vector<Region> regions;
+  BlockSpace space;
+
+  std::byte* mirror_of(const std::byte* p) {
+    for (auto& r : regions)
+      if (p >= r.base && p < r.base + r.bytes) return r.mirror.data() + (p - r.base);
+    ADD_FAILURE() << "pointer outside every region";
+    return nullptr;
+  }
+};
+
+class CopyEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto dev = make_copy_test_device();
+    if (!dev.ok()) GTEST_SKIP() << "no device: " << dev.status().to_string();
+    device_ = std::move(dev).value();
+    auto s = device_->create_stream();
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    stream_ = std::move(s).value();
+    ASSERT_TRUE(make_engine().ok());
+  }
+  void TearDown() override {
+    if (stream_) {
+      EXPECT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    }
+    engine_.reset();
+  }
+
+  Status make_engine(const CopyEngineOptions& options = {}) {
+    engine_.reset();
+    auto e = CopyEngine::create(*device_, options);
+    if (!e.ok()) return e.status();
+    engine_ = std::move(e).value();
+    return Status::Ok();
+  }
+  bool is_host() const { return device_->backend() == BackendKind::kHost; }
+
+  Result<std::byte*> alloc(TestSpace& ts, MemoryKind kind, std::uint64_t bytes) {
+    if (kind == MemoryKind::kDevice) {
+      KVTIER_ASSIGN_OR_RETURN(Buffer b, device_->allocate_device(bytes));
+      std::byte* p = b.bytes_ptr();
+      ts.device_buffers.push_back(std::move(b));
+      ts.regions.push_back({p, bytes, {}});
+      return p;
+    }
+    KVTIER_ASSIGN_OR_RETURN(auto pm, device_->allocate_pinned(bytes));
+    std::byte* p = pm->data();
+    ts.pinned.push_back(std::move(pm));
+    ts.regions.push_back({p, bytes, {}});
+    return p;
+  }
+
+  // Layer-first: one region per (layer, role), stride = block_bytes (+ pad).
+  std::unique_ptr<TestSpace> layer_first(MemoryKind kind, const KvLayout& layout, std::uint64_t blocks,
+                                         std::uint64_t pad = 0, std::uint64_t base_offset = 0) {
+    auto ts = std::make_unique<TestSpace>();
+    std::vector<std::vector<Plane>> planes(layout.num_layers());
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        const std::uint64_t stride = layout.block_bytes(l, r) + pad;
+        auto p = alloc(*ts, kind, stride * blocks + base_offset);
+        EXPECT_TRUE(p.ok()) << p.status().to_string();
+        if (!p.ok()) return nullptr;
+        planes[l].push_back({*p + base_offset, stride});
+      }
+    auto s = BlockSpace::from_planes(kind, device_->ordinal(), layout, blocks, std::move(planes));
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    if (!s.ok()) return nullptr;
+    ts->space = std::move(s).value();
+    return ts;
+  }
+
+  std::unique_ptr<TestSpace> page_first(MemoryKind kind, const KvLayout& layout, std::uint64_t blocks,
+                                        std::uint64_t page_alignment = 1, std::uint64_t role_alignment = 1) {
+    auto ts = std::make_unique<TestSpace>();
+    const std::uint64_t page = BlockSpace::page_first_page_bytes(layout, page_alignment, role_alignment);
+    auto p = alloc(*ts, kind, page * blocks);
+    EXPECT_TRUE(p.ok());
+    if (!p.ok()) return nullptr;
+    auto s = BlockSpace::page_first(kind, device_->ordinal(), layout, blocks, *p, page * blocks, page_alignment,
+                                    role_alignment);
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    if (!s.ok()) return nullptr;
+    ts->space = std::move(s).value();
+    return ts;
+  }
+
+  // K/V interleaved per layer: [blocks, 2, block] (stride 2 * block_bytes).
+  std::unique_ptr<TestSpace> kv_interleaved(MemoryKind kind, const KvLayout& layout, std::uint64_t blocks) {
+    auto ts = std::make_unique<TestSpace>();
+    std::vector<std::vector<Plane>> planes(layout.num_layers());
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+      std::uint64_t row = 0;
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) row += layout.block_bytes(l, r);
+      auto p = alloc(*ts, kind, row * blocks);
+      EXPECT_TRUE(p.ok());
+      if (!p.ok()) return nullptr;
+      std::uint64_t off = 0;
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        planes[l].push_back({*p + off, row});
+        off += layout.block_bytes(l, r);
+      }
+    }
+    auto s = BlockSpace::from_planes(kind, device_->ordinal(), layout, blocks, std::move(planes));
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    if (!s.ok()) return nullptr;
+    ts->space = std::move(s).value();
+    return ts;
+  }
+
+  void fill_random(TestSpace& ts, std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    for (auto& r : ts.regions) {
+      r.mirror.resize(r.bytes);
+      std::uint64_t i = 0;
+      for (; i + 8 <= r.bytes; i += 8) {
+        const std::uint64_t v = rng();
+        std::memcpy(r.mirror.data() + i, &v, 8);
+      }
+      for (; i < r.bytes; ++i) r.mirror[i] = static_cast<std::byte>(rng());
+      ASSERT_TRUE(device_->memcpy_sync(r.base, r.mirror.data(), r.bytes).ok());
+    }
+  }
+  void fill_poison(TestSpace& ts) {
+    for (auto& r : ts.regions) {
+      r.mirror.assign(r.bytes, static_cast<std::byte>(kPoison));
+      ASSERT_TRUE(device_->memcpy_sync(r.base, r.mirror.data(), r.bytes).ok());
+    }
+  }
+  // Applies a request to the CPU model of dst.
+  void model_copy(TestSpace& src, TestSpace& dst, const CopyRequest& r) {
+    const KvLayout& layout = src.space.layout();
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+      if (!r.layers.empty() && std::find(r.layers.begin(), r.layers.end(), l) == r.layers.end()) continue;
+      for (std::uint32_t ro = 0; ro < layout.num_roles(l); ++ro) {
+        if (!(r.roles & role_bit(layout.layer(l).roles[ro].role))) continue;
+        for (std::size_t i = 0; i < r.src_blocks.size(); ++i) {
+          const std::byte* s = src.mirror_of(src.space.block_ptr(l, ro, r.src_blocks[i]));
+          std::byte* d = dst.mirror_of(dst.space.block_ptr(l, ro, r.dst_blocks[i]));
+          std::memcpy(d, s, layout.block_bytes(l, ro));
+        }
+      }
+    }
+  }
+  // Every byte of every dst region equals the model.
+  void expect_matches_model(TestSpace& ts) {
+    for (std::size_t k = 0; k < ts.regions.size(); ++k) {
+      auto& r = ts.regions[k];
+      std::vector<std::byte> actual(r.bytes);
+      ASSERT_TRUE(device_->memcpy_sync(actual.data(), r.base, r.bytes).ok());
+      if (actual != r.mirror) {
+        std::uint64_t first = 0;
+        while (first < r.bytes && actual[first] == r.mirror[first]) ++first;
+        std::uint64_t count = 0;
+        for (std::uint64_t i = 0; i < r.bytes; ++i) count += actual[i] != r.mirror[i];
+        ADD_FAILURE() << "region " << k << " (" << r.bytes << " bytes): " << count << " bytes differ, first at offset "
+                      << first << " (got " << static_cast<int>(actual[first]) << ", expected "
+                      << static_cast<int>(r.mirror[first]) << ")";
+        return;
+      }
+    }
+  }
+
+  // Copies, waits, and checks dst against the model. Returns the report.
+  CopyReport copy_and_check(TestSpace& src, TestSpace& dst, const CopyRequest& r) {
+    model_copy(src, dst, r);
+    auto report = engine_->copy(r, *stream_);
+    EXPECT_TRUE(report.ok()) << report.status().to_string();
+    EXPECT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    expect_matches_model(dst);
+    return report.ok() ? *report : CopyReport{};
+  }
+
+  // Expects `code` and an untouched (still poisoned) destination.
+  void expect_rejected(TestSpace& dst, const CopyRequest& r, StatusCode code) {
+    EXPECT_EQ(engine_->validate(r).code(), code) << engine_->validate(r).to_string();
+    auto report = engine_->copy(r, *stream_);
+    ASSERT_FALSE(report.ok());
+    EXPECT_EQ(report.status().code(), code) << report.status().to_string();
+    EXPECT_FALSE(report.status().message().empty());
+    EXPECT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    expect_matches_model(dst);
+  }
+
+  static std::vector<std::int32_t> random_ids(std::uint64_t pool, std::size_t n, std::uint64_t seed) {
+    std::vector<std::int32_t> all(pool);
+    std::iota(all.begin(), all.end(), 0);
+    std::mt19937_64 rng(seed);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(n);
+    return all;
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<CopyEngine> engine_;
+};
+
+inline constexpr CopyStrategy kStrategies[] = {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch,
+                                               CopyStrategy::kSmKernel, CopyStrategy::kAuto};
+
+// ---------------------------------------------------------------- validation
+
+struct ValidationFixture {
+  std::unique_ptr<TestSpace> src, dst;
+  std::vector<std::int32_t> s{0, 1, 2}, d{3, 4, 5};
+  CopyRequest req() const {
+    CopyRequest r;
+    r.src = &src->space;
+    r.dst = &dst->space;
+    r.src_blocks = s;
+    r.dst_blocks = d;
+    return r;
+  }
+};
+
+class CopyValidationTest : public CopyEngineTest {
+ protected:
+  void SetUp() override {
+    CopyEngineTest::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    auto layout = KvLayout::uniform(2, 2, 100);
+    ASSERT_TRUE(layout.ok());
+    layout_ = *layout;
+    v_.src = layer_first(MemoryKind::kDevice, layout_, 8);
+    v_.dst = layer_first(MemoryKind::kPinnedHost, layout_, 8);
+    ASSERT_TRUE(v_.src && v_.dst);
+    fill_random(*v_.src, 1);
+    fill_poison(*v_.dst);
+  }
+  KvLayout layout_;
+  ValidationFixture v_;
+};
+
+TEST_F(CopyValidationTest, NullSrc) {
+  auto r = v_.req();
+  r.src = nullptr;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, NullDst) {
+  auto r = v_.req();
+  r.dst = nullptr;
+  EXPECT_EQ(engine_->copy(r, *stream_).status().code(), StatusCode::kInvalidArgument);
+  expect_matches_model(*v_.dst);
+}
+TEST_F(CopyValidationTest, LayoutMismatch) {
+  auto other = KvLayout::uniform(2, 2, 101);
+  ASSERT_TRUE(other.ok());
+  auto src = layer_first(MemoryKind::kDevice, *other, 8);
+  auto r = v_.req();
+  r.src = &src->space;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, LengthMismatch) {
+  auto r = v_.req();
+  std::vector<std::int32_t> d{3, 4};
+  r.dst_blocks = d;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, EmptyIsNoop) {
+  for (CopyStrategy s : kStrategies) {
+    auto r = v_.req();
+    r.src_blocks = {};
+    r.dst_blocks = {};
+    r.strategy = s;
+    auto report = engine_->copy(r, *stream_);
+    ASSERT_TRUE(report.ok()) << report.status().to_string();
+    EXPECT_EQ(report->bytes, 0u);
+    EXPECT_EQ(report->calls, 0u);
+  }
+  EXPECT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  expect_matches_model(*v_.dst);
+}
+TEST_F(CopyValidationTest, SrcIdOutOfRange) {
+  v_.s = {0, 8, 2};
+  expect_rejected(*v_.dst, v_.req(), StatusCode::kOutOfRange);
+  EXPECT_NE(engine_->validate(v_.req()).message().find("index 1"), std::string::npos);
+}
+TEST_F(CopyValidationTest, NegativeSrcId) {
+  v_.s = {0, 1, -1};
+  expect_rejected(*v_.dst, v_.req(), StatusCode::kOutOfRange);
+  EXPECT_NE(engine_->validate(v_.req()).message().find("-1"), std::string::npos);
+}
+TEST_F(CopyValidationTest, DstIdOutOfRange) {
+  v_.d = {3, 4, 100};
+  expect_rejected(*v_.dst, v_.req(), StatusCode::kOutOfRange);
+}
+TEST_F(CopyValidationTest, DuplicateDestination) {
+  v_.d = {3, 4, 3};
+  expect_rejected(*v_.dst, v_.req(), StatusCode::kInvalidArgument);
+  EXPECT_NE(engine_->validate(v_.req()).message().find("duplicate"), std::string::npos);
+  // The per-thread bitmap was cleared: a valid request right after passes.
+  v_.d = {3, 4, 5};
+  EXPECT_TRUE(engine_->validate(v_.req()).ok());
+}
+TEST_F(CopyValidationTest, DuplicateSourceIsAllowed) {
+  v_.s = {1, 1, 1};
+  auto r = v_.req();
+  copy_and_check(*v_.src, *v_.dst, r);
+}
+TEST_F(CopyValidationTest, LayerOutOfRange) {
+  std::vector<std::uint32_t> layers{0, 2};
+  auto r = v_.req();
+  r.layers = layers;
+  expect_rejected(*v_.dst, r, StatusCode::kOutOfRange);
+}
+TEST_F(CopyValidationTest, DuplicateLayer) {
+  std::vector<std::uint32_t> layers{1, 1};
+  auto r = v_.req();
+  r.layers = layers;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, RoleMaskSelectsNothing) {
+  auto r = v_.req();
+  r.roles = role_bit(Role::kLatent);  // uniform(2, 2) has key and value only
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+  r.roles = 0;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, KernelHostToHostNotSupported) {
+  auto src = layer_first(MemoryKind::kPinnedHost, layout_, 8);
+  fill_random(*src, 2);
+  auto r = v_.req();
+  r.src = &src->space;
+  r.strategy = CopyStrategy::kSmKernel;
+  expect_rejected(*v_.dst, r, StatusCode::kNotSupported);
+  // DMA strategies move host->host.
+  for (CopyStrategy s : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch, CopyStrategy::kAuto}) {
+    r.strategy = s;
+    v_.d = {3, 4, 5};
+    copy_and_check(*src, *v_.dst, r);
+  }
+}
+TEST_F(CopyValidationTest, OverlappingCopyInSameSpace) {
+  auto r = v_.req();
+  r.src = &v_.dst->space;
+  v_.s = {0, 1, 2};
+  v_.d = {2, 6, 7};  // block 2 is read and written
+  r.src_blocks = v_.s;
+  r.dst_blocks = v_.d;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, DeviceOrdinalMismatch) {
+  auto planes = std::vector<std::vector<Plane>>(2);
+  for (std::uint32_t l = 0; l < 2; ++l)
+    for (std::uint32_t ro = 0; ro < 2; ++ro) planes[l].push_back(v_.src->space.plane(l, ro));
+  auto other = BlockSpace::from_planes(MemoryKind::kDevice, device_->ordinal() + 1, layout_, 8, planes);
+  ASSERT_TRUE(other.ok());
+  auto r = v_.req();
+  r.src = &*other;
+  expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
+}
+TEST_F(CopyValidationTest, BadOptions) {
+  CopyEngineOptions o;
+  o.sm_threads_per_cta = 100;
+  EXPECT_EQ(CopyEngine::create(*device_, o).status().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.sm_item_bytes = 1000;
+  EXPECT_EQ(CopyEngine::create(*device_, o).status().code(), StatusCode::kInvalidArgument);
+  o = {};
+  o.descriptor_slots = 0;
+  EXPECT_EQ(CopyEngine::create(*device_, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ------------------------------------------------------------- byte-exactness
+
+struct DirectionCase {
+  MemoryKind src, dst;
+};
+inline constexpr DirectionCase kDirections[] = {{MemoryKind::kDevice, MemoryKind::kPinnedHost},
+                                                {MemoryKind::kPinnedHost, MemoryKind::kDevice},
+                                                {MemoryKind::kDevice, MemoryKind::kDevice}};
+
+TEST_F(CopyEngineTest, EveryStrategyEverySizeEveryDirection) {
+  const std::uint64_t sizes[] = {1, 100, 4095, 4096, 4097, 16 * 1024, 73728, 1 << 20};
+  int seed = 10;
+  for (std::uint64_t bb : sizes) {
+    const std::uint32_t roles = bb >= (1 << 20) ? 1 : 2;
+    auto layout = KvLayout::uniform(roles, roles, bb);
+    ASSERT_TRUE(layout.ok());
+    const std::uint64_t pool = 20;
+    for (const DirectionCase& dc : kDirections) {
+      auto src = layer_first(dc.src, *layout, pool);
+      auto dst = layer_first(dc.dst, *layout, pool);
+      ASSERT_TRUE(src && dst);
+      fill_random(*src, ++seed);
+      // 9 random ids plus a run of 3 consecutive ids on both sides
+      // (src 17..19 -> dst 10..12), so that per-run merging is exercised.
+      std::vector<std::int32_t> s = random_ids(17, 9, ++seed);
+      s.insert(s.end(), {17, 18, 19});
+      std::vector<std::int32_t> d;
+      for (std::int32_t x : random_ids(pool, pool, ++seed))
+        if ((x < 10 || x > 12) && d.size() < 9) d.push_back(x);
+      d.insert(d.end(), {10, 11, 12});
+      ASSERT_EQ(s.size(), d.size());
+      for (CopyStrategy strategy : kStrategies) {
+        SCOPED_TRACE(::testing::Message() << "block_bytes=" << bb << " " << memory_kind_name(dc.src) << "->"
+                                          << memory_kind_name(dc.dst) << " " << copy_strategy_name(strategy));
+        fill_poison(*dst);
+        CopyRequest r;
+        r.src = &src->space;
+        r.dst = &dst->space;
+        r.src_blocks = s;
+        r.dst_blocks = d;
+        r.strategy = strategy;
+        const CopyReport rep = copy_and_check(*src, *dst, r);
+        EXPECT_EQ(rep.bytes, bb * s.size() * roles * roles);
+        EXPECT_EQ(rep.pairs, s.size());
+        if (strategy != CopyStrategy::kAuto) {
+          EXPECT_EQ(rep.strategy, strategy);
+        }
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+TEST_F(CopyEngineTest, MisalignedPlanesUseNarrowAccesses) {
+  auto layout = KvLayout::uniform(1, 2, 4097);
+  ASSERT_TRUE(layout.ok());
+  // Bases offset by 1 and 3 bytes, strides padded by 5: every width path.
+  auto src = layer_first(MemoryKind::kDevice, *layout, 16, 5, 1);
+  auto dst = layer_first(MemoryKind::kPinnedHost, *layout, 16, 5, 3);
+  ASSERT_TRUE(src && dst);
+  fill_random(*src, 3);
+  std::vector<std::int32_t> s{0, 3, 5, 9, 15, 2}, d{7, 1, 2, 3, 0, 14};
+  for (CopyStrategy strategy : kStrategies) {
+    SCOPED_TRACE(copy_strategy_name(strategy));
+    fill_poison(*dst);
+    CopyRequest r{&src->space, &dst->space, s, d, {}, kAllRoles, strategy};
+    copy_and_check(*src, *dst, r);
+  }
+}
+
+TEST_F(CopyEngineTest, LayerSubsetsAndRoleMasks) {
+  GqaShape shape;
+  shape.num_layers = 4;
+  shape.num_draft_layers = 1;
+  shape.kv_heads = 2;
+  shape.block_tokens = 16;
+  shape.head_dim = 64;
+  shape.fp8_scales = true;
+  shape.dtype = DType::kFp8E4M3;
+  auto layout = KvLayout::gqa(shape);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 32);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 32);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 4);
+  const std::vector<std::vector<std::uint32_t>> layer_sets{{2}, {0, 3}, {4, 1}, {}};
+  const RoleMask masks[] = {kAllRoles, role_bit(Role::kKeyScale) | role_bit(Role::kValueScale), role_bit(Role::kValue)};
+  auto s = random_ids(32, 12, 5);
+  auto d = random_ids(32, 12, 6);
+  for (CopyStrategy strategy : kStrategies)
+    for (const auto& layers : layer_sets)
+      for (RoleMask mask : masks) {
+        SCOPED_TRACE(::testing::Message()
+                     << copy_strategy_name(strategy) << " layers=" << layers.size() << " mask=" << mask);
+        fill_poison(*host);
+        CopyRequest r{&dev->space, &host->space, s, d, layers, mask, strategy};
+        const CopyReport rep = copy_and_check(*dev, *host, r);
+        std::uint32_t planes_per_layer = mask == kAllRoles ? 4 : mask == role_bit(Role::kValue) ? 1 : 2;
+        EXPECT_EQ(rep.planes, (layers.empty() ? 5 : layers.size()) * planes_per_layer);
+        if (HasFailure()) return;
+      }
+}
+
+TEST_F(CopyEngineTest, HostLayoutsAndInterleavedDevice) {
+  GqaShape shape;
+  shape.num_layers = 3;
+  shape.kv_heads = 1;
+  shape.block_tokens = 8;
+  shape.head_dim = 40;  // 640-byte blocks (not a multiple of 16 blocks per page)
+  shape.fp8_scales = true;
+  auto layout = KvLayout::gqa(shape);
+  ASSERT_TRUE(layout.ok());
+  const std::uint64_t n = 24;
+  auto dev_kv = kv_interleaved(MemoryKind::kDevice, *layout, n);
+  auto dev_lf = layer_first(MemoryKind::kDevice, *layout, n);
+  auto host_pf = page_first(MemoryKind::kPinnedHost, *layout, n, 4096, 16);
+  auto host_pf_packed = page_first(MemoryKind::kPinnedHost, *layout, n);
+  auto host_lf = layer_first(MemoryKind::kPinnedHost, *layout, n);
+  ASSERT_TRUE(dev_kv && dev_lf && host_pf && host_pf_packed && host_lf);
+  auto s = random_ids(n, 10, 7);
+  auto d = random_ids(n, 10, 8);
+  std::vector<std::uint32_t> some_layers{1, 2};
+  for (TestSpace* dev : {dev_kv.get(), dev_lf.get()})
+    for (TestSpace* host : {host_pf.get(), host_pf_packed.get(), host_lf.get()})
+      for (CopyStrategy strategy : kStrategies)
+        for (bool all_layers : {true, false}) {
+          SCOPED_TRACE(::testing::Message() << copy_strategy_name(strategy) << " dev="
+                                            << (dev == dev_kv.get() ? "kv" : "lf") << " all_layers=" << all_layers);
+          std::span<const std::uint32_t> layers;
+          if (!all_layers) layers = some_layers;
+          // D2H
+          fill_random(*dev, 9);
+          fill_poison(*host);
+          copy_and_check(*dev, *host, CopyRequest{&dev->space, &host->space, s, d, layers, kAllRoles, strategy});
+          // H2D back into a poisoned device space
+          fill_poison(*dev);
+          copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, d, s, layers, kAllRoles, strategy});
+          if (HasFailure()) return;
+        }
+}
+
+TEST_F(CopyEngineTest, MlaAndIndexerLayouts) {
+  MlaShape shape;
+  shape.num_layers = 3;
+  shape.num_draft_layers = 1;
+  shape.block_tokens = 16;
+  shape.latent_dim = 576;
+  shape.indexer_dim = 36;  // 576 bytes fp8
+  auto layout = KvLayout::mla(shape);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 16);
+  auto host = page_first(MemoryKind::kPinnedHost, *layout, 16);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 11);
+  auto s = random_ids(16, 7, 12);
+  auto d = random_ids(16, 7, 13);
+  for (CopyStrategy strategy : kStrategies)
+    for (RoleMask mask : {kAllRoles, role_bit(Role::kLatent), role_bit(Role::kIndexer)}) {
+      SCOPED_TRACE(::testing::Message() << copy_strategy_name(strategy) << " mask=" << mask);
+      fill_poison(*host);
+      copy_and_check(*dev, *host, CopyRequest{&dev->space, &host->space, s, d, {}, mask, strategy});
+    }
+}
+
+// ------------------------------------------------------------- run merging
+
+TEST_F(CopyEngineTest, RunsAreMerged) {
+  auto layout = KvLayout::uniform(2, 2, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 64);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 64);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 14);
+  // Two runs (8..15 -> 40..47, 20..23 -> 0..3) and one singleton.
+  std::vector<std::int32_t> s{8, 9, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 30};
+  std::vector<std::int32_t> d{40, 41, 42, 43, 44, 45, 46, 47, 0, 1, 2, 3, 60};
+  for (CopyStrategy strategy : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch}) {
+    fill_poison(*host);
+    const CopyReport rep =
+        copy_and_check(*dev, *host, CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, strategy});
+    EXPECT_EQ(rep.segments, 3u * 4u);  // 3 runs x 4 planes
+  }
+  // Source adjacent but destination not: no merge.
+  std::vector<std::int32_t> d2{40, 42, 44, 46, 48, 50, 52, 54, 0, 2, 4, 6, 60};
+  fill_poison(*host);
+  const CopyReport rep = copy_and_check(
+      *dev, *host, CopyRequest{&dev->space, &host->space, s, d2, {}, kAllRoles, CopyStrategy::kDmaPerRun});
+  EXPECT_EQ(rep.segments, 13u * 4u);
+}
+
+TEST_F(CopyEngineTest, PageFirstBothSidesMergesAcrossPlanes) {
+  auto layout = KvLayout::uniform(4, 2, 1000);
+  ASSERT_TRUE(layout.ok());
+  auto dev = page_first(MemoryKind::kDevice, *layout, 32);
+  auto host = page_first(MemoryKind::kPinnedHost, *layout, 32);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 15);
+  std::vector<std::int32_t> s{4, 5, 6, 20}, d{10, 11, 12, 0};
+  fill_poison(*host);
+  const CopyReport rep = copy_and_check(
+      *dev, *host, CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, CopyStrategy::kDmaPerRun});
+  EXPECT_EQ(rep.segments, 2u);  // pages 4..6 as one segment, page 20 as another
+}
+
+// ------------------------------------------------------------- chunking
+
+TEST_F(CopyEngineTest, ChunkingBeyondDescriptorCapacity) {
+  CopyEngineOptions o;
+  o.max_pairs_per_call = 7;
+  o.batch_max_descriptors = 5;
+  o.descriptor_slots = 2;  // 15 launches on a 2-slot ring: it wraps
+  o.sm_item_bytes = 256;   // several items per block
+  ASSERT_TRUE(make_engine(o).ok());
+  auto layout = KvLayout::uniform(1, 2, 1000);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 200);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 200);
+  ASSERT_TRUE(dev && host);
+  fill_random(*host, 16);
+  auto s = random_ids(200, 100, 17);
+  auto d = random_ids(200, 100, 18);
+  for (CopyStrategy strategy : kStrategies) {
+    SCOPED_TRACE(copy_strategy_name(strategy));
+    fill_poison(*dev);
+    const CopyReport rep =
+        copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, s, d, {}, kAllRoles, strategy});
+    if (rep.strategy == CopyStrategy::kSmKernel) {
+      EXPECT_EQ(rep.calls, 15u);
+    }
+    if (rep.strategy == CopyStrategy::kDmaBatch) {
+      EXPECT_EQ(rep.calls, 40u);  // 200 segments / 5
+    }
+  }
+}
+
+TEST_F(CopyEngineTest, ManyPlanesSplitAcrossLaunches) {
+  auto layout = KvLayout::uniform(130, 2, 48);  // 260 planes > one launch's table
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 19);
+  fill_poison(*host);
+  std::vector<std::int32_t> s{1, 3, 5}, d{0, 7, 2};
+  const CopyReport rep =
+      copy_and_check(*dev, *host, CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, CopyStrategy::kSmKernel});
+  EXPECT_EQ(rep.calls, 2u);
+}
+
+// ------------------------------------------------------------- concurrency
+
+TEST_F(CopyEngineTest, ConcurrentCopiesOnSeveralStreams) {
+  constexpr int kThreads = 4;
+  constexpr int kIterations = 12;
+  auto layout = KvLayout::uniform(2, 2, 2048 + 16);
+  ASSERT_TRUE(layout.ok());
+  const std::uint64_t n = 64;
+  auto dev = layer_first(MemoryKind::kDevice, *layout, n * kThreads);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, n * kThreads);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 20);
+  fill_poison(*host);
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int t = 0; t < kThreads; ++t) {
+    auto s = device_->create_stream();
+    ASSERT_TRUE(s.ok());
+    streams.push_back(std::move(s).value());
+  }
+  // Thread t owns destination blocks [t*n, (t+1)*n).
+  std::vector<std::vector<std::int32_t>> src_ids(kThreads), dst_ids(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    src_ids[t] = random_ids(n * kThreads, 24, 100 + t);
+    dst_ids[t] = random_ids(n, 24, 200 + t);
+    for (auto& x : dst_ids[t]) x += static_cast<std::int32_t>(t * n);
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kIterations; ++i) {
+        CopyRequest r{&dev->space, &host->space, src_ids[t], dst_ids[t], {}, kAllRoles, kStrategies[(t + i) % 4]};
+        if (!engine_->copy(r, *streams[t]).ok()) ++failures;
+        (void)engine_->choose(r);
+      }
+      if (!device_->synchronize(*streams[t], kWait).ok()) ++failures;
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (int t = 0; t < kThreads; ++t)
+    model_copy(*dev, *host, CopyRequest{&dev->space, &host->space, src_ids[t], dst_ids[t], {}, kAllRoles, {}});
+  expect_matches_model(*host);
+  for (auto& s : streams) EXPECT_TRUE(engine_->forget_stream(*s).ok());
+}
+
+// ------------------------------------------------------------- kAuto
+
+TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
+  auto small = KvLayout::uniform(1, 2, 16 * 1024);
+  auto big = KvLayout::uniform(1, 1, 4u << 20);
+  auto mid = KvLayout::uniform(1, 2, 128 * 1024);
+  ASSERT_TRUE(small.ok() && big.ok() && mid.ok());
+  auto dev_s = layer_first(MemoryKind::kDevice, *small, 32);
+  auto host_s = layer_first(MemoryKind::kPinnedHost, *small, 32);
+  auto host_s2 = layer_first(MemoryKind::kPinnedHost, *small, 32);
+  auto dev_b = layer_first(MemoryKind::kDevice, *big, 4);
+  auto host_b = layer_first(MemoryKind::kPinnedHost, *big, 4);
+  auto dev_m = layer_first(MemoryKind::kDevice, *mid, 16);
+  auto host_m = layer_first(MemoryKind::kPinnedHost, *mid, 16);
+  ASSERT_TRUE(dev_s && host_s && host_s2 && dev_b && host_b && dev_m && host_m);
+  auto s = random_ids(32, 16, 21);
+  auto d = random_ids(32, 16, 22);
+  auto req = [&](TestSpace& a, TestSpace& b, std::span<const std::int32_t> x, std::span<const std::int32_t> y) {
+    return CopyRequest{&a.space, &b.space, x, y, {}, kAllRoles, CopyStrategy::kAuto};
+  };
+  // Small scattered blocks, nothing else in flight: the SM kernel both ways.
+  EXPECT_EQ(engine_->choose(req(*dev_s, *host_s, s, d)), CopyStrategy::kSmKernel);
+  EXPECT_EQ(engine_->choose(req(*host_s, *dev_s, s, d)), CopyStrategy::kSmKernel);
+  EXPECT_EQ(engine_->choose(req(*dev_s, *dev_s, std::span(s).first(8), std::span(s).last(8))), CopyStrategy::kSmKernel);
+  EXPECT_EQ(engine_->choose(req(*host_s, *host_s2, s, d)), CopyStrategy::kDmaBatch);
+  // Large merged segments: one DMA per run.
+  std::vector<std::int32_t> b0{0, 1, 2}, b1{1, 2, 3};
+  EXPECT_EQ(engine_->choose(req(*dev_b, *host_b, b0, b1)), CopyStrategy::kDmaPerRun);
+  // 128 KiB scattered: copy engines (batch) in both directions.
+  auto ms = random_ids(16, 8, 23);
+  auto md = random_ids(16, 8, 24);
+  EXPECT_EQ(engine_->choose(req(*dev_m, *host_m, ms, md)), CopyStrategy::kDmaBatch);
+  EXPECT_EQ(engine_->choose(req(*host_m, *dev_m, ms, md)), CopyStrategy::kDmaBatch);
+  // A single pair: per-run regardless of size.
+  EXPECT_EQ(engine_->choose(req(*dev_s, *host_s, std::span(s).first(1), std::span(d).first(1))),
+            CopyStrategy::kDmaPerRun);
+  // copy() reports what kAuto ran.
+  fill_random(*dev_s, 25);
+  fill_poison(*host_s);
+  const CopyReport rep = copy_and_check(*dev_s, *host_s, req(*dev_s, *host_s, s, d));
+  EXPECT_EQ(rep.strategy, CopyStrategy::kSmKernel);
+}
+
+}  // namespace kvtier::copy_test
