@@ -179,10 +179,14 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
     case CopyDirection::kHostToHost: return CopyStrategy::kDmaBatch;
     case CopyDirection::kDeviceToHost:
       if (avg >= options_.auto_kernel_max_segment_bytes_d2h) return CopyStrategy::kDmaBatch;
-      return in_flight(CopyDirection::kHostToDevice, self) ? CopyStrategy::kDmaBatch : CopyStrategy::kSmKernel;
+      if (avg >= options_.auto_duplex_dma_min_segment_bytes && in_flight(CopyDirection::kHostToDevice, self))
+        return CopyStrategy::kDmaBatch;
+      return CopyStrategy::kSmKernel;
     case CopyDirection::kHostToDevice:
       if (avg >= options_.auto_kernel_max_segment_bytes_h2d) return CopyStrategy::kDmaBatch;
-      return in_flight(CopyDirection::kDeviceToHost, self) ? CopyStrategy::kDmaBatch : CopyStrategy::kSmKernel;
+      if (avg >= options_.auto_duplex_dma_min_segment_bytes && in_flight(CopyDirection::kDeviceToHost, self))
+        return CopyStrategy::kDmaBatch;
+      return CopyStrategy::kSmKernel;
   }
   return CopyStrategy::kDmaBatch;
 }

@@ -17,7 +17,8 @@ namespace {
 HostDevice& host_of(Device& d) { return static_cast<HostDevice&>(d); }
 
 TEST_F(CopyEngineTest, AutoPrefersCopyEnginesWhenFullDuplex) {
-  auto layout = KvLayout::uniform(1, 2, 16 * 1024);
+  // 256 KiB blocks: large enough that batched DMA beats kernels in full duplex.
+  auto layout = KvLayout::uniform(1, 2, 256 * 1024);
   ASSERT_TRUE(layout.ok());
   auto dev = layer_first(MemoryKind::kDevice, *layout, 64);
   auto host = layer_first(MemoryKind::kPinnedHost, *layout, 64);

@@ -708,7 +708,7 @@ TEST_F(CopyEngineTest, ConcurrentCopiesOnSeveralStreams) {
 TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   auto small = KvLayout::uniform(1, 2, 16 * 1024);
   auto big = KvLayout::uniform(1, 1, 4u << 20);
-  auto mid = KvLayout::uniform(1, 2, 128 * 1024);
+  auto mid = KvLayout::uniform(1, 2, 1024 * 1024);
   ASSERT_TRUE(small.ok() && big.ok() && mid.ok());
   auto dev_s = layer_first(MemoryKind::kDevice, *small, 32);
   auto host_s = layer_first(MemoryKind::kPinnedHost, *small, 32);
@@ -731,7 +731,7 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   // Large merged segments: one DMA per run.
   std::vector<std::int32_t> b0{0, 1, 2}, b1{1, 2, 3};
   EXPECT_EQ(engine_->choose(req(*dev_b, *host_b, b0, b1)), CopyStrategy::kDmaPerRun);
-  // 128 KiB scattered: copy engines (batch) in both directions.
+  // 1 MiB scattered: copy engines (batch) in both directions.
   auto ms = random_ids(16, 8, 23);
   auto md = random_ids(16, 8, 24);
   EXPECT_EQ(engine_->choose(req(*dev_m, *host_m, ms, md)), CopyStrategy::kDmaBatch);
