@@ -6,6 +6,8 @@
 
 namespace kvtier::cli {
 Action register_info(CLI::App& app);
+Action register_replay(CLI::App& app);
+Action register_bench(CLI::App& app);
 }  // namespace kvtier::cli
 
 int main(int argc, char** argv) {
@@ -13,6 +15,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::vector<kvtier::cli::Action> actions;
   actions.push_back(kvtier::cli::register_info(app));
+  actions.push_back(kvtier::cli::register_replay(app));
+  actions.push_back(kvtier::cli::register_bench(app));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

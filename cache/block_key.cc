@@ -1,0 +1,138 @@
+#include "kvtier/cache/block_key.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+namespace kvtier::cache {
+namespace {
+
+class ByteWriter {
+ public:
+  void u8(std::uint8_t v) { buf_.push_back(static_cast<unsigned char>(v)); }
+  void u32(std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) buf_.push_back(static_cast<unsigned char>(v >> (8 * i)));
+  }
+  void u64(std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) buf_.push_back(static_cast<unsigned char>(v >> (8 * i)));
+  }
+  void str(std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    buf_.insert(buf_.end(), s.begin(), s.end());
+  }
+  void raw(std::string_view s) { buf_.insert(buf_.end(), s.begin(), s.end()); }
+  void key(const BlockKey& k) {
+    // XXH128 canonical form: big-endian, high half first.
+    for (int i = 7; i >= 0; --i) buf_.push_back(static_cast<unsigned char>(k.hi >> (8 * i)));
+    for (int i = 7; i >= 0; --i) buf_.push_back(static_cast<unsigned char>(k.lo >> (8 * i)));
+  }
+  BlockKey digest() const {
+    XXH128_hash_t h = XXH3_128bits(buf_.data(), buf_.size());
+    return BlockKey{h.high64, h.low64};
+  }
+  void clear() { buf_.clear(); }
+
+ private:
+  std::vector<unsigned char> buf_;
+};
+
+}  // namespace
+
+std::string BlockKey::hex() const { return fmt::format("{:016x}{:016x}", hi, lo); }
+
+Result<BlockKey> BlockKey::from_hex(std::string_view hex) {
+  if (hex.size() != 32)
+    return InvalidArgument(fmt::format("block key hex '{}' has {} digits, want 32", hex, hex.size()));
+  BlockKey k;
+  for (std::size_t i = 0; i < 32; ++i) {
+    char c = hex[i];
+    std::uint64_t d;
+    if (c >= '0' && c <= '9')
+      d = static_cast<std::uint64_t>(c - '0');
+    else if (c >= 'a' && c <= 'f')
+      d = static_cast<std::uint64_t>(c - 'a' + 10);
+    else if (c >= 'A' && c <= 'F')
+      d = static_cast<std::uint64_t>(c - 'A' + 10);
+    else
+      return InvalidArgument(fmt::format("block key hex '{}' has non-hex character at index {}", hex, i));
+    std::uint64_t& half = i < 16 ? k.hi : k.lo;
+    half = (half << 4) | d;
+  }
+  return k;
+}
+
+Result<KeyHasher> KeyHasher::create(const KeyNamespace& ns) {
+  if (ns.model_id.empty()) return InvalidArgument("key namespace: model_id is empty");
+  if (ns.tp_size == 0) return InvalidArgument("key namespace: tp_size is 0");
+  if (ns.tp_rank >= ns.tp_size)
+    return InvalidArgument(fmt::format("key namespace: tp_rank {} >= tp_size {}", ns.tp_rank, ns.tp_size));
+  if (ns.block_tokens == 0) return InvalidArgument("key namespace: block_tokens is 0");
+  ByteWriter w;
+  w.raw("kvtier.key.v1");
+  w.str(ns.model_id);
+  w.u64(ns.layout_fingerprint);
+  w.str(ns.dtype);
+  w.u32(ns.tp_rank);
+  w.u32(ns.tp_size);
+  w.u32(ns.block_tokens);
+  w.str(ns.tenant_salt);
+  w.str(ns.extra);
+  KeyHasher h;
+  h.ns_ = ns;
+  h.root_ = w.digest();
+  return h;
+}
+
+BlockKey KeyHasher::block_key(const BlockKey& parent, std::span<const std::int32_t> tokens,
+                              std::span<const BlockKey> extra_keys) const {
+  ByteWriter w;
+  w.u8(0x01);
+  w.key(parent);
+  w.u32(static_cast<std::uint32_t>(tokens.size()));
+  for (std::int32_t t : tokens) w.u32(static_cast<std::uint32_t>(t));
+  w.u32(static_cast<std::uint32_t>(extra_keys.size()));
+  for (const BlockKey& e : extra_keys) w.key(e);
+  return w.digest();
+}
+
+BlockKey KeyHasher::opaque_key(const BlockKey& parent, std::uint64_t id) const {
+  unsigned char buf[1 + 16 + 8];
+  buf[0] = 0x02;
+  for (int i = 0; i < 8; ++i) buf[1 + i] = static_cast<unsigned char>(parent.hi >> (8 * (7 - i)));
+  for (int i = 0; i < 8; ++i) buf[9 + i] = static_cast<unsigned char>(parent.lo >> (8 * (7 - i)));
+  for (int i = 0; i < 8; ++i) buf[17 + i] = static_cast<unsigned char>(id >> (8 * i));
+  XXH128_hash_t h = XXH3_128bits(buf, sizeof(buf));
+  return BlockKey{h.high64, h.low64};
+}
+
+Result<std::vector<BlockKey>> KeyHasher::keys_for(std::span<const std::int32_t> tokens,
+                                                  std::span<const std::vector<BlockKey>> extra_keys_per_block) const {
+  const std::size_t bt = ns_.block_tokens;
+  if (bt == 0) return FailedPrecondition("KeyHasher used before create()");
+  const std::size_t full = tokens.size() / bt;
+  if (!extra_keys_per_block.empty() && extra_keys_per_block.size() != full)
+    return InvalidArgument(
+        fmt::format("extra_keys_per_block has {} entries for {} full blocks", extra_keys_per_block.size(), full));
+  std::vector<BlockKey> keys;
+  keys.reserve(full);
+  BlockKey parent = root_;
+  for (std::size_t b = 0; b < full; ++b) {
+    std::span<const BlockKey> extras;
+    if (!extra_keys_per_block.empty()) extras = extra_keys_per_block[b];
+    parent = block_key(parent, tokens.subspan(b * bt, bt), extras);
+    keys.push_back(parent);
+  }
+  return keys;
+}
+
+std::vector<BlockKey> KeyHasher::keys_for_ids(std::span<const std::uint64_t> ids) const {
+  std::vector<BlockKey> keys;
+  keys.reserve(ids.size());
+  BlockKey parent = root_;
+  for (std::uint64_t id : ids) {
+    parent = opaque_key(parent, id);
+    keys.push_back(parent);
+  }
+  return keys;
+}
+
+}  // namespace kvtier::cache

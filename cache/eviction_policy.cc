@@ -1,0 +1,401 @@
+#include "kvtier/cache/eviction_policy.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <deque>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace kvtier::cache {
+namespace {
+
+// Several intrusive doubly linked lists over node ids; a node is in at most one.
+class NodeLists {
+ public:
+  static constexpr std::uint8_t kNone = 0xFF;
+  explicit NodeLists(int num_lists) : head_(num_lists, kNoNode), tail_(num_lists, kNoNode), size_(num_lists, 0) {}
+
+  void grow(NodeId n) {
+    if (n >= prev_.size()) {
+      std::size_t sz = std::max<std::size_t>(n + 1, prev_.size() * 2);
+      prev_.resize(sz, kNoNode);
+      next_.resize(sz, kNoNode);
+      list_.resize(sz, kNone);
+    }
+  }
+  std::uint8_t list_of(NodeId n) const { return n < list_.size() ? list_[n] : kNone; }
+  void push_head(int l, NodeId n) {
+    grow(n);
+    list_[n] = static_cast<std::uint8_t>(l);
+    prev_[n] = kNoNode;
+    next_[n] = head_[l];
+    if (head_[l] != kNoNode) prev_[head_[l]] = n;
+    head_[l] = n;
+    if (tail_[l] == kNoNode) tail_[l] = n;
+    ++size_[l];
+  }
+  void unlink(NodeId n) {
+    int l = list_[n];
+    if (prev_[n] != kNoNode)
+      next_[prev_[n]] = next_[n];
+    else
+      head_[l] = next_[n];
+    if (next_[n] != kNoNode)
+      prev_[next_[n]] = prev_[n];
+    else
+      tail_[l] = prev_[n];
+    list_[n] = kNone;
+    --size_[l];
+  }
+  void move_head(int l, NodeId n) {
+    unlink(n);
+    push_head(l, n);
+  }
+  NodeId tail(int l) const { return tail_[l]; }
+  NodeId prev(NodeId n) const { return prev_[n]; }
+  std::size_t size(int l) const { return size_[l]; }
+
+ private:
+  std::vector<NodeId> head_, tail_;
+  std::vector<std::size_t> size_;
+  std::vector<NodeId> prev_, next_;
+  std::vector<std::uint8_t> list_;
+};
+
+// Bounded FIFO set of key fingerprints (ghost entries).
+class GhostFifo {
+ public:
+  explicit GhostFifo(std::size_t cap) : cap_(std::max<std::size_t>(cap, 1)) {}
+  void add(std::uint64_t h) {
+    std::uint64_t seq = ++seq_;
+    map_[h] = seq;
+    fifo_.emplace_back(h, seq);
+    while (map_.size() > cap_) pop_oldest();
+  }
+  bool contains(std::uint64_t h) const { return map_.count(h) != 0; }
+  bool remove(std::uint64_t h) { return map_.erase(h) != 0; }
+  std::size_t size() const { return map_.size(); }
+  void pop_oldest() {
+    while (!fifo_.empty()) {
+      auto [h, seq] = fifo_.front();
+      fifo_.pop_front();
+      auto it = map_.find(h);
+      if (it != map_.end() && it->second == seq) {
+        map_.erase(it);
+        return;
+      }
+    }
+  }
+
+ private:
+  std::size_t cap_;
+  std::uint64_t seq_ = 0;
+  std::unordered_map<std::uint64_t, std::uint64_t> map_;
+  std::deque<std::pair<std::uint64_t, std::uint64_t>> fifo_;
+};
+
+std::uint64_t fingerprint(const AccessInfo& info) {
+  return info.key ? info.key->lo ^ (info.key->hi * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) : 0;
+}
+
+// ---- LRU -----------------------------------------------------------------
+class LruPolicy final : public EvictionPolicy {
+ public:
+  LruPolicy() : lists_(1) {}
+  std::string name() const override { return "lru"; }
+  void insert(NodeId n, const AccessInfo&) override {
+    if (lists_.list_of(n) == NodeLists::kNone)
+      lists_.push_head(0, n);
+    else
+      lists_.move_head(0, n);
+  }
+  void touch(NodeId n, const AccessInfo& info) override { insert(n, info); }
+  void erase(NodeId n) override {
+    if (lists_.list_of(n) != NodeLists::kNone) lists_.unlink(n);
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
+    for (NodeId n = lists_.tail(0); n != kNoNode; n = lists_.prev(n))
+      if (evictable(n)) return n;
+    return kNoNode;
+  }
+  std::size_t size() const override { return lists_.size(0); }
+  bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
+
+ private:
+  NodeLists lists_;
+};
+
+// ---- S3-FIFO -------------------------------------------------------------
+class S3FifoPolicy final : public EvictionPolicy {
+ public:
+  explicit S3FifoPolicy(std::uint32_t capacity)
+      : lists_(2),
+        small_target_(std::max<std::size_t>(1, capacity / 10)),
+        ghost_(std::max<std::uint32_t>(capacity, 1)) {}
+  std::string name() const override { return "s3fifo"; }
+  void insert(NodeId n, const AccessInfo& info) override {
+    if (contains(n)) return touch(n, info);
+    grow(n);
+    freq_[n] = 0;
+    fp_[n] = fingerprint(info);
+    if (ghost_.remove(fp_[n]))
+      lists_.push_head(kMain, n);
+    else
+      lists_.push_head(kSmall, n);
+  }
+  void touch(NodeId n, const AccessInfo&) override {
+    if (!contains(n)) return;
+    if (freq_[n] < 3) ++freq_[n];
+  }
+  void erase(NodeId n) override {
+    if (!contains(n)) return;
+    if (lists_.list_of(n) == kSmall) ghost_.add(fp_[n]);
+    lists_.unlink(n);
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
+    // Each step moves one node; two full passes plus the frequency decay bound the work.
+    std::size_t budget = 8 * (lists_.size(kSmall) + lists_.size(kMain)) + 8;
+    while (budget-- > 0) {
+      bool from_small = lists_.size(kSmall) >= small_target_ || lists_.size(kMain) == 0;
+      if (lists_.size(kSmall) == 0 && lists_.size(kMain) == 0) return kNoNode;
+      if (from_small) {
+        NodeId t = lists_.tail(kSmall);
+        if (freq_[t] > 0) {
+          freq_[t] = 0;
+          lists_.move_head(kMain, t);
+        } else if (evictable(t)) {
+          return t;
+        } else {
+          lists_.move_head(kMain, t);  // in use or a parent: it has proven its worth
+        }
+      } else {
+        NodeId t = lists_.tail(kMain);
+        if (freq_[t] > 0) {
+          --freq_[t];
+          lists_.move_head(kMain, t);
+        } else if (evictable(t)) {
+          return t;
+        } else {
+          lists_.move_head(kMain, t);
+        }
+      }
+    }
+    return kNoNode;
+  }
+  std::size_t size() const override { return lists_.size(kSmall) + lists_.size(kMain); }
+  bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
+
+ private:
+  static constexpr int kSmall = 0, kMain = 1;
+  void grow(NodeId n) {
+    if (n >= freq_.size()) {
+      freq_.resize(std::max<std::size_t>(n + 1, freq_.size() * 2), 0);
+      fp_.resize(freq_.size(), 0);
+    }
+  }
+  NodeLists lists_;
+  std::size_t small_target_;
+  GhostFifo ghost_;
+  std::vector<std::uint8_t> freq_;
+  std::vector<std::uint64_t> fp_;
+};
+
+// ---- ARC -----------------------------------------------------------------
+class ArcPolicy final : public EvictionPolicy {
+ public:
+  explicit ArcPolicy(std::uint32_t capacity) : lists_(2), c_(std::max<std::uint32_t>(capacity, 1)), b1_(c_), b2_(c_) {}
+  std::string name() const override { return "arc"; }
+  void insert(NodeId n, const AccessInfo& info) override {
+    if (contains(n)) return touch(n, info);
+    grow(n);
+    fp_[n] = fingerprint(info);
+    double s1 = static_cast<double>(b1_.size()), s2 = static_cast<double>(b2_.size());
+    if (b1_.remove(fp_[n])) {
+      p_ = std::min<double>(c_, p_ + std::max(1.0, s2 / std::max(s1, 1.0)));
+      lists_.push_head(kT2, n);
+    } else if (b2_.remove(fp_[n])) {
+      p_ = std::max(0.0, p_ - std::max(1.0, s1 / std::max(s2, 1.0)));
+      lists_.push_head(kT2, n);
+    } else {
+      lists_.push_head(kT1, n);
+    }
+  }
+  void touch(NodeId n, const AccessInfo&) override {
+    if (contains(n)) lists_.move_head(kT2, n);
+  }
+  void erase(NodeId n) override {
+    if (!contains(n)) return;
+    (lists_.list_of(n) == kT1 ? b1_ : b2_).add(fp_[n]);
+    lists_.unlink(n);
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
+    bool t1_first = lists_.size(kT1) > 0 && static_cast<double>(lists_.size(kT1)) >= std::max(p_, 1.0);
+    int order[2] = {t1_first ? kT1 : kT2, t1_first ? kT2 : kT1};
+    for (int l : order)
+      for (NodeId n = lists_.tail(l); n != kNoNode; n = lists_.prev(n))
+        if (evictable(n)) return n;
+    return kNoNode;
+  }
+  std::size_t size() const override { return lists_.size(kT1) + lists_.size(kT2); }
+  bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
+
+ private:
+  static constexpr int kT1 = 0, kT2 = 1;
+  void grow(NodeId n) {
+    if (n >= fp_.size()) fp_.resize(std::max<std::size_t>(n + 1, fp_.size() * 2), 0);
+  }
+  NodeLists lists_;
+  std::uint32_t c_;
+  double p_ = 0;
+  GhostFifo b1_, b2_;
+  std::vector<std::uint64_t> fp_;
+};
+
+// ---- priority-ordered policies (LRFU, Belady) ----------------------------
+class PriorityPolicy : public EvictionPolicy {
+ public:
+  void insert(NodeId n, const AccessInfo& info) override { set(n, priority(info), info.depth); }
+  void touch(NodeId n, const AccessInfo& info) override {
+    if (contains(n)) set(n, priority(info), info.depth);
+  }
+  void erase(NodeId n) override {
+    if (!contains(n)) return;
+    order_.erase(entry_[n]);
+    present_[n] = 0;
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
+    for (const auto& e : order_)
+      if (evictable(std::get<2>(e))) return std::get<2>(e);
+    return kNoNode;
+  }
+  std::size_t size() const override { return order_.size(); }
+  bool contains(NodeId n) const override { return n < present_.size() && present_[n]; }
+
+ protected:
+  virtual double priority(const AccessInfo& info) = 0;
+
+ private:
+  // (priority, -depth: deeper first on ties, node)
+  using Entry = std::tuple<double, std::int64_t, NodeId>;
+  void set(NodeId n, double prio, std::uint32_t depth) {
+    if (n >= present_.size()) {
+      std::size_t sz = std::max<std::size_t>(n + 1, present_.size() * 2);
+      present_.resize(sz, 0);
+      entry_.resize(sz);
+    }
+    if (present_[n]) order_.erase(entry_[n]);
+    entry_[n] = Entry{prio, -static_cast<std::int64_t>(depth), n};
+    order_.insert(entry_[n]);
+    present_[n] = 1;
+  }
+  std::set<Entry> order_;
+  std::vector<Entry> entry_;
+  std::vector<std::uint8_t> present_;
+};
+
+// LRFU: priority = last access + boost * log2(uses), evict the lowest. Uses are quantized to
+// half-octave classes, one LRU list per class (within a class, list order is priority order),
+// so every operation is O(1) and victim() merges the class tails (O(classes) per step).
+class LrfuPolicy final : public EvictionPolicy {
+ public:
+  LrfuPolicy(double boost, std::uint32_t capacity) : boost_(boost), lists_(kClasses) {}
+  std::string name() const override { return boost_ == kDefaultLrfuBoost ? "lrfu" : fmt::format("lrfu:{}", boost_); }
+  void insert(NodeId n, const AccessInfo& info) override { place(n, info); }
+  void touch(NodeId n, const AccessInfo& info) override {
+    if (contains(n)) place(n, info);
+  }
+  void erase(NodeId n) override {
+    if (contains(n)) lists_.unlink(n);
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
+    NodeId cur[kClasses];
+    for (int c = 0; c < kClasses; ++c) cur[c] = lists_.tail(c);
+    for (;;) {
+      int best = -1;
+      double best_prio = 0;
+      for (int c = 0; c < kClasses; ++c) {
+        if (cur[c] == kNoNode) continue;
+        double prio = static_cast<double>(last_[cur[c]]) + boost_ * 0.5 * c;
+        if (best < 0 || prio < best_prio || (prio == best_prio && depth_[cur[c]] > depth_[cur[best]])) {
+          best = c;
+          best_prio = prio;
+        }
+      }
+      if (best < 0) return kNoNode;
+      if (evictable(cur[best])) return cur[best];
+      cur[best] = lists_.prev(cur[best]);
+    }
+  }
+  std::size_t size() const override {
+    std::size_t n = 0;
+    for (int c = 0; c < kClasses; ++c) n += lists_.size(c);
+    return n;
+  }
+  bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
+
+ private:
+  static constexpr int kClasses = 16;
+  void place(NodeId n, const AccessInfo& info) {
+    std::uint64_t uses = std::uint64_t{info.hit_count} + 1;
+    int cls = std::min(kClasses - 1, static_cast<int>(2.0 * std::log2(static_cast<double>(uses))));
+    if (n >= last_.size()) {
+      last_.resize(std::max<std::size_t>(n + 1, last_.size() * 2), 0);
+      depth_.resize(last_.size(), 0);
+    }
+    last_[n] = info.now;
+    depth_[n] = info.depth;
+    if (contains(n)) lists_.unlink(n);
+    lists_.push_head(cls, n);
+  }
+  double boost_;
+  NodeLists lists_;
+  std::vector<std::uint64_t> last_;
+  std::vector<std::uint32_t> depth_;
+};
+
+class BeladyPolicy final : public PriorityPolicy {
+ public:
+  explicit BeladyPolicy(NextUseOracle oracle) : oracle_(std::move(oracle)) {}
+  std::string name() const override { return "belady"; }
+
+ protected:
+  double priority(const AccessInfo& info) override {
+    std::uint64_t next = info.key ? oracle_(*info.key, info.now) : UINT64_MAX;
+    return -static_cast<double>(next);  // farthest next use = lowest priority
+  }
+
+ private:
+  NextUseOracle oracle_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,
+                                                    NextUseOracle oracle) {
+  if (name == "lru") return std::unique_ptr<EvictionPolicy>(new LruPolicy());
+  if (name == "s3fifo") return std::unique_ptr<EvictionPolicy>(new S3FifoPolicy(capacity));
+  if (name == "arc") return std::unique_ptr<EvictionPolicy>(new ArcPolicy(capacity));
+  if (name == "belady") {
+    if (!oracle) return InvalidArgument("policy 'belady' needs a next-use oracle (offline replay only)");
+    return std::unique_ptr<EvictionPolicy>(new BeladyPolicy(std::move(oracle)));
+  }
+  if (name.substr(0, 4) == "lrfu") {
+    double boost = kDefaultLrfuBoost;
+    if (name.size() > 4) {
+      if (name[4] != ':') return InvalidArgument(fmt::format("unknown eviction policy '{}'", name));
+      std::string arg(name.substr(5));
+      char* end = nullptr;
+      boost = std::strtod(arg.c_str(), &end);
+      if (arg.empty() || end == nullptr || *end != '\0' || !(boost >= 0))
+        return InvalidArgument(fmt::format("policy '{}': boost '{}' is not a number >= 0", name, arg));
+    }
+    return std::unique_ptr<EvictionPolicy>(new LrfuPolicy(boost, capacity));
+  }
+  return InvalidArgument(
+      fmt::format("unknown eviction policy '{}' (known: lru, s3fifo, arc, lrfu[:boost], belady)", name));
+}
+
+}  // namespace kvtier::cache

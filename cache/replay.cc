@@ -1,0 +1,361 @@
+#include "kvtier/cache/replay.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace kvtier::cache {
+
+Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests) {
+  std::ifstream in(path);
+  if (!in) return NotFound(fmt::format("trace file '{}' cannot be opened", path));
+  std::vector<TraceRequest> out;
+  std::string line;
+  std::size_t lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object())
+      return InvalidArgument(fmt::format("{}:{}: not a JSON object", path, lineno));
+    TraceRequest r;
+    auto num = [&](const char* k, auto& dst) -> bool {
+      auto it = j.find(k);
+      if (it == j.end() || !it->is_number_integer() || it->template get<std::int64_t>() < 0) return false;
+      dst = static_cast<std::remove_reference_t<decltype(dst)>>(it->template get<std::int64_t>());
+      return true;
+    };
+    if (!num("timestamp", r.timestamp_ms) || !num("input_length", r.input_length))
+      return InvalidArgument(fmt::format("{}:{}: missing or negative timestamp/input_length", path, lineno));
+    num("output_length", r.output_length);
+    auto h = j.find("hash_ids");
+    if (h == j.end() || !h->is_array()) return InvalidArgument(fmt::format("{}:{}: hash_ids missing", path, lineno));
+    r.hash_ids.reserve(h->size());
+    for (const auto& v : *h) {
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0)
+        return InvalidArgument(fmt::format("{}:{}: hash_ids holds a non-integer or negative value", path, lineno));
+      r.hash_ids.push_back(v.get<std::uint64_t>());
+    }
+    out.push_back(std::move(r));
+    if (max_requests && out.size() >= max_requests) break;
+  }
+  if (out.empty()) return InvalidArgument(fmt::format("trace file '{}' holds no requests", path));
+  return out;
+}
+
+namespace {
+
+struct Prepared {
+  std::vector<std::vector<BlockKey>> keys;  // cacheable keys per request
+  std::vector<std::uint32_t> extra;         // unkeyed blocks per request
+};
+
+Result<Prepared> prepare(const std::vector<TraceRequest>& trace, const ReplayOptions& o) {
+  if (o.block_tokens == 0) return InvalidArgument("replay: block_tokens is 0");
+  KeyNamespace ns;
+  ns.model_id = "mooncake-trace";
+  ns.block_tokens = o.block_tokens;
+  KVTIER_ASSIGN_OR_RETURN(KeyHasher hasher, KeyHasher::create(ns));
+  Prepared p;
+  p.keys.reserve(trace.size());
+  for (const TraceRequest& r : trace) {
+    std::size_t n = r.hash_ids.size();
+    std::size_t cacheable = o.cache_partial_blocks ? n : std::min<std::size_t>(n, r.input_length / o.block_tokens);
+    p.keys.push_back(hasher.keys_for_ids(std::span<const std::uint64_t>(r.hash_ids.data(), cacheable)));
+    p.extra.push_back(static_cast<std::uint32_t>(n - cacheable));
+  }
+  return p;
+}
+
+Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared& prep, const ReplayOptions& o,
+                         CacheConfig cfg, const std::string& label) {
+  auto t0 = std::chrono::steady_clock::now();
+  KVTIER_ASSIGN_OR_RETURN(auto cache, CacheManager::create(std::move(cfg)));
+  FakePlanExecutor::Options fo;
+  fo.failure_rate = o.failure_rate;
+  fo.seed = o.seed;
+  fo.block_bytes = o.block_bytes;
+  FakePlanExecutor fake(fo);
+  PlanExecutor* exec = o.executor ? o.executor : &fake;
+  std::uint64_t plan_d2h = 0, plan_h2d = 0;
+
+  auto drive = [&](AdmissionId wait_for) -> Status {
+    StepPlan plan = cache->take_plan();
+    plan_d2h += plan.evictions.size() + plan.backups.size();
+    plan_h2d += plan.loads.size();
+    if (!plan.empty()) KVTIER_RETURN_IF_ERROR(exec->execute(plan));
+    for (int spins = 0;; ++spins) {
+      KVTIER_RETURN_IF_ERROR(apply_completions(*cache, exec->poll()));
+      if (wait_for == 0) return Status::Ok();
+      KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(wait_for));
+      if (as.loading_blocks == 0) return Status::Ok();
+      if (spins > 1000000) return TimedOut(fmt::format("replay: loads of admission {} never completed", wait_for));
+    }
+  };
+
+  ReplayResult res;
+  res.policy = label;
+  res.device_blocks = cache->config().device_blocks;
+  res.host_blocks = cache->config().host_blocks;
+  const std::uint32_t bt = o.block_tokens;
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const TraceRequest& r = trace[i];
+    std::span<const BlockKey> keys = prep.keys[i];
+    std::uint32_t extra = prep.extra[i];
+    res.total_blocks += r.hash_ids.size();
+    res.cacheable_blocks += keys.size();
+    res.total_tokens += r.input_length;
+    ++res.requests;
+    if (keys.size() + extra > res.device_blocks) {  // longer than the device: cache what fits
+      ++res.truncated_requests;
+      extra = std::min<std::uint32_t>(extra, res.device_blocks);
+      keys = keys.first(res.device_blocks - extra);
+    }
+    auto adm = cache->admit(keys, extra);
+    if (!adm.ok()) {
+      ++res.failed_admissions;
+      continue;
+    }
+    KVTIER_RETURN_IF_ERROR(drive(adm->id));
+    KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(adm->id));
+    std::uint32_t dev = std::min(adm->device_hit_blocks, as.ready_blocks);
+    std::uint32_t host = as.ready_blocks - dev;
+    res.device_hit_blocks += dev;
+    res.host_hit_blocks += host;
+    std::uint64_t dev_tokens = std::min<std::uint64_t>(std::uint64_t{dev} * bt, r.input_length);
+    std::uint64_t all_tokens = std::min<std::uint64_t>(std::uint64_t{dev + host} * bt, r.input_length);
+    res.device_hit_tokens += dev_tokens;
+    res.host_hit_tokens += all_tokens - dev_tokens;
+    if (as.failed) {  // a load failed: recompute from scratch (a fresh admission in a real engine)
+      KVTIER_RETURN_IF_ERROR(cache->release(adm->id));
+    } else {
+      KVTIER_RETURN_IF_ERROR(cache->commit_all(adm->id));
+      KVTIER_RETURN_IF_ERROR(cache->release(adm->id));
+    }
+    KVTIER_RETURN_IF_ERROR(drive(0));
+    if (o.check_invariants_every && (i + 1) % o.check_invariants_every == 0)
+      KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context(fmt::format("after request {}", i)));
+  }
+  // Drain what is still in flight.
+  for (int spins = 0; spins < 1000; ++spins) {
+    auto c = exec->poll();
+    if (c.empty() && (exec != &fake || fake.in_flight() == 0)) break;
+    KVTIER_RETURN_IF_ERROR(apply_completions(*cache, c));
+  }
+  res.bytes_d2h = plan_d2h * o.block_bytes;
+  res.bytes_h2d = plan_h2d * o.block_bytes;
+  res.failed_transfers = cache->stats().failed_transfers;
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+CacheConfig base_config(const ReplayOptions& o) {
+  CacheConfig cfg;
+  cfg.device_blocks = o.device_blocks;
+  cfg.host_blocks = o.host_blocks;
+  cfg.device_policy = o.policy;
+  cfg.host_policy = o.policy;
+  cfg.write_policy = o.write_policy;
+  cfg.write_through_threshold = o.write_through_threshold;
+  return cfg;
+}
+
+Result<ReplayResult> run_belady(const std::vector<TraceRequest>& trace, const Prepared& prep, std::uint32_t capacity,
+                                const ReplayOptions& o) {
+  // Next-use lists per key: the clock value of each admission that holds it (request i -> i + 1).
+  auto index = std::make_shared<std::unordered_map<BlockKey, std::uint32_t, BlockKeyHash>>();
+  auto uses = std::make_shared<std::vector<std::vector<std::uint64_t>>>();
+  for (std::size_t i = 0; i < prep.keys.size(); ++i)
+    for (const BlockKey& k : prep.keys[i]) {
+      auto [it, inserted] = index->emplace(k, static_cast<std::uint32_t>(uses->size()));
+      if (inserted) uses->emplace_back();
+      (*uses)[it->second].push_back(i + 1);
+    }
+  CacheConfig cfg = base_config(o);
+  cfg.device_blocks = capacity;
+  cfg.host_blocks = 0;
+  cfg.device_policy = "belady";
+  cfg.host_policy = "lru";
+  cfg.storage_policy = "lru";
+  cfg.next_use_oracle = [index, uses](const BlockKey& key, std::uint64_t now) -> std::uint64_t {
+    auto it = index->find(key);
+    if (it == index->end()) return UINT64_MAX;
+    const auto& v = (*uses)[it->second];
+    auto u = std::upper_bound(v.begin(), v.end(), now);
+    return u == v.end() ? UINT64_MAX : *u;
+  };
+  ReplayOptions single = o;
+  single.failure_rate = 0;
+  single.executor = nullptr;
+  return run(trace, prep, single, std::move(cfg), "belady");
+}
+
+}  // namespace
+
+Result<ReplayResult> replay_trace(const std::vector<TraceRequest>& trace, const ReplayOptions& options) {
+  KVTIER_ASSIGN_OR_RETURN(Prepared prep, prepare(trace, options));
+  if (options.policy == "belady") return run_belady(trace, prep, options.device_blocks + options.host_blocks, options);
+  return run(trace, prep, options, base_config(options), options.policy);
+}
+
+Result<ReplayResult> replay_belady(const std::vector<TraceRequest>& trace, std::uint32_t capacity_blocks,
+                                   const ReplayOptions& options) {
+  KVTIER_ASSIGN_OR_RETURN(Prepared prep, prepare(trace, options));
+  return run_belady(trace, prep, capacity_blocks, options);
+}
+
+ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const ReplayOptions& o) {
+  ReplayResult res;
+  res.policy = "unbounded";
+  std::unordered_set<std::uint64_t> seen;
+  for (const TraceRequest& r : trace) {
+    ++res.requests;
+    res.total_blocks += r.hash_ids.size();
+    res.total_tokens += r.input_length;
+    std::size_t cacheable =
+        o.cache_partial_blocks
+            ? r.hash_ids.size()
+            : std::min<std::size_t>(r.hash_ids.size(), r.input_length / std::max(1u, o.block_tokens));
+    res.cacheable_blocks += cacheable;
+    std::uint32_t hits = 0;
+    while (hits < cacheable && seen.count(r.hash_ids[hits])) ++hits;
+    for (std::size_t k = hits; k < cacheable; ++k) seen.insert(r.hash_ids[k]);
+    res.device_hit_blocks += hits;
+    res.device_hit_tokens += std::min<std::uint64_t>(std::uint64_t{hits} * o.block_tokens, r.input_length);
+  }
+  return res;
+}
+
+Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vector<std::uint32_t>& capacities,
+                         const std::vector<std::string>& policies, const ReplayOptions& options) {
+  if (capacities.empty()) return InvalidArgument("sweep: no capacities");
+  KVTIER_ASSIGN_OR_RETURN(Prepared prep, prepare(trace, options));
+  SweepTable t;
+  t.capacities = capacities;
+  for (const std::string& p : policies)
+    if (p != "belady") t.policies.push_back(p);
+  t.policies.push_back("belady");
+  t.results.resize(t.policies.size());
+  for (std::size_t pi = 0; pi < t.policies.size(); ++pi) {
+    for (std::uint32_t cap : capacities) {
+      ReplayOptions o = options;
+      o.device_blocks = cap;
+      o.host_blocks = 0;
+      o.policy = t.policies[pi];
+      if (o.policy == "belady") {
+        KVTIER_ASSIGN_OR_RETURN(ReplayResult r, run_belady(trace, prep, cap, o));
+        t.results[pi].push_back(std::move(r));
+      } else {
+        KVTIER_ASSIGN_OR_RETURN(ReplayResult r, run(trace, prep, o, base_config(o), o.policy));
+        t.results[pi].push_back(std::move(r));
+      }
+    }
+  }
+  t.unbounded_hit_ratio = replay_unbounded(trace, options).hit_ratio();
+  return t;
+}
+
+namespace {
+// Index of the best non-Belady policy at capacity column c.
+std::size_t best_policy(const SweepTable& t, std::size_t c) {
+  std::size_t best = 0;
+  for (std::size_t p = 0; p + 1 < t.policies.size(); ++p)
+    if (t.results[p][c].hit_ratio() > t.results[best][c].hit_ratio()) best = p;
+  return best;
+}
+}  // namespace
+
+std::string sweep_markdown(const SweepTable& t, std::uint32_t block_tokens) {
+  std::string out = "| capacity (blocks) | capacity (tokens) |";
+  for (const auto& p : t.policies) out += fmt::format(" {} |", p);
+  out += " best online | best / Belady |\n|---:|---:|";
+  for (std::size_t i = 0; i < t.policies.size(); ++i) out += "---:|";
+  out += "---|---:|\n";
+  const std::size_t bel = t.policies.size() - 1;
+  for (std::size_t c = 0; c < t.capacities.size(); ++c) {
+    out += fmt::format("| {} | {} |", t.capacities[c], std::uint64_t{t.capacities[c]} * block_tokens);
+    for (std::size_t p = 0; p < t.policies.size(); ++p) out += fmt::format(" {:.4f} |", t.results[p][c].hit_ratio());
+    std::size_t b = best_policy(t, c);
+    double bh = t.results[bel][c].hit_ratio();
+    out += fmt::format(" {} | {:.1f}% |\n", t.policies[b], bh > 0 ? 100.0 * t.results[b][c].hit_ratio() / bh : 100.0);
+  }
+  out +=
+      fmt::format("\nBlock hit ratio (hit blocks / all blocks). Unbounded capacity: {:.4f}.\n", t.unbounded_hit_ratio);
+  return out;
+}
+
+std::string sweep_csv(const SweepTable& t, std::uint32_t block_tokens) {
+  std::string out = "capacity_blocks,capacity_tokens";
+  for (const auto& p : t.policies) out += "," + p;
+  out += "\n";
+  for (std::size_t c = 0; c < t.capacities.size(); ++c) {
+    out += fmt::format("{},{}", t.capacities[c], std::uint64_t{t.capacities[c]} * block_tokens);
+    for (std::size_t p = 0; p < t.policies.size(); ++p) out += fmt::format(",{:.6f}", t.results[p][c].hit_ratio());
+    out += "\n";
+  }
+  return out;
+}
+
+std::string sweep_svg(const SweepTable& t, std::uint32_t block_tokens) {
+  const double W = 760, H = 460, L = 70, R = 170, T = 30, B = 60;
+  double xmin = std::log10(std::max(1u, *std::min_element(t.capacities.begin(), t.capacities.end())));
+  double xmax = std::log10(std::max(1u, *std::max_element(t.capacities.begin(), t.capacities.end())));
+  if (xmax <= xmin) xmax = xmin + 1;
+  double ymax = std::max(0.05, t.unbounded_hit_ratio);
+  for (const auto& row : t.results)
+    for (const auto& r : row) ymax = std::max(ymax, r.hit_ratio());
+  ymax = std::ceil(ymax * 20) / 20;
+  auto X = [&](double cap) { return L + (std::log10(std::max(1.0, cap)) - xmin) / (xmax - xmin) * (W - L - R); };
+  auto Y = [&](double v) { return H - B - v / ymax * (H - T - B); };
+  static const char* colors[] = {"#d62728", "#1f77b4", "#2ca02c", "#9467bd",
+                                 "#8c564b", "#e377c2", "#17becf", "#000000"};
+  std::string s = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" "
+      "font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
+      W, H);
+  s += fmt::format(
+      "<text x=\"{}\" y=\"18\" text-anchor=\"middle\" font-size=\"14\">Prefix-cache block hit ratio vs "
+      "capacity</text>\n",
+      (W - R + L) / 2);
+  for (int i = 0; i <= 5; ++i) {
+    double v = ymax * i / 5;
+    s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>\n", L, Y(v), W - R, Y(v));
+    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.2f}</text>\n", L - 6, Y(v) + 4, v);
+  }
+  for (std::uint32_t cap : t.capacities) {
+    s += fmt::format("<line x1=\"{:.1f}\" y1=\"{}\" x2=\"{:.1f}\" y2=\"{}\" stroke=\"#eee\"/>\n", X(cap), T, X(cap),
+                     H - B);
+    s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", X(cap), H - B + 16, cap);
+  }
+  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">capacity (blocks of {} tokens, log scale)</text>\n",
+                   (W - R + L) / 2, H - 18, block_tokens);
+  s += fmt::format("<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">hit ratio</text>\n",
+                   (H - B + T) / 2, (H - B + T) / 2);
+  s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#999\" stroke-dasharray=\"4 4\"/>\n",
+                   L, Y(t.unbounded_hit_ratio), W - R, Y(t.unbounded_hit_ratio));
+  for (std::size_t p = 0; p < t.policies.size(); ++p) {
+    const char* color = t.policies[p] == "belady" ? "#000000" : colors[p % 7];
+    std::string pts;
+    for (std::size_t c = 0; c < t.capacities.size(); ++c)
+      pts += fmt::format("{:.1f},{:.1f} ", X(t.capacities[c]), Y(t.results[p][c].hit_ratio()));
+    s += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{} points=\"{}\"/>\n", color,
+                     t.policies[p] == "belady" ? " stroke-dasharray=\"6 3\"" : "", pts);
+    double ly = T + 20 + 20.0 * p;
+    s += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"2\"/>\n", W - R + 15,
+                     ly, W - R + 40, ly, color);
+    s += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", W - R + 46, ly + 4, t.policies[p]);
+  }
+  double ly = T + 20 + 20.0 * t.policies.size();
+  s += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#999\" stroke-dasharray=\"4 4\"/>\n",
+                   W - R + 15, ly, W - R + 40, ly);
+  s += fmt::format("<text x=\"{}\" y=\"{}\">unbounded</text>\n</svg>\n", W - R + 46, ly + 4);
+  return s;
+}
+
+}  // namespace kvtier::cache

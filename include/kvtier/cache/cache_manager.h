@@ -1,0 +1,212 @@
+// CacheManager: the scheduler-side brain of kvtier. It owns the block pools of
+// every tier, the content-addressed prefix index, the eviction and write
+// policies, and turns each scheduling step into a StepPlan of block moves that
+// a PlanExecutor (the TransferManager, or a fake) carries out.
+//
+// Model. The index is a tree of blocks keyed by chained BlockKeys (one block
+// per edge). A block may hold settled copies in several tiers (device, host,
+// storage); its tier is the fastest one. Invariants (check_invariants()):
+//   - along every root-to-leaf path tiers are ordered device, then host, then
+//     storage; matches return ordered segments [device][host][storage];
+//   - only leaves of a tier are evicted from it (a block whose children all
+//     sit in slower tiers), so no subtree is ever orphaned;
+//   - a block in flight (loading, evicting, fetching, demoting) is never
+//     returned by a match; its state changes only with the executor's ack;
+//   - a host block is freed only once no transfer reads it; a device block
+//     given up by an eviction may be reused by the same plan's loads and the
+//     step's forward pass: the executor must order a plan's evictions before
+//     them (StepPlan contract);
+//   - every reference an Admission takes is released by release().
+// A failed load or eviction ack turns the block and its subtree into misses
+// (recompute), never into served garbage; a failed backup just drops the copy.
+//
+// Flow per step: admit() each scheduled request (match + pin + allocate +
+// queue loads/evictions) -> take_plan() -> executor -> ack_*() -> after the
+// forward pass commit() the computed blocks -> release() at request end.
+//
+// Thread-safety: none; one scheduler thread drives a CacheManager.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvtier/cache/block_key.h"
+#include "kvtier/cache/block_pool.h"
+#include "kvtier/cache/eviction_policy.h"
+#include "kvtier/core/status.h"
+
+namespace kvtier::cache {
+
+enum class Tier : std::uint8_t { kDevice = 0, kHost = 1, kStorage = 2 };
+inline constexpr int kNumTiers = 3;
+std::string_view tier_name(Tier tier) noexcept;
+
+enum class WritePolicy : std::uint8_t {
+  kWriteThrough,           // every committed block is backed up to host at once
+  kWriteThroughSelective,  // backed up once its hit count reaches write_through_threshold
+  kWriteBack,              // copied to host only when evicted from the device
+};
+std::string_view write_policy_name(WritePolicy policy) noexcept;
+Result<WritePolicy> parse_write_policy(std::string_view name);
+
+struct Watermarks {
+  // When the free fraction of a tier falls below `low`, take_plan() evicts
+  // until `high` is free (device: to host; host: to storage or dropped).
+  // 0/0 disables proactive eviction.
+  double low = 0.0;
+  double high = 0.0;
+};
+
+struct CacheConfig {
+  std::uint32_t device_blocks = 0;   // required >= 1
+  std::uint32_t host_blocks = 0;     // 0: no host tier
+  std::uint32_t storage_blocks = 0;  // 0: no storage tier
+  std::string device_policy = "lru";
+  std::string host_policy = "lru";
+  std::string storage_policy = "lru";
+  WritePolicy write_policy = WritePolicy::kWriteBack;
+  std::uint32_t write_through_threshold = 2;  // hits, for kWriteThroughSelective
+  Watermarks device_watermarks;
+  Watermarks host_watermarks;
+  // Host blocks for an eviction batch are taken as one contiguous run when one exists.
+  bool contiguous_host_runs = true;
+  // Only for the offline "belady" policy (replay).
+  NextUseOracle next_use_oracle;
+};
+
+// One block move. `key` names the block (storage objects are keyed by it).
+struct BlockMove {
+  BlockId src = kNoBlock;
+  BlockId dst = kNoBlock;
+  BlockKey key;
+};
+
+// The moves of one scheduling step. Contract for the executor: evictions
+// (D2H) complete, or are ordered on the device, before the loads (H2D) of the
+// same plan and before the step's forward pass writes any device block.
+// Backups (D2H, the device copy stays) may overlap anything. Storage writes
+// read host blocks; storage prefetches write host blocks.
+struct StepPlan {
+  std::vector<BlockMove> evictions;           // device -> host, device copy given up
+  std::vector<BlockMove> backups;             // device -> host, device copy kept
+  std::vector<BlockMove> loads;               // host -> device
+  std::vector<BlockMove> storage_writes;      // host -> storage slot (dst = storage slot id)
+  std::vector<BlockMove> storage_prefetches;  // storage slot -> host
+  bool empty() const noexcept {
+    return evictions.empty() && backups.empty() && loads.empty() && storage_writes.empty() &&
+           storage_prefetches.empty();
+  }
+  std::size_t size() const noexcept {
+    return evictions.size() + backups.size() + loads.size() + storage_writes.size() + storage_prefetches.size();
+  }
+};
+
+// Longest-prefix match: ordered segments, then why it stopped.
+struct MatchResult {
+  std::uint32_t device_blocks = 0;    // keys[0 .. device_blocks) settled on device
+  std::uint32_t host_blocks = 0;      // next host_blocks keys on host
+  std::uint32_t storage_blocks = 0;   // next storage_blocks keys in storage
+  bool stopped_at_in_flight = false;  // the next key is in flight: retry next step rather than recompute
+  std::vector<BlockId> device_ids, host_ids, storage_ids;
+  std::uint32_t total() const noexcept { return device_blocks + host_blocks + storage_blocks; }
+};
+
+using AdmissionId = std::uint64_t;
+
+struct Admission {
+  AdmissionId id = 0;
+  std::uint32_t device_hit_blocks = 0;   // served from device
+  std::uint32_t host_hit_blocks = 0;     // loaded host -> device by this step's plan
+  std::uint32_t storage_hit_blocks = 0;  // present in storage only: recomputed here (see prefetch())
+  std::uint32_t new_blocks = 0;          // keyed blocks to compute
+  std::uint32_t extra_blocks = 0;        // unkeyed blocks (partial tail, decode space)
+  bool stopped_at_in_flight = false;
+  // Device block of every position: keys, then extra blocks.
+  std::vector<BlockId> device_blocks;
+};
+
+// Where an admission's loads stand.
+struct AdmissionStatus {
+  std::uint32_t ready_blocks = 0;  // leading blocks whose data is on device
+  std::uint32_t loading_blocks = 0;
+  bool failed = false;  // a load failed: release() and recompute
+};
+
+struct TierStats {
+  std::uint32_t capacity = 0;
+  std::uint32_t used = 0;
+  std::uint32_t resident = 0;  // settled copies indexed in this tier
+};
+
+struct CacheStats {
+  std::array<TierStats, kNumTiers> tiers{};
+  std::uint64_t nodes = 0;
+  std::uint64_t admissions = 0, admission_failures = 0;
+  std::uint64_t evictions_d2h = 0, drops_device = 0, backups_d2h = 0, loads_h2d = 0;
+  std::uint64_t drops_host = 0, storage_writes = 0, storage_prefetches = 0, drops_storage = 0;
+  std::uint64_t failed_transfers = 0, invalidated_blocks = 0;
+};
+
+class CacheManager {
+ public:
+  static Result<std::unique_ptr<CacheManager>> create(CacheConfig config);
+  ~CacheManager();
+  CacheManager(const CacheManager&) = delete;
+  CacheManager& operator=(const CacheManager&) = delete;
+
+  const CacheConfig& config() const noexcept { return config_; }
+
+  // Longest prefix of `keys` servable now. No side effects.
+  MatchResult match(std::span<const BlockKey> keys) const;
+
+  // Matches, pins the matched blocks, allocates device blocks for host hits
+  // (queued as loads), for the keys to compute and for `extra_blocks`
+  // unkeyed blocks, evicting as needed. ResourceExhausted (nothing changed)
+  // when the device cannot hold them.
+  Result<Admission> admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks = 0);
+
+  // After the forward pass: the first `num_computed` keys of the admission
+  // hold data; the new ones join the index (still pinned by the admission).
+  // A key computed while another copy appeared, or below a block that went
+  // in flight, is not indexed; its block is freed by release().
+  Status commit(AdmissionId id, std::uint32_t num_computed);
+  Status commit_all(AdmissionId id);
+
+  // Unpins; frees the admission's device blocks that did not join the index.
+  Status release(AdmissionId id);
+
+  Result<AdmissionStatus> admission_status(AdmissionId id) const;
+
+  // Storage segment -> host (fetches queued in the next plan); returns the number of blocks queued.
+  Result<std::uint32_t> prefetch(std::span<const BlockKey> keys);
+
+  // Moves queued since the last call, plus watermark evictions.
+  StepPlan take_plan();
+
+  // Completion acknowledgements, by destination block id of each move.
+  Status ack_evictions(std::span<const BlockId> host_blocks, const Status& status);
+  Status ack_backups(std::span<const BlockId> host_blocks, const Status& status);
+  Status ack_loads(std::span<const BlockId> device_blocks, const Status& status);
+  Status ack_storage_writes(std::span<const BlockId> storage_slots, const Status& status);
+  Status ack_storage_prefetches(std::span<const BlockId> host_blocks, const Status& status);
+  // Acks every move of `plan` with `status`.
+  Status ack_plan(const StepPlan& plan, const Status& status);
+
+  CacheStats stats() const;
+  // Internal, O(nodes): tree links, tier order, in-flight bookkeeping, pool ownership, reference counts.
+  Status check_invariants() const;
+
+  struct Impl;
+
+ private:
+  explicit CacheManager(CacheConfig config);
+  CacheConfig config_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtier::cache

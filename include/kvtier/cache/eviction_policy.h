@@ -1,0 +1,92 @@
+// Eviction policies of one tier of the prefix index.
+//
+// A policy orders the copies resident in its tier; the CacheManager decides
+// what may go (leaf of its tier, unpinned, not in flight) and passes that as
+// the `evictable` predicate of victim(). A policy never evicts by itself.
+//
+// To keep parents behind their children in recency order, the manager reports
+// the accesses of a path deepest block first, and inserts of a new chain
+// deepest first; so recency-ordered policies meet a leaf before its parent.
+//
+// Policies (make_policy names):
+//   lru        least recently used (intrusive list, O(1); victim() scans past non-evictable nodes).
+//   s3fifo     S3-FIFO (Yang et al., SOSP'23): small FIFO (10%), main FIFO with 2-bit frequency,
+//              ghost FIFO of keys evicted from small; scan resistant.
+//   arc        ARC (Megiddo & Modha, FAST'03): T1/T2 with ghosts B1/B2 and adaptive target p.
+//   lrfu[:b]   recency-frequency: priority = last access time + b * log2(uses), time in admissions,
+//              uses = AccessInfo::hit_count + 1 (counted per key across residencies); O(1) per operation
+//              (b defaults to kDefaultLrfuBoost); evicts the lowest priority, deeper first on ties.
+//   belady     offline optimum: evicts the block whose next use (from an oracle) is farthest, deeper
+//              first on ties. Needs CacheConfig::next_use_oracle.
+//
+// Thread-safety: none; owned and serialized by the CacheManager.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "kvtier/cache/block_key.h"
+#include "kvtier/core/status.h"
+
+namespace kvtier::cache {
+
+using NodeId = std::uint32_t;
+inline constexpr NodeId kNoNode = 0xFFFFFFFFu;
+
+// Non-owning callable reference (the predicate lives on the caller's stack).
+template <typename Sig>
+class FunctionRef;
+template <typename R, typename... A>
+class FunctionRef<R(A...)> {
+ public:
+  template <typename F, typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, FunctionRef>>>
+  FunctionRef(F&& f) noexcept  // NOLINT
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))),
+        call_([](void* o, A... a) -> R { return (*static_cast<std::remove_reference_t<F>*>(o))(a...); }) {}
+  R operator()(A... a) const { return call_(obj_, a...); }
+
+ private:
+  void* obj_;
+  R (*call_)(void*, A...);
+};
+
+struct AccessInfo {
+  std::uint64_t now = 0;          // logical clock: admissions so far
+  const BlockKey* key = nullptr;  // the block's key (ghost lists, oracle)
+  std::uint32_t depth = 0;        // 1 for a request's first block
+  // Uses so far, minus one. The CacheManager counts them per key across residencies (a bounded
+  // history), clamped so that a block never counts more than its parent: priorities derived from
+  // (now, hit_count) then never rank a parent below its child.
+  std::uint32_t hit_count = 0;
+};
+
+// Next use of a block after logical time `now` (UINT64_MAX: never).
+using NextUseOracle = std::function<std::uint64_t(const BlockKey& key, std::uint64_t now)>;
+
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual std::string name() const = 0;
+  // A copy became resident in this tier.
+  virtual void insert(NodeId n, const AccessInfo& info) = 0;
+  // The resident copy was hit.
+  virtual void touch(NodeId n, const AccessInfo& info) = 0;
+  // The copy left the tier (evicted, dropped, invalidated). No-op if not tracked.
+  virtual void erase(NodeId n) = 0;
+  // The next victim among tracked nodes with evictable(n), kNoNode if none. Does not erase it.
+  virtual NodeId victim(FunctionRef<bool(NodeId)> evictable) = 0;
+  virtual std::size_t size() const = 0;
+  virtual bool contains(NodeId n) const = 0;
+};
+
+inline constexpr double kDefaultLrfuBoost = 500.0;
+
+// `capacity` is the tier's size in blocks (S3-FIFO and ARC size their queues by it).
+Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,
+                                                    NextUseOracle oracle = {});
+
+}  // namespace kvtier::cache

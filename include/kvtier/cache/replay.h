@@ -1,0 +1,106 @@
+// Trace replay: runs the CacheManager over a Mooncake-format request trace
+// and reports hit ratios, prefill tokens saved, bytes moved, and the offline
+// optimum (Belady) for the same capacity.
+//
+// Trace format (one JSON object per line): timestamp (ms), input_length,
+// output_length, hash_ids (one id per block of the input; equal ids = equal
+// prefix blocks). Requests are replayed in file order, one at a time.
+//
+// Semantics per request: the keys are the chained keys of its hash_ids; by
+// default only full blocks (input_length / block_tokens of them) are cacheable,
+// as in a serving engine that never hashes a partial block; the partial tail is
+// allocated as an unkeyed block. Hit = longest prefix present, device then
+// host; host hits are loaded (H2D) through the executor; misses are computed
+// and committed; the request is released at once (no overlap between
+// requests). Ratios: hit blocks / all blocks of the trace (partial included);
+// saved tokens = min(hit blocks * block_tokens, input_length) / input tokens.
+//
+// Belady: a single tier of `capacity` blocks with the "belady" policy; the
+// oracle gives each block's next use (the next request holding it). It
+// evicts the block used farthest in the future, deeper blocks first on ties;
+// since every use of a block also uses its parent, a parent's next use is
+// never later than its child's, so this order is leaf-only by construction
+// and equals unconstrained MIN with bypass (a computed block whose next use
+// is farthest is evicted right after its request).
+//
+// Thread-safety: functions are reentrant; no shared state.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvtier/cache/cache_manager.h"
+#include "kvtier/cache/plan_executor.h"
+#include "kvtier/core/status.h"
+
+namespace kvtier::cache {
+
+struct TraceRequest {
+  std::uint64_t timestamp_ms = 0;
+  std::uint32_t input_length = 0;
+  std::uint32_t output_length = 0;
+  std::vector<std::uint64_t> hash_ids;
+};
+
+// max_requests 0: all. Errors name the file and line.
+Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests = 0);
+
+inline constexpr std::uint64_t kDefaultReplayBlockBytes = 64ull << 20;  // 512 tokens of Llama-3-8B bf16 KV
+
+struct ReplayOptions {
+  std::uint32_t device_blocks = 4096;
+  std::uint32_t host_blocks = 0;
+  std::string policy = "lrfu";  // device and host tiers ("belady" needs the oracle: replay_belady)
+  WritePolicy write_policy = WritePolicy::kWriteBack;
+  std::uint32_t write_through_threshold = 2;
+  std::uint32_t block_tokens = 512;
+  bool cache_partial_blocks = false;
+  std::uint64_t block_bytes = kDefaultReplayBlockBytes;
+  double failure_rate = 0.0;  // injected transfer failures (fake executor)
+  std::uint64_t seed = 1;
+  PlanExecutor* executor = nullptr;          // null: a FakePlanExecutor (no bytes move)
+  std::uint32_t check_invariants_every = 0;  // requests between CacheManager::check_invariants (tests)
+};
+
+struct ReplayResult {
+  std::string policy;
+  std::uint32_t device_blocks = 0, host_blocks = 0;
+  std::uint64_t requests = 0, truncated_requests = 0, failed_admissions = 0;
+  std::uint64_t total_blocks = 0, cacheable_blocks = 0;
+  std::uint64_t device_hit_blocks = 0, host_hit_blocks = 0;
+  std::uint64_t total_tokens = 0, device_hit_tokens = 0, host_hit_tokens = 0;
+  std::uint64_t bytes_d2h = 0, bytes_h2d = 0;
+  std::uint64_t failed_transfers = 0;
+  double seconds = 0;
+
+  std::uint64_t hit_blocks() const { return device_hit_blocks + host_hit_blocks; }
+  double hit_ratio() const { return total_blocks ? double(hit_blocks()) / double(total_blocks) : 0.0; }
+  double device_hit_ratio() const { return total_blocks ? double(device_hit_blocks) / double(total_blocks) : 0.0; }
+  double host_hit_ratio() const { return total_blocks ? double(host_hit_blocks) / double(total_blocks) : 0.0; }
+  double token_hit_ratio() const {
+    return total_tokens ? double(device_hit_tokens + host_hit_tokens) / double(total_tokens) : 0.0;
+  }
+};
+
+Result<ReplayResult> replay_trace(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
+// Single tier of capacity_blocks, offline optimum; other fields of `options` as given.
+Result<ReplayResult> replay_belady(const std::vector<TraceRequest>& trace, std::uint32_t capacity_blocks,
+                                   const ReplayOptions& options);
+// Hit ratio with unbounded capacity (the ceiling of any policy).
+ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
+
+struct SweepTable {
+  std::vector<std::uint32_t> capacities;           // device blocks, single tier
+  std::vector<std::string> policies;               // "belady" last
+  std::vector<std::vector<ReplayResult>> results;  // [policy][capacity]
+  double unbounded_hit_ratio = 0;
+};
+
+Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vector<std::uint32_t>& capacities,
+                         const std::vector<std::string>& policies, const ReplayOptions& options);
+std::string sweep_markdown(const SweepTable& table, std::uint32_t block_tokens);
+std::string sweep_csv(const SweepTable& table, std::uint32_t block_tokens);
+std::string sweep_svg(const SweepTable& table, std::uint32_t block_tokens);
+
+}  // namespace kvtier::cache

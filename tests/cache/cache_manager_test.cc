@@ -1,0 +1,356 @@
+#include "kvtier/cache/cache_manager.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "kvtier/cache/plan_executor.h"
+#include "tests/cache/cache_test_util.h"
+
+namespace kvtier::cache {
+namespace {
+
+using testing::dsts;
+using testing::make_cache;
+using testing::path;
+
+// Admits, commits and releases a request; returns the admission.
+Admission run_request(CacheManager& c, const std::vector<BlockKey>& keys, bool ack = true) {
+  auto a = c.admit(keys);
+  EXPECT_TRUE(a.ok()) << a.status().to_string();
+  if (ack) {
+    StepPlan p = c.take_plan();
+    EXPECT_TRUE(c.ack_plan(p, Status::Ok()).ok());
+  }
+  EXPECT_TRUE(c.commit_all(a->id).ok());
+  EXPECT_TRUE(c.release(a->id).ok());
+  return *a;
+}
+
+TEST(CacheManager, MissThenHitAfterCommit) {
+  auto c = make_cache(testing::config(8));
+  auto keys = path({1, 2, 3, 4});
+  Admission a = run_request(*c, keys);
+  EXPECT_EQ(a.new_blocks, 4u);
+  EXPECT_EQ(a.device_hit_blocks, 0u);
+  EXPECT_EQ(a.device_blocks.size(), 4u);
+  MatchResult m = c->match(keys);
+  EXPECT_EQ(m.device_blocks, 4u);
+  EXPECT_EQ(m.device_ids, a.device_blocks);
+  // A diverging request shares the first two blocks.
+  Admission b = run_request(*c, path({1, 2, 9}));
+  EXPECT_EQ(b.device_hit_blocks, 2u);
+  EXPECT_EQ(b.new_blocks, 1u);
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, EvictionIsLeafOnlyAndWriteBackMovesToHost) {
+  auto c = make_cache(testing::config(4, 16));
+  auto a = path({1, 2, 3, 4});
+  run_request(*c, a);
+  // A new 2-block request needs 2 device blocks: the two deepest blocks of `a` go to host.
+  auto adm = c->admit(path({7, 8}));
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.evictions.size(), 2u);
+  std::set<BlockKey, bool (*)(const BlockKey&, const BlockKey&)> evicted(
+      [](const BlockKey& x, const BlockKey& y) { return x.lo < y.lo || (x.lo == y.lo && x.hi < y.hi); });
+  for (auto& e : p.evictions) evicted.insert(e.key);
+  EXPECT_TRUE(evicted.count(a[3]) && evicted.count(a[2])) << "leaves first";
+  // In flight: no match may serve them, from any tier.
+  MatchResult m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 2u);
+  EXPECT_EQ(m.host_blocks, 0u);
+  EXPECT_TRUE(m.stopped_at_in_flight);
+  ASSERT_TRUE(c->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
+  m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 2u);
+  EXPECT_EQ(m.host_blocks, 2u);
+  EXPECT_FALSE(m.stopped_at_in_flight);
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, HostHitsLoadAndOnlyServeAfterTheAck) {
+  auto c = make_cache(testing::config(4, 16));
+  auto a = path({1, 2, 3, 4});
+  run_request(*c, a);
+  run_request(*c, path({7, 8, 9, 10}));  // pushes all of `a` to host
+  MatchResult m = c->match(a);
+  ASSERT_EQ(m.host_blocks, 4u);
+  auto adm = c->admit(a);
+  ASSERT_TRUE(adm.ok());
+  EXPECT_EQ(adm->host_hit_blocks, 4u);
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.loads.size(), 4u);
+  EXPECT_EQ(p.evictions.size(), 4u);  // the other request's blocks make room
+  // Loads read the host copies the match saw.
+  std::vector<BlockId> srcs;
+  for (auto& l : p.loads) srcs.push_back(l.src);
+  EXPECT_EQ(srcs, m.host_ids);
+  auto st = c->admission_status(adm->id);
+  EXPECT_EQ(st->loading_blocks, 4u);
+  EXPECT_EQ(st->ready_blocks, 0u);
+  EXPECT_TRUE(c->match(a).stopped_at_in_flight);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  st = c->admission_status(adm->id);
+  EXPECT_EQ(st->ready_blocks, 4u);
+  EXPECT_FALSE(st->failed);
+  m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 4u);
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, FailedLoadTurnsIntoAMissNeverGarbage) {
+  auto c = make_cache(testing::config(4, 16));
+  auto a = path({1, 2, 3, 4});
+  run_request(*c, a);
+  run_request(*c, path({7, 8, 9, 10}));
+  auto adm = c->admit(a);
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_TRUE(c->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
+  // Block 2 of the loads fails.
+  std::vector<BlockId> ok{p.loads[0].dst, p.loads[1].dst, p.loads[3].dst}, bad{p.loads[2].dst};
+  ASSERT_TRUE(c->ack_loads(ok, Status::Ok()).ok());
+  ASSERT_TRUE(c->ack_loads(bad, DataLoss("bad copy")).ok());
+  auto st = c->admission_status(adm->id);
+  EXPECT_TRUE(st->failed);
+  EXPECT_EQ(st->ready_blocks, 2u);
+  // Failed block and everything below it are out of the index at once.
+  MatchResult m = c->match(a);
+  EXPECT_EQ(m.total(), 2u);
+  EXPECT_INVARIANTS(*c);
+  // Committing after a failure does not index the garbage chain.
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_EQ(c->match(a).total(), 2u);
+  EXPECT_INVARIANTS(*c);
+  // The failed and detached blocks went back to their pools.
+  CacheStats s = c->stats();
+  EXPECT_EQ(s.tiers[0].used + s.tiers[1].used, 2u /*a[0..1] dev*/ + 2 /*their host copies*/ + 4 /*7..10 on host*/);
+}
+
+TEST(CacheManager, FailedEvictionDropsTheSubtree) {
+  auto c = make_cache(testing::config(4, 16));
+  auto a = path({1, 2, 3, 4});
+  run_request(*c, a);
+  auto adm = c->admit(path({7, 8, 9, 10}));
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.evictions.size(), 4u);
+  ASSERT_TRUE(c->ack_evictions(dsts(p.evictions), Unavailable("link down")).ok());
+  EXPECT_EQ(c->match(a).total(), 0u);
+  EXPECT_EQ(c->stats().tiers[1].used, 0u);
+  EXPECT_EQ(c->stats().failed_transfers, 4u);
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, StaleOrUnknownAcksAreRejected) {
+  auto c = make_cache(testing::config(4, 4));
+  std::vector<BlockId> ids{0};
+  EXPECT_EQ(c->ack_loads(ids, Status::Ok()).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->ack_evictions(ids, Status::Ok()).code(), StatusCode::kFailedPrecondition);
+  std::vector<BlockId> big{1000};
+  EXPECT_EQ(c->ack_backups(big, Status::Ok()).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CacheManager, HostBlockNotReusedWhileALoadReadsIt) {
+  // Host tier of 4: a load reads host blocks while a new request's evictions need host space.
+  auto c = make_cache(testing::config(4, 4));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  run_request(*c, path({3, 4, 5, 6}));  // a -> host (2 blocks)
+  auto adm = c->admit(a);               // loads a; evicts 2 of {3..6} to host
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.loads.size(), 2u);
+  // Now more pressure while the loads are still in flight.
+  auto adm2 = c->admit(path({20, 21}));
+  StepPlan p2 = c->take_plan();
+  std::set<BlockId> reading{p.loads[0].src, p.loads[1].src};
+  for (const auto& e : p.evictions) EXPECT_FALSE(reading.count(e.dst));
+  for (const auto& e : p2.evictions) EXPECT_FALSE(reading.count(e.dst)) << "host block " << e.dst << " reused";
+  for (const auto& e : p2.backups) EXPECT_FALSE(reading.count(e.dst));
+  EXPECT_INVARIANTS(*c);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  ASSERT_TRUE(c->ack_plan(p2, Status::Ok()).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  if (adm2.ok()) {
+    ASSERT_TRUE(c->release(adm2->id).ok());
+  }
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, PinnedBlocksAreNeverEvicted) {
+  auto c = make_cache(testing::config(4, 8));
+  auto a = c->admit(path({1, 2, 3}));
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(c->commit_all(a->id).ok());
+  auto b = c->admit(path({5, 6}));
+  EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(c->match(path({1, 2, 3})).device_blocks, 3u);
+  auto b2 = c->admit(path({5}));
+  ASSERT_TRUE(b2.ok());
+  ASSERT_TRUE(c->release(a->id).ok());
+  ASSERT_TRUE(c->release(b2->id).ok());
+  EXPECT_INVARIANTS(*c);
+  // Too large for the device at all.
+  EXPECT_EQ(c->admit(path({1, 2, 3, 4, 5})).status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST(CacheManager, ContiguousHostRunsForEvictionBatches) {
+  auto c = make_cache(testing::config(8, 64));
+  run_request(*c, path({1, 2, 3, 4, 5, 6, 7, 8}));
+  auto adm = c->admit(path({11, 12, 13, 14, 15, 16, 17, 18}));
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.evictions.size(), 8u);
+  std::vector<BlockId> d = dsts(p.evictions);
+  std::sort(d.begin(), d.end());
+  for (std::size_t i = 1; i < d.size(); ++i) EXPECT_EQ(d[i], d[0] + i);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+}
+
+TEST(CacheManager, WriteThroughBacksUpAtCommitAndEvictsWithoutCopies) {
+  auto c = make_cache(
+      testing::with(testing::config(4, 16), [](CacheConfig& cf) { cf.write_policy = WritePolicy::kWriteThrough; }));
+  auto a = path({1, 2, 3, 4});
+  auto adm = c->admit(a);
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  StepPlan p = c->take_plan();
+  EXPECT_EQ(p.backups.size(), 4u);
+  // Backed-up blocks stay servable from device while the copy runs.
+  EXPECT_EQ(c->match(a).device_blocks, 4u);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  auto adm2 = c->admit(path({9, 10}));
+  StepPlan p2 = c->take_plan();
+  EXPECT_EQ(p2.evictions.size(), 0u) << "the host already has the copies";
+  EXPECT_EQ(c->stats().drops_device, 2u);
+  MatchResult m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 2u);
+  EXPECT_EQ(m.host_blocks, 2u);
+  ASSERT_TRUE(c->commit_all(adm2->id).ok());
+  ASSERT_TRUE(c->release(adm2->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, WriteThroughSelectiveWaitsForTheHitThreshold) {
+  auto c = make_cache(testing::with(testing::config(8, 16), [](CacheConfig& cf) {
+    cf.write_policy = WritePolicy::kWriteThroughSelective;
+    cf.write_through_threshold = 2;
+  }));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  EXPECT_TRUE(c->take_plan().backups.empty());
+  run_request(*c, a, /*ack=*/true);  // hit 1
+  EXPECT_TRUE(c->take_plan().backups.empty());
+  auto adm = c->admit(a);  // hit 2 reaches the threshold
+  StepPlan p = c->take_plan();
+  EXPECT_EQ(p.backups.size(), 2u);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  // A selective policy drops un-backed-up leaves instead of copying them.
+  run_request(*c, path({5, 6, 7, 8, 9, 10, 11, 12}));
+  MatchResult m = c->match(a);
+  EXPECT_EQ(m.host_blocks, 2u);
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, FailedBackupKeepsTheDeviceCopy) {
+  auto c = make_cache(
+      testing::with(testing::config(4, 16), [](CacheConfig& cf) { cf.write_policy = WritePolicy::kWriteThrough; }));
+  auto a = path({1, 2});
+  auto adm = c->admit(a);
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  StepPlan p = c->take_plan();
+  ASSERT_TRUE(c->ack_backups(dsts(p.backups), Unavailable("x")).ok());
+  EXPECT_EQ(c->match(a).device_blocks, 2u);
+  EXPECT_EQ(c->stats().tiers[1].used, 0u);
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, DeviceWatermarksEvictAhead) {
+  auto c = make_cache(testing::with(testing::config(10, 32), [](CacheConfig& cf) {
+    cf.device_watermarks = Watermarks{0.2, 0.5};
+  }));
+  run_request(*c, path({1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_TRUE(c->take_plan().evictions.empty()) << "3 free of 10 is above the low mark";
+  run_request(*c, path({1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  StepPlan p = c->take_plan();
+  EXPECT_EQ(p.evictions.size(), 4u) << "1 free < 2: evict until 5 are free";
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  EXPECT_EQ(c->stats().tiers[0].used, 5u);
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, HostWatermarksDemoteToStorageAndPrefetchBack) {
+  auto c = make_cache(testing::with(testing::config(2, 4, 16), [](CacheConfig& cf) {
+    cf.host_watermarks = Watermarks{0.5, 1.0};
+  }));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  run_request(*c, path({3, 4}));      // a -> host; 2 of 4 host blocks free: not below the low mark
+  auto adm = c->admit(path({5, 6}));  // 3, 4 -> host: host full
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  EXPECT_EQ(p.evictions.size(), 2u);
+  ASSERT_EQ(p.storage_writes.size(), 2u) << "settled host blocks (a) are demoted, in-flight ones wait";
+  EXPECT_EQ(c->stats().tiers[1].used, 4u) << "host blocks are held until the writes land";
+  EXPECT_TRUE(c->match(a).stopped_at_in_flight);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  EXPECT_EQ(c->stats().tiers[1].used, 2u);
+  MatchResult m = c->match(a);
+  EXPECT_EQ(m.storage_blocks, 2u);
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  auto n = c->prefetch(a);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 2u);
+  StepPlan f = c->take_plan();
+  ASSERT_EQ(f.storage_prefetches.size(), 2u);
+  EXPECT_TRUE(c->match(a).stopped_at_in_flight);
+  ASSERT_TRUE(c->ack_plan(f, Status::Ok()).ok());
+  EXPECT_EQ(c->match(a).host_blocks, 2u);
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, FakeExecutorDelaysAndFailures) {
+  FakePlanExecutor::Options o;
+  o.delay_polls = 2;
+  o.fail = [](MoveKind k, const BlockMove&) { return k == MoveKind::kLoad; };
+  FakePlanExecutor ex(o);
+  auto c = make_cache(testing::config(2, 8));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  run_request(*c, path({3, 4}));
+  auto adm = c->admit(a);
+  ASSERT_TRUE(ex.execute(c->take_plan()).ok());
+  EXPECT_TRUE(ex.poll().empty());
+  EXPECT_TRUE(ex.poll().empty());
+  EXPECT_TRUE(c->admission_status(adm->id)->loading_blocks == 2);
+  ASSERT_TRUE(apply_completions(*c, ex.poll()).ok());
+  EXPECT_TRUE(c->admission_status(adm->id)->failed);
+  EXPECT_EQ(c->match(a).total(), 0u);
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+TEST(CacheManager, ConfigValidation) {
+  EXPECT_FALSE(CacheManager::create(testing::config(0)).ok());
+  EXPECT_FALSE(
+      CacheManager::create(testing::with(testing::config(4), [](CacheConfig& cf) { cf.device_policy = "nope"; })).ok());
+  EXPECT_FALSE(CacheManager::create(testing::with(testing::config(4), [](CacheConfig& cf) {
+                 cf.device_watermarks = Watermarks{0.6, 0.5};
+               })).ok());
+}
+
+}  // namespace
+}  // namespace kvtier::cache

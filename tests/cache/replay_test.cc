@@ -1,0 +1,116 @@
+#include "kvtier/cache/replay.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+namespace kvtier::cache {
+namespace {
+
+const std::string kSample = std::string(KVTIER_SOURCE_DIR) + "/data/traces/mooncake_sample.jsonl";
+
+const std::vector<TraceRequest>& sample() {
+  static const std::vector<TraceRequest> trace = [] {
+    auto t = load_mooncake_trace(kSample, 1000);
+    EXPECT_TRUE(t.ok()) << t.status().to_string();
+    return t.ok() ? *t : std::vector<TraceRequest>{};
+  }();
+  return trace;
+}
+
+TEST(Replay, LoadsTheCommittedSample) {
+  ASSERT_EQ(sample().size(), 1000u);
+  EXPECT_EQ(sample()[0].hash_ids.size(), 14u);
+  EXPECT_EQ(sample()[0].input_length, 6758u);
+  EXPECT_EQ(load_mooncake_trace("/nonexistent.jsonl").status().code(), StatusCode::kNotFound);
+}
+
+TEST(Replay, RejectsMalformedLines) {
+  auto path = std::filesystem::temp_directory_path() / "kvtier_bad_trace.jsonl";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs("{\"timestamp\": 0, \"input_length\": 10, \"hash_ids\": [1]}\n{\"timestamp\": 1, \"input_length\": 5}\n",
+               f);
+    std::fclose(f);
+  }
+  auto t = load_mooncake_trace(path.string());
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find(":2:"), std::string::npos) << t.status().to_string();
+  std::filesystem::remove(path);
+}
+
+TEST(Replay, SaneNumbersAndBeladyBoundsEveryPolicy) {
+  ReplayOptions o;
+  o.device_blocks = 1000;
+  o.host_blocks = 0;
+  ReplayResult unb = replay_unbounded(sample(), o);
+  auto bel = replay_belady(sample(), 1000, o);
+  ASSERT_TRUE(bel.ok()) << bel.status().to_string();
+  for (const char* p : {"lru", "s3fifo", "arc", "lrfu"}) {
+    o.policy = p;
+    auto r = replay_trace(sample(), o);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_GE(r->hit_ratio(), 0.0);
+    EXPECT_LE(r->hit_ratio(), 1.0);
+    EXPECT_GT(r->hit_ratio(), 0.01) << p;
+    EXPECT_LE(r->hit_ratio(), bel->hit_ratio() + 1e-12) << p << " beats Belady";
+    EXPECT_LE(bel->hit_ratio(), unb.hit_ratio() + 1e-12);
+    EXPECT_EQ(r->total_blocks, unb.total_blocks);
+    EXPECT_EQ(r->host_hit_blocks, 0u);
+    EXPECT_LE(r->token_hit_ratio(), 1.0);
+  }
+}
+
+TEST(Replay, TwoTiersWithInvariantChecksAndInjectedFailures) {
+  ReplayOptions o;
+  o.device_blocks = 300;
+  o.host_blocks = 1200;
+  o.policy = "lru";
+  o.check_invariants_every = 50;
+  auto clean = replay_trace(sample(), o);
+  ASSERT_TRUE(clean.ok()) << clean.status().to_string();
+  EXPECT_GT(clean->host_hit_blocks, 0u);
+  EXPECT_GT(clean->bytes_h2d, 0u);
+  EXPECT_GT(clean->bytes_d2h, 0u);
+  auto bel = replay_belady(sample(), 1500, o);
+  ASSERT_TRUE(bel.ok());
+  EXPECT_LE(clean->hit_ratio(), bel->hit_ratio());
+  o.failure_rate = 0.05;
+  auto faulty = replay_trace(sample(), o);
+  ASSERT_TRUE(faulty.ok()) << faulty.status().to_string();
+  EXPECT_GT(faulty->failed_transfers, 0u);
+  EXPECT_LE(faulty->hit_ratio(), bel->hit_ratio());
+  o.failure_rate = 0;
+  o.write_through_threshold = 1;
+  o.write_policy = WritePolicy::kWriteThrough;
+  auto through = replay_trace(sample(), o);
+  ASSERT_TRUE(through.ok()) << through.status().to_string();
+  EXPECT_GT(through->host_hit_blocks, 0u);
+  EXPECT_GE(through->bytes_d2h, clean->bytes_d2h) << "write-through copies every block";
+  // Selective backs up only blocks hit on device: far fewer bytes, and here (few device hits
+  // besides the shared first block) no host hits at all.
+  o.write_policy = WritePolicy::kWriteThroughSelective;
+  auto selective = replay_trace(sample(), o);
+  ASSERT_TRUE(selective.ok()) << selective.status().to_string();
+  EXPECT_LT(selective->bytes_d2h, through->bytes_d2h / 10);
+  EXPECT_LE(selective->hit_ratio(), through->hit_ratio());
+}
+
+TEST(Replay, SweepTablesAndPlot) {
+  ReplayOptions o;
+  auto t = sweep(sample(), {250, 1000}, {"lru", "lrfu"}, o);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  ASSERT_EQ(t->policies.back(), "belady");
+  std::string md = sweep_markdown(*t, 512);
+  EXPECT_NE(md.find("| 1000 | 512000 |"), std::string::npos) << md;
+  EXPECT_NE(sweep_csv(*t, 512).find("capacity_blocks,capacity_tokens,lru,lrfu,belady"), std::string::npos);
+  std::string svg = sweep_svg(*t, 512);
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  for (std::size_t c = 0; c < 2; ++c)
+    for (std::size_t p = 0; p + 1 < t->policies.size(); ++p)
+      EXPECT_LE(t->results[p][c].hit_ratio(), t->results.back()[c].hit_ratio());
+}
+
+}  // namespace
+}  // namespace kvtier::cache
