@@ -9,12 +9,14 @@ namespace kvtier::cli {
 
 Action register_bench_copy(CLI::App& bench);
 Action register_bench_transfer(CLI::App& bench);
+Action register_bench_storage(CLI::App& bench);
 
 namespace {
 // Add new benchmarks here (one line each).
 constexpr BenchRegistrar kBenchRegistrars[] = {
     &register_bench_copy,
     &register_bench_transfer,
+    &register_bench_storage,
 };
 }  // namespace
 

@@ -1,0 +1,66 @@
+// Redis storage backend (hiredis): a shared tier that many inference
+// instances read and write, on one Redis server or a Redis Cluster.
+//
+// Keys: "<prefix>:<ns digest>-<layout fingerprint>:<key>-r<rank>", value =
+// object header + payload (object_format.h), verified on every get. Keys are
+// spread over cluster slots by their digest (no hash tags), so a batch fans
+// out over every master; capacity and eviction are the server's (maxmemory +
+// allkeys-lru recommended; ttl_seconds adds an expiry to every put).
+//
+// Batches are split into sub-batches of at most max_batch_items, handled by a
+// pool of worker threads; each worker pipelines its sub-batch per node (all
+// commands written, then all replies read). Cluster routing is done here
+// (hiredis has no cluster support): CRC16 key slots with hash tags, the slot
+// map from CLUSTER SLOTS, MOVED -> refresh the map and retry, ASK -> ASKING +
+// retry on the named node, TRYAGAIN/CLUSTERDOWN/LOADING and I/O errors ->
+// reconnect and retry with exponential backoff, up to max_retries; then the
+// item completes with Unavailable. Every connection authenticates (AUTH
+// [username] password) when a password is set.
+//
+// A get that fails verification deletes the key (quarantine = removal: the
+// shared pool must not keep serving it) and completes with DataLoss.
+// Not zero-copy: values pass through hiredis buffers (caps().zero_copy_host
+// is false).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvtier/storage/storage_backend.h"
+
+namespace kvtier::storage {
+
+enum class RedisMode : std::uint8_t { kAuto, kSingle, kCluster };
+
+struct RedisBackendConfig {
+  std::vector<std::string> endpoints;  // "host:port": the server, or cluster seed nodes
+  std::string username;                // optional (Redis 6 ACL user)
+  std::string password;                // empty: no AUTH
+  std::string key_prefix = "kvtier";
+  RedisMode mode = RedisMode::kAuto;   // kAuto asks CLUSTER SLOTS
+  std::chrono::milliseconds connect_timeout{1000};
+  std::chrono::milliseconds command_timeout{5000};
+  std::uint32_t workers = 2;
+  std::uint32_t max_batch_items = 64;
+  std::uint32_t max_retries = 4;
+  std::chrono::milliseconds backoff_initial{5};
+  std::chrono::milliseconds backoff_max{500};
+  std::uint64_t ttl_seconds = 0;       // 0: no expiry
+};
+
+// Connects to the first reachable endpoint, authenticates and (cluster mode)
+// loads the slot map. Blocking. Unavailable when no endpoint answers,
+// FailedPrecondition when authentication is refused.
+Result<std::unique_ptr<StorageBackend>> create_redis_backend(RedisBackendConfig config, StorageOptions options);
+
+// Redis Cluster key slot (CRC16/XMODEM mod 16384, with {hash tag} rules).
+std::uint16_t redis_key_slot(std::string_view key) noexcept;
+
+// "host:port" -> (host, port); InvalidArgument on malformed input.
+Result<std::pair<std::string, int>> parse_host_port(std::string_view endpoint);
+
+}  // namespace kvtier::storage

@@ -1,0 +1,269 @@
+// Storage tiers below host memory: one StorageBackend interface for every
+// backend (local disk, Redis single server or cluster, fault-injection
+// wrapper).
+//
+// Objects. A backend stores self-describing objects (object_format.h): one
+// object per (128-bit block key, tensor-parallel rank) in one namespace. The
+// namespace (model, revision, dtype/quant, TP layout, LoRA ...) and the
+// object schema (layout fingerprint, roles table) are fixed when a backend is
+// created (StorageOptions); keys of different namespaces never collide. The
+// payload is the block's page-first bytes; the backend adds the header and the
+// checksum on put and verifies both on every get before a byte reaches the
+// caller's buffer (or, on the zero-copy path, before the item is reported OK).
+//
+// Operations. post() takes a batch of one kind (exists/get/put/delete) and
+// returns at once with a StorageTicket; per-item results are polled without
+// blocking (StorageTicket::poll / item) or waited for (StorageTicket::wait).
+// Per-item outcome codes:
+//   exists: OK (present, bytes = payload size) | NotFound
+//   get:    OK (bytes = payload size, dst filled and verified) | NotFound |
+//           DataLoss (failed verification: object quarantined, treat as miss) |
+//           InvalidArgument (dst capacity < payload) | Unavailable | ...
+//   put:    OK = acknowledged: durable per the backend's durability setting and
+//           visible atomically (a reader sees the whole old or the whole new
+//           object, never a mix) | ResourceExhausted (disk full / object too
+//           large for the capacity) | Unavailable | ...
+//           A put replaces an existing object (last acknowledged put wins).
+//   delete: OK (removed) | NotFound (was absent).
+//
+// Buffers. Items borrow caller memory: the source (put) and destination (get)
+// must stay valid and unmodified (put) / untouched (get) until the ticket is
+// done. A get item whose status is not OK leaves its destination undefined.
+// Memory registered with register_region() and aligned to caps().alignment
+// (offset and size) is moved without an intermediate copy where the backend
+// can (disk with O_DIRECT); other memory goes through a bounce buffer.
+//
+// Thread-safety: every StorageBackend method is safe to call concurrently from
+// several threads. Destroying a backend waits for in-flight tickets to finish
+// (their items complete, with kCancelled if the backend shut down first).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvtier/core/status.h"
+
+namespace kvtier::storage {
+
+// The key of one stored object: the cache manager's 128-bit block key and the
+// tensor-parallel rank whose shard the object holds. Namespacing is per
+// backend (StorageOptions::ns), not per key.
+struct StorageKey {
+  std::array<std::uint8_t, 16> digest{};
+  std::uint32_t rank = 0;
+
+  static StorageKey from_u64(std::uint64_t hi, std::uint64_t lo, std::uint32_t rank = 0);
+  // "<32 hex digits>-r<rank>", the name used in file names and Redis keys.
+  std::string to_string() const;
+  friend bool operator==(const StorageKey& a, const StorageKey& b) noexcept {
+    return a.digest == b.digest && a.rank == b.rank;
+  }
+};
+
+struct StorageKeyHash {
+  std::size_t operator()(const StorageKey& k) const noexcept;
+};
+
+enum class StorageOp : std::uint8_t { kExists, kGet, kPut, kDelete };
+std::string_view storage_op_name(StorageOp op) noexcept;
+
+struct StorageItem {
+  StorageKey key;
+  void* buffer = nullptr;  // get: destination; put: source (read only); unused for exists/delete
+  std::uint64_t bytes = 0;  // get: destination capacity; put: payload size
+};
+
+struct StorageBatch {
+  StorageOp op = StorageOp::kGet;
+  std::vector<StorageItem> items;
+};
+
+struct ItemResult {
+  Status status = Cancelled("not completed");
+  std::uint64_t bytes = 0;  // payload bytes of the object (exists/get), bytes stored (put)
+};
+
+struct StorageCaps {
+  bool zero_copy_host = false;  // registered, aligned host memory is read/written without a copy
+  bool native_async = false;    // the backend's own I/O is asynchronous (not a thread pool over sync calls)
+  bool shared = false;          // several machines/instances see the same objects
+  bool cancellable = false;     // cancel() can stop work in flight
+  bool persistent = false;      // objects survive a process restart
+  std::uint32_t max_in_flight = 0;        // items the backend works on concurrently
+  std::uint64_t max_object_bytes = 0;     // payload limit per object
+  std::uint64_t alignment = 1;            // buffer/size alignment for the zero-copy path
+};
+
+struct StorageStats {
+  std::uint64_t objects = 0;         // objects indexed (local backends; 0 when unknown)
+  std::uint64_t bytes = 0;           // bytes on the medium incl. headers (local backends)
+  std::uint64_t capacity_bytes = 0;  // 0 = unlimited / managed by the server
+  std::uint64_t evictions = 0;
+  std::uint64_t quarantined = 0;     // objects that failed verification
+  std::uint64_t bounce_copies = 0;   // items that went through a bounce buffer
+  std::uint64_t redirects = 0;       // cluster MOVED/ASK redirects followed (remote backends)
+  std::uint64_t reconnects = 0;      // connections re-established after a failure (remote backends)
+};
+
+namespace detail {
+// Shared completion state of one ticket. Backends complete items from any
+// thread; callers read them through StorageTicket.
+class Completion {
+ public:
+  explicit Completion(StorageOp op, std::size_t n) : op_(op), results_(n), done_(n, false), remaining_(n) {}
+  // Completes item i once (later calls for the same item are ignored).
+  void complete(std::size_t i, Status status, std::uint64_t bytes = 0);
+  StorageOp op() const noexcept { return op_; }
+  std::size_t size() const noexcept { return results_.size(); }
+  bool done() const noexcept { return remaining_.load(std::memory_order_acquire) == 0; }
+  std::size_t remaining() const noexcept { return remaining_.load(std::memory_order_acquire); }
+  bool item_done(std::size_t i) const;
+  ItemResult item(std::size_t i) const;
+  std::vector<ItemResult> snapshot() const;
+  bool wait_for(std::chrono::nanoseconds timeout) const;
+
+ private:
+  StorageOp op_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::vector<ItemResult> results_;
+  std::vector<bool> done_;
+  std::atomic<std::size_t> remaining_;
+};
+}  // namespace detail
+
+// Handle to one posted batch. Move-only; dropping a ticket does not cancel the
+// work (buffers stay borrowed until the backend finishes it). Methods are
+// thread-safe and never block except wait().
+class StorageTicket {
+ public:
+  StorageTicket() = default;
+  StorageTicket(StorageTicket&&) noexcept = default;
+  StorageTicket& operator=(StorageTicket&&) noexcept = default;
+  StorageTicket(const StorageTicket&) = delete;
+  StorageTicket& operator=(const StorageTicket&) = delete;
+
+  // For backend implementations: a ticket with n pending items.
+  static StorageTicket create(StorageOp op, std::size_t n);
+  const std::shared_ptr<detail::Completion>& completion() const noexcept { return c_; }
+
+  bool valid() const noexcept { return c_ != nullptr; }
+  StorageOp op() const noexcept { return c_->op(); }
+  std::size_t size() const noexcept { return c_ ? c_->size() : 0; }
+  // Non-blocking: true when every item has completed.
+  bool poll() const noexcept { return c_ == nullptr || c_->done(); }
+  std::size_t remaining() const noexcept { return c_ ? c_->remaining() : 0; }
+  bool item_done(std::size_t i) const { return c_->item_done(i); }
+  // Result of item i (status kCancelled "not completed" while pending).
+  ItemResult item(std::size_t i) const { return c_->item(i); }
+  std::vector<ItemResult> results() const { return c_ ? c_->snapshot() : std::vector<ItemResult>{}; }
+  // Blocks until done or timeout: OK when done, TimedOut otherwise (the work
+  // continues; poll again later).
+  Status wait(std::chrono::milliseconds timeout = std::chrono::milliseconds(60000)) const;
+  // First non-OK item status (OK if every item succeeded). Call after done.
+  // For exists/get, NotFound counts as an error here.
+  Status first_error() const;
+
+ private:
+  std::shared_ptr<detail::Completion> c_;
+};
+
+// Namespace and object schema shared by every object of a backend instance.
+struct ObjectSchemaRole {
+  std::uint16_t layer = 0;
+  std::uint8_t role = 0;   // kvtier::Role value
+  std::uint8_t dtype = 0;  // kvtier::DType value
+  std::uint64_t offset = 0;  // inside the payload
+  std::uint64_t bytes = 0;
+};
+
+struct StorageOptions {
+  std::string ns = "default";            // namespace: model/revision/dtype/TP/LoRA/layout version
+  std::uint64_t layout_fingerprint = 0;  // KvLayout::fingerprint() (0: opaque payloads)
+  std::vector<ObjectSchemaRole> roles;   // page-first roles table written into every header (may be empty)
+};
+
+class StorageBackend {
+ public:
+  virtual ~StorageBackend() = default;
+
+  virtual std::string_view name() const noexcept = 0;
+  virtual StorageCaps caps() const noexcept = 0;
+  virtual const StorageOptions& options() const noexcept = 0;
+
+  // Declares host memory that items will point into. Backends that move
+  // registered memory without copies (caps().zero_copy_host) use it; others
+  // accept and ignore it. Never blocks on I/O. Overlapping registrations are
+  // InvalidArgument.
+  virtual Status register_region(void* ptr, std::uint64_t bytes) = 0;
+  virtual Status unregister_region(void* ptr) = 0;
+
+  // Starts a batch. Returns at once (never waits for I/O or the network);
+  // per-item failures are reported through the ticket, post() itself fails
+  // only for a malformed batch (null buffer with bytes > 0, object larger than
+  // caps().max_object_bytes, backend shut down).
+  virtual Result<StorageTicket> post(StorageBatch batch) = 0;
+
+  // Best effort: items not yet started complete with kCancelled. Backends
+  // without caps().cancellable return NotSupported.
+  virtual Status cancel(const StorageTicket& ticket) { return NotSupported("cancel"); }
+
+  virtual StorageStats stats() const { return {}; }
+
+  // Test and maintenance hook: flips bits of the stored object's bytes at
+  // `offset` (counted from the start of the stored object, header included)
+  // in place, bypassing the checksum, to simulate bit rot or a torn write.
+  // Synchronous. NotSupported where the backend cannot reach its bytes.
+  virtual Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) {
+    return NotSupported("corrupt_stored_object");
+  }
+  // Size of the stored object incl. header (for corrupt_stored_object).
+  virtual Result<std::uint64_t> stored_object_bytes(const StorageKey& key) {
+    return NotSupported("stored_object_bytes");
+  }
+};
+
+// Forwards everything to an inner backend; decorators override what they change.
+class StorageBackendWrapper : public StorageBackend {
+ public:
+  explicit StorageBackendWrapper(std::unique_ptr<StorageBackend> inner) : inner_(std::move(inner)) {}
+  std::string_view name() const noexcept override { return inner_->name(); }
+  StorageCaps caps() const noexcept override { return inner_->caps(); }
+  const StorageOptions& options() const noexcept override { return inner_->options(); }
+  Status register_region(void* ptr, std::uint64_t bytes) override { return inner_->register_region(ptr, bytes); }
+  Status unregister_region(void* ptr) override { return inner_->unregister_region(ptr); }
+  Result<StorageTicket> post(StorageBatch batch) override { return inner_->post(std::move(batch)); }
+  Status cancel(const StorageTicket& ticket) override { return inner_->cancel(ticket); }
+  StorageStats stats() const override { return inner_->stats(); }
+  Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override {
+    return inner_->corrupt_stored_object(key, offset, xor_mask);
+  }
+  Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override {
+    return inner_->stored_object_bytes(key);
+  }
+  StorageBackend& inner() noexcept { return *inner_; }
+
+ protected:
+  std::unique_ptr<StorageBackend> inner_;
+};
+
+// Convenience: post and wait (tests, tools). Returns the per-item results, or
+// the post()/wait() error.
+Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch batch,
+                                          std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
+
+// Creates a backend from a spec string (for tools and configuration):
+//   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>]
+//   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&workers=<n>]
+Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options);
+
+}  // namespace kvtier::storage

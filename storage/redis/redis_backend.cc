@@ -1,0 +1,640 @@
+// Redis backend, single server and cluster (see include/kvtier/storage/redis_backend.h).
+#include "kvtier/storage/redis_backend.h"
+
+#include <fmt/format.h>
+#include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <array>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "storage/object_format.h"
+#include "storage/region_set.h"
+
+namespace kvtier::storage {
+namespace {
+
+constexpr int kNumSlots = 16384;
+
+void log_line(const std::string& s) { std::fprintf(stderr, "kvtier[storage/redis]: %s\n", s.c_str()); }
+
+constexpr std::array<std::uint16_t, 256> make_crc16_table() {
+  std::array<std::uint16_t, 256> t{};
+  for (int i = 0; i < 256; ++i) {
+    std::uint16_t crc = static_cast<std::uint16_t>(i << 8);
+    for (int b = 0; b < 8; ++b) crc = static_cast<std::uint16_t>((crc & 0x8000) ? (crc << 1) ^ 0x1021 : crc << 1);
+    t[i] = crc;
+  }
+  return t;
+}
+constexpr auto kCrc16Table = make_crc16_table();
+
+std::uint16_t crc16(std::string_view s) noexcept {
+  std::uint16_t crc = 0;
+  for (unsigned char c : s) crc = static_cast<std::uint16_t>((crc << 8) ^ kCrc16Table[((crc >> 8) ^ c) & 0xff]);
+  return crc;
+}
+
+struct ReplyDeleter {
+  void operator()(redisReply* r) const noexcept {
+    if (r) freeReplyObject(r);
+  }
+};
+using ReplyPtr = std::unique_ptr<redisReply, ReplyDeleter>;
+struct ContextDeleter {
+  void operator()(redisContext* c) const noexcept {
+    if (c) redisFree(c);
+  }
+};
+using ContextPtr = std::unique_ptr<redisContext, ContextDeleter>;
+
+timeval to_timeval(std::chrono::milliseconds ms) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((ms.count() % 1000) * 1000);
+  return tv;
+}
+
+struct SlotMap {
+  std::vector<std::string> nodes;
+  std::array<std::int16_t, kNumSlots> owner;
+  SlotMap() { owner.fill(-1); }
+  int node_index(const std::string& node) {
+    auto it = std::find(nodes.begin(), nodes.end(), node);
+    if (it != nodes.end()) return static_cast<int>(it - nodes.begin());
+    nodes.push_back(node);
+    return static_cast<int>(nodes.size() - 1);
+  }
+};
+
+// "MOVED 3999 127.0.0.1:6381" -> (3999, "127.0.0.1:6381")
+bool parse_redirect(std::string_view msg, std::string_view word, int* slot, std::string* node) {
+  if (msg.substr(0, word.size()) != word || msg.size() <= word.size() + 1) return false;
+  msg.remove_prefix(word.size() + 1);
+  auto sp = msg.find(' ');
+  if (sp == std::string_view::npos) return false;
+  *slot = std::atoi(std::string(msg.substr(0, sp)).c_str());
+  *node = std::string(msg.substr(sp + 1));
+  return true;
+}
+
+class RedisBackend final : public StorageBackend {
+ public:
+  RedisBackend(RedisBackendConfig config, StorageOptions options)
+      : config_(std::move(config)), options_(std::move(options)) {
+    ns_digest_ = format::namespace_digest(options_.ns);
+    header_size_ = format::header_bytes(options_, 8);
+    key_base_ = fmt::format("{}:{:016x}-{:016x}:", config_.key_prefix, ns_digest_, options_.layout_fingerprint);
+  }
+
+  ~RedisBackend() override {
+    {
+      std::lock_guard<std::mutex> lk(queue_mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    for (auto& t : workers_) t.join();
+    for (auto& task : queue_)
+      for (auto& [i, item] : task.items) task.completion->complete(i, Cancelled("redis backend shut down"));
+  }
+
+  Status init() {
+    if (config_.endpoints.empty()) return InvalidArgument("redis backend: no endpoints");
+    if (config_.workers == 0 || config_.workers > 256)
+      return InvalidArgument(fmt::format("redis backend: workers {} not in [1, 256]", config_.workers));
+    if (config_.max_batch_items == 0) return InvalidArgument("redis backend: max_batch_items 0");
+    for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
+    Status last = Unavailable("no endpoint tried");
+    std::string node;
+    ContextPtr ctx;
+    for (const auto& e : config_.endpoints) {
+      auto c = connect(e);
+      if (c.ok()) {
+        ctx = std::move(c).value();
+        node = e;
+        break;
+      }
+      if (c.status().code() == StatusCode::kFailedPrecondition) return c.status();
+      last = c.status();
+    }
+    if (!ctx) return last.with_context("redis backend: no endpoint reachable");
+    cluster_ = config_.mode == RedisMode::kCluster;
+    if (config_.mode != RedisMode::kSingle) {
+      auto map = load_slots(ctx.get(), node);
+      if (map.ok()) {
+        cluster_ = true;
+        slots_ = std::make_shared<SlotMap>(std::move(map).value());
+      } else if (config_.mode == RedisMode::kCluster) {
+        return map.status().with_context(fmt::format("CLUSTER SLOTS on {}", node));
+      }
+    }
+    single_node_ = node;
+    for (std::uint32_t i = 0; i < config_.workers; ++i) workers_.emplace_back([this] { worker(); });
+    return Status::Ok();
+  }
+
+  std::string_view name() const noexcept override { return cluster_ ? "redis-cluster" : "redis"; }
+  StorageCaps caps() const noexcept override {
+    StorageCaps c;
+    c.zero_copy_host = false;
+    c.native_async = false;
+    c.shared = true;
+    c.cancellable = true;
+    c.persistent = true;
+    c.max_in_flight = config_.workers * config_.max_batch_items;
+    c.max_object_bytes = (std::uint64_t{512} << 20) - header_size_;
+    c.alignment = 1;
+    return c;
+  }
+  const StorageOptions& options() const noexcept override { return options_; }
+  // Values pass through hiredis buffers: registration is bookkeeping only.
+  Status register_region(void* ptr, std::uint64_t bytes) override { return regions_.add(ptr, bytes); }
+  Status unregister_region(void* ptr) override { return regions_.remove(ptr); }
+
+  Result<StorageTicket> post(StorageBatch batch) override {
+    const std::uint64_t max_bytes = caps().max_object_bytes;
+    for (std::size_t i = 0; i < batch.items.size(); ++i) {
+      const StorageItem& it = batch.items[i];
+      if ((batch.op == StorageOp::kGet || batch.op == StorageOp::kPut) && it.buffer == nullptr && it.bytes > 0)
+        return InvalidArgument(
+            fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i, it.bytes));
+      if (batch.op == StorageOp::kPut) {
+        if (it.bytes > max_bytes)
+          return InvalidArgument(fmt::format("put item {}: {} bytes > Redis limit {}", i, it.bytes, max_bytes));
+        KVTIER_RETURN_IF_ERROR(format::check_payload_size(options_, it.bytes).with_context(fmt::format("put item {}", i)));
+      }
+    }
+    StorageTicket t = StorageTicket::create(batch.op, batch.items.size());
+    {
+      std::lock_guard<std::mutex> lk(queue_mu_);
+      if (stopping_) return FailedPrecondition("redis backend is shutting down");
+      for (std::size_t b = 0; b < batch.items.size(); b += config_.max_batch_items) {
+        Task task;
+        task.completion = t.completion();
+        task.op = batch.op;
+        const std::size_t e = std::min(batch.items.size(), b + config_.max_batch_items);
+        for (std::size_t i = b; i < e; ++i) task.items.emplace_back(i, batch.items[i]);
+        queue_.push_back(std::move(task));
+      }
+    }
+    queue_cv_.notify_all();
+    return t;
+  }
+
+  Status cancel(const StorageTicket& ticket) override {
+    if (!ticket.valid()) return InvalidArgument("cancel: invalid ticket");
+    std::lock_guard<std::mutex> lk(queue_mu_);
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->completion == ticket.completion()) {
+        for (auto& [i, item] : it->items) it->completion->complete(i, Cancelled("cancelled before it started"));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return Status::Ok();
+  }
+
+  StorageStats stats() const override {
+    StorageStats s;
+    s.quarantined = quarantined_.load();
+    s.redirects = redirects_.load();
+    s.reconnects = reconnects_.load();
+    return s;
+  }
+
+  Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override {
+    KVTIER_ASSIGN_OR_RETURN(ReplyPtr r, admin_command(key, {"STRLEN"}));
+    if (r->type != REDIS_REPLY_INTEGER) return Internal("STRLEN: unexpected reply");
+    if (r->integer == 0) return NotFound(fmt::format("key {} not stored", key.to_string()));
+    return static_cast<std::uint64_t>(r->integer);
+  }
+
+  Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override {
+    KVTIER_ASSIGN_OR_RETURN(ReplyPtr r, admin_command(key, {"GETRANGE", std::to_string(offset), std::to_string(offset)}));
+    if (r->type != REDIS_REPLY_STRING || r->len != 1)
+      return OutOfRange(fmt::format("offset {} beyond object {}", offset, key.to_string()));
+    std::string b(1, static_cast<char>(static_cast<unsigned char>(r->str[0]) ^ xor_mask));
+    KVTIER_ASSIGN_OR_RETURN(ReplyPtr w, admin_command(key, {"SETRANGE", std::to_string(offset), b}));
+    if (w->type == REDIS_REPLY_ERROR) return Unavailable(w->str);
+    return Status::Ok();
+  }
+
+ private:
+  struct Task {
+    std::shared_ptr<detail::Completion> completion;
+    StorageOp op = StorageOp::kGet;
+    std::vector<std::pair<std::size_t, StorageItem>> items;
+  };
+  struct Work {
+    std::size_t outer = 0;
+    StorageItem item;
+    std::string key;
+    std::string cmd;       // formatted SET (puts), built once
+    std::string ask_node;  // set after an ASK redirect
+    Status last = Unavailable("not attempted");
+    bool done = false;
+  };
+  using Conns = std::unordered_map<std::string, ContextPtr>;
+
+  std::string redis_key(const StorageKey& k) const { return key_base_ + k.to_string(); }
+
+  Result<ContextPtr> connect(const std::string& node) const {
+    KVTIER_ASSIGN_OR_RETURN(auto hp, parse_host_port(node));
+    ContextPtr c(redisConnectWithTimeout(hp.first.c_str(), hp.second, to_timeval(config_.connect_timeout)));
+    if (!c) return Unavailable(fmt::format("connect {}: out of memory", node));
+    if (c->err) return Unavailable(fmt::format("connect {}: {}", node, c->errstr));
+    if (redisSetTimeout(c.get(), to_timeval(config_.command_timeout)) != REDIS_OK)
+      return Unavailable(fmt::format("set timeout on {}: {}", node, c->errstr));
+    redisEnableKeepAlive(c.get());
+    if (!config_.password.empty()) {
+      ReplyPtr r;
+      if (config_.username.empty())
+        r.reset(static_cast<redisReply*>(
+            redisCommand(c.get(), "AUTH %b", config_.password.data(), config_.password.size())));
+      else
+        r.reset(static_cast<redisReply*>(redisCommand(c.get(), "AUTH %b %b", config_.username.data(),
+                                                      config_.username.size(), config_.password.data(),
+                                                      config_.password.size())));
+      if (!r) return Unavailable(fmt::format("AUTH on {}: {}", node, c->errstr));
+      if (r->type == REDIS_REPLY_ERROR)
+        return FailedPrecondition(fmt::format("AUTH on {} refused: {}", node, std::string(r->str, r->len)));
+    }
+    return c;
+  }
+
+  Result<SlotMap> load_slots(redisContext* c, const std::string& node) const {
+    ReplyPtr r(static_cast<redisReply*>(redisCommand(c, "CLUSTER SLOTS")));
+    if (!r) return Unavailable(fmt::format("CLUSTER SLOTS on {}: {}", node, c->errstr));
+    if (r->type == REDIS_REPLY_ERROR) return NotSupported(std::string(r->str, r->len));
+    if (r->type != REDIS_REPLY_ARRAY) return Internal("CLUSTER SLOTS: unexpected reply type");
+    const std::string seed_host = parse_host_port(node).value().first;
+    SlotMap map;
+    for (std::size_t i = 0; i < r->elements; ++i) {
+      redisReply* e = r->element[i];
+      if (e->type != REDIS_REPLY_ARRAY || e->elements < 3) continue;
+      const long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+      redisReply* m = e->element[2];
+      if (m->type != REDIS_REPLY_ARRAY || m->elements < 2) continue;
+      std::string host(m->element[0]->str ? std::string(m->element[0]->str, m->element[0]->len) : "");
+      if (host.empty() || host == "?") host = seed_host;
+      const std::string n = fmt::format("{}:{}", host, m->element[1]->integer);
+      const int idx = map.node_index(n);
+      for (long long s = lo; s <= hi && s < kNumSlots; ++s) map.owner[s] = static_cast<std::int16_t>(idx);
+    }
+    if (map.nodes.empty()) return Unavailable(fmt::format("CLUSTER SLOTS on {}: no slots assigned", node));
+    return map;
+  }
+
+  std::shared_ptr<const SlotMap> slot_map() const {
+    std::lock_guard<std::mutex> lk(slots_mu_);
+    return slots_;
+  }
+
+  std::string route(const std::string& key) const {
+    if (!cluster_) return single_node_;
+    auto map = slot_map();
+    const int idx = map->owner[redis_key_slot(key)];
+    if (idx < 0) return map->nodes.front();
+    return map->nodes[idx];
+  }
+
+  void note_moved(int slot, const std::string& node) {
+    std::lock_guard<std::mutex> lk(slots_mu_);
+    auto copy = std::make_shared<SlotMap>(*slots_);
+    if (slot >= 0 && slot < kNumSlots) copy->owner[slot] = static_cast<std::int16_t>(copy->node_index(node));
+    slots_ = std::move(copy);
+  }
+
+  void refresh_slots(Conns& conns) {
+    std::vector<std::string> candidates = slot_map()->nodes;
+    for (const auto& e : config_.endpoints) candidates.push_back(e);
+    for (const auto& n : candidates) {
+      redisContext* c = get_conn(conns, n, nullptr);
+      if (!c) continue;
+      auto map = load_slots(c, n);
+      if (map.ok()) {
+        std::lock_guard<std::mutex> lk(slots_mu_);
+        slots_ = std::make_shared<SlotMap>(std::move(map).value());
+        return;
+      }
+      conns.erase(n);
+    }
+    log_line("slot map refresh failed on every known node");
+  }
+
+  redisContext* get_conn(Conns& conns, const std::string& node, Status* err) {
+    auto it = conns.find(node);
+    if (it != conns.end()) return it->second.get();
+    auto c = connect(node);
+    if (!c.ok()) {
+      if (err) *err = c.status();
+      return nullptr;
+    }
+    return conns.emplace(node, std::move(c).value()).first->second.get();
+  }
+
+  // One-off synchronous command on the key's node (test hooks).
+  Result<ReplyPtr> admin_command(const StorageKey& k, std::vector<std::string> args) {
+    const std::string key = redis_key(k);
+    std::string node = route(key);
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      KVTIER_ASSIGN_OR_RETURN(ContextPtr c, connect(node));
+      std::vector<const char*> argv{args[0].c_str(), key.c_str()};
+      std::vector<std::size_t> lens{args[0].size(), key.size()};
+      for (std::size_t i = 1; i < args.size(); ++i) {
+        argv.push_back(args[i].data());
+        lens.push_back(args[i].size());
+      }
+      ReplyPtr r(static_cast<redisReply*>(
+          redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
+      if (!r) return Unavailable(fmt::format("{} on {}: {}", args[0], node, c->errstr));
+      int slot;
+      std::string to;
+      if (r->type == REDIS_REPLY_ERROR && parse_redirect(std::string_view(r->str, r->len), "MOVED", &slot, &to)) {
+        note_moved(slot, to);
+        node = to;
+        continue;
+      }
+      return r;
+    }
+    return Unavailable("too many redirects");
+  }
+
+  void worker() {
+    Conns conns;
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lk(queue_mu_);
+        queue_cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      process(task, conns);
+    }
+  }
+
+  void build_set(Work& w) {
+    std::string value_prefix(header_size_, '\0');
+    Status st = format::encode_header(options_, ns_digest_, w.item.key, w.item.buffer, w.item.bytes,
+                                      static_cast<std::uint32_t>(header_size_),
+                                      reinterpret_cast<std::byte*>(value_prefix.data()));
+    if (!st.ok()) {
+      w.done = true;
+      w.last = st;
+      return;
+    }
+    const std::uint64_t vlen = header_size_ + w.item.bytes;
+    const std::string ttl = std::to_string(config_.ttl_seconds);
+    const int argc = config_.ttl_seconds ? 5 : 3;
+    w.cmd.reserve(64 + w.key.size() + vlen);
+    w.cmd += fmt::format("*{}\r\n$3\r\nSET\r\n${}\r\n{}\r\n${}\r\n", argc, w.key.size(), w.key, vlen);
+    w.cmd += value_prefix;
+    w.cmd.append(static_cast<const char*>(w.item.buffer), w.item.bytes);
+    w.cmd += "\r\n";
+    if (config_.ttl_seconds) w.cmd += fmt::format("$2\r\nEX\r\n${}\r\n{}\r\n", ttl.size(), ttl);
+  }
+
+  void append(redisContext* c, StorageOp op, Work& w) {
+    switch (op) {
+      case StorageOp::kExists: redisAppendCommand(c, "STRLEN %b", w.key.data(), w.key.size()); return;
+      case StorageOp::kGet: redisAppendCommand(c, "GET %b", w.key.data(), w.key.size()); return;
+      case StorageOp::kDelete: redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()); return;
+      case StorageOp::kPut: redisAppendFormattedCommand(c, w.cmd.data(), w.cmd.size()); return;
+    }
+  }
+
+  // Handles one reply. Returns true when the item should be retried after a backoff.
+  bool handle(StorageOp op, Work& w, redisReply* r, bool* refresh, std::vector<std::string>* quarantine) {
+    w.ask_node.clear();
+    if (r->type == REDIS_REPLY_ERROR) {
+      const std::string_view msg(r->str, r->len);
+      int slot = -1;
+      std::string node;
+      if (parse_redirect(msg, "MOVED", &slot, &node)) {
+        ++redirects_;
+        note_moved(slot, node);
+        *refresh = true;
+        w.last = Unavailable(fmt::format("redirected: {}", msg));
+        return false;
+      }
+      if (parse_redirect(msg, "ASK", &slot, &node)) {
+        ++redirects_;
+        w.ask_node = node;
+        w.last = Unavailable(fmt::format("redirected: {}", msg));
+        return false;
+      }
+      if (msg.starts_with("TRYAGAIN") || msg.starts_with("CLUSTERDOWN") || msg.starts_with("LOADING") ||
+          msg.starts_with("MASTERDOWN") || msg.starts_with("BUSY")) {
+        w.last = Unavailable(fmt::format("redis: {}", msg));
+        return true;
+      }
+      w.done = true;
+      if (msg.starts_with("NOAUTH") || msg.starts_with("WRONGPASS") || msg.starts_with("NOPERM"))
+        w.last = FailedPrecondition(fmt::format("redis: {}", msg));
+      else if (msg.starts_with("OOM"))
+        w.last = ResourceExhausted(fmt::format("redis: {}", msg));
+      else
+        w.last = Internal(fmt::format("redis {} {}: {}", storage_op_name(op), w.key, msg));
+      return false;
+    }
+    w.done = true;
+    switch (op) {
+      case StorageOp::kPut:
+        w.last = r->type == REDIS_REPLY_STATUS ? Status::Ok() : Internal("SET: unexpected reply");
+        w.cmd.clear();
+        w.cmd.shrink_to_fit();
+        return false;
+      case StorageOp::kDelete:
+        w.last = r->type != REDIS_REPLY_INTEGER ? Internal("DEL: unexpected reply")
+                 : r->integer > 0               ? Status::Ok()
+                                                : NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
+        return false;
+      case StorageOp::kExists:
+        if (r->type != REDIS_REPLY_INTEGER) {
+          w.last = Internal("STRLEN: unexpected reply");
+        } else if (r->integer == 0) {
+          w.last = NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
+        } else {
+          w.last = Status::Ok();
+          w.item.bytes = static_cast<std::uint64_t>(r->integer) > header_size_
+                             ? static_cast<std::uint64_t>(r->integer) - header_size_
+                             : 0;
+        }
+        return false;
+      case StorageOp::kGet: {
+        if (r->type == REDIS_REPLY_NIL) {
+          w.last = NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
+          return false;
+        }
+        if (r->type != REDIS_REPLY_STRING) {
+          w.last = Internal("GET: unexpected reply");
+          return false;
+        }
+        Status st = verify_value(w, reinterpret_cast<const std::byte*>(r->str), r->len);
+        if (st.code() == StatusCode::kDataLoss) {
+          quarantine->push_back(w.key);
+          st = st.with_context("object quarantined (deleted)");
+        }
+        w.last = st;
+        return false;
+      }
+    }
+    return false;
+  }
+
+  Status verify_value(Work& w, const std::byte* data, std::size_t len) {
+    auto h = format::decode_header(data, len);
+    if (!h.ok()) return DataLoss(h.status().message());
+    KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, w.item.key));
+    if (h->header_size + h->payload_bytes != len)
+      return DataLoss(fmt::format("value of {} bytes != header {} + payload {}", len, h->header_size,
+                                  h->payload_bytes));
+    KVTIER_RETURN_IF_ERROR(format::verify_object(data, *h, data + h->header_size));
+    if (h->payload_bytes > w.item.bytes)
+      return InvalidArgument(fmt::format("get {}: object of {} bytes > destination capacity {}",
+                                         w.item.key.to_string(), h->payload_bytes, w.item.bytes));
+    if (h->payload_bytes) std::memcpy(w.item.buffer, data + h->header_size, h->payload_bytes);
+    w.item.bytes = h->payload_bytes;
+    return Status::Ok();
+  }
+
+  void process(Task& task, Conns& conns) {
+    std::vector<Work> work(task.items.size());
+    for (std::size_t i = 0; i < work.size(); ++i) {
+      work[i].outer = task.items[i].first;
+      work[i].item = task.items[i].second;
+      work[i].key = redis_key(work[i].item.key);
+      if (task.op == StorageOp::kPut) build_set(work[i]);
+    }
+    auto backoff = config_.backoff_initial;
+    for (std::uint32_t attempt = 0; attempt <= config_.max_retries; ++attempt) {
+      std::map<std::string, std::vector<Work*>> groups;
+      for (auto& w : work)
+        if (!w.done) groups[w.ask_node.empty() ? route(w.key) : w.ask_node].push_back(&w);
+      if (groups.empty()) break;
+      bool refresh = false, need_backoff = false;
+      for (auto& [node, items] : groups) {
+        Status err;
+        redisContext* c = get_conn(conns, node, &err);
+        if (!c) {
+          if (err.code() == StatusCode::kFailedPrecondition) {
+            for (Work* w : items) w->done = true;
+          }
+          for (Work* w : items) w->last = err;
+          need_backoff = true;
+          refresh = true;  // cluster: a failover may have moved the slots to another node
+          continue;
+        }
+        std::vector<bool> asked(items.size());
+        for (std::size_t i = 0; i < items.size(); ++i) {
+          asked[i] = !items[i]->ask_node.empty();
+          if (asked[i]) redisAppendCommand(c, "ASKING");
+          append(c, task.op, *items[i]);
+        }
+        std::vector<std::string> quarantine;
+        bool broken = false;
+        for (std::size_t i = 0; i < items.size() && !broken; ++i) {
+          for (int part = asked[i] ? 0 : 1; part < 2; ++part) {
+            void* raw = nullptr;
+            if (redisGetReply(c, &raw) != REDIS_OK || raw == nullptr) {
+              const Status st = Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(task.op), node,
+                                                        c->errstr[0] ? c->errstr : "connection lost"));
+              for (std::size_t j = i; j < items.size(); ++j)
+                if (!items[j]->done) items[j]->last = st;
+              broken = true;
+              break;
+            }
+            ReplyPtr r(static_cast<redisReply*>(raw));
+            if (part == 0) continue;  // ASKING's +OK
+            if (handle(task.op, *items[i], r.get(), &refresh, &quarantine)) need_backoff = true;
+          }
+        }
+        if (broken) {
+          conns.erase(node);  // reconnect on the next attempt
+          ++reconnects_;
+          need_backoff = true;
+          refresh = true;
+          continue;
+        }
+        for (const auto& k : quarantine) {
+          ReplyPtr r(static_cast<redisReply*>(redisCommand(c, "DEL %b", k.data(), k.size())));
+          ++quarantined_;
+          log_line(fmt::format("deleted {}: failed verification", k));
+        }
+      }
+      if (refresh && cluster_) refresh_slots(conns);
+      if (need_backoff && attempt < config_.max_retries) {
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, config_.backoff_max);
+      }
+    }
+    for (auto& w : work) {
+      const std::uint64_t bytes = w.last.ok() ? w.item.bytes : 0;
+      task.completion->complete(w.outer, w.last, bytes);
+    }
+  }
+
+  RedisBackendConfig config_;
+  StorageOptions options_;
+  std::uint64_t ns_digest_ = 0;
+  std::uint64_t header_size_ = 0;
+  std::string key_base_;
+  bool cluster_ = false;
+  std::string single_node_;
+  mutable std::mutex slots_mu_;
+  std::shared_ptr<SlotMap> slots_;
+  std::atomic<std::uint64_t> quarantined_{0};
+  std::atomic<std::uint64_t> redirects_{0};
+  std::atomic<std::uint64_t> reconnects_{0};
+  RegionSet regions_;
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace
+
+std::uint16_t redis_key_slot(std::string_view key) noexcept {
+  const auto open = key.find('{');
+  if (open != std::string_view::npos) {
+    const auto close = key.find('}', open + 1);
+    if (close != std::string_view::npos && close != open + 1) key = key.substr(open + 1, close - open - 1);
+  }
+  return crc16(key) & (kNumSlots - 1);
+}
+
+Result<std::pair<std::string, int>> parse_host_port(std::string_view endpoint) {
+  const auto colon = endpoint.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 || colon + 1 == endpoint.size())
+    return InvalidArgument(fmt::format("endpoint '{}' is not host:port", endpoint));
+  int port = 0;
+  for (char c : endpoint.substr(colon + 1)) {
+    if (c < '0' || c > '9' || port > 65535) return InvalidArgument(fmt::format("bad port in '{}'", endpoint));
+    port = port * 10 + (c - '0');
+  }
+  if (port <= 0 || port > 65535) return InvalidArgument(fmt::format("bad port in '{}'", endpoint));
+  std::string host(endpoint.substr(0, colon));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return std::make_pair(host, port);
+}
+
+Result<std::unique_ptr<StorageBackend>> create_redis_backend(RedisBackendConfig config, StorageOptions options) {
+  auto b = std::make_unique<RedisBackend>(std::move(config), std::move(options));
+  KVTIER_RETURN_IF_ERROR(b->init());
+  return std::unique_ptr<StorageBackend>(std::move(b));
+}
+
+}  // namespace kvtier::storage

@@ -1,0 +1,227 @@
+#include "kvtier/storage/storage_backend.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <charconv>
+#include <cstring>
+
+#include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/redis_backend.h"
+
+namespace kvtier::storage {
+
+StorageKey StorageKey::from_u64(std::uint64_t hi, std::uint64_t lo, std::uint32_t rank) {
+  StorageKey k;
+  for (int i = 0; i < 8; ++i) {
+    k.digest[i] = static_cast<std::uint8_t>(hi >> (56 - 8 * i));
+    k.digest[8 + i] = static_cast<std::uint8_t>(lo >> (56 - 8 * i));
+  }
+  k.rank = rank;
+  return k;
+}
+
+std::string StorageKey::to_string() const {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string s(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    s[2 * i] = kHex[digest[i] >> 4];
+    s[2 * i + 1] = kHex[digest[i] & 15];
+  }
+  return fmt::format("{}-r{}", s, rank);
+}
+
+std::size_t StorageKeyHash::operator()(const StorageKey& k) const noexcept {
+  std::uint64_t a, b;
+  std::memcpy(&a, k.digest.data(), 8);
+  std::memcpy(&b, k.digest.data() + 8, 8);
+  return static_cast<std::size_t>(a ^ (b * 0x9e3779b97f4a7c15ULL) ^ (std::uint64_t{k.rank} << 17));
+}
+
+std::string_view storage_op_name(StorageOp op) noexcept {
+  switch (op) {
+    case StorageOp::kExists: return "exists";
+    case StorageOp::kGet: return "get";
+    case StorageOp::kPut: return "put";
+    case StorageOp::kDelete: return "delete";
+  }
+  return "?";
+}
+
+namespace detail {
+
+void Completion::complete(std::size_t i, Status status, std::uint64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (i >= results_.size() || done_[i]) return;
+    done_[i] = true;
+    results_[i].status = std::move(status);
+    results_[i].bytes = bytes;
+    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  }
+  cv_.notify_all();
+}
+
+bool Completion::item_done(std::size_t i) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return i < done_.size() && done_[i];
+}
+
+ItemResult Completion::item(std::size_t i) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (i >= results_.size()) return {OutOfRange(fmt::format("item {} >= batch size {}", i, results_.size())), 0};
+  return results_[i];
+}
+
+std::vector<ItemResult> Completion::snapshot() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return results_;
+}
+
+bool Completion::wait_for(std::chrono::nanoseconds timeout) const {
+  std::unique_lock<std::mutex> lk(mu_);
+  return cv_.wait_for(lk, timeout, [&] { return remaining_.load(std::memory_order_acquire) == 0; });
+}
+
+}  // namespace detail
+
+StorageTicket StorageTicket::create(StorageOp op, std::size_t n) {
+  StorageTicket t;
+  t.c_ = std::make_shared<detail::Completion>(op, n);
+  return t;
+}
+
+Status StorageTicket::wait(std::chrono::milliseconds timeout) const {
+  if (!c_) return InvalidArgument("wait on an empty ticket");
+  if (c_->wait_for(timeout)) return Status::Ok();
+  return TimedOut(fmt::format("{} of {} items still pending after {} ms", c_->remaining(), c_->size(),
+                              timeout.count()));
+}
+
+Status StorageTicket::first_error() const {
+  if (!c_) return InvalidArgument("first_error on an empty ticket");
+  for (std::size_t i = 0; i < c_->size(); ++i) {
+    ItemResult r = c_->item(i);
+    if (!r.status.ok()) return r.status.with_context(fmt::format("item {}", i));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch batch,
+                                          std::chrono::milliseconds timeout) {
+  KVTIER_ASSIGN_OR_RETURN(StorageTicket t, backend.post(std::move(batch)));
+  KVTIER_RETURN_IF_ERROR(t.wait(timeout));
+  return t.results();
+}
+
+namespace {
+
+Result<std::uint64_t> parse_size(std::string_view s) {
+  if (s.empty()) return InvalidArgument("empty size");
+  std::uint64_t mult = 1;
+  const char last = s.back();
+  if (last == 'K' || last == 'k') mult = 1ull << 10;
+  if (last == 'M' || last == 'm') mult = 1ull << 20;
+  if (last == 'G' || last == 'g') mult = 1ull << 30;
+  if (last == 'T' || last == 't') mult = 1ull << 40;
+  if (mult != 1) s.remove_suffix(1);
+  std::uint64_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || p != s.data() + s.size()) return InvalidArgument(fmt::format("bad size '{}'", s));
+  return v * mult;
+}
+
+// Splits "a?k=v&k2=v2" into the path and the parameters.
+std::pair<std::string_view, std::vector<std::pair<std::string_view, std::string_view>>> split_query(
+    std::string_view s) {
+  std::vector<std::pair<std::string_view, std::string_view>> params;
+  const auto q = s.find('?');
+  if (q == std::string_view::npos) return {s, params};
+  std::string_view rest = s.substr(q + 1);
+  s = s.substr(0, q);
+  while (!rest.empty()) {
+    const auto amp = rest.find('&');
+    std::string_view kv = rest.substr(0, amp);
+    const auto eq = kv.find('=');
+    params.emplace_back(kv.substr(0, eq), eq == std::string_view::npos ? "" : kv.substr(eq + 1));
+    if (amp == std::string_view::npos) break;
+    rest.remove_prefix(amp + 1);
+  }
+  return {s, params};
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options) {
+  if (spec.starts_with("disk:")) {
+    auto [path, params] = split_query(spec.substr(5));
+    DiskBackendConfig c;
+    c.root = std::string(path);
+    for (auto [k, v] : params) {
+      if (k == "capacity") {
+        KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, parse_size(v));
+      } else if (k == "durability") {
+        if (v == "process") c.durability = Durability::kProcessCrash;
+        else if (v == "power") c.durability = Durability::kPowerLoss;
+        else return InvalidArgument(fmt::format("durability '{}' is not process|power", v));
+      } else if (k == "direct") {
+        if (v == "auto") c.direct_io = DirectIo::kAuto;
+        else if (v == "on") c.direct_io = DirectIo::kOn;
+        else if (v == "off") c.direct_io = DirectIo::kOff;
+        else return InvalidArgument(fmt::format("direct '{}' is not auto|on|off", v));
+      } else if (k == "qd") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, parse_size(v));
+        c.queue_depth = static_cast<std::uint32_t>(qd);
+      } else {
+        return InvalidArgument(fmt::format("unknown disk parameter '{}' in '{}'", k, spec));
+      }
+    }
+    return create_disk_backend(std::move(c), std::move(options));
+  }
+  if (spec.starts_with("redis://")) {
+    auto [rest, params] = split_query(spec.substr(8));
+    RedisBackendConfig c;
+    const auto at = rest.rfind('@');
+    if (at != std::string_view::npos) {
+      std::string_view cred = rest.substr(0, at);
+      const auto colon = cred.find(':');
+      if (colon == std::string_view::npos) {
+        c.password = std::string(cred);
+      } else {
+        c.username = std::string(cred.substr(0, colon));
+        c.password = std::string(cred.substr(colon + 1));
+      }
+      rest = rest.substr(at + 1);
+    }
+    while (!rest.empty()) {
+      const auto comma = rest.find(',');
+      c.endpoints.emplace_back(rest.substr(0, comma));
+      if (comma == std::string_view::npos) break;
+      rest.remove_prefix(comma + 1);
+    }
+    for (auto [k, v] : params) {
+      if (k == "cluster") {
+        if (v == "auto") c.mode = RedisMode::kAuto;
+        else if (v == "on" || v == "1") c.mode = RedisMode::kCluster;
+        else if (v == "off" || v == "0") c.mode = RedisMode::kSingle;
+        else return InvalidArgument(fmt::format("cluster '{}' is not auto|on|off", v));
+      } else if (k == "prefix") {
+        c.key_prefix = std::string(v);
+      } else if (k == "timeout_ms") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
+        c.command_timeout = std::chrono::milliseconds(ms);
+      } else if (k == "workers") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(v));
+        c.workers = static_cast<std::uint32_t>(n);
+      } else if (k == "ttl") {
+        KVTIER_ASSIGN_OR_RETURN(c.ttl_seconds, parse_size(v));
+      } else {
+        return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, spec));
+      }
+    }
+    return create_redis_backend(std::move(c), std::move(options));
+  }
+  return InvalidArgument(fmt::format("storage spec '{}' is neither disk:<dir> nor redis://host:port", spec));
+}
+
+}  // namespace kvtier::storage

@@ -1,0 +1,348 @@
+// Object format, key slots, spec parsing and the StorageTier adapter.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <dirent.h>
+#include <sys/wait.h>
+
+#include <fmt/format.h>
+
+#include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/redis_backend.h"
+#include "kvtier/storage/storage_tier.h"
+#include "storage/object_format.h"
+#include "storage/storage_test_util.h"
+
+namespace kvtier::storage {
+namespace {
+
+using testing::AlignedBuffer;
+using testing::fill_random;
+using testing::key_of;
+using testing::TempDir;
+
+TEST(ObjectFormat, EncodeDecodeVerify) {
+  auto layout = KvLayout::uniform(3, 2, 4096);
+  ASSERT_TRUE(layout.ok());
+  StorageOptions o = format::options_for_layout("ns-a", *layout);
+  ASSERT_EQ(o.roles.size(), 6u);
+  EXPECT_EQ(o.roles[5].offset, 5u * 4096);
+  const std::uint32_t hs = format::header_bytes(o, 4096);
+  EXPECT_EQ(hs, 4096u);
+  EXPECT_EQ(format::header_bytes(o, 8), format::kFixedHeaderBytes + 6 * format::kRoleEntryBytes);
+  std::vector<std::byte> payload(6 * 4096);
+  fill_random(payload.data(), payload.size(), 1);
+  std::vector<std::byte> hdr(hs);
+  const StorageKey k = key_of(1, 2, 3);
+  const std::uint64_t ns = format::namespace_digest("ns-a");
+  ASSERT_TRUE(format::encode_header(o, ns, k, payload.data(), payload.size(), hs, hdr.data()).ok());
+  auto h = format::decode_header(hdr.data(), hdr.size());
+  ASSERT_TRUE(h.ok()) << h.status().to_string();
+  EXPECT_EQ(h->payload_bytes, payload.size());
+  EXPECT_EQ(h->header_size, hs);
+  EXPECT_TRUE(h->key == k);
+  EXPECT_EQ(h->roles.size(), 6u);
+  EXPECT_TRUE(format::check_identity(*h, ns, layout->fingerprint(), k).ok());
+  EXPECT_EQ(format::check_identity(*h, ns + 1, layout->fingerprint(), k).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(format::check_identity(*h, ns, layout->fingerprint() ^ 1, k).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(format::check_identity(*h, ns, layout->fingerprint(), key_of(1, 3, 3)).code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(format::verify_object(hdr.data(), *h, payload.data()).ok());
+  // Every single-bit flip of the payload or header is caught.
+  for (std::size_t off : {std::size_t{0}, std::size_t{4095}, payload.size() - 1}) {
+    payload[off] ^= std::byte{1};
+    EXPECT_EQ(format::verify_object(hdr.data(), *h, payload.data()).code(), StatusCode::kDataLoss);
+    payload[off] ^= std::byte{1};
+  }
+  for (std::size_t off = 0; off < format::header_bytes(o, 8); off += 3) {
+    auto copy = hdr;
+    copy[off] ^= std::byte{0x40};
+    auto bad = format::decode_header(copy.data(), copy.size());
+    EXPECT_FALSE(bad.ok() && format::verify_object(copy.data(), *bad, payload.data()).ok()) << "offset " << off;
+  }
+  // Padding is covered too.
+  auto copy = hdr;
+  copy[hs - 1] ^= std::byte{1};
+  EXPECT_FALSE(format::decode_header(copy.data(), copy.size()).ok());
+  // Too short / wrong sizes.
+  EXPECT_EQ(format::decode_header(hdr.data(), 10).status().code(), StatusCode::kDataLoss);
+  std::uint32_t needed = 0;
+  EXPECT_EQ(format::decode_header(hdr.data(), 100, &needed).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(needed, hs);
+  EXPECT_EQ(format::check_payload_size(o, 100).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RedisKeySlot, MatchesRedis) {
+  // Reference values from the Redis Cluster specification / CLUSTER KEYSLOT.
+  EXPECT_EQ(redis_key_slot("123456789"), 0x31C3 & 16383);
+  EXPECT_EQ(redis_key_slot("foo"), 12182);
+  EXPECT_EQ(redis_key_slot("bar"), 5061);
+  EXPECT_EQ(redis_key_slot("{user1000}.following"), redis_key_slot("{user1000}.followers"));
+  EXPECT_EQ(redis_key_slot("{user1000}.following"), redis_key_slot("user1000"));
+  EXPECT_EQ(redis_key_slot("foo{}{bar}"), redis_key_slot("foo{}{bar}"));
+  EXPECT_NE(redis_key_slot("foo{}{bar}"), redis_key_slot("bar"));  // empty tag: whole key hashed
+  EXPECT_EQ(redis_key_slot("foo{{bar}}zap"), redis_key_slot("{bar"));
+}
+
+TEST(StorageSpec, ParsesAndRejects) {
+  EXPECT_EQ(parse_host_port("127.0.0.1:6379")->second, 6379);
+  EXPECT_EQ(parse_host_port("[::1]:7000")->first, "::1");
+  EXPECT_FALSE(parse_host_port("localhost").ok());
+  EXPECT_FALSE(parse_host_port("h:99999").ok());
+  TempDir dir;
+  auto b = make_storage_backend(fmt::format("disk:{}?capacity=1M&durability=process&direct=off", dir.path()),
+                                StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ((*b)->name(), "disk");
+  EXPECT_EQ((*b)->stats().capacity_bytes, 1u << 20);
+  EXPECT_EQ(make_storage_backend("disk:/x?bogus=1", {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(make_storage_backend("s3://bucket", {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(make_storage_backend("redis://127.0.0.1:1?timeout_ms=100", {}).status().code(),
+            StatusCode::kUnavailable);
+}
+
+TEST(DiskBackend, CapacityEvictsLeastRecentlyUsed) {
+  TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  c.capacity_bytes = 10 * (4096 + 65536);  // ten 64 KiB objects with their 4 KiB headers
+  auto b = create_disk_backend(c, StorageOptions{});
+  ASSERT_TRUE(b.ok());
+  AlignedBuffer v(65536), dst(65536);
+  for (int i = 0; i < 10; ++i) {
+    fill_random(v.data(), v.size(), i);
+    auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(9, i), v.data(), v.size()}}});
+    ASSERT_TRUE(r.ok() && (*r)[0].status.ok());
+  }
+  EXPECT_EQ((*b)->stats().objects, 10u);
+  // Touch key 0, then add one more: key 1 (the least recently used) goes.
+  ASSERT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kGet, {{key_of(9, 0), dst.data(), dst.size()}}}))[0].status.ok());
+  auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(9, 10), v.data(), v.size()}}});
+  ASSERT_TRUE((*r)[0].status.ok());
+  auto st = (*b)->stats();
+  EXPECT_EQ(st.objects, 10u);
+  EXPECT_EQ(st.evictions, 1u);
+  EXPECT_LE(st.bytes, c.capacity_bytes);
+  EXPECT_EQ((*run_batch(**b, StorageBatch{StorageOp::kExists, {{key_of(9, 1), nullptr, 0}}}))[0].status.code(),
+            StatusCode::kNotFound);
+  EXPECT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kExists, {{key_of(9, 0), nullptr, 0}}}))[0].status.ok());
+  // Larger than the whole tier: refused.
+  AlignedBuffer big(c.capacity_bytes);
+  r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(9, 11), big.data(), big.size()}}});
+  EXPECT_EQ((*r)[0].status.code(), StatusCode::kResourceExhausted);
+}
+
+TEST(DiskBackend, OutOfSpaceIsResourceExhaustedAndNotAcknowledged) {
+  // No small filesystem can be mounted here: RLIMIT_FSIZE makes the kernel refuse writes past
+  // 512 KiB (EFBIG, the per-file analogue of ENOSPC), in a child so the limit stays there.
+  TempDir dir;
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{512 * 1024, 512 * 1024};
+    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) _exit(10);
+    DiskBackendConfig c;
+    c.root = dir.path();
+    auto b = create_disk_backend(c, StorageOptions{});
+    if (!b.ok()) _exit(11);
+    AlignedBuffer v(1 << 20);
+    auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(1, 1), v.data(), v.size()},
+                                                             {key_of(1, 2), v.data(), 4096}}});
+    if (!r.ok()) _exit(12);
+    if ((*r)[0].status.code() != StatusCode::kResourceExhausted) _exit(13);
+    if (!(*r)[1].status.ok()) _exit(14);
+    auto e = run_batch(**b, StorageBatch{StorageOp::kExists, {{key_of(1, 1), nullptr, 0}}});
+    if (!e.ok() || (*e)[0].status.code() != StatusCode::kNotFound) _exit(15);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "see the exit codes in the child above";
+}
+
+TEST(DiskBackend, IndexRebuildQuarantinesBadFilesAndDropsTemporaries) {
+  TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  StorageOptions o;
+  o.ns = "rebuild";
+  std::string ns_dir;
+  {
+    auto b = create_disk_backend(c, o);
+    ASSERT_TRUE(b.ok());
+    AlignedBuffer v(8192);
+    fill_random(v.data(), v.size(), 1);
+    for (int i = 0; i < 3; ++i)
+      ASSERT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(5, i), v.data(), v.size()}}}))[0].status.ok());
+    // Corrupt one header at rest.
+    ASSERT_TRUE((*b)->corrupt_stored_object(key_of(5, 1), 40, 0xFF).ok());
+  }
+  // A leftover temporary and a truncated object file.
+  const StorageKey k0 = key_of(5, 0);
+  ns_dir = fmt::format("{}/{:016x}-{:016x}", dir.path(), format::namespace_digest("rebuild"), 0);
+  const std::string shard = fmt::format("{}/{:02x}", ns_dir, k0.digest[0]);
+  const std::string tmp = fmt::format("{}/{}.kvo.tmp.1.1", shard, k0.to_string());
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("partial", f);
+  std::fclose(f);
+  const StorageKey k2 = key_of(5, 2);
+  ASSERT_EQ(::truncate(fmt::format("{}/{:02x}/{}.kvo", ns_dir, k2.digest[0], k2.to_string()).c_str(), 5000), 0);
+  auto b = create_disk_backend(c, o);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->stats().objects, 1u);
+  EXPECT_EQ((*b)->stats().quarantined, 2u);
+  EXPECT_NE(::access(tmp.c_str(), F_OK), 0);
+  AlignedBuffer dst(8192);
+  EXPECT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kGet, {{k0, dst.data(), dst.size()}}}))[0].status.ok());
+  EXPECT_EQ((*run_batch(**b, StorageBatch{StorageOp::kGet, {{k2, dst.data(), dst.size()}}}))[0].status.code(),
+            StatusCode::kNotFound);
+}
+
+TEST(DiskBackend, RecycledFilesServeOnlyTheirNewObject) {
+  TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  c.queue_depth = 4;
+  StorageOptions o;
+  o.ns = "recycle";
+  AlignedBuffer big(1 << 20), small(600 * 1024), dst(1 << 20);
+  fill_random(big.data(), big.size(), 1);
+  fill_random(small.data(), small.size(), 2);
+  const std::string free_dir = fmt::format("{}/{:016x}-{:016x}/free", dir.path(), format::namespace_digest("recycle"), 0);
+  auto count_free = [&] {
+    int n = 0;
+    if (DIR* d = ::opendir(free_dir.c_str())) {
+      while (dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+      ::closedir(d);
+    }
+    return n;
+  };
+  auto one = [&](StorageBackend& b, StorageOp op, const StorageKey& k, void* p, std::uint64_t n) {
+    return (*run_batch(b, StorageBatch{op, {{k, p, n}}}))[0];
+  };
+  {
+    auto b = create_disk_backend(c, o);
+    ASSERT_TRUE(b.ok());
+    ASSERT_TRUE(one(**b, StorageOp::kPut, key_of(1, 1), big.data(), big.size()).status.ok());
+    ASSERT_TRUE(one(**b, StorageOp::kDelete, key_of(1, 1), nullptr, 0).status.ok());
+    EXPECT_EQ(count_free(), 1);
+    // The 1 MiB file is rewritten with a 600 KiB object: only the new bytes may come back.
+    ASSERT_TRUE(one(**b, StorageOp::kPut, key_of(1, 2), small.data(), small.size()).status.ok());
+    EXPECT_EQ(count_free(), 0);
+    ItemResult r = one(**b, StorageOp::kGet, key_of(1, 2), dst.data(), dst.size());
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    EXPECT_EQ(r.bytes, small.size());
+    EXPECT_EQ(std::memcmp(dst.data(), small.data(), small.size()), 0);
+    // Overwrite: the replaced file goes to the pool (atomic exchange), the new object is served.
+    ASSERT_TRUE(one(**b, StorageOp::kPut, key_of(1, 2), big.data(), big.size()).status.ok());
+    EXPECT_EQ(count_free(), 1);
+    r = one(**b, StorageOp::kGet, key_of(1, 2), dst.data(), dst.size());
+    ASSERT_TRUE(r.status.ok());
+    EXPECT_EQ(r.bytes, big.size());
+    EXPECT_EQ(std::memcmp(dst.data(), big.data(), big.size()), 0);
+    // A free file far larger than the object is not reused for it.
+    ASSERT_TRUE(one(**b, StorageOp::kPut, key_of(1, 3), small.data(), 4096).status.ok());
+    EXPECT_EQ(count_free(), 0);
+    ASSERT_TRUE(one(**b, StorageOp::kPut, key_of(1, 4), small.data(), small.size()).status.ok());
+  }
+  // After a restart the pool and the objects are back.
+  auto b = create_disk_backend(c, o);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->stats().objects, 3u);
+  ItemResult r = one(**b, StorageOp::kGet, key_of(1, 2), dst.data(), dst.size());
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(std::memcmp(dst.data(), big.data(), big.size()), 0);
+  r = one(**b, StorageOp::kGet, key_of(1, 4), dst.data(), dst.size());
+  ASSERT_TRUE(r.status.ok());
+  EXPECT_EQ(r.bytes, small.size());
+  EXPECT_EQ(std::memcmp(dst.data(), small.data(), small.size()), 0);
+}
+
+class StorageTierTest : public ::testing::TestWithParam<bool> {};
+
+// A host pool, page-first (zero-copy) or layer-first (staged), through the disk backend.
+TEST_P(StorageTierTest, WriteReadBlocksByKey) {
+  const bool page_first = GetParam();
+  GqaShape shape;
+  shape.num_layers = 3;
+  shape.kv_heads = 2;
+  shape.block_tokens = 16;
+  shape.head_dim = 64;  // 4 KiB per (layer, role)
+  auto layout = KvLayout::gqa(shape);
+  ASSERT_TRUE(layout.ok());
+  constexpr std::uint64_t kBlocks = 8;
+  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
+  AlignedBuffer region(page * kBlocks), region2(page * kBlocks);
+  std::vector<std::unique_ptr<AlignedBuffer>> planes;
+  auto make_space = [&](AlignedBuffer& r) -> Result<BlockSpace> {
+    if (page_first) return BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, kBlocks, r.data(), r.size(), 4096);
+    std::vector<std::vector<void*>> bases(layout->num_layers());
+    for (std::uint32_t l = 0; l < layout->num_layers(); ++l)
+      for (std::uint32_t k = 0; k < layout->num_roles(l); ++k) {
+        planes.push_back(std::make_unique<AlignedBuffer>(BlockSpace::layer_first_region_bytes(*layout, l, k, kBlocks)));
+        bases[l].push_back(planes.back()->data());
+      }
+    return BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, *layout, kBlocks, bases);
+  };
+  auto src_space = make_space(region);
+  auto dst_space = make_space(region2);
+  ASSERT_TRUE(src_space.ok() && dst_space.ok());
+  TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  auto opts = StorageTier::storage_options(*layout, "tier-test");
+  auto b1 = create_disk_backend(c, opts);
+  ASSERT_TRUE(b1.ok());
+  auto tier = StorageTier::create(std::move(b1).value(), *src_space, 0);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  EXPECT_EQ((*tier)->zero_copy(), page_first);
+  for (std::uint32_t l = 0; l < layout->num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout->num_roles(l); ++r)
+      for (std::uint64_t blk = 0; blk < kBlocks; ++blk)
+        fill_random(src_space->block_ptr(l, r, blk), layout->block_bytes(l, r), l * 100 + r * 10 + blk);
+  std::vector<StorageKey> keys = {key_of(3, 0), key_of(3, 1), key_of(3, 2)};
+  std::vector<std::uint64_t> src_blocks = {5, 1, 7};
+  auto w = (*tier)->write(keys, src_blocks);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE(w->wait().ok());
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_TRUE(w->status(i).ok()) << w->status(i).to_string();
+  EXPECT_EQ((*tier)->write(keys, std::vector<std::uint64_t>{1, 2, kBlocks}).status().code(), StatusCode::kOutOfRange);
+
+  // Read back through a second tier on the same directory (another host pool).
+  tier->reset();
+  auto b2 = create_disk_backend(c, opts);
+  ASSERT_TRUE(b2.ok());
+  auto tier2 = StorageTier::create(std::move(b2).value(), *dst_space, 0);
+  ASSERT_TRUE(tier2.ok());
+  std::vector<StorageKey> rkeys = {key_of(3, 2), key_of(3, 0), key_of(3, 9)};
+  std::vector<std::uint64_t> dst_blocks = {0, 3, 4};
+  auto rd = (*tier2)->read(rkeys, dst_blocks);
+  ASSERT_TRUE(rd.ok());
+  while (!rd->poll()) std::this_thread::yield();
+  EXPECT_TRUE(rd->status(0).ok());
+  EXPECT_TRUE(rd->status(1).ok());
+  EXPECT_EQ(rd->status(2).code(), StatusCode::kNotFound);
+  EXPECT_EQ(rd->ok_prefix(), 2u);
+  for (std::uint32_t l = 0; l < layout->num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout->num_roles(l); ++r) {
+      EXPECT_EQ(std::memcmp(dst_space->block_ptr(l, r, 0), src_space->block_ptr(l, r, 7), layout->block_bytes(l, r)), 0);
+      EXPECT_EQ(std::memcmp(dst_space->block_ptr(l, r, 3), src_space->block_ptr(l, r, 5), layout->block_bytes(l, r)), 0);
+    }
+  auto ex = (*tier2)->exists(rkeys);
+  ASSERT_TRUE(ex.ok());
+  ASSERT_TRUE(ex->wait().ok());
+  EXPECT_EQ(ex->ok_prefix(), 2u);
+  // A backend created for another layout is refused.
+  auto other = KvLayout::uniform(2, 1, 4096);
+  auto b3 = create_disk_backend(DiskBackendConfig{dir.path() + "/x"}, StorageTier::storage_options(*other, "tier-test"));
+  ASSERT_TRUE(b3.ok());
+  EXPECT_EQ(StorageTier::create(std::move(b3).value(), *dst_space, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(HostLayouts, StorageTierTest, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "page_first" : "layer_first"; });
+
+}  // namespace
+}  // namespace kvtier::storage
