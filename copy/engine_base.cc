@@ -14,6 +14,7 @@ std::string_view copy_strategy_name(CopyStrategy s) noexcept {
     case CopyStrategy::kDmaPerRun: return "dma_per_run";
     case CopyStrategy::kDmaBatch: return "dma_batch";
     case CopyStrategy::kSmKernel: return "sm_kernel";
+    case CopyStrategy::kStagedDma: return "staged_dma";
   }
   return "?";
 }
@@ -26,8 +27,9 @@ Result<CopyStrategy> parse_copy_strategy(std::string_view name) {
   if (name == "per_run") return CopyStrategy::kDmaPerRun;
   if (name == "batch") return CopyStrategy::kDmaBatch;
   if (name == "kernel" || name == "sm") return CopyStrategy::kSmKernel;
+  if (name == "staged") return CopyStrategy::kStagedDma;
   return InvalidArgument(
-      fmt::format("unknown copy strategy '{}' (expected auto, dma_per_run, dma_batch, sm_kernel)", name));
+      fmt::format("unknown copy strategy '{}' (expected auto, dma_per_run, dma_batch, sm_kernel, staged_dma)", name));
 }
 
 std::string_view copy_direction_name(CopyDirection d) noexcept {
@@ -77,6 +79,11 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
   if (o.descriptor_slots == 0) return InvalidArgument("descriptor_slots must be >= 1, got 0");
   if (o.max_pairs_per_call == 0) return InvalidArgument("max_pairs_per_call must be >= 1, got 0");
   if (o.batch_max_descriptors == 0) return InvalidArgument("batch_max_descriptors must be >= 1, got 0");
+  if (o.staged_slots == 0) return InvalidArgument("staged_slots must be >= 1, got 0");
+  if (o.staged_slot_bytes < kStagedAlign)
+    return InvalidArgument(fmt::format("staged_slot_bytes must be >= {}, got {}", kStagedAlign, o.staged_slot_bytes));
+  if (!(o.staged_max_span_ratio >= 1.0))  // also rejects NaN
+    return InvalidArgument(fmt::format("staged_max_span_ratio must be >= 1.0, got {}", o.staged_max_span_ratio));
   return Status::Ok();
 }
 
@@ -93,7 +100,18 @@ EngineBase::~EngineBase() {
   }
 }
 
-Status EngineBase::validate(const CopyRequest& request) const { return validate_request(request, device_.ordinal()); }
+Status EngineBase::validate(const CopyRequest& request) const {
+  KVTIER_RETURN_IF_ERROR(validate_request(request, device_.ordinal()));
+  if (request.strategy == CopyStrategy::kStagedDma && !request.src_blocks.empty()) {
+    // Whether every pair fits a staging slot (copy() rejects it otherwise).
+    PlanScratch sc;
+    select_planes(request, sc.planes);
+    const bool h2d = request.src->kind() != MemoryKind::kDevice;
+    return plan_staged_chunks(sc.planes, h2d ? request.src_blocks : request.dst_blocks, h2d, options_.staged_slot_bytes,
+                              options_.max_pairs_per_call, sc.staged);
+  }
+  return Status::Ok();
+}
 
 Result<std::shared_ptr<StreamState>> EngineBase::state_for(Stream& stream) {
   std::lock_guard lock(map_mu_);
@@ -191,12 +209,36 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
   return CopyStrategy::kDmaBatch;
 }
 
+bool EngineBase::staged_preferred(const CopyRequest& r, const PlanSummary& s, PlanScratch& sc) const {
+  std::uint64_t kernel_max = 0;
+  switch (s.direction) {
+    case CopyDirection::kHostToDevice: kernel_max = options_.auto_kernel_max_segment_bytes_h2d; break;
+    case CopyDirection::kDeviceToHost: kernel_max = options_.auto_kernel_max_segment_bytes_d2h; break;
+    case CopyDirection::kDeviceToDevice:
+    case CopyDirection::kHostToHost: return false;
+  }
+  const std::uint64_t avg = s.average_segment_bytes();
+  if (s.segments <= options_.auto_per_run_max_segments || avg >= options_.auto_per_run_min_segment_bytes ||
+      avg >= kernel_max)
+    return false;
+  const bool h2d = s.direction == CopyDirection::kHostToDevice;
+  const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
+  const std::uint64_t ranges = estimate_host_ranges(sc.planes, host_ids, h2d);
+  if (ranges == 0 || s.bytes / ranges < options_.staged_min_host_run_bytes) return false;
+  if (!plan_staged_chunks(sc.planes, host_ids, h2d, options_.staged_slot_bytes, options_.max_pairs_per_call, sc.staged)
+           .ok())
+    return false;
+  return static_cast<double>(sc.staged.footprint) <= options_.staged_max_span_ratio * static_cast<double>(s.bytes);
+}
+
 CopyStrategy EngineBase::choose(const CopyRequest& request) const {
   if (!validate(request).ok() || request.src_blocks.empty()) return CopyStrategy::kDmaPerRun;
   PlanScratch scratch;
   select_planes(request, scratch.planes);
   find_runs(request.src_blocks, request.dst_blocks, scratch.runs);
-  return choose_impl(summarize(request, scratch.planes, scratch.runs), nullptr);
+  const PlanSummary summary = summarize(request, scratch.planes, scratch.runs);
+  if (staged_preferred(request, summary, scratch)) return CopyStrategy::kStagedDma;
+  return choose_impl(summary, nullptr);
 }
 
 Status EngineBase::run_per_run(StreamState&, Stream& stream, std::span<const Segment> segments, CopyDirection) {
@@ -294,6 +336,205 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
   return Status::Ok();
 }
 
+Result<StagedStreamState*> EngineBase::staged_state(StreamState& st) {
+  if (st.staged) return st.staged.get();
+  auto ss = std::make_unique<StagedStreamState>();
+  StreamOptions so;
+  // The D2D kernels sit between DMAs on the pipeline's critical path.
+  so.priority = StreamPriority::kHigh;
+  so.name = fmt::format("kvtier-staged-aux-{}", st.stream_id);
+  KVTIER_ASSIGN_OR_RETURN(ss->aux, device_.create_stream(so));
+  KVTIER_ASSIGN_OR_RETURN(ss->entry, device_.create_event());
+  ss->slots.resize(options_.staged_slots);
+  for (StagedSlot& slot : ss->slots) {
+    KVTIER_ASSIGN_OR_RETURN(slot.staging, device_.allocate_device(options_.staged_slot_bytes));
+    KVTIER_ASSIGN_OR_RETURN(slot.dma_done, device_.create_event());
+    KVTIER_ASSIGN_OR_RETURN(slot.kern_done, device_.create_event());
+  }
+  st.staged = std::move(ss);
+  return st.staged.get();
+}
+
+namespace {
+// Makes `stream` wait for the last kernel queued on the aux stream on every
+// path out of run_staged, so later work on the caller's stream never
+// overtakes a staged kernel (also after a partial failure).
+struct JoinAux {
+  Device& device;
+  Stream& stream;
+  Event* last = nullptr;
+  ~JoinAux() {
+    if (last != nullptr) device.wait(stream, *last).ignore_error();
+  }
+};
+}  // namespace
+
+Status EngineBase::run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
+                              CopyReport& report) {
+  KVTIER_ASSIGN_OR_RETURN(StagedStreamState * ss, staged_state(st));
+  Stream& aux = *ss->aux;
+  const bool h2d = dir == CopyDirection::kHostToDevice;
+  const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
+  const auto& planes = st.scratch.planes;
+  StagedScratch& sc = st.scratch.staged;
+  const auto& chunks = sc.chunks;
+  const auto num_planes = static_cast<std::uint32_t>(planes.size());
+  const std::uint32_t groups = (num_planes + kMaxKernelPlanes - 1) / kMaxKernelPlanes;
+  const std::uint64_t table_bytes = std::uint64_t{num_planes} * sizeof(KernelPlane);  // per chunk
+  const std::uint32_t warps_per_cta = options_.sm_threads_per_cta / kWarpLanes;
+  const auto num_slots = static_cast<std::uint32_t>(ss->slots.size());
+  report.chunks = static_cast<std::uint32_t>(chunks.size());
+
+  auto min_max = [&](const StagedChunk& c) {
+    std::int32_t lo = host_ids[c.first], hi = lo;
+    for (std::uint32_t k = 1; k < c.count; ++k) {
+      lo = std::min(lo, host_ids[c.first + k]);
+      hi = std::max(hi, host_ids[c.first + k]);
+    }
+    return std::pair{lo, hi};
+  };
+
+  JoinAux join{device_, stream};
+  if (!h2d) {
+    // The gather kernels read device blocks that work already on `stream` may write.
+    KVTIER_RETURN_IF_ERROR(device_.record(*ss->entry, stream));
+    KVTIER_RETURN_IF_ERROR(device_.wait(aux, *ss->entry));
+  }
+  for (std::size_t c0 = 0; c0 < chunks.size();) {
+    // A batch of chunks shares one descriptor slot: their plane tables, then their pairs.
+    std::size_t c1 = c0;
+    std::uint64_t batch_pairs = 0;
+    while (c1 < chunks.size() && (c1 == c0 || batch_pairs + chunks[c1].count <= options_.max_pairs_per_call))
+      batch_pairs += chunks[c1++].count;
+    const std::uint64_t pairs_at = (c1 - c0) * table_bytes;
+    const std::uint64_t bytes = pairs_at + batch_pairs * sizeof(KernelPair);
+    KVTIER_ASSIGN_OR_RETURN(DescriptorSlot * dslot, acquire_slot(st, bytes));
+    std::byte* staging = dslot->staging->data();
+    // Plane tables: the host side points into the chunk's staging slot
+    // (mirror mapping; uint64 arithmetic may wrap, the kernel adds id * stride).
+    auto* pairs = reinterpret_cast<KernelPair*>(staging + pairs_at);
+    for (std::size_t c = c0; c < c1; ++c) {
+      const StagedChunk& chunk = chunks[c];
+      const auto slot_base =
+          reinterpret_cast<std::uint64_t>(ss->slots[(ss->next + (c - c0)) % num_slots].staging.data());
+      const auto [lo, hi] = min_max(chunk);
+      staged_intervals(planes, h2d, lo, hi, sc);
+      auto* table = reinterpret_cast<KernelPlane*>(staging + (c - c0) * table_bytes);
+      for (std::uint32_t p = 0; p < num_planes; ++p) {
+        const SelectedPlane& sp = planes[p];
+        KernelPlane kp{reinterpret_cast<std::uint64_t>(sp.src_base),
+                       sp.src_stride,
+                       reinterpret_cast<std::uint64_t>(sp.dst_base),
+                       sp.dst_stride,
+                       sp.block_bytes,
+                       0,
+                       0};
+        std::uint64_t& host_base = h2d ? kp.src_base : kp.dst_base;
+        const std::uint64_t stride = h2d ? kp.src_stride : kp.dst_stride;
+        const std::uint64_t first = static_cast<std::uint64_t>(lo) * stride;
+        host_base = slot_base + staged_offset(sc, host_base + first) - first;
+        table[p] = kp;
+      }
+      for (std::uint32_t g = 0; g < groups; ++g)
+        assign_items(table + g * kMaxKernelPlanes, std::min(kMaxKernelPlanes, num_planes - g * kMaxKernelPlanes),
+                     options_.sm_item_bytes);
+      for (std::uint32_t k = 0; k < chunk.count; ++k)
+        *pairs++ = KernelPair{r.src_blocks[chunk.first + k], r.dst_blocks[chunk.first + k]};
+    }
+    std::byte* base = staging;
+    if (options_.sm_descriptors_in_device_memory) {
+      // On the aux stream, where the kernels run.
+      KVTIER_RETURN_IF_ERROR(device_.memcpy_async(dslot->device.data(), staging, bytes, aux)
+                                 .with_context("uploading staged kernel descriptors"));
+      base = dslot->device.bytes_ptr();
+    }
+    auto run_batch_chunks = [&]() -> Status {
+      std::uint64_t pair_index = 0;
+      for (std::size_t c = c0; c < c1; ++c) {
+        const StagedChunk& chunk = chunks[c];
+        StagedSlot& slot = ss->slots[ss->next];
+        ss->next = (ss->next + 1) % num_slots;
+        auto* slot_base = slot.staging.bytes_ptr();
+        const auto [lo, hi] = min_max(chunk);
+        staged_intervals(planes, h2d, lo, hi, sc);
+        staged_host_runs(planes, h2d, host_ids.subspan(chunk.first, chunk.count), sc);
+        auto launch = [&]() -> Status {
+          const std::uint64_t table_at = (c - c0) * table_bytes;
+          for (std::uint32_t g = 0; g < groups; ++g) {
+            const std::uint32_t count = std::min(kMaxKernelPlanes, num_planes - g * kMaxKernelPlanes);
+            const std::uint64_t plane_at = table_at + std::uint64_t{g} * kMaxKernelPlanes * sizeof(KernelPlane);
+            const auto* host_table = reinterpret_cast<const KernelPlane*>(staging + plane_at);
+            const KernelPlane& last = host_table[count - 1];
+            KernelArgs args;
+            args.planes = reinterpret_cast<const KernelPlane*>(base + plane_at);
+            args.pairs = reinterpret_cast<const KernelPair*>(base + pairs_at) + pair_index;
+            args.num_planes = count;
+            args.num_pairs = chunk.count;
+            args.item_bytes = options_.sm_item_bytes;
+            args.items_per_pair = last.item_offset + last.items;
+            args.num_items = std::uint64_t{chunk.count} * args.items_per_pair;
+            const std::uint64_t useful = (args.num_items + warps_per_cta - 1) / warps_per_cta;
+            const auto ctas = static_cast<std::uint32_t>(
+                std::max<std::uint64_t>(1, std::min<std::uint64_t>(options_.sm_ctas_d2d, useful)));
+            KVTIER_RETURN_IF_ERROR(
+                launch_kernel(st, aux, args, ctas, staging + plane_at, std::uint64_t{count} * sizeof(KernelPlane)));
+            report.ctas = std::max(report.ctas, ctas);
+            ++report.calls;
+          }
+          return Status::Ok();
+        };
+        auto dma = [&]() -> Status {
+          for (const HostRun& run : sc.runs) {
+            auto* host = reinterpret_cast<std::byte*>(run.host);
+            Status s = h2d ? device_.memcpy_async(slot_base + run.offset, host, run.bytes, stream)
+                           : device_.memcpy_async(host, slot_base + run.offset, run.bytes, stream);
+            if (!s.ok()) return s.with_context(fmt::format("staged DMA of {} bytes (chunk {})", run.bytes, c));
+            ++report.calls;
+          }
+          return Status::Ok();
+        };
+        if (h2d) {
+          if (slot.kern_used) KVTIER_RETURN_IF_ERROR(device_.wait(stream, *slot.kern_done));  // slot free
+          KVTIER_RETURN_IF_ERROR(dma());
+          KVTIER_RETURN_IF_ERROR(device_.record(*slot.dma_done, stream));
+          slot.dma_used = true;
+          KVTIER_RETURN_IF_ERROR(device_.wait(aux, *slot.dma_done));
+          KVTIER_RETURN_IF_ERROR(launch());
+          KVTIER_RETURN_IF_ERROR(device_.record(*slot.kern_done, aux));
+          slot.kern_used = true;
+          join.last = slot.kern_done.get();
+        } else {
+          if (slot.dma_used) KVTIER_RETURN_IF_ERROR(device_.wait(aux, *slot.dma_done));  // slot free
+          KVTIER_RETURN_IF_ERROR(launch());
+          KVTIER_RETURN_IF_ERROR(device_.record(*slot.kern_done, aux));
+          slot.kern_used = true;
+          join.last = slot.kern_done.get();
+          KVTIER_RETURN_IF_ERROR(device_.wait(stream, *slot.kern_done));
+          join.last = nullptr;
+          KVTIER_RETURN_IF_ERROR(dma());
+          KVTIER_RETURN_IF_ERROR(device_.record(*slot.dma_done, stream));
+          slot.dma_used = true;
+        }
+        pair_index += chunk.count;
+      }
+      return Status::Ok();
+    };
+    Status ran = run_batch_chunks();
+    // Record even after a failure: the upload or some kernels may be in flight.
+    Status recorded = device_.record(*dslot->done, aux);
+    if (recorded.ok()) dslot->pending = true;
+    KVTIER_RETURN_IF_ERROR(ran);
+    KVTIER_RETURN_IF_ERROR(recorded);
+    c0 = c1;
+  }
+  if (join.last != nullptr) {
+    Event* last = join.last;
+    join.last = nullptr;
+    KVTIER_RETURN_IF_ERROR(device_.wait(stream, *last));
+  }
+  return Status::Ok();
+}
+
 Status EngineBase::note_enqueued(StreamState& st, Stream& stream, CopyDirection dir) {
   const auto d = static_cast<std::size_t>(dir);
   std::lock_guard track(st.track_mu);
@@ -318,7 +559,15 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
   select_planes(r, sc.planes);
   find_runs(r.src_blocks, r.dst_blocks, sc.runs);
   const PlanSummary summary = summarize(r, sc.planes, sc.runs);
-  const CopyStrategy strategy = r.strategy == CopyStrategy::kAuto ? choose_impl(summary, st.get()) : r.strategy;
+  CopyStrategy strategy = r.strategy;
+  const bool host_is_src = r.src->kind() != MemoryKind::kDevice;
+  if (strategy == CopyStrategy::kAuto) {
+    strategy = staged_preferred(r, summary, sc) ? CopyStrategy::kStagedDma : choose_impl(summary, st.get());
+  } else if (strategy == CopyStrategy::kStagedDma) {
+    // Before anything is enqueued: a pair larger than a slot rejects the request.
+    KVTIER_RETURN_IF_ERROR(plan_staged_chunks(sc.planes, host_is_src ? r.src_blocks : r.dst_blocks, host_is_src,
+                                              options_.staged_slot_bytes, options_.max_pairs_per_call, sc.staged));
+  }
   report.strategy = strategy;
   report.bytes = summary.bytes;
   report.pairs = summary.pairs;
@@ -348,6 +597,10 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
     case CopyStrategy::kSmKernel:
       report.segments = summary.segments;
       status = run_kernel(*st, stream, r, dir, report);
+      break;
+    case CopyStrategy::kStagedDma:
+      report.segments = summary.segments;
+      status = run_staged(*st, stream, r, dir, report);
       break;
   }
   // Track the direction even after a partial failure: some work may be queued.

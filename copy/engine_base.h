@@ -30,6 +30,23 @@ struct DescriptorSlot {
   std::uint64_t capacity = 0;
 };
 
+// kStagedDma resources of one caller stream (copy_engine.h, "Staged DMA").
+struct StagedSlot {
+  Buffer staging;                    // device memory, staged_slot_bytes
+  std::unique_ptr<Event> dma_done;   // on the caller stream, after the last DMA using the slot
+  std::unique_ptr<Event> kern_done;  // on the aux stream, after the last kernel using the slot
+  bool dma_used = false;             // dma_done was recorded
+  bool kern_used = false;            // kern_done was recorded
+};
+struct StagedStreamState {
+  std::vector<StagedSlot> slots;
+  std::uint32_t next = 0;        // next slot (the ring continues across calls)
+  std::unique_ptr<Event> entry;  // D2H: the caller stream's work before copy()
+  // Declared last: destroyed first, draining its kernels while the slots
+  // (and the descriptor ring, in StreamState) still exist.
+  std::unique_ptr<Stream> aux;
+};
+
 struct StreamState {
   std::mutex mu;  // serialises copy() calls on this stream
   std::uint64_t stream_id = 0;
@@ -43,6 +60,10 @@ struct StreamState {
   std::mutex track_mu;
   std::array<std::unique_ptr<Event>, kNumCopyDirections> last{};
   std::array<bool, kNumCopyDirections> maybe_pending{};
+
+  // Created on the first staged copy; declared last so that its aux stream
+  // drains before the descriptor slots its kernels read are freed.
+  std::unique_ptr<StagedStreamState> staged;
 };
 
 class EngineBase : public CopyEngine {
@@ -86,6 +107,12 @@ class EngineBase : public CopyEngine {
   CopyStrategy choose_impl(const PlanSummary& s, const StreamState* self) const;
   bool in_flight(CopyDirection dir, const StreamState* exclude) const;
   Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
+  // Precondition: the chunk plan of `r` is in st.scratch.staged.
+  Status run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
+  Result<StagedStreamState*> staged_state(StreamState& st);
+  // kAuto rule 4s: whether the staged rule applies to this request; when it
+  // does, the chunk plan is left in `sc.staged`.
+  bool staged_preferred(const CopyRequest& r, const PlanSummary& s, PlanScratch& sc) const;
   Result<DescriptorSlot*> acquire_slot(StreamState& st, std::uint64_t bytes);
   Status note_enqueued(StreamState& st, Stream& stream, CopyDirection dir);
   std::uint32_t ctas_for(CopyDirection dir) const noexcept;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 
 namespace kvtier::copy_detail {
 namespace {
@@ -69,6 +70,13 @@ Status validate_request(const CopyRequest& r, int device_ordinal) {
         return NotSupported(
             "strategy sm_kernel needs device memory on at least one side; host->host copies use "
             "dma_per_run or dma_batch");
+      break;
+    case CopyStrategy::kStagedDma:
+      if (dir == CopyDirection::kHostToHost || dir == CopyDirection::kDeviceToDevice)
+        return NotSupported(fmt::format(
+            "strategy staged_dma moves blocks between host and device memory only, not {} (use sm_kernel for d2d, "
+            "dma_per_run or dma_batch for h2h)",
+            copy_direction_name(dir)));
       break;
     case CopyStrategy::kAuto:
     case CopyStrategy::kDmaPerRun:
@@ -236,6 +244,196 @@ std::uint64_t build_segments(const CopyRequest& r, std::span<const SelectedPlane
   std::uint64_t min_bytes = out.empty() ? 0 : UINT64_MAX;
   for (const Segment& s : out) min_bytes = std::min(min_bytes, s.bytes);
   return min_bytes;
+}
+
+// ------------------------------------------------------------ staged DMA
+
+namespace {
+
+struct HostSide {
+  std::uint64_t base;
+  std::uint64_t stride;
+  std::uint64_t bytes;
+};
+HostSide host_side(const SelectedPlane& p, bool host_is_src) {
+  return host_is_src ? HostSide{reinterpret_cast<std::uint64_t>(p.src_base), p.src_stride, p.block_bytes}
+                     : HostSide{reinterpret_cast<std::uint64_t>(p.dst_base), p.dst_stride, p.block_bytes};
+}
+
+void sort_planes_by_host_base(std::span<const SelectedPlane> planes, bool host_is_src, StagedScratch& sc) {
+  sc.order.resize(planes.size());
+  std::iota(sc.order.begin(), sc.order.end(), 0u);
+  std::sort(sc.order.begin(), sc.order.end(), [&](std::uint32_t a, std::uint32_t b) {
+    return host_side(planes[a], host_is_src).base < host_side(planes[b], host_is_src).base;
+  });
+}
+
+}  // namespace
+
+std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+                                   bool host_is_src) {
+  if (host_ids.empty() || planes.empty()) return 0;
+  std::uint64_t id_runs = 1;
+  for (std::size_t i = 1; i < host_ids.size(); ++i) id_runs += host_ids[i] != host_ids[i - 1] + 1;
+  // Do the selected planes tile one page (same stride, adjacent, covering it)?
+  std::vector<HostSide> sides;
+  sides.reserve(planes.size());
+  for (const SelectedPlane& p : planes) sides.push_back(host_side(p, host_is_src));
+  std::sort(sides.begin(), sides.end(), [](const HostSide& a, const HostSide& b) { return a.base < b.base; });
+  bool tiles = true;
+  std::uint64_t covered = 0;
+  for (std::size_t i = 0; i < sides.size() && tiles; ++i) {
+    tiles = sides[i].stride == sides[0].stride && (i == 0 || sides[i - 1].base + sides[i - 1].bytes == sides[i].base);
+    covered += sides[i].bytes;
+  }
+  if (tiles && covered == sides[0].stride) return id_runs;
+  std::uint64_t ranges = 0;
+  for (const HostSide& h : sides) ranges += h.stride == h.bytes ? id_runs : host_ids.size();
+  return ranges;
+}
+
+std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, std::int32_t min_id,
+                               std::int32_t max_id, StagedScratch& sc) {
+  auto& iv = sc.intervals;
+  iv.clear();
+  for (std::uint32_t p : sc.order) {
+    const HostSide h = host_side(planes[p], host_is_src);
+    iv.push_back({h.base + static_cast<std::uint64_t>(min_id) * h.stride,
+                  h.base + static_cast<std::uint64_t>(max_id) * h.stride + h.bytes, 0});
+  }
+  // Sorted by base is sorted by lo unless strides differ a lot; check.
+  const auto by_lo = [](const StagedInterval& a, const StagedInterval& b) { return a.lo < b.lo; };
+  if (!std::is_sorted(iv.begin(), iv.end(), by_lo)) std::sort(iv.begin(), iv.end(), by_lo);
+  std::size_t out = 0;
+  for (std::size_t i = 1; i < iv.size(); ++i) {
+    if (iv[i].lo <= iv[out].hi)  // overlapping or touching: one DMA may span both
+      iv[out].hi = std::max(iv[out].hi, iv[i].hi);
+    else
+      iv[++out] = iv[i];
+  }
+  if (!iv.empty()) iv.resize(out + 1);
+  std::uint64_t at = 0;
+  for (StagedInterval& i : iv) {
+    at += (i.lo - at) & (kStagedAlign - 1);  // at == lo (mod kStagedAlign)
+    i.offset = at;
+    at += i.hi - i.lo;
+  }
+  return at;
+}
+
+Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+                          bool host_is_src, std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc) {
+  sort_planes_by_host_base(planes, host_is_src, sc);
+  sc.chunks.clear();
+  sc.footprint = 0;
+  const std::size_t n = host_ids.size();
+  auto& pmin = sc.prefix_min;
+  auto& pmax = sc.prefix_max;
+  std::size_t i = 0;
+  while (i < n) {
+    const std::size_t limit = std::min<std::size_t>(max_pairs, n - i);
+    pmin.clear();
+    pmax.clear();
+    // Footprint of the chunk [i, i + k); extends the prefix min/max lazily.
+    auto footprint = [&](std::size_t k) {
+      while (pmin.size() < k) {
+        const std::int32_t id = host_ids[i + pmin.size()];
+        pmin.push_back(pmin.empty() ? id : std::min(pmin.back(), id));
+        pmax.push_back(pmax.empty() ? id : std::max(pmax.back(), id));
+      }
+      return staged_intervals(planes, host_is_src, pmin[k - 1], pmax[k - 1], sc);
+    };
+    std::uint64_t fit_bytes = footprint(1);
+    if (fit_bytes > slot_bytes)
+      return NotSupported(fmt::format(
+          "staged_dma: host block {} (pair {}) alone needs {} bytes of staging (its selected planes' host span), "
+          "more than staged_slot_bytes = {}; raise staged_slot_bytes or use another strategy",
+          host_ids[i], i, fit_bytes, slot_bytes));
+    // The footprint grows with the chunk: gallop, then bisect.
+    std::size_t fit = 1, over = limit + 1;
+    while (fit < limit) {
+      const std::size_t k = std::min(fit * 2, limit);
+      const std::uint64_t f = footprint(k);
+      if (f > slot_bytes) {
+        over = k;
+        break;
+      }
+      fit = k;
+      fit_bytes = f;
+    }
+    while (over - fit > 1) {
+      const std::size_t mid = fit + (over - fit) / 2;
+      const std::uint64_t f = footprint(mid);
+      if (f <= slot_bytes) {
+        fit = mid;
+        fit_bytes = f;
+      } else {
+        over = mid;
+      }
+    }
+    sc.chunks.push_back({static_cast<std::uint32_t>(i), static_cast<std::uint32_t>(fit), fit_bytes});
+    sc.footprint += fit_bytes;
+    i += fit;
+  }
+  return Status::Ok();
+}
+
+std::uint64_t staged_offset(const StagedScratch& sc, std::uint64_t x) {
+  auto it = std::upper_bound(sc.intervals.begin(), sc.intervals.end(), x,
+                             [](std::uint64_t v, const StagedInterval& iv) { return v < iv.lo; });
+  const StagedInterval& iv = *(it - 1);  // precondition: x lies in some interval
+  return iv.offset + (x - iv.lo);
+}
+
+void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const std::int32_t> host_ids,
+                      StagedScratch& sc) {
+  auto& runs = sc.runs;
+  runs.clear();
+  auto emit = [&runs](std::uint64_t host, std::uint64_t bytes) {
+    if (!runs.empty() && runs.back().host + runs.back().bytes == host) {
+      runs.back().bytes += bytes;
+      return;
+    }
+    runs.push_back({host, bytes, 0});
+  };
+  bool any_mergeable = false;
+  for (const SelectedPlane& p : planes) {
+    const HostSide h = host_side(p, host_is_src);
+    any_mergeable |= h.stride == h.bytes;
+  }
+  const std::size_t n = host_ids.size();
+  if (any_mergeable) {
+    // Plane-major: a run of consecutive host ids is one range per plane.
+    for (std::uint32_t p : sc.order) {
+      const HostSide h = host_side(planes[p], host_is_src);
+      for (std::size_t i = 0; i < n;) {
+        std::size_t j = i + 1;
+        if (h.stride == h.bytes)
+          while (j < n && host_ids[j] == host_ids[j - 1] + 1) ++j;
+        emit(h.base + static_cast<std::uint64_t>(host_ids[i]) * h.stride, h.bytes * (j - i));
+        i = j;
+      }
+    }
+  } else {
+    // Pair-major: a page-first page's planes are adjacent.
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::uint32_t p : sc.order) {
+        const HostSide h = host_side(planes[p], host_is_src);
+        emit(h.base + static_cast<std::uint64_t>(host_ids[i]) * h.stride, h.bytes);
+      }
+  }
+  const auto by_host = [](const HostRun& a, const HostRun& b) { return a.host < b.host; };
+  if (!std::is_sorted(runs.begin(), runs.end(), by_host)) std::sort(runs.begin(), runs.end(), by_host);
+  std::size_t out = 0;
+  for (std::size_t i = 1; i < runs.size(); ++i) {
+    HostRun& last = runs[out];
+    if (runs[i].host <= last.host + last.bytes)  // touching, or overlapping (a repeated H2D source)
+      last.bytes = std::max(last.host + last.bytes, runs[i].host + runs[i].bytes) - last.host;
+    else
+      runs[++out] = runs[i];
+  }
+  if (!runs.empty()) runs.resize(out + 1);
+  for (HostRun& r : runs) r.offset = staged_offset(sc, r.host);
 }
 
 }  // namespace kvtier::copy_detail

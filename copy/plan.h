@@ -44,11 +44,72 @@ struct Run {
   std::uint32_t count;
 };
 
+// ------------------------------------------------------------ staged DMA
+// Planning of kStagedDma (copy_engine.h, "Staged DMA"). "Host side" is src
+// for H2D and dst for D2H.
+
+// A disjoint host interval [lo, hi) of one chunk, mirrored at slot + offset.
+struct StagedInterval {
+  std::uint64_t lo;
+  std::uint64_t hi;
+  std::uint64_t offset;
+};
+
+struct StagedChunk {
+  std::uint32_t first;  // index into the pair lists
+  std::uint32_t count;
+  std::uint64_t footprint;  // staging bytes (interval spans + alignment padding)
+};
+
+// One DMA: `bytes` of host memory at `host`, mirrored at slot + `offset`.
+struct HostRun {
+  std::uint64_t host;
+  std::uint64_t bytes;
+  std::uint64_t offset;
+};
+
+struct StagedScratch {
+  std::vector<std::uint32_t> order;  // selected planes sorted by host base
+  std::vector<StagedChunk> chunks;
+  std::vector<std::int32_t> prefix_min, prefix_max;
+  std::vector<StagedInterval> intervals;
+  std::vector<HostRun> runs;
+  std::uint64_t footprint = 0;  // sum over chunks
+};
+
+// Mirrored offsets keep host address and staging address congruent modulo
+// this (staging slots are at least this aligned), so the kernel's vector
+// width and the DMA alignment are the same as with the host block itself.
+inline constexpr std::uint64_t kStagedAlign = 64;
+
+// Estimated number of merged host ranges of the whole request (the DMAs a
+// staged copy would issue, ignoring chunk boundaries): host-id runs times the
+// planes, or just the host-id runs when the selected planes tile each host
+// page (page-first, every plane selected).
+std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+                                   bool host_is_src);
+// Cuts the pairs into chunks (greedy, in order, each as large as fits in
+// `slot_bytes` and has at most `max_pairs` pairs); fills sc.order, sc.chunks,
+// sc.footprint. NotSupported when a single pair does not fit.
+Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+                          bool host_is_src, std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc);
+// The merged host intervals (with packed offsets) of a chunk whose host ids
+// span [min_id, max_id], into sc.intervals; returns the footprint. Needs sc.order.
+std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, std::int32_t min_id,
+                               std::int32_t max_id, StagedScratch& sc);
+// The merged host ranges of a chunk's (pair, plane) blocks, mapped into the
+// slot through sc.intervals (staged_intervals of the same chunk), into sc.runs.
+void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const std::int32_t> host_ids,
+                      StagedScratch& sc);
+// Offset of host address `x` (inside one of sc.intervals) in the slot.
+std::uint64_t staged_offset(const StagedScratch& sc, std::uint64_t x);
+
 struct PlanScratch {
   std::vector<SelectedPlane> planes;
   std::vector<Run> runs;
   std::vector<Segment> segments;
   std::vector<KernelPlane> kernel_planes;
+  StagedScratch staged;
 };
 
 struct PlanSummary {

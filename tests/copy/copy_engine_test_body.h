@@ -34,6 +34,8 @@ Result<std::unique_ptr<Device>> make_copy_test_device();
 
 inline constexpr std::uint8_t kPoison = 0xA5;
 inline constexpr auto kWait = std::chrono::seconds(60);
+// Per-interval alignment padding of a staging slot (at most kStagedAlign - 1).
+inline constexpr std::uint64_t kStagedTestPad = 64;
 
 // A BlockSpace with its memory and a CPU mirror of that memory.
 struct TestSpace {
@@ -744,6 +746,259 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   fill_poison(*host_s);
   const CopyReport rep = copy_and_check(*dev_s, *host_s, req(*dev_s, *host_s, s, d));
   EXPECT_EQ(rep.strategy, CopyStrategy::kSmKernel);
+}
+
+// ------------------------------------------------------------- staged DMA
+
+inline std::vector<std::int32_t> staged_range_ids(std::int32_t first, std::size_t n, std::int32_t step = 1) {
+  std::vector<std::int32_t> ids(n);
+  for (std::size_t i = 0; i < n; ++i) ids[i] = first + static_cast<std::int32_t>(i) * step;
+  return ids;
+}
+
+// Small staging slots (a few pairs each, 2 slots) so that every request runs
+// many pipeline chunks and wraps the slot ring several times.
+inline CopyEngineOptions staged_test_options(std::uint64_t pair_footprint) {
+  CopyEngineOptions o;
+  o.staged_slot_bytes = std::max<std::uint64_t>(4096, 3 * pair_footprint);
+  o.staged_slots = 2;
+  o.sm_item_bytes = 4096;
+  return o;
+}
+
+// Contiguous host ids, random device ids, odd sizes, layer-first and
+// page-first host, several layers and roles, both directions; gaps around the
+// moved host range (and the unselected device blocks) stay poisoned.
+TEST_F(CopyEngineTest, StagedDmaByteExact) {
+  const std::uint64_t sizes[] = {100, 4097, 16 * 1024, 73728};
+  int seed = 500;
+  for (std::uint64_t bb : sizes) {
+    auto layout = KvLayout::uniform(2, 2, bb);
+    ASSERT_TRUE(layout.ok());
+    ASSERT_TRUE(make_engine(staged_test_options(4 * (bb + kStagedTestPad))).ok());
+    const std::size_t n = bb < 4096 ? 64 : 24;
+    const std::uint64_t host_blocks = n + 9, dev_blocks = 2 * n;
+    for (bool page : {false, true}) {
+      auto host = page ? page_first(MemoryKind::kPinnedHost, *layout, host_blocks)
+                       : layer_first(MemoryKind::kPinnedHost, *layout, host_blocks);
+      auto dev = layer_first(MemoryKind::kDevice, *layout, dev_blocks);
+      ASSERT_TRUE(host && dev);
+      const auto h = staged_range_ids(5, n);
+      const auto d = random_ids(dev_blocks, n, ++seed);
+      for (bool h2d : {true, false}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "block_bytes=" << bb << (page ? " page-first" : " layer-first") << (h2d ? " h2d" : " d2h"));
+        TestSpace& src = h2d ? *host : *dev;
+        TestSpace& dst = h2d ? *dev : *host;
+        fill_random(src, ++seed);
+        fill_poison(dst);
+        CopyRequest r{&src.space, &dst.space, h2d ? h : d, h2d ? d : h, {}, kAllRoles, CopyStrategy::kStagedDma};
+        const CopyReport rep = copy_and_check(src, dst, r);
+        EXPECT_EQ(rep.strategy, CopyStrategy::kStagedDma);
+        EXPECT_EQ(rep.bytes, bb * n * 4);
+        EXPECT_GT(rep.chunks, 2u * engine_->options().staged_slots) << "the slot ring should wrap";
+        // A second copy on the same stream reuses the slots and events.
+        fill_poison(dst);
+        copy_and_check(src, dst, r);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+// Host ids with gaps (every other block), layer subsets and role masks: the
+// gap blocks and unselected planes must stay poisoned after a D2H (the DMA
+// never writes bytes that are not part of the copy).
+TEST_F(CopyEngineTest, StagedDmaHostGapsAndSubsets) {
+  auto layout = KvLayout::uniform(3, 2, 4097);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_TRUE(make_engine(staged_test_options(6 * (4097 + kStagedTestPad) * 2)).ok());
+  const std::size_t n = 20;
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 2 * n);
+  ASSERT_TRUE(dev);
+  const auto h = staged_range_ids(1, n, 2);
+  const auto d = random_ids(2 * n, n, 77);
+  const std::uint32_t layer_sets[][2] = {{0, 2}, {1, 1}};
+  int seed = 600;
+  for (bool page : {false, true}) {
+    auto host = page ? page_first(MemoryKind::kPinnedHost, *layout, 2 * n + 2)
+                     : layer_first(MemoryKind::kPinnedHost, *layout, 2 * n + 2);
+    ASSERT_TRUE(host);
+    for (const auto& ls : layer_sets) {
+      const std::vector<std::uint32_t> layers =
+          ls[0] == ls[1] ? std::vector<std::uint32_t>{ls[0]} : std::vector<std::uint32_t>{ls[0], ls[1]};
+      for (RoleMask roles : {kAllRoles, role_bit(layout->layer(0).roles[1].role)}) {
+        for (bool h2d : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << (page ? "page-first" : "layer-first") << " layers=" << layers.size()
+                                            << " roles=" << roles << (h2d ? " h2d" : " d2h"));
+          TestSpace& src = h2d ? *host : *dev;
+          TestSpace& dst = h2d ? *dev : *host;
+          fill_random(src, ++seed);
+          fill_poison(dst);
+          CopyRequest r{&src.space, &dst.space, h2d ? h : d, h2d ? d : h, layers, roles, CopyStrategy::kStagedDma};
+          const CopyReport rep = copy_and_check(src, dst, r);
+          EXPECT_EQ(rep.strategy, CopyStrategy::kStagedDma);
+          EXPECT_GT(rep.chunks, 1u);
+          if (HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+// Repeated H2D sources are allowed: their host ranges overlap in the DMA plan.
+TEST_F(CopyEngineTest, StagedDmaRepeatedSources) {
+  auto layout = KvLayout::uniform(1, 2, 1000);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_TRUE(make_engine(staged_test_options(2 * (1000 + kStagedTestPad))).ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 16);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 16);
+  ASSERT_TRUE(host && dev);
+  fill_random(*host, 31);
+  fill_poison(*dev);
+  std::vector<std::int32_t> s{3, 4, 4, 5, 3, 6, 7, 7}, d{0, 9, 2, 11, 4, 15, 6, 1};
+  copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma});
+}
+
+// A copy on S followed by copies on S reading its result see it, with the
+// staged strategy on both ends and another strategy in between; an event
+// recorded on S after copy() completes only after the copy.
+TEST_F(CopyEngineTest, StagedDmaKeepsStreamOrder) {
+  auto layout = KvLayout::uniform(2, 2, 8192);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_TRUE(make_engine(staged_test_options(4 * (8192 + kStagedTestPad))).ok());
+  const std::size_t n = 32;
+  auto host_a = layer_first(MemoryKind::kPinnedHost, *layout, n);
+  auto host_b = page_first(MemoryKind::kPinnedHost, *layout, n);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 2 * n);
+  auto dev2 = layer_first(MemoryKind::kDevice, *layout, 2 * n);
+  ASSERT_TRUE(host_a && host_b && dev && dev2);
+  auto event = device_->create_event();
+  ASSERT_TRUE(event.ok());
+  for (int iter = 0; iter < 3; ++iter) {
+    SCOPED_TRACE(iter);
+    fill_random(*host_a, 700 + iter);
+    fill_poison(*dev);
+    fill_poison(*dev2);
+    fill_poison(*host_b);
+    const auto h = staged_range_ids(0, n);
+    const auto d = random_ids(2 * n, n, 710 + iter);
+    const auto d2 = random_ids(2 * n, n, 720 + iter);
+    // host_a -> dev (staged), dev -> dev2 (kernel), dev2 -> host_b (staged).
+    CopyRequest up{&host_a->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kStagedDma};
+    CopyRequest mid{&dev->space, &dev2->space, d, d2, {}, kAllRoles, CopyStrategy::kSmKernel};
+    CopyRequest down{&dev2->space, &host_b->space, d2, h, {}, kAllRoles, CopyStrategy::kStagedDma};
+    model_copy(*host_a, *dev, up);
+    model_copy(*dev, *dev2, mid);
+    model_copy(*dev2, *host_b, down);
+    for (const CopyRequest* r : {&up, &mid, &down}) {
+      auto rep = engine_->copy(*r, *stream_);
+      ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    }
+    ASSERT_TRUE(device_->record(**event, *stream_).ok());
+    ASSERT_TRUE(device_->synchronize(**event, kWait).ok());
+    expect_matches_model(*host_b);
+    expect_matches_model(*dev);
+  }
+}
+
+TEST_F(CopyEngineTest, StagedDmaRejections) {
+  auto layout = KvLayout::uniform(1, 2, 4096);
+  ASSERT_TRUE(layout.ok());
+  CopyEngineOptions o;
+  o.staged_slot_bytes = 6000;  // smaller than one page-first page (8 KiB), larger than one layer-first pair
+  ASSERT_TRUE(make_engine(o).ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto dev2 = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  auto host2 = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  auto page = page_first(MemoryKind::kPinnedHost, *layout, 8);
+  ASSERT_TRUE(dev && dev2 && host && host2 && page);
+  fill_random(*dev, 1);
+  fill_random(*host, 2);
+  fill_poison(*dev2);
+  fill_poison(*host2);
+  fill_poison(*page);
+  std::vector<std::int32_t> s{0, 1, 2}, d{3, 4, 5};
+  expect_rejected(*dev2, CopyRequest{&dev->space, &dev2->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma},
+                  StatusCode::kNotSupported);
+  expect_rejected(*host2, CopyRequest{&host->space, &host2->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma},
+                  StatusCode::kNotSupported);
+  // A page-first host page (2 x 4 KiB, one interval) does not fit a 6000-byte slot.
+  expect_rejected(*page, CopyRequest{&dev->space, &page->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma},
+                  StatusCode::kNotSupported);
+  // Layer-first: one pair needs two 4 KiB intervals (8 KiB) > 6000 as well;
+  // one role alone (4 KiB) fits.
+  expect_rejected(*host2, CopyRequest{&dev->space, &host2->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma},
+                  StatusCode::kNotSupported);
+  const RoleMask one = role_bit(layout->layer(0).roles[0].role);
+  const CopyReport rep =
+      copy_and_check(*dev, *host2, CopyRequest{&dev->space, &host2->space, s, d, {}, one, CopyStrategy::kStagedDma});
+  EXPECT_EQ(rep.strategy, CopyStrategy::kStagedDma);
+  EXPECT_EQ(rep.chunks, 3u);
+  CopyEngineOptions bad;
+  bad.staged_slots = 0;
+  EXPECT_EQ(CopyEngine::create(*device_, bad).status().code(), StatusCode::kInvalidArgument);
+  bad = {};
+  bad.staged_max_span_ratio = 0.5;
+  EXPECT_EQ(CopyEngine::create(*device_, bad).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
+  auto layout = KvLayout::uniform(2, 2, 32 * 1024);
+  ASSERT_TRUE(layout.ok());
+  CopyEngineOptions o;
+  o.staged_slot_bytes = 1u << 20;
+  ASSERT_TRUE(make_engine(o).ok());
+  const std::size_t n = 64;
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 2 * n);
+  auto page = page_first(MemoryKind::kPinnedHost, *layout, 2 * n);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 2 * n);
+  ASSERT_TRUE(host && page && dev);
+  const auto contiguous = staged_range_ids(3, n);
+  const auto every_other = staged_range_ids(0, n, 2);
+  const auto random_host = random_ids(2 * n, n, 41);
+  const auto d = random_ids(2 * n, n, 42);
+  auto req = [&](TestSpace& hs, std::span<const std::int32_t> h, bool h2d) {
+    return h2d ? CopyRequest{&hs.space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto}
+               : CopyRequest{&dev->space, &hs.space, d, h, {}, kAllRoles, CopyStrategy::kAuto};
+  };
+  for (bool h2d : {true, false}) {
+    SCOPED_TRACE(h2d ? "h2d" : "d2h");
+    // Dense host runs (2 MiB per plane / 8 MiB per page range), scattered device blocks.
+    EXPECT_EQ(engine_->choose(req(*host, contiguous, h2d)), CopyStrategy::kStagedDma);
+    EXPECT_EQ(engine_->choose(req(*page, contiguous, h2d)), CopyStrategy::kStagedDma);
+    // Random host ids: short host ranges, the kernel as before.
+    EXPECT_EQ(engine_->choose(req(*host, random_host, h2d)), CopyStrategy::kSmKernel);
+    // Every other block: 32 KiB host ranges, below staged_min_host_run_bytes.
+    EXPECT_EQ(engine_->choose(req(*host, every_other, h2d)), CopyStrategy::kSmKernel);
+    // Device ids contiguous too: one DMA per plane already reaches the ceiling.
+    const auto dev_run = staged_range_ids(0, n);
+    CopyRequest both = req(*host, contiguous, h2d);
+    (h2d ? both.dst_blocks : both.src_blocks) = dev_run;
+    EXPECT_EQ(engine_->choose(both), CopyStrategy::kDmaPerRun);
+  }
+  // Every other block is dense enough with a ratio of 2.1 and small runs allowed (not with 1.25).
+  o.staged_min_host_run_bytes = 16 * 1024;
+  ASSERT_TRUE(make_engine(o).ok());
+  EXPECT_EQ(engine_->choose(req(*host, every_other, true)), CopyStrategy::kSmKernel);
+  o.staged_max_span_ratio = 2.1;
+  ASSERT_TRUE(make_engine(o).ok());
+  EXPECT_EQ(engine_->choose(req(*host, every_other, true)), CopyStrategy::kStagedDma);
+  // Keeping the SMs out of kAuto keeps staged out as well.
+  o.auto_kernel_max_segment_bytes_h2d = 0;
+  ASSERT_TRUE(make_engine(o).ok());
+  EXPECT_EQ(engine_->choose(req(*host, contiguous, true)), CopyStrategy::kDmaBatch);
+  // copy() runs what kAuto picked.
+  ASSERT_TRUE(make_engine(CopyEngineOptions{}).ok());
+  fill_random(*dev, 43);
+  fill_poison(*page);
+  const CopyReport rep = copy_and_check(*dev, *page, req(*page, contiguous, false));
+  EXPECT_EQ(rep.strategy, CopyStrategy::kStagedDma);
+  EXPECT_EQ(copy_strategy_name(CopyStrategy::kStagedDma), "staged_dma");
+  auto parsed = parse_copy_strategy("staged_dma");
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(*parsed, CopyStrategy::kStagedDma);
 }
 
 }  // namespace kvtier::copy_test

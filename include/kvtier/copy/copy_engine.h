@@ -25,6 +25,13 @@
 //               16-byte accesses when both pointers allow it (8/4/1-byte
 //               otherwise; tails are copied exactly). Needs device memory on at
 //               least one side. Work decomposition: copy/kernel_plan.h.
+//   kStagedDma  host<->device only. PCIe traffic by the copy engines as a few
+//               large contiguous DMAs through a per-stream device staging
+//               buffer; the scatter/gather between the staging buffer and the
+//               scattered device blocks is the SM kernel run device-to-device
+//               (HBM-bound). Pays off when the HOST blocks form long
+//               contiguous runs while the device blocks are scattered. Details
+//               and contract: "Staged DMA" below.
 //   kAuto       chosen per call by choose(), rule below.
 // On the host backend each strategy runs its own code path on the stream's
 // worker (per-run: one memcpy_async per segment; batch: one task copying
@@ -43,6 +50,13 @@
 //      with large descriptors the copy engines reach 94-102 GB/s aggregate,
 //      SM kernels both ways ~72. Below that size batch submission is CPU-bound
 //      (~0.5-1 us per descriptor) and kernels win even in full duplex.
+//   4s. (before 4 and 5) dir is H2D or D2H, avg < auto_kernel_max_segment_bytes
+//      of that direction, the host side is dense -- average merged host range
+//      (host ids consecutive, planes adjacent in host memory) >=
+//      staged_min_host_run_bytes -- and the staged chunk plan's total staging
+//      footprint <= staged_max_span_ratio x payload -> kStagedDma (copy
+//      engines at the ~99% large-DMA ceiling, also in full duplex, instead of
+//      the kernel's ~92%). Random host ids never pass the host-run test.
 //   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
 //      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
 //      (gated when a segment is <= batch_gate_max_segment_bytes). Measured:
@@ -51,6 +65,34 @@
 //   Set an auto_kernel_max_* threshold to 0 to keep the SMs out of kAuto.
 //   "In flight" = an event the engine recorded after its last copy of that
 //   direction on any stream has not completed (queried, never waited).
+//
+// Staged DMA (kStagedDma). The pairs are cut, in request order, into chunks.
+// A chunk's host side is the union over selected planes p of
+// [base_p + min_id * stride_p, base_p + max_id * stride_p + block_bytes_p)
+// (min/max over the chunk's host ids), merged into disjoint intervals; the
+// staging slot holds these intervals packed ("mirror": host address x of
+// interval I lives at slot + S_I + (x - I.lo)), so a chunk fits when the sum
+// of its interval spans (its footprint) <= staged_slot_bytes. Only the host
+// bytes of the copied (pair, plane) blocks cross PCIe (merged into runs, one
+// memcpy_async each); gap bytes are never written to host memory.
+//   H2D chunk k (slot k % staged_slots): caller stream S waits for the kernel
+//   that last read the slot, DMAs host runs -> slot, records; an engine-owned
+//   auxiliary stream A (one per caller stream, high priority) waits for that,
+//   then the D2D kernel scatters slot -> device blocks. At the end S waits for
+//   A's last kernel.
+//   D2H: A first waits for all work enqueued on S before copy(); per chunk A
+//   waits for the DMA that last read the slot, the D2D kernel gathers device
+//   blocks -> slot; S waits for it and DMAs slot -> host runs.
+// So the usual stream contract holds: work enqueued on S after copy() (and
+// events recorded there) observe the finished copy. Explicit kStagedDma runs
+// for any host layout and id pattern (sparse ones just make smaller chunks,
+// down to one pair); NotSupported when one pair's footprint exceeds
+// staged_slot_bytes (e.g. a huge page-first host page) or for H2H / D2D.
+// Resources per caller stream, created on first staged use: A, staged_slots x
+// staged_slot_bytes of device memory and 2 x staged_slots + 1 events. The
+// kernel descriptors (every chunk's plane table + the pairs) take one slot of
+// the descriptor ring per max_pairs_per_call pairs, uploaded on A. Nothing is
+// allocated per call afterwards.
 //
 // Validation happens before anything is enqueued: non-null spaces, same
 // layout fingerprint, equal list lengths, ids in [0, num_blocks), no duplicate
@@ -96,9 +138,9 @@
 
 namespace kvtier {
 
-enum class CopyStrategy : std::uint8_t { kAuto, kDmaPerRun, kDmaBatch, kSmKernel };
-inline constexpr int kNumCopyStrategies = 4;
-// "auto", "dma_per_run", "dma_batch", "sm_kernel".
+enum class CopyStrategy : std::uint8_t { kAuto, kDmaPerRun, kDmaBatch, kSmKernel, kStagedDma };
+inline constexpr int kNumCopyStrategies = 5;
+// "auto", "dma_per_run", "dma_batch", "sm_kernel", "staged_dma".
 std::string_view copy_strategy_name(CopyStrategy s) noexcept;
 Result<CopyStrategy> parse_copy_strategy(std::string_view name);
 
@@ -141,6 +183,15 @@ struct CopyEngineOptions {
   std::uint64_t auto_kernel_max_segment_bytes_h2d = 1024 * 1024;
   std::uint64_t auto_kernel_max_segment_bytes_d2h = 1024 * 1024;
   std::uint64_t auto_duplex_dma_min_segment_bytes = 256 * 1024;
+  // kStagedDma: device staging per caller stream (staged_slots slots of
+  // staged_slot_bytes; a chunk's footprint must fit one slot). More slots let
+  // more DMAs queue ahead of the D2D kernels.
+  std::uint64_t staged_slot_bytes = 32u << 20;
+  std::uint32_t staged_slots = 3;
+  // kAuto rule 4s: host density thresholds (footprint / payload, >= 1.0) and
+  // the smallest average merged host range.
+  double staged_max_span_ratio = 1.25;
+  std::uint64_t staged_min_host_run_bytes = 256 * 1024;
   // Reserved: the caller's stream priority decides today (a high-priority
   // copy stream halves interference with compute; create it so).
   bool high_priority_kernels = true;
@@ -163,7 +214,8 @@ struct CopyReport {
   std::uint64_t pairs = 0;     // block pairs
   std::uint64_t planes = 0;    // selected (layer, role) planes
   std::uint64_t segments = 0;  // contiguous segments after run merging
-  std::uint32_t calls = 0;     // memcpy / batch / kernel launches issued
+  std::uint32_t calls = 0;     // memcpy / batch / kernel launches issued (staged: DMAs + kernels)
+  std::uint32_t chunks = 0;    // staged: pipeline chunks (0 otherwise)
   std::uint32_t ctas = 0;      // CTAs per launch of the kernel strategy (0 otherwise)
   bool gated = false;          // batch submitted on a gated stream
 };
