@@ -58,13 +58,11 @@ class CudaCopyEngine final : public EngineBase {
   }
 
   Status run_per_run(StreamState&, Stream& stream, std::span<const Segment> segments, CopyDirection) override {
-    KVTIER_CUDA_GUARD(device_.ordinal());
-    const cudaStream_t s = cuda_detail::native(stream);
+    // Through the device: it splits copies that span two pinned registrations.
     for (std::size_t i = 0; i < segments.size(); ++i) {
       const Segment& seg = segments[i];
-      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(seg.dst, seg.src, seg.bytes, cudaMemcpyDefault, s),
-                          fmt::format("segment {} of {}: dst={} src={} bytes={}", i, segments.size(),
-                                      static_cast<void*>(seg.dst), static_cast<const void*>(seg.src), seg.bytes));
+      Status st = device_.memcpy_async(seg.dst, seg.src, seg.bytes, stream);
+      if (!st.ok()) return st.with_context(fmt::format("segment {} of {}", i, segments.size()));
     }
     return Status::Ok();
   }

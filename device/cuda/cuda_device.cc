@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -193,10 +195,7 @@ class CudaDevice final : public Device {
       return InvalidArgument(fmt::format("memcpy_async: null pointer (dst={}, src={}, bytes={})", dst, src, bytes));
     }
     KVTIER_CUDA_GUARD(ordinal_);
-    KVTIER_CUDA_TRY_CTX(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s->stream()),
-        fmt::format("memcpy_async(dst={}, src={}, bytes={}, stream {} '{}')", dst, src, bytes, stream.id(), s->name()));
-    return Status::Ok();
+    return split_memcpy(dst, src, bytes, s, stream);
   }
 
   Status memset_async(void* dst, int value, std::uint64_t bytes, Stream& stream) override {
@@ -321,20 +320,60 @@ class CudaDevice final : public Device {
         op, ordinal_, name_));
   }
 
+  // Registered host chunks [start, end). The driver rejects one cudaMemcpyAsync
+  // whose host range spans two separate registrations (cudaErrorInvalidValue,
+  // seen on the H200), so copies are split at chunk ends.
+  struct ChunkMap {
+    std::mutex mu;
+    std::map<std::uintptr_t, std::uintptr_t> chunks;
+    // Bytes from p to the end of the registered chunk holding p (0: not registered).
+    std::uint64_t contiguous_from(const void* p) {
+      const auto a = reinterpret_cast<std::uintptr_t>(p);
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = chunks.upper_bound(a);
+      if (it == chunks.begin()) return 0;
+      --it;
+      return a < it->second ? it->second - a : 0;
+    }
+  };
+
+  Status split_memcpy(void* dst, const void* src, std::uint64_t bytes, CudaStream* s, Stream& stream) {
+    std::uint64_t done = 0;
+    while (done < bytes) {
+      auto* d = static_cast<std::byte*>(dst) + done;
+      const auto* sp = static_cast<const std::byte*>(src) + done;
+      std::uint64_t piece = bytes - done;
+      if (const std::uint64_t c = chunk_map_->contiguous_from(d); c != 0) piece = std::min(piece, c);
+      if (const std::uint64_t c = chunk_map_->contiguous_from(sp); c != 0) piece = std::min(piece, c);
+      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(d, sp, piece, cudaMemcpyDefault, s->stream()),
+                          fmt::format("memcpy_async(dst={}, src={}, bytes={}, stream {} '{}')", static_cast<void*>(d),
+                                      static_cast<const void*>(sp), piece, stream.id(), s->name()));
+      done += piece;
+    }
+    return Status::Ok();
+  }
+
   detail::ChunkRegistrar registrar() const {
     const int ordinal = ordinal_;
+    std::shared_ptr<ChunkMap> map = chunk_map_;
     detail::ChunkRegistrar r;
     // Portable: usable from every device's context; Mapped: reachable by
     // kernels (at the host address, checked above).
-    r.register_chunk = [ordinal](void* ptr, std::uint64_t bytes) -> Status {
+    r.register_chunk = [ordinal, map](void* ptr, std::uint64_t bytes) -> Status {
       DeviceGuard guard(ordinal);
       KVTIER_RETURN_IF_ERROR(guard.status());
       KVTIER_CUDA_TRY_CTX(
           cudaHostRegister(ptr, bytes, cudaHostRegisterDefault | cudaHostRegisterPortable | cudaHostRegisterMapped),
           fmt::format("cudaHostRegister(ptr={}, bytes={}) for device {}", ptr, bytes, ordinal));
+      std::lock_guard<std::mutex> lock(map->mu);
+      map->chunks[reinterpret_cast<std::uintptr_t>(ptr)] = reinterpret_cast<std::uintptr_t>(ptr) + bytes;
       return Status::Ok();
     };
-    r.unregister_chunk = [ordinal](void* ptr, std::uint64_t /*bytes*/) noexcept {
+    r.unregister_chunk = [ordinal, map](void* ptr, std::uint64_t /*bytes*/) noexcept {
+      {
+        std::lock_guard<std::mutex> lock(map->mu);
+        map->chunks.erase(reinterpret_cast<std::uintptr_t>(ptr));
+      }
       DeviceGuard guard(ordinal);
       if (cudaHostUnregister(ptr) != cudaSuccess) static_cast<void>(cudaGetLastError());
     };
@@ -342,6 +381,7 @@ class CudaDevice final : public Device {
   }
 
   const int ordinal_;
+  std::shared_ptr<ChunkMap> chunk_map_ = std::make_shared<ChunkMap>();
   std::string name_;
   int multiprocessors_ = 0;
   bool host_pointer_is_device_pointer_ = false;

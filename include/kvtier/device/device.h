@@ -140,7 +140,11 @@ class Buffer {
 // rejects or slows single registrations over 64 GiB), after a parallel first
 // touch so that pages land on the intended NUMA node.
 struct PinnedOptions {
-  std::uint64_t chunk_bytes = std::uint64_t{1} << 30;  // <= 64 GiB
+  // <= 64 GiB. One CUDA copy may not span two registrations (the driver
+  // rejects it): CudaDevice::memcpy_async splits copies at chunk ends, but a
+  // cudaMemcpyBatchAsync descriptor is passed as is, so large chunks keep
+  // that path safe. Smaller chunks only to spread registration over time.
+  std::uint64_t chunk_bytes = std::uint64_t{64} << 30;
   int numa_node = -1;                                  // -1: no binding
   unsigned touch_threads = 0;                          // 0: min(hardware threads, 16)
   // true: return immediately; registration continues in the background and
