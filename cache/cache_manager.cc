@@ -510,6 +510,22 @@ struct CacheManager::Impl {
     return false;
   }
 
+  // Write-through to storage: a block that just settled on host is also copied to storage (the
+  // host copy stays servable meanwhile), so a later host eviction is a plain drop.
+  void store_through(NodeId id) {
+    Node& n = nodes[id];
+    if (!has_tier(kSto) || cfg.write_policy == WritePolicy::kWriteBack) return;
+    if (cfg.write_policy == WritePolicy::kWriteThroughSelective && n.hits < cfg.write_through_threshold) return;
+    if (n.detached || n.state != NodeState::kSettled || !(n.present & bit(kHst)) || n.block[kSto] != kNoBlock) return;
+    if (pools[kSto].num_free() == 0 && !drop_one_storage()) return;
+    auto slot = pools[kSto].allocate();
+    if (!slot.ok()) return;
+    plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
+    set_block(id, kSto, *slot);
+    n.state = NodeState::kStoring;
+    ++st.storage_writes;
+  }
+
   void backup(NodeId id) {
     Node& n = nodes[id];
     if (!has_tier(kHst) || n.state != NodeState::kSettled || !(n.present & bit(kDev)) || (n.present & bit(kHst)))
@@ -531,11 +547,13 @@ struct CacheManager::Impl {
       NodeId found = map.find(k);
       if (found == kNoNode) break;
       const Node& n = nodes[found];
-      if (!servable(n.state)) {
+      int t = lowest_tier(n.present);
+      // A host-only block being written to storage is servable in place, but a load would have
+      // to change its state under the write: treat it as in flight.
+      if (!servable(n.state) || (n.state == NodeState::kStoring && t == kHst)) {
         r.stopped_at_in_flight = true;
         break;
       }
-      int t = lowest_tier(n.present);
       if (t == kNoTier || t < phase) break;  // t < phase cannot happen while the invariants hold
       phase = t;
       if (t == kDev) {
@@ -775,6 +793,13 @@ Result<std::uint32_t> CacheManager::prefetch(std::span<const BlockKey> keys) {
     Node& n = s.nodes[id];
     auto hb = s.take_host_block();
     if (!hb.ok()) break;
+    // Taking a host block may have dropped the host copy of the parent (one also held in
+    // storage): a host block below a storage-only parent would break the tier order.
+    const NodeId parent = n.parent;
+    if (n.detached || (parent != Impl::kRoot && s.eventual_tier(s.nodes[parent]) > kHst)) {
+      s.pools[kHst].free(*hb).ignore_error();
+      break;
+    }
     s.plan.storage_prefetches.push_back(BlockMove{n.block[kSto], *hb, n.key});
     s.set_block(id, kHst, *hb);
     n.state = NodeState::kFetching;
@@ -828,6 +853,7 @@ Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const S
       n.present |= bit(kHst);
       s.policy[kHst]->insert(id, s.info(id));
       s.retier(id);
+      s.store_through(id);
     } else {
       // The device copy is gone (its block was reused) and the host copy is garbage: a miss from here down.
       ++s.st.failed_transfers;
@@ -851,6 +877,7 @@ Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Sta
     } else if (status.ok()) {
       n.present |= bit(kHst);
       s.policy[kHst]->insert(id, s.info(id));
+      s.store_through(id);
     } else {
       ++s.st.failed_transfers;
       s.free_block(kHst, b);

@@ -5,10 +5,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
+
+#include "kvtier/cache/storage_executor.h"
 
 namespace kvtier::cache {
 
@@ -49,7 +54,142 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
   return out;
 }
 
+void ReplayStorage::FreeDeleter::operator()(void* p) const noexcept { std::free(p); }
+
+ReplayStorage::~ReplayStorage() { tier_.reset(); }  // the tier (and its in-flight ops) before the memory
+
+Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(const BackendFactory& make_backend,
+                                                             std::uint32_t host_blocks, std::uint64_t block_bytes) {
+  if (host_blocks == 0) return InvalidArgument("replay storage: host_blocks is 0 (storage needs a host tier)");
+  if (block_bytes == 0) return InvalidArgument("replay storage: block_bytes is 0");
+  KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(1, 1, block_bytes));
+  constexpr std::uint64_t kAlign = 4096;
+  std::unique_ptr<ReplayStorage> rs(new ReplayStorage());
+  rs->host_blocks_ = host_blocks;
+  rs->block_bytes_ = block_bytes;
+  rs->page_bytes_ = BlockSpace::page_first_page_bytes(layout, kAlign);
+  const std::uint64_t region = rs->page_bytes_ * host_blocks;
+  rs->memory_.reset(std::aligned_alloc(kAlign, region));
+  if (!rs->memory_) return ResourceExhausted(fmt::format("replay storage: cannot allocate {} host bytes", region));
+  std::memset(rs->memory_.get(), 0, region);
+  KVTIER_ASSIGN_OR_RETURN(BlockSpace host, BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, host_blocks,
+                                                                  rs->memory_.get(), region, kAlign));
+  KVTIER_ASSIGN_OR_RETURN(auto backend, make_backend(storage::StorageTier::storage_options(layout, "kvtier-replay")));
+  KVTIER_ASSIGN_OR_RETURN(rs->tier_, storage::StorageTier::create(std::move(backend), std::move(host), 0));
+  return rs;
+}
+
+Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(std::string_view spec, std::uint32_t host_blocks,
+                                                             std::uint64_t block_bytes) {
+  std::string sp(spec);
+  return create([sp](storage::StorageOptions o) { return storage::make_storage_backend(sp, std::move(o)); },
+                host_blocks, block_bytes);
+}
+
+std::span<std::byte> ReplayStorage::host_block(std::uint64_t b) const {
+  return {static_cast<std::byte*>(memory_.get()) + b * page_bytes_, block_bytes_};
+}
+
 namespace {
+std::uint64_t splitmix(std::uint64_t& x) {
+  std::uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+void ReplayStorage::fill_pattern(const BlockKey& key, std::span<std::byte> out) {
+  std::uint64_t x = key.hi ^ (key.lo * 0xD6E8FEB86659FD93ull);
+  std::size_t i = 0;
+  for (; i + 8 <= out.size(); i += 8) {
+    std::uint64_t v = splitmix(x);
+    std::memcpy(out.data() + i, &v, 8);
+  }
+  if (i < out.size()) {
+    std::uint64_t v = splitmix(x);
+    std::memcpy(out.data() + i, &v, out.size() - i);
+  }
+}
+
+bool ReplayStorage::check_pattern(const BlockKey& key, std::span<const std::byte> bytes) {
+  std::vector<std::byte> want(bytes.size());
+  fill_pattern(key, want);
+  return std::memcmp(want.data(), bytes.data(), bytes.size()) == 0;
+}
+
+namespace {
+
+// Replay executor with real host and storage bytes. There is no device memory: a D2H move
+// (eviction, backup) "lands" the block's pattern in its host page, or garbage when the injected
+// failure hits it; a load checks the host page it reads. Storage moves go through a
+// StoragePlanExecutor; a prefetch destination is poisoned before the read and checked at its ack.
+class RealBytesExecutor final : public PlanExecutor {
+ public:
+  RealBytesExecutor(ReplayStorage& rs, double failure_rate, std::uint64_t seed)
+      : rs_(rs), rng_(seed), fake_(fake_options(failure_rate)), sto_(rs.tier()), comp_(fake_, sto_) {}
+
+  Status execute(const StepPlan& plan) override {
+    for (const BlockMove& m : plan.storage_prefetches) {
+      auto page = rs_.host_block(m.dst);
+      std::memset(page.data(), 0xA5, page.size());
+      prefetching_[m.dst] = m.key;
+    }
+    for (const BlockMove& m : plan.loads) verify(m.key, m.src);
+    failed_.clear();
+    KVTIER_RETURN_IF_ERROR(comp_.execute(plan));
+    for (const auto* list : {&plan.evictions, &plan.backups})
+      for (const BlockMove& m : *list) {
+        auto page = rs_.host_block(m.dst);
+        if (failed_.count(m.dst))
+          std::memset(page.data(), 0xEE, page.size());
+        else
+          ReplayStorage::fill_pattern(m.key, page);
+      }
+    return Status::Ok();
+  }
+
+  std::vector<Completion> poll() override {
+    std::vector<Completion> out = comp_.poll();
+    for (const Completion& c : out) {
+      if (c.kind != MoveKind::kStoragePrefetch) continue;
+      for (BlockId b : c.dst) {
+        auto it = prefetching_.find(b);
+        if (it == prefetching_.end()) continue;
+        if (c.status.ok()) verify(it->second, b);
+        prefetching_.erase(it);
+      }
+    }
+    return out;
+  }
+
+  std::size_t storage_in_flight() const { return sto_.in_flight(); }
+  const StoragePlanExecutor& storage() const { return sto_; }
+  std::uint64_t verified = 0, verification_failures = 0;
+
+ private:
+  FakePlanExecutor::Options fake_options(double failure_rate) {
+    FakePlanExecutor::Options o;
+    o.fail = [this, failure_rate](MoveKind kind, const BlockMove& m) {
+      if (failure_rate <= 0 || std::uniform_real_distribution<double>(0, 1)(rng_) >= failure_rate) return false;
+      if (kind == MoveKind::kEviction || kind == MoveKind::kBackup) failed_.insert(m.dst);
+      return true;
+    };
+    return o;
+  }
+  void verify(const BlockKey& key, BlockId host_block) {
+    ++verified;
+    if (!ReplayStorage::check_pattern(key, rs_.host_block(host_block))) ++verification_failures;
+  }
+
+  ReplayStorage& rs_;
+  std::mt19937_64 rng_;
+  std::unordered_set<BlockId> failed_;
+  std::unordered_map<BlockId, BlockKey> prefetching_;
+  FakePlanExecutor fake_;
+  StoragePlanExecutor sto_;
+  CompositePlanExecutor comp_;
+};
 
 struct Prepared {
   std::vector<std::vector<BlockKey>> keys;  // cacheable keys per request
@@ -82,20 +222,38 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   fo.seed = o.seed;
   fo.block_bytes = o.block_bytes;
   FakePlanExecutor fake(fo);
-  PlanExecutor* exec = o.executor ? o.executor : &fake;
+  const bool has_storage = cache->config().storage_blocks > 0 && cache->config().host_blocks > 0;
+  std::unique_ptr<RealBytesExecutor> real;
+  if (o.storage && has_storage) {
+    if (o.storage->host_blocks() != cache->config().host_blocks)
+      return InvalidArgument(fmt::format("replay: storage host pool has {} blocks, the host tier {}",
+                                         o.storage->host_blocks(), cache->config().host_blocks));
+    if (o.executor) return InvalidArgument("replay: both an executor and a storage tier given");
+    real = std::make_unique<RealBytesExecutor>(*o.storage, o.failure_rate, o.seed);
+  }
+  PlanExecutor* exec = real ? real.get() : o.executor ? o.executor : &fake;
   std::uint64_t plan_d2h = 0, plan_h2d = 0;
 
+  // Storage moves are waited for at every step: the replay is a simulation, and finished
+  // writes make the next requests' matches deterministic.
   auto drive = [&](AdmissionId wait_for) -> Status {
     StepPlan plan = cache->take_plan();
     plan_d2h += plan.evictions.size() + plan.backups.size();
     plan_h2d += plan.loads.size();
     if (!plan.empty()) KVTIER_RETURN_IF_ERROR(exec->execute(plan));
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     for (int spins = 0;; ++spins) {
       KVTIER_RETURN_IF_ERROR(apply_completions(*cache, exec->poll()));
-      if (wait_for == 0) return Status::Ok();
-      KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(wait_for));
-      if (as.loading_blocks == 0) return Status::Ok();
-      if (spins > 1000000) return TimedOut(fmt::format("replay: loads of admission {} never completed", wait_for));
+      bool storage_idle = !real || real->storage_in_flight() == 0;
+      bool loads_done = true;
+      if (wait_for != 0) {
+        KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(wait_for));
+        loads_done = as.loading_blocks == 0;
+      }
+      if (storage_idle && loads_done) return Status::Ok();
+      if (spins > 1000000 && std::chrono::steady_clock::now() > deadline)
+        return TimedOut(fmt::format("replay: moves of admission {} never completed", wait_for));
+      if (!storage_idle) std::this_thread::yield();
     }
   };
 
@@ -103,6 +261,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   res.policy = label;
   res.device_blocks = cache->config().device_blocks;
   res.host_blocks = cache->config().host_blocks;
+  res.storage_blocks = cache->config().storage_blocks;
   const std::uint32_t bt = o.block_tokens;
   for (std::size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
@@ -117,6 +276,16 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       extra = std::min<std::uint32_t>(extra, res.device_blocks);
       keys = keys.first(res.device_blocks - extra);
     }
+    // The prefix continues in storage: fetch it to host and wait, so the admission loads it.
+    std::uint32_t fetch_base = 0, fetched = 0;
+    if (has_storage) {
+      MatchResult m = cache->match(keys);
+      if (m.storage_blocks > 0) {
+        fetch_base = m.device_blocks + m.host_blocks;
+        KVTIER_ASSIGN_OR_RETURN(fetched, cache->prefetch(keys));
+        if (fetched) KVTIER_RETURN_IF_ERROR(drive(0));
+      }
+    }
     auto adm = cache->admit(keys, extra);
     if (!adm.ok()) {
       ++res.failed_admissions;
@@ -124,14 +293,20 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     }
     KVTIER_RETURN_IF_ERROR(drive(adm->id));
     KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(adm->id));
-    std::uint32_t dev = std::min(adm->device_hit_blocks, as.ready_blocks);
-    std::uint32_t host = as.ready_blocks - dev;
+    const std::uint32_t ready = as.ready_blocks;
+    std::uint32_t dev = std::min(adm->device_hit_blocks, ready);
+    std::uint32_t sto = ready > fetch_base && fetched ? std::min(ready, fetch_base + fetched) - fetch_base : 0;
+    sto = std::min(sto, ready - dev);
+    std::uint32_t host = ready - dev - sto;
     res.device_hit_blocks += dev;
     res.host_hit_blocks += host;
+    res.storage_hit_blocks += sto;
     std::uint64_t dev_tokens = std::min<std::uint64_t>(std::uint64_t{dev} * bt, r.input_length);
-    std::uint64_t all_tokens = std::min<std::uint64_t>(std::uint64_t{dev + host} * bt, r.input_length);
+    std::uint64_t dh_tokens = std::min<std::uint64_t>(std::uint64_t{dev + host} * bt, r.input_length);
+    std::uint64_t all_tokens = std::min<std::uint64_t>(std::uint64_t{ready} * bt, r.input_length);
     res.device_hit_tokens += dev_tokens;
-    res.host_hit_tokens += all_tokens - dev_tokens;
+    res.host_hit_tokens += dh_tokens - dev_tokens;
+    res.storage_hit_tokens += all_tokens - dh_tokens;
     if (as.failed) {  // a load failed: recompute from scratch (a fresh admission in a real engine)
       KVTIER_RETURN_IF_ERROR(cache->release(adm->id));
     } else {
@@ -145,12 +320,28 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   // Drain what is still in flight.
   for (int spins = 0; spins < 1000; ++spins) {
     auto c = exec->poll();
-    if (c.empty() && (exec != &fake || fake.in_flight() == 0)) break;
+    if (c.empty() && (exec != &fake || fake.in_flight() == 0) && (!real || real->storage_in_flight() == 0)) break;
     KVTIER_RETURN_IF_ERROR(apply_completions(*cache, c));
   }
+  if (real) KVTIER_RETURN_IF_ERROR(drive(0));
   res.bytes_d2h = plan_d2h * o.block_bytes;
   res.bytes_h2d = plan_h2d * o.block_bytes;
-  res.failed_transfers = cache->stats().failed_transfers;
+  const CacheStats cs = cache->stats();
+  res.failed_transfers = cs.failed_transfers;
+  res.storage_writes = cs.storage_writes;
+  res.storage_prefetches = cs.storage_prefetches;
+  if (real) {
+    res.bytes_to_storage = real->storage().bytes_written();
+    res.bytes_from_storage = real->storage().bytes_read();
+    res.failed_prefetches = real->storage().failed_reads();
+    res.failed_storage_writes = real->storage().failed_writes();
+    res.verified_blocks = real->verified;
+    res.verification_failures = real->verification_failures;
+  } else if (exec == &fake) {
+    res.bytes_to_storage = fake.bytes_to_storage();
+    res.bytes_from_storage = fake.bytes_from_storage();
+  }
+  if (o.check_invariants_every) KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context("at the end"));
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
 }
@@ -163,6 +354,8 @@ CacheConfig base_config(const ReplayOptions& o) {
   cfg.host_policy = o.policy;
   cfg.write_policy = o.write_policy;
   cfg.write_through_threshold = o.write_through_threshold;
+  cfg.storage_blocks = o.host_blocks > 0 ? o.storage_blocks : 0;
+  if (cfg.storage_blocks > 0) cfg.host_watermarks = Watermarks{o.host_low_watermark, o.host_high_watermark};
   return cfg;
 }
 
@@ -180,6 +373,8 @@ Result<ReplayResult> run_belady(const std::vector<TraceRequest>& trace, const Pr
   CacheConfig cfg = base_config(o);
   cfg.device_blocks = capacity;
   cfg.host_blocks = 0;
+  cfg.storage_blocks = 0;
+  cfg.host_watermarks = Watermarks{};
   cfg.device_policy = "belady";
   cfg.host_policy = "lru";
   cfg.storage_policy = "lru";
@@ -193,6 +388,7 @@ Result<ReplayResult> run_belady(const std::vector<TraceRequest>& trace, const Pr
   ReplayOptions single = o;
   single.failure_rate = 0;
   single.executor = nullptr;
+  single.storage = nullptr;
   return run(trace, prep, single, std::move(cfg), "belady");
 }
 
@@ -247,6 +443,8 @@ Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vect
       ReplayOptions o = options;
       o.device_blocks = cap;
       o.host_blocks = 0;
+      o.storage_blocks = 0;
+      o.storage = nullptr;
       o.policy = t.policies[pi];
       if (o.policy == "belady") {
         KVTIER_ASSIGN_OR_RETURN(ReplayResult r, run_belady(trace, prep, cap, o));

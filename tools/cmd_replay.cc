@@ -48,11 +48,22 @@ nlohmann::json to_json(const cache::ReplayResult& r) {
           {"hit_ratio", r.hit_ratio()},
           {"device_hit_ratio", r.device_hit_ratio()},
           {"host_hit_ratio", r.host_hit_ratio()},
+          {"storage_blocks", r.storage_blocks},
+          {"storage_hit_ratio", r.storage_hit_ratio()},
+          {"storage_hit_blocks", r.storage_hit_blocks},
+          {"storage_writes", r.storage_writes},
+          {"storage_prefetches", r.storage_prefetches},
+          {"failed_prefetches", r.failed_prefetches},
+          {"failed_storage_writes", r.failed_storage_writes},
+          {"bytes_to_storage", r.bytes_to_storage},
+          {"bytes_from_storage", r.bytes_from_storage},
+          {"verified_blocks", r.verified_blocks},
+          {"verification_failures", r.verification_failures},
           {"token_hit_ratio", r.token_hit_ratio()},
           {"device_hit_blocks", r.device_hit_blocks},
           {"host_hit_blocks", r.host_hit_blocks},
           {"total_tokens", r.total_tokens},
-          {"prefill_tokens_saved", r.device_hit_tokens + r.host_hit_tokens},
+          {"prefill_tokens_saved", r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens},
           {"bytes_d2h", r.bytes_d2h},
           {"bytes_h2d", r.bytes_h2d},
           {"failed_transfers", r.failed_transfers},
@@ -88,6 +99,8 @@ Action register_replay(CLI::App& app) {
     std::string sweep_policies = "lru,s3fifo,arc,lrfu";
     std::string out = "replay_sweep";
     std::uint32_t check_every = 0;
+    std::string storage;
+    std::uint32_t storage_blocks = 65536;
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("replay", "Replay a Mooncake-format trace through the cache manager");
@@ -105,7 +118,13 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--write-through-threshold", args->threshold, "hits before a selective backup")
       ->capture_default_str();
   cmd->add_option("--block-tokens", args->block_tokens, "tokens per block of the trace")->capture_default_str();
-  cmd->add_option("--block-bytes", args->block_bytes, "KV bytes per block, for the byte counters")
+  auto* block_bytes_opt =
+      cmd->add_option("--block-bytes", args->block_bytes,
+                      "KV bytes per block: byte counters; with --storage, bytes moved per block (default 4096 then)")
+          ->capture_default_str();
+  cmd->add_option("--storage", args->storage,
+                  "storage tier moving real, verified bytes: disk:<dir>[?...] or redis://host:port[?...]");
+  cmd->add_option("--storage-blocks", args->storage_blocks, "storage tier capacity in blocks (with --storage)")
       ->capture_default_str();
   cmd->add_flag("--cache-partial-blocks", args->cache_partial, "also index each request's partial last block");
   cmd->add_option("--failure-rate", args->failure_rate, "inject transfer failures with this probability");
@@ -118,7 +137,7 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--out", args->out, "sweep output prefix: PREFIX.md, PREFIX.csv, PREFIX.svg")->capture_default_str();
   cmd->add_option("--check-invariants", args->check_every, "check the index invariants every N requests (slow)");
 
-  return [cmd, args]() -> int {
+  return [cmd, args, block_bytes_opt]() -> int {
     if (!cmd->parsed()) return -1;
     Args& a = *args;
     if (a.block_tokens == 0) {
@@ -150,6 +169,23 @@ Action register_replay(CLI::App& app) {
     o.failure_rate = a.failure_rate;
     o.seed = a.seed;
     o.check_invariants_every = a.check_every;
+    std::unique_ptr<cache::ReplayStorage> storage;
+    if (!a.storage.empty()) {
+      if (a.host_blocks == 0) {
+        std::fprintf(stderr, "kvtier replay: --storage needs a host tier (--host-blocks >= 1)\n");
+        return 2;
+      }
+      if (block_bytes_opt->count() == 0) a.block_bytes = 4096;
+      o.block_bytes = a.block_bytes;
+      auto rs = cache::ReplayStorage::create(a.storage, a.host_blocks, a.block_bytes);
+      if (!rs.ok()) {
+        std::fprintf(stderr, "kvtier replay: --storage %s: %s\n", a.storage.c_str(), rs.status().to_string().c_str());
+        return 1;
+      }
+      storage = std::move(*rs);
+      o.storage = storage.get();
+      o.storage_blocks = a.storage_blocks;
+    }
 
     if (!a.sweep.empty()) {
       std::vector<std::string> caps_s, pols;
@@ -210,8 +246,9 @@ Action register_replay(CLI::App& app) {
       j["block_tokens"] = a.block_tokens;
       j["belady"] = to_json(*bel);
       j["unbounded_hit_ratio"] = unb.hit_ratio();
+      if (!a.storage.empty()) j["storage"] = a.storage;
       std::printf("%s\n", j.dump(2).c_str());
-      return 0;
+      return r.verification_failures ? 3 : 0;
     }
     auto gib = [](std::uint64_t b) { return static_cast<double>(b) / double(1ull << 30); };
     std::printf("trace            %s: %llu requests, %llu blocks (%llu cacheable), %llu input tokens\n", path.c_str(),
@@ -220,11 +257,15 @@ Action register_replay(CLI::App& app) {
     std::printf("cache            device %u blocks (%llu tokens), host %u blocks (%llu tokens), policy %s, %s\n",
                 r.device_blocks, (unsigned long long)r.device_blocks * a.block_tokens, r.host_blocks,
                 (unsigned long long)r.host_blocks * a.block_tokens, r.policy.c_str(), a.write_policy.c_str());
-    std::printf("hit ratio        %.4f (device %.4f + host %.4f) of blocks\n", r.hit_ratio(), r.device_hit_ratio(),
-                r.host_hit_ratio());
-    std::printf("prefill saved    %llu of %llu tokens (%.2f%%; %llu from host)\n",
-                (unsigned long long)(r.device_hit_tokens + r.host_hit_tokens), (unsigned long long)r.total_tokens,
-                100.0 * r.token_hit_ratio(), (unsigned long long)r.host_hit_tokens);
+    if (!a.storage.empty())
+      std::printf("storage          %u blocks (%llu tokens), %s\n", r.storage_blocks,
+                  (unsigned long long)r.storage_blocks * a.block_tokens, a.storage.c_str());
+    std::printf("hit ratio        %.4f (device %.4f + host %.4f + storage %.4f) of blocks\n", r.hit_ratio(),
+                r.device_hit_ratio(), r.host_hit_ratio(), r.storage_hit_ratio());
+    std::printf("prefill saved    %llu of %llu tokens (%.2f%%; %llu from host, %llu from storage)\n",
+                (unsigned long long)(r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens),
+                (unsigned long long)r.total_tokens, 100.0 * r.token_hit_ratio(), (unsigned long long)r.host_hit_tokens,
+                (unsigned long long)r.storage_hit_tokens);
     std::printf("bytes moved      D2H %.1f GiB, H2D %.1f GiB (%.1f MiB per block)\n", gib(r.bytes_d2h),
                 gib(r.bytes_h2d), static_cast<double>(a.block_bytes) / double(1 << 20));
     if (a.failure_rate > 0)
@@ -233,9 +274,20 @@ Action register_replay(CLI::App& app) {
                 a.device_blocks + a.host_blocks);
     std::printf("unbounded        %.4f (every reusable block kept)\n", unb.hit_ratio());
     std::printf("replay time      %.3f s (%s), %.3f s (belady)\n", r.seconds, r.policy.c_str(), bel->seconds);
-    std::printf(
-        "bytes            not moved: fake executor (real-byte replay through the transfer manager: not wired yet)\n");
-    return 0;
+    if (a.storage.empty()) {
+      std::printf(
+          "bytes            not moved: fake executor (real bytes: --storage; device transfers are not wired)\n");
+      return 0;
+    }
+    auto mib = [](std::uint64_t b) { return static_cast<double>(b) / double(1 << 20); };
+    std::printf("storage moves    %llu writes (%.1f MiB to storage), %llu prefetches (%.1f MiB from storage)\n",
+                (unsigned long long)r.storage_writes, mib(r.bytes_to_storage),
+                (unsigned long long)r.storage_prefetches, mib(r.bytes_from_storage));
+    std::printf("storage faults   %llu failed prefetches, %llu failed writes (each became a miss)\n",
+                (unsigned long long)r.failed_prefetches, (unsigned long long)r.failed_storage_writes);
+    std::printf("verification     %llu blocks checked against their key's pattern, %llu mismatches\n",
+                (unsigned long long)r.verified_blocks, (unsigned long long)r.verification_failures);
+    return r.verification_failures ? 3 : 0;
   };
 }
 

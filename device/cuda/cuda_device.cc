@@ -203,9 +203,17 @@ class CudaDevice final : public Device {
     if (bytes == 0) return Status::Ok();
     if (dst == nullptr) return InvalidArgument(fmt::format("memset_async: null dst (bytes={})", bytes));
     KVTIER_CUDA_GUARD(ordinal_);
-    KVTIER_CUDA_TRY_CTX(cudaMemsetAsync(dst, value, bytes, s->stream()),
-                        fmt::format("memset_async(dst={}, value={}, bytes={}, stream {} '{}')", dst, value, bytes,
-                                    stream.id(), s->name()));
+    // Like copies, a memset may not span two pinned registrations.
+    std::uint64_t done = 0;
+    while (done < bytes) {
+      auto* d = static_cast<std::byte*>(dst) + done;
+      std::uint64_t piece = bytes - done;
+      if (const std::uint64_t c = chunk_map_->contiguous_from(d); c != 0) piece = std::min(piece, c);
+      KVTIER_CUDA_TRY_CTX(cudaMemsetAsync(d, value, piece, s->stream()),
+                          fmt::format("memset_async(dst={}, value={}, bytes={}, stream {} '{}')",
+                                      static_cast<void*>(d), value, piece, stream.id(), s->name()));
+      done += piece;
+    }
     return Status::Ok();
   }
 

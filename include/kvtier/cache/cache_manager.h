@@ -51,6 +51,12 @@ enum class WritePolicy : std::uint8_t {
   kWriteThroughSelective,  // backed up once its hit count reaches write_through_threshold
   kWriteBack,              // copied to host only when evicted from the device
 };
+// With a storage tier the same policy applies one level down: write-through (and selective, once the
+// hit threshold is reached) also writes every block that settles on host to storage (state "storing",
+// the host copy stays servable except for loads: match() treats a host-only storing block as in
+// flight); write-back demotes host blocks to storage only through the host watermarks. A host block
+// taken when the host tier is full is dropped, not demoted (demotion frees it only at the write's ack).
+
 std::string_view write_policy_name(WritePolicy policy) noexcept;
 Result<WritePolicy> parse_write_policy(std::string_view name);
 

@@ -10,7 +10,8 @@
 // default only full blocks (input_length / block_tokens of them) are cacheable,
 // as in a serving engine that never hashes a partial block; the partial tail is
 // allocated as an unkeyed block. Hit = longest prefix present, device then
-// host; host hits are loaded (H2D) through the executor; misses are computed
+// host then storage; host hits are loaded (H2D) through the executor, storage
+// hits are prefetched to host first (see ReplayOptions::storage); misses are computed
 // and committed; the request is released at once (no overlap between
 // requests). Ratios: hit blocks / all blocks of the trace (partial included);
 // saved tokens = min(hit blocks * block_tokens, input_length) / input tokens.
@@ -27,12 +28,17 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/cache/plan_executor.h"
 #include "kvtier/core/status.h"
+#include "kvtier/storage/storage_tier.h"
 
 namespace kvtier::cache {
 
@@ -45,6 +51,44 @@ struct TraceRequest {
 
 // max_requests 0: all. Errors name the file and line.
 Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests = 0);
+
+// Real bytes for the host and storage tiers of a replay: a page-first host
+// pool of `host_blocks` pages of `block_bytes` (4096-aligned, O_DIRECT-ready)
+// and a StorageTier over a backend in namespace "kvtier-replay". The replay
+// fills every host block a D2H move lands in with pattern(key) and verifies
+// the bytes of every block prefetched from storage and of every host block a
+// load reads, so a wrong, stale or corrupted block is counted, never silently
+// served.
+class ReplayStorage {
+ public:
+  using BackendFactory = std::function<Result<std::unique_ptr<storage::StorageBackend>>(storage::StorageOptions)>;
+  static Result<std::unique_ptr<ReplayStorage>> create(const BackendFactory& make_backend, std::uint32_t host_blocks,
+                                                       std::uint64_t block_bytes);
+  // `spec` as make_storage_backend: disk:<dir>[?...] or redis://host:port[?...].
+  static Result<std::unique_ptr<ReplayStorage>> create(std::string_view spec, std::uint32_t host_blocks,
+                                                       std::uint64_t block_bytes);
+  ~ReplayStorage();
+
+  storage::StorageTier& tier() noexcept { return *tier_; }
+  std::uint32_t host_blocks() const noexcept { return host_blocks_; }
+  std::uint64_t block_bytes() const noexcept { return block_bytes_; }
+  std::span<std::byte> host_block(std::uint64_t b) const;
+
+  // The deterministic bytes of block `key`.
+  static void fill_pattern(const BlockKey& key, std::span<std::byte> out);
+  static bool check_pattern(const BlockKey& key, std::span<const std::byte> bytes);
+
+ private:
+  ReplayStorage() = default;
+  struct FreeDeleter {
+    void operator()(void* p) const noexcept;
+  };
+  std::unique_ptr<void, FreeDeleter> memory_;
+  std::unique_ptr<storage::StorageTier> tier_;
+  std::uint32_t host_blocks_ = 0;
+  std::uint64_t block_bytes_ = 0;
+  std::uint64_t page_bytes_ = 0;
+};
 
 inline constexpr std::uint64_t kDefaultReplayBlockBytes = 64ull << 20;  // 512 tokens of Llama-3-8B bf16 KV
 
@@ -61,6 +105,15 @@ struct ReplayOptions {
   std::uint64_t seed = 1;
   PlanExecutor* executor = nullptr;          // null: a FakePlanExecutor (no bytes move)
   std::uint32_t check_invariants_every = 0;  // requests between CacheManager::check_invariants (tests)
+  // Storage tier of storage_blocks (0: none). With `storage` set, host and storage moves carry real
+  // bytes (its host_blocks must equal host_blocks, block_bytes its block size); without it, storage
+  // moves go through the fake executor. When a request's prefix continues in storage, the replay
+  // prefetches it to host, waits, then admits (host hits, loaded) instead of recomputing.
+  std::uint32_t storage_blocks = 0;
+  ReplayStorage* storage = nullptr;
+  // Host watermarks when storage_blocks > 0: write_back demotes host blocks to storage in the
+  // background to keep this free fraction (write_through copies every block settling on host).
+  double host_low_watermark = 0.05, host_high_watermark = 0.15;
 };
 
 struct ReplayResult {
@@ -72,14 +125,26 @@ struct ReplayResult {
   std::uint64_t total_tokens = 0, device_hit_tokens = 0, host_hit_tokens = 0;
   std::uint64_t bytes_d2h = 0, bytes_h2d = 0;
   std::uint64_t failed_transfers = 0;
+  // Storage tier: hits = blocks prefetched storage -> host and loaded for the request.
+  std::uint32_t storage_blocks = 0;
+  std::uint64_t storage_hit_blocks = 0, storage_hit_tokens = 0;
+  std::uint64_t storage_writes = 0, storage_prefetches = 0, failed_prefetches = 0, failed_storage_writes = 0;
+  std::uint64_t bytes_to_storage = 0, bytes_from_storage = 0;
+  // With ReplayOptions::storage: blocks whose bytes were checked against their key's pattern
+  // (prefetched blocks at their ack, host blocks read by loads), and those that did not match.
+  std::uint64_t verified_blocks = 0, verification_failures = 0;
   double seconds = 0;
 
-  std::uint64_t hit_blocks() const { return device_hit_blocks + host_hit_blocks; }
+  std::uint64_t hit_blocks() const { return device_hit_blocks + host_hit_blocks + storage_hit_blocks; }
   double hit_ratio() const { return total_blocks ? double(hit_blocks()) / double(total_blocks) : 0.0; }
   double device_hit_ratio() const { return total_blocks ? double(device_hit_blocks) / double(total_blocks) : 0.0; }
   double host_hit_ratio() const { return total_blocks ? double(host_hit_blocks) / double(total_blocks) : 0.0; }
+  double storage_hit_ratio() const {
+    return total_blocks ? double(storage_hit_blocks) / double(total_blocks) : 0.0;
+  }
   double token_hit_ratio() const {
-    return total_tokens ? double(device_hit_tokens + host_hit_tokens) / double(total_tokens) : 0.0;
+    return total_tokens ? double(device_hit_tokens + host_hit_tokens + storage_hit_tokens) / double(total_tokens)
+                        : 0.0;
   }
 };
 

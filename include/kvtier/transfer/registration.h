@@ -1,0 +1,94 @@
+// Registration of the KV caches a TransferManager moves between: the device
+// cache (one tensor per (layer, role), block-major) and the pinned host cache.
+//
+// Two ways in:
+//   - typed: a BlockSpace of kind kDevice built from a KvLayout and the base
+//     pointer (and stride) of each (layer, role) plane (BlockSpace::from_planes
+//     / layer_first), plus a HostCacheSpec;
+//   - the seed's name map: FastDeploy names its tensors
+//       key_caches_{layer}_rank{r}.device{d}, value_caches_…,
+//       key_cache_scales_…, value_cache_scales_…, indexer_caches_…
+//     device_space_from_name_map() checks that every (layer, role) of the
+//     layout has its tensor, with block count and per-block size matching
+//     the layout, and that no tensor of this rank/device is left out (a draft
+//     layer or a scale tensor the layout does not list is an error, not a
+//     tensor silently never swapped). Errors name the tensor.
+//
+// Device identity: `device_label` is only the {d} in the names. kvtier never
+// selects a device with it; the Device object (its process-visible ordinal,
+// correct under CUDA_VISIBLE_DEVICES) decides where copies run.
+//
+// Thread-safety: free functions on values; no shared state.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvtier/core/layout.h"
+#include "kvtier/core/status.h"
+#include "kvtier/device/device.h"
+
+namespace kvtier {
+
+// How the host tier is provided.
+struct HostCacheSpec {
+  // Caller-owned memory, already pinned (cudaHostAlloc / registered), kind
+  // kPinnedHost, same layout as the device space. kvtier never frees it; it
+  // must stay valid until TransferManager::shutdown() returned.
+  std::optional<BlockSpace> space;
+
+  // Otherwise kvtier allocates `num_blocks` blocks of pinned memory itself.
+  std::uint64_t num_blocks = 0;
+  enum class Arrangement : std::uint8_t {
+    kLayerFirst,  // one region per (layer, role): the seed's layout
+    kPageFirst,   // one page per block holding every layer and role (storage-friendly)
+  };
+  Arrangement arrangement = Arrangement::kLayerFirst;
+  std::uint64_t page_alignment = 4096;  // kPageFirst only
+  PinnedOptions pinned;
+  // Fill kvtier-allocated host memory with this byte (-1: leave it).
+  int fill_byte = -1;
+};
+
+struct KvCacheRegistration {
+  BlockSpace device;  // kind kDevice; its device_ordinal must equal Device::ordinal()
+  HostCacheSpec host;
+};
+
+// One tensor of the seed's name map. dim 0 is the block index.
+struct TensorDesc {
+  void* data = nullptr;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kBf16;
+  // Bytes between consecutive blocks; 0 = contiguous (product of shape[1:] x dtype bytes).
+  std::uint64_t block_stride_bytes = 0;
+};
+
+// "key_caches_3_rank0.device1". Role kLatent uses key_caches (MLA keeps its
+// latent there); kOther uses `other_name` as the prefix.
+std::string seed_tensor_name(Role role, std::string_view other_name, std::uint32_t layer, int rank, int device_label);
+
+// Builds and validates the device BlockSpace from the seed's tensor map.
+// `device_ordinal` is Device::ordinal() of the device that owns the tensors.
+Result<BlockSpace> device_space_from_name_map(const std::map<std::string, TensorDesc>& tensors, const KvLayout& layout,
+                                              int rank, int device_label, int device_ordinal);
+
+// Builds the host BlockSpace from the seed's host pointer map (one pinned
+// region per (layer, role), block b at ptr + b * block_bytes).
+Result<BlockSpace> host_space_from_name_map(const std::map<std::string, void*>& pointers, const KvLayout& layout,
+                                            std::uint64_t num_host_blocks, int rank, int device_label,
+                                            int device_ordinal);
+
+// Both at once: the device space from `device_tensors`; the host tier from
+// `host_pointers` when non-null (caller-owned pinned regions), else allocated
+// by kvtier with `num_host_blocks` blocks (layer-first, like the seed).
+Result<KvCacheRegistration> registration_from_name_map(const std::map<std::string, TensorDesc>& device_tensors,
+                                                       const std::map<std::string, void*>* host_pointers,
+                                                       std::uint64_t num_host_blocks, const KvLayout& layout, int rank,
+                                                       int device_label, int device_ordinal);
+
+}  // namespace kvtier

@@ -1,0 +1,287 @@
+// TransferManager: moves KV blocks between one device's cache and its pinned
+// host cache, overlapped with the engine's compute (FastDeploy's
+// CacheTransferManager, with the data-plane protocol of docs/architecture.md).
+//
+// Streams. The caller's compute stream C; an input stream I (host->device
+// loads, high priority by default) and an output stream O (device->host
+// evictions), both created and owned by the manager. Every copy goes through
+// CopyEngine::copy on I or O; nothing runs on C except the waits the caller
+// asks for. No host synchronisation on any submit path: ordering is by events.
+//
+// Evict (device blocks d -> host blocks h, every layer and role):
+//   record e_c on C (compute that wrote d was enqueued before the call);
+//   O waits e_c, and the hazards of d (pending loads writing d) and of h
+//   (pending loads reading h); copy on O; record e_o. d is busy until e_o; h
+//   is written at e_o. Returns at once with a task id.
+// Load (host blocks h -> device blocks d, layer by layer):
+//   I waits the hazards of h (evictions writing h) and of d (evictions
+//   reading d, compute accesses declared with record_device_access); per
+//   layer L: copy L's roles on I, record e_L. The forward pass waits for
+//   layer L on the GPU (wait_for_layer: a stream wait, usable in front of a
+//   CUDA-graph launch) or on the host (wait_layer_host, with a timeout).
+//
+// Hazards (per block, per tier; see hazard_tracker.h): a load into d is
+// ordered after earlier readers and writers of d; an eviction into h after
+// every load still reading h; a device block reused by compute must first be
+// fenced with wait_device_blocks_free(blocks, compute) or found free with
+// is_device_block_free (the eviction reading it may still be running).
+//
+// Completion and failure. A progress thread queries the newest pending event
+// of each stream (non-blocking) every `poll_interval` while work is pending.
+// Every task has a state and a Status; each load layer is pending, done or
+// failed. A layer is done only when its copy completed without error AND the
+// bytes it read were valid (the eviction that wrote its host blocks, if still
+// tracked, succeeded); otherwise it is failed and never reported done. A
+// failed copy leaves its destination blocks invalid; failed_blocks(task) and
+// poll_completions() list them. On CUDA a copy error is usually sticky, so
+// every later event of that stream reports it too: all later tasks fail.
+// GPU-side waits cannot carry errors: a forward that waited on a layer must
+// check the load's status (poll_completions / wait) before trusting results.
+//
+// Callbacks (LoadOptions::on_layer, on_done) run on the progress thread, in
+// layer order per task, after the layer is final: status OK means the layer's
+// bytes are on the device; an error status means the layer failed (the
+// callback is still called exactly once per layer). Host waits (wait,
+// wait_layer_host, wait_all) return only after the callbacks of what they
+// waited for ran. Callbacks must be short, may call any query/submit method of
+// the manager, and must not host-wait for their own task, call shutdown() or
+// destroy the manager.
+//
+// Thread-safety: every method may be called from any thread. Submissions are
+// serialised internally (hazard lookup + enqueue + record are one step), so
+// the order of two concurrent submissions is the order they take the lock.
+// Blocking: submit methods, wait_for_layer, record_device_access and the
+// is_*_free queries never block on device work; wait*, *_host and shutdown do.
+//
+// Lifetime: the Device, the compute stream and caller-owned cache memory must
+// outlive shutdown(). shutdown() (also run by the destructor) stops new
+// submissions, drains I and O, processes the remaining completions (firing
+// callbacks), joins the progress thread, and only then frees events, streams
+// and kvtier-allocated host memory.
+//
+// Config knobs (TransferManagerConfig):
+//   evict_strategy / load_strategy   kAuto      CopyEngine strategy per direction
+//                                               (the engine's kAuto without SM kernels, see copy_engine)
+//   copy_engine                      256 slots  options of the manager's own CopyEngine
+//   input_priority / output_priority kHigh/kNormal  stream priorities
+//   poll_interval                    50 us      progress-thread poll period while work is pending
+//   max_in_flight_tasks              4096       submits beyond -> ResourceExhausted (back off)
+//   retained_finished_tasks          4096       finished tasks kept queryable by id
+//   max_unpolled_completions         65536      completions kept for poll_completions (oldest dropped)
+//   latency_samples                  8192       ring of per-layer load latencies (p50/p99)
+//   shutdown_timeout                 60 s       per-stream drain limit in shutdown()
+//   event_pool_max_free              4096       returned events kept for reuse
+//   host_ready_timeout               600 s      wait for kvtier-allocated pinned memory at create
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvtier/copy/copy_engine.h"
+#include "kvtier/core/layout.h"
+#include "kvtier/core/status.h"
+#include "kvtier/device/device.h"
+#include "kvtier/transfer/registration.h"
+
+namespace kvtier {
+
+using TaskId = std::uint64_t;
+
+enum class TaskKind : std::uint8_t { kEvict, kLoad };
+std::string_view task_kind_name(TaskKind kind) noexcept;
+enum class TaskState : std::uint8_t { kPending, kDone, kFailed };
+std::string_view task_state_name(TaskState state) noexcept;
+using LayerState = TaskState;
+
+struct TransferManagerConfig {
+  CopyStrategy evict_strategy = CopyStrategy::kAuto;
+  CopyStrategy load_strategy = CopyStrategy::kAuto;
+  // descriptor_slots raised from the engine default (8): a 32..80-layer load
+  // issues one kernel per layer, and a wrapped ring would block the submit.
+  // kAuto keeps the SMs out (auto_kernel_max_* = 0): transfers overlap the
+  // forward pass, and on the H200 an SM copy kernel next to a compute kernel
+  // waits for SMs (layer-wise overlap 70 ms vs 49 ms bound, GEMM slowed 46%),
+  // while the copy engines do not contend with compute (gpu-transfer-facts.md).
+  CopyEngineOptions copy_engine = [] {
+    CopyEngineOptions o;
+    o.descriptor_slots = 256;
+    o.auto_kernel_max_segment_bytes_h2d = 0;
+    o.auto_kernel_max_segment_bytes_d2h = 0;
+    return o;
+  }();
+  StreamPriority input_priority = StreamPriority::kHigh;
+  StreamPriority output_priority = StreamPriority::kNormal;
+  std::chrono::microseconds poll_interval{50};
+  std::size_t max_in_flight_tasks = 4096;
+  std::size_t retained_finished_tasks = 4096;
+  std::size_t max_unpolled_completions = 65536;
+  std::size_t latency_samples = 8192;
+  std::chrono::milliseconds shutdown_timeout{60000};
+  std::size_t event_pool_max_free = 4096;
+  std::chrono::milliseconds host_ready_timeout{600000};
+};
+
+// layer: the model layer index; status: OK = the layer's bytes are on the device.
+using LayerCallback = std::function<void(std::uint32_t layer, const Status& status)>;
+using TaskCallback = std::function<void(TaskId task, const Status& status)>;
+
+struct EvictOptions {
+  // Stream whose enqueued work wrote the blocks; nullptr = the compute stream.
+  Stream* after = nullptr;
+  TaskCallback on_done;
+};
+
+struct LoadOptions {
+  LayerCallback on_layer;
+  TaskCallback on_done;
+};
+
+struct FailedBlocks {
+  std::vector<std::int32_t> device;  // device blocks whose bytes are invalid
+  std::vector<std::int32_t> host;    // host blocks whose bytes are invalid
+};
+
+struct TaskCompletion {
+  TaskId id = 0;
+  TaskKind kind = TaskKind::kEvict;
+  Status status;  // OK, or the first failure
+  FailedBlocks failed;
+  std::uint64_t bytes = 0;
+};
+
+struct TaskInfo {
+  TaskKind kind = TaskKind::kEvict;
+  TaskState state = TaskState::kPending;
+  Status status;
+  std::vector<std::uint32_t> layers;     // loads: in submission order
+  std::vector<LayerState> layer_states;  // parallel to layers
+  std::uint64_t bytes = 0;
+};
+
+struct DirectionStats {
+  std::uint64_t tasks_submitted = 0;
+  std::uint64_t tasks_done = 0;
+  std::uint64_t tasks_failed = 0;
+  std::uint64_t bytes_submitted = 0;
+  std::uint64_t bytes_done = 0;  // bytes of tasks that completed successfully
+  // Wall time during which at least one task of this direction was in
+  // flight (submit to observed completion), and bytes_done / busy_seconds.
+  double busy_seconds = 0;
+  double gbps = 0;
+  std::uint64_t in_flight = 0;      // queue depth now
+  std::uint64_t max_in_flight = 0;  // high-water mark
+};
+
+struct TransferStats {
+  // What the seed's get_stats() gives.
+  std::uint32_t num_layers = 0;
+  std::uint32_t num_draft_layers = 0;
+  int device_ordinal = 0;
+  std::string device_name;
+  std::uint64_t num_device_blocks = 0;
+  std::uint64_t num_host_blocks = 0;
+  std::uint64_t block_bytes = 0;  // all layers and roles of one block
+  bool has_scales = false;
+  bool has_indexer = false;
+  bool is_mla = false;
+  // Plus.
+  DirectionStats evict;
+  DirectionStats load;
+  std::uint64_t layers_done = 0;
+  std::uint64_t layers_failed = 0;
+  // Submit -> layer observed final, over the last latency_samples layers.
+  double layer_latency_p50_us = 0;
+  double layer_latency_p99_us = 0;
+  std::uint64_t latency_samples = 0;
+  std::uint64_t events_created = 0;
+  std::string to_json() const;
+};
+
+class TransferManager {
+ public:
+  // Validates the registration (layout, device ordinal, memory kinds, block
+  // counts), allocates host memory when asked, creates I, O, the event pool,
+  // a CopyEngine (or uses `engine` when non-null; it must belong to `device`
+  // and outlive the manager) and the progress thread.
+  static Result<std::unique_ptr<TransferManager>> create(Device& device, Stream& compute,
+                                                         KvCacheRegistration registration,
+                                                         const TransferManagerConfig& config = {},
+                                                         CopyEngine* engine = nullptr);
+  virtual ~TransferManager() = default;
+
+  // ---- submit (never blocks on device work) ----
+  // device_blocks[i] -> host_blocks[i], every layer and role. Validation
+  // errors (lengths, ids, duplicate host destinations) return before anything
+  // is enqueued.
+  virtual Result<TaskId> evict_to_host_async(std::span<const std::int32_t> device_blocks,
+                                             std::span<const std::int32_t> host_blocks,
+                                             const EvictOptions& options = {}) = 0;
+  // host_blocks[i] -> device_blocks[i], the given layers in the given order
+  // (empty: every layer in order), every role of each layer.
+  virtual Result<TaskId> load_layers_to_device_async(std::span<const std::uint32_t> layers,
+                                                     std::span<const std::int32_t> host_blocks,
+                                                     std::span<const std::int32_t> device_blocks,
+                                                     LoadOptions options = {}) = 0;
+  // Declares that work enqueued so far on `stream` accesses the device
+  // blocks; later loads into them are ordered after it (and evictions of
+  // them, for writes). kOverwrite also clears the blocks' failure history (a
+  // prefill that rewrote every layer of every token makes them valid again);
+  // kWrite keeps it (appending tokens to a block whose load failed does not
+  // repair the older tokens).
+  enum class DeviceAccess : std::uint8_t { kRead, kWrite, kOverwrite };
+  virtual Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+                                      DeviceAccess access) = 0;
+
+  // ---- layer waits ----
+  // `stream` waits on the device for layer `layer` of load `task`. OK at once
+  // when the layer is already done; the layer's error when it is known failed;
+  // InvalidArgument when the task does not load that layer.
+  virtual Status wait_for_layer(TaskId task, std::uint32_t layer, Stream& stream) = 0;
+  // Blocks until the layer is final: OK, its failure, or TimedOut.
+  virtual Status wait_layer_host(TaskId task, std::uint32_t layer, std::chrono::nanoseconds timeout) = 0;
+
+  // ---- tasks ----
+  // Blocks until the task is final; returns its status (or TimedOut).
+  virtual Status wait(TaskId task, std::chrono::nanoseconds timeout) = 0;
+  // Blocks until every task submitted before the call is final (OK), or TimedOut.
+  virtual Status wait_all(std::chrono::nanoseconds timeout) = 0;
+  // NotFound once the task was dropped from the retained set.
+  virtual Result<TaskInfo> task_info(TaskId task) const = 0;
+  virtual Result<FailedBlocks> failed_blocks(TaskId task) const = 0;
+  // Tasks that became final since the last call, in completion order.
+  virtual std::vector<TaskCompletion> poll_completions() = 0;
+
+  // ---- blocks ----
+  // True when no eviction, load or declared access of the block is pending.
+  virtual Result<bool> is_device_block_free(std::int32_t block) = 0;
+  virtual Result<bool> is_host_block_free(std::int32_t block) = 0;
+  // `stream` waits (on the device) until the blocks are free to overwrite.
+  virtual Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) = 0;
+  // The calling thread waits until the host blocks are free (e.g. before a
+  // storage read overwrites them with the CPU), or TimedOut.
+  virtual Status wait_host_blocks_free(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) = 0;
+
+  // ---- introspection ----
+  virtual TransferStats stats() const = 0;
+  virtual const BlockSpace& device_space() const noexcept = 0;
+  virtual const BlockSpace& host_space() const noexcept = 0;
+  virtual Stream& input_stream() noexcept = 0;
+  virtual Stream& output_stream() noexcept = 0;
+  virtual Stream& compute_stream() noexcept = 0;
+  virtual Device& device() const noexcept = 0;
+  virtual const TransferManagerConfig& config() const noexcept = 0;
+
+  // Idempotent. After it, submits return FailedPrecondition. Returns the
+  // first drain error (e.g. TimedOut when a stream did not drain).
+  virtual Status shutdown() = 0;
+
+ protected:
+  TransferManager() = default;
+};
+
+}  // namespace kvtier

@@ -1,0 +1,258 @@
+// Storage wiring: StoragePlanExecutor / CompositePlanExecutor against a real
+// disk backend, and trace replay with a disk (or Redis) tier moving real,
+// verified bytes, with and without injected storage faults.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "kvtier/cache/replay.h"
+#include "kvtier/cache/storage_executor.h"
+#include "kvtier/storage/fault_injection.h"
+
+namespace kvtier::cache {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/kvtier-wire-XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<TraceRequest> sample(std::size_t n) {
+  auto t = load_mooncake_trace(std::string(KVTIER_SOURCE_DIR) + "/data/traces/mooncake_sample.jsonl", n);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  return t.ok() ? *t : std::vector<TraceRequest>{};
+}
+
+// Small device and host tiers so that reused prefixes fall through to storage.
+ReplayOptions small_tiers(ReplayStorage* rs) {
+  ReplayOptions o;
+  o.device_blocks = 96;
+  o.host_blocks = 160;
+  o.storage_blocks = 20000;
+  o.policy = "lru";
+  o.block_bytes = 4096;
+  o.storage = rs;
+  o.check_invariants_every = 25;
+  return o;
+}
+
+ReplayStorage::BackendFactory disk_factory(const std::string& dir, const storage::FaultConfig* faults,
+                                           storage::FaultInjectingBackend** out = nullptr) {
+  return [dir, faults, out](storage::StorageOptions so) -> Result<std::unique_ptr<storage::StorageBackend>> {
+    KVTIER_ASSIGN_OR_RETURN(auto b, storage::make_storage_backend("disk:" + dir, std::move(so)));
+    if (!faults) return b;
+    auto f = std::make_unique<storage::FaultInjectingBackend>(std::move(b), *faults);
+    if (out) *out = f.get();
+    return std::unique_ptr<storage::StorageBackend>(std::move(f));
+  };
+}
+
+void expect_clean(const ReplayResult& r) {
+  EXPECT_EQ(r.verification_failures, 0u);
+  EXPECT_GT(r.verified_blocks, 0u);
+  EXPECT_EQ(r.device_hit_blocks + r.host_hit_blocks + r.storage_hit_blocks, r.hit_blocks());
+  EXPECT_LE(r.hit_blocks(), r.cacheable_blocks);
+}
+
+TEST(StorageReplay, DiskTierWriteBackServesVerifiedHits) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  auto trace = sample(500);
+  ReplayOptions o = small_tiers(nullptr);
+  auto rs = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  o.storage = rs->get();
+  auto r = replay_trace(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_clean(*r);
+  EXPECT_GT(r->storage_hit_blocks, 0u);
+  EXPECT_GT(r->storage_writes, 0u);
+  EXPECT_GT(r->bytes_to_storage, 0u);
+  EXPECT_GE(r->bytes_from_storage, r->storage_hit_blocks * o.block_bytes);
+  EXPECT_EQ(r->failed_transfers, 0u);
+  EXPECT_EQ(r->failed_prefetches, 0u);
+
+  // Storage adds hits over the same device + host without it.
+  ReplayOptions none = o;
+  none.storage_blocks = 0;
+  none.storage = nullptr;
+  auto base = replay_trace(trace, none);
+  ASSERT_TRUE(base.ok()) << base.status().to_string();
+  EXPECT_GT(r->hit_ratio(), base->hit_ratio());
+}
+
+TEST(StorageReplay, DiskTierWriteThrough) {
+  TempDir dir;
+  auto trace = sample(300);
+  ReplayOptions o = small_tiers(nullptr);
+  o.write_policy = WritePolicy::kWriteThrough;
+  auto rs = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  o.storage = rs->get();
+  auto r = replay_trace(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_clean(*r);
+  EXPECT_GT(r->storage_hit_blocks, 0u);
+  EXPECT_GT(r->storage_writes, 0u);
+}
+
+TEST(StorageReplay, FailedAndCorruptedPrefetchesBecomeMisses) {
+  TempDir dir;
+  auto trace = sample(500);
+  ReplayOptions o = small_tiers(nullptr);
+  storage::FaultConfig faults;
+  faults.fail_every_nth = 11;        // Unavailable puts and gets
+  faults.corrupt_every_nth_put = 5;  // bit rot after an acknowledged put: the get fails verification
+  storage::FaultInjectingBackend* fi = nullptr;
+  auto rs = ReplayStorage::create(disk_factory(dir.path(), &faults, &fi), o.host_blocks, o.block_bytes);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  ASSERT_NE(fi, nullptr);
+  o.storage = rs->get();
+  auto r = replay_trace(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  // Never served: every prefetched block that reached the cache as OK holds its key's bytes,
+  // and every host block a load read did too.
+  expect_clean(*r);
+  EXPECT_GT(fi->counters().corrupted, 0u);
+  EXPECT_GT(fi->counters().failed, 0u);
+  EXPECT_GT(r->failed_prefetches, 0u) << "corrupted or failed gets must reach the cache as failed prefetches";
+  EXPECT_GE(r->failed_transfers, r->failed_prefetches);
+  EXPECT_GT(r->storage_hit_blocks, 0u) << "intact blocks are still served from storage";
+}
+
+TEST(StorageReplay, DeviceTransferFailuresNeverServeGarbage) {
+  TempDir dir;
+  auto trace = sample(300);
+  ReplayOptions o = small_tiers(nullptr);
+  o.failure_rate = 0.05;  // failed evictions leave garbage in their host block
+  auto rs = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  o.storage = rs->get();
+  auto r = replay_trace(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_clean(*r);
+  EXPECT_GT(r->failed_transfers, 0u);
+}
+
+TEST(StorageReplay, RedisTier) {
+  const char* ep = std::getenv("KVTIER_TEST_REDIS");
+  if (!ep || !*ep) GTEST_SKIP() << "KVTIER_TEST_REDIS not set";
+  const char* pw = std::getenv("KVTIER_TEST_REDIS_PASSWORD");
+  std::string spec = std::string("redis://") + (pw && *pw ? std::string(":") + pw + "@" : "") + ep +
+                     "?prefix=kvtier-wire-test-" + std::to_string(::getpid());
+  auto trace = sample(300);
+  ReplayOptions o = small_tiers(nullptr);
+  auto rs = ReplayStorage::create(spec, o.host_blocks, o.block_bytes);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  o.storage = rs->get();
+  auto r = replay_trace(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_clean(*r);
+  EXPECT_GT(r->storage_hit_blocks, 0u);
+}
+
+// The executor on its own: a stored block round-trips; a corrupted object is a failed completion
+// that the cache turns into a miss.
+TEST(StoragePlanExecutor, PrefetchOfCorruptedObjectIsAMiss) {
+  TempDir dir;
+  constexpr std::uint32_t kHost = 8;
+  auto rs = ReplayStorage::create("disk:" + dir.path(), kHost, 4096);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  StoragePlanExecutor sto((*rs)->tier());
+  FakePlanExecutor dev;
+  CompositePlanExecutor exec(dev, sto);
+
+  CacheConfig cfg;
+  cfg.device_blocks = 4;
+  cfg.host_blocks = kHost;
+  cfg.storage_blocks = 64;
+  cfg.write_policy = WritePolicy::kWriteThrough;
+  auto cache = CacheManager::create(cfg);
+  ASSERT_TRUE(cache.ok());
+  CacheManager& cm = **cache;
+  KeyNamespace ns;
+  ns.model_id = "m";
+  ns.block_tokens = 16;
+  auto hasher = KeyHasher::create(ns);
+  ASSERT_TRUE(hasher.ok());
+  std::vector<std::uint64_t> ids{1, 2, 3};
+  auto keys = hasher->keys_for_ids(ids);
+
+  auto step = [&]() {
+    StepPlan plan = cm.take_plan();
+    // A D2H move lands the key's pattern in its host block (no device memory here).
+    for (const auto* l : {&plan.evictions, &plan.backups})
+      for (const BlockMove& m : *l) ReplayStorage::fill_pattern(m.key, (*rs)->host_block(m.dst));
+    for (const BlockMove& m : plan.storage_prefetches) std::memset((*rs)->host_block(m.dst).data(), 0x5A, 4096);
+    ASSERT_TRUE(exec.execute(plan).ok());
+    for (int i = 0; i < 100000 && sto.in_flight(); ++i) ASSERT_TRUE(apply_completions(cm, exec.poll()).ok());
+    ASSERT_TRUE(apply_completions(cm, exec.poll()).ok());
+    ASSERT_EQ(sto.in_flight(), 0u);
+  };
+
+  auto a = cm.admit(keys);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(cm.commit_all(a->id).ok());
+  ASSERT_TRUE(cm.release(a->id).ok());
+  step();  // backups D2H (write-through)
+  step();  // storage writes of the blocks that settled on host
+  EXPECT_EQ(sto.bytes_written(), 3u * 4096);
+  ASSERT_TRUE(cm.check_invariants().ok());
+
+  // Push the chain out of device and host: a different chain fills both.
+  for (std::uint64_t base = 100; base < 130; base += 3) {
+    std::vector<std::uint64_t> other{base, base + 1, base + 2};
+    auto ok = hasher->keys_for_ids(other);
+    auto b = cm.admit(ok);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    ASSERT_TRUE(cm.commit_all(b->id).ok());
+    ASSERT_TRUE(cm.release(b->id).ok());
+    step();
+    step();
+  }
+  MatchResult m = cm.match(keys);
+  ASSERT_EQ(m.device_blocks + m.host_blocks, 0u) << "test setup: the chain must sit in storage only";
+  ASSERT_EQ(m.storage_blocks, 3u);
+
+  // Corrupt the second block's object: its prefetch fails verification.
+  auto& backend = (*rs)->tier().backend();
+  storage::StorageKey k1 = storage_key(keys[1]);
+  auto size = backend.stored_object_bytes(k1);
+  ASSERT_TRUE(size.ok()) << size.status().to_string();
+  ASSERT_TRUE(backend.corrupt_stored_object(k1, *size - 1, 0x40).ok());
+
+  auto q = cm.prefetch(keys);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(*q, 3u);
+  step();
+  EXPECT_EQ(sto.failed_reads(), 1u);
+  m = cm.match(keys);
+  EXPECT_EQ(m.host_blocks, 1u) << "blocks at and below the corrupted one are misses";
+  EXPECT_EQ(m.storage_blocks, 0u);
+  ASSERT_EQ(m.host_ids.size(), 1u);
+  EXPECT_TRUE(ReplayStorage::check_pattern(keys[0], (*rs)->host_block(m.host_ids[0])));
+  ASSERT_TRUE(cm.check_invariants().ok());
+
+  StepPlan device_move;
+  device_move.loads.push_back(BlockMove{0, 0, keys[0]});
+  EXPECT_EQ(sto.execute(device_move).code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace kvtier::cache

@@ -1,0 +1,171 @@
+#include "kvtier/transfer/hazard_tracker.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace kvtier {
+
+bool WriteOrigin::block_failed(std::int32_t block) const noexcept {
+  if (state.load(std::memory_order_acquire) != kFailed) return false;
+  return all_failed || std::binary_search(failed_blocks.begin(), failed_blocks.end(), block);
+}
+
+void EventSet::add(const EventLease& event) {
+  if (!event) return;
+  for (const auto& e : events_)
+    if (e.get() == event.get()) return;
+  events_.push_back(event);
+}
+
+HazardTracker::HazardTracker(Device& device, std::uint64_t num_blocks, std::string tier_name)
+    : device_(device), num_blocks_(num_blocks), tier_name_(std::move(tier_name)), records_(num_blocks) {}
+
+Status HazardTracker::check_ids(std::span<const std::int32_t> blocks, std::string_view what) const {
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i] < 0 || static_cast<std::uint64_t>(blocks[i]) >= num_blocks_)
+      return OutOfRange(fmt::format("{} block id {} at index {} of {} is outside [0, {})", tier_name_, blocks[i], i,
+                                    what, num_blocks_));
+  }
+  return Status::Ok();
+}
+
+bool HazardTracker::settled_locked(Access& a, QueryCache& cache) {
+  if (!a.event) return true;
+  bool settled = false;
+  bool cached = false;
+  for (const auto& [e, v] : cache)
+    if (e == a.event.get()) {
+      settled = v;
+      cached = true;
+      break;
+    }
+  if (!cached) {
+    auto done = device_.query(*a.event);
+    // An error means the captured work is over (it failed): nothing to order after.
+    settled = !done.ok() || done.value();
+    if (cache.size() < 64) cache.push_back({a.event.get(), settled});
+  }
+  if (settled) a.event.reset();
+  return settled;
+}
+
+namespace {
+void prune_good(std::vector<WriteOriginRef>& origins) {
+  std::erase_if(origins, [](const WriteOriginRef& o) {
+    return !o || o->state.load(std::memory_order_acquire) == WriteOrigin::kOk;
+  });
+}
+}  // namespace
+
+void HazardTracker::hazards_for_read(std::span<const std::int32_t> blocks, std::uint64_t stream_id, EventSet& waits,
+                                     SourceOrigins* sources) {
+  std::lock_guard<std::mutex> lock(mu_);
+  QueryCache cache;
+  if (sources) sources->clear();
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    Record& r = records_[static_cast<std::size_t>(blocks[i])];
+    if (r.writer.event && r.writer.stream_id != stream_id && !settled_locked(r.writer, cache))
+      waits.add(r.writer.event);
+    prune_good(r.origins);
+    if (sources)
+      for (const auto& o : r.origins) sources->push_back({static_cast<std::uint32_t>(i), o});
+  }
+}
+
+void HazardTracker::hazards_for_write(std::span<const std::int32_t> blocks, std::uint64_t stream_id, EventSet& waits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  QueryCache cache;
+  for (std::int32_t b : blocks) {
+    Record& r = records_[static_cast<std::size_t>(b)];
+    if (r.writer.event && r.writer.stream_id != stream_id && !settled_locked(r.writer, cache))
+      waits.add(r.writer.event);
+    for (auto& reader : r.readers)
+      if (reader.event && reader.stream_id != stream_id && !settled_locked(reader, cache)) waits.add(reader.event);
+    std::erase_if(r.readers, [](const Access& a) { return !a.event; });
+  }
+}
+
+void HazardTracker::note_read(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::int32_t b : blocks) {
+    Record& r = records_[static_cast<std::size_t>(b)];
+    bool replaced = false;
+    for (auto& reader : r.readers) {
+      if (reader.stream_id == stream_id) {
+        reader.event = event;
+        replaced = true;
+      }
+    }
+    if (!replaced) r.readers.push_back(Access{event, stream_id});
+  }
+}
+
+void HazardTracker::note_write(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id,
+                               WriteOriginRef origin, bool full, bool clear_readers) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::int32_t b : blocks) {
+    Record& r = records_[static_cast<std::size_t>(b)];
+    r.writer = Access{event, stream_id};
+    if (full)
+      r.origins.clear();
+    else
+      prune_good(r.origins);
+    if (origin) r.origins.push_back(origin);
+    if (clear_readers) r.readers.clear();
+  }
+}
+
+Result<bool> HazardTracker::is_free(std::int32_t block) {
+  KVTIER_RETURN_IF_ERROR(check_ids(std::span<const std::int32_t>(&block, 1), "is_free"));
+  std::lock_guard<std::mutex> lock(mu_);
+  QueryCache cache;
+  Record& r = records_[static_cast<std::size_t>(block)];
+  bool free = settled_locked(r.writer, cache);
+  for (auto& reader : r.readers) free = settled_locked(reader, cache) && free;
+  std::erase_if(r.readers, [](const Access& a) { return !a.event; });
+  return free;
+}
+
+Status HazardTracker::wait_free(std::span<const std::int32_t> blocks, Stream& stream) {
+  KVTIER_RETURN_IF_ERROR(check_ids(blocks, "wait_free"));
+  EventSet waits;
+  hazards_for_write(blocks, kNoStream, waits);
+  for (const auto& e : waits.events()) KVTIER_RETURN_IF_ERROR(device_.wait(stream, *e));
+  return Status::Ok();
+}
+
+Status HazardTracker::wait_free_host(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) {
+  KVTIER_RETURN_IF_ERROR(check_ids(blocks, "wait_free_host"));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  EventSet waits;
+  hazards_for_write(blocks, kNoStream, waits);
+  for (const auto& e : waits.events()) {
+    auto left =
+        std::max(std::chrono::nanoseconds(0),
+                 std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - std::chrono::steady_clock::now()));
+    Status s = device_.synchronize(*e, left);
+    // A failed access is over; only a timeout means "not free yet".
+    if (s.code() == StatusCode::kTimedOut)
+      return TimedOut(fmt::format("{} blocks not free after {} ns", tier_name_, timeout.count()));
+  }
+  return Status::Ok();
+}
+
+bool HazardTracker::last_write_failed(std::int32_t block) const {
+  if (block < 0 || static_cast<std::uint64_t>(block) >= num_blocks_) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record& r = records_[static_cast<std::size_t>(block)];
+  for (const auto& o : r.origins)
+    if (o && o->block_failed(block)) return true;
+  return false;
+}
+
+std::size_t HazardTracker::tracked_events(std::int32_t block) const {
+  if (block < 0 || static_cast<std::uint64_t>(block) >= num_blocks_) return 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record& r = records_[static_cast<std::size_t>(block)];
+  return (r.writer.event ? 1 : 0) + r.readers.size();
+}
+
+}  // namespace kvtier

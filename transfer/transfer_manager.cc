@@ -1,0 +1,948 @@
+#include "kvtier/transfer/transfer_manager.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "kvtier/transfer/event_pool.h"
+#include "kvtier/transfer/hazard_tracker.h"
+
+namespace kvtier {
+
+std::string_view task_kind_name(TaskKind kind) noexcept {
+  switch (kind) {
+    case TaskKind::kEvict: return "evict";
+    case TaskKind::kLoad: return "load";
+  }
+  return "?";
+}
+
+std::string_view task_state_name(TaskState state) noexcept {
+  switch (state) {
+    case TaskState::kPending: return "pending";
+    case TaskState::kDone: return "done";
+    case TaskState::kFailed: return "failed";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string dir_json(const DirectionStats& d) {
+  return fmt::format(
+      "{{\"tasks_submitted\":{},\"tasks_done\":{},\"tasks_failed\":{},\"bytes_submitted\":{},\"bytes_done\":{},"
+      "\"busy_seconds\":{:.6f},\"gbps\":{:.3f},\"in_flight\":{},\"max_in_flight\":{}}}",
+      d.tasks_submitted, d.tasks_done, d.tasks_failed, d.bytes_submitted, d.bytes_done, d.busy_seconds, d.gbps,
+      d.in_flight, d.max_in_flight);
+}
+
+}  // namespace
+
+std::string TransferStats::to_json() const {
+  return fmt::format(
+      "{{\"num_layers\":{},\"num_draft_layers\":{},\"device_ordinal\":{},\"device_name\":\"{}\","
+      "\"num_device_blocks\":{},\"num_host_blocks\":{},\"block_bytes\":{},\"has_scales\":{},\"has_indexer\":{},"
+      "\"is_mla\":{},\"evict\":{},\"load\":{},\"layers_done\":{},\"layers_failed\":{},"
+      "\"layer_latency_p50_us\":{:.2f},\"layer_latency_p99_us\":{:.2f},\"latency_samples\":{},\"events_created\":{}}}",
+      num_layers, num_draft_layers, device_ordinal, device_name, num_device_blocks, num_host_blocks, block_bytes,
+      has_scales, has_indexer, is_mla, dir_json(evict), dir_json(load), layers_done, layers_failed,
+      layer_latency_p50_us, layer_latency_p99_us, latency_samples, events_created);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status check_no_duplicates(std::span<const std::int32_t> ids, std::string_view what) {
+  std::vector<std::pair<std::int32_t, std::size_t>> sorted;
+  sorted.reserve(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) sorted.push_back({ids[i], i});
+  std::sort(sorted.begin(), sorted.end());
+  for (std::size_t i = 1; i < sorted.size(); ++i)
+    if (sorted[i].first == sorted[i - 1].first)
+      return InvalidArgument(fmt::format("{} lists block {} twice (indices {} and {})", what, sorted[i].first,
+                                         sorted[i - 1].second, sorted[i].second));
+  return Status::Ok();
+}
+
+struct TaskRec {
+  TaskId id = 0;
+  TaskKind kind = TaskKind::kEvict;
+  std::vector<std::int32_t> device_blocks;
+  std::vector<std::int32_t> host_blocks;
+  // Loads: the layers in order; evicts: empty (one slot covers all layers).
+  std::vector<std::uint32_t> layers;
+  std::vector<LayerState> slot_state;
+  std::vector<Status> slot_status;
+  std::vector<EventLease> slot_event;
+  std::vector<Clock::time_point> slot_done_at;
+  // Origins (not yet known good) of the bytes the pairs read: (pair, origin).
+  SourceOrigins sources;
+  WriteOriginRef origin;  // of the bytes this task writes
+  bool copy_failed = false;
+  std::size_t slots_final = 0;
+  // Set once the callbacks of a final slot / task ran: host waiters wake on
+  // these, so that wait() returning implies the callbacks are done.
+  std::vector<bool> slot_visible;
+  bool visible = false;
+  TaskState state = TaskState::kPending;
+  Status status;
+  FailedBlocks failed;
+  std::uint64_t bytes = 0;
+  Clock::time_point submitted;
+  LayerCallback on_layer;
+  TaskCallback on_done;
+
+  std::size_t num_slots() const { return slot_state.size(); }
+};
+
+struct PendingEntry {
+  std::shared_ptr<TaskRec> task;
+  std::size_t slot = 0;
+  EventLease event;  // null: the slot failed at enqueue; `preset` holds why
+  Status preset;
+};
+
+struct DirCounters {
+  DirectionStats s;
+  std::uint64_t busy_ns = 0;
+  Clock::time_point busy_since;
+};
+
+class TransferManagerImpl final : public TransferManager {
+ public:
+  TransferManagerImpl(Device& device, Stream& compute, const TransferManagerConfig& config)
+      : device_(device), compute_(compute), config_(config) {}
+
+  ~TransferManagerImpl() override { shutdown().ignore_error(); }
+
+  Status init(KvCacheRegistration reg, CopyEngine* engine);
+
+  Result<TaskId> evict_to_host_async(std::span<const std::int32_t> device_blocks,
+                                     std::span<const std::int32_t> host_blocks, const EvictOptions& options) override;
+  Result<TaskId> load_layers_to_device_async(std::span<const std::uint32_t> layers,
+                                             std::span<const std::int32_t> host_blocks,
+                                             std::span<const std::int32_t> device_blocks, LoadOptions options) override;
+  Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+                              DeviceAccess access) override;
+  Status wait_for_layer(TaskId task, std::uint32_t layer, Stream& stream) override;
+  Status wait_layer_host(TaskId task, std::uint32_t layer, std::chrono::nanoseconds timeout) override;
+  Status wait(TaskId task, std::chrono::nanoseconds timeout) override;
+  Status wait_all(std::chrono::nanoseconds timeout) override;
+  Result<TaskInfo> task_info(TaskId task) const override;
+  Result<FailedBlocks> failed_blocks(TaskId task) const override;
+  std::vector<TaskCompletion> poll_completions() override;
+  Result<bool> is_device_block_free(std::int32_t block) override { return dev_hazards_->is_free(block); }
+  Result<bool> is_host_block_free(std::int32_t block) override { return host_hazards_->is_free(block); }
+  Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) override {
+    return dev_hazards_->wait_free(blocks, stream);
+  }
+  Status wait_host_blocks_free(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) override {
+    return host_hazards_->wait_free_host(blocks, timeout);
+  }
+  TransferStats stats() const override;
+  const BlockSpace& device_space() const noexcept override { return device_space_; }
+  const BlockSpace& host_space() const noexcept override { return host_space_; }
+  Stream& input_stream() noexcept override { return *in_; }
+  Stream& output_stream() noexcept override { return *out_; }
+  Stream& compute_stream() noexcept override { return compute_; }
+  Device& device() const noexcept override { return device_; }
+  const TransferManagerConfig& config() const noexcept override { return config_; }
+  Status shutdown() override;
+
+ private:
+  // Registers a new task in the state tables and queues its pending slots.
+  void publish(std::shared_ptr<TaskRec> task, std::deque<PendingEntry>& queue, std::vector<PendingEntry> entries);
+  void progress_loop();
+  // Settles whatever completed; returns true if anything changed.
+  bool progress_once(std::vector<std::function<void()>>& fire);
+  // Runs the callbacks collected while settling, then makes the settled slots
+  // and tasks visible to host waiters.
+  void fire_and_publish(std::vector<std::function<void()>>& fire);
+  // Caller holds mu_. Returns false if a source is still unsettled.
+  bool sources_settled(const TaskRec& t) const;
+  void finalize_slot_locked(const std::shared_ptr<TaskRec>& t, std::size_t slot, Status copy_status,
+                            std::vector<std::function<void()>>& fire);
+  void finalize_task_locked(const std::shared_ptr<TaskRec>& t, std::vector<std::function<void()>>& fire);
+  DirCounters& dir(TaskKind k) { return k == TaskKind::kEvict ? evict_ : load_; }
+  const std::shared_ptr<TaskRec>* find_locked(TaskId id) const {
+    auto it = tasks_.find(id);
+    return it == tasks_.end() ? nullptr : &it->second;
+  }
+  Status task_not_found(TaskId id) const {
+    return NotFound(fmt::format("transfer task {} is unknown or no longer retained (retained_finished_tasks = {})", id,
+                                config_.retained_finished_tasks));
+  }
+
+  Device& device_;
+  Stream& compute_;
+  TransferManagerConfig config_;
+
+  // Declared first: destroyed last, after the streams drained and every
+  // event that refers to its memory is gone.
+  std::unique_ptr<PinnedMemory> host_memory_;
+  BlockSpace device_space_;
+  BlockSpace host_space_;
+  std::unique_ptr<Stream> in_;
+  std::unique_ptr<Stream> out_;
+  std::unique_ptr<CopyEngine> owned_engine_;
+  CopyEngine* engine_ = nullptr;
+  std::unique_ptr<EventPool> pool_;
+  std::unique_ptr<HazardTracker> dev_hazards_;
+  std::unique_ptr<HazardTracker> host_hazards_;
+
+  // Submit path: hazard lookup + enqueue + record + note is one step.
+  std::mutex submit_mu_;
+  bool shut_ = false;  // guarded by submit_mu_
+  Status shutdown_status_;
+  std::uint64_t next_id_ = 1;  // guarded by submit_mu_
+
+  // Task state, queues, stats.
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;   // progress thread: new work or stop
+  std::condition_variable state_cv_;  // waiters: something became final
+  bool stop_ = false;
+  std::deque<PendingEntry> in_queue_;
+  std::deque<PendingEntry> out_queue_;
+  std::unordered_map<TaskId, std::shared_ptr<TaskRec>> tasks_;
+  std::set<TaskId> pending_ids_;
+  std::deque<TaskId> finished_order_;
+  std::deque<TaskCompletion> completions_;
+  DirCounters evict_;
+  DirCounters load_;
+  std::uint64_t layers_done_ = 0;
+  std::uint64_t layers_failed_ = 0;
+  std::vector<double> latency_us_;
+  std::size_t latency_next_ = 0;
+  // Settled since the last fire_and_publish (guarded by mu_).
+  std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> settled_slots_;
+  std::vector<std::shared_ptr<TaskRec>> settled_tasks_;
+  std::uint64_t latency_count_ = 0;
+
+  std::thread progress_;
+};
+
+Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
+  if (reg.device.kind() != MemoryKind::kDevice)
+    return InvalidArgument("TransferManager: registration.device must be a kDevice BlockSpace");
+  if (reg.device.device_ordinal() != device_.ordinal())
+    return InvalidArgument(
+        fmt::format("TransferManager: device cache is on ordinal {} but the Device is ordinal {} "
+                    "(process-visible ordinals, after CUDA_VISIBLE_DEVICES)",
+                    reg.device.device_ordinal(), device_.ordinal()));
+  if (reg.device.num_blocks() == 0) return InvalidArgument("TransferManager: device cache has 0 blocks");
+  device_space_ = std::move(reg.device);
+  const KvLayout& layout = device_space_.layout();
+
+  if (reg.host.space) {
+    if (reg.host.space->kind() != MemoryKind::kPinnedHost)
+      return InvalidArgument("TransferManager: registration.host.space must be a kPinnedHost BlockSpace");
+    if (!(reg.host.space->layout() == layout))
+      return InvalidArgument(fmt::format("TransferManager: host layout ({}) differs from device layout ({})",
+                                         reg.host.space->layout().describe(), layout.describe()));
+    host_space_ = *reg.host.space;
+  } else {
+    const HostCacheSpec& h = reg.host;
+    if (h.num_blocks == 0)
+      return InvalidArgument("TransferManager: host cache needs either a space or num_blocks >= 1");
+    std::uint64_t bytes = 0;
+    if (h.arrangement == HostCacheSpec::Arrangement::kLayerFirst) {
+      for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
+          bytes += (BlockSpace::layer_first_region_bytes(layout, l, r, h.num_blocks) + 255) / 256 * 256;
+    } else {
+      bytes = BlockSpace::page_first_page_bytes(layout, h.page_alignment) * h.num_blocks;
+    }
+    auto mem = device_.allocate_pinned(bytes, h.pinned);
+    if (!mem.ok())
+      return mem.status().with_context(fmt::format("TransferManager: pinned host cache of {} bytes", bytes));
+    host_memory_ = std::move(mem).value();
+    KVTIER_RETURN_IF_ERROR(host_memory_->wait_ready(config_.host_ready_timeout));
+    if (h.fill_byte >= 0) std::memset(host_memory_->data(), h.fill_byte, host_memory_->size());
+    if (h.arrangement == HostCacheSpec::Arrangement::kLayerFirst) {
+      std::vector<std::vector<void*>> bases(layout.num_layers());
+      std::byte* p = host_memory_->data();
+      for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+          bases[l].push_back(p);
+          p += (BlockSpace::layer_first_region_bytes(layout, l, r, h.num_blocks) + 255) / 256 * 256;
+        }
+      KVTIER_ASSIGN_OR_RETURN(host_space_, BlockSpace::layer_first(MemoryKind::kPinnedHost, device_.ordinal(), layout,
+                                                                   h.num_blocks, std::move(bases)));
+    } else {
+      KVTIER_ASSIGN_OR_RETURN(host_space_,
+                              BlockSpace::page_first(MemoryKind::kPinnedHost, device_.ordinal(), layout, h.num_blocks,
+                                                     host_memory_->data(), host_memory_->size(), h.page_alignment));
+    }
+  }
+
+  StreamOptions in_opts{config_.input_priority, "kvtier-transfer-input"};
+  StreamOptions out_opts{config_.output_priority, "kvtier-transfer-output"};
+  KVTIER_ASSIGN_OR_RETURN(in_, device_.create_stream(in_opts));
+  KVTIER_ASSIGN_OR_RETURN(out_, device_.create_stream(out_opts));
+  if (engine) {
+    if (&engine->device() != &device_)
+      return InvalidArgument("TransferManager: the CopyEngine given belongs to another Device");
+    engine_ = engine;
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(owned_engine_, CopyEngine::create(device_, config_.copy_engine));
+    engine_ = owned_engine_.get();
+  }
+  KVTIER_ASSIGN_OR_RETURN(pool_, EventPool::create(device_, 2 * layout.num_layers() + 8, config_.event_pool_max_free));
+  dev_hazards_ = std::make_unique<HazardTracker>(device_, device_space_.num_blocks(), "device");
+  host_hazards_ = std::make_unique<HazardTracker>(device_, host_space_.num_blocks(), "host");
+  latency_us_.assign(std::max<std::size_t>(config_.latency_samples, 1), 0.0);
+  progress_ = std::thread([this] { progress_loop(); });
+  return Status::Ok();
+}
+
+void TransferManagerImpl::publish(std::shared_ptr<TaskRec> task, std::deque<PendingEntry>& queue,
+                                  std::vector<PendingEntry> entries) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    DirCounters& d = dir(task->kind);
+    d.s.tasks_submitted++;
+    d.s.bytes_submitted += task->bytes;
+    if (d.s.in_flight++ == 0) d.busy_since = Clock::now();
+    d.s.max_in_flight = std::max(d.s.max_in_flight, d.s.in_flight);
+    pending_ids_.insert(task->id);
+    tasks_[task->id] = task;
+    for (auto& e : entries) queue.push_back(std::move(e));
+  }
+  work_cv_.notify_one();
+}
+
+Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int32_t> device_blocks,
+                                                        std::span<const std::int32_t> host_blocks,
+                                                        const EvictOptions& options) {
+  if (device_blocks.size() != host_blocks.size())
+    return InvalidArgument(fmt::format("evict_to_host_async: {} device blocks but {} host blocks", device_blocks.size(),
+                                       host_blocks.size()));
+  if (device_blocks.empty()) return InvalidArgument("evict_to_host_async: empty block lists");
+  KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
+  KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
+  KVTIER_RETURN_IF_ERROR(check_no_duplicates(host_blocks, "evict_to_host_async host_blocks"));
+
+  std::lock_guard<std::mutex> submit(submit_mu_);
+  if (shut_) return FailedPrecondition("evict_to_host_async after shutdown");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ids_.size() >= config_.max_in_flight_tasks)
+      return ResourceExhausted(fmt::format("{} transfer tasks in flight (max_in_flight_tasks)", pending_ids_.size()));
+  }
+  Stream& after = options.after ? *options.after : compute_;
+  const std::uint64_t out_id = out_->id();
+
+  // 1. The compute work that wrote the blocks, as a point on its stream.
+  KVTIER_ASSIGN_OR_RETURN(EventLease e_c, pool_->acquire());
+  KVTIER_RETURN_IF_ERROR(device_.record(*e_c, after));
+  EventSet waits;
+  waits.add(e_c);
+  auto task = std::make_shared<TaskRec>();
+  dev_hazards_->hazards_for_read(device_blocks, out_id, waits, &task->sources);
+  host_hazards_->hazards_for_write(host_blocks, out_id, waits);
+  // 2. O waits on the device for all of it; no host synchronisation.
+  for (const auto& e : waits.events()) KVTIER_RETURN_IF_ERROR(device_.wait(*out_, *e));
+
+  CopyRequest req;
+  req.src = &device_space_;
+  req.dst = &host_space_;
+  req.src_blocks = device_blocks;
+  req.dst_blocks = host_blocks;
+  req.strategy = config_.evict_strategy;
+  auto report = engine_->copy(req, *out_);
+  if (!report.ok()) return report.status().with_context("evict_to_host_async");
+
+  task->id = next_id_++;
+  task->kind = TaskKind::kEvict;
+  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
+  task->slot_state.assign(1, TaskState::kPending);
+  task->slot_visible.assign(1, false);
+  task->slot_status.assign(1, Status::Ok());
+  task->slot_done_at.assign(1, Clock::time_point{});
+  task->bytes = report->bytes;
+  task->submitted = Clock::now();
+  task->on_done = options.on_done;
+  task->origin = std::make_shared<WriteOrigin>(task->id);
+
+  PendingEntry entry{task, 0, nullptr, Status::Ok()};
+  // 3. e_o: device blocks are busy until it, host blocks written at it.
+  auto e_o = pool_->acquire();
+  Status rec = e_o.ok() ? device_.record(**e_o, *out_) : e_o.status();
+  if (!rec.ok()) {
+    // Without an event nothing can order after this copy: drain it here
+    // (only on a broken device) and report the task failed.
+    device_.synchronize(*out_, config_.shutdown_timeout).ignore_error();
+    entry.preset = rec.with_context("evict_to_host_async: recording the completion event");
+  } else {
+    entry.event = *e_o;
+    task->slot_event.assign(1, *e_o);
+    dev_hazards_->note_read(device_blocks, *e_o, out_id);
+    host_hazards_->note_write(host_blocks, *e_o, out_id, task->origin, /*full=*/true);
+  }
+  if (task->slot_event.empty()) task->slot_event.assign(1, nullptr);
+  TaskId id = task->id;
+  std::vector<PendingEntry> entries;
+  entries.push_back(std::move(entry));
+  publish(task, out_queue_, std::move(entries));
+  return id;
+}
+
+Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const std::uint32_t> layers,
+                                                                std::span<const std::int32_t> host_blocks,
+                                                                std::span<const std::int32_t> device_blocks,
+                                                                LoadOptions options) {
+  const KvLayout& layout = device_space_.layout();
+  if (device_blocks.size() != host_blocks.size())
+    return InvalidArgument(fmt::format("load_layers_to_device_async: {} host blocks but {} device blocks",
+                                       host_blocks.size(), device_blocks.size()));
+  if (device_blocks.empty()) return InvalidArgument("load_layers_to_device_async: empty block lists");
+  KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
+  KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
+  KVTIER_RETURN_IF_ERROR(check_no_duplicates(device_blocks, "load_layers_to_device_async device_blocks"));
+  std::vector<std::uint32_t> order;
+  if (layers.empty()) {
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) order.push_back(l);
+  } else {
+    std::vector<bool> seen(layout.num_layers(), false);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      if (layers[i] >= layout.num_layers())
+        return OutOfRange(fmt::format("load_layers_to_device_async: layer {} at index {} >= num_layers {}", layers[i],
+                                      i, layout.num_layers()));
+      if (seen[layers[i]])
+        return InvalidArgument(fmt::format("load_layers_to_device_async: layer {} listed twice", layers[i]));
+      seen[layers[i]] = true;
+      order.push_back(layers[i]);
+    }
+  }
+
+  std::lock_guard<std::mutex> submit(submit_mu_);
+  if (shut_) return FailedPrecondition("load_layers_to_device_async after shutdown");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ids_.size() >= config_.max_in_flight_tasks)
+      return ResourceExhausted(fmt::format("{} transfer tasks in flight (max_in_flight_tasks)", pending_ids_.size()));
+  }
+  const std::uint64_t in_id = in_->id();
+  auto task = std::make_shared<TaskRec>();
+  EventSet waits;
+  host_hazards_->hazards_for_read(host_blocks, in_id, waits, &task->sources);
+  dev_hazards_->hazards_for_write(device_blocks, in_id, waits);
+  for (const auto& e : waits.events()) KVTIER_RETURN_IF_ERROR(device_.wait(*in_, *e));
+
+  task->id = next_id_++;
+  task->kind = TaskKind::kLoad;
+  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
+  task->layers = order;
+  const std::size_t n = order.size();
+  task->slot_state.assign(n, TaskState::kPending);
+  task->slot_visible.assign(n, false);
+  task->slot_status.assign(n, Status::Ok());
+  task->slot_event.assign(n, nullptr);
+  task->slot_done_at.assign(n, Clock::time_point{});
+  task->submitted = Clock::now();
+  task->on_layer = std::move(options.on_layer);
+  task->on_done = std::move(options.on_done);
+  task->origin = std::make_shared<WriteOrigin>(task->id);
+
+  std::vector<PendingEntry> entries;
+  entries.reserve(n);
+  EventLease last;
+  bool broken = false;
+  for (std::size_t k = 0; k < n; ++k) {
+    PendingEntry entry{task, k, nullptr, Status::Ok()};
+    if (broken) {
+      entry.preset = Aborted(fmt::format("layer {} not enqueued: the device failed earlier in this load", order[k]));
+      task->slot_status[k] = entry.preset;
+      entries.push_back(std::move(entry));
+      continue;
+    }
+    CopyRequest req;
+    req.src = &host_space_;
+    req.dst = &device_space_;
+    req.src_blocks = host_blocks;
+    req.dst_blocks = device_blocks;
+    req.layers = std::span<const std::uint32_t>(&order[k], 1);
+    req.strategy = config_.load_strategy;
+    auto report = engine_->copy(req, *in_);
+    if (!report.ok()) {
+      entry.preset = report.status().with_context(fmt::format("load layer {}", order[k]));
+      task->slot_status[k] = entry.preset;
+      entries.push_back(std::move(entry));
+      continue;
+    }
+    task->bytes += report->bytes;
+    auto e = pool_->acquire();
+    Status rec = e.ok() ? device_.record(**e, *in_) : e.status();
+    if (!rec.ok()) {
+      device_.synchronize(*in_, config_.shutdown_timeout).ignore_error();
+      entry.preset = rec.with_context(fmt::format("load layer {}: recording its event", order[k]));
+      task->slot_status[k] = entry.preset;
+      broken = true;
+    } else {
+      entry.event = *e;
+      task->slot_event[k] = *e;
+      last = *e;
+    }
+    entries.push_back(std::move(entry));
+  }
+  if (last) {
+    host_hazards_->note_read(host_blocks, last, in_id);
+    dev_hazards_->note_write(device_blocks, last, in_id, task->origin, /*full=*/n == layout.num_layers());
+  }
+  TaskId id = task->id;
+  publish(task, in_queue_, std::move(entries));
+  return id;
+}
+
+Status TransferManagerImpl::record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+                                                 DeviceAccess access) {
+  KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "record_device_access"));
+  std::lock_guard<std::mutex> submit(submit_mu_);
+  if (shut_) return FailedPrecondition("record_device_access after shutdown");
+  KVTIER_ASSIGN_OR_RETURN(EventLease e, pool_->acquire());
+  KVTIER_RETURN_IF_ERROR(device_.record(*e, stream));
+  switch (access) {
+    case DeviceAccess::kRead: dev_hazards_->note_read(device_blocks, e, stream.id()); break;
+    case DeviceAccess::kWrite:
+    case DeviceAccess::kOverwrite:
+      // Readers are kept: this write was not ordered after them by kvtier.
+      dev_hazards_->note_write(device_blocks, e, stream.id(), nullptr, access == DeviceAccess::kOverwrite,
+                               /*clear_readers=*/false);
+      break;
+  }
+  return Status::Ok();
+}
+
+Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Stream& stream) {
+  EventLease event;
+  Status status_if_no_event;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto* t = find_locked(id);
+    if (!t) return task_not_found(id);
+    const TaskRec& task = **t;
+    if (task.kind != TaskKind::kLoad)
+      return InvalidArgument(fmt::format("wait_for_layer: task {} is an eviction, not a load", id));
+    auto it = std::find(task.layers.begin(), task.layers.end(), layer);
+    if (it == task.layers.end())
+      return InvalidArgument(fmt::format("wait_for_layer: load task {} does not load layer {}", id, layer));
+    std::size_t k = static_cast<std::size_t>(it - task.layers.begin());
+    if (task.slot_state[k] == TaskState::kDone) return Status::Ok();
+    if (task.slot_state[k] == TaskState::kFailed) return task.slot_status[k];
+    event = task.slot_event[k];
+    status_if_no_event = task.slot_status[k];
+    if (!event && status_if_no_event.ok())
+      status_if_no_event = Internal(fmt::format("wait_for_layer: pending layer {} of task {} has no event", layer, id));
+  }
+  if (!event) return status_if_no_event;  // failed at enqueue; final once the progress thread sees it
+  return device_.wait(stream, *event);
+}
+
+Status TransferManagerImpl::wait_layer_host(TaskId id, std::uint32_t layer, std::chrono::nanoseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto* t = find_locked(id);
+  if (!t) return task_not_found(id);
+  std::shared_ptr<TaskRec> task = *t;
+  if (task->kind != TaskKind::kLoad)
+    return InvalidArgument(fmt::format("wait_layer_host: task {} is an eviction, not a load", id));
+  auto it = std::find(task->layers.begin(), task->layers.end(), layer);
+  if (it == task->layers.end())
+    return InvalidArgument(fmt::format("wait_layer_host: load task {} does not load layer {}", id, layer));
+  std::size_t k = static_cast<std::size_t>(it - task->layers.begin());
+  if (!state_cv_.wait_until(lock, deadline, [&] { return task->slot_visible[k]; }))
+    return TimedOut(fmt::format("layer {} of load task {} not ready after {} us", layer, id, timeout.count() / 1000));
+  return task->slot_state[k] == TaskState::kDone ? Status::Ok() : task->slot_status[k];
+}
+
+Status TransferManagerImpl::wait(TaskId id, std::chrono::nanoseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto* t = find_locked(id);
+  if (!t) return task_not_found(id);
+  std::shared_ptr<TaskRec> task = *t;
+  if (!state_cv_.wait_until(lock, deadline, [&] { return task->visible; }))
+    return TimedOut(fmt::format("transfer task {} not final after {} us", id, timeout.count() / 1000));
+  return task->status;
+}
+
+Status TransferManagerImpl::wait_all(std::chrono::nanoseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  TaskId target;
+  {
+    std::lock_guard<std::mutex> submit(submit_mu_);
+    target = next_id_ - 1;
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!state_cv_.wait_until(lock, deadline, [&] { return pending_ids_.empty() || *pending_ids_.begin() > target; }))
+    return TimedOut(
+        fmt::format("{} transfer tasks still in flight after {} us", pending_ids_.size(), timeout.count() / 1000));
+  return Status::Ok();
+}
+
+Result<TaskInfo> TransferManagerImpl::task_info(TaskId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto* t = find_locked(id);
+  if (!t) return task_not_found(id);
+  const TaskRec& task = **t;
+  TaskInfo info;
+  info.kind = task.kind;
+  info.state = task.state;
+  info.status = task.status;
+  info.layers = task.layers;
+  if (task.kind == TaskKind::kLoad) info.layer_states = task.slot_state;
+  info.bytes = task.bytes;
+  return info;
+}
+
+Result<FailedBlocks> TransferManagerImpl::failed_blocks(TaskId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto* t = find_locked(id);
+  if (!t) return task_not_found(id);
+  return (*t)->failed;
+}
+
+std::vector<TaskCompletion> TransferManagerImpl::poll_completions() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<TaskCompletion> out(std::make_move_iterator(completions_.begin()),
+                                  std::make_move_iterator(completions_.end()));
+  completions_.clear();
+  return out;
+}
+
+bool TransferManagerImpl::sources_settled(const TaskRec& t) const {
+  for (const auto& [i, origin] : t.sources)
+    if (!origin->settled()) return false;
+  return true;
+}
+
+void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& tp, std::size_t slot, Status copy_status,
+                                               std::vector<std::function<void()>>& fire) {
+  TaskRec& t = *tp;
+  const auto now = Clock::now();
+  Status st = std::move(copy_status);
+  if (!st.ok()) {
+    t.copy_failed = true;
+    st = st.with_context(t.kind == TaskKind::kLoad ? fmt::format("load task {} layer {}", t.id, t.layers[slot])
+                                                   : fmt::format("evict task {}", t.id));
+  } else {
+    // The bytes read must themselves be valid.
+    const auto& src_ids = t.kind == TaskKind::kLoad ? t.host_blocks : t.device_blocks;
+    for (const auto& [i, origin] : t.sources) {
+      if (origin->block_failed(src_ids[i])) {
+        st = DataLoss(fmt::format("{} task {}: {} block {} holds bytes of failed task {}", task_kind_name(t.kind), t.id,
+                                  t.kind == TaskKind::kLoad ? "host" : "device", src_ids[i], origin->task_id));
+        break;
+      }
+    }
+  }
+  t.slot_state[slot] = st.ok() ? TaskState::kDone : TaskState::kFailed;
+  t.slot_status[slot] = st;
+  t.slot_done_at[slot] = now;
+  t.slot_event[slot].reset();
+  t.slots_final++;
+  settled_slots_.push_back({tp, slot});
+  if (t.kind == TaskKind::kLoad) {
+    if (st.ok())
+      layers_done_++;
+    else
+      layers_failed_++;
+    latency_us_[latency_next_] = std::chrono::duration<double, std::micro>(now - t.submitted).count();
+    latency_next_ = (latency_next_ + 1) % latency_us_.size();
+    latency_count_++;
+    if (t.on_layer) {
+      auto cb = t.on_layer;
+      std::uint32_t layer = t.layers[slot];
+      fire.push_back([cb, layer, st] { cb(layer, st); });
+    }
+  }
+  if (t.slots_final == t.num_slots()) finalize_task_locked(tp, fire);
+}
+
+void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& tp,
+                                               std::vector<std::function<void()>>& fire) {
+  TaskRec& t = *tp;
+  Status first;
+  for (const auto& s : t.slot_status)
+    if (!s.ok()) {
+      first = s;
+      break;
+    }
+  const bool is_load = t.kind == TaskKind::kLoad;
+  const auto& src_ids = is_load ? t.host_blocks : t.device_blocks;
+  const auto& dst_ids = is_load ? t.device_blocks : t.host_blocks;
+  std::vector<bool> pair_bad(dst_ids.size(), false);
+  for (const auto& [i, origin] : t.sources)
+    if (origin->settled() && origin->block_failed(src_ids[i])) pair_bad[i] = true;
+  std::vector<std::int32_t> bad_src, bad_dst;
+  for (std::size_t i = 0; i < dst_ids.size(); ++i) {
+    if (pair_bad[i]) bad_src.push_back(src_ids[i]);
+    if (pair_bad[i] || t.copy_failed) bad_dst.push_back(dst_ids[i]);
+  }
+  std::sort(bad_src.begin(), bad_src.end());
+  bad_src.erase(std::unique(bad_src.begin(), bad_src.end()), bad_src.end());
+  // A load whose layers partly failed for a bad source leaves every
+  // destination of that pair invalid; a copy failure invalidates them all.
+  if (!first.ok() && bad_dst.empty()) bad_dst = dst_ids;
+  t.state = first.ok() ? TaskState::kDone : TaskState::kFailed;
+  t.status = first;
+  t.failed.device = is_load ? bad_dst : bad_src;
+  t.failed.host = is_load ? bad_src : bad_dst;
+  // Publish the validity of the bytes written.
+  if (!first.ok()) {
+    t.origin->all_failed = t.copy_failed || bad_dst.size() == dst_ids.size();
+    t.origin->failed_blocks = bad_dst;
+    std::sort(t.origin->failed_blocks.begin(), t.origin->failed_blocks.end());
+    t.origin->state.store(WriteOrigin::kFailed, std::memory_order_release);
+  } else {
+    t.origin->state.store(WriteOrigin::kOk, std::memory_order_release);
+  }
+  t.sources.clear();
+  t.sources.shrink_to_fit();
+
+  DirCounters& d = dir(t.kind);
+  if (first.ok()) {
+    d.s.tasks_done++;
+    d.s.bytes_done += t.bytes;
+  } else {
+    d.s.tasks_failed++;
+  }
+  if (--d.s.in_flight == 0)
+    d.busy_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - d.busy_since).count());
+  settled_tasks_.push_back(tp);
+  finished_order_.push_back(t.id);
+  while (finished_order_.size() > config_.retained_finished_tasks) {
+    tasks_.erase(finished_order_.front());
+    finished_order_.pop_front();
+  }
+  completions_.push_back(TaskCompletion{t.id, t.kind, first, t.failed, t.bytes});
+  while (completions_.size() > config_.max_unpolled_completions) completions_.pop_front();
+  if (t.on_done) {
+    auto cb = t.on_done;
+    TaskId id = t.id;
+    fire.push_back([cb, id, first] { cb(id, first); });
+  }
+}
+
+bool TransferManagerImpl::progress_once(std::vector<std::function<void()>>& fire) {
+  bool any = false;
+  bool progressed = true;
+  while (progressed) {
+    progressed = false;
+    // Output first: evictions settle before the loads that read their bytes.
+    for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_}) {
+      for (;;) {
+        PendingEntry head;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (q->empty()) break;
+          head = q->front();
+        }
+        Status copy_status = head.preset;
+        if (head.event) {
+          auto done = device_.query(*head.event);
+          if (done.ok() && !done.value()) break;  // in order: nothing behind it is done either
+          if (!done.ok()) copy_status = done.status();
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        // The bytes it read came from a task not settled yet (it completed on
+        // the device, or this would not be done): settle that one first.
+        if (copy_status.ok() && !sources_settled(*head.task)) break;
+        q->pop_front();
+        finalize_slot_locked(head.task, head.slot, std::move(copy_status), fire);
+        progressed = true;
+        any = true;
+      }
+    }
+  }
+  return any;
+}
+
+void TransferManagerImpl::progress_loop() {
+  std::vector<std::function<void()>> fire;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto idle = [&] { return in_queue_.empty() && out_queue_.empty(); };
+      if (idle()) {
+        if (stop_) return;
+        work_cv_.wait(lock, [&] { return stop_ || !idle(); });
+        if (stop_ && idle()) return;
+      } else {
+        work_cv_.wait_for(lock, config_.poll_interval);
+      }
+    }
+    bool any = progress_once(fire);
+    if (any) fire_and_publish(fire);
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stop_;
+    }
+    if (stopping && !any) {
+      // Shutdown drained the streams; anything still pending will not
+      // complete: fail it so no waiter hangs.
+      std::unique_lock<std::mutex> lock(mu_);
+      for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_}) {
+        while (!q->empty()) {
+          PendingEntry head = q->front();
+          q->pop_front();
+          if (head.event) {
+            auto done = device_.query(*head.event);
+            if (done.ok() && !done.value()) {
+              finalize_slot_locked(head.task, head.slot,
+                                   Cancelled("transfer manager shut down before the copy completed"), fire);
+              continue;
+            }
+            if (!done.ok()) {
+              finalize_slot_locked(head.task, head.slot, done.status(), fire);
+              continue;
+            }
+          }
+          finalize_slot_locked(head.task, head.slot, head.preset, fire);
+        }
+      }
+      lock.unlock();
+      fire_and_publish(fire);
+      return;
+    }
+  }
+}
+
+void TransferManagerImpl::fire_and_publish(std::vector<std::function<void()>>& fire) {
+  for (auto& f : fire) {
+    try {
+      f();
+    } catch (...) {
+      // A callback must not take the progress thread down.
+    }
+  }
+  fire.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [t, slot] : settled_slots_) t->slot_visible[slot] = true;
+    for (auto& t : settled_tasks_) {
+      t->visible = true;
+      pending_ids_.erase(t->id);
+    }
+    settled_slots_.clear();
+    settled_tasks_.clear();
+  }
+  state_cv_.notify_all();
+}
+
+TransferStats TransferManagerImpl::stats() const {
+  TransferStats s;
+  const KvLayout& layout = device_space_.layout();
+  s.num_layers = layout.num_layers();
+  for (const auto& l : layout.layers()) {
+    if (l.draft) s.num_draft_layers++;
+    for (const auto& r : l.roles) {
+      if (r.role == Role::kKeyScale || r.role == Role::kValueScale) s.has_scales = true;
+      if (r.role == Role::kIndexer) s.has_indexer = true;
+      if (r.role == Role::kLatent) s.is_mla = true;
+    }
+  }
+  s.device_ordinal = device_.ordinal();
+  s.device_name = device_.name();
+  s.num_device_blocks = device_space_.num_blocks();
+  s.num_host_blocks = host_space_.num_blocks();
+  s.block_bytes = layout.total_block_bytes();
+  s.events_created = pool_ ? pool_->created() : 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto fill = [](const DirCounters& d) {
+    DirectionStats out = d.s;
+    std::uint64_t ns = d.busy_ns;
+    if (d.s.in_flight > 0)
+      ns += static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - d.busy_since).count());
+    out.busy_seconds = static_cast<double>(ns) * 1e-9;
+    out.gbps = out.busy_seconds > 0 ? static_cast<double>(out.bytes_done) / out.busy_seconds * 1e-9 : 0.0;
+    return out;
+  };
+  s.evict = fill(evict_);
+  s.load = fill(load_);
+  s.layers_done = layers_done_;
+  s.layers_failed = layers_failed_;
+  std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(latency_count_, latency_us_.size()));
+  s.latency_samples = n;
+  if (n > 0) {
+    std::vector<double> v(latency_us_.begin(), latency_us_.begin() + static_cast<std::ptrdiff_t>(n));
+    auto pct = [&](double p) {
+      std::size_t k = std::min(n - 1, static_cast<std::size_t>(p * static_cast<double>(n - 1) + 0.5));
+      std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+      return v[k];
+    };
+    s.layer_latency_p50_us = pct(0.50);
+    s.layer_latency_p99_us = pct(0.99);
+  }
+  return s;
+}
+
+Status TransferManagerImpl::shutdown() {
+  {
+    std::lock_guard<std::mutex> submit(submit_mu_);
+    if (shut_) return shutdown_status_;
+    shut_ = true;
+  }
+  Status result;
+  if (in_ && out_) {
+    for (Stream* s : {in_.get(), out_.get()}) {
+      Status st = device_.synchronize(*s, config_.shutdown_timeout);
+      if (st.code() == StatusCode::kTimedOut && result.ok())
+        result = st.with_context("TransferManager::shutdown draining a transfer stream");
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  if (progress_.joinable()) progress_.join();
+  if (!owned_engine_ && engine_ && in_ && out_) {
+    // An external engine lives on: release its per-stream state before our streams go.
+    engine_->forget_stream(*in_).ignore_error();
+    engine_->forget_stream(*out_).ignore_error();
+  }
+  if (!result.ok() && host_memory_) {
+    // Copies may still be writing the host cache: never free it under them.
+    (void)host_memory_.release();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.clear();
+    in_queue_.clear();
+    out_queue_.clear();
+  }
+  {
+    std::lock_guard<std::mutex> submit(submit_mu_);
+    shutdown_status_ = result;
+  }
+  return result;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TransferManager>> TransferManager::create(Device& device, Stream& compute,
+                                                                 KvCacheRegistration registration,
+                                                                 const TransferManagerConfig& config,
+                                                                 CopyEngine* engine) {
+  if (&compute.device() != &device)
+    return InvalidArgument("TransferManager::create: the compute stream belongs to another Device");
+  auto mgr = std::make_unique<TransferManagerImpl>(device, compute, config);
+  KVTIER_RETURN_IF_ERROR(mgr->init(std::move(registration), engine));
+  return std::unique_ptr<TransferManager>(std::move(mgr));
+}
+
+}  // namespace kvtier
