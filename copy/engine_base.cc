@@ -222,6 +222,11 @@ bool EngineBase::staged_preferred(const CopyRequest& r, const PlanSummary& s, Pl
       avg >= kernel_max)
     return false;
   const bool h2d = s.direction == CopyDirection::kHostToDevice;
+  // Full duplex: staged copies of both directions measured only ~55 GB/s
+  // aggregate on the H200, batched DMA ~100: leave it to the duplex rule.
+  if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
+      in_flight(h2d ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice, nullptr))
+    return false;
   const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
   const std::uint64_t ranges = estimate_host_ranges(sc.planes, host_ids, h2d);
   if (ranges == 0 || s.bytes / ranges < options_.staged_min_host_run_bytes) return false;

@@ -47,16 +47,18 @@
 //   3. dir == H2H -> kDmaBatch.
 //   4. full duplex (the engine has work of the opposite PCIe direction in
 //      flight) and avg >= auto_duplex_dma_min_segment_bytes -> kDmaBatch:
-//      with large descriptors the copy engines reach 94-102 GB/s aggregate,
-//      SM kernels both ways ~72. Below that size batch submission is CPU-bound
+//      measured at 32 KiB: batched DMA 79 GB/s aggregate on random blocks and
+//      100 GB/s with contiguous host runs, SM kernels both ways 73-77, staged
+//      both ways only ~55. Below 32 KiB batch submission is CPU-bound
 //      (~0.5-1 us per descriptor) and kernels win even in full duplex.
 //   4s. (before 4 and 5) dir is H2D or D2H, avg < auto_kernel_max_segment_bytes
 //      of that direction, the host side is dense -- average merged host range
 //      (host ids consecutive, planes adjacent in host memory) >=
 //      staged_min_host_run_bytes -- and the staged chunk plan's total staging
 //      footprint <= staged_max_span_ratio x payload -> kStagedDma (copy
-//      engines at the ~99% large-DMA ceiling, also in full duplex, instead of
-//      the kernel's ~92%). Random host ids never pass the host-run test.
+//      engines at the ~99% large-DMA ceiling instead of the kernel's ~92%), not
+//      in full duplex (rule 4 wins there). Random host ids never pass the
+//      host-run test.
 //   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
 //      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
 //      (gated when a segment is <= batch_gate_max_segment_bytes). Measured:
@@ -182,7 +184,7 @@ struct CopyEngineOptions {
   std::uint32_t auto_per_run_max_segments = 2;
   std::uint64_t auto_kernel_max_segment_bytes_h2d = 1024 * 1024;
   std::uint64_t auto_kernel_max_segment_bytes_d2h = 1024 * 1024;
-  std::uint64_t auto_duplex_dma_min_segment_bytes = 256 * 1024;
+  std::uint64_t auto_duplex_dma_min_segment_bytes = 32 * 1024;
   // kStagedDma: device staging per caller stream (staged_slots slots of
   // staged_slot_bytes; a chunk's footprint must fit one slot). More slots let
   // more DMAs queue ahead of the D2D kernels.
