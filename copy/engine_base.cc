@@ -197,12 +197,14 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
     case CopyDirection::kHostToHost: return CopyStrategy::kDmaBatch;
     case CopyDirection::kDeviceToHost:
       if (avg >= options_.auto_kernel_max_segment_bytes_d2h) return CopyStrategy::kDmaBatch;
-      if (avg >= options_.auto_duplex_dma_min_segment_bytes && in_flight(CopyDirection::kHostToDevice, self))
+      if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
+          (s.full_duplex_hint || in_flight(CopyDirection::kHostToDevice, self)))
         return CopyStrategy::kDmaBatch;
       return CopyStrategy::kSmKernel;
     case CopyDirection::kHostToDevice:
       if (avg >= options_.auto_kernel_max_segment_bytes_h2d) return CopyStrategy::kDmaBatch;
-      if (avg >= options_.auto_duplex_dma_min_segment_bytes && in_flight(CopyDirection::kDeviceToHost, self))
+      if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
+          (s.full_duplex_hint || in_flight(CopyDirection::kDeviceToHost, self)))
         return CopyStrategy::kDmaBatch;
       return CopyStrategy::kSmKernel;
   }
@@ -225,7 +227,7 @@ bool EngineBase::staged_preferred(const CopyRequest& r, const PlanSummary& s, Pl
   // Full duplex: staged copies of both directions measured only ~55 GB/s
   // aggregate on the H200, batched DMA ~100: leave it to the duplex rule.
   if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
-      in_flight(h2d ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice, nullptr))
+      (s.full_duplex_hint || in_flight(h2d ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice, nullptr)))
     return false;
   const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
   const std::uint64_t ranges = estimate_host_ranges(sc.planes, host_ids, h2d);

@@ -184,6 +184,7 @@ void find_runs(std::span<const std::int32_t> src, std::span<const std::int32_t> 
 PlanSummary summarize(const CopyRequest& r, std::span<const SelectedPlane> planes, std::span<const Run> runs) {
   PlanSummary s;
   s.direction = copy_direction(r.src->kind(), r.dst->kind());
+  s.full_duplex_hint = r.full_duplex;
   s.pairs = r.src_blocks.size();
   s.planes = planes.size();
   if (s.pairs == 0) return s;

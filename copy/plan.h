@@ -120,6 +120,7 @@ struct PlanSummary {
   // Without cross-plane merging (an upper bound of the real count).
   std::uint64_t segments = 0;
   std::uint64_t min_segment_bytes = 0;
+  bool full_duplex_hint = false;  // CopyRequest::full_duplex
   std::uint64_t average_segment_bytes() const noexcept { return segments == 0 ? 0 : bytes / segments; }
 };
 

@@ -522,8 +522,10 @@ class BenchCopy {
         row.block_bytes = bb;
         row.blocks = z.n;
         row.ceiling_gbps = ceil_gbps;
-        const CopyRequest rh = request(z, true, strategy);
-        const CopyRequest rd = request(z, false, strategy);
+        CopyRequest rh = request(z, true, strategy);
+        CopyRequest rd = request(z, false, strategy);
+        // "both": tell kAuto that the other direction runs at the same time.
+        rh.full_duplex = rd.full_duplex = dir == Dir::kBoth;
         CopyReport rep_h, rep_d;
         auto copy_h = [&]() -> Status {
           auto r = engine_->copy(rh, *stream_a_);

@@ -17,8 +17,8 @@ namespace {
 HostDevice& host_of(Device& d) { return static_cast<HostDevice&>(d); }
 
 TEST_F(CopyEngineTest, AutoPrefersCopyEnginesWhenFullDuplex) {
-  // 256 KiB blocks: large enough that batched DMA beats kernels in full duplex.
-  auto layout = KvLayout::uniform(1, 2, 256 * 1024);
+  // 32 KiB blocks: kernels when one-way, batched DMA in full duplex.
+  auto layout = KvLayout::uniform(1, 2, 32 * 1024);
   ASSERT_TRUE(layout.ok());
   auto dev = layer_first(MemoryKind::kDevice, *layout, 64);
   auto host = layer_first(MemoryKind::kPinnedHost, *layout, 64);

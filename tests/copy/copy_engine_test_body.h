@@ -738,6 +738,22 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   auto md = random_ids(16, 8, 24);
   EXPECT_EQ(engine_->choose(req(*dev_m, *host_m, ms, md)), CopyStrategy::kDmaBatch);
   EXPECT_EQ(engine_->choose(req(*host_m, *dev_m, ms, md)), CopyStrategy::kDmaBatch);
+  // The caller's full-duplex hint moves 32 KiB scattered blocks to the copy
+  // engines (measured: batched DMA 79-100 GB/s aggregate vs kernels ~73).
+  {
+    auto dup = KvLayout::uniform(1, 1, 32 * 1024);
+    ASSERT_TRUE(dup.ok());
+    auto dev_d = layer_first(MemoryKind::kDevice, *dup, 32);
+    auto host_d = layer_first(MemoryKind::kPinnedHost, *dup, 32);
+    ASSERT_TRUE(dev_d && host_d);
+    CopyRequest one_way = req(*host_d, *dev_d, s, d);
+    EXPECT_EQ(engine_->choose(one_way), CopyStrategy::kSmKernel);
+    one_way.full_duplex = true;
+    EXPECT_EQ(engine_->choose(one_way), CopyStrategy::kDmaBatch);
+    CopyRequest back = req(*dev_d, *host_d, s, d);
+    back.full_duplex = true;
+    EXPECT_EQ(engine_->choose(back), CopyStrategy::kDmaBatch);
+  }
   // A single pair: per-run regardless of size.
   EXPECT_EQ(engine_->choose(req(*dev_s, *host_s, std::span(s).first(1), std::span(d).first(1))),
             CopyStrategy::kDmaPerRun);

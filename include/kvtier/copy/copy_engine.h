@@ -45,8 +45,8 @@
 //        -> kDmaPerRun (a few large copies: one DMA each is at the ceiling).
 //   2. dir == D2D -> kSmKernel (HBM-bound, no PCIe; one launch beats many DMAs).
 //   3. dir == H2H -> kDmaBatch.
-//   4. full duplex (the engine has work of the opposite PCIe direction in
-//      flight) and avg >= auto_duplex_dma_min_segment_bytes -> kDmaBatch:
+//   4. full duplex (CopyRequest::full_duplex, or the engine has work of the
+//      opposite PCIe direction in flight) and avg >= auto_duplex_dma_min_segment_bytes -> kDmaBatch:
 //      measured at 32 KiB: batched DMA 79 GB/s aggregate on random blocks and
 //      100 GB/s with contiguous host runs, SM kernels both ways 73-77, staged
 //      both ways only ~55. Below 32 KiB batch submission is CPU-bound
@@ -62,8 +62,10 @@
 //   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
 //      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
 //      (gated when a segment is <= batch_gate_max_segment_bytes). Measured:
-//      the kernel reaches ~92-94% of the ceiling at every size, batched DMA
-//      56% at 32 KiB, 80% at 64 KiB, 85% at 256 KiB, 95-96% at 1 MiB.
+//      the kernel reaches ~92% (H2D) / ~94.5% (D2H) of the ceiling at every
+//      size; batched DMA, once its submission runs ahead of the GPU, 76% / 84%
+//      at 32 KiB, 99.6% / 92.4% at 64 KiB, 96% / 98.5% at 256 KiB, 99.5% at
+//      1 MiB (docs/performance.md).
 //   Set an auto_kernel_max_* threshold to 0 to keep the SMs out of kAuto.
 //   "In flight" = an event the engine recorded after its last copy of that
 //   direction on any stream has not completed (queried, never waited).
@@ -182,8 +184,10 @@ struct CopyEngineOptions {
   // kAuto thresholds (see the rule in the file comment).
   std::uint64_t auto_per_run_min_segment_bytes = 2u << 20;
   std::uint32_t auto_per_run_max_segments = 2;
-  std::uint64_t auto_kernel_max_segment_bytes_h2d = 1024 * 1024;
-  std::uint64_t auto_kernel_max_segment_bytes_d2h = 1024 * 1024;
+  // Measured (pre-queued): batched DMA 99.6% at 64 KiB H2D, 92.4% at 64 KiB
+  // D2H and 98.5% at 256 KiB; the SM kernel ~92% H2D / ~94.5% D2H.
+  std::uint64_t auto_kernel_max_segment_bytes_h2d = 64 * 1024;
+  std::uint64_t auto_kernel_max_segment_bytes_d2h = 128 * 1024;
   std::uint64_t auto_duplex_dma_min_segment_bytes = 32 * 1024;
   // kStagedDma: device staging per caller stream (staged_slots slots of
   // staged_slot_bytes; a chunk's footprint must fit one slot). More slots let
@@ -207,6 +211,10 @@ struct CopyRequest {
   std::span<const std::uint32_t> layers;  // empty: every layer
   RoleMask roles = kAllRoles;             // by Role bit
   CopyStrategy strategy = CopyStrategy::kAuto;
+  // kAuto hint: the caller is about to run copies of the opposite PCIe
+  // direction at the same time (e.g. evictions and loads of one step). The
+  // engine also detects its own in-flight work, but only once it is enqueued.
+  bool full_duplex = false;
 };
 
 struct CopyReport {
