@@ -225,9 +225,9 @@ bool EngineBase::staged_preferred(const CopyRequest& r, const PlanSummary& s, Pl
     return false;
   const bool h2d = s.direction == CopyDirection::kHostToDevice;
   // Full duplex: staged copies of both directions measured only ~55 GB/s
-  // aggregate on the H200, batched DMA ~100: leave it to the duplex rule.
-  if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
-      (s.full_duplex_hint || in_flight(h2d ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice, nullptr)))
+  // aggregate on the H200 (batched DMA ~100 from 32 KiB, kernels ~70 below):
+  // leave it to the duplex and kernel rules.
+  if (s.full_duplex_hint || in_flight(h2d ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice, nullptr))
     return false;
   const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
   const std::uint64_t ranges = estimate_host_ranges(sc.planes, host_ids, h2d);

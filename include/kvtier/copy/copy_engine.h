@@ -56,8 +56,8 @@
 //      (host ids consecutive, planes adjacent in host memory) >=
 //      staged_min_host_run_bytes -- and the staged chunk plan's total staging
 //      footprint <= staged_max_span_ratio x payload -> kStagedDma (copy
-//      engines at the ~99% large-DMA ceiling instead of the kernel's ~92%), not
-//      in full duplex (rule 4 wins there). Random host ids never pass the
+//      engines at the ~99% large-DMA ceiling instead of the kernel's ~92%), never
+//      in full duplex (staged both ways measured ~55 GB/s aggregate). Random host ids never pass the
 //      host-run test.
 //   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
 //      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
