@@ -15,6 +15,10 @@
 
 namespace kvtier::copy_detail {
 
+// Largest batch submitted behind a gate (below the driver's per-stream limit
+// of pending copies, 512-1023 on the H200).
+inline constexpr std::size_t kMaxGatedBatchDescriptors = 448;
+
 // Backend-specific per-stream state (e.g. the CUDA gate flag).
 struct BackendStreamState {
   virtual ~BackendStreamState() = default;
