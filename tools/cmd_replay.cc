@@ -6,11 +6,16 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvtier/cache/replay.h"
+#include "kvtier/cache/transfer_executor.h"
+#include "kvtier/device/cuda_device.h"
+#include "kvtier/device/host_device.h"
+#include "kvtier/transfer/transfer_manager.h"
 #include "tools/cli.h"
 
 namespace kvtier::cli {
@@ -101,6 +106,7 @@ Action register_replay(CLI::App& app) {
     std::uint32_t check_every = 0;
     std::string storage;
     std::uint32_t storage_blocks = 65536;
+    std::string transfer = "host";
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("replay", "Replay a Mooncake-format trace through the cache manager");
@@ -131,6 +137,10 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--seed", args->seed, "seed of injected failures");
   cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests");
   cmd->add_flag("--json", args->json, "machine-readable output");
+  cmd->add_option("--transfer", args->transfer,
+                  "device<->host bytes: host (TransferManager on the simulated host device, default), cuda (on the "
+                  "GPU), none (fake executor). Not combined with --storage.")
+      ->capture_default_str();
   cmd->add_option("--sweep", args->sweep, "comma-separated device capacities (blocks): hit ratio table + plot");
   cmd->add_option("--sweep-policies", args->sweep_policies, "policies of the sweep (Belady is always added)")
       ->capture_default_str();
@@ -227,7 +237,66 @@ Action register_replay(CLI::App& app) {
       return 0;
     }
 
+    // Real device<->host bytes through a TransferManager: the executor writes each computed
+    // block's key pattern into device memory before its eviction and checks every loaded block.
+    struct RealTransfer {
+      std::unique_ptr<Device> device;
+      std::unique_ptr<Stream> compute;
+      Buffer device_memory;
+      std::optional<BlockSpace> space;
+      std::unique_ptr<TransferManager> manager;
+      std::unique_ptr<cache::TransferPlanExecutor> executor;
+    };
+    RealTransfer rt;
+    // Injected failures (--failure-rate) use the fake executor: a failed copy on a device stream is
+    // sticky (as on a GPU), which ends a replay; the transfer manager's failure handling is tested
+    // in tests/transfer.
+    const bool use_transfer = a.transfer != "none" && a.storage.empty() && a.host_blocks > 0 && a.failure_rate <= 0;
+    if (a.transfer != "none" && a.transfer != "host" && a.transfer != "cuda") {
+      std::fprintf(stderr, "kvtier replay: --transfer must be host, cuda or none, got '%s'\n", a.transfer.c_str());
+      return 2;
+    }
+    if (use_transfer) {
+      if (block_bytes_opt->count() == 0) a.block_bytes = 4096;
+      o.block_bytes = a.block_bytes;
+      auto fail = [](const char* what, const Status& st) {
+        std::fprintf(stderr, "kvtier replay: --transfer: %s: %s\n", what, st.to_string().c_str());
+        return 1;
+      };
+      if (a.transfer == "cuda") {
+        auto d = create_cuda_device(0);
+        if (!d.ok()) return fail("cuda device", d.status());
+        rt.device = std::move(*d);
+      } else {
+        auto d = HostDevice::create();
+        if (!d.ok()) return fail("host device", d.status());
+        rt.device = std::move(*d);
+      }
+      auto layout = KvLayout::uniform(1, 1, a.block_bytes);
+      if (!layout.ok()) return fail("layout", layout.status());
+      auto compute = rt.device->create_stream({StreamPriority::kNormal, "replay-compute"});
+      if (!compute.ok()) return fail("compute stream", compute.status());
+      rt.compute = std::move(*compute);
+      auto mem = rt.device->allocate_device(std::uint64_t{a.device_blocks} * a.block_bytes);
+      if (!mem.ok()) return fail("device memory", mem.status());
+      rt.device_memory = std::move(*mem);
+      auto space = BlockSpace::layer_first(MemoryKind::kDevice, rt.device->ordinal(), *layout, a.device_blocks,
+                                           {{rt.device_memory.data()}});
+      if (!space.ok()) return fail("device space", space.status());
+      rt.space = std::move(*space);
+      KvCacheRegistration reg{*rt.space, {}};
+      reg.host.num_blocks = a.host_blocks;
+      reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
+      auto tm = TransferManager::create(*rt.device, *rt.compute, std::move(reg));
+      if (!tm.ok()) return fail("transfer manager", tm.status());
+      rt.manager = std::move(*tm);
+      rt.executor = std::make_unique<cache::TransferPlanExecutor>(*rt.manager, *rt.device, *rt.compute, *rt.space,
+                                                                  cache::TransferPlanExecutor::Options{});
+      o.executor = rt.executor.get();
+    }
+
     auto res = cache::replay_trace(*trace, o);
+    o.executor = nullptr;  // Belady and the unbounded bound run on the fake executor
     if (!res.ok()) {
       std::fprintf(stderr, "kvtier replay: %s\n", res.status().to_string().c_str());
       return 1;
@@ -247,8 +316,17 @@ Action register_replay(CLI::App& app) {
       j["belady"] = to_json(*bel);
       j["unbounded_hit_ratio"] = unb.hit_ratio();
       if (!a.storage.empty()) j["storage"] = a.storage;
+      if (rt.executor) {
+        j["transfer"] = {{"backend", a.transfer},
+                         {"verified_blocks", rt.executor->verified()},
+                         {"verification_failures", rt.executor->verification_failures()},
+                         {"failed_tasks", rt.executor->failed_tasks()},
+                         {"bytes_d2h", rt.executor->bytes_d2h()},
+                         {"bytes_h2d", rt.executor->bytes_h2d()}};
+      }
       std::printf("%s\n", j.dump(2).c_str());
-      return r.verification_failures ? 3 : 0;
+      const bool bad = r.verification_failures || (rt.executor && rt.executor->verification_failures());
+      return bad ? 3 : 0;
     }
     auto gib = [](std::uint64_t b) { return static_cast<double>(b) / double(1ull << 30); };
     std::printf("trace            %s: %llu requests, %llu blocks (%llu cacheable), %llu input tokens\n", path.c_str(),
@@ -274,9 +352,18 @@ Action register_replay(CLI::App& app) {
                 a.device_blocks + a.host_blocks);
     std::printf("unbounded        %.4f (every reusable block kept)\n", unb.hit_ratio());
     std::printf("replay time      %.3f s (%s), %.3f s (belady)\n", r.seconds, r.policy.c_str(), bel->seconds);
+    if (rt.executor) {
+      std::printf("transfers        %s backend TransferManager: %.1f MiB D2H, %.1f MiB H2D, %llu failed tasks\n",
+                  a.transfer.c_str(), static_cast<double>(rt.executor->bytes_d2h()) / double(1 << 20),
+                  static_cast<double>(rt.executor->bytes_h2d()) / double(1 << 20),
+                  (unsigned long long)rt.executor->failed_tasks());
+      std::printf("verification     %llu loaded device blocks checked against their key's pattern, %llu mismatches\n",
+                  (unsigned long long)rt.executor->verified(),
+                  (unsigned long long)rt.executor->verification_failures());
+      return rt.executor->verification_failures() ? 3 : 0;
+    }
     if (a.storage.empty()) {
-      std::printf(
-          "bytes            not moved: fake executor (real bytes: --storage; device transfers are not wired)\n");
+      std::printf("bytes            not moved: fake executor (--transfer none)\n");
       return 0;
     }
     auto mib = [](std::uint64_t b) { return static_cast<double>(b) / double(1 << 20); };

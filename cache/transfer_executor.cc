@@ -1,0 +1,162 @@
+#include "kvtier/cache/transfer_executor.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace kvtier::cache {
+namespace {
+
+std::uint64_t splitmix(std::uint64_t& x) {
+  std::uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+void TransferPlanExecutor::fill_key_pattern(const BlockKey& key, std::byte* out, std::uint64_t bytes) {
+  std::uint64_t x = key.hi ^ (key.lo * 0xD6E8FEB86659FD93ull) ^ 0x6B76746965720001ull;
+  std::uint64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    const std::uint64_t v = splitmix(x);
+    std::memcpy(out + i, &v, 8);
+  }
+  if (i < bytes) {
+    const std::uint64_t v = splitmix(x);
+    std::memcpy(out + i, &v, bytes - i);
+  }
+}
+
+TransferPlanExecutor::TransferPlanExecutor(TransferManager& manager, Device& device, Stream& compute,
+                                           const BlockSpace& device_space, Options options)
+    : manager_(manager), device_(device), compute_(compute), space_(device_space), options_(options) {}
+
+Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
+  const KvLayout& layout = space_.layout();
+  const std::uint64_t block_bytes = layout.total_block_bytes();
+  std::vector<const BlockMove*> todo;
+  for (const BlockMove& m : moves) {
+    auto it = holds_.find(m.src);
+    if (it == holds_.end() || !(it->second == m.key)) todo.push_back(&m);
+  }
+  if (todo.empty()) return Status::Ok();
+  // The blocks may still be read by an earlier eviction of their previous
+  // contents: the compute stream waits (on the device) until they are free.
+  std::vector<std::int32_t> blocks;
+  for (const BlockMove* m : todo) blocks.push_back(static_cast<std::int32_t>(m->src));
+  KVTIER_RETURN_IF_ERROR(manager_.wait_device_blocks_free(blocks, compute_));
+  // One staging image per block; kept until the compute stream passed the copies.
+  staging_.resize(todo.size() * block_bytes);
+  for (std::size_t i = 0; i < todo.size(); ++i) {
+    std::byte* image = staging_.data() + i * block_bytes;
+    fill_key_pattern(todo[i]->key, image, block_bytes);
+    std::uint64_t offset = 0;
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        const std::uint64_t n = layout.block_bytes(l, r);
+        KVTIER_RETURN_IF_ERROR(device_.memcpy_async(space_.block_ptr(l, r, todo[i]->src), image + offset, n, compute_)
+                                   .with_context(fmt::format("prefill of device block {}", todo[i]->src)));
+        offset += n;
+      }
+    holds_[todo[i]->src] = todo[i]->key;
+  }
+  // The staging buffer is reused by the next step: wait for the compute stream.
+  return device_.synchronize(compute_, std::chrono::seconds(60));
+}
+
+Status TransferPlanExecutor::submit_d2h(MoveKind kind, const std::vector<BlockMove>& moves) {
+  if (moves.empty()) return Status::Ok();
+  if (options_.model_prefill) KVTIER_RETURN_IF_ERROR(prefill(moves));
+  std::vector<std::int32_t> dev, host;
+  Pending p;
+  p.kind = kind;
+  for (const BlockMove& m : moves) {
+    dev.push_back(static_cast<std::int32_t>(m.src));
+    host.push_back(static_cast<std::int32_t>(m.dst));
+    p.ack.push_back(m.dst);
+    p.device.push_back(m.src);
+    p.keys.push_back(m.key);
+  }
+  KVTIER_ASSIGN_OR_RETURN(TaskId id, manager_.evict_to_host_async(dev, host));
+  bytes_d2h_ += moves.size() * space_.layout().total_block_bytes();
+  pending_.emplace(id, std::move(p));
+  return Status::Ok();
+}
+
+Status TransferPlanExecutor::execute(const StepPlan& plan) {
+  if (!plan.storage_writes.empty() || !plan.storage_prefetches.empty())
+    return InvalidArgument(fmt::format(
+        "TransferPlanExecutor moves device<->host blocks only; plan has {} storage writes and {} prefetches "
+        "(route them with CompositePlanExecutor)",
+        plan.storage_writes.size(), plan.storage_prefetches.size()));
+  KVTIER_RETURN_IF_ERROR(submit_d2h(MoveKind::kEviction, plan.evictions));
+  KVTIER_RETURN_IF_ERROR(submit_d2h(MoveKind::kBackup, plan.backups));
+  if (!plan.loads.empty()) {
+    std::vector<std::int32_t> dev, host;
+    Pending p;
+    p.kind = MoveKind::kLoad;
+    for (const BlockMove& m : plan.loads) {
+      host.push_back(static_cast<std::int32_t>(m.src));
+      dev.push_back(static_cast<std::int32_t>(m.dst));
+      p.ack.push_back(m.dst);
+      p.device.push_back(m.dst);
+      p.keys.push_back(m.key);
+      holds_.erase(m.dst);  // overwritten by the load; known again once checked
+    }
+    KVTIER_ASSIGN_OR_RETURN(TaskId id, manager_.load_layers_to_device_async({}, host, dev));
+    bytes_h2d_ += plan.loads.size() * space_.layout().total_block_bytes();
+    pending_.emplace(id, std::move(p));
+  }
+  return Status::Ok();
+}
+
+void TransferPlanExecutor::check_loaded(const Pending& p) {
+  const KvLayout& layout = space_.layout();
+  const std::uint64_t block_bytes = layout.total_block_bytes();
+  std::vector<std::byte> want(block_bytes), got(block_bytes);
+  for (std::size_t i = 0; i < p.device.size(); ++i) {
+    fill_key_pattern(p.keys[i], want.data(), block_bytes);
+    std::uint64_t offset = 0;
+    bool read_ok = true;
+    for (std::uint32_t l = 0; l < layout.num_layers() && read_ok; ++l)
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        const std::uint64_t n = layout.block_bytes(l, r);
+        read_ok = device_.memcpy_sync(got.data() + offset, space_.block_ptr(l, r, p.device[i]), n).ok();
+        if (!read_ok) break;
+        offset += n;
+      }
+    ++verified_;
+    if (read_ok && std::memcmp(want.data(), got.data(), block_bytes) == 0) {
+      holds_[p.device[i]] = p.keys[i];
+    } else {
+      ++verification_failures_;
+    }
+  }
+}
+
+std::vector<Completion> TransferPlanExecutor::poll() {
+  std::vector<Completion> out;
+  for (TaskCompletion& c : manager_.poll_completions()) {
+    auto it = pending_.find(c.id);
+    if (it == pending_.end()) continue;  // not submitted by this executor
+    Pending& p = it->second;
+    Status status = c.status;
+    if (status.ok() && (!c.failed.device.empty() || !c.failed.host.empty()))
+      status = DataLoss(fmt::format("transfer task {}: {} device and {} host blocks failed", c.id,
+                                    c.failed.device.size(), c.failed.host.size()));
+    if (!status.ok()) {
+      ++failed_tasks_;
+      if (p.kind == MoveKind::kLoad)
+        for (BlockId b : p.device) holds_.erase(b);
+    } else if (p.kind == MoveKind::kLoad && options_.model_prefill) {
+      check_loaded(p);
+    }
+    out.push_back(Completion{p.kind, std::move(p.ack), std::move(status)});
+    pending_.erase(it);
+  }
+  return out;
+}
+
+}  // namespace kvtier::cache
