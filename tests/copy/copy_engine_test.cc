@@ -1,6 +1,7 @@
 // CopyEngine on the host backend (label cpu). The shared body runs every
 // strategy's host executor; the tests below use host-only fault and delay
 // injection.
+#include "kvtier/copy/copy_config.h"
 #include "copy/copy_engine_test_body.h"
 #include "copy/kernel_plan.h"
 #include "copy/plan.h"
@@ -184,3 +185,26 @@ TEST(KernelPlanTest, VectorSplit) {
 
 }  // namespace
 }  // namespace kvtier::copy_test
+
+namespace kvtier {
+namespace {
+
+TEST(CopyConfig, KnobsBindToOptionsAndEnv) {
+  CopyEngineOptions o;
+  ConfigTable t;
+  bind_copy_engine_options(t, o);
+  ASSERT_TRUE(t.set("copy.sm_ctas_h2d", "4").ok());
+  EXPECT_EQ(o.sm_ctas_h2d, 4u);
+  ASSERT_TRUE(t.set("copy.staged_slot_bytes", "16M").ok());
+  EXPECT_EQ(o.staged_slot_bytes, 16u << 20);
+  std::string var = "KVTIER_COPY_AUTO_KERNEL_MAX_SEGMENT_BYTES_H2D=0";
+  char* env[] = {var.data(), nullptr};
+  ASSERT_TRUE(t.apply_env(env).ok());
+  EXPECT_EQ(o.auto_kernel_max_segment_bytes_h2d, 0u);
+  EXPECT_FALSE(t.set("copy.sm_ctas_h2d", "lots").ok());
+  EXPECT_EQ(o.sm_ctas_h2d, 4u);
+  EXPECT_NE(t.markdown().find("KVTIER_COPY_BATCH_MAX_DESCRIPTORS"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvtier

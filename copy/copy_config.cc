@@ -1,0 +1,33 @@
+#include "kvtier/copy/copy_config.h"
+
+namespace kvtier {
+
+void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::string& p) {
+  t.add(p + ".sm_ctas_h2d", &o.sm_ctas_h2d, "SM kernel CTAs for host->device copies");
+  t.add(p + ".sm_ctas_d2h", &o.sm_ctas_d2h, "SM kernel CTAs for device->host copies");
+  t.add(p + ".sm_ctas_d2d", &o.sm_ctas_d2d, "SM kernel CTAs for device->device copies (and staged DMA)");
+  t.add(p + ".sm_threads_per_cta", &o.sm_threads_per_cta, "SM kernel threads per CTA (multiple of 32, <= 1024)");
+  t.add(p + ".sm_item_bytes", &o.sm_item_bytes, "bytes one warp copies per work item");
+  t.add(p + ".descriptor_slots", &o.descriptor_slots, "kernel descriptor slots per stream (ring)");
+  t.add(p + ".max_pairs_per_call", &o.max_pairs_per_call, "pairs per kernel launch; larger requests are split");
+  t.add(p + ".batch_max_descriptors", &o.batch_max_descriptors, "segments per cudaMemcpyBatchAsync call");
+  t.add(p + ".batch_gate_max_segment_bytes", &o.batch_gate_max_segment_bytes,
+        "gate H2D batches whose smallest segment is at most this (idle-stream cliff)");
+  t.add(p + ".batch_gate_always", &o.batch_gate_always, "gate every H2D batch");
+  t.add(p + ".auto_per_run_min_segment_bytes", &o.auto_per_run_min_segment_bytes,
+        "kAuto: one DMA per run from this average segment size");
+  t.add(p + ".auto_kernel_max_segment_bytes_h2d", &o.auto_kernel_max_segment_bytes_h2d,
+        "kAuto: H2D segments below this use the SM kernel (0: never)");
+  t.add(p + ".auto_kernel_max_segment_bytes_d2h", &o.auto_kernel_max_segment_bytes_d2h,
+        "kAuto: D2H segments below this use the SM kernel (0: never)");
+  t.add(p + ".auto_duplex_dma_min_segment_bytes", &o.auto_duplex_dma_min_segment_bytes,
+        "kAuto: in full duplex, batched DMA from this segment size");
+  t.add(p + ".staged_slot_bytes", &o.staged_slot_bytes, "staged DMA: device staging slot size");
+  t.add(p + ".staged_slots", &o.staged_slots, "staged DMA: staging slots per stream");
+  t.add(p + ".staged_max_span_ratio", &o.staged_max_span_ratio,
+        "kAuto: staged DMA only when staged bytes <= ratio x payload");
+  t.add(p + ".staged_min_host_run_bytes", &o.staged_min_host_run_bytes,
+        "kAuto: staged DMA only when host runs average at least this");
+}
+
+}  // namespace kvtier
