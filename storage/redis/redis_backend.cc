@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <array>
 #include <condition_variable>
@@ -20,6 +23,34 @@
 
 namespace kvtier::storage {
 namespace {
+
+// A write to a socket the server closed raises SIGPIPE, whose default action
+// kills the process. A library must not change the process's handlers, so the
+// threads that talk to Redis block SIGPIPE while they do: the write then fails
+// with EPIPE (a connection error, retried or reported), and the pending signal
+// is consumed before the mask is restored.
+class ScopedSigpipeBlock {
+ public:
+  ScopedSigpipeBlock() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    blocked_ = pthread_sigmask(SIG_BLOCK, &pipe_, &old_) == 0;
+  }
+  ~ScopedSigpipeBlock() {
+    if (!blocked_) return;
+    const struct timespec zero = {0, 0};
+    while (sigtimedwait(&pipe_, nullptr, &zero) > 0) {
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  ScopedSigpipeBlock(const ScopedSigpipeBlock&) = delete;
+  ScopedSigpipeBlock& operator=(const ScopedSigpipeBlock&) = delete;
+
+ private:
+  sigset_t pipe_;
+  sigset_t old_;
+  bool blocked_ = false;
+};
 
 constexpr int kNumSlots = 16384;
 
@@ -106,6 +137,7 @@ class RedisBackend final : public StorageBackend {
   }
 
   Status init() {
+    ScopedSigpipeBlock no_sigpipe;
     if (config_.endpoints.empty()) return InvalidArgument("redis backend: no endpoints");
     if (config_.workers == 0 || config_.workers > 256)
       return InvalidArgument(fmt::format("redis backend: workers {} not in [1, 256]", config_.workers));
@@ -343,6 +375,7 @@ class RedisBackend final : public StorageBackend {
 
   // One-off synchronous command on the key's node (test hooks).
   Result<ReplyPtr> admin_command(const StorageKey& k, std::vector<std::string> args) {
+    ScopedSigpipeBlock no_sigpipe;
     const std::string key = redis_key(k);
     std::string node = route(key);
     for (int attempt = 0; attempt < 3; ++attempt) {
@@ -369,6 +402,7 @@ class RedisBackend final : public StorageBackend {
   }
 
   void worker() {
+    ScopedSigpipeBlock no_sigpipe;  // for the thread's whole life
     Conns conns;
     for (;;) {
       Task task;
