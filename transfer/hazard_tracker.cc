@@ -11,6 +11,38 @@ bool WriteOrigin::block_failed(std::int32_t block) const noexcept {
   return all_failed || std::binary_search(failed_blocks.begin(), failed_blocks.end(), block);
 }
 
+void RecordGate::expect(const Event* event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.push_back(event);
+}
+
+void RecordGate::recorded(const Event* event) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find(pending_.begin(), pending_.end(), event);
+    if (it == pending_.end()) return;
+    *it = pending_.back();
+    pending_.pop_back();
+  }
+  cv_.notify_all();
+}
+
+bool RecordGate::pending(const Event* event) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::find(pending_.begin(), pending_.end(), event) != pending_.end();
+}
+
+void RecordGate::wait(const Event* event) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return std::find(pending_.begin(), pending_.end(), event) == pending_.end(); });
+}
+
+bool RecordGate::wait_until(const Event* event, std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_until(lock, deadline,
+                        [&] { return std::find(pending_.begin(), pending_.end(), event) == pending_.end(); });
+}
+
 void EventSet::add(const EventLease& event) {
   if (!event) return;
   for (const auto& e : events_)
@@ -18,8 +50,8 @@ void EventSet::add(const EventLease& event) {
   events_.push_back(event);
 }
 
-HazardTracker::HazardTracker(Device& device, std::uint64_t num_blocks, std::string tier_name)
-    : device_(device), num_blocks_(num_blocks), tier_name_(std::move(tier_name)), records_(num_blocks) {}
+HazardTracker::HazardTracker(Device& device, std::uint64_t num_blocks, std::string tier_name, const RecordGate* gate)
+    : device_(device), gate_(gate), num_blocks_(num_blocks), tier_name_(std::move(tier_name)), records_(num_blocks) {}
 
 Status HazardTracker::check_ids(std::span<const std::int32_t> blocks, std::string_view what) const {
   for (std::size_t i = 0; i < blocks.size(); ++i) {
@@ -41,6 +73,8 @@ bool HazardTracker::settled_locked(Access& a, QueryCache& cache) {
       break;
     }
   if (!cached) {
+    // Not recorded yet: its work is not even enqueued (query would say done).
+    if (gate_ && gate_->pending(a.event.get())) return false;
     auto done = device_.query(*a.event);
     // An error means the captured work is over (it failed): nothing to order after.
     settled = !done.ok() || done.value();
@@ -131,7 +165,10 @@ Status HazardTracker::wait_free(std::span<const std::int32_t> blocks, Stream& st
   KVTIER_RETURN_IF_ERROR(check_ids(blocks, "wait_free"));
   EventSet waits;
   hazards_for_write(blocks, kNoStream, waits);
-  for (const auto& e : waits.events()) KVTIER_RETURN_IF_ERROR(device_.wait(stream, *e));
+  for (const auto& e : waits.events()) {
+    if (gate_) gate_->wait(e.get());
+    KVTIER_RETURN_IF_ERROR(device_.wait(stream, *e));
+  }
   return Status::Ok();
 }
 
@@ -141,6 +178,9 @@ Status HazardTracker::wait_free_host(std::span<const std::int32_t> blocks, std::
   EventSet waits;
   hazards_for_write(blocks, kNoStream, waits);
   for (const auto& e : waits.events()) {
+    if (gate_ && !gate_->wait_until(e.get(), deadline))
+      return TimedOut(
+          fmt::format("{} blocks not free after {} ns (copy not yet submitted)", tier_name_, timeout.count()));
     auto left =
         std::max(std::chrono::nanoseconds(0),
                  std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - std::chrono::steady_clock::now()));

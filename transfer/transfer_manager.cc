@@ -158,8 +158,30 @@ class TransferManagerImpl final : public TransferManager {
   Status shutdown() override;
 
  private:
-  // Registers a new task in the state tables and queues its pending slots.
-  void publish(std::shared_ptr<TaskRec> task, std::deque<PendingEntry>& queue, std::vector<PendingEntry> entries);
+  // A submission thread: enqueues accepted tasks on its stream, in order.
+  struct SubmitJob {
+    std::shared_ptr<TaskRec> task;
+    EventSet waits;  // hazards, found when the task was accepted
+  };
+  struct SubmitWorker {
+    Stream* stream = nullptr;
+    std::deque<PendingEntry>* queue = nullptr;  // completion queue of that stream
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<SubmitJob> jobs;
+    bool stop = false;
+    std::thread thread;
+  };
+  // Caller holds submit_mu_: ResourceExhausted when too many tasks are in flight.
+  Status admit_locked() const;
+  // Registers a new task in the state tables (queryable and waitable by id).
+  void register_task(const std::shared_ptr<TaskRec>& task);
+  // Hands the job to w's thread, or runs it now (async_submit = false).
+  void dispatch(SubmitWorker& w, SubmitJob job);
+  void worker_loop(SubmitWorker& w);
+  // Waits, copies, records and queues the completion entries of one task.
+  void run_job(SubmitWorker& w, SubmitJob& job);
+  void stop_workers();
   void progress_loop();
   // Settles whatever completed; returns true if anything changed.
   bool progress_once(std::vector<std::function<void()>>& fire);
@@ -195,6 +217,7 @@ class TransferManagerImpl final : public TransferManager {
   std::unique_ptr<CopyEngine> owned_engine_;
   CopyEngine* engine_ = nullptr;
   std::unique_ptr<EventPool> pool_;
+  RecordGate gate_;
   std::unique_ptr<HazardTracker> dev_hazards_;
   std::unique_ptr<HazardTracker> host_hazards_;
 
@@ -227,6 +250,8 @@ class TransferManagerImpl final : public TransferManager {
   std::uint64_t latency_count_ = 0;
 
   std::thread progress_;
+  std::unique_ptr<SubmitWorker> in_worker_;
+  std::unique_ptr<SubmitWorker> out_worker_;
 };
 
 Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
@@ -296,27 +321,39 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
     engine_ = owned_engine_.get();
   }
   KVTIER_ASSIGN_OR_RETURN(pool_, EventPool::create(device_, 2 * layout.num_layers() + 8, config_.event_pool_max_free));
-  dev_hazards_ = std::make_unique<HazardTracker>(device_, device_space_.num_blocks(), "device");
-  host_hazards_ = std::make_unique<HazardTracker>(device_, host_space_.num_blocks(), "host");
+  dev_hazards_ = std::make_unique<HazardTracker>(device_, device_space_.num_blocks(), "device", &gate_);
+  host_hazards_ = std::make_unique<HazardTracker>(device_, host_space_.num_blocks(), "host", &gate_);
   latency_us_.assign(std::max<std::size_t>(config_.latency_samples, 1), 0.0);
+  in_worker_ = std::make_unique<SubmitWorker>();
+  in_worker_->stream = in_.get();
+  in_worker_->queue = &in_queue_;
+  out_worker_ = std::make_unique<SubmitWorker>();
+  out_worker_->stream = out_.get();
+  out_worker_->queue = &out_queue_;
   progress_ = std::thread([this] { progress_loop(); });
+  if (config_.async_submit) {
+    in_worker_->thread = std::thread([this] { worker_loop(*in_worker_); });
+    out_worker_->thread = std::thread([this] { worker_loop(*out_worker_); });
+  }
   return Status::Ok();
 }
 
-void TransferManagerImpl::publish(std::shared_ptr<TaskRec> task, std::deque<PendingEntry>& queue,
-                                  std::vector<PendingEntry> entries) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    DirCounters& d = dir(task->kind);
-    d.s.tasks_submitted++;
-    d.s.bytes_submitted += task->bytes;
-    if (d.s.in_flight++ == 0) d.busy_since = Clock::now();
-    d.s.max_in_flight = std::max(d.s.max_in_flight, d.s.in_flight);
-    pending_ids_.insert(task->id);
-    tasks_[task->id] = task;
-    for (auto& e : entries) queue.push_back(std::move(e));
-  }
-  work_cv_.notify_one();
+void TransferManagerImpl::register_task(const std::shared_ptr<TaskRec>& task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DirCounters& d = dir(task->kind);
+  d.s.tasks_submitted++;
+  d.s.bytes_submitted += task->bytes;
+  if (d.s.in_flight++ == 0) d.busy_since = Clock::now();
+  d.s.max_in_flight = std::max(d.s.max_in_flight, d.s.in_flight);
+  pending_ids_.insert(task->id);
+  tasks_[task->id] = task;
+}
+Status TransferManagerImpl::admit_locked() const {
+  if (shut_) return FailedPrecondition("transfer submit after shutdown");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pending_ids_.size() >= config_.max_in_flight_tasks)
+    return ResourceExhausted(fmt::format("{} transfer tasks in flight (max_in_flight_tasks)", pending_ids_.size()));
+  return Status::Ok();
 }
 
 Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int32_t> device_blocks,
@@ -329,36 +366,32 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(host_blocks, "evict_to_host_async host_blocks"));
+  {
+    CopyRequest req;
+    req.src = &device_space_;
+    req.dst = &host_space_;
+    req.src_blocks = device_blocks;
+    req.dst_blocks = host_blocks;
+    req.strategy = config_.evict_strategy;
+    KVTIER_RETURN_IF_ERROR(engine_->validate(req).with_context("evict_to_host_async"));
+  }
 
   std::lock_guard<std::mutex> submit(submit_mu_);
   if (shut_) return FailedPrecondition("evict_to_host_async after shutdown");
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pending_ids_.size() >= config_.max_in_flight_tasks)
-      return ResourceExhausted(fmt::format("{} transfer tasks in flight (max_in_flight_tasks)", pending_ids_.size()));
-  }
+  KVTIER_RETURN_IF_ERROR(admit_locked());
   Stream& after = options.after ? *options.after : compute_;
   const std::uint64_t out_id = out_->id();
 
-  // 1. The compute work that wrote the blocks, as a point on its stream.
+  // 1. The compute work that wrote the blocks, as a point on its stream
+  //    (recorded now, in the caller's stream order).
   KVTIER_ASSIGN_OR_RETURN(EventLease e_c, pool_->acquire());
+  KVTIER_ASSIGN_OR_RETURN(EventLease e_o, pool_->acquire());
   KVTIER_RETURN_IF_ERROR(device_.record(*e_c, after));
-  EventSet waits;
-  waits.add(e_c);
+  SubmitJob job;
+  job.waits.add(e_c);
   auto task = std::make_shared<TaskRec>();
-  dev_hazards_->hazards_for_read(device_blocks, out_id, waits, &task->sources);
-  host_hazards_->hazards_for_write(host_blocks, out_id, waits);
-  // 2. O waits on the device for all of it; no host synchronisation.
-  for (const auto& e : waits.events()) KVTIER_RETURN_IF_ERROR(device_.wait(*out_, *e));
-
-  CopyRequest req;
-  req.src = &device_space_;
-  req.dst = &host_space_;
-  req.src_blocks = device_blocks;
-  req.dst_blocks = host_blocks;
-  req.strategy = config_.evict_strategy;
-  auto report = engine_->copy(req, *out_);
-  if (!report.ok()) return report.status().with_context("evict_to_host_async");
+  dev_hazards_->hazards_for_read(device_blocks, out_id, job.waits, &task->sources);
+  host_hazards_->hazards_for_write(host_blocks, out_id, job.waits);
 
   task->id = next_id_++;
   task->kind = TaskKind::kEvict;
@@ -368,31 +401,21 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
   task->slot_visible.assign(1, false);
   task->slot_status.assign(1, Status::Ok());
   task->slot_done_at.assign(1, Clock::time_point{});
-  task->bytes = report->bytes;
+  task->slot_event.assign(1, e_o);
+  task->bytes = device_space_.layout().total_block_bytes() * device_blocks.size();
   task->submitted = Clock::now();
   task->on_done = options.on_done;
   task->origin = std::make_shared<WriteOrigin>(task->id);
 
-  PendingEntry entry{task, 0, nullptr, Status::Ok()};
-  // 3. e_o: device blocks are busy until it, host blocks written at it.
-  auto e_o = pool_->acquire();
-  Status rec = e_o.ok() ? device_.record(**e_o, *out_) : e_o.status();
-  if (!rec.ok()) {
-    // Without an event nothing can order after this copy: drain it here
-    // (only on a broken device) and report the task failed.
-    device_.synchronize(*out_, config_.shutdown_timeout).ignore_error();
-    entry.preset = rec.with_context("evict_to_host_async: recording the completion event");
-  } else {
-    entry.event = *e_o;
-    task->slot_event.assign(1, *e_o);
-    dev_hazards_->note_read(device_blocks, *e_o, out_id);
-    host_hazards_->note_write(host_blocks, *e_o, out_id, task->origin, /*full=*/true);
-  }
-  if (task->slot_event.empty()) task->slot_event.assign(1, nullptr);
-  TaskId id = task->id;
-  std::vector<PendingEntry> entries;
-  entries.push_back(std::move(entry));
-  publish(task, out_queue_, std::move(entries));
+  // 2. e_o, recorded by the submission after the copy: the device blocks are
+  //    busy until it, the host blocks written at it.
+  gate_.expect(e_o.get());
+  dev_hazards_->note_read(device_blocks, e_o, out_id);
+  host_hazards_->note_write(host_blocks, e_o, out_id, task->origin, /*full=*/true);
+  register_task(task);
+  job.task = std::move(task);
+  const TaskId id = job.task->id;
+  dispatch(*out_worker_, std::move(job));
   return id;
 }
 
@@ -423,85 +446,165 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
       order.push_back(layers[i]);
     }
   }
-
-  std::lock_guard<std::mutex> submit(submit_mu_);
-  if (shut_) return FailedPrecondition("load_layers_to_device_async after shutdown");
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pending_ids_.size() >= config_.max_in_flight_tasks)
-      return ResourceExhausted(fmt::format("{} transfer tasks in flight (max_in_flight_tasks)", pending_ids_.size()));
-  }
-  const std::uint64_t in_id = in_->id();
-  auto task = std::make_shared<TaskRec>();
-  EventSet waits;
-  host_hazards_->hazards_for_read(host_blocks, in_id, waits, &task->sources);
-  dev_hazards_->hazards_for_write(device_blocks, in_id, waits);
-  for (const auto& e : waits.events()) KVTIER_RETURN_IF_ERROR(device_.wait(*in_, *e));
-
-  task->id = next_id_++;
-  task->kind = TaskKind::kLoad;
-  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
-  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
-  task->layers = order;
-  const std::size_t n = order.size();
-  task->slot_state.assign(n, TaskState::kPending);
-  task->slot_visible.assign(n, false);
-  task->slot_status.assign(n, Status::Ok());
-  task->slot_event.assign(n, nullptr);
-  task->slot_done_at.assign(n, Clock::time_point{});
-  task->submitted = Clock::now();
-  task->on_layer = std::move(options.on_layer);
-  task->on_done = std::move(options.on_done);
-  task->origin = std::make_shared<WriteOrigin>(task->id);
-
-  std::vector<PendingEntry> entries;
-  entries.reserve(n);
-  EventLease last;
-  bool broken = false;
-  for (std::size_t k = 0; k < n; ++k) {
-    PendingEntry entry{task, k, nullptr, Status::Ok()};
-    if (broken) {
-      entry.preset = Aborted(fmt::format("layer {} not enqueued: the device failed earlier in this load", order[k]));
-      task->slot_status[k] = entry.preset;
-      entries.push_back(std::move(entry));
-      continue;
-    }
     CopyRequest req;
     req.src = &host_space_;
     req.dst = &device_space_;
     req.src_blocks = host_blocks;
     req.dst_blocks = device_blocks;
-    req.layers = std::span<const std::uint32_t>(&order[k], 1);
+    req.layers = order;
     req.strategy = config_.load_strategy;
-    auto report = engine_->copy(req, *in_);
-    if (!report.ok()) {
-      entry.preset = report.status().with_context(fmt::format("load layer {}", order[k]));
-      task->slot_status[k] = entry.preset;
-      entries.push_back(std::move(entry));
-      continue;
-    }
-    task->bytes += report->bytes;
-    auto e = pool_->acquire();
-    Status rec = e.ok() ? device_.record(**e, *in_) : e.status();
-    if (!rec.ok()) {
-      device_.synchronize(*in_, config_.shutdown_timeout).ignore_error();
-      entry.preset = rec.with_context(fmt::format("load layer {}: recording its event", order[k]));
-      task->slot_status[k] = entry.preset;
-      broken = true;
-    } else {
-      entry.event = *e;
-      task->slot_event[k] = *e;
-      last = *e;
-    }
-    entries.push_back(std::move(entry));
+    KVTIER_RETURN_IF_ERROR(engine_->validate(req).with_context("load_layers_to_device_async"));
   }
-  if (last) {
-    host_hazards_->note_read(host_blocks, last, in_id);
-    dev_hazards_->note_write(device_blocks, last, in_id, task->origin, /*full=*/n == layout.num_layers());
+  const std::size_t n = order.size();
+  std::uint64_t bytes = 0;
+  for (std::uint32_t l : order)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) bytes += layout.block_bytes(l, r) * device_blocks.size();
+
+  std::lock_guard<std::mutex> submit(submit_mu_);
+  if (shut_) return FailedPrecondition("load_layers_to_device_async after shutdown");
+  KVTIER_RETURN_IF_ERROR(admit_locked());
+  std::vector<EventLease> events(n);
+  for (auto& e : events) {
+    KVTIER_ASSIGN_OR_RETURN(e, pool_->acquire());
   }
-  TaskId id = task->id;
-  publish(task, in_queue_, std::move(entries));
+  const std::uint64_t in_id = in_->id();
+  auto task = std::make_shared<TaskRec>();
+  SubmitJob job;
+  host_hazards_->hazards_for_read(host_blocks, in_id, job.waits, &task->sources);
+  dev_hazards_->hazards_for_write(device_blocks, in_id, job.waits);
+
+  task->id = next_id_++;
+  task->kind = TaskKind::kLoad;
+  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
+  task->layers = std::move(order);
+  task->slot_state.assign(n, TaskState::kPending);
+  task->slot_visible.assign(n, false);
+  task->slot_status.assign(n, Status::Ok());
+  task->slot_event = events;
+  task->slot_done_at.assign(n, Clock::time_point{});
+  task->bytes = bytes;
+  task->submitted = Clock::now();
+  task->on_layer = std::move(options.on_layer);
+  task->on_done = std::move(options.on_done);
+  task->origin = std::make_shared<WriteOrigin>(task->id);
+
+  for (const auto& e : events) gate_.expect(e.get());
+  // The last layer's event completes every layer (one stream, in order).
+  host_hazards_->note_read(host_blocks, events.back(), in_id);
+  dev_hazards_->note_write(device_blocks, events.back(), in_id, task->origin, /*full=*/n == layout.num_layers());
+  register_task(task);
+  job.task = std::move(task);
+  const TaskId id = job.task->id;
+  dispatch(*in_worker_, std::move(job));
   return id;
+}
+
+void TransferManagerImpl::dispatch(SubmitWorker& w, SubmitJob job) {
+  if (!config_.async_submit) {
+    run_job(w, job);  // inline, under the submit lock (synchronous submission)
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.jobs.push_back(std::move(job));
+  }
+  w.cv.notify_one();
+}
+
+void TransferManagerImpl::worker_loop(SubmitWorker& w) {
+  for (;;) {
+    SubmitJob job;
+    {
+      std::unique_lock<std::mutex> lock(w.mu);
+      w.cv.wait(lock, [&] { return w.stop || !w.jobs.empty(); });
+      if (w.jobs.empty()) return;  // stopping, and every accepted task was submitted
+      job = std::move(w.jobs.front());
+      w.jobs.pop_front();
+    }
+    run_job(w, job);
+  }
+}
+
+namespace {
+// Releases a job's expected events on every path out of run_job: a waiter on
+// an event that is never recorded must not hang.
+struct ReleaseRecords {
+  RecordGate& gate;
+  const std::vector<EventLease>& events;
+  std::size_t next = 0;
+  void upto(std::size_t k) {
+    for (; next < std::min(k, events.size()); ++next) gate.recorded(events[next].get());
+  }
+  ~ReleaseRecords() { upto(events.size()); }
+};
+}  // namespace
+
+void TransferManagerImpl::run_job(SubmitWorker& w, SubmitJob& job) {
+  const std::shared_ptr<TaskRec> task = job.task;
+  TaskRec& t = *task;
+  Stream& stream = *w.stream;
+  const std::vector<EventLease> events = t.slot_event;  // finalize may reset the task's copies
+  ReleaseRecords release{gate_, events};
+
+  // 1. Hazards, on the device. An event of the other submission thread
+  //    belongs to an earlier task: wait until it is recorded, then on it.
+  Status failed;
+  for (const auto& e : job.waits.events()) {
+    gate_.wait(e.get());
+    Status st = device_.wait(stream, *e);
+    if (!st.ok()) {
+      failed = st.with_context(fmt::format("{} task {}: ordering after earlier work", task_kind_name(t.kind), t.id));
+      break;
+    }
+  }
+  const bool load = t.kind == TaskKind::kLoad;
+  CopyRequest req;
+  req.src = load ? &host_space_ : &device_space_;
+  req.dst = load ? &device_space_ : &host_space_;
+  req.src_blocks = load ? t.host_blocks : t.device_blocks;
+  req.dst_blocks = load ? t.device_blocks : t.host_blocks;
+  req.strategy = load ? config_.load_strategy : config_.evict_strategy;
+  bool broken = false;  // a record failed and the stream was drained: enqueue nothing more
+  const std::size_t n = events.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    PendingEntry entry{task, k, nullptr, Status::Ok()};
+    Status st = failed;
+    if (st.ok() && broken)
+      st = Aborted(fmt::format("layer {} not enqueued: the device failed earlier in this load", t.layers[k]));
+    if (st.ok()) {
+      if (load) req.layers = std::span<const std::uint32_t>(&t.layers[k], 1);
+      auto report = engine_->copy(req, stream);
+      if (!report.ok())
+        st = report.status().with_context(load ? fmt::format("load layer {}", t.layers[k])
+                                               : std::string("evict_to_host_async"));
+    }
+    if (!broken) {
+      // Recorded even after a failed copy or wait: part of it may be queued,
+      // and later work is ordered after this event.
+      Status rec = device_.record(*events[k], stream);
+      if (!rec.ok()) {
+        // Without an event nothing can order after this copy: drain the
+        // stream here (only on a broken device).
+        device_.synchronize(stream, config_.shutdown_timeout).ignore_error();
+        if (st.ok()) st = rec.with_context("recording the completion event");
+        broken = true;
+      }
+    }
+    if (st.ok()) {
+      entry.event = events[k];
+    } else {
+      entry.preset = st;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!st.ok()) t.slot_status[k] = st;  // seen by wait_for_layer once the event is released
+      w.queue->push_back(std::move(entry));
+    }
+    release.upto(k + 1);
+    work_cv_.notify_one();
+  }
 }
 
 Status TransferManagerImpl::record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
@@ -525,26 +628,31 @@ Status TransferManagerImpl::record_device_access(std::span<const std::int32_t> d
 
 Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Stream& stream) {
   EventLease event;
-  Status status_if_no_event;
+  std::shared_ptr<TaskRec> task;
+  std::size_t k = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto* t = find_locked(id);
     if (!t) return task_not_found(id);
-    const TaskRec& task = **t;
-    if (task.kind != TaskKind::kLoad)
+    task = *t;
+    if (task->kind != TaskKind::kLoad)
       return InvalidArgument(fmt::format("wait_for_layer: task {} is an eviction, not a load", id));
-    auto it = std::find(task.layers.begin(), task.layers.end(), layer);
-    if (it == task.layers.end())
+    auto it = std::find(task->layers.begin(), task->layers.end(), layer);
+    if (it == task->layers.end())
       return InvalidArgument(fmt::format("wait_for_layer: load task {} does not load layer {}", id, layer));
-    std::size_t k = static_cast<std::size_t>(it - task.layers.begin());
-    if (task.slot_state[k] == TaskState::kDone) return Status::Ok();
-    if (task.slot_state[k] == TaskState::kFailed) return task.slot_status[k];
-    event = task.slot_event[k];
-    status_if_no_event = task.slot_status[k];
-    if (!event && status_if_no_event.ok())
-      status_if_no_event = Internal(fmt::format("wait_for_layer: pending layer {} of task {} has no event", layer, id));
+    k = static_cast<std::size_t>(it - task->layers.begin());
+    if (task->slot_state[k] == TaskState::kDone) return Status::Ok();
+    if (task->slot_state[k] == TaskState::kFailed) return task->slot_status[k];
+    event = task->slot_event[k];
+    if (!event) return Internal(fmt::format("wait_for_layer: pending layer {} of task {} has no event", layer, id));
   }
-  if (!event) return status_if_no_event;  // failed at enqueue; final once the progress thread sees it
+  // The layer may still wait for its submission thread: block (on the CPU,
+  // for submission only, never for device work) until its event is recorded.
+  gate_.wait(event.get());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!task->slot_status[k].ok()) return task->slot_status[k];  // failed at enqueue
+  }
   return device_.wait(stream, *event);
 }
 
@@ -890,12 +998,26 @@ TransferStats TransferManagerImpl::stats() const {
   return s;
 }
 
+void TransferManagerImpl::stop_workers() {
+  for (SubmitWorker* w : {in_worker_.get(), out_worker_.get()}) {
+    if (w == nullptr) continue;
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      w->stop = true;
+    }
+    w->cv.notify_all();
+    if (w->thread.joinable()) w->thread.join();
+  }
+}
+
 Status TransferManagerImpl::shutdown() {
   {
     std::lock_guard<std::mutex> submit(submit_mu_);
     if (shut_) return shutdown_status_;
     shut_ = true;
   }
+  // Every accepted task is enqueued (or failed) before the streams drain.
+  stop_workers();
   Status result;
   if (in_ && out_) {
     for (Stream* s : {in_.get(), out_.get()}) {

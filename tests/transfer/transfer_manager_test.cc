@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kvtier/device/host_device.h"
+#include "kvtier/transfer/hazard_tracker.h"
 #include "transfer/transfer_model.h"
 
 namespace kvtier {
@@ -447,6 +448,78 @@ TEST(TransferManagerRandom, InterleavedModelWithFailures) {
   ro.failure_permille = 2;
   ro.phase_ops = 30;
   transfer_test::run_random_interleaving(*dev, rig_options(small_gqa(), CopyStrategy::kDmaPerRun), ro);
+}
+
+// Synchronous submission (async_submit = false) keeps the same guarantees.
+TEST(TransferManagerRandom, InterleavedModelSynchronousSubmit) {
+  for (CopyStrategy s : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch}) {
+    auto dev = make_host(25);
+    RandomOptions ro;
+    ro.ops = 600;
+    ro.seed = 25 + static_cast<int>(s);
+    RigOptions o = rig_options(small_gqa(), s);
+    o.config.async_submit = false;
+    transfer_test::run_random_interleaving(*dev, o, ro);
+  }
+}
+
+// ---------------------------------------------------------------- record gate
+
+// An event noted in a hazard record before it is recorded (asynchronous
+// submission) must count as pending: a never-recorded event queries as
+// complete and a stream wait on it is a no-op, so without the gate a block
+// would be reported free, and a reuse not ordered, before its copy exists.
+TEST(HazardTrackerGate, EventNotedBeforeItsRecordIsPending) {
+  auto dev = make_host(31, 0);
+  auto copy_stream = dev->create_stream({});
+  auto reuse_stream = dev->create_stream({});
+  ASSERT_TRUE(copy_stream.ok() && reuse_stream.ok());
+  RecordGate gate;
+  HazardTracker tracker(*dev, 4, "device", &gate);
+  auto ev = dev->create_event();
+  ASSERT_TRUE(ev.ok());
+  EventLease event = std::move(ev).value();
+  gate.expect(event.get());
+  const std::vector<std::int32_t> blocks = {2};
+  tracker.note_read(blocks, event, (*copy_stream)->id());
+
+  auto free = tracker.is_free(2);
+  ASSERT_TRUE(free.ok());
+  EXPECT_FALSE(*free) << "a block whose copy is not even enqueued was reported free";
+  EXPECT_EQ(tracker.wait_free_host(blocks, 20ms).code(), StatusCode::kTimedOut);
+  EXPECT_TRUE(*tracker.is_free(3)) << "an untouched block is free";
+
+  // The "copy": a long task on copy_stream, then the record. A reuse fenced
+  // with wait_free while the record is still pending must end up after it.
+  Gate hold;
+  std::atomic<bool> copy_done{false};
+  std::thread submitter([&] {
+    std::this_thread::sleep_for(30ms);
+    ASSERT_TRUE(hold.block(*dev, **copy_stream).ok());
+    ASSERT_TRUE(dev->enqueue_task(**copy_stream,
+                                  [&]() -> Status {
+                                    copy_done = true;
+                                    return Status::Ok();
+                                  })
+                    .ok());
+    ASSERT_TRUE(dev->record(*event, **copy_stream).ok());
+    gate.recorded(event.get());
+  });
+  ASSERT_TRUE(tracker.wait_free(blocks, **reuse_stream).ok());  // blocks until recorded
+  std::atomic<bool> reuse_saw_copy{false};
+  ASSERT_TRUE(dev->enqueue_task(**reuse_stream,
+                                [&]() -> Status {
+                                  reuse_saw_copy = copy_done.load();
+                                  return Status::Ok();
+                                })
+                  .ok());
+  submitter.join();
+  EXPECT_FALSE(*tracker.is_free(2)) << "recorded but the copy is held";
+  hold.release();
+  ASSERT_TRUE(dev->synchronize(**reuse_stream, 10s).ok());
+  EXPECT_TRUE(reuse_saw_copy) << "the reuse ran before the copy it was fenced after";
+  EXPECT_TRUE(tracker.wait_free_host(blocks, 10s).ok());
+  EXPECT_TRUE(*tracker.is_free(2));
 }
 
 // ---------------------------------------------------------------- API edges

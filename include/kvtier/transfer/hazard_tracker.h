@@ -18,14 +18,26 @@
 // failed is itself reported failed, even if it was submitted before the
 // failure was known. (GPU waits cannot carry errors; origins can.)
 //
-// Thread-safety: every method is safe to call concurrently. The sequence
-// hazards_for_*() -> enqueue -> note_*() must be atomic with respect to other
-// submitters of the same tier; the TransferManager serialises it under its
-// submit lock. Never blocks on device work except wait_free_host().
+// Events noted before they are recorded. With asynchronous submission the
+// TransferManager notes a task's completion event when the task is accepted,
+// and a submission thread enqueues the copy and records the event later. A
+// RecordGate knows which events are still waiting for their record: the
+// tracker treats them as pending (never settled, never free) and waits for
+// the record before it hands one to a stream wait or a host wait (a wait on
+// an event that was never recorded would be a no-op).
+//
+// Thread-safety: every method of HazardTracker and RecordGate is safe to call
+// concurrently. The sequence hazards_for_*() -> note_*() must be atomic with
+// respect to other submitters of the same tier (the TransferManager
+// serialises it under its submit lock), and the work behind a noted event
+// must be ordered after the waits hazards_for_*() returned. Never blocks on
+// device work except wait_free_host(); wait_free() and wait_free_host() may
+// block until pending records happen (submission, not device work).
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -58,6 +70,25 @@ using WriteOriginRef = std::shared_ptr<WriteOrigin>;
 // (index into the block list, origin of that block's bytes).
 using SourceOrigins = std::vector<std::pair<std::uint32_t, WriteOriginRef>>;
 
+class RecordGate {
+ public:
+  // `event` will be recorded later (by a submission thread).
+  void expect(const Event* event);
+  // `event` was recorded, or will never be (its submission failed and the
+  // stream was drained): wakes its waiters. Idempotent.
+  void recorded(const Event* event);
+  bool pending(const Event* event) const;
+  // Blocks until `event` is not pending.
+  void wait(const Event* event) const;
+  // Same, until `deadline`; false when still pending then.
+  bool wait_until(const Event* event, std::chrono::steady_clock::time_point deadline) const;
+
+ private:
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::vector<const Event*> pending_;
+};
+
 // A small set of events, deduplicated by identity.
 class EventSet {
  public:
@@ -75,8 +106,9 @@ class HazardTracker {
   // A stream id no Stream has: hazards_for_*(..., kNoStream, ...) skips nothing.
   static constexpr std::uint64_t kNoStream = ~std::uint64_t{0};
 
-  // `tier_name` names the tier in error messages ("device", "host").
-  HazardTracker(Device& device, std::uint64_t num_blocks, std::string tier_name);
+  // `tier_name` names the tier in error messages ("device", "host"). `gate`
+  // (may be null; must outlive the tracker): events noted before their record.
+  HazardTracker(Device& device, std::uint64_t num_blocks, std::string tier_name, const RecordGate* gate = nullptr);
 
   std::uint64_t num_blocks() const noexcept { return num_blocks_; }
   // OutOfRange naming the first bad id and its index in `what`.
@@ -134,6 +166,7 @@ class HazardTracker {
   bool settled_locked(Access& a, QueryCache& cache);
 
   Device& device_;
+  const RecordGate* gate_ = nullptr;
   std::uint64_t num_blocks_;
   std::string tier_name_;
   mutable std::mutex mu_;

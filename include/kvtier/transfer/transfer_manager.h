@@ -47,17 +47,33 @@
 // the manager, and must not host-wait for their own task, call shutdown() or
 // destroy the manager.
 //
+// Submission (config.async_submit, default on). A submit call validates the
+// request (ids, lengths, duplicates, the CopyEngine's checks), takes the
+// submit lock, finds the hazards, notes the task's completion events in the
+// hazard records and returns its id; a submission thread per stream (I, O)
+// then enqueues the waits, copies and event records in acceptance order. An
+// error while enqueuing (a device error) fails the task or layer: it is
+// reported by wait / poll_completions / callbacks, not by the submit call.
+// wait_for_layer blocks the calling thread until the layer's event is
+// recorded (submission progress, not device work), then enqueues the stream
+// wait; wait_device_blocks_free likewise. Hazards across the two threads are
+// safe: a task only waits on events of tasks accepted before it, and each
+// thread enqueues in acceptance order. With async_submit = false the calling
+// thread enqueues everything before the submit returns.
+//
 // Thread-safety: every method may be called from any thread. Submissions are
-// serialised internally (hazard lookup + enqueue + record are one step), so
-// the order of two concurrent submissions is the order they take the lock.
-// Blocking: submit methods, wait_for_layer, record_device_access and the
-// is_*_free queries never block on device work; wait*, *_host and shutdown do.
+// serialised internally (hazard lookup + note are one step), so the order of
+// two concurrent submissions is the order they take the lock.
+// Blocking: submit methods, record_device_access and the is_*_free queries
+// never block on device work; wait_for_layer and wait_device_blocks_free may
+// wait for submission (CPU) but never for device work; wait*, *_host and
+// shutdown do.
 //
 // Lifetime: the Device, the compute stream and caller-owned cache memory must
 // outlive shutdown(). shutdown() (also run by the destructor) stops new
-// submissions, drains I and O, processes the remaining completions (firing
-// callbacks), joins the progress thread, and only then frees events, streams
-// and kvtier-allocated host memory.
+// submissions, lets the submission threads enqueue every accepted task and joins them, drains I and O, processes the
+// remaining completions (firing callbacks), joins the progress thread, and only then frees events, streams and
+// kvtier-allocated host memory.
 //
 // Config knobs (TransferManagerConfig):
 //   evict_strategy / load_strategy   kAuto      CopyEngine strategy per direction
@@ -72,6 +88,7 @@
 //   shutdown_timeout                 60 s       per-stream drain limit in shutdown()
 //   event_pool_max_free              4096       returned events kept for reuse
 //   host_ready_timeout               600 s      wait for kvtier-allocated pinned memory at create
+//   async_submit                     true       enqueue on submission threads (see Submission)
 #pragma once
 
 #include <chrono>
@@ -124,6 +141,12 @@ struct TransferManagerConfig {
   std::chrono::milliseconds shutdown_timeout{60000};
   std::size_t event_pool_max_free = 4096;
   std::chrono::milliseconds host_ready_timeout{600000};
+  // true: submit methods validate, find hazards and return; two submission
+  // threads (one per stream) enqueue the copies, so a 32-layer load returns
+  // in microseconds and the caller can enqueue layer 0's compute at once
+  // (enqueueing thousands of DMA descriptors costs ~0.5 us each). false:
+  // the calling thread enqueues everything before the submit returns.
+  bool async_submit = true;
 };
 
 // layer: the model layer index; status: OK = the layer's bytes are on the device.
