@@ -22,6 +22,16 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto: D2H segments below this use the SM kernel (0: never)");
   t.add(p + ".auto_duplex_dma_min_segment_bytes", &o.auto_duplex_dma_min_segment_bytes,
         "kAuto: in full duplex, batched DMA from this segment size");
+  t.add(p + ".split_kernel_share", &o.split_kernel_share, "split: share of the pairs copied by the SM kernel (0..1)");
+  t.add(p + ".split_dma_lanes", &o.split_dma_lanes, "split: lane streams sharing the batched-DMA part (1..16)");
+  t.add(p + ".auto_split_h2d_min_segment_bytes", &o.auto_split_h2d_min_segment_bytes,
+        "kAuto: H2D (not duplex) uses split from this average segment size");
+  t.add(p + ".auto_split_h2d_max_segment_bytes", &o.auto_split_h2d_max_segment_bytes,
+        "kAuto: ... below this one (0: never)");
+  t.add(p + ".auto_split_duplex_min_segment_bytes", &o.auto_split_duplex_min_segment_bytes,
+        "kAuto: in full duplex, split from this average segment size");
+  t.add(p + ".auto_split_duplex_max_segment_bytes", &o.auto_split_duplex_max_segment_bytes,
+        "kAuto: ... below this one (0: never)");
   t.add(p + ".staged_slot_bytes", &o.staged_slot_bytes, "staged DMA: device staging slot size");
   t.add(p + ".staged_slots", &o.staged_slots, "staged DMA: staging slots per stream");
   t.add(p + ".staged_max_span_ratio", &o.staged_max_span_ratio,

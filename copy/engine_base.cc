@@ -15,6 +15,7 @@ std::string_view copy_strategy_name(CopyStrategy s) noexcept {
     case CopyStrategy::kDmaBatch: return "dma_batch";
     case CopyStrategy::kSmKernel: return "sm_kernel";
     case CopyStrategy::kStagedDma: return "staged_dma";
+    case CopyStrategy::kSplit: return "split";
   }
   return "?";
 }
@@ -28,8 +29,9 @@ Result<CopyStrategy> parse_copy_strategy(std::string_view name) {
   if (name == "batch") return CopyStrategy::kDmaBatch;
   if (name == "kernel" || name == "sm") return CopyStrategy::kSmKernel;
   if (name == "staged") return CopyStrategy::kStagedDma;
-  return InvalidArgument(
-      fmt::format("unknown copy strategy '{}' (expected auto, dma_per_run, dma_batch, sm_kernel, staged_dma)", name));
+  if (name == "hybrid") return CopyStrategy::kSplit;
+  return InvalidArgument(fmt::format(
+      "unknown copy strategy '{}' (expected auto, dma_per_run, dma_batch, sm_kernel, staged_dma, split)", name));
 }
 
 std::string_view copy_direction_name(CopyDirection d) noexcept {
@@ -82,6 +84,10 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
   if (o.staged_slots == 0) return InvalidArgument("staged_slots must be >= 1, got 0");
   if (o.staged_slot_bytes < kStagedAlign)
     return InvalidArgument(fmt::format("staged_slot_bytes must be >= {}, got {}", kStagedAlign, o.staged_slot_bytes));
+  if (!(o.split_kernel_share >= 0.0 && o.split_kernel_share <= 1.0))  // also rejects NaN
+    return InvalidArgument(fmt::format("split_kernel_share must be in [0, 1], got {}", o.split_kernel_share));
+  if (o.split_dma_lanes == 0 || o.split_dma_lanes > 16)
+    return InvalidArgument(fmt::format("split_dma_lanes must be in [1, 16], got {}", o.split_dma_lanes));
   if (!(o.staged_max_span_ratio >= 1.0))  // also rejects NaN
     return InvalidArgument(fmt::format("staged_max_span_ratio must be >= 1.0, got {}", o.staged_max_span_ratio));
   return Status::Ok();
@@ -188,6 +194,10 @@ bool EngineBase::in_flight(CopyDirection dir, const StreamState* exclude) const 
   return false;
 }
 
+namespace {
+bool in_range(std::uint64_t v, std::uint64_t lo, std::uint64_t hi) { return v >= lo && v < hi; }
+}  // namespace
+
 CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* self) const {
   const std::uint64_t avg = s.average_segment_bytes();
   if (s.segments <= options_.auto_per_run_max_segments || avg >= options_.auto_per_run_min_segment_bytes)
@@ -195,18 +205,25 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
   switch (s.direction) {
     case CopyDirection::kDeviceToDevice: return CopyStrategy::kSmKernel;
     case CopyDirection::kHostToHost: return CopyStrategy::kDmaBatch;
-    case CopyDirection::kDeviceToHost:
+    case CopyDirection::kDeviceToHost: {
+      const bool duplex = s.full_duplex_hint || in_flight(CopyDirection::kHostToDevice, self);
+      if (duplex &&
+          in_range(avg, options_.auto_split_duplex_min_segment_bytes, options_.auto_split_duplex_max_segment_bytes))
+        return CopyStrategy::kSplit;
       if (avg >= options_.auto_kernel_max_segment_bytes_d2h) return CopyStrategy::kDmaBatch;
-      if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
-          (s.full_duplex_hint || in_flight(CopyDirection::kHostToDevice, self)))
-        return CopyStrategy::kDmaBatch;
+      if (avg >= options_.auto_duplex_dma_min_segment_bytes && duplex) return CopyStrategy::kDmaBatch;
       return CopyStrategy::kSmKernel;
-    case CopyDirection::kHostToDevice:
+    }
+    case CopyDirection::kHostToDevice: {
+      const bool duplex = s.full_duplex_hint || in_flight(CopyDirection::kDeviceToHost, self);
+      if (duplex ? in_range(avg, options_.auto_split_duplex_min_segment_bytes,
+                            options_.auto_split_duplex_max_segment_bytes)
+                 : in_range(avg, options_.auto_split_h2d_min_segment_bytes, options_.auto_split_h2d_max_segment_bytes))
+        return CopyStrategy::kSplit;
       if (avg >= options_.auto_kernel_max_segment_bytes_h2d) return CopyStrategy::kDmaBatch;
-      if (avg >= options_.auto_duplex_dma_min_segment_bytes &&
-          (s.full_duplex_hint || in_flight(CopyDirection::kDeviceToHost, self)))
-        return CopyStrategy::kDmaBatch;
+      if (avg >= options_.auto_duplex_dma_min_segment_bytes && duplex) return CopyStrategy::kDmaBatch;
       return CopyStrategy::kSmKernel;
+    }
   }
   return CopyStrategy::kDmaBatch;
 }
@@ -542,6 +559,88 @@ Status EngineBase::run_staged(StreamState& st, Stream& stream, const CopyRequest
   return Status::Ok();
 }
 
+Result<SplitStreamState*> EngineBase::split_state(StreamState& st) {
+  if (st.split) return st.split.get();
+  auto ss = std::make_unique<SplitStreamState>();
+  KVTIER_ASSIGN_OR_RETURN(ss->fork, device_.create_event());
+  ss->lanes.resize(options_.split_dma_lanes);
+  for (std::size_t i = 0; i < ss->lanes.size(); ++i) {
+    StreamOptions so;
+    so.priority = StreamPriority::kHigh;
+    so.name = fmt::format("kvtier-split-lane-{}-{}", st.stream_id, i);
+    KVTIER_ASSIGN_OR_RETURN(ss->lanes[i].stream, device_.create_stream(so));
+    KVTIER_ASSIGN_OR_RETURN(ss->lanes[i].done, device_.create_event());
+  }
+  st.split = std::move(ss);
+  return st.split.get();
+}
+
+namespace {
+// Makes the caller's stream wait for every lane that got work, on every path
+// out of run_split (later work on it must never overtake a lane's DMA).
+struct JoinLanes {
+  Device& device;
+  Stream& stream;
+  SplitStreamState* ss = nullptr;
+  std::size_t used = 0;
+  Status join() {
+    Status first;
+    for (std::size_t i = 0; i < used; ++i) {
+      Status s = device.wait(stream, *ss->lanes[i].done);
+      if (first.ok() && !s.ok()) first = s;
+    }
+    used = 0;
+    return first;
+  }
+  ~JoinLanes() { join().ignore_error(); }
+};
+}  // namespace
+
+Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
+                             CopyReport& report) {
+  KVTIER_ASSIGN_OR_RETURN(SplitStreamState * ss, split_state(st));
+  const std::size_t n = r.src_blocks.size();
+  auto kernel_pairs = static_cast<std::size_t>(static_cast<double>(n) * options_.split_kernel_share);
+  kernel_pairs = std::min(kernel_pairs, n);
+  const std::size_t dma_pairs = n - kernel_pairs;
+  const std::size_t lanes = std::min<std::size_t>(ss->lanes.size(), dma_pairs);
+  JoinLanes join{device_, stream, ss};
+  if (lanes > 0) {
+    // The lanes read/write blocks that work already on `stream` may touch.
+    KVTIER_RETURN_IF_ERROR(device_.record(*ss->fork, stream));
+    for (std::size_t i = 0; i < lanes; ++i) KVTIER_RETURN_IF_ERROR(device_.wait(*ss->lanes[i].stream, *ss->fork));
+  }
+  if (kernel_pairs > 0) {
+    // First: one launch, so the SMs start while the DMA parts are submitted.
+    CopyRequest part = r;
+    part.src_blocks = r.src_blocks.subspan(0, kernel_pairs);
+    part.dst_blocks = r.dst_blocks.subspan(0, kernel_pairs);
+    KVTIER_RETURN_IF_ERROR(run_kernel(st, stream, part, dir, report));
+  }
+  PlanScratch& sc = st.scratch;
+  std::size_t begin = kernel_pairs;
+  for (std::size_t i = 0; i < lanes; ++i) {
+    const std::size_t count = dma_pairs / lanes + (i < dma_pairs % lanes ? 1 : 0);
+    CopyRequest part = r;
+    part.src_blocks = r.src_blocks.subspan(begin, count);
+    part.dst_blocks = r.dst_blocks.subspan(begin, count);
+    begin += count;
+    find_runs(part.src_blocks, part.dst_blocks, sc.runs);
+    build_segments(part, sc.planes, sc.runs, sc.segments);
+    report.segments += sc.segments.size();
+    SplitLane& lane = ss->lanes[i];
+    Status ran = run_batch(st, *lane.stream, sc.segments, dir, /*gated=*/false);
+    // Recorded even after a failure: part of the batch may be queued.
+    Status recorded = device_.record(*lane.done, *lane.stream);
+    if (recorded.ok()) join.used = i + 1;
+    KVTIER_RETURN_IF_ERROR(ran.with_context(fmt::format("split lane {} ({} pairs)", i, count)));
+    KVTIER_RETURN_IF_ERROR(recorded);
+    report.calls += static_cast<std::uint32_t>((sc.segments.size() + options_.batch_max_descriptors - 1) /
+                                               options_.batch_max_descriptors);
+  }
+  return join.join();
+}
+
 Status EngineBase::note_enqueued(StreamState& st, Stream& stream, CopyDirection dir) {
   const auto d = static_cast<std::size_t>(dir);
   std::lock_guard track(st.track_mu);
@@ -614,6 +713,7 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
       report.segments = summary.segments;
       status = run_staged(*st, stream, r, dir, report);
       break;
+    case CopyStrategy::kSplit: status = run_split(*st, stream, r, dir, report); break;
   }
   // Track the direction even after a partial failure: some work may be queued.
   Status noted = note_enqueued(*st, stream, dir);

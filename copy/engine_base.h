@@ -51,6 +51,16 @@ struct StagedStreamState {
   std::unique_ptr<Stream> aux;
 };
 
+// kSplit resources of one caller stream.
+struct SplitLane {
+  std::unique_ptr<Event> done;  // on the lane, after its last DMA
+  std::unique_ptr<Stream> stream;
+};
+struct SplitStreamState {
+  std::unique_ptr<Event> fork;  // on the caller stream, before the lanes' DMAs
+  std::vector<SplitLane> lanes;
+};
+
 struct StreamState {
   std::mutex mu;  // serialises copy() calls on this stream
   std::uint64_t stream_id = 0;
@@ -68,6 +78,7 @@ struct StreamState {
   // Created on the first staged copy; declared last so that its aux stream
   // drains before the descriptor slots its kernels read are freed.
   std::unique_ptr<StagedStreamState> staged;
+  std::unique_ptr<SplitStreamState> split;
 };
 
 class EngineBase : public CopyEngine {
@@ -114,6 +125,8 @@ class EngineBase : public CopyEngine {
   // Precondition: the chunk plan of `r` is in st.scratch.staged.
   Status run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   Result<StagedStreamState*> staged_state(StreamState& st);
+  Status run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
+  Result<SplitStreamState*> split_state(StreamState& st);
   // kAuto rule 4s: whether the staged rule applies to this request; when it
   // does, the chunk plan is left in `sc.staged`.
   bool staged_preferred(const CopyRequest& r, const PlanSummary& s, PlanScratch& sc) const;

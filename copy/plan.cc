@@ -78,6 +78,13 @@ Status validate_request(const CopyRequest& r, int device_ordinal) {
             "dma_per_run or dma_batch for h2h)",
             copy_direction_name(dir)));
       break;
+    case CopyStrategy::kSplit:
+      if (dir == CopyDirection::kHostToHost || dir == CopyDirection::kDeviceToDevice)
+        return NotSupported(fmt::format(
+            "strategy split moves blocks between host and device memory only, not {} (use sm_kernel for d2d, "
+            "dma_per_run or dma_batch for h2h)",
+            copy_direction_name(dir)));
+      break;
     case CopyStrategy::kAuto:
     case CopyStrategy::kDmaPerRun:
     case CopyStrategy::kDmaBatch: break;

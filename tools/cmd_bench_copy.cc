@@ -614,6 +614,8 @@ class BenchCopy {
       j["ceiling_gbps"] = r.ceiling_gbps;
       j["ratio"] = ratio;
       j["ctas"] = r.ctas;
+      j["split_kernel_share"] = a_.engine.split_kernel_share;
+      j["split_dma_lanes"] = a_.engine.split_dma_lanes;
       j["p50_ms"] = r.p50_ms;
       j["host_api_ms"] = r.host_api_ms;
       j["prequeued"] = a_.prequeue;
@@ -711,6 +713,8 @@ Action register_bench_copy(CLI::App& bench) {
                   "kAuto: H2D segments below this many BYTES use the SM kernel");
   cmd->add_option("--auto-kernel-max-bytes-d2h", e.auto_kernel_max_segment_bytes_d2h,
                   "kAuto: D2H segments below this many BYTES use the SM kernel");
+  cmd->add_option("--split-kernel-share", e.split_kernel_share, "split: share of the pairs copied by the SM kernel");
+  cmd->add_option("--split-dma-lanes", e.split_dma_lanes, "split: lane streams sharing the batched-DMA part");
   return [cmd, args]() -> int {
     if (!cmd->parsed()) return -1;
     BenchCopyArgs a = *args;
@@ -719,8 +723,7 @@ Action register_bench_copy(CLI::App& bench) {
     a.engine.staged_slot_bytes = a.staged_slot_mib << 20;
     // staged_dma needs dense host runs; on random host ids it degenerates to a
     // chunk per pair, so the default list leaves it out for that pattern.
-    if (cmd->count("--strategies") == 0 && a.pattern == "random")
-      std::erase(a.strategies, std::string("staged_dma"));
+    if (cmd->count("--strategies") == 0 && a.pattern == "random") std::erase(a.strategies, std::string("staged_dma"));
     if (Status st = check_args(a); !st.ok()) {
       std::fprintf(stderr, "kvtier bench copy: %s\n", st.to_string().c_str());
       return 2;

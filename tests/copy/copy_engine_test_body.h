@@ -1017,4 +1017,95 @@ TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
   EXPECT_EQ(*parsed, CopyStrategy::kStagedDma);
 }
 
+// ---------------------------------------------------------------- split
+
+// kSplit: every kernel share and lane count, both PCIe directions, odd sizes,
+// a few pairs (fewer pairs than lanes too), random data, poisoned targets.
+// The copy is followed by an event on the caller's stream: once it completed
+// the bytes must be there (the join), and the D2H side reads device blocks
+// that a plain copy enqueued just before wrote (the fork).
+TEST_F(CopyEngineTest, SplitEveryShareAndLaneCount) {
+  const double shares[] = {0.0, 0.3, 0.5, 1.0};
+  const std::uint32_t lanes[] = {1, 2, 3};
+  const std::uint64_t sizes[] = {100, 4097, 16 * 1024};
+  int seed = 900;
+  auto event = device_->create_event();
+  ASSERT_TRUE(event.ok());
+  for (double share : shares)
+    for (std::uint32_t lane_count : lanes) {
+      CopyEngineOptions o;
+      o.split_kernel_share = share;
+      o.split_dma_lanes = lane_count;
+      ASSERT_TRUE(make_engine(o).ok());
+      for (std::uint64_t bb : sizes)
+        for (std::size_t pairs : {std::size_t{2}, std::size_t{13}}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "share=" << share << " lanes=" << lane_count << " block_bytes=" << bb << " pairs=" << pairs);
+          auto layout = KvLayout::uniform(2, 2, bb);
+          ASSERT_TRUE(layout.ok());
+          auto host = layer_first(MemoryKind::kPinnedHost, *layout, 20);
+          auto dev = layer_first(MemoryKind::kDevice, *layout, 20);
+          auto fresh = layer_first(MemoryKind::kDevice, *layout, 20);
+          auto back = page_first(MemoryKind::kPinnedHost, *layout, 20);
+          ASSERT_TRUE(host && dev && fresh && back);
+          fill_random(*host, ++seed);
+          fill_poison(*dev);
+          const auto h = random_ids(20, pairs, ++seed);
+          const auto d = random_ids(20, pairs, ++seed);
+          CopyRequest up{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kSplit};
+          model_copy(*host, *dev, up);
+          auto rep = engine_->copy(up, *stream_);
+          ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+          EXPECT_EQ(rep->strategy, CopyStrategy::kSplit);
+          EXPECT_EQ(rep->bytes, bb * 4 * pairs);
+          ASSERT_TRUE(device_->record(**event, *stream_).ok());
+          ASSERT_TRUE(device_->synchronize(**event, kWait).ok());
+          expect_matches_model(*dev);
+          // D2H of blocks written by work enqueued on the stream just before.
+          fill_random(*fresh, ++seed);
+          fill_poison(*back);
+          for (std::size_t k = 0; k < dev->regions.size(); ++k) {
+            ASSERT_TRUE(
+                device_->memcpy_async(dev->regions[k].base, fresh->regions[k].base, dev->regions[k].bytes, *stream_)
+                    .ok());
+            dev->regions[k].mirror = fresh->regions[k].mirror;
+          }
+          const auto hb = random_ids(20, pairs, ++seed);
+          CopyRequest down{&dev->space, &back->space, d, hb, {}, kAllRoles, CopyStrategy::kSplit};
+          model_copy(*dev, *back, down);
+          ASSERT_TRUE(engine_->copy(down, *stream_).ok());
+          ASSERT_TRUE(device_->record(**event, *stream_).ok());
+          ASSERT_TRUE(device_->synchronize(**event, kWait).ok());
+          expect_matches_model(*back);
+          if (HasFailure()) return;
+        }
+    }
+}
+
+TEST_F(CopyEngineTest, SplitRejectsHostToHostAndDeviceToDevice) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto dev2 = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  auto host2 = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  ASSERT_TRUE(dev && dev2 && host && host2);
+  fill_poison(*dev2);
+  fill_poison(*host2);
+  std::vector<std::int32_t> s{0, 2}, d{1, 3};
+  expect_rejected(*dev2, CopyRequest{&dev->space, &dev2->space, s, d, {}, kAllRoles, CopyStrategy::kSplit},
+                  StatusCode::kNotSupported);
+  expect_rejected(*host2, CopyRequest{&host->space, &host2->space, s, d, {}, kAllRoles, CopyStrategy::kSplit},
+                  StatusCode::kNotSupported);
+  CopyEngineOptions bad;
+  bad.split_kernel_share = 1.5;
+  EXPECT_EQ(make_engine(bad).code(), StatusCode::kInvalidArgument);
+  bad.split_kernel_share = 0.5;
+  bad.split_dma_lanes = 0;
+  EXPECT_EQ(make_engine(bad).code(), StatusCode::kInvalidArgument);
+  auto parsed = parse_copy_strategy("split");
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(*parsed, CopyStrategy::kSplit);
+}
+
 }  // namespace kvtier::copy_test

@@ -32,6 +32,17 @@
 //               (HBM-bound). Pays off when the HOST blocks form long
 //               contiguous runs while the device blocks are scattered. Details
 //               and contract: "Staged DMA" below.
+//   kSplit      host<->device only. One request split across concurrent
+//               mechanisms: the first split_kernel_share of the pairs by the
+//               SM kernel on the caller's stream, the rest cut into
+//               split_dma_lanes equal parts, each a batched DMA on its own
+//               engine-owned lane stream (so several copy engines work on one
+//               request). The lanes wait for the work already on the caller's
+//               stream (a fork event) and the caller's stream waits for every
+//               lane at the end (join events), on every path out of copy(),
+//               so the usual stream contract holds. Resources per caller
+//               stream, created on first split use: split_dma_lanes streams
+//               and split_dma_lanes + 1 events.
 //   kAuto       chosen per call by choose(), rule below.
 // On the host backend each strategy runs its own code path on the stream's
 // worker (per-run: one memcpy_async per segment; batch: one task copying
@@ -142,9 +153,9 @@
 
 namespace kvtier {
 
-enum class CopyStrategy : std::uint8_t { kAuto, kDmaPerRun, kDmaBatch, kSmKernel, kStagedDma };
-inline constexpr int kNumCopyStrategies = 5;
-// "auto", "dma_per_run", "dma_batch", "sm_kernel", "staged_dma".
+enum class CopyStrategy : std::uint8_t { kAuto, kDmaPerRun, kDmaBatch, kSmKernel, kStagedDma, kSplit };
+inline constexpr int kNumCopyStrategies = 6;
+// "auto", "dma_per_run", "dma_batch", "sm_kernel", "staged_dma", "split".
 std::string_view copy_strategy_name(CopyStrategy s) noexcept;
 Result<CopyStrategy> parse_copy_strategy(std::string_view name);
 
@@ -198,6 +209,16 @@ struct CopyEngineOptions {
   // the smallest average merged host range.
   double staged_max_span_ratio = 1.25;
   std::uint64_t staged_min_host_run_bytes = 256 * 1024;
+  // kSplit: share of the pairs copied by the SM kernel (0..1; the rest by
+  // batched DMA), and how many lane streams share the DMA part (>= 1).
+  double split_kernel_share = 0.0;
+  std::uint32_t split_dma_lanes = 2;
+  // kAuto: H2D requests whose average segment is in [min, max) use kSplit
+  // when not in full duplex (max 0: never); likewise in full duplex.
+  std::uint64_t auto_split_h2d_min_segment_bytes = 0;
+  std::uint64_t auto_split_h2d_max_segment_bytes = 0;
+  std::uint64_t auto_split_duplex_min_segment_bytes = 0;
+  std::uint64_t auto_split_duplex_max_segment_bytes = 0;
   // Reserved: the caller's stream priority decides today (a high-priority
   // copy stream halves interference with compute; create it so).
   bool high_priority_kernels = true;
