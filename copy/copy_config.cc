@@ -28,6 +28,14 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto: H2D (not duplex) uses split from this average segment size");
   t.add(p + ".auto_split_h2d_max_segment_bytes", &o.auto_split_h2d_max_segment_bytes,
         "kAuto: ... below this one (0: never)");
+  t.add(p + ".auto_split_h2d_kernel_share", &o.auto_split_h2d_kernel_share,
+        "kAuto split: SM kernel share below auto_split_h2d_dma_only_min_segment_bytes");
+  t.add(p + ".auto_split_h2d_kernel_share_small", &o.auto_split_h2d_kernel_share_small,
+        "kAuto split: SM kernel share below auto_split_h2d_small_segment_bytes");
+  t.add(p + ".auto_split_h2d_small_segment_bytes", &o.auto_split_h2d_small_segment_bytes,
+        "kAuto split: the small-segment share applies below this average segment size");
+  t.add(p + ".auto_split_h2d_dma_only_min_segment_bytes", &o.auto_split_h2d_dma_only_min_segment_bytes,
+        "kAuto split: batched DMA lanes only (no SM share) from this average segment size");
   t.add(p + ".auto_split_duplex_min_segment_bytes", &o.auto_split_duplex_min_segment_bytes,
         "kAuto: in full duplex, split from this average segment size");
   t.add(p + ".auto_split_duplex_max_segment_bytes", &o.auto_split_duplex_max_segment_bytes,

@@ -86,6 +86,9 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
     return InvalidArgument(fmt::format("staged_slot_bytes must be >= {}, got {}", kStagedAlign, o.staged_slot_bytes));
   if (!(o.split_kernel_share >= 0.0 && o.split_kernel_share <= 1.0))  // also rejects NaN
     return InvalidArgument(fmt::format("split_kernel_share must be in [0, 1], got {}", o.split_kernel_share));
+  for (const auto& [name, v] : {std::pair{"auto_split_h2d_kernel_share", o.auto_split_h2d_kernel_share},
+                                std::pair{"auto_split_h2d_kernel_share_small", o.auto_split_h2d_kernel_share_small}})
+    if (!(v >= 0.0 && v <= 1.0)) return InvalidArgument(fmt::format("{} must be in [0, 1], got {}", name, v));
   if (o.split_dma_lanes == 0 || o.split_dma_lanes > 16)
     return InvalidArgument(fmt::format("split_dma_lanes must be in [1, 16], got {}", o.split_dma_lanes));
   if (!(o.staged_max_span_ratio >= 1.0))  // also rejects NaN
@@ -216,9 +219,14 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
     }
     case CopyDirection::kHostToDevice: {
       const bool duplex = s.full_duplex_hint || in_flight(CopyDirection::kDeviceToHost, self);
+      // SMs kept out: only the DMA-lanes part of the split range remains.
+      const std::uint64_t split_min =
+          options_.auto_kernel_max_segment_bytes_h2d == 0
+              ? std::max(options_.auto_split_h2d_min_segment_bytes, options_.auto_split_h2d_dma_only_min_segment_bytes)
+              : options_.auto_split_h2d_min_segment_bytes;
       if (duplex ? in_range(avg, options_.auto_split_duplex_min_segment_bytes,
                             options_.auto_split_duplex_max_segment_bytes)
-                 : in_range(avg, options_.auto_split_h2d_min_segment_bytes, options_.auto_split_h2d_max_segment_bytes))
+                 : in_range(avg, split_min, options_.auto_split_h2d_max_segment_bytes))
         return CopyStrategy::kSplit;
       if (avg >= options_.auto_kernel_max_segment_bytes_h2d) return CopyStrategy::kDmaBatch;
       if (avg >= options_.auto_duplex_dma_min_segment_bytes && duplex) return CopyStrategy::kDmaBatch;
@@ -596,11 +604,20 @@ struct JoinLanes {
 };
 }  // namespace
 
+double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
+  if (!automatic) return options_.split_kernel_share;
+  if (s.direction != CopyDirection::kHostToDevice || options_.auto_kernel_max_segment_bytes_h2d == 0) return 0.0;
+  const std::uint64_t avg = s.average_segment_bytes();
+  if (avg >= options_.auto_split_h2d_dma_only_min_segment_bytes) return 0.0;
+  return avg < options_.auto_split_h2d_small_segment_bytes ? options_.auto_split_h2d_kernel_share_small
+                                                           : options_.auto_split_h2d_kernel_share;
+}
+
 Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
-                             CopyReport& report) {
+                             double kernel_share, CopyReport& report) {
   KVTIER_ASSIGN_OR_RETURN(SplitStreamState * ss, split_state(st));
   const std::size_t n = r.src_blocks.size();
-  auto kernel_pairs = static_cast<std::size_t>(static_cast<double>(n) * options_.split_kernel_share);
+  auto kernel_pairs = static_cast<std::size_t>(static_cast<double>(n) * kernel_share);
   kernel_pairs = std::min(kernel_pairs, n);
   const std::size_t dma_pairs = n - kernel_pairs;
   const std::size_t lanes = std::min<std::size_t>(ss->lanes.size(), dma_pairs);
@@ -713,7 +730,10 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
       report.segments = summary.segments;
       status = run_staged(*st, stream, r, dir, report);
       break;
-    case CopyStrategy::kSplit: status = run_split(*st, stream, r, dir, report); break;
+    case CopyStrategy::kSplit:
+      report.kernel_share = split_share(summary, r.strategy == CopyStrategy::kAuto);
+      status = run_split(*st, stream, r, dir, report.kernel_share, report);
+      break;
   }
   // Track the direction even after a partial failure: some work may be queued.
   Status noted = note_enqueued(*st, stream, dir);

@@ -125,7 +125,11 @@ class EngineBase : public CopyEngine {
   // Precondition: the chunk plan of `r` is in st.scratch.staged.
   Status run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   Result<StagedStreamState*> staged_state(StreamState& st);
-  Status run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
+  Status run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, double kernel_share,
+                   CopyReport& report);
+  // The SM kernel's share of a kSplit copy: split_kernel_share when asked
+  // for explicitly, the kAuto profile otherwise.
+  double split_share(const PlanSummary& s, bool automatic) const;
   Result<SplitStreamState*> split_state(StreamState& st);
   // kAuto rule 4s: whether the staged rule applies to this request; when it
   // does, the chunk plan is left in `sc.staged`.

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <cstring>
 #include <vector>
 
 #include "copy/cuda/block_copy_kernels.h"
@@ -69,6 +70,16 @@ class CudaCopyEngine final : public EngineBase {
 
   Status run_batch(StreamState& st, Stream& stream, std::span<const Segment> segments, CopyDirection dir,
                    bool gated) override {
+    if (dir == CopyDirection::kHostToHost) {
+      // cudaMemcpy*Async between host buffers blocks the caller until the
+      // stream drains (CUDA API synchronization behavior): one host function
+      // copies the segments in stream order instead.
+      std::vector<Segment> copy(segments.begin(), segments.end());
+      return device_.launch_host_callback(stream, [copy = std::move(copy)](const Status& status) {
+        if (!status.ok()) return;
+        for (const Segment& seg : copy) std::memcpy(seg.dst, seg.src, seg.bytes);
+      });
+    }
     KVTIER_CUDA_GUARD(device_.ordinal());
     auto& cs = static_cast<CudaStreamState&>(*st.backend);
     const cudaStream_t s = cuda_detail::native(stream);

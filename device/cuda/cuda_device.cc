@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -195,6 +196,17 @@ class CudaDevice final : public Device {
       return InvalidArgument(fmt::format("memcpy_async: null pointer (dst={}, src={}, bytes={})", dst, src, bytes));
     }
     KVTIER_CUDA_GUARD(ordinal_);
+    KVTIER_ASSIGN_OR_RETURN(bool host_to_host, both_host(dst, src));
+    if (host_to_host) {
+      // cudaMemcpyAsync between two host buffers is "fully synchronous with
+      // respect to the host" (CUDA API synchronization behavior): it blocks
+      // the caller until the stream drains. Found on the H200: a re-record
+      // behind a blocked host callback took 30 s. A host function keeps it
+      // asynchronous and in stream order.
+      return launch_host_callback(stream, [dst, src, bytes](const Status& st) {
+        if (st.ok()) std::memcpy(dst, src, bytes);
+      });
+    }
     return split_memcpy(dst, src, bytes, s, stream);
   }
 
@@ -210,8 +222,8 @@ class CudaDevice final : public Device {
       std::uint64_t piece = bytes - done;
       if (const std::uint64_t c = chunk_map_->contiguous_from(d); c != 0) piece = std::min(piece, c);
       KVTIER_CUDA_TRY_CTX(cudaMemsetAsync(d, value, piece, s->stream()),
-                          fmt::format("memset_async(dst={}, value={}, bytes={}, stream {} '{}')",
-                                      static_cast<void*>(d), value, piece, stream.id(), s->name()));
+                          fmt::format("memset_async(dst={}, value={}, bytes={}, stream {} '{}')", static_cast<void*>(d),
+                                      value, piece, stream.id(), s->name()));
       done += piece;
     }
     return Status::Ok();
@@ -344,6 +356,20 @@ class CudaDevice final : public Device {
       return a < it->second ? it->second - a : 0;
     }
   };
+
+  // Whether a pointer is host memory: registered pinned chunks are looked up
+  // locally; anything else asks the driver (device, managed or plain host).
+  Result<bool> is_host_pointer(const void* p) const {
+    if (chunk_map_->contiguous_from(p) != 0) return true;
+    cudaPointerAttributes attr{};
+    KVTIER_CUDA_TRY_CTX(cudaPointerGetAttributes(&attr, p), fmt::format("cudaPointerGetAttributes({})", p));
+    return attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeUnregistered;
+  }
+  Result<bool> both_host(const void* dst, const void* src) const {
+    KVTIER_ASSIGN_OR_RETURN(bool dst_host, is_host_pointer(dst));
+    if (!dst_host) return false;
+    return is_host_pointer(src);
+  }
 
   Status split_memcpy(void* dst, const void* src, std::uint64_t bytes, CudaStream* s, Stream& stream) {
     std::uint64_t done = 0;

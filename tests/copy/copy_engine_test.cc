@@ -48,8 +48,8 @@ TEST_F(CopyEngineTest, AutoPrefersCopyEnginesWhenFullDuplex) {
   ASSERT_TRUE(device_->synchronize(**other, kWait).ok());
   ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
   host_of(*device_).set_delays({}, {});
-  // Once the D2H completed, small H2D goes back to the kernel.
-  EXPECT_EQ(engine_->choose(h2d), CopyStrategy::kSmKernel);
+  // Once the D2H completed, small H2D goes back to the kernel + DMA split.
+  EXPECT_EQ(engine_->choose(h2d), CopyStrategy::kSplit);
   model_copy(*dev, *host, d2h);
   expect_matches_model(*host);
   EXPECT_TRUE(engine_->forget_stream(**other).ok());

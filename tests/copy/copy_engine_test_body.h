@@ -725,9 +725,10 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   auto req = [&](TestSpace& a, TestSpace& b, std::span<const std::int32_t> x, std::span<const std::int32_t> y) {
     return CopyRequest{&a.space, &b.space, x, y, {}, kAllRoles, CopyStrategy::kAuto};
   };
-  // Small scattered blocks, nothing else in flight: the SM kernel both ways.
+  // Small scattered blocks, nothing else in flight: the SM kernel for D2H,
+  // the kernel + batched DMA split for H2D.
   EXPECT_EQ(engine_->choose(req(*dev_s, *host_s, s, d)), CopyStrategy::kSmKernel);
-  EXPECT_EQ(engine_->choose(req(*host_s, *dev_s, s, d)), CopyStrategy::kSmKernel);
+  EXPECT_EQ(engine_->choose(req(*host_s, *dev_s, s, d)), CopyStrategy::kSplit);
   EXPECT_EQ(engine_->choose(req(*dev_s, *dev_s, std::span(s).first(8), std::span(s).last(8))), CopyStrategy::kSmKernel);
   EXPECT_EQ(engine_->choose(req(*host_s, *host_s2, s, d)), CopyStrategy::kDmaBatch);
   // Large merged segments: one DMA per run.
@@ -747,7 +748,7 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
     auto host_d = layer_first(MemoryKind::kPinnedHost, *dup, 32);
     ASSERT_TRUE(dev_d && host_d);
     CopyRequest one_way = req(*host_d, *dev_d, s, d);
-    EXPECT_EQ(engine_->choose(one_way), CopyStrategy::kSmKernel);
+    EXPECT_EQ(engine_->choose(one_way), CopyStrategy::kSplit);
     one_way.full_duplex = true;
     EXPECT_EQ(engine_->choose(one_way), CopyStrategy::kDmaBatch);
     CopyRequest back = req(*dev_d, *host_d, s, d);
@@ -984,10 +985,11 @@ TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
     // Dense host runs (2 MiB per plane / 8 MiB per page range), scattered device blocks.
     EXPECT_EQ(engine_->choose(req(*host, contiguous, h2d)), CopyStrategy::kStagedDma);
     EXPECT_EQ(engine_->choose(req(*page, contiguous, h2d)), CopyStrategy::kStagedDma);
-    // Random host ids: short host ranges, the kernel as before.
-    EXPECT_EQ(engine_->choose(req(*host, random_host, h2d)), CopyStrategy::kSmKernel);
+    // Random host ids: short host ranges, what kAuto picks without them.
+    const CopyStrategy scattered = h2d ? CopyStrategy::kSplit : CopyStrategy::kSmKernel;
+    EXPECT_EQ(engine_->choose(req(*host, random_host, h2d)), scattered);
     // Every other block: 32 KiB host ranges, below staged_min_host_run_bytes.
-    EXPECT_EQ(engine_->choose(req(*host, every_other, h2d)), CopyStrategy::kSmKernel);
+    EXPECT_EQ(engine_->choose(req(*host, every_other, h2d)), scattered);
     // Device ids contiguous too: one DMA per plane already reaches the ceiling.
     const auto dev_run = staged_range_ids(0, n);
     CopyRequest both = req(*host, contiguous, h2d);
@@ -997,12 +999,15 @@ TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
   // Every other block is dense enough with a ratio of 2.1 and small runs allowed (not with 1.25).
   o.staged_min_host_run_bytes = 16 * 1024;
   ASSERT_TRUE(make_engine(o).ok());
-  EXPECT_EQ(engine_->choose(req(*host, every_other, true)), CopyStrategy::kSmKernel);
+  EXPECT_EQ(engine_->choose(req(*host, every_other, true)), CopyStrategy::kSplit);
   o.staged_max_span_ratio = 2.1;
   ASSERT_TRUE(make_engine(o).ok());
   EXPECT_EQ(engine_->choose(req(*host, every_other, true)), CopyStrategy::kStagedDma);
-  // Keeping the SMs out of kAuto keeps staged out as well.
+  // Keeping the SMs out of kAuto keeps staged out as well (32 KiB: DMA lanes).
   o.auto_kernel_max_segment_bytes_h2d = 0;
+  ASSERT_TRUE(make_engine(o).ok());
+  EXPECT_EQ(engine_->choose(req(*host, contiguous, true)), CopyStrategy::kSplit);
+  o.auto_split_h2d_max_segment_bytes = 0;
   ASSERT_TRUE(make_engine(o).ok());
   EXPECT_EQ(engine_->choose(req(*host, contiguous, true)), CopyStrategy::kDmaBatch);
   // copy() runs what kAuto picked.
@@ -1106,6 +1111,42 @@ TEST_F(CopyEngineTest, SplitRejectsHostToHostAndDeviceToDevice) {
   auto parsed = parse_copy_strategy("split");
   ASSERT_TRUE(parsed.ok());
   EXPECT_EQ(*parsed, CopyStrategy::kSplit);
+}
+
+// kAuto's split profile: the H2D range picks kSplit, with the kernel share
+// below the DMA-only size and none from it, and none when SMs are kept out.
+TEST_F(CopyEngineTest, AutoSplitProfile) {
+  CopyEngineOptions o;
+  o.auto_split_h2d_min_segment_bytes = 8 * 1024;
+  o.auto_split_h2d_max_segment_bytes = 64 * 1024;
+  o.auto_split_h2d_kernel_share = 0.5;
+  o.auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
+  for (bool sms_out : {false, true}) {
+    o.auto_kernel_max_segment_bytes_h2d = sms_out ? 0 : 64 * 1024;
+    ASSERT_TRUE(make_engine(o).ok());
+    for (std::uint64_t bb : {std::uint64_t{4096}, std::uint64_t{16 * 1024}, std::uint64_t{32 * 1024}}) {
+      SCOPED_TRACE(::testing::Message() << "block_bytes=" << bb << " sms_out=" << sms_out);
+      auto layout = KvLayout::uniform(1, 1, bb);
+      ASSERT_TRUE(layout.ok());
+      auto host = layer_first(MemoryKind::kPinnedHost, *layout, 16);
+      auto dev = layer_first(MemoryKind::kDevice, *layout, 16);
+      ASSERT_TRUE(host && dev);
+      fill_random(*host, 77);
+      fill_poison(*dev);
+      const auto h = random_ids(16, 8, 78);
+      const auto d = random_ids(16, 8, 79);
+      CopyRequest up{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto};
+      // SMs out: only the DMA-lanes part of the range (from 24 KiB) remains.
+      const bool split = sms_out ? bb >= 24 * 1024 : bb >= 8 * 1024;
+      const CopyStrategy expected =
+          split ? CopyStrategy::kSplit : (sms_out ? CopyStrategy::kDmaBatch : CopyStrategy::kSmKernel);
+      EXPECT_EQ(engine_->choose(up), expected);
+      const CopyReport rep = copy_and_check(*host, *dev, up);
+      EXPECT_EQ(rep.strategy, expected);
+      if (expected == CopyStrategy::kSplit) EXPECT_EQ(rep.kernel_share, (bb < 24 * 1024 && !sms_out) ? 0.5 : 0.0);
+      if (HasFailure()) return;
+    }
+  }
 }
 
 }  // namespace kvtier::copy_test

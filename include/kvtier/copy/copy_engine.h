@@ -70,6 +70,18 @@
 //      engines at the ~99% large-DMA ceiling instead of the kernel's ~92%), never
 //      in full duplex (staged both ways measured ~55 GB/s aggregate). Random host ids never pass the
 //      host-run test.
+//   4x. (after 4s, before 4 and 5) avg in [auto_split_h2d_min_segment_bytes,
+//      auto_split_h2d_max_segment_bytes) for H2D not in full duplex, or in
+//      the auto_split_duplex_* range for either direction in full duplex ->
+//      kSplit with the kAuto share: auto_split_h2d_kernel_share_small below
+//      auto_split_h2d_small_segment_bytes, auto_split_h2d_kernel_share below
+//      auto_split_h2d_dma_only_min_segment_bytes, else 0 (DMA lanes only).
+//      With the SMs kept out (auto_kernel_max_segment_bytes_h2d = 0) the H2D
+//      split range starts at auto_split_h2d_dma_only_min_segment_bytes.
+//      Measured on the H200 (runs 6-7, docs/performance.md): random 4-20 KiB
+//      H2D 93-96% with the kernel/DMA shares, 24-48 KiB 96.6-100% with two
+//      DMA lanes, where the kernel alone is 90-95% and one DMA stream 93-98%
+//      (from 24 KiB; 19-83% below).
 //   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
 //      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
 //      (gated when a segment is <= batch_gate_max_segment_bytes). Measured:
@@ -214,9 +226,21 @@ struct CopyEngineOptions {
   double split_kernel_share = 0.0;
   std::uint32_t split_dma_lanes = 2;
   // kAuto: H2D requests whose average segment is in [min, max) use kSplit
-  // when not in full duplex (max 0: never); likewise in full duplex.
-  std::uint64_t auto_split_h2d_min_segment_bytes = 0;
-  std::uint64_t auto_split_h2d_max_segment_bytes = 0;
+  // when not in full duplex (max 0: never); likewise in full duplex. kAuto's
+  // split gives auto_split_h2d_kernel_share of the pairs to the SM kernel
+  // below auto_split_h2d_dma_only_min_segment_bytes and none from there (and
+  // none when auto_kernel_max_segment_bytes_h2d is 0: SMs kept out).
+  // Below auto_split_h2d_small_segment_bytes the share is
+  // auto_split_h2d_kernel_share_small (DMA is slowest per byte there).
+  // Measured on the H200 (runs 6-7): random 4-20 KiB H2D 93-96% with these
+  // shares vs 90-95% for the kernel alone; 24-48 KiB 96.6-100% with two DMA
+  // lanes vs 93-98% for one batched DMA stream.
+  std::uint64_t auto_split_h2d_min_segment_bytes = 4 * 1024;
+  std::uint64_t auto_split_h2d_max_segment_bytes = 64 * 1024;
+  double auto_split_h2d_kernel_share = 0.6;
+  double auto_split_h2d_kernel_share_small = 0.8;
+  std::uint64_t auto_split_h2d_small_segment_bytes = 8 * 1024;
+  std::uint64_t auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
   std::uint64_t auto_split_duplex_min_segment_bytes = 0;
   std::uint64_t auto_split_duplex_max_segment_bytes = 0;
   // Reserved: the caller's stream priority decides today (a high-priority
@@ -249,6 +273,7 @@ struct CopyReport {
   std::uint32_t chunks = 0;    // staged: pipeline chunks (0 otherwise)
   std::uint32_t ctas = 0;      // CTAs per launch of the kernel strategy (0 otherwise)
   bool gated = false;          // batch submitted on a gated stream
+  double kernel_share = 0;     // split: share of the pairs the SM kernel copied
 };
 
 class CopyEngine {
