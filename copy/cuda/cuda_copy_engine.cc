@@ -83,15 +83,31 @@ class CudaCopyEngine final : public EngineBase {
     KVTIER_CUDA_GUARD(device_.ordinal());
     auto& cs = static_cast<CudaStreamState&>(*st.backend);
     const cudaStream_t s = cuda_detail::native(stream);
-    const std::size_t n = segments.size();
-    cs.dsts.resize(n);
-    cs.srcs.resize(n);
-    cs.sizes.resize(n);
-    for (std::size_t i = 0; i < n; ++i) {
-      cs.dsts[i] = segments[i].dst;
-      cs.srcs[i] = segments[i].src;
-      cs.sizes[i] = segments[i].bytes;
+    // One descriptor may not span two pinned registrations (the driver
+    // rejects it): cut segments at registration ends. The last registration
+    // seen is cached, so random blocks of one large registration cost no lookup.
+    cs.dsts.clear();
+    cs.srcs.clear();
+    cs.sizes.clear();
+    const bool host_is_dst = dir == CopyDirection::kDeviceToHost;
+    const bool has_host = dir == CopyDirection::kDeviceToHost || dir == CopyDirection::kHostToDevice;
+    Device::Registration reg;
+    for (const Segment& seg : segments) {
+      std::uint64_t done = 0;
+      while (done < seg.bytes) {
+        const auto host = reinterpret_cast<std::uintptr_t>(host_is_dst ? seg.dst : seg.src) + done;
+        std::uint64_t piece = seg.bytes - done;
+        if (has_host) {
+          if (host < reg.first || host >= reg.last) reg = device_.registration_of(reinterpret_cast<const void*>(host));
+          if (reg.last != 0) piece = std::min<std::uint64_t>(piece, reg.last - host);
+        }
+        cs.dsts.push_back(seg.dst + done);
+        cs.srcs.push_back(seg.src + done);
+        cs.sizes.push_back(piece);
+        done += piece;
+      }
     }
+    const std::size_t n = cs.sizes.size();
     cudaMemcpyAttributes attr{};
     // Stream order: the source may have been written by the previous kernel
     // on this stream (fresh KV); Any would allow reading it early.

@@ -297,6 +297,11 @@ class CudaDevice final : public Device {
   // stream's state, and cudaLaunchHostFunc does not run it at all once the
   // context has a sticky error (then fn never runs; callers bound their waits
   // with timeouts and learn the error from query/synchronize).
+  Registration registration_of(const void* p) const override {
+    const auto [first, last] = chunk_map_->chunk_of(p);
+    return Registration{first, last};
+  }
+
   Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) override {
     KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "launch_host_callback"));
     if (!fn) return InvalidArgument("launch_host_callback: empty function");
@@ -346,6 +351,15 @@ class CudaDevice final : public Device {
   struct ChunkMap {
     std::mutex mu;
     std::map<std::uintptr_t, std::uintptr_t> chunks;
+    // The registered chunk holding p ({0, 0}: none).
+    std::pair<std::uintptr_t, std::uintptr_t> chunk_of(const void* p) {
+      const auto a = reinterpret_cast<std::uintptr_t>(p);
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = chunks.upper_bound(a);
+      if (it == chunks.begin()) return {0, 0};
+      --it;
+      return a < it->second ? std::pair{it->first, it->second} : std::pair<std::uintptr_t, std::uintptr_t>{0, 0};
+    }
     // Bytes from p to the end of the registered chunk holding p (0: not registered).
     std::uint64_t contiguous_from(const void* p) {
       const auto a = reinterpret_cast<std::uintptr_t>(p);

@@ -141,12 +141,12 @@ class Buffer {
 // touch so that pages land on the intended NUMA node.
 struct PinnedOptions {
   // <= 64 GiB. One CUDA copy may not span two registrations (the driver
-  // rejects it): CudaDevice::memcpy_async splits copies at chunk ends, but a
-  // cudaMemcpyBatchAsync descriptor is passed as is, so large chunks keep
-  // that path safe. Smaller chunks only to spread registration over time.
+  // rejects it): CudaDevice::memcpy_async and the CopyEngine's batched DMA
+  // split copies at chunk ends (registration_of). Smaller chunks only to
+  // spread registration over time.
   std::uint64_t chunk_bytes = std::uint64_t{64} << 30;
-  int numa_node = -1;                                  // -1: no binding
-  unsigned touch_threads = 0;                          // 0: min(hardware threads, 16)
+  int numa_node = -1;          // -1: no binding
+  unsigned touch_threads = 0;  // 0: min(hardware threads, 16)
   // true: return immediately; registration continues in the background and
   // PinnedMemory::wait_ready / progress report it.
   bool background = false;
@@ -190,7 +190,7 @@ class Device {
   virtual Result<std::unique_ptr<PinnedMemory>> allocate_pinned(std::uint64_t bytes,
                                                                 const PinnedOptions& options = {}) = 0;
   virtual Result<std::unique_ptr<PinnedMemory>> register_host(void* data, std::uint64_t bytes,
-                                                               const PinnedOptions& options = {}) = 0;
+                                                              const PinnedOptions& options = {}) = 0;
 
   // Asynchronous copy of `bytes` on `stream`; any direction between device and
   // pinned host memory. Never blocks on the copy.
@@ -209,6 +209,16 @@ class Device {
   // has completed (cudaLaunchHostFunc). `fn` receives the status of that
   // work. It must not call back into this stream's device synchronously.
   virtual Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) = 0;
+
+  // The pinned registration holding `p`: [first, last) addresses, or {0, 0}
+  // when `p` is not in memory this device registered. One DMA descriptor may
+  // not span two registrations on CUDA (the driver rejects it), so batched
+  // copies split segments at `last`. Thread-safe, non-blocking.
+  struct Registration {
+    std::uintptr_t first = 0;
+    std::uintptr_t last = 0;
+  };
+  virtual Registration registration_of(const void* p) const { return {}; }
 
  protected:
   Device() = default;
