@@ -614,13 +614,17 @@ double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
 }
 
 Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
-                             double kernel_share, CopyReport& report) {
+                             double kernel_share, bool automatic, CopyReport& report) {
   KVTIER_ASSIGN_OR_RETURN(SplitStreamState * ss, split_state(st));
   const std::size_t n = r.src_blocks.size();
   auto kernel_pairs = static_cast<std::size_t>(static_cast<double>(n) * kernel_share);
   kernel_pairs = std::min(kernel_pairs, n);
   const std::size_t dma_pairs = n - kernel_pairs;
-  const std::size_t lanes = std::min<std::size_t>(ss->lanes.size(), dma_pairs);
+  // kAuto with a kernel share: one lane (measured on the H200, runs 7-8: with
+  // a kernel share, two lanes lost 10-15 points at 4-16 KiB, one did not).
+  const std::size_t lane_limit = automatic && kernel_share > 0 ? 1 : ss->lanes.size();
+  const std::size_t lanes = std::min<std::size_t>(lane_limit, dma_pairs);
+  report.lanes = static_cast<std::uint32_t>(lanes);
   JoinLanes join{device_, stream, ss};
   if (lanes > 0) {
     // The lanes read/write blocks that work already on `stream` may touch.
@@ -732,7 +736,7 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
       break;
     case CopyStrategy::kSplit:
       report.kernel_share = split_share(summary, r.strategy == CopyStrategy::kAuto);
-      status = run_split(*st, stream, r, dir, report.kernel_share, report);
+      status = run_split(*st, stream, r, dir, report.kernel_share, r.strategy == CopyStrategy::kAuto, report);
       break;
   }
   // Track the direction even after a partial failure: some work may be queued.

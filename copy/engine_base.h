@@ -126,7 +126,7 @@ class EngineBase : public CopyEngine {
   Status run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   Result<StagedStreamState*> staged_state(StreamState& st);
   Status run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, double kernel_share,
-                   CopyReport& report);
+                   bool automatic, CopyReport& report);
   // The SM kernel's share of a kSplit copy: split_kernel_share when asked
   // for explicitly, the kAuto profile otherwise.
   double split_share(const PlanSummary& s, bool automatic) const;

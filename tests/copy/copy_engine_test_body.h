@@ -1121,6 +1121,7 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
   o.auto_split_h2d_max_segment_bytes = 64 * 1024;
   o.auto_split_h2d_kernel_share = 0.5;
   o.auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
+  o.auto_split_h2d_small_segment_bytes = 4 * 1024;
   for (bool sms_out : {false, true}) {
     o.auto_kernel_max_segment_bytes_h2d = sms_out ? 0 : 64 * 1024;
     ASSERT_TRUE(make_engine(o).ok());
@@ -1143,7 +1144,11 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
       EXPECT_EQ(engine_->choose(up), expected);
       const CopyReport rep = copy_and_check(*host, *dev, up);
       EXPECT_EQ(rep.strategy, expected);
-      if (expected == CopyStrategy::kSplit) EXPECT_EQ(rep.kernel_share, (bb < 24 * 1024 && !sms_out) ? 0.5 : 0.0);
+      if (expected == CopyStrategy::kSplit) {
+        const bool with_kernel = bb < 24 * 1024 && !sms_out;
+        EXPECT_EQ(rep.kernel_share, with_kernel ? 0.5 : 0.0);
+        EXPECT_EQ(rep.lanes, with_kernel ? 1u : o.split_dma_lanes);
+      }
       if (HasFailure()) return;
     }
   }

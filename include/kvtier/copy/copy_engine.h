@@ -211,7 +211,9 @@ struct CopyEngineOptions {
   // D2H and 98.5% at 256 KiB; the SM kernel ~92% H2D / ~94.5% D2H.
   std::uint64_t auto_kernel_max_segment_bytes_h2d = 64 * 1024;
   std::uint64_t auto_kernel_max_segment_bytes_d2h = 128 * 1024;
-  std::uint64_t auto_duplex_dma_min_segment_bytes = 32 * 1024;
+  // Measured run 8: batched DMA both ways 86.0 GB/s at 24 KiB, 84.4 at
+  // 28 KiB, 85.5 at 32 KiB vs SM kernels both ways 73; kernels win at 16 KiB.
+  std::uint64_t auto_duplex_dma_min_segment_bytes = 24 * 1024;
   // kStagedDma: device staging per caller stream (staged_slots slots of
   // staged_slot_bytes; a chunk's footprint must fit one slot). More slots let
   // more DMAs queue ahead of the D2D kernels.
@@ -232,14 +234,16 @@ struct CopyEngineOptions {
   // none when auto_kernel_max_segment_bytes_h2d is 0: SMs kept out).
   // Below auto_split_h2d_small_segment_bytes the share is
   // auto_split_h2d_kernel_share_small (DMA is slowest per byte there).
-  // Measured on the H200 (runs 6-7): random 4-20 KiB H2D 93-96% with these
-  // shares vs 90-95% for the kernel alone; 24-48 KiB 96.6-100% with two DMA
-  // lanes vs 93-98% for one batched DMA stream.
+  // kAuto's split runs one DMA lane when it has a kernel share (two lost
+  // 10-15 points at 4-16 KiB), split_dma_lanes when DMA only. Measured on the
+  // H200 (runs 6-8, docs/performance.md): random 4-20 KiB H2D 92-96% with
+  // these shares and one lane vs 90-95% for the kernel alone; 24-48 KiB
+  // 93-100% with two DMA lanes vs 88-92% for the kernel.
   std::uint64_t auto_split_h2d_min_segment_bytes = 4 * 1024;
   std::uint64_t auto_split_h2d_max_segment_bytes = 64 * 1024;
   double auto_split_h2d_kernel_share = 0.6;
   double auto_split_h2d_kernel_share_small = 0.8;
-  std::uint64_t auto_split_h2d_small_segment_bytes = 8 * 1024;
+  std::uint64_t auto_split_h2d_small_segment_bytes = 12 * 1024;
   std::uint64_t auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
   std::uint64_t auto_split_duplex_min_segment_bytes = 0;
   std::uint64_t auto_split_duplex_max_segment_bytes = 0;
@@ -274,6 +278,7 @@ struct CopyReport {
   std::uint32_t ctas = 0;      // CTAs per launch of the kernel strategy (0 otherwise)
   bool gated = false;          // batch submitted on a gated stream
   double kernel_share = 0;     // split: share of the pairs the SM kernel copied
+  std::uint32_t lanes = 0;     // split: DMA lane streams used
 };
 
 class CopyEngine {
