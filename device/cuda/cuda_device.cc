@@ -235,8 +235,24 @@ class CudaDevice final : public Device {
       return InvalidArgument(fmt::format("memcpy_sync: null pointer (dst={}, src={}, bytes={})", dst, src, bytes));
     }
     KVTIER_CUDA_GUARD(ordinal_);
+    KVTIER_ASSIGN_OR_RETURN(bool host_to_host, both_host(dst, src));
+    if (host_to_host) {
+      std::memcpy(dst, src, bytes);
+      return Status::Ok();
+    }
     const auto context = [&] { return fmt::format("memcpy_sync(dst={}, src={}, bytes={})", dst, src, bytes); };
-    KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, sync_stream_), context());
+    // Cut at registration ends, like memcpy_async (the driver rejects one
+    // copy spanning two registrations; found on the H200 by
+    // DmaStrategiesCutAtPinnedRegistrationEnds, which fills such memory).
+    for (std::uint64_t done = 0; done < bytes;) {
+      auto* d = static_cast<std::byte*>(dst) + done;
+      const auto* sp = static_cast<const std::byte*>(src) + done;
+      std::uint64_t piece = bytes - done;
+      if (const std::uint64_t c = chunk_map_->contiguous_from(d); c != 0) piece = std::min(piece, c);
+      if (const std::uint64_t c = chunk_map_->contiguous_from(sp); c != 0) piece = std::min(piece, c);
+      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(d, sp, piece, cudaMemcpyDefault, sync_stream_), context());
+      done += piece;
+    }
     // Concurrent memcpy_sync calls share the stream: each waits for its own
     // copy and possibly others queued before it (correct, serialised).
     KVTIER_CUDA_TRY_CTX(cudaStreamSynchronize(sync_stream_), context());

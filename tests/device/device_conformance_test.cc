@@ -119,6 +119,38 @@ TEST_P(DeviceConformance, InOrderOnOneStream) {
   }
 }
 
+// Pinned memory registered in 64 KiB chunks: every copy and memset of 1 MiB
+// spans 16 registrations (the CUDA driver rejects one copy spanning two).
+TEST_P(DeviceConformance, CopiesSpanPinnedRegistrations) {
+  constexpr std::uint64_t kBytes = (1 << 20) + 1000;
+  PinnedOptions po;
+  po.chunk_bytes = 64 * 1024;
+  ASSERT_OK_AND_ASSIGN(auto src, dev().allocate_pinned(kBytes, po));
+  ASSERT_OK_AND_ASSIGN(auto dst, dev().allocate_pinned(kBytes, po));
+  ASSERT_OK(src->wait_ready(std::chrono::milliseconds(60000)));
+  ASSERT_OK(dst->wait_ready(std::chrono::milliseconds(60000)));
+  ASSERT_OK_AND_ASSIGN(Buffer x, dev().allocate_device(kBytes));
+  std::vector<unsigned char> pageable(kBytes);
+  fill_random(pageable.data(), kBytes, 14);
+  // Sync: pageable -> chunked pinned -> device -> chunked pinned (offset by 3).
+  std::memset(src->data(), 0xCC, kBytes);
+  ASSERT_OK(dev().memcpy_sync(src->data(), pageable.data(), kBytes));
+  ASSERT_OK(dev().memcpy_sync(x.data(), src->data(), kBytes));
+  std::memset(dst->data(), 0xCC, kBytes);
+  ASSERT_OK(dev().memcpy_sync(dst->data() + 3, x.data(), kBytes - 3));
+  EXPECT_EQ(first_mismatch(dst->data() + 3, pageable.data(), kBytes - 3), -1);
+  // Async, on a stream: device <- chunked pinned, memset across chunks, back.
+  ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
+  fill_random(src->data(), kBytes, 15);
+  ASSERT_OK(dev().memcpy_async(x.data(), src->data(), kBytes, *s));
+  ASSERT_OK(dev().memset_async(dst->data(), 0x5A, kBytes, *s));
+  ASSERT_OK(dev().memcpy_async(dst->data() + 100, x.data(), kBytes - 200, *s));
+  ASSERT_OK(dev().synchronize(*s, kLong));
+  EXPECT_EQ(first_mismatch(dst->data() + 100, src->data(), kBytes - 200), -1);
+  EXPECT_EQ(first_not(dst->data(), 0x5A, 100), -1);
+  EXPECT_EQ(first_not(dst->data() + kBytes - 100, 0x5A, 100), -1);
+}
+
 TEST_P(DeviceConformance, ZeroByteOperationsAreNoOps) {
   MAKE_PINNED(dst, 64, 0xCC);
   ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
@@ -200,9 +232,14 @@ TEST_P(DeviceConformance, ReRecordReplacesCapturedPoint) {
   ASSERT_OK(dev().record(*e, *a));
   ASSERT_OK_AND_ASSIGN(bool done, dev().query(*e));
   EXPECT_FALSE(done) << "re-recorded event must report the new, pending point";
-  // b's earlier wait is bound to P1, so b is not blocked by the gate.
-  ASSERT_OK(dev().memcpy_async(dst2->data(), src->data(), kBytes, *b));
+  // b's earlier wait is bound to P1, so b is not blocked by the gate. (A
+  // host->device copy: CUDA runs host functions, which carry host->host
+  // copies, on one thread, so the blocked callback would delay them on
+  // every stream.)
+  ASSERT_OK_AND_ASSIGN(Buffer y, dev().allocate_device(kBytes));
+  ASSERT_OK(dev().memcpy_async(y.data(), src->data(), kBytes, *b));
   EXPECT_OK(dev().synchronize(*b, kLong));
+  ASSERT_OK(dev().memcpy_sync(dst2->data(), y.data(), kBytes));
   EXPECT_EQ(first_mismatch(dst2->data(), src->data(), kBytes), -1);
 
   gate->open.store(true);

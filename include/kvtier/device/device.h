@@ -193,7 +193,10 @@ class Device {
                                                               const PinnedOptions& options = {}) = 0;
 
   // Asynchronous copy of `bytes` on `stream`; any direction between device and
-  // pinned host memory. Never blocks on the copy.
+  // pinned host memory. Never blocks on the copy. Copies that span several
+  // pinned registrations are cut at registration ends. Host->host copies
+  // run in stream order on a host function on CUDA (cudaMemcpyAsync between
+  // host buffers would block the caller until the stream drained).
   virtual Status memcpy_async(void* dst, const void* src, std::uint64_t bytes, Stream& stream) = 0;
   virtual Status memset_async(void* dst, int value, std::uint64_t bytes, Stream& stream) = 0;
   // Blocking copy (tests, setup). Uses an internal stream.
@@ -208,6 +211,9 @@ class Device {
   // Runs `fn` on a backend thread after all work enqueued on `stream` so far
   // has completed (cudaLaunchHostFunc). `fn` receives the status of that
   // work. It must not call back into this stream's device synchronously.
+  // Keep it short: CUDA runs the host functions of all streams on one
+  // thread, so a blocked `fn` delays every other host function, including
+  // the CUDA backend's host->host copies (memcpy_async between host buffers).
   virtual Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) = 0;
 
   // The pinned registration holding `p`: [first, last) addresses, or {0, 0}
