@@ -36,6 +36,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto split: the small-segment share applies below this average segment size");
   t.add(p + ".auto_split_h2d_dma_only_min_segment_bytes", &o.auto_split_h2d_dma_only_min_segment_bytes,
         "kAuto split: batched DMA lanes only (no SM share) from this average segment size");
+  t.add(p + ".auto_split_payload_bytes_per_dma_descriptor", &o.auto_split_payload_bytes_per_dma_descriptor,
+        "kAuto split: at most one DMA descriptor per this many payload bytes (CPU budget; 0: no cap)");
   t.add(p + ".auto_split_duplex_min_segment_bytes", &o.auto_split_duplex_min_segment_bytes,
         "kAuto: in full duplex, split from this average segment size");
   t.add(p + ".auto_split_duplex_max_segment_bytes", &o.auto_split_duplex_max_segment_bytes,

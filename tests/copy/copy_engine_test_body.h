@@ -1122,6 +1122,7 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
   o.auto_split_h2d_kernel_share = 0.5;
   o.auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
   o.auto_split_h2d_small_segment_bytes = 4 * 1024;
+  o.auto_split_payload_bytes_per_dma_descriptor = 0;  // the CPU-budget cap is checked below
   for (bool sms_out : {false, true}) {
     o.auto_kernel_max_segment_bytes_h2d = sms_out ? 0 : 64 * 1024;
     ASSERT_TRUE(make_engine(o).ok());
@@ -1151,6 +1152,29 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
       }
       if (HasFailure()) return;
     }
+  }
+  // CPU budget: at most one DMA descriptor per 64 KiB of payload. 16 KiB
+  // blocks: DMA <= 1/4 of the pairs (share 0.75 over the profile's 0.5);
+  // 32 KiB (profile: DMA only): DMA <= 1/2.
+  o.auto_kernel_max_segment_bytes_h2d = 64 * 1024;
+  o.auto_split_payload_bytes_per_dma_descriptor = 64 * 1024;
+  ASSERT_TRUE(make_engine(o).ok());
+  for (std::uint64_t bb : {std::uint64_t{16 * 1024}, std::uint64_t{32 * 1024}}) {
+    SCOPED_TRACE(::testing::Message() << "capped, block_bytes=" << bb);
+    auto layout = KvLayout::uniform(1, 1, bb);
+    ASSERT_TRUE(layout.ok());
+    auto host = layer_first(MemoryKind::kPinnedHost, *layout, 16);
+    auto dev = layer_first(MemoryKind::kDevice, *layout, 16);
+    ASSERT_TRUE(host && dev);
+    fill_random(*host, 80);
+    fill_poison(*dev);
+    const auto h = random_ids(16, 8, 81);
+    const auto d = random_ids(16, 8, 82);
+    const CopyReport rep =
+        copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto});
+    EXPECT_EQ(rep.strategy, CopyStrategy::kSplit);
+    EXPECT_DOUBLE_EQ(rep.kernel_share, bb == 16 * 1024 ? 0.75 : 0.5);
+    EXPECT_EQ(rep.lanes, 1u);
   }
 }
 
