@@ -119,7 +119,8 @@ class EngineBase : public CopyEngine {
 
  private:
   Result<std::shared_ptr<StreamState>> state_for(Stream& stream);
-  CopyStrategy choose_impl(const PlanSummary& s, const StreamState* self) const;
+  // `caller_busy`: the caller's stream had work queued when copy() was called.
+  CopyStrategy choose_impl(const PlanSummary& s, const StreamState* self, bool caller_busy = true) const;
   bool in_flight(CopyDirection dir, const StreamState* exclude) const;
   Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   // Precondition: the chunk plan of `r` is in st.scratch.staged.

@@ -309,6 +309,16 @@ class CudaDevice final : public Device {
                            fmt::format("synchronize(stream {} '{}')", stream.id(), s->name()));
   }
 
+  Result<bool> query(Stream& stream) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaStream * s, cuda_stream(stream, "query"));
+    KVTIER_CUDA_GUARD(ordinal_);
+    const cudaError_t err = cudaStreamQuery(s->stream());
+    if (err == cudaSuccess) return true;
+    if (err == cudaErrorNotReady) return false;
+    const std::string what = fmt::format("query(stream {} '{}')", stream.id(), s->name());
+    return cuda_detail::cuda_status(err, what.c_str());
+  }
+
   // fn always receives OK: a host function may not call CUDA to learn the
   // stream's state, and cudaLaunchHostFunc does not run it at all once the
   // context has a sticky error (then fn never runs; callers bound their waits

@@ -539,6 +539,16 @@ Status HostDevice::synchronize(Stream& stream, std::chrono::nanoseconds timeout)
   return Impl::wait_fence(state, seq, timeout, "stream");
 }
 
+Result<bool> HostDevice::query(Stream& stream) {
+  KVTIER_ASSIGN_OR_RETURN(HostStream * host, impl_->stream_of(stream));
+  StreamState& state = *host->state();
+  std::lock_guard lock(state.mu);
+  if (state.completed < state.enqueued) return false;
+  Status status = state.status_through(state.enqueued);
+  if (!status.ok()) return status;
+  return true;
+}
+
 Status HostDevice::launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) {
   KVTIER_ASSIGN_OR_RETURN(HostStream * host, impl_->stream_of(stream));
   if (!fn) return InvalidArgument(fmt::format("launch_host_callback: empty callback on {}", host->state()->label));

@@ -1123,6 +1123,7 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
   o.auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
   o.auto_split_h2d_small_segment_bytes = 4 * 1024;
   o.auto_split_payload_bytes_per_dma_descriptor = 0;  // the CPU-budget cap is checked below
+  o.auto_split_only_behind_queued_work = false;       // checked in AutoSplitOnlyBehindQueuedWork
   for (bool sms_out : {false, true}) {
     o.auto_kernel_max_segment_bytes_h2d = sms_out ? 0 : 64 * 1024;
     ASSERT_TRUE(make_engine(o).ok());
@@ -1213,6 +1214,43 @@ TEST_F(CopyEngineTest, DmaStrategiesCutAtPinnedRegistrationEnds) {
     copy_and_check(*dev, host, CopyRequest{&dev->space, &host.space, d, h, {}, kAllRoles, strategy});
     if (HasFailure()) return;
   }
+}
+
+// kAuto's split needs work queued ahead of it on the caller's stream (the CPU
+// enqueues the DMA part while the GPU is busy): on an idle stream the kernel.
+TEST_F(CopyEngineTest, AutoSplitOnlyBehindQueuedWork) {
+  auto layout = KvLayout::uniform(1, 2, 16 * 1024);
+  ASSERT_TRUE(layout.ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 32);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 32);
+  ASSERT_TRUE(host && dev);
+  const auto h = random_ids(32, 16, 91);
+  const auto d = random_ids(32, 16, 92);
+  CopyRequest up{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto};
+  fill_random(*host, 93);
+  fill_poison(*dev);
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  EXPECT_EQ(copy_and_check(*host, *dev, up).strategy, CopyStrategy::kSmKernel) << "idle stream";
+  // Hold the stream with a host callback, then copy behind it.
+  auto open = std::make_shared<std::atomic<bool>>(false);
+  ASSERT_TRUE(device_
+                  ->launch_host_callback(*stream_,
+                                         [open](const Status&) {
+                                           const auto until =
+                                               std::chrono::steady_clock::now() + std::chrono::seconds(20);
+                                           while (!open->load() && std::chrono::steady_clock::now() < until)
+                                             std::this_thread::sleep_for(std::chrono::microseconds(100));
+                                         })
+                  .ok());
+  fill_random(*host, 94);
+  fill_poison(*dev);
+  model_copy(*host, *dev, up);
+  auto rep = engine_->copy(up, *stream_);
+  open->store(true);
+  ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+  EXPECT_EQ(rep->strategy, CopyStrategy::kSplit) << "behind queued work";
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  expect_matches_model(*dev);
 }
 
 }  // namespace kvtier::copy_test

@@ -324,6 +324,21 @@ TEST_P(DeviceConformance, FirstRecordBehindBlockedCallbackIsPending) {
   EXPECT_OK(dev().synchronize(*e2, kLong));
 }
 
+TEST_P(DeviceConformance, StreamQueryReportsQueuedWork) {
+  ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
+  ASSERT_OK_AND_ASSIGN(bool idle, dev().query(*s));
+  EXPECT_TRUE(idle) << "a new stream is idle";
+  auto gate = std::make_shared<Gate>();
+  GateGuard guard{gate};
+  ASSERT_OK(dev().launch_host_callback(*s, [gate](const Status&) { gate->pass(); }));
+  ASSERT_OK_AND_ASSIGN(idle, dev().query(*s));
+  EXPECT_FALSE(idle) << "a callback is still running";
+  gate->open.store(true);
+  ASSERT_OK(dev().synchronize(*s, kLong));
+  ASSERT_OK_AND_ASSIGN(idle, dev().query(*s));
+  EXPECT_TRUE(idle);
+}
+
 TEST_P(DeviceConformance, QueryDoesNotBlock) {
   ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
   ASSERT_OK_AND_ASSIGN(auto e, dev().create_event());

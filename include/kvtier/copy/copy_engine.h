@@ -250,6 +250,11 @@ struct CopyEngineOptions {
   // CPU time to enqueue it (~0.6-1 us per descriptor) stays within the copy
   // time (55 GB/s moves ~44 KB per 0.8 us). 0: no cap.
   std::uint64_t auto_split_payload_bytes_per_dma_descriptor = 48 * 1024;
+  // kAuto uses kSplit only when the caller's stream still has work queued at
+  // copy() (the CPU then enqueues the DMA part while the GPU is busy); on an
+  // idle stream the GPU would wait for that CPU work, and the kernel wins.
+  // choose() (no stream) assumes queued work.
+  bool auto_split_only_behind_queued_work = true;
   std::uint64_t auto_split_duplex_min_segment_bytes = 0;
   std::uint64_t auto_split_duplex_max_segment_bytes = 0;
   // Reserved: the caller's stream priority decides today (a high-priority

@@ -207,6 +207,9 @@ class Device {
   virtual Result<bool> query(Event& event) = 0;
   virtual Status synchronize(Event& event, std::chrono::nanoseconds timeout) = 0;
   virtual Status synchronize(Stream& stream, std::chrono::nanoseconds timeout) = 0;
+  // True when every operation enqueued on `stream` so far has completed.
+  // Non-blocking (cudaStreamQuery). An error of the stream's work is returned.
+  virtual Result<bool> query(Stream& stream) = 0;
 
   // Runs `fn` on a backend thread after all work enqueued on `stream` so far
   // has completed (cudaLaunchHostFunc). `fn` receives the status of that

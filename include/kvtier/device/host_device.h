@@ -95,6 +95,7 @@ class HostDevice final : public Device {
   Result<bool> query(Event& event) override;
   Status synchronize(Event& event, std::chrono::nanoseconds timeout) override;
   Status synchronize(Stream& stream, std::chrono::nanoseconds timeout) override;
+  Result<bool> query(Stream& stream) override;
   Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) override;
 
   // Enqueues arbitrary work on a stream's worker, ordered like a copy. The
@@ -103,8 +104,7 @@ class HostDevice final : public Device {
   // engine to run its batched and kernel strategies on the host backend.
   // `dst`/`bytes` describe what the task writes, for failure injection and
   // poisoning (dst may be null).
-  Status enqueue_task(Stream& stream, std::function<Status()> task, void* dst = nullptr,
-                      std::uint64_t bytes = 0);
+  Status enqueue_task(Stream& stream, std::function<Status()> task, void* dst = nullptr, std::uint64_t bytes = 0);
 
   // Fault injection (nullptr clears). Applies to operations that start after the call.
   void set_failure_predicate(FailurePredicate predicate);
