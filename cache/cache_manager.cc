@@ -62,6 +62,8 @@ struct Node {
   NodeState state = NodeState::kSettled;
   bool live = false;
   bool detached = false;
+  // A storage write of this host copy failed: under pressure it is dropped rather than written again.
+  bool write_failed = false;
   std::uint8_t counted_tier = kNoTier;  // the tier this node counts as in its parent's child_tier
   std::uint32_t refs = 0;
   std::uint32_t hits = 0;
@@ -202,6 +204,7 @@ struct CacheManager::Impl {
   CacheStats st;
   std::deque<BlockId> host_run;  // pre-allocated contiguous host blocks for an eviction batch
   std::uint32_t pending_demotions = 0;
+  std::uint64_t failed_writes_in_a_row = 0;  // storage writes failed since the last one that succeeded
   std::unique_ptr<UseHistory> history;
 
   static constexpr NodeId kRoot = 0;
@@ -299,6 +302,7 @@ struct CacheManager::Impl {
   }
   void release_copy(NodeId id, int t) {
     Node& n = nodes[id];
+    if (t == kHst) n.write_failed = false;
     if (n.block[t] != kNoBlock) free_block(t, n.block[t]);
     n.block[t] = kNoBlock;
     n.present = static_cast<std::uint8_t>(n.present & ~bit(t));
@@ -376,14 +380,92 @@ struct CacheManager::Impl {
       retier(id);
   }
 
+  // Write-back with a storage tier: a host copy that is a block's last copy ("dirty") is written to
+  // storage before its host block is given up, whatever takes it (watermarks or pressure).
+  bool write_back_to_storage() const {
+    return has_tier(kSto) && has_tier(kHst) && cfg.write_policy == WritePolicy::kWriteBack;
+  }
+
+  void drop_host_copy(NodeId id) {
+    if (nodes[id].present == bit(kHst)) ++st.lost_host_drops;
+    drop_copy(id, kHst);
+    ++st.drops_host;
+  }
+
   // Frees one host block now by dropping a host copy (never waits on a demotion).
   bool drop_one_host() {
     if (!has_tier(kHst)) return false;
     NodeId v = policy[kHst]->victim([this](NodeId n) { return host_droppable(n); });
     if (v == kNoNode) return false;
-    drop_copy(v, kHst);
-    ++st.drops_host;
+    drop_host_copy(v);
     return true;
+  }
+
+  // Settled, unpinned host copy the host policy may consider at all.
+  bool host_candidate(NodeId id) const {
+    const Node& n = nodes[id];
+    return n.live && !n.detached && n.state == NodeState::kSettled && (n.present & bit(kHst)) && n.refs == 0;
+  }
+
+  // A host-only block whose children all sit in storage (or are absent): it may move down.
+  bool host_demotable(const Node& n) const {
+    return has_tier(kSto) && n.present == bit(kHst) && n.child_tier[kHst] == 0 && n.child_tier[kDev] == 0;
+  }
+
+  // Queues host -> storage for v; its host block stays held (read by the write) until the ack.
+  bool start_demotion(NodeId v) {
+    if (pools[kSto].num_free() == 0 && !drop_one_storage()) return false;
+    auto slot = pools[kSto].allocate();
+    if (!slot.ok()) return false;
+    Node& n = nodes[v];
+    plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
+    policy[kHst]->erase(v);
+    n.present = static_cast<std::uint8_t>(n.present & ~bit(kHst));  // block kept until the ack
+    set_block(v, kSto, *slot);
+    n.state = NodeState::kDemoting;
+    retier(v);
+    ++pending_demotions;
+    ++st.storage_writes;
+    return true;
+  }
+
+  // How far down the host policy's order a clean victim is preferred to the first dirty one.
+  static constexpr std::uint32_t kCleanVictimWindow = 64;
+
+  enum class Room : std::uint8_t { kFree, kPending, kNone };
+
+  // The host tier is full and a block is wanted now. Write-back with storage: a clean copy (another
+  // copy remains, in storage or on device) among the next kCleanVictimWindow candidates is dropped
+  // (kFree); otherwise the first dirty candidate is demoted, its block frees at the write's ack
+  // (kPending). A dirty copy is dropped only when storage cannot take it.
+  Room make_host_room() {
+    if (!write_back_to_storage()) return drop_one_host() ? Room::kFree : Room::kNone;
+    NodeId first_dirty = kNoNode;
+    std::uint32_t dirty_seen = 0;
+    NodeId v = policy[kHst]->victim([&](NodeId id) {
+      if (!host_candidate(id)) return false;
+      const Node& n = nodes[id];
+      if (n.present != bit(kHst)) return can_drop(n, kHst);
+      if (!host_demotable(n)) return false;
+      if (first_dirty == kNoNode) first_dirty = id;
+      return ++dirty_seen >= kCleanVictimWindow;  // stop scanning: no clean copy near the tail
+    });
+    if (v != kNoNode && nodes[v].present != bit(kHst)) {
+      drop_host_copy(v);
+      return Room::kFree;
+    }
+    if (first_dirty == kNoNode) return Room::kNone;
+    if (nodes[first_dirty].write_failed && can_drop(nodes[first_dirty], kHst)) {
+      drop_host_copy(first_dirty);  // its write already failed once: not retried while a block is wanted now
+      return Room::kFree;
+    }
+    if (start_demotion(first_dirty)) {
+      ++st.pressure_demotions;
+      return Room::kPending;
+    }
+    if (!can_drop(nodes[first_dirty], kHst)) return Room::kNone;
+    drop_host_copy(first_dirty);  // storage is full of blocks it cannot give up: the copy is lost
+    return Room::kFree;
   }
 
   Result<BlockId> take_host_block() {
@@ -392,7 +474,8 @@ struct CacheManager::Impl {
       host_run.pop_front();
       return b;
     }
-    if (pools[kHst].num_free() == 0 && !drop_one_host()) return ResourceExhausted("host tier: no droppable block");
+    if (pools[kHst].num_free() == 0 && make_host_room() != Room::kFree)
+      return ResourceExhausted("host tier: no block free now (none droppable, or a demotion frees one later)");
     return pools[kHst].allocate();
   }
 
@@ -405,15 +488,33 @@ struct CacheManager::Impl {
     return true;
   }
 
+  void evict_to_host(NodeId v, BlockId hb) {
+    Node& n = nodes[v];
+    plan.evictions.push_back(BlockMove{n.block[kDev], hb, n.key});
+    release_copy(v, kDev);  // same-step reuse: the plan orders this D2H before any write into the device block
+    set_block(v, kHst, hb);
+    n.state = NodeState::kEvicting;
+    retier(v);
+    ++st.evictions_d2h;
+  }
+
   // Evicts one device copy. Returns false when nothing can go.
   bool evict_one_device() {
     std::vector<NodeId> skipped;
     auto pred = [&](NodeId n) {
       return device_evictable(n) && std::find(skipped.begin(), skipped.end(), n) == skipped.end();
     };
+    // Once the host has no block now (asking again would only queue more demotions), write-back with
+    // storage looks on for a device copy that is also on host; failing that it drops the last copy
+    // of the first droppable victim. A victim with children on host cannot be dropped: with no host
+    // block it stays, and the eviction fails until the demotions' acks free host blocks; a host copy
+    // is dropped for it only while storage writes fail (waiting would not free anything).
+    const bool write_back_down = write_back_to_storage();
+    bool host_full = false;
+    NodeId lossy_fallback = kNoNode, keep_fallback = kNoNode;
     for (int attempt = 0; attempt < 64; ++attempt) {
       NodeId v = policy[kDev]->victim(pred);
-      if (v == kNoNode) return false;
+      if (v == kNoNode) break;
       Node& n = nodes[v];
       if (n.present & bit(kHst)) {  // backed up: no copy needed
         drop_copy(v, kDev);
@@ -421,25 +522,37 @@ struct CacheManager::Impl {
         return true;
       }
       bool must_keep = num_children(n) > 0 && !can_drop(n, kDev);
-      if (has_tier(kHst) && (cfg.write_policy == WritePolicy::kWriteBack || must_keep)) {
+      if (has_tier(kHst) && (cfg.write_policy == WritePolicy::kWriteBack || must_keep) && !host_full) {
         auto hb = take_host_block();
         if (hb.ok()) {
-          BlockId db = n.block[kDev];
-          plan.evictions.push_back(BlockMove{db, *hb, n.key});
-          release_copy(v, kDev);  // same-step reuse: the plan orders this D2H before any write into db
-          set_block(v, kHst, *hb);
-          n.state = NodeState::kEvicting;
-          retier(v);
-          ++st.evictions_d2h;
+          evict_to_host(v, *hb);
           return true;
         }
+        host_full = true;
       }
       if (can_drop(n, kDev)) {
-        drop_copy(v, kDev);
-        ++st.drops_device;
-        return true;
+        if (!(host_full && write_back_down)) {
+          drop_copy(v, kDev);
+          ++st.drops_device;
+          return true;
+        }
+        if (lossy_fallback == kNoNode) lossy_fallback = v;
+      } else if (host_full && write_back_down && keep_fallback == kNoNode) {
+        keep_fallback = v;
       }
       skipped.push_back(v);
+    }
+    if (lossy_fallback != kNoNode) {
+      drop_copy(lossy_fallback, kDev);
+      ++st.drops_device;
+      return true;
+    }
+    if (keep_fallback != kNoNode && failed_writes_in_a_row > 0 && drop_one_host()) {
+      auto hb = pools[kHst].allocate();
+      if (hb.ok()) {
+        evict_to_host(keep_fallback, *hb);
+        return true;
+      }
     }
     return false;
   }
@@ -471,9 +584,7 @@ struct CacheManager::Impl {
   bool evict_one_host_background() {
     std::vector<NodeId> skipped;
     auto pred = [&](NodeId id) {
-      const Node& n = nodes[id];
-      return n.live && !n.detached && n.state == NodeState::kSettled && (n.present & bit(kHst)) && n.refs == 0 &&
-             std::find(skipped.begin(), skipped.end(), id) == skipped.end();
+      return host_candidate(id) && std::find(skipped.begin(), skipped.end(), id) == skipped.end();
     };
     for (int attempt = 0; attempt < 64; ++attempt) {
       NodeId v = policy[kHst]->victim(pred);
@@ -481,28 +592,13 @@ struct CacheManager::Impl {
       Node& n = nodes[v];
       if ((n.present & bit(kDev)) || (n.present & bit(kSto))) {
         if (can_drop(n, kHst)) {
-          drop_copy(v, kHst);
-          ++st.drops_host;
+          drop_host_copy(v);
           return true;
         }
-      } else if (has_tier(kSto) && n.child_tier[kHst] == 0 && n.child_tier[kDev] == 0) {
-        if (pools[kSto].num_free() > 0 || drop_one_storage()) {
-          auto slot = pools[kSto].allocate();
-          if (slot.ok()) {
-            plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
-            policy[kHst]->erase(v);
-            n.present = static_cast<std::uint8_t>(n.present & ~bit(kHst));  // block kept until the ack
-            set_block(v, kSto, *slot);
-            n.state = NodeState::kDemoting;
-            retier(v);
-            ++pending_demotions;
-            ++st.storage_writes;
-            return true;
-          }
-        }
+      } else if (host_demotable(n)) {
+        if (start_demotion(v)) return true;
       } else if (can_drop(n, kHst)) {
-        drop_copy(v, kHst);
-        ++st.drops_host;
+        drop_host_copy(v);
         return true;
       }
       skipped.push_back(v);
@@ -792,7 +888,14 @@ Result<std::uint32_t> CacheManager::prefetch(std::span<const BlockKey> keys) {
     NodeId id = matched[i];
     Node& n = s.nodes[id];
     auto hb = s.take_host_block();
-    if (!hb.ok()) break;
+    if (!hb.ok()) {
+      // Write-back: dirty host blocks are being written to storage to make room. Make room for the
+      // rest of the segment too, so that a call after their acks can queue it all.
+      if (s.write_back_to_storage())
+        for (std::size_t rest = matched.size() - i - 1; rest > 0; --rest)
+          if (s.make_host_room() == Impl::Room::kNone) break;
+      break;
+    }
     // Taking a host block may have dropped the host copy of the parent (one also held in
     // storage): a host block below a storage-only parent would break the tier order.
     const NodeId parent = n.parent;
@@ -932,12 +1035,14 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
     bool demoting = n.state == NodeState::kDemoting;
     if (demoting) --s.pending_demotions;
     n.state = NodeState::kSettled;
+    s.failed_writes_in_a_row = status.ok() ? 0 : s.failed_writes_in_a_row + 1;
     if (n.detached) {
       s.reclaim_if_dead(id);
       continue;
     }
     if (status.ok()) {
       n.present |= bit(kSto);
+      n.write_failed = false;
       s.policy[kSto]->insert(id, s.info(id));
       if (demoting) {  // the host block was read by the write: free it only now
         s.free_block(kHst, n.block[kHst]);
@@ -955,6 +1060,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
           continue;
         }
         n.present |= bit(kHst);  // the host copy is intact: it stays
+        n.write_failed = true;
         s.policy[kHst]->insert(id, s.info(id));
       }
     }

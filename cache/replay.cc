@@ -282,11 +282,27 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       MatchResult m = cache->match(keys);
       if (m.storage_blocks > 0) {
         fetch_base = m.device_blocks + m.host_blocks;
-        KVTIER_ASSIGN_OR_RETURN(fetched, cache->prefetch(keys));
-        if (fetched) KVTIER_RETURN_IF_ERROR(drive(0));
+        // Write-back: a host tier full of dirty blocks first writes them to storage to make room
+        // (prefetch() queues what fits now); wait for those writes and fetch the rest.
+        for (int round = 0; round < 4; ++round) {
+          const std::uint64_t demotions = cache->stats().pressure_demotions;
+          KVTIER_ASSIGN_OR_RETURN(std::uint32_t queued, cache->prefetch(keys));
+          fetched += queued;
+          const bool room_coming = cache->stats().pressure_demotions > demotions;
+          if (queued == 0 && !room_coming) break;
+          KVTIER_RETURN_IF_ERROR(drive(0));
+          if (!room_coming) break;
+        }
       }
     }
+    const std::uint64_t demotions = cache->stats().pressure_demotions;
     auto adm = cache->admit(keys, extra);
+    if (!adm.ok() && cache->stats().pressure_demotions > demotions) {
+      // Write-back: the host had no room for a device block that must keep its copy; dirty host
+      // blocks are being written to storage to make some. Wait for them and try once more.
+      KVTIER_RETURN_IF_ERROR(drive(0));
+      adm = cache->admit(keys, extra);
+    }
     if (!adm.ok()) {
       ++res.failed_admissions;
       continue;

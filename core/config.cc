@@ -1,11 +1,11 @@
 #include "kvtier/core/config.h"
 
+#include <fmt/format.h>
+
 #include <cctype>
 #include <charconv>
 #include <cstring>
 #include <limits>
-
-#include <fmt/format.h>
 
 namespace kvtier {
 namespace {
@@ -47,9 +47,58 @@ Result<std::uint64_t> parse_size(std::string_view text) {
   return v * mult;
 }
 
+namespace {
+
+struct DurationUnit {
+  std::string_view suffix;
+  std::int64_t ns;
+};
+constexpr DurationUnit kDurationUnits[] = {{"ns", 1}, {"us", 1000}, {"ms", 1000000}, {"s", 1000000000}};
+
+std::string_view unit_suffix(std::int64_t unit_ns) {
+  for (const DurationUnit& u : kDurationUnits)
+    if (u.ns == unit_ns) return u.suffix;
+  return {};
+}
+
+}  // namespace
+
+Result<std::int64_t> parse_duration(std::string_view text, std::int64_t unit_ns) {
+  const std::string_view field_unit = unit_suffix(unit_ns);
+  if (field_unit.empty()) return InvalidArgument(fmt::format("unsupported duration unit of {} ns", unit_ns));
+  std::string_view t = trim(text);
+  std::size_t digits = 0;
+  while (digits < t.size() && std::isdigit(static_cast<unsigned char>(t[digits]))) ++digits;
+  const std::string_view suffix = trim(t.substr(digits));
+  std::int64_t n = 0;
+  auto [ptr, ec] = std::from_chars(t.data(), t.data() + digits, n);
+  const DurationUnit* unit = nullptr;
+  for (const DurationUnit& u : kDurationUnits)
+    if (u.suffix == (suffix.empty() ? field_unit : suffix)) unit = &u;
+  if (digits > 0 && unit != nullptr && ec == std::errc::result_out_of_range)
+    return InvalidArgument(fmt::format("duration '{}' overflows", text));
+  if (digits == 0 || unit == nullptr || ec != std::errc() || ptr != t.data() + digits) {
+    return InvalidArgument(
+        fmt::format("'{}' is not a duration (a non-negative integer with unit ns, us, ms or s, e.g. 50us, 2ms, 60s; "
+                    "a bare integer is in {})",
+                    text, field_unit));
+  }
+  // Units are powers of 1000, so one always divides the other.
+  if (unit->ns >= unit_ns) {
+    const std::int64_t mult = unit->ns / unit_ns;
+    if (n > std::numeric_limits<std::int64_t>::max() / mult)
+      return InvalidArgument(fmt::format("duration '{}' overflows", text));
+    return n * mult;
+  }
+  const std::int64_t div = unit_ns / unit->ns;
+  if (n % div != 0) return InvalidArgument(fmt::format("duration '{}' is not a whole number of {}", text, field_unit));
+  return n / div;
+}
+
 std::string ConfigTable::env_var_for(std::string_view name) {
   std::string out = "KVTIER_";
-  for (char c : name) out += (c == '.' || c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  for (char c : name)
+    out += (c == '.' || c == '-') ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   return out;
 }
 
@@ -118,6 +167,21 @@ void ConfigTable::add(std::string name, double* field, std::string doc) {
       [field] { return fmt::format("{}", *field); });
 }
 
+void ConfigTable::add(std::string name, double* field, std::string doc, double min, double max) {
+  add_knob(
+      std::move(name), fmt::format("double [{}, {}]", min, max), std::move(doc),
+      [field, min, max](std::string_view v) -> Status {
+        std::string s(trim(v));
+        char* end = nullptr;
+        double x = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return InvalidArgument(fmt::format("'{}' is not a number", v));
+        if (!(x >= min && x <= max)) return InvalidArgument(fmt::format("{} is outside [{}, {}]", s, min, max));
+        *field = x;
+        return Status::Ok();
+      },
+      [field] { return fmt::format("{}", *field); });
+}
+
 void ConfigTable::add(std::string name, bool* field, std::string doc) {
   add_knob(
       std::move(name), "bool", std::move(doc),
@@ -136,6 +200,37 @@ void ConfigTable::add(std::string name, std::string* field, std::string doc) {
         return Status::Ok();
       },
       [field] { return *field; });
+}
+
+void ConfigTable::add(std::string name, std::string* field, std::string doc,
+                      std::function<Status(std::string_view)> validate) {
+  add_knob(
+      std::move(name), "string", std::move(doc),
+      [field, validate = std::move(validate)](std::string_view v) -> Status {
+        v = trim(v);
+        KVTIER_RETURN_IF_ERROR(validate(v));
+        *field = std::string(v);
+        return Status::Ok();
+      },
+      [field] { return *field; });
+}
+
+void ConfigTable::add_duration(std::string name, std::string doc, std::int64_t unit_ns,
+                               std::function<Status(std::int64_t)> set_count, std::function<std::int64_t()> get_count) {
+  const std::string suffix(unit_suffix(unit_ns));
+  add_knob(
+      std::move(name), fmt::format("duration ({})", suffix), std::move(doc),
+      [unit_ns, set_count = std::move(set_count)](std::string_view v) -> Status {
+        KVTIER_ASSIGN_OR_RETURN(std::int64_t count, parse_duration(v, unit_ns));
+        return set_count(count);
+      },
+      [suffix, get_count = std::move(get_count)] { return fmt::format("{}{}", get_count(), suffix); });
+}
+
+std::string_view ConfigTable::trim_text(std::string_view s) { return trim(s); }
+
+Status ConfigTable::out_of_range(std::int64_t count) {
+  return InvalidArgument(fmt::format("{} does not fit in the field", count));
 }
 
 Status ConfigTable::set(std::string_view name, std::string_view value) {

@@ -19,6 +19,8 @@
 // the host backend sizes are tiny and the numbers mean nothing: it checks
 // the machinery in seconds. Bytes of a sample of loaded blocks are verified
 // against the host source (nonzero exit on a mismatch).
+// The manager's config comes from KVTIER_TRANSFER_* env vars (see
+// docs/configuration.md), then --strategy (both directions) overrides them.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -35,9 +37,12 @@
 
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
+#include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "tools/cli.h"
 #include "transfer/bench_compute.h"
+
+extern char** environ;
 
 namespace kvtier::cli {
 namespace {
@@ -52,6 +57,7 @@ struct Args {
   int reps = 5;
   double compute_ratio = 1.0;
   std::string strategy = "auto";
+  TransferManagerConfig transfer;  // KVTIER_TRANSFER_* env, then --strategy
   std::uint32_t gemm_n = 8192;
   int gemm_iters = 20;
   bool json = false;
@@ -132,10 +138,7 @@ class ShapeBench {
     KvCacheRegistration reg;
     reg.device = std::move(space);
     reg.host.num_blocks = host_blocks;
-    TransferManagerConfig cfg;
-    KVTIER_ASSIGN_OR_RETURN(cfg.load_strategy, parse_copy_strategy(a_.strategy));
-    cfg.evict_strategy = cfg.load_strategy;
-    KVTIER_ASSIGN_OR_RETURN(mgr_, TransferManager::create(dev_, *compute_, std::move(reg), cfg));
+    KVTIER_ASSIGN_OR_RETURN(mgr_, TransferManager::create(dev_, *compute_, std::move(reg), a_.transfer));
     // Host blocks hold a pattern (first 8 bytes of each word = its address), device blocks zero.
     const BlockSpace& hs = mgr_->host_space();
     for (std::uint32_t l = 0; l < layout_.num_layers(); ++l)
@@ -264,7 +267,8 @@ class ShapeBench {
       j["layers"] = layout_.num_layers();
       j["blocks"] = n_;
       j["prefix_bytes"] = prefix_bytes_;
-      j["strategy"] = a_.strategy;
+      j["strategy"] = std::string(copy_strategy_name(a_.transfer.load_strategy));
+      j["evict_strategy"] = std::string(copy_strategy_name(a_.transfer.evict_strategy));
       return j;
     };
     // Ceilings.
@@ -436,13 +440,30 @@ Action register_bench_transfer(CLI::App& bench) {
   cmd->add_option("--reps", args->reps, "repetitions (p50)")->capture_default_str();
   cmd->add_option("--compute-ratio", args->compute_ratio, "per-layer compute time / per-layer copy time")
       ->capture_default_str();
-  cmd->add_option("--strategy", args->strategy, "copy strategy: auto, dma_per_run, dma_batch, sm_kernel")
-      ->capture_default_str();
+  auto* strategy_opt =
+      cmd->add_option("--strategy", args->strategy,
+                      "copy strategy of loads and evictions: auto, dma_per_run, dma_batch, sm_kernel (overrides "
+                      "KVTIER_TRANSFER_LOAD_STRATEGY / _EVICT_STRATEGY)")
+          ->capture_default_str();
   cmd->add_option("--gemm-n", args->gemm_n, "GEMM size n (multiple of 128)")->capture_default_str();
   cmd->add_option("--gemm-iters", args->gemm_iters, "GEMMs per timed loop")->capture_default_str();
   cmd->add_flag("--json", args->json, "one JSON object per line");
-  return [cmd, args]() -> int {
+  return [cmd, args, strategy_opt]() -> int {
     if (!cmd->parsed()) return -1;
+    ConfigTable table;
+    bind_transfer_manager_config(table, args->transfer);
+    if (Status s = table.apply_env(environ); !s.ok()) {
+      std::fprintf(stderr, "bench transfer: %s\n", s.to_string().c_str());
+      return 2;
+    }
+    if (strategy_opt->count() > 0) {
+      auto strategy = parse_copy_strategy(args->strategy);
+      if (!strategy.ok()) {
+        std::fprintf(stderr, "bench transfer: --strategy: %s\n", strategy.status().to_string().c_str());
+        return 2;
+      }
+      args->transfer.load_strategy = args->transfer.evict_strategy = *strategy;
+    }
     std::unique_ptr<Device> dev;
     if (args->backend == "host") {
       auto d = HostDevice::create();

@@ -4,9 +4,11 @@
 
 #include <cstdio>
 
+#include "kvtier/cache/cache_config.h"
 #include "kvtier/copy/copy_config.h"
 #include "kvtier/core/config.h"
 #include "kvtier/device/cuda_device.h"
+#include "kvtier/transfer/transfer_config.h"
 #include "tools/cli.h"
 
 extern char** environ;
@@ -24,8 +26,12 @@ Action register_info(CLI::App& app) {
     std::printf("cuda devices: %d\n", cuda_device_count());
     if (*show_config) {
       CopyEngineOptions copy;
+      TransferManagerConfig transfer;
+      cache::CacheConfig cache;
       ConfigTable table;
       bind_copy_engine_options(table, copy);
+      bind_transfer_manager_config(table, transfer);
+      cache::bind_cache_config(table, cache);
       if (Status s = table.apply_env(environ); !s.ok()) {
         std::fprintf(stderr, "kvtier info: %s\n", s.to_string().c_str());
         return 2;

@@ -1,4 +1,8 @@
 // `kvtier replay [TRACE.jsonl]`: runs the cache manager over a Mooncake-format trace.
+// Configuration: KVTIER_CACHE_* env vars (docs/configuration.md) replace the defaults of the matching
+// flags (device/host/storage blocks, device_policy -> --policy, write policy, threshold) and set the host
+// watermarks; flags given on the command line override them. KVTIER_TRANSFER_* configure the
+// TransferManager of --transfer host|cuda.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -11,12 +15,16 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/cache/cache_config.h"
 #include "kvtier/cache/replay.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
+#include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "tools/cli.h"
+
+extern char** environ;
 
 namespace kvtier::cli {
 namespace {
@@ -150,6 +158,43 @@ Action register_replay(CLI::App& app) {
   return [cmd, args, block_bytes_opt]() -> int {
     if (!cmd->parsed()) return -1;
     Args& a = *args;
+    // Env first (as a CacheConfig holding replay's defaults), then the flags given on the command line.
+    const cache::ReplayOptions replay_defaults;
+    cache::CacheConfig env_cache;
+    {
+      const Args d;
+      env_cache.device_blocks = d.device_blocks;
+      env_cache.host_blocks = d.host_blocks;
+      env_cache.storage_blocks = d.storage_blocks;
+      env_cache.device_policy = env_cache.host_policy = d.policy;
+      env_cache.write_policy = replay_defaults.write_policy;
+      env_cache.write_through_threshold = d.threshold;
+      env_cache.host_watermarks =
+          cache::Watermarks{replay_defaults.host_low_watermark, replay_defaults.host_high_watermark};
+    }
+    TransferManagerConfig transfer_config;
+    {
+      ConfigTable table;
+      cache::bind_cache_config(table, env_cache);
+      bind_transfer_manager_config(table, transfer_config);
+      if (Status s = table.apply_env(environ); !s.ok()) {
+        std::fprintf(stderr, "kvtier replay: %s\n", s.to_string().c_str());
+        return 2;
+      }
+      // Knobs replay has no field for (one policy for device and host, storage policy lru).
+      for (const KnobInfo& k : table.describe())
+        if (k.value != k.default_value &&
+            (k.name == "cache.host_policy" || k.name == "cache.storage_policy" ||
+             k.name.rfind("cache.device_watermarks.", 0) == 0 || k.name == "cache.contiguous_host_runs"))
+          std::fprintf(stderr, "kvtier replay: %s is not used by replay (ignored)\n", k.env_var.c_str());
+    }
+    auto given = [&](const char* flag) { return cmd->get_option(flag)->count() > 0; };
+    if (!given("--device-blocks")) a.device_blocks = env_cache.device_blocks;
+    if (!given("--host-blocks")) a.host_blocks = env_cache.host_blocks;
+    if (!given("--storage-blocks")) a.storage_blocks = env_cache.storage_blocks;
+    if (!given("--policy")) a.policy = env_cache.device_policy;
+    if (!given("--write-policy")) a.write_policy = std::string(cache::write_policy_name(env_cache.write_policy));
+    if (!given("--write-through-threshold")) a.threshold = env_cache.write_through_threshold;
     if (a.block_tokens == 0) {
       std::fprintf(stderr, "kvtier replay: --block-tokens must be >= 1\n");
       return 2;
@@ -179,6 +224,8 @@ Action register_replay(CLI::App& app) {
     o.failure_rate = a.failure_rate;
     o.seed = a.seed;
     o.check_invariants_every = a.check_every;
+    o.host_low_watermark = env_cache.host_watermarks.low;
+    o.host_high_watermark = env_cache.host_watermarks.high;
     std::unique_ptr<cache::ReplayStorage> storage;
     if (!a.storage.empty()) {
       if (a.host_blocks == 0) {
@@ -287,7 +334,7 @@ Action register_replay(CLI::App& app) {
       KvCacheRegistration reg{*rt.space, {}};
       reg.host.num_blocks = a.host_blocks;
       reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
-      auto tm = TransferManager::create(*rt.device, *rt.compute, std::move(reg));
+      auto tm = TransferManager::create(*rt.device, *rt.compute, std::move(reg), transfer_config);
       if (!tm.ok()) return fail("transfer manager", tm.status());
       rt.manager = std::move(*tm);
       rt.executor = std::make_unique<cache::TransferPlanExecutor>(*rt.manager, *rt.device, *rt.compute, *rt.space,
@@ -368,8 +415,8 @@ Action register_replay(CLI::App& app) {
     }
     auto mib = [](std::uint64_t b) { return static_cast<double>(b) / double(1 << 20); };
     std::printf("storage moves    %llu writes (%.1f MiB to storage), %llu prefetches (%.1f MiB from storage)\n",
-                (unsigned long long)r.storage_writes, mib(r.bytes_to_storage),
-                (unsigned long long)r.storage_prefetches, mib(r.bytes_from_storage));
+                (unsigned long long)r.storage_writes, mib(r.bytes_to_storage), (unsigned long long)r.storage_prefetches,
+                mib(r.bytes_from_storage));
     std::printf("storage faults   %llu failed prefetches, %llu failed writes (each became a miss)\n",
                 (unsigned long long)r.failed_prefetches, (unsigned long long)r.failed_storage_writes);
     std::printf("verification     %llu blocks checked against their key's pattern, %llu mismatches\n",

@@ -164,5 +164,29 @@ TEST_P(CacheProperty, RandomOperationSequencesKeepInvariants) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, CacheProperty, ::testing::Range(0, 48));
 
+// Write-back with a storage tier and no host watermarks: every host block given up under pressure
+// goes through a demotion (or a failed one), with delayed and failing moves; small storage tiers
+// run out of slots too.
+class CachePropertyWriteBackPressure : public ::testing::TestWithParam<int> {};
+
+TEST_P(CachePropertyWriteBackPressure, RandomOperationSequencesKeepInvariants) {
+  const int variant = GetParam();
+  Scenario sc;
+  sc.seed = 5000 + variant;
+  sc.cfg.device_blocks = 12 + variant % 3 * 8;
+  sc.cfg.host_blocks = 8 + variant % 4 * 8;
+  sc.cfg.storage_blocks = variant % 5 == 4 ? 12 : 64;
+  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu"};
+  sc.cfg.device_policy = policies[variant % 4];
+  sc.cfg.host_policy = policies[(variant / 4) % 4];
+  sc.cfg.write_policy = WritePolicy::kWriteBack;
+  if (variant % 5 == 1) sc.cfg.device_watermarks = {0.1, 0.3};
+  sc.failure_rate = variant % 3 == 0 ? 0.0 : 0.1;
+  sc.delay_polls = variant % 4;
+  run_scenario(sc, 2000);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, CachePropertyWriteBackPressure, ::testing::Range(0, 16));
+
 }  // namespace
 }  // namespace kvtier::cache

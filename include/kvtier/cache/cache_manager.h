@@ -54,8 +54,19 @@ enum class WritePolicy : std::uint8_t {
 // With a storage tier the same policy applies one level down: write-through (and selective, once the
 // hit threshold is reached) also writes every block that settles on host to storage (state "storing",
 // the host copy stays servable except for loads: match() treats a host-only storing block as in
-// flight); write-back demotes host blocks to storage only through the host watermarks. A host block
-// taken when the host tier is full is dropped, not demoted (demotion frees it only at the write's ack).
+// flight). Write-back writes a host copy to storage before giving up its block whenever it is the
+// block's last copy ("dirty"): through the host watermarks, and also under pressure, when the host
+// tier is full and a block is wanted now (a device eviction, a prefetch). Under pressure a clean host
+// copy (also in storage, or also on device) among the policy's next 64 candidates is dropped first;
+// otherwise the policy's first dirty victim is demoted ("demoting": held, unservable, freed only at
+// the write's ack) and no host block is had this step: the device eviction then drops a device copy
+// that is also on host, else the last copy of a droppable device victim; a device victim with
+// children on host cannot be dropped, so admit() may fail (ResourceExhausted) until the acks free
+// host blocks. A failed demotion never leaves a storage copy: the block stays on host (unless its parent
+// went to storage meanwhile: then it and its subtree become misses), and the next pressure eviction
+// drops it rather than retry the write. A dirty host copy is also dropped when storage can take
+// nothing (every slot pinned or in flight). Write-through and selective drop host copies under
+// pressure, as before; so does every policy without a storage tier.
 
 std::string_view write_policy_name(WritePolicy policy) noexcept;
 Result<WritePolicy> parse_write_policy(std::string_view name);
@@ -155,6 +166,8 @@ struct CacheStats {
   std::uint64_t admissions = 0, admission_failures = 0;
   std::uint64_t evictions_d2h = 0, drops_device = 0, backups_d2h = 0, loads_h2d = 0;
   std::uint64_t drops_host = 0, storage_writes = 0, storage_prefetches = 0, drops_storage = 0;
+  std::uint64_t lost_host_drops = 0;     // host drops of a block's last copy (of drops_host)
+  std::uint64_t pressure_demotions = 0;  // write-back demotions for a host block wanted now (of storage_writes)
   std::uint64_t failed_transfers = 0, invalidated_blocks = 0;
 };
 
@@ -173,7 +186,10 @@ class CacheManager {
   // Matches, pins the matched blocks, allocates device blocks for host hits
   // (queued as loads), for the keys to compute and for `extra_blocks`
   // unkeyed blocks, evicting as needed. ResourceExhausted (nothing changed)
-  // when the device cannot hold them.
+  // when the device cannot hold them. Write-back with a storage tier: also
+  // when device blocks that must move to host wait for host blocks that are
+  // being written to storage (CacheStats::pressure_demotions grew): retry
+  // after the plan's storage writes are acked.
   Result<Admission> admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks = 0);
 
   // After the forward pass: the first `num_computed` keys of the admission
@@ -189,6 +205,8 @@ class CacheManager {
   Result<AdmissionStatus> admission_status(AdmissionId id) const;
 
   // Storage segment -> host (fetches queued in the next plan); returns the number of blocks queued.
+  // Write-back: when the host tier has no block now it queues demotions of dirty host blocks for
+  // the rest of the segment (CacheStats::pressure_demotions grows): call again after their acks.
   Result<std::uint32_t> prefetch(std::span<const BlockKey> keys);
 
   // Moves queued since the last call, plus watermark evictions.

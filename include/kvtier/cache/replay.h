@@ -108,7 +108,9 @@ struct ReplayOptions {
   // Storage tier of storage_blocks (0: none). With `storage` set, host and storage moves carry real
   // bytes (its host_blocks must equal host_blocks, block_bytes its block size); without it, storage
   // moves go through the fake executor. When a request's prefix continues in storage, the replay
-  // prefetches it to host, waits, then admits (host hits, loaded) instead of recomputing.
+  // prefetches it to host, waits, then admits (host hits, loaded) instead of recomputing. Write-back:
+  // when host room is being made by writing dirty host blocks to storage, the replay waits for those
+  // writes, then prefetches the rest (up to 4 rounds) or retries a failed admission once.
   std::uint32_t storage_blocks = 0;
   ReplayStorage* storage = nullptr;
   // Host watermarks when storage_blocks > 0: write_back demotes host blocks to storage in the

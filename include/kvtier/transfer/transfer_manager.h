@@ -75,7 +75,8 @@
 // remaining completions (firing callbacks), joins the progress thread, and only then frees events, streams and
 // kvtier-allocated host memory.
 //
-// Config knobs (TransferManagerConfig):
+// Config knobs (TransferManagerConfig; bound to the config table as
+// KVTIER_TRANSFER_* by transfer_config.h, listed in docs/configuration.md):
 //   evict_strategy / load_strategy   kAuto      CopyEngine strategy per direction
 //                                               (the engine's kAuto without SM kernels, see copy_engine)
 //   copy_engine                      256 slots  options of the manager's own CopyEngine

@@ -1,0 +1,138 @@
+// The CLI applies KVTIER_CACHE_* / KVTIER_TRANSFER_* env vars before its
+// flags (flags win), and rejects bad env values naming the variable and value
+// (label cpu; runs the built `kvtier` binary on the host backend).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+struct CliRun {
+  int rc = -1;
+  std::string out;
+};
+
+enum class Capture { kStdout, kBoth, kStderr };
+
+// Runs `env_prefix kvtier args` through the shell and captures what `what` says.
+CliRun run(const std::string& env_prefix, const std::string& args, Capture what) {
+  const char* redirect = what == Capture::kStdout ? " 2>/dev/null"
+                         : what == Capture::kBoth ? " 2>&1"
+                                                  : " 2>&1 >/dev/null";
+  const std::string cmd = env_prefix + " '" KVTIER_CLI "' " + args + redirect;
+  CliRun r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  std::size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+const std::string kReplay =
+    std::string("replay --json --max-requests 60 '") + KVTIER_SOURCE_DIR + "/data/traces/mooncake_sample.jsonl'";
+
+class ConfigCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Inherited KVTIER_* variables would change the defaults under test.
+    std::vector<std::string> names;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string entry(*e);
+      if (entry.rfind("KVTIER_", 0) == 0) names.push_back(entry.substr(0, entry.find('=')));
+    }
+    for (const auto& n : names) unsetenv(n.c_str());
+  }
+};
+
+nlohmann::json json_of(const CliRun& r) {
+  auto j = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
+  return j;
+}
+
+TEST_F(ConfigCli, ReplayEnvSetsDefaultsAndFlagsOverride) {
+  CliRun base = run("", kReplay, Capture::kStdout);
+  ASSERT_EQ(base.rc, 0) << base.out;
+  auto j = json_of(base);
+  EXPECT_EQ(j["device_blocks"], 2048);
+  EXPECT_EQ(j["host_blocks"], 8192);
+  EXPECT_EQ(j["policy"], "lrfu");
+  EXPECT_EQ(j["write_policy"], "write_back");
+
+  const std::string env =
+      "KVTIER_CACHE_DEVICE_BLOCKS=100 KVTIER_CACHE_HOST_BLOCKS=300 KVTIER_CACHE_DEVICE_POLICY=arc "
+      "KVTIER_CACHE_WRITE_POLICY=write_through KVTIER_TRANSFER_ASYNC_SUBMIT=false KVTIER_TRANSFER_POLL_INTERVAL=10us";
+  CliRun from_env = run(env, kReplay, Capture::kStdout);
+  ASSERT_EQ(from_env.rc, 0) << from_env.out;
+  j = json_of(from_env);
+  EXPECT_EQ(j["device_blocks"], 100);
+  EXPECT_EQ(j["host_blocks"], 300);
+  EXPECT_EQ(j["policy"], "arc");
+  EXPECT_EQ(j["write_policy"], "write_through");
+  // The env-configured TransferManager moved real bytes.
+  EXPECT_GT(j["transfer"]["bytes_d2h"].get<long>(), 0);
+  EXPECT_EQ(j["transfer"]["failed_tasks"], 0);
+  EXPECT_EQ(j["transfer"]["verification_failures"], 0);
+
+  CliRun flags = run(env, kReplay + " --device-blocks 50 --policy lru", Capture::kStdout);
+  ASSERT_EQ(flags.rc, 0) << flags.out;
+  j = json_of(flags);
+  EXPECT_EQ(j["device_blocks"], 50);              // flag beats env
+  EXPECT_EQ(j["policy"], "lru");                  // flag beats env
+  EXPECT_EQ(j["host_blocks"], 300);               // env, no flag
+  EXPECT_EQ(j["write_policy"], "write_through");  // env, no flag
+}
+
+TEST_F(ConfigCli, ReplayRejectsBadEnvAndWarnsOnUnusedKnobs) {
+  CliRun bad = run("KVTIER_CACHE_DEVICE_BLOCKS=lots", kReplay, Capture::kBoth);
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.out.find("KVTIER_CACHE_DEVICE_BLOCKS"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("'lots'"), std::string::npos) << bad.out;
+  bad = run("KVTIER_TRANSFER_SHUTDOWN_TIMEOUT=soon", kReplay, Capture::kBoth);
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.out.find("transfer.shutdown_timeout"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("'soon'"), std::string::npos) << bad.out;
+  CliRun warn = run("KVTIER_CACHE_STORAGE_POLICY=arc", kReplay, Capture::kStderr);
+  EXPECT_EQ(warn.rc, 0) << warn.out;
+  EXPECT_NE(warn.out.find("KVTIER_CACHE_STORAGE_POLICY is not used by replay"), std::string::npos) << warn.out;
+}
+
+TEST_F(ConfigCli, BenchTransferEnvThenStrategyFlag) {
+  const std::string bench = "bench transfer --backend host --shape gqa --reps 1 --gemm-iters 1 --json";
+  CliRun env_only = run("KVTIER_TRANSFER_EVICT_STRATEGY=dma_batch", bench, Capture::kStdout);
+  ASSERT_EQ(env_only.rc, 0) << env_only.out;
+  auto first = nlohmann::json::parse(env_only.out.substr(0, env_only.out.find('\n')));
+  EXPECT_EQ(first["strategy"], "auto");
+  EXPECT_EQ(first["evict_strategy"], "dma_batch");
+  CliRun flag = run("KVTIER_TRANSFER_EVICT_STRATEGY=dma_batch", bench + " --strategy dma_per_run", Capture::kStdout);
+  ASSERT_EQ(flag.rc, 0) << flag.out;
+  first = nlohmann::json::parse(flag.out.substr(0, flag.out.find('\n')));
+  EXPECT_EQ(first["strategy"], "dma_per_run");
+  EXPECT_EQ(first["evict_strategy"], "dma_per_run");
+  CliRun bad = run("KVTIER_TRANSFER_INPUT_PRIORITY=urgent", bench, Capture::kBoth);
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.out.find("KVTIER_TRANSFER_INPUT_PRIORITY"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("'urgent'"), std::string::npos) << bad.out;
+}
+
+TEST_F(ConfigCli, InfoListsEveryTable) {
+  CliRun info = run("KVTIER_TRANSFER_POLL_INTERVAL=2ms", "info --config", Capture::kStdout);
+  ASSERT_EQ(info.rc, 0) << info.out;
+  for (const char* s :
+       {"KVTIER_COPY_SM_CTAS_H2D", "KVTIER_TRANSFER_COPY_ENGINE_DESCRIPTOR_SLOTS", "KVTIER_TRANSFER_EVICT_STRATEGY",
+        "KVTIER_CACHE_WRITE_POLICY", "KVTIER_CACHE_HOST_WATERMARKS_LOW", "| duration (us) | 50us | 2000us |"})
+    EXPECT_NE(info.out.find(s), std::string::npos) << s;
+}
+
+}  // namespace
