@@ -40,6 +40,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto split: at most one DMA descriptor per this many payload bytes (CPU budget; 0: no cap)");
   t.add(p + ".auto_split_only_behind_queued_work", &o.auto_split_only_behind_queued_work,
         "kAuto split only when the caller's stream has work queued at copy()");
+  t.add(p + ".auto_idle_kernel_max_segment_bytes", &o.auto_idle_kernel_max_segment_bytes,
+        "kAuto: from an idle caller stream, the SM kernel below this average segment size (0: off)");
   t.add(p + ".auto_split_duplex_min_segment_bytes", &o.auto_split_duplex_min_segment_bytes,
         "kAuto: in full duplex, split from this average segment size");
   t.add(p + ".auto_split_duplex_max_segment_bytes", &o.auto_split_duplex_max_segment_bytes,

@@ -121,6 +121,7 @@ class EngineBase : public CopyEngine {
   Result<std::shared_ptr<StreamState>> state_for(Stream& stream);
   // `caller_busy`: the caller's stream had work queued when copy() was called.
   CopyStrategy choose_impl(const PlanSummary& s, const StreamState* self, bool caller_busy = true) const;
+  bool idle_prefers_kernel(std::uint64_t avg, bool caller_busy, bool duplex, std::uint64_t kernel_max) const;
   bool in_flight(CopyDirection dir, const StreamState* exclude) const;
   Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   // Precondition: the chunk plan of `r` is in st.scratch.staged.

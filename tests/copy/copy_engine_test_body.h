@@ -1253,4 +1253,46 @@ TEST_F(CopyEngineTest, AutoSplitOnlyBehindQueuedWork) {
   expect_matches_model(*dev);
 }
 
+// From an idle caller stream kAuto prefers the SM kernel over batched DMA
+// below auto_idle_kernel_max_segment_bytes; behind queued work, batched DMA.
+TEST_F(CopyEngineTest, AutoIdleStreamPrefersKernelOverBatch) {
+  auto layout = KvLayout::uniform(1, 1, 256 * 1024);
+  ASSERT_TRUE(layout.ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 16);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 16);
+  ASSERT_TRUE(host && dev);
+  const auto h = random_ids(16, 8, 95);
+  const auto d = random_ids(16, 8, 96);
+  for (bool h2d : {true, false}) {
+    SCOPED_TRACE(h2d ? "h2d" : "d2h");
+    TestSpace& src = h2d ? *host : *dev;
+    TestSpace& dst = h2d ? *dev : *host;
+    CopyRequest r{&src.space, &dst.space, h2d ? h : d, h2d ? d : h, {}, kAllRoles, CopyStrategy::kAuto};
+    EXPECT_EQ(engine_->choose(r), CopyStrategy::kDmaBatch) << "choose() assumes queued work";
+    fill_random(src, 97);
+    fill_poison(dst);
+    ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    EXPECT_EQ(copy_and_check(src, dst, r).strategy, CopyStrategy::kSmKernel) << "idle stream";
+    auto open = std::make_shared<std::atomic<bool>>(false);
+    ASSERT_TRUE(device_
+                    ->launch_host_callback(*stream_,
+                                           [open](const Status&) {
+                                             const auto until =
+                                                 std::chrono::steady_clock::now() + std::chrono::seconds(20);
+                                             while (!open->load() && std::chrono::steady_clock::now() < until)
+                                               std::this_thread::sleep_for(std::chrono::microseconds(100));
+                                           })
+                    .ok());
+    fill_random(src, 98);
+    fill_poison(dst);
+    model_copy(src, dst, r);
+    auto rep = engine_->copy(r, *stream_);
+    open->store(true);
+    ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    EXPECT_EQ(rep->strategy, CopyStrategy::kDmaBatch) << "behind queued work";
+    ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    expect_matches_model(dst);
+  }
+}
+
 }  // namespace kvtier::copy_test

@@ -82,6 +82,9 @@
 //      H2D 93-96% with the kernel/DMA shares, 24-48 KiB 96.6-100% with two
 //      DMA lanes, where the kernel alone is 90-95% and one DMA stream 93-98%
 //      (from 24 KiB; 19-83% below).
+//   4i. (before 5) the caller's stream idle at copy(), not full duplex, SMs
+//      allowed for that direction, avg < auto_idle_kernel_max_segment_bytes
+//      -> kSmKernel (the GPU would wait for the CPU to enqueue descriptors).
 //   5. D2H: avg < auto_kernel_max_segment_bytes_d2h -> kSmKernel, else kDmaBatch.
 //      H2D: avg < auto_kernel_max_segment_bytes_h2d -> kSmKernel, else kDmaBatch
 //      (gated when a segment is <= batch_gate_max_segment_bytes). Measured:
@@ -255,6 +258,12 @@ struct CopyEngineOptions {
   // idle stream the GPU would wait for that CPU work, and the kernel wins.
   // choose() (no stream) assumes queued work.
   bool auto_split_only_behind_queued_work = true;
+  // kAuto: when the caller's stream is idle at copy() (nothing queued, so the
+  // GPU would wait for the CPU to enqueue DMA descriptors) and not in full
+  // duplex, H2D/D2H requests averaging below this use the SM kernel instead
+  // of batched DMA (0: off; engines with SMs kept out: never). choose()
+  // assumes queued work.
+  std::uint64_t auto_idle_kernel_max_segment_bytes = 512 * 1024;
   std::uint64_t auto_split_duplex_min_segment_bytes = 0;
   std::uint64_t auto_split_duplex_max_segment_bytes = 0;
   // Reserved: the caller's stream priority decides today (a high-priority
