@@ -172,7 +172,12 @@ class CudaDevice final : public Device {
     KVTIER_CUDA_TRY_CTX(cudaMalloc(&ptr, bytes),
                         fmt::format("allocate_device({} bytes) on device {}", bytes, ordinal_));
     const int ordinal = ordinal_;
-    return Buffer(ptr, bytes, MemoryKind::kDevice, [ordinal, ptr]() noexcept {
+    // Known device ranges let memcpy_async tell host->host copies apart
+    // without a driver query per call.
+    std::shared_ptr<ChunkMap> map = device_map_;
+    map->add(ptr, bytes);
+    return Buffer(ptr, bytes, MemoryKind::kDevice, [ordinal, ptr, map]() noexcept {
+      map->remove(ptr);
       DeviceGuard guard(ordinal);
       if (cudaFree(ptr) != cudaSuccess) static_cast<void>(cudaGetLastError());
     });
@@ -207,7 +212,7 @@ class CudaDevice final : public Device {
         if (st.ok()) std::memcpy(dst, src, bytes);
       });
     }
-    return split_memcpy(dst, src, bytes, s, stream);
+    return split_memcpy(dst, src, bytes, s->stream(), fmt::format("stream {} '{}'", stream.id(), s->name()));
   }
 
   Status memset_async(void* dst, int value, std::uint64_t bytes, Stream& stream) override {
@@ -241,18 +246,9 @@ class CudaDevice final : public Device {
       return Status::Ok();
     }
     const auto context = [&] { return fmt::format("memcpy_sync(dst={}, src={}, bytes={})", dst, src, bytes); };
-    // Cut at registration ends, like memcpy_async (the driver rejects one
-    // copy spanning two registrations; found on the H200 by
+    // Cut at registration ends like memcpy_async (found on the H200 by
     // DmaStrategiesCutAtPinnedRegistrationEnds, which fills such memory).
-    for (std::uint64_t done = 0; done < bytes;) {
-      auto* d = static_cast<std::byte*>(dst) + done;
-      const auto* sp = static_cast<const std::byte*>(src) + done;
-      std::uint64_t piece = bytes - done;
-      if (const std::uint64_t c = chunk_map_->contiguous_from(d); c != 0) piece = std::min(piece, c);
-      if (const std::uint64_t c = chunk_map_->contiguous_from(sp); c != 0) piece = std::min(piece, c);
-      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(d, sp, piece, cudaMemcpyDefault, sync_stream_), context());
-      done += piece;
-    }
+    KVTIER_RETURN_IF_ERROR(split_memcpy(dst, src, bytes, sync_stream_, "memcpy_sync"));
     // Concurrent memcpy_sync calls share the stream: each waits for its own
     // copy and possibly others queued before it (correct, serialised).
     KVTIER_CUDA_TRY_CTX(cudaStreamSynchronize(sync_stream_), context());
@@ -377,6 +373,15 @@ class CudaDevice final : public Device {
   struct ChunkMap {
     std::mutex mu;
     std::map<std::uintptr_t, std::uintptr_t> chunks;
+    void add(const void* p, std::uint64_t bytes) {
+      const auto a = reinterpret_cast<std::uintptr_t>(p);
+      std::lock_guard<std::mutex> lock(mu);
+      chunks[a] = a + bytes;
+    }
+    void remove(const void* p) noexcept {
+      std::lock_guard<std::mutex> lock(mu);
+      chunks.erase(reinterpret_cast<std::uintptr_t>(p));
+    }
     // The registered chunk holding p ({0, 0}: none).
     std::pair<std::uintptr_t, std::uintptr_t> chunk_of(const void* p) {
       const auto a = reinterpret_cast<std::uintptr_t>(p);
@@ -397,10 +402,12 @@ class CudaDevice final : public Device {
     }
   };
 
-  // Whether a pointer is host memory: registered pinned chunks are looked up
-  // locally; anything else asks the driver (device, managed or plain host).
+  // Whether a pointer is host memory: registered pinned chunks and this
+  // device's allocations are looked up locally; anything else asks the
+  // driver (other device memory, managed or plain host).
   Result<bool> is_host_pointer(const void* p) const {
     if (chunk_map_->contiguous_from(p) != 0) return true;
+    if (device_map_->contiguous_from(p) != 0) return false;
     cudaPointerAttributes attr{};
     KVTIER_CUDA_TRY_CTX(cudaPointerGetAttributes(&attr, p), fmt::format("cudaPointerGetAttributes({})", p));
     return attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeUnregistered;
@@ -411,7 +418,8 @@ class CudaDevice final : public Device {
     return is_host_pointer(src);
   }
 
-  Status split_memcpy(void* dst, const void* src, std::uint64_t bytes, CudaStream* s, Stream& stream) {
+  // One cudaMemcpyAsync per piece that lies within one registration.
+  Status split_memcpy(void* dst, const void* src, std::uint64_t bytes, cudaStream_t stream, std::string_view where) {
     std::uint64_t done = 0;
     while (done < bytes) {
       auto* d = static_cast<std::byte*>(dst) + done;
@@ -419,9 +427,9 @@ class CudaDevice final : public Device {
       std::uint64_t piece = bytes - done;
       if (const std::uint64_t c = chunk_map_->contiguous_from(d); c != 0) piece = std::min(piece, c);
       if (const std::uint64_t c = chunk_map_->contiguous_from(sp); c != 0) piece = std::min(piece, c);
-      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(d, sp, piece, cudaMemcpyDefault, s->stream()),
-                          fmt::format("memcpy_async(dst={}, src={}, bytes={}, stream {} '{}')", static_cast<void*>(d),
-                                      static_cast<const void*>(sp), piece, stream.id(), s->name()));
+      KVTIER_CUDA_TRY_CTX(cudaMemcpyAsync(d, sp, piece, cudaMemcpyDefault, stream),
+                          fmt::format("memcpy(dst={}, src={}, bytes={}) on {}", static_cast<void*>(d),
+                                      static_cast<const void*>(sp), piece, where));
       done += piece;
     }
     return Status::Ok();
@@ -439,15 +447,11 @@ class CudaDevice final : public Device {
       KVTIER_CUDA_TRY_CTX(
           cudaHostRegister(ptr, bytes, cudaHostRegisterDefault | cudaHostRegisterPortable | cudaHostRegisterMapped),
           fmt::format("cudaHostRegister(ptr={}, bytes={}) for device {}", ptr, bytes, ordinal));
-      std::lock_guard<std::mutex> lock(map->mu);
-      map->chunks[reinterpret_cast<std::uintptr_t>(ptr)] = reinterpret_cast<std::uintptr_t>(ptr) + bytes;
+      map->add(ptr, bytes);
       return Status::Ok();
     };
     r.unregister_chunk = [ordinal, map](void* ptr, std::uint64_t /*bytes*/) noexcept {
-      {
-        std::lock_guard<std::mutex> lock(map->mu);
-        map->chunks.erase(reinterpret_cast<std::uintptr_t>(ptr));
-      }
+      map->remove(ptr);
       DeviceGuard guard(ordinal);
       if (cudaHostUnregister(ptr) != cudaSuccess) static_cast<void>(cudaGetLastError());
     };
@@ -456,6 +460,7 @@ class CudaDevice final : public Device {
 
   const int ordinal_;
   std::shared_ptr<ChunkMap> chunk_map_ = std::make_shared<ChunkMap>();
+  std::shared_ptr<ChunkMap> device_map_ = std::make_shared<ChunkMap>();  // cudaMalloc'd ranges
   std::string name_;
   int multiprocessors_ = 0;
   bool host_pointer_is_device_pointer_ = false;

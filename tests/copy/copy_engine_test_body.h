@@ -220,6 +220,22 @@ class CopyEngineTest : public ::testing::Test {
     return report.ok() ? *report : CopyReport{};
   }
 
+  // Holds stream_ with a host callback until the returned flag is set (at
+  // most 20 s), so that copies enqueued meanwhile sit behind queued work.
+  std::shared_ptr<std::atomic<bool>> hold_stream() {
+    auto open = std::make_shared<std::atomic<bool>>(false);
+    EXPECT_TRUE(device_
+                    ->launch_host_callback(*stream_,
+                                           [open](const Status&) {
+                                             const auto until =
+                                                 std::chrono::steady_clock::now() + std::chrono::seconds(20);
+                                             while (!open->load() && std::chrono::steady_clock::now() < until)
+                                               std::this_thread::sleep_for(std::chrono::microseconds(100));
+                                           })
+                    .ok());
+    return open;
+  }
+
   // Expects `code` and an untouched (still poisoned) destination.
   void expect_rejected(TestSpace& dst, const CopyRequest& r, StatusCode code) {
     EXPECT_EQ(engine_->validate(r).code(), code) << engine_->validate(r).to_string();
@@ -1232,16 +1248,7 @@ TEST_F(CopyEngineTest, AutoSplitOnlyBehindQueuedWork) {
   ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
   EXPECT_EQ(copy_and_check(*host, *dev, up).strategy, CopyStrategy::kSmKernel) << "idle stream";
   // Hold the stream with a host callback, then copy behind it.
-  auto open = std::make_shared<std::atomic<bool>>(false);
-  ASSERT_TRUE(device_
-                  ->launch_host_callback(*stream_,
-                                         [open](const Status&) {
-                                           const auto until =
-                                               std::chrono::steady_clock::now() + std::chrono::seconds(20);
-                                           while (!open->load() && std::chrono::steady_clock::now() < until)
-                                             std::this_thread::sleep_for(std::chrono::microseconds(100));
-                                         })
-                  .ok());
+  auto open = hold_stream();
   fill_random(*host, 94);
   fill_poison(*dev);
   model_copy(*host, *dev, up);
@@ -1273,16 +1280,7 @@ TEST_F(CopyEngineTest, AutoIdleStreamPrefersKernelOverBatch) {
     fill_poison(dst);
     ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
     EXPECT_EQ(copy_and_check(src, dst, r).strategy, CopyStrategy::kSmKernel) << "idle stream";
-    auto open = std::make_shared<std::atomic<bool>>(false);
-    ASSERT_TRUE(device_
-                    ->launch_host_callback(*stream_,
-                                           [open](const Status&) {
-                                             const auto until =
-                                                 std::chrono::steady_clock::now() + std::chrono::seconds(20);
-                                             while (!open->load() && std::chrono::steady_clock::now() < until)
-                                               std::this_thread::sleep_for(std::chrono::microseconds(100));
-                                           })
-                    .ok());
+    auto open = hold_stream();
     fill_random(src, 98);
     fill_poison(dst);
     model_copy(src, dst, r);
