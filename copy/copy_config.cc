@@ -29,13 +29,23 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
   t.add(p + ".auto_split_h2d_max_segment_bytes", &o.auto_split_h2d_max_segment_bytes,
         "kAuto: ... below this one (0: never)");
   t.add(p + ".auto_split_h2d_kernel_share", &o.auto_split_h2d_kernel_share,
-        "kAuto split: SM kernel share below auto_split_h2d_dma_only_min_segment_bytes");
+        "kAuto split: SM kernel share below auto_split_h2d_large_segment_bytes");
   t.add(p + ".auto_split_h2d_kernel_share_small", &o.auto_split_h2d_kernel_share_small,
         "kAuto split: SM kernel share below auto_split_h2d_small_segment_bytes");
   t.add(p + ".auto_split_h2d_small_segment_bytes", &o.auto_split_h2d_small_segment_bytes,
         "kAuto split: the small-segment share applies below this average segment size");
-  t.add(p + ".auto_split_h2d_dma_only_min_segment_bytes", &o.auto_split_h2d_dma_only_min_segment_bytes,
-        "kAuto split: batched DMA lanes only (no SM share) from this average segment size");
+  t.add(p + ".auto_split_h2d_large_segment_bytes", &o.auto_split_h2d_large_segment_bytes,
+        "kAuto split: the large-segment share and split_dma_lanes lanes from this average segment size");
+  t.add(p + ".auto_split_h2d_kernel_share_large", &o.auto_split_h2d_kernel_share_large,
+        "kAuto split: initial SM kernel share from auto_split_h2d_large_segment_bytes");
+  t.add(p + ".auto_split_adaptive", &o.auto_split_adaptive,
+        "kAuto split: tune the kernel share at run time from timed completions");
+  t.add(p + ".auto_split_adaptive_gain", &o.auto_split_adaptive_gain,
+        "kAuto split: step toward the balanced share per timed copy (0..1]");
+  t.add(p + ".auto_split_adaptive_min_share", &o.auto_split_adaptive_min_share,
+        "kAuto split: lowest tuned kernel share (keeps the kernel part measurable)");
+  t.add(p + ".auto_split_adaptive_max_share", &o.auto_split_adaptive_max_share,
+        "kAuto split: highest tuned kernel share");
   t.add(p + ".auto_split_payload_bytes_per_dma_descriptor", &o.auto_split_payload_bytes_per_dma_descriptor,
         "kAuto split: at most one DMA descriptor per this many payload bytes (CPU budget; 0: no cap)");
   t.add(p + ".auto_split_only_behind_queued_work", &o.auto_split_only_behind_queued_work,

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <functional>
 
 namespace kvtier {
 
@@ -87,8 +89,17 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
   if (!(o.split_kernel_share >= 0.0 && o.split_kernel_share <= 1.0))  // also rejects NaN
     return InvalidArgument(fmt::format("split_kernel_share must be in [0, 1], got {}", o.split_kernel_share));
   for (const auto& [name, v] : {std::pair{"auto_split_h2d_kernel_share", o.auto_split_h2d_kernel_share},
-                                std::pair{"auto_split_h2d_kernel_share_small", o.auto_split_h2d_kernel_share_small}})
+                                std::pair{"auto_split_h2d_kernel_share_small", o.auto_split_h2d_kernel_share_small},
+                                std::pair{"auto_split_h2d_kernel_share_large", o.auto_split_h2d_kernel_share_large},
+                                std::pair{"auto_split_adaptive_min_share", o.auto_split_adaptive_min_share},
+                                std::pair{"auto_split_adaptive_max_share", o.auto_split_adaptive_max_share}})
     if (!(v >= 0.0 && v <= 1.0)) return InvalidArgument(fmt::format("{} must be in [0, 1], got {}", name, v));
+  if (o.auto_split_adaptive_min_share > o.auto_split_adaptive_max_share)
+    return InvalidArgument(fmt::format("auto_split_adaptive_min_share {} is above auto_split_adaptive_max_share {}",
+                                       o.auto_split_adaptive_min_share, o.auto_split_adaptive_max_share));
+  if (!(o.auto_split_adaptive_gain > 0.0 && o.auto_split_adaptive_gain <= 1.0))
+    return InvalidArgument(
+        fmt::format("auto_split_adaptive_gain must be in (0, 1], got {}", o.auto_split_adaptive_gain));
   if (o.split_dma_lanes == 0 || o.split_dma_lanes > 16)
     return InvalidArgument(fmt::format("split_dma_lanes must be in [1, 16], got {}", o.split_dma_lanes));
   if (!(o.staged_max_span_ratio >= 1.0))  // also rejects NaN
@@ -232,7 +243,7 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
       // SMs kept out: only the DMA-lanes part of the split range remains.
       const std::uint64_t split_min =
           options_.auto_kernel_max_segment_bytes_h2d == 0
-              ? std::max(options_.auto_split_h2d_min_segment_bytes, options_.auto_split_h2d_dma_only_min_segment_bytes)
+              ? std::max(options_.auto_split_h2d_min_segment_bytes, options_.auto_split_h2d_large_segment_bytes)
               : options_.auto_split_h2d_min_segment_bytes;
       // Behind queued work only (if so configured): enqueueing the DMA part
       // costs about as much CPU as the copy takes, which an idle stream would
@@ -326,7 +337,8 @@ Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t 
 }
 
 Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
-                              CopyReport& report) {
+                              CopyReport& report, const std::function<Status()>& after_upload) {
+  bool hook_pending = static_cast<bool>(after_upload);
   const auto& planes = st.scratch.planes;
   auto& kplanes = st.scratch.kernel_planes;
   const std::uint32_t warps_per_cta = options_.sm_threads_per_cta / kWarpLanes;
@@ -360,6 +372,15 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
         KVTIER_RETURN_IF_ERROR(device_.memcpy_async(slot->device.data(), staging, bytes, stream)
                                    .with_context("uploading kernel descriptors"));
         base = slot->device.bytes_ptr();
+      }
+      if (hook_pending) {
+        hook_pending = false;
+        Status hooked = after_upload();
+        if (!hooked.ok()) {
+          // The upload may be in flight: the slot is busy until it completes.
+          if (device_.record(*slot->done, stream).ok()) slot->pending = true;
+          return hooked;
+        }
       }
       KernelArgs args;
       args.planes = reinterpret_cast<const KernelPlane*>(base);
@@ -621,13 +642,43 @@ struct JoinLanes {
 };
 }  // namespace
 
+double balanced_split_share(double share, double kernel_bytes, double kernel_ms, double dma_bytes, double dma_ms) {
+  if (!(kernel_bytes > 0 && kernel_ms > 0 && dma_bytes > 0 && dma_ms > 0)) return share;
+  const double kernel_rate = kernel_bytes / kernel_ms;
+  const double dma_rate = dma_bytes / dma_ms;
+  return kernel_rate / (kernel_rate + dma_rate);
+}
+
+std::uint32_t split_size_class(CopyDirection dir, std::uint64_t average_segment_bytes) {
+  const double half_octaves =
+      std::floor(2.0 * std::log2(static_cast<double>(std::max<std::uint64_t>(1, average_segment_bytes))));
+  return static_cast<std::uint32_t>(dir) * 256u + static_cast<std::uint32_t>(half_octaves);
+}
+
+double SplitTuner::share(std::uint32_t size_class, double initial) const {
+  std::lock_guard lock(mu_);
+  auto it = shares_.find(size_class);
+  return it == shares_.end() ? initial : it->second;
+}
+
+void SplitTuner::observe(std::uint32_t size_class, double share, double kernel_bytes, double kernel_ms,
+                         double dma_bytes, double dma_ms, double gain, double lo, double hi) {
+  const double target = balanced_split_share(share, kernel_bytes, kernel_ms, dma_bytes, dma_ms);
+  std::lock_guard lock(mu_);
+  auto [it, inserted] = shares_.try_emplace(size_class, share);
+  // Several streams may report samples taken at older shares: step from
+  // the current value toward this sample's balance point.
+  it->second = std::clamp(it->second + gain * (target - it->second), lo, hi);
+}
+
 double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
   if (!automatic) return options_.split_kernel_share;
   if (s.direction != CopyDirection::kHostToDevice || options_.auto_kernel_max_segment_bytes_h2d == 0) return 0.0;
   const std::uint64_t avg = s.average_segment_bytes();
-  double share = avg >= options_.auto_split_h2d_dma_only_min_segment_bytes ? 0.0
-                 : avg < options_.auto_split_h2d_small_segment_bytes       ? options_.auto_split_h2d_kernel_share_small
-                                                                           : options_.auto_split_h2d_kernel_share;
+  double share = avg >= options_.auto_split_h2d_large_segment_bytes  ? options_.auto_split_h2d_kernel_share_large
+                 : avg < options_.auto_split_h2d_small_segment_bytes ? options_.auto_split_h2d_kernel_share_small
+                                                                     : options_.auto_split_h2d_kernel_share;
+  if (options_.auto_split_adaptive) share = tuner_.share(split_size_class(s.direction, avg), share);
   // CPU budget: enqueueing a DMA descriptor costs ~0.6-1 us of CPU, about the
   // time the link needs for 40-55 KB. Give the DMA part at most one
   // descriptor per auto_split_payload_bytes_per_dma_descriptor of payload, so
@@ -643,30 +694,88 @@ double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
   return share;
 }
 
+void EngineBase::harvest_split_timing(StreamState& st) {
+  if (!st.split) return;
+  for (SplitTiming& t : st.split->timing) {
+    if (!t.pending) continue;
+    Result<double> kernel_ms = device_.elapsed_ms(*t.fork, *t.kernel_end);
+    if (!kernel_ms.ok() && kernel_ms.status().code() == StatusCode::kUnavailable) continue;
+    double dma_ms = 0;
+    bool ready = kernel_ms.ok(), failed = !kernel_ms.ok();
+    for (std::size_t i = 0; i < t.lanes && ready; ++i) {
+      Result<double> lane_ms = device_.elapsed_ms(*t.fork, *t.lane_end[i]);
+      if (!lane_ms.ok()) {
+        ready = false;
+        failed = lane_ms.status().code() != StatusCode::kUnavailable;
+        break;
+      }
+      dma_ms = std::max(dma_ms, *lane_ms);
+    }
+    if (ready)
+      tuner_.observe(t.size_class, t.share, t.kernel_bytes, *kernel_ms, t.dma_bytes, dma_ms,
+                     options_.auto_split_adaptive_gain, options_.auto_split_adaptive_min_share,
+                     options_.auto_split_adaptive_max_share);
+    // A copy that failed is not a sample (its error reaches the caller
+    // through the stream); drop it.
+    if (ready || failed) t.pending = false;
+  }
+}
+
 Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
-                             double kernel_share, bool automatic, CopyReport& report) {
+                             double kernel_share, bool automatic, const PlanSummary& summary, CopyReport& report) {
   KVTIER_ASSIGN_OR_RETURN(SplitStreamState * ss, split_state(st));
   const std::size_t n = r.src_blocks.size();
   auto kernel_pairs = static_cast<std::size_t>(static_cast<double>(n) * kernel_share);
   kernel_pairs = std::min(kernel_pairs, n);
   const std::size_t dma_pairs = n - kernel_pairs;
-  // kAuto with a kernel share: one lane (measured on the H200, runs 7-8: with
-  // a kernel share, two lanes lost 10-15 points at 4-16 KiB, one did not).
-  const std::size_t lane_limit = automatic && kernel_share > 0 ? 1 : ss->lanes.size();
+  // kAuto: one lane below the large-segment size (measured on the H200, runs
+  // 7-8: with a kernel share, two lanes lost 10-15 points at 4-16 KiB).
+  const std::uint64_t avg = summary.average_segment_bytes();
+  const std::size_t lane_limit =
+      automatic && avg < options_.auto_split_h2d_large_segment_bytes && kernel_share > 0 ? 1 : ss->lanes.size();
   const std::size_t lanes = std::min<std::size_t>(lane_limit, dma_pairs);
   report.lanes = static_cast<std::uint32_t>(lanes);
-  JoinLanes join{device_, stream, ss};
-  if (lanes > 0) {
-    // The lanes read/write blocks that work already on `stream` may touch.
-    KVTIER_RETURN_IF_ERROR(device_.record(*ss->fork, stream));
-    for (std::size_t i = 0; i < lanes; ++i) KVTIER_RETURN_IF_ERROR(device_.wait(*ss->lanes[i].stream, *ss->fork));
+  // Timing (adaptive kAuto): a free slot, when both parts have work.
+  SplitTiming* timing = nullptr;
+  if (adaptive_split(automatic) && kernel_pairs > 0 && lanes > 0) {
+    for (SplitTiming& t : ss->timing)
+      if (!t.pending) {
+        timing = &t;
+        break;
+      }
+    if (timing != nullptr && !timing->fork) {
+      const EventOptions timed{.timing = true};
+      KVTIER_ASSIGN_OR_RETURN(timing->fork, device_.create_event(timed));
+      KVTIER_ASSIGN_OR_RETURN(timing->kernel_end, device_.create_event(timed));
+      timing->lane_end.resize(ss->lanes.size());
+      for (auto& lane_end : timing->lane_end) {
+        KVTIER_ASSIGN_OR_RETURN(lane_end, device_.create_event(timed));
+      }
+    }
   }
+  JoinLanes join{device_, stream, ss};
+  // The fork: the lanes read/write blocks that work already on `stream` may
+  // touch, so they wait for it. With a kernel part the fork goes after the
+  // kernel's descriptor upload: that small DMA shares the copy engines with
+  // the lanes, and queued behind thousands of lane descriptors it would hold
+  // the kernel back for most of the copy (seen on the H200 as slow samples,
+  // run 18).
+  auto fork = [&]() -> Status {
+    if (lanes == 0) return Status::Ok();
+    KVTIER_RETURN_IF_ERROR(device_.record(*ss->fork, stream));
+    if (timing != nullptr) KVTIER_RETURN_IF_ERROR(device_.record(*timing->fork, stream));
+    for (std::size_t i = 0; i < lanes; ++i) KVTIER_RETURN_IF_ERROR(device_.wait(*ss->lanes[i].stream, *ss->fork));
+    return Status::Ok();
+  };
   if (kernel_pairs > 0) {
     // First: one launch, so the SMs start while the DMA parts are submitted.
     CopyRequest part = r;
     part.src_blocks = r.src_blocks.subspan(0, kernel_pairs);
     part.dst_blocks = r.dst_blocks.subspan(0, kernel_pairs);
-    KVTIER_RETURN_IF_ERROR(run_kernel(st, stream, part, dir, report));
+    KVTIER_RETURN_IF_ERROR(run_kernel(st, stream, part, dir, report, fork));
+    if (timing != nullptr) KVTIER_RETURN_IF_ERROR(device_.record(*timing->kernel_end, stream));
+  } else {
+    KVTIER_RETURN_IF_ERROR(fork());
   }
   PlanScratch& sc = st.scratch;
   std::size_t begin = kernel_pairs;
@@ -686,8 +795,18 @@ Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest&
     if (recorded.ok()) join.used = i + 1;
     KVTIER_RETURN_IF_ERROR(ran.with_context(fmt::format("split lane {} ({} pairs)", i, count)));
     KVTIER_RETURN_IF_ERROR(recorded);
+    if (timing != nullptr) KVTIER_RETURN_IF_ERROR(device_.record(*timing->lane_end[i], *lane.stream));
     report.calls += static_cast<std::uint32_t>((sc.segments.size() + options_.batch_max_descriptors - 1) /
                                                options_.batch_max_descriptors);
+  }
+  if (timing != nullptr) {
+    const double pair_bytes = static_cast<double>(summary.bytes) / static_cast<double>(n);
+    timing->pending = true;
+    timing->size_class = split_size_class(dir, avg);
+    timing->share = kernel_share;
+    timing->kernel_bytes = pair_bytes * static_cast<double>(kernel_pairs);
+    timing->dma_bytes = pair_bytes * static_cast<double>(dma_pairs);
+    timing->lanes = lanes;
   }
   return join.join();
 }
@@ -770,10 +889,13 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
       report.segments = summary.segments;
       status = run_staged(*st, stream, r, dir, report);
       break;
-    case CopyStrategy::kSplit:
-      report.kernel_share = split_share(summary, r.strategy == CopyStrategy::kAuto);
-      status = run_split(*st, stream, r, dir, report.kernel_share, r.strategy == CopyStrategy::kAuto, report);
+    case CopyStrategy::kSplit: {
+      const bool automatic = r.strategy == CopyStrategy::kAuto;
+      if (adaptive_split(automatic)) harvest_split_timing(*st);
+      report.kernel_share = split_share(summary, automatic);
+      status = run_split(*st, stream, r, dir, report.kernel_share, automatic, summary, report);
       break;
+    }
   }
   // Track the direction even after a partial failure: some work may be queued.
   Status noted = note_enqueued(*st, stream, dir);

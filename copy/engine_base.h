@@ -5,6 +5,7 @@
 
 #include <array>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,9 +57,47 @@ struct SplitLane {
   std::unique_ptr<Event> done;  // on the lane, after its last DMA
   std::unique_ptr<Stream> stream;
 };
+// One timed kAuto split (copy_engine.h, auto_split_adaptive): timing events
+// at the fork, after the kernel part and after each lane.
+struct SplitTiming {
+  std::unique_ptr<Event> fork;
+  std::unique_ptr<Event> kernel_end;
+  std::vector<std::unique_ptr<Event>> lane_end;
+  bool pending = false;  // recorded, not harvested yet
+  std::uint32_t size_class = 0;
+  double share = 0;
+  double kernel_bytes = 0;
+  double dma_bytes = 0;
+  std::size_t lanes = 0;
+};
+inline constexpr std::size_t kSplitTimingSlots = 4;
 struct SplitStreamState {
   std::unique_ptr<Event> fork;  // on the caller stream, before the lanes' DMAs
   std::vector<SplitLane> lanes;
+  std::array<SplitTiming, kSplitTimingSlots> timing;
+};
+
+// The share kAuto's split moves toward after one timed copy: the share at
+// which both parts, at the rates they just showed, would finish together.
+// Returns `share` unchanged when a time or byte count is not positive.
+double balanced_split_share(double share, double kernel_bytes, double kernel_ms, double dma_bytes, double dma_ms);
+// Size class of a split for the tuner: direction and half-octave of the
+// average segment size.
+std::uint32_t split_size_class(CopyDirection dir, std::uint64_t average_segment_bytes);
+
+// What kAuto's split learned per size class (engine-wide). Thread-safe.
+class SplitTuner {
+ public:
+  // The tuned share of `size_class`, or `initial` before the first sample.
+  double share(std::uint32_t size_class, double initial) const;
+  // Moves the class's share by `gain` toward the balanced share of one
+  // timed copy that ran at `share`, clamped to [lo, hi].
+  void observe(std::uint32_t size_class, double share, double kernel_bytes, double kernel_ms, double dma_bytes,
+               double dma_ms, double gain, double lo, double hi);
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::uint32_t, double> shares_;
 };
 
 struct StreamState {
@@ -123,15 +162,21 @@ class EngineBase : public CopyEngine {
   CopyStrategy choose_impl(const PlanSummary& s, const StreamState* self, bool caller_busy = true) const;
   bool idle_prefers_kernel(std::uint64_t avg, bool caller_busy, bool duplex, std::uint64_t kernel_max) const;
   bool in_flight(CopyDirection dir, const StreamState* exclude) const;
-  Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
+  // `after_upload` (optional) runs once, after the first launch's descriptors
+  // are enqueued for upload and before that launch (kSplit forks there).
+  Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report,
+                    const std::function<Status()>& after_upload = {});
   // Precondition: the chunk plan of `r` is in st.scratch.staged.
   Status run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   Result<StagedStreamState*> staged_state(StreamState& st);
   Status run_split(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, double kernel_share,
-                   bool automatic, CopyReport& report);
+                   bool automatic, const PlanSummary& summary, CopyReport& report);
   // The SM kernel's share of a kSplit copy: split_kernel_share when asked
-  // for explicitly, the kAuto profile otherwise.
+  // for explicitly, the kAuto profile (tuned, when adaptive) otherwise.
   double split_share(const PlanSummary& s, bool automatic) const;
+  // Feeds the tuner with the stream's timed splits that have completed.
+  void harvest_split_timing(StreamState& st);
+  bool adaptive_split(bool automatic) const noexcept { return automatic && options_.auto_split_adaptive; }
   Result<SplitStreamState*> split_state(StreamState& st);
   // kAuto rule 4s: whether the staged rule applies to this request; when it
   // does, the chunk plan is left in `sc.staged`.
@@ -140,6 +185,7 @@ class EngineBase : public CopyEngine {
   Status note_enqueued(StreamState& st, Stream& stream, CopyDirection dir);
   std::uint32_t ctas_for(CopyDirection dir) const noexcept;
 
+  SplitTuner tuner_;
   mutable std::mutex map_mu_;
   std::map<std::uint64_t, std::shared_ptr<StreamState>> streams_;
 };

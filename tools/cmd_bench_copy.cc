@@ -36,7 +36,11 @@
 #include <thread>
 #include <vector>
 
+extern char** environ;
+
+#include "kvtier/copy/copy_config.h"
 #include "kvtier/copy/copy_engine.h"
+#include "kvtier/core/config.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 #include "tools/cli.h"
@@ -74,6 +78,7 @@ struct BenchCopyArgs {
   std::uint64_t gate_max_kib = 28;
   std::uint32_t sm_item_kib = 64;
   std::uint64_t staged_slot_mib = 32;
+  Status env_status;  // KVTIER_COPY_* variables applied to `engine` before the flags
 };
 
 // ---------------------------------------------------------------- pattern
@@ -280,6 +285,9 @@ struct Row {
   bool gated = false;
   std::uint64_t segments = 0;
   std::uint32_t calls = 0;
+  double kernel_share = 0;         // split: share of the last rep
+  std::uint32_t lanes = 0;         // split: lanes of the last rep
+  std::vector<double> rep_shares;  // split: share per timed rep (adaptive kAuto moves it)
 };
 
 class BenchCopy {
@@ -569,6 +577,7 @@ class BenchCopy {
           KVTIER_RETURN_IF_ERROR(t.status().with_context(fmt::format("{} {} {} B", sname, dir_name(dir), bb)));
           ms.push_back(*t);
           api_ms.push_back(last_host_api_ms_);
+          row.rep_shares.push_back(dir == Dir::kD2H ? rep_d.kernel_share : rep_h.kernel_share);
         }
         row.host_api_ms = p50(api_ms);
         row.bytes = (dir == Dir::kBoth ? 2 : 1) * z.n * z.unit;
@@ -580,6 +589,8 @@ class BenchCopy {
         row.segments = main.segments;
         row.calls = main.calls;
         row.ran = std::string(copy_strategy_name(main.strategy));
+        row.kernel_share = main.kernel_share;
+        row.lanes = main.lanes;
         if (dir == Dir::kBoth) {
           row.ctas = std::max(rep_h.ctas, rep_d.ctas);
           row.segments += rep_d.segments;
@@ -616,6 +627,9 @@ class BenchCopy {
       j["ctas"] = r.ctas;
       j["split_kernel_share"] = a_.engine.split_kernel_share;
       j["split_dma_lanes"] = a_.engine.split_dma_lanes;
+      j["kernel_share"] = r.kernel_share;
+      j["lanes"] = r.lanes;
+      j["rep_kernel_shares"] = r.rep_shares;
       j["p50_ms"] = r.p50_ms;
       j["host_api_ms"] = r.host_api_ms;
       j["prequeued"] = a_.prequeue;
@@ -697,6 +711,13 @@ Action register_bench_copy(CLI::App& bench) {
                 "time from an idle stream (CPU planning + submission inside the timed region) instead of holding the "
                 "stream while the copy is enqueued");
   auto& e = args->engine;
+  {
+    // Engine knobs from the environment (docs/configuration.md, copy.*);
+    // the flags below, parsed later, override them.
+    ConfigTable table;
+    bind_copy_engine_options(table, e);
+    args->env_status = table.apply_env(environ);
+  }
   cmd->add_option("--sm-ctas-h2d", e.sm_ctas_h2d, "SM kernel CTAs for host->device");
   cmd->add_option("--sm-ctas-d2h", e.sm_ctas_d2h, "SM kernel CTAs for device->host");
   cmd->add_option("--sm-threads", e.sm_threads_per_cta, "SM kernel threads per CTA");
@@ -717,6 +738,10 @@ Action register_bench_copy(CLI::App& bench) {
   cmd->add_option("--split-dma-lanes", e.split_dma_lanes, "split: lane streams sharing the batched-DMA part");
   return [cmd, args]() -> int {
     if (!cmd->parsed()) return -1;
+    if (!args->env_status.ok()) {
+      std::fprintf(stderr, "kvtier bench copy: %s\n", args->env_status.to_string().c_str());
+      return 2;
+    }
     BenchCopyArgs a = *args;
     a.engine.batch_gate_max_segment_bytes = a.gate_max_kib * 1024;
     a.engine.sm_item_bytes = a.sm_item_kib * 1024;

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -57,7 +58,7 @@ class CudaStream final : public Stream {
 
 class CudaEvent final : public Event {
  public:
-  CudaEvent(int ordinal, cudaEvent_t event) : ordinal_(ordinal), event_(event) {}
+  CudaEvent(int ordinal, cudaEvent_t event, bool timing) : ordinal_(ordinal), event_(event), timing_(timing) {}
   // cudaEventDestroy on a pending event is allowed: CUDA releases it once
   // the captured work completes.
   ~CudaEvent() override {
@@ -67,10 +68,13 @@ class CudaEvent final : public Event {
   void* native_handle() const noexcept override { return event_; }
   int ordinal() const noexcept { return ordinal_; }
   cudaEvent_t event() const noexcept { return event_; }
+  bool timing() const noexcept { return timing_; }
+  std::atomic<bool> recorded{false};
 
  private:
   const int ordinal_;
   const cudaEvent_t event_;
+  const bool timing_;
 };
 
 struct HostCallback {
@@ -157,12 +161,33 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Stream>(std::make_unique<CudaStream>(*this, ordinal_, stream, options.name));
   }
 
-  Result<std::unique_ptr<Event>> create_event() override {
+  using Device::create_event;
+  Result<std::unique_ptr<Event>> create_event(const EventOptions& options) override {
     KVTIER_CUDA_GUARD(ordinal_);
     cudaEvent_t event = nullptr;
-    KVTIER_CUDA_TRY_CTX(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
-                        fmt::format("create_event on device {}", ordinal_));
-    return std::unique_ptr<Event>(std::make_unique<CudaEvent>(ordinal_, event));
+    KVTIER_CUDA_TRY_CTX(cudaEventCreateWithFlags(&event, options.timing ? cudaEventDefault : cudaEventDisableTiming),
+                        fmt::format("create_event(timing={}) on device {}", options.timing, ordinal_));
+    return std::unique_ptr<Event>(std::make_unique<CudaEvent>(ordinal_, event, options.timing));
+  }
+
+  Result<double> elapsed_ms(Event& start, Event& end) override {
+    KVTIER_ASSIGN_OR_RETURN(CudaEvent * a, cuda_event(start, "elapsed_ms"));
+    KVTIER_ASSIGN_OR_RETURN(CudaEvent * b, cuda_event(end, "elapsed_ms"));
+    int i = 0;
+    for (CudaEvent* e : {a, b}) {
+      const char* which = i++ == 0 ? "start" : "end";
+      if (!e->timing())
+        return FailedPrecondition(fmt::format("elapsed_ms: the {} event was created without timing", which));
+      if (!e->recorded.load(std::memory_order_acquire))
+        return FailedPrecondition(fmt::format("elapsed_ms: the {} event was never recorded", which));
+      KVTIER_ASSIGN_OR_RETURN(bool done, query(*e));
+      if (!done) return Unavailable(fmt::format("elapsed_ms: the {} event has not completed yet", which));
+    }
+    KVTIER_CUDA_GUARD(ordinal_);
+    float ms = 0;
+    KVTIER_CUDA_TRY_CTX(cudaEventElapsedTime(&ms, a->event(), b->event()),
+                        fmt::format("elapsed_ms on device {}", ordinal_));
+    return static_cast<double>(ms);
   }
 
   Result<Buffer> allocate_device(std::uint64_t bytes) override {
@@ -265,6 +290,7 @@ class CudaDevice final : public Device {
     KVTIER_CUDA_GUARD(ordinal_);
     KVTIER_CUDA_TRY_CTX(cudaEventRecord(e->event(), s->stream()),
                         fmt::format("record on stream {} '{}'", stream.id(), s->name()));
+    e->recorded.store(true, std::memory_order_release);
     return Status::Ok();
   }
 

@@ -86,9 +86,12 @@ struct Core {
   std::atomic<std::uint64_t> streams_created{0};
   mutable std::mutex predicate_mu;
   std::shared_ptr<const FailurePredicate> failure_predicate;  // guarded by predicate_mu
+  // set_stream_delay: streams whose label starts with this get a fixed delay.
+  std::string slow_label_prefix;  // guarded by predicate_mu; empty: none
+  std::chrono::microseconds slow_delay{0};
 };
 
-enum class OpKind : std::uint8_t { kMemcpy, kMemset, kTask, kWait, kCallback };
+enum class OpKind : std::uint8_t { kMemcpy, kMemset, kTask, kWait, kCallback, kStamp };
 
 std::string_view op_name(OpKind kind) {
   switch (kind) {
@@ -97,6 +100,7 @@ std::string_view op_name(OpKind kind) {
     case OpKind::kTask: return "enqueue_task";
     case OpKind::kWait: return "wait";
     case OpKind::kCallback: return "launch_host_callback";
+    case OpKind::kStamp: return "record (timing)";
   }
   return "operation";
 }
@@ -111,7 +115,8 @@ struct Op {
   int value = 0;
   std::function<Status()> task;
   std::function<void(const Status&)> callback;
-  std::shared_ptr<StreamState> wait_stream;  // kWait: the fence to wait for
+  std::shared_ptr<std::atomic<std::int64_t>> stamp;  // kStamp: completion time (steady clock, ns)
+  std::shared_ptr<StreamState> wait_stream;          // kWait: the fence to wait for
   std::uint64_t wait_seq = 0;
   std::uint64_t seq = 0;  // 1-based position in its stream
 };
@@ -163,7 +168,15 @@ std::string exception_text(std::exception_ptr e) {
 // Runs one data operation (copy, memset, task) with failure injection.
 // `rng` null: no injected delay (synchronous calls).
 Status execute_data_op(Core& core, std::mt19937_64* rng, std::string_view where, Op& op) {
-  if (rng != nullptr) inject_delay(core, *rng);
+  if (rng != nullptr) {
+    inject_delay(core, *rng);
+    std::chrono::microseconds slow{0};
+    {
+      std::lock_guard lock(core.predicate_mu);
+      if (!core.slow_label_prefix.empty() && where.starts_with(core.slow_label_prefix)) slow = core.slow_delay;
+    }
+    if (slow.count() > 0) std::this_thread::sleep_for(slow);
+  }
   const std::uint64_t n = core.operations_executed.fetch_add(1, std::memory_order_relaxed) + 1;
   if (auto predicate = core.predicate(); predicate && (*predicate)(n, op.dst, op.bytes)) {
     if (core.options.poison_on_failure && op.dst != nullptr && op.bytes > 0) {
@@ -186,7 +199,8 @@ Status execute_data_op(Core& core, std::mt19937_64* rng, std::string_view where,
       return status;
     }
     case OpKind::kWait:
-    case OpKind::kCallback: break;
+    case OpKind::kCallback:
+    case OpKind::kStamp: break;
   }
   return Internal(fmt::format("{} is not a data operation", op_name(op.kind)));
 }
@@ -210,6 +224,12 @@ Status execute(StreamState& self, Op& op) {
     case OpKind::kMemset:
     case OpKind::kTask: return execute_data_op(*self.core, &self.rng, self.label, op);
     case OpKind::kWait: return execute_wait(self, op);
+    case OpKind::kStamp:
+      op.stamp->store(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+              .count(),
+          std::memory_order_release);
+      return Status::Ok();
     case OpKind::kCallback: {
       Status prior;
       {
@@ -302,19 +322,27 @@ class HostStream final : public Stream {
 
 class HostEvent final : public Event {
  public:
-  explicit HostEvent(const Core* owner) : owner_(owner) {}
+  HostEvent(const Core* owner, bool timing) : owner_(owner), timing_(timing) {}
   void* native_handle() const noexcept override { return const_cast<HostEvent*>(this); }
   const Core* owner() const { return owner_; }
+  bool timing() const { return timing_; }
 
-  void set(std::shared_ptr<StreamState> stream, std::uint64_t seq) {
+  void set(std::shared_ptr<StreamState> stream, std::uint64_t seq,
+           std::shared_ptr<std::atomic<std::int64_t>> stamp = nullptr) {
     std::lock_guard lock(mu_);
     stream_ = std::move(stream);
     seq_ = seq;
+    stamp_ = std::move(stamp);
   }
   // (null, 0) when never recorded.
   std::pair<std::shared_ptr<StreamState>, std::uint64_t> fence() const {
     std::lock_guard lock(mu_);
     return {stream_, seq_};
+  }
+  // Timing events: the completion time of the last record (null: never recorded).
+  std::shared_ptr<std::atomic<std::int64_t>> stamp() const {
+    std::lock_guard lock(mu_);
+    return stamp_;
   }
 
  private:
@@ -322,6 +350,8 @@ class HostEvent final : public Event {
   mutable std::mutex mu_;
   std::shared_ptr<StreamState> stream_;
   std::uint64_t seq_ = 0;
+  const bool timing_;
+  std::shared_ptr<std::atomic<std::int64_t>> stamp_;
 };
 
 Status check_range(std::string_view what, const void* ptr, std::uint64_t bytes) {
@@ -416,8 +446,8 @@ Result<std::unique_ptr<Stream>> HostDevice::create_stream(const StreamOptions& o
   return std::unique_ptr<Stream>(std::move(stream));
 }
 
-Result<std::unique_ptr<Event>> HostDevice::create_event() {
-  return std::unique_ptr<Event>(std::make_unique<HostEvent>(impl_->core.get()));
+Result<std::unique_ptr<Event>> HostDevice::create_event(const EventOptions& options) {
+  return std::unique_ptr<Event>(std::make_unique<HostEvent>(impl_->core.get(), options.timing));
 }
 
 Result<Buffer> HostDevice::allocate_device(std::uint64_t bytes) {
@@ -487,6 +517,17 @@ Status HostDevice::record(Event& event, Stream& stream) {
   KVTIER_ASSIGN_OR_RETURN(HostStream * host_stream, impl_->stream_of(stream));
   KVTIER_ASSIGN_OR_RETURN(HostEvent * host_event, impl_->event_of(event));
   const std::shared_ptr<StreamState>& state = host_stream->state();
+  if (host_event->timing()) {
+    // A marker that stamps its completion time; not a data operation (no
+    // delay, no failure injection, not counted).
+    Op op;
+    op.kind = OpKind::kStamp;
+    op.stamp = std::make_shared<std::atomic<std::int64_t>>(0);
+    auto stamp = op.stamp;
+    const std::uint64_t seq = Impl::enqueue(*state, std::move(op));
+    host_event->set(state, seq, std::move(stamp));
+    return Status::Ok();
+  }
   std::uint64_t seq = 0;
   {
     std::lock_guard lock(state->mu);
@@ -494,6 +535,24 @@ Status HostDevice::record(Event& event, Stream& stream) {
   }
   host_event->set(state, seq);
   return Status::Ok();
+}
+
+Result<double> HostDevice::elapsed_ms(Event& start, Event& end) {
+  KVTIER_ASSIGN_OR_RETURN(HostEvent * a, impl_->event_of(start));
+  KVTIER_ASSIGN_OR_RETURN(HostEvent * b, impl_->event_of(end));
+  std::int64_t stamps[2] = {0, 0};
+  int i = 0;
+  for (HostEvent* e : {a, b}) {
+    const char* which = i == 0 ? "start" : "end";
+    if (!e->timing())
+      return FailedPrecondition(fmt::format("elapsed_ms: the {} event was created without timing", which));
+    auto stamp = e->stamp();
+    if (stamp == nullptr) return FailedPrecondition(fmt::format("elapsed_ms: the {} event was never recorded", which));
+    KVTIER_ASSIGN_OR_RETURN(bool done, query(*e));
+    if (!done) return Unavailable(fmt::format("elapsed_ms: the {} event has not completed yet", which));
+    stamps[i++] = stamp->load(std::memory_order_acquire);
+  }
+  return static_cast<double>(stamps[1] - stamps[0]) / 1e6;
 }
 
 Status HostDevice::wait(Stream& stream, Event& event) {
@@ -586,6 +645,12 @@ void HostDevice::fail_nth_operation(std::uint64_t n) {
   }
   const std::uint64_t target = operations_executed() + n;
   set_failure_predicate([target](std::uint64_t seq, const void*, std::uint64_t) { return seq == target; });
+}
+
+void HostDevice::set_stream_delay(std::string_view name_prefix, std::chrono::microseconds delay) {
+  std::lock_guard lock(impl_->core->predicate_mu);
+  impl_->core->slow_label_prefix = name_prefix.empty() ? std::string() : fmt::format("stream '{}", name_prefix);
+  impl_->core->slow_delay = std::max(delay, std::chrono::microseconds(0));
 }
 
 void HostDevice::set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay) {

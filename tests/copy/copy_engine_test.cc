@@ -2,6 +2,7 @@
 // strategy's host executor; the tests below use host-only fault and delay
 // injection.
 #include "copy/copy_engine_test_body.h"
+#include "copy/engine_base.h"
 #include "copy/kernel_plan.h"
 #include "copy/plan.h"
 #include "kvtier/copy/copy_config.h"
@@ -199,6 +200,103 @@ TEST(KernelPlanTest, ItemsCoverEveryByteOnce) {
     EXPECT_GE(addr, end);
     end = addr + bytes;
   }
+}
+
+// kAuto's adaptive split (copy_engine.h, auto_split_adaptive): one
+// mechanism made slow on the host backend (a fixed delay per operation on
+// its streams); the tuned kernel share must move work away from it, copy
+// after copy, with every copy byte-exact on a poisoned destination.
+class AdaptiveSplit : public CopyEngineTest {
+ protected:
+  // 64 pairs of 16 KiB (initial share 0.6), timed copies one after another
+  // on `caller`; returns the kernel share of each copy.
+  std::vector<double> run(Stream& caller, int copies, bool adaptive) {
+    CopyEngineOptions o;
+    o.auto_split_only_behind_queued_work = false;
+    o.auto_split_payload_bytes_per_dma_descriptor = 0;
+    o.auto_split_adaptive = adaptive;
+    EXPECT_TRUE(make_engine(o).ok());
+    auto layout = KvLayout::uniform(1, 1, 16 * 1024);
+    EXPECT_TRUE(layout.ok());
+    auto host = layer_first(MemoryKind::kPinnedHost, *layout, 128);
+    auto dev = layer_first(MemoryKind::kDevice, *layout, 128);
+    EXPECT_TRUE(host && dev);
+    std::vector<double> shares;
+    if (!host || !dev) return shares;
+    fill_random(*host, 91);
+    for (int i = 0; i < copies; ++i) {
+      fill_poison(*dev);
+      const auto h = random_ids(128, 64, 100 + i);
+      const auto d = random_ids(128, 64, 200 + i);
+      CopyRequest up{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto};
+      model_copy(*host, *dev, up);
+      auto rep = engine_->copy(up, caller);
+      EXPECT_TRUE(rep.ok()) << rep.status().to_string();
+      if (!rep.ok()) return shares;
+      EXPECT_EQ(rep->strategy, CopyStrategy::kSplit);
+      EXPECT_TRUE(device_->synchronize(caller, kWait).ok());
+      expect_matches_model(*dev);
+      shares.push_back(rep->kernel_share);
+    }
+    return shares;
+  }
+};
+
+TEST_F(AdaptiveSplit, SlowDmaLanesShiftWorkToTheKernel) {
+  host_of(*device_).set_stream_delay("kvtier-split-lane", std::chrono::milliseconds(30));
+  const std::vector<double> shares = run(*stream_, 8, /*adaptive=*/true);
+  host_of(*device_).set_stream_delay("", {});
+  ASSERT_EQ(shares.size(), 8u);
+  EXPECT_DOUBLE_EQ(shares[0], 0.6) << "the first copy of a size class starts from the profile";
+  for (std::size_t i = 1; i < shares.size(); ++i) EXPECT_GE(shares[i], shares[i - 1]) << "copy " << i;
+  EXPECT_GT(shares.back(), 0.9) << "the lanes take 30 ms per batch, the kernel part well under that";
+  EXPECT_LE(shares.back(), 0.95) << "clamped to auto_split_adaptive_max_share";
+}
+
+TEST_F(AdaptiveSplit, SlowKernelShiftsWorkToTheLanes) {
+  StreamOptions so;
+  so.name = "slow-caller";
+  auto caller = device_->create_stream(so);
+  ASSERT_TRUE(caller.ok());
+  host_of(*device_).set_stream_delay("slow-caller", std::chrono::milliseconds(30));
+  const std::vector<double> shares = run(**caller, 8, /*adaptive=*/true);
+  host_of(*device_).set_stream_delay("", {});
+  ASSERT_EQ(shares.size(), 8u);
+  for (std::size_t i = 1; i < shares.size(); ++i) EXPECT_LE(shares[i], shares[i - 1]) << "copy " << i;
+  EXPECT_LT(shares.back(), 0.15);
+  EXPECT_GE(shares.back(), 0.05) << "clamped to auto_split_adaptive_min_share: the kernel part stays measurable";
+  EXPECT_TRUE(engine_->forget_stream(**caller).ok());
+}
+
+TEST_F(AdaptiveSplit, FixedProfileWhenNotAdaptive) {
+  host_of(*device_).set_stream_delay("kvtier-split-lane", std::chrono::milliseconds(10));
+  const std::vector<double> shares = run(*stream_, 4, /*adaptive=*/false);
+  host_of(*device_).set_stream_delay("", {});
+  ASSERT_EQ(shares.size(), 4u);
+  for (double s : shares) EXPECT_DOUBLE_EQ(s, 0.6);
+}
+
+TEST(SplitTunerTest, BalancedShareAndSteps) {
+  using namespace copy_detail;
+  // Kernel 100 B/ms, DMA 100 B in 3 ms: both finish together at 3/4.
+  EXPECT_DOUBLE_EQ(balanced_split_share(0.5, 100, 1, 100, 3), 0.75);
+  EXPECT_DOUBLE_EQ(balanced_split_share(0.5, 300, 3, 100, 1), 0.5);  // equal rates
+  EXPECT_DOUBLE_EQ(balanced_split_share(0.4, 0, 1, 100, 3), 0.4);    // no kernel part: unchanged
+  EXPECT_DOUBLE_EQ(balanced_split_share(0.4, 100, 0, 100, 3), 0.4);  // no time: unchanged
+  // The balance point is the fixed point: parts that finished together.
+  EXPECT_NEAR(balanced_split_share(0.3, 30, 2, 70, 2), 0.3, 1e-12);
+  SplitTuner tuner;
+  const std::uint32_t c = split_size_class(CopyDirection::kHostToDevice, 16 * 1024);
+  EXPECT_EQ(c, split_size_class(CopyDirection::kHostToDevice, 16 * 1024 + 4000));  // same half-octave
+  EXPECT_NE(c, split_size_class(CopyDirection::kHostToDevice, 24 * 1024));
+  EXPECT_NE(c, split_size_class(CopyDirection::kDeviceToHost, 16 * 1024));
+  EXPECT_DOUBLE_EQ(tuner.share(c, 0.6), 0.6);
+  tuner.observe(c, 0.5, 100, 1, 100, 3, /*gain=*/0.5, 0.05, 0.95);  // target 0.75
+  EXPECT_DOUBLE_EQ(tuner.share(c, 0.6), 0.625);
+  tuner.observe(c, 0.625, 1000, 1, 1, 1, 1.0, 0.05, 0.95);  // target ~1, clamped
+  EXPECT_DOUBLE_EQ(tuner.share(c, 0.6), 0.95);
+  tuner.observe(c, 0.95, 1, 1, 1000, 1, 1.0, 0.05, 0.95);  // target ~0, clamped
+  EXPECT_DOUBLE_EQ(tuner.share(c, 0.6), 0.05);
 }
 
 TEST(KernelPlanTest, VectorSplit) {

@@ -1136,8 +1136,10 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
   o.auto_split_h2d_min_segment_bytes = 8 * 1024;
   o.auto_split_h2d_max_segment_bytes = 64 * 1024;
   o.auto_split_h2d_kernel_share = 0.5;
-  o.auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
+  o.auto_split_h2d_large_segment_bytes = 24 * 1024;
+  o.auto_split_h2d_kernel_share_large = 0.25;
   o.auto_split_h2d_small_segment_bytes = 4 * 1024;
+  o.auto_split_adaptive = false;  // the fixed profile; AdaptiveSplit tests the tuning
   o.auto_split_payload_bytes_per_dma_descriptor = 0;  // the CPU-budget cap is checked below
   o.auto_split_only_behind_queued_work = false;       // checked in AutoSplitOnlyBehindQueuedWork
   for (bool sms_out : {false, true}) {
@@ -1163,16 +1165,16 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
       const CopyReport rep = copy_and_check(*host, *dev, up);
       EXPECT_EQ(rep.strategy, expected);
       if (expected == CopyStrategy::kSplit) {
-        const bool with_kernel = bb < 24 * 1024 && !sms_out;
-        EXPECT_EQ(rep.kernel_share, with_kernel ? 0.5 : 0.0);
-        EXPECT_EQ(rep.lanes, with_kernel ? 1u : o.split_dma_lanes);
+        const bool large = bb >= 24 * 1024;
+        EXPECT_EQ(rep.kernel_share, sms_out ? 0.0 : large ? 0.25 : 0.5);
+        EXPECT_EQ(rep.lanes, large || sms_out ? o.split_dma_lanes : 1u);
       }
       if (HasFailure()) return;
     }
   }
   // CPU budget: at most one DMA descriptor per 64 KiB of payload. 16 KiB
   // blocks: DMA <= 1/4 of the pairs (share 0.75 over the profile's 0.5);
-  // 32 KiB (profile: DMA only): DMA <= 1/2.
+  // 32 KiB (profile: 0.25): DMA <= 1/2.
   o.auto_kernel_max_segment_bytes_h2d = 64 * 1024;
   o.auto_split_payload_bytes_per_dma_descriptor = 64 * 1024;
   ASSERT_TRUE(make_engine(o).ok());
@@ -1191,7 +1193,7 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
         copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto});
     EXPECT_EQ(rep.strategy, CopyStrategy::kSplit);
     EXPECT_DOUBLE_EQ(rep.kernel_share, bb == 16 * 1024 ? 0.75 : 0.5);
-    EXPECT_EQ(rep.lanes, 1u);
+    EXPECT_EQ(rep.lanes, bb == 16 * 1024 ? 1u : o.split_dma_lanes);
   }
 }
 

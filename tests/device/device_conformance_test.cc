@@ -324,6 +324,39 @@ TEST_P(DeviceConformance, FirstRecordBehindBlockedCallbackIsPending) {
   EXPECT_OK(dev().synchronize(*e2, kLong));
 }
 
+// Timing events: elapsed_ms measures the time between two completions; it
+// never blocks and tells apart "not yet" from caller errors.
+TEST_P(DeviceConformance, ElapsedBetweenTimingEvents) {
+  ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
+  ASSERT_OK_AND_ASSIGN(auto start, dev().create_event(EventOptions{.timing = true}));
+  ASSERT_OK_AND_ASSIGN(auto end, dev().create_event(EventOptions{.timing = true}));
+  ASSERT_OK_AND_ASSIGN(auto plain, dev().create_event());
+  // Never recorded.
+  EXPECT_EQ(dev().elapsed_ms(*start, *end).status().code(), StatusCode::kFailedPrecondition);
+  auto gate = std::make_shared<Gate>();
+  GateGuard guard{gate};
+  ASSERT_OK(dev().record(*start, *s));
+  ASSERT_OK(dev().launch_host_callback(*s, [gate](const Status&) { gate->pass(); }));
+  ASSERT_OK(dev().record(*end, *s));
+  ASSERT_OK(dev().record(*plain, *s));
+  // Pending: kUnavailable, without blocking.
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(dev().elapsed_ms(*start, *end).status().code(), StatusCode::kUnavailable);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  gate->open.store(true);
+  ASSERT_OK(dev().synchronize(*end, kLong));
+  ASSERT_OK_AND_ASSIGN(double ms, dev().elapsed_ms(*start, *end));
+  EXPECT_GE(ms, 15.0) << "the callback held the stream for 20 ms between the two records";
+  EXPECT_LT(ms, 10000.0);
+  ASSERT_OK_AND_ASSIGN(double back, dev().elapsed_ms(*end, *start));
+  EXPECT_LE(back, -15.0);
+  // An event created without timing.
+  Result<double> r = dev().elapsed_ms(*start, *plain);
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("without timing"), std::string::npos) << r.status().message();
+}
+
 TEST_P(DeviceConformance, StreamQueryReportsQueuedWork) {
   ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
   ASSERT_OK_AND_ASSIGN(bool idle, dev().query(*s));

@@ -73,15 +73,15 @@
 //   4x. (after 4s, before 4 and 5) avg in [auto_split_h2d_min_segment_bytes,
 //      auto_split_h2d_max_segment_bytes) for H2D not in full duplex, or in
 //      the auto_split_duplex_* range for either direction in full duplex ->
-//      kSplit with the kAuto share: auto_split_h2d_kernel_share_small below
-//      auto_split_h2d_small_segment_bytes, auto_split_h2d_kernel_share below
-//      auto_split_h2d_dma_only_min_segment_bytes, else 0 (DMA lanes only).
+//      kSplit with the kAuto share: the profile (auto_split_h2d_kernel_share_small
+//      / _share / _share_large by average segment size), then tuned at run
+//      time from timed completions (auto_split_adaptive), then raised to the
+//      CPU-budget floor (auto_split_payload_bytes_per_dma_descriptor).
 //      With the SMs kept out (auto_kernel_max_segment_bytes_h2d = 0) the H2D
-//      split range starts at auto_split_h2d_dma_only_min_segment_bytes.
-//      Measured on the H200 (runs 6-7, docs/performance.md): random 4-20 KiB
-//      H2D 93-96% with the kernel/DMA shares, 24-48 KiB 96.6-100% with two
-//      DMA lanes, where the kernel alone is 90-95% and one DMA stream 93-98%
-//      (from 24 KiB; 19-83% below).
+//      split range starts at auto_split_h2d_large_segment_bytes, DMA only.
+//      Measured on the H200 (runs 6-18, docs/performance.md): random 4-48 KiB
+//      H2D 92-96% with a kernel share, where the kernel alone is ~92% and
+//      DMA alone 73-99% depending on the machine.
 //   4i. (before 5) the caller's stream idle at copy(), not full duplex, SMs
 //      allowed for that direction, avg < auto_idle_kernel_max_segment_bytes
 //      -> kSmKernel (the GPU would wait for the CPU to enqueue descriptors).
@@ -231,23 +231,42 @@ struct CopyEngineOptions {
   double split_kernel_share = 0.0;
   std::uint32_t split_dma_lanes = 2;
   // kAuto: H2D requests whose average segment is in [min, max) use kSplit
-  // when not in full duplex (max 0: never); likewise in full duplex. kAuto's
-  // split gives auto_split_h2d_kernel_share of the pairs to the SM kernel
-  // below auto_split_h2d_dma_only_min_segment_bytes and none from there (and
-  // none when auto_kernel_max_segment_bytes_h2d is 0: SMs kept out).
-  // Below auto_split_h2d_small_segment_bytes the share is
-  // auto_split_h2d_kernel_share_small (DMA is slowest per byte there).
-  // kAuto's split runs one DMA lane when it has a kernel share (two lost
-  // 10-15 points at 4-16 KiB), split_dma_lanes when DMA only. Measured on the
-  // H200 (runs 6-8, docs/performance.md): random 4-20 KiB H2D 92-96% with
-  // these shares and one lane vs 90-95% for the kernel alone; 24-48 KiB
-  // 93-100% with two DMA lanes vs 88-92% for the kernel.
+  // when not in full duplex (max 0: never); likewise in full duplex. The
+  // kernel share kAuto starts from: auto_split_h2d_kernel_share_small below
+  // auto_split_h2d_small_segment_bytes, auto_split_h2d_kernel_share below
+  // auto_split_h2d_large_segment_bytes, auto_split_h2d_kernel_share_large
+  // from there (none when auto_kernel_max_segment_bytes_h2d is 0: SMs kept
+  // out). One DMA lane below the large size, split_dma_lanes from it. With
+  // auto_split_adaptive the share then follows the measured rates (below).
+  // Measured on the H200 (runs 6-17, docs/performance.md): random 4-20 KiB
+  // H2D 92-96% with these shares vs ~92% for the kernel alone. At 32-48 KiB
+  // DMA alone reached 95-99% on some machines and 73-81% on others (small
+  // descriptors slow), where a kernel share of 0.6 gave 94-95% (run 17).
   std::uint64_t auto_split_h2d_min_segment_bytes = 4 * 1024;
   std::uint64_t auto_split_h2d_max_segment_bytes = 64 * 1024;
   double auto_split_h2d_kernel_share = 0.6;
   double auto_split_h2d_kernel_share_small = 0.8;
+  double auto_split_h2d_kernel_share_large = 0.5;
   std::uint64_t auto_split_h2d_small_segment_bytes = 12 * 1024;
-  std::uint64_t auto_split_h2d_dma_only_min_segment_bytes = 24 * 1024;
+  std::uint64_t auto_split_h2d_large_segment_bytes = 24 * 1024;
+  // kAuto split, adaptive share. The best share depends on the machine (how
+  // fast its copy engines take small descriptors) and drifts with load, so a
+  // fixed profile either leaves bandwidth unused or falls off a cliff when
+  // the DMA part finishes late. With auto_split_adaptive, every kAuto split
+  // is timed (timing events at the fork, after the kernel part and after each
+  // lane; read at later copies, never waited for) and the share of its size
+  // class (direction, half-octave of the average segment) moves toward the
+  // share that would have made both parts finish together:
+  //   s* = r_k / (r_k + r_d), r = bytes / time of each part,
+  //   s <- s + gain * (s* - s), clamped to [min_share, max_share];
+  // its fixed point is both parts finishing at once. The CPU-budget cap
+  // below still applies on top. Engine-wide (all streams share what was
+  // learned); a few timing slots per stream, so a copy whose predecessors
+  // have not completed yet simply goes untimed.
+  bool auto_split_adaptive = true;
+  double auto_split_adaptive_gain = 0.5;
+  double auto_split_adaptive_min_share = 0.05;
+  double auto_split_adaptive_max_share = 0.95;
   // kAuto split: the DMA part gets at most one descriptor per this many
   // payload bytes of the request (the rest goes to the kernel), so that the
   // CPU time to enqueue it (~0.6-1 us per descriptor) stays within the copy

@@ -4,7 +4,7 @@
 //   - "Device memory" is ordinary host memory (64-byte aligned), poisoned
 //     with 0xA5 on allocation so that unwritten bytes are visible.
 //   - Each Stream is one worker thread executing its queue in order.
-//   - Events are fences: record() enqueues a marker; query() reads it;
+//   - Events are fences: record() captures the queue position; query() reads it;
 //     wait() makes the waiting stream's worker block until the marker passes.
 //   - Injected delays (uniform in [min_delay, max_delay] before each
 //     operation, per stream, seeded) reorder completions across streams to
@@ -14,7 +14,9 @@
 //
 // Details the conformance suite and host_device_test pin down:
 //   - record() captures the stream's queue tail (a sequence number); no
-//     marker is enqueued. wait() on a never-recorded event, or on an event
+//     marker is enqueued, except for timing events (EventOptions::timing),
+//     whose record enqueues a marker that stamps the steady clock when it
+//     runs (not a data operation: no delay, no failure, not counted). wait() on a never-recorded event, or on an event
 //     recorded on the same stream, enqueues nothing. An Event may be
 //     destroyed while a wait on it is still pending (the wait holds the
 //     fence, not the event).
@@ -49,6 +51,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "kvtier/device/device.h"
 
@@ -81,7 +84,8 @@ class HostDevice final : public Device {
   int multiprocessor_count() const noexcept override;
 
   Result<std::unique_ptr<Stream>> create_stream(const StreamOptions& options = {}) override;
-  Result<std::unique_ptr<Event>> create_event() override;
+  using Device::create_event;
+  Result<std::unique_ptr<Event>> create_event(const EventOptions& options) override;
   Result<Buffer> allocate_device(std::uint64_t bytes) override;
   Result<std::unique_ptr<PinnedMemory>> allocate_pinned(std::uint64_t bytes,
                                                         const PinnedOptions& options = {}) override;
@@ -97,6 +101,7 @@ class HostDevice final : public Device {
   Status synchronize(Stream& stream, std::chrono::nanoseconds timeout) override;
   Result<bool> query(Stream& stream) override;
   Status launch_host_callback(Stream& stream, std::function<void(const Status&)> fn) override;
+  Result<double> elapsed_ms(Event& start, Event& end) override;
 
   // Enqueues arbitrary work on a stream's worker, ordered like a copy. The
   // task's Status becomes the stream's status for later events (a failing
@@ -113,6 +118,10 @@ class HostDevice final : public Device {
   // any predicate.
   void fail_nth_operation(std::uint64_t n);
   void set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay);
+  // Every data operation on a stream whose name starts with `name_prefix`
+  // sleeps `delay` before it runs (on top of set_delays), e.g. to make one
+  // mechanism slow. An empty prefix clears it.
+  void set_stream_delay(std::string_view name_prefix, std::chrono::microseconds delay);
   // Data operations executed so far (copies, memsets, tasks).
   std::uint64_t operations_executed() const noexcept;
   // Clears the sticky failure state of a stream (tests only; CUDA cannot).
