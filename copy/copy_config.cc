@@ -48,6 +48,12 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto split: highest tuned kernel share");
   t.add(p + ".auto_split_payload_bytes_per_dma_descriptor", &o.auto_split_payload_bytes_per_dma_descriptor,
         "kAuto split: at most one DMA descriptor per this many payload bytes (CPU budget; 0: no cap)");
+  t.add(p + ".auto_split_cpu_budget_adaptive", &o.auto_split_cpu_budget_adaptive,
+        "kAuto split: move the CPU-budget cap with whether the CPU kept ahead of the GPU");
+  t.add(p + ".auto_split_min_payload_bytes_per_dma_descriptor", &o.auto_split_min_payload_bytes_per_dma_descriptor,
+        "kAuto split: smallest adaptive CPU-budget cap (most DMA descriptors)");
+  t.add(p + ".auto_split_max_payload_bytes_per_dma_descriptor", &o.auto_split_max_payload_bytes_per_dma_descriptor,
+        "kAuto split: largest adaptive CPU-budget cap (fewest DMA descriptors)");
   t.add(p + ".auto_split_only_behind_queued_work", &o.auto_split_only_behind_queued_work,
         "kAuto split only when the caller's stream has work queued at copy()");
   t.add(p + ".auto_idle_kernel_max_segment_bytes", &o.auto_idle_kernel_max_segment_bytes,

@@ -94,6 +94,13 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
                                 std::pair{"auto_split_adaptive_min_share", o.auto_split_adaptive_min_share},
                                 std::pair{"auto_split_adaptive_max_share", o.auto_split_adaptive_max_share}})
     if (!(v >= 0.0 && v <= 1.0)) return InvalidArgument(fmt::format("{} must be in [0, 1], got {}", name, v));
+  if (o.auto_split_min_payload_bytes_per_dma_descriptor == 0 ||
+      o.auto_split_min_payload_bytes_per_dma_descriptor > o.auto_split_max_payload_bytes_per_dma_descriptor)
+    return InvalidArgument(fmt::format(
+        "auto_split_min_payload_bytes_per_dma_descriptor must be in [1, "
+        "auto_split_max_payload_bytes_per_dma_descriptor "
+        "= {}], got {}",
+        o.auto_split_max_payload_bytes_per_dma_descriptor, o.auto_split_min_payload_bytes_per_dma_descriptor));
   if (o.auto_split_adaptive_min_share > o.auto_split_adaptive_max_share)
     return InvalidArgument(fmt::format("auto_split_adaptive_min_share {} is above auto_split_adaptive_max_share {}",
                                        o.auto_split_adaptive_min_share, o.auto_split_adaptive_max_share));
@@ -671,6 +678,25 @@ void SplitTuner::observe(std::uint32_t size_class, double share, double kernel_b
   it->second = std::clamp(it->second + gain * (target - it->second), lo, hi);
 }
 
+double SplitTuner::budget(std::uint32_t size_class, double initial) const {
+  std::lock_guard lock(mu_);
+  auto it = budgets_.find(size_class);
+  return it == budgets_.end() ? initial : it->second;
+}
+
+void SplitTuner::report_submission(std::uint32_t size_class, double budget, bool cpu_late, double lo, double hi) {
+  constexpr double kStep = 1.25;
+  std::lock_guard lock(mu_);
+  auto [it, inserted] = budgets_.try_emplace(size_class, budget);
+  it->second = std::clamp(cpu_late ? it->second * kStep : it->second / kStep, lo, hi);
+}
+
+double EngineBase::split_budget(std::uint32_t size_class) const {
+  const auto initial = static_cast<double>(options_.auto_split_payload_bytes_per_dma_descriptor);
+  if (initial <= 0 || !options_.auto_split_cpu_budget_adaptive) return initial;
+  return tuner_.budget(size_class, initial);
+}
+
 double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
   if (!automatic) return options_.split_kernel_share;
   if (s.direction != CopyDirection::kHostToDevice || options_.auto_kernel_max_segment_bytes_h2d == 0) return 0.0;
@@ -679,16 +705,14 @@ double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
                  : avg < options_.auto_split_h2d_small_segment_bytes ? options_.auto_split_h2d_kernel_share_small
                                                                      : options_.auto_split_h2d_kernel_share;
   if (options_.auto_split_adaptive) share = tuner_.share(split_size_class(s.direction, avg), share);
-  // CPU budget: enqueueing a DMA descriptor costs ~0.6-1 us of CPU, about the
-  // time the link needs for 40-55 KB. Give the DMA part at most one
-  // descriptor per auto_split_payload_bytes_per_dma_descriptor of payload, so
-  // that submitting it takes no longer than the copy: otherwise a caller
-  // that streams copies becomes CPU-bound (measured host API time 6-14 ms for
-  // 5 ms of copy at 4 KiB without the cap, run 11).
-  if (options_.auto_split_payload_bytes_per_dma_descriptor > 0 && s.segments > 0) {
-    const double max_dma = static_cast<double>(s.bytes) /
-                           static_cast<double>(options_.auto_split_payload_bytes_per_dma_descriptor) /
-                           static_cast<double>(s.segments);
+  // CPU budget: enqueueing a DMA descriptor costs ~0.8-0.9 us of CPU, about
+  // the time the link needs for 45-50 KB. Give the DMA part at most one
+  // descriptor per budget bytes of payload (adaptive: copy_engine.h), so
+  // that a caller streaming copies does not become CPU-bound (measured host
+  // API time 6-14 ms for 5 ms of copy at 4 KiB without the cap, run 11).
+  const double budget = split_budget(split_size_class(s.direction, avg));
+  if (budget > 0 && s.segments > 0) {
+    const double max_dma = static_cast<double>(s.bytes) / budget / static_cast<double>(s.segments);
     share = std::max(share, 1.0 - std::min(1.0, max_dma));
   }
   return share;
@@ -798,6 +822,18 @@ Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest&
     if (timing != nullptr) KVTIER_RETURN_IF_ERROR(device_.record(*timing->lane_end[i], *lane.stream));
     report.calls += static_cast<std::uint32_t>((sc.segments.size() + options_.batch_max_descriptors - 1) /
                                                options_.batch_max_descriptors);
+  }
+  if (automatic && lanes > 0 && options_.auto_split_cpu_budget_adaptive &&
+      options_.auto_split_payload_bytes_per_dma_descriptor > 0) {
+    // Did the GPU wait for this submission? The fork completed already: the
+    // work queued ahead ran out before the last lane was enqueued.
+    Result<bool> reached = device_.query(*ss->fork);
+    if (reached.ok()) {
+      const std::uint32_t size_class = split_size_class(dir, avg);
+      tuner_.report_submission(size_class, split_budget(size_class), *reached,
+                               static_cast<double>(options_.auto_split_min_payload_bytes_per_dma_descriptor),
+                               static_cast<double>(options_.auto_split_max_payload_bytes_per_dma_descriptor));
+    }
   }
   if (timing != nullptr) {
     const double pair_bytes = static_cast<double>(summary.bytes) / static_cast<double>(n);

@@ -94,10 +94,17 @@ class SplitTuner {
   // timed copy that ran at `share`, clamped to [lo, hi].
   void observe(std::uint32_t size_class, double share, double kernel_bytes, double kernel_ms, double dma_bytes,
                double dma_ms, double gain, double lo, double hi);
+  // CPU budget (payload bytes per DMA descriptor) of `size_class`, or
+  // `initial` before the first report.
+  double budget(std::uint32_t size_class, double initial) const;
+  // After a split: `cpu_late` when the GPU reached the fork before the last
+  // lane was enqueued. Late: budget x 1.25, else / 1.25, clamped to [lo, hi].
+  void report_submission(std::uint32_t size_class, double budget, bool cpu_late, double lo, double hi);
 
  private:
   mutable std::mutex mu_;
   std::map<std::uint32_t, double> shares_;
+  std::map<std::uint32_t, double> budgets_;
 };
 
 struct StreamState {
@@ -174,6 +181,8 @@ class EngineBase : public CopyEngine {
   // The SM kernel's share of a kSplit copy: split_kernel_share when asked
   // for explicitly, the kAuto profile (tuned, when adaptive) otherwise.
   double split_share(const PlanSummary& s, bool automatic) const;
+  // The CPU budget (payload bytes per DMA descriptor; 0: none) of a size class.
+  double split_budget(std::uint32_t size_class) const;
   // Feeds the tuner with the stream's timed splits that have completed.
   void harvest_split_timing(StreamState& st);
   bool adaptive_split(bool automatic) const noexcept { return automatic && options_.auto_split_adaptive; }

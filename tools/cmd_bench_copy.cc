@@ -74,6 +74,9 @@ struct BenchCopyArgs {
   // hold after 200 ms (e.g. when per-block DMA fills the driver's queue), in
   // which case the time includes the rest of the submission.
   bool prequeue = true;
+  // Each measurement as this many copies enqueued back to back (a stream of
+  // smaller requests; with --no-prequeue the CPU's enqueue cost shows).
+  std::uint32_t pieces = 1;
   CopyEngineOptions engine;
   std::uint64_t gate_max_kib = 28;
   std::uint32_t sm_item_kib = 64;
@@ -535,18 +538,24 @@ class BenchCopy {
         // "both": tell kAuto that the other direction runs at the same time.
         rh.full_duplex = rd.full_duplex = dir == Dir::kBoth;
         CopyReport rep_h, rep_d;
-        auto copy_h = [&]() -> Status {
-          auto r = engine_->copy(rh, *stream_a_);
-          if (!r.ok()) return r.status();
-          rep_h = *r;
+        // --pieces: the request as that many copies back to back (the report
+        // is the last piece's).
+        auto copy_pieces = [&](const CopyRequest& whole, Stream& s, CopyReport& out) -> Status {
+          const std::size_t n = whole.src_blocks.size(), k = std::max<std::uint32_t>(1, a_.pieces);
+          for (std::size_t i = 0; i < k; ++i) {
+            const std::size_t b = n * i / k, e = n * (i + 1) / k;
+            if (b == e) continue;
+            CopyRequest part = whole;
+            part.src_blocks = whole.src_blocks.subspan(b, e - b);
+            part.dst_blocks = whole.dst_blocks.subspan(b, e - b);
+            auto r = engine_->copy(part, s);
+            if (!r.ok()) return r.status();
+            out = *r;
+          }
           return Status::Ok();
         };
-        auto copy_d_on = [&](Stream& s) -> Status {
-          auto r = engine_->copy(rd, s);
-          if (!r.ok()) return r.status();
-          rep_d = *r;
-          return Status::Ok();
-        };
+        auto copy_h = [&]() -> Status { return copy_pieces(rh, *stream_a_, rep_h); };
+        auto copy_d_on = [&](Stream& s) -> Status { return copy_pieces(rd, s, rep_d); };
         auto copy_d_a = [&]() -> Status { return copy_d_on(*stream_a_); };
         auto copy_d_b = [&]() -> Status { return copy_d_on(*stream_b_); };
         using FB = decltype(copy_d_b);
@@ -633,6 +642,7 @@ class BenchCopy {
       j["p50_ms"] = r.p50_ms;
       j["host_api_ms"] = r.host_api_ms;
       j["prequeued"] = a_.prequeue;
+      j["pieces"] = a_.pieces;
       j["reps"] = a_.reps;
       j["pattern"] = a_.pattern;
       j["backend"] = std::string(backend_name(device_.backend()));
@@ -710,6 +720,9 @@ Action register_bench_copy(CLI::App& bench) {
   cmd->add_flag("!--no-prequeue", args->prequeue,
                 "time from an idle stream (CPU planning + submission inside the timed region) instead of holding the "
                 "stream while the copy is enqueued");
+  cmd->add_option(
+      "--pieces", args->pieces,
+      "enqueue each measurement as this many copies back to back (with --no-prequeue: CPU-bound streaming)");
   auto& e = args->engine;
   {
     // Engine knobs from the environment (docs/configuration.md, copy.*);

@@ -276,6 +276,61 @@ TEST_F(AdaptiveSplit, FixedProfileWhenNotAdaptive) {
   for (double s : shares) EXPECT_DOUBLE_EQ(s, 0.6);
 }
 
+// The adaptive CPU budget: copies enqueued while the stream is held (the
+// CPU runs ahead of the GPU) lower the budget step by step to its minimum,
+// so kAuto gives the DMA lanes more of each later request. The share here
+// is the budget's floor (profile share 0.1, share tuning off), so it shows
+// the budget: 1 - 4 KiB / budget.
+TEST_F(CopyEngineTest, SplitCpuBudgetGrowsWhileTheCpuRunsAhead) {
+  CopyEngineOptions o;
+  o.auto_split_adaptive = false;
+  o.auto_split_h2d_kernel_share_small = 0.1;
+  ASSERT_TRUE(make_engine(o).ok());
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 256);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 256);
+  ASSERT_TRUE(host && dev);
+  fill_random(*host, 301);
+  fill_poison(*dev);
+  std::vector<double> shares;
+  auto open = hold_stream();
+  for (int i = 0; i < 8; ++i) {
+    // Disjoint destinations per copy: [32 i, 32 i + 32).
+    auto d = random_ids(32, 32, 400 + i);
+    for (auto& x : d) x += 32 * i;
+    const auto h = random_ids(256, 32, 500 + i);
+    CopyRequest up{&host->space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto};
+    model_copy(*host, *dev, up);
+    auto rep = engine_->copy(up, *stream_);
+    ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    ASSERT_EQ(rep->strategy, CopyStrategy::kSplit);
+    shares.push_back(rep->kernel_share);
+  }
+  open->store(true);
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  expect_matches_model(*dev);
+  EXPECT_NEAR(shares[0], 1.0 - 4.0 / 48.0, 1e-9) << "starts from auto_split_payload_bytes_per_dma_descriptor";
+  for (std::size_t i = 1; i < shares.size(); ++i) EXPECT_LE(shares[i], shares[i - 1]) << "copy " << i;
+  EXPECT_LT(shares[1], shares[0]);
+  EXPECT_NEAR(shares.back(), 1.0 - 4.0 / 16.0, 1e-9) << "down to auto_split_min_payload_bytes_per_dma_descriptor";
+}
+
+TEST(SplitTunerTest, CpuBudgetSteps) {
+  using namespace copy_detail;
+  SplitTuner tuner;
+  const std::uint32_t c = split_size_class(CopyDirection::kHostToDevice, 4096);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 48 * 1024), 48 * 1024);
+  tuner.report_submission(c, 48 * 1024, /*cpu_late=*/true, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 60 * 1024);
+  tuner.report_submission(c, 0, /*cpu_late=*/false, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 48 * 1024);
+  for (int i = 0; i < 20; ++i) tuner.report_submission(c, 0, true, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 256 * 1024);
+  for (int i = 0; i < 30; ++i) tuner.report_submission(c, 0, false, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 16 * 1024);
+}
+
 TEST(SplitTunerTest, BalancedShareAndSteps) {
   using namespace copy_detail;
   // Kernel 100 B/ms, DMA 100 B in 3 ms: both finish together at 3/4.

@@ -267,11 +267,25 @@ struct CopyEngineOptions {
   double auto_split_adaptive_gain = 0.5;
   double auto_split_adaptive_min_share = 0.05;
   double auto_split_adaptive_max_share = 0.95;
-  // kAuto split: the DMA part gets at most one descriptor per this many
-  // payload bytes of the request (the rest goes to the kernel), so that the
-  // CPU time to enqueue it (~0.6-1 us per descriptor) stays within the copy
-  // time (55 GB/s moves ~44 KB per 0.8 us). 0: no cap.
+  // kAuto split, CPU budget: the DMA part gets at most one descriptor per
+  // this many payload bytes of the request (the rest goes to the kernel).
+  // Enqueueing a descriptor costs ~0.8-0.9 us of CPU on the H200's host
+  // (cudaMemcpyBatchAsync, any attributes, batch size; more threads scale
+  // poorly: run 20), about the time the link needs for 45-50 KB, so 48 KiB
+  // keeps the submission within the copy time. 0: no cap.
   std::uint64_t auto_split_payload_bytes_per_dma_descriptor = 48 * 1024;
+  // With auto_split_cpu_budget_adaptive the cap above is only the starting
+  // point of each size class: after each kAuto split the engine checks
+  // whether the GPU already reached the split's fork when the last lane was
+  // enqueued (the GPU waited for the CPU: fewer descriptors next time, cap x
+  // 1.25) or not (the CPU ran ahead: more, cap / 1.25), within
+  // [auto_split_min_payload_bytes_per_dma_descriptor,
+  //  auto_split_max_payload_bytes_per_dma_descriptor]. A copy behind enough
+  // queued work (a load behind the forward pass) thus gets more DMA, a stream
+  // of back-to-back copies no more than the CPU can keep up with.
+  bool auto_split_cpu_budget_adaptive = true;
+  std::uint64_t auto_split_min_payload_bytes_per_dma_descriptor = 16 * 1024;
+  std::uint64_t auto_split_max_payload_bytes_per_dma_descriptor = 256 * 1024;
   // kAuto uses kSplit only when the caller's stream still has work queued at
   // copy() (the CPU then enqueues the DMA part while the GPU is busy); on an
   // idle stream the GPU would wait for that CPU work, and the kernel wins.
