@@ -256,7 +256,10 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
       // costs about as much CPU as the copy takes, which an idle stream would
       // wait for (run 12, timed from an idle stream: split 30-84 % vs the
       // kernel 72-91 % at 4-48 KiB).
-      const bool split_ok = caller_busy || !options_.auto_split_only_behind_queued_work;
+      // Paused: the CPU could not keep the GPU fed even with the fewest DMA
+      // descriptors (adaptive CPU budget at its maximum).
+      const bool paused = options_.auto_split_cpu_budget_adaptive && tuner_.paused(split_size_class(s.direction, avg));
+      const bool split_ok = (caller_busy || !options_.auto_split_only_behind_queued_work) && !paused;
       if (split_ok && (duplex ? in_range(avg, options_.auto_split_duplex_min_segment_bytes,
                                          options_.auto_split_duplex_max_segment_bytes)
                               : in_range(avg, split_min, options_.auto_split_h2d_max_segment_bytes)))
@@ -688,7 +691,20 @@ void SplitTuner::report_submission(std::uint32_t size_class, double budget, bool
   constexpr double kStep = 1.25;
   std::lock_guard lock(mu_);
   auto [it, inserted] = budgets_.try_emplace(size_class, budget);
+  if (cpu_late && it->second >= hi) pauses_[size_class] = kSplitPauseCopies;
   it->second = std::clamp(cpu_late ? it->second * kStep : it->second / kStep, lo, hi);
+}
+
+bool SplitTuner::paused(std::uint32_t size_class) const {
+  std::lock_guard lock(mu_);
+  auto it = pauses_.find(size_class);
+  return it != pauses_.end() && it->second > 0;
+}
+
+void SplitTuner::note_copy_while_paused(std::uint32_t size_class) {
+  std::lock_guard lock(mu_);
+  auto it = pauses_.find(size_class);
+  if (it != pauses_.end() && it->second > 0) --it->second;
 }
 
 double EngineBase::split_budget(std::uint32_t size_class) const {
@@ -881,6 +897,8 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
     }
     strategy =
         staged_preferred(r, summary, sc) ? CopyStrategy::kStagedDma : choose_impl(summary, st.get(), caller_busy);
+    if (options_.auto_split_cpu_budget_adaptive)
+      tuner_.note_copy_while_paused(split_size_class(summary.direction, summary.average_segment_bytes()));
   } else if (strategy == CopyStrategy::kStagedDma) {
     // Before anything is enqueued: a pair larger than a slot rejects the request.
     KVTIER_RETURN_IF_ERROR(plan_staged_chunks(sc.planes, host_is_src ? r.src_blocks : r.dst_blocks, host_is_src,

@@ -99,12 +99,21 @@ class SplitTuner {
   double budget(std::uint32_t size_class, double initial) const;
   // After a split: `cpu_late` when the GPU reached the fork before the last
   // lane was enqueued. Late: budget x 1.25, else / 1.25, clamped to [lo, hi].
+  // A late report while the budget is already at `hi` (the CPU cannot keep
+  // up even with the fewest descriptors) pauses the class's split for the
+  // next kSplitPauseCopies kAuto copies of that class (the kernel alone then
+  // does better), after which one split probes again.
   void report_submission(std::uint32_t size_class, double budget, bool cpu_late, double lo, double hi);
+  bool paused(std::uint32_t size_class) const;
+  // Counts one kAuto copy of a paused class.
+  void note_copy_while_paused(std::uint32_t size_class);
+  static constexpr int kSplitPauseCopies = 8;
 
  private:
   mutable std::mutex mu_;
   std::map<std::uint32_t, double> shares_;
   std::map<std::uint32_t, double> budgets_;
+  std::map<std::uint32_t, int> pauses_;
 };
 
 struct StreamState {

@@ -60,6 +60,7 @@ struct BenchCopyArgs {
   std::uint64_t total_mib = 0;     // 0: 256 on CUDA, 32 on the host backend
   std::uint64_t pool_min_mib = 0;  // 0: 2048 on CUDA, 0 on the host backend
   int reps = 7;
+  int warmup = 5;  // untimed reps before the timed ones
   std::vector<std::string> strategies{"dma_per_run", "dma_batch", "sm_kernel", "staged_dma", "auto"};
   std::vector<std::string> directions{"h2d", "d2h", "both"};
   std::string pattern = "random";
@@ -579,6 +580,14 @@ class BenchCopy {
           }
         }
         std::vector<double> ms, api_ms;
+        // Untimed warm-up: adaptive kAuto (split share, CPU budget) settles
+        // within a few copies; the timed reps measure the steady state.
+        for (int rep = 0; rep < a_.warmup; ++rep) {
+          Result<double> t = dir == Dir::kH2D   ? timed(copy_h, static_cast<FB*>(nullptr), a_.prequeue)
+                             : dir == Dir::kD2H ? timed(copy_d_a, static_cast<FB*>(nullptr), a_.prequeue)
+                                                : timed(copy_h, &copy_d_b, a_.prequeue);
+          KVTIER_RETURN_IF_ERROR(t.status().with_context(fmt::format("warm-up {} {} {} B", sname, dir_name(dir), bb)));
+        }
         for (int rep = 0; rep < a_.reps; ++rep) {
           Result<double> t = dir == Dir::kH2D   ? timed(copy_h, static_cast<FB*>(nullptr), a_.prequeue)
                              : dir == Dir::kD2H ? timed(copy_d_a, static_cast<FB*>(nullptr), a_.prequeue)
@@ -644,6 +653,7 @@ class BenchCopy {
       j["prequeued"] = a_.prequeue;
       j["pieces"] = a_.pieces;
       j["reps"] = a_.reps;
+      j["warmup"] = a_.warmup;
       j["pattern"] = a_.pattern;
       j["backend"] = std::string(backend_name(device_.backend()));
       j["gated"] = r.gated;
@@ -690,6 +700,7 @@ Status check_args(const BenchCopyArgs& a) {
   if (a.backend != "auto" && a.backend != "cuda" && a.backend != "host")
     return InvalidArgument(fmt::format("unknown backend '{}' (expected auto, cuda, host)", a.backend));
   if (a.reps < 1) return InvalidArgument(fmt::format("--reps must be >= 1, got {}", a.reps));
+  if (a.warmup < 0) return InvalidArgument(fmt::format("--warmup must be >= 0, got {}", a.warmup));
   if (a.layers < 1 || a.roles < 1 || a.roles > 6)
     return InvalidArgument(fmt::format("--layers must be >= 1 and --roles in [1, 6] (got {}, {})", a.layers, a.roles));
   for (auto k : a.block_kib)
@@ -709,6 +720,7 @@ Action register_bench_copy(CLI::App& bench) {
   cmd->add_option("--pool-min-mib", args->pool_min_mib,
                   "minimum device pool, MiB (default 2048 on CUDA so scattered blocks miss L2)");
   cmd->add_option("--reps", args->reps, "timed repetitions (p50 reported)");
+  cmd->add_option("--warmup", args->warmup, "untimed repetitions before the timed ones (adaptive kAuto settles)");
   cmd->add_option("--strategies", args->strategies, "dma_per_run,dma_batch,sm_kernel,staged_dma,auto")->delimiter(',');
   cmd->add_option("--directions", args->directions, "h2d,d2h,both")->delimiter(',');
   cmd->add_option("--pattern", args->pattern,

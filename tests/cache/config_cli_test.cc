@@ -126,6 +126,26 @@ TEST_F(ConfigCli, BenchTransferEnvThenStrategyFlag) {
   EXPECT_NE(bad.out.find("'urgent'"), std::string::npos) << bad.out;
 }
 
+TEST_F(ConfigCli, BenchCopyEnvThenFlags) {
+  const std::string bench =
+      "bench copy --backend host --block-sizes 16 --strategies split --directions h2d --reps 1 --warmup 1 "
+      "--total-mib 2 --json";
+  CliRun env_only = run("KVTIER_COPY_SPLIT_KERNEL_SHARE=0.25", bench, Capture::kStdout);
+  ASSERT_EQ(env_only.rc, 0) << env_only.out;
+  auto row = nlohmann::json::parse(env_only.out.substr(0, env_only.out.find('\n')));
+  EXPECT_EQ(row["split_kernel_share"], 0.25);
+  EXPECT_EQ(row["kernel_share"], 0.25) << "what the split ran with";
+  EXPECT_EQ(row["rep_kernel_shares"].size(), 1u);
+  EXPECT_EQ(row["warmup"], 1);
+  CliRun flag = run("KVTIER_COPY_SPLIT_KERNEL_SHARE=0.25", bench + " --split-kernel-share 0.5", Capture::kStdout);
+  ASSERT_EQ(flag.rc, 0) << flag.out;
+  row = nlohmann::json::parse(flag.out.substr(0, flag.out.find('\n')));
+  EXPECT_EQ(row["kernel_share"], 0.5);
+  CliRun bad = run("KVTIER_COPY_AUTO_SPLIT_ADAPTIVE=maybe", bench, Capture::kBoth);
+  EXPECT_EQ(bad.rc, 2);
+  EXPECT_NE(bad.out.find("KVTIER_COPY_AUTO_SPLIT_ADAPTIVE"), std::string::npos) << bad.out;
+}
+
 TEST_F(ConfigCli, InfoListsEveryTable) {
   CliRun info = run("KVTIER_TRANSFER_POLL_INTERVAL=2ms", "info --config", Capture::kStdout);
   ASSERT_EQ(info.rc, 0) << info.out;

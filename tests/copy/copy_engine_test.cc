@@ -325,8 +325,18 @@ TEST(SplitTunerTest, CpuBudgetSteps) {
   EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 60 * 1024);
   tuner.report_submission(c, 0, /*cpu_late=*/false, 16 * 1024, 256 * 1024);
   EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 48 * 1024);
-  for (int i = 0; i < 20; ++i) tuner.report_submission(c, 0, true, 16 * 1024, 256 * 1024);
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_FALSE(tuner.paused(c)) << i;  // the first late report at the maximum pauses
+    tuner.report_submission(c, 0, true, 16 * 1024, 256 * 1024);
+    if (tuner.paused(c)) break;
+  }
   EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 256 * 1024);
+  ASSERT_TRUE(tuner.paused(c)) << "late at the largest budget: the split pauses";
+  for (int i = 0; i < SplitTuner::kSplitPauseCopies; ++i) {
+    EXPECT_TRUE(tuner.paused(c)) << i;
+    tuner.note_copy_while_paused(c);
+  }
+  EXPECT_FALSE(tuner.paused(c)) << "one split probes again after the pause";
   for (int i = 0; i < 30; ++i) tuner.report_submission(c, 0, false, 16 * 1024, 256 * 1024);
   EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 16 * 1024);
 }
