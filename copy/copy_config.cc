@@ -48,6 +48,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto split: highest tuned kernel share");
   t.add(p + ".auto_split_payload_bytes_per_dma_descriptor", &o.auto_split_payload_bytes_per_dma_descriptor,
         "kAuto split: at most one DMA descriptor per this many payload bytes (CPU budget; 0: no cap)");
+  t.add(p + ".auto_split_min_request_bytes", &o.auto_split_min_request_bytes,
+        "kAuto: split only requests of at least this many payload bytes");
   t.add(p + ".auto_split_cpu_budget_adaptive", &o.auto_split_cpu_budget_adaptive,
         "kAuto split: move the CPU-budget cap with whether the CPU kept ahead of the GPU");
   t.add(p + ".auto_split_min_payload_bytes_per_dma_descriptor", &o.auto_split_min_payload_bytes_per_dma_descriptor,

@@ -259,7 +259,8 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
       // Paused: the CPU could not keep the GPU fed even with the fewest DMA
       // descriptors (adaptive CPU budget at its maximum).
       const bool paused = options_.auto_split_cpu_budget_adaptive && tuner_.paused(split_size_class(s.direction, avg));
-      const bool split_ok = (caller_busy || !options_.auto_split_only_behind_queued_work) && !paused;
+      const bool split_ok = (caller_busy || !options_.auto_split_only_behind_queued_work) && !paused &&
+                            s.bytes >= options_.auto_split_min_request_bytes;
       if (split_ok && (duplex ? in_range(avg, options_.auto_split_duplex_min_segment_bytes,
                                          options_.auto_split_duplex_max_segment_bytes)
                               : in_range(avg, split_min, options_.auto_split_h2d_max_segment_bytes)))
@@ -691,7 +692,13 @@ void SplitTuner::report_submission(std::uint32_t size_class, double budget, bool
   constexpr double kStep = 1.25;
   std::lock_guard lock(mu_);
   auto [it, inserted] = budgets_.try_emplace(size_class, budget);
-  if (cpu_late && it->second >= hi) pauses_[size_class] = kSplitPauseCopies;
+  if (cpu_late) {
+    auto [b, fresh] = backoff_.try_emplace(size_class, kSplitPauseCopies);
+    if (!fresh) b->second = std::min(2 * b->second, kSplitMaxPauseCopies);
+    pauses_[size_class] = b->second;
+  } else {
+    backoff_.erase(size_class);
+  }
   it->second = std::clamp(cpu_late ? it->second * kStep : it->second / kStep, lo, hi);
 }
 

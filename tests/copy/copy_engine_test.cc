@@ -19,6 +19,9 @@ namespace {
 HostDevice& host_of(Device& d) { return static_cast<HostDevice&>(d); }
 
 TEST_F(CopyEngineTest, AutoPrefersCopyEnginesWhenFullDuplex) {
+  CopyEngineOptions o;
+  o.auto_split_min_request_bytes = 0;  // small requests
+  ASSERT_TRUE(make_engine(o).ok());
   // 32 KiB blocks: kernels when one-way, batched DMA in full duplex.
   auto layout = KvLayout::uniform(1, 2, 32 * 1024);
   ASSERT_TRUE(layout.ok());
@@ -214,6 +217,8 @@ class AdaptiveSplit : public CopyEngineTest {
     CopyEngineOptions o;
     o.auto_split_only_behind_queued_work = false;
     o.auto_split_payload_bytes_per_dma_descriptor = 0;
+    o.auto_split_cpu_budget_adaptive = false;  // from an idle stream a late split would pause the class
+    o.auto_split_min_request_bytes = 0;
     o.auto_split_adaptive = adaptive;
     EXPECT_TRUE(make_engine(o).ok());
     auto layout = KvLayout::uniform(1, 1, 16 * 1024);
@@ -285,6 +290,7 @@ TEST_F(CopyEngineTest, SplitCpuBudgetGrowsWhileTheCpuRunsAhead) {
   CopyEngineOptions o;
   o.auto_split_adaptive = false;
   o.auto_split_h2d_kernel_share_small = 0.1;
+  o.auto_split_min_request_bytes = 0;
   ASSERT_TRUE(make_engine(o).ok());
   auto layout = KvLayout::uniform(1, 1, 4096);
   ASSERT_TRUE(layout.ok());
@@ -321,22 +327,37 @@ TEST(SplitTunerTest, CpuBudgetSteps) {
   SplitTuner tuner;
   const std::uint32_t c = split_size_class(CopyDirection::kHostToDevice, 4096);
   EXPECT_DOUBLE_EQ(tuner.budget(c, 48 * 1024), 48 * 1024);
+  EXPECT_FALSE(tuner.paused(c));
   tuner.report_submission(c, 48 * 1024, /*cpu_late=*/true, 16 * 1024, 256 * 1024);
   EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 60 * 1024);
-  tuner.report_submission(c, 0, /*cpu_late=*/false, 16 * 1024, 256 * 1024);
-  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 48 * 1024);
-  for (int i = 0; i < 20; ++i) {
-    EXPECT_FALSE(tuner.paused(c)) << i;  // the first late report at the maximum pauses
-    tuner.report_submission(c, 0, true, 16 * 1024, 256 * 1024);
-    if (tuner.paused(c)) break;
-  }
-  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 256 * 1024);
-  ASSERT_TRUE(tuner.paused(c)) << "late at the largest budget: the split pauses";
+  ASSERT_TRUE(tuner.paused(c)) << "a late split pauses the class";
   for (int i = 0; i < SplitTuner::kSplitPauseCopies; ++i) {
     EXPECT_TRUE(tuner.paused(c)) << i;
     tuner.note_copy_while_paused(c);
   }
   EXPECT_FALSE(tuner.paused(c)) << "one split probes again after the pause";
+  // A second late probe in a row: twice the pause.
+  tuner.report_submission(c, 0, /*cpu_late=*/true, 16 * 1024, 256 * 1024);
+  for (int i = 0; i < 2 * SplitTuner::kSplitPauseCopies; ++i) {
+    EXPECT_TRUE(tuner.paused(c)) << i;
+    tuner.note_copy_while_paused(c);
+  }
+  EXPECT_FALSE(tuner.paused(c));
+  tuner.report_submission(c, 0, /*cpu_late=*/false, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 60 * 1024);
+  tuner.report_submission(c, 0, /*cpu_late=*/false, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 48 * 1024);
+  EXPECT_FALSE(tuner.paused(c)) << "in time: no pause";
+  // After a split in time the backoff starts over.
+  tuner.report_submission(c, 0, /*cpu_late=*/true, 16 * 1024, 256 * 1024);
+  for (int i = 0; i < SplitTuner::kSplitPauseCopies; ++i) tuner.note_copy_while_paused(c);
+  EXPECT_FALSE(tuner.paused(c));
+  for (int i = 0; i < 20; ++i) tuner.report_submission(c, 0, true, 16 * 1024, 256 * 1024);
+  EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 256 * 1024);
+  for (int i = 0; i < SplitTuner::kSplitMaxPauseCopies - 1; ++i) tuner.note_copy_while_paused(c);
+  EXPECT_TRUE(tuner.paused(c)) << "the pause doubled up to its maximum";
+  tuner.note_copy_while_paused(c);
+  EXPECT_FALSE(tuner.paused(c));
   for (int i = 0; i < 30; ++i) tuner.report_submission(c, 0, false, 16 * 1024, 256 * 1024);
   EXPECT_DOUBLE_EQ(tuner.budget(c, 0), 16 * 1024);
 }

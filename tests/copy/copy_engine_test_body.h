@@ -724,6 +724,11 @@ TEST_F(CopyEngineTest, ConcurrentCopiesOnSeveralStreams) {
 // ------------------------------------------------------------- kAuto
 
 TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
+  // The requests below are small; the split's minimum request size is
+  // checked at the end.
+  CopyEngineOptions o;
+  o.auto_split_min_request_bytes = 0;
+  ASSERT_TRUE(make_engine(o).ok());
   auto small = KvLayout::uniform(1, 2, 16 * 1024);
   auto big = KvLayout::uniform(1, 1, 4u << 20);
   auto mid = KvLayout::uniform(1, 2, 1024 * 1024);
@@ -779,6 +784,14 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   fill_poison(*host_s);
   const CopyReport rep = copy_and_check(*dev_s, *host_s, req(*dev_s, *host_s, s, d));
   EXPECT_EQ(rep.strategy, CopyStrategy::kSmKernel);
+  // The split needs a request of auto_split_min_request_bytes (512 KiB here:
+  // the 16 pairs x 2 roles x 16 KiB above; one pair less is not enough).
+  ASSERT_EQ(s.size(), 16u);
+  o.auto_split_min_request_bytes = 512 * 1024;
+  ASSERT_TRUE(make_engine(o).ok());
+  EXPECT_EQ(engine_->choose(req(*host_s, *dev_s, s, d)), CopyStrategy::kSplit);
+  EXPECT_EQ(engine_->choose(req(*host_s, *dev_s, std::span(s).first(15), std::span(d).first(15))),
+            CopyStrategy::kSmKernel);
 }
 
 // ------------------------------------------------------------- staged DMA
@@ -982,6 +995,7 @@ TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
   ASSERT_TRUE(layout.ok());
   CopyEngineOptions o;
   o.staged_slot_bytes = 1u << 20;
+  o.auto_split_min_request_bytes = 0;
   ASSERT_TRUE(make_engine(o).ok());
   const std::size_t n = 64;
   auto host = layer_first(MemoryKind::kPinnedHost, *layout, 2 * n);
@@ -1027,7 +1041,7 @@ TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
   ASSERT_TRUE(make_engine(o).ok());
   EXPECT_EQ(engine_->choose(req(*host, contiguous, true)), CopyStrategy::kDmaBatch);
   // copy() runs what kAuto picked.
-  ASSERT_TRUE(make_engine(CopyEngineOptions{}).ok());
+  ASSERT_TRUE(make_engine(o).ok());
   fill_random(*dev, 43);
   fill_poison(*page);
   const CopyReport rep = copy_and_check(*dev, *page, req(*page, contiguous, false));
@@ -1140,6 +1154,7 @@ TEST_F(CopyEngineTest, AutoSplitProfile) {
   o.auto_split_h2d_kernel_share_large = 0.25;
   o.auto_split_h2d_small_segment_bytes = 4 * 1024;
   o.auto_split_adaptive = false;  // the fixed profile; AdaptiveSplit tests the tuning
+  o.auto_split_min_request_bytes = 0;
   o.auto_split_payload_bytes_per_dma_descriptor = 0;  // the CPU-budget cap is checked below
   o.auto_split_only_behind_queued_work = false;       // checked in AutoSplitOnlyBehindQueuedWork
   for (bool sms_out : {false, true}) {
@@ -1237,6 +1252,9 @@ TEST_F(CopyEngineTest, DmaStrategiesCutAtPinnedRegistrationEnds) {
 // kAuto's split needs work queued ahead of it on the caller's stream (the CPU
 // enqueues the DMA part while the GPU is busy): on an idle stream the kernel.
 TEST_F(CopyEngineTest, AutoSplitOnlyBehindQueuedWork) {
+  CopyEngineOptions o;
+  o.auto_split_min_request_bytes = 0;
+  ASSERT_TRUE(make_engine(o).ok());
   auto layout = KvLayout::uniform(1, 2, 16 * 1024);
   ASSERT_TRUE(layout.ok());
   auto host = layer_first(MemoryKind::kPinnedHost, *layout, 32);
