@@ -18,15 +18,5 @@ KVTIER_COPY_AUTO_SPLIT_PAYLOAD_BYTES_PER_DMA_DESCRIPTOR=16K timeout 60 $B/kvtier
 KVTIER_COPY_AUTO_SPLIT_ADAPTIVE=0 timeout 60 $B/kvtier bench copy $H2D --block-sizes 4,16,32,48 > $R/fixed.jsonl 2>> $R/err.txt; echo "fixed rc=$?"
 timeout 200 $B/kvtier bench copy --backend cuda --json --reps 7 --strategies sm_kernel,auto --directions h2d,d2h,both > $R/matrix.jsonl 2>> $R/err.txt; echo "matrix rc=$?"
 tail -3 $R/err.txt
-python3 - <<PY | tee $OUT/table.txt
-import json,glob,os
-for f in ['h2d_1','h2d_2','cap32','cap16','fixed','matrix']:
-    p='$R/'+f+'.jsonl'
-    if not os.path.exists(p): continue
-    for l in open(p):
-        if not l.startswith('{'): continue
-        r=json.loads(l)
-        sh=' '.join('%.2f'%x for x in r.get('rep_kernel_shares',[])) if r['ran']=='split' else ''
-        print(f"{f} {r['direction']} {r['block_bytes']//1024}K {r['strategy']} {r['ran']} {r['ratio']:.3f} {r['gbps']:.1f} api {r['host_api_ms']:.2f} lanes {r.get('lanes',0)} shares {sh}")
-PY
+python3 scripts/gpu_table.py h2d_1=$R/h2d_1.jsonl h2d_2=$R/h2d_2.jsonl cap32=$R/cap32.jsonl cap16=$R/cap16.jsonl fixed=$R/fixed.jsonl matrix=$R/matrix.jsonl | tee $OUT/table.txt
 tar czf $OUT/run19.tgz -C $OUT r && rm -rf $R

@@ -17,19 +17,5 @@ for p in 8 32; do
   timeout 120 $B/kvtier bench copy --backend cuda --json --reps 7 --strategies sm_kernel,auto --directions h2d --no-prequeue --pieces $p --block-sizes 4,8,16,32 > $R/stream_$p.jsonl 2>> $R/err.txt; echo "stream_$p rc=$?"
 done
 tail -3 $R/err.txt
-python3 - <<PY | tee $OUT/table.txt
-import json,os
-for f in ['h2d_1','h2d_2','stream_8','stream_32']:
-    p='$R/'+f+'.jsonl'
-    if not os.path.exists(p): continue
-    for l in open(p):
-        if not l.startswith('{'): continue
-        r=json.loads(l)
-        if 'scenario' in r:
-            if r['scenario'] in ('copy','overlap','duplex','gemm'):
-                print(f, r['shape'], r['scenario'], {k:(round(v,3) if isinstance(v,float) else v) for k,v in r.items() if k in ('ms','bound_ms','gbps','pass','slowdown','moved_gbps','compute_stall_ms')})
-            continue
-        sh=' '.join('%.2f'%x for x in r.get('rep_kernel_shares',[])) if r['ran']=='split' else ''
-        print(f"{f} {r['direction']} {r['block_bytes']//1024}K {r['strategy']} {r['ran']} {r['ratio']:.3f} {r['gbps']:.1f} api {r['host_api_ms']:.2f} lanes {r.get('lanes',0)} shares {sh}")
-PY
+python3 scripts/gpu_table.py h2d_1=$R/h2d_1.jsonl h2d_2=$R/h2d_2.jsonl stream_8=$R/stream_8.jsonl stream_32=$R/stream_32.jsonl | tee $OUT/table.txt
 tar czf $OUT/run23.tgz -C $OUT r && rm -rf $R

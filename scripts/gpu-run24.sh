@@ -21,19 +21,5 @@ for p in 8 32; do
 done
 timeout 150 $B/kvtier bench transfer --backend cuda --json > $R/transfer.jsonl 2>> $R/err.txt; echo "transfer rc=$?"
 tail -3 $R/err.txt
-python3 - <<PY | tee $OUT/table.txt
-import json,os
-for f in ['matrix','h2d_1','h2d_2','contig','idle','stream_8','stream_32','transfer']:
-    p='$R/'+f+'.jsonl'
-    if not os.path.exists(p): continue
-    for l in open(p):
-        if not l.startswith('{'): continue
-        r=json.loads(l)
-        if 'scenario' in r:
-            if r['scenario'] in ('copy','overlap','duplex','gemm'):
-                print(f, r['shape'], r['scenario'], {k:(round(v,3) if isinstance(v,float) else v) for k,v in r.items() if k in ('ms','bound_ms','gbps','pass','slowdown','moved_gbps','compute_stall_ms')})
-            continue
-        sh=' '.join('%.2f'%x for x in r.get('rep_kernel_shares',[])) if r['ran']=='split' else ''
-        print(f"{f} {r['direction']} {r['block_bytes']//1024}K {r['strategy']} {r['ran']} {r['ratio']:.3f} {r['gbps']:.1f} api {r['host_api_ms']:.2f} lanes {r.get('lanes',0)} shares {sh}")
-PY
+python3 scripts/gpu_table.py matrix=$R/matrix.jsonl h2d_1=$R/h2d_1.jsonl h2d_2=$R/h2d_2.jsonl contig=$R/contig.jsonl idle=$R/idle.jsonl stream_8=$R/stream_8.jsonl stream_32=$R/stream_32.jsonl transfer=$R/transfer.jsonl | tee $OUT/table.txt
 tar czf $OUT/run24.tgz -C $OUT r && rm -rf $R

@@ -26,27 +26,9 @@
 #include <thread>
 #include <vector>
 
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s -> %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
+#include "probe_common.cuh"
 
-using u64 = unsigned long long;
 
-__global__ void spin_kernel(volatile unsigned* flag) {
-  u64 start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  while (*flag == 0) {
-    u64 now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > 2000000000ull) break;
-    __nanosleep(200);
-  }
-}
 
 template <int L>
 __device__ __forceinline__ int4 load16(const int4* p) {
@@ -120,10 +102,6 @@ struct Variant {
   KernelFn fn;
 };
 
-static double p50(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 int main(int argc, char** argv) {
   const size_t total = (argc > 1 ? std::atoll(argv[1]) : 256) << 20;

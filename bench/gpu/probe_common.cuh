@@ -1,0 +1,37 @@
+// Shared by the standalone GPU probes (copy_probe.cu, h2d_probe.cu): error
+// check that exits (probes are not library code), a spin kernel that holds a
+// stream until a mapped host flag is set (2 s watchdog), and the median.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                     \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s -> %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+using u64 = unsigned long long;
+
+__global__ void spin_kernel(volatile unsigned* flag) {
+  u64 start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (*flag == 0) {
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > 2000000000ull) break;
+    __nanosleep(200);
+  }
+}
+
+static double p50(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
