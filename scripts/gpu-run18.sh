@@ -19,4 +19,4 @@ KVTIER_COPY_AUTO_SPLIT_ADAPTIVE=0 timeout 60 $B/kvtier bench copy $H2D --block-s
 timeout 200 $B/kvtier bench copy --backend cuda --json --reps 7 --strategies sm_kernel,auto --directions h2d,d2h,both > $R/matrix.jsonl 2>> $R/err.txt; echo "matrix rc=$?"
 tail -3 $R/err.txt
 python3 scripts/gpu_table.py h2d_1=$R/h2d_1.jsonl h2d_2=$R/h2d_2.jsonl cap32=$R/cap32.jsonl cap16=$R/cap16.jsonl fixed=$R/fixed.jsonl matrix=$R/matrix.jsonl | tee $OUT/table.txt
-tar czf $OUT/run18.tgz -C $OUT r && rm -rf $R
+tar czf $OUT/${RUN_NAME:-run18}.tgz -C $OUT r && rm -rf $R

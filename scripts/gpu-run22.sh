@@ -18,4 +18,4 @@ for p in 8 32; do
 done
 tail -3 $R/err.txt
 python3 scripts/gpu_table.py h2d_1=$R/h2d_1.jsonl h2d_2=$R/h2d_2.jsonl stream_8=$R/stream_8.jsonl stream_32=$R/stream_32.jsonl | tee $OUT/table.txt
-tar czf $OUT/run22.tgz -C $OUT r && rm -rf $R
+tar czf $OUT/${RUN_NAME:-run22}.tgz -C $OUT r && rm -rf $R
