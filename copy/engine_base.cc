@@ -654,7 +654,12 @@ struct JoinLanes {
 }  // namespace
 
 double balanced_split_share(double share, double kernel_bytes, double kernel_ms, double dma_bytes, double dma_ms) {
-  if (!(kernel_bytes > 0 && kernel_ms > 0 && dma_bytes > 0 && dma_ms > 0)) return share;
+  if (!(kernel_bytes > 0 && dma_bytes > 0) || std::isnan(kernel_ms) || std::isnan(dma_ms)) return share;
+  // A part that finished within the timer's resolution of the fork (or even
+  // "before" it, when the two clocks' stamps race) counts as 1 us.
+  constexpr double kResolutionMs = 1e-3;
+  kernel_ms = std::max(kernel_ms, kResolutionMs);
+  dma_ms = std::max(dma_ms, kResolutionMs);
   const double kernel_rate = kernel_bytes / kernel_ms;
   const double dma_rate = dma_bytes / dma_ms;
   return kernel_rate / (kernel_rate + dma_rate);
@@ -810,8 +815,14 @@ Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest&
   auto fork = [&]() -> Status {
     if (lanes == 0) return Status::Ok();
     KVTIER_RETURN_IF_ERROR(device_.record(*ss->fork, stream));
-    if (timing != nullptr) KVTIER_RETURN_IF_ERROR(device_.record(*timing->fork, stream));
-    for (std::size_t i = 0; i < lanes; ++i) KVTIER_RETURN_IF_ERROR(device_.wait(*ss->lanes[i].stream, *ss->fork));
+    // Timed: the lanes wait for the timing fork (recorded right after, the
+    // same point of the stream), so no lane can start before its stamp.
+    Event* start = ss->fork.get();
+    if (timing != nullptr) {
+      KVTIER_RETURN_IF_ERROR(device_.record(*timing->fork, stream));
+      start = timing->fork.get();
+    }
+    for (std::size_t i = 0; i < lanes; ++i) KVTIER_RETURN_IF_ERROR(device_.wait(*ss->lanes[i].stream, *start));
     return Status::Ok();
   };
   if (kernel_pairs > 0) {

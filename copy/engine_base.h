@@ -79,7 +79,8 @@ struct SplitStreamState {
 
 // The share kAuto's split moves toward after one timed copy: the share at
 // which both parts, at the rates they just showed, would finish together.
-// Returns `share` unchanged when a time or byte count is not positive.
+// Returns `share` unchanged when a byte count is not positive; times below
+// 1 us count as 1 us.
 double balanced_split_share(double share, double kernel_bytes, double kernel_ms, double dma_bytes, double dma_ms);
 // Size class of a split for the tuner: direction and half-octave of the
 // average segment size.

@@ -89,6 +89,9 @@ struct Core {
   // set_stream_delay: streams whose label starts with this get a fixed delay.
   std::string slow_label_prefix;  // guarded by predicate_mu; empty: none
   std::chrono::microseconds slow_delay{0};
+  // set_enqueue_delay: enqueueing a data operation on these streams blocks the caller.
+  std::string enqueue_label_prefix;  // guarded by predicate_mu; empty: none
+  std::chrono::microseconds enqueue_delay{0};
 };
 
 enum class OpKind : std::uint8_t { kMemcpy, kMemset, kTask, kWait, kCallback, kStamp };
@@ -395,6 +398,15 @@ struct HostDevice::Impl {
     return host;
   }
   static std::uint64_t enqueue(StreamState& s, Op op) {
+    if (op.kind == OpKind::kMemcpy || op.kind == OpKind::kMemset || op.kind == OpKind::kTask) {
+      std::chrono::microseconds slow{0};
+      {
+        std::lock_guard lock(s.core->predicate_mu);
+        if (!s.core->enqueue_label_prefix.empty() && s.label.starts_with(s.core->enqueue_label_prefix))
+          slow = s.core->enqueue_delay;
+      }
+      if (slow.count() > 0) std::this_thread::sleep_for(slow);  // the caller's thread: a slow submission
+    }
     std::uint64_t seq = 0;
     {
       std::lock_guard lock(s.mu);
@@ -651,6 +663,12 @@ void HostDevice::set_stream_delay(std::string_view name_prefix, std::chrono::mic
   std::lock_guard lock(impl_->core->predicate_mu);
   impl_->core->slow_label_prefix = name_prefix.empty() ? std::string() : fmt::format("stream '{}", name_prefix);
   impl_->core->slow_delay = std::max(delay, std::chrono::microseconds(0));
+}
+
+void HostDevice::set_enqueue_delay(std::string_view name_prefix, std::chrono::microseconds delay) {
+  std::lock_guard lock(impl_->core->predicate_mu);
+  impl_->core->enqueue_label_prefix = name_prefix.empty() ? std::string() : fmt::format("stream '{}", name_prefix);
+  impl_->core->enqueue_delay = std::max(delay, std::chrono::microseconds(0));
 }
 
 void HostDevice::set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay) {

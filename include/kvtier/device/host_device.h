@@ -122,6 +122,11 @@ class HostDevice final : public Device {
   // sleeps `delay` before it runs (on top of set_delays), e.g. to make one
   // mechanism slow. An empty prefix clears it.
   void set_stream_delay(std::string_view name_prefix, std::chrono::microseconds delay);
+  // Enqueueing a data operation (copy, memset, task) on a stream whose name
+  // starts with `name_prefix` blocks the calling thread for `delay` first,
+  // like a slow driver submission (e.g. thousands of DMA descriptors). An
+  // empty prefix clears it.
+  void set_enqueue_delay(std::string_view name_prefix, std::chrono::microseconds delay);
   // Data operations executed so far (copies, memsets, tasks).
   std::uint64_t operations_executed() const noexcept;
   // Clears the sticky failure state of a stream (tests only; CUDA cannot).
