@@ -367,11 +367,14 @@ CacheConfig base_config(const ReplayOptions& o) {
   cfg.device_blocks = o.device_blocks;
   cfg.host_blocks = o.host_blocks;
   cfg.device_policy = o.policy;
-  cfg.host_policy = o.policy;
+  cfg.host_policy = o.host_policy.empty() ? o.policy : o.host_policy;
+  cfg.storage_policy = o.storage_policy;
   cfg.write_policy = o.write_policy;
   cfg.write_through_threshold = o.write_through_threshold;
   cfg.storage_blocks = o.host_blocks > 0 ? o.storage_blocks : 0;
   if (cfg.storage_blocks > 0) cfg.host_watermarks = Watermarks{o.host_low_watermark, o.host_high_watermark};
+  cfg.device_watermarks = o.device_watermarks;
+  cfg.contiguous_host_runs = o.contiguous_host_runs;
   return cfg;
 }
 

@@ -173,6 +173,7 @@ Action register_replay(CLI::App& app) {
           cache::Watermarks{replay_defaults.host_low_watermark, replay_defaults.host_high_watermark};
     }
     TransferManagerConfig transfer_config;
+    bool host_policy_set = false;
     {
       ConfigTable table;
       cache::bind_cache_config(table, env_cache);
@@ -181,12 +182,9 @@ Action register_replay(CLI::App& app) {
         std::fprintf(stderr, "kvtier replay: %s\n", s.to_string().c_str());
         return 2;
       }
-      // Knobs replay has no field for (one policy for device and host, storage policy lru).
+      // The host tier follows --policy unless KVTIER_CACHE_HOST_POLICY says otherwise.
       for (const KnobInfo& k : table.describe())
-        if (k.value != k.default_value &&
-            (k.name == "cache.host_policy" || k.name == "cache.storage_policy" ||
-             k.name.rfind("cache.device_watermarks.", 0) == 0 || k.name == "cache.contiguous_host_runs"))
-          std::fprintf(stderr, "kvtier replay: %s is not used by replay (ignored)\n", k.env_var.c_str());
+        if (k.name == "cache.host_policy" && k.value != k.default_value) host_policy_set = true;
     }
     auto given = [&](const char* flag) { return cmd->get_option(flag)->count() > 0; };
     if (!given("--device-blocks")) a.device_blocks = env_cache.device_blocks;
@@ -226,6 +224,10 @@ Action register_replay(CLI::App& app) {
     o.check_invariants_every = a.check_every;
     o.host_low_watermark = env_cache.host_watermarks.low;
     o.host_high_watermark = env_cache.host_watermarks.high;
+    if (host_policy_set) o.host_policy = env_cache.host_policy;
+    o.storage_policy = env_cache.storage_policy;
+    o.device_watermarks = env_cache.device_watermarks;
+    o.contiguous_host_runs = env_cache.contiguous_host_runs;
     std::unique_ptr<cache::ReplayStorage> storage;
     if (!a.storage.empty()) {
       if (a.host_blocks == 0) {

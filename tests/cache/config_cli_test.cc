@@ -94,7 +94,7 @@ TEST_F(ConfigCli, ReplayEnvSetsDefaultsAndFlagsOverride) {
   EXPECT_EQ(j["write_policy"], "write_through");  // env, no flag
 }
 
-TEST_F(ConfigCli, ReplayRejectsBadEnvAndWarnsOnUnusedKnobs) {
+TEST_F(ConfigCli, ReplayRejectsBadEnvAndUsesEveryCacheKnob) {
   CliRun bad = run("KVTIER_CACHE_DEVICE_BLOCKS=lots", kReplay, Capture::kBoth);
   EXPECT_EQ(bad.rc, 2);
   EXPECT_NE(bad.out.find("KVTIER_CACHE_DEVICE_BLOCKS"), std::string::npos) << bad.out;
@@ -103,9 +103,15 @@ TEST_F(ConfigCli, ReplayRejectsBadEnvAndWarnsOnUnusedKnobs) {
   EXPECT_EQ(bad.rc, 2);
   EXPECT_NE(bad.out.find("transfer.shutdown_timeout"), std::string::npos) << bad.out;
   EXPECT_NE(bad.out.find("'soon'"), std::string::npos) << bad.out;
-  CliRun warn = run("KVTIER_CACHE_STORAGE_POLICY=arc", kReplay, Capture::kStderr);
-  EXPECT_EQ(warn.rc, 0) << warn.out;
-  EXPECT_NE(warn.out.find("KVTIER_CACHE_STORAGE_POLICY is not used by replay"), std::string::npos) << warn.out;
+  // The knobs without a replay flag reach the CacheManager (they were ignored
+  // before): a host policy that only the offline Belady replay can serve is
+  // rejected by the cache, not silently replaced by --policy.
+  CliRun host = run("KVTIER_CACHE_HOST_POLICY=belady", kReplay, Capture::kBoth);
+  EXPECT_NE(host.rc, 0) << host.out;
+  EXPECT_NE(host.out.find("'belady' needs a next-use oracle"), std::string::npos) << host.out;
+  CliRun ok = run("KVTIER_CACHE_HOST_POLICY=arc KVTIER_CACHE_CONTIGUOUS_HOST_RUNS=false", kReplay, Capture::kBoth);
+  EXPECT_EQ(ok.rc, 0) << ok.out;
+  EXPECT_EQ(ok.out.find("not used by replay"), std::string::npos) << ok.out;
 }
 
 TEST_F(ConfigCli, BenchTransferEnvThenStrategyFlag) {

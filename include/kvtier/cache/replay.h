@@ -116,6 +116,11 @@ struct ReplayOptions {
   // Host watermarks when storage_blocks > 0: write_back demotes host blocks to storage in the
   // background to keep this free fraction (write_through copies every block settling on host).
   double host_low_watermark = 0.05, host_high_watermark = 0.15;
+  // CacheConfig knobs with no replay flag (kvtier replay takes them from KVTIER_CACHE_*).
+  std::string host_policy;             // empty: `policy`
+  std::string storage_policy = "lru";  // with storage_blocks > 0
+  Watermarks device_watermarks;        // 0/0: no proactive device eviction
+  bool contiguous_host_runs = true;
 };
 
 struct ReplayResult {
@@ -141,12 +146,9 @@ struct ReplayResult {
   double hit_ratio() const { return total_blocks ? double(hit_blocks()) / double(total_blocks) : 0.0; }
   double device_hit_ratio() const { return total_blocks ? double(device_hit_blocks) / double(total_blocks) : 0.0; }
   double host_hit_ratio() const { return total_blocks ? double(host_hit_blocks) / double(total_blocks) : 0.0; }
-  double storage_hit_ratio() const {
-    return total_blocks ? double(storage_hit_blocks) / double(total_blocks) : 0.0;
-  }
+  double storage_hit_ratio() const { return total_blocks ? double(storage_hit_blocks) / double(total_blocks) : 0.0; }
   double token_hit_ratio() const {
-    return total_tokens ? double(device_hit_tokens + host_hit_tokens + storage_hit_tokens) / double(total_tokens)
-                        : 0.0;
+    return total_tokens ? double(device_hit_tokens + host_hit_tokens + storage_hit_tokens) / double(total_tokens) : 0.0;
   }
 };
 
