@@ -302,7 +302,7 @@ TEST_F(CopyEngineTest, SplitCpuBudgetGrowsWhileTheCpuRunsAhead) {
   std::vector<double> shares;
   auto open = hold_stream();
   for (int i = 0; i < 8; ++i) {
-    // Disjoint destinations per copy: [32 i, 32 i + 32).
+    // Disjoint destinations per copy: [32 i, 32 i + 32). 48 -> 12 KiB takes 7 steps of 1.25.
     auto d = random_ids(32, 32, 400 + i);
     for (auto& x : d) x += 32 * i;
     const auto h = random_ids(256, 32, 500 + i);
@@ -319,7 +319,7 @@ TEST_F(CopyEngineTest, SplitCpuBudgetGrowsWhileTheCpuRunsAhead) {
   EXPECT_NEAR(shares[0], 1.0 - 4.0 / 48.0, 1e-9) << "starts from auto_split_payload_bytes_per_dma_descriptor";
   for (std::size_t i = 1; i < shares.size(); ++i) EXPECT_LE(shares[i], shares[i - 1]) << "copy " << i;
   EXPECT_LT(shares[1], shares[0]);
-  EXPECT_NEAR(shares.back(), 1.0 - 4.0 / 16.0, 1e-9) << "down to auto_split_min_payload_bytes_per_dma_descriptor";
+  EXPECT_NEAR(shares.back(), 1.0 - 4.0 / 12.0, 1e-9) << "down to auto_split_min_payload_bytes_per_dma_descriptor";
 }
 
 // The other way: the lanes' submission is slow (each enqueue on a lane
