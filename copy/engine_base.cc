@@ -673,50 +673,51 @@ std::uint32_t split_size_class(CopyDirection dir, std::uint64_t average_segment_
 
 double SplitTuner::share(std::uint32_t size_class, double initial) const {
   std::lock_guard lock(mu_);
-  auto it = shares_.find(size_class);
-  return it == shares_.end() ? initial : it->second;
+  auto it = classes_.find(size_class);
+  return it != classes_.end() && it->second.share ? *it->second.share : initial;
 }
 
 void SplitTuner::observe(std::uint32_t size_class, double share, double kernel_bytes, double kernel_ms,
                          double dma_bytes, double dma_ms, double gain, double lo, double hi) {
   const double target = balanced_split_share(share, kernel_bytes, kernel_ms, dma_bytes, dma_ms);
   std::lock_guard lock(mu_);
-  auto [it, inserted] = shares_.try_emplace(size_class, share);
   // Several streams may report samples taken at older shares: step from
   // the current value toward this sample's balance point.
-  it->second = std::clamp(it->second + gain * (target - it->second), lo, hi);
+  ClassState& c = classes_[size_class];
+  const double current = c.share.value_or(share);
+  c.share = std::clamp(current + gain * (target - current), lo, hi);
 }
 
 double SplitTuner::budget(std::uint32_t size_class, double initial) const {
   std::lock_guard lock(mu_);
-  auto it = budgets_.find(size_class);
-  return it == budgets_.end() ? initial : it->second;
+  auto it = classes_.find(size_class);
+  return it != classes_.end() && it->second.budget ? *it->second.budget : initial;
 }
 
 void SplitTuner::report_submission(std::uint32_t size_class, double budget, bool cpu_late, double lo, double hi) {
   constexpr double kStep = 1.25;
   std::lock_guard lock(mu_);
-  auto [it, inserted] = budgets_.try_emplace(size_class, budget);
+  ClassState& c = classes_[size_class];
+  const double current = c.budget.value_or(budget);
+  c.budget = std::clamp(cpu_late ? current * kStep : current / kStep, lo, hi);
   if (cpu_late) {
-    auto [b, fresh] = backoff_.try_emplace(size_class, kSplitPauseCopies);
-    if (!fresh) b->second = std::min(2 * b->second, kSplitMaxPauseCopies);
-    pauses_[size_class] = b->second;
+    c.backoff = c.backoff == 0 ? kSplitPauseCopies : std::min(2 * c.backoff, kSplitMaxPauseCopies);
+    c.pause = c.backoff;
   } else {
-    backoff_.erase(size_class);
+    c.backoff = 0;
   }
-  it->second = std::clamp(cpu_late ? it->second * kStep : it->second / kStep, lo, hi);
 }
 
 bool SplitTuner::paused(std::uint32_t size_class) const {
   std::lock_guard lock(mu_);
-  auto it = pauses_.find(size_class);
-  return it != pauses_.end() && it->second > 0;
+  auto it = classes_.find(size_class);
+  return it != classes_.end() && it->second.pause > 0;
 }
 
 void SplitTuner::note_copy_while_paused(std::uint32_t size_class) {
   std::lock_guard lock(mu_);
-  auto it = pauses_.find(size_class);
-  if (it != pauses_.end() && it->second > 0) --it->second;
+  auto it = classes_.find(size_class);
+  if (it != classes_.end() && it->second.pause > 0) --it->second.pause;
 }
 
 double EngineBase::split_budget(std::uint32_t size_class) const {
@@ -915,7 +916,8 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
     }
     strategy =
         staged_preferred(r, summary, sc) ? CopyStrategy::kStagedDma : choose_impl(summary, st.get(), caller_busy);
-    if (options_.auto_split_cpu_budget_adaptive)
+    // Only H2D splits pause (choose_impl); other copies need no tuner lock.
+    if (options_.auto_split_cpu_budget_adaptive && summary.direction == CopyDirection::kHostToDevice)
       tuner_.note_copy_while_paused(split_size_class(summary.direction, summary.average_segment_bytes()));
   } else if (strategy == CopyStrategy::kStagedDma) {
     // Before anything is enqueued: a pair larger than a slot rejects the request.

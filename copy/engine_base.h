@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "copy/kernel_plan.h"
 #include "copy/plan.h"
@@ -114,11 +115,14 @@ class SplitTuner {
   static constexpr int kSplitMaxPauseCopies = 256;
 
  private:
+  struct ClassState {
+    std::optional<double> share;
+    std::optional<double> budget;
+    int pause = 0;    // kAuto copies left before the next split
+    int backoff = 0;  // the last pause, while late probes follow each other (0: none)
+  };
   mutable std::mutex mu_;
-  std::map<std::uint32_t, double> shares_;
-  std::map<std::uint32_t, double> budgets_;
-  std::map<std::uint32_t, int> pauses_;
-  std::map<std::uint32_t, int> backoff_;  // the last pause, while late probes follow each other
+  std::map<std::uint32_t, ClassState> classes_;
 };
 
 struct StreamState {

@@ -241,21 +241,13 @@ int main(int argc, char** argv) {
 
   int* ids_d;
   CK(cudaMalloc(&ids_d, sizeof(int) * 3 * (total / 4096)));
-  std::vector<size_t> sizes = {4096, 16384, 28672, 32768, 65536};
-  if (const char* bss = std::getenv("PROBE_SIZES")) {
-    sizes.clear();
-    for (const char* q = bss; *q;) { sizes.push_back(std::strtoull(q, const_cast<char**>(&q), 10)); if (*q == ',') ++q; }
-  }
+  const std::vector<size_t> sizes = probe_sizes({4096, 16384, 28672, 32768, 65536});
   for (size_t bs : sizes) {
     const int n = static_cast<int>(total / bs);
     const int nblk = static_cast<int>(pool / bs);
     std::mt19937 rng(static_cast<unsigned>(bs));
-    std::vector<int> perm(nblk);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int> sid(perm.begin(), perm.begin() + n);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int> did(perm.begin(), perm.begin() + n);
+    std::vector<int> sid, did;
+    random_pairs(rng, nblk, n, sid, did);
     std::vector<int> both(2 * n);
     std::copy(sid.begin(), sid.end(), both.begin());
     std::copy(did.begin(), did.end(), both.begin() + n);

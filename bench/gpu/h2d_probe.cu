@@ -166,26 +166,15 @@ int main(int argc, char** argv) {
       {"nc.L2::256B u8", gather_kernel<1, 8, 0>},
   };
 
-  std::vector<size_t> sizes = {4096, 8192, 16384, 32768, 49152};
-  if (const char* bss = std::getenv("PROBE_SIZES")) {
-    sizes.clear();
-    for (const char* q = bss; *q;) {
-      sizes.push_back(std::strtoull(q, const_cast<char**>(&q), 10));
-      if (*q == ',') ++q;
-    }
-  }
+  const std::vector<size_t> sizes = probe_sizes({4096, 8192, 16384, 32768, 49152});
   int* ids_d;
   CK(cudaMalloc(&ids_d, sizeof(int) * 2 * (total / 4096)));
   for (size_t bs : sizes) {
     const int n = static_cast<int>(total / bs);
     const int nblk = static_cast<int>(pool / bs);
     std::mt19937 rng(static_cast<unsigned>(bs));
-    std::vector<int> perm(nblk);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int> sid(perm.begin(), perm.begin() + n);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int> did(perm.begin(), perm.begin() + n);
+    std::vector<int> sid, did;
+    random_pairs(rng, nblk, n, sid, did);
     CK(cudaMemcpy(ids_d, sid.data(), sizeof(int) * n, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(ids_d + n, did.data(), sizeof(int) * n, cudaMemcpyHostToDevice));
     const int* sid_d = ids_d;

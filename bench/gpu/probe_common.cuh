@@ -7,15 +7,17 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <numeric>
+#include <random>
 #include <vector>
 
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
       std::fprintf(stderr, "%s:%d %s -> %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
+      std::exit(1);                                                                             \
+    }                                                                                           \
   } while (0)
 
 using u64 = unsigned long long;
@@ -34,4 +36,27 @@ __global__ void spin_kernel(volatile unsigned* flag) {
 static double p50(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Block sizes from PROBE_SIZES (comma-separated bytes), else `defaults`.
+static std::vector<size_t> probe_sizes(std::vector<size_t> defaults) {
+  const char* list = std::getenv("PROBE_SIZES");
+  if (list == nullptr) return defaults;
+  std::vector<size_t> sizes;
+  for (const char* q = list; *q;) {
+    sizes.push_back(std::strtoull(q, const_cast<char**>(&q), 10));
+    if (*q == ',') ++q;
+  }
+  return sizes;
+}
+
+// n distinct random source ids and n distinct random destination ids in
+// [0, pool_blocks), drawn from `rng`.
+static void random_pairs(std::mt19937& rng, int pool_blocks, int n, std::vector<int>& sid, std::vector<int>& did) {
+  std::vector<int> perm(pool_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  sid.assign(perm.begin(), perm.begin() + n);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  did.assign(perm.begin(), perm.begin() + n);
 }

@@ -86,12 +86,28 @@ struct Core {
   std::atomic<std::uint64_t> streams_created{0};
   mutable std::mutex predicate_mu;
   std::shared_ptr<const FailurePredicate> failure_predicate;  // guarded by predicate_mu
-  // set_stream_delay: streams whose label starts with this get a fixed delay.
-  std::string slow_label_prefix;  // guarded by predicate_mu; empty: none
-  std::chrono::microseconds slow_delay{0};
-  // set_enqueue_delay: enqueueing a data operation on these streams blocks the caller.
-  std::string enqueue_label_prefix;  // guarded by predicate_mu; empty: none
-  std::chrono::microseconds enqueue_delay{0};
+  // A fixed delay for the data operations of streams whose label starts with
+  // a prefix (set_stream_delay: before each runs; set_enqueue_delay: in the
+  // caller, before each is enqueued). Guarded by predicate_mu.
+  struct LabelDelay {
+    std::string label_prefix;  // empty: none
+    std::chrono::microseconds delay{0};
+    void set(std::string_view name_prefix, std::chrono::microseconds d) {
+      label_prefix = name_prefix.empty() ? std::string() : fmt::format("stream '{}", name_prefix);
+      delay = std::max(d, std::chrono::microseconds(0));
+    }
+  };
+  LabelDelay run_delay, enqueue_delay;
+  // Sleeps for `which`'s delay when `label` matches its prefix.
+  void sleep_if_delayed(const LabelDelay Core::*which, std::string_view label) const {
+    std::chrono::microseconds d{0};
+    {
+      std::lock_guard lock(predicate_mu);
+      const LabelDelay& ld = this->*which;
+      if (!ld.label_prefix.empty() && label.starts_with(ld.label_prefix)) d = ld.delay;
+    }
+    if (d.count() > 0) std::this_thread::sleep_for(d);
+  }
 };
 
 enum class OpKind : std::uint8_t { kMemcpy, kMemset, kTask, kWait, kCallback, kStamp };
@@ -173,12 +189,7 @@ std::string exception_text(std::exception_ptr e) {
 Status execute_data_op(Core& core, std::mt19937_64* rng, std::string_view where, Op& op) {
   if (rng != nullptr) {
     inject_delay(core, *rng);
-    std::chrono::microseconds slow{0};
-    {
-      std::lock_guard lock(core.predicate_mu);
-      if (!core.slow_label_prefix.empty() && where.starts_with(core.slow_label_prefix)) slow = core.slow_delay;
-    }
-    if (slow.count() > 0) std::this_thread::sleep_for(slow);
+    core.sleep_if_delayed(&Core::run_delay, where);
   }
   const std::uint64_t n = core.operations_executed.fetch_add(1, std::memory_order_relaxed) + 1;
   if (auto predicate = core.predicate(); predicate && (*predicate)(n, op.dst, op.bytes)) {
@@ -398,15 +409,9 @@ struct HostDevice::Impl {
     return host;
   }
   static std::uint64_t enqueue(StreamState& s, Op op) {
-    if (op.kind == OpKind::kMemcpy || op.kind == OpKind::kMemset || op.kind == OpKind::kTask) {
-      std::chrono::microseconds slow{0};
-      {
-        std::lock_guard lock(s.core->predicate_mu);
-        if (!s.core->enqueue_label_prefix.empty() && s.label.starts_with(s.core->enqueue_label_prefix))
-          slow = s.core->enqueue_delay;
-      }
-      if (slow.count() > 0) std::this_thread::sleep_for(slow);  // the caller's thread: a slow submission
-    }
+    // The caller's thread: a slow submission.
+    if (op.kind == OpKind::kMemcpy || op.kind == OpKind::kMemset || op.kind == OpKind::kTask)
+      s.core->sleep_if_delayed(&Core::enqueue_delay, s.label);
     std::uint64_t seq = 0;
     {
       std::lock_guard lock(s.mu);
@@ -661,14 +666,12 @@ void HostDevice::fail_nth_operation(std::uint64_t n) {
 
 void HostDevice::set_stream_delay(std::string_view name_prefix, std::chrono::microseconds delay) {
   std::lock_guard lock(impl_->core->predicate_mu);
-  impl_->core->slow_label_prefix = name_prefix.empty() ? std::string() : fmt::format("stream '{}", name_prefix);
-  impl_->core->slow_delay = std::max(delay, std::chrono::microseconds(0));
+  impl_->core->run_delay.set(name_prefix, delay);
 }
 
 void HostDevice::set_enqueue_delay(std::string_view name_prefix, std::chrono::microseconds delay) {
   std::lock_guard lock(impl_->core->predicate_mu);
-  impl_->core->enqueue_label_prefix = name_prefix.empty() ? std::string() : fmt::format("stream '{}", name_prefix);
-  impl_->core->enqueue_delay = std::max(delay, std::chrono::microseconds(0));
+  impl_->core->enqueue_delay.set(name_prefix, delay);
 }
 
 void HostDevice::set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay) {

@@ -11,26 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "tests/core/config_test_util.h"
+
 namespace kvtier::cache {
 namespace {
 
-std::map<std::string, KnobInfo> knobs(const ConfigTable& t) {
-  std::map<std::string, KnobInfo> out;
-  for (KnobInfo& k : t.describe()) out.emplace(k.name, std::move(k));
-  return out;
-}
-
-Status apply_one_env(ConfigTable& t, const std::string& var, const std::string& value) {
-  std::string entry = var + "=" + value, other = "HOME=/root";
-  char* env[] = {other.data(), entry.data(), nullptr};
-  return t.apply_env(env);
-}
-
-struct Case {
-  std::string text;
-  std::string printed;
-  std::function<bool(const CacheConfig&)> check;
-};
+using Case = kvtier::testing::KnobCase<CacheConfig>;
+using kvtier::testing::apply_one_env;
+using kvtier::testing::knobs;
 
 const std::map<std::string, Case>& cases() {
   static const std::map<std::string, Case> c{
@@ -91,24 +79,8 @@ TEST(CacheConfigTable, EveryKnobIsCoveredAndDefaultsAreTheStructs) {
 }
 
 TEST(CacheConfigTable, EveryKnobRoundTripsFromTextAndEnv) {
-  for (const auto& [name, cs] : cases()) {
-    for (bool via_env : {false, true}) {
-      SCOPED_TRACE(name + (via_env ? " (env)" : " (set)"));
-      CacheConfig c;
-      ConfigTable t;
-      bind_cache_config(t, c);
-      ASSERT_FALSE(cs.check(c)) << "the case value must differ from the default";
-      Status s = via_env ? apply_one_env(t, ConfigTable::env_var_for(name), cs.text) : t.set(name, cs.text);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      EXPECT_TRUE(cs.check(c));
-      EXPECT_EQ(knobs(t).at(name).value, cs.printed);
-      CacheConfig c2;
-      ConfigTable t2;
-      bind_cache_config(t2, c2);
-      ASSERT_TRUE(t2.set(name, cs.printed).ok());
-      EXPECT_TRUE(cs.check(c2));
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(kvtier::testing::expect_knobs_round_trip(
+      cases(), [](ConfigTable& t, CacheConfig& c) { bind_cache_config(t, c); }));
   // Every eviction policy name make_policy knows is accepted (belady: the oracle is set in code).
   for (const char* p : {"lru", "s3fifo", "arc", "lrfu", "lrfu:0", "belady"}) {
     CacheConfig c;

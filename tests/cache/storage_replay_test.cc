@@ -2,39 +2,23 @@
 // disk backend, and trace replay with a disk (or Redis) tier moving real,
 // verified bytes, with and without injected storage faults.
 #include <gtest/gtest.h>
-
-#include <chrono>
-#include <thread>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
+#include <thread>
 
 #include "kvtier/cache/replay.h"
 #include "kvtier/cache/storage_executor.h"
 #include "kvtier/storage/fault_injection.h"
+#include "tests/storage/storage_test_util.h"
 
 namespace kvtier::cache {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/kvtier-wire-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using storage::testing::TempDir;
 
 std::vector<TraceRequest> sample(std::size_t n) {
   auto t = load_mooncake_trace(std::string(KVTIER_SOURCE_DIR) + "/data/traces/mooncake_sample.jsonl", n);

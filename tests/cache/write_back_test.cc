@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -21,6 +20,7 @@
 #include "kvtier/cache/storage_executor.h"
 #include "kvtier/storage/fault_injection.h"
 #include "tests/cache/cache_test_util.h"
+#include "tests/storage/storage_test_util.h"
 
 namespace kvtier::cache {
 namespace {
@@ -237,22 +237,7 @@ TEST(WriteBackPressure, WithoutStorageTheHostDropsAsBefore) {
 
 // ---- real bytes through a disk tier ------------------------------------------
 
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/kvtier-wb-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using storage::testing::TempDir;
 
 constexpr std::uint64_t kBlockBytes = 4096;
 

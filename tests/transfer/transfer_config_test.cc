@@ -17,6 +17,7 @@
 
 #include "kvtier/copy/copy_config.h"
 #include "kvtier/device/host_device.h"
+#include "tests/core/config_test_util.h"
 
 namespace kvtier {
 namespace {
@@ -25,24 +26,9 @@ using namespace std::chrono_literals;
 
 constexpr const char* kNested = "transfer.copy_engine.";
 
-std::map<std::string, KnobInfo> knobs(const ConfigTable& t) {
-  std::map<std::string, KnobInfo> out;
-  for (KnobInfo& k : t.describe()) out.emplace(k.name, std::move(k));
-  return out;
-}
-
-// Applies one "VAR=value" through apply_env.
-Status apply_one_env(ConfigTable& t, const std::string& var, const std::string& value) {
-  std::string entry = var + "=" + value, other = "PATH=/usr/bin";
-  char* env[] = {other.data(), entry.data(), nullptr};
-  return t.apply_env(env);
-}
-
-struct Case {
-  std::string text;                                         // what is set
-  std::string printed;                                      // what describe() shows afterwards
-  std::function<bool(const TransferManagerConfig&)> check;  // the struct field holds it
-};
+using Case = kvtier::testing::KnobCase<TransferManagerConfig>;
+using kvtier::testing::apply_one_env;
+using kvtier::testing::knobs;
 
 // Every top-level (non copy_engine) knob, with a non-default value.
 const std::map<std::string, Case>& cases() {
@@ -139,25 +125,8 @@ TEST(TransferConfig, EveryKnobIsCoveredAndDefaultsAreTheStructs) {
 }
 
 TEST(TransferConfig, TopLevelKnobsRoundTripFromTextAndEnv) {
-  for (const auto& [name, cs] : cases()) {
-    for (bool via_env : {false, true}) {
-      SCOPED_TRACE(name + (via_env ? " (env)" : " (set)"));
-      TransferManagerConfig c;
-      ConfigTable t;
-      bind_transfer_manager_config(t, c);
-      ASSERT_FALSE(cs.check(c)) << "the case value must differ from the default";
-      Status s = via_env ? apply_one_env(t, ConfigTable::env_var_for(name), cs.text) : t.set(name, cs.text);
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      EXPECT_TRUE(cs.check(c));
-      EXPECT_EQ(knobs(t).at(name).value, cs.printed);
-      // The printed value is accepted back and means the same.
-      TransferManagerConfig c2;
-      ConfigTable t2;
-      bind_transfer_manager_config(t2, c2);
-      ASSERT_TRUE(t2.set(name, cs.printed).ok());
-      EXPECT_TRUE(cs.check(c2));
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(kvtier::testing::expect_knobs_round_trip(
+      cases(), [](ConfigTable& t, TransferManagerConfig& c) { bind_transfer_manager_config(t, c); }));
 }
 
 TEST(TransferConfig, NestedCopyEngineKnobsLandInCopyEngine) {
