@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool) from the repo root, with .gpu-bin carried:
-#   all test binaries (GPU tests + CPU tests, whose conformance suites also
-#   instantiate the CUDA backend), then the benchmarks; logs under $OUT; a short
-#   table last.
-# Usage: scripts/gpu-check.sh [tests|bench|all] [extra kvtier bench copy args...]
+# Runs on the GPU machine (device tool) from the repo root, with .gpu-bin carried
+# (built here by scripts/pack-gpu.sh: the engine needs Debian libraries the GPU
+# machine lacks). One call: the test binaries, the benchmarks and the standalone
+# probes (built there with nvcc when .gpu-probe is missing); logs under $OUT; a
+# short table last.
+# Usage: scripts/gpu-check.sh [tests|bench|probes|all] [extra kvtier bench copy args...]
+#   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/kvtier-out}; mkdir -p "$OUT"
 BIN=.gpu-bin
+PROBES=.gpu-probe
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.sm --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 summary=()
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in "$BIN"/*_test; do
+  tests=("$BIN"/*_test)
+  if [ "${GPU_TESTS_ONLY:-0}" = 1 ]; then
+    tests=("$BIN"/device_conformance_test "$BIN"/cuda_device_test "$BIN"/copy_gpu_test "$BIN"/transfer_gpu_test)
+  fi
+  for t in "${tests[@]}"; do
     name=$(basename "$t")
     start=$(date +%s)
     timeout 300 "$t" --gtest_brief=1 > "$OUT/$name.log" 2>&1
@@ -22,7 +29,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     pass=$(grep -c '^\[       OK \]' "$OUT/$name.log" || true)
     fail=$(grep -E '^\[  FAILED  \] [A-Za-z]' "$OUT/$name.log" | grep -vc 'listed below' || true)
     skip=$(grep -c '^\[  SKIPPED \]' "$OUT/$name.log" || true)
-    summary+=("$(printf '%-28s rc=%-3s fail=%-3s skip=%-3s %4ss' "$name" "$rc" "$fail" "$skip" "$dur")")
+    total=$(grep -oE '^\[==========\] [0-9]+ tests' "$OUT/$name.log" | grep -oE '[0-9]+' | head -1)
+    summary+=("$(printf '%-28s rc=%-3s tests=%-4s fail=%-3s skip=%-3s %4ss' "$name" "$rc" "${total:-?}" "$fail" "$skip" "$dur")")
     if [ "$rc" != 0 ]; then grep -E 'FAILED|Failure|error' "$OUT/$name.log" | head -20; fi
   done
   cat "$OUT"/*_test.log > "$OUT/tests_all.log" 2>/dev/null
@@ -31,19 +39,28 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 420 "$BIN/kvtier" bench copy --backend cuda --json "$@" > "$OUT/bench_copy.jsonl" 2> "$OUT/bench_copy.err"
   echo "bench copy rc=$?"; tail -5 "$OUT/bench_copy.err"
-  if "$BIN/kvtier" bench --help 2>/dev/null | grep -q transfer; then
-    timeout 240 "$BIN/kvtier" bench transfer --backend cuda --json > "$OUT/bench_transfer.jsonl" 2> "$OUT/bench_transfer.err"
-    echo "bench transfer rc=$?"; tail -5 "$OUT/bench_transfer.err"
-  fi
+  timeout 240 "$BIN/kvtier" bench transfer --backend cuda --json > "$OUT/bench_transfer.jsonl" 2> "$OUT/bench_transfer.err"
+  echo "bench transfer rc=$?"; tail -5 "$OUT/bench_transfer.err"
+fi
+if [ "$what" = probes ] || [ "$what" = all ]; then
+  mkdir -p "$PROBES"
+  for p in h2d_probe copy_probe; do
+    if [ ! -x "$PROBES/$p" ]; then
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cudart static -Xcompiler -static-libstdc++ \
+        -o "$PROBES/$p" "bench/gpu/$p.cu" > "$OUT/build_$p.log" 2>&1
+      echo "build $p rc=$?"
+    fi
+  done
+  # Short sections, 4 and 32 KiB: the kernel load variants; the SM kernel shapes (copy_probe's batch
+  # section takes minutes at 4 KiB: idle-stream batches and gate watchdogs).
+  PROBE_ONLY=a PROBE_SIZES=4096,32768 timeout 200 "$PROBES/h2d_probe" 256 3 > "$OUT/h2d_probe.txt" 2>&1
+  echo "h2d_probe rc=$?"
+  PROBE_ONLY=sm PROBE_SIZES=4096,32768 timeout 200 "$PROBES/copy_probe" 256 3 > "$OUT/copy_probe.txt" 2>&1
+  echo "copy_probe rc=$?"
+  grep -h -E "ceiling|VERIFY" "$OUT/h2d_probe.txt" "$OUT/copy_probe.txt"
 fi
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
-if [ -s "$OUT/bench_copy.jsonl" ]; then
-  python3 - "$OUT/bench_copy.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
-print(f"{'strategy':12} {'dir':5} {'pattern':10} {'KiB':>6} {'GB/s':>7} {'ceil':>7} {'ratio':>6} {'ctas':>4}")
-for r in rows:
-    print(f"{r.get('strategy',''):12} {r.get('direction',''):5} {r.get('pattern',''):10} {r.get('block_bytes',0)//1024:>6} {r.get('gbps',0):7.1f} {r.get('ceiling_gbps',0):7.1f} {r.get('ratio',0):6.3f} {r.get('ctas',0):>4}")
-PY
-fi
+python3 scripts/gpu_table.py copy="$OUT/bench_copy.jsonl" transfer="$OUT/bench_transfer.jsonl"
+for f in "$OUT/h2d_probe.txt" "$OUT/copy_probe.txt"; do [ -s "$f" ] && grep -E "^(A |sm_|batch_)" "$f"; done
+exit 0
