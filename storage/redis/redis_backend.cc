@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
-
 #include <pthread.h>
 #include <signal.h>
 
@@ -143,30 +142,50 @@ class RedisBackend final : public StorageBackend {
       return InvalidArgument(fmt::format("redis backend: workers {} not in [1, 256]", config_.workers));
     if (config_.max_batch_items == 0) return InvalidArgument("redis backend: max_batch_items 0");
     for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
+    // A connection reset or an unreachable node while the cluster is changing
+    // (restart, failover, an admin killing clients) is transient: every
+    // endpoint is tried, then again after a backoff, up to max_retries rounds.
     Status last = Unavailable("no endpoint tried");
     std::string node;
-    ContextPtr ctx;
-    for (const auto& e : config_.endpoints) {
-      auto c = connect(e);
-      if (c.ok()) {
-        ctx = std::move(c).value();
-        node = e;
-        break;
+    auto backoff = config_.backoff_initial;
+    for (std::uint32_t attempt = 0; attempt <= config_.max_retries && node.empty(); ++attempt) {
+      if (attempt > 0) {
+        std::this_thread::sleep_for(backoff);
+        backoff = std::min(backoff * 2, config_.backoff_max);
       }
-      if (c.status().code() == StatusCode::kFailedPrecondition) return c.status();
-      last = c.status();
-    }
-    if (!ctx) return last.with_context("redis backend: no endpoint reachable");
-    cluster_ = config_.mode == RedisMode::kCluster;
-    if (config_.mode != RedisMode::kSingle) {
-      auto map = load_slots(ctx.get(), node);
-      if (map.ok()) {
-        cluster_ = true;
-        slots_ = std::make_shared<SlotMap>(std::move(map).value());
-      } else if (config_.mode == RedisMode::kCluster) {
-        return map.status().with_context(fmt::format("CLUSTER SLOTS on {}", node));
+      for (const auto& e : config_.endpoints) {
+        auto c = connect(e);
+        if (!c.ok()) {
+          if (c.status().code() == StatusCode::kFailedPrecondition) return c.status();
+          last = c.status();
+          continue;
+        }
+        if (config_.mode == RedisMode::kSingle) {
+          node = e;
+          break;
+        }
+        auto map = load_slots(c->get(), e);
+        if (map.ok()) {
+          cluster_ = true;
+          slots_ = std::make_shared<SlotMap>(std::move(map).value());
+          node = e;
+          break;
+        }
+        // Only a server that says it is not a cluster makes kAuto fall back to
+        // one node; a reset connection says nothing about the server.
+        if (map.status().code() == StatusCode::kNotSupported && config_.mode == RedisMode::kAuto) {
+          cluster_ = false;
+          node = e;
+          break;
+        }
+        if (map.status().code() == StatusCode::kNotSupported)  // kCluster against a non-cluster server
+          return map.status().with_context(fmt::format("CLUSTER SLOTS on {}", e));
+        last = map.status();
       }
     }
+    if (node.empty())
+      return last.with_context(
+          fmt::format("redis backend: no endpoint usable after {} rounds", config_.max_retries + 1));
     single_node_ = node;
     for (std::uint32_t i = 0; i < config_.workers; ++i) workers_.emplace_back([this] { worker(); });
     return Status::Ok();
@@ -200,7 +219,8 @@ class RedisBackend final : public StorageBackend {
       if (batch.op == StorageOp::kPut) {
         if (it.bytes > max_bytes)
           return InvalidArgument(fmt::format("put item {}: {} bytes > Redis limit {}", i, it.bytes, max_bytes));
-        KVTIER_RETURN_IF_ERROR(format::check_payload_size(options_, it.bytes).with_context(fmt::format("put item {}", i)));
+        KVTIER_RETURN_IF_ERROR(
+            format::check_payload_size(options_, it.bytes).with_context(fmt::format("put item {}", i)));
       }
     }
     StorageTicket t = StorageTicket::create(batch.op, batch.items.size());
@@ -250,7 +270,8 @@ class RedisBackend final : public StorageBackend {
   }
 
   Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override {
-    KVTIER_ASSIGN_OR_RETURN(ReplyPtr r, admin_command(key, {"GETRANGE", std::to_string(offset), std::to_string(offset)}));
+    KVTIER_ASSIGN_OR_RETURN(ReplyPtr r,
+                            admin_command(key, {"GETRANGE", std::to_string(offset), std::to_string(offset)}));
     if (r->type != REDIS_REPLY_STRING || r->len != 1)
       return OutOfRange(fmt::format("offset {} beyond object {}", offset, key.to_string()));
     std::string b(1, static_cast<char>(static_cast<unsigned char>(r->str[0]) ^ xor_mask));
@@ -386,8 +407,8 @@ class RedisBackend final : public StorageBackend {
         argv.push_back(args[i].data());
         lens.push_back(args[i].size());
       }
-      ReplyPtr r(static_cast<redisReply*>(
-          redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
+      ReplyPtr r(
+          static_cast<redisReply*>(redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data())));
       if (!r) return Unavailable(fmt::format("{} on {}: {}", args[0], node, c->errstr));
       int slot;
       std::string to;
@@ -448,7 +469,7 @@ class RedisBackend final : public StorageBackend {
   }
 
   // Handles one reply. Returns true when the item should be retried after a backoff.
-  bool handle(StorageOp op, Work& w, redisReply* r, bool* refresh, std::vector<std::string>* quarantine) {
+  bool handle(StorageOp op, Work& w, redisReply* r, bool* refresh, std::vector<StorageKey>* quarantine) {
     w.ask_node.clear();
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string_view msg(r->str, r->len);
@@ -516,7 +537,7 @@ class RedisBackend final : public StorageBackend {
         }
         Status st = verify_value(w, reinterpret_cast<const std::byte*>(r->str), r->len);
         if (st.code() == StatusCode::kDataLoss) {
-          quarantine->push_back(w.key);
+          quarantine->push_back(w.item.key);
           st = st.with_context("object quarantined (deleted)");
         }
         w.last = st;
@@ -531,12 +552,12 @@ class RedisBackend final : public StorageBackend {
     if (!h.ok()) return DataLoss(h.status().message());
     KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, w.item.key));
     if (h->header_size + h->payload_bytes != len)
-      return DataLoss(fmt::format("value of {} bytes != header {} + payload {}", len, h->header_size,
-                                  h->payload_bytes));
+      return DataLoss(
+          fmt::format("value of {} bytes != header {} + payload {}", len, h->header_size, h->payload_bytes));
     KVTIER_RETURN_IF_ERROR(format::verify_object(data, *h, data + h->header_size));
     if (h->payload_bytes > w.item.bytes)
-      return InvalidArgument(fmt::format("get {}: object of {} bytes > destination capacity {}",
-                                         w.item.key.to_string(), h->payload_bytes, w.item.bytes));
+      return InvalidArgument(fmt::format("get {}: object of {} bytes > destination capacity {}", w.item.key.to_string(),
+                                         h->payload_bytes, w.item.bytes));
     if (h->payload_bytes) std::memcpy(w.item.buffer, data + h->header_size, h->payload_bytes);
     w.item.bytes = h->payload_bytes;
     return Status::Ok();
@@ -550,6 +571,22 @@ class RedisBackend final : public StorageBackend {
       work[i].key = redis_key(work[i].item.key);
       if (task.op == StorageOp::kPut) build_set(work[i]);
     }
+    std::vector<StorageKey> quarantine;
+    run(task.op, work, conns, &quarantine);
+    // Removed before the gets complete, so a caller that sees DataLoss and
+    // looks again finds a miss (unless the delete itself failed: see below).
+    if (!quarantine.empty()) remove_quarantined(quarantine, conns);
+    for (auto& w : work) {
+      const std::uint64_t bytes = w.last.ok() ? w.item.bytes : 0;
+      task.completion->complete(w.outer, w.last, bytes);
+    }
+  }
+
+  // Runs the items of one op to completion: pipelined per node, redirects
+  // followed, I/O errors retried on a fresh connection with backoff. Keys whose
+  // value failed verification are appended to *quarantine (even when the
+  // connection broke later in the same pipeline).
+  void run(StorageOp op, std::vector<Work>& work, Conns& conns, std::vector<StorageKey>* quarantine) {
     auto backoff = config_.backoff_initial;
     for (std::uint32_t attempt = 0; attempt <= config_.max_retries; ++attempt) {
       std::map<std::string, std::vector<Work*>> groups;
@@ -573,15 +610,14 @@ class RedisBackend final : public StorageBackend {
         for (std::size_t i = 0; i < items.size(); ++i) {
           asked[i] = !items[i]->ask_node.empty();
           if (asked[i]) redisAppendCommand(c, "ASKING");
-          append(c, task.op, *items[i]);
+          append(c, op, *items[i]);
         }
-        std::vector<std::string> quarantine;
         bool broken = false;
         for (std::size_t i = 0; i < items.size() && !broken; ++i) {
           for (int part = asked[i] ? 0 : 1; part < 2; ++part) {
             void* raw = nullptr;
             if (redisGetReply(c, &raw) != REDIS_OK || raw == nullptr) {
-              const Status st = Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(task.op), node,
+              const Status st = Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(op), node,
                                                         c->errstr[0] ? c->errstr : "connection lost"));
               for (std::size_t j = i; j < items.size(); ++j)
                 if (!items[j]->done) items[j]->last = st;
@@ -590,7 +626,7 @@ class RedisBackend final : public StorageBackend {
             }
             ReplyPtr r(static_cast<redisReply*>(raw));
             if (part == 0) continue;  // ASKING's +OK
-            if (handle(task.op, *items[i], r.get(), &refresh, &quarantine)) need_backoff = true;
+            if (handle(op, *items[i], r.get(), &refresh, quarantine)) need_backoff = true;
           }
         }
         if (broken) {
@@ -598,12 +634,6 @@ class RedisBackend final : public StorageBackend {
           ++reconnects_;
           need_backoff = true;
           refresh = true;
-          continue;
-        }
-        for (const auto& k : quarantine) {
-          ReplyPtr r(static_cast<redisReply*>(redisCommand(c, "DEL %b", k.data(), k.size())));
-          ++quarantined_;
-          log_line(fmt::format("deleted {}: failed verification", k));
         }
       }
       if (refresh && cluster_) refresh_slots(conns);
@@ -612,9 +642,32 @@ class RedisBackend final : public StorageBackend {
         backoff = std::min(backoff * 2, config_.backoff_max);
       }
     }
-    for (auto& w : work) {
-      const std::uint64_t bytes = w.last.ok() ? w.item.bytes : 0;
-      task.completion->complete(w.outer, w.last, bytes);
+  }
+
+  // Deletes objects that failed verification, through the same routing and
+  // retries as a caller's delete: a dropped connection or a slot that moved
+  // between the GET and the DEL must not leave the bad object in the shared
+  // pool. A DEL that still fails is reported, not counted: the object stays,
+  // and every later get verifies it again and reports DataLoss. (A good object
+  // written by another instance between our GET and DEL is deleted too: that
+  // costs one miss, never wrong bytes.)
+  void remove_quarantined(const std::vector<StorageKey>& keys, Conns& conns) {
+    std::vector<Work> dels(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      dels[i].item.key = keys[i];
+      dels[i].key = redis_key(keys[i]);
+    }
+    std::vector<StorageKey> unused;
+    run(StorageOp::kDelete, dels, conns, &unused);
+    for (const Work& d : dels) {
+      if (d.last.ok()) {
+        ++quarantined_;
+        log_line(fmt::format("deleted {}: failed verification", d.key));
+      } else if (d.last.code() == StatusCode::kNotFound) {
+        log_line(fmt::format("{} failed verification and is already gone", d.key));
+      } else {
+        log_line(fmt::format("could not delete {} (failed verification): {}", d.key, d.last.to_string()));
+      }
     }
   }
 

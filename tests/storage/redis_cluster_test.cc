@@ -2,11 +2,16 @@
 // connections, and Redis Cluster redirects (ASK during a slot migration, MOVED
 // after it). Needs KVTIER_TEST_REDIS(_PASSWORD) / KVTIER_TEST_REDIS_CLUSTER.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <hiredis/hiredis.h>
 
+#include <atomic>
+#include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "kvtier/storage/redis_backend.h"
 #include "storage/object_format.h"
@@ -303,6 +308,131 @@ TEST_F(RedisClusterTest, FollowsAskDuringMigrationAndMovedAfterIt) {
   move_slot(cluster_nodes(seed), slot, *to, *from);
   r = one(**b, StorageOp::kGet, k2, dst.data(), dst.size());
   ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+}
+
+// Traffic while the cluster is being operated: two threads put and get their
+// own keys while a third kills every client connection and moves a slot that
+// holds some of those keys back and forth (ASK during each migration, MOVED
+// after it). The contract, whatever the timing:
+//   - every item completes Ok or Unavailable (retryable), never anything else;
+//   - a get that completes Ok returns exactly the bytes of the last put of
+//     that key, or of a later put whose outcome was Unavailable (it may have
+//     been applied);
+//   - once the disruption ends, every key reads back such a version.
+TEST_F(RedisClusterTest, TrafficDuringClientKillsAndSlotMigrationsKeepsTheContract) {
+  auto o = unique_options("disrupt");
+  auto b = make(ep_, o, RedisMode::kCluster, nullptr);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  constexpr int kThreads = 2, kKeysPerThread = 12, kRounds = 6;
+  // Keys 0..3 of each thread share one slot, which the disruptor migrates.
+  const int slot = redis_key_slot(redis_key_for("kvtier-test", o, key_of(8, 0)));
+  std::vector<std::vector<StorageKey>> keys(kThreads);
+  for (std::uint64_t i = 0, in_slot = 0, other = 0; in_slot < 4 * kThreads || other < 8 * kThreads; ++i) {
+    const StorageKey k = key_of(8, i);
+    const bool same = redis_key_slot(redis_key_for("kvtier-test", o, k)) == slot;
+    if (same && in_slot < 4 * kThreads)
+      keys[in_slot++ % kThreads].push_back(k);
+    else if (!same && other < 8 * kThreads)
+      keys[other++ % kThreads].push_back(k);
+  }
+  const NodeInfo* from = owner_of(nodes_, slot);
+  ASSERT_NE(from, nullptr);
+  const NodeInfo* to = from == &nodes_[0] ? &nodes_[1] : &nodes_[0];
+  const NodeInfo from_copy = *from, to_copy = *to;
+
+  auto value_of = [](const StorageKey& k, int version) {
+    std::vector<std::byte> v(3000 + static_cast<std::size_t>(StorageKeyHash{}(k) % 5000));
+    fill_random(v.data(), v.size(), StorageKeyHash{}(k) ^ (static_cast<std::uint64_t>(version) << 48));
+    return v;
+  };
+  std::atomic<bool> stop{false};
+  std::atomic<int> violations{0}, ok_ops{0}, unavailable_ops{0};
+  std::mutex log_mu;
+  std::vector<std::string> log;
+  auto violation = [&](std::string what) {
+    ++violations;
+    std::lock_guard<std::mutex> lk(log_mu);
+    if (log.size() < 10) log.push_back(std::move(what));
+  };
+  // Per key: versions a get may legally return (last acked + later unknown).
+  std::vector<std::map<std::size_t, std::set<int>>> allowed(kThreads);
+  auto traffic = [&](int t) {
+    std::vector<int> version(keys[t].size(), 0);
+    std::vector<std::byte> dst(8192);
+    for (int iter = 0; !stop.load() || iter < 2; ++iter) {
+      for (std::size_t i = 0; i < keys[t].size(); ++i) {
+        const StorageKey& k = keys[t][i];
+        const int ver = ++version[i];
+        auto v = value_of(k, ver);
+        ItemResult p = one(**b, StorageOp::kPut, k, v.data(), v.size());
+        if (p.status.ok()) {
+          ++ok_ops;
+          allowed[t][i] = {ver};
+        } else if (p.status.code() == StatusCode::kUnavailable) {
+          ++unavailable_ops;
+          allowed[t][i].insert(ver);
+        } else {
+          violation(fmt::format("put {}: {}", k.to_string(), p.status.to_string()));
+        }
+        ItemResult g = one(**b, StorageOp::kGet, k, dst.data(), dst.size());
+        if (g.status.code() == StatusCode::kUnavailable) {
+          ++unavailable_ops;
+          continue;
+        }
+        if (!g.status.ok()) {
+          if (!allowed[t][i].empty()) violation(fmt::format("get {}: {}", k.to_string(), g.status.to_string()));
+          continue;
+        }
+        ++ok_ops;
+        bool match = false;
+        for (int a : allowed[t][i]) {
+          auto want = value_of(k, a);
+          match |= g.bytes == want.size() && std::memcmp(dst.data(), want.data(), want.size()) == 0;
+        }
+        if (!match) violation(fmt::format("get {}: bytes of no version put", k.to_string()));
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(traffic, t);
+  migrating_slot_ = slot;
+  for (int round = 0; round < kRounds; ++round) {
+    for (const auto& n : nodes_) {
+      Ctx admin(n.addr);
+      admin.cmd("CLIENT KILL TYPE normal SKIPME yes");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    Ctx seed(ep_);
+    const auto nodes = cluster_nodes(seed);
+    if (round % 2 == 0)
+      move_slot(nodes, slot, from_copy, to_copy);
+    else
+      move_slot(nodes, slot, to_copy, from_copy);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  migrating_slot_ = -1;
+  stop = true;
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(violations.load(), 0) << fmt::format("{}", fmt::join(log, "\n"));
+  EXPECT_GT(ok_ops.load(), 0);
+  // After the disruption every key reads back a version it may hold.
+  std::vector<std::byte> dst(8192);
+  for (int t = 0; t < kThreads; ++t)
+    for (std::size_t i = 0; i < keys[t].size(); ++i) {
+      ItemResult g = one(**b, StorageOp::kGet, keys[t][i], dst.data(), dst.size());
+      ASSERT_TRUE(g.status.ok()) << keys[t][i].to_string() << ": " << g.status.to_string();
+      bool match = false;
+      for (int a : allowed[t][i]) {
+        auto want = value_of(keys[t][i], a);
+        match |= g.bytes == want.size() && std::memcmp(dst.data(), want.data(), want.size()) == 0;
+      }
+      EXPECT_TRUE(match) << keys[t][i].to_string();
+    }
+  RecordProperty("ok_ops", ok_ops.load());
+  RecordProperty("unavailable_ops", unavailable_ops.load());
+  std::printf("ok ops %d, unavailable %d, reconnects %llu, redirects %llu\n", ok_ops.load(), unavailable_ops.load(),
+              static_cast<unsigned long long>((*b)->stats().reconnects),
+              static_cast<unsigned long long>((*b)->stats().redirects));
 }
 
 TEST_F(RedisClusterTest, ReconnectsAfterNodesDropConnections) {
