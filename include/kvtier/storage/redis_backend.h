@@ -18,7 +18,10 @@
 // [username] password) when a password is set.
 //
 // A get that fails verification deletes the key (quarantine = removal: the
-// shared pool must not keep serving it) and completes with DataLoss.
+// shared pool must not keep serving it) and completes with DataLoss, after
+// the delete, which is routed and retried like any delete. A delete that
+// still fails is logged and not counted in stats().quarantined; the object
+// stays, and every later get verifies it again (DataLoss, never its bytes).
 // Not zero-copy: values pass through hiredis buffers (caps().zero_copy_host
 // is false).
 #pragma once
@@ -53,8 +56,11 @@ struct RedisBackendConfig {
 };
 
 // Connects to the first reachable endpoint, authenticates and (cluster mode)
-// loads the slot map. Blocking. Unavailable when no endpoint answers,
-// FailedPrecondition when authentication is refused.
+// loads the slot map. Blocking. A connection that fails or resets is retried
+// on every endpoint, up to max_retries more rounds with backoff. Unavailable
+// when no endpoint answers in time, FailedPrecondition when authentication is
+// refused, NotSupported when mode is kCluster and the server is no cluster
+// (kAuto then uses it as a single server; a reset never makes kAuto do so).
 Result<std::unique_ptr<StorageBackend>> create_redis_backend(RedisBackendConfig config, StorageOptions options);
 
 // Redis Cluster key slot (CRC16/XMODEM mod 16384, with {hash tag} rules).
