@@ -258,7 +258,9 @@ TEST(TransferManager, ConcurrentSubmittersAndCallbacks) {
   ASSERT_TRUE(mgr.wait_all(10s).ok());
   // Callbacks run on the progress thread just after the state they report
   // became visible to waiters: give the last ones a moment.
-  for (int i = 0; i < 2000 && done.load() < 120; ++i) std::this_thread::sleep_for(1ms);
+  // Bounded by a deadline, not a sleep count: sleeps stretch on a loaded CI machine.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (done.load() < 3 * 40 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(done.load(), 3 * 40);
   EXPECT_EQ(layer_bad.load(), 0);
   EXPECT_EQ(layer_ok.load(), 3 * 40 * static_cast<int>(layout.num_layers()));
