@@ -144,7 +144,7 @@ class RedisBackend final : public StorageBackend {
     for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
     // A connection reset or an unreachable node while the cluster is changing
     // (restart, failover, an admin killing clients) is transient: every
-    // endpoint is tried, then again after a backoff, up to max_retries rounds.
+    // endpoint is tried, then again after a backoff, up to max_retries more rounds.
     Status last = Unavailable("no endpoint tried");
     std::string node;
     auto backoff = config_.backoff_initial;
