@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole CPU suite N times per preset (default 5; tsan asan default), as CI
 # does (ctest -j$(nproc), Redis services up), and prints one line per run. Logs of
-# every run stay in $FLAKE_LOG_DIR (default /tmp/kvtier-flake-hunt). Use it before a
-# submission that touched tests with threads, timing or services: CI is one run,
-# so a 1-in-100 flake still fails a session's work.
+# every run stay in $FLAKE_LOG_DIR (default /tmp/kvtier-flake-hunt). Use it before
+# merging a change that touched tests with threads, timing or services: CI is one
+# run, so a 1-in-100 flake still fails it now and then.
 # Usage: scripts/flake-hunt.sh [N] [preset ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."

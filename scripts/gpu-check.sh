@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (device tool) from the repo root, with .gpu-bin carried
-# (built here by scripts/pack-gpu.sh: the engine needs Debian libraries the GPU
-# machine lacks). One call: the test binaries, the benchmarks and the standalone
-# probes (built there with nvcc when .gpu-probe is missing); logs under $OUT; a
-# short table last.
+# Runs on a GPU machine from the repository root, with the gpu preset's binaries
+# in .gpu-bin/ (built and packed on the build machine by scripts/pack-gpu.sh and
+# copied along with the checkout; everything but glibc is linked statically, so
+# the GPU machine needs only the NVIDIA driver, plus nvcc for the probes and
+# python3 for the summary). Runs the test binaries, the benchmarks (kvtier bench copy, bench
+# transfer) and the standalone probes of bench/gpu/ (built with nvcc when
+# .gpu-probe/ lacks them); logs under $OUT (default /tmp/kvtier-out); a short
+# table last. docs/performance.md says which of its tables this reproduces.
 # Usage: scripts/gpu-check.sh [tests|bench|probes|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail

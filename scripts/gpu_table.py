@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Prints one line per row of `kvtier bench copy --json` / `bench transfer --json`
-output files (the short table the gpu-run scripts print last).
+output files (the short table scripts/gpu-check.sh prints last).
 Usage: gpu_table.py NAME=FILE.jsonl ...   (NAME labels the rows)"""
 import json
 import os

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds the `gpu` preset here (nvcc, sm_90a, static cudart) and packs the stripped
-# binaries the H200 run needs into .gpu-bin/ (ignored by git; carried by the device tool).
+# Builds the `gpu` preset (nvcc, sm_90a, static cudart) and packs the stripped
+# binaries a GPU machine needs (kvtier and the *_test binaries) into .gpu-bin/
+# (ignored by git). Copy the checkout with .gpu-bin/ to the GPU machine and run
+# scripts/gpu-check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --preset gpu >/dev/null
