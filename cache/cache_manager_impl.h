@@ -1,0 +1,300 @@
+// Private to the cache manager's sources (cache/cache_manager*.cc): the state
+// behind a CacheManager (struct CacheManager::Impl) and the node of its
+// prefix tree. A node is one block: its copies per tier, its in-flight state,
+// pins and hits, and per child tier a count of its children. Impl owns the
+// nodes, the key index, the pools and eviction policies of every tier, the
+// open admissions and the plan being built, and keeps the tree's bookkeeping
+// consistent (retier, detach_subtree, ...). Its eviction and placement
+// members are defined in cache_manager_eviction.cc.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/key_index.h"
+#include "cache/use_history.h"
+#include "kvtier/cache/cache_manager.h"
+
+namespace kvtier::cache {
+
+inline constexpr int kDev = 0, kHst = 1, kSto = 2, kNoTier = 3;
+constexpr std::uint8_t bit(int t) { return static_cast<std::uint8_t>(1u << t); }
+
+enum class NodeState : std::uint8_t {
+  kSettled,
+  kLoading,    // host -> device; device block is the target
+  kEvicting,   // device -> host; the device block was given up, host block is the target
+  kBackingUp,  // device -> host; device copy stays servable
+  kFetching,   // storage -> host
+  kStoring,    // host -> storage; host copy stays servable
+  kDemoting,   // host -> storage; host block held (read) until the ack, then freed
+};
+
+inline bool servable(NodeState s) {
+  return s == NodeState::kSettled || s == NodeState::kBackingUp || s == NodeState::kStoring;
+}
+
+struct Node {
+  BlockKey key;
+  NodeId parent = kNoNode;
+  NodeId first_child = kNoNode, next_sib = kNoNode, prev_sib = kNoNode;
+  std::array<BlockId, kNumTiers> block{kNoBlock, kNoBlock, kNoBlock};
+  std::uint8_t present = 0;  // settled copies
+  NodeState state = NodeState::kSettled;
+  bool live = false;
+  bool detached = false;
+  // A storage write of this host copy failed: under pressure it is dropped rather than written again.
+  bool write_failed = false;
+  std::uint8_t counted_tier = kNoTier;  // the tier this node counts as in its parent's child_tier
+  std::uint32_t refs = 0;
+  std::uint32_t hits = 0;
+  std::uint32_t depth = 0;
+  std::array<std::uint32_t, 4> child_tier{};
+};
+
+inline int lowest_tier(std::uint8_t mask) {
+  for (int t = 0; t < kNumTiers; ++t)
+    if (mask & bit(t)) return t;
+  return kNoTier;
+}
+
+struct AdmissionRec {
+  std::vector<BlockKey> keys;
+  std::vector<NodeId> pos_node;  // node of each key position (kNoNode if none yet)
+  std::vector<BlockId> blocks;   // device block per position (keys, then extra)
+  std::vector<std::uint8_t> owned;
+  std::vector<NodeId> pinned;
+  std::uint32_t hit_blocks = 0;  // device + host hits
+  std::uint32_t committed = 0;   // key positions committed (starts at hit_blocks)
+  bool chain_broken = false;
+};
+
+struct CacheManager::Impl {
+  CacheConfig cfg;
+  std::array<BlockPool, kNumTiers> pools;
+  std::array<std::unique_ptr<EvictionPolicy>, kNumTiers> policy;
+  std::array<std::vector<NodeId>, kNumTiers> owner;
+  std::vector<Node> nodes;
+  std::vector<NodeId> free_nodes;
+  KeyIndex map;
+  std::unordered_map<AdmissionId, AdmissionRec> admissions;
+  AdmissionId next_admission = 1;
+  std::uint64_t clock = 0;
+  StepPlan plan;
+  CacheStats st;
+  std::deque<BlockId> host_run;  // pre-allocated contiguous host blocks for an eviction batch
+  std::uint32_t pending_demotions = 0;
+  std::uint64_t failed_writes_in_a_row = 0;  // storage writes failed since the last one that succeeded
+  std::unique_ptr<UseHistory> history;
+
+  static constexpr NodeId kRoot = 0;
+
+  bool has_tier(int t) const { return pools[t].capacity() > 0; }
+
+  // ---- node bookkeeping ----------------------------------------------------
+  int eventual_tier(const Node& n) const {
+    switch (n.state) {
+      case NodeState::kLoading: return kDev;
+      case NodeState::kEvicting: return kHst;
+      case NodeState::kFetching: return kHst;
+      case NodeState::kDemoting: return kSto;
+      case NodeState::kSettled:
+      case NodeState::kBackingUp:
+      case NodeState::kStoring: return lowest_tier(n.present);
+    }
+    return kNoTier;
+  }
+
+  void retier(NodeId id) {
+    Node& n = nodes[id];
+    if (n.detached || n.parent == kNoNode) return;
+    int t = eventual_tier(n);
+    if (t == n.counted_tier) return;
+    Node& p = nodes[n.parent];
+    --p.child_tier[n.counted_tier];
+    ++p.child_tier[t];
+    n.counted_tier = static_cast<std::uint8_t>(t);
+  }
+
+  std::uint32_t num_children(const Node& n) const {
+    return n.child_tier[0] + n.child_tier[1] + n.child_tier[2] + n.child_tier[3];
+  }
+
+  // May the copy in tier t go without breaking the order below n?
+  bool can_drop(const Node& n, int t) const {
+    int nt = lowest_tier(static_cast<std::uint8_t>(n.present & ~bit(t)));
+    if (nt == kNoTier) return num_children(n) == 0;
+    for (int c = 0; c < nt; ++c)
+      if (n.child_tier[c]) return false;
+    return true;
+  }
+
+  AccessInfo info(NodeId id) const {
+    const Node& n = nodes[id];
+    return AccessInfo{clock, &n.key, n.depth, n.hits};
+  }
+
+  NodeId new_node(const BlockKey& key, NodeId parent) {
+    NodeId id;
+    if (!free_nodes.empty()) {
+      id = free_nodes.back();
+      free_nodes.pop_back();
+      nodes[id] = Node{};
+    } else {
+      id = static_cast<NodeId>(nodes.size());
+      nodes.emplace_back();
+    }
+    Node& n = nodes[id];
+    n.key = key;
+    n.live = true;
+    n.parent = parent;
+    Node& p = nodes[parent];
+    n.depth = p.depth + 1;
+    n.next_sib = p.first_child;
+    if (p.first_child != kNoNode) nodes[p.first_child].prev_sib = id;
+    p.first_child = id;
+    n.counted_tier = kNoTier;
+    ++p.child_tier[kNoTier];
+    map.insert(key, id);
+    return id;
+  }
+
+  void unlink_from_parent(NodeId id) {
+    Node& n = nodes[id];
+    if (n.parent == kNoNode) return;
+    Node& p = nodes[n.parent];
+    --p.child_tier[n.counted_tier];
+    if (n.prev_sib != kNoNode)
+      nodes[n.prev_sib].next_sib = n.next_sib;
+    else
+      p.first_child = n.next_sib;
+    if (n.next_sib != kNoNode) nodes[n.next_sib].prev_sib = n.prev_sib;
+    n.parent = n.prev_sib = n.next_sib = kNoNode;
+  }
+
+  void set_block(NodeId id, int t, BlockId b) {
+    nodes[id].block[t] = b;
+    owner[t][b] = id;
+  }
+  void free_block(int t, BlockId b) {
+    owner[t][b] = kNoNode;
+    pools[t].free(b).ignore_error();  // ids come from our own bookkeeping
+  }
+  void release_copy(NodeId id, int t) {
+    Node& n = nodes[id];
+    if (t == kHst) n.write_failed = false;
+    if (n.block[t] != kNoBlock) free_block(t, n.block[t]);
+    n.block[t] = kNoBlock;
+    n.present = static_cast<std::uint8_t>(n.present & ~bit(t));
+    policy[t]->erase(id);
+  }
+
+  // Removes a childless, unreferenced, settled node with no copies left.
+  void remove_node(NodeId id) {
+    Node& n = nodes[id];
+    for (int t = 0; t < kNumTiers; ++t)
+      if (n.block[t] != kNoBlock) release_copy(id, t);
+    if (!n.detached) {
+      map.erase(n.key);
+      unlink_from_parent(id);
+    }
+    n.live = false;
+    free_nodes.push_back(id);
+  }
+
+  void reclaim_if_dead(NodeId id) {
+    Node& n = nodes[id];
+    if (n.live && n.detached && n.refs == 0 && n.state == NodeState::kSettled) remove_node(id);
+  }
+
+  // Invalidates n and its subtree: out of the index at once; blocks freed when unpinned and settled.
+  void detach_subtree(NodeId id) {
+    std::vector<NodeId> stack{id};
+    std::vector<NodeId> all;
+    while (!stack.empty()) {
+      NodeId x = stack.back();
+      stack.pop_back();
+      all.push_back(x);
+      for (NodeId c = nodes[x].first_child; c != kNoNode; c = nodes[c].next_sib) stack.push_back(c);
+    }
+    for (NodeId x : all) {
+      Node& n = nodes[x];
+      map.erase(n.key);
+      for (int t = 0; t < kNumTiers; ++t) policy[t]->erase(x);
+      ++st.invalidated_blocks;
+    }
+    // Unlink deepest first so every parent's counts stay consistent.
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      unlink_from_parent(*it);
+      nodes[*it].detached = true;
+      nodes[*it].first_child = kNoNode;
+    }
+    for (NodeId x : all) reclaim_if_dead(x);
+  }
+
+  // ---- eviction (cache_manager_eviction.cc) ---------------------------------
+  bool device_evictable(NodeId id) const;
+  bool host_droppable(NodeId id) const;
+  bool storage_droppable(NodeId id) const;
+  void drop_copy(NodeId id, int t);
+  bool write_back_to_storage() const;
+  void drop_host_copy(NodeId id);
+  bool drop_one_host();
+  bool host_candidate(NodeId id) const;
+  bool host_demotable(const Node& n) const;
+  bool start_demotion(NodeId v);
+  // How far down the host policy's order a clean victim is preferred to the first dirty one.
+  static constexpr std::uint32_t kCleanVictimWindow = 64;
+
+  enum class Room : std::uint8_t { kFree, kPending, kNone };
+  Room make_host_room();
+  Result<BlockId> take_host_block();
+  bool drop_one_storage();
+  void evict_to_host(NodeId v, BlockId hb);
+  bool evict_one_device();
+  bool ensure_device_free(std::uint32_t need);
+  bool evict_one_host_background();
+  void store_through(NodeId id);
+  void backup(NodeId id);
+
+  // ---- match ---------------------------------------------------------------
+  // Nodes of the servable prefix, with their tiers.
+  MatchResult match_nodes(std::span<const BlockKey> keys, std::vector<NodeId>* out) const {
+    MatchResult r;
+    int phase = kDev;
+    for (const BlockKey& k : keys) {
+      NodeId found = map.find(k);
+      if (found == kNoNode) break;
+      const Node& n = nodes[found];
+      int t = lowest_tier(n.present);
+      // A host-only block being written to storage is servable in place, but a load would have
+      // to change its state under the write: treat it as in flight.
+      if (!servable(n.state) || (n.state == NodeState::kStoring && t == kHst)) {
+        r.stopped_at_in_flight = true;
+        break;
+      }
+      if (t == kNoTier || t < phase) break;  // t < phase cannot happen while the invariants hold
+      phase = t;
+      if (t == kDev) {
+        ++r.device_blocks;
+        r.device_ids.push_back(n.block[kDev]);
+      } else if (t == kHst) {
+        ++r.host_blocks;
+        r.host_ids.push_back(n.block[kHst]);
+      } else {
+        ++r.storage_blocks;
+        r.storage_ids.push_back(n.block[kSto]);
+      }
+      if (out) out->push_back(found);
+    }
+    return r;
+  }
+};
+
+}  // namespace kvtier::cache
