@@ -44,6 +44,89 @@ Status check_ids(std::span<const std::int32_t> ids, std::uint64_t num_blocks, co
   return Status::Ok();
 }
 
+// Same kind, block count and planes: block id i names the same bytes in both.
+bool same_geometry(const BlockSpace& a, const BlockSpace& b) {
+  if (&a == &b) return true;
+  if (a.num_blocks() != b.num_blocks() || a.kind() != b.kind()) return false;
+  const KvLayout& layout = a.layout();
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t ro = 0; ro < layout.num_roles(l); ++ro) {
+      const Plane& pa = a.plane(l, ro);
+      const Plane& pb = b.plane(l, ro);
+      if (pa.base != pb.base || pa.stride != pb.stride) return false;
+    }
+  return true;
+}
+
+// [lowest, highest) address any block of `s` covers.
+std::pair<std::uintptr_t, std::uintptr_t> footprint(const BlockSpace& s) {
+  std::uintptr_t lo = std::numeric_limits<std::uintptr_t>::max(), hi = 0;
+  const KvLayout& layout = s.layout();
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t ro = 0; ro < layout.num_roles(l); ++ro) {
+      const Plane& p = s.plane(l, ro);
+      const auto begin = reinterpret_cast<std::uintptr_t>(p.base);
+      lo = std::min(lo, begin);
+      // BlockSpace::from_planes checked that this does not wrap.
+      hi = std::max(hi, begin + (s.num_blocks() - 1) * p.stride + layout.block_bytes(l, ro));
+    }
+  return {lo, hi};
+}
+
+bool footprints_intersect(const BlockSpace& a, const BlockSpace& b) {
+  const auto fa = footprint(a);
+  const auto fb = footprint(b);
+  return fa.first < fb.second && fb.first < fa.second;
+}
+
+// Byte ranges of the request's source blocks against those of its
+// destination blocks (which never overlap each other: destinations are
+// distinct and planes of a space are disjoint).
+Status check_byte_overlap(const CopyRequest& r) {
+  struct Range {
+    std::uintptr_t begin, end;
+    std::size_t index;
+  };
+  const KvLayout& layout = r.src->layout();
+  std::vector<Range> dst;
+  auto for_planes = [&](auto&& fn) {
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+      if (!layer_selected(r, l)) continue;
+      for (std::uint32_t ro = 0; ro < layout.num_roles(l); ++ro)
+        if (r.roles & role_bit(layout.layer(l).roles[ro].role)) fn(l, ro);
+    }
+  };
+  for_planes([&](std::uint32_t l, std::uint32_t ro) {
+    const Plane& p = r.dst->plane(l, ro);
+    const std::uint64_t bb = layout.block_bytes(l, ro);
+    for (std::size_t i = 0; i < r.dst_blocks.size(); ++i) {
+      const auto b = reinterpret_cast<std::uintptr_t>(p.base) + static_cast<std::uint64_t>(r.dst_blocks[i]) * p.stride;
+      dst.push_back({b, b + bb, i});
+    }
+  });
+  std::sort(dst.begin(), dst.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  Status st;
+  for_planes([&](std::uint32_t l, std::uint32_t ro) {
+    if (!st.ok()) return;
+    const Plane& p = r.src->plane(l, ro);
+    const std::uint64_t bb = layout.block_bytes(l, ro);
+    for (std::size_t i = 0; i < r.src_blocks.size(); ++i) {
+      const auto b = reinterpret_cast<std::uintptr_t>(p.base) + static_cast<std::uint64_t>(r.src_blocks[i]) * p.stride;
+      const auto e = b + bb;
+      // First destination ending after b (ends are sorted too: disjoint ranges).
+      auto it = std::partition_point(dst.begin(), dst.end(), [&](const Range& d) { return d.end <= b; });
+      if (it != dst.end() && it->begin < e) {
+        st = InvalidArgument(fmt::format(
+            "src block {} at index {} (layer {}, {}) overlaps the bytes of dst block {} at index {}: the two "
+            "BlockSpaces alias the same memory",
+            r.src_blocks[i], i, l, role_name(layout.layer(l).roles[ro].role), r.dst_blocks[it->index], it->index));
+        return;
+      }
+    }
+  });
+  return st;
+}
+
 }  // namespace
 
 Status validate_request(const CopyRequest& r, int device_ordinal) {
@@ -145,8 +228,8 @@ Status validate_request(const CopyRequest& r, int device_ordinal) {
     }
   }
   Status st;
-  const bool same_space = r.src == r.dst || r.src->plane(0, 0).base == r.dst->plane(0, 0).base;
-  if (same_space)
+  if (same_geometry(*r.src, *r.dst)) {
+    // One space (or a copy of it): block ids name the same bytes on both sides.
     for (std::size_t i = 0; i < n; ++i) {
       const auto id = static_cast<std::uint32_t>(r.src_blocks[i]);
       if (test(bm, id)) {
@@ -155,8 +238,13 @@ Status validate_request(const CopyRequest& r, int device_ordinal) {
         break;
       }
     }
+  }
   clear_bits(bm, r.dst_blocks, n);
-  return st;
+  KVTIER_RETURN_IF_ERROR(st);
+  // Two different spaces over the same memory: compare the bytes each block
+  // of the request covers. Rejected here, before anything is enqueued.
+  if (!same_geometry(*r.src, *r.dst) && footprints_intersect(*r.src, *r.dst)) return check_byte_overlap(r);
+  return Status::Ok();
 }
 
 void select_planes(const CopyRequest& r, std::vector<SelectedPlane>& out) {

@@ -1,10 +1,11 @@
 #include "kvtier/core/layout.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <utility>
-
-#include <fmt/format.h>
 
 namespace kvtier {
 namespace {
@@ -71,15 +72,16 @@ std::string_view dtype_name(DType dtype) noexcept {
 }
 
 Result<DType> parse_dtype(std::string_view name) {
-  for (DType d : {DType::kBf16, DType::kFp16, DType::kFp32, DType::kFp8E4M3, DType::kFp8E5M2, DType::kInt8,
-                  DType::kUint8}) {
+  for (DType d :
+       {DType::kBf16, DType::kFp16, DType::kFp32, DType::kFp8E4M3, DType::kFp8E5M2, DType::kInt8, DType::kUint8}) {
     if (dtype_name(d) == name) return d;
   }
   if (name == "bfloat16") return DType::kBf16;
   if (name == "float16") return DType::kFp16;
   if (name == "float32") return DType::kFp32;
   if (name == "fp8") return DType::kFp8E4M3;
-  return InvalidArgument(fmt::format("unknown dtype '{}' (expected bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, uint8)", name));
+  return InvalidArgument(
+      fmt::format("unknown dtype '{}' (expected bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, uint8)", name));
 }
 
 std::string_view role_name(Role role) noexcept {
@@ -112,8 +114,7 @@ std::string_view memory_kind_name(MemoryKind kind) noexcept {
   return "?";
 }
 
-Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t block_tokens,
-                                  TokenOrder token_order) {
+Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t block_tokens, TokenOrder token_order) {
   if (layers.empty()) return InvalidArgument("KvLayout needs at least one layer, got 0");
   if (block_tokens == 0) return InvalidArgument("KvLayout block_tokens must be >= 1, got 0");
   KvLayout out;
@@ -133,10 +134,11 @@ Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t
     for (std::size_t r = 0; r < layer.roles.size(); ++r) {
       const RoleLayout& role = layer.roles[r];
       if (role.block_bytes == 0)
-        return InvalidArgument(fmt::format("KvLayout layer {} role {} ({}) has block_bytes 0", l, r, role_name(role.role)));
+        return InvalidArgument(
+            fmt::format("KvLayout layer {} role {} ({}) has block_bytes 0", l, r, role_name(role.role)));
       if (static_cast<int>(role.role) >= kNumRoleKinds)
-        return InvalidArgument(fmt::format("KvLayout layer {} role {} has invalid role value {}", l, r,
-                                           static_cast<int>(role.role)));
+        return InvalidArgument(
+            fmt::format("KvLayout layer {} role {} has invalid role value {}", l, r, static_cast<int>(role.role)));
       if (role.role == Role::kOther && role.name.empty())
         return InvalidArgument(fmt::format("KvLayout layer {} role {} is Role::kOther but has no name", l, r));
       if (!seen.emplace(static_cast<int>(role.role), role.name).second)
@@ -180,8 +182,8 @@ Result<KvLayout> KvLayout::gqa(const GqaShape& s) {
 Result<KvLayout> KvLayout::mla(const MlaShape& s) {
   if (s.num_layers + s.num_draft_layers == 0) return InvalidArgument("MlaShape has 0 layers");
   if (s.block_tokens == 0 || s.latent_dim == 0)
-    return InvalidArgument(fmt::format("MlaShape dimensions must be >= 1: block_tokens={} latent_dim={}",
-                                       s.block_tokens, s.latent_dim));
+    return InvalidArgument(
+        fmt::format("MlaShape dimensions must be >= 1: block_tokens={} latent_dim={}", s.block_tokens, s.latent_dim));
   std::vector<LayerLayout> layers;
   for (std::uint32_t l = 0; l < s.num_layers + s.num_draft_layers; ++l) {
     LayerLayout layer;
@@ -189,22 +191,24 @@ Result<KvLayout> KvLayout::mla(const MlaShape& s) {
     layer.roles.push_back(
         {Role::kLatent, s.dtype, std::uint64_t{s.block_tokens} * s.latent_dim * dtype_bytes(s.dtype), {}});
     if (s.indexer_dim > 0)
-      layer.roles.push_back({Role::kIndexer, s.indexer_dtype,
-                             std::uint64_t{s.block_tokens} * s.indexer_dim * dtype_bytes(s.indexer_dtype), {}});
+      layer.roles.push_back({Role::kIndexer,
+                             s.indexer_dtype,
+                             std::uint64_t{s.block_tokens} * s.indexer_dim * dtype_bytes(s.indexer_dtype),
+                             {}});
     layers.push_back(std::move(layer));
   }
   return create(std::move(layers), s.block_tokens, TokenOrder::kOpaque);
 }
 
-Result<KvLayout> KvLayout::uniform(std::uint32_t num_layers, std::uint32_t roles_per_layer,
-                                   std::uint64_t block_bytes) {
+Result<KvLayout> KvLayout::uniform(std::uint32_t num_layers, std::uint32_t roles_per_layer, std::uint64_t block_bytes) {
   if (roles_per_layer == 0 || roles_per_layer > 2 + 4)
     return InvalidArgument(fmt::format("uniform layout roles_per_layer must be in [1, 6], got {}", roles_per_layer));
-  static constexpr Role kOrder[] = {Role::kKey, Role::kValue, Role::kKeyScale, Role::kValueScale, Role::kLatent,
-                                    Role::kIndexer};
+  static constexpr Role kOrder[] = {Role::kKey,        Role::kValue,  Role::kKeyScale,
+                                    Role::kValueScale, Role::kLatent, Role::kIndexer};
   std::vector<LayerLayout> layers(num_layers);
   for (auto& layer : layers)
-    for (std::uint32_t r = 0; r < roles_per_layer; ++r) layer.roles.push_back({kOrder[r], DType::kUint8, block_bytes, {}});
+    for (std::uint32_t r = 0; r < roles_per_layer; ++r)
+      layer.roles.push_back({kOrder[r], DType::kUint8, block_bytes, {}});
   return create(std::move(layers), 1, TokenOrder::kOpaque);
 }
 
@@ -241,11 +245,11 @@ Result<BlockSpace> BlockSpace::from_planes(MemoryKind kind, int device_ordinal, 
   if (num_blocks > static_cast<std::uint64_t>(INT32_MAX))
     return InvalidArgument(fmt::format("BlockSpace num_blocks {} exceeds the int32 block id range", num_blocks));
   if (planes.size() != layout.num_layers())
-    return InvalidArgument(fmt::format("BlockSpace has planes for {} layers, layout has {}", planes.size(),
-                                       layout.num_layers()));
+    return InvalidArgument(
+        fmt::format("BlockSpace has planes for {} layers, layout has {}", planes.size(), layout.num_layers()));
   if (!region_bytes.empty() && region_bytes.size() != planes.size())
-    return InvalidArgument(fmt::format("BlockSpace region_bytes has {} layers, layout has {}", region_bytes.size(),
-                                       layout.num_layers()));
+    return InvalidArgument(
+        fmt::format("BlockSpace region_bytes has {} layers, layout has {}", region_bytes.size(), layout.num_layers()));
   struct Interval {
     std::uintptr_t begin, end;
     std::uint32_t l, r;
@@ -262,37 +266,47 @@ Result<BlockSpace> BlockSpace::from_planes(MemoryKind kind, int device_ordinal, 
       const Plane& p = planes[l][r];
       const std::uint64_t bb = layout.block_bytes(l, r);
       const auto rname = role_name(layout.layer(l).roles[r].role);
-      if (p.base == nullptr) return InvalidArgument(fmt::format("BlockSpace layer {} role {} has a null base", l, rname));
+      if (p.base == nullptr)
+        return InvalidArgument(fmt::format("BlockSpace layer {} role {} has a null base", l, rname));
       if (p.stride < bb)
-        return InvalidArgument(fmt::format("BlockSpace layer {} role {}: stride {} < block_bytes {}", l, rname,
-                                           p.stride, bb));
-      const std::uint64_t extent = (num_blocks - 1) * p.stride + bb;
-      if (!region_bytes.empty() && region_bytes[l][r] < extent)
-        return InvalidArgument(fmt::format(
-            "BlockSpace layer {} role {}: region of {} bytes is too small for {} blocks (needs {} bytes)", l, rname,
-            region_bytes[l][r], num_blocks, extent));
+        return InvalidArgument(
+            fmt::format("BlockSpace layer {} role {}: stride {} < block_bytes {}", l, rname, p.stride, bb));
+      // extent = (num_blocks - 1) * stride + block_bytes, and base + extent,
+      // must not wrap: a wrapped extent would accept a tiny region.
+      std::uint64_t extent = 0;
       const auto begin = reinterpret_cast<std::uintptr_t>(p.base);
+      if (__builtin_mul_overflow(num_blocks - 1, p.stride, &extent) || __builtin_add_overflow(extent, bb, &extent) ||
+          extent > std::numeric_limits<std::uintptr_t>::max() - begin)
+        return InvalidArgument(
+            fmt::format("BlockSpace layer {} role {}: {} blocks of stride {} exceed the address space", l, rname,
+                        num_blocks, p.stride));
+      if (!region_bytes.empty() && region_bytes[l][r] < extent)
+        return InvalidArgument(
+            fmt::format("BlockSpace layer {} role {}: region of {} bytes is too small for {} blocks (needs {} bytes)",
+                        l, rname, region_bytes[l][r], num_blocks, extent));
       intervals.push_back({begin, begin + extent, l, r});
     }
   }
-  // Overlap check between planes. Interleaved planes (e.g. K/V in one block
-  // with stride 2*block_bytes) overlap as ranges but not byte-wise; compare
-  // block footprints when the strides match, else ranges.
+  // Overlap check between every pair of planes whose ranges intersect (not
+  // only neighbours after sorting: a plane can hide behind a longer one).
+  // Interleaved planes (e.g. K/V in one block with stride 2*block_bytes)
+  // overlap as ranges but not byte-wise; compare block footprints when the
+  // strides match, else ranges.
   std::sort(intervals.begin(), intervals.end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
-  for (std::size_t i = 1; i < intervals.size(); ++i) {
-    const Interval& a = intervals[i - 1];
-    const Interval& b = intervals[i];
-    if (b.begin >= a.end) continue;
-    const Plane& pa = planes[a.l][a.r];
-    const Plane& pb = planes[b.l][b.r];
-    const std::uint64_t delta = b.begin - a.begin;
-    const bool interleaved = pa.stride == pb.stride && delta % pa.stride >= layout.block_bytes(a.l, a.r) &&
-                             (delta % pa.stride) + layout.block_bytes(b.l, b.r) <= pa.stride;
-    if (!interleaved)
-      return InvalidArgument(fmt::format("BlockSpace planes (layer {}, {}) and (layer {}, {}) overlap", a.l,
-                                         role_name(layout.layer(a.l).roles[a.r].role), b.l,
-                                         role_name(layout.layer(b.l).roles[b.r].role)));
-  }
+  for (std::size_t i = 0; i < intervals.size(); ++i)
+    for (std::size_t j = i + 1; j < intervals.size() && intervals[j].begin < intervals[i].end; ++j) {
+      const Interval& a = intervals[i];
+      const Interval& b = intervals[j];
+      const Plane& pa = planes[a.l][a.r];
+      const Plane& pb = planes[b.l][b.r];
+      const std::uint64_t delta = b.begin - a.begin;
+      const bool interleaved = pa.stride == pb.stride && delta % pa.stride >= layout.block_bytes(a.l, a.r) &&
+                               (delta % pa.stride) + layout.block_bytes(b.l, b.r) <= pa.stride;
+      if (!interleaved)
+        return InvalidArgument(fmt::format("BlockSpace planes (layer {}, {}) and (layer {}, {}) overlap", a.l,
+                                           role_name(layout.layer(a.l).roles[a.r].role), b.l,
+                                           role_name(layout.layer(b.l).roles[b.r].role)));
+    }
   BlockSpace out;
   out.kind_ = kind;
   out.device_ordinal_ = device_ordinal;
@@ -310,8 +324,8 @@ std::uint64_t BlockSpace::layer_first_region_bytes(const KvLayout& layout, std::
 Result<BlockSpace> BlockSpace::layer_first(MemoryKind kind, int device_ordinal, KvLayout layout,
                                            std::uint64_t num_blocks, std::vector<std::vector<void*>> bases) {
   if (bases.size() != layout.num_layers())
-    return InvalidArgument(fmt::format("layer_first: {} layers of bases, layout has {}", bases.size(),
-                                       layout.num_layers()));
+    return InvalidArgument(
+        fmt::format("layer_first: {} layers of bases, layout has {}", bases.size(), layout.num_layers()));
   std::vector<std::vector<Plane>> planes(layout.num_layers());
   std::vector<std::vector<std::uint64_t>> sizes(layout.num_layers());
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
@@ -340,12 +354,16 @@ Result<BlockSpace> BlockSpace::page_first(MemoryKind kind, int device_ordinal, K
                                           std::uint64_t page_alignment, std::uint64_t role_alignment) {
   if (base == nullptr) return InvalidArgument("page_first: null base");
   if (page_alignment == 0 || role_alignment == 0)
-    return InvalidArgument(fmt::format("page_first: alignments must be >= 1 (page {}, role {})", page_alignment,
-                                       role_alignment));
+    return InvalidArgument(
+        fmt::format("page_first: alignments must be >= 1 (page {}, role {})", page_alignment, role_alignment));
   const std::uint64_t page = page_first_page_bytes(layout, page_alignment, role_alignment);
-  if (region_bytes < page * num_blocks)
-    return InvalidArgument(fmt::format("page_first: region of {} bytes < {} blocks x {} page bytes", region_bytes,
-                                       num_blocks, page));
+  std::uint64_t needed = 0;
+  if (__builtin_mul_overflow(page, num_blocks, &needed))
+    return InvalidArgument(
+        fmt::format("page_first: {} blocks x {} page bytes exceed the address space", num_blocks, page));
+  if (region_bytes < needed)
+    return InvalidArgument(
+        fmt::format("page_first: region of {} bytes < {} blocks x {} page bytes", region_bytes, num_blocks, page));
   std::vector<std::vector<Plane>> planes(layout.num_layers());
   std::uint64_t offset = 0;
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l)

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "kvtier/core/deadline.h"
+
 namespace kvtier {
 
 bool WriteOrigin::block_failed(std::int32_t block) const noexcept {
@@ -99,8 +101,7 @@ void HazardTracker::hazards_for_read(std::span<const std::int32_t> blocks, std::
   if (sources) sources->clear();
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     Record& r = records_[static_cast<std::size_t>(blocks[i])];
-    if (r.writer.event && r.writer.stream_id != stream_id && !settled_locked(r.writer, cache))
-      waits.add(r.writer.event);
+    add_pending_locked(r.writers, stream_id, waits, cache);
     prune_good(r.origins);
     if (sources)
       for (const auto& o : r.origins) sources->push_back({static_cast<std::uint32_t>(i), o});
@@ -112,41 +113,64 @@ void HazardTracker::hazards_for_write(std::span<const std::int32_t> blocks, std:
   QueryCache cache;
   for (std::int32_t b : blocks) {
     Record& r = records_[static_cast<std::size_t>(b)];
-    if (r.writer.event && r.writer.stream_id != stream_id && !settled_locked(r.writer, cache))
-      waits.add(r.writer.event);
-    for (auto& reader : r.readers)
-      if (reader.event && reader.stream_id != stream_id && !settled_locked(reader, cache)) waits.add(reader.event);
-    std::erase_if(r.readers, [](const Access& a) { return !a.event; });
+    add_pending_locked(r.writers, stream_id, waits, cache);
+    add_pending_locked(r.readers, stream_id, waits, cache);
   }
+}
+
+void HazardTracker::add_pending_locked(std::vector<Access>& accesses, std::uint64_t stream_id, EventSet& waits,
+                                       QueryCache& cache) {
+  for (auto& a : accesses)
+    if (a.event && a.stream_id != stream_id && !settled_locked(a, cache)) waits.add(a.event);
+  std::erase_if(accesses, [](const Access& a) { return !a.event; });
+}
+
+void HazardTracker::upsert_locked(std::vector<Access>& accesses, const EventLease& event, std::uint64_t stream_id,
+                                  QueryCache& cache) {
+  // Settled accesses are dropped here, so a record holds only pending ones:
+  // its size is bounded by the streams with work in flight on the block, not
+  // by every stream that ever touched it.
+  bool replaced = false;
+  for (auto& a : accesses) {
+    if (a.stream_id == stream_id) {
+      // A stream is in order: its newest access implies its earlier ones.
+      a.event = event;
+      replaced = true;
+    } else {
+      settled_locked(a, cache);
+    }
+  }
+  std::erase_if(accesses, [](const Access& a) { return !a.event; });
+  if (!replaced) accesses.push_back(Access{event, stream_id});
 }
 
 void HazardTracker::note_read(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (std::int32_t b : blocks) {
-    Record& r = records_[static_cast<std::size_t>(b)];
-    bool replaced = false;
-    for (auto& reader : r.readers) {
-      if (reader.stream_id == stream_id) {
-        reader.event = event;
-        replaced = true;
-      }
-    }
-    if (!replaced) r.readers.push_back(Access{event, stream_id});
-  }
+  QueryCache cache;
+  for (std::int32_t b : blocks) upsert_locked(records_[static_cast<std::size_t>(b)].readers, event, stream_id, cache);
 }
 
 void HazardTracker::note_write(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id,
-                               WriteOriginRef origin, bool full, bool clear_readers) {
+                               WriteOriginRef origin, bool full, bool ordered_after_pending) {
   std::lock_guard<std::mutex> lock(mu_);
+  QueryCache cache;
   for (std::int32_t b : blocks) {
     Record& r = records_[static_cast<std::size_t>(b)];
-    r.writer = Access{event, stream_id};
+    if (ordered_after_pending) {
+      // The writer waited on every pending writer and reader: its event implies them.
+      r.writers.clear();
+      r.writers.push_back(Access{event, stream_id});
+      r.readers.clear();
+    } else {
+      // A declared write (compute) that kvtier did not order: the pending
+      // writers and readers stay, beside it, until they complete.
+      upsert_locked(r.writers, event, stream_id, cache);
+    }
     if (full)
       r.origins.clear();
     else
       prune_good(r.origins);
     if (origin) r.origins.push_back(origin);
-    if (clear_readers) r.readers.clear();
   }
 }
 
@@ -155,9 +179,11 @@ Result<bool> HazardTracker::is_free(std::int32_t block) {
   std::lock_guard<std::mutex> lock(mu_);
   QueryCache cache;
   Record& r = records_[static_cast<std::size_t>(block)];
-  bool free = settled_locked(r.writer, cache);
-  for (auto& reader : r.readers) free = settled_locked(reader, cache) && free;
-  std::erase_if(r.readers, [](const Access& a) { return !a.event; });
+  bool free = true;
+  for (auto* list : {&r.writers, &r.readers}) {
+    for (auto& a : *list) free = settled_locked(a, cache) && free;
+    std::erase_if(*list, [](const Access& a) { return !a.event; });
+  }
   return free;
 }
 
@@ -174,7 +200,7 @@ Status HazardTracker::wait_free(std::span<const std::int32_t> blocks, Stream& st
 
 Status HazardTracker::wait_free_host(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) {
   KVTIER_RETURN_IF_ERROR(check_ids(blocks, "wait_free_host"));
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   EventSet waits;
   hazards_for_write(blocks, kNoStream, waits);
   for (const auto& e : waits.events()) {
@@ -205,7 +231,7 @@ std::size_t HazardTracker::tracked_events(std::int32_t block) const {
   if (block < 0 || static_cast<std::uint64_t>(block) >= num_blocks_) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   const Record& r = records_[static_cast<std::size_t>(block)];
-  return (r.writer.event ? 1 : 0) + r.readers.size();
+  return r.writers.size() + r.readers.size();
 }
 
 }  // namespace kvtier

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -11,6 +12,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "kvtier/core/deadline.h"
 #include "kvtier/transfer/event_pool.h"
 #include "kvtier/transfer/hazard_tracker.h"
 
@@ -188,6 +190,24 @@ class TransferManagerImpl final : public TransferManager {
   // Runs the callbacks collected while settling, then makes the settled slots
   // and tasks visible to host waiters.
   void fire_and_publish(std::vector<std::function<void()>>& fire);
+  bool on_progress_thread() const noexcept {
+    return progress_id_.load(std::memory_order_acquire) == std::this_thread::get_id();
+  }
+  // Caller holds mu_. Whether a host waiter may return for the task (or its
+  // slot k): its callbacks ran. On the progress thread (inside a callback)
+  // it is enough that it is final: its callbacks may be queued behind the
+  // running one, in the same batch.
+  bool final_for_waiter(const TaskRec& t) const {
+    return on_progress_thread() ? t.state != TaskState::kPending : t.visible;
+  }
+  bool final_for_waiter(const TaskRec& t, std::size_t k) const {
+    return on_progress_thread() ? t.slot_state[k] != TaskState::kPending : t.slot_visible[k];
+  }
+  // Caller holds `lock` (on mu_). Waits until pred() or the deadline. On the
+  // progress thread (a callback waiting for another task) no other thread
+  // would settle anything, so this thread drives progress itself.
+  template <typename Pred>
+  bool wait_state(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Pred pred);
   // Caller holds mu_. Returns false if a source is still unsettled.
   bool sources_settled(const TaskRec& t) const;
   void finalize_slot_locked(const std::shared_ptr<TaskRec>& t, std::size_t slot, Status copy_status,
@@ -250,6 +270,10 @@ class TransferManagerImpl final : public TransferManager {
   std::uint64_t latency_count_ = 0;
 
   std::thread progress_;
+  std::atomic<std::thread::id> progress_id_{};
+  // Set (under submit_mu_) when the first shutdown() finished; later calls wait for it.
+  bool shutdown_done_ = false;
+  std::condition_variable shutdown_cv_;
   std::unique_ptr<SubmitWorker> in_worker_;
   std::unique_ptr<SubmitWorker> out_worker_;
 };
@@ -330,7 +354,10 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
   out_worker_ = std::make_unique<SubmitWorker>();
   out_worker_->stream = out_.get();
   out_worker_->queue = &out_queue_;
-  progress_ = std::thread([this] { progress_loop(); });
+  progress_ = std::thread([this] {
+    progress_id_.store(std::this_thread::get_id(), std::memory_order_release);
+    progress_loop();
+  });
   if (config_.async_submit) {
     in_worker_->thread = std::thread([this] { worker_loop(*in_worker_); });
     out_worker_->thread = std::thread([this] { worker_loop(*out_worker_); });
@@ -618,9 +645,10 @@ Status TransferManagerImpl::record_device_access(std::span<const std::int32_t> d
     case DeviceAccess::kRead: dev_hazards_->note_read(device_blocks, e, stream.id()); break;
     case DeviceAccess::kWrite:
     case DeviceAccess::kOverwrite:
-      // Readers are kept: this write was not ordered after them by kvtier.
+      // Pending writers (a load still writing later layers) and readers are
+      // kept: kvtier did not order this write after them.
       dev_hazards_->note_write(device_blocks, e, stream.id(), nullptr, access == DeviceAccess::kOverwrite,
-                               /*clear_readers=*/false);
+                               /*ordered_after_pending=*/false);
       break;
   }
   return Status::Ok();
@@ -657,7 +685,7 @@ Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Strea
 }
 
 Status TransferManagerImpl::wait_layer_host(TaskId id, std::uint32_t layer, std::chrono::nanoseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   std::unique_lock<std::mutex> lock(mu_);
   auto* t = find_locked(id);
   if (!t) return task_not_found(id);
@@ -668,34 +696,73 @@ Status TransferManagerImpl::wait_layer_host(TaskId id, std::uint32_t layer, std:
   if (it == task->layers.end())
     return InvalidArgument(fmt::format("wait_layer_host: load task {} does not load layer {}", id, layer));
   std::size_t k = static_cast<std::size_t>(it - task->layers.begin());
-  if (!state_cv_.wait_until(lock, deadline, [&] { return task->slot_visible[k]; }))
+  if (!wait_state(lock, deadline, [&] { return final_for_waiter(*task, k); }))
     return TimedOut(fmt::format("layer {} of load task {} not ready after {} us", layer, id, timeout.count() / 1000));
   return task->slot_state[k] == TaskState::kDone ? Status::Ok() : task->slot_status[k];
 }
 
 Status TransferManagerImpl::wait(TaskId id, std::chrono::nanoseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   std::unique_lock<std::mutex> lock(mu_);
   auto* t = find_locked(id);
   if (!t) return task_not_found(id);
   std::shared_ptr<TaskRec> task = *t;
-  if (!state_cv_.wait_until(lock, deadline, [&] { return task->visible; }))
+  if (!wait_state(lock, deadline, [&] { return final_for_waiter(*task); }))
     return TimedOut(fmt::format("transfer task {} not final after {} us", id, timeout.count() / 1000));
   return task->status;
 }
 
 Status TransferManagerImpl::wait_all(std::chrono::nanoseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   TaskId target;
   {
     std::lock_guard<std::mutex> submit(submit_mu_);
     target = next_id_ - 1;
   }
   std::unique_lock<std::mutex> lock(mu_);
-  if (!state_cv_.wait_until(lock, deadline, [&] { return pending_ids_.empty() || *pending_ids_.begin() > target; }))
+  auto all_final = [&] {
+    if (!on_progress_thread()) return pending_ids_.empty() || *pending_ids_.begin() > target;
+    // In a callback: tasks of the batch being fired are final but not yet
+    // published (their ids are still pending).
+    for (TaskId p : pending_ids_) {
+      if (p > target) break;
+      auto* t = find_locked(p);
+      if (t && (*t)->state == TaskState::kPending) return false;
+    }
+    return true;
+  };
+  if (!wait_state(lock, deadline, all_final))
     return TimedOut(
         fmt::format("{} transfer tasks still in flight after {} us", pending_ids_.size(), timeout.count() / 1000));
   return Status::Ok();
+}
+
+template <typename Pred>
+bool TransferManagerImpl::wait_state(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Pred pred) {
+  if (!on_progress_thread()) return state_cv_.wait_until(lock, deadline, pred);
+  while (!pred()) {
+    if (Clock::now() >= deadline) return false;
+    // The batch whose callbacks are running (this one among them) is
+    // published by the outer fire_and_publish once they all ran: keep it
+    // out of the nested one.
+    auto outer_slots = std::move(settled_slots_);
+    auto outer_tasks = std::move(settled_tasks_);
+    settled_slots_.clear();
+    settled_tasks_.clear();
+    lock.unlock();
+    std::vector<std::function<void()>> fire;
+    const bool any = progress_once(fire);
+    if (any) fire_and_publish(fire);
+    lock.lock();
+    settled_slots_.insert(settled_slots_.begin(), outer_slots.begin(), outer_slots.end());
+    settled_tasks_.insert(settled_tasks_.begin(), outer_tasks.begin(), outer_tasks.end());
+    if (!any && !pred()) {
+      lock.unlock();
+      std::this_thread::sleep_for(std::min<Clock::duration>(config_.poll_interval, deadline - Clock::now()));
+      lock.lock();
+    }
+  }
+  return true;
 }
 
 Result<TaskInfo> TransferManagerImpl::task_info(TaskId id) const {
@@ -1011,9 +1078,18 @@ void TransferManagerImpl::stop_workers() {
 }
 
 Status TransferManagerImpl::shutdown() {
+  if (on_progress_thread())
+    return FailedPrecondition(
+        "TransferManager::shutdown called from a transfer callback: shutdown joins the thread that runs callbacks");
   {
-    std::lock_guard<std::mutex> submit(submit_mu_);
-    if (shut_) return shutdown_status_;
+    std::unique_lock<std::mutex> submit(submit_mu_);
+    if (shut_) {
+      // Idempotent: a later call returns once the first one completed, with its status.
+      const auto limit = deadline_after(2 * config_.shutdown_timeout + std::chrono::seconds(10));
+      if (!shutdown_cv_.wait_until(submit, limit, [&] { return shutdown_done_; }))
+        return TimedOut("TransferManager::shutdown: the shutdown already under way did not complete");
+      return shutdown_status_;
+    }
     shut_ = true;
   }
   // Every accepted task is enqueued (or failed) before the streams drain.
@@ -1050,11 +1126,36 @@ Status TransferManagerImpl::shutdown() {
   {
     std::lock_guard<std::mutex> submit(submit_mu_);
     shutdown_status_ = result;
+    shutdown_done_ = true;
   }
+  shutdown_cv_.notify_all();
   return result;
 }
 
 }  // namespace
+
+Status validate_transfer_config(const TransferManagerConfig& c) {
+  auto bad = [](std::string_view field, auto value, std::string_view rule) {
+    return InvalidArgument(fmt::format("TransferManagerConfig.{} = {} ({})", field, value, rule));
+  };
+  if (c.max_in_flight_tasks == 0) return bad("max_in_flight_tasks", 0, "must be >= 1: every submit would fail");
+  if (c.retained_finished_tasks == 0) return bad("retained_finished_tasks", 0, "must be >= 1");
+  if (c.latency_samples == 0) return bad("latency_samples", 0, "must be >= 1");
+  if (c.poll_interval.count() <= 0)
+    return bad("poll_interval", fmt::format("{}us", c.poll_interval.count()), "must be > 0");
+  if (c.shutdown_timeout.count() <= 0)
+    return bad("shutdown_timeout", fmt::format("{}ms", c.shutdown_timeout.count()), "must be > 0");
+  if (c.host_ready_timeout.count() <= 0)
+    return bad("host_ready_timeout", fmt::format("{}ms", c.host_ready_timeout.count()), "must be > 0");
+  for (auto [field, st] : {std::pair{"evict_strategy", c.evict_strategy}, std::pair{"load_strategy", c.load_strategy}})
+    if (static_cast<unsigned>(st) >= static_cast<unsigned>(kNumCopyStrategies))
+      return bad(field, static_cast<int>(st), "not a CopyStrategy");
+  for (auto [field, p] :
+       {std::pair{"input_priority", c.input_priority}, std::pair{"output_priority", c.output_priority}})
+    if (p != StreamPriority::kNormal && p != StreamPriority::kHigh)
+      return bad(field, static_cast<int>(p), "not a StreamPriority");
+  return Status::Ok();
+}
 
 Result<std::unique_ptr<TransferManager>> TransferManager::create(Device& device, Stream& compute,
                                                                  KvCacheRegistration registration,
@@ -1062,6 +1163,7 @@ Result<std::unique_ptr<TransferManager>> TransferManager::create(Device& device,
                                                                  CopyEngine* engine) {
   if (&compute.device() != &device)
     return InvalidArgument("TransferManager::create: the compute stream belongs to another Device");
+  KVTIER_RETURN_IF_ERROR(validate_transfer_config(config).with_context("TransferManager::create"));
   auto mgr = std::make_unique<TransferManagerImpl>(device, compute, config);
   KVTIER_RETURN_IF_ERROR(mgr->init(std::move(registration), engine));
   return std::unique_ptr<TransferManager>(std::move(mgr));

@@ -4,6 +4,8 @@
 // current device is unchanged, and checks every CUDA call.
 #include "kvtier/device/cuda_device.h"
 
+#include "kvtier/core/deadline.h"
+
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
@@ -91,10 +93,6 @@ void CUDART_CB run_host_callback(void* data) {
   }
 }
 
-// Largest wait treated as finite; longer timeouts (e.g. nanoseconds::max())
-// would overflow steady_clock arithmetic.
-constexpr std::chrono::nanoseconds kMaxWait = std::chrono::hours(24 * 365);
-
 // Polls `query` (cudaEventQuery / cudaStreamQuery) until it is not
 // cudaErrorNotReady or `timeout` passes. Spins with yield for the first few
 // polls (completion is often imminent), then sleeps with a doubling interval
@@ -103,7 +101,7 @@ template <typename Query>
 Status poll_until_done(Query&& query, std::chrono::nanoseconds timeout, const std::string& what) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto deadline = start + std::clamp(timeout, std::chrono::nanoseconds(0), kMaxWait);
+  const auto deadline = deadline_after(timeout, start);
   std::chrono::microseconds sleep{2};
   int polls = 0;
   for (;;) {

@@ -23,6 +23,8 @@
 // another worker's wait) takes that mutex, which orders the bytes for them.
 #include "kvtier/device/host_device.h"
 
+#include "kvtier/core/deadline.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -55,17 +57,12 @@ std::uint64_t splitmix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Waits for `pred` up to `timeout`; huge timeouts wait forever (deadline
-// arithmetic would overflow). Returns pred().
+// Waits for `pred` up to `timeout` (saturated: deadline.h). Returns pred().
 template <typename Pred>
 bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, std::chrono::nanoseconds timeout,
               Pred pred) {
-  if (timeout >= std::chrono::hours(24 * 365)) {
-    cv.wait(lock, pred);
-    return true;
-  }
   if (timeout <= std::chrono::nanoseconds::zero()) return pred();
-  return cv.wait_until(lock, std::chrono::steady_clock::now() + timeout, pred);
+  return cv.wait_until(lock, deadline_after(timeout), pred);
 }
 
 // State shared by the device object and its streams, so that workers never

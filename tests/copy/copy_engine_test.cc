@@ -1,6 +1,8 @@
 // CopyEngine on the host backend (label cpu). The shared body runs every
 // strategy's host executor; the tests below use host-only fault and delay
 // injection.
+#include <thread>
+
 #include "copy/copy_engine_test_body.h"
 #include "copy/engine_base.h"
 #include "copy/kernel_plan.h"
@@ -172,6 +174,70 @@ TEST_F(CopyEngineTest, SplitWithDelaysKeepsOrder) {
 
 // The index math of the kernel decomposition, checked directly: every byte
 // of every (pair, plane) is covered exactly once, items never cross blocks.
+// Two BlockSpaces on one base with different block counts: the same-space
+// check must not index its destination-sized bitmap with source ids (an
+// out-of-bounds read under ASan), and it must compare bytes, not bases.
+TEST_F(CopyEngineTest, AliasedSpacesWithDifferentBlockCounts) {
+  auto layout = *KvLayout::uniform(1, 1, 64);
+  std::vector<std::byte> mem(64 * 4096);
+  auto big = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 4096, {{mem.data()}});
+  auto small = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 4, {{mem.data()}});
+  ASSERT_TRUE(big.ok() && small.ok());
+  const std::vector<std::int32_t> src = {4000, 3999};
+  const std::vector<std::int32_t> dst = {0, 1};
+  Status st;
+  // A fresh thread: its bitmap is sized for the 4-block destination only.
+  std::thread([&] {
+    CopyRequest r;
+    r.src = &*big;
+    r.dst = &*small;
+    r.src_blocks = src;
+    r.dst_blocks = dst;
+    r.strategy = CopyStrategy::kDmaPerRun;
+    st = engine_->validate(r);
+  }).join();
+  EXPECT_TRUE(st.ok()) << "disjoint bytes: " << st.to_string();
+
+  // Source block 2 of the big space is destination block 2 of the small one.
+  const std::vector<std::int32_t> src2 = {2};
+  const std::vector<std::int32_t> dst2 = {2};
+  CopyRequest r;
+  r.src = &*big;
+  r.dst = &*small;
+  r.src_blocks = src2;
+  r.dst_blocks = dst2;
+  r.strategy = CopyStrategy::kDmaPerRun;
+  Status overlap = engine_->validate(r);
+  EXPECT_EQ(overlap.code(), StatusCode::kInvalidArgument) << overlap.to_string();
+}
+
+// Two different spaces over the same memory, offset by one block: block 1 of
+// one is block 0 of the other. Rejected before anything is written.
+TEST_F(CopyEngineTest, AliasedSpacesOnDifferentBasesRejectedBeforeEnqueue) {
+  auto layout = *KvLayout::uniform(1, 1, 64);
+  std::vector<std::byte> mem(64 * 8);
+  for (std::size_t i = 0; i < mem.size(); ++i) mem[i] = static_cast<std::byte>(i);
+  const std::vector<std::byte> before = mem;
+  auto a = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 8, {{mem.data()}});
+  auto b = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 7, {{mem.data() + 64}});
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<std::int32_t> src = {5, 1};
+  const std::vector<std::int32_t> dst = {6, 0};  // a's block 1 is b's block 0
+  CopyRequest r;
+  r.src = &*a;
+  r.dst = &*b;
+  r.src_blocks = src;
+  r.dst_blocks = dst;
+  r.strategy = CopyStrategy::kDmaPerRun;
+  auto report = engine_->copy(r, *stream_);
+  EXPECT_EQ(report.status().code(), StatusCode::kInvalidArgument);
+  if (!report.ok()) {
+    EXPECT_NE(report.status().message().find("alias"), std::string::npos) << report.status().to_string();
+  }
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  EXPECT_EQ(mem, before) << "part of an aliasing copy was written";
+}
+
 TEST(KernelPlanTest, ItemsCoverEveryByteOnce) {
   using namespace copy_detail;
   const std::uint64_t sizes[] = {1, 15, 16, 17, 100, 4096, 4097, 70000};

@@ -30,8 +30,8 @@ TEST(KvLayout, Fp8ScalesAndDraftLayers) {
   EXPECT_TRUE(layout->layer(4).draft);
   EXPECT_FALSE(layout->layer(3).draft);
   ASSERT_EQ(layout->num_roles(0), 4u);
-  EXPECT_EQ(layout->block_bytes(0, 0), 8u * 64 * 128);   // fp8 K
-  EXPECT_EQ(layout->block_bytes(0, 2), 8u * 64 * 2);     // bf16 scale per (head, token)
+  EXPECT_EQ(layout->block_bytes(0, 0), 8u * 64 * 128);  // fp8 K
+  EXPECT_EQ(layout->block_bytes(0, 2), 8u * 64 * 2);    // bf16 scale per (head, token)
   auto r = layout->find_role(2, Role::kValueScale);
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(*r, 3u);
@@ -124,6 +124,44 @@ TEST(BlockSpace, InterleavedKvAccepted_OverlapRejected) {
   auto region = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, 10,
                                         {{Plane{mem.data(), 64}, Plane{mem.data() + 640, 64}}}, {{640, 639}});
   EXPECT_EQ(region.status().code(), StatusCode::kInvalidArgument);
+}
+
+// Three planes of one stride: plane 2 starts one stride after plane 0, so it
+// overlaps plane 0's block 1 byte for byte, while plane 1 (interleaved with
+// both) sits between them after sorting by base. Every pair must be checked,
+// not only neighbours.
+TEST(BlockSpace, OverlapHiddenBehindAnInterleavedPlaneRejected) {
+  std::vector<LayerLayout> layers(1);
+  layers[0].roles = {
+      {Role::kKey, DType::kBf16, 64, ""}, {Role::kValue, DType::kBf16, 64, ""}, {Role::kIndexer, DType::kBf16, 64, ""}};
+  auto layout = KvLayout::create(std::move(layers), 4);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  std::vector<std::byte> mem(128 * 12);
+  auto hidden =
+      BlockSpace::from_planes(MemoryKind::kDevice, 0, *layout, 8,
+                              {{Plane{mem.data(), 128}, Plane{mem.data() + 64, 128}, Plane{mem.data() + 128, 128}}});
+  EXPECT_EQ(hidden.status().code(), StatusCode::kInvalidArgument) << "planes 0 and 2 share bytes";
+  if (!hidden.ok()) {
+    EXPECT_NE(hidden.status().message().find("overlap"), std::string::npos) << hidden.status().to_string();
+  }
+}
+
+// (num_blocks - 1) * stride + block_bytes must not wrap: 2^30 + 1 blocks of
+// stride 16 GiB wrap to 256 bytes in uint64.
+TEST(BlockSpace, RegionSizeCheckDoesNotWrap) {
+  auto layout = *KvLayout::uniform(1, 1, 256);
+  std::vector<std::byte> mem(256);
+  const std::uint64_t blocks = (std::uint64_t{1} << 30) + 1;
+  const std::uint64_t stride = std::uint64_t{16} << 30;
+  auto wrapped =
+      BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, blocks, {{Plane{mem.data(), stride}}}, {{mem.size()}});
+  EXPECT_EQ(wrapped.status().code(), StatusCode::kInvalidArgument) << "a 256-byte region was accepted";
+  // Without a region size too: base + extent must stay inside the address space.
+  auto unsized = BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, blocks, {{Plane{mem.data(), stride}}});
+  EXPECT_EQ(unsized.status().code(), StatusCode::kInvalidArgument);
+  auto page = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, (std::uint64_t{1} << 31) - 1, mem.data(),
+                                     mem.size(), std::uint64_t{1} << 40);
+  EXPECT_EQ(page.status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

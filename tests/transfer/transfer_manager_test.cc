@@ -13,35 +13,18 @@
 #include "kvtier/device/host_device.h"
 #include "kvtier/transfer/hazard_tracker.h"
 #include "transfer/transfer_model.h"
+#include "transfer/transfer_test_util.h"
 
 namespace kvtier {
 namespace {
 
 using namespace std::chrono_literals;
+using transfer_test::Gate;
+using transfer_test::make_host;
 using transfer_test::RandomOptions;
 using transfer_test::RigOptions;
+using transfer_test::small_gqa;
 using transfer_test::TransferRig;
-
-std::unique_ptr<HostDevice> make_host(std::uint64_t seed, int max_delay_us = 200) {
-  HostDeviceOptions o;
-  o.min_delay = std::chrono::microseconds(0);
-  o.max_delay = std::chrono::microseconds(max_delay_us);
-  o.seed = seed;
-  auto d = HostDevice::create(o);
-  EXPECT_TRUE(d.ok()) << d.status().to_string();
-  return std::move(d).value();
-}
-
-KvLayout small_gqa(std::uint32_t layers = 4) {
-  GqaShape s;
-  s.num_layers = layers;
-  s.kv_heads = 1;
-  s.block_tokens = 4;
-  s.head_dim = 16;  // 128 B per (layer, role, block)
-  auto l = KvLayout::gqa(s);
-  EXPECT_TRUE(l.ok());
-  return *l;
-}
 
 // Odd sizes (tails), fp8 scales, an indexer and a draft layer.
 KvLayout mixed_layout() {
@@ -89,27 +72,6 @@ RigOptions rig_options(KvLayout layout, CopyStrategy strategy = CopyStrategy::kA
   o.timeout = std::chrono::seconds(120);
   return o;
 }
-
-// Holds a stream busy until released (a "long kernel").
-struct Gate {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool open = false;
-  Status block(HostDevice& dev, Stream& s) {
-    return dev.enqueue_task(s, [this]() -> Status {
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [this] { return open; });
-      return Status::Ok();
-    });
-  }
-  void release() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      open = true;
-    }
-    cv.notify_all();
-  }
-};
 
 std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }
 

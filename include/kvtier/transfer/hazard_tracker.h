@@ -1,10 +1,16 @@
 // HazardTracker: per-block ordering records for one tier (device or host
 // blocks of one registration).
 //
-// Each block has one small record: the last write {event, stream, origin} and
-// at most one read per stream {event, stream} (a stream is in order, so its
-// latest read implies its earlier ones). A task that will access blocks asks
-// the tracker what it must wait on:
+// Each block has one small record: its pending writes and its pending reads,
+// each {event, stream}, at most one per stream (a stream is in order, so its
+// latest access implies its earlier ones), plus the origins of its bytes. A
+// write that kvtier ordered after every pending access (its own copies)
+// replaces them all; a write that it did not order (compute declared through
+// TransferManager::record_device_access) is kept beside them, so a load still
+// writing later layers stays a writer of the block while the forward pass
+// appends tokens to it. Settled accesses are pruned whenever a record is
+// touched. A task that will access blocks asks the tracker what it must wait
+// on:
 //   - reading a block waits for its last writer (read-after-write);
 //   - writing a block waits for its last writer and every reader
 //     (write-after-write, write-after-read).
@@ -129,11 +135,12 @@ class HazardTracker {
   // `full`: the write replaces every byte of the blocks (all layers and
   // roles), so earlier origins no longer matter; otherwise (a load of some
   // layers, a compute write of some tokens) `origin` is added to them.
-  // `clear_readers`: the writer was ordered after every recorded reader (it
-  // waited on hazards_for_write), so they are implied by its event. Pass
-  // false for writes that were not (declared compute writes).
+  // `ordered_after_pending`: the writer was ordered after every pending
+  // writer and reader (it waited on hazards_for_write), so they are implied
+  // by its event and are dropped. Pass false for writes that were not
+  // (declared compute writes): the pending accesses are then kept.
   void note_write(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id,
-                  WriteOriginRef origin, bool full, bool clear_readers = true);
+                  WriteOriginRef origin, bool full, bool ordered_after_pending = true);
 
   // True when no access to `block` is pending. Non-blocking.
   Result<bool> is_free(std::int32_t block);
@@ -155,15 +162,20 @@ class HazardTracker {
     std::uint64_t stream_id = 0;
   };
   struct Record {
-    Access writer;
+    std::vector<Access> writers;          // pending; at most one per stream
     std::vector<WriteOriginRef> origins;  // of the bytes now in the block, not yet known good
-    std::vector<Access> readers;          // at most one per stream
+    std::vector<Access> readers;          // pending; at most one per stream
   };
   // Blocks of one task share events: remember each event's answer for the
   // duration of one call (one driver query per distinct event).
   using QueryCache = std::vector<std::pair<const Event*, bool>>;
   // Drops `a` when its event completed. Caller holds mu_.
   bool settled_locked(Access& a, QueryCache& cache);
+  // Adds the pending accesses not on `stream_id` to `waits`; drops settled ones.
+  void add_pending_locked(std::vector<Access>& accesses, std::uint64_t stream_id, EventSet& waits, QueryCache& cache);
+  // Sets `stream_id`'s access to `event` (replacing its older one); drops settled ones.
+  void upsert_locked(std::vector<Access>& accesses, const EventLease& event, std::uint64_t stream_id,
+                     QueryCache& cache);
 
   Device& device_;
   const RecordGate* gate_ = nullptr;

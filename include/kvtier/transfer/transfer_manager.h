@@ -43,9 +43,14 @@
 // bytes are on the device; an error status means the layer failed (the
 // callback is still called exactly once per layer). Host waits (wait,
 // wait_layer_host, wait_all) return only after the callbacks of what they
-// waited for ran. Callbacks must be short, may call any query/submit method of
-// the manager, and must not host-wait for their own task, call shutdown() or
-// destroy the manager.
+// waited for ran. Callbacks should be short and may call any query/submit
+// method of the manager. A callback may host-wait for another task (or for a
+// later layer of its own): the waiting callback then drives completion itself
+// on the progress thread, so the wait ends when the copy does (callbacks of
+// what completes meanwhile run nested inside it); a task already final whose
+// callbacks are queued behind the running one returns its status at once. A
+// callback must not call shutdown() (FailedPrecondition) or destroy the
+// manager.
 //
 // Submission (config.async_submit, default on). A submit call validates the
 // request (ids, lengths, duplicates, the CopyEngine's checks), takes the
@@ -149,6 +154,12 @@ struct TransferManagerConfig {
   // the calling thread enqueues everything before the submit returns.
   bool async_submit = true;
 };
+
+// InvalidArgument naming the first bad field: max_in_flight_tasks,
+// retained_finished_tasks and latency_samples >= 1, poll_interval,
+// shutdown_timeout and host_ready_timeout > 0, strategies and priorities in
+// range. TransferManager::create runs it.
+Status validate_transfer_config(const TransferManagerConfig& config);
 
 // layer: the model layer index; status: OK = the layer's bytes are on the device.
 using LayerCallback = std::function<void(std::uint32_t layer, const Status& status)>;
@@ -300,8 +311,10 @@ class TransferManager {
   virtual Device& device() const noexcept = 0;
   virtual const TransferManagerConfig& config() const noexcept = 0;
 
-  // Idempotent. After it, submits return FailedPrecondition. Returns the
-  // first drain error (e.g. TimedOut when a stream did not drain).
+  // Idempotent: a call while another is draining returns when that one is
+  // complete, with its status. After it, submits return FailedPrecondition.
+  // Returns the first drain error (e.g. TimedOut when a stream did not
+  // drain). FailedPrecondition from a callback.
   virtual Status shutdown() = 0;
 
  protected:

@@ -1,0 +1,316 @@
+// Hazard records and the lifecycle of the TransferManager on the host
+// backend: one test per defect found by a randomized harness against the
+// public headers (each failed before its fix), and the fixes' edges.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "kvtier/device/host_device.h"
+#include "kvtier/transfer/hazard_tracker.h"
+#include "kvtier/transfer/transfer_manager.h"
+#include "transfer/transfer_model.h"
+#include "transfer/transfer_test_util.h"
+
+namespace kvtier {
+namespace {
+
+using namespace std::chrono_literals;
+using transfer_test::check_pattern;
+using transfer_test::Gate;
+using transfer_test::make_host;
+using transfer_test::RigOptions;
+using transfer_test::small_gqa;
+using transfer_test::TransferRig;
+
+RigOptions options(std::uint32_t layers = 4) {
+  RigOptions o;
+  o.layout = small_gqa(layers);
+  o.device_blocks = 8;
+  o.host_blocks = 8;
+  o.config.poll_interval = std::chrono::microseconds(20);
+  o.arena_bytes = 1u << 20;
+  o.timeout = std::chrono::seconds(60);
+  return o;
+}
+
+std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }
+
+// Host block `h` gets fresh bytes through a device block (compute write, evict).
+void seed_host_block(TransferRig& rig, std::int32_t via_device, std::int32_t h) {
+  ASSERT_TRUE(rig.compute_write(ids({via_device})).ok());
+  auto ev = rig.evict(ids({via_device}), ids({h}));
+  ASSERT_TRUE(ev.ok()) << ev.status().to_string();
+  ASSERT_TRUE(rig.mgr().wait(*ev, 10s).ok());
+}
+
+// ------------------------------------------------------------ defect 1
+// The decode pattern: a layer-wise load into device block d is still writing
+// later layers when the forward pass declares its token append on d (kWrite).
+// The load must stay a writer of d.
+TEST(TransferHazards, DeclaredWriteDuringLoadKeepsTheLoadAsWriter) {
+  auto dev = make_host(101, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  seed_host_block(rig, 0, 5);
+  const std::uint64_t loaded_tag = rig.host_content(5, 0).tag;
+
+  Gate hold;  // the input stream is busy: the load's copies wait behind it
+  ASSERT_TRUE(hold.block(*dev, rig.mgr().input_stream()).ok());
+  auto load = rig.load({}, ids({5}), ids({2}), /*compute_reads=*/false);
+  ASSERT_TRUE(load.ok()) << load.status().to_string();
+
+  // The forward declares a write of d on its own stream (already complete).
+  ASSERT_TRUE(rig.mgr().record_device_access(ids({2}), rig.compute(), TransferManager::DeviceAccess::kWrite).ok());
+  ASSERT_TRUE(dev->synchronize(rig.compute(), 10s).ok());
+
+  auto free = rig.mgr().is_device_block_free(2);
+  ASSERT_TRUE(free.ok());
+  EXPECT_FALSE(*free) << "the load still writes block 2, yet it was reported free";
+
+  // A reuse fenced on the compute stream must wait for the load.
+  ASSERT_TRUE(rig.mgr().wait_device_blocks_free(ids({2}), rig.compute()).ok());
+  const KvLayout& layout = rig.layout();
+  const std::uint32_t last = layout.num_layers() - 1;
+  const std::uint64_t n = layout.block_bytes(last, 0);
+  std::vector<std::byte> snapshot(n, std::byte{0x11});
+  std::byte* src = rig.mgr().device_space().block_ptr(last, 0, 2);
+  ASSERT_TRUE(dev->enqueue_task(rig.compute(),
+                                [&]() -> Status {
+                                  std::memcpy(snapshot.data(), src, n);
+                                  return Status::Ok();
+                                })
+                  .ok());
+
+  // An eviction of d must be ordered after the load too.
+  auto ev = rig.evict(ids({2}), ids({7}));
+  ASSERT_TRUE(ev.ok());
+  std::this_thread::sleep_for(30ms);
+  EXPECT_EQ(rig.mgr().task_info(*ev)->state, TaskState::kPending)
+      << "the eviction of block 2 ran before the load that writes it";
+
+  hold.release();
+  rig.quiesce_and_verify();  // host block 7 must hold the loaded bytes
+  EXPECT_EQ(check_pattern(snapshot.data(), n, loaded_tag, last, 0), -1)
+      << "wait_device_blocks_free(2, compute) did not wait for the load's last layer";
+  EXPECT_TRUE(*rig.mgr().is_device_block_free(2));
+}
+
+// Per-layer declared writes (the forward appends a token to every layer)
+// while the load runs, checked layer by layer against the loaded bytes.
+TEST(TransferHazards, PerLayerWritesDuringLoadAreOrderedAfterEachLayer) {
+  auto dev = make_host(102, 50);
+  TransferRig rig(*dev, options(6));
+  ASSERT_TRUE(rig.init().ok());
+  seed_host_block(rig, 0, 3);
+  for (int round = 0; round < 20; ++round) {
+    auto load = rig.mgr().load_layers_to_device_async({}, ids({3}), ids({4}));
+    ASSERT_TRUE(load.ok());
+    for (std::uint32_t l = 0; l < rig.layout().num_layers(); ++l) {
+      ASSERT_TRUE(rig.mgr().wait_for_layer(*load, l, rig.compute()).ok());
+      ASSERT_TRUE(rig.mgr().record_device_access(ids({4}), rig.compute(), TransferManager::DeviceAccess::kWrite).ok());
+    }
+    // Until the load is final, the block is never free.
+    auto info = rig.mgr().task_info(*load);
+    ASSERT_TRUE(info.ok());
+    if (info->state == TaskState::kPending) EXPECT_FALSE(*rig.mgr().is_device_block_free(4));
+    ASSERT_TRUE(rig.mgr().wait(*load, 10s).ok());
+    ASSERT_TRUE(dev->synchronize(rig.compute(), 10s).ok());
+    EXPECT_TRUE(*rig.mgr().is_device_block_free(4));
+  }
+}
+
+// ------------------------------------------------------------ defect 4
+// A block that is only read (a shared prefix) by many streams must not keep
+// one record (and one pooled event) per stream forever.
+TEST(TransferHazards, SettledReadersArePruned) {
+  auto dev = make_host(103, 0);
+  HazardTracker tracker(*dev, 4, "device");
+  std::vector<std::unique_ptr<Stream>> streams;
+  const std::vector<std::int32_t> block = {1};
+  for (int i = 0; i < 100; ++i) {
+    auto s = dev->create_stream({});
+    ASSERT_TRUE(s.ok());
+    auto e = dev->create_event();
+    ASSERT_TRUE(e.ok());
+    EventLease ev = std::move(e).value();
+    ASSERT_TRUE(dev->record(*ev, **s).ok());
+    ASSERT_TRUE(dev->synchronize(**s, 10s).ok());
+    tracker.note_read(block, ev, (*s)->id());
+    streams.push_back(std::move(s).value());
+  }
+  EXPECT_LE(tracker.tracked_events(1), 1u) << "settled readers of other streams are kept";
+}
+
+TEST(TransferHazards, SharedPrefixReadersDoNotGrowTheEventPool) {
+  auto dev = make_host(104, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  const std::uint64_t before = rig.mgr().stats().events_created;
+  for (int i = 0; i < 200; ++i) {
+    auto s = dev->create_stream({});
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(rig.mgr().record_device_access(ids({0, 1}), **s, TransferManager::DeviceAccess::kRead).ok());
+    ASSERT_TRUE(dev->synchronize(**s, 10s).ok());
+  }
+  EXPECT_LT(rig.mgr().stats().events_created - before, 20u)
+      << "every stream that ever read the shared blocks holds an event";
+}
+
+// ------------------------------------------------------------ defect 2
+// A second shutdown() while the first is draining returns only when the
+// first is complete (accepted tasks finished, callbacks ran), with its status.
+TEST(TransferLifecycle, SecondShutdownWaitsForTheFirst) {
+  auto dev = make_host(105, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  seed_host_block(rig, 0, 1);
+  Gate hold;
+  ASSERT_TRUE(hold.block(*dev, rig.mgr().input_stream()).ok());
+  std::atomic<bool> callback_ran{false};
+  LoadOptions lo;
+  lo.on_done = [&](TaskId, const Status&) {
+    std::this_thread::sleep_for(20ms);
+    callback_ran = true;
+  };
+  auto load = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({3}), lo);
+  ASSERT_TRUE(load.ok());
+  Status first;
+  std::thread a([&] { first = rig.mgr().shutdown(); });
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(150ms);
+    hold.release();
+  });
+  std::this_thread::sleep_for(40ms);  // the first call is draining
+  Status second = rig.mgr().shutdown();
+  EXPECT_TRUE(callback_ran) << "the second shutdown() returned before the first finished draining";
+  a.join();
+  releaser.join();
+  EXPECT_EQ(second.code(), first.code());
+  EXPECT_TRUE(first.ok()) << first.to_string();
+  EXPECT_EQ(rig.mgr().shutdown().code(), first.code());
+}
+
+TEST(TransferLifecycle, ShutdownFromACallbackIsRefused) {
+  auto dev = make_host(106, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  seed_host_block(rig, 0, 1);
+  Status from_callback;
+  LoadOptions lo;
+  lo.on_done = [&](TaskId, const Status&) { from_callback = rig.mgr().shutdown(); };
+  auto load = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({3}), lo);
+  ASSERT_TRUE(load.ok());
+  ASSERT_TRUE(rig.mgr().wait(*load, 10s).ok());
+  EXPECT_EQ(from_callback.code(), StatusCode::kFailedPrecondition) << from_callback.to_string();
+  EXPECT_NE(from_callback.message().find("callback"), std::string::npos);
+  // The manager still works.
+  auto again = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({4}));
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_TRUE(rig.mgr().wait(*again, 10s).ok());
+}
+
+// ------------------------------------------------------------ defect 3
+// A callback that host-waits for another task (submitted after it) must not
+// block the only progress thread until the wait times out.
+TEST(TransferLifecycle, CallbackMayWaitForAnotherTask) {
+  auto dev = make_host(107, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  seed_host_block(rig, 0, 1);
+  seed_host_block(rig, 1, 2);
+  Gate hold;
+  ASSERT_TRUE(hold.block(*dev, rig.mgr().input_stream()).ok());
+  std::atomic<TaskId> second_id{0};
+  std::atomic<bool> second_layer_cb{false};
+  Status waited = Internal("callback never ran"), waited_layer = Internal("not run"), waited_all = Internal("not run");
+  std::chrono::steady_clock::duration took{};
+  LoadOptions first_opts;
+  first_opts.on_done = [&](TaskId, const Status&) {
+    const auto t0 = std::chrono::steady_clock::now();
+    waited_layer = rig.mgr().wait_layer_host(second_id.load(), 0, 5s);
+    waited = rig.mgr().wait(second_id.load(), 5s);
+    waited_all = rig.mgr().wait_all(5s);
+    took = std::chrono::steady_clock::now() - t0;
+  };
+  auto first = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({3}), first_opts);
+  ASSERT_TRUE(first.ok());
+  LoadOptions second_opts;
+  second_opts.on_layer = [&](std::uint32_t, const Status&) { second_layer_cb = true; };
+  auto second = rig.mgr().load_layers_to_device_async({}, ids({2}), ids({4}), second_opts);
+  ASSERT_TRUE(second.ok());
+  second_id = *second;
+  hold.release();
+  ASSERT_TRUE(rig.mgr().wait(*first, 20s).ok());
+  EXPECT_TRUE(waited_layer.ok()) << waited_layer.to_string();
+  EXPECT_TRUE(waited.ok()) << waited.to_string();
+  EXPECT_TRUE(waited_all.ok()) << waited_all.to_string();
+  EXPECT_LT(took, 4s) << "the callback's wait lasted until its timeout";
+  EXPECT_TRUE(second_layer_cb) << "the awaited task's callbacks ran after the wait returned";
+  ASSERT_TRUE(rig.mgr().wait(*second, 10s).ok());
+}
+
+// ------------------------------------------------------------ defect 7
+// "Wait forever" (nanoseconds::max()) must wait, not time out at once.
+TEST(TransferLifecycle, UnboundedTimeoutsWait) {
+  auto dev = make_host(108, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  seed_host_block(rig, 0, 1);
+  Gate hold;
+  ASSERT_TRUE(hold.block(*dev, rig.mgr().input_stream()).ok());
+  auto load = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({3}));
+  ASSERT_TRUE(load.ok());
+  constexpr auto forever = std::chrono::nanoseconds::max();
+  std::atomic<int> returned{0};
+  Status s_wait, s_layer, s_all, s_host;
+  std::vector<std::thread> waiters;
+  waiters.emplace_back([&] { s_wait = rig.mgr().wait(*load, forever), returned++; });
+  waiters.emplace_back([&] { s_layer = rig.mgr().wait_layer_host(*load, 1, forever), returned++; });
+  waiters.emplace_back([&] { s_all = rig.mgr().wait_all(forever), returned++; });
+  waiters.emplace_back([&] { s_host = rig.mgr().wait_host_blocks_free(ids({1}), forever), returned++; });
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(returned.load(), 0) << "a wait with an unbounded timeout returned while the copy was held";
+  hold.release();
+  for (auto& t : waiters) t.join();
+  EXPECT_TRUE(s_wait.ok()) << s_wait.to_string();
+  EXPECT_TRUE(s_layer.ok()) << s_layer.to_string();
+  EXPECT_TRUE(s_all.ok()) << s_all.to_string();
+  EXPECT_TRUE(s_host.ok()) << s_host.to_string();
+  // Negative timeouts do not wait.
+  EXPECT_TRUE(rig.mgr().wait(*load, -1s).ok());
+}
+
+// ------------------------------------------------------------ config
+TEST(TransferLifecycle, ConfigValuesAreValidated) {
+  auto dev = make_host(109, 0);
+  auto compute = dev->create_stream({});
+  ASSERT_TRUE(compute.ok());
+  auto expect_rejected = [&](auto mutate, std::string_view field) {
+    TransferManagerConfig c;
+    mutate(c);
+    Status s = validate_transfer_config(c);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(s.message().find(field), std::string::npos) << s.to_string();
+  };
+  expect_rejected([](TransferManagerConfig& c) { c.max_in_flight_tasks = 0; }, "max_in_flight_tasks");
+  expect_rejected([](TransferManagerConfig& c) { c.retained_finished_tasks = 0; }, "retained_finished_tasks");
+  expect_rejected([](TransferManagerConfig& c) { c.latency_samples = 0; }, "latency_samples");
+  expect_rejected([](TransferManagerConfig& c) { c.poll_interval = 0us; }, "poll_interval");
+  expect_rejected([](TransferManagerConfig& c) { c.shutdown_timeout = 0ms; }, "shutdown_timeout");
+  expect_rejected([](TransferManagerConfig& c) { c.host_ready_timeout = -1ms; }, "host_ready_timeout");
+  expect_rejected([](TransferManagerConfig& c) { c.load_strategy = static_cast<CopyStrategy>(99); }, "load_strategy");
+  EXPECT_TRUE(validate_transfer_config(TransferManagerConfig{}).ok());
+
+  // create() refuses it before allocating anything.
+  RigOptions o = options();
+  o.config.max_in_flight_tasks = 0;
+  TransferRig rig(*dev, o);
+  Status s = rig.init();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("max_in_flight_tasks"), std::string::npos) << s.to_string();
+}
+
+}  // namespace
+}  // namespace kvtier
