@@ -1,0 +1,118 @@
+// kSmKernel, and the kernel descriptor protocol every launch of the copy
+// kernel goes through (kStagedDma's and kSplit's too): the per-stream ring of
+// descriptor slots (pinned staging, uploaded to device memory when
+// sm_descriptors_in_device_memory, reused once the kernel that read it has
+// completed), and run_kernel(), which cuts a request into launches of at
+// most max_pairs_per_call pairs and kMaxKernelPlanes planes for the
+// backend's launch_kernel().
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+
+#include "copy/engine_base.h"
+#include "copy/kernel_plan.h"
+
+namespace kvtier::copy_detail {
+
+namespace {
+constexpr auto kSlotWaitTimeout = std::chrono::seconds(120);
+constexpr std::uint64_t kMinSlotBytes = 16 * 1024;
+}  // namespace
+
+Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t bytes) {
+  DescriptorSlot& slot = st.slots[st.next_slot];
+  st.next_slot = (st.next_slot + 1) % static_cast<std::uint32_t>(st.slots.size());
+  if (slot.pending) {
+    // The ring wrapped onto a slot whose kernel may still read it.
+    Status s = device_.synchronize(*slot.done, kSlotWaitTimeout);
+    if (s.code() == StatusCode::kTimedOut) return s.with_context("waiting for a free kernel descriptor slot");
+    slot.pending = false;  // other errors: the work behind it finished (failed); the slot is free
+  }
+  if (!slot.done) {
+    KVTIER_ASSIGN_OR_RETURN(slot.done, device_.create_event());
+  }
+  if (slot.capacity < bytes) {
+    const std::uint64_t cap = std::max({bytes, slot.capacity * 2, kMinSlotBytes});
+    slot.staging.reset();
+    slot.device.reset();
+    KVTIER_ASSIGN_OR_RETURN(slot.staging, device_.allocate_pinned(cap));
+    if (options_.sm_descriptors_in_device_memory) {
+      KVTIER_ASSIGN_OR_RETURN(slot.device, device_.allocate_device(cap));
+    }
+    slot.capacity = cap;
+  }
+  return &slot;
+}
+
+Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
+                              CopyReport& report, const std::function<Status()>& after_upload) {
+  bool hook_pending = static_cast<bool>(after_upload);
+  const auto& planes = st.scratch.planes;
+  auto& kplanes = st.scratch.kernel_planes;
+  const std::uint32_t warps_per_cta = options_.sm_threads_per_cta / kWarpLanes;
+  const std::uint32_t max_ctas = ctas_for(dir);
+  const std::size_t n = r.src_blocks.size();
+  for (std::size_t p0 = 0; p0 < planes.size(); p0 += kMaxKernelPlanes) {
+    const auto g = static_cast<std::uint32_t>(std::min<std::size_t>(kMaxKernelPlanes, planes.size() - p0));
+    kplanes.resize(g);
+    for (std::uint32_t i = 0; i < g; ++i) {
+      const SelectedPlane& sp = planes[p0 + i];
+      kplanes[i] = KernelPlane{reinterpret_cast<std::uint64_t>(sp.src_base),
+                               sp.src_stride,
+                               reinterpret_cast<std::uint64_t>(sp.dst_base),
+                               sp.dst_stride,
+                               sp.block_bytes,
+                               0,
+                               0};
+    }
+    const std::uint32_t items_per_pair = assign_items(kplanes.data(), g, options_.sm_item_bytes);
+    for (std::size_t i0 = 0; i0 < n; i0 += options_.max_pairs_per_call) {
+      const auto count = static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_pairs_per_call, n - i0));
+      const std::uint64_t plane_bytes = std::uint64_t{g} * sizeof(KernelPlane);
+      const std::uint64_t bytes = plane_bytes + std::uint64_t{count} * sizeof(KernelPair);
+      KVTIER_ASSIGN_OR_RETURN(DescriptorSlot * slot, acquire_slot(st, bytes));
+      std::byte* staging = slot->staging->data();
+      std::memcpy(staging, kplanes.data(), plane_bytes);
+      auto* pairs = reinterpret_cast<KernelPair*>(staging + plane_bytes);
+      for (std::uint32_t k = 0; k < count; ++k) pairs[k] = KernelPair{r.src_blocks[i0 + k], r.dst_blocks[i0 + k]};
+      std::byte* base = staging;
+      if (options_.sm_descriptors_in_device_memory) {
+        KVTIER_RETURN_IF_ERROR(device_.memcpy_async(slot->device.data(), staging, bytes, stream)
+                                   .with_context("uploading kernel descriptors"));
+        base = slot->device.bytes_ptr();
+      }
+      if (hook_pending) {
+        hook_pending = false;
+        Status hooked = after_upload();
+        if (!hooked.ok()) {
+          // The upload may be in flight: the slot is busy until it completes.
+          if (device_.record(*slot->done, stream).ok()) slot->pending = true;
+          return hooked;
+        }
+      }
+      KernelArgs args;
+      args.planes = reinterpret_cast<const KernelPlane*>(base);
+      args.pairs = reinterpret_cast<const KernelPair*>(base + plane_bytes);
+      args.num_planes = g;
+      args.num_pairs = count;
+      args.item_bytes = options_.sm_item_bytes;
+      args.items_per_pair = items_per_pair;
+      args.num_items = std::uint64_t{count} * items_per_pair;
+      const std::uint64_t useful = (args.num_items + warps_per_cta - 1) / warps_per_cta;
+      const auto ctas =
+          static_cast<std::uint32_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(max_ctas, useful)));
+      Status launched = launch_kernel(st, stream, args, ctas, staging, bytes);
+      // Record even after a failed launch attempt: the upload may be in flight.
+      Status recorded = device_.record(*slot->done, stream);
+      if (recorded.ok()) slot->pending = true;
+      KVTIER_RETURN_IF_ERROR(launched);
+      KVTIER_RETURN_IF_ERROR(recorded);
+      report.ctas = std::max(report.ctas, ctas);
+      ++report.calls;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvtier::copy_detail
