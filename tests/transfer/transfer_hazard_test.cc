@@ -312,5 +312,65 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
   EXPECT_NE(s.message().find("max_in_flight_tasks"), std::string::npos) << s.to_string();
 }
 
+
+// ------------------------------------------------------------ randomized
+// The engine's patterns under random interleavings and injected delays,
+// against the byte model: decode steps (per-layer declared writes during
+// loads), reuse right after submission, callbacks that wait for other tasks,
+// and (last) shutdown from two threads with work in flight; with and without
+// injected copy failures. Bounded: a few thousand operations per case.
+transfer_test::RigOptions random_options(KvLayout layout, CopyStrategy strategy) {
+  RigOptions o;
+  o.layout = std::move(layout);
+  o.device_blocks = 12;
+  o.host_blocks = 16;
+  o.config.evict_strategy = strategy;
+  o.config.load_strategy = strategy;
+  o.config.poll_interval = std::chrono::microseconds(20);
+  o.arena_bytes = 4u << 20;
+  o.timeout = std::chrono::seconds(120);
+  return o;
+}
+
+TEST(TransferInterleaving, EnginePatternsAgainstTheModel) {
+  for (std::uint64_t seed : {301, 302, 303}) {
+    auto dev = make_host(seed);
+    transfer_test::RandomOptions ro;
+    ro.ops = 1500;
+    ro.seed = seed;
+    ro.engine_patterns = true;
+    ro.shutdown_in_flight = seed == 303;
+    transfer_test::run_random_interleaving(*dev, random_options(small_gqa(), CopyStrategy::kAuto), ro);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(TransferInterleaving, EnginePatternsWithFailures) {
+  for (std::uint64_t seed : {311, 312}) {
+    auto dev = make_host(seed);
+    transfer_test::RandomOptions ro;
+    ro.ops = 1200;
+    ro.seed = seed;
+    ro.engine_patterns = true;
+    ro.inject_failures = true;
+    ro.failure_permille = 2;
+    ro.phase_ops = 30;
+    ro.shutdown_in_flight = seed == 312;
+    transfer_test::run_random_interleaving(*dev, random_options(small_gqa(6), CopyStrategy::kDmaPerRun), ro);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(TransferInterleaving, EnginePatternsSynchronousSubmit) {
+  auto dev = make_host(321);
+  transfer_test::RandomOptions ro;
+  ro.ops = 800;
+  ro.seed = 321;
+  ro.engine_patterns = true;
+  RigOptions o = random_options(small_gqa(), CopyStrategy::kDmaBatch);
+  o.config.async_submit = false;
+  transfer_test::run_random_interleaving(*dev, o, ro);
+}
+
 }  // namespace
 }  // namespace kvtier

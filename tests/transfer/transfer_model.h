@@ -16,6 +16,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -204,6 +206,32 @@ class TransferRig {
     return id;
   }
 
+  // The decode pattern: loads every layer of `h` into `d`; per layer the
+  // compute stream waits for it on the device, appends (rewrites the layer of
+  // every block with a fresh tag) and declares the write with kWrite while
+  // the load's later layers are still in flight.
+  Result<TaskId> load_and_append(std::span<const std::int32_t> h, std::span<const std::int32_t> d,
+                                 LoadOptions options = {}) {
+    KVTIER_ASSIGN_OR_RETURN(TaskId id, load({}, h, d, /*compute_reads=*/false, std::move(options)));
+    const KvLayout& layout = o_.layout;
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+      Status w = mgr_->wait_for_layer(id, l, *compute_);
+      if (!w.ok()) {
+        // Known failed: an engine would recompute; the bytes are unknown.
+        for (std::int32_t b : d) dev_[b][l] = Content{};
+        continue;
+      }
+      for (std::int32_t b : d) {
+        const std::uint64_t tag = next_tag_++;
+        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
+          KVTIER_RETURN_IF_ERROR(write_on_compute(b, l, r, tag));
+        dev_[b][l] = Content{tag, {}};
+      }
+      KVTIER_RETURN_IF_ERROR(mgr_->record_device_access(d, *compute_, TransferManager::DeviceAccess::kWrite));
+    }
+    return id;
+  }
+
   // Waits for everything, then checks the model (gtest failures on mismatch).
   void quiesce_and_verify(bool clear_errors = false) {
     ASSERT_TRUE(mgr_->wait_all(o_.timeout).ok());
@@ -257,6 +285,20 @@ class TransferRig {
     std::uint64_t bytes;
     Status wait_status;
   };
+
+  // Enqueues on the compute stream the pattern of (tag, l, r) into device block b.
+  Status write_on_compute(std::int32_t b, std::uint32_t l, std::uint32_t r, std::uint64_t tag) {
+    const std::uint64_t n = o_.layout.block_bytes(l, r);
+    KVTIER_ASSIGN_OR_RETURN(std::byte * stage, stage_bytes(n));
+    fill_pattern(stage, n, tag, l, r);
+    std::byte* dst = mgr_->device_space().block_ptr(l, r, static_cast<std::uint64_t>(b));
+    if (host_)  // a task (dst = null) so that failure injection never hits "compute"
+      return host_->enqueue_task(*compute_, [dst, stage, n]() -> Status {
+        std::memcpy(dst, stage, n);
+        return Status::Ok();
+      });
+    return device_.memcpy_async(dst, stage, n, *compute_);
+  }
 
   Result<std::byte*> stage_bytes(std::uint64_t n) {
     const std::uint64_t need = (n + 63) / 64 * 64;
@@ -354,6 +396,13 @@ struct RandomOptions {
   std::uint64_t seed = 1;
   bool inject_failures = false;  // host backend only
   std::uint32_t failure_permille = 5;
+  // The decode pattern (load_and_append), the engine's reuse of blocks right
+  // after a submission, and completion callbacks that host-wait for the
+  // previous task. Off by default (the original mix).
+  bool engine_patterns = false;
+  // End with shutdown() from two threads while work is in flight (instead of
+  // a last quiesce), then check every task and callback.
+  bool shutdown_in_flight = false;
 };
 
 inline void run_random_interleaving(Device& device, RigOptions rig_options, const RandomOptions& ro) {
@@ -383,6 +432,11 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
     return all;
   };
   std::size_t evicts = 0, loads = 0, writes = 0;
+  TaskId last_task = 0;
+  struct Callbacks {
+    std::atomic<std::uint64_t> layers{0}, done{0}, wait_timeouts{0};
+    std::uint64_t expected_layers = 0, expected_done = 0;
+  } callbacks;
   for (std::uint32_t op = 0; op < ro.ops; ++op) {
     const std::uint32_t k = 1 + static_cast<std::uint32_t>(rng() % ro.max_pairs);
     const int kind = static_cast<int>(rng() % 10);
@@ -404,6 +458,32 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       auto id = rig.evict(d, h);
       ASSERT_TRUE(id.ok()) << id.status().to_string();
       ++evicts;
+      if (ro.engine_patterns && rng() % 3 == 0) {
+        // The engine hands the evicted blocks to a new request at once.
+        Status s = rig.compute_write(d);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+      }
+    } else if (ro.engine_patterns && kind == 9) {
+      auto d = pick_distinct(nd, k);
+      std::vector<std::int32_t> h(k);
+      for (auto& x : h) x = static_cast<std::int32_t>(rng() % nh);
+      LoadOptions lo;
+      const TaskId previous = last_task;
+      lo.on_layer = [&callbacks](std::uint32_t, const Status&) { callbacks.layers++; };
+      lo.on_done = [&callbacks, &rig, previous](TaskId, const Status&) {
+        // A callback that waits for another task must not stall progress.
+        if (previous != 0) {
+          Status w = rig.mgr().wait(previous, std::chrono::seconds(60));
+          if (w.code() == StatusCode::kTimedOut) callbacks.wait_timeouts++;
+        }
+        callbacks.done++;
+      };
+      auto id = rig.load_and_append(h, d, std::move(lo));
+      ASSERT_TRUE(id.ok()) << id.status().to_string();
+      callbacks.expected_done++;
+      callbacks.expected_layers += layout.num_layers();
+      last_task = *id;
+      ++loads;
     } else {
       auto d = pick_distinct(nd, k);
       std::vector<std::int32_t> h(k);
@@ -417,6 +497,14 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       }
       auto id = rig.load(layers, h, d, /*compute_reads=*/rng() % 2 == 0);
       ASSERT_TRUE(id.ok()) << id.status().to_string();
+      last_task = *id;
+      if (ro.engine_patterns && rng() % 8 == 0) {
+        // Evicted again right after the load was submitted: ordered after it.
+        auto back = pick_distinct(nh, k);
+        auto ev = rig.evict(d, back);
+        ASSERT_TRUE(ev.ok()) << ev.status().to_string();
+        ++evicts;
+      }
       if (rng() % 16 == 0) {
         // A host-side wait on one of its layers, as a forward without graphs might.
         std::uint32_t l = layers.empty() ? static_cast<std::uint32_t>(rng() % layout.num_layers()) : layers[0];
@@ -432,7 +520,24 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
+  if (ro.shutdown_in_flight) {
+    // Two threads shut down at once while work is in flight; both return
+    // only when every accepted task is final and its callbacks ran.
+    Status a, b;
+    std::thread t1([&] { a = rig.mgr().shutdown(); });
+    std::thread t2([&] { b = rig.mgr().shutdown(); });
+    t1.join();
+    t2.join();
+    EXPECT_TRUE(a.ok()) << a.to_string();
+    EXPECT_EQ(a.code(), b.code());
+    EXPECT_EQ(callbacks.done.load(), callbacks.expected_done) << "a callback was lost or ran after shutdown()";
+    EXPECT_EQ(callbacks.layers.load(), callbacks.expected_layers);
+    EXPECT_FALSE(rig.mgr().evict_to_host_async(std::vector<std::int32_t>{0}, std::vector<std::int32_t>{0}).ok());
+  }
   rig.quiesce_and_verify(ro.inject_failures);
+  EXPECT_EQ(callbacks.done.load(), callbacks.expected_done);
+  EXPECT_EQ(callbacks.layers.load(), callbacks.expected_layers);
+  EXPECT_EQ(callbacks.wait_timeouts.load(), 0u) << "a callback's wait for another task timed out";
   if (host) host->set_failure_predicate(nullptr);
   if (!ro.inject_failures) {
     EXPECT_EQ(rig.failed_tasks(), 0u);
