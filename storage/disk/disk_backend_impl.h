@@ -1,0 +1,231 @@
+// Private to the disk backend's sources (storage/disk/*.cc): the DiskBackend
+// class (create_disk_backend() in disk_backend.h makes one), the ops and
+// waiters that travel through its io_uring ring, the index entry, and small
+// POSIX helpers (ScopedFd, aligned buffers, errno text, logging). Its members
+// are defined by purpose: setup and the StorageBackend API in
+// disk_backend.cc, the index in disk_index.cc, the I/O thread's loop in
+// disk_io_thread.cc, puts in disk_put.cc and gets in disk_get.cc.
+#pragma once
+
+#include <fmt/format.h>
+#include <liburing.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kvtier/storage/disk_backend.h"
+#include "storage/region_set.h"
+
+namespace kvtier::storage::disk {
+
+inline constexpr std::uint64_t kAlign = 4096;
+inline constexpr std::uint32_t kNumShards = 256;
+inline constexpr const char* kObjectSuffix = ".kvo";
+inline constexpr const char* kTmpMarker = ".kvo.tmp.";
+
+inline std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+inline bool aligned(const void* p, std::uint64_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
+
+inline std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
+
+inline void log_line(const std::string& s) { std::fprintf(stderr, "kvtier[storage/disk]: %s\n", s.c_str()); }
+
+struct FreeDeleter {
+  void operator()(std::byte* p) const noexcept { std::free(p); }
+};
+using AlignedBuf = std::unique_ptr<std::byte, FreeDeleter>;
+inline AlignedBuf alloc_aligned(std::uint64_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kAlign, std::max<std::uint64_t>(bytes, kAlign)) != 0) return nullptr;
+  return AlignedBuf(static_cast<std::byte*>(p));
+}
+
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ScopedFd(ScopedFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  ScopedFd& operator=(ScopedFd&& o) noexcept {
+    reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  ~ScopedFd() { reset(); }
+  int get() const noexcept { return fd_; }
+  void reset(int fd = -1) noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Tag of everything that has a completion on the ring.
+struct Waiter {
+  enum class Kind { kOp, kDirSync, kWake } kind;
+};
+
+struct IoOp : Waiter {
+  enum class Stage { kWrite, kFileSync, kDirSync, kRead };
+  std::shared_ptr<detail::Completion> completion;
+  std::size_t index = 0;
+  StorageOp op = StorageOp::kGet;
+  StorageItem item;
+  Stage stage = Stage::kWrite;
+  ScopedFd fd;
+  std::string tmp_path;
+  std::string final_path;
+  std::uint32_t shard = 0;
+  AlignedBuf header;  // header (direct payload) or header + payload (bounced)
+  bool bounced = false;
+  iovec iov[2] = {};
+  int niov = 0;
+  std::uint64_t file_offset = 0;  // next byte to transfer
+  std::uint64_t total = 0;        // bytes to transfer
+  std::uint64_t header_size = 0;
+  std::uint64_t payload_bytes = 0;
+  std::uint64_t file_bytes = 0;  // bytes this put writes / the index records for a get
+  std::uint64_t disk_bytes = 0;  // file size after the put (a recycled file may be longer)
+  bool recycled = false;         // the put overwrites a file from the free pool
+  bool reader_counted = false;   // a get registered in reading_
+  IoOp() : Waiter{Kind::kOp} {}
+};
+
+struct DirSync : Waiter {
+  std::uint32_t shard = 0;
+  bool in_flight = false;
+  std::vector<IoOp*> waiting;  // renamed, need a fsync submitted after their rename
+  std::vector<IoOp*> covered;  // covered by the fsync in flight
+  DirSync() : Waiter{Kind::kDirSync} {}
+};
+
+struct IndexEntry {
+  std::uint64_t file_bytes = 0;
+  std::uint32_t header_size = 0;
+  std::uint64_t payload_bytes = 0;
+  std::list<StorageKey>::iterator lru;
+};
+
+class DiskBackend final : public StorageBackend {
+ public:
+  DiskBackend(DiskBackendConfig config, StorageOptions options);
+  ~DiskBackend() override;
+  Status init();
+
+  std::string_view name() const noexcept override { return "disk"; }
+  StorageCaps caps() const noexcept override;
+  const StorageOptions& options() const noexcept override { return options_; }
+
+  Status register_region(void* ptr, std::uint64_t bytes) override { return regions_.add(ptr, bytes); }
+  Status unregister_region(void* ptr) override { return regions_.remove(ptr); }
+
+  Result<StorageTicket> post(StorageBatch batch) override;
+  Status cancel(const StorageTicket& ticket) override;
+  StorageStats stats() const override;
+  Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override;
+  Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override;
+
+ private:
+  std::string shard_dir(std::uint32_t s) const { return fmt::format("{}/{:02x}", dir_, s); }
+  std::string final_path(const StorageKey& k) const {
+    return fmt::format("{}/{}{}", shard_dir(k.digest[0]), k.to_string(), kObjectSuffix);
+  }
+
+  void wake();
+  Status probe_direct_io();
+
+  // ---- index (disk_index.cc) ----------------------------------------------
+  void quarantine_locked(const StorageKey& key, const std::string& path, const std::string& why);
+  void erase_locked(std::unordered_map<StorageKey, IndexEntry, StorageKeyHash>::iterator it);
+  void insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
+                     std::uint64_t payload_bytes);
+  void make_room_locked(std::uint64_t incoming);
+  void recycle_or_unlink_locked(const std::string& path, std::uint64_t bytes, const StorageKey& key);
+  Status rebuild_index();
+  Status check_object_file(const std::string& path, const StorageKey& key, AlignedBuf& buf);
+
+  // ---- I/O thread (disk_io_thread.cc) --------------------------------------
+  void arm_wake();
+  io_uring_sqe* get_sqe();
+  void finish(IoOp* op, Status st, std::uint64_t bytes = 0);
+  bool is_cancelled(const IoOp& op);
+  void loop();
+  void start(IoOp* op);
+  void submit_rw(IoOp* op);
+  static void advance(IoOp* op, std::uint64_t n);
+  // Puts (disk_put.cc).
+  void start_put(IoOp* op);
+  Status ensure_shard(std::uint32_t s);
+  void fail_put(IoOp* op, Status st);
+  void on_op_cqe(IoOp* op, int res);
+  void commit_put(IoOp* op);
+  void submit_dir_sync(DirSync* ds);
+  void on_dir_sync_cqe(DirSync* ds, int res);
+  // Gets (disk_get.cc).
+  void start_get(IoOp* op);
+  void on_read(IoOp* op, int res);
+  void quarantine_get(IoOp* op, Status st);
+
+  DiskBackendConfig config_;
+  StorageOptions options_;
+  std::uint64_t ns_digest_ = 0;
+  std::string dir_;
+  bool direct_ = false;
+  bool journal_covers_direct_ = false;
+  std::string fs_type_;
+  std::uint64_t header_size_ = kAlign;
+  ScopedFd lock_fd_;
+  ScopedFd dir_fd_;
+  std::vector<ScopedFd> shard_fds_;
+  std::vector<std::unique_ptr<DirSync>> dir_syncs_;
+
+  RegionSet regions_;
+
+  mutable std::mutex index_mu_;
+  std::unordered_map<StorageKey, IndexEntry, StorageKeyHash> index_;
+  std::list<StorageKey> lru_;  // front = least recently used
+  std::uint64_t used_bytes_ = 0;
+  std::deque<std::pair<std::string, std::uint64_t>> free_files_;  // recyclable files and their sizes
+  std::size_t max_free_files_ = 0;
+  std::unordered_map<StorageKey, int, StorageKeyHash> reading_;  // gets in flight per key
+  std::uint64_t reserved_bytes_ = 0;
+  std::uint64_t evictions_ = 0;
+  std::uint64_t quarantined_ = 0;
+  std::uint64_t removed_tmp_ = 0;
+  std::uint64_t seq_ = 0;
+  std::uint32_t last_header_size_ = 0;
+  std::uint64_t last_payload_bytes_ = 0;
+  std::atomic<std::uint64_t> bounce_copies_{0};
+
+  std::mutex queue_mu_;
+  bool stopping_ = false;
+  std::deque<std::unique_ptr<IoOp>> incoming_;
+  std::vector<std::shared_ptr<detail::Completion>> cancel_requests_;
+
+  // I/O thread only.
+  io_uring ring_{};
+  bool ring_ready_ = false;
+  ScopedFd wake_fd_;
+  std::uint64_t wake_value_ = 0;
+  Waiter wake_waiter_{Waiter::Kind::kWake};
+  std::deque<std::unique_ptr<IoOp>> pending_;
+  std::unordered_map<IoOp*, std::unique_ptr<IoOp>> live_;
+  std::thread thread_;
+};
+
+}  // namespace kvtier::storage::disk

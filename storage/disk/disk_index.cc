@@ -1,0 +1,228 @@
+// The disk backend's index: which objects are stored, their sizes and LRU
+// order, guarded by index_mu_. Rebuilt at start by scanning the shard
+// directories (every object's header checked, bad files quarantined,
+// uncommitted puts removed, the free/ pool taken over); kept within
+// capacity_bytes by evicting least-recently-used objects. Files of evicted,
+// deleted and replaced objects go to the pool of free files that later puts
+// overwrite, or are unlinked (the pool is full, or a get may still read them).
+#include <dirent.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <mutex>
+#include <vector>
+
+#include "storage/disk/disk_backend_impl.h"
+#include "storage/object_format.h"
+
+namespace kvtier::storage::disk {
+
+namespace {
+
+Result<StorageKey> parse_key_name(std::string_view name) {
+  // "<32 hex>-r<rank>.kvo"
+  if (name.size() < 32 + 2 + 1 + 4 || name.substr(name.size() - 4) != kObjectSuffix || name[32] != '-' ||
+      name[33] != 'r')
+    return InvalidArgument(fmt::format("not an object file name: {}", name));
+  StorageKey k;
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (int i = 0; i < 16; ++i) {
+    int a = hex(name[2 * i]), b = hex(name[2 * i + 1]);
+    if (a < 0 || b < 0) return InvalidArgument(fmt::format("bad hex in object file name: {}", name));
+    k.digest[i] = static_cast<std::uint8_t>(a * 16 + b);
+  }
+  std::string_view rank = name.substr(34, name.size() - 34 - 4);
+  if (rank.empty() || rank.size() > 10) return InvalidArgument(fmt::format("bad rank in {}", name));
+  std::uint64_t r = 0;
+  for (char c : rank) {
+    if (c < '0' || c > '9') return InvalidArgument(fmt::format("bad rank in {}", name));
+    r = r * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  if (r > UINT32_MAX) return InvalidArgument(fmt::format("bad rank in {}", name));
+  k.rank = static_cast<std::uint32_t>(r);
+  return k;
+}
+
+}  // namespace
+
+// ---- index --------------------------------------------------------------
+
+void DiskBackend::quarantine_locked(const StorageKey& key, const std::string& path, const std::string& why) {
+  const std::string dst = fmt::format("{}/quarantine/{}.{}.{}", dir_, key.to_string(), ::getpid(), ++seq_);
+  if (::rename(path.c_str(), dst.c_str()) != 0) ::unlink(path.c_str());
+  ++quarantined_;
+  log_line(fmt::format("quarantined {}: {}", path, why));
+  auto it = index_.find(key);
+  if (it != index_.end()) erase_locked(it);
+}
+
+void DiskBackend::erase_locked(std::unordered_map<StorageKey, IndexEntry, StorageKeyHash>::iterator it) {
+  used_bytes_ -= it->second.file_bytes;
+  lru_.erase(it->second.lru);
+  index_.erase(it);
+}
+
+void DiskBackend::insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
+                                std::uint64_t payload_bytes) {
+  auto it = index_.find(key);
+  if (it != index_.end()) erase_locked(it);
+  lru_.push_back(key);
+  index_.emplace(key, IndexEntry{file_bytes, header_size, payload_bytes, std::prev(lru_.end())});
+  used_bytes_ += file_bytes;
+}
+
+// Deletes LRU objects until `incoming` more bytes fit. Objects being read stay readable (open fds).
+void DiskBackend::make_room_locked(std::uint64_t incoming) {
+  if (config_.capacity_bytes == 0) return;
+  while (!lru_.empty() && used_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes) {
+    const StorageKey victim = lru_.front();
+    auto it = index_.find(victim);
+    recycle_or_unlink_locked(final_path(victim), it->second.file_bytes, victim);
+    erase_locked(it);
+    ++evictions_;
+  }
+}
+
+// Files of deleted, evicted and replaced objects go to a small pool of free files that later puts
+// overwrite in place: creating a file costs ext4 an inode allocation (about a millisecond once many
+// files were deleted) and new blocks, overwriting costs neither. A file that a get may still be
+// reading is unlinked instead, so no reader ever sees its inode rewritten.
+void DiskBackend::recycle_or_unlink_locked(const std::string& path, std::uint64_t bytes, const StorageKey& key) {
+  auto r = reading_.find(key);
+  if (free_files_.size() < max_free_files_ && (r == reading_.end() || r->second == 0)) {
+    std::string dst = fmt::format("{}/free/{}.{}", dir_, ::getpid(), ++seq_);
+    if (::rename(path.c_str(), dst.c_str()) == 0) {
+      free_files_.emplace_back(std::move(dst), bytes);
+      return;
+    }
+  }
+  ::unlink(path.c_str());
+}
+
+Status DiskBackend::rebuild_index() {
+  struct Found {
+    StorageKey key;
+    std::uint64_t file_bytes;
+    std::uint32_t header_size;
+    std::uint64_t payload_bytes;
+    std::int64_t mtime_ns;
+  };
+  std::vector<Found> found;
+  AlignedBuf buf = alloc_aligned(kAlign);
+  std::lock_guard<std::mutex> lk(index_mu_);
+  for (std::uint32_t s = 0; s < kNumShards; ++s) {
+    const std::string sd = shard_dir(s);
+    DIR* d = ::opendir(sd.c_str());
+    if (d == nullptr && errno == ENOENT) continue;
+    if (d == nullptr) return Unavailable(fmt::format("opendir {}: {}", sd, errno_text(errno)));
+    std::vector<std::string> names;
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(std::move(n));
+    }
+    ::closedir(d);
+    for (const std::string& n : names) {
+      const std::string path = sd + "/" + n;
+      if (n.find(kTmpMarker) != std::string::npos) {
+        ::unlink(path.c_str());  // a put that never committed
+        ++removed_tmp_;
+        continue;
+      }
+      auto key = parse_key_name(n);
+      if (!key.ok() || key->digest[0] != s) {
+        log_line(fmt::format("ignoring unexpected file {}", path));
+        continue;
+      }
+      Status st = check_object_file(path, *key, buf);
+      struct stat sb {};
+      if (st.ok() && ::stat(path.c_str(), &sb) != 0) st = DataLoss(fmt::format("stat: {}", errno_text(errno)));
+      if (!st.ok()) {
+        quarantine_locked(*key, path, st.to_string());
+        continue;
+      }
+      found.push_back({*key, static_cast<std::uint64_t>(sb.st_size), last_header_size_, last_payload_bytes_,
+                       static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec});
+    }
+  }
+  if (DIR* d = ::opendir((dir_ + "/incoming").c_str())) {
+    std::vector<std::string> names;
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(std::move(n));
+    }
+    ::closedir(d);
+    for (const std::string& n : names) {
+      ::unlink((dir_ + "/incoming/" + n).c_str());  // puts that never committed
+      ++removed_tmp_;
+    }
+  }
+  if (DIR* d = ::opendir((dir_ + "/free").c_str())) {
+    std::vector<std::string> names;
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") names.push_back(std::move(n));
+    }
+    ::closedir(d);
+    for (const std::string& n : names) {
+      const std::string path = dir_ + "/free/" + n;
+      struct stat sb {};
+      if (free_files_.size() < max_free_files_ && ::stat(path.c_str(), &sb) == 0)
+        free_files_.emplace_back(path, static_cast<std::uint64_t>(sb.st_size));
+      else
+        ::unlink(path.c_str());
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
+  for (const Found& f : found) insert_locked(f.key, f.file_bytes, f.header_size, f.payload_bytes);
+  make_room_locked(0);
+  if (removed_tmp_ > 0) log_line(fmt::format("removed {} uncommitted temporary files in {}", removed_tmp_, dir_));
+  return Status::Ok();
+}
+
+// Reads and checks the header of one object file (and the payload when configured).
+Status DiskBackend::check_object_file(const std::string& path, const StorageKey& key, AlignedBuf& buf) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return DataLoss(fmt::format("open: {}", errno_text(errno)));
+  struct stat sb {};
+  if (::fstat(fd.get(), &sb) != 0) return DataLoss(fmt::format("fstat: {}", errno_text(errno)));
+  std::uint64_t want = std::min<std::uint64_t>(kAlign, static_cast<std::uint64_t>(sb.st_size));
+  std::vector<std::byte> big;
+  std::byte* hdr = buf.get();
+  ssize_t n = ::pread(fd.get(), hdr, want, 0);
+  if (n < 0) return DataLoss(fmt::format("pread: {}", errno_text(errno)));
+  std::uint32_t needed = 0;
+  auto h = format::decode_header(hdr, static_cast<std::size_t>(n), &needed);
+  if (!h.ok() && h.status().code() == StatusCode::kOutOfRange && needed <= sb.st_size) {
+    big.resize(needed);
+    if (::pread(fd.get(), big.data(), needed, 0) != static_cast<ssize_t>(needed)) return DataLoss("short header read");
+    hdr = big.data();
+    h = format::decode_header(hdr, needed);
+  }
+  if (!h.ok()) return h.status().code() == StatusCode::kOutOfRange ? DataLoss(h.status().message()) : h.status();
+  KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, key));
+  if (static_cast<std::uint64_t>(sb.st_size) < h->header_size + h->payload_bytes)
+    return DataLoss(fmt::format("file of {} bytes shorter than header {} + payload {}", sb.st_size, h->header_size,
+                                h->payload_bytes));
+  if (config_.verify_payload_on_open) {
+    std::vector<std::byte> payload(h->payload_bytes);
+    if (::pread(fd.get(), payload.data(), payload.size(), h->header_size) != static_cast<ssize_t>(payload.size()))
+      return DataLoss("short payload read");
+    std::vector<std::byte> hcopy(hdr, hdr + h->header_size);
+    KVTIER_RETURN_IF_ERROR(format::verify_object(hcopy.data(), *h, payload.data()));
+  }
+  last_header_size_ = h->header_size;
+  last_payload_bytes_ = h->payload_bytes;
+  return Status::Ok();
+}
+
+}  // namespace kvtier::storage::disk

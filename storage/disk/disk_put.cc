@@ -1,0 +1,219 @@
+// A put on the disk backend's I/O thread: header and payload written (the
+// payload straight from the caller's buffer under O_DIRECT when aligned, else
+// through a bounce buffer) to a new file in incoming/ or a recycled one, made
+// durable per DiskBackendConfig::durability, renamed over the object (swapped
+// with RENAME_EXCHANGE when replacing one) and, under kPowerLoss,
+// acknowledged after an fsync of its shard directory that the puts of the
+// shard share. on_op_cqe() steps a put through these stages and hands read
+// completions to on_read() (disk_get.cc).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <liburing.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "storage/disk/disk_backend_impl.h"
+#include "storage/object_format.h"
+
+namespace kvtier::storage::disk {
+
+void DiskBackend::start_put(IoOp* op) {
+  const StorageKey& key = op->item.key;
+  op->shard = key.digest[0];
+  op->header_size = header_size_;
+  op->payload_bytes = op->item.bytes;
+  const bool direct_payload = direct_ && aligned(op->item.buffer, kAlign) && op->item.bytes % kAlign == 0;
+  op->file_bytes = header_size_ + (direct_ ? align_up(op->item.bytes, kAlign) : op->item.bytes);
+  std::uint64_t free_bytes = 0;
+  {
+    std::lock_guard<std::mutex> lk(index_mu_);
+    if (config_.capacity_bytes && op->file_bytes > config_.capacity_bytes)
+      return finish(op, ResourceExhausted(fmt::format("object of {} bytes exceeds the disk tier capacity of {}",
+                                                      op->file_bytes, config_.capacity_bytes)));
+    make_room_locked(op->file_bytes);
+    reserved_bytes_ += op->file_bytes;
+    // Reuse a free file unless it is much larger than this object (the tail would be wasted).
+    if (!free_files_.empty() && free_files_.front().second <= 2 * op->file_bytes + kAlign) {
+      op->tmp_path = std::move(free_files_.front().first);
+      free_bytes = free_files_.front().second;
+      free_files_.pop_front();
+      op->recycled = true;
+    } else if (!free_files_.empty()) {
+      ::unlink(free_files_.front().first.c_str());
+      free_files_.pop_front();
+    }
+  }
+  op->disk_bytes = std::max(op->file_bytes, free_bytes);
+  op->bounced = !direct_payload;
+  op->header = alloc_aligned(op->bounced ? op->file_bytes : header_size_);
+  if (!op->header) return fail_put(op, ResourceExhausted("out of memory for a bounce buffer"));
+  Status st = format::encode_header(options_, ns_digest_, key, op->item.buffer, op->item.bytes,
+                                    static_cast<std::uint32_t>(header_size_), op->header.get());
+  if (!st.ok()) return fail_put(op, st);
+  if (op->bounced) {
+    ++bounce_copies_;
+    if (op->item.bytes) std::memcpy(op->header.get() + header_size_, op->item.buffer, op->item.bytes);
+    std::memset(op->header.get() + header_size_ + op->item.bytes, 0, op->file_bytes - header_size_ - op->item.bytes);
+    op->iov[0] = {op->header.get(), op->file_bytes};
+    op->niov = 1;
+  } else {
+    op->iov[0] = {op->header.get(), header_size_};
+    op->iov[1] = {op->item.buffer, op->item.bytes};
+    op->niov = op->item.bytes ? 2 : 1;
+  }
+  if (Status sd = ensure_shard(op->shard); !sd.ok()) return fail_put(op, sd);
+  op->final_path = final_path(key);
+  if (op->recycled) {
+    op->fd = ScopedFd(::open(op->tmp_path.c_str(), O_WRONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0)));
+    if (op->fd.get() < 0) {
+      ::unlink(op->tmp_path.c_str());
+      op->recycled = false;
+      op->disk_bytes = op->file_bytes;
+    }
+  }
+  if (!op->recycled) {
+    // New files share one directory: ext4 places a new file's blocks near its directory, so
+    // concurrent puts write one region of the disk instead of one region per shard directory.
+    op->tmp_path = fmt::format("{}/incoming/{}{}{}.{}", dir_, key.to_string(), kTmpMarker, ::getpid(), ++seq_);
+    op->fd = ScopedFd(
+        ::open(op->tmp_path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0644));
+  }
+  if (op->fd.get() < 0) {
+    const int err = errno;
+    return fail_put(op, err == ENOSPC ? ResourceExhausted(fmt::format("create {}: {}", op->tmp_path, errno_text(err)))
+                                      : Unavailable(fmt::format("create {}: {}", op->tmp_path, errno_text(err))));
+  }
+  op->stage = IoOp::Stage::kWrite;
+  op->total = op->file_bytes;
+  op->file_offset = 0;
+  submit_rw(op);
+}
+
+// Creates and opens shard directory s on first use (I/O thread).
+Status DiskBackend::ensure_shard(std::uint32_t s) {
+  if (shard_fds_[s].get() >= 0) return Status::Ok();
+  const std::string sd = shard_dir(s);
+  bool created = true;
+  if (::mkdir(sd.c_str(), 0755) != 0) {
+    const int err = errno;
+    if (err != EEXIST)
+      return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", sd, errno_text(err)))
+                           : Unavailable(fmt::format("mkdir {}: {}", sd, errno_text(err)));
+    created = false;
+  }
+  int fd = ::open(sd.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Unavailable(fmt::format("open {}: {}", sd, errno_text(errno)));
+  // A new shard directory must itself be durable before objects in it are acknowledged.
+  if (created && config_.durability == Durability::kPowerLoss && ::fsync(dir_fd_.get()) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Unavailable(fmt::format("fsync {}: {}", dir_, errno_text(err)));
+  }
+  shard_fds_[s].reset(fd);
+  return Status::Ok();
+}
+
+void DiskBackend::fail_put(IoOp* op, Status st) {
+  if (op->fd.get() >= 0) op->fd.reset();
+  if (!op->tmp_path.empty()) ::unlink(op->tmp_path.c_str());
+  {
+    std::lock_guard<std::mutex> lk(index_mu_);
+    reserved_bytes_ -= op->file_bytes;
+  }
+  finish(op, std::move(st));
+}
+
+void DiskBackend::on_op_cqe(IoOp* op, int res) {
+  switch (op->stage) {
+    case IoOp::Stage::kWrite: {
+      if (res < 0)
+        return fail_put(op, res == -ENOSPC || res == -EFBIG || res == -EDQUOT
+                                ? ResourceExhausted(fmt::format("write {}: {}", op->tmp_path, errno_text(-res)))
+                                : Unavailable(fmt::format("write {}: {}", op->tmp_path, errno_text(-res))));
+      if (res == 0) return fail_put(op, ResourceExhausted(fmt::format("write {}: no progress", op->tmp_path)));
+      if (op->file_offset + static_cast<std::uint64_t>(res) < op->total) {
+        advance(op, static_cast<std::uint64_t>(res));
+        return submit_rw(op);
+      }
+      // O_DIRECT data is on the device when the write completes, and on ext4/XFS the directory fsync
+      // after the rename commits the journal (inode, extents, size, entry) behind a cache flush, which
+      // makes that data durable too; elsewhere, and for buffered writes, the file is fdatasynced first.
+      if (config_.durability == Durability::kPowerLoss && !(direct_ && journal_covers_direct_)) {
+        op->stage = IoOp::Stage::kFileSync;
+        io_uring_sqe* sqe = get_sqe();
+        io_uring_prep_fsync(sqe, op->fd.get(), IORING_FSYNC_DATASYNC);
+        io_uring_sqe_set_data(sqe, op);
+        return;
+      }
+      return commit_put(op);
+    }
+    case IoOp::Stage::kFileSync:
+      if (res < 0)
+        return fail_put(op, res == -ENOSPC
+                                ? ResourceExhausted(fmt::format("fdatasync {}: {}", op->tmp_path, errno_text(-res)))
+                                : Unavailable(fmt::format("fdatasync {}: {}", op->tmp_path, errno_text(-res))));
+      return commit_put(op);
+    case IoOp::Stage::kDirSync: return;  // completions come through DirSync
+    case IoOp::Stage::kRead: return on_read(op, res);
+  }
+}
+
+void DiskBackend::commit_put(IoOp* op) {
+  op->fd.reset();
+  std::lock_guard<std::mutex> lk(index_mu_);
+  auto old = index_.find(op->item.key);
+  // Replacing an object: swap atomically so that the old file can be recycled; else a plain rename.
+  bool exchanged = false;
+  if (old != index_.end()) {
+    exchanged = ::renameat2(AT_FDCWD, op->tmp_path.c_str(), AT_FDCWD, op->final_path.c_str(), RENAME_EXCHANGE) == 0;
+    if (exchanged) recycle_or_unlink_locked(op->tmp_path, old->second.file_bytes, op->item.key);
+  }
+  if (!exchanged && ::rename(op->tmp_path.c_str(), op->final_path.c_str()) != 0) {
+    Status st = Unavailable(fmt::format("rename {} -> {}: {}", op->tmp_path, op->final_path, errno_text(errno)));
+    reserved_bytes_ -= op->file_bytes;
+    ::unlink(op->tmp_path.c_str());
+    op->tmp_path.clear();
+    return finish(op, std::move(st));
+  }
+  op->tmp_path.clear();
+  reserved_bytes_ -= op->file_bytes;
+  insert_locked(op->item.key, op->disk_bytes, static_cast<std::uint32_t>(op->header_size), op->payload_bytes);
+  op->header.reset();
+  if (config_.durability != Durability::kPowerLoss) return finish(op, Status::Ok(), op->payload_bytes);
+  op->stage = IoOp::Stage::kDirSync;
+  DirSync* ds = dir_syncs_[op->shard].get();
+  ds->waiting.push_back(op);
+  if (!ds->in_flight) submit_dir_sync(ds);
+}
+
+void DiskBackend::submit_dir_sync(DirSync* ds) {
+  ds->covered.swap(ds->waiting);
+  ds->waiting.clear();
+  ds->in_flight = true;
+  io_uring_sqe* sqe = get_sqe();
+  io_uring_prep_fsync(sqe, shard_fds_[ds->shard].get(), 0);
+  io_uring_sqe_set_data(sqe, ds);
+}
+
+void DiskBackend::on_dir_sync_cqe(DirSync* ds, int res) {
+  ds->in_flight = false;
+  std::vector<IoOp*> covered;
+  covered.swap(ds->covered);
+  for (IoOp* op : covered) {
+    // The object is visible already; a failed directory sync only weakens power-loss durability.
+    if (res < 0)
+      finish(op, Unavailable(fmt::format("fsync of directory {}: {}", shard_dir(ds->shard), errno_text(-res))));
+    else
+      finish(op, Status::Ok(), op->payload_bytes);
+  }
+  if (!ds->waiting.empty()) submit_dir_sync(ds);
+}
+
+}  // namespace kvtier::storage::disk
