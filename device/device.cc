@@ -7,6 +7,8 @@
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 
+#include <fmt/format.h>
+
 namespace kvtier {
 namespace {
 // Stream ids are process-wide and never reused, so that they can key maps
@@ -23,6 +25,19 @@ std::string_view backend_name(BackendKind kind) noexcept {
 }
 
 Stream::Stream() : id_(g_next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
+
+Result<std::unique_ptr<Stream>> Device::adopt_stream(void* native_handle, const std::string& name) {
+  return NotSupported(fmt::format("adopt_stream('{}', handle {}): the {} backend has no native streams; use create_stream",
+                                  name, native_handle, backend_name(backend())));
+}
+
+Result<Buffer> Device::adopt_device_memory(void* data, std::uint64_t bytes) {
+  if (data == nullptr) return InvalidArgument(fmt::format("adopt_device_memory: null pointer ({} bytes)", bytes));
+  if (bytes == 0) return InvalidArgument(fmt::format("adopt_device_memory: 0 bytes at {}", data));
+  if (reinterpret_cast<std::uintptr_t>(data) + bytes < reinterpret_cast<std::uintptr_t>(data))
+    return InvalidArgument(fmt::format("adopt_device_memory: {} + {} bytes wraps around", data, bytes));
+  return Buffer(data, bytes, MemoryKind::kDevice, [] {});
+}
 
 Result<std::unique_ptr<Device>> open_default_device(bool prefer_cuda, int ordinal) {
   if (prefer_cuda && cuda_device_count() > 0) return create_cuda_device(ordinal);

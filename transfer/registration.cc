@@ -106,6 +106,12 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
       }
       const TensorDesc& t = it->second;
       if (t.data == nullptr) return InvalidArgument(fmt::format("KV tensor '{}' has a null data pointer", name));
+      if (t.device_ordinal >= 0 && t.device_ordinal != device_ordinal)
+        return InvalidArgument(fmt::format("KV tensor '{}' is on device {}, but the cache is registered on device {}",
+                                           name, t.device_ordinal, device_ordinal));
+      if (reinterpret_cast<std::uintptr_t>(t.data) % dtype_bytes(t.dtype) != 0)
+        return InvalidArgument(fmt::format("KV tensor '{}' data pointer {} is not aligned to its {}-byte elements",
+                                           name, t.data, dtype_bytes(t.dtype)));
       if (t.shape.size() < 2)
         return InvalidArgument(
             fmt::format("KV tensor '{}' has rank {} shape; expected [num_blocks, ...]", name, t.shape.size()));
@@ -135,6 +141,28 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
             fmt::format("KV tensor '{}' has {} blocks but '{}' has {}", name, blocks, num_blocks_from, num_blocks));
       }
       std::uint64_t stride = t.block_stride_bytes ? t.block_stride_bytes : bytes;
+      if (!t.strides.empty()) {
+        if (t.strides.size() != t.shape.size())
+          return InvalidArgument(fmt::format("KV tensor '{}' has {} strides for {} dimensions", name, t.strides.size(),
+                                             t.shape.size()));
+        // Each block must be one contiguous run of bytes: dims 1.. C-contiguous
+        // (a dimension of extent 1 may have any stride).
+        std::int64_t want = 1;
+        for (std::size_t i = t.shape.size(); i-- > 1;) {
+          if (t.shape[i] != 1 && t.strides[i] != want)
+            return InvalidArgument(fmt::format(
+                "KV tensor '{}' is not contiguous within a block: dimension {} has stride {} (elements), expected {} "
+                "(blocks must be contiguous; call .contiguous() or allocate block-major)",
+                name, i, t.strides[i], want));
+          want *= t.shape[i];
+        }
+        if (t.strides[0] < static_cast<std::int64_t>(elems))
+          return InvalidArgument(fmt::format(
+              "KV tensor '{}' block stride {} elements is smaller than a block ({} elements): blocks overlap or dim 0 "
+              "is not the block index",
+              name, t.strides[0], elems));
+        stride = static_cast<std::uint64_t>(t.strides[0]) * dtype_bytes(t.dtype);
+      }
       if (stride < bytes)
         return InvalidArgument(fmt::format("KV tensor '{}' block stride {} < block bytes {}", name, stride, bytes));
       planes[l].push_back(Plane{static_cast<std::byte*>(t.data), stride});
@@ -157,6 +185,70 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
   auto space = BlockSpace::from_planes(MemoryKind::kDevice, device_ordinal, layout, num_blocks, std::move(planes));
   if (!space.ok()) return space.status().with_context("device_space_from_name_map");
   return space;
+}
+
+Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& tensors, std::uint32_t num_model_layers,
+                                      int rank, int device_label, std::uint32_t block_tokens) {
+  struct Found {
+    std::map<Role, const TensorDesc*> roles;
+    std::map<Role, std::string> names;
+  };
+  std::map<std::uint32_t, Found> layers;
+  bool any_value = false;
+  static const std::map<std::string, Role> kPrefixRole = {{"key_caches", Role::kKey},
+                                                          {"value_caches", Role::kValue},
+                                                          {"key_cache_scales", Role::kKeyScale},
+                                                          {"value_cache_scales", Role::kValueScale},
+                                                          {"indexer_caches", Role::kIndexer}};
+  for (const auto& [n, desc] : tensors) {
+    std::string p;
+    std::uint32_t tl;
+    int tr, td;
+    if (!parse_seed_name(n, p, tl, tr, td) || tr != rank || td != device_label) continue;
+    auto role = kPrefixRole.find(p);
+    if (role == kPrefixRole.end()) continue;
+    if (desc.shape.size() < 2)
+      return InvalidArgument(fmt::format("KV tensor '{}' has rank {} shape; expected [num_blocks, ...]", n,
+                                         desc.shape.size()));
+    for (std::size_t i = 0; i < desc.shape.size(); ++i)
+      if (desc.shape[i] <= 0) return InvalidArgument(fmt::format("KV tensor '{}' has dimension {} = {}", n, i, desc.shape[i]));
+    layers[tl].roles[role->second] = &desc;
+    layers[tl].names[role->second] = n;
+    any_value = any_value || role->second == Role::kValue;
+  }
+  if (layers.empty())
+    return NotFound(fmt::format("no KV tensor of rank{}.device{} in the tensor map of {} entries (names like '{}')", rank,
+                                device_label, tensors.size(), seed_tensor_name(Role::kKey, "", 0, rank, device_label)));
+  const std::uint32_t num_layers = layers.rbegin()->first + 1;
+  if (num_layers < num_model_layers)
+    return NotFound(fmt::format("KV tensors of layers {}..{} are missing (the model has {} layers)", num_layers,
+                                num_model_layers - 1, num_model_layers));
+  std::vector<LayerLayout> out;
+  const Found* first = nullptr;
+  for (std::uint32_t l = 0; l < num_layers; ++l) {
+    auto it = layers.find(l);
+    if (it == layers.end() || !it->second.roles.count(Role::kKey))
+      return NotFound(fmt::format("KV tensor '{}' is missing (layer {} of {})",
+                                  seed_tensor_name(Role::kKey, "", l, rank, device_label), l, num_layers));
+    const Found& f = it->second;
+    if (first == nullptr) first = &f;
+    for (const auto& [role, desc] : first->roles)
+      if (!f.roles.count(role))
+        return NotFound(fmt::format("KV tensor '{}' is missing: layer 0 has one",
+                                    seed_tensor_name(role, "", l, rank, device_label)));
+    LayerLayout ll;
+    ll.draft = l >= num_model_layers;
+    for (const auto& [role, desc] : f.roles) {
+      std::uint64_t elems = 1;
+      for (std::size_t i = 1; i < desc->shape.size(); ++i) elems *= static_cast<std::uint64_t>(desc->shape[i]);
+      const Role r = role == Role::kKey && !any_value ? Role::kLatent : role;
+      ll.roles.push_back(RoleLayout{r, desc->dtype, elems * dtype_bytes(desc->dtype), ""});
+    }
+    out.push_back(std::move(ll));
+  }
+  auto layout = KvLayout::create(std::move(out), block_tokens);
+  if (!layout.ok()) return layout.status().with_context("layout_from_name_map");
+  return layout;
 }
 
 Result<BlockSpace> host_space_from_name_map(const std::map<std::string, void*>& pointers, const KvLayout& layout,

@@ -34,12 +34,14 @@ class CudaDevice;
 
 class CudaStream final : public Stream {
  public:
-  CudaStream(Device& device, int ordinal, cudaStream_t stream, std::string name)
-      : device_(device), ordinal_(ordinal), stream_(stream), name_(std::move(name)) {}
+  CudaStream(Device& device, int ordinal, cudaStream_t stream, std::string name, bool owned = true)
+      : device_(device), ordinal_(ordinal), stream_(stream), name_(std::move(name)), owned_(owned) {}
 
   // Drains as a last resort (the owner should have), then destroys. Never
-  // throws; errors can only be dropped here.
+  // throws; errors can only be dropped here. An adopted stream belongs to
+  // the engine: neither drained nor destroyed.
   ~CudaStream() override {
+    if (!owned_) return;
     DeviceGuard guard(ordinal_);
     if (cudaStreamSynchronize(stream_) != cudaSuccess) static_cast<void>(cudaGetLastError());
     if (cudaStreamDestroy(stream_) != cudaSuccess) static_cast<void>(cudaGetLastError());
@@ -56,6 +58,7 @@ class CudaStream final : public Stream {
   const int ordinal_;
   const cudaStream_t stream_;
   const std::string name_;
+  const bool owned_;
 };
 
 class CudaEvent final : public Event {
@@ -159,6 +162,37 @@ class CudaDevice final : public Device {
     return std::unique_ptr<Stream>(std::make_unique<CudaStream>(*this, ordinal_, stream, options.name));
   }
 
+  Result<std::unique_ptr<Stream>> adopt_stream(void* native_handle, const std::string& name) override {
+    KVTIER_CUDA_GUARD(ordinal_);
+    auto stream = static_cast<cudaStream_t>(native_handle);
+    // The legacy default stream (0) and the per-thread one are valid handles too.
+    int device = -1;
+    KVTIER_CUDA_TRY_CTX(cudaStreamGetDevice(stream, &device),
+                        fmt::format("adopt_stream('{}'): handle {} is not a CUDA stream", name, native_handle));
+    if (device != ordinal_)
+      return InvalidArgument(fmt::format("adopt_stream('{}'): stream {} belongs to CUDA device {}, not device {}", name,
+                                         native_handle, device, ordinal_));
+    return std::unique_ptr<Stream>(std::make_unique<CudaStream>(*this, ordinal_, stream, name, /*owned=*/false));
+  }
+
+  Result<Buffer> adopt_device_memory(void* data, std::uint64_t bytes) override {
+    KVTIER_RETURN_IF_ERROR(Device::adopt_device_memory(data, bytes).status());  // null, empty, wrapping
+    KVTIER_CUDA_GUARD(ordinal_);
+    for (const void* p : {static_cast<const void*>(data), static_cast<const void*>(static_cast<std::byte*>(data) + bytes - 1)}) {
+      cudaPointerAttributes attr{};
+      KVTIER_CUDA_TRY_CTX(cudaPointerGetAttributes(&attr, p), fmt::format("adopt_device_memory: cudaPointerGetAttributes({})", p));
+      if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+        return InvalidArgument(fmt::format("adopt_device_memory: {} (in [{}, +{} bytes)) is not device memory (CUDA memory type {})",
+                                           p, data, bytes, static_cast<int>(attr.type)));
+      if (attr.device != ordinal_)
+        return InvalidArgument(fmt::format("adopt_device_memory: {} is memory of CUDA device {}, not device {}", p,
+                                           attr.device, ordinal_));
+    }
+    std::shared_ptr<ChunkMap> map = device_map_;
+    map->add(data, bytes);
+    return Buffer(data, bytes, MemoryKind::kDevice, [map, data]() noexcept { map->remove(data); });
+  }
+
   using Device::create_event;
   Result<std::unique_ptr<Event>> create_event(const EventOptions& options) override {
     KVTIER_CUDA_GUARD(ordinal_);
@@ -214,6 +248,11 @@ class CudaDevice final : public Device {
   Result<std::unique_ptr<PinnedMemory>> register_host(void* data, std::uint64_t bytes,
                                                       const PinnedOptions& options) override {
     KVTIER_RETURN_IF_ERROR(check_host_pointer_access("register_host"));
+    if (data != nullptr && bytes != 0 && already_pinned(data, bytes)) {
+      // Pinned by its owner (cudaHostAlloc, torch pin_memory): borrowed as
+      // is; registering it again would fail, unregistering it is the owner's.
+      return detail::register_host_memory(data, bytes, options, detail::ChunkRegistrar{});
+    }
     return detail::register_host_memory(data, bytes, options, registrar());
   }
 
@@ -435,6 +474,20 @@ class CudaDevice final : public Device {
     cudaPointerAttributes attr{};
     KVTIER_CUDA_TRY_CTX(cudaPointerGetAttributes(&attr, p), fmt::format("cudaPointerGetAttributes({})", p));
     return attr.type == cudaMemoryTypeHost || attr.type == cudaMemoryTypeUnregistered;
+  }
+  // Both ends of the range are page-locked host memory (cudaHostAlloc'd or
+  // registered by someone else).
+  bool already_pinned(void* data, std::uint64_t bytes) const {
+    DeviceGuard guard(ordinal_);
+    for (const void* p : {static_cast<const void*>(data), static_cast<const void*>(static_cast<std::byte*>(data) + bytes - 1)}) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        return false;
+      }
+      if (attr.type != cudaMemoryTypeHost) return false;
+    }
+    return true;
   }
   Result<bool> both_host(const void* dst, const void* src) const {
     KVTIER_ASSIGN_OR_RETURN(bool dst_host, is_host_pointer(dst));

@@ -188,6 +188,18 @@ class Device {
   virtual int multiprocessor_count() const noexcept = 0;
 
   virtual Result<std::unique_ptr<Stream>> create_stream(const StreamOptions& options = {}) = 0;
+  // A Stream over a stream the caller owns (an engine's current
+  // cudaStream_t): work kvtier enqueues on it runs in the engine's order.
+  // kvtier never synchronizes or destroys it; the caller keeps it alive
+  // until the returned object (and everything using it) is gone. The handle
+  // must belong to this device (InvalidArgument otherwise). NotSupported on
+  // backends without native streams (the host backend).
+  virtual Result<std::unique_ptr<Stream>> adopt_stream(void* native_handle, const std::string& name);
+  // Device memory that kvtier does not own (an engine's KV tensor): checked
+  // to be device memory of this device over [data, data + bytes), then made
+  // known to the backend. The returned Buffer's release forgets the range; it
+  // never frees it. The host backend accepts any non-null RAM range.
+  virtual Result<Buffer> adopt_device_memory(void* data, std::uint64_t bytes);
   // Events are created without timing unless asked (timing makes a record
   // slightly dearer on CUDA). `create_event()` = create_event({}).
   virtual Result<std::unique_ptr<Event>> create_event(const EventOptions& options) = 0;

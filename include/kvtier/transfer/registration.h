@@ -59,14 +59,31 @@ struct KvCacheRegistration {
   HostCacheSpec host;
 };
 
-// One tensor of the seed's name map. dim 0 is the block index.
+// One tensor of the seed's name map (an engine's KV tensor, e.g. from DLPack).
+// dim 0 is the block index; each block (dims 1..) must be contiguous.
 struct TensorDesc {
   void* data = nullptr;
   std::vector<std::int64_t> shape;
   DType dtype = DType::kBf16;
   // Bytes between consecutive blocks; 0 = contiguous (product of shape[1:] x dtype bytes).
   std::uint64_t block_stride_bytes = 0;
+  // Element strides of every dimension (DLPack's); empty = C-contiguous.
+  // When given they are checked: dims 1.. C-contiguous, strides[0] >= the
+  // block's elements, and strides[0] decides the block stride.
+  std::vector<std::int64_t> strides;
+  // Ordinal of the device holding the tensor; -1 = not known (not checked).
+  int device_ordinal = -1;
 };
+
+// The layout an engine's tensor map implies: layers 0..L-1 in order, each
+// with key_caches (kKey, or kLatent when the map has no value_caches at all:
+// MLA), value_caches, key/value_cache_scales and indexer_caches when present;
+// block bytes and dtypes from the tensors (uint8 tensors of fp8 caches stay
+// uint8). Layers at or above `num_model_layers` are draft (MTP) layers.
+// Errors name the tensor: missing key_caches of a layer, a layer with only
+// some of the roles other layers have, shapes that are not [num_blocks, ...].
+Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& tensors, std::uint32_t num_model_layers,
+                                      int rank, int device_label, std::uint32_t block_tokens);
 
 // "key_caches_3_rank0.device1". Role kLatent uses key_caches (MLA keeps its
 // latent there); kOther uses `other_name` as the prefix.

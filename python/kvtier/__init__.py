@@ -1,0 +1,46 @@
+"""kvtier: paged KV-cache blocks between GPU memory, pinned host memory and storage.
+
+Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
+
+- devices: :func:`cuda_device`, :func:`host_device` (device memory in RAM: CI, tests);
+  ``Device.create_stream()``, ``Device.adopt_stream(handle)`` (the engine's own stream,
+  never destroyed by kvtier), ``Device.synchronize(stream, timeout)``;
+- :class:`TransferManager` (``TransferManager.from_tensors``): evictions and layer-wise
+  loads on side streams, on the engine's own tensors (DLPack: torch, numpy, cupy, paddle)
+  and host memory (integer pointers); GPU-side layer waits (``wait_for_layer``), host
+  waits with timeouts, hazards per block, per-task status, stats as dicts;
+- :mod:`kvtier.errors`: exceptions carrying the status code and message;
+- :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class.
+
+Blocking calls release the GIL. Callbacks run on a kvtier thread with the GIL held for
+the call; an exception they raise is logged to the ``kvtier`` logger (and counted by
+:func:`callback_errors`), never lost and never fatal.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from ._native import (  # noqa: F401
+    Device,
+    Stream,
+    TransferManager,
+    callback_errors,
+    cuda_compiled,
+    cuda_device,
+    cuda_device_count,
+    host_device,
+    transfer_config_knobs,
+)
+from . import _native
+from .errors import *  # noqa: F401,F403
+
+_native._register_errors(errors.CLASS_BY_CODE)
+
+__version__ = "0.1.0"
+
+
+def open_device(prefer_cuda: bool = True, ordinal: int = 0) -> Device:
+    """A CUDA device when one is visible (and ``prefer_cuda``), else the host backend."""
+    if prefer_cuda and cuda_compiled() and cuda_device_count() > ordinal:
+        return cuda_device(ordinal)
+    return host_device()

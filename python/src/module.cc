@@ -1,0 +1,39 @@
+// kvtier._native: the extension module behind the `kvtier` Python package.
+// Python-facing API and its contract: python/kvtier/__init__.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "kvtier/core/config.h"
+#include "kvtier/transfer/transfer_config.h"
+#include "status_bridge.h"
+
+namespace nb = nanobind;
+
+namespace kvtier::python {
+void bind_transfer(nb::module_& m);
+}  // namespace kvtier::python
+
+NB_MODULE(_native, m) {
+  m.doc() = "kvtier native extension (see the kvtier package)";
+  kvtier::python::bind_errors(m);
+  kvtier::python::bind_transfer(m);
+  m.def(
+      "transfer_config_knobs",
+      [] {
+        kvtier::TransferManagerConfig cfg;
+        kvtier::ConfigTable table;
+        kvtier::bind_transfer_manager_config(table, cfg);
+        nb::list out;
+        for (const auto& k : table.describe()) {
+          nb::dict d;
+          d["name"] = k.name;
+          d["env"] = k.env_var;
+          d["type"] = k.type;
+          d["default"] = k.default_value;
+          d["doc"] = k.doc;
+          out.append(d);
+        }
+        return out;
+      },
+      "The TransferManager's knobs (name, KVTIER_* env var, type, default, doc).");
+}

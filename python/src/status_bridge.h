@@ -1,0 +1,32 @@
+// Status -> Python exception, and the helpers every binding shares.
+//
+// Errors cross into Python as instances of the classes of kvtier/errors.py
+// (one per StatusCode, grouped under one base per retry advice), registered
+// by kvtier/__init__.py at import through _register_errors(). Each carries
+// the Status code name and the full message.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <string>
+
+#include "kvtier/core/status.h"
+
+namespace kvtier::python {
+
+// Raises the Python exception for `status` (must not be OK).
+[[noreturn]] void raise_status(const Status& status);
+
+inline void check(const Status& status) {
+  if (!status.ok()) raise_status(status);
+}
+
+template <typename T>
+T value_or_raise(Result<T>&& result) {
+  if (!result.ok()) raise_status(result.status());
+  return std::move(result).value();
+}
+
+void bind_errors(nanobind::module_& m);
+
+}  // namespace kvtier::python

@@ -1,0 +1,593 @@
+// Devices, streams, layouts and the TransferManager, for Python.
+//
+// Engine memory crosses as DLPack tensors (torch, numpy, cupy, paddle: any
+// object with __dlpack__) or, for host memory, as integer pointers; kvtier
+// adopts it (never frees it) and keeps the Python objects alive as long as
+// the manager. Every call that can block, or that takes a lock a kvtier
+// thread may hold, releases the GIL. Callbacks run on kvtier's progress
+// thread: they take the GIL for the call only; an exception they raise is
+// logged to the "kvtier" logger and counted, never lost and never fatal to
+// the thread. Python objects held by kvtier threads are released under the
+// GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvtier/core/config.h"
+#include "kvtier/device/cuda_device.h"
+#include "kvtier/device/host_device.h"
+#include "kvtier/transfer/registration.h"
+#include "kvtier/transfer/transfer_config.h"
+#include "kvtier/transfer/transfer_manager.h"
+#include "status_bridge.h"
+
+extern char** environ;
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtier::python {
+namespace {
+
+using Seconds = std::chrono::duration<double>;
+
+// Runs `f` with the GIL released. Its result is turned into a Python
+// exception only after the GIL is back (raise_status needs it).
+template <typename F>
+auto released(F&& f) {
+  nb::gil_scoped_release release;
+  return f();
+}
+
+std::chrono::nanoseconds to_timeout(std::optional<double> seconds) {
+  if (!seconds) return std::chrono::nanoseconds::max();  // deadline_after saturates it
+  if (*seconds != *seconds) throw nb::value_error("timeout is NaN");
+  if (*seconds >= 1e9) return std::chrono::nanoseconds::max();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Seconds(*seconds));
+}
+
+// ---------------------------------------------------------------- objects
+
+struct PyDevice {
+  std::unique_ptr<Device> device;
+  Device& get() const { return *device; }
+};
+
+struct PyStream {
+  nb::object device_ref;  // keeps the PyDevice alive
+  std::unique_ptr<Stream> stream;
+  bool adopted = false;
+};
+
+// A Python callable that kvtier threads may call and drop: both under the GIL.
+struct PyCallable {
+  explicit PyCallable(nb::object f) : fn(std::move(f)) {}
+  PyCallable(const PyCallable&) = delete;
+  PyCallable& operator=(const PyCallable&) = delete;
+  ~PyCallable() {
+    if (!fn.is_valid()) return;
+    if (!Py_IsInitialized()) {
+      (void)fn.release();  // the interpreter is gone: leak rather than crash
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    fn.reset();
+  }
+  nb::object fn;
+};
+
+std::atomic<std::uint64_t> g_callback_errors{0};
+
+// Logs a callback's exception (with its traceback) to the "kvtier" logger.
+void report_callback_error(nb::python_error& e, const char* what) {
+  g_callback_errors.fetch_add(1, std::memory_order_relaxed);
+  try {
+    nb::object logger = nb::module_::import_("logging").attr("getLogger")("kvtier");
+    logger.attr("error")("exception in a kvtier %s callback (ignored; the transfer state is unaffected):\n%s", what,
+                         e.what());
+  } catch (...) {
+    PyErr_Clear();
+  }
+}
+
+nb::object error_object(const Status& st) {
+  if (st.ok()) return nb::none();
+  try {
+    raise_status(st);
+  } catch (nb::python_error& e) {
+    return nb::borrow(e.value());
+  } catch (const std::exception& e) {
+    return nb::str(e.what());
+  }
+  return nb::none();
+}
+
+LayerCallback wrap_layer_callback(nb::object fn) {
+  if (fn.is_none()) return {};
+  auto holder = std::make_shared<PyCallable>(std::move(fn));
+  return [holder](std::uint32_t layer, const Status& st) {
+    if (!Py_IsInitialized()) return;
+    nb::gil_scoped_acquire gil;
+    try {
+      holder->fn(layer, error_object(st));
+    } catch (nb::python_error& e) {
+      report_callback_error(e, "on_layer");
+    }
+  };
+}
+
+TaskCallback wrap_task_callback(nb::object fn) {
+  if (fn.is_none()) return {};
+  auto holder = std::make_shared<PyCallable>(std::move(fn));
+  return [holder](TaskId id, const Status& st) {
+    if (!Py_IsInitialized()) return;
+    nb::gil_scoped_acquire gil;
+    try {
+      holder->fn(id, error_object(st));
+    } catch (nb::python_error& e) {
+      report_callback_error(e, "on_done");
+    }
+  };
+}
+
+// ---------------------------------------------------------------- tensors
+
+Result<DType> dtype_of(const nb::dlpack::dtype& d, const std::string& name) {
+  using nb::dlpack::dtype_code;
+  const auto code = static_cast<dtype_code>(d.code);
+  if (d.lanes == 1) {
+    if (code == dtype_code::Bfloat && d.bits == 16) return DType::kBf16;
+    if (code == dtype_code::Float && d.bits == 16) return DType::kFp16;
+    if (code == dtype_code::Float && d.bits == 32) return DType::kFp32;
+    if (code == dtype_code::UInt && d.bits == 8) return DType::kUint8;
+    if (code == dtype_code::Int && d.bits == 8) return DType::kInt8;
+    if (code == dtype_code::Bool && d.bits == 8) return DType::kUint8;
+  }
+  return InvalidArgument(fmt::format(
+      "tensor '{}' has DLPack dtype (code {}, bits {}, lanes {}); kvtier moves bf16, fp16, fp32, uint8 (fp8 caches "
+      "as uint8) and int8 tensors",
+      name, d.code, d.bits, d.lanes));
+}
+
+// The engine's tensor as kvtier sees it, checked against the backend.
+Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>& a, const Device& device) {
+  TensorDesc t;
+  t.data = a.data();
+  KVTIER_ASSIGN_OR_RETURN(t.dtype, dtype_of(a.dtype(), name));
+  for (std::size_t i = 0; i < a.ndim(); ++i) {
+    t.shape.push_back(static_cast<std::int64_t>(a.shape(i)));
+    t.strides.push_back(static_cast<std::int64_t>(a.stride(i)));
+  }
+  // DLPack device types: 1 CPU, 2 CUDA, 3 CUDA host (pinned).
+  constexpr int kCpu = 1, kCuda = 2, kCudaHost = 3;
+  const int type = a.device_type();
+  if (device.backend() == BackendKind::kCuda) {
+    if (type != kCuda)
+      return InvalidArgument(fmt::format("device tensor '{}' is not CUDA memory (DLPack device type {}); the cache "
+                                         "is registered on CUDA device {}",
+                                         name, a.device_type(), device.ordinal()));
+    t.device_ordinal = a.device_id();
+  } else if (type != kCpu && type != kCudaHost) {
+    return InvalidArgument(fmt::format(
+        "device tensor '{}' has DLPack device type {}; the host backend keeps its device memory in RAM (use numpy or "
+        "CPU tensors)",
+        name, a.device_type()));
+  }
+  return t;
+}
+
+std::uint64_t tensor_extent_bytes(const TensorDesc& t) {
+  std::uint64_t elems = 1;
+  for (std::size_t i = 1; i < t.shape.size(); ++i) elems *= static_cast<std::uint64_t>(t.shape[i]);
+  const std::uint64_t stride = t.strides.empty() ? elems : static_cast<std::uint64_t>(t.strides[0]);
+  return ((static_cast<std::uint64_t>(t.shape[0]) - 1) * stride + elems) * dtype_bytes(t.dtype);
+}
+
+// ---------------------------------------------------------------- manager
+
+struct PyTransferManager {
+  // Destroyed in reverse order: the manager (after shutdown) first, then the
+  // host registrations and device adoptions it used, then the Python refs.
+  nb::object device_ref;
+  nb::object compute_ref;
+  nb::list keep_alive;  // the engine's tensors
+  std::vector<Buffer> adopted_device;
+  std::vector<std::unique_ptr<PinnedMemory>> host_registrations;
+  std::unique_ptr<TransferManager> mgr;
+  KvLayout layout;
+
+  ~PyTransferManager() { close(); }
+  void close() {
+    if (!mgr) return;
+    nb::gil_scoped_release release;  // callbacks in flight need the GIL to finish
+    mgr->shutdown().ignore_error();
+    mgr.reset();
+  }
+  TransferManager& get() {
+    if (!mgr) raise_status(FailedPrecondition("the TransferManager was closed"));
+    return *mgr;
+  }
+};
+
+TransferManager::DeviceAccess parse_access(const std::string& s) {
+  if (s == "read") return TransferManager::DeviceAccess::kRead;
+  if (s == "write") return TransferManager::DeviceAccess::kWrite;
+  if (s == "overwrite") return TransferManager::DeviceAccess::kOverwrite;
+  raise_status(InvalidArgument(fmt::format("access '{}' is not one of read, write, overwrite", s)));
+}
+
+std::vector<std::int32_t> to_ids(const std::vector<std::int64_t>& ids, const char* what) {
+  std::vector<std::int32_t> out;
+  out.reserve(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] > INT32_MAX)
+      raise_status(OutOfRange(fmt::format("{} block id {} at index {} is not a valid block id", what, ids[i], i)));
+    out.push_back(static_cast<std::int32_t>(ids[i]));
+  }
+  return out;
+}
+
+std::vector<std::uint32_t> to_layers(const std::vector<std::int64_t>& layers) {
+  std::vector<std::uint32_t> out;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i] < 0 || layers[i] > UINT32_MAX)
+      raise_status(OutOfRange(fmt::format("layer {} at index {} is not a valid layer index", layers[i], i)));
+    out.push_back(static_cast<std::uint32_t>(layers[i]));
+  }
+  return out;
+}
+
+nb::object parse_json(const std::string& s) { return nb::module_::import_("json").attr("loads")(s); }
+
+nb::dict task_info_dict(const TaskInfo& info) {
+  nb::dict d;
+  d["kind"] = std::string(task_kind_name(info.kind));
+  d["state"] = std::string(task_state_name(info.state));
+  d["status"] = info.status.ok() ? nb::none() : nb::cast(info.status.to_string());
+  d["layers"] = info.layers;
+  std::vector<std::string> states;
+  for (auto s : info.layer_states) states.emplace_back(task_state_name(s));
+  d["layer_states"] = states;
+  d["bytes"] = info.bytes;
+  return d;
+}
+
+std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::object compute_obj,
+                                                  std::map<std::string, nb::ndarray<>> tensors,
+                                                  std::optional<std::map<std::string, std::uintptr_t>> host_pointers,
+                                                  std::uint64_t num_host_blocks, std::uint32_t num_model_layers,
+                                                  int rank, int device_label, std::uint32_t block_tokens,
+                                                  std::map<std::string, std::string> config) {
+  PyDevice& pd = nb::cast<PyDevice&>(device_obj);
+  PyStream& compute = nb::cast<PyStream&>(compute_obj);
+  Device& device = pd.get();
+  auto out = std::make_unique<PyTransferManager>();
+  out->device_ref = device_obj;
+  out->compute_ref = compute_obj;
+  std::map<std::string, TensorDesc> descs;
+  for (auto& [name, array] : tensors) {
+    descs[name] = value_or_raise(describe_tensor(name, array, device));
+    out->keep_alive.append(nb::cast(array));
+  }
+  TransferManagerConfig cfg;
+  {
+    ConfigTable table;
+    bind_transfer_manager_config(table, cfg);
+    check(table.apply_env(environ).with_context("KVTIER_TRANSFER_* environment"));
+    for (const auto& [k, v] : config) check(table.set(k, v));
+  }
+  const std::uint64_t host_ready_ms = static_cast<std::uint64_t>(cfg.host_ready_timeout.count());
+  Status st = released([&]() -> Status {
+    KVTIER_ASSIGN_OR_RETURN(out->layout,
+                            layout_from_name_map(descs, num_model_layers, rank, device_label, block_tokens));
+    std::map<std::string, void*> host;
+    if (host_pointers)
+      for (const auto& [k, v] : *host_pointers) host[k] = reinterpret_cast<void*>(v);
+    KVTIER_ASSIGN_OR_RETURN(KvCacheRegistration reg,
+                            registration_from_name_map(descs, host_pointers ? &host : nullptr, num_host_blocks,
+                                                       out->layout, rank, device_label, device.ordinal()));
+    // Engine memory: device ranges made known to the backend; host ranges
+    // pinned (registered, or borrowed when already pinned).
+    for (const auto& [name, t] : descs) {
+      auto b = device.adopt_device_memory(t.data, tensor_extent_bytes(t));
+      if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
+      out->adopted_device.push_back(std::move(b).value());
+    }
+    if (reg.host.space) {
+      const BlockSpace& hs = *reg.host.space;
+      for (std::uint32_t l = 0; l < out->layout.num_layers(); ++l)
+        for (std::uint32_t r = 0; r < out->layout.num_roles(l); ++r) {
+          const std::uint64_t bytes = out->layout.block_bytes(l, r) * hs.num_blocks();
+          auto pin = device.register_host(hs.plane(l, r).base, bytes);
+          const std::string what =
+              fmt::format("host cache of layer {} {}", l, role_name(out->layout.layer(l).roles[r].role));
+          if (!pin.ok()) return pin.status().with_context(what);
+          KVTIER_RETURN_IF_ERROR(
+              pin.value()->wait_ready(std::chrono::milliseconds(host_ready_ms)).with_context(what));
+          out->host_registrations.push_back(std::move(pin).value());
+        }
+    }
+    KVTIER_ASSIGN_OR_RETURN(out->mgr, TransferManager::create(device, *compute.stream, std::move(reg), cfg));
+    return Status::Ok();
+  });
+  check(st);
+  return out;
+}
+
+}  // namespace
+
+void bind_transfer(nb::module_& m) {
+  nb::class_<PyDevice>(m, "Device", "A kvtier device: a CUDA GPU, or the host backend (device memory in RAM).")
+      .def_prop_ro("backend", [](const PyDevice& d) { return std::string(backend_name(d.get().backend())); })
+      .def_prop_ro("ordinal", [](const PyDevice& d) { return d.get().ordinal(); })
+      .def_prop_ro("name", [](const PyDevice& d) { return d.get().name(); })
+      .def(
+          "create_stream",
+          [](nb::object self, const std::string& name, bool high_priority) {
+            PyDevice& d = nb::cast<PyDevice&>(self);
+            auto s = std::make_unique<PyStream>();
+            s->device_ref = self;
+            StreamOptions o{high_priority ? StreamPriority::kHigh : StreamPriority::kNormal, name};
+            s->stream = value_or_raise(d.get().create_stream(o));
+            return s;
+          },
+          "name"_a = "python", "high_priority"_a = false, "A new stream owned by kvtier.")
+      .def(
+          "adopt_stream",
+          [](nb::object self, std::uintptr_t handle, const std::string& name) {
+            PyDevice& d = nb::cast<PyDevice&>(self);
+            auto s = std::make_unique<PyStream>();
+            s->device_ref = self;
+            s->adopted = true;
+            s->stream = value_or_raise(d.get().adopt_stream(reinterpret_cast<void*>(handle), name));
+            return s;
+          },
+          "handle"_a, "name"_a = "engine",
+          "Wraps the engine's stream (e.g. torch.cuda.current_stream().cuda_stream); kvtier never destroys it.")
+      .def(
+          "synchronize",
+          [](PyDevice& d, PyStream& s, std::optional<double> timeout) {
+            Status st;
+            {
+              nb::gil_scoped_release release;
+              st = d.get().synchronize(*s.stream, to_timeout(timeout));
+            }
+            check(st);
+          },
+          "stream"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the stream's work completed.");
+
+  nb::class_<PyStream>(m, "Stream")
+      .def_prop_ro("id", [](const PyStream& s) { return s.stream->id(); })
+      .def_prop_ro("handle", [](const PyStream& s) { return reinterpret_cast<std::uintptr_t>(s.stream->native_handle()); })
+      .def_prop_ro("adopted", [](const PyStream& s) { return s.adopted; });
+
+  m.def(
+      "host_device",
+      [](std::uint64_t seed, int min_delay_us, int max_delay_us) {
+        HostDeviceOptions o;
+        o.seed = seed;
+        o.min_delay = std::chrono::microseconds(min_delay_us);
+        o.max_delay = std::chrono::microseconds(max_delay_us);
+        auto d = std::make_unique<PyDevice>();
+        d->device = value_or_raise(HostDevice::create(o));
+        return d;
+      },
+      "seed"_a = 0, "min_delay_us"_a = 0, "max_delay_us"_a = 0,
+      "The host backend: device memory in RAM, streams as worker threads (tests, CI). Delays are injected per "
+      "operation when max_delay_us > 0.");
+  m.def(
+      "cuda_device",
+      [](int ordinal) {
+        auto d = std::make_unique<PyDevice>();
+        d->device = value_or_raise(create_cuda_device(ordinal));
+        return d;
+      },
+      "ordinal"_a = 0, "A CUDA device by process-visible ordinal (after CUDA_VISIBLE_DEVICES).");
+  m.def("cuda_device_count", [] { return cuda_device_count(); });
+  m.def("cuda_compiled", [] { return cuda_compiled(); });
+  m.def("callback_errors", [] { return g_callback_errors.load(); },
+        "Exceptions raised by Python callbacks so far (each was logged to the 'kvtier' logger).");
+
+  nb::class_<PyTransferManager>(m, "TransferManager",
+                                "Evictions (device -> host, every layer) and layer-wise loads (host -> device) on "
+                                "side streams, ordered by per-block hazards. See include/kvtier/transfer/"
+                                "transfer_manager.h for the contract.")
+      .def_static("from_tensors", &create_manager, "device"_a, "compute_stream"_a, "device_tensors"_a,
+                  "host_pointers"_a.none(), "num_host_blocks"_a, "num_model_layers"_a, "rank"_a = 0,
+                  "device_label"_a = 0, "block_tokens"_a = 64,
+                  "config"_a = std::map<std::string, std::string>{},
+                  "Registers the engine's KV tensors (FastDeploy names: key_caches_{layer}_rank{r}.device{d}, ...) "
+                  "and its host cache (integer pointers to num_host_blocks blocks per tensor, same per-block "
+                  "layout; None: kvtier allocates it). config: knob -> value (docs/configuration.md).")
+      .def_prop_ro("layout", [](PyTransferManager& p) { return p.layout.describe(); })
+      .def_prop_ro("num_layers", [](PyTransferManager& p) { return p.layout.num_layers(); })
+      .def_prop_ro("block_bytes", [](PyTransferManager& p) { return p.layout.total_block_bytes(); })
+      .def_prop_ro("num_device_blocks", [](PyTransferManager& p) { return p.get().device_space().num_blocks(); })
+      .def_prop_ro("num_host_blocks", [](PyTransferManager& p) { return p.get().host_space().num_blocks(); })
+      .def(
+          "evict",
+          [](PyTransferManager& p, const std::vector<std::int64_t>& device_blocks,
+             const std::vector<std::int64_t>& host_blocks, PyStream* after, nb::object on_done) {
+            EvictOptions o;
+            o.after = after ? after->stream.get() : nullptr;
+            o.on_done = wrap_task_callback(std::move(on_done));
+            auto d = to_ids(device_blocks, "device");
+            auto h = to_ids(host_blocks, "host");
+            Result<TaskId> id = Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              id = p.get().evict_to_host_async(d, h, o);
+            }
+            return value_or_raise(std::move(id));
+          },
+          "device_blocks"_a, "host_blocks"_a, "after"_a = nb::none(), "on_done"_a = nb::none(),
+          "device_blocks[i] -> host_blocks[i], every layer and role, after the work enqueued so far on `after` "
+          "(default: the compute stream). Returns the task id at once. on_done(task, error_or_None).")
+      .def(
+          "load",
+          [](PyTransferManager& p, const std::vector<std::int64_t>& layers,
+             const std::vector<std::int64_t>& host_blocks, const std::vector<std::int64_t>& device_blocks,
+             nb::object on_layer, nb::object on_done) {
+            LoadOptions o;
+            o.on_layer = wrap_layer_callback(std::move(on_layer));
+            o.on_done = wrap_task_callback(std::move(on_done));
+            auto l = to_layers(layers);
+            auto h = to_ids(host_blocks, "host");
+            auto d = to_ids(device_blocks, "device");
+            Result<TaskId> id = Internal("not run");
+            {
+              nb::gil_scoped_release release;
+              id = p.get().load_layers_to_device_async(l, h, d, std::move(o));
+            }
+            return value_or_raise(std::move(id));
+          },
+          "layers"_a, "host_blocks"_a, "device_blocks"_a, "on_layer"_a = nb::none(), "on_done"_a = nb::none(),
+          "host_blocks[i] -> device_blocks[i] for `layers` in order ([]: all). on_layer(layer, error_or_None) once "
+          "per layer when it is final.")
+      .def(
+          "record_device_access",
+          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream,
+             const std::string& access) {
+            auto b = to_ids(blocks, "device");
+            auto a = parse_access(access);
+            check(released([&] { return p.get().record_device_access(b, *stream.stream, a); }));
+          },
+          "device_blocks"_a, "stream"_a, "access"_a,
+          "Declares that work enqueued so far on `stream` reads / writes / overwrites the blocks.")
+      .def(
+          "wait_for_layer",
+          [](PyTransferManager& p, TaskId task, std::uint32_t layer, PyStream& stream) {
+            check(released([&] { return p.get().wait_for_layer(task, layer, *stream.stream); }));
+          },
+          "task"_a, "layer"_a, "stream"_a, "`stream` waits on the device for the layer (no host blocking).")
+      .def(
+          "wait_layer_host",
+          [](PyTransferManager& p, TaskId task, std::uint32_t layer, std::optional<double> timeout) {
+            check(released([&] { return p.get().wait_layer_host(task, layer, to_timeout(timeout)); }));
+          },
+          "task"_a, "layer"_a, "timeout"_a = nb::none())
+      .def(
+          "wait",
+          [](PyTransferManager& p, TaskId task, std::optional<double> timeout) {
+            check(released([&] { return p.get().wait(task, to_timeout(timeout)); }));
+          },
+          "task"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the task is final; raises its error.")
+      .def(
+          "wait_all",
+          [](PyTransferManager& p, std::optional<double> timeout) {
+            check(released([&] { return p.get().wait_all(to_timeout(timeout)); }));
+          },
+          "timeout"_a = nb::none())
+      .def(
+          "wait_host_blocks_free",
+          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, std::optional<double> timeout) {
+            auto b = to_ids(blocks, "host");
+            check(released([&] { return p.get().wait_host_blocks_free(b, to_timeout(timeout)); }));
+          },
+          "host_blocks"_a, "timeout"_a = nb::none())
+      .def(
+          "wait_device_blocks_free",
+          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream) {
+            auto b = to_ids(blocks, "device");
+            check(released([&] { return p.get().wait_device_blocks_free(b, *stream.stream); }));
+          },
+          "device_blocks"_a, "stream"_a)
+      .def(
+          "is_device_block_free",
+          [](PyTransferManager& p, std::int64_t block) {
+            auto b = to_ids({block}, "device");
+            return value_or_raise(released([&] { return p.get().is_device_block_free(b[0]); }));
+          },
+          "block"_a)
+      .def(
+          "is_host_block_free",
+          [](PyTransferManager& p, std::int64_t block) {
+            auto b = to_ids({block}, "host");
+            return value_or_raise(released([&] { return p.get().is_host_block_free(b[0]); }));
+          },
+          "block"_a)
+      .def("task_info",
+           [](PyTransferManager& p, TaskId task) {
+             Result<TaskInfo> info = Internal("not run");
+             {
+               nb::gil_scoped_release release;
+               info = p.get().task_info(task);
+             }
+             return task_info_dict(value_or_raise(std::move(info)));
+           })
+      .def("failed_blocks",
+           [](PyTransferManager& p, TaskId task) {
+             Result<FailedBlocks> f = Internal("not run");
+             {
+               nb::gil_scoped_release release;
+               f = p.get().failed_blocks(task);
+             }
+             FailedBlocks v = value_or_raise(std::move(f));
+             nb::dict d;
+             d["device"] = v.device;
+             d["host"] = v.host;
+             return d;
+           })
+      .def("poll_completions",
+           [](PyTransferManager& p) {
+             std::vector<TaskCompletion> done;
+             {
+               nb::gil_scoped_release release;
+               done = p.get().poll_completions();
+             }
+             nb::list out;
+             for (const auto& c : done) {
+               nb::dict d;
+               d["task"] = c.id;
+               d["kind"] = std::string(task_kind_name(c.kind));
+               d["ok"] = c.status.ok();
+               d["error"] = error_object(c.status);
+               d["failed_device_blocks"] = c.failed.device;
+               d["failed_host_blocks"] = c.failed.host;
+               d["bytes"] = c.bytes;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("stats",
+           [](PyTransferManager& p) {
+             std::string json;
+             {
+               nb::gil_scoped_release release;
+               json = p.get().stats().to_json();
+             }
+             return parse_json(json);
+           })
+      .def_prop_ro("input_stream_handle",
+                   [](PyTransferManager& p) {
+                     return reinterpret_cast<std::uintptr_t>(p.get().input_stream().native_handle());
+                   })
+      .def(
+          "shutdown",
+          [](PyTransferManager& p) {
+            if (!p.mgr) return;
+            Status st;
+            {
+              nb::gil_scoped_release release;
+              st = p.mgr->shutdown();
+            }
+            check(st);
+          },
+          "Drains and stops (idempotent; GIL released). Submits afterwards raise FailedPreconditionError.")
+      .def("close", &PyTransferManager::close, "shutdown() and release the engine memory (idempotent).");
+}
+
+}  // namespace kvtier::python
