@@ -7,7 +7,8 @@ PKGS=(build-essential cmake ninja-build pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev
       libfmt-dev libcli11-dev nlohmann-json3-dev
       liburing-dev libhiredis-dev libxxhash-dev libnuma-dev
-      redis-server redis-tools)
+      redis-server redis-tools
+      python3 python3-venv python3-dev)
 missing=()
 for p in "${PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -3,7 +3,10 @@
 #   default (CUDA compiled + linked when nvcc is present; GPU tests skip without a GPU),
 #   asan (AddressSanitizer + UBSan) and tsan (ThreadSanitizer), both CPU only.
 # Test services (Redis on loopback) are started first when the script exists.
+# Then installs the Python package into .venv (scripts/install-python.sh) and
+# runs its pytest suite (host backend; CUDA too where torch sees a GPU).
 # Usage: scripts/test.sh [preset ...]   (default: default asan tsan)
+#        KVTIER_SKIP_PYTHON=1 skips the Python part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 presets=("$@")
@@ -18,4 +21,9 @@ for p in "${presets[@]}"; do
   cmake --build --preset "$p" -j "$jobs"
   ctest --preset "$p" -j "$jobs"
 done
-echo "=== all tests passed (${presets[*]}) ==="
+if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
+  echo "=== python package (pip install . into .venv, pytest) ==="
+  scripts/install-python.sh
+  PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pytest -q python/tests
+fi
+echo "=== all tests passed (${presets[*]} + python) ==="

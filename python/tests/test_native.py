@@ -1,0 +1,206 @@
+"""The native API: TransferManager on engine arrays, errors, callbacks, the GIL."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+
+LAYERS, BLOCKS, HOST_BLOCKS, BLOCK_BYTES = 4, 8, 8, 512
+
+
+def arrays(n_blocks, fill=None, roles=("key_caches", "value_caches"), layers=LAYERS):
+    out = {}
+    for layer in range(layers):
+        for role in roles:
+            a = np.empty((n_blocks, BLOCK_BYTES), dtype=np.uint8)
+            if fill is None:
+                a[...] = np.random.default_rng(layer * 10 + len(role)).integers(0, 256, a.shape, dtype=np.uint8)
+            else:
+                a.fill(fill)
+            out[f"{role}_{layer}_rank0.device0"] = a
+    return out
+
+
+def manager(delay_us=0, **config):
+    dev = kvtier.host_device(seed=3, min_delay_us=delay_us, max_delay_us=delay_us)
+    compute = dev.create_stream("compute")
+    d = arrays(BLOCKS)
+    h = arrays(HOST_BLOCKS, fill=0xEE)
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()},
+                                              HOST_BLOCKS, LAYERS, config={k: str(v) for k, v in config.items()})
+    return dev, compute, mgr, d, h
+
+
+def test_error_classes_carry_code_and_advice():
+    codes = kvtier._native._status_code_names()
+    for i, name in enumerate(codes[1:], start=1):
+        cls = kvtier.errors.CLASS_BY_CODE[name]
+        with pytest.raises(cls) as e:
+            kvtier._native._raise_status(i, f"value {i} is bad")
+        assert e.value.code == name and f"value {i}" in e.value.message
+        assert isinstance(e.value, kvtier.KvtierError)
+    assert issubclass(kvtier.InvalidArgumentError, ValueError)
+    assert issubclass(kvtier.TimedOutError, TimeoutError)
+    assert issubclass(kvtier.DataLossError, kvtier.RecomputeError)
+    assert issubclass(kvtier.ResourceExhaustedError, kvtier.BackoffRetryError)
+
+
+def test_evict_and_layered_load_with_callbacks():
+    dev, compute, mgr, d, h = manager()
+    assert mgr.num_layers == LAYERS and mgr.num_host_blocks == HOST_BLOCKS
+    before = {k: v[[2, 3]].copy() for k, v in d.items()}
+    done = []
+    t = mgr.evict([2, 3], [5, 6], on_done=lambda task, err: done.append((task, err)))
+    mgr.wait(t, timeout=30)
+    assert done == [(t, None)]
+    for k, v in h.items():
+        np.testing.assert_array_equal(v[[5, 6]], before[k])
+    for v in d.values():
+        v[[0, 1]] = 0x5A  # poison the destinations
+    layers = []
+    t2 = mgr.load([3, 1, 0, 2], [5, 6], [0, 1], on_layer=lambda layer, err: layers.append((layer, err)))
+    mgr.wait_layer_host(t2, 3, timeout=30)
+    mgr.wait(t2, timeout=30)
+    assert layers == [(3, None), (1, None), (0, None), (2, None)]
+    for k, v in d.items():
+        np.testing.assert_array_equal(v[[0, 1]], before[k])
+    info = mgr.task_info(t2)
+    assert info["state"] == "done" and info["layer_states"] == ["done"] * 4
+    comps = mgr.poll_completions()
+    assert [c["task"] for c in comps] == [t, t2] and all(c["ok"] for c in comps)
+    s = mgr.stats()
+    assert s["load"]["tasks_done"] == 1 and s["layers_done"] == 4
+    mgr.shutdown()
+    with pytest.raises(kvtier.FailedPreconditionError):
+        mgr.evict([0], [0])
+
+
+def test_validation_errors_name_the_bad_value():
+    dev, compute, mgr, d, h = manager()
+    with pytest.raises(kvtier.OutOfRangeError, match=r"\b99\b"):
+        mgr.evict([99], [0])
+    with pytest.raises(kvtier.OutOfRangeError, match="-1"):
+        mgr.evict([-1], [0])
+    with pytest.raises(kvtier.InvalidArgumentError, match="2 device blocks but 1 host"):
+        mgr.evict([0, 1], [0])
+    with pytest.raises(kvtier.InvalidArgumentError, match="block 3 twice"):
+        mgr.evict([0, 1], [3, 3])
+    with pytest.raises(kvtier.OutOfRangeError, match="layer 7"):
+        mgr.load([7], [0], [0])
+    with pytest.raises(kvtier.InvalidArgumentError, match="'sideways'"):
+        mgr.record_device_access([0], compute, "sideways")
+    with pytest.raises(kvtier.NotFoundError, match="12345"):
+        mgr.wait(12345, timeout=1)
+    with pytest.raises(kvtier.InvalidArgumentError, match="max_in_flight_tasks"):
+        manager(**{"transfer.max_in_flight_tasks": 0})
+    with pytest.raises(kvtier.InvalidArgumentError, match="transfer.no_such_knob"):
+        manager(**{"transfer.no_such_knob": 1})
+    # Engine tensors: a non-contiguous block, a missing tensor, a bad host map.
+    dev2 = kvtier.host_device()
+    c2 = dev2.create_stream()
+    bad = arrays(BLOCKS)
+    bad["key_caches_1_rank0.device0"] = np.empty((BLOCK_BYTES, BLOCKS), dtype=np.uint8).T
+    with pytest.raises(kvtier.InvalidArgumentError, match="key_caches_1_rank0.device0.*contiguous"):
+        kvtier.TransferManager.from_tensors(dev2, c2, bad, None, 4, LAYERS)
+    missing = arrays(BLOCKS)
+    del missing["value_caches_2_rank0.device0"]
+    with pytest.raises(kvtier.NotFoundError, match="value_caches_2_rank0.device0"):
+        kvtier.TransferManager.from_tensors(dev2, c2, missing, None, 4, LAYERS)
+    host = arrays(HOST_BLOCKS)
+    ptrs = {k: v.ctypes.data for k, v in host.items()}
+    del ptrs["key_caches_0_rank0.device0"]
+    with pytest.raises(kvtier.NotFoundError, match="key_caches_0_rank0.device0"):
+        kvtier.TransferManager.from_tensors(dev2, c2, arrays(BLOCKS), ptrs, HOST_BLOCKS, LAYERS)
+    with pytest.raises(kvtier.NotFoundError, match="layers 4..5"):
+        kvtier.TransferManager.from_tensors(dev2, c2, arrays(BLOCKS), None, 4, 6)
+    with pytest.raises(kvtier.NotSupportedError, match="host backend"):
+        dev2.adopt_stream(1234)
+
+
+def test_callback_exception_is_logged_and_harmless(caplog):
+    dev, compute, mgr, d, h = manager()
+    caplog.set_level(logging.ERROR, logger="kvtier")
+    before = kvtier.callback_errors()
+
+    def boom(layer, err):
+        raise RuntimeError(f"callback failure on layer {layer}")
+
+    t = mgr.load([], [0], [1], on_layer=boom)
+    mgr.wait(t, timeout=30)
+    assert kvtier.callback_errors() - before == LAYERS
+    assert any("callback failure on layer" in r.getMessage() for r in caplog.records)
+    t2 = mgr.load([], [1], [2])  # the progress thread survived
+    mgr.wait(t2, timeout=30)
+    mgr.close()
+
+
+def test_callback_may_wait_for_another_task():
+    dev, compute, mgr, d, h = manager(delay_us=2000)
+    result = {}
+    second = {}
+
+    def on_done(task, err):
+        result["status"] = "ok"
+        try:
+            mgr.wait(second["id"], timeout=20)
+        except kvtier.KvtierError as e:  # pragma: no cover - reported below
+            result["status"] = str(e)
+
+    t1 = mgr.load([], [0], [1], on_done=on_done)
+    second["id"] = mgr.load([], [2], [3])
+    mgr.wait(t1, timeout=30)
+    assert result["status"] == "ok"
+    mgr.close()  # the callback refers to mgr: release the cycle
+
+
+def test_blocking_calls_release_the_gil():
+    # Every copy takes >= 20 ms: a wait lasts long enough to see another thread run.
+    dev, compute, mgr, d, h = manager(delay_us=20000)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=ticker)
+    t = mgr.load([], [0, 1], [2, 3])
+    th.start()
+    t0 = time.monotonic()
+    mgr.wait(t, timeout=60)
+    waited = time.monotonic() - t0
+    stop.set()
+    th.join()
+    assert waited > 0.05
+    assert len([x for x in ticks if t0 <= x <= t0 + waited]) > 10, "the Python thread stalled while kvtier waited"
+
+
+def test_wait_timeout_raises_timedout():
+    dev, compute, mgr, d, h = manager(delay_us=200000)
+    t = mgr.load([], [0], [1])
+    with pytest.raises(kvtier.TimedOutError, match=f"task {t}"):
+        mgr.wait(t, timeout=0.01)
+    mgr.wait(t, timeout=None)  # forever: waits, does not time out at once
+
+
+def test_config_knobs_are_listed():
+    knobs = {k["name"]: k for k in kvtier.transfer_config_knobs()}
+    assert knobs["transfer.max_in_flight_tasks"]["env"] == "KVTIER_TRANSFER_MAX_IN_FLIGHT_TASKS"
+
+
+def test_cli_is_on_path():
+    import shutil
+    import subprocess
+
+    exe = shutil.which("kvtier")
+    if exe is None:
+        pytest.skip("kvtier console script not on PATH (package not installed with its CLI)")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "KV-cache" in out.stdout
