@@ -87,5 +87,22 @@ TEST(TransferGpu, RandomInterleavedMla) {
   transfer_test::run_random_interleaving(*dev, options(mla_layout(), CopyStrategy::kAuto, 48, 64), ro);
 }
 
+
+// The engine's patterns (decode steps with per-layer declared writes during
+// loads, reuse right after submission, callbacks waiting for other tasks,
+// shutdown with work in flight) at length on the GPU.
+TEST(TransferGpu, RandomInterleavedEnginePatternsLong) {
+  auto dev = open_gpu();
+  if (!dev) GTEST_SKIP() << "no CUDA device";
+  transfer_test::RandomOptions ro;
+  ro.ops = 20000;
+  ro.phase_ops = 400;
+  ro.max_pairs = 8;
+  ro.seed = 91;
+  ro.engine_patterns = true;
+  ro.shutdown_in_flight = true;
+  transfer_test::run_random_interleaving(*dev, options(gqa_layout(), CopyStrategy::kAuto, 96, 128), ro);
+}
+
 }  // namespace
 }  // namespace kvtier
