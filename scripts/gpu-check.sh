@@ -7,7 +7,12 @@
 # transfer) and the standalone probes of bench/gpu/ (built with nvcc when
 # .gpu-probe/ lacks them); logs under $OUT (default /tmp/kvtier-out); a short
 # table last. docs/performance.md says which of its tables this reproduces.
-# Usage: scripts/gpu-check.sh [tests|bench|probes|all] [extra kvtier bench copy args...]
+# `python`: builds the Python extension here with the machine's python3 (pip,
+# no build isolation, into $KVTIER_PY_TARGET; headers and libnuma a bare
+# machine lacks may be supplied in .pydeps/{include,lib}), runs the pytest
+# suite on torch CUDA tensors and the real-model offload proof
+# (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it).
+# Usage: scripts/gpu-check.sh [tests|bench|probes|python|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +43,28 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
   cat "$OUT"/*_test.log > "$OUT/tests_all.log" 2>/dev/null
   rm -f "$OUT"/*_test.log
+fi
+if [ "$what" = python ] || [ "$what" = all ]; then
+  target=${KVTIER_PY_TARGET:-/tmp/kvtier-site}
+  pyargs=(-C build.targets=_native -C cmake.define.KVTIER_PYTHON_CLI=OFF -C cmake.define.KVTIER_PYTHON_CACHE=OFF
+          -C build-dir=build/python-gpu)
+  if [ -d .pydeps ]; then
+    pyargs+=(-C "cmake.define.CMAKE_CXX_FLAGS=-isystem $PWD/.pydeps/include"
+             -C "cmake.define.CMAKE_CUDA_FLAGS=-isystem $PWD/.pydeps/include"
+             -C "cmake.define.KVTIER_LIBNUMA=$PWD/.pydeps/lib/libnuma.so")
+    export LD_LIBRARY_PATH="$PWD/.pydeps/lib:${LD_LIBRARY_PATH:-}"
+  fi
+  start=$(date +%s)
+  python3 -m pip install -q --no-build-isolation --no-deps --target "$target" "${pyargs[@]}" . > "$OUT/pip.log" 2>&1
+  echo "pip install rc=$? ($(( $(date +%s) - start ))s)"; tail -5 "$OUT/pip.log"
+  export PYTHONPATH="$target:${PYTHONPATH:-}"
+  timeout 300 python3 -m pytest -q python/tests --ignore=python/tests/gpu > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -5 "$OUT/pytest.log"
+  summary+=("$(printf '%-28s %s' pytest "$(tail -1 "$OUT/pytest.log")")")
+  # shellcheck disable=SC2086
+  timeout 420 python3 python/tests/gpu/llama_offload.py --out "$OUT/llama_offload.json" ${LLAMA_ARGS:-} \
+    > "$OUT/llama_offload.log" 2>&1
+  echo "llama_offload rc=$?"; tail -30 "$OUT/llama_offload.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 420 "$BIN/kvtier" bench copy --backend cuda --json "$@" > "$OUT/bench_copy.jsonl" 2> "$OUT/bench_copy.err"

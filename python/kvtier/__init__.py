@@ -9,6 +9,9 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
   loads on side streams, on the engine's own tensors (DLPack: torch, numpy, cupy, paddle)
   and host memory (integer pointers); GPU-side layer waits (``wait_for_layer``), host
   waits with timeouts, hazards per block, per-task status, stats as dicts;
+- :class:`CacheManager` (match, admit, take_plan, ack, commit, release, stats),
+  :class:`KeyHasher` (namespaced chained block keys), :class:`StorageBackend`
+  (``StorageBackend.open("disk:/path")`` or ``"redis://host:port"``);
 - :mod:`kvtier.errors`: exceptions carrying the status code and message;
 - :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class.
 
@@ -33,6 +36,9 @@ from ._native import (  # noqa: F401
 )
 from . import _native
 from .errors import *  # noqa: F401,F403
+
+if _native.has_cache:  # built with the cache and storage bindings (KVTIER_PYTHON_CACHE)
+    from ._native import CacheManager, KeyHasher, StorageBackend  # noqa: F401
 
 _native._register_errors(errors.CLASS_BY_CODE)
 

@@ -1,0 +1,349 @@
+// The scheduler side for Python: block keys, the CacheManager (match, admit,
+// plan, ack) and storage backends (disk, Redis). Keys cross as 32-digit hex
+// strings (BlockKey::hex); plans as dicts of move lists. The CacheManager has
+// no internal locking (one scheduler thread drives it, as in C++); the
+// wrapper serialises calls with a mutex so that Python threads cannot race.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <fmt/format.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kvtier/cache/block_key.h"
+#include "kvtier/cache/cache_config.h"
+#include "kvtier/cache/cache_manager.h"
+#include "kvtier/core/config.h"
+#include "kvtier/storage/storage_backend.h"
+#include "status_bridge.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtier::python {
+namespace {
+
+using cache::BlockId;
+using cache::BlockKey;
+
+std::vector<BlockKey> parse_keys(const std::vector<std::string>& hex) {
+  std::vector<BlockKey> out;
+  out.reserve(hex.size());
+  for (std::size_t i = 0; i < hex.size(); ++i) {
+    auto k = BlockKey::from_hex(hex[i]);
+    if (!k.ok()) raise_status(k.status().with_context(fmt::format("key at index {}", i)));
+    out.push_back(*k);
+  }
+  return out;
+}
+
+std::vector<std::string> key_strings(const std::vector<BlockKey>& keys) {
+  std::vector<std::string> out;
+  out.reserve(keys.size());
+  for (const auto& k : keys) out.push_back(k.hex());
+  return out;
+}
+
+std::vector<BlockId> to_block_ids(const std::vector<std::int64_t>& ids) {
+  std::vector<BlockId> out;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] > static_cast<std::int64_t>(UINT32_MAX))
+      raise_status(OutOfRange(fmt::format("block id {} at index {} is not a valid block id", ids[i], i)));
+    out.push_back(static_cast<BlockId>(ids[i]));
+  }
+  return out;
+}
+
+Status ack_status(const std::optional<std::string>& error) {
+  return error ? Status(StatusCode::kAborted, *error) : Status::Ok();
+}
+
+nb::list moves(const std::vector<cache::BlockMove>& v) {
+  nb::list out;
+  for (const auto& m : v) out.append(nb::make_tuple(m.src, m.dst, m.key.hex()));
+  return out;
+}
+
+struct PyKeyHasher {
+  cache::KeyHasher hasher;
+};
+
+struct PyCacheManager {
+  std::mutex mu;
+  std::unique_ptr<cache::CacheManager> cm;
+};
+
+struct PyStorage {
+  std::unique_ptr<storage::StorageBackend> backend;
+};
+
+storage::StorageKey storage_key(const std::string& hex, std::uint32_t rank) {
+  auto k = BlockKey::from_hex(hex);
+  if (!k.ok()) raise_status(k.status());
+  // As the cache manager's storage executor keys its objects.
+  return storage::StorageKey::from_u64(k->hi, k->lo, rank);
+}
+
+template <typename F>
+auto released(F&& f) {
+  nb::gil_scoped_release release;
+  return f();
+}
+
+}  // namespace
+
+void bind_cache(nb::module_& m) {
+  nb::class_<PyKeyHasher>(m, "KeyHasher",
+                          "Chained 128-bit block keys in a namespace (model, layout, dtype, TP shard, block size, "
+                          "tenant): equal token prefixes give equal keys, different namespaces never collide.")
+      .def(
+          "__init__",
+          [](PyKeyHasher* self, const std::string& model_id, std::uint32_t block_tokens, std::uint64_t layout_fingerprint,
+             const std::string& dtype, std::uint32_t tp_rank, std::uint32_t tp_size, const std::string& tenant_salt,
+             const std::string& extra) {
+            cache::KeyNamespace ns;
+            ns.model_id = model_id;
+            ns.block_tokens = block_tokens;
+            ns.layout_fingerprint = layout_fingerprint;
+            ns.dtype = dtype;
+            ns.tp_rank = tp_rank;
+            ns.tp_size = tp_size;
+            ns.tenant_salt = tenant_salt;
+            ns.extra = extra;
+            new (self) PyKeyHasher{value_or_raise(cache::KeyHasher::create(ns))};
+          },
+          "model_id"_a, "block_tokens"_a, "layout_fingerprint"_a = 0, "dtype"_a = "bf16", "tp_rank"_a = 0,
+          "tp_size"_a = 1, "tenant_salt"_a = "", "extra"_a = "")
+      .def("keys_for",
+           [](const PyKeyHasher& h, const std::vector<std::int32_t>& tokens) {
+             return key_strings(value_or_raise(h.hasher.keys_for(tokens)));
+           },
+           "tokens"_a, "Keys (hex) of every full block of the token ids; a partial tail block gets none.")
+      .def_prop_ro("root", [](const PyKeyHasher& h) { return h.hasher.root().hex(); });
+
+  nb::class_<PyCacheManager>(m, "CacheManager",
+                             "Block pools, prefix index, eviction and write policies, step plans "
+                             "(include/kvtier/cache/cache_manager.h). config: knob -> value, as the KVTIER_CACHE_* "
+                             "table of docs/configuration.md without the 'cache.' prefix.")
+      .def(
+          "__init__",
+          [](PyCacheManager* self, std::uint32_t device_blocks, std::uint32_t host_blocks,
+             std::uint32_t storage_blocks, const std::string& write_policy, const std::string& device_policy,
+             const std::string& host_policy, std::uint32_t write_through_threshold) {
+            cache::CacheConfig c;
+            c.device_blocks = device_blocks;
+            c.host_blocks = host_blocks;
+            c.storage_blocks = storage_blocks;
+            c.write_policy = value_or_raise(cache::parse_write_policy(write_policy));
+            c.device_policy = device_policy;
+            c.host_policy = host_policy;
+            c.write_through_threshold = write_through_threshold;
+            new (self) PyCacheManager();
+            self->cm = value_or_raise(cache::CacheManager::create(std::move(c)));
+          },
+          "device_blocks"_a, "host_blocks"_a = 0, "storage_blocks"_a = 0, "write_policy"_a = "write_back",
+          "device_policy"_a = "lru", "host_policy"_a = "lru", "write_through_threshold"_a = 2)
+      .def("match",
+           [](PyCacheManager& p, const std::vector<std::string>& keys) {
+             auto k = parse_keys(keys);
+             std::lock_guard lock(p.mu);
+             cache::MatchResult r = p.cm->match(k);
+             nb::dict d;
+             d["device_blocks"] = r.device_blocks;
+             d["host_blocks"] = r.host_blocks;
+             d["storage_blocks"] = r.storage_blocks;
+             d["stopped_at_in_flight"] = r.stopped_at_in_flight;
+             d["device_ids"] = r.device_ids;
+             d["host_ids"] = r.host_ids;
+             d["storage_ids"] = r.storage_ids;
+             return d;
+           })
+      .def(
+          "admit",
+          [](PyCacheManager& p, const std::vector<std::string>& keys, std::uint32_t extra_blocks) {
+            auto k = parse_keys(keys);
+            std::lock_guard lock(p.mu);
+            cache::Admission a = value_or_raise(p.cm->admit(k, extra_blocks));
+            nb::dict d;
+            d["id"] = a.id;
+            d["device_hit_blocks"] = a.device_hit_blocks;
+            d["host_hit_blocks"] = a.host_hit_blocks;
+            d["storage_hit_blocks"] = a.storage_hit_blocks;
+            d["new_blocks"] = a.new_blocks;
+            d["extra_blocks"] = a.extra_blocks;
+            d["device_blocks"] = a.device_blocks;
+            return d;
+          },
+          "keys"_a, "extra_blocks"_a = 0)
+      .def("commit",
+           [](PyCacheManager& p, std::uint64_t id, std::optional<std::uint32_t> num_computed) {
+             std::lock_guard lock(p.mu);
+             check(num_computed ? p.cm->commit(id, *num_computed) : p.cm->commit_all(id));
+           },
+           "admission"_a, "num_computed"_a = nb::none())
+      .def("release",
+           [](PyCacheManager& p, std::uint64_t id) {
+             std::lock_guard lock(p.mu);
+             check(p.cm->release(id));
+           })
+      .def("admission_status",
+           [](PyCacheManager& p, std::uint64_t id) {
+             std::lock_guard lock(p.mu);
+             auto s = value_or_raise(p.cm->admission_status(id));
+             nb::dict d;
+             d["ready_blocks"] = s.ready_blocks;
+             d["loading_blocks"] = s.loading_blocks;
+             d["failed"] = s.failed;
+             return d;
+           })
+      .def("prefetch",
+           [](PyCacheManager& p, const std::vector<std::string>& keys) {
+             auto k = parse_keys(keys);
+             std::lock_guard lock(p.mu);
+             return value_or_raise(p.cm->prefetch(k));
+           })
+      .def("take_plan",
+           [](PyCacheManager& p) {
+             std::lock_guard lock(p.mu);
+             cache::StepPlan plan = p.cm->take_plan();
+             nb::dict d;
+             d["evictions"] = moves(plan.evictions);
+             d["backups"] = moves(plan.backups);
+             d["loads"] = moves(plan.loads);
+             d["storage_writes"] = moves(plan.storage_writes);
+             d["storage_prefetches"] = moves(plan.storage_prefetches);
+             return d;
+           },
+           "Moves queued since the last call: dict of lists of (src, dst, key_hex).")
+      .def(
+          "ack",
+          [](PyCacheManager& p, const std::string& kind, const std::vector<std::int64_t>& dst_blocks,
+             std::optional<std::string> error) {
+            auto ids = to_block_ids(dst_blocks);
+            Status st = ack_status(error);
+            std::lock_guard lock(p.mu);
+            if (kind == "evictions") return check(p.cm->ack_evictions(ids, st));
+            if (kind == "backups") return check(p.cm->ack_backups(ids, st));
+            if (kind == "loads") return check(p.cm->ack_loads(ids, st));
+            if (kind == "storage_writes") return check(p.cm->ack_storage_writes(ids, st));
+            if (kind == "storage_prefetches") return check(p.cm->ack_storage_prefetches(ids, st));
+            raise_status(InvalidArgument(fmt::format(
+                "ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
+          },
+          "kind"_a, "dst_blocks"_a, "error"_a = nb::none(),
+          "Acknowledges moves of one kind by destination block; error: None (done) or why it failed (the blocks "
+          "become misses).")
+      .def("stats",
+           [](PyCacheManager& p) {
+             std::lock_guard lock(p.mu);
+             cache::CacheStats s = p.cm->stats();
+             nb::dict d;
+             for (int t = 0; t < cache::kNumTiers; ++t) {
+               nb::dict td;
+               td["capacity"] = s.tiers[t].capacity;
+               td["used"] = s.tiers[t].used;
+               td["resident"] = s.tiers[t].resident;
+               d[std::string(cache::tier_name(static_cast<cache::Tier>(t))).c_str()] = td;
+             }
+             d["nodes"] = s.nodes;
+             d["admissions"] = s.admissions;
+             d["admission_failures"] = s.admission_failures;
+             d["evictions_d2h"] = s.evictions_d2h;
+             d["loads_h2d"] = s.loads_h2d;
+             d["backups_d2h"] = s.backups_d2h;
+             d["drops_device"] = s.drops_device;
+             d["drops_host"] = s.drops_host;
+             d["storage_writes"] = s.storage_writes;
+             d["storage_prefetches"] = s.storage_prefetches;
+             d["failed_transfers"] = s.failed_transfers;
+             d["invalidated_blocks"] = s.invalidated_blocks;
+             return d;
+           })
+      .def("check_invariants", [](PyCacheManager& p) {
+        std::lock_guard lock(p.mu);
+        check(p.cm->check_invariants());
+      });
+
+  nb::class_<PyStorage>(m, "StorageBackend",
+                        "A storage tier (disk with io_uring, Redis or Redis Cluster): verified objects keyed by "
+                        "(block key, rank) in one namespace.")
+      .def_static(
+          "open",
+          [](const std::string& spec, const std::string& ns) {
+            storage::StorageOptions o;
+            o.ns = ns;
+            auto p = std::make_unique<PyStorage>();
+            p->backend = value_or_raise(released([&] { return storage::make_storage_backend(spec, o); }));
+            return p;
+          },
+          "spec"_a, "namespace"_a = "default",
+          "spec: disk:<dir>[?capacity=10G&durability=none|process|power] or redis://host:port[,host:port...]")
+      .def_prop_ro("name", [](PyStorage& p) { return std::string(p.backend->name()); })
+      .def(
+          "put",
+          [](PyStorage& p, const std::string& key, nb::bytes data, std::uint32_t rank) {
+            storage::StorageBatch b;
+            b.op = storage::StorageOp::kPut;
+            b.items.push_back({storage_key(key, rank), const_cast<char*>(data.c_str()), data.size()});
+            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+            check(r.at(0).status);
+          },
+          "key"_a, "data"_a, "rank"_a = 0)
+      .def(
+          "get",
+          [](PyStorage& p, const std::string& key, std::uint64_t max_bytes, std::uint32_t rank) -> nb::object {
+            std::string buf(max_bytes, '\0');
+            storage::StorageBatch b;
+            b.op = storage::StorageOp::kGet;
+            b.items.push_back({storage_key(key, rank), buf.data(), buf.size()});
+            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+            if (r.at(0).status.code() == StatusCode::kNotFound) return nb::none();
+            check(r.at(0).status);
+            return nb::bytes(buf.data(), r.at(0).bytes);
+          },
+          "key"_a, "max_bytes"_a, "rank"_a = 0, "The payload, or None when absent (DataLossError if corrupted).")
+      .def(
+          "exists",
+          [](PyStorage& p, const std::string& key, std::uint32_t rank) {
+            storage::StorageBatch b;
+            b.op = storage::StorageOp::kExists;
+            b.items.push_back({storage_key(key, rank), nullptr, 0});
+            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+            if (r.at(0).status.code() == StatusCode::kNotFound) return false;
+            check(r.at(0).status);
+            return true;
+          },
+          "key"_a, "rank"_a = 0)
+      .def(
+          "delete",
+          [](PyStorage& p, const std::string& key, std::uint32_t rank) {
+            storage::StorageBatch b;
+            b.op = storage::StorageOp::kDelete;
+            b.items.push_back({storage_key(key, rank), nullptr, 0});
+            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+            if (r.at(0).status.code() == StatusCode::kNotFound) return false;
+            check(r.at(0).status);
+            return true;
+          },
+          "key"_a, "rank"_a = 0)
+      .def("stats", [](PyStorage& p) {
+        storage::StorageStats s = p.backend->stats();
+        nb::dict d;
+        d["objects"] = s.objects;
+        d["bytes"] = s.bytes;
+        d["capacity_bytes"] = s.capacity_bytes;
+        d["evictions"] = s.evictions;
+        d["quarantined"] = s.quarantined;
+        d["bounce_copies"] = s.bounce_copies;
+        d["redirects"] = s.redirects;
+        d["reconnects"] = s.reconnects;
+        return d;
+      });
+}
+
+}  // namespace kvtier::python

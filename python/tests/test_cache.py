@@ -1,0 +1,77 @@
+"""The scheduler side from Python: keys, CacheManager plans and acks, a disk storage tier."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvtier
+
+pytestmark = pytest.mark.skipif(not kvtier._native.has_cache, reason="built without the cache bindings")
+
+
+def test_keys_are_chained_and_namespaced():
+    a = kvtier.KeyHasher("org/model@1", block_tokens=4)
+    b = kvtier.KeyHasher("org/model@1", block_tokens=4, tenant_salt="tenant-b")
+    k1 = a.keys_for(list(range(10)))  # two full blocks; the tail gets no key
+    assert len(k1) == 2 and all(len(k) == 32 for k in k1)
+    assert a.keys_for(list(range(8))) == k1
+    assert a.keys_for([0, 1, 2, 3, 9, 9, 9, 9])[0] == k1[0] and a.keys_for([0, 1, 2, 3, 9, 9, 9, 9])[1] != k1[1]
+    assert b.keys_for(list(range(8)))[0] != k1[0], "tenants must not share keys"
+    with pytest.raises(kvtier.InvalidArgumentError, match="block_tokens"):
+        kvtier.KeyHasher("org/model@1", block_tokens=0)
+
+
+def test_admit_plan_ack_and_prefix_hits():
+    cm = kvtier.CacheManager(device_blocks=4, host_blocks=8, write_policy="write_back")
+    h = kvtier.KeyHasher("m", block_tokens=2)
+    keys_a = h.keys_for(list(range(8)))  # 4 blocks: fill the device
+    a = cm.admit(keys_a)
+    assert a["new_blocks"] == 4 and len(a["device_blocks"]) == 4
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    # A second request needs the device: the first's blocks go to host (write-back).
+    keys_b = h.keys_for(list(range(100, 108)))
+    b = cm.admit(keys_b)
+    plan = cm.take_plan()
+    assert len(plan["evictions"]) == 4
+    cm.ack("evictions", [dst for _, dst, _ in plan["evictions"]])
+    cm.commit(b["id"])
+    cm.release(b["id"])
+    m = cm.match(keys_a)
+    assert m["host_blocks"] == 4 and m["device_blocks"] == 0
+    # Admitting A again loads its prefix from host.
+    a2 = cm.admit(keys_a)
+    assert a2["host_hit_blocks"] == 4
+    plan = cm.take_plan()
+    assert len(plan["loads"]) == 4
+    cm.ack("loads", [dst for _, dst, _ in plan["loads"]], error="copy failed")  # a failed load: misses, not garbage
+    assert cm.admission_status(a2["id"])["failed"]
+    cm.release(a2["id"])
+    assert cm.match(keys_a)["device_blocks"] == 0
+    cm.check_invariants()
+    s = cm.stats()
+    assert s["failed_transfers"] >= 1 and s["device"]["capacity"] == 4
+    with pytest.raises(kvtier.InvalidArgumentError, match="'sideways'"):
+        cm.ack("sideways", [0])
+    with pytest.raises(kvtier.NotFoundError):
+        cm.release(987654)
+    with pytest.raises(kvtier.InvalidArgumentError):
+        cm.match(["not-a-key"])
+
+
+def test_disk_storage_round_trip(tmp_path):
+    st = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=none", namespace="model-a")
+    key = kvtier.KeyHasher("m", block_tokens=2).keys_for([1, 2])[0]
+    payload = bytes(range(256)) * 16
+    assert st.get(key, 8192) is None and not st.exists(key)
+    st.put(key, payload)
+    assert st.exists(key) and st.get(key, 8192) == payload
+    with pytest.raises(kvtier.InvalidArgumentError):
+        st.get(key, 16)  # the destination is smaller than the object
+    assert st.delete(key) and not st.exists(key)
+    st.put(key, payload)
+    del st  # one backend per directory at a time
+    other = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=none", namespace="model-b")
+    assert other.get(key, 8192) is None, "namespaces must not share objects"
+    with pytest.raises(kvtier.KvtierError, match="nope"):
+        kvtier.StorageBackend.open("nope:/x")
