@@ -9,7 +9,8 @@ LlamaForCausalLM; a small paged decoder below runs its modules over a FastDeploy
 block-major KV cache: per layer K and V of shape [num_blocks, kv_heads, block_tokens, head_dim].
 
 Runs (the prompt is split into prefix = prompt[:-1] and its last token):
-  check     paged decoder vs transformers' own logits on a short prompt (prefill + decode).
+  check     paged decoder vs transformers' own logits on a short prompt (prefill + decode
+            steps across a block boundary), in fp32 (tight) and bf16 (against bf16's own noise).
   recompute prefill of the whole prompt: the TTFT when the prefix KV is gone (baseline).
   reference prefill prefix, feed the last prompt token, greedy-generate --new-tokens.
   offload   prefill prefix, evict its blocks to host, poison them on the GPU, submit the
@@ -17,7 +18,10 @@ Runs (the prompt is split into prefix = prompt[:-1] and its last token):
             layer's attention touches the cache. Tokens must equal the reference's.
   overlap   p50 over repeats of: load alone, one step alone, load + step overlapped.
 
-Prints a JSON object (and writes it to --out); exit code 1 if any check fails.
+Prints a JSON object (and writes it to --out); exit code 1 if any check fails. Timings: p50
+of --repeats, CUDA events on the current stream ("gpu") and host clock ("wall"), synchronised
+around. The eager decode step is host-launch bound (~30-60 ms on an H200 host, ~13 ms of GPU
+work), so the load can hide behind its launches.
 GPU:  python llama_offload.py --out result.json            (needs kvtier importable)
 CPU:  python llama_offload.py --device cpu --fake-kvtier --layers 2 --hidden 64 --heads 4 \
         --kv-heads 2 --intermediate 128 --prompt-tokens 200 --block-tokens 16
@@ -100,20 +104,35 @@ class PagedKV:
         self.bt = bt
         self.block_bytes = kv_heads * bt * hd * torch.empty((), dtype=dtype).element_size()
 
-    def write(self, l, table, pos, k, v):
-        """k, v: [kv_heads, T, hd] for positions pos [T] -> their blocks/slots."""
-        blk, slot = table[pos // self.bt], pos % self.bt
+    def write(self, l, table, start, k, v):
+        """k, v: [kv_heads, T, hd] for positions start..start+T-1 -> their blocks/slots."""
+        T = k.shape[1]
+        if T == 1:  # decode: block and slot known on the host, a plain strided copy
+            b, s = table.ids[start // self.bt], start % self.bt
+            self.K[l][b, :, s] = k[:, 0]
+            self.V[l][b, :, s] = v[:, 0]
+            return
+        pos = torch.arange(start, start + T, device=k.device)
+        blk, slot = table.t[pos // self.bt], pos % self.bt
         self.K[l][blk, :, slot, :] = k.transpose(0, 1)  # indexed view is [T, kv_heads, hd]
         self.V[l][blk, :, slot, :] = v.transpose(0, 1)
 
     def gather(self, l, table, ctx):
-        """Contiguous [1, kv_heads, ctx, hd] K and V of positions 0..ctx-1."""
+        """[1, kv_heads, ctx, hd] views of K and V of positions 0..ctx-1 (one gather copy)."""
         nb = -(-ctx // self.bt)
         out = []
         for c in (self.K[l], self.V[l]):
-            g = c[table[:nb]].permute(1, 0, 2, 3)  # [kv_heads, nb, bt, hd]
-            out.append(g.reshape(g.shape[0], nb * self.bt, g.shape[3])[None, :, :ctx])
+            g = c.transpose(0, 1).index_select(1, table.t[:nb])  # [kv_heads, nb, bt, hd], contiguous
+            out.append(g.view(g.shape[0], nb * self.bt, g.shape[3])[None, :, :ctx])
         return out
+
+
+class BlockTable:
+    """A sequence's block ids, as a host list (decode writes) and a device tensor (gathers)."""
+
+    def __init__(self, ids, dev):
+        self.ids = [int(i) for i in ids]
+        self.t = torch.tensor(self.ids, device=dev)
 
 
 class PagedDecoder:
@@ -124,6 +143,12 @@ class PagedDecoder:
         self.m, self.kv, self.rope = model, kv, apply_rotary_pos_emb
         c = model.config
         self.hd, self.rep = c.head_dim, c.num_attention_heads // c.num_key_value_heads
+        # SDPA pinned to one backend (an error, not a silent fallback, if it can't run): the
+        # default on an H200 picks cuDNN attention, whose decode output varies in the last bits
+        # from run to run. Flash on CUDA in 16 bits, math otherwise (CPU, fp32).
+        p = next(model.parameters())
+        flash = p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
+        self.backend = SDPBackend.FLASH_ATTENTION if flash else SDPBackend.MATH
 
     @torch.no_grad()
     def forward(self, table, ids, start, before_attention=None, all_logits=False):
@@ -132,12 +157,10 @@ class PagedDecoder:
         before_attention(l) runs before layer l writes or reads the cache (the kvtier wait)."""
         T = ids.shape[0]
         assert start == 0 or T == 1
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        with sdpa_kernel([self.backend]):
             return self._forward(table, ids, start, before_attention, all_logits)
 
     def _forward(self, table, ids, start, before_attention, all_logits):
-        # SDPA is pinned to flash (math where flash can't run, e.g. fp32/CPU): the default on an
-        # H200 picks cuDNN attention, whose decode results vary run to run in the last bits.
         T = ids.shape[0]
         mm = self.m.model
         pos = torch.arange(start, start + T, device=ids.device)
@@ -154,13 +177,10 @@ class PagedDecoder:
                 # The cache write below may hit a block that is still being loaded (the prefix's
                 # last block is partial), so the wait comes before the write, not only the read.
                 before_attention(l)
-            self.kv.write(l, table, pos, k[0], v[0])
-            if start == 0:
-                kk, vv = k, v
-            else:
-                kk, vv = self.kv.gather(l, table, start + 1)
+            self.kv.write(l, table, start, k[0], v[0])
+            kk, vv = (k, v) if start == 0 else self.kv.gather(l, table, start + 1)
             kk = kk.repeat_interleave(self.rep, dim=1)  # GQA: query head i uses kv head i // rep
-            vv = vv.repeat_interleave(self.rep, dim=1)
+            vv = vv.repeat_interleave(self.rep, dim=1)  # (flash has no enable_gqa in torch 2.11)
             o = F.scaled_dot_product_attention(q, kk, vv, is_causal=(start == 0 and T > 1), scale=at.scaling)
             h = h + at.o_proj(o.transpose(1, 2).reshape(1, T, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -182,6 +202,7 @@ class FakeCacheTransferManager:
         self.cuda = torch.cuda.is_available() and device_id is not None and device_id >= 0
         self.stream = torch.cuda.Stream() if self.cuda else None
         self.events, self.dev, self.host, self.n = {}, {}, {}, {"evicts": 0, "loads": 0}
+        self.last_error = None
 
     @staticmethod
     def _key(name):  # "key_caches_3_rank0.device0" -> ("key", 3)
@@ -236,6 +257,9 @@ class FakeCacheTransferManager:
 
     def get_stats(self):
         return {"fake": True, **self.n}
+
+    def close(self):
+        self.sync_input_stream()
 # ------------------------------------------------------------------------------ end FAKE kvtier
 
 
@@ -246,7 +270,7 @@ def compare_paged(model, ids, split, bt, dev, gen):
     nb = -(-S // bt) + 4
     kv = PagedKV(c.num_hidden_layers, nb, c.num_key_value_heads, bt, c.head_dim,
                  next(model.parameters()).dtype, dev)
-    dec, table = PagedDecoder(model, kv), torch.randperm(nb, generator=gen).to(dev)
+    dec, table = PagedDecoder(model, kv), BlockTable(torch.randperm(nb, generator=gen), dev)
     with torch.no_grad():
         ref = model(ids[None], use_cache=False).logits[0].float()
         mine = [dec.forward(table, ids[:split], 0, all_logits=True)]
@@ -334,9 +358,11 @@ def main(argv=None):
             torch.cuda.set_device(dev.index)
         dev = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, a.dtype)
+    # Determinism: fixed seeds; both runs use the same kernels on the same shapes (SDPA pinned to
+    # flash, see PagedDecoder); prefill_deterministic and the repeats check it on the real run.
+    # (torch.use_deterministic_algorithms is not used: its memory filling triples a step's time.)
     torch.manual_seed(a.seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False  # matters for the fp32 logits check
     torch.backends.cudnn.allow_tf32 = False
 
     model = build_model(a, dev, dtype)
@@ -347,11 +373,12 @@ def main(argv=None):
     kv = PagedKV(L, nblocks, KVH, BT, HD, dtype, dev)
     dec = PagedDecoder(model, kv)
     gen = torch.Generator().manual_seed(a.seed + 1)
-    table = torch.randperm(nblocks, generator=gen)[:need].to(dev)  # shuffled, non-contiguous
+    table = BlockTable(torch.randperm(nblocks, generator=gen)[:need], dev)  # shuffled, non-contiguous
     checks, res = {}, {"config": {k: v for k, v in vars(a).items() if k != "out"},
-                       "num_device_blocks": nblocks, "block_table_head": table[:8].tolist(),
+                       "num_device_blocks": nblocks, "block_table_head": table.ids[:8],
                        "torch": torch.__version__, "device_name": torch.cuda.get_device_name(dev)
-                       if dev.type == "cuda" else "cpu", "attn_implementation": cfg._attn_implementation}
+                       if dev.type == "cuda" else "cpu", "attn_implementation": cfg._attn_implementation,
+                       "paged_sdpa_backend": dec.backend.name}
     import transformers
     res["transformers"] = transformers.__version__
 
@@ -362,8 +389,8 @@ def main(argv=None):
     prompt = torch.randint(0, a.vocab, (P,), generator=gen).to(dev)
     prefix, last = prompt[:-1], prompt[-1:]
     pb = -(-(P - 1) // BT)  # prefix blocks
-    prefix_blocks = table[:pb]
-    prefix_blocks_list = prefix_blocks.tolist()
+    prefix_blocks = table.t[:pb]
+    prefix_blocks_list = table.ids[:pb]
 
     def step(tok, hook=None):  # the first continuation step: last prompt token at position P-1
         return dec.forward(table, tok, P - 1, before_attention=hook)
@@ -408,7 +435,7 @@ def main(argv=None):
     host_ids = torch.randperm(n_host, generator=gen)[:pb].tolist()
     conf = types.SimpleNamespace(
         model_config=types.SimpleNamespace(num_hidden_layers=L),
-        cache_config=types.SimpleNamespace(cache_dtype=a.dtype, num_cpu_blocks=n_host),
+        cache_config=types.SimpleNamespace(cache_dtype=a.dtype, num_cpu_blocks=n_host, block_size=BT),
         quant_config=types.SimpleNamespace(kv_cache_quant_type=None))
     did = torch.cuda.current_device() if dev.type == "cuda" else -1
     mgr = Manager(conf, local_rank=0, device_id=did)
@@ -430,13 +457,15 @@ def main(argv=None):
                 c[prefix_blocks] = torch.randn(c[prefix_blocks].shape, dtype=dtype, device=dev)
 
     def load():
-        assert mgr.load_layers_to_device_async(list(range(L)), host_ids, prefix_blocks_list) is True
+        ok = mgr.load_layers_to_device_async(list(range(L)), host_ids, prefix_blocks_list)
+        assert ok is True, f"load_layers_to_device_async returned {ok}: {getattr(mgr, 'last_error', None)}"
 
     with torch.no_grad():
         dec.forward(table, prefix, 0)
         checks["prefill_deterministic"] = same_as(snap)
         ok = mgr.evict_to_host_async(device_block_ids=prefix_blocks_list, host_block_ids=host_ids)
         checks["evict_returned_true"] = ok is True
+        assert ok is True, f"evict_to_host_async returned {ok}: {getattr(mgr, 'last_error', None)}"
         mgr.sync_output_stream()
         hid = torch.tensor(host_ids)
         checks["host_copy_exact"] = all(torch.equal(bits(host[n][hid]), bits(t[prefix_blocks].cpu()))
@@ -468,12 +497,12 @@ def main(argv=None):
                 mgr.sync_input_stream()
             _, g1, w1 = timed(load_only, dev)
             first_ok &= same_as(snap)
-            lg, g2, w2 = timed(lambda: step(last).argmax().item(), dev)  # prefix KV resident
-            first_ok &= lg == ref_tokens[0]
+            tok0, g2, w2 = timed(lambda: step(last).argmax().item(), dev)  # prefix KV resident
+            first_ok &= tok0 == ref_tokens[0]
             poison(constant=not (r % 2))
-            lg, g3, w3 = timed(lambda: (load(), step(last, mgr.wait_for_layer).argmax().item())[1], dev)
+            tok0, g3, w3 = timed(lambda: (load(), step(last, mgr.wait_for_layer).argmax().item())[1], dev)
             mgr.sync_input_stream()
-            first_ok &= lg == ref_tokens[0] and same_as(snap)
+            first_ok &= tok0 == ref_tokens[0] and same_as(snap)
             if r:  # first round is warm-up
                 t["load"].append((g1, w1))
                 t["step"].append((g2, w2))
@@ -483,6 +512,9 @@ def main(argv=None):
         # control: with the prefix poisoned and no load the first-step logits must change
         poison()
         checks["poisoned_kv_changes_logits"] = not torch.equal(step(last), ref_logits0)
+        checks["no_last_error"] = getattr(mgr, "last_error", None) is None
+        stats = mgr.get_stats()
+    mgr.close()  # drain and release before the pinned host tensors go
 
     def med(xs, i):
         return p50([x[i] for x in xs])
@@ -496,7 +528,7 @@ def main(argv=None):
         "load_alone_s": {"gpu_p50": tl, "wall_p50": med(t["load"], 1)},
         "step_alone_s": {"gpu_p50": ts, "wall_p50": med(t["step"], 1)},
         "hidden_fraction": min(1.0, max(0.0, (tl + ts - to) / tl)) if tl > 0 else 0.0,
-        "ttft_speedup_recompute_over_load": tr / to if to > 0 else None,
+        "ttft_ratio_recompute_over_load": tr / to if to > 0 else None,
         "bytes_moved": nbytes, "load_GBps": nbytes / tl / 1e9 if tl > 0 else None,
         "kvtier_stats": stats, "fake_kvtier": a.fake_kvtier, "checks": checks,
     })
