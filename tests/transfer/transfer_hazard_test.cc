@@ -98,7 +98,7 @@ TEST(TransferHazards, DeclaredWriteDuringLoadKeepsTheLoadAsWriter) {
 }
 
 // Per-layer declared writes (the forward appends a token to every layer)
-// while the load runs, checked layer by layer against the loaded bytes.
+// while the load runs: the block stays busy until the load is final.
 TEST(TransferHazards, PerLayerWritesDuringLoadAreOrderedAfterEachLayer) {
   auto dev = make_host(102, 50);
   TransferRig rig(*dev, options(6));
