@@ -95,6 +95,19 @@ auto released(F&& f) {
   return f();
 }
 
+// One item of `op` (GIL released while it runs). The item's bytes, or nullopt
+// when the object is absent; any other failure raises.
+std::optional<std::uint64_t> run_one(PyStorage& p, storage::StorageOp op, const std::string& key, std::uint32_t rank,
+                                     void* buffer = nullptr, std::uint64_t bytes = 0) {
+  storage::StorageBatch b;
+  b.op = op;
+  b.items.push_back({storage_key(key, rank), buffer, bytes});
+  auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+  if (r.at(0).status.code() == StatusCode::kNotFound) return std::nullopt;
+  check(r.at(0).status);
+  return r.at(0).bytes;
+}
+
 }  // namespace
 
 void bind_cache(nb::module_& m) {
@@ -287,50 +300,30 @@ void bind_cache(nb::module_& m) {
       .def(
           "put",
           [](PyStorage& p, const std::string& key, nb::bytes data, std::uint32_t rank) {
-            storage::StorageBatch b;
-            b.op = storage::StorageOp::kPut;
-            b.items.push_back({storage_key(key, rank), const_cast<char*>(data.c_str()), data.size()});
-            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
-            check(r.at(0).status);
+            run_one(p, storage::StorageOp::kPut, key, rank, const_cast<char*>(data.c_str()), data.size());
           },
           "key"_a, "data"_a, "rank"_a = 0)
       .def(
           "get",
           [](PyStorage& p, const std::string& key, std::uint64_t max_bytes, std::uint32_t rank) -> nb::object {
             std::string buf(max_bytes, '\0');
-            storage::StorageBatch b;
-            b.op = storage::StorageOp::kGet;
-            b.items.push_back({storage_key(key, rank), buf.data(), buf.size()});
-            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
-            if (r.at(0).status.code() == StatusCode::kNotFound) return nb::none();
-            check(r.at(0).status);
-            return nb::bytes(buf.data(), r.at(0).bytes);
+            auto got = run_one(p, storage::StorageOp::kGet, key, rank, buf.data(), buf.size());
+            if (!got) return nb::none();
+            return nb::bytes(buf.data(), *got);
           },
           "key"_a, "max_bytes"_a, "rank"_a = 0, "The payload, or None when absent (DataLossError if corrupted).")
       .def(
           "exists",
           [](PyStorage& p, const std::string& key, std::uint32_t rank) {
-            storage::StorageBatch b;
-            b.op = storage::StorageOp::kExists;
-            b.items.push_back({storage_key(key, rank), nullptr, 0});
-            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
-            if (r.at(0).status.code() == StatusCode::kNotFound) return false;
-            check(r.at(0).status);
-            return true;
+            return run_one(p, storage::StorageOp::kExists, key, rank).has_value();
           },
           "key"_a, "rank"_a = 0)
       .def(
           "delete",
           [](PyStorage& p, const std::string& key, std::uint32_t rank) {
-            storage::StorageBatch b;
-            b.op = storage::StorageOp::kDelete;
-            b.items.push_back({storage_key(key, rank), nullptr, 0});
-            auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
-            if (r.at(0).status.code() == StatusCode::kNotFound) return false;
-            check(r.at(0).status);
-            return true;
+            return run_one(p, storage::StorageOp::kDelete, key, rank).has_value();
           },
-          "key"_a, "rank"_a = 0)
+          "key"_a, "rank"_a = 0, "True when it was removed, False when it was absent.")
       .def("stats", [](PyStorage& p) {
         storage::StorageStats s = p.backend->stats();
         nb::dict d;

@@ -326,16 +326,7 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
 // and (last) shutdown from two threads with work in flight; with and without
 // injected copy failures. Bounded: a few thousand operations per case.
 transfer_test::RigOptions random_options(KvLayout layout, CopyStrategy strategy) {
-  RigOptions o;
-  o.layout = std::move(layout);
-  o.device_blocks = 12;
-  o.host_blocks = 16;
-  o.config.evict_strategy = strategy;
-  o.config.load_strategy = strategy;
-  o.config.poll_interval = std::chrono::microseconds(20);
-  o.arena_bytes = 4u << 20;
-  o.timeout = std::chrono::seconds(120);
-  return o;
+  return transfer_test::small_rig_options(std::move(layout), strategy);
 }
 
 TEST(TransferInterleaving, EnginePatternsAgainstTheModel) {

@@ -61,16 +61,7 @@ KvLayout mla_layout() {
 }
 
 RigOptions rig_options(KvLayout layout, CopyStrategy strategy = CopyStrategy::kAuto) {
-  RigOptions o;
-  o.layout = std::move(layout);
-  o.device_blocks = 12;
-  o.host_blocks = 16;
-  o.config.evict_strategy = strategy;
-  o.config.load_strategy = strategy;
-  o.config.poll_interval = std::chrono::microseconds(20);
-  o.arena_bytes = 4u << 20;
-  o.timeout = std::chrono::seconds(120);
-  return o;
+  return transfer_test::small_rig_options(std::move(layout), strategy);
 }
 
 std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }

@@ -387,6 +387,21 @@ class TransferRig {
   std::size_t blocks_checked_ = 0;
 };
 
+// Rig options of the host-backend randomized tests: 12 device / 16 host
+// blocks, `strategy` both ways, a fast poll.
+inline RigOptions small_rig_options(KvLayout layout, CopyStrategy strategy = CopyStrategy::kAuto) {
+  RigOptions o;
+  o.layout = std::move(layout);
+  o.device_blocks = 12;
+  o.host_blocks = 16;
+  o.config.evict_strategy = strategy;
+  o.config.load_strategy = strategy;
+  o.config.poll_interval = std::chrono::microseconds(20);
+  o.arena_bytes = 4u << 20;
+  o.timeout = std::chrono::seconds(120);
+  return o;
+}
+
 // ---- the randomized interleaving test body, for every backend ----
 
 struct RandomOptions {
