@@ -60,7 +60,7 @@ def test_admit_plan_ack_and_prefix_hits():
 
 
 def test_disk_storage_round_trip(tmp_path):
-    st = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=none", namespace="model-a")
+    st = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=process", namespace="model-a")
     key = kvtier.KeyHasher("m", block_tokens=2).keys_for([1, 2])[0]
     payload = bytes(range(256)) * 16
     assert st.get(key, 8192) is None and not st.exists(key)
@@ -71,7 +71,7 @@ def test_disk_storage_round_trip(tmp_path):
     assert st.delete(key) and not st.exists(key)
     st.put(key, payload)
     del st  # one backend per directory at a time
-    other = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=none", namespace="model-b")
+    other = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=process", namespace="model-b")
     assert other.get(key, 8192) is None, "namespaces must not share objects"
     with pytest.raises(kvtier.KvtierError, match="nope"):
         kvtier.StorageBackend.open("nope:/x")
