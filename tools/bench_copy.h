@@ -97,6 +97,9 @@ struct Row {
   Dir dir;
   std::uint64_t block_bytes = 0, blocks = 0, bytes = 0;
   double p50_ms = 0, gbps = 0, ceiling_gbps = 0, host_api_ms = 0;
+  // CPU time of the whole process from submission until the copy completed,
+  // without the benchmark thread's own wait (p50 over reps).
+  double cpu_ms = 0;
   std::uint32_t ctas = 0;
   bool gated = false;
   std::uint64_t segments = 0;
@@ -145,6 +148,7 @@ class BenchCopy {
   template <typename FA, typename FB>
   Result<double> timed(FA&& fn_a, FB* fn_b, bool prequeue = false);
   double last_host_api_ms_ = 0;
+  double last_cpu_ms_ = 0;
 
   Result<double> ceiling(const SizeSetup& z, Dir dir);
   Status run_size(std::uint64_t bb);

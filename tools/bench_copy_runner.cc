@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tools/bench_copy.h"
+#include "tools/cpu_time.h"
 
 namespace kvtier::cli::bench_copy_detail {
 
@@ -241,6 +242,7 @@ Result<double> BenchCopy::timed(FA&& fn_a, FB* fn_b, bool prequeue) {
     });
   }
   const auto api0 = std::chrono::steady_clock::now();
+  const double cpu0 = process_cpu_ms();
   go.store(true, std::memory_order_release);
   Status sa = fn_a();
   if (sa.ok()) sa = m_end_a_->record(*stream_a_);
@@ -249,10 +251,13 @@ Result<double> BenchCopy::timed(FA&& fn_a, FB* fn_b, bool prequeue) {
   release->store(true, std::memory_order_release);
   KVTIER_RETURN_IF_ERROR(sa);
   KVTIER_RETURN_IF_ERROR(sb);
+  // The benchmark thread's waiting is not the copy's CPU cost: subtract it.
+  const double wait0 = thread_cpu_ms();
   KVTIER_RETURN_IF_ERROR(device_.synchronize(*stream_a_, std::chrono::seconds(120)));
+  if (fn_b != nullptr) KVTIER_RETURN_IF_ERROR(device_.synchronize(*stream_b_, std::chrono::seconds(120)));
+  last_cpu_ms_ = (process_cpu_ms() - cpu0) - (thread_cpu_ms() - wait0);
   KVTIER_ASSIGN_OR_RETURN(double ms, m_end_a_->since(*m_start_));
   if (fn_b != nullptr) {
-    KVTIER_RETURN_IF_ERROR(device_.synchronize(*stream_b_, std::chrono::seconds(120)));
     KVTIER_ASSIGN_OR_RETURN(double mb, m_end_b_->since(*m_start_));
     ms = std::max(ms, mb);
   }
@@ -339,7 +344,7 @@ Status BenchCopy::run_size(std::uint64_t bb) {
           if (!v.ok()) return v.with_context(fmt::format("{} d2h {} B", sname, bb));
         }
       }
-      std::vector<double> ms, api_ms;
+      std::vector<double> ms, api_ms, cpu_ms;
       // Untimed warm-up: adaptive kAuto (split share, CPU budget) settles
       // within a few copies; the timed reps measure the steady state.
       for (int rep = 0; rep < a_.warmup; ++rep) {
@@ -355,9 +360,11 @@ Status BenchCopy::run_size(std::uint64_t bb) {
         KVTIER_RETURN_IF_ERROR(t.status().with_context(fmt::format("{} {} {} B", sname, dir_name(dir), bb)));
         ms.push_back(*t);
         api_ms.push_back(last_host_api_ms_);
+        cpu_ms.push_back(last_cpu_ms_);
         row.rep_shares.push_back(dir == Dir::kD2H ? rep_d.kernel_share : rep_h.kernel_share);
       }
       row.host_api_ms = p50(api_ms);
+      row.cpu_ms = p50(cpu_ms);
       row.bytes = (dir == Dir::kBoth ? 2 : 1) * z.n * z.unit;
       row.p50_ms = p50(ms);
       row.gbps = row.bytes / (row.p50_ms * 1e6);
@@ -409,6 +416,10 @@ void BenchCopy::emit(const Row& r) const {
     j["rep_kernel_shares"] = r.rep_shares;
     j["p50_ms"] = r.p50_ms;
     j["host_api_ms"] = r.host_api_ms;
+    j["cpu_ms"] = r.cpu_ms;
+    j["cpu_ms_per_gb"] = r.bytes > 0 ? r.cpu_ms / (static_cast<double>(r.bytes) * 1e-9) : 0.0;
+    // Enqueue time per descriptor (DMA segment or kernel item) on the submitting thread.
+    j["host_us_per_descriptor"] = r.segments > 0 ? r.host_api_ms * 1e3 / static_cast<double>(r.segments) : 0.0;
     j["prequeued"] = a_.prequeue;
     j["pieces"] = a_.pieces;
     j["reps"] = a_.reps;

@@ -40,6 +40,7 @@
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "tools/cli.h"
+#include "tools/cpu_time.h"
 #include "transfer/bench_compute.h"
 
 extern char** environ;
@@ -284,18 +285,24 @@ class ShapeBench {
     // Copy alone.
     (void)time_load(false, 0);  // warm-up (descriptor rings, events)
     std::vector<double> tc;
+    // CPU of every thread (submission, progress polling, the caller's waits)
+    // over the reps: what a layer-wise load costs the host per GB moved.
+    const double cpu0 = process_cpu_ms();
     for (int i = 0; i < a_.reps; ++i) {
       KVTIER_ASSIGN_OR_RETURN(double ms, time_load(false, 0));
       tc.push_back(ms);
     }
+    const double cpu_ms_per_gb =
+        (process_cpu_ms() - cpu0) / (static_cast<double>(prefix_bytes_) * a_.reps * 1e-9);
     const double t_copy = p50(tc);
     const double copy_gbps = static_cast<double>(prefix_bytes_) / (t_copy * 1e-3) * 1e-9;
     KVTIER_RETURN_IF_ERROR(verify_sample());
     {
       auto j = base("copy");
       j["ms"] = t_copy, j["gbps"] = copy_gbps, j["ceiling_gbps"] = c_h2d, j["ratio"] = copy_gbps / c_h2d;
-      out_.row(j, fmt::format("  copy      {:8.2f} ms  {:7.1f} GB/s  ({:.0f}% of h2d ceiling)", t_copy, copy_gbps,
-                              100 * copy_gbps / c_h2d));
+      j["cpu_ms_per_gb"] = cpu_ms_per_gb;
+      out_.row(j, fmt::format("  copy      {:8.2f} ms  {:7.1f} GB/s  ({:.0f}% of h2d ceiling, {:.1f} ms CPU per GB)",
+                              t_copy, copy_gbps, 100 * copy_gbps / c_h2d, cpu_ms_per_gb));
     }
     // Calibrate the per-layer compute to compute_ratio x (copy / layers).
     const double layer_copy_ms = t_copy / layout_.num_layers();
