@@ -7,6 +7,7 @@
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/copy/copy_config.h"
 #include "kvtier/core/config.h"
+#include "kvtier/core/log.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "tools/cli.h"
@@ -28,7 +29,9 @@ Action register_info(CLI::App& app) {
       CopyEngineOptions copy;
       TransferManagerConfig transfer;
       cache::CacheConfig cache;
+      LogLevel log_level_knob = LogLevel::kInfo;
       ConfigTable table;
+      bind_log_config(table, log_level_knob);
       bind_copy_engine_options(table, copy);
       bind_transfer_manager_config(table, transfer);
       cache::bind_cache_config(table, cache);
@@ -36,6 +39,7 @@ Action register_info(CLI::App& app) {
         std::fprintf(stderr, "kvtier info: %s\n", s.to_string().c_str());
         return 2;
       }
+      set_log_level(log_level_knob);
       std::printf("\n%s", table.markdown().c_str());
     }
     return 0;

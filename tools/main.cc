@@ -2,7 +2,11 @@
 #include <cstdio>
 #include <vector>
 
+#include "kvtier/core/config.h"
+#include "kvtier/core/log.h"
 #include "tools/cli.h"
+
+extern char** environ;
 
 namespace kvtier::cli {
 Action register_info(CLI::App& app);
@@ -21,6 +25,18 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  {
+    // Every subcommand logs at KVTIER_LOG_LEVEL (log.level); a bad value is a usage error here, where the
+    // library alone would only warn and keep the default.
+    kvtier::LogLevel level = kvtier::LogLevel::kInfo;
+    kvtier::ConfigTable table;
+    kvtier::bind_log_config(table, level);
+    if (kvtier::Status s = table.apply_env(environ); !s.ok()) {
+      std::fprintf(stderr, "kvtier: %s\n", s.to_string().c_str());
+      return 2;
+    }
+    kvtier::set_log_level(level);
   }
   for (auto& action : actions)
     if (action) {

@@ -240,7 +240,7 @@ Status DiskBackend::probe_direct_io() {
   }
   if (config_.direct_io == DirectIo::kOn)
     return NotSupported(fmt::format("O_DIRECT refused on {}: {}", dir_, errno_text(err)));
-  log_line(fmt::format("O_DIRECT refused on {} ({}); using buffered I/O", dir_, errno_text(err)));
+  log_line(fmt::format("O_DIRECT refused on {} ({}); using buffered I/O", dir_, errno_text(err)), LogLevel::kInfo);
   return Status::Ok();
 }
 

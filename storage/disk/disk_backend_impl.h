@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvtier/core/log.h"
 #include "kvtier/storage/disk_backend.h"
 #include "storage/region_set.h"
 
@@ -43,7 +44,10 @@ inline bool aligned(const void* p, std::uint64_t a) { return reinterpret_cast<st
 
 inline std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
 
-inline void log_line(const std::string& s) { std::fprintf(stderr, "kvtier[storage/disk]: %s\n", s.c_str()); }
+// Warning by default: a quarantined object or a foreign file in the directory.
+inline void log_line(const std::string& s, LogLevel level = LogLevel::kWarning) {
+  kvtier::log(level, "storage/disk", s);
+}
 
 struct FreeDeleter {
   void operator()(std::byte* p) const noexcept { std::free(p); }

@@ -185,7 +185,8 @@ Status DiskBackend::rebuild_index() {
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
   for (const Found& f : found) insert_locked(f.key, f.file_bytes, f.header_size, f.payload_bytes);
   make_room_locked(0);
-  if (removed_tmp_ > 0) log_line(fmt::format("removed {} uncommitted temporary files in {}", removed_tmp_, dir_));
+  if (removed_tmp_ > 0)
+    log_line(fmt::format("removed {} uncommitted temporary files in {}", removed_tmp_, dir_), LogLevel::kInfo);
   return Status::Ok();
 }
 

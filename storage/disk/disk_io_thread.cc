@@ -92,7 +92,7 @@ void DiskBackend::loop() {
     int rc = io_uring_wait_cqe(&ring_, &cqe);
     if (rc == -EINTR) continue;
     if (rc < 0) {
-      log_line(fmt::format("io_uring_wait_cqe: {}", errno_text(-rc)));
+      log_line(fmt::format("io_uring_wait_cqe: {}", errno_text(-rc)), LogLevel::kError);
       continue;
     }
     unsigned head;

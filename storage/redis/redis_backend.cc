@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <array>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -17,6 +16,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "kvtier/core/log.h"
 #include "storage/object_format.h"
 #include "storage/region_set.h"
 
@@ -53,7 +53,8 @@ class ScopedSigpipeBlock {
 
 constexpr int kNumSlots = 16384;
 
-void log_line(const std::string& s) { std::fprintf(stderr, "kvtier[storage/redis]: %s\n", s.c_str()); }
+// Every line is a warning: a Redis Cluster that no node describes, or an object that failed verification.
+void log_line(const std::string& s) { kvtier::log(LogLevel::kWarning, "storage/redis", s); }
 
 constexpr std::array<std::uint16_t, 256> make_crc16_table() {
   std::array<std::uint16_t, 256> t{};
