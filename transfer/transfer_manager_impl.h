@@ -1,0 +1,241 @@
+// TransferManagerImpl, the one implementation of TransferManager, and the
+// records it keeps, shared by the files that define it: TaskRec (one task:
+// its blocks, per-slot state, events and callbacks, the origins of the bytes
+// it reads and the one of the bytes it writes), PendingEntry (a slot waiting
+// on its completion event in a stream's queue) and DirCounters (the stats of
+// one direction). transfer_manager.cc creates, initialises, reports and shuts
+// the manager down; transfer_submit.cc accepts tasks and enqueues them on the
+// transfer streams; transfer_progress.cc settles completed slots on the
+// progress thread and runs the callbacks; transfer_waits.cc answers waits and
+// queries.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kvtier/transfer/event_pool.h"
+#include "kvtier/transfer/hazard_tracker.h"
+#include "kvtier/transfer/transfer_manager.h"
+
+namespace kvtier::transfer_detail {
+
+using Clock = std::chrono::steady_clock;
+
+struct TaskRec {
+  TaskId id = 0;
+  TaskKind kind = TaskKind::kEvict;
+  std::vector<std::int32_t> device_blocks;
+  std::vector<std::int32_t> host_blocks;
+  // Loads: the layers in order; evicts: empty (one slot covers all layers).
+  std::vector<std::uint32_t> layers;
+  std::vector<LayerState> slot_state;
+  std::vector<Status> slot_status;
+  std::vector<EventLease> slot_event;
+  std::vector<Clock::time_point> slot_done_at;
+  // Origins (not yet known good) of the bytes the pairs read: (pair, origin).
+  SourceOrigins sources;
+  WriteOriginRef origin;  // of the bytes this task writes
+  bool copy_failed = false;
+  std::size_t slots_final = 0;
+  // Set once the callbacks of a final slot / task ran: host waiters wake on
+  // these, so that wait() returning implies the callbacks are done.
+  std::vector<bool> slot_visible;
+  bool visible = false;
+  TaskState state = TaskState::kPending;
+  Status status;
+  FailedBlocks failed;
+  std::uint64_t bytes = 0;
+  Clock::time_point submitted;
+  LayerCallback on_layer;
+  TaskCallback on_done;
+
+  std::size_t num_slots() const { return slot_state.size(); }
+};
+
+struct PendingEntry {
+  std::shared_ptr<TaskRec> task;
+  std::size_t slot = 0;
+  EventLease event;  // null: the slot failed at enqueue; `preset` holds why
+  Status preset;
+};
+
+struct DirCounters {
+  DirectionStats s;
+  std::uint64_t busy_ns = 0;
+  Clock::time_point busy_since;
+};
+
+class TransferManagerImpl final : public TransferManager {
+ public:
+  TransferManagerImpl(Device& device, Stream& compute, const TransferManagerConfig& config)
+      : device_(device), compute_(compute), config_(config) {}
+
+  ~TransferManagerImpl() override { shutdown().ignore_error(); }
+
+  Status init(KvCacheRegistration reg, CopyEngine* engine);
+
+  Result<TaskId> evict_to_host_async(std::span<const std::int32_t> device_blocks,
+                                     std::span<const std::int32_t> host_blocks, const EvictOptions& options) override;
+  Result<TaskId> load_layers_to_device_async(std::span<const std::uint32_t> layers,
+                                             std::span<const std::int32_t> host_blocks,
+                                             std::span<const std::int32_t> device_blocks, LoadOptions options) override;
+  Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+                              DeviceAccess access) override;
+  Status wait_for_layer(TaskId task, std::uint32_t layer, Stream& stream) override;
+  Status wait_layer_host(TaskId task, std::uint32_t layer, std::chrono::nanoseconds timeout) override;
+  Status wait(TaskId task, std::chrono::nanoseconds timeout) override;
+  Status wait_all(std::chrono::nanoseconds timeout) override;
+  Result<TaskInfo> task_info(TaskId task) const override;
+  Result<FailedBlocks> failed_blocks(TaskId task) const override;
+  std::vector<TaskCompletion> poll_completions() override;
+  Result<bool> is_device_block_free(std::int32_t block) override { return dev_hazards_->is_free(block); }
+  Result<bool> is_host_block_free(std::int32_t block) override { return host_hazards_->is_free(block); }
+  Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) override {
+    return dev_hazards_->wait_free(blocks, stream);
+  }
+  Status wait_host_blocks_free(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) override {
+    return host_hazards_->wait_free_host(blocks, timeout);
+  }
+  TransferStats stats() const override;
+  const BlockSpace& device_space() const noexcept override { return device_space_; }
+  const BlockSpace& host_space() const noexcept override { return host_space_; }
+  Stream& input_stream() noexcept override { return *in_; }
+  Stream& output_stream() noexcept override { return *out_; }
+  Stream& compute_stream() noexcept override { return compute_; }
+  Device& device() const noexcept override { return device_; }
+  const TransferManagerConfig& config() const noexcept override { return config_; }
+  Status shutdown() override;
+
+ private:
+  // A submission thread: enqueues accepted tasks on its stream, in order.
+  struct SubmitJob {
+    std::shared_ptr<TaskRec> task;
+    EventSet waits;  // hazards, found when the task was accepted
+  };
+  struct SubmitWorker {
+    Stream* stream = nullptr;
+    std::deque<PendingEntry>* queue = nullptr;  // completion queue of that stream
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<SubmitJob> jobs;
+    bool stop = false;
+    std::thread thread;
+  };
+  // Caller holds submit_mu_: ResourceExhausted when too many tasks are in flight.
+  Status admit_locked() const;
+  // Registers a new task in the state tables (queryable and waitable by id).
+  void register_task(const std::shared_ptr<TaskRec>& task);
+  // Hands the job to w's thread, or runs it now (async_submit = false).
+  void dispatch(SubmitWorker& w, SubmitJob job);
+  void worker_loop(SubmitWorker& w);
+  // Waits, copies, records and queues the completion entries of one task.
+  void run_job(SubmitWorker& w, SubmitJob& job);
+  void stop_workers();
+  void progress_loop();
+  // Settles whatever completed; returns true if anything changed.
+  bool progress_once(std::vector<std::function<void()>>& fire);
+  // Runs the callbacks collected while settling, then makes the settled slots
+  // and tasks visible to host waiters.
+  void fire_and_publish(std::vector<std::function<void()>>& fire);
+  bool on_progress_thread() const noexcept {
+    return progress_id_.load(std::memory_order_acquire) == std::this_thread::get_id();
+  }
+  // Caller holds mu_. Whether a host waiter may return for the task (or its
+  // slot k): its callbacks ran. On the progress thread (inside a callback)
+  // it is enough that it is final: its callbacks may be queued behind the
+  // running one, in the same batch.
+  bool final_for_waiter(const TaskRec& t) const {
+    return on_progress_thread() ? t.state != TaskState::kPending : t.visible;
+  }
+  bool final_for_waiter(const TaskRec& t, std::size_t k) const {
+    return on_progress_thread() ? t.slot_state[k] != TaskState::kPending : t.slot_visible[k];
+  }
+  // Caller holds `lock` (on mu_). Waits until pred() or the deadline. On the
+  // progress thread (a callback waiting for another task) no other thread
+  // would settle anything, so this thread drives progress itself.
+  template <typename Pred>
+  bool wait_state(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Pred pred);
+  // Caller holds mu_. Returns false if a source is still unsettled.
+  bool sources_settled(const TaskRec& t) const;
+  void finalize_slot_locked(const std::shared_ptr<TaskRec>& t, std::size_t slot, Status copy_status,
+                            std::vector<std::function<void()>>& fire);
+  void finalize_task_locked(const std::shared_ptr<TaskRec>& t, std::vector<std::function<void()>>& fire);
+  DirCounters& dir(TaskKind k) { return k == TaskKind::kEvict ? evict_ : load_; }
+  const std::shared_ptr<TaskRec>* find_locked(TaskId id) const {
+    auto it = tasks_.find(id);
+    return it == tasks_.end() ? nullptr : &it->second;
+  }
+  Status task_not_found(TaskId id) const {
+    return NotFound(fmt::format("transfer task {} is unknown or no longer retained (retained_finished_tasks = {})", id,
+                                config_.retained_finished_tasks));
+  }
+
+  Device& device_;
+  Stream& compute_;
+  TransferManagerConfig config_;
+
+  // Declared first: destroyed last, after the streams drained and every
+  // event that refers to its memory is gone.
+  std::unique_ptr<PinnedMemory> host_memory_;
+  BlockSpace device_space_;
+  BlockSpace host_space_;
+  std::unique_ptr<Stream> in_;
+  std::unique_ptr<Stream> out_;
+  std::unique_ptr<CopyEngine> owned_engine_;
+  CopyEngine* engine_ = nullptr;
+  std::unique_ptr<EventPool> pool_;
+  RecordGate gate_;
+  std::unique_ptr<HazardTracker> dev_hazards_;
+  std::unique_ptr<HazardTracker> host_hazards_;
+
+  // Submit path: hazard lookup + enqueue + record + note is one step.
+  std::mutex submit_mu_;
+  bool shut_ = false;  // guarded by submit_mu_
+  Status shutdown_status_;
+  std::uint64_t next_id_ = 1;  // guarded by submit_mu_
+
+  // Task state, queues, stats.
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;   // progress thread: new work or stop
+  std::condition_variable state_cv_;  // waiters: something became final
+  bool stop_ = false;
+  std::deque<PendingEntry> in_queue_;
+  std::deque<PendingEntry> out_queue_;
+  std::unordered_map<TaskId, std::shared_ptr<TaskRec>> tasks_;
+  std::set<TaskId> pending_ids_;
+  std::deque<TaskId> finished_order_;
+  std::deque<TaskCompletion> completions_;
+  DirCounters evict_;
+  DirCounters load_;
+  std::uint64_t layers_done_ = 0;
+  std::uint64_t layers_failed_ = 0;
+  std::vector<double> latency_us_;
+  std::size_t latency_next_ = 0;
+  // Settled since the last fire_and_publish (guarded by mu_).
+  std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> settled_slots_;
+  std::vector<std::shared_ptr<TaskRec>> settled_tasks_;
+  std::uint64_t latency_count_ = 0;
+
+  std::thread progress_;
+  std::atomic<std::thread::id> progress_id_{};
+  // Set (under submit_mu_) when the first shutdown() finished; later calls wait for it.
+  bool shutdown_done_ = false;
+  std::condition_variable shutdown_cv_;
+  std::unique_ptr<SubmitWorker> in_worker_;
+  std::unique_ptr<SubmitWorker> out_worker_;
+};
+
+}  // namespace kvtier::transfer_detail

@@ -1,0 +1,239 @@
+// The progress side of TransferManagerImpl: the progress thread
+// (progress_loop) polls the completion events of the two streams' queues in
+// order (progress_once), settles each slot and then its task once the
+// sources it read are settled (finalize_slot_locked, finalize_task_locked:
+// states, failed blocks, the validity of the bytes written, stats, retained
+// tasks and completions), runs the callbacks and publishes the settled slots
+// and tasks to host waiters (fire_and_publish); at shutdown it fails what
+// will not complete.
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "transfer/transfer_manager_impl.h"
+
+namespace kvtier::transfer_detail {
+
+bool TransferManagerImpl::sources_settled(const TaskRec& t) const {
+  for (const auto& [i, origin] : t.sources)
+    if (!origin->settled()) return false;
+  return true;
+}
+
+void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& tp, std::size_t slot, Status copy_status,
+                                               std::vector<std::function<void()>>& fire) {
+  TaskRec& t = *tp;
+  const auto now = Clock::now();
+  Status st = std::move(copy_status);
+  if (!st.ok()) {
+    t.copy_failed = true;
+    st = st.with_context(t.kind == TaskKind::kLoad ? fmt::format("load task {} layer {}", t.id, t.layers[slot])
+                                                   : fmt::format("evict task {}", t.id));
+  } else {
+    // The bytes read must themselves be valid.
+    const auto& src_ids = t.kind == TaskKind::kLoad ? t.host_blocks : t.device_blocks;
+    for (const auto& [i, origin] : t.sources) {
+      if (origin->block_failed(src_ids[i])) {
+        st = DataLoss(fmt::format("{} task {}: {} block {} holds bytes of failed task {}", task_kind_name(t.kind), t.id,
+                                  t.kind == TaskKind::kLoad ? "host" : "device", src_ids[i], origin->task_id));
+        break;
+      }
+    }
+  }
+  t.slot_state[slot] = st.ok() ? TaskState::kDone : TaskState::kFailed;
+  t.slot_status[slot] = st;
+  t.slot_done_at[slot] = now;
+  t.slot_event[slot].reset();
+  t.slots_final++;
+  settled_slots_.push_back({tp, slot});
+  if (t.kind == TaskKind::kLoad) {
+    if (st.ok())
+      layers_done_++;
+    else
+      layers_failed_++;
+    latency_us_[latency_next_] = std::chrono::duration<double, std::micro>(now - t.submitted).count();
+    latency_next_ = (latency_next_ + 1) % latency_us_.size();
+    latency_count_++;
+    if (t.on_layer) {
+      auto cb = t.on_layer;
+      std::uint32_t layer = t.layers[slot];
+      fire.push_back([cb, layer, st] { cb(layer, st); });
+    }
+  }
+  if (t.slots_final == t.num_slots()) finalize_task_locked(tp, fire);
+}
+
+void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& tp,
+                                               std::vector<std::function<void()>>& fire) {
+  TaskRec& t = *tp;
+  Status first;
+  for (const auto& s : t.slot_status)
+    if (!s.ok()) {
+      first = s;
+      break;
+    }
+  const bool is_load = t.kind == TaskKind::kLoad;
+  const auto& src_ids = is_load ? t.host_blocks : t.device_blocks;
+  const auto& dst_ids = is_load ? t.device_blocks : t.host_blocks;
+  std::vector<bool> pair_bad(dst_ids.size(), false);
+  for (const auto& [i, origin] : t.sources)
+    if (origin->settled() && origin->block_failed(src_ids[i])) pair_bad[i] = true;
+  std::vector<std::int32_t> bad_src, bad_dst;
+  for (std::size_t i = 0; i < dst_ids.size(); ++i) {
+    if (pair_bad[i]) bad_src.push_back(src_ids[i]);
+    if (pair_bad[i] || t.copy_failed) bad_dst.push_back(dst_ids[i]);
+  }
+  std::sort(bad_src.begin(), bad_src.end());
+  bad_src.erase(std::unique(bad_src.begin(), bad_src.end()), bad_src.end());
+  // A load whose layers partly failed for a bad source leaves every
+  // destination of that pair invalid; a copy failure invalidates them all.
+  if (!first.ok() && bad_dst.empty()) bad_dst = dst_ids;
+  t.state = first.ok() ? TaskState::kDone : TaskState::kFailed;
+  t.status = first;
+  t.failed.device = is_load ? bad_dst : bad_src;
+  t.failed.host = is_load ? bad_src : bad_dst;
+  // Publish the validity of the bytes written.
+  if (!first.ok()) {
+    t.origin->all_failed = t.copy_failed || bad_dst.size() == dst_ids.size();
+    t.origin->failed_blocks = bad_dst;
+    std::sort(t.origin->failed_blocks.begin(), t.origin->failed_blocks.end());
+    t.origin->state.store(WriteOrigin::kFailed, std::memory_order_release);
+  } else {
+    t.origin->state.store(WriteOrigin::kOk, std::memory_order_release);
+  }
+  t.sources.clear();
+  t.sources.shrink_to_fit();
+
+  DirCounters& d = dir(t.kind);
+  if (first.ok()) {
+    d.s.tasks_done++;
+    d.s.bytes_done += t.bytes;
+  } else {
+    d.s.tasks_failed++;
+  }
+  if (--d.s.in_flight == 0)
+    d.busy_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - d.busy_since).count());
+  settled_tasks_.push_back(tp);
+  finished_order_.push_back(t.id);
+  while (finished_order_.size() > config_.retained_finished_tasks) {
+    tasks_.erase(finished_order_.front());
+    finished_order_.pop_front();
+  }
+  completions_.push_back(TaskCompletion{t.id, t.kind, first, t.failed, t.bytes});
+  while (completions_.size() > config_.max_unpolled_completions) completions_.pop_front();
+  if (t.on_done) {
+    auto cb = t.on_done;
+    TaskId id = t.id;
+    fire.push_back([cb, id, first] { cb(id, first); });
+  }
+}
+
+bool TransferManagerImpl::progress_once(std::vector<std::function<void()>>& fire) {
+  bool any = false;
+  bool progressed = true;
+  while (progressed) {
+    progressed = false;
+    // Output first: evictions settle before the loads that read their bytes.
+    for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_}) {
+      for (;;) {
+        PendingEntry head;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (q->empty()) break;
+          head = q->front();
+        }
+        Status copy_status = head.preset;
+        if (head.event) {
+          auto done = device_.query(*head.event);
+          if (done.ok() && !done.value()) break;  // in order: nothing behind it is done either
+          if (!done.ok()) copy_status = done.status();
+        }
+        std::lock_guard<std::mutex> lock(mu_);
+        // The bytes it read came from a task not settled yet (it completed on
+        // the device, or this would not be done): settle that one first.
+        if (copy_status.ok() && !sources_settled(*head.task)) break;
+        q->pop_front();
+        finalize_slot_locked(head.task, head.slot, std::move(copy_status), fire);
+        progressed = true;
+        any = true;
+      }
+    }
+  }
+  return any;
+}
+
+void TransferManagerImpl::progress_loop() {
+  std::vector<std::function<void()>> fire;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto idle = [&] { return in_queue_.empty() && out_queue_.empty(); };
+      if (idle()) {
+        if (stop_) return;
+        work_cv_.wait(lock, [&] { return stop_ || !idle(); });
+        if (stop_ && idle()) return;
+      } else {
+        work_cv_.wait_for(lock, config_.poll_interval);
+      }
+    }
+    bool any = progress_once(fire);
+    if (any) fire_and_publish(fire);
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = stop_;
+    }
+    if (stopping && !any) {
+      // Shutdown drained the streams; anything still pending will not
+      // complete: fail it so no waiter hangs.
+      std::unique_lock<std::mutex> lock(mu_);
+      for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_}) {
+        while (!q->empty()) {
+          PendingEntry head = q->front();
+          q->pop_front();
+          if (head.event) {
+            auto done = device_.query(*head.event);
+            if (done.ok() && !done.value()) {
+              finalize_slot_locked(head.task, head.slot,
+                                   Cancelled("transfer manager shut down before the copy completed"), fire);
+              continue;
+            }
+            if (!done.ok()) {
+              finalize_slot_locked(head.task, head.slot, done.status(), fire);
+              continue;
+            }
+          }
+          finalize_slot_locked(head.task, head.slot, head.preset, fire);
+        }
+      }
+      lock.unlock();
+      fire_and_publish(fire);
+      return;
+    }
+  }
+}
+
+void TransferManagerImpl::fire_and_publish(std::vector<std::function<void()>>& fire) {
+  for (auto& f : fire) {
+    try {
+      f();
+    } catch (...) {
+      // A callback must not take the progress thread down.
+    }
+  }
+  fire.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [t, slot] : settled_slots_) t->slot_visible[slot] = true;
+    for (auto& t : settled_tasks_) {
+      t->visible = true;
+      pending_ids_.erase(t->id);
+    }
+    settled_slots_.clear();
+    settled_tasks_.clear();
+  }
+  state_cv_.notify_all();
+}
+
+}  // namespace kvtier::transfer_detail
