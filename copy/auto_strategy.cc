@@ -16,9 +16,10 @@ bool in_range(std::uint64_t v, std::uint64_t lo, std::uint64_t hi) { return v >=
 
 bool EngineBase::idle_prefers_kernel(std::uint64_t avg, bool caller_busy, bool duplex, std::uint64_t kernel_max) const {
   // From an idle stream the GPU waits for the CPU to enqueue a batch's
-  // descriptors; the kernel is one launch. Run 13 (--no-prequeue): H2D 64 KiB
-  // batch 74 % vs kernel 91 %, 256 KiB 87 % vs 92 %, 1 MiB 96 % vs 92 %; D2H
-  // 256 KiB 85 % vs 94 %. SMs kept out (kernel_max 0): never.
+  // descriptors; the kernel is one launch. Measured on an H200 with `kvtier
+  // bench copy --no-prequeue` (docs/performance.md, idle-stream rows): H2D
+  // 64 KiB batch 74 % vs kernel 91 %, 256 KiB 87 % vs 92 %, 1 MiB 96 % vs
+  // 92 %; D2H 256 KiB 85 % vs 94 %. SMs kept out (kernel_max 0): never.
   return !caller_busy && !duplex && kernel_max > 0 && avg < options_.auto_idle_kernel_max_segment_bytes;
 }
 
@@ -49,8 +50,8 @@ CopyStrategy EngineBase::choose_impl(const PlanSummary& s, const StreamState* se
               : options_.auto_split_h2d_min_segment_bytes;
       // Behind queued work only (if so configured): enqueueing the DMA part
       // costs about as much CPU as the copy takes, which an idle stream would
-      // wait for (run 12, timed from an idle stream: split 30-84 % vs the
-      // kernel 72-91 % at 4-48 KiB).
+      // wait for (measured on an H200, timed from an idle stream: split
+      // 30-84 % vs the kernel 72-91 % at 4-48 KiB).
       // Paused: the CPU could not keep the GPU fed even with the fewest DMA
       // descriptors (adaptive CPU budget at its maximum).
       const bool paused = options_.auto_split_cpu_budget_adaptive && tuner_.paused(split_size_class(s.direction, avg));

@@ -67,7 +67,7 @@ double EngineBase::split_share(const PlanSummary& s, bool automatic) const {
   // the time the link needs for 45-50 KB. Give the DMA part at most one
   // descriptor per budget bytes of payload (adaptive: copy_engine.h), so
   // that a caller streaming copies does not become CPU-bound (measured host
-  // API time 6-14 ms for 5 ms of copy at 4 KiB without the cap, run 11).
+  // API time 6-14 ms for 5 ms of copy at 4 KiB without the cap, on an H200).
   const double budget = split_budget(split_size_class(s.direction, avg));
   if (budget > 0 && s.segments > 0) {
     const double max_dma = static_cast<double>(s.bytes) / budget / static_cast<double>(s.segments);
@@ -140,8 +140,8 @@ Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest&
   // touch, so they wait for it. With a kernel part the fork goes after the
   // kernel's descriptor upload: that small DMA shares the copy engines with
   // the lanes, and queued behind thousands of lane descriptors it would hold
-  // the kernel back for most of the copy (seen on the H200 as slow samples,
-  // run 18).
+  // the kernel back for most of the copy (seen on the H200 as slow samples;
+  // docs/architecture.md, copy).
   auto fork = [&]() -> Status {
     if (lanes == 0) return Status::Ok();
     KVTIER_RETURN_IF_ERROR(device_.record(*ss->fork, stream));

@@ -23,7 +23,7 @@ std::string_view seed_prefix(Role role, std::string_view other_name) {
 bool is_byte_type(DType d) { return d == DType::kUint8 || d == DType::kInt8; }
 bool is_fp8(DType d) { return d == DType::kFp8E4M3 || d == DType::kFp8E5M2; }
 
-// The seed stores fp8 caches as uint8 tensors.
+// FastDeploy's CacheTransferManager stores fp8 caches as uint8 tensors.
 bool dtype_compatible(DType tensor, DType role) {
   if (tensor == role) return true;
   return (is_byte_type(tensor) && (is_fp8(role) || is_byte_type(role))) || (is_byte_type(role) && is_fp8(tensor));

@@ -1,5 +1,5 @@
-// h2d_probe: a standalone experiment (not part of the library) for issue 2's
-// remaining gap: random scattered host->GPU blocks of 4-48 KiB at >= 93 % of
+// h2d_probe: a standalone experiment (not part of the library) for the hardest
+// H2D target: random scattered host->GPU blocks of 4-48 KiB at >= 93 % of
 // the contiguous DMA ceiling. Measures, as ratios to the ceiling of the same run
 // (p50 over reps, every variant verified byte-exact on sampled blocks against a
 // poisoned destination):

@@ -1,4 +1,5 @@
-// Registration from the seed's name map, EventPool and HazardTracker units.
+// Registration from the name map of FastDeploy's CacheTransferManager, EventPool
+// and HazardTracker units.
 #include "kvtier/transfer/registration.h"
 
 #include <gtest/gtest.h>
@@ -137,7 +138,8 @@ TEST(Registration, UnlistedKvTensorIsAnError) {
   auto r = device_space_from_name_map(m.tensors, without, 0, 0, 0);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("key_caches_2_rank0.device0"), std::string::npos) << r.status().message();
-  // Scales present but the layout has none (the seed never loaded them).
+  // Scales present but the layout has none (FastDeploy's CacheTransferManager
+  // never loaded them).
   KvLayout scaled = gqa(2, true);
   NameMap ms = seed_map(scaled, 0, 0, 8, true);
   KvLayout plain = gqa(2, false);
@@ -173,7 +175,8 @@ TEST(Registration, HostNameMap) {
   EXPECT_NE(bad.status().message().find("key_caches_1_rank0.device2"), std::string::npos);
 }
 
-// The seed's maps straight into a working manager: evict, then load back.
+// The maps of FastDeploy's CacheTransferManager straight into a working manager:
+// evict, then load back.
 TEST(Registration, NameMapToWorkingManager) {
   auto dev = HostDevice::create();
   ASSERT_TRUE(dev.ok());

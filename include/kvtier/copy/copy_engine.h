@@ -18,7 +18,7 @@
 //               a segment <= batch_gate_max_segment_bytes are submitted
 //               behind a gate (a spin kernel holding the stream busy until the
 //               whole batch is queued) to avoid the driver's idle-stream cliff
-//               (gpu-transfer-facts.md sec. 2). srcAccessOrder is Stream
+//               (device/cuda/gpu_gate.h). srcAccessOrder is Stream
 //               (never Any: unsafe for D2H of freshly written KV).
 //   kSmKernel   a gather/scatter kernel with a small, configurable number of
 //               CTAs, reading/writing pinned host memory through UVA with
@@ -79,7 +79,7 @@
 //      CPU-budget floor (auto_split_payload_bytes_per_dma_descriptor).
 //      With the SMs kept out (auto_kernel_max_segment_bytes_h2d = 0) the H2D
 //      split range starts at auto_split_h2d_large_segment_bytes, DMA only.
-//      Measured on the H200 (runs 6-18, docs/performance.md): random 4-48 KiB
+//      Measured on the H200 (docs/performance.md): random 4-48 KiB
 //      H2D 92-96% with a kernel share, where the kernel alone is ~92% and
 //      DMA alone 73-99% depending on the machine.
 //   4i. (before 5) the caller's stream idle at copy(), not full duplex, SMs
@@ -182,7 +182,8 @@ CopyDirection copy_direction(MemoryKind src, MemoryKind dst) noexcept;
 
 struct CopyEngineOptions {
   // SM kernel shape. Host->GPU needs more outstanding reads than GPU->host
-  // (facts: H2D ~16 CTAs x 512 or 4 x 1024; D2H ~4 CTAs). D2D uses sm_ctas_d2d.
+  // (measured on an H200, copy mechanisms probe in docs/performance.md: H2D
+  // ~16 CTAs x 512 or 4 x 1024; D2H ~4 CTAs). D2D uses sm_ctas_d2d.
   std::uint32_t sm_ctas_h2d = 16;
   std::uint32_t sm_ctas_d2h = 8;
   std::uint32_t sm_ctas_d2d = 32;
@@ -214,8 +215,9 @@ struct CopyEngineOptions {
   // D2H and 98.5% at 256 KiB; the SM kernel ~92% H2D / ~94.5% D2H.
   std::uint64_t auto_kernel_max_segment_bytes_h2d = 64 * 1024;
   std::uint64_t auto_kernel_max_segment_bytes_d2h = 128 * 1024;
-  // Measured run 8: batched DMA both ways 86.0 GB/s at 24 KiB, 84.4 at
-  // 28 KiB, 85.5 at 32 KiB vs SM kernels both ways 73; kernels win at 16 KiB.
+  // Measured on an H200 (`kvtier bench copy --directions both`): batched DMA
+  // both ways 86.0 GB/s at 24 KiB, 84.4 at 28 KiB, 85.5 at 32 KiB vs SM
+  // kernels both ways 73; kernels win at 16 KiB.
   std::uint64_t auto_duplex_dma_min_segment_bytes = 24 * 1024;
   // kStagedDma: device staging per caller stream (staged_slots slots of
   // staged_slot_bytes; a chunk's footprint must fit one slot). More slots let
@@ -238,10 +240,10 @@ struct CopyEngineOptions {
   // from there (none when auto_kernel_max_segment_bytes_h2d is 0: SMs kept
   // out). One DMA lane below the large size, split_dma_lanes from it. With
   // auto_split_adaptive the share then follows the measured rates (below).
-  // Measured on the H200 (runs 6-17, docs/performance.md): random 4-20 KiB
+  // Measured on the H200 (docs/performance.md): random 4-20 KiB
   // H2D 92-96% with these shares vs ~92% for the kernel alone. At 32-48 KiB
   // DMA alone reached 95-99% on some machines and 73-81% on others (small
-  // descriptors slow), where a kernel share of 0.6 gave 94-95% (run 17).
+  // descriptors slow), where a kernel share of 0.6 gave 94-95%.
   std::uint64_t auto_split_h2d_min_segment_bytes = 4 * 1024;
   std::uint64_t auto_split_h2d_max_segment_bytes = 64 * 1024;
   double auto_split_h2d_kernel_share = 0.6;
@@ -271,8 +273,9 @@ struct CopyEngineOptions {
   // this many payload bytes of the request (the rest goes to the kernel).
   // Enqueueing a descriptor costs ~0.8-0.9 us of CPU on the H200's host
   // (cudaMemcpyBatchAsync, any attributes, batch size; more threads scale
-  // poorly: run 20), about the time the link needs for 45-50 KB, so 48 KiB
-  // keeps the submission within the copy time. 0: no cap.
+  // poorly: h2d_probe part C, docs/performance.md), about the time the link
+  // needs for 45-50 KB, so 48 KiB keeps the submission within the copy time.
+  // 0: no cap.
   std::uint64_t auto_split_payload_bytes_per_dma_descriptor = 48 * 1024;
   // With auto_split_cpu_budget_adaptive the cap above is only the starting
   // point of each size class: after each kAuto split the engine checks
@@ -288,13 +291,14 @@ struct CopyEngineOptions {
   bool auto_split_cpu_budget_adaptive = true;
   // kAuto splits only requests of at least this many payload bytes: the fork,
   // the join and the lanes' start cost a fixed few tens of microseconds,
-  // which small requests cannot amortise (run 23, back-to-back 8 MiB requests
-  // of 16 KiB blocks: split 75% vs kernel 85%; with 32 KiB blocks the split
-  // still won at 8 and 32 MiB).
+  // which small requests cannot amortise (measured on an H200, back-to-back
+  // 8 MiB requests of 16 KiB blocks: split 75% vs kernel 85%; with 32 KiB
+  // blocks the split still won at 8 and 32 MiB; docs/performance.md).
   std::uint64_t auto_split_min_request_bytes = 16u << 20;
   // 12 KiB lets 4 KiB blocks reach their balanced share (~0.67 with one
   // lane): 0.940-0.945 vs 0.933-0.934 with a 16 KiB floor, for ~25% more
-  // submission CPU while the CPU runs ahead (run 27).
+  // submission CPU while the CPU runs ahead (measured on an H200: the samples
+  // table of docs/performance.md).
   std::uint64_t auto_split_min_payload_bytes_per_dma_descriptor = 12 * 1024;
   std::uint64_t auto_split_max_payload_bytes_per_dma_descriptor = 256 * 1024;
   // kAuto uses kSplit only when the caller's stream still has work queued at

@@ -13,7 +13,8 @@
 //     [num_blocks, kv_heads, block_tokens, head_dim] (HND inside a block) or
 //     NHD [num_blocks, block_tokens, kv_heads, head_dim]; K/V interleaved
 //     [num_blocks, 2, ...] is stride = 2 * block_bytes;
-//   - host layer-first: one region per (layer, role) (the seed's layout);
+//   - host layer-first: one region per (layer, role) (FastDeploy's
+//     CacheTransferManager's layout);
 //   - host page-first (block-first): one contiguous page per block holding
 //     every layer and role, the unit that storage tiers move.
 // The in-block token order (HND/NHD) is metadata: copies move a block's bytes

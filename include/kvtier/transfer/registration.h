@@ -5,7 +5,7 @@
 //   - typed: a BlockSpace of kind kDevice built from a KvLayout and the base
 //     pointer (and stride) of each (layer, role) plane (BlockSpace::from_planes
 //     / layer_first), plus a HostCacheSpec;
-//   - the seed's name map: FastDeploy names its tensors
+//   - the name map of FastDeploy's CacheTransferManager: FastDeploy names its tensors
 //       key_caches_{layer}_rank{r}.device{d}, value_caches_…,
 //       key_cache_scales_…, value_cache_scales_…, indexer_caches_…
 //     device_space_from_name_map() checks that every (layer, role) of the
@@ -44,7 +44,7 @@ struct HostCacheSpec {
   // Otherwise kvtier allocates `num_blocks` blocks of pinned memory itself.
   std::uint64_t num_blocks = 0;
   enum class Arrangement : std::uint8_t {
-    kLayerFirst,  // one region per (layer, role): the seed's layout
+    kLayerFirst,  // one region per (layer, role): FastDeploy's CacheTransferManager's layout
     kPageFirst,   // one page per block holding every layer and role (storage-friendly)
   };
   Arrangement arrangement = Arrangement::kLayerFirst;
@@ -59,7 +59,8 @@ struct KvCacheRegistration {
   HostCacheSpec host;
 };
 
-// One tensor of the seed's name map (an engine's KV tensor, e.g. from DLPack).
+// One tensor of the name map of FastDeploy's CacheTransferManager (an engine's
+// KV tensor, e.g. from DLPack).
 // dim 0 is the block index; each block (dims 1..) must be contiguous.
 struct TensorDesc {
   void* data = nullptr;
@@ -89,20 +90,23 @@ Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& t
 // latent there); kOther uses `other_name` as the prefix.
 std::string seed_tensor_name(Role role, std::string_view other_name, std::uint32_t layer, int rank, int device_label);
 
-// Builds and validates the device BlockSpace from the seed's tensor map.
+// Builds and validates the device BlockSpace from the tensor map of FastDeploy's
+// CacheTransferManager.
 // `device_ordinal` is Device::ordinal() of the device that owns the tensors.
 Result<BlockSpace> device_space_from_name_map(const std::map<std::string, TensorDesc>& tensors, const KvLayout& layout,
                                               int rank, int device_label, int device_ordinal);
 
-// Builds the host BlockSpace from the seed's host pointer map (one pinned
-// region per (layer, role), block b at ptr + b * block_bytes).
+// Builds the host BlockSpace from the host pointer map of FastDeploy's
+// CacheTransferManager (one pinned region per (layer, role), block b at
+// ptr + b * block_bytes).
 Result<BlockSpace> host_space_from_name_map(const std::map<std::string, void*>& pointers, const KvLayout& layout,
                                             std::uint64_t num_host_blocks, int rank, int device_label,
                                             int device_ordinal);
 
 // Both at once: the device space from `device_tensors`; the host tier from
 // `host_pointers` when non-null (caller-owned pinned regions), else allocated
-// by kvtier with `num_host_blocks` blocks (layer-first, like the seed).
+// by kvtier with `num_host_blocks` blocks (layer-first, like FastDeploy's
+// CacheTransferManager).
 Result<KvCacheRegistration> registration_from_name_map(const std::map<std::string, TensorDesc>& device_tensors,
                                                        const std::map<std::string, void*>* host_pointers,
                                                        std::uint64_t num_host_blocks, const KvLayout& layout, int rank,

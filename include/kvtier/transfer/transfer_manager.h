@@ -129,7 +129,7 @@ struct TransferManagerConfig {
   // kAuto keeps the SMs out (auto_kernel_max_* = 0): transfers overlap the
   // forward pass, and on the H200 an SM copy kernel next to a compute kernel
   // waits for SMs (layer-wise overlap 70 ms vs 49 ms bound, GEMM slowed 46%),
-  // while the copy engines do not contend with compute (gpu-transfer-facts.md).
+  // while the copy engines do not contend with compute (docs/performance.md).
   CopyEngineOptions copy_engine = [] {
     CopyEngineOptions o;
     o.descriptor_slots = 256;
@@ -213,7 +213,7 @@ struct DirectionStats {
 };
 
 struct TransferStats {
-  // What the seed's get_stats() gives.
+  // What get_stats() of FastDeploy's CacheTransferManager gives.
   std::uint32_t num_layers = 0;
   std::uint32_t num_draft_layers = 0;
   int device_ordinal = 0;
