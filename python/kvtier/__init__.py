@@ -15,6 +15,9 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
 - :mod:`kvtier.errors`: exceptions carrying the status code and message;
 - :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class.
 
+kvtier's own log lines (storage backends' warnings, ...) go to the ``kvtier.<component>``
+loggers of :mod:`logging`; :func:`set_log_level` sets kvtier's level (``KVTIER_LOG_LEVEL``).
+
 Blocking calls release the GIL. Callbacks run on a kvtier thread with the GIL held for
 the call; an exception they raise is logged to the ``kvtier`` logger (and counted by
 :func:`callback_errors`), never lost and never fatal.
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 from . import errors
 from ._native import (  # noqa: F401
+    log_level,
+    set_log_level,
     Device,
     Stream,
     TransferManager,
@@ -41,6 +46,10 @@ if _native.has_cache:  # built with the cache and storage bindings (KVTIER_PYTHO
     from ._native import CacheManager, KeyHasher, StorageBackend  # noqa: F401
 
 _native._register_errors(errors.CLASS_BY_CODE)
+
+from . import _logging  # noqa: E402
+
+_logging.install()  # kvtier's C++ log lines go to the "kvtier.<component>" loggers
 
 __version__ = "0.1.0"
 

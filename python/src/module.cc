@@ -12,12 +12,14 @@ namespace nb = nanobind;
 namespace kvtier::python {
 void bind_transfer(nb::module_& m);
 void bind_cache(nb::module_& m);
+void bind_log(nb::module_& m);
 }  // namespace kvtier::python
 
 NB_MODULE(_native, m) {
   m.doc() = "kvtier native extension (see the kvtier package)";
   kvtier::python::bind_errors(m);
   kvtier::python::bind_transfer(m);
+  kvtier::python::bind_log(m);
 #ifdef KVTIER_PYTHON_WITH_CACHE
   kvtier::python::bind_cache(m);
   m.attr("has_cache") = true;

@@ -204,3 +204,20 @@ def test_cli_is_on_path():
         pytest.skip("kvtier console script not on PATH (package not installed with its CLI)")
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "KV-cache" in out.stdout
+
+
+def test_kvtier_log_reaches_python_logging(caplog):
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    old = kvtier.log_level()
+    try:
+        kvtier.set_log_level("warning")
+        kvtier._native._log("info", "storage/disk", "below the level: never produced")
+        kvtier._native._log("warning", "storage/disk", "object 0123 quarantined")
+        kvtier._logging.flush()
+        got = [(r.name, r.levelno, r.getMessage()) for r in caplog.records if r.name.startswith("kvtier.storage")]
+        assert ("kvtier.storage.disk", logging.WARNING, "object 0123 quarantined") in got
+        assert all("never produced" not in m for _, _, m in got)
+        with pytest.raises(kvtier.InvalidArgumentError, match="'loud'"):
+            kvtier.set_log_level("loud")
+    finally:
+        kvtier.set_log_level(old)

@@ -1,0 +1,63 @@
+"""Routes kvtier's C++ log (core/log.h) to Python's ``logging``.
+
+Lines go to the ``kvtier.<component>`` loggers (e.g. ``kvtier.storage.disk``); kvtier's own
+level (``kvtier.set_log_level``, or ``KVTIER_LOG_LEVEL``) decides what is produced at all.
+A daemon thread moves lines from kvtier's bounded queue into ``logging``; a line that
+finds the queue full drops the oldest, and the next batch reports how many were dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from . import _native
+
+_started = False
+_lock = threading.Lock()
+
+
+def _pump() -> None:
+    root = logging.getLogger("kvtier")
+    while True:
+        try:
+            lines, dropped = _native._next_log_lines(0.5)
+        except Exception:  # noqa: BLE001 - interpreter shutting down
+            return
+        if dropped:
+            root.warning("%d kvtier log lines were dropped (the queue was full)", dropped)
+        for level, component, message in lines:
+            logging.getLogger("kvtier." + component.replace("/", ".")).log(level, "%s", message)
+
+
+def install() -> None:
+    """Starts routing (idempotent; kvtier's __init__ calls it)."""
+    global _started
+    with _lock:
+        if _started:
+            return
+        _native._install_log_sink()
+        threading.Thread(target=_pump, name="kvtier-log", daemon=True).start()
+        _started = True
+
+
+def flush(timeout: float = 1.0) -> None:
+    """Waits until the lines logged so far reached ``logging`` (tests)."""
+    import time
+
+    marker = f"flush-{time.monotonic_ns()}"
+    seen = threading.Event()
+
+    class _Watch(logging.Handler):
+        def emit(self, record):
+            if record.getMessage() == marker:
+                seen.set()
+
+    logger = logging.getLogger("kvtier.python.flush")
+    handler = _Watch()
+    logger.addHandler(handler)
+    try:
+        _native._log("info" if _native.log_level() in ("debug", "info") else "error", "python/flush", marker)
+        seen.wait(timeout)
+    finally:
+        logger.removeHandler(handler)

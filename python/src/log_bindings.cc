@@ -1,0 +1,108 @@
+// kvtier's log into Python's `logging`. The C++ sink (core/log.h) may be
+// called on any kvtier thread, possibly while it holds a lock that a Python
+// thread holding the GIL waits for: so it never takes the GIL. It appends the
+// line to a bounded queue; a Python daemon thread (kvtier/_logging.py) takes
+// lines off it with the GIL released and emits them on the
+// "kvtier.<component>" loggers.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "kvtier/core/log.h"
+#include "status_bridge.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtier::python {
+namespace {
+
+struct LogQueue {
+  static constexpr std::size_t kCapacity = 16384;  // oldest lines dropped beyond (and counted)
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::tuple<int, std::string, std::string>> lines;
+  std::uint64_t dropped = 0;
+};
+
+// Never destroyed: kvtier threads may log after the interpreter is gone.
+LogQueue& queue() {
+  static auto* q = new LogQueue();
+  return *q;
+}
+
+int python_level(LogLevel l) {
+  switch (l) {
+    case LogLevel::kDebug: return 10;
+    case LogLevel::kInfo: return 20;
+    case LogLevel::kWarning: return 30;
+    case LogLevel::kError: return 40;
+    case LogLevel::kOff: return 50;
+  }
+  return 20;
+}
+
+}  // namespace
+
+void bind_log(nb::module_& m) {
+  m.def("_install_log_sink", [] {
+    set_log_sink([](LogLevel level, std::string_view component, std::string_view message) {
+      LogQueue& q = queue();
+      {
+        std::lock_guard lock(q.mu);
+        if (q.lines.size() >= LogQueue::kCapacity) {
+          q.lines.pop_front();
+          ++q.dropped;
+        }
+        q.lines.emplace_back(python_level(level), std::string(component), std::string(message));
+      }
+      q.cv.notify_one();
+    });
+  });
+  m.def("_restore_default_log_sink", [] {
+    nb::gil_scoped_release release;
+    set_log_sink(nullptr);
+  });
+  m.def(
+      "_next_log_lines",
+      [](double timeout_s) {
+        std::deque<std::tuple<int, std::string, std::string>> out;
+        std::uint64_t dropped = 0;
+        {
+          nb::gil_scoped_release release;
+          LogQueue& q = queue();
+          std::unique_lock lock(q.mu);
+          q.cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return !q.lines.empty(); });
+          out.swap(q.lines);
+          dropped = q.dropped;
+          q.dropped = 0;
+        }
+        nb::list lines;
+        for (auto& [lvl, comp, msg] : out) lines.append(nb::make_tuple(lvl, comp, msg));
+        return nb::make_tuple(lines, dropped);
+      },
+      "timeout"_a, "Lines logged since the last call (waits up to `timeout` s for one, GIL released), and how many "
+                   "were dropped because the queue was full.");
+  m.def(
+      "set_log_level",
+      [](const std::string& name) { set_log_level(value_or_raise(parse_log_level(name))); }, "level"_a,
+      "kvtier's own level (debug, info, warning, error, off): lines below it are never formatted or queued. "
+      "Python's logger levels filter further.");
+  m.def("log_level", [] { return std::string(log_level_name(log_level())); });
+  m.def(
+      "_log",
+      [](const std::string& level, const std::string& component, const std::string& message) {
+        LogLevel l = value_or_raise(parse_log_level(level));
+        nb::gil_scoped_release release;
+        log(l, component, message);
+      },
+      "Logs a line through kvtier's sink (tests).");
+}
+
+}  // namespace kvtier::python
