@@ -419,7 +419,9 @@ void BenchCopy::emit(const Row& r) const {
     j["cpu_ms"] = r.cpu_ms;
     j["cpu_ms_per_gb"] = r.bytes > 0 ? r.cpu_ms / (static_cast<double>(r.bytes) * 1e-9) : 0.0;
     // Enqueue time per descriptor (DMA segment or kernel item) on the submitting thread.
-    j["host_us_per_descriptor"] = r.segments > 0 ? r.host_api_ms * 1e3 / static_cast<double>(r.segments) : 0.0;
+    // (segments are the last piece's: with --pieces, every piece has about as many)
+    const double descriptors = static_cast<double>(r.segments) * std::max<std::uint32_t>(1, a_.pieces);
+    j["host_us_per_descriptor"] = descriptors > 0 ? r.host_api_ms * 1e3 / descriptors : 0.0;
     j["prequeued"] = a_.prequeue;
     j["pieces"] = a_.pieces;
     j["reps"] = a_.reps;
