@@ -136,6 +136,10 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
   progress_ = std::thread([this] {
     progress_id_.store(std::this_thread::get_id(), std::memory_order_release);
     progress_loop();
+    // A thread id may be reused once this thread is gone: a later thread that
+    // got it must not be taken for the progress thread (shutdown() would
+    // refuse it, waits would try to drive progress).
+    progress_id_.store(std::thread::id{}, std::memory_order_release);
   });
   if (config_.async_submit) {
     in_worker_->thread = std::thread([this] { worker_loop(*in_worker_); });

@@ -114,8 +114,7 @@ TEST(TransferHazards, PerLayerWritesDuringLoadAreOrderedAfterEachLayer) {
     ASSERT_TRUE(load.ok());
     for (std::uint32_t l = 0; l < rig.layout().num_layers(); ++l) {
       ASSERT_TRUE(rig.mgr().wait_for_layer(*load, l, rig.compute()).ok());
-      ASSERT_TRUE(
-          rig.mgr().record_device_access(ids({4}), rig.compute(), TransferManager::DeviceAccess::kWrite).ok());
+      ASSERT_TRUE(rig.mgr().record_device_access(ids({4}), rig.compute(), TransferManager::DeviceAccess::kWrite).ok());
     }
     if (held) {
       EXPECT_FALSE(*rig.mgr().is_device_block_free(4)) << "round " << round;
@@ -196,6 +195,25 @@ TEST(TransferLifecycle, SecondShutdownWaitsForTheFirst) {
   EXPECT_EQ(second.code(), first.code());
   EXPECT_TRUE(first.ok()) << first.to_string();
   EXPECT_EQ(rig.mgr().shutdown().code(), first.code());
+}
+
+// After shutdown the progress thread is gone and its thread id may be given
+// to a new thread: that thread is not the progress thread (found by CI: two
+// concurrent shutdown() calls, one returned FailedPrecondition).
+TEST(TransferLifecycle, ShutdownFromAThreadReusingTheProgressThreadIdIsNotRefused) {
+  auto dev = make_host(110, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  ASSERT_TRUE(rig.mgr().shutdown().ok());
+  for (int i = 0; i < 50; ++i) {
+    Status again, waited;
+    std::thread([&] {
+      again = rig.mgr().shutdown();
+      waited = rig.mgr().wait_all(1s);
+    }).join();
+    ASSERT_TRUE(again.ok()) << "thread " << i << ": " << again.to_string();
+    ASSERT_TRUE(waited.ok()) << "thread " << i << ": " << waited.to_string();
+  }
 }
 
 TEST(TransferLifecycle, ShutdownFromACallbackIsRefused) {
@@ -317,7 +335,6 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("max_in_flight_tasks"), std::string::npos) << s.to_string();
 }
-
 
 // ------------------------------------------------------------ randomized
 // The engine's patterns under random interleavings and injected delays,
