@@ -3,13 +3,12 @@
 // strings (BlockKey::hex); plans as dicts of move lists. The CacheManager has
 // no internal locking (one scheduler thread drives it, as in C++); the
 // wrapper serialises calls with a mutex so that Python threads cannot race.
+#include <fmt/format.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
-
-#include <fmt/format.h>
 
 #include <mutex>
 #include <string>
@@ -89,12 +88,6 @@ storage::StorageKey storage_key(const std::string& hex, std::uint32_t rank) {
   return storage::StorageKey::from_u64(k->hi, k->lo, rank);
 }
 
-template <typename F>
-auto released(F&& f) {
-  nb::gil_scoped_release release;
-  return f();
-}
-
 // One item of `op` (GIL released while it runs). The item's bytes, or nullopt
 // when the object is absent; any other failure raises.
 std::optional<std::uint64_t> run_one(PyStorage& p, storage::StorageOp op, const std::string& key, std::uint32_t rank,
@@ -116,9 +109,9 @@ void bind_cache(nb::module_& m) {
                           "tenant): equal token prefixes give equal keys, different namespaces never collide.")
       .def(
           "__init__",
-          [](PyKeyHasher* self, const std::string& model_id, std::uint32_t block_tokens, std::uint64_t layout_fingerprint,
-             const std::string& dtype, std::uint32_t tp_rank, std::uint32_t tp_size, const std::string& tenant_salt,
-             const std::string& extra) {
+          [](PyKeyHasher* self, const std::string& model_id, std::uint32_t block_tokens,
+             std::uint64_t layout_fingerprint, const std::string& dtype, std::uint32_t tp_rank, std::uint32_t tp_size,
+             const std::string& tenant_salt, const std::string& extra) {
             cache::KeyNamespace ns;
             ns.model_id = model_id;
             ns.block_tokens = block_tokens;
@@ -132,11 +125,12 @@ void bind_cache(nb::module_& m) {
           },
           "model_id"_a, "block_tokens"_a, "layout_fingerprint"_a = 0, "dtype"_a = "bf16", "tp_rank"_a = 0,
           "tp_size"_a = 1, "tenant_salt"_a = "", "extra"_a = "")
-      .def("keys_for",
-           [](const PyKeyHasher& h, const std::vector<std::int32_t>& tokens) {
-             return key_strings(value_or_raise(h.hasher.keys_for(tokens)));
-           },
-           "tokens"_a, "Keys (hex) of every full block of the token ids; a partial tail block gets none.")
+      .def(
+          "keys_for",
+          [](const PyKeyHasher& h, const std::vector<std::int32_t>& tokens) {
+            return key_strings(value_or_raise(h.hasher.keys_for(tokens)));
+          },
+          "tokens"_a, "Keys (hex) of every full block of the token ids; a partial tail block gets none.")
       .def_prop_ro("root", [](const PyKeyHasher& h) { return h.hasher.root().hex(); });
 
   nb::class_<PyCacheManager>(m, "CacheManager",
@@ -145,9 +139,9 @@ void bind_cache(nb::module_& m) {
                              "table of docs/configuration.md without the 'cache.' prefix.")
       .def(
           "__init__",
-          [](PyCacheManager* self, std::uint32_t device_blocks, std::uint32_t host_blocks,
-             std::uint32_t storage_blocks, const std::string& write_policy, const std::string& device_policy,
-             const std::string& host_policy, std::uint32_t write_through_threshold) {
+          [](PyCacheManager* self, std::uint32_t device_blocks, std::uint32_t host_blocks, std::uint32_t storage_blocks,
+             const std::string& write_policy, const std::string& device_policy, const std::string& host_policy,
+             std::uint32_t write_through_threshold) {
             cache::CacheConfig c;
             c.device_blocks = device_blocks;
             c.host_blocks = host_blocks;
@@ -193,12 +187,13 @@ void bind_cache(nb::module_& m) {
             return d;
           },
           "keys"_a, "extra_blocks"_a = 0)
-      .def("commit",
-           [](PyCacheManager& p, std::uint64_t id, std::optional<std::uint32_t> num_computed) {
-             std::lock_guard lock(p.mu);
-             check(num_computed ? p.cm->commit(id, *num_computed) : p.cm->commit_all(id));
-           },
-           "admission"_a, "num_computed"_a = nb::none())
+      .def(
+          "commit",
+          [](PyCacheManager& p, std::uint64_t id, std::optional<std::uint32_t> num_computed) {
+            std::lock_guard lock(p.mu);
+            check(num_computed ? p.cm->commit(id, *num_computed) : p.cm->commit_all(id));
+          },
+          "admission"_a, "num_computed"_a = nb::none())
       .def("release",
            [](PyCacheManager& p, std::uint64_t id) {
              std::lock_guard lock(p.mu);
@@ -220,19 +215,20 @@ void bind_cache(nb::module_& m) {
              std::lock_guard lock(p.mu);
              return value_or_raise(p.cm->prefetch(k));
            })
-      .def("take_plan",
-           [](PyCacheManager& p) {
-             std::lock_guard lock(p.mu);
-             cache::StepPlan plan = p.cm->take_plan();
-             nb::dict d;
-             d["evictions"] = moves(plan.evictions);
-             d["backups"] = moves(plan.backups);
-             d["loads"] = moves(plan.loads);
-             d["storage_writes"] = moves(plan.storage_writes);
-             d["storage_prefetches"] = moves(plan.storage_prefetches);
-             return d;
-           },
-           "Moves queued since the last call: dict of lists of (src, dst, key_hex).")
+      .def(
+          "take_plan",
+          [](PyCacheManager& p) {
+            std::lock_guard lock(p.mu);
+            cache::StepPlan plan = p.cm->take_plan();
+            nb::dict d;
+            d["evictions"] = moves(plan.evictions);
+            d["backups"] = moves(plan.backups);
+            d["loads"] = moves(plan.loads);
+            d["storage_writes"] = moves(plan.storage_writes);
+            d["storage_prefetches"] = moves(plan.storage_prefetches);
+            return d;
+          },
+          "Moves queued since the last call: dict of lists of (src, dst, key_hex).")
       .def(
           "ack",
           [](PyCacheManager& p, const std::string& kind, const std::vector<std::int64_t>& dst_blocks,

@@ -27,6 +27,15 @@ T value_or_raise(Result<T>&& result) {
   return std::move(result).value();
 }
 
+// Runs `f` with the GIL released. Its result is turned into a Python
+// exception only after the GIL is back (raise_status needs it):
+// check(released([&] { return ...; })).
+template <typename F>
+auto released(F&& f) {
+  nanobind::gil_scoped_release release;
+  return f();
+}
+
 void bind_errors(nanobind::module_& m);
 
 }  // namespace kvtier::python

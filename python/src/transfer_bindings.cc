@@ -9,6 +9,7 @@
 // logged to the "kvtier" logger and counted, never lost and never fatal to
 // the thread. Python objects held by kvtier threads are released under the
 // GIL.
+#include <fmt/format.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
@@ -17,8 +18,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
-
-#include <fmt/format.h>
 
 #include <atomic>
 #include <map>
@@ -43,14 +42,6 @@ namespace kvtier::python {
 namespace {
 
 using Seconds = std::chrono::duration<double>;
-
-// Runs `f` with the GIL released. Its result is turned into a Python
-// exception only after the GIL is back (raise_status needs it).
-template <typename F>
-auto released(F&& f) {
-  nb::gil_scoped_release release;
-  return f();
-}
 
 std::chrono::nanoseconds to_timeout(std::optional<double> seconds) {
   if (!seconds) return std::chrono::nanoseconds::max();  // deadline_after saturates it
@@ -176,9 +167,10 @@ Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>&
   const int type = a.device_type();
   if (device.backend() == BackendKind::kCuda) {
     if (type != kCuda)
-      return InvalidArgument(fmt::format("device tensor '{}' is not CUDA memory (DLPack device type {}); the cache "
-                                         "is registered on CUDA device {}",
-                                         name, a.device_type(), device.ordinal()));
+      return InvalidArgument(
+          fmt::format("device tensor '{}' is not CUDA memory (DLPack device type {}); the cache "
+                      "is registered on CUDA device {}",
+                      name, a.device_type(), device.ordinal()));
     t.device_ordinal = a.device_id();
   } else if (type != kCpu && type != kCudaHost) {
     return InvalidArgument(fmt::format(
@@ -315,8 +307,7 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
           const std::string what =
               fmt::format("host cache of layer {} {}", l, role_name(out->layout.layer(l).roles[r].role));
           if (!pin.ok()) return pin.status().with_context(what);
-          KVTIER_RETURN_IF_ERROR(
-              pin.value()->wait_ready(std::chrono::milliseconds(host_ready_ms)).with_context(what));
+          KVTIER_RETURN_IF_ERROR(pin.value()->wait_ready(std::chrono::milliseconds(host_ready_ms)).with_context(what));
           out->host_registrations.push_back(std::move(pin).value());
         }
     }
@@ -371,7 +362,8 @@ void bind_transfer(nb::module_& m) {
 
   nb::class_<PyStream>(m, "Stream")
       .def_prop_ro("id", [](const PyStream& s) { return s.stream->id(); })
-      .def_prop_ro("handle", [](const PyStream& s) { return reinterpret_cast<std::uintptr_t>(s.stream->native_handle()); })
+      .def_prop_ro("handle",
+                   [](const PyStream& s) { return reinterpret_cast<std::uintptr_t>(s.stream->native_handle()); })
       .def_prop_ro("adopted", [](const PyStream& s) { return s.adopted; });
 
   m.def(
@@ -398,8 +390,9 @@ void bind_transfer(nb::module_& m) {
       "ordinal"_a = 0, "A CUDA device by process-visible ordinal (after CUDA_VISIBLE_DEVICES).");
   m.def("cuda_device_count", [] { return cuda_device_count(); });
   m.def("cuda_compiled", [] { return cuda_compiled(); });
-  m.def("callback_errors", [] { return g_callback_errors.load(); },
-        "Exceptions raised by Python callbacks so far (each was logged to the 'kvtier' logger).");
+  m.def(
+      "callback_errors", [] { return g_callback_errors.load(); },
+      "Exceptions raised by Python callbacks so far (each was logged to the 'kvtier' logger).");
 
   nb::class_<PyTransferManager>(m, "TransferManager",
                                 "Evictions (device -> host, every layer) and layer-wise loads (host -> device) on "
@@ -407,8 +400,7 @@ void bind_transfer(nb::module_& m) {
                                 "transfer_manager.h for the contract.")
       .def_static("from_tensors", &create_manager, "device"_a, "compute_stream"_a, "device_tensors"_a,
                   "host_pointers"_a.none(), "num_host_blocks"_a, "num_model_layers"_a, "rank"_a = 0,
-                  "device_label"_a = 0, "block_tokens"_a = 64,
-                  "config"_a = std::map<std::string, std::string>{},
+                  "device_label"_a = 0, "block_tokens"_a = 64, "config"_a = std::map<std::string, std::string>{},
                   "Registers the engine's KV tensors (FastDeploy names: key_caches_{layer}_rank{r}.device{d}, ...) "
                   "and its host cache (integer pointers to num_host_blocks blocks per tensor, same per-block "
                   "layout; None: kvtier allocates it). config: knob -> value (docs/configuration.md).")
@@ -571,10 +563,9 @@ void bind_transfer(nb::module_& m) {
              }
              return parse_json(json);
            })
-      .def_prop_ro("input_stream_handle",
-                   [](PyTransferManager& p) {
-                     return reinterpret_cast<std::uintptr_t>(p.get().input_stream().native_handle());
-                   })
+      .def_prop_ro(
+          "input_stream_handle",
+          [](PyTransferManager& p) { return reinterpret_cast<std::uintptr_t>(p.get().input_stream().native_handle()); })
       .def(
           "shutdown",
           [](PyTransferManager& p) {
