@@ -158,9 +158,15 @@ class S3FifoPolicy final : public EvictionPolicy {
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
     // Each step moves one node; two full passes plus the frequency decay bound the work.
     std::size_t budget = 8 * (lists_.size(kSmall) + lists_.size(kMain)) + 8;
+    // Zero-frequency main nodes passed over as not evictable. Once a whole queue's worth went by,
+    // main holds nothing evictable for this call (frequencies only fall here): take from small even
+    // below its target, or the small queue's evictable nodes would never be found.
+    std::size_t main_skipped = 0;
     while (budget-- > 0) {
-      bool from_small = lists_.size(kSmall) >= small_target_ || lists_.size(kMain) == 0;
       if (lists_.size(kSmall) == 0 && lists_.size(kMain) == 0) return kNoNode;
+      bool main_exhausted = main_skipped >= lists_.size(kMain);
+      bool from_small = lists_.size(kSmall) > 0 && (lists_.size(kSmall) >= small_target_ || main_exhausted);
+      if (!from_small && main_exhausted) return kNoNode;  // small is empty and main has nothing
       if (from_small) {
         NodeId t = lists_.tail(kSmall);
         if (freq_[t] > 0) {
@@ -179,6 +185,7 @@ class S3FifoPolicy final : public EvictionPolicy {
         } else if (evictable(t)) {
           return t;
         } else {
+          ++main_skipped;
           lists_.move_head(kMain, t);
         }
       }
