@@ -21,9 +21,9 @@ T get_le(const std::byte* p) {
   return v;
 }
 
-constexpr std::size_t kOffMagic = 0, kOffVersion = 8, kOffFlags = 10, kOffHeaderSize = 12, kOffNs = 16,
-                      kOffLayout = 24, kOffKey = 32, kOffRank = 48, kOffNumRoles = 52, kOffPayload = 56,
-                      kOffHeaderChecksum = 64, kOffChecksum = 72;
+constexpr std::size_t kOffMagic = 0, kOffVersion = 8, kOffFlags = 10, kOffHeaderSize = 12, kOffNs = 16, kOffLayout = 24,
+                      kOffKey = 32, kOffRank = 48, kOffNumRoles = 52, kOffPayload = 56, kOffHeaderChecksum = 64,
+                      kOffChecksum = 72;
 
 std::uint64_t raw_header_bytes(std::size_t num_roles) {
   return kFixedHeaderBytes + std::uint64_t{kRoleEntryBytes} * num_roles;
@@ -31,15 +31,19 @@ std::uint64_t raw_header_bytes(std::size_t num_roles) {
 
 std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
-// Hash of the header with both checksum fields zeroed, then the payload.
+// Hash of the header with both checksum fields zeroed (the payload follows).
+void object_checksum_header(XXH3_state_t* state, const std::byte* header, std::uint32_t header_size) {
+  XXH3_64bits_reset(state);
+  XXH3_64bits_update(state, header, kOffHeaderChecksum);
+  static constexpr std::byte kZeros[16] = {};
+  XXH3_64bits_update(state, kZeros, 16);
+  XXH3_64bits_update(state, header + kOffChecksum + 8, header_size - (kOffChecksum + 8));
+}
+
 std::uint64_t object_checksum(const std::byte* header, std::uint32_t header_size, const void* payload,
                               std::uint64_t payload_bytes) {
   XXH3_state_t state;
-  XXH3_64bits_reset(&state);
-  XXH3_64bits_update(&state, header, kOffHeaderChecksum);
-  static constexpr std::byte kZeros[16] = {};
-  XXH3_64bits_update(&state, kZeros, 16);
-  XXH3_64bits_update(&state, header + kOffChecksum + 8, header_size - (kOffChecksum + 8));
+  object_checksum_header(&state, header, header_size);
   if (payload_bytes > 0) XXH3_64bits_update(&state, payload, payload_bytes);
   return XXH3_64bits_digest(&state);
 }
@@ -72,13 +76,13 @@ Status check_payload_size(const StorageOptions& options, std::uint64_t payload_b
   return Status::Ok();
 }
 
-Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
-                     const void* payload, std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
+Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
+                     std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
   if (options.roles.size() >= kMaxRoles)
     return InvalidArgument(fmt::format("roles table of {} entries >= {}", options.roles.size(), kMaxRoles));
   if (header_size < raw_header_bytes(options.roles.size()) || header_size % 8 != 0)
-    return InvalidArgument(fmt::format("header size {} < {} or not a multiple of 8", header_size,
-                                       raw_header_bytes(options.roles.size())));
+    return InvalidArgument(
+        fmt::format("header size {} < {} or not a multiple of 8", header_size, raw_header_bytes(options.roles.size())));
   std::memset(out, 0, header_size);
   put_le<std::uint64_t>(out + kOffMagic, kMagic);
   put_le<std::uint16_t>(out + kOffVersion, kFormatVersion);
@@ -115,8 +119,10 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
     return DataLoss(fmt::format("format version {} (this build reads {})", h.version, kFormatVersion));
   h.header_size = get_le<std::uint32_t>(data + kOffHeaderSize);
   const std::uint32_t num_roles = get_le<std::uint32_t>(data + kOffNumRoles);
-  if (num_roles >= kMaxRoles || h.header_size < raw_header_bytes(num_roles) || h.header_size % 8 != 0)
-    return DataLoss(fmt::format("header size {} inconsistent with {} roles", h.header_size, num_roles));
+  if (num_roles >= kMaxRoles || h.header_size < raw_header_bytes(num_roles) || h.header_size % 8 != 0 ||
+      h.header_size > kMaxHeaderBytes)
+    return DataLoss(fmt::format("header size {} inconsistent with {} roles (limit {} bytes)", h.header_size, num_roles,
+                                kMaxHeaderBytes));
   if (needed) *needed = h.header_size;
   if (avail < h.header_size)
     return OutOfRange(fmt::format("header needs {} bytes, {} available", h.header_size, avail));
@@ -129,6 +135,9 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   std::memcpy(h.key.digest.data(), data + kOffKey, 16);
   h.key.rank = get_le<std::uint32_t>(data + kOffRank);
   h.payload_bytes = get_le<std::uint64_t>(data + kOffPayload);
+  if (h.payload_bytes > kMaxPayloadBytes)
+    return DataLoss(
+        fmt::format("payload size {} exceeds the format's limit of {} bytes", h.payload_bytes, kMaxPayloadBytes));
   h.checksum = get_le<std::uint64_t>(data + kOffChecksum);
   h.roles.resize(num_roles);
   const std::byte* e = data + kFixedHeaderBytes;
@@ -139,21 +148,32 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
     r.offset = get_le<std::uint64_t>(e + 8);
     r.bytes = get_le<std::uint64_t>(e + 16);
     if (r.offset + r.bytes > h.payload_bytes || r.offset + r.bytes < r.offset)
-      return DataLoss(fmt::format("role at offset {} of {} bytes exceeds the payload of {} bytes", r.offset,
-                                  r.bytes, h.payload_bytes));
+      return DataLoss(fmt::format("role at offset {} of {} bytes exceeds the payload of {} bytes", r.offset, r.bytes,
+                                  h.payload_bytes));
     e += kRoleEntryBytes;
   }
   return h;
 }
 
+Status check_object_size(const ObjectHeader& header, std::uint64_t stored_bytes, bool exact) {
+  // decode_header bounds both sizes, so their sum cannot wrap; checked without the sum anyway, as
+  // callers may pass a header they filled themselves.
+  const bool fits = header.header_size <= stored_bytes && header.payload_bytes <= stored_bytes - header.header_size;
+  if (!fits || (exact && header.payload_bytes != stored_bytes - header.header_size))
+    return DataLoss(fmt::format("object of {} bytes {} header {} + payload {}", stored_bytes,
+                                exact ? "does not equal" : "is shorter than", header.header_size,
+                                header.payload_bytes));
+  return Status::Ok();
+}
+
 Status check_identity(const ObjectHeader& header, std::uint64_t ns_digest, std::uint64_t layout_fingerprint,
                       const StorageKey& key) {
   if (header.ns_digest != ns_digest)
-    return DataLoss(fmt::format("object of key {} has namespace digest {:#018x}, expected {:#018x}",
-                                key.to_string(), header.ns_digest, ns_digest));
+    return DataLoss(fmt::format("object of key {} has namespace digest {:#018x}, expected {:#018x}", key.to_string(),
+                                header.ns_digest, ns_digest));
   if (header.layout_fingerprint != layout_fingerprint)
-    return DataLoss(fmt::format("object of key {} has layout fingerprint {:#018x}, expected {:#018x}",
-                                key.to_string(), header.layout_fingerprint, layout_fingerprint));
+    return DataLoss(fmt::format("object of key {} has layout fingerprint {:#018x}, expected {:#018x}", key.to_string(),
+                                header.layout_fingerprint, layout_fingerprint));
   if (!(header.key == key))
     return DataLoss(fmt::format("object stored under key {} holds key {}", key.to_string(), header.key.to_string()));
   return Status::Ok();
@@ -164,6 +184,31 @@ Status verify_object(const std::byte* header_bytes, const ObjectHeader& header, 
   if (c != header.checksum)
     return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
                                 header.checksum, header.key.to_string(), header.payload_bytes));
+  return Status::Ok();
+}
+
+ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader& header) : header_(header) {
+  auto* st = new XXH3_state_t;
+  object_checksum_header(st, header_bytes, header.header_size);
+  state_ = st;
+}
+
+ObjectVerifier::~ObjectVerifier() { delete static_cast<XXH3_state_t*>(state_); }
+
+void ObjectVerifier::update(const void* data, std::size_t bytes) {
+  if (bytes == 0) return;
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+  seen_ += bytes;
+}
+
+Status ObjectVerifier::finish() {
+  if (seen_ != header_.payload_bytes)
+    return DataLoss(
+        fmt::format("{} of {} payload bytes read for key {}", seen_, header_.payload_bytes, header_.key.to_string()));
+  const std::uint64_t c = XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_));
+  if (c != header_.checksum)
+    return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
+                                header_.checksum, header_.key.to_string(), header_.payload_bytes));
   return Status::Ok();
 }
 

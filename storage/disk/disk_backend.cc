@@ -125,7 +125,8 @@ StorageCaps DiskBackend::caps() const noexcept {
   c.cancellable = true;
   c.persistent = true;
   c.max_in_flight = config_.queue_depth;
-  c.max_object_bytes = config_.capacity_bytes ? config_.capacity_bytes : (std::uint64_t{1} << 40);
+  c.max_object_bytes =
+      config_.capacity_bytes ? std::min(config_.capacity_bytes, format::kMaxPayloadBytes) : format::kMaxPayloadBytes;
   c.alignment = direct_ ? kAlign : 1;
   return c;
 }
@@ -137,6 +138,10 @@ Result<StorageTicket> DiskBackend::post(StorageBatch batch) {
       return InvalidArgument(
           fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i, it.bytes));
     if (batch.op == StorageOp::kPut) {
+      // Bounded before any size arithmetic (alignment, header, capacity) can wrap.
+      if (it.bytes > format::kMaxPayloadBytes)
+        return InvalidArgument(
+            fmt::format("put item {}: {} bytes > the object limit of {}", i, it.bytes, format::kMaxPayloadBytes));
       KVTIER_RETURN_IF_ERROR(
           format::check_payload_size(options_, it.bytes).with_context(fmt::format("put item {}", i)));
     }

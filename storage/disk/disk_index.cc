@@ -211,15 +211,23 @@ Status DiskBackend::check_object_file(const std::string& path, const StorageKey&
   }
   if (!h.ok()) return h.status().code() == StatusCode::kOutOfRange ? DataLoss(h.status().message()) : h.status();
   KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, key));
-  if (static_cast<std::uint64_t>(sb.st_size) < h->header_size + h->payload_bytes)
-    return DataLoss(fmt::format("file of {} bytes shorter than header {} + payload {}", sb.st_size, h->header_size,
-                                h->payload_bytes));
+  KVTIER_RETURN_IF_ERROR(format::check_object_size(*h, static_cast<std::uint64_t>(sb.st_size), false));
   if (config_.verify_payload_on_open) {
-    std::vector<std::byte> payload(h->payload_bytes);
-    if (::pread(fd.get(), payload.data(), payload.size(), h->header_size) != static_cast<ssize_t>(payload.size()))
-      return DataLoss("short payload read");
+    // Through a fixed buffer: the payload may be far larger than what memory allows at once.
+    constexpr std::uint64_t kChunk = std::uint64_t{1} << 20;
+    AlignedBuf chunk = alloc_aligned(kChunk);
+    if (!chunk) return ResourceExhausted("out of memory for the payload check");
     std::vector<std::byte> hcopy(hdr, hdr + h->header_size);
-    KVTIER_RETURN_IF_ERROR(format::verify_object(hcopy.data(), *h, payload.data()));
+    format::ObjectVerifier v(hcopy.data(), *h);
+    for (std::uint64_t off = 0; off < h->payload_bytes;) {
+      const std::uint64_t len = std::min(kChunk, h->payload_bytes - off);
+      const ssize_t r = ::pread(fd.get(), chunk.get(), len, static_cast<off_t>(h->header_size + off));
+      if (r <= 0)
+        return DataLoss(fmt::format("payload read at {}: {}", off, r < 0 ? errno_text(errno) : "end of file"));
+      v.update(chunk.get(), static_cast<std::size_t>(r));
+      off += static_cast<std::uint64_t>(r);
+    }
+    KVTIER_RETURN_IF_ERROR(v.finish());
   }
   last_header_size_ = h->header_size;
   last_payload_bytes_ = h->payload_bytes;

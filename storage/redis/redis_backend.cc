@@ -552,9 +552,7 @@ class RedisBackend final : public StorageBackend {
     auto h = format::decode_header(data, len);
     if (!h.ok()) return DataLoss(h.status().message());
     KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, w.item.key));
-    if (h->header_size + h->payload_bytes != len)
-      return DataLoss(
-          fmt::format("value of {} bytes != header {} + payload {}", len, h->header_size, h->payload_bytes));
+    KVTIER_RETURN_IF_ERROR(format::check_object_size(*h, len, true));
     KVTIER_RETURN_IF_ERROR(format::verify_object(data, *h, data + h->header_size));
     if (h->payload_bytes > w.item.bytes)
       return InvalidArgument(fmt::format("get {}: object of {} bytes > destination capacity {}", w.item.key.to_string(),

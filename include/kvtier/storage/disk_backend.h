@@ -17,6 +17,8 @@
 // partial object. At start the index is rebuilt by scanning the shards:
 // incoming/ is emptied, every object's header is decoded and checked (key,
 // namespace, layout, sizes, header checksum); bad ones go to quarantine.
+// Every size field is bounded by the format's limits and by the file's size
+// before it is used, so a crafted header is quarantined like a damaged one.
 // Payload checksums are verified on every get.
 //
 // Recycling: files of deleted, evicted and replaced objects go to free/ (at

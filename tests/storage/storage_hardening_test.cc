@@ -1,0 +1,209 @@
+// Hostile and unlucky input to the disk tier: objects crafted with a valid header checksum but
+// impossible sizes, files that are not regular files under an object's name. Each must end as a
+// quarantined object and a miss, never as an abort, a wedged I/O thread or bytes served.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvtier/storage/disk_backend.h"
+#include "storage/object_format.h"
+#include "storage/storage_test_util.h"
+
+namespace kvtier::storage {
+namespace {
+
+using testing::AlignedBuffer;
+using testing::fill_random;
+using testing::key_of;
+using testing::TempDir;
+
+constexpr std::size_t kOffFlags = 10, kOffHeaderSize = 12, kOffNumRoles = 52, kOffPayload = 56, kOffHeaderChecksum = 64,
+                      kOffChecksum = 72;
+
+template <typename T>
+void put_le(std::byte* p, T v) {
+  for (std::size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+template <typename T>
+T get_le(const std::byte* p) {
+  T v = 0;
+  for (std::size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<std::uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+// Recomputes the unkeyed header checksum (object_format.h), as an attacker who knows the format would.
+void reseal(std::byte* hdr, std::size_t len) {
+  const std::size_t hs = std::min<std::size_t>(get_le<std::uint32_t>(hdr + kOffHeaderSize), len);
+  if (hs < format::kFixedHeaderBytes) return;
+  std::vector<std::byte> copy(hdr, hdr + hs);
+  std::memset(copy.data() + kOffHeaderChecksum, 0, 8);
+  put_le<std::uint64_t>(hdr + kOffHeaderChecksum, XXH3_64bits(copy.data(), hs));
+}
+
+std::string read_file(const std::string& path) {
+  std::string s;
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return s;
+  char buf[65536];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, n);
+  std::fclose(f);
+  return s;
+}
+
+void write_file(const std::string& path, const std::string& s) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr) << path;
+  ASSERT_EQ(std::fwrite(s.data(), 1, s.size(), f), s.size());
+  std::fclose(f);
+}
+
+class DiskHardening : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_.root = dir_.path();
+    config_.durability = Durability::kProcessCrash;
+    options_.ns = "hardening";
+    ns_dir_ = fmt::format("{}/{:016x}-{:016x}", dir_.path(), format::namespace_digest(options_.ns), 0);
+  }
+  std::string object_path(const StorageKey& k) const {
+    return fmt::format("{}/{:02x}/{}.kvo", ns_dir_, k.digest[0], k.to_string());
+  }
+  // Stores `n` objects of 8 KiB with keys key_of(salt, i) and closes the backend.
+  void store(int n, std::uint64_t salt = 7) {
+    auto b = create_disk_backend(config_, options_);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    AlignedBuffer v(8192);
+    for (int i = 0; i < n; ++i) {
+      fill_random(v.data(), v.size(), salt + i);
+      auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(salt, i), v.data(), v.size()}}});
+      ASSERT_TRUE(r.ok() && (*r)[0].status.ok());
+    }
+  }
+  // Rewrites the header of the stored object of `k` through `edit`, then reseals its checksum.
+  template <typename F>
+  void craft(const StorageKey& k, F edit) {
+    std::string s = read_file(object_path(k));
+    ASSERT_GE(s.size(), 4096u);
+    auto* h = reinterpret_cast<std::byte*>(s.data());
+    edit(h);
+    reseal(h, s.size());
+    write_file(object_path(k), s);
+  }
+  Status get(StorageBackend& b, const StorageKey& k, AlignedBuffer& dst) {
+    auto r = run_batch(b, StorageBatch{StorageOp::kGet, {{k, dst.data(), dst.size()}}}, std::chrono::seconds(10));
+    if (!r.ok()) return r.status();
+    return (*r)[0].status;
+  }
+
+  TempDir dir_;
+  DiskBackendConfig config_;
+  StorageOptions options_;
+  std::string ns_dir_;
+};
+
+// Payload sizes that no file can hold, that wrap header + payload, or that exceed the format's
+// limit: every one is quarantined at the index rebuild, with and without payload verification.
+TEST_F(DiskHardening, ImpossibleSizesAreQuarantinedAtRebuild) {
+  const std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  // kMax and kMax - 4000: header + payload wraps to less than the file size.
+  const std::vector<std::uint64_t> payloads = {kMax, kMax - 4000, std::uint64_t{1} << 41, 8192 + 1};
+  for (bool verify : {true, false}) {
+    SCOPED_TRACE(verify ? "verify_payload_on_open" : "defaults");
+    TempDir::remove_tree(ns_dir_);
+    config_.verify_payload_on_open = verify;
+    store(static_cast<int>(payloads.size()) + 1);
+    for (std::size_t i = 0; i < payloads.size(); ++i)
+      craft(key_of(7, i), [&](std::byte* h) { put_le<std::uint64_t>(h + kOffPayload, payloads[i]); });
+    auto b = create_disk_backend(config_, options_);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    const StorageStats st = (*b)->stats();
+    EXPECT_EQ(st.objects, 1u);
+    EXPECT_EQ(st.quarantined, payloads.size());
+    EXPECT_EQ(st.bytes, 4096u + 8192u);  // capacity accounting holds only the healthy object
+    AlignedBuffer dst(8192);
+    for (std::size_t i = 0; i < payloads.size(); ++i) {
+      auto e = run_batch(**b, StorageBatch{StorageOp::kExists, {{key_of(7, i), nullptr, 0}}});
+      ASSERT_TRUE(e.ok());
+      EXPECT_EQ((*e)[0].status.code(), StatusCode::kNotFound) << "payload " << payloads[i];
+      EXPECT_EQ(get(**b, key_of(7, i), dst).code(), StatusCode::kNotFound) << "payload " << payloads[i];
+    }
+    AlignedBuffer want(8192);
+    fill_random(want.data(), want.size(), 7 + payloads.size());
+    ASSERT_TRUE(get(**b, key_of(7, payloads.size()), dst).ok());
+    EXPECT_EQ(std::memcmp(dst.data(), want.data(), 8192), 0);
+  }
+}
+
+// Header sizes and role tables out of bounds: larger than the file, past the format's limit, a
+// role whose end wraps.
+TEST_F(DiskHardening, ImpossibleHeaderFieldsAreQuarantinedAtRebuild) {
+  config_.verify_payload_on_open = true;
+  store(4);
+  craft(key_of(7, 0), [](std::byte* h) { put_le<std::uint32_t>(h + kOffHeaderSize, 0xfffffff8u); });
+  craft(key_of(7, 1), [](std::byte* h) {
+    // A role table of 100 entries in a 4096-byte header, the last one wrapping.
+    put_le<std::uint32_t>(h + kOffNumRoles, 100);
+    std::byte* e = h + format::kFixedHeaderBytes + 99 * format::kRoleEntryBytes;
+    put_le<std::uint64_t>(e + 8, std::numeric_limits<std::uint64_t>::max());
+    put_le<std::uint64_t>(e + 16, 2);
+  });
+  craft(key_of(7, 2), [](std::byte* h) { put_le<std::uint32_t>(h + kOffHeaderSize, 12 * 4096); });
+  auto b = create_disk_backend(config_, options_);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ((*b)->stats().objects, 1u);
+  EXPECT_EQ((*b)->stats().quarantined, 3u);
+  AlignedBuffer dst(8192);
+  EXPECT_TRUE(get(**b, key_of(7, 3), dst).ok());
+}
+
+// Sizes whose sum with the header wraps below the stored length: the parser rejects them before
+// any check that adds them (the disk's "file at least header + payload", the Redis value length).
+TEST(ObjectFormatBounds, SizesThatWrapAreDataLoss) {
+  StorageOptions o;
+  const std::uint32_t hs = format::header_bytes(o, 8);
+  std::vector<std::byte> value(hs + 100);
+  ASSERT_TRUE(format::encode_header(o, 1, key_of(1, 1), value.data() + hs, 100, hs, value.data()).ok());
+  ASSERT_TRUE(format::decode_header(value.data(), value.size()).ok());
+  const std::uint64_t wrapping = std::numeric_limits<std::uint64_t>::max() - hs + 50;  // hs + it == 49
+  put_le<std::uint64_t>(value.data() + kOffPayload, wrapping);
+  reseal(value.data(), value.size());
+  EXPECT_EQ(format::decode_header(value.data(), value.size()).status().code(), StatusCode::kDataLoss);
+  format::ObjectHeader h;
+  h.header_size = hs;
+  h.payload_bytes = wrapping;
+  EXPECT_EQ(format::check_object_size(h, value.size(), true).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(format::check_object_size(h, value.size(), false).code(), StatusCode::kDataLoss);
+  h.payload_bytes = 100;
+  EXPECT_TRUE(format::check_object_size(h, value.size(), true).ok());
+  EXPECT_EQ(format::check_object_size(h, value.size() + 1, true).code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(format::check_object_size(h, value.size() + 1, false).ok());
+  EXPECT_EQ(format::check_object_size(h, value.size() - 1, false).code(), StatusCode::kDataLoss);
+}
+
+// A put whose size would wrap the disk's alignment arithmetic is refused at post().
+TEST_F(DiskHardening, HugePutIsRefused) {
+  auto b = create_disk_backend(config_, options_);
+  ASSERT_TRUE(b.ok());
+  AlignedBuffer v(4096);
+  for (std::uint64_t bytes : {std::numeric_limits<std::uint64_t>::max(), std::uint64_t{0} - 4096}) {
+    auto t = (*b)->post(StorageBatch{StorageOp::kPut, {{key_of(3, 1), v.data(), bytes}}});
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << bytes;
+  }
+  EXPECT_EQ((*b)->stats().objects, 0u);
+}
+
+}  // namespace
+}  // namespace kvtier::storage
