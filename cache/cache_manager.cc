@@ -79,8 +79,50 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
 
 MatchResult CacheManager::match(std::span<const BlockKey> keys) const { return impl_->match_nodes(keys, nullptr); }
 
+namespace {
+
+// Keys of one request are a hash chain: no key repeats, and every indexed key sits right below the
+// previous one (a request's first key below the root). Anything else would pin, load or index one
+// block twice.
+Status check_chain(const CacheManager::Impl& s, std::span<const BlockKey> keys) {
+  if (keys.size() > 1) {
+    std::vector<std::pair<BlockKey, std::size_t>> sorted;
+    sorted.reserve(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) sorted.emplace_back(keys[i], i);
+    std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+      return a.first.hi != b.first.hi   ? a.first.hi < b.first.hi
+             : a.first.lo != b.first.lo ? a.first.lo < b.first.lo
+                                        : a.second < b.second;
+    });
+    for (std::size_t i = 1; i < sorted.size(); ++i)
+      if (sorted[i].first == sorted[i - 1].first)
+        return InvalidArgument(fmt::format("admit: key {} repeats (positions {} and {}): keys must form a hash chain",
+                                           sorted[i].first.hex(), sorted[i - 1].second, sorted[i].second));
+  }
+  NodeId prev = CacheManager::Impl::kRoot;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    NodeId found = s.map.find(keys[i]);
+    if (found != kNoNode && s.nodes[found].parent != prev) {
+      if (i == 0)
+        return InvalidArgument(fmt::format(
+            "admit: first key {} is indexed below another block, not at a request's start: keys must form a hash "
+            "chain",
+            keys[i].hex()));
+      return InvalidArgument(fmt::format(
+          "admit: key {} (position {}) is indexed below another block than key {} (position {}): keys must form a "
+          "hash chain",
+          keys[i].hex(), i, keys[i - 1].hex(), i - 1));
+    }
+    prev = found;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks) {
   Impl& s = *impl_;
+  KVTIER_RETURN_IF_ERROR(check_chain(s, keys));
   ++s.clock;
   ++s.st.admissions;
   std::vector<NodeId> matched;
@@ -88,20 +130,37 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
   const std::uint32_t hits = m.device_blocks + m.host_blocks;
   matched.resize(hits);  // storage hits are recomputed here (prefetch() brings them to host)
   const std::uint32_t num_keys = static_cast<std::uint32_t>(keys.size());
-  const std::uint32_t need = m.host_blocks + (num_keys - hits) + extra_blocks;
-  if (need > s.pools[kDev].capacity()) {
+  const std::uint64_t need64 = std::uint64_t{m.host_blocks} + (keys.size() - hits) + extra_blocks;
+  if (need64 > s.pools[kDev].capacity()) {
     ++s.st.admission_failures;
     return ResourceExhausted(
-        fmt::format("admission needs {} device blocks, the device tier has {}", need, s.pools[kDev].capacity()));
+        fmt::format("admission needs {} device blocks, the device tier has {}", need64, s.pools[kDev].capacity()));
   }
+  const auto need = static_cast<std::uint32_t>(need64);
   for (NodeId id : matched) ++s.nodes[id].refs;
-  if (!s.ensure_device_free(need)) {
-    for (NodeId id : matched) {
-      --s.nodes[id].refs;
+  auto unpin = [&] {
+    for (NodeId id : matched) --s.nodes[id].refs;
+  };
+  // Transactional: nothing is evicted unless enough can be, so a failed admission leaves the index,
+  // the pools and the policies as they were.
+  const std::uint32_t free_now = s.pools[kDev].num_free();
+  if (free_now < need) {
+    const std::uint32_t reclaimable = s.reclaimable_device_blocks(need - free_now);
+    if (free_now + reclaimable < need) {
+      unpin();
+      ++s.st.admission_failures;
+      return ResourceExhausted(fmt::format(
+          "admission needs {} free device blocks: {} free, {} more evictable (the rest pinned or in flight)", need,
+          free_now, reclaimable));
     }
+  }
+  if (!s.ensure_device_free(need)) {
+    unpin();
     ++s.st.admission_failures;
-    return ResourceExhausted(fmt::format("admission needs {} free device blocks, {} free and nothing more evictable",
-                                         need, s.pools[kDev].num_free()));
+    return ResourceExhausted(fmt::format(
+        "admission needs {} free device blocks, {} free: the evictable ones wait for host blocks (in flight or "
+        "being written to storage)",
+        need, s.pools[kDev].num_free()));
   }
   AdmissionRec rec;
   rec.keys.assign(keys.begin(), keys.end());
@@ -308,6 +367,8 @@ StepPlan CacheManager::take_plan() {
   s.plan = StepPlan{};
   return out;
 }
+
+std::uint32_t CacheManager::reclaimable_device_blocks() const { return impl_->reclaimable_device_blocks(UINT32_MAX); }
 
 CacheStats CacheManager::stats() const {
   const Impl& s = *impl_;

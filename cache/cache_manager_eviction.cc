@@ -236,6 +236,27 @@ bool CacheManager::Impl::ensure_device_free(std::uint32_t need) {
   return ok;
 }
 
+std::uint32_t CacheManager::Impl::reclaimable_device_blocks(std::uint32_t enough) const {
+  // A pinned or in-flight block on (or bound for) the device keeps every device block above it.
+  std::vector<std::uint8_t>& blocked = blocked_scratch;
+  blocked.assign(nodes.size(), 0);
+  for (NodeId id = 1; id < nodes.size(); ++id) {
+    const Node& n = nodes[id];
+    if (!n.live || n.detached) continue;
+    const bool on_device = (n.present & bit(kDev)) || eventual_tier(n) == kDev;
+    if (!on_device || (n.refs == 0 && n.state == NodeState::kSettled)) continue;
+    for (NodeId x = id; x != kNoNode && x != kRoot && !blocked[x]; x = nodes[x].parent) blocked[x] = 1;
+  }
+  std::uint32_t count = 0;
+  for (NodeId id = 1; id < nodes.size() && count < enough; ++id) {
+    const Node& n = nodes[id];
+    if (n.live && !n.detached && !blocked[id] && (n.present & bit(kDev)) && n.state == NodeState::kSettled &&
+        n.refs == 0)
+      ++count;
+  }
+  return count;
+}
+
 // Host eviction for watermarks: drop or demote to storage.
 bool CacheManager::Impl::evict_one_host_background() {
   std::vector<NodeId> skipped;

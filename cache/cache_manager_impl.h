@@ -259,6 +259,11 @@ struct CacheManager::Impl {
   void evict_to_host(NodeId v, BlockId hb);
   bool evict_one_device();
   bool ensure_device_free(std::uint32_t need);
+  // Device blocks that evictions could free now, by the policy-independent definition: settled,
+  // unpinned device copies with no pinned or in-flight device block below them (leaves, or
+  // leaves once their device subtree went). O(nodes). Counting stops at `enough`.
+  std::uint32_t reclaimable_device_blocks(std::uint32_t enough) const;
+  mutable std::vector<std::uint8_t> blocked_scratch;
   bool evict_one_host_background();
   void store_through(NodeId id);
   void backup(NodeId id);
@@ -268,10 +273,13 @@ struct CacheManager::Impl {
   MatchResult match_nodes(std::span<const BlockKey> keys, std::vector<NodeId>* out) const {
     MatchResult r;
     int phase = kDev;
+    NodeId parent = kRoot;
     for (const BlockKey& k : keys) {
       NodeId found = map.find(k);
       if (found == kNoNode) break;
       const Node& n = nodes[found];
+      if (n.parent != parent) break;  // not the chain below the previous key (admit() rejects such keys)
+      parent = found;
       int t = lowest_tier(n.present);
       // A host-only block being written to storage is servable in place, but a load would have
       // to change its state under the write: treat it as in flight.

@@ -158,9 +158,9 @@ class S3FifoPolicy final : public EvictionPolicy {
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
     // Each step moves one node; two full passes plus the frequency decay bound the work.
     std::size_t budget = 8 * (lists_.size(kSmall) + lists_.size(kMain)) + 8;
-    // Zero-frequency main nodes passed over as not evictable. Once a whole queue's worth went by,
-    // main holds nothing evictable for this call (frequencies only fall here): take from small even
-    // below its target, or the small queue's evictable nodes would never be found.
+    // Zero-frequency main nodes passed over as not evictable, in a row. Once a whole queue's worth
+    // went by, main holds nothing evictable for this call (frequencies only fall here): take from
+    // small even below its target, or the small queue's evictable nodes would never be found.
     std::size_t main_skipped = 0;
     while (budget-- > 0) {
       if (lists_.size(kSmall) == 0 && lists_.size(kMain) == 0) return kNoNode;
@@ -181,6 +181,7 @@ class S3FifoPolicy final : public EvictionPolicy {
         NodeId t = lists_.tail(kMain);
         if (freq_[t] > 0) {
           --freq_[t];
+          main_skipped = 0;  // a node that may still be evictable comes round again
           lists_.move_head(kMain, t);
         } else if (evictable(t)) {
           return t;

@@ -352,5 +352,97 @@ TEST(CacheManager, ConfigValidation) {
                })).ok());
 }
 
+// A failed admission changes nothing: the case of a 10-block device holding 8 cached blocks,
+// 2 of them pinned, asked for 9 new blocks. A twin cache that never saw the failed admission must
+// then behave identically (same matches, same plans: the policy state is the same too).
+class FailedAdmission : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FailedAdmission, LeavesIndexPoolsAndPolicyAsTheyWere) {
+  auto cfg = testing::with(testing::config(10), [](CacheConfig& c) { c.device_policy = GetParam(); });
+  auto c = make_cache(cfg), twin = make_cache(cfg);
+  const auto cached = path({1, 2, 3, 4, 5, 6, 7, 8});
+  for (CacheManager* m : {c.get(), twin.get()}) {
+    run_request(*m, cached);
+    run_request(*m, path({1, 2, 3}));  // touches: the policies' order is not insertion order
+  }
+  const auto pinned_keys = std::vector<BlockKey>(cached.begin(), cached.begin() + 2);
+  auto pin = c->admit(pinned_keys);
+  auto twin_pin = twin->admit(pinned_keys);
+  ASSERT_TRUE(pin.ok() && twin_pin.ok());
+  const CacheStats before = c->stats();
+  EXPECT_EQ(c->reclaimable_device_blocks(), 6u);
+  auto big = c->admit(path({100, 101, 102, 103, 104, 105, 106, 107, 108}));
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted) << big.status().to_string();
+  EXPECT_NE(big.status().message().find("6 more evictable"), std::string::npos) << big.status().to_string();
+  EXPECT_EQ(c->match(cached).device_blocks, 8u) << "the cached prefix must survive a failed admission";
+  EXPECT_EQ(c->stats().tiers[0].used, before.tiers[0].used);
+  EXPECT_EQ(c->stats().tiers[0].resident, before.tiers[0].resident);
+  EXPECT_EQ(c->stats().drops_device, before.drops_device);
+  EXPECT_TRUE(c->take_plan().empty());
+  EXPECT_INVARIANTS(*c);
+  // From here on both caches see the same requests and must make the same choices.
+  ASSERT_TRUE(c->release(pin->id).ok());
+  ASSERT_TRUE(twin->release(twin_pin->id).ok());
+  for (std::uint64_t r = 0; r < 12; ++r) {
+    auto keys = path({1, 2, 200 + r, 300 + r});
+    Admission a = run_request(*c, keys), b = run_request(*twin, keys);
+    EXPECT_EQ(a.device_hit_blocks, b.device_hit_blocks) << "request " << r;
+    EXPECT_EQ(a.device_blocks, b.device_blocks) << "request " << r;
+    EXPECT_EQ(c->match(cached).device_blocks, twin->match(cached).device_blocks) << "request " << r;
+  }
+  EXPECT_INVARIANTS(*c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, FailedAdmission, ::testing::Values("lru", "s3fifo", "arc", "lrfu"));
+
+// Keys that are not a hash chain are rejected before anything is pinned, loaded or allocated. A
+// repeated key on the host once queued two loads of one block and leaked a device block.
+TEST(CacheManager, AdmitRejectsKeysThatAreNotAHashChain) {
+  auto c = make_cache(testing::config(4, 8));
+  const auto a = path({1});
+  const auto chain = path({1, 2, 3});
+  run_request(*c, a);
+  run_request(*c, path({5, 6, 7, 8}));  // pushes `a` to host
+  ASSERT_EQ(c->match(a).host_blocks, 1u);
+  const CacheStats before = c->stats();
+  struct Case {
+    std::vector<BlockKey> keys;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {{a[0], a[0]}, "repeats (positions 0 and 1)"},
+      {{chain[0], chain[1], chain[0]}, "repeats (positions 0 and 2)"},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    auto r = c->admit(cases[i].keys);
+    ASSERT_FALSE(r.ok()) << "case " << i;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_NE(r.status().message().find(cases[i].says), std::string::npos) << r.status().to_string();
+    EXPECT_NE(r.status().message().find("hash chain"), std::string::npos) << r.status().to_string();
+    EXPECT_TRUE(c->take_plan().empty()) << "case " << i;
+    EXPECT_EQ(c->stats().tiers[0].used, before.tiers[0].used) << "case " << i;
+    EXPECT_EQ(c->stats().tiers[1].used, before.tiers[1].used) << "case " << i;
+    EXPECT_INVARIANTS(*c);
+  }
+  run_request(*c, chain);
+  // chain[1] is indexed below chain[0]: as a first key, or after another key, it is not a chain.
+  for (const std::vector<BlockKey>& keys : {std::vector<BlockKey>{chain[1]}, std::vector<BlockKey>{a[0], chain[2]},
+                                            std::vector<BlockKey>{chain[0], chain[2]}}) {
+    auto r = c->admit(keys);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_NE(r.status().message().find(keys[keys.size() - 1].hex()), std::string::npos) << r.status().to_string();
+    EXPECT_INVARIANTS(*c);
+  }
+  // match() never follows an indexed key that is not below the previous one.
+  EXPECT_EQ(c->match(std::vector<BlockKey>{chain[0], chain[2]}).total(), 1u);
+  EXPECT_EQ(c->match(std::vector<BlockKey>{chain[1]}).total(), 0u);
+  auto ok = c->admit(chain);
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  ASSERT_TRUE(c->release(ok->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
 }  // namespace
 }  // namespace kvtier::cache

@@ -117,6 +117,10 @@ TEST(Policy, EveryPolicyFindsTheOnlyEvictableNodes) {
     }
     EXPECT_EQ(p->victim(only_new), kNoNode) << name;
     EXPECT_EQ(p->size(), 20u) << name;
+    // The one evictable node was hit often: passes over the others must not give up before its
+    // frequency has decayed.
+    for (int i = 0; i < 3; ++i) p->touch(3, at(70 + i, &k[3]));
+    EXPECT_EQ(p->victim([](NodeId n) { return n == 3; }), 3u) << name;
   }
 }
 

@@ -85,7 +85,12 @@ void run_scenario(const Scenario& sc, int steps) {
     std::string what = fmt::format("op {}", op);
     if (op < 4) {  // admit
       std::size_t pi = rng() % keys.size();
-      auto a = c->admit(keys[pi], static_cast<std::uint32_t>(rng() % 2));
+      const auto extra = static_cast<std::uint32_t>(rng() % 2);
+      const MatchResult before_match = c->match(keys[pi]);
+      const CacheStats before = c->stats();
+      std::vector<MatchResult> before_all;
+      for (const auto& k : keys) before_all.push_back(c->match(k));
+      auto a = c->admit(keys[pi], extra);
       if (a.ok()) {
         live[a->id] = pi;
         ++admitted;
@@ -93,6 +98,36 @@ void run_scenario(const Scenario& sc, int steps) {
       } else {
         ASSERT_EQ(a.status().code(), StatusCode::kResourceExhausted) << a.status().to_string();
         ++failed_admissions;
+        // Only when nothing more is evictable by the policy-independent definition (settled,
+        // unpinned, nothing pinned or in flight below), counting the request's own device hits,
+        // which the admission pins. The documented exception: evictable blocks that must move to
+        // a host tier with no block now (all pinned or in flight, or, write-back with a storage
+        // tier, being written to storage).
+        const CacheStats after = c->stats();
+        const std::uint64_t need = keys[pi].size() - before_match.device_blocks + extra;
+        const std::uint64_t free_now = before.tiers[0].capacity - before.tiers[0].used;
+        const bool write_back_down =
+            sc.cfg.write_policy == WritePolicy::kWriteBack && sc.cfg.storage_blocks > 0 && sc.cfg.host_blocks > 0;
+        const bool host_short =
+            write_back_down || (before.tiers[1].capacity > 0 && before.tiers[1].used == before.tiers[1].capacity);
+        if (!host_short) {
+          const std::uint64_t reclaimable = c->reclaimable_device_blocks();
+          ASSERT_LT(free_now + reclaimable, need + before_match.device_blocks)
+              << "step " << step << ": " << a.status().to_string() << " while " << reclaimable
+              << " device blocks are evictable (policy " << sc.cfg.device_policy << ")";
+          // And then it changed nothing.
+          ASSERT_EQ(after.tiers[0].used, before.tiers[0].used) << "step " << step;
+          ASSERT_EQ(after.tiers[1].used, before.tiers[1].used) << "step " << step;
+          ASSERT_EQ(after.evictions_d2h + after.drops_device + after.drops_host + after.storage_writes,
+                    before.evictions_d2h + before.drops_device + before.drops_host + before.storage_writes)
+              << "step " << step;
+          for (std::size_t k = 0; k < keys.size(); ++k) {
+            const MatchResult m = c->match(keys[k]);
+            ASSERT_EQ(m.device_ids, before_all[k].device_ids) << "step " << step << " path " << k;
+            ASSERT_EQ(m.host_ids, before_all[k].host_ids) << "step " << step << " path " << k;
+            ASSERT_EQ(m.storage_ids, before_all[k].storage_ids) << "step " << step << " path " << k;
+          }
+        }
       }
     } else if (op < 6 && !live.empty()) {  // commit some or all
       auto it = live.begin();

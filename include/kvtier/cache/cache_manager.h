@@ -185,11 +185,18 @@ class CacheManager {
 
   // Matches, pins the matched blocks, allocates device blocks for host hits
   // (queued as loads), for the keys to compute and for `extra_blocks`
-  // unkeyed blocks, evicting as needed. ResourceExhausted (nothing changed)
-  // when the device cannot hold them. Write-back with a storage tier: also
-  // when device blocks that must move to host wait for host blocks that are
-  // being written to storage (CacheStats::pressure_demotions grew): retry
-  // after the plan's storage writes are acked.
+  // unkeyed blocks, evicting as needed. `keys` must be a hash chain (one
+  // request's keys in order): a repeated key, or a key indexed below another
+  // block than the previous key, is InvalidArgument (nothing changed).
+  // ResourceExhausted when free plus evictable device blocks (settled,
+  // unpinned, nothing pinned or in flight below them) are fewer than needed:
+  // checked before anything is evicted, so the index, the pools and the
+  // policies are as they were. Otherwise evictions run and succeed, except
+  // when the evictable blocks must move to a host tier that has no block now
+  // (every host block pinned or in flight, or, write-back with a storage
+  // tier, being written to storage: CacheStats::pressure_demotions grew);
+  // then the evictions and demotions queued so far stay queued (blocks moved
+  // down a tier, or dropped) and a retry after the plan's acks can succeed.
   Result<Admission> admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks = 0);
 
   // After the forward pass: the first `num_computed` keys of the admission
@@ -222,6 +229,9 @@ class CacheManager {
   Status ack_plan(const StepPlan& plan, const Status& status);
 
   CacheStats stats() const;
+  // Device blocks that evictions could free now, whatever the policy: settled, unpinned device copies
+  // with nothing pinned or in flight on the device below them (the bound admit() checks). O(nodes).
+  std::uint32_t reclaimable_device_blocks() const;
   // Internal, O(nodes): tree links, tier order, in-flight bookkeeping, pool ownership, reference counts.
   Status check_invariants() const;
 
