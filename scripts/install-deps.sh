@@ -7,6 +7,7 @@ PKGS=(build-essential cmake ninja-build pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev
       libfmt-dev libcli11-dev nlohmann-json3-dev
       liburing-dev libhiredis-dev libxxhash-dev libnuma-dev
+      libucx-dev ucx-utils
       redis-server redis-tools
       python3 python3-venv python3-dev)
 missing=()

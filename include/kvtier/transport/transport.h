@@ -1,0 +1,184 @@
+// Transport: one-sided block transfers between kvtier instances (agents), on the model of NIXL's nixlAgent.
+//
+// Model.
+//   - An agent registers memory regions (device memory reachable by the backend, or pinned host memory) and
+//     exports an opaque metadata blob: its identity (name, layout fingerprint, tensor-parallel size and rank,
+//     kvtier transport version), its regions (base, size, kind, the backend's remote key) and the backend's
+//     connection address, with a checksum. Blobs travel out of band (a file, a side channel, a test pipe).
+//   - load_peer() checks a peer's blob against the local identity: another layout fingerprint, tensor-parallel
+//     size, transport version or backend is refused (kFailedPrecondition) with a message naming both values, and a
+//     damaged blob is kDataLoss. Nothing is connected on refusal.
+//   - post() starts a READ (remote -> local) or WRITE (local -> remote) of a list of (local, remote) descriptor
+//     pairs, with a notification message that the peer receives after every byte of the transfer is visible
+//     there (WRITE) or has been read (READ). Lists of unequal length, descriptors outside their region, unknown
+//     regions or peers and mismatched pair lengths are refused before anything is posted, naming the bad index.
+//   - poll() / wait(deadline) report the transfer's state. Completion callbacks do not exist; polling is the API.
+//   - Notifications arrive in the order the peer sent them. Besides messages there are negative notifications:
+//     kAborted (the initiator aborted a transfer it had posted: some bytes may have landed, none are valid) and
+//     kFailedToPost (the initiator's post failed after validation: nothing usable landed). Their text is the
+//     transfer's notification message, so the receiver can match them to what it waits for.
+//
+// Quiescence rule (the one rule callers must follow). A transfer is quiescent when no operation of it can still
+// touch local or remote memory: every backend request has completed, successfully or not. Memory of a transfer
+// that is not quiescent must not return to any pool: release() and deregister_memory() refuse
+// (kFailedPrecondition) until it is. A failed or aborted transfer may stay non-quiescent for a while (requests
+// still in the backend); its blocks must be treated as invalid forever (fail closed), never as loaded. A wait
+// that times out reports kTimedOut and leaves the transfer in flight: its outcome is unknown, so the same rule
+// applies. Destroying a transport cancels what is in flight and waits (bounded) until the backend has let go.
+//
+// Thread-safety: every method may be called from any thread. Nothing blocks except wait() and
+// wait_notification(), each up to its deadline; post() returns once the operations are queued.
+//
+// Errors: kInvalidArgument / kOutOfRange (bad descriptors, blob, region), kNotFound (unknown transfer, peer,
+// region), kFailedPrecondition (refused peer, not quiescent), kUnavailable (peer unreachable or dead),
+// kAborted (aborted transfer), kTimedOut (deadline), kDataLoss (damaged blob), kInternal (backend error).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvtier/core/layout.h"
+#include "kvtier/core/status.h"
+
+namespace kvtier::transport {
+
+// Version of the blob format and of the wire protocol built on it; peers must agree.
+inline constexpr std::uint32_t kTransportVersion = 1;
+
+enum class XferOp : std::uint8_t { kRead, kWrite };
+std::string_view xfer_op_name(XferOp op) noexcept;
+
+enum class XferState : std::uint8_t {
+  kInProgress,  // operations in the backend
+  kDone,        // every byte moved; the notification was handed to the backend
+  kFailed,      // some operation failed or the transfer was aborted: the bytes are invalid
+};
+std::string_view xfer_state_name(XferState state) noexcept;
+
+enum class NotifKind : std::uint8_t { kMessage, kAborted, kFailedToPost };
+std::string_view notif_kind_name(NotifKind kind) noexcept;
+
+// Who an agent is. Two agents exchange blocks only when fingerprint, tp_size and version match.
+struct AgentIdentity {
+  std::string name;  // unique among the agents that talk to each other
+  std::uint64_t layout_fingerprint = 0;
+  std::uint32_t tp_size = 1;
+  std::uint32_t tp_rank = 0;
+};
+
+struct MemoryRegion {
+  MemoryKind kind = MemoryKind::kPinnedHost;
+  int device_ordinal = 0;
+  void* base = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+using RegionId = std::uint32_t;
+using PeerId = std::uint32_t;
+using XferId = std::uint64_t;
+
+// [offset, offset + bytes) of a local region.
+struct LocalDesc {
+  RegionId region = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+// [offset, offset + bytes) of the peer's region number `region` (its index in the peer's blob).
+struct RemoteDesc {
+  std::uint32_t region = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+
+struct RegionInfo {
+  MemoryKind kind = MemoryKind::kPinnedHost;
+  std::uint64_t bytes = 0;
+};
+
+struct PeerInfo {
+  AgentIdentity identity;
+  std::uint32_t version = 0;
+  std::string backend;
+  std::vector<RegionInfo> regions;  // indexed by RemoteDesc::region
+};
+
+struct Notification {
+  std::string peer;  // the sender's agent name
+  NotifKind kind = NotifKind::kMessage;
+  std::string message;
+};
+
+struct XferStatus {
+  XferState state = XferState::kInProgress;
+  bool quiescent = false;  // see the quiescence rule
+  Status error;            // why it failed (OK otherwise)
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual std::string_view backend_name() const noexcept = 0;
+  virtual const AgentIdentity& identity() const noexcept = 0;
+
+  // Regions are numbered in registration order; that number is their index in the blob. A region must not
+  // overlap another one of this agent.
+  virtual Result<RegionId> register_memory(const MemoryRegion& region) = 0;
+  // kFailedPrecondition while a transfer that is not quiescent uses it. Blobs exported before stay stale:
+  // peers that loaded them must not address it (the backend refuses where it can).
+  virtual Status deregister_memory(RegionId region) = 0;
+
+  virtual Result<std::vector<std::byte>> export_metadata() = 0;
+  virtual Result<PeerId> load_peer(std::span<const std::byte> blob) = 0;
+  virtual Result<PeerInfo> peer_info(PeerId peer) const = 0;
+
+  virtual Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local,
+                              std::span<const RemoteDesc> remote, std::string notification) = 0;
+  virtual Result<XferStatus> poll(XferId xfer) = 0;
+  // Until the transfer is no longer in progress or the timeout passes (then kTimedOut, the transfer stays).
+  virtual Result<XferStatus> wait(XferId xfer, std::chrono::nanoseconds timeout) = 0;
+  // Fails the transfer (kAborted), cancels what the backend can cancel and sends kAborted to the peer. The
+  // transfer becomes quiescent once the backend has let go of every request (poll to see it).
+  virtual Status abort(XferId xfer) = 0;
+  // Forgets a finished, quiescent transfer; kFailedPrecondition otherwise.
+  virtual Status release(XferId xfer) = 0;
+
+  // A message outside any transfer (control traffic). Delivered in order with the transfers' notifications.
+  virtual Status send_notification(PeerId peer, std::string message) = 0;
+  // Notifications received since the last call, in arrival order; never blocks.
+  virtual std::vector<Notification> take_notifications() = 0;
+  // Blocks until at least one notification is queued (then returns them all) or the timeout passes
+  // (kTimedOut).
+  virtual Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) = 0;
+};
+
+// ---- backends ----------------------------------------------------------------------------------------------
+
+// In-process loopback: agents of one process find each other by name; transfers are memcpy on a worker thread
+// of the initiator. The test double of the conformance suite; its fault knobs make outcomes deterministic.
+struct LoopbackOptions {
+  // Each operation (one descriptor pair) sleeps this long before its copy: keeps transfers in flight.
+  std::chrono::microseconds op_delay{0};
+  // Called by every post() after validation; a non-OK status makes that post fail as the backend would
+  // (the transfer fails, the peer gets kFailedToPost).
+  std::function<Status(XferOp)> post_fault;
+};
+Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options = {});
+
+// UCX (ucp): RMA put/get with rkeys packed into the blob, active messages for notifications, a progress thread.
+struct UcxOptions {
+  // UCX_TLS for this agent's context ("tcp", "shm", "tcp,self", ...); empty: UCX's default (or the environment).
+  std::string tls;
+  // UCX_NET_DEVICES ("lo" for TCP over loopback); empty: UCX's default.
+  std::string net_devices;
+};
+Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options = {});
+
+}  // namespace kvtier::transport

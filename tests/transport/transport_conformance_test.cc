@@ -1,0 +1,385 @@
+// One conformance suite for every Transport backend: loopback (the test double), UCX over TCP on 127.0.0.1 and
+// UCX over shared memory. Two agents live in this process; each UCX agent has its own context and worker.
+// Deterministic fault cases (operations held in flight, failed posts) use the loopback's knobs and run only there.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "kvtier/transport/transport.h"
+#include "transport/transport_base.h"
+
+namespace kvtier::transport {
+namespace {
+
+using namespace std::chrono_literals;
+
+enum class Kind { kLoopback, kUcxTcp, kUcxShm };
+
+std::string kind_name(Kind k) {
+  switch (k) {
+    case Kind::kLoopback: return "loopback";
+    case Kind::kUcxTcp: return "ucx_tcp";
+    case Kind::kUcxShm: return "ucx_shm";
+  }
+  return "?";
+}
+
+int g_agent_seq = 0;
+
+AgentIdentity ident(std::string base, std::uint64_t fp = 0xabcdef, std::uint32_t tp_size = 1) {
+  return AgentIdentity{fmt::format("{}-{}", base, ++g_agent_seq), fp, tp_size, 0};
+}
+
+Result<std::unique_ptr<Transport>> make(Kind kind, AgentIdentity id, LoopbackOptions lo = {}) {
+  switch (kind) {
+    case Kind::kLoopback: return create_loopback_transport(std::move(id), std::move(lo));
+    case Kind::kUcxTcp: return create_ucx_transport(std::move(id), UcxOptions{"tcp", "lo"});
+    case Kind::kUcxShm: return create_ucx_transport(std::move(id), UcxOptions{"shm", ""});
+  }
+  return Internal("kind");
+}
+
+std::vector<std::byte> random_bytes(std::size_t n, std::uint32_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::byte> v(n);
+  for (auto& b : v) b = static_cast<std::byte>(rng());
+  return v;
+}
+
+// Two connected agents, a (initiator) and b, each with one region of `bytes`.
+struct Pair {
+  std::unique_ptr<Transport> a, b;
+  std::vector<std::byte> mem_a, mem_b;
+  RegionId ra = 0, rb = 0;
+  PeerId a_sees_b = 0, b_sees_a = 0;
+};
+
+void connect(Kind kind, Pair& p, std::size_t bytes, LoopbackOptions lo = {}) {
+  auto a = make(kind, ident("a"), lo);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  auto b = make(kind, ident("b"));
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  p.a = std::move(a).value();
+  p.b = std::move(b).value();
+  p.mem_a = random_bytes(bytes, 1);
+  p.mem_b.assign(bytes, std::byte{0x5a});
+  auto ra = p.a->register_memory({MemoryKind::kPinnedHost, 0, p.mem_a.data(), bytes});
+  auto rb = p.b->register_memory({MemoryKind::kPinnedHost, 0, p.mem_b.data(), bytes});
+  ASSERT_TRUE(ra.ok() && rb.ok());
+  p.ra = *ra;
+  p.rb = *rb;
+  auto blob_a = p.a->export_metadata();
+  auto blob_b = p.b->export_metadata();
+  ASSERT_TRUE(blob_a.ok() && blob_b.ok());
+  auto pb = p.a->load_peer(*blob_b);
+  ASSERT_TRUE(pb.ok()) << pb.status().to_string();
+  auto pa = p.b->load_peer(*blob_a);
+  ASSERT_TRUE(pa.ok()) << pa.status().to_string();
+  p.a_sees_b = *pb;
+  p.b_sees_a = *pa;
+}
+
+// Waits until `t` has received a notification with `message` (others are kept in `seen`).
+Result<Notification> await_notification(Transport& t, const std::string& message, std::vector<Notification>& seen,
+                                        std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    for (auto it = seen.begin(); it != seen.end(); ++it)
+      if (it->message == message) {
+        Notification n = *it;
+        seen.erase(it);
+        return n;
+      }
+    const auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= 0s) return TimedOut("no notification " + message);
+    auto got = t.wait_notifications(left);
+    if (!got.ok()) return got.status();
+    for (auto& n : *got) seen.push_back(std::move(n));
+  }
+}
+
+Status await_quiescent(Transport& t, XferId x, std::chrono::milliseconds timeout = 10s) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto st = t.poll(x);
+    if (!st.ok()) return st.status();
+    if (st->quiescent) return Status::Ok();
+    std::this_thread::sleep_for(1ms);
+  }
+  return TimedOut("not quiescent");
+}
+
+class TransportConformance : public ::testing::TestWithParam<Kind> {};
+
+TEST_P(TransportConformance, WriteLandsBeforeItsNotification) {
+  Pair p;
+  connect(GetParam(), p, 1 << 20);
+  // Pairs of several sizes at scattered offsets, including a 1-byte one and a 256 KiB one.
+  std::vector<LocalDesc> l = {{p.ra, 0, 4096}, {p.ra, 100000, 1}, {p.ra, 300000, 262144}, {p.ra, 4096, 777}};
+  std::vector<RemoteDesc> r = {{0, 500000, 4096}, {0, 7, 1}, {0, 600000, 262144}, {0, 8192, 777}};
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "w1");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  std::vector<Notification> seen;
+  auto n = await_notification(*p.b, "w1", seen);
+  ASSERT_TRUE(n.ok()) << n.status().to_string();
+  EXPECT_EQ(n->kind, NotifKind::kMessage);
+  EXPECT_EQ(n->peer, p.a->identity().name);
+  // Checked at the notification's arrival: the bytes must already be there.
+  std::vector<std::byte> model(p.mem_b.size(), std::byte{0x5a});
+  for (std::size_t i = 0; i < l.size(); ++i) std::memcpy(&model[r[i].offset], &p.mem_a[l[i].offset], l[i].bytes);
+  EXPECT_TRUE(model == p.mem_b);
+  auto st = p.a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  ASSERT_TRUE(await_quiescent(*p.a, *x).ok());
+  EXPECT_TRUE(p.a->release(*x).ok());
+  EXPECT_EQ(p.a->poll(*x).status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(TransportConformance, ReadIsByteExactAndNotifiesTheSource) {
+  Pair p;
+  connect(GetParam(), p, 1 << 20);
+  // b reads from a: b's local is its own region, the remote is a's region 0.
+  std::vector<LocalDesc> l = {{p.rb, 0, 65536}, {p.rb, 200000, 3}, {p.rb, 400000, 131072}};
+  std::vector<RemoteDesc> r = {{0, 1000, 65536}, {0, 999999, 3}, {0, 0, 131072}};
+  auto x = p.b->post(XferOp::kRead, p.b_sees_a, l, r, "r1");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  auto st = p.b->wait(*x, 10s);
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  std::vector<std::byte> model(p.mem_b.size(), std::byte{0x5a});
+  for (std::size_t i = 0; i < l.size(); ++i) std::memcpy(&model[l[i].offset], &p.mem_a[r[i].offset], l[i].bytes);
+  EXPECT_TRUE(model == p.mem_b);
+  std::vector<Notification> seen;
+  auto n = await_notification(*p.a, "r1", seen);
+  ASSERT_TRUE(n.ok()) << n.status().to_string();
+  EXPECT_EQ(n->peer, p.b->identity().name);
+}
+
+TEST_P(TransportConformance, ManyTransfersEachNotifyOnceAndBareMessagesKeepTheirOrder) {
+  Pair p;
+  connect(GetParam(), p, 1 << 20);
+  std::vector<XferId> xs;
+  for (int i = 0; i < 32; ++i) {
+    LocalDesc l{p.ra, static_cast<std::uint64_t>(i) * 16384, 16384};
+    RemoteDesc r{0, static_cast<std::uint64_t>(31 - i) * 16384, 16384};
+    auto x = p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, fmt::format("t{}", i));
+    ASSERT_TRUE(x.ok());
+    xs.push_back(*x);
+  }
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(p.a->send_notification(p.a_sees_b, fmt::format("m{}", i)).ok());
+  std::vector<Notification> seen;
+  for (int i = 0; i < 32; ++i) ASSERT_TRUE(await_notification(*p.b, fmt::format("t{}", i), seen).ok()) << i;
+  std::vector<std::string> bare;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (bare.size() < 8 && std::chrono::steady_clock::now() < deadline) {
+    for (auto& n : seen)
+      if (n.message[0] == 'm') bare.push_back(n.message);
+    seen.clear();
+    if (bare.size() < 8) {
+      auto got = p.b->wait_notifications(100ms);
+      if (got.ok()) seen = *got;
+    }
+  }
+  ASSERT_EQ(bare.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(bare[i], fmt::format("m{}", i));
+  for (XferId x : xs) {
+    auto st = p.a->wait(x, 10s);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->state, XferState::kDone);
+  }
+  for (int i = 0; i < 32; ++i)
+    EXPECT_EQ(0, std::memcmp(&p.mem_b[static_cast<std::size_t>(31 - i) * 16384],
+                             &p.mem_a[static_cast<std::size_t>(i) * 16384], 16384));
+  // No transfer notified twice.
+  EXPECT_TRUE(p.b->take_notifications().empty());
+}
+
+TEST_P(TransportConformance, BadDescriptorListsAreRefusedBeforeAnythingIsPosted) {
+  Pair p;
+  connect(GetParam(), p, 65536);
+  const auto before = p.mem_b;
+  auto expect = [&](std::vector<LocalDesc> l, std::vector<RemoteDesc> r, StatusCode code, std::string_view words) {
+    auto x = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "bad");
+    ASSERT_FALSE(x.ok());
+    EXPECT_EQ(x.status().code(), code) << x.status().to_string();
+    EXPECT_NE(x.status().message().find(words), std::string::npos) << x.status().to_string();
+  };
+  // Unequal lengths; the good pairs before the bad one must not be posted either.
+  expect({{p.ra, 0, 8}, {p.ra, 8, 8}}, {{0, 0, 8}}, StatusCode::kInvalidArgument, "2 entries, remote list 1");
+  expect({{p.ra, 0, 8}, {p.ra, 65530, 8}}, {{0, 0, 8}, {0, 8, 8}}, StatusCode::kOutOfRange, "descriptor 1: local");
+  expect({{p.ra, 0, 8}, {p.ra, 8, 8}}, {{0, 0, 8}, {0, 65536, 8}}, StatusCode::kOutOfRange, "descriptor 1: remote");
+  expect({{p.ra, 0, 8}}, {{1, 0, 8}}, StatusCode::kOutOfRange, "remote region 1");
+  expect({{p.ra + 7, 0, 8}}, {{0, 0, 8}}, StatusCode::kNotFound, "local region");
+  expect({{p.ra, 0, 8}}, {{0, 0, 9}}, StatusCode::kInvalidArgument, "local 8 bytes != remote 9");
+  expect({}, {}, StatusCode::kInvalidArgument, "empty");
+  expect({{p.ra, ~0ull - 3, 8}}, {{0, 0, 8}}, StatusCode::kOutOfRange, "local");
+  EXPECT_EQ(p.a->post(XferOp::kWrite, 9, {}, {}, "x").status().code(), StatusCode::kNotFound);
+  // Nothing landed and no notification came.
+  std::this_thread::sleep_for(20ms);
+  EXPECT_TRUE(p.mem_b == before);
+  EXPECT_TRUE(p.b->take_notifications().empty());
+}
+
+TEST_P(TransportConformance, PeerBlobsOfAnotherLayoutTpSizeOrVersionAreRefusedNamingBothValues) {
+  auto a = make(GetParam(), ident("a", 0x1111, 2));
+  auto other_fp = make(GetParam(), ident("fp", 0x2222, 2));
+  auto other_tp = make(GetParam(), ident("tp", 0x1111, 4));
+  ASSERT_TRUE(a.ok() && other_fp.ok() && other_tp.ok());
+  auto s = (*a)->load_peer(*(*other_fp)->export_metadata());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("0x0000000000002222"), std::string::npos) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("0x0000000000001111"), std::string::npos) << s.status().to_string();
+  s = (*a)->load_peer(*(*other_tp)->export_metadata());
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("size 4 != local"), std::string::npos) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("size 2"), std::string::npos);
+
+  auto good = make(GetParam(), ident("good", 0x1111, 2));
+  ASSERT_TRUE(good.ok());
+  auto blob = (*good)->export_metadata();
+  ASSERT_TRUE(blob.ok());
+  auto decoded = detail::decode_blob(*blob);
+  ASSERT_TRUE(decoded.ok());
+  detail::Blob v2 = *decoded;
+  v2.version = kTransportVersion + 1;
+  s = (*a)->load_peer(detail::encode_blob(v2));
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find(
+                fmt::format("version {} != local version {}", kTransportVersion + 1, kTransportVersion)),
+            std::string::npos)
+      << s.status().to_string();
+  detail::Blob other_backend = *decoded;
+  other_backend.backend = "carrier-pigeon";
+  s = (*a)->load_peer(detail::encode_blob(other_backend));
+  EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.status().message().find("carrier-pigeon"), std::string::npos);
+  auto damaged = *blob;
+  damaged[damaged.size() / 2] ^= std::byte{1};
+  EXPECT_EQ((*a)->load_peer(damaged).status().code(), StatusCode::kDataLoss);
+  std::vector<std::byte> junk(64, std::byte{7});
+  EXPECT_EQ((*a)->load_peer(junk).status().code(), StatusCode::kInvalidArgument);
+  // The refusals connected nothing; the good blob still loads, once.
+  auto ok = (*a)->load_peer(*blob);
+  EXPECT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ((*a)->load_peer(*blob).status().code(), StatusCode::kAlreadyExists);
+  auto info = (*a)->peer_info(*ok);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->identity.tp_size, 2u);
+  EXPECT_EQ(info->backend, (*a)->backend_name());
+}
+
+TEST_P(TransportConformance, RegionsMustNotOverlapAndDeregisterAfterQuiescence) {
+  Pair p;
+  connect(GetParam(), p, 65536);
+  EXPECT_EQ(p.a->register_memory({MemoryKind::kPinnedHost, 0, p.mem_a.data() + 100, 10}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(p.a->register_memory({MemoryKind::kPinnedHost, 0, nullptr, 10}).status().code(),
+            StatusCode::kInvalidArgument);
+  LocalDesc l{p.ra, 0, 65536};
+  RemoteDesc r{0, 0, 65536};
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "q");
+  ASSERT_TRUE(x.ok());
+  ASSERT_TRUE(p.a->wait(*x, 10s).ok());
+  ASSERT_TRUE(await_quiescent(*p.a, *x).ok());
+  EXPECT_TRUE(p.a->deregister_memory(p.ra).ok());
+  EXPECT_EQ(p.a->deregister_memory(p.ra).code(), StatusCode::kNotFound);
+  auto again = p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "q2");
+  EXPECT_EQ(again.status().code(), StatusCode::kNotFound);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance,
+                         ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxShm),
+                         [](const auto& info) { return kind_name(info.param); });
+
+// ---- deterministic fault cases on the loopback -------------------------------------------------------------
+
+TEST(LoopbackFaults, TransferInFlightHoldsItsRegionAndTimesOutAsUnknown) {
+  Pair p;
+  connect(Kind::kLoopback, p, 65536, LoopbackOptions{50ms, {}});
+  std::vector<LocalDesc> l = {{p.ra, 0, 8}, {p.ra, 8, 8}, {p.ra, 16, 8}};
+  std::vector<RemoteDesc> r = {{0, 0, 8}, {0, 8, 8}, {0, 16, 8}};
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "slow");
+  ASSERT_TRUE(x.ok());
+  auto st = p.a->wait(*x, 1ms);
+  EXPECT_EQ(st.status().code(), StatusCode::kTimedOut);
+  EXPECT_EQ(p.a->deregister_memory(p.ra).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p.a->release(*x).code(), StatusCode::kFailedPrecondition);
+  st = p.a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, XferState::kDone);
+  ASSERT_TRUE(await_quiescent(*p.a, *x).ok());
+  EXPECT_TRUE(p.a->release(*x).ok());
+  EXPECT_TRUE(p.a->deregister_memory(p.ra).ok());
+}
+
+TEST(LoopbackFaults, AbortFailsTheTransferSendsAbortedAndIsQuiescentOnlyWhenTheBackendLetsGo) {
+  Pair p;
+  connect(Kind::kLoopback, p, 65536, LoopbackOptions{30ms, {}});
+  std::vector<LocalDesc> l(8);
+  std::vector<RemoteDesc> r(8);
+  for (int i = 0; i < 8; ++i) {
+    l[i] = {p.ra, static_cast<std::uint64_t>(i) * 64, 64};
+    r[i] = {0, static_cast<std::uint64_t>(i) * 64, 64};
+  }
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "xfer-7");
+  ASSERT_TRUE(x.ok());
+  std::this_thread::sleep_for(40ms);
+  ASSERT_TRUE(p.a->abort(*x).ok());
+  auto st = p.a->poll(*x);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, XferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kAborted);
+  std::vector<Notification> seen;
+  auto n = await_notification(*p.b, "xfer-7", seen);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n->kind, NotifKind::kAborted);
+  ASSERT_TRUE(await_quiescent(*p.a, *x).ok());
+  EXPECT_TRUE(p.a->release(*x).ok());
+  // The positive notification never follows the abort.
+  std::this_thread::sleep_for(50ms);
+  for (auto& m : p.b->take_notifications()) EXPECT_NE(m.kind, NotifKind::kMessage) << m.message;
+}
+
+TEST(LoopbackFaults, FailedPostFailsTheTransferAndTellsThePeer) {
+  Pair p;
+  connect(Kind::kLoopback, p, 4096,
+          LoopbackOptions{0us, [](XferOp) { return Unavailable("injected: the NIC is gone"); }});
+  LocalDesc l{p.ra, 0, 64};
+  RemoteDesc r{0, 0, 64};
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "xfer-9");
+  ASSERT_TRUE(x.ok());
+  auto st = p.a->poll(*x);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, XferState::kFailed);
+  EXPECT_TRUE(st->quiescent);
+  EXPECT_NE(st->error.message().find("NIC is gone"), std::string::npos);
+  std::vector<Notification> seen;
+  auto n = await_notification(*p.b, "xfer-9", seen);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n->kind, NotifKind::kFailedToPost);
+  EXPECT_TRUE(std::all_of(p.mem_b.begin(), p.mem_b.end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+}
+
+TEST(LoopbackFaults, APeerThatIsGoneFailsTransfersInsteadOfTouchingItsMemory) {
+  Pair p;
+  connect(Kind::kLoopback, p, 4096);
+  p.b.reset();
+  LocalDesc l{p.ra, 0, 64};
+  RemoteDesc r{0, 0, 64};
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "late");
+  ASSERT_TRUE(x.ok());
+  auto st = p.a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, XferState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kUnavailable);
+  // Later posts are refused outright.
+  EXPECT_EQ(p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "later").status().code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace kvtier::transport

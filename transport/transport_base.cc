@@ -1,0 +1,455 @@
+#include "transport/transport_base.h"
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "kvtier/core/deadline.h"
+
+namespace kvtier::transport {
+
+std::string_view xfer_op_name(XferOp op) noexcept {
+  switch (op) {
+    case XferOp::kRead: return "read";
+    case XferOp::kWrite: return "write";
+  }
+  return "?";
+}
+
+std::string_view xfer_state_name(XferState state) noexcept {
+  switch (state) {
+    case XferState::kInProgress: return "in_progress";
+    case XferState::kDone: return "done";
+    case XferState::kFailed: return "failed";
+  }
+  return "?";
+}
+
+std::string_view notif_kind_name(NotifKind kind) noexcept {
+  switch (kind) {
+    case NotifKind::kMessage: return "message";
+    case NotifKind::kAborted: return "aborted";
+    case NotifKind::kFailedToPost: return "failed_to_post";
+  }
+  return "?";
+}
+
+namespace detail {
+namespace {
+
+constexpr std::uint64_t kBlobMagic = 0x31545250584b564bULL;  // "KVKXPRT1" little-endian
+constexpr std::size_t kMaxString = 1u << 20;
+constexpr std::uint32_t kMaxRegions = 1u << 16;
+
+class Writer {
+ public:
+  void u8(std::uint8_t v) { raw(&v, 1); }
+  void u32(std::uint32_t v) { raw(&v, 4); }
+  void u64(std::uint64_t v) { raw(&v, 8); }
+  void str(std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    raw(s.data(), s.size());
+  }
+  void raw(const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::byte*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  std::vector<std::byte> out;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> in) : in_(in) {}
+  bool u8(std::uint8_t& v) { return raw(&v, 1); }
+  bool u32(std::uint32_t& v) { return raw(&v, 4); }
+  bool u64(std::uint64_t& v) { return raw(&v, 8); }
+  bool str(std::string& s) {
+    std::uint32_t n = 0;
+    if (!u32(n) || n > kMaxString || n > in_.size() - pos_) return false;
+    s.assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
+    pos_ += n;
+    return true;
+  }
+  bool raw(void* p, std::size_t n) {
+    if (n > in_.size() - pos_) return false;
+    std::memcpy(p, in_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  std::size_t pos() const { return pos_; }
+
+ private:
+  std::span<const std::byte> in_;
+  std::size_t pos_ = 0;
+};
+
+}  // namespace
+
+// Layout: u64 magic, u32 version, then the fields, then u64 xxh3 of everything before it.
+std::vector<std::byte> encode_blob(const Blob& blob) {
+  Writer w;
+  w.u64(kBlobMagic);
+  w.u32(blob.version);
+  w.str(blob.backend);
+  w.str(blob.identity.name);
+  w.u64(blob.identity.layout_fingerprint);
+  w.u32(blob.identity.tp_size);
+  w.u32(blob.identity.tp_rank);
+  w.u32(static_cast<std::uint32_t>(blob.regions.size()));
+  for (const auto& r : blob.regions) {
+    w.u8(static_cast<std::uint8_t>(r.kind));
+    w.u64(r.base);
+    w.u64(r.bytes);
+    w.str(r.key);
+  }
+  w.str(blob.address);
+  w.u64(XXH3_64bits(w.out.data(), w.out.size()));
+  return std::move(w.out);
+}
+
+Result<Blob> decode_blob(std::span<const std::byte> bytes) {
+  if (bytes.size() < 20) return InvalidArgument(fmt::format("peer blob of {} bytes is too short", bytes.size()));
+  Reader r(bytes);
+  std::uint64_t magic = 0;
+  (void)r.u64(magic);
+  if (magic != kBlobMagic)
+    return InvalidArgument(fmt::format("peer blob has magic {:#018x}, not a kvtier transport blob", magic));
+  std::uint64_t stored = 0;
+  std::memcpy(&stored, bytes.data() + bytes.size() - 8, 8);
+  const std::uint64_t computed = XXH3_64bits(bytes.data(), bytes.size() - 8);
+  if (stored != computed)
+    return DataLoss(fmt::format("peer blob checksum {:#018x} != computed {:#018x} (damaged blob)", stored, computed));
+  Blob b;
+  (void)r.u32(b.version);
+  if (b.version != kTransportVersion)
+    return FailedPrecondition(
+        fmt::format("peer transport version {} != local version {}", b.version, kTransportVersion));
+  std::uint32_t n = 0;
+  bool ok = r.str(b.backend) && r.str(b.identity.name) && r.u64(b.identity.layout_fingerprint) &&
+            r.u32(b.identity.tp_size) && r.u32(b.identity.tp_rank) && r.u32(n);
+  if (ok && n > kMaxRegions) return InvalidArgument(fmt::format("peer blob lists {} regions (max {})", n, kMaxRegions));
+  for (std::uint32_t i = 0; ok && i < n; ++i) {
+    Blob::Region reg;
+    std::uint8_t kind = 0;
+    ok = r.u8(kind) && r.u64(reg.base) && r.u64(reg.bytes) && r.str(reg.key);
+    if (ok && kind > static_cast<std::uint8_t>(MemoryKind::kPinnedHost))
+      return InvalidArgument(fmt::format("peer blob region {} has memory kind {}", i, kind));
+    reg.kind = static_cast<MemoryKind>(kind);
+    b.regions.push_back(std::move(reg));
+  }
+  ok = ok && r.str(b.address);
+  if (!ok || r.pos() != bytes.size() - 8)
+    return InvalidArgument(fmt::format("peer blob of {} bytes is truncated or malformed", bytes.size()));
+  return b;
+}
+
+Result<RegionId> TransportBase::register_memory(const MemoryRegion& region) {
+  if (region.base == nullptr || region.bytes == 0)
+    return InvalidArgument(
+        fmt::format("memory region base {} bytes {}: base must be non-null and bytes >= 1", region.base, region.bytes));
+  const auto lo = reinterpret_cast<std::uintptr_t>(region.base);
+  if (lo + region.bytes < lo)
+    return OutOfRange(fmt::format("memory region at {} of {} bytes wraps", region.base, region.bytes));
+  RegionId id = 0;
+  {
+    std::lock_guard lock(mu_);
+    for (std::size_t i = 0; i < regions_.size(); ++i) {
+      const auto& r = regions_[i];
+      if (!r.live) continue;
+      const auto rlo = reinterpret_cast<std::uintptr_t>(r.region.base);
+      if (lo < rlo + r.region.bytes && rlo < lo + region.bytes)
+        return InvalidArgument(fmt::format("memory region [{}, +{}) overlaps registered region {} [{}, +{})",
+                                           region.base, region.bytes, i, r.region.base, r.region.bytes));
+    }
+    id = static_cast<RegionId>(regions_.size());
+    regions_.push_back(RegionRec{region, {}, 0, false});
+  }
+  auto key = backend_register(id, region);
+  std::lock_guard lock(mu_);
+  if (!key.ok()) return key.status();
+  regions_[id].key = std::move(key).value();
+  regions_[id].live = true;
+  return id;
+}
+
+Status TransportBase::deregister_memory(RegionId region) {
+  {
+    std::lock_guard lock(mu_);
+    if (region >= regions_.size() || !regions_[region].live)
+      return NotFound(fmt::format("region {} is not registered", region));
+    if (regions_[region].users > 0)
+      return FailedPrecondition(
+          fmt::format("region {} is used by {} transfers that are not quiescent", region, regions_[region].users));
+    regions_[region].live = false;
+  }
+  backend_deregister(region);
+  return Status::Ok();
+}
+
+Result<std::vector<std::byte>> TransportBase::export_metadata() {
+  KVTIER_ASSIGN_OR_RETURN(std::string address, backend_address());
+  Blob b;
+  b.version = kTransportVersion;
+  b.backend = std::string(backend_name());
+  b.identity = identity_;
+  b.address = std::move(address);
+  std::lock_guard lock(mu_);
+  for (const auto& r : regions_) {
+    // Deregistered regions keep their index (peers address regions by index) with zero bytes.
+    b.regions.push_back(Blob::Region{r.region.kind, reinterpret_cast<std::uint64_t>(r.region.base),
+                                     r.live ? r.region.bytes : 0, r.live ? r.key : std::string()});
+  }
+  return encode_blob(b);
+}
+
+Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
+  KVTIER_ASSIGN_OR_RETURN(Blob b, decode_blob(bytes));
+  const AgentIdentity& peer = b.identity;
+  if (b.backend != backend_name())
+    return FailedPrecondition(fmt::format("peer '{}' uses transport backend '{}', local '{}' uses '{}'", peer.name,
+                                          b.backend, identity_.name, backend_name()));
+  if (peer.layout_fingerprint != identity_.layout_fingerprint)
+    return FailedPrecondition(fmt::format("peer '{}' layout fingerprint {:#018x} != local '{}' fingerprint {:#018x}",
+                                          peer.name, peer.layout_fingerprint, identity_.name,
+                                          identity_.layout_fingerprint));
+  if (peer.tp_size != identity_.tp_size)
+    return FailedPrecondition(fmt::format("peer '{}' tensor-parallel size {} != local '{}' tensor-parallel size {}",
+                                          peer.name, peer.tp_size, identity_.name, identity_.tp_size));
+  if (peer.tp_rank >= peer.tp_size)
+    return InvalidArgument(
+        fmt::format("peer '{}' tensor-parallel rank {} >= its size {}", peer.name, peer.tp_rank, peer.tp_size));
+  if (peer.name == identity_.name)
+    return InvalidArgument(fmt::format("peer blob names this agent itself ('{}')", peer.name));
+  PeerId id = 0;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& p : peers_)
+      if (p.info.identity.name == peer.name)
+        return AlreadyExists(fmt::format("peer '{}' is already loaded", peer.name));
+    id = static_cast<PeerId>(peers_.size());
+    PeerRec rec;
+    rec.info.identity = peer;
+    rec.info.version = b.version;
+    rec.info.backend = b.backend;
+    for (const auto& r : b.regions) rec.info.regions.push_back(RegionInfo{r.kind, r.bytes});
+    rec.regions = b.regions;
+    rec.failed = Unavailable(fmt::format("peer '{}' is still connecting", peer.name));
+    peers_.push_back(std::move(rec));
+  }
+  Status s = backend_connect(id, b);
+  std::lock_guard lock(mu_);
+  // A refused connection leaves a failed record, so the peer's index stays stable for the backend.
+  peers_[id].failed = s.ok() ? Status::Ok() : s;
+  if (!s.ok()) {
+    peers_[id].info.identity.name += " (failed)";
+    return s;
+  }
+  return id;
+}
+
+Result<PeerInfo> TransportBase::peer_info(PeerId peer) const {
+  std::lock_guard lock(mu_);
+  if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+  return peers_[peer].info;
+}
+
+Result<XferId> TransportBase::post(XferOp op, PeerId peer, std::span<const LocalDesc> local,
+                                   std::span<const RemoteDesc> remote, std::string notification) {
+  std::vector<ResolvedOp> ops;
+  XferId id = 0;
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+    const PeerRec& p = peers_[peer];
+    if (!p.failed.ok()) return p.failed;
+    if (local.size() != remote.size())
+      return InvalidArgument(fmt::format("local descriptor list has {} entries, remote list {}: they must be equal",
+                                         local.size(), remote.size()));
+    if (local.empty()) return InvalidArgument("descriptor lists are empty");
+    ops.reserve(local.size());
+    std::set<RegionId> used;
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      const LocalDesc& l = local[i];
+      const RemoteDesc& r = remote[i];
+      if (l.bytes == 0) return InvalidArgument(fmt::format("descriptor {}: 0 bytes", i));
+      if (l.bytes != r.bytes)
+        return InvalidArgument(fmt::format("descriptor {}: local {} bytes != remote {} bytes", i, l.bytes, r.bytes));
+      if (l.region >= regions_.size() || !regions_[l.region].live)
+        return NotFound(fmt::format("descriptor {}: local region {} is not registered", i, l.region));
+      const RegionRec& lr = regions_[l.region];
+      if (l.offset > lr.region.bytes || l.bytes > lr.region.bytes - l.offset)
+        return OutOfRange(fmt::format("descriptor {}: local [{}, +{}) outside region {} of {} bytes", i, l.offset,
+                                      l.bytes, l.region, lr.region.bytes));
+      if (r.region >= p.regions.size())
+        return OutOfRange(fmt::format("descriptor {}: remote region {} >= peer '{}' regions {}", i, r.region,
+                                      p.info.identity.name, p.regions.size()));
+      const Blob::Region& rr = p.regions[r.region];
+      if (r.offset > rr.bytes || r.bytes > rr.bytes - r.offset)
+        return OutOfRange(fmt::format("descriptor {}: remote [{}, +{}) outside peer '{}' region {} of {} bytes", i,
+                                      r.offset, r.bytes, p.info.identity.name, r.region, rr.bytes));
+      ops.push_back(
+          ResolvedOp{static_cast<std::byte*>(lr.region.base) + l.offset, rr.base + r.offset, r.region, l.bytes});
+      used.insert(l.region);
+    }
+    id = next_xfer_++;
+    XferRec rec;
+    rec.op = op;
+    rec.peer = peer;
+    rec.regions.assign(used.begin(), used.end());
+    rec.notification = notification;
+    for (RegionId u : rec.regions) ++regions_[u].users;
+    xfers_.emplace(id, std::move(rec));
+  }
+  Status s = backend_post(id, op, peer, std::move(ops), notification);
+  if (!s.ok()) {
+    // Nothing was started: the transfer fails at once and is quiescent; the peer hears of it.
+    finish_xfer(id, s);
+    set_quiescent(id);
+    backend_send(peer, NotifKind::kFailedToPost, std::move(notification)).ignore_error();
+  }
+  return id;
+}
+
+Result<XferStatus> TransportBase::poll(XferId xfer) {
+  std::lock_guard lock(mu_);
+  auto it = xfers_.find(xfer);
+  if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", xfer));
+  return it->second.status;
+}
+
+Result<XferStatus> TransportBase::wait(XferId xfer, std::chrono::nanoseconds timeout) {
+  const auto deadline = deadline_after(timeout);
+  std::unique_lock lock(mu_);
+  for (;;) {
+    auto it = xfers_.find(xfer);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", xfer));
+    if (it->second.status.state != XferState::kInProgress) return it->second.status;
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && std::chrono::steady_clock::now() >= deadline) {
+      it = xfers_.find(xfer);
+      if (it != xfers_.end() && it->second.status.state != XferState::kInProgress) return it->second.status;
+      return TimedOut(fmt::format("transfer {} still in progress after {} ms (outcome unknown)", xfer,
+                                  std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
+    }
+  }
+}
+
+Status TransportBase::abort(XferId xfer) {
+  PeerId peer = 0;
+  std::string notification;
+  {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(xfer);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", xfer));
+    if (it->second.status.state != XferState::kInProgress) return Status::Ok();
+    it->second.status.state = XferState::kFailed;
+    it->second.status.error = Aborted(fmt::format("transfer {} was aborted", xfer));
+    peer = it->second.peer;
+    notification = it->second.notification;
+    cv_.notify_all();
+  }
+  backend_abort(xfer);
+  return backend_send(peer, NotifKind::kAborted, std::move(notification));
+}
+
+Status TransportBase::release(XferId xfer) {
+  std::lock_guard lock(mu_);
+  auto it = xfers_.find(xfer);
+  if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", xfer));
+  const XferStatus& st = it->second.status;
+  if (st.state == XferState::kInProgress || !st.quiescent)
+    return FailedPrecondition(fmt::format("transfer {} is {}{}: not quiescent", xfer, xfer_state_name(st.state),
+                                          st.quiescent ? "" : " with requests in the backend"));
+  xfers_.erase(it);
+  return Status::Ok();
+}
+
+Status TransportBase::send_notification(PeerId peer, std::string message) {
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+    if (!peers_[peer].failed.ok()) return peers_[peer].failed;
+  }
+  return backend_send(peer, NotifKind::kMessage, std::move(message));
+}
+
+std::vector<Notification> TransportBase::take_notifications() {
+  std::lock_guard lock(mu_);
+  std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
+  inbox_.clear();
+  return out;
+}
+
+Result<std::vector<Notification>> TransportBase::wait_notifications(std::chrono::nanoseconds timeout) {
+  const auto deadline = deadline_after(timeout);
+  std::unique_lock lock(mu_);
+  if (!cv_.wait_until(lock, deadline, [&] { return !inbox_.empty(); }))
+    return TimedOut(fmt::format("no notification within {} ms",
+                                std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
+  std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
+  inbox_.clear();
+  return out;
+}
+
+void TransportBase::finish_xfer(XferId id, Status status) {
+  std::lock_guard lock(mu_);
+  auto it = xfers_.find(id);
+  if (it == xfers_.end()) return;
+  XferStatus& st = it->second.status;
+  if (st.state != XferState::kInProgress) return;  // aborted meanwhile: stays failed
+  st.state = status.ok() ? XferState::kDone : XferState::kFailed;
+  st.error = std::move(status);
+  cv_.notify_all();
+}
+
+void TransportBase::set_quiescent(XferId id) {
+  std::lock_guard lock(mu_);
+  auto it = xfers_.find(id);
+  if (it == xfers_.end() || it->second.status.quiescent) return;
+  XferStatus& st = it->second.status;
+  if (st.state == XferState::kInProgress) {
+    // Requests are gone but no outcome was reported: fail closed.
+    st.state = XferState::kFailed;
+    st.error = Internal(fmt::format("transfer {} ended without an outcome", id));
+  }
+  st.quiescent = true;
+  for (RegionId r : it->second.regions) --regions_[r].users;
+  cv_.notify_all();
+}
+
+void TransportBase::deliver(Notification n) {
+  std::lock_guard lock(mu_);
+  inbox_.push_back(std::move(n));
+  cv_.notify_all();
+}
+
+void TransportBase::mark_peer_failed(PeerId peer, Status why) {
+  std::lock_guard lock(mu_);
+  if (peer < peers_.size() && peers_[peer].failed.ok()) peers_[peer].failed = std::move(why);
+}
+
+bool TransportBase::covers(const void* p, std::uint64_t bytes) const {
+  const auto lo = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard lock(mu_);
+  for (const auto& r : regions_) {
+    if (!r.live) continue;
+    const auto rlo = reinterpret_cast<std::uintptr_t>(r.region.base);
+    if (lo >= rlo && lo - rlo <= r.region.bytes && bytes <= r.region.bytes - (lo - rlo)) return true;
+  }
+  return false;
+}
+
+bool TransportBase::wait_all_quiescent(std::chrono::nanoseconds timeout) {
+  const auto deadline = deadline_after(timeout);
+  std::unique_lock lock(mu_);
+  return cv_.wait_until(lock, deadline, [&] {
+    for (const auto& [id, x] : xfers_)
+      if (!x.status.quiescent) return false;
+    return true;
+  });
+}
+
+}  // namespace detail
+}  // namespace kvtier::transport

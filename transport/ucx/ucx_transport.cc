@@ -1,0 +1,552 @@
+// UCX (ucp) transport backend.
+//
+// One ucp context and worker per agent (features RMA + AM; the lanes are UCX's choice within UcxOptions::tls),
+// used in UCS_THREAD_MODE_SERIALIZED under ucx_mu_: every ucp call, and every callback (they run inside
+// ucp_worker_progress), happens with ucx_mu_ held. A progress thread drives the worker: it spins while
+// requests are outstanding and otherwise sleeps on the worker's event fd (TCP needs the target's progress to
+// serve RMA, so the passive side must progress too).
+//
+// Transfer: per descriptor pair ucp_put_nbx / ucp_get_nbx with the peer's rkey for that region, then
+// ucp_ep_flush_nbx: its completion proves remote completion of every put (and local completion of every get).
+// Only then is the notification sent (an eager active message: header {kind, sender name}, data the message),
+// so the peer never sees it before the bytes. The transfer's outcome is set when the flush and the message
+// have completed, and it is quiescent when every request of it has completed. A failed request fails the
+// transfer; if the failure happened while posting, the peer gets kFailedToPost.
+//
+// Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER where the lanes support it (TCP; not shared memory,
+// where the endpoint is created without it); the error callback marks the peer failed (later posts are
+// refused); its outstanding requests complete with errors, which fails their transfers.
+#include <fmt/format.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <list>
+#include <thread>
+
+#include "kvtier/core/log.h"
+#include "transport/transport_base.h"
+
+namespace kvtier::transport {
+namespace {
+
+constexpr unsigned kAmId = 0x4b56;  // "KV"
+
+Status ucs_error(std::string_view what, ucs_status_t st) {
+  return Internal(fmt::format("{}: {}", what, ucs_status_string(st)));
+}
+
+// Status of a failed request, by what the caller should do.
+Status request_error(std::string_view what, ucs_status_t st) {
+  switch (st) {
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_REJECTED: return Unavailable(fmt::format("{}: {}", what, ucs_status_string(st)));
+    case UCS_ERR_CANCELED: return Aborted(fmt::format("{}: {}", what, ucs_status_string(st)));
+    default: return Internal(fmt::format("{}: {}", what, ucs_status_string(st)));
+  }
+}
+
+class UcxTransport;
+
+// One transfer's requests. Owned by UcxTransport::pending_ (under ucx_mu_).
+struct Pending {
+  UcxTransport* self = nullptr;
+  XferId id = 0;
+  PeerId peer = 0;
+  int outstanding = 0;  // requests not completed
+  bool posting = true;  // still inside backend_post
+  bool flushed = false;
+  bool notified = false;  // the message send completed (or was not needed)
+  bool notify_started = false;
+  bool outcome_set = false;
+  Status error;
+  std::string header;
+  std::string message;
+  std::vector<void*> requests;  // for cancellation (completed ones are removed)
+};
+
+// A bare message in flight: its buffers live until the send completes.
+struct SendBuf {
+  UcxTransport* self = nullptr;
+  std::string header;
+  std::string message;
+  std::list<SendBuf>::iterator pos;
+};
+
+struct UcxPeer {
+  ucp_ep_h ep = nullptr;
+  std::vector<ucp_rkey_h> rkeys;  // by peer region index (null for empty keys)
+  std::string name;
+  bool failed = false;
+};
+
+class UcxTransport final : public detail::TransportBase {
+ public:
+  UcxTransport(AgentIdentity identity, UcxOptions options)
+      : TransportBase(std::move(identity)), options_(std::move(options)) {}
+
+  Status start() {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) return ucs_error("ucp_config_read", st);
+    if (!options_.tls.empty() && (st = ucp_config_modify(config, "TLS", options_.tls.c_str())) != UCS_OK) {
+      ucp_config_release(config);
+      return InvalidArgument(fmt::format("UCX TLS '{}': {}", options_.tls, ucs_status_string(st)));
+    }
+    if (!options_.net_devices.empty() &&
+        (st = ucp_config_modify(config, "NET_DEVICES", options_.net_devices.c_str())) != UCS_OK) {
+      ucp_config_release(config);
+      return InvalidArgument(fmt::format("UCX NET_DEVICES '{}': {}", options_.net_devices, ucs_status_string(st)));
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return ucs_error(fmt::format("ucp_init (TLS '{}')", options_.tls), st);
+
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+    if ((st = ucp_worker_create(context_, &wp, &worker_)) != UCS_OK) return ucs_error("ucp_worker_create", st);
+    if ((st = ucp_worker_get_efd(worker_, &efd_)) != UCS_OK) return ucs_error("ucp_worker_get_efd", st);
+
+    ucp_am_handler_param_t hp{};
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = kAmId;
+    hp.cb = &UcxTransport::on_am;
+    hp.arg = this;
+    if ((st = ucp_worker_set_am_recv_handler(worker_, &hp)) != UCS_OK)
+      return ucs_error("ucp_worker_set_am_recv_handler", st);
+
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    if ((st = ucp_worker_query(worker_, &attr)) != UCS_OK) return ucs_error("ucp_worker_query", st);
+    address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+    ucp_worker_release_address(worker_, attr.address);
+
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) return Internal(fmt::format("eventfd: {}", std::strerror(errno)));
+    try {
+      progress_ = std::thread([this] { progress_loop(); });
+    } catch (const std::exception& e) {
+      return Internal(fmt::format("UCX progress thread: {}", e.what()));
+    }
+    return Status::Ok();
+  }
+
+  ~UcxTransport() override {
+    // Cancel what is in flight and close every endpoint (forced: the peer may be dead), then wait, bounded,
+    // for the requests to be released before the memory they use is unmapped.
+    if (worker_ != nullptr) {
+      std::vector<void*> closing;
+      {
+        std::lock_guard lock(ucx_mu_);
+        for (auto& [id, p] : pending_)
+          for (void* r : p->requests) ucp_request_cancel(worker_, r);
+        for (auto& peer : peers_) {
+          if (!peer || peer->ep == nullptr) continue;
+          for (ucp_rkey_h k : peer->rkeys)
+            if (k != nullptr) ucp_rkey_destroy(k);
+          peer->rkeys.clear();
+          ucp_request_param_t p{};
+          p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+          p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+          ucs_status_ptr_t r = ucp_ep_close_nbx(peer->ep, &p);
+          if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+          peer->ep = nullptr;
+        }
+      }
+      wake();
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+      for (void* r : closing) {
+        for (;;) {
+          std::lock_guard lock(ucx_mu_);
+          if (ucp_request_check_status(r) != UCS_INPROGRESS || std::chrono::steady_clock::now() > deadline) {
+            ucp_request_free(r);
+            break;
+          }
+          ucp_worker_progress(worker_);
+        }
+      }
+      if (!wait_all_quiescent(std::chrono::seconds(5)))
+        log(LogLevel::kWarning, "transport", "UCX transfers still in flight at shutdown after 5 s");
+    }
+    stop_.store(true);
+    wake();
+    if (progress_.joinable()) progress_.join();
+    if (worker_ != nullptr) {
+      std::lock_guard lock(ucx_mu_);
+      for (auto& [id, memh] : memh_)
+        if (memh != nullptr) ucp_mem_unmap(context_, memh);
+      ucp_worker_destroy(worker_);
+    }
+    if (context_ != nullptr) ucp_cleanup(context_);
+    if (wake_fd_ >= 0) close(wake_fd_);
+  }
+
+  std::string_view backend_name() const noexcept override { return "ucx"; }
+
+ protected:
+  Result<std::string> backend_register(RegionId id, const MemoryRegion& region) override {
+    std::lock_guard lock(ucx_mu_);
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = region.base;
+    mp.length = region.bytes;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t st = ucp_mem_map(context_, &mp, &memh);
+    if (st != UCS_OK) return ucs_error(fmt::format("ucp_mem_map of {} bytes at {}", region.bytes, region.base), st);
+    void* rkey = nullptr;
+    size_t rkey_len = 0;
+    if ((st = ucp_rkey_pack(context_, memh, &rkey, &rkey_len)) != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return ucs_error("ucp_rkey_pack", st);
+    }
+    std::string key(static_cast<const char*>(rkey), rkey_len);
+    ucp_rkey_buffer_release(rkey);
+    memh_[id] = memh;
+    return key;
+  }
+
+  void backend_deregister(RegionId id) override {
+    std::lock_guard lock(ucx_mu_);
+    auto it = memh_.find(id);
+    if (it == memh_.end()) return;
+    ucp_mem_unmap(context_, it->second);
+    memh_.erase(it);
+  }
+
+  Result<std::string> backend_address() override { return address_; }
+
+  Status backend_connect(PeerId peer, const detail::Blob& blob) override {
+    std::lock_guard lock(ucx_mu_);
+    if (peers_.size() <= peer) peers_.resize(peer + 1);
+    auto rec = std::make_unique<UcxPeer>();
+    rec->name = blob.identity.name;
+    ucp_ep_params_t ep{};
+    ep.field_mask =
+        UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(blob.address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &UcxTransport::on_ep_error;
+    ep.err_handler.arg = this;
+    if (!options_.tls.empty() && options_.tls.find("tcp") == std::string::npos &&
+        options_.tls.find("all") == std::string::npos)
+      ep.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &rec->ep);
+    if (st == UCS_ERR_UNREACHABLE && (ep.field_mask & UCP_EP_PARAM_FIELD_ERR_HANDLER) != 0) {
+      // Shared-memory lanes have no peer failure handling; there a dead peer is found by the protocol's
+      // leases instead of by the endpoint.
+      ep.field_mask &= ~(UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER);
+      st = ucp_ep_create(worker_, &ep, &rec->ep);
+    }
+    if (st != UCS_OK)
+      return Unavailable(fmt::format("ucp_ep_create to peer '{}': {}", blob.identity.name, ucs_status_string(st)));
+    for (std::size_t i = 0; i < blob.regions.size(); ++i) {
+      ucp_rkey_h k = nullptr;
+      if (!blob.regions[i].key.empty()) {
+        st = ucp_ep_rkey_unpack(rec->ep, blob.regions[i].key.data(), &k);
+        if (st != UCS_OK) {
+          for (ucp_rkey_h r : rec->rkeys)
+            if (r != nullptr) ucp_rkey_destroy(r);
+          close_ep_locked(rec->ep);
+          return InvalidArgument(fmt::format("peer '{}' region {}: rkey does not unpack: {}", blob.identity.name, i,
+                                             ucs_status_string(st)));
+        }
+      }
+      rec->rkeys.push_back(k);
+    }
+    peers_[peer] = std::move(rec);
+    return Status::Ok();
+  }
+
+  Status backend_post(XferId id, XferOp op, PeerId peer, std::vector<detail::ResolvedOp> ops,
+                      std::string notification) override {
+    {
+      std::lock_guard lock(ucx_mu_);
+      UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
+      if (p == nullptr || p->ep == nullptr || p->failed)
+        return Unavailable(fmt::format("peer {} is not connected", peer));
+      auto pend = std::make_unique<Pending>();
+      Pending* pd = pend.get();
+      pd->self = this;
+      pd->id = id;
+      pd->peer = peer;
+      pd->header = make_header(NotifKind::kMessage);
+      pd->message = std::move(notification);
+      pending_.emplace(id, std::move(pend));
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = &UcxTransport::on_op_done;
+      rp.user_data = pd;
+      for (std::size_t i = 0; i < ops.size() && pd->error.ok(); ++i) {
+        const auto& o = ops[i];
+        ucp_rkey_h rkey = o.remote_region < p->rkeys.size() ? p->rkeys[o.remote_region] : nullptr;
+        if (rkey == nullptr) {
+          pd->error = FailedPrecondition(fmt::format("peer '{}' region {} has no rkey", p->name, o.remote_region));
+          break;
+        }
+        ucs_status_ptr_t r = op == XferOp::kWrite ? ucp_put_nbx(p->ep, o.local_ptr, o.bytes, o.remote_addr, rkey, &rp)
+                                                  : ucp_get_nbx(p->ep, o.local_ptr, o.bytes, o.remote_addr, rkey, &rp);
+        track(pd, r, fmt::format("{} {} of {}", xfer_op_name(op), i, ops.size()));
+      }
+      if (pd->error.ok()) {
+        ucp_request_param_t fp = rp;
+        fp.cb.send = &UcxTransport::on_flush_done;
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
+        if (UCS_PTR_IS_PTR(r)) {
+          ++pd->outstanding;
+          pd->requests.push_back(r);
+          outstanding_.fetch_add(1);
+        } else if (UCS_PTR_IS_ERR(r)) {
+          pd->error = request_error("flush", UCS_PTR_STATUS(r));
+        } else {
+          pd->flushed = true;
+        }
+      }
+      const bool failed_to_post = !pd->error.ok();
+      pd->posting = false;
+      if (failed_to_post) send_locked(peer, NotifKind::kFailedToPost, pd->message).ignore_error();
+      advance(pd);
+    }
+    wake();
+    return Status::Ok();
+  }
+
+  Status backend_send(PeerId peer, NotifKind kind, std::string message) override {
+    {
+      std::lock_guard lock(ucx_mu_);
+      KVTIER_RETURN_IF_ERROR(send_locked(peer, kind, std::move(message)));
+    }
+    wake();
+    return Status::Ok();
+  }
+
+  void backend_abort(XferId id) override {
+    std::lock_guard lock(ucx_mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;
+    // RMA requests of most transports cannot be cancelled; those that can complete with UCS_ERR_CANCELED.
+    for (void* r : it->second->requests) ucp_request_cancel(worker_, r);
+  }
+
+ private:
+  std::string make_header(NotifKind kind) const {
+    std::string h(1, static_cast<char>(kind));
+    h += identity().name;
+    return h;
+  }
+
+  void track(Pending* pd, ucs_status_ptr_t r, std::string what) {
+    if (UCS_PTR_IS_PTR(r)) {
+      ++pd->outstanding;
+      pd->requests.push_back(r);
+      outstanding_.fetch_add(1);
+    } else if (UCS_PTR_IS_ERR(r)) {
+      pd->error = request_error(what, UCS_PTR_STATUS(r));
+    }
+  }
+
+  Status send_locked(PeerId peer, NotifKind kind, std::string message) {
+    UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
+    if (p == nullptr || p->ep == nullptr || p->failed)
+      return Unavailable(fmt::format("peer {} is not connected", peer));
+    sends_.emplace_back();
+    auto pos = std::prev(sends_.end());
+    SendBuf& b = *pos;
+    b.self = this;
+    b.header = make_header(kind);
+    b.message = std::move(message);
+    b.pos = pos;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.cb.send = &UcxTransport::on_send_done;
+    rp.user_data = &b;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(p->ep, kAmId, b.header.data(), b.header.size(), b.message.data(), b.message.size(), &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      outstanding_.fetch_add(1);
+      return Status::Ok();
+    }
+    sends_.erase(pos);
+    if (UCS_PTR_IS_ERR(r)) return request_error("notification send", UCS_PTR_STATUS(r));
+    return Status::Ok();
+  }
+
+  // Moves a transfer on after a completion (ucx_mu_ held).
+  void advance(Pending* pd) {
+    if (pd->posting) return;
+    if (pd->error.ok() && pd->flushed && pd->outstanding == 0 && !pd->notify_started) {
+      pd->notify_started = true;
+      UcxPeer* p = peers_[pd->peer].get();
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      rp.cb.send = &UcxTransport::on_notify_done;
+      rp.user_data = pd;
+      rp.flags = UCP_AM_SEND_FLAG_EAGER;
+      ucs_status_ptr_t r = p->ep == nullptr ? UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED)
+                                            : ucp_am_send_nbx(p->ep, kAmId, pd->header.data(), pd->header.size(),
+                                                              pd->message.data(), pd->message.size(), &rp);
+      if (UCS_PTR_IS_PTR(r)) {
+        ++pd->outstanding;
+        pd->requests.push_back(r);
+        outstanding_.fetch_add(1);
+      } else if (UCS_PTR_IS_ERR(r)) {
+        pd->error = request_error("notification", UCS_PTR_STATUS(r));
+      } else {
+        pd->notified = true;
+      }
+    }
+    if (!pd->outcome_set && (!pd->error.ok() || pd->notified)) {
+      pd->outcome_set = true;
+      finish_xfer(pd->id, pd->error);
+    }
+    if (pd->outstanding == 0 && pd->outcome_set) {
+      const XferId id = pd->id;
+      pending_.erase(id);  // frees pd
+      set_quiescent(id);
+    }
+  }
+
+  void complete(Pending* pd, void* request, ucs_status_t st, std::string_view what) {
+    --pd->outstanding;
+    outstanding_.fetch_sub(1);
+    std::erase(pd->requests, request);
+    ucp_request_free(request);
+    if (st != UCS_OK && pd->error.ok()) pd->error = request_error(what, st);
+  }
+
+  static void on_op_done(void* request, ucs_status_t st, void* user) {
+    auto* pd = static_cast<Pending*>(user);
+    pd->self->complete(pd, request, st, "rma");
+    pd->self->advance(pd);
+  }
+  static void on_flush_done(void* request, ucs_status_t st, void* user) {
+    auto* pd = static_cast<Pending*>(user);
+    pd->self->complete(pd, request, st, "flush");
+    if (st == UCS_OK) pd->flushed = true;
+    pd->self->advance(pd);
+  }
+  static void on_notify_done(void* request, ucs_status_t st, void* user) {
+    auto* pd = static_cast<Pending*>(user);
+    pd->self->complete(pd, request, st, "notification");
+    if (st == UCS_OK) pd->notified = true;
+    pd->self->advance(pd);
+  }
+  static void on_send_done(void* request, ucs_status_t st, void* user) {
+    auto* b = static_cast<SendBuf*>(user);
+    UcxTransport* self = b->self;
+    ucp_request_free(request);
+    self->outstanding_.fetch_sub(1);
+    self->sends_.erase(b->pos);
+  }
+
+  static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                            const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxTransport*>(arg);
+    if (header_length < 1 || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+      // Every sender forces eager messages; anything else is not ours.
+      log(LogLevel::kWarning, "transport", "UCX: dropped a malformed notification");
+      return UCS_OK;
+    }
+    const auto* h = static_cast<const char*>(header);
+    const auto kind = static_cast<std::uint8_t>(h[0]);
+    if (kind > static_cast<std::uint8_t>(NotifKind::kFailedToPost)) return UCS_OK;
+    self->deliver(Notification{std::string(h + 1, header_length - 1), static_cast<NotifKind>(kind),
+                               std::string(static_cast<const char*>(data), length)});
+    return UCS_OK;
+  }
+
+  static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st) {
+    auto* self = static_cast<UcxTransport*>(arg);
+    for (std::size_t i = 0; i < self->peers_.size(); ++i) {
+      UcxPeer* p = self->peers_[i].get();
+      if (p == nullptr || p->ep != ep) continue;
+      p->failed = true;
+      self->mark_peer_failed(static_cast<PeerId>(i), Unavailable(fmt::format("connection to peer '{}' failed: {}",
+                                                                             p->name, ucs_status_string(st))));
+      // The endpoint is closed later (destructor); its requests complete with errors now.
+    }
+  }
+
+  void close_ep_locked(ucp_ep_h ep) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+  }
+
+  void wake() {
+    const std::uint64_t one = 1;
+    if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof one);
+  }
+
+  void progress_loop() {
+    while (!stop_.load()) {
+      ucs_status_t armed = UCS_OK;
+      {
+        std::lock_guard lock(ucx_mu_);
+        while (ucp_worker_progress(worker_) != 0) {
+        }
+        if (outstanding_.load() > 0) {
+          armed = UCS_ERR_BUSY;  // keep spinning while our requests are in flight
+        } else {
+          armed = ucp_worker_arm(worker_);
+        }
+      }
+      if (armed == UCS_ERR_BUSY) {
+        std::this_thread::yield();
+        continue;
+      }
+      pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      // The timeout bounds the damage of a missed wakeup; events normally end the poll.
+      (void)::poll(fds, 2, 2);
+      if (fds[1].revents & POLLIN) {
+        std::uint64_t v = 0;
+        (void)!read(wake_fd_, &v, sizeof v);
+      }
+    }
+  }
+
+  const UcxOptions options_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  int wake_fd_ = -1;
+  std::string address_;
+  std::mutex ucx_mu_;
+  std::unordered_map<RegionId, ucp_mem_h> memh_;
+  std::vector<std::unique_ptr<UcxPeer>> peers_;
+  std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
+  std::list<SendBuf> sends_;
+  std::atomic<int> outstanding_{0};
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options) {
+  if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
+    return InvalidArgument(
+        fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));
+  auto t = std::make_unique<UcxTransport>(std::move(identity), std::move(options));
+  KVTIER_RETURN_IF_ERROR(t->start());
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace kvtier::transport
