@@ -205,8 +205,8 @@ Status DiskBackend::corrupt_stored_object(const StorageKey& key, std::uint64_t o
   std::lock_guard<std::mutex> lk(index_mu_);
   auto it = index_.find(key);
   if (it == index_.end()) return NotFound(fmt::format("key {} not stored", key.to_string()));
-  ScopedFd fd(::open(final_path(key).c_str(), O_RDWR | O_CLOEXEC));
-  if (fd.get() < 0) return Unavailable(fmt::format("open {}: {}", final_path(key), errno_text(errno)));
+  struct stat sb {};
+  KVTIER_ASSIGN_OR_RETURN(ScopedFd fd, open_regular(final_path(key), O_RDWR, &sb));
   unsigned char b = 0;
   if (::pread(fd.get(), &b, 1, static_cast<off_t>(offset)) != 1)
     return OutOfRange(fmt::format("offset {} beyond object {}", offset, key.to_string()));

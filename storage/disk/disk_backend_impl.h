@@ -7,8 +7,10 @@
 // disk_io_thread.cc, puts in disk_put.cc and gets in disk_get.cc.
 #pragma once
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <liburing.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -78,6 +80,31 @@ class ScopedFd {
  private:
   int fd_ = -1;
 };
+
+// Opens a file of the store only if it is a regular file: O_NOFOLLOW (a symlink is not followed
+// out of the directory), O_NONBLOCK (open() of a FIFO returns at once instead of waiting for a
+// writer), then fstat. O_NONBLOCK is cleared again for the I/O (on a regular file it would let
+// io_uring answer -EAGAIN), and O_DIRECT set only then (open() refuses it on a FIFO with EINVAL). NotFound when absent;
+// DataLoss for a symlink or anything not regular (the caller quarantines it); Unavailable for other errors.
+inline Result<ScopedFd> open_regular(const std::string& path, int flags, struct stat* sb) {
+  const int direct = flags & O_DIRECT;
+  ScopedFd fd(::open(path.c_str(), (flags & ~O_DIRECT) | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound(fmt::format("open {}: {}", path, errno_text(err)));
+    if (err == ELOOP) return DataLoss(fmt::format("{} is a symbolic link", path));
+    // O_RDWR/O_WRONLY on a directory, ENXIO on a FIFO without reader: not a regular file either.
+    if (err == EISDIR || err == ENXIO) return DataLoss(fmt::format("{} is not a regular file", path));
+    return Unavailable(fmt::format("open {}: {}", path, errno_text(err)));
+  }
+  if (::fstat(fd.get(), sb) != 0) return Unavailable(fmt::format("fstat {}: {}", path, errno_text(errno)));
+  if (!S_ISREG(sb->st_mode))
+    return DataLoss(fmt::format("{} is not a regular file (mode {:o})", path, static_cast<unsigned>(sb->st_mode)));
+  const int fl = ::fcntl(fd.get(), F_GETFL);
+  if (fl < 0 || ::fcntl(fd.get(), F_SETFL, (fl & ~O_NONBLOCK) | direct) != 0)
+    return Unavailable(fmt::format("fcntl {}: {}", path, errno_text(errno)));
+  return fd;
+}
 
 // Tag of everything that has a completion on the ring.
 struct Waiter {
@@ -213,6 +240,8 @@ class DiskBackend final : public StorageBackend {
   std::uint64_t removed_tmp_ = 0;
   std::uint64_t seq_ = 0;
   std::uint32_t last_header_size_ = 0;
+  std::uint64_t last_file_bytes_ = 0;
+  std::int64_t last_mtime_ns_ = 0;
   std::uint64_t last_payload_bytes_ = 0;
   std::atomic<std::uint64_t> bounce_copies_{0};
 

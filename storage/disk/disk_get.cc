@@ -5,6 +5,7 @@
 // with EIO, is quarantined and the get fails.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -33,11 +34,16 @@ void DiskBackend::start_get(IoOp* op) {
   op->final_path = final_path(key);
   const bool direct_payload =
       direct_ && aligned(op->item.buffer, kAlign) && op->payload_bytes % kAlign == 0 && op->header_size % kAlign == 0;
-  op->fd = ScopedFd(::open(op->final_path.c_str(), O_RDONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0)));
-  if (op->fd.get() < 0) {
-    if (errno == ENOENT) return finish(op, NotFound(fmt::format("key {} was removed", key.to_string())));
-    return finish(op, Unavailable(fmt::format("open {}: {}", op->final_path, errno_text(errno))));
+  struct stat sb {};
+  auto fd = open_regular(op->final_path, O_RDONLY | (direct_ ? O_DIRECT : 0), &sb);
+  if (!fd.ok()) {
+    if (fd.status().code() == StatusCode::kNotFound)
+      return finish(op, NotFound(fmt::format("key {} was removed", key.to_string())));
+    // A FIFO, device or symlink put under the object's name: never read from it.
+    if (fd.status().code() == StatusCode::kDataLoss) return quarantine_get(op, fd.status());
+    return finish(op, fd.status());
   }
+  op->fd = std::move(fd).value();
   {
     std::lock_guard<std::mutex> lk(index_mu_);
     ++reading_[key];

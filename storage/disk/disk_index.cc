@@ -144,14 +144,11 @@ Status DiskBackend::rebuild_index() {
         continue;
       }
       Status st = check_object_file(path, *key, buf);
-      struct stat sb {};
-      if (st.ok() && ::stat(path.c_str(), &sb) != 0) st = DataLoss(fmt::format("stat: {}", errno_text(errno)));
       if (!st.ok()) {
         quarantine_locked(*key, path, st.to_string());
         continue;
       }
-      found.push_back({*key, static_cast<std::uint64_t>(sb.st_size), last_header_size_, last_payload_bytes_,
-                       static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec});
+      found.push_back({*key, last_file_bytes_, last_header_size_, last_payload_bytes_, last_mtime_ns_});
     }
   }
   if (DIR* d = ::opendir((dir_ + "/incoming").c_str())) {
@@ -176,7 +173,7 @@ Status DiskBackend::rebuild_index() {
     for (const std::string& n : names) {
       const std::string path = dir_ + "/free/" + n;
       struct stat sb {};
-      if (free_files_.size() < max_free_files_ && ::stat(path.c_str(), &sb) == 0)
+      if (free_files_.size() < max_free_files_ && ::lstat(path.c_str(), &sb) == 0 && S_ISREG(sb.st_mode))
         free_files_.emplace_back(path, static_cast<std::uint64_t>(sb.st_size));
       else
         ::unlink(path.c_str());
@@ -192,10 +189,10 @@ Status DiskBackend::rebuild_index() {
 
 // Reads and checks the header of one object file (and the payload when configured).
 Status DiskBackend::check_object_file(const std::string& path, const StorageKey& key, AlignedBuf& buf) {
-  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return DataLoss(fmt::format("open: {}", errno_text(errno)));
   struct stat sb {};
-  if (::fstat(fd.get(), &sb) != 0) return DataLoss(fmt::format("fstat: {}", errno_text(errno)));
+  auto opened = open_regular(path, O_RDONLY, &sb);
+  if (!opened.ok()) return DataLoss(opened.status().message());
+  ScopedFd fd = std::move(opened).value();
   std::uint64_t want = std::min<std::uint64_t>(kAlign, static_cast<std::uint64_t>(sb.st_size));
   std::vector<std::byte> big;
   std::byte* hdr = buf.get();
@@ -229,6 +226,8 @@ Status DiskBackend::check_object_file(const std::string& path, const StorageKey&
     }
     KVTIER_RETURN_IF_ERROR(v.finish());
   }
+  last_file_bytes_ = static_cast<std::uint64_t>(sb.st_size);
+  last_mtime_ns_ = static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec;
   last_header_size_ = h->header_size;
   last_payload_bytes_ = h->payload_bytes;
   return Status::Ok();

@@ -71,7 +71,9 @@ void DiskBackend::start_put(IoOp* op) {
   if (Status sd = ensure_shard(op->shard); !sd.ok()) return fail_put(op, sd);
   op->final_path = final_path(key);
   if (op->recycled) {
-    op->fd = ScopedFd(::open(op->tmp_path.c_str(), O_WRONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0)));
+    struct stat sb {};
+    auto fd = open_regular(op->tmp_path, O_WRONLY | (direct_ ? O_DIRECT : 0), &sb);
+    if (fd.ok()) op->fd = std::move(fd).value();
     if (op->fd.get() < 0) {
       ::unlink(op->tmp_path.c_str());
       op->recycled = false;

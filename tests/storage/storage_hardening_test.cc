@@ -169,6 +169,78 @@ TEST_F(DiskHardening, ImpossibleHeaderFieldsAreQuarantinedAtRebuild) {
   EXPECT_TRUE(get(**b, key_of(7, 3), dst).ok());
 }
 
+// Unblocks a reader stuck in open() on a FIFO (the old behaviour), so a failing test ends.
+void release_fifo(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd >= 0) ::close(fd);
+}
+
+// A FIFO, a symlink and a directory under object names: the index rebuild quarantines them
+// without blocking and keeps the healthy objects.
+TEST_F(DiskHardening, NonRegularFilesAreQuarantinedAtRebuild) {
+  store(4);
+  const std::string fifo = object_path(key_of(7, 0));
+  ASSERT_EQ(::unlink(fifo.c_str()), 0);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string link = object_path(key_of(7, 1));
+  ASSERT_EQ(::unlink(link.c_str()), 0);
+  ASSERT_EQ(::symlink(object_path(key_of(7, 3)).c_str(), link.c_str()), 0);
+  const std::string dir = object_path(key_of(7, 2));
+  ASSERT_EQ(::unlink(dir.c_str()), 0);
+  ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
+  auto fut = std::async(std::launch::async, [&] { return create_disk_backend(config_, options_); });
+  const bool blocked = fut.wait_for(std::chrono::seconds(5)) != std::future_status::ready;
+  if (blocked) release_fifo(fifo);
+  ASSERT_FALSE(blocked) << "the index rebuild blocked on a FIFO";
+  auto b = fut.get();
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ((*b)->stats().objects, 1u);
+  EXPECT_EQ((*b)->stats().quarantined, 3u);
+  AlignedBuffer dst(8192);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(get(**b, key_of(7, i), dst).code(), StatusCode::kNotFound) << i;
+  ASSERT_TRUE(get(**b, key_of(7, 3), dst).ok());
+}
+
+// At run time: an indexed object replaced by a FIFO (or a symlink) under the backend's feet must
+// not block the I/O thread; a get of it is a miss, gets of healthy keys go on.
+TEST_F(DiskHardening, FifoAtRunTimeDoesNotBlockOtherGets) {
+  auto b = create_disk_backend(config_, options_);
+  ASSERT_TRUE(b.ok());
+  AlignedBuffer v(8192), want(8192), dst(8192);
+  for (int i = 0; i < 3; ++i) {
+    fill_random(v.data(), v.size(), 100 + i);
+    ASSERT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(8, i), v.data(), v.size()}}}))[0].status.ok());
+  }
+  const std::string fifo = object_path(key_of(8, 0));
+  ASSERT_EQ(::unlink(fifo.c_str()), 0);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string link = object_path(key_of(8, 1));
+  ASSERT_EQ(::unlink(link.c_str()), 0);
+  ASSERT_EQ(::symlink(object_path(key_of(8, 2)).c_str(), link.c_str()), 0);
+  auto bad = (*b)->post(StorageBatch{StorageOp::kGet, {{key_of(8, 0), dst.data(), dst.size()}}});
+  ASSERT_TRUE(bad.ok());
+  AlignedBuffer dst2(8192);
+  auto good = (*b)->post(StorageBatch{StorageOp::kGet, {{key_of(8, 2), dst2.data(), dst2.size()}}});
+  ASSERT_TRUE(good.ok());
+  const Status waited = good->wait(std::chrono::seconds(3));
+  if (!waited.ok()) release_fifo(fifo);
+  ASSERT_TRUE(waited.ok()) << "a get of a healthy key waited behind a FIFO";
+  ASSERT_TRUE(good->item(0).status.ok()) << good->item(0).status.to_string();
+  fill_random(want.data(), want.size(), 102);
+  EXPECT_EQ(std::memcmp(dst2.data(), want.data(), 8192), 0);
+  ASSERT_TRUE(bad->wait(std::chrono::seconds(3)).ok());
+  EXPECT_EQ(bad->item(0).status.code(), StatusCode::kDataLoss) << bad->item(0).status.to_string();
+  AlignedBuffer dst3(8192);
+  EXPECT_EQ(get(**b, key_of(8, 1), dst3).code(), StatusCode::kDataLoss);  // the symlink: not followed
+  EXPECT_EQ((*b)->stats().quarantined, 2u);
+  EXPECT_EQ(get(**b, key_of(8, 0), dst).code(), StatusCode::kNotFound);
+  // A put over the quarantined name works again.
+  fill_random(v.data(), v.size(), 100);
+  ASSERT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(8, 0), v.data(), v.size()}}}))[0].status.ok());
+  ASSERT_TRUE(get(**b, key_of(8, 0), dst).ok());
+  EXPECT_EQ(std::memcmp(dst.data(), v.data(), 8192), 0);
+}
+
 // Sizes whose sum with the header wraps below the stored length: the parser rejects them before
 // any check that adds them (the disk's "file at least header + payload", the Redis value length).
 TEST(ObjectFormatBounds, SizesThatWrapAreDataLoss) {

@@ -19,6 +19,9 @@
 // namespace, layout, sizes, header checksum); bad ones go to quarantine.
 // Every size field is bounded by the format's limits and by the file's size
 // before it is used, so a crafted header is quarantined like a damaged one.
+// Files are opened with O_NOFOLLOW | O_NONBLOCK and used only when fstat says
+// they are regular files: a FIFO, device, directory or symlink under an
+// object's name is quarantined (at the rebuild and on a get), never waited on.
 // Payload checksums are verified on every get.
 //
 // Recycling: files of deleted, evicted and replaced objects go to free/ (at
