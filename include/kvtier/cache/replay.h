@@ -16,13 +16,19 @@
 // requests). Ratios: hit blocks / all blocks of the trace (partial included);
 // saved tokens = min(hit blocks * block_tokens, input_length) / input tokens.
 //
-// Belady: a single tier of `capacity` blocks with the "belady" policy; the
-// oracle gives each block's next use (the next request holding it). It
-// evicts the block used farthest in the future, deeper blocks first on ties;
-// since every use of a block also uses its parent, a parent's next use is
-// never later than its child's, so this order is leaf-only by construction
-// and equals unconstrained MIN with bypass (a computed block whose next use
-// is farthest is evicted right after its request).
+// Bounds (one tier of `capacity` blocks):
+// - replay_min_bypass: MIN with bypass, the true offline optimum. After every
+//   request it keeps the `capacity` blocks (cached before, or used or computed
+//   by the request) whose next use is nearest, deeper blocks first out on
+//   ties, and drops a block that is never used again at once. Capacity holds
+//   after every request; a request's own working blocks are not counted.
+// - replay_belady: the cache manager with the "belady" eviction policy (the
+//   farthest next use out, deeper first on ties). It is MIN *without* bypass:
+//   the manager keeps a request's blocks resident until the next request is
+//   matched and needs room for that request's blocks at admission, so it is
+//   below MIN with bypass at small capacities. It bounds what an eviction
+//   policy can do inside the cache manager; replay_min_bypass bounds any
+//   policy, admission included.
 //
 // Thread-safety: functions are reentrant; no shared state.
 #pragma once
@@ -153,9 +159,14 @@ struct ReplayResult {
 };
 
 Result<ReplayResult> replay_trace(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
-// Single tier of capacity_blocks, offline optimum; other fields of `options` as given.
+// Single tier of capacity_blocks through the cache manager with the oracle policy "belady" (MIN
+// without bypass, see above); other fields of `options` as given.
 Result<ReplayResult> replay_belady(const std::vector<TraceRequest>& trace, std::uint32_t capacity_blocks,
                                    const ReplayOptions& options);
+// MIN with bypass over one tier of capacity_blocks (see the top of this file); policy "min-bypass".
+// Uses block_tokens and cache_partial_blocks of `options`.
+Result<ReplayResult> replay_min_bypass(const std::vector<TraceRequest>& trace, std::uint32_t capacity_blocks,
+                                       const ReplayOptions& options);
 // Hit ratio with unbounded capacity (the ceiling of any policy).
 ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
 
