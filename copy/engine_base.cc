@@ -81,6 +81,9 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
         fmt::format("sm_ctas_* must be >= 1 (h2d {}, d2h {}, d2d {})", o.sm_ctas_h2d, o.sm_ctas_d2h, o.sm_ctas_d2d));
   if (o.sm_item_bytes == 0 || o.sm_item_bytes % 16 != 0)
     return InvalidArgument(fmt::format("sm_item_bytes must be a positive multiple of 16, got {}", o.sm_item_bytes));
+  if (o.sm_inline_descriptor_max_pairs > kInlineMaxPairs)
+    return InvalidArgument(fmt::format("sm_inline_descriptor_max_pairs must be <= {}, got {}", kInlineMaxPairs,
+                                       o.sm_inline_descriptor_max_pairs));
   if (o.descriptor_slots == 0) return InvalidArgument("descriptor_slots must be >= 1, got 0");
   if (o.max_pairs_per_call == 0) return InvalidArgument("max_pairs_per_call must be >= 1, got 0");
   if (o.batch_max_descriptors == 0) return InvalidArgument("batch_max_descriptors must be >= 1, got 0");

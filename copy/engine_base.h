@@ -174,6 +174,12 @@ class EngineBase : public CopyEngine {
   // kernel completed), for backends that can check them.
   virtual Status launch_kernel(StreamState& st, Stream& stream, const KernelArgs& args, std::uint32_t ctas,
                                const std::byte* staging, std::uint64_t descriptor_bytes) = 0;
+  // Launches the kernel with its descriptors (args.num_planes <= kInlineMaxPlanes
+  // planes, args.num_pairs <= kInlineMaxPairs pairs, in host memory, valid only
+  // during the call) carried by value in the launch; args.planes / args.pairs
+  // are ignored.
+  virtual Status launch_kernel_inline(StreamState& st, Stream& stream, const KernelArgs& args,
+                                      const KernelPlane* planes, const KernelPair* pairs, std::uint32_t ctas) = 0;
   // Creates backend per-stream state on first use (may return null).
   virtual Result<std::unique_ptr<BackendStreamState>> make_backend_state(Stream& stream) { return {nullptr}; }
   // Whether a gate exists on this backend (host backend: no idle-stream cliff).

@@ -72,6 +72,28 @@ class HostCopyEngine final : public EngineBase {
     });
   }
 
+  Status launch_kernel_inline(StreamState&, Stream& stream, const KernelArgs& meta, const KernelPlane* planes,
+                              const KernelPair* pairs, std::uint32_t ctas) override {
+    if (meta.num_planes > kInlineMaxPlanes || meta.num_pairs > kInlineMaxPairs)
+      return InvalidArgument(fmt::format("inline kernel descriptors: {} planes, {} pairs (limits {}, {})",
+                                         meta.num_planes, meta.num_pairs, kInlineMaxPlanes, kInlineMaxPairs));
+    // The task owns its copy, as a GPU launch owns its parameter block.
+    struct Owned {
+      std::vector<KernelPlane> planes;
+      std::vector<KernelPair> pairs;
+    };
+    auto owned = std::make_shared<Owned>(Owned{std::vector<KernelPlane>(planes, planes + meta.num_planes),
+                                               std::vector<KernelPair>(pairs, pairs + meta.num_pairs)});
+    const std::uint32_t threads = options_.sm_threads_per_cta;
+    return host_.enqueue_task(stream, [meta, owned, ctas, threads]() -> Status {
+      KernelArgs args = meta;
+      args.planes = owned->planes.data();
+      args.pairs = owned->pairs.data();
+      run_kernel_emulated(args, ctas, threads);
+      return Status::Ok();
+    });
+  }
+
  private:
   HostDevice& host_;
 };

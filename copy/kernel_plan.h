@@ -56,6 +56,13 @@ struct KernelPair {
   std::int32_t dst;
 };
 
+// Descriptors passed inside the launch's kernel parameters (no upload, no
+// descriptor slot): launches of at most kInlineMaxPlanes planes and
+// kInlineMaxPairs pairs. The parameter block then stays below CUDA's 32764-byte
+// limit (CUDA 12.1+, Volta and newer): 64 + 8 * 48 + 3072 * 8 = 25,024 bytes.
+inline constexpr std::uint32_t kInlineMaxPlanes = 8;
+inline constexpr std::uint32_t kInlineMaxPairs = 3072;
+
 struct KernelArgs {
   const KernelPlane* planes = nullptr;  // num_planes entries (device-readable)
   const KernelPair* pairs = nullptr;    // num_pairs entries (device-readable)

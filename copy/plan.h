@@ -109,6 +109,7 @@ struct PlanScratch {
   std::vector<Run> runs;
   std::vector<Segment> segments;
   std::vector<KernelPlane> kernel_planes;
+  std::vector<KernelPair> kernel_pairs;  // one inline launch's pairs
   StagedScratch staged;
 };
 

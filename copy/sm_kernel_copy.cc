@@ -67,6 +67,38 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
                                0};
     }
     const std::uint32_t items_per_pair = assign_items(kplanes.data(), g, options_.sm_item_bytes);
+    auto ctas_for_items = [&](std::uint64_t items) {
+      const std::uint64_t useful = (items + warps_per_cta - 1) / warps_per_cta;
+      return static_cast<std::uint32_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(max_ctas, useful)));
+    };
+    const std::uint32_t inline_max =
+        g <= kInlineMaxPlanes ? std::min(options_.sm_inline_descriptor_max_pairs, options_.max_pairs_per_call) : 0;
+    if (inline_max > 0 && n <= std::size_t{inline_max} * 4) {
+      // Descriptors in the kernel parameters: back-to-back launches with
+      // nothing between them on the stream. Requests of up to four launches
+      // go this way; larger ones amortize the upload over bigger launches.
+      auto& pairs = st.scratch.kernel_pairs;
+      for (std::size_t i0 = 0; i0 < n; i0 += inline_max) {
+        const auto count = static_cast<std::uint32_t>(std::min<std::size_t>(inline_max, n - i0));
+        pairs.resize(count);
+        for (std::uint32_t k = 0; k < count; ++k) pairs[k] = KernelPair{r.src_blocks[i0 + k], r.dst_blocks[i0 + k]};
+        if (hook_pending) {
+          hook_pending = false;
+          KVTIER_RETURN_IF_ERROR(after_upload());
+        }
+        KernelArgs args;
+        args.num_planes = g;
+        args.num_pairs = count;
+        args.item_bytes = options_.sm_item_bytes;
+        args.items_per_pair = items_per_pair;
+        args.num_items = std::uint64_t{count} * items_per_pair;
+        const std::uint32_t ctas = ctas_for_items(args.num_items);
+        KVTIER_RETURN_IF_ERROR(launch_kernel_inline(st, stream, args, kplanes.data(), pairs.data(), ctas));
+        report.ctas = std::max(report.ctas, ctas);
+        ++report.calls;
+      }
+      continue;
+    }
     for (std::size_t i0 = 0; i0 < n; i0 += options_.max_pairs_per_call) {
       const auto count = static_cast<std::uint32_t>(std::min<std::size_t>(options_.max_pairs_per_call, n - i0));
       const std::uint64_t plane_bytes = std::uint64_t{g} * sizeof(KernelPlane);
@@ -99,9 +131,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
       args.item_bytes = options_.sm_item_bytes;
       args.items_per_pair = items_per_pair;
       args.num_items = std::uint64_t{count} * items_per_pair;
-      const std::uint64_t useful = (args.num_items + warps_per_cta - 1) / warps_per_cta;
-      const auto ctas =
-          static_cast<std::uint32_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(max_ctas, useful)));
+      const std::uint32_t ctas = ctas_for_items(args.num_items);
       Status launched = launch_kernel(st, stream, args, ctas, staging, bytes);
       // Record even after a failed launch attempt: the upload may be in flight.
       Status recorded = device_.record(*slot->done, stream);

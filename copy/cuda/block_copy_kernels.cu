@@ -5,6 +5,8 @@
 // does not flush the compute kernels' L2 working set); host memory is reached
 // through its mapped (UVA) address. Each lane keeps kUnroll loads in flight
 // before storing, to cover PCIe read latency with few CTAs.
+#include <cstring>
+
 #include "copy/cuda/block_copy_kernels.h"
 
 namespace kvtier::copy_detail {
@@ -48,16 +50,14 @@ __device__ __forceinline__ void copy_body(const unsigned char* src, unsigned cha
   for (; e < n; e += kWarpLanes) __stcs(d + e, __ldcs(s + e));
 }
 
-__global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
-  extern __shared__ KernelPlane smem_planes[];
-  for (std::uint32_t i = threadIdx.x; i < a.num_planes; i += blockDim.x) smem_planes[i] = a.planes[i];
-  __syncthreads();
+// One warp per item over `a.num_items` items; `planes` are in shared memory.
+__device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlane* planes, const KernelPair* pairs) {
   const std::uint32_t lane = threadIdx.x % kWarpLanes;
   const std::uint32_t warps = blockDim.x / kWarpLanes;
   const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
   for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
        item += total_warps) {
-    const WorkItem w = resolve_item(smem_planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item);
+    const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
     const VectorSplit v = split_for_vectors(w.src, w.dst, w.bytes);
     if (lane < v.head) w.dst[lane] = w.src[lane];
     const unsigned char* src = w.src + v.head;
@@ -73,12 +73,56 @@ __global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
   }
 }
 
+__global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
+  extern __shared__ KernelPlane smem_planes[];
+  for (std::uint32_t i = threadIdx.x; i < a.num_planes; i += blockDim.x) smem_planes[i] = a.planes[i];
+  __syncthreads();
+  copy_items(a, smem_planes, a.pairs);
+}
+
+// Parameter block of an inline launch: descriptors travel with the launch.
+template <std::uint32_t MaxPairs>
+struct InlineParams {
+  KernelArgs args;
+  KernelPlane planes[kInlineMaxPlanes];
+  KernelPair pairs[MaxPairs];
+};
+static_assert(sizeof(InlineParams<kInlineMaxPairs>) <= 32764, "kernel parameter limit (CUDA 12.1+)");
+
+template <std::uint32_t MaxPairs>
+__global__ void __launch_bounds__(1024) block_copy_inline_kernel(const __grid_constant__ InlineParams<MaxPairs> p) {
+  __shared__ KernelPlane smem_planes[kInlineMaxPlanes];
+  for (std::uint32_t i = threadIdx.x; i < p.args.num_planes; i += blockDim.x) smem_planes[i] = p.planes[i];
+  __syncthreads();
+  copy_items(p.args, smem_planes, p.pairs);
+}
+
+template <std::uint32_t MaxPairs>
+cudaError_t launch_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
+                          std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
+  InlineParams<MaxPairs> p;
+  p.args = args;
+  std::memcpy(p.planes, planes, sizeof(KernelPlane) * args.num_planes);
+  std::memcpy(p.pairs, pairs, sizeof(KernelPair) * args.num_pairs);
+  block_copy_inline_kernel<MaxPairs><<<ctas, threads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
   const std::size_t smem = std::size_t{args.num_planes} * sizeof(KernelPlane);
   block_copy_kernel<<<ctas, threads, smem, stream>>>(args);
   return cudaGetLastError();
+}
+
+cudaError_t launch_block_copy_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
+                                     std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
+  if (args.num_planes > kInlineMaxPlanes || args.num_pairs > kInlineMaxPairs) return cudaErrorInvalidValue;
+  // Size classes: the driver copies the whole parameter block at every launch.
+  if (args.num_pairs <= 128) return launch_inline<128>(args, planes, pairs, ctas, threads, stream);
+  if (args.num_pairs <= 768) return launch_inline<768>(args, planes, pairs, ctas, threads, stream);
+  return launch_inline<kInlineMaxPairs>(args, planes, pairs, ctas, threads, stream);
 }
 
 }  // namespace kvtier::copy_detail

@@ -14,4 +14,11 @@ namespace kvtier::copy_detail {
 // or mapped pinned memory). Returns cudaGetLastError() after the launch.
 cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream);
 
+// The same kernel with the descriptors in its parameter block (args.num_planes
+// <= kInlineMaxPlanes, args.num_pairs <= kInlineMaxPairs; `planes` and `pairs`
+// are host memory, read during the call only). The parameter block is the
+// smallest size class that holds num_pairs.
+cudaError_t launch_block_copy_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
+                                     std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream);
+
 }  // namespace kvtier::copy_detail

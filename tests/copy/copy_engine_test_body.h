@@ -662,6 +662,43 @@ TEST_F(CopyEngineTest, ChunkingBeyondDescriptorCapacity) {
   }
 }
 
+// Descriptors in the kernel parameters: byte-exact at every size class and
+// launch boundary, up to four launches inline, then the descriptor ring; more
+// planes than an inline launch holds also take the ring.
+TEST_F(CopyEngineTest, InlineDescriptorsAtTheirLimits) {
+  ASSERT_TRUE(make_engine(CopyEngineOptions{}).ok());
+  constexpr std::uint64_t kBlocks = 4 * 3072 + 8;
+  for (std::uint32_t layers : {4u, 5u}) {  // 8 planes: inline; 10: ring
+    auto layout = KvLayout::uniform(layers, 2, 48);
+    ASSERT_TRUE(layout.ok());
+    auto dev = layer_first(MemoryKind::kDevice, *layout, kBlocks);
+    auto host = layer_first(MemoryKind::kPinnedHost, *layout, kBlocks);
+    ASSERT_TRUE(dev && host);
+    std::uint64_t seed = 40;
+    for (std::size_t n : {std::size_t{1}, std::size_t{128}, std::size_t{129}, std::size_t{768}, std::size_t{769},
+                          std::size_t{3072}, std::size_t{3073}, std::size_t{4 * 3072}, std::size_t{4 * 3072 + 1}}) {
+      SCOPED_TRACE(::testing::Message() << layers * 2 << " planes, " << n << " pairs");
+      auto s = random_ids(kBlocks, n, ++seed);
+      auto d = random_ids(kBlocks, n, ++seed);
+      const bool inline_path = layers == 4 && n <= 4 * 3072;
+      const std::uint32_t expected_calls = inline_path ? static_cast<std::uint32_t>((n + 3071) / 3072) : 1u;
+      fill_random(*host, ++seed);
+      fill_poison(*dev);
+      const CopyReport up = copy_and_check(
+          *host, *dev, CopyRequest{&host->space, &dev->space, s, d, {}, kAllRoles, CopyStrategy::kSmKernel});
+      EXPECT_EQ(up.calls, expected_calls);
+      fill_random(*dev, ++seed);
+      fill_poison(*host);
+      const CopyReport down = copy_and_check(
+          *dev, *host, CopyRequest{&dev->space, &host->space, d, s, {}, kAllRoles, CopyStrategy::kSmKernel});
+      EXPECT_EQ(down.calls, expected_calls);
+    }
+  }
+  CopyEngineOptions too_many;
+  too_many.sm_inline_descriptor_max_pairs = 3073;
+  EXPECT_EQ(make_engine(too_many).code(), StatusCode::kInvalidArgument);
+}
+
 TEST_F(CopyEngineTest, ManyPlanesSplitAcrossLaunches) {
   auto layout = KvLayout::uniform(130, 2, 48);  // 260 planes > one launch's table
   ASSERT_TRUE(layout.ok());

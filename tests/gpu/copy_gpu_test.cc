@@ -41,28 +41,34 @@ TEST_F(CopyEngineTest, SmallHostToDeviceBatchesAreGated) {
   EXPECT_FALSE(back.gated);
 }
 
+// 64 back-to-back kernel calls: through a 2-slot descriptor ring (inline
+// descriptors off, so the ring wraps), and with descriptors inline.
 TEST_F(CopyEngineTest, ManyBackToBackKernelCallsReuseSlots) {
-  CopyEngineOptions o;
-  o.descriptor_slots = 2;
-  ASSERT_TRUE(make_engine(o).ok());
-  auto layout = KvLayout::uniform(2, 2, 4096);
-  ASSERT_TRUE(layout.ok());
-  auto dev = layer_first(MemoryKind::kDevice, *layout, 256);
-  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 256);
-  ASSERT_TRUE(dev && host);
-  fill_random(*dev, 4);
-  fill_poison(*host);
-  // 64 calls over disjoint destination ranges on a 2-slot ring.
-  std::vector<std::vector<std::int32_t>> src(64), dst(64);
-  for (int i = 0; i < 64; ++i) {
-    src[i] = random_ids(256, 4, 10 + i);
-    for (int k = 0; k < 4; ++k) dst[i].push_back(i * 4 + k);
-    CopyRequest r{&dev->space, &host->space, src[i], dst[i], {}, kAllRoles, CopyStrategy::kSmKernel};
-    model_copy(*dev, *host, r);
-    ASSERT_TRUE(engine_->copy(r, *stream_).ok());
+  for (std::uint32_t inline_max : {0u, 3072u}) {
+    SCOPED_TRACE(::testing::Message() << "sm_inline_descriptor_max_pairs " << inline_max);
+    CopyEngineOptions o;
+    o.descriptor_slots = 2;
+    o.sm_inline_descriptor_max_pairs = inline_max;
+    ASSERT_TRUE(make_engine(o).ok());
+    auto layout = KvLayout::uniform(2, 2, 4096);
+    ASSERT_TRUE(layout.ok());
+    auto dev = layer_first(MemoryKind::kDevice, *layout, 256);
+    auto host = layer_first(MemoryKind::kPinnedHost, *layout, 256);
+    ASSERT_TRUE(dev && host);
+    fill_random(*dev, 4);
+    fill_poison(*host);
+    // 64 calls over disjoint destination ranges.
+    std::vector<std::vector<std::int32_t>> src(64), dst(64);
+    for (int i = 0; i < 64; ++i) {
+      src[i] = random_ids(256, 4, 10 + i);
+      for (int k = 0; k < 4; ++k) dst[i].push_back(i * 4 + k);
+      CopyRequest r{&dev->space, &host->space, src[i], dst[i], {}, kAllRoles, CopyStrategy::kSmKernel};
+      model_copy(*dev, *host, r);
+      ASSERT_TRUE(engine_->copy(r, *stream_).ok());
+    }
+    ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    expect_matches_model(*host);
   }
-  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
-  expect_matches_model(*host);
 }
 
 }  // namespace
