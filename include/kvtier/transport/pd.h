@@ -1,0 +1,145 @@
+// Prefill/decode KV transfer on top of a Transport: layer by layer, checksummed, with leases.
+//
+// Roles. A prefill instance holds a prompt's KV in its blocks; a decode instance continues from it in its own
+// blocks. Both sides know the transfer id (the router gives it to both) and their own block ids; the decode
+// side starts the transfer by telling the prefill side its destination blocks and the mode:
+//   - push: the prefill side WRITEs layer L into the decode blocks as soon as layer L is ready (its event has
+//     fired), with a notification carrying the layer's per-block checksums;
+//   - pull: the prefill side announces layer L (its source blocks and checksums) once it is ready; the decode
+//     side READs it, and the read's notification tells the prefill side that layer's source is free.
+// A layer that becomes ready before the decode side's request arrives waits for it. The decode side verifies
+// every (block, layer) against its checksum (xxh3-64 over the block's roles of that layer, in role order: the
+// checksum of kvtier's storage object format) before it reports the layer loaded; a block of a layer that fails
+// (mismatch, failed or aborted write, the peer's failure notice, a lease that expired) is failed, never loaded.
+// A block is loaded when every layer of it is; leading_loaded_blocks() is what may be committed to a prefix
+// index (CacheManager::commit), the rest is recomputed.
+//
+// Leases. Each side sends a heartbeat per active transfer every `heartbeat`; a side that hears nothing from the
+// other for `lease` fails the transfer (every layer not yet final). The decode side's blocks are reclaimable
+// (may return to their pool) when the transfer is final and no byte can still land in them: after success, or
+// after a failure once its own reads are quiescent and `lease` has passed since the prefill side was last heard
+// (the prefill side posts no write for a transfer whose lease it has not renewed within `lease`). The prefill
+// side's source blocks are reclaimable once the transfer is final and its writes are quiescent.
+//
+// Memory. Each side's blocks are one BlockSpace in memory the transport can reach (pinned host; the host
+// backend's device memory). Each endpoint registers one region per (layer, role) plane, in that order, as the
+// first regions of its transport, and owns the transport's notification stream (nothing else may take them).
+// CUDA device memory is staged through pinned host blocks by the caller (CopyEngine), one layer at a time.
+//
+// Thread-safety: every method may be called from any thread; a progress thread per endpoint handles messages,
+// layer readiness, heartbeats and leases. Every wait has a deadline. Errors: kInvalidArgument / kOutOfRange
+// (block ids, layers), kNotFound (transfer), kAlreadyExists (transfer id reused), kFailedPrecondition (memory
+// not reachable, transport not fresh), kTimedOut.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kvtier/core/layout.h"
+#include "kvtier/core/status.h"
+#include "kvtier/transport/transport.h"
+
+namespace kvtier {
+class Device;
+class Event;
+}  // namespace kvtier
+
+namespace kvtier::transport {
+
+using TransferId = std::uint64_t;
+
+enum class PdMode : std::uint8_t { kPush, kPull };
+std::string_view pd_mode_name(PdMode mode) noexcept;
+
+enum class LayerState : std::uint8_t {
+  kPending,  // not arrived
+  kLoaded,   // every block of the layer arrived and matched its checksum
+  kPartial,  // final: some blocks matched, others failed (see BlockState)
+  kFailed,   // final: no block of the layer is usable
+};
+std::string_view layer_state_name(LayerState state) noexcept;
+
+struct PdOptions {
+  std::chrono::milliseconds heartbeat{100};
+  std::chrono::milliseconds lease{1000};
+};
+
+// The checksum of one block of one layer (xxh3-64 over its roles in order).
+std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
+
+// ---- prefill side ----------------------------------------------------------------------------------------
+
+struct PrefillStatus {
+  bool final = false;        // done or failed
+  bool done = false;         // the decode side confirmed every layer
+  bool reclaimable = false;  // source blocks may be reused
+  std::uint32_t layers_sent = 0;
+  Status error;
+};
+
+class PdPrefill {
+ public:
+  // Polled (never blocking) by the progress thread; true once the layer's data is in place.
+  using ReadyFn = std::function<Result<bool>()>;
+
+  virtual ~PdPrefill() = default;
+  static Result<std::unique_ptr<PdPrefill>> create(Transport& transport, BlockSpace blocks, PdOptions options = {});
+
+  // Declares a transfer to `decode` of the prefill blocks `src_blocks` (in the order of the decode side's
+  // destination list).
+  virtual Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) = 0;
+  // Layer `layer` becomes ready when `ready` says so (nullptr: now). Layers may be declared in any order.
+  virtual Status layer_ready(TransferId id, std::uint32_t layer, ReadyFn ready = nullptr) = 0;
+  // The layer is ready when `event` has completed on `device` (no host sync on the compute stream: the progress
+  // thread queries the event). Both must outlive the transfer.
+  virtual Status layer_ready_after(TransferId id, std::uint32_t layer, Device& device, Event& event) = 0;
+  virtual Result<PrefillStatus> status(TransferId id) const = 0;
+  // Until final and reclaimable, or the timeout (kTimedOut).
+  virtual Result<PrefillStatus> wait(TransferId id, std::chrono::nanoseconds timeout) = 0;
+  // Forgets a final, reclaimable transfer; kFailedPrecondition otherwise.
+  virtual Status forget(TransferId id) = 0;
+};
+
+// ---- decode side -----------------------------------------------------------------------------------------
+
+struct DecodeStatus {
+  bool final = false;        // every layer final
+  bool reclaimable = false;  // destination blocks may return to their pool
+  std::vector<LayerState> layers;
+  std::vector<bool> block_loaded;  // by position in the destination list: every layer verified
+  Status error;                    // first failure seen (OK when every block loaded)
+  // Positions [0, n) all loaded: what may join a prefix index.
+  std::uint32_t leading_loaded_blocks() const;
+};
+
+class PdDecode {
+ public:
+  virtual ~PdDecode() = default;
+  static Result<std::unique_ptr<PdDecode>> create(Transport& transport, BlockSpace blocks, PdOptions options = {});
+
+  // Starts transfer `id` from `prefill` into `dst_blocks` (distinct ids of this side's BlockSpace).
+  virtual Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) = 0;
+  // Until layer `layer` is final (loaded, partial or failed) or the timeout (kTimedOut).
+  virtual Result<LayerState> wait_layer(TransferId id, std::uint32_t layer, std::chrono::nanoseconds timeout) = 0;
+  virtual Result<DecodeStatus> status(TransferId id) const = 0;
+  // Until final (or also reclaimable, when `reclaimable`), or the timeout (kTimedOut).
+  virtual Result<DecodeStatus> wait(TransferId id, std::chrono::nanoseconds timeout, bool reclaimable = false) = 0;
+  // Forgets a final, reclaimable transfer; kFailedPrecondition otherwise.
+  virtual Status forget(TransferId id) = 0;
+};
+
+// ---- fault wrapper ---------------------------------------------------------------------------------------
+
+// Wraps a transport and corrupts bytes "on the wire": the n-th descriptor pair (counted over every post, from
+// 0) of a WRITE has one byte of its source flipped while the transfer is in flight (restored when its
+// completion is observed through poll/wait); of a READ, one byte of the destination flipped when its completion
+// is first observed. Everything else is forwarded.
+struct WireFaults {
+  std::int64_t corrupt_op = -1;   // -1: none
+  std::uint64_t byte_offset = 0;  // within that descriptor (clamped to its length)
+};
+std::unique_ptr<Transport> wrap_with_wire_faults(std::unique_ptr<Transport> inner, WireFaults faults);
+
+}  // namespace kvtier::transport

@@ -1,0 +1,206 @@
+// Prefill/decode protocol in one process on the loopback transport: push and pull byte-exact with per-layer
+// waits, layers declared ready out of order and before the request, a device event gating a layer, a corrupted
+// byte caught by the checksum in both modes, a silent prefill failing the rest after the lease, bad block lists,
+// and received blocks committed to the decode side's prefix index.
+#include "kvtier/transport/pd.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "kvtier/cache/cache_manager.h"
+#include "kvtier/device/host_device.h"
+#include "transport/pd_test_util.h"
+
+namespace kvtier::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::HostBlocks;
+using testing::layer_matches;
+using testing::pd_layout;
+
+int g_seq = 0;
+
+struct Rig {
+  KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  std::unique_ptr<Transport> pre_t, dec_t;
+  std::unique_ptr<PdPrefill> pre;
+  std::unique_ptr<PdDecode> dec;
+  PeerId to_dec = 0, to_pre = 0;
+
+  explicit Rig(WireFaults pre_faults = {}, WireFaults dec_faults = {}, PdOptions opt = {}) {
+    const int n = ++g_seq;
+    pre_t = wrap_with_wire_faults(
+        create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value(), pre_faults);
+    dec_t = wrap_with_wire_faults(
+        create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value(), dec_faults);
+    pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+    dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+    to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+    to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  }
+};
+
+const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
+const std::vector<std::uint64_t> kDst = {0, 2, 6, 4};
+
+class PdModes : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(PdModes, LayersArriveByteExactAndEachCanBeAwaited) {
+  Rig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 42, kSrc).ok());
+  // Layer 2 is ready before the request exists; the others follow one by one.
+  ASSERT_TRUE(rig.pre->layer_ready(42, 2).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, GetParam(), kDst).ok());
+  auto st = rig.dec->wait_layer(42, 2, 5s);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(*st, LayerState::kLoaded);
+  for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], 2, kSrc[i]));
+  // Nothing else arrived: those layers were never declared ready.
+  auto s = rig.dec->status(42);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->layers[0], LayerState::kPending);
+  EXPECT_EQ(s->layers[3], LayerState::kPending);
+  EXPECT_EQ(rig.dec->wait_layer(42, 0, 50ms).status().code(), StatusCode::kTimedOut);
+  for (std::uint32_t l : {0u, 1u, 3u}) {
+    ASSERT_TRUE(rig.pre->layer_ready(42, l).ok());
+    auto ls = rig.dec->wait_layer(42, l, 5s);
+    ASSERT_TRUE(ls.ok());
+    EXPECT_EQ(*ls, LayerState::kLoaded) << l;
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  }
+  auto fin = rig.dec->wait(42, 5s, true);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  // Blocks outside the destination list were not touched.
+  EXPECT_EQ(rig.dec_mem.space.block_ptr(1, 0, 1)[0], std::byte{0xee});
+  auto pf = rig.pre->wait(42, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_TRUE(pf->done);
+  EXPECT_TRUE(rig.pre->forget(42).ok());
+  EXPECT_TRUE(rig.dec->forget(42).ok());
+}
+
+TEST_P(PdModes, ALayerWaitsForItsDeviceEvent) {
+  Rig rig;
+  auto dev = HostDevice::create().value();
+  dev->set_stream_delay("forward", 200ms);
+  auto stream = dev->create_stream(StreamOptions{StreamPriority::kNormal, "forward"}).value();
+  auto ev = dev->create_event({}).value();
+  // A "forward pass" op on the stream, then the event behind it.
+  std::vector<std::byte> a(16), b(16);
+  ASSERT_TRUE(dev->memcpy_async(a.data(), b.data(), 16, *stream).ok());
+  ASSERT_TRUE(dev->record(*ev, *stream).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 7, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready_after(7, 0, *dev, *ev).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 7, GetParam(), kDst).ok());
+  EXPECT_EQ(rig.dec->wait_layer(7, 0, 50ms).status().code(), StatusCode::kTimedOut);
+  auto ls = rig.dec->wait_layer(7, 0, 5s);
+  ASSERT_TRUE(ls.ok());
+  EXPECT_EQ(*ls, LayerState::kLoaded);
+  EXPECT_TRUE(dev->query(*ev).value());
+  for (std::uint32_t l = 1; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(7, l).ok());
+  ASSERT_TRUE(rig.dec->wait(7, 5s).ok());
+  ASSERT_TRUE(rig.pre->wait(7, 5s).ok());
+}
+
+TEST_P(PdModes, ACorruptedByteOnTheWireFailsThatBlockOnly) {
+  // Descriptor pairs are posted per layer, role by role, block by block: op 4 + 2 is layer 0's role 1 of the
+  // block at position 2 in push (counted on the prefill's writes), and the same in pull on the decode's reads.
+  const WireFaults f{4 + 2, 100};
+  Rig rig(GetParam() == PdMode::kPush ? f : WireFaults{}, GetParam() == PdMode::kPull ? f : WireFaults{});
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, GetParam(), kDst).ok());
+  auto fin = rig.dec->wait(9, 5s);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->layers[0], LayerState::kPartial);
+  for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kLoaded);
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, true, false, true}));
+  EXPECT_EQ(fin->leading_loaded_blocks(), 2u);
+  EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(fin->error.message().find("layer 0 block 6 (position 2): checksum mismatch"), std::string::npos)
+      << fin->error.to_string();
+  // The prefill side is told the transfer failed; once its writes are over its source byte is back (push).
+  auto pf = rig.pre->wait(9, 5s);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_FALSE(pf->done);
+  EXPECT_TRUE(layer_matches(rig.pre_mem.space, kSrc[2], 0, kSrc[2]));
+}
+
+TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
+  PdOptions opt{20ms, 150ms};
+  Rig rig({}, {}, opt);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 5, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, GetParam(), kDst).ok());
+  ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
+  rig.pre.reset();  // the prefill endpoint stops: no heartbeats, no layers
+  auto fin = rig.dec->wait(5, 5s);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->layers, (std::vector<LayerState>{LayerState::kLoaded, LayerState::kFailed, LayerState::kFailed,
+                                                  LayerState::kFailed}));
+  EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+  EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable);
+  auto rec = rig.dec->wait(5, 5s, true);
+  ASSERT_TRUE(rec.ok());
+  EXPECT_TRUE(rec->reclaimable);
+  EXPECT_TRUE(rig.dec->forget(5).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, PdModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
+TEST(Pd, BadBlockListsAndIdsAreRefused) {
+  Rig rig;
+  EXPECT_EQ(rig.dec->start(rig.to_pre, 1, PdMode::kPush, {0, 8}).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(rig.dec->start(rig.to_pre, 1, PdMode::kPush, {1, 1}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.dec->start(rig.to_pre, 1, PdMode::kPush, {}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rig.pre->begin(rig.to_dec, 1, {9}).code(), StatusCode::kOutOfRange);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 1, {1}).ok());
+  EXPECT_EQ(rig.pre->begin(rig.to_dec, 1, {1}).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(rig.pre->layer_ready(1, 4).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(rig.pre->layer_ready(2, 0).code(), StatusCode::kNotFound);
+  // Unequal lists: the prefill side fails the transfer, the decode side times its layers out by the lease.
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 1, PdMode::kPush, {0, 1}).ok());
+  auto pf = rig.pre->wait(1, 5s);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_EQ(pf->error.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(pf->error.message().find("decode asked for 2 blocks, prefill has 1"), std::string::npos);
+}
+
+TEST(Pd, ReceivedBlocksJoinTheDecodeSidePrefixIndex) {
+  Rig rig;
+  cache::CacheConfig cfg;
+  cfg.device_blocks = 8;
+  auto cm = cache::CacheManager::create(cfg).value();
+  std::vector<cache::BlockKey> keys = {{1, 11}, {2, 22}, {3, 33}, {4, 44}};
+  auto adm = cm->admit(keys);
+  ASSERT_TRUE(adm.ok()) << adm.status().to_string();
+  ASSERT_EQ(adm->new_blocks, 4u);
+  std::vector<std::uint64_t> dst(adm->device_blocks.begin(), adm->device_blocks.end());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 3, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(3, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 3, PdMode::kPush, dst).ok());
+  auto fin = rig.dec->wait(3, 5s, true);
+  ASSERT_TRUE(fin.ok());
+  ASSERT_EQ(fin->leading_loaded_blocks(), 4u);
+  ASSERT_TRUE(cm->commit(adm->id, fin->leading_loaded_blocks()).ok());
+  ASSERT_TRUE(cm->release(adm->id).ok());
+  // A later request with the same prefix hits on device, in the blocks that hold the received bytes.
+  auto m = cm->match(keys);
+  EXPECT_EQ(m.device_blocks, 4u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(m.device_ids[i], dst[i]);
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_TRUE(layer_matches(rig.dec_mem.space, dst[i], l, kSrc[i]));
+  }
+  EXPECT_TRUE(cm->check_invariants().ok());
+}
+
+}  // namespace
+}  // namespace kvtier::transport

@@ -1,0 +1,61 @@
+// Shared by the prefill/decode tests: a small layout, block spaces in host memory, the bytes every prefill
+// block holds (a pure function of layer, role, block and byte index, so two processes agree).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kvtier/core/layout.h"
+
+namespace kvtier::transport::testing {
+
+inline KvLayout pd_layout(std::uint32_t layers = 4, std::uint64_t block_bytes = 8192) {
+  return KvLayout::uniform(layers, 2, block_bytes).value();
+}
+
+inline std::byte pattern(std::uint32_t l, std::uint32_t r, std::uint64_t b, std::uint64_t i) {
+  std::uint64_t x = (static_cast<std::uint64_t>(l) << 48) ^ (static_cast<std::uint64_t>(r) << 40) ^ (b << 24) ^ i;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 29;
+  return static_cast<std::byte>(x);
+}
+
+// Layer-first host block space; the memory lives in `storage`.
+struct HostBlocks {
+  std::vector<std::vector<std::unique_ptr<std::byte[]>>> storage;
+  BlockSpace space;
+
+  static HostBlocks make(const KvLayout& layout, std::uint64_t num_blocks, bool fill,
+                         std::byte poison = std::byte{0xee}) {
+    HostBlocks h;
+    std::vector<std::vector<void*>> bases(layout.num_layers());
+    h.storage.resize(layout.num_layers());
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        const std::uint64_t bytes = layout.block_bytes(l, r) * num_blocks;
+        h.storage[l].emplace_back(new std::byte[bytes]);
+        std::byte* p = h.storage[l].back().get();
+        for (std::uint64_t b = 0; b < num_blocks; ++b)
+          for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
+            p[b * layout.block_bytes(l, r) + i] = fill ? pattern(l, r, b, i) : poison;
+        bases[l].push_back(p);
+      }
+    h.space = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, num_blocks, bases).value();
+    return h;
+  }
+};
+
+// True when decode block `dst` holds, in layer l, what prefill block `src` holds.
+inline bool layer_matches(const BlockSpace& decode, std::uint64_t dst, std::uint32_t l, std::uint64_t src) {
+  const KvLayout& layout = decode.layout();
+  for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+    const std::byte* p = decode.block_ptr(l, r, dst);
+    for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
+      if (p[i] != pattern(l, r, src, i)) return false;
+  }
+  return true;
+}
+
+}  // namespace kvtier::transport::testing

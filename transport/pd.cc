@@ -1,0 +1,761 @@
+// Prefill/decode protocol (include/kvtier/transport/pd.h).
+//
+// Messages (transport notifications), all integers little-endian:
+//   'R' xid u8 mode u32 n n*u64 dst             decode -> prefill: start (destination blocks)
+//   'W' xid u32 layer u32 n n*u64 checksum     prefill -> decode: notification of layer's WRITE (push)
+//   'A' xid u32 layer u32 n n*u64 src n*u64 ck prefill -> decode: layer ready for reading (pull)
+//   'D' xid u32 layer                          decode -> prefill: notification of the layer's READ (pull)
+//   'X' xid u32 layer                          prefill -> decode: the layer cannot be sent (failed post)
+//   'F' xid u8 ok                              decode -> prefill: the decode side is final
+//   'H' xid                                    both ways: heartbeat (renews the lease)
+// A negative notification (aborted, failed to post) carries the 'W' or 'D' text of its transfer.
+#include "kvtier/transport/pd.h"
+
+#include <fmt/format.h>
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "kvtier/core/deadline.h"
+#include "kvtier/core/log.h"
+#include "kvtier/device/device.h"
+
+namespace kvtier::transport {
+
+std::string_view pd_mode_name(PdMode mode) noexcept {
+  switch (mode) {
+    case PdMode::kPush: return "push";
+    case PdMode::kPull: return "pull";
+  }
+  return "?";
+}
+
+std::string_view layer_state_name(LayerState state) noexcept {
+  switch (state) {
+    case LayerState::kPending: return "pending";
+    case LayerState::kLoaded: return "loaded";
+    case LayerState::kPartial: return "partial";
+    case LayerState::kFailed: return "failed";
+  }
+  return "?";
+}
+
+std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block) {
+  XXH3_state_t st;
+  XXH3_64bits_reset(&st);
+  const KvLayout& layout = space.layout();
+  for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r)
+    XXH3_64bits_update(&st, space.block_ptr(layer, r, block), layout.block_bytes(layer, r));
+  return XXH3_64bits_digest(&st);
+}
+
+std::uint32_t DecodeStatus::leading_loaded_blocks() const {
+  std::uint32_t n = 0;
+  while (n < block_loaded.size() && block_loaded[n]) ++n;
+  return n;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class Msg {
+ public:
+  explicit Msg(char type, TransferId id) {
+    s_.push_back(type);
+    u64(id);
+  }
+  Msg& u8(std::uint8_t v) {
+    s_.push_back(static_cast<char>(v));
+    return *this;
+  }
+  Msg& u32(std::uint32_t v) {
+    s_.append(reinterpret_cast<const char*>(&v), 4);
+    return *this;
+  }
+  Msg& u64(std::uint64_t v) {
+    s_.append(reinterpret_cast<const char*>(&v), 8);
+    return *this;
+  }
+  Msg& u64s(const std::vector<std::uint64_t>& v) {
+    u32(static_cast<std::uint32_t>(v.size()));
+    for (auto x : v) u64(x);
+    return *this;
+  }
+  std::string str() { return std::move(s_); }
+
+ private:
+  std::string s_;
+};
+
+class Parse {
+ public:
+  explicit Parse(const std::string& s) : s_(s) {}
+  bool u8(std::uint8_t& v) { return raw(&v, 1); }
+  bool u32(std::uint32_t& v) { return raw(&v, 4); }
+  bool u64(std::uint64_t& v) { return raw(&v, 8); }
+  bool u64s(std::vector<std::uint64_t>& v, std::uint32_t n) {
+    if (n > (s_.size() - pos_) / 8) return false;
+    v.resize(n);
+    for (auto& x : v) (void)u64(x);
+    return true;
+  }
+  bool u64s(std::vector<std::uint64_t>& v) {
+    std::uint32_t n = 0;
+    return u32(n) && u64s(v, n);
+  }
+  bool raw(void* p, std::size_t n) {
+    if (n > s_.size() - pos_) return false;
+    std::memcpy(p, s_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+
+ private:
+  const std::string& s_;
+  std::size_t pos_ = 0;
+};
+
+bool header(const std::string& m, char& type, TransferId& id) {
+  if (m.size() < 9) return false;
+  type = m[0];
+  std::memcpy(&id, m.data() + 1, 8);
+  return true;
+}
+
+// What both endpoints share: the plane regions, the progress thread, the lock.
+class Endpoint {
+ public:
+  Endpoint(Transport& t, BlockSpace blocks, PdOptions options) : t_(t), blocks_(std::move(blocks)), options_(options) {}
+
+  Status init(std::string_view role) {
+    if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
+      return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
+                                         options_.heartbeat.count(), options_.lease.count()));
+    const KvLayout& layout = blocks_.layout();
+    if (blocks_.num_blocks() == 0) return InvalidArgument(fmt::format("{}: block space has no blocks", role));
+    if (layout.fingerprint() != t_.identity().layout_fingerprint)
+      return InvalidArgument(fmt::format("{}: block space layout fingerprint {:#018x} != transport identity {:#018x}",
+                                         role, layout.fingerprint(), t_.identity().layout_fingerprint));
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        const Plane& p = blocks_.plane(l, r);
+        const std::uint64_t bytes = (blocks_.num_blocks() - 1) * p.stride + layout.block_bytes(l, r);
+        auto id = t_.register_memory({blocks_.kind(), blocks_.device_ordinal(), p.base, bytes});
+        if (!id.ok()) return id.status().with_context(fmt::format("{}: plane (layer {}, role {})", role, l, r));
+        if (*id != plane_index(l, r))
+          return FailedPrecondition(
+              fmt::format("{}: plane (layer {}, role {}) got region {}, expected {}: the transport must be fresh", role,
+                          l, r, *id, plane_index(l, r)));
+      }
+    }
+    try {
+      thread_ = std::thread([this] { loop(); });
+    } catch (const std::exception& e) {
+      return Internal(fmt::format("{}: progress thread: {}", role, e.what()));
+    }
+    return Status::Ok();
+  }
+
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ protected:
+  std::uint32_t plane_index(std::uint32_t l, std::uint32_t r) const {
+    std::uint32_t idx = 0;
+    for (std::uint32_t i = 0; i < l; ++i) idx += blocks_.layout().num_roles(i);
+    return idx + r;
+  }
+
+  Status check_blocks(const std::vector<std::uint64_t>& blocks, std::string_view what) const {
+    if (blocks.empty()) return InvalidArgument(fmt::format("{} list is empty", what));
+    std::set<std::uint64_t> seen;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (blocks[i] >= blocks_.num_blocks())
+        return OutOfRange(fmt::format("block id {} >= num_blocks {} in {} list at index {}", blocks[i],
+                                      blocks_.num_blocks(), what, i));
+      if (!seen.insert(blocks[i]).second)
+        return InvalidArgument(fmt::format("block id {} repeated in {} list at index {}", blocks[i], what, i));
+    }
+    return Status::Ok();
+  }
+
+  // Descriptors of layer `l` between local blocks and the peer's blocks (same layout, so the same planes).
+  void layer_descs(std::uint32_t l, const std::vector<std::uint64_t>& local, const std::vector<std::uint64_t>& remote,
+                   const std::vector<std::uint64_t>& remote_strides, std::vector<LocalDesc>& ld,
+                   std::vector<RemoteDesc>& rd) const {
+    const KvLayout& layout = blocks_.layout();
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      const std::uint32_t idx = plane_index(l, r);
+      const std::uint64_t bytes = layout.block_bytes(l, r);
+      for (std::size_t i = 0; i < local.size(); ++i) {
+        ld.push_back(LocalDesc{idx, local[i] * blocks_.plane(l, r).stride, bytes});
+        rd.push_back(RemoteDesc{idx, remote[i] * remote_strides[idx], bytes});
+      }
+    }
+  }
+
+  // The peer's plane strides travel in 'R' (decode's) and 'A' (prefill's): the layouts are equal, the
+  // BlockSpaces (block counts, strides) need not be.
+  virtual void on_message(const Notification& n, char type, TransferId id, Parse& p) = 0;
+  virtual void tick(Clock::time_point now) = 0;
+
+  void loop() {
+    for (;;) {
+      {
+        std::lock_guard lock(mu_);
+        if (stop_) return;
+      }
+      auto got = t_.wait_notifications(std::chrono::milliseconds(1));
+      std::lock_guard lock(mu_);
+      if (got.ok()) {
+        for (const Notification& n : *got) {
+          char type = 0;
+          TransferId id = 0;
+          if (!header(n.message, type, id)) {
+            log(LogLevel::kWarning, "transport", fmt::format("pd: dropped a malformed message from '{}'", n.peer));
+            continue;
+          }
+          Parse p(n.message);
+          std::uint8_t skip[9];
+          (void)p.raw(skip, 9);
+          on_message(n, type, id, p);
+        }
+      }
+      tick(Clock::now());
+      cv_.notify_all();
+    }
+  }
+
+  std::vector<std::uint64_t> local_strides() const {
+    std::vector<std::uint64_t> s;
+    for (std::uint32_t l = 0; l < blocks_.layout().num_layers(); ++l)
+      for (std::uint32_t r = 0; r < blocks_.layout().num_roles(l); ++r) s.push_back(blocks_.plane(l, r).stride);
+    return s;
+  }
+
+  Transport& t_;
+  const BlockSpace blocks_;
+  const PdOptions options_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// ---- prefill --------------------------------------------------------------------------------------------
+
+class Prefill final : public PdPrefill, public Endpoint {
+ public:
+  using Endpoint::Endpoint;
+  ~Prefill() override { stop(); }
+
+  Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) override {
+    KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
+    std::lock_guard lock(mu_);
+    if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
+    X& x = xfers_[id];
+    x.peer = decode;
+    x.src = std::move(src_blocks);
+    x.layers.resize(blocks_.layout().num_layers());
+    x.last_heard = Clock::now();
+    // A request that arrived before begin() is applied now.
+    if (auto it = early_.find(id); it != early_.end()) {
+      apply_request(x, it->second);
+      early_.erase(it);
+    }
+    return Status::Ok();
+  }
+
+  Status layer_ready(TransferId id, std::uint32_t layer, ReadyFn ready) override {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(id);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+    if (layer >= it->second.layers.size())
+      return OutOfRange(fmt::format("layer {} >= num_layers {}", layer, it->second.layers.size()));
+    L& l = it->second.layers[layer];
+    if (l.declared) return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layer));
+    l.declared = true;
+    l.ready = ready ? std::move(ready) : ReadyFn([] { return Result<bool>(true); });
+    return Status::Ok();
+  }
+
+  Status layer_ready_after(TransferId id, std::uint32_t layer, Device& device, Event& event) override {
+    return layer_ready(id, layer, [&device, &event]() { return device.query(event); });
+  }
+
+  Result<PrefillStatus> status(TransferId id) const override {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(id);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+    return summarize(it->second);
+  }
+
+  Result<PrefillStatus> wait(TransferId id, std::chrono::nanoseconds timeout) override {
+    const auto deadline = deadline_after(timeout);
+    std::unique_lock lock(mu_);
+    for (;;) {
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+      PrefillStatus s = summarize(it->second);
+      if (s.final && s.reclaimable) return s;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+        return TimedOut(fmt::format("prefill transfer {}: not final after {} ms", id,
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
+    }
+  }
+
+  Status forget(TransferId id) override {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(id);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+    PrefillStatus s = summarize(it->second);
+    if (!s.final || !s.reclaimable)
+      return FailedPrecondition(fmt::format("prefill transfer {} is not final and reclaimable", id));
+    xfers_.erase(it);
+    return Status::Ok();
+  }
+
+ private:
+  struct L {
+    bool declared = false;
+    ReadyFn ready;
+    bool sent = false;           // written (push) or announced (pull)
+    bool acked = false;          // pull: the decode side's read notification came
+    std::optional<XferId> xfer;  // push: the write
+  };
+  struct Req {
+    PdMode mode = PdMode::kPush;
+    std::vector<std::uint64_t> dst;
+    std::vector<std::uint64_t> strides;
+  };
+  struct X {
+    PeerId peer = 0;
+    std::vector<std::uint64_t> src;
+    std::optional<Req> req;
+    std::vector<L> layers;
+    Clock::time_point last_heard, last_sent;
+    bool final = false, done = false;
+    Status error;
+  };
+
+  PrefillStatus summarize(const X& x) const {
+    PrefillStatus s;
+    s.final = x.final;
+    s.done = x.done;
+    s.error = x.error;
+    bool quiet = true;
+    for (const L& l : x.layers) {
+      if (l.sent) ++s.layers_sent;
+      if (l.xfer) quiet = false;
+    }
+    s.reclaimable = x.final && quiet;
+    return s;
+  }
+
+  void apply_request(X& x, Req r) {
+    if (r.dst.size() != x.src.size()) {
+      fail(x, 0,
+           InvalidArgument(fmt::format("decode asked for {} blocks, prefill has {}", r.dst.size(), x.src.size())));
+      return;
+    }
+    x.req = std::move(r);
+  }
+
+  void fail(X& x, TransferId id, Status why) {
+    if (x.final) return;
+    x.final = true;
+    x.error = std::move(why);
+    log(LogLevel::kWarning, "transport", fmt::format("pd prefill transfer {}: {}", id, x.error.to_string()));
+  }
+
+  void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
+    auto it = xfers_.find(id);
+    if (type == 'R') {
+      Req r;
+      std::uint8_t mode = 0;
+      if (!p.u8(mode) || mode > 1 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
+      r.mode = static_cast<PdMode>(mode);
+      if (it == xfers_.end()) {
+        early_[id] = std::move(r);
+        return;
+      }
+      it->second.last_heard = Clock::now();
+      apply_request(it->second, std::move(r));
+      return;
+    }
+    if (it == xfers_.end()) return;
+    X& x = it->second;
+    x.last_heard = Clock::now();
+    std::uint32_t layer = 0;
+    switch (type) {
+      case 'H': return;
+      case 'D':
+        if (!p.u32(layer) || layer >= x.layers.size()) return;
+        if (n.kind == NotifKind::kMessage) x.layers[layer].acked = true;
+        return;
+      case 'F': {
+        std::uint8_t ok = 0;
+        (void)p.u8(ok);
+        if (!x.final) {
+          x.final = true;
+          x.done = ok != 0;
+          if (!x.done) x.error = Aborted(fmt::format("decode side ended transfer {} as failed", id));
+        }
+        return;
+      }
+      default: return;
+    }
+  }
+
+  void tick(Clock::time_point now) override {
+    for (auto& [id, x] : xfers_) {
+      // Writes: observe completion, keep the region busy until quiescent.
+      for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
+        L& l = x.layers[li];
+        if (!l.xfer) continue;
+        auto st = t_.poll(*l.xfer);
+        if (!st.ok()) {
+          l.xfer.reset();
+          continue;
+        }
+        if (st->state == XferState::kFailed) fail(x, id, st->error);
+        if (st->state != XferState::kInProgress && st->quiescent) {
+          t_.release(*l.xfer).ignore_error();
+          l.xfer.reset();
+        }
+      }
+      if (x.final) continue;
+      if (now - x.last_heard > options_.lease) {
+        fail(x, id,
+             Unavailable(fmt::format("decode side silent for more than the lease ({} ms)", options_.lease.count())));
+        continue;
+      }
+      if (now - x.last_sent >= options_.heartbeat) {
+        t_.send_notification(x.peer, Msg('H', id).str()).ignore_error();
+        x.last_sent = now;
+      }
+      if (!x.req) continue;
+      for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
+        L& l = x.layers[li];
+        if (!l.declared || l.sent) continue;
+        auto ready = l.ready();
+        if (!ready.ok()) {
+          fail(x, id, ready.status().with_context(fmt::format("layer {} event", li)));
+          break;
+        }
+        if (!*ready) continue;
+        send_layer(id, x, li);
+        if (x.final) break;
+      }
+    }
+  }
+
+  void send_layer(TransferId id, X& x, std::uint32_t li) {
+    L& l = x.layers[li];
+    std::vector<std::uint64_t> ck;
+    ck.reserve(x.src.size());
+    for (std::uint64_t b : x.src) ck.push_back(block_layer_checksum(blocks_, li, b));
+    l.sent = true;
+    x.last_sent = Clock::now();
+    if (x.req->mode == PdMode::kPull) {
+      Msg m('A', id);
+      m.u32(li).u64s(x.src).u64s(ck).u64s(local_strides());
+      t_.send_notification(x.peer, m.str()).ignore_error();
+      return;
+    }
+    std::vector<LocalDesc> ld;
+    std::vector<RemoteDesc> rd;
+    layer_descs(li, x.src, x.req->dst, x.req->strides, ld, rd);
+    Msg m('W', id);
+    m.u32(li).u64s(ck);
+    auto posted = t_.post(XferOp::kWrite, x.peer, ld, rd, m.str());
+    if (!posted.ok()) {
+      t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+      fail(x, id, posted.status().with_context(fmt::format("layer {} write", li)));
+      return;
+    }
+    l.xfer = *posted;
+  }
+
+  std::map<TransferId, X> xfers_;
+  std::map<TransferId, Req> early_;
+};
+
+// ---- decode ---------------------------------------------------------------------------------------------
+
+class Decode final : public PdDecode, public Endpoint {
+ public:
+  using Endpoint::Endpoint;
+  ~Decode() override { stop(); }
+
+  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) override {
+    KVTIER_RETURN_IF_ERROR(check_blocks(dst_blocks, "destination"));
+    Msg m('R', id);
+    m.u8(static_cast<std::uint8_t>(mode)).u64s(dst_blocks).u64s(local_strides());
+    {
+      std::lock_guard lock(mu_);
+      if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
+      X& x = xfers_[id];
+      x.peer = prefill;
+      x.mode = mode;
+      x.dst = std::move(dst_blocks);
+      x.layers.assign(blocks_.layout().num_layers(), LayerState::kPending);
+      x.block_layer_ok.assign(x.dst.size(), std::vector<std::uint8_t>(x.layers.size(), 0));
+      x.reads.resize(x.layers.size());
+      x.last_heard = x.last_sent = Clock::now();
+    }
+    Status s = t_.send_notification(prefill, m.str());
+    if (!s.ok()) {
+      std::lock_guard lock(mu_);
+      X& x = xfers_[id];
+      fail_rest(x, s);
+    }
+    return Status::Ok();
+  }
+
+  Result<LayerState> wait_layer(TransferId id, std::uint32_t layer, std::chrono::nanoseconds timeout) override {
+    const auto deadline = deadline_after(timeout);
+    std::unique_lock lock(mu_);
+    for (;;) {
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+      if (layer >= it->second.layers.size())
+        return OutOfRange(fmt::format("layer {} >= num_layers {}", layer, it->second.layers.size()));
+      if (it->second.layers[layer] != LayerState::kPending) return it->second.layers[layer];
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+        return TimedOut(fmt::format("transfer {} layer {} not arrived after {} ms", id, layer,
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
+    }
+  }
+
+  Result<DecodeStatus> status(TransferId id) const override {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(id);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+    return summarize(it->second, Clock::now());
+  }
+
+  Result<DecodeStatus> wait(TransferId id, std::chrono::nanoseconds timeout, bool reclaimable) override {
+    const auto deadline = deadline_after(timeout);
+    std::unique_lock lock(mu_);
+    for (;;) {
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+      DecodeStatus s = summarize(it->second, Clock::now());
+      if (s.final && (!reclaimable || s.reclaimable)) return s;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
+        return TimedOut(fmt::format("decode transfer {}: not {} after {} ms", id, reclaimable ? "reclaimable" : "final",
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
+    }
+  }
+
+  Status forget(TransferId id) override {
+    std::lock_guard lock(mu_);
+    auto it = xfers_.find(id);
+    if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+    DecodeStatus s = summarize(it->second, Clock::now());
+    if (!s.final || !s.reclaimable)
+      return FailedPrecondition(fmt::format("decode transfer {} is not final and reclaimable", id));
+    xfers_.erase(it);
+    return Status::Ok();
+  }
+
+ private:
+  struct Read {
+    XferId xfer = 0;
+    std::vector<std::uint64_t> ck;
+    bool active = false;
+  };
+  struct X {
+    PeerId peer = 0;
+    PdMode mode = PdMode::kPush;
+    std::vector<std::uint64_t> dst;
+    std::vector<LayerState> layers;
+    std::vector<std::vector<std::uint8_t>> block_layer_ok;  // [position][layer]
+    std::vector<Read> reads;
+    Clock::time_point last_heard, last_sent;
+    bool fin_sent = false;
+    bool any_failure = false;
+    Status error;
+  };
+
+  bool all_final(const X& x) const {
+    for (LayerState s : x.layers)
+      if (s == LayerState::kPending) return false;
+    return true;
+  }
+
+  DecodeStatus summarize(const X& x, Clock::time_point now) const {
+    DecodeStatus s;
+    s.layers = x.layers;
+    s.final = all_final(x);
+    s.error = x.error;
+    for (const auto& bl : x.block_layer_ok) {
+      bool ok = true;
+      for (auto v : bl) ok = ok && v != 0;
+      s.block_loaded.push_back(ok);
+    }
+    bool reads_quiet = true;
+    for (const Read& r : x.reads) reads_quiet = reads_quiet && !r.active;
+    // After a failure a write of the prefill side may still be landing until its lease has run out.
+    s.reclaimable = s.final && reads_quiet && (!x.any_failure || now - x.last_heard > options_.lease);
+    return s;
+  }
+
+  void fail_layer(X& x, std::uint32_t layer, const Status& why) {
+    if (layer >= x.layers.size() || x.layers[layer] != LayerState::kPending) return;
+    x.layers[layer] = LayerState::kFailed;
+    x.any_failure = true;
+    for (auto& bl : x.block_layer_ok) bl[layer] = 0;
+    if (x.error.ok()) x.error = why;
+  }
+
+  void fail_rest(X& x, const Status& why) {
+    for (std::uint32_t l = 0; l < x.layers.size(); ++l) fail_layer(x, l, why);
+  }
+
+  void verify_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& ck) {
+    if (x.layers[layer] != LayerState::kPending) return;
+    if (ck.size() != x.dst.size()) {
+      fail_layer(x, layer,
+                 DataLoss(fmt::format("transfer {} layer {}: {} checksums for {} blocks", id, layer, ck.size(),
+                                      x.dst.size())));
+      return;
+    }
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < x.dst.size(); ++i) {
+      const bool ok = block_layer_checksum(blocks_, layer, x.dst[i]) == ck[i];
+      x.block_layer_ok[i][layer] = ok ? 1 : 0;
+      if (!ok) {
+        ++bad;
+        if (x.error.ok())
+          x.error = DataLoss(
+              fmt::format("transfer {} layer {} block {} (position {}): checksum mismatch", id, layer, x.dst[i], i));
+      }
+    }
+    if (bad != 0) x.any_failure = true;
+    x.layers[layer] = bad == 0 ? LayerState::kLoaded : bad == x.dst.size() ? LayerState::kFailed : LayerState::kPartial;
+  }
+
+  void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
+    auto it = xfers_.find(id);
+    if (it == xfers_.end()) return;
+    X& x = it->second;
+    x.last_heard = Clock::now();
+    std::uint32_t layer = 0;
+    switch (type) {
+      case 'H': return;
+      case 'W': {
+        std::vector<std::uint64_t> ck;
+        if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(ck)) return;
+        if (n.kind != NotifKind::kMessage) {
+          fail_layer(
+              x, layer,
+              Unavailable(fmt::format("transfer {} layer {}: prefill's write {}", id, layer, notif_kind_name(n.kind))));
+          return;
+        }
+        verify_layer(id, x, layer, ck);
+        return;
+      }
+      case 'X':
+        if (p.u32(layer))
+          fail_layer(x, layer, Unavailable(fmt::format("transfer {} layer {}: prefill could not send it", id, layer)));
+        return;
+      case 'A': {
+        std::vector<std::uint64_t> src, ck, strides;
+        if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(src) || !p.u64s(ck) || !p.u64s(strides)) return;
+        if (x.layers[layer] != LayerState::kPending || x.reads[layer].active) return;
+        if (src.size() != x.dst.size() || ck.size() != x.dst.size()) {
+          fail_layer(x, layer,
+                     InvalidArgument(fmt::format("transfer {} layer {}: prefill announced {} blocks, decode has {}", id,
+                                                 layer, src.size(), x.dst.size())));
+          return;
+        }
+        std::vector<LocalDesc> ld;
+        std::vector<RemoteDesc> rd;
+        layer_descs(layer, x.dst, src, strides, ld, rd);
+        auto posted = t_.post(XferOp::kRead, x.peer, ld, rd, Msg('D', id).u32(layer).str());
+        if (!posted.ok()) {
+          fail_layer(x, layer, posted.status());
+          return;
+        }
+        x.reads[layer] = Read{*posted, std::move(ck), true};
+        return;
+      }
+      default: return;
+    }
+  }
+
+  void tick(Clock::time_point now) override {
+    for (auto& [id, x] : xfers_) {
+      for (std::uint32_t l = 0; l < x.reads.size(); ++l) {
+        Read& r = x.reads[l];
+        if (!r.active) continue;
+        auto st = t_.poll(r.xfer);
+        if (!st.ok()) {
+          r.active = false;
+          continue;
+        }
+        if (st->state == XferState::kInProgress) continue;
+        if (st->state == XferState::kDone)
+          verify_layer(id, x, l, r.ck);
+        else
+          fail_layer(x, l, st->error);
+        if (st->quiescent) {
+          t_.release(r.xfer).ignore_error();
+          r.active = false;
+        }
+      }
+      if (all_final(x)) {
+        if (!x.fin_sent) {
+          x.fin_sent = true;
+          const DecodeStatus s = summarize(x, now);
+          const bool ok = s.leading_loaded_blocks() == x.dst.size();
+          t_.send_notification(x.peer, Msg('F', id).u8(ok ? 1 : 0).str()).ignore_error();
+        }
+        continue;
+      }
+      if (now - x.last_heard > options_.lease) {
+        fail_rest(x, Unavailable(fmt::format("transfer {}: prefill side silent for more than the lease ({} ms)", id,
+                                             options_.lease.count())));
+        continue;
+      }
+      if (now - x.last_sent >= options_.heartbeat) {
+        t_.send_notification(x.peer, Msg('H', id).str()).ignore_error();
+        x.last_sent = now;
+      }
+    }
+  }
+
+  std::map<TransferId, X> xfers_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<PdPrefill>> PdPrefill::create(Transport& transport, BlockSpace blocks, PdOptions options) {
+  auto p = std::make_unique<Prefill>(transport, std::move(blocks), options);
+  KVTIER_RETURN_IF_ERROR(p->init("prefill"));
+  return std::unique_ptr<PdPrefill>(std::move(p));
+}
+
+Result<std::unique_ptr<PdDecode>> PdDecode::create(Transport& transport, BlockSpace blocks, PdOptions options) {
+  auto d = std::make_unique<Decode>(transport, std::move(blocks), options);
+  KVTIER_RETURN_IF_ERROR(d->init("decode"));
+  return std::unique_ptr<PdDecode>(std::move(d));
+}
+
+}  // namespace kvtier::transport
