@@ -8,6 +8,7 @@ PKGS=(build-essential cmake ninja-build pkg-config
       libfmt-dev libcli11-dev nlohmann-json3-dev
       liburing-dev libhiredis-dev libxxhash-dev libnuma-dev
       libucx-dev ucx-utils
+      libzmq3-dev
       redis-server redis-tools
       python3 python3-venv python3-dev)
 missing=()
