@@ -210,6 +210,12 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
       } else if (k == "timeout_ms") {
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
         c.command_timeout = std::chrono::milliseconds(ms);
+      } else if (k == "item_deadline_ms") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
+        c.item_deadline = std::chrono::milliseconds(ms);
+      } else if (k == "batch_deadline_ms") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
+        c.batch_deadline = std::chrono::milliseconds(ms);
       } else if (k == "workers") {
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(v));
         c.workers = static_cast<std::uint32_t>(n);

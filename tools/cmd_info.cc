@@ -9,6 +9,7 @@
 #include "kvtier/core/config.h"
 #include "kvtier/core/log.h"
 #include "kvtier/device/cuda_device.h"
+#include "kvtier/storage/storage_config.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "tools/cli.h"
 
@@ -35,6 +36,10 @@ Action register_info(CLI::App& app) {
       bind_copy_engine_options(table, copy);
       bind_transfer_manager_config(table, transfer);
       cache::bind_cache_config(table, cache);
+      storage::RedisBackendConfig redis;
+      storage::DiskBackendConfig disk;
+      storage::bind_redis_backend_config(table, redis);
+      storage::bind_disk_backend_config(table, disk);
       if (Status s = table.apply_env(environ); !s.ok()) {
         std::fprintf(stderr, "kvtier info: %s\n", s.to_string().c_str());
         return 2;

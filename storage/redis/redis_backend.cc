@@ -86,6 +86,9 @@ struct ContextDeleter {
 };
 using ContextPtr = std::unique_ptr<redisContext, ContextDeleter>;
 
+using Clock = std::chrono::steady_clock;
+constexpr Clock::time_point kNoDeadline = Clock::time_point::max();
+
 timeval to_timeval(std::chrono::milliseconds ms) {
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(ms.count() / 1000);
@@ -142,6 +145,12 @@ class RedisBackend final : public StorageBackend {
     if (config_.workers == 0 || config_.workers > 256)
       return InvalidArgument(fmt::format("redis backend: workers {} not in [1, 256]", config_.workers));
     if (config_.max_batch_items == 0) return InvalidArgument("redis backend: max_batch_items 0");
+    if (config_.item_deadline.count() <= 0 || config_.batch_deadline.count() <= 0)
+      return InvalidArgument(fmt::format("redis backend: item_deadline {} ms and batch_deadline {} ms must be > 0",
+                                         config_.item_deadline.count(), config_.batch_deadline.count()));
+    if (config_.command_timeout.count() <= 0 || config_.connect_timeout.count() <= 0)
+      return InvalidArgument(fmt::format("redis backend: command_timeout {} ms and connect_timeout {} ms must be > 0",
+                                         config_.command_timeout.count(), config_.connect_timeout.count()));
     for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
     // A connection reset or an unreachable node while the cluster is changing
     // (restart, failover, an admin killing clients) is transient: every
@@ -225,12 +234,14 @@ class RedisBackend final : public StorageBackend {
       }
     }
     StorageTicket t = StorageTicket::create(batch.op, batch.items.size());
+    const Clock::time_point batch_deadline = Clock::now() + config_.batch_deadline;
     {
       std::lock_guard<std::mutex> lk(queue_mu_);
       if (stopping_) return FailedPrecondition("redis backend is shutting down");
       for (std::size_t b = 0; b < batch.items.size(); b += config_.max_batch_items) {
         Task task;
         task.completion = t.completion();
+        task.deadline = batch_deadline;
         task.op = batch.op;
         const std::size_t e = std::min(batch.items.size(), b + config_.max_batch_items);
         for (std::size_t i = b; i < e; ++i) task.items.emplace_back(i, batch.items[i]);
@@ -284,6 +295,7 @@ class RedisBackend final : public StorageBackend {
  private:
   struct Task {
     std::shared_ptr<detail::Completion> completion;
+    Clock::time_point deadline = kNoDeadline;  // post() + batch_deadline
     StorageOp op = StorageOp::kGet;
     std::vector<std::pair<std::size_t, StorageItem>> items;
   };
@@ -300,13 +312,32 @@ class RedisBackend final : public StorageBackend {
 
   std::string redis_key(const StorageKey& k) const { return key_base_ + k.to_string(); }
 
-  Result<ContextPtr> connect(const std::string& node) const {
+  // `limit`, capped by what is left until `deadline`; zero once it passed (a zero timeval would
+  // mean "no timeout" to hiredis, so callers stop instead of passing it on).
+  static std::chrono::milliseconds capped(std::chrono::milliseconds limit, Clock::time_point deadline) {
+    if (deadline == kNoDeadline) return limit;
+    const auto now = Clock::now();
+    if (now >= deadline) return std::chrono::milliseconds(0);
+    // Rounded up: a remaining 0.3 ms is still a 1 ms wait, not none.
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now);
+    return std::min(limit, left);
+  }
+
+  // Sets the socket's send/receive timeout to the command timeout capped by the deadline.
+  // False when the deadline has passed (or the timeout cannot be set).
+  bool arm(redisContext* c, Clock::time_point deadline) const {
+    const auto t = capped(config_.command_timeout, deadline);
+    return t.count() > 0 && redisSetTimeout(c, to_timeval(t)) == REDIS_OK;
+  }
+
+  Result<ContextPtr> connect(const std::string& node, Clock::time_point deadline = kNoDeadline) const {
     KVTIER_ASSIGN_OR_RETURN(auto hp, parse_host_port(node));
-    ContextPtr c(redisConnectWithTimeout(hp.first.c_str(), hp.second, to_timeval(config_.connect_timeout)));
+    const auto connect_timeout = capped(config_.connect_timeout, deadline);
+    if (connect_timeout.count() == 0) return TimedOut(fmt::format("connect {}: deadline passed", node));
+    ContextPtr c(redisConnectWithTimeout(hp.first.c_str(), hp.second, to_timeval(connect_timeout)));
     if (!c) return Unavailable(fmt::format("connect {}: out of memory", node));
     if (c->err) return Unavailable(fmt::format("connect {}: {}", node, c->errstr));
-    if (redisSetTimeout(c.get(), to_timeval(config_.command_timeout)) != REDIS_OK)
-      return Unavailable(fmt::format("set timeout on {}: {}", node, c->errstr));
+    if (!arm(c.get(), deadline)) return Unavailable(fmt::format("set timeout on {}: {}", node, c->errstr));
     redisEnableKeepAlive(c.get());
     if (!config_.password.empty()) {
       ReplyPtr r;
@@ -367,12 +398,17 @@ class RedisBackend final : public StorageBackend {
     slots_ = std::move(copy);
   }
 
-  void refresh_slots(Conns& conns) {
+  void refresh_slots(Conns& conns, Clock::time_point deadline) {
     std::vector<std::string> candidates = slot_map()->nodes;
     for (const auto& e : config_.endpoints) candidates.push_back(e);
     for (const auto& n : candidates) {
-      redisContext* c = get_conn(conns, n, nullptr);
+      if (Clock::now() >= deadline) return;  // the next operation refreshes again
+      redisContext* c = get_conn(conns, n, nullptr, deadline);
       if (!c) continue;
+      if (!arm(c, deadline)) {
+        conns.erase(n);
+        continue;
+      }
       auto map = load_slots(c, n);
       if (map.ok()) {
         std::lock_guard<std::mutex> lk(slots_mu_);
@@ -384,10 +420,10 @@ class RedisBackend final : public StorageBackend {
     log_line("slot map refresh failed on every known node");
   }
 
-  redisContext* get_conn(Conns& conns, const std::string& node, Status* err) {
+  redisContext* get_conn(Conns& conns, const std::string& node, Status* err, Clock::time_point deadline) {
     auto it = conns.find(node);
     if (it != conns.end()) return it->second.get();
-    auto c = connect(node);
+    auto c = connect(node, deadline);
     if (!c.ok()) {
       if (err) *err = c.status();
       return nullptr;
@@ -563,6 +599,15 @@ class RedisBackend final : public StorageBackend {
   }
 
   void process(Task& task, Conns& conns) {
+    const Clock::time_point start = Clock::now();
+    const Clock::time_point deadline = std::min(start + config_.item_deadline, task.deadline);
+    if (start >= deadline) {  // waited in the queue behind other sub-batches until the batch ran out of time
+      for (auto& [i, item] : task.items)
+        task.completion->complete(
+            i, TimedOut(fmt::format("redis {} of key {}: batch deadline of {} ms passed before it started",
+                                    storage_op_name(task.op), item.key.to_string(), config_.batch_deadline.count())));
+      return;
+    }
     std::vector<Work> work(task.items.size());
     for (std::size_t i = 0; i < work.size(); ++i) {
       work[i].outer = task.items[i].first;
@@ -571,10 +616,10 @@ class RedisBackend final : public StorageBackend {
       if (task.op == StorageOp::kPut) build_set(work[i]);
     }
     std::vector<StorageKey> quarantine;
-    run(task.op, work, conns, &quarantine);
+    run(task.op, work, conns, &quarantine, deadline);
     // Removed before the gets complete, so a caller that sees DataLoss and
     // looks again finds a miss (unless the delete itself failed: see below).
-    if (!quarantine.empty()) remove_quarantined(quarantine, conns);
+    if (!quarantine.empty()) remove_quarantined(quarantine, conns, deadline);
     for (auto& w : work) {
       const std::uint64_t bytes = w.last.ok() ? w.item.bytes : 0;
       task.completion->complete(w.outer, w.last, bytes);
@@ -585,9 +630,14 @@ class RedisBackend final : public StorageBackend {
   // followed, I/O errors retried on a fresh connection with backoff. Keys whose
   // value failed verification are appended to *quarantine (even when the
   // connection broke later in the same pipeline).
-  void run(StorageOp op, std::vector<Work>& work, Conns& conns, std::vector<StorageKey>* quarantine) {
+  // Nothing waits past `deadline`: connects, socket timeouts and backoff are capped by what is
+  // left, and items still open when it passes complete with TimedOut.
+  void run(StorageOp op, std::vector<Work>& work, Conns& conns, std::vector<StorageKey>* quarantine,
+           Clock::time_point deadline) {
     auto backoff = config_.backoff_initial;
-    for (std::uint32_t attempt = 0; attempt <= config_.max_retries; ++attempt) {
+    std::uint32_t attempts = 0;
+    for (std::uint32_t attempt = 0; attempt <= config_.max_retries && Clock::now() < deadline; ++attempt) {
+      ++attempts;
       std::map<std::string, std::vector<Work*>> groups;
       for (auto& w : work)
         if (!w.done) groups[w.ask_node.empty() ? route(w.key) : w.ask_node].push_back(&w);
@@ -595,7 +645,12 @@ class RedisBackend final : public StorageBackend {
       bool refresh = false, need_backoff = false;
       for (auto& [node, items] : groups) {
         Status err;
-        redisContext* c = get_conn(conns, node, &err);
+        redisContext* c = get_conn(conns, node, &err, deadline);
+        if (c && !arm(c, deadline)) {
+          for (Work* w : items)
+            w->last = TimedOut(fmt::format("redis {} on {}: deadline passed", storage_op_name(op), node));
+          continue;
+        }
         if (!c) {
           if (err.code() == StatusCode::kFailedPrecondition) {
             for (Work* w : items) w->done = true;
@@ -615,9 +670,20 @@ class RedisBackend final : public StorageBackend {
         for (std::size_t i = 0; i < items.size() && !broken; ++i) {
           for (int part = asked[i] ? 0 : 1; part < 2; ++part) {
             void* raw = nullptr;
+            // Each read may wait one socket timeout: shortened to what is left once that is less.
+            if (capped(config_.command_timeout, deadline) < config_.command_timeout && !arm(c, deadline)) {
+              const Status st = TimedOut(fmt::format("redis {} on {}: deadline passed", storage_op_name(op), node));
+              for (std::size_t j = i; j < items.size(); ++j)
+                if (!items[j]->done) items[j]->last = st;
+              broken = true;  // replies still pending on the connection: it cannot be reused
+              break;
+            }
             if (redisGetReply(c, &raw) != REDIS_OK || raw == nullptr) {
-              const Status st = Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(op), node,
-                                                        c->errstr[0] ? c->errstr : "connection lost"));
+              const std::string what = c->errstr[0] ? c->errstr : "connection lost";
+              const Status st =
+                  Clock::now() >= deadline
+                      ? TimedOut(fmt::format("redis {} on {}: deadline passed ({})", storage_op_name(op), node, what))
+                      : Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(op), node, what));
               for (std::size_t j = i; j < items.size(); ++j)
                 if (!items[j]->done) items[j]->last = st;
               broken = true;
@@ -635,12 +701,18 @@ class RedisBackend final : public StorageBackend {
           refresh = true;
         }
       }
-      if (refresh && cluster_) refresh_slots(conns);
+      if (refresh && cluster_) refresh_slots(conns, deadline);
       if (need_backoff && attempt < config_.max_retries) {
-        std::this_thread::sleep_for(backoff);
+        const auto pause = capped(backoff, deadline);
+        if (pause.count() > 0) std::this_thread::sleep_for(pause);
         backoff = std::min(backoff * 2, config_.backoff_max);
       }
     }
+    if (Clock::now() < deadline) return;
+    for (auto& w : work)
+      if (!w.done && w.last.code() != StatusCode::kTimedOut)
+        w.last = TimedOut(fmt::format("redis {} of key {}: deadline passed after {} attempts (last: {})",
+                                      storage_op_name(op), w.key, attempts, w.last.to_string()));
   }
 
   // Deletes objects that failed verification, through the same routing and
@@ -650,14 +722,14 @@ class RedisBackend final : public StorageBackend {
   // and every later get verifies it again and reports DataLoss. (A good object
   // written by another instance between our GET and DEL is deleted too: that
   // costs one miss, never wrong bytes.)
-  void remove_quarantined(const std::vector<StorageKey>& keys, Conns& conns) {
+  void remove_quarantined(const std::vector<StorageKey>& keys, Conns& conns, Clock::time_point deadline) {
     std::vector<Work> dels(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) {
       dels[i].item.key = keys[i];
       dels[i].key = redis_key(keys[i]);
     }
     std::vector<StorageKey> unused;
-    run(StorageOp::kDelete, dels, conns, &unused);
+    run(StorageOp::kDelete, dels, conns, &unused, deadline);
     for (const Work& d : dels) {
       if (d.last.ok()) {
         ++quarantined_;

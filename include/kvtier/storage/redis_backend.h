@@ -14,7 +14,12 @@
 // map from CLUSTER SLOTS, MOVED -> refresh the map and retry, ASK -> ASKING +
 // retry on the named node, TRYAGAIN/CLUSTERDOWN/LOADING and I/O errors ->
 // reconnect and retry with exponential backoff, up to max_retries; then the
-// item completes with Unavailable. Every connection authenticates (AUTH
+// item completes with Unavailable. Retries, reconnects and backoff all stay
+// inside the item's deadline (item_deadline from its sub-batch's start,
+// batch_deadline from post()): connects and socket timeouts are capped by
+// what is left, and an item out of time completes with TimedOut. A hung
+// server (accepting connections, never answering) therefore costs a caller
+// at most the deadline, not (max_retries + 1) x command_timeout. Every connection authenticates (AUTH
 // [username] password) when a password is set.
 //
 // A get that fails verification deletes the key (quarantine = removal: the
@@ -44,7 +49,7 @@ struct RedisBackendConfig {
   std::string username;                // optional (Redis 6 ACL user)
   std::string password;                // empty: no AUTH
   std::string key_prefix = "kvtier";
-  RedisMode mode = RedisMode::kAuto;   // kAuto asks CLUSTER SLOTS
+  RedisMode mode = RedisMode::kAuto;  // kAuto asks CLUSTER SLOTS
   std::chrono::milliseconds connect_timeout{1000};
   std::chrono::milliseconds command_timeout{5000};
   std::uint32_t workers = 2;
@@ -52,7 +57,13 @@ struct RedisBackendConfig {
   std::uint32_t max_retries = 4;
   std::chrono::milliseconds backoff_initial{5};
   std::chrono::milliseconds backoff_max{500};
-  std::uint64_t ttl_seconds = 0;       // 0: no expiry
+  std::uint64_t ttl_seconds = 0;  // 0: no expiry
+  // Overall bounds a caller sees, across retries, reconnects and backoff (the per-call timeouts
+  // above only bound one connect or one reply): every item completes within item_deadline of the
+  // moment a worker starts its sub-batch, and every item of a batch within batch_deadline of
+  // post(). An item out of time completes with TimedOut, which the cache manager takes as a miss.
+  std::chrono::milliseconds item_deadline{5000};
+  std::chrono::milliseconds batch_deadline{10000};
 };
 
 // Connects to the first reachable endpoint, authenticates and (cluster mode)

@@ -263,7 +263,8 @@ Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch 
 
 // Creates a backend from a spec string (for tools and configuration):
 //   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>]
-//   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&workers=<n>]
+//   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&item_deadline_ms=<n>&
+//          batch_deadline_ms=<n>&workers=<n>]
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options);
 
 }  // namespace kvtier::storage

@@ -1,0 +1,29 @@
+#include "kvtier/storage/storage_config.h"
+
+namespace kvtier::storage {
+
+void bind_redis_backend_config(ConfigTable& t, RedisBackendConfig& c, const std::string& p) {
+  t.add(p + ".connect_timeout", &c.connect_timeout, "Redis: limit of one connect (capped by the deadlines)");
+  t.add(p + ".command_timeout", &c.command_timeout,
+        "Redis: limit of one socket read or write (capped by the deadlines)");
+  t.add(p + ".item_deadline", &c.item_deadline,
+        "Redis: every item completes within this of its sub-batch's start, retries and reconnects "
+        "included (TimedOut after)");
+  t.add(p + ".batch_deadline", &c.batch_deadline,
+        "Redis: every item of a batch completes within this of post(), queueing included (TimedOut after)");
+  t.add(p + ".max_retries", &c.max_retries,
+        "Redis: retries of an item after I/O errors and TRYAGAIN (within the deadlines)");
+  t.add(p + ".workers", &c.workers, "Redis: worker threads (connections per node)");
+  t.add(p + ".max_batch_items", &c.max_batch_items, "Redis: items per pipelined sub-batch");
+  t.add(p + ".ttl_seconds", &c.ttl_seconds, "Redis: expiry of every put (0: none)");
+}
+
+void bind_disk_backend_config(ConfigTable& t, DiskBackendConfig& c, const std::string& p) {
+  t.add(p + ".capacity_bytes", &c.capacity_bytes, "disk: capacity incl. headers (0: unlimited)");
+  t.add(p + ".queue_depth", &c.queue_depth, "disk: items in flight on the io_uring ring");
+  t.add(p + ".verify_payload_on_open", &c.verify_payload_on_open,
+        "disk: verify every payload checksum while rebuilding the index");
+  t.add(p + ".max_free_files", &c.max_free_files, "disk: recycled-file pool size");
+}
+
+}  // namespace kvtier::storage

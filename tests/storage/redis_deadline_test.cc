@@ -1,0 +1,121 @@
+// Overall deadlines of Redis storage operations against a hung server: a redis-server this test
+// starts itself accepts connections but answers nothing once stopped with SIGSTOP. Before the
+// deadlines, one get took (max_retries + 1) x command_timeout (25.8 s with the defaults) and a
+// batch of 200 twice that; now each returns within its deadline plus a small margin, as TimedOut.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "kvtier/storage/redis_backend.h"
+#include "kvtier/storage/storage_config.h"
+#include "storage/redis_server.h"
+#include "storage/storage_test_util.h"
+
+namespace kvtier::storage {
+namespace {
+
+using testing::fill_random;
+using testing::key_of;
+using testing::RedisServer;
+using Clock = std::chrono::steady_clock;
+
+// Scheduling and the sanitizers' slowdown; far below one command_timeout (5 s).
+constexpr std::chrono::milliseconds kMargin{400};
+
+std::chrono::milliseconds since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
+}
+
+TEST(RedisDeadline, HungServerGetReturnsWithinItsDeadline) {
+  RedisServer server;
+  ASSERT_TRUE(server.error().empty()) << server.error();
+  RedisBackendConfig c;
+  c.endpoints = {server.endpoint()};
+  c.mode = RedisMode::kSingle;
+  c.item_deadline = std::chrono::milliseconds(500);
+  c.batch_deadline = std::chrono::milliseconds(1000);
+  // The defaults otherwise: 5 s command timeout, 4 retries, each on a fresh connection.
+  auto b = create_redis_backend(c, StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  constexpr int kN = 200;
+  constexpr std::size_t kBytes = 4096;
+  std::vector<std::byte> src(kN * kBytes), dst(kN * kBytes);
+  fill_random(src.data(), src.size(), 5);
+  StorageBatch put{StorageOp::kPut, {}};
+  for (int i = 0; i < kN; ++i) put.items.push_back({key_of(11, i), src.data() + i * kBytes, kBytes});
+  auto pr = run_batch(**b, put);
+  ASSERT_TRUE(pr.ok());
+  for (auto& r : *pr) ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+
+  server.stop();
+  auto t0 = Clock::now();
+  auto one =
+      run_batch(**b, StorageBatch{StorageOp::kGet, {{key_of(11, 0), dst.data(), kBytes}}}, std::chrono::seconds(60));
+  const auto single_ms = since(t0);
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  EXPECT_EQ((*one)[0].status.code(), StatusCode::kTimedOut) << (*one)[0].status.to_string();
+  EXPECT_LE(single_ms, c.item_deadline + kMargin);
+
+  StorageBatch get{StorageOp::kGet, {}};
+  for (int i = 0; i < kN; ++i) get.items.push_back({key_of(11, i), dst.data() + i * kBytes, kBytes});
+  t0 = Clock::now();
+  auto many = run_batch(**b, get, std::chrono::seconds(120));
+  const auto batch_ms = since(t0);
+  ASSERT_TRUE(many.ok()) << many.status().to_string();
+  for (auto& r : *many) EXPECT_EQ(r.status.code(), StatusCode::kTimedOut) << r.status.to_string();
+  EXPECT_LE(batch_ms, c.batch_deadline + kMargin);
+
+  // Back: the backend reconnects and serves the stored bytes.
+  server.resume();
+  std::memset(dst.data(), 0, dst.size());
+  auto again = run_batch(**b, get, std::chrono::seconds(30));
+  ASSERT_TRUE(again.ok());
+  for (auto& r : *again) ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), src.size()), 0);
+  EXPECT_GE((*b)->stats().reconnects, 1u);
+}
+
+TEST(RedisDeadline, HungServerPutReturnsWithinItsDeadline) {
+  RedisServer server;
+  ASSERT_TRUE(server.error().empty()) << server.error();
+  RedisBackendConfig c;
+  c.endpoints = {server.endpoint()};
+  c.mode = RedisMode::kSingle;
+  c.item_deadline = std::chrono::milliseconds(300);
+  auto b = create_redis_backend(c, StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  std::vector<std::byte> src(4096);
+  server.stop();
+  const auto t0 = Clock::now();
+  auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(12, 0), src.data(), src.size()}}},
+                     std::chrono::seconds(60));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0].status.code(), StatusCode::kTimedOut) << (*r)[0].status.to_string();
+  EXPECT_LE(since(t0), c.item_deadline + kMargin);
+}
+
+TEST(RedisDeadline, DeadlinesAreValidated) {
+  RedisBackendConfig c;
+  c.endpoints = {"127.0.0.1:1"};
+  c.item_deadline = std::chrono::milliseconds(0);
+  EXPECT_EQ(create_redis_backend(c, StorageOptions{}).status().code(), StatusCode::kInvalidArgument);
+  c.item_deadline = std::chrono::milliseconds(100);
+  c.batch_deadline = std::chrono::milliseconds(-1);
+  EXPECT_EQ(create_redis_backend(c, StorageOptions{}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RedisDeadline, KnobsInTheConfigTable) {
+  RedisBackendConfig c;
+  ConfigTable t;
+  bind_redis_backend_config(t, c);
+  ASSERT_TRUE(t.apply_text("storage.redis.item_deadline = 250ms\nstorage.redis.batch_deadline = 2s\n").ok());
+  EXPECT_EQ(c.item_deadline, std::chrono::milliseconds(250));
+  EXPECT_EQ(c.batch_deadline, std::chrono::milliseconds(2000));
+  EXPECT_FALSE(t.set("storage.redis.item_deadline", "-5ms").ok());
+  EXPECT_EQ(c.item_deadline, std::chrono::milliseconds(250));
+}
+
+}  // namespace
+}  // namespace kvtier::storage
