@@ -18,6 +18,8 @@ namespace kvtier::copy_detail {
 namespace {
 constexpr auto kSlotWaitTimeout = std::chrono::seconds(120);
 constexpr std::uint64_t kMinSlotBytes = 16 * 1024;
+// Smallest work item the kernel is cut into for small requests: 32 lanes x 16 B x 4 loads in flight.
+constexpr std::uint64_t kMinItemBytes = 2048;
 }  // namespace
 
 Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t bytes) {
@@ -66,7 +68,18 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
                                0,
                                0};
     }
-    const std::uint32_t items_per_pair = assign_items(kplanes.data(), g, options_.sm_item_bytes);
+    // Small requests get smaller items, so that every warp of max_ctas CTAs
+    // has one (a 1 MiB request of 32 KiB blocks in 64 KiB items kept 2 CTAs
+    // busy, at 0.63 of the H2D ceiling); never below kMinItemBytes, where a
+    // warp's 16-byte lanes with kUnroll loads in flight would idle.
+    std::uint64_t payload = 0;
+    for (std::uint32_t i = 0; i < g; ++i) payload += kplanes[i].block_bytes;
+    payload *= n;
+    const std::uint64_t warps_wanted = std::uint64_t{max_ctas} * warps_per_cta;
+    const std::uint64_t fair = ((payload + warps_wanted - 1) / warps_wanted + 15) / 16 * 16;
+    const auto item_bytes = static_cast<std::uint32_t>(
+        std::min<std::uint64_t>(options_.sm_item_bytes, std::max<std::uint64_t>(fair, kMinItemBytes)));
+    const std::uint32_t items_per_pair = assign_items(kplanes.data(), g, item_bytes);
     auto ctas_for_items = [&](std::uint64_t items) {
       const std::uint64_t useful = (items + warps_per_cta - 1) / warps_per_cta;
       return static_cast<std::uint32_t>(std::max<std::uint64_t>(1, std::min<std::uint64_t>(max_ctas, useful)));
@@ -89,7 +102,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
         KernelArgs args;
         args.num_planes = g;
         args.num_pairs = count;
-        args.item_bytes = options_.sm_item_bytes;
+        args.item_bytes = item_bytes;
         args.items_per_pair = items_per_pair;
         args.num_items = std::uint64_t{count} * items_per_pair;
         const std::uint32_t ctas = ctas_for_items(args.num_items);
@@ -128,7 +141,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
       args.pairs = reinterpret_cast<const KernelPair*>(base + plane_bytes);
       args.num_planes = g;
       args.num_pairs = count;
-      args.item_bytes = options_.sm_item_bytes;
+      args.item_bytes = item_bytes;
       args.items_per_pair = items_per_pair;
       args.num_items = std::uint64_t{count} * items_per_pair;
       const std::uint32_t ctas = ctas_for_items(args.num_items);

@@ -699,6 +699,29 @@ TEST_F(CopyEngineTest, InlineDescriptorsAtTheirLimits) {
   EXPECT_EQ(make_engine(too_many).code(), StatusCode::kInvalidArgument);
 }
 
+// A small request is cut into items small enough for every CTA of the launch
+// (32 blocks of 32 KiB in 64 KiB items once kept 2 of 16 CTAs busy).
+TEST_F(CopyEngineTest, SmallRequestsSpreadOverEveryCta) {
+  CopyEngineOptions o;
+  ASSERT_TRUE(make_engine(o).ok());
+  auto layout = KvLayout::uniform(1, 1, 32 * 1024);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 64);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 64);
+  ASSERT_TRUE(dev && host);
+  fill_random(*host, 77);
+  fill_poison(*dev);
+  auto s = random_ids(64, 32, 78);
+  auto d = random_ids(64, 32, 79);
+  const CopyReport up =
+      copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, s, d, {}, kAllRoles, CopyStrategy::kSmKernel});
+  EXPECT_EQ(up.ctas, o.sm_ctas_h2d);
+  fill_poison(*host);
+  const CopyReport down =
+      copy_and_check(*dev, *host, CopyRequest{&dev->space, &host->space, d, s, {}, kAllRoles, CopyStrategy::kSmKernel});
+  EXPECT_EQ(down.ctas, o.sm_ctas_d2h);
+}
+
 TEST_F(CopyEngineTest, ManyPlanesSplitAcrossLaunches) {
   auto layout = KvLayout::uniform(130, 2, 48);  // 260 planes > one launch's table
   ASSERT_TRUE(layout.ok());

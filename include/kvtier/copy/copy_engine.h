@@ -190,7 +190,8 @@ struct CopyEngineOptions {
   std::uint32_t sm_threads_per_cta = 512;  // multiple of 32, <= 1024
   // Bytes of one kernel work item: each (pair, plane) is split into items of
   // at most this size so that a few large blocks still spread over all warps.
-  // Multiple of 16.
+  // Multiple of 16. A request too small to give every warp of the launch an
+  // item of this size is cut finer (payload / warps, at least 2 KiB).
   std::uint32_t sm_item_bytes = 64 * 1024;
   // true: descriptors (pair list + plane table) are uploaded to device memory
   // with one memcpy_async before the kernel, so the kernel's descriptor reads
