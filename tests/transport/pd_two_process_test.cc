@@ -1,0 +1,302 @@
+// Prefill and decode in two processes over UCX on 127.0.0.1 (TCP). The test is the decode side; it re-executes
+// its own binary as the prefill helper (KVTIER_PD_HELPER in the environment selects the helper before gtest
+// starts). Blobs travel over pipes. Every wait is bounded and the helper kills itself after 30 s (alarm).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "kvtier/cache/cache_manager.h"
+#include "kvtier/transport/pd.h"
+#include "transport/pd_test_util.h"
+
+extern char** environ;
+
+namespace kvtier::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::HostBlocks;
+using testing::layer_matches;
+using testing::pd_layout;
+
+constexpr int kLayers = 4;
+const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
+constexpr TransferId kXid = 77;
+
+bool write_all(int fd, const void* p, std::size_t n) {
+  const auto* b = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = ::write(fd, b, n);
+    if (w <= 0) return false;
+    b += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* p, std::size_t n, std::chrono::milliseconds timeout) {
+  auto* b = static_cast<char*>(p);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (n > 0) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, static_cast<int>(left.count())) <= 0) continue;
+    ssize_t r = ::read(fd, b, n);
+    if (r <= 0) return false;
+    b += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+bool send_blob(int fd, const std::vector<std::byte>& blob) {
+  const std::uint32_t n = static_cast<std::uint32_t>(blob.size());
+  return write_all(fd, &n, 4) && write_all(fd, blob.data(), blob.size());
+}
+
+Result<std::vector<std::byte>> recv_blob(int fd) {
+  std::uint32_t n = 0;
+  if (!read_all(fd, &n, 4, 10s) || n > (1u << 24)) return Unavailable("no blob from the other process");
+  std::vector<std::byte> b(n);
+  if (!read_all(fd, b.data(), n, 10s)) return Unavailable("truncated blob from the other process");
+  return b;
+}
+
+struct HelperArgs {
+  PdMode mode = PdMode::kPush;
+  int layer_ms = 0;                // layer l is ready at start + (l + 1) * layer_ms
+  std::uint64_t wrong_layout = 0;  // nonzero: the prefill's blocks are of another size (another fingerprint)
+  std::int64_t corrupt_op = -1;
+  int in_fd = -1, out_fd = -1;
+};
+
+// The prefill process. Exit codes: 0 done, 3 refused peer, 4 transfer failed, 5 setup.
+int run_helper(const HelperArgs& a) {
+  alarm(30);
+  const KvLayout layout = a.wrong_layout != 0 ? pd_layout(kLayers, 4096) : pd_layout(kLayers);
+  HostBlocks mem = HostBlocks::make(layout, 8, true);
+  auto t = create_ucx_transport({"prefill", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+  if (!t.ok()) return 5;
+  std::unique_ptr<Transport> transport = wrap_with_wire_faults(std::move(t).value(), WireFaults{a.corrupt_op, 17});
+  auto pre = PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
+  if (!pre.ok()) return 5;
+  auto blob = transport->export_metadata();
+  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
+  auto peer_blob = recv_blob(a.in_fd);
+  if (!peer_blob.ok()) return 5;
+  auto peer = transport->load_peer(*peer_blob);
+  if (!peer.ok()) {
+    std::fprintf(stderr, "prefill helper: %s\n", peer.status().to_string().c_str());
+    return 3;
+  }
+  if (!(*pre)->begin(*peer, kXid, kSrc).ok()) return 5;
+  const auto start = std::chrono::steady_clock::now();
+  for (std::uint32_t l = 0; l < kLayers; ++l) {
+    const auto at = start + (l + 1) * std::chrono::milliseconds(a.layer_ms);
+    // The "forward pass" finishes layer l at `at`; the progress thread polls this, never blocking.
+    if (!(*pre)->layer_ready(kXid, l, [at] { return Result<bool>(std::chrono::steady_clock::now() >= at); }).ok())
+      return 5;
+  }
+  auto st = (*pre)->wait(kXid, 20s);
+  // Give the decode side's last messages time to be acknowledged before the endpoint closes.
+  std::this_thread::sleep_for(50ms);
+  return st.ok() && st->done ? 0 : 4;
+}
+
+// The spawned helper runs this test only (--gtest_filter); in the test run itself it skips.
+TEST(PdHelper, PrefillProcess) {
+  const char* spec = std::getenv("KVTIER_PD_HELPER");
+  if (spec == nullptr) GTEST_SKIP() << "runs only as the spawned prefill process";
+  HelperArgs a;
+  int mode = 0;
+  long long wrong = 0, op = -1;
+  if (std::sscanf(spec, "%d %d %lld %lld %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd) != 6) _exit(5);
+  a.mode = static_cast<PdMode>(mode);
+  a.wrong_layout = static_cast<std::uint64_t>(wrong);
+  a.corrupt_op = op;
+  std::fflush(stdout);
+  _exit(run_helper(a));
+}
+
+struct Child {
+  pid_t pid = -1;
+  int to_child = -1, from_child = -1;
+
+  static Result<Child> spawn(const HelperArgs& a) {
+    int down[2], up[2];
+    if (pipe(down) != 0 || pipe(up) != 0) return Internal("pipe");
+    Child c;
+    const std::string spec =
+        fmt::format("{} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms, static_cast<long long>(a.wrong_layout),
+                    static_cast<long long>(a.corrupt_op), down[0], up[1]);
+    c.pid = fork();
+    if (c.pid < 0) return Internal("fork");
+    if (c.pid == 0) {
+      close(down[1]);
+      close(up[0]);
+      setenv("KVTIER_PD_HELPER", spec.c_str(), 1);
+      char self[] = "/proc/self/exe";
+      char filter[] = "--gtest_filter=PdHelper.PrefillProcess";
+      char* argv[] = {self, filter, nullptr};
+      execve(self, argv, environ);
+      _exit(127);
+    }
+    close(down[0]);
+    close(up[1]);
+    c.to_child = down[1];
+    c.from_child = up[0];
+    return c;
+  }
+
+  // Exit status, or -signal; -1000 on timeout (then the child is killed).
+  int reap(std::chrono::milliseconds timeout = 15s) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    int status = 0;
+    while (std::chrono::steady_clock::now() < deadline) {
+      pid_t r = waitpid(pid, &status, WNOHANG);
+      if (r == pid) {
+        close(to_child);
+        close(from_child);
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return -1000;
+  }
+};
+
+// The decode side, connected to a freshly spawned prefill.
+struct DecodeRig {
+  KvLayout layout = pd_layout(kLayers);
+  HostBlocks mem = HostBlocks::make(layout, 8, false);
+  std::unique_ptr<Transport> t;
+  std::unique_ptr<PdDecode> dec;
+  Child child;
+  PeerId peer = 0;
+  Status load_status;
+
+  void start(const HelperArgs& a, WireFaults faults = {}) {
+    auto tr = create_ucx_transport({"decode", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+    ASSERT_TRUE(tr.ok()) << tr.status().to_string();
+    t = wrap_with_wire_faults(std::move(tr).value(), faults);
+    auto d = PdDecode::create(*t, mem.space, PdOptions{50ms, 500ms});
+    ASSERT_TRUE(d.ok()) << d.status().to_string();
+    dec = std::move(d).value();
+    auto c = Child::spawn(a);
+    ASSERT_TRUE(c.ok());
+    child = *c;
+    ASSERT_TRUE(send_blob(child.to_child, t->export_metadata().value()));
+    auto blob = recv_blob(child.from_child);
+    ASSERT_TRUE(blob.ok()) << blob.status().to_string();
+    auto p = t->load_peer(*blob);
+    load_status = p.status();
+    if (p.ok()) peer = *p;
+  }
+};
+
+class TwoProcess : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(TwoProcess, LayerWiseTransferIsByteExactAndDecodeWaitsPerLayer) {
+  DecodeRig rig;
+  rig.start(HelperArgs{GetParam(), 150});
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  const std::vector<std::uint64_t> dst = {6, 0, 2, 4};
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
+  for (std::uint32_t l = 0; l < kLayers; ++l) {
+    auto ls = rig.dec->wait_layer(kXid, l, 10s);
+    ASSERT_TRUE(ls.ok()) << ls.status().to_string();
+    ASSERT_EQ(*ls, LayerState::kLoaded) << "layer " << l;
+    // This layer's attention could run now: its bytes are in place, while later layers are still coming.
+    for (std::size_t i = 0; i < dst.size(); ++i) EXPECT_TRUE(layer_matches(rig.mem.space, dst[i], l, kSrc[i]));
+    if (l == 0) {
+      auto s = rig.dec->status(kXid);
+      ASSERT_TRUE(s.ok());
+      EXPECT_EQ(s->layers[kLayers - 1], LayerState::kPending);
+    }
+  }
+  auto fin = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  EXPECT_EQ(rig.child.reap(), 0);
+}
+
+TEST_P(TwoProcess, PrefillKilledMidTransferFailsTheUnfinishedLayersAndTheBlocksReturnAfterTheLease) {
+  cache::CacheConfig cfg;
+  cfg.device_blocks = 8;
+  auto cm = cache::CacheManager::create(cfg).value();
+  std::vector<cache::BlockKey> keys = {{1, 1}, {2, 2}, {3, 3}, {4, 4}};
+  auto adm = cm->admit(keys);
+  ASSERT_TRUE(adm.ok());
+  ASSERT_EQ(cm->stats().tiers[0].used, 4u);
+  DecodeRig rig;
+  rig.start(HelperArgs{GetParam(), 300});
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  std::vector<std::uint64_t> dst(adm->device_blocks.begin(), adm->device_blocks.end());
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
+  ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
+  kill(rig.child.pid, SIGKILL);
+  EXPECT_EQ(rig.child.reap(), -SIGKILL);
+  auto fin = rig.dec->wait(kXid, 10s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
+  for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_EQ(fin->block_loaded, std::vector<bool>(4, false));
+  EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+  EXPECT_FALSE(fin->error.ok());
+  auto rec = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(rec.ok()) << rec.status().to_string();
+  EXPECT_TRUE(rec->reclaimable);
+  // Nothing is committed; releasing the admission returns every block to the pool.
+  ASSERT_TRUE(cm->commit(adm->id, rec->leading_loaded_blocks()).ok());
+  ASSERT_TRUE(cm->release(adm->id).ok());
+  EXPECT_EQ(cm->stats().tiers[0].used, 0u);
+  EXPECT_EQ(cm->match(keys).device_blocks, 0u);
+  EXPECT_TRUE(rig.dec->forget(kXid).ok());
+}
+
+TEST_P(TwoProcess, ACorruptedByteOnTheWireIsCaughtByTheChecksum) {
+  DecodeRig rig;
+  // Op 2 * 4 + 1: layer 1, role 0, position 1; on the prefill's writes (push) or the decode's reads (pull).
+  const std::int64_t op = 2 * 4 + 1;
+  rig.start(HelperArgs{GetParam(), 0, 0, GetParam() == PdMode::kPush ? op : -1},
+            GetParam() == PdMode::kPull ? WireFaults{op, 17} : WireFaults{});
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), {0, 1, 2, 3}).ok());
+  auto fin = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->layers[1], LayerState::kPartial);
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, false, true, true}));
+  EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss) << fin->error.to_string();
+  EXPECT_FALSE(layer_matches(rig.mem.space, 1, 1, kSrc[1]));
+  EXPECT_EQ(rig.child.reap(), 4);  // the prefill hears the transfer failed
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TwoProcess, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
+TEST(TwoProcessBlob, APeerOfAnotherLayoutIsRefusedOnBothSides) {
+  DecodeRig rig;
+  rig.start(HelperArgs{PdMode::kPush, 0, 1});
+  ASSERT_FALSE(rig.load_status.ok());
+  EXPECT_EQ(rig.load_status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(rig.load_status.message().find(fmt::format("{:#018x}", pd_layout(kLayers, 4096).fingerprint())),
+            std::string::npos)
+      << rig.load_status.to_string();
+  EXPECT_NE(rig.load_status.message().find(fmt::format("{:#018x}", rig.layout.fingerprint())), std::string::npos);
+  EXPECT_EQ(rig.child.reap(), 3);
+}
+
+}  // namespace
+}  // namespace kvtier::transport
