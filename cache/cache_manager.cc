@@ -240,6 +240,7 @@ Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
       s.nodes[nid].hits = parent == Impl::kRoot ? past : std::min(past, s.nodes[parent].hits);
       s.set_block(nid, kDev, rec.blocks[pos]);
       s.nodes[nid].present = bit(kDev);
+      s.announce(nid);
       s.retier(nid);
       rec.owned[pos] = 0;
       added.push_back(nid);
@@ -253,6 +254,7 @@ Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
       if (n.state == NodeState::kSettled && !(n.present & bit(kDev))) {
         s.set_block(nid, kDev, rec.blocks[pos]);
         n.present |= bit(kDev);
+        s.announce(nid);
         s.retier(nid);
         rec.owned[pos] = 0;
         added.push_back(nid);

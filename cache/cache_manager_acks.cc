@@ -29,6 +29,7 @@ Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const S
       s.reclaim_if_dead(id);
     } else if (status.ok()) {
       n.present |= bit(kHst);
+      s.announce(id);
       s.policy[kHst]->insert(id, s.info(id));
       s.retier(id);
       s.store_through(id);
@@ -54,6 +55,7 @@ Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Sta
       s.reclaim_if_dead(id);
     } else if (status.ok()) {
       n.present |= bit(kHst);
+      s.announce(id);
       s.policy[kHst]->insert(id, s.info(id));
       s.store_through(id);
     } else {
@@ -79,6 +81,7 @@ Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Sta
       s.reclaim_if_dead(id);
     } else if (status.ok()) {
       n.present |= bit(kDev);
+      s.announce(id);
       landed.push_back(id);
     } else {
       // Device bytes are garbage, and so is anything computed on top of them.
@@ -117,6 +120,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
     }
     if (status.ok()) {
       n.present |= bit(kSto);
+      s.announce(id);
       n.write_failed = false;
       s.policy[kSto]->insert(id, s.info(id));
       if (demoting) {  // the host block was read by the write: free it only now
@@ -135,6 +139,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
           continue;
         }
         n.present |= bit(kHst);  // the host copy is intact: it stays
+        s.announce(id);
         n.write_failed = true;
         s.policy[kHst]->insert(id, s.info(id));
       }
@@ -157,6 +162,7 @@ Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks
       s.reclaim_if_dead(id);
     } else if (status.ok()) {
       n.present |= bit(kHst);
+      s.announce(id);
       s.policy[kHst]->insert(id, s.info(id));
       s.retier(id);
     } else {

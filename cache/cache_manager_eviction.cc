@@ -82,6 +82,7 @@ bool CacheManager::Impl::start_demotion(NodeId v) {
   plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
   policy[kHst]->erase(v);
   n.present = static_cast<std::uint8_t>(n.present & ~bit(kHst));  // block kept until the ack
+  announce(v);
   set_block(v, kSto, *slot);
   n.state = NodeState::kDemoting;
   retier(v);

@@ -20,6 +20,7 @@
 #include "cache/key_index.h"
 #include "cache/use_history.h"
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/metrics/kv_events.h"
 
 namespace kvtier::cache {
 
@@ -52,6 +53,7 @@ struct Node {
   // A storage write of this host copy failed: under pressure it is dropped rather than written again.
   bool write_failed = false;
   std::uint8_t counted_tier = kNoTier;  // the tier this node counts as in its parent's child_tier
+  std::uint8_t announced = 0;           // tiers a BlockStored event was emitted for and not yet removed
   std::uint32_t refs = 0;
   std::uint32_t hits = 0;
   std::uint32_t depth = 0;
@@ -92,10 +94,22 @@ struct CacheManager::Impl {
   std::uint32_t pending_demotions = 0;
   std::uint64_t failed_writes_in_a_row = 0;  // storage writes failed since the last one that succeeded
   std::unique_ptr<UseHistory> history;
+  // KV events (enable_kv_events()): emitted by announce() wherever a settled copy joins or leaves the index.
+  bool events_on = false;
+  std::uint32_t event_block_size = 0;
+  metrics::Medium storage_medium = metrics::Medium::kDisk;
+  std::vector<metrics::KvEvent> events;
 
   static constexpr NodeId kRoot = 0;
 
   bool has_tier(int t) const { return pools[t].capacity() > 0; }
+
+  // ---- KV events (cache_manager_events.cc) ------------------------------------
+  // Emits the difference between what was announced for n and its indexed settled copies now.
+  void announce(NodeId id) {
+    if (events_on) announce_slow(id);
+  }
+  void announce_slow(NodeId id);
 
   // ---- node bookkeeping ----------------------------------------------------
   int eventual_tier(const Node& n) const {
@@ -193,6 +207,7 @@ struct CacheManager::Impl {
     n.block[t] = kNoBlock;
     n.present = static_cast<std::uint8_t>(n.present & ~bit(t));
     policy[t]->erase(id);
+    announce(id);
   }
 
   // Removes a childless, unreferenced, settled node with no copies left.
@@ -235,6 +250,7 @@ struct CacheManager::Impl {
       nodes[*it].detached = true;
       nodes[*it].first_child = kNoNode;
     }
+    for (NodeId x : all) announce(x);
     for (NodeId x : all) reclaim_if_dead(x);
   }
 

@@ -39,6 +39,7 @@
 #include "kvtier/cache/block_pool.h"
 #include "kvtier/cache/eviction_policy.h"
 #include "kvtier/core/status.h"
+#include "kvtier/metrics/kv_events.h"
 
 namespace kvtier::cache {
 
@@ -234,6 +235,23 @@ class CacheManager {
   std::uint32_t reclaimable_device_blocks() const;
   // Internal, O(nodes): tree links, tier order, in-flight bookkeeping, pool ownership, reference counts.
   Status check_invariants() const;
+
+  // KV events (vLLM's schema, metrics/kv_events.h): from this call on, every settled copy that joins
+  // the index is a BlockStored of its tier's medium (device GPU, host CPU, storage `storage_medium`),
+  // every one that leaves it (dropped, evicted, invalidated) a BlockRemoved; copies already indexed are
+  // announced at once. Consecutive blocks of one chain and medium share an event. `block_size` is the
+  // tokens per block reported in BlockStored (token ids are not known here: empty). Off by default
+  // (then no cost but one branch per index change).
+  void enable_kv_events(std::uint32_t block_size, metrics::Medium storage_medium = metrics::Medium::kDisk);
+  // The events since the last call, in order (one step's batch).
+  std::vector<metrics::KvEvent> take_events();
+  struct CachedBlock {
+    BlockKey key;
+    Tier tier;
+    friend bool operator==(const CachedBlock&, const CachedBlock&) = default;
+  };
+  // Every settled copy in the index, by (key, tier): what KV events describe. O(nodes).
+  std::vector<CachedBlock> cached_blocks() const;
 
   struct Impl;
 

@@ -1,0 +1,203 @@
+// A subscriber rebuilds the cache manager's index from its KV events: after every step of a replay of
+// the Mooncake conversation trace (its committed sample), the set of (block, medium) built from the
+// events, sent through the msgpack wire format, equals CacheManager::cached_blocks().
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvtier/cache/block_key.h"
+#include "kvtier/cache/cache_manager.h"
+#include "kvtier/cache/replay.h"
+#include "kvtier/metrics/kv_events.h"
+
+namespace kvtier::cache {
+namespace {
+
+using metrics::BlockHash;
+using metrics::Medium;
+using Entry = std::pair<BlockHash, Medium>;
+
+const std::string kTrace = std::string(KVTIER_SOURCE_DIR) + "/data/traces/mooncake_sample.jsonl";
+
+Medium medium_of(Tier t) {
+  return t == Tier::kDevice ? Medium::kGpu : t == Tier::kHost ? Medium::kCpu : Medium::kRemote;
+}
+
+class Subscriber {
+ public:
+  // Applies one batch as received over the wire; fails the test on an event that contradicts the state.
+  void apply(const std::string& wire, std::uint64_t seq) {
+    ASSERT_EQ(seq, next_seq_);
+    ++next_seq_;
+    auto batch = metrics::decode_msgpack(wire);
+    ASSERT_TRUE(batch.ok()) << batch.status().to_string();
+    for (const metrics::KvEvent& ev : batch->events) {
+      if (const auto* s = std::get_if<metrics::BlockStored>(&ev)) {
+        ASSERT_TRUE(s->medium.has_value());
+        EXPECT_EQ(s->block_size, 512u);
+        for (const BlockHash& h : s->block_hashes) EXPECT_TRUE(set_.insert({h, *s->medium}).second) << "stored twice";
+        ++stored_;
+      } else if (const auto* r = std::get_if<metrics::BlockRemoved>(&ev)) {
+        ASSERT_TRUE(r->medium.has_value());
+        for (const BlockHash& h : r->block_hashes) EXPECT_EQ(set_.erase({h, *r->medium}), 1u) << "removed unknown";
+        ++removed_;
+      } else {
+        set_.clear();
+      }
+    }
+  }
+  const std::set<Entry>& set() const { return set_; }
+  std::uint64_t stored() const { return stored_; }
+  std::uint64_t removed() const { return removed_; }
+
+ private:
+  std::set<Entry> set_;
+  std::uint64_t next_seq_ = 0, stored_ = 0, removed_ = 0;
+};
+
+std::set<Entry> index_of(const CacheManager& cm) {
+  std::set<Entry> out;
+  for (const auto& b : cm.cached_blocks()) out.insert({BlockHash{b.key.hi, b.key.lo}, medium_of(b.tier)});
+  return out;
+}
+
+void check_rebuild(const std::vector<TraceRequest>& trace, CacheConfig cfg, int fail_every) {
+  auto cm = CacheManager::create(cfg);
+  ASSERT_TRUE(cm.ok()) << cm.status().to_string();
+  CacheManager& c = **cm;
+  c.enable_kv_events(512, Medium::kRemote);
+  KeyNamespace ns;
+  ns.model_id = "test/model";
+  ns.block_tokens = 512;
+  auto hasher = KeyHasher::create(ns);
+  ASSERT_TRUE(hasher.ok());
+  Subscriber sub;
+  std::uint64_t seq = 0, steps = 0, acks = 0;
+  std::uint64_t removed_in_index = 0;
+  auto step = [&](const char* where, std::size_t req) {
+    ++steps;
+    std::vector<metrics::KvEvent> events = c.take_events();
+    if (!events.empty()) {
+      metrics::EventBatch b{metrics::unix_time_now(), std::move(events), std::nullopt};
+      sub.apply(metrics::encode_msgpack(b), seq++);
+    }
+    ASSERT_EQ(sub.set(), index_of(c)) << "after " << where << " of request " << req;
+  };
+  // Acks a step's plan; every fail_every-th plan fails (invalidations, retries on host copies).
+  auto drive = [&](std::size_t req) {
+    for (int round = 0; round < 4; ++round) {
+      StepPlan p = c.take_plan();
+      if (p.empty()) return;
+      ++acks;
+      const bool fail = fail_every > 0 && acks % fail_every == 0;
+      ASSERT_TRUE(c.ack_plan(p, fail ? Unavailable("injected") : Status::Ok()).ok());
+      step("acks", req);
+    }
+  };
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const TraceRequest& r = trace[i];
+    const std::size_t full = std::min<std::size_t>(r.hash_ids.size(), r.input_length / 512);
+    std::vector<BlockKey> keys = hasher->keys_for_ids(std::span<const std::uint64_t>(r.hash_ids.data(), full));
+    if (keys.size() + 1 > cfg.device_blocks) keys.resize(cfg.device_blocks - 1);
+    if (cfg.storage_blocks > 0 && c.match(keys).storage_blocks > 0) {
+      ASSERT_TRUE(c.prefetch(keys).ok());
+      step("prefetch", i);
+      drive(i);
+    }
+    auto adm = c.admit(keys, 1);
+    step("admit", i);
+    if (!adm.ok()) {
+      drive(i);
+      continue;
+    }
+    drive(i);
+    auto st = c.admission_status(adm->id);
+    ASSERT_TRUE(st.ok());
+    if (!st->failed) {
+      ASSERT_TRUE(c.commit_all(adm->id).ok());
+      step("commit", i);
+    }
+    ASSERT_TRUE(c.release(adm->id).ok());
+    step("release", i);
+    drive(i);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  removed_in_index = sub.removed();
+  ASSERT_TRUE(c.check_invariants().ok());
+  // The replay exercised every medium and both event kinds.
+  std::set<Medium> media;
+  for (const auto& e : sub.set()) media.insert(e.second);
+  EXPECT_GT(sub.stored(), 0u);
+  EXPECT_GT(removed_in_index, 0u);
+  EXPECT_TRUE(media.count(Medium::kGpu) && media.count(Medium::kCpu)) << "media seen: " << media.size();
+  if (cfg.storage_blocks > 0) {
+    EXPECT_TRUE(media.count(Medium::kRemote));
+  }
+  EXPECT_GT(steps, trace.size());
+}
+
+std::vector<TraceRequest> trace_head(std::size_t n) {
+  auto t = load_mooncake_trace(kTrace, n);
+  EXPECT_TRUE(t.ok()) << t.status().to_string();
+  return t.ok() ? *t : std::vector<TraceRequest>{};
+}
+
+CacheConfig three_tiers(WritePolicy w) {
+  CacheConfig cfg;
+  cfg.device_blocks = 96;
+  cfg.host_blocks = 192;
+  cfg.storage_blocks = 384;
+  cfg.write_policy = w;
+  return cfg;
+}
+
+TEST(CacheKvEvents, RebuildEqualsIndexEveryStepWriteBack) {
+  auto trace = trace_head(400);
+  ASSERT_FALSE(trace.empty());
+  check_rebuild(trace, three_tiers(WritePolicy::kWriteBack), 0);
+}
+
+TEST(CacheKvEvents, RebuildEqualsIndexEveryStepWriteThroughWithFailures) {
+  auto trace = trace_head(400);
+  ASSERT_FALSE(trace.empty());
+  check_rebuild(trace, three_tiers(WritePolicy::kWriteThrough), 7);
+}
+
+TEST(CacheKvEvents, RebuildEqualsIndexEveryStepWriteBackWithFailures) {
+  auto trace = trace_head(400);
+  ASSERT_FALSE(trace.empty());
+  check_rebuild(trace, three_tiers(WritePolicy::kWriteBack), 5);
+}
+
+// Enabling events on a warm cache announces what is already indexed.
+TEST(CacheKvEvents, EnableOnAWarmCacheAnnouncesTheIndex) {
+  CacheConfig cfg = three_tiers(WritePolicy::kWriteThrough);
+  auto cm = CacheManager::create(cfg);
+  ASSERT_TRUE(cm.ok());
+  KeyNamespace ns;
+  ns.model_id = "test/model";
+  ns.block_tokens = 512;
+  auto hasher = KeyHasher::create(ns);
+  const std::uint64_t ids[] = {1, 2, 3, 4};
+  auto keys = hasher->keys_for_ids(ids);
+  auto adm = (*cm)->admit(keys, 0);
+  ASSERT_TRUE(adm.ok());
+  ASSERT_TRUE((*cm)->commit_all(adm->id).ok());
+  ASSERT_TRUE((*cm)->release(adm->id).ok());
+  EXPECT_TRUE((*cm)->take_events().empty());  // off by default
+  (*cm)->enable_kv_events(512, Medium::kRemote);
+  auto ev = (*cm)->take_events();
+  ASSERT_EQ(ev.size(), 1u);  // one chain, one medium: one event
+  const auto& s = std::get<metrics::BlockStored>(ev[0]);
+  ASSERT_EQ(s.block_hashes.size(), 4u);
+  EXPECT_FALSE(s.parent_block_hash.has_value());
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(s.block_hashes[i], (BlockHash{keys[i].hi, keys[i].lo}));
+  EXPECT_EQ(s.medium, Medium::kGpu);
+}
+
+}  // namespace
+}  // namespace kvtier::cache
