@@ -117,6 +117,8 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   h.version = get_le<std::uint16_t>(data + kOffVersion);
   if (h.version != kFormatVersion)
     return DataLoss(fmt::format("format version {} (this build reads {})", h.version, kFormatVersion));
+  const std::uint16_t flags = get_le<std::uint16_t>(data + kOffFlags);
+  if (flags != 0) return DataLoss(fmt::format("header flags {:#06x} (this version writes 0)", flags));
   h.header_size = get_le<std::uint32_t>(data + kOffHeaderSize);
   const std::uint32_t num_roles = get_le<std::uint32_t>(data + kOffNumRoles);
   if (num_roles >= kMaxRoles || h.header_size < raw_header_bytes(num_roles) || h.header_size % 8 != 0 ||
@@ -145,6 +147,9 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
     r.layer = get_le<std::uint16_t>(e);
     r.role = static_cast<std::uint8_t>(e[2]);
     r.dtype = static_cast<std::uint8_t>(e[3]);
+    if (const std::uint32_t reserved = get_le<std::uint32_t>(e + 4); reserved != 0)
+      return DataLoss(
+          fmt::format("role entry {} has reserved word {:#x} (this version writes 0)", &r - h.roles.data(), reserved));
     r.offset = get_le<std::uint64_t>(e + 8);
     r.bytes = get_le<std::uint64_t>(e + 16);
     if (r.offset + r.bytes > h.payload_bytes || r.offset + r.bytes < r.offset)
@@ -152,6 +157,9 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
                                   h.payload_bytes));
     e += kRoleEntryBytes;
   }
+  // The padding up to header_size is zero as written: anything else is not this version's object.
+  for (std::size_t i = raw_header_bytes(num_roles); i < h.header_size; ++i)
+    if (data[i] != std::byte{0}) return DataLoss(fmt::format("non-zero header padding at offset {}", i));
   return h;
 }
 

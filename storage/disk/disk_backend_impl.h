@@ -186,6 +186,8 @@ class DiskBackend final : public StorageBackend {
   void insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
                      std::uint64_t payload_bytes);
   void make_room_locked(std::uint64_t incoming);
+  void trim_quarantine_locked(std::size_t keep);
+  void adopt_quarantine_locked();
   void recycle_or_unlink_locked(const std::string& path, std::uint64_t bytes, const StorageKey& key);
   Status rebuild_index();
   Status check_object_file(const std::string& path, const StorageKey& key, AlignedBuf& buf);
@@ -237,6 +239,8 @@ class DiskBackend final : public StorageBackend {
   std::uint64_t reserved_bytes_ = 0;
   std::uint64_t evictions_ = 0;
   std::uint64_t quarantined_ = 0;
+  std::deque<std::pair<std::string, std::uint64_t>> quarantine_files_;  // oldest first, with sizes
+  std::uint64_t quarantine_bytes_ = 0;
   std::uint64_t removed_tmp_ = 0;
   std::uint64_t seq_ = 0;
   std::uint32_t last_header_size_ = 0;

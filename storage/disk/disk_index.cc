@@ -59,7 +59,16 @@ Result<StorageKey> parse_key_name(std::string_view name) {
 
 void DiskBackend::quarantine_locked(const StorageKey& key, const std::string& path, const std::string& why) {
   const std::string dst = fmt::format("{}/quarantine/{}.{}.{}", dir_, key.to_string(), ::getpid(), ++seq_);
-  if (::rename(path.c_str(), dst.c_str()) != 0) ::unlink(path.c_str());
+  struct stat sb {};
+  const std::uint64_t bytes =
+      ::lstat(path.c_str(), &sb) == 0 && S_ISREG(sb.st_mode) ? static_cast<std::uint64_t>(sb.st_size) : 0;
+  if (config_.max_quarantine_files > 0 && ::rename(path.c_str(), dst.c_str()) == 0) {
+    quarantine_files_.emplace_back(dst, bytes);
+    quarantine_bytes_ += bytes;
+    trim_quarantine_locked(config_.max_quarantine_files);
+  } else {
+    ::unlink(path.c_str());
+  }
   ++quarantined_;
   log_line(fmt::format("quarantined {}: {}", path, why));
   auto it = index_.find(key);
@@ -81,10 +90,47 @@ void DiskBackend::insert_locked(const StorageKey& key, std::uint64_t file_bytes,
   used_bytes_ += file_bytes;
 }
 
-// Deletes LRU objects until `incoming` more bytes fit. Objects being read stay readable (open fds).
+// Removes the oldest quarantined files until at most `keep` remain.
+void DiskBackend::trim_quarantine_locked(std::size_t keep) {
+  while (quarantine_files_.size() > keep) {
+    ::unlink(quarantine_files_.front().first.c_str());
+    quarantine_bytes_ -= quarantine_files_.front().second;
+    quarantine_files_.pop_front();
+  }
+}
+
+// Takes over the files an earlier run left in quarantine/ (oldest first), within the bound.
+void DiskBackend::adopt_quarantine_locked() {
+  const std::string qd = dir_ + "/quarantine";
+  DIR* d = ::opendir(qd.c_str());
+  if (d == nullptr) return;
+  std::vector<std::pair<std::int64_t, std::pair<std::string, std::uint64_t>>> files;
+  while (dirent* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n == "." || n == "..") continue;
+    const std::string path = qd + "/" + n;
+    struct stat sb {};
+    if (::lstat(path.c_str(), &sb) != 0) continue;
+    const std::uint64_t bytes = S_ISREG(sb.st_mode) ? static_cast<std::uint64_t>(sb.st_size) : 0;
+    files.push_back({static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec, {path, bytes}});
+  }
+  ::closedir(d);
+  std::sort(files.begin(), files.end());
+  for (auto& [mtime, f] : files) {
+    quarantine_bytes_ += f.second;
+    quarantine_files_.push_back(std::move(f));
+  }
+  trim_quarantine_locked(config_.max_quarantine_files);
+}
+
+// Deletes quarantined files, then LRU objects, until `incoming` more bytes fit. Objects being
+// read stay readable (open fds).
 void DiskBackend::make_room_locked(std::uint64_t incoming) {
   if (config_.capacity_bytes == 0) return;
-  while (!lru_.empty() && used_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes) {
+  while (!quarantine_files_.empty() &&
+         used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes)
+    trim_quarantine_locked(quarantine_files_.size() - 1);
+  while (!lru_.empty() && used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes) {
     const StorageKey victim = lru_.front();
     auto it = index_.find(victim);
     recycle_or_unlink_locked(final_path(victim), it->second.file_bytes, victim);
@@ -120,6 +166,7 @@ Status DiskBackend::rebuild_index() {
   std::vector<Found> found;
   AlignedBuf buf = alloc_aligned(kAlign);
   std::lock_guard<std::mutex> lk(index_mu_);
+  adopt_quarantine_locked();
   for (std::uint32_t s = 0; s < kNumShards; ++s) {
     const std::string sd = shard_dir(s);
     DIR* d = ::opendir(sd.c_str());

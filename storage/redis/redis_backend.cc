@@ -53,6 +53,11 @@ class ScopedSigpipeBlock {
 
 constexpr int kNumSlots = 16384;
 
+// Replies that mean the credentials are missing, wrong or lack a right (not a transient state).
+bool is_auth_error(std::string_view msg) {
+  return msg.starts_with("NOAUTH") || msg.starts_with("WRONGPASS") || msg.starts_with("NOPERM");
+}
+
 // Every line is a warning: a Redis Cluster that no node describes, or an object that failed verification.
 void log_line(const std::string& s) { kvtier::log(LogLevel::kWarning, "storage/redis", s); }
 
@@ -171,10 +176,20 @@ class RedisBackend final : public StorageBackend {
           continue;
         }
         if (config_.mode == RedisMode::kSingle) {
+          // Nothing else is sent at create in single mode: a missing password must show here,
+          // not as a failure of every later item.
+          ReplyPtr r(static_cast<redisReply*>(redisCommand(c->get(), "PING")));
+          if (!r) {
+            last = Unavailable(fmt::format("PING on {}: {}", e, (*c)->errstr));
+            continue;
+          }
+          if (r->type == REDIS_REPLY_ERROR && is_auth_error(std::string_view(r->str, r->len)))
+            return FailedPrecondition(fmt::format("PING on {} refused: {}", e, std::string(r->str, r->len)));
           node = e;
           break;
         }
         auto map = load_slots(c->get(), e);
+        if (map.status().code() == StatusCode::kFailedPrecondition) return map.status();
         if (map.ok()) {
           cluster_ = true;
           slots_ = std::make_shared<SlotMap>(std::move(map).value());
@@ -358,7 +373,12 @@ class RedisBackend final : public StorageBackend {
   Result<SlotMap> load_slots(redisContext* c, const std::string& node) const {
     ReplyPtr r(static_cast<redisReply*>(redisCommand(c, "CLUSTER SLOTS")));
     if (!r) return Unavailable(fmt::format("CLUSTER SLOTS on {}: {}", node, c->errstr));
-    if (r->type == REDIS_REPLY_ERROR) return NotSupported(std::string(r->str, r->len));
+    if (r->type == REDIS_REPLY_ERROR) {
+      const std::string msg(r->str, r->len);
+      // Refused for want of credentials or rights says nothing about clustering.
+      if (is_auth_error(msg)) return FailedPrecondition(fmt::format("CLUSTER SLOTS on {} refused: {}", node, msg));
+      return NotSupported(msg);
+    }
     if (r->type != REDIS_REPLY_ARRAY) return Internal("CLUSTER SLOTS: unexpected reply type");
     const std::string seed_host = parse_host_port(node).value().first;
     SlotMap map;

@@ -106,6 +106,30 @@ TEST(RedisDeadline, DeadlinesAreValidated) {
   EXPECT_EQ(create_redis_backend(c, StorageOptions{}).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A server that requires a password, and a backend configured without one: create fails with
+// FailedPrecondition (in auto mode the NOAUTH reply to CLUSTER SLOTS used to be taken for "not a
+// cluster", and single mode sent nothing at create), instead of every later item failing.
+TEST(RedisCreate, MissingPasswordIsDetectedAtCreate) {
+  RedisServer server({"--requirepass", "s3cret"});
+  ASSERT_TRUE(server.error().empty()) << server.error();
+  RedisBackendConfig c;
+  c.endpoints = {server.endpoint()};
+  for (RedisMode mode : {RedisMode::kAuto, RedisMode::kSingle, RedisMode::kCluster}) {
+    c.mode = mode;
+    c.password.clear();
+    auto b = create_redis_backend(c, StorageOptions{});
+    EXPECT_EQ(b.status().code(), StatusCode::kFailedPrecondition) << b.status().to_string();
+    c.password = "wrong";
+    b = create_redis_backend(c, StorageOptions{});
+    EXPECT_EQ(b.status().code(), StatusCode::kFailedPrecondition) << b.status().to_string();
+  }
+  c.mode = RedisMode::kAuto;
+  c.password = "s3cret";
+  auto b = create_redis_backend(c, StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ((*b)->name(), "redis");
+}
+
 TEST(RedisDeadline, KnobsInTheConfigTable) {
   RedisBackendConfig c;
   ConfigTable t;

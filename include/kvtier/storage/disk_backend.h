@@ -69,6 +69,9 @@ struct DiskBackendConfig {
   std::uint32_t queue_depth = 64;       // items in flight on the ring
   bool verify_payload_on_open = false;  // also verify every payload checksum while rebuilding the index
   std::uint32_t max_free_files = 1024;  // recycled-file pool (disk use beyond capacity_bytes: up to this many files)
+  // Files kept in quarantine/ for an operator to inspect (oldest removed first); they count in
+  // capacity_bytes and are removed before any object is evicted.
+  std::uint32_t max_quarantine_files = 64;
 };
 
 // Creates the backend, takes the directory lock and rebuilds the index
