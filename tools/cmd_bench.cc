@@ -10,6 +10,7 @@ namespace kvtier::cli {
 Action register_bench_copy(CLI::App& bench);
 Action register_bench_transfer(CLI::App& bench);
 Action register_bench_storage(CLI::App& bench);
+Action register_bench_pd(CLI::App& bench);
 
 namespace {
 // Add new benchmarks here (one line each).
@@ -17,6 +18,7 @@ constexpr BenchRegistrar kBenchRegistrars[] = {
     &register_bench_copy,
     &register_bench_transfer,
     &register_bench_storage,
+    &register_bench_pd,
 };
 }  // namespace
 
