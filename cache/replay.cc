@@ -454,8 +454,9 @@ Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vect
   SweepTable t;
   t.capacities = capacities;
   for (const std::string& p : policies)
-    if (p != "belady") t.policies.push_back(p);
+    if (p != "belady" && p != "min-bypass") t.policies.push_back(p);
   t.policies.push_back("belady");
+  t.policies.push_back("min-bypass");
   t.results.resize(t.policies.size());
   for (std::size_t pi = 0; pi < t.policies.size(); ++pi) {
     for (std::uint32_t cap : capacities) {
@@ -465,7 +466,10 @@ Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vect
       o.storage_blocks = 0;
       o.storage = nullptr;
       o.policy = t.policies[pi];
-      if (o.policy == "belady") {
+      if (o.policy == "min-bypass") {
+        KVTIER_ASSIGN_OR_RETURN(ReplayResult r, replay_min_bypass(trace, cap, o));
+        t.results[pi].push_back(std::move(r));
+      } else if (o.policy == "belady") {
         KVTIER_ASSIGN_OR_RETURN(ReplayResult r, run_belady(trace, prep, cap, o));
         t.results[pi].push_back(std::move(r));
       } else {
@@ -479,31 +483,49 @@ Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vect
 }
 
 namespace {
-// Index of the best non-Belady policy at capacity column c.
+// The two bound columns (belady, min-bypass) close the table.
+constexpr std::size_t kBoundColumns = 2;
+
+// Index of the best online policy at capacity column c.
 std::size_t best_policy(const SweepTable& t, std::size_t c) {
   std::size_t best = 0;
-  for (std::size_t p = 0; p + 1 < t.policies.size(); ++p)
+  for (std::size_t p = 0; p + kBoundColumns < t.policies.size(); ++p)
     if (t.results[p][c].hit_ratio() > t.results[best][c].hit_ratio()) best = p;
   return best;
 }
 }  // namespace
 
 std::string sweep_markdown(const SweepTable& t, std::uint32_t block_tokens) {
+  // The default policy's share too, when it is in the table.
+  const std::string default_policy = ReplayOptions{}.policy;
+  std::size_t def = t.policies.size();
+  for (std::size_t p = 0; p + kBoundColumns < t.policies.size(); ++p)
+    if (t.policies[p] == default_policy) def = p;
   std::string out = "| capacity (blocks) | capacity (tokens) |";
-  for (const auto& p : t.policies) out += fmt::format(" {} |", p);
-  out += " best online | best / Belady |\n|---:|---:|";
+  for (const auto& p : t.policies) out += fmt::format(" {} |", p == "belady" ? "belady (no bypass)" : p);
+  out += " best online | best / MIN-bypass |";
+  if (def < t.policies.size()) out += fmt::format(" {} (default) / MIN-bypass |", default_policy);
+  out += "\n|---:|---:|";
   for (std::size_t i = 0; i < t.policies.size(); ++i) out += "---:|";
-  out += "---|---:|\n";
-  const std::size_t bel = t.policies.size() - 1;
+  out += def < t.policies.size() ? "---|---:|---:|\n" : "---|---:|\n";
+  const std::size_t bound = t.policies.size() - 1;
+  auto share = [&](std::size_t p, std::size_t c) {
+    const double bh = t.results[bound][c].hit_ratio();
+    return bh > 0 ? 100.0 * t.results[p][c].hit_ratio() / bh : 100.0;
+  };
   for (std::size_t c = 0; c < t.capacities.size(); ++c) {
     out += fmt::format("| {} | {} |", t.capacities[c], std::uint64_t{t.capacities[c]} * block_tokens);
     for (std::size_t p = 0; p < t.policies.size(); ++p) out += fmt::format(" {:.4f} |", t.results[p][c].hit_ratio());
-    std::size_t b = best_policy(t, c);
-    double bh = t.results[bel][c].hit_ratio();
-    out += fmt::format(" {} | {:.1f}% |\n", t.policies[b], bh > 0 ? 100.0 * t.results[b][c].hit_ratio() / bh : 100.0);
+    const std::size_t b = best_policy(t, c);
+    out += fmt::format(" {} | {:.1f}% |", t.policies[b], share(b, c));
+    if (def < t.policies.size()) out += fmt::format(" {:.1f}% |", share(def, c));
+    out += "\n";
   }
-  out +=
-      fmt::format("\nBlock hit ratio (hit blocks / all blocks). Unbounded capacity: {:.4f}.\n", t.unbounded_hit_ratio);
+  out += fmt::format(
+      "\nBlock hit ratio (hit blocks / all blocks). min-bypass: MIN with bypass, the offline optimum of any policy; "
+      "belady (no bypass): the cache manager with the oracle eviction policy, keeping each request resident. "
+      "Unbounded capacity: {:.4f}.\n",
+      t.unbounded_hit_ratio);
   return out;
 }
 
@@ -557,12 +579,15 @@ std::string sweep_svg(const SweepTable& t, std::uint32_t block_tokens) {
   s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#999\" stroke-dasharray=\"4 4\"/>\n",
                    L, Y(t.unbounded_hit_ratio), W - R, Y(t.unbounded_hit_ratio));
   for (std::size_t p = 0; p < t.policies.size(); ++p) {
-    const char* color = t.policies[p] == "belady" ? "#000000" : colors[p % 7];
+    const bool bound = t.policies[p] == "belady" || t.policies[p] == "min-bypass";
+    const char* color = colors[p % 7];
+    if (t.policies[p] == "min-bypass") color = "#000000";
+    if (t.policies[p] == "belady") color = "#7f7f7f";
     std::string pts;
     for (std::size_t c = 0; c < t.capacities.size(); ++c)
       pts += fmt::format("{:.1f},{:.1f} ", X(t.capacities[c]), Y(t.results[p][c].hit_ratio()));
     s += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{} points=\"{}\"/>\n", color,
-                     t.policies[p] == "belady" ? " stroke-dasharray=\"6 3\"" : "", pts);
+                     bound ? " stroke-dasharray=\"6 3\"" : "", pts);
     double ly = T + 20 + 20.0 * p;
     s += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"2\"/>\n", W - R + 15,
                      ly, W - R + 40, ly, color);

@@ -100,10 +100,18 @@ TEST(Replay, SweepTablesAndPlot) {
   ReplayOptions o;
   auto t = sweep(sample(), {250, 1000}, {"lru", "lrfu"}, o);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
-  ASSERT_EQ(t->policies.back(), "belady");
+  ASSERT_EQ(t->policies.size(), 4u);
+  EXPECT_EQ(t->policies[2], "belady");
+  ASSERT_EQ(t->policies.back(), "min-bypass");
   std::string md = sweep_markdown(*t, 512);
   EXPECT_NE(md.find("| 1000 | 512000 |"), std::string::npos) << md;
-  EXPECT_NE(sweep_csv(*t, 512).find("capacity_blocks,capacity_tokens,lru,lrfu,belady"), std::string::npos);
+  EXPECT_NE(md.find("best / MIN-bypass"), std::string::npos) << md;
+  EXPECT_NE(md.find("lrfu (default) / MIN-bypass"), std::string::npos) << md;
+  EXPECT_NE(sweep_csv(*t, 512).find("capacity_blocks,capacity_tokens,lru,lrfu,belady,min-bypass"), std::string::npos);
+  // MIN with bypass bounds every column, the no-bypass Belady included.
+  for (std::size_t c = 0; c < 2; ++c)
+    for (std::size_t p = 0; p + 1 < t->policies.size(); ++p)
+      EXPECT_LE(t->results[p][c].hit_ratio(), t->results.back()[c].hit_ratio() + 1e-12) << t->policies[p];
   std::string svg = sweep_svg(*t, 512);
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);

@@ -172,7 +172,7 @@ ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const Repl
 
 struct SweepTable {
   std::vector<std::uint32_t> capacities;           // device blocks, single tier
-  std::vector<std::string> policies;               // "belady" last
+  std::vector<std::string> policies;               // the online ones, then "belady", "min-bypass"
   std::vector<std::vector<ReplayResult>> results;  // [policy][capacity]
   double unbounded_hit_ratio = 0;
 };
