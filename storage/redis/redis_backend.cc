@@ -5,6 +5,7 @@
 #include <hiredis/hiredis.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <array>
@@ -318,7 +319,8 @@ class RedisBackend final : public StorageBackend {
     std::size_t outer = 0;
     StorageItem item;
     std::string key;
-    std::string cmd;       // formatted SET (puts), built once
+    std::string cmd;       // a put's SET up to its value's payload: RESP prefix + object header
+    std::string cmd_tail;  // after the payload: "\r\n" and the EX arguments
     std::string ask_node;  // set after an ASK redirect
     Status last = Unavailable("not attempted");
     bool done = false;
@@ -508,21 +510,44 @@ class RedisBackend final : public StorageBackend {
     const std::uint64_t vlen = header_size_ + w.item.bytes;
     const std::string ttl = std::to_string(config_.ttl_seconds);
     const int argc = config_.ttl_seconds ? 5 : 3;
-    w.cmd.reserve(64 + w.key.size() + vlen);
-    w.cmd += fmt::format("*{}\r\n$3\r\nSET\r\n${}\r\n{}\r\n${}\r\n", argc, w.key.size(), w.key, vlen);
+    w.cmd = fmt::format("*{}\r\n$3\r\nSET\r\n${}\r\n{}\r\n${}\r\n", argc, w.key.size(), w.key, vlen);
     w.cmd += value_prefix;
-    w.cmd.append(static_cast<const char*>(w.item.buffer), w.item.bytes);
-    w.cmd += "\r\n";
-    if (config_.ttl_seconds) w.cmd += fmt::format("$2\r\nEX\r\n${}\r\n{}\r\n", ttl.size(), ttl);
+    w.cmd_tail = "\r\n";
+    if (config_.ttl_seconds) w.cmd_tail += fmt::format("$2\r\nEX\r\n${}\r\n{}\r\n", ttl.size(), ttl);
   }
 
-  void append(redisContext* c, StorageOp op, Work& w) {
+  // Queues the item's command. A put is written to the socket here instead: what hiredis
+  // buffered before it first, then prefix, the caller's payload and tail with writev, so a large
+  // value is not copied into a command string and again into hiredis's output buffer. False when
+  // the connection failed (or timed out) while writing.
+  bool append(redisContext* c, StorageOp op, Work& w) {
     switch (op) {
-      case StorageOp::kExists: redisAppendCommand(c, "STRLEN %b", w.key.data(), w.key.size()); return;
-      case StorageOp::kGet: redisAppendCommand(c, "GET %b", w.key.data(), w.key.size()); return;
-      case StorageOp::kDelete: redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()); return;
-      case StorageOp::kPut: redisAppendFormattedCommand(c, w.cmd.data(), w.cmd.size()); return;
+      case StorageOp::kExists: return redisAppendCommand(c, "STRLEN %b", w.key.data(), w.key.size()) == REDIS_OK;
+      case StorageOp::kGet: return redisAppendCommand(c, "GET %b", w.key.data(), w.key.size()) == REDIS_OK;
+      case StorageOp::kDelete: return redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()) == REDIS_OK;
+      case StorageOp::kPut: {
+        int done = 0;
+        while (!done)
+          if (redisBufferWrite(c, &done) != REDIS_OK) return false;
+        iovec iov[3] = {{w.cmd.data(), w.cmd.size()},
+                        {const_cast<void*>(static_cast<const void*>(w.item.buffer)), w.item.bytes},
+                        {w.cmd_tail.data(), w.cmd_tail.size()}};
+        int first = 0;
+        while (first < 3) {
+          const ssize_t n = ::writev(c->fd, iov + first, 3 - first);
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) return false;  // EAGAIN: the socket's send timeout passed
+          std::size_t left = static_cast<std::size_t>(n);
+          while (first < 3 && left >= iov[first].iov_len) left -= iov[first++].iov_len;
+          if (first < 3) {
+            iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
+            iov[first].iov_len -= left;
+          }
+        }
+        return true;
+      }
     }
+    return false;
   }
 
   // Handles one reply. Returns true when the item should be retried after a backoff.
@@ -565,6 +590,7 @@ class RedisBackend final : public StorageBackend {
         w.last = r->type == REDIS_REPLY_STATUS ? Status::Ok() : Internal("SET: unexpected reply");
         w.cmd.clear();
         w.cmd.shrink_to_fit();
+        w.cmd_tail.clear();
         return false;
       case StorageOp::kDelete:
         w.last = r->type != REDIS_REPLY_INTEGER ? Internal("DEL: unexpected reply")
@@ -681,12 +707,21 @@ class RedisBackend final : public StorageBackend {
           continue;
         }
         std::vector<bool> asked(items.size());
-        for (std::size_t i = 0; i < items.size(); ++i) {
+        bool broken = false;
+        for (std::size_t i = 0; i < items.size() && !broken; ++i) {
           asked[i] = !items[i]->ask_node.empty();
           if (asked[i]) redisAppendCommand(c, "ASKING");
-          append(c, op, *items[i]);
+          if (!append(c, op, *items[i])) {
+            const Status st =
+                Clock::now() >= deadline
+                    ? TimedOut(fmt::format("redis {} on {}: deadline passed while writing", storage_op_name(op), node))
+                    : Unavailable(fmt::format("redis {} on {}: write failed: {}", storage_op_name(op), node,
+                                              c->errstr[0] ? c->errstr : std::strerror(errno)));
+            for (Work* w : items)
+              if (!w->done) w->last = st;
+            broken = true;
+          }
         }
-        bool broken = false;
         for (std::size_t i = 0; i < items.size() && !broken; ++i) {
           for (int part = asked[i] ? 0 : 1; part < 2; ++part) {
             void* raw = nullptr;

@@ -3,6 +3,8 @@
 // deadlines, one get took (max_retries + 1) x command_timeout (25.8 s with the defaults) and a
 // batch of 200 twice that; now each returns within its deadline plus a small margin, as TimedOut.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 
 #include <chrono>
 #include <cstring>
@@ -128,6 +130,63 @@ TEST(RedisCreate, MissingPasswordIsDetectedAtCreate) {
   auto b = create_redis_backend(c, StorageOptions{});
   ASSERT_TRUE(b.ok()) << b.status().to_string();
   EXPECT_EQ((*b)->name(), "redis");
+}
+
+// A 256 MiB put: the value goes from the caller's buffer to the socket. It used to be copied into
+// a command string and again into hiredis's output buffer (peak memory + 2x the value). Measured
+// in a child process, whose peak RSS (ru_maxrss) is this put's alone.
+TEST(RedisPut, LargeValueIsNotCopied) {
+  RedisServer server;
+  ASSERT_TRUE(server.error().empty()) << server.error();
+  constexpr std::size_t kBytes = std::size_t{256} << 20;
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    long growth_kib = -1;
+    RedisBackendConfig c;
+    c.endpoints = {server.endpoint()};
+    c.mode = RedisMode::kSingle;
+    c.workers = 1;
+    c.item_deadline = std::chrono::seconds(60);
+    c.batch_deadline = std::chrono::seconds(60);
+    c.command_timeout = std::chrono::seconds(30);
+    auto b = create_redis_backend(c, StorageOptions{});
+    std::vector<std::byte> src(kBytes);
+    fill_random(src.data(), src.size(), 77);
+    rusage before{}, after{};
+    ::getrusage(RUSAGE_SELF, &before);
+    if (b.ok()) {
+      auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(13, 1), src.data(), src.size()}}},
+                         std::chrono::seconds(90));
+      ::getrusage(RUSAGE_SELF, &after);
+      if (r.ok() && (*r)[0].status.ok()) growth_kib = after.ru_maxrss - before.ru_maxrss;
+    }
+    (void)!::write(fds[1], &growth_kib, sizeof growth_kib);
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  long growth_kib = -1;
+  ASSERT_EQ(::read(fds[0], &growth_kib, sizeof growth_kib), static_cast<ssize_t>(sizeof growth_kib));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_GE(growth_kib, 0) << "the put failed in the child";
+  EXPECT_LT(growth_kib, static_cast<long>(kBytes / 1024 / 4)) << "peak memory grew by " << growth_kib << " KiB";
+  // And the value arrived whole.
+  RedisBackendConfig c;
+  c.endpoints = {server.endpoint()};
+  c.mode = RedisMode::kSingle;
+  auto b = create_redis_backend(c, StorageOptions{});
+  ASSERT_TRUE(b.ok());
+  std::vector<std::byte> want(kBytes), dst(kBytes);
+  fill_random(want.data(), want.size(), 77);
+  auto r = run_batch(**b, StorageBatch{StorageOp::kGet, {{key_of(13, 1), dst.data(), dst.size()}}});
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status.to_string();
+  EXPECT_EQ(std::memcmp(dst.data(), want.data(), kBytes), 0);
 }
 
 TEST(RedisDeadline, KnobsInTheConfigTable) {
