@@ -7,6 +7,7 @@
 #include "kvtier/cache/cache_manager.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
@@ -41,6 +42,19 @@ Result<WritePolicy> parse_write_policy(std::string_view name) {
       fmt::format("unknown write policy '{}' (known: write_through, write_through_selective, write_back)", name));
 }
 
+std::uint64_t index_memory_bytes(const CacheConfig& config) noexcept {
+  // sizeof(Node) plus the key index entry, an owner slot, policy links and ghost entries, rounded up.
+  constexpr std::uint64_t kBytesPerBlock = 256;
+  const std::uint64_t blocks = std::uint64_t{config.device_blocks} + config.host_blocks + config.storage_blocks + 1;
+  return blocks * kBytesPerBlock + (std::uint64_t{1} << 26);  // + the use history (at most 2^24 slots)
+}
+
+std::uint64_t physical_memory_bytes() noexcept {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return UINT64_MAX;
+  return static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page);
+}
+
 // ---- CacheManager ------------------------------------------------------------
 
 CacheManager::CacheManager(CacheConfig config) : config_(std::move(config)), impl_(std::make_unique<Impl>()) {}
@@ -51,6 +65,11 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
   if (config.device_blocks >= kNoBlock || config.host_blocks >= kNoBlock || config.storage_blocks >= kNoBlock)
     return InvalidArgument("cache config: a tier has >= 2^32-1 blocks");
   if (config.write_through_threshold == 0) return InvalidArgument("cache config: write_through_threshold is 0");
+  if (const std::uint64_t need = index_memory_bytes(config), have = physical_memory_bytes(); need > have)
+    return ResourceExhausted(fmt::format(
+        "cache config: device_blocks {} + host_blocks {} + storage_blocks {} need about {} MiB of index memory, the "
+        "machine has {} MiB",
+        config.device_blocks, config.host_blocks, config.storage_blocks, need >> 20, have >> 20));
   for (const Watermarks* w : {&config.device_watermarks, &config.host_watermarks})
     if (w->low < 0 || w->high > 1 || w->low > w->high)
       return InvalidArgument(

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -14,15 +15,40 @@
 #include <unordered_set>
 
 #include "kvtier/cache/storage_executor.h"
+#include "kvtier/cache/transfer_executor.h"
 
 namespace kvtier::cache {
 
+namespace {
+
+// A JSON value as an unsigned 64-bit integer (any integer 0..2^64-1; no floats, no negatives).
+bool as_u64(const nlohmann::json& v, std::uint64_t& out) {
+  if (v.is_number_unsigned()) {
+    out = v.get<std::uint64_t>();
+    return true;
+  }
+  if (v.is_number_integer() && v.get<std::int64_t>() >= 0) {
+    out = static_cast<std::uint64_t>(v.get<std::int64_t>());
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests) {
+  std::error_code ec;
+  const auto type = std::filesystem::status(path, ec).type();
+  if (type == std::filesystem::file_type::not_found)
+    return NotFound(fmt::format("trace file '{}' does not exist", path));
+  if (type == std::filesystem::file_type::directory)
+    return InvalidArgument(fmt::format("trace '{}' is a directory, not a trace file", path));
   std::ifstream in(path);
   if (!in) return NotFound(fmt::format("trace file '{}' cannot be opened", path));
   std::vector<TraceRequest> out;
   std::string line;
   std::size_t lineno = 0;
+  std::uint64_t input_tokens = 0;
   while (std::getline(in, line)) {
     ++lineno;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
@@ -30,26 +56,34 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
     if (j.is_discarded() || !j.is_object())
       return InvalidArgument(fmt::format("{}:{}: not a JSON object", path, lineno));
     TraceRequest r;
-    auto num = [&](const char* k, auto& dst) -> bool {
+    auto field = [&](const char* k, std::uint64_t& dst, bool required) -> Status {
       auto it = j.find(k);
-      if (it == j.end() || !it->is_number_integer() || it->template get<std::int64_t>() < 0) return false;
-      dst = static_cast<std::remove_reference_t<decltype(dst)>>(it->template get<std::int64_t>());
-      return true;
+      if (it == j.end())
+        return required ? InvalidArgument(fmt::format("{}:{}: {} missing", path, lineno, k)) : Status::Ok();
+      if (!as_u64(*it, dst))
+        return InvalidArgument(
+            fmt::format("{}:{}: {} is {}, not an integer in 0..2^64-1", path, lineno, k, it->dump()));
+      return Status::Ok();
     };
-    if (!num("timestamp", r.timestamp_ms) || !num("input_length", r.input_length))
-      return InvalidArgument(fmt::format("{}:{}: missing or negative timestamp/input_length", path, lineno));
-    num("output_length", r.output_length);
+    KVTIER_RETURN_IF_ERROR(field("timestamp", r.timestamp_ms, true));
+    KVTIER_RETURN_IF_ERROR(field("input_length", r.input_length, true));
+    KVTIER_RETURN_IF_ERROR(field("output_length", r.output_length, false));
     auto h = j.find("hash_ids");
-    if (h == j.end() || !h->is_array()) return InvalidArgument(fmt::format("{}:{}: hash_ids missing", path, lineno));
-    r.hash_ids.reserve(h->size());
-    for (const auto& v : *h) {
-      if (!v.is_number_integer() || v.get<std::int64_t>() < 0)
-        return InvalidArgument(fmt::format("{}:{}: hash_ids holds a non-integer or negative value", path, lineno));
-      r.hash_ids.push_back(v.get<std::uint64_t>());
-    }
+    if (h == j.end() || !h->is_array())
+      return InvalidArgument(fmt::format("{}:{}: hash_ids missing or not an array", path, lineno));
+    r.hash_ids.resize(h->size());
+    for (std::size_t i = 0; i < h->size(); ++i)
+      if (!as_u64((*h)[i], r.hash_ids[i]))
+        return InvalidArgument(
+            fmt::format("{}:{}: hash_ids[{}] is {}, not an integer in 0..2^64-1", path, lineno, i, (*h)[i].dump()));
+    if (r.input_length > UINT64_MAX - input_tokens)
+      return InvalidArgument(
+          fmt::format("{}:{}: input_length {}: the trace's input tokens exceed 2^64-1", path, lineno, r.input_length));
+    input_tokens += r.input_length;
     out.push_back(std::move(r));
     if (max_requests && out.size() >= max_requests) break;
   }
+  if (in.bad()) return Unavailable(fmt::format("trace file '{}': read error at line {}", path, lineno + 1));
   if (out.empty()) return InvalidArgument(fmt::format("trace file '{}' holds no requests", path));
   return out;
 }
@@ -67,15 +101,14 @@ Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(const BackendFactor
   std::unique_ptr<ReplayStorage> rs(new ReplayStorage());
   rs->host_blocks_ = host_blocks;
   rs->block_bytes_ = block_bytes;
-  rs->page_bytes_ = BlockSpace::page_first_page_bytes(layout, kAlign);
-  const std::uint64_t region = rs->page_bytes_ * host_blocks;
+  const std::uint64_t region = BlockSpace::page_first_page_bytes(layout, kAlign) * host_blocks;
   rs->memory_.reset(std::aligned_alloc(kAlign, region));
   if (!rs->memory_) return ResourceExhausted(fmt::format("replay storage: cannot allocate {} host bytes", region));
   std::memset(rs->memory_.get(), 0, region);
-  KVTIER_ASSIGN_OR_RETURN(BlockSpace host, BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, host_blocks,
-                                                                  rs->memory_.get(), region, kAlign));
+  KVTIER_ASSIGN_OR_RETURN(rs->host_, BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, host_blocks,
+                                                            rs->memory_.get(), region, kAlign));
   KVTIER_ASSIGN_OR_RETURN(auto backend, make_backend(storage::StorageTier::storage_options(layout, "kvtier-replay")));
-  KVTIER_ASSIGN_OR_RETURN(rs->tier_, storage::StorageTier::create(std::move(backend), std::move(host), 0));
+  KVTIER_ASSIGN_OR_RETURN(rs->tier_, storage::StorageTier::create(std::move(backend), rs->host_, 0));
   return rs;
 }
 
@@ -86,8 +119,32 @@ Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(std::string_view sp
                 host_blocks, block_bytes);
 }
 
+Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create_over(const BackendFactory& make_backend,
+                                                                  const BlockSpace& host) {
+  const KvLayout& layout = host.layout();
+  if (host.kind() != MemoryKind::kPinnedHost || host.page_bytes() == 0)
+    return InvalidArgument("replay storage: the shared host space must be page-first pinned host memory");
+  if (layout.num_layers() != 1 || layout.num_roles(0) != 1)
+    return InvalidArgument(
+        fmt::format("replay storage: the shared host space has {} layers; one plane expected", layout.num_layers()));
+  if (host.num_blocks() == 0 || host.num_blocks() >= kNoBlock)
+    return InvalidArgument(fmt::format("replay storage: the shared host space has {} blocks", host.num_blocks()));
+  std::unique_ptr<ReplayStorage> rs(new ReplayStorage());
+  rs->host_ = host;
+  rs->host_blocks_ = static_cast<std::uint32_t>(host.num_blocks());
+  rs->block_bytes_ = layout.total_block_bytes();
+  KVTIER_ASSIGN_OR_RETURN(auto backend, make_backend(storage::StorageTier::storage_options(layout, "kvtier-replay")));
+  KVTIER_ASSIGN_OR_RETURN(rs->tier_, storage::StorageTier::create(std::move(backend), host, 0));
+  return rs;
+}
+
+Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create_over(std::string_view spec, const BlockSpace& host) {
+  std::string sp(spec);
+  return create_over([sp](storage::StorageOptions o) { return storage::make_storage_backend(sp, std::move(o)); }, host);
+}
+
 std::span<std::byte> ReplayStorage::host_block(std::uint64_t b) const {
-  return {static_cast<std::byte*>(memory_.get()) + b * page_bytes_, block_bytes_};
+  return {host_.block_ptr(0, 0, b), block_bytes_};
 }
 
 namespace {
@@ -120,14 +177,23 @@ bool ReplayStorage::check_pattern(const BlockKey& key, std::span<const std::byte
 
 namespace {
 
-// Replay executor with real host and storage bytes. There is no device memory: a D2H move
-// (eviction, backup) "lands" the block's pattern in its host page, or garbage when the injected
-// failure hits it; a load checks the host page it reads. Storage moves go through a
-// StoragePlanExecutor; a prefetch destination is poisoned before the read and checked at its ack.
+// Replay executor with real host and storage bytes. Storage moves go through a
+// StoragePlanExecutor; a prefetch destination is poisoned before the read and checked at its ack,
+// and the host page every load reads is checked before the load. Two modes:
+//  - no device executor: there is no device memory; a D2H move (eviction, backup) "lands" the
+//    block's pattern in its host page, or garbage when the injected failure hits it;
+//  - with one (a TransferPlanExecutor over the same host space): device<->host bytes are real,
+//    moved by the TransferManager, which also checks every loaded device block; host pages hold
+//    TransferPlanExecutor's pattern.
 class RealBytesExecutor final : public PlanExecutor {
  public:
-  RealBytesExecutor(ReplayStorage& rs, double failure_rate, std::uint64_t seed)
-      : rs_(rs), rng_(seed), fake_(fake_options(failure_rate)), sto_(rs.tier()), comp_(fake_, sto_) {}
+  RealBytesExecutor(ReplayStorage& rs, double failure_rate, std::uint64_t seed, PlanExecutor* device_side)
+      : rs_(rs),
+        rng_(seed),
+        fake_(fake_options(failure_rate)),
+        sto_(rs.tier()),
+        comp_(device_side ? *device_side : static_cast<PlanExecutor&>(fake_), sto_),
+        simulated_device_(device_side == nullptr) {}
 
   Status execute(const StepPlan& plan) override {
     for (const BlockMove& m : plan.storage_prefetches) {
@@ -138,14 +204,15 @@ class RealBytesExecutor final : public PlanExecutor {
     for (const BlockMove& m : plan.loads) verify(m.key, m.src);
     failed_.clear();
     KVTIER_RETURN_IF_ERROR(comp_.execute(plan));
-    for (const auto* list : {&plan.evictions, &plan.backups})
-      for (const BlockMove& m : *list) {
-        auto page = rs_.host_block(m.dst);
-        if (failed_.count(m.dst))
-          std::memset(page.data(), 0xEE, page.size());
-        else
-          ReplayStorage::fill_pattern(m.key, page);
-      }
+    if (simulated_device_)
+      for (const auto* list : {&plan.evictions, &plan.backups})
+        for (const BlockMove& m : *list) {
+          auto page = rs_.host_block(m.dst);
+          if (failed_.count(m.dst))
+            std::memset(page.data(), 0xEE, page.size());
+          else
+            ReplayStorage::fill_pattern(m.key, page);
+        }
     return Status::Ok();
   }
 
@@ -179,16 +246,27 @@ class RealBytesExecutor final : public PlanExecutor {
   }
   void verify(const BlockKey& key, BlockId host_block) {
     ++verified;
-    if (!ReplayStorage::check_pattern(key, rs_.host_block(host_block))) ++verification_failures;
+    auto page = rs_.host_block(host_block);
+    bool ok;
+    if (simulated_device_) {
+      ok = ReplayStorage::check_pattern(key, page);
+    } else {
+      want_.resize(page.size());
+      TransferPlanExecutor::fill_key_pattern(key, want_.data(), want_.size());
+      ok = std::memcmp(want_.data(), page.data(), page.size()) == 0;
+    }
+    if (!ok) ++verification_failures;
   }
 
   ReplayStorage& rs_;
   std::mt19937_64 rng_;
   std::unordered_set<BlockId> failed_;
   std::unordered_map<BlockId, BlockKey> prefetching_;
+  std::vector<std::byte> want_;
   FakePlanExecutor fake_;
   StoragePlanExecutor sto_;
   CompositePlanExecutor comp_;
+  bool simulated_device_;
 };
 
 struct Prepared {
@@ -228,8 +306,13 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     if (o.storage->host_blocks() != cache->config().host_blocks)
       return InvalidArgument(fmt::format("replay: storage host pool has {} blocks, the host tier {}",
                                          o.storage->host_blocks(), cache->config().host_blocks));
-    if (o.executor) return InvalidArgument("replay: both an executor and a storage tier given");
-    real = std::make_unique<RealBytesExecutor>(*o.storage, o.failure_rate, o.seed);
+    if (o.executor && !o.storage->shared_host())
+      return InvalidArgument(
+          "replay: an executor and a storage tier with its own host memory given (three tiers need "
+          "ReplayStorage::create_over the executor's host space)");
+    if (o.executor && o.failure_rate > 0)
+      return InvalidArgument("replay: injected failures (failure_rate) need the fake device side, not an executor");
+    real = std::make_unique<RealBytesExecutor>(*o.storage, o.failure_rate, o.seed, o.executor);
   }
   PlanExecutor* exec = real ? real.get() : o.executor ? o.executor : &fake;
   std::uint64_t plan_d2h = 0, plan_h2d = 0;

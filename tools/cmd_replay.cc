@@ -123,8 +123,11 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--device-blocks", args->device_blocks, "device tier capacity in blocks")->capture_default_str();
   cmd->add_option("--host-blocks", args->host_blocks, "host tier capacity in blocks (0: no host tier)")
       ->capture_default_str();
-  cmd->add_option("--device-tokens", args->device_tokens, "device capacity in tokens (overrides --device-blocks)");
-  cmd->add_option("--host-tokens", args->host_tokens, "host capacity in tokens (overrides --host-blocks)");
+  // CLI11 reads "-3" into an unsigned 64-bit option as 2^64-3: negative values are refused up front.
+  cmd->add_option("--device-tokens", args->device_tokens, "device capacity in tokens (overrides --device-blocks)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--host-tokens", args->host_tokens, "host capacity in tokens (overrides --host-blocks)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--policy", args->policy, "eviction policy: lru, s3fifo, arc, lrfu[:boost], belady")
       ->capture_default_str();
   cmd->add_option("--write-policy", args->write_policy, "write_back, write_through, write_through_selective")
@@ -135,7 +138,8 @@ Action register_replay(CLI::App& app) {
   auto* block_bytes_opt =
       cmd->add_option("--block-bytes", args->block_bytes,
                       "KV bytes per block: byte counters; with --storage, bytes moved per block (default 4096 then)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(CLI::NonNegativeNumber);
   cmd->add_option("--storage", args->storage,
                   "storage tier moving real, verified bytes: disk:<dir>[?...] or redis://host:port[?...]");
   cmd->add_option("--storage-blocks", args->storage_blocks, "storage tier capacity in blocks (with --storage)")
@@ -143,11 +147,12 @@ Action register_replay(CLI::App& app) {
   cmd->add_flag("--cache-partial-blocks", args->cache_partial, "also index each request's partial last block");
   cmd->add_option("--failure-rate", args->failure_rate, "inject transfer failures with this probability");
   cmd->add_option("--seed", args->seed, "seed of injected failures");
-  cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests");
+  cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", args->json, "machine-readable output");
   cmd->add_option("--transfer", args->transfer,
                   "device<->host bytes: host (TransferManager on the simulated host device, default), cuda (on the "
-                  "GPU), none (fake executor). Not combined with --storage.")
+                  "GPU), none (fake executor). With --storage: device, host and storage tiers together.")
       ->capture_default_str();
   cmd->add_option("--sweep", args->sweep, "comma-separated device capacities (blocks): hit ratio table + plot");
   cmd->add_option("--sweep-policies", args->sweep_policies, "policies of the sweep (Belady is always added)")
@@ -197,8 +202,66 @@ Action register_replay(CLI::App& app) {
       std::fprintf(stderr, "kvtier replay: --block-tokens must be >= 1\n");
       return 2;
     }
-    if (a.device_tokens) a.device_blocks = static_cast<std::uint32_t>(a.device_tokens / a.block_tokens);
-    if (a.host_tokens) a.host_blocks = static_cast<std::uint32_t>(a.host_tokens / a.block_tokens);
+    auto bad = [](const std::string& what) {
+      std::fprintf(stderr, "kvtier replay: %s\n", what.c_str());
+      return 2;
+    };
+    constexpr std::uint64_t kMaxBlocks = 0xFFFFFFFEu;  // block ids are 32-bit, 2^32-1 is "no block"
+    if (a.device_tokens) {
+      const std::uint64_t blocks = a.device_tokens / a.block_tokens;
+      if (blocks == 0 || blocks > kMaxBlocks)
+        return bad(fmt::format("--device-tokens {} is {} blocks of {} tokens: must be 1..{} blocks", a.device_tokens,
+                               blocks, a.block_tokens, kMaxBlocks));
+      a.device_blocks = static_cast<std::uint32_t>(blocks);
+    }
+    if (a.host_tokens) {
+      const std::uint64_t blocks = a.host_tokens / a.block_tokens;
+      if (blocks > kMaxBlocks)
+        return bad(fmt::format("--host-tokens {} is {} blocks of {} tokens: at most {} blocks", a.host_tokens, blocks,
+                               a.block_tokens, kMaxBlocks));
+      a.host_blocks = static_cast<std::uint32_t>(blocks);
+    }
+    if (a.device_blocks == 0)
+      return bad(fmt::format("--device-blocks must be >= 1, got 0{}",
+                             given("--device-blocks") ? "" : " (from KVTIER_CACHE_DEVICE_BLOCKS)"));
+    if (!(a.failure_rate >= 0.0 && a.failure_rate <= 1.0))
+      return bad(fmt::format("--failure-rate must be a probability in [0, 1], got {}", a.failure_rate));
+    constexpr std::uint64_t kMaxBlockBytes = std::uint64_t{1} << 40;
+    if (a.block_bytes == 0 || a.block_bytes > kMaxBlockBytes)
+      return bad(fmt::format("--block-bytes must be 1..{} (1 TiB), got {}", kMaxBlockBytes, a.block_bytes));
+    const std::uint64_t phys = cache::physical_memory_bytes();
+    // Every capacity is checked against physical memory before anything is allocated.
+    auto index_fits = [&](std::uint64_t device, std::uint64_t host, std::uint64_t storage, const std::string& flags) {
+      cache::CacheConfig c;
+      c.device_blocks = static_cast<std::uint32_t>(device);
+      c.host_blocks = static_cast<std::uint32_t>(host);
+      c.storage_blocks = static_cast<std::uint32_t>(storage);
+      const std::uint64_t need = cache::index_memory_bytes(c);
+      if (need <= phys) return true;
+      std::fprintf(stderr, "kvtier replay: %s: the cache index needs about %llu MiB, the machine has %llu MiB\n",
+                   flags.c_str(), (unsigned long long)(need >> 20), (unsigned long long)(phys >> 20));
+      return false;
+    };
+    if (!index_fits(a.device_blocks, a.host_blocks, a.storage.empty() ? 0 : a.storage_blocks,
+                    fmt::format("--device-blocks {} --host-blocks {}{}", a.device_blocks, a.host_blocks,
+                                a.storage.empty() ? "" : fmt::format(" --storage-blocks {}", a.storage_blocks))))
+      return 2;
+    // Sweep capacities: 1..kMaxBlocks each, digits only ("-5" is not a block count).
+    std::vector<std::uint32_t> sweep_caps;
+    if (!a.sweep.empty()) {
+      std::vector<std::string> caps_s;
+      parse_list(a.sweep, caps_s);
+      if (caps_s.empty()) return bad(fmt::format("--sweep '{}' holds no capacity", a.sweep));
+      for (const auto& c : caps_s) {
+        std::uint64_t v = 0;
+        const bool digits = c.size() <= 19 && c.find_first_not_of("0123456789") == std::string::npos;
+        if (digits) v = std::stoull(c);
+        if (!digits || v == 0 || v > kMaxBlocks)
+          return bad(fmt::format("--sweep value '{}' is not a block count in 1..{}", c, kMaxBlocks));
+        if (!index_fits(v, 0, 0, fmt::format("--sweep value {}", v))) return 2;
+        sweep_caps.push_back(static_cast<std::uint32_t>(v));
+      }
+    }
     std::string path = resolve_trace(a.trace);
     auto trace = cache::load_mooncake_trace(path, a.max_requests);
     if (!trace.ok()) {
@@ -228,36 +291,13 @@ Action register_replay(CLI::App& app) {
     o.storage_policy = env_cache.storage_policy;
     o.device_watermarks = env_cache.device_watermarks;
     o.contiguous_host_runs = env_cache.contiguous_host_runs;
-    std::unique_ptr<cache::ReplayStorage> storage;
-    if (!a.storage.empty()) {
-      if (a.host_blocks == 0) {
-        std::fprintf(stderr, "kvtier replay: --storage needs a host tier (--host-blocks >= 1)\n");
-        return 2;
-      }
-      if (block_bytes_opt->count() == 0) a.block_bytes = 4096;
-      o.block_bytes = a.block_bytes;
-      auto rs = cache::ReplayStorage::create(a.storage, a.host_blocks, a.block_bytes);
-      if (!rs.ok()) {
-        std::fprintf(stderr, "kvtier replay: --storage %s: %s\n", a.storage.c_str(), rs.status().to_string().c_str());
-        return 1;
-      }
-      storage = std::move(*rs);
-      o.storage = storage.get();
-      o.storage_blocks = a.storage_blocks;
+    if (!a.storage.empty() && a.host_blocks == 0) {
+      std::fprintf(stderr, "kvtier replay: --storage needs a host tier (--host-blocks >= 1)\n");
+      return 2;
     }
-
     if (!a.sweep.empty()) {
-      std::vector<std::string> caps_s, pols;
-      std::vector<std::uint32_t> caps;
-      parse_list(a.sweep, caps_s);
-      for (const auto& c : caps_s) {
-        try {
-          caps.push_back(static_cast<std::uint32_t>(std::stoul(c)));
-        } catch (...) {
-          std::fprintf(stderr, "kvtier replay: --sweep value '%s' is not a block count\n", c.c_str());
-          return 2;
-        }
-      }
+      std::vector<std::string> pols;
+      const std::vector<std::uint32_t>& caps = sweep_caps;
       parse_list(a.sweep_policies, pols);
       auto table = cache::sweep(*trace, caps, pols, o);
       if (!table.ok()) {
@@ -300,14 +340,37 @@ Action register_replay(CLI::App& app) {
     // Injected failures (--failure-rate) use the fake executor: a failed copy on a device stream is
     // sticky (as on a GPU), which ends a replay; the transfer manager's failure handling is tested
     // in tests/transfer.
-    const bool use_transfer = a.transfer != "none" && a.storage.empty() && a.host_blocks > 0 && a.failure_rate <= 0;
+    // With --storage as well, the three tiers run together: the storage tier reads and writes the
+    // TransferManager's host cache.
+    const bool use_transfer = a.transfer != "none" && a.host_blocks > 0 && a.failure_rate <= 0;
     if (a.transfer != "none" && a.transfer != "host" && a.transfer != "cuda") {
       std::fprintf(stderr, "kvtier replay: --transfer must be host, cuda or none, got '%s'\n", a.transfer.c_str());
       return 2;
     }
+    if ((use_transfer || !a.storage.empty()) && block_bytes_opt->count() == 0) a.block_bytes = 4096;
+    o.block_bytes = a.block_bytes;
+    {
+      // Real bytes: device memory (in RAM on the host backend) and the host tier's pages. Block counts
+      // < 2^32 and block bytes <= 2^40: the products fit in 128 bits.
+      using u128 = unsigned __int128;
+      const std::uint64_t page = (a.block_bytes + 4095) / 4096 * 4096;
+      const bool in_ram_device = use_transfer && a.transfer == "host";
+      const u128 host = use_transfer || !a.storage.empty() ? u128{a.host_blocks} * page : 0;
+      const u128 device = in_ram_device ? u128{a.device_blocks} * a.block_bytes : 0;
+      const auto clamp = [](u128 v) { return v > UINT64_MAX ? UINT64_MAX : static_cast<std::uint64_t>(v); };
+      const std::uint64_t host_bytes = clamp(host), device_bytes = clamp(device), need = clamp(host + device);
+      if (need > phys) {
+        std::fprintf(stderr,
+                     "kvtier replay: --device-blocks %u --host-blocks %u of --block-bytes %llu need %llu MiB of "
+                     "memory (device %llu MiB%s, host %llu MiB), the machine has %llu MiB\n",
+                     a.device_blocks, a.host_blocks, (unsigned long long)a.block_bytes,
+                     (unsigned long long)(need >> 20), (unsigned long long)(device_bytes >> 20),
+                     in_ram_device ? " in RAM (--transfer host)" : "", (unsigned long long)(host_bytes >> 20),
+                     (unsigned long long)(phys >> 20));
+        return 2;
+      }
+    }
     if (use_transfer) {
-      if (block_bytes_opt->count() == 0) a.block_bytes = 4096;
-      o.block_bytes = a.block_bytes;
       auto fail = [](const char* what, const Status& st) {
         std::fprintf(stderr, "kvtier replay: --transfer: %s: %s\n", what, st.to_string().c_str());
         return 1;
@@ -343,6 +406,19 @@ Action register_replay(CLI::App& app) {
                                                                   cache::TransferPlanExecutor::Options{});
       o.executor = rt.executor.get();
     }
+    // Declared after the transfer manager: destroyed (its storage ops finished) before the host cache.
+    std::unique_ptr<cache::ReplayStorage> storage;
+    if (!a.storage.empty()) {
+      auto rs = use_transfer ? cache::ReplayStorage::create_over(a.storage, rt.manager->host_space())
+                             : cache::ReplayStorage::create(a.storage, a.host_blocks, a.block_bytes);
+      if (!rs.ok()) {
+        std::fprintf(stderr, "kvtier replay: --storage %s: %s\n", a.storage.c_str(), rs.status().to_string().c_str());
+        return 1;
+      }
+      storage = std::move(*rs);
+      o.storage = storage.get();
+      o.storage_blocks = a.storage_blocks;
+    }
 
     auto res = cache::replay_trace(*trace, o);
     o.executor = nullptr;  // Belady and the unbounded bound run on the fake executor
@@ -373,6 +449,11 @@ Action register_replay(CLI::App& app) {
                          {"bytes_d2h", rt.executor->bytes_d2h()},
                          {"bytes_h2d", rt.executor->bytes_h2d()}};
       }
+      // Per path: what the executors moved (real bytes), or what the plans asked for (fake executor).
+      j["bytes_moved"] = {{"device_to_host", rt.executor ? rt.executor->bytes_d2h() : r.bytes_d2h},
+                          {"host_to_device", rt.executor ? rt.executor->bytes_h2d() : r.bytes_h2d},
+                          {"host_to_storage", r.bytes_to_storage},
+                          {"storage_to_host", r.bytes_from_storage}};
       std::printf("%s\n", j.dump(2).c_str());
       const bool bad = r.verification_failures || (rt.executor && rt.executor->verification_failures());
       return bad ? 3 : 0;
@@ -401,29 +482,36 @@ Action register_replay(CLI::App& app) {
                 a.device_blocks + a.host_blocks);
     std::printf("unbounded        %.4f (every reusable block kept)\n", unb.hit_ratio());
     std::printf("replay time      %.3f s (%s), %.3f s (belady)\n", r.seconds, r.policy.c_str(), bel->seconds);
-    if (rt.executor) {
-      std::printf("transfers        %s backend TransferManager: %.1f MiB D2H, %.1f MiB H2D, %llu failed tasks\n",
-                  a.transfer.c_str(), static_cast<double>(rt.executor->bytes_d2h()) / double(1 << 20),
-                  static_cast<double>(rt.executor->bytes_h2d()) / double(1 << 20),
-                  (unsigned long long)rt.executor->failed_tasks());
-      std::printf("verification     %llu loaded device blocks checked against their key's pattern, %llu mismatches\n",
-                  (unsigned long long)rt.executor->verified(),
-                  (unsigned long long)rt.executor->verification_failures());
-      return rt.executor->verification_failures() ? 3 : 0;
-    }
-    if (a.storage.empty()) {
+    auto mib = [](std::uint64_t b) { return static_cast<double>(b) / double(1 << 20); };
+    if (!rt.executor && a.storage.empty()) {
       std::printf("bytes            not moved: fake executor (--transfer none)\n");
       return 0;
     }
-    auto mib = [](std::uint64_t b) { return static_cast<double>(b) / double(1 << 20); };
-    std::printf("storage moves    %llu writes (%.1f MiB to storage), %llu prefetches (%.1f MiB from storage)\n",
-                (unsigned long long)r.storage_writes, mib(r.bytes_to_storage), (unsigned long long)r.storage_prefetches,
-                mib(r.bytes_from_storage));
-    std::printf("storage faults   %llu failed prefetches, %llu failed writes (each became a miss)\n",
-                (unsigned long long)r.failed_prefetches, (unsigned long long)r.failed_storage_writes);
-    std::printf("verification     %llu blocks checked against their key's pattern, %llu mismatches\n",
-                (unsigned long long)r.verified_blocks, (unsigned long long)r.verification_failures);
-    return r.verification_failures ? 3 : 0;
+    // Real bytes: device<->host through the TransferManager, host<->storage through the backend.
+    const std::uint64_t d2h = rt.executor ? rt.executor->bytes_d2h() : r.bytes_d2h;
+    const std::uint64_t h2d = rt.executor ? rt.executor->bytes_h2d() : r.bytes_h2d;
+    const std::string device_side = rt.executor ? a.transfer + " backend TransferManager" : "simulated device";
+    std::printf("paths            device->host %.1f MiB, host->device %.1f MiB (%s)", mib(d2h), mib(h2d),
+                device_side.c_str());
+    if (!a.storage.empty())
+      std::printf(", host->storage %.1f MiB in %llu writes, storage->host %.1f MiB in %llu prefetches (%s)",
+                  mib(r.bytes_to_storage), (unsigned long long)r.storage_writes, mib(r.bytes_from_storage),
+                  (unsigned long long)r.storage_prefetches, a.storage.c_str());
+    std::printf("\n");
+    std::printf("failures         %llu failed transfer tasks, %llu failed moves acked as misses",
+                (unsigned long long)(rt.executor ? rt.executor->failed_tasks() : 0),
+                (unsigned long long)r.failed_transfers);
+    if (!a.storage.empty())
+      std::printf(", %llu failed prefetches, %llu failed storage writes", (unsigned long long)r.failed_prefetches,
+                  (unsigned long long)r.failed_storage_writes);
+    std::printf(" (each became a miss)\n");
+    const std::uint64_t device_checked = rt.executor ? rt.executor->verified() : 0;
+    const std::uint64_t mismatches = r.verification_failures + (rt.executor ? rt.executor->verification_failures() : 0);
+    std::printf(
+        "verification     %llu loaded device blocks and %llu host pages (prefetched, or read by a load) checked "
+        "against their key's pattern, %llu mismatches\n",
+        (unsigned long long)device_checked, (unsigned long long)r.verified_blocks, (unsigned long long)mismatches);
+    return mismatches ? 3 : 0;
   };
 }
 

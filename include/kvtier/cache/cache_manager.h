@@ -97,6 +97,12 @@ struct CacheConfig {
   NextUseOracle next_use_oracle;
 };
 
+// Index memory a CacheManager of `config` needs at most (nodes, key index, owners, policy state per
+// block of every tier); create() refuses a config whose index would not fit in physical memory.
+std::uint64_t index_memory_bytes(const CacheConfig& config) noexcept;
+// Physical memory of this machine (sysconf); UINT64_MAX when it cannot be told.
+std::uint64_t physical_memory_bytes() noexcept;
+
 // One block move. `key` names the block (storage objects are keyed by it).
 struct BlockMove {
   BlockId src = kNoBlock;

@@ -50,12 +50,13 @@ namespace kvtier::cache {
 
 struct TraceRequest {
   std::uint64_t timestamp_ms = 0;
-  std::uint32_t input_length = 0;
-  std::uint32_t output_length = 0;
+  std::uint64_t input_length = 0;   // tokens
+  std::uint64_t output_length = 0;  // tokens (optional in the file: 0)
   std::vector<std::uint64_t> hash_ids;
 };
 
-// max_requests 0: all. Errors name the file and line.
+// max_requests 0: all. Every field is an integer in 0..2^64-1 (output_length may be left out); errors
+// name the file, the line, the field and its value. A path that is not a regular file is an error.
 Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests = 0);
 
 // Real bytes for the host and storage tiers of a replay: a page-first host
@@ -73,12 +74,21 @@ class ReplayStorage {
   // `spec` as make_storage_backend: disk:<dir>[?...] or redis://host:port[?...].
   static Result<std::unique_ptr<ReplayStorage>> create(std::string_view spec, std::uint32_t host_blocks,
                                                        std::uint64_t block_bytes);
+  // Three tiers with real bytes: the storage tier over an existing host space (the TransferManager's
+  // host cache, TransferManager::host_space()), which must be pinned host memory, page-first, of one
+  // plane (KvLayout::uniform(1, 1, block_bytes)) and outlive this object. Device<->host bytes are then
+  // the ReplayOptions::executor's (a TransferPlanExecutor), and the host pages are checked against
+  // TransferPlanExecutor::fill_key_pattern.
+  static Result<std::unique_ptr<ReplayStorage>> create_over(const BackendFactory& make_backend, const BlockSpace& host);
+  static Result<std::unique_ptr<ReplayStorage>> create_over(std::string_view spec, const BlockSpace& host);
   ~ReplayStorage();
 
   storage::StorageTier& tier() noexcept { return *tier_; }
   std::uint32_t host_blocks() const noexcept { return host_blocks_; }
   std::uint64_t block_bytes() const noexcept { return block_bytes_; }
   std::span<std::byte> host_block(std::uint64_t b) const;
+  // Whether the host space is another component's (create_over): its bytes follow that pattern.
+  bool shared_host() const noexcept { return !memory_; }
 
   // The deterministic bytes of block `key`.
   static void fill_pattern(const BlockKey& key, std::span<std::byte> out);
@@ -91,9 +101,9 @@ class ReplayStorage {
   };
   std::unique_ptr<void, FreeDeleter> memory_;
   std::unique_ptr<storage::StorageTier> tier_;
+  BlockSpace host_;
   std::uint32_t host_blocks_ = 0;
   std::uint64_t block_bytes_ = 0;
-  std::uint64_t page_bytes_ = 0;
 };
 
 inline constexpr std::uint64_t kDefaultReplayBlockBytes = 64ull << 20;  // 512 tokens of Llama-3-8B bf16 KV

@@ -1,0 +1,209 @@
+// `kvtier replay` on bad input (flags and trace files): each ends with a clear error that names the
+// flag or the trace line and the value, a nonzero exit, within seconds and without allocating more
+// than the machine has. Also values that are valid although large (hash ids up to 2^64-1, lengths
+// beyond 2^32), and the three tiers together from the command line (--transfer host --storage).
+// Runs the built `kvtier` binary (label cpu).
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+struct CliRun {
+  int rc = -1;
+  std::string out;
+};
+
+// `kvtier args` with stdout and stderr together; a run that hangs is killed (rc 124).
+CliRun run(const std::string& args, bool with_stderr = true) {
+  const std::string cmd = "timeout 120 '" KVTIER_CLI "' " + args + (with_stderr ? " 2>&1" : " 2>/dev/null");
+  CliRun r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  std::size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+const std::string kSample = std::string("'") + KVTIER_SOURCE_DIR + "/data/traces/mooncake_sample.jsonl'";
+
+class ReplayCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::vector<std::string> names;  // inherited KVTIER_* variables would change the defaults
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string entry(*e);
+      if (entry.rfind("KVTIER_", 0) == 0 && entry.rfind("KVTIER_TEST_", 0) != 0)
+        names.push_back(entry.substr(0, entry.find('=')));
+    }
+    for (const auto& n : names) unsetenv(n.c_str());
+    char tmpl[] = "/tmp/kvtier-replay-cli-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  // A trace file holding `lines`; returns its quoted path.
+  std::string trace(const std::string& name, const std::vector<std::string>& lines) {
+    const std::string path = dir_ + "/" + name;
+    std::ofstream f(path);
+    for (const auto& l : lines) f << l << "\n";
+    return "'" + path + "'";
+  }
+  std::string dir_;
+};
+
+void expect_error(const CliRun& r, const std::vector<std::string>& says, const std::string& what) {
+  EXPECT_NE(r.rc, 0) << what << ": " << r.out;
+  EXPECT_NE(r.rc, 124) << what << ": hung (killed by timeout)";
+  EXPECT_EQ(r.out.find("bad_alloc"), std::string::npos) << what << ": " << r.out;
+  EXPECT_EQ(r.out.find("terminate"), std::string::npos) << what << ": " << r.out;
+  for (const auto& s : says)
+    EXPECT_NE(r.out.find(s), std::string::npos) << what << ": want '" << s << "' in: " << r.out;
+}
+
+TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
+  struct Case {
+    std::string args;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"--sweep -5", {"--sweep", "'-5'"}},  // once parsed as 4294967291: a hang
+      {"--sweep 99999999999", {"--sweep", "99999999999"}},
+      {"--sweep 1000,abc", {"--sweep", "'abc'"}},
+      {"--sweep 0", {"--sweep", "'0'"}},
+      {"--sweep 4000000000", {"--sweep value 4000000000", "machine has"}},            // index beyond memory
+      {"--device-blocks 2000000000", {"--device-blocks 2000000000", "machine has"}},  // was std::bad_alloc
+      {"--device-blocks 0", {"--device-blocks", "got 0"}},  // was "allocate_device: bytes is 0"
+      {"--device-blocks -5", {"--device-blocks", "-5"}},
+      {"--device-tokens 100 --block-tokens 512", {"--device-tokens 100", "0 blocks"}},
+      {"--failure-rate 2", {"--failure-rate", "got 2"}},
+      {"--failure-rate -1", {"--failure-rate", "got -1"}},
+      {"--failure-rate nan", {"--failure-rate", "nan"}},
+      {"--max-requests -3", {"--max-requests", "-3"}},
+      {"--block-bytes 0", {"--block-bytes", "got 0"}},
+      {"--block-bytes -1", {"--block-bytes", "-1"}},
+      {"--host-blocks 4000000 --block-bytes 1099511627776", {"--host-blocks 4000000", "machine has"}},
+      {"--transfer host --device-blocks 4000000 --block-bytes 1099511627776",
+       {"--device-blocks 4000000", "machine has"}},
+      {"--transfer gpu", {"--transfer", "'gpu'"}},
+      {"--storage disk:/nonexistent --host-blocks 0", {"--storage", "--host-blocks"}},
+  };
+  for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
+}
+
+TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
+  const std::string ok = R"({"timestamp": 0, "input_length": 1024, "output_length": 10, "hash_ids": [1, 2]})";
+  struct Case {
+    std::vector<std::string> lines;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {{ok, R"({"timestamp": 1, "input_length": 512, "output_length": -5, "hash_ids": [1]})"},
+       {":2:", "output_length is -5"}},
+      {{ok, R"({"timestamp": 1, "input_length": 512, "output_length": 1e20, "hash_ids": [1]})"},
+       {":2:", "output_length is 1e+20"}},
+      {{R"({"timestamp": 1, "input_length": -1, "hash_ids": [1]})"}, {":1:", "input_length is -1"}},
+      {{R"({"timestamp": 1, "input_length": 2.5, "hash_ids": [1]})"}, {":1:", "input_length is 2.5"}},
+      {{R"({"timestamp": 1, "input_length": 18446744073709551616, "hash_ids": [1]})"}, {":1:", "input_length is"}},
+      {{R"({"timestamp": -3, "input_length": 5, "hash_ids": [1]})"}, {":1:", "timestamp is -3"}},
+      {{R"({"timestamp": 1, "hash_ids": [1]})"}, {":1:", "input_length missing"}},
+      {{ok, ok, R"({"timestamp": 1, "input_length": 512, "hash_ids": [1, "x"]})"}, {":3:", "hash_ids[1] is \"x\""}},
+      {{R"({"timestamp": 1, "input_length": 512, "hash_ids": [-1]})"}, {":1:", "hash_ids[0] is -1"}},
+      {{R"({"timestamp": 1, "input_length": 512, "hash_ids": 7})"}, {":1:", "hash_ids"}},
+      {{"not json"}, {":1:", "not a JSON object"}},
+      {{R"({"timestamp": 0, "input_length": 18446744073709551615, "hash_ids": [1]})",
+        R"({"timestamp": 0, "input_length": 1, "hash_ids": [1]})"},
+       {":2:", "exceed 2^64-1"}},
+      {{}, {"holds no requests"}},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const std::string path = trace("bad" + std::to_string(i) + ".jsonl", cases[i].lines);
+    expect_error(run("replay --transfer none " + path), cases[i].says, "trace case " + std::to_string(i));
+  }
+  expect_error(run("replay --transfer none '" + dir_ + "'"), {dir_, "is a directory"}, "a directory as the trace");
+  expect_error(run("replay --transfer none '" + dir_ + "/missing.jsonl'"), {"missing.jsonl", "does not exist"},
+               "a missing trace");
+}
+
+TEST_F(ReplayCli, LargeValidValuesAreKeptExactly) {
+  // Hash ids up to 2^64-1 are valid; lengths are kept in 64 bits (2^32 once became 0 tokens, and
+  // 99999999999999 became 276447231).
+  const std::string path =
+      trace("large.jsonl", {R"({"timestamp": 0, "input_length": 99999999999999, "hash_ids": [18446744073709551615]})",
+                            R"({"timestamp": 1, "input_length": 4294967296, "output_length": 4294967296, )"
+                            R"("hash_ids": [18446744073709551615, 1]})"});
+  CliRun r = run("replay --transfer none --json --device-blocks 8 --host-blocks 8 " + path, false);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["requests"], 2);
+  EXPECT_EQ(j["total_tokens"].get<std::uint64_t>(), 99999999999999ull + 4294967296ull);
+  EXPECT_EQ(j["device_hit_blocks"], 1);  // the second request reuses the first block (id 2^64-1)
+}
+
+// --transfer host --storage disk:DIR: device, host and storage tiers together, real bytes on every
+// path, every loaded block verified.
+void expect_three_tiers(const CliRun& r) {
+  ASSERT_EQ(r.rc, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_GT(j["device_hit_ratio"].get<double>(), 0.0);
+  EXPECT_GT(j["host_hit_ratio"].get<double>(), 0.0);
+  EXPECT_GT(j["storage_hit_ratio"].get<double>(), 0.0);
+  EXPECT_EQ(j["verification_failures"], 0);
+  EXPECT_GT(j["verified_blocks"].get<std::uint64_t>(), 0u);
+  EXPECT_EQ(j["transfer"]["backend"], "host");
+  EXPECT_GT(j["transfer"]["verified_blocks"].get<std::uint64_t>(), 0u);
+  EXPECT_EQ(j["transfer"]["verification_failures"], 0);
+  EXPECT_EQ(j["transfer"]["failed_tasks"], 0);
+  EXPECT_GT(j["bytes_moved"]["device_to_host"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(j["bytes_moved"]["host_to_device"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(j["bytes_moved"]["host_to_storage"].get<std::uint64_t>(), 0u);
+  EXPECT_GT(j["bytes_moved"]["storage_to_host"].get<std::uint64_t>(), 0u);
+  EXPECT_EQ(j["failed_prefetches"], 0);
+  EXPECT_EQ(j["failed_storage_writes"], 0);
+}
+
+const std::string kThreeTiers =
+    "replay --json --transfer host --device-blocks 64 --host-blocks 2048 --storage-blocks 20000 --policy lru "
+    "--max-requests 300 " +
+    kSample;
+
+TEST_F(ReplayCli, ThreeTiersWithADiskTier) {
+  expect_three_tiers(run(kThreeTiers + " --storage 'disk:" + dir_ + "/store?durability=process&direct=off'", false));
+  // The text report names every tier and path.
+  CliRun text =
+      run(kThreeTiers.substr(0, kThreeTiers.find("--json")) + kThreeTiers.substr(kThreeTiers.find("--json") + 7) +
+          " --storage 'disk:" + dir_ + "/store2?durability=process&direct=off'");
+  ASSERT_EQ(text.rc, 0) << text.out;
+  for (const char* s : {"device->host", "host->device", "host->storage", "storage->host", "0 mismatches"})
+    EXPECT_NE(text.out.find(s), std::string::npos) << s << " in: " << text.out;
+}
+
+TEST_F(ReplayCli, ThreeTiersWithARedisTier) {
+  const char* ep = std::getenv("KVTIER_TEST_REDIS");
+  if (!ep || !*ep) GTEST_SKIP() << "KVTIER_TEST_REDIS not set";
+  const char* pw = std::getenv("KVTIER_TEST_REDIS_PASSWORD");
+  const std::string spec = std::string("redis://") + (pw && *pw ? std::string(":") + pw + "@" : "") + ep +
+                           "?prefix=kvtier-replay-cli-test-" + std::to_string(::getpid());
+  expect_three_tiers(run(kThreeTiers + " --storage '" + spec + "'", false));
+}
+
+}  // namespace
