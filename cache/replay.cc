@@ -413,6 +413,12 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       KVTIER_RETURN_IF_ERROR(cache->release(adm->id));
     }
     KVTIER_RETURN_IF_ERROR(drive(0));
+    if (o.on_request) {
+      res.bytes_d2h = plan_d2h * o.block_bytes;
+      res.bytes_h2d = plan_h2d * o.block_bytes;
+      res.failed_transfers = cache->stats().failed_transfers;
+      o.on_request(res, *cache);
+    }
     if (o.check_invariants_every && (i + 1) % o.check_invariants_every == 0)
       KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context(fmt::format("after request {}", i)));
   }
@@ -442,6 +448,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   }
   if (o.check_invariants_every) KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context("at the end"));
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (o.on_request) o.on_request(res, *cache);
   return res;
 }
 

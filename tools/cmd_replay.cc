@@ -20,9 +20,11 @@
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
+#include "kvtier/metrics/http_server.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "tools/cli.h"
+#include "tools/replay_metrics.h"
 
 extern char** environ;
 
@@ -115,6 +117,9 @@ Action register_replay(CLI::App& app) {
     std::string storage;
     std::uint32_t storage_blocks = 65536;
     std::string transfer = "host";
+    std::uint16_t metrics_port = 0;
+    std::string metrics_out;
+    bool progress = false;
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("replay", "Replay a Mooncake-format trace through the cache manager");
@@ -159,6 +164,9 @@ Action register_replay(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--out", args->out, "sweep output prefix: PREFIX.md, PREFIX.csv, PREFIX.svg")->capture_default_str();
   cmd->add_option("--check-invariants", args->check_every, "check the index invariants every N requests (slow)");
+  cmd->add_option("--metrics-port", args->metrics_port, "serve Prometheus /metrics on 127.0.0.1:PORT while it runs");
+  cmd->add_option("--metrics-out", args->metrics_out, "write the final /metrics scrape to FILE");
+  cmd->add_flag("--progress", args->progress, "progress line on stderr: hit ratio, bytes moved, throughput");
 
   return [cmd, args, block_bytes_opt]() -> int {
     if (!cmd->parsed()) return -1;
@@ -420,11 +428,40 @@ Action register_replay(CLI::App& app) {
       o.storage_blocks = a.storage_blocks;
     }
 
+    // --metrics-port, --metrics-out, --progress: fed by the replay's running totals (ReplayOptions::on_request).
+    metrics::Registry& registry = metrics::default_registry();
+    std::optional<ReplayMetrics> rm;
+    std::unique_ptr<metrics::MetricsServer> server;
+    std::optional<ProgressLine> progress;
+    if (a.metrics_port || !a.metrics_out.empty()) {
+      auto m = ReplayMetrics::create(registry, a.policy);
+      if (!m.ok()) return std::fprintf(stderr, "kvtier replay: metrics: %s\n", m.status().to_string().c_str()), 1;
+      rm.emplace(std::move(*m));
+    }
+    if (a.metrics_port) {
+      auto s = metrics::MetricsServer::start(registry, a.metrics_port);
+      if (!s.ok()) return std::fprintf(stderr, "kvtier replay: %s\n", s.status().to_string().c_str()), 1;
+      server = std::move(*s);
+      std::fprintf(stderr, "kvtier replay: serving http://127.0.0.1:%u/metrics\n", unsigned{server->port()});
+    }
+    if (a.progress) progress.emplace(trace->size());
+    if (rm || progress)
+      o.on_request = [&](const cache::ReplayResult& r, const cache::CacheManager& cm) {
+        if (rm) rm->update(r, cm);
+        if (progress) progress->update(r, r.seconds > 0);
+      };
     auto res = cache::replay_trace(*trace, o);
     o.executor = nullptr;  // Belady and the unbounded bound run on the fake executor
+    o.on_request = nullptr;
     if (!res.ok()) {
       std::fprintf(stderr, "kvtier replay: %s\n", res.status().to_string().c_str());
       return 1;
+    }
+    if (!a.metrics_out.empty()) {
+      std::ofstream f(a.metrics_out, std::ios::binary | std::ios::trunc);
+      f << registry.expose();
+      if (!f.good())
+        return std::fprintf(stderr, "kvtier replay: cannot write --metrics-out %s\n", a.metrics_out.c_str()), 1;
     }
     auto bel = cache::replay_belady(*trace, a.device_blocks + a.host_blocks, o);
     if (!bel.ok()) {

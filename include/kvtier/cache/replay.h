@@ -108,6 +108,8 @@ class ReplayStorage {
 
 inline constexpr std::uint64_t kDefaultReplayBlockBytes = 64ull << 20;  // 512 tokens of Llama-3-8B bf16 KV
 
+struct ReplayResult;
+
 struct ReplayOptions {
   std::uint32_t device_blocks = 4096;
   std::uint32_t host_blocks = 0;
@@ -137,6 +139,9 @@ struct ReplayOptions {
   std::string storage_policy = "lru";  // with storage_blocks > 0
   Watermarks device_watermarks;        // 0/0: no proactive device eviction
   bool contiguous_host_runs = true;
+  // Called after every request with the running totals (bytes_d2h, bytes_h2d and failed_transfers
+  // included) and once more with the final result: progress display and metrics export.
+  std::function<void(const ReplayResult&, const CacheManager&)> on_request;
 };
 
 struct ReplayResult {
