@@ -52,8 +52,9 @@ std::vector<std::byte> random_bytes(std::size_t n, std::uint32_t seed) {
 
 // Two connected agents, a (initiator) and b, each with one region of `bytes`.
 struct Pair {
-  std::unique_ptr<Transport> a, b;
+  // Memory first: it must outlive the transports that have it registered (destruction runs in reverse).
   std::vector<std::byte> mem_a, mem_b;
+  std::unique_ptr<Transport> a, b;
   RegionId ra = 0, rb = 0;
   PeerId a_sees_b = 0, b_sees_a = 0;
 };
