@@ -24,6 +24,10 @@ void bind_disk_backend_config(ConfigTable& t, DiskBackendConfig& c, const std::s
   t.add(p + ".verify_payload_on_open", &c.verify_payload_on_open,
         "disk: verify every payload checksum while rebuilding the index");
   t.add(p + ".max_free_files", &c.max_free_files, "disk: recycled-file pool size");
+  t.add(p + ".max_quarantine_files", &c.max_quarantine_files,
+        "disk: quarantined files kept for inspection (oldest removed first; counted in capacity)");
+  t.add(p + ".file_mode", &c.file_mode, "disk: permission bits of created files (decimal in env/config: 384 = 0600)");
+  t.add(p + ".dir_mode", &c.dir_mode, "disk: permission bits of created directories (448 = 0700)");
 }
 
 }  // namespace kvtier::storage

@@ -28,14 +28,14 @@
 namespace kvtier::storage::disk {
 namespace {
 
-Status mkdir_p(const std::string& path) {
+Status mkdir_p(const std::string& path, mode_t mode) {
   std::string cur;
   std::size_t pos = 0;
   while (pos != std::string::npos) {
     pos = path.find('/', pos + 1);
     cur = path.substr(0, pos);
     if (cur.empty()) continue;
-    if (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
+    if (::mkdir(cur.c_str(), mode) != 0 && errno != EEXIST)
       return Unavailable(fmt::format("mkdir {}: {}", cur, errno_text(errno)));
   }
   return Status::Ok();
@@ -85,12 +85,18 @@ Status DiskBackend::init() {
   if (config_.queue_depth == 0 || config_.queue_depth > 4096)
     return InvalidArgument(fmt::format("disk backend: queue_depth {} not in [1, 4096]", config_.queue_depth));
   dir_ = fmt::format("{}/{:016x}-{:016x}", config_.root, ns_digest_, options_.layout_fingerprint);
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/quarantine"));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/incoming"));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/free"));
+  if ((config_.file_mode & ~0777u) != 0 || (config_.dir_mode & ~0777u) != 0 || (config_.dir_mode & 0700u) != 0700u)
+    return InvalidArgument(
+        fmt::format("disk backend: file_mode {:o} / dir_mode {:o} not permission bits (dir_mode needs 0700)",
+                    config_.file_mode, config_.dir_mode));
+  const mode_t dmode = static_cast<mode_t>(config_.dir_mode);
+  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_, dmode));
+  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/quarantine", dmode));
+  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/incoming", dmode));
+  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/free", dmode));
   max_free_files_ = config_.max_free_files;
-  lock_fd_ = ScopedFd(::open((dir_ + "/LOCK").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644));
+  lock_fd_ = ScopedFd(::open((dir_ + "/LOCK").c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW,
+                             static_cast<mode_t>(config_.file_mode)));
   if (lock_fd_.get() < 0) return Unavailable(fmt::format("open {}/LOCK: {}", dir_, errno_text(errno)));
   if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0)
     return FailedPrecondition(fmt::format("disk backend directory {} is locked by another process", dir_));
@@ -228,7 +234,8 @@ Status DiskBackend::probe_direct_io() {
   direct_ = false;
   if (config_.direct_io == DirectIo::kOff) return Status::Ok();
   const std::string probe = dir_ + "/.direct_probe";
-  ScopedFd fd(::open(probe.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT | O_CLOEXEC, 0644));
+  ScopedFd fd(::open(probe.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT | O_CLOEXEC,
+                     static_cast<mode_t>(config_.file_mode)));
   int err = errno;
   bool ok = fd.get() >= 0;
   if (ok) {

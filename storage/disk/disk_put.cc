@@ -84,8 +84,8 @@ void DiskBackend::start_put(IoOp* op) {
     // New files share one directory: ext4 places a new file's blocks near its directory, so
     // concurrent puts write one region of the disk instead of one region per shard directory.
     op->tmp_path = fmt::format("{}/incoming/{}{}{}.{}", dir_, key.to_string(), kTmpMarker, ::getpid(), ++seq_);
-    op->fd = ScopedFd(
-        ::open(op->tmp_path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0), 0644));
+    op->fd = ScopedFd(::open(op->tmp_path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0),
+                             static_cast<mode_t>(config_.file_mode)));
   }
   if (op->fd.get() < 0) {
     const int err = errno;
@@ -103,7 +103,7 @@ Status DiskBackend::ensure_shard(std::uint32_t s) {
   if (shard_fds_[s].get() >= 0) return Status::Ok();
   const std::string sd = shard_dir(s);
   bool created = true;
-  if (::mkdir(sd.c_str(), 0755) != 0) {
+  if (::mkdir(sd.c_str(), static_cast<mode_t>(config_.dir_mode)) != 0) {
     const int err = errno;
     if (err != EEXIST)
       return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", sd, errno_text(err)))

@@ -321,6 +321,36 @@ TEST_F(DiskHardening, QuarantineIsBoundedAndCountedInCapacity) {
   EXPECT_EQ((*b)->stats().bytes, 8 * kUnit);
 }
 
+mode_t mode_of(const std::string& path) {
+  struct stat sb {};
+  return ::lstat(path.c_str(), &sb) == 0 ? (sb.st_mode & 07777) : 07777;
+}
+
+// Files 0600 and directories 0700 by default: other local users can neither read a tenant's
+// blocks nor plant files in its directories. Configurable for a shared group.
+TEST_F(DiskHardening, FilesAndDirectoriesAreOwnerOnlyByDefault) {
+  const mode_t old_umask = ::umask(022);
+  config_.root = dir_.path() + "/root";
+  ns_dir_ = fmt::format("{}/{:016x}-{:016x}", config_.root, format::namespace_digest(options_.ns), 0);
+  store(1);
+  const StorageKey k = key_of(7, 0);
+  EXPECT_EQ(mode_of(object_path(k)), 0600u);
+  EXPECT_EQ(mode_of(ns_dir_ + "/LOCK"), 0600u);
+  for (const std::string& d : {config_.root, ns_dir_, ns_dir_ + "/quarantine", ns_dir_ + "/incoming", ns_dir_ + "/free",
+                               fmt::format("{}/{:02x}", ns_dir_, k.digest[0])})
+    EXPECT_EQ(mode_of(d), 0700u) << d;
+  config_.root = dir_.path() + "/group";
+  ns_dir_ = fmt::format("{}/{:016x}-{:016x}", config_.root, format::namespace_digest(options_.ns), 0);
+  config_.file_mode = 0640;
+  config_.dir_mode = 0750;
+  store(1);
+  EXPECT_EQ(mode_of(object_path(k)), 0640u);
+  EXPECT_EQ(mode_of(ns_dir_), 0750u);
+  config_.file_mode = 01777;
+  EXPECT_EQ(create_disk_backend(config_, options_).status().code(), StatusCode::kInvalidArgument);
+  ::umask(old_umask);
+}
+
 // Sizes whose sum with the header wraps below the stored length: the parser rejects them before
 // any check that adds them (the disk's "file at least header + payload", the Redis value length).
 TEST(ObjectFormatBounds, SizesThatWrapAreDataLoss) {

@@ -62,8 +62,8 @@ enum class DirectIo : std::uint8_t {
 };
 
 struct DiskBackendConfig {
-  std::string root;                     // created if absent
-  std::uint64_t capacity_bytes = 0;     // 0 = unlimited
+  std::string root;                  // created if absent
+  std::uint64_t capacity_bytes = 0;  // 0 = unlimited
   Durability durability = Durability::kPowerLoss;
   DirectIo direct_io = DirectIo::kAuto;
   std::uint32_t queue_depth = 64;       // items in flight on the ring
@@ -72,6 +72,11 @@ struct DiskBackendConfig {
   // Files kept in quarantine/ for an operator to inspect (oldest removed first); they count in
   // capacity_bytes and are removed before any object is evicted.
   std::uint32_t max_quarantine_files = 64;
+  // Permissions of the files and directories the backend creates (the process umask still
+  // applies): owner only by default, so other local users cannot read or plant blocks. Shared
+  // access between the processes of one deployment: a common group and 0640 / 0750.
+  std::uint32_t file_mode = 0600;
+  std::uint32_t dir_mode = 0700;
 };
 
 // Creates the backend, takes the directory lock and rebuilds the index

@@ -27,8 +27,9 @@
 // the delete, which is routed and retried like any delete. A delete that
 // still fails is logged and not counted in stats().quarantined; the object
 // stays, and every later get verifies it again (DataLoss, never its bytes).
-// Not zero-copy: values pass through hiredis buffers (caps().zero_copy_host
-// is false).
+// Not zero-copy for gets: values pass through hiredis's reply buffer
+// (caps().zero_copy_host is false). A put's payload is written from the
+// caller's buffer to the socket (writev), without an intermediate copy.
 #pragma once
 
 #include <chrono>
