@@ -40,6 +40,15 @@ void run_kernel_emulated(const KernelArgs& a, std::uint32_t ctas, std::uint32_t 
         warp_copy_emulated(resolve_item(a.planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item));
 }
 
+// The first block a kernel launch writes: given to the host backend as the
+// task's destination (with 0 bytes: nothing is poisoned on failure), so fault
+// injection that selects operations by destination reaches kernel launches as
+// it reaches DMAs, and a failed launch writes nothing, as on a GPU.
+void* first_destination(const KernelPlane* planes, const KernelPair* pairs, const KernelArgs& args) {
+  if (args.num_planes == 0 || args.num_pairs == 0) return nullptr;
+  return reinterpret_cast<void*>(planes[0].dst_base + static_cast<std::uint64_t>(pairs[0].dst) * planes[0].dst_stride);
+}
+
 class HostCopyEngine final : public EngineBase {
  public:
   HostCopyEngine(HostDevice& host, const CopyEngineOptions& options) : EngineBase(host, options), host_(host) {}
@@ -61,15 +70,24 @@ class HostCopyEngine final : public EngineBase {
   Status launch_kernel(StreamState&, Stream& stream, const KernelArgs& args, std::uint32_t ctas,
                        const std::byte* staging, std::uint64_t descriptor_bytes) override {
     const std::uint32_t threads = options_.sm_threads_per_cta;
-    return host_.enqueue_task(stream, [args, ctas, threads, staging, descriptor_bytes]() -> Status {
-      // A failed (injected) descriptor upload leaves garbage where a GPU
-      // kernel would fault; refuse to run on it instead of scribbling memory.
-      if (static_cast<const void*>(args.planes) != static_cast<const void*>(staging) &&
-          std::memcmp(args.planes, staging, descriptor_bytes) != 0)
-        return Internal("sm_kernel descriptors in device memory differ from the staged ones (the upload failed)");
-      run_kernel_emulated(args, ctas, threads);
-      return Status::Ok();
-    });
+    // The staging copy is what the upload carries (args.planes may not hold it
+    // yet); args.pairs lies at the same offset from args.planes in both.
+    const auto* staged_planes = reinterpret_cast<const KernelPlane*>(staging);
+    const auto* staged_pairs = reinterpret_cast<const KernelPair*>(
+        staging + (reinterpret_cast<const std::byte*>(args.pairs) - reinterpret_cast<const std::byte*>(args.planes)));
+    void* first_dst = first_destination(staged_planes, staged_pairs, args);
+    return host_.enqueue_task(
+        stream,
+        [args, ctas, threads, staging, descriptor_bytes]() -> Status {
+          // A failed (injected) descriptor upload leaves garbage where a GPU
+          // kernel would fault; refuse to run on it instead of scribbling memory.
+          if (static_cast<const void*>(args.planes) != static_cast<const void*>(staging) &&
+              std::memcmp(args.planes, staging, descriptor_bytes) != 0)
+            return Internal("sm_kernel descriptors in device memory differ from the staged ones (the upload failed)");
+          run_kernel_emulated(args, ctas, threads);
+          return Status::Ok();
+        },
+        first_dst, 0);
   }
 
   Status launch_kernel_inline(StreamState&, Stream& stream, const KernelArgs& meta, const KernelPlane* planes,
@@ -85,13 +103,17 @@ class HostCopyEngine final : public EngineBase {
     auto owned = std::make_shared<Owned>(Owned{std::vector<KernelPlane>(planes, planes + meta.num_planes),
                                                std::vector<KernelPair>(pairs, pairs + meta.num_pairs)});
     const std::uint32_t threads = options_.sm_threads_per_cta;
-    return host_.enqueue_task(stream, [meta, owned, ctas, threads]() -> Status {
-      KernelArgs args = meta;
-      args.planes = owned->planes.data();
-      args.pairs = owned->pairs.data();
-      run_kernel_emulated(args, ctas, threads);
-      return Status::Ok();
-    });
+    void* first_dst = first_destination(planes, pairs, meta);
+    return host_.enqueue_task(
+        stream,
+        [meta, owned, ctas, threads]() -> Status {
+          KernelArgs args = meta;
+          args.planes = owned->planes.data();
+          args.pairs = owned->pairs.data();
+          run_kernel_emulated(args, ctas, threads);
+          return Status::Ok();
+        },
+        first_dst, 0);
   }
 
  private:
