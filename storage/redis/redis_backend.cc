@@ -179,12 +179,10 @@ class RedisBackend final : public StorageBackend {
         if (config_.mode == RedisMode::kSingle) {
           // Nothing else is sent at create in single mode: a missing password must show here,
           // not as a failure of every later item.
+          // A connection lost during the PING says nothing about the password: the node is
+          // used as before (items retry and fail on their own), only a refusal fails create.
           ReplyPtr r(static_cast<redisReply*>(redisCommand(c->get(), "PING")));
-          if (!r) {
-            last = Unavailable(fmt::format("PING on {}: {}", e, (*c)->errstr));
-            continue;
-          }
-          if (r->type == REDIS_REPLY_ERROR && is_auth_error(std::string_view(r->str, r->len)))
+          if (r && r->type == REDIS_REPLY_ERROR && is_auth_error(std::string_view(r->str, r->len)))
             return FailedPrecondition(fmt::format("PING on {} refused: {}", e, std::string(r->str, r->len)));
           node = e;
           break;
