@@ -316,6 +316,17 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   }
   PlanExecutor* exec = real ? real.get() : o.executor ? o.executor : &fake;
   std::uint64_t plan_d2h = 0, plan_h2d = 0;
+  // Device-side moves submitted and not yet acknowledged (evictions, backups, loads).
+  std::uint64_t device_moves_out = 0;
+  auto poll_and_apply = [&]() -> Result<std::size_t> {
+    std::vector<Completion> done = exec->poll();
+    for (const Completion& c : done)
+      if (c.kind == MoveKind::kEviction || c.kind == MoveKind::kBackup || c.kind == MoveKind::kLoad)
+        device_moves_out -= std::min<std::uint64_t>(device_moves_out, c.dst.size());
+    const std::size_t n = done.size();
+    KVTIER_RETURN_IF_ERROR(apply_completions(*cache, std::move(done)));
+    return n;
+  };
 
   // Storage moves are waited for at every step: the replay is a simulation, and finished
   // writes make the next requests' matches deterministic.
@@ -323,10 +334,11 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     StepPlan plan = cache->take_plan();
     plan_d2h += plan.evictions.size() + plan.backups.size();
     plan_h2d += plan.loads.size();
+    device_moves_out += plan.evictions.size() + plan.backups.size() + plan.loads.size();
     if (!plan.empty()) KVTIER_RETURN_IF_ERROR(exec->execute(plan));
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     for (int spins = 0;; ++spins) {
-      KVTIER_RETURN_IF_ERROR(apply_completions(*cache, exec->poll()));
+      KVTIER_RETURN_IF_ERROR(poll_and_apply().status());
       bool storage_idle = !real || real->storage_in_flight() == 0;
       bool loads_done = true;
       if (wait_for != 0) {
@@ -385,6 +397,20 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       // blocks are being written to storage to make some. Wait for them and try once more.
       KVTIER_RETURN_IF_ERROR(drive(0));
       adm = cache->admit(keys, extra);
+    }
+    if (!adm.ok() && adm.status().code() == StatusCode::kResourceExhausted && device_moves_out > 0) {
+      // Device blocks still being copied (write-through backups, evictions) are not reclaimable
+      // yet; an engine waits for them rather than give up: wait, then try again (bounded).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!adm.ok() && adm.status().code() == StatusCode::kResourceExhausted && device_moves_out > 0 &&
+             std::chrono::steady_clock::now() < until) {
+        KVTIER_ASSIGN_OR_RETURN(std::size_t acked, poll_and_apply());
+        if (acked == 0) {
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+          continue;
+        }
+        adm = cache->admit(keys, extra);
+      }
     }
     if (!adm.ok()) {
       ++res.failed_admissions;
