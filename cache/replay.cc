@@ -338,7 +338,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     if (!plan.empty()) KVTIER_RETURN_IF_ERROR(exec->execute(plan));
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     for (int spins = 0;; ++spins) {
-      KVTIER_RETURN_IF_ERROR(poll_and_apply().status());
+      KVTIER_RETURN_IF_ERROR(poll_and_apply());
       bool storage_idle = !real || real->storage_in_flight() == 0;
       bool loads_done = true;
       if (wait_for != 0) {
