@@ -10,7 +10,9 @@ namespace kvtier::cli {
 Action register_bench_copy(CLI::App& bench);
 Action register_bench_transfer(CLI::App& bench);
 Action register_bench_storage(CLI::App& bench);
+#if !defined(KVTIER_CLI_NO_BENCH_PD)
 Action register_bench_pd(CLI::App& bench);
+#endif
 
 namespace {
 // Add new benchmarks here (one line each).
@@ -18,7 +20,9 @@ constexpr BenchRegistrar kBenchRegistrars[] = {
     &register_bench_copy,
     &register_bench_transfer,
     &register_bench_storage,
+#if !defined(KVTIER_CLI_NO_BENCH_PD)
     &register_bench_pd,
+#endif
 };
 }  // namespace
 
