@@ -37,9 +37,10 @@ namespace {
 std::string dir_json(const DirectionStats& d) {
   return fmt::format(
       "{{\"tasks_submitted\":{},\"tasks_done\":{},\"tasks_failed\":{},\"bytes_submitted\":{},\"bytes_done\":{},"
-      "\"busy_seconds\":{:.6f},\"gbps\":{:.3f},\"in_flight\":{},\"max_in_flight\":{}}}",
-      d.tasks_submitted, d.tasks_done, d.tasks_failed, d.bytes_submitted, d.bytes_done, d.busy_seconds, d.gbps,
-      d.in_flight, d.max_in_flight);
+      "\"blocks_done\":{},\"blocks_failed\":{},\"busy_seconds\":{:.6f},\"gbps\":{:.3f},\"in_flight\":{},"
+      "\"max_in_flight\":{}}}",
+      d.tasks_submitted, d.tasks_done, d.tasks_failed, d.bytes_submitted, d.bytes_done, d.blocks_done, d.blocks_failed,
+      d.busy_seconds, d.gbps, d.in_flight, d.max_in_flight);
 }
 
 }  // namespace

@@ -72,6 +72,24 @@ struct PendingEntry {
   Status preset;
 };
 
+// The registry series of an attached manager (transfer_metrics.cc). Counters
+// are advanced from stats() deltas at scrape time; `seen` is the last export.
+struct TransferMetricSeries {
+  struct Delta {
+    metrics::Counter* c = nullptr;
+    std::uint64_t seen = 0;
+    void to(std::uint64_t v) {
+      if (v > seen) c->inc(v - seen);
+      seen = v;
+    }
+  };
+  Delta tasks_ok[2], tasks_failed[2], bytes[2], blocks[2], failed_blocks[2], layers_ok, layers_failed;
+  metrics::Gauge* in_flight[2] = {};
+  double in_flight_seen[2] = {0, 0};
+  metrics::Histogram* task_latency[2] = {};  // evict, load
+  metrics::Histogram* layer_latency = nullptr;
+};
+
 struct DirCounters {
   DirectionStats s;
   std::uint64_t busy_ns = 0;
@@ -83,7 +101,14 @@ class TransferManagerImpl final : public TransferManager {
   TransferManagerImpl(Device& device, Stream& compute, const TransferManagerConfig& config)
       : device_(device), compute_(compute), config_(config) {}
 
-  ~TransferManagerImpl() override { shutdown().ignore_error(); }
+  ~TransferManagerImpl() override {
+    // The hook reads this manager: gone before anything of it is.
+    if (metrics_registry_) {
+      metrics_registry_->remove_collect_hook(metrics_hook_);
+      for (int d = 0; d < 2; ++d) metrics_->in_flight[d]->add(-metrics_->in_flight_seen[d]);
+    }
+    shutdown().ignore_error();
+  }
 
   Status init(KvCacheRegistration reg, CopyEngine* engine);
 
@@ -118,6 +143,9 @@ class TransferManagerImpl final : public TransferManager {
   Device& device() const noexcept override { return device_; }
   const TransferManagerConfig& config() const noexcept override { return config_; }
   Status shutdown() override;
+  Status attach_metrics(metrics::Registry& registry, const metrics::Labels& labels) override;
+  // Pushes stats() into the attached series (the registry's collect hook).
+  void export_metrics();
 
  private:
   // A submission thread: enqueues accepted tasks on its stream, in order.
@@ -228,6 +256,10 @@ class TransferManagerImpl final : public TransferManager {
   std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> settled_slots_;
   std::vector<std::shared_ptr<TaskRec>> settled_tasks_;
   std::uint64_t latency_count_ = 0;
+  // Set once by attach_metrics (under mu_); read by the progress thread under mu_.
+  std::unique_ptr<TransferMetricSeries> metrics_;
+  std::uint64_t metrics_hook_ = 0;
+  metrics::Registry* metrics_registry_ = nullptr;
 
   std::thread progress_;
   std::atomic<std::thread::id> progress_id_{};

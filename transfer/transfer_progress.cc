@@ -51,9 +51,11 @@ void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& t
       layers_done_++;
     else
       layers_failed_++;
-    latency_us_[latency_next_] = std::chrono::duration<double, std::micro>(now - t.submitted).count();
+    const double us = std::chrono::duration<double, std::micro>(now - t.submitted).count();
+    latency_us_[latency_next_] = us;
     latency_next_ = (latency_next_ + 1) % latency_us_.size();
     latency_count_++;
+    if (metrics_) metrics_->layer_latency->observe(us * 1e-6);
     if (t.on_layer) {
       auto cb = t.on_layer;
       std::uint32_t layer = t.layers[slot];
@@ -108,9 +110,13 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
   if (first.ok()) {
     d.s.tasks_done++;
     d.s.bytes_done += t.bytes;
+    d.s.blocks_done += dst_ids.size();
   } else {
     d.s.tasks_failed++;
+    d.s.blocks_failed += bad_dst.size();
   }
+  if (metrics_)
+    metrics_->task_latency[is_load ? 1 : 0]->observe(std::chrono::duration<double>(Clock::now() - t.submitted).count());
   if (--d.s.in_flight == 0)
     d.busy_ns += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - d.busy_since).count());

@@ -109,6 +109,7 @@
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
 #include "kvtier/device/device.h"
+#include "kvtier/metrics/registry.h"
 #include "kvtier/transfer/registration.h"
 
 namespace kvtier {
@@ -204,6 +205,8 @@ struct DirectionStats {
   std::uint64_t tasks_failed = 0;
   std::uint64_t bytes_submitted = 0;
   std::uint64_t bytes_done = 0;  // bytes of tasks that completed successfully
+  std::uint64_t blocks_done = 0;    // block pairs of tasks that completed successfully
+  std::uint64_t blocks_failed = 0;  // destination blocks reported failed (FailedBlocks)
   // Wall time during which at least one task of this direction was in
   // flight (submit to observed completion), and bytes_done / busy_seconds.
   double busy_seconds = 0;
@@ -310,6 +313,24 @@ class TransferManager {
   virtual Stream& compute_stream() noexcept = 0;
   virtual Device& device() const noexcept = 0;
   virtual const TransferManagerConfig& config() const noexcept = 0;
+
+  // ---- metrics ----
+  // Exports this manager into `registry` (metrics/registry.h), every series
+  // carrying `labels` (e.g. {{"rank","0"}}), with direction = evict | load:
+  //   kvtier_transfer_tasks_total{direction,outcome=ok|failed}
+  //   kvtier_transfer_bytes_total{direction}, kvtier_transfer_blocks_total{direction}  (completed OK)
+  //   kvtier_transfer_failed_blocks_total{direction}
+  //   kvtier_transfer_layers_total{outcome}                 (load layers final)
+  //   kvtier_transfer_in_flight_tasks{direction}            (gauge)
+  //   kvtier_transfer_task_latency_seconds{direction}       (submit -> task final)
+  //   kvtier_transfer_layer_latency_seconds                 (submit -> load layer final)
+  // Latencies are observed on the progress thread as tasks settle (lock-free
+  // atomics); the counters and gauges are refreshed from stats() when the
+  // registry is scraped, so the hot path pays only for the histograms.
+  // Managers attached with the same labels add up. The registry must outlive
+  // the manager. FailedPrecondition when already attached; InvalidArgument
+  // for bad label names (or a family registered elsewhere with other labels).
+  virtual Status attach_metrics(metrics::Registry& registry, const metrics::Labels& labels = {}) = 0;
 
   // Idempotent: a call while another is draining returns when that one is
   // complete, with its status. After it, submits return FailedPrecondition.
