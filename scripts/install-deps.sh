@@ -6,7 +6,7 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 PKGS=(build-essential cmake ninja-build pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev
       libfmt-dev libcli11-dev nlohmann-json3-dev
-      liburing-dev libhiredis-dev libxxhash-dev libnuma-dev
+      liburing-dev libhiredis-dev libxxhash-dev libnuma-dev libsodium-dev
       libucx-dev ucx-utils
       libzmq3-dev
       redis-server redis-tools

@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 #define XXH_STATIC_LINKING_ONLY
+#include <sodium.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace kvtier::storage::format {
@@ -23,10 +25,57 @@ T get_le(const std::byte* p) {
 
 constexpr std::size_t kOffMagic = 0, kOffVersion = 8, kOffFlags = 10, kOffHeaderSize = 12, kOffNs = 16, kOffLayout = 24,
                       kOffKey = 32, kOffRank = 48, kOffNumRoles = 52, kOffPayload = 56, kOffHeaderChecksum = 64,
-                      kOffChecksum = 72;
+                      kOffChecksum = 72, kOffHeaderTag = 80, kOffObjectTag = 112;
+// Version 2 zeroes [kOffHeaderChecksum, kKeyedFixedHeaderBytes) for every hash over the header.
+constexpr std::size_t kKeyedZeroBytes = kKeyedFixedHeaderBytes - kOffHeaderChecksum;
 
-std::uint64_t raw_header_bytes(std::size_t num_roles) {
-  return kFixedHeaderBytes + std::uint64_t{kRoleEntryBytes} * num_roles;
+// BLAKE2b personalisation (16 bytes each): the tags and key names never collide across uses.
+constexpr unsigned char kPersonalHeader[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-hdr-v2";
+constexpr unsigned char kPersonalObject[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-obj-v2";
+constexpr unsigned char kPersonalName[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-name-v2";
+
+constexpr std::string_view kAuthFailure = "authentication failed: ";
+
+Status auth_failure(std::string what) { return DataLoss(fmt::format("{}{}", kAuthFailure, what)); }
+
+// sodium_init picks the fastest implementations (thread-safe; once is enough). The hashing used
+// here needs no other initialisation (no randomness), so a failure leaves the portable code.
+void ensure_sodium() {
+  static const int rc = sodium_init();
+  static_cast<void>(rc);
+}
+
+void mac_init(crypto_generichash_state* st, std::string_view secret, const unsigned char* personal) {
+  ensure_sodium();
+  crypto_generichash_blake2b_init_salt_personal(st, reinterpret_cast<const unsigned char*>(secret.data()),
+                                                secret.size(), kTagBytes, nullptr, personal);
+}
+
+// Feeds the version-2 header with [64, 144) zeroed.
+void mac_header(crypto_generichash_state* st, const std::byte* header, std::uint32_t header_size) {
+  static constexpr unsigned char kZeros[kKeyedZeroBytes] = {};
+  const auto* h = reinterpret_cast<const unsigned char*>(header);
+  crypto_generichash_update(st, h, kOffHeaderChecksum);
+  crypto_generichash_update(st, kZeros, kKeyedZeroBytes);
+  crypto_generichash_update(st, h + kKeyedFixedHeaderBytes, header_size - kKeyedFixedHeaderBytes);
+}
+
+std::array<std::uint8_t, kTagBytes> header_tag(const std::byte* header, std::uint32_t header_size,
+                                               std::string_view secret) {
+  crypto_generichash_state st;
+  mac_init(&st, secret, kPersonalHeader);
+  mac_header(&st, header, header_size);
+  std::array<std::uint8_t, kTagBytes> tag{};
+  crypto_generichash_final(&st, tag.data(), tag.size());
+  return tag;
+}
+
+bool tags_equal(const std::uint8_t* a, const std::uint8_t* b) { return sodium_memcmp(a, b, kTagBytes) == 0; }
+
+std::uint32_t fixed_bytes(bool keyed) { return keyed ? kKeyedFixedHeaderBytes : kFixedHeaderBytes; }
+
+std::uint64_t raw_header_bytes(std::size_t num_roles, bool keyed) {
+  return fixed_bytes(keyed) + std::uint64_t{kRoleEntryBytes} * num_roles;
 }
 
 std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
@@ -48,23 +97,76 @@ std::uint64_t object_checksum(const std::byte* header, std::uint32_t header_size
   return XXH3_64bits_digest(&state);
 }
 
-std::uint64_t header_checksum(const std::byte* header, std::uint32_t header_size) {
+std::uint64_t header_checksum(const std::byte* header, std::uint32_t header_size, bool keyed) {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
   XXH3_64bits_update(&state, header, kOffHeaderChecksum);
-  static constexpr std::byte kZeros[8] = {};
-  XXH3_64bits_update(&state, kZeros, 8);
-  XXH3_64bits_update(&state, header + kOffChecksum, header_size - kOffChecksum);
+  static constexpr std::byte kZeros[kKeyedZeroBytes] = {};
+  const std::size_t zeroed = keyed ? kKeyedZeroBytes : 8;
+  XXH3_64bits_update(&state, kZeros, zeroed);
+  XXH3_64bits_update(&state, header + kOffHeaderChecksum + zeroed, header_size - (kOffHeaderChecksum + zeroed));
   return XXH3_64bits_digest(&state);
+}
+
+bool valid_tenant_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
 }
 
 }  // namespace
 
 std::uint64_t namespace_digest(std::string_view ns) noexcept { return XXH3_64bits(ns.data(), ns.size()); }
 
+std::uint64_t namespace_digest(const StorageOptions& options) noexcept {
+  if (options.tenant.empty()) return namespace_digest(options.ns);
+  // Length-prefixed, so ("a", "bc") and ("ab", "c") differ.
+  std::string m = fmt::format("tenant:{}:{}\n{}", options.tenant.size(), options.tenant, options.ns);
+  return XXH3_64bits(m.data(), m.size());
+}
+
+Status check_tenant_options(const StorageOptions& options) {
+  const std::string& t = options.tenant;
+  if (t.size() > kMaxTenantIdBytes || !std::all_of(t.begin(), t.end(), valid_tenant_char))
+    return InvalidArgument(
+        fmt::format("StorageOptions::tenant '{}': at most {} characters of [A-Za-z0-9_-]", t, kMaxTenantIdBytes));
+  const std::size_t n = options.tenant_secret.size();
+  if (n != 0 && (n < kMinSecretBytes || n > kMaxSecretBytes))
+    return InvalidArgument(
+        fmt::format("StorageOptions::tenant_secret is {} bytes; a tenant secret needs {} to {} bytes", n,
+                    kMinSecretBytes, kMaxSecretBytes));
+  return Status::Ok();
+}
+
+std::string keyed_object_name(const StorageOptions& options, const StorageKey& key) {
+  crypto_generichash_state st;
+  mac_init(&st, options.tenant_secret, kPersonalName);
+  std::byte fixed[8 + 8 + 8 + 16 + 4];
+  put_le<std::uint64_t>(fixed, options.tenant.size());
+  put_le<std::uint64_t>(fixed + 8, options.ns.size());
+  put_le<std::uint64_t>(fixed + 16, options.layout_fingerprint);
+  std::memcpy(fixed + 24, key.digest.data(), 16);
+  put_le<std::uint32_t>(fixed + 40, key.rank);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(fixed), sizeof(fixed));
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(options.tenant.data()), options.tenant.size());
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(options.ns.data()), options.ns.size());
+  unsigned char name[16];
+  crypto_generichash_final(&st, name, sizeof(name));
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string s(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    s[2 * i] = kHex[name[i] >> 4];
+    s[2 * i + 1] = kHex[name[i] & 15];
+  }
+  return s;
+}
+
+bool is_auth_failure(const Status& status) noexcept {
+  return status.code() == StatusCode::kDataLoss && status.message().find(kAuthFailure) != std::string::npos;
+}
+
 std::uint32_t header_bytes(const StorageOptions& options, std::uint32_t alignment) noexcept {
   if (alignment < 8) alignment = 8;
-  return static_cast<std::uint32_t>(align_up(raw_header_bytes(options.roles.size()), alignment));
+  return static_cast<std::uint32_t>(
+      align_up(raw_header_bytes(options.roles.size(), !options.tenant_secret.empty()), alignment));
 }
 
 Status check_payload_size(const StorageOptions& options, std::uint64_t payload_bytes) {
@@ -78,15 +180,21 @@ Status check_payload_size(const StorageOptions& options, std::uint64_t payload_b
 
 Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
                      std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
+  const std::string_view secret = options.tenant_secret;
+  const bool keyed = !secret.empty();
+  if (keyed && (secret.size() < kMinSecretBytes || secret.size() > kMaxSecretBytes))
+    return InvalidArgument(
+        fmt::format("StorageOptions::tenant_secret is {} bytes; a tenant secret needs {} to {} bytes", secret.size(),
+                    kMinSecretBytes, kMaxSecretBytes));
   if (options.roles.size() >= kMaxRoles)
     return InvalidArgument(fmt::format("roles table of {} entries >= {}", options.roles.size(), kMaxRoles));
-  if (header_size < raw_header_bytes(options.roles.size()) || header_size % 8 != 0)
-    return InvalidArgument(
-        fmt::format("header size {} < {} or not a multiple of 8", header_size, raw_header_bytes(options.roles.size())));
+  if (header_size < raw_header_bytes(options.roles.size(), keyed) || header_size % 8 != 0)
+    return InvalidArgument(fmt::format("header size {} < {} or not a multiple of 8", header_size,
+                                       raw_header_bytes(options.roles.size(), keyed)));
   std::memset(out, 0, header_size);
   put_le<std::uint64_t>(out + kOffMagic, kMagic);
-  put_le<std::uint16_t>(out + kOffVersion, kFormatVersion);
-  put_le<std::uint16_t>(out + kOffFlags, 0);
+  put_le<std::uint16_t>(out + kOffVersion, keyed ? kKeyedFormatVersion : kFormatVersion);
+  put_le<std::uint16_t>(out + kOffFlags, keyed ? kFlagKeyed : 0);
   put_le<std::uint32_t>(out + kOffHeaderSize, header_size);
   put_le<std::uint64_t>(out + kOffNs, ns_digest);
   put_le<std::uint64_t>(out + kOffLayout, options.layout_fingerprint);
@@ -94,7 +202,7 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
   put_le<std::uint32_t>(out + kOffRank, key.rank);
   put_le<std::uint32_t>(out + kOffNumRoles, static_cast<std::uint32_t>(options.roles.size()));
   put_le<std::uint64_t>(out + kOffPayload, payload_bytes);
-  std::byte* e = out + kFixedHeaderBytes;
+  std::byte* e = out + fixed_bytes(keyed);
   for (const auto& r : options.roles) {
     put_le<std::uint16_t>(e, r.layer);
     e[2] = static_cast<std::byte>(r.role);
@@ -103,25 +211,51 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
     put_le<std::uint64_t>(e + 16, r.bytes);
     e += kRoleEntryBytes;
   }
-  put_le<std::uint64_t>(out + kOffChecksum, object_checksum(out, header_size, payload, payload_bytes));
-  put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size));
+  if (!keyed) {
+    put_le<std::uint64_t>(out + kOffChecksum, object_checksum(out, header_size, payload, payload_bytes));
+    put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
+    return Status::Ok();
+  }
+  // Every hash below sees [64, 144) as zeros, so the fields can be filled in any order.
+  crypto_generichash_state st;
+  mac_init(&st, secret, kPersonalObject);
+  mac_header(&st, out, header_size);
+  if (payload_bytes > 0) crypto_generichash_update(&st, static_cast<const unsigned char*>(payload), payload_bytes);
+  crypto_generichash_final(&st, reinterpret_cast<unsigned char*>(out + kOffObjectTag), kTagBytes);
+  const auto htag = header_tag(out, header_size, secret);
+  std::memcpy(out + kOffHeaderTag, htag.data(), kTagBytes);
+  put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, true));
   return Status::Ok();
 }
 
-Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std::uint32_t* needed) {
+Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std::uint32_t* needed,
+                                   std::string_view secret) {
   if (avail < kFixedHeaderBytes)
     return DataLoss(fmt::format("object of {} bytes is shorter than the {}-byte header", avail, kFixedHeaderBytes));
   const std::uint64_t magic = get_le<std::uint64_t>(data + kOffMagic);
   if (magic != kMagic) return DataLoss(fmt::format("bad magic {:#018x}", magic));
   ObjectHeader h;
   h.version = get_le<std::uint16_t>(data + kOffVersion);
-  if (h.version != kFormatVersion)
-    return DataLoss(fmt::format("format version {} (this build reads {})", h.version, kFormatVersion));
+  if (h.version != kFormatVersion && h.version != kKeyedFormatVersion)
+    return DataLoss(
+        fmt::format("format version {} (this build reads {} and {})", h.version, kFormatVersion, kKeyedFormatVersion));
+  h.keyed = h.version == kKeyedFormatVersion;
+  // The keying mode is refused before anything else is parsed: a reader never interprets the
+  // other version's fields as its own.
+  if (h.keyed && secret.empty())
+    return auth_failure("keyed object (format version 2) and this reader has no tenant secret");
+  if (!h.keyed && !secret.empty())
+    return auth_failure("unkeyed object (format version 1) and this reader requires a tenant MAC");
   const std::uint16_t flags = get_le<std::uint16_t>(data + kOffFlags);
-  if (flags != 0) return DataLoss(fmt::format("header flags {:#06x} (this version writes 0)", flags));
+  const std::uint16_t want_flags = h.keyed ? kFlagKeyed : 0;
+  if (flags != want_flags)
+    return DataLoss(fmt::format("header flags {:#06x} (version {} writes {:#06x})", flags, h.version, want_flags));
+  const std::uint32_t fixed = fixed_bytes(h.keyed);
+  if (avail < fixed)
+    return DataLoss(fmt::format("object of {} bytes is shorter than the {}-byte header", avail, fixed));
   h.header_size = get_le<std::uint32_t>(data + kOffHeaderSize);
   const std::uint32_t num_roles = get_le<std::uint32_t>(data + kOffNumRoles);
-  if (num_roles >= kMaxRoles || h.header_size < raw_header_bytes(num_roles) || h.header_size % 8 != 0 ||
+  if (num_roles >= kMaxRoles || h.header_size < raw_header_bytes(num_roles, h.keyed) || h.header_size % 8 != 0 ||
       h.header_size > kMaxHeaderBytes)
     return DataLoss(fmt::format("header size {} inconsistent with {} roles (limit {} bytes)", h.header_size, num_roles,
                                 kMaxHeaderBytes));
@@ -129,9 +263,18 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   if (avail < h.header_size)
     return OutOfRange(fmt::format("header needs {} bytes, {} available", h.header_size, avail));
   h.header_checksum = get_le<std::uint64_t>(data + kOffHeaderChecksum);
-  const std::uint64_t hc = header_checksum(data, h.header_size);
+  const std::uint64_t hc = header_checksum(data, h.header_size, h.keyed);
   if (hc != h.header_checksum)
     return DataLoss(fmt::format("header checksum {:#018x} != stored {:#018x}", hc, h.header_checksum));
+  if (h.keyed) {
+    if (get_le<std::uint64_t>(data + kOffChecksum) != 0) return DataLoss("version-2 header: non-zero word at 72");
+    const auto tag = header_tag(data, h.header_size, secret);
+    if (!tags_equal(tag.data(), reinterpret_cast<const std::uint8_t*>(data + kOffHeaderTag)))
+      return auth_failure("header tag does not match this tenant's secret (foreign, forged or damaged object)");
+    std::memcpy(h.object_tag.data(), data + kOffObjectTag, kTagBytes);
+  } else {
+    h.checksum = get_le<std::uint64_t>(data + kOffChecksum);
+  }
   h.ns_digest = get_le<std::uint64_t>(data + kOffNs);
   h.layout_fingerprint = get_le<std::uint64_t>(data + kOffLayout);
   std::memcpy(h.key.digest.data(), data + kOffKey, 16);
@@ -140,9 +283,8 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   if (h.payload_bytes > kMaxPayloadBytes)
     return DataLoss(
         fmt::format("payload size {} exceeds the format's limit of {} bytes", h.payload_bytes, kMaxPayloadBytes));
-  h.checksum = get_le<std::uint64_t>(data + kOffChecksum);
   h.roles.resize(num_roles);
-  const std::byte* e = data + kFixedHeaderBytes;
+  const std::byte* e = data + fixed;
   for (auto& r : h.roles) {
     r.layer = get_le<std::uint16_t>(e);
     r.role = static_cast<std::uint8_t>(e[2]);
@@ -158,7 +300,7 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
     e += kRoleEntryBytes;
   }
   // The padding up to header_size is zero as written: anything else is not this version's object.
-  for (std::size_t i = raw_header_bytes(num_roles); i < h.header_size; ++i)
+  for (std::size_t i = raw_header_bytes(num_roles, h.keyed); i < h.header_size; ++i)
     if (data[i] != std::byte{0}) return DataLoss(fmt::format("non-zero header padding at offset {}", i));
   return h;
 }
@@ -187,32 +329,73 @@ Status check_identity(const ObjectHeader& header, std::uint64_t ns_digest, std::
   return Status::Ok();
 }
 
-Status verify_object(const std::byte* header_bytes, const ObjectHeader& header, const void* payload) {
-  const std::uint64_t c = object_checksum(header_bytes, header.header_size, payload, header.payload_bytes);
-  if (c != header.checksum)
-    return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
-                                header.checksum, header.key.to_string(), header.payload_bytes));
-  return Status::Ok();
+Status verify_object(const std::byte* header_bytes, const ObjectHeader& header, const void* payload,
+                     std::string_view secret) {
+  if (!header.keyed && secret.empty()) {  // the unkeyed fast path, without the verifier's state allocation
+    const std::uint64_t c = object_checksum(header_bytes, header.header_size, payload, header.payload_bytes);
+    if (c != header.checksum)
+      return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
+                                  header.checksum, header.key.to_string(), header.payload_bytes));
+    return Status::Ok();
+  }
+  ObjectVerifier v(header_bytes, header, secret);
+  v.update(payload, header.payload_bytes);
+  return v.finish();
 }
 
-ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader& header) : header_(header) {
+ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader& header, std::string_view secret)
+    : header_(header) {
+  if (header.keyed) {
+    if (secret.empty()) {
+      error_ = auth_failure("keyed object (format version 2) and this reader has no tenant secret");
+      return;
+    }
+    auto* st = new crypto_generichash_state;
+    mac_init(st, secret, kPersonalObject);
+    mac_header(st, header_bytes, header.header_size);
+    mac_state_ = st;
+    return;
+  }
+  if (!secret.empty()) {
+    error_ = auth_failure("unkeyed object (format version 1) and this reader requires a tenant MAC");
+    return;
+  }
   auto* st = new XXH3_state_t;
   object_checksum_header(st, header_bytes, header.header_size);
   state_ = st;
 }
 
-ObjectVerifier::~ObjectVerifier() { delete static_cast<XXH3_state_t*>(state_); }
+ObjectVerifier::~ObjectVerifier() {
+  delete static_cast<XXH3_state_t*>(state_);
+  if (mac_state_ != nullptr) {
+    auto* st = static_cast<crypto_generichash_state*>(mac_state_);
+    sodium_memzero(st, sizeof(*st));  // holds key material
+    delete st;
+  }
+}
 
 void ObjectVerifier::update(const void* data, std::size_t bytes) {
   if (bytes == 0) return;
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+  if (state_ != nullptr) XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+  if (mac_state_ != nullptr)
+    crypto_generichash_update(static_cast<crypto_generichash_state*>(mac_state_),
+                              static_cast<const unsigned char*>(data), bytes);
   seen_ += bytes;
 }
 
 Status ObjectVerifier::finish() {
+  if (!error_.ok()) return error_;
   if (seen_ != header_.payload_bytes)
     return DataLoss(
         fmt::format("{} of {} payload bytes read for key {}", seen_, header_.payload_bytes, header_.key.to_string()));
+  if (mac_state_ != nullptr) {
+    std::array<std::uint8_t, kTagBytes> tag{};
+    crypto_generichash_final(static_cast<crypto_generichash_state*>(mac_state_), tag.data(), tag.size());
+    if (!tags_equal(tag.data(), header_.object_tag.data()))
+      return auth_failure(fmt::format("object tag does not match for key {} ({} payload bytes)",
+                                      header_.key.to_string(), header_.payload_bytes));
+    return Status::Ok();
+  }
   const std::uint64_t c = XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_));
   if (c != header_.checksum)
     return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,

@@ -1,8 +1,13 @@
 #include "kvtier/storage/storage_backend.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <xxhash.h>
 
+#include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cstring>
 
@@ -150,7 +155,71 @@ std::pair<std::string_view, std::vector<std::pair<std::string_view, std::string_
   return {s, params};
 }
 
+// The parameters every spec shares: tenant=<id>, secret_file=<path>. True when `k` was one.
+Result<bool> apply_tenant_param(std::string_view k, std::string_view v, StorageOptions& options) {
+  if (k == "tenant") {
+    options.tenant = std::string(v);
+    return true;
+  }
+  if (k == "secret_file") {
+    KVTIER_ASSIGN_OR_RETURN(options.tenant_secret, read_tenant_secret_file(std::string(v)));
+    return true;
+  }
+  return false;
+}
+
+int hex_value(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
 }  // namespace
+
+Result<std::string> read_tenant_secret_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return NotFound(fmt::format("tenant secret file '{}': {}", path, std::strerror(errno)));
+  struct stat sb {};
+  std::string text;
+  Status st = Status::Ok();
+  if (::fstat(fd, &sb) != 0) {
+    st = Unavailable(fmt::format("tenant secret file '{}': fstat: {}", path, std::strerror(errno)));
+  } else if (!S_ISREG(sb.st_mode)) {
+    st = FailedPrecondition(fmt::format("tenant secret file '{}' is not a regular file", path));
+  } else if ((sb.st_mode & 077) != 0) {
+    st = FailedPrecondition(
+        fmt::format("tenant secret file '{}' has mode {:o}: group and others must have no access (chmod 600)", path,
+                    sb.st_mode & 0777));
+  } else if (sb.st_size > 4096) {
+    st = InvalidArgument(fmt::format("tenant secret file '{}' is {} bytes: expected 64..128 hex digits", path,
+                                     static_cast<long long>(sb.st_size)));
+  } else {
+    text.resize(static_cast<std::size_t>(sb.st_size));
+    const ssize_t n = ::pread(fd, text.data(), text.size(), 0);
+    if (n < 0)
+      st = Unavailable(fmt::format("tenant secret file '{}': read: {}", path, std::strerror(errno)));
+    else
+      text.resize(static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  KVTIER_RETURN_IF_ERROR(st);
+  std::string_view hex = text;
+  while (!hex.empty() && std::isspace(static_cast<unsigned char>(hex.front()))) hex.remove_prefix(1);
+  while (!hex.empty() && std::isspace(static_cast<unsigned char>(hex.back()))) hex.remove_suffix(1);
+  if (hex.size() % 2 != 0 || hex.size() < 64 || hex.size() > 128)
+    return InvalidArgument(fmt::format(
+        "tenant secret file '{}' holds {} characters: expected 64..128 hex digits (32..64 bytes)", path, hex.size()));
+  std::string secret(hex.size() / 2, '\0');
+  for (std::size_t i = 0; i < secret.size(); ++i) {
+    const int hi = hex_value(hex[2 * i]), lo = hex_value(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0)
+      return InvalidArgument(
+          fmt::format("tenant secret file '{}': non-hex character at offset {}", path, 2 * i + (hi < 0 ? 0 : 1)));
+    secret[i] = static_cast<char>(hi * 16 + lo);
+  }
+  return secret;
+}
 
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options) {
   if (spec.starts_with("disk:")) {
@@ -173,7 +242,8 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, parse_size(v));
         c.queue_depth = static_cast<std::uint32_t>(qd);
       } else {
-        return InvalidArgument(fmt::format("unknown disk parameter '{}' in '{}'", k, spec));
+        KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
+        if (!tenant_param) return InvalidArgument(fmt::format("unknown disk parameter '{}' in '{}'", k, spec));
       }
     }
     return create_disk_backend(std::move(c), std::move(options));
@@ -222,7 +292,8 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
       } else if (k == "ttl") {
         KVTIER_ASSIGN_OR_RETURN(c.ttl_seconds, parse_size(v));
       } else {
-        return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, spec));
+        KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
+        if (!tenant_param) return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, spec));
       }
     }
     return create_redis_backend(std::move(c), std::move(options));

@@ -1,5 +1,7 @@
 #include "kvtier/storage/storage_config.h"
 
+#include "storage/object_format.h"
+
 namespace kvtier::storage {
 
 void bind_redis_backend_config(ConfigTable& t, RedisBackendConfig& c, const std::string& p) {
@@ -28,6 +30,28 @@ void bind_disk_backend_config(ConfigTable& t, DiskBackendConfig& c, const std::s
         "disk: quarantined files kept for inspection (oldest removed first; counted in capacity)");
   t.add(p + ".file_mode", &c.file_mode, "disk: permission bits of created files (decimal in env/config: 384 = 0600)");
   t.add(p + ".dir_mode", &c.dir_mode, "disk: permission bits of created directories (448 = 0700)");
+}
+
+void bind_tenant_config(ConfigTable& t, TenantConfig& c, const std::string& p) {
+  t.add(p + ".id", &c.id,
+        "storage: tenant id ([A-Za-z0-9_-]{1,64}): own disk directory, Redis key prefix and namespace (empty: none)");
+  t.add(p + ".secret_file", &c.secret_file,
+        "storage: file with the tenant's MAC secret in hex (32..64 bytes, mode 0600): objects keyed-BLAKE2b "
+        "authenticated, Redis key names hashed (empty: unkeyed xxh3 objects)");
+}
+
+Status apply_tenant_config(const TenantConfig& c, StorageOptions& options) {
+  StorageOptions o = options;
+  o.tenant = c.id;
+  o.tenant_secret.clear();
+  if (!c.secret_file.empty()) {
+    auto secret = read_tenant_secret_file(c.secret_file);
+    if (!secret.ok()) return secret.status().with_context("storage.tenant.secret_file");
+    o.tenant_secret = std::move(secret).value();
+  }
+  KVTIER_RETURN_IF_ERROR(format::check_tenant_options(o).with_context("storage.tenant.id"));
+  options = std::move(o);
+  return Status::Ok();
 }
 
 }  // namespace kvtier::storage

@@ -41,6 +41,21 @@ Status mkdir_p(const std::string& path, mode_t mode) {
   return Status::Ok();
 }
 
+// A tenant's directory must be ours and no more open than dir_mode: one that another user
+// created first (or a symlink planted there) would hand them every object the tenant writes.
+Status check_private_dir(const std::string& path, mode_t mode) {
+  struct stat sb {};
+  if (::lstat(path.c_str(), &sb) != 0) return Unavailable(fmt::format("lstat {}: {}", path, errno_text(errno)));
+  if (!S_ISDIR(sb.st_mode)) return FailedPrecondition(fmt::format("tenant directory {} is not a directory", path));
+  if (sb.st_uid != ::geteuid())
+    return FailedPrecondition(fmt::format("tenant directory {} is owned by uid {}, not by this process (uid {})", path,
+                                          sb.st_uid, ::geteuid()));
+  if ((sb.st_mode & 0777 & ~mode) != 0)
+    return FailedPrecondition(
+        fmt::format("tenant directory {} has mode {:o}, wider than dir_mode {:o}", path, sb.st_mode & 0777, mode));
+  return Status::Ok();
+}
+
 // Type of the filesystem holding `path` ("ext4", "xfs", "tmpfs", ...), from the longest matching mount point.
 std::string filesystem_type(const std::string& path) {
   char real[PATH_MAX];
@@ -67,7 +82,7 @@ std::string filesystem_type(const std::string& path) {
 
 DiskBackend::DiskBackend(DiskBackendConfig config, StorageOptions options)
     : config_(std::move(config)), options_(std::move(options)) {
-  ns_digest_ = format::namespace_digest(options_.ns);
+  ns_digest_ = format::namespace_digest(options_);
 }
 
 DiskBackend::~DiskBackend() {
@@ -84,13 +99,17 @@ Status DiskBackend::init() {
   if (config_.root.empty()) return InvalidArgument("disk backend: empty root directory");
   if (config_.queue_depth == 0 || config_.queue_depth > 4096)
     return InvalidArgument(fmt::format("disk backend: queue_depth {} not in [1, 4096]", config_.queue_depth));
-  dir_ = fmt::format("{}/{:016x}-{:016x}", config_.root, ns_digest_, options_.layout_fingerprint);
+  KVTIER_RETURN_IF_ERROR(format::check_tenant_options(options_).with_context("disk backend"));
+  // A tenant's namespaces live in a directory of its own (created dir_mode, 0700 by default).
+  const std::string base = options_.tenant.empty() ? config_.root : config_.root + "/" + options_.tenant;
+  dir_ = fmt::format("{}/{:016x}-{:016x}", base, ns_digest_, options_.layout_fingerprint);
   if ((config_.file_mode & ~0777u) != 0 || (config_.dir_mode & ~0777u) != 0 || (config_.dir_mode & 0700u) != 0700u)
     return InvalidArgument(
         fmt::format("disk backend: file_mode {:o} / dir_mode {:o} not permission bits (dir_mode needs 0700)",
                     config_.file_mode, config_.dir_mode));
   const mode_t dmode = static_cast<mode_t>(config_.dir_mode);
   KVTIER_RETURN_IF_ERROR(mkdir_p(dir_, dmode));
+  if (!options_.tenant.empty()) KVTIER_RETURN_IF_ERROR(check_private_dir(base, dmode));
   KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/quarantine", dmode));
   KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/incoming", dmode));
   KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/free", dmode));
@@ -196,6 +215,7 @@ StorageStats DiskBackend::stats() const {
   s.capacity_bytes = config_.capacity_bytes;
   s.evictions = evictions_;
   s.quarantined = quarantined_;
+  s.auth_failures = auth_failures_;
   s.bounce_copies = bounce_copies_.load();
   return s;
 }

@@ -181,7 +181,8 @@ class DiskBackend final : public StorageBackend {
   Status probe_direct_io();
 
   // ---- index (disk_index.cc) ----------------------------------------------
-  void quarantine_locked(const StorageKey& key, const std::string& path, const std::string& why);
+  // Moves the object aside; `status` is why (its authentication failures are counted apart).
+  void quarantine_locked(const StorageKey& key, const std::string& path, const Status& status);
   void erase_locked(std::unordered_map<StorageKey, IndexEntry, StorageKeyHash>::iterator it);
   void insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
                      std::uint64_t payload_bytes);
@@ -239,6 +240,7 @@ class DiskBackend final : public StorageBackend {
   std::uint64_t reserved_bytes_ = 0;
   std::uint64_t evictions_ = 0;
   std::uint64_t quarantined_ = 0;
+  std::uint64_t auth_failures_ = 0;
   std::deque<std::pair<std::string, std::uint64_t>> quarantine_files_;  // oldest first, with sizes
   std::uint64_t quarantine_bytes_ = 0;
   std::uint64_t removed_tmp_ = 0;

@@ -87,14 +87,14 @@ void DiskBackend::on_read(IoOp* op, int res) {
     return quarantine_get(op, DataLoss(fmt::format("object {} is truncated: {} of {} bytes", key.to_string(), got,
                                                    op->header_size + op->payload_bytes)));
   const std::byte* hdr = op->header.get();
-  auto h = format::decode_header(hdr, op->header_size);
+  auto h = format::decode_header(hdr, op->header_size, nullptr, options_.tenant_secret);
   if (!h.ok()) return quarantine_get(op, DataLoss(h.status().message()));
   Status st = format::check_identity(*h, ns_digest_, options_.layout_fingerprint, key);
   if (st.ok() && (h->header_size != op->header_size || h->payload_bytes != op->payload_bytes))
     st = DataLoss(fmt::format("object {} header says {}+{} bytes, index {}+{}", key.to_string(), h->header_size,
                               h->payload_bytes, op->header_size, op->payload_bytes));
   const void* payload = op->bounced ? static_cast<const void*>(hdr + op->header_size) : op->item.buffer;
-  if (st.ok()) st = format::verify_object(hdr, *h, payload);
+  if (st.ok()) st = format::verify_object(hdr, *h, payload, options_.tenant_secret);
   if (!st.ok()) return quarantine_get(op, st);
   if (op->bounced && op->payload_bytes) std::memcpy(op->item.buffer, payload, op->payload_bytes);
   op->header.reset();
@@ -104,7 +104,7 @@ void DiskBackend::on_read(IoOp* op, int res) {
 void DiskBackend::quarantine_get(IoOp* op, Status st) {
   {
     std::lock_guard<std::mutex> lk(index_mu_);
-    quarantine_locked(op->item.key, op->final_path, st.message());
+    quarantine_locked(op->item.key, op->final_path, st);
   }
   finish(op, st.with_context("object quarantined"));
 }

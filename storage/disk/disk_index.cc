@@ -57,7 +57,7 @@ Result<StorageKey> parse_key_name(std::string_view name) {
 
 // ---- index --------------------------------------------------------------
 
-void DiskBackend::quarantine_locked(const StorageKey& key, const std::string& path, const std::string& why) {
+void DiskBackend::quarantine_locked(const StorageKey& key, const std::string& path, const Status& status) {
   const std::string dst = fmt::format("{}/quarantine/{}.{}.{}", dir_, key.to_string(), ::getpid(), ++seq_);
   struct stat sb {};
   const std::uint64_t bytes =
@@ -70,7 +70,8 @@ void DiskBackend::quarantine_locked(const StorageKey& key, const std::string& pa
     ::unlink(path.c_str());
   }
   ++quarantined_;
-  log_line(fmt::format("quarantined {}: {}", path, why));
+  if (format::is_auth_failure(status)) ++auth_failures_;
+  log_line(fmt::format("quarantined {}: {}", path, status.to_string()));
   auto it = index_.find(key);
   if (it != index_.end()) erase_locked(it);
 }
@@ -192,7 +193,7 @@ Status DiskBackend::rebuild_index() {
       }
       Status st = check_object_file(path, *key, buf);
       if (!st.ok()) {
-        quarantine_locked(*key, path, st.to_string());
+        quarantine_locked(*key, path, st);
         continue;
       }
       found.push_back({*key, last_file_bytes_, last_header_size_, last_payload_bytes_, last_mtime_ns_});
@@ -246,12 +247,13 @@ Status DiskBackend::check_object_file(const std::string& path, const StorageKey&
   ssize_t n = ::pread(fd.get(), hdr, want, 0);
   if (n < 0) return DataLoss(fmt::format("pread: {}", errno_text(errno)));
   std::uint32_t needed = 0;
-  auto h = format::decode_header(hdr, static_cast<std::size_t>(n), &needed);
+  const std::string_view secret = options_.tenant_secret;
+  auto h = format::decode_header(hdr, static_cast<std::size_t>(n), &needed, secret);
   if (!h.ok() && h.status().code() == StatusCode::kOutOfRange && needed <= sb.st_size) {
     big.resize(needed);
     if (::pread(fd.get(), big.data(), needed, 0) != static_cast<ssize_t>(needed)) return DataLoss("short header read");
     hdr = big.data();
-    h = format::decode_header(hdr, needed);
+    h = format::decode_header(hdr, needed, nullptr, secret);
   }
   if (!h.ok()) return h.status().code() == StatusCode::kOutOfRange ? DataLoss(h.status().message()) : h.status();
   KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, key));
@@ -262,7 +264,7 @@ Status DiskBackend::check_object_file(const std::string& path, const StorageKey&
     AlignedBuf chunk = alloc_aligned(kChunk);
     if (!chunk) return ResourceExhausted("out of memory for the payload check");
     std::vector<std::byte> hcopy(hdr, hdr + h->header_size);
-    format::ObjectVerifier v(hcopy.data(), *h);
+    format::ObjectVerifier v(hcopy.data(), *h, secret);
     for (std::uint64_t off = 0; off < h->payload_bytes;) {
       const std::uint64_t len = std::min(kChunk, h->payload_bytes - off);
       const ssize_t r = ::pread(fd.get(), chunk.get(), len, static_cast<off_t>(h->header_size + off));

@@ -129,9 +129,14 @@ class RedisBackend final : public StorageBackend {
  public:
   RedisBackend(RedisBackendConfig config, StorageOptions options)
       : config_(std::move(config)), options_(std::move(options)) {
-    ns_digest_ = format::namespace_digest(options_.ns);
+    ns_digest_ = format::namespace_digest(options_);
     header_size_ = format::header_bytes(options_, 8);
-    key_base_ = fmt::format("{}:{:016x}-{:016x}:", config_.key_prefix, ns_digest_, options_.layout_fingerprint);
+    // "<prefix>:[<tenant>:]": a fixed string per tenant, so an ACL user can be limited to it.
+    key_base_ =
+        options_.tenant.empty() ? config_.key_prefix + ":" : fmt::format("{}:{}:", config_.key_prefix, options_.tenant);
+    // With a secret the rest of the name is a keyed hash (SCAN shows nothing of ns or block).
+    if (options_.tenant_secret.empty())
+      key_base_ += fmt::format("{:016x}-{:016x}:", ns_digest_, options_.layout_fingerprint);
   }
 
   ~RedisBackend() override {
@@ -148,6 +153,7 @@ class RedisBackend final : public StorageBackend {
   Status init() {
     ScopedSigpipeBlock no_sigpipe;
     if (config_.endpoints.empty()) return InvalidArgument("redis backend: no endpoints");
+    KVTIER_RETURN_IF_ERROR(format::check_tenant_options(options_).with_context("redis backend"));
     if (config_.workers == 0 || config_.workers > 256)
       return InvalidArgument(fmt::format("redis backend: workers {} not in [1, 256]", config_.workers));
     if (config_.max_batch_items == 0) return InvalidArgument("redis backend: max_batch_items 0");
@@ -283,6 +289,7 @@ class RedisBackend final : public StorageBackend {
   StorageStats stats() const override {
     StorageStats s;
     s.quarantined = quarantined_.load();
+    s.auth_failures = auth_failures_.load();
     s.redirects = redirects_.load();
     s.reconnects = reconnects_.load();
     return s;
@@ -325,7 +332,10 @@ class RedisBackend final : public StorageBackend {
   };
   using Conns = std::unordered_map<std::string, ContextPtr>;
 
-  std::string redis_key(const StorageKey& k) const { return key_base_ + k.to_string(); }
+  std::string redis_key(const StorageKey& k) const {
+    return options_.tenant_secret.empty() ? key_base_ + k.to_string()
+                                          : key_base_ + format::keyed_object_name(options_, k);
+  }
 
   // `limit`, capped by what is left until `deadline`; zero once it passed (a zero timeval would
   // mean "no timeout" to hiredis, so callers stop instead of passing it on).
@@ -617,6 +627,7 @@ class RedisBackend final : public StorageBackend {
           return false;
         }
         Status st = verify_value(w, reinterpret_cast<const std::byte*>(r->str), r->len);
+        if (format::is_auth_failure(st)) ++auth_failures_;
         if (st.code() == StatusCode::kDataLoss) {
           quarantine->push_back(w.item.key);
           st = st.with_context("object quarantined (deleted)");
@@ -629,11 +640,11 @@ class RedisBackend final : public StorageBackend {
   }
 
   Status verify_value(Work& w, const std::byte* data, std::size_t len) {
-    auto h = format::decode_header(data, len);
+    auto h = format::decode_header(data, len, nullptr, options_.tenant_secret);
     if (!h.ok()) return DataLoss(h.status().message());
     KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, w.item.key));
     KVTIER_RETURN_IF_ERROR(format::check_object_size(*h, len, true));
-    KVTIER_RETURN_IF_ERROR(format::verify_object(data, *h, data + h->header_size));
+    KVTIER_RETURN_IF_ERROR(format::verify_object(data, *h, data + h->header_size, options_.tenant_secret));
     if (h->payload_bytes > w.item.bytes)
       return InvalidArgument(fmt::format("get {}: object of {} bytes > destination capacity {}", w.item.key.to_string(),
                                          h->payload_bytes, w.item.bytes));
@@ -805,6 +816,7 @@ class RedisBackend final : public StorageBackend {
   mutable std::mutex slots_mu_;
   std::shared_ptr<SlotMap> slots_;
   std::atomic<std::uint64_t> quarantined_{0};
+  std::atomic<std::uint64_t> auth_failures_{0};
   std::atomic<std::uint64_t> redirects_{0};
   std::atomic<std::uint64_t> reconnects_{0};
   RegionSet regions_;

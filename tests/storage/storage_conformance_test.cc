@@ -40,6 +40,7 @@ struct BackendKind {
   std::string name;
   enum Base { kDiskDirect, kDiskBuffered, kRedis, kRedisCluster } base;
   bool fault_wrapper = false;
+  bool keyed = false;  // a tenant with a secret: version-2 objects with keyed-BLAKE2b tags
 };
 
 void PrintTo(const BackendKind& k, std::ostream* os) { *os << k.name; }
@@ -108,6 +109,10 @@ std::vector<BackendKind> all_kinds() {
       {"fault_disk", BackendKind::kDiskDirect, true},
       {"fault_redis", BackendKind::kRedis, true},
       {"fault_redis_cluster", BackendKind::kRedisCluster, true},
+      {"keyed_disk_direct", BackendKind::kDiskDirect, false, true},
+      {"keyed_disk_buffered", BackendKind::kDiskBuffered, false, true},
+      {"keyed_redis", BackendKind::kRedis, false, true},
+      {"keyed_redis_cluster", BackendKind::kRedisCluster, false, true},
   };
 }
 
@@ -128,6 +133,10 @@ class StorageConformance : public ::testing::TestWithParam<BackendKind> {
     options_.ns = fmt::format("conformance-{}-{:x}", ::testing::UnitTest::GetInstance()->current_test_info()->name(),
                               salt_);
     options_.layout_fingerprint = 0x5eed5eed ^ salt_;
+    if (GetParam().keyed) {
+      options_.tenant = "conformance";
+      options_.tenant_secret = std::string(32, '\x5a');
+    }
     auto b = harness_->open(options_);
     ASSERT_TRUE(b.ok()) << b.status().to_string();
     backend_ = std::move(b).value();

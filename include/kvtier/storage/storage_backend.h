@@ -109,6 +109,10 @@ struct StorageStats {
   std::uint64_t capacity_bytes = 0;  // 0 = unlimited / managed by the server
   std::uint64_t evictions = 0;
   std::uint64_t quarantined = 0;     // objects that failed verification
+  // Objects refused because their authentication failed (object_format.h): another tenant's,
+  // forged, or of the other keying mode. A subset of the objects counted in `quarantined` (disk)
+  // or refused by gets (Redis: also counted when the delete that quarantines them fails).
+  std::uint64_t auth_failures = 0;
   std::uint64_t bounce_copies = 0;   // items that went through a bounce buffer
   std::uint64_t redirects = 0;       // cluster MOVED/ASK redirects followed (remote backends)
   std::uint64_t reconnects = 0;      // connections re-established after a failure (remote backends)
@@ -186,10 +190,23 @@ struct ObjectSchemaRole {
   std::uint64_t bytes = 0;
 };
 
+// Tenants. Several tenants (customers, teams) may share one disk root or one Redis deployment
+// while serving the same model. `tenant` gives each its own key space: a directory
+// <root>/<tenant>/ (mode dir_mode, 0700 by default) on disk, a key prefix "<prefix>:<tenant>:" in
+// Redis (a fixed string per tenant, so a Redis ACL user can be restricted to `~<prefix>:<tenant>:*`),
+// and a namespace digest of its own. `tenant_secret` (32..64 bytes, per tenant, never stored)
+// makes the objects keyed (object_format.h version 2): header and payload carry keyed-BLAKE2b
+// tags verified before a get is reported OK, so an object another tenant, an unkeyed writer or
+// anyone without the secret wrote or copied is a miss (kDataLoss, quarantined, counted in
+// StorageStats::auth_failures), never served; Redis key names become keyed hashes that reveal
+// nothing about the namespace or the block. Without a secret objects keep the fast unkeyed xxh3
+// checksum (version 1): isolation then rests on the key space and on permissions / ACLs alone.
 struct StorageOptions {
   std::string ns = "default";            // namespace: model/revision/dtype/TP/LoRA/layout version
   std::uint64_t layout_fingerprint = 0;  // KvLayout::fingerprint() (0: opaque payloads)
   std::vector<ObjectSchemaRole> roles;   // page-first roles table written into every header (may be empty)
+  std::string tenant;                    // empty: no tenant (single-tenant layout); else [A-Za-z0-9_-]{1,64}
+  std::string tenant_secret;             // raw bytes; empty: unkeyed objects (see above)
 };
 
 class StorageBackend {
@@ -262,9 +279,17 @@ Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch 
                                           std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
 
 // Creates a backend from a spec string (for tools and configuration):
-//   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>]
+//   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>&<tenant>]
 //   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&item_deadline_ms=<n>&
-//          batch_deadline_ms=<n>&workers=<n>]
+//          batch_deadline_ms=<n>&workers=<n>&<tenant>]
+// where <tenant> is tenant=<id>&secret_file=<path> (each optional; they override options.tenant and
+// options.tenant_secret; the file as read_tenant_secret_file describes).
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options);
+
+// Reads a tenant secret from a file holding it in hex (64..128 hex digits, surrounding
+// whitespace ignored: `openssl rand -hex 32 > f`). The file must be a regular file that neither
+// group nor others can read or write (FailedPrecondition otherwise, as ssh does for its keys);
+// InvalidArgument naming the file for a bad length or a non-hex character.
+Result<std::string> read_tenant_secret_file(const std::string& path);
 
 }  // namespace kvtier::storage

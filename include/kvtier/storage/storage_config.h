@@ -19,4 +19,17 @@ void bind_redis_backend_config(ConfigTable& table, RedisBackendConfig& config,
 void bind_disk_backend_config(ConfigTable& table, DiskBackendConfig& config,
                               const std::string& prefix = "storage.disk");
 
+// The tenant of the backends (StorageOptions::tenant / tenant_secret) as knobs: `storage.tenant.id`
+// and `storage.tenant.secret_file` (KVTIER_STORAGE_TENANT_ID, KVTIER_STORAGE_TENANT_SECRET_FILE).
+// The secret itself is never a knob (knobs are listed by `kvtier info --config`): it is read from
+// the file (read_tenant_secret_file: hex, mode 0600 or tighter).
+struct TenantConfig {
+  std::string id;           // empty: no tenant
+  std::string secret_file;  // empty: no secret (unkeyed objects)
+};
+void bind_tenant_config(ConfigTable& table, TenantConfig& config, const std::string& prefix = "storage.tenant");
+// Sets options.tenant and options.tenant_secret from `config` (the file is read here) and checks
+// them (format::check_tenant_options). Leaves `options` unchanged on error.
+Status apply_tenant_config(const TenantConfig& config, StorageOptions& options);
+
 }  // namespace kvtier::storage
