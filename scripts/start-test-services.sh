@@ -2,6 +2,9 @@
 # Starts, on loopback, the servers the storage tests need (idempotent):
 #   - one redis-server with requirepass (AUTH tests)          port $KVTIER_REDIS_PORT (6390)
 #   - a 3-master Redis Cluster, no replicas                    ports $KVTIER_REDIS_CLUSTER_PORT.. +2 (7000-7002)
+#   - on each of them the ACL users of the tenant isolation test: kvtier-tenant-a / kvtier-tenant-b
+#     (password pw-<user>), limited to the key prefixes kvtier-iso:ta:* / kvtier-iso:tb:* and to
+#     the commands the storage backend sends (docs/storage.md, "Tenants")
 # and prints the environment the tests read, as `export` lines:
 #   eval "$(scripts/start-test-services.sh)"
 # `scripts/start-test-services.sh stop` shuts them down. State lives in $KVTIER_TEST_SERVICES_DIR
@@ -92,6 +95,20 @@ if ! redis-cli -h $HOST -p "$CPORT" cluster info 2>/dev/null | grep -q "cluster_
 else
   log "redis cluster already running on $HOST:${CPORTS[0]}-${CPORTS[2]}"
 fi
+
+# ---- tenant ACL users (ACLs are per node: set on every server) -----------------
+# A tenant's user may run only what the Redis backend sends (GET SET DEL STRLEN; PING at create
+# in single mode; CLUSTER SLOTS and ASKING in a cluster) on keys under its tenant's prefix.
+acl_users() {  # redis-cli args...
+  local user tenant
+  for pair in kvtier-tenant-a:ta kvtier-tenant-b:tb; do
+    user=${pair%%:*} tenant=${pair##*:}
+    "$@" ACL SETUSER "$user" reset on ">pw-$user" "~kvtier-iso:$tenant:*" resetchannels -@all \
+      +get +set +del +strlen +ping +asking '+cluster|slots' >/dev/null
+  done
+}
+acl_users redis-cli -h $HOST -p "$PORT" -a "$PASSWORD" --no-auth-warning
+for p in "${CPORTS[@]}"; do acl_users redis-cli -h $HOST -p "$p"; done
 
 echo "export KVTIER_TEST_REDIS=$HOST:$PORT"
 echo "export KVTIER_TEST_REDIS_PASSWORD=$PASSWORD"
