@@ -454,6 +454,10 @@ class Prefill final : public PdPrefill, public Endpoint {
         if (!l.declared || l.sent) continue;
         auto ready = l.ready();
         if (!ready.ok()) {
+          // The layer's data will never be valid (its event or staging copy failed): tell the decode side now
+          // that none of the unsent layers will come, so it fails them at once rather than at the lease.
+          for (std::uint32_t u = 0; u < x.layers.size(); ++u)
+            if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
           fail(x, id, ready.status().with_context(fmt::format("layer {} event", li)));
           break;
         }

@@ -153,6 +153,28 @@ TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
   EXPECT_TRUE(rig.dec->forget(5).ok());
 }
 
+// A layer whose readiness reports an error (its event failed: the data will never be valid) is failed on the
+// decode side at once, with every layer not yet sent, rather than after the lease.
+TEST_P(PdModes, AFailedLayerEventFailsTheUnsentLayersAtOnce) {
+  Rig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 45, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 45, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(45, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(45, 0, 5s).value(), LayerState::kLoaded);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(rig.pre->layer_ready(45, 1, []() -> Result<bool> { return DataLoss("the forward failed"); }).ok());
+  auto fin = rig.dec->wait(45, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 500ms);  // the lease is 1 s
+  EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
+  for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_EQ(fin->block_loaded, std::vector<bool>(4, false));
+  auto pre = rig.pre->wait(45, 5s);
+  ASSERT_TRUE(pre.ok());
+  EXPECT_FALSE(pre->done);
+  EXPECT_EQ(pre->error.code(), StatusCode::kDataLoss) << pre->error.to_string();
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, PdModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
                          [](const auto& info) { return std::string(pd_mode_name(info.param)); });
 

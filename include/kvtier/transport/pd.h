@@ -7,10 +7,13 @@
 //     fired), with a notification carrying the layer's per-block checksums;
 //   - pull: the prefill side announces layer L (its source blocks and checksums) once it is ready; the decode
 //     side READs it, and the read's notification tells the prefill side that layer's source is free.
-// A layer that becomes ready before the decode side's request arrives waits for it. The decode side verifies
-// every (block, layer) against its checksum (xxh3-64 over the block's roles of that layer, in role order: the
-// checksum of kvtier's storage object format) before it reports the layer loaded; a block of a layer that fails
-// (mismatch, failed or aborted write, the peer's failure notice, a lease that expired) is failed, never loaded.
+// A layer that becomes ready before the decode side's request arrives waits for it. A layer whose readiness
+// reports an error (its event failed) fails the transfer: the prefill side tells the decode side that this
+// layer and every layer not yet sent will not come ('X'), so their blocks are failed there at once. The
+// decode side verifies every (block, layer) against its checksum (xxh3-64 over the block's roles of that layer,
+// in role order: the checksum of kvtier's storage object format) before it reports the layer loaded; a block
+// of a layer that fails (mismatch, failed or aborted write, the peer's failure notice, a lease that expired)
+// is failed, never loaded.
 // A block is loaded when every layer of it is; leading_loaded_blocks() is what may be committed to a prefix
 // index (CacheManager::commit), the rest is recomputed.
 //
@@ -24,7 +27,9 @@
 // Memory. Each side's blocks are one BlockSpace in memory the transport can reach (pinned host; the host
 // backend's device memory). Each endpoint registers one region per (layer, role) plane, in that order, as the
 // first regions of its transport, and owns the transport's notification stream (nothing else may take them).
-// CUDA device memory is staged through pinned host blocks by the caller (CopyEngine), one layer at a time.
+// KV in device memory the transport cannot reach (CUDA memory with Debian's UCX) goes through the staged
+// endpoints of pd_staged.h, which run this protocol between pinned host staging spaces and move each layer
+// between device and staging with the CopyEngine.
 //
 // Thread-safety: every method may be called from any thread; a progress thread per endpoint handles messages,
 // layer readiness, heartbeats and leases. Every wait has a deadline. Errors: kInvalidArgument / kOutOfRange
