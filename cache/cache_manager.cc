@@ -75,7 +75,12 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
       return InvalidArgument(
           fmt::format("cache config: watermarks low {} high {} must satisfy 0 <= low <= high <= 1", w->low, w->high));
   std::unique_ptr<CacheManager> m(new CacheManager(config));
-  Impl& s = *m->impl_;
+  KVTIER_RETURN_IF_ERROR(init_state(*m->impl_, config));
+  return m;
+}
+
+// Pools, policies and an index holding only the root.
+Status CacheManager::init_state(Impl& s, const CacheConfig& config) {
   s.cfg = config;
   const std::uint32_t caps[kNumTiers] = {config.device_blocks, config.host_blocks, config.storage_blocks};
   const std::string* names[kNumTiers] = {&config.device_policy, &config.host_policy, &config.storage_policy};
@@ -93,7 +98,31 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
   s.nodes.emplace_back();
   s.nodes[0].live = true;
   s.nodes[0].counted_tier = kDev;
-  return m;
+  return Status::Ok();
+}
+
+Status CacheManager::reset() {
+  ExportOnReturn exported(*this);
+  Impl& s = *impl_;
+  if (!s.admissions.empty())
+    return FailedPrecondition(fmt::format("reset: {} admissions are open (release them first)", s.admissions.size()));
+  if (!s.plan.empty()) return FailedPrecondition("reset: moves are queued (take_plan() and ack them first)");
+  for (std::size_t id = 1; id < s.nodes.size(); ++id)
+    if (s.nodes[id].live && s.nodes[id].state != NodeState::kSettled)
+      return FailedPrecondition(fmt::format("reset: block {} has a move in flight (ack it first)",
+                                            s.nodes[id].key.hex()));
+  auto fresh = std::make_unique<Impl>();
+  KVTIER_RETURN_IF_ERROR(init_state(*fresh, s.cfg));
+  fresh->next_admission = s.next_admission;
+  fresh->st = s.st;
+  ++fresh->st.resets;
+  fresh->events_on = s.events_on;
+  fresh->event_block_size = s.event_block_size;
+  fresh->storage_medium = s.storage_medium;
+  fresh->events = std::move(s.events);
+  if (fresh->events_on) fresh->events.push_back(metrics::AllBlocksCleared{});
+  impl_ = std::move(fresh);
+  return Status::Ok();
 }
 
 MatchResult CacheManager::match(std::span<const BlockKey> keys) const { return impl_->match_nodes(keys, nullptr); }
@@ -140,6 +169,7 @@ Status check_chain(const CacheManager::Impl& s, std::span<const BlockKey> keys) 
 }  // namespace
 
 Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   KVTIER_RETURN_IF_ERROR(check_chain(s, keys));
   ++s.clock;
@@ -220,6 +250,10 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
     for (std::uint32_t i = 0; i < m.device_blocks; ++i)
       if (s.nodes[matched[i]].hits >= s.cfg.write_through_threshold) s.backup(matched[i]);
 
+  s.st.lookup_blocks += num_keys;
+  s.st.hit_blocks[kDev] += m.device_blocks;
+  s.st.hit_blocks[kHst] += m.host_blocks;
+  s.st.hit_blocks[kSto] += m.storage_blocks;
   Admission a;
   a.id = s.next_admission++;
   a.device_hit_blocks = m.device_blocks;
@@ -234,6 +268,7 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
 }
 
 Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   auto it = s.admissions.find(id);
   if (it == s.admissions.end()) return NotFound(fmt::format("commit: admission {} not found", id));
@@ -300,6 +335,7 @@ Status CacheManager::commit_all(AdmissionId id) {
 }
 
 Status CacheManager::release(AdmissionId id) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   auto it = s.admissions.find(id);
   if (it == s.admissions.end()) return NotFound(fmt::format("release: admission {} not found", id));
@@ -332,6 +368,7 @@ Result<AdmissionStatus> CacheManager::admission_status(AdmissionId id) const {
 }
 
 Result<std::uint32_t> CacheManager::prefetch(std::span<const BlockKey> keys) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   if (!s.has_tier(kSto) || !s.has_tier(kHst)) return std::uint32_t{0};
   std::vector<NodeId> matched;
@@ -367,6 +404,7 @@ Result<std::uint32_t> CacheManager::prefetch(std::span<const BlockKey> keys) {
 }
 
 StepPlan CacheManager::take_plan() {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   auto below = [](const BlockPool& p, double frac) {
     return static_cast<double>(p.num_free()) < frac * static_cast<double>(p.capacity());

@@ -17,6 +17,7 @@ namespace kvtier::cache {
         fmt::format("{}: {} block {} has no {} in flight", what, tier_name(static_cast<Tier>(tier)), b, what));
 
 Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kEvicting;
   for (BlockId b : host_blocks) KVTIER_ACK_LOOKUP(kHst, b, NodeState::kEvicting, "eviction");
@@ -43,6 +44,7 @@ Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const S
 }
 
 Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kBackingUp;
   for (BlockId b : host_blocks) KVTIER_ACK_LOOKUP(kHst, b, NodeState::kBackingUp, "backup");
@@ -68,6 +70,7 @@ Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Sta
 }
 
 Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kLoading;
   for (BlockId b : device_blocks) KVTIER_ACK_LOOKUP(kDev, b, NodeState::kLoading, "load");
@@ -99,6 +102,7 @@ Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Sta
 }
 
 Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, const Status& status) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   for (BlockId b : storage_slots)
     if (b >= s.owner[kSto].size() || s.owner[kSto][b] == kNoNode ||
@@ -150,6 +154,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
 }
 
 Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kFetching;
   for (BlockId b : host_blocks) KVTIER_ACK_LOOKUP(kHst, b, NodeState::kFetching, "prefetch");
@@ -178,6 +183,7 @@ Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks
 #undef KVTIER_ACK_LOOKUP
 
 Status CacheManager::ack_plan(const StepPlan& plan, const Status& status) {
+  ExportOnReturn exported(*this);
   auto dsts = [](const std::vector<BlockMove>& v) {
     std::vector<BlockId> out;
     out.reserve(v.size());

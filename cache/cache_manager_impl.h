@@ -321,4 +321,35 @@ struct CacheManager::Impl {
   }
 };
 
+// The registry series of an attached manager (cache_manager_metrics.cc); `seen` is the last export.
+struct CacheManager::MetricSeries {
+  struct Delta {
+    metrics::Counter* c = nullptr;
+    std::uint64_t seen = 0;
+    void to(std::uint64_t v) {
+      if (v > seen) c->inc(v - seen);
+      seen = v;
+    }
+  };
+  Delta lookups, misses, admissions, refusals, lost_host_drops, failed, invalidated, resets;
+  Delta hits[kNumTiers];
+  Delta moved_device, dropped[kNumTiers];
+  Delta loads, evictions, backups, storage_writes, storage_prefetches, pressure_demotions;
+  metrics::Gauge* used[kNumTiers] = {};
+  metrics::Gauge* capacity[kNumTiers] = {};
+  metrics::Gauge* resident[kNumTiers] = {};
+  metrics::Gauge* index_blocks = nullptr;
+};
+
+// Ends a public CacheManager call: exports the counters when metrics are attached.
+struct ExportOnReturn {
+  explicit ExportOnReturn(CacheManager& m) : m_(m) {}
+  ~ExportOnReturn() { m_.export_metrics(); }
+  ExportOnReturn(const ExportOnReturn&) = delete;
+  ExportOnReturn& operator=(const ExportOnReturn&) = delete;
+
+ private:
+  CacheManager& m_;
+};
+
 }  // namespace kvtier::cache

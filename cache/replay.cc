@@ -295,6 +295,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
                          CacheConfig cfg, const std::string& label) {
   auto t0 = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(auto cache, CacheManager::create(std::move(cfg)));
+  if (o.metrics) KVTIER_RETURN_IF_ERROR(cache->attach_metrics(*o.metrics, o.metrics_labels));
   FakePlanExecutor::Options fo;
   fo.failure_rate = o.failure_rate;
   fo.seed = o.seed;

@@ -13,6 +13,7 @@
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/cache/replay.h"
 #include "kvtier/metrics/kv_events.h"
+#include "kvtier/metrics/registry.h"
 
 namespace kvtier::cache {
 namespace {
@@ -46,16 +47,20 @@ class Subscriber {
         for (const BlockHash& h : r->block_hashes) EXPECT_EQ(set_.erase({h, *r->medium}), 1u) << "removed unknown";
         ++removed_;
       } else {
+        ASSERT_TRUE(std::holds_alternative<metrics::AllBlocksCleared>(ev));
         set_.clear();
+        ++cleared_;
       }
     }
   }
   const std::set<Entry>& set() const { return set_; }
   std::uint64_t stored() const { return stored_; }
   std::uint64_t removed() const { return removed_; }
+  std::uint64_t cleared() const { return cleared_; }
 
  private:
   std::set<Entry> set_;
+  std::uint64_t cleared_ = 0;
   std::uint64_t next_seq_ = 0, stored_ = 0, removed_ = 0;
 };
 
@@ -77,7 +82,7 @@ void check_rebuild(const std::vector<TraceRequest>& trace, CacheConfig cfg, int 
   ASSERT_TRUE(hasher.ok());
   Subscriber sub;
   std::uint64_t seq = 0, steps = 0, acks = 0;
-  std::uint64_t removed_in_index = 0;
+  std::uint64_t removed_in_index = 0, resets = 0;
   auto step = [&](const char* where, std::size_t req) {
     ++steps;
     std::vector<metrics::KvEvent> events = c.take_events();
@@ -124,8 +129,19 @@ void check_rebuild(const std::vector<TraceRequest>& trace, CacheConfig cfg, int 
     ASSERT_TRUE(c.release(adm->id).ok());
     step("release", i);
     drive(i);
+    // Now and then the engine resets its prefix cache: one AllBlocksCleared, and the subscriber's set empties.
+    if (i % 150 == 149) {
+      for (StepPlan q; !(q = c.take_plan()).empty();) ASSERT_TRUE(c.ack_plan(q, Status::Ok()).ok());
+      step("acks before reset", i);
+      ASSERT_TRUE(c.reset().ok());
+      ++resets;
+      step("reset", i);
+      EXPECT_TRUE(sub.set().empty());
+    }
     if (::testing::Test::HasFatalFailure()) return;
   }
+  EXPECT_EQ(resets, trace.size() / 150);
+  EXPECT_EQ(resets, sub.cleared());
   removed_in_index = sub.removed();
   ASSERT_TRUE(c.check_invariants().ok());
   // The replay exercised every medium and both event kinds.
@@ -197,6 +213,128 @@ TEST(CacheKvEvents, EnableOnAWarmCacheAnnouncesTheIndex) {
   EXPECT_FALSE(s.parent_block_hash.has_value());
   for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(s.block_hashes[i], (BlockHash{keys[i].hi, keys[i].lo}));
   EXPECT_EQ(s.medium, Medium::kGpu);
+}
+
+}  // namespace
+}  // namespace kvtier::cache
+
+namespace kvtier::cache {
+namespace {
+
+// reset() refuses while anything is open or in flight, then empties the index with one AllBlocksCleared.
+TEST(CacheReset, RefusedWhileBusyThenClearsEverythingAndKeepsCounting) {
+  CacheConfig cfg = three_tiers(WritePolicy::kWriteThrough);
+  cfg.device_blocks = 8;
+  auto cm = CacheManager::create(cfg);
+  ASSERT_TRUE(cm.ok());
+  CacheManager& c = **cm;
+  c.enable_kv_events(512, Medium::kRemote);
+  KeyNamespace ns;
+  ns.model_id = "test/model";
+  ns.block_tokens = 512;
+  auto hasher = KeyHasher::create(ns);
+  const std::uint64_t ids[] = {1, 2, 3, 4, 5, 6};
+  auto keys = hasher->keys_for_ids(ids);
+  auto adm = c.admit(keys, 0);
+  ASSERT_TRUE(adm.ok());
+  ASSERT_TRUE(c.commit_all(adm->id).ok());
+  Status busy = c.reset();
+  EXPECT_EQ(busy.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(busy.message().find("admissions are open"), std::string::npos) << busy.to_string();
+  ASSERT_TRUE(c.release(adm->id).ok());
+  for (StepPlan q; !(q = c.take_plan()).empty();) ASSERT_TRUE(c.ack_plan(q, Status::Ok()).ok());
+  // Moves queued by a second request (write-through backups): refused until they are acked.
+  const std::uint64_t other[] = {7, 8, 9, 10, 11, 12};
+  auto adm2 = c.admit(hasher->keys_for_ids(other), 0);
+  ASSERT_TRUE(adm2.ok());
+  ASSERT_TRUE(c.commit_all(adm2->id).ok());
+  ASSERT_TRUE(c.release(adm2->id).ok());
+  StepPlan p = c.take_plan();
+  ASSERT_FALSE(p.empty());
+  busy = c.reset();
+  EXPECT_EQ(busy.code(), StatusCode::kFailedPrecondition) << busy.to_string();
+  EXPECT_NE(busy.message().find("in flight"), std::string::npos) << busy.to_string();
+  ASSERT_TRUE(c.ack_plan(p, Status::Ok()).ok());
+  while (!(p = c.take_plan()).empty()) ASSERT_TRUE(c.ack_plan(p, Status::Ok()).ok());
+  ASSERT_FALSE(c.cached_blocks().empty());
+  (void)c.take_events();
+  const CacheStats before = c.stats();
+  ASSERT_TRUE(c.reset().ok());
+  auto ev = c.take_events();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_TRUE(std::holds_alternative<metrics::AllBlocksCleared>(ev[0]));
+  EXPECT_TRUE(c.cached_blocks().empty());
+  const CacheStats after = c.stats();
+  EXPECT_EQ(after.tiers[0].used, 0u);
+  EXPECT_EQ(after.tiers[1].used, 0u);
+  EXPECT_EQ(after.nodes, 0u);
+  EXPECT_EQ(after.admissions, before.admissions);  // counters keep counting
+  EXPECT_EQ(after.resets, 1u);
+  EXPECT_EQ(c.match(keys).total(), 0u);
+  ASSERT_TRUE(c.check_invariants().ok());
+  // The cache works as new: a request misses, then hits.
+  auto again = c.admit(keys, 0);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->new_blocks, 6u);
+  EXPECT_GT(again->id, adm2->id);  // admission ids are never reused
+  ASSERT_TRUE(c.commit_all(again->id).ok());
+  ASSERT_TRUE(c.release(again->id).ok());
+  EXPECT_EQ(c.match(keys).device_blocks, 6u);
+}
+
+// attach_metrics: the series follow stats() after every public call, without a scrape-time read.
+TEST(CacheMetrics, SeriesFollowTheManagersStats) {
+  CacheConfig cfg = three_tiers(WritePolicy::kWriteBack);
+  cfg.device_blocks = 8;
+  cfg.host_blocks = 8;
+  auto cm = CacheManager::create(cfg);
+  ASSERT_TRUE(cm.ok());
+  CacheManager& c = **cm;
+  metrics::Registry reg;
+  ASSERT_TRUE(c.attach_metrics(reg, {{"engine", "e0"}}).ok());
+  EXPECT_EQ(c.attach_metrics(reg).code(), StatusCode::kFailedPrecondition);
+  KeyNamespace ns;
+  ns.model_id = "test/model";
+  ns.block_tokens = 512;
+  auto hasher = KeyHasher::create(ns);
+  for (std::uint64_t round = 0; round < 6; ++round) {
+    std::vector<std::uint64_t> ids = {1, 2, 3, 10 + round, 20 + round};
+    auto adm = c.admit(hasher->keys_for_ids(ids), 1);
+    ASSERT_TRUE(adm.ok()) << adm.status().to_string();
+    StepPlan p = c.take_plan();
+    ASSERT_TRUE(c.ack_plan(p, round == 3 ? Unavailable("injected") : Status::Ok()).ok());
+    auto st = c.admission_status(adm->id);
+    if (st.ok() && !st->failed) ASSERT_TRUE(c.commit_all(adm->id).ok());
+    ASSERT_TRUE(c.release(adm->id).ok());
+  }
+  // A refused admission (more blocks than the device has) is counted too.
+  const std::uint64_t big[] = {100, 101, 102, 103, 104, 105, 106, 107, 108};
+  EXPECT_EQ(c.admit(hasher->keys_for_ids(big), 0).status().code(), StatusCode::kResourceExhausted);
+  const CacheStats s = c.stats();
+  const std::string text = reg.expose();
+  auto has = [&](const std::string& line) { return text.find(line + "\n") != std::string::npos; };
+  auto num = [](std::uint64_t v) { return std::to_string(v); };
+  EXPECT_TRUE(has("kvtier_cache_lookup_blocks_total{engine=\"e0\"} " + num(s.lookup_blocks))) << text;
+  EXPECT_EQ(s.lookup_blocks, 30u);
+  EXPECT_GT(s.hit_blocks[0], 0u);
+  EXPECT_TRUE(has("kvtier_cache_hit_blocks_total{engine=\"e0\",tier=\"device\"} " + num(s.hit_blocks[0]))) << text;
+  EXPECT_TRUE(has("kvtier_cache_hit_blocks_total{engine=\"e0\",tier=\"host\"} " + num(s.hit_blocks[1]))) << text;
+  EXPECT_TRUE(has("kvtier_cache_miss_blocks_total{engine=\"e0\"} " +
+                  num(s.lookup_blocks - s.hit_blocks[0] - s.hit_blocks[1] - s.hit_blocks[2])))
+      << text;
+  EXPECT_TRUE(has("kvtier_cache_admissions_total{engine=\"e0\"} " + num(s.admissions))) << text;
+  EXPECT_TRUE(has("kvtier_cache_admission_refusals_total{engine=\"e0\"} " + num(s.admission_failures))) << text;
+  EXPECT_EQ(s.admission_failures, 1u);
+  EXPECT_GT(s.evictions_d2h, 0u);
+  EXPECT_TRUE(has("kvtier_cache_evictions_total{engine=\"e0\",tier=\"device\",policy=\"" + cfg.device_policy +
+                  "\",action=\"moved\"} " + num(s.evictions_d2h)))
+      << text;
+  EXPECT_GT(s.failed_transfers, 0u);
+  EXPECT_TRUE(has("kvtier_cache_failed_transfers_total{engine=\"e0\"} " + num(s.failed_transfers))) << text;
+  EXPECT_TRUE(has("kvtier_cache_moves_total{engine=\"e0\",kind=\"load\"} " + num(s.loads_h2d))) << text;
+  EXPECT_TRUE(has("kvtier_cache_pool_used_blocks{engine=\"e0\",tier=\"device\"} " + num(s.tiers[0].used))) << text;
+  EXPECT_TRUE(has("kvtier_cache_pool_capacity_blocks{engine=\"e0\",tier=\"host\"} 8")) << text;
+  EXPECT_TRUE(has("kvtier_cache_index_blocks{engine=\"e0\"} " + num(s.nodes))) << text;
 }
 
 }  // namespace

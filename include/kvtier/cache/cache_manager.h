@@ -40,6 +40,7 @@
 #include "kvtier/cache/eviction_policy.h"
 #include "kvtier/core/status.h"
 #include "kvtier/metrics/kv_events.h"
+#include "kvtier/metrics/registry.h"
 
 namespace kvtier::cache {
 
@@ -176,6 +177,11 @@ struct CacheStats {
   std::uint64_t lost_host_drops = 0;     // host drops of a block's last copy (of drops_host)
   std::uint64_t pressure_demotions = 0;  // write-back demotions for a host block wanted now (of storage_writes)
   std::uint64_t failed_transfers = 0, invalidated_blocks = 0;
+  // Of successful admissions: keys looked up, and those found per tier (device: served; host: loaded by the
+  // plan; storage: present in storage only, prefetched or recomputed by the caller).
+  std::uint64_t lookup_blocks = 0;
+  std::array<std::uint64_t, kNumTiers> hit_blocks{};
+  std::uint64_t resets = 0;  // reset() calls that cleared the index
 };
 
 class CacheManager {
@@ -259,12 +265,37 @@ class CacheManager {
   // Every settled copy in the index, by (key, tier): what KV events describe. O(nodes).
   std::vector<CachedBlock> cached_blocks() const;
 
+  // Forgets every cached block (vLLM's reset_prefix_cache): device and host blocks return to their pools, the
+  // index and the policies start empty, storage objects stay in their backend but are no longer indexed. With
+  // KV events on, an AllBlocksCleared follows the events queued so far. Counters (stats()) keep counting.
+  // FailedPrecondition, changing nothing, while an admission is open or a move is queued or in flight.
+  Status reset();
+
+  // Metrics (metrics/registry.h): exports stats() into `registry`, every series carrying `labels`:
+  //   kvtier_cache_lookup_blocks_total, kvtier_cache_hit_blocks_total{tier}, kvtier_cache_miss_blocks_total
+  //   kvtier_cache_admissions_total, kvtier_cache_admission_refusals_total
+  //   kvtier_cache_evictions_total{tier,policy,action=moved|dropped}, kvtier_cache_lost_host_drops_total
+  //   kvtier_cache_moves_total{kind=load|evict|backup|storage_write|storage_prefetch|pressure_demotion}
+  //   kvtier_cache_failed_transfers_total, kvtier_cache_invalidated_blocks_total, kvtier_cache_resets_total
+  //   kvtier_cache_pool_used_blocks{tier}, kvtier_cache_pool_capacity_blocks{tier},
+  //   kvtier_cache_resident_blocks{tier}, kvtier_cache_index_blocks   (gauges)
+  // The manager is single-threaded, so it pushes (lock-free atomics) rather than being read at scrape time:
+  // every public call that changes state ends with an export when attached; a scrape from another thread
+  // sees the values as of the last such call. The registry must outlive the manager. FailedPrecondition
+  // when already attached; InvalidArgument for bad labels.
+  Status attach_metrics(metrics::Registry& registry, const metrics::Labels& labels = {});
+
   struct Impl;
+  struct MetricSeries;
 
  private:
   explicit CacheManager(CacheConfig config);
+  static Status init_state(Impl& s, const CacheConfig& config);
+  friend struct ExportOnReturn;
+  void export_metrics();  // no-op unless attached
   CacheConfig config_;
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<MetricSeries> metrics_;
 };
 
 }  // namespace kvtier::cache

@@ -142,6 +142,9 @@ struct ReplayOptions {
   // Called after every request with the running totals (bytes_d2h, bytes_h2d and failed_transfers
   // included) and once more with the final result: progress display and metrics export.
   std::function<void(const ReplayResult&, const CacheManager&)> on_request;
+  // When set, the replay's cache manager is attached to it (CacheManager::attach_metrics).
+  metrics::Registry* metrics = nullptr;
+  metrics::Labels metrics_labels;
 };
 
 struct ReplayResult {

@@ -1,0 +1,112 @@
+// CacheManager::attach_metrics: stats() as registry series. The manager is
+// driven by one thread, so it pushes deltas into the (lock-free) series at the
+// end of each public call instead of being read from the scrape thread.
+#include <fmt/format.h>
+
+#include "cache/cache_manager_impl.h"
+
+namespace kvtier::cache {
+
+namespace {
+metrics::Labels with(const metrics::Labels& base, std::initializer_list<std::pair<std::string, std::string>> extra) {
+  metrics::Labels l = base;
+  for (const auto& kv : extra) l.push_back(kv);
+  return l;
+}
+}  // namespace
+
+Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Labels& labels) {
+  if (metrics_) return FailedPrecondition("attach_metrics: this cache manager is already attached to a registry");
+  auto m = std::make_unique<MetricSeries>();
+  auto counter = [&](MetricSeries::Delta& d, const char* name, const char* help, const metrics::Labels& l) -> Status {
+    KVTIER_ASSIGN_OR_RETURN(d.c, reg.counter(name, help, l));
+    return Status::Ok();
+  };
+  KVTIER_RETURN_IF_ERROR(
+      counter(m->lookups, "kvtier_cache_lookup_blocks_total", "Keys looked up by successful admissions.", labels));
+  KVTIER_RETURN_IF_ERROR(counter(m->misses, "kvtier_cache_miss_blocks_total",
+                                 "Keys of successful admissions found in no tier (computed).", labels));
+  KVTIER_RETURN_IF_ERROR(counter(m->admissions, "kvtier_cache_admissions_total", "admit() calls.", labels));
+  KVTIER_RETURN_IF_ERROR(counter(m->refusals, "kvtier_cache_admission_refusals_total",
+                                 "admit() calls refused (too few free or evictable device blocks).", labels));
+  KVTIER_RETURN_IF_ERROR(
+      counter(m->lost_host_drops, "kvtier_cache_lost_host_drops_total", "Host drops of a block's last copy.", labels));
+  KVTIER_RETURN_IF_ERROR(counter(m->failed, "kvtier_cache_failed_transfers_total",
+                                 "Block moves acknowledged as failed (their blocks and subtrees became misses).",
+                                 labels));
+  KVTIER_RETURN_IF_ERROR(counter(m->invalidated, "kvtier_cache_invalidated_blocks_total",
+                                 "Indexed blocks invalidated by a failed move below or at them.", labels));
+  KVTIER_RETURN_IF_ERROR(
+      counter(m->resets, "kvtier_cache_resets_total", "reset() calls that cleared the index.", labels));
+  const std::string policies[kNumTiers] = {config_.device_policy, config_.host_policy, config_.storage_policy};
+  for (int t = 0; t < kNumTiers; ++t) {
+    const std::string tier(tier_name(static_cast<Tier>(t)));
+    KVTIER_RETURN_IF_ERROR(counter(m->hits[t], "kvtier_cache_hit_blocks_total",
+                                   "Keys of successful admissions found in a tier (device served, host loaded, "
+                                   "storage present).",
+                                   with(labels, {{"tier", tier}})));
+    KVTIER_RETURN_IF_ERROR(counter(m->dropped[t], "kvtier_cache_evictions_total",
+                                   "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
+                                   with(labels, {{"tier", tier}, {"policy", policies[t]}, {"action", "dropped"}})));
+    KVTIER_ASSIGN_OR_RETURN(m->used[t], reg.gauge("kvtier_cache_pool_used_blocks", "Blocks in use in a tier's pool.",
+                                                  with(labels, {{"tier", tier}})));
+    KVTIER_ASSIGN_OR_RETURN(m->capacity[t], reg.gauge("kvtier_cache_pool_capacity_blocks", "Blocks of a tier's pool.",
+                                                      with(labels, {{"tier", tier}})));
+    KVTIER_ASSIGN_OR_RETURN(
+        m->resident[t],
+        reg.gauge("kvtier_cache_resident_blocks", "Settled copies indexed in a tier.", with(labels, {{"tier", tier}})));
+  }
+  KVTIER_RETURN_IF_ERROR(counter(m->moved_device, "kvtier_cache_evictions_total",
+                                 "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
+                                 with(labels, {{"tier", "device"}, {"policy", policies[0]}, {"action", "moved"}})));
+  struct {
+    MetricSeries::Delta* d;
+    const char* kind;
+  } moves[] = {{&m->loads, "load"},
+               {&m->evictions, "evict"},
+               {&m->backups, "backup"},
+               {&m->storage_writes, "storage_write"},
+               {&m->storage_prefetches, "storage_prefetch"},
+               {&m->pressure_demotions, "pressure_demotion"}};
+  for (auto& mv : moves)
+    KVTIER_RETURN_IF_ERROR(counter(*mv.d, "kvtier_cache_moves_total", "Block moves queued in step plans, by kind.",
+                                   with(labels, {{"kind", mv.kind}})));
+  KVTIER_ASSIGN_OR_RETURN(m->index_blocks,
+                          reg.gauge("kvtier_cache_index_blocks", "Blocks in the prefix index.", labels));
+  metrics_ = std::move(m);
+  export_metrics();
+  return Status::Ok();
+}
+
+void CacheManager::export_metrics() {
+  if (!metrics_) return;
+  MetricSeries& m = *metrics_;
+  const CacheStats s = stats();
+  m.lookups.to(s.lookup_blocks);
+  m.misses.to(s.lookup_blocks - s.hit_blocks[0] - s.hit_blocks[1] - s.hit_blocks[2]);
+  m.admissions.to(s.admissions);
+  m.refusals.to(s.admission_failures);
+  m.lost_host_drops.to(s.lost_host_drops);
+  m.failed.to(s.failed_transfers);
+  m.invalidated.to(s.invalidated_blocks);
+  m.resets.to(s.resets);
+  for (int t = 0; t < kNumTiers; ++t) m.hits[t].to(s.hit_blocks[t]);
+  m.moved_device.to(s.evictions_d2h);
+  m.dropped[0].to(s.drops_device);
+  m.dropped[1].to(s.drops_host);
+  m.dropped[2].to(s.drops_storage);
+  m.loads.to(s.loads_h2d);
+  m.evictions.to(s.evictions_d2h);
+  m.backups.to(s.backups_d2h);
+  m.storage_writes.to(s.storage_writes);
+  m.storage_prefetches.to(s.storage_prefetches);
+  m.pressure_demotions.to(s.pressure_demotions);
+  for (int t = 0; t < kNumTiers; ++t) {
+    m.used[t]->set(s.tiers[t].used);
+    m.capacity[t]->set(s.tiers[t].capacity);
+    m.resident[t]->set(s.tiers[t].resident);
+  }
+  m.index_blocks->set(static_cast<double>(s.nodes));
+}
+
+}  // namespace kvtier::cache
