@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "storage/object_format.h"
+#include "storage/storage_tier_metrics.h"
 
 namespace kvtier::storage {
 
@@ -101,6 +102,7 @@ Result<StorageTierOp> StorageTier::write(std::span<const StorageKey> keys, std::
     }
     b.items.push_back({with_rank(keys[i]), src, object_bytes_});
   }
+  op.posted_ = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(op.ticket_, backend_->post(std::move(b)));
   return op;
 }
@@ -120,6 +122,7 @@ Result<StorageTierOp> StorageTier::read(std::span<const StorageKey> keys, std::s
                            : static_cast<void*>(host_.block_ptr(0, 0, host_blocks[i]));
     b.items.push_back({with_rank(keys[i]), dst, object_bytes_});
   }
+  op.posted_ = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(op.ticket_, backend_->post(std::move(b)));
   return op;
 }
@@ -132,6 +135,7 @@ Result<StorageTierOp> StorageTier::exists(std::span<const StorageKey> keys) {
   StorageBatch b;
   b.op = StorageOp::kExists;
   for (const auto& k : keys) b.items.push_back({with_rank(k), nullptr, 0});
+  op.posted_ = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(op.ticket_, backend_->post(std::move(b)));
   return op;
 }
@@ -144,6 +148,7 @@ Result<StorageTierOp> StorageTier::remove(std::span<const StorageKey> keys) {
   StorageBatch b;
   b.op = StorageOp::kDelete;
   for (const auto& k : keys) b.items.push_back({with_rank(k), nullptr, 0});
+  op.posted_ = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(op.ticket_, backend_->post(std::move(b)));
   return op;
 }
@@ -165,6 +170,7 @@ bool StorageTierOp::poll() {
   staging_.clear();
   staging_.shrink_to_fit();
   finished_ = true;
+  if (StorageTierMetrics* m = tier_->metrics_.load(std::memory_order_acquire)) record_metrics(*m, *this);
   return true;
 }
 

@@ -28,6 +28,7 @@
 // to one thread (poll() may scatter into host blocks).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -36,11 +37,13 @@
 
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
+#include "kvtier/metrics/registry.h"
 #include "kvtier/storage/storage_backend.h"
 
 namespace kvtier::storage {
 
 class StorageTier;
+struct StorageTierMetrics;  // storage_tier_metrics.cc
 
 // One block operation of a StorageTier. The backend borrows host blocks (and
 // the op's staging pages) until the op is done; destroying an unfinished op
@@ -59,6 +62,7 @@ class StorageTierOp {
       staging_ = std::move(other.staging_);
       staged_ = other.staged_;
       finished_ = other.finished_;
+      posted_ = other.posted_;
       statuses_ = std::move(other.statuses_);
     }
     return *this;
@@ -81,6 +85,7 @@ class StorageTierOp {
     while (ticket_.valid() && !ticket_.poll()) ticket_.wait(std::chrono::milliseconds(1000)).ignore_error();
   }
   friend class StorageTier;
+  friend void record_metrics(StorageTierMetrics& m, const StorageTierOp& op);
   const StorageTier* tier_ = nullptr;
   StorageOp op_ = StorageOp::kGet;
   StorageTicket ticket_;
@@ -88,6 +93,7 @@ class StorageTierOp {
   std::vector<std::byte> staging_;  // one packed page per block when staged
   bool staged_ = false;
   bool finished_ = false;
+  std::chrono::steady_clock::time_point posted_;
   std::vector<Status> statuses_;
 };
 
@@ -105,6 +111,22 @@ class StorageTier {
   Result<StorageTierOp> read(std::span<const StorageKey> keys, std::span<const std::uint64_t> host_blocks);
   Result<StorageTierOp> exists(std::span<const StorageKey> keys);
   Result<StorageTierOp> remove(std::span<const StorageKey> keys);
+
+  ~StorageTier();
+
+  // Metrics (metrics/registry.h), every series carrying `labels` plus backend = backend().name():
+  //   kvtier_storage_items_total{op,outcome}   items that completed, outcome = ok | not_found | data_loss
+  //                                            (failed verification: quarantined, a miss) | timed_out |
+  //                                            unavailable | error
+  //   kvtier_storage_bytes_total{op}           payload bytes of OK gets and puts
+  //   kvtier_storage_op_latency_seconds{op}    post to the op observed done (poll/wait), per batch
+  //   kvtier_storage_objects, kvtier_storage_stored_bytes, kvtier_storage_capacity_bytes   (gauges)
+  //   kvtier_storage_evictions_total, kvtier_storage_quarantined_total, kvtier_storage_bounce_copies_total,
+  //   kvtier_storage_redirects_total, kvtier_storage_reconnects_total   (the backend's StorageStats)
+  // Items and latencies are counted by the thread that polls an op (lock-free); the backend's stats are
+  // read when the registry is scraped. The registry must outlive the tier. FailedPrecondition when
+  // already attached; InvalidArgument for bad labels.
+  Status attach_metrics(metrics::Registry& registry, const metrics::Labels& labels = {});
 
   StorageBackend& backend() noexcept { return *backend_; }
   const BlockSpace& host() const noexcept { return host_; }
@@ -127,6 +149,10 @@ class StorageTier {
   std::uint32_t rank_ = 0;
   std::uint64_t object_bytes_ = 0;
   bool zero_copy_ = false;
+  std::unique_ptr<StorageTierMetrics> metrics_owned_;
+  std::atomic<StorageTierMetrics*> metrics_{nullptr};
+  metrics::Registry* metrics_registry_ = nullptr;
+  std::uint64_t metrics_hook_ = 0;
 };
 
 }  // namespace kvtier::storage
