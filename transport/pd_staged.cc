@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "kvtier/core/deadline.h"
@@ -80,10 +81,14 @@ std::vector<std::int32_t> as_i32(const std::vector<std::uint64_t>& v) {
 
 Status check_ids(const std::vector<std::uint64_t>& ids, const BlockSpace& space, std::string_view what) {
   if (ids.empty()) return InvalidArgument(fmt::format("{} list is empty", what));
-  for (std::size_t i = 0; i < ids.size(); ++i)
+  std::set<std::uint64_t> seen;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] >= space.num_blocks())
       return OutOfRange(
           fmt::format("block id {} >= num_blocks {} in {} list at index {}", ids[i], space.num_blocks(), what, i));
+    if (!seen.insert(ids[i]).second)
+      return InvalidArgument(fmt::format("block id {} repeated in {} list at index {}", ids[i], what, i));
+  }
   return Status::Ok();
 }
 
