@@ -296,6 +296,12 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   auto t0 = std::chrono::steady_clock::now();
   KVTIER_ASSIGN_OR_RETURN(auto cache, CacheManager::create(std::move(cfg)));
   if (o.metrics) KVTIER_RETURN_IF_ERROR(cache->attach_metrics(*o.metrics, o.metrics_labels));
+  if (o.on_kv_events) cache->enable_kv_events(o.block_tokens, o.kv_events_storage_medium);
+  auto hand_over_events = [&] {
+    if (!o.on_kv_events) return;
+    std::vector<metrics::KvEvent> events = cache->take_events();
+    if (!events.empty()) o.on_kv_events(std::move(events));
+  };
   FakePlanExecutor::Options fo;
   fo.failure_rate = o.failure_rate;
   fo.seed = o.seed;
@@ -446,6 +452,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       res.failed_transfers = cache->stats().failed_transfers;
       o.on_request(res, *cache);
     }
+    hand_over_events();
     if (o.check_invariants_every && (i + 1) % o.check_invariants_every == 0)
       KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context(fmt::format("after request {}", i)));
   }
@@ -475,6 +482,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   }
   if (o.check_invariants_every) KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context("at the end"));
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  hand_over_events();
   if (o.on_request) o.on_request(res, *cache);
   return res;
 }

@@ -21,6 +21,7 @@
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/metrics/http_server.h"
+#include "kvtier/metrics/zmq_publisher.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "tools/cli.h"
@@ -120,6 +121,8 @@ Action register_replay(CLI::App& app) {
     std::uint16_t metrics_port = 0;
     std::string metrics_out;
     bool progress = false;
+    std::string kv_events;
+    std::string kv_events_replay;
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("replay", "Replay a Mooncake-format trace through the cache manager");
@@ -167,6 +170,10 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--metrics-port", args->metrics_port, "serve Prometheus /metrics on 127.0.0.1:PORT while it runs");
   cmd->add_option("--metrics-out", args->metrics_out, "write the final /metrics scrape to FILE");
   cmd->add_flag("--progress", args->progress, "progress line on stderr: hit ratio, bytes moved, throughput");
+  cmd->add_option("--kv-events", args->kv_events,
+                  "publish KV events (vLLM's schema) on a ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557");
+  cmd->add_option("--kv-events-replay", args->kv_events_replay,
+                  "ZMQ ROUTER endpoint where a subscriber that missed batches asks for them again");
 
   return [cmd, args, block_bytes_opt]() -> int {
     if (!cmd->parsed()) return -1;
@@ -434,9 +441,13 @@ Action register_replay(CLI::App& app) {
     std::unique_ptr<metrics::MetricsServer> server;
     std::optional<ProgressLine> progress;
     if (a.metrics_port || !a.metrics_out.empty()) {
-      auto m = ReplayMetrics::create(registry, a.policy);
+      auto m = ReplayMetrics::create(registry);
       if (!m.ok()) return std::fprintf(stderr, "kvtier replay: metrics: %s\n", m.status().to_string().c_str()), 1;
       rm.emplace(std::move(*m));
+      o.metrics = &registry;
+      Status st = rt.manager ? rt.manager->attach_metrics(registry) : Status::Ok();
+      if (st.ok() && storage) st = storage->tier().attach_metrics(registry);
+      if (!st.ok()) return std::fprintf(stderr, "kvtier replay: metrics: %s\n", st.to_string().c_str()), 1;
     }
     if (a.metrics_port) {
       auto s = metrics::MetricsServer::start(registry, a.metrics_port);
@@ -444,15 +455,43 @@ Action register_replay(CLI::App& app) {
       server = std::move(*s);
       std::fprintf(stderr, "kvtier replay: serving http://127.0.0.1:%u/metrics\n", unsigned{server->port()});
     }
+    std::unique_ptr<metrics::ZmqEventPublisher> publisher;
+    if (!a.kv_events_replay.empty() && a.kv_events.empty())
+      return std::fprintf(stderr, "kvtier replay: --kv-events-replay needs --kv-events\n"), 1;
+    if (!a.kv_events.empty()) {
+      metrics::ZmqPublisherOptions po;
+      po.endpoint = a.kv_events;
+      po.replay_endpoint = a.kv_events_replay;
+      auto p = metrics::ZmqEventPublisher::create(po);
+      if (!p.ok())
+        return std::fprintf(stderr, "kvtier replay: --kv-events %s: %s\n", a.kv_events.c_str(),
+                            p.status().to_string().c_str()),
+               1;
+      publisher = std::move(*p);
+      std::fprintf(stderr, "kvtier replay: publishing KV events on %s\n", publisher->endpoint().c_str());
+      o.kv_events_storage_medium = a.storage.rfind("redis", 0) == 0 ? metrics::Medium::kRemote : metrics::Medium::kDisk;
+      o.on_kv_events = [&publisher](std::vector<metrics::KvEvent> events) {
+        // A full queue (a stalled publisher thread) drops the batch; subscribers see the gap in the
+        // sequence numbers and can ask the replay socket.
+        publisher->publish(std::move(events)).status().ignore_error();
+      };
+    }
     if (a.progress) progress.emplace(trace->size());
     if (rm || progress)
       o.on_request = [&](const cache::ReplayResult& r, const cache::CacheManager& cm) {
-        if (rm) rm->update(r, cm);
+        (void)cm;
+        if (rm) rm->update(r);
         if (progress) progress->update(r, r.seconds > 0);
       };
     auto res = cache::replay_trace(*trace, o);
     o.executor = nullptr;  // Belady and the unbounded bound run on the fake executor
     o.on_request = nullptr;
+    o.metrics = nullptr;  // the bounds below are not the deployment's cache
+    o.on_kv_events = nullptr;
+    if (publisher) {
+      Status ps = publisher->shutdown(std::chrono::seconds(5));
+      if (!ps.ok()) std::fprintf(stderr, "kvtier replay: KV events: %s\n", ps.to_string().c_str());
+    }
     if (!res.ok()) {
       std::fprintf(stderr, "kvtier replay: %s\n", res.status().to_string().c_str());
       return 1;
@@ -480,6 +519,7 @@ Action register_replay(CLI::App& app) {
       j["trace"] = path;
       j["write_policy"] = a.write_policy;
       j["block_tokens"] = a.block_tokens;
+      j["block_bytes"] = a.block_bytes;
       j["belady"] = to_json(*bel);
       j["min_bypass"] = to_json(*bound);
       j["unbounded_hit_ratio"] = unb.hit_ratio();

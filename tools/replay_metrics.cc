@@ -10,7 +10,7 @@ namespace {
 constexpr const char* kTierNames[3] = {"device", "host", "storage"};
 }  // namespace
 
-Result<ReplayMetrics> ReplayMetrics::create(metrics::Registry& reg, const std::string& policy) {
+Result<ReplayMetrics> ReplayMetrics::create(metrics::Registry& reg) {
   ReplayMetrics m;
   auto counter = [&](Delta& d, const char* name, const char* help, const metrics::Labels& l = {}) -> Status {
     KVTIER_ASSIGN_OR_RETURN(d.c, reg.counter(name, help, l));
@@ -18,40 +18,24 @@ Result<ReplayMetrics> ReplayMetrics::create(metrics::Registry& reg, const std::s
     return Status::Ok();
   };
   KVTIER_RETURN_IF_ERROR(counter(m.requests_, "kvtier_replay_requests_total", "Requests replayed."));
-  KVTIER_RETURN_IF_ERROR(counter(m.blocks_, "kvtier_cache_lookup_blocks_total", "Blocks of the requests looked up."));
-  KVTIER_RETURN_IF_ERROR(counter(m.misses_, "kvtier_cache_miss_blocks_total", "Blocks not found in any tier."));
+  KVTIER_RETURN_IF_ERROR(counter(m.blocks_, "kvtier_replay_lookup_blocks_total", "Blocks of the requests."));
+  KVTIER_RETURN_IF_ERROR(
+      counter(m.misses_, "kvtier_replay_miss_blocks_total", "Blocks of the requests served by no tier (computed)."));
   for (int t = 0; t < 3; ++t)
-    KVTIER_RETURN_IF_ERROR(counter(m.hits_[t], "kvtier_cache_hit_blocks_total",
-                                   "Blocks served from a tier (longest prefix, device then host then storage).",
+    KVTIER_RETURN_IF_ERROR(counter(m.hits_[t], "kvtier_replay_hit_blocks_total",
+                                   "Blocks of the requests served from a tier (longest prefix, failed loads "
+                                   "excluded).",
                                    {{"tier", kTierNames[t]}}));
   const char* dirs[4] = {"d2h", "h2d", "to_storage", "from_storage"};
   for (int d = 0; d < 4; ++d)
-    KVTIER_RETURN_IF_ERROR(
-        counter(m.bytes_[d], "kvtier_cache_moved_bytes_total", "Bytes moved between tiers.", {{"direction", dirs[d]}}));
-  KVTIER_RETURN_IF_ERROR(counter(m.failed_transfers_, "kvtier_cache_failed_transfers_total",
-                                 "Block moves that failed (their blocks and subtrees became misses)."));
-  KVTIER_RETURN_IF_ERROR(counter(m.failed_admissions_, "kvtier_cache_admission_refusals_total",
-                                 "Admissions refused (too few free or evictable device blocks)."));
+    KVTIER_RETURN_IF_ERROR(counter(m.bytes_[d], "kvtier_replay_moved_bytes_total",
+                                   "Bytes the replay's step plans moved between tiers.", {{"direction", dirs[d]}}));
+  KVTIER_RETURN_IF_ERROR(counter(m.refused_, "kvtier_replay_refused_requests_total",
+                                 "Requests whose admission stayed refused after the replay's retries."));
   KVTIER_RETURN_IF_ERROR(counter(m.truncated_, "kvtier_replay_truncated_requests_total",
                                  "Requests longer than the device tier (cached as far as it fits)."));
-  for (int t = 0; t < 3; ++t)
-    KVTIER_RETURN_IF_ERROR(counter(m.evictions_[t], "kvtier_cache_evictions_total",
-                                   "Copies given up by a tier's eviction policy (moved down or dropped).",
-                                   {{"tier", kTierNames[t]}, {"policy", t == 2 ? "lru" : policy}}));
-  KVTIER_RETURN_IF_ERROR(counter(m.storage_writes_, "kvtier_cache_storage_writes_total", "Host to storage writes."));
-  KVTIER_RETURN_IF_ERROR(
-      counter(m.storage_prefetches_, "kvtier_cache_storage_prefetches_total", "Storage to host prefetches."));
-  KVTIER_RETURN_IF_ERROR(counter(m.verification_failures_, "kvtier_cache_checksum_mismatches_total",
-                                 "Blocks whose bytes did not match their key when read back."));
-  for (int t = 0; t < 3; ++t) {
-    const metrics::Labels l{{"tier", kTierNames[t]}};
-    KVTIER_ASSIGN_OR_RETURN(m.used_[t],
-                            reg.gauge("kvtier_cache_pool_used_blocks", "Blocks in use in a tier's pool.", l));
-    KVTIER_ASSIGN_OR_RETURN(m.capacity_[t],
-                            reg.gauge("kvtier_cache_pool_capacity_blocks", "Blocks of a tier's pool.", l));
-    KVTIER_ASSIGN_OR_RETURN(m.resident_[t],
-                            reg.gauge("kvtier_cache_resident_blocks", "Settled copies indexed in a tier.", l));
-  }
+  KVTIER_RETURN_IF_ERROR(counter(m.verification_failures_, "kvtier_replay_checksum_mismatches_total",
+                                 "Loaded blocks whose bytes did not match their key when read back."));
   const std::vector<double> b = metrics::latency_buckets_seconds();
   KVTIER_ASSIGN_OR_RETURN(m.request_seconds_, reg.histogram("kvtier_replay_request_seconds",
                                                             "Wall time per replayed request (admit to release).", b));
@@ -59,7 +43,7 @@ Result<ReplayMetrics> ReplayMetrics::create(metrics::Registry& reg, const std::s
   return m;
 }
 
-void ReplayMetrics::update(const cache::ReplayResult& r, const cache::CacheManager& cm) {
+void ReplayMetrics::update(const cache::ReplayResult& r) {
   const auto now = std::chrono::steady_clock::now();
   if (r.requests > requests_.seen) request_seconds_->observe(std::chrono::duration<double>(now - last_).count());
   last_ = now;
@@ -73,21 +57,9 @@ void ReplayMetrics::update(const cache::ReplayResult& r, const cache::CacheManag
   bytes_[1].to(r.bytes_h2d);
   bytes_[2].to(r.bytes_to_storage);
   bytes_[3].to(r.bytes_from_storage);
-  failed_transfers_.to(r.failed_transfers);
-  failed_admissions_.to(r.failed_admissions);
+  refused_.to(r.failed_admissions);
   truncated_.to(r.truncated_requests);
   verification_failures_.to(r.verification_failures);
-  const cache::CacheStats cs = cm.stats();
-  evictions_[0].to(cs.evictions_d2h + cs.drops_device);
-  evictions_[1].to(cs.drops_host);
-  evictions_[2].to(cs.drops_storage);
-  storage_writes_.to(cs.storage_writes);
-  storage_prefetches_.to(cs.storage_prefetches);
-  for (int t = 0; t < 3; ++t) {
-    used_[t]->set(cs.tiers[t].used);
-    capacity_[t]->set(cs.tiers[t].capacity);
-    resident_[t]->set(cs.tiers[t].resident);
-  }
 }
 
 std::string human_bytes(double b) {

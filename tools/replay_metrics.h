@@ -12,12 +12,15 @@
 
 namespace kvtier::cli {
 
-// Series of one replay in `registry`. update() takes the running totals of ReplayOptions::on_request and
-// adds what grew since the last call to the counters, so counters end equal to the final ReplayResult.
+// The replay's own outcome series in `registry` (kvtier_replay_*): what the trace's requests got, after
+// failed loads are taken off their hits. The library's series (kvtier_cache_*, kvtier_transfer_*,
+// kvtier_storage_*) come from the managers attached to the same registry. update() takes the running
+// totals of ReplayOptions::on_request and adds what grew since the last call, so counters end equal to
+// the final ReplayResult.
 class ReplayMetrics {
  public:
-  static Result<ReplayMetrics> create(metrics::Registry& registry, const std::string& policy);
-  void update(const cache::ReplayResult& r, const cache::CacheManager& cm);
+  static Result<ReplayMetrics> create(metrics::Registry& registry);
+  void update(const cache::ReplayResult& r);
 
  private:
   struct Delta {
@@ -28,11 +31,7 @@ class ReplayMetrics {
       seen = total;
     }
   };
-  Delta requests_, blocks_, misses_, hits_[3], bytes_[4], failed_transfers_, failed_admissions_, truncated_;
-  Delta evictions_[3], storage_writes_, storage_prefetches_, verification_failures_;
-  metrics::Gauge* used_[3] = {};
-  metrics::Gauge* capacity_[3] = {};
-  metrics::Gauge* resident_[3] = {};
+  Delta requests_, blocks_, misses_, hits_[3], bytes_[4], refused_, truncated_, verification_failures_;
   metrics::Histogram* request_seconds_ = nullptr;
   std::chrono::steady_clock::time_point last_;
 };

@@ -145,6 +145,10 @@ struct ReplayOptions {
   // When set, the replay's cache manager is attached to it (CacheManager::attach_metrics).
   metrics::Registry* metrics = nullptr;
   metrics::Labels metrics_labels;
+  // When set, KV events are on (CacheManager::enable_kv_events, block_tokens per block) and each
+  // request's events (one step's batch; none when empty) are handed over after the request.
+  std::function<void(std::vector<metrics::KvEvent>)> on_kv_events;
+  metrics::Medium kv_events_storage_medium = metrics::Medium::kDisk;
 };
 
 struct ReplayResult {
