@@ -7,6 +7,8 @@
 # runs its pytest suite (host backend; CUDA too where torch sees a GPU).
 # Usage: scripts/test.sh [preset ...]   (default: default asan tsan)
 #        KVTIER_SKIP_PYTHON=1 skips the Python part.
+# After the presets, scripts/run-fuzzers.sh builds the libFuzzer harnesses (preset fuzz) and runs
+# each for 20 s (KVTIER_FUZZ_SECONDS); KVTIER_SKIP_FUZZ=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 presets=("$@")
@@ -21,6 +23,10 @@ for p in "${presets[@]}"; do
   cmake --build --preset "$p" -j "$jobs"
   ctest --preset "$p" -j "$jobs"
 done
+if [ "${KVTIER_SKIP_FUZZ:-0}" != 1 ]; then
+  echo "=== fuzzers (preset fuzz) ==="
+  scripts/run-fuzzers.sh
+fi
 if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
   echo "=== python package (pip install . into .venv, pytest) ==="
   scripts/install-python.sh

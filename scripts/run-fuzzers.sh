@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses (preset `fuzz`: clang-14, ASan + UBSan) and runs each for a bounded
+# time from its seed corpus (fuzz/corpus/<harness>/, read only; what the run adds goes to a
+# scratch directory). Fails when any harness crashes, hangs past the per-input timeout, leaks or
+# runs out of memory; the input that did it is kept under $KVTIER_FUZZ_OUT.
+# Usage: scripts/run-fuzzers.sh [harness ...]      (default: every harness)
+#   KVTIER_FUZZ_SECONDS   time per harness (default 20)
+#   KVTIER_FUZZ_TIMEOUT   seconds one input may take (default 10)
+#   KVTIER_FUZZ_RSS_MB    memory limit of a harness (default 2048)
+#   KVTIER_FUZZ_OUT       scratch corpora and crash inputs (default: a temporary directory)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+harnesses=("$@")
+[ ${#harnesses[@]} -gt 0 ] || harnesses=(fuzz_disk_object fuzz_redis_value fuzz_trace fuzz_config)
+seconds=${KVTIER_FUZZ_SECONDS:-20}
+timeout_s=${KVTIER_FUZZ_TIMEOUT:-10}
+rss_mb=${KVTIER_FUZZ_RSS_MB:-2048}
+out=${KVTIER_FUZZ_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvtier-fuzz.XXXXXX")}
+mkdir -p "$out"
+
+start=$(date +%s)
+cmake --preset fuzz >/dev/null
+cmake --build --preset fuzz -j "$(nproc)"
+built=$(date +%s)
+echo "run-fuzzers: built in $((built - start)) s"
+
+failed=()
+for h in "${harnesses[@]}"; do
+  bin=build/fuzz/fuzz/$h
+  seeds=fuzz/corpus/${h#fuzz_}
+  [ -x "$bin" ] || { echo "run-fuzzers: no harness $bin" >&2; exit 2; }
+  [ -d "$seeds" ] || { echo "run-fuzzers: no seed corpus $seeds" >&2; exit 2; }
+  mkdir -p "$out/$h/corpus" "$out/$h/artifacts"
+  echo "=== $h: ${seconds} s ==="
+  # -max_total_time bounds the run; the outer timeout only catches a harness that ignores it.
+  if ! timeout --kill-after=10 $((seconds + timeout_s + 60)) "$bin" \
+      -max_total_time="$seconds" -timeout="$timeout_s" -rss_limit_mb="$rss_mb" -max_len=16384 \
+      -print_final_stats=1 -artifact_prefix="$out/$h/artifacts/" \
+      "$out/$h/corpus" "$seeds" >"$out/$h/log" 2>&1; then
+    failed+=("$h")
+    tail -n 60 "$out/$h/log"
+    echo "run-fuzzers: $h FAILED; inputs in $out/$h/artifacts/:" >&2
+    ls -l "$out/$h/artifacts/" >&2 || true
+  else
+    grep -E "^stat::number_of_executed_units|^Done" "$out/$h/log" | tr '\n' ' '
+    echo
+  fi
+done
+echo "run-fuzzers: build $((built - start)) s, total $(($(date +%s) - start)) s"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "run-fuzzers: failed: ${failed[*]}" >&2
+  exit 1
+fi
+echo "run-fuzzers: all harnesses ran clean (${harnesses[*]})"
