@@ -25,52 +25,63 @@ T get_le(const std::byte* p) {
 
 constexpr std::size_t kOffMagic = 0, kOffVersion = 8, kOffFlags = 10, kOffHeaderSize = 12, kOffNs = 16, kOffLayout = 24,
                       kOffKey = 32, kOffRank = 48, kOffNumRoles = 52, kOffPayload = 56, kOffHeaderChecksum = 64,
-                      kOffChecksum = 72, kOffHeaderTag = 80, kOffObjectTag = 112;
-// Version 2 zeroes [kOffHeaderChecksum, kKeyedFixedHeaderBytes) for every hash over the header.
-constexpr std::size_t kKeyedZeroBytes = kKeyedFixedHeaderBytes - kOffHeaderChecksum;
+                      kOffChecksum = 72, kOffReserved = 72, kOffNonce = 80, kOffHeaderTag = 96, kOffPayloadTag = 128;
+static_assert(kOffPayloadTag + kPayloadTagBytes == kKeyedFixedHeaderBytes);
+static_assert(kOffHeaderTag + kHeaderTagBytes == kOffPayloadTag);
 
-// BLAKE2b personalisation (16 bytes each): the tags and key names never collide across uses.
+// BLAKE2b personalisation (16 bytes each): the header tag, the one-time keys and the key names
+// never collide across uses.
 constexpr unsigned char kPersonalHeader[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-hdr-v2";
-constexpr unsigned char kPersonalObject[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-obj-v2";
+constexpr unsigned char kPersonalOneTimeKey[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-otk-v2";
 constexpr unsigned char kPersonalName[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-name-v2";
 
 constexpr std::string_view kAuthFailure = "authentication failed: ";
 
 Status auth_failure(std::string what) { return DataLoss(fmt::format("{}{}", kAuthFailure, what)); }
 
-// sodium_init picks the fastest implementations (thread-safe; once is enough). The hashing used
-// here needs no other initialisation (no randomness), so a failure leaves the portable code.
-void ensure_sodium() {
+// sodium_init picks the fastest implementations and seeds randombytes (thread-safe; once is enough).
+bool ensure_sodium() {
   static const int rc = sodium_init();
-  static_cast<void>(rc);
+  return rc >= 0;
 }
 
-void mac_init(crypto_generichash_state* st, std::string_view secret, const unsigned char* personal) {
+// Feeds the canonical version-2 header: the header with its checksum and both tags zeroed (the
+// nonce, the reserved word and everything else as stored).
+template <typename Update>
+void feed_canonical(const std::byte* header, std::uint32_t header_size, Update&& update) {
+  static constexpr std::byte kZeros[kHeaderTagBytes + kPayloadTagBytes] = {};
+  update(header, kOffHeaderChecksum);
+  update(kZeros, 8);
+  update(header + kOffReserved, kOffHeaderTag - kOffReserved);
+  update(kZeros, kHeaderTagBytes + kPayloadTagBytes);
+  update(header + kKeyedFixedHeaderBytes, header_size - kKeyedFixedHeaderBytes);
+}
+
+// Keyed BLAKE2b-256 of the canonical header under `personal`.
+std::array<std::uint8_t, 32> keyed_header_hash(const std::byte* header, std::uint32_t header_size,
+                                               std::string_view secret, const unsigned char* personal) {
   ensure_sodium();
-  crypto_generichash_blake2b_init_salt_personal(st, reinterpret_cast<const unsigned char*>(secret.data()),
-                                                secret.size(), kTagBytes, nullptr, personal);
-}
-
-// Feeds the version-2 header with [64, 144) zeroed.
-void mac_header(crypto_generichash_state* st, const std::byte* header, std::uint32_t header_size) {
-  static constexpr unsigned char kZeros[kKeyedZeroBytes] = {};
-  const auto* h = reinterpret_cast<const unsigned char*>(header);
-  crypto_generichash_update(st, h, kOffHeaderChecksum);
-  crypto_generichash_update(st, kZeros, kKeyedZeroBytes);
-  crypto_generichash_update(st, h + kKeyedFixedHeaderBytes, header_size - kKeyedFixedHeaderBytes);
-}
-
-std::array<std::uint8_t, kTagBytes> header_tag(const std::byte* header, std::uint32_t header_size,
-                                               std::string_view secret) {
   crypto_generichash_state st;
-  mac_init(&st, secret, kPersonalHeader);
-  mac_header(&st, header, header_size);
-  std::array<std::uint8_t, kTagBytes> tag{};
-  crypto_generichash_final(&st, tag.data(), tag.size());
-  return tag;
+  crypto_generichash_blake2b_init_salt_personal(&st, reinterpret_cast<const unsigned char*>(secret.data()),
+                                                secret.size(), 32, nullptr, personal);
+  feed_canonical(header, header_size, [&](const void* p, std::size_t n) {
+    crypto_generichash_update(&st, static_cast<const unsigned char*>(p), n);
+  });
+  std::array<std::uint8_t, 32> out{};
+  crypto_generichash_final(&st, out.data(), out.size());
+  sodium_memzero(&st, sizeof(st));
+  return out;
 }
 
-bool tags_equal(const std::uint8_t* a, const std::uint8_t* b) { return sodium_memcmp(a, b, kTagBytes) == 0; }
+// The payload's Poly1305 state under the object's one-time key (derived from the canonical
+// header, whose random nonce makes it unique per written object).
+void payload_mac_init(crypto_onetimeauth_state* st, const std::byte* header, std::uint32_t header_size,
+                      std::string_view secret) {
+  static_assert(crypto_onetimeauth_KEYBYTES == 32 && crypto_onetimeauth_BYTES == kPayloadTagBytes);
+  auto otk = keyed_header_hash(header, header_size, secret, kPersonalOneTimeKey);
+  crypto_onetimeauth_init(st, otk.data());
+  sodium_memzero(otk.data(), otk.size());
+}
 
 std::uint32_t fixed_bytes(bool keyed) { return keyed ? kKeyedFixedHeaderBytes : kFixedHeaderBytes; }
 
@@ -100,11 +111,14 @@ std::uint64_t object_checksum(const std::byte* header, std::uint32_t header_size
 std::uint64_t header_checksum(const std::byte* header, std::uint32_t header_size, bool keyed) {
   XXH3_state_t state;
   XXH3_64bits_reset(&state);
+  if (keyed) {
+    feed_canonical(header, header_size, [&](const void* p, std::size_t n) { XXH3_64bits_update(&state, p, n); });
+    return XXH3_64bits_digest(&state);
+  }
   XXH3_64bits_update(&state, header, kOffHeaderChecksum);
-  static constexpr std::byte kZeros[kKeyedZeroBytes] = {};
-  const std::size_t zeroed = keyed ? kKeyedZeroBytes : 8;
-  XXH3_64bits_update(&state, kZeros, zeroed);
-  XXH3_64bits_update(&state, header + kOffHeaderChecksum + zeroed, header_size - (kOffHeaderChecksum + zeroed));
+  static constexpr std::byte kZeros[8] = {};
+  XXH3_64bits_update(&state, kZeros, 8);
+  XXH3_64bits_update(&state, header + kOffChecksum, header_size - kOffChecksum);
   return XXH3_64bits_digest(&state);
 }
 
@@ -137,8 +151,11 @@ Status check_tenant_options(const StorageOptions& options) {
 }
 
 std::string keyed_object_name(const StorageOptions& options, const StorageKey& key) {
+  ensure_sodium();
   crypto_generichash_state st;
-  mac_init(&st, options.tenant_secret, kPersonalName);
+  crypto_generichash_blake2b_init_salt_personal(&st,
+                                                reinterpret_cast<const unsigned char*>(options.tenant_secret.data()),
+                                                options.tenant_secret.size(), 16, nullptr, kPersonalName);
   std::byte fixed[8 + 8 + 8 + 16 + 4];
   put_le<std::uint64_t>(fixed, options.tenant.size());
   put_le<std::uint64_t>(fixed + 8, options.ns.size());
@@ -216,14 +233,17 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
     put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
     return Status::Ok();
   }
-  // Every hash below sees [64, 144) as zeros, so the fields can be filled in any order.
-  crypto_generichash_state st;
-  mac_init(&st, secret, kPersonalObject);
-  mac_header(&st, out, header_size);
-  if (payload_bytes > 0) crypto_generichash_update(&st, static_cast<const unsigned char*>(payload), payload_bytes);
-  crypto_generichash_final(&st, reinterpret_cast<unsigned char*>(out + kOffObjectTag), kTagBytes);
-  const auto htag = header_tag(out, header_size, secret);
-  std::memcpy(out + kOffHeaderTag, htag.data(), kTagBytes);
+  // A fresh nonce per written object: the payload's one-time key is never reused, even when the
+  // same block is written again with other bytes.
+  if (!ensure_sodium()) return Internal("sodium_init failed: no randomness for the object nonce");
+  randombytes_buf(out + kOffNonce, 16);
+  crypto_onetimeauth_state st;
+  payload_mac_init(&st, out, header_size, secret);
+  if (payload_bytes > 0) crypto_onetimeauth_update(&st, static_cast<const unsigned char*>(payload), payload_bytes);
+  crypto_onetimeauth_final(&st, reinterpret_cast<unsigned char*>(out + kOffPayloadTag));
+  sodium_memzero(&st, sizeof(st));
+  const auto htag = keyed_header_hash(out, header_size, secret, kPersonalHeader);
+  std::memcpy(out + kOffHeaderTag, htag.data(), kHeaderTagBytes);
   put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, true));
   return Status::Ok();
 }
@@ -267,11 +287,11 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   if (hc != h.header_checksum)
     return DataLoss(fmt::format("header checksum {:#018x} != stored {:#018x}", hc, h.header_checksum));
   if (h.keyed) {
-    if (get_le<std::uint64_t>(data + kOffChecksum) != 0) return DataLoss("version-2 header: non-zero word at 72");
-    const auto tag = header_tag(data, h.header_size, secret);
-    if (!tags_equal(tag.data(), reinterpret_cast<const std::uint8_t*>(data + kOffHeaderTag)))
+    if (get_le<std::uint64_t>(data + kOffReserved) != 0) return DataLoss("version-2 header: non-zero reserved word");
+    const auto tag = keyed_header_hash(data, h.header_size, secret, kPersonalHeader);
+    if (sodium_memcmp(tag.data(), data + kOffHeaderTag, kHeaderTagBytes) != 0)
       return auth_failure("header tag does not match this tenant's secret (foreign, forged or damaged object)");
-    std::memcpy(h.object_tag.data(), data + kOffObjectTag, kTagBytes);
+    std::memcpy(h.payload_tag.data(), data + kOffPayloadTag, kPayloadTagBytes);
   } else {
     h.checksum = get_le<std::uint64_t>(data + kOffChecksum);
   }
@@ -350,9 +370,8 @@ ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader
       error_ = auth_failure("keyed object (format version 2) and this reader has no tenant secret");
       return;
     }
-    auto* st = new crypto_generichash_state;
-    mac_init(st, secret, kPersonalObject);
-    mac_header(st, header_bytes, header.header_size);
+    auto* st = new crypto_onetimeauth_state;
+    payload_mac_init(st, header_bytes, header.header_size, secret);
     mac_state_ = st;
     return;
   }
@@ -368,7 +387,7 @@ ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader
 ObjectVerifier::~ObjectVerifier() {
   delete static_cast<XXH3_state_t*>(state_);
   if (mac_state_ != nullptr) {
-    auto* st = static_cast<crypto_generichash_state*>(mac_state_);
+    auto* st = static_cast<crypto_onetimeauth_state*>(mac_state_);
     sodium_memzero(st, sizeof(*st));  // holds key material
     delete st;
   }
@@ -378,7 +397,7 @@ void ObjectVerifier::update(const void* data, std::size_t bytes) {
   if (bytes == 0) return;
   if (state_ != nullptr) XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
   if (mac_state_ != nullptr)
-    crypto_generichash_update(static_cast<crypto_generichash_state*>(mac_state_),
+    crypto_onetimeauth_update(static_cast<crypto_onetimeauth_state*>(mac_state_),
                               static_cast<const unsigned char*>(data), bytes);
   seen_ += bytes;
 }
@@ -389,10 +408,10 @@ Status ObjectVerifier::finish() {
     return DataLoss(
         fmt::format("{} of {} payload bytes read for key {}", seen_, header_.payload_bytes, header_.key.to_string()));
   if (mac_state_ != nullptr) {
-    std::array<std::uint8_t, kTagBytes> tag{};
-    crypto_generichash_final(static_cast<crypto_generichash_state*>(mac_state_), tag.data(), tag.size());
-    if (!tags_equal(tag.data(), header_.object_tag.data()))
-      return auth_failure(fmt::format("object tag does not match for key {} ({} payload bytes)",
+    std::array<std::uint8_t, kPayloadTagBytes> tag{};
+    crypto_onetimeauth_final(static_cast<crypto_onetimeauth_state*>(mac_state_), tag.data());
+    if (crypto_verify_16(tag.data(), header_.payload_tag.data()) != 0)
+      return auth_failure(fmt::format("payload tag does not match for key {} ({} payload bytes)",
                                       header_.key.to_string(), header_.payload_bytes));
     return Status::Ok();
   }

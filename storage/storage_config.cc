@@ -36,7 +36,7 @@ void bind_tenant_config(ConfigTable& t, TenantConfig& c, const std::string& p) {
   t.add(p + ".id", &c.id,
         "storage: tenant id ([A-Za-z0-9_-]{1,64}): own disk directory, Redis key prefix and namespace (empty: none)");
   t.add(p + ".secret_file", &c.secret_file,
-        "storage: file with the tenant's MAC secret in hex (32..64 bytes, mode 0600): objects keyed-BLAKE2b "
+        "storage: file with the tenant's MAC secret in hex (32..64 bytes, mode 0600): objects MAC-"
         "authenticated, Redis key names hashed (empty: unkeyed xxh3 objects)");
 }
 

@@ -188,6 +188,30 @@ TEST(KeyedFormat, ForeignKeysAndOtherModesAreAuthenticationFailures) {
   EXPECT_FALSE(format::is_auth_failure(dh.status())) << dh.status().to_string();
 }
 
+// Two writes of one block by its own tenant: each has its own nonce, so the payload's one-time key
+// differs, and a header of one write spliced onto the other's payload (both authentic) is refused.
+TEST(KeyedFormat, EachWriteHasItsOwnKeyAndHeadersDoNotMoveBetweenWrites) {
+  const StorageOptions a = tenant_options("fmt", "ta", secret_of('a'));
+  const StorageKey k = key_of(1, 4);
+  const auto p1 = bytes_of(4, 2000), p2 = bytes_of(5, 2000);
+  const std::string o1 = make_object(a, k, p1, 8), o1_again = make_object(a, k, p1, 8), o2 = make_object(a, k, p2, 8);
+  const std::uint32_t hs = format::header_bytes(a, 8);
+  EXPECT_NE(o1.substr(80, 16), o1_again.substr(80, 16)) << "nonce repeated";
+  EXPECT_NE(o1.substr(128, 16), o1_again.substr(128, 16)) << "payload tag repeated for a new write";
+  const std::string spliced = o1.substr(0, hs) + o2.substr(hs);
+  const auto* d = reinterpret_cast<const std::byte*>(spliced.data());
+  auto h = format::decode_header(d, spliced.size(), nullptr, a.tenant_secret);
+  ASSERT_TRUE(h.ok()) << h.status().to_string();  // an authentic header of this tenant
+  Status st = format::verify_object(d, *h, d + hs, a.tenant_secret);
+  EXPECT_TRUE(format::is_auth_failure(st)) << st.to_string();
+  // A nonce changed by someone without the secret: the header tag no longer matches.
+  std::string renonced = o1;
+  renonced[85] = static_cast<char>(renonced[85] ^ 1);
+  auto r = format::decode_header(reinterpret_cast<const std::byte*>(renonced.data()), renonced.size(), nullptr,
+                                 a.tenant_secret);
+  EXPECT_FALSE(r.ok());
+}
+
 TEST(KeyedFormat, TenantOptionsAreChecked) {
   StorageOptions o = tenant_options("fmt", "ta", secret_of('a'));
   EXPECT_TRUE(format::check_tenant_options(o).ok());

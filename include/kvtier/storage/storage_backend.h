@@ -195,12 +195,12 @@ struct ObjectSchemaRole {
 // <root>/<tenant>/ (mode dir_mode, 0700 by default) on disk, a key prefix "<prefix>:<tenant>:" in
 // Redis (a fixed string per tenant, so a Redis ACL user can be restricted to `~<prefix>:<tenant>:*`),
 // and a namespace digest of its own. `tenant_secret` (32..64 bytes, per tenant, never stored)
-// makes the objects keyed (object_format.h version 2): header and payload carry keyed-BLAKE2b
-// tags verified before a get is reported OK, so an object another tenant, an unkeyed writer or
-// anyone without the secret wrote or copied is a miss (kDataLoss, quarantined, counted in
-// StorageStats::auth_failures), never served; Redis key names become keyed hashes that reveal
-// nothing about the namespace or the block. Without a secret objects keep the fast unkeyed xxh3
-// checksum (version 1): isolation then rests on the key space and on permissions / ACLs alone.
+// makes the objects keyed (object_format.h version 2): header and payload carry tags (keyed
+// BLAKE2b; Poly1305 under a per-object key) verified before a get is reported OK, so an object
+// another tenant, an unkeyed writer or anyone without the secret wrote or copied is a miss (kDataLoss, quarantined,
+// counted in StorageStats::auth_failures), never served; Redis key names become keyed hashes that reveal nothing about
+// the namespace or the block. Without a secret objects keep the fast unkeyed xxh3 checksum (version 1): isolation then
+// rests on the key space and on permissions / ACLs alone.
 struct StorageOptions {
   std::string ns = "default";            // namespace: model/revision/dtype/TP/LoRA/layout version
   std::uint64_t layout_fingerprint = 0;  // KvLayout::fingerprint() (0: opaque payloads)
