@@ -40,6 +40,8 @@ Action register_info(CLI::App& app) {
       storage::DiskBackendConfig disk;
       storage::bind_redis_backend_config(table, redis);
       storage::bind_disk_backend_config(table, disk);
+      storage::TenantConfig tenant;
+      storage::bind_tenant_config(table, tenant);
       if (Status s = table.apply_env(environ); !s.ok()) {
         std::fprintf(stderr, "kvtier info: %s\n", s.to_string().c_str());
         return 2;
