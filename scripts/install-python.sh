@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest prometheus-client
+.venv/bin/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" numpy pytest prometheus-client pyzmq
 # CUDA kernels are compiled when nvcc is found (KVTIER_CUDA=ON by default);
 # KVTIER_PYTHON_CUDA=OFF builds the CPU-only extension (the host backend).
 args=()

@@ -13,6 +13,9 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
   :class:`KeyHasher` (namespaced chained block keys), :class:`StorageBackend`
   (``StorageBackend.open("disk:/path")`` or ``"redis://host:port"``);
 - :mod:`kvtier.errors`: exceptions carrying the status code and message;
+- :mod:`kvtier.metrics`: kvtier's metrics registry for ``prometheus_client`` (``KvtierCollector``),
+  as text, or on kvtier's own ``/metrics``; ``attach_metrics(labels)`` on the managers; KV events
+  (``CacheManager.enable_kv_events`` / ``take_events`` / ``publish_events`` on a ``KvEventPublisher``);
 - :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class.
 
 kvtier's own log lines (storage backends' warnings, ...) go to the ``kvtier.<component>``
@@ -48,6 +51,7 @@ if _native.has_cache:  # built with the cache and storage bindings (KVTIER_PYTHO
 _native._register_errors(errors.CLASS_BY_CODE)
 
 from . import _logging  # noqa: E402
+from . import metrics  # noqa: E402,F401
 
 _logging.install()  # kvtier's C++ log lines go to the "kvtier.<component>" loggers
 

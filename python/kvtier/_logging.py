@@ -8,6 +8,7 @@ finds the queue full drops the oldest, and the next batch reports how many were 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 
@@ -17,9 +18,13 @@ _started = False
 _lock = threading.Lock()
 
 
+_stop = threading.Event()
+_thread = None
+
+
 def _pump() -> None:
     root = logging.getLogger("kvtier")
-    while True:
+    while not _stop.is_set():
         try:
             lines, dropped = _native._next_log_lines(0.5)
         except Exception:  # noqa: BLE001 - interpreter shutting down
@@ -37,8 +42,21 @@ def install() -> None:
         if _started:
             return
         _native._install_log_sink()
-        threading.Thread(target=_pump, name="kvtier-log", daemon=True).start()
+        global _thread
+        _thread = threading.Thread(target=_pump, name="kvtier-log", daemon=True)
+        _thread.start()
+        atexit.register(_shutdown)
         _started = True
+
+
+def _shutdown() -> None:
+    # At exit, before the interpreter finalizes: a daemon thread that wakes from the native wait
+    # after that point is ended by CPython inside C++ frames (std::terminate). Deliver what is
+    # queued, then let the thread leave its loop.
+    _stop.set()
+    _native._stop_log_pump()
+    if _thread is not None:
+        _thread.join(timeout=2.0)
 
 
 def flush(timeout: float = 1.0) -> None:

@@ -341,6 +341,9 @@ class CacheTransferManager:
             self._mgr = _native.TransferManager.from_tensors(
                 self._device, self._compute, tensors, host, self._num_host_blocks, self._num_layers,
                 rank=self._local_rank, device_label=self._device_id, block_tokens=self._block_tokens)
+            # kvtier's process registry (kvtier.metrics): on unless KVTIER_METRICS=0.
+            if os.environ.get("KVTIER_METRICS", "1") != "0":
+                self._mgr.attach_metrics({"rank": str(self._local_rank), "device": str(self._device_id)})
             return self._mgr
 
     def _close_manager(self) -> None:

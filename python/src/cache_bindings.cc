@@ -19,6 +19,7 @@
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/core/config.h"
 #include "kvtier/storage/storage_backend.h"
+#include "metrics_bridge.h"
 #include "status_bridge.h"
 
 namespace nb = nanobind;
@@ -271,12 +272,72 @@ void bind_cache(nb::module_& m) {
              d["storage_prefetches"] = s.storage_prefetches;
              d["failed_transfers"] = s.failed_transfers;
              d["invalidated_blocks"] = s.invalidated_blocks;
+             d["lookup_blocks"] = s.lookup_blocks;
+             d["hit_blocks"] = nb::make_tuple(s.hit_blocks[0], s.hit_blocks[1], s.hit_blocks[2]);
+             d["resets"] = s.resets;
              return d;
            })
-      .def("check_invariants", [](PyCacheManager& p) {
-        std::lock_guard lock(p.mu);
-        check(p.cm->check_invariants());
-      });
+      .def("check_invariants",
+           [](PyCacheManager& p) {
+             std::lock_guard lock(p.mu);
+             check(p.cm->check_invariants());
+           })
+      .def(
+          "reset",
+          [](PyCacheManager& p) {
+            std::lock_guard lock(p.mu);
+            check(p.cm->reset());
+          },
+          "Forgets every cached block (vLLM's reset_prefix_cache); FailedPreconditionError while an admission is "
+          "open or a move is queued or in flight. With KV events on, an AllBlocksCleared event follows.")
+      .def(
+          "attach_metrics",
+          [](PyCacheManager& p, const nb::dict& labels) {
+            metrics::Labels l = labels_from(labels);
+            std::lock_guard lock(p.mu);
+            check(p.cm->attach_metrics(metrics::default_registry(), l));
+          },
+          "labels"_a = nb::dict(),
+          "Exports this manager's counters into kvtier's process registry (kvtier.metrics), every series "
+          "carrying `labels`.")
+      .def(
+          "enable_kv_events",
+          [](PyCacheManager& p, std::uint32_t block_size, const std::string& storage_medium) {
+            auto medium = value_or_raise(metrics::parse_medium(storage_medium));
+            std::lock_guard lock(p.mu);
+            p.cm->enable_kv_events(block_size, medium);
+          },
+          "block_size"_a, "storage_medium"_a = "DISK",
+          "KV events in vLLM's schema from now on (what is indexed already is announced at once); block_size: "
+          "tokens per block; storage_medium: DISK or REMOTE.")
+      .def(
+          "take_events",
+          [](PyCacheManager& p) {
+            std::vector<metrics::KvEvent> ev;
+            {
+              std::lock_guard lock(p.mu);
+              ev = p.cm->take_events();
+            }
+            return events_to_python(ev);
+          },
+          "The events since the last call (one step's batch) as dicts: type BlockStored (block_hashes, "
+          "parent_block_hash, token_ids, block_size, lora_id, medium), BlockRemoved (block_hashes, medium) or "
+          "AllBlocksCleared.")
+      .def(
+          "publish_events",
+          [](PyCacheManager& p, nb::handle publisher) -> nb::object {
+            auto& pub = publisher_of(publisher);
+            std::vector<metrics::KvEvent> ev;
+            {
+              std::lock_guard lock(p.mu);
+              ev = p.cm->take_events();
+            }
+            if (ev.empty()) return nb::none();
+            return nb::int_(value_or_raise(pub.publish(std::move(ev))));
+          },
+          "publisher"_a,
+          "Takes the events since the last call and publishes them as one batch on a KvEventPublisher; returns "
+          "its sequence number, or None when there was nothing to send.");
 
   nb::class_<PyStorage>(m, "StorageBackend",
                         "A storage tier (disk with io_uring, Redis or Redis Cluster): verified objects keyed by "

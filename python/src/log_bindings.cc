@@ -29,6 +29,7 @@ struct LogQueue {
   std::condition_variable cv;
   std::deque<std::tuple<int, std::string, std::string>> lines;
   std::uint64_t dropped = 0;
+  bool stopping = false;  // the interpreter is exiting: waits return at once
 };
 
 // Never destroyed: kvtier threads may log after the interpreter is gone.
@@ -78,7 +79,7 @@ void bind_log(nb::module_& m) {
           nb::gil_scoped_release release;
           LogQueue& q = queue();
           std::unique_lock lock(q.mu);
-          q.cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return !q.lines.empty(); });
+          q.cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return !q.lines.empty() || q.stopping; });
           out.swap(q.lines);
           dropped = q.dropped;
           q.dropped = 0;
@@ -87,11 +88,23 @@ void bind_log(nb::module_& m) {
         for (auto& [lvl, comp, msg] : out) lines.append(nb::make_tuple(lvl, comp, msg));
         return nb::make_tuple(lines, dropped);
       },
-      "timeout"_a, "Lines logged since the last call (waits up to `timeout` s for one, GIL released), and how many "
-                   "were dropped because the queue was full.");
+      "timeout"_a,
+      "Lines logged since the last call (waits up to `timeout` s for one, GIL released), and how many "
+      "were dropped because the queue was full.");
   m.def(
-      "set_log_level",
-      [](const std::string& name) { set_log_level(value_or_raise(parse_log_level(name))); }, "level"_a,
+      "_stop_log_pump",
+      [] {
+        LogQueue& q = queue();
+        {
+          std::lock_guard lock(q.mu);
+          q.stopping = true;
+        }
+        q.cv.notify_all();
+      },
+      "Makes _next_log_lines return at once from now on (atexit: the pump thread must not sit in a wait "
+      "with the GIL released while the interpreter finalizes, or it is killed inside C++ frames).");
+  m.def(
+      "set_log_level", [](const std::string& name) { set_log_level(value_or_raise(parse_log_level(name))); }, "level"_a,
       "kvtier's own level (debug, info, warning, error, off): lines below it are never formatted or queued. "
       "Python's logger levels filter further.");
   m.def("log_level", [] { return std::string(log_level_name(log_level())); });

@@ -13,6 +13,7 @@ namespace kvtier::python {
 void bind_transfer(nb::module_& m);
 void bind_cache(nb::module_& m);
 void bind_log(nb::module_& m);
+void bind_metrics(nb::module_& m);
 }  // namespace kvtier::python
 
 NB_MODULE(_native, m) {
@@ -20,6 +21,7 @@ NB_MODULE(_native, m) {
   kvtier::python::bind_errors(m);
   kvtier::python::bind_transfer(m);
   kvtier::python::bind_log(m);
+  kvtier::python::bind_metrics(m);
 #ifdef KVTIER_PYTHON_WITH_CACHE
   kvtier::python::bind_cache(m);
   m.attr("has_cache") = true;

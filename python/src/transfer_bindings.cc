@@ -31,6 +31,7 @@
 #include "kvtier/transfer/registration.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "metrics_bridge.h"
 #include "status_bridge.h"
 
 extern char** environ;
@@ -563,6 +564,14 @@ void bind_transfer(nb::module_& m) {
              }
              return parse_json(json);
            })
+      .def(
+          "attach_metrics",
+          [](PyTransferManager& p, const nb::dict& labels) {
+            check(p.get().attach_metrics(metrics::default_registry(), labels_from(labels)));
+          },
+          "labels"_a = nb::dict(),
+          "Exports this manager's series (tasks, bytes, blocks, failures, in-flight, latency histograms) into "
+          "kvtier's process registry (kvtier.metrics), every series carrying `labels`.")
       .def_prop_ro(
           "input_stream_handle",
           [](PyTransferManager& p) { return reinterpret_cast<std::uintptr_t>(p.get().input_stream().native_handle()); })

@@ -111,3 +111,182 @@ def test_storage_tier_is_counted(tmp_path):
     assert _v(s, "kvtier_storage_bytes_total", backend="disk", op="get") == r["bytes_from_storage"]
     assert _v(s, "kvtier_storage_items_total", backend="disk", op="get", outcome="data_loss") == 0
     assert _v(s, "kvtier_storage_objects", backend="disk") > 0
+
+
+# ---- the package: managers attached to kvtier's registry, served through prometheus_client ----
+
+def _scrape(collector_registry):
+    from prometheus_client import generate_latest
+
+    text = generate_latest(collector_registry).decode()
+    samples = {}
+    for fam in parser.text_string_to_metric_families(text):
+        for smp in fam.samples:
+            samples[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+    return text, samples
+
+
+def _engine_arrays(n_blocks, layers=2, block_bytes=256, fill=None, seed=0):
+    import numpy as np
+
+    out = {}
+    rng = np.random.default_rng(seed)
+    for layer in range(layers):
+        for role in ("key_caches", "value_caches"):
+            a = np.empty((n_blocks, block_bytes), dtype=np.uint8)
+            if fill is None:
+                a[...] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+            else:
+                a.fill(fill)
+            out[f"{role}_{layer}_rank0.device0"] = a
+    return out
+
+
+def test_collector_serves_the_transfer_managers_series_equal_to_its_stats():
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    import kvtier
+    from kvtier.metrics import KvtierCollector
+
+    dev = kvtier.host_device(seed=5)
+    compute = dev.create_stream("compute")
+    d = _engine_arrays(8)
+    h = _engine_arrays(8, fill=0xEE)
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()}, 8, 2)
+    # The label names of the FastDeploy drop-in (one set of label names per family and registry).
+    labels = {"rank": "91", "device": "collector"}
+    mgr.attach_metrics(labels)
+    with pytest.raises(kvtier.FailedPreconditionError):
+        mgr.attach_metrics(labels)
+    with pytest.raises(kvtier.InvalidArgumentError, match="bad-name"):
+        kvtier.TransferManager.from_tensors(dev, compute, _engine_arrays(8), {k: v.ctypes.data for k, v in h.items()},
+                                            8, 2).attach_metrics({"bad-name": "x"})
+    before = {k: v[[1, 2, 3]].copy() for k, v in d.items()}
+    mgr.wait(mgr.evict([1, 2, 3], [4, 5, 6]), timeout=30)
+    for v in d.values():
+        v[[0]] = 0x5A
+    mgr.wait(mgr.load([], [4], [0]), timeout=30)
+    for k, v in d.items():
+        np.testing.assert_array_equal(v[0], before[k][0])
+    stats = mgr.stats()
+
+    reg = CollectorRegistry()
+    reg.register(KvtierCollector())
+    text, s = _scrape(reg)
+    lab = tuple(labels.items())
+
+    def v(name, **labels):
+        return s[(name, tuple(sorted(lab + tuple(labels.items()))))]
+
+    assert v("kvtier_transfer_bytes_total", direction="evict") == stats["evict"]["bytes_done"] == 3 * 4 * 256
+    assert v("kvtier_transfer_blocks_total", direction="evict") == 3
+    assert v("kvtier_transfer_blocks_total", direction="load") == 1
+    assert v("kvtier_transfer_tasks_total", direction="load", outcome="ok") == stats["load"]["tasks_done"] == 1
+    assert v("kvtier_transfer_layers_total", outcome="ok") == stats["layers_done"] == 2
+    assert v("kvtier_transfer_in_flight_tasks", direction="load") == 0
+    assert v("kvtier_transfer_layer_latency_seconds_count") == 2
+    assert v("kvtier_transfer_layer_latency_seconds_bucket", le="+Inf") == 2
+    assert v("kvtier_transfer_task_latency_seconds_sum", direction="evict") > 0
+    # The same series through kvtier's text and its own endpoint.
+    assert 'kvtier_transfer_blocks_total{rank="91",device="collector",direction="evict"} 3' in kvtier.metrics.text()
+    import urllib.request
+
+    server = kvtier.metrics.start_http_server(0)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    finally:
+        server.stop()
+    assert 'kvtier_transfer_blocks_total{rank="91",device="collector",direction="load"} 1' in body
+    mgr.close()
+
+
+@pytest.mark.skipif(not getattr(__import__("kvtier")._native, "has_cache", False), reason="no cache bindings")
+def test_cache_manager_series_events_and_reset():
+    from prometheus_client import CollectorRegistry
+
+    import kvtier
+    from kvtier.metrics import KvtierCollector
+
+    cm = kvtier.CacheManager(device_blocks=4, host_blocks=8, write_policy="write_back")
+    cm.attach_metrics({"engine": "py"})
+    cm.enable_kv_events(2)
+    h = kvtier.KeyHasher("m", block_tokens=2)
+    keys_a = h.keys_for(list(range(8)))
+    a = cm.admit(keys_a)
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    ev = cm.take_events()
+    assert [e["type"] for e in ev] == ["BlockStored"]
+    assert ev[0]["medium"] == "GPU" and ev[0]["block_size"] == 2 and ev[0]["parent_block_hash"] is None
+    assert [x.hex() for x in ev[0]["block_hashes"]] == keys_a
+    b = cm.admit(h.keys_for(list(range(100, 108))))
+    plan = cm.take_plan()
+    cm.ack("evictions", [dst for _, dst, _ in plan["evictions"]])
+    cm.commit(b["id"])
+    cm.release(b["id"])
+    types = [e["type"] for e in cm.take_events()]
+    assert "BlockRemoved" in types and "BlockStored" in types
+    st = cm.stats()
+    reg = CollectorRegistry()
+    reg.register(KvtierCollector())
+    _, s = _scrape(reg)
+
+    def v(name, **labels):
+        return s[(name, tuple(sorted((("engine", "py"),) + tuple(labels.items()))))]
+
+    assert v("kvtier_cache_lookup_blocks_total") == st["lookup_blocks"] == 8
+    assert v("kvtier_cache_miss_blocks_total") == 8
+    assert v("kvtier_cache_moves_total", kind="evict") == st["evictions_d2h"] == 4
+    assert v("kvtier_cache_pool_used_blocks", tier="host") == st["host"]["used"] == 4
+    with pytest.raises(kvtier.FailedPreconditionError, match="admissions are open"):
+        c = cm.admit(keys_a[:1])
+        cm.reset()
+    cm.release(c["id"])
+    for kind, moves in cm.take_plan().items():
+        if moves:
+            cm.ack(kind, [dst for _, dst, _ in moves])
+    cm.reset()
+    assert cm.take_events()[-1] == {"type": "AllBlocksCleared"}
+    assert cm.match(keys_a)["device_blocks"] == 0
+    _, s = _scrape(reg)
+    assert v("kvtier_cache_resets_total") == 1
+    assert v("kvtier_cache_index_blocks") == 0
+
+
+@pytest.mark.skipif(not getattr(__import__("kvtier")._native, "has_cache", False), reason="no cache bindings")
+def test_kv_events_published_over_zmq_reach_a_subscriber():
+    import kvtier
+    import kvtier.metrics as km
+
+    if not km.zmq_available():
+        pytest.skip("libzmq.so.5 not loadable")
+    zmq = pytest.importorskip("zmq")
+    decode = kvtier._native.decode_kv_event_batch
+    pub = km.KvEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    cm = kvtier.CacheManager(device_blocks=4)
+    cm.enable_kv_events(2)
+    h = kvtier.KeyHasher("m", block_tokens=2)
+    keys = h.keys_for(list(range(6)))
+    import time
+
+    time.sleep(0.3)  # PUB/SUB: the subscription must reach the publisher before the first batch
+    a = cm.admit(keys)
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    assert cm.publish_events(pub) == 0
+    assert cm.publish_events(pub) is None  # nothing new
+    pub.flush(5.0)
+    assert sub.poll(5000)
+    topic, seq, payload = sub.recv_multipart()
+    assert int.from_bytes(seq, "big") == 0
+    batch = decode(payload)
+    assert batch["events"][0]["type"] == "BlockStored"
+    assert [x.hex() for x in batch["events"][0]["block_hashes"]] == keys
+    pub.shutdown()
+    sub.close()
+    ctx.term()

@@ -221,3 +221,22 @@ def test_kvtier_log_reaches_python_logging(caplog):
             kvtier.set_log_level("loud")
     finally:
         kvtier.set_log_level(old)
+
+
+def test_interpreter_exit_is_clean_when_finalization_is_slow():
+    # The log pump thread waits in native code with the GIL released. When the interpreter's final
+    # collection outlasted its wait, the thread woke, CPython ended it inside C++ frames and the
+    # process died in std::terminate (exit code 134). The pump now stops at exit, before finalization.
+    import subprocess
+    import sys
+
+    code = (
+        "import kvtier\n"
+        "class Node:\n"
+        "    def __init__(self):\n"
+        "        self.me = self\n"
+        "junk = [Node() for _ in range(2_000_000)]\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "terminate" not in p.stderr

@@ -1,0 +1,219 @@
+// kvtier's metrics registry and KV event publisher for Python: the process
+// registry as a snapshot (kvtier.metrics turns it into prometheus_client
+// families) or as text exposition, the native /metrics server, and the ZMQ
+// publisher of KV events in vLLM's schema. Every call that can wait on a
+// kvtier lock (a scrape runs the managers' collect hooks) releases the GIL.
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "kvtier/metrics/http_server.h"
+#include "kvtier/metrics/kv_events.h"
+#include "kvtier/metrics/registry.h"
+#include "kvtier/metrics/zmq_publisher.h"
+#include "metrics_bridge.h"
+#include "status_bridge.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtier::python {
+
+metrics::Labels labels_from(const nb::dict& d) {
+  metrics::Labels out;
+  for (auto [k, v] : d) {
+    if (!nb::isinstance<nb::str>(k) || !nb::isinstance<nb::str>(v))
+      raise_status(InvalidArgument("metric labels must map str to str"));
+    out.emplace_back(nb::cast<std::string>(k), nb::cast<std::string>(v));
+  }
+  return out;
+}
+
+nb::bytes hash_bytes(const metrics::BlockHash& h) {
+  char b[16];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+    b[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  }
+  return nb::bytes(b, 16);
+}
+
+nb::list events_to_python(const std::vector<metrics::KvEvent>& events) {
+  nb::list out;
+  for (const metrics::KvEvent& ev : events) {
+    nb::dict d;
+    if (const auto* s = std::get_if<metrics::BlockStored>(&ev)) {
+      d["type"] = "BlockStored";
+      nb::list hashes;
+      for (const auto& h : s->block_hashes) hashes.append(hash_bytes(h));
+      d["block_hashes"] = hashes;
+      d["parent_block_hash"] = s->parent_block_hash ? nb::object(hash_bytes(*s->parent_block_hash)) : nb::none();
+      d["token_ids"] = s->token_ids;
+      d["block_size"] = s->block_size;
+      d["lora_id"] = s->lora_id ? nb::object(nb::int_(*s->lora_id)) : nb::none();
+      d["medium"] = s->medium ? nb::object(nb::str(std::string(metrics::medium_name(*s->medium)).c_str())) : nb::none();
+    } else if (const auto* r = std::get_if<metrics::BlockRemoved>(&ev)) {
+      d["type"] = "BlockRemoved";
+      nb::list hashes;
+      for (const auto& h : r->block_hashes) hashes.append(hash_bytes(h));
+      d["block_hashes"] = hashes;
+      d["medium"] = r->medium ? nb::object(nb::str(std::string(metrics::medium_name(*r->medium)).c_str())) : nb::none();
+    } else {
+      d["type"] = "AllBlocksCleared";
+    }
+    out.append(d);
+  }
+  return out;
+}
+
+namespace {
+
+struct PyMetricsServer {
+  std::unique_ptr<metrics::MetricsServer> server;
+};
+
+struct PyEventPublisher {
+  std::unique_ptr<metrics::ZmqEventPublisher> pub;
+  metrics::ZmqEventPublisher& get() {
+    if (!pub) raise_status(FailedPrecondition("the KV event publisher was shut down"));
+    return *pub;
+  }
+};
+
+nb::list snapshot_to_python(const std::vector<metrics::FamilySnapshot>& snap) {
+  nb::list out;
+  for (const auto& f : snap) {
+    nb::dict fd;
+    fd["name"] = f.name;
+    fd["help"] = f.help;
+    fd["type"] = std::string(metrics::metric_type_name(f.type));
+    fd["bounds"] = f.bounds;
+    nb::list series;
+    for (const auto& s : f.series) {
+      nb::dict sd;
+      nb::dict labels;
+      for (const auto& [k, v] : s.labels) labels[k.c_str()] = v;
+      sd["labels"] = labels;
+      sd["value"] = s.value;
+      sd["buckets"] = s.buckets;
+      sd["sum"] = s.sum;
+      sd["count"] = s.count;
+      series.append(sd);
+    }
+    fd["series"] = series;
+    out.append(fd);
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_metrics(nb::module_& m) {
+  m.def(
+      "metrics_snapshot",
+      [] {
+        std::vector<metrics::FamilySnapshot> snap;
+        {
+          nb::gil_scoped_release release;
+          snap = metrics::default_registry().snapshot();
+        }
+        return snapshot_to_python(snap);
+      },
+      "The process registry's families: dicts of name, help, type, bounds and series (labels, value, cumulative "
+      "buckets, sum, count).");
+  m.def(
+      "metrics_text",
+      [] {
+        nb::gil_scoped_release release;
+        return metrics::default_registry().expose();
+      },
+      "The process registry as Prometheus text exposition (format 0.0.4).");
+
+  nb::class_<PyMetricsServer>(m, "MetricsServer", "kvtier's own /metrics endpoint on 127.0.0.1 (a thread).")
+      .def_static(
+          "start",
+          [](std::uint16_t port) {
+            auto p = std::make_unique<PyMetricsServer>();
+            p->server = value_or_raise(metrics::MetricsServer::start(metrics::default_registry(), port));
+            return p;
+          },
+          "port"_a = 0, "Serves the process registry on 127.0.0.1:port (0: an ephemeral port).")
+      .def_prop_ro("port", [](PyMetricsServer& p) { return p.server ? p.server->port() : 0; })
+      .def("stop", [](PyMetricsServer& p) {
+        nb::gil_scoped_release release;
+        p.server.reset();
+      });
+
+  nb::class_<PyEventPublisher>(m, "KvEventPublisher",
+                               "Publishes KV event batches on ZMQ as vLLM's ZmqEventPublisher does "
+                               "(include/kvtier/metrics/zmq_publisher.h).")
+      .def(
+          "__init__",
+          [](PyEventPublisher* self, const std::string& endpoint, const std::string& replay_endpoint,
+             const std::string& topic, std::size_t buffer_steps, std::optional<std::int64_t> data_parallel_rank) {
+            metrics::ZmqPublisherOptions o;
+            o.endpoint = endpoint;
+            o.replay_endpoint = replay_endpoint;
+            o.topic = topic;
+            o.buffer_steps = buffer_steps;
+            o.data_parallel_rank = data_parallel_rank;
+            new (self) PyEventPublisher();
+            self->pub = value_or_raise(metrics::ZmqEventPublisher::create(std::move(o)));
+          },
+          "endpoint"_a = "tcp://127.0.0.1:5557", "replay_endpoint"_a = "", "topic"_a = "", "buffer_steps"_a = 10000,
+          "data_parallel_rank"_a = nb::none())
+      .def_prop_ro("endpoint", [](PyEventPublisher& p) { return p.get().endpoint(); })
+      .def_prop_ro("replay_endpoint", [](PyEventPublisher& p) { return p.get().replay_endpoint(); })
+      .def(
+          "flush",
+          [](PyEventPublisher& p, double timeout) {
+            auto& pub = p.get();
+            Status st;
+            {
+              nb::gil_scoped_release release;
+              st = pub.flush(std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000)));
+            }
+            check(st);
+          },
+          "timeout"_a = 5.0)
+      .def(
+          "shutdown",
+          [](PyEventPublisher& p, double timeout) {
+            if (!p.pub) return;
+            Status st;
+            {
+              nb::gil_scoped_release release;
+              st = p.pub->shutdown(std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000)));
+              p.pub.reset();
+            }
+            check(st);
+          },
+          "timeout"_a = 2.0);
+  m.def(
+      "decode_kv_event_batch",
+      [](nb::bytes payload) {
+        auto b = metrics::decode_msgpack(std::string_view(payload.c_str(), payload.size()));
+        if (!b.ok()) raise_status(b.status());
+        nb::dict d;
+        d["ts"] = b->ts;
+        d["events"] = events_to_python(b->events);
+        d["data_parallel_rank"] = b->data_parallel_rank ? nb::object(nb::int_(*b->data_parallel_rank)) : nb::none();
+        return d;
+      },
+      "payload"_a,
+      "A KV event batch's msgpack payload (the third ZMQ frame) as a dict: ts, events, "
+      "data_parallel_rank. DataLossError for bytes that are not such a batch.");
+  m.def(
+      "zmq_available", [] { return metrics::zmq_available(); }, "Whether libzmq.so.5 could be loaded.");
+}
+
+metrics::ZmqEventPublisher& publisher_of(nb::handle h) { return nb::cast<PyEventPublisher&>(h).get(); }
+
+}  // namespace kvtier::python
