@@ -304,7 +304,9 @@ TEST(CacheMetrics, SeriesFollowTheManagersStats) {
     StepPlan p = c.take_plan();
     ASSERT_TRUE(c.ack_plan(p, round == 3 ? Unavailable("injected") : Status::Ok()).ok());
     auto st = c.admission_status(adm->id);
-    if (st.ok() && !st->failed) ASSERT_TRUE(c.commit_all(adm->id).ok());
+    if (st.ok() && !st->failed) {
+      ASSERT_TRUE(c.commit_all(adm->id).ok());
+    }
     ASSERT_TRUE(c.release(adm->id).ok());
   }
   // A refused admission (more blocks than the device has) is counted too.
