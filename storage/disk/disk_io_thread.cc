@@ -3,7 +3,8 @@
 // flight, reaps completions and routes each to its op or directory sync),
 // the start of every op (exists and delete answered from the index, puts
 // and gets started in disk_put.cc and disk_get.cc), and the helpers both
-// paths share: ring submissions, short-transfer advance, and finish().
+// paths share: ring submissions, short-transfer advance, and finish(). Every
+// completion passes here, so the tests' fault injector (disk_fault.h) sits here.
 #include <fmt/format.h>
 #include <liburing.h>
 
@@ -13,9 +14,39 @@
 #include <utility>
 #include <vector>
 
+#include "kvtier/storage/disk_fault.h"
 #include "storage/disk/disk_backend_impl.h"
 
 namespace kvtier::storage::disk {
+
+namespace {
+
+// The completion of `w` as a fault injector sees it (tests only: DiskBackendConfig::fault_injector).
+int injected_result(DiskFaultInjector& f, Waiter* w, int res) {
+  DiskFaultEvent ev;
+  std::vector<StorageKey> keys;
+  if (w->kind == Waiter::Kind::kDirSync) {
+    ev.op = DiskFaultOp::kDirSync;
+    for (const IoOp* op : static_cast<DirSync*>(w)->covered) keys.push_back(op->item.key);
+  } else {
+    const IoOp* op = static_cast<IoOp*>(w);
+    switch (op->stage) {
+      case IoOp::Stage::kRead: ev.op = DiskFaultOp::kRead; break;
+      case IoOp::Stage::kWrite: ev.op = DiskFaultOp::kWrite; break;
+      case IoOp::Stage::kFileSync: ev.op = DiskFaultOp::kFileSync; break;
+      case IoOp::Stage::kDirSync: return res;  // ops wait in their DirSync; it has the completion
+    }
+    keys.push_back(op->item.key);
+    ev.fd = op->fd.get();
+    ev.offset = op->file_offset;
+    ev.iov = op->iov;
+    ev.niov = op->niov;
+  }
+  ev.keys = keys;
+  return f.on_completion(ev, res);
+}
+
+}  // namespace
 
 // ---- I/O thread ---------------------------------------------------------
 
@@ -104,6 +135,8 @@ void DiskBackend::loop() {
     }
     io_uring_cq_advance(&ring_, count);
     for (auto& [w, res] : done) {
+      if (config_.fault_injector != nullptr && w->kind != Waiter::Kind::kWake) [[unlikely]]
+        res = injected_result(*config_.fault_injector, w, res);
       switch (w->kind) {
         case Waiter::Kind::kWake: arm_wake(); break;
         case Waiter::Kind::kOp: on_op_cqe(static_cast<IoOp*>(w), res); break;

@@ -50,6 +50,8 @@
 
 namespace kvtier::storage {
 
+class DiskFaultInjector;  // disk_fault.h
+
 enum class Durability : std::uint8_t {
   kProcessCrash,  // temp + rename: acknowledged objects survive kill -9 (not a power loss)
   kPowerLoss,     // + fdatasync of the object and fsync of its directory before the ack
@@ -77,6 +79,9 @@ struct DiskBackendConfig {
   // access between the processes of one deployment: a common group and 0640 / 0750.
   std::uint32_t file_mode = 0600;
   std::uint32_t dir_mode = 0700;
+  // Tests only (disk_fault.h): sees every I/O completion first and may turn it into an error or a
+  // short transfer. Null, the default, costs one pointer test per completion.
+  std::shared_ptr<DiskFaultInjector> fault_injector;
 };
 
 // Creates the backend, takes the directory lock and rebuilds the index
