@@ -1,0 +1,728 @@
+// Same-host IPC transport backend (see include/kvtier/transport/ipc.h for the model).
+//
+// Sockets: each agent listens on an abstract Unix domain socket (SOCK_SEQPACKET: message boundaries, and file
+// descriptors ride along with a message). load_peer connects to the peer's socket; that connection carries this
+// agent's requests to the peer and the peer's replies. The peer's own requests come over the connection it opens
+// to us, so the notifications of each direction travel on one stream, in order.
+//
+// Threads: a worker executes this agent's posts in order (copy into the peer's windows, send the request); one
+// receiver per outgoing connection handles the replies (WRITE acknowledged, READ window filled: copy out, send
+// the READ's notification); the listener accepts connections and one server thread per incoming connection
+// serves the peer's requests under regions_mu_, which deregistration also takes, so a region never leaves while
+// its window is being copied.
+//
+// Failure: a connection that closes (the peer died or went away) fails every transfer waiting on it
+// (kUnavailable) and marks the peer failed; transfers are quiescent as soon as this side can no longer touch
+// their local memory (after the worker's copy for a WRITE; after the reply or the connection's end for a READ).
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "kvtier/transport/ipc.h"
+#include "transport/transport_base.h"
+
+namespace kvtier::transport {
+namespace {
+
+using namespace std::chrono_literals;
+
+enum MsgType : std::uint32_t {
+  kHello = 1,       // initiator -> owner: {name}
+  kRegion = 2,      // owner -> initiator: {index, bytes, live} + the window's fd when live
+  kRegionsEnd = 3,  // owner -> initiator
+  kWrite = 4,       // initiator -> owner: {xfer, ranges, notification}
+  kRead = 5,        // initiator -> owner: {xfer, ranges}
+  kNotify = 6,      // initiator -> owner: {kind, message}
+  kReply = 7,       // owner -> initiator: {xfer, code, message}
+};
+
+// Requests larger than this are refused at post (a socket message has to fit the socket's buffer).
+constexpr std::size_t kMaxMessage = 4u << 20;
+
+class Buf {
+ public:
+  void u8(std::uint8_t v) { raw(&v, 1); }
+  void u32(std::uint32_t v) { raw(&v, 4); }
+  void u64(std::uint64_t v) { raw(&v, 8); }
+  void str(std::string_view s) {
+    u32(static_cast<std::uint32_t>(s.size()));
+    raw(s.data(), s.size());
+  }
+  void raw(const void* p, std::size_t n) {
+    const auto* b = static_cast<const char*>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  std::string out;
+};
+
+class Parse {
+ public:
+  explicit Parse(std::string_view in) : in_(in) {}
+  bool u8(std::uint8_t& v) { return raw(&v, 1); }
+  bool u32(std::uint32_t& v) { return raw(&v, 4); }
+  bool u64(std::uint64_t& v) { return raw(&v, 8); }
+  bool str(std::string& s) {
+    std::uint32_t n = 0;
+    if (!u32(n) || n > in_.size() - pos_) return false;
+    s.assign(in_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  bool raw(void* p, std::size_t n) {
+    if (n > in_.size() - pos_) return false;
+    std::memcpy(p, in_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+
+ private:
+  std::string_view in_;
+  std::size_t pos_ = 0;
+};
+
+struct Range {
+  std::uint32_t region = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+};
+
+// Sends one message, optionally with a file descriptor. False when the connection is gone.
+bool send_msg(int fd, const std::string& m, int pass_fd = -1) {
+  iovec iov{const_cast<char*>(m.data()), m.size()};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  if (pass_fd >= 0) {
+    h.msg_control = ctl;
+    h.msg_controllen = sizeof(ctl);
+    cmsghdr* c = CMSG_FIRSTHDR(&h);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+  }
+  for (;;) {
+    const ssize_t n = sendmsg(fd, &h, MSG_NOSIGNAL);
+    if (n == static_cast<ssize_t>(m.size())) return true;
+    if (n < 0 && errno == EINTR) continue;
+    return false;
+  }
+}
+
+// Receives one message (and a passed descriptor, else -1). False at the connection's end or on error.
+bool recv_msg(int fd, std::string& m, int* got_fd = nullptr) {
+  if (got_fd) *got_fd = -1;
+  for (;;) {
+    char probe;
+    const ssize_t len = recv(fd, &probe, 1, MSG_PEEK | MSG_TRUNC);
+    if (len < 0 && errno == EINTR) continue;
+    if (len <= 0) return false;
+    m.resize(static_cast<std::size_t>(len));
+    iovec iov{m.data(), m.size()};
+    msghdr h{};
+    h.msg_iov = &iov;
+    h.msg_iovlen = 1;
+    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+    h.msg_control = ctl;
+    h.msg_controllen = sizeof(ctl);
+    const ssize_t n = recvmsg(fd, &h, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n != len) return false;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(&h, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        int passed = -1;
+        std::memcpy(&passed, CMSG_DATA(c), sizeof(int));
+        if (got_fd)
+          *got_fd = passed;
+        else
+          close(passed);
+      }
+    }
+    return true;
+  }
+}
+
+void set_buffers(int fd) {
+  const int sz = static_cast<int>(kMaxMessage + 4096);
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+}
+
+sockaddr_un abstract_addr(const std::string& name, socklen_t& len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  a.sun_path[0] = '\0';
+  std::memcpy(a.sun_path + 1, name.data(), std::min(name.size(), sizeof(a.sun_path) - 2));
+  len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof(a.sun_path) - 2));
+  return a;
+}
+
+// The blob's address: "ipc1;boot=<boot id>;pidns=<pid namespace>;pid=<pid>;sock=<abstract socket name>".
+struct Address {
+  HostIdentity host;
+  std::string pid;
+  std::string sock;
+};
+std::string format_address(const Address& a) {
+  return fmt::format("ipc1;boot={};pidns={};pid={};sock={}", a.host.boot_id, a.host.pid_ns, a.pid, a.sock);
+}
+Result<Address> parse_address(std::string_view s) {
+  Address a;
+  bool have_boot = false, have_ns = false, have_sock = false;
+  if (s.substr(0, 5) != "ipc1;") return InvalidArgument(fmt::format("ipc address '{}' does not start with ipc1;", s));
+  s.remove_prefix(5);
+  while (!s.empty()) {
+    const auto end = s.find(';');
+    const std::string_view kv = s.substr(0, end);
+    s = end == std::string_view::npos ? std::string_view() : s.substr(end + 1);
+    const auto eq = kv.find('=');
+    if (eq == std::string_view::npos) return InvalidArgument(fmt::format("ipc address field '{}' has no '='", kv));
+    const std::string_view k = kv.substr(0, eq), v = kv.substr(eq + 1);
+    if (k == "boot")
+      a.host.boot_id = v, have_boot = true;
+    else if (k == "pidns")
+      a.host.pid_ns = v, have_ns = true;
+    else if (k == "pid")
+      a.pid = v;
+    else if (k == "sock")
+      a.sock = v, have_sock = true;
+  }
+  if (!have_boot || !have_ns || !have_sock || a.sock.empty())
+    return InvalidArgument("ipc address lacks one of boot=, pidns=, sock=");
+  return a;
+}
+
+class IpcTransport final : public detail::TransportBase {
+ public:
+  IpcTransport(AgentIdentity identity, IpcOptions options, HostIdentity host)
+      : TransportBase(std::move(identity)), options_(std::move(options)), host_(std::move(host)) {}
+
+  Status start() {
+    std::random_device rd;
+    sock_name_ = fmt::format("kvtier-ipc-{}-{:016x}", getpid(), (std::uint64_t{rd()} << 32) ^ rd());
+    listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (listen_fd_ < 0) return Internal(fmt::format("ipc socket: {}", std::strerror(errno)));
+    socklen_t len = 0;
+    sockaddr_un a = abstract_addr(sock_name_, len);
+    if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(listen_fd_, 64) != 0)
+      return Internal(fmt::format("ipc socket @{}: {}", sock_name_, std::strerror(errno)));
+    try {
+      listener_ = std::thread([this] { accept_loop(); });
+      worker_ = std::thread([this] { work_loop(); });
+    } catch (const std::exception& e) {
+      return Internal(fmt::format("ipc threads: {}", e.what()));
+    }
+    return Status::Ok();
+  }
+
+  ~IpcTransport() override {
+    {
+      std::lock_guard lock(jobs_mu_);
+      stop_ = true;
+    }
+    jobs_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    if (listen_fd_ >= 0) shutdown(listen_fd_, SHUT_RDWR);
+    if (listener_.joinable()) listener_.join();
+    std::vector<std::shared_ptr<Conn>> conns;
+    {
+      std::lock_guard lock(conns_mu_);
+      conns = conns_;
+    }
+    for (auto& c : conns)
+      if (c) shutdown(c->fd, SHUT_RDWR);
+    for (auto& c : conns)
+      if (c && c->receiver.joinable()) c->receiver.join();
+    std::vector<std::thread> servers;
+    {
+      std::lock_guard lock(servers_mu_);
+      for (int fd : server_fds_) shutdown(fd, SHUT_RDWR);
+      servers.swap(servers_);
+    }
+    for (auto& t : servers) t.join();
+    wait_all_quiescent(5s);
+    for (auto& c : conns)
+      if (c) {
+        for (auto& w : c->windows)
+          if (w.base) munmap(w.base, w.bytes);
+        close(c->fd);
+      }
+    for (int fd : server_fds_) close(fd);
+    if (listen_fd_ >= 0) close(listen_fd_);
+    std::lock_guard lock(regions_mu_);
+    for (auto& [id, w] : own_)
+      if (w.base) munmap(w.base, w.bytes), close(w.fd);
+  }
+
+  std::string_view backend_name() const noexcept override { return "ipc"; }
+
+ protected:
+  Result<std::string> backend_register(RegionId id, const MemoryRegion& region) override {
+    if (region.kind == MemoryKind::kDevice && options_.device_memory == IpcOptions::DeviceMemory::kCuda)
+      return NotSupported("ipc backend: CUDA device memory (CUDA IPC handles) is not supported by this build");
+    const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC);
+    if (fd < 0) return Internal(fmt::format("memfd_create: {}", std::strerror(errno)));
+    if (ftruncate(fd, static_cast<off_t>(region.bytes)) != 0) {
+      const int e = errno;
+      close(fd);
+      return ResourceExhausted(fmt::format("memfd of {} bytes: {}", region.bytes, std::strerror(e)));
+    }
+    void* p = mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int e = errno;
+      close(fd);
+      return ResourceExhausted(fmt::format("mapping a window of {} bytes: {}", region.bytes, std::strerror(e)));
+    }
+    std::lock_guard lock(regions_mu_);
+    own_[id] = OwnWindow{static_cast<std::byte*>(p), region.bytes, fd, static_cast<std::byte*>(region.base)};
+    return std::string("memfd");
+  }
+
+  void backend_deregister(RegionId id) override {
+    std::lock_guard lock(regions_mu_);  // after any copy of a server thread
+    auto it = own_.find(id);
+    if (it == own_.end()) return;
+    munmap(it->second.base, it->second.bytes);
+    close(it->second.fd);
+    own_.erase(it);
+  }
+
+  Result<std::string> backend_address() override {
+    return format_address(Address{host_, std::to_string(getpid()), sock_name_});
+  }
+
+  Status backend_connect(PeerId peer, const detail::Blob& blob) override {
+    KVTIER_ASSIGN_OR_RETURN(Address a, parse_address(blob.address));
+    if (a.host.boot_id != host_.boot_id)
+      return FailedPrecondition(fmt::format("peer '{}' runs on boot id {}, local '{}' on boot id {}: another host",
+                                            blob.identity.name, a.host.boot_id, identity().name, host_.boot_id));
+    if (a.host.pid_ns != host_.pid_ns)
+      return FailedPrecondition(fmt::format("peer '{}' is in pid namespace {}, local '{}' in {}", blob.identity.name,
+                                            a.host.pid_ns, identity().name, host_.pid_ns));
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Internal(fmt::format("ipc socket: {}", std::strerror(errno)));
+    set_buffers(fd);
+    socklen_t len = 0;
+    sockaddr_un sa = abstract_addr(a.sock, len);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
+      const int e = errno;
+      close(fd);
+      return Unavailable(fmt::format("peer '{}' socket @{}: {}", blob.identity.name, a.sock, std::strerror(e)));
+    }
+    // The handshake is bounded: a peer that accepts but never answers must not hang load_peer.
+    timeval tv{10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    auto conn = std::make_shared<Conn>();
+    conn->fd = fd;
+    conn->peer = peer;
+    conn->name = blob.identity.name;
+    conn->windows.resize(blob.regions.size());
+    Buf hello;
+    hello.u32(kHello);
+    hello.str(identity().name);
+    Status s = send_msg(fd, hello.out) ? Status::Ok() : Unavailable("ipc hello: peer closed");
+    while (s.ok()) {
+      std::string m;
+      int passed = -1;
+      if (!recv_msg(fd, m, &passed)) {
+        s = Unavailable(fmt::format("peer '{}' closed during the handshake", blob.identity.name));
+        break;
+      }
+      Parse p(m);
+      std::uint32_t type = 0, index = 0;
+      std::uint64_t bytes = 0;
+      std::uint8_t live = 0;
+      p.u32(type);
+      if (type == kRegionsEnd) break;
+      if (type != kRegion || !p.u32(index) || !p.u64(bytes) || !p.u8(live)) {
+        if (passed >= 0) close(passed);
+        s = Internal(fmt::format("peer '{}' sent a malformed handshake message (type {})", blob.identity.name, type));
+        break;
+      }
+      if (live && passed >= 0 && index < conn->windows.size() && bytes == blob.regions[index].bytes && bytes > 0) {
+        void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, passed, 0);
+        if (w != MAP_FAILED)
+          conn->windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, blob.regions[index].base};
+      }
+      if (passed >= 0) close(passed);
+    }
+    if (!s.ok()) {
+      for (auto& w : conn->windows)
+        if (w.base) munmap(w.base, w.bytes);
+      close(fd);
+      return s;
+    }
+    timeval none{0, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+    std::lock_guard lock(conns_mu_);
+    if (conns_.size() <= peer) conns_.resize(peer + 1);
+    conns_[peer] = conn;
+    conn->receiver = std::thread([this, conn] { receive_loop(conn); });
+    return Status::Ok();
+  }
+
+  Status backend_post(XferId id, XferOp op, PeerId peer, std::vector<detail::ResolvedOp> ops,
+                      std::string notification) override {
+    auto conn = conn_of(peer);
+    if (!conn) return NotFound(fmt::format("peer {} is not connected", peer));
+    if (ops.size() * 20 + notification.size() + 64 > kMaxMessage)
+      return ResourceExhausted(fmt::format("{} descriptors and a {}-byte notification exceed the {}-byte request",
+                                           ops.size(), notification.size(), kMaxMessage));
+    auto job = std::make_shared<Job>();
+    job->id = id;
+    job->op = op;
+    job->conn = conn;
+    job->ops = std::move(ops);
+    job->notification = std::move(notification);
+    std::lock_guard lock(jobs_mu_);
+    if (stop_) return Cancelled("ipc transport is shutting down");
+    jobs_.push_back(job);
+    jobs_cv_.notify_all();
+    return Status::Ok();
+  }
+
+  Status backend_send(PeerId peer, NotifKind kind, std::string message) override {
+    auto conn = conn_of(peer);
+    if (!conn) return NotFound(fmt::format("peer {} is not connected", peer));
+    auto job = std::make_shared<Job>();
+    job->conn = conn;
+    job->kind = kind;
+    job->notification = std::move(message);
+    // Through the worker, so it never overtakes the requests of transfers posted before it.
+    std::lock_guard lock(jobs_mu_);
+    if (stop_) return Cancelled("ipc transport is shutting down");
+    jobs_.push_back(job);
+    jobs_cv_.notify_all();
+    return Status::Ok();
+  }
+
+  void backend_abort(XferId id) override {
+    std::lock_guard lock(jobs_mu_);
+    auto it = all_.find(id);
+    if (it != all_.end()) it->second->aborted.store(true);
+    for (auto& j : jobs_)
+      if (j->id == id) j->aborted.store(true);
+  }
+
+ private:
+  struct PeerWindow {
+    std::byte* base = nullptr;  // the window mapped here
+    std::uint64_t bytes = 0;
+    std::uint64_t remote_base = 0;  // the region's address in the peer (the blob's base)
+  };
+  struct OwnWindow {
+    std::byte* base = nullptr;
+    std::uint64_t bytes = 0;
+    int fd = -1;
+    std::byte* region = nullptr;
+  };
+  struct Conn {
+    int fd = -1;
+    PeerId peer = 0;
+    std::string name;
+    std::vector<PeerWindow> windows;  // by the peer's region index
+    std::mutex send_mu;
+    std::thread receiver;
+    std::atomic<bool> dead{false};
+  };
+  struct Job {
+    XferId id = 0;  // 0: a bare notification
+    XferOp op = XferOp::kWrite;
+    NotifKind kind = NotifKind::kMessage;
+    std::shared_ptr<Conn> conn;
+    std::vector<detail::ResolvedOp> ops;
+    std::string notification;
+    std::atomic<bool> aborted{false};
+    // Under jobs_mu_: the worker still executes it (it may touch local memory), so only the worker completes
+    // it when the connection ends meanwhile.
+    bool in_worker = true;
+  };
+
+  std::shared_ptr<Conn> conn_of(PeerId peer) {
+    std::lock_guard lock(conns_mu_);
+    return peer < conns_.size() ? conns_[peer] : nullptr;
+  }
+
+  bool send_on(Conn& c, const std::string& m) {
+    std::lock_guard lock(c.send_mu);
+    return !c.dead.load() && send_msg(c.fd, m);
+  }
+
+  // Ends a transfer: outcome, then quiescence (this side no longer touches its memory).
+  void complete(XferId id, Status s) {
+    {
+      std::lock_guard lock(jobs_mu_);
+      all_.erase(id);
+    }
+    finish_xfer(id, std::move(s));
+    set_quiescent(id);
+  }
+
+  // ---- initiator ----
+
+  void work_loop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock lock(jobs_mu_);
+        jobs_cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = jobs_.front();
+        jobs_.pop_front();
+        if (job->id != 0) all_[job->id] = job;
+      }
+      execute(*job);
+    }
+  }
+
+  void execute(Job& job) {
+    Conn& c = *job.conn;
+    if (job.id == 0) {
+      Buf m;
+      m.u32(kNotify);
+      m.u8(static_cast<std::uint8_t>(job.kind));
+      m.str(job.notification);
+      send_on(c, m.out);
+      return;
+    }
+    if (job.aborted.load()) return complete(job.id, Aborted(fmt::format("transfer {} was aborted", job.id)));
+    if (c.dead.load()) return complete(job.id, Unavailable(fmt::format("peer '{}' is gone", c.name)));
+    Buf m;
+    m.u32(job.op == XferOp::kWrite ? kWrite : kRead);
+    m.u64(job.id);
+    m.u32(static_cast<std::uint32_t>(job.ops.size()));
+    for (const auto& op : job.ops) {
+      const PeerWindow& w = op.remote_region < c.windows.size() ? c.windows[op.remote_region] : PeerWindow{};
+      if (w.base == nullptr)
+        return complete(job.id, FailedPrecondition(
+                                    fmt::format("peer '{}' region {} has no shared window", c.name, op.remote_region)));
+      m.u32(op.remote_region);
+      m.u64(window_offset(job, op));
+      m.u64(op.bytes);
+    }
+    if (job.op == XferOp::kWrite) {
+      for (const auto& op : job.ops) {
+        if (job.aborted.load()) return complete(job.id, Aborted(fmt::format("transfer {} was aborted", job.id)));
+        std::memcpy(c.windows[op.remote_region].base + window_offset(job, op), op.local_ptr, op.bytes);
+      }
+      m.str(job.notification);
+    }
+    if (!send_on(c, m.out)) return complete(job.id, Unavailable(fmt::format("peer '{}' is gone", c.name)));
+    // The receiver completes it on the peer's reply, or when the connection ends: unless it ended before this.
+    bool gone = false;
+    {
+      std::lock_guard lock(jobs_mu_);
+      job.in_worker = false;
+      gone = c.dead.load() && all_.count(job.id) > 0;
+    }
+    if (gone) complete(job.id, Unavailable(fmt::format("peer '{}' closed its ipc connection", c.name)));
+  }
+
+  // The base resolves remote descriptors to the peer's addresses; the window has the region's layout.
+  static std::uint64_t window_offset(const Job& job, const detail::ResolvedOp& op) {
+    return op.remote_addr - job.conn->windows[op.remote_region].remote_base;
+  }
+
+  void receive_loop(std::shared_ptr<Conn> conn) {
+    std::string m;
+    while (recv_msg(conn->fd, m)) {
+      Parse p(m);
+      std::uint32_t type = 0, code = 0;
+      std::uint64_t id = 0;
+      std::string text;
+      if (!p.u32(type) || type != kReply || !p.u64(id) || !p.u32(code) || !p.str(text)) break;
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard lock(jobs_mu_);
+        auto it = all_.find(id);
+        if (it != all_.end()) job = it->second;
+      }
+      if (!job) continue;
+      if (code != 0) {
+        complete(id, Status(static_cast<StatusCode>(code), fmt::format("peer '{}': {}", conn->name, text)));
+        continue;
+      }
+      if (job->op == XferOp::kRead) {
+        if (job->aborted.load()) {
+          complete(id, Aborted(fmt::format("transfer {} was aborted", id)));
+          continue;
+        }
+        for (const auto& op : job->ops)
+          std::memcpy(op.local_ptr, conn->windows[op.remote_region].base + window_offset(*job, op), op.bytes);
+        Buf n;
+        n.u32(kNotify);
+        n.u8(static_cast<std::uint8_t>(NotifKind::kMessage));
+        n.str(job->notification);
+        if (!send_on(*conn, n.out)) {
+          complete(id, Unavailable(fmt::format("peer '{}' is gone", conn->name)));
+          continue;
+        }
+      }
+      complete(id, Status::Ok());
+    }
+    // The connection ended: the peer died or went away.
+    {
+      std::lock_guard lock(conn->send_mu);
+      conn->dead.store(true);
+    }
+    const Status gone = Unavailable(fmt::format("peer '{}' closed its ipc connection (died or went away)", conn->name));
+    mark_peer_failed(conn->peer, gone);
+    // The worker completes jobs it holds; jobs still queued see `dead` when it reaches them.
+    std::vector<XferId> waiting;
+    {
+      std::lock_guard lock(jobs_mu_);
+      for (auto& [id, j] : all_)
+        if (j->conn == conn && !j->in_worker) waiting.push_back(id);
+    }
+    for (XferId id : waiting) complete(id, gone);
+  }
+
+  // ---- owner ----
+
+  void accept_loop() {
+    for (;;) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        return;  // shut down
+      }
+      set_buffers(fd);
+      std::lock_guard lock(servers_mu_);
+      server_fds_.push_back(fd);
+      servers_.emplace_back([this, fd] { serve(fd); });
+    }
+  }
+
+  void serve(int fd) {
+    std::string m;
+    std::string peer_name;
+    bool hello = false;
+    while (recv_msg(fd, m)) {
+      Parse p(m);
+      std::uint32_t type = 0;
+      p.u32(type);
+      if (!hello) {
+        if (type != kHello || !p.str(peer_name)) return;
+        hello = true;
+        if (!send_regions(fd)) return;
+        continue;
+      }
+      if (type == kNotify) {
+        std::uint8_t kind = 0;
+        std::string text;
+        if (!p.u8(kind) || !p.str(text) || kind > static_cast<std::uint8_t>(NotifKind::kFailedToPost)) return;
+        deliver(Notification{peer_name, static_cast<NotifKind>(kind), std::move(text)});
+        continue;
+      }
+      if (type != kWrite && type != kRead) return;
+      std::uint64_t id = 0;
+      std::uint32_t n = 0;
+      if (!p.u64(id) || !p.u32(n)) return;
+      std::vector<Range> ranges(n);
+      for (auto& r : ranges)
+        if (!p.u32(r.region) || !p.u64(r.offset) || !p.u64(r.bytes)) return;
+      std::string notification;
+      if (type == kWrite && !p.str(notification)) return;
+      Status s;
+      {
+        std::lock_guard lock(regions_mu_);
+        for (const auto& r : ranges) {
+          auto it = own_.find(r.region);
+          if (it == own_.end() || r.offset > it->second.bytes || r.bytes > it->second.bytes - r.offset) {
+            s = FailedPrecondition(
+                fmt::format("region {} [{}, +{}) is no longer registered here", r.region, r.offset, r.bytes));
+            break;
+          }
+          if (type == kWrite)
+            std::memcpy(it->second.region + r.offset, it->second.base + r.offset, r.bytes);
+          else
+            std::memcpy(it->second.base + r.offset, it->second.region + r.offset, r.bytes);
+        }
+      }
+      // A WRITE's notification follows its bytes, before the acknowledgement.
+      if (s.ok() && type == kWrite) deliver(Notification{peer_name, NotifKind::kMessage, std::move(notification)});
+      Buf reply;
+      reply.u32(kReply);
+      reply.u64(id);
+      reply.u32(static_cast<std::uint32_t>(s.code()));
+      reply.str(s.message());
+      if (!send_msg(fd, reply.out)) return;
+    }
+  }
+
+  bool send_regions(int fd) {
+    std::lock_guard lock(regions_mu_);
+    RegionId top = 0;
+    for (auto& [id, w] : own_) top = std::max(top, id + 1);
+    for (RegionId i = 0; i < top; ++i) {
+      auto it = own_.find(i);
+      Buf m;
+      m.u32(kRegion);
+      m.u32(i);
+      m.u64(it == own_.end() ? 0 : it->second.bytes);
+      m.u8(it == own_.end() ? 0 : 1);
+      if (!send_msg(fd, m.out, it == own_.end() ? -1 : it->second.fd)) return false;
+    }
+    Buf end;
+    end.u32(kRegionsEnd);
+    return send_msg(fd, end.out);
+  }
+
+  const IpcOptions options_;
+  const HostIdentity host_;
+  std::string sock_name_;
+  int listen_fd_ = -1;
+
+  std::mutex regions_mu_;
+  std::map<RegionId, OwnWindow> own_;
+
+  std::mutex conns_mu_;
+  std::vector<std::shared_ptr<Conn>> conns_;
+
+  std::mutex jobs_mu_;
+  std::condition_variable jobs_cv_;
+  std::deque<std::shared_ptr<Job>> jobs_;
+  std::map<XferId, std::shared_ptr<Job>> all_;  // transfers taken by the worker, until complete
+  bool stop_ = false;
+  std::thread worker_;
+  std::thread listener_;
+
+  std::mutex servers_mu_;
+  std::vector<int> server_fds_;
+  std::vector<std::thread> servers_;
+};
+
+}  // namespace
+
+Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob) {
+  KVTIER_ASSIGN_OR_RETURN(detail::Blob b, detail::decode_blob(blob));
+  if (b.backend != "ipc") return InvalidArgument(fmt::format("blob of backend '{}', not ipc", b.backend));
+  KVTIER_ASSIGN_OR_RETURN(Address a, parse_address(b.address));
+  return a.host;
+}
+
+Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options) {
+  if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
+    return InvalidArgument(
+        fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));
+  Result<HostIdentity> host = options.host_identity ? options.host_identity() : local_host_identity();
+  if (!host.ok()) return host.status();
+  auto t = std::make_unique<IpcTransport>(std::move(identity), std::move(options), std::move(host).value());
+  KVTIER_RETURN_IF_ERROR(t->start());
+  return std::unique_ptr<Transport>(std::move(t));
+}
+
+}  // namespace kvtier::transport
