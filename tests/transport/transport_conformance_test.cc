@@ -1,6 +1,7 @@
-// One conformance suite for every Transport backend: loopback (the test double), UCX over TCP on 127.0.0.1 and
-// UCX over shared memory. Two agents live in this process; each UCX agent has its own context and worker.
-// Deterministic fault cases (operations held in flight, failed posts) use the loopback's knobs and run only there.
+// One conformance suite for every Transport backend: loopback (the test double), UCX over TCP on 127.0.0.1,
+// UCX over shared memory and the same-host ipc backend. Two agents live in this process; each UCX agent has its own
+// context and worker. Deterministic fault cases (operations held in flight, failed posts) use the loopback's knobs and
+// run only there.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "kvtier/transport/ipc.h"
 #include "kvtier/transport/transport.h"
 #include "transport/transport_base.h"
 
@@ -17,13 +19,14 @@ namespace {
 
 using namespace std::chrono_literals;
 
-enum class Kind { kLoopback, kUcxTcp, kUcxShm };
+enum class Kind { kLoopback, kUcxTcp, kUcxShm, kIpc };
 
 std::string kind_name(Kind k) {
   switch (k) {
     case Kind::kLoopback: return "loopback";
     case Kind::kUcxTcp: return "ucx_tcp";
     case Kind::kUcxShm: return "ucx_shm";
+    case Kind::kIpc: return "ipc";
   }
   return "?";
 }
@@ -39,6 +42,7 @@ Result<std::unique_ptr<Transport>> make(Kind kind, AgentIdentity id, LoopbackOpt
     case Kind::kLoopback: return create_loopback_transport(std::move(id), std::move(lo));
     case Kind::kUcxTcp: return create_ucx_transport(std::move(id), UcxOptions{"tcp", "lo"});
     case Kind::kUcxShm: return create_ucx_transport(std::move(id), UcxOptions{"shm", ""});
+    case Kind::kIpc: return create_ipc_transport(std::move(id));
   }
   return Internal("kind");
 }
@@ -294,7 +298,7 @@ TEST_P(TransportConformance, RegionsMustNotOverlapAndDeregisterAfterQuiescence) 
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance,
-                         ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxShm),
+                         ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxShm, Kind::kIpc),
                          [](const auto& info) { return kind_name(info.param); });
 
 // ---- deterministic fault cases on the loopback -------------------------------------------------------------
