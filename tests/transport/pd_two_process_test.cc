@@ -1,4 +1,5 @@
-// Prefill and decode in two processes over UCX on 127.0.0.1 (TCP). The test is the decode side; it re-executes
+// Prefill and decode in two processes over UCX on 127.0.0.1 (TCP), or, built with KVTIER_PD_IPC, over the
+// same-host ipc backend (pd_ipc_two_process_test). The test is the decode side; it re-executes
 // its own binary as the prefill helper (KVTIER_PD_HELPER in the environment selects the helper before gtest
 // starts). Blobs travel over pipes. Every wait is bounded and the helper kills itself after 30 s (alarm).
 #include <fcntl.h>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/transport/ipc.h"
 #include "kvtier/transport/pd.h"
 #include "transport/pd_test_util.h"
 
@@ -30,6 +32,14 @@ using testing::pd_layout;
 constexpr int kLayers = 4;
 const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
 constexpr TransferId kXid = 77;
+
+Result<std::unique_ptr<Transport>> make_transport(std::string name, const KvLayout& layout) {
+#ifdef KVTIER_PD_IPC
+  return create_ipc_transport({std::move(name), layout.fingerprint(), 1, 0});
+#else
+  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+#endif
+}
 
 bool write_all(int fd, const void* p, std::size_t n) {
   const auto* b = static_cast<const char*>(p);
@@ -85,7 +95,7 @@ int run_helper(const HelperArgs& a) {
   alarm(30);
   const KvLayout layout = a.wrong_layout != 0 ? pd_layout(kLayers, 4096) : pd_layout(kLayers);
   HostBlocks mem = HostBlocks::make(layout, 8, true);
-  auto t = create_ucx_transport({"prefill", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+  auto t = make_transport("prefill", layout);
   if (!t.ok()) return 5;
   std::unique_ptr<Transport> transport = wrap_with_wire_faults(std::move(t).value(), WireFaults{a.corrupt_op, 17});
   auto pre = PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
@@ -188,7 +198,7 @@ struct DecodeRig {
   Status load_status;
 
   void start(const HelperArgs& a, WireFaults faults = {}) {
-    auto tr = create_ucx_transport({"decode", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+    auto tr = make_transport("decode", layout);
     ASSERT_TRUE(tr.ok()) << tr.status().to_string();
     t = wrap_with_wire_faults(std::move(tr).value(), faults);
     auto d = PdDecode::create(*t, mem.space, PdOptions{50ms, 500ms});
