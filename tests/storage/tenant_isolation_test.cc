@@ -839,6 +839,36 @@ TEST_P(RedisTenants, AroundTheLibrary) {
   }
 }
 
+// The documented recipe: a spec string with the ACL user in the URL and the tenant's secret file.
+TEST_P(RedisTenants, SpecWithAclUserAndSecretFile) {
+  TempDir dir;
+  std::string hex;
+  for (char c : a_.tenant_secret) hex += fmt::format("{:02x}", static_cast<unsigned char>(c));
+  write_file(dir.path() + "/ta.secret", hex + "\n", 0600);
+  const StorageKey k = key_of(testing::random_salt(), 7);
+  const auto va = bytes_of(70, 3000);
+  ASSERT_TRUE(put(*backend_a_, k, va).ok());
+  StorageOptions o = a_;
+  o.tenant.clear();
+  o.tenant_secret.clear();
+  auto spec = [&](const std::string& user) {
+    return fmt::format("redis://{}:{}@{}?cluster={}&prefix={}&tenant=ta&secret_file={}/ta.secret", user,
+                       password_of(user), seed_, GetParam().cluster ? "on" : "off", kPrefix, dir.path());
+  };
+  auto b = make_storage_backend(spec(kUserA), o);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  auto [s, d] = get(**b, k);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(d, va);
+  // The same spec with tenant B's user: refused by the server, never A's bytes.
+  auto imposter = make_storage_backend(spec(kUserB), o);
+  ASSERT_TRUE(imposter.ok()) << imposter.status().to_string();
+  auto [si, di] = get(**imposter, k);
+  EXPECT_FALSE(si.ok());
+  EXPECT_NE(si.code(), StatusCode::kNotFound) << si.to_string();
+  EXPECT_NE(di, va);
+}
+
 INSTANTIATE_TEST_SUITE_P(Servers, RedisTenants,
                          ::testing::Values(RedisCase{"single", false}, RedisCase{"cluster", true}),
                          [](const auto& info) { return info.param.name; });
