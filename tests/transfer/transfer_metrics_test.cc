@@ -53,9 +53,9 @@ double value(const std::vector<metrics::FamilySnapshot>& snap, const std::string
 
 TEST(TransferMetrics, SeriesEqualTheManagersStats) {
   auto dev = make_host(6, 20);
+  metrics::Registry reg;  // outlives the manager (attach_metrics' contract)
   TransferRig rig(*dev, transfer_test::small_rig_options(small_gqa(), CopyStrategy::kDmaPerRun));
   ASSERT_TRUE(rig.init().ok());
-  metrics::Registry reg;
   const metrics::Labels base{{"rank", "3"}};
   ASSERT_TRUE(rig.mgr().attach_metrics(reg, base).ok());
   EXPECT_EQ(rig.mgr().attach_metrics(reg, base).code(), StatusCode::kFailedPrecondition);
