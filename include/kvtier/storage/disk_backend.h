@@ -7,6 +7,10 @@
 //   <root>/<ns digest>-<layout fingerprint>/incoming/      new files of puts in progress
 //   <root>/<ns digest>-<layout fingerprint>/free/          recycled files (see below)
 //   <root>/<ns digest>-<layout fingerprint>/quarantine/    objects that failed verification
+// With a tenant (StorageOptions::tenant) the namespace directory is <root>/<tenant>/<ns digest>-
+// <layout fingerprint>/ instead: the tenant directory must be this user's and no wider than
+// dir_mode (FailedPrecondition otherwise), and with a tenant secret only objects whose header tag
+// verifies are indexed (the others are quarantined, StorageStats::auth_failures).
 // A put writes header + payload into a new file in incoming/ (or a recycled
 // file in free/), makes the data durable (Durability::kPowerLoss: fdatasync;
 // with O_DIRECT on ext4/XFS the directory fsync below covers it, because the

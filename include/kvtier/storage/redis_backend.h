@@ -2,7 +2,11 @@
 // instances read and write, on one Redis server or a Redis Cluster.
 //
 // Keys: "<prefix>:<ns digest>-<layout fingerprint>:<key>-r<rank>", value =
-// object header + payload (object_format.h), verified on every get. Keys are
+// object header + payload (object_format.h), verified on every get. With a tenant
+// (StorageOptions::tenant) "<prefix>:<tenant>:<ns digest>-<layout fingerprint>:<key>-r<rank>", and
+// with a tenant secret "<prefix>:<tenant>:<32 hex digits of a keyed hash>", which names nothing
+// (docs/storage.md, ACL users restricted to "~<prefix>:<tenant>:*"). Commands sent: GET, SET, DEL,
+// STRLEN, PING (create, single mode), CLUSTER SLOTS and ASKING (cluster), AUTH. Keys are
 // spread over cluster slots by their digest (no hash tags), so a batch fans
 // out over every master; capacity and eviction are the server's (maxmemory +
 // allkeys-lru recommended; ttl_seconds adds an expiry to every put).
