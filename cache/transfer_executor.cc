@@ -1,8 +1,8 @@
 #include "kvtier/cache/transfer_executor.h"
 
-#include <cstring>
-
 #include <fmt/format.h>
+
+#include <cstring>
 
 namespace kvtier::cache {
 namespace {
@@ -16,8 +16,10 @@ std::uint64_t splitmix(std::uint64_t& x) {
 
 }  // namespace
 
-void TransferPlanExecutor::fill_key_pattern(const BlockKey& key, std::byte* out, std::uint64_t bytes) {
+void TransferPlanExecutor::fill_key_pattern(const BlockKey& key, std::byte* out, std::uint64_t bytes,
+                                            std::uint32_t rank) {
   std::uint64_t x = key.hi ^ (key.lo * 0xD6E8FEB86659FD93ull) ^ 0x6B76746965720001ull;
+  if (rank != 0) x ^= (std::uint64_t{rank} * 0xA24BAED4963EE407ull) | 1;
   std::uint64_t i = 0;
   for (; i + 8 <= bytes; i += 8) {
     const std::uint64_t v = splitmix(x);
@@ -51,7 +53,7 @@ Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
   staging_.resize(todo.size() * block_bytes);
   for (std::size_t i = 0; i < todo.size(); ++i) {
     std::byte* image = staging_.data() + i * block_bytes;
-    fill_key_pattern(todo[i]->key, image, block_bytes);
+    fill_key_pattern(todo[i]->key, image, block_bytes, options_.rank);
     std::uint64_t offset = 0;
     for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
       for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
@@ -117,7 +119,7 @@ void TransferPlanExecutor::check_loaded(const Pending& p) {
   const std::uint64_t block_bytes = layout.total_block_bytes();
   std::vector<std::byte> want(block_bytes), got(block_bytes);
   for (std::size_t i = 0; i < p.device.size(); ++i) {
-    fill_key_pattern(p.keys[i], want.data(), block_bytes);
+    fill_key_pattern(p.keys[i], want.data(), block_bytes, options_.rank);
     std::uint64_t offset = 0;
     bool read_ok = true;
     for (std::uint32_t l = 0; l < layout.num_layers() && read_ok; ++l)

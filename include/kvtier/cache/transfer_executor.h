@@ -36,6 +36,9 @@ class TransferPlanExecutor final : public PlanExecutor {
  public:
   struct Options {
     bool model_prefill = true;
+    // Tensor-parallel rank whose shard this executor moves: the pattern of a
+    // key depends on it, so a shard of another rank is caught as a mismatch.
+    std::uint32_t rank = 0;
   };
   // `device_space` is the device cache registered with `manager`; `compute`
   // the stream the manager was created with. All must outlive the executor.
@@ -52,15 +55,16 @@ class TransferPlanExecutor final : public PlanExecutor {
   std::uint64_t bytes_h2d() const noexcept { return bytes_h2d_; }
   std::uint64_t failed_tasks() const noexcept { return failed_tasks_; }
 
-  // Pattern of a key's block (all planes, in layout order), `bytes` long.
-  static void fill_key_pattern(const BlockKey& key, std::byte* out, std::uint64_t bytes);
+  // Pattern of a key's block (all planes, in layout order), `bytes` long, of
+  // `rank`'s shard (rank 0: the single-GPU pattern).
+  static void fill_key_pattern(const BlockKey& key, std::byte* out, std::uint64_t bytes, std::uint32_t rank = 0);
 
  private:
   struct Pending {
     MoveKind kind = MoveKind::kLoad;
-    std::vector<BlockId> ack;       // acknowledgement keys
-    std::vector<BlockId> device;    // device blocks of the moves
-    std::vector<BlockKey> keys;     // keys of the moves
+    std::vector<BlockId> ack;     // acknowledgement keys
+    std::vector<BlockId> device;  // device blocks of the moves
+    std::vector<BlockKey> keys;   // keys of the moves
   };
   Status submit_d2h(MoveKind kind, const std::vector<BlockMove>& moves);
   Status prefill(const std::vector<BlockMove>& moves);

@@ -1,0 +1,196 @@
+#include "kvtier/cache/multi_rank_executor.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <set>
+#include <string>
+#include <utility>
+
+namespace kvtier::cache {
+namespace {
+
+const char* kind_name(MoveKind kind) {
+  switch (kind) {
+    case MoveKind::kEviction: return "eviction";
+    case MoveKind::kBackup: return "backup";
+    case MoveKind::kLoad: return "load";
+    case MoveKind::kStorageWrite: return "storage write";
+    case MoveKind::kStoragePrefetch: return "storage prefetch";
+  }
+  return "move";
+}
+
+std::array<std::pair<MoveKind, const std::vector<BlockMove>*>, 5> move_lists(const StepPlan& plan) {
+  return {{{MoveKind::kEviction, &plan.evictions},
+           {MoveKind::kBackup, &plan.backups},
+           {MoveKind::kLoad, &plan.loads},
+           {MoveKind::kStorageWrite, &plan.storage_writes},
+           {MoveKind::kStoragePrefetch, &plan.storage_prefetches}}};
+}
+
+}  // namespace
+
+Result<std::unique_ptr<MultiRankPlanExecutor>> MultiRankPlanExecutor::create(std::vector<PlanExecutor*> ranks,
+                                                                             Options options) {
+  if (ranks.empty()) return InvalidArgument("MultiRankPlanExecutor: 0 ranks (needs at least one rank executor)");
+  for (std::size_t r = 0; r < ranks.size(); ++r)
+    if (ranks[r] == nullptr)
+      return InvalidArgument(
+          fmt::format("MultiRankPlanExecutor: the executor of rank {} of {} is null", r, ranks.size()));
+  if (options.move_deadline <= std::chrono::nanoseconds::zero())
+    return InvalidArgument(
+        fmt::format("MultiRankPlanExecutor: move_deadline must be > 0, got {} ns", options.move_deadline.count()));
+  return std::unique_ptr<MultiRankPlanExecutor>(new MultiRankPlanExecutor(std::move(ranks), std::move(options)));
+}
+
+MultiRankPlanExecutor::MultiRankPlanExecutor(std::vector<PlanExecutor*> ranks, Options options)
+    : ranks_(std::move(ranks)), options_(std::move(options)), dropped_(ranks_.size()), stats_(ranks_.size()) {}
+
+Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
+  const auto lists = move_lists(plan);
+  std::set<MoveRef> refs;
+  for (const auto& [kind, moves] : lists)
+    for (const BlockMove& m : *moves) {
+      const MoveRef ref{kind, m.dst};
+      if (pending_.count(ref) || !refs.insert(ref).second)
+        return InvalidArgument(fmt::format(
+            "MultiRankPlanExecutor: {} move to block {} is already in flight (a destination is reused before "
+            "its move was acknowledged)",
+            kind_name(kind), m.dst));
+    }
+  if (refs.empty()) return Status::Ok();
+  const Clock::time_point deadline = now() + options_.move_deadline;
+  const std::uint32_t n = ranks();
+  for (const auto& [kind, moves] : lists)
+    for (const BlockMove& m : *moves) {
+      Entry& e = pending_[MoveRef{kind, m.dst}];
+      e.reported.assign(n, false);
+      e.deadline = deadline;
+      e.seq = seq_++;
+    }
+  for (std::uint32_t r = 0; r < n; ++r) {
+    Status st = ranks_[r]->execute(plan);
+    if (st.ok()) continue;
+    const Status err = st.with_context(fmt::format("rank {} of {}: execute", r, n));
+    // Ranks 0..r got the plan (rank r perhaps in part): drop their reports of these moves.
+    for (const MoveRef& ref : refs) {
+      pending_.erase(ref);
+      for (std::uint32_t q = 0; q <= r; ++q) ++dropped_[q][ref];
+    }
+    for (const auto& [kind, moves] : lists) {
+      if (moves->empty()) continue;
+      Completion c{kind, {}, err};
+      for (const BlockMove& m : *moves) c.dst.push_back(m.dst);
+      failed_moves_ += moves->size();
+      ready_.push_back(std::move(c));
+    }
+    return err;
+  }
+  return Status::Ok();
+}
+
+void MultiRankPlanExecutor::finish(const MoveRef& ref, Status status, std::vector<Completion>& out) {
+  if (status.ok()) {
+    ++completed_moves_;
+    if (!out.empty() && out.back().kind == ref.kind && out.back().status.ok()) {
+      out.back().dst.push_back(ref.dst);
+      return;
+    }
+  } else {
+    ++failed_moves_;
+  }
+  out.push_back(Completion{ref.kind, {ref.dst}, std::move(status)});
+}
+
+std::vector<Completion> MultiRankPlanExecutor::poll() {
+  std::vector<Completion> out = std::move(ready_);
+  ready_.clear();
+  const std::uint32_t n = ranks();
+  for (std::uint32_t r = 0; r < n; ++r) {
+    for (const Completion& c : ranks_[r]->poll()) {
+      for (BlockId b : c.dst) {
+        const MoveRef ref{c.kind, b};
+        auto d = dropped_[r].find(ref);
+        if (d != dropped_[r].end()) {
+          ++stats_[r].late_reports;
+          if (--d->second == 0) dropped_[r].erase(d);
+          continue;
+        }
+        auto it = pending_.find(ref);
+        if (it == pending_.end() || it->second.reported[r]) {
+          ++stats_[r].unknown_reports;
+          continue;
+        }
+        Entry& e = it->second;
+        e.reported[r] = true;
+        ++e.count;
+        if (!c.status.ok()) {
+          ++stats_[r].failed_moves;
+          if (e.status.ok()) e.status = c.status.with_context(fmt::format("rank {} of {}", r, n));
+        }
+        if (e.count == n) {
+          Status st = std::move(e.status);
+          pending_.erase(it);
+          finish(ref, std::move(st), out);
+        }
+      }
+    }
+  }
+  // Deadlines: never wait for a rank; a move it has not reported fails now.
+  const Clock::time_point t = now();
+  std::vector<std::pair<std::uint64_t, MoveRef>> expired;
+  for (const auto& [ref, e] : pending_)
+    if (e.deadline <= t) expired.emplace_back(e.seq, ref);
+  std::sort(expired.begin(), expired.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(options_.move_deadline).count();
+  for (const auto& [seq, ref] : expired) {
+    auto it = pending_.find(ref);
+    std::string missing;
+    for (std::uint32_t q = 0; q < n; ++q)
+      if (!it->second.reported[q]) {
+        missing += missing.empty() ? fmt::format("{}", q) : fmt::format(",{}", q);
+        ++dropped_[q][ref];
+        ++stats_[q].missing_reports;
+      }
+    pending_.erase(it);
+    ++timed_out_moves_;
+    finish(ref,
+           TimedOut(fmt::format("{} move to block {}: rank(s) {} of {} did not report within {} ms (its bytes there "
+                                "are unknown: the block is a miss)",
+                                kind_name(ref.kind), ref.dst, missing, n, ms)),
+           out);
+  }
+  return out;
+}
+
+FaultInjectingPlanExecutor::FaultInjectingPlanExecutor(PlanExecutor& inner, Options options)
+    : inner_(inner), options_(std::move(options)), rng_(options_.seed) {}
+
+std::vector<Completion> FaultInjectingPlanExecutor::poll() {
+  std::vector<Completion> out;
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (Completion& c : inner_.poll()) {
+    if (!c.status.ok() || options_.failure_rate <= 0) {
+      out.push_back(std::move(c));
+      continue;
+    }
+    Completion ok{c.kind, {}, Status::Ok()};
+    Completion bad{c.kind, {}, Status(options_.code, fmt::format("injected {} failure", kind_name(c.kind)))};
+    for (BlockId b : c.dst) {
+      if (u(rng_) < options_.failure_rate) {
+        bad.dst.push_back(b);
+        ++injected_;
+        if (options_.on_fail) options_.on_fail(c.kind, b);
+      } else {
+        ok.dst.push_back(b);
+      }
+    }
+    if (!ok.dst.empty()) out.push_back(std::move(ok));
+    if (!bad.dst.empty()) out.push_back(std::move(bad));
+  }
+  return out;
+}
+
+}  // namespace kvtier::cache
