@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kvtier/cache/cache_config.h"
+#include "kvtier/cache/multi_rank_executor.h"
 #include "kvtier/cache/replay.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/cuda_device.h"
@@ -123,6 +124,9 @@ Action register_replay(CLI::App& app) {
     bool progress = false;
     std::string kv_events;
     std::string kv_events_replay;
+    std::uint32_t tp = 1;
+    std::int64_t failure_rank = -1;
+    std::uint64_t rank_deadline_ms = 30000;
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("replay", "Replay a Mooncake-format trace through the cache manager");
@@ -162,6 +166,17 @@ Action register_replay(CLI::App& app) {
                   "device<->host bytes: host (TransferManager on the simulated host device, default), cuda (on the "
                   "GPU), none (fake executor). With --storage: device, host and storage tiers together.")
       ->capture_default_str();
+  cmd->add_option("--tp", args->tp,
+                  "tensor-parallel ranks (with --transfer host|cuda): one TransferManager per rank (GPU r for rank "
+                  "r with cuda), each holding --block-bytes / N of every block; one cache plan drives them all")
+      ->capture_default_str();
+  cmd->add_option("--failure-rank", args->failure_rank,
+                  "inject --failure-rate copy failures on this rank only (real transfers on every rank)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--rank-deadline-ms", args->rank_deadline_ms,
+                  "with --tp: a move that a rank has not reported by then fails (TimedOut) on all ranks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--sweep", args->sweep, "comma-separated device capacities (blocks): hit ratio table + plot");
   cmd->add_option("--sweep-policies", args->sweep_policies, "policies of the sweep (Belady is always added)")
       ->capture_default_str();
@@ -351,24 +366,52 @@ Action register_replay(CLI::App& app) {
       std::unique_ptr<TransferManager> manager;
       std::unique_ptr<cache::TransferPlanExecutor> executor;
     };
-    RealTransfer rt;
     // Injected failures (--failure-rate) use the fake executor: a failed copy on a device stream is
     // sticky (as on a GPU), which ends a replay; the transfer manager's failure handling is tested
     // in tests/transfer.
     // With --storage as well, the three tiers run together: the storage tier reads and writes the
     // TransferManager's host cache.
-    const bool use_transfer = a.transfer != "none" && a.host_blocks > 0 && a.failure_rate <= 0;
+    // --tp N / --failure-rank R: N TransferManagers under one MultiRankPlanExecutor; the injected
+    // failures are reported by rank R's executor (FaultInjectingPlanExecutor), its copies stay real.
+    const bool multi_rank = a.tp != 1 || a.failure_rank >= 0;
+    const bool use_transfer = a.transfer != "none" && a.host_blocks > 0 && (a.failure_rate <= 0 || a.failure_rank >= 0);
     if (a.transfer != "none" && a.transfer != "host" && a.transfer != "cuda") {
       std::fprintf(stderr, "kvtier replay: --transfer must be host, cuda or none, got '%s'\n", a.transfer.c_str());
       return 2;
     }
+    if (a.tp == 0) return std::fprintf(stderr, "kvtier replay: --tp must be >= 1, got 0\n"), 2;
+    if (a.failure_rank >= 0 && std::uint64_t(a.failure_rank) >= a.tp)
+      return std::fprintf(stderr, "kvtier replay: --failure-rank %lld must be < --tp %u (ranks 0..%u)\n",
+                          (long long)a.failure_rank, a.tp, a.tp - 1),
+             2;
+    if (multi_rank && !use_transfer)
+      return std::fprintf(stderr,
+                          "kvtier replay: --tp %u%s needs real transfers: --transfer host or cuda and a host tier "
+                          "(--host-blocks >= 1), got --transfer %s --host-blocks %u\n",
+                          a.tp, a.failure_rank >= 0 ? " --failure-rank" : "", a.transfer.c_str(), a.host_blocks),
+             2;
+    if (multi_rank && !a.storage.empty())
+      return std::fprintf(stderr,
+                          "kvtier replay: --tp %u with --storage is not supported yet (per-rank storage objects in "
+                          "the replay); run the storage tier with --tp 1\n",
+                          a.tp),
+             2;
     if ((use_transfer || !a.storage.empty()) && block_bytes_opt->count() == 0) a.block_bytes = 4096;
+    if (a.block_bytes % a.tp != 0)
+      return std::fprintf(stderr,
+                          "kvtier replay: --block-bytes %llu is not divisible by --tp %u (each rank holds block_bytes "
+                          "/ tp of every block)\n",
+                          (unsigned long long)a.block_bytes, a.tp),
+             2;
+    if (a.block_bytes / a.tp == 0 && use_transfer)
+      return std::fprintf(stderr, "kvtier replay: --block-bytes 0 moves nothing; give at least --tp bytes\n"), 2;
+    const std::uint64_t shard_bytes = a.block_bytes / a.tp;
     o.block_bytes = a.block_bytes;
     {
       // Real bytes: device memory (in RAM on the host backend) and the host tier's pages. Block counts
       // < 2^32 and block bytes <= 2^40: the products fit in 128 bits.
       using u128 = unsigned __int128;
-      const std::uint64_t page = (a.block_bytes + 4095) / 4096 * 4096;
+      const std::uint64_t page = (shard_bytes + 4095) / 4096 * 4096 * a.tp;  // one host page per rank
       const bool in_ram_device = use_transfer && a.transfer == "host";
       const u128 host = use_transfer || !a.storage.empty() ? u128{a.host_blocks} * page : 0;
       const u128 device = in_ram_device ? u128{a.device_blocks} * a.block_bytes : 0;
@@ -385,42 +428,78 @@ Action register_replay(CLI::App& app) {
         return 2;
       }
     }
-    if (use_transfer) {
-      auto fail = [](const char* what, const Status& st) {
-        std::fprintf(stderr, "kvtier replay: --transfer: %s: %s\n", what, st.to_string().c_str());
+    if (use_transfer && a.transfer == "cuda" && multi_rank && cuda_device_count() < int(a.tp))
+      return std::fprintf(stderr, "kvtier replay: --tp %u --transfer cuda needs %u GPUs (one per rank), %d visible\n",
+                          a.tp, a.tp, cuda_device_count()),
+             1;
+    std::vector<RealTransfer> ranks(use_transfer ? a.tp : 1);
+    RealTransfer& rt = ranks[0];
+    std::vector<std::unique_ptr<cache::FaultInjectingPlanExecutor>> faults(ranks.size());
+    std::unique_ptr<cache::MultiRankPlanExecutor> multi;
+    for (std::uint32_t rank = 0; use_transfer && rank < a.tp; ++rank) {
+      RealTransfer& rr = ranks[rank];
+      const std::string who = multi_rank ? fmt::format(" of rank {}", rank) : std::string();
+      auto fail = [&who](const char* what, const Status& st) {
+        std::fprintf(stderr, "kvtier replay: --transfer: %s%s: %s\n", what, who.c_str(), st.to_string().c_str());
         return 1;
       };
       if (a.transfer == "cuda") {
-        auto d = create_cuda_device(0);
+        auto d = create_cuda_device(int(rank));
         if (!d.ok()) return fail("cuda device", d.status());
-        rt.device = std::move(*d);
+        rr.device = std::move(*d);
       } else {
         auto d = HostDevice::create();
         if (!d.ok()) return fail("host device", d.status());
-        rt.device = std::move(*d);
+        rr.device = std::move(*d);
       }
-      auto layout = KvLayout::uniform(1, 1, a.block_bytes);
+      auto layout = KvLayout::uniform(1, 1, shard_bytes);
       if (!layout.ok()) return fail("layout", layout.status());
-      auto compute = rt.device->create_stream({StreamPriority::kNormal, "replay-compute"});
+      auto compute = rr.device->create_stream({StreamPriority::kNormal, "replay-compute"});
       if (!compute.ok()) return fail("compute stream", compute.status());
-      rt.compute = std::move(*compute);
-      auto mem = rt.device->allocate_device(std::uint64_t{a.device_blocks} * a.block_bytes);
+      rr.compute = std::move(*compute);
+      auto mem = rr.device->allocate_device(std::uint64_t{a.device_blocks} * shard_bytes);
       if (!mem.ok()) return fail("device memory", mem.status());
-      rt.device_memory = std::move(*mem);
-      auto space = BlockSpace::layer_first(MemoryKind::kDevice, rt.device->ordinal(), *layout, a.device_blocks,
-                                           {{rt.device_memory.data()}});
+      rr.device_memory = std::move(*mem);
+      auto space = BlockSpace::layer_first(MemoryKind::kDevice, rr.device->ordinal(), *layout, a.device_blocks,
+                                           {{rr.device_memory.data()}});
       if (!space.ok()) return fail("device space", space.status());
-      rt.space = std::move(*space);
-      KvCacheRegistration reg{*rt.space, {}};
+      rr.space = std::move(*space);
+      KvCacheRegistration reg{*rr.space, {}};
       reg.host.num_blocks = a.host_blocks;
       reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
-      auto tm = TransferManager::create(*rt.device, *rt.compute, std::move(reg), transfer_config);
+      auto tm = TransferManager::create(*rr.device, *rr.compute, std::move(reg), transfer_config);
       if (!tm.ok()) return fail("transfer manager", tm.status());
-      rt.manager = std::move(*tm);
-      rt.executor = std::make_unique<cache::TransferPlanExecutor>(*rt.manager, *rt.device, *rt.compute, *rt.space,
-                                                                  cache::TransferPlanExecutor::Options{});
-      o.executor = rt.executor.get();
+      rr.manager = std::move(*tm);
+      cache::TransferPlanExecutor::Options eo;
+      eo.rank = rank;
+      rr.executor = std::make_unique<cache::TransferPlanExecutor>(*rr.manager, *rr.device, *rr.compute, *rr.space, eo);
+      o.executor = rr.executor.get();
+      if (a.failure_rank >= 0 && std::uint64_t(a.failure_rank) == rank) {
+        cache::FaultInjectingPlanExecutor::Options fo;
+        fo.failure_rate = a.failure_rate;
+        fo.seed = a.seed;
+        faults[rank] = std::make_unique<cache::FaultInjectingPlanExecutor>(*rr.executor, fo);
+      }
     }
+    if (use_transfer && multi_rank) {
+      std::vector<cache::PlanExecutor*> execs;
+      for (std::uint32_t r = 0; r < a.tp; ++r)
+        execs.push_back(faults[r] ? static_cast<cache::PlanExecutor*>(faults[r].get()) : ranks[r].executor.get());
+      cache::MultiRankPlanExecutor::Options mo;
+      mo.move_deadline = std::chrono::milliseconds(a.rank_deadline_ms);
+      auto m = cache::MultiRankPlanExecutor::create(std::move(execs), mo);
+      if (!m.ok()) return std::fprintf(stderr, "kvtier replay: --tp: %s\n", m.status().to_string().c_str()), 1;
+      multi = std::move(*m);
+      o.executor = multi.get();
+      o.failure_rate = 0;  // injected on one rank, not by the fake executor
+    }
+    // Per-rank totals of the executors (rank 0 alone without --tp).
+    auto total = [&ranks](auto get) {
+      std::uint64_t sum = 0;
+      for (const RealTransfer& x : ranks)
+        if (x.executor) sum += get(*x.executor);
+      return sum;
+    };
     // Declared after the transfer manager: destroyed (its storage ops finished) before the host cache.
     std::unique_ptr<cache::ReplayStorage> storage;
     if (!a.storage.empty()) {
@@ -514,6 +593,12 @@ Action register_replay(CLI::App& app) {
     }
     cache::ReplayResult unb = cache::replay_unbounded(*trace, o);
     const cache::ReplayResult& r = *res;
+    using Exec = cache::TransferPlanExecutor;
+    const std::uint64_t t_verified = total([](const Exec& e) { return e.verified(); });
+    const std::uint64_t t_mismatches = total([](const Exec& e) { return e.verification_failures(); });
+    const std::uint64_t t_failed_tasks = total([](const Exec& e) { return e.failed_tasks(); });
+    const std::uint64_t t_d2h = total([](const Exec& e) { return e.bytes_d2h(); });
+    const std::uint64_t t_h2d = total([](const Exec& e) { return e.bytes_h2d(); });
     if (a.json) {
       nlohmann::json j = to_json(r);
       j["trace"] = path;
@@ -526,19 +611,43 @@ Action register_replay(CLI::App& app) {
       if (!a.storage.empty()) j["storage"] = a.storage;
       if (rt.executor) {
         j["transfer"] = {{"backend", a.transfer},
-                         {"verified_blocks", rt.executor->verified()},
-                         {"verification_failures", rt.executor->verification_failures()},
-                         {"failed_tasks", rt.executor->failed_tasks()},
-                         {"bytes_d2h", rt.executor->bytes_d2h()},
-                         {"bytes_h2d", rt.executor->bytes_h2d()}};
+                         {"verified_blocks", t_verified},
+                         {"verification_failures", t_mismatches},
+                         {"failed_tasks", t_failed_tasks},
+                         {"bytes_d2h", t_d2h},
+                         {"bytes_h2d", t_h2d}};
+      }
+      if (multi) {
+        nlohmann::json per_rank = nlohmann::json::array();
+        for (std::uint32_t k = 0; k < a.tp; ++k) {
+          const Exec& e = *ranks[k].executor;
+          const auto& st = multi->rank_stats(k);
+          per_rank.push_back({{"rank", k},
+                              {"verified_blocks", e.verified()},
+                              {"mismatches", e.verification_failures()},
+                              {"failed_tasks", e.failed_tasks()},
+                              {"failed_moves", st.failed_moves},
+                              {"injected_failures", faults[k] ? faults[k]->injected() : 0},
+                              {"missing_reports", st.missing_reports},
+                              {"bytes_d2h", e.bytes_d2h()},
+                              {"bytes_h2d", e.bytes_h2d()}});
+        }
+        j["tp"] = {{"ranks", a.tp},
+                   {"shard_bytes", shard_bytes},
+                   {"failure_rank", a.failure_rank},
+                   {"rank_deadline_ms", a.rank_deadline_ms},
+                   {"completed_moves", multi->completed_moves()},
+                   {"failed_moves", multi->failed_moves()},
+                   {"timed_out_moves", multi->timed_out_moves()},
+                   {"per_rank", per_rank}};
       }
       // Per path: what the executors moved (real bytes), or what the plans asked for (fake executor).
-      j["bytes_moved"] = {{"device_to_host", rt.executor ? rt.executor->bytes_d2h() : r.bytes_d2h},
-                          {"host_to_device", rt.executor ? rt.executor->bytes_h2d() : r.bytes_h2d},
+      j["bytes_moved"] = {{"device_to_host", rt.executor ? t_d2h : r.bytes_d2h},
+                          {"host_to_device", rt.executor ? t_h2d : r.bytes_h2d},
                           {"host_to_storage", r.bytes_to_storage},
                           {"storage_to_host", r.bytes_from_storage}};
       std::printf("%s\n", j.dump(2).c_str());
-      const bool bad = r.verification_failures || (rt.executor && rt.executor->verification_failures());
+      const bool bad = r.verification_failures || t_mismatches;
       return bad ? 3 : 0;
     }
     auto gib = [](std::uint64_t b) { return static_cast<double>(b) / double(1ull << 30); };
@@ -573,8 +682,8 @@ Action register_replay(CLI::App& app) {
       return 0;
     }
     // Real bytes: device<->host through the TransferManager, host<->storage through the backend.
-    const std::uint64_t d2h = rt.executor ? rt.executor->bytes_d2h() : r.bytes_d2h;
-    const std::uint64_t h2d = rt.executor ? rt.executor->bytes_h2d() : r.bytes_h2d;
+    const std::uint64_t d2h = rt.executor ? t_d2h : r.bytes_d2h;
+    const std::uint64_t h2d = rt.executor ? t_h2d : r.bytes_h2d;
     const std::string device_side = rt.executor ? a.transfer + " backend TransferManager" : "simulated device";
     std::printf("paths            device->host %.1f MiB, host->device %.1f MiB (%s)", mib(d2h), mib(h2d),
                 device_side.c_str());
@@ -584,14 +693,26 @@ Action register_replay(CLI::App& app) {
                   (unsigned long long)r.storage_prefetches, a.storage.c_str());
     std::printf("\n");
     std::printf("failures         %llu failed transfer tasks, %llu failed moves acked as misses",
-                (unsigned long long)(rt.executor ? rt.executor->failed_tasks() : 0),
-                (unsigned long long)r.failed_transfers);
+                (unsigned long long)t_failed_tasks, (unsigned long long)r.failed_transfers);
     if (!a.storage.empty())
       std::printf(", %llu failed prefetches, %llu failed storage writes", (unsigned long long)r.failed_prefetches,
                   (unsigned long long)r.failed_storage_writes);
     std::printf(" (each became a miss)\n");
-    const std::uint64_t device_checked = rt.executor ? rt.executor->verified() : 0;
-    const std::uint64_t mismatches = r.verification_failures + (rt.executor ? rt.executor->verification_failures() : 0);
+    const std::uint64_t device_checked = t_verified;
+    const std::uint64_t mismatches = r.verification_failures + t_mismatches;
+    if (multi) {
+      std::printf(
+          "tensor parallel  %u ranks of %llu bytes per block: %llu moves done on all ranks, %llu failed (%llu "
+          "timed out)\n",
+          a.tp, (unsigned long long)shard_bytes, (unsigned long long)multi->completed_moves(),
+          (unsigned long long)multi->failed_moves(), (unsigned long long)multi->timed_out_moves());
+      for (std::uint32_t k = 0; k < a.tp; ++k)
+        std::printf("  rank %u         %llu loaded shards checked, %llu mismatches, %llu moves failed here%s\n", k,
+                    (unsigned long long)ranks[k].executor->verified(),
+                    (unsigned long long)ranks[k].executor->verification_failures(),
+                    (unsigned long long)multi->rank_stats(k).failed_moves,
+                    faults[k] ? fmt::format(" ({} injected)", faults[k]->injected()).c_str() : "");
+    }
     std::printf(
         "verification     %llu loaded device blocks and %llu host pages (prefetched, or read by a load) checked "
         "against their key's pattern, %llu mismatches\n",
