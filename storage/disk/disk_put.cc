@@ -19,6 +19,7 @@
 #include <mutex>
 #include <vector>
 
+#include "kvtier/storage/disk_fault.h"
 #include "storage/disk/disk_backend_impl.h"
 #include "storage/object_format.h"
 
@@ -102,21 +103,22 @@ void DiskBackend::start_put(IoOp* op) {
 Status DiskBackend::ensure_shard(std::uint32_t s) {
   if (shard_fds_[s].get() >= 0) return Status::Ok();
   const std::string sd = shard_dir(s);
-  bool created = true;
   if (::mkdir(sd.c_str(), static_cast<mode_t>(config_.dir_mode)) != 0) {
     const int err = errno;
     if (err != EEXIST)
       return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", sd, errno_text(err)))
                            : Unavailable(fmt::format("mkdir {}: {}", sd, errno_text(err)));
-    created = false;
   }
   int fd = ::open(sd.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return Unavailable(fmt::format("open {}: {}", sd, errno_text(errno)));
-  // A new shard directory must itself be durable before objects in it are acknowledged.
-  if (created && config_.durability == Durability::kPowerLoss && ::fsync(dir_fd_.get()) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return Unavailable(fmt::format("fsync {}: {}", dir_, errno_text(err)));
+  // A new shard directory must itself be durable before objects in it are acknowledged. Also when
+  // mkdir found it: an earlier put (or run) may have created it and then failed, or died, before
+  // this fsync. Once per shard and process.
+  if (config_.durability == Durability::kPowerLoss) {
+    if (const int rc = fsync_directory(config_.fault_injector.get(), dir_fd_.get()); rc != 0) {
+      ::close(fd);
+      return Unavailable(fmt::format("fsync {}: {}", dir_, errno_text(-rc)));
+    }
   }
   shard_fds_[s].reset(fd);
   return Status::Ok();

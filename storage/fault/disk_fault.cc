@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -100,6 +102,15 @@ int DiskFaultInjector::on_completion(const DiskFaultEvent& ev, int res) {
     return static_cast<int>(kept);
   }
   return res;
+}
+
+int fsync_directory(DiskFaultInjector* injector, int fd) {
+  const int res = ::fsync(fd) == 0 ? 0 : -errno;
+  if (injector == nullptr) return res;
+  DiskFaultEvent ev;
+  ev.op = DiskFaultOp::kDirSync;
+  ev.fd = fd;
+  return injector->on_completion(ev, res);
 }
 
 }  // namespace kvtier::storage

@@ -226,6 +226,30 @@ TEST_P(DiskFault, FailedDirectorySyncIsNotAcknowledged) {
   }
 }
 
+// Creating a shard directory, the backend fsyncs the root so the new directory survives a power
+// loss. When that fsync fails, the put fails; the next put into the shard (mkdir finds it) must
+// fsync the root again before it is acknowledged, else an acknowledged object may sit in a
+// directory that was never made durable.
+TEST_P(DiskFault, FailedShardCreationSyncIsRetried) {
+  const std::uint64_t salt = 19;
+  DiskFaultRule r;
+  r.op = DiskFaultOp::kDirSync;
+  r.max_hits = 1;  // the first directory fsync: the root's, after the shard's mkdir
+  faults_->add(r);
+  const StorageKey k = key_of(salt, 0);
+  EXPECT_FALSE(put(k, payload(90, 8192)).ok()) << "acknowledged although the new shard directory's fsync failed";
+  ASSERT_EQ(faults_->injected(DiskFaultOp::kDirSync), 1u);
+  const std::uint64_t before = faults_->seen(DiskFaultOp::kDirSync);
+  const Bytes v = payload(91, 8192);
+  ASSERT_TRUE(put(k, v).ok());
+  // The root again, then the shard directory after the rename.
+  EXPECT_EQ(faults_->seen(DiskFaultOp::kDirSync) - before, 2u)
+      << "the put into the shard was acknowledged without the root fsync that failed before";
+  std::map<int, Bytes> acked{{0, v}};
+  expect_served(acked, salt);
+  expect_recovers(acked, salt);
+}
+
 TEST_P(DiskFault, ShortWritesAreCompleted) {
   const std::uint64_t salt = 15;
   DiskFaultRule r;

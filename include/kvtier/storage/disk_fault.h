@@ -83,4 +83,8 @@ class DiskFaultInjector {
   std::unique_ptr<Impl> impl_;
 };
 
+// The disk backend's one synchronous fsync, of its root directory after it created a shard
+// directory: 0 or -errno, seen by `injector` (as a kDirSync without keys) when one is set.
+int fsync_directory(DiskFaultInjector* injector, int fd);
+
 }  // namespace kvtier::storage
