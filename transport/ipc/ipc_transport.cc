@@ -32,6 +32,15 @@
 #include "kvtier/transport/ipc.h"
 #include "transport/transport_base.h"
 
+#ifndef KVTIER_IPC_CUDA
+#define KVTIER_IPC_CUDA 0
+#endif
+
+#if KVTIER_IPC_CUDA
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#endif
+
 namespace kvtier::transport {
 namespace {
 
@@ -169,6 +178,46 @@ sockaddr_un abstract_addr(const std::string& name, socklen_t& len) {
   return a;
 }
 
+#if KVTIER_IPC_CUDA
+// A CUDA region's remote key: "cuda;<IPC handle, hex>;<offset of the region in its allocation>;<PCI bus id>".
+std::string to_hex(const void* p, std::size_t n) {
+  std::string s;
+  for (std::size_t i = 0; i < n; ++i) s += fmt::format("{:02x}", static_cast<const unsigned char*>(p)[i]);
+  return s;
+}
+bool from_hex(std::string_view h, void* p, std::size_t n) {
+  if (h.size() != 2 * n) return false;
+  for (std::size_t i = 0; i < n; ++i) {
+    unsigned v = 0;
+    if (std::sscanf(std::string(h.substr(2 * i, 2)).c_str(), "%2x", &v) != 1) return false;
+    static_cast<unsigned char*>(p)[i] = static_cast<unsigned char>(v);
+  }
+  return true;
+}
+Status cuda_status(cudaError_t e, std::string_view what) {
+  if (e == cudaSuccess) return Status::Ok();
+  return Internal(fmt::format("{}: {}", what, cudaGetErrorString(e)));
+}
+// cudaIpcGetMemHandle wants the allocation's base; the driver knows the range a pointer lies in.
+Result<std::uintptr_t> allocation_base(const void* p) {
+  using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static Fn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return static_cast<Fn>(nullptr);
+    return reinterpret_cast<Fn>(f);
+  }();
+  if (fn == nullptr) return Internal("cuMemGetAddressRange is not available from the CUDA driver");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (fn(&base, &size, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+    return InvalidArgument(fmt::format("{} is not CUDA device memory", p));
+  return static_cast<std::uintptr_t>(base);
+}
+#endif
+
 // The blob's address: "ipc1;boot=<boot id>;pidns=<pid namespace>;pid=<pid>;sock=<abstract socket name>".
 struct Address {
   HostIdentity host;
@@ -210,6 +259,15 @@ class IpcTransport final : public detail::TransportBase {
       : TransportBase(std::move(identity)), options_(std::move(options)), host_(std::move(host)) {}
 
   Status start() {
+#if KVTIER_IPC_CUDA
+    if (options_.device_memory == IpcOptions::DeviceMemory::kCuda) {
+      KVTIER_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options_.cuda_device), "cudaSetDevice"));
+      KVTIER_RETURN_IF_ERROR(
+          cuda_status(cudaStreamCreateWithFlags(&streams_[0], cudaStreamNonBlocking), "cudaStreamCreate"));
+      KVTIER_RETURN_IF_ERROR(
+          cuda_status(cudaEventCreateWithFlags(&events_[0], cudaEventDisableTiming), "cudaEventCreate"));
+    }
+#endif
     std::random_device rd;
     sock_name_ = fmt::format("kvtier-ipc-{}-{:016x}", getpid(), (std::uint64_t{rd()} << 32) ^ rd());
     listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -256,7 +314,7 @@ class IpcTransport final : public detail::TransportBase {
     for (auto& c : conns)
       if (c) {
         for (auto& w : c->windows)
-          if (w.base) munmap(w.base, w.bytes);
+          if (w.base && !w.cuda) munmap(w.base, w.bytes);
         close(c->fd);
       }
     for (int fd : server_fds_) close(fd);
@@ -264,14 +322,35 @@ class IpcTransport final : public detail::TransportBase {
     std::lock_guard lock(regions_mu_);
     for (auto& [id, w] : own_)
       if (w.base) munmap(w.base, w.bytes), close(w.fd);
+#if KVTIER_IPC_CUDA
+    for (void* p : opened_) cudaIpcCloseMemHandle(p);
+    if (streams_[0]) cudaStreamDestroy(streams_[0]), cudaEventDestroy(events_[0]);
+#endif
   }
 
   std::string_view backend_name() const noexcept override { return "ipc"; }
 
  protected:
   Result<std::string> backend_register(RegionId id, const MemoryRegion& region) override {
-    if (region.kind == MemoryKind::kDevice && options_.device_memory == IpcOptions::DeviceMemory::kCuda)
+    if (region.kind == MemoryKind::kDevice && options_.device_memory == IpcOptions::DeviceMemory::kCuda) {
+#if KVTIER_IPC_CUDA
+      KVTIER_RETURN_IF_ERROR(cuda_status(cudaSetDevice(region.device_ordinal), "cudaSetDevice"));
+      KVTIER_ASSIGN_OR_RETURN(std::uintptr_t alloc, allocation_base(region.base));
+      cudaIpcMemHandle_t h{};
+      KVTIER_RETURN_IF_ERROR(
+          cuda_status(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(alloc)), "cudaIpcGetMemHandle"));
+      char pci[32] = {};
+      KVTIER_RETURN_IF_ERROR(
+          cuda_status(cudaDeviceGetPCIBusId(pci, sizeof(pci), region.device_ordinal), "cudaDeviceGetPCIBusId"));
+      std::lock_guard lock(regions_mu_);
+      // The bytes are in place when a WRITE's request arrives: no window, nothing for the server to copy.
+      own_[id] = OwnWindow{nullptr, region.bytes, -1, static_cast<std::byte*>(region.base), true};
+      return fmt::format("cuda;{};{};{}", to_hex(&h, sizeof(h)), reinterpret_cast<std::uintptr_t>(region.base) - alloc,
+                         pci);
+#else
       return NotSupported("ipc backend: CUDA device memory (CUDA IPC handles) is not supported by this build");
+#endif
+    }
     const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC);
     if (fd < 0) return Internal(fmt::format("memfd_create: {}", std::strerror(errno)));
     if (ftruncate(fd, static_cast<off_t>(region.bytes)) != 0) {
@@ -294,8 +373,7 @@ class IpcTransport final : public detail::TransportBase {
     std::lock_guard lock(regions_mu_);  // after any copy of a server thread
     auto it = own_.find(id);
     if (it == own_.end()) return;
-    munmap(it->second.base, it->second.bytes);
-    close(it->second.fd);
+    if (it->second.base) munmap(it->second.base, it->second.bytes), close(it->second.fd);
     own_.erase(it);
   }
 
@@ -351,6 +429,11 @@ class IpcTransport final : public detail::TransportBase {
         s = Internal(fmt::format("peer '{}' sent a malformed handshake message (type {})", blob.identity.name, type));
         break;
       }
+      if (live && passed < 0 && index < conn->windows.size() && bytes == blob.regions[index].bytes && bytes > 0 &&
+          blob.regions[index].key.rfind("cuda;", 0) == 0) {
+        s = open_cuda_window(*conn, index, blob.regions[index]);
+        if (!s.ok()) break;
+      }
       if (live && passed >= 0 && index < conn->windows.size() && bytes == blob.regions[index].bytes && bytes > 0) {
         void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, passed, 0);
         if (w != MAP_FAILED)
@@ -360,7 +443,7 @@ class IpcTransport final : public detail::TransportBase {
     }
     if (!s.ok()) {
       for (auto& w : conn->windows)
-        if (w.base) munmap(w.base, w.bytes);
+        if (w.base && !w.cuda) munmap(w.base, w.bytes);
       close(fd);
       return s;
     }
@@ -421,12 +504,14 @@ class IpcTransport final : public detail::TransportBase {
     std::byte* base = nullptr;  // the window mapped here
     std::uint64_t bytes = 0;
     std::uint64_t remote_base = 0;  // the region's address in the peer (the blob's base)
+    bool cuda = false;              // the peer's CUDA memory, opened from its IPC handle
   };
   struct OwnWindow {
     std::byte* base = nullptr;
     std::uint64_t bytes = 0;
     int fd = -1;
     std::byte* region = nullptr;
+    bool cuda = false;  // CUDA memory: the peer copies into the region itself
   };
   struct Conn {
     int fd = -1;
@@ -513,10 +598,9 @@ class IpcTransport final : public detail::TransportBase {
       m.u64(op.bytes);
     }
     if (job.op == XferOp::kWrite) {
-      for (const auto& op : job.ops) {
-        if (job.aborted.load()) return complete(job.id, Aborted(fmt::format("transfer {} was aborted", job.id)));
-        std::memcpy(c.windows[op.remote_region].base + window_offset(job, op), op.local_ptr, op.bytes);
-      }
+      if (job.aborted.load()) return complete(job.id, Aborted(fmt::format("transfer {} was aborted", job.id)));
+      Status cs = copy_ops(job, true, 0);
+      if (!cs.ok()) return fail_copy(job, std::move(cs));
       m.str(job.notification);
     }
     if (!send_on(c, m.out)) return complete(job.id, Unavailable(fmt::format("peer '{}' is gone", c.name)));
@@ -529,6 +613,111 @@ class IpcTransport final : public detail::TransportBase {
     }
     if (gone) complete(job.id, Unavailable(fmt::format("peer '{}' closed its ipc connection", c.name)));
   }
+
+  // Copies a job's bytes: local -> the peer's windows (to_peer) or back. A CUDA agent copies with cudaMemcpyAsync
+  // (cudaMemcpyDefault: device to device, peer, or to and from host windows) on the worker's stream (stream 0) or
+  // a stream of its own (receivers: one per connection may run at once), then polls one event until it
+  // completes. Copies already enqueued are drained before an error is returned; kTimedOut means they may still
+  // run (the caller keeps the transfer non-quiescent).
+  Status copy_ops(const Job& job, bool to_peer, int stream) {
+#if KVTIER_IPC_CUDA
+    if (options_.device_memory == IpcOptions::DeviceMemory::kCuda) {
+      KVTIER_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options_.cuda_device), "cudaSetDevice"));
+      cudaStream_t st = streams_[0];
+      cudaEvent_t ev = events_[0];
+      if (stream != 0) {
+        KVTIER_RETURN_IF_ERROR(cuda_status(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate"));
+        if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+          cudaStreamDestroy(st);
+          return Internal("cudaEventCreate failed");
+        }
+      }
+      Status enq;
+      for (const auto& op : job.ops) {
+        std::byte* w = job.conn->windows[op.remote_region].base + window_offset(job, op);
+        enq = cuda_status(to_peer ? cudaMemcpyAsync(w, op.local_ptr, op.bytes, cudaMemcpyDefault, st)
+                                  : cudaMemcpyAsync(op.local_ptr, w, op.bytes, cudaMemcpyDefault, st),
+                          "cudaMemcpyAsync");
+        if (!enq.ok()) break;
+      }
+      Status done = cuda_status(cudaEventRecord(ev, st), "cudaEventRecord");
+      if (done.ok()) {
+        const auto deadline = std::chrono::steady_clock::now() + options_.copy_timeout;
+        for (;;) {
+          const cudaError_t q = cudaEventQuery(ev);
+          if (q == cudaSuccess) break;
+          if (q != cudaErrorNotReady) {
+            done = cuda_status(q, "cudaEventQuery");
+            break;
+          }
+          if (std::chrono::steady_clock::now() >= deadline) {
+            done = TimedOut(fmt::format("transfer {}: CUDA copies not complete after {} ms", job.id,
+                                        options_.copy_timeout.count()));
+            break;
+          }
+          std::this_thread::sleep_for(20us);
+        }
+      } else {
+        // Without an event the enqueued copies' state is unknown: fail closed.
+        done = TimedOut(fmt::format("transfer {}: {}", job.id, done.message()));
+      }
+      if (stream != 0) {
+        cudaEventDestroy(ev);
+        cudaStreamDestroy(st);  // released once its work is done
+      }
+      if (done.code() == StatusCode::kTimedOut) return done;
+      return enq.ok() ? done : enq;
+    }
+#else
+    (void)stream;
+#endif
+    for (const auto& op : job.ops) {
+      std::byte* w = job.conn->windows[op.remote_region].base + window_offset(job, op);
+      if (to_peer)
+        std::memcpy(w, op.local_ptr, op.bytes);
+      else
+        std::memcpy(op.local_ptr, w, op.bytes);
+    }
+    return Status::Ok();
+  }
+
+  // A copy failed: the transfer fails; it stays non-quiescent when copies may still be running (fail closed).
+  void fail_copy(const Job& job, Status s) {
+    if (s.code() != StatusCode::kTimedOut) return complete(job.id, std::move(s));
+    {
+      std::lock_guard lock(jobs_mu_);
+      all_.erase(job.id);
+    }
+    finish_xfer(job.id, std::move(s));
+  }
+
+#if KVTIER_IPC_CUDA
+  Status open_cuda_window(Conn& conn, std::uint32_t index, const detail::Blob::Region& r) {
+    // An agent without CUDA leaves the peer's CUDA regions unmapped: posts to them fail (no shared window).
+    if (options_.device_memory != IpcOptions::DeviceMemory::kCuda) return Status::Ok();
+    // "cuda;<hex>;<offset>;<pci>"
+    const std::string_view key = r.key;
+    const auto a = key.find(';', 5), b = key.find(';', a + 1);
+    cudaIpcMemHandle_t h{};
+    if (a == std::string_view::npos || b == std::string_view::npos || !from_hex(key.substr(5, a - 5), &h, sizeof(h)))
+      return InvalidArgument(fmt::format("peer '{}' region {}: malformed CUDA key", conn.name, index));
+    const std::uint64_t offset = std::strtoull(std::string(key.substr(a + 1, b - a - 1)).c_str(), nullptr, 10);
+    KVTIER_RETURN_IF_ERROR(cuda_status(cudaSetDevice(options_.cuda_device), "cudaSetDevice"));
+    void* p = nullptr;
+    KVTIER_RETURN_IF_ERROR(cuda_status(
+        cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+        fmt::format("cudaIpcOpenMemHandle (peer '{}' region {}, device {})", conn.name, index, key.substr(b + 1))));
+    {
+      std::lock_guard lock(jobs_mu_);
+      opened_.push_back(p);
+    }
+    conn.windows[index] = PeerWindow{static_cast<std::byte*>(p) + offset, r.bytes, r.base, true};
+    return Status::Ok();
+  }
+#else
+  // Without CUDA in the build the peer's CUDA regions stay unmapped: posts to them fail (no shared window).
+  Status open_cuda_window(Conn&, std::uint32_t, const detail::Blob::Region&) { return Status::Ok(); }
+#endif
 
   // The base resolves remote descriptors to the peer's addresses; the window has the region's layout.
   static std::uint64_t window_offset(const Job& job, const detail::ResolvedOp& op) {
@@ -559,8 +748,11 @@ class IpcTransport final : public detail::TransportBase {
           complete(id, Aborted(fmt::format("transfer {} was aborted", id)));
           continue;
         }
-        for (const auto& op : job->ops)
-          std::memcpy(op.local_ptr, conn->windows[op.remote_region].base + window_offset(*job, op), op.bytes);
+        Status cs = copy_ops(*job, false, 1);
+        if (!cs.ok()) {
+          fail_copy(*job, std::move(cs));
+          continue;
+        }
         Buf n;
         n.u32(kNotify);
         n.u8(static_cast<std::uint8_t>(NotifKind::kMessage));
@@ -645,6 +837,7 @@ class IpcTransport final : public detail::TransportBase {
                 fmt::format("region {} [{}, +{}) is no longer registered here", r.region, r.offset, r.bytes));
             break;
           }
+          if (it->second.cuda) continue;  // the initiator copied into (or reads from) the region itself
           if (type == kWrite)
             std::memcpy(it->second.region + r.offset, it->second.base + r.offset, r.bytes);
           else
@@ -682,6 +875,11 @@ class IpcTransport final : public detail::TransportBase {
 
   const IpcOptions options_;
   const HostIdentity host_;
+#if KVTIER_IPC_CUDA
+  cudaStream_t streams_[1] = {};  // the worker's
+  cudaEvent_t events_[1] = {};
+  std::vector<void*> opened_;  // the peers' allocations, closed at the end
+#endif
   std::string sock_name_;
   int listen_fd_ = -1;
 
@@ -705,6 +903,8 @@ class IpcTransport final : public detail::TransportBase {
 };
 
 }  // namespace
+
+bool ipc_cuda_supported() noexcept { return KVTIER_IPC_CUDA != 0; }
 
 Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob) {
   KVTIER_ASSIGN_OR_RETURN(detail::Blob b, detail::decode_blob(blob));

@@ -9,13 +9,17 @@
 // transfer done. A READ asks the owner to fill the window from the region, then copies out of it. The caller's
 // memory need not be shareable itself; the cost is one extra memcpy on the owner's side.
 //
-// CUDA device memory (CUDA IPC handles, device-to-device copies polled through events) is not part of this
-// build: register_memory refuses kDevice regions when IpcOptions::device_memory is kCuda (kNotSupported).
+// CUDA device memory (IpcOptions::device_memory = kCuda, builds with KVTIER_CUDA): the region's key carries its
+// allocation's CUDA IPC handle, its offset in it and the device's PCI bus id; the peer opens the handle and the
+// initiator copies with cudaMemcpyAsync (device to device, or peer copies between GPUs) on its own stream, one
+// event per transfer polled for completion, then sends the request, so the notification still follows the
+// bytes. Without CUDA in the build, register_memory refuses such regions (kNotSupported).
 //
 // Host identity: the blob carries /proc/sys/kernel/random/boot_id and the agent's pid namespace; load_peer
 // refuses a peer whose values differ (kFailedPrecondition naming both) before anything is connected or mapped.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <string>
 
@@ -38,9 +42,12 @@ Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob);
 struct IpcOptions {
   enum class DeviceMemory : std::uint8_t {
     kHost,  // the host backend: kDevice regions are CPU-addressable RAM, shared like pinned host memory
-    kCuda,  // CUDA device memory: not supported by this build (see above)
+    kCuda,  // CUDA device memory, shared through CUDA IPC handles (see above)
   };
   DeviceMemory device_memory = DeviceMemory::kHost;
+  int cuda_device = 0;  // the ordinal this agent's copies run on (kCuda)
+  // A CUDA copy not complete by then fails its transfer, which stays non-quiescent (fail closed).
+  std::chrono::milliseconds copy_timeout{60000};
   // Overrides the host identity the agent advertises and compares against (tests of the refusal).
   std::function<Result<HostIdentity>()> host_identity;
 };
@@ -65,9 +72,11 @@ struct PathChoice {
 // memory, peer access works between the two ordinals (the same ordinal always does); the staged / UCX path
 // otherwise. `can_access_peer(from, to)` is cudaDeviceCanAccessPeer; it is asked only for distinct CUDA ordinals.
 // CUDA memory on one side and host memory on the other goes the staged way. `cuda_ipc` says whether the ipc
-// backend has its CUDA data path (kIpcCuda: not in this build), so the rule can be tested for the full backend.
-inline constexpr bool kIpcCuda = false;
+// backend has its CUDA data path (ipc_cuda_supported(): builds with KVTIER_CUDA), so the rule is testable
+// everywhere.
+bool ipc_cuda_supported() noexcept;
 PathChoice choose_transfer_path(const PathEndpoint& local, const PathEndpoint& peer,
-                                const std::function<bool(int, int)>& can_access_peer, bool cuda_ipc = kIpcCuda);
+                                const std::function<bool(int, int)>& can_access_peer,
+                                bool cuda_ipc = ipc_cuda_supported());
 
 }  // namespace kvtier::transport
