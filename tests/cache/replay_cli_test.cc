@@ -206,4 +206,50 @@ TEST_F(ReplayCli, ThreeTiersWithARedisTier) {
   expect_three_tiers(run(kThreeTiers + " --storage '" + spec + "'", false));
 }
 
+// Tensor-parallel ranks: --tp 2 over two host-backend TransferManagers, every rank's loaded shards
+// checked; failures injected on rank 1 only are misses on both, with 0 mismatches.
+TEST_F(ReplayCli, TensorParallelRanksOnTheHostBackend) {
+  const std::string base =
+      "replay " + kSample + " --tp 2 --transfer host --max-requests 300 --device-blocks 64 --host-blocks 1024 --json";
+  for (const bool inject : {false, true}) {
+    SCOPED_TRACE(inject ? "failures on rank 1" : "no failures");
+    CliRun r = run(base + (inject ? " --failure-rank 1 --failure-rate 0.05" : ""), false);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    ASSERT_TRUE(j.contains("tp")) << r.out;
+    const auto& tp = j["tp"];
+    EXPECT_EQ(tp["ranks"], 2);
+    EXPECT_EQ(tp["shard_bytes"], 2048);
+    EXPECT_EQ(tp["timed_out_moves"], 0);
+    ASSERT_EQ(tp["per_rank"].size(), 2u);
+    for (int k = 0; k < 2; ++k) {
+      const auto& pr = tp["per_rank"][k];
+      EXPECT_EQ(pr["rank"], k);
+      EXPECT_GT(pr["verified_blocks"].get<std::uint64_t>(), 0u) << "rank " << k;
+      EXPECT_EQ(pr["mismatches"], 0) << "rank " << k;
+    }
+    EXPECT_EQ(j["transfer"]["verification_failures"], 0);
+    if (inject) {
+      EXPECT_EQ(tp["per_rank"][0]["failed_moves"], 0);
+      EXPECT_GT(tp["per_rank"][1]["injected_failures"].get<std::uint64_t>(), 0u);
+      EXPECT_GE(tp["failed_moves"], tp["per_rank"][1]["injected_failures"]);
+      EXPECT_GT(j["failed_transfers"].get<std::uint64_t>(), 0u) << "one rank's failures are misses for the cache";
+    } else {
+      EXPECT_EQ(tp["failed_moves"], 0);
+      EXPECT_EQ(j["failed_transfers"], 0);
+    }
+  }
+}
+
+TEST_F(ReplayCli, TensorParallelBadInput) {
+  const std::string base = "replay " + kSample + " --max-requests 5 --transfer host";
+  expect_error(run(base + " --tp 0"), {"--tp must be >= 1, got 0"}, "tp 0");
+  expect_error(run(base + " --tp 2 --block-bytes 4097"), {"--block-bytes 4097 is not divisible by --tp 2"},
+               "block bytes not divisible");
+  expect_error(run(base + " --tp 2 --failure-rank 2 --failure-rate 0.1"), {"--failure-rank 2 must be < --tp 2"},
+               "failure rank >= tp");
+  expect_error(run("replay " + kSample + " --max-requests 5 --tp 2 --transfer none"),
+               {"--tp 2 needs real transfers", "--transfer none"}, "tp without transfers");
+}
+
 }  // namespace
