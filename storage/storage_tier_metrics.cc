@@ -75,6 +75,8 @@ Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels
   KVTIER_RETURN_IF_ERROR(counter(m->evictions, "kvtier_storage_evictions_total", "Objects the backend evicted."));
   KVTIER_RETURN_IF_ERROR(counter(m->quarantined, "kvtier_storage_quarantined_total",
                                  "Objects that failed verification and were quarantined."));
+  KVTIER_RETURN_IF_ERROR(counter(m->auth_failures, "kvtier_storage_auth_failures_total",
+                                 "Objects refused by the tenant MAC (forged, foreign or unkeyed): misses."));
   KVTIER_RETURN_IF_ERROR(
       counter(m->bounce_copies, "kvtier_storage_bounce_copies_total", "Items moved through a bounce buffer."));
   KVTIER_RETURN_IF_ERROR(
@@ -91,6 +93,7 @@ Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels
     raw->capacity_bytes->set(static_cast<double>(s.capacity_bytes));
     raw->evictions.to(s.evictions);
     raw->quarantined.to(s.quarantined);
+    raw->auth_failures.to(s.auth_failures);
     raw->bounce_copies.to(s.bounce_copies);
     raw->redirects.to(s.redirects);
     raw->reconnects.to(s.reconnects);

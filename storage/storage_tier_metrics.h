@@ -26,7 +26,7 @@ struct StorageTierMetrics {
   metrics::Gauge* objects = nullptr;
   metrics::Gauge* stored_bytes = nullptr;
   metrics::Gauge* capacity_bytes = nullptr;
-  Delta evictions, quarantined, bounce_copies, redirects, reconnects;
+  Delta evictions, quarantined, auth_failures, bounce_copies, redirects, reconnects;
 };
 
 // Counts a finished op's items, bytes and latency (the polling thread).

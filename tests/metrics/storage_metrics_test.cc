@@ -70,10 +70,62 @@ TEST(StorageMetrics, ItemsBytesLatencyAndQuarantineFollowTheOperations) {
   EXPECT_TRUE(has_line(text, "kvtier_storage_op_latency_seconds_count{" + l + ",op=\"get\"} 1")) << text;
   EXPECT_TRUE(has_line(text, "kvtier_storage_op_latency_seconds_count{" + l + ",op=\"put\"} 1")) << text;
   EXPECT_TRUE(has_line(text, "kvtier_storage_quarantined_total{" + l + "} 1")) << text;
+  EXPECT_TRUE(has_line(text, "kvtier_storage_auth_failures_total{" + l + "} 0")) << text;  // no tenant secret
   EXPECT_TRUE(has_line(text, "kvtier_storage_objects{" + l + "} 2")) << text;
   // The tier leaves with its hook: scraping afterwards reads nothing freed and keeps the totals.
   tier->reset();
   EXPECT_TRUE(has_line(reg.expose(), "kvtier_storage_quarantined_total{" + l + "} 1"));
+}
+
+}  // namespace
+}  // namespace kvtier::storage
+
+namespace kvtier::storage {
+namespace {
+
+// An object sealed under another secret is refused by the tenant MAC: a counted auth failure, a data_loss item.
+TEST(StorageMetrics, TenantMacRefusalsAreCounted) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
+  testing::AlignedBuffer region(page * 4);
+  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, 4, region.data(), region.size(), 4096);
+  ASSERT_TRUE(space.ok());
+  testing::fill_random(space->block_ptr(0, 0, 0), 4096, 7);
+  testing::TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  auto make_tier = [&](char secret_byte) {
+    StorageOptions o = StorageTier::storage_options(*layout, "metrics-tenant");
+    o.tenant = "t1";
+    o.tenant_secret = std::string(32, secret_byte);
+    auto b = create_disk_backend(c, o);
+    EXPECT_TRUE(b.ok()) << b.status().to_string();
+    auto t = StorageTier::create(std::move(b).value(), *space, 0);
+    EXPECT_TRUE(t.ok()) << t.status().to_string();
+    return std::move(t).value();
+  };
+  const std::vector<StorageKey> keys = {testing::key_of(2, 0)};
+  {
+    auto writer = make_tier('a');
+    auto w = writer->write(keys, std::vector<std::uint64_t>{0});
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE(w->wait().ok());
+    ASSERT_TRUE(w->status(0).ok()) << w->status(0).to_string();
+  }
+  metrics::Registry reg;
+  auto reader = make_tier('b');
+  ASSERT_TRUE(reader->attach_metrics(reg).ok());
+  auto r = reader->read(keys, std::vector<std::uint64_t>{1});
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(r->wait().ok());
+  // The reader's index rebuild already refused (and quarantined) the object: the get is a miss.
+  const StatusCode code = r->status(0).code();
+  EXPECT_TRUE(code == StatusCode::kNotFound || code == StatusCode::kDataLoss) << r->status(0).to_string();
+  const std::string text = reg.expose();
+  const std::string l = "backend=\"" + std::string(reader->backend().name()) + "\"";
+  EXPECT_TRUE(has_line(text, "kvtier_storage_auth_failures_total{" + l + "} 1")) << text;
+  EXPECT_TRUE(has_line(text, "kvtier_storage_items_total{" + l + ",op=\"get\",outcome=\"ok\"} 0")) << text;
 }
 
 }  // namespace

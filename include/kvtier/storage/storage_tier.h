@@ -121,7 +121,8 @@ class StorageTier {
   //   kvtier_storage_bytes_total{op}           payload bytes of OK gets and puts
   //   kvtier_storage_op_latency_seconds{op}    post to the op observed done (poll/wait), per batch
   //   kvtier_storage_objects, kvtier_storage_stored_bytes, kvtier_storage_capacity_bytes   (gauges)
-  //   kvtier_storage_evictions_total, kvtier_storage_quarantined_total, kvtier_storage_bounce_copies_total,
+  //   kvtier_storage_evictions_total, kvtier_storage_quarantined_total, kvtier_storage_auth_failures_total,
+  //   kvtier_storage_bounce_copies_total,
   //   kvtier_storage_redirects_total, kvtier_storage_reconnects_total   (the backend's StorageStats)
   // Items and latencies are counted by the thread that polls an op (lock-free); the backend's stats are
   // read when the registry is scraped. The registry must outlive the tier. FailedPrecondition when
