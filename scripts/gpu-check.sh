@@ -9,7 +9,7 @@
 # table last. docs/performance.md says which of its tables this reproduces.
 # `python`: builds the Python extension here with the machine's python3 (pip,
 # no build isolation, into $KVTIER_PY_TARGET; headers and libnuma a bare
-# machine lacks may be supplied in .pydeps/{include,lib}), runs the pytest
+# machine lacks, e.g. numa.h and zmq.h, may be supplied in .pydeps/{include,lib}), runs the pytest
 # suite on torch CUDA tensors and the real-model offload proof
 # (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it).
 # Usage: scripts/gpu-check.sh [tests|bench|probes|python|all] [extra kvtier bench copy args...]

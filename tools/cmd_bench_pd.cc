@@ -36,6 +36,7 @@
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
+#include "kvtier/transport/ipc.h"
 #include "kvtier/transport/pd.h"
 #include "kvtier/transport/pd_staged.h"
 #include "tools/cli.h"
@@ -71,6 +72,13 @@ struct PdArgs {
 transport::UcxOptions lane_options(const std::string& lane) {
   if (lane == "tcp") return {"tcp", "lo"};
   return {"shm", ""};
+}
+
+// The transport of a lane: UCX for tcp and shm, kvtier's same-host ipc backend for ipc (its regions here are
+// pinned host blocks or staging, shared as memfd windows).
+Result<std::unique_ptr<transport::Transport>> lane_transport(transport::AgentIdentity id, const std::string& lane) {
+  if (lane == "ipc") return transport::create_ipc_transport(std::move(id));
+  return transport::create_ucx_transport(std::move(id), lane_options(lane));
 }
 
 std::uint64_t blocks_for(const PdArgs& a, std::uint64_t block_bytes) {
@@ -200,7 +208,7 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", side.status().to_string().c_str());
     return 5;
   }
-  auto t = transport::create_ucx_transport({"bench-prefill", layout.fingerprint(), 1, 0}, lane_options(a.lane));
+  auto t = lane_transport({"bench-prefill", layout.fingerprint(), 1, 0}, a.lane);
   if (!t.ok()) return 5;
   transport::StagedOptions so;
   so.pd = kPdOptions;
@@ -239,7 +247,7 @@ int run_prefill(const PdArgs& a) {
   const std::uint64_t n = blocks_for(a, a.block_bytes);
   auto blocks = make_blocks(*layout, n, std::byte{1});
   if (!blocks.ok()) return 5;
-  auto t = transport::create_ucx_transport({"bench-prefill", layout->fingerprint(), 1, 0}, lane_options(a.lane));
+  auto t = lane_transport({"bench-prefill", layout->fingerprint(), 1, 0}, a.lane);
   if (!t.ok()) return 5;
   auto pre = transport::PdPrefill::create(**t, blocks->space, kPdOptions);
   if (!pre.ok()) return 5;
@@ -283,7 +291,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
     KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n, std::byte{0x40}));
   }
   KVTIER_ASSIGN_OR_RETURN(
-      auto t, transport::create_ucx_transport({"bench-decode", layout.fingerprint(), 1, 0}, lane_options(lane)));
+      auto t, lane_transport({"bench-decode", layout.fingerprint(), 1, 0}, lane));
   std::unique_ptr<transport::PdDecode> plain;
   std::unique_ptr<transport::PdStagedDecode> sdec;
   DecodeOps dec;
@@ -384,6 +392,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
 
 // ucx_perftest over the same lane: a server and a client process; GB/s of the client's "Final:" line.
 Result<double> run_perftest(const std::string& lane, PdMode mode, std::uint64_t block_bytes, int port) {
+  if (lane == "ipc") return NotSupported("ucx_perftest has no ipc lane");
   const transport::UcxOptions o = lane_options(lane);
   std::string env = "UCX_TLS=" + o.tls + (o.net_devices.empty() ? "" : " UCX_NET_DEVICES=" + o.net_devices);
   const std::string test = mode == PdMode::kPush ? "ucp_put_bw" : "ucp_get";
@@ -474,7 +483,7 @@ int run_bench(const PdArgs& a) {
 Action register_bench_pd(CLI::App& bench) {
   auto a = std::make_shared<PdArgs>();
   auto* cmd = bench.add_subcommand("pd", "Prefill/decode KV transfer between two processes (UCX) vs ucx_perftest");
-  cmd->add_option("--lanes", a->lanes, "UCX lanes: tcp (127.0.0.1), shm")->delimiter(',');
+  cmd->add_option("--lanes", a->lanes, "lanes: tcp (UCX, 127.0.0.1), shm (UCX), ipc (kvtier's same-host backend)")->delimiter(',');
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,
                   "host (pinned host blocks), device (device blocks through the staged path); both: host,device")
@@ -497,8 +506,8 @@ Action register_bench_pd(CLI::App& bench) {
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
     for (const auto& l : a->lanes)
-      if (l != "tcp" && l != "shm") {
-        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp or shm\n", l.c_str());
+      if (l != "tcp" && l != "shm" && l != "ipc") {
+        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm or ipc\n", l.c_str());
         return 2;
       }
     for (const auto& m : a->modes)
