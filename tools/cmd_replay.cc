@@ -125,6 +125,7 @@ Action register_replay(CLI::App& app) {
     std::string kv_events;
     std::string kv_events_replay;
     std::uint32_t tp = 1;
+    std::uint32_t tp_gpus = 0;
     std::int64_t failure_rank = -1;
     std::uint64_t rank_deadline_ms = 30000;
   };
@@ -169,6 +170,9 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--tp", args->tp,
                   "tensor-parallel ranks (with --transfer host|cuda): one TransferManager per rank (GPU r for rank "
                   "r with cuda), each holding --block-bytes / N of every block; one cache plan drives them all")
+      ->capture_default_str();
+  cmd->add_option("--tp-gpus", args->tp_gpus,
+                  "with --tp and --transfer cuda: GPUs the ranks share, rank r on GPU r % N (0: one GPU per rank)")
       ->capture_default_str();
   cmd->add_option("--failure-rank", args->failure_rank,
                   "inject --failure-rate copy failures on this rank only (real transfers on every rank)")
@@ -428,9 +432,14 @@ Action register_replay(CLI::App& app) {
         return 2;
       }
     }
-    if (use_transfer && a.transfer == "cuda" && multi_rank && cuda_device_count() < int(a.tp))
-      return std::fprintf(stderr, "kvtier replay: --tp %u --transfer cuda needs %u GPUs (one per rank), %d visible\n",
-                          a.tp, a.tp, cuda_device_count()),
+    if (a.tp_gpus > a.tp)
+      return std::fprintf(stderr, "kvtier replay: --tp-gpus %u must be <= --tp %u\n", a.tp_gpus, a.tp), 2;
+    const std::uint32_t gpus = a.tp_gpus ? a.tp_gpus : a.tp;
+    if (use_transfer && a.transfer == "cuda" && multi_rank && cuda_device_count() < int(gpus))
+      return std::fprintf(stderr,
+                          "kvtier replay: --tp %u --transfer cuda needs %u GPUs (%s), %d visible; --tp-gpus N lets "
+                          "ranks share N GPUs\n",
+                          a.tp, gpus, a.tp_gpus ? "--tp-gpus" : "one per rank", cuda_device_count()),
              1;
     std::vector<RealTransfer> ranks(use_transfer ? a.tp : 1);
     RealTransfer& rt = ranks[0];
@@ -444,7 +453,7 @@ Action register_replay(CLI::App& app) {
         return 1;
       };
       if (a.transfer == "cuda") {
-        auto d = create_cuda_device(int(rank));
+        auto d = create_cuda_device(int(rank % gpus));
         if (!d.ok()) return fail("cuda device", d.status());
         rr.device = std::move(*d);
       } else {

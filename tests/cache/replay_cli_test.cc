@@ -250,6 +250,7 @@ TEST_F(ReplayCli, TensorParallelBadInput) {
                "failure rank >= tp");
   expect_error(run("replay " + kSample + " --max-requests 5 --tp 2 --transfer none"),
                {"--tp 2 needs real transfers", "--transfer none"}, "tp without transfers");
+  expect_error(run(base + " --tp 2 --tp-gpus 3"), {"--tp-gpus 3 must be <= --tp 2"}, "more GPUs than ranks");
 }
 
 }  // namespace
