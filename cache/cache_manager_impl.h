@@ -323,14 +323,7 @@ struct CacheManager::Impl {
 
 // The registry series of an attached manager (cache_manager_metrics.cc); `seen` is the last export.
 struct CacheManager::MetricSeries {
-  struct Delta {
-    metrics::Counter* c = nullptr;
-    std::uint64_t seen = 0;
-    void to(std::uint64_t v) {
-      if (v > seen) c->inc(v - seen);
-      seen = v;
-    }
-  };
+  using Delta = metrics::CounterDelta;
   Delta lookups, misses, admissions, refusals, lost_host_drops, failed, invalidated, resets;
   Delta hits[kNumTiers];
   Delta moved_device, dropped[kNumTiers];

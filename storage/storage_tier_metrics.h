@@ -12,14 +12,7 @@ inline constexpr int kNumOps = 4;       // StorageOp values
 inline constexpr int kNumOutcomes = 6;  // ok, not_found, data_loss, timed_out, unavailable, error
 
 struct StorageTierMetrics {
-  struct Delta {
-    metrics::Counter* c = nullptr;
-    std::uint64_t seen = 0;
-    void to(std::uint64_t v) {
-      if (v > seen) c->inc(v - seen);
-      seen = v;
-    }
-  };
+  using Delta = metrics::CounterDelta;
   std::array<std::array<metrics::Counter*, kNumOutcomes>, kNumOps> items{};
   std::array<metrics::Counter*, kNumOps> bytes{};
   std::array<metrics::Histogram*, kNumOps> latency{};

@@ -23,14 +23,7 @@ class ReplayMetrics {
   void update(const cache::ReplayResult& r);
 
  private:
-  struct Delta {
-    metrics::Counter* c = nullptr;
-    std::uint64_t seen = 0;
-    void to(std::uint64_t total) {
-      if (total > seen) c->inc(total - seen);
-      seen = total;
-    }
-  };
+  using Delta = metrics::CounterDelta;
   Delta requests_, blocks_, misses_, hits_[3], bytes_[4], refused_, truncated_, verification_failures_;
   metrics::Histogram* request_seconds_ = nullptr;
   std::chrono::steady_clock::time_point last_;

@@ -75,14 +75,7 @@ struct PendingEntry {
 // The registry series of an attached manager (transfer_metrics.cc). Counters
 // are advanced from stats() deltas at scrape time; `seen` is the last export.
 struct TransferMetricSeries {
-  struct Delta {
-    metrics::Counter* c = nullptr;
-    std::uint64_t seen = 0;
-    void to(std::uint64_t v) {
-      if (v > seen) c->inc(v - seen);
-      seen = v;
-    }
-  };
+  using Delta = metrics::CounterDelta;
   Delta tasks_ok[2], tasks_failed[2], bytes[2], blocks[2], failed_blocks[2], layers_ok, layers_failed;
   metrics::Gauge* in_flight[2] = {};
   double in_flight_seen[2] = {0, 0};

@@ -59,6 +59,17 @@ class Counter {
   std::array<Shard, kShards> shards_{};
 };
 
+// Exports a running total that another object owns (a manager's stats()) as a Counter: to(total) adds
+// what grew since the last call. Totals that went down (a component restarted) re-base without going back.
+struct CounterDelta {
+  Counter* c = nullptr;
+  std::uint64_t seen = 0;
+  void to(std::uint64_t total) noexcept {
+    if (total > seen) c->inc(total - seen);
+    seen = total;
+  }
+};
+
 // A value that goes up and down (queue depth, blocks in use). One atomic: gauges are written
 // by the one owner of the quantity, so there is no contention to shard away.
 class Gauge {
