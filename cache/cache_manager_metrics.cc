@@ -7,14 +7,6 @@
 
 namespace kvtier::cache {
 
-namespace {
-metrics::Labels with(const metrics::Labels& base, std::initializer_list<std::pair<std::string, std::string>> extra) {
-  metrics::Labels l = base;
-  for (const auto& kv : extra) l.push_back(kv);
-  return l;
-}
-}  // namespace
-
 Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Labels& labels) {
   if (metrics_) return FailedPrecondition("attach_metrics: this cache manager is already attached to a registry");
   auto m = std::make_unique<MetricSeries>();
@@ -44,21 +36,23 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
     KVTIER_RETURN_IF_ERROR(counter(m->hits[t], "kvtier_cache_hit_blocks_total",
                                    "Keys of successful admissions found in a tier (device served, host loaded, "
                                    "storage present).",
-                                   with(labels, {{"tier", tier}})));
-    KVTIER_RETURN_IF_ERROR(counter(m->dropped[t], "kvtier_cache_evictions_total",
-                                   "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
-                                   with(labels, {{"tier", tier}, {"policy", policies[t]}, {"action", "dropped"}})));
+                                   metrics::with_labels(labels, {{"tier", tier}})));
+    KVTIER_RETURN_IF_ERROR(
+        counter(m->dropped[t], "kvtier_cache_evictions_total",
+                "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
+                metrics::with_labels(labels, {{"tier", tier}, {"policy", policies[t]}, {"action", "dropped"}})));
     KVTIER_ASSIGN_OR_RETURN(m->used[t], reg.gauge("kvtier_cache_pool_used_blocks", "Blocks in use in a tier's pool.",
-                                                  with(labels, {{"tier", tier}})));
+                                                  metrics::with_labels(labels, {{"tier", tier}})));
     KVTIER_ASSIGN_OR_RETURN(m->capacity[t], reg.gauge("kvtier_cache_pool_capacity_blocks", "Blocks of a tier's pool.",
-                                                      with(labels, {{"tier", tier}})));
-    KVTIER_ASSIGN_OR_RETURN(
-        m->resident[t],
-        reg.gauge("kvtier_cache_resident_blocks", "Settled copies indexed in a tier.", with(labels, {{"tier", tier}})));
+                                                      metrics::with_labels(labels, {{"tier", tier}})));
+    KVTIER_ASSIGN_OR_RETURN(m->resident[t],
+                            reg.gauge("kvtier_cache_resident_blocks", "Settled copies indexed in a tier.",
+                                      metrics::with_labels(labels, {{"tier", tier}})));
   }
-  KVTIER_RETURN_IF_ERROR(counter(m->moved_device, "kvtier_cache_evictions_total",
-                                 "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
-                                 with(labels, {{"tier", "device"}, {"policy", policies[0]}, {"action", "moved"}})));
+  KVTIER_RETURN_IF_ERROR(
+      counter(m->moved_device, "kvtier_cache_evictions_total",
+              "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
+              metrics::with_labels(labels, {{"tier", "device"}, {"policy", policies[0]}, {"action", "moved"}})));
   struct {
     MetricSeries::Delta* d;
     const char* kind;
@@ -70,7 +64,7 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
                {&m->pressure_demotions, "pressure_demotion"}};
   for (auto& mv : moves)
     KVTIER_RETURN_IF_ERROR(counter(*mv.d, "kvtier_cache_moves_total", "Block moves queued in step plans, by kind.",
-                                   with(labels, {{"kind", mv.kind}})));
+                                   metrics::with_labels(labels, {{"kind", mv.kind}})));
   KVTIER_ASSIGN_OR_RETURN(m->index_blocks,
                           reg.gauge("kvtier_cache_index_blocks", "Blocks in the prefix index.", labels));
   metrics_ = std::move(m);

@@ -10,6 +10,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
   t.add(p + ".sm_item_bytes", &o.sm_item_bytes, "bytes one warp copies per work item");
   t.add(p + ".sm_inline_descriptor_max_pairs", &o.sm_inline_descriptor_max_pairs,
         "kernel launches of at most this many pairs pass descriptors as kernel parameters (0: never, <= 3072)");
+  t.add(p + ".sm_programmatic_launch", &o.sm_programmatic_launch,
+        "SM kernels use programmatic dependent launch (launch overlaps the previous kernel's end; order kept)");
   t.add(p + ".descriptor_slots", &o.descriptor_slots, "kernel descriptor slots per stream (ring)");
   t.add(p + ".max_pairs_per_call", &o.max_pairs_per_call, "pairs per kernel launch; larger requests are split");
   t.add(p + ".batch_max_descriptors", &o.batch_max_descriptors, "segments per cudaMemcpyBatchAsync call");

@@ -20,12 +20,6 @@ int outcome_index(const Status& s) {
     default: return 5;
   }
 }
-
-metrics::Labels with(const metrics::Labels& base, std::initializer_list<std::pair<std::string, std::string>> extra) {
-  metrics::Labels l = base;
-  for (const auto& kv : extra) l.push_back(kv);
-  return l;
-}
 }  // namespace
 
 void record_metrics(StorageTierMetrics& m, const StorageTierOp& op) {
@@ -47,21 +41,22 @@ StorageTier::~StorageTier() {
 Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels& labels) {
   if (metrics_owned_) return FailedPrecondition("attach_metrics: this storage tier is already attached to a registry");
   auto m = std::make_unique<StorageTierMetrics>();
-  const metrics::Labels base = with(labels, {{"backend", std::string(backend_->name())}});
+  const metrics::Labels base = metrics::with_labels(labels, {{"backend", std::string(backend_->name())}});
   const std::vector<double> buckets = metrics::latency_buckets_seconds();
   for (int o = 0; o < kNumOps; ++o) {
     const std::string op(storage_op_name(static_cast<StorageOp>(o)));
     for (int i = 0; i < kNumOutcomes; ++i) {
-      KVTIER_ASSIGN_OR_RETURN(m->items[o][i], reg.counter("kvtier_storage_items_total",
-                                                          "Storage items that completed, by operation and outcome.",
-                                                          with(base, {{"op", op}, {"outcome", kOutcomes[i]}})));
+      KVTIER_ASSIGN_OR_RETURN(
+          m->items[o][i],
+          reg.counter("kvtier_storage_items_total", "Storage items that completed, by operation and outcome.",
+                      metrics::with_labels(base, {{"op", op}, {"outcome", kOutcomes[i]}})));
     }
     KVTIER_ASSIGN_OR_RETURN(
         m->bytes[o], reg.counter("kvtier_storage_bytes_total", "Payload bytes of storage gets and puts that succeeded.",
-                                 with(base, {{"op", op}})));
+                                 metrics::with_labels(base, {{"op", op}})));
     KVTIER_ASSIGN_OR_RETURN(m->latency[o], reg.histogram("kvtier_storage_op_latency_seconds",
                                                          "Post to observed completion of a storage batch.", buckets,
-                                                         with(base, {{"op", op}})));
+                                                         metrics::with_labels(base, {{"op", op}})));
   }
   KVTIER_ASSIGN_OR_RETURN(m->objects, reg.gauge("kvtier_storage_objects", "Objects the backend indexes.", base));
   KVTIER_ASSIGN_OR_RETURN(m->stored_bytes,

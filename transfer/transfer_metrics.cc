@@ -9,12 +9,6 @@ namespace kvtier::transfer_detail {
 
 namespace {
 constexpr const char* kDirs[2] = {"evict", "load"};
-
-metrics::Labels with(const metrics::Labels& base, std::initializer_list<std::pair<const char*, const char*>> extra) {
-  metrics::Labels l = base;
-  for (const auto& [k, v] : extra) l.emplace_back(k, v);
-  return l;
-}
 }  // namespace
 
 Status TransferManagerImpl::attach_metrics(metrics::Registry& registry, const metrics::Labels& labels) {
@@ -28,33 +22,34 @@ Status TransferManagerImpl::attach_metrics(metrics::Registry& registry, const me
     const char* dir = kDirs[d];
     KVTIER_ASSIGN_OR_RETURN(m->tasks_ok[d].c,
                             registry.counter("kvtier_transfer_tasks_total", "Transfer tasks that became final.",
-                                             with(labels, {{"direction", dir}, {"outcome", "ok"}})));
-    KVTIER_ASSIGN_OR_RETURN(m->tasks_failed[d].c,
-                            registry.counter("kvtier_transfer_tasks_total", "Transfer tasks that became final.",
-                                             with(labels, {{"direction", dir}, {"outcome", "failed"}})));
+                                             metrics::with_labels(labels, {{"direction", dir}, {"outcome", "ok"}})));
+    KVTIER_ASSIGN_OR_RETURN(
+        m->tasks_failed[d].c,
+        registry.counter("kvtier_transfer_tasks_total", "Transfer tasks that became final.",
+                         metrics::with_labels(labels, {{"direction", dir}, {"outcome", "failed"}})));
     KVTIER_ASSIGN_OR_RETURN(m->bytes[d].c, registry.counter("kvtier_transfer_bytes_total",
                                                             "Bytes of transfer tasks that completed successfully.",
-                                                            with(labels, {{"direction", dir}})));
+                                                            metrics::with_labels(labels, {{"direction", dir}})));
     KVTIER_ASSIGN_OR_RETURN(m->blocks[d].c, registry.counter("kvtier_transfer_blocks_total",
                                                              "Blocks of transfer tasks that completed successfully.",
-                                                             with(labels, {{"direction", dir}})));
+                                                             metrics::with_labels(labels, {{"direction", dir}})));
     KVTIER_ASSIGN_OR_RETURN(m->failed_blocks[d].c,
                             registry.counter("kvtier_transfer_failed_blocks_total",
                                              "Destination blocks of failed tasks reported failed (never loaded).",
-                                             with(labels, {{"direction", dir}})));
+                                             metrics::with_labels(labels, {{"direction", dir}})));
     KVTIER_ASSIGN_OR_RETURN(m->in_flight[d], registry.gauge("kvtier_transfer_in_flight_tasks",
                                                             "Transfer tasks submitted and not yet final.",
-                                                            with(labels, {{"direction", dir}})));
+                                                            metrics::with_labels(labels, {{"direction", dir}})));
     KVTIER_ASSIGN_OR_RETURN(m->task_latency[d], registry.histogram("kvtier_transfer_task_latency_seconds",
                                                                    "Submit to final of a transfer task.", buckets,
-                                                                   with(labels, {{"direction", dir}})));
+                                                                   metrics::with_labels(labels, {{"direction", dir}})));
   }
   KVTIER_ASSIGN_OR_RETURN(m->layers_ok.c,
                           registry.counter("kvtier_transfer_layers_total", "Layers of load tasks that became final.",
-                                           with(labels, {{"outcome", "ok"}})));
+                                           metrics::with_labels(labels, {{"outcome", "ok"}})));
   KVTIER_ASSIGN_OR_RETURN(m->layers_failed.c,
                           registry.counter("kvtier_transfer_layers_total", "Layers of load tasks that became final.",
-                                           with(labels, {{"outcome", "failed"}})));
+                                           metrics::with_labels(labels, {{"outcome", "failed"}})));
   KVTIER_ASSIGN_OR_RETURN(m->layer_latency,
                           registry.histogram("kvtier_transfer_layer_latency_seconds",
                                              "Submit of a load to the layer's completion (what a forward pass "

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "kvtier/core/deadline.h"
+#include "transport/byte_codec.h"
 
 namespace kvtier::transport {
 
@@ -44,47 +45,7 @@ constexpr std::uint64_t kBlobMagic = 0x31545250584b564bULL;  // "KVKXPRT1" littl
 constexpr std::size_t kMaxString = 1u << 20;
 constexpr std::uint32_t kMaxRegions = 1u << 16;
 
-class Writer {
- public:
-  void u8(std::uint8_t v) { raw(&v, 1); }
-  void u32(std::uint32_t v) { raw(&v, 4); }
-  void u64(std::uint64_t v) { raw(&v, 8); }
-  void str(std::string_view s) {
-    u32(static_cast<std::uint32_t>(s.size()));
-    raw(s.data(), s.size());
-  }
-  void raw(const void* p, std::size_t n) {
-    const auto* b = static_cast<const std::byte*>(p);
-    out.insert(out.end(), b, b + n);
-  }
-  std::vector<std::byte> out;
-};
-
-class Reader {
- public:
-  explicit Reader(std::span<const std::byte> in) : in_(in) {}
-  bool u8(std::uint8_t& v) { return raw(&v, 1); }
-  bool u32(std::uint32_t& v) { return raw(&v, 4); }
-  bool u64(std::uint64_t& v) { return raw(&v, 8); }
-  bool str(std::string& s) {
-    std::uint32_t n = 0;
-    if (!u32(n) || n > kMaxString || n > in_.size() - pos_) return false;
-    s.assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
-    pos_ += n;
-    return true;
-  }
-  bool raw(void* p, std::size_t n) {
-    if (n > in_.size() - pos_) return false;
-    std::memcpy(p, in_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  std::size_t pos() const { return pos_; }
-
- private:
-  std::span<const std::byte> in_;
-  std::size_t pos_ = 0;
-};
+using Writer = ByteWriter<std::vector<std::byte>>;
 
 }  // namespace
 
@@ -112,7 +73,7 @@ std::vector<std::byte> encode_blob(const Blob& blob) {
 
 Result<Blob> decode_blob(std::span<const std::byte> bytes) {
   if (bytes.size() < 20) return InvalidArgument(fmt::format("peer blob of {} bytes is too short", bytes.size()));
-  Reader r(bytes);
+  ByteReader r(bytes, kMaxString);
   std::uint64_t magic = 0;
   (void)r.u64(magic);
   if (magic != kBlobMagic)

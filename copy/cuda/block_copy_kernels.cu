@@ -5,6 +5,14 @@
 // does not flush the compute kernels' L2 working set); host memory is reached
 // through its mapped (UVA) address. Each lane keeps kUnroll loads in flight
 // before storing, to cover PCIe read latency with few CTAs.
+//
+// Programmatic dependent launch (sm_90+): a launch with `programmatic` set may
+// start while the kernel before it on the stream still runs. Every CTA first
+// waits for that kernel to complete and its memory to be visible
+// (griddepcontrol.wait), so stream order holds for every byte; what overlaps
+// is the launch and the CTAs' start-up, the gap that held streams of small
+// back-to-back requests below the link's ceiling. Once every CTA is past the
+// wait, the next copy kernel may launch in turn.
 #include <cstring>
 
 #include "copy/cuda/block_copy_kernels.h"
@@ -50,6 +58,13 @@ __device__ __forceinline__ void copy_body(const unsigned char* src, unsigned cha
   for (; e < n; e += kWarpLanes) __stcs(d + e, __ldcs(s + e));
 }
 
+__device__ __forceinline__ void order_after_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // One warp per item over `a.num_items` items; `planes` are in shared memory.
 __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlane* planes, const KernelPair* pairs) {
   const std::uint32_t lane = threadIdx.x % kWarpLanes;
@@ -75,6 +90,7 @@ __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlan
 
 __global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
   extern __shared__ KernelPlane smem_planes[];
+  order_after_previous_grid();
   for (std::uint32_t i = threadIdx.x; i < a.num_planes; i += blockDim.x) smem_planes[i] = a.planes[i];
   __syncthreads();
   copy_items(a, smem_planes, a.pairs);
@@ -92,37 +108,56 @@ static_assert(sizeof(InlineParams<kInlineMaxPairs>) <= 32764, "kernel parameter 
 template <std::uint32_t MaxPairs>
 __global__ void __launch_bounds__(1024) block_copy_inline_kernel(const __grid_constant__ InlineParams<MaxPairs> p) {
   __shared__ KernelPlane smem_planes[kInlineMaxPlanes];
+  order_after_previous_grid();
   for (std::uint32_t i = threadIdx.x; i < p.args.num_planes; i += blockDim.x) smem_planes[i] = p.planes[i];
   __syncthreads();
   copy_items(p.args, smem_planes, p.pairs);
 }
 
+template <typename Kernel, typename Params>
+cudaError_t launch(Kernel kernel, const Params& params, std::uint32_t ctas, std::uint32_t threads, std::size_t smem,
+                   cudaStream_t stream, bool programmatic) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = programmatic ? &attr : nullptr;
+  config.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, params);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
 template <std::uint32_t MaxPairs>
 cudaError_t launch_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
-                          std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
+                          std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream, bool programmatic) {
   InlineParams<MaxPairs> p;
   p.args = args;
   std::memcpy(p.planes, planes, sizeof(KernelPlane) * args.num_planes);
   std::memcpy(p.pairs, pairs, sizeof(KernelPair) * args.num_pairs);
-  block_copy_inline_kernel<MaxPairs><<<ctas, threads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch(block_copy_inline_kernel<MaxPairs>, p, ctas, threads, 0, stream, programmatic);
 }
 
 }  // namespace
 
-cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
+cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream,
+                              bool programmatic) {
   const std::size_t smem = std::size_t{args.num_planes} * sizeof(KernelPlane);
-  block_copy_kernel<<<ctas, threads, smem, stream>>>(args);
-  return cudaGetLastError();
+  return launch(block_copy_kernel, args, ctas, threads, smem, stream, programmatic);
 }
 
 cudaError_t launch_block_copy_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
-                                     std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream) {
+                                     std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream,
+                                     bool programmatic) {
   if (args.num_planes > kInlineMaxPlanes || args.num_pairs > kInlineMaxPairs) return cudaErrorInvalidValue;
   // Size classes: the driver copies the whole parameter block at every launch.
-  if (args.num_pairs <= 128) return launch_inline<128>(args, planes, pairs, ctas, threads, stream);
-  if (args.num_pairs <= 768) return launch_inline<768>(args, planes, pairs, ctas, threads, stream);
-  return launch_inline<kInlineMaxPairs>(args, planes, pairs, ctas, threads, stream);
+  if (args.num_pairs <= 128) return launch_inline<128>(args, planes, pairs, ctas, threads, stream, programmatic);
+  if (args.num_pairs <= 768) return launch_inline<768>(args, planes, pairs, ctas, threads, stream, programmatic);
+  return launch_inline<kInlineMaxPairs>(args, planes, pairs, ctas, threads, stream, programmatic);
 }
 
 }  // namespace kvtier::copy_detail

@@ -134,8 +134,8 @@ class CudaCopyEngine final : public EngineBase {
   Status launch_kernel_inline(StreamState&, Stream& stream, const KernelArgs& args, const KernelPlane* planes,
                               const KernelPair* pairs, std::uint32_t ctas) override {
     KVTIER_CUDA_GUARD(device_.ordinal());
-    const cudaError_t err =
-        launch_block_copy_inline(args, planes, pairs, ctas, options_.sm_threads_per_cta, cuda_detail::native(stream));
+    const cudaError_t err = launch_block_copy_inline(args, planes, pairs, ctas, options_.sm_threads_per_cta,
+                                                     cuda_detail::native(stream), options_.sm_programmatic_launch);
     if (err != cudaSuccess)
       return cuda_detail::cuda_status(err, "block_copy_inline_kernel launch")
           .with_context(fmt::format("{} CTAs x {} threads, {} pairs, {} planes", ctas, options_.sm_threads_per_cta,
@@ -146,7 +146,8 @@ class CudaCopyEngine final : public EngineBase {
   Status launch_kernel(StreamState&, Stream& stream, const KernelArgs& args, std::uint32_t ctas, const std::byte*,
                        std::uint64_t) override {
     KVTIER_CUDA_GUARD(device_.ordinal());
-    const cudaError_t err = launch_block_copy(args, ctas, options_.sm_threads_per_cta, cuda_detail::native(stream));
+    const cudaError_t err = launch_block_copy(args, ctas, options_.sm_threads_per_cta, cuda_detail::native(stream),
+                                              options_.sm_programmatic_launch);
     if (err != cudaSuccess)
       return cuda_detail::cuda_status(err, "block_copy_kernel launch")
           .with_context(fmt::format("{} CTAs x {} threads, {} items, {} planes", ctas, options_.sm_threads_per_cta,

@@ -71,5 +71,46 @@ TEST_F(CopyEngineTest, ManyBackToBackKernelCallsReuseSlots) {
   }
 }
 
+// Programmatic dependent launch lets a copy kernel launch while the one before
+// it on the stream still runs; every byte it touches must still be ordered
+// after that kernel. A chain of SM-kernel copies on one stream where each reads
+// what the previous one wrote (host -> device -> host -> device ...), large
+// enough that a kernel starting early would read the poison still there; with
+// the programmatic launch on and off.
+TEST_F(CopyEngineTest, ChainedKernelCopiesOnOneStreamKeepStreamOrder) {
+  for (bool programmatic : {true, false}) {
+    SCOPED_TRACE(::testing::Message() << "sm_programmatic_launch " << programmatic);
+    CopyEngineOptions o;
+    o.sm_programmatic_launch = programmatic;
+    ASSERT_TRUE(make_engine(o).ok());
+    auto layout = KvLayout::uniform(2, 2, 64 * 1024);
+    ASSERT_TRUE(layout.ok());
+    constexpr std::uint64_t kBlocks = 64;  // 32 blocks per hop: 8 MiB per kernel
+    auto host_a = layer_first(MemoryKind::kPinnedHost, *layout, kBlocks);
+    auto dev = layer_first(MemoryKind::kDevice, *layout, kBlocks);
+    auto host_b = layer_first(MemoryKind::kPinnedHost, *layout, kBlocks);
+    ASSERT_TRUE(host_a && dev && host_b);
+    fill_random(*host_a, 7);
+    fill_poison(*dev);
+    fill_poison(*host_b);
+    // Hop k copies the 32 blocks the previous hop wrote to fresh positions of
+    // the next space: a -> dev -> b -> dev -> a -> ... (ids shuffled per hop).
+    TestSpace* spaces[3] = {host_a.get(), dev.get(), host_b.get()};
+    std::vector<std::int32_t> prev = random_ids(kBlocks, 32, 100);
+    int at = 0;
+    for (int hop = 0; hop < 24; ++hop) {
+      const int next = (at == 1) ? (hop % 4 == 1 ? 2 : 0) : 1;
+      std::vector<std::int32_t> dst = random_ids(kBlocks, 32, 200 + hop);
+      CopyRequest r{&spaces[at]->space, &spaces[next]->space, prev, dst, {}, kAllRoles, CopyStrategy::kSmKernel};
+      model_copy(*spaces[at], *spaces[next], r);
+      ASSERT_TRUE(engine_->copy(r, *stream_).ok());
+      prev = dst;
+      at = next;
+    }
+    ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    for (TestSpace* ts : spaces) expect_matches_model(*ts);
+  }
+}
+
 }  // namespace
 }  // namespace kvtier::copy_test

@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "kvtier/transport/ipc.h"
+#include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 
 #ifndef KVTIER_IPC_CUDA
@@ -59,46 +60,8 @@ enum MsgType : std::uint32_t {
 // Requests larger than this are refused at post (a socket message has to fit the socket's buffer).
 constexpr std::size_t kMaxMessage = 4u << 20;
 
-class Buf {
- public:
-  void u8(std::uint8_t v) { raw(&v, 1); }
-  void u32(std::uint32_t v) { raw(&v, 4); }
-  void u64(std::uint64_t v) { raw(&v, 8); }
-  void str(std::string_view s) {
-    u32(static_cast<std::uint32_t>(s.size()));
-    raw(s.data(), s.size());
-  }
-  void raw(const void* p, std::size_t n) {
-    const auto* b = static_cast<const char*>(p);
-    out.insert(out.end(), b, b + n);
-  }
-  std::string out;
-};
-
-class Parse {
- public:
-  explicit Parse(std::string_view in) : in_(in) {}
-  bool u8(std::uint8_t& v) { return raw(&v, 1); }
-  bool u32(std::uint32_t& v) { return raw(&v, 4); }
-  bool u64(std::uint64_t& v) { return raw(&v, 8); }
-  bool str(std::string& s) {
-    std::uint32_t n = 0;
-    if (!u32(n) || n > in_.size() - pos_) return false;
-    s.assign(in_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  bool raw(void* p, std::size_t n) {
-    if (n > in_.size() - pos_) return false;
-    std::memcpy(p, in_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-
- private:
-  std::string_view in_;
-  std::size_t pos_ = 0;
-};
+using Buf = detail::ByteWriter<std::string>;
+using Parse = detail::ByteReader;
 
 struct Range {
   std::uint32_t region = 0;

@@ -206,6 +206,11 @@ struct CopyEngineOptions {
   // 0 disables; at most 3072 (the parameter-size limit). Requests with more
   // pairs use the descriptor ring.
   std::uint32_t sm_inline_descriptor_max_pairs = 3072;
+  // SM kernels are launched with programmatic dependent launch (sm_90+): the
+  // next kernel's launch and start-up overlap the end of the one before it on
+  // the stream, and each CTA waits for that kernel's completion before it
+  // touches memory, so stream order holds. Earlier GPUs ignore it.
+  bool sm_programmatic_launch = true;
   // Descriptor ring per stream: slots x capacity (pairs per kernel launch).
   // Requests with more pairs are split into several launches.
   std::uint32_t descriptor_slots = 8;

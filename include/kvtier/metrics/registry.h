@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,6 +38,13 @@
 namespace kvtier::metrics {
 
 using Labels = std::vector<std::pair<std::string, std::string>>;
+
+// `base` with `extra` appended: one series' labels, the caller's own ones first.
+inline Labels with_labels(const Labels& base, std::initializer_list<std::pair<std::string, std::string>> extra) {
+  Labels l = base;
+  l.insert(l.end(), extra.begin(), extra.end());
+  return l;
+}
 
 inline constexpr std::size_t kShards = 8;
 
