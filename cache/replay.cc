@@ -325,12 +325,14 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   std::uint64_t plan_d2h = 0, plan_h2d = 0;
   // Device-side moves submitted and not yet acknowledged (evictions, backups, loads).
   std::uint64_t device_moves_out = 0;
+  std::uint64_t completions_applied = 0, plans_executed = 0;
   auto poll_and_apply = [&]() -> Result<std::size_t> {
     std::vector<Completion> done = exec->poll();
     for (const Completion& c : done)
       if (c.kind == MoveKind::kEviction || c.kind == MoveKind::kBackup || c.kind == MoveKind::kLoad)
         device_moves_out -= std::min<std::uint64_t>(device_moves_out, c.dst.size());
     const std::size_t n = done.size();
+    completions_applied += n;
     KVTIER_RETURN_IF_ERROR(apply_completions(*cache, std::move(done)));
     return n;
   };
@@ -342,7 +344,10 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     plan_d2h += plan.evictions.size() + plan.backups.size();
     plan_h2d += plan.loads.size();
     device_moves_out += plan.evictions.size() + plan.backups.size() + plan.loads.size();
-    if (!plan.empty()) KVTIER_RETURN_IF_ERROR(exec->execute(plan));
+    if (!plan.empty()) {
+      ++plans_executed;
+      KVTIER_RETURN_IF_ERROR(exec->execute(plan));
+    }
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     for (int spins = 0;; ++spins) {
       KVTIER_RETURN_IF_ERROR(poll_and_apply());
@@ -456,13 +461,21 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     if (o.check_invariants_every && (i + 1) % o.check_invariants_every == 0)
       KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context(fmt::format("after request {}", i)));
   }
-  // Drain what is still in flight.
-  for (int spins = 0; spins < 1000; ++spins) {
-    auto c = exec->poll();
-    if (c.empty() && (exec != &fake || fake.in_flight() == 0) && (!real || real->storage_in_flight() == 0)) break;
-    KVTIER_RETURN_IF_ERROR(apply_completions(*cache, c));
+  // Drain: report only once every move the replay started is acknowledged (the evictions of the last
+  // requests too), and the plans those acknowledgements produce (store-through writes) have run as well.
+  const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (;;) {
+    const std::uint64_t acks_before = completions_applied, plans_before = plans_executed;
+    KVTIER_RETURN_IF_ERROR(drive(0));
+    if (Result<std::size_t> acked = poll_and_apply(); !acked.ok()) return acked.status();
+    const bool quiet = completions_applied == acks_before && plans_executed == plans_before;
+    const bool idle =
+        device_moves_out == 0 && (exec != &fake || fake.in_flight() == 0) && (!real || real->storage_in_flight() == 0);
+    if (idle && quiet) break;  // nothing in flight, and no acknowledgement left a new plan behind
+    if (std::chrono::steady_clock::now() > drain_until)
+      return TimedOut(fmt::format("replay: {} device moves still unacknowledged after 120 s", device_moves_out));
+    if (quiet) std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  if (real) KVTIER_RETURN_IF_ERROR(drive(0));
   res.bytes_d2h = plan_d2h * o.block_bytes;
   res.bytes_h2d = plan_h2d * o.block_bytes;
   const CacheStats cs = cache->stats();

@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <filesystem>
+
+#include "kvtier/cache/plan_executor.h"
 
 namespace kvtier::cache {
 namespace {
@@ -118,6 +121,56 @@ TEST(Replay, SweepTablesAndPlot) {
   for (std::size_t c = 0; c < 2; ++c)
     for (std::size_t p = 0; p + 1 < t->policies.size(); ++p)
       EXPECT_LE(t->results[p][c].hit_ratio(), t->results.back()[c].hit_ratio());
+}
+
+// An executor whose moves take wall-clock time, as real copies do: completions are held back until they are
+// `delay` old, however often poll() is called.
+class SlowExecutor final : public PlanExecutor {
+ public:
+  explicit SlowExecutor(std::chrono::milliseconds delay) : delay_(delay) {}
+  Status execute(const StepPlan& plan) override {
+    KVTIER_RETURN_IF_ERROR(inner_.execute(plan));
+    for (Completion& c : inner_.poll()) held_.push_back({std::chrono::steady_clock::now() + delay_, std::move(c)});
+    return Status::Ok();
+  }
+  std::vector<Completion> poll() override {
+    std::vector<Completion> out;
+    const auto now = std::chrono::steady_clock::now();
+    while (!held_.empty() && held_.front().ready <= now) {
+      out.push_back(std::move(held_.front().c));
+      held_.pop_front();
+    }
+    return out;
+  }
+
+ private:
+  struct Held {
+    std::chrono::steady_clock::time_point ready;
+    Completion c;
+  };
+  std::chrono::milliseconds delay_;
+  FakePlanExecutor inner_;
+  std::deque<Held> held_;
+};
+
+// The replay reports only after every move it started is acknowledged: the evictions of its last requests
+// too (they used to be left in flight, so the final counters and the cache it handed to on_request missed
+// them).
+TEST(Replay, WaitsForEveryMoveBeforeItReports) {
+  SlowExecutor slow(std::chrono::milliseconds(30));
+  ReplayOptions o;
+  o.device_blocks = 64;
+  o.host_blocks = 1024;
+  o.executor = &slow;
+  CacheStats last{};
+  o.on_request = [&](const ReplayResult&, const CacheManager& cache) { last = cache.stats(); };
+  const std::vector<TraceRequest> part(sample().begin(), sample().begin() + 40);
+  auto r = replay_trace(part, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ASSERT_GT(last.evictions_d2h, 0u) << "the test needs evictions";
+  // A host block is used either by a settled copy or by a move in flight.
+  EXPECT_EQ(last.tiers[1].used, last.tiers[1].resident) << "moves still in flight when the replay reported";
+  EXPECT_TRUE(slow.poll().empty()) << "completions nobody acknowledged";
 }
 
 }  // namespace
