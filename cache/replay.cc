@@ -466,8 +466,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   const auto drain_until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   for (;;) {
     const std::uint64_t acks_before = completions_applied, plans_before = plans_executed;
-    KVTIER_RETURN_IF_ERROR(drive(0));
-    if (Result<std::size_t> acked = poll_and_apply(); !acked.ok()) return acked.status();
+    KVTIER_RETURN_IF_ERROR(drive(0));  // runs what the last acknowledgements planned, and polls
     const bool quiet = completions_applied == acks_before && plans_executed == plans_before;
     const bool idle =
         device_moves_out == 0 && (exec != &fake || fake.in_flight() == 0) && (!real || real->storage_in_flight() == 0);

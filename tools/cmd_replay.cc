@@ -585,13 +585,6 @@ Action register_replay(CLI::App& app) {
       return 1;
     }
     if (!a.metrics_out.empty()) {
-      // The final scrape counts every copy the replay started: evictions queued by the last requests may
-      // still be in flight when the replay returns.
-      for (RealTransfer& rr : ranks)
-        if (rr.manager) {
-          Status w = rr.manager->wait_all(std::chrono::seconds(60));
-          if (!w.ok()) std::fprintf(stderr, "kvtier replay: --metrics-out: %s\n", w.to_string().c_str());
-        }
       std::ofstream f(a.metrics_out, std::ios::binary | std::ios::trunc);
       f << registry.expose();
       if (!f.good())
