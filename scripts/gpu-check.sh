@@ -74,7 +74,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = probes ] || [ "$what" = all ]; then
   mkdir -p "$PROBES"
-  for p in h2d_probe copy_probe; do
+  for p in h2d_probe copy_probe host_pages_probe; do
     if [ ! -x "$PROBES/$p" ]; then
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cudart static -Xcompiler -static-libstdc++ \
         -o "$PROBES/$p" "bench/gpu/$p.cu" > "$OUT/build_$p.log" 2>&1
@@ -87,7 +87,9 @@ if [ "$what" = probes ] || [ "$what" = all ]; then
   echo "h2d_probe rc=$?"
   PROBE_ONLY=sm PROBE_SIZES=4096,32768 timeout 200 "$PROBES/copy_probe" 256 3 > "$OUT/copy_probe.txt" 2>&1
   echo "copy_probe rc=$?"
-  grep -h -E "ceiling|VERIFY" "$OUT/h2d_probe.txt" "$OUT/copy_probe.txt"
+  PROBE_KINDS=hostalloc,thp PROBE_SIZES=32768 timeout 200 "$PROBES/host_pages_probe" 256 3 > "$OUT/host_pages_probe.txt" 2>&1
+  echo "host_pages_probe rc=$?"
+  grep -h -E "ceiling|VERIFY" "$OUT/h2d_probe.txt" "$OUT/copy_probe.txt" "$OUT/host_pages_probe.txt"
 fi
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"

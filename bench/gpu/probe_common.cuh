@@ -1,4 +1,4 @@
-// Shared by the standalone GPU probes (copy_probe.cu, h2d_probe.cu): error
+// Shared by the standalone GPU probes (copy_probe.cu, h2d_probe.cu, host_pages_probe.cu): error
 // check that exits (probes are not library code), a spin kernel that holds a
 // stream until a mapped host flag is set (2 s watchdog), and the median.
 #pragma once
