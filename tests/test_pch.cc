@@ -1,0 +1,1 @@
+// The translation unit that builds tests/test_pch.h's precompiled header.
