@@ -158,7 +158,9 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--storage-blocks", args->storage_blocks, "storage tier capacity in blocks (with --storage)")
       ->capture_default_str();
   cmd->add_flag("--cache-partial-blocks", args->cache_partial, "also index each request's partial last block");
-  cmd->add_option("--failure-rate", args->failure_rate, "inject transfer failures with this probability");
+  cmd->add_option("--failure-rate", args->failure_rate,
+                  "inject transfer failures with this probability (with --transfer host|cuda: moves run and are "
+                  "reported failed, on --failure-rank or rank 0)");
   cmd->add_option("--seed", args->seed, "seed of injected failures");
   cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests")
       ->check(CLI::NonNegativeNumber);
@@ -175,7 +177,7 @@ Action register_replay(CLI::App& app) {
                   "with --tp and --transfer cuda: GPUs the ranks share, rank r on GPU r % N (0: one GPU per rank)")
       ->capture_default_str();
   cmd->add_option("--failure-rank", args->failure_rank,
-                  "inject --failure-rate copy failures on this rank only (real transfers on every rank)")
+                  "inject --failure-rate failures on this rank only (default 0; real transfers on every rank)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--rank-deadline-ms", args->rank_deadline_ms,
                   "with --tp: a move that a rank has not reported by then fails (TimedOut) on all ranks")
@@ -370,15 +372,18 @@ Action register_replay(CLI::App& app) {
       std::unique_ptr<TransferManager> manager;
       std::unique_ptr<cache::TransferPlanExecutor> executor;
     };
-    // Injected failures (--failure-rate) use the fake executor: a failed copy on a device stream is
-    // sticky (as on a GPU), which ends a replay; the transfer manager's failure handling is tested
-    // in tests/transfer.
+    // Injected failures (--failure-rate) with real transfers: rank --failure-rank's executor (rank 0
+    // without it) is wrapped by a FaultInjectingPlanExecutor, which runs every move and reports a
+    // seeded fraction as failed. Real copy failures are not injected: a failed copy on a device
+    // stream is sticky (as on a GPU), which would end a replay; the transfer manager's failure
+    // handling is tested in tests/transfer. With --transfer none the fake executor fails them.
     // With --storage as well, the three tiers run together: the storage tier reads and writes the
     // TransferManager's host cache.
     // --tp N / --failure-rank R: N TransferManagers under one MultiRankPlanExecutor; the injected
     // failures are reported by rank R's executor (FaultInjectingPlanExecutor), its copies stay real.
     const bool multi_rank = a.tp != 1 || a.failure_rank >= 0;
-    const bool use_transfer = a.transfer != "none" && a.host_blocks > 0 && (a.failure_rate <= 0 || a.failure_rank >= 0);
+    const bool use_transfer = a.transfer != "none" && a.host_blocks > 0;
+    const std::int64_t inject_rank = a.failure_rate > 0 ? std::max<std::int64_t>(a.failure_rank, 0) : -1;
     if (a.transfer != "none" && a.transfer != "host" && a.transfer != "cuda") {
       std::fprintf(stderr, "kvtier replay: --transfer must be host, cuda or none, got '%s'\n", a.transfer.c_str());
       return 2;
@@ -483,12 +488,16 @@ Action register_replay(CLI::App& app) {
       eo.rank = rank;
       rr.executor = std::make_unique<cache::TransferPlanExecutor>(*rr.manager, *rr.device, *rr.compute, *rr.space, eo);
       o.executor = rr.executor.get();
-      if (a.failure_rank >= 0 && std::uint64_t(a.failure_rank) == rank) {
+      if (inject_rank >= 0 && std::uint64_t(inject_rank) == rank) {
         cache::FaultInjectingPlanExecutor::Options fo;
         fo.failure_rate = a.failure_rate;
         fo.seed = a.seed;
         faults[rank] = std::make_unique<cache::FaultInjectingPlanExecutor>(*rr.executor, fo);
       }
+    }
+    if (use_transfer && !multi_rank && faults[0]) {
+      o.executor = faults[0].get();
+      o.failure_rate = 0;  // injected by the wrapper, not by the fake executor
     }
     if (use_transfer && multi_rank) {
       std::vector<cache::PlanExecutor*> execs;
@@ -608,6 +617,8 @@ Action register_replay(CLI::App& app) {
     const std::uint64_t t_failed_tasks = total([](const Exec& e) { return e.failed_tasks(); });
     const std::uint64_t t_d2h = total([](const Exec& e) { return e.bytes_d2h(); });
     const std::uint64_t t_h2d = total([](const Exec& e) { return e.bytes_h2d(); });
+    std::uint64_t t_injected = 0;
+    for (const auto& f : faults) t_injected += f ? f->injected() : 0;
     if (a.json) {
       nlohmann::json j = to_json(r);
       j["trace"] = path;
@@ -623,6 +634,7 @@ Action register_replay(CLI::App& app) {
                          {"verified_blocks", t_verified},
                          {"verification_failures", t_mismatches},
                          {"failed_tasks", t_failed_tasks},
+                         {"injected_failures", t_injected},
                          {"bytes_d2h", t_d2h},
                          {"bytes_h2d", t_h2d}};
       }
@@ -677,7 +689,10 @@ Action register_replay(CLI::App& app) {
                 (unsigned long long)r.storage_hit_tokens);
     std::printf("bytes moved      D2H %.1f GiB, H2D %.1f GiB (%.1f MiB per block)\n", gib(r.bytes_d2h),
                 gib(r.bytes_h2d), static_cast<double>(a.block_bytes) / double(1 << 20));
-    if (a.failure_rate > 0)
+    if (a.failure_rate > 0 && inject_rank >= 0 && use_transfer)
+      std::printf("failed transfers %llu (each became a miss; %llu injected on rank %lld, its copies ran)\n",
+                  (unsigned long long)r.failed_transfers, (unsigned long long)t_injected, (long long)inject_rank);
+    else if (a.failure_rate > 0)
       std::printf("failed transfers %llu (each became a miss)\n", (unsigned long long)r.failed_transfers);
     std::printf("min-bypass       %.4f (offline optimum: MIN with bypass, one tier of %u blocks = device + host)\n",
                 bound->hit_ratio(), a.device_blocks + a.host_blocks);
@@ -687,7 +702,7 @@ Action register_replay(CLI::App& app) {
     std::printf("replay time      %.3f s (%s), %.3f s (belady)\n", r.seconds, r.policy.c_str(), bel->seconds);
     auto mib = [](std::uint64_t b) { return static_cast<double>(b) / double(1 << 20); };
     if (!rt.executor && a.storage.empty()) {
-      std::printf("bytes            not moved: fake executor (--transfer none)\n");
+      std::printf("bytes            not moved: fake executor (--transfer none, or no host tier)\n");
       return 0;
     }
     // Real bytes: device<->host through the TransferManager, host<->storage through the backend.

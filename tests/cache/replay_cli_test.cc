@@ -206,6 +206,48 @@ TEST_F(ReplayCli, ThreeTiersWithARedisTier) {
   expect_three_tiers(run(kThreeTiers + " --storage '" + spec + "'", false));
 }
 
+// --failure-rate with real transfers (one rank, no --failure-rank): the moves run on the TransferManager and a
+// seeded fraction is reported failed; it used to switch silently to the fake executor (no bytes moved, a
+// 64 MiB block size in the report). Alone and with a storage tier.
+TEST_F(ReplayCli, InjectedFailuresRunOnRealTransfers) {
+  const std::string base =
+      "replay " + kSample + " --transfer host --max-requests 300 --device-blocks 64 --host-blocks 1024 --json";
+  for (const bool with_storage : {false, true}) {
+    SCOPED_TRACE(with_storage ? "with a disk tier" : "device and host");
+    const std::string storage =
+        with_storage ? " --storage-blocks 20000 --storage 'disk:" + dir_ + "/faults?durability=process&direct=off'"
+                     : std::string();
+    CliRun r = run(base + " --failure-rate 0.05" + storage, false);
+    ASSERT_EQ(r.rc, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["block_bytes"], 4096) << "real transfers use the real default block size";
+    ASSERT_TRUE(j.contains("transfer")) << r.out;
+    EXPECT_EQ(j["transfer"]["backend"], "host");
+    EXPECT_GT(j["transfer"]["verified_blocks"].get<std::uint64_t>(), 0u);
+    EXPECT_EQ(j["transfer"]["verification_failures"], 0);
+    EXPECT_EQ(j["verification_failures"], 0);
+    EXPECT_GT(j["bytes_moved"]["device_to_host"].get<std::uint64_t>(), 0u);
+    const std::uint64_t injected = j["transfer"]["injected_failures"].get<std::uint64_t>();
+    EXPECT_GT(injected, 0u);
+    // Injected failures are the only failures (no real copy failed); the cache counts those whose block was still
+    // cached when the failure arrived (a block already dropped with a failed ancestor is only reclaimed).
+    EXPECT_GT(j["failed_transfers"].get<std::uint64_t>(), 0u);
+    EXPECT_LE(j["failed_transfers"].get<std::uint64_t>(), injected);
+    EXPECT_EQ(j["transfer"]["failed_tasks"], 0);
+    if (with_storage) {
+      EXPECT_GT(j["bytes_moved"]["host_to_storage"].get<std::uint64_t>(), 0u);
+      EXPECT_EQ(j["failed_storage_writes"], 0);
+    }
+  }
+  // The text report says where the failures came from.
+  CliRun text = run("replay " + kSample +
+                    " --transfer host --max-requests 300 --device-blocks 64 --host-blocks 1024 "
+                    "--failure-rate 0.05");
+  ASSERT_EQ(text.rc, 0) << text.out;
+  EXPECT_NE(text.out.find("injected on rank 0, its copies ran"), std::string::npos) << text.out;
+  EXPECT_EQ(text.out.find("fake executor"), std::string::npos) << text.out;
+}
+
 // Tensor-parallel ranks: --tp 2 over two host-backend TransferManagers, every rank's loaded shards
 // checked; failures injected on rank 1 only are misses on both, with 0 mismatches.
 TEST_F(ReplayCli, TensorParallelRanksOnTheHostBackend) {
