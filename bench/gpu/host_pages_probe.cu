@@ -30,33 +30,6 @@
 
 #include "probe_common.cuh"
 
-// One warp per block; 4 16-byte loads in flight per thread.
-__global__ void gather_kernel(const char* __restrict__ src, char* __restrict__ dst, const int* __restrict__ sid,
-                              const int* __restrict__ did, int n, int block_bytes) {
-  constexpr int U = 4;
-  const int lane = threadIdx.x & 31;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int nwarps = (gridDim.x * blockDim.x) >> 5;
-  const int vecs = block_bytes / 16;
-  for (int b = warp; b < n; b += nwarps) {
-    const int4* s = reinterpret_cast<const int4*>(src + (size_t)sid[b] * block_bytes);
-    int4* d = reinterpret_cast<int4*>(dst + (size_t)did[b] * block_bytes);
-    for (int base = 0; base < vecs; base += 32 * U) {
-      int4 r[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < vecs) r[u] = __ldcs(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * 32 + lane;
-        if (i < vecs) __stcs(d + i, r[u]);
-      }
-    }
-  }
-}
-
 // Comma-separated numbers from the environment variable `name`, else `defaults`.
 static std::vector<double> env_list(const char* name, std::vector<double> defaults) {
   const char* list = std::getenv(name);
@@ -287,12 +260,12 @@ int main(int argc, char** argv) {
       for (int ctas : {16, 32}) {
         poison();
         const double kh = gbps(total, timed(false, [&] {
-                                 gather_kernel<<<ctas, 512, 0, s1>>>(host, dev_dst, sid_d, did_d, n, (int)bs);
+                                 gather_kernel<4><<<ctas, 512, 0, s1>>>(host, dev_dst, sid_d, did_d, n, (int)bs);
                                  CK(cudaGetLastError());
                                }));
         verify("sm_h2d", host, dev_dst, true, sid, did);
         const double kd = gbps(total, timed(false, [&] {
-                                 gather_kernel<<<ctas, 512, 0, s1>>>(dev, host_dst, sid_d, did_d, n, (int)bs);
+                                 gather_kernel<4><<<ctas, 512, 0, s1>>>(dev, host_dst, sid_d, did_d, n, (int)bs);
                                  CK(cudaGetLastError());
                                }));
         verify("sm_d2h", dev, host_dst, false, sid, did);
@@ -359,12 +332,12 @@ int main(int argc, char** argv) {
             poison();
             const double g = gbps(2.0 * total, timed_k(4, [&] {
                                     if (kh_first < n) {
-                                      gather_kernel<<<16, 512, 0, st[2]>>>(host, dev_dst, sid_d + kh_first,
-                                                                           did_d + kh_first, n - kh_first, (int)bs);
+                                      gather_kernel<4><<<16, 512, 0, st[2]>>>(host, dev_dst, sid_d + kh_first,
+                                                                              did_d + kh_first, n - kh_first, (int)bs);
                                       CK(cudaGetLastError());
                                     }
                                     if (kd_first < n) {
-                                      gather_kernel<<<d_ctas, 512, 0, st[3]>>>(
+                                      gather_kernel<4><<<d_ctas, 512, 0, st[3]>>>(
                                           dev, host_dst, sid2_d + kd_first, did2_d + kd_first, n - kd_first, (int)bs);
                                       CK(cudaGetLastError());
                                     }

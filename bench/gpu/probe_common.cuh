@@ -1,6 +1,7 @@
 // Shared by the standalone GPU probes (copy_probe.cu, h2d_probe.cu, host_pages_probe.cu): error
 // check that exits (probes are not library code), a spin kernel that holds a
-// stream until a mapped host flag is set (2 s watchdog), and the median.
+// stream until a mapped host flag is set (2 s watchdog), the plain block
+// gather kernel, and the median.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -30,6 +31,34 @@ __global__ void spin_kernel(volatile unsigned* flag) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     if (now - start > 2000000000ull) break;
     __nanosleep(200);
+  }
+}
+
+// Gather/scatter of scattered blocks: one warp per block (sid[b] -> did[b]),
+// U 16-byte streaming loads in flight per thread.
+template <int U>
+__global__ void gather_kernel(const char* __restrict__ src, char* __restrict__ dst, const int* __restrict__ sid,
+                              const int* __restrict__ did, int n, int block_bytes) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int nwarps = (gridDim.x * blockDim.x) >> 5;
+  const int vecs = block_bytes / 16;
+  for (int b = warp; b < n; b += nwarps) {
+    const int4* s = reinterpret_cast<const int4*>(src + (size_t)sid[b] * block_bytes);
+    int4* d = reinterpret_cast<int4*>(dst + (size_t)did[b] * block_bytes);
+    for (int base = 0; base < vecs; base += 32 * U) {
+      int4 r[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        int i = base + u * 32 + lane;
+        if (i < vecs) r[u] = __ldcs(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        int i = base + u * 32 + lane;
+        if (i < vecs) __stcs(d + i, r[u]);
+      }
+    }
   }
 }
 
