@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "cache/splitmix.h"
 #include "kvtier/cache/storage_executor.h"
 #include "kvtier/cache/transfer_executor.h"
 
@@ -147,24 +148,15 @@ std::span<std::byte> ReplayStorage::host_block(std::uint64_t b) const {
   return {host_.block_ptr(0, 0, b), block_bytes_};
 }
 
-namespace {
-std::uint64_t splitmix(std::uint64_t& x) {
-  std::uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-}  // namespace
-
 void ReplayStorage::fill_pattern(const BlockKey& key, std::span<std::byte> out) {
   std::uint64_t x = key.hi ^ (key.lo * 0xD6E8FEB86659FD93ull);
   std::size_t i = 0;
   for (; i + 8 <= out.size(); i += 8) {
-    std::uint64_t v = splitmix(x);
+    std::uint64_t v = splitmix64_next(x);
     std::memcpy(out.data() + i, &v, 8);
   }
   if (i < out.size()) {
-    std::uint64_t v = splitmix(x);
+    std::uint64_t v = splitmix64_next(x);
     std::memcpy(out.data() + i, &v, out.size() - i);
   }
 }

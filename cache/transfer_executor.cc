@@ -4,17 +4,9 @@
 
 #include <cstring>
 
+#include "cache/splitmix.h"
+
 namespace kvtier::cache {
-namespace {
-
-std::uint64_t splitmix(std::uint64_t& x) {
-  std::uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 void TransferPlanExecutor::fill_key_pattern(const BlockKey& key, std::byte* out, std::uint64_t bytes,
                                             std::uint32_t rank) {
@@ -22,11 +14,11 @@ void TransferPlanExecutor::fill_key_pattern(const BlockKey& key, std::byte* out,
   if (rank != 0) x ^= (std::uint64_t{rank} * 0xA24BAED4963EE407ull) | 1;
   std::uint64_t i = 0;
   for (; i + 8 <= bytes; i += 8) {
-    const std::uint64_t v = splitmix(x);
+    const std::uint64_t v = splitmix64_next(x);
     std::memcpy(out + i, &v, 8);
   }
   if (i < bytes) {
-    const std::uint64_t v = splitmix(x);
+    const std::uint64_t v = splitmix64_next(x);
     std::memcpy(out + i, &v, bytes - i);
   }
 }

@@ -48,12 +48,28 @@ std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return a <= 1 ? v : (
 std::uint32_t dtype_bytes(DType dtype) noexcept {
   switch (dtype) {
     case DType::kBf16:
-    case DType::kFp16: return 2;
-    case DType::kFp32: return 4;
+    case DType::kFp16:
+    case DType::kInt16:
+    case DType::kUint16: return 2;
+    case DType::kFp32:
+    case DType::kInt32:
+    case DType::kUint32: return 4;
+    case DType::kFp64:
+    case DType::kInt64:
+    case DType::kUint64:
+    case DType::kComplex64: return 8;
+    case DType::kComplex128: return 16;
     case DType::kFp8E4M3:
     case DType::kFp8E5M2:
+    case DType::kFp8E4M3Fnuz:
+    case DType::kFp8E5M2Fnuz:
+    case DType::kFp8E8M0:
+    case DType::kFp8E3M4:
+    case DType::kFp8E4M3Ieee:
+    case DType::kFp8E4M3B11Fnuz:
     case DType::kInt8:
-    case DType::kUint8: return 1;
+    case DType::kUint8:
+    case DType::kBool: return 1;
   }
   return 1;
 }
@@ -67,21 +83,55 @@ std::string_view dtype_name(DType dtype) noexcept {
     case DType::kFp8E5M2: return "fp8_e5m2";
     case DType::kInt8: return "int8";
     case DType::kUint8: return "uint8";
+    case DType::kInt16: return "int16";
+    case DType::kUint16: return "uint16";
+    case DType::kInt32: return "int32";
+    case DType::kUint32: return "uint32";
+    case DType::kInt64: return "int64";
+    case DType::kUint64: return "uint64";
+    case DType::kFp64: return "fp64";
+    case DType::kBool: return "bool";
+    case DType::kComplex64: return "complex64";
+    case DType::kComplex128: return "complex128";
+    case DType::kFp8E4M3Fnuz: return "fp8_e4m3fnuz";
+    case DType::kFp8E5M2Fnuz: return "fp8_e5m2fnuz";
+    case DType::kFp8E8M0: return "fp8_e8m0";
+    case DType::kFp8E3M4: return "fp8_e3m4";
+    case DType::kFp8E4M3Ieee: return "fp8_e4m3_ieee";
+    case DType::kFp8E4M3B11Fnuz: return "fp8_e4m3b11fnuz";
   }
   return "?";
 }
 
+bool dtype_is_fp8(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kFp8E4M3:
+    case DType::kFp8E5M2:
+    case DType::kFp8E4M3Fnuz:
+    case DType::kFp8E5M2Fnuz:
+    case DType::kFp8E8M0:
+    case DType::kFp8E3M4:
+    case DType::kFp8E4M3Ieee:
+    case DType::kFp8E4M3B11Fnuz: return true;
+    default: return false;
+  }
+}
+
 Result<DType> parse_dtype(std::string_view name) {
-  for (DType d :
-       {DType::kBf16, DType::kFp16, DType::kFp32, DType::kFp8E4M3, DType::kFp8E5M2, DType::kInt8, DType::kUint8}) {
+  for (DType d : kAllDTypes) {
     if (dtype_name(d) == name) return d;
   }
   if (name == "bfloat16") return DType::kBf16;
   if (name == "float16") return DType::kFp16;
   if (name == "float32") return DType::kFp32;
-  if (name == "fp8") return DType::kFp8E4M3;
-  return InvalidArgument(
-      fmt::format("unknown dtype '{}' (expected bf16, fp16, fp32, fp8_e4m3, fp8_e5m2, int8, uint8)", name));
+  if (name == "float64") return DType::kFp64;
+  if (name == "fp8" || name == "fp8_e4m3fn") return DType::kFp8E4M3;
+  std::string known;
+  for (DType d : kAllDTypes) {
+    if (!known.empty()) known += ", ";
+    known += dtype_name(d);
+  }
+  return InvalidArgument(fmt::format("unknown dtype '{}' (expected one of {})", name, known));
 }
 
 std::string_view role_name(Role role) noexcept {

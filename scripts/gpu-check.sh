@@ -7,11 +7,10 @@
 # transfer) and the standalone probes of bench/gpu/ (built with nvcc when
 # .gpu-probe/ lacks them); logs under $OUT (default /tmp/kvtier-out); a short
 # table last. docs/performance.md says which of its tables this reproduces.
-# `python`: builds the Python extension here with the machine's python3 (pip,
-# no build isolation, into $KVTIER_PY_TARGET; headers and libnuma a bare
-# machine lacks, e.g. numa.h and zmq.h, may be supplied in .pydeps/{include,lib}), runs the pytest
-# suite on torch CUDA tensors and the real-model offload proof
-# (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it).
+# `python`: installs the kvtier wheel built on the build machine for this machine's python3
+# (scripts/build-wheel.sh --python python3.12 --cuda ON --out .gpu-wheel; no compiler step here) with
+# pip into $KVTIER_PY_TARGET, runs the pytest suite on torch CUDA tensors and the real-model offload
+# proof (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it) from it.
 # Usage: scripts/gpu-check.sh [tests|bench|probes|python|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
@@ -46,19 +45,17 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = python ] || [ "$what" = all ]; then
   target=${KVTIER_PY_TARGET:-/tmp/kvtier-site}
-  pyargs=(-C build.targets=_native -C cmake.define.KVTIER_PYTHON_CLI=OFF -C cmake.define.KVTIER_PYTHON_CACHE=OFF
-          -C build-dir=build/python-gpu)
-  if [ -d .pydeps ]; then
-    pyargs+=(-C "cmake.define.CMAKE_CXX_FLAGS=-isystem $PWD/.pydeps/include"
-             -C "cmake.define.CMAKE_CUDA_FLAGS=-isystem $PWD/.pydeps/include"
-             -C "cmake.define.KVTIER_LIBNUMA=$PWD/.pydeps/lib/libnuma.so")
-    export LD_LIBRARY_PATH="$PWD/.pydeps/lib:${LD_LIBRARY_PATH:-}"
+  pytag=cp$(python3 -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+  wheel=$(ls .gpu-wheel/kvtier-*-"$pytag"-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    echo "no .gpu-wheel/kvtier-*-$pytag-*.whl: build it with scripts/build-wheel.sh --python python${pytag#cp3} ..." >&2
   fi
   start=$(date +%s)
-  python3 -m pip install -q --no-build-isolation --no-deps --target "$target" "${pyargs[@]}" . > "$OUT/pip.log" 2>&1
-  echo "pip install rc=$? ($(( $(date +%s) - start ))s)"; tail -5 "$OUT/pip.log"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$target" "$wheel" > "$OUT/pip.log" 2>&1
+  echo "pip install $(basename "$wheel") rc=$? ($(( $(date +%s) - start ))s)"; tail -5 "$OUT/pip.log"
   export PYTHONPATH="$target:${PYTHONPATH:-}"
-  timeout 300 python3 -m pytest -q python/tests --ignore=python/tests/gpu > "$OUT/pytest.log" 2>&1
+  # From the test folder, so that the installed package, not python/kvtier of the checkout, is imported.
+  (cd python/tests && timeout 300 python3 -m pytest -q -p no:cacheprovider . --ignore=gpu) > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?"; tail -5 "$OUT/pytest.log"
   summary+=("$(printf '%-28s %s' pytest "$(tail -1 "$OUT/pytest.log")")")
   # shellcheck disable=SC2086

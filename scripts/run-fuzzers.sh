@@ -8,6 +8,7 @@
 #   KVTIER_FUZZ_TIMEOUT   seconds one input may take (default 10)
 #   KVTIER_FUZZ_RSS_MB    memory limit of a harness (default 2048)
 #   KVTIER_FUZZ_OUT       scratch corpora and crash inputs (default: a temporary directory)
+#   KVTIER_FUZZ_JOBS      harnesses run at once (default: the number of cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 harnesses=("$@")
@@ -24,28 +25,47 @@ cmake --build --preset fuzz -j "$(nproc)"
 built=$(date +%s)
 echo "run-fuzzers: built in $((built - start)) s"
 
-failed=()
-for h in "${harnesses[@]}"; do
-  bin=build/fuzz/fuzz/$h
-  seeds=fuzz/corpus/${h#fuzz_}
-  [ -x "$bin" ] || { echo "run-fuzzers: no harness $bin" >&2; exit 2; }
-  [ -d "$seeds" ] || { echo "run-fuzzers: no seed corpus $seeds" >&2; exit 2; }
+# One harness per core at a time (each is single-threaded); logs are printed in harness order.
+run_one() {  # harness
+  local h=$1 bin=build/fuzz/fuzz/$1 seeds=fuzz/corpus/${1#fuzz_}
   mkdir -p "$out/$h/corpus" "$out/$h/artifacts"
-  echo "=== $h: ${seconds} s ==="
   # -max_total_time bounds the run; the outer timeout only catches a harness that ignores it.
-  if ! timeout --kill-after=10 $((seconds + timeout_s + 60)) "$bin" \
-      -max_total_time="$seconds" -timeout="$timeout_s" -rss_limit_mb="$rss_mb" -max_len=16384 \
-      -print_final_stats=1 -artifact_prefix="$out/$h/artifacts/" \
-      "$out/$h/corpus" "$seeds" >"$out/$h/log" 2>&1; then
+  timeout --kill-after=10 $((seconds + timeout_s + 60)) "$bin" \
+    -max_total_time="$seconds" -timeout="$timeout_s" -rss_limit_mb="$rss_mb" -max_len=16384 \
+    -print_final_stats=1 -artifact_prefix="$out/$h/artifacts/" \
+    "$out/$h/corpus" "$seeds" >"$out/$h/log" 2>&1
+}
+for h in "${harnesses[@]}"; do
+  [ -x "build/fuzz/fuzz/$h" ] || { echo "run-fuzzers: no harness build/fuzz/fuzz/$h" >&2; exit 2; }
+  [ -d "fuzz/corpus/${h#fuzz_}" ] || { echo "run-fuzzers: no seed corpus fuzz/corpus/${h#fuzz_}" >&2; exit 2; }
+done
+parallel=${KVTIER_FUZZ_JOBS:-$(nproc)}
+declare -A pid_of
+failed=()
+collect() {  # harness
+  local h=$1
+  if ! wait "${pid_of[$h]}"; then
     failed+=("$h")
     tail -n 60 "$out/$h/log"
     echo "run-fuzzers: $h FAILED; inputs in $out/$h/artifacts/:" >&2
     ls -l "$out/$h/artifacts/" >&2 || true
   else
+    echo "=== $h: ${seconds} s ==="
     grep -E "^stat::number_of_executed_units|^Done" "$out/$h/log" | tr '\n' ' '
     echo
   fi
+}
+running=()
+for h in "${harnesses[@]}"; do
+  run_one "$h" &
+  pid_of[$h]=$!
+  running+=("$h")
+  if [ ${#running[@]} -ge "$parallel" ]; then
+    collect "${running[0]}"
+    running=("${running[@]:1}")
+  fi
 done
+for h in "${running[@]}"; do collect "$h"; done
 echo "run-fuzzers: build $((built - start)) s, total $(($(date +%s) - start)) s"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "run-fuzzers: failed: ${failed[*]}" >&2

@@ -66,12 +66,12 @@ struct BenchStorageArgs {
 struct FreeDeleter {
   void operator()(void* p) const noexcept { std::free(p); }
 };
-using Buffer = std::unique_ptr<std::byte, FreeDeleter>;
-Buffer alloc(std::uint64_t bytes) {
+using AlignedBuffer = std::unique_ptr<std::byte, FreeDeleter>;
+AlignedBuffer alloc(std::uint64_t bytes) {
   void* p = nullptr;
   if (posix_memalign(&p, 4096, bytes) != 0) return nullptr;
   std::memset(p, 0, bytes);  // fault the pages in before timing
-  return Buffer(static_cast<std::byte*>(p));
+  return AlignedBuffer(static_cast<std::byte*>(p));
 }
 
 void fill(std::byte* p, std::uint64_t n, std::uint64_t seed) {
@@ -98,8 +98,8 @@ void drop_caches() {
 }
 
 StorageKey bench_key(std::uint64_t run, std::uint64_t i) {
-  return StorageKey::from_u64(0x6b76746965720000ull ^ (run * 0x9e3779b97f4a7c15ull) ^ (i * 0xbf58476d1ce4e5b9ull),
-                              i, 0);
+  return StorageKey::from_u64(0x6b76746965720000ull ^ (run * 0x9e3779b97f4a7c15ull) ^ (i * 0xbf58476d1ce4e5b9ull), i,
+                              0);
 }
 
 // Runs one batch; returns seconds, or a negative value after printing the first error.
@@ -125,13 +125,13 @@ double timed_batch(StorageBackend& b, StorageBatch batch, const char* what) {
 struct DiskResult {
   std::uint64_t object_bytes = 0, objects = 0;
   double base_write = 0, base_read = 0, put = 0, get = 0;  // GB/s, medians over reps
-  double put_ratio = 0, get_ratio = 0;                       // medians of the per-rep ratios
+  double put_ratio = 0, get_ratio = 0;                     // medians of the per-rep ratios
   bool direct = false;
 };
 
 // Plain sequential write (then fdatasync when `sync`) of `bytes` from `src` in `chunk` pieces; GB/s.
-Result<double> sequential_write(const std::string& path, const std::byte* src, std::uint64_t bytes,
-                                std::uint64_t chunk, bool direct, bool sync) {
+Result<double> sequential_write(const std::string& path, const std::byte* src, std::uint64_t bytes, std::uint64_t chunk,
+                                bool direct, bool sync) {
   int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
   if (fd < 0) return Unavailable(fmt::format("open {}: {}", path, std::strerror(errno)));
   const auto t0 = Clock::now();
@@ -173,7 +173,7 @@ int run_disk(const BenchStorageArgs& a, std::vector<DiskResult>* out) {
     const std::uint64_t obj = kib * 1024;
     const std::uint64_t n = std::max<std::uint64_t>(1, a.total_mib * 1024 * 1024 / obj);
     const std::uint64_t bytes = n * obj;
-    Buffer src = alloc(bytes), dst = alloc(bytes);
+    AlignedBuffer src = alloc(bytes), dst = alloc(bytes);
     if (!src || !dst) {
       std::fprintf(stderr, "kvtier bench storage: cannot allocate 2 x %llu bytes\n",
                    static_cast<unsigned long long>(bytes));
@@ -184,7 +184,7 @@ int run_disk(const BenchStorageArgs& a, std::vector<DiskResult>* out) {
     c.root = a.dir;
     c.queue_depth = a.queue_depth;
     c.durability = a.durability == "process" ? storage::Durability::kProcessCrash : storage::Durability::kPowerLoss;
-    c.direct_io = a.direct == "on" ? storage::DirectIo::kOn
+    c.direct_io = a.direct == "on"    ? storage::DirectIo::kOn
                   : a.direct == "off" ? storage::DirectIo::kOff
                                       : storage::DirectIo::kAuto;
     storage::StorageOptions o;
@@ -276,7 +276,7 @@ int run_redis(const BenchStorageArgs& a, const std::string& endpoint, bool clust
   for (std::uint64_t kib : a.redis_value_kib) {
     const std::uint64_t vb = kib * 1024;
     const std::uint64_t n = std::max<std::uint64_t>(1, a.redis_total_mib * 1024 * 1024 / vb);
-    Buffer src = alloc(n * vb), dst = alloc(n * vb);
+    AlignedBuffer src = alloc(n * vb), dst = alloc(n * vb);
     if (!src || !dst) return 1;
     fill(src.get(), n * vb, kib + 7);
     std::vector<double> po, go, eo;
@@ -302,8 +302,8 @@ int run_redis(const BenchStorageArgs& a, const std::string& endpoint, bool clust
       go.push_back(n / tg);
       eo.push_back(n / te);
     }
-    out->push_back({cluster ? "redis-cluster " + endpoint : "redis " + endpoint, vb, n, median(po), median(go),
-                    median(eo)});
+    out->push_back(
+        {cluster ? "redis-cluster " + endpoint : "redis " + endpoint, vb, n, median(po), median(go), median(eo)});
   }
   return 0;
 }
@@ -356,8 +356,7 @@ int run(const BenchStorageArgs& a) {
   }
   if (!disk.empty()) {
     std::printf("disk backend vs plain sequential I/O in %s (%s, durability %s, qd %u, medians of %d reps)\n",
-                a.dir.c_str(), disk[0].direct ? "O_DIRECT" : "buffered", a.durability.c_str(), a.queue_depth,
-                a.reps);
+                a.dir.c_str(), disk[0].direct ? "O_DIRECT" : "buffered", a.durability.c_str(), a.queue_depth, a.reps);
     std::printf("%10s %8s | %10s %10s %6s | %10s %10s %6s\n", "object", "objects", "seq write", "put", "ratio",
                 "seq read", "get", "ratio");
     for (const auto& d : disk)
@@ -371,8 +370,7 @@ int run(const BenchStorageArgs& a) {
     for (const auto& r : redis)
       std::printf("%-28s %5llu KiB %7llu | %10.0f %9.2f | %10.0f %9.2f | %10.0f\n", r.target.c_str(),
                   static_cast<unsigned long long>(r.value_bytes / 1024), static_cast<unsigned long long>(r.values),
-                  r.put_ops, r.put_ops * r.value_bytes / 1e9, r.get_ops, r.get_ops * r.value_bytes / 1e9,
-                  r.exists_ops);
+                  r.put_ops, r.put_ops * r.value_bytes / 1e9, r.get_ops, r.get_ops * r.value_bytes / 1e9, r.exists_ops);
   }
   return 0;
 }

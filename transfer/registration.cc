@@ -20,8 +20,8 @@ std::string_view seed_prefix(Role role, std::string_view other_name) {
   return other_name;
 }
 
-bool is_byte_type(DType d) { return d == DType::kUint8 || d == DType::kInt8; }
-bool is_fp8(DType d) { return d == DType::kFp8E4M3 || d == DType::kFp8E5M2; }
+bool is_byte_type(DType d) { return d == DType::kUint8 || d == DType::kInt8 || d == DType::kBool; }
+bool is_fp8(DType d) { return dtype_is_fp8(d); }
 
 // FastDeploy's CacheTransferManager stores fp8 caches as uint8 tensors.
 bool dtype_compatible(DType tensor, DType role) {
@@ -143,8 +143,8 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
       std::uint64_t stride = t.block_stride_bytes ? t.block_stride_bytes : bytes;
       if (!t.strides.empty()) {
         if (t.strides.size() != t.shape.size())
-          return InvalidArgument(fmt::format("KV tensor '{}' has {} strides for {} dimensions", name, t.strides.size(),
-                                             t.shape.size()));
+          return InvalidArgument(
+              fmt::format("KV tensor '{}' has {} strides for {} dimensions", name, t.strides.size(), t.shape.size()));
         // Each block must be one contiguous run of bytes: dims 1.. C-contiguous
         // (a dimension of extent 1 may have any stride).
         std::int64_t want = 1;
@@ -208,17 +208,19 @@ Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& t
     auto role = kPrefixRole.find(p);
     if (role == kPrefixRole.end()) continue;
     if (desc.shape.size() < 2)
-      return InvalidArgument(fmt::format("KV tensor '{}' has rank {} shape; expected [num_blocks, ...]", n,
-                                         desc.shape.size()));
+      return InvalidArgument(
+          fmt::format("KV tensor '{}' has rank {} shape; expected [num_blocks, ...]", n, desc.shape.size()));
     for (std::size_t i = 0; i < desc.shape.size(); ++i)
-      if (desc.shape[i] <= 0) return InvalidArgument(fmt::format("KV tensor '{}' has dimension {} = {}", n, i, desc.shape[i]));
+      if (desc.shape[i] <= 0)
+        return InvalidArgument(fmt::format("KV tensor '{}' has dimension {} = {}", n, i, desc.shape[i]));
     layers[tl].roles[role->second] = &desc;
     layers[tl].names[role->second] = n;
     any_value = any_value || role->second == Role::kValue;
   }
   if (layers.empty())
-    return NotFound(fmt::format("no KV tensor of rank{}.device{} in the tensor map of {} entries (names like '{}')", rank,
-                                device_label, tensors.size(), seed_tensor_name(Role::kKey, "", 0, rank, device_label)));
+    return NotFound(fmt::format("no KV tensor of rank{}.device{} in the tensor map of {} entries (names like '{}')",
+                                rank, device_label, tensors.size(),
+                                seed_tensor_name(Role::kKey, "", 0, rank, device_label)));
   const std::uint32_t num_layers = layers.rbegin()->first + 1;
   if (num_layers < num_model_layers)
     return NotFound(fmt::format("KV tensors of layers {}..{} are missing (the model has {} layers)", num_layers,

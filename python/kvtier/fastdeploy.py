@@ -473,13 +473,13 @@ class CacheTransferManager:
             except KvtierError as e:
                 self._fail(f"{what}: task {task}: {e}")
 
-    def sync_input_stream(self):
+    def sync_input_stream(self) -> None:
         """Waits for every pending load (H2D). A failure is logged and kept in ``last_error``."""
         with self._lock:
             self._sync(self._loads, "sync_input_stream")
             self._layer_task = {}
 
-    def sync_output_stream(self):
+    def sync_output_stream(self) -> None:
         """Waits for every pending eviction (D2H). A failure is logged and kept in ``last_error``."""
         with self._lock:
             self._sync(self._evicts, "sync_output_stream")

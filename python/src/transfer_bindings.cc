@@ -137,21 +137,68 @@ TaskCallback wrap_task_callback(nb::object fn) {
 
 // ---------------------------------------------------------------- tensors
 
+// kvtier moves bytes: every fixed-width DLPack type is accepted, and its element size (with the
+// address alignment it implies) is all that matters. Refused: vector types (lanes != 1), sub-byte
+// types (fp4, fp6: DLPack gives no byte layout for them) and codes this build does not know.
 Result<DType> dtype_of(const nb::dlpack::dtype& d, const std::string& name) {
   using nb::dlpack::dtype_code;
   const auto code = static_cast<dtype_code>(d.code);
-  if (d.lanes == 1) {
-    if (code == dtype_code::Bfloat && d.bits == 16) return DType::kBf16;
-    if (code == dtype_code::Float && d.bits == 16) return DType::kFp16;
-    if (code == dtype_code::Float && d.bits == 32) return DType::kFp32;
-    if (code == dtype_code::UInt && d.bits == 8) return DType::kUint8;
-    if (code == dtype_code::Int && d.bits == 8) return DType::kInt8;
-    if (code == dtype_code::Bool && d.bits == 8) return DType::kUint8;
+  auto refuse = [&](std::string_view why) -> Status {
+    return InvalidArgument(fmt::format("tensor '{}' has DLPack dtype (code {}, bits {}, lanes {}): {}", name, d.code,
+                                       d.bits, d.lanes, why));
+  };
+  if (d.lanes != 1)
+    return refuse("vector dtypes (lanes != 1) are not supported; pass the tensor viewed as its scalar type");
+  if (d.bits == 0 || d.bits % 8 != 0)
+    return refuse("sub-byte element types have no byte layout; pass the packed tensor viewed as uint8");
+  switch (code) {
+    case dtype_code::Int:
+      switch (d.bits) {
+        case 8: return DType::kInt8;
+        case 16: return DType::kInt16;
+        case 32: return DType::kInt32;
+        case 64: return DType::kInt64;
+      }
+      break;
+    case dtype_code::UInt:
+      switch (d.bits) {
+        case 8: return DType::kUint8;
+        case 16: return DType::kUint16;
+        case 32: return DType::kUint32;
+        case 64: return DType::kUint64;
+      }
+      break;
+    case dtype_code::Float:
+      switch (d.bits) {
+        case 16: return DType::kFp16;
+        case 32: return DType::kFp32;
+        case 64: return DType::kFp64;
+      }
+      break;
+    case dtype_code::Bfloat:
+      if (d.bits == 16) return DType::kBf16;
+      break;
+    case dtype_code::Complex:
+      if (d.bits == 64) return DType::kComplex64;
+      if (d.bits == 128) return DType::kComplex128;
+      break;
+    case dtype_code::Bool:
+      if (d.bits == 8) return DType::kBool;
+      break;
+    case dtype_code::Float8_E4M3FN: return DType::kFp8E4M3;
+    case dtype_code::Float8_E5M2: return DType::kFp8E5M2;
+    case dtype_code::Float8_E4M3FNUZ: return DType::kFp8E4M3Fnuz;
+    case dtype_code::Float8_E5M2FNUZ: return DType::kFp8E5M2Fnuz;
+    case dtype_code::Float8_E8M0FNU: return DType::kFp8E8M0;
+    case dtype_code::Float8_E3M4: return DType::kFp8E3M4;
+    case dtype_code::Float8_E4M3: return DType::kFp8E4M3Ieee;
+    case dtype_code::Float8_E4M3B11FNUZ: return DType::kFp8E4M3B11Fnuz;
+    default: break;
   }
-  return InvalidArgument(fmt::format(
-      "tensor '{}' has DLPack dtype (code {}, bits {}, lanes {}); kvtier moves bf16, fp16, fp32, uint8 (fp8 caches "
-      "as uint8) and int8 tensors",
-      name, d.code, d.bits, d.lanes));
+  return refuse(
+      fmt::format("no {}-bit element type with this code; kvtier accepts DLPack's int, uint, float, bfloat, "
+                  "complex, bool and fp8 codes",
+                  d.bits));
 }
 
 // The engine's tensor as kvtier sees it, checked against the backend.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import inspect
+import json
 import logging
 import os
 
@@ -14,7 +14,8 @@ import kvtier
 from kvtier.fastdeploy import CacheTransferManager
 from conftest import fd_config
 
-SEED = os.path.join(os.path.dirname(__file__), "data", "fastdeploy_transfer_manager.py")
+# FastDeploy's public interface, written down as a table (names, parameters, return types).
+INTERFACE = os.path.join(os.path.dirname(__file__), "data", "fastdeploy_interface.json")
 # What the drop-in adds to FastDeploy's public interface (documented in kvtier/fastdeploy.py).
 EXTRAS = {"wait_for_layer", "wait_layer_host", "last_error", "transfer_manager", "close"}
 
@@ -22,27 +23,22 @@ LAYERS, DEV_BLOCKS, HOST_BLOCKS = 3, 10, 12
 HEADS, TOKENS, DIM = 2, 16, 8  # 256 bytes of uint8 per (layer, role, block)
 
 
-def seed_interface():
-    """FastDeploy's public methods (with parameter names) and properties, from its source."""
-    tree = ast.parse(open(SEED).read())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheTransferManager")
-    methods, props, attrs = {}, set(), set()
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-            if any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list):
-                props.add(node.name)
-            else:
-                methods[node.name] = [a.arg for a in node.args.args]
-        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-            init_args = [a.arg for a in node.args.args]
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" \
-                        and isinstance(sub.ctx, ast.Store) and not sub.attr.startswith("_"):
-                    attrs.add(sub.attr)
-    return methods, props, attrs, init_args
+def fastdeploy_interface():
+    """FastDeploy's public methods, properties, attributes and constructor, from the interface table."""
+    with open(INTERFACE) as f:
+        table = json.load(f)
+    assert table["class"] == "CacheTransferManager"
+    return table
 
 
-def make(engine, quant=None, mla=False, num_cpu_blocks=HOST_BLOCKS, layers=LAYERS):
+def annotation_text(annotation):
+    """An annotation as written in source (``from __future__ import annotations`` keeps them as strings)."""
+    if annotation is inspect.Signature.empty:
+        return None
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+
+
+def make(engine, quant=None, mla=False, num_cpu_blocks=HOST_BLOCKS, layers=LAYERS, dtype="uint8"):
     """A drop-in with the engine's tensors registered; returns (mgr, device map, host map)."""
     mgr = CacheTransferManager(fd_config(layers, num_cpu_blocks, quant), local_rank=0, device_id=0)
     roles = ["key_caches"] if mla else ["key_caches", "value_caches"]
@@ -51,8 +47,9 @@ def make(engine, quant=None, mla=False, num_cpu_blocks=HOST_BLOCKS, layers=LAYER
     for layer in range(layers):
         for role in roles:
             name = f"{role}_{layer}_rank0.device0"
-            dev[name] = engine.device_tensor((DEV_BLOCKS, HEADS, TOKENS, DIM), "uint8")
-            host[name] = engine.host_tensor((max(num_cpu_blocks, 1), HEADS, TOKENS, DIM), "uint8", fill=0xEE)
+            dev[name] = engine.device_tensor((DEV_BLOCKS, HEADS, TOKENS, DIM), dtype)
+            host[name] = engine.host_tensor((max(num_cpu_blocks, 1), HEADS, TOKENS, DIM), dtype)
+            engine.poison(host[name], slice(None), 0xEE)
         for role in scale_roles:
             name = f"{role}_{layer}_rank0.device0"
             dev[name] = engine.device_tensor((DEV_BLOCKS, HEADS, TOKENS), "float16")
@@ -67,19 +64,27 @@ def make(engine, quant=None, mla=False, num_cpu_blocks=HOST_BLOCKS, layers=LAYER
 
 
 def test_public_interface_is_fastdeploys():
-    methods, props, attrs, init_args = seed_interface()
+    table = fastdeploy_interface()
+    methods, props = table["methods"], table["properties"]
     assert methods and props
     ours = {n: v for n, v in vars(CacheTransferManager).items() if not n.startswith("_")}
-    our_props = {n for n, v in ours.items() if isinstance(v, property)}
+    our_props = {n: v for n, v in ours.items() if isinstance(v, property)}
     our_methods = {n: v for n, v in ours.items() if callable(v) and not isinstance(v, property)}
-    assert our_props - EXTRAS == props
+    assert set(our_props) - EXTRAS == set(props)
     assert set(our_methods) - EXTRAS == set(methods)
-    assert (set(our_props) | set(our_methods)) - set(methods) - props == EXTRAS
-    for name, args in methods.items():
-        assert list(inspect.signature(our_methods[name]).parameters) == args, name
-    assert list(inspect.signature(CacheTransferManager.__init__).parameters) == init_args
+    assert (set(our_props) | set(our_methods)) - set(methods) - set(props) == EXTRAS
+    for name, spec in methods.items():
+        sig = inspect.signature(our_methods[name])
+        assert list(sig.parameters) == spec["params"], name
+        assert annotation_text(sig.return_annotation) == spec["returns"], name
+    for name, type_text in props.items():
+        assert annotation_text(inspect.signature(our_props[name].fget).return_annotation) == type_text, name
+    init = inspect.signature(CacheTransferManager.__init__)
+    assert list(init.parameters) == table["init"]["params"]
+    for arg, default in table["init"]["defaults"].items():
+        assert init.parameters[arg].default == default, arg
     mgr = CacheTransferManager(fd_config(2, 4))
-    for a in attrs:
+    for a in table["attributes"]:
         assert hasattr(mgr, a), a
 
 
@@ -109,6 +114,40 @@ def test_evict_then_load_is_byte_exact(engine, quant, mla):
     assert stats["is_fp8"] == (quant == "block_wise_fp8")
     assert stats["kvtier"]["load"]["tasks_done"] == 1 and stats["kvtier"]["evict"]["tasks_done"] == 1
     assert stats["kvtier"]["is_mla"] == mla
+    mgr.close()
+
+
+# kvtier moves bytes: every fixed-width element type is accepted (numpy code holds bf16 as uint16).
+NUMPY_DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
+                "float64", "bool", "complex64", "complex128"]
+# Types numpy lacks, where the engine (torch) has them.
+TORCH_ONLY_DTYPES = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES + TORCH_ONLY_DTYPES)
+def test_every_fixed_width_dtype_is_moved_byte_exact(engine, dtype):
+    if dtype in TORCH_ONLY_DTYPES:
+        if engine.backend != "cuda":
+            pytest.skip(f"numpy has no {dtype}")
+        if not hasattr(engine.torch, dtype):
+            pytest.skip(f"this torch has no {dtype}")
+    if engine.backend == "cuda" and not hasattr(engine.torch, dtype):
+        pytest.skip(f"this torch has no {dtype}")
+    mgr, dev, host = make(engine, dtype=dtype)
+    d_ids, h_ids, targets = [0, 6, 9], [11, 3, 5], [4, 1, 7]
+    before = {k: engine.numpy(v)[d_ids].copy() for k, v in dev.items()}
+    assert mgr.evict_to_host_async(d_ids, h_ids) is True, mgr.last_error
+    mgr.sync_output_stream()
+    assert mgr.last_error is None
+    for k, v in host.items():
+        np.testing.assert_array_equal(engine.numpy(v)[h_ids], before[k], err_msg=f"{dtype}: evicted {k}")
+    for v in dev.values():
+        engine.poison(v, targets)
+    assert mgr.load_layers_to_device_async(list(range(LAYERS)), h_ids, targets), mgr.last_error
+    mgr.sync_input_stream()
+    assert mgr.last_error is None
+    for k, v in dev.items():
+        np.testing.assert_array_equal(engine.numpy(v)[targets], before[k], err_msg=f"{dtype}: loaded {k}")
     mgr.close()
 
 

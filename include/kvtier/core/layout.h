@@ -34,10 +34,48 @@
 
 namespace kvtier {
 
-enum class DType : std::uint8_t { kBf16, kFp16, kFp32, kFp8E4M3, kFp8E5M2, kInt8, kUint8 };
+// Element types of KV tensors. kvtier moves bytes: the type only sets the element size (and so the
+// alignment a tensor's address needs) and is part of the layout's fingerprint. Values are stable
+// (they are hashed into fingerprints): new types are appended. kFp8E4M3 is the "FN" variant
+// (finite, NaN only) that engines use; the other fp8 encodings have their own names.
+enum class DType : std::uint8_t {
+  kBf16,
+  kFp16,
+  kFp32,
+  kFp8E4M3,
+  kFp8E5M2,
+  kInt8,
+  kUint8,
+  kInt16,
+  kUint16,
+  kInt32,
+  kUint32,
+  kInt64,
+  kUint64,
+  kFp64,
+  kBool,
+  kComplex64,
+  kComplex128,
+  kFp8E4M3Fnuz,
+  kFp8E5M2Fnuz,
+  kFp8E8M0,
+  kFp8E3M4,
+  kFp8E4M3Ieee,
+  kFp8E4M3B11Fnuz,
+};
+// Every DType, in enum order (parsers and tests iterate over it).
+inline constexpr DType kAllDTypes[] = {
+    DType::kBf16,      DType::kFp16,        DType::kFp32,          DType::kFp8E4M3,     DType::kFp8E5M2,
+    DType::kInt8,      DType::kUint8,       DType::kInt16,         DType::kUint16,      DType::kInt32,
+    DType::kUint32,    DType::kInt64,       DType::kUint64,        DType::kFp64,        DType::kBool,
+    DType::kComplex64, DType::kComplex128,  DType::kFp8E4M3Fnuz,   DType::kFp8E5M2Fnuz, DType::kFp8E8M0,
+    DType::kFp8E3M4,   DType::kFp8E4M3Ieee, DType::kFp8E4M3B11Fnuz};
 std::uint32_t dtype_bytes(DType dtype) noexcept;
 std::string_view dtype_name(DType dtype) noexcept;
+// Accepts dtype_name()'s names and the usual aliases (bfloat16, float16, float32, float64, fp8).
 Result<DType> parse_dtype(std::string_view name);
+// True for the one-byte float encodings (all fp8 variants).
+bool dtype_is_fp8(DType dtype) noexcept;
 
 enum class Role : std::uint8_t {
   kKey = 0,
@@ -76,11 +114,11 @@ struct LayerLayout {
 struct GqaShape {
   std::uint32_t num_layers = 32;
   std::uint32_t num_draft_layers = 0;
-  std::uint32_t kv_heads = 8;       // per tensor-parallel rank
+  std::uint32_t kv_heads = 8;  // per tensor-parallel rank
   std::uint32_t block_tokens = 64;
   std::uint32_t head_dim = 128;
   DType dtype = DType::kBf16;
-  bool fp8_scales = false;          // adds key_scale/value_scale [kv_heads, block_tokens]
+  bool fp8_scales = false;  // adds key_scale/value_scale [kv_heads, block_tokens]
   DType scale_dtype = DType::kBf16;
   TokenOrder token_order = TokenOrder::kHnd;
 };
@@ -88,9 +126,9 @@ struct MlaShape {
   std::uint32_t num_layers = 61;
   std::uint32_t num_draft_layers = 0;
   std::uint32_t block_tokens = 64;
-  std::uint32_t latent_dim = 576;   // kv_lora_rank + qk_rope_head_dim
+  std::uint32_t latent_dim = 576;  // kv_lora_rank + qk_rope_head_dim
   DType dtype = DType::kBf16;
-  std::uint32_t indexer_dim = 0;    // > 0 adds an indexer role (DSA)
+  std::uint32_t indexer_dim = 0;  // > 0 adds an indexer role (DSA)
   DType indexer_dtype = DType::kFp8E4M3;
 };
 
@@ -105,8 +143,7 @@ class KvLayout {
   static Result<KvLayout> mla(const MlaShape& shape);
   // Every layer has exactly one role of `block_bytes` (a synthetic layout for
   // benchmarks and tests).
-  static Result<KvLayout> uniform(std::uint32_t num_layers, std::uint32_t roles_per_layer,
-                                  std::uint64_t block_bytes);
+  static Result<KvLayout> uniform(std::uint32_t num_layers, std::uint32_t roles_per_layer, std::uint64_t block_bytes);
 
   std::uint32_t num_layers() const noexcept { return static_cast<std::uint32_t>(layers_.size()); }
   const LayerLayout& layer(std::uint32_t l) const { return layers_[l]; }
@@ -158,23 +195,21 @@ class BlockSpace {
   // `region_bytes[l][r]`, when non-empty, is the size of the allocation behind
   // each plane and is checked against (num_blocks - 1) * stride + block_bytes.
   // Planes may not overlap each other (checked).
-  static Result<BlockSpace> from_planes(MemoryKind kind, int device_ordinal, KvLayout layout,
-                                        std::uint64_t num_blocks,
+  static Result<BlockSpace> from_planes(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
                                         std::vector<std::vector<Plane>> planes,
                                         std::vector<std::vector<std::uint64_t>> region_bytes = {});
   // One region per (layer, role), block stride = block_bytes.
-  static Result<BlockSpace> layer_first(MemoryKind kind, int device_ordinal, KvLayout layout,
-                                        std::uint64_t num_blocks,
+  static Result<BlockSpace> layer_first(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
                                         std::vector<std::vector<void*>> bases);
   // Bytes a layer-first region of (l, r) needs.
-  static std::uint64_t layer_first_region_bytes(const KvLayout& layout, std::uint32_t l,
-                                                std::uint32_t r, std::uint64_t num_blocks);
+  static std::uint64_t layer_first_region_bytes(const KvLayout& layout, std::uint32_t l, std::uint32_t r,
+                                                std::uint64_t num_blocks);
   // One page per block holding every layer and role in (layer, role) order,
   // each role at an offset aligned to `role_alignment`, the page size rounded
   // up to `page_alignment` (e.g. 4096 for O_DIRECT storage).
-  static Result<BlockSpace> page_first(MemoryKind kind, int device_ordinal, KvLayout layout,
-                                       std::uint64_t num_blocks, void* base, std::uint64_t region_bytes,
-                                       std::uint64_t page_alignment = 1, std::uint64_t role_alignment = 1);
+  static Result<BlockSpace> page_first(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
+                                       void* base, std::uint64_t region_bytes, std::uint64_t page_alignment = 1,
+                                       std::uint64_t role_alignment = 1);
   static std::uint64_t page_first_page_bytes(const KvLayout& layout, std::uint64_t page_alignment = 1,
                                              std::uint64_t role_alignment = 1);
 

@@ -430,7 +430,11 @@ def main(argv=None):
     if a.fake_kvtier:
         Manager = FakeCacheTransferManager
     else:
+        import kvtier
         from kvtier.fastdeploy import CacheTransferManager as Manager
+
+        # Where the package came from (the wheel's site-packages, or a source tree).
+        res["kvtier"] = {"version": kvtier.__version__, "file": kvtier.__file__}
     n_host = pb + 8
     host_ids = torch.randperm(n_host, generator=gen)[:pb].tolist()
     conf = types.SimpleNamespace(

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs a kvtier wheel into a fresh virtual environment and runs the pytest suite against it, as a
+# user who has only the wheel would: the environment is made anew, the package is imported from its
+# site-packages (never from python/kvtier of this checkout), and every shared library that the
+# extension and the CLI load must come from the wheel itself or from the C library that every
+# manylinux system has, not from the -dev packages this machine has installed.
+# Usage: scripts/test-wheel.sh <kvtier-*.whl> [pytest args...]
+#   PYTHON   interpreter of the environment (default python3; its version must match the wheel's tag)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheel=${1:?usage: scripts/test-wheel.sh <kvtier-*.whl> [pytest args...]}
+shift
+[ -f "$wheel" ] || { echo "test-wheel: no wheel at '$wheel'" >&2; exit 2; }
+py=${PYTHON:-python3}
+env=build/wheel-test-venv
+rm -rf "$env"
+"$py" -m venv "$env"
+"$env/bin/python" -m pip install -q --upgrade pip
+"$env/bin/python" -m pip install -q "$wheel" pytest prometheus-client pyzmq
+
+# The package must be the installed one, and its native code must resolve to the wheel's libraries.
+# Run from outside the checkout so that no source folder can shadow site-packages.
+"$env/bin/python" - "$PWD" <<'EOF'
+import os, subprocess, sys, sysconfig
+
+checkout = sys.argv[1]
+os.chdir("/")
+import kvtier, kvtier._native as native
+
+site = sysconfig.get_paths()["purelib"]
+assert kvtier.__file__.startswith(site), f"kvtier imported from {kvtier.__file__}, not from {site}"
+pkg = os.path.dirname(kvtier.__file__)
+libs = os.path.join(site, "kvtier.libs")
+# What every manylinux system provides (the glibc family); everything else must be bundled.
+system_ok = ("linux-vdso.so", "libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux",
+             "libgcc_s.so", "libstdc++.so")
+elves = [native.__file__] + [os.path.join(pkg, "bin", f) for f in os.listdir(os.path.join(pkg, "bin"))] \
+    if os.path.isdir(os.path.join(pkg, "bin")) else [native.__file__]
+for elf in elves:
+    out = subprocess.run(["ldd", elf], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        name = line.strip().split()[0]
+        if "not found" in line:
+            sys.exit(f"{elf}: {name} not found")
+        if name.startswith(system_ok) or name.startswith("/"):
+            continue
+        path = line.split("=>")[1].split()[0] if "=>" in line else ""
+        if not path.startswith(libs):
+            sys.exit(f"{elf}: {name} resolves to {path}, outside the wheel ({libs})")
+    print(f"test-wheel: {os.path.relpath(elf, site)}: every library from the wheel or the C library")
+print("test-wheel: kvtier", kvtier.__version__, "from", pkg, "backend", kvtier.open_device().backend)
+EOF
+cd python/tests
+"../../$env/bin/python" -m pytest -q -p no:cacheprovider "$@" .
