@@ -19,6 +19,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -56,6 +57,9 @@ enum MsgType : std::uint32_t {
   kNotify = 6,      // initiator -> owner: {kind, message}
   kReply = 7,       // owner -> initiator: {xfer, code, message}
 };
+
+// The seals every shared window carries: its size can never change again.
+constexpr int kWindowSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 // Requests larger than this are refused at post (a socket message has to fit the socket's buffer).
 constexpr std::size_t kMaxMessage = 4u << 20;
@@ -314,12 +318,20 @@ class IpcTransport final : public detail::TransportBase {
       return NotSupported("ipc backend: CUDA device memory (CUDA IPC handles) is not supported by this build");
 #endif
     }
-    const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC);
+    const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return Internal(fmt::format("memfd_create: {}", std::strerror(errno)));
     if (ftruncate(fd, static_cast<off_t>(region.bytes)) != 0) {
       const int e = errno;
       close(fd);
       return ResourceExhausted(fmt::format("memfd of {} bytes: {}", region.bytes, std::strerror(e)));
+    }
+    // Every peer gets this descriptor, and a descriptor lets its holder ftruncate the file: a peer that shrank
+    // it would make our own copies in and out of the window fault (SIGBUS) and kill this process. Sealed, its
+    // size is fixed for good (F_SEAL_SEAL: nobody can lift the seals either), and peers check the seals.
+    if (fcntl(fd, F_ADD_SEALS, kWindowSeals) != 0) {
+      const int e = errno;
+      close(fd);
+      return Internal(fmt::format("sealing the memfd window of region {}: {}", id, std::strerror(e)));
     }
     void* p = mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
@@ -397,10 +409,11 @@ class IpcTransport final : public detail::TransportBase {
         s = open_cuda_window(*conn, index, blob.regions[index]);
         if (!s.ok()) break;
       }
-      if (live && passed >= 0 && index < conn->windows.size() && bytes == blob.regions[index].bytes && bytes > 0) {
-        void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, passed, 0);
-        if (w != MAP_FAILED)
-          conn->windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, blob.regions[index].base};
+      if (live && passed >= 0 && index < conn->windows.size()) {
+        s = map_window(*conn, index, bytes, blob.regions[index], passed);
+        close(passed);
+        if (!s.ok()) break;
+        continue;
       }
       if (passed >= 0) close(passed);
     }
@@ -681,6 +694,40 @@ class IpcTransport final : public detail::TransportBase {
   // Without CUDA in the build the peer's CUDA regions stay unmapped: posts to them fail (no shared window).
   Status open_cuda_window(Conn&, std::uint32_t, const detail::Blob::Region&) { return Status::Ok(); }
 #endif
+
+  // Maps the peer's window of region `index` after checking that the peer cannot pull it out from under us: a
+  // window that shrinks while mapped turns every copy past its new end into SIGBUS, which kills this process.
+  // So the file must be sealed against shrinking and growing, and hold at least the bytes the blob claims for
+  // the region (descriptors are checked against those bytes). Anything else refuses the peer.
+  Status map_window(Conn& conn, std::uint32_t index, std::uint64_t bytes, const detail::Blob::Region& r, int fd) {
+    if (conn.windows[index].base != nullptr)
+      return InvalidArgument(fmt::format("peer '{}' sent the window of region {} twice", conn.name, index));
+    if (bytes != r.bytes || bytes == 0)
+      return InvalidArgument(fmt::format("peer '{}' window of region {}: handshake says {} bytes, its blob {} bytes",
+                                         conn.name, index, bytes, r.bytes));
+    const int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0)
+      return FailedPrecondition(fmt::format("peer '{}' window of region {}: not a sealable memfd ({})", conn.name,
+                                            index, std::strerror(errno)));
+    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+      return FailedPrecondition(
+          fmt::format("peer '{}' window of region {}: memfd seals {:#x} lack {}{}: the peer could resize it under "
+                      "our mapping",
+                      conn.name, index, seals, (seals & F_SEAL_SHRINK) ? "" : "F_SEAL_SHRINK ",
+                      (seals & F_SEAL_GROW) ? "" : "F_SEAL_GROW"));
+    struct stat st {};
+    if (fstat(fd, &st) != 0)
+      return Internal(fmt::format("peer '{}' window of region {}: fstat: {}", conn.name, index, std::strerror(errno)));
+    if (st.st_size < 0 || static_cast<std::uint64_t>(st.st_size) < bytes)
+      return FailedPrecondition(fmt::format("peer '{}' window of region {}: memfd holds {} bytes, its blob claims {}",
+                                            conn.name, index, static_cast<std::int64_t>(st.st_size), bytes));
+    void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (w == MAP_FAILED)
+      return ResourceExhausted(fmt::format("peer '{}' window of region {}: mapping {} bytes: {}", conn.name, index,
+                                           bytes, std::strerror(errno)));
+    conn.windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, r.base};
+    return Status::Ok();
+  }
 
   // The base resolves remote descriptors to the peer's addresses; the window has the region's layout.
   static std::uint64_t window_offset(const Job& job, const detail::ResolvedOp& op) {
