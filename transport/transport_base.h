@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -39,13 +40,30 @@ struct Blob {
   std::vector<Region> regions;
   std::string address;  // the backend's connection address
 };
-std::vector<std::byte> encode_blob(const Blob& blob);
-// kInvalidArgument: not a blob; kDataLoss: checksum; kFailedPrecondition: another transport version.
-Result<Blob> decode_blob(std::span<const std::byte> bytes);
+// Bounds of the fields a blob may carry (its sender is not trusted: see "Trust" in transport.h).
+inline constexpr std::size_t kMinPeerSecretBytes = 32, kMaxPeerSecretBytes = 64;
+inline constexpr std::size_t kBlobMacBytes = 32;
+inline constexpr std::size_t kMaxRemoteKeyBytes = 4096;  // UCX's packed rkeys and the ipc keys are far smaller
+inline constexpr std::size_t kMaxAddressBytes = 64 * 1024;
+inline constexpr std::size_t kMaxNameBytes = 256;
+
+// kInvalidArgument unless `secret` is empty (no secret) or kMinPeerSecretBytes..kMaxPeerSecretBytes long.
+Status check_peer_secret(std::string_view secret);
+
+// With a secret, the blob carries a keyed MAC (BLAKE2b-256 keyed with the secret) over everything else and a magic
+// of its own, so a receiver knows which kind it holds before it reads any field.
+std::vector<std::byte> encode_blob(const Blob& blob, std::string_view secret = {});
+// kInvalidArgument: not a blob, or a field out of its bounds (region base + bytes wrapping, a live region at
+// base 0, keys, names and addresses too long or malformed, overlapping regions); kDataLoss: checksum;
+// kFailedPrecondition: another transport version, or authentication: with a secret, a blob without a MAC or whose
+// MAC does not verify (checked before any field is read); without one, a blob that carries a MAC.
+Result<Blob> decode_blob(std::span<const std::byte> bytes, std::string_view secret = {});
 
 class TransportBase : public Transport {
  public:
-  explicit TransportBase(AgentIdentity identity) : identity_(std::move(identity)) {}
+  // `peer_secret`: empty, or checked by check_peer_secret (the factories refuse other lengths).
+  explicit TransportBase(AgentIdentity identity, std::string peer_secret = {})
+      : identity_(std::move(identity)), peer_secret_(std::move(peer_secret)) {}
 
   const AgentIdentity& identity() const noexcept override { return identity_; }
   Result<RegionId> register_memory(const MemoryRegion& region) override;
@@ -69,6 +87,12 @@ class TransportBase : public Transport {
   virtual Result<std::string> backend_register(RegionId id, const MemoryRegion& region) = 0;
   virtual void backend_deregister(RegionId id) = 0;
   virtual Result<std::string> backend_address() = 0;
+  // The backend's own checks of a decoded blob (key formats and sizes, the address), before anything of the
+  // peer is recorded or connected. Whatever it refuses never reaches backend_connect.
+  virtual Status backend_check_blob(const Blob& blob) {
+    (void)blob;
+    return Status::Ok();
+  }
   virtual Status backend_connect(PeerId peer, const Blob& blob) = 0;
   // Starts the operations. Completion: finish_xfer (state) then set_quiescent (requests gone), from any thread,
   // possibly before this returns. A non-OK return means nothing was started (the base fails the transfer).
@@ -110,6 +134,7 @@ class TransportBase : public Transport {
   };
 
   const AgentIdentity identity_;
+  const std::string peer_secret_;
   mutable std::mutex mu_;
   std::condition_variable cv_;  // transfer state, quiescence, notifications
   std::vector<RegionRec> regions_;

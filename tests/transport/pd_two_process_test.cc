@@ -37,7 +37,7 @@ Result<std::unique_ptr<Transport>> make_transport(std::string name, const KvLayo
 #ifdef KVTIER_PD_IPC
   return create_ipc_transport({std::move(name), layout.fingerprint(), 1, 0});
 #else
-  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
 #endif
 }
 

@@ -223,7 +223,7 @@ Result<Address> parse_address(std::string_view s) {
 class IpcTransport final : public detail::TransportBase {
  public:
   IpcTransport(AgentIdentity identity, IpcOptions options, HostIdentity host)
-      : TransportBase(std::move(identity)), options_(std::move(options)), host_(std::move(host)) {}
+      : TransportBase(std::move(identity), options.peer_secret), options_(std::move(options)), host_(std::move(host)) {}
 
   Status start() {
 #if KVTIER_IPC_CUDA
@@ -354,6 +354,16 @@ class IpcTransport final : public detail::TransportBase {
 
   Result<std::string> backend_address() override {
     return format_address(Address{host_, std::to_string(getpid()), sock_name_});
+  }
+
+  Status backend_check_blob(const detail::Blob& blob) override {
+    for (std::size_t i = 0; i < blob.regions.size(); ++i) {
+      const std::string& key = blob.regions[i].key;
+      if (blob.regions[i].bytes != 0 && key != "memfd" && key.rfind("cuda;", 0) != 0)
+        return InvalidArgument(fmt::format("peer '{}' region {}: ipc key of {} bytes is neither 'memfd' nor 'cuda;...'",
+                                           blob.identity.name, i, key.size()));
+    }
+    return Status::Ok();
   }
 
   Status backend_connect(PeerId peer, const detail::Blob& blob) override {
@@ -569,6 +579,12 @@ class IpcTransport final : public detail::TransportBase {
       if (w.base == nullptr)
         return complete(job.id, FailedPrecondition(
                                     fmt::format("peer '{}' region {} has no shared window", c.name, op.remote_region)));
+      // The window is exactly the region's bytes; nothing outside it may be copied (the base checked the
+      // descriptor against the same bytes: this guards the copy itself).
+      const std::uint64_t off = op.remote_addr - w.remote_base;
+      if (op.remote_addr < w.remote_base || off > w.bytes || op.bytes > w.bytes - off)
+        return complete(job.id, OutOfRange(fmt::format("peer '{}' region {}: [{}, +{}) outside its window of {} bytes",
+                                                       c.name, op.remote_region, off, op.bytes, w.bytes)));
       m.u32(op.remote_region);
       m.u64(window_offset(job, op));
       m.u64(op.bytes);
@@ -832,6 +848,8 @@ class IpcTransport final : public detail::TransportBase {
       std::uint64_t id = 0;
       std::uint32_t n = 0;
       if (!p.u64(id) || !p.u32(n)) return;
+      // A range is 20 bytes: a count the message cannot hold is malformed (and must not size an allocation).
+      if (n > m.size() / 20) return;
       std::vector<Range> ranges(n);
       for (auto& r : ranges)
         if (!p.u32(r.region) || !p.u64(r.offset) || !p.u64(r.bytes)) return;
@@ -916,8 +934,8 @@ class IpcTransport final : public detail::TransportBase {
 
 bool ipc_cuda_supported() noexcept { return KVTIER_IPC_CUDA != 0; }
 
-Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob) {
-  KVTIER_ASSIGN_OR_RETURN(detail::Blob b, detail::decode_blob(blob));
+Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob, std::string_view peer_secret) {
+  KVTIER_ASSIGN_OR_RETURN(detail::Blob b, detail::decode_blob(blob, peer_secret));
   if (b.backend != "ipc") return InvalidArgument(fmt::format("blob of backend '{}', not ipc", b.backend));
   KVTIER_ASSIGN_OR_RETURN(Address a, parse_address(b.address));
   return a.host;
@@ -925,6 +943,7 @@ Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob) {
 
 Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options) {
   if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

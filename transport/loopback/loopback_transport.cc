@@ -33,7 +33,9 @@ std::map<std::string, std::weak_ptr<Endpoint>>& directory() {
 class LoopbackTransport final : public detail::TransportBase {
  public:
   LoopbackTransport(AgentIdentity identity, LoopbackOptions options)
-      : TransportBase(std::move(identity)), options_(options), self_(std::make_shared<Endpoint>()) {
+      : TransportBase(std::move(identity), options.peer_secret),
+        options_(options),
+        self_(std::make_shared<Endpoint>()) {
     self_->owner = this;
   }
 
@@ -224,6 +226,7 @@ class LoopbackTransport final : public detail::TransportBase {
 
 Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options) {
   if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <bit>
 #include <cstring>
 #include <list>
 #include <thread>
@@ -79,9 +80,50 @@ struct SendBuf {
   std::list<SendBuf>::iterator pos;
 };
 
+// ucp_ep_create and ucp_ep_rkey_unpack parse the peer's address and keys without being told their length. They
+// get copies followed by this many zero bytes, so that a crafted length field inside cannot make UCX read past
+// our buffer (its rkey format: a u64 map of at most 64 memory domains, one size byte and at most 255 bytes each).
+constexpr std::size_t kUnpackPadding = 8 + 64 * 256 + 64;
+// The shortest remote key UCX packs: a u64 map of memory domains and a memory-type byte, then per domain a size byte
+// and that many bytes (shared memory's key for user memory: 9 bytes, no domain; TCP's: 10, one empty domain).
+// Worker addresses are longer.
+constexpr std::size_t kMinUcxKeyBytes = 9, kMinUcxAddressBytes = 16;
+
+// The bounds of a packed remote key as UCX 1.13 lays it out (above): every domain the map announces must have its
+// size byte and bytes inside the key, so that ucp_ep_rkey_unpack (which is given no length) reads none past it.
+Status check_ucx_key(std::string_view name, std::size_t region, std::string_view key) {
+  if (key.size() < kMinUcxKeyBytes)
+    return InvalidArgument(fmt::format("peer '{}' region {}: remote key of {} bytes (UCX packs at least {})", name,
+                                       region, key.size(), kMinUcxKeyBytes));
+  std::uint64_t md_map = 0;
+  std::memcpy(&md_map, key.data(), 8);
+  std::size_t pos = 9;
+  for (int i = 0; i < std::popcount(md_map); ++i) {
+    if (pos >= key.size())
+      return InvalidArgument(fmt::format("peer '{}' region {}: remote key of {} bytes ends inside its domain {} of {}",
+                                         name, region, key.size(), i, std::popcount(md_map)));
+    pos += 1 + static_cast<std::uint8_t>(key[pos]);
+    if (pos > key.size())
+      return InvalidArgument(
+          fmt::format("peer '{}' region {}: remote key of {} bytes: domain {} claims bytes past its end", name, region,
+                      key.size(), i));
+  }
+  return Status::Ok();
+}
+
+std::vector<char> padded(const std::string& s) {
+  std::vector<char> v(s.size() + kUnpackPadding, '\0');
+  std::memcpy(v.data(), s.data(), s.size());
+  return v;
+}
+
 struct UcxPeer {
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> rkeys;  // by peer region index (null for empty keys)
+  struct Bounds {
+    std::uint64_t base = 0, bytes = 0;
+  };
+  std::vector<Bounds> regions;  // the blob's regions: every remote address is checked against them
   std::string name;
   bool failed = false;
 };
@@ -89,7 +131,7 @@ struct UcxPeer {
 class UcxTransport final : public detail::TransportBase {
  public:
   UcxTransport(AgentIdentity identity, UcxOptions options)
-      : TransportBase(std::move(identity)), options_(std::move(options)) {}
+      : TransportBase(std::move(identity), options.peer_secret), options_(std::move(options)) {}
 
   Status start() {
     ucp_config_t* config = nullptr;
@@ -226,15 +268,26 @@ class UcxTransport final : public detail::TransportBase {
 
   Result<std::string> backend_address() override { return address_; }
 
+  Status backend_check_blob(const detail::Blob& blob) override {
+    if (blob.address.size() < kMinUcxAddressBytes)
+      return InvalidArgument(fmt::format("peer '{}': UCX worker address of {} bytes (UCX packs at least {})",
+                                         blob.identity.name, blob.address.size(), kMinUcxAddressBytes));
+    for (std::size_t i = 0; i < blob.regions.size(); ++i)
+      if (blob.regions[i].bytes != 0) KVTIER_RETURN_IF_ERROR(check_ucx_key(blob.identity.name, i, blob.regions[i].key));
+    return Status::Ok();
+  }
+
   Status backend_connect(PeerId peer, const detail::Blob& blob) override {
     std::lock_guard lock(ucx_mu_);
     if (peers_.size() <= peer) peers_.resize(peer + 1);
     auto rec = std::make_unique<UcxPeer>();
     rec->name = blob.identity.name;
+    for (const auto& r : blob.regions) rec->regions.push_back(UcxPeer::Bounds{r.base, r.bytes});
+    const std::vector<char> address = padded(blob.address);
     ucp_ep_params_t ep{};
     ep.field_mask =
         UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(blob.address.data());
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &UcxTransport::on_ep_error;
     ep.err_handler.arg = this;
@@ -253,7 +306,8 @@ class UcxTransport final : public detail::TransportBase {
     for (std::size_t i = 0; i < blob.regions.size(); ++i) {
       ucp_rkey_h k = nullptr;
       if (!blob.regions[i].key.empty()) {
-        st = ucp_ep_rkey_unpack(rec->ep, blob.regions[i].key.data(), &k);
+        const std::vector<char> key = padded(blob.regions[i].key);
+        st = ucp_ep_rkey_unpack(rec->ep, key.data(), &k);
         if (st != UCS_OK) {
           for (ucp_rkey_h r : rec->rkeys)
             if (r != nullptr) ucp_rkey_destroy(r);
@@ -275,6 +329,15 @@ class UcxTransport final : public detail::TransportBase {
       UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
       if (p == nullptr || p->ep == nullptr || p->failed)
         return Unavailable(fmt::format("peer {} is not connected", peer));
+      // The base resolved the descriptors against the same regions; checked again here, where the addresses go
+      // to UCX, so that no path can hand UCX a range outside what the peer registered.
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        const auto& o = ops[i];
+        const UcxPeer::Bounds b = o.remote_region < p->regions.size() ? p->regions[o.remote_region] : UcxPeer::Bounds{};
+        if (o.remote_addr < b.base || o.remote_addr - b.base > b.bytes || o.bytes > b.bytes - (o.remote_addr - b.base))
+          return OutOfRange(fmt::format("descriptor {}: remote [{:#x}, +{}) outside peer '{}' region {} [{:#x}, +{})",
+                                        i, o.remote_addr, o.bytes, p->name, o.remote_region, b.base, b.bytes));
+      }
       auto pend = std::make_unique<Pending>();
       Pending* pd = pend.get();
       pd->self = this;
@@ -541,6 +604,7 @@ class UcxTransport final : public detail::TransportBase {
 
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options) {
   if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

@@ -36,8 +36,8 @@ struct HostIdentity {
 // This process's identity; kUnavailable when /proc does not provide it.
 Result<HostIdentity> local_host_identity();
 
-// The host identity an ipc blob carries (checksum and format checked).
-Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob);
+// The host identity an ipc blob carries (checksum, format and, with a peer secret, the blob's MAC checked).
+Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob, std::string_view peer_secret = {});
 
 struct IpcOptions {
   enum class DeviceMemory : std::uint8_t {
@@ -50,6 +50,8 @@ struct IpcOptions {
   std::chrono::milliseconds copy_timeout{60000};
   // Overrides the host identity the agent advertises and compares against (tests of the refusal).
   std::function<Result<HostIdentity>()> host_identity;
+  // See "Trust" in transport.h: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
+  std::string peer_secret;
 };
 Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options = {});
 

@@ -169,6 +169,8 @@ struct LoopbackOptions {
   // Called by every post() after validation; a non-OK status makes that post fail as the backend would
   // (the transfer fails, the peer gets kFailedToPost).
   std::function<Status(XferOp)> post_fault;
+  // See "Trust" above: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
+  std::string peer_secret;
 };
 Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options = {});
 
@@ -178,6 +180,8 @@ struct UcxOptions {
   std::string tls;
   // UCX_NET_DEVICES ("lo" for TCP over loopback); empty: UCX's default.
   std::string net_devices;
+  // See "Trust" above: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
+  std::string peer_secret;
 };
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options = {});
 
