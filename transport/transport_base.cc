@@ -433,6 +433,41 @@ Status TransportBase::release(XferId xfer) {
   return Status::Ok();
 }
 
+Status TransportBase::disconnect_peer(PeerId peer) {
+  std::vector<XferId> cancel;
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+    PeerRec& p = peers_[peer];
+    if (p.disconnected) return Status::Ok();
+    p.disconnected = true;
+    p.failed = Unavailable(fmt::format("peer '{}' was disconnected by this agent", p.info.identity.name));
+    // The peer may come back as a fresh process: its name is free for a new load_peer.
+    p.info.identity.name += " (disconnected)";
+    for (auto& [id, x] : xfers_) {
+      if (x.peer != peer || x.status.state != XferState::kInProgress) continue;
+      x.status.state = XferState::kFailed;
+      x.status.error = Aborted(fmt::format("transfer {}: peer was disconnected", id));
+      cancel.push_back(id);
+    }
+    cv_.notify_all();
+  }
+  for (XferId id : cancel) backend_abort(id);
+  const bool revoked = backend_disconnect(peer);
+  std::lock_guard lock(mu_);
+  peers_[peer].revoked = revoked;
+  return Status::Ok();
+}
+
+bool TransportBase::peer_revoked(PeerId peer) const {
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size() || !peers_[peer].disconnected) return false;
+    if (peers_[peer].revoked) return true;
+  }
+  return backend_revoked(peer);
+}
+
 Status TransportBase::send_notification(PeerId peer, std::string message) {
   {
     std::lock_guard lock(mu_);

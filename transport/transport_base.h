@@ -77,6 +77,8 @@ class TransportBase : public Transport {
   Result<XferStatus> wait(XferId xfer, std::chrono::nanoseconds timeout) override;
   Status abort(XferId xfer) override;
   Status release(XferId xfer) override;
+  Status disconnect_peer(PeerId peer) override;
+  bool peer_revoked(PeerId peer) const override;
   Status send_notification(PeerId peer, std::string message) override;
   std::vector<Notification> take_notifications() override;
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override;
@@ -101,6 +103,13 @@ class TransportBase : public Transport {
   virtual Status backend_send(PeerId peer, NotifKind kind, std::string message) = 0;
   // Cancels what can be cancelled; the backend still calls set_quiescent when its requests are gone.
   virtual void backend_abort(XferId id) = 0;
+  // disconnect_peer: the transfers to the peer are failed and backend_abort'ed already. Tears the path down so
+  // that every request of this agent to the peer completes (fails) and the peer's requests into this agent's
+  // memory are no longer served; returns whether the peer can no longer write here (peer_revoked).
+  virtual bool backend_disconnect(PeerId peer) = 0;
+  // peer_revoked after a disconnect (the backend may learn later that the peer is gone); the base answers
+  // false for peers not disconnected.
+  virtual bool backend_revoked(PeerId peer) const = 0;
 
   // ---- for backends ----
   void finish_xfer(XferId id, Status status);
@@ -124,6 +133,8 @@ class TransportBase : public Transport {
     PeerInfo info;
     std::vector<Blob::Region> regions;
     Status failed;
+    bool disconnected = false;
+    bool revoked = false;  // backend_disconnect's answer
   };
   struct XferRec {
     XferOp op = XferOp::kRead;

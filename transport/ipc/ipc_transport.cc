@@ -477,6 +477,30 @@ class IpcTransport final : public detail::TransportBase {
     return Status::Ok();
   }
 
+  bool backend_disconnect(PeerId peer) override {
+    auto conn = conn_of(peer);
+    if (!conn) return true;
+    std::vector<int> fds;
+    {
+      // Under regions_mu_, which every server thread holds while it copies a request's bytes: a copy in progress
+      // ends first, and no request of this peer is served after this (the flag is checked under the same lock).
+      std::lock_guard lock(regions_mu_);
+      for (auto& [fd, sc] : served_)
+        if (sc.name == conn->name) {
+          sc.revoked = true;
+          fds.push_back(fd);
+        }
+    }
+    for (int fd : fds) shutdown(fd, SHUT_RDWR);
+    // Our own connection: its receiver sees the end and fails what still waits on the peer.
+    {
+      std::lock_guard lock(conn->send_mu);
+      shutdown(conn->fd, SHUT_RDWR);
+    }
+    return true;
+  }
+  bool backend_revoked(PeerId) const override { return true; }
+
   void backend_abort(XferId id) override {
     std::lock_guard lock(jobs_mu_);
     auto it = all_.find(id);
@@ -834,6 +858,10 @@ class IpcTransport final : public detail::TransportBase {
       if (!hello) {
         if (type != kHello || !p.str(peer_name)) return;
         hello = true;
+        {
+          std::lock_guard lock(regions_mu_);
+          served_[fd] = Served{peer_name, false};
+        }
         if (!send_regions(fd)) return;
         continue;
       }
@@ -841,6 +869,10 @@ class IpcTransport final : public detail::TransportBase {
         std::uint8_t kind = 0;
         std::string text;
         if (!p.u8(kind) || !p.str(text) || kind > static_cast<std::uint8_t>(NotifKind::kFailedToPost)) return;
+        {
+          std::lock_guard lock(regions_mu_);
+          if (served_[fd].revoked) return;
+        }
         deliver(Notification{peer_name, static_cast<NotifKind>(kind), std::move(text)});
         continue;
       }
@@ -858,6 +890,7 @@ class IpcTransport final : public detail::TransportBase {
       Status s;
       {
         std::lock_guard lock(regions_mu_);
+        if (served_[fd].revoked) return;  // disconnected: this peer's requests no longer touch our memory
         for (const auto& r : ranges) {
           auto it = own_.find(r.region);
           if (it == own_.end() || r.offset > it->second.bytes || r.bytes > it->second.bytes - r.offset) {
@@ -911,8 +944,13 @@ class IpcTransport final : public detail::TransportBase {
   std::string sock_name_;
   int listen_fd_ = -1;
 
-  std::mutex regions_mu_;
+  mutable std::mutex regions_mu_;
   std::map<RegionId, OwnWindow> own_;
+  struct Served {
+    std::string name;      // the peer's agent name, from its hello
+    bool revoked = false;  // disconnect_peer: its requests are no longer served
+  };
+  std::map<int, Served> served_;  // by incoming connection
 
   std::mutex conns_mu_;
   std::vector<std::shared_ptr<Conn>> conns_;

@@ -15,10 +15,14 @@
 //
 // Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER where the lanes support it (TCP; not shared memory,
 // where the endpoint is created without it); the error callback marks the peer failed (later posts are
-// refused); its outstanding requests complete with errors, which fails their transfers.
+// refused); its outstanding requests complete with errors, which fails their transfers. Where nothing reports a
+// dead peer (shared memory), disconnect_peer force-closes the endpoint so its requests complete with errors.
+// Whether a disconnected peer can still write here (peer_revoked): RMA is one-sided, so only the peer's end
+// proves it: its connection failed, or its process (same host: a pidfd from the pid in its address) exited.
 #include <fmt/format.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
@@ -29,6 +33,8 @@
 #include <thread>
 
 #include "kvtier/core/log.h"
+#include "kvtier/transport/ipc.h"
+#include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 
 namespace kvtier::transport {
@@ -117,7 +123,51 @@ std::vector<char> padded(const std::string& s) {
   return v;
 }
 
+// The blob's address: "KVUCXA1", the agent's host identity (boot id, pid namespace: byte_codec strings) and pid
+// (u32), then UCX's worker address. The pid lets a peer on the same host tell a dead agent from a paused one.
+constexpr std::string_view kAddressMagic = "KVUCXA1";
+struct UcxAddress {
+  HostIdentity host;
+  std::uint32_t pid = 0;
+  std::string worker;
+};
+std::string format_address(const UcxAddress& a) {
+  detail::ByteWriter<std::string> w;
+  w.raw(kAddressMagic.data(), kAddressMagic.size());
+  w.str(a.host.boot_id);
+  w.str(a.host.pid_ns);
+  w.u32(a.pid);
+  w.raw(a.worker.data(), a.worker.size());
+  return std::move(w.out);
+}
+Result<UcxAddress> parse_address(std::string_view name, std::string_view s) {
+  if (s.substr(0, kAddressMagic.size()) != kAddressMagic)
+    return InvalidArgument(fmt::format("peer '{}': address of {} bytes is not a kvtier UCX address", name, s.size()));
+  detail::ByteReader r(s.substr(kAddressMagic.size()), 256);
+  UcxAddress a;
+  if (!r.str(a.host.boot_id) || !r.str(a.host.pid_ns) || !r.u32(a.pid))
+    return InvalidArgument(fmt::format("peer '{}': UCX address of {} bytes is truncated", name, s.size()));
+  a.worker = std::string(s.substr(kAddressMagic.size() + r.pos()));
+  if (a.worker.size() < kMinUcxAddressBytes)
+    return InvalidArgument(fmt::format("peer '{}': UCX worker address of {} bytes (UCX packs at least {})", name,
+                                       a.worker.size(), kMinUcxAddressBytes));
+  return a;
+}
+
 struct UcxPeer {
+  UcxPeer() = default;
+  UcxPeer(const UcxPeer&) = delete;
+  UcxPeer& operator=(const UcxPeer&) = delete;
+  ~UcxPeer() {
+    if (pidfd >= 0) close(pidfd);
+  }
+  // Its process has ended (same host), or its connection failed: nothing it posted can still land here.
+  bool gone() const {
+    if (conn_failed) return true;
+    pollfd p{pidfd, POLLIN, 0};
+    return pidfd >= 0 && ::poll(&p, 1, 0) > 0;
+  }
+  int pidfd = -1;  // the peer's process, when it runs on this host in this pid namespace
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> rkeys;  // by peer region index (null for empty keys)
   struct Bounds {
@@ -126,6 +176,7 @@ struct UcxPeer {
   std::vector<Bounds> regions;  // the blob's regions: every remote address is checked against them
   std::string name;
   bool failed = false;
+  bool conn_failed = false;  // the endpoint's error callback ran: the connection (and so the peer) is gone
 };
 
 class UcxTransport final : public detail::TransportBase {
@@ -171,8 +222,14 @@ class UcxTransport final : public detail::TransportBase {
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
     if ((st = ucp_worker_query(worker_, &attr)) != UCS_OK) return ucs_error("ucp_worker_query", st);
-    address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+    UcxAddress self;
+    // Without procfs the address carries no host identity and peers cannot watch this process's end.
+    if (auto h = local_host_identity(); h.ok()) self.host = *h;
+    self.pid = static_cast<std::uint32_t>(getpid());
+    self.worker.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
     ucp_worker_release_address(worker_, attr.address);
+    host_ = self.host;
+    address_ = format_address(self);
 
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) return Internal(fmt::format("eventfd: {}", std::strerror(errno)));
@@ -269,9 +326,7 @@ class UcxTransport final : public detail::TransportBase {
   Result<std::string> backend_address() override { return address_; }
 
   Status backend_check_blob(const detail::Blob& blob) override {
-    if (blob.address.size() < kMinUcxAddressBytes)
-      return InvalidArgument(fmt::format("peer '{}': UCX worker address of {} bytes (UCX packs at least {})",
-                                         blob.identity.name, blob.address.size(), kMinUcxAddressBytes));
+    if (auto a = parse_address(blob.identity.name, blob.address); !a.ok()) return a.status();
     for (std::size_t i = 0; i < blob.regions.size(); ++i)
       if (blob.regions[i].bytes != 0) KVTIER_RETURN_IF_ERROR(check_ucx_key(blob.identity.name, i, blob.regions[i].key));
     return Status::Ok();
@@ -283,7 +338,10 @@ class UcxTransport final : public detail::TransportBase {
     auto rec = std::make_unique<UcxPeer>();
     rec->name = blob.identity.name;
     for (const auto& r : blob.regions) rec->regions.push_back(UcxPeer::Bounds{r.base, r.bytes});
-    const std::vector<char> address = padded(blob.address);
+    KVTIER_ASSIGN_OR_RETURN(UcxAddress peer_address, parse_address(blob.identity.name, blob.address));
+    if (!host_.boot_id.empty() && peer_address.host == host_ && peer_address.pid != 0)
+      rec->pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_address.pid), 0));
+    const std::vector<char> address = padded(peer_address.worker);
     ucp_ep_params_t ep{};
     ep.field_mask =
         UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -391,6 +449,57 @@ class UcxTransport final : public detail::TransportBase {
     }
     wake();
     return Status::Ok();
+  }
+
+  bool backend_disconnect(PeerId peer) override {
+    void* closing = nullptr;
+    bool revoked = false;
+    {
+      std::lock_guard lock(ucx_mu_);
+      UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
+      if (p == nullptr) return true;
+      revoked = p->gone();
+      p->failed = true;
+      if (p->ep != nullptr) {
+        // Forced: the peer may be dead. UCX completes every request still on the endpoint with an error, so
+        // transfers that would wait forever on a dead peer (lanes without failure detection) become quiescent.
+        ucp_request_param_t cp{};
+        cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &cp);
+        if (UCS_PTR_IS_PTR(r)) closing = r;
+        p->ep = nullptr;
+      }
+    }
+    wake();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    bool closed = true;
+    for (bool done = closing == nullptr; !done;) {
+      std::lock_guard lock(ucx_mu_);
+      const bool late = std::chrono::steady_clock::now() > deadline;
+      if (ucp_request_check_status(closing) != UCS_INPROGRESS || late) {
+        closed = !late;
+        ucp_request_free(closing);
+        done = true;
+      } else {
+        ucp_worker_progress(worker_);
+      }
+    }
+    // Requests may still use the keys when the close did not finish: those are leaked rather than freed under them.
+    if (closed) {
+      std::lock_guard lock(ucx_mu_);
+      UcxPeer* p = peers_[peer].get();
+      for (ucp_rkey_h k : p->rkeys)
+        if (k != nullptr) ucp_rkey_destroy(k);
+      p->rkeys.clear();
+    }
+    // RMA is one-sided: closing our endpoint does not stop a live peer's puts into our memory (on shared memory
+    // the peer copies itself). Only the peer's end proves it: its process gone, or its connection failed.
+    return revoked;
+  }
+  bool backend_revoked(PeerId peer) const override {
+    std::lock_guard lock(ucx_mu_);
+    return peer < peers_.size() && peers_[peer] && peers_[peer]->gone();
   }
 
   void backend_abort(XferId id) override {
@@ -535,6 +644,7 @@ class UcxTransport final : public detail::TransportBase {
       UcxPeer* p = self->peers_[i].get();
       if (p == nullptr || p->ep != ep) continue;
       p->failed = true;
+      p->conn_failed = true;
       self->mark_peer_failed(static_cast<PeerId>(i), Unavailable(fmt::format("connection to peer '{}' failed: {}",
                                                                              p->name, ucs_status_string(st))));
       // The endpoint is closed later (destructor); its requests complete with errors now.
@@ -590,7 +700,8 @@ class UcxTransport final : public detail::TransportBase {
   int efd_ = -1;
   int wake_fd_ = -1;
   std::string address_;
-  std::mutex ucx_mu_;
+  HostIdentity host_;
+  mutable std::mutex ucx_mu_;
   std::unordered_map<RegionId, ucp_mem_h> memh_;
   std::vector<std::unique_ptr<UcxPeer>> peers_;
   std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
