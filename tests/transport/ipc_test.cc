@@ -378,6 +378,53 @@ TEST(IpcWindows, WindowsHandedToPeersAreSealedAgainstResizing) {
   close(sock);
 }
 
+// A request whose range count is far beyond what its message holds used to size an allocation from it (about
+// 96 GiB for 2^32 - 1 ranges). The owner drops such a request (and the connection that sent it) and keeps serving.
+TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsServing) {
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> mb(1 << 16, std::byte{7});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  const auto blob = b->export_metadata().value();
+  auto decoded = detail::decode_blob(blob).value();
+  const int sock = abstract_socket(decoded.address.substr(decoded.address.find("sock=") + 5), false);
+  ASSERT_GE(sock, 0);
+  timeval tv{10, 0};
+  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  detail::ByteWriter<std::string> hello;
+  hello.u32(kHelloMsg);
+  hello.str("crafted");
+  ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
+  std::string m;
+  int fd = -1;
+  do {
+    ASSERT_TRUE(recv_with_fd(sock, m, fd));
+    if (fd >= 0) close(fd);
+  } while (m.size() < 4 || m[0] != static_cast<char>(kRegionsEndMsg));
+  detail::ByteWriter<std::string> req;
+  req.u32(4);  // kWrite
+  req.u64(1);
+  req.u32(0xffffffffu);  // ranges claimed; none follow
+  ASSERT_TRUE(send_with_fd(sock, req.out, -1));
+  // The owner ends this connection instead of answering (well before the 10 s receive timeout).
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(recv_with_fd(sock, m, fd));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  close(sock);
+  // And still serves a well-behaved peer: a WRITE lands byte-exact.
+  auto a = create_ipc_transport(ident("a")).value();
+  std::vector<std::byte> ma(1 << 16, std::byte{0x3c});
+  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
+  PeerId pb = a->load_peer(blob).value();
+  LocalDesc l{ra, 0, ma.size()};
+  RemoteDesc r{0, 0, ma.size()};
+  auto x = a->post(XferOp::kWrite, pb, {&l, 1}, {&r, 1}, "after");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  auto st = a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  EXPECT_EQ(mb, ma);
+}
+
 // ---- path selection -------------------------------------------------------------------------------------
 
 PathEndpoint ep(HostIdentity h, MemoryKind kind, bool cuda, int ordinal) {

@@ -843,7 +843,12 @@ class IpcTransport final : public detail::TransportBase {
       set_buffers(fd);
       std::lock_guard lock(servers_mu_);
       server_fds_.push_back(fd);
-      servers_.emplace_back([this, fd] { serve(fd); });
+      servers_.emplace_back([this, fd] {
+        serve(fd);
+        // A peer whose request was malformed (or that was disconnected) sees the end at once; the descriptor
+        // itself is closed with the transport, so served_ never sees its number reused.
+        shutdown(fd, SHUT_RDWR);
+      });
     }
   }
 
