@@ -12,6 +12,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "kvtier/cache/cache_manager.h"
@@ -37,6 +38,10 @@ Result<std::unique_ptr<Transport>> make_transport(std::string name, const KvLayo
 #ifdef KVTIER_PD_IPC
   return create_ipc_transport({std::move(name), layout.fingerprint(), 1, 0});
 #else
+  // KVTIER_PD_TEST_TLS=shm (set by the shared-memory cases, inherited by the helper) picks UCX's shm lane.
+  const char* tls = std::getenv("KVTIER_PD_TEST_TLS");
+  if (tls != nullptr && std::string_view(tls) == "shm")
+    return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"shm", "", {}});
   return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
 #endif
 }
@@ -384,6 +389,35 @@ TEST(TwoProcessLateWrites, APrefillStoppedPastTheLeaseNeverWritesIntoBlocksRepor
   EXPECT_FALSE(reclaimed) << "UCX cannot revoke a live peer's writes: the blocks must stay quarantined";
 #endif
 }
+
+#ifndef KVTIER_PD_IPC
+// UCX's shared-memory lane reports no dead peer (no endpoint error handling): only the lease finds a killed
+// prefill, and the decode side's blocks must still come back, in both modes (push: its process is seen gone).
+class TwoProcessShm : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(TwoProcessShm, PrefillKilledMidTransferFailsTheRestAndTheBlocksReturn) {
+  setenv("KVTIER_PD_TEST_TLS", "shm", 1);
+  DecodeRig rig;
+  rig.start(HelperArgs{GetParam(), 300});
+  unsetenv("KVTIER_PD_TEST_TLS");
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), {0, 1, 2, 3}).ok());
+  ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
+  EXPECT_TRUE(layer_matches(rig.mem.space, 0, 0, kSrc[0]));
+  kill(rig.child.pid, SIGKILL);
+  EXPECT_EQ(rig.child.reap(), -SIGKILL);
+  auto fin = rig.dec->wait(kXid, 10s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  auto rec = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(rec.ok()) << "blocks pinned by a dead peer on the shm lane: " << rec.status().to_string();
+  EXPECT_TRUE(rec->reclaimable);
+  EXPECT_TRUE(rig.dec->forget(kXid).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TwoProcessShm, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+#endif
 
 TEST(TwoProcessBlob, APeerOfAnotherLayoutIsRefusedOnBothSides) {
   DecodeRig rig;
