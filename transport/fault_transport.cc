@@ -58,6 +58,8 @@ class WireFaultTransport final : public Transport {
     return observe(xfer, inner_->wait(xfer, timeout));
   }
   Status abort(XferId xfer) override { return inner_->abort(xfer); }
+  Status disconnect_peer(PeerId peer) override { return inner_->disconnect_peer(peer); }
+  bool peer_revoked(PeerId peer) const override { return inner_->peer_revoked(peer); }
   Status release(XferId xfer) override { return inner_->release(xfer); }
   Status send_notification(PeerId peer, std::string message) override {
     return inner_->send_notification(peer, std::move(message));

@@ -7,8 +7,15 @@
 //   'D' xid u32 layer                          decode -> prefill: notification of the layer's READ (pull)
 //   'X' xid u32 layer                          prefill -> decode: the layer cannot be sent (failed post)
 //   'F' xid u8 ok                              decode -> prefill: the decode side is final
-//   'H' xid                                    both ways: heartbeat (renews the lease)
+//   'Q' xid                                    prefill -> decode: final, and every write of it is quiescent
+//   'H' xid u64 seq u64 echo                   both ways: heartbeat number `seq`; `echo`: the highest heartbeat
+//                                              number received from the other side (0: none yet)
 // A negative notification (aborted, failed to post) carries the 'W' or 'D' text of its transfer.
+//
+// Leases are renewed only by echoes: a heartbeat that echoes our heartbeat n proves the peer was alive when we
+// sent n, so the lease runs from n's send time. A message processed late (queued while this side or the wire
+// stalled) can therefore never extend the lease of a peer that has died since; renewing by the time a message
+// was processed did. 'Q' is what proves to the decode side that no write of the prefill can still land.
 #include "kvtier/transport/pd.h"
 
 #include <fmt/format.h>
@@ -18,6 +25,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -240,6 +248,41 @@ class Endpoint {
     }
   }
 
+  // Heartbeats of one transfer, one direction each way.
+  struct Beats {
+    std::uint64_t sent = 0;                                      // number of our last heartbeat
+    std::deque<std::pair<std::uint64_t, Clock::time_point>> at;  // when we sent the recent ones
+    std::uint64_t heard = 0;                                     // highest heartbeat number of the peer
+  };
+  std::string heartbeat(TransferId id, Beats& b, Clock::time_point now) {
+    b.at.emplace_back(++b.sent, now);
+    // An echo older than these can no longer renew a lease anyway (it is more than a lease old).
+    const std::size_t keep = static_cast<std::size_t>(options_.lease / options_.heartbeat) + 4;
+    while (b.at.size() > keep) b.at.pop_front();
+    return Msg('H', id).u64(b.sent).u64(b.heard).str();
+  }
+  // A heartbeat from the peer: the lease runs from the send time of the heartbeat of ours it echoes.
+  void heard_heartbeat(Beats& b, Parse& p, Clock::time_point& last_heard) {
+    std::uint64_t seq = 0, echo = 0;
+    if (!p.u64(seq) || !p.u64(echo)) return;
+    b.heard = std::max(b.heard, seq);
+    for (const auto& [n, when] : b.at)
+      if (n == echo) last_heard = std::max(last_heard, when);
+  }
+  // The lease on `peer` expired for a transfer. When the peer is silent on every transfer of this side, it is
+  // taken for dead: the transport drops it, which fails (and, where the backend can, cancels) every request to
+  // it, so memory waiting on them is released; a peer still heard on other transfers keeps its connection.
+  template <typename Xfers>
+  void lease_expired(PeerId peer, const Xfers& xfers, Clock::time_point now) {
+    for (const auto& [id, x] : xfers)
+      if (x.peer == peer && now - x.last_heard <= options_.lease) return;
+    if (dropped_.insert(peer).second) {
+      Status s = t_.disconnect_peer(peer);
+      if (!s.ok())
+        log(LogLevel::kWarning, "transport", fmt::format("pd: disconnecting peer {}: {}", peer, s.to_string()));
+    }
+  }
+
   std::vector<std::uint64_t> local_strides() const {
     std::vector<std::uint64_t> s;
     for (std::uint32_t l = 0; l < blocks_.layout().num_layers(); ++l)
@@ -254,6 +297,7 @@ class Endpoint {
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread thread_;
+  std::set<PeerId> dropped_;  // peers this side disconnected
 };
 
 // ---- prefill --------------------------------------------------------------------------------------------
@@ -348,21 +392,27 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::optional<Req> req;
     std::vector<L> layers;
     Clock::time_point last_heard, last_sent;
+    Beats beats;
     bool final = false, done = false;
+    bool quiet_sent = false;  // 'Q' went out (or could not: the peer is gone)
     Status error;
   };
+
+  static bool writes_quiet(const X& x) {
+    for (const L& l : x.layers)
+      if (l.xfer) return false;
+    return true;
+  }
 
   PrefillStatus summarize(const X& x) const {
     PrefillStatus s;
     s.final = x.final;
     s.done = x.done;
     s.error = x.error;
-    bool quiet = true;
-    for (const L& l : x.layers) {
+    for (const L& l : x.layers)
       if (l.sent) ++s.layers_sent;
-      if (l.xfer) quiet = false;
-    }
-    s.reclaimable = x.final && quiet;
+    // Forgetting the transfer before 'Q' went out would leave the decode side's blocks quarantined.
+    s.reclaimable = x.final && writes_quiet(x) && x.quiet_sent;
     return s;
   }
 
@@ -399,10 +449,9 @@ class Prefill final : public PdPrefill, public Endpoint {
     }
     if (it == xfers_.end()) return;
     X& x = it->second;
-    x.last_heard = Clock::now();
     std::uint32_t layer = 0;
     switch (type) {
-      case 'H': return;
+      case 'H': heard_heartbeat(x.beats, p, x.last_heard); return;
       case 'D':
         if (!p.u32(layer) || layer >= x.layers.size()) return;
         if (n.kind == NotifKind::kMessage) x.layers[layer].acked = true;
@@ -438,14 +487,26 @@ class Prefill final : public PdPrefill, public Endpoint {
           l.xfer.reset();
         }
       }
-      if (x.final) continue;
+      if (x.final) {
+        if (!x.quiet_sent && writes_quiet(x)) {
+          // After the write notifications of this transfer: nothing of it can land on the decode side any more.
+          t_.send_notification(x.peer, Msg('Q', id).str()).ignore_error();
+          x.quiet_sent = true;
+        }
+        continue;
+      }
       if (now - x.last_heard > options_.lease) {
         fail(x, id,
              Unavailable(fmt::format("decode side silent for more than the lease ({} ms)", options_.lease.count())));
+        // Writes in flight to a silent decode side may never complete (a dead peer on a lane without failure
+        // detection): cancel them, and drop the peer if it is silent everywhere.
+        for (L& l : x.layers)
+          if (l.xfer) t_.abort(*l.xfer).ignore_error();
+        lease_expired(x.peer, xfers_, now);
         continue;
       }
       if (now - x.last_sent >= options_.heartbeat) {
-        t_.send_notification(x.peer, Msg('H', id).str()).ignore_error();
+        t_.send_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
         x.last_sent = now;
       }
       if (!x.req) continue;
@@ -592,8 +653,10 @@ class Decode final : public PdDecode, public Endpoint {
     std::vector<std::vector<std::uint8_t>> block_layer_ok;  // [position][layer]
     std::vector<Read> reads;
     Clock::time_point last_heard, last_sent;
+    Beats beats;
     bool fin_sent = false;
     bool any_failure = false;
+    bool prefill_quiet = false;  // 'Q': no write of the prefill side can still land
     Status error;
   };
 
@@ -613,10 +676,15 @@ class Decode final : public PdDecode, public Endpoint {
       for (auto v : bl) ok = ok && v != 0;
       s.block_loaded.push_back(ok);
     }
+    (void)now;
     bool reads_quiet = true;
     for (const Read& r : x.reads) reads_quiet = reads_quiet && !r.active;
-    // After a failure a write of the prefill side may still be landing until its lease has run out.
-    s.reclaimable = s.final && reads_quiet && (!x.any_failure || now - x.last_heard > options_.lease);
+    // After a failure in push mode a write of the prefill side may still land (a prefill paused past the lease
+    // resumes with its writes posted): the blocks stay quarantined until the prefill proves its writes are done
+    // ('Q') or the transport guarantees the peer can no longer write here. Time alone proves nothing. In pull mode
+    // the prefill writes nothing here.
+    const bool no_writer = x.mode == PdMode::kPull || !x.any_failure || x.prefill_quiet || t_.peer_revoked(x.peer);
+    s.reclaimable = s.final && reads_quiet && no_writer;
     return s;
   }
 
@@ -659,10 +727,10 @@ class Decode final : public PdDecode, public Endpoint {
     auto it = xfers_.find(id);
     if (it == xfers_.end()) return;
     X& x = it->second;
-    x.last_heard = Clock::now();
     std::uint32_t layer = 0;
     switch (type) {
-      case 'H': return;
+      case 'H': heard_heartbeat(x.beats, p, x.last_heard); return;
+      case 'Q': x.prefill_quiet = true; return;
       case 'W': {
         std::vector<std::uint64_t> ck;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(ck)) return;
@@ -736,10 +804,16 @@ class Decode final : public PdDecode, public Endpoint {
       if (now - x.last_heard > options_.lease) {
         fail_rest(x, Unavailable(fmt::format("transfer {}: prefill side silent for more than the lease ({} ms)", id,
                                              options_.lease.count())));
+        // Reads from a silent prefill may never complete (a dead peer on a lane without failure detection, such
+        // as UCX shared memory): cancel them, and drop the peer if it is silent everywhere, so that the blocks
+        // they hold are released.
+        for (Read& r : x.reads)
+          if (r.active) t_.abort(r.xfer).ignore_error();
+        lease_expired(x.peer, xfers_, now);
         continue;
       }
       if (now - x.last_sent >= options_.heartbeat) {
-        t_.send_notification(x.peer, Msg('H', id).str()).ignore_error();
+        t_.send_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
         x.last_sent = now;
       }
     }

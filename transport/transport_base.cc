@@ -1,9 +1,11 @@
 #include "transport/transport_base.h"
 
 #include <fmt/format.h>
+#include <sodium.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <set>
 
@@ -41,18 +43,94 @@ std::string_view notif_kind_name(NotifKind kind) noexcept {
 namespace detail {
 namespace {
 
-constexpr std::uint64_t kBlobMagic = 0x31545250584b564bULL;  // "KVKXPRT1" little-endian
+constexpr std::uint64_t kBlobMagic = 0x31545250584b564bULL;       // "KVKXPRT1" little-endian
+constexpr std::uint64_t kBlobMagicKeyed = 0x314b5250584b564bULL;  // "KVKXPRK1": a MAC follows the checksum
 constexpr std::size_t kMaxString = 1u << 20;
 constexpr std::uint32_t kMaxRegions = 1u << 16;
+// BLAKE2b personalisation: a MAC of a peer blob is never valid as any other keyed hash of kvtier.
+constexpr unsigned char kPersonalPeerBlob[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-peer-v1";
 
 using Writer = ByteWriter<std::vector<std::byte>>;
 
+bool ensure_sodium() {
+  static const int rc = sodium_init();
+  return rc >= 0;
+}
+
+std::array<unsigned char, kBlobMacBytes> blob_mac(std::span<const std::byte> bytes, std::string_view secret) {
+  ensure_sodium();
+  crypto_generichash_state st;
+  crypto_generichash_blake2b_init_salt_personal(&st, reinterpret_cast<const unsigned char*>(secret.data()),
+                                                secret.size(), kBlobMacBytes, nullptr, kPersonalPeerBlob);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  std::array<unsigned char, kBlobMacBytes> out{};
+  crypto_generichash_final(&st, out.data(), out.size());
+  sodium_memzero(&st, sizeof(st));
+  return out;
+}
+
+// Names end up in messages and logs: printable ASCII only, bounded.
+bool sane_name(std::string_view s) {
+  return !s.empty() && s.size() <= kMaxNameBytes &&
+         std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c <= 0x7e; });
+}
+
+// The bounds every blob must keep, whatever its backend: nothing a crafted blob carries may make a later
+// address computation wrap or point at memory outside what the peer registered.
+Status check_fields(const Blob& b) {
+  if (!sane_name(b.backend))
+    return InvalidArgument(fmt::format("peer blob backend name of {} bytes: need 1..{} printable characters",
+                                       b.backend.size(), kMaxNameBytes));
+  if (!sane_name(b.identity.name))
+    return InvalidArgument(fmt::format("peer blob agent name of {} bytes: need 1..{} printable characters",
+                                       b.identity.name.size(), kMaxNameBytes));
+  if (b.address.empty() || b.address.size() > kMaxAddressBytes)
+    return InvalidArgument(fmt::format("peer '{}' blob: address of {} bytes (need 1..{})", b.identity.name,
+                                       b.address.size(), kMaxAddressBytes));
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> live;  // [base, end) of live regions
+  for (std::size_t i = 0; i < b.regions.size(); ++i) {
+    const Blob::Region& r = b.regions[i];
+    if (r.key.size() > kMaxRemoteKeyBytes)
+      return InvalidArgument(fmt::format("peer '{}' region {}: remote key of {} bytes (max {})", b.identity.name, i,
+                                         r.key.size(), kMaxRemoteKeyBytes));
+    if (r.bytes == 0) {
+      // A deregistered region keeps its index with zero bytes and no key; it can never be addressed.
+      if (!r.key.empty())
+        return InvalidArgument(
+            fmt::format("peer '{}' region {}: 0 bytes but a remote key of {} bytes", b.identity.name, i, r.key.size()));
+      continue;
+    }
+    if (r.base == 0)
+      return InvalidArgument(
+          fmt::format("peer '{}' region {}: base 0 for a region of {} bytes", b.identity.name, i, r.bytes));
+    if (r.bytes > ~std::uint64_t{0} - r.base)
+      return OutOfRange(fmt::format("peer '{}' region {}: base {:#x} + {} bytes wraps around the address space",
+                                    b.identity.name, i, r.base, r.bytes));
+    live.emplace_back(r.base, r.base + r.bytes);
+  }
+  // An agent never registers overlapping regions; a blob that claims them describes memory nobody registered.
+  std::sort(live.begin(), live.end());
+  for (std::size_t i = 1; i < live.size(); ++i)
+    if (live[i].first < live[i - 1].second)
+      return InvalidArgument(fmt::format("peer '{}' blob: region at {:#x} overlaps the region [{:#x}, {:#x})",
+                                         b.identity.name, live[i].first, live[i - 1].first, live[i - 1].second));
+  return Status::Ok();
+}
+
 }  // namespace
 
-// Layout: u64 magic, u32 version, then the fields, then u64 xxh3 of everything before it.
-std::vector<std::byte> encode_blob(const Blob& blob) {
+Status check_peer_secret(std::string_view secret) {
+  if (secret.empty() || (secret.size() >= kMinPeerSecretBytes && secret.size() <= kMaxPeerSecretBytes))
+    return Status::Ok();
+  return InvalidArgument(fmt::format("peer_secret is {} bytes; a peer secret needs {} to {} bytes", secret.size(),
+                                     kMinPeerSecretBytes, kMaxPeerSecretBytes));
+}
+
+// Layout: u64 magic, u32 version, then the fields, then u64 xxh3 of everything before it; keyed (magic
+// "KVKXPRK1"): then the 32-byte MAC of everything before it.
+std::vector<std::byte> encode_blob(const Blob& blob, std::string_view secret) {
   Writer w;
-  w.u64(kBlobMagic);
+  w.u64(secret.empty() ? kBlobMagic : kBlobMagicKeyed);
   w.u32(blob.version);
   w.str(blob.backend);
   w.str(blob.identity.name);
@@ -68,16 +146,42 @@ std::vector<std::byte> encode_blob(const Blob& blob) {
   }
   w.str(blob.address);
   w.u64(XXH3_64bits(w.out.data(), w.out.size()));
+  if (!secret.empty()) {
+    const auto mac = blob_mac(w.out, secret);
+    w.raw(mac.data(), mac.size());
+  }
   return std::move(w.out);
 }
 
-Result<Blob> decode_blob(std::span<const std::byte> bytes) {
-  if (bytes.size() < 20) return InvalidArgument(fmt::format("peer blob of {} bytes is too short", bytes.size()));
-  ByteReader r(bytes, kMaxString);
+Result<Blob> decode_blob(std::span<const std::byte> all, std::string_view secret) {
+  if (all.size() < 20) return InvalidArgument(fmt::format("peer blob of {} bytes is too short", all.size()));
   std::uint64_t magic = 0;
-  (void)r.u64(magic);
-  if (magic != kBlobMagic)
+  std::memcpy(&magic, all.data(), 8);
+  if (magic != kBlobMagic && magic != kBlobMagicKeyed)
     return InvalidArgument(fmt::format("peer blob has magic {:#018x}, not a kvtier transport blob", magic));
+  const bool keyed = magic == kBlobMagicKeyed;
+  // Authentication comes first: with a secret, not one field of a blob is read before its MAC verifies.
+  if (!secret.empty() && !keyed)
+    return FailedPrecondition(
+        "peer blob carries no MAC, but this agent has a peer_secret: only agents holding the same secret may load "
+        "each other");
+  if (secret.empty() && keyed)
+    return FailedPrecondition(
+        "peer blob is authenticated with a peer secret (it carries a MAC), but this agent has no peer_secret");
+  std::span<const std::byte> bytes = all;
+  if (keyed) {
+    if (all.size() < 20 + kBlobMacBytes)
+      return FailedPrecondition(
+          fmt::format("peer blob authentication failed: {} bytes cannot hold the fields and a MAC", all.size()));
+    bytes = all.first(all.size() - kBlobMacBytes);
+    const auto mac = blob_mac(bytes, secret);
+    if (sodium_memcmp(mac.data(), all.data() + bytes.size(), kBlobMacBytes) != 0)
+      return FailedPrecondition(
+          "peer blob authentication failed: its MAC does not verify under this agent's peer_secret (the peer holds "
+          "another secret, or the blob was changed)");
+  }
+  ByteReader r(bytes, kMaxString);
+  (void)r.u64(magic);
   std::uint64_t stored = 0;
   std::memcpy(&stored, bytes.data() + bytes.size() - 8, 8);
   const std::uint64_t computed = XXH3_64bits(bytes.data(), bytes.size() - 8);
@@ -104,6 +208,7 @@ Result<Blob> decode_blob(std::span<const std::byte> bytes) {
   ok = ok && r.str(b.address);
   if (!ok || r.pos() != bytes.size() - 8)
     return InvalidArgument(fmt::format("peer blob of {} bytes is truncated or malformed", bytes.size()));
+  KVTIER_RETURN_IF_ERROR(check_fields(b));
   return b;
 }
 
@@ -163,11 +268,11 @@ Result<std::vector<std::byte>> TransportBase::export_metadata() {
     b.regions.push_back(Blob::Region{r.region.kind, reinterpret_cast<std::uint64_t>(r.region.base),
                                      r.live ? r.region.bytes : 0, r.live ? r.key : std::string()});
   }
-  return encode_blob(b);
+  return encode_blob(b, peer_secret_);
 }
 
 Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
-  KVTIER_ASSIGN_OR_RETURN(Blob b, decode_blob(bytes));
+  KVTIER_ASSIGN_OR_RETURN(Blob b, decode_blob(bytes, peer_secret_));
   const AgentIdentity& peer = b.identity;
   if (b.backend != backend_name())
     return FailedPrecondition(fmt::format("peer '{}' uses transport backend '{}', local '{}' uses '{}'", peer.name,
@@ -184,6 +289,7 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
         fmt::format("peer '{}' tensor-parallel rank {} >= its size {}", peer.name, peer.tp_rank, peer.tp_size));
   if (peer.name == identity_.name)
     return InvalidArgument(fmt::format("peer blob names this agent itself ('{}')", peer.name));
+  KVTIER_RETURN_IF_ERROR(backend_check_blob(b));
   PeerId id = 0;
   {
     std::lock_guard lock(mu_);
@@ -325,6 +431,41 @@ Status TransportBase::release(XferId xfer) {
                                           st.quiescent ? "" : " with requests in the backend"));
   xfers_.erase(it);
   return Status::Ok();
+}
+
+Status TransportBase::disconnect_peer(PeerId peer) {
+  std::vector<XferId> cancel;
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+    PeerRec& p = peers_[peer];
+    if (p.disconnected) return Status::Ok();
+    p.disconnected = true;
+    p.failed = Unavailable(fmt::format("peer '{}' was disconnected by this agent", p.info.identity.name));
+    // The peer may come back as a fresh process: its name is free for a new load_peer.
+    p.info.identity.name += " (disconnected)";
+    for (auto& [id, x] : xfers_) {
+      if (x.peer != peer || x.status.state != XferState::kInProgress) continue;
+      x.status.state = XferState::kFailed;
+      x.status.error = Aborted(fmt::format("transfer {}: peer was disconnected", id));
+      cancel.push_back(id);
+    }
+    cv_.notify_all();
+  }
+  for (XferId id : cancel) backend_abort(id);
+  const bool revoked = backend_disconnect(peer);
+  std::lock_guard lock(mu_);
+  peers_[peer].revoked = revoked;
+  return Status::Ok();
+}
+
+bool TransportBase::peer_revoked(PeerId peer) const {
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size() || !peers_[peer].disconnected) return false;
+    if (peers_[peer].revoked) return true;
+  }
+  return backend_revoked(peer);
 }
 
 Status TransportBase::send_notification(PeerId peer, std::string message) {

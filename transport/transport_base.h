@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -39,13 +40,30 @@ struct Blob {
   std::vector<Region> regions;
   std::string address;  // the backend's connection address
 };
-std::vector<std::byte> encode_blob(const Blob& blob);
-// kInvalidArgument: not a blob; kDataLoss: checksum; kFailedPrecondition: another transport version.
-Result<Blob> decode_blob(std::span<const std::byte> bytes);
+// Bounds of the fields a blob may carry (its sender is not trusted: see "Trust" in transport.h).
+inline constexpr std::size_t kMinPeerSecretBytes = 32, kMaxPeerSecretBytes = 64;
+inline constexpr std::size_t kBlobMacBytes = 32;
+inline constexpr std::size_t kMaxRemoteKeyBytes = 4096;  // UCX's packed rkeys and the ipc keys are far smaller
+inline constexpr std::size_t kMaxAddressBytes = 64 * 1024;
+inline constexpr std::size_t kMaxNameBytes = 256;
+
+// kInvalidArgument unless `secret` is empty (no secret) or kMinPeerSecretBytes..kMaxPeerSecretBytes long.
+Status check_peer_secret(std::string_view secret);
+
+// With a secret, the blob carries a keyed MAC (BLAKE2b-256 keyed with the secret) over everything else and a magic
+// of its own, so a receiver knows which kind it holds before it reads any field.
+std::vector<std::byte> encode_blob(const Blob& blob, std::string_view secret = {});
+// kInvalidArgument: not a blob, or a field out of its bounds (region base + bytes wrapping, a live region at
+// base 0, keys, names and addresses too long or malformed, overlapping regions); kDataLoss: checksum;
+// kFailedPrecondition: another transport version, or authentication: with a secret, a blob without a MAC or whose
+// MAC does not verify (checked before any field is read); without one, a blob that carries a MAC.
+Result<Blob> decode_blob(std::span<const std::byte> bytes, std::string_view secret = {});
 
 class TransportBase : public Transport {
  public:
-  explicit TransportBase(AgentIdentity identity) : identity_(std::move(identity)) {}
+  // `peer_secret`: empty, or checked by check_peer_secret (the factories refuse other lengths).
+  explicit TransportBase(AgentIdentity identity, std::string peer_secret = {})
+      : identity_(std::move(identity)), peer_secret_(std::move(peer_secret)) {}
 
   const AgentIdentity& identity() const noexcept override { return identity_; }
   Result<RegionId> register_memory(const MemoryRegion& region) override;
@@ -59,6 +77,8 @@ class TransportBase : public Transport {
   Result<XferStatus> wait(XferId xfer, std::chrono::nanoseconds timeout) override;
   Status abort(XferId xfer) override;
   Status release(XferId xfer) override;
+  Status disconnect_peer(PeerId peer) override;
+  bool peer_revoked(PeerId peer) const override;
   Status send_notification(PeerId peer, std::string message) override;
   std::vector<Notification> take_notifications() override;
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override;
@@ -69,6 +89,12 @@ class TransportBase : public Transport {
   virtual Result<std::string> backend_register(RegionId id, const MemoryRegion& region) = 0;
   virtual void backend_deregister(RegionId id) = 0;
   virtual Result<std::string> backend_address() = 0;
+  // The backend's own checks of a decoded blob (key formats and sizes, the address), before anything of the
+  // peer is recorded or connected. Whatever it refuses never reaches backend_connect.
+  virtual Status backend_check_blob(const Blob& blob) {
+    (void)blob;
+    return Status::Ok();
+  }
   virtual Status backend_connect(PeerId peer, const Blob& blob) = 0;
   // Starts the operations. Completion: finish_xfer (state) then set_quiescent (requests gone), from any thread,
   // possibly before this returns. A non-OK return means nothing was started (the base fails the transfer).
@@ -77,6 +103,13 @@ class TransportBase : public Transport {
   virtual Status backend_send(PeerId peer, NotifKind kind, std::string message) = 0;
   // Cancels what can be cancelled; the backend still calls set_quiescent when its requests are gone.
   virtual void backend_abort(XferId id) = 0;
+  // disconnect_peer: the transfers to the peer are failed and backend_abort'ed already. Tears the path down so
+  // that every request of this agent to the peer completes (fails) and the peer's requests into this agent's
+  // memory are no longer served; returns whether the peer can no longer write here (peer_revoked).
+  virtual bool backend_disconnect(PeerId peer) = 0;
+  // peer_revoked after a disconnect (the backend may learn later that the peer is gone); the base answers
+  // false for peers not disconnected.
+  virtual bool backend_revoked(PeerId peer) const = 0;
 
   // ---- for backends ----
   void finish_xfer(XferId id, Status status);
@@ -100,6 +133,8 @@ class TransportBase : public Transport {
     PeerInfo info;
     std::vector<Blob::Region> regions;
     Status failed;
+    bool disconnected = false;
+    bool revoked = false;  // backend_disconnect's answer
   };
   struct XferRec {
     XferOp op = XferOp::kRead;
@@ -110,6 +145,7 @@ class TransportBase : public Transport {
   };
 
   const AgentIdentity identity_;
+  const std::string peer_secret_;
   mutable std::mutex mu_;
   std::condition_variable cv_;  // transfer state, quiescence, notifications
   std::vector<RegionRec> regions_;

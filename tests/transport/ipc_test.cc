@@ -2,11 +2,21 @@
 // namespace, damaged blobs), the peer going away, and the choice between ipc and the staged path.
 #include "kvtier/transport/ipc.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <random>
+#include <thread>
 
+#include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 
 namespace kvtier::transport {
@@ -134,6 +144,285 @@ TEST(IpcBackend, APeerThatGoesAwayFailsTransfersWithUnavailableAndNothingHangs) 
     break;
   }
   EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.to_string();
+}
+
+// ---- shared windows: a peer must not be able to resize them ---------------------------------------------
+
+// The ipc handshake as the backend speaks it (transport/ipc/ipc_transport.cc): SOCK_SEQPACKET messages,
+// u32 type first; kHello {name}, kRegion {index, bytes, live} + the window's descriptor, kRegionsEnd.
+constexpr std::uint32_t kHelloMsg = 1, kRegionMsg = 2, kRegionsEndMsg = 3;
+
+bool send_with_fd(int sock, const std::string& m, int fd) {
+  iovec iov{const_cast<char*>(m.data()), m.size()};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    h.msg_control = ctl;
+    h.msg_controllen = sizeof(ctl);
+    cmsghdr* c = CMSG_FIRSTHDR(&h);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  return sendmsg(sock, &h, MSG_NOSIGNAL) == static_cast<ssize_t>(m.size());
+}
+
+// Receives one message and the descriptor that came with it (-1: none).
+bool recv_with_fd(int sock, std::string& m, int& fd) {
+  fd = -1;
+  m.assign(1 << 16, '\0');
+  iovec iov{m.data(), m.size()};
+  msghdr h{};
+  h.msg_iov = &iov;
+  h.msg_iovlen = 1;
+  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
+  h.msg_control = ctl;
+  h.msg_controllen = sizeof(ctl);
+  const ssize_t n = recvmsg(sock, &h, MSG_CMSG_CLOEXEC);
+  if (n <= 0) return false;
+  m.resize(static_cast<std::size_t>(n));
+  for (cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(&h, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  return true;
+}
+
+int abstract_socket(const std::string& name, bool listen_on) {
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::memcpy(a.sun_path + 1, name.data(), name.size());
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  const int rc = listen_on ? (bind(fd, reinterpret_cast<sockaddr*>(&a), len) == 0 ? listen(fd, 4) : -1)
+                           : connect(fd, reinterpret_cast<sockaddr*>(&a), len);
+  if (rc != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// A crafted owner: it advertises one region of `claimed` bytes and hands over `window` as its shared window.
+class FakeIpcOwner {
+ public:
+  FakeIpcOwner(int window, std::uint64_t claimed) : window_(window), claimed_(claimed) {
+    std::random_device rd;
+    sock_ = fmt::format("kvtier-fake-owner-{}-{:08x}", getpid(), rd());
+    listen_fd_ = abstract_socket(sock_, true);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~FakeIpcOwner() {
+    shutdown(listen_fd_, SHUT_RDWR);
+    if (conn_fd_.load() >= 0) shutdown(conn_fd_.load(), SHUT_RDWR);
+    thread_.join();
+    close(listen_fd_);
+    if (conn_fd_.load() >= 0) close(conn_fd_.load());
+  }
+  std::vector<std::byte> blob() const {
+    const HostIdentity h = local_host_identity().value();
+    detail::Blob b;
+    b.version = kTransportVersion;
+    b.backend = "ipc";
+    b.identity = AgentIdentity{"fake-owner", 0x1234, 1, 0};
+    b.regions.push_back(detail::Blob::Region{MemoryKind::kPinnedHost, 0x7f0000000000ULL, claimed_, "memfd"});
+    b.address = fmt::format("ipc1;boot={};pidns={};pid={};sock={}", h.boot_id, h.pid_ns, getpid(), sock_);
+    return detail::encode_blob(b);
+  }
+
+ private:
+  void serve() {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    conn_fd_.store(fd);
+    if (fd < 0) return;
+    std::string m;
+    int ignored = -1;
+    if (!recv_with_fd(fd, m, ignored)) return;
+    detail::ByteWriter<std::string> r;
+    r.u32(kRegionMsg);
+    r.u32(0);
+    r.u64(claimed_);
+    r.u8(1);
+    if (!send_with_fd(fd, r.out, window_)) return;
+    detail::ByteWriter<std::string> end;
+    end.u32(kRegionsEndMsg);
+    send_with_fd(fd, end.out, -1);
+    // Stay connected until the test ends (the loader's receiver reads until the connection closes).
+    while (recv_with_fd(fd, m, ignored)) {
+      if (ignored >= 0) close(ignored);
+    }
+  }
+
+  int window_;
+  std::uint64_t claimed_;
+  std::string sock_;
+  int listen_fd_ = -1;
+  std::atomic<int> conn_fd_{-1};
+  std::thread thread_;
+};
+
+int memfd_of(std::uint64_t bytes, int seals) {
+  const int fd = memfd_create("kvtier-test-window", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) return -1;
+  if (seals != 0 && fcntl(fd, F_ADD_SEALS, seals) != 0) return -1;
+  return fd;
+}
+
+// A peer that hands over a window it can still shrink (and then does) is refused before anything is mapped: a
+// copy into a shrunk mapping would raise SIGBUS and kill this process.
+TEST(IpcWindows, AnUnsealedOrShrunkWindowIsRefusedAtLoad) {
+  constexpr std::uint64_t kBytes = 1 << 16;
+  auto a = create_ipc_transport(ident("a")).value();
+  std::vector<std::byte> src(kBytes, std::byte{0x5a});
+  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, src.data(), src.size()}).value();
+
+  const int unsealed = memfd_of(kBytes, 0);
+  ASSERT_GE(unsealed, 0);
+  {
+    FakeIpcOwner owner(unsealed, kBytes);
+    auto p = a->load_peer(owner.blob());
+    ASSERT_FALSE(p.ok()) << "an unsealed window was mapped";
+    EXPECT_EQ(p.status().code(), StatusCode::kFailedPrecondition) << p.status().to_string();
+    EXPECT_NE(p.status().message().find("region 0"), std::string::npos) << p.status().to_string();
+    EXPECT_NE(p.status().message().find("F_SEAL_SHRINK"), std::string::npos) << p.status().to_string();
+    // What the crafted peer does next: shrink the file. Nothing of it is mapped here, so nothing faults, and
+    // the refused peer takes no transfer.
+    ASSERT_EQ(ftruncate(unsealed, 0), 0);
+    LocalDesc l{ra, 0, kBytes};
+    RemoteDesc r{0, 0, kBytes};
+    EXPECT_FALSE(a->post(XferOp::kWrite, 0, {&l, 1}, {&r, 1}, "x").ok());
+  }
+  close(unsealed);
+
+  // Sealed, but smaller than the region its blob claims: a copy past the file's end would fault as well.
+  const int short_window = memfd_of(kBytes / 4, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  ASSERT_GE(short_window, 0);
+  {
+    FakeIpcOwner owner(short_window, kBytes);
+    auto p = a->load_peer(owner.blob());
+    ASSERT_FALSE(p.ok()) << "a window smaller than its region was mapped";
+    EXPECT_EQ(p.status().code(), StatusCode::kFailedPrecondition) << p.status().to_string();
+    EXPECT_NE(p.status().message().find(fmt::format("holds {} bytes", kBytes / 4)), std::string::npos)
+        << p.status().to_string();
+  }
+  close(short_window);
+
+  // Only the grow seal missing is refused too.
+  const int growable = memfd_of(kBytes, F_SEAL_SHRINK);
+  ASSERT_GE(growable, 0);
+  {
+    FakeIpcOwner owner(growable, kBytes);
+    auto p = a->load_peer(owner.blob());
+    EXPECT_EQ(p.status().code(), StatusCode::kFailedPrecondition) << p.status().to_string();
+    EXPECT_NE(p.status().message().find("F_SEAL_GROW"), std::string::npos) << p.status().to_string();
+  }
+  close(growable);
+
+  // A properly sealed window of the claimed size loads (the crafted owner is otherwise well-formed).
+  const int sealed = memfd_of(kBytes, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  ASSERT_GE(sealed, 0);
+  {
+    FakeIpcOwner owner(sealed, kBytes);
+    auto p = a->load_peer(owner.blob());
+    EXPECT_TRUE(p.ok()) << p.status().to_string();
+  }
+  close(sealed);
+}
+
+// A blob (checksum recomputed) that claims a region twice as large as the window its owner shares would let a
+// descriptor inside the claimed size copy past the mapped window: refused at load, nothing touched.
+TEST(IpcWindows, ABlobClaimingMoreBytesThanItsWindowIsRefusedAtLoad) {
+  auto a = create_ipc_transport(ident("a")).value();
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> mb(1 << 16, std::byte{7});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  auto decoded = detail::decode_blob(b->export_metadata().value()).value();
+  decoded.regions[0].bytes *= 2;
+  auto p = a->load_peer(detail::encode_blob(decoded));
+  ASSERT_FALSE(p.ok()) << "a region larger than its window loaded";
+  EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument) << p.status().to_string();
+  EXPECT_NE(p.status().message().find("region 0"), std::string::npos) << p.status().to_string();
+  EXPECT_EQ(mb, std::vector<std::byte>(1 << 16, std::byte{7}));
+}
+
+// The other direction: the windows this agent hands out are sealed, so a peer holding the descriptor cannot
+// shrink it under the owner's own mapping (the owner copies between window and region on every request).
+TEST(IpcWindows, WindowsHandedToPeersAreSealedAgainstResizing) {
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> mb(1 << 16, std::byte{7});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  auto decoded = detail::decode_blob(b->export_metadata().value()).value();
+  const auto at = decoded.address.find("sock=");
+  ASSERT_NE(at, std::string::npos) << decoded.address;
+  const int sock = abstract_socket(decoded.address.substr(at + 5), false);
+  ASSERT_GE(sock, 0);
+  timeval tv{10, 0};
+  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  detail::ByteWriter<std::string> hello;
+  hello.u32(kHelloMsg);
+  hello.str("prober");
+  ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
+  std::string m;
+  int window = -1;
+  ASSERT_TRUE(recv_with_fd(sock, m, window));
+  ASSERT_GE(window, 0) << "no window descriptor in the first region message";
+  const int seals = fcntl(window, F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+      << "seals " << seals;
+  EXPECT_NE(ftruncate(window, 0), 0) << "a peer could shrink the owner's window";
+  struct stat st {};
+  ASSERT_EQ(fstat(window, &st), 0);
+  EXPECT_EQ(static_cast<std::uint64_t>(st.st_size), mb.size());
+  close(window);
+  close(sock);
+}
+
+// A request whose range count is far beyond what its message holds used to size an allocation from it (about
+// 96 GiB for 2^32 - 1 ranges). The owner drops such a request (and the connection that sent it) and keeps serving.
+TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsServing) {
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> mb(1 << 16, std::byte{7});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  const auto blob = b->export_metadata().value();
+  auto decoded = detail::decode_blob(blob).value();
+  const int sock = abstract_socket(decoded.address.substr(decoded.address.find("sock=") + 5), false);
+  ASSERT_GE(sock, 0);
+  timeval tv{10, 0};
+  setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  detail::ByteWriter<std::string> hello;
+  hello.u32(kHelloMsg);
+  hello.str("crafted");
+  ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
+  std::string m;
+  int fd = -1;
+  do {
+    ASSERT_TRUE(recv_with_fd(sock, m, fd));
+    if (fd >= 0) close(fd);
+  } while (m.size() < 4 || m[0] != static_cast<char>(kRegionsEndMsg));
+  detail::ByteWriter<std::string> req;
+  req.u32(4);  // kWrite
+  req.u64(1);
+  req.u32(0xffffffffu);  // ranges claimed; none follow
+  ASSERT_TRUE(send_with_fd(sock, req.out, -1));
+  // The owner ends this connection instead of answering (well before the 10 s receive timeout).
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(recv_with_fd(sock, m, fd));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  close(sock);
+  // And still serves a well-behaved peer: a WRITE lands byte-exact.
+  auto a = create_ipc_transport(ident("a")).value();
+  std::vector<std::byte> ma(1 << 16, std::byte{0x3c});
+  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
+  PeerId pb = a->load_peer(blob).value();
+  LocalDesc l{ra, 0, ma.size()};
+  RemoteDesc r{0, 0, ma.size()};
+  auto x = a->post(XferOp::kWrite, pb, {&l, 1}, {&r, 1}, "after");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  auto st = a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  EXPECT_EQ(mb, ma);
 }
 
 // ---- path selection -------------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ int run_helper(const HelperArgs& a) {
     host->set_failure_predicate(
         [st, l, &b = *blocks](std::uint64_t, const void* dst, std::uint64_t) { return b.in_layer(st, l, dst); });
   }
-  auto t = create_ucx_transport({"prefill", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+  auto t = create_ucx_transport({"prefill", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
   if (!t.ok()) return 5;
   auto pre = PdStagedPrefill::create(**t, **dev, **engine, blocks->space, staging->space, staged_options());
   if (!pre.ok()) {
@@ -313,7 +313,7 @@ struct DecodeRig {
       host->set_failure_predicate(
           [s, l, this](std::uint64_t, const void* dst, std::uint64_t) { return blocks.in_layer(s, l, dst); });
     }
-    auto tr = create_ucx_transport({"decode", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+    auto tr = create_ucx_transport({"decode", layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
     ASSERT_TRUE(tr.ok()) << tr.status().to_string();
     t = std::move(tr).value();
     auto e = PdStagedDecode::create(*t, *dev, *engine, blocks.space, staging.space, staged_options());

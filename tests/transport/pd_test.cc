@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
 
 #include "kvtier/cache/cache_manager.h"
@@ -194,6 +195,94 @@ TEST(Pd, BadBlockListsAndIdsAreRefused) {
   ASSERT_TRUE(pf.ok());
   EXPECT_EQ(pf->error.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(pf->error.message().find("decode asked for 2 blocks, prefill has 1"), std::string::npos);
+}
+
+// ---- leases: a silent peer must not hold blocks, and only fresh heartbeats renew a lease ------------------
+
+// The decode side's reads from a prefill that falls silent may never complete (a dead peer on a lane without
+// failure detection, UCX shared memory). Here the decode's backend takes 1.5 s per descriptor, so its reads of
+// four layers hold the destination blocks for about a minute unless the lease's expiry cancels them.
+TEST(PdLease, ReadsFromASilentPrefillAreCancelledAtTheLeaseSoTheBlocksReturn) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  const int n = ++g_seq;
+  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value();
+  LoopbackOptions slow;
+  slow.op_delay = 1500ms;
+  auto dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}, slow).value();
+  const PdOptions opt{20ms, 200ms};
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  ASSERT_TRUE(pre->begin(to_dec, 8, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(8, l).ok());
+  ASSERT_TRUE(dec->start(to_pre, 8, PdMode::kPull, kDst).ok());
+  // Every layer is announced at once; the decode side posts its reads, which crawl.
+  std::this_thread::sleep_for(100ms);
+  pre.reset();  // the prefill falls silent
+  auto fin = dec->wait(8, 10s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable) << fin->error.to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+  // Cancelled, the reads let go within one descriptor's delay; left alone they would run for about 48 s.
+  auto rec = dec->wait(8, 6s, true);
+  ASSERT_TRUE(rec.ok()) << "the destination blocks are still held by reads from a silent prefill: "
+                        << rec.status().to_string();
+  EXPECT_TRUE(rec->reclaimable);
+  EXPECT_TRUE(dec->forget(8).ok());
+}
+
+// A transport whose notifications stall while `stalled` is set: the decode side's progress thread blocks in
+// wait_notifications as if it (or the wire) stood still, and finds everything queued meanwhile at once after.
+class StallingTransport final : public testing::ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  std::atomic<bool> stalled{false};
+  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
+    const auto limit = std::chrono::steady_clock::now() + 10s;  // bounded even if a test forgets to release
+    while (stalled.load() && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(1ms);
+    return inner_->wait_notifications(timeout);
+  }
+};
+
+// Heartbeats of a prefill that has died since, processed late, must not renew its lease: the lease runs from
+// when the heartbeats were sent, so the transfer fails as soon as the decode side looks again, not a full lease
+// after it processed the stale heartbeats.
+TEST(PdLease, HeartbeatsProcessedLateDoNotRenewADeadPeersLease) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  const int n = ++g_seq;
+  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value();
+  auto stalling = std::make_unique<StallingTransport>(
+      create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value());
+  StallingTransport& dec_t = *stalling;
+  const PdOptions opt{20ms, 300ms};
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+  auto dec = PdDecode::create(dec_t, dec_mem.space, opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t.export_metadata().value()).value();
+  const PeerId to_pre = dec_t.load_peer(pre_t->export_metadata().value()).value();
+  ASSERT_TRUE(pre->begin(to_dec, 9, kSrc).ok());
+  ASSERT_TRUE(pre->layer_ready(9, 0).ok());  // layers 1..3 never come: the transfer stays open on heartbeats
+  ASSERT_TRUE(dec->start(to_pre, 9, PdMode::kPush, kDst).ok());
+  ASSERT_EQ(dec->wait_layer(9, 0, 5s).value(), LayerState::kLoaded);
+  std::this_thread::sleep_for(100ms);
+  ASSERT_FALSE(dec->status(9)->final) << "heartbeats keep the transfer alive";
+
+  dec_t.stalled.store(true);
+  std::this_thread::sleep_for(100ms);  // the prefill still beats; its heartbeats queue up unprocessed
+  pre.reset();                         // then it dies
+  std::this_thread::sleep_for(400ms);  // past the lease since the last heartbeat was sent
+  dec_t.stalled.store(false);
+  // The stale heartbeats are processed now. Renewing by processing time would keep the dead prefill's lease
+  // for another 300 ms; by send time the lease is already over.
+  auto fin = dec->wait(9, 150ms);
+  ASSERT_TRUE(fin.ok()) << "a late-processed heartbeat renewed a dead prefill's lease: " << fin.status().to_string();
+  EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
+  for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable) << fin->error.to_string();
 }
 
 TEST(Pd, ReceivedBlocksJoinTheDecodeSidePrefixIndex) {

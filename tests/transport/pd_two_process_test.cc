@@ -12,6 +12,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "kvtier/cache/cache_manager.h"
@@ -37,7 +38,11 @@ Result<std::unique_ptr<Transport>> make_transport(std::string name, const KvLayo
 #ifdef KVTIER_PD_IPC
   return create_ipc_transport({std::move(name), layout.fingerprint(), 1, 0});
 #else
-  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo"});
+  // KVTIER_PD_TEST_TLS=shm (set by the shared-memory cases, inherited by the helper) picks UCX's shm lane.
+  const char* tls = std::getenv("KVTIER_PD_TEST_TLS");
+  if (tls != nullptr && std::string_view(tls) == "shm")
+    return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"shm", "", {}});
+  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
 #endif
 }
 
@@ -88,6 +93,31 @@ struct HelperArgs {
   std::uint64_t wrong_layout = 0;  // nonzero: the prefill's blocks are of another size (another fingerprint)
   std::int64_t corrupt_op = -1;
   int in_fd = -1, out_fd = -1;
+  int stop_before_write = -1;  // >= 0: the helper stops itself (SIGSTOP) as it posts that layer's write
+};
+
+// The prefill's transport with a pause in the middle of a post: the helper stops itself (SIGSTOP) when it posts
+// the WRITE of layer `layer`, after its lease checks passed, and forwards the post once continued. To the decode
+// side this is a prefill paused with its write posted: the bytes land after the pause, whenever that ends.
+class StopBeforeWrite final : public testing::ForwardingTransport {
+ public:
+  StopBeforeWrite(std::unique_ptr<Transport> inner, int layer) : ForwardingTransport(std::move(inner)), layer_(layer) {}
+  Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
+                      std::string notification) override {
+    std::uint32_t layer = 0;
+    if (op == XferOp::kWrite && notification.size() >= 13 && notification[0] == 'W') {
+      std::memcpy(&layer, notification.data() + 9, 4);
+      if (static_cast<int>(layer) == layer_ && !stopped_) {
+        stopped_ = true;
+        raise(SIGSTOP);
+      }
+    }
+    return inner_->post(op, peer, local, remote, std::move(notification));
+  }
+
+ private:
+  const int layer_;
+  bool stopped_ = false;
 };
 
 // The prefill process. Exit codes: 0 done, 3 refused peer, 4 transfer failed, 5 setup.
@@ -98,6 +128,8 @@ int run_helper(const HelperArgs& a) {
   auto t = make_transport("prefill", layout);
   if (!t.ok()) return 5;
   std::unique_ptr<Transport> transport = wrap_with_wire_faults(std::move(t).value(), WireFaults{a.corrupt_op, 17});
+  if (a.stop_before_write >= 0)
+    transport = std::make_unique<StopBeforeWrite>(std::move(transport), a.stop_before_write);
   auto pre = PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
   if (!pre.ok()) return 5;
   auto blob = transport->export_metadata();
@@ -130,7 +162,9 @@ TEST(PdHelper, PrefillProcess) {
   HelperArgs a;
   int mode = 0;
   long long wrong = 0, op = -1;
-  if (std::sscanf(spec, "%d %d %lld %lld %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd) != 6) _exit(5);
+  if (std::sscanf(spec, "%d %d %lld %lld %d %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd,
+                  &a.stop_before_write) != 7)
+    _exit(5);
   a.mode = static_cast<PdMode>(mode);
   a.wrong_layout = static_cast<std::uint64_t>(wrong);
   a.corrupt_op = op;
@@ -146,9 +180,9 @@ struct Child {
     int down[2], up[2];
     if (pipe(down) != 0 || pipe(up) != 0) return Internal("pipe");
     Child c;
-    const std::string spec =
-        fmt::format("{} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms, static_cast<long long>(a.wrong_layout),
-                    static_cast<long long>(a.corrupt_op), down[0], up[1]);
+    const std::string spec = fmt::format("{} {} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms,
+                                         static_cast<long long>(a.wrong_layout), static_cast<long long>(a.corrupt_op),
+                                         down[0], up[1], a.stop_before_write);
     c.pid = fork();
     if (c.pid < 0) return Internal("fork");
     if (c.pid == 0) {
@@ -295,6 +329,95 @@ TEST_P(TwoProcess, ACorruptedByteOnTheWireIsCaughtByTheChecksum) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, TwoProcess, ::testing::Values(PdMode::kPush, PdMode::kPull),
                          [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
+// A prefill paused past the lease (SIGSTOP) with a write posted, resumed after the decode side failed the
+// transfer. The decode side may report its blocks reclaimable only when nothing of the prefill can land there any
+// more: ipc tears the path down (the decode side no longer serves the prefill's requests), so it may, and the
+// blocks' new contents must survive the resumed prefill; UCX cannot revoke a live peer's RMA, so the blocks stay
+// quarantined until the resumed prefill proves its writes are done.
+TEST(TwoProcessLateWrites, APrefillStoppedPastTheLeaseNeverWritesIntoBlocksReportedReclaimable) {
+  DecodeRig rig;
+  HelperArgs a{PdMode::kPush, 200};  // layer 0 lands and is confirmed well before layer 1 is posted
+  a.stop_before_write = 1;
+  rig.start(a);
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  const std::vector<std::uint64_t> dst = {0, 1, 2, 3};
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, PdMode::kPush, dst).ok());
+  ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
+  // The helper stops itself as it posts layer 1.
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(rig.child.pid, &status, WUNTRACED | WNOHANG) == rig.child.pid) break;
+    std::this_thread::sleep_for(2ms);
+  }
+  ASSERT_TRUE(WIFSTOPPED(status)) << "the helper did not stop";
+  auto fin = rig.dec->wait(kXid, 10s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  // Well past the lease, the helper still stopped with its write posted.
+  auto rec = rig.dec->wait(kXid, 1500ms, true);
+  const bool reclaimed = rec.ok() && rec->reclaimable;
+  constexpr std::byte kReused{0xab};
+  if (reclaimed) {
+    // The blocks go back to the pool and the next request fills them.
+    for (std::uint32_t l = 0; l < kLayers; ++l)
+      for (std::uint32_t r = 0; r < rig.layout.num_roles(l); ++r)
+        for (std::uint64_t b : dst) std::memset(rig.mem.space.block_ptr(l, r, b), 0xab, rig.layout.block_bytes(l, r));
+  }
+  kill(rig.child.pid, SIGCONT);
+  const int code = rig.child.reap();
+  EXPECT_NE(code, -1000) << "the resumed helper hung";
+  if (reclaimed) {
+    for (std::uint32_t l = 0; l < kLayers; ++l)
+      for (std::uint32_t r = 0; r < rig.layout.num_roles(l); ++r)
+        for (std::uint64_t b : dst) {
+          const std::byte* p = rig.mem.space.block_ptr(l, r, b);
+          for (std::uint64_t i = 0; i < rig.layout.block_bytes(l, r); ++i)
+            ASSERT_EQ(p[i], kReused) << "the resumed prefill wrote into reclaimed block " << b << " layer " << l
+                                     << " role " << r << " byte " << i;
+        }
+  } else {
+    // Quarantined until the resumed prefill proved that its writes are done: then the blocks return.
+    auto later = rig.dec->wait(kXid, 10s, true);
+    ASSERT_TRUE(later.ok()) << later.status().to_string();
+    EXPECT_TRUE(later->reclaimable);
+  }
+#ifdef KVTIER_PD_IPC
+  EXPECT_TRUE(reclaimed) << "ipc tears the path down: the blocks need not wait for the stopped prefill";
+#else
+  EXPECT_FALSE(reclaimed) << "UCX cannot revoke a live peer's writes: the blocks must stay quarantined";
+#endif
+}
+
+#ifndef KVTIER_PD_IPC
+// UCX's shared-memory lane reports no dead peer (no endpoint error handling): only the lease finds a killed
+// prefill, and the decode side's blocks must still come back, in both modes (push: its process is seen gone).
+class TwoProcessShm : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(TwoProcessShm, PrefillKilledMidTransferFailsTheRestAndTheBlocksReturn) {
+  setenv("KVTIER_PD_TEST_TLS", "shm", 1);
+  DecodeRig rig;
+  rig.start(HelperArgs{GetParam(), 300});
+  unsetenv("KVTIER_PD_TEST_TLS");
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), {0, 1, 2, 3}).ok());
+  ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
+  EXPECT_TRUE(layer_matches(rig.mem.space, 0, 0, kSrc[0]));
+  kill(rig.child.pid, SIGKILL);
+  EXPECT_EQ(rig.child.reap(), -SIGKILL);
+  auto fin = rig.dec->wait(kXid, 10s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  auto rec = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(rec.ok()) << "blocks pinned by a dead peer on the shm lane: " << rec.status().to_string();
+  EXPECT_TRUE(rec->reclaimable);
+  EXPECT_TRUE(rig.dec->forget(kXid).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TwoProcessShm, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+#endif
 
 TEST(TwoProcessBlob, APeerOfAnotherLayoutIsRefusedOnBothSides) {
   DecodeRig rig;

@@ -19,6 +19,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -56,6 +57,9 @@ enum MsgType : std::uint32_t {
   kNotify = 6,      // initiator -> owner: {kind, message}
   kReply = 7,       // owner -> initiator: {xfer, code, message}
 };
+
+// The seals every shared window carries: its size can never change again.
+constexpr int kWindowSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 
 // Requests larger than this are refused at post (a socket message has to fit the socket's buffer).
 constexpr std::size_t kMaxMessage = 4u << 20;
@@ -219,7 +223,7 @@ Result<Address> parse_address(std::string_view s) {
 class IpcTransport final : public detail::TransportBase {
  public:
   IpcTransport(AgentIdentity identity, IpcOptions options, HostIdentity host)
-      : TransportBase(std::move(identity)), options_(std::move(options)), host_(std::move(host)) {}
+      : TransportBase(std::move(identity), options.peer_secret), options_(std::move(options)), host_(std::move(host)) {}
 
   Status start() {
 #if KVTIER_IPC_CUDA
@@ -314,12 +318,20 @@ class IpcTransport final : public detail::TransportBase {
       return NotSupported("ipc backend: CUDA device memory (CUDA IPC handles) is not supported by this build");
 #endif
     }
-    const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC);
+    const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return Internal(fmt::format("memfd_create: {}", std::strerror(errno)));
     if (ftruncate(fd, static_cast<off_t>(region.bytes)) != 0) {
       const int e = errno;
       close(fd);
       return ResourceExhausted(fmt::format("memfd of {} bytes: {}", region.bytes, std::strerror(e)));
+    }
+    // Every peer gets this descriptor, and a descriptor lets its holder ftruncate the file: a peer that shrank
+    // it would make our own copies in and out of the window fault (SIGBUS) and kill this process. Sealed, its
+    // size is fixed for good (F_SEAL_SEAL: nobody can lift the seals either), and peers check the seals.
+    if (fcntl(fd, F_ADD_SEALS, kWindowSeals) != 0) {
+      const int e = errno;
+      close(fd);
+      return Internal(fmt::format("sealing the memfd window of region {}: {}", id, std::strerror(e)));
     }
     void* p = mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
@@ -342,6 +354,16 @@ class IpcTransport final : public detail::TransportBase {
 
   Result<std::string> backend_address() override {
     return format_address(Address{host_, std::to_string(getpid()), sock_name_});
+  }
+
+  Status backend_check_blob(const detail::Blob& blob) override {
+    for (std::size_t i = 0; i < blob.regions.size(); ++i) {
+      const std::string& key = blob.regions[i].key;
+      if (blob.regions[i].bytes != 0 && key != "memfd" && key.rfind("cuda;", 0) != 0)
+        return InvalidArgument(fmt::format("peer '{}' region {}: ipc key of {} bytes is neither 'memfd' nor 'cuda;...'",
+                                           blob.identity.name, i, key.size()));
+    }
+    return Status::Ok();
   }
 
   Status backend_connect(PeerId peer, const detail::Blob& blob) override {
@@ -397,10 +419,11 @@ class IpcTransport final : public detail::TransportBase {
         s = open_cuda_window(*conn, index, blob.regions[index]);
         if (!s.ok()) break;
       }
-      if (live && passed >= 0 && index < conn->windows.size() && bytes == blob.regions[index].bytes && bytes > 0) {
-        void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, passed, 0);
-        if (w != MAP_FAILED)
-          conn->windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, blob.regions[index].base};
+      if (live && passed >= 0 && index < conn->windows.size()) {
+        s = map_window(*conn, index, bytes, blob.regions[index], passed);
+        close(passed);
+        if (!s.ok()) break;
+        continue;
       }
       if (passed >= 0) close(passed);
     }
@@ -453,6 +476,30 @@ class IpcTransport final : public detail::TransportBase {
     jobs_cv_.notify_all();
     return Status::Ok();
   }
+
+  bool backend_disconnect(PeerId peer) override {
+    auto conn = conn_of(peer);
+    if (!conn) return true;
+    std::vector<int> fds;
+    {
+      // Under regions_mu_, which every server thread holds while it copies a request's bytes: a copy in progress
+      // ends first, and no request of this peer is served after this (the flag is checked under the same lock).
+      std::lock_guard lock(regions_mu_);
+      for (auto& [fd, sc] : served_)
+        if (sc.name == conn->name) {
+          sc.revoked = true;
+          fds.push_back(fd);
+        }
+    }
+    for (int fd : fds) shutdown(fd, SHUT_RDWR);
+    // Our own connection: its receiver sees the end and fails what still waits on the peer.
+    {
+      std::lock_guard lock(conn->send_mu);
+      shutdown(conn->fd, SHUT_RDWR);
+    }
+    return true;
+  }
+  bool backend_revoked(PeerId) const override { return true; }
 
   void backend_abort(XferId id) override {
     std::lock_guard lock(jobs_mu_);
@@ -556,6 +603,12 @@ class IpcTransport final : public detail::TransportBase {
       if (w.base == nullptr)
         return complete(job.id, FailedPrecondition(
                                     fmt::format("peer '{}' region {} has no shared window", c.name, op.remote_region)));
+      // The window is exactly the region's bytes; nothing outside it may be copied (the base checked the
+      // descriptor against the same bytes: this guards the copy itself).
+      const std::uint64_t off = op.remote_addr - w.remote_base;
+      if (op.remote_addr < w.remote_base || off > w.bytes || op.bytes > w.bytes - off)
+        return complete(job.id, OutOfRange(fmt::format("peer '{}' region {}: [{}, +{}) outside its window of {} bytes",
+                                                       c.name, op.remote_region, off, op.bytes, w.bytes)));
       m.u32(op.remote_region);
       m.u64(window_offset(job, op));
       m.u64(op.bytes);
@@ -682,6 +735,40 @@ class IpcTransport final : public detail::TransportBase {
   Status open_cuda_window(Conn&, std::uint32_t, const detail::Blob::Region&) { return Status::Ok(); }
 #endif
 
+  // Maps the peer's window of region `index` after checking that the peer cannot pull it out from under us: a
+  // window that shrinks while mapped turns every copy past its new end into SIGBUS, which kills this process.
+  // So the file must be sealed against shrinking and growing, and hold at least the bytes the blob claims for
+  // the region (descriptors are checked against those bytes). Anything else refuses the peer.
+  Status map_window(Conn& conn, std::uint32_t index, std::uint64_t bytes, const detail::Blob::Region& r, int fd) {
+    if (conn.windows[index].base != nullptr)
+      return InvalidArgument(fmt::format("peer '{}' sent the window of region {} twice", conn.name, index));
+    if (bytes != r.bytes || bytes == 0)
+      return InvalidArgument(fmt::format("peer '{}' window of region {}: handshake says {} bytes, its blob {} bytes",
+                                         conn.name, index, bytes, r.bytes));
+    const int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0)
+      return FailedPrecondition(fmt::format("peer '{}' window of region {}: not a sealable memfd ({})", conn.name,
+                                            index, std::strerror(errno)));
+    if ((seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+      return FailedPrecondition(
+          fmt::format("peer '{}' window of region {}: memfd seals {:#x} lack {}{}: the peer could resize it under "
+                      "our mapping",
+                      conn.name, index, seals, (seals & F_SEAL_SHRINK) ? "" : "F_SEAL_SHRINK ",
+                      (seals & F_SEAL_GROW) ? "" : "F_SEAL_GROW"));
+    struct stat st {};
+    if (fstat(fd, &st) != 0)
+      return Internal(fmt::format("peer '{}' window of region {}: fstat: {}", conn.name, index, std::strerror(errno)));
+    if (st.st_size < 0 || static_cast<std::uint64_t>(st.st_size) < bytes)
+      return FailedPrecondition(fmt::format("peer '{}' window of region {}: memfd holds {} bytes, its blob claims {}",
+                                            conn.name, index, static_cast<std::int64_t>(st.st_size), bytes));
+    void* w = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (w == MAP_FAILED)
+      return ResourceExhausted(fmt::format("peer '{}' window of region {}: mapping {} bytes: {}", conn.name, index,
+                                           bytes, std::strerror(errno)));
+    conn.windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, r.base};
+    return Status::Ok();
+  }
+
   // The base resolves remote descriptors to the peer's addresses; the window has the region's layout.
   static std::uint64_t window_offset(const Job& job, const detail::ResolvedOp& op) {
     return op.remote_addr - job.conn->windows[op.remote_region].remote_base;
@@ -756,7 +843,12 @@ class IpcTransport final : public detail::TransportBase {
       set_buffers(fd);
       std::lock_guard lock(servers_mu_);
       server_fds_.push_back(fd);
-      servers_.emplace_back([this, fd] { serve(fd); });
+      servers_.emplace_back([this, fd] {
+        serve(fd);
+        // A peer whose request was malformed (or that was disconnected) sees the end at once; the descriptor
+        // itself is closed with the transport, so served_ never sees its number reused.
+        shutdown(fd, SHUT_RDWR);
+      });
     }
   }
 
@@ -771,6 +863,10 @@ class IpcTransport final : public detail::TransportBase {
       if (!hello) {
         if (type != kHello || !p.str(peer_name)) return;
         hello = true;
+        {
+          std::lock_guard lock(regions_mu_);
+          served_[fd] = Served{peer_name, false};
+        }
         if (!send_regions(fd)) return;
         continue;
       }
@@ -778,6 +874,10 @@ class IpcTransport final : public detail::TransportBase {
         std::uint8_t kind = 0;
         std::string text;
         if (!p.u8(kind) || !p.str(text) || kind > static_cast<std::uint8_t>(NotifKind::kFailedToPost)) return;
+        {
+          std::lock_guard lock(regions_mu_);
+          if (served_[fd].revoked) return;
+        }
         deliver(Notification{peer_name, static_cast<NotifKind>(kind), std::move(text)});
         continue;
       }
@@ -785,6 +885,8 @@ class IpcTransport final : public detail::TransportBase {
       std::uint64_t id = 0;
       std::uint32_t n = 0;
       if (!p.u64(id) || !p.u32(n)) return;
+      // A range is 20 bytes: a count the message cannot hold is malformed (and must not size an allocation).
+      if (n > m.size() / 20) return;
       std::vector<Range> ranges(n);
       for (auto& r : ranges)
         if (!p.u32(r.region) || !p.u64(r.offset) || !p.u64(r.bytes)) return;
@@ -793,6 +895,7 @@ class IpcTransport final : public detail::TransportBase {
       Status s;
       {
         std::lock_guard lock(regions_mu_);
+        if (served_[fd].revoked) return;  // disconnected: this peer's requests no longer touch our memory
         for (const auto& r : ranges) {
           auto it = own_.find(r.region);
           if (it == own_.end() || r.offset > it->second.bytes || r.bytes > it->second.bytes - r.offset) {
@@ -846,8 +949,13 @@ class IpcTransport final : public detail::TransportBase {
   std::string sock_name_;
   int listen_fd_ = -1;
 
-  std::mutex regions_mu_;
+  mutable std::mutex regions_mu_;
   std::map<RegionId, OwnWindow> own_;
+  struct Served {
+    std::string name;      // the peer's agent name, from its hello
+    bool revoked = false;  // disconnect_peer: its requests are no longer served
+  };
+  std::map<int, Served> served_;  // by incoming connection
 
   std::mutex conns_mu_;
   std::vector<std::shared_ptr<Conn>> conns_;
@@ -869,8 +977,8 @@ class IpcTransport final : public detail::TransportBase {
 
 bool ipc_cuda_supported() noexcept { return KVTIER_IPC_CUDA != 0; }
 
-Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob) {
-  KVTIER_ASSIGN_OR_RETURN(detail::Blob b, detail::decode_blob(blob));
+Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob, std::string_view peer_secret) {
+  KVTIER_ASSIGN_OR_RETURN(detail::Blob b, detail::decode_blob(blob, peer_secret));
   if (b.backend != "ipc") return InvalidArgument(fmt::format("blob of backend '{}', not ipc", b.backend));
   KVTIER_ASSIGN_OR_RETURN(Address a, parse_address(b.address));
   return a.host;
@@ -878,6 +986,7 @@ Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob) {
 
 Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options) {
   if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "transport/transport_base.h"
@@ -33,7 +34,9 @@ std::map<std::string, std::weak_ptr<Endpoint>>& directory() {
 class LoopbackTransport final : public detail::TransportBase {
  public:
   LoopbackTransport(AgentIdentity identity, LoopbackOptions options)
-      : TransportBase(std::move(identity)), options_(options), self_(std::make_shared<Endpoint>()) {
+      : TransportBase(std::move(identity), options.peer_secret),
+        options_(options),
+        self_(std::make_shared<Endpoint>()) {
     self_->owner = this;
   }
 
@@ -79,6 +82,8 @@ class LoopbackTransport final : public detail::TransportBase {
   // Called by a peer's worker with our endpoint lock held.
   void deliver_from_peer(Notification n) { deliver(std::move(n)); }
   bool owns(const void* p, std::uint64_t bytes) const { return covers(p, bytes); }
+  // Whether the agent behind `from` may still copy into our memory (under our endpoint lock).
+  bool accepts(const Endpoint* from) const { return revoked_.count(from) == 0; }
 
  protected:
   Result<std::string> backend_register(RegionId, const MemoryRegion&) override { return std::string(); }
@@ -129,6 +134,21 @@ class LoopbackTransport final : public detail::TransportBase {
     return Status::Ok();
   }
 
+  bool backend_disconnect(PeerId peer) override {
+    std::shared_ptr<Endpoint> ep;
+    {
+      std::lock_guard lock(jobs_mu_);
+      if (peer < peers_.size()) ep = peers_[peer];
+    }
+    if (!ep) return true;
+    // Under our endpoint lock, which the peer's worker holds for every copy into our memory: a copy in progress
+    // ends first, and none starts after this.
+    std::lock_guard lock(self_->mu);
+    revoked_.insert(ep.get());
+    return true;
+  }
+  bool backend_revoked(PeerId) const override { return true; }
+
   void backend_abort(XferId id) override {
     std::lock_guard lock(jobs_mu_);
     for (auto& j : jobs_)
@@ -170,7 +190,8 @@ class LoopbackTransport final : public detail::TransportBase {
   void execute(Job& job) {
     Status s;
     for (const auto& op : job.ops) {
-      if (options_.op_delay.count() > 0) std::this_thread::sleep_for(options_.op_delay);
+      // An aborted transfer does not wait out the delay first: cancellation is what the delay stands in for.
+      if (options_.op_delay.count() > 0 && !job.aborted->load()) std::this_thread::sleep_for(options_.op_delay);
       if (job.aborted->load()) {
         s = Aborted(fmt::format("transfer {} was aborted", job.id));
         break;
@@ -178,6 +199,10 @@ class LoopbackTransport final : public detail::TransportBase {
       std::lock_guard lock(job.ep->mu);
       if (job.ep->owner == nullptr) {
         s = Unavailable(fmt::format("peer {} is gone", job.peer));
+        break;
+      }
+      if (!job.ep->owner->accepts(self_.get())) {
+        s = Unavailable(fmt::format("peer {} disconnected this agent", job.peer));
         break;
       }
       auto* remote = reinterpret_cast<std::byte*>(op.remote_addr);
@@ -193,10 +218,10 @@ class LoopbackTransport final : public detail::TransportBase {
     }
     if (s.ok() && !job.aborted->load()) {
       std::lock_guard lock(job.ep->mu);
-      if (job.ep->owner != nullptr)
+      if (job.ep->owner != nullptr && job.ep->owner->accepts(self_.get()))
         job.ep->owner->deliver_from_peer(Notification{identity().name, job.kind, job.notification});
       else if (job.id != 0)
-        s = Unavailable(fmt::format("peer {} is gone", job.peer));
+        s = Unavailable(fmt::format("peer {} is gone or disconnected this agent", job.peer));
     }
     if (job.id == 0) return;
     if (!s.ok()) mark_failed_if_gone(job, s);
@@ -216,6 +241,7 @@ class LoopbackTransport final : public detail::TransportBase {
   std::vector<std::shared_ptr<Endpoint>> peers_;
   XferId current_ = 0;
   std::shared_ptr<std::atomic<bool>> current_aborted_;
+  std::set<const Endpoint*> revoked_;  // under self_->mu: peers disconnected by this agent
   bool stop_ = false;
   std::thread worker_;
 };
@@ -224,6 +250,7 @@ class LoopbackTransport final : public detail::TransportBase {
 
 Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options) {
   if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

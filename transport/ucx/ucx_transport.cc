@@ -15,19 +15,26 @@
 //
 // Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER where the lanes support it (TCP; not shared memory,
 // where the endpoint is created without it); the error callback marks the peer failed (later posts are
-// refused); its outstanding requests complete with errors, which fails their transfers.
+// refused); its outstanding requests complete with errors, which fails their transfers. Where nothing reports a
+// dead peer (shared memory), disconnect_peer force-closes the endpoint so its requests complete with errors.
+// Whether a disconnected peer can still write here (peer_revoked): RMA is one-sided, so only the peer's end
+// proves it: its connection failed, or its process (same host: a pidfd from the pid in its address) exited.
 #include <fmt/format.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <bit>
 #include <cstring>
 #include <list>
 #include <thread>
 
 #include "kvtier/core/log.h"
+#include "kvtier/transport/ipc.h"
+#include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 
 namespace kvtier::transport {
@@ -79,17 +86,103 @@ struct SendBuf {
   std::list<SendBuf>::iterator pos;
 };
 
+// ucp_ep_create and ucp_ep_rkey_unpack parse the peer's address and keys without being told their length. They
+// get copies followed by this many zero bytes, so that a crafted length field inside cannot make UCX read past
+// our buffer (its rkey format: a u64 map of at most 64 memory domains, one size byte and at most 255 bytes each).
+constexpr std::size_t kUnpackPadding = 8 + 64 * 256 + 64;
+// The shortest remote key UCX packs: a u64 map of memory domains and a memory-type byte, then per domain a size byte
+// and that many bytes (shared memory's key for user memory: 9 bytes, no domain; TCP's: 10, one empty domain).
+// Worker addresses are longer.
+constexpr std::size_t kMinUcxKeyBytes = 9, kMinUcxAddressBytes = 16;
+
+// The bounds of a packed remote key as UCX 1.13 lays it out (above): every domain the map announces must have its
+// size byte and bytes inside the key, so that ucp_ep_rkey_unpack (which is given no length) reads none past it.
+Status check_ucx_key(std::string_view name, std::size_t region, std::string_view key) {
+  if (key.size() < kMinUcxKeyBytes)
+    return InvalidArgument(fmt::format("peer '{}' region {}: remote key of {} bytes (UCX packs at least {})", name,
+                                       region, key.size(), kMinUcxKeyBytes));
+  std::uint64_t md_map = 0;
+  std::memcpy(&md_map, key.data(), 8);
+  std::size_t pos = 9;
+  for (int i = 0; i < std::popcount(md_map); ++i) {
+    if (pos >= key.size())
+      return InvalidArgument(fmt::format("peer '{}' region {}: remote key of {} bytes ends inside its domain {} of {}",
+                                         name, region, key.size(), i, std::popcount(md_map)));
+    pos += 1 + static_cast<std::uint8_t>(key[pos]);
+    if (pos > key.size())
+      return InvalidArgument(
+          fmt::format("peer '{}' region {}: remote key of {} bytes: domain {} claims bytes past its end", name, region,
+                      key.size(), i));
+  }
+  return Status::Ok();
+}
+
+std::vector<char> padded(const std::string& s) {
+  std::vector<char> v(s.size() + kUnpackPadding, '\0');
+  std::memcpy(v.data(), s.data(), s.size());
+  return v;
+}
+
+// The blob's address: "KVUCXA1", the agent's host identity (boot id, pid namespace: byte_codec strings) and pid
+// (u32), then UCX's worker address. The pid lets a peer on the same host tell a dead agent from a paused one.
+constexpr std::string_view kAddressMagic = "KVUCXA1";
+struct UcxAddress {
+  HostIdentity host;
+  std::uint32_t pid = 0;
+  std::string worker;
+};
+std::string format_address(const UcxAddress& a) {
+  detail::ByteWriter<std::string> w;
+  w.raw(kAddressMagic.data(), kAddressMagic.size());
+  w.str(a.host.boot_id);
+  w.str(a.host.pid_ns);
+  w.u32(a.pid);
+  w.raw(a.worker.data(), a.worker.size());
+  return std::move(w.out);
+}
+Result<UcxAddress> parse_address(std::string_view name, std::string_view s) {
+  if (s.substr(0, kAddressMagic.size()) != kAddressMagic)
+    return InvalidArgument(fmt::format("peer '{}': address of {} bytes is not a kvtier UCX address", name, s.size()));
+  detail::ByteReader r(s.substr(kAddressMagic.size()), 256);
+  UcxAddress a;
+  if (!r.str(a.host.boot_id) || !r.str(a.host.pid_ns) || !r.u32(a.pid))
+    return InvalidArgument(fmt::format("peer '{}': UCX address of {} bytes is truncated", name, s.size()));
+  a.worker = std::string(s.substr(kAddressMagic.size() + r.pos()));
+  if (a.worker.size() < kMinUcxAddressBytes)
+    return InvalidArgument(fmt::format("peer '{}': UCX worker address of {} bytes (UCX packs at least {})", name,
+                                       a.worker.size(), kMinUcxAddressBytes));
+  return a;
+}
+
 struct UcxPeer {
+  UcxPeer() = default;
+  UcxPeer(const UcxPeer&) = delete;
+  UcxPeer& operator=(const UcxPeer&) = delete;
+  ~UcxPeer() {
+    if (pidfd >= 0) close(pidfd);
+  }
+  // Its process has ended (same host), or its connection failed: nothing it posted can still land here.
+  bool gone() const {
+    if (conn_failed) return true;
+    pollfd p{pidfd, POLLIN, 0};
+    return pidfd >= 0 && ::poll(&p, 1, 0) > 0;
+  }
+  int pidfd = -1;  // the peer's process, when it runs on this host in this pid namespace
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> rkeys;  // by peer region index (null for empty keys)
+  struct Bounds {
+    std::uint64_t base = 0, bytes = 0;
+  };
+  std::vector<Bounds> regions;  // the blob's regions: every remote address is checked against them
   std::string name;
   bool failed = false;
+  bool conn_failed = false;  // the endpoint's error callback ran: the connection (and so the peer) is gone
 };
 
 class UcxTransport final : public detail::TransportBase {
  public:
   UcxTransport(AgentIdentity identity, UcxOptions options)
-      : TransportBase(std::move(identity)), options_(std::move(options)) {}
+      : TransportBase(std::move(identity), options.peer_secret), options_(std::move(options)) {}
 
   Status start() {
     ucp_config_t* config = nullptr;
@@ -129,8 +222,14 @@ class UcxTransport final : public detail::TransportBase {
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
     if ((st = ucp_worker_query(worker_, &attr)) != UCS_OK) return ucs_error("ucp_worker_query", st);
-    address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+    UcxAddress self;
+    // Without procfs the address carries no host identity and peers cannot watch this process's end.
+    if (auto h = local_host_identity(); h.ok()) self.host = *h;
+    self.pid = static_cast<std::uint32_t>(getpid());
+    self.worker.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
     ucp_worker_release_address(worker_, attr.address);
+    host_ = self.host;
+    address_ = format_address(self);
 
     wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) return Internal(fmt::format("eventfd: {}", std::strerror(errno)));
@@ -226,15 +325,27 @@ class UcxTransport final : public detail::TransportBase {
 
   Result<std::string> backend_address() override { return address_; }
 
+  Status backend_check_blob(const detail::Blob& blob) override {
+    if (auto a = parse_address(blob.identity.name, blob.address); !a.ok()) return a.status();
+    for (std::size_t i = 0; i < blob.regions.size(); ++i)
+      if (blob.regions[i].bytes != 0) KVTIER_RETURN_IF_ERROR(check_ucx_key(blob.identity.name, i, blob.regions[i].key));
+    return Status::Ok();
+  }
+
   Status backend_connect(PeerId peer, const detail::Blob& blob) override {
     std::lock_guard lock(ucx_mu_);
     if (peers_.size() <= peer) peers_.resize(peer + 1);
     auto rec = std::make_unique<UcxPeer>();
     rec->name = blob.identity.name;
+    for (const auto& r : blob.regions) rec->regions.push_back(UcxPeer::Bounds{r.base, r.bytes});
+    KVTIER_ASSIGN_OR_RETURN(UcxAddress peer_address, parse_address(blob.identity.name, blob.address));
+    if (!host_.boot_id.empty() && peer_address.host == host_ && peer_address.pid != 0)
+      rec->pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(peer_address.pid), 0));
+    const std::vector<char> address = padded(peer_address.worker);
     ucp_ep_params_t ep{};
     ep.field_mask =
         UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(blob.address.data());
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &UcxTransport::on_ep_error;
     ep.err_handler.arg = this;
@@ -253,7 +364,8 @@ class UcxTransport final : public detail::TransportBase {
     for (std::size_t i = 0; i < blob.regions.size(); ++i) {
       ucp_rkey_h k = nullptr;
       if (!blob.regions[i].key.empty()) {
-        st = ucp_ep_rkey_unpack(rec->ep, blob.regions[i].key.data(), &k);
+        const std::vector<char> key = padded(blob.regions[i].key);
+        st = ucp_ep_rkey_unpack(rec->ep, key.data(), &k);
         if (st != UCS_OK) {
           for (ucp_rkey_h r : rec->rkeys)
             if (r != nullptr) ucp_rkey_destroy(r);
@@ -275,6 +387,15 @@ class UcxTransport final : public detail::TransportBase {
       UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
       if (p == nullptr || p->ep == nullptr || p->failed)
         return Unavailable(fmt::format("peer {} is not connected", peer));
+      // The base resolved the descriptors against the same regions; checked again here, where the addresses go
+      // to UCX, so that no path can hand UCX a range outside what the peer registered.
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        const auto& o = ops[i];
+        const UcxPeer::Bounds b = o.remote_region < p->regions.size() ? p->regions[o.remote_region] : UcxPeer::Bounds{};
+        if (o.remote_addr < b.base || o.remote_addr - b.base > b.bytes || o.bytes > b.bytes - (o.remote_addr - b.base))
+          return OutOfRange(fmt::format("descriptor {}: remote [{:#x}, +{}) outside peer '{}' region {} [{:#x}, +{})",
+                                        i, o.remote_addr, o.bytes, p->name, o.remote_region, b.base, b.bytes));
+      }
       auto pend = std::make_unique<Pending>();
       Pending* pd = pend.get();
       pd->self = this;
@@ -328,6 +449,57 @@ class UcxTransport final : public detail::TransportBase {
     }
     wake();
     return Status::Ok();
+  }
+
+  bool backend_disconnect(PeerId peer) override {
+    void* closing = nullptr;
+    bool revoked = false;
+    {
+      std::lock_guard lock(ucx_mu_);
+      UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
+      if (p == nullptr) return true;
+      revoked = p->gone();
+      p->failed = true;
+      if (p->ep != nullptr) {
+        // Forced: the peer may be dead. UCX completes every request still on the endpoint with an error, so
+        // transfers that would wait forever on a dead peer (lanes without failure detection) become quiescent.
+        ucp_request_param_t cp{};
+        cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &cp);
+        if (UCS_PTR_IS_PTR(r)) closing = r;
+        p->ep = nullptr;
+      }
+    }
+    wake();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    bool closed = true;
+    for (bool done = closing == nullptr; !done;) {
+      std::lock_guard lock(ucx_mu_);
+      const bool late = std::chrono::steady_clock::now() > deadline;
+      if (ucp_request_check_status(closing) != UCS_INPROGRESS || late) {
+        closed = !late;
+        ucp_request_free(closing);
+        done = true;
+      } else {
+        ucp_worker_progress(worker_);
+      }
+    }
+    // Requests may still use the keys when the close did not finish: those are leaked rather than freed under them.
+    if (closed) {
+      std::lock_guard lock(ucx_mu_);
+      UcxPeer* p = peers_[peer].get();
+      for (ucp_rkey_h k : p->rkeys)
+        if (k != nullptr) ucp_rkey_destroy(k);
+      p->rkeys.clear();
+    }
+    // RMA is one-sided: closing our endpoint does not stop a live peer's puts into our memory (on shared memory
+    // the peer copies itself). Only the peer's end proves it: its process gone, or its connection failed.
+    return revoked;
+  }
+  bool backend_revoked(PeerId peer) const override {
+    std::lock_guard lock(ucx_mu_);
+    return peer < peers_.size() && peers_[peer] && peers_[peer]->gone();
   }
 
   void backend_abort(XferId id) override {
@@ -472,6 +644,7 @@ class UcxTransport final : public detail::TransportBase {
       UcxPeer* p = self->peers_[i].get();
       if (p == nullptr || p->ep != ep) continue;
       p->failed = true;
+      p->conn_failed = true;
       self->mark_peer_failed(static_cast<PeerId>(i), Unavailable(fmt::format("connection to peer '{}' failed: {}",
                                                                              p->name, ucs_status_string(st))));
       // The endpoint is closed later (destructor); its requests complete with errors now.
@@ -527,7 +700,8 @@ class UcxTransport final : public detail::TransportBase {
   int efd_ = -1;
   int wake_fd_ = -1;
   std::string address_;
-  std::mutex ucx_mu_;
+  HostIdentity host_;
+  mutable std::mutex ucx_mu_;
   std::unordered_map<RegionId, ucp_mem_h> memh_;
   std::vector<std::unique_ptr<UcxPeer>> peers_;
   std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
@@ -541,6 +715,7 @@ class UcxTransport final : public detail::TransportBase {
 
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options) {
   if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

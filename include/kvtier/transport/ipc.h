@@ -2,12 +2,14 @@
 // stack. See docs/transport.md ("The ipc backend") for the blob fields and the selection rule.
 //
 // Host memory (pinned host, and the host backend's simulated device memory): every registered region gets a
-// shareable window, a memfd of the region's size mapped in the owner. A peer that loads the blob connects to the
-// owner's Unix domain socket (abstract namespace) and receives the windows' file descriptors there (SCM_RIGHTS),
-// then maps them. A WRITE copies the initiator's bytes into the window and asks the owner, over the socket, to
-// move them into the region; the owner does so, delivers the notification and acknowledges, and only then is the
-// transfer done. A READ asks the owner to fill the window from the region, then copies out of it. The caller's
-// memory need not be shareable itself; the cost is one extra memcpy on the owner's side.
+// shareable window, a memfd of the region's size mapped in the owner and sealed against resizing (a peer holding
+// the descriptor must not be able to shrink it under a mapping: copies past the end raise SIGBUS); a peer's window
+// is mapped only when it carries those seals and holds the bytes its blob claims (kFailedPrecondition otherwise). A
+// peer that loads the blob connects to the owner's Unix domain socket (abstract namespace) and receives the windows'
+// file descriptors there (SCM_RIGHTS), then maps them. A WRITE copies the initiator's bytes into the window and asks
+// the owner, over the socket, to move them into the region; the owner does so, delivers the notification and
+// acknowledges, and only then is the transfer done. A READ asks the owner to fill the window from the region, then
+// copies out of it. The caller's memory need not be shareable itself; the cost is one extra memcpy on the owner's side.
 //
 // CUDA device memory (IpcOptions::device_memory = kCuda, builds with KVTIER_CUDA): the region's key carries its
 // allocation's CUDA IPC handle, its offset in it and the device's PCI bus id; the peer opens the handle and the
@@ -36,8 +38,8 @@ struct HostIdentity {
 // This process's identity; kUnavailable when /proc does not provide it.
 Result<HostIdentity> local_host_identity();
 
-// The host identity an ipc blob carries (checksum and format checked).
-Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob);
+// The host identity an ipc blob carries (checksum, format and, with a peer secret, the blob's MAC checked).
+Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob, std::string_view peer_secret = {});
 
 struct IpcOptions {
   enum class DeviceMemory : std::uint8_t {
@@ -50,6 +52,8 @@ struct IpcOptions {
   std::chrono::milliseconds copy_timeout{60000};
   // Overrides the host identity the agent advertises and compares against (tests of the refusal).
   std::function<Result<HostIdentity>()> host_identity;
+  // See "Trust" in transport.h: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
+  std::string peer_secret;
 };
 Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options = {});
 

@@ -17,12 +17,18 @@
 // A block is loaded when every layer of it is; leading_loaded_blocks() is what may be committed to a prefix
 // index (CacheManager::commit), the rest is recomputed.
 //
-// Leases. Each side sends a heartbeat per active transfer every `heartbeat`; a side that hears nothing from the
-// other for `lease` fails the transfer (every layer not yet final). The decode side's blocks are reclaimable
-// (may return to their pool) when the transfer is final and no byte can still land in them: after success, or
-// after a failure once its own reads are quiescent and `lease` has passed since the prefill side was last heard
-// (the prefill side posts no write for a transfer whose lease it has not renewed within `lease`). The prefill
-// side's source blocks are reclaimable once the transfer is final and its writes are quiescent.
+// Leases. Each side sends a heartbeat per active transfer every `heartbeat`, echoing the latest heartbeat number
+// it received; an echo renews the lease to the time the echoed heartbeat was sent (a heartbeat processed late
+// never extends the lease of a peer that died since). A side that hears nothing from the other for `lease` fails
+// the transfer (every layer not yet final), aborts its own requests of it and, when the peer is silent on every
+// transfer, disconnects it (Transport::disconnect_peer), so requests that would never complete against a dead peer
+// release their blocks. The decode side's blocks are reclaimable (may return to their pool) when the transfer is
+// final and no byte can still land in them: after success; in pull mode once its own reads are quiescent; after a
+// failure in push mode only once the prefill side confirmed that its writes are quiescent, or the transport
+// guarantees the prefill can no longer write (Transport::peer_revoked). Time alone proves nothing (a prefill
+// paused past the lease resumes with its writes posted); on UCX a live but silent prefill keeps them quarantined.
+// The prefill side's source blocks are reclaimable once the transfer is final, its writes are quiescent and it has
+// told the decode side so.
 //
 // Memory. Each side's blocks are one BlockSpace in memory the transport can reach (pinned host; the host
 // backend's device memory). Each endpoint registers one region per (layer, role) plane, in that order, as the

@@ -26,12 +26,24 @@
 // that times out reports kTimedOut and leaves the transfer in flight: its outcome is unknown, so the same rule
 // applies. Destroying a transport cancels what is in flight and waits (bounded) until the backend has let go.
 //
+// Trust. A blob comes from another process. load_peer bounds and checks every field before the backend sees it
+// (names, address and key sizes, a region's base + size not wrapping, regions not overlapping, the backend's key
+// and address formats) and post() keeps every remote range inside the peer's region, so a crafted blob is refused
+// (kInvalidArgument / kOutOfRange naming the field), never a crash. Without a peer secret, the blob's checksum only
+// detects damage: whoever can hand this agent a blob chooses whom it connects to and what memory it addresses
+// there, so the channel that carries blobs must be trusted. With a peer secret (the options' `peer_secret`, 32 to
+// 64 raw bytes shared by the agents that may talk to each other; other lengths are kInvalidArgument at creation)
+// the blob carries a keyed BLAKE2b MAC over all of it, verified before any field is read: a wrong MAC, a missing
+// one, or a MAC'd blob at an agent without a secret is refused (kFailedPrecondition, "authentication failed").
+// A peer that was loaded is trusted with the regions it was given (UCX RMA is one-sided).
+//
 // Thread-safety: every method may be called from any thread. Nothing blocks except wait() and
 // wait_notification(), each up to its deadline; post() returns once the operations are queued.
 //
 // Errors: kInvalidArgument / kOutOfRange (bad descriptors, blob, region), kNotFound (unknown transfer, peer,
 // region), kFailedPrecondition (refused peer, not quiescent), kUnavailable (peer unreachable or dead),
-// kAborted (aborted transfer), kTimedOut (deadline), kDataLoss (damaged blob), kInternal (backend error).
+// kAborted (aborted transfer), kTimedOut (deadline), kDataLoss (damaged blob), kInternal (backend error);
+// kFailedPrecondition also for a blob that fails authentication (status.h has no dedicated code).
 #pragma once
 
 #include <chrono>
@@ -150,6 +162,19 @@ class Transport {
   // Forgets a finished, quiescent transfer; kFailedPrecondition otherwise.
   virtual Status release(XferId xfer) = 0;
 
+  // Gives up on `peer` (the caller's lease on it expired): every transfer of this agent to it that is still in
+  // progress fails (kAborted) and is cancelled, the backend tears its path down (UCX force-closes the endpoint,
+  // so requests that would never complete against a dead peer complete with errors; ipc closes both
+  // connections), and later posts and messages to it are refused (kUnavailable). Its requests into this
+  // agent's memory are no longer served where this agent serves them (see peer_revoked). The peer may be
+  // loaded again from a fresh blob. kNotFound for an unknown peer.
+  virtual Status disconnect_peer(PeerId peer) = 0;
+  // True when nothing the peer posted can land in this agent's memory any more: after disconnect_peer on the
+  // loopback and ipc backends (this agent copies the peer's writes itself and no longer does); on UCX only once
+  // the connection to the peer has failed (its process is gone), since RMA of a live peer is one-sided and UCX
+  // cannot revoke it. False for an unknown peer.
+  virtual bool peer_revoked(PeerId peer) const = 0;
+
   // A message outside any transfer (control traffic). Delivered in order with the transfers' notifications.
   virtual Status send_notification(PeerId peer, std::string message) = 0;
   // Notifications received since the last call, in arrival order; never blocks.
@@ -169,6 +194,8 @@ struct LoopbackOptions {
   // Called by every post() after validation; a non-OK status makes that post fail as the backend would
   // (the transfer fails, the peer gets kFailedToPost).
   std::function<Status(XferOp)> post_fault;
+  // See "Trust" above: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
+  std::string peer_secret;
 };
 Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options = {});
 
@@ -178,6 +205,8 @@ struct UcxOptions {
   std::string tls;
   // UCX_NET_DEVICES ("lo" for TCP over loopback); empty: UCX's default.
   std::string net_devices;
+  // See "Trust" above: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
+  std::string peer_secret;
 };
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options = {});
 
