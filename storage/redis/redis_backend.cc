@@ -165,20 +165,28 @@ class RedisBackend final : public StorageBackend {
     if (config_.command_timeout.count() <= 0 || config_.connect_timeout.count() <= 0)
       return InvalidArgument(fmt::format("redis backend: command_timeout {} ms and connect_timeout {} ms must be > 0",
                                          config_.command_timeout.count(), config_.connect_timeout.count()));
+    if (config_.create_deadline.count() <= 0)
+      return InvalidArgument(
+          fmt::format("redis backend: create_deadline {} ms must be > 0", config_.create_deadline.count()));
     for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
     // A connection reset or an unreachable node while the cluster is changing
     // (restart, failover, an admin killing clients) is transient: every
     // endpoint is tried, then again after a backoff, up to max_retries more rounds.
+    // All of it within create_deadline: without it a stopped or hung server cost
+    // (max_retries + 1) x command_timeout per seed endpoint (25.6 s for one by default).
+    const Clock::time_point deadline = Clock::now() + config_.create_deadline;
     Status last = Unavailable("no endpoint tried");
     std::string node;
     auto backoff = config_.backoff_initial;
-    for (std::uint32_t attempt = 0; attempt <= config_.max_retries && node.empty(); ++attempt) {
+    for (std::uint32_t attempt = 0; attempt <= config_.max_retries && node.empty() && Clock::now() < deadline;
+         ++attempt) {
       if (attempt > 0) {
-        std::this_thread::sleep_for(backoff);
+        std::this_thread::sleep_for(capped(backoff, deadline));
         backoff = std::min(backoff * 2, config_.backoff_max);
       }
       for (const auto& e : config_.endpoints) {
-        auto c = connect(e);
+        if (Clock::now() >= deadline) break;
+        auto c = connect(e, deadline);
         if (!c.ok()) {
           if (c.status().code() == StatusCode::kFailedPrecondition) return c.status();
           last = c.status();
@@ -189,13 +197,14 @@ class RedisBackend final : public StorageBackend {
           // not as a failure of every later item.
           // A connection lost during the PING says nothing about the password: the node is
           // used as before (items retry and fail on their own), only a refusal fails create.
-          ReplyPtr r(static_cast<redisReply*>(redisCommand(c->get(), "PING")));
+          auto pong = command_by(c->get(), deadline, "PING");
+          const ReplyPtr r = pong.ok() ? std::move(pong).value() : nullptr;
           if (r && r->type == REDIS_REPLY_ERROR && is_auth_error(std::string_view(r->str, r->len)))
             return FailedPrecondition(fmt::format("PING on {} refused: {}", e, std::string(r->str, r->len)));
           node = e;
           break;
         }
-        auto map = load_slots(c->get(), e, kNoDeadline);
+        auto map = load_slots(c->get(), e, deadline);
         if (map.status().code() == StatusCode::kFailedPrecondition) return map.status();
         if (map.ok()) {
           cluster_ = true;
@@ -215,6 +224,9 @@ class RedisBackend final : public StorageBackend {
         last = map.status();
       }
     }
+    if (node.empty() && Clock::now() >= deadline)
+      return Unavailable(fmt::format("redis backend: no endpoint usable within create_deadline of {} ms (last: {})",
+                                     config_.create_deadline.count(), last.to_string()));
     if (node.empty())
       return last.with_context(
           fmt::format("redis backend: no endpoint usable after {} rounds", config_.max_retries + 1));
