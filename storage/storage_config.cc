@@ -13,6 +13,8 @@ void bind_redis_backend_config(ConfigTable& t, RedisBackendConfig& c, const std:
         "included (TimedOut after)");
   t.add(p + ".batch_deadline", &c.batch_deadline,
         "Redis: every item of a batch completes within this of post(), queueing included (TimedOut after)");
+  t.add(p + ".create_deadline", &c.create_deadline,
+        "Redis: create (connect, AUTH, PING / CLUSTER SLOTS over every seed, retries) fails after this");
   t.add(p + ".max_retries", &c.max_retries,
         "Redis: retries of an item after I/O errors and TRYAGAIN (within the deadlines)");
   t.add(p + ".workers", &c.workers, "Redis: worker threads (connections per node)");

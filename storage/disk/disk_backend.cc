@@ -7,6 +7,7 @@
 // disk_backend_impl.h.
 #include "kvtier/storage/disk_backend.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <liburing.h>
@@ -28,6 +29,8 @@
 namespace kvtier::storage::disk {
 namespace {
 
+// Only for the root's own path, which the operator chose; below the root every directory is
+// created and opened through its parent's fd (open_owned_dir()).
 Status mkdir_p(const std::string& path, mode_t mode) {
   std::string cur;
   std::size_t pos = 0;
@@ -41,19 +44,29 @@ Status mkdir_p(const std::string& path, mode_t mode) {
   return Status::Ok();
 }
 
-// A tenant's directory must be ours and no more open than dir_mode: one that another user
-// created first (or a symlink planted there) would hand them every object the tenant writes.
-Status check_private_dir(const std::string& path, mode_t mode) {
+// The root is named by the operator, so a link in its path is followed; what it resolves to must
+// be a directory that only we (or root) can change. A root owned by another user, or one that
+// others may write into without the sticky bit, would let them rename our namespace directory
+// away and plant a link or a directory of their own in its place between two of our runs.
+Result<ScopedFd> open_root(const std::string& root, mode_t mode) {
+  const uid_t me = ::geteuid();
+  struct stat lsb {};
+  // The root's own name a link that another user planted (say in /tmp) would choose where we write.
+  if (::lstat(root.c_str(), &lsb) == 0 && S_ISLNK(lsb.st_mode) && lsb.st_uid != me && lsb.st_uid != 0)
+    return FailedPrecondition(fmt::format(
+        "disk root {} is a symbolic link owned by uid {}, not by this process (uid {})", root, lsb.st_uid, me));
+  KVTIER_RETURN_IF_ERROR(mkdir_p(root, mode));
+  ScopedFd fd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (fd.get() < 0) return Unavailable(fmt::format("open disk root {}: {}", root, errno_text(errno)));
   struct stat sb {};
-  if (::lstat(path.c_str(), &sb) != 0) return Unavailable(fmt::format("lstat {}: {}", path, errno_text(errno)));
-  if (!S_ISDIR(sb.st_mode)) return FailedPrecondition(fmt::format("tenant directory {} is not a directory", path));
-  if (sb.st_uid != ::geteuid())
-    return FailedPrecondition(fmt::format("tenant directory {} is owned by uid {}, not by this process (uid {})", path,
-                                          sb.st_uid, ::geteuid()));
-  if ((sb.st_mode & 0777 & ~mode) != 0)
+  if (::fstat(fd.get(), &sb) != 0) return Unavailable(fmt::format("fstat {}: {}", root, errno_text(errno)));
+  if (sb.st_uid != me && sb.st_uid != 0)
     return FailedPrecondition(
-        fmt::format("tenant directory {} has mode {:o}, wider than dir_mode {:o}", path, sb.st_mode & 0777, mode));
-  return Status::Ok();
+        fmt::format("disk root {} is owned by uid {}, not by this process (uid {}) or root", root, sb.st_uid, me));
+  if ((sb.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (sb.st_mode & S_ISVTX) == 0)
+    return FailedPrecondition(fmt::format(
+        "disk root {} has mode {:o}: writable by group or others without the sticky bit", root, sb.st_mode & 07777));
+  return fd;
 }
 
 // Type of the filesystem holding `path` ("ext4", "xfs", "tmpfs", ...), from the longest matching mount point.
@@ -79,6 +92,54 @@ std::string filesystem_type(const std::string& path) {
 }
 
 }  // namespace
+
+Result<ScopedFd> open_owned_dir(int parent, const std::string& name, const std::string& shown, mode_t mode, bool create,
+                                bool private_mode) {
+  if (create && ::mkdirat(parent, name.c_str(), mode) != 0 && errno != EEXIST) {
+    const int err = errno;
+    return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", shown, errno_text(err)))
+                         : Unavailable(fmt::format("mkdir {}: {}", shown, errno_text(err)));
+  }
+  ScopedFd fd(::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int err = errno;
+    if (err == ENOENT) return NotFound(fmt::format("{} does not exist", shown));
+    struct stat lsb {};
+    if (::fstatat(parent, name.c_str(), &lsb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(lsb.st_mode))
+      return FailedPrecondition(
+          fmt::format("{} is a symbolic link (the disk backend follows no link below its root)", shown));
+    if (err == ENOTDIR || err == ELOOP) return FailedPrecondition(fmt::format("{} is not a directory", shown));
+    return Unavailable(fmt::format("open {}: {}", shown, errno_text(err)));
+  }
+  struct stat sb {};
+  if (::fstat(fd.get(), &sb) != 0) return Unavailable(fmt::format("fstat {}: {}", shown, errno_text(errno)));
+  if (!S_ISDIR(sb.st_mode)) return FailedPrecondition(fmt::format("{} is not a directory", shown));
+  if (sb.st_uid != ::geteuid())
+    return FailedPrecondition(
+        fmt::format("directory {} is owned by uid {}, not by this process (uid {})", shown, sb.st_uid, ::geteuid()));
+  if (private_mode && (sb.st_mode & 0777 & ~mode) != 0)
+    return FailedPrecondition(
+        fmt::format("directory {} has mode {:o}, wider than dir_mode {:o}", shown, sb.st_mode & 0777, mode));
+  return fd;
+}
+
+Result<std::vector<std::string>> list_dir(int dirfd, const std::string& shown) {
+  const int fd = ::openat(dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Unavailable(fmt::format("open {}: {}", shown, errno_text(errno)));
+  DIR* d = ::fdopendir(fd);
+  if (d == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    return Unavailable(fmt::format("opendir {}: {}", shown, errno_text(err)));
+  }
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(std::move(n));
+  }
+  ::closedir(d);
+  return names;
+}
 
 DiskBackend::DiskBackend(DiskBackendConfig config, StorageOptions options)
     : config_(std::move(config)), options_(std::move(options)) {
@@ -107,21 +168,14 @@ Status DiskBackend::init() {
     return InvalidArgument(
         fmt::format("disk backend: file_mode {:o} / dir_mode {:o} not permission bits (dir_mode needs 0700)",
                     config_.file_mode, config_.dir_mode));
-  const mode_t dmode = static_cast<mode_t>(config_.dir_mode);
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_, dmode));
-  if (!options_.tenant.empty()) KVTIER_RETURN_IF_ERROR(check_private_dir(base, dmode));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/quarantine", dmode));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/incoming", dmode));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(dir_ + "/free", dmode));
+  KVTIER_RETURN_IF_ERROR(open_directories());
   max_free_files_ = config_.max_free_files;
-  lock_fd_ = ScopedFd(::open((dir_ + "/LOCK").c_str(), O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW,
-                             static_cast<mode_t>(config_.file_mode)));
+  lock_fd_ = ScopedFd(::openat(dir_fd_.get(), "LOCK", O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW,
+                               static_cast<mode_t>(config_.file_mode)));
   if (lock_fd_.get() < 0) return Unavailable(fmt::format("open {}/LOCK: {}", dir_, errno_text(errno)));
   if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0)
     return FailedPrecondition(fmt::format("disk backend directory {} is locked by another process", dir_));
   header_size_ = format::header_bytes(options_, kAlign);
-  dir_fd_ = ScopedFd(::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir_fd_.get() < 0) return Unavailable(fmt::format("open {}: {}", dir_, errno_text(errno)));
   // Shard directories are created on first use (metadata operations are slow on some disks).
   shard_fds_.resize(kNumShards);
   for (std::uint32_t s = 0; s < kNumShards; ++s) {
@@ -139,6 +193,31 @@ Status DiskBackend::init() {
   wake_fd_ = ScopedFd(::eventfd(0, EFD_CLOEXEC));
   if (wake_fd_.get() < 0) return Unavailable(fmt::format("eventfd: {}", errno_text(errno)));
   thread_ = std::thread([this] { loop(); });
+  return Status::Ok();
+}
+
+// Every directory from the root down, each opened below the one before and checked before
+// anything is created inside it: a tenant directory must be ours and no more open than
+// dir_mode (one that another user created first would hand them every object the tenant
+// writes); the namespace directory and its subdirectories must be ours and not links.
+Status DiskBackend::open_directories() {
+  const mode_t dmode = static_cast<mode_t>(config_.dir_mode);
+  KVTIER_ASSIGN_OR_RETURN(root_fd_, open_root(config_.root, dmode));
+  std::string base = config_.root;
+  if (options_.tenant.empty()) {
+    base_fd_ = ScopedFd(::fcntl(root_fd_.get(), F_DUPFD_CLOEXEC, 0));
+    if (base_fd_.get() < 0) return Unavailable(fmt::format("dup: {}", errno_text(errno)));
+  } else {
+    base = config_.root + "/" + options_.tenant;
+    KVTIER_ASSIGN_OR_RETURN(base_fd_, open_owned_dir(root_fd_.get(), options_.tenant, base, dmode, true, true));
+  }
+  KVTIER_ASSIGN_OR_RETURN(dir_fd_, open_owned_dir(base_fd_.get(), dir_.substr(base.size() + 1), dir_, dmode, true,
+                                                  !options_.tenant.empty()));
+  KVTIER_ASSIGN_OR_RETURN(quarantine_fd_,
+                          open_owned_dir(dir_fd_.get(), "quarantine", dir_ + "/quarantine", dmode, true, false));
+  KVTIER_ASSIGN_OR_RETURN(incoming_fd_,
+                          open_owned_dir(dir_fd_.get(), "incoming", dir_ + "/incoming", dmode, true, false));
+  KVTIER_ASSIGN_OR_RETURN(free_fd_, open_owned_dir(dir_fd_.get(), "free", dir_ + "/free", dmode, true, false));
   return Status::Ok();
 }
 
@@ -232,7 +311,7 @@ Status DiskBackend::corrupt_stored_object(const StorageKey& key, std::uint64_t o
   auto it = index_.find(key);
   if (it == index_.end()) return NotFound(fmt::format("key {} not stored", key.to_string()));
   struct stat sb {};
-  KVTIER_ASSIGN_OR_RETURN(ScopedFd fd, open_regular(final_path(key), O_RDWR, &sb));
+  KVTIER_ASSIGN_OR_RETURN(ScopedFd fd, open_regular(shard_fd(key), object_name(key), final_path(key), O_RDWR, &sb));
   unsigned char b = 0;
   if (::pread(fd.get(), &b, 1, static_cast<off_t>(offset)) != 1)
     return OutOfRange(fmt::format("offset {} beyond object {}", offset, key.to_string()));
@@ -253,9 +332,11 @@ void DiskBackend::wake() {
 Status DiskBackend::probe_direct_io() {
   direct_ = false;
   if (config_.direct_io == DirectIo::kOff) return Status::Ok();
-  const std::string probe = dir_ + "/.direct_probe";
-  ScopedFd fd(::open(probe.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_DIRECT | O_CLOEXEC,
-                     static_cast<mode_t>(config_.file_mode)));
+  const char* probe = ".direct_probe";
+  // Created new (O_EXCL): an existing name, link or not, is never opened for writing.
+  ::unlinkat(dir_fd_.get(), probe, 0);
+  ScopedFd fd(::openat(dir_fd_.get(), probe, O_CREAT | O_EXCL | O_WRONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW,
+                       static_cast<mode_t>(config_.file_mode)));
   int err = errno;
   bool ok = fd.get() >= 0;
   if (ok) {
@@ -265,7 +346,7 @@ Status DiskBackend::probe_direct_io() {
     err = errno;
   }
   fd.reset();
-  ::unlink(probe.c_str());
+  ::unlinkat(dir_fd_.get(), probe, 0);
   if (ok) {
     direct_ = true;
     return Status::Ok();

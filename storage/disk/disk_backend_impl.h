@@ -81,30 +81,46 @@ class ScopedFd {
   int fd_ = -1;
 };
 
-// Opens a file of the store only if it is a regular file: O_NOFOLLOW (a symlink is not followed
-// out of the directory), O_NONBLOCK (open() of a FIFO returns at once instead of waiting for a
-// writer), then fstat. O_NONBLOCK is cleared again for the I/O (on a regular file it would let
-// io_uring answer -EAGAIN), and O_DIRECT set only then (open() refuses it on a FIFO with EINVAL). NotFound when absent;
-// DataLoss for a symlink or anything not regular (the caller quarantines it); Unavailable for other errors.
-inline Result<ScopedFd> open_regular(const std::string& path, int flags, struct stat* sb) {
+// Opens a file of the store only if it is a regular file: by name below the directory fd `dirfd`
+// (never by a path string, so no directory above it can be swapped for a link), O_NOFOLLOW (a
+// symlink is not followed out of the directory), O_NONBLOCK (open() of a FIFO returns at once
+// instead of waiting for a writer), then fstat. O_NONBLOCK is cleared again for the I/O (on a
+// regular file it would let io_uring answer -EAGAIN), and O_DIRECT set only then (open() refuses
+// it on a FIFO with EINVAL). `shown` is the path that messages name. NotFound when absent;
+// DataLoss for a symlink or anything not regular (the caller quarantines it); Unavailable for
+// other errors.
+inline Result<ScopedFd> open_regular(int dirfd, const std::string& name, const std::string& shown, int flags,
+                                     struct stat* sb) {
   const int direct = flags & O_DIRECT;
-  ScopedFd fd(::open(path.c_str(), (flags & ~O_DIRECT) | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
+  ScopedFd fd(::openat(dirfd, name.c_str(), (flags & ~O_DIRECT) | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK));
   if (fd.get() < 0) {
     const int err = errno;
-    if (err == ENOENT) return NotFound(fmt::format("open {}: {}", path, errno_text(err)));
-    if (err == ELOOP) return DataLoss(fmt::format("{} is a symbolic link", path));
+    if (err == ENOENT) return NotFound(fmt::format("open {}: {}", shown, errno_text(err)));
+    if (err == ELOOP) return DataLoss(fmt::format("{} is a symbolic link", shown));
     // O_RDWR/O_WRONLY on a directory, ENXIO on a FIFO without reader: not a regular file either.
-    if (err == EISDIR || err == ENXIO) return DataLoss(fmt::format("{} is not a regular file", path));
-    return Unavailable(fmt::format("open {}: {}", path, errno_text(err)));
+    if (err == EISDIR || err == ENXIO) return DataLoss(fmt::format("{} is not a regular file", shown));
+    return Unavailable(fmt::format("open {}: {}", shown, errno_text(err)));
   }
-  if (::fstat(fd.get(), sb) != 0) return Unavailable(fmt::format("fstat {}: {}", path, errno_text(errno)));
+  if (::fstat(fd.get(), sb) != 0) return Unavailable(fmt::format("fstat {}: {}", shown, errno_text(errno)));
   if (!S_ISREG(sb->st_mode))
-    return DataLoss(fmt::format("{} is not a regular file (mode {:o})", path, static_cast<unsigned>(sb->st_mode)));
+    return DataLoss(fmt::format("{} is not a regular file (mode {:o})", shown, static_cast<unsigned>(sb->st_mode)));
   const int fl = ::fcntl(fd.get(), F_GETFL);
   if (fl < 0 || ::fcntl(fd.get(), F_SETFL, (fl & ~O_NONBLOCK) | direct) != 0)
-    return Unavailable(fmt::format("fcntl {}: {}", path, errno_text(errno)));
+    return Unavailable(fmt::format("fcntl {}: {}", shown, errno_text(errno)));
   return fd;
 }
+
+// Opens directory `name` below the directory fd `parent` without following a symlink (creating
+// it with `mode` first when `create`), and checks that it is a directory owned by this process's
+// euid; with `private_mode` also that it is no more open than `mode`. A link planted there, or a
+// directory another user created first, would otherwise let the backend delete, overwrite or
+// move files outside its root (the rebuild empties incoming/, trims quarantine/, recycles free/).
+// FailedPrecondition naming `shown` for each refusal; NotFound when absent and !create.
+Result<ScopedFd> open_owned_dir(int parent, const std::string& name, const std::string& shown, mode_t mode, bool create,
+                                bool private_mode);
+
+// The names in directory `dirfd` (read through a fresh open of it, so `dirfd` keeps its offset).
+Result<std::vector<std::string>> list_dir(int dirfd, const std::string& shown);
 
 // Tag of everything that has a completion on the ring.
 struct Waiter {
@@ -119,8 +135,10 @@ struct IoOp : Waiter {
   StorageItem item;
   Stage stage = Stage::kWrite;
   ScopedFd fd;
-  std::string tmp_path;
-  std::string final_path;
+  int tmp_dir = -1;        // incoming/ or free/ (a DiskBackend member fd; not owned)
+  std::string tmp_name;    // the file written, in tmp_dir
+  std::string tmp_path;    // the same, for messages
+  std::string final_path;  // for messages; the object is object_name() in its shard directory
   std::uint32_t shard = 0;
   AlignedBuf header;  // header (direct payload) or header + payload (bounced)
   bool bounced = false;
@@ -172,26 +190,37 @@ class DiskBackend final : public StorageBackend {
   Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override;
 
  private:
-  std::string shard_dir(std::uint32_t s) const { return fmt::format("{}/{:02x}", dir_, s); }
+  // Paths are for messages only: every file operation goes through the directory fds below.
+  static std::string shard_name(std::uint32_t s) { return fmt::format("{:02x}", s); }
+  static std::string object_name(const StorageKey& k) { return k.to_string() + kObjectSuffix; }
+  std::string shard_dir(std::uint32_t s) const { return fmt::format("{}/{}", dir_, shard_name(s)); }
   std::string final_path(const StorageKey& k) const {
-    return fmt::format("{}/{}{}", shard_dir(k.digest[0]), k.to_string(), kObjectSuffix);
+    return fmt::format("{}/{}", shard_dir(k.digest[0]), object_name(k));
   }
+  // The fd of the key's shard directory (-1 before it exists: every *at() call then fails with
+  // EBADF). Set by the rebuild and by ensure_shard() on the I/O thread under index_mu_; read
+  // from other threads under index_mu_.
+  int shard_fd(const StorageKey& k) const { return shard_fds_[k.digest[0]].get(); }
 
   void wake();
   Status probe_direct_io();
 
   // ---- index (disk_index.cc) ----------------------------------------------
   // Moves the object aside; `status` is why (its authentication failures are counted apart).
-  void quarantine_locked(const StorageKey& key, const std::string& path, const Status& status);
+  // The object is the key's file in its shard directory.
+  void quarantine_locked(const StorageKey& key, const Status& status);
   void erase_locked(std::unordered_map<StorageKey, IndexEntry, StorageKeyHash>::iterator it);
   void insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
                      std::uint64_t payload_bytes);
   void make_room_locked(std::uint64_t incoming);
   void trim_quarantine_locked(std::size_t keep);
   void adopt_quarantine_locked();
-  void recycle_or_unlink_locked(const std::string& path, std::uint64_t bytes, const StorageKey& key);
+  // Moves file `name` of directory `dirfd` to free/ or unlinks it.
+  void recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes, const StorageKey& key);
+  Status open_directories();
   Status rebuild_index();
-  Status check_object_file(const std::string& path, const StorageKey& key, AlignedBuf& buf);
+  Status check_object_file(int dirfd, const std::string& name, const std::string& shown, const StorageKey& key,
+                           AlignedBuf& buf);
 
   // ---- I/O thread (disk_io_thread.cc) --------------------------------------
   void arm_wake();
@@ -224,7 +253,14 @@ class DiskBackend final : public StorageBackend {
   std::string fs_type_;
   std::uint64_t header_size_ = kAlign;
   ScopedFd lock_fd_;
-  ScopedFd dir_fd_;
+  // Opened and checked once at create (open_directories()); files below are reached only by name
+  // through these, so a directory swapped for a link later does not move the store.
+  ScopedFd root_fd_;        // config_.root
+  ScopedFd base_fd_;        // the tenant directory, or the root without a tenant
+  ScopedFd dir_fd_;         // the namespace directory dir_
+  ScopedFd quarantine_fd_;  // dir_/quarantine
+  ScopedFd incoming_fd_;    // dir_/incoming
+  ScopedFd free_fd_;        // dir_/free
   std::vector<ScopedFd> shard_fds_;
   std::vector<std::unique_ptr<DirSync>> dir_syncs_;
 
@@ -234,14 +270,14 @@ class DiskBackend final : public StorageBackend {
   std::unordered_map<StorageKey, IndexEntry, StorageKeyHash> index_;
   std::list<StorageKey> lru_;  // front = least recently used
   std::uint64_t used_bytes_ = 0;
-  std::deque<std::pair<std::string, std::uint64_t>> free_files_;  // recyclable files and their sizes
+  std::deque<std::pair<std::string, std::uint64_t>> free_files_;  // recyclable files (names in free/), sizes
   std::size_t max_free_files_ = 0;
   std::unordered_map<StorageKey, int, StorageKeyHash> reading_;  // gets in flight per key
   std::uint64_t reserved_bytes_ = 0;
   std::uint64_t evictions_ = 0;
   std::uint64_t quarantined_ = 0;
   std::uint64_t auth_failures_ = 0;
-  std::deque<std::pair<std::string, std::uint64_t>> quarantine_files_;  // oldest first, with sizes
+  std::deque<std::pair<std::string, std::uint64_t>> quarantine_files_;  // names in quarantine/, oldest first
   std::uint64_t quarantine_bytes_ = 0;
   std::uint64_t removed_tmp_ = 0;
   std::uint64_t seq_ = 0;

@@ -35,7 +35,7 @@ void DiskBackend::start_get(IoOp* op) {
   const bool direct_payload =
       direct_ && aligned(op->item.buffer, kAlign) && op->payload_bytes % kAlign == 0 && op->header_size % kAlign == 0;
   struct stat sb {};
-  auto fd = open_regular(op->final_path, O_RDONLY | (direct_ ? O_DIRECT : 0), &sb);
+  auto fd = open_regular(shard_fd(key), object_name(key), op->final_path, O_RDONLY | (direct_ ? O_DIRECT : 0), &sb);
   if (!fd.ok()) {
     if (fd.status().code() == StatusCode::kNotFound)
       return finish(op, NotFound(fmt::format("key {} was removed", key.to_string())));
@@ -104,7 +104,7 @@ void DiskBackend::on_read(IoOp* op, int res) {
 void DiskBackend::quarantine_get(IoOp* op, Status st) {
   {
     std::lock_guard<std::mutex> lk(index_mu_);
-    quarantine_locked(op->item.key, op->final_path, st);
+    quarantine_locked(op->item.key, st);
   }
   finish(op, st.with_context("object quarantined"));
 }

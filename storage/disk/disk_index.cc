@@ -5,7 +5,6 @@
 // capacity_bytes by evicting least-recently-used objects. Files of evicted,
 // deleted and replaced objects go to the pool of free files that later puts
 // overwrite, or are unlinked (the pool is full, or a get may still read them).
-#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
@@ -57,17 +56,21 @@ Result<StorageKey> parse_key_name(std::string_view name) {
 
 // ---- index --------------------------------------------------------------
 
-void DiskBackend::quarantine_locked(const StorageKey& key, const std::string& path, const Status& status) {
-  const std::string dst = fmt::format("{}/quarantine/{}.{}.{}", dir_, key.to_string(), ::getpid(), ++seq_);
+void DiskBackend::quarantine_locked(const StorageKey& key, const Status& status) {
+  const std::string dst = fmt::format("{}.{}.{}", key.to_string(), ::getpid(), ++seq_);
+  const std::string name = object_name(key);
+  const std::string path = final_path(key);
+  const int sd = shard_fd(key);
   struct stat sb {};
-  const std::uint64_t bytes =
-      ::lstat(path.c_str(), &sb) == 0 && S_ISREG(sb.st_mode) ? static_cast<std::uint64_t>(sb.st_size) : 0;
-  if (config_.max_quarantine_files > 0 && ::rename(path.c_str(), dst.c_str()) == 0) {
+  const std::uint64_t bytes = ::fstatat(sd, name.c_str(), &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode)
+                                  ? static_cast<std::uint64_t>(sb.st_size)
+                                  : 0;
+  if (config_.max_quarantine_files > 0 && ::renameat(sd, name.c_str(), quarantine_fd_.get(), dst.c_str()) == 0) {
     quarantine_files_.emplace_back(dst, bytes);
     quarantine_bytes_ += bytes;
     trim_quarantine_locked(config_.max_quarantine_files);
   } else {
-    ::unlink(path.c_str());
+    ::unlinkat(sd, name.c_str(), 0);
   }
   ++quarantined_;
   if (format::is_auth_failure(status)) ++auth_failures_;
@@ -94,7 +97,7 @@ void DiskBackend::insert_locked(const StorageKey& key, std::uint64_t file_bytes,
 // Removes the oldest quarantined files until at most `keep` remain.
 void DiskBackend::trim_quarantine_locked(std::size_t keep) {
   while (quarantine_files_.size() > keep) {
-    ::unlink(quarantine_files_.front().first.c_str());
+    ::unlinkat(quarantine_fd_.get(), quarantine_files_.front().first.c_str(), 0);
     quarantine_bytes_ -= quarantine_files_.front().second;
     quarantine_files_.pop_front();
   }
@@ -102,20 +105,16 @@ void DiskBackend::trim_quarantine_locked(std::size_t keep) {
 
 // Takes over the files an earlier run left in quarantine/ (oldest first), within the bound.
 void DiskBackend::adopt_quarantine_locked() {
-  const std::string qd = dir_ + "/quarantine";
-  DIR* d = ::opendir(qd.c_str());
-  if (d == nullptr) return;
+  auto names = list_dir(quarantine_fd_.get(), dir_ + "/quarantine");
+  if (!names.ok()) return;
   std::vector<std::pair<std::int64_t, std::pair<std::string, std::uint64_t>>> files;
-  while (dirent* e = ::readdir(d)) {
-    const std::string n = e->d_name;
-    if (n == "." || n == "..") continue;
-    const std::string path = qd + "/" + n;
+  for (std::string& n : *names) {
     struct stat sb {};
-    if (::lstat(path.c_str(), &sb) != 0) continue;
+    if (::fstatat(quarantine_fd_.get(), n.c_str(), &sb, AT_SYMLINK_NOFOLLOW) != 0) continue;
     const std::uint64_t bytes = S_ISREG(sb.st_mode) ? static_cast<std::uint64_t>(sb.st_size) : 0;
-    files.push_back({static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec, {path, bytes}});
+    files.push_back(
+        {static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec, {std::move(n), bytes}});
   }
-  ::closedir(d);
   std::sort(files.begin(), files.end());
   for (auto& [mtime, f] : files) {
     quarantine_bytes_ += f.second;
@@ -134,7 +133,7 @@ void DiskBackend::make_room_locked(std::uint64_t incoming) {
   while (!lru_.empty() && used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes) {
     const StorageKey victim = lru_.front();
     auto it = index_.find(victim);
-    recycle_or_unlink_locked(final_path(victim), it->second.file_bytes, victim);
+    recycle_or_unlink_locked(shard_fd(victim), object_name(victim), it->second.file_bytes, victim);
     erase_locked(it);
     ++evictions_;
   }
@@ -144,16 +143,17 @@ void DiskBackend::make_room_locked(std::uint64_t incoming) {
 // overwrite in place: creating a file costs ext4 an inode allocation (about a millisecond once many
 // files were deleted) and new blocks, overwriting costs neither. A file that a get may still be
 // reading is unlinked instead, so no reader ever sees its inode rewritten.
-void DiskBackend::recycle_or_unlink_locked(const std::string& path, std::uint64_t bytes, const StorageKey& key) {
+void DiskBackend::recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes,
+                                           const StorageKey& key) {
   auto r = reading_.find(key);
   if (free_files_.size() < max_free_files_ && (r == reading_.end() || r->second == 0)) {
-    std::string dst = fmt::format("{}/free/{}.{}", dir_, ::getpid(), ++seq_);
-    if (::rename(path.c_str(), dst.c_str()) == 0) {
+    std::string dst = fmt::format("{}.{}", ::getpid(), ++seq_);
+    if (::renameat(dirfd, name.c_str(), free_fd_.get(), dst.c_str()) == 0) {
       free_files_.emplace_back(std::move(dst), bytes);
       return;
     }
   }
-  ::unlink(path.c_str());
+  ::unlinkat(dirfd, name.c_str(), 0);
 }
 
 Status DiskBackend::rebuild_index() {
@@ -168,21 +168,21 @@ Status DiskBackend::rebuild_index() {
   AlignedBuf buf = alloc_aligned(kAlign);
   std::lock_guard<std::mutex> lk(index_mu_);
   adopt_quarantine_locked();
+  const mode_t dmode = static_cast<mode_t>(config_.dir_mode);
   for (std::uint32_t s = 0; s < kNumShards; ++s) {
     const std::string sd = shard_dir(s);
-    DIR* d = ::opendir(sd.c_str());
-    if (d == nullptr && errno == ENOENT) continue;
-    if (d == nullptr) return Unavailable(fmt::format("opendir {}: {}", sd, errno_text(errno)));
-    std::vector<std::string> names;
-    while (dirent* e = ::readdir(d)) {
-      std::string n = e->d_name;
-      if (n != "." && n != "..") names.push_back(std::move(n));
-    }
-    ::closedir(d);
+    // A shard directory that is a link, or another user's, is refused like the others: the
+    // rebuild below removes and moves files in it.
+    auto shard = open_owned_dir(dir_fd_.get(), shard_name(s), sd, dmode, false, false);
+    if (shard.status().code() == StatusCode::kNotFound) continue;
+    KVTIER_RETURN_IF_ERROR(shard.status());
+    shard_fds_[s] = std::move(shard).value();
+    const int sfd = shard_fds_[s].get();
+    KVTIER_ASSIGN_OR_RETURN(std::vector<std::string> names, list_dir(sfd, sd));
     for (const std::string& n : names) {
       const std::string path = sd + "/" + n;
       if (n.find(kTmpMarker) != std::string::npos) {
-        ::unlink(path.c_str());  // a put that never committed
+        ::unlinkat(sfd, n.c_str(), 0);  // a put that never committed
         ++removed_tmp_;
         continue;
       }
@@ -191,41 +191,29 @@ Status DiskBackend::rebuild_index() {
         log_line(fmt::format("ignoring unexpected file {}", path));
         continue;
       }
-      Status st = check_object_file(path, *key, buf);
+      Status st = check_object_file(sfd, n, path, *key, buf);
       if (!st.ok()) {
-        quarantine_locked(*key, path, st);
+        quarantine_locked(*key, st);
         continue;
       }
       found.push_back({*key, last_file_bytes_, last_header_size_, last_payload_bytes_, last_mtime_ns_});
     }
   }
-  if (DIR* d = ::opendir((dir_ + "/incoming").c_str())) {
-    std::vector<std::string> names;
-    while (dirent* e = ::readdir(d)) {
-      std::string n = e->d_name;
-      if (n != "." && n != "..") names.push_back(std::move(n));
-    }
-    ::closedir(d);
-    for (const std::string& n : names) {
-      ::unlink((dir_ + "/incoming/" + n).c_str());  // puts that never committed
-      ++removed_tmp_;
-    }
+  KVTIER_ASSIGN_OR_RETURN(std::vector<std::string> incoming, list_dir(incoming_fd_.get(), dir_ + "/incoming"));
+  for (const std::string& n : incoming) {
+    ::unlinkat(incoming_fd_.get(), n.c_str(), 0);  // puts that never committed
+    ++removed_tmp_;
   }
-  if (DIR* d = ::opendir((dir_ + "/free").c_str())) {
-    std::vector<std::string> names;
-    while (dirent* e = ::readdir(d)) {
-      std::string n = e->d_name;
-      if (n != "." && n != "..") names.push_back(std::move(n));
-    }
-    ::closedir(d);
-    for (const std::string& n : names) {
-      const std::string path = dir_ + "/free/" + n;
-      struct stat sb {};
-      if (free_files_.size() < max_free_files_ && ::lstat(path.c_str(), &sb) == 0 && S_ISREG(sb.st_mode))
-        free_files_.emplace_back(path, static_cast<std::uint64_t>(sb.st_size));
-      else
-        ::unlink(path.c_str());
-    }
+  KVTIER_ASSIGN_OR_RETURN(std::vector<std::string> free_names, list_dir(free_fd_.get(), dir_ + "/free"));
+  for (std::string& n : free_names) {
+    struct stat sb {};
+    // Only a plain file of ours with no other name is ever overwritten by a later put: a hard
+    // link would carry the object's bytes to wherever its other name is.
+    if (free_files_.size() < max_free_files_ && ::fstatat(free_fd_.get(), n.c_str(), &sb, AT_SYMLINK_NOFOLLOW) == 0 &&
+        S_ISREG(sb.st_mode) && sb.st_nlink == 1 && sb.st_uid == ::geteuid())
+      free_files_.emplace_back(std::move(n), static_cast<std::uint64_t>(sb.st_size));
+    else
+      ::unlinkat(free_fd_.get(), n.c_str(), 0);
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
   for (const Found& f : found) insert_locked(f.key, f.file_bytes, f.header_size, f.payload_bytes);
@@ -236,9 +224,10 @@ Status DiskBackend::rebuild_index() {
 }
 
 // Reads and checks the header of one object file (and the payload when configured).
-Status DiskBackend::check_object_file(const std::string& path, const StorageKey& key, AlignedBuf& buf) {
+Status DiskBackend::check_object_file(int dirfd, const std::string& name, const std::string& shown,
+                                      const StorageKey& key, AlignedBuf& buf) {
   struct stat sb {};
-  auto opened = open_regular(path, O_RDONLY, &sb);
+  auto opened = open_regular(dirfd, name, shown, O_RDONLY, &sb);
   if (!opened.ok()) return DataLoss(opened.status().message());
   ScopedFd fd = std::move(opened).value();
   std::uint64_t want = std::min<std::uint64_t>(kAlign, static_cast<std::uint64_t>(sb.st_size));

@@ -158,7 +158,7 @@ void DiskBackend::start(IoOp* op) {
       std::lock_guard<std::mutex> lk(index_mu_);
       auto it = index_.find(op->item.key);
       if (it == index_.end()) return finish(op, NotFound(fmt::format("key {} not stored", op->item.key.to_string())));
-      recycle_or_unlink_locked(final_path(op->item.key), it->second.file_bytes, op->item.key);
+      recycle_or_unlink_locked(shard_fd(op->item.key), object_name(op->item.key), it->second.file_bytes, op->item.key);
       erase_locked(it);
       return finish(op, Status::Ok());
     }

@@ -42,12 +42,14 @@ void DiskBackend::start_put(IoOp* op) {
     reserved_bytes_ += op->file_bytes;
     // Reuse a free file unless it is much larger than this object (the tail would be wasted).
     if (!free_files_.empty() && free_files_.front().second <= 2 * op->file_bytes + kAlign) {
-      op->tmp_path = std::move(free_files_.front().first);
+      op->tmp_dir = free_fd_.get();
+      op->tmp_name = std::move(free_files_.front().first);
+      op->tmp_path = fmt::format("{}/free/{}", dir_, op->tmp_name);
       free_bytes = free_files_.front().second;
       free_files_.pop_front();
       op->recycled = true;
     } else if (!free_files_.empty()) {
-      ::unlink(free_files_.front().first.c_str());
+      ::unlinkat(free_fd_.get(), free_files_.front().first.c_str(), 0);
       free_files_.pop_front();
     }
   }
@@ -73,10 +75,11 @@ void DiskBackend::start_put(IoOp* op) {
   op->final_path = final_path(key);
   if (op->recycled) {
     struct stat sb {};
-    auto fd = open_regular(op->tmp_path, O_WRONLY | (direct_ ? O_DIRECT : 0), &sb);
-    if (fd.ok()) op->fd = std::move(fd).value();
+    auto fd = open_regular(op->tmp_dir, op->tmp_name, op->tmp_path, O_WRONLY | (direct_ ? O_DIRECT : 0), &sb);
+    // A file with another name (a hard link) is not overwritten: the bytes would show there too.
+    if (fd.ok() && sb.st_nlink == 1) op->fd = std::move(fd).value();
     if (op->fd.get() < 0) {
-      ::unlink(op->tmp_path.c_str());
+      ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
       op->recycled = false;
       op->disk_bytes = op->file_bytes;
     }
@@ -84,9 +87,12 @@ void DiskBackend::start_put(IoOp* op) {
   if (!op->recycled) {
     // New files share one directory: ext4 places a new file's blocks near its directory, so
     // concurrent puts write one region of the disk instead of one region per shard directory.
-    op->tmp_path = fmt::format("{}/incoming/{}{}{}.{}", dir_, key.to_string(), kTmpMarker, ::getpid(), ++seq_);
-    op->fd = ScopedFd(::open(op->tmp_path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | (direct_ ? O_DIRECT : 0),
-                             static_cast<mode_t>(config_.file_mode)));
+    op->tmp_dir = incoming_fd_.get();
+    op->tmp_name = fmt::format("{}{}{}.{}", key.to_string(), kTmpMarker, ::getpid(), ++seq_);
+    op->tmp_path = fmt::format("{}/incoming/{}", dir_, op->tmp_name);
+    op->fd = ScopedFd(::openat(op->tmp_dir, op->tmp_name.c_str(),
+                               O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0),
+                               static_cast<mode_t>(config_.file_mode)));
   }
   if (op->fd.get() < 0) {
     const int err = errno;
@@ -102,31 +108,24 @@ void DiskBackend::start_put(IoOp* op) {
 // Creates and opens shard directory s on first use (I/O thread).
 Status DiskBackend::ensure_shard(std::uint32_t s) {
   if (shard_fds_[s].get() >= 0) return Status::Ok();
-  const std::string sd = shard_dir(s);
-  if (::mkdir(sd.c_str(), static_cast<mode_t>(config_.dir_mode)) != 0) {
-    const int err = errno;
-    if (err != EEXIST)
-      return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", sd, errno_text(err)))
-                           : Unavailable(fmt::format("mkdir {}: {}", sd, errno_text(err)));
-  }
-  int fd = ::open(sd.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Unavailable(fmt::format("open {}: {}", sd, errno_text(errno)));
+  // Checked as at create: a link or another user's directory planted since is refused.
+  KVTIER_ASSIGN_OR_RETURN(ScopedFd fd, open_owned_dir(dir_fd_.get(), shard_name(s), shard_dir(s),
+                                                      static_cast<mode_t>(config_.dir_mode), true, false));
   // A new shard directory must itself be durable before objects in it are acknowledged. Also when
   // mkdir found it: an earlier put (or run) may have created it and then failed, or died, before
   // this fsync. Once per shard and process.
   if (config_.durability == Durability::kPowerLoss) {
-    if (const int rc = fsync_directory(config_.fault_injector.get(), dir_fd_.get()); rc != 0) {
-      ::close(fd);
+    if (const int rc = fsync_directory(config_.fault_injector.get(), dir_fd_.get()); rc != 0)
       return Unavailable(fmt::format("fsync {}: {}", dir_, errno_text(-rc)));
-    }
   }
-  shard_fds_[s].reset(fd);
+  std::lock_guard<std::mutex> lk(index_mu_);  // shard_fd() readers on other threads hold it
+  shard_fds_[s] = std::move(fd);
   return Status::Ok();
 }
 
 void DiskBackend::fail_put(IoOp* op, Status st) {
   if (op->fd.get() >= 0) op->fd.reset();
-  if (!op->tmp_path.empty()) ::unlink(op->tmp_path.c_str());
+  if (!op->tmp_name.empty()) ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
   {
     std::lock_guard<std::mutex> lk(index_mu_);
     reserved_bytes_ -= op->file_bytes;
@@ -173,20 +172,22 @@ void DiskBackend::commit_put(IoOp* op) {
   op->fd.reset();
   std::lock_guard<std::mutex> lk(index_mu_);
   auto old = index_.find(op->item.key);
+  const int sfd = shard_fd(op->item.key);
+  const std::string name = object_name(op->item.key);
   // Replacing an object: swap atomically so that the old file can be recycled; else a plain rename.
   bool exchanged = false;
   if (old != index_.end()) {
-    exchanged = ::renameat2(AT_FDCWD, op->tmp_path.c_str(), AT_FDCWD, op->final_path.c_str(), RENAME_EXCHANGE) == 0;
-    if (exchanged) recycle_or_unlink_locked(op->tmp_path, old->second.file_bytes, op->item.key);
+    exchanged = ::renameat2(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str(), RENAME_EXCHANGE) == 0;
+    if (exchanged) recycle_or_unlink_locked(op->tmp_dir, op->tmp_name, old->second.file_bytes, op->item.key);
   }
-  if (!exchanged && ::rename(op->tmp_path.c_str(), op->final_path.c_str()) != 0) {
+  if (!exchanged && ::renameat(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str()) != 0) {
     Status st = Unavailable(fmt::format("rename {} -> {}: {}", op->tmp_path, op->final_path, errno_text(errno)));
     reserved_bytes_ -= op->file_bytes;
-    ::unlink(op->tmp_path.c_str());
-    op->tmp_path.clear();
+    ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
+    op->tmp_name.clear();
     return finish(op, std::move(st));
   }
-  op->tmp_path.clear();
+  op->tmp_name.clear();
   reserved_bytes_ -= op->file_bytes;
   insert_locked(op->item.key, op->disk_bytes, static_cast<std::uint32_t>(op->header_size), op->payload_bytes);
   op->header.reset();

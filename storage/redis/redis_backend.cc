@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/uio.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <condition_variable>
+#include <cstdarg>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -163,20 +165,28 @@ class RedisBackend final : public StorageBackend {
     if (config_.command_timeout.count() <= 0 || config_.connect_timeout.count() <= 0)
       return InvalidArgument(fmt::format("redis backend: command_timeout {} ms and connect_timeout {} ms must be > 0",
                                          config_.command_timeout.count(), config_.connect_timeout.count()));
+    if (config_.create_deadline.count() <= 0)
+      return InvalidArgument(
+          fmt::format("redis backend: create_deadline {} ms must be > 0", config_.create_deadline.count()));
     for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
     // A connection reset or an unreachable node while the cluster is changing
     // (restart, failover, an admin killing clients) is transient: every
     // endpoint is tried, then again after a backoff, up to max_retries more rounds.
+    // All of it within create_deadline: without it a stopped or hung server cost
+    // (max_retries + 1) x command_timeout per seed endpoint (25.6 s for one by default).
+    const Clock::time_point deadline = Clock::now() + config_.create_deadline;
     Status last = Unavailable("no endpoint tried");
     std::string node;
     auto backoff = config_.backoff_initial;
-    for (std::uint32_t attempt = 0; attempt <= config_.max_retries && node.empty(); ++attempt) {
+    for (std::uint32_t attempt = 0; attempt <= config_.max_retries && node.empty() && Clock::now() < deadline;
+         ++attempt) {
       if (attempt > 0) {
-        std::this_thread::sleep_for(backoff);
+        std::this_thread::sleep_for(capped(backoff, deadline));
         backoff = std::min(backoff * 2, config_.backoff_max);
       }
       for (const auto& e : config_.endpoints) {
-        auto c = connect(e);
+        if (Clock::now() >= deadline) break;
+        auto c = connect(e, deadline);
         if (!c.ok()) {
           if (c.status().code() == StatusCode::kFailedPrecondition) return c.status();
           last = c.status();
@@ -187,13 +197,14 @@ class RedisBackend final : public StorageBackend {
           // not as a failure of every later item.
           // A connection lost during the PING says nothing about the password: the node is
           // used as before (items retry and fail on their own), only a refusal fails create.
-          ReplyPtr r(static_cast<redisReply*>(redisCommand(c->get(), "PING")));
+          auto pong = command_by(c->get(), deadline, "PING");
+          const ReplyPtr r = pong.ok() ? std::move(pong).value() : nullptr;
           if (r && r->type == REDIS_REPLY_ERROR && is_auth_error(std::string_view(r->str, r->len)))
             return FailedPrecondition(fmt::format("PING on {} refused: {}", e, std::string(r->str, r->len)));
           node = e;
           break;
         }
-        auto map = load_slots(c->get(), e);
+        auto map = load_slots(c->get(), e, deadline);
         if (map.status().code() == StatusCode::kFailedPrecondition) return map.status();
         if (map.ok()) {
           cluster_ = true;
@@ -213,6 +224,9 @@ class RedisBackend final : public StorageBackend {
         last = map.status();
       }
     }
+    if (node.empty() && Clock::now() >= deadline)
+      return Unavailable(fmt::format("redis backend: no endpoint usable within create_deadline of {} ms (last: {})",
+                                     config_.create_deadline.count(), last.to_string()));
     if (node.empty())
       return last.with_context(
           fmt::format("redis backend: no endpoint usable after {} rounds", config_.max_retries + 1));
@@ -355,6 +369,72 @@ class RedisBackend final : public StorageBackend {
     return t.count() > 0 && redisSetTimeout(c, to_timeval(t)) == REDIS_OK;
   }
 
+  enum class ReadOutcome { kOk, kError, kSilent, kTimedOut };
+
+  // Reads one reply so that nothing waits past `deadline`. hiredis's redisGetReply waits up to a
+  // socket timeout per recv(), so a server that trickles its reply (a byte every 500 ms) held a
+  // get with a 2 s deadline for 40 s. Here every wait is a poll() bounded by what is left (and
+  // by command_timeout: a server silent that long is taken as dead), each recv() then finds data
+  // and returns at once, and the reply is parsed from what hiredis has buffered. Commands still
+  // in hiredis's output buffer are written first, under a send timeout capped the same way.
+  // kOk with *out set; kTimedOut once the deadline passed; kSilent when nothing arrived within
+  // command_timeout; kError on a connection error (c->errstr). The connection cannot be reused
+  // after anything but kOk (part of a reply may have been read).
+  ReadOutcome read_reply(redisContext* c, void** out, Clock::time_point deadline) const {
+    *out = nullptr;
+    if (redisGetReplyFromReader(c, out) != REDIS_OK) return ReadOutcome::kError;
+    int written = 0;
+    while (*out == nullptr) {
+      while (!written) {
+        if (!arm(c, deadline)) return ReadOutcome::kTimedOut;
+        if (redisBufferWrite(c, &written) != REDIS_OK)
+          return Clock::now() >= deadline ? ReadOutcome::kTimedOut : ReadOutcome::kError;
+      }
+      const auto wait = capped(config_.command_timeout, deadline);
+      if (wait.count() == 0) return ReadOutcome::kTimedOut;
+      pollfd p{c->fd, POLLIN, 0};
+      const int n = ::poll(&p, 1, static_cast<int>(wait.count()));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return ReadOutcome::kError;
+      if (n == 0) return Clock::now() >= deadline ? ReadOutcome::kTimedOut : ReadOutcome::kSilent;
+      if (redisBufferRead(c) != REDIS_OK) return ReadOutcome::kError;
+      if (redisGetReplyFromReader(c, out) != REDIS_OK) return ReadOutcome::kError;
+    }
+    return ReadOutcome::kOk;
+  }
+
+  // Why read_reply() returned no reply, for messages.
+  std::string read_failure(redisContext* c, ReadOutcome o) const {
+    switch (o) {
+      case ReadOutcome::kOk: return "ok";
+      case ReadOutcome::kTimedOut: return "deadline passed";
+      case ReadOutcome::kSilent:
+        return fmt::format("no reply within command_timeout of {} ms", config_.command_timeout.count());
+      case ReadOutcome::kError: return c->errstr[0] ? c->errstr : "connection lost";
+    }
+    return "connection lost";
+  }
+
+  // A command (redisCommand's format) and its reply, within `deadline`; the reply or the
+  // failure's text. Used at create and for CLUSTER SLOTS and AUTH on new connections.
+  Result<ReplyPtr> command_by(redisContext* c, Clock::time_point deadline, const char* format, ...) const {
+    va_list ap;
+    va_start(ap, format);
+    const int rc = redisvAppendCommand(c, format, ap);
+    va_end(ap);
+    if (rc != REDIS_OK) return Unavailable(c->errstr[0] ? c->errstr : "out of memory");
+    void* raw = nullptr;
+    const ReadOutcome o = read_reply(c, &raw, deadline);
+    if (o == ReadOutcome::kOk) return ReplyPtr(static_cast<redisReply*>(raw));
+    if (o == ReadOutcome::kTimedOut) return TimedOut(read_failure(c, o));
+    return Unavailable(read_failure(c, o));
+  }
+
+  // arm() only once less than command_timeout is left (until then the socket keeps its timeout).
+  bool rearm(redisContext* c, Clock::time_point deadline) const {
+    return capped(config_.command_timeout, deadline) >= config_.command_timeout || arm(c, deadline);
+  }
+
   Result<ContextPtr> connect(const std::string& node, Clock::time_point deadline = kNoDeadline) const {
     KVTIER_ASSIGN_OR_RETURN(auto hp, parse_host_port(node));
     const auto connect_timeout = capped(config_.connect_timeout, deadline);
@@ -365,24 +445,23 @@ class RedisBackend final : public StorageBackend {
     if (!arm(c.get(), deadline)) return Unavailable(fmt::format("set timeout on {}: {}", node, c->errstr));
     redisEnableKeepAlive(c.get());
     if (!config_.password.empty()) {
-      ReplyPtr r;
-      if (config_.username.empty())
-        r.reset(static_cast<redisReply*>(
-            redisCommand(c.get(), "AUTH %b", config_.password.data(), config_.password.size())));
-      else
-        r.reset(static_cast<redisReply*>(redisCommand(c.get(), "AUTH %b %b", config_.username.data(),
-                                                      config_.username.size(), config_.password.data(),
-                                                      config_.password.size())));
-      if (!r) return Unavailable(fmt::format("AUTH on {}: {}", node, c->errstr));
+      auto got = config_.username.empty()
+                     ? command_by(c.get(), deadline, "AUTH %b", config_.password.data(), config_.password.size())
+                     : command_by(c.get(), deadline, "AUTH %b %b", config_.username.data(), config_.username.size(),
+                                  config_.password.data(), config_.password.size());
+      if (!got.ok()) return Status(got.status().code(), fmt::format("AUTH on {}: {}", node, got.status().message()));
+      ReplyPtr r = std::move(got).value();
       if (r->type == REDIS_REPLY_ERROR)
         return FailedPrecondition(fmt::format("AUTH on {} refused: {}", node, std::string(r->str, r->len)));
     }
     return c;
   }
 
-  Result<SlotMap> load_slots(redisContext* c, const std::string& node) const {
-    ReplyPtr r(static_cast<redisReply*>(redisCommand(c, "CLUSTER SLOTS")));
-    if (!r) return Unavailable(fmt::format("CLUSTER SLOTS on {}: {}", node, c->errstr));
+  Result<SlotMap> load_slots(redisContext* c, const std::string& node, Clock::time_point deadline) const {
+    auto got = command_by(c, deadline, "CLUSTER SLOTS");
+    if (!got.ok())
+      return Status(got.status().code(), fmt::format("CLUSTER SLOTS on {}: {}", node, got.status().message()));
+    ReplyPtr r = std::move(got).value();
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string msg(r->str, r->len);
       // Refused for want of credentials or rights says nothing about clustering.
@@ -439,7 +518,7 @@ class RedisBackend final : public StorageBackend {
         conns.erase(n);
         continue;
       }
-      auto map = load_slots(c, n);
+      auto map = load_slots(c, n, deadline);
       if (map.ok()) {
         std::lock_guard<std::mutex> lk(slots_mu_);
         slots_ = std::make_shared<SlotMap>(std::move(map).value());
@@ -528,20 +607,23 @@ class RedisBackend final : public StorageBackend {
   // buffered before it first, then prefix, the caller's payload and tail with writev, so a large
   // value is not copied into a command string and again into hiredis's output buffer. False when
   // the connection failed (or timed out) while writing.
-  bool append(redisContext* c, StorageOp op, Work& w) {
+  bool append(redisContext* c, StorageOp op, Work& w, Clock::time_point deadline) {
     switch (op) {
       case StorageOp::kExists: return redisAppendCommand(c, "STRLEN %b", w.key.data(), w.key.size()) == REDIS_OK;
       case StorageOp::kGet: return redisAppendCommand(c, "GET %b", w.key.data(), w.key.size()) == REDIS_OK;
       case StorageOp::kDelete: return redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()) == REDIS_OK;
       case StorageOp::kPut: {
+        // Each write waits at most one send timeout, re-armed to what is left of the deadline, so
+        // a server that reads slowly cannot stretch the put past it.
         int done = 0;
         while (!done)
-          if (redisBufferWrite(c, &done) != REDIS_OK) return false;
+          if (!rearm(c, deadline) || redisBufferWrite(c, &done) != REDIS_OK) return false;
         iovec iov[3] = {{w.cmd.data(), w.cmd.size()},
                         {const_cast<void*>(static_cast<const void*>(w.item.buffer)), w.item.bytes},
                         {w.cmd_tail.data(), w.cmd_tail.size()}};
         int first = 0;
         while (first < 3) {
+          if (!rearm(c, deadline)) return false;
           const ssize_t n = ::writev(c->fd, iov + first, 3 - first);
           if (n < 0 && errno == EINTR) continue;
           if (n <= 0) return false;  // EAGAIN: the socket's send timeout passed
@@ -720,7 +802,7 @@ class RedisBackend final : public StorageBackend {
         for (std::size_t i = 0; i < items.size() && !broken; ++i) {
           asked[i] = !items[i]->ask_node.empty();
           if (asked[i]) redisAppendCommand(c, "ASKING");
-          if (!append(c, op, *items[i])) {
+          if (!append(c, op, *items[i], deadline)) {
             const Status st =
                 Clock::now() >= deadline
                     ? TimedOut(fmt::format("redis {} on {}: deadline passed while writing", storage_op_name(op), node))
@@ -734,23 +816,16 @@ class RedisBackend final : public StorageBackend {
         for (std::size_t i = 0; i < items.size() && !broken; ++i) {
           for (int part = asked[i] ? 0 : 1; part < 2; ++part) {
             void* raw = nullptr;
-            // Each read may wait one socket timeout: shortened to what is left once that is less.
-            if (capped(config_.command_timeout, deadline) < config_.command_timeout && !arm(c, deadline)) {
-              const Status st = TimedOut(fmt::format("redis {} on {}: deadline passed", storage_op_name(op), node));
-              for (std::size_t j = i; j < items.size(); ++j)
-                if (!items[j]->done) items[j]->last = st;
-              broken = true;  // replies still pending on the connection: it cannot be reused
-              break;
-            }
-            if (redisGetReply(c, &raw) != REDIS_OK || raw == nullptr) {
-              const std::string what = c->errstr[0] ? c->errstr : "connection lost";
+            const ReadOutcome got = read_reply(c, &raw, deadline);
+            if (got != ReadOutcome::kOk) {
+              const std::string what = read_failure(c, got);
               const Status st =
-                  Clock::now() >= deadline
+                  got == ReadOutcome::kTimedOut || Clock::now() >= deadline
                       ? TimedOut(fmt::format("redis {} on {}: deadline passed ({})", storage_op_name(op), node, what))
                       : Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(op), node, what));
               for (std::size_t j = i; j < items.size(); ++j)
                 if (!items[j]->done) items[j]->last = st;
-              broken = true;
+              broken = true;  // replies still pending (or half read) on the connection: it cannot be reused
               break;
             }
             ReplyPtr r(static_cast<redisReply*>(raw));

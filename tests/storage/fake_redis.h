@@ -138,6 +138,14 @@ class FakeRedis {
     std::lock_guard<std::mutex> lk(mu_);
     drops_[cmd] = {skip, n};
   }
+  // kServe: replies to commands named cmd are sent one byte at a time, per_byte apart: a server
+  // (or a network) that keeps a reply arriving, too slowly for it ever to finish in time.
+  void trickle(const std::string& cmd, std::chrono::milliseconds per_byte) {
+    std::lock_guard<std::mutex> lk(mu_);
+    trickles_[cmd] = per_byte;
+  }
+  // Reply bytes sent on every connection so far.
+  std::uint64_t reply_bytes_sent() const { return reply_bytes_.load(); }
   // Commands named cmd received in kServe (dropped ones included).
   int count(const std::string& cmd) {
     std::lock_guard<std::mutex> lk(mu_);
@@ -201,9 +209,30 @@ class FakeRedis {
           ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &rst, sizeof rst);
           return;  // the handler's UniqueFd closes: RST, the command neither applied nor answered
         }
-        if (!send_all(fd, reply(args))) return;
+        const std::string out = reply(args);
+        const std::chrono::milliseconds pause = trickle_for(args);
+        if (!(pause.count() > 0 ? send_slowly(fd, out, pause) : send_all(fd, out))) return;
+        reply_bytes_ += out.size();
       }
     }
+  }
+
+  std::chrono::milliseconds trickle_for(const std::vector<std::string>& a) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = a.empty() ? trickles_.end() : trickles_.find(a[0]);
+    return it == trickles_.end() ? std::chrono::milliseconds(0) : it->second;
+  }
+
+  // Stops when the client has gone (send fails) or the server stops.
+  bool send_slowly(int fd, std::string_view s, std::chrono::milliseconds per_byte) {
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (stop_ || !send_all(fd, s.substr(i, 1))) return false;
+      const auto next = std::chrono::steady_clock::now() + per_byte;
+      while (!stop_ && std::chrono::steady_clock::now() < next)
+        std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+            std::chrono::milliseconds(10), next - std::chrono::steady_clock::now()));
+    }
+    return true;
   }
 
   bool take_drop(const std::vector<std::string>& a) {
@@ -264,6 +293,7 @@ class FakeRedis {
   std::atomic<Mode> mode_;
   std::atomic<bool> stop_{false};
   std::atomic<int> dropped_{0};
+  std::atomic<std::uint64_t> reply_bytes_{0};
   UniqueFd listen_;
   int port_ = 0;
   std::string error_;
@@ -276,6 +306,7 @@ class FakeRedis {
   };
   std::map<std::string, Drops> drops_;
   std::map<std::string, int> counts_;
+  std::map<std::string, std::chrono::milliseconds> trickles_;
   bool cluster_ = false;
 };
 

@@ -2,8 +2,11 @@
 // starts itself accepts connections but answers nothing once stopped with SIGSTOP. Before the
 // deadlines, one get took (max_retries + 1) x command_timeout (25.8 s with the defaults) and a
 // batch of 200 twice that; now each returns within its deadline plus a small margin, as TimedOut.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -202,6 +205,54 @@ TEST(RedisPut, LargeValueIsNotCopied) {
   EXPECT_EQ(std::memcmp(dst.data(), want.data(), kBytes), 0);
 }
 
+// A loopback socket that listens and never accepts: the kernel completes every connect, nothing
+// is ever answered (a server that hangs, or a port something else holds).
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (fd_ >= 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd_, 64) == 0 &&
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+      port_ = ntohs(a.sin_port);
+  }
+  ~SilentListener() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  bool ok() const { return port_ != 0; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// Create against seeds that accept connections and never answer: it used to take (max_retries +
+// 1) x command_timeout per seed (25.6 s each with the defaults, 51 s for two); create_deadline now
+// bounds the whole of it, and the failure says so.
+TEST(RedisDeadline, CreateAgainstSilentSeedsReturnsWithinCreateDeadline) {
+  SilentListener a, b;
+  ASSERT_TRUE(a.ok() && b.ok());
+  RedisBackendConfig c;
+  c.endpoints = {a.endpoint(), b.endpoint()};
+  c.mode = RedisMode::kAuto;  // asks CLUSTER SLOTS and retries on no answer
+  c.create_deadline = std::chrono::milliseconds(1500);
+  // The defaults otherwise: 5 s command timeout, 4 retries.
+  const auto t0 = Clock::now();
+  auto r = create_redis_backend(c, StorageOptions{});
+  const auto ms = since(t0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("create_deadline"), std::string::npos) << r.status().to_string();
+  EXPECT_LT(ms, c.create_deadline + std::chrono::seconds(1));
+  // A sane default: a stopped server fails create in seconds, not half a minute.
+  EXPECT_GT(RedisBackendConfig{}.create_deadline.count(), 0);
+  EXPECT_LE(RedisBackendConfig{}.create_deadline, std::chrono::seconds(10));
+}
+
 TEST(RedisDeadline, KnobsInTheConfigTable) {
   RedisBackendConfig c;
   ConfigTable t;
@@ -211,6 +262,8 @@ TEST(RedisDeadline, KnobsInTheConfigTable) {
   EXPECT_EQ(c.batch_deadline, std::chrono::milliseconds(2000));
   EXPECT_FALSE(t.set("storage.redis.item_deadline", "-5ms").ok());
   EXPECT_EQ(c.item_deadline, std::chrono::milliseconds(250));
+  ASSERT_TRUE(t.set("storage.redis.create_deadline", "3s").ok());
+  EXPECT_EQ(c.create_deadline, std::chrono::milliseconds(3000));
 }
 
 }  // namespace

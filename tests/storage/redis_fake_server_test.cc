@@ -179,6 +179,39 @@ TEST(RedisFakeServerCreate, NonClusterServerAutoFallsBackClusterRefuses) {
   EXPECT_NE(c.status().message().find("cluster support disabled"), std::string::npos) << c.status().to_string();
 }
 
+// A server that keeps a reply arriving, one byte every 200 ms: each recv() got its byte well
+// within command_timeout, so a get with a 1 s deadline used to wait for the whole reply
+// (tens of seconds). The deadline bounds the whole reply: TimedOut within it and a margin. Sub-
+// batches queued behind the stuck one (one worker) complete by their batch deadline too.
+TEST_P(RedisFakeServerTest, DeadlineBoundsAReplyThatKeepsArriving) {
+  RedisBackendConfig c = config_for(server_, GetParam());
+  c.command_timeout = std::chrono::milliseconds(2000);
+  c.item_deadline = std::chrono::milliseconds(1000);
+  c.batch_deadline = std::chrono::milliseconds(2000);
+  c.workers = 1;
+  c.max_batch_items = 1;
+  auto b = create_redis_backend(c, StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  const StorageKey k = key_of(0x7a1, 1);
+  ASSERT_TRUE(one(**b, StorageOp::kPut, k, value_.data(), 100).status.ok());
+  server_.trickle("GET", std::chrono::milliseconds(200));
+  using Clock = std::chrono::steady_clock;
+  auto t0 = Clock::now();
+  ItemResult r = one(**b, StorageOp::kGet, k, dst_.data(), dst_.size());
+  EXPECT_EQ(r.status.code(), StatusCode::kTimedOut) << r.status.to_string();
+  EXPECT_LT(Clock::now() - t0, c.item_deadline + std::chrono::seconds(1));
+  // Three sub-batches, one worker: all done by the batch deadline (plus a margin).
+  t0 = Clock::now();
+  auto batch = run_batch(
+      **b,
+      StorageBatch{StorageOp::kGet,
+                   {{k, dst_.data(), dst_.size()}, {k, dst_.data(), dst_.size()}, {k, dst_.data(), dst_.size()}}},
+      kOpBound);
+  ASSERT_TRUE(batch.ok()) << batch.status().to_string();
+  for (const ItemResult& item : *batch) EXPECT_EQ(item.status.code(), StatusCode::kTimedOut) << item.status.to_string();
+  EXPECT_LT(Clock::now() - t0, c.batch_deadline + std::chrono::seconds(1));
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, RedisFakeServerTest, ::testing::Values(RedisMode::kSingle, RedisMode::kCluster),
                          [](const auto& info) { return info.param == RedisMode::kSingle ? "single" : "cluster"; });
 

@@ -387,5 +387,184 @@ TEST_F(DiskHardening, HugePutIsRefused) {
   EXPECT_EQ((*b)->stats().objects, 0u);
 }
 
+// A directory outside the store, full of files a planted link could hand the backend. Every file's
+// name and bytes are recorded, so a test can assert that not one was deleted, changed or moved.
+class OutsideFiles {
+ public:
+  explicit OutsideFiles(int n) {
+    for (int i = 0; i < n; ++i) {
+      // Names an object, a temporary file and a free file could have: a store that follows a
+      // link into this directory would treat each as its own.
+      const std::string name = i % 3 == 0   ? fmt::format("{}.kvo", key_of(99, i).to_string())
+                               : i % 3 == 1 ? fmt::format("{}.kvo.tmp.1.{}", key_of(99, i).to_string(), i)
+                                            : fmt::format("victim-{}", i);
+      const std::string bytes = fmt::format("the victim's file {} ({})", i, std::string(100 + i, 'v'));
+      write_file(dir_.path() + "/" + name, bytes);
+      files_.emplace_back(name, bytes);
+    }
+  }
+  const std::string& path() const { return dir_.path(); }
+  // Fails the test unless the directory holds exactly the files it was made with, byte for byte.
+  void expect_untouched() const {
+    std::vector<std::string> names;
+    if (DIR* d = ::opendir(dir_.path().c_str())) {
+      while (dirent* e = ::readdir(d))
+        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..") names.push_back(e->d_name);
+      ::closedir(d);
+    }
+    EXPECT_EQ(names.size(), files_.size()) << "entries added to or removed from " << dir_.path();
+    int lost = 0;
+    for (const auto& [name, bytes] : files_)
+      if (read_file(dir_.path() + "/" + name) != bytes) ++lost;
+    EXPECT_EQ(lost, 0) << lost << " of " << files_.size() << " outside files deleted or changed";
+  }
+
+ private:
+  TempDir dir_;
+  std::vector<std::pair<std::string, std::string>> files_;
+};
+
+// Opens the backend and, if that succeeded, puts objects through it (which would recycle free/
+// files and create files in incoming/); returns the status of create.
+Status create_and_use(const DiskBackendConfig& config, const StorageOptions& options) {
+  auto b = create_disk_backend(config, options);
+  if (!b.ok()) return b.status();
+  AlignedBuffer v(8192);
+  for (int i = 0; i < 8; ++i) {
+    fill_random(v.data(), v.size(), i);
+    auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(5, i), v.data(), v.size()}}});
+    (void)r;
+  }
+  for (int i = 0; i < 8; ++i) (void)run_batch(**b, StorageBatch{StorageOp::kDelete, {{key_of(5, i), nullptr, 0}}});
+  return Status::Ok();
+}
+
+// incoming/, quarantine/, free/ or a shard directory planted as a symlink to a directory of
+// someone's files: create refuses, naming the link, and not one of those files is deleted (the
+// rebuild used to empty incoming/ and trim quarantine/ through the link), overwritten or moved
+// into the store (free/ files used to be recycled as object files).
+TEST_F(DiskHardening, PlantedSubdirectoryLinksAreRefused) {
+  store(2);  // a real store, with its subdirectories and shard directories
+  // A shard directory that no object of this test uses.
+  std::uint32_t shard = 0;
+  auto used = [](std::uint32_t s) {
+    for (int i = 0; i < 8; ++i)
+      if (key_of(7, i).digest[0] == s || key_of(5, i).digest[0] == s) return true;
+    return false;
+  };
+  while (used(shard)) ++shard;
+  const std::string shard_name = fmt::format("{:02x}", shard);
+  for (const std::string& sub : {std::string("incoming"), std::string("quarantine"), std::string("free"), shard_name}) {
+    SCOPED_TRACE(sub);
+    OutsideFiles outside(80);
+    const std::string link = ns_dir_ + "/" + sub;
+    TempDir::remove_tree(link);
+    ASSERT_EQ(::symlink(outside.path().c_str(), link.c_str()), 0);
+    const Status st = create_and_use(config_, options_);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+    EXPECT_NE(st.message().find(link), std::string::npos) << st.to_string();
+    outside.expect_untouched();
+    ASSERT_EQ(::unlink(link.c_str()), 0);
+    if (sub != shard_name) {
+      ASSERT_EQ(::mkdir(link.c_str(), 0700), 0);
+    }
+  }
+  // With the links gone the store opens again and still serves what it held.
+  auto b = create_disk_backend(config_, options_);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  AlignedBuffer dst(8192);
+  EXPECT_TRUE(get(**b, key_of(7, 1), dst).ok());
+}
+
+// The namespace directory itself a link to an outside directory: the whole store would run
+// there (subdirectories, LOCK, objects). Refused before anything is created through it.
+TEST_F(DiskHardening, NamespaceDirectoryLinkIsRefused) {
+  OutsideFiles outside(80);
+  ASSERT_EQ(::symlink(outside.path().c_str(), ns_dir_.c_str()), 0);
+  const Status st = create_and_use(config_, options_);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+  EXPECT_NE(st.message().find(ns_dir_), std::string::npos) << st.to_string();
+  outside.expect_untouched();
+}
+
+// The same under a tenant directory, and the tenant directory itself as a link.
+TEST_F(DiskHardening, LinksBelowATenantDirectoryAreRefused) {
+  options_.tenant = "t1";
+  options_.tenant_secret = std::string(32, 's');
+  const std::string tenant_dir = dir_.path() + "/t1";
+  const std::string ns = fmt::format("{}/{:016x}-{:016x}", tenant_dir, format::namespace_digest(options_), 0);
+  {
+    OutsideFiles outside(40);
+    ASSERT_EQ(::symlink(outside.path().c_str(), tenant_dir.c_str()), 0);
+    const Status st = create_and_use(config_, options_);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+    outside.expect_untouched();
+    ASSERT_EQ(::unlink(tenant_dir.c_str()), 0);
+  }
+  ASSERT_EQ(::mkdir(tenant_dir.c_str(), 0700), 0);
+  ASSERT_EQ(::mkdir(ns.c_str(), 0700), 0);
+  OutsideFiles outside(40);
+  ASSERT_EQ(::symlink(outside.path().c_str(), (ns + "/incoming").c_str()), 0);
+  const Status st = create_and_use(config_, options_);
+  EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+  outside.expect_untouched();
+}
+
+// Another local user (uid 65534 here) owning the root, or having pre-created the namespace
+// directory with incoming/ linked to the victim's files: create refuses; the victim's files stay.
+// A root that anyone may write into needs the sticky bit (as /tmp has). Needs root to chown.
+TEST_F(DiskHardening, DirectoriesOfAnotherUserAreRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to create directories owned by another user";
+  constexpr uid_t kOther = 65534;
+  {
+    SCOPED_TRACE("namespace directory pre-created by another user, incoming/ linked to the victim's files");
+    OutsideFiles victim(80);
+    ASSERT_EQ(::mkdir(ns_dir_.c_str(), 0777), 0);
+    ASSERT_EQ(::chown(ns_dir_.c_str(), kOther, kOther), 0);
+    const std::string link = ns_dir_ + "/incoming";
+    ASSERT_EQ(::symlink(victim.path().c_str(), link.c_str()), 0);
+    ASSERT_EQ(::lchown(link.c_str(), kOther, kOther), 0);
+    const Status st = create_and_use(config_, options_);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+    EXPECT_NE(st.message().find(ns_dir_), std::string::npos) << st.to_string();
+    victim.expect_untouched();
+    TempDir::remove_tree(ns_dir_);
+  }
+  {
+    SCOPED_TRACE("incoming/ a real directory of another user");
+    ASSERT_EQ(::mkdir(ns_dir_.c_str(), 0700), 0);
+    ASSERT_EQ(::mkdir((ns_dir_ + "/incoming").c_str(), 0700), 0);
+    ASSERT_EQ(::chown((ns_dir_ + "/incoming").c_str(), kOther, kOther), 0);
+    const Status st = create_and_use(config_, options_);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+    EXPECT_NE(st.message().find(ns_dir_ + "/incoming"), std::string::npos) << st.to_string();
+    TempDir::remove_tree(ns_dir_);
+  }
+  const std::string root = dir_.path() + "/root";
+  DiskBackendConfig c = config_;
+  c.root = root;
+  {
+    SCOPED_TRACE("root owned by another user");
+    ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
+    ASSERT_EQ(::chown(root.c_str(), kOther, kOther), 0);
+    const Status st = create_and_use(c, options_);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+    EXPECT_NE(st.message().find(root), std::string::npos) << st.to_string();
+    ASSERT_EQ(::chown(root.c_str(), ::geteuid(), ::getegid()), 0);
+  }
+  {
+    SCOPED_TRACE("world-writable root without the sticky bit");
+    ASSERT_EQ(::chmod(root.c_str(), 0777), 0);
+    const Status st = create_and_use(c, options_);
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+  }
+  {
+    SCOPED_TRACE("world-writable root with the sticky bit, as /tmp");
+    ASSERT_EQ(::chmod(root.c_str(), 01777), 0);
+    const Status st = create_and_use(c, options_);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+  }
+}
+
 }  // namespace
 }  // namespace kvtier::storage

@@ -90,7 +90,12 @@ struct DiskBackendConfig {
 
 // Creates the backend, takes the directory lock and rebuilds the index
 // (blocking: reads every object header). FailedPrecondition when another
-// process holds the directory.
+// process holds the directory; also, naming the path, when the root is owned
+// by another user (not root) or is writable by group or others without the
+// sticky bit, or when any directory below it (tenant, namespace, incoming/,
+// quarantine/, free/, a shard) is a symlink or owned by another user: below
+// the root every file and directory is reached through directory fds
+// (openat/renameat/unlinkat, O_NOFOLLOW), never by path (docs/storage.md).
 Result<std::unique_ptr<StorageBackend>> create_disk_backend(DiskBackendConfig config, StorageOptions options);
 
 }  // namespace kvtier::storage

@@ -21,7 +21,9 @@
 // item completes with Unavailable. Retries, reconnects and backoff all stay
 // inside the item's deadline (item_deadline from its sub-batch's start,
 // batch_deadline from post()): connects and socket timeouts are capped by
-// what is left, and an item out of time completes with TimedOut. A hung
+// what is left, and an item out of time completes with TimedOut. A reply is
+// read with poll() against the deadline, so one that keeps arriving slowly is
+// bounded as a whole, not per socket read. A hung
 // server (accepting connections, never answering) therefore costs a caller
 // at most the deadline, not (max_retries + 1) x command_timeout. Every connection authenticates (AUTH
 // [username] password) when a password is set.
@@ -69,12 +71,16 @@ struct RedisBackendConfig {
   // post(). An item out of time completes with TimedOut, which the cache manager takes as a miss.
   std::chrono::milliseconds item_deadline{5000};
   std::chrono::milliseconds batch_deadline{10000};
+  // Bound of create_redis_backend() as a whole: connects, AUTH, PING / CLUSTER SLOTS, retries and
+  // backoff over every seed endpoint (each wait is also capped by connect_timeout /
+  // command_timeout). Without it a stopped server cost (max_retries + 1) x command_timeout per seed.
+  std::chrono::milliseconds create_deadline{10000};
 };
 
 // Connects to the first reachable endpoint, authenticates and (cluster mode)
-// loads the slot map. Blocking. A connection that fails or resets is retried
-// on every endpoint, up to max_retries more rounds with backoff. Unavailable
-// when no endpoint answers in time, FailedPrecondition when authentication is
+// loads the slot map. Blocking, for at most create_deadline. A connection that
+// fails or resets is retried on every endpoint, up to max_retries more rounds
+// with backoff. Unavailable when no endpoint answers in time, FailedPrecondition when authentication is
 // refused, NotSupported when mode is kCluster and the server is no cluster
 // (kAuto then uses it as a single server; a reset never makes kAuto do so).
 Result<std::unique_ptr<StorageBackend>> create_redis_backend(RedisBackendConfig config, StorageOptions options);
