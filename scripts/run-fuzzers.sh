@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses (preset `fuzz`: clang-14, ASan + UBSan) and runs each for a bounded
+# Builds the libFuzzer harnesses (in the `asan` preset's tree: clang-14, ASan + UBSan, the same
+# instrumented library the tests use; target `fuzzers`) and runs each for a bounded
 # time from its seed corpus (fuzz/corpus/<harness>/, read only; what the run adds goes to a
 # scratch directory). Fails when any harness crashes, hangs past the per-input timeout, leaks or
 # runs out of memory; the input that did it is kept under $KVTIER_FUZZ_OUT.
@@ -20,14 +21,14 @@ out=${KVTIER_FUZZ_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvtier-fuzz.XXXXXX")}
 mkdir -p "$out"
 
 start=$(date +%s)
-cmake --preset fuzz >/dev/null
-cmake --build --preset fuzz -j "$(nproc)"
+cmake --preset asan >/dev/null
+cmake --build --preset asan --target fuzzers -j "$(nproc)"
 built=$(date +%s)
 echo "run-fuzzers: built in $((built - start)) s"
 
 # One harness per core at a time (each is single-threaded); logs are printed in harness order.
 run_one() {  # harness
-  local h=$1 bin=build/fuzz/fuzz/$1 seeds=fuzz/corpus/${1#fuzz_}
+  local h=$1 bin=build/asan/fuzz/$1 seeds=fuzz/corpus/${1#fuzz_}
   mkdir -p "$out/$h/corpus" "$out/$h/artifacts"
   # -max_total_time bounds the run; the outer timeout only catches a harness that ignores it.
   timeout --kill-after=10 $((seconds + timeout_s + 60)) "$bin" \
@@ -36,7 +37,7 @@ run_one() {  # harness
     "$out/$h/corpus" "$seeds" >"$out/$h/log" 2>&1
 }
 for h in "${harnesses[@]}"; do
-  [ -x "build/fuzz/fuzz/$h" ] || { echo "run-fuzzers: no harness build/fuzz/fuzz/$h" >&2; exit 2; }
+  [ -x "build/asan/fuzz/$h" ] || { echo "run-fuzzers: no harness build/asan/fuzz/$h" >&2; exit 2; }
   [ -d "fuzz/corpus/${h#fuzz_}" ] || { echo "run-fuzzers: no seed corpus fuzz/corpus/${h#fuzz_}" >&2; exit 2; }
 done
 parallel=${KVTIER_FUZZ_JOBS:-$(nproc)}

@@ -1,24 +1,47 @@
 #!/usr/bin/env bash
 # The test command (what CI runs). Stages, each timed; a table of their seconds is printed last:
-#   asan    every CPU test under AddressSanitizer + UBSan (preset asan)
-#   fuzz    the libFuzzer harnesses, each for KVTIER_FUZZ_SECONDS (scripts/run-fuzzers.sh, preset fuzz)
+#   asan    every CPU test under AddressSanitizer + UBSan (preset asan: clang-14; the same build makes
+#           the libFuzzer harnesses)
+#   fuzz    the harnesses, each for KVTIER_FUZZ_SECONDS, one per core at a time (scripts/run-fuzzers.sh)
 #   tsan    every test that starts threads, under ThreadSanitizer (preset tsan; SINGLE_THREADED tests
-#           are left out there: tests/CMakeLists.txt)
+#           and the CLI's tests are left out there: tests/CMakeLists.txt)
 #   wheel   the Python wheel built and repaired as users get it (scripts/build-wheel.sh; host backend
 #           only, CUDA is compiled by the gpu and default presets), installed into a fresh virtual
 #           environment with no access to the source tree's package, its shared libraries checked to
 #           come from the wheel, and the pytest suite run against it (scripts/test-wheel.sh)
+# With the default stages, the tsan and wheel builds start at once in the background at the lowest CPU
+# priority (nice 19): they take only the cycles the foreground leaves idle (tests waiting on sockets,
+# timers, the other process, a build's serial link steps), so the tests run as fast as alone; each stage
+# then waits for its build (logs under build/ci-background/). KVTIER_CI_OVERLAP=0 runs everything in turn.
 # Test services (Redis on loopback) are started first.
 # Usage: scripts/test.sh [stage ...]   (default: asan fuzz tsan wheel)
 #   KVTIER_SKIP_FUZZ=1 / KVTIER_SKIP_PYTHON=1 leave out the fuzz / wheel stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+wheel_file=build/wheelhouse/.latest
+build_wheel() {
+  mkdir -p build/wheelhouse
+  scripts/build-wheel.sh --cuda OFF --out build/wheelhouse | tail -n 1 >"$wheel_file.tmp"
+  mv "$wheel_file.tmp" "$wheel_file"
+}
+if [ "${1:-}" = __background ]; then
+  # The background half of the default run (see above): the tsan build, then the wheel.
+  bg=build/ci-background
+  set +e
+  (set -eo pipefail; cmake --preset tsan >/dev/null && cmake --build --preset tsan -j "$(nproc)") >$bg/tsan.log 2>&1
+  echo $? >$bg/tsan.rc
+  (set -eo pipefail; build_wheel) >$bg/wheel.log 2>&1
+  echo $? >$bg/wheel.rc
+  exit 0
+fi
 stages=("$@")
+overlap=0
 if [ ${#stages[@]} -eq 0 ]; then
   stages=(asan)
   [ "${KVTIER_SKIP_FUZZ:-0}" = 1 ] || stages+=(fuzz)
   stages+=(tsan)
   [ "${KVTIER_SKIP_PYTHON:-0}" = 1 ] || stages+=(wheel)
+  overlap=${KVTIER_CI_OVERLAP:-1}
 fi
 jobs=$(nproc)
 timings=()
@@ -35,19 +58,48 @@ print_timings() {
   printf '%s\n' "${timings[@]}"
   printf '%-22s %6d s\n' total $(($(date +%s) - total_start))
 }
-trap 'status=$?; if [ $status -ne 0 ]; then print_timings; echo "=== FAILED (exit $status) ==="; fi' EXIT
+bg_pid=""
+trap 'status=$?; [ -z "$bg_pid" ] || kill -- -"$bg_pid" 2>/dev/null || true; if [ $status -ne 0 ]; then print_timings; echo "=== FAILED (exit $status) ==="; fi' EXIT
 
 if [ -x scripts/start-test-services.sh ]; then
   eval "$(scripts/start-test-services.sh)"
 fi
 finish_stage services
 
+bg=build/ci-background
+if [ "$overlap" = 1 ]; then
+  rm -rf "$bg" && mkdir -p "$bg"
+  # Its own process group (set -m), so that the trap can end all of it on failure.
+  set -m
+  nice -n 19 "$0" __background &
+  bg_pid=$!
+  set +m
+fi
+# Waits (at most an hour) for a background build; prints its log; fails with its status.
+await_background() {  # name
+  local rc_file=$bg/$1.rc waited=0
+  while [ ! -f "$rc_file" ]; do
+    if [ $waited -ge 3600 ]; then
+      echo "test.sh: the background $1 build did not finish within 3600 s" >&2
+      exit 1
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
+  tail -n 25 "$bg/$1.log"
+  [ "$(cat "$rc_file")" = 0 ] || { cat "$bg/$1.log"; echo "test.sh: the $1 build failed" >&2; exit 1; }
+}
+
 for s in "${stages[@]}"; do
   echo "=== $s ==="
   case "$s" in
     asan | tsan | default)
-      cmake --preset "$s" >/dev/null
-      cmake --build --preset "$s" -j "$jobs"
+      if [ "$s" = tsan ] && [ "$overlap" = 1 ]; then
+        await_background tsan
+      else
+        cmake --preset "$s" >/dev/null
+        cmake --build --preset "$s" -j "$jobs"
+      fi
       finish_stage "$s build"
       ctest --preset "$s" -j "$jobs"
       finish_stage "$s tests"
@@ -57,9 +109,13 @@ for s in "${stages[@]}"; do
       finish_stage fuzz
       ;;
     wheel)
-      wheel=$(scripts/build-wheel.sh --cuda OFF --out build/wheelhouse | tail -n 1)
+      if [ "$overlap" = 1 ]; then
+        await_background wheel
+      else
+        build_wheel
+      fi
       finish_stage "wheel build"
-      scripts/test-wheel.sh "$wheel"
+      scripts/test-wheel.sh "$(cat "$wheel_file")"
       finish_stage "wheel pytest"
       ;;
     *)

@@ -382,6 +382,10 @@ TEST_P(TransportConformance, WithAPeerSecretOnlyBlobsMacedUnderTheSameSecretLoad
   auto st = (*a)->wait(*x, 10s);
   ASSERT_TRUE(st.ok()) << st.status().to_string();
   ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  // Read on b's side once b has the notification: the bytes landed before it (the transport's contract), and
+  // the notification orders b's writer thread before this read.
+  std::vector<Notification> seen;
+  ASSERT_TRUE(await_notification(**b, "keyed", seen).ok());
   EXPECT_EQ(mem_b, mem_a);
 }
 
