@@ -44,8 +44,8 @@ for elf in elves:
             sys.exit(f"{elf}: {name} not found")
         if name.startswith(system_ok) or name.startswith("/"):
             continue
-        path = line.split("=>")[1].split()[0] if "=>" in line else ""
-        if not path.startswith(libs):
+        path = os.path.realpath(line.split("=>")[1].split()[0]) if "=>" in line else ""
+        if not path.startswith(os.path.realpath(libs) + os.sep):
             sys.exit(f"{elf}: {name} resolves to {path}, outside the wheel ({libs})")
     print(f"test-wheel: {os.path.relpath(elf, site)}: every library from the wheel or the C library")
 print("test-wheel: kvtier", kvtier.__version__, "from", pkg, "backend", kvtier.open_device().backend)
