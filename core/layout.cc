@@ -46,6 +46,7 @@ std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return a <= 1 ? v : (
 }  // namespace
 
 std::uint32_t dtype_bytes(DType dtype) noexcept {
+  if (dtype_is_fp8(dtype)) return 1;
   switch (dtype) {
     case DType::kBf16:
     case DType::kFp16:
@@ -59,19 +60,8 @@ std::uint32_t dtype_bytes(DType dtype) noexcept {
     case DType::kUint64:
     case DType::kComplex64: return 8;
     case DType::kComplex128: return 16;
-    case DType::kFp8E4M3:
-    case DType::kFp8E5M2:
-    case DType::kFp8E4M3Fnuz:
-    case DType::kFp8E5M2Fnuz:
-    case DType::kFp8E8M0:
-    case DType::kFp8E3M4:
-    case DType::kFp8E4M3Ieee:
-    case DType::kFp8E4M3B11Fnuz:
-    case DType::kInt8:
-    case DType::kUint8:
-    case DType::kBool: return 1;
+    default: return 1;  // int8, uint8, bool (and fp8, above)
   }
-  return 1;
 }
 
 std::string_view dtype_name(DType dtype) noexcept {

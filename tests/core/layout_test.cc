@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <iterator>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace kvtier {
@@ -162,6 +165,35 @@ TEST(BlockSpace, RegionSizeCheckDoesNotWrap) {
   auto page = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, (std::uint64_t{1} << 31) - 1, mem.data(),
                                      mem.size(), std::uint64_t{1} << 40);
   EXPECT_EQ(page.status().code(), StatusCode::kInvalidArgument);
+}
+
+// Every element type has a name that parses back to it and the size its name says; the values of the
+// original seven are unchanged (they are hashed into layout fingerprints).
+TEST(DType, EveryTypeRoundTripsThroughItsNameWithItsSize) {
+  const std::map<std::string, std::uint32_t> expected_bytes = {
+      {"bf16", 2},      {"fp16", 2},          {"fp32", 4},           {"fp8_e4m3", 1},     {"fp8_e5m2", 1},
+      {"int8", 1},      {"uint8", 1},         {"int16", 2},          {"uint16", 2},       {"int32", 4},
+      {"uint32", 4},    {"int64", 8},         {"uint64", 8},         {"fp64", 8},         {"bool", 1},
+      {"complex64", 8}, {"complex128", 16},   {"fp8_e4m3fnuz", 1},   {"fp8_e5m2fnuz", 1}, {"fp8_e8m0", 1},
+      {"fp8_e3m4", 1},  {"fp8_e4m3_ieee", 1}, {"fp8_e4m3b11fnuz", 1}};
+  ASSERT_EQ(std::size(kAllDTypes), expected_bytes.size());
+  for (DType d : kAllDTypes) {
+    const std::string name(dtype_name(d));
+    ASSERT_TRUE(expected_bytes.count(name)) << name;
+    EXPECT_EQ(dtype_bytes(d), expected_bytes.at(name)) << name;
+    auto parsed = parse_dtype(name);
+    ASSERT_TRUE(parsed.ok()) << parsed.status().to_string();
+    EXPECT_EQ(*parsed, d) << name;
+    EXPECT_EQ(dtype_is_fp8(d), name.rfind("fp8", 0) == 0) << name;
+  }
+  EXPECT_EQ(static_cast<int>(DType::kBf16), 0);
+  EXPECT_EQ(static_cast<int>(DType::kUint8), 6);
+  EXPECT_EQ(*parse_dtype("float64"), DType::kFp64);
+  EXPECT_EQ(*parse_dtype("fp8_e4m3fn"), DType::kFp8E4M3);
+  auto bad = parse_dtype("fp4");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'fp4'"), std::string::npos) << bad.status().to_string();
+  EXPECT_NE(bad.status().message().find("complex128"), std::string::npos) << bad.status().to_string();
 }
 
 }  // namespace
