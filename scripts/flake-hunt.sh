@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the whole CPU suite N times per preset (default 5; tsan asan default), as CI
+# Runs the whole CPU suite N times per preset (default 5; tsan asan), as CI
 # does (ctest -j$(nproc), Redis services up), and prints one line per run. Logs of
 # every run stay in $FLAKE_LOG_DIR (default /tmp/kvtier-flake-hunt). Use it before
 # merging a change that touched tests with threads, timing or services: CI is one
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 runs=${1:-5}
 shift || true
 presets=("$@")
-[ ${#presets[@]} -gt 0 ] || presets=(tsan asan default)
+[ ${#presets[@]} -gt 0 ] || presets=(tsan asan)
 logs=${FLAKE_LOG_DIR:-/tmp/kvtier-flake-hunt}
 mkdir -p "$logs"
 eval "$(scripts/start-test-services.sh 2>/dev/null)"
