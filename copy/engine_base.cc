@@ -242,6 +242,11 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
     return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
                                        stream.id(), stream.device().name(), device_.name()));
   KVTIER_RETURN_IF_ERROR(validate_request(r, device_.ordinal()));
+  if (r.checksums != nullptr && r.strategy != CopyStrategy::kAuto && r.strategy != CopyStrategy::kSmKernel)
+    return InvalidArgument(
+        fmt::format("a checksummed copy runs the sm_kernel strategy, not {}", copy_strategy_name(r.strategy)));
+  if (r.checksums != nullptr && copy_direction(r.src->kind(), r.dst->kind()) == CopyDirection::kHostToHost)
+    return NotSupported("a checksummed copy needs device memory on at least one side (the SM kernel computes it)");
   CopyReport report;
   report.direction = copy_direction(r.src->kind(), r.dst->kind());
   report.strategy = r.strategy;
@@ -251,9 +256,14 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
   std::lock_guard lock(st->mu);
   PlanScratch& sc = st->scratch;
   select_planes(r, sc.planes);
+  if (r.checksums != nullptr) {
+    KVTIER_RETURN_IF_ERROR(check_checksum_alignment(sc.planes));
+    KVTIER_RETURN_IF_ERROR(device_.memset_async(r.checksums, 0, r.src_blocks.size() * sizeof(std::uint64_t), stream)
+                               .with_context("zeroing the copy's checksums"));
+  }
   find_runs(r.src_blocks, r.dst_blocks, sc.runs);
   const PlanSummary summary = summarize(r, sc.planes, sc.runs);
-  CopyStrategy strategy = r.strategy;
+  CopyStrategy strategy = r.checksums != nullptr ? CopyStrategy::kSmKernel : r.strategy;
   const bool host_is_src = r.src->kind() != MemoryKind::kDevice;
   if (strategy == CopyStrategy::kAuto) {
     bool caller_busy = true;
@@ -323,6 +333,49 @@ Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
   if (!status.ok())
     return status.with_context(fmt::format("{} {} copy of {} pairs", copy_strategy_name(report.strategy),
                                            copy_direction_name(dir), report.pairs));
+  KVTIER_RETURN_IF_ERROR(noted);
+  return report;
+}
+
+Result<CopyReport> EngineBase::checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
+                                        std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
+                                        Stream& stream) {
+  if (&stream.device() != &device_)
+    return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
+                                       stream.id(), stream.device().name(), device_.name()));
+  if (space.kind() != MemoryKind::kDevice)
+    return NotSupported("checksum() reads device memory with the SM kernel; use block_checksum() on host memory");
+  if (out == nullptr && !blocks.empty()) return InvalidArgument("checksum() needs an output array, got nullptr");
+  CopyRequest r;
+  r.src = &space;
+  r.dst = &space;
+  r.src_blocks = blocks;
+  r.dst_blocks = blocks;
+  r.layers = layers;
+  r.roles = roles;
+  r.strategy = CopyStrategy::kSmKernel;
+  r.checksums = out;
+  KVTIER_RETURN_IF_ERROR(validate_request(r, device_.ordinal(), /*read_only=*/true));
+  CopyReport report;
+  report.direction = CopyDirection::kDeviceToDevice;
+  report.strategy = CopyStrategy::kSmKernel;
+  if (blocks.empty()) return report;
+  KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<StreamState> st, state_for(stream));
+  std::lock_guard lock(st->mu);
+  PlanScratch& sc = st->scratch;
+  select_planes(r, sc.planes);
+  KVTIER_RETURN_IF_ERROR(check_checksum_alignment(sc.planes));
+  KVTIER_RETURN_IF_ERROR(device_.memset_async(out, 0, blocks.size() * sizeof(std::uint64_t), stream)
+                             .with_context("zeroing the checksums"));
+  find_runs(r.src_blocks, r.dst_blocks, sc.runs);
+  const PlanSummary summary = summarize(r, sc.planes, sc.runs);
+  report.bytes = summary.bytes;
+  report.pairs = summary.pairs;
+  report.planes = summary.planes;
+  report.segments = summary.segments;
+  Status status = run_kernel(*st, stream, r, CopyDirection::kDeviceToDevice, report, {}, /*store=*/false);
+  Status noted = note_enqueued(*st, stream, CopyDirection::kDeviceToDevice);
+  if (!status.ok()) return status.with_context(fmt::format("checksum of {} blocks", blocks.size()));
   KVTIER_RETURN_IF_ERROR(noted);
   return report;
 }

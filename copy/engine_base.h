@@ -154,6 +154,9 @@ class EngineBase : public CopyEngine {
   Status validate(const CopyRequest& request) const override;
   Result<CopyReport> copy(const CopyRequest& request, Stream& stream) override;
   CopyStrategy choose(const CopyRequest& request) const override;
+  Result<CopyReport> checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
+                              std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
+                              Stream& stream) override;
   Status forget_stream(Stream& stream) override;
   const CopyEngineOptions& options() const noexcept override { return options_; }
   Device& device() const noexcept override { return device_; }
@@ -196,8 +199,10 @@ class EngineBase : public CopyEngine {
   bool in_flight(CopyDirection dir, const StreamState* exclude) const;
   // `after_upload` (optional) runs once, after the first launch's descriptors
   // are enqueued for upload and before that launch (kSplit forks there).
+  // With r.checksums the launches fold every word into its pair's checksum;
+  // `store` false: they read and fold only (checksum()).
   Status run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report,
-                    const std::function<Status()>& after_upload = {});
+                    const std::function<Status()>& after_upload = {}, bool store = true);
   // Precondition: the chunk plan of `r` is in st.scratch.staged.
   Status run_staged(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir, CopyReport& report);
   Result<StagedStreamState*> staged_state(StreamState& st);

@@ -30,14 +30,34 @@ void warp_copy_emulated(const WorkItem& w) {
     if (lane < v.tail) dst[tail_at + lane] = src[tail_at + lane];
 }
 
+// A checksummed item (width 16, body only), word by word as the lanes take them: copied unless the launch
+// only reads, and folded into the pair's sum.
+void warp_sum_emulated(const KernelArgs& a, const WorkItem& w) {
+  const std::uint64_t words = w.bytes / 16;
+  const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
+  unsigned long long acc = 0;
+  for (std::uint64_t e = 0; e < words; ++e) {
+    std::uint64_t half[2];
+    std::memcpy(half, w.src + e * 16, 16);
+    if (a.store != 0) std::memcpy(w.dst + e * 16, half, 16);
+    acc += checksum_word(half[0], half[1], position + e * 16);
+  }
+  a.checksums[w.pair] += acc;
+}
+
 // The kernel's grid: CTA c, warp w takes items c*warps + w, + total_warps, ...
 void run_kernel_emulated(const KernelArgs& a, std::uint32_t ctas, std::uint32_t threads) {
   const std::uint32_t warps = threads / kWarpLanes;
   const std::uint64_t total = std::uint64_t{ctas} * warps;
   for (std::uint32_t c = 0; c < ctas; ++c)
     for (std::uint32_t w = 0; w < warps; ++w)
-      for (std::uint64_t item = std::uint64_t{c} * warps + w; item < a.num_items; item += total)
-        warp_copy_emulated(resolve_item(a.planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item));
+      for (std::uint64_t item = std::uint64_t{c} * warps + w; item < a.num_items; item += total) {
+        const WorkItem wi = resolve_item(a.planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item);
+        if (a.checksums != nullptr)
+          warp_sum_emulated(a, wi);
+        else
+          warp_copy_emulated(wi);
+      }
 }
 
 // The first block a kernel launch writes: given to the host backend as the

@@ -23,6 +23,16 @@
 // elements l, l+32, ...), then `tail` bytes one per lane. `width` is the
 // largest of 16/8/4/1 for which src and dst have the same misalignment, so
 // 16-byte accesses are used whenever (src - dst) % 16 == 0.
+//
+// Checksums (KernelArgs::checksums): each lane folds every 16-byte word it
+// moves into a running sum of checksum_word(word, position), the warp adds
+// its lanes' sums and lane 0 adds that to the pair's slot (atomically on the
+// GPU). A sum of per-word terms does not depend on which warp moved which
+// word, so any decomposition gives the same value; the position (the plane's
+// index among the request's selected planes, and the byte offset in the
+// block) makes the value depend on where every word sits. Checksummed
+// launches need 16-byte aligned blocks whose size is a multiple of 16 (the
+// engine checks), so every item is body-only at width 16.
 #pragma once
 
 #include <cstdint>
@@ -59,13 +69,18 @@ struct KernelPair {
 // Descriptors passed inside the launch's kernel parameters (no upload, no
 // descriptor slot): launches of at most kInlineMaxPlanes planes and
 // kInlineMaxPairs pairs. The parameter block then stays below CUDA's 32764-byte
-// limit (CUDA 12.1+, Volta and newer): 64 + 8 * 48 + 3072 * 8 = 25,024 bytes.
+// limit (CUDA 12.1+, Volta and newer): 56 + 8 * 48 + 3072 * 8 = 25,016 bytes.
 inline constexpr std::uint32_t kInlineMaxPlanes = 8;
 inline constexpr std::uint32_t kInlineMaxPairs = 3072;
 
 struct KernelArgs {
   const KernelPlane* planes = nullptr;  // num_planes entries (device-readable)
-  const KernelPair* pairs = nullptr;    // num_pairs entries (device-readable)
+  // Per pair of this launch (device-writable, zeroed before the launch), or
+  // nullptr: no checksums.
+  unsigned long long* checksums = nullptr;
+  std::uint32_t plane_index_base = 0;  // index of planes[0] among the request's selected planes
+  std::uint32_t store = 1;             // 0: read and checksum only (dst pointers unused)
+  const KernelPair* pairs = nullptr;   // num_pairs entries (device-readable)
   std::uint32_t num_planes = 0;
   std::uint32_t num_pairs = 0;
   std::uint32_t item_bytes = 0;
@@ -77,7 +92,29 @@ struct WorkItem {
   const unsigned char* src;
   unsigned char* dst;
   std::uint64_t bytes;
+  std::uint64_t pair;    // index of the pair in the launch
+  std::uint32_t plane;   // index of the plane in the launch
+  std::uint64_t offset;  // of the item in its block
 };
+
+// Position of the byte `offset` of plane `plane_index` of a block, as the checksum folds it in.
+KVTIER_HD std::uint64_t checksum_position(std::uint32_t plane_index, std::uint64_t offset) {
+  return (std::uint64_t{plane_index} << 40) + offset;
+}
+
+// One 16-byte word's term of a block checksum: a bijection of `lo` for fixed
+// (hi, position) and of `hi` for fixed (lo, position), so a change of either
+// half of one word always changes the sum.
+KVTIER_HD std::uint64_t checksum_word(std::uint64_t lo, std::uint64_t hi, std::uint64_t position) {
+  std::uint64_t h = lo * 0x9E3779B97F4A7C15ull;
+  const std::uint64_t m = hi * 0xC2B2AE3D27D4EB4Full;
+  h ^= (m << 31) | (m >> 33);
+  h ^= position * 0x165667B19E3779F9ull + 0x27D4EB2F165667C5ull;
+  h ^= h >> 32;
+  h *= 0xD6E8FEB86659FD93ull;
+  h ^= h >> 32;
+  return h;
+}
 
 // Fills item_offset/items of `planes` and returns items per pair.
 KVTIER_HD std::uint32_t assign_items(KernelPlane* planes, std::uint32_t num_planes, std::uint32_t item_bytes) {
@@ -118,6 +155,9 @@ KVTIER_HD WorkItem resolve_item(const KernelPlane* planes, std::uint32_t num_pla
   w.dst = reinterpret_cast<unsigned char*>(plane.dst_base + static_cast<std::uint64_t>(pair.dst) * plane.dst_stride +
                                            offset);
   w.bytes = remaining < item_bytes ? remaining : item_bytes;
+  w.pair = pair_index;
+  w.plane = p;
+  w.offset = offset;
   return w;
 }
 

@@ -129,7 +129,7 @@ Status check_byte_overlap(const CopyRequest& r) {
 
 }  // namespace
 
-Status validate_request(const CopyRequest& r, int device_ordinal) {
+Status validate_request(const CopyRequest& r, int device_ordinal, bool read_only) {
   if (r.src == nullptr) return InvalidArgument("copy request has a null src BlockSpace");
   if (r.dst == nullptr) return InvalidArgument("copy request has a null dst BlockSpace");
   const KvLayout& layout = r.src->layout();
@@ -213,6 +213,7 @@ Status validate_request(const CopyRequest& r, int device_ordinal) {
   if (r.src_blocks.empty()) return Status::Ok();
   KVTIER_RETURN_IF_ERROR(check_ids(r.src_blocks, r.src->num_blocks(), "src"));
   KVTIER_RETURN_IF_ERROR(check_ids(r.dst_blocks, r.dst->num_blocks(), "dst"));
+  if (read_only) return Status::Ok();
 
   // Duplicate destinations, and (same space) blocks both read and written.
   auto& bm = thread_bitmap(r.dst->num_blocks());
@@ -244,6 +245,21 @@ Status validate_request(const CopyRequest& r, int device_ordinal) {
   // Two different spaces over the same memory: compare the bytes each block
   // of the request covers. Rejected here, before anything is enqueued.
   if (!same_geometry(*r.src, *r.dst) && footprints_intersect(*r.src, *r.dst)) return check_byte_overlap(r);
+  return Status::Ok();
+}
+
+Status check_checksum_alignment(std::span<const SelectedPlane> planes) {
+  for (const SelectedPlane& p : planes) {
+    const auto misaligned = [](std::uint64_t v) { return (v & 15) != 0; };
+    if (misaligned(reinterpret_cast<std::uintptr_t>(p.src_base)) || misaligned(p.src_stride) ||
+        misaligned(reinterpret_cast<std::uintptr_t>(p.dst_base)) || misaligned(p.dst_stride) ||
+        misaligned(p.block_bytes))
+      return InvalidArgument(fmt::format(
+          "checksummed copy of (layer {}, role {}): blocks must be 16-byte aligned with sizes that are multiples of 16 "
+          "(src base {}, stride {}; dst base {}, stride {}; block_bytes {})",
+          p.layer, p.role, static_cast<const void*>(p.src_base), p.src_stride, static_cast<const void*>(p.dst_base),
+          p.dst_stride, p.block_bytes));
+  }
   return Status::Ok();
 }
 

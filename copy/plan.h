@@ -127,7 +127,11 @@ struct PlanSummary {
 
 // Full validation (see copy_engine.h). `device_ordinal`: device spaces must be
 // on it. Uses thread-local scratch bitmaps (no allocation in steady state).
-Status validate_request(const CopyRequest& request, int device_ordinal);
+// `read_only`: the request only reads its src blocks (checksums): no
+// destination checks.
+Status validate_request(const CopyRequest& request, int device_ordinal, bool read_only = false);
+// Checksummed requests: every selected plane 16-byte aligned on both sides, block sizes multiples of 16.
+Status check_checksum_alignment(std::span<const SelectedPlane> planes);
 
 // Selected planes in (layer, role) order. Precondition: a valid request.
 void select_planes(const CopyRequest& request, std::vector<SelectedPlane>& out);

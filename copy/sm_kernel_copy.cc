@@ -48,7 +48,8 @@ Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t 
 }
 
 Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
-                              CopyReport& report, const std::function<Status()>& after_upload) {
+                              CopyReport& report, const std::function<Status()>& after_upload, bool store) {
+  auto* const checksums = reinterpret_cast<unsigned long long*>(r.checksums);
   bool hook_pending = static_cast<bool>(after_upload);
   const auto& planes = st.scratch.planes;
   auto& kplanes = st.scratch.kernel_planes;
@@ -100,6 +101,9 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
           KVTIER_RETURN_IF_ERROR(after_upload());
         }
         KernelArgs args;
+        args.checksums = checksums != nullptr ? checksums + i0 : nullptr;
+        args.plane_index_base = static_cast<std::uint32_t>(p0);
+        args.store = store ? 1 : 0;
         args.num_planes = g;
         args.num_pairs = count;
         args.item_bytes = item_bytes;
@@ -139,6 +143,9 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
       KernelArgs args;
       args.planes = reinterpret_cast<const KernelPlane*>(base);
       args.pairs = reinterpret_cast<const KernelPair*>(base + plane_bytes);
+      args.checksums = checksums != nullptr ? checksums + i0 : nullptr;
+      args.plane_index_base = static_cast<std::uint32_t>(p0);
+      args.store = store ? 1 : 0;
       args.num_planes = g;
       args.num_pairs = count;
       args.item_bytes = item_bytes;

@@ -58,6 +58,37 @@ __device__ __forceinline__ void copy_body(const unsigned char* src, unsigned cha
   for (; e < n; e += kWarpLanes) __stcs(d + e, __ldcs(s + e));
 }
 
+// The checksummed body (width 16, body-only items: the engine checks the
+// alignment). kStore false: read and fold only. Returns the lane's sum.
+template <bool kStore>
+__device__ __forceinline__ unsigned long long sum_body(const unsigned char* src, unsigned char* dst, std::uint64_t n,
+                                                       std::uint32_t lane, std::uint64_t position) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  unsigned long long acc = 0;
+  std::uint64_t e = lane;
+  for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
+    if constexpr (kStore) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) __stcs(d + e + u * kWarpLanes, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      acc += checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
+                           std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
+  }
+  for (; e < n; e += kWarpLanes) {
+    const uint4 v = __ldcs(s + e);
+    if constexpr (kStore) __stcs(d + e, v);
+    acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
+                         std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
+  }
+  return acc;
+}
+
 __device__ __forceinline__ void order_after_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -73,6 +104,15 @@ __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlan
   for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
        item += total_warps) {
     const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
+    if (a.checksums != nullptr) {
+      const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
+      unsigned long long acc = a.store ? sum_body<true>(w.src, w.dst, w.bytes / 16, lane, position)
+                                       : sum_body<false>(w.src, w.dst, w.bytes / 16, lane, position);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) atomicAdd(a.checksums + w.pair, acc);
+      continue;
+    }
     const VectorSplit v = split_for_vectors(w.src, w.dst, w.bytes);
     if (lane < v.head) w.dst[lane] = w.src[lane];
     const unsigned char* src = w.src + v.head;

@@ -1373,4 +1373,212 @@ TEST_F(CopyEngineTest, AutoIdleStreamPrefersKernelOverBatch) {
   }
 }
 
+// ---------------------------------------------------------------- checksums
+
+// A BlockSpace of the same geometry over the CPU mirror of `ts` (where block_checksum() can read).
+inline BlockSpace mirror_space(TestSpace& ts) {
+  const KvLayout& layout = ts.space.layout();
+  std::vector<std::vector<Plane>> planes(layout.num_layers());
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      const Plane& p = ts.space.plane(l, r);
+      planes[l].push_back({ts.mirror_of(p.base), p.stride});
+    }
+  auto s = BlockSpace::from_planes(MemoryKind::kPinnedHost, 0, layout, ts.space.num_blocks(), std::move(planes));
+  EXPECT_TRUE(s.ok()) << s.status().to_string();
+  return s.ok() ? std::move(s).value() : BlockSpace{};
+}
+
+class CopyChecksumTest : public CopyEngineTest {
+ protected:
+  // Device memory for `n` checksums, poisoned (the engine must zero it).
+  std::uint64_t* checksum_buffer(std::size_t n) {
+    auto b = device_->allocate_device(n * 8);
+    EXPECT_TRUE(b.ok()) << b.status().to_string();
+    if (!b.ok()) return nullptr;
+    std::vector<std::uint64_t> poison(n, 0xDEADBEEFDEADBEEFull);
+    EXPECT_TRUE(device_->memcpy_sync(b->bytes_ptr(), poison.data(), n * 8).ok());
+    buffers_.push_back(std::move(b).value());
+    return reinterpret_cast<std::uint64_t*>(buffers_.back().bytes_ptr());
+  }
+  std::vector<std::uint64_t> read(const std::uint64_t* p, std::size_t n) {
+    std::vector<std::uint64_t> v(n);
+    EXPECT_TRUE(device_->memcpy_sync(v.data(), p, n * 8).ok());
+    return v;
+  }
+  std::vector<std::uint64_t> reference(TestSpace& ts, std::span<const std::int32_t> ids,
+                                       std::span<const std::uint32_t> layers, RoleMask roles = kAllRoles) {
+    const BlockSpace m = mirror_space(ts);
+    std::vector<std::uint64_t> v;
+    for (std::int32_t id : ids) v.push_back(block_checksum(m, static_cast<std::uint64_t>(id), layers, roles));
+    return v;
+  }
+  std::vector<Buffer> buffers_;
+};
+
+TEST_F(CopyChecksumTest, ChecksummedCopyMovesTheBytesAndMatchesTheReference) {
+  auto layout = KvLayout::uniform(3, 2, 16 * 1024);
+  ASSERT_TRUE(layout.ok());
+  auto dev_a = layer_first(MemoryKind::kDevice, *layout, 64);
+  auto dev_b = layer_first(MemoryKind::kDevice, *layout, 64);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 64);
+  ASSERT_TRUE(dev_a && dev_b && host);
+  const auto s = random_ids(64, 40, 201);
+  const auto d = random_ids(64, 40, 202);
+  std::uint64_t* ck = checksum_buffer(s.size());
+  ASSERT_NE(ck, nullptr);
+  struct Case {
+    TestSpace* src;
+    TestSpace* dst;
+    const char* name;
+  };
+  const std::vector<std::uint32_t> one_layer{1}, two_layers{2, 0};
+  for (const Case& c : {Case{dev_a.get(), dev_b.get(), "d2d"}, Case{dev_a.get(), host.get(), "d2h"},
+                        Case{host.get(), dev_b.get(), "h2d"}}) {
+    for (std::span<const std::uint32_t> layers :
+         {std::span<const std::uint32_t>{}, std::span<const std::uint32_t>(one_layer),
+          std::span<const std::uint32_t>(two_layers)}) {
+      for (CopyStrategy strategy : {CopyStrategy::kAuto, CopyStrategy::kSmKernel}) {
+        SCOPED_TRACE(::testing::Message()
+                     << c.name << ", " << layers.size() << " layers, " << copy_strategy_name(strategy));
+        fill_random(*c.src, 203 + layers.size());
+        fill_poison(*c.dst);
+        CopyRequest r{&c.src->space, &c.dst->space, s, d, layers, kAllRoles, strategy};
+        r.checksums = ck;
+        const CopyReport rep = copy_and_check(*c.src, *c.dst, r);
+        EXPECT_EQ(rep.strategy, CopyStrategy::kSmKernel);
+        EXPECT_EQ(read(ck, s.size()), reference(*c.src, s, layers));
+        EXPECT_EQ(read(ck, s.size()), reference(*c.dst, d, layers)) << "the copy's checksum is the destination's";
+      }
+    }
+  }
+}
+
+TEST_F(CopyChecksumTest, ChecksumDoesNotDependOnTheKernelShapeOrLaunchCuts) {
+  // 5,000 pairs of 32-byte blocks: several inline launches with max_pairs_per_call 2,000, then the
+  // descriptor ring with more pairs than inline launches take; one CTA or many; small items or large.
+  auto layout = KvLayout::uniform(2, 2, 32);
+  ASSERT_TRUE(layout.ok());
+  auto src = layer_first(MemoryKind::kDevice, *layout, 8192);
+  auto dst = layer_first(MemoryKind::kDevice, *layout, 8192);
+  ASSERT_TRUE(src && dst);
+  fill_random(*src, 211);
+  const auto s = random_ids(8192, 5000, 212);
+  const auto d = random_ids(8192, 5000, 213);
+  const auto want = reference(*src, s, {});
+  std::uint64_t* ck = checksum_buffer(s.size());
+  ASSERT_NE(ck, nullptr);
+  CopyEngineOptions shapes[3];
+  shapes[0].max_pairs_per_call = 2000;
+  shapes[1].sm_inline_descriptor_max_pairs = 0;
+  shapes[1].sm_ctas_d2d = 1;
+  shapes[1].sm_threads_per_cta = 64;
+  shapes[2].sm_item_bytes = 16;
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_TRUE(make_engine(shapes[i]).ok());
+    fill_poison(*dst);
+    CopyRequest r{&src->space, &dst->space, s, d, {}, kAllRoles, CopyStrategy::kSmKernel};
+    r.checksums = ck;
+    copy_and_check(*src, *dst, r);
+    EXPECT_EQ(read(ck, s.size()), want);
+    auto rep = engine_->checksum(dst->space, d, {}, kAllRoles, ck, *stream_);
+    ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    EXPECT_EQ(read(ck, d.size()), want);
+  }
+}
+
+TEST_F(CopyChecksumTest, ChecksumReadsWithoutWritingAndSeesEveryFlippedHalfWord) {
+  auto layout = KvLayout::uniform(1, 2, 256);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 4);
+  ASSERT_TRUE(dev);
+  fill_random(*dev, 221);
+  const std::vector<std::int32_t> ids{2, 0, 2};  // repeats are allowed: nothing is written
+  std::uint64_t* ck = checksum_buffer(ids.size());
+  ASSERT_NE(ck, nullptr);
+  auto run = [&]() {
+    auto rep = engine_->checksum(dev->space, ids, {}, kAllRoles, ck, *stream_);
+    EXPECT_TRUE(rep.ok()) << rep.status().to_string();
+    EXPECT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    return read(ck, ids.size());
+  };
+  const auto base = run();
+  EXPECT_EQ(base, reference(*dev, ids, {}));
+  EXPECT_EQ(base[0], base[2]);
+  EXPECT_NE(base[0], base[1]);
+  expect_matches_model(*dev);  // nothing written
+  // Flip one bit in each 8-byte half of block 2 (role 0 and role 1): the checksum changes every time.
+  for (std::uint32_t role = 0; role < 2; ++role)
+    for (std::uint64_t half = 0; half < 256 / 8; ++half) {
+      std::byte* p = dev->space.block_ptr(0, role, 2) + half * 8 + (half % 8);
+      std::byte* m = dev->mirror_of(p);
+      *m ^= std::byte{0x10};
+      ASSERT_TRUE(device_->memcpy_sync(p, m, 1).ok());
+      const auto flipped = run();
+      EXPECT_NE(flipped[0], base[0]) << "role " << role << " half-word " << half;
+      EXPECT_EQ(flipped[0], reference(*dev, ids, {})[0]);
+      *m ^= std::byte{0x10};
+      ASSERT_TRUE(device_->memcpy_sync(p, m, 1).ok());
+    }
+  // Two words swapped: same bytes, other places.
+  std::byte* w0 = dev->space.block_ptr(0, 0, 2);
+  std::byte tmp[16];
+  std::memcpy(tmp, dev->mirror_of(w0), 16);
+  std::memcpy(dev->mirror_of(w0), dev->mirror_of(w0 + 16), 16);
+  std::memcpy(dev->mirror_of(w0 + 16), tmp, 16);
+  ASSERT_TRUE(device_->memcpy_sync(w0, dev->mirror_of(w0), 32).ok());
+  EXPECT_NE(run()[0], base[0]);
+}
+
+TEST_F(CopyChecksumTest, ChecksummedCopyRefusesMisalignedBlocksAndDmaStrategies) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto src = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto padded = layer_first(MemoryKind::kDevice, *layout, 8, /*pad=*/8);
+  auto dst = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  auto odd_layout = KvLayout::uniform(1, 1, 4100);
+  ASSERT_TRUE(odd_layout.ok());
+  auto odd_src = layer_first(MemoryKind::kDevice, *odd_layout, 8);
+  auto odd_dst = layer_first(MemoryKind::kDevice, *odd_layout, 8);
+  ASSERT_TRUE(src && padded && dst && odd_src && odd_dst);
+  fill_random(*src, 231);
+  fill_random(*padded, 232);
+  fill_random(*odd_src, 233);
+  fill_poison(*dst);
+  fill_poison(*odd_dst);
+  const std::vector<std::int32_t> s{1, 3}, d{0, 2};
+  std::uint64_t* ck = checksum_buffer(2);
+  ASSERT_NE(ck, nullptr);
+  CopyRequest misaligned{&padded->space, &dst->space, s, d, {}, kAllRoles, CopyStrategy::kAuto};
+  misaligned.checksums = ck;
+  auto r1 = engine_->copy(misaligned, *stream_);
+  ASSERT_FALSE(r1.ok());
+  EXPECT_EQ(r1.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r1.status().message().find("stride 4104"), std::string::npos) << r1.status().to_string();
+  CopyRequest odd{&odd_src->space, &odd_dst->space, s, d, {}, kAllRoles, CopyStrategy::kSmKernel};
+  odd.checksums = ck;
+  auto r2 = engine_->copy(odd, *stream_);
+  ASSERT_FALSE(r2.ok());
+  EXPECT_NE(r2.status().message().find("block_bytes 4100"), std::string::npos) << r2.status().to_string();
+  for (CopyStrategy strategy :
+       {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch, CopyStrategy::kStagedDma, CopyStrategy::kSplit}) {
+    CopyRequest r{&src->space, &dst->space, s, d, {}, kAllRoles, strategy};
+    r.checksums = ck;
+    auto rep = engine_->copy(r, *stream_);
+    ASSERT_FALSE(rep.ok()) << copy_strategy_name(strategy);
+    EXPECT_EQ(rep.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(rep.status().message().find(copy_strategy_name(strategy)), std::string::npos);
+  }
+  auto r3 = engine_->checksum(dst->space, s, {}, kAllRoles, ck, *stream_);
+  EXPECT_EQ(r3.status().code(), StatusCode::kNotSupported) << "host memory: block_checksum() on the CPU";
+  const std::vector<std::int32_t> bad{1, 8};
+  auto r4 = engine_->checksum(src->space, bad, {}, kAllRoles, ck, *stream_);
+  EXPECT_EQ(r4.status().code(), StatusCode::kOutOfRange) << r4.status().to_string();
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  expect_matches_model(*dst);
+  expect_matches_model(*odd_dst);
+}
+
 }  // namespace kvtier::copy_test

@@ -345,7 +345,29 @@ struct CopyRequest {
   // direction at the same time (e.g. evictions and loads of one step). The
   // engine also detects its own in-flight work, but only once it is enqueued.
   bool full_duplex = false;
+  // Optional: the block checksum (block_checksum() below) of every pair's
+  // selected planes, computed by the copy itself: the SM kernel folds each
+  // 16-byte word it moves into its pair's sum, so the bytes are read once.
+  // src_blocks.size() entries of memory the device writes (device memory;
+  // the host backend's RAM), zeroed by the engine on the stream first and
+  // final when the copy has completed. Runs the kSmKernel strategy (kAuto
+  // picks it; other strategies are refused) and needs every selected block
+  // at a 16-byte aligned address on both sides with a size that is a multiple
+  // of 16 (InvalidArgument naming the plane otherwise).
+  std::uint64_t* checksums = nullptr;
 };
+
+// The checksum of block `block` of `space` over the selected planes (layers
+// in the order given, every layer when empty; roles in layout order, those
+// of `roles`): the sum mod 2^64, over every 16-byte word w at byte offset o of
+// the p-th selected plane, of a 64-bit mix of (w, p, o). Changing either
+// 8-byte half of one word always changes it; other changes go undetected with
+// probability about 2^-64. It is what CopyRequest::checksums and
+// CopyEngine::checksum() compute on the device; this is the CPU reference
+// (the memory must be CPU-readable). Blocks whose size is not a multiple of
+// 16 fold their last partial word zero-padded.
+std::uint64_t block_checksum(const BlockSpace& space, std::uint64_t block, std::span<const std::uint32_t> layers = {},
+                             RoleMask roles = kAllRoles);
 
 struct CopyReport {
   CopyStrategy strategy = CopyStrategy::kAuto;  // what actually ran
@@ -378,6 +400,14 @@ class CopyEngine {
   // The strategy kAuto would pick for this request now (the request must be
   // valid; an invalid one gets kDmaPerRun).
   virtual CopyStrategy choose(const CopyRequest& request) const = 0;
+  // Enqueues on `stream` the block checksums (block_checksum()) of `blocks`
+  // of `space` over the selected planes into `out` (blocks.size() entries of
+  // device-writable memory, zeroed first), reading the blocks once with the
+  // SM kernel and writing nothing else. Same alignment rule as
+  // CopyRequest::checksums; ids must be in range (repeats are allowed).
+  virtual Result<CopyReport> checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
+                                      std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
+                                      Stream& stream) = 0;
   // Waits for the engine's last work on `stream`, then frees that stream's
   // resources. Call before destroying a stream the engine has seen when the
   // engine lives on (optional: otherwise they are freed with the engine).
