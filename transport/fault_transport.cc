@@ -6,28 +6,24 @@
 #include <mutex>
 
 #include "kvtier/transport/pd.h"
+#include "transport/forwarding_transport.h"
 
 namespace kvtier::transport {
 namespace {
 
-class WireFaultTransport final : public Transport {
+class WireFaultTransport final : public detail::ForwardingTransport {
  public:
-  WireFaultTransport(std::unique_ptr<Transport> inner, WireFaults faults) : inner_(std::move(inner)), faults_(faults) {}
+  WireFaultTransport(std::unique_ptr<Transport> inner, WireFaults faults)
+      : ForwardingTransport(std::move(inner)), faults_(faults) {}
 
-  std::string_view backend_name() const noexcept override { return inner_->backend_name(); }
-  const AgentIdentity& identity() const noexcept override { return inner_->identity(); }
   Result<RegionId> register_memory(const MemoryRegion& region) override {
-    auto id = inner_->register_memory(region);
+    auto id = inner().register_memory(region);
     if (id.ok()) {
       std::lock_guard lock(mu_);
       bases_[*id] = static_cast<std::byte*>(region.base);
     }
     return id;
   }
-  Status deregister_memory(RegionId region) override { return inner_->deregister_memory(region); }
-  Result<std::vector<std::byte>> export_metadata() override { return inner_->export_metadata(); }
-  Result<PeerId> load_peer(std::span<const std::byte> blob) override { return inner_->load_peer(blob); }
-  Result<PeerInfo> peer_info(PeerId peer) const override { return inner_->peer_info(peer); }
 
   Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
                       std::string notification) override {
@@ -44,7 +40,7 @@ class WireFaultTransport final : public Transport {
       }
     }
     if (target != nullptr && op == XferOp::kWrite) *target ^= std::byte{0x40};  // the wire flips a bit
-    auto id = inner_->post(op, peer, local, remote, std::move(notification));
+    auto id = inner().post(op, peer, local, remote, std::move(notification));
     if (target != nullptr) {
       if (id.ok())
         pending_[*id] = Fault{op, target};
@@ -53,21 +49,11 @@ class WireFaultTransport final : public Transport {
     }
     return id;
   }
-  Result<XferStatus> poll(XferId xfer) override { return observe(xfer, inner_->poll(xfer)); }
+  Result<XferStatus> poll(XferId xfer) override { return observe(xfer, inner().poll(xfer)); }
   Result<XferStatus> wait(XferId xfer, std::chrono::nanoseconds timeout) override {
-    return observe(xfer, inner_->wait(xfer, timeout));
+    return observe(xfer, inner().wait(xfer, timeout));
   }
-  Status abort(XferId xfer) override { return inner_->abort(xfer); }
-  Status disconnect_peer(PeerId peer) override { return inner_->disconnect_peer(peer); }
-  bool peer_revoked(PeerId peer) const override { return inner_->peer_revoked(peer); }
-  Status release(XferId xfer) override { return inner_->release(xfer); }
-  Status send_notification(PeerId peer, std::string message) override {
-    return inner_->send_notification(peer, std::move(message));
-  }
-  std::vector<Notification> take_notifications() override { return inner_->take_notifications(); }
-  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
-    return inner_->wait_notifications(timeout);
-  }
+  // The device path writes the peer's memory itself: there is no wire to corrupt.
 
  private:
   struct Fault {
@@ -87,7 +73,6 @@ class WireFaultTransport final : public Transport {
     return st;
   }
 
-  std::unique_ptr<Transport> inner_;
   const WireFaults faults_;
   std::mutex mu_;
   std::map<RegionId, std::byte*> bases_;

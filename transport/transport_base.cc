@@ -323,6 +323,27 @@ Result<PeerInfo> TransportBase::peer_info(PeerId peer) const {
   return peers_[peer].info;
 }
 
+Result<void*> TransportBase::peer_region_address(PeerId peer, std::uint32_t region) {
+  Blob::Region r;
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+    const PeerRec& p = peers_[peer];
+    if (p.disconnected) return Unavailable(fmt::format("peer {} was disconnected", peer));
+    if (!p.failed.ok()) return p.failed;
+    if (region >= p.regions.size())
+      return NotFound(fmt::format("peer {} has no region {} ({} regions)", peer, region, p.regions.size()));
+    r = p.regions[region];
+  }
+  if (r.bytes == 0) return NotFound(fmt::format("peer {} region {} was deregistered", peer, region));
+  return backend_peer_address(peer, region, r);
+}
+
+Result<void*> TransportBase::backend_peer_address(PeerId, std::uint32_t, const Blob::Region&) {
+  return NotSupported(
+      fmt::format("the {} backend reaches a peer's memory only through its own copies", backend_name()));
+}
+
 Result<XferId> TransportBase::post(XferOp op, PeerId peer, std::span<const LocalDesc> local,
                                    std::span<const RemoteDesc> remote, std::string notification) {
   std::vector<ResolvedOp> ops;

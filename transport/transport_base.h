@@ -71,6 +71,7 @@ class TransportBase : public Transport {
   Result<std::vector<std::byte>> export_metadata() override;
   Result<PeerId> load_peer(std::span<const std::byte> blob) override;
   Result<PeerInfo> peer_info(PeerId peer) const override;
+  Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override;
   Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
                       std::string notification) override;
   Result<XferStatus> poll(XferId xfer) override;
@@ -110,6 +111,9 @@ class TransportBase : public Transport {
   // peer_revoked after a disconnect (the backend may learn later that the peer is gone); the base answers
   // false for peers not disconnected.
   virtual bool backend_revoked(PeerId peer) const = 0;
+  // peer_region_address for a known, connected peer and a region index inside its blob (`r`, as loaded).
+  // Default: kNotSupported (the backend reaches a peer's memory only through its own copies).
+  virtual Result<void*> backend_peer_address(PeerId peer, std::uint32_t region, const Blob::Region& r);
 
   // ---- for backends ----
   void finish_xfer(XferId id, Status status);

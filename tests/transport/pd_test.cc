@@ -243,7 +243,7 @@ class StallingTransport final : public testing::ForwardingTransport {
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
     const auto limit = std::chrono::steady_clock::now() + 10s;  // bounded even if a test forgets to release
     while (stalled.load() && std::chrono::steady_clock::now() < limit) std::this_thread::sleep_for(1ms);
-    return inner_->wait_notifications(timeout);
+    return inner().wait_notifications(timeout);
   }
 };
 

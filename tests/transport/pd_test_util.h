@@ -8,43 +8,12 @@
 
 #include "kvtier/core/layout.h"
 #include "kvtier/transport/transport.h"
+#include "transport/forwarding_transport.h"
 
 namespace kvtier::transport::testing {
 
 // Forwards every call to `inner`; tests override what they need to disturb.
-class ForwardingTransport : public Transport {
- public:
-  explicit ForwardingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
-  std::string_view backend_name() const noexcept override { return inner_->backend_name(); }
-  const AgentIdentity& identity() const noexcept override { return inner_->identity(); }
-  Result<RegionId> register_memory(const MemoryRegion& region) override { return inner_->register_memory(region); }
-  Status deregister_memory(RegionId region) override { return inner_->deregister_memory(region); }
-  Result<std::vector<std::byte>> export_metadata() override { return inner_->export_metadata(); }
-  Result<PeerId> load_peer(std::span<const std::byte> blob) override { return inner_->load_peer(blob); }
-  Result<PeerInfo> peer_info(PeerId peer) const override { return inner_->peer_info(peer); }
-  Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
-                      std::string notification) override {
-    return inner_->post(op, peer, local, remote, std::move(notification));
-  }
-  Result<XferStatus> poll(XferId xfer) override { return inner_->poll(xfer); }
-  Result<XferStatus> wait(XferId xfer, std::chrono::nanoseconds timeout) override {
-    return inner_->wait(xfer, timeout);
-  }
-  Status abort(XferId xfer) override { return inner_->abort(xfer); }
-  Status release(XferId xfer) override { return inner_->release(xfer); }
-  Status disconnect_peer(PeerId peer) override { return inner_->disconnect_peer(peer); }
-  bool peer_revoked(PeerId peer) const override { return inner_->peer_revoked(peer); }
-  Status send_notification(PeerId peer, std::string message) override {
-    return inner_->send_notification(peer, std::move(message));
-  }
-  std::vector<Notification> take_notifications() override { return inner_->take_notifications(); }
-  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
-    return inner_->wait_notifications(timeout);
-  }
-
- protected:
-  std::unique_ptr<Transport> inner_;
-};
+using ForwardingTransport = detail::ForwardingTransport;
 
 inline KvLayout pd_layout(std::uint32_t layers = 4, std::uint64_t block_bytes = 8192) {
   return KvLayout::uniform(layers, 2, block_bytes).value();

@@ -112,7 +112,7 @@ class StopBeforeWrite final : public testing::ForwardingTransport {
         raise(SIGSTOP);
       }
     }
-    return inner_->post(op, peer, local, remote, std::move(notification));
+    return inner().post(op, peer, local, remote, std::move(notification));
   }
 
  private:

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -389,6 +390,7 @@ class IpcTransport final : public detail::TransportBase {
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     auto conn = std::make_shared<Conn>();
     conn->fd = fd;
+    conn->pidfd = peer_pidfd(fd);
     conn->peer = peer;
     conn->name = blob.identity.name;
     conn->windows.resize(blob.regions.size());
@@ -499,7 +501,32 @@ class IpcTransport final : public detail::TransportBase {
     }
     return true;
   }
-  bool backend_revoked(PeerId) const override { return true; }
+  // Host windows: this agent copies the peer's writes itself and stopped at the disconnect. CUDA regions: the peer
+  // holds their IPC handles (its blob copy) and its kernels and copies write them directly, which nothing here
+  // can stop, so they are safe only once the peer's process has exited.
+  bool backend_revoked(PeerId peer) const override {
+    {
+      std::lock_guard lock(regions_mu_);
+      bool cuda = false;
+      for (const auto& [id, w] : own_) cuda = cuda || w.cuda;
+      if (!cuda) return true;
+    }
+    auto conn = conn_of(peer);
+    if (!conn || conn->pidfd < 0) return false;
+    pollfd p{conn->pidfd, POLLIN, 0};
+    return poll(&p, 1, 0) == 1;  // a pidfd turns readable when its process has exited
+  }
+
+  // CUDA regions are mapped here from the peer's IPC handles: kernels of this process address them directly.
+  Result<void*> backend_peer_address(PeerId peer, std::uint32_t region, const detail::Blob::Region&) override {
+    auto conn = conn_of(peer);
+    if (!conn) return NotFound(fmt::format("peer {} is not connected", peer));
+    if (region >= conn->windows.size() || conn->windows[region].base == nullptr || !conn->windows[region].cuda)
+      return NotSupported(fmt::format(
+          "peer '{}' region {} is not CUDA memory mapped here (host windows are reached through the owner's copies)",
+          conn->name, region));
+    return static_cast<void*>(conn->windows[region].base);
+  }
 
   void backend_abort(XferId id) override {
     std::lock_guard lock(jobs_mu_);
@@ -525,6 +552,10 @@ class IpcTransport final : public detail::TransportBase {
   };
   struct Conn {
     int fd = -1;
+    int pidfd = -1;  // the peer's process (SO_PEERCRED of our connection), -1 where the kernel has no pidfd
+    ~Conn() {
+      if (pidfd >= 0) close(pidfd);
+    }
     PeerId peer = 0;
     std::string name;
     std::vector<PeerWindow> windows;  // by the peer's region index
@@ -545,7 +576,19 @@ class IpcTransport final : public detail::TransportBase {
     bool in_worker = true;
   };
 
-  std::shared_ptr<Conn> conn_of(PeerId peer) {
+  // A pidfd of the process at the other end of `fd` (our connection to the peer's listener), or -1.
+  static int peer_pidfd(int fd) {
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return -1;
+#ifdef SYS_pidfd_open
+    return static_cast<int>(syscall(SYS_pidfd_open, cred.pid, 0));
+#else
+    return -1;
+#endif
+  }
+
+  std::shared_ptr<Conn> conn_of(PeerId peer) const {
     std::lock_guard lock(conns_mu_);
     return peer < conns_.size() ? conns_[peer] : nullptr;
   }
@@ -957,7 +1000,7 @@ class IpcTransport final : public detail::TransportBase {
   };
   std::map<int, Served> served_;  // by incoming connection
 
-  std::mutex conns_mu_;
+  mutable std::mutex conns_mu_;
   std::vector<std::shared_ptr<Conn>> conns_;
 
   std::mutex jobs_mu_;

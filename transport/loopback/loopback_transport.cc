@@ -23,6 +23,9 @@ class LoopbackTransport;
 struct Endpoint {
   std::mutex mu;
   LoopbackTransport* owner = nullptr;  // null once the transport is gone
+  // A peer asked for the address of one of this agent's regions (peer_region_address): it may write them
+  // directly, which a disconnect cannot stop.
+  std::atomic<bool> mapped_directly{false};
 };
 
 std::mutex g_directory_mu;
@@ -147,7 +150,28 @@ class LoopbackTransport final : public detail::TransportBase {
     revoked_.insert(ep.get());
     return true;
   }
-  bool backend_revoked(PeerId) const override { return true; }
+  // The worker's copies into our memory stopped at the disconnect; direct writes of a peer that was handed our
+  // addresses stop only with that peer's transport.
+  bool backend_revoked(PeerId peer) const override {
+    if (!self_->mapped_directly.load()) return true;
+    std::shared_ptr<Endpoint> ep;
+    {
+      std::lock_guard lock(jobs_mu_);
+      if (peer < peers_.size()) ep = peers_[peer];
+    }
+    if (!ep) return false;
+    std::lock_guard lock(ep->mu);
+    return ep->owner == nullptr;
+  }
+  // One process: the peer's region is its own memory, at the address its blob carries.
+  Result<void*> backend_peer_address(PeerId peer, std::uint32_t, const detail::Blob::Region& r) override {
+    {
+      std::lock_guard lock(jobs_mu_);
+      if (peer >= peers_.size() || !peers_[peer]) return NotFound(fmt::format("peer {} is not connected", peer));
+      peers_[peer]->mapped_directly.store(true);
+    }
+    return reinterpret_cast<void*>(static_cast<std::uintptr_t>(r.base));
+  }
 
   void backend_abort(XferId id) override {
     std::lock_guard lock(jobs_mu_);
@@ -235,7 +259,7 @@ class LoopbackTransport final : public detail::TransportBase {
 
   const LoopbackOptions options_;
   std::shared_ptr<Endpoint> self_;
-  std::mutex jobs_mu_;
+  mutable std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;
   std::deque<Job> jobs_;
   std::vector<std::shared_ptr<Endpoint>> peers_;

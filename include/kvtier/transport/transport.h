@@ -150,6 +150,14 @@ class Transport {
   virtual Result<std::vector<std::byte>> export_metadata() = 0;
   virtual Result<PeerId> load_peer(std::span<const std::byte> blob) = 0;
   virtual Result<PeerInfo> peer_info(PeerId peer) const = 0;
+  // Where the peer's region `region` is mapped into this process for direct access by this process's device
+  // (kernels read and write it as local memory): the CUDA IPC mapping of a peer's CUDA device memory (ipc
+  // backend), the peer's own memory (loopback: one process). kNotSupported where the backend reaches the region
+  // only through its own copies (UCX, ipc host windows), kNotFound for an unknown peer or region. Bytes moved
+  // through this address bypass the transport: no transfer, no notification, no quiescence tracking; the
+  // caller owns those (the prefill/decode device lane of pd.h). Valid until the peer is disconnected or the
+  // transport destroyed.
+  virtual Result<void*> peer_region_address(PeerId peer, std::uint32_t region) = 0;
 
   virtual Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local,
                               std::span<const RemoteDesc> remote, std::string notification) = 0;

@@ -1,0 +1,53 @@
+// A Transport that forwards every call to another one: the base of decorators (the wire-fault wrapper, tests'
+// fault injectors), which override only what they disturb.
+#pragma once
+
+#include <memory>
+#include <utility>
+
+#include "kvtier/transport/transport.h"
+
+namespace kvtier::transport::detail {
+
+class ForwardingTransport : public Transport {
+ public:
+  explicit ForwardingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
+
+  std::string_view backend_name() const noexcept override { return inner_->backend_name(); }
+  const AgentIdentity& identity() const noexcept override { return inner_->identity(); }
+  Result<RegionId> register_memory(const MemoryRegion& region) override { return inner_->register_memory(region); }
+  Status deregister_memory(RegionId region) override { return inner_->deregister_memory(region); }
+  Result<std::vector<std::byte>> export_metadata() override { return inner_->export_metadata(); }
+  Result<PeerId> load_peer(std::span<const std::byte> blob) override { return inner_->load_peer(blob); }
+  Result<PeerInfo> peer_info(PeerId peer) const override { return inner_->peer_info(peer); }
+  Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override {
+    return inner_->peer_region_address(peer, region);
+  }
+  Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
+                      std::string notification) override {
+    return inner_->post(op, peer, local, remote, std::move(notification));
+  }
+  Result<XferStatus> poll(XferId xfer) override { return inner_->poll(xfer); }
+  Result<XferStatus> wait(XferId xfer, std::chrono::nanoseconds timeout) override {
+    return inner_->wait(xfer, timeout);
+  }
+  Status abort(XferId xfer) override { return inner_->abort(xfer); }
+  Status release(XferId xfer) override { return inner_->release(xfer); }
+  Status disconnect_peer(PeerId peer) override { return inner_->disconnect_peer(peer); }
+  bool peer_revoked(PeerId peer) const override { return inner_->peer_revoked(peer); }
+  Status send_notification(PeerId peer, std::string message) override {
+    return inner_->send_notification(peer, std::move(message));
+  }
+  std::vector<Notification> take_notifications() override { return inner_->take_notifications(); }
+  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
+    return inner_->wait_notifications(timeout);
+  }
+
+ protected:
+  Transport& inner() noexcept { return *inner_; }
+
+ private:
+  std::unique_ptr<Transport> inner_;
+};
+
+}  // namespace kvtier::transport::detail
