@@ -1,7 +1,8 @@
 // Prefill/decode protocol (include/kvtier/transport/pd.h).
 //
 // Messages (transport notifications), all integers little-endian:
-//   'R' xid u8 mode u32 n n*u64 dst             decode -> prefill: start (destination blocks)
+//   'R' xid u8 mode u8 lane u32 n n*u64 dst     decode -> prefill: start (destination blocks; lane 0: transport,
+//                                               1: device)
 //   'W' xid u32 layer u32 n n*u64 checksum     prefill -> decode: notification of layer's WRITE (push)
 //   'A' xid u32 layer u32 n n*u64 src n*u64 ck prefill -> decode: layer ready for reading (pull)
 //   'D' xid u32 layer                          decode -> prefill: notification of the layer's READ (pull)
@@ -16,16 +17,21 @@
 // sent n, so the lease runs from n's send time. A message processed late (queued while this side or the wire
 // stalled) can therefore never extend the lease of a peer that has died since; renewing by the time a message
 // was processed did. 'Q' is what proves to the decode side that no write of the prefill can still land.
+//
+// Device lane (pd.h): 'W', 'A' and 'D' keep their meaning and format; the bytes move by copy kernels outside the
+// transport, and the checksums are block_checksum() values computed on the device.
 #include "kvtier/transport/pd.h"
 
 #include <fmt/format.h>
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -148,6 +154,16 @@ class Endpoint {
     if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
       return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
                                          options_.heartbeat.count(), options_.lease.count()));
+    if (options_.engine != nullptr) {
+      Device& dev = options_.engine->device();
+      if (blocks_.kind() != MemoryKind::kDevice || blocks_.device_ordinal() != dev.ordinal())
+        return InvalidArgument(fmt::format(
+            "{}: the device lane needs the blocks in device memory of device {} ('{}'), got {} memory of ordinal {}",
+            role, dev.ordinal(), dev.name(), memory_kind_name(blocks_.kind()), blocks_.device_ordinal()));
+      auto stream = dev.create_stream();
+      if (!stream.ok()) return stream.status().with_context(fmt::format("{}: device lane stream", role));
+      lane_stream_ = std::move(stream).value();
+    }
     const KvLayout& layout = blocks_.layout();
     if (blocks_.num_blocks() == 0) return InvalidArgument(fmt::format("{}: block space has no blocks", role));
     if (layout.fingerprint() != t_.identity().layout_fingerprint)
@@ -179,6 +195,12 @@ class Endpoint {
       stop_ = true;
     }
     if (thread_.joinable()) thread_.join();
+    // Kernels of the device lane cannot be cancelled: wait (bounded) for them before their buffers go.
+    if (lane_stream_) {
+      Status s = options_.engine->device().synchronize(*lane_stream_, std::chrono::seconds(60));
+      if (!s.ok()) log(LogLevel::kError, "transport", fmt::format("pd: device lane did not drain: {}", s.to_string()));
+      options_.engine->forget_stream(*lane_stream_).ignore_error();
+    }
   }
 
  protected:
@@ -283,6 +305,83 @@ class Endpoint {
     }
   }
 
+  bool device_lane() const noexcept { return options_.engine != nullptr; }
+  Device& lane_device() const { return options_.engine->device(); }
+
+  // Per-transfer device lane state: checksums on the device and their host copy, an event per layer.
+  struct LaneBuffers {
+    Buffer device_checksums;                       // layers x n
+    std::unique_ptr<PinnedMemory> host_checksums;  // layers x n, copied behind each layer's kernel
+    std::vector<std::unique_ptr<Event>> events;    // per layer
+    std::vector<std::int32_t> local_ids, peer_ids;
+    std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
+    std::uint64_t n = 0;
+    std::uint64_t* device_at(std::uint32_t layer) const {
+      return reinterpret_cast<std::uint64_t*>(device_checksums.bytes_ptr()) + std::uint64_t{layer} * n;
+    }
+    std::uint64_t* host_at(std::uint32_t layer) const {
+      return reinterpret_cast<std::uint64_t*>(host_checksums->data()) + std::uint64_t{layer} * n;
+    }
+  };
+  Result<std::unique_ptr<LaneBuffers>> make_lane(const std::vector<std::uint64_t>& local,
+                                                 const std::vector<std::uint64_t>& peer) {
+    auto lb = std::make_unique<LaneBuffers>();
+    lb->n = local.size();
+    const std::uint32_t layers = blocks_.layout().num_layers();
+    for (const auto* ids : {&local, &peer})
+      for (std::uint64_t id : *ids)
+        if (id > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
+          return OutOfRange(fmt::format("block id {} does not fit the copy engine's 32-bit ids", id));
+    lb->local_ids.assign(local.begin(), local.end());
+    lb->peer_ids.assign(peer.begin(), peer.end());
+    Device& dev = lane_device();
+    const std::uint64_t bytes = std::max<std::uint64_t>(1, lb->n * layers) * sizeof(std::uint64_t);
+    KVTIER_ASSIGN_OR_RETURN(lb->device_checksums, dev.allocate_device(bytes));
+    KVTIER_ASSIGN_OR_RETURN(lb->host_checksums, dev.allocate_pinned(bytes));
+    lb->events.resize(layers);
+    for (auto& e : lb->events) {
+      KVTIER_ASSIGN_OR_RETURN(e, dev.create_event());
+    }
+    return lb;
+  }
+
+  // The peer's pool as this process's device addresses it: its planes (the regions it registered first, in
+  // plane order) at the addresses the transport maps them to, with the strides the peer sent. As many blocks
+  // as every plane's registered bytes hold, so the copy engine refuses ids outside the peer's regions.
+  Result<BlockSpace> peer_space(PeerId peer, const std::vector<std::uint64_t>& strides) {
+    const KvLayout& layout = blocks_.layout();
+    KVTIER_ASSIGN_OR_RETURN(PeerInfo info, t_.peer_info(peer));
+    if (strides.size() != layout.num_planes())
+      return InvalidArgument(
+          fmt::format("peer sent {} plane strides for {} planes", strides.size(), layout.num_planes()));
+    std::uint64_t blocks = std::numeric_limits<std::uint64_t>::max();
+    std::vector<std::vector<Plane>> planes(layout.num_layers());
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+        const std::uint32_t idx = plane_index(l, r);
+        if (idx >= info.regions.size())
+          return InvalidArgument(fmt::format("peer has {} regions, plane (layer {}, role {}) is region {}",
+                                             info.regions.size(), l, r, idx));
+        const std::uint64_t bb = layout.block_bytes(l, r), stride = strides[idx], bytes = info.regions[idx].bytes;
+        if (stride < bb || bytes < bb)
+          return InvalidArgument(
+              fmt::format("peer plane (layer {}, role {}): stride {} or region bytes {} below the block size {}", l, r,
+                          stride, bytes, bb));
+        KVTIER_ASSIGN_OR_RETURN(void* base, t_.peer_region_address(peer, idx));
+        blocks = std::min(blocks, (bytes - bb) / stride + 1);
+        planes[l].push_back(Plane{static_cast<std::byte*>(base), stride});
+      }
+    return BlockSpace::from_planes(MemoryKind::kDevice, blocks_.device_ordinal(), layout, blocks, std::move(planes));
+  }
+
+  // Behind the layer's kernel on the lane stream: its checksums to the host, then the layer's event.
+  Status finish_lane_layer(LaneBuffers& lb, std::uint32_t layer) {
+    Device& dev = lane_device();
+    KVTIER_RETURN_IF_ERROR(
+        dev.memcpy_async(lb.host_at(layer), lb.device_at(layer), lb.n * sizeof(std::uint64_t), *lane_stream_));
+    return dev.record(*lb.events[layer], *lane_stream_);
+  }
+
   std::vector<std::uint64_t> local_strides() const {
     std::vector<std::uint64_t> s;
     for (std::uint32_t l = 0; l < blocks_.layout().num_layers(); ++l)
@@ -297,7 +396,8 @@ class Endpoint {
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread thread_;
-  std::set<PeerId> dropped_;  // peers this side disconnected
+  std::set<PeerId> dropped_;             // peers this side disconnected
+  std::unique_ptr<Stream> lane_stream_;  // the device lane's copies and checksum passes, in order
 };
 
 // ---- prefill --------------------------------------------------------------------------------------------
@@ -318,7 +418,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.last_heard = Clock::now();
     // A request that arrived before begin() is applied now.
     if (auto it = early_.find(id); it != early_.end()) {
-      apply_request(x, it->second);
+      apply_request(id, x, it->second);
       early_.erase(it);
     }
     return Status::Ok();
@@ -380,9 +480,11 @@ class Prefill final : public PdPrefill, public Endpoint {
     bool sent = false;           // written (push) or announced (pull)
     bool acked = false;          // pull: the decode side's read notification came
     std::optional<XferId> xfer;  // push: the write
+    bool lane_pending = false;   // device lane: the layer's kernel is enqueued, its event not yet seen
   };
   struct Req {
     PdMode mode = PdMode::kPush;
+    bool device_lane = false;
     std::vector<std::uint64_t> dst;
     std::vector<std::uint64_t> strides;
   };
@@ -396,11 +498,12 @@ class Prefill final : public PdPrefill, public Endpoint {
     bool final = false, done = false;
     bool quiet_sent = false;  // 'Q' went out (or could not: the peer is gone)
     Status error;
+    std::unique_ptr<LaneBuffers> lane;  // device lane
   };
 
   static bool writes_quiet(const X& x) {
     for (const L& l : x.layers)
-      if (l.xfer) return false;
+      if (l.xfer || l.lane_pending) return false;
     return true;
   }
 
@@ -416,11 +519,36 @@ class Prefill final : public PdPrefill, public Endpoint {
     return s;
   }
 
-  void apply_request(X& x, Req r) {
+  void apply_request(TransferId id, X& x, Req r) {
+    auto refuse = [&](Status why) {
+      for (std::uint32_t u = 0; u < x.layers.size(); ++u)
+        t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
+      fail(x, id, std::move(why));
+    };
     if (r.dst.size() != x.src.size()) {
-      fail(x, 0,
-           InvalidArgument(fmt::format("decode asked for {} blocks, prefill has {}", r.dst.size(), x.src.size())));
+      refuse(InvalidArgument(fmt::format("decode asked for {} blocks, prefill has {}", r.dst.size(), x.src.size())));
       return;
+    }
+    if (r.device_lane != device_lane()) {
+      refuse(FailedPrecondition(fmt::format("decode asked for the {} lane, this prefill runs the {} lane",
+                                            r.device_lane ? "device" : "transport",
+                                            device_lane() ? "device" : "transport")));
+      return;
+    }
+    if (r.device_lane) {
+      auto lane = make_lane(x.src, r.dst);
+      if (lane.ok() && r.mode == PdMode::kPush) {
+        auto peer = peer_space(x.peer, r.strides);
+        if (peer.ok())
+          (*lane)->peer = std::move(peer).value();
+        else
+          lane = peer.status();
+      }
+      if (!lane.ok()) {
+        refuse(lane.status().with_context("device lane"));
+        return;
+      }
+      x.lane = std::move(lane).value();
     }
     x.req = std::move(r);
   }
@@ -436,15 +564,16 @@ class Prefill final : public PdPrefill, public Endpoint {
     auto it = xfers_.find(id);
     if (type == 'R') {
       Req r;
-      std::uint8_t mode = 0;
-      if (!p.u8(mode) || mode > 1 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
+      std::uint8_t mode = 0, lane = 0;
+      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 1 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
       r.mode = static_cast<PdMode>(mode);
+      r.device_lane = lane == 1;
       if (it == xfers_.end()) {
         early_[id] = std::move(r);
         return;
       }
       it->second.last_heard = Clock::now();
-      apply_request(it->second, std::move(r));
+      apply_request(id, it->second, std::move(r));
       return;
     }
     if (it == xfers_.end()) return;
@@ -472,6 +601,7 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   void tick(Clock::time_point now) override {
     for (auto& [id, x] : xfers_) {
+      if (x.lane) finish_lane_layers(id, x);
       // Writes: observe completion, keep the region busy until quiescent.
       for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
         L& l = x.layers[li];
@@ -529,7 +659,65 @@ class Prefill final : public PdPrefill, public Endpoint {
     }
   }
 
+  // Device lane: layers whose kernel completed are announced ('W' after the write, 'A' once the sources are
+  // checksummed) with the checksums the device computed.
+  void finish_lane_layers(TransferId id, X& x) {
+    for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
+      L& l = x.layers[li];
+      if (!l.lane_pending) continue;
+      auto done = lane_device().query(*x.lane->events[li]);
+      if (done.ok() && !*done) continue;
+      l.lane_pending = false;
+      if (!done.ok()) {
+        t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+        fail(x, id, done.status().with_context(fmt::format("layer {} device lane kernel", li)));
+        continue;
+      }
+      if (x.final) continue;  // the decode side knows the transfer failed; nothing more is announced
+      const std::uint64_t* c = x.lane->host_at(li);
+      std::vector<std::uint64_t> ck(c, c + x.lane->n);
+      Msg m(x.req->mode == PdMode::kPull ? 'A' : 'W', id);
+      if (x.req->mode == PdMode::kPull)
+        m.u32(li).u64s(x.src).u64s(ck).u64s(local_strides());
+      else
+        m.u32(li).u64s(ck);
+      t_.send_notification(x.peer, m.str()).ignore_error();
+    }
+  }
+
+  // Device lane: push, the layer's kernel writes the decode's blocks and checksums what it moves; pull, a
+  // read-only pass checksums the sources. The notification follows in finish_lane_layers.
+  void send_lane_layer(TransferId id, X& x, std::uint32_t li) {
+    L& l = x.layers[li];
+    LaneBuffers& lb = *x.lane;
+    const std::uint32_t layer[1] = {li};
+    Status s;
+    if (x.req->mode == PdMode::kPush) {
+      CopyRequest r{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, layer, kAllRoles, CopyStrategy::kSmKernel};
+      r.checksums = lb.device_at(li);
+      s = options_.engine->copy(r, *lane_stream_).status();
+    } else {
+      s = options_.engine->checksum(blocks_, lb.local_ids, layer, kAllRoles, lb.device_at(li), *lane_stream_).status();
+    }
+    if (s.ok()) s = finish_lane_layer(lb, li);
+    l.sent = true;
+    x.last_sent = Clock::now();
+    if (!s.ok()) {
+      // Part of it may be enqueued: let it drain before the writes can count as quiescent.
+      lane_device().synchronize(*lane_stream_, std::chrono::seconds(10)).ignore_error();
+      // Something may be enqueued: the layer counts as pending until its event (if recorded) says otherwise.
+      t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+      fail(x, id, s.with_context(fmt::format("layer {} device lane", li)));
+      return;
+    }
+    l.lane_pending = true;
+  }
+
   void send_layer(TransferId id, X& x, std::uint32_t li) {
+    if (x.lane) {
+      send_lane_layer(id, x, li);
+      return;
+    }
     L& l = x.layers[li];
     std::vector<std::uint64_t> ck;
     ck.reserve(x.src.size());
@@ -569,12 +757,21 @@ class Decode final : public PdDecode, public Endpoint {
 
   Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_blocks(dst_blocks, "destination"));
+    if (mode != PdMode::kPush && mode != PdMode::kPull)
+      return InvalidArgument(fmt::format("unknown transfer mode {}", static_cast<int>(mode)));
     Msg m('R', id);
-    m.u8(static_cast<std::uint8_t>(mode)).u64s(dst_blocks).u64s(local_strides());
+    m.u8(static_cast<std::uint8_t>(mode)).u8(device_lane() ? 1 : 0).u64s(dst_blocks).u64s(local_strides());
+    std::unique_ptr<LaneBuffers> lane;
+    if (device_lane()) {
+      KVTIER_ASSIGN_OR_RETURN(lane, make_lane(dst_blocks, dst_blocks));
+    }
     {
       std::lock_guard lock(mu_);
       if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
       X& x = xfers_[id];
+      x.lane = std::move(lane);
+      x.expected.resize(blocks_.layout().num_layers());
+      x.lane_pending.assign(blocks_.layout().num_layers(), 0);
       x.peer = prefill;
       x.mode = mode;
       x.dst = std::move(dst_blocks);
@@ -658,6 +855,11 @@ class Decode final : public PdDecode, public Endpoint {
     bool any_failure = false;
     bool prefill_quiet = false;  // 'Q': no write of the prefill side can still land
     Status error;
+    // Device lane: buffers, and per layer the checksums announced by the prefill and whether the layer's
+    // kernel (verification pass in push, read in pull) is still running.
+    std::unique_ptr<LaneBuffers> lane;
+    std::vector<std::vector<std::uint64_t>> expected;
+    std::vector<std::uint8_t> lane_pending;
   };
 
   bool all_final(const X& x) const {
@@ -679,6 +881,7 @@ class Decode final : public PdDecode, public Endpoint {
     (void)now;
     bool reads_quiet = true;
     for (const Read& r : x.reads) reads_quiet = reads_quiet && !r.active;
+    for (std::uint8_t p : x.lane_pending) reads_quiet = reads_quiet && p == 0;
     // After a failure in push mode a write of the prefill side may still land (a prefill paused past the lease
     // resumes with its writes posted): the blocks stay quarantined until the prefill proves its writes are done
     // ('Q') or the transport guarantees the peer can no longer write here. Time alone proves nothing. In pull mode
@@ -701,6 +904,18 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   void verify_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& ck) {
+    if (x.layers[layer] != LayerState::kPending || ck.size() != x.dst.size()) {
+      compare_layer(id, x, layer, ck, nullptr);
+      return;
+    }
+    std::vector<std::uint64_t> actual(x.dst.size());
+    for (std::size_t i = 0; i < x.dst.size(); ++i) actual[i] = block_layer_checksum(blocks_, layer, x.dst[i]);
+    compare_layer(id, x, layer, ck, actual.data());
+  }
+
+  // The layer's blocks against the checksums the prefill announced; `actual`: what arrived (x.dst.size()).
+  void compare_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& ck,
+                     const std::uint64_t* actual) {
     if (x.layers[layer] != LayerState::kPending) return;
     if (ck.size() != x.dst.size()) {
       fail_layer(x, layer,
@@ -710,7 +925,7 @@ class Decode final : public PdDecode, public Endpoint {
     }
     std::size_t bad = 0;
     for (std::size_t i = 0; i < x.dst.size(); ++i) {
-      const bool ok = block_layer_checksum(blocks_, layer, x.dst[i]) == ck[i];
+      const bool ok = actual[i] == ck[i];
       x.block_layer_ok[i][layer] = ok ? 1 : 0;
       if (!ok) {
         ++bad;
@@ -740,6 +955,10 @@ class Decode final : public PdDecode, public Endpoint {
               Unavailable(fmt::format("transfer {} layer {}: prefill's write {}", id, layer, notif_kind_name(n.kind))));
           return;
         }
+        if (x.lane) {
+          start_lane_layer(id, x, layer, std::move(ck), nullptr);
+          return;
+        }
         verify_layer(id, x, layer, ck);
         return;
       }
@@ -757,6 +976,28 @@ class Decode final : public PdDecode, public Endpoint {
                                                  layer, src.size(), x.dst.size())));
           return;
         }
+        if (x.lane) {
+          Status s = Status::Ok();
+          if (!x.lane->peer) {
+            auto peer = peer_space(x.peer, strides);
+            if (peer.ok())
+              x.lane->peer = std::move(peer).value();
+            else
+              s = peer.status();
+          }
+          for (std::size_t i = 0; s.ok() && i < src.size(); ++i) {
+            if (src[i] > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
+              s = OutOfRange(fmt::format("prefill block id {} does not fit the copy engine's 32-bit ids", src[i]));
+            else
+              x.lane->peer_ids[i] = static_cast<std::int32_t>(src[i]);
+          }
+          if (!s.ok()) {
+            fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane read", id, layer)));
+            return;
+          }
+          start_lane_layer(id, x, layer, std::move(ck), &*x.lane->peer);
+          return;
+        }
         std::vector<LocalDesc> ld;
         std::vector<RemoteDesc> rd;
         layer_descs(layer, x.dst, src, strides, ld, rd);
@@ -772,8 +1013,55 @@ class Decode final : public PdDecode, public Endpoint {
     }
   }
 
+  // Device lane: `from` null (push) checksums the layer's destinations in place; otherwise (pull) the layer is
+  // copied from the prefill's pool `from` and checksummed by that copy. Compared in finish_lane_layers.
+  void start_lane_layer(TransferId id, X& x, std::uint32_t layer, std::vector<std::uint64_t> ck,
+                        const BlockSpace* from) {
+    if (x.layers[layer] != LayerState::kPending || x.lane_pending[layer] != 0) return;
+    if (ck.size() != x.dst.size()) {
+      compare_layer(id, x, layer, ck, nullptr);
+      return;
+    }
+    LaneBuffers& lb = *x.lane;
+    const std::uint32_t layers[1] = {layer};
+    Status s;
+    if (from == nullptr) {
+      s = options_.engine->checksum(blocks_, lb.local_ids, layers, kAllRoles, lb.device_at(layer), *lane_stream_)
+              .status();
+    } else {
+      CopyRequest r{from, &blocks_, lb.peer_ids, lb.local_ids, layers, kAllRoles, CopyStrategy::kSmKernel};
+      r.checksums = lb.device_at(layer);
+      s = options_.engine->copy(r, *lane_stream_).status();
+    }
+    if (s.ok()) s = finish_lane_layer(lb, layer);
+    if (!s.ok()) {
+      lane_device().synchronize(*lane_stream_, std::chrono::seconds(10)).ignore_error();
+      fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane", id, layer)));
+      return;
+    }
+    x.expected[layer] = std::move(ck);
+    x.lane_pending[layer] = 1;
+  }
+
+  void finish_lane_layers(TransferId id, X& x) {
+    for (std::uint32_t l = 0; l < x.lane_pending.size(); ++l) {
+      if (x.lane_pending[l] == 0) continue;
+      auto done = lane_device().query(*x.lane->events[l]);
+      if (done.ok() && !*done) continue;
+      x.lane_pending[l] = 0;
+      if (!done.ok()) {
+        fail_layer(x, l, done.status().with_context(fmt::format("transfer {} layer {}: device lane kernel", id, l)));
+      } else {
+        compare_layer(id, x, l, x.expected[l], x.lane->host_at(l));
+      }
+      // Pull: the prefill's sources of this layer are no longer read.
+      if (x.mode == PdMode::kPull) t_.send_notification(x.peer, Msg('D', id).u32(l).str()).ignore_error();
+    }
+  }
+
   void tick(Clock::time_point now) override {
     for (auto& [id, x] : xfers_) {
+      if (x.lane) finish_lane_layers(id, x);
       for (std::uint32_t l = 0; l < x.reads.size(); ++l) {
         Read& r = x.reads[l];
         if (!r.active) continue;

@@ -499,7 +499,7 @@ class IpcTransport final : public detail::TransportBase {
       std::lock_guard lock(conn->send_mu);
       shutdown(conn->fd, SHUT_RDWR);
     }
-    return true;
+    return backend_revoked(peer);
   }
   // Host windows: this agent copies the peer's writes itself and stopped at the disconnect. CUDA regions: the peer
   // holds their IPC handles (its blob copy) and its kernels and copies write them directly, which nothing here
@@ -514,7 +514,7 @@ class IpcTransport final : public detail::TransportBase {
     auto conn = conn_of(peer);
     if (!conn || conn->pidfd < 0) return false;
     pollfd p{conn->pidfd, POLLIN, 0};
-    return poll(&p, 1, 0) == 1;  // a pidfd turns readable when its process has exited
+    return ::poll(&p, 1, 0) == 1;  // a pidfd turns readable when its process has exited
   }
 
   // CUDA regions are mapped here from the peer's IPC handles: kernels of this process address them directly.

@@ -146,9 +146,11 @@ class LoopbackTransport final : public detail::TransportBase {
     if (!ep) return true;
     // Under our endpoint lock, which the peer's worker holds for every copy into our memory: a copy in progress
     // ends first, and none starts after this.
-    std::lock_guard lock(self_->mu);
-    revoked_.insert(ep.get());
-    return true;
+    {
+      std::lock_guard lock(self_->mu);
+      revoked_.insert(ep.get());
+    }
+    return backend_revoked(peer);
   }
   // The worker's copies into our memory stopped at the disconnect; direct writes of a peer that was handed our
   // addresses stop only with that peer's transport.

@@ -37,6 +37,23 @@
 // endpoints of pd_staged.h, which run this protocol between pinned host staging spaces and move each layer
 // between device and staging with the CopyEngine.
 //
+// Device lane (PdOptions::engine). When both sides' pools are device memory that this process's device can
+// address directly in the peer (Transport::peer_region_address: the ipc backend between CUDA processes, which
+// maps the peer's pool through CUDA IPC; the loopback backend in one process), layers bypass the transport's
+// data path: push, the prefill's copy kernel writes the layer's scattered blocks straight into the decode's
+// pool, one launch per layer; pull, the decode's kernel reads them out of the prefill's pool likewise. The
+// transport carries only the messages. Checksums are the copy engine's block_checksum() (copy_engine.h), not
+// xxh3: the side that moves the layer gets them from the moving kernel itself (every word read once), the
+// other side from a read-only kernel pass over its blocks (the prefill's sources before announcing them in
+// pull, the decode's destinations before verifying them in push); the host only compares 8 bytes per block.
+// A layer's notification goes out once the kernel's event has completed (its bytes are then visible to the
+// peer's later work). Both endpoints of a transfer must use the same lane: the decode side's request names
+// it, and a prefill on the other lane fails the transfer (every layer 'X', kFailedPrecondition). Kernels
+// cannot be cancelled: a side whose lease expires waits for its launched kernels (they are short) before its
+// writes count as quiescent. A peer that holds a direct mapping can write at any time, so after a failed push
+// the decode's blocks are reclaimable only once the prefill proved its writes are over ('Q') or the transport
+// reports it revoked (the ipc backend: the prefill's process has exited).
+//
 // Thread-safety: every method may be called from any thread; a progress thread per endpoint handles messages,
 // layer readiness, heartbeats and leases. Every wait has a deadline. Errors: kInvalidArgument / kOutOfRange
 // (block ids, layers), kNotFound (transfer), kAlreadyExists (transfer id reused), kFailedPrecondition (memory
@@ -48,14 +65,10 @@
 #include <memory>
 #include <vector>
 
+#include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
 #include "kvtier/transport/transport.h"
-
-namespace kvtier {
-class Device;
-class Event;
-}  // namespace kvtier
 
 namespace kvtier::transport {
 
@@ -75,6 +88,9 @@ std::string_view layer_state_name(LayerState state) noexcept;
 struct PdOptions {
   std::chrono::milliseconds heartbeat{100};
   std::chrono::milliseconds lease{1000};
+  // The device lane (see "Device lane" above): blocks in device memory of engine->device(), moved by its SM
+  // kernel straight between the two pools. Null: the transport lane. Must outlive the endpoint.
+  CopyEngine* engine = nullptr;
 };
 
 // The checksum of one block of one layer (xxh3-64 over its roles in order).

@@ -62,7 +62,7 @@
 namespace kvtier::transport {
 
 // Version of the blob format and of the wire protocol built on it; peers must agree.
-inline constexpr std::uint32_t kTransportVersion = 1;
+inline constexpr std::uint32_t kTransportVersion = 2;
 
 enum class XferOp : std::uint8_t { kRead, kWrite };
 std::string_view xfer_op_name(XferOp op) noexcept;

@@ -1,0 +1,243 @@
+// The prefill/decode device lane (pd.h, "Device lane") on the host backend: loopback transports in one process
+// hand out each other's pools (Transport::peer_region_address), the host copy engine runs the SM kernel's exact
+// work decomposition with its checksums. Push and pull byte-exact layer by layer; bytes damaged between the
+// kernel and the verification caught in both modes; a failed kernel never reported loaded; a prefill on the
+// other lane refused; blocks of a failed push kept until the prefill's writes are proven over.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+
+#include "kvtier/copy/copy_engine.h"
+#include "kvtier/device/host_device.h"
+#include "kvtier/transport/pd.h"
+#include "transport/pd_test_util.h"
+
+namespace kvtier::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::HostBlocks;
+using testing::layer_matches;
+using testing::pd_layout;
+
+int g_seq = 0;
+
+// Runs `hook` on every notification before the endpoint sees it.
+class Watching final : public testing::ForwardingTransport {
+ public:
+  using Hook = std::function<void(const Notification&)>;
+  Watching(std::unique_ptr<Transport> inner, Hook hook)
+      : ForwardingTransport(std::move(inner)), hook_(std::move(hook)) {}
+  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
+    auto got = inner().wait_notifications(timeout);
+    if (got.ok() && hook_)
+      for (const Notification& n : *got) hook_(n);
+    return got;
+  }
+
+ private:
+  Hook hook_;
+};
+
+// Device memory of the host backend is RAM: the test blocks, viewed as device memory.
+BlockSpace as_device(const BlockSpace& s) {
+  const KvLayout& layout = s.layout();
+  std::vector<std::vector<Plane>> planes(layout.num_layers());
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) planes[l].push_back(s.plane(l, r));
+  return BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, s.num_blocks(), std::move(planes)).value();
+}
+
+std::uint32_t layer_of(const Notification& n) {
+  std::uint32_t l = 0;
+  if (n.message.size() >= 13) std::memcpy(&l, n.message.data() + 9, 4);
+  return l;
+}
+
+struct LaneRig {
+  KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  std::unique_ptr<HostDevice> device = HostDevice::create().value();
+  std::unique_ptr<CopyEngine> engine = CopyEngine::create(*device).value();
+  std::unique_ptr<Transport> pre_t, dec_t;
+  std::unique_ptr<PdPrefill> pre;
+  std::unique_ptr<PdDecode> dec;
+  PeerId to_dec = 0, to_pre = 0;
+
+  explicit LaneRig(Watching::Hook on_decode = {}, bool prefill_lane = true, PdOptions opt = {}) {
+    const int n = ++g_seq;
+    pre_t = create_loopback_transport({fmt::format("lane-pre{}", n), layout.fingerprint(), 1, 0}).value();
+    dec_t = std::make_unique<Watching>(
+        create_loopback_transport({fmt::format("lane-dec{}", n), layout.fingerprint(), 1, 0}).value(),
+        std::move(on_decode));
+    PdOptions pre_opt = opt, dec_opt = opt;
+    pre_opt.engine = prefill_lane ? engine.get() : nullptr;
+    dec_opt.engine = engine.get();
+    auto p = PdPrefill::create(*pre_t, prefill_lane ? as_device(pre_mem.space) : pre_mem.space, pre_opt);
+    EXPECT_TRUE(p.ok()) << p.status().to_string();
+    pre = std::move(p).value();
+    auto d = PdDecode::create(*dec_t, as_device(dec_mem.space), dec_opt);
+    EXPECT_TRUE(d.ok()) << d.status().to_string();
+    dec = std::move(d).value();
+    to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+    to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  }
+  ~LaneRig() {
+    pre.reset();
+    dec.reset();
+  }
+};
+
+const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
+const std::vector<std::uint64_t> kDst = {0, 2, 6, 4};
+
+class LaneModes : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(LaneModes, LayersMoveByteExactThroughTheKernelLayerByLayer) {
+  LaneRig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 42, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(42, 2).ok());  // ready before the request
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, GetParam(), kDst).ok());
+  auto st = rig.dec->wait_layer(42, 2, 5s);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(*st, LayerState::kLoaded);
+  for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], 2, kSrc[i]));
+  EXPECT_EQ(rig.dec->status(42)->layers[0], LayerState::kPending);
+  for (std::size_t i = 0; i < kDst.size(); ++i)
+    EXPECT_FALSE(layer_matches(rig.dec_mem.space, kDst[i], 0, kSrc[i])) << "layer 0 was never declared ready";
+  for (std::uint32_t l : {0u, 1u, 3u}) {
+    ASSERT_TRUE(rig.pre->layer_ready(42, l).ok());
+    auto ls = rig.dec->wait_layer(42, l, 5s);
+    ASSERT_TRUE(ls.ok());
+    EXPECT_EQ(*ls, LayerState::kLoaded) << l;
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  }
+  auto fin = rig.dec->wait(42, 5s, true);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  for (std::uint64_t untouched : {1u, 3u, 5u, 7u})
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, 1, untouched)[17], std::byte{0xee});
+  auto pf = rig.pre->wait(42, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_TRUE(pf->done);
+  EXPECT_TRUE(rig.pre->forget(42).ok());
+  EXPECT_TRUE(rig.dec->forget(42).ok());
+}
+
+// Push: a byte of a destination block damaged after the prefill's kernel wrote it (before the decode's
+// verification pass). Pull: a byte of a source block damaged after the prefill checksummed it (before the
+// decode's kernel reads it). Either way that block of that layer fails; the others load.
+TEST_P(LaneModes, BytesDamagedBetweenKernelAndVerificationAreCaught) {
+  const PdMode mode = GetParam();
+  HostBlocks* pre_mem = nullptr;
+  HostBlocks* dec_mem = nullptr;
+  std::atomic<bool> damaged{false};
+  LaneRig rig([&](const Notification& n) {
+    const char want = mode == PdMode::kPush ? 'W' : 'A';
+    if (n.message.empty() || n.message[0] != want || layer_of(n) != 1 || damaged.exchange(true)) return;
+    if (mode == PdMode::kPush)
+      dec_mem->space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
+    else
+      pre_mem->space.block_ptr(1, 0, kSrc[2])[4000] ^= std::byte{0x80};
+  });
+  pre_mem = &rig.pre_mem;
+  dec_mem = &rig.dec_mem;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, mode, kDst).ok());
+  auto fin = rig.dec->wait(9, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(damaged.load());
+  EXPECT_EQ(fin->layers[1], LayerState::kPartial);
+  for (std::uint32_t l : {0u, 2u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, true, false, true}));
+  EXPECT_EQ(fin->leading_loaded_blocks(), 2u);
+  EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(fin->error.message().find("layer 1 block 6 (position 2): checksum mismatch"), std::string::npos)
+      << fin->error.to_string();
+}
+
+// A kernel that fails (the device reports the launch's operation failed): its layer is failed, never loaded.
+TEST_P(LaneModes, AFailedKernelFailsItsLayer) {
+  LaneRig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 11, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(11, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(11, 0, 5s).value(), LayerState::kLoaded);
+  // The next operation on the host backend fails: in push the prefill's write kernel of layer 1, in pull the
+  // prefill's checksum pass. Either way the decode side hears of it ('X') and fails the layer.
+  rig.device->fail_nth_operation(1);
+  ASSERT_TRUE(rig.pre->layer_ready(11, 1).ok());
+  auto l1 = rig.dec->wait_layer(11, 1, 5s);
+  ASSERT_TRUE(l1.ok()) << l1.status().to_string();
+  EXPECT_EQ(*l1, LayerState::kFailed);
+  auto st = rig.dec->status(11).value();
+  EXPECT_EQ(st.block_loaded, (std::vector<bool>{false, false, false, false}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, LaneModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
+TEST(PdDeviceLane, APrefillOnTheTransportLaneIsRefused) {
+  LaneRig rig({}, /*prefill_lane=*/false);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 3, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(3, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 3, PdMode::kPush, kDst).ok());
+  auto fin = rig.dec->wait(3, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+  for (LayerState s : fin->layers) EXPECT_EQ(s, LayerState::kFailed);
+  auto pf = rig.pre->wait(3, 5s);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_EQ(pf->error.code(), StatusCode::kFailedPrecondition) << pf->error.to_string();
+  EXPECT_NE(pf->error.message().find("device lane"), std::string::npos) << pf->error.to_string();
+  for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_FALSE(layer_matches(rig.dec_mem.space, kDst[i], 0, kSrc[i]));
+}
+
+TEST(PdDeviceLane, HostMemoryIsRefusedAtCreation) {
+  const KvLayout layout = pd_layout();
+  HostBlocks mem = HostBlocks::make(layout, 8, false);
+  auto device = HostDevice::create().value();
+  auto engine = CopyEngine::create(*device).value();
+  auto t = create_loopback_transport({fmt::format("lane-host{}", ++g_seq), layout.fingerprint(), 1, 0}).value();
+  PdOptions opt;
+  opt.engine = engine.get();
+  auto d = PdDecode::create(*t, mem.space, opt);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("device memory"), std::string::npos) << d.status().to_string();
+}
+
+// After a failed push the prefill may still hold the decode's pool mapped: a silent prefill's blocks are not
+// reclaimable while it lives, even once the decode side gave up on it; they are once the prefill's transport
+// (with its mapping) is gone.
+TEST(PdDeviceLane, AFailedPushKeepsTheBlocksWhileThePrefillCanStillWrite) {
+  PdOptions opt{20ms, 150ms};
+  LaneRig rig({}, true, opt);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 5, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, PdMode::kPush, kDst).ok());
+  ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
+  // The prefill falls silent without proving its writes over: its endpoint stops, its transport (and the
+  // mapping of the decode's pool it was handed) lives on.
+  rig.pre.reset();
+  auto fin = rig.dec->wait(5, 5s);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable);
+  auto held = rig.dec->wait(5, 400ms, true);
+  EXPECT_EQ(held.status().code(), StatusCode::kTimedOut) << "reclaimable while the prefill can still write";
+  EXPECT_EQ(rig.dec->forget(5).code(), StatusCode::kFailedPrecondition);
+  rig.pre_t.reset();  // the prefill's transport is gone: nothing can write any more
+  auto rec = rig.dec->wait(5, 5s, true);
+  ASSERT_TRUE(rec.ok()) << rec.status().to_string();
+  EXPECT_TRUE(rec->reclaimable);
+  EXPECT_TRUE(rig.dec->forget(5).ok());
+}
+
+}  // namespace
+}  // namespace kvtier::transport
