@@ -38,7 +38,8 @@ How the block lists compare with `kvtier bench pd` (tools/cmd_bench_pd.cc):
     (--order scattered) the same blocks are therefore moved in a seeded random order (--seed; independent
     permutations for the source and the destination), which keeps one descriptor per block; the row's
     `merged_descs` counts the descriptors left after merging contiguous neighbours (NIXL may merge those).
-    --order identity moves kvtier's exact iota lists. --pool-blocks larger than the block count picks the
+    --order identity moves kvtier's exact iota lists; --order kvtier (the default) moves the lists of kvtier bench
+    pd's direct lane (id_i = (a * i + b) mod pool, a coprime to the pool), with --pool-bytes as there. --pool-blocks larger than the block count picks the
     blocks from a larger pool (kvtier has no such option).
   - kvtier's pool is one allocation per layer; here one allocation holds all layers (one registration).
   - kvtier runs its full protocol (per-layer messages, checksums, leases); NIXL moves bytes and one
@@ -64,6 +65,7 @@ import glob
 import importlib
 import importlib.metadata
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -138,11 +140,23 @@ def blocks_for(layer_bytes, block_bytes):
     return max(4, layer_bytes // block_bytes)
 
 
+def coprime_step(start, pool):
+    a = start
+    while math.gcd(a, pool) != 1:
+        a += 1
+    return a
+
+
 def block_lists(order, seed, pool, count):
     """(source ids on the prefill side, destination ids on the decode side), `count` distinct ids of `pool`."""
     if order == "identity":
         ids = np.arange(count, dtype=np.int64)
         return ids, ids.copy()
+    if order == "kvtier":
+        # kvtier bench pd's direct lane (tools/cmd_bench_pd.cc, direct_plan): id_i = (a * i + b) mod pool.
+        i = np.arange(count, dtype=np.int64)
+        a_src, a_dst = coprime_step(7919, pool), coprime_step(104729, pool)
+        return (a_src * i + 13) % pool, (a_dst * i + 101) % pool
     rng = np.random.default_rng(seed)
     return rng.permutation(pool)[:count].astype(np.int64), rng.permutation(pool)[:count].astype(np.int64)
 
@@ -387,6 +401,8 @@ def run_pair(api, args, memory, host_alloc, block_bytes, ops):
     """One prefill process and one decode agent for a (memory, block size); a row per op."""
     n = blocks_for(args.layer_bytes, block_bytes)
     pool_n = max(n, args.pool_blocks or 0)
+    if args.pool_bytes:
+        pool_n = max(2 * n, args.pool_bytes // (args.layers * block_bytes))
     src_ids, dst_ids = block_lists(args.order, args.seed, pool_n, n)
     cfg = dict(
         memory=memory,
@@ -531,7 +547,10 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--layer-bytes", type=int, default=8 << 20, help="sets blocks per layer (>= 4), as kvtier's")
     p.add_argument("--pool-blocks", type=int, default=0, help="pool blocks per layer (default: the block count)")
-    p.add_argument("--order", choices=["scattered", "identity"], default="scattered")
+    p.add_argument("--order", choices=["kvtier", "scattered", "identity"], default="kvtier")
+    p.add_argument("--pool-bytes", type=int, default=0,
+                   help="pool per side, all layers (as kvtier bench pd --pool-bytes): pool blocks per layer = "
+                        "max(2 x blocks, pool_bytes / (layers x block_bytes)); overrides --pool-blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", "--iters", type=int, default=8, dest="reps", help="timed transfers per row")
     p.add_argument("--warmup", type=int, default=1)

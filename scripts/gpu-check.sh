@@ -11,7 +11,10 @@
 # (scripts/build-wheel.sh --python python3.12 --cuda ON --out .gpu-wheel; no compiler step here) with
 # pip into $KVTIER_PY_TARGET, runs the pytest suite on torch CUDA tensors and the real-model offload
 # proof (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it) from it.
-# Usage: scripts/gpu-check.sh [tests|bench|probes|python|all] [extra kvtier bench copy args...]
+# `pd`: kvtier bench pd over the direct lane (the device lane of pd.h between two processes on GPU 0: CUDA IPC,
+# copy kernels, GPU checksums, bytes checked) beside the same block lists gathered in one process, and, where the
+# nixl-cu13 wheel is in .whl/, bench/pd_nixl.py with the same block lists (NIXL's UCX backend, WRITE and READ).
+# Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +71,20 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   echo "bench copy rc=$?"; tail -5 "$OUT/bench_copy.err"
   timeout 240 "$BIN/kvtier" bench transfer --backend cuda --json > "$OUT/bench_transfer.jsonl" 2> "$OUT/bench_transfer.err"
   echo "bench transfer rc=$?"; tail -5 "$OUT/bench_transfer.err"
+fi
+if [ "$what" = pd ] || [ "$what" = all ]; then
+  pd_args=(--layers 8 --layer-bytes $((64 << 20)) --pool-bytes $((2 << 30)) --block-sizes 16384,1048576 --iters 8)
+  timeout 300 "$BIN/kvtier" bench pd --lanes direct --memory device --modes push,pull "${pd_args[@]}" --json \
+    > "$OUT/bench_pd.jsonl" 2> "$OUT/bench_pd.err"
+  echo "bench pd rc=$?"; tail -5 "$OUT/bench_pd.err"; cat "$OUT/bench_pd.jsonl"
+  if ls .whl/nixl*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nixl-site \
+      .whl/*.whl > "$OUT/nixl_pip.log" 2>&1
+    PYTHONPATH=/tmp/nixl-site:${PYTHONPATH:-} timeout 300 python3 bench/pd_nixl.py --memory device \
+      --layers 8 --layer-bytes $((64 << 20)) --pool-bytes $((2 << 30)) --block-bytes 16384,1048576 --iters 8 \
+      --json "$OUT/bench_pd_nixl.jsonl" > "$OUT/bench_pd_nixl.log" 2>&1
+    echo "pd_nixl rc=$?"; tail -20 "$OUT/bench_pd_nixl.log"
+  fi
 fi
 if [ "$what" = probes ] || [ "$what" = all ]; then
   mkdir -p "$PROBES"

@@ -14,6 +14,16 @@
 // spaces, staging -> device on the decode side. GB/s then counts until every layer is in device memory;
 // ratio_to_host = gbps / the host-memory row of the same lane, mode and block size in the same run (when
 // --memory lists both). ucx_perftest runs once per (lane, mode, block size), in host memory.
+//
+// --lanes direct runs the device lane of pd.h between the two processes (CUDA memory of GPU 0 on both sides,
+// the ipc backend mapping each other's pool through CUDA IPC): push, the prefill's copy kernel writes the
+// decode's blocks; pull, the decode's kernel reads the prefill's; checksums computed on the GPU. Its blocks are
+// scattered: `blocks` ids out of a pool of --pool-bytes per side (direct_plan: a stride coprime to the pool,
+// so no two listed blocks are adjacent), another list on the other side, the pool filled with a pattern of (layer,
+// block, word) and the destination poisoned; after the measured transfers every destination block is compared with the
+// pattern of its source and blocks outside the list must still hold the poison. Beside it, in the decode process, the
+// same block lists gathered inside one process (pool to a second pool, one SM-kernel launch per layer, without and with
+// checksums): ratio_to_gather = gbps / gather_gbps.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
@@ -21,12 +31,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -60,6 +72,7 @@ struct PdArgs {
   std::uint32_t iters = 8;
   bool json = false;
   bool no_perftest = false;
+  std::uint64_t pool_bytes = 512ull << 20;  // direct lane: the pool the scattered blocks are taken from, per side
   // hidden: the prefill process
   std::string role;
   std::string lane = "tcp";
@@ -202,6 +215,185 @@ Status check_device_bytes(DeviceSide& d, std::byte fill) {
 
 const transport::PdOptions kPdOptions{std::chrono::milliseconds(200), std::chrono::milliseconds(5000)};
 
+// ---- the direct lane ----------------------------------------------------------------------------------------
+
+struct DirectPlan {
+  std::uint64_t pool = 0;  // blocks per layer plane
+  std::vector<std::uint64_t> src, dst;
+};
+
+// The same lists in both processes (and in bench/pd_nixl.py): `n` distinct ids per side out of the pool,
+// id_i = (a * i + b) mod pool with `a` coprime to the pool, so no two neighbours in the list are neighbours
+// in memory (nothing merges into larger runs) and the list is reproducible anywhere.
+std::uint64_t coprime_step(std::uint64_t start, std::uint64_t pool) {
+  std::uint64_t a = start;
+  while (std::gcd(a, pool) != 1) ++a;
+  return a;
+}
+
+DirectPlan direct_plan(const PdArgs& a, std::uint64_t block_bytes) {
+  DirectPlan p;
+  const std::uint64_t n = blocks_for(a, block_bytes);
+  p.pool = std::max<std::uint64_t>(2 * n, a.pool_bytes / (std::uint64_t{a.layers} * block_bytes));
+  const std::uint64_t as = coprime_step(7919, p.pool), ad = coprime_step(104729, p.pool);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    p.src.push_back((as * i + 13) % p.pool);
+    p.dst.push_back((ad * i + 101) % p.pool);
+  }
+  return p;
+}
+
+std::uint64_t pattern_word(std::uint32_t layer, std::uint64_t block, std::uint64_t word) {
+  std::uint64_t x = (std::uint64_t{layer} << 56) ^ (block << 28) ^ word ^ 0x9E3779B97F4A7C15ull;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return x;
+}
+
+constexpr std::byte kPoison{0x5A};
+
+struct DirectSide {
+  std::unique_ptr<Device> device;
+  std::unique_ptr<CopyEngine> engine;
+  std::vector<Buffer> mem;
+  BlockSpace space;
+};
+
+// A pool of `pool` blocks per layer in CUDA memory: the pattern (prefill) or the poison (decode).
+Result<DirectSide> make_direct_side(const KvLayout& layout, std::uint64_t pool, bool fill_pattern) {
+  DirectSide d;
+  KVTIER_ASSIGN_OR_RETURN(d.device, create_cuda_device(0));
+  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device));
+  std::vector<std::vector<void*>> bases(layout.num_layers());
+  const std::uint64_t bb = layout.block_bytes(0, 0);
+  std::vector<std::uint64_t> host(pool * bb / 8);
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+    KVTIER_ASSIGN_OR_RETURN(Buffer b, d.device->allocate_device(pool * bb));
+    if (fill_pattern) {
+      for (std::uint64_t blk = 0; blk < pool; ++blk)
+        for (std::uint64_t w = 0; w < bb / 8; ++w) host[blk * (bb / 8) + w] = pattern_word(l, blk, w);
+    } else {
+      std::memset(host.data(), static_cast<int>(kPoison), pool * bb);
+    }
+    KVTIER_RETURN_IF_ERROR(d.device->memcpy_sync(b.data(), host.data(), pool * bb));
+    bases[l].push_back(b.data());
+    d.mem.push_back(std::move(b));
+  }
+  KVTIER_ASSIGN_OR_RETURN(d.space, BlockSpace::layer_first(MemoryKind::kDevice, 0, layout, pool, std::move(bases)));
+  return d;
+}
+
+// Destination blocks hold their source's pattern; every other block still holds the poison.
+Status check_direct_bytes(DirectSide& d, const DirectPlan& p) {
+  const KvLayout& layout = d.space.layout();
+  const std::uint64_t bb = layout.block_bytes(0, 0);
+  std::vector<std::uint64_t> host(p.pool * bb / 8);
+  std::vector<std::int64_t> source_of(p.pool, -1);
+  for (std::size_t i = 0; i < p.dst.size(); ++i) source_of[p.dst[i]] = static_cast<std::int64_t>(p.src[i]);
+  std::uint64_t poison_word = 0;
+  std::memset(&poison_word, static_cast<int>(kPoison), 8);
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+    KVTIER_RETURN_IF_ERROR(d.device->memcpy_sync(host.data(), d.space.block_ptr(l, 0, 0), p.pool * bb));
+    for (std::uint64_t blk = 0; blk < p.pool; ++blk)
+      for (std::uint64_t w = 0; w < bb / 8; ++w) {
+        const std::uint64_t want =
+            source_of[blk] < 0 ? poison_word : pattern_word(l, static_cast<std::uint64_t>(source_of[blk]), w);
+        if (host[blk * (bb / 8) + w] != want)
+          return DataLoss(fmt::format("layer {} block {} word {}: {:#x}, expected {:#x} ({})", l, blk, w,
+                                      host[blk * (bb / 8) + w], want,
+                                      source_of[blk] < 0 ? "outside the list: poison" : "its source's pattern"));
+      }
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<transport::Transport>> direct_transport(transport::AgentIdentity id) {
+  transport::IpcOptions o;
+  o.device_memory = transport::IpcOptions::DeviceMemory::kCuda;
+  o.cuda_device = 0;
+  return transport::create_ipc_transport(std::move(id), o);
+}
+
+int run_prefill_direct(const PdArgs& a) {
+  auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
+  if (!layout.ok()) return 5;
+  const DirectPlan plan = direct_plan(a, a.block_bytes);
+  auto side = make_direct_side(*layout, plan.pool, true);
+  if (!side.ok()) {
+    std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", side.status().to_string().c_str());
+    return 5;
+  }
+  auto t = direct_transport({"bench-prefill", layout->fingerprint(), 1, 0});
+  if (!t.ok()) return 5;
+  transport::PdOptions o = kPdOptions;
+  o.engine = side->engine.get();
+  auto pre = transport::PdPrefill::create(**t, side->space, o);
+  if (!pre.ok()) {
+    std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", pre.status().to_string().c_str());
+    return 5;
+  }
+  auto blob = (*t)->export_metadata();
+  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
+  auto peer_blob = recv_blob(a.in_fd);
+  if (!peer_blob.ok()) return 5;
+  auto peer = (*t)->load_peer(*peer_blob);
+  if (!peer.ok()) return 3;
+  for (std::uint32_t it = 0; it <= a.iters; ++it) {
+    if (!(*pre)->begin(*peer, it + 1, plan.src).ok()) return 5;
+    for (std::uint32_t l = 0; l < a.layers; ++l)
+      if (!(*pre)->layer_ready(it + 1, l).ok()) return 5;
+    auto st = (*pre)->wait(it + 1, 60s);
+    if (!st.ok() || !st->done) return 4;
+    if (!(*pre)->forget(it + 1).ok()) return 5;
+  }
+  std::this_thread::sleep_for(100ms);
+  return 0;
+}
+
+struct GatherRates {
+  double plain = 0, checksummed = 0;
+};
+GatherRates g_last_gather;  // of the last direct row (the decode process)
+
+// The same block lists gathered inside one process: the decode's pool to a second pool, one launch per layer.
+Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan& p) {
+  const KvLayout& layout = d.space.layout();
+  const std::uint64_t bb = layout.block_bytes(0, 0);
+  std::vector<Buffer> mem;
+  std::vector<std::vector<void*>> bases(layout.num_layers());
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+    KVTIER_ASSIGN_OR_RETURN(Buffer b, d.device->allocate_device(p.pool * bb));
+    bases[l].push_back(b.data());
+    mem.push_back(std::move(b));
+  }
+  KVTIER_ASSIGN_OR_RETURN(BlockSpace out, BlockSpace::layer_first(MemoryKind::kDevice, 0, layout, p.pool, bases));
+  KVTIER_ASSIGN_OR_RETURN(Buffer ck, d.device->allocate_device(p.src.size() * 8));
+  KVTIER_ASSIGN_OR_RETURN(auto stream, d.device->create_stream());
+  std::vector<std::int32_t> src(p.dst.begin(), p.dst.end()), dst(p.src.begin(), p.src.end());
+  GatherRates r;
+  for (bool checksummed : {false, true}) {
+    std::chrono::steady_clock::time_point t0;
+    for (std::uint32_t it = 0; it <= a.iters; ++it) {
+      if (it == 1) {
+        KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+        t0 = std::chrono::steady_clock::now();
+      }
+      for (std::uint32_t l = 0; l < a.layers; ++l) {
+        const std::uint32_t layer[1] = {l};
+        CopyRequest req{&d.space, &out, src, dst, layer, kAllRoles, CopyStrategy::kSmKernel};
+        if (checksummed) req.checksums = reinterpret_cast<std::uint64_t*>(ck.data());
+        KVTIER_RETURN_IF_ERROR(d.engine->copy(req, *stream).status());
+      }
+    }
+    KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    (checksummed ? r.checksummed : r.plain) = static_cast<double>(a.iters) * a.layers * p.src.size() * bb / secs / 1e9;
+  }
+  KVTIER_RETURN_IF_ERROR(d.engine->forget_stream(*stream));
+  return r;
+}
+
 int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n) {
   auto side = make_device_side(a.backend, layout, n, std::byte{1});
   if (!side.ok()) {
@@ -237,6 +429,7 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
 
 int run_prefill(const PdArgs& a) {
   alarm(300);
+  if (a.lane == "direct") return run_prefill_direct(a);
   if (a.memory == "device") {
     auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
     if (!layout.ok()) return 5;
@@ -281,7 +474,15 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                           const std::string& memory) {
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
   const std::uint64_t n = blocks_for(a, block_bytes);
-  const bool staged = memory == "device";
+  const bool direct = lane == "direct";
+  const bool staged = memory == "device" && !direct;
+  if (direct && memory != "device") return NotSupported("the direct lane moves device memory only (--memory device)");
+  std::optional<DirectSide> direct_side;
+  DirectPlan plan;
+  if (direct) {
+    plan = direct_plan(a, block_bytes);
+    KVTIER_ASSIGN_OR_RETURN(direct_side, make_direct_side(layout, plan.pool, false));
+  }
   // Declaration order is destruction order in reverse: endpoints, then the transport, then the memory.
   Blocks blocks;
   std::optional<DeviceSide> side;
@@ -290,12 +491,18 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   } else {
     KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n, std::byte{0x40}));
   }
-  KVTIER_ASSIGN_OR_RETURN(
-      auto t, lane_transport({"bench-decode", layout.fingerprint(), 1, 0}, lane));
+  KVTIER_ASSIGN_OR_RETURN(auto t, direct ? direct_transport({"bench-decode", layout.fingerprint(), 1, 0})
+                                         : lane_transport({"bench-decode", layout.fingerprint(), 1, 0}, lane));
   std::unique_ptr<transport::PdDecode> plain;
   std::unique_ptr<transport::PdStagedDecode> sdec;
   DecodeOps dec;
-  if (staged) {
+  if (direct) {
+    transport::PdOptions o = kPdOptions;
+    o.engine = direct_side->engine.get();
+    KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, direct_side->space, o));
+    dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst); },
+           [&](auto id) { return plain->wait(id, 60s, true); }, [&](auto id) { return plain->forget(id); }};
+  } else if (staged) {
     transport::StagedOptions so;
     so.pd = kPdOptions;
     KVTIER_ASSIGN_OR_RETURN(sdec, transport::PdStagedDecode::create(*t, *side->device, *side->engine, side->space,
@@ -343,7 +550,9 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      "--memory-one",
                                      memory,
                                      "--backend",
-                                     backend};
+                                     backend,
+                                     "--pool-bytes",
+                                     std::to_string(a.pool_bytes)};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -387,6 +596,11 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   const double bytes = static_cast<double>(a.iters) * a.layers * n * block_bytes;
   KVTIER_RETURN_IF_ERROR(finish(Status::Ok()));
   if (staged) KVTIER_RETURN_IF_ERROR(check_device_bytes(*side, std::byte{1}));
+  if (direct) {
+    KVTIER_RETURN_IF_ERROR(check_direct_bytes(*direct_side, plan));
+    plain.reset();
+    KVTIER_ASSIGN_OR_RETURN(g_last_gather, run_gather(a, *direct_side, plan));
+  }
   return bytes / secs / 1e9;
 }
 
@@ -428,8 +642,8 @@ int run_bench(const PdArgs& a) {
     for (const auto& m : a.modes) {
       const PdMode mode = m == "pull" ? PdMode::kPull : PdMode::kPush;
       for (std::uint64_t bs : a.block_sizes) {
-        Result<double> p =
-            a.no_perftest ? Result<double>(NotSupported("skipped")) : run_perftest(lane, mode, bs, port++);
+        Result<double> p = a.no_perftest || lane == "direct" ? Result<double>(NotSupported("skipped"))
+                                                             : run_perftest(lane, mode, bs, port++);
         std::optional<double> host_gbps;
         for (const auto& memory : a.memories) {
           auto g = run_decode(a, lane, mode, bs, memory);
@@ -457,6 +671,13 @@ int run_bench(const PdArgs& a) {
             j["gbps"] = *g;
             j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
             j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+            if (lane == "direct") {
+              j["pool_blocks"] = direct_plan(a, bs).pool;
+              j["gather_gbps"] = g_last_gather.plain;
+              j["gather_checksummed_gbps"] = g_last_gather.checksummed;
+              j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
+              j["bytes_checked"] = true;
+            }
             if (memory != "host") {
               j["backend"] = a.backend == "auto" ? (cuda_device_count() > 0 ? "cuda" : "host") : a.backend;
               j["host_gbps"] = host_gbps ? nlohmann::json(*host_gbps) : nlohmann::json(nullptr);
@@ -465,7 +686,10 @@ int run_bench(const PdArgs& a) {
             if (!p.ok()) j["ucx_perftest_error"] = p.status().to_string();
             std::printf("%s\n", j.dump().c_str());
           } else {
-            const std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
+            std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
+            if (lane == "direct")
+              th = fmt::format("gather {:.1f} ({:.1f} ck) ratio {:.2f}", g_last_gather.plain, g_last_gather.checksummed,
+                               g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0);
             std::printf("%-5s %-5s %-6s %12llu %8llu %10.2f %18.2f %7.2f %13s\n", lane.c_str(), m.c_str(),
                         memory.c_str(), static_cast<unsigned long long>(bs),
                         static_cast<unsigned long long>(blocks_for(a, bs)), *g, pg, ratio, th.c_str());
@@ -483,7 +707,11 @@ int run_bench(const PdArgs& a) {
 Action register_bench_pd(CLI::App& bench) {
   auto a = std::make_shared<PdArgs>();
   auto* cmd = bench.add_subcommand("pd", "Prefill/decode KV transfer between two processes (UCX) vs ucx_perftest");
-  cmd->add_option("--lanes", a->lanes, "lanes: tcp (UCX, 127.0.0.1), shm (UCX), ipc (kvtier's same-host backend)")->delimiter(',');
+  cmd->add_option("--lanes", a->lanes,
+                  "lanes: tcp (UCX, 127.0.0.1), shm (UCX), ipc (kvtier's same-host backend), direct (the device lane: "
+                  "CUDA IPC, copy kernels, --memory device)")
+      ->delimiter(',');
+  cmd->add_option("--pool-bytes", a->pool_bytes, "direct lane: bytes of the pool per side the blocks are taken from");
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,
                   "host (pinned host blocks), device (device blocks through the staged path); both: host,device")
@@ -506,8 +734,15 @@ Action register_bench_pd(CLI::App& bench) {
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
     for (const auto& l : a->lanes)
-      if (l != "tcp" && l != "shm" && l != "ipc") {
-        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm or ipc\n", l.c_str());
+      if (l != "tcp" && l != "shm" && l != "ipc" && l != "direct") {
+        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm, ipc or direct\n", l.c_str());
+        return 2;
+      }
+    for (const auto& l : a->lanes)
+      if (l == "direct" && (cuda_device_count() == 0 || a->backend == "host")) {
+        std::fprintf(stderr,
+                     "kvtier bench pd: the direct lane needs CUDA memory: no CUDA device is visible "
+                     "(or --backend host)\n");
         return 2;
       }
     for (const auto& m : a->modes)

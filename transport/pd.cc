@@ -243,13 +243,20 @@ class Endpoint {
   virtual void on_message(const Notification& n, char type, TransferId id, Parse& p) = 0;
   virtual void tick(Clock::time_point now) = 0;
 
+  // True while device lane kernels run whose completion the progress thread must notice (under mu_).
+  virtual bool lane_busy() const = 0;
+
   void loop() {
     for (;;) {
+      bool busy = false;
       {
         std::lock_guard lock(mu_);
         if (stop_) return;
+        busy = lane_busy();
       }
-      auto got = t_.wait_notifications(std::chrono::milliseconds(1));
+      // A kernel's completion is seen only by polling its event: while one runs, look again soon, so a layer's
+      // notification does not wait a whole idle period behind it.
+      auto got = t_.wait_notifications(busy ? std::chrono::microseconds(20) : std::chrono::microseconds(1000));
       std::lock_guard lock(mu_);
       if (got.ok()) {
         for (const Notification& n : *got) {
@@ -500,6 +507,13 @@ class Prefill final : public PdPrefill, public Endpoint {
     Status error;
     std::unique_ptr<LaneBuffers> lane;  // device lane
   };
+
+  bool lane_busy() const override {
+    for (const auto& [id, x] : xfers_)
+      for (const L& l : x.layers)
+        if (l.lane_pending) return true;
+    return false;
+  }
 
   static bool writes_quiet(const X& x) {
     for (const L& l : x.layers)
@@ -861,6 +875,13 @@ class Decode final : public PdDecode, public Endpoint {
     std::vector<std::vector<std::uint64_t>> expected;
     std::vector<std::uint8_t> lane_pending;
   };
+
+  bool lane_busy() const override {
+    for (const auto& [id, x] : xfers_)
+      for (std::uint8_t p : x.lane_pending)
+        if (p != 0) return true;
+    return false;
+  }
 
   bool all_final(const X& x) const {
     for (LayerState s : x.layers)
