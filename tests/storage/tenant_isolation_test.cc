@@ -611,10 +611,10 @@ struct RedisCase {
 void PrintTo(const RedisCase& c, std::ostream* os) { *os << c.name; }
 
 // The ACL users of scripts/start-test-services.sh: each limited to its tenant's key prefix and to
-// the commands the backend sends (GET SET DEL STRLEN, PING, and in a cluster CLUSTER SLOTS and ASKING).
+// the commands the backend sends (GETRANGE SET DEL STRLEN, PING, and in a cluster CLUSTER SLOTS and ASKING).
 const std::vector<std::string>& acl_rule_tail() {
-  static const std::vector<std::string> tail{"resetchannels", "-@all", "+get",    "+set",          "+del",
-                                             "+strlen",       "+ping", "+asking", "+cluster|slots"};
+  static const std::vector<std::string> tail{"resetchannels", "-@all", "+getrange", "+set",          "+del",
+                                             "+strlen",       "+ping", "+asking",   "+cluster|slots"};
   return tail;
 }
 
