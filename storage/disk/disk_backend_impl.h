@@ -32,6 +32,7 @@
 
 #include "kvtier/core/log.h"
 #include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/disk_fault.h"
 #include "storage/region_set.h"
 
 namespace kvtier::storage::disk {
@@ -115,9 +116,10 @@ inline Result<ScopedFd> open_regular(int dirfd, const std::string& name, const s
 // euid; with `private_mode` also that it is no more open than `mode`. A link planted there, or a
 // directory another user created first, would otherwise let the backend delete, overwrite or
 // move files outside its root (the rebuild empties incoming/, trims quarantine/, recycles free/).
-// FailedPrecondition naming `shown` for each refusal; NotFound when absent and !create.
+// FailedPrecondition naming `shown` for each refusal; NotFound when absent and !create. The
+// mkdirat goes through `faults` (tests) when set.
 Result<ScopedFd> open_owned_dir(int parent, const std::string& name, const std::string& shown, mode_t mode, bool create,
-                                bool private_mode);
+                                bool private_mode, DiskFaultInjector* faults = nullptr);
 
 // The names in directory `dirfd` (read through a fresh open of it, so `dirfd` keeps its offset).
 Result<std::vector<std::string>> list_dir(int dirfd, const std::string& shown);

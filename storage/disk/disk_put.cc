@@ -84,18 +84,21 @@ void DiskBackend::start_put(IoOp* op) {
       op->disk_bytes = op->file_bytes;
     }
   }
+  int create_err = 0;
   if (!op->recycled) {
     // New files share one directory: ext4 places a new file's blocks near its directory, so
     // concurrent puts write one region of the disk instead of one region per shard directory.
     op->tmp_dir = incoming_fd_.get();
     op->tmp_name = fmt::format("{}{}{}.{}", key.to_string(), kTmpMarker, ::getpid(), ++seq_);
     op->tmp_path = fmt::format("{}/incoming/{}", dir_, op->tmp_name);
-    op->fd = ScopedFd(::openat(op->tmp_dir, op->tmp_name.c_str(),
-                               O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0),
-                               static_cast<mode_t>(config_.file_mode)));
+    const int fd = create_at(config_.fault_injector.get(), DiskFaultOp::kCreate, op->tmp_dir, op->tmp_name.c_str(),
+                             O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0),
+                             config_.file_mode, std::span<const StorageKey>(&op->item.key, 1));
+    if (fd >= 0) op->fd = ScopedFd(fd);
+    create_err = fd >= 0 ? 0 : -fd;
   }
   if (op->fd.get() < 0) {
-    const int err = errno;
+    const int err = create_err;
     return fail_put(op, err == ENOSPC ? ResourceExhausted(fmt::format("create {}: {}", op->tmp_path, errno_text(err)))
                                       : Unavailable(fmt::format("create {}: {}", op->tmp_path, errno_text(err))));
   }
@@ -109,8 +112,9 @@ void DiskBackend::start_put(IoOp* op) {
 Status DiskBackend::ensure_shard(std::uint32_t s) {
   if (shard_fds_[s].get() >= 0) return Status::Ok();
   // Checked as at create: a link or another user's directory planted since is refused.
-  KVTIER_ASSIGN_OR_RETURN(ScopedFd fd, open_owned_dir(dir_fd_.get(), shard_name(s), shard_dir(s),
-                                                      static_cast<mode_t>(config_.dir_mode), true, false));
+  KVTIER_ASSIGN_OR_RETURN(
+      ScopedFd fd, open_owned_dir(dir_fd_.get(), shard_name(s), shard_dir(s), static_cast<mode_t>(config_.dir_mode),
+                                  true, false, config_.fault_injector.get()));
   // A new shard directory must itself be durable before objects in it are acknowledged. Also when
   // mkdir found it: an earlier put (or run) may have created it and then failed, or died, before
   // this fsync. Once per shard and process.
