@@ -39,7 +39,7 @@ Status mkdir_p(const std::string& path, mode_t mode, DiskFaultInjector* faults) 
     cur = path.substr(0, pos);
     if (cur.empty()) continue;
     if (const int rc = mkdir_at(faults, AT_FDCWD, cur.c_str(), mode); rc != 0 && rc != -EEXIST)
-      return Unavailable(fmt::format("mkdir {}: {}", cur, errno_text(-rc)));
+      return fs_error(-rc, fmt::format("mkdir {}", cur));
   }
   return Status::Ok();
 }
@@ -95,11 +95,8 @@ std::string filesystem_type(const std::string& path) {
 
 Result<ScopedFd> open_owned_dir(int parent, const std::string& name, const std::string& shown, mode_t mode, bool create,
                                 bool private_mode, DiskFaultInjector* faults) {
-  if (const int rc = create ? mkdir_at(faults, parent, name.c_str(), mode) : 0; rc != 0 && rc != -EEXIST) {
-    const int err = -rc;
-    return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", shown, errno_text(err)))
-                         : Unavailable(fmt::format("mkdir {}: {}", shown, errno_text(err)));
-  }
+  if (const int rc = create ? mkdir_at(faults, parent, name.c_str(), mode) : 0; rc != 0 && rc != -EEXIST)
+    return fs_error(-rc, fmt::format("mkdir {}", shown));
   ScopedFd fd(::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (fd.get() < 0) {
     const int err = errno;
@@ -172,7 +169,7 @@ Status DiskBackend::init() {
   max_free_files_ = config_.max_free_files;
   const int lock = create_at(config_.fault_injector.get(), DiskFaultOp::kCreate, dir_fd_.get(), "LOCK",
                              O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, config_.file_mode);
-  if (lock < 0) return Unavailable(fmt::format("open {}/LOCK: {}", dir_, errno_text(-lock)));
+  if (lock < 0) return fs_error(-lock, fmt::format("open {}/LOCK", dir_));
   lock_fd_ = ScopedFd(lock);
   if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0)
     return FailedPrecondition(fmt::format("disk backend directory {} is locked by another process", dir_));
@@ -298,6 +295,7 @@ StorageStats DiskBackend::stats() const {
   s.quarantined = quarantined_;
   s.auth_failures = auth_failures_;
   s.bounce_copies = bounce_copies_.load();
+  s.direct_io_fallback = direct_io_fallback_ ? 1 : 0;
   return s;
 }
 
@@ -333,6 +331,7 @@ void DiskBackend::wake() {
 
 Status DiskBackend::probe_direct_io() {
   direct_ = false;
+  direct_io_fallback_ = false;
   if (config_.direct_io == DirectIo::kOff) return Status::Ok();
   const char* probe = ".direct_probe";
   // Created new (O_EXCL): an existing name, link or not, is never opened for writing.
@@ -341,22 +340,37 @@ Status DiskBackend::probe_direct_io() {
                                 O_CREAT | O_EXCL | O_WRONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW, config_.file_mode);
   ScopedFd fd(created >= 0 ? created : -1);
   int err = created >= 0 ? 0 : -created;
-  bool ok = fd.get() >= 0;
-  if (ok) {
+  if (fd.get() >= 0) {
     AlignedBuf b = alloc_aligned(kAlign);
+    if (!b) {
+      fd.reset();
+      ::unlinkat(dir_fd_.get(), probe, 0);
+      return ResourceExhausted(fmt::format("out of memory for the O_DIRECT probe of {}", dir_));
+    }
     std::memset(b.get(), 0, kAlign);
-    ok = ::pwrite(fd.get(), b.get(), kAlign, 0) == static_cast<ssize_t>(kAlign);
-    err = errno;
+    const ssize_t n = ::pwrite(fd.get(), b.get(), kAlign, 0);
+    err = n == static_cast<ssize_t>(kAlign) ? 0 : n < 0 ? errno : EIO;  // a short write: nothing more to say
   }
   fd.reset();
   ::unlinkat(dir_fd_.get(), probe, 0);
-  if (ok) {
+  if (err == 0) {
     direct_ = true;
     return Status::Ok();
   }
+  // A full disk (no inode or block for the probe's file) says nothing about O_DIRECT.
+  const bool full = out_of_space(err);
   if (config_.direct_io == DirectIo::kOn)
-    return NotSupported(fmt::format("O_DIRECT refused on {}: {}", dir_, errno_text(err)));
-  log_line(fmt::format("O_DIRECT refused on {} ({}); using buffered I/O", dir_, errno_text(err)), LogLevel::kInfo);
+    return full ? ResourceExhausted(fmt::format("O_DIRECT probe on {} could not run: {}", dir_, errno_text(err)))
+                : NotSupported(fmt::format("O_DIRECT refused on {}: {}", dir_, errno_text(err)));
+  // Buffered for the backend's whole life (page cache, bounce copies, no zero-copy path): worth
+  // a warning and a metric (StorageStats::direct_io_fallback), not an info line alone.
+  direct_io_fallback_ = true;
+  log_line(full ? fmt::format("O_DIRECT probe on {} could not run ({}); using buffered I/O for this backend's life "
+                              "(create it again once the disk has room to use O_DIRECT)",
+                              dir_, errno_text(err))
+                : fmt::format("O_DIRECT refused on {} ({}); using buffered I/O for this backend's life", dir_,
+                              errno_text(err)),
+           LogLevel::kWarning);
   return Status::Ok();
 }
 

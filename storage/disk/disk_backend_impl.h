@@ -47,6 +47,17 @@ inline bool aligned(const void* p, std::uint64_t a) { return reinterpret_cast<st
 
 inline std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
 
+// The medium is full: out of blocks or inodes (ENOSPC), over a quota (EDQUOT), or a file over
+// the size limit (EFBIG).
+inline bool out_of_space(int err) { return err == ENOSPC || err == EDQUOT || err == EFBIG; }
+
+// The Status of a call that failed with `err` on the medium ("<what>: <error>"): ResourceExhausted
+// when out_of_space(err) (the disk is full: evict, do not retry elsewhere), else Unavailable.
+inline Status fs_error(int err, std::string_view what) {
+  std::string msg = fmt::format("{}: {}", what, errno_text(err));
+  return out_of_space(err) ? ResourceExhausted(std::move(msg)) : Unavailable(std::move(msg));
+}
+
 // Warning by default: a quarantined object or a foreign file in the directory.
 inline void log_line(const std::string& s, LogLevel level = LogLevel::kWarning) {
   kvtier::log(level, "storage/disk", s);
@@ -251,6 +262,7 @@ class DiskBackend final : public StorageBackend {
   std::uint64_t ns_digest_ = 0;
   std::string dir_;
   bool direct_ = false;
+  bool direct_io_fallback_ = false;  // kAuto and the probe failed: buffered for the backend's life
   bool journal_covers_direct_ = false;
   std::string fs_type_;
   std::uint64_t header_size_ = kAlign;

@@ -99,8 +99,7 @@ void DiskBackend::start_put(IoOp* op) {
   }
   if (op->fd.get() < 0) {
     const int err = create_err;
-    return fail_put(op, err == ENOSPC ? ResourceExhausted(fmt::format("create {}: {}", op->tmp_path, errno_text(err)))
-                                      : Unavailable(fmt::format("create {}: {}", op->tmp_path, errno_text(err))));
+    return fail_put(op, fs_error(err, fmt::format("create {}", op->tmp_path)));
   }
   op->stage = IoOp::Stage::kWrite;
   op->total = op->file_bytes;
@@ -120,7 +119,7 @@ Status DiskBackend::ensure_shard(std::uint32_t s) {
   // this fsync. Once per shard and process.
   if (config_.durability == Durability::kPowerLoss) {
     if (const int rc = fsync_directory(config_.fault_injector.get(), dir_fd_.get()); rc != 0)
-      return Unavailable(fmt::format("fsync {}: {}", dir_, errno_text(-rc)));
+      return fs_error(-rc, fmt::format("fsync {}", dir_));
   }
   std::lock_guard<std::mutex> lk(index_mu_);  // shard_fd() readers on other threads hold it
   shard_fds_[s] = std::move(fd);
@@ -140,10 +139,7 @@ void DiskBackend::fail_put(IoOp* op, Status st) {
 void DiskBackend::on_op_cqe(IoOp* op, int res) {
   switch (op->stage) {
     case IoOp::Stage::kWrite: {
-      if (res < 0)
-        return fail_put(op, res == -ENOSPC || res == -EFBIG || res == -EDQUOT
-                                ? ResourceExhausted(fmt::format("write {}: {}", op->tmp_path, errno_text(-res)))
-                                : Unavailable(fmt::format("write {}: {}", op->tmp_path, errno_text(-res))));
+      if (res < 0) return fail_put(op, fs_error(-res, fmt::format("write {}", op->tmp_path)));
       if (res == 0) return fail_put(op, ResourceExhausted(fmt::format("write {}: no progress", op->tmp_path)));
       if (op->file_offset + static_cast<std::uint64_t>(res) < op->total) {
         advance(op, static_cast<std::uint64_t>(res));
@@ -162,10 +158,7 @@ void DiskBackend::on_op_cqe(IoOp* op, int res) {
       return commit_put(op);
     }
     case IoOp::Stage::kFileSync:
-      if (res < 0)
-        return fail_put(op, res == -ENOSPC
-                                ? ResourceExhausted(fmt::format("fdatasync {}: {}", op->tmp_path, errno_text(-res)))
-                                : Unavailable(fmt::format("fdatasync {}: {}", op->tmp_path, errno_text(-res))));
+      if (res < 0) return fail_put(op, fs_error(-res, fmt::format("fdatasync {}", op->tmp_path)));
       return commit_put(op);
     case IoOp::Stage::kDirSync: return;  // completions come through DirSync
     case IoOp::Stage::kRead: return on_read(op, res);
@@ -185,7 +178,7 @@ void DiskBackend::commit_put(IoOp* op) {
     if (exchanged) recycle_or_unlink_locked(op->tmp_dir, op->tmp_name, old->second.file_bytes, op->item.key);
   }
   if (!exchanged && ::renameat(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str()) != 0) {
-    Status st = Unavailable(fmt::format("rename {} -> {}: {}", op->tmp_path, op->final_path, errno_text(errno)));
+    Status st = fs_error(errno, fmt::format("rename {} -> {}", op->tmp_path, op->final_path));
     reserved_bytes_ -= op->file_bytes;
     ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
     op->tmp_name.clear();
@@ -218,7 +211,7 @@ void DiskBackend::on_dir_sync_cqe(DirSync* ds, int res) {
   for (IoOp* op : covered) {
     // The object is visible already; a failed directory sync only weakens power-loss durability.
     if (res < 0)
-      finish(op, Unavailable(fmt::format("fsync of directory {}: {}", shard_dir(ds->shard), errno_text(-res))));
+      finish(op, fs_error(-res, fmt::format("fsync of directory {}", shard_dir(ds->shard))));
     else
       finish(op, Status::Ok(), op->payload_bytes);
   }
