@@ -895,8 +895,10 @@ class RedisBackend final : public StorageBackend {
     for (std::size_t i = 0; i < refused.size(); ++i) {
       Work& w = *refused[i];
       const std::uint64_t limit = value_limit(w.item.bytes);
-      const std::string stored = sizes[i].last.ok() ? fmt::format("stored value of {} bytes", sizes[i].stored_len)
-                                                    : fmt::format("stored value (over {} bytes)", limit);
+      // A length that fits means the value changed since the GETRANGE: then only the bound is known.
+      const bool known = sizes[i].last.ok() && sizes[i].stored_len > limit;
+      const std::string stored = known ? fmt::format("stored value of {} bytes", sizes[i].stored_len)
+                                       : fmt::format("stored value (over {} bytes)", limit);
       w.last = InvalidArgument(fmt::format(
           "get {}: {} is longer than the {}-byte header plus the destination capacity of {} bytes; refused after "
           "reading at most {} bytes of it",
