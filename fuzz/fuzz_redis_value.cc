@@ -1,7 +1,7 @@
 // Fuzzes the Redis backend's value parsing through its own entry point: a get of one key from a
-// backend connected to a small in-process server (loopback) that answers every GET with the
-// input. The backend decodes the value as an object (header, identity, exact size, checksum)
-// before it copies any byte into the destination.
+// backend connected to a small in-process server (loopback) that answers every GETRANGE (what a
+// get sends) with the requested range of the input. The backend decodes the value as an object
+// (header, identity, exact size, checksum) before it copies any byte into the destination.
 //
 // Input: one control byte, then the value.
 //   bit 0  copy the expected identity (namespace, layout, key, rank) into the header
@@ -9,7 +9,9 @@
 //   bits 2-3 destination capacity: the header's payload size (at most 1 MiB), 0, 128, 1 MiB
 //
 // Invariants: the get completes within its deadline; reported OK, it returned exactly the
-// value's payload, and the value is exactly header + payload long.
+// value's payload, and the value is exactly header + payload long; the server never had to send
+// more than the backend's header + the destination's capacity + 1 bytes of the value (a value
+// longer than that is refused without being read whole).
 //
 // KVTIER_FUZZ_WRITE_SEEDS=<dir>: writes the values the backend stores as seed inputs there.
 #include <arpa/inet.h>
@@ -17,9 +19,11 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -44,8 +48,9 @@ using storage::testing::wait_readable;
 
 constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
 
-// Answers GET with the current value whatever the key; keeps the last SET value. The harness
-// lives for the whole process, so its threads are never joined.
+// Answers GETRANGE with that range of the current value whatever the key (STRLEN with its
+// length); keeps the last SET value and the length of the last range sent. The harness lives for
+// the whole process, so its threads are never joined.
 class ValueServer {
  public:
   ValueServer() {
@@ -64,10 +69,15 @@ class ValueServer {
   void set_value(std::string v) {
     std::lock_guard<std::mutex> lk(mu_);
     value_ = std::move(v);
+    last_range_bytes_ = 0;
   }
   std::string last_set() {
     std::lock_guard<std::mutex> lk(mu_);
     return last_set_;
+  }
+  std::size_t last_range_bytes() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return last_range_bytes_;
   }
 
  private:
@@ -96,7 +106,16 @@ class ValueServer {
   std::string reply(const std::vector<std::string>& a) {
     const std::string cmd = a.empty() ? "" : a[0];
     std::lock_guard<std::mutex> lk(mu_);
-    if (cmd == "GET") return fmt::format("${}\r\n", value_.size()) + value_ + "\r\n";
+    if (cmd == "GETRANGE" && a.size() == 4) {
+      // Redis's rule for non-negative bounds: [start, end] clamped to the value, end inclusive.
+      const unsigned long long lo = std::strtoull(a[2].c_str(), nullptr, 10);
+      const unsigned long long hi = std::strtoull(a[3].c_str(), nullptr, 10);
+      std::string part;
+      if (lo < value_.size() && lo <= hi)
+        part = value_.substr(lo, hi - lo < value_.size() ? hi - lo + 1 : value_.size());
+      last_range_bytes_ = part.size();
+      return fmt::format("${}\r\n", part.size()) + part + "\r\n";
+    }
     if (cmd == "SET" && a.size() >= 3) {
       last_set_ = a[2];
       return "+OK\r\n";
@@ -113,6 +132,7 @@ class ValueServer {
   std::mutex mu_;
   std::string value_;
   std::string last_set_;
+  std::size_t last_range_bytes_ = 0;
 };
 
 struct State {
@@ -120,6 +140,7 @@ struct State {
   std::unique_ptr<storage::StorageBackend> backend;
   StorageKey key = StorageKey::from_u64(0x1111222233334444ULL, 0x5555666677778888ULL, 1);
   std::vector<std::byte> reference;  // the value the backend stored for `key`
+  std::uint64_t header_bytes = 0;    // the backend's object header (the reference's)
 };
 
 State* init_state() {
@@ -155,6 +176,7 @@ State* init_state() {
         KVTIER_FUZZ_CHECK(write_file(fmt::format("{}/value-{}", seeds, n++), seed.data(), seed.size()));
       }
   }
+  s->header_bytes = load_le(s->reference.data() + kOffHeaderSize, 4);
   return s;
 }
 
@@ -185,6 +207,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   KVTIER_FUZZ_CHECK(t.ok());
   KVTIER_FUZZ_CHECK(t->wait(std::chrono::seconds(20)).ok());
   const ItemResult r = t->item(0);
+  KVTIER_FUZZ_CHECK(s->server.last_range_bytes() <= s->header_bytes + cap + 1);
   if (r.status.ok()) {
     KVTIER_FUZZ_CHECK(value.size() >= kFixedHeader);
     const std::uint64_t hs = load_le(value.data() + kOffHeaderSize, 4);

@@ -63,6 +63,10 @@ Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels
                           reg.gauge("kvtier_storage_stored_bytes", "Bytes on the medium, headers included.", base));
   KVTIER_ASSIGN_OR_RETURN(m->capacity_bytes,
                           reg.gauge("kvtier_storage_capacity_bytes", "Capacity of the medium (0: unlimited).", base));
+  KVTIER_ASSIGN_OR_RETURN(
+      m->direct_io_fallback,
+      reg.gauge("kvtier_storage_direct_io_fallback",
+                "1 when the disk backend's O_DIRECT probe failed and it runs on buffered I/O for its life.", base));
   auto counter = [&](StorageTierMetrics::Delta& d, const char* name, const char* help) -> Status {
     KVTIER_ASSIGN_OR_RETURN(d.c, reg.counter(name, help, base));
     return Status::Ok();
@@ -86,6 +90,7 @@ Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels
     raw->objects->set(static_cast<double>(s.objects));
     raw->stored_bytes->set(static_cast<double>(s.bytes));
     raw->capacity_bytes->set(static_cast<double>(s.capacity_bytes));
+    raw->direct_io_fallback->set(static_cast<double>(s.direct_io_fallback));
     raw->evictions.to(s.evictions);
     raw->quarantined.to(s.quarantined);
     raw->auth_failures.to(s.auth_failures);

@@ -19,6 +19,7 @@ struct StorageTierMetrics {
   metrics::Gauge* objects = nullptr;
   metrics::Gauge* stored_bytes = nullptr;
   metrics::Gauge* capacity_bytes = nullptr;
+  metrics::Gauge* direct_io_fallback = nullptr;
   Delta evictions, quarantined, auth_failures, bounce_copies, redirects, reconnects;
 };
 

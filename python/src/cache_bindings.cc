@@ -392,6 +392,7 @@ void bind_cache(nb::module_& m) {
         d["bounce_copies"] = s.bounce_copies;
         d["redirects"] = s.redirects;
         d["reconnects"] = s.reconnects;
+        d["direct_io_fallback"] = s.direct_io_fallback;
         return d;
       });
 }

@@ -31,15 +31,15 @@ namespace {
 
 // Only for the root's own path, which the operator chose; below the root every directory is
 // created and opened through its parent's fd (open_owned_dir()).
-Status mkdir_p(const std::string& path, mode_t mode) {
+Status mkdir_p(const std::string& path, mode_t mode, DiskFaultInjector* faults) {
   std::string cur;
   std::size_t pos = 0;
   while (pos != std::string::npos) {
     pos = path.find('/', pos + 1);
     cur = path.substr(0, pos);
     if (cur.empty()) continue;
-    if (::mkdir(cur.c_str(), mode) != 0 && errno != EEXIST)
-      return Unavailable(fmt::format("mkdir {}: {}", cur, errno_text(errno)));
+    if (const int rc = mkdir_at(faults, AT_FDCWD, cur.c_str(), mode); rc != 0 && rc != -EEXIST)
+      return fs_error(-rc, fmt::format("mkdir {}", cur));
   }
   return Status::Ok();
 }
@@ -48,14 +48,14 @@ Status mkdir_p(const std::string& path, mode_t mode) {
 // be a directory that only we (or root) can change. A root owned by another user, or one that
 // others may write into without the sticky bit, would let them rename our namespace directory
 // away and plant a link or a directory of their own in its place between two of our runs.
-Result<ScopedFd> open_root(const std::string& root, mode_t mode) {
+Result<ScopedFd> open_root(const std::string& root, mode_t mode, DiskFaultInjector* faults) {
   const uid_t me = ::geteuid();
   struct stat lsb {};
   // The root's own name a link that another user planted (say in /tmp) would choose where we write.
   if (::lstat(root.c_str(), &lsb) == 0 && S_ISLNK(lsb.st_mode) && lsb.st_uid != me && lsb.st_uid != 0)
     return FailedPrecondition(fmt::format(
         "disk root {} is a symbolic link owned by uid {}, not by this process (uid {})", root, lsb.st_uid, me));
-  KVTIER_RETURN_IF_ERROR(mkdir_p(root, mode));
+  KVTIER_RETURN_IF_ERROR(mkdir_p(root, mode, faults));
   ScopedFd fd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) return Unavailable(fmt::format("open disk root {}: {}", root, errno_text(errno)));
   struct stat sb {};
@@ -94,12 +94,9 @@ std::string filesystem_type(const std::string& path) {
 }  // namespace
 
 Result<ScopedFd> open_owned_dir(int parent, const std::string& name, const std::string& shown, mode_t mode, bool create,
-                                bool private_mode) {
-  if (create && ::mkdirat(parent, name.c_str(), mode) != 0 && errno != EEXIST) {
-    const int err = errno;
-    return err == ENOSPC ? ResourceExhausted(fmt::format("mkdir {}: {}", shown, errno_text(err)))
-                         : Unavailable(fmt::format("mkdir {}: {}", shown, errno_text(err)));
-  }
+                                bool private_mode, DiskFaultInjector* faults) {
+  if (const int rc = create ? mkdir_at(faults, parent, name.c_str(), mode) : 0; rc != 0 && rc != -EEXIST)
+    return fs_error(-rc, fmt::format("mkdir {}", shown));
   ScopedFd fd(::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (fd.get() < 0) {
     const int err = errno;
@@ -170,9 +167,10 @@ Status DiskBackend::init() {
                     config_.file_mode, config_.dir_mode));
   KVTIER_RETURN_IF_ERROR(open_directories());
   max_free_files_ = config_.max_free_files;
-  lock_fd_ = ScopedFd(::openat(dir_fd_.get(), "LOCK", O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW,
-                               static_cast<mode_t>(config_.file_mode)));
-  if (lock_fd_.get() < 0) return Unavailable(fmt::format("open {}/LOCK: {}", dir_, errno_text(errno)));
+  const int lock = create_at(config_.fault_injector.get(), DiskFaultOp::kCreate, dir_fd_.get(), "LOCK",
+                             O_CREAT | O_RDWR | O_CLOEXEC | O_NOFOLLOW, config_.file_mode);
+  if (lock < 0) return fs_error(-lock, fmt::format("open {}/LOCK", dir_));
+  lock_fd_ = ScopedFd(lock);
   if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0)
     return FailedPrecondition(fmt::format("disk backend directory {} is locked by another process", dir_));
   header_size_ = format::header_bytes(options_, kAlign);
@@ -202,22 +200,23 @@ Status DiskBackend::init() {
 // writes); the namespace directory and its subdirectories must be ours and not links.
 Status DiskBackend::open_directories() {
   const mode_t dmode = static_cast<mode_t>(config_.dir_mode);
-  KVTIER_ASSIGN_OR_RETURN(root_fd_, open_root(config_.root, dmode));
+  DiskFaultInjector* const faults = config_.fault_injector.get();
+  KVTIER_ASSIGN_OR_RETURN(root_fd_, open_root(config_.root, dmode, faults));
   std::string base = config_.root;
   if (options_.tenant.empty()) {
     base_fd_ = ScopedFd(::fcntl(root_fd_.get(), F_DUPFD_CLOEXEC, 0));
     if (base_fd_.get() < 0) return Unavailable(fmt::format("dup: {}", errno_text(errno)));
   } else {
     base = config_.root + "/" + options_.tenant;
-    KVTIER_ASSIGN_OR_RETURN(base_fd_, open_owned_dir(root_fd_.get(), options_.tenant, base, dmode, true, true));
+    KVTIER_ASSIGN_OR_RETURN(base_fd_, open_owned_dir(root_fd_.get(), options_.tenant, base, dmode, true, true, faults));
   }
   KVTIER_ASSIGN_OR_RETURN(dir_fd_, open_owned_dir(base_fd_.get(), dir_.substr(base.size() + 1), dir_, dmode, true,
-                                                  !options_.tenant.empty()));
-  KVTIER_ASSIGN_OR_RETURN(quarantine_fd_,
-                          open_owned_dir(dir_fd_.get(), "quarantine", dir_ + "/quarantine", dmode, true, false));
+                                                  !options_.tenant.empty(), faults));
+  KVTIER_ASSIGN_OR_RETURN(
+      quarantine_fd_, open_owned_dir(dir_fd_.get(), "quarantine", dir_ + "/quarantine", dmode, true, false, faults));
   KVTIER_ASSIGN_OR_RETURN(incoming_fd_,
-                          open_owned_dir(dir_fd_.get(), "incoming", dir_ + "/incoming", dmode, true, false));
-  KVTIER_ASSIGN_OR_RETURN(free_fd_, open_owned_dir(dir_fd_.get(), "free", dir_ + "/free", dmode, true, false));
+                          open_owned_dir(dir_fd_.get(), "incoming", dir_ + "/incoming", dmode, true, false, faults));
+  KVTIER_ASSIGN_OR_RETURN(free_fd_, open_owned_dir(dir_fd_.get(), "free", dir_ + "/free", dmode, true, false, faults));
   return Status::Ok();
 }
 
@@ -296,6 +295,7 @@ StorageStats DiskBackend::stats() const {
   s.quarantined = quarantined_;
   s.auth_failures = auth_failures_;
   s.bounce_copies = bounce_copies_.load();
+  s.direct_io_fallback = direct_io_fallback_ ? 1 : 0;
   return s;
 }
 
@@ -331,29 +331,46 @@ void DiskBackend::wake() {
 
 Status DiskBackend::probe_direct_io() {
   direct_ = false;
+  direct_io_fallback_ = false;
   if (config_.direct_io == DirectIo::kOff) return Status::Ok();
   const char* probe = ".direct_probe";
   // Created new (O_EXCL): an existing name, link or not, is never opened for writing.
   ::unlinkat(dir_fd_.get(), probe, 0);
-  ScopedFd fd(::openat(dir_fd_.get(), probe, O_CREAT | O_EXCL | O_WRONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW,
-                       static_cast<mode_t>(config_.file_mode)));
-  int err = errno;
-  bool ok = fd.get() >= 0;
-  if (ok) {
+  const int created = create_at(config_.fault_injector.get(), DiskFaultOp::kDirectProbe, dir_fd_.get(), probe,
+                                O_CREAT | O_EXCL | O_WRONLY | O_DIRECT | O_CLOEXEC | O_NOFOLLOW, config_.file_mode);
+  ScopedFd fd(created >= 0 ? created : -1);
+  int err = created >= 0 ? 0 : -created;
+  if (fd.get() >= 0) {
     AlignedBuf b = alloc_aligned(kAlign);
+    if (!b) {
+      fd.reset();
+      ::unlinkat(dir_fd_.get(), probe, 0);
+      return ResourceExhausted(fmt::format("out of memory for the O_DIRECT probe of {}", dir_));
+    }
     std::memset(b.get(), 0, kAlign);
-    ok = ::pwrite(fd.get(), b.get(), kAlign, 0) == static_cast<ssize_t>(kAlign);
-    err = errno;
+    const ssize_t n = ::pwrite(fd.get(), b.get(), kAlign, 0);
+    err = n == static_cast<ssize_t>(kAlign) ? 0 : n < 0 ? errno : EIO;  // a short write: nothing more to say
   }
   fd.reset();
   ::unlinkat(dir_fd_.get(), probe, 0);
-  if (ok) {
+  if (err == 0) {
     direct_ = true;
     return Status::Ok();
   }
+  // A full disk (no inode or block for the probe's file) says nothing about O_DIRECT.
+  const bool full = out_of_space(err);
   if (config_.direct_io == DirectIo::kOn)
-    return NotSupported(fmt::format("O_DIRECT refused on {}: {}", dir_, errno_text(err)));
-  log_line(fmt::format("O_DIRECT refused on {} ({}); using buffered I/O", dir_, errno_text(err)), LogLevel::kInfo);
+    return full ? ResourceExhausted(fmt::format("O_DIRECT probe on {} could not run: {}", dir_, errno_text(err)))
+                : NotSupported(fmt::format("O_DIRECT refused on {}: {}", dir_, errno_text(err)));
+  // Buffered for the backend's whole life (page cache, bounce copies, no zero-copy path): worth
+  // a warning and a metric (StorageStats::direct_io_fallback), not an info line alone.
+  direct_io_fallback_ = true;
+  log_line(full ? fmt::format("O_DIRECT probe on {} could not run ({}); using buffered I/O for this backend's life "
+                              "(create it again once the disk has room to use O_DIRECT)",
+                              dir_, errno_text(err))
+                : fmt::format("O_DIRECT refused on {} ({}); using buffered I/O for this backend's life", dir_,
+                              errno_text(err)),
+           LogLevel::kWarning);
   return Status::Ok();
 }
 

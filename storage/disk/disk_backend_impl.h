@@ -32,6 +32,7 @@
 
 #include "kvtier/core/log.h"
 #include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/disk_fault.h"
 #include "storage/region_set.h"
 
 namespace kvtier::storage::disk {
@@ -45,6 +46,17 @@ inline std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a 
 inline bool aligned(const void* p, std::uint64_t a) { return reinterpret_cast<std::uintptr_t>(p) % a == 0; }
 
 inline std::string errno_text(int err) { return fmt::format("{} ({})", std::strerror(err), err); }
+
+// The medium is full: out of blocks or inodes (ENOSPC), over a quota (EDQUOT), or a file over
+// the size limit (EFBIG).
+inline bool out_of_space(int err) { return err == ENOSPC || err == EDQUOT || err == EFBIG; }
+
+// The Status of a call that failed with `err` on the medium ("<what>: <error>"): ResourceExhausted
+// when out_of_space(err) (the disk is full: evict, do not retry elsewhere), else Unavailable.
+inline Status fs_error(int err, std::string_view what) {
+  std::string msg = fmt::format("{}: {}", what, errno_text(err));
+  return out_of_space(err) ? ResourceExhausted(std::move(msg)) : Unavailable(std::move(msg));
+}
 
 // Warning by default: a quarantined object or a foreign file in the directory.
 inline void log_line(const std::string& s, LogLevel level = LogLevel::kWarning) {
@@ -115,9 +127,10 @@ inline Result<ScopedFd> open_regular(int dirfd, const std::string& name, const s
 // euid; with `private_mode` also that it is no more open than `mode`. A link planted there, or a
 // directory another user created first, would otherwise let the backend delete, overwrite or
 // move files outside its root (the rebuild empties incoming/, trims quarantine/, recycles free/).
-// FailedPrecondition naming `shown` for each refusal; NotFound when absent and !create.
+// FailedPrecondition naming `shown` for each refusal; NotFound when absent and !create. The
+// mkdirat goes through `faults` (tests) when set.
 Result<ScopedFd> open_owned_dir(int parent, const std::string& name, const std::string& shown, mode_t mode, bool create,
-                                bool private_mode);
+                                bool private_mode, DiskFaultInjector* faults = nullptr);
 
 // The names in directory `dirfd` (read through a fresh open of it, so `dirfd` keeps its offset).
 Result<std::vector<std::string>> list_dir(int dirfd, const std::string& shown);
@@ -249,6 +262,7 @@ class DiskBackend final : public StorageBackend {
   std::uint64_t ns_digest_ = 0;
   std::string dir_;
   bool direct_ = false;
+  bool direct_io_fallback_ = false;  // kAuto and the probe failed: buffered for the backend's life
   bool journal_covers_direct_ = false;
   std::string fs_type_;
   std::uint64_t header_size_ = kAlign;

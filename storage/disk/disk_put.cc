@@ -84,20 +84,22 @@ void DiskBackend::start_put(IoOp* op) {
       op->disk_bytes = op->file_bytes;
     }
   }
+  int create_err = 0;
   if (!op->recycled) {
     // New files share one directory: ext4 places a new file's blocks near its directory, so
     // concurrent puts write one region of the disk instead of one region per shard directory.
     op->tmp_dir = incoming_fd_.get();
     op->tmp_name = fmt::format("{}{}{}.{}", key.to_string(), kTmpMarker, ::getpid(), ++seq_);
     op->tmp_path = fmt::format("{}/incoming/{}", dir_, op->tmp_name);
-    op->fd = ScopedFd(::openat(op->tmp_dir, op->tmp_name.c_str(),
-                               O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0),
-                               static_cast<mode_t>(config_.file_mode)));
+    const int fd = create_at(config_.fault_injector.get(), DiskFaultOp::kCreate, op->tmp_dir, op->tmp_name.c_str(),
+                             O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC | O_NOFOLLOW | (direct_ ? O_DIRECT : 0),
+                             config_.file_mode, std::span<const StorageKey>(&op->item.key, 1));
+    if (fd >= 0) op->fd = ScopedFd(fd);
+    create_err = fd >= 0 ? 0 : -fd;
   }
   if (op->fd.get() < 0) {
-    const int err = errno;
-    return fail_put(op, err == ENOSPC ? ResourceExhausted(fmt::format("create {}: {}", op->tmp_path, errno_text(err)))
-                                      : Unavailable(fmt::format("create {}: {}", op->tmp_path, errno_text(err))));
+    const int err = create_err;
+    return fail_put(op, fs_error(err, fmt::format("create {}", op->tmp_path)));
   }
   op->stage = IoOp::Stage::kWrite;
   op->total = op->file_bytes;
@@ -109,14 +111,15 @@ void DiskBackend::start_put(IoOp* op) {
 Status DiskBackend::ensure_shard(std::uint32_t s) {
   if (shard_fds_[s].get() >= 0) return Status::Ok();
   // Checked as at create: a link or another user's directory planted since is refused.
-  KVTIER_ASSIGN_OR_RETURN(ScopedFd fd, open_owned_dir(dir_fd_.get(), shard_name(s), shard_dir(s),
-                                                      static_cast<mode_t>(config_.dir_mode), true, false));
+  KVTIER_ASSIGN_OR_RETURN(
+      ScopedFd fd, open_owned_dir(dir_fd_.get(), shard_name(s), shard_dir(s), static_cast<mode_t>(config_.dir_mode),
+                                  true, false, config_.fault_injector.get()));
   // A new shard directory must itself be durable before objects in it are acknowledged. Also when
   // mkdir found it: an earlier put (or run) may have created it and then failed, or died, before
   // this fsync. Once per shard and process.
   if (config_.durability == Durability::kPowerLoss) {
     if (const int rc = fsync_directory(config_.fault_injector.get(), dir_fd_.get()); rc != 0)
-      return Unavailable(fmt::format("fsync {}: {}", dir_, errno_text(-rc)));
+      return fs_error(-rc, fmt::format("fsync {}", dir_));
   }
   std::lock_guard<std::mutex> lk(index_mu_);  // shard_fd() readers on other threads hold it
   shard_fds_[s] = std::move(fd);
@@ -136,10 +139,7 @@ void DiskBackend::fail_put(IoOp* op, Status st) {
 void DiskBackend::on_op_cqe(IoOp* op, int res) {
   switch (op->stage) {
     case IoOp::Stage::kWrite: {
-      if (res < 0)
-        return fail_put(op, res == -ENOSPC || res == -EFBIG || res == -EDQUOT
-                                ? ResourceExhausted(fmt::format("write {}: {}", op->tmp_path, errno_text(-res)))
-                                : Unavailable(fmt::format("write {}: {}", op->tmp_path, errno_text(-res))));
+      if (res < 0) return fail_put(op, fs_error(-res, fmt::format("write {}", op->tmp_path)));
       if (res == 0) return fail_put(op, ResourceExhausted(fmt::format("write {}: no progress", op->tmp_path)));
       if (op->file_offset + static_cast<std::uint64_t>(res) < op->total) {
         advance(op, static_cast<std::uint64_t>(res));
@@ -158,10 +158,7 @@ void DiskBackend::on_op_cqe(IoOp* op, int res) {
       return commit_put(op);
     }
     case IoOp::Stage::kFileSync:
-      if (res < 0)
-        return fail_put(op, res == -ENOSPC
-                                ? ResourceExhausted(fmt::format("fdatasync {}: {}", op->tmp_path, errno_text(-res)))
-                                : Unavailable(fmt::format("fdatasync {}: {}", op->tmp_path, errno_text(-res))));
+      if (res < 0) return fail_put(op, fs_error(-res, fmt::format("fdatasync {}", op->tmp_path)));
       return commit_put(op);
     case IoOp::Stage::kDirSync: return;  // completions come through DirSync
     case IoOp::Stage::kRead: return on_read(op, res);
@@ -181,7 +178,7 @@ void DiskBackend::commit_put(IoOp* op) {
     if (exchanged) recycle_or_unlink_locked(op->tmp_dir, op->tmp_name, old->second.file_bytes, op->item.key);
   }
   if (!exchanged && ::renameat(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str()) != 0) {
-    Status st = Unavailable(fmt::format("rename {} -> {}: {}", op->tmp_path, op->final_path, errno_text(errno)));
+    Status st = fs_error(errno, fmt::format("rename {} -> {}", op->tmp_path, op->final_path));
     reserved_bytes_ -= op->file_bytes;
     ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
     op->tmp_name.clear();
@@ -214,7 +211,7 @@ void DiskBackend::on_dir_sync_cqe(DirSync* ds, int res) {
   for (IoOp* op : covered) {
     // The object is visible already; a failed directory sync only weakens power-loss durability.
     if (res < 0)
-      finish(op, Unavailable(fmt::format("fsync of directory {}: {}", shard_dir(ds->shard), errno_text(-res))));
+      finish(op, fs_error(-res, fmt::format("fsync of directory {}", shard_dir(ds->shard))));
     else
       finish(op, Status::Ok(), op->payload_bytes);
   }

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/falloc.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -74,7 +75,9 @@ int DiskFaultInjector::on_completion(const DiskFaultEvent& ev, int res) {
     if (rule.op != ev.op || r.hits >= rule.max_hits) continue;
     if (rule.key && std::find(ev.keys.begin(), ev.keys.end(), *rule.key) == ev.keys.end()) continue;
     // A short transfer needs bytes to cut, and an error of a call that failed already changes nothing.
-    if (rule.action == DiskFaultAction::kShort && res <= 0) continue;
+    if (rule.action == DiskFaultAction::kShort &&
+        (res <= 0 || (ev.op != DiskFaultOp::kRead && ev.op != DiskFaultOp::kWrite)))
+      continue;
     if (rule.action == DiskFaultAction::kError && res < 0) continue;
     const std::uint64_t m = ++r.matches;
     if (rule.nth != 0 && m != rule.nth) continue;
@@ -111,6 +114,32 @@ int fsync_directory(DiskFaultInjector* injector, int fd) {
   ev.op = DiskFaultOp::kDirSync;
   ev.fd = fd;
   return injector->on_completion(ev, res);
+}
+
+int create_at(DiskFaultInjector* injector, DiskFaultOp op, int dirfd, const char* name, int flags, unsigned mode,
+              std::span<const StorageKey> keys) {
+  const int fd = ::openat(dirfd, name, flags, static_cast<mode_t>(mode));
+  const int res = fd >= 0 ? fd : -errno;
+  if (injector == nullptr) return res;
+  DiskFaultEvent ev;
+  ev.op = op;
+  ev.keys = keys;
+  ev.fd = fd;
+  const int got = injector->on_completion(ev, res);
+  if (got >= 0 || fd < 0) return got;
+  ::close(fd);
+  if ((flags & O_EXCL) != 0) ::unlinkat(dirfd, name, 0);
+  return got;
+}
+
+int mkdir_at(DiskFaultInjector* injector, int dirfd, const char* name, unsigned mode) {
+  const int res = ::mkdirat(dirfd, name, static_cast<mode_t>(mode)) == 0 ? 0 : -errno;
+  if (injector == nullptr) return res;
+  DiskFaultEvent ev;
+  ev.op = DiskFaultOp::kCreate;
+  const int got = injector->on_completion(ev, res);
+  if (got < 0 && res == 0) ::unlinkat(dirfd, name, AT_REMOVEDIR);
+  return got;
 }
 
 }  // namespace kvtier::storage

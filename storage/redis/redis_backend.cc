@@ -343,6 +343,8 @@ class RedisBackend final : public StorageBackend {
     std::string ask_node;  // set after an ASK redirect
     Status last = Unavailable("not attempted");
     bool done = false;
+    bool too_long = false;         // get: the value is longer than header + capacity (not read whole)
+    std::uint64_t stored_len = 0;  // exists: the value's length (STRLEN)
   };
   using Conns = std::unordered_map<std::string, ContextPtr>;
 
@@ -603,6 +605,13 @@ class RedisBackend final : public StorageBackend {
     if (config_.ttl_seconds) w.cmd_tail += fmt::format("$2\r\nEX\r\n${}\r\n{}\r\n", ttl.size(), ttl);
   }
 
+  // The most bytes a get of `capacity` may need: this backend's header and the payload. A value
+  // that is longer is refused without being read whole (GETRANGE asks for one byte more, to see
+  // that it is), so a foreign 512 MiB value under a key costs a get what a hit costs.
+  std::uint64_t value_limit(std::uint64_t capacity) const {
+    return header_size_ + std::min(capacity, caps().max_object_bytes);
+  }
+
   // Queues the item's command. A put is written to the socket here instead: what hiredis
   // buffered before it first, then prefix, the caller's payload and tail with writev, so a large
   // value is not copied into a command string and again into hiredis's output buffer. False when
@@ -610,7 +619,12 @@ class RedisBackend final : public StorageBackend {
   bool append(redisContext* c, StorageOp op, Work& w, Clock::time_point deadline) {
     switch (op) {
       case StorageOp::kExists: return redisAppendCommand(c, "STRLEN %b", w.key.data(), w.key.size()) == REDIS_OK;
-      case StorageOp::kGet: return redisAppendCommand(c, "GET %b", w.key.data(), w.key.size()) == REDIS_OK;
+      case StorageOp::kGet: {
+        // GETRANGE's end is inclusive: at most value_limit + 1 bytes come back.
+        const std::string end = std::to_string(value_limit(w.item.bytes));
+        return redisAppendCommand(c, "GETRANGE %b 0 %b", w.key.data(), w.key.size(), end.data(), end.size()) ==
+               REDIS_OK;
+      }
       case StorageOp::kDelete: return redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()) == REDIS_OK;
       case StorageOp::kPut: {
         // Each write waits at most one send timeout, re-armed to what is left of the deadline, so
@@ -694,18 +708,26 @@ class RedisBackend final : public StorageBackend {
           w.last = NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
         } else {
           w.last = Status::Ok();
+          w.stored_len = static_cast<std::uint64_t>(r->integer);
           w.item.bytes = static_cast<std::uint64_t>(r->integer) > header_size_
                              ? static_cast<std::uint64_t>(r->integer) - header_size_
                              : 0;
         }
         return false;
       case StorageOp::kGet: {
-        if (r->type == REDIS_REPLY_NIL) {
+        // GETRANGE answers a missing key with an empty string (an empty value is no object either).
+        if (r->type == REDIS_REPLY_NIL || (r->type == REDIS_REPLY_STRING && r->len == 0)) {
           w.last = NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
           return false;
         }
         if (r->type != REDIS_REPLY_STRING) {
-          w.last = Internal("GET: unexpected reply");
+          w.last = Internal("GETRANGE: unexpected reply");
+          return false;
+        }
+        if (r->len > value_limit(w.item.bytes)) {
+          // Not verified, so not quarantined: it may be a valid object for a larger destination.
+          // process() asks for its length and words the refusal.
+          w.too_long = true;
           return false;
         }
         Status st = verify_value(w, reinterpret_cast<const std::byte*>(r->str), r->len);
@@ -757,6 +779,7 @@ class RedisBackend final : public StorageBackend {
     // Removed before the gets complete, so a caller that sees DataLoss and
     // looks again finds a miss (unless the delete itself failed: see below).
     if (!quarantine.empty()) remove_quarantined(quarantine, conns, deadline);
+    if (task.op == StorageOp::kGet) refuse_too_long(work, conns, deadline);
     for (auto& w : work) {
       const std::uint64_t bytes = w.last.ok() ? w.item.bytes : 0;
       task.completion->complete(w.outer, w.last, bytes);
@@ -852,6 +875,35 @@ class RedisBackend final : public StorageBackend {
       if (!w.done && w.last.code() != StatusCode::kTimedOut)
         w.last = TimedOut(fmt::format("redis {} of key {}: deadline passed after {} attempts (last: {})",
                                       storage_op_name(op), w.key, attempts, w.last.to_string()));
+  }
+
+  // Words the refusal of the gets whose value was longer than header + capacity, with the value's
+  // length when a STRLEN (a small reply, routed and retried like an exists) gets it in time.
+  void refuse_too_long(std::vector<Work>& work, Conns& conns, Clock::time_point deadline) {
+    std::vector<Work> sizes;
+    std::vector<Work*> refused;
+    for (auto& w : work) {
+      if (!w.too_long) continue;
+      refused.push_back(&w);
+      sizes.emplace_back();
+      sizes.back().item.key = w.item.key;
+      sizes.back().key = w.key;
+    }
+    if (refused.empty()) return;
+    std::vector<StorageKey> unused;
+    run(StorageOp::kExists, sizes, conns, &unused, deadline);
+    for (std::size_t i = 0; i < refused.size(); ++i) {
+      Work& w = *refused[i];
+      const std::uint64_t limit = value_limit(w.item.bytes);
+      // A length that fits means the value changed since the GETRANGE: then only the bound is known.
+      const bool known = sizes[i].last.ok() && sizes[i].stored_len > limit;
+      const std::string stored = known ? fmt::format("stored value of {} bytes", sizes[i].stored_len)
+                                       : fmt::format("stored value (over {} bytes)", limit);
+      w.last = InvalidArgument(fmt::format(
+          "get {}: {} is longer than the {}-byte header plus the destination capacity of {} bytes; refused after "
+          "reading at most {} bytes of it",
+          w.item.key.to_string(), stored, header_size_, w.item.bytes, limit + 1));
+    }
   }
 
   // Deletes objects that failed verification, through the same routing and

@@ -8,6 +8,7 @@
 
 #include "kvtier/metrics/registry.h"
 #include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/disk_fault.h"
 #include "kvtier/storage/storage_tier.h"
 #include "storage/storage_test_util.h"
 
@@ -126,6 +127,41 @@ TEST(StorageMetrics, TenantMacRefusalsAreCounted) {
   const std::string l = "backend=\"" + std::string(reader->backend().name()) + "\"";
   EXPECT_TRUE(has_line(text, "kvtier_storage_auth_failures_total{" + l + "} 1")) << text;
   EXPECT_TRUE(has_line(text, "kvtier_storage_items_total{" + l + ",op=\"get\",outcome=\"ok\"} 0")) << text;
+}
+
+// A disk backend whose O_DIRECT probe failed runs buffered for its life: the gauge says so (1),
+// and one that got O_DIRECT, or was asked for buffered I/O, says 0.
+TEST(StorageMetrics, DirectIoFallbackIsAGauge) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
+  testing::AlignedBuffer region(page * 2);
+  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, 2, region.data(), region.size(), 4096);
+  ASSERT_TRUE(space.ok());
+  for (bool refuse : {true, false}) {
+    SCOPED_TRACE(refuse ? "probe refused" : "direct_io off");
+    testing::TempDir dir;
+    metrics::Registry reg;  // outlives the tier
+    DiskBackendConfig c;
+    c.root = dir.path();
+    if (refuse) {
+      c.fault_injector = std::make_shared<DiskFaultInjector>(1);
+      DiskFaultRule r;
+      r.op = DiskFaultOp::kDirectProbe;
+      r.error = EINVAL;
+      c.fault_injector->add(r);
+    } else {
+      c.direct_io = DirectIo::kOff;
+    }
+    auto b = create_disk_backend(c, StorageTier::storage_options(*layout, "metrics-direct"));
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    auto tier = StorageTier::create(std::move(b).value(), *space, 0);
+    ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+    ASSERT_TRUE((*tier)->attach_metrics(reg).ok());
+    const std::string l = "backend=\"" + std::string((*tier)->backend().name()) + "\"";
+    EXPECT_TRUE(has_line(reg.expose(), "kvtier_storage_direct_io_fallback{" + l + "} " + (refuse ? "1" : "0")))
+        << reg.expose();
+  }
 }
 
 }  // namespace

@@ -18,11 +18,13 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "kvtier/core/log.h"
 #include "kvtier/storage/disk_backend.h"
 #include "storage/storage_test_util.h"
 
@@ -387,10 +389,232 @@ TEST_P(DiskFault, RandomFaultsKeepTheInvariants) {
   expect_recovers(none, salt);
 }
 
+// A put whose new file cannot be created because the inodes have run out (ENOSPC) or a quota is
+// reached (EDQUOT): the disk is full, so ResourceExhausted (as for a full disk on write), not
+// Unavailable. EDQUOT used to be Unavailable. Nothing is left behind and the next put succeeds.
+TEST_P(DiskFault, InodeOrQuotaExhaustionOnAPutIsResourceExhausted) {
+  const std::uint64_t salt = 20;
+  auto acked = put_acknowledged(2, salt);
+  int i = 10;
+  for (int err : {ENOSPC, EDQUOT}) {
+    SCOPED_TRACE(std::strerror(err));
+    const StorageKey k = key_of(salt, ++i);
+    DiskFaultRule r;
+    r.op = DiskFaultOp::kCreate;
+    r.error = err;
+    r.key = k;  // the put's own file (a new shard directory is created without keys)
+    r.max_hits = 1;
+    faults_->clear();
+    faults_->add(r);
+    const std::uint64_t injected = faults_->injected(DiskFaultOp::kCreate);
+    const Status s = put(k, payload(salt + i, 8192));
+    EXPECT_EQ(faults_->injected(DiskFaultOp::kCreate), injected + 1);
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.to_string();
+    EXPECT_NE(s.message().find(std::strerror(err)), std::string::npos) << s.to_string();
+    EXPECT_EQ(get(k).status().code(), StatusCode::kNotFound);
+    EXPECT_TRUE(leftover_temporaries().empty());
+    const Bytes v = payload(salt + 100 + i, 5000);
+    ASSERT_TRUE(put(k, v).ok());
+    acked[i] = v;
+  }
+  expect_served(acked, salt);
+}
+
+// The same when the put needs a new shard directory: EDQUOT from its mkdir was Unavailable.
+TEST_P(DiskFault, InodeOrQuotaExhaustionOnANewShardIsResourceExhausted) {
+  const std::uint64_t salt = 21;
+  std::set<std::uint8_t> shards;  // none exists yet: the backend creates them at first use
+  int i = 0;
+  for (int err : {ENOSPC, EDQUOT}) {
+    SCOPED_TRACE(std::strerror(err));
+    while (shards.count(key_of(salt, i).digest[0])) ++i;
+    const StorageKey k = key_of(salt, i);
+    shards.insert(k.digest[0]);
+    DiskFaultRule r;
+    r.op = DiskFaultOp::kCreate;
+    r.error = err;
+    r.max_hits = 1;  // the first creation of the put: its shard directory
+    faults_->clear();
+    faults_->add(r);
+    const Status s = put(k, payload(salt + i, 8192));
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.to_string();
+    EXPECT_NE(s.message().find(std::strerror(err)), std::string::npos) << s.to_string();
+    EXPECT_NE(s.message().find("mkdir"), std::string::npos) << s.to_string();
+    const Bytes v = payload(salt + 100 + i, 8192);
+    ASSERT_TRUE(put(k, v).ok());
+    auto got = get(k);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    EXPECT_EQ(*got, v);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(IoModes, DiskFault, ::testing::Values(DirectIo::kOff, DirectIo::kAuto),
                          [](const ::testing::TestParamInfo<DirectIo>& p) {
                            return std::string(p.param == DirectIo::kOff ? "Buffered" : "Direct");
                          });
+
+// Every file and directory create_disk_backend makes (the root itself, the tenant, namespace,
+// quarantine/, incoming/ and free/ directories, the LOCK file), failing for want of inodes or
+// quota: create fails ResourceExhausted naming the path and the error. The root's own mkdir and
+// the LOCK file were Unavailable for both, the directories below the root for EDQUOT.
+TEST(DiskFaultCreate, InodeOrQuotaExhaustionAtCreateIsResourceExhausted) {
+  for (int err : {ENOSPC, EDQUOT}) {
+    int failed = 0;
+    for (std::uint64_t nth = 1; nth < 20; ++nth) {
+      SCOPED_TRACE(fmt::format("{}, creation {}", std::strerror(err), nth));
+      TempDir dir;
+      auto faults = std::make_shared<DiskFaultInjector>(1);
+      DiskFaultRule r;
+      r.op = DiskFaultOp::kCreate;
+      r.error = err;
+      r.nth = nth;
+      faults->add(r);
+      DiskBackendConfig c;
+      c.root = dir.path() + "/store";
+      c.fault_injector = faults;
+      StorageOptions o;
+      o.ns = "disk-fault-create";
+      o.tenant = "ta";
+      auto b = create_disk_backend(c, o);
+      if (faults->injected(DiskFaultOp::kCreate) == 0) {  // past the last creation: created
+        EXPECT_TRUE(b.ok()) << b.status().to_string();
+        break;
+      }
+      ++failed;
+      ASSERT_FALSE(b.ok());
+      EXPECT_EQ(b.status().code(), StatusCode::kResourceExhausted) << b.status().to_string();
+      EXPECT_NE(b.status().message().find(std::strerror(err)), std::string::npos) << b.status().to_string();
+      EXPECT_NE(b.status().message().find(dir.path()), std::string::npos) << b.status().to_string();
+    }
+    // root, tenant, namespace, quarantine/, incoming/, free/, LOCK
+    EXPECT_EQ(failed, 7) << std::strerror(err);
+  }
+}
+
+// Collects the disk backend's log lines while it lives (at info and above).
+class LogCapture {
+ public:
+  LogCapture() : level_(log_level()) {
+    set_log_level(LogLevel::kInfo);
+    set_log_sink([this](LogLevel level, std::string_view component, std::string_view message) {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (component == "storage/disk") lines_.emplace_back(level, std::string(message));
+    });
+  }
+  ~LogCapture() {
+    set_log_sink(nullptr);
+    set_log_level(level_);
+  }
+  // The lines that mention `what`.
+  std::vector<std::pair<LogLevel, std::string>> lines(std::string_view what) {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<std::pair<LogLevel, std::string>> out;
+    for (const auto& l : lines_)
+      if (l.second.find(what) != std::string::npos) out.push_back(l);
+    return out;
+  }
+
+ private:
+  LogLevel level_;
+  std::mutex mu_;
+  std::vector<std::pair<LogLevel, std::string>> lines_;
+};
+
+// An O_DIRECT probe that fails (EINVAL: a filesystem that refuses O_DIRECT) switches the backend
+// to buffered I/O for its whole life. That used to be an info line only; it is a warning naming
+// the directory and the error, and stats().direct_io_fallback (the storage tier's gauge
+// kvtier_storage_direct_io_fallback) is 1. The backend works, buffered.
+TEST(DiskDirectProbe, FallbackToBufferedIoIsAWarningAndCounted) {
+  TempDir dir;
+  auto faults = std::make_shared<DiskFaultInjector>(1);
+  DiskFaultRule r;
+  r.op = DiskFaultOp::kDirectProbe;
+  r.error = EINVAL;
+  faults->add(r);
+  DiskBackendConfig c;
+  c.root = dir.path();
+  c.direct_io = DirectIo::kAuto;
+  c.fault_injector = faults;
+  StorageOptions o;
+  o.ns = "direct-probe";
+  LogCapture log;
+  auto b = create_disk_backend(c, o);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ(faults->injected(DiskFaultOp::kDirectProbe), 1u);
+  EXPECT_EQ((*b)->stats().direct_io_fallback, 1u);
+  EXPECT_FALSE((*b)->caps().zero_copy_host);
+  EXPECT_EQ((*b)->caps().alignment, 1u);
+  const auto lines = log.lines("O_DIRECT");
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_EQ(lines[0].first, LogLevel::kWarning) << lines[0].second;
+  EXPECT_NE(lines[0].second.find(std::strerror(EINVAL)), std::string::npos) << lines[0].second;
+  EXPECT_NE(lines[0].second.find(dir.path()), std::string::npos) << lines[0].second;
+  AlignedBuffer v(8192), d(8192);
+  fill_random(v.data(), 8192, 5);
+  auto t = (*b)->post(StorageBatch{StorageOp::kPut, {{key_of(1, 1), v.data(), 8192}}});
+  ASSERT_TRUE(t.ok() && t->wait(std::chrono::seconds(30)).ok());
+  ASSERT_TRUE(t->item(0).status.ok()) << t->item(0).status.to_string();
+  t = (*b)->post(StorageBatch{StorageOp::kGet, {{key_of(1, 1), d.data(), 8192}}});
+  ASSERT_TRUE(t.ok() && t->wait(std::chrono::seconds(30)).ok());
+  ASSERT_TRUE(t->item(0).status.ok()) << t->item(0).status.to_string();
+  EXPECT_EQ(std::memcmp(v.data(), d.data(), 8192), 0);
+  EXPECT_GE((*b)->stats().bounce_copies, 2u) << "buffered I/O goes through bounce buffers";
+}
+
+// No fallback without a failed probe: buffered I/O that was asked for (kOff) is not counted, and
+// kAuto counts exactly when it ended up buffered. kOn fails create instead of falling back:
+// NotSupported for a refused O_DIRECT, ResourceExhausted for a probe that found the disk full (it
+// said "O_DIRECT refused", wrongly). kAuto on a full disk still falls back, and says why.
+TEST(DiskDirectProbe, OnlyAFailedProbeCountsAndKOnFailsCreate) {
+  StorageOptions o;
+  o.ns = "direct-probe";
+  {
+    TempDir dir;
+    DiskBackendConfig c;
+    c.root = dir.path();
+    c.direct_io = DirectIo::kOff;
+    auto b = create_disk_backend(c, o);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    EXPECT_EQ((*b)->stats().direct_io_fallback, 0u);
+  }
+  {
+    TempDir dir;
+    DiskBackendConfig c;
+    c.root = dir.path();
+    c.direct_io = DirectIo::kAuto;
+    auto b = create_disk_backend(c, o);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    EXPECT_EQ((*b)->stats().direct_io_fallback, (*b)->caps().zero_copy_host ? 0u : 1u);
+  }
+  for (int err : {EINVAL, ENOSPC, EDQUOT}) {
+    SCOPED_TRACE(std::strerror(err));
+    TempDir dir;
+    auto faults = std::make_shared<DiskFaultInjector>(1);
+    DiskFaultRule r;
+    r.op = DiskFaultOp::kDirectProbe;
+    r.error = err;
+    faults->add(r);
+    DiskBackendConfig c;
+    c.root = dir.path();
+    c.direct_io = DirectIo::kOn;
+    c.fault_injector = faults;
+    auto b = create_disk_backend(c, o);
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), err == EINVAL ? StatusCode::kNotSupported : StatusCode::kResourceExhausted)
+        << b.status().to_string();
+    EXPECT_NE(b.status().message().find(std::strerror(err)), std::string::npos) << b.status().to_string();
+    if (err == EINVAL) continue;
+    c.direct_io = DirectIo::kAuto;
+    LogCapture log;
+    auto a = create_disk_backend(c, o);
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    EXPECT_EQ((*a)->stats().direct_io_fallback, 1u);
+    const auto lines = log.lines("O_DIRECT");
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_EQ(lines[0].first, LogLevel::kWarning) << lines[0].second;
+    EXPECT_NE(lines[0].second.find(std::strerror(err)), std::string::npos) << lines[0].second;
+  }
+}
 
 }  // namespace
 }  // namespace kvtier::storage

@@ -157,6 +157,18 @@ class FakeRedis {
     std::lock_guard<std::mutex> lk(mu_);
     return store_.size();
   }
+  // Their names.
+  std::vector<std::string> keys() {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::vector<std::string> out;
+    for (const auto& [k, v] : store_) out.push_back(k);
+    return out;
+  }
+  // Stores value under key, as a SET from another client would.
+  void set(const std::string& key, std::string value) {
+    std::lock_guard<std::mutex> lk(mu_);
+    store_[key] = std::move(value);
+  }
 
  private:
   void accept_loop() {

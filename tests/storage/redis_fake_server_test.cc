@@ -107,15 +107,16 @@ TEST_P(RedisFakeServerTest, QuarantineDeleteThatKeepsFailingIsNotCountedAndNever
   EXPECT_EQ(backend_->stats().quarantined, 1u);
 }
 
-// A GET pipeline that breaks after a value failed verification: the bad key
+// A get pipeline that breaks after a value failed verification: the bad key
 // seen before the break is still removed.
 TEST_P(RedisFakeServerTest, QuarantineSurvivesPipelineBreakingAfterTheBadValue) {
   const StorageKey bad = key_of(0x9a1, 3), good = key_of(0x9a1, 4);
   put_corrupted(bad);
   ASSERT_TRUE(one(*backend_, StorageOp::kPut, good, value_.data(), value_.size()).status.ok());
-  // GETs are pipelined in item order: the first (bad) is answered, the
-  // second closes the connection; the retry reads the good key.
-  server_.drop_next("GET", 1, /*skip=*/1);
+  // Gets (GETRANGE) are pipelined in item order: the first (bad) is answered,
+  // the second closes the connection; the retry reads the good key.
+  const int ranges_before = server_.count("GETRANGE");  // put_corrupted's read of the byte it flips
+  server_.drop_next("GETRANGE", 1, /*skip=*/1);
   std::vector<std::byte> dst2(value_.size());
   auto r = run_batch(*backend_,
                      StorageBatch{StorageOp::kGet, {{bad, dst_.data(), dst_.size()}, {good, dst2.data(), dst2.size()}}},
@@ -124,7 +125,7 @@ TEST_P(RedisFakeServerTest, QuarantineSurvivesPipelineBreakingAfterTheBadValue) 
   EXPECT_EQ((*r)[0].status.code(), StatusCode::kDataLoss);
   ASSERT_TRUE((*r)[1].status.ok()) << (*r)[1].status.to_string();
   EXPECT_EQ(std::memcmp(dst2.data(), value_.data(), value_.size()), 0);
-  EXPECT_EQ(server_.count("GET"), 3);
+  EXPECT_EQ(server_.count("GETRANGE") - ranges_before, 3);
   EXPECT_EQ(server_.stored_keys(), 1u) << "only the good key is left";
   EXPECT_EQ(backend_->stats().quarantined, 1u);
 }
@@ -194,7 +195,7 @@ TEST_P(RedisFakeServerTest, DeadlineBoundsAReplyThatKeepsArriving) {
   ASSERT_TRUE(b.ok()) << b.status().to_string();
   const StorageKey k = key_of(0x7a1, 1);
   ASSERT_TRUE(one(**b, StorageOp::kPut, k, value_.data(), 100).status.ok());
-  server_.trickle("GET", std::chrono::milliseconds(200));
+  server_.trickle("GETRANGE", std::chrono::milliseconds(200));
   using Clock = std::chrono::steady_clock;
   auto t0 = Clock::now();
   ItemResult r = one(**b, StorageOp::kGet, k, dst_.data(), dst_.size());
@@ -210,6 +211,48 @@ TEST_P(RedisFakeServerTest, DeadlineBoundsAReplyThatKeepsArriving) {
   ASSERT_TRUE(batch.ok()) << batch.status().to_string();
   for (const ItemResult& item : *batch) EXPECT_EQ(item.status.code(), StatusCode::kTimedOut) << item.status.to_string();
   EXPECT_LT(Clock::now() - t0, c.batch_deadline + std::chrono::seconds(1));
+}
+
+// A value far longer than the destination, as anyone with write access to the prefix can SET:
+// the get used to read all of it (a 512 MiB value for a 1 MiB block: 1.79 s and the whole reply
+// buffered) before refusing it, so every get of that key cost the whole value. The get now asks
+// the server for at most the backend's header + the destination's capacity + 1 bytes: it is
+// refused with InvalidArgument naming the sizes after a reply no longer than a hit's, and the
+// value is left alone (it may be a valid object for a larger destination).
+TEST_P(RedisFakeServerTest, ValueLongerThanTheDestinationIsRefusedWithoutReadingItWhole) {
+  const StorageKey k = key_of(0x7b1, 1);
+  ASSERT_TRUE(one(*backend_, StorageOp::kPut, k, value_.data(), value_.size()).status.ok());
+  const std::vector<std::string> keys = server_.keys();
+  ASSERT_EQ(keys.size(), 1u);
+  constexpr std::size_t kHuge = std::size_t{64} << 20;
+  std::string huge(kHuge, '\x5a');
+  server_.set(keys[0], std::move(huge));
+  const std::uint64_t sent_before = server_.reply_bytes_sent();
+  ItemResult r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
+  const std::uint64_t sent = server_.reply_bytes_sent() - sent_before;
+  EXPECT_EQ(r.status.code(), StatusCode::kInvalidArgument) << r.status.to_string();
+  EXPECT_NE(r.status.message().find(std::to_string(kHuge)), std::string::npos) << r.status.to_string();
+  EXPECT_NE(r.status.message().find(std::to_string(dst_.size())), std::string::npos) << r.status.to_string();
+  EXPECT_EQ(r.bytes, 0u);
+  // A hit's reply: the destination, a header of a few hundred bytes, the RESP framing.
+  EXPECT_LT(sent, dst_.size() + 16384) << "the server sent " << sent << " bytes for a get of " << dst_.size();
+  EXPECT_EQ(server_.stored_keys(), 1u) << "a value that was not verified is not deleted";
+  EXPECT_EQ(backend_->stats().quarantined, 0u);
+  // The connection stays usable, and a valid object under the key is served again.
+  ASSERT_TRUE(one(*backend_, StorageOp::kPut, k, value_.data(), value_.size()).status.ok());
+  r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(r.bytes, value_.size());
+  EXPECT_EQ(dst_, value_);
+  // A valid object larger than the destination is refused the same way, after no more bytes.
+  std::vector<std::byte> big(std::size_t{4} << 20);
+  fill_random(big.data(), big.size(), 33);
+  ASSERT_TRUE(one(*backend_, StorageOp::kPut, k, big.data(), big.size()).status.ok());
+  const std::uint64_t sent_before_big = server_.reply_bytes_sent();
+  r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
+  EXPECT_EQ(r.status.code(), StatusCode::kInvalidArgument) << r.status.to_string();
+  EXPECT_LT(server_.reply_bytes_sent() - sent_before_big, dst_.size() + 16384);
+  EXPECT_EQ(server_.stored_keys(), 1u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, RedisFakeServerTest, ::testing::Values(RedisMode::kSingle, RedisMode::kCluster),

@@ -611,10 +611,10 @@ struct RedisCase {
 void PrintTo(const RedisCase& c, std::ostream* os) { *os << c.name; }
 
 // The ACL users of scripts/start-test-services.sh: each limited to its tenant's key prefix and to
-// the commands the backend sends (GET SET DEL STRLEN, PING, and in a cluster CLUSTER SLOTS and ASKING).
+// the commands the backend sends (GETRANGE SET DEL STRLEN, PING, and in a cluster CLUSTER SLOTS and ASKING).
 const std::vector<std::string>& acl_rule_tail() {
-  static const std::vector<std::string> tail{"resetchannels", "-@all", "+get",    "+set",          "+del",
-                                             "+strlen",       "+ping", "+asking", "+cluster|slots"};
+  static const std::vector<std::string> tail{"resetchannels", "-@all", "+getrange", "+set",          "+del",
+                                             "+strlen",       "+ping", "+asking",   "+cluster|slots"};
   return tail;
 }
 
@@ -784,13 +784,16 @@ TEST_P(RedisTenants, AroundTheLibrary) {
   const auto va = bytes_of(60, 3000), vb = bytes_of(61, 3000);
   for (const auto& k : {k1, k2, k3}) ASSERT_TRUE(put(*backend_a_, k, va).ok());
   for (const auto& k : {k1, k4}) ASSERT_TRUE(put(*backend_b_, k, vb).ok());
-  // B's ACL user against A's keys: NOPERM for every command, listing included.
+  // B's ACL user against A's keys: NOPERM for every command, listing included; on its own keys for
+  // every command the backend does not send (GET: gets use GETRANGE).
   for (const auto& args : std::vector<std::vector<std::string>>{{"GET", key_a(k1)},
+                                                                {"GETRANGE", key_a(k1), "0", "10"},
                                                                 {"SET", key_a(k1), "x"},
                                                                 {"SET", key_a(k4), "x"},
                                                                 {"DEL", key_a(k2)},
                                                                 {"STRLEN", key_a(k1)},
-                                                                {"GETRANGE", key_b(k1), "0", "10"}}) {
+                                                                {"GET", key_b(k1)},
+                                                                {"SETRANGE", key_b(k1), "0", "x"}}) {
     auto r = raw(kUserB, args);
     ASSERT_TRUE(r->error()) << args[0] << " " << args[1];
     EXPECT_TRUE(r->str().starts_with("NOPERM")) << args[0] << ": " << r->str();

@@ -38,9 +38,11 @@
 // Capacity: when a put would exceed capacity_bytes (object file bytes incl.
 // headers), least-recently-used objects (by put/get; mtime order after a
 // restart) are removed first. A put larger than the capacity fails with
-// ResourceExhausted. Errors: ENOSPC/EFBIG/EDQUOT -> ResourceExhausted; EIO or
-// a short file on read -> DataLoss (object quarantined); other write errors ->
-// Unavailable (nothing acknowledged).
+// ResourceExhausted. Errors: ENOSPC/EFBIG/EDQUOT -> ResourceExhausted, from any
+// call that writes, syncs, renames or creates a file or directory (inodes
+// running out are ENOSPC, at create too); EIO or a short file on read ->
+// DataLoss (object quarantined); other write errors -> Unavailable (nothing
+// acknowledged).
 //
 // Threading: post() enqueues and wakes one I/O thread that owns the ring; all
 // file work (open, rename, unlink, verification) happens on that thread.
@@ -62,8 +64,9 @@ enum class Durability : std::uint8_t {
 };
 
 enum class DirectIo : std::uint8_t {
-  kAuto,  // O_DIRECT if the filesystem accepts it, else buffered I/O (logged once)
-  kOn,    // O_DIRECT or fail at creation
+  kAuto,  // O_DIRECT if the filesystem accepts it, else buffered I/O for the backend's life: a warning
+          // and StorageStats::direct_io_fallback = 1 (the gauge kvtier_storage_direct_io_fallback)
+  kOn,    // O_DIRECT or fail at creation (NotSupported; ResourceExhausted when the disk is too full to probe)
   kOff,   // buffered I/O
 };
 

@@ -2,7 +2,9 @@
 // FaultInjectionTestFS. Set DiskBackendConfig::fault_injector and the backend's I/O thread hands
 // every io_uring completion (the one place reads, writes, file fsyncs and directory fsyncs come
 // back) to on_completion() before acting on it; the result returned there is what the backend
-// sees. Unset (the default), the backend tests one null pointer per completion and nothing else.
+// sees. The backend's synchronous calls that create files and directories (create_at(),
+// mkdir_at() below) and its O_DIRECT probe go through it too. Unset (the default), the backend
+// tests one null pointer per completion or creation and nothing else.
 //
 // A rule selects completions by operation, optionally by key (a directory fsync matches when it
 // covers a put of the key), then by count (the nth match, every nth match) and probability, and
@@ -12,7 +14,11 @@
 //   kShort  a read or write that transferred fewer bytes than it did (`keep` of them, 0 allowed):
 //           for a write, the bytes past what is reported are also punched out of the file (they
 //           never reached it); for a read, the buffer past them is overwritten with garbage (they
-//           never arrived). A correct backend resubmits the rest, or fails the operation.
+//           never arrived). A correct backend resubmits the rest, or fails the operation. Applies
+//           to kRead and kWrite only.
+// For kCreate and kDirectProbe a kError undoes what the call created (the new file or directory
+// is removed again) and the call fails with `error`: ENOSPC as when the inodes or blocks run out,
+// EDQUOT for a quota, EINVAL as a filesystem that refuses O_DIRECT.
 // Rules are checked in the order added; the first that selects a completion applies.
 //
 // Thread-safety: every method may be called from any thread while the backend runs.
@@ -31,8 +37,12 @@ struct iovec;
 
 namespace kvtier::storage {
 
-enum class DiskFaultOp : std::uint8_t { kRead, kWrite, kFileSync, kDirSync };
-inline constexpr int kNumDiskFaultOps = 4;
+// kCreate: a file or directory the backend creates (the root's missing components, the tenant,
+// namespace, incoming/, quarantine/, free/ and shard directories, the LOCK file, a put's
+// temporary file: keys = the put's key). kDirectProbe: the file the O_DIRECT probe creates and
+// writes at create (no keys).
+enum class DiskFaultOp : std::uint8_t { kRead, kWrite, kFileSync, kDirSync, kCreate, kDirectProbe };
+inline constexpr int kNumDiskFaultOps = 6;
 
 enum class DiskFaultAction : std::uint8_t { kError, kShort };
 
@@ -86,5 +96,14 @@ class DiskFaultInjector {
 // The disk backend's one synchronous fsync, of its root directory after it created a shard
 // directory: 0 or -errno, seen by `injector` (as a kDirSync without keys) when one is set.
 int fsync_directory(DiskFaultInjector* injector, int fd);
+
+// openat(dirfd, name, flags, mode) for a call with O_CREAT: the new descriptor or -errno, seen by
+// `injector` as `op` (kCreate or kDirectProbe) with `keys` when one is set. An injected error
+// closes the descriptor and, when the call made the file (O_EXCL), removes it.
+int create_at(DiskFaultInjector* injector, DiskFaultOp op, int dirfd, const char* name, int flags, unsigned mode,
+              std::span<const StorageKey> keys = {});
+// mkdirat(dirfd, name, mode): 0 or -errno, seen by `injector` as a kCreate without keys. An
+// injected error removes the directory the call made.
+int mkdir_at(DiskFaultInjector* injector, int dirfd, const char* name, unsigned mode);
 
 }  // namespace kvtier::storage

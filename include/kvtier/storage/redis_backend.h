@@ -5,11 +5,19 @@
 // object header + payload (object_format.h), verified on every get. With a tenant
 // (StorageOptions::tenant) "<prefix>:<tenant>:<ns digest>-<layout fingerprint>:<key>-r<rank>", and
 // with a tenant secret "<prefix>:<tenant>:<32 hex digits of a keyed hash>", which names nothing
-// (docs/storage.md, ACL users restricted to "~<prefix>:<tenant>:*"). Commands sent: GET, SET, DEL,
-// STRLEN, PING (create, single mode), CLUSTER SLOTS and ASKING (cluster), AUTH. Keys are
+// (docs/storage.md, ACL users restricted to "~<prefix>:<tenant>:*"). Commands sent: GETRANGE
+// (get), SET, DEL, STRLEN (exists, and the length of a value a get refused), PING (create, single
+// mode), CLUSTER SLOTS and ASKING (cluster), AUTH. Keys are
 // spread over cluster slots by their digest (no hash tags), so a batch fans
 // out over every master; capacity and eviction are the server's (maxmemory +
 // allkeys-lru recommended; ttl_seconds adds an expiry to every put).
+//
+// A get reads at most the backend's header + the destination's capacity + 1 bytes of the value
+// (GETRANGE 0..header + capacity): a longer value (a valid object for a larger destination, or a
+// foreign value anyone with write access to the prefix SET there, up to Redis's 512 MiB) is
+// refused with InvalidArgument naming its length, after a reply no larger than a hit's, and left
+// in place (it was not verified, so it is not quarantined). A missing key and an empty value are
+// both NotFound.
 //
 // Batches are split into sub-batches of at most max_batch_items, handled by a
 // pool of worker threads; each worker pipelines its sub-batch per node (all

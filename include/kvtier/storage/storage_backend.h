@@ -78,7 +78,7 @@ std::string_view storage_op_name(StorageOp op) noexcept;
 
 struct StorageItem {
   StorageKey key;
-  void* buffer = nullptr;  // get: destination; put: source (read only); unused for exists/delete
+  void* buffer = nullptr;   // get: destination; put: source (read only); unused for exists/delete
   std::uint64_t bytes = 0;  // get: destination capacity; put: payload size
 };
 
@@ -93,14 +93,14 @@ struct ItemResult {
 };
 
 struct StorageCaps {
-  bool zero_copy_host = false;  // registered, aligned host memory is read/written without a copy
-  bool native_async = false;    // the backend's own I/O is asynchronous (not a thread pool over sync calls)
-  bool shared = false;          // several machines/instances see the same objects
-  bool cancellable = false;     // cancel() can stop work in flight
-  bool persistent = false;      // objects survive a process restart
-  std::uint32_t max_in_flight = 0;        // items the backend works on concurrently
-  std::uint64_t max_object_bytes = 0;     // payload limit per object
-  std::uint64_t alignment = 1;            // buffer/size alignment for the zero-copy path
+  bool zero_copy_host = false;         // registered, aligned host memory is read/written without a copy
+  bool native_async = false;           // the backend's own I/O is asynchronous (not a thread pool over sync calls)
+  bool shared = false;                 // several machines/instances see the same objects
+  bool cancellable = false;            // cancel() can stop work in flight
+  bool persistent = false;             // objects survive a process restart
+  std::uint32_t max_in_flight = 0;     // items the backend works on concurrently
+  std::uint64_t max_object_bytes = 0;  // payload limit per object
+  std::uint64_t alignment = 1;         // buffer/size alignment for the zero-copy path
 };
 
 struct StorageStats {
@@ -108,14 +108,18 @@ struct StorageStats {
   std::uint64_t bytes = 0;           // bytes on the medium incl. headers (local backends)
   std::uint64_t capacity_bytes = 0;  // 0 = unlimited / managed by the server
   std::uint64_t evictions = 0;
-  std::uint64_t quarantined = 0;     // objects that failed verification
+  std::uint64_t quarantined = 0;  // objects that failed verification
   // Objects refused because their authentication failed (object_format.h): another tenant's,
   // forged, or of the other keying mode. A subset of the objects counted in `quarantined` (disk)
   // or refused by gets (Redis: also counted when the delete that quarantines them fails).
   std::uint64_t auth_failures = 0;
-  std::uint64_t bounce_copies = 0;   // items that went through a bounce buffer
-  std::uint64_t redirects = 0;       // cluster MOVED/ASK redirects followed (remote backends)
-  std::uint64_t reconnects = 0;      // connections re-established after a failure (remote backends)
+  std::uint64_t bounce_copies = 0;  // items that went through a bounce buffer
+  std::uint64_t redirects = 0;      // cluster MOVED/ASK redirects followed (remote backends)
+  std::uint64_t reconnects = 0;     // connections re-established after a failure (remote backends)
+  // 1 when the disk backend was asked for O_DIRECT where the filesystem allows it (DirectIo::kAuto)
+  // and its probe at create failed: it runs on buffered I/O (page cache, bounce copies) for its
+  // whole life, which is also logged as a warning. 0 otherwise (also for DirectIo::kOff).
+  std::uint64_t direct_io_fallback = 0;
 };
 
 namespace detail {
@@ -184,8 +188,8 @@ class StorageTicket {
 // Namespace and object schema shared by every object of a backend instance.
 struct ObjectSchemaRole {
   std::uint16_t layer = 0;
-  std::uint8_t role = 0;   // kvtier::Role value
-  std::uint8_t dtype = 0;  // kvtier::DType value
+  std::uint8_t role = 0;     // kvtier::Role value
+  std::uint8_t dtype = 0;    // kvtier::DType value
   std::uint64_t offset = 0;  // inside the payload
   std::uint64_t bytes = 0;
 };
@@ -264,9 +268,7 @@ class StorageBackendWrapper : public StorageBackend {
   Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override {
     return inner_->corrupt_stored_object(key, offset, xor_mask);
   }
-  Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override {
-    return inner_->stored_object_bytes(key);
-  }
+  Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override { return inner_->stored_object_bytes(key); }
   StorageBackend& inner() noexcept { return *inner_; }
 
  protected:

@@ -124,6 +124,8 @@ class StorageTier {
   //   kvtier_storage_evictions_total, kvtier_storage_quarantined_total, kvtier_storage_auth_failures_total,
   //   kvtier_storage_bounce_copies_total,
   //   kvtier_storage_redirects_total, kvtier_storage_reconnects_total   (the backend's StorageStats)
+  //   kvtier_storage_direct_io_fallback        (gauge) 1 when the disk backend's O_DIRECT probe failed
+  //                                            and it runs on buffered I/O (StorageStats::direct_io_fallback)
   // Items and latencies are counted by the thread that polls an op (lock-free); the backend's stats are
   // read when the registry is scraped. The registry must outlive the tier. FailedPrecondition when
   // already attached; InvalidArgument for bad labels.
