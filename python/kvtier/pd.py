@@ -227,7 +227,8 @@ class Decode(_Endpoint):
     _role = "decode"
 
     def start(self, peer: int, transfer_id: int, dst_blocks: Sequence[int], mode: str = "push") -> None:
-        """Starts transfer ``transfer_id`` from ``peer`` into ``dst_blocks`` (distinct ids), ``"push"`` or ``"pull"``."""
+        """Starts transfer ``transfer_id`` from ``peer`` into ``dst_blocks`` (distinct ids of this side's blocks);
+        ``mode`` ``"push"`` or ``"pull"``."""
         self._ep.start(int(peer), int(transfer_id), [int(b) for b in dst_blocks], mode)
 
     def wait_layer(self, transfer_id: int, layer: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> str:
