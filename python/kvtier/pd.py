@@ -137,6 +137,7 @@ class _Endpoint:
         if name is None:
             name = f"{self._role}-{os.getpid()}-{next(_names)}"
         secret = b"" if peer_secret is None else bytes(peer_secret)
+        self._device = device
         self._ep = _native.PdEndpoint.create(
             self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
             tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
@@ -153,6 +154,11 @@ class _Endpoint:
     def transport(self) -> str:
         """The transport's backend name."""
         return self._ep.transport
+
+    @property
+    def device(self) -> Any:
+        """The :class:`kvtier.Device` the KV lives on (staged endpoints), or None (host memory)."""
+        return self._device
 
     @property
     def num_layers(self) -> int:
