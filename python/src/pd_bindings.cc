@@ -144,11 +144,12 @@ nb::dict decode_dict(const DecodeStatus& s) {
   return d;
 }
 
-struct PyPdEndpoint {
-  // Destroyed in reverse order by close(): endpoints, layer events, transport, copy engine, staging, adoptions;
-  // then (by the destructor, under the GIL) the Python references.
+// Everything native of one endpoint. Shared by the Python object and the calls in flight (which hold a
+// reference while the GIL is released), so close() from one thread never frees what another thread's wait uses:
+// the last holder tears it down.
+struct PdNative {
   nb::object device_ref;  // the PyDevice (staged), or None
-  nb::list keep_alive;    // the engine's tensors
+  nb::object keep_alive;  // a list of the engine's tensors
   std::vector<Buffer> adopted_device;
   KvLayout layout;
   BlockSpace space;
@@ -161,41 +162,70 @@ struct PyPdEndpoint {
   std::unique_ptr<transport::PdDecode> decode;
   std::unique_ptr<transport::PdStagedPrefill> staged_prefill;
   std::unique_ptr<transport::PdStagedDecode> staged_decode;
-  EndpointOptions options;
-  bool closed = false;
 
-  ~PyPdEndpoint() { close(); }
+  Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 
-  void close() {
-    if (closed) return;
-    closed = true;
-    nb::gil_scoped_release release;
+  // Endpoints first (their progress threads), then the events they polled, the transport, the copy engine, the
+  // staging memory and the adoptions; the Python references last, under the GIL.
+  ~PdNative() {
     prefill.reset();
     decode.reset();
     staged_prefill.reset();
     staged_decode.reset();
-    {
-      std::lock_guard lock(events_mu);
-      events.clear();
-    }
+    events.clear();
     transport.reset();
     engine.reset();
     staging.reset();
     adopted_device.clear();
+    if (!device_ref.is_valid() && !keep_alive.is_valid()) return;
+    if (!Py_IsInitialized()) {  // the interpreter is gone: leak rather than crash
+      (void)device_ref.release();
+      (void)keep_alive.release();
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    device_ref.reset();
+    keep_alive.reset();
+  }
+};
+
+struct PyPdEndpoint {
+  EndpointOptions options;
+  // Kept for after close().
+  std::string backend;
+  std::string layout;
+  std::uint32_t num_layers = 0;
+  std::uint64_t num_blocks = 0;
+  std::uint64_t block_bytes = 0;
+  bool staged = false;
+  std::mutex mu;
+  std::shared_ptr<PdNative> native;  // null once closed
+
+  ~PyPdEndpoint() { close(); }
+
+  void close() {
+    std::shared_ptr<PdNative> n;
+    {
+      std::lock_guard lock(mu);
+      n = std::move(native);
+    }
+    nb::gil_scoped_release release;  // teardown joins kvtier threads
+    n.reset();
   }
 
-  void require_open() const {
-    if (closed)
+  std::shared_ptr<PdNative> get() {
+    std::lock_guard lock(mu);
+    if (!native)
       raise_status(FailedPrecondition(fmt::format("the {} endpoint '{}' was closed", options.role, options.name)));
+    return native;
   }
   bool is_prefill() const { return options.role == "prefill"; }
-  void require_role(const char* role, const char* method) const {
-    require_open();
+  std::shared_ptr<PdNative> get(const char* role, const char* method) {
     if (options.role != role)
       raise_status(FailedPrecondition(
           fmt::format("{}() is a {} call; '{}' is a {} endpoint", method, role, options.name, options.role)));
+    return get();
   }
-  Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 };
 
 std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<>> tensors, nb::object device_obj,
@@ -205,64 +235,75 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
   const auto heartbeat = to_ms(o.heartbeat_s, "heartbeat");
   const auto lease = to_ms(o.lease_s, "lease");
-  auto out = std::make_unique<PyPdEndpoint>();
-  out->options = o;
-  out->device_ref = device_obj;
+  auto n = std::make_shared<PdNative>();
+  n->device_ref = device_obj;
+  nb::list keep_alive;
+  n->keep_alive = keep_alive;
   Device* device = device_obj.is_none() ? nullptr : &nb::cast<PyDevice&>(device_obj).get();
   std::map<std::string, TensorDesc> descs;
   for (auto& [name, array] : tensors) {
     descs[name] = value_or_raise(device ? describe_tensor(name, array, *device) : describe_host_tensor(name, array));
-    out->keep_alive.append(nb::cast(array));
+    keep_alive.append(nb::cast(array));
   }
   Status st = released([&]() -> Status {
-    KVTIER_ASSIGN_OR_RETURN(out->layout,
+    KVTIER_ASSIGN_OR_RETURN(n->layout,
                             layout_from_name_map(descs, o.num_model_layers, o.rank, o.device_label, o.block_tokens));
-    KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, out->layout, o.rank, o.device_label,
+    KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label,
                                                                          device ? device->ordinal() : 0));
-    KVTIER_ASSIGN_OR_RETURN(out->transport, make_transport(o, out->layout));
+    KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, n->layout));
     transport::PdOptions pd{heartbeat, lease};
     if (device == nullptr) {
       // Host memory: the protocol runs on the tensors themselves.
-      std::vector<std::vector<Plane>> planes(out->layout.num_layers());
-      for (std::uint32_t l = 0; l < out->layout.num_layers(); ++l)
-        for (std::uint32_t r = 0; r < out->layout.num_roles(l); ++r) planes[l].push_back(space.plane(l, r));
-      KVTIER_ASSIGN_OR_RETURN(out->space, BlockSpace::from_planes(MemoryKind::kPinnedHost, 0, out->layout,
-                                                                  space.num_blocks(), std::move(planes)));
+      std::vector<std::vector<Plane>> planes(n->layout.num_layers());
+      for (std::uint32_t l = 0; l < n->layout.num_layers(); ++l)
+        for (std::uint32_t r = 0; r < n->layout.num_roles(l); ++r) planes[l].push_back(space.plane(l, r));
+      KVTIER_ASSIGN_OR_RETURN(n->space, BlockSpace::from_planes(MemoryKind::kPinnedHost, 0, n->layout,
+                                                                space.num_blocks(), std::move(planes)));
       if (o.role == "prefill") {
-        KVTIER_ASSIGN_OR_RETURN(out->prefill, transport::PdPrefill::create(*out->transport, out->space, pd));
+        KVTIER_ASSIGN_OR_RETURN(n->prefill, transport::PdPrefill::create(*n->transport, n->space, pd));
       } else {
-        KVTIER_ASSIGN_OR_RETURN(out->decode, transport::PdDecode::create(*out->transport, out->space, pd));
+        KVTIER_ASSIGN_OR_RETURN(n->decode, transport::PdDecode::create(*n->transport, n->space, pd));
       }
       return Status::Ok();
     }
     // Device memory: staged through pinned host memory with the copy engine.
-    out->space = space;
+    n->space = space;
     for (const auto& [name, t] : descs) {
       auto b = device->adopt_device_memory(t.data, tensor_extent_bytes(t));
       if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
-      out->adopted_device.push_back(std::move(b).value());
+      n->adopted_device.push_back(std::move(b).value());
     }
     const std::uint64_t staging_blocks = o.staging_blocks != 0 ? o.staging_blocks : space.num_blocks();
-    KVTIER_ASSIGN_OR_RETURN(auto staging, transport::StagingSpace::allocate(*device, out->layout, staging_blocks));
-    out->staging.emplace(std::move(staging));
-    KVTIER_ASSIGN_OR_RETURN(out->engine, CopyEngine::create(*device));
+    KVTIER_ASSIGN_OR_RETURN(auto staging, transport::StagingSpace::allocate(*device, n->layout, staging_blocks));
+    n->staging.emplace(std::move(staging));
+    KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
     transport::StagedOptions so;
     so.pd = pd;
     if (o.role == "prefill") {
-      KVTIER_ASSIGN_OR_RETURN(out->staged_prefill,
-                              transport::PdStagedPrefill::create(*out->transport, *device, *out->engine, out->space,
-                                                                 out->staging->space, so));
+      KVTIER_ASSIGN_OR_RETURN(n->staged_prefill, transport::PdStagedPrefill::create(*n->transport, *device, *n->engine,
+                                                                                    n->space, n->staging->space, so));
     } else {
-      KVTIER_ASSIGN_OR_RETURN(out->staged_decode,
-                              transport::PdStagedDecode::create(*out->transport, *device, *out->engine, out->space,
-                                                                out->staging->space, so));
+      KVTIER_ASSIGN_OR_RETURN(n->staged_decode, transport::PdStagedDecode::create(*n->transport, *device, *n->engine,
+                                                                                  n->space, n->staging->space, so));
     }
     return Status::Ok();
   });
   if (!st.ok()) {
-    out->close();
+    {
+      nb::gil_scoped_release release;
+      n.reset();
+    }
     raise_status(st.with_context(fmt::format("{} endpoint '{}'", o.role, o.name)));
   }
+  auto out = std::make_unique<PyPdEndpoint>();
+  out->options = std::move(o);
+  out->backend = std::string(n->transport->backend_name());
+  out->layout = n->layout.describe();
+  out->num_layers = n->layout.num_layers();
+  out->num_blocks = n->space.num_blocks();
+  out->block_bytes = n->layout.total_block_bytes();
+  out->staged = device != nullptr;
+  out->native = std::move(n);
   return out;
 }
 
@@ -303,72 +344,68 @@ void bind_pd(nb::module_& m) {
           "on the tensors; a Device: its memory, staged through pinned host memory.")
       .def_prop_ro("role", [](const PyPdEndpoint& e) { return e.options.role; })
       .def_prop_ro("name", [](const PyPdEndpoint& e) { return e.options.name; })
-      .def_prop_ro("transport",
-                   [](const PyPdEndpoint& e) {
-                     e.require_open();
-                     return std::string(e.transport->backend_name());
-                   })
-      .def_prop_ro("staged", [](const PyPdEndpoint& e) { return !e.device_ref.is_none(); })
-      .def_prop_ro("layout", [](const PyPdEndpoint& e) { return e.layout.describe(); })
-      .def_prop_ro("num_layers", [](const PyPdEndpoint& e) { return e.layout.num_layers(); })
-      .def_prop_ro("num_blocks", [](const PyPdEndpoint& e) { return e.space.num_blocks(); })
-      .def_prop_ro("block_bytes", [](const PyPdEndpoint& e) { return e.layout.total_block_bytes(); })
+      .def_prop_ro("transport", [](const PyPdEndpoint& e) { return e.backend; })
+      .def_prop_ro("staged", [](const PyPdEndpoint& e) { return e.staged; })
+      .def_prop_ro("layout", [](const PyPdEndpoint& e) { return e.layout; })
+      .def_prop_ro("num_layers", [](const PyPdEndpoint& e) { return e.num_layers; })
+      .def_prop_ro("num_blocks", [](const PyPdEndpoint& e) { return e.num_blocks; })
+      .def_prop_ro("block_bytes", [](const PyPdEndpoint& e) { return e.block_bytes; })
       .def(
           "metadata",
           [](PyPdEndpoint& e) {
-            e.require_open();
-            auto blob = value_or_raise(released([&] { return e.transport->export_metadata(); }));
+            auto n = e.get();
+            auto blob = value_or_raise(released([&] { return n->transport->export_metadata(); }));
             return nb::bytes(reinterpret_cast<const char*>(blob.data()), blob.size());
           },
           "This endpoint's metadata blob, for the peer's add_peer().")
       .def(
           "add_peer",
           [](PyPdEndpoint& e, nb::bytes blob) {
-            e.require_open();
+            auto n = e.get();
             std::vector<std::byte> b(blob.size());
             if (blob.size() != 0) std::memcpy(b.data(), blob.c_str(), blob.size());
-            return value_or_raise(released([&] { return e.transport->load_peer(b); }));
+            return value_or_raise(released([&] { return n->transport->load_peer(b); }));
           },
           "metadata"_a, "Loads the peer's metadata blob (checked, authenticated with a peer secret); its peer id.")
       // ---- prefill
       .def(
           "begin",
           [](PyPdEndpoint& e, std::uint32_t peer, std::int64_t id, const std::vector<std::int64_t>& src) {
-            e.require_role("prefill", "begin");
+            auto n = e.get("prefill", "begin");
             auto blocks = to_blocks(src, "source");
             const TransferId x = to_xid(id);
             check(released([&] {
-              return e.prefill ? e.prefill->begin(peer, x, std::move(blocks))
-                               : e.staged_prefill->begin(peer, x, std::move(blocks));
+              return n->prefill ? n->prefill->begin(peer, x, std::move(blocks))
+                                : n->staged_prefill->begin(peer, x, std::move(blocks));
             }));
           },
           "peer"_a, "transfer_id"_a, "src_blocks"_a)
       .def(
           "layer_ready",
           [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, PyStream* stream) {
-            e.require_role("prefill", "layer_ready");
+            auto n = e.get("prefill", "layer_ready");
             const TransferId x = to_xid(id);
             const std::uint32_t l = to_layer(layer);
             if (stream == nullptr) {
               check(released(
-                  [&] { return e.prefill ? e.prefill->layer_ready(x, l) : e.staged_prefill->layer_ready(x, l); }));
+                  [&] { return n->prefill ? n->prefill->layer_ready(x, l) : n->staged_prefill->layer_ready(x, l); }));
               return;
             }
-            Device* dev = e.device();
+            Device* dev = n->device();
             if (dev == nullptr)
-              raise_status(InvalidArgument(fmt::format(
-                  "layer_ready(stream=...) of transfer {} layer {}: endpoint '{}' was created without a device "
-                  "(host memory is ready when layer_ready is called)",
-                  id, layer, e.options.name)));
+              raise_status(InvalidArgument(
+                  fmt::format("layer_ready(stream=...) of transfer {} layer {}: endpoint '{}' was created without a "
+                              "device (host memory is ready when layer_ready is called)",
+                              id, layer, e.options.name)));
             check(released([&]() -> Status {
               KVTIER_ASSIGN_OR_RETURN(auto ev, dev->create_event(EventOptions{}));
               KVTIER_RETURN_IF_ERROR(dev->record(*ev, *stream->stream));
               Event* raw = ev.get();
               {
-                std::lock_guard lock(e.events_mu);
-                e.events[x].push_back(std::move(ev));
+                std::lock_guard lock(n->events_mu);
+                n->events[x].push_back(std::move(ev));
               }
-              return e.staged_prefill->layer_ready_after(x, l, *raw);
+              return n->staged_prefill->layer_ready_after(x, l, *raw);
             }));
           },
           "transfer_id"_a, "layer"_a, "stream"_a = nb::none(),
@@ -379,33 +416,33 @@ void bind_pd(nb::module_& m) {
           "start",
           [](PyPdEndpoint& e, std::uint32_t peer, std::int64_t id, const std::vector<std::int64_t>& dst,
              const std::string& mode) {
-            e.require_role("decode", "start");
+            auto n = e.get("decode", "start");
             auto blocks = to_blocks(dst, "destination");
-            const PdMode m = parse_mode(mode);
+            const PdMode md = parse_mode(mode);
             const TransferId x = to_xid(id);
             check(released([&] {
-              return e.decode ? e.decode->start(peer, x, m, std::move(blocks))
-                              : e.staged_decode->start(peer, x, m, std::move(blocks));
+              return n->decode ? n->decode->start(peer, x, md, std::move(blocks))
+                               : n->staged_decode->start(peer, x, md, std::move(blocks));
             }));
           },
           "peer"_a, "transfer_id"_a, "dst_blocks"_a, "mode"_a = "push")
       .def(
           "wait_layer",
           [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, std::optional<double> timeout) {
-            e.require_role("decode", "wait_layer");
+            auto n = e.get("decode", "wait_layer");
             const TransferId x = to_xid(id);
             const std::uint32_t l = to_layer(layer);
             const auto t = to_timeout(timeout);
             auto s = value_or_raise(released(
-                [&] { return e.decode ? e.decode->wait_layer(x, l, t) : e.staged_decode->wait_layer(x, l, t); }));
+                [&] { return n->decode ? n->decode->wait_layer(x, l, t) : n->staged_decode->wait_layer(x, l, t); }));
             return std::string(transport::layer_state_name(s));
           },
           "transfer_id"_a, "layer"_a, "timeout"_a.none(), "Until the layer is final: 'loaded', 'partial' or 'failed'.")
       .def(
           "wait_layer_on_stream",
           [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, PyStream& stream, std::optional<double> timeout) {
-            e.require_role("decode", "wait_layer_on_stream");
-            if (!e.staged_decode)
+            auto n = e.get("decode", "wait_layer_on_stream");
+            if (!n->staged_decode)
               raise_status(InvalidArgument(
                   fmt::format("wait_layer_on_stream of transfer {} layer {}: endpoint '{}' was created without a "
                               "device; use wait_layer",
@@ -413,9 +450,9 @@ void bind_pd(nb::module_& m) {
             const TransferId x = to_xid(id);
             const std::uint32_t l = to_layer(layer);
             const auto t = to_timeout(timeout);
-            Device* dev = e.device();
+            Device* dev = n->device();
             check(released([&]() -> Status {
-              KVTIER_ASSIGN_OR_RETURN(Event * ev, e.staged_decode->layer_event(x, l, t));
+              KVTIER_ASSIGN_OR_RETURN(Event * ev, n->staged_decode->layer_event(x, l, t));
               return dev->wait(*stream.stream, *ev);
             }));
           },
@@ -426,26 +463,26 @@ void bind_pd(nb::module_& m) {
       .def(
           "status",
           [](PyPdEndpoint& e, std::int64_t id) -> nb::dict {
-            e.require_open();
+            auto n = e.get();
             const TransferId x = to_xid(id);
             if (e.is_prefill())
               return prefill_dict(value_or_raise(
-                  released([&] { return e.prefill ? e.prefill->status(x) : e.staged_prefill->status(x); })));
-            return decode_dict(
-                value_or_raise(released([&] { return e.decode ? e.decode->status(x) : e.staged_decode->status(x); })));
+                  released([&] { return n->prefill ? n->prefill->status(x) : n->staged_prefill->status(x); })));
+            return decode_dict(value_or_raise(
+                released([&] { return n->decode ? n->decode->status(x) : n->staged_decode->status(x); })));
           },
           "transfer_id"_a)
       .def(
           "wait",
           [](PyPdEndpoint& e, std::int64_t id, std::optional<double> timeout, bool reclaimable) -> nb::dict {
-            e.require_open();
+            auto n = e.get();
             const TransferId x = to_xid(id);
             const auto t = to_timeout(timeout);
             if (e.is_prefill())
               return prefill_dict(value_or_raise(
-                  released([&] { return e.prefill ? e.prefill->wait(x, t) : e.staged_prefill->wait(x, t); })));
+                  released([&] { return n->prefill ? n->prefill->wait(x, t) : n->staged_prefill->wait(x, t); })));
             return decode_dict(value_or_raise(released([&] {
-              return e.decode ? e.decode->wait(x, t, reclaimable) : e.staged_decode->wait(x, t, reclaimable);
+              return n->decode ? n->decode->wait(x, t, reclaimable) : n->staged_decode->wait(x, t, reclaimable);
             })));
           },
           "transfer_id"_a, "timeout"_a.none(), "reclaimable"_a = false,
@@ -453,23 +490,25 @@ void bind_pd(nb::module_& m) {
       .def(
           "forget",
           [](PyPdEndpoint& e, std::int64_t id) {
-            e.require_open();
+            auto n = e.get();
             const TransferId x = to_xid(id);
             check(released([&]() -> Status {
               Status st;
-              if (e.prefill) st = e.prefill->forget(x);
-              if (e.staged_prefill) st = e.staged_prefill->forget(x);
-              if (e.decode) st = e.decode->forget(x);
-              if (e.staged_decode) st = e.staged_decode->forget(x);
+              if (n->prefill) st = n->prefill->forget(x);
+              if (n->staged_prefill) st = n->staged_prefill->forget(x);
+              if (n->decode) st = n->decode->forget(x);
+              if (n->staged_decode) st = n->staged_decode->forget(x);
               if (st.ok()) {
-                std::lock_guard lock(e.events_mu);
-                e.events.erase(x);
+                std::lock_guard lock(n->events_mu);
+                n->events.erase(x);
               }
               return st;
             }));
           },
           "transfer_id"_a, "Forgets a final, reclaimable transfer (FailedPreconditionError otherwise).")
-      .def("close", &PyPdEndpoint::close, "Stops the endpoint and its transport (idempotent).");
+      .def("close", &PyPdEndpoint::close,
+           "Stops the endpoint and its transport (idempotent). A call in flight on another thread keeps them until "
+           "it returns.");
 }
 
 }  // namespace kvtier::python

@@ -305,6 +305,31 @@ def test_dead_prefill_fails_the_transfer(pair):
     d.forget(11)
 
 
+def test_close_while_another_thread_waits(pair):
+    """close() returns at once; the wait in flight keeps the endpoint until it returns (its timeout), then it goes."""
+    p, d, _, _, to_decode, to_prefill = pair
+    d.start(to_prefill, 13, [0])
+    p.begin(to_decode, 13, [0])  # no layer is ever declared ready
+    outcome = []
+
+    def waiter():
+        try:
+            d.wait(13, timeout=0.5)
+        except kvtier.KvtierError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+    d.close()
+    t.join(TIMEOUT)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], kvtier.TimedOutError)
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        d.status(13)
+    assert d.num_blocks == DECODE_BLOCKS  # the description outlives close()
+
+
 def test_bad_arguments():
     src_kv = prefill_kv()
     with pytest.raises(kvtier.InvalidArgumentError, match="'carrier-pigeon'"):
