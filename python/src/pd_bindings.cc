@@ -156,8 +156,6 @@ struct PdNative {
   std::optional<transport::StagingSpace> staging;
   std::unique_ptr<CopyEngine> engine;
   std::unique_ptr<transport::Transport> transport;
-  std::mutex events_mu;
-  std::map<TransferId, std::vector<std::unique_ptr<Event>>> events;  // prefill: layer readiness events
   std::unique_ptr<transport::PdPrefill> prefill;
   std::unique_ptr<transport::PdDecode> decode;
   std::unique_ptr<transport::PdStagedPrefill> staged_prefill;
@@ -165,14 +163,13 @@ struct PdNative {
 
   Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 
-  // Endpoints first (their progress threads), then the events they polled, the transport, the copy engine, the
-  // staging memory and the adoptions; the Python references last, under the GIL.
+  // Endpoints first (their progress threads), then the transport, the copy engine, the staging memory and the
+  // adoptions; the Python references last, under the GIL.
   ~PdNative() {
     prefill.reset();
     decode.reset();
     staged_prefill.reset();
     staged_decode.reset();
-    events.clear();
     transport.reset();
     engine.reset();
     staging.reset();
@@ -398,14 +395,10 @@ void bind_pd(nb::module_& m) {
                               "device (host memory is ready when layer_ready is called)",
                               id, layer, e.options.name)));
             check(released([&]() -> Status {
+              // Only the event's capture matters to the endpoint: it may go once the call returned.
               KVTIER_ASSIGN_OR_RETURN(auto ev, dev->create_event(EventOptions{}));
               KVTIER_RETURN_IF_ERROR(dev->record(*ev, *stream->stream));
-              Event* raw = ev.get();
-              {
-                std::lock_guard lock(n->events_mu);
-                n->events[x].push_back(std::move(ev));
-              }
-              return n->staged_prefill->layer_ready_after(x, l, *raw);
+              return n->staged_prefill->layer_ready_after(x, l, *ev);
             }));
           },
           "transfer_id"_a, "layer"_a, "stream"_a = nb::none(),
@@ -493,16 +486,10 @@ void bind_pd(nb::module_& m) {
             auto n = e.get();
             const TransferId x = to_xid(id);
             check(released([&]() -> Status {
-              Status st;
-              if (n->prefill) st = n->prefill->forget(x);
-              if (n->staged_prefill) st = n->staged_prefill->forget(x);
-              if (n->decode) st = n->decode->forget(x);
-              if (n->staged_decode) st = n->staged_decode->forget(x);
-              if (st.ok()) {
-                std::lock_guard lock(n->events_mu);
-                n->events.erase(x);
-              }
-              return st;
+              if (n->prefill) return n->prefill->forget(x);
+              if (n->staged_prefill) return n->staged_prefill->forget(x);
+              if (n->decode) return n->decode->forget(x);
+              return n->staged_decode->forget(x);
             }));
           },
           "transfer_id"_a, "Forgets a final, reclaimable transfer (FailedPreconditionError otherwise).")
