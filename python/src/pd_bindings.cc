@@ -186,6 +186,16 @@ struct PdNative {
   }
 };
 
+// A stream of the endpoint's own device (a stream of another Device object is refused: its work is not that
+// device's to wait for).
+void check_stream(const PdNative& n, const PyStream& stream, const std::string& endpoint) {
+  if (&stream.stream->device() != n.device())
+    raise_status(InvalidArgument(
+        fmt::format("stream {} belongs to another kvtier Device than endpoint '{}'s; create or adopt it on the "
+                    "endpoint's device",
+                    stream.stream->id(), endpoint)));
+}
+
 struct PyPdEndpoint {
   EndpointOptions options;
   // Kept for after close().
@@ -394,6 +404,7 @@ void bind_pd(nb::module_& m) {
                   fmt::format("layer_ready(stream=...) of transfer {} layer {}: endpoint '{}' was created without a "
                               "device (host memory is ready when layer_ready is called)",
                               id, layer, e.options.name)));
+            check_stream(*n, *stream, e.options.name);
             check(released([&]() -> Status {
               // Only the event's capture matters to the endpoint: it may go once the call returned.
               KVTIER_ASSIGN_OR_RETURN(auto ev, dev->create_event(EventOptions{}));
@@ -443,6 +454,7 @@ void bind_pd(nb::module_& m) {
             const TransferId x = to_xid(id);
             const std::uint32_t l = to_layer(layer);
             const auto t = to_timeout(timeout);
+            check_stream(*n, stream, e.options.name);
             Device* dev = n->device();
             check(released([&]() -> Status {
               KVTIER_ASSIGN_OR_RETURN(Event * ev, n->staged_decode->layer_event(x, l, t));

@@ -370,6 +370,10 @@ def test_staged_on_the_host_backend_with_streams(mode):
         for layer in range(LAYERS):
             assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
             assert_poisoned(dst_kv, layer, [0, 3, 4, 5, 6, 7, 9])
+        # A stream of another Device is refused, naming the stream.
+        other = kvtier.host_device().create_stream("elsewhere")
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"stream {other.id} belongs to another"):
+            d.wait_layer_on_stream(1, 0, other, TIMEOUT)
         # 3 of 4 staging blocks are taken until forget(): a second transfer of 2 blocks is refused.
         with pytest.raises(kvtier.ResourceExhaustedError):
             d.start(to_prefill, 2, [5, 6], mode=mode)
