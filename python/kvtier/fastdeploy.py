@@ -30,9 +30,9 @@ Added (what FastDeploy's callers need and its class lacks):
   :class:`PdTransferConnector` (prefill/decode over :mod:`kvtier.pd` on the engine's KV
   tensors) when the instance is a prefill or decode instance, else None.
 
-P/D (the transfer connector): ``cache_config.splitwise_role`` (FastDeploy's ``prefill`` /
-``decode`` / ``mixed``; ``KVTIER_FASTDEPLOY_PD_ROLE`` overrides it) picks the side; ``mixed`` or
-none means no connector. ``KVTIER_FASTDEPLOY_PD_TRANSPORT`` = ``ipc`` (default, same host) |
+P/D (the transfer connector): FastDeploy's ``config.scheduler_config.splitwise_role``
+(``prefill`` / ``decode`` / ``mixed``; ``KVTIER_FASTDEPLOY_PD_ROLE`` overrides it) picks the side;
+``mixed`` or none means no connector. ``KVTIER_FASTDEPLOY_PD_TRANSPORT`` = ``ipc`` (default, same host) |
 ``ucx`` (``KVTIER_FASTDEPLOY_PD_TLS``, default ``tcp``; ``KVTIER_FASTDEPLOY_PD_NET_DEVICES``) |
 ``loopback`` (one process: tests); ``KVTIER_FASTDEPLOY_PD_SECRET`` = the peer secret in hex
 (32 to 64 bytes, the same on both sides).
@@ -167,7 +167,8 @@ class CacheTransferManager:
         self._sync_timeout = float(os.environ.get("KVTIER_FASTDEPLOY_SYNC_TIMEOUT", "300"))
 
         # ============ Connectors ============
-        self._transfer_connector = create_transfer_connector(self.cache_config)
+        self._transfer_connector = create_transfer_connector(
+            self.cache_config, splitwise_role=_attr(_attr(config, "scheduler_config"), "splitwise_role"))
 
     # ============ Cache Map Setters ============
 
@@ -677,11 +678,14 @@ class PdTransferConnector:
             self._tensors = {}
 
 
-def create_transfer_connector(cache_config: Any) -> Optional[PdTransferConnector]:
+def create_transfer_connector(cache_config: Any, splitwise_role: Optional[str] = None) -> Optional[PdTransferConnector]:
     """FastDeploy's ``create_transfer_connector(cache_config)``, filled by kvtier's P/D: a
-    :class:`PdTransferConnector` for a prefill or decode instance (``cache_config.splitwise_role``, or
-    ``KVTIER_FASTDEPLOY_PD_ROLE``), None otherwise. Environment: see the module's docstring."""
-    role = os.environ.get("KVTIER_FASTDEPLOY_PD_ROLE") or _attr(cache_config, "splitwise_role") or "mixed"
+    :class:`PdTransferConnector` for a prefill or decode instance, None otherwise. The role:
+    ``KVTIER_FASTDEPLOY_PD_ROLE``, else ``splitwise_role`` (the drop-in passes FastDeploy's
+    ``config.scheduler_config.splitwise_role``; FastDeploy's own call passes only ``cache_config``), else
+    ``cache_config.splitwise_role``, else ``mixed``. Environment: see the module's docstring."""
+    role = (os.environ.get("KVTIER_FASTDEPLOY_PD_ROLE") or splitwise_role or _attr(cache_config, "splitwise_role")
+            or "mixed")
     if role == "mixed":
         return None
     secret_hex = os.environ.get("KVTIER_FASTDEPLOY_PD_SECRET", "")

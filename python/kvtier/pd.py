@@ -51,6 +51,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -134,8 +135,8 @@ class _Endpoint:
         tensors = _name_map(kv, rank, device_label)
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)
-        if name is None:
-            name = f"{self._role}-{os.getpid()}-{next(_names)}"
+        if name is None:  # unique across the hosts and processes that talk to each other
+            name = f"{self._role}-{socket.gethostname()[:64]}-{os.getpid()}-{next(_names)}"
         secret = b"" if peer_secret is None else bytes(peer_secret)
         self._device = device
         self._ep = _native.PdEndpoint.create(

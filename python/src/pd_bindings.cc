@@ -258,7 +258,9 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label,
                                                                          device ? device->ordinal() : 0));
     KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, n->layout));
-    transport::PdOptions pd{heartbeat, lease};
+    transport::PdOptions pd;
+    pd.heartbeat = heartbeat;
+    pd.lease = lease;
     if (device == nullptr) {
       // Host memory: the protocol runs on the tensors themselves.
       std::vector<std::vector<Plane>> planes(n->layout.num_layers());

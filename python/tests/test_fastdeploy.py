@@ -6,6 +6,7 @@ import inspect
 import json
 import logging
 import os
+import types
 
 import numpy as np
 import pytest
@@ -223,7 +224,7 @@ def test_registration_errors_name_the_bad_value(engine):
 def pd_instance(engine, role, fill=None):
     """A drop-in of a prefill or decode instance (``splitwise_role``) with its device KV registered."""
     cfg = fd_config(LAYERS, HOST_BLOCKS)
-    cfg.cache_config.splitwise_role = role
+    cfg.scheduler_config = types.SimpleNamespace(splitwise_role=role)  # where FastDeploy keeps it
     mgr = CacheTransferManager(cfg)
     assert isinstance(mgr.transfer_connector, PdTransferConnector) and mgr.transfer_connector.role == role
     dev = {}
@@ -237,19 +238,24 @@ def pd_instance(engine, role, fill=None):
 def test_connectors_are_the_ones_fastdeploy_creates():
     table = fastdeploy_interface()
     assert "create_transfer_connector" in table["connectors"]
-    sig = inspect.signature(kvtier.fastdeploy.create_transfer_connector)
-    assert list(sig.parameters) == ["cache_config"]
+    # FastDeploy calls it with the cache config alone; the drop-in adds the role as a keyword.
+    params = list(inspect.signature(kvtier.fastdeploy.create_transfer_connector).parameters.values())
+    assert params[0].name == "cache_config"
+    assert all(p.default is not inspect.Parameter.empty for p in params[1:])
 
 
 def test_no_transfer_connector_without_pd(monkeypatch):
     monkeypatch.delenv("KVTIER_FASTDEPLOY_PD_ROLE", raising=False)
     assert CacheTransferManager(fd_config(2, 4)).transfer_connector is None
     cfg = fd_config(2, 4)
-    cfg.cache_config.splitwise_role = "mixed"
+    cfg.scheduler_config = types.SimpleNamespace(splitwise_role="mixed")
     assert CacheTransferManager(cfg).transfer_connector is None
-    cfg.cache_config.splitwise_role = "sideways"
+    cfg.scheduler_config.splitwise_role = "sideways"
     with pytest.raises(kvtier.InvalidArgumentError, match="'sideways'"):
         CacheTransferManager(cfg)
+    # The environment overrides the config.
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_ROLE", "decode")
+    assert CacheTransferManager(cfg).transfer_connector.role == "decode"
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
