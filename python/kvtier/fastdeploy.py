@@ -564,7 +564,6 @@ class PdTransferConnector:
                             heartbeat_s=heartbeat_s, lease_s=lease_s)
         self._endpoint = None
         self._tensors: Dict[str, Any] = {}
-        self._streams: Dict[int, Any] = {}  # adopted engine streams by handle
         self._registration = (0, 0, 0)  # num_layers, local_rank, device_id
         self._lock = threading.Lock()
 
@@ -631,6 +630,9 @@ class PdTransferConnector:
                        timeout: Optional[float] = 60.0) -> None:
         """CUDA KV: the engine's stream (``None``: its current one) waits on the GPU for the layer's copy."""
         ep = self._require("decode")
+        if ep.device is None:
+            raise _error("InvalidArgument", "wait_for_layer is a GPU-side wait for CUDA KV; this connector's KV is "
+                         "host memory: use wait_layer")
         ep.wait_layer_on_stream(transfer_id, layer, self._stream(ep, stream, current=True), timeout)
 
     def status(self, transfer_id: int):
@@ -646,28 +648,13 @@ class PdTransferConnector:
         self._require().forget(transfer_id)
 
     def _stream(self, ep, stream: Any, current: bool = False):
-        """The kvtier Stream for ``stream`` (None: none, or with ``current`` the engine's current stream)."""
-        if stream is None and not current:
-            return None
-        if isinstance(stream, _native.Stream):
-            return stream
-        if ep.device is None:
-            raise _error("InvalidArgument", "stream readiness and stream waits need CUDA KV tensors; this "
-                         "connector's KV is host memory (use layer_ready(id, layer) and wait_layer)")
-        if stream is None:
-            handle = _current_stream_handle(next(iter(self._tensors.values())))
-        elif isinstance(stream, int):
-            handle = stream
-        else:
-            handle = int(getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", 0))
-        s = self._streams.get(handle)
-        if s is None:
-            s = self._streams[handle] = ep.device.adopt_stream(handle, f"engine-{handle:#x}")
-        return s
+        """``stream`` for the endpoint (None: none, or with ``current`` the engine's current stream)."""
+        if stream is None and current and ep.device is not None:
+            return _current_stream_handle(next(iter(self._tensors.values())))
+        return stream
 
     def _close_endpoint(self) -> None:
         ep, self._endpoint = self._endpoint, None
-        self._streams = {}
         if ep is not None:
             ep.close()
 

@@ -139,6 +139,7 @@ class _Endpoint:
             name = f"{self._role}-{socket.gethostname()[:64]}-{os.getpid()}-{next(_names)}"
         secret = b"" if peer_secret is None else bytes(peer_secret)
         self._device = device
+        self._streams: Dict[int, Any] = {}  # engine streams adopted on the device, by handle
         self._ep = _native.PdEndpoint.create(
             self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
             tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
@@ -192,6 +193,27 @@ class _Endpoint:
         """Forgets a final, reclaimable transfer (``FailedPreconditionError`` otherwise)."""
         self._ep.forget(transfer_id)
 
+    def _stream(self, stream: Any):
+        """A :class:`kvtier.Stream` for ``stream``: one already, or the engine's stream (a torch or cupy stream,
+        or a ``cudaStream_t`` as an int) adopted on the endpoint's device (never destroyed by kvtier)."""
+        if stream is None or isinstance(stream, _native.Stream):
+            return stream
+        if self._device is None:
+            raise InvalidArgumentError(f"a stream was given to endpoint '{self.name}', which was created without a "
+                                       f"device (host memory needs no stream)")
+        if isinstance(stream, int):
+            handle = stream
+        else:
+            handle = getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", None)
+            if handle is None:
+                raise InvalidArgumentError(f"stream {stream!r} is not a kvtier Stream, a torch or cupy stream, or a "
+                                           f"CUDA stream handle")
+            handle = int(handle)
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = self._device.adopt_stream(handle, f"engine-{handle:#x}")
+        return s
+
     def close(self) -> None:
         """Stops the endpoint and its transport (idempotent). Transfers in flight fail at the peer."""
         self._ep.close()
@@ -216,9 +238,10 @@ class Prefill(_Endpoint):
         self._ep.begin(int(peer), int(transfer_id), [int(b) for b in src_blocks])
 
     def layer_ready(self, transfer_id: int, layer: int, stream: Any = None) -> None:
-        """Declares ``layer`` ready: now, or (``stream``, a :class:`kvtier.Stream` of the endpoint's device) once
-        the work enqueued so far on that stream completed, without blocking the host."""
-        self._ep.layer_ready(int(transfer_id), int(layer), stream)
+        """Declares ``layer`` ready: now, or (``stream``: a :class:`kvtier.Stream` of the endpoint's device, or the
+        engine's torch / cupy stream or ``cudaStream_t``) once the work enqueued so far on that stream completed,
+        without blocking the host."""
+        self._ep.layer_ready(int(transfer_id), int(layer), self._stream(stream))
 
     def status(self, transfer_id: int) -> PrefillStatus:
         return PrefillStatus(**self._ep.status(int(transfer_id)))
@@ -248,7 +271,9 @@ class Decode(_Endpoint):
         """Endpoints with a ``device``: once the layer's copy into device memory is enqueued (a host wait up to
         ``timeout``), makes ``stream`` wait for it on the device. The copy's event also completes when the layer
         failed: check :meth:`status` before trusting (committing) its blocks."""
-        self._ep.wait_layer_on_stream(int(transfer_id), int(layer), stream, timeout)
+        if stream is None:
+            raise InvalidArgumentError("wait_layer_on_stream needs the stream that is to wait")
+        self._ep.wait_layer_on_stream(int(transfer_id), int(layer), self._stream(stream), timeout)
 
     def status(self, transfer_id: int) -> DecodeStatus:
         return DecodeStatus(**self._ep.status(int(transfer_id)))

@@ -343,6 +343,14 @@ def test_bad_arguments():
     with Decode(decode_kv(), transport="loopback") as d:
         with pytest.raises(kvtier.InvalidArgumentError, match="without a device"):
             d.wait_layer_on_stream(1, 0, kvtier.host_device().create_stream())
+    with Prefill(src_kv, transport="loopback") as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="without a device"):
+            p.layer_ready(1, 0, stream=0x1234)  # an engine's stream handle, but the KV is host memory
+        with pytest.raises(kvtier.InvalidArgumentError, match="transfer id -1"):
+            p.begin(0, -1, [0])
+    with Prefill(src_kv, transport="loopback", device=kvtier.host_device()) as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="'not a stream'"):
+            p.layer_ready(1, 0, stream="not a stream")
 
 
 # ---------------------------------------------------------------- staged (a Device: its memory, its streams)
