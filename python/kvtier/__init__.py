@@ -55,6 +55,7 @@ _native._register_errors(errors.CLASS_BY_CODE)
 
 from . import _logging  # noqa: E402
 from . import metrics  # noqa: E402,F401
+from . import pd  # noqa: E402,F401
 
 _logging.install()  # kvtier's C++ log lines go to the "kvtier.<component>" loggers
 
