@@ -314,17 +314,20 @@ def test_close_while_another_thread_waits(pair):
 
     def waiter():
         try:
-            d.wait(13, timeout=0.5)
+            d.wait(13, timeout=1.0)
         except kvtier.KvtierError as e:
             outcome.append(e)
 
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.1)
+    time.sleep(0.2)
     d.close()
     t.join(TIMEOUT)
     assert not t.is_alive()
-    assert len(outcome) == 1 and isinstance(outcome[0], kvtier.TimedOutError)
+    # The wait in flight ends at its timeout (had the thread not reached it before close(), it would see the
+    # endpoint closed: a loaded machine may do that).
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], kvtier.TimedOutError) or "closed" in outcome[0].message, outcome
     with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
         d.status(13)
     assert d.num_blocks == DECODE_BLOCKS  # the description outlives close()
