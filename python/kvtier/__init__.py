@@ -16,7 +16,10 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
 - :mod:`kvtier.metrics`: kvtier's metrics registry for ``prometheus_client`` (``KvtierCollector``),
   as text, or on kvtier's own ``/metrics``; ``attach_metrics(labels)`` on the managers; KV events
   (``CacheManager.enable_kv_events`` / ``take_events`` / ``publish_events`` on a ``KvEventPublisher``);
-- :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class.
+- :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class (its
+  transfer-connector slot holds kvtier's prefill/decode);
+- :mod:`kvtier.pd`: prefill/decode KV transfer between instances (``Prefill``, ``Decode``):
+  metadata as bytes, push or pull, per-layer waits, byte-verified blocks.
 
 kvtier's own log lines (storage backends' warnings, ...) go to the ``kvtier.<component>``
 loggers of :mod:`logging`; :func:`set_log_level` sets kvtier's level (``KVTIER_LOG_LEVEL``).
@@ -52,6 +55,7 @@ _native._register_errors(errors.CLASS_BY_CODE)
 
 from . import _logging  # noqa: E402
 from . import metrics  # noqa: E402,F401
+from . import pd  # noqa: E402,F401
 
 _logging.install()  # kvtier's C++ log lines go to the "kvtier.<component>" loggers
 

@@ -24,7 +24,18 @@ Added (what FastDeploy's callers need and its class lacks):
 - ``wait_layer_host(layer_idx, timeout=1.0) -> bool``: the host-side wait;
 - ``last_error`` (the reason of the last ``False``), ``transfer_manager`` (the native
   :class:`kvtier.TransferManager`), ``close()`` (drain and release; also on garbage
-  collection).
+  collection);
+- ``transfer_connector``: FastDeploy's transfer-connector slot (``self._transfer_connector =
+  create_transfer_connector(self.cache_config)`` in its ``__init__``), filled by
+  :class:`PdTransferConnector` (prefill/decode over :mod:`kvtier.pd` on the engine's KV
+  tensors) when the instance is a prefill or decode instance, else None.
+
+P/D (the transfer connector): FastDeploy's ``config.scheduler_config.splitwise_role``
+(``prefill`` / ``decode`` / ``mixed``; ``KVTIER_FASTDEPLOY_PD_ROLE`` overrides it) picks the side;
+``mixed`` or none means no connector. ``KVTIER_FASTDEPLOY_PD_TRANSPORT`` = ``ipc`` (default, same host) |
+``ucx`` (``KVTIER_FASTDEPLOY_PD_TLS``, default ``tcp``; ``KVTIER_FASTDEPLOY_PD_NET_DEVICES``) |
+``loopback`` (one process: tests); ``KVTIER_FASTDEPLOY_PD_SECRET`` = the peer secret in hex
+(32 to 64 bytes, the same on both sides).
 
 Environment: ``KVTIER_FASTDEPLOY_BACKEND`` = ``auto`` (default: CUDA for CUDA tensors, the
 host backend for CPU arrays) | ``host`` | ``cuda``; ``KVTIER_FASTDEPLOY_FENCE_EVICTIONS`` =
@@ -47,7 +58,7 @@ logger = logging.getLogger("kvtier.fastdeploy")
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
 
-__all__ = ["CacheTransferManager", "LayerEvent"]
+__all__ = ["CacheTransferManager", "LayerEvent", "PdTransferConnector", "create_transfer_connector"]
 
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
@@ -145,6 +156,7 @@ class CacheTransferManager:
         self._mgr = None
         self._compute = None  # kvtier Stream over the engine's stream (host backend: kvtier's own)
         self._streams: Dict[int, Any] = {}  # adopted engine streams by handle
+        self._registration = (0, 0, 0)  # num_layers, local_rank, device_id
         self._loads: List[int] = []
         self._evicts: List[int] = []
         self._layer_task: Dict[int, int] = {}
@@ -153,6 +165,10 @@ class CacheTransferManager:
         self._logged_errors: set = set()
         self._fence_evictions = os.environ.get("KVTIER_FASTDEPLOY_FENCE_EVICTIONS", "1") != "0"
         self._sync_timeout = float(os.environ.get("KVTIER_FASTDEPLOY_SYNC_TIMEOUT", "300"))
+
+        # ============ Connectors ============
+        self._transfer_connector = create_transfer_connector(
+            self.cache_config, splitwise_role=_attr(_attr(config, "scheduler_config"), "splitwise_role"))
 
     # ============ Cache Map Setters ============
 
@@ -166,6 +182,9 @@ class CacheTransferManager:
             self._close_manager()
             self._cache_kvs_map = cache_kvs_map
             self._build_device_layer_indices()
+            if self._transfer_connector is not None:
+                self._transfer_connector.register_kv_cache(cache_kvs_map, self._num_layers, self._local_rank,
+                                                           self._device_id)
 
     def _name(self, prefix: str, layer: int) -> str:
         return f"{prefix}_{layer}_rank{self._local_rank}.device{self._device_id}"
@@ -282,6 +301,11 @@ class CacheTransferManager:
         return self._last_error
 
     @property
+    def transfer_connector(self) -> Optional["PdTransferConnector"]:
+        """FastDeploy's transfer-connector slot: kvtier's P/D connector, or None (not a P/D instance)."""
+        return self._transfer_connector
+
+    @property
     def transfer_manager(self):
         """The native kvtier.TransferManager (created on first use), or None."""
         return self._mgr
@@ -354,9 +378,11 @@ class CacheTransferManager:
         self._streams, self._compute, self._device = {}, None, None
 
     def close(self) -> None:
-        """Drains every transfer and releases the engine memory (idempotent)."""
+        """Drains every transfer and releases the engine memory (idempotent); closes the transfer connector."""
         with self._lock:
             self._close_manager()
+            if self._transfer_connector is not None:
+                self._transfer_connector.close()
 
     def __del__(self):
         try:
@@ -511,3 +537,150 @@ def _error(code: str, message: str) -> KvtierError:
     from .errors import CLASS_BY_CODE
 
     return CLASS_BY_CODE[code](message, code)
+
+
+# ============ Transfer connector (P/D) ============
+
+
+class PdTransferConnector:
+    """FastDeploy's transfer connector, filled by :mod:`kvtier.pd`: one prefill or decode endpoint over the
+    engine's KV tensors (the drop-in registers them from ``set_cache_kvs_map``).
+
+    FastDeploy's ``TransferConnector`` moves bytes between addresses (``send``/``recv(addr, buffer, size)``,
+    ``send_async``/``recv_async -> handle``, ``wait(handle, timeout=-1)``, ``register_buffer``); kvtier moves
+    blocks, layer by layer, checksummed, with leases. The mapping: ``register_buffer`` is
+    ``register_kv_cache`` (the whole KV cache, once); the handle is the router's transfer id; ``send_async``
+    is ``begin`` + ``layer_ready`` per layer (prefill), ``recv_async`` is ``start`` (decode);
+    ``wait(handle, timeout=-1)`` is ``wait`` (-1 or None: no deadline). The peer's address is its metadata
+    blob (``metadata()`` on one side, ``add_peer()`` on the other).
+    """
+
+    def __init__(self, role: str, transport: str = "ipc", peer_secret: Optional[bytes] = None, tls: str = "",
+                 net_devices: str = "", heartbeat_s: float = 0.1, lease_s: float = 1.0):
+        if role not in ("prefill", "decode"):
+            raise _error("InvalidArgument", f"P/D role {role!r} is not prefill or decode")
+        self.role = role
+        self._kwargs = dict(transport=transport, peer_secret=peer_secret, tls=tls, net_devices=net_devices,
+                            heartbeat_s=heartbeat_s, lease_s=lease_s)
+        self._endpoint = None
+        self._tensors: Dict[str, Any] = {}
+        self._registration = (0, 0, 0)  # num_layers, local_rank, device_id
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self):
+        """The :class:`kvtier.pd.Prefill` or :class:`kvtier.pd.Decode` over the registered KV cache (created on
+        first use; ``FailedPreconditionError`` before ``register_kv_cache``)."""
+        return self._require()
+
+    def register_kv_cache(self, cache_kvs_map: Dict[str, Any], num_layers: int, local_rank: int = 0,
+                          device_id: int = 0) -> None:
+        """Takes the engine's KV tensors (FastDeploy's name map); the endpoint over them is created on first use
+        (errors in the map surface there). CUDA tensors go through pinned staging on their device; CPU tensors
+        move directly. A new map replaces the endpoint (its transfers fail at the peer)."""
+        tensors = {k: v for k, v in cache_kvs_map.items() if v is not None}
+        with self._lock:
+            self._close_endpoint()
+            self._tensors = tensors
+            self._registration = (num_layers, local_rank, device_id)
+
+    def _require(self, role: Optional[str] = None):
+        if role is not None and role != self.role:
+            raise _error("FailedPrecondition", f"this is a {self.role} connector; the call is a {role} one")
+        with self._lock:
+            if self._endpoint is not None:
+                return self._endpoint
+            if not self._tensors:
+                raise _error("FailedPrecondition", "no KV cache registered: set_cache_kvs_map() has not been called")
+            from . import pd
+
+            num_layers, local_rank, device_id = self._registration
+            dev = _dlpack_device(next(iter(self._tensors.values())))
+            device = _native.cuda_device(dev[1]) if dev is not None and dev[0] == _DLPACK_CUDA else None
+            cls = pd.Prefill if self.role == "prefill" else pd.Decode
+            self._endpoint = cls(self._tensors, device=device, num_model_layers=num_layers, rank=local_rank,
+                                 device_label=device_id, **self._kwargs)
+            return self._endpoint
+
+    def metadata(self) -> bytes:
+        """This side's metadata blob (its address, for the other side's ``add_peer``)."""
+        return self._require().metadata()
+
+    def add_peer(self, metadata: bytes) -> int:
+        return self._require().add_peer(metadata)
+
+    # prefill (FastDeploy's send_async)
+    def begin(self, peer: int, transfer_id: int, src_blocks: List[int]) -> None:
+        self._require("prefill").begin(peer, transfer_id, src_blocks)
+
+    def layer_ready(self, transfer_id: int, layer: int, stream: Any = None) -> None:
+        """The layer's KV is written: now, or once the work so far on ``stream`` completed (a kvtier Stream,
+        a torch/cupy stream, or a CUDA stream handle; CUDA KV only)."""
+        ep = self._require("prefill")
+        ep.layer_ready(transfer_id, layer, self._stream(ep, stream))
+
+    # decode (FastDeploy's recv_async)
+    def start(self, peer: int, transfer_id: int, dst_blocks: List[int], mode: str = "push") -> None:
+        self._require("decode").start(peer, transfer_id, dst_blocks, mode)
+
+    def wait_layer(self, transfer_id: int, layer: int, timeout: Optional[float] = 60.0) -> str:
+        return self._require("decode").wait_layer(transfer_id, layer, timeout)
+
+    def wait_for_layer(self, transfer_id: int, layer: int, stream: Any = None,
+                       timeout: Optional[float] = 60.0) -> None:
+        """CUDA KV: the engine's stream (``None``: its current one) waits on the GPU for the layer's copy."""
+        ep = self._require("decode")
+        if ep.device is None:
+            raise _error("InvalidArgument", "wait_for_layer is a GPU-side wait for CUDA KV; this connector's KV is "
+                         "host memory: use wait_layer")
+        ep.wait_layer_on_stream(transfer_id, layer, self._stream(ep, stream, current=True), timeout)
+
+    def status(self, transfer_id: int):
+        return self._require().status(transfer_id)
+
+    def wait(self, transfer_id: int, timeout: Optional[float] = -1):
+        """FastDeploy's ``wait(handle, timeout=-1)``: until the transfer is final (-1 or None: no deadline).
+        Returns the :class:`kvtier.pd.PrefillStatus` / :class:`kvtier.pd.DecodeStatus`."""
+        t = None if timeout is None or timeout < 0 else timeout
+        return self._require().wait(transfer_id, t)
+
+    def forget(self, transfer_id: int) -> None:
+        self._require().forget(transfer_id)
+
+    def _stream(self, ep, stream: Any, current: bool = False):
+        """``stream`` for the endpoint (None: none, or with ``current`` the engine's current stream)."""
+        if stream is None and current and ep.device is not None:
+            return _current_stream_handle(next(iter(self._tensors.values())))
+        return stream
+
+    def _close_endpoint(self) -> None:
+        ep, self._endpoint = self._endpoint, None
+        if ep is not None:
+            ep.close()
+
+    def close(self) -> None:
+        """Closes the endpoint and forgets the KV cache (idempotent; ``register_kv_cache`` starts over)."""
+        with self._lock:
+            self._close_endpoint()
+            self._tensors = {}
+
+
+def create_transfer_connector(cache_config: Any, splitwise_role: Optional[str] = None) -> Optional[PdTransferConnector]:
+    """FastDeploy's ``create_transfer_connector(cache_config)``, filled by kvtier's P/D: a
+    :class:`PdTransferConnector` for a prefill or decode instance, None otherwise. The role:
+    ``KVTIER_FASTDEPLOY_PD_ROLE``, else ``splitwise_role`` (the drop-in passes FastDeploy's
+    ``config.scheduler_config.splitwise_role``; FastDeploy's own call passes only ``cache_config``), else
+    ``cache_config.splitwise_role``, else ``mixed``. Environment: see the module's docstring."""
+    role = (os.environ.get("KVTIER_FASTDEPLOY_PD_ROLE") or splitwise_role or _attr(cache_config, "splitwise_role")
+            or "mixed")
+    if role == "mixed":
+        return None
+    secret_hex = os.environ.get("KVTIER_FASTDEPLOY_PD_SECRET", "")
+    try:
+        secret = bytes.fromhex(secret_hex) if secret_hex else None
+    except ValueError:
+        raise _error("InvalidArgument", "KVTIER_FASTDEPLOY_PD_SECRET is not hex") from None
+    transport = os.environ.get("KVTIER_FASTDEPLOY_PD_TRANSPORT", "ipc")
+    tls = os.environ.get("KVTIER_FASTDEPLOY_PD_TLS", "tcp" if transport == "ucx" else "")
+    return PdTransferConnector(role, transport=transport, peer_secret=secret, tls=tls,
+                               net_devices=os.environ.get("KVTIER_FASTDEPLOY_PD_NET_DEVICES", ""))

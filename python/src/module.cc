@@ -14,6 +14,7 @@ void bind_transfer(nb::module_& m);
 void bind_cache(nb::module_& m);
 void bind_log(nb::module_& m);
 void bind_metrics(nb::module_& m);
+void bind_pd(nb::module_& m);
 }  // namespace kvtier::python
 
 NB_MODULE(_native, m) {
@@ -22,6 +23,7 @@ NB_MODULE(_native, m) {
   kvtier::python::bind_transfer(m);
   kvtier::python::bind_log(m);
   kvtier::python::bind_metrics(m);
+  kvtier::python::bind_pd(m);
 #ifdef KVTIER_PYTHON_WITH_CACHE
   kvtier::python::bind_cache(m);
   m.attr("has_cache") = true;

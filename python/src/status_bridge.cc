@@ -28,6 +28,15 @@ void raise_status(const Status& status) {
   throw nb::python_error();
 }
 
+nb::object exception_object(const Status& status) {
+  if (status.ok()) return nb::none();
+  const int code = static_cast<int>(status.code());
+  PyObject* cls = code >= 0 && code < kNumCodes ? g_classes[static_cast<std::size_t>(code)] : nullptr;
+  const std::string name(status_code_name(status.code()));
+  if (cls == nullptr) return nb::str((name + ": " + status.message()).c_str());
+  return nb::borrow(cls)(nb::str(status.message().c_str()), nb::str(name.c_str()));
+}
+
 void bind_errors(nb::module_& m) {
   m.def(
       "_register_errors",

@@ -36,6 +36,9 @@ auto released(F&& f) {
   return f();
 }
 
+// The exception object of `status` (not raised): None for OK, kvtier.errors' class otherwise.
+nanobind::object exception_object(const Status& status);
+
 void bind_errors(nanobind::module_& m);
 
 }  // namespace kvtier::python

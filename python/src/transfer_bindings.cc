@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "device_bridge.h"
 #include "kvtier/core/config.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
@@ -40,29 +41,18 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace kvtier::python {
-namespace {
-
-using Seconds = std::chrono::duration<double>;
 
 std::chrono::nanoseconds to_timeout(std::optional<double> seconds) {
+  using Seconds = std::chrono::duration<double>;
   if (!seconds) return std::chrono::nanoseconds::max();  // deadline_after saturates it
   if (*seconds != *seconds) throw nb::value_error("timeout is NaN");
   if (*seconds >= 1e9) return std::chrono::nanoseconds::max();
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Seconds(*seconds));
 }
 
+namespace {
+
 // ---------------------------------------------------------------- objects
-
-struct PyDevice {
-  std::unique_ptr<Device> device;
-  Device& get() const { return *device; }
-};
-
-struct PyStream {
-  nb::object device_ref;  // keeps the PyDevice alive
-  std::unique_ptr<Stream> stream;
-  bool adopted = false;
-};
 
 // A Python callable that kvtier threads may call and drop: both under the GIL.
 struct PyCallable {
@@ -201,8 +191,10 @@ Result<DType> dtype_of(const nb::dlpack::dtype& d, const std::string& name) {
                   d.bits));
 }
 
-// The engine's tensor as kvtier sees it, checked against the backend.
-Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>& a, const Device& device) {
+// DLPack device types: 1 CPU, 2 CUDA, 3 CUDA host (pinned).
+constexpr int kCpu = 1, kCuda = 2, kCudaHost = 3;
+
+Result<TensorDesc> describe_any_tensor(const std::string& name, const nb::ndarray<>& a) {
   TensorDesc t;
   t.data = a.data();
   KVTIER_ASSIGN_OR_RETURN(t.dtype, dtype_of(a.dtype(), name));
@@ -210,8 +202,14 @@ Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>&
     t.shape.push_back(static_cast<std::int64_t>(a.shape(i)));
     t.strides.push_back(static_cast<std::int64_t>(a.stride(i)));
   }
-  // DLPack device types: 1 CPU, 2 CUDA, 3 CUDA host (pinned).
-  constexpr int kCpu = 1, kCuda = 2, kCudaHost = 3;
+  return t;
+}
+
+}  // namespace
+
+// The engine's tensor as kvtier sees it, checked against the backend.
+Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>& a, const Device& device) {
+  KVTIER_ASSIGN_OR_RETURN(TensorDesc t, describe_any_tensor(name, a));
   const int type = a.device_type();
   if (device.backend() == BackendKind::kCuda) {
     if (type != kCuda)
@@ -229,12 +227,24 @@ Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>&
   return t;
 }
 
+Result<TensorDesc> describe_host_tensor(const std::string& name, const nb::ndarray<>& a) {
+  KVTIER_ASSIGN_OR_RETURN(TensorDesc t, describe_any_tensor(name, a));
+  if (a.device_type() != kCpu && a.device_type() != kCudaHost)
+    return InvalidArgument(
+        fmt::format("tensor '{}' has DLPack device type {}; this endpoint takes memory the CPU "
+                    "addresses (numpy, CPU or pinned tensors)",
+                    name, a.device_type()));
+  return t;
+}
+
 std::uint64_t tensor_extent_bytes(const TensorDesc& t) {
   std::uint64_t elems = 1;
   for (std::size_t i = 1; i < t.shape.size(); ++i) elems *= static_cast<std::uint64_t>(t.shape[i]);
   const std::uint64_t stride = t.strides.empty() ? elems : static_cast<std::uint64_t>(t.strides[0]);
   return ((static_cast<std::uint64_t>(t.shape[0]) - 1) * stride + elems) * dtype_bytes(t.dtype);
 }
+
+namespace {
 
 // ---------------------------------------------------------------- manager
 

@@ -6,18 +6,20 @@ import inspect
 import json
 import logging
 import os
+import types
 
 import numpy as np
 import pytest
 
 import kvtier
-from kvtier.fastdeploy import CacheTransferManager
+import kvtier.fastdeploy
+from kvtier.fastdeploy import CacheTransferManager, PdTransferConnector
 from conftest import fd_config
 
 # FastDeploy's public interface, written down as a table (names, parameters, return types).
 INTERFACE = os.path.join(os.path.dirname(__file__), "data", "fastdeploy_interface.json")
 # What the drop-in adds to FastDeploy's public interface (documented in kvtier/fastdeploy.py).
-EXTRAS = {"wait_for_layer", "wait_layer_host", "last_error", "transfer_manager", "close"}
+EXTRAS = {"wait_for_layer", "wait_layer_host", "last_error", "transfer_manager", "transfer_connector", "close"}
 
 LAYERS, DEV_BLOCKS, HOST_BLOCKS = 3, 10, 12
 HEADS, TOKENS, DIM = 2, 16, 8  # 256 bytes of uint8 per (layer, role, block)
@@ -214,3 +216,77 @@ def test_registration_errors_name_the_bad_value(engine):
     assert mgr.evict_to_host_async([0], [0]) is False
     assert "key_caches_1_rank0.device0" in mgr.last_error
     mgr.close()
+
+
+# ---------------------------------------------------------------- the transfer connector (P/D)
+
+
+def pd_instance(engine, role, fill=None):
+    """A drop-in of a prefill or decode instance (``splitwise_role``) with its device KV registered."""
+    cfg = fd_config(LAYERS, HOST_BLOCKS)
+    cfg.scheduler_config = types.SimpleNamespace(splitwise_role=role)  # where FastDeploy keeps it
+    mgr = CacheTransferManager(cfg)
+    assert isinstance(mgr.transfer_connector, PdTransferConnector) and mgr.transfer_connector.role == role
+    dev = {}
+    for layer in range(LAYERS):
+        for r in ("key_caches", "value_caches"):
+            dev[f"{r}_{layer}_rank0.device0"] = engine.device_tensor((DEV_BLOCKS, HEADS, TOKENS, DIM), "uint8", fill)
+    mgr.set_cache_kvs_map(dev)
+    return mgr, dev
+
+
+def test_connectors_are_the_ones_fastdeploy_creates():
+    table = fastdeploy_interface()
+    assert "create_transfer_connector" in table["connectors"]
+    # FastDeploy calls it with the cache config alone; the drop-in adds the role as a keyword.
+    params = list(inspect.signature(kvtier.fastdeploy.create_transfer_connector).parameters.values())
+    assert params[0].name == "cache_config"
+    assert all(p.default is not inspect.Parameter.empty for p in params[1:])
+
+
+def test_no_transfer_connector_without_pd(monkeypatch):
+    monkeypatch.delenv("KVTIER_FASTDEPLOY_PD_ROLE", raising=False)
+    assert CacheTransferManager(fd_config(2, 4)).transfer_connector is None
+    cfg = fd_config(2, 4)
+    cfg.scheduler_config = types.SimpleNamespace(splitwise_role="mixed")
+    assert CacheTransferManager(cfg).transfer_connector is None
+    cfg.scheduler_config.splitwise_role = "sideways"
+    with pytest.raises(kvtier.InvalidArgumentError, match="'sideways'"):
+        CacheTransferManager(cfg)
+    # The environment overrides the config.
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_ROLE", "decode")
+    assert CacheTransferManager(cfg).transfer_connector.role == "decode"
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_transfer_connector_moves_kv_between_instances(engine, monkeypatch, mode):
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_TRANSPORT", "loopback")
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_SECRET", "ab" * 32)
+    monkeypatch.delenv("KVTIER_FASTDEPLOY_PD_ROLE", raising=False)
+    pre, pre_dev = pd_instance(engine, "prefill")
+    dec, dec_dev = pd_instance(engine, "decode", fill=0xEE)
+    rng = np.random.default_rng(3)
+    for t in pre_dev.values():
+        engine.randomize(t, rng)
+    engine.sync()
+    p, d = pre.transfer_connector, dec.transfer_connector
+    to_decode, to_prefill = p.add_peer(d.metadata()), d.add_peer(p.metadata())
+    src, dst = [1, 5, 2], [7, 0, 9]
+    d.start(to_prefill, 31, dst, mode=mode)  # FastDeploy's recv_async
+    p.begin(to_decode, 31, src)  # send_async: begin, then every layer as the forward writes it
+    for layer in range(LAYERS):
+        p.layer_ready(31, layer)
+    st = d.wait(31, timeout=30.0)  # FastDeploy's wait(handle, timeout)
+    assert st.error is None and st.leading_loaded_blocks == 3, st
+    assert p.wait(31).done
+    engine.sync()
+    untouched = [b for b in range(DEV_BLOCKS) if b not in dst]
+    for name, t in dec_dev.items():
+        np.testing.assert_array_equal(engine.numpy(t)[dst], engine.numpy(pre_dev[name])[src], err_msg=name)
+        assert (engine.numpy(t)[untouched] == 0xEE).all(), name
+    with pytest.raises(kvtier.FailedPreconditionError, match="decode connector"):
+        d.begin(to_prefill, 32, [0])
+    pre.close()
+    dec.close()
+    with pytest.raises(kvtier.FailedPreconditionError, match="set_cache_kvs_map"):
+        d.metadata()

@@ -1,0 +1,284 @@
+"""Prefill/decode KV transfer between two inference instances (kvtier.pd).
+
+A prefill instance holds a prompt's KV in its blocks; a decode instance continues from it in
+its own blocks. Each side creates an endpoint over its KV tensors, the two exchange their
+metadata as bytes (out of band: the router, a socket, a pipe), and for every prompt:
+
+- the decode side calls ``start(peer, transfer_id, dst_blocks, mode)``: ``"push"`` (the
+  prefill writes each layer into the decode blocks as soon as it is ready) or ``"pull"`` (the
+  decode reads each layer once the prefill announced it);
+- the prefill side calls ``begin(peer, transfer_id, src_blocks)`` and ``layer_ready(transfer_id,
+  layer)`` per layer as its forward pass finishes it (any order; before or after ``start``);
+- the decode side waits per layer (``wait_layer``) or for all (``wait``), reads ``status``
+  (which blocks were verified: ``leading_loaded_blocks`` is what may join a prefix index),
+  and both sides ``forget`` the transfer once it is final and reclaimable.
+
+Every (block, layer) is checksummed on the prefill side and verified on the decode side
+before it is reported loaded; a failed block is never reported loaded. Leases (``heartbeat_s``,
+``lease_s``) fail a transfer whose peer went silent. Contract: include/kvtier/transport/pd.h.
+
+KV tensors. ``kv`` is either a list with one entry per layer, each a ``(key, value)`` pair of
+tensors (or one tensor: MLA's latent), every tensor ``[num_blocks, ...]`` with each block
+contiguous; or the name map of FastDeploy's ``CacheTransferManager``
+(``key_caches_{layer}_rank{r}.device{d}``, ``value_caches_...``, ``*_cache_scales_...``), as
+:meth:`kvtier.TransferManager.from_tensors` takes. Tensors are DLPack objects (numpy, torch,
+cupy, paddle). Both sides must have the same per-block layout (the metadata exchange refuses
+another one); their block counts may differ.
+
+Memory. Without ``device`` the tensors are memory the CPU addresses (numpy, CPU or pinned
+tensors) and the transfer moves them directly. With ``device`` (:func:`kvtier.cuda_device`,
+or :func:`kvtier.host_device` in tests) they are that device's memory: each layer moves
+through pinned host staging with kvtier's copy engine; ``Prefill.layer_ready(..., stream=s)``
+declares a layer ready once the work enqueued so far on the engine's stream ``s`` completed
+(no host sync), and ``Decode.wait_layer_on_stream(..., stream=s)`` makes ``s`` wait on the GPU
+for the layer's copy.
+
+Transports: ``"ipc"`` (same host, two processes; memory shared through sealed memfd windows),
+``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP),
+``"loopback"`` (one process: tests). ``peer_secret`` (32 to 64 bytes shared by the two sides)
+authenticates the metadata blobs with a keyed MAC; without it the channel that carries them
+must be trusted (docs/transport.md, "Trust").
+
+Errors are the exceptions of :mod:`kvtier.errors` with kvtier's message (a bad block id is an
+``OutOfRangeError`` or ``InvalidArgumentError``, an unknown transfer ``NotFoundError``, a
+damaged or foreign blob ``DataLossError`` / ``FailedPreconditionError``, a wait past its
+timeout ``TimedOutError``). Waits release the GIL and take ``timeout`` in seconds (``None``:
+no deadline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+from . import _native
+from .errors import InvalidArgumentError, KvtierError
+
+__all__ = ["Prefill", "Decode", "PrefillStatus", "DecodeStatus", "DEFAULT_TIMEOUT"]
+
+#: The timeout (seconds) of every wait that is not given one.
+DEFAULT_TIMEOUT = 60.0
+
+_names = itertools.count()
+_KEY_RE = re.compile(r"^key_caches_(\d+)_rank")
+
+
+@dataclass
+class PrefillStatus:
+    """A prefill transfer's state. ``error`` is the exception of its failure (None when none)."""
+
+    final: bool
+    done: bool
+    reclaimable: bool
+    layers_sent: int
+    error: Optional[KvtierError] = None
+
+
+@dataclass
+class DecodeStatus:
+    """A decode transfer's state.
+
+    ``layers``: per layer ``"pending"``, ``"loaded"``, ``"partial"`` or ``"failed"``;
+    ``block_loaded``: per position of the destination list, every layer verified;
+    ``leading_loaded_blocks``: positions ``[0, n)`` all loaded (what may join a prefix index);
+    ``reclaimable``: no byte can still land in the destination blocks;
+    ``error``: the exception of the first failure (None when every block loaded).
+    """
+
+    final: bool
+    reclaimable: bool
+    layers: List[str] = field(default_factory=list)
+    block_loaded: List[bool] = field(default_factory=list)
+    leading_loaded_blocks: int = 0
+    error: Optional[KvtierError] = None
+
+
+KvTensors = Union[Mapping[str, Any], Sequence[Any]]
+
+
+def _name_map(kv: KvTensors, rank: int, device_label: int) -> Dict[str, Any]:
+    """The FastDeploy name map of ``kv`` (a name map already, or one entry per layer)."""
+    if isinstance(kv, Mapping):
+        return {str(k): v for k, v in kv.items() if v is not None}
+    if isinstance(kv, (str, bytes)) or not isinstance(kv, Sequence) or len(kv) == 0:
+        raise InvalidArgumentError(f"kv is {type(kv).__name__}; expected a non-empty list with one (key, value) "
+                                   f"pair per layer, or FastDeploy's name -> tensor map")
+    out: Dict[str, Any] = {}
+    suffix = f"_rank{rank}.device{device_label}"
+    for layer, entry in enumerate(kv):
+        parts = list(entry) if isinstance(entry, (tuple, list)) else [entry]
+        if not 1 <= len(parts) <= 2:
+            raise InvalidArgumentError(f"kv[{layer}] has {len(parts)} tensors; expected (key, value) or one tensor "
+                                       f"(MLA's latent)")
+        for role, tensor in zip(("key_caches", "value_caches"), parts):
+            out[f"{role}_{layer}{suffix}"] = tensor
+    return out
+
+
+def _num_layers(names: Mapping[str, Any]) -> int:
+    layers = {int(m.group(1)) for m in (_KEY_RE.match(n) for n in names) if m}
+    return len(layers)
+
+
+class _Endpoint:
+    _role = ""
+
+    def __init__(self, kv: KvTensors, *, transport: str = "ipc", name: Optional[str] = None,
+                 peer_secret: Optional[bytes] = None, tls: str = "", net_devices: str = "",
+                 heartbeat_s: float = 0.1, lease_s: float = 1.0, device: Any = None,
+                 staging_blocks: int = 0, num_model_layers: Optional[int] = None, rank: int = 0,
+                 device_label: int = 0, block_tokens: int = 64):
+        tensors = _name_map(kv, rank, device_label)
+        if num_model_layers is None:
+            num_model_layers = _num_layers(tensors)
+        if name is None:  # unique across the hosts and processes that talk to each other
+            name = f"{self._role}-{socket.gethostname()[:64]}-{os.getpid()}-{next(_names)}"
+        secret = b"" if peer_secret is None else bytes(peer_secret)
+        self._device = device
+        self._streams: Dict[int, Any] = {}  # engine streams adopted on the device, by handle
+        self._ep = _native.PdEndpoint.create(
+            self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
+            tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
+            device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks)
+
+    # ---- identity and peers
+
+    @property
+    def name(self) -> str:
+        """This endpoint's agent name (unique among the endpoints that talk to each other)."""
+        return self._ep.name
+
+    @property
+    def transport(self) -> str:
+        """The transport's backend name."""
+        return self._ep.transport
+
+    @property
+    def device(self) -> Any:
+        """The :class:`kvtier.Device` the KV lives on (staged endpoints), or None (host memory)."""
+        return self._device
+
+    @property
+    def num_layers(self) -> int:
+        return self._ep.num_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return self._ep.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer and role."""
+        return self._ep.block_bytes
+
+    @property
+    def layout(self) -> str:
+        return self._ep.layout
+
+    def metadata(self) -> bytes:
+        """This endpoint's metadata blob, for the other side's :meth:`add_peer`."""
+        return self._ep.metadata()
+
+    def add_peer(self, metadata: bytes) -> int:
+        """Loads the other side's metadata blob; returns its peer id."""
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"metadata is {type(metadata).__name__}, not bytes")
+        return self._ep.add_peer(bytes(metadata))
+
+    def forget(self, transfer_id: int) -> None:
+        """Forgets a final, reclaimable transfer (``FailedPreconditionError`` otherwise)."""
+        self._ep.forget(transfer_id)
+
+    def _stream(self, stream: Any):
+        """A :class:`kvtier.Stream` for ``stream``: one already, or the engine's stream (a torch or cupy stream,
+        or a ``cudaStream_t`` as an int) adopted on the endpoint's device (never destroyed by kvtier)."""
+        if stream is None or isinstance(stream, _native.Stream):
+            return stream
+        if self._device is None:
+            raise InvalidArgumentError(f"a stream was given to endpoint '{self.name}', which was created without a "
+                                       f"device (host memory needs no stream)")
+        if isinstance(stream, int):
+            handle = stream
+        else:
+            handle = getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", None)
+            if handle is None:
+                raise InvalidArgumentError(f"stream {stream!r} is not a kvtier Stream, a torch or cupy stream, or a "
+                                           f"CUDA stream handle")
+            handle = int(handle)
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = self._device.adopt_stream(handle, f"engine-{handle:#x}")
+        return s
+
+    def close(self) -> None:
+        """Stops the endpoint and its transport (idempotent). Transfers in flight fail at the peer."""
+        self._ep.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, transport={self._ep.transport!r}, blocks={self.num_blocks})"
+
+
+class Prefill(_Endpoint):
+    """The prefill side: sends its blocks, layer by layer, to decode endpoints."""
+
+    _role = "prefill"
+
+    def begin(self, peer: int, transfer_id: int, src_blocks: Sequence[int]) -> None:
+        """Declares transfer ``transfer_id`` of ``src_blocks`` (in the order of the decode side's destination list)."""
+        self._ep.begin(int(peer), int(transfer_id), [int(b) for b in src_blocks])
+
+    def layer_ready(self, transfer_id: int, layer: int, stream: Any = None) -> None:
+        """Declares ``layer`` ready: now, or (``stream``: a :class:`kvtier.Stream` of the endpoint's device, or the
+        engine's torch / cupy stream or ``cudaStream_t``) once the work enqueued so far on that stream completed,
+        without blocking the host."""
+        self._ep.layer_ready(int(transfer_id), int(layer), self._stream(stream))
+
+    def status(self, transfer_id: int) -> PrefillStatus:
+        return PrefillStatus(**self._ep.status(int(transfer_id)))
+
+    def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> PrefillStatus:
+        """Until the transfer is final and its source blocks reclaimable (``TimedOutError`` past ``timeout``)."""
+        return PrefillStatus(**self._ep.wait(int(transfer_id), timeout))
+
+
+class Decode(_Endpoint):
+    """The decode side: receives a prefill's blocks into its own."""
+
+    _role = "decode"
+
+    def start(self, peer: int, transfer_id: int, dst_blocks: Sequence[int], mode: str = "push") -> None:
+        """Starts transfer ``transfer_id`` from ``peer`` into ``dst_blocks`` (distinct ids of this side's blocks);
+        ``mode`` ``"push"`` or ``"pull"``."""
+        self._ep.start(int(peer), int(transfer_id), [int(b) for b in dst_blocks], mode)
+
+    def wait_layer(self, transfer_id: int, layer: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> str:
+        """Until ``layer`` is final: returns ``"loaded"``, ``"partial"`` or ``"failed"`` (``TimedOutError`` past
+        ``timeout``)."""
+        return self._ep.wait_layer(int(transfer_id), int(layer), timeout)
+
+    def wait_layer_on_stream(self, transfer_id: int, layer: int, stream: Any,
+                             timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+        """Endpoints with a ``device``: once the layer's copy into device memory is enqueued (a host wait up to
+        ``timeout``), makes ``stream`` wait for it on the device. The copy's event also completes when the layer
+        failed: check :meth:`status` before trusting (committing) its blocks."""
+        if stream is None:
+            raise InvalidArgumentError("wait_layer_on_stream needs the stream that is to wait")
+        self._ep.wait_layer_on_stream(int(transfer_id), int(layer), self._stream(stream), timeout)
+
+    def status(self, transfer_id: int) -> DecodeStatus:
+        return DecodeStatus(**self._ep.status(int(transfer_id)))
+
+    def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT,
+             reclaimable: bool = False) -> DecodeStatus:
+        """Until every layer is final (and, with ``reclaimable``, the blocks may be reused)."""
+        return DecodeStatus(**self._ep.wait(int(transfer_id), timeout, reclaimable))

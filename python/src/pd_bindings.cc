@@ -1,0 +1,515 @@
+// Prefill/decode endpoints for Python (kvtier.pd): include/kvtier/transport/pd.h and, with a Device, the staged
+// endpoints of pd_staged.h.
+//
+// One PdEndpoint is one side of the protocol (prefill or decode) on its own transport. Its blocks are the
+// engine's tensors, described as the TransferManager's are (the name map of FastDeploy's CacheTransferManager:
+// key_caches_{layer}_rank{r}.device{d}, ...; kvtier/pd.py builds it from per-layer lists). Without a Device the
+// tensors must be memory the CPU addresses (numpy, CPU or pinned tensors) and the protocol runs on them directly;
+// with one (device=cuda_device(n), or the host backend) they are that device's memory and move through a pinned
+// staging space with the CopyEngine, and layer readiness / layer waits can go through the device's streams
+// without a host sync.
+//
+// Every call that can block or take a lock of a kvtier thread releases the GIL. Teardown: the endpoint stops
+// first (its progress threads), then the transport, then the staging memory and the engine's tensors.
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "device_bridge.h"
+#include "kvtier/copy/copy_engine.h"
+#include "kvtier/transfer/registration.h"
+#include "kvtier/transport/ipc.h"
+#include "kvtier/transport/pd.h"
+#include "kvtier/transport/pd_staged.h"
+#include "kvtier/transport/transport.h"
+#include "status_bridge.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtier::python {
+namespace {
+
+using transport::DecodeStatus;
+using transport::LayerState;
+using transport::PdMode;
+using transport::PrefillStatus;
+using transport::TransferId;
+
+struct EndpointOptions {
+  std::string role;       // prefill | decode
+  std::string transport;  // loopback | ipc | ucx
+  std::string name;
+  std::string peer_secret;
+  std::string tls;
+  std::string net_devices;
+  double heartbeat_s = 0.1;
+  double lease_s = 1.0;
+  std::uint32_t num_model_layers = 0;
+  int rank = 0;
+  int device_label = 0;
+  std::uint32_t block_tokens = 64;
+  std::uint64_t staging_blocks = 0;  // staged only; 0: as many as the device space has
+};
+
+Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout) {
+  transport::AgentIdentity id{o.name, layout.fingerprint(), 1, 0};
+  if (o.transport == "loopback") {
+    transport::LoopbackOptions lo;
+    lo.peer_secret = o.peer_secret;
+    return transport::create_loopback_transport(std::move(id), std::move(lo));
+  }
+  if (o.transport == "ipc") {
+    transport::IpcOptions io;
+    io.peer_secret = o.peer_secret;
+    return transport::create_ipc_transport(std::move(id), std::move(io));
+  }
+  if (o.transport == "ucx") {
+    transport::UcxOptions uo;
+    uo.tls = o.tls;
+    uo.net_devices = o.net_devices;
+    uo.peer_secret = o.peer_secret;
+    return transport::create_ucx_transport(std::move(id), std::move(uo));
+  }
+  return InvalidArgument(fmt::format("transport '{}' is not one of loopback, ipc, ucx", o.transport));
+}
+
+std::chrono::milliseconds to_ms(double seconds, const char* what) {
+  if (!(seconds > 0) || seconds > 86400)
+    raise_status(InvalidArgument(fmt::format("{} {} s is not in (0, 86400]", what, seconds)));
+  return std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(seconds * 1000)));
+}
+
+std::vector<std::uint64_t> to_blocks(const std::vector<std::int64_t>& ids, const char* what) {
+  std::vector<std::uint64_t> out;
+  out.reserve(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0) raise_status(OutOfRange(fmt::format("{} block id {} at index {} is negative", what, ids[i], i)));
+    out.push_back(static_cast<std::uint64_t>(ids[i]));
+  }
+  return out;
+}
+
+std::uint32_t to_layer(std::int64_t layer) {
+  if (layer < 0 || layer > UINT32_MAX) raise_status(OutOfRange(fmt::format("layer {} is not a layer index", layer)));
+  return static_cast<std::uint32_t>(layer);
+}
+
+TransferId to_xid(std::int64_t id) {
+  if (id < 0) raise_status(InvalidArgument(fmt::format("transfer id {} is negative", id)));
+  return static_cast<TransferId>(id);
+}
+
+PdMode parse_mode(const std::string& mode) {
+  if (mode == "push") return PdMode::kPush;
+  if (mode == "pull") return PdMode::kPull;
+  raise_status(InvalidArgument(fmt::format("mode '{}' is not push or pull", mode)));
+}
+
+nb::dict prefill_dict(const PrefillStatus& s) {
+  nb::dict d;
+  d["final"] = s.final;
+  d["done"] = s.done;
+  d["reclaimable"] = s.reclaimable;
+  d["layers_sent"] = s.layers_sent;
+  d["error"] = exception_object(s.error);
+  return d;
+}
+
+nb::dict decode_dict(const DecodeStatus& s) {
+  nb::dict d;
+  d["final"] = s.final;
+  d["reclaimable"] = s.reclaimable;
+  std::vector<std::string> layers;
+  for (auto l : s.layers) layers.emplace_back(transport::layer_state_name(l));
+  d["layers"] = layers;
+  nb::list loaded;
+  for (bool b : s.block_loaded) loaded.append(nb::bool_(b));
+  d["block_loaded"] = loaded;
+  d["leading_loaded_blocks"] = s.leading_loaded_blocks();
+  d["error"] = exception_object(s.error);
+  return d;
+}
+
+// Everything native of one endpoint. Shared by the Python object and the calls in flight (which hold a
+// reference while the GIL is released), so close() from one thread never frees what another thread's wait uses:
+// the last holder tears it down.
+struct PdNative {
+  nb::object device_ref;  // the PyDevice (staged), or None
+  nb::object keep_alive;  // a list of the engine's tensors
+  std::vector<Buffer> adopted_device;
+  KvLayout layout;
+  BlockSpace space;
+  std::optional<transport::StagingSpace> staging;
+  std::unique_ptr<CopyEngine> engine;
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<transport::PdPrefill> prefill;
+  std::unique_ptr<transport::PdDecode> decode;
+  std::unique_ptr<transport::PdStagedPrefill> staged_prefill;
+  std::unique_ptr<transport::PdStagedDecode> staged_decode;
+
+  Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
+
+  // Endpoints first (their progress threads), then the transport, the copy engine, the staging memory and the
+  // adoptions; the Python references last, under the GIL.
+  ~PdNative() {
+    prefill.reset();
+    decode.reset();
+    staged_prefill.reset();
+    staged_decode.reset();
+    transport.reset();
+    engine.reset();
+    staging.reset();
+    adopted_device.clear();
+    if (!device_ref.is_valid() && !keep_alive.is_valid()) return;
+    if (!Py_IsInitialized()) {  // the interpreter is gone: leak rather than crash
+      (void)device_ref.release();
+      (void)keep_alive.release();
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    device_ref.reset();
+    keep_alive.reset();
+  }
+};
+
+// A stream of the endpoint's own device (a stream of another Device object is refused: its work is not that
+// device's to wait for).
+void check_stream(const PdNative& n, const PyStream& stream, const std::string& endpoint) {
+  if (&stream.stream->device() != n.device())
+    raise_status(InvalidArgument(
+        fmt::format("stream {} belongs to another kvtier Device than endpoint '{}'s; create or adopt it on the "
+                    "endpoint's device",
+                    stream.stream->id(), endpoint)));
+}
+
+struct PyPdEndpoint {
+  EndpointOptions options;
+  // Kept for after close().
+  std::string backend;
+  std::string layout;
+  std::uint32_t num_layers = 0;
+  std::uint64_t num_blocks = 0;
+  std::uint64_t block_bytes = 0;
+  bool staged = false;
+  std::mutex mu;
+  std::shared_ptr<PdNative> native;  // null once closed
+
+  ~PyPdEndpoint() { close(); }
+
+  void close() {
+    std::shared_ptr<PdNative> n;
+    {
+      std::lock_guard lock(mu);
+      n = std::move(native);
+    }
+    nb::gil_scoped_release release;  // teardown joins kvtier threads
+    n.reset();
+  }
+
+  std::shared_ptr<PdNative> get() {
+    std::lock_guard lock(mu);
+    if (!native)
+      raise_status(FailedPrecondition(fmt::format("the {} endpoint '{}' was closed", options.role, options.name)));
+    return native;
+  }
+  bool is_prefill() const { return options.role == "prefill"; }
+  std::shared_ptr<PdNative> get(const char* role, const char* method) {
+    if (options.role != role)
+      raise_status(FailedPrecondition(
+          fmt::format("{}() is a {} call; '{}' is a {} endpoint", method, role, options.name, options.role)));
+    return get();
+  }
+};
+
+std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<>> tensors, nb::object device_obj,
+                                              EndpointOptions o) {
+  if (o.role != "prefill" && o.role != "decode")
+    raise_status(InvalidArgument(fmt::format("role '{}' is not prefill or decode", o.role)));
+  if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
+  const auto heartbeat = to_ms(o.heartbeat_s, "heartbeat");
+  const auto lease = to_ms(o.lease_s, "lease");
+  auto n = std::make_shared<PdNative>();
+  n->device_ref = device_obj;
+  nb::list keep_alive;
+  n->keep_alive = keep_alive;
+  Device* device = device_obj.is_none() ? nullptr : &nb::cast<PyDevice&>(device_obj).get();
+  std::map<std::string, TensorDesc> descs;
+  for (auto& [name, array] : tensors) {
+    descs[name] = value_or_raise(device ? describe_tensor(name, array, *device) : describe_host_tensor(name, array));
+    keep_alive.append(nb::cast(array));
+  }
+  Status st = released([&]() -> Status {
+    KVTIER_ASSIGN_OR_RETURN(n->layout,
+                            layout_from_name_map(descs, o.num_model_layers, o.rank, o.device_label, o.block_tokens));
+    KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label,
+                                                                         device ? device->ordinal() : 0));
+    KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, n->layout));
+    transport::PdOptions pd;
+    pd.heartbeat = heartbeat;
+    pd.lease = lease;
+    if (device == nullptr) {
+      // Host memory: the protocol runs on the tensors themselves.
+      std::vector<std::vector<Plane>> planes(n->layout.num_layers());
+      for (std::uint32_t l = 0; l < n->layout.num_layers(); ++l)
+        for (std::uint32_t r = 0; r < n->layout.num_roles(l); ++r) planes[l].push_back(space.plane(l, r));
+      KVTIER_ASSIGN_OR_RETURN(n->space, BlockSpace::from_planes(MemoryKind::kPinnedHost, 0, n->layout,
+                                                                space.num_blocks(), std::move(planes)));
+      if (o.role == "prefill") {
+        KVTIER_ASSIGN_OR_RETURN(n->prefill, transport::PdPrefill::create(*n->transport, n->space, pd));
+      } else {
+        KVTIER_ASSIGN_OR_RETURN(n->decode, transport::PdDecode::create(*n->transport, n->space, pd));
+      }
+      return Status::Ok();
+    }
+    // Device memory: staged through pinned host memory with the copy engine.
+    n->space = space;
+    for (const auto& [name, t] : descs) {
+      auto b = device->adopt_device_memory(t.data, tensor_extent_bytes(t));
+      if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
+      n->adopted_device.push_back(std::move(b).value());
+    }
+    const std::uint64_t staging_blocks = o.staging_blocks != 0 ? o.staging_blocks : space.num_blocks();
+    KVTIER_ASSIGN_OR_RETURN(auto staging, transport::StagingSpace::allocate(*device, n->layout, staging_blocks));
+    n->staging.emplace(std::move(staging));
+    KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
+    transport::StagedOptions so;
+    so.pd = pd;
+    if (o.role == "prefill") {
+      KVTIER_ASSIGN_OR_RETURN(n->staged_prefill, transport::PdStagedPrefill::create(*n->transport, *device, *n->engine,
+                                                                                    n->space, n->staging->space, so));
+    } else {
+      KVTIER_ASSIGN_OR_RETURN(n->staged_decode, transport::PdStagedDecode::create(*n->transport, *device, *n->engine,
+                                                                                  n->space, n->staging->space, so));
+    }
+    return Status::Ok();
+  });
+  if (!st.ok()) {
+    {
+      nb::gil_scoped_release release;
+      n.reset();
+    }
+    raise_status(st.with_context(fmt::format("{} endpoint '{}'", o.role, o.name)));
+  }
+  auto out = std::make_unique<PyPdEndpoint>();
+  out->options = std::move(o);
+  out->backend = std::string(n->transport->backend_name());
+  out->layout = n->layout.describe();
+  out->num_layers = n->layout.num_layers();
+  out->num_blocks = n->space.num_blocks();
+  out->block_bytes = n->layout.total_block_bytes();
+  out->staged = device != nullptr;
+  out->native = std::move(n);
+  return out;
+}
+
+}  // namespace
+
+void bind_pd(nb::module_& m) {
+  nb::class_<PyPdEndpoint>(m, "PdEndpoint",
+                           "One side (prefill or decode) of a prefill/decode KV transfer on its own transport. "
+                           "See kvtier.pd and include/kvtier/transport/pd.h for the contract.")
+      .def_static(
+          "create",
+          [](const std::string& role, std::map<std::string, nb::ndarray<>> tensors, const std::string& transport,
+             const std::string& name, std::uint32_t num_model_layers, nb::object device, nb::bytes peer_secret,
+             const std::string& tls, const std::string& net_devices, double heartbeat_s, double lease_s, int rank,
+             int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks) {
+            EndpointOptions o;
+            o.role = role;
+            o.transport = transport;
+            o.name = name;
+            o.peer_secret.assign(peer_secret.c_str(), peer_secret.size());
+            o.tls = tls;
+            o.net_devices = net_devices;
+            o.heartbeat_s = heartbeat_s;
+            o.lease_s = lease_s;
+            o.num_model_layers = num_model_layers;
+            o.rank = rank;
+            o.device_label = device_label;
+            o.block_tokens = block_tokens;
+            o.staging_blocks = staging_blocks;
+            if (!device.is_none() && !nb::isinstance<PyDevice>(device))
+              raise_status(InvalidArgument("device is not a kvtier Device (kvtier.cuda_device() / host_device())"));
+            return create_endpoint(std::move(tensors), std::move(device), std::move(o));
+          },
+          "role"_a, "tensors"_a, "transport"_a, "name"_a, "num_model_layers"_a, "device"_a = nb::none(),
+          "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
+          "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0,
+          "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
+          "on the tensors; a Device: its memory, staged through pinned host memory.")
+      .def_prop_ro("role", [](const PyPdEndpoint& e) { return e.options.role; })
+      .def_prop_ro("name", [](const PyPdEndpoint& e) { return e.options.name; })
+      .def_prop_ro("transport", [](const PyPdEndpoint& e) { return e.backend; })
+      .def_prop_ro("staged", [](const PyPdEndpoint& e) { return e.staged; })
+      .def_prop_ro("layout", [](const PyPdEndpoint& e) { return e.layout; })
+      .def_prop_ro("num_layers", [](const PyPdEndpoint& e) { return e.num_layers; })
+      .def_prop_ro("num_blocks", [](const PyPdEndpoint& e) { return e.num_blocks; })
+      .def_prop_ro("block_bytes", [](const PyPdEndpoint& e) { return e.block_bytes; })
+      .def(
+          "metadata",
+          [](PyPdEndpoint& e) {
+            auto n = e.get();
+            auto blob = value_or_raise(released([&] { return n->transport->export_metadata(); }));
+            return nb::bytes(reinterpret_cast<const char*>(blob.data()), blob.size());
+          },
+          "This endpoint's metadata blob, for the peer's add_peer().")
+      .def(
+          "add_peer",
+          [](PyPdEndpoint& e, nb::bytes blob) {
+            auto n = e.get();
+            std::vector<std::byte> b(blob.size());
+            if (blob.size() != 0) std::memcpy(b.data(), blob.c_str(), blob.size());
+            return value_or_raise(released([&] { return n->transport->load_peer(b); }));
+          },
+          "metadata"_a, "Loads the peer's metadata blob (checked, authenticated with a peer secret); its peer id.")
+      // ---- prefill
+      .def(
+          "begin",
+          [](PyPdEndpoint& e, std::uint32_t peer, std::int64_t id, const std::vector<std::int64_t>& src) {
+            auto n = e.get("prefill", "begin");
+            auto blocks = to_blocks(src, "source");
+            const TransferId x = to_xid(id);
+            check(released([&] {
+              return n->prefill ? n->prefill->begin(peer, x, std::move(blocks))
+                                : n->staged_prefill->begin(peer, x, std::move(blocks));
+            }));
+          },
+          "peer"_a, "transfer_id"_a, "src_blocks"_a)
+      .def(
+          "layer_ready",
+          [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, PyStream* stream) {
+            auto n = e.get("prefill", "layer_ready");
+            const TransferId x = to_xid(id);
+            const std::uint32_t l = to_layer(layer);
+            if (stream == nullptr) {
+              check(released(
+                  [&] { return n->prefill ? n->prefill->layer_ready(x, l) : n->staged_prefill->layer_ready(x, l); }));
+              return;
+            }
+            Device* dev = n->device();
+            if (dev == nullptr)
+              raise_status(InvalidArgument(
+                  fmt::format("layer_ready(stream=...) of transfer {} layer {}: endpoint '{}' was created without a "
+                              "device (host memory is ready when layer_ready is called)",
+                              id, layer, e.options.name)));
+            check_stream(*n, *stream, e.options.name);
+            check(released([&]() -> Status {
+              // Only the event's capture matters to the endpoint: it may go once the call returned.
+              KVTIER_ASSIGN_OR_RETURN(auto ev, dev->create_event(EventOptions{}));
+              KVTIER_RETURN_IF_ERROR(dev->record(*ev, *stream->stream));
+              return n->staged_prefill->layer_ready_after(x, l, *ev);
+            }));
+          },
+          "transfer_id"_a, "layer"_a, "stream"_a = nb::none(),
+          "Declares the layer ready: now, or (stream=) once the work enqueued so far on the stream completed "
+          "(no host sync).")
+      // ---- decode
+      .def(
+          "start",
+          [](PyPdEndpoint& e, std::uint32_t peer, std::int64_t id, const std::vector<std::int64_t>& dst,
+             const std::string& mode) {
+            auto n = e.get("decode", "start");
+            auto blocks = to_blocks(dst, "destination");
+            const PdMode md = parse_mode(mode);
+            const TransferId x = to_xid(id);
+            check(released([&] {
+              return n->decode ? n->decode->start(peer, x, md, std::move(blocks))
+                               : n->staged_decode->start(peer, x, md, std::move(blocks));
+            }));
+          },
+          "peer"_a, "transfer_id"_a, "dst_blocks"_a, "mode"_a = "push")
+      .def(
+          "wait_layer",
+          [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, std::optional<double> timeout) {
+            auto n = e.get("decode", "wait_layer");
+            const TransferId x = to_xid(id);
+            const std::uint32_t l = to_layer(layer);
+            const auto t = to_timeout(timeout);
+            auto s = value_or_raise(released(
+                [&] { return n->decode ? n->decode->wait_layer(x, l, t) : n->staged_decode->wait_layer(x, l, t); }));
+            return std::string(transport::layer_state_name(s));
+          },
+          "transfer_id"_a, "layer"_a, "timeout"_a.none(), "Until the layer is final: 'loaded', 'partial' or 'failed'.")
+      .def(
+          "wait_layer_on_stream",
+          [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, PyStream& stream, std::optional<double> timeout) {
+            auto n = e.get("decode", "wait_layer_on_stream");
+            if (!n->staged_decode)
+              raise_status(InvalidArgument(
+                  fmt::format("wait_layer_on_stream of transfer {} layer {}: endpoint '{}' was created without a "
+                              "device; use wait_layer",
+                              id, layer, e.options.name)));
+            const TransferId x = to_xid(id);
+            const std::uint32_t l = to_layer(layer);
+            const auto t = to_timeout(timeout);
+            check_stream(*n, stream, e.options.name);
+            Device* dev = n->device();
+            check(released([&]() -> Status {
+              KVTIER_ASSIGN_OR_RETURN(Event * ev, n->staged_decode->layer_event(x, l, t));
+              return dev->wait(*stream.stream, *ev);
+            }));
+          },
+          "transfer_id"_a, "layer"_a, "stream"_a, "timeout"_a.none(),
+          "Once the layer's copy into device memory is enqueued (host wait up to the timeout), makes `stream` "
+          "wait for it on the device. Check the layer's final state before trusting its blocks.")
+      // ---- both
+      .def(
+          "status",
+          [](PyPdEndpoint& e, std::int64_t id) -> nb::dict {
+            auto n = e.get();
+            const TransferId x = to_xid(id);
+            if (e.is_prefill())
+              return prefill_dict(value_or_raise(
+                  released([&] { return n->prefill ? n->prefill->status(x) : n->staged_prefill->status(x); })));
+            return decode_dict(value_or_raise(
+                released([&] { return n->decode ? n->decode->status(x) : n->staged_decode->status(x); })));
+          },
+          "transfer_id"_a)
+      .def(
+          "wait",
+          [](PyPdEndpoint& e, std::int64_t id, std::optional<double> timeout, bool reclaimable) -> nb::dict {
+            auto n = e.get();
+            const TransferId x = to_xid(id);
+            const auto t = to_timeout(timeout);
+            if (e.is_prefill())
+              return prefill_dict(value_or_raise(
+                  released([&] { return n->prefill ? n->prefill->wait(x, t) : n->staged_prefill->wait(x, t); })));
+            return decode_dict(value_or_raise(released([&] {
+              return n->decode ? n->decode->wait(x, t, reclaimable) : n->staged_decode->wait(x, t, reclaimable);
+            })));
+          },
+          "transfer_id"_a, "timeout"_a.none(), "reclaimable"_a = false,
+          "Until the transfer is final (prefill: and reclaimable; decode: also reclaimable when asked).")
+      .def(
+          "forget",
+          [](PyPdEndpoint& e, std::int64_t id) {
+            auto n = e.get();
+            const TransferId x = to_xid(id);
+            check(released([&]() -> Status {
+              if (n->prefill) return n->prefill->forget(x);
+              if (n->staged_prefill) return n->staged_prefill->forget(x);
+              if (n->decode) return n->decode->forget(x);
+              return n->staged_decode->forget(x);
+            }));
+          },
+          "transfer_id"_a, "Forgets a final, reclaimable transfer (FailedPreconditionError otherwise).")
+      .def("close", &PyPdEndpoint::close,
+           "Stops the endpoint and its transport (idempotent). A call in flight on another thread keeps them until "
+           "it returns.");
+}
+
+}  // namespace kvtier::python

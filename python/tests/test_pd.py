@@ -1,0 +1,446 @@
+"""kvtier.pd: prefill/decode through the Python API on the host backend, byte-exact, push and pull."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.pd import Decode, DecodeStatus, Prefill, PrefillStatus
+
+LAYERS = 3
+PREFILL_BLOCKS, DECODE_BLOCKS = 8, 10
+BLOCK_SHAPE = (2, 16, 8)  # float16: 512 bytes per (layer, role, block)
+POISON = 0xEE
+SECRET = bytes(range(32))
+TIMEOUT = 10.0
+# Short leases: a dead peer fails a transfer quickly.
+FAST = dict(heartbeat_s=0.05, lease_s=0.5)
+
+TRANSPORTS = {
+    "loopback": dict(transport="loopback"),
+    "ipc": dict(transport="ipc"),
+    "ucx-tcp": dict(transport="ucx", tls="tcp", net_devices="lo"),
+}
+
+
+def prefill_kv(seed: int = 1, blocks: int = PREFILL_BLOCKS, shape=BLOCK_SHAPE):
+    """One (key, value) pair of float16 tensors per layer, random bytes (a function of the seed)."""
+    rng = np.random.default_rng(seed)
+    kv = []
+    for _ in range(LAYERS):
+        pair = []
+        for _ in range(2):
+            t = np.empty((blocks,) + shape, dtype=np.float16)
+            t.view(np.uint8)[...] = rng.integers(0, 256, size=t.view(np.uint8).shape, dtype=np.uint8)
+            pair.append(t)
+        kv.append(tuple(pair))
+    return kv
+
+
+def decode_kv(blocks: int = DECODE_BLOCKS, shape=BLOCK_SHAPE):
+    kv = []
+    for _ in range(LAYERS):
+        pair = []
+        for _ in range(2):
+            t = np.empty((blocks,) + shape, dtype=np.float16)
+            t.view(np.uint8)[...] = POISON
+            pair.append(t)
+        kv.append(tuple(pair))
+    return kv
+
+
+def assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks):
+    for role in range(2):
+        src = src_kv[layer][role].view(np.uint8)
+        dst = dst_kv[layer][role].view(np.uint8)
+        for s, d in zip(src_blocks, dst_blocks):
+            assert np.array_equal(dst[d], src[s]), f"layer {layer} role {role}: decode block {d} != prefill block {s}"
+
+
+def assert_poisoned(dst_kv, layer, blocks):
+    for role in range(2):
+        dst = dst_kv[layer][role].view(np.uint8)
+        for b in blocks:
+            assert (dst[b] == POISON).all(), f"layer {layer} role {role}: decode block {b} was written"
+
+
+def connect(prefill, decode):
+    """Exchanges metadata as bytes; returns (decode's peer id at the prefill, prefill's peer id at the decode)."""
+    p_meta, d_meta = prefill.metadata(), decode.metadata()
+    assert isinstance(p_meta, bytes) and isinstance(d_meta, bytes)
+    return prefill.add_peer(d_meta), decode.add_peer(p_meta)
+
+
+@pytest.fixture
+def pair(request):
+    """A connected (prefill, decode, src_kv, dst_kv, peer of decode, peer of prefill) on the loopback transport."""
+    src_kv, dst_kv = prefill_kv(), decode_kv()
+    p = Prefill(src_kv, transport="loopback", **FAST)
+    d = Decode(dst_kv, transport="loopback", **FAST)
+    to_decode, to_prefill = connect(p, d)
+    yield p, d, src_kv, dst_kv, to_decode, to_prefill
+    p.close()
+    d.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_transfer_is_byte_exact(transport, mode):
+    src_kv, dst_kv = prefill_kv(seed=11), decode_kv()
+    src_blocks, dst_blocks = [5, 0, 7, 2], [9, 3, 0, 6]
+    with Prefill(src_kv, peer_secret=SECRET, **TRANSPORTS[transport]) as p, \
+            Decode(dst_kv, peer_secret=SECRET, **TRANSPORTS[transport]) as d:
+        assert (p.num_blocks, d.num_blocks, p.num_layers) == (PREFILL_BLOCKS, DECODE_BLOCKS, LAYERS)
+        assert p.block_bytes == LAYERS * 2 * 512
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 42, dst_blocks, mode=mode)
+        p.begin(to_decode, 42, src_blocks)
+        for layer in range(LAYERS):
+            p.layer_ready(42, layer)
+        st = d.wait(42, TIMEOUT, reclaimable=True)
+        assert isinstance(st, DecodeStatus)
+        assert st.final and st.reclaimable and st.error is None
+        assert st.layers == ["loaded"] * LAYERS
+        assert st.block_loaded == [True] * 4 and st.leading_loaded_blocks == 4
+        pst = p.wait(42, TIMEOUT)
+        assert isinstance(pst, PrefillStatus)
+        assert pst.final and pst.done and pst.reclaimable and pst.error is None and pst.layers_sent == LAYERS
+        untouched = sorted(set(range(DECODE_BLOCKS)) - set(dst_blocks))
+        for layer in range(LAYERS):
+            assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
+            assert_poisoned(dst_kv, layer, untouched)
+        d.forget(42)
+        p.forget(42)
+        with pytest.raises(kvtier.NotFoundError):
+            d.status(42)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_layer_by_layer(pair, mode):
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    src_blocks, dst_blocks = [1, 2, 3], [4, 5, 6]
+    d.start(to_prefill, 7, dst_blocks, mode=mode)
+    p.begin(to_decode, 7, src_blocks)
+    for layer in range(LAYERS):
+        # Not declared ready yet: the layer does not arrive, the wait times out, nothing was written.
+        with pytest.raises(kvtier.TimedOutError) as e:
+            d.wait_layer(7, layer, timeout=0.05)
+        assert isinstance(e.value, TimeoutError)
+        assert d.status(7).layers[layer] == "pending"
+        assert_poisoned(dst_kv, layer, dst_blocks)
+        p.layer_ready(7, layer)
+        assert d.wait_layer(7, layer, TIMEOUT) == "loaded"
+        assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
+        st = d.status(7)
+        assert st.layers == ["loaded"] * (layer + 1) + ["pending"] * (LAYERS - layer - 1)
+        # A block is loaded only when every layer of it is.
+        assert st.block_loaded == [layer == LAYERS - 1] * 3
+        for later in range(layer + 1, LAYERS):
+            assert_poisoned(dst_kv, later, dst_blocks)
+    assert d.wait(7, TIMEOUT, reclaimable=True).leading_loaded_blocks == 3
+    assert p.wait(7, TIMEOUT).done
+
+
+def test_waits_release_the_gil(pair):
+    """The layers are declared ready by a Python thread while the main thread waits: only runs if the wait lets go."""
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    d.start(to_prefill, 3, [7, 8])
+    p.begin(to_decode, 3, [2, 3])
+
+    def declare():
+        for layer in range(LAYERS):
+            time.sleep(0.02)
+            p.layer_ready(3, layer)
+
+    t = threading.Thread(target=declare)
+    t.start()
+    assert d.wait_layer(3, LAYERS - 1, TIMEOUT) == "loaded"
+    assert d.wait(3, TIMEOUT).leading_loaded_blocks == 2
+    t.join()
+    for layer in range(LAYERS):
+        assert_layer_moved(src_kv, dst_kv, layer, [2, 3], [7, 8])
+
+
+def test_layers_ready_before_the_decode_starts(pair):
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    p.begin(to_decode, 8, [6, 7])
+    for layer in reversed(range(LAYERS)):  # any order
+        p.layer_ready(8, layer)
+    assert not p.status(8).final
+    d.start(to_prefill, 8, [0, 1], mode="pull")
+    assert d.wait(8, TIMEOUT).layers == ["loaded"] * LAYERS
+    for layer in range(LAYERS):
+        assert_layer_moved(src_kv, dst_kv, layer, [6, 7], [0, 1])
+
+
+def test_name_map_and_list_describe_the_same_layout():
+    src_kv = prefill_kv()
+    names = {}
+    for layer, (k, v) in enumerate(src_kv):
+        names[f"key_caches_{layer}_rank0.device0"] = k
+        names[f"value_caches_{layer}_rank0.device0"] = v
+    with Prefill(names, transport="loopback") as a, Prefill(src_kv, transport="loopback") as b:
+        assert a.layout == b.layout and a.num_layers == LAYERS
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_block_ids_are_refused(pair):
+    p, d, _, dst_kv, to_decode, to_prefill = pair
+    with pytest.raises(kvtier.OutOfRangeError, match=f"block id {DECODE_BLOCKS + 5} .* index 1"):
+        d.start(to_prefill, 1, [0, DECODE_BLOCKS + 5])
+    with pytest.raises(IndexError):  # OutOfRangeError is an IndexError too
+        d.start(to_prefill, 1, [DECODE_BLOCKS])
+    with pytest.raises(kvtier.OutOfRangeError, match="-3"):
+        d.start(to_prefill, 2, [0, -3])
+    with pytest.raises(kvtier.InvalidArgumentError, match="block id 4 repeated"):
+        d.start(to_prefill, 2, [4, 4])
+    with pytest.raises(kvtier.OutOfRangeError, match=f"block id {PREFILL_BLOCKS} .* source"):
+        p.begin(to_decode, 3, [PREFILL_BLOCKS])
+    with pytest.raises(kvtier.InvalidArgumentError, match="'sideways'"):
+        d.start(to_prefill, 4, [0], mode="sideways")
+    p.begin(to_decode, 5, [0])
+    with pytest.raises(kvtier.OutOfRangeError, match="layer 99"):
+        p.layer_ready(5, 99)
+    for layer in range(LAYERS):
+        assert_poisoned(dst_kv, layer, range(DECODE_BLOCKS))
+
+
+def test_unknown_transfer_and_peer(pair):
+    p, d, _, _, to_decode, to_prefill = pair
+    with pytest.raises(kvtier.NotFoundError, match="12345"):
+        d.status(12345)
+    with pytest.raises(kvtier.NotFoundError, match="12345"):
+        d.wait_layer(12345, 0, timeout=1.0)
+    with pytest.raises(kvtier.NotFoundError, match="12345"):
+        p.layer_ready(12345, 0)
+    with pytest.raises(kvtier.NotFoundError, match="12345"):
+        p.status(12345)
+    # An unknown peer fails the transfer at once: its status carries the exception, naming the peer.
+    d.start(to_prefill + 77, 6, [0])
+    st = d.wait(6, TIMEOUT)
+    assert st.final and st.layers == ["failed"] * LAYERS and st.block_loaded == [False]
+    assert isinstance(st.error, kvtier.NotFoundError) and str(to_prefill + 77) in st.error.message
+
+
+def test_transfer_id_reused(pair):
+    p, d, _, _, to_decode, to_prefill = pair
+    d.start(to_prefill, 9, [0])
+    with pytest.raises(kvtier.AlreadyExistsError, match="9"):
+        d.start(to_prefill, 9, [1])
+
+
+def test_wrong_metadata_bytes():
+    src_kv, dst_kv = prefill_kv(), decode_kv()
+    with Prefill(src_kv, transport="loopback") as p, Decode(dst_kv, transport="loopback") as d:
+        with pytest.raises(kvtier.KvtierError):
+            d.add_peer(b"not a kvtier blob")
+        with pytest.raises(kvtier.KvtierError):
+            d.add_peer(b"")
+        blob = bytearray(p.metadata())
+        blob[len(blob) // 2] ^= 0xFF
+        with pytest.raises(kvtier.DataLossError):
+            d.add_peer(bytes(blob))
+        with pytest.raises(kvtier.InvalidArgumentError, match="str"):
+            d.add_peer("text")
+    # Another per-block layout (another fingerprint): refused, naming both.
+    with Prefill(prefill_kv(shape=(2, 16, 16)), transport="loopback") as p, \
+            Decode(dst_kv, transport="loopback") as d:
+        with pytest.raises(kvtier.FailedPreconditionError, match="fingerprint"):
+            d.add_peer(p.metadata())
+
+
+def test_peer_secret():
+    src_kv, dst_kv = prefill_kv(), decode_kv()
+    with Prefill(src_kv, transport="loopback", peer_secret=SECRET) as p, \
+            Decode(dst_kv, transport="loopback") as d, \
+            Decode(decode_kv(), transport="loopback", peer_secret=bytes(32)) as other:
+        with pytest.raises(kvtier.FailedPreconditionError, match="peer_secret"):
+            d.add_peer(p.metadata())  # a MAC'd blob at an agent without the secret
+        with pytest.raises(kvtier.FailedPreconditionError, match="authentication"):
+            other.add_peer(p.metadata())  # another secret
+        with pytest.raises(kvtier.FailedPreconditionError, match="no MAC"):
+            p.add_peer(d.metadata())  # a blob without a MAC at an agent with a secret
+    with pytest.raises(kvtier.InvalidArgumentError):
+        Prefill(src_kv, transport="loopback", peer_secret=b"short")
+
+
+def test_timeouts(pair):
+    p, d, _, _, to_decode, to_prefill = pair
+    d.start(to_prefill, 10, [0, 1])
+    p.begin(to_decode, 10, [0, 1])
+    t0 = time.monotonic()
+    with pytest.raises(kvtier.TimedOutError):
+        d.wait(10, timeout=0.1)
+    with pytest.raises(kvtier.TimedOutError):
+        p.wait(10, timeout=0.1)
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(kvtier.FailedPreconditionError, match="10"):
+        d.forget(10)  # not final
+    with pytest.raises(ValueError):
+        d.wait(10, timeout=float("nan"))
+
+
+def test_dead_prefill_fails_the_transfer(pair):
+    p, d, _, dst_kv, to_decode, to_prefill = pair
+    d.start(to_prefill, 11, [2, 3], mode="push")
+    p.begin(to_decode, 11, [0, 1])
+    p.layer_ready(11, 0)
+    assert d.wait_layer(11, 0, TIMEOUT) == "loaded"
+    p.close()  # the prefill goes away with layers 1.. not sent
+    st = d.wait(11, TIMEOUT, reclaimable=True)
+    assert st.final and st.reclaimable
+    assert st.layers[0] == "loaded" and set(st.layers[1:]) == {"failed"}
+    assert st.block_loaded == [False, False] and st.leading_loaded_blocks == 0
+    assert isinstance(st.error, kvtier.KvtierError) and st.error.message
+    assert d.wait_layer(11, 1, TIMEOUT) == "failed"
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        p.begin(to_decode, 12, [0])
+    d.forget(11)
+
+
+def test_close_while_another_thread_waits(pair):
+    """close() returns at once; the wait in flight keeps the endpoint until it returns (its timeout), then it goes."""
+    p, d, _, _, to_decode, to_prefill = pair
+    d.start(to_prefill, 13, [0])
+    p.begin(to_decode, 13, [0])  # no layer is ever declared ready
+    outcome = []
+
+    def waiter():
+        try:
+            d.wait(13, timeout=1.0)
+        except kvtier.KvtierError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    d.close()
+    t.join(TIMEOUT)
+    assert not t.is_alive()
+    # The wait in flight ends at its timeout (had the thread not reached it before close(), it would see the
+    # endpoint closed: a loaded machine may do that).
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], kvtier.TimedOutError) or "closed" in outcome[0].message, outcome
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        d.status(13)
+    assert d.num_blocks == DECODE_BLOCKS  # the description outlives close()
+
+
+def test_bad_arguments():
+    src_kv = prefill_kv()
+    with pytest.raises(kvtier.InvalidArgumentError, match="'carrier-pigeon'"):
+        Prefill(src_kv, transport="carrier-pigeon")
+    with pytest.raises(kvtier.InvalidArgumentError, match="kv"):
+        Prefill([], transport="loopback")
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"kv\[1\]"):
+        Prefill([src_kv[0], (src_kv[1][0], src_kv[1][1], src_kv[1][0])], transport="loopback")
+    with pytest.raises(kvtier.InvalidArgumentError, match="lease"):
+        Prefill(src_kv, transport="loopback", lease_s=0)
+    with Decode(decode_kv(), transport="loopback") as d:
+        with pytest.raises(kvtier.InvalidArgumentError, match="without a device"):
+            d.wait_layer_on_stream(1, 0, kvtier.host_device().create_stream())
+    with Prefill(src_kv, transport="loopback") as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="without a device"):
+            p.layer_ready(1, 0, stream=0x1234)  # an engine's stream handle, but the KV is host memory
+        with pytest.raises(kvtier.InvalidArgumentError, match="transfer id -1"):
+            p.begin(0, -1, [0])
+    with Prefill(src_kv, transport="loopback", device=kvtier.host_device()) as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="'not a stream'"):
+            p.layer_ready(1, 0, stream="not a stream")
+
+
+# ---------------------------------------------------------------- staged (a Device: its memory, its streams)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_staged_on_the_host_backend_with_streams(mode):
+    dev = kvtier.host_device()
+    fwd = dev.create_stream("forward")
+    src_kv, dst_kv = prefill_kv(seed=5), decode_kv()
+    src_blocks, dst_blocks = [3, 4, 0], [8, 1, 2]
+    with Prefill(src_kv, transport="loopback", device=dev, **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, staging_blocks=4, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, dst_blocks, mode=mode)
+        p.begin(to_decode, 1, src_blocks)
+        for layer in range(LAYERS):
+            p.layer_ready(1, layer, stream=fwd)  # ready once the forward's work so far completed
+        for layer in range(LAYERS):
+            d.wait_layer_on_stream(1, layer, fwd, TIMEOUT)  # the forward's stream waits on the device
+            assert d.wait_layer(1, layer, TIMEOUT) == "loaded"
+        dev.synchronize(fwd, TIMEOUT)
+        st = d.wait(1, TIMEOUT, reclaimable=True)
+        assert st.leading_loaded_blocks == 3 and st.error is None
+        for layer in range(LAYERS):
+            assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
+            assert_poisoned(dst_kv, layer, [0, 3, 4, 5, 6, 7, 9])
+        # A stream of another Device is refused, naming the stream.
+        other = kvtier.host_device().create_stream("elsewhere")
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"stream {other.id} belongs to another"):
+            d.wait_layer_on_stream(1, 0, other, TIMEOUT)
+        # 3 of 4 staging blocks are taken until forget(): a second transfer of 2 blocks is refused.
+        with pytest.raises(kvtier.ResourceExhaustedError):
+            d.start(to_prefill, 2, [5, 6], mode=mode)
+        assert p.wait(1, TIMEOUT).done
+        d.forget(1)
+        p.forget(1)
+
+
+# ---------------------------------------------------------------- two processes (ipc)
+
+
+def _prefill_process(conn, mode_seed):
+    """The prefill in its own process: metadata over the pipe, then every layer declared ready."""
+    import kvtier.pd
+
+    try:
+        with kvtier.pd.Prefill(prefill_kv(seed=mode_seed), transport="ipc", peer_secret=SECRET, **FAST) as p:
+            conn.send_bytes(p.metadata())
+            if not conn.poll(TIMEOUT):
+                conn.send(("error", "no metadata from the decode process"))
+                return
+            peer = p.add_peer(conn.recv_bytes())
+            p.begin(peer, 500, [7, 1, 4])
+            for layer in range(LAYERS):
+                p.layer_ready(500, layer)
+            st = p.wait(500, TIMEOUT)
+            conn.send(("done", st.done, st.layers_sent))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", repr(e)))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_two_processes_over_ipc(mode):
+    seed = 100 + (mode == "pull")
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_process, args=(child, seed), daemon=True)
+    proc.start()
+    try:
+        dst_kv = decode_kv()
+        with Decode(dst_kv, transport="ipc", peer_secret=SECRET, **FAST) as d:
+            assert parent.poll(30), "the prefill process sent no metadata"
+            peer = d.add_peer(parent.recv_bytes())
+            parent.send_bytes(d.metadata())
+            d.start(peer, 500, [0, 9, 5], mode=mode)
+            st = d.wait(500, TIMEOUT, reclaimable=True)
+            assert st.error is None and st.leading_loaded_blocks == 3, st
+            assert parent.poll(TIMEOUT)
+            assert parent.recv() == ("done", True, LAYERS)
+            src_kv = prefill_kv(seed=seed)
+            for layer in range(LAYERS):
+                assert_layer_moved(src_kv, dst_kv, layer, [7, 1, 4], [0, 9, 5])
+                assert_poisoned(dst_kv, layer, [1, 2, 3, 4, 6, 7, 8])
+            d.forget(500)
+    finally:
+        proc.join(TIMEOUT)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
