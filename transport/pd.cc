@@ -416,6 +416,7 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
+    KVTIER_RETURN_IF_ERROR(t_.peer_info(decode).status().with_context("prefill begin"));
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
     X& x = xfers_[id];
@@ -795,11 +796,12 @@ class Decode final : public PdDecode, public Endpoint {
       x.last_heard = x.last_sent = Clock::now();
     }
     Status s = t_.send_notification(prefill, m.str());
-    if (!s.ok()) {
-      std::lock_guard lock(mu_);
-      X& x = xfers_[id];
+    std::lock_guard lock(mu_);
+    X& x = xfers_[id];
+    if (!s.ok())
       fail_rest(x, s);
-    }
+    else
+      x.request_sent = true;
     return Status::Ok();
   }
 
@@ -868,6 +870,7 @@ class Decode final : public PdDecode, public Endpoint {
     bool fin_sent = false;
     bool any_failure = false;
     bool prefill_quiet = false;  // 'Q': no write of the prefill side can still land
+    bool request_sent = false;   // 'R' was handed to the transport: the prefill may know the destinations
     Status error;
     // Device lane: buffers, and per layer the checksums announced by the prefill and whether the layer's
     // kernel (verification pass in push, read in pull) is still running.
@@ -907,7 +910,8 @@ class Decode final : public PdDecode, public Endpoint {
     // resumes with its writes posted): the blocks stay quarantined until the prefill proves its writes are done
     // ('Q') or the transport guarantees the peer can no longer write here. Time alone proves nothing. In pull mode
     // the prefill writes nothing here.
-    const bool no_writer = x.mode == PdMode::kPull || !x.any_failure || x.prefill_quiet || t_.peer_revoked(x.peer);
+    const bool no_writer = x.mode == PdMode::kPull || !x.any_failure || !x.request_sent || x.prefill_quiet ||
+                           t_.peer_revoked(x.peer);
     s.reclaimable = s.final && reads_quiet && no_writer;
     return s;
   }

@@ -197,6 +197,25 @@ TEST(Pd, BadBlockListsAndIdsAreRefused) {
   EXPECT_NE(pf->error.message().find("decode asked for 2 blocks, prefill has 1"), std::string::npos);
 }
 
+// A peer id that was never loaded: the prefill refuses at once; the decode's transfer fails at once, and since
+// its request never left, nobody can write its blocks: they are reclaimable (push too).
+TEST(Pd, UnknownPeersFailAtOnceAndHoldNoBlocks) {
+  Rig rig;
+  const PeerId unknown = 77;
+  auto b = rig.pre->begin(unknown, 1, {1});
+  EXPECT_EQ(b.code(), StatusCode::kNotFound) << b.to_string();
+  EXPECT_NE(b.message().find("77"), std::string::npos) << b.to_string();
+  for (PdMode mode : {PdMode::kPush, PdMode::kPull}) {
+    const TransferId id = mode == PdMode::kPush ? 2 : 3;
+    ASSERT_TRUE(rig.dec->start(unknown, id, mode, {0, 1}).ok());
+    auto st = rig.dec->wait(id, 2s, /*reclaimable=*/true);
+    ASSERT_TRUE(st.ok()) << pd_mode_name(mode) << ": " << st.status().to_string();
+    EXPECT_EQ(st->leading_loaded_blocks(), 0u);
+    EXPECT_FALSE(st->error.ok());
+    EXPECT_TRUE(rig.dec->forget(id).ok());
+  }
+}
+
 // ---- leases: a silent peer must not hold blocks, and only fresh heartbeats renew a lease ------------------
 
 // The decode side's reads from a prefill that falls silent may never complete (a dead peer on a lane without
