@@ -33,6 +33,12 @@ declares a layer ready once the work enqueued so far on the engine's stream ``s`
 (no host sync), and ``Decode.wait_layer_on_stream(..., stream=s)`` makes ``s`` wait on the GPU
 for the layer's copy.
 
+``lane="direct"`` (with ``device``, and ``transport="ipc"`` between CUDA processes or
+``"loopback"`` in one) is the device lane: each side maps the other's pool (CUDA IPC) and each
+layer moves by one copy-kernel launch straight between the two pools, checksummed on the GPU by
+the kernel that moves it; nothing is staged. A layer reported loaded by ``wait_layer`` is then
+final in device memory.
+
 Transports: ``"ipc"`` (same host, two processes; memory shared through sealed memfd windows),
 ``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP),
 ``"loopback"`` (one process: tests). ``peer_secret`` (32 to 64 bytes shared by the two sides)
@@ -131,7 +137,7 @@ class _Endpoint:
                  peer_secret: Optional[bytes] = None, tls: str = "", net_devices: str = "",
                  heartbeat_s: float = 0.1, lease_s: float = 1.0, device: Any = None,
                  staging_blocks: int = 0, num_model_layers: Optional[int] = None, rank: int = 0,
-                 device_label: int = 0, block_tokens: int = 64):
+                 device_label: int = 0, block_tokens: int = 64, lane: str = "auto"):
         tensors = _name_map(kv, rank, device_label)
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)
@@ -143,7 +149,7 @@ class _Endpoint:
         self._ep = _native.PdEndpoint.create(
             self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
             tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
-            device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks)
+            device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane)
 
     # ---- identity and peers
 
@@ -156,6 +162,12 @@ class _Endpoint:
     def transport(self) -> str:
         """The transport's backend name."""
         return self._ep.transport
+
+    @property
+    def lane(self) -> str:
+        """How blocks move: "host" (the transport on host memory), "staged" (device memory through pinned
+        staging) or "direct" (the copy kernel between the two device pools)."""
+        return self._ep.lane
 
     @property
     def device(self) -> Any:

@@ -63,9 +63,13 @@ struct EndpointOptions {
   int device_label = 0;
   std::uint32_t block_tokens = 64;
   std::uint64_t staging_blocks = 0;  // staged only; 0: as many as the device space has
+  // "auto": host memory without a device, staged with one; "direct": the device lane of pd.h (device memory,
+  // the peer's pool mapped here: ipc between CUDA processes, loopback in one process).
+  std::string lane = "auto";
 };
 
-Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout) {
+Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout,
+                                                             const Device* device) {
   transport::AgentIdentity id{o.name, layout.fingerprint(), 1, 0};
   if (o.transport == "loopback") {
     transport::LoopbackOptions lo;
@@ -75,6 +79,10 @@ Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptio
   if (o.transport == "ipc") {
     transport::IpcOptions io;
     io.peer_secret = o.peer_secret;
+    if (o.lane == "direct" && device != nullptr && device->backend() == BackendKind::kCuda) {
+      io.device_memory = transport::IpcOptions::DeviceMemory::kCuda;  // the pools shared through CUDA IPC
+      io.cuda_device = device->ordinal();
+    }
     return transport::create_ipc_transport(std::move(id), std::move(io));
   }
   if (o.transport == "ucx") {
@@ -205,6 +213,7 @@ struct PyPdEndpoint {
   std::uint64_t num_blocks = 0;
   std::uint64_t block_bytes = 0;
   bool staged = false;
+  std::string lane;  // "host", "staged" or "direct"
   std::mutex mu;
   std::shared_ptr<PdNative> native;  // null once closed
 
@@ -240,6 +249,13 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.role != "prefill" && o.role != "decode")
     raise_status(InvalidArgument(fmt::format("role '{}' is not prefill or decode", o.role)));
   if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
+  if (o.lane != "auto" && o.lane != "direct")
+    raise_status(InvalidArgument(fmt::format("lane '{}' is not auto or direct", o.lane)));
+  if (o.lane == "direct" && device_obj.is_none())
+    raise_status(InvalidArgument("lane 'direct' moves device memory: pass device= (kvtier.cuda_device(n))"));
+  if (o.lane == "direct" && o.transport == "ucx")
+    raise_status(InvalidArgument(
+        "lane 'direct' needs a transport that maps the peer's pool here: ipc (CUDA IPC) or loopback, not ucx"));
   const auto heartbeat = to_ms(o.heartbeat_s, "heartbeat");
   const auto lease = to_ms(o.lease_s, "lease");
   auto n = std::make_shared<PdNative>();
@@ -257,7 +273,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
                             layout_from_name_map(descs, o.num_model_layers, o.rank, o.device_label, o.block_tokens));
     KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label,
                                                                          device ? device->ordinal() : 0));
-    KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, n->layout));
+    KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, n->layout, device));
     transport::PdOptions pd;
     pd.heartbeat = heartbeat;
     pd.lease = lease;
@@ -275,13 +291,24 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       }
       return Status::Ok();
     }
-    // Device memory: staged through pinned host memory with the copy engine.
     n->space = space;
     for (const auto& [name, t] : descs) {
       auto b = device->adopt_device_memory(t.data, tensor_extent_bytes(t));
       if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
       n->adopted_device.push_back(std::move(b).value());
     }
+    if (o.lane == "direct") {
+      // The device lane: the copy engine's kernel moves each layer straight between the two pools.
+      KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
+      pd.engine = n->engine.get();
+      if (o.role == "prefill") {
+        KVTIER_ASSIGN_OR_RETURN(n->prefill, transport::PdPrefill::create(*n->transport, n->space, pd));
+      } else {
+        KVTIER_ASSIGN_OR_RETURN(n->decode, transport::PdDecode::create(*n->transport, n->space, pd));
+      }
+      return Status::Ok();
+    }
+    // Device memory: staged through pinned host memory with the copy engine.
     const std::uint64_t staging_blocks = o.staging_blocks != 0 ? o.staging_blocks : space.num_blocks();
     KVTIER_ASSIGN_OR_RETURN(auto staging, transport::StagingSpace::allocate(*device, n->layout, staging_blocks));
     n->staging.emplace(std::move(staging));
@@ -306,12 +333,13 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   }
   auto out = std::make_unique<PyPdEndpoint>();
   out->options = std::move(o);
+  out->lane = device == nullptr ? "host" : out->options.lane == "direct" ? "direct" : "staged";
   out->backend = std::string(n->transport->backend_name());
   out->layout = n->layout.describe();
   out->num_layers = n->layout.num_layers();
   out->num_blocks = n->space.num_blocks();
   out->block_bytes = n->layout.total_block_bytes();
-  out->staged = device != nullptr;
+  out->staged = device != nullptr && out->options.lane != "direct";
   out->native = std::move(n);
   return out;
 }
@@ -327,7 +355,7 @@ void bind_pd(nb::module_& m) {
           [](const std::string& role, std::map<std::string, nb::ndarray<>> tensors, const std::string& transport,
              const std::string& name, std::uint32_t num_model_layers, nb::object device, nb::bytes peer_secret,
              const std::string& tls, const std::string& net_devices, double heartbeat_s, double lease_s, int rank,
-             int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks) {
+             int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane) {
             EndpointOptions o;
             o.role = role;
             o.transport = transport;
@@ -342,19 +370,22 @@ void bind_pd(nb::module_& m) {
             o.device_label = device_label;
             o.block_tokens = block_tokens;
             o.staging_blocks = staging_blocks;
+            o.lane = lane;
             if (!device.is_none() && !nb::isinstance<PyDevice>(device))
               raise_status(InvalidArgument("device is not a kvtier Device (kvtier.cuda_device() / host_device())"));
             return create_endpoint(std::move(tensors), std::move(device), std::move(o));
           },
           "role"_a, "tensors"_a, "transport"_a, "name"_a, "num_model_layers"_a, "device"_a = nb::none(),
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
-          "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0,
+          "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0, "lane"_a = "auto",
           "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
-          "on the tensors; a Device: its memory, staged through pinned host memory.")
+          "on the tensors; a Device: its memory, staged through pinned host memory, or with lane='direct' moved by "
+          "the copy kernel straight between the two pools (ipc on CUDA, loopback).")
       .def_prop_ro("role", [](const PyPdEndpoint& e) { return e.options.role; })
       .def_prop_ro("name", [](const PyPdEndpoint& e) { return e.options.name; })
       .def_prop_ro("transport", [](const PyPdEndpoint& e) { return e.backend; })
       .def_prop_ro("staged", [](const PyPdEndpoint& e) { return e.staged; })
+      .def_prop_ro("lane", [](const PyPdEndpoint& e) { return e.lane; })
       .def_prop_ro("layout", [](const PyPdEndpoint& e) { return e.layout; })
       .def_prop_ro("num_layers", [](const PyPdEndpoint& e) { return e.num_layers; })
       .def_prop_ro("num_blocks", [](const PyPdEndpoint& e) { return e.num_blocks; })
@@ -408,9 +439,14 @@ void bind_pd(nb::module_& m) {
                               id, layer, e.options.name)));
             check_stream(*n, *stream, e.options.name);
             check(released([&]() -> Status {
-              // Only the event's capture matters to the endpoint: it may go once the call returned.
               KVTIER_ASSIGN_OR_RETURN(auto ev, dev->create_event(EventOptions{}));
               KVTIER_RETURN_IF_ERROR(dev->record(*ev, *stream->stream));
+              if (n->prefill) {
+                // Direct lane: the progress thread queries the event (no host sync); the check keeps it alive.
+                std::shared_ptr<Event> event = std::move(ev);
+                return n->prefill->layer_ready(x, l, [dev, event]() { return dev->query(*event); });
+              }
+              // Only the event's capture matters to the staged endpoint: it may go once the call returned.
               return n->staged_prefill->layer_ready_after(x, l, *ev);
             }));
           },
@@ -448,6 +484,16 @@ void bind_pd(nb::module_& m) {
           "wait_layer_on_stream",
           [](PyPdEndpoint& e, std::int64_t id, std::int64_t layer, PyStream& stream, std::optional<double> timeout) {
             auto n = e.get("decode", "wait_layer_on_stream");
+            if (n->decode && n->device() != nullptr) {
+              // Direct lane: a layer is final once its bytes are verified in this pool (the kernels that wrote and
+              // checked them completed), so the stream needs no device-side wait.
+              check_stream(*n, stream, e.options.name);
+              const TransferId x = to_xid(id);
+              const std::uint32_t l = to_layer(layer);
+              const auto t = to_timeout(timeout);
+              check(released([&]() { return n->decode->wait_layer(x, l, t).status(); }));
+              return;
+            }
             if (!n->staged_decode)
               raise_status(InvalidArgument(
                   fmt::format("wait_layer_on_stream of transfer {} layer {}: endpoint '{}' was created without a "

@@ -393,6 +393,59 @@ def test_staged_on_the_host_backend_with_streams(mode):
         p.forget(1)
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_direct_lane_on_the_host_backend(mode):
+    """lane="direct": the copy kernel moves each layer between the pools (loopback maps the peer's pool here)."""
+    dev = kvtier.host_device()
+    fwd = dev.create_stream("forward")
+    src_kv, dst_kv = prefill_kv(seed=6), decode_kv()
+    src_blocks, dst_blocks = [7, 2, 5, 0], [3, 9, 1, 6]
+    with Prefill(src_kv, transport="loopback", device=dev, lane="direct", **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, lane="direct", **FAST) as d:
+        assert p.lane == "direct" and d.lane == "direct"
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, dst_blocks, mode=mode)
+        p.begin(to_decode, 1, src_blocks)
+        p.layer_ready(1, 1, stream=fwd)
+        assert d.wait_layer(1, 1, TIMEOUT) == "loaded"
+        assert_layer_moved(src_kv, dst_kv, 1, src_blocks, dst_blocks)
+        assert_poisoned(dst_kv, 0, dst_blocks)  # layer 0 was never declared ready
+        for layer in (0, 2):
+            p.layer_ready(1, layer)
+            d.wait_layer_on_stream(1, layer, fwd, TIMEOUT)
+        st = d.wait(1, TIMEOUT, reclaimable=True)
+        assert st.leading_loaded_blocks == 4 and st.error is None, st
+        for layer in range(LAYERS):
+            assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
+            assert_poisoned(dst_kv, layer, [0, 2, 4, 5, 7, 8])
+        assert p.wait(1, TIMEOUT).done
+        d.forget(1)
+        p.forget(1)
+
+
+def test_direct_lane_refusals():
+    src_kv = prefill_kv()
+    with pytest.raises(kvtier.InvalidArgumentError, match="device="):
+        Prefill(src_kv, transport="loopback", lane="direct")
+    with pytest.raises(kvtier.InvalidArgumentError, match="not ucx"):
+        Prefill(src_kv, transport="ucx", device=kvtier.host_device(), lane="direct")
+    with pytest.raises(kvtier.InvalidArgumentError, match="lane 'sideways'"):
+        Prefill(src_kv, transport="loopback", lane="sideways")
+    # A decode on the direct lane and a prefill staging through host memory: the transfer is refused, no block
+    # loaded.
+    dev = kvtier.host_device()
+    dst_kv = decode_kv()
+    with Prefill(src_kv, transport="loopback", device=dev, **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, lane="direct", **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, [0, 1], mode="push")
+        p.begin(to_decode, 1, [2, 3])
+        for layer in range(LAYERS):
+            p.layer_ready(1, layer)
+        st = d.wait(1, TIMEOUT)
+        assert st.leading_loaded_blocks == 0 and st.error is not None
+
+
 # ---------------------------------------------------------------- two processes (ipc)
 
 
