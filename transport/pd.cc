@@ -243,20 +243,21 @@ class Endpoint {
   virtual void on_message(const Notification& n, char type, TransferId id, Parse& p) = 0;
   virtual void tick(Clock::time_point now) = 0;
 
-  // True while device lane kernels run whose completion the progress thread must notice (under mu_).
-  virtual bool lane_busy() const = 0;
+  // True while a transfer has work the progress thread must notice without a message: a device lane kernel
+  // whose event it polls, a layer whose readiness it polls, a transfer not yet final (under mu_).
+  virtual bool busy() const = 0;
 
   void loop() {
     for (;;) {
-      bool busy = false;
+      bool active = false;
       {
         std::lock_guard lock(mu_);
         if (stop_) return;
-        busy = lane_busy();
+        active = busy();
       }
-      // A kernel's completion is seen only by polling its event: while one runs, look again soon, so a layer's
-      // notification does not wait a whole idle period behind it.
-      auto got = t_.wait_notifications(busy ? std::chrono::microseconds(20) : std::chrono::microseconds(1000));
+      // Kernels' events and layers' readiness are seen only by polling: while a transfer is in progress look
+      // again soon, so a layer does not wait a whole idle period behind them; idle, messages wake the thread.
+      auto got = t_.wait_notifications(active ? std::chrono::microseconds(20) : std::chrono::microseconds(1000));
       std::lock_guard lock(mu_);
       if (got.ok()) {
         for (const Notification& n : *got) {
@@ -442,6 +443,8 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (l.declared) return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layer));
     l.declared = true;
     l.ready = ready ? std::move(ready) : ReadyFn([] { return Result<bool>(true); });
+    // Sent from here when it is ready now: the progress thread may be idle until the next message.
+    send_ready_layers(id, it->second);
     return Status::Ok();
   }
 
@@ -509,10 +512,10 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::unique_ptr<LaneBuffers> lane;  // device lane
   };
 
-  bool lane_busy() const override {
+  bool busy() const override {
     for (const auto& [id, x] : xfers_)
       for (const L& l : x.layers)
-        if (l.lane_pending) return true;
+        if (l.lane_pending || l.xfer || (x.req && !x.final && l.declared && !l.sent)) return true;
     return false;
   }
 
@@ -654,23 +657,28 @@ class Prefill final : public PdPrefill, public Endpoint {
         t_.send_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
         x.last_sent = now;
       }
-      if (!x.req) continue;
-      for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
-        L& l = x.layers[li];
-        if (!l.declared || l.sent) continue;
-        auto ready = l.ready();
-        if (!ready.ok()) {
-          // The layer's data will never be valid (its event or staging copy failed): tell the decode side now
-          // that none of the unsent layers will come, so it fails them at once rather than at the lease.
-          for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-            if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
-          fail(x, id, ready.status().with_context(fmt::format("layer {} event", li)));
-          break;
-        }
-        if (!*ready) continue;
-        send_layer(id, x, li);
-        if (x.final) break;
+      send_ready_layers(id, x);
+    }
+  }
+
+  // Sends every declared layer whose readiness now says so (requested transfers only).
+  void send_ready_layers(TransferId id, X& x) {
+    if (!x.req || x.final) return;
+    for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
+      L& l = x.layers[li];
+      if (!l.declared || l.sent) continue;
+      auto ready = l.ready();
+      if (!ready.ok()) {
+        // The layer's data will never be valid (its event or staging copy failed): tell the decode side now
+        // that none of the unsent layers will come, so it fails them at once rather than at the lease.
+        for (std::uint32_t u = 0; u < x.layers.size(); ++u)
+          if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
+        fail(x, id, ready.status().with_context(fmt::format("layer {} event", li)));
+        return;
       }
+      if (!*ready) continue;
+      send_layer(id, x, li);
+      if (x.final) return;
     }
   }
 
@@ -879,10 +887,13 @@ class Decode final : public PdDecode, public Endpoint {
     std::vector<std::uint8_t> lane_pending;
   };
 
-  bool lane_busy() const override {
-    for (const auto& [id, x] : xfers_)
+  bool busy() const override {
+    for (const auto& [id, x] : xfers_) {
       for (std::uint8_t p : x.lane_pending)
         if (p != 0) return true;
+      for (const Read& r : x.reads)
+        if (r.active) return true;
+    }
     return false;
   }
 
@@ -910,8 +921,8 @@ class Decode final : public PdDecode, public Endpoint {
     // resumes with its writes posted): the blocks stay quarantined until the prefill proves its writes are done
     // ('Q') or the transport guarantees the peer can no longer write here. Time alone proves nothing. In pull mode
     // the prefill writes nothing here.
-    const bool no_writer = x.mode == PdMode::kPull || !x.any_failure || !x.request_sent || x.prefill_quiet ||
-                           t_.peer_revoked(x.peer);
+    const bool no_writer =
+        x.mode == PdMode::kPull || !x.any_failure || !x.request_sent || x.prefill_quiet || t_.peer_revoked(x.peer);
     s.reclaimable = s.final && reads_quiet && no_writer;
     return s;
   }
