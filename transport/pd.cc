@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -212,13 +213,14 @@ class Endpoint {
 
   Status check_blocks(const std::vector<std::uint64_t>& blocks, std::string_view what) const {
     if (blocks.empty()) return InvalidArgument(fmt::format("{} list is empty", what));
-    std::set<std::uint64_t> seen;
+    std::vector<bool> seen(blocks_.num_blocks());
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       if (blocks[i] >= blocks_.num_blocks())
         return OutOfRange(fmt::format("block id {} >= num_blocks {} in {} list at index {}", blocks[i],
                                       blocks_.num_blocks(), what, i));
-      if (!seen.insert(blocks[i]).second)
+      if (seen[blocks[i]])
         return InvalidArgument(fmt::format("block id {} repeated in {} list at index {}", blocks[i], what, i));
+      seen[blocks[i]] = true;
     }
     return Status::Ok();
   }
@@ -324,6 +326,7 @@ class Endpoint {
     std::vector<std::int32_t> local_ids, peer_ids;
     std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
     std::uint64_t n = 0;
+    std::uint64_t capacity = 0;  // checksums the buffers hold
     std::uint64_t* device_at(std::uint32_t layer) const {
       return reinterpret_cast<std::uint64_t*>(device_checksums.bytes_ptr()) + std::uint64_t{layer} * n;
     }
@@ -333,24 +336,49 @@ class Endpoint {
   };
   Result<std::unique_ptr<LaneBuffers>> make_lane(const std::vector<std::uint64_t>& local,
                                                  const std::vector<std::uint64_t>& peer) {
-    auto lb = std::make_unique<LaneBuffers>();
-    lb->n = local.size();
     const std::uint32_t layers = blocks_.layout().num_layers();
     for (const auto* ids : {&local, &peer})
       for (std::uint64_t id : *ids)
         if (id > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
           return OutOfRange(fmt::format("block id {} does not fit the copy engine's 32-bit ids", id));
+    const std::uint64_t needed = std::max<std::uint64_t>(1, local.size() * layers);
+    std::unique_ptr<LaneBuffers> lb;
+    {
+      // Buffers of forgotten transfers: allocating pinned and device memory per transfer costs milliseconds
+      // (and freeing device memory synchronizes the device).
+      std::lock_guard lock(lane_pool_mu_);
+      for (auto it = lane_pool_.begin(); it != lane_pool_.end(); ++it)
+        if ((*it)->capacity >= needed) {
+          lb = std::move(*it);
+          lane_pool_.erase(it);
+          break;
+        }
+    }
+    if (!lb) {
+      lb = std::make_unique<LaneBuffers>();
+      lb->capacity = std::bit_ceil(needed);
+      Device& dev = lane_device();
+      const std::uint64_t bytes = lb->capacity * sizeof(std::uint64_t);
+      KVTIER_ASSIGN_OR_RETURN(lb->device_checksums, dev.allocate_device(bytes));
+      KVTIER_ASSIGN_OR_RETURN(lb->host_checksums, dev.allocate_pinned(bytes));
+      lb->events.resize(layers);
+      for (auto& e : lb->events) {
+        KVTIER_ASSIGN_OR_RETURN(e, dev.create_event());
+      }
+    }
+    lb->n = local.size();
     lb->local_ids.assign(local.begin(), local.end());
     lb->peer_ids.assign(peer.begin(), peer.end());
-    Device& dev = lane_device();
-    const std::uint64_t bytes = std::max<std::uint64_t>(1, lb->n * layers) * sizeof(std::uint64_t);
-    KVTIER_ASSIGN_OR_RETURN(lb->device_checksums, dev.allocate_device(bytes));
-    KVTIER_ASSIGN_OR_RETURN(lb->host_checksums, dev.allocate_pinned(bytes));
-    lb->events.resize(layers);
-    for (auto& e : lb->events) {
-      KVTIER_ASSIGN_OR_RETURN(e, dev.create_event());
-    }
+    lb->peer.reset();
     return lb;
+  }
+
+  // A forgotten transfer's buffers (no kernel of it runs any more: it was reclaimable) for the next transfer.
+  void recycle_lane(std::unique_ptr<LaneBuffers> lb) {
+    if (!lb) return;
+    lb->peer.reset();
+    std::lock_guard lock(lane_pool_mu_);
+    if (lane_pool_.size() < kLanePoolSize) lane_pool_.push_back(std::move(lb));
   }
 
   // The peer's pool as this process's device addresses it: its planes (the regions it registered first, in
@@ -406,6 +434,9 @@ class Endpoint {
   std::thread thread_;
   std::set<PeerId> dropped_;             // peers this side disconnected
   std::unique_ptr<Stream> lane_stream_;  // the device lane's copies and checksum passes, in order
+  static constexpr std::size_t kLanePoolSize = 16;
+  std::mutex lane_pool_mu_;
+  std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
 };
 
 // ---- prefill --------------------------------------------------------------------------------------------
@@ -480,6 +511,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     PrefillStatus s = summarize(it->second);
     if (!s.final || !s.reclaimable)
       return FailedPrecondition(fmt::format("prefill transfer {} is not final and reclaimable", id));
+    recycle_lane(std::move(it->second.lane));
     xfers_.erase(it);
     return Status::Ok();
   }
@@ -841,8 +873,10 @@ class Decode final : public PdDecode, public Endpoint {
     for (;;) {
       auto it = xfers_.find(id);
       if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
-      DecodeStatus s = summarize(it->second, Clock::now());
-      if (s.final && (!reclaimable || s.reclaimable)) return s;
+      // The cheap test first: the progress thread wakes waiters at every tick, and a full summary walks every
+      // (block, layer).
+      const X& x = it->second;
+      if (all_final(x) && (!reclaimable || is_reclaimable(x))) return summarize(x, Clock::now());
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
         return TimedOut(fmt::format("decode transfer {}: not {} after {} ms", id, reclaimable ? "reclaimable" : "final",
                                     std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
@@ -856,6 +890,7 @@ class Decode final : public PdDecode, public Endpoint {
     DecodeStatus s = summarize(it->second, Clock::now());
     if (!s.final || !s.reclaimable)
       return FailedPrecondition(fmt::format("decode transfer {} is not final and reclaimable", id));
+    recycle_lane(std::move(it->second.lane));
     xfers_.erase(it);
     return Status::Ok();
   }
@@ -914,17 +949,21 @@ class Decode final : public PdDecode, public Endpoint {
       s.block_loaded.push_back(ok);
     }
     (void)now;
-    bool reads_quiet = true;
-    for (const Read& r : x.reads) reads_quiet = reads_quiet && !r.active;
-    for (std::uint8_t p : x.lane_pending) reads_quiet = reads_quiet && p == 0;
+    s.reclaimable = s.final && is_reclaimable(x);
+    return s;
+  }
+
+  // Whether nothing can still land in the destination blocks (the transfer being final aside).
+  bool is_reclaimable(const X& x) const {
+    for (const Read& r : x.reads)
+      if (r.active) return false;
+    for (std::uint8_t p : x.lane_pending)
+      if (p != 0) return false;
     // After a failure in push mode a write of the prefill side may still land (a prefill paused past the lease
     // resumes with its writes posted): the blocks stay quarantined until the prefill proves its writes are done
     // ('Q') or the transport guarantees the peer can no longer write here. Time alone proves nothing. In pull mode
     // the prefill writes nothing here.
-    const bool no_writer =
-        x.mode == PdMode::kPull || !x.any_failure || !x.request_sent || x.prefill_quiet || t_.peer_revoked(x.peer);
-    s.reclaimable = s.final && reads_quiet && no_writer;
-    return s;
+    return x.mode == PdMode::kPull || !x.any_failure || !x.request_sent || x.prefill_quiet || t_.peer_revoked(x.peer);
   }
 
   void fail_layer(X& x, std::uint32_t layer, const Status& why) {
