@@ -166,7 +166,9 @@ TEST(ReceiveHazard, BlockBeingReceivedIsNeitherEvictedNorReadAsLoaded) {
   EXPECT_EQ(cache.match(recv_keys).total(), 0u);
   EXPECT_EQ(cache.commit_all(r->id).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(tm.wait_layer_host(*task, 1, 20ms).code(), StatusCode::kTimedOut);
-  EXPECT_EQ(tm.task_info(*task)->layer_states[1], TaskState::kPending);
+  auto info = tm.task_info(*task);
+  ASSERT_TRUE(info.ok()) << info.status().to_string();
+  EXPECT_EQ(info->layer_states.at(1), TaskState::kPending);
   auto bad_load = tm.load_layers_to_device_async({}, std::vector<std::int32_t>{0},
                                                  std::vector<std::int32_t>{static_cast<std::int32_t>(receiving[1])});
   EXPECT_EQ(bad_load.status().code(), StatusCode::kFailedPrecondition) << bad_load.status().to_string();

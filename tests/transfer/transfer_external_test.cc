@@ -208,6 +208,7 @@ TEST(TransferExternal, LayersAreLoadedOnlyOnceReported) {
   ASSERT_TRUE(mgr.complete_external_layer(*t, 3).ok());
   ASSERT_TRUE(mgr.wait(*t, 10s).ok());
   info = mgr.task_info(*t);
+  ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->state, TaskState::kDone);
   for (LayerState ls : info->layer_states) EXPECT_EQ(ls, TaskState::kDone);
   {
@@ -282,7 +283,9 @@ TEST(TransferExternal, EndedWriteStaysQuarantinedUntilReleased) {
   Status st = mgr.wait(*t, 10s);
   EXPECT_EQ(st.code(), StatusCode::kAborted) << st.to_string();
   EXPECT_TRUE(contains(st, "lease expired")) << st.to_string();
-  EXPECT_EQ(mgr.failed_blocks(*t)->device, ids({5, 6}));
+  auto failed = mgr.failed_blocks(*t);
+  ASSERT_TRUE(failed.ok()) << failed.status().to_string();
+  EXPECT_EQ(failed->device, ids({5, 6}));
   EXPECT_EQ(mgr.wait_for_layer(*t, 2, rig.compute()).code(), StatusCode::kAborted);
   EXPECT_EQ(mgr.complete_external_layer(*t, 1).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(mgr.end_external_write(*t, Aborted("again"), true).code(), StatusCode::kFailedPrecondition);
@@ -392,8 +395,12 @@ TEST(TransferExternal, BadArgumentsNameTheValue) {
   ASSERT_TRUE(mgr.end_external_write(*t, Cancelled("request aborted"), true).ok());
   EXPECT_EQ(mgr.wait(*t, 10s).code(), StatusCode::kCancelled);
   EXPECT_TRUE(mgr.wait_layer_host(*t, 0, 10s).ok());
-  EXPECT_EQ(mgr.failed_blocks(*t)->device, ids({1, 2})) << "a layer ended unreported fails every block";
-  EXPECT_EQ(mgr.task_info(*t)->layers, std::vector<std::uint32_t>({0, 2}));
+  auto failed = mgr.failed_blocks(*t);
+  ASSERT_TRUE(failed.ok()) << failed.status().to_string();
+  EXPECT_EQ(failed->device, ids({1, 2})) << "a layer ended unreported fails every block";
+  auto info = mgr.task_info(*t);
+  ASSERT_TRUE(info.ok()) << info.status().to_string();
+  EXPECT_EQ(info->layers, std::vector<std::uint32_t>({0, 2}));
 }
 
 }  // namespace
