@@ -60,11 +60,12 @@
 // wait_for_layer (it blocks the calling thread until the layer is reported,
 // then enqueues the stream wait), wait_layer_host, wait, task_info,
 // poll_completions and the on_layer / on_done callbacks work per layer as for
-// loads. end_external_write(task, status, quiescent) fails every layer not
-// yet reported with `status`; `quiescent` (no byte of the peer can still
-// land: PdDecode's `reclaimable`) also releases the blocks, otherwise they
-// stay declared, quarantined, until release_external_write(task). shutdown()
-// ends and releases every external write (Cancelled).
+// loads (on_layer in report order). end_external_write(task, status,
+// quiescent) fails every layer not yet reported with `status`; `quiescent`
+// (no byte of the peer can still land: PdDecode's `reclaimable`) also
+// releases the blocks, otherwise they stay declared, quarantined, until
+// release_external_write(task). shutdown() ends and releases every external
+// write (Cancelled).
 //
 // Callbacks (LoadOptions::on_layer, on_done) run on the progress thread, in
 // layer order per task, after the layer is final: status OK means the layer's
@@ -378,11 +379,12 @@ class TransferManager {
 
   // ---- metrics ----
   // Exports this manager into `registry` (metrics/registry.h), every series
-  // carrying `labels` (e.g. {{"rank","0"}}), with direction = evict | load:
+  // carrying `labels` (e.g. {{"rank","0"}}), with direction = evict | load |
+  // external:
   //   kvtier_transfer_tasks_total{direction,outcome=ok|failed}
   //   kvtier_transfer_bytes_total{direction}, kvtier_transfer_blocks_total{direction}  (completed OK)
   //   kvtier_transfer_failed_blocks_total{direction}
-  //   kvtier_transfer_layers_total{outcome}                 (load layers final)
+  //   kvtier_transfer_layers_total{outcome}                 (load and external layers final)
   //   kvtier_transfer_in_flight_tasks{direction}            (gauge)
   //   kvtier_transfer_task_latency_seconds{direction}       (submit -> task final)
   //   kvtier_transfer_layer_latency_seconds                 (submit -> load layer final)
