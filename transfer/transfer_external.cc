@@ -70,8 +70,9 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
     KVTIER_ASSIGN_OR_RETURN(EventLease done, pool_->acquire());
     const std::uint64_t ext_id = ext_->id();
     auto task = std::make_shared<TaskRec>();
-    // Every pending reader and writer of the blocks: waited for below, before the peer may write.
-    dev_hazards_->hazards_for_write(device_blocks, ext_id, waits);
+    // Every pending reader and writer of the blocks, those of the external stream too (an earlier external
+    // write's `done` may still wait for a staging copy): waited for below, before the peer may write.
+    dev_hazards_->hazards_for_write(device_blocks, HazardTracker::kNoStream, waits);
 
     task->id = next_id_++;
     task->kind = TaskKind::kExternalWrite;

@@ -345,6 +345,40 @@ TEST(TransferExternal, BeginWaitsUntilAnEvictionStopsReadingTheBlock) {
   rig.quiesce_and_verify();  // host block 4 holds the compute bytes the eviction read
 }
 
+// A receive released while its last layer still lands through a staging copy: the next receive into the block
+// (and any load) must wait for that copy, although both are ordered through the manager's external stream.
+TEST(TransferExternal, NextWriteWaitsForTheLastOnesStagingCopy) {
+  auto dev = make_host(208, 50);
+  TransferRig rig(*dev, options(1));
+  ASSERT_TRUE(rig.init().ok());
+  TransferManager& mgr = rig.mgr();
+  auto ring = dev->create_stream(StreamOptions{StreamPriority::kNormal, "test-ring"});
+  ASSERT_TRUE(ring.ok());
+  Gate hold;
+  ASSERT_TRUE(hold.block(*dev, **ring).ok());
+  auto first = mgr.begin_external_write({}, ids({4}));
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(dev->enqueue_task(**ring,
+                                [&]() -> Status {
+                                  peer_write(rig, 4, 0, 41);
+                                  return Status::Ok();
+                                })
+                  .ok());
+  ASSERT_TRUE(mgr.complete_external_layer(*first, 0, {}, ring->get()).ok());
+  ASSERT_TRUE(mgr.end_external_write(*first, Status::Ok(), /*quiescent=*/true).ok());
+  EXPECT_FALSE(*mgr.is_device_block_free(4)) << "the staging copy still writes block 4";
+  ExternalWriteOptions quick;
+  quick.free_timeout = 30ms;
+  auto early = mgr.begin_external_write({}, ids({4}), quick);
+  EXPECT_EQ(early.status().code(), StatusCode::kTimedOut) << early.status().to_string();
+  hold.release();
+  auto second = mgr.begin_external_write({}, ids({4}));
+  ASSERT_TRUE(second.ok()) << second.status().to_string();
+  EXPECT_TRUE(holds(mgr.device_space(), rig.layout(), 4, 0, 41)) << "begin returned before the copy landed";
+  ASSERT_TRUE(mgr.end_external_write(*second, Cancelled("request aborted"), true).ok());
+  ASSERT_TRUE(dev->synchronize(**ring, 10s).ok());
+}
+
 TEST(TransferExternal, ShutdownEndsExternalWritesAndWakesWaiters) {
   auto dev = make_host(206, 50);
   TransferRig rig(*dev, options());
