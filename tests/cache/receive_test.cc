@@ -6,10 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <iterator>
+#include <map>
+#include <random>
 #include <set>
 #include <string>
 
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/cache/plan_executor.h"
 #include "kvtier/metrics/registry.h"
 #include "tests/cache/cache_test_util.h"
 
@@ -314,6 +318,217 @@ TEST(CacheReceive, CountersAndMetrics) {
   EXPECT_TRUE(has("kvtier_cache_quarantined_blocks{engine=\"d0\"} 0")) << text;
   EXPECT_INVARIANTS(*c);
 }
+
+// Random sequences of admissions, receives, commits, completions, releases, acknowledgements and plans (with
+// delayed and failing moves): after every step the invariants hold, no match serves a block a peer is writing
+// or may still write, no admission is given one and no plan moves one; at the end every block comes back.
+class CacheReceiveProperty : public ::testing::TestWithParam<int> {};
+
+TEST_P(CacheReceiveProperty, GuardedBlocksAreNeverServedMovedOrReused) {
+  const int variant = GetParam();
+  CacheConfig cfg = testing::config(16 + variant % 3 * 8, variant % 4 == 3 ? 0 : 24, variant % 2 ? 48 : 0);
+  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu"};
+  cfg.device_policy = policies[variant % 4];
+  cfg.write_policy = static_cast<WritePolicy>(variant % 3);
+  if (variant % 5 == 1) cfg.device_watermarks = {0.1, 0.3};
+  auto c = make_cache(cfg);
+  FakePlanExecutor::Options eo;
+  eo.failure_rate = variant % 3 == 0 ? 0.0 : 0.1;
+  eo.delay_polls = static_cast<std::uint32_t>(variant % 3);
+  eo.seed = 77 + static_cast<std::uint64_t>(variant);
+  FakePlanExecutor ex(eo);
+  std::mt19937_64 rng(9000 + static_cast<std::uint64_t>(variant));
+  auto hasher = testing::test_hasher();
+  std::vector<std::vector<BlockKey>> keys;
+  std::vector<std::vector<std::uint64_t>> paths;
+  for (int i = 0; i < 30; ++i) {
+    std::vector<std::uint64_t> p;
+    if (!paths.empty() && rng() % 2) {
+      const auto& base = paths[rng() % paths.size()];
+      p.assign(base.begin(), base.begin() + static_cast<std::ptrdiff_t>(rng() % (base.size() + 1)));
+    }
+    const std::size_t len = p.size() + 1 + rng() % 4;
+    while (p.size() < len) p.push_back(1000 + rng() % 100000);
+    paths.push_back(p);
+    keys.push_back(hasher.keys_for_ids(p));
+  }
+  struct Live {
+    std::size_t path = 0;
+    std::uint32_t receive_begin = 0;
+    std::uint32_t committed = 0;       // key positions committed (hits count)
+    std::uint32_t guard = 0;           // first guarded position while receiving or quarantined
+    bool receive_open = false;         // admit_receive, not completed yet
+    std::vector<BlockId> receiving;    // before complete_receive
+    std::vector<BlockId> quarantined;  // failed, not reclaimable
+  };
+  std::map<AdmissionId, Live> live;
+  std::map<AdmissionId, std::vector<BlockId>> released_quarantine;
+  auto guarded = [&] {
+    std::set<BlockId> g;
+    for (const auto& [id, l] : live) {
+      g.insert(l.receiving.begin(), l.receiving.end());
+      g.insert(l.quarantined.begin(), l.quarantined.end());
+    }
+    for (const auto& [id, q] : released_quarantine) g.insert(q.begin(), q.end());
+    return g;
+  };
+  // Plans are taken after every operation and checked against the blocks guarded before and after it (an
+  // admission may be given a block that an eviction it queued gives up: the executor orders that eviction
+  // first, and the TransferManager's begin_external_write waits for it); they run at the next pump.
+  StepPlan pending;
+  auto take = [&](const std::set<BlockId>& before) {
+    StepPlan p = c->take_plan();
+    for (const BlockMove& m : p.evictions) ASSERT_EQ(before.count(m.src), 0u) << "eviction of guarded block " << m.src;
+    for (const BlockMove& m : p.backups) ASSERT_EQ(before.count(m.src), 0u) << "backup of guarded block " << m.src;
+    for (const BlockMove& m : p.loads) ASSERT_EQ(before.count(m.dst), 0u) << "load into guarded block " << m.dst;
+    auto append = [](std::vector<BlockMove>& to, const std::vector<BlockMove>& from) {
+      to.insert(to.end(), from.begin(), from.end());
+    };
+    append(pending.evictions, p.evictions);
+    append(pending.backups, p.backups);
+    append(pending.loads, p.loads);
+    append(pending.storage_writes, p.storage_writes);
+    append(pending.storage_prefetches, p.storage_prefetches);
+  };
+  auto pump = [&] {
+    take(guarded());
+    ASSERT_TRUE(ex.execute(pending).ok());
+    pending = StepPlan{};
+    ASSERT_TRUE(apply_completions(*c, ex.poll()).ok());
+  };
+  std::uint64_t receives = 0, quarantines = 0;
+  for (int step = 0; step < 1500; ++step) {
+    const int op = static_cast<int>(rng() % 12);
+    const std::set<BlockId> g = guarded();
+    if (op < 4) {  // admit or admit_receive
+      const std::size_t pi = rng() % keys.size();
+      const bool receive = op < 2;
+      ReceiveOptions o;
+      o.extra_blocks = static_cast<std::uint32_t>(rng() % 2);
+      o.received_extra_blocks = o.extra_blocks > 0 ? static_cast<std::uint32_t>(rng() % 2) : 0;
+      o.match_prefix = rng() % 2;
+      auto a = receive ? c->admit_receive(keys[pi], o) : c->admit(keys[pi], o.extra_blocks);
+      if (!a.ok()) {
+        ASSERT_EQ(a.status().code(), StatusCode::kResourceExhausted) << a.status().to_string();
+      } else {
+        for (std::size_t i = a->device_hit_blocks; i < a->device_blocks.size(); ++i)
+          ASSERT_EQ(g.count(a->device_blocks[i]), 0u)
+              << "step " << step << ": admission got guarded block " << a->device_blocks[i];
+        Live l;
+        l.path = pi;
+        l.receive_begin = a->receive_begin;
+        l.committed = a->device_hit_blocks + a->host_hit_blocks;
+        l.guard = a->receive_begin;
+        l.receiving = receive_blocks(*a);
+        l.receive_open = receive;
+        ASSERT_EQ(l.receiving.size(), receive ? keys[pi].size() - a->receive_begin + o.received_extra_blocks : 0u);
+        receives += receive;
+        live[a->id] = l;
+      }
+    } else if (op < 6 && !live.empty()) {  // commit: refused while a guarded position is below n
+      auto it = live.begin();
+      std::advance(it, static_cast<std::ptrdiff_t>(rng() % live.size()));
+      const auto n = static_cast<std::uint32_t>(rng() % (keys[it->second.path].size() + 1));
+      Status st = c->commit(it->first, n);
+      const Live& l = it->second;
+      const bool has_guard = !l.receiving.empty() || !l.quarantined.empty();
+      const bool guarded_below = has_guard && n > std::max(l.committed, l.guard);
+      if (guarded_below) {
+        ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << "step " << step << ": " << st.to_string();
+      } else {
+        ASSERT_TRUE(st.ok()) << "step " << step << ": " << st.to_string();
+        it->second.committed = std::max(it->second.committed, n);
+      }
+    } else if (op < 8 && !live.empty()) {  // complete a receive
+      auto it = live.begin();
+      std::advance(it, static_cast<std::ptrdiff_t>(rng() % live.size()));
+      Live& l = it->second;
+      const auto loaded = static_cast<std::uint32_t>(rng() % (l.receiving.size() + 1));
+      const bool reclaimable = rng() % 3 != 0;
+      Status st = c->complete_receive(it->first, loaded, reclaimable);
+      if (!l.receive_open) {
+        ASSERT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.to_string();
+      } else {
+        l.receive_open = false;
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        l.committed = std::max(l.committed, std::min<std::uint32_t>(l.receive_begin + loaded,
+                                                                    static_cast<std::uint32_t>(keys[l.path].size())));
+        if (!reclaimable && loaded < l.receiving.size()) {
+          l.quarantined.assign(l.receiving.begin() + loaded, l.receiving.end());
+          l.guard = l.receive_begin + loaded;
+          ++quarantines;
+        }
+        l.receiving.clear();
+      }
+    } else if (op < 10 && !live.empty()) {  // release (an aborted receive is quarantined)
+      auto it = live.begin();
+      std::advance(it, static_cast<std::ptrdiff_t>(rng() % live.size()));
+      ASSERT_TRUE(c->release(it->first).ok());
+      std::vector<BlockId> held = it->second.receiving;
+      held.insert(held.end(), it->second.quarantined.begin(), it->second.quarantined.end());
+      if (!held.empty()) released_quarantine[it->first] = held;
+      live.erase(it);
+    } else if (op == 10) {  // the peer is proven quiescent
+      if (!released_quarantine.empty() && rng() % 2) {
+        auto it = released_quarantine.begin();
+        std::advance(it, static_cast<std::ptrdiff_t>(rng() % released_quarantine.size()));
+        ASSERT_TRUE(c->ack_receive_reclaimable(it->first).ok());
+        released_quarantine.erase(it);
+      } else {
+        for (auto& [id, l] : live)
+          if (!l.quarantined.empty()) {
+            ASSERT_TRUE(c->ack_receive_reclaimable(id).ok());
+            l.quarantined.clear();
+            break;
+          }
+      }
+    } else {
+      pump();
+    }
+    {
+      // Blocks guarded before and after the operation: an operation may move a block it released from the
+      // guard (received blocks it committed, backed up at once under write-through).
+      std::set<BlockId> both;
+      const std::set<BlockId> after = guarded();
+      std::set_intersection(g.begin(), g.end(), after.begin(), after.end(), std::inserter(both, both.begin()));
+      take(both);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+    Status inv = c->check_invariants();
+    ASSERT_TRUE(inv.ok()) << "step " << step << " op " << op << ": " << inv.to_string();
+    const std::set<BlockId> now = guarded();
+    for (const auto& k : keys)
+      for (BlockId b : c->match(k).device_ids) ASSERT_EQ(now.count(b), 0u) << "step " << step << ": match serves " << b;
+    std::uint32_t q = 0;
+    for (const auto& [id, l] : live) q += static_cast<std::uint32_t>(l.quarantined.size());
+    for (const auto& [id, held] : released_quarantine) q += static_cast<std::uint32_t>(held.size());
+    ASSERT_EQ(c->stats().quarantined_device_blocks, q) << "step " << step;
+  }
+  EXPECT_GT(receives, 10u);
+  EXPECT_GT(quarantines, 0u);
+  // Drain: every admission released, every quarantine acknowledged, every move done: all blocks come back.
+  for (auto& [id, l] : live) {
+    ASSERT_TRUE(c->release(id).ok());
+    std::vector<BlockId> held = l.receiving;
+    held.insert(held.end(), l.quarantined.begin(), l.quarantined.end());
+    if (!held.empty()) released_quarantine[id] = held;
+  }
+  live.clear();
+  for (int i = 0; i < 8; ++i) pump();
+  EXPECT_EQ(c->reset().code(), released_quarantine.empty() ? StatusCode::kOk : StatusCode::kFailedPrecondition);
+  for (auto& [id, held] : released_quarantine) ASSERT_TRUE(c->ack_receive_reclaimable(id).ok());
+  released_quarantine.clear();
+  for (int i = 0; i < 8; ++i) pump();
+  ASSERT_TRUE(c->check_invariants().ok());
+  if (cfg.storage_blocks == 0) {
+    auto all = c->admit({}, cfg.device_blocks);
+    ASSERT_TRUE(all.ok()) << all.status().to_string() << " (quarantined blocks leaked?)";
+    ASSERT_TRUE(c->release(all->id).ok());
+  }
+  EXPECT_EQ(c->stats().quarantined_device_blocks, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, CacheReceiveProperty, ::testing::Range(0, 16));
 
 }  // namespace
 }  // namespace kvtier::cache
