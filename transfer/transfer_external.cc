@@ -12,6 +12,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <iterator>
 
 #include "kvtier/core/deadline.h"
 #include "transfer/transfer_manager_impl.h"
@@ -143,7 +144,7 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
   std::lock_guard<std::mutex> submit(submit_mu_);
   auto it = externals_.find(id);
   if (it != externals_.end()) {  // (shutdown may have ended and released it meanwhile)
-    end_external_locked(it->second, timed_out);
+    end_external_locked(it->second, timed_out, /*quiescent=*/true);
     release_external_locked(id);
   }
   return timed_out;
@@ -220,13 +221,33 @@ Status TransferManagerImpl::complete_external_layer(TaskId id, std::uint32_t lay
   return Status::Ok();
 }
 
-void TransferManagerImpl::end_external_locked(ExternalRec& x, const Status& status) {
+void TransferManagerImpl::end_external_locked(ExternalRec& x, const Status& status, bool quiescent) {
+  const bool all_reported = std::all_of(x.reported.begin(), x.reported.end(), [](bool r) { return r; });
   for (std::size_t k = 0; k < x.reported.size(); ++k) {
     if (x.reported[k]) continue;
     Status st = status.with_context(fmt::format("layer {} ended unreported", x.task->layers[k]));
     report_external_layer_locked(x, k, std::move(st), {}, /*all_failed=*/true, *ext_);
   }
   x.ended = true;
+  if (quiescent || !all_reported) return;
+  // Not quiescent, but every layer was reported: a block no report named failed holds verified bytes and no
+  // write targets it any more (each (block, layer) is written once); only the failed ones stay declared.
+  std::vector<std::int32_t> good;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (x.task->ext_all_failed) return;
+    std::set_difference(x.sorted_blocks.begin(), x.sorted_blocks.end(), x.task->ext_failed.begin(),
+                        x.task->ext_failed.end(), std::back_inserter(good));
+  }
+  if (good.empty()) return;
+  auto early = pool_->acquire();
+  if (!early.ok()) return;  // fail closed: they stay declared until the release
+  bool ordered = true;
+  for (const auto& e : x.layer_events) ordered = device_.wait(*ext_, *e).ok() && ordered;
+  if (!ordered || !device_.record(**early, *ext_).ok()) return;
+  // Replaces the write's `done` (same stream) in their records: later work orders after the layers' landing.
+  dev_hazards_->note_write(good, *early, ext_->id(), nullptr, /*full=*/false, /*ordered_after_pending=*/false);
+  for (std::int32_t b : good) external_of_[static_cast<std::size_t>(b)] = 0;
 }
 
 void TransferManagerImpl::release_external_locked(TaskId id) {
@@ -240,7 +261,8 @@ void TransferManagerImpl::release_external_locked(TaskId id) {
   // layers' own completion having been reported already.
   if (recorded) device_.record(*x.done, *ext_).ignore_error();
   gate_.recorded(x.done.get());
-  for (std::int32_t b : x.task->device_blocks) external_of_[static_cast<std::size_t>(b)] = 0;
+  for (std::int32_t b : x.task->device_blocks)  // (a block released early may be declared by another write now)
+    if (external_of_[static_cast<std::size_t>(b)] == id) external_of_[static_cast<std::size_t>(b)] = 0;
   externals_.erase(it);
 }
 
@@ -259,7 +281,7 @@ Status TransferManagerImpl::end_external_write(TaskId id, const Status& status, 
             "the error that ended the write",
             x.task->layers[k], id));
   }
-  end_external_locked(x, status);
+  end_external_locked(x, status, quiescent);
   if (quiescent) release_external_locked(id);
   return Status::Ok();
 }

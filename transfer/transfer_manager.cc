@@ -223,7 +223,8 @@ Status TransferManagerImpl::shutdown() {
     for (TaskId id : open) {
       auto it = externals_.find(id);
       if (!it->second.ended)
-        end_external_locked(it->second, Cancelled("transfer manager shut down before the external write ended"));
+        end_external_locked(it->second, Cancelled("transfer manager shut down before the external write ended"),
+                            /*quiescent=*/true);
       release_external_locked(id);
     }
   }

@@ -194,8 +194,9 @@ class TransferManagerImpl final : public TransferManager {
   // `all_failed`) once the work enqueued so far on `landed_on` completed.
   void report_external_layer_locked(ExternalRec& x, std::size_t k, Status st, std::span<const std::int32_t> failed,
                                     bool all_failed, Stream& landed_on);
-  // Caller holds submit_mu_. Every layer not reported fails with `status`; then the write is ended.
-  void end_external_locked(ExternalRec& x, const Status& status);
+  // Caller holds submit_mu_. Every layer not reported fails with `status`; then the write is ended. Not
+  // `quiescent` and every layer reported: the blocks no report named failed are undeclared now.
+  void end_external_locked(ExternalRec& x, const Status& status, bool quiescent);
   // Caller holds submit_mu_. Orders the hazard records' writer after every layer and undeclares the blocks.
   void release_external_locked(TaskId id);
   // Registers a new task in the state tables (queryable and waitable by id).

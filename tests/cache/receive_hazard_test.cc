@@ -268,5 +268,62 @@ TEST(ReceiveHazard, LeadingLoadedBlocksJoinTheIndexAndServeTheirBytes) {
   EXPECT_INVARIANTS(cache);
 }
 
+// A failed receive whose peer may still write: the blocks that landed in every layer are served, evicted and
+// reused like any cached block (the cache indexes them, the data plane releases them at the end); the failed
+// one stays out of every pool and refuses every move until the peer is proven quiescent.
+TEST(ReceiveHazard, FailedReceiveServesWhatLandedAndQuarantinesTheRest) {
+  Decode d;
+  ASSERT_TRUE(d.rig.init().ok());
+  CacheManager& cache = *d.cache;
+  TransferManager& tm = d.tm();
+  const auto keys = path({1, 2, 3});
+  auto r = cache.admit_receive(keys);
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(d.run_plan().ok());
+  const std::vector<BlockId> receiving = receive_blocks(*r);
+  auto task = tm.begin_external_write({}, as_ids(receiving));
+  ASSERT_TRUE(task.ok());
+  for (std::uint32_t l = 0; l < d.layout().num_layers(); ++l) {
+    for (BlockId b : receiving) d.peer_write(b, l, 900 + b);
+    std::vector<std::int32_t> failed;
+    if (l == 2) failed.push_back(static_cast<std::int32_t>(receiving[2]));
+    ASSERT_TRUE(tm.complete_external_layer(*task, l, failed).ok());
+  }
+  // The prefill did not confirm that its writes are quiescent: not reclaimable.
+  ASSERT_TRUE(tm.end_external_write(*task, Aborted("prefill silent"), /*quiescent=*/false).ok());
+  ASSERT_TRUE(cache.complete_receive(r->id, 2, /*reclaimable=*/false).ok());
+  ASSERT_TRUE(cache.release(r->id).ok());
+  EXPECT_EQ(cache.match(keys).device_blocks, 2u);
+  EXPECT_EQ(cache.stats().quarantined_device_blocks, 1u);
+
+  // Pressure: a request that needs every other block. The two received blocks move to host through the
+  // data plane (they are no longer declared), the quarantined one is neither given out nor moved.
+  auto big = cache.admit(path({60, 61, 62, 63, 64}));
+  ASSERT_TRUE(big.ok()) << big.status().to_string();
+  EXPECT_EQ(std::count(big->device_blocks.begin(), big->device_blocks.end(), receiving[2]), 0);
+  ASSERT_TRUE(d.run_plan().ok());
+  MatchResult m = cache.match(keys);
+  ASSERT_EQ(m.host_blocks, 2u) << "the received blocks' evictions were refused or failed";
+  for (std::uint32_t i = 0; i < 2; ++i)
+    for (std::uint32_t l = 0; l < d.layout().num_layers(); ++l)
+      EXPECT_TRUE(d.host_holds(static_cast<std::int32_t>(m.host_ids[i]), l, 900 + receiving[i]));
+  EXPECT_EQ(cache.admit(path({70})).status().code(), StatusCode::kResourceExhausted);
+  auto bad_load = tm.load_layers_to_device_async({}, std::vector<std::int32_t>{0},
+                                                 std::vector<std::int32_t>{static_cast<std::int32_t>(receiving[2])});
+  EXPECT_EQ(bad_load.status().code(), StatusCode::kFailedPrecondition) << bad_load.status().to_string();
+  ASSERT_TRUE(cache.release(big->id).ok());
+  EXPECT_INVARIANTS(cache);
+
+  ASSERT_TRUE(tm.release_external_write(*task).ok());
+  ASSERT_TRUE(cache.ack_receive_reclaimable(r->id).ok());
+  auto all = cache.admit({}, kDeviceBlocks);
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  EXPECT_EQ(std::count(all->device_blocks.begin(), all->device_blocks.end(), receiving[2]), 1);
+  ASSERT_TRUE(d.rig.compute_write(as_ids(all->device_blocks)).ok());
+  ASSERT_TRUE(cache.release(all->id).ok());
+  EXPECT_EQ(cache.stats().failed_transfers, 0u);
+  EXPECT_INVARIANTS(cache);
+}
+
 }  // namespace
 }  // namespace kvtier::cache

@@ -307,6 +307,44 @@ TEST(TransferExternal, EndedWriteStaysQuarantinedUntilReleased) {
   EXPECT_TRUE(mgr.wait(*ld, 10s).ok());
 }
 
+// Not quiescent, but every layer reported: the blocks that landed everywhere are released at the end (no write
+// targets them any more); only the failed one stays declared until the peer is proven quiescent.
+TEST(TransferExternal, QuarantineHoldsOnlyTheBlocksThatMayStillBeWritten) {
+  auto dev = make_host(209, 50);
+  TransferRig rig(*dev, options(2));
+  ASSERT_TRUE(rig.init().ok());
+  TransferManager& mgr = rig.mgr();
+  auto t = mgr.begin_external_write({}, ids({1, 2, 3}));
+  ASSERT_TRUE(t.ok());
+  for (std::uint32_t l = 0; l < 2; ++l) {
+    for (std::int32_t b : {1, 2, 3}) peer_write(rig, b, l, 90);
+    ASSERT_TRUE(mgr.complete_external_layer(*t, l, l == 1 ? ids({2}) : ids({})).ok());
+  }
+  ASSERT_TRUE(mgr.end_external_write(*t, Aborted("prefill silent"), /*quiescent=*/false).ok());
+  ASSERT_TRUE(becomes_free(mgr, 1));
+  ASSERT_TRUE(becomes_free(mgr, 3));
+  auto ev = mgr.evict_to_host_async(ids({1, 3}), ids({4, 5}));
+  ASSERT_TRUE(ev.ok()) << ev.status().to_string();
+  ASSERT_TRUE(mgr.wait(*ev, 10s).ok());
+  for (std::uint32_t l = 0; l < 2; ++l) EXPECT_TRUE(holds(mgr.host_space(), rig.layout(), 5, l, 90));
+  // Block 1 can be handed to the next receive at once; block 2 is still quarantined.
+  auto next = mgr.begin_external_write({}, ids({1}));
+  ASSERT_TRUE(next.ok()) << next.status().to_string();
+  EXPECT_EQ(mgr.load_layers_to_device_async({}, ids({4}), ids({2})).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(*mgr.is_device_block_free(2));
+  // Releasing the first write undeclares block 2 only: block 1 belongs to the next one now.
+  ASSERT_TRUE(mgr.release_external_write(*t).ok());
+  auto refused = mgr.load_layers_to_device_async({}, ids({4}), ids({1}));
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().to_string();
+  EXPECT_TRUE(contains(refused.status(), "external write task " + std::to_string(*next)))
+      << refused.status().to_string();
+  ASSERT_TRUE(becomes_free(mgr, 2));
+  auto ld = mgr.load_layers_to_device_async({}, ids({4}), ids({2}));
+  ASSERT_TRUE(ld.ok()) << ld.status().to_string();
+  ASSERT_TRUE(mgr.wait(*ld, 10s).ok());
+  ASSERT_TRUE(mgr.end_external_write(*next, Cancelled("request aborted"), true).ok());
+}
+
 // The cache gives a device block up by an eviction and hands it to a receive in the same step (the StepPlan
 // contract lets the plan's loads and the forward reuse it, ordered on the device): the peer cannot be ordered
 // on the device, so its writes would race the eviction still reading the block. begin_external_write waits.

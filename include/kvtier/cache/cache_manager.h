@@ -32,9 +32,12 @@
 // position is FailedPrecondition (a block being received is never reported
 // loaded). complete_receive(id, loaded, reclaimable) ends the receive: the
 // first `loaded` positions (the peer's leading_loaded_blocks()) join the index
-// as commit() would join them; the rest hold no valid data. With
-// `reclaimable` (no byte of the peer can still land) they are plain blocks of
-// the admission again (recompute into them and commit(), or release()).
+// as commit() would join them, with or without `reclaimable` (each of their
+// layers was verified after its write landed, and the peer writes a (block,
+// layer) once, so no late write targets them); the rest hold no valid data.
+// With `reclaimable` (no byte of the peer can still land) they are plain
+// blocks of the admission again (recompute into them and commit(), or
+// release()).
 // Without it they are quarantined: not committable, and release() keeps them
 // out of the pool until ack_receive_reclaimable(id). release() of an
 // admission still receiving quarantines all its receive blocks (fail closed:

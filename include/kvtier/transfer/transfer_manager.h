@@ -64,8 +64,11 @@
 // quiescent) fails every layer not yet reported with `status`; `quiescent`
 // (no byte of the peer can still land: PdDecode's `reclaimable`) also
 // releases the blocks, otherwise they stay declared, quarantined, until
-// release_external_write(task). shutdown() ends and releases every external
-// write (Cancelled).
+// release_external_write(task), except, when every layer was reported, the
+// blocks no report named failed: each (block, layer) is written once, so no
+// late write targets a block that landed in every layer, and those are
+// released at the end. shutdown() ends and releases every external write
+// (Cancelled).
 //
 // Callbacks (LoadOptions::on_layer, on_done) run on the progress thread, in
 // layer order per task, after the layer is final: status OK means the layer's
@@ -331,7 +334,8 @@ class TransferManager {
                                          std::span<const std::int32_t> failed_blocks = {}, Stream* after = nullptr) = 0;
   // Ends the external write: every layer not reported yet fails with `status` (InvalidArgument when one is
   // left and `status` is OK). `quiescent`: no byte can land any more: the blocks are released now; otherwise
-  // they stay declared until release_external_write. FailedPrecondition when already ended.
+  // they stay declared until release_external_write (all of them if a layer was not reported, else the
+  // blocks a report named failed). FailedPrecondition when already ended.
   virtual Status end_external_write(TaskId task, const Status& status, bool quiescent) = 0;
   // The peer of an ended external write can no longer write its blocks: they are released (loads, evictions
   // and reuse allowed again). FailedPrecondition when not ended; NotFound when unknown or already released.
