@@ -107,6 +107,11 @@ Status CacheManager::reset() {
   if (!s.admissions.empty())
     return FailedPrecondition(fmt::format("reset: {} admissions are open (release them first)", s.admissions.size()));
   if (!s.plan.empty()) return FailedPrecondition("reset: moves are queued (take_plan() and ack them first)");
+  if (!s.quarantine.empty())
+    return FailedPrecondition(
+        fmt::format("reset: {} device blocks of failed receives are quarantined (admission {} among them): "
+                    "ack_receive_reclaimable() first",
+                    s.quarantined_now, s.quarantine.begin()->first));
   for (std::size_t id = 1; id < s.nodes.size(); ++id)
     if (s.nodes[id].live && s.nodes[id].state != NodeState::kSettled)
       return FailedPrecondition(fmt::format("reset: block {} has a move in flight (ack it first)",
@@ -166,16 +171,14 @@ Status check_chain(const CacheManager::Impl& s, std::span<const BlockKey> keys) 
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks) {
-  ExportOnReturn exported(*this);
-  Impl& s = *impl_;
+// admit() and admit_receive(): match (unless `match` is false) + pin + allocate + queue loads/evictions.
+Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys, std::uint32_t extra_blocks,
+                           bool match, AdmissionRec::Recv recv, std::uint32_t received_extra) {
   KVTIER_RETURN_IF_ERROR(check_chain(s, keys));
   ++s.clock;
   ++s.st.admissions;
   std::vector<NodeId> matched;
-  MatchResult m = s.match_nodes(keys, &matched);
+  MatchResult m = match ? s.match_nodes(keys, &matched) : MatchResult{};
   const std::uint32_t hits = m.device_blocks + m.host_blocks;
   matched.resize(hits);  // storage hits are recomputed here (prefetch() brings them to host)
   const std::uint32_t num_keys = static_cast<std::uint32_t>(keys.size());
@@ -219,6 +222,13 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
   rec.pinned = matched;
   rec.hit_blocks = hits;
   rec.committed = hits;
+  if (recv == AdmissionRec::Recv::kReceiving) {
+    rec.recv = recv;
+    rec.recv_begin = hits;
+    rec.recv_end = num_keys + received_extra;
+    s.st.received_blocks += rec.recv_end - rec.recv_begin;
+    s.receiving_now += rec.recv_end - rec.recv_begin;
+  }
   for (std::uint32_t i = 0; i < hits; ++i) {
     NodeId id = matched[i];
     Node& n = s.nodes[id];
@@ -250,7 +260,7 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
     for (std::uint32_t i = 0; i < m.device_blocks; ++i)
       if (s.nodes[matched[i]].hits >= s.cfg.write_through_threshold) s.backup(matched[i]);
 
-  s.st.lookup_blocks += num_keys;
+  if (match) s.st.lookup_blocks += num_keys;
   s.st.hit_blocks[kDev] += m.device_blocks;
   s.st.hit_blocks[kHst] += m.host_blocks;
   s.st.hit_blocks[kSto] += m.storage_blocks;
@@ -263,19 +273,16 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
   a.extra_blocks = extra_blocks;
   a.stopped_at_in_flight = m.stopped_at_in_flight;
   a.device_blocks = rec.blocks;
+  a.receive_begin = rec.recv_begin;
+  a.receive_blocks = rec.recv_end - rec.recv_begin;
   s.admissions.emplace(a.id, std::move(rec));
   return a;
 }
 
-Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
-  ExportOnReturn exported(*this);
-  Impl& s = *impl_;
-  auto it = s.admissions.find(id);
-  if (it == s.admissions.end()) return NotFound(fmt::format("commit: admission {} not found", id));
-  AdmissionRec& rec = it->second;
-  if (num_computed > rec.keys.size())
-    return InvalidArgument(
-        fmt::format("commit: num_computed {} > {} keys of admission {}", num_computed, rec.keys.size(), id));
+// commit()'s indexing of key positions [rec.committed, num_computed) (checked by the caller); returns how many
+// blocks joined the index.
+std::uint32_t commit_in(CacheManager::Impl& s, AdmissionRec& rec, std::uint32_t num_computed) {
+  using Impl = CacheManager::Impl;
   std::vector<NodeId> added;
   for (std::uint32_t pos = rec.committed; pos < num_computed; ++pos) {
     rec.committed = pos + 1;
@@ -325,6 +332,51 @@ Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
   for (auto a = added.rbegin(); a != added.rend(); ++a) s.policy[kDev]->insert(*a, s.info(*a));
   if (s.cfg.write_policy == WritePolicy::kWriteThrough)
     for (NodeId nid : added) s.backup(nid);
+  return static_cast<std::uint32_t>(added.size());
+}
+
+}  // namespace
+
+Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks) {
+  ExportOnReturn exported(*this);
+  return admit_in(*impl_, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0);
+}
+
+Result<Admission> CacheManager::admit_receive(std::span<const BlockKey> keys, const ReceiveOptions& options) {
+  ExportOnReturn exported(*this);
+  if (options.received_extra_blocks > options.extra_blocks)
+    return InvalidArgument(fmt::format("admit_receive: received_extra_blocks {} > extra_blocks {}",
+                                       options.received_extra_blocks, options.extra_blocks));
+  return admit_in(*impl_, keys, options.extra_blocks, options.match_prefix, AdmissionRec::Recv::kReceiving,
+                  options.received_extra_blocks);
+}
+
+Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
+  ExportOnReturn exported(*this);
+  Impl& s = *impl_;
+  auto it = s.admissions.find(id);
+  if (it == s.admissions.end()) return NotFound(fmt::format("commit: admission {} not found", id));
+  AdmissionRec& rec = it->second;
+  if (num_computed > rec.keys.size())
+    return InvalidArgument(
+        fmt::format("commit: num_computed {} > {} keys of admission {}", num_computed, rec.keys.size(), id));
+  // A block a peer is writing (or may still write) is never reported loaded.
+  const std::uint32_t guard = rec.guard_begin();
+  if (num_computed > std::max(rec.committed, guard)) {
+    const std::uint32_t pos = std::max(rec.committed, guard);
+    if (rec.recv == AdmissionRec::Recv::kReceiving)
+      return FailedPrecondition(
+          fmt::format("commit: key position {} (device block {}) of admission {} is being received from a peer: "
+                      "complete_receive() reports what landed",
+                      pos, rec.blocks[pos], id));
+    if (rec.recv == AdmissionRec::Recv::kQuarantined)
+      return FailedPrecondition(
+          fmt::format("commit: key position {} (device block {}) of admission {} is quarantined after a failed "
+                      "receive (a late write of the peer may still land): ack_receive_reclaimable() first, or "
+                      "release and admit again",
+                      pos, rec.blocks[pos], id));
+  }
+  commit_in(s, rec, num_computed);
   return Status::Ok();
 }
 
@@ -344,9 +396,83 @@ Status CacheManager::release(AdmissionId id) {
     --s.nodes[nid].refs;
     s.reclaim_if_dead(nid);
   }
-  for (std::size_t i = 0; i < rec.blocks.size(); ++i)
-    if (rec.owned[i]) s.free_block(kDev, rec.blocks[i]);
+  // Receive blocks a peer may still write go to quarantine, never to the pool (fail closed).
+  const std::uint32_t guard = rec.guard_begin();
+  std::vector<BlockId> held;
+  for (std::size_t i = 0; i < rec.blocks.size(); ++i) {
+    if (!rec.owned[i]) continue;
+    if (i >= guard && i < rec.recv_end)
+      held.push_back(rec.blocks[i]);
+    else
+      s.free_block(kDev, rec.blocks[i]);
+  }
+  if (rec.recv == AdmissionRec::Recv::kReceiving) {
+    const std::uint32_t n = rec.recv_end - rec.recv_begin;
+    s.receiving_now -= n;
+    s.st.quarantined_blocks += n;
+    s.quarantined_now += n;
+  }
+  if (!held.empty()) s.quarantine.emplace(id, std::move(held));
   s.admissions.erase(it);
+  return Status::Ok();
+}
+
+Status CacheManager::complete_receive(AdmissionId id, std::uint32_t loaded_blocks, bool reclaimable) {
+  ExportOnReturn exported(*this);
+  Impl& s = *impl_;
+  auto it = s.admissions.find(id);
+  if (it == s.admissions.end()) {
+    if (s.quarantine.count(id))
+      return FailedPrecondition(fmt::format(
+          "complete_receive: admission {} was released while receiving: its {} blocks are quarantined until "
+          "ack_receive_reclaimable({})",
+          id, s.quarantine[id].size(), id));
+    return NotFound(fmt::format("complete_receive: admission {} not found", id));
+  }
+  AdmissionRec& rec = it->second;
+  if (rec.recv != AdmissionRec::Recv::kReceiving)
+    return FailedPrecondition(
+        fmt::format("complete_receive: admission {} is not receiving ({})", id,
+                    rec.recv == AdmissionRec::Recv::kNone ? "admitted by admit()" : "its receive was completed"));
+  const std::uint32_t n = rec.recv_end - rec.recv_begin;
+  if (loaded_blocks > n)
+    return InvalidArgument(fmt::format("complete_receive: loaded_blocks {} > the {} receive blocks of admission {}",
+                                       loaded_blocks, n, id));
+  s.receiving_now -= n;
+  s.st.received_loaded_blocks += loaded_blocks;
+  rec.recv_loaded = loaded_blocks;
+  rec.recv = AdmissionRec::Recv::kDone;
+  const std::uint32_t num_keys = static_cast<std::uint32_t>(rec.keys.size());
+  const std::uint32_t indexed_end = std::min(rec.recv_begin + loaded_blocks, num_keys);
+  if (indexed_end > rec.committed) s.st.received_committed_blocks += commit_in(s, rec, indexed_end);
+  if (!reclaimable && loaded_blocks < n) {
+    rec.recv = AdmissionRec::Recv::kQuarantined;
+    s.st.quarantined_blocks += n - loaded_blocks;
+    s.quarantined_now += n - loaded_blocks;
+  }
+  return Status::Ok();
+}
+
+Status CacheManager::ack_receive_reclaimable(AdmissionId id) {
+  ExportOnReturn exported(*this);
+  Impl& s = *impl_;
+  if (auto it = s.admissions.find(id); it != s.admissions.end()) {
+    AdmissionRec& rec = it->second;
+    if (rec.recv == AdmissionRec::Recv::kReceiving)
+      return FailedPrecondition(
+          fmt::format("ack_receive_reclaimable: admission {} is still receiving: complete_receive() first", id));
+    if (rec.recv != AdmissionRec::Recv::kQuarantined)
+      return FailedPrecondition(fmt::format("ack_receive_reclaimable: admission {} holds no quarantined block", id));
+    s.quarantined_now -= rec.recv_end - rec.guard_begin();
+    rec.recv = AdmissionRec::Recv::kDone;
+    return Status::Ok();
+  }
+  auto q = s.quarantine.find(id);
+  if (q == s.quarantine.end())
+    return NotFound(fmt::format("ack_receive_reclaimable: admission {} not found (open or quarantined)", id));
+  for (BlockId b : q->second) s.free_block(kDev, b);
+  s.quarantined_now -= static_cast<std::uint32_t>(q->second.size());
+  s.quarantine.erase(q);
   return Status::Ok();
 }
 
@@ -364,6 +490,8 @@ Result<AdmissionStatus> CacheManager::admission_status(AdmissionId id) const {
     ready = ready && !n.detached && (n.present & bit(kDev));
     if (ready) ++out.ready_blocks;
   }
+  if (rec.recv == AdmissionRec::Recv::kReceiving) out.receiving_blocks = rec.recv_end - rec.recv_begin;
+  if (rec.recv == AdmissionRec::Recv::kQuarantined) out.quarantined_blocks = rec.recv_end - rec.guard_begin();
   return out;
 }
 
@@ -438,6 +566,8 @@ CacheStats CacheManager::stats() const {
     out.tiers[t].resident = static_cast<std::uint32_t>(s.policy[t]->size());
   }
   out.nodes = s.map.size();
+  out.receiving_device_blocks = s.receiving_now;
+  out.quarantined_device_blocks = s.quarantined_now;
   return out;
 }
 

@@ -75,6 +75,19 @@ struct AdmissionRec {
   std::uint32_t hit_blocks = 0;  // device + host hits
   std::uint32_t committed = 0;   // key positions committed (starts at hit_blocks)
   bool chain_broken = false;
+  // P/D receive (admit_receive): positions [recv_begin, recv_end) are written by a peer. kReceiving: all of
+  // them, until complete_receive; kQuarantined: [recv_begin + recv_loaded, recv_end) failed and may still be
+  // written. Receive positions that are not indexed stay owned; release() hands the guarded ones to
+  // Impl::quarantine instead of the pool.
+  enum class Recv : std::uint8_t { kNone, kReceiving, kQuarantined, kDone };
+  Recv recv = Recv::kNone;
+  std::uint32_t recv_begin = 0, recv_end = 0, recv_loaded = 0;
+  // Positions no byte may be written to by anyone but the peer (and never freed): [guard_begin(), recv_end).
+  std::uint32_t guard_begin() const {
+    if (recv == Recv::kReceiving) return recv_begin;
+    if (recv == Recv::kQuarantined) return recv_begin + recv_loaded;
+    return recv_end;
+  }
 };
 
 struct CacheManager::Impl {
@@ -86,6 +99,9 @@ struct CacheManager::Impl {
   std::vector<NodeId> free_nodes;
   KeyIndex map;
   std::unordered_map<AdmissionId, AdmissionRec> admissions;
+  // Device blocks of released admissions that a peer may still write, by admission (ack_receive_reclaimable).
+  std::unordered_map<AdmissionId, std::vector<BlockId>> quarantine;
+  std::uint32_t receiving_now = 0, quarantined_now = 0;  // device blocks (CacheStats gauges)
   AdmissionId next_admission = 1;
   std::uint64_t clock = 0;
   StepPlan plan;
@@ -328,6 +344,9 @@ struct CacheManager::MetricSeries {
   Delta hits[kNumTiers];
   Delta moved_device, dropped[kNumTiers];
   Delta loads, evictions, backups, storage_writes, storage_prefetches, pressure_demotions;
+  Delta received, received_loaded, received_committed, quarantined;
+  metrics::Gauge* receiving_now = nullptr;
+  metrics::Gauge* quarantined_now = nullptr;
   metrics::Gauge* used[kNumTiers] = {};
   metrics::Gauge* capacity[kNumTiers] = {};
   metrics::Gauge* resident[kNumTiers] = {};

@@ -17,8 +17,26 @@ Status CacheManager::check_invariants() const {
   std::vector<std::uint32_t> refs(s.nodes.size(), 0);
   std::array<std::vector<std::uint8_t>, kNumTiers> seen;
   for (int t = 0; t < kNumTiers; ++t) seen[t].assign(s.pools[t].capacity(), 0);
+  std::uint32_t receiving = 0, quarantined = 0;
   for (const auto& [aid, rec] : s.admissions) {
     for (NodeId n : rec.pinned) ++refs[n];
+    // Receive blocks a peer may still write: owned by the admission, never indexed, never committed.
+    if (rec.recv_end > rec.blocks.size() || rec.recv_begin > rec.recv_end ||
+        (rec.recv != AdmissionRec::Recv::kNone && rec.recv_begin != rec.hit_blocks) ||
+        rec.recv_loaded > rec.recv_end - rec.recv_begin)
+      return Internal(fmt::format("admission {} has a malformed receive range [{}, {}) loaded {}", aid, rec.recv_begin,
+                                  rec.recv_end, rec.recv_loaded));
+    const std::uint32_t guard = rec.guard_begin();
+    for (std::uint32_t i = guard; i < rec.recv_end; ++i) {
+      if (!rec.owned[i])
+        return Internal(fmt::format("admission {}: guarded receive position {} (device block {}) is not owned", aid, i,
+                                    rec.blocks[i]));
+      if (i < rec.keys.size() && (rec.pos_node[i] != kNoNode || rec.committed > i))
+        return Internal(fmt::format("admission {}: guarded receive position {} (device block {}) was committed", aid, i,
+                                    rec.blocks[i]));
+    }
+    if (rec.recv == AdmissionRec::Recv::kReceiving) receiving += rec.recv_end - guard;
+    if (rec.recv == AdmissionRec::Recv::kQuarantined) quarantined += rec.recv_end - guard;
     for (std::size_t i = 0; i < rec.blocks.size(); ++i)
       if (rec.owned[i]) {
         BlockId b = rec.blocks[i];
@@ -26,6 +44,20 @@ Status CacheManager::check_invariants() const {
         if (s.pools[kDev].is_free(b)) return Internal(fmt::format("admission {} owns free device block {}", aid, b));
       }
   }
+  for (const auto& [aid, held] : s.quarantine) {
+    if (s.admissions.count(aid)) return Internal(fmt::format("admission {} is both open and released", aid));
+    if (held.empty()) return Internal(fmt::format("admission {} has an empty quarantine entry", aid));
+    for (BlockId b : held) {
+      if (b >= seen[kDev].size()) return Internal(fmt::format("quarantined device block {} out of range", b));
+      if (seen[kDev][b]++) return Internal(fmt::format("quarantined device block {} owned twice", b));
+      if (s.pools[kDev].is_free(b))
+        return Internal(fmt::format("quarantined device block {} (admission {}) is in the free pool", b, aid));
+    }
+    quarantined += static_cast<std::uint32_t>(held.size());
+  }
+  if (receiving != s.receiving_now || quarantined != s.quarantined_now)
+    return Internal(fmt::format("receive gauges say {} receiving, {} quarantined; admissions hold {} and {}",
+                                s.receiving_now, s.quarantined_now, receiving, quarantined));
   std::size_t live_attached = 0;
   for (NodeId id = 1; id < s.nodes.size(); ++id) {
     const Node& n = s.nodes[id];

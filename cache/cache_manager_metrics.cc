@@ -65,6 +65,22 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
   for (auto& mv : moves)
     KVTIER_RETURN_IF_ERROR(counter(*mv.d, "kvtier_cache_moves_total", "Block moves queued in step plans, by kind.",
                                    metrics::with_labels(labels, {{"kind", mv.kind}})));
+  struct {
+    MetricSeries::Delta* d;
+    const char* outcome;
+  } receives[] = {{&m->received, "admitted"},
+                  {&m->received_loaded, "loaded"},
+                  {&m->received_committed, "committed"},
+                  {&m->quarantined, "quarantined"}};
+  for (auto& r : receives)
+    KVTIER_RETURN_IF_ERROR(counter(*r.d, "kvtier_cache_receive_blocks_total",
+                                   "P/D receive blocks: admitted, reported loaded, joined the index, quarantined.",
+                                   metrics::with_labels(labels, {{"outcome", r.outcome}})));
+  KVTIER_ASSIGN_OR_RETURN(
+      m->receiving_now, reg.gauge("kvtier_cache_receiving_blocks", "Device blocks a P/D peer is writing now.", labels));
+  KVTIER_ASSIGN_OR_RETURN(m->quarantined_now,
+                          reg.gauge("kvtier_cache_quarantined_blocks",
+                                    "Device blocks of failed receives a peer may still write (in no pool).", labels));
   KVTIER_ASSIGN_OR_RETURN(m->index_blocks,
                           reg.gauge("kvtier_cache_index_blocks", "Blocks in the prefix index.", labels));
   metrics_ = std::move(m);
@@ -100,6 +116,12 @@ void CacheManager::export_metrics() {
     m.capacity[t]->set(s.tiers[t].capacity);
     m.resident[t]->set(s.tiers[t].resident);
   }
+  m.received.to(s.received_blocks);
+  m.received_loaded.to(s.received_loaded_blocks);
+  m.received_committed.to(s.received_committed_blocks);
+  m.quarantined.to(s.quarantined_blocks);
+  m.receiving_now->set(s.receiving_device_blocks);
+  m.quarantined_now->set(s.quarantined_device_blocks);
   m.index_blocks->set(static_cast<double>(s.nodes));
 }
 

@@ -19,6 +19,7 @@ std::string_view task_kind_name(TaskKind kind) noexcept {
   switch (kind) {
     case TaskKind::kEvict: return "evict";
     case TaskKind::kLoad: return "load";
+    case TaskKind::kExternalWrite: return "external_write";
   }
   return "?";
 }
@@ -49,10 +50,10 @@ std::string TransferStats::to_json() const {
   return fmt::format(
       "{{\"num_layers\":{},\"num_draft_layers\":{},\"device_ordinal\":{},\"device_name\":\"{}\","
       "\"num_device_blocks\":{},\"num_host_blocks\":{},\"block_bytes\":{},\"has_scales\":{},\"has_indexer\":{},"
-      "\"is_mla\":{},\"evict\":{},\"load\":{},\"layers_done\":{},\"layers_failed\":{},"
+      "\"is_mla\":{},\"evict\":{},\"load\":{},\"external\":{},\"layers_done\":{},\"layers_failed\":{},"
       "\"layer_latency_p50_us\":{:.2f},\"layer_latency_p99_us\":{:.2f},\"latency_samples\":{},\"events_created\":{}}}",
       num_layers, num_draft_layers, device_ordinal, device_name, num_device_blocks, num_host_blocks, block_bytes,
-      has_scales, has_indexer, is_mla, dir_json(evict), dir_json(load), layers_done, layers_failed,
+      has_scales, has_indexer, is_mla, dir_json(evict), dir_json(load), dir_json(external), layers_done, layers_failed,
       layer_latency_p50_us, layer_latency_p99_us, latency_samples, events_created);
 }
 
@@ -116,6 +117,9 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
   StreamOptions out_opts{config_.output_priority, "kvtier-transfer-output"};
   KVTIER_ASSIGN_OR_RETURN(in_, device_.create_stream(in_opts));
   KVTIER_ASSIGN_OR_RETURN(out_, device_.create_stream(out_opts));
+  KVTIER_ASSIGN_OR_RETURN(ext_,
+                          device_.create_stream(StreamOptions{StreamPriority::kNormal, "kvtier-transfer-external"}));
+  external_of_.assign(device_space_.num_blocks(), 0);
   if (engine) {
     if (&engine->device() != &device_)
       return InvalidArgument("TransferManager: the CopyEngine given belongs to another Device");
@@ -180,6 +184,7 @@ TransferStats TransferManagerImpl::stats() const {
   };
   s.evict = fill(evict_);
   s.load = fill(load_);
+  s.external = fill(external_);
   s.layers_done = layers_done_;
   s.layers_failed = layers_failed_;
   std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(latency_count_, latency_us_.size()));
@@ -211,12 +216,23 @@ Status TransferManagerImpl::shutdown() {
       return shutdown_status_;
     }
     shut_ = true;
+    // No peer will report to a manager that is going away: external writes end now, and their blocks are
+    // released (nothing can be submitted any more), so that no waiter hangs.
+    std::vector<TaskId> open;
+    for (const auto& [id, x] : externals_) open.push_back(id);
+    for (TaskId id : open) {
+      auto it = externals_.find(id);
+      if (!it->second.ended)
+        end_external_locked(it->second, Cancelled("transfer manager shut down before the external write ended"),
+                            /*quiescent=*/true);
+      release_external_locked(id);
+    }
   }
   // Every accepted task is enqueued (or failed) before the streams drain.
   stop_workers();
   Status result;
-  if (in_ && out_) {
-    for (Stream* s : {in_.get(), out_.get()}) {
+  if (in_ && out_ && ext_) {
+    for (Stream* s : {in_.get(), out_.get(), ext_.get()}) {
       Status st = device_.synchronize(*s, config_.shutdown_timeout);
       if (st.code() == StatusCode::kTimedOut && result.ok())
         result = st.with_context("TransferManager::shutdown draining a transfer stream");
@@ -242,6 +258,7 @@ Status TransferManagerImpl::shutdown() {
     tasks_.clear();
     in_queue_.clear();
     out_queue_.clear();
+    ext_queue_.clear();
   }
   {
     std::lock_guard<std::mutex> submit(submit_mu_);

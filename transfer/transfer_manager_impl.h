@@ -3,11 +3,12 @@
 // its blocks, per-slot state, events and callbacks, the origins of the bytes
 // it reads and the one of the bytes it writes), PendingEntry (a slot waiting
 // on its completion event in a stream's queue) and DirCounters (the stats of
-// one direction). transfer_manager.cc creates, initialises, reports and shuts
-// the manager down; transfer_submit.cc accepts tasks and enqueues them on the
-// transfer streams; transfer_progress.cc settles completed slots on the
-// progress thread and runs the callbacks; transfer_waits.cc answers waits and
-// queries.
+// one direction), ExternalRec (an external write whose blocks are declared).
+// transfer_manager.cc creates, initialises, reports and shuts the manager
+// down; transfer_submit.cc accepts tasks and enqueues them on the transfer
+// streams; transfer_external.cc declares, reports, ends and releases external
+// writes; transfer_progress.cc settles completed slots on the progress thread
+// and runs the callbacks; transfer_waits.cc answers waits and queries.
 #pragma once
 
 #include <fmt/format.h>
@@ -49,6 +50,10 @@ struct TaskRec {
   SourceOrigins sources;
   WriteOriginRef origin;  // of the bytes this task writes
   bool copy_failed = false;
+  // External writes: the blocks named failed by reported layers (sorted, unique), and whether a layer ended
+  // without a report (then every block failed).
+  std::vector<std::int32_t> ext_failed;
+  bool ext_all_failed = false;
   std::size_t slots_final = 0;
   // Set once the callbacks of a final slot / task ran: host waiters wake on
   // these, so that wait() returning implies the callbacks are done.
@@ -74,12 +79,27 @@ struct PendingEntry {
 
 // The registry series of an attached manager (transfer_metrics.cc). Counters
 // are advanced from stats() deltas at scrape time; `seen` is the last export.
+// An external write while its blocks are declared (begin_external_write until released).
+struct ExternalRec {
+  std::shared_ptr<TaskRec> task;
+  std::vector<EventLease> layer_events;  // slot events (the task's copies are reset as slots settle)
+  EventLease done;                       // recorded at release, after every layer event: the hazard records' writer
+  std::vector<bool> reported;
+  std::vector<std::int32_t> sorted_blocks;
+  bool ended = false;
+};
+
+// Directions of the stats and metrics: evict, load, external.
+inline constexpr int kNumDirs = 3;
+inline int dir_index(TaskKind k) { return k == TaskKind::kEvict ? 0 : k == TaskKind::kLoad ? 1 : 2; }
+
 struct TransferMetricSeries {
   using Delta = metrics::CounterDelta;
-  Delta tasks_ok[2], tasks_failed[2], bytes[2], blocks[2], failed_blocks[2], layers_ok, layers_failed;
-  metrics::Gauge* in_flight[2] = {};
-  double in_flight_seen[2] = {0, 0};
-  metrics::Histogram* task_latency[2] = {};  // evict, load
+  Delta tasks_ok[kNumDirs], tasks_failed[kNumDirs], bytes[kNumDirs], blocks[kNumDirs], failed_blocks[kNumDirs];
+  Delta layers_ok, layers_failed;
+  metrics::Gauge* in_flight[kNumDirs] = {};
+  double in_flight_seen[kNumDirs] = {0, 0, 0};
+  metrics::Histogram* task_latency[kNumDirs] = {};  // evict, load, external
   metrics::Histogram* layer_latency = nullptr;
 };
 
@@ -88,6 +108,12 @@ struct DirCounters {
   std::uint64_t busy_ns = 0;
   Clock::time_point busy_since;
 };
+
+// InvalidArgument naming a block listed twice in `ids` (transfer_submit.cc).
+Status check_no_duplicates(std::span<const std::int32_t> ids, std::string_view what);
+// `layers` checked against the layout (empty: every layer in order).
+Result<std::vector<std::uint32_t>> layer_order(const KvLayout& layout, std::span<const std::uint32_t> layers,
+                                               std::string_view what);
 
 class TransferManagerImpl final : public TransferManager {
  public:
@@ -98,7 +124,7 @@ class TransferManagerImpl final : public TransferManager {
     // The hook reads this manager: gone before anything of it is.
     if (metrics_registry_) {
       metrics_registry_->remove_collect_hook(metrics_hook_);
-      for (int d = 0; d < 2; ++d) metrics_->in_flight[d]->add(-metrics_->in_flight_seen[d]);
+      for (int d = 0; d < kNumDirs; ++d) metrics_->in_flight[d]->add(-metrics_->in_flight_seen[d]);
     }
     shutdown().ignore_error();
   }
@@ -112,6 +138,13 @@ class TransferManagerImpl final : public TransferManager {
                                              std::span<const std::int32_t> device_blocks, LoadOptions options) override;
   Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
                               DeviceAccess access) override;
+  Result<TaskId> begin_external_write(std::span<const std::uint32_t> layers,
+                                      std::span<const std::int32_t> device_blocks,
+                                      ExternalWriteOptions options) override;
+  Status complete_external_layer(TaskId task, std::uint32_t layer, std::span<const std::int32_t> failed_blocks,
+                                 Stream* after) override;
+  Status end_external_write(TaskId task, const Status& status, bool quiescent) override;
+  Status release_external_write(TaskId task) override;
   Status wait_for_layer(TaskId task, std::uint32_t layer, Stream& stream) override;
   Status wait_layer_host(TaskId task, std::uint32_t layer, std::chrono::nanoseconds timeout) override;
   Status wait(TaskId task, std::chrono::nanoseconds timeout) override;
@@ -121,9 +154,7 @@ class TransferManagerImpl final : public TransferManager {
   std::vector<TaskCompletion> poll_completions() override;
   Result<bool> is_device_block_free(std::int32_t block) override { return dev_hazards_->is_free(block); }
   Result<bool> is_host_block_free(std::int32_t block) override { return host_hazards_->is_free(block); }
-  Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) override {
-    return dev_hazards_->wait_free(blocks, stream);
-  }
+  Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) override;
   Status wait_host_blocks_free(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) override {
     return host_hazards_->wait_free_host(blocks, timeout);
   }
@@ -157,6 +188,17 @@ class TransferManagerImpl final : public TransferManager {
   };
   // Caller holds submit_mu_: ResourceExhausted when too many tasks are in flight.
   Status admit_locked() const;
+  // Caller holds submit_mu_: FailedPrecondition naming the first block an external write declared.
+  Status check_not_external_locked(std::span<const std::int32_t> blocks, std::string_view what) const;
+  // Caller holds submit_mu_. Layer slot k of x is final with `st` (failed blocks `failed`, or every block when
+  // `all_failed`) once the work enqueued so far on `landed_on` completed.
+  void report_external_layer_locked(ExternalRec& x, std::size_t k, Status st, std::span<const std::int32_t> failed,
+                                    bool all_failed, Stream& landed_on);
+  // Caller holds submit_mu_. Every layer not reported fails with `status`; then the write is ended. Not
+  // `quiescent` and every layer reported: the blocks no report named failed are undeclared now.
+  void end_external_locked(ExternalRec& x, const Status& status, bool quiescent);
+  // Caller holds submit_mu_. Orders the hazard records' writer after every layer and undeclares the blocks.
+  void release_external_locked(TaskId id);
   // Registers a new task in the state tables (queryable and waitable by id).
   void register_task(const std::shared_ptr<TaskRec>& task);
   // Hands the job to w's thread, or runs it now (async_submit = false).
@@ -194,7 +236,7 @@ class TransferManagerImpl final : public TransferManager {
   void finalize_slot_locked(const std::shared_ptr<TaskRec>& t, std::size_t slot, Status copy_status,
                             std::vector<std::function<void()>>& fire);
   void finalize_task_locked(const std::shared_ptr<TaskRec>& t, std::vector<std::function<void()>>& fire);
-  DirCounters& dir(TaskKind k) { return k == TaskKind::kEvict ? evict_ : load_; }
+  DirCounters& dir(TaskKind k) { return k == TaskKind::kEvict ? evict_ : k == TaskKind::kLoad ? load_ : external_; }
   const std::shared_ptr<TaskRec>* find_locked(TaskId id) const {
     auto it = tasks_.find(id);
     return it == tasks_.end() ? nullptr : &it->second;
@@ -215,6 +257,8 @@ class TransferManagerImpl final : public TransferManager {
   BlockSpace host_space_;
   std::unique_ptr<Stream> in_;
   std::unique_ptr<Stream> out_;
+  // External writes' layer events are recorded here when their bytes landed already; their `done` event too.
+  std::unique_ptr<Stream> ext_;
   std::unique_ptr<CopyEngine> owned_engine_;
   CopyEngine* engine_ = nullptr;
   std::unique_ptr<EventPool> pool_;
@@ -227,6 +271,9 @@ class TransferManagerImpl final : public TransferManager {
   bool shut_ = false;  // guarded by submit_mu_
   Status shutdown_status_;
   std::uint64_t next_id_ = 1;  // guarded by submit_mu_
+  // Guarded by submit_mu_: per device block, the external write that declared it (0: none), and those writes.
+  std::vector<TaskId> external_of_;
+  std::unordered_map<TaskId, ExternalRec> externals_;
 
   // Task state, queues, stats.
   mutable std::mutex mu_;
@@ -235,12 +282,14 @@ class TransferManagerImpl final : public TransferManager {
   bool stop_ = false;
   std::deque<PendingEntry> in_queue_;
   std::deque<PendingEntry> out_queue_;
+  std::deque<PendingEntry> ext_queue_;  // reported external layers, in report order
   std::unordered_map<TaskId, std::shared_ptr<TaskRec>> tasks_;
   std::set<TaskId> pending_ids_;
   std::deque<TaskId> finished_order_;
   std::deque<TaskCompletion> completions_;
   DirCounters evict_;
   DirCounters load_;
+  DirCounters external_;
   std::uint64_t layers_done_ = 0;
   std::uint64_t layers_failed_ = 0;
   std::vector<double> latency_us_;

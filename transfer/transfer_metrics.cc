@@ -8,7 +8,7 @@
 namespace kvtier::transfer_detail {
 
 namespace {
-constexpr const char* kDirs[2] = {"evict", "load"};
+constexpr const char* kDirs[kNumDirs] = {"evict", "load", "external"};
 }  // namespace
 
 Status TransferManagerImpl::attach_metrics(metrics::Registry& registry, const metrics::Labels& labels) {
@@ -18,7 +18,7 @@ Status TransferManagerImpl::attach_metrics(metrics::Registry& registry, const me
   }
   auto m = std::make_unique<TransferMetricSeries>();
   const std::vector<double> buckets = metrics::latency_buckets_seconds();
-  for (int d = 0; d < 2; ++d) {
+  for (int d = 0; d < kNumDirs; ++d) {
     const char* dir = kDirs[d];
     KVTIER_ASSIGN_OR_RETURN(m->tasks_ok[d].c,
                             registry.counter("kvtier_transfer_tasks_total", "Transfer tasks that became final.",
@@ -44,12 +44,14 @@ Status TransferManagerImpl::attach_metrics(metrics::Registry& registry, const me
                                                                    "Submit to final of a transfer task.", buckets,
                                                                    metrics::with_labels(labels, {{"direction", dir}})));
   }
-  KVTIER_ASSIGN_OR_RETURN(m->layers_ok.c,
-                          registry.counter("kvtier_transfer_layers_total", "Layers of load tasks that became final.",
-                                           metrics::with_labels(labels, {{"outcome", "ok"}})));
-  KVTIER_ASSIGN_OR_RETURN(m->layers_failed.c,
-                          registry.counter("kvtier_transfer_layers_total", "Layers of load tasks that became final.",
-                                           metrics::with_labels(labels, {{"outcome", "failed"}})));
+  KVTIER_ASSIGN_OR_RETURN(
+      m->layers_ok.c,
+      registry.counter("kvtier_transfer_layers_total", "Layers of load tasks and external writes that became final.",
+                       metrics::with_labels(labels, {{"outcome", "ok"}})));
+  KVTIER_ASSIGN_OR_RETURN(
+      m->layers_failed.c,
+      registry.counter("kvtier_transfer_layers_total", "Layers of load tasks and external writes that became final.",
+                       metrics::with_labels(labels, {{"outcome", "failed"}})));
   KVTIER_ASSIGN_OR_RETURN(m->layer_latency,
                           registry.histogram("kvtier_transfer_layer_latency_seconds",
                                              "Submit of a load to the layer's completion (what a forward pass "
@@ -69,8 +71,8 @@ void TransferManagerImpl::export_metrics() {
   const TransferStats s = stats();
   std::lock_guard<std::mutex> lock(mu_);
   TransferMetricSeries& m = *metrics_;
-  const DirectionStats* dirs[2] = {&s.evict, &s.load};
-  for (int d = 0; d < 2; ++d) {
+  const DirectionStats* dirs[kNumDirs] = {&s.evict, &s.load, &s.external};
+  for (int d = 0; d < kNumDirs; ++d) {
     m.tasks_ok[d].to(dirs[d]->tasks_done);
     m.tasks_failed[d].to(dirs[d]->tasks_failed);
     m.bytes[d].to(dirs[d]->bytes_done);

@@ -25,10 +25,12 @@ void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& t
   TaskRec& t = *tp;
   const auto now = Clock::now();
   Status st = std::move(copy_status);
+  const bool layered = t.kind != TaskKind::kEvict;
   if (!st.ok()) {
-    t.copy_failed = true;
-    st = st.with_context(t.kind == TaskKind::kLoad ? fmt::format("load task {} layer {}", t.id, t.layers[slot])
-                                                   : fmt::format("evict task {}", t.id));
+    // An external write's failures name their blocks (finalize_task_locked), not the whole task.
+    if (t.kind != TaskKind::kExternalWrite) t.copy_failed = true;
+    st = st.with_context(layered ? fmt::format("{} task {} layer {}", task_kind_name(t.kind), t.id, t.layers[slot])
+                                 : fmt::format("evict task {}", t.id));
   } else {
     // The bytes read must themselves be valid.
     const auto& src_ids = t.kind == TaskKind::kLoad ? t.host_blocks : t.device_blocks;
@@ -46,7 +48,7 @@ void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& t
   t.slot_event[slot].reset();
   t.slots_final++;
   settled_slots_.push_back({tp, slot});
-  if (t.kind == TaskKind::kLoad) {
+  if (layered) {
     if (st.ok())
       layers_done_++;
     else
@@ -74,7 +76,7 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
       first = s;
       break;
     }
-  const bool is_load = t.kind == TaskKind::kLoad;
+  const bool is_load = t.kind != TaskKind::kEvict;  // loads and external writes write device blocks
   const auto& src_ids = is_load ? t.host_blocks : t.device_blocks;
   const auto& dst_ids = is_load ? t.device_blocks : t.host_blocks;
   std::vector<bool> pair_bad(dst_ids.size(), false);
@@ -84,6 +86,11 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
   for (std::size_t i = 0; i < dst_ids.size(); ++i) {
     if (pair_bad[i]) bad_src.push_back(src_ids[i]);
     if (pair_bad[i] || t.copy_failed) bad_dst.push_back(dst_ids[i]);
+  }
+  if (t.kind == TaskKind::kExternalWrite) {
+    // No source: the blocks that failed are the ones its reports named.
+    bad_src.clear();
+    bad_dst = t.ext_all_failed ? t.device_blocks : t.ext_failed;
   }
   std::sort(bad_src.begin(), bad_src.end());
   bad_src.erase(std::unique(bad_src.begin(), bad_src.end()), bad_src.end());
@@ -116,7 +123,8 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
     d.s.blocks_failed += bad_dst.size();
   }
   if (metrics_)
-    metrics_->task_latency[is_load ? 1 : 0]->observe(std::chrono::duration<double>(Clock::now() - t.submitted).count());
+    metrics_->task_latency[dir_index(t.kind)]->observe(
+        std::chrono::duration<double>(Clock::now() - t.submitted).count());
   if (--d.s.in_flight == 0)
     d.busy_ns += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - d.busy_since).count());
@@ -141,7 +149,7 @@ bool TransferManagerImpl::progress_once(std::vector<std::function<void()>>& fire
   while (progressed) {
     progressed = false;
     // Output first: evictions settle before the loads that read their bytes.
-    for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_}) {
+    for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_, &ext_queue_}) {
       for (;;) {
         PendingEntry head;
         {
@@ -174,7 +182,7 @@ void TransferManagerImpl::progress_loop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto idle = [&] { return in_queue_.empty() && out_queue_.empty(); };
+      auto idle = [&] { return in_queue_.empty() && out_queue_.empty() && ext_queue_.empty(); };
       if (idle()) {
         if (stop_) return;
         work_cv_.wait(lock, [&] { return stop_ || !idle(); });
@@ -194,7 +202,7 @@ void TransferManagerImpl::progress_loop() {
       // Shutdown drained the streams; anything still pending will not
       // complete: fail it so no waiter hangs.
       std::unique_lock<std::mutex> lock(mu_);
-      for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_}) {
+      for (std::deque<PendingEntry>* q : {&out_queue_, &in_queue_, &ext_queue_}) {
         while (!q->empty()) {
           PendingEntry head = q->front();
           q->pop_front();

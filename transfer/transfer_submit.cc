@@ -12,7 +12,6 @@
 #include "transfer/transfer_manager_impl.h"
 
 namespace kvtier::transfer_detail {
-namespace {
 
 Status check_no_duplicates(std::span<const std::int32_t> ids, std::string_view what) {
   std::vector<std::pair<std::int32_t, std::size_t>> sorted;
@@ -26,7 +25,24 @@ Status check_no_duplicates(std::span<const std::int32_t> ids, std::string_view w
   return Status::Ok();
 }
 
-}  // namespace
+Result<std::vector<std::uint32_t>> layer_order(const KvLayout& layout, std::span<const std::uint32_t> layers,
+                                               std::string_view what) {
+  std::vector<std::uint32_t> order;
+  if (layers.empty()) {
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) order.push_back(l);
+    return order;
+  }
+  std::vector<bool> seen(layout.num_layers(), false);
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i] >= layout.num_layers())
+      return OutOfRange(
+          fmt::format("{}: layer {} at index {} >= num_layers {}", what, layers[i], i, layout.num_layers()));
+    if (seen[layers[i]]) return InvalidArgument(fmt::format("{}: layer {} listed twice", what, layers[i]));
+    seen[layers[i]] = true;
+    order.push_back(layers[i]);
+  }
+  return order;
+}
 
 void TransferManagerImpl::register_task(const std::shared_ptr<TaskRec>& task) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -69,6 +85,8 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
   std::lock_guard<std::mutex> submit(submit_mu_);
   if (shut_) return FailedPrecondition("evict_to_host_async after shutdown");
   KVTIER_RETURN_IF_ERROR(admit_locked());
+  // A block a peer is writing holds no bytes to read yet (or a failed receive's, still being written).
+  KVTIER_RETURN_IF_ERROR(check_not_external_locked(device_blocks, "evict_to_host_async"));
   Stream& after = options.after ? *options.after : compute_;
   const std::uint64_t out_id = out_->id();
 
@@ -121,21 +139,7 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
   KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(device_blocks, "load_layers_to_device_async device_blocks"));
-  std::vector<std::uint32_t> order;
-  if (layers.empty()) {
-    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) order.push_back(l);
-  } else {
-    std::vector<bool> seen(layout.num_layers(), false);
-    for (std::size_t i = 0; i < layers.size(); ++i) {
-      if (layers[i] >= layout.num_layers())
-        return OutOfRange(fmt::format("load_layers_to_device_async: layer {} at index {} >= num_layers {}", layers[i],
-                                      i, layout.num_layers()));
-      if (seen[layers[i]])
-        return InvalidArgument(fmt::format("load_layers_to_device_async: layer {} listed twice", layers[i]));
-      seen[layers[i]] = true;
-      order.push_back(layers[i]);
-    }
-  }
+  KVTIER_ASSIGN_OR_RETURN(std::vector<std::uint32_t> order, layer_order(layout, layers, "load_layers_to_device_async"));
   {
     CopyRequest req;
     req.src = &host_space_;
@@ -154,6 +158,8 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
   std::lock_guard<std::mutex> submit(submit_mu_);
   if (shut_) return FailedPrecondition("load_layers_to_device_async after shutdown");
   KVTIER_RETURN_IF_ERROR(admit_locked());
+  // The peer's writes cannot be ordered with a load's: the two would interleave in the block.
+  KVTIER_RETURN_IF_ERROR(check_not_external_locked(device_blocks, "load_layers_to_device_async"));
   std::vector<EventLease> events(n);
   for (auto& e : events) {
     KVTIER_ASSIGN_OR_RETURN(e, pool_->acquire());

@@ -22,7 +22,7 @@ Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Strea
     auto* t = find_locked(id);
     if (!t) return task_not_found(id);
     task = *t;
-    if (task->kind != TaskKind::kLoad)
+    if (task->kind == TaskKind::kEvict)
       return InvalidArgument(fmt::format("wait_for_layer: task {} is an eviction, not a load", id));
     auto it = std::find(task->layers.begin(), task->layers.end(), layer);
     if (it == task->layers.end())
@@ -35,6 +35,7 @@ Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Strea
   }
   // The layer may still wait for its submission thread: block (on the CPU,
   // for submission only, never for device work) until its event is recorded.
+  // An external write's layer is recorded when it is reported (or ended).
   gate_.wait(event.get());
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -49,7 +50,7 @@ Status TransferManagerImpl::wait_layer_host(TaskId id, std::uint32_t layer, std:
   auto* t = find_locked(id);
   if (!t) return task_not_found(id);
   std::shared_ptr<TaskRec> task = *t;
-  if (task->kind != TaskKind::kLoad)
+  if (task->kind == TaskKind::kEvict)
     return InvalidArgument(fmt::format("wait_layer_host: task {} is an eviction, not a load", id));
   auto it = std::find(task->layers.begin(), task->layers.end(), layer);
   if (it == task->layers.end())
@@ -134,7 +135,7 @@ Result<TaskInfo> TransferManagerImpl::task_info(TaskId id) const {
   info.state = task.state;
   info.status = task.status;
   info.layers = task.layers;
-  if (task.kind == TaskKind::kLoad) info.layer_states = task.slot_state;
+  if (task.kind != TaskKind::kEvict) info.layer_states = task.slot_state;
   info.bytes = task.bytes;
   return info;
 }

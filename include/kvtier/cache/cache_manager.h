@@ -24,6 +24,28 @@
 // queue loads/evictions) -> take_plan() -> executor -> ack_*() -> after the
 // forward pass commit() the computed blocks -> release() at request end.
 //
+// P/D receives (a decode instance receiving a prompt's KV from a prefill
+// peer). admit_receive() allocates like admit() and marks the blocks the peer
+// writes as receiving: they are never indexed, so never matched, never
+// evicted, never planned as a load or eviction source, and never returned to
+// the pool while a byte may still land in them. commit() of a receiving
+// position is FailedPrecondition (a block being received is never reported
+// loaded). complete_receive(id, loaded, reclaimable) ends the receive: the
+// first `loaded` positions (the peer's leading_loaded_blocks()) join the index
+// as commit() would join them, with or without `reclaimable` (each of their
+// layers was verified after its write landed, and the peer writes a (block,
+// layer) once, so no late write targets them); the rest hold no valid data.
+// With `reclaimable` (no byte of the peer can still land) they are plain
+// blocks of the admission again (recompute into them and commit(), or
+// release()).
+// Without it they are quarantined: not committable, and release() keeps them
+// out of the pool until ack_receive_reclaimable(id). release() of an
+// admission still receiving quarantines all its receive blocks (fail closed:
+// it cannot know whether the peer stopped writing). reset() refuses while
+// blocks are quarantined. The engine ties this to the data plane: it declares
+// the same blocks to its TransferManager (begin_external_write) for as long
+// as the peer may write them (docs/architecture.md, "P/D receives").
+//
 // Thread-safety: none; one scheduler thread drives a CacheManager.
 #pragma once
 
@@ -143,6 +165,19 @@ struct MatchResult {
 
 using AdmissionId = std::uint64_t;
 
+// A P/D receive admission (admit_receive()).
+struct ReceiveOptions {
+  // Unkeyed blocks after the keys, as admit()'s `extra_blocks` (the prompt's partial tail, decode space).
+  std::uint32_t extra_blocks = 0;
+  // Of the extra blocks, how many leading ones the peer also writes (the prompt's partial tail block): they are
+  // receive destinations too (guarded, quarantined on a failed receive), but never indexed.
+  std::uint32_t received_extra_blocks = 0;
+  // false: every key is received into a fresh block (the peer sends the whole prompt). true: the servable
+  // prefix is served and loaded as admit() does, and only the keys after it are received (the peer must then
+  // send only those: Admission::receive_begin tells where they start).
+  bool match_prefix = false;
+};
+
 struct Admission {
   AdmissionId id = 0;
   std::uint32_t device_hit_blocks = 0;   // served from device
@@ -153,6 +188,10 @@ struct Admission {
   bool stopped_at_in_flight = false;
   // Device block of every position: keys, then extra blocks.
   std::vector<BlockId> device_blocks;
+  // admit_receive(): device_blocks[receive_begin, receive_begin + receive_blocks) are the blocks the peer writes,
+  // in the order of its block list (keys first, then the received extra blocks). 0 blocks for admit().
+  std::uint32_t receive_begin = 0;
+  std::uint32_t receive_blocks = 0;
 };
 
 // Where an admission's loads stand.
@@ -160,6 +199,8 @@ struct AdmissionStatus {
   std::uint32_t ready_blocks = 0;  // leading blocks whose data is on device
   std::uint32_t loading_blocks = 0;
   bool failed = false;  // a load failed: release() and recompute
+  std::uint32_t receiving_blocks = 0;    // receive blocks a peer is writing (before complete_receive)
+  std::uint32_t quarantined_blocks = 0;  // receive blocks a peer may still write after a failed receive
 };
 
 struct TierStats {
@@ -182,6 +223,13 @@ struct CacheStats {
   std::uint64_t lookup_blocks = 0;
   std::array<std::uint64_t, kNumTiers> hit_blocks{};
   std::uint64_t resets = 0;  // reset() calls that cleared the index
+  // P/D receives: receive blocks admitted, reported loaded by complete_receive(), of those the ones that joined
+  // the index, and receive blocks that went into quarantine (a failed receive without `reclaimable`, or an
+  // admission released while receiving).
+  std::uint64_t received_blocks = 0, received_loaded_blocks = 0, received_committed_blocks = 0;
+  std::uint64_t quarantined_blocks = 0;
+  // Now: device blocks a peer is writing, and quarantined device blocks (in no pool until acknowledged reclaimable).
+  std::uint32_t receiving_device_blocks = 0, quarantined_device_blocks = 0;
 };
 
 class CacheManager {
@@ -219,8 +267,28 @@ class CacheManager {
   Status commit(AdmissionId id, std::uint32_t num_computed);
   Status commit_all(AdmissionId id);
 
-  // Unpins; frees the admission's device blocks that did not join the index.
+  // Unpins; frees the admission's device blocks that did not join the index, except receive blocks that a peer
+  // may still write (still receiving, or quarantined): those stay out of the pool until
+  // ack_receive_reclaimable(id).
   Status release(AdmissionId id);
+
+  // ---- P/D receives (see "P/D receives" above) ----
+  // As admit(keys, options.extra_blocks) (same checks, same errors, same transactional refusal), and marks the
+  // receive blocks (Admission::receive_begin / receive_blocks). InvalidArgument when received_extra_blocks >
+  // extra_blocks.
+  Result<Admission> admit_receive(std::span<const BlockKey> keys, const ReceiveOptions& options = {});
+  // Ends the receive of admission `id`: the first `loaded_blocks` receive blocks hold verified data (keyed ones
+  // join the index, pinned by the admission, like commit()); the others do not. `reclaimable`: no byte of the
+  // peer can still land in any of them; otherwise the failed ones are quarantined. NotFound for an unknown
+  // admission; FailedPrecondition when it is not receiving (admit(), or completed already, or released:
+  // then its blocks are quarantined and only ack_receive_reclaimable applies); InvalidArgument when
+  // loaded_blocks > receive_blocks.
+  Status complete_receive(AdmissionId id, std::uint32_t loaded_blocks, bool reclaimable);
+  // No byte of the peer can land in admission `id`'s quarantined blocks any more: if the admission is open they
+  // become plain blocks of it (recompute and commit()), if it was released they return to the pool.
+  // FailedPrecondition when it holds no quarantined block (still receiving: complete_receive first); NotFound
+  // for an unknown id.
+  Status ack_receive_reclaimable(AdmissionId id);
 
   Result<AdmissionStatus> admission_status(AdmissionId id) const;
 
@@ -268,7 +336,8 @@ class CacheManager {
   // Forgets every cached block (vLLM's reset_prefix_cache): device and host blocks return to their pools, the
   // index and the policies start empty, storage objects stay in their backend but are no longer indexed. With
   // KV events on, an AllBlocksCleared follows the events queued so far. Counters (stats()) keep counting.
-  // FailedPrecondition, changing nothing, while an admission is open or a move is queued or in flight.
+  // FailedPrecondition, changing nothing, while an admission is open, a move is queued or in flight, or a
+  // failed receive's blocks are quarantined.
   Status reset();
 
   // Metrics (metrics/registry.h): exports stats() into `registry`, every series carrying `labels`:
@@ -277,6 +346,8 @@ class CacheManager {
   //   kvtier_cache_evictions_total{tier,policy,action=moved|dropped}, kvtier_cache_lost_host_drops_total
   //   kvtier_cache_moves_total{kind=load|evict|backup|storage_write|storage_prefetch|pressure_demotion}
   //   kvtier_cache_failed_transfers_total, kvtier_cache_invalidated_blocks_total, kvtier_cache_resets_total
+  //   kvtier_cache_receive_blocks_total{outcome=admitted|loaded|committed|quarantined}
+  //   kvtier_cache_receiving_blocks, kvtier_cache_quarantined_blocks   (gauges)
   //   kvtier_cache_pool_used_blocks{tier}, kvtier_cache_pool_capacity_blocks{tier},
   //   kvtier_cache_resident_blocks{tier}, kvtier_cache_index_blocks   (gauges)
   // The manager is single-threaded, so it pushes (lock-free atomics) rather than being read at scrape time:

@@ -38,6 +38,38 @@
 // GPU-side waits cannot carry errors: a forward that waited on a layer must
 // check the load's status (poll_completions / wait) before trusting results.
 //
+// External writes (P/D receives). Bytes a peer writes into device blocks
+// (a prefill instance's WRITEs, a copy out of a shared staging ring) are not
+// copies of this manager, but get the same guards as its loads:
+// begin_external_write(layers, blocks) declares them, and until the blocks
+// are released (below) every load into them, eviction of them and
+// wait_device_blocks_free on them is refused (FailedPrecondition naming the
+// block and the task), a second declaration of them too, and
+// is_device_block_free is false. begin_external_write first waits, on the
+// host, until every earlier access to the blocks completed (the eviction
+// that gave a block up may still be reading it: the peer cannot be ordered on
+// the device), up to ExternalWriteOptions::free_timeout (TimedOut, nothing
+// declared). The receiving side reports each layer with
+// complete_external_layer(task, layer, failed_blocks, after): the layer's
+// bytes landed in every block of the task but `failed_blocks`, or land with
+// the work enqueued so far on `after` (null: they already have). A layer with
+// failed blocks is failed (DataLoss naming them); the task's failed_blocks()
+// lists every block of a failed layer it named (all the task's blocks for a
+// layer ended without a report), and those bytes are invalid for later
+// evictions (as a failed load's). The task is a layer-wise task like a load:
+// wait_for_layer (it blocks the calling thread until the layer is reported,
+// then enqueues the stream wait), wait_layer_host, wait, task_info,
+// poll_completions and the on_layer / on_done callbacks work per layer as for
+// loads (on_layer in report order). end_external_write(task, status,
+// quiescent) fails every layer not yet reported with `status`; `quiescent`
+// (no byte of the peer can still land: PdDecode's `reclaimable`) also
+// releases the blocks, otherwise they stay declared, quarantined, until
+// release_external_write(task), except, when every layer was reported, the
+// blocks no report named failed: each (block, layer) is written once, so no
+// late write targets a block that landed in every layer, and those are
+// released at the end. shutdown() ends and releases every external write
+// (Cancelled).
+//
 // Callbacks (LoadOptions::on_layer, on_done) run on the progress thread, in
 // layer order per task, after the layer is final: status OK means the layer's
 // bytes are on the device; an error status means the layer failed (the
@@ -71,11 +103,15 @@
 // two concurrent submissions is the order they take the lock.
 // Blocking: submit methods, record_device_access and the is_*_free queries
 // never block on device work; wait_for_layer and wait_device_blocks_free may
-// wait for submission (CPU) but never for device work; wait*, *_host and
-// shutdown do.
+// wait for submission (CPU) but never for device work (wait_for_layer on an
+// external write waits until the layer is reported or the write ended);
+// wait*, *_host, begin_external_write (earlier accesses to its blocks) and
+// shutdown do. complete_external_layer, end_external_write and
+// release_external_write never block.
 //
-// Lifetime: the Device, the compute stream and caller-owned cache memory must
-// outlive shutdown(). shutdown() (also run by the destructor) stops new
+// Lifetime: the Device, the compute stream, the streams passed to
+// complete_external_layer and caller-owned cache memory must outlive
+// shutdown(). shutdown() (also run by the destructor) stops new
 // submissions, lets the submission threads enqueue every accepted task and joins them, drains I and O, processes the
 // remaining completions (firing callbacks), joins the progress thread, and only then frees events, streams and
 // kvtier-allocated host memory.
@@ -116,7 +152,7 @@ namespace kvtier {
 
 using TaskId = std::uint64_t;
 
-enum class TaskKind : std::uint8_t { kEvict, kLoad };
+enum class TaskKind : std::uint8_t { kEvict, kLoad, kExternalWrite };
 std::string_view task_kind_name(TaskKind kind) noexcept;
 enum class TaskState : std::uint8_t { kPending, kDone, kFailed };
 std::string_view task_state_name(TaskState state) noexcept;
@@ -177,6 +213,14 @@ struct LoadOptions {
   TaskCallback on_done;
 };
 
+struct ExternalWriteOptions {
+  // As LoadOptions: per reported layer (status OK = the layer's bytes landed in every block), and at the end.
+  LayerCallback on_layer;
+  TaskCallback on_done;
+  // How long begin_external_write waits on the host for earlier accesses to the blocks to complete.
+  std::chrono::nanoseconds free_timeout = std::chrono::seconds(60);
+};
+
 struct FailedBlocks {
   std::vector<std::int32_t> device;  // device blocks whose bytes are invalid
   std::vector<std::int32_t> host;    // host blocks whose bytes are invalid
@@ -230,6 +274,7 @@ struct TransferStats {
   // Plus.
   DirectionStats evict;
   DirectionStats load;
+  DirectionStats external;  // external writes (P/D receives): blocks_done counts blocks of tasks that succeeded
   std::uint64_t layers_done = 0;
   std::uint64_t layers_failed = 0;
   // Submit -> layer observed final, over the last latency_samples layers.
@@ -275,10 +320,31 @@ class TransferManager {
   virtual Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
                                       DeviceAccess access) = 0;
 
+  // ---- external writes (see "External writes") ----
+  // Declares that something outside this manager writes `layers` (empty: every layer) of `device_blocks`.
+  // Validation as for loads (ids, duplicates, layers); FailedPrecondition when a block is already declared;
+  // TimedOut when earlier accesses did not complete within options.free_timeout (nothing stays declared).
+  virtual Result<TaskId> begin_external_write(std::span<const std::uint32_t> layers,
+                                              std::span<const std::int32_t> device_blocks,
+                                              ExternalWriteOptions options = {}) = 0;
+  // Layer `layer` of external write `task` is final: landed in every block but `failed_blocks` (blocks of the
+  // task), once the work enqueued so far on `after` completed (null: landed already). NotFound (task),
+  // InvalidArgument (a layer or block not of the task), FailedPrecondition (layer already reported, task ended).
+  virtual Status complete_external_layer(TaskId task, std::uint32_t layer,
+                                         std::span<const std::int32_t> failed_blocks = {}, Stream* after = nullptr) = 0;
+  // Ends the external write: every layer not reported yet fails with `status` (InvalidArgument when one is
+  // left and `status` is OK). `quiescent`: no byte can land any more: the blocks are released now; otherwise
+  // they stay declared until release_external_write (all of them if a layer was not reported, else the
+  // blocks a report named failed). FailedPrecondition when already ended.
+  virtual Status end_external_write(TaskId task, const Status& status, bool quiescent) = 0;
+  // The peer of an ended external write can no longer write its blocks: they are released (loads, evictions
+  // and reuse allowed again). FailedPrecondition when not ended; NotFound when unknown or already released.
+  virtual Status release_external_write(TaskId task) = 0;
+
   // ---- layer waits ----
-  // `stream` waits on the device for layer `layer` of load `task`. OK at once
-  // when the layer is already done; the layer's error when it is known failed;
-  // InvalidArgument when the task does not load that layer.
+  // `stream` waits on the device for layer `layer` of load (or external write)
+  // `task`. OK at once when the layer is already done; the layer's error when
+  // it is known failed; InvalidArgument when the task does not load that layer.
   virtual Status wait_for_layer(TaskId task, std::uint32_t layer, Stream& stream) = 0;
   // Blocks until the layer is final: OK, its failure, or TimedOut.
   virtual Status wait_layer_host(TaskId task, std::uint32_t layer, std::chrono::nanoseconds timeout) = 0;
@@ -295,10 +361,11 @@ class TransferManager {
   virtual std::vector<TaskCompletion> poll_completions() = 0;
 
   // ---- blocks ----
-  // True when no eviction, load or declared access of the block is pending.
+  // True when no eviction, load, external write or declared access of the block is pending.
   virtual Result<bool> is_device_block_free(std::int32_t block) = 0;
   virtual Result<bool> is_host_block_free(std::int32_t block) = 0;
-  // `stream` waits (on the device) until the blocks are free to overwrite.
+  // `stream` waits (on the device) until the blocks are free to overwrite. FailedPrecondition for a block
+  // declared by an external write (its end is a peer's, not a device point).
   virtual Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) = 0;
   // The calling thread waits until the host blocks are free (e.g. before a
   // storage read overwrites them with the CPU), or TimedOut.
@@ -316,11 +383,12 @@ class TransferManager {
 
   // ---- metrics ----
   // Exports this manager into `registry` (metrics/registry.h), every series
-  // carrying `labels` (e.g. {{"rank","0"}}), with direction = evict | load:
+  // carrying `labels` (e.g. {{"rank","0"}}), with direction = evict | load |
+  // external:
   //   kvtier_transfer_tasks_total{direction,outcome=ok|failed}
   //   kvtier_transfer_bytes_total{direction}, kvtier_transfer_blocks_total{direction}  (completed OK)
   //   kvtier_transfer_failed_blocks_total{direction}
-  //   kvtier_transfer_layers_total{outcome}                 (load layers final)
+  //   kvtier_transfer_layers_total{outcome}                 (load and external layers final)
   //   kvtier_transfer_in_flight_tasks{direction}            (gauge)
   //   kvtier_transfer_task_latency_seconds{direction}       (submit -> task final)
   //   kvtier_transfer_layer_latency_seconds                 (submit -> load layer final)
