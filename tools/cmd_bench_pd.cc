@@ -462,6 +462,66 @@ int run_prefill(const PdArgs& a) {
   return 0;
 }
 
+// The direct lane with both endpoints in this process (loopback transports hand out each other's pools; one
+// CUDA context): the protocol and the kernels without the second process. A diagnostic beside `direct`.
+Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t block_bytes) {
+  KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
+  const DirectPlan plan = direct_plan(a, block_bytes);
+  KVTIER_ASSIGN_OR_RETURN(DirectSide pre_side, make_direct_side(layout, plan.pool, true));
+  KVTIER_ASSIGN_OR_RETURN(DirectSide dec_side, make_direct_side(layout, plan.pool, false));
+  static int seq = 0;
+  ++seq;
+  KVTIER_ASSIGN_OR_RETURN(auto pre_t, transport::create_loopback_transport(
+                                          {fmt::format("bench-inproc-prefill{}", seq), layout.fingerprint(), 1, 0}));
+  KVTIER_ASSIGN_OR_RETURN(auto dec_t, transport::create_loopback_transport(
+                                          {fmt::format("bench-inproc-decode{}", seq), layout.fingerprint(), 1, 0}));
+  transport::PdOptions po = kPdOptions, dopt = kPdOptions;
+  po.engine = pre_side.engine.get();
+  dopt.engine = dec_side.engine.get();
+  KVTIER_ASSIGN_OR_RETURN(auto pre, transport::PdPrefill::create(*pre_t, pre_side.space, po));
+  KVTIER_ASSIGN_OR_RETURN(auto dec, transport::PdDecode::create(*dec_t, dec_side.space, dopt));
+  KVTIER_ASSIGN_OR_RETURN(auto b1, dec_t->export_metadata());
+  KVTIER_ASSIGN_OR_RETURN(auto b2, pre_t->export_metadata());
+  KVTIER_ASSIGN_OR_RETURN(transport::PeerId to_dec, pre_t->load_peer(b1));
+  KVTIER_ASSIGN_OR_RETURN(transport::PeerId to_pre, dec_t->load_peer(b2));
+  Status prefill_status;
+  std::thread prefill([&] {
+    for (std::uint32_t it = 0; it <= a.iters && prefill_status.ok(); ++it) {
+      prefill_status = pre->begin(to_dec, it + 1, plan.src);
+      for (std::uint32_t l = 0; l < a.layers && prefill_status.ok(); ++l) prefill_status = pre->layer_ready(it + 1, l);
+      if (!prefill_status.ok()) break;
+      auto st = pre->wait(it + 1, 60s);
+      if (!st.ok() || !st->done) {
+        prefill_status = st.ok() ? st->error : st.status();
+        break;
+      }
+      prefill_status = pre->forget(it + 1);
+    }
+  });
+  Status s;
+  std::chrono::steady_clock::time_point t0;
+  for (std::uint32_t it = 0; it <= a.iters && s.ok(); ++it) {
+    if (it == 1) t0 = std::chrono::steady_clock::now();
+    s = dec->start(to_pre, it + 1, mode, plan.dst);
+    if (!s.ok()) break;
+    auto st = dec->wait(it + 1, 60s, true);
+    if (!st.ok())
+      s = st.status();
+    else if (st->leading_loaded_blocks() != plan.dst.size())
+      s = st->error.ok() ? DataLoss("blocks not loaded") : st->error;
+    if (s.ok()) s = dec->forget(it + 1);
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  prefill.join();
+  KVTIER_RETURN_IF_ERROR(s);
+  KVTIER_RETURN_IF_ERROR(prefill_status.with_context("prefill"));
+  dec.reset();
+  pre.reset();
+  KVTIER_RETURN_IF_ERROR(check_direct_bytes(dec_side, plan));
+  KVTIER_ASSIGN_OR_RETURN(g_last_gather, run_gather(a, dec_side, plan));
+  return static_cast<double>(a.iters) * a.layers * plan.dst.size() * block_bytes / secs / 1e9;
+}
+
 // One kvtier row: GB/s of the protocol, or an error.
 // The decode side of either memory: start a transfer, wait until it is final and reclaimable, forget it.
 struct DecodeOps {
@@ -472,6 +532,10 @@ struct DecodeOps {
 
 Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode, std::uint64_t block_bytes,
                           const std::string& memory) {
+  if (lane == "direct-inproc") {
+    if (memory != "device") return NotSupported("the direct lane moves device memory only (--memory device)");
+    return run_direct_in_process(a, mode, block_bytes);
+  }
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
   const std::uint64_t n = blocks_for(a, block_bytes);
   const bool direct = lane == "direct";
@@ -642,8 +706,8 @@ int run_bench(const PdArgs& a) {
     for (const auto& m : a.modes) {
       const PdMode mode = m == "pull" ? PdMode::kPull : PdMode::kPush;
       for (std::uint64_t bs : a.block_sizes) {
-        Result<double> p = a.no_perftest || lane == "direct" ? Result<double>(NotSupported("skipped"))
-                                                             : run_perftest(lane, mode, bs, port++);
+        Result<double> p = a.no_perftest || lane.rfind("direct", 0) == 0 ? Result<double>(NotSupported("skipped"))
+                                                                         : run_perftest(lane, mode, bs, port++);
         std::optional<double> host_gbps;
         for (const auto& memory : a.memories) {
           auto g = run_decode(a, lane, mode, bs, memory);
@@ -671,7 +735,7 @@ int run_bench(const PdArgs& a) {
             j["gbps"] = *g;
             j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
             j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
-            if (lane == "direct") {
+            if (lane.rfind("direct", 0) == 0) {
               j["pool_blocks"] = direct_plan(a, bs).pool;
               j["gather_gbps"] = g_last_gather.plain;
               j["gather_checksummed_gbps"] = g_last_gather.checksummed;
@@ -687,7 +751,7 @@ int run_bench(const PdArgs& a) {
             std::printf("%s\n", j.dump().c_str());
           } else {
             std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
-            if (lane == "direct")
+            if (lane.rfind("direct", 0) == 0)
               th = fmt::format("gather {:.1f} ({:.1f} ck) ratio {:.2f}", g_last_gather.plain, g_last_gather.checksummed,
                                g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0);
             std::printf("%-5s %-5s %-6s %12llu %8llu %10.2f %18.2f %7.2f %13s\n", lane.c_str(), m.c_str(),
@@ -709,7 +773,8 @@ Action register_bench_pd(CLI::App& bench) {
   auto* cmd = bench.add_subcommand("pd", "Prefill/decode KV transfer between two processes (UCX) vs ucx_perftest");
   cmd->add_option("--lanes", a->lanes,
                   "lanes: tcp (UCX, 127.0.0.1), shm (UCX), ipc (kvtier's same-host backend), direct (the device lane: "
-                  "CUDA IPC, copy kernels, --memory device)")
+                  "CUDA IPC, copy kernels, --memory device), direct-inproc (the same with both endpoints in this "
+                  "process: a diagnostic)")
       ->delimiter(',');
   cmd->add_option("--pool-bytes", a->pool_bytes, "direct lane: bytes of the pool per side the blocks are taken from");
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
@@ -734,12 +799,12 @@ Action register_bench_pd(CLI::App& bench) {
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
     for (const auto& l : a->lanes)
-      if (l != "tcp" && l != "shm" && l != "ipc" && l != "direct") {
-        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm, ipc or direct\n", l.c_str());
+      if (l != "tcp" && l != "shm" && l != "ipc" && l != "direct" && l != "direct-inproc") {
+        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm, ipc, direct or direct-inproc\n", l.c_str());
         return 2;
       }
     for (const auto& l : a->lanes)
-      if (l == "direct" && (cuda_device_count() == 0 || a->backend == "host")) {
+      if (l.rfind("direct", 0) == 0 && (cuda_device_count() == 0 || a->backend == "host")) {
         std::fprintf(stderr,
                      "kvtier bench pd: the direct lane needs CUDA memory: no CUDA device is visible "
                      "(or --backend host)\n");
