@@ -234,8 +234,17 @@ class Endpoint {
       const std::uint32_t idx = plane_index(l, r);
       const std::uint64_t bytes = layout.block_bytes(l, r);
       for (std::size_t i = 0; i < local.size(); ++i) {
-        ld.push_back(LocalDesc{idx, local[i] * blocks_.plane(l, r).stride, bytes});
-        rd.push_back(RemoteDesc{idx, remote[i] * remote_strides[idx], bytes});
+        const std::uint64_t lo = local[i] * blocks_.plane(l, r).stride, ro = remote[i] * remote_strides[idx];
+        // Blocks that follow each other in memory on both sides travel as one descriptor: one request instead
+        // of a run of them (a prompt's blocks are often allocated in order).
+        if (i > 0 && ld.back().region == idx && ld.back().offset + ld.back().bytes == lo &&
+            rd.back().offset + rd.back().bytes == ro) {
+          ld.back().bytes += bytes;
+          rd.back().bytes += bytes;
+          continue;
+        }
+        ld.push_back(LocalDesc{idx, lo, bytes});
+        rd.push_back(RemoteDesc{idx, ro, bytes});
       }
     }
   }

@@ -253,6 +253,51 @@ TEST(PdLease, ReadsFromASilentPrefillAreCancelledAtTheLeaseSoTheBlocksReturn) {
   EXPECT_TRUE(dec->forget(8).ok());
 }
 
+// Counts the descriptor pairs of every post.
+class CountingTransport final : public testing::ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  std::atomic<std::uint64_t> posts{0}, descriptors{0};
+  Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
+                      std::string notification) override {
+    ++posts;
+    descriptors += local.size();
+    return inner().post(op, peer, local, remote, std::move(notification));
+  }
+};
+
+// Blocks that follow each other in memory on both sides go as one descriptor per (layer, role): 4 blocks in
+// two runs of 2 make 2 descriptors per plane, not 4; the bytes arrive as they would one by one.
+TEST_P(PdModes, RunsContiguousOnBothSidesTravelAsOneDescriptor) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  const int n = ++g_seq;
+  auto pre_t = std::make_unique<CountingTransport>(
+      create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value());
+  auto dec_t = std::make_unique<CountingTransport>(
+      create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value());
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space).value();
+  auto dec = PdDecode::create(*dec_t, dec_mem.space).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  const std::vector<std::uint64_t> src = {4, 5, 0, 1}, dst = {2, 3, 6, 7};
+  ASSERT_TRUE(pre->begin(to_dec, 3, src).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(3, l).ok());
+  ASSERT_TRUE(dec->start(to_pre, 3, GetParam(), dst).ok());
+  auto fin = dec->wait(3, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u) << fin->error.to_string();
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < dst.size(); ++i) EXPECT_TRUE(layer_matches(dec_mem.space, dst[i], l, src[i]));
+  CountingTransport& mover = GetParam() == PdMode::kPush ? *pre_t : *dec_t;
+  EXPECT_EQ(mover.posts.load(), 4u);                // one per layer
+  EXPECT_EQ(mover.descriptors.load(), 4u * 2 * 2);  // per layer: 2 roles x 2 runs
+  ASSERT_TRUE(pre->wait(3, 5s).ok());
+  EXPECT_TRUE(dec->forget(3).ok());
+  EXPECT_TRUE(pre->forget(3).ok());
+}
+
 // A transport whose notifications stall while `stalled` is set: the decode side's progress thread blocks in
 // wait_notifications as if it (or the wire) stood still, and finds everything queued meanwhile at once after.
 class StallingTransport final : public testing::ForwardingTransport {

@@ -417,7 +417,7 @@ class UcxTransport final : public detail::TransportBase {
         }
         ucs_status_ptr_t r = op == XferOp::kWrite ? ucp_put_nbx(p->ep, o.local_ptr, o.bytes, o.remote_addr, rkey, &rp)
                                                   : ucp_get_nbx(p->ep, o.local_ptr, o.bytes, o.remote_addr, rkey, &rp);
-        track(pd, r, fmt::format("{} {} of {}", xfer_op_name(op), i, ops.size()));
+        track(pd, r, op, i, ops.size());
       }
       if (pd->error.ok()) {
         ucp_request_param_t fp = rp;
@@ -517,13 +517,15 @@ class UcxTransport final : public detail::TransportBase {
     return h;
   }
 
-  void track(Pending* pd, ucs_status_ptr_t r, std::string what) {
+  // The request of descriptor `i` of `n`; its description is formatted only for an error (posting thousands of
+  // descriptors must not format a string each).
+  void track(Pending* pd, ucs_status_ptr_t r, XferOp op, std::size_t i, std::size_t n) {
     if (UCS_PTR_IS_PTR(r)) {
       ++pd->outstanding;
       pd->requests.push_back(r);
       outstanding_.fetch_add(1);
     } else if (UCS_PTR_IS_ERR(r)) {
-      pd->error = request_error(what, UCS_PTR_STATUS(r));
+      pd->error = request_error(fmt::format("{} {} of {}", xfer_op_name(op), i, n), UCS_PTR_STATUS(r));
     }
   }
 
