@@ -102,7 +102,7 @@ class Msg {
   }
   Msg& u64s(const std::vector<std::uint64_t>& v) {
     u32(static_cast<std::uint32_t>(v.size()));
-    for (auto x : v) u64(x);
+    s_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(std::uint64_t));
     return *this;
   }
   std::string str() { return std::move(s_); }
@@ -120,8 +120,7 @@ class Parse {
   bool u64s(std::vector<std::uint64_t>& v, std::uint32_t n) {
     if (n > (s_.size() - pos_) / 8) return false;
     v.resize(n);
-    for (auto& x : v) (void)u64(x);
-    return true;
+    return n == 0 || raw(v.data(), std::size_t{n} * sizeof(std::uint64_t));
   }
   bool u64s(std::vector<std::uint64_t>& v) {
     std::uint32_t n = 0;
@@ -840,7 +839,7 @@ class Decode final : public PdDecode, public Endpoint {
       x.mode = mode;
       x.dst = std::move(dst_blocks);
       x.layers.assign(blocks_.layout().num_layers(), LayerState::kPending);
-      x.block_layer_ok.assign(x.dst.size(), std::vector<std::uint8_t>(x.layers.size(), 0));
+      x.block_layer_ok.assign(x.dst.size() * x.layers.size(), 0);
       x.reads.resize(x.layers.size());
       x.last_heard = x.last_sent = Clock::now();
     }
@@ -915,7 +914,7 @@ class Decode final : public PdDecode, public Endpoint {
     PdMode mode = PdMode::kPush;
     std::vector<std::uint64_t> dst;
     std::vector<LayerState> layers;
-    std::vector<std::vector<std::uint8_t>> block_layer_ok;  // [position][layer]
+    std::vector<std::uint8_t> block_layer_ok;  // [layer * positions + position]: verified
     std::vector<Read> reads;
     Clock::time_point last_heard, last_sent;
     Beats beats;
@@ -952,11 +951,11 @@ class Decode final : public PdDecode, public Endpoint {
     s.layers = x.layers;
     s.final = all_final(x);
     s.error = x.error;
-    for (const auto& bl : x.block_layer_ok) {
-      bool ok = true;
-      for (auto v : bl) ok = ok && v != 0;
-      s.block_loaded.push_back(ok);
-    }
+    const std::size_t n = x.dst.size();
+    s.block_loaded.assign(n, true);
+    for (std::size_t l = 0; l < x.layers.size(); ++l)
+      for (std::size_t i = 0; i < n; ++i)
+        if (x.block_layer_ok[l * n + i] == 0) s.block_loaded[i] = false;
     (void)now;
     s.reclaimable = s.final && is_reclaimable(x);
     return s;
@@ -979,7 +978,8 @@ class Decode final : public PdDecode, public Endpoint {
     if (layer >= x.layers.size() || x.layers[layer] != LayerState::kPending) return;
     x.layers[layer] = LayerState::kFailed;
     x.any_failure = true;
-    for (auto& bl : x.block_layer_ok) bl[layer] = 0;
+    std::fill_n(x.block_layer_ok.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * x.dst.size()), x.dst.size(),
+                std::uint8_t{0});
     if (x.error.ok()) x.error = why;
   }
 
@@ -1010,7 +1010,7 @@ class Decode final : public PdDecode, public Endpoint {
     std::size_t bad = 0;
     for (std::size_t i = 0; i < x.dst.size(); ++i) {
       const bool ok = actual[i] == ck[i];
-      x.block_layer_ok[i][layer] = ok ? 1 : 0;
+      x.block_layer_ok[std::size_t{layer} * x.dst.size() + i] = ok ? 1 : 0;
       if (!ok) {
         ++bad;
         if (x.error.ok())
