@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "transport/byte_codec.h"
+#include "transport/ipc/ipc_wire.h"
 #include "transport/transport_base.h"
 
 namespace kvtier::transport {
@@ -148,46 +149,14 @@ TEST(IpcBackend, APeerThatGoesAwayFailsTransfersWithUnavailableAndNothingHangs) 
 
 // ---- shared windows: a peer must not be able to resize them ---------------------------------------------
 
-// The ipc handshake as the backend speaks it (transport/ipc/ipc_transport.cc): SOCK_SEQPACKET messages,
-// u32 type first; kHello {name}, kRegion {index, bytes, live} + the window's descriptor, kRegionsEnd.
-constexpr std::uint32_t kHelloMsg = 1, kRegionMsg = 2, kRegionsEndMsg = 3;
+// The ipc handshake as the backend speaks it (transport/ipc/ipc_wire.h): kHello {name}, kRegion {index, bytes,
+// live} + the window's descriptor, kRegionsEnd.
+using ipc_wire::kHello;
+using ipc_wire::kRegion;
+using ipc_wire::kRegionsEnd;
 
-bool send_with_fd(int sock, const std::string& m, int fd) {
-  iovec iov{const_cast<char*>(m.data()), m.size()};
-  msghdr h{};
-  h.msg_iov = &iov;
-  h.msg_iovlen = 1;
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-  if (fd >= 0) {
-    h.msg_control = ctl;
-    h.msg_controllen = sizeof(ctl);
-    cmsghdr* c = CMSG_FIRSTHDR(&h);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  }
-  return sendmsg(sock, &h, MSG_NOSIGNAL) == static_cast<ssize_t>(m.size());
-}
-
-// Receives one message and the descriptor that came with it (-1: none).
-bool recv_with_fd(int sock, std::string& m, int& fd) {
-  fd = -1;
-  m.assign(1 << 16, '\0');
-  iovec iov{m.data(), m.size()};
-  msghdr h{};
-  h.msg_iov = &iov;
-  h.msg_iovlen = 1;
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-  h.msg_control = ctl;
-  h.msg_controllen = sizeof(ctl);
-  const ssize_t n = recvmsg(sock, &h, MSG_CMSG_CLOEXEC);
-  if (n <= 0) return false;
-  m.resize(static_cast<std::size_t>(n));
-  for (cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(&h, c))
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
-  return true;
-}
+bool send_with_fd(int sock, const std::string& m, int fd) { return ipc_wire::send_msg(sock, m, fd); }
+bool recv_with_fd(int sock, std::string& m, int& fd) { return ipc_wire::recv_msg(sock, m, &fd); }
 
 int abstract_socket(const std::string& name, bool listen_on) {
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -240,13 +209,13 @@ class FakeIpcOwner {
     int ignored = -1;
     if (!recv_with_fd(fd, m, ignored)) return;
     detail::ByteWriter<std::string> r;
-    r.u32(kRegionMsg);
+    r.u32(kRegion);
     r.u32(0);
     r.u64(claimed_);
     r.u8(1);
     if (!send_with_fd(fd, r.out, window_)) return;
     detail::ByteWriter<std::string> end;
-    end.u32(kRegionsEndMsg);
+    end.u32(kRegionsEnd);
     send_with_fd(fd, end.out, -1);
     // Stay connected until the test ends (the loader's receiver reads until the connection closes).
     while (recv_with_fd(fd, m, ignored)) {
@@ -360,7 +329,7 @@ TEST(IpcWindows, WindowsHandedToPeersAreSealedAgainstResizing) {
   timeval tv{10, 0};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   detail::ByteWriter<std::string> hello;
-  hello.u32(kHelloMsg);
+  hello.u32(kHello);
   hello.str("prober");
   ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
   std::string m;
@@ -391,7 +360,7 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
   timeval tv{10, 0};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   detail::ByteWriter<std::string> hello;
-  hello.u32(kHelloMsg);
+  hello.u32(kHello);
   hello.str("crafted");
   ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
   std::string m;
@@ -399,7 +368,7 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
   do {
     ASSERT_TRUE(recv_with_fd(sock, m, fd));
     if (fd >= 0) close(fd);
-  } while (m.size() < 4 || m[0] != static_cast<char>(kRegionsEndMsg));
+  } while (m.size() < 4 || m[0] != static_cast<char>(kRegionsEnd));
   detail::ByteWriter<std::string> req;
   req.u32(4);  // kWrite
   req.u64(1);

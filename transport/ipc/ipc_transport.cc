@@ -33,6 +33,7 @@
 
 #include "kvtier/transport/ipc.h"
 #include "transport/byte_codec.h"
+#include "transport/ipc/ipc_wire.h"
 #include "transport/transport_base.h"
 
 #ifndef KVTIER_IPC_CUDA
@@ -49,15 +50,15 @@ namespace {
 
 using namespace std::chrono_literals;
 
-enum MsgType : std::uint32_t {
-  kHello = 1,       // initiator -> owner: {name}
-  kRegion = 2,      // owner -> initiator: {index, bytes, live} + the window's fd when live
-  kRegionsEnd = 3,  // owner -> initiator
-  kWrite = 4,       // initiator -> owner: {xfer, ranges, notification}
-  kRead = 5,        // initiator -> owner: {xfer, ranges}
-  kNotify = 6,      // initiator -> owner: {kind, message}
-  kReply = 7,       // owner -> initiator: {xfer, code, message}
-};
+using ipc_wire::kHello;
+using ipc_wire::kNotify;
+using ipc_wire::kRead;
+using ipc_wire::kRegion;
+using ipc_wire::kRegionsEnd;
+using ipc_wire::kReply;
+using ipc_wire::kWrite;
+using ipc_wire::recv_msg;
+using ipc_wire::send_msg;
 
 // The seals every shared window carries: its size can never change again.
 constexpr int kWindowSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
@@ -73,63 +74,6 @@ struct Range {
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
 };
-
-// Sends one message, optionally with a file descriptor. False when the connection is gone.
-bool send_msg(int fd, const std::string& m, int pass_fd = -1) {
-  iovec iov{const_cast<char*>(m.data()), m.size()};
-  msghdr h{};
-  h.msg_iov = &iov;
-  h.msg_iovlen = 1;
-  alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-  if (pass_fd >= 0) {
-    h.msg_control = ctl;
-    h.msg_controllen = sizeof(ctl);
-    cmsghdr* c = CMSG_FIRSTHDR(&h);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
-  }
-  for (;;) {
-    const ssize_t n = sendmsg(fd, &h, MSG_NOSIGNAL);
-    if (n == static_cast<ssize_t>(m.size())) return true;
-    if (n < 0 && errno == EINTR) continue;
-    return false;
-  }
-}
-
-// Receives one message (and a passed descriptor, else -1). False at the connection's end or on error.
-bool recv_msg(int fd, std::string& m, int* got_fd = nullptr) {
-  if (got_fd) *got_fd = -1;
-  for (;;) {
-    char probe;
-    const ssize_t len = recv(fd, &probe, 1, MSG_PEEK | MSG_TRUNC);
-    if (len < 0 && errno == EINTR) continue;
-    if (len <= 0) return false;
-    m.resize(static_cast<std::size_t>(len));
-    iovec iov{m.data(), m.size()};
-    msghdr h{};
-    h.msg_iov = &iov;
-    h.msg_iovlen = 1;
-    alignas(cmsghdr) char ctl[CMSG_SPACE(sizeof(int))] = {};
-    h.msg_control = ctl;
-    h.msg_controllen = sizeof(ctl);
-    const ssize_t n = recvmsg(fd, &h, MSG_CMSG_CLOEXEC);
-    if (n < 0 && errno == EINTR) continue;
-    if (n != len) return false;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&h); c != nullptr; c = CMSG_NXTHDR(&h, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        int passed = -1;
-        std::memcpy(&passed, CMSG_DATA(c), sizeof(int));
-        if (got_fd)
-          *got_fd = passed;
-        else
-          close(passed);
-      }
-    }
-    return true;
-  }
-}
 
 void set_buffers(int fd) {
   const int sz = static_cast<int>(kMaxMessage + 4096);
