@@ -240,3 +240,20 @@ def test_interpreter_exit_is_clean_when_finalization_is_slow():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "terminate" not in p.stderr
+
+
+def test_the_extension_exports_no_statically_linked_runtime():
+    """The extension links libstdc++ statically. Its copy must stay private: exported, a shared libstdc++ loaded
+    beside it (torch's) bound to it, and `import kvtier` before `import torch` aborted in free() (std::locale)."""
+    import shutil
+    import subprocess
+
+    from kvtier import _native
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run([nm, "-D", "--defined-only", _native.__file__], capture_output=True, text=True, check=True)
+    strong = [line.split()[-1] for line in out.stdout.splitlines() if len(line.split()) == 3 and line.split()[1] in "TDBR"]
+    assert not [s for s in strong if s.startswith(("_ZNSt", "_ZNKSt", "_ZSt", "_ZN9__gnu_cxx"))], strong[:10]
+    assert "PyInit__native" in strong
