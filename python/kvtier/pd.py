@@ -216,7 +216,10 @@ class _Endpoint:
         if isinstance(stream, int):
             handle = stream
         else:
-            handle = getattr(stream, "cuda_stream", None) or getattr(stream, "ptr", None)
+            # torch: .cuda_stream, cupy: .ptr; 0 is a valid handle (the legacy default stream, torch's default).
+            handle = getattr(stream, "cuda_stream", None)
+            if handle is None:
+                handle = getattr(stream, "ptr", None)
             if handle is None:
                 raise InvalidArgumentError(f"stream {stream!r} is not a kvtier Stream, a torch or cupy stream, or a "
                                            f"CUDA stream handle")

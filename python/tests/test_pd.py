@@ -446,6 +446,21 @@ def test_direct_lane_refusals():
         assert st.leading_loaded_blocks == 0 and st.error is not None
 
 
+def test_a_default_stream_handle_of_zero_is_a_stream():
+    """torch's default stream has cuda_stream == 0 (the legacy default stream): it is a stream, not "no stream".
+    On the host backend adopting it is then refused as the backend has no native streams (on CUDA it is adopted)."""
+
+    class DefaultStream:  # what torch.cuda.default_stream() looks like to kvtier
+        cuda_stream = 0
+
+    dev = kvtier.host_device()
+    with Prefill(prefill_kv(), transport="loopback", device=dev, **FAST) as p:
+        with pytest.raises(kvtier.KvtierError) as e:
+            p.layer_ready(1, 0, stream=DefaultStream())
+        assert "is not a kvtier Stream" not in str(e.value), str(e.value)
+        assert "native streams" in str(e.value), str(e.value)
+
+
 # ---------------------------------------------------------------- two processes (ipc)
 
 
