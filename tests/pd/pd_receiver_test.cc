@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <optional>
 
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/host_device.h"
@@ -83,10 +84,14 @@ struct Rig {
   std::unique_ptr<CacheManager> cache;
   std::unique_ptr<cache::TransferPlanExecutor> exec;
   std::unique_ptr<transport::PdDecode> dec;
+  // Staged decode (device memory the transport does not reach): its own copy engine and pinned staging.
+  std::unique_ptr<CopyEngine> engine;
+  std::optional<transport::StagingSpace> staging;
+  std::unique_ptr<transport::PdStagedDecode> sdec;
   std::unique_ptr<PdReceiver> rx;
   transport::PeerId to_dec = 0, to_pre = 0;
 
-  explicit Rig(transport::WireFaults pre_faults = {}, transport::PdOptions opt = {}) {
+  explicit Rig(transport::WireFaults pre_faults = {}, transport::PdOptions opt = {}, bool staged = false) {
     const int n = ++g_seq;
     auto muting = std::make_unique<Muting>(transport::wrap_with_wire_faults(
         transport::create_loopback_transport({fmt::format("rx-pre{}", n), layout.fingerprint(), 1, 0}).value(),
@@ -120,18 +125,28 @@ struct Rig {
     cache = cache::testing::make_cache(cache::testing::config(kDeviceBlocks, kHostBlocks));
     exec = std::make_unique<cache::TransferPlanExecutor>(*tm, *dev, *compute, tm->device_space(),
                                                          cache::TransferPlanExecutor::Options{false, 0});
-    dec = transport::PdDecode::create(*dec_t, tm->device_space(), opt).value();
+    if (staged) {
+      engine = CopyEngine::create(*dev).value();
+      staging = transport::StagingSpace::allocate(*dev, layout, 6).value();
+      transport::StagedOptions so;
+      so.pd = opt;
+      sdec = transport::PdStagedDecode::create(*dec_t, *dev, *engine, tm->device_space(), staging->space, so).value();
+    } else {
+      dec = transport::PdDecode::create(*dec_t, tm->device_space(), opt).value();
+    }
     to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
     to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
     ReceiverOptions ro;
     ro.poll_interval = 50us;
     ro.receive_timeout = 10s;
-    rx = PdReceiver::create(*cache, *tm, *exec, *dec, ro).value();
+    rx = (staged ? PdReceiver::create(*cache, *tm, *exec, *sdec, ro) : PdReceiver::create(*cache, *tm, *exec, *dec, ro))
+             .value();
   }
   ~Rig() {
     rx.reset();
     pre.reset();
     dec.reset();
+    sdec.reset();
     tm->shutdown().ignore_error();
   }
 
@@ -286,6 +301,64 @@ TEST_P(Modes, ACorruptedBlockIsNeverCommittedAndALaterRequestRecomputesIt) {
 
 INSTANTIATE_TEST_SUITE_P(PdReceiver, Modes, ::testing::Values(PdMode::kPush, PdMode::kPull),
                          [](const auto& info) { return std::string(transport::pd_mode_name(info.param)); });
+
+// The staged decode (device blocks written by its own staging copies): the same guards and the same waits; the
+// layer is reported once its staging -> device copy completed, and the staging blocks return at the end.
+TEST(PdReceiver, AStagedReceiveIsAwaitedCommittedAndItsStagingReturned) {
+  Rig rig({}, {}, /*staged=*/true);
+  const auto keys = cache::testing::path({100, 101, 102, 103});
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 19, kSrc).ok());
+  auto rcv = rig.rx->start(rig.request(19, PdMode::kPull, keys));
+  ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
+  const std::vector<BlockId> blocks = receive_blocks(rcv->admission);
+  EXPECT_EQ(rig.sdec->staging_blocks_free(), 2u);
+  auto evict = rig.tm->evict_to_host_async(std::vector<std::int32_t>{static_cast<std::int32_t>(blocks[3])},
+                                           std::vector<std::int32_t>{0});
+  EXPECT_EQ(evict.status().code(), StatusCode::kFailedPrecondition) << evict.status().to_string();
+  for (std::uint32_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(rig.pre->layer_ready(19, l).ok());
+    ASSERT_TRUE(rig.tm->wait_layer_host(rcv->task, l, 5s).ok()) << l;
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      EXPECT_TRUE(layer_matches(rig.tm->device_space(), blocks[i], l, kSrc[i])) << "layer " << l << " block " << i;
+  }
+  auto out = rig.rx->finish(19, 5s);
+  ASSERT_TRUE(out.ok()) << out.status().to_string();
+  EXPECT_TRUE(out->error.ok()) << out->error.to_string();
+  EXPECT_EQ(out->loaded_blocks, 4u);
+  ASSERT_TRUE(rig.rx->drain(5s).ok());
+  EXPECT_EQ(rig.sdec->staging_blocks_free(), 6u);
+  ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
+  auto later = rig.cache->admit(keys);
+  ASSERT_TRUE(later.ok()) << later.status().to_string();
+  EXPECT_EQ(later->device_hit_blocks, 4u);
+  ASSERT_TRUE(rig.cache->release(later->id).ok());
+}
+
+// The request is aborted mid-transfer (its admission released while receiving): nothing is committed, the
+// blocks stay out of the pool until the transfer is over, then return.
+TEST(PdReceiver, AnAdmissionReleasedWhileReceivingCommitsNothingAndGetsItsBlocksBack) {
+  Rig rig;
+  const auto keys = cache::testing::path({110, 111, 112, 113});
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 20, kSrc).ok());
+  auto rcv = rig.rx->start(rig.request(20, PdMode::kPush, keys));
+  ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
+  ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
+  EXPECT_EQ(rig.cache->stats().quarantined_device_blocks, 4u);
+  EXPECT_EQ(rig.cache->admit(cache::testing::path({120, 121, 122, 123, 124, 125})).status().code(),
+            StatusCode::kResourceExhausted);
+  for (std::uint32_t l = 0; l < kLayers; ++l) ASSERT_TRUE(rig.pre->layer_ready(20, l).ok());
+  auto out = rig.rx->finish(20, 5s);
+  ASSERT_TRUE(out.ok()) << out.status().to_string();
+  EXPECT_EQ(out->error.code(), StatusCode::kFailedPrecondition) << out->error.to_string();
+  EXPECT_EQ(out->loaded_blocks, 0u);
+  ASSERT_TRUE(rig.rx->drain(5s).ok());
+  EXPECT_EQ(rig.cache->stats().quarantined_device_blocks, 0u);
+  EXPECT_EQ(rig.cache->stats().received_committed_blocks, 0u);
+  EXPECT_EQ(rig.cache->match(keys).total(), 0u);
+  auto all = rig.cache->admit(cache::testing::path({120, 121, 122, 123, 124, 125, 126, 127}));
+  EXPECT_TRUE(all.ok()) << all.status().to_string();
+  EXPECT_TRUE(rig.cache->check_invariants().ok());
+}
 
 // A prefill that falls silent mid-transfer (alive, its notifications lost): the lease fails the rest, the
 // forward's waits end with the failure, nothing is committed, and the blocks stay out of every pool and
