@@ -243,10 +243,9 @@ class Receiver final : public PdReceiver {
         if (e.ended && !e.reclaimable) step_quarantined(id, e);
         watching = watching || !e.reclaimable;
       }
-      if (watching)
-        cv_.wait_for(lock, options_.poll_interval);
-      else
-        cv_.wait(lock);  // start() and the destructor notify
+      // Idle: start() and the destructor notify; the bound only keeps every wait finite.
+      cv_.wait_for(lock, watching ? std::chrono::duration_cast<std::chrono::nanoseconds>(options_.poll_interval)
+                                  : std::chrono::nanoseconds(std::chrono::milliseconds(50)));
     }
   }
 

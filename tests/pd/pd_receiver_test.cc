@@ -62,8 +62,6 @@ class OneSidedWrites final : public transport::testing::ForwardingTransport {
   std::atomic<bool> peer_alive{false};
 };
 
-std::vector<std::uint64_t> as_u64(const std::vector<BlockId>& v) { return {v.begin(), v.end()}; }
-std::vector<std::int32_t> as_i32(const std::vector<BlockId>& v) { return {v.begin(), v.end()}; }
 std::vector<BlockId> receive_blocks(const Admission& a) {
   return {a.device_blocks.begin() + a.receive_begin, a.device_blocks.begin() + a.receive_begin + a.receive_blocks};
 }
