@@ -379,3 +379,48 @@ def test_ranks_and_tenants_get_their_own_namespaces(tmp_path):
         open_backend(tmp_path, fields=dict(is_mla_model=True, tp_size=2))
     mla = open_backend(tmp_path / "mla", fields=dict(is_mla_model=True, tp_size=1))
     assert "tp=" not in mla.namespace
+
+
+# ------------------------------------------------------------------ Redis (scripts/start-test-services.sh)
+
+REDIS = os.environ.get("KVTIER_TEST_REDIS")
+REDIS_PW = os.environ.get("KVTIER_TEST_REDIS_PASSWORD", "")
+
+
+@pytest.mark.skipif(not REDIS, reason="no test Redis (KVTIER_TEST_REDIS; scripts/start-test-services.sh)")
+def test_redis_tier_byte_exact_and_corrupt_value_is_a_miss(tmp_path):
+    import shutil
+    import subprocess
+    import uuid
+
+    prefix = f"kvtier-sgl-{uuid.uuid4().hex[:12]}"
+    extra = {"storage": f"redis://:{REDIS_PW}@{REDIS}?prefix={prefix}&cluster=off", "interface_v1": 1,
+             "storage.redis.item_deadline": "2s"}
+    backend = ks.HiCacheKvtier(make_config(extra), {})
+    pool = HostPool(pages=16, seed=9)
+    ctl = Controller(backend, pool, True)
+    keys = hashes(6)
+    want = written(pool, range(6))
+    assert ctl.backup(keys, list(range(6))) == 6
+    assert ctl.query(keys + hashes(1, "x")) == 6
+    pool.clear()
+    assert ctl.prefetch(keys, list(range(10, 16))) == 6
+    assert all(pool.page_bytes(10 + i) == want[i] for i in range(6))
+    if shutil.which("redis-cli") is None:
+        return
+    host, port = REDIS.rsplit(":", 1)
+    cli = ["redis-cli", "-h", host, "-p", port, "--no-auth-warning"] + (["-a", REDIS_PW] if REDIS_PW else [])
+    name = backend.object_names(keys[2])[0]
+    (rkey,) = subprocess.run(cli + ["--scan", "--pattern", f"{prefix}:*{name}"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    size = int(subprocess.run(cli + ["strlen", rkey], capture_output=True, text=True, check=True).stdout)
+    byte = subprocess.run(cli + ["getrange", rkey, str(size - 10), str(size - 10)], capture_output=True,
+                          check=True).stdout[:1]
+    subprocess.run(cli + ["setrange", rkey, str(size - 10), "A" if byte != b"A" else "B"], capture_output=True,
+                   check=True)
+    pool.clear()
+    assert backend.batch_get_v1(keys, pool.indices(list(range(10, 16)))) == [True, True, False, True, True, True]
+    assert ctl.query(keys) == 2  # the corrupt value was deleted (quarantine = removal on Redis)
+    for k in subprocess.run(cli + ["--scan", "--pattern", f"{prefix}:*"], capture_output=True, text=True,
+                            check=True).stdout.split():
+        subprocess.run(cli + ["del", k], capture_output=True, check=True)
