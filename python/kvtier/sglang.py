@@ -206,7 +206,8 @@ def parse_extra_config(extra: Optional[dict]) -> Tuple[str, str, Dict[str, str],
     if ignored:
         logger.warning("kvtier.sglang: ignoring extra_config keys %s (not kvtier's, not SGLang's known ones)",
                        sorted(ignored))
-    zero_copy = bool(int(extra.get("interface_v1", 0) or 0))
+    # SGLang's own test (cache_controller.py), so that exists queries use the objects its calls write.
+    zero_copy = bool(extra.get("interface_v1", 0))
     return spec, ns, knobs, zero_copy
 
 
