@@ -362,6 +362,43 @@ def test_extra_config_maps_onto_kvtier_knobs(tmp_path):
     assert (spec, ns, knobs, zc) == ("redis://h:1", "blue", {"storage.redis.workers": "4"}, True)
 
 
+def test_spec_parameters_win_over_knobs(tmp_path):
+    extra = disk_extra(tmp_path)
+    extra["storage"] += "&capacity=2M"
+    extra["storage.disk.capacity_bytes"] = "1M"
+    b = ks.HiCacheKvtier(make_config(extra), {})
+    assert b.tier_stats()["capacity_bytes"] == 2 << 20
+
+
+def test_tenant_secret_pages_of_another_secret_are_misses(tmp_path):
+    pool = HostPool(pages=4)
+    want = written(pool, [0])
+    secrets = []
+    for i, hexkey in enumerate(["11" * 32, "22" * 32]):
+        f = tmp_path / f"secret{i}"
+        f.write_text(hexkey + "\n")
+        f.chmod(0o600)
+        secrets.append(str(f))
+    tenant = {"storage.tenant.id": "team-a"}
+    a = open_backend(tmp_path / "t", **tenant, **{"storage.tenant.secret_file": secrets[0]})
+    assert Controller(a, pool, True).backup(hashes(1), [0]) == 1
+    del a
+    b = open_backend(tmp_path / "t", **tenant, **{"storage.tenant.secret_file": secrets[1]})
+    ctl = Controller(b, pool, True)
+    pool.clear()
+    assert ctl.query(hashes(1)) == 0 and ctl.prefetch(hashes(1), [1]) == 0
+    assert pool.page_bytes(1) == bytes([0xEE]) * len(want[0])
+    assert b.tier_stats()["auth_failures"] >= 1  # the other secret's objects: quarantined, never served
+    del b, ctl
+    a = open_backend(tmp_path / "t2", **tenant, **{"storage.tenant.secret_file": secrets[0]})
+    ctl = Controller(a, pool, True)
+    written(pool, [0])
+    want = pool.page_bytes(0)
+    assert ctl.backup(hashes(1), [0]) == 1 and ctl.prefetch(hashes(1), [2]) == 1 and pool.page_bytes(2) == want
+    with pytest.raises(kvtier.errors.NotFoundError, match="absent"):
+        open_backend(tmp_path / "t3", **{"storage.tenant.secret_file": str(tmp_path / "absent")})
+
+
 def test_ranks_and_tenants_get_their_own_namespaces(tmp_path):
     pool = HostPool(pages=4)
     written(pool, [0])
