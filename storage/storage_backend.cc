@@ -13,6 +13,7 @@
 
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/redis_backend.h"
+#include "kvtier/storage/storage_config.h"
 
 namespace kvtier::storage {
 
@@ -99,8 +100,8 @@ StorageTicket StorageTicket::create(StorageOp op, std::size_t n) {
 Status StorageTicket::wait(std::chrono::milliseconds timeout) const {
   if (!c_) return InvalidArgument("wait on an empty ticket");
   if (c_->wait_for(timeout)) return Status::Ok();
-  return TimedOut(fmt::format("{} of {} items still pending after {} ms", c_->remaining(), c_->size(),
-                              timeout.count()));
+  return TimedOut(
+      fmt::format("{} of {} items still pending after {} ms", c_->remaining(), c_->size(), timeout.count()));
 }
 
 Status StorageTicket::first_error() const {
@@ -222,22 +223,34 @@ Result<std::string> read_tenant_secret_file(const std::string& path) {
 }
 
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options) {
+  return make_storage_backend(spec, std::move(options), StorageBackendDefaults{});
+}
+
+Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options,
+                                                             const StorageBackendDefaults& defaults) {
   if (spec.starts_with("disk:")) {
     auto [path, params] = split_query(spec.substr(5));
-    DiskBackendConfig c;
+    DiskBackendConfig c = defaults.disk;
     c.root = std::string(path);
     for (auto [k, v] : params) {
       if (k == "capacity") {
         KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, parse_size(v));
       } else if (k == "durability") {
-        if (v == "process") c.durability = Durability::kProcessCrash;
-        else if (v == "power") c.durability = Durability::kPowerLoss;
-        else return InvalidArgument(fmt::format("durability '{}' is not process|power", v));
+        if (v == "process")
+          c.durability = Durability::kProcessCrash;
+        else if (v == "power")
+          c.durability = Durability::kPowerLoss;
+        else
+          return InvalidArgument(fmt::format("durability '{}' is not process|power", v));
       } else if (k == "direct") {
-        if (v == "auto") c.direct_io = DirectIo::kAuto;
-        else if (v == "on") c.direct_io = DirectIo::kOn;
-        else if (v == "off") c.direct_io = DirectIo::kOff;
-        else return InvalidArgument(fmt::format("direct '{}' is not auto|on|off", v));
+        if (v == "auto")
+          c.direct_io = DirectIo::kAuto;
+        else if (v == "on")
+          c.direct_io = DirectIo::kOn;
+        else if (v == "off")
+          c.direct_io = DirectIo::kOff;
+        else
+          return InvalidArgument(fmt::format("direct '{}' is not auto|on|off", v));
       } else if (k == "qd") {
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, parse_size(v));
         c.queue_depth = static_cast<std::uint32_t>(qd);
@@ -250,7 +263,8 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
   }
   if (spec.starts_with("redis://")) {
     auto [rest, params] = split_query(spec.substr(8));
-    RedisBackendConfig c;
+    RedisBackendConfig c = defaults.redis;
+    c.endpoints.clear();
     const auto at = rest.rfind('@');
     if (at != std::string_view::npos) {
       std::string_view cred = rest.substr(0, at);
@@ -271,10 +285,14 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
     }
     for (auto [k, v] : params) {
       if (k == "cluster") {
-        if (v == "auto") c.mode = RedisMode::kAuto;
-        else if (v == "on" || v == "1") c.mode = RedisMode::kCluster;
-        else if (v == "off" || v == "0") c.mode = RedisMode::kSingle;
-        else return InvalidArgument(fmt::format("cluster '{}' is not auto|on|off", v));
+        if (v == "auto")
+          c.mode = RedisMode::kAuto;
+        else if (v == "on" || v == "1")
+          c.mode = RedisMode::kCluster;
+        else if (v == "off" || v == "0")
+          c.mode = RedisMode::kSingle;
+        else
+          return InvalidArgument(fmt::format("cluster '{}' is not auto|on|off", v));
       } else if (k == "prefix") {
         c.key_prefix = std::string(v);
       } else if (k == "timeout_ms") {

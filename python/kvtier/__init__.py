@@ -11,13 +11,16 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
   waits with timeouts, hazards per block, per-task status, stats as dicts;
 - :class:`CacheManager` (match, admit, take_plan, ack, commit, release, stats),
   :class:`KeyHasher` (namespaced chained block keys), :class:`StorageBackend`
-  (``StorageBackend.open("disk:/path")`` or ``"redis://host:port"``);
+  (``StorageBackend.open("disk:/path")`` or ``"redis://host:port"``; batches ``exists_many``,
+  ``get_many``, ``put_many``, ``delete_many`` on borrowed buffers);
 - :mod:`kvtier.errors`: exceptions carrying the status code and message;
 - :mod:`kvtier.metrics`: kvtier's metrics registry for ``prometheus_client`` (``KvtierCollector``),
   as text, or on kvtier's own ``/metrics``; ``attach_metrics(labels)`` on the managers; KV events
   (``CacheManager.enable_kv_events`` / ``take_events`` / ``publish_events`` on a ``KvEventPublisher``);
 - :mod:`kvtier.fastdeploy`: ``CacheTransferManager``, a drop-in for FastDeploy's class (its
   transfer-connector slot holds kvtier's prefill/decode);
+- :mod:`kvtier.sglang`: ``HiCacheKvtier``, an SGLang HiCache storage backend (L3) on kvtier's disk and
+  Redis tiers (``--hicache-storage-backend dynamic``; docs/engines.md);
 - :mod:`kvtier.pd`: prefill/decode KV transfer between instances (``Prefill``, ``Decode``):
   metadata as bytes, push or pull, per-layer waits, byte-verified blocks.
 

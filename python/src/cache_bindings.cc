@@ -5,11 +5,15 @@
 // wrapper serialises calls with a mutex so that Python threads cannot race.
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -19,8 +23,11 @@
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/core/config.h"
 #include "kvtier/storage/storage_backend.h"
+#include "kvtier/storage/storage_config.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"
+
+extern char** environ;
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -100,6 +107,122 @@ std::optional<std::uint64_t> run_one(PyStorage& p, storage::StorageOp op, const 
   if (r.at(0).status.code() == StatusCode::kNotFound) return std::nullopt;
   check(r.at(0).status);
   return r.at(0).bytes;
+}
+
+// ---------------------------------------------------------------- storage batches
+
+// DLPack device types of memory the CPU addresses: 1 CPU, 3 CUDA host (pinned).
+constexpr int kDlCpu = 1, kDlCudaHost = 3;
+
+// One item's memory: borrowed from the caller for the whole batch.
+struct Borrowed {
+  void* data = nullptr;
+  std::uint64_t bytes = 0;
+};
+
+template <typename Array>
+Borrowed borrow_array(const Array& a, std::size_t index) {
+  if (a.device_type() != kDlCpu && a.device_type() != kDlCudaHost)
+    raise_status(InvalidArgument(fmt::format(
+        "buffer at index {} has DLPack device type {}; storage items take memory the CPU addresses (numpy, CPU or "
+        "pinned tensors)",
+        index, a.device_type())));
+  // C-contiguous, checked here: the bytes are moved as they lie, never through a converted copy.
+  std::int64_t expect = 1;
+  for (std::size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect)
+      raise_status(InvalidArgument(
+          fmt::format("buffer at index {} is not C-contiguous (dimension {} has stride {} elements, {} expected)",
+                      index, d, a.stride(d), expect)));
+    expect *= static_cast<std::int64_t>(a.shape(d));
+  }
+  return {const_cast<void*>(static_cast<const void*>(a.data())), static_cast<std::uint64_t>(a.nbytes())};
+}
+
+// A buffer of a batch: a C-contiguous CPU array (DLPack or the buffer protocol: numpy, CPU or pinned
+// torch tensors; never converted or copied) or an (address, nbytes) pair of host memory the caller owns.
+// Arrays are appended to `keep` so that they outlive the batch.
+Borrowed borrow_buffer(nb::handle h, bool writable, std::size_t index, std::vector<nb::object>& keep) {
+  if (nb::isinstance<nb::tuple>(h) && nb::len(h) == 2) {
+    nb::tuple t = nb::borrow<nb::tuple>(h);
+    std::uint64_t address = 0, bytes = 0;
+    if (!nb::try_cast(t[0], address, false) || !nb::try_cast(t[1], bytes, false))
+      raise_status(InvalidArgument(
+          fmt::format("buffer at index {} is a tuple but not (address, nbytes) of non-negative integers", index)));
+    if (address == 0 && bytes > 0)
+      raise_status(InvalidArgument(fmt::format("buffer at index {} has address 0 and {} bytes", index, bytes)));
+    return {reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), bytes};
+  }
+  try {
+    if (writable) {
+      auto a = nb::cast<nb::ndarray<>>(h, false);
+      keep.push_back(nb::borrow(h));
+      return borrow_array(a, index);
+    }
+    auto a = nb::cast<nb::ndarray<nb::ro>>(h, false);
+    keep.push_back(nb::borrow(h));
+    return borrow_array(a, index);
+  } catch (const nb::cast_error&) {
+    std::string type = nb::cast<std::string>(nb::str(nb::handle(h.type())));
+    raise_status(InvalidArgument(
+        fmt::format("buffer at index {} ({}) is neither a {}CPU array (DLPack or buffer protocol) nor an (address, "
+                    "nbytes) pair",
+                    index, type, writable ? "writable " : "")));
+  }
+}
+
+// Posts one batch and waits until every item has completed: items borrow the caller's memory, so
+// the call never returns while the backend may still touch it (Redis items end within the
+// backend's deadlines; disk items when their I/O completes). Runs without the GIL.
+Result<std::vector<storage::ItemResult>> run_to_completion(storage::StorageBackend& backend,
+                                                           storage::StorageBatch batch) {
+  KVTIER_ASSIGN_OR_RETURN(storage::StorageTicket ticket, backend.post(std::move(batch)));
+  while (!ticket.poll()) (void)ticket.wait(std::chrono::milliseconds(1000));
+  return ticket.results();
+}
+
+// Per-item outcome for Python: the payload bytes (int) when OK, else the exception object of the
+// item's status (kvtier.errors: NotFoundError for an absent object, DataLossError for one that failed
+// verification, ResourceExhaustedError for a full tier, ...), not raised.
+nb::list item_results(const std::vector<storage::ItemResult>& results) {
+  nb::list out;
+  for (const auto& r : results) {
+    if (r.status.ok())
+      out.append(nb::int_(r.bytes));
+    else
+      out.append(exception_object(r.status));
+  }
+  return out;
+}
+
+nb::list run_many(PyStorage& p, storage::StorageOp op, const std::vector<std::string>& keys,
+                  std::optional<nb::sequence> buffers, std::uint32_t rank) {
+  storage::StorageBatch b;
+  b.op = op;
+  b.items.resize(keys.size());
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    auto k = BlockKey::from_hex(keys[i]);
+    if (!k.ok()) raise_status(k.status().with_context(fmt::format("key at index {}", i)));
+    b.items[i].key = storage::StorageKey::from_u64(k->hi, k->lo, rank);
+  }
+  std::vector<nb::object> keep;
+  if (op == storage::StorageOp::kGet || op == storage::StorageOp::kPut) {
+    if (!buffers)
+      raise_status(InvalidArgument(fmt::format("{} needs buffers (one per key)", storage::storage_op_name(op))));
+    const std::size_t n = nb::len(*buffers);
+    if (n != keys.size()) raise_status(InvalidArgument(fmt::format("{} keys but {} buffers", keys.size(), n)));
+    keep.reserve(n);
+    std::size_t i = 0;
+    for (nb::handle h : *buffers) {
+      Borrowed m = borrow_buffer(h, op == storage::StorageOp::kGet, i, keep);
+      b.items[i].buffer = m.data;
+      b.items[i].bytes = m.bytes;
+      ++i;
+    }
+  }
+  if (b.items.empty()) return nb::list();
+  auto r = value_or_raise(released([&] { return run_to_completion(*p.backend, std::move(b)); }));
+  return item_results(r);
 }
 
 }  // namespace
@@ -344,15 +467,33 @@ void bind_cache(nb::module_& m) {
                         "(block key, rank) in one namespace.")
       .def_static(
           "open",
-          [](const std::string& spec, const std::string& ns) {
+          [](const std::string& spec, const std::string& ns, const std::map<std::string, std::string>& config) {
             storage::StorageOptions o;
             o.ns = ns;
+            storage::StorageBackendDefaults defaults;
+            storage::TenantConfig tenant;
+            {
+              ConfigTable table;
+              storage::bind_disk_backend_config(table, defaults.disk);
+              storage::bind_redis_backend_config(table, defaults.redis);
+              storage::bind_tenant_config(table, tenant);
+              check(table.apply_env(environ).with_context("KVTIER_STORAGE_* environment"));
+              for (const auto& [k, v] : config) check(table.set(k, v));
+            }
+            check(storage::apply_tenant_config(tenant, o));
             auto p = std::make_unique<PyStorage>();
-            p->backend = value_or_raise(released([&] { return storage::make_storage_backend(spec, o); }));
+            p->backend = value_or_raise(released([&] { return storage::make_storage_backend(spec, o, defaults); }));
             return p;
           },
-          "spec"_a, "namespace"_a = "default",
-          "spec: disk:<dir>[?capacity=10G&durability=none|process|power] or redis://host:port[,host:port...]")
+          "spec"_a, "namespace"_a = "default", "config"_a = std::map<std::string, std::string>(),
+          "spec: disk:<dir>[?capacity=10G&durability=process|power&direct=auto|on|off&tenant=<id>] or "
+          "redis://[[user]:password@]host:port[,host:port...][?prefix=<p>&tenant=<id>...] (make_storage_backend). "
+          "config: knob -> value of the storage.disk.*, storage.redis.* and storage.tenant.* knobs "
+          "(docs/configuration.md), applied over their KVTIER_STORAGE_* variables; what the spec names wins.")
+      .def_static(
+          "object_name", [](const std::string& key, std::uint32_t rank) { return storage_key(key, rank).to_string(); },
+          "key"_a, "rank"_a = 0,
+          "The stored object's name (\"<32 hex digits>-r<rank>\"): the disk file <name>.kvo, the end of the Redis key.")
       .def_prop_ro("name", [](PyStorage& p) { return std::string(p.backend->name()); })
       .def(
           "put",
@@ -381,6 +522,40 @@ void bind_cache(nb::module_& m) {
             return run_one(p, storage::StorageOp::kDelete, key, rank).has_value();
           },
           "key"_a, "rank"_a = 0, "True when it was removed, False when it was absent.")
+      .def(
+          "exists_many",
+          [](PyStorage& p, const std::vector<std::string>& keys, std::uint32_t rank) {
+            return run_many(p, storage::StorageOp::kExists, keys, std::nullopt, rank);
+          },
+          "keys"_a, "rank"_a = 0,
+          "One batch; per key the payload size (int) when present, else the exception object (NotFoundError when "
+          "absent), not raised.")
+      .def(
+          "get_many",
+          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, std::uint32_t rank) {
+            return run_many(p, storage::StorageOp::kGet, keys, buffers, rank);
+          },
+          "keys"_a, "buffers"_a, "rank"_a = 0,
+          "Reads each object into its buffer: a writable C-contiguous CPU array (numpy, CPU or pinned torch "
+          "tensor; DLPack or buffer protocol) or an (address, nbytes) pair. Per key the payload bytes read (int; "
+          "the object was verified before it was reported) or the exception object: NotFoundError (absent), "
+          "DataLossError (failed verification: quarantined), InvalidArgumentError (object larger than the buffer), "
+          "... A buffer whose item failed holds undefined bytes. Returns when every item is done (GIL released).")
+      .def(
+          "put_many",
+          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, std::uint32_t rank) {
+            return run_many(p, storage::StorageOp::kPut, keys, buffers, rank);
+          },
+          "keys"_a, "buffers"_a, "rank"_a = 0,
+          "Stores each buffer (as get_many's; read only) as the object of its key, replacing any. Per key the bytes "
+          "stored (int) or the exception object (ResourceExhaustedError: the tier is full or the object exceeds "
+          "its capacity, UnavailableError, ...). Returns when every item is done (GIL released).")
+      .def(
+          "delete_many",
+          [](PyStorage& p, const std::vector<std::string>& keys, std::uint32_t rank) {
+            return run_many(p, storage::StorageOp::kDelete, keys, std::nullopt, rank);
+          },
+          "keys"_a, "rank"_a = 0, "Per key 0 when removed, else the exception object (NotFoundError: absent).")
       .def("stats", [](PyStorage& p) {
         storage::StorageStats s = p.backend->stats();
         nb::dict d;
@@ -389,6 +564,7 @@ void bind_cache(nb::module_& m) {
         d["capacity_bytes"] = s.capacity_bytes;
         d["evictions"] = s.evictions;
         d["quarantined"] = s.quarantined;
+        d["auth_failures"] = s.auth_failures;
         d["bounce_copies"] = s.bounce_copies;
         d["redirects"] = s.redirects;
         d["reconnects"] = s.reconnects;

@@ -6,7 +6,9 @@
 // Thread-safety: as ConfigTable: bind and apply on one thread.
 #pragma once
 
+#include <memory>
 #include <string>
+#include <string_view>
 
 #include "kvtier/core/config.h"
 #include "kvtier/storage/disk_backend.h"
@@ -28,6 +30,16 @@ struct TenantConfig {
   std::string secret_file;  // empty: no secret (unkeyed objects)
 };
 void bind_tenant_config(ConfigTable& table, TenantConfig& config, const std::string& prefix = "storage.tenant");
+// The backends' configuration before a spec string is applied: make_storage_backend(spec, options,
+// defaults) starts from these (e.g. the knob table's values) and what the spec names overrides them.
+// The disk root and the Redis endpoints always come from the spec.
+struct StorageBackendDefaults {
+  DiskBackendConfig disk;
+  RedisBackendConfig redis;
+};
+Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options,
+                                                             const StorageBackendDefaults& defaults);
+
 // Sets options.tenant and options.tenant_secret from `config` (the file is read here) and checks
 // them (format::check_tenant_options). Leaves `options` unchanged on error.
 Status apply_tenant_config(const TenantConfig& config, StorageOptions& options);
