@@ -10,7 +10,8 @@
 # `python`: installs the kvtier wheel built on the build machine for this machine's python3
 # (scripts/build-wheel.sh --python python3.12 --cuda ON --out .gpu-wheel; no compiler step here) with
 # pip into $KVTIER_PY_TARGET, runs the pytest suite on torch CUDA tensors and the real-model offload
-# proof (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it) from it.
+# proof (python/tests/gpu/llama_offload.py; LLAMA_ARGS passes options to it) and the two-process prefill/decode
+# proof (python/tests/gpu/llama_pd.py; LLAMA_PD_ARGS) from it.
 # `pd`: kvtier bench pd over the direct lane (the device lane of pd.h between two processes on GPU 0: CUDA IPC,
 # copy kernels, GPU checksums, bytes checked) beside the same block lists gathered in one process, and, where the
 # nixl-cu13 wheel is in .whl/, bench/pd_nixl.py with the same block lists (NIXL's UCX backend, WRITE and READ).
@@ -65,6 +66,11 @@ if [ "$what" = python ] || [ "$what" = all ]; then
   timeout 420 python3 python/tests/gpu/llama_offload.py --out "$OUT/llama_offload.json" ${LLAMA_ARGS:-} \
     > "$OUT/llama_offload.log" 2>&1
   echo "llama_offload rc=$?"; tail -30 "$OUT/llama_offload.log"
+  # Prefill in one process, decode in another, layer-wise push over the device lane (LLAMA_PD_ARGS: options).
+  # shellcheck disable=SC2086
+  timeout 420 python3 python/tests/gpu/llama_pd.py --out "$OUT/llama_pd.json" ${LLAMA_PD_ARGS:-} \
+    > "$OUT/llama_pd.log" 2>&1
+  echo "llama_pd rc=$?"; tail -30 "$OUT/llama_pd.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 420 "$BIN/kvtier" bench copy --backend cuda --json "$@" > "$OUT/bench_copy.jsonl" 2> "$OUT/bench_copy.err"
