@@ -268,7 +268,13 @@ class Receiver final : public PdReceiver {
       if (e.reported[l] != 0) continue;
       if (st->layers[l] == LayerState::kLoaded) report(e, l, {});
       if (st->layers[l] == LayerState::kFailed) report(e, l, e.blocks);
-      // kPartial: which blocks failed in this layer is known only as "not loaded" once the transfer is final.
+      if (st->layers[l] == LayerState::kPartial && !st->layer_block_loaded.empty()) {
+        // The endpoint says which blocks of the layer arrived: the others fail now, not at the end.
+        std::vector<std::int32_t> failed;
+        for (std::size_t i = 0; i < e.blocks.size(); ++i)
+          if (!st->layer_block_is_loaded(l, i)) failed.push_back(e.blocks[i]);
+        report(e, l, failed);
+      }
     }
     if (st->final) {
       std::vector<std::int32_t> not_loaded;

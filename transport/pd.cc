@@ -952,6 +952,7 @@ class Decode final : public PdDecode, public Endpoint {
     s.final = all_final(x);
     s.error = x.error;
     const std::size_t n = x.dst.size();
+    s.layer_block_loaded = x.block_layer_ok;
     s.block_loaded.assign(n, true);
     for (std::size_t l = 0; l < x.layers.size(); ++l)
       for (std::size_t i = 0; i < n; ++i)

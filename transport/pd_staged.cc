@@ -411,6 +411,12 @@ class StagedDecode final : public PdStagedDecode {
       copies_ok = copies_ok && !(x.layers[l].phase == Phase::kFinal && x.layers[l].wire != LayerState::kFailed &&
                                  x.layers[l].state == LayerState::kFailed);
     }
+    // Until a layer is in device memory no block of it is loaded there; a failed copy loads none.
+    const std::size_t n = s.block_loaded.size();
+    for (std::size_t l = 0; l < x.layers.size(); ++l)
+      if (x.layers[l].phase != Phase::kFinal || x.layers[l].state == LayerState::kFailed)
+        for (std::size_t i = 0; i < n && l * n + i < s.layer_block_loaded.size(); ++i)
+          s.layer_block_loaded[l * n + i] = 0;
     // Until a layer is in device memory no block containing it is loaded.
     for (std::size_t i = 0; i < s.block_loaded.size(); ++i)
       s.block_loaded[i] = s.block_loaded[i] && all_final && copies_ok;

@@ -297,6 +297,34 @@ TEST_P(Modes, ACorruptedBlockIsNeverCommittedAndALaterRequestRecomputesIt) {
   EXPECT_EQ(rig.rx->stats().failed, 1u);
 }
 
+// A layer with one corrupted block fails on the data plane as soon as the endpoint verified it, naming that block,
+// while later layers are still to come: a forward waiting on it does not wait for the whole transfer.
+TEST(PdReceiver, APartialLayerFailsAtOnceNamingItsBadBlock) {
+  const transport::WireFaults f{4 + 2, 100};  // layer 0, role 1, position 2 (see the test above)
+  Rig rig(f);
+  const auto keys = cache::testing::path({9, 10, 11, 12});
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 14, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(14, 0).ok());  // only layer 0: the transfer cannot become final
+  auto rcv = rig.rx->start(rig.request(14, PdMode::kPush, keys));
+  ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
+  const std::vector<BlockId> blocks = receive_blocks(rcv->admission);
+  const Status l0 = rig.tm->wait_layer_host(rcv->task, 0, 3s);
+  EXPECT_EQ(l0.code(), StatusCode::kDataLoss) << l0.to_string();
+  EXPECT_NE(l0.message().find(std::to_string(blocks[2])), std::string::npos) << l0.to_string();
+  EXPECT_EQ(rig.tm->wait_layer_host(rcv->task, 1, 50ms).code(), StatusCode::kTimedOut);  // not declared yet
+  for (std::uint32_t l = 1; l < kLayers; ++l) ASSERT_TRUE(rig.pre->layer_ready(14, l).ok());
+  auto out = rig.rx->finish(14, 5s);
+  ASSERT_TRUE(out.ok()) << out.status().to_string();
+  EXPECT_EQ(out->loaded_blocks, 2u);
+  for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_TRUE(rig.tm->wait_layer_host(rcv->task, l, 5s).ok()) << l;
+  auto failed = rig.tm->failed_blocks(rcv->task);
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(failed->device, (std::vector<std::int32_t>{static_cast<std::int32_t>(blocks[2])}));
+  ASSERT_TRUE(rig.rx->drain(5s).ok());
+  ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
+  EXPECT_TRUE(rig.cache->check_invariants().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(PdReceiver, Modes, ::testing::Values(PdMode::kPush, PdMode::kPull),
                          [](const auto& info) { return std::string(transport::pd_mode_name(info.param)); });
 

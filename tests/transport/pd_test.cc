@@ -123,6 +123,10 @@ TEST_P(PdModes, ACorruptedByteOnTheWireFailsThatBlockOnly) {
   EXPECT_EQ(fin->layers[0], LayerState::kPartial);
   for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kLoaded);
   EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, true, false, true}));
+  // Per (layer, block): only layer 0 of position 2 failed.
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < 4; ++i)
+      EXPECT_EQ(fin->layer_block_is_loaded(l, i), !(l == 0 && i == 2)) << l << " " << i;
   EXPECT_EQ(fin->leading_loaded_blocks(), 2u);
   EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
   EXPECT_NE(fin->error.message().find("layer 0 block 6 (position 2): checksum mismatch"), std::string::npos)

@@ -18,8 +18,9 @@
 //   reporter thread (internal; every poll_interval while receives are active)
 //     5. As the endpoint reports layer L final: loaded -> complete_external_layer(task, L); failed ->
 //        complete_external_layer(task, L, every block). A partial layer (some blocks failed their checksum) is
-//        reported when the transfer is final, naming every block not loaded (the endpoint tells per block only
-//        whether every layer verified): its waiters see it failed, never loaded. So the decode forward calls
+//        reported at once, naming the blocks of that layer that did not verify (DecodeStatus::layer_block_loaded;
+//        an endpoint that does not say is reported when the transfer is final, naming every block not loaded):
+//        its waiters see it failed, never loaded. So the decode forward calls
 //        TransferManager::wait_for_layer(Receive::task, L, stream) / wait_layer_host exactly as for a local load,
 //        and must check the task's status (or the layer's) before trusting the result, as for a load.
 //     6. When the transfer is final: end_external_write(task, error, quiescent = DecodeStatus::reclaimable).

@@ -136,7 +136,14 @@ struct DecodeStatus {
   bool reclaimable = false;  // destination blocks may return to their pool
   std::vector<LayerState> layers;
   std::vector<bool> block_loaded;  // by position in the destination list: every layer verified
-  Status error;                    // first failure seen (OK when every block loaded)
+  // Per (layer, position): that block's layer verified, [layer * positions + position]; what a partial layer
+  // loaded before the transfer is final. Empty where an endpoint does not know it.
+  std::vector<std::uint8_t> layer_block_loaded;
+  Status error;  // first failure seen (OK when every block loaded)
+  bool layer_block_is_loaded(std::uint32_t layer, std::size_t position) const {
+    const std::size_t n = block_loaded.size(), at = std::size_t{layer} * n + position;
+    return position < n && at < layer_block_loaded.size() && layer_block_loaded[at] != 0;
+  }
   // Positions [0, n) all loaded: what may join a prefix index.
   std::uint32_t leading_loaded_blocks() const;
 };
