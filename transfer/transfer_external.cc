@@ -75,20 +75,9 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
     // write's `done` may still wait for a staging copy): waited for below, before the peer may write.
     dev_hazards_->hazards_for_write(device_blocks, HazardTracker::kNoStream, waits);
 
-    task->id = next_id_++;
-    task->kind = TaskKind::kExternalWrite;
-    task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+    task->start(next_id_++, TaskKind::kExternalWrite, device_blocks, events, bytes, std::move(options.on_layer),
+                std::move(options.on_done));
     task->layers = std::move(order);
-    task->slot_state.assign(n, TaskState::kPending);
-    task->slot_visible.assign(n, false);
-    task->slot_status.assign(n, Status::Ok());
-    task->slot_event = events;
-    task->slot_done_at.assign(n, Clock::time_point{});
-    task->bytes = bytes;
-    task->submitted = Clock::now();
-    task->on_layer = std::move(options.on_layer);
-    task->on_done = std::move(options.on_done);
-    task->origin = std::make_shared<WriteOrigin>(task->id);
 
     for (const auto& e : events) gate_.expect(e.get());
     gate_.expect(done.get());

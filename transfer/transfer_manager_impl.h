@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -68,6 +69,26 @@ struct TaskRec {
   TaskCallback on_done;
 
   std::size_t num_slots() const { return slot_state.size(); }
+
+  // The fields every kind starts with: `events.size()` pending slots (one per layer, or one for an eviction),
+  // the device blocks, the payload and callbacks, and a fresh origin of the bytes it writes.
+  void start(TaskId task_id, TaskKind task_kind, std::span<const std::int32_t> device, std::vector<EventLease> events,
+             std::uint64_t payload, LayerCallback layer_cb, TaskCallback done_cb) {
+    const std::size_t n = events.size();
+    id = task_id;
+    kind = task_kind;
+    device_blocks.assign(device.begin(), device.end());
+    slot_state.assign(n, TaskState::kPending);
+    slot_visible.assign(n, false);
+    slot_status.assign(n, Status::Ok());
+    slot_event = std::move(events);
+    slot_done_at.assign(n, Clock::time_point{});
+    bytes = payload;
+    submitted = Clock::now();
+    on_layer = std::move(layer_cb);
+    on_done = std::move(done_cb);
+    origin = std::make_shared<WriteOrigin>(id);
+  }
 };
 
 struct PendingEntry {

@@ -101,19 +101,9 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
   dev_hazards_->hazards_for_read(device_blocks, out_id, job.waits, &task->sources);
   host_hazards_->hazards_for_write(host_blocks, out_id, job.waits);
 
-  task->id = next_id_++;
-  task->kind = TaskKind::kEvict;
-  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->start(next_id_++, TaskKind::kEvict, device_blocks, {e_o},
+              device_space_.layout().total_block_bytes() * device_blocks.size(), nullptr, options.on_done);
   task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
-  task->slot_state.assign(1, TaskState::kPending);
-  task->slot_visible.assign(1, false);
-  task->slot_status.assign(1, Status::Ok());
-  task->slot_done_at.assign(1, Clock::time_point{});
-  task->slot_event.assign(1, e_o);
-  task->bytes = device_space_.layout().total_block_bytes() * device_blocks.size();
-  task->submitted = Clock::now();
-  task->on_done = options.on_done;
-  task->origin = std::make_shared<WriteOrigin>(task->id);
 
   // 2. e_o, recorded by the submission after the copy: the device blocks are
   //    busy until it, the host blocks written at it.
@@ -170,21 +160,10 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
   host_hazards_->hazards_for_read(host_blocks, in_id, job.waits, &task->sources);
   dev_hazards_->hazards_for_write(device_blocks, in_id, job.waits);
 
-  task->id = next_id_++;
-  task->kind = TaskKind::kLoad;
-  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->start(next_id_++, TaskKind::kLoad, device_blocks, events, bytes, std::move(options.on_layer),
+              std::move(options.on_done));
   task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
   task->layers = std::move(order);
-  task->slot_state.assign(n, TaskState::kPending);
-  task->slot_visible.assign(n, false);
-  task->slot_status.assign(n, Status::Ok());
-  task->slot_event = events;
-  task->slot_done_at.assign(n, Clock::time_point{});
-  task->bytes = bytes;
-  task->submitted = Clock::now();
-  task->on_layer = std::move(options.on_layer);
-  task->on_done = std::move(options.on_done);
-  task->origin = std::make_shared<WriteOrigin>(task->id);
 
   for (const auto& e : events) gate_.expect(e.get());
   // The last layer's event completes every layer (one stream, in order).
