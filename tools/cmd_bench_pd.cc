@@ -315,6 +315,29 @@ Result<std::unique_ptr<transport::Transport>> direct_transport(transport::AgentI
   return transport::create_ipc_transport(std::move(id), o);
 }
 
+// The prefill process's part after its endpoint exists: blobs over the pipes, then one warm-up and `iters`
+// measured transfers of `src`, every layer ready at once (the forward has finished), each awaited and forgotten.
+// The endpoint is a PdPrefill or a PdStagedPrefill. Exit codes: 3 peer refused, 4 transfer failed, 5 other.
+template <typename Prefill>
+int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const std::vector<std::uint64_t>& src) {
+  auto blob = t.export_metadata();
+  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
+  auto peer_blob = recv_blob(a.in_fd);
+  if (!peer_blob.ok()) return 5;
+  auto peer = t.load_peer(*peer_blob);
+  if (!peer.ok()) return 3;
+  for (std::uint32_t it = 0; it <= a.iters; ++it) {  // iteration 0 warms up
+    if (!pre.begin(*peer, it + 1, src).ok()) return 5;
+    for (std::uint32_t l = 0; l < a.layers; ++l)
+      if (!pre.layer_ready(it + 1, l).ok()) return 5;
+    auto st = pre.wait(it + 1, 60s);
+    if (!st.ok() || !st->done) return 4;
+    if (!pre.forget(it + 1).ok()) return 5;
+  }
+  std::this_thread::sleep_for(100ms);
+  return 0;
+}
+
 int run_prefill_direct(const PdArgs& a) {
   auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
   if (!layout.ok()) return 5;
@@ -333,22 +356,7 @@ int run_prefill_direct(const PdArgs& a) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", pre.status().to_string().c_str());
     return 5;
   }
-  auto blob = (*t)->export_metadata();
-  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
-  auto peer_blob = recv_blob(a.in_fd);
-  if (!peer_blob.ok()) return 5;
-  auto peer = (*t)->load_peer(*peer_blob);
-  if (!peer.ok()) return 3;
-  for (std::uint32_t it = 0; it <= a.iters; ++it) {
-    if (!(*pre)->begin(*peer, it + 1, plan.src).ok()) return 5;
-    for (std::uint32_t l = 0; l < a.layers; ++l)
-      if (!(*pre)->layer_ready(it + 1, l).ok()) return 5;
-    auto st = (*pre)->wait(it + 1, 60s);
-    if (!st.ok() || !st->done) return 4;
-    if (!(*pre)->forget(it + 1).ok()) return 5;
-  }
-  std::this_thread::sleep_for(100ms);
-  return 0;
+  return serve_prefill(a, **t, **pre, plan.src);
 }
 
 struct GatherRates {
@@ -407,24 +415,7 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
   auto pre =
       transport::PdStagedPrefill::create(**t, *side->device, *side->engine, side->space, side->staging.space, so);
   if (!pre.ok()) return 5;
-  auto blob = (*t)->export_metadata();
-  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
-  auto peer_blob = recv_blob(a.in_fd);
-  if (!peer_blob.ok()) return 5;
-  auto peer = (*t)->load_peer(*peer_blob);
-  if (!peer.ok()) return 3;
-  for (std::uint32_t it = 0; it <= a.iters; ++it) {
-    if (!(*pre)->begin(*peer, it + 1, iota(n)).ok()) return 5;
-    // The forward has finished every layer: the staging copies queue at once and each layer goes on the wire
-    // as its copy completes, so layer L's copy overlaps layer L-1's transfer.
-    for (std::uint32_t l = 0; l < a.layers; ++l)
-      if (!(*pre)->layer_ready(it + 1, l).ok()) return 5;
-    auto st = (*pre)->wait(it + 1, 60s);
-    if (!st.ok() || !st->done) return 4;
-    if (!(*pre)->forget(it + 1).ok()) return 5;
-  }
-  std::this_thread::sleep_for(100ms);
-  return 0;
+  return serve_prefill(a, **t, **pre, iota(n));
 }
 
 int run_prefill(const PdArgs& a) {
@@ -444,22 +435,7 @@ int run_prefill(const PdArgs& a) {
   if (!t.ok()) return 5;
   auto pre = transport::PdPrefill::create(**t, blocks->space, kPdOptions);
   if (!pre.ok()) return 5;
-  auto blob = (*t)->export_metadata();
-  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
-  auto peer_blob = recv_blob(a.in_fd);
-  if (!peer_blob.ok()) return 5;
-  auto peer = (*t)->load_peer(*peer_blob);
-  if (!peer.ok()) return 3;
-  for (std::uint32_t it = 0; it <= a.iters; ++it) {  // iteration 0 warms up
-    if (!(*pre)->begin(*peer, it + 1, iota(n)).ok()) return 5;
-    for (std::uint32_t l = 0; l < a.layers; ++l)
-      if (!(*pre)->layer_ready(it + 1, l).ok()) return 5;
-    auto st = (*pre)->wait(it + 1, 60s);
-    if (!st.ok() || !st->done) return 4;
-    if (!(*pre)->forget(it + 1).ok()) return 5;
-  }
-  std::this_thread::sleep_for(100ms);
-  return 0;
+  return serve_prefill(a, **t, **pre, iota(n));
 }
 
 // The direct lane with both endpoints in this process (loopback transports hand out each other's pools; one
