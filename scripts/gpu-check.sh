@@ -80,9 +80,15 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = pd ] || [ "$what" = all ]; then
   pd_args=(--layers 8 --layer-bytes $((64 << 20)) --pool-bytes $((2 << 30)) --block-sizes 16384,1048576 --iters 8)
-  timeout 300 "$BIN/kvtier" bench pd --lanes direct --memory device --modes push,pull "${pd_args[@]}" --json \
-    > "$OUT/bench_pd.jsonl" 2> "$OUT/bench_pd.err"
+  # Either side verifying (PdOptions::lane_verify), one transfer at a time and four in flight.
+  timeout 400 "$BIN/kvtier" bench pd --lanes direct --memory device --modes push,pull "${pd_args[@]}" \
+    --lane-verify mover,receiver --inflight 1,4 --json > "$OUT/bench_pd.jsonl" 2> "$OUT/bench_pd.err"
   echo "bench pd rc=$?"; tail -5 "$OUT/bench_pd.err"; cat "$OUT/bench_pd.jsonl"
+  # 2 GiB per transfer (256 MiB per layer, an 8 GiB pool per side), the default verification, four in flight.
+  timeout 300 "$BIN/kvtier" bench pd --lanes direct --memory device --modes push,pull --layers 8 \
+    --layer-bytes $((256 << 20)) --pool-bytes $((8 << 30)) --block-sizes 16384,1048576 --iters 8 --inflight 4 \
+    --json > "$OUT/bench_pd_2g.jsonl" 2> "$OUT/bench_pd_2g.err"
+  echo "bench pd 2g rc=$?"; tail -5 "$OUT/bench_pd_2g.err"; cat "$OUT/bench_pd_2g.jsonl"
   if ls .whl/nixl*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nixl-site \
       .whl/*.whl > "$OUT/nixl_pip.log" 2>&1

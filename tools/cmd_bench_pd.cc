@@ -35,6 +35,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -73,6 +74,8 @@ struct PdArgs {
   bool json = false;
   bool no_perftest = false;
   std::uint64_t pool_bytes = 512ull << 20;  // direct lane: the pool the scattered blocks are taken from, per side
+  std::vector<std::string> lane_verifies = {"mover"};  // direct lanes: PdOptions::lane_verify values, a row each
+  std::vector<std::uint32_t> inflights = {1};          // direct lanes: transfers in flight, a row each
   // hidden: the prefill process
   std::string role;
   std::string lane = "tcp";
@@ -80,7 +83,13 @@ struct PdArgs {
   std::string memory = "host";
   std::uint64_t block_bytes = 0;
   int in_fd = -1, out_fd = -1;
+  std::string lane_verify = "mover";
+  std::uint32_t inflight = 1;
 };
+
+transport::PdOptions::LaneVerify lane_verify_of(const std::string& name) {
+  return name == "receiver" ? transport::PdOptions::LaneVerify::kReceiver : transport::PdOptions::LaneVerify::kMover;
+}
 
 transport::UcxOptions lane_options(const std::string& lane) {
   if (lane == "tcp") return {"tcp", "lo"};
@@ -219,7 +228,9 @@ const transport::PdOptions kPdOptions{std::chrono::milliseconds(200), std::chron
 
 struct DirectPlan {
   std::uint64_t pool = 0;  // blocks per layer plane
-  std::vector<std::uint64_t> src, dst;
+  std::vector<std::uint64_t> src;
+  std::vector<std::vector<std::uint64_t>> dsts;  // one destination list per transfer in flight, disjoint
+  const std::vector<std::uint64_t>& dst_of(std::uint64_t transfer) const { return dsts[transfer % dsts.size()]; }
 };
 
 // The same lists in both processes (and in bench/pd_nixl.py): `n` distinct ids per side out of the pool,
@@ -231,15 +242,18 @@ std::uint64_t coprime_step(std::uint64_t start, std::uint64_t pool) {
   return a;
 }
 
-DirectPlan direct_plan(const PdArgs& a, std::uint64_t block_bytes) {
+// With `inflight` transfers in flight each gets its own destination list: consecutive stretches of one
+// sequence, so no block is the destination of two transfers at once. Every list has the same sources.
+DirectPlan direct_plan(const PdArgs& a, std::uint64_t block_bytes, std::uint32_t inflight) {
   DirectPlan p;
   const std::uint64_t n = blocks_for(a, block_bytes);
-  p.pool = std::max<std::uint64_t>(2 * n, a.pool_bytes / (std::uint64_t{a.layers} * block_bytes));
+  p.pool = std::max<std::uint64_t>((std::uint64_t{inflight} + 1) * n,
+                                   a.pool_bytes / (std::uint64_t{a.layers} * block_bytes));
   const std::uint64_t as = coprime_step(7919, p.pool), ad = coprime_step(104729, p.pool);
-  for (std::uint64_t i = 0; i < n; ++i) {
-    p.src.push_back((as * i + 13) % p.pool);
-    p.dst.push_back((ad * i + 101) % p.pool);
-  }
+  for (std::uint64_t i = 0; i < n; ++i) p.src.push_back((as * i + 13) % p.pool);
+  p.dsts.resize(inflight);
+  for (std::uint32_t k = 0; k < inflight; ++k)
+    for (std::uint64_t i = 0; i < n; ++i) p.dsts[k].push_back((ad * (k * n + i) + 101) % p.pool);
   return p;
 }
 
@@ -290,7 +304,8 @@ Status check_direct_bytes(DirectSide& d, const DirectPlan& p) {
   const std::uint64_t bb = layout.block_bytes(0, 0);
   std::vector<std::uint64_t> host(p.pool * bb / 8);
   std::vector<std::int64_t> source_of(p.pool, -1);
-  for (std::size_t i = 0; i < p.dst.size(); ++i) source_of[p.dst[i]] = static_cast<std::int64_t>(p.src[i]);
+  for (const auto& dst : p.dsts)
+    for (std::size_t i = 0; i < dst.size(); ++i) source_of[dst[i]] = static_cast<std::int64_t>(p.src[i]);
   std::uint64_t poison_word = 0;
   std::memset(&poison_word, static_cast<int>(kPoison), 8);
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
@@ -315,9 +330,30 @@ Result<std::unique_ptr<transport::Transport>> direct_transport(transport::AgentI
   return transport::create_ipc_transport(std::move(id), o);
 }
 
+// Transfers 1 (the warm-up, alone) to iters + 1, up to `inflight` of the measured ones open at once, each
+// awaited and forgotten in order: `open(id)` starts one, `close(id)` waits for it and forgets it.
+Status run_transfers(
+    std::uint32_t iters, std::uint32_t inflight, const std::function<Status(std::uint64_t)>& open,
+    const std::function<Status(std::uint64_t)>& close, const std::function<void()>& measured_from = [] {}) {
+  KVTIER_RETURN_IF_ERROR(open(1));
+  KVTIER_RETURN_IF_ERROR(close(1));
+  measured_from();
+  std::deque<std::uint64_t> pending;
+  for (std::uint64_t next = 2, last = std::uint64_t{iters} + 1; next <= last || !pending.empty();) {
+    while (next <= last && pending.size() < std::max<std::uint32_t>(1, inflight)) {
+      KVTIER_RETURN_IF_ERROR(open(next));
+      pending.push_back(next++);
+    }
+    KVTIER_RETURN_IF_ERROR(close(pending.front()));
+    pending.pop_front();
+  }
+  return Status::Ok();
+}
+
 // The prefill process's part after its endpoint exists: blobs over the pipes, then one warm-up and `iters`
-// measured transfers of `src`, every layer ready at once (the forward has finished), each awaited and forgotten.
-// The endpoint is a PdPrefill or a PdStagedPrefill. Exit codes: 3 peer refused, 4 transfer failed, 5 other.
+// measured transfers of `src` (`inflight` at once), every layer ready at once (the forward has finished), each
+// awaited and forgotten. The endpoint is a PdPrefill or a PdStagedPrefill. Exit codes: 3 peer refused,
+// 4 transfer failed, 5 other.
 template <typename Prefill>
 int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const std::vector<std::uint64_t>& src) {
   auto blob = t.export_metadata();
@@ -326,14 +362,23 @@ int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const 
   if (!peer_blob.ok()) return 5;
   auto peer = t.load_peer(*peer_blob);
   if (!peer.ok()) return 3;
-  for (std::uint32_t it = 0; it <= a.iters; ++it) {  // iteration 0 warms up
-    if (!pre.begin(*peer, it + 1, src).ok()) return 5;
-    for (std::uint32_t l = 0; l < a.layers; ++l)
-      if (!pre.layer_ready(it + 1, l).ok()) return 5;
-    auto st = pre.wait(it + 1, 60s);
-    if (!st.ok() || !st->done) return 4;
-    if (!pre.forget(it + 1).ok()) return 5;
-  }
+  bool failed = false;
+  Status s = run_transfers(
+      a.iters, a.inflight,
+      [&](std::uint64_t id) {
+        KVTIER_RETURN_IF_ERROR(pre.begin(*peer, id, src));
+        for (std::uint32_t l = 0; l < a.layers; ++l) KVTIER_RETURN_IF_ERROR(pre.layer_ready(id, l));
+        return Status::Ok();
+      },
+      [&](std::uint64_t id) {
+        auto st = pre.wait(id, 60s);
+        if (!st.ok() || !st->done) {
+          failed = true;
+          return st.ok() ? st->error : st.status();
+        }
+        return pre.forget(id);
+      });
+  if (!s.ok()) return failed ? 4 : 5;
   std::this_thread::sleep_for(100ms);
   return 0;
 }
@@ -341,7 +386,7 @@ int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const 
 int run_prefill_direct(const PdArgs& a) {
   auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
   if (!layout.ok()) return 5;
-  const DirectPlan plan = direct_plan(a, a.block_bytes);
+  const DirectPlan plan = direct_plan(a, a.block_bytes, a.inflight);
   auto side = make_direct_side(*layout, plan.pool, true);
   if (!side.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", side.status().to_string().c_str());
@@ -351,6 +396,7 @@ int run_prefill_direct(const PdArgs& a) {
   if (!t.ok()) return 5;
   transport::PdOptions o = kPdOptions;
   o.engine = side->engine.get();
+  o.lane_verify = lane_verify_of(a.lane_verify);
   auto pre = transport::PdPrefill::create(**t, side->space, o);
   if (!pre.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", pre.status().to_string().c_str());
@@ -378,7 +424,7 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
   KVTIER_ASSIGN_OR_RETURN(BlockSpace out, BlockSpace::layer_first(MemoryKind::kDevice, 0, layout, p.pool, bases));
   KVTIER_ASSIGN_OR_RETURN(Buffer ck, d.device->allocate_device(p.src.size() * 8));
   KVTIER_ASSIGN_OR_RETURN(auto stream, d.device->create_stream());
-  std::vector<std::int32_t> src(p.dst.begin(), p.dst.end()), dst(p.src.begin(), p.src.end());
+  std::vector<std::int32_t> src(p.dsts[0].begin(), p.dsts[0].end()), dst(p.src.begin(), p.src.end());
   GatherRates r;
   for (bool checksummed : {false, true}) {
     std::chrono::steady_clock::time_point t0;
@@ -438,11 +484,19 @@ int run_prefill(const PdArgs& a) {
   return serve_prefill(a, **t, **pre, iota(n));
 }
 
+// A decode transfer's end: every block loaded, then forgotten.
+Status finish_decode(const Result<transport::DecodeStatus>& st, std::size_t blocks,
+                     const std::function<Status()>& forget) {
+  if (!st.ok()) return st.status();
+  if (st->leading_loaded_blocks() != blocks) return st->error.ok() ? DataLoss("blocks not loaded") : st->error;
+  return forget();
+}
+
 // The direct lane with both endpoints in this process (loopback transports hand out each other's pools; one
 // CUDA context): the protocol and the kernels without the second process. A diagnostic beside `direct`.
 Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t block_bytes) {
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
-  const DirectPlan plan = direct_plan(a, block_bytes);
+  const DirectPlan plan = direct_plan(a, block_bytes, a.inflight);
   KVTIER_ASSIGN_OR_RETURN(DirectSide pre_side, make_direct_side(layout, plan.pool, true));
   KVTIER_ASSIGN_OR_RETURN(DirectSide dec_side, make_direct_side(layout, plan.pool, false));
   static int seq = 0;
@@ -454,6 +508,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   transport::PdOptions po = kPdOptions, dopt = kPdOptions;
   po.engine = pre_side.engine.get();
   dopt.engine = dec_side.engine.get();
+  po.lane_verify = dopt.lane_verify = lane_verify_of(a.lane_verify);
   KVTIER_ASSIGN_OR_RETURN(auto pre, transport::PdPrefill::create(*pre_t, pre_side.space, po));
   KVTIER_ASSIGN_OR_RETURN(auto dec, transport::PdDecode::create(*dec_t, dec_side.space, dopt));
   KVTIER_ASSIGN_OR_RETURN(auto b1, dec_t->export_metadata());
@@ -462,31 +517,26 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   KVTIER_ASSIGN_OR_RETURN(transport::PeerId to_pre, dec_t->load_peer(b2));
   Status prefill_status;
   std::thread prefill([&] {
-    for (std::uint32_t it = 0; it <= a.iters && prefill_status.ok(); ++it) {
-      prefill_status = pre->begin(to_dec, it + 1, plan.src);
-      for (std::uint32_t l = 0; l < a.layers && prefill_status.ok(); ++l) prefill_status = pre->layer_ready(it + 1, l);
-      if (!prefill_status.ok()) break;
-      auto st = pre->wait(it + 1, 60s);
-      if (!st.ok() || !st->done) {
-        prefill_status = st.ok() ? st->error : st.status();
-        break;
-      }
-      prefill_status = pre->forget(it + 1);
-    }
+    prefill_status = run_transfers(
+        a.iters, a.inflight,
+        [&](std::uint64_t id) {
+          KVTIER_RETURN_IF_ERROR(pre->begin(to_dec, id, plan.src));
+          for (std::uint32_t l = 0; l < a.layers; ++l) KVTIER_RETURN_IF_ERROR(pre->layer_ready(id, l));
+          return Status::Ok();
+        },
+        [&](std::uint64_t id) {
+          auto st = pre->wait(id, 60s);
+          if (!st.ok() || !st->done) return st.ok() ? st->error : st.status();
+          return pre->forget(id);
+        });
   });
-  Status s;
   std::chrono::steady_clock::time_point t0;
-  for (std::uint32_t it = 0; it <= a.iters && s.ok(); ++it) {
-    if (it == 1) t0 = std::chrono::steady_clock::now();
-    s = dec->start(to_pre, it + 1, mode, plan.dst);
-    if (!s.ok()) break;
-    auto st = dec->wait(it + 1, 60s, true);
-    if (!st.ok())
-      s = st.status();
-    else if (st->leading_loaded_blocks() != plan.dst.size())
-      s = st->error.ok() ? DataLoss("blocks not loaded") : st->error;
-    if (s.ok()) s = dec->forget(it + 1);
-  }
+  Status s = run_transfers(
+      a.iters, a.inflight, [&](std::uint64_t id) { return dec->start(to_pre, id, mode, plan.dst_of(id)); },
+      [&](std::uint64_t id) {
+        return finish_decode(dec->wait(id, 60s, true), plan.src.size(), [&] { return dec->forget(id); });
+      },
+      [&] { t0 = std::chrono::steady_clock::now(); });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   prefill.join();
   KVTIER_RETURN_IF_ERROR(s);
@@ -495,7 +545,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   pre.reset();
   KVTIER_RETURN_IF_ERROR(check_direct_bytes(dec_side, plan));
   KVTIER_ASSIGN_OR_RETURN(g_last_gather, run_gather(a, dec_side, plan));
-  return static_cast<double>(a.iters) * a.layers * plan.dst.size() * block_bytes / secs / 1e9;
+  return static_cast<double>(a.iters) * a.layers * plan.src.size() * block_bytes / secs / 1e9;
 }
 
 // One kvtier row: GB/s of the protocol, or an error.
@@ -520,7 +570,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   std::optional<DirectSide> direct_side;
   DirectPlan plan;
   if (direct) {
-    plan = direct_plan(a, block_bytes);
+    plan = direct_plan(a, block_bytes, a.inflight);
     KVTIER_ASSIGN_OR_RETURN(direct_side, make_direct_side(layout, plan.pool, false));
   }
   // Declaration order is destruction order in reverse: endpoints, then the transport, then the memory.
@@ -539,8 +589,9 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   if (direct) {
     transport::PdOptions o = kPdOptions;
     o.engine = direct_side->engine.get();
+    o.lane_verify = lane_verify_of(a.lane_verify);
     KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, direct_side->space, o));
-    dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst); },
+    dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst_of(id)); },
            [&](auto id) { return plain->wait(id, 60s, true); }, [&](auto id) { return plain->forget(id); }};
   } else if (staged) {
     transport::StagedOptions so;
@@ -592,7 +643,11 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      "--backend",
                                      backend,
                                      "--pool-bytes",
-                                     std::to_string(a.pool_bytes)};
+                                     std::to_string(a.pool_bytes),
+                                     "--lane-verify-one",
+                                     a.lane_verify,
+                                     "--inflight-one",
+                                     std::to_string(a.inflight)};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -623,15 +678,11 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   auto peer = t->load_peer(*peer_blob);
   if (!peer.ok()) return finish(peer.status());
   std::chrono::steady_clock::time_point t0;
-  for (std::uint32_t it = 0; it <= a.iters; ++it) {
-    if (it == 1) t0 = std::chrono::steady_clock::now();
-    Status s = dec.start(*peer, it + 1, mode, iota(n));
-    if (!s.ok()) return finish(s);
-    auto st = dec.wait(it + 1);
-    if (!st.ok()) return finish(st.status());
-    if (st->leading_loaded_blocks() != n) return finish(st->error.ok() ? DataLoss("blocks not loaded") : st->error);
-    if (Status f = dec.forget(it + 1); !f.ok()) return finish(f);
-  }
+  Status s = run_transfers(
+      a.iters, direct ? a.inflight : 1, [&](std::uint64_t id) { return dec.start(*peer, id, mode, iota(n)); },
+      [&](std::uint64_t id) { return finish_decode(dec.wait(id), n, [&] { return dec.forget(id); }); },
+      [&] { t0 = std::chrono::steady_clock::now(); });
+  if (!s.ok()) return finish(s);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double bytes = static_cast<double>(a.iters) * a.layers * n * block_bytes;
   KVTIER_RETURN_IF_ERROR(finish(Status::Ok()));
@@ -685,57 +736,70 @@ int run_bench(const PdArgs& a) {
         Result<double> p = a.no_perftest || lane.rfind("direct", 0) == 0 ? Result<double>(NotSupported("skipped"))
                                                                          : run_perftest(lane, mode, bs, port++);
         std::optional<double> host_gbps;
-        for (const auto& memory : a.memories) {
-          auto g = run_decode(a, lane, mode, bs, memory);
-          if (!g.ok()) {
-            std::fprintf(stderr, "kvtier bench pd: %s %s %s %llu: %s\n", lane.c_str(), m.c_str(), memory.c_str(),
-                         static_cast<unsigned long long>(bs), g.status().to_string().c_str());
-            rc = 1;
-            continue;
-          }
-          if (memory == "host") host_gbps = *g;
-          const double pg = p.ok() ? *p : 0.0;
-          const double ratio = pg > 0 ? *g / pg : 0.0;
-          const std::optional<double> to_host =
-              memory != "host" && host_gbps && *host_gbps > 0 ? std::optional<double>(*g / *host_gbps) : std::nullopt;
-          if (a.json) {
-            nlohmann::json j;
-            j["bench"] = "pd";
-            j["mode"] = m;
-            j["lane"] = lane;
-            j["memory"] = memory;
-            j["block_bytes"] = bs;
-            j["blocks"] = blocks_for(a, bs);
-            j["layers"] = a.layers;
-            j["iters"] = a.iters;
-            j["gbps"] = *g;
-            j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
-            j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
-            if (lane.rfind("direct", 0) == 0) {
-              j["pool_blocks"] = direct_plan(a, bs).pool;
-              j["gather_gbps"] = g_last_gather.plain;
-              j["gather_checksummed_gbps"] = g_last_gather.checksummed;
-              j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
-              j["bytes_checked"] = true;
+        // The direct lanes get a row per verifying side and transfers in flight; the others one row.
+        const bool direct_lane = lane.rfind("direct", 0) == 0;
+        std::vector<std::pair<std::string, std::uint32_t>> variants;
+        for (const auto& v : direct_lane ? a.lane_verifies : std::vector<std::string>{a.lane_verify})
+          for (std::uint32_t k : direct_lane ? a.inflights : std::vector<std::uint32_t>{1}) variants.emplace_back(v, k);
+        for (const auto& memory : a.memories)
+          for (const auto& [verify, inflight] : variants) {
+            PdArgs row = a;
+            row.lane_verify = verify;
+            row.inflight = inflight;
+            auto g = run_decode(row, lane, mode, bs, memory);
+            if (!g.ok()) {
+              std::fprintf(stderr, "kvtier bench pd: %s %s %s %llu (verify %s, %u in flight): %s\n", lane.c_str(),
+                           m.c_str(), memory.c_str(), static_cast<unsigned long long>(bs), verify.c_str(), inflight,
+                           g.status().to_string().c_str());
+              rc = 1;
+              continue;
             }
-            if (memory != "host") {
-              j["backend"] = a.backend == "auto" ? (cuda_device_count() > 0 ? "cuda" : "host") : a.backend;
-              j["host_gbps"] = host_gbps ? nlohmann::json(*host_gbps) : nlohmann::json(nullptr);
-              j["ratio_to_host"] = to_host ? nlohmann::json(*to_host) : nlohmann::json(nullptr);
+            if (memory == "host") host_gbps = *g;
+            const double pg = p.ok() ? *p : 0.0;
+            const double ratio = pg > 0 ? *g / pg : 0.0;
+            const std::optional<double> to_host =
+                memory != "host" && host_gbps && *host_gbps > 0 ? std::optional<double>(*g / *host_gbps) : std::nullopt;
+            if (a.json) {
+              nlohmann::json j;
+              j["bench"] = "pd";
+              j["mode"] = m;
+              j["lane"] = lane;
+              j["memory"] = memory;
+              j["block_bytes"] = bs;
+              j["blocks"] = blocks_for(a, bs);
+              j["layers"] = a.layers;
+              j["iters"] = a.iters;
+              j["gbps"] = *g;
+              j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
+              j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+              if (direct_lane) {
+                j["lane_verify"] = verify;
+                j["inflight"] = inflight;
+                j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
+                j["gather_gbps"] = g_last_gather.plain;
+                j["gather_checksummed_gbps"] = g_last_gather.checksummed;
+                j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
+                j["bytes_checked"] = true;
+              }
+              if (memory != "host") {
+                j["backend"] = a.backend == "auto" ? (cuda_device_count() > 0 ? "cuda" : "host") : a.backend;
+                j["host_gbps"] = host_gbps ? nlohmann::json(*host_gbps) : nlohmann::json(nullptr);
+                j["ratio_to_host"] = to_host ? nlohmann::json(*to_host) : nlohmann::json(nullptr);
+              }
+              if (!p.ok()) j["ucx_perftest_error"] = p.status().to_string();
+              std::printf("%s\n", j.dump().c_str());
+            } else {
+              std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
+              if (direct_lane)
+                th = fmt::format("verify {} x{} gather {:.1f} ({:.1f} ck) ratio {:.2f}", verify, inflight,
+                                 g_last_gather.plain, g_last_gather.checksummed,
+                                 g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0);
+              std::printf("%-5s %-5s %-6s %12llu %8llu %10.2f %18.2f %7.2f %13s\n", lane.c_str(), m.c_str(),
+                          memory.c_str(), static_cast<unsigned long long>(bs),
+                          static_cast<unsigned long long>(blocks_for(a, bs)), *g, pg, ratio, th.c_str());
             }
-            if (!p.ok()) j["ucx_perftest_error"] = p.status().to_string();
-            std::printf("%s\n", j.dump().c_str());
-          } else {
-            std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
-            if (lane.rfind("direct", 0) == 0)
-              th = fmt::format("gather {:.1f} ({:.1f} ck) ratio {:.2f}", g_last_gather.plain, g_last_gather.checksummed,
-                               g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0);
-            std::printf("%-5s %-5s %-6s %12llu %8llu %10.2f %18.2f %7.2f %13s\n", lane.c_str(), m.c_str(),
-                        memory.c_str(), static_cast<unsigned long long>(bs),
-                        static_cast<unsigned long long>(blocks_for(a, bs)), *g, pg, ratio, th.c_str());
+            std::fflush(stdout);
           }
-          std::fflush(stdout);
-        }
       }
     }
   }
@@ -753,6 +817,11 @@ Action register_bench_pd(CLI::App& bench) {
                   "process: a diagnostic)")
       ->delimiter(',');
   cmd->add_option("--pool-bytes", a->pool_bytes, "direct lane: bytes of the pool per side the blocks are taken from");
+  cmd->add_option("--lane-verify", a->lane_verifies,
+                  "direct lanes: which side makes the second checksum pass, mover and/or receiver (a row each)")
+      ->delimiter(',');
+  cmd->add_option("--inflight", a->inflights, "direct lanes: transfers in flight at once (a row each), e.g. 1,4")
+      ->delimiter(',');
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,
                   "host (pinned host blocks), device (device blocks through the staged path); both: host,device")
@@ -771,6 +840,8 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--block-bytes", a->block_bytes)->group("");
   cmd->add_option("--memory-one", a->memory)->group("");
   cmd->add_option("--in-fd", a->in_fd)->group("");
+  cmd->add_option("--lane-verify-one", a->lane_verify)->group("");
+  cmd->add_option("--inflight-one", a->inflight)->group("");
   cmd->add_option("--out-fd", a->out_fd)->group("");
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
@@ -784,6 +855,16 @@ Action register_bench_pd(CLI::App& bench) {
         std::fprintf(stderr,
                      "kvtier bench pd: the direct lane needs CUDA memory: no CUDA device is visible "
                      "(or --backend host)\n");
+        return 2;
+      }
+    for (const auto& v : a->lane_verifies)
+      if (v != "mover" && v != "receiver") {
+        std::fprintf(stderr, "kvtier bench pd: --lane-verify '%s' is not mover or receiver\n", v.c_str());
+        return 2;
+      }
+    for (std::uint32_t k : a->inflights)
+      if (k == 0 || k > 64) {
+        std::fprintf(stderr, "kvtier bench pd: --inflight %u is not in [1, 64]\n", k);
         return 2;
       }
     for (const auto& m : a->modes)

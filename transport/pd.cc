@@ -2,7 +2,8 @@
 //
 // Messages (transport notifications), all integers little-endian:
 //   'R' xid u8 mode u8 lane u32 n n*u64 dst     decode -> prefill: start (destination blocks; lane 0: transport,
-//                                               1: device)
+//                                               1: device, the receiving side verifies; 2: device, the moving
+//                                               side verifies)
 //   'W' xid u32 layer u32 n n*u64 checksum     prefill -> decode: notification of layer's WRITE (push)
 //   'A' xid u32 layer u32 n n*u64 src n*u64 ck prefill -> decode: layer ready for reading (pull)
 //   'D' xid u32 layer                          decode -> prefill: notification of the layer's READ (pull)
@@ -18,8 +19,10 @@
 // stalled) can therefore never extend the lease of a peer that has died since; renewing by the time a message
 // was processed did. 'Q' is what proves to the decode side that no write of the prefill can still land.
 //
-// Device lane (pd.h): 'W', 'A' and 'D' keep their meaning and format; the bytes move by copy kernels outside the
-// transport, and the checksums are block_checksum() values computed on the device.
+// Device lane (pd.h): 'W', 'A' and 'D' keep their meaning; the bytes move by copy kernels outside the transport,
+// and the checksums are block_checksum() values computed on the device. When the moving side verifies (lane 2),
+// 'W' carries a second list, u32 n n*u64 landed (the destinations read back after the write), and 'A' an empty
+// checksum list (the decode's copy and read-back are compared on the decode side).
 #include "kvtier/transport/pd.h"
 
 #include <fmt/format.h>
@@ -49,6 +52,14 @@ std::string_view pd_mode_name(PdMode mode) noexcept {
   switch (mode) {
     case PdMode::kPush: return "push";
     case PdMode::kPull: return "pull";
+  }
+  return "?";
+}
+
+std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept {
+  switch (verify) {
+    case PdOptions::LaneVerify::kMover: return "mover";
+    case PdOptions::LaneVerify::kReceiver: return "receiver";
   }
   return "?";
 }
@@ -160,9 +171,15 @@ class Endpoint {
         return InvalidArgument(fmt::format(
             "{}: the device lane needs the blocks in device memory of device {} ('{}'), got {} memory of ordinal {}",
             role, dev.ordinal(), dev.name(), memory_kind_name(blocks_.kind()), blocks_.device_ordinal()));
-      auto stream = dev.create_stream();
-      if (!stream.ok()) return stream.status().with_context(fmt::format("{}: device lane stream", role));
-      lane_stream_ = std::move(stream).value();
+      if (options_.lane_verify != PdOptions::LaneVerify::kMover &&
+          options_.lane_verify != PdOptions::LaneVerify::kReceiver)
+        return InvalidArgument(fmt::format("{}: unknown lane_verify {}", role, static_cast<int>(options_.lane_verify)));
+      // Named so that logs (and the host backend's per-stream fault hooks) can tell them apart.
+      for (auto [s, name] : {std::pair{&lane_stream_, "pd-lane"}, std::pair{&verify_stream_, "pd-verify"}}) {
+        auto stream = dev.create_stream(StreamOptions{StreamPriority::kNormal, fmt::format("{}-{}", name, role)});
+        if (!stream.ok()) return stream.status().with_context(fmt::format("{}: device lane stream {}", role, name));
+        *s = std::move(stream).value();
+      }
     }
     const KvLayout& layout = blocks_.layout();
     if (blocks_.num_blocks() == 0) return InvalidArgument(fmt::format("{}: block space has no blocks", role));
@@ -196,10 +213,11 @@ class Endpoint {
     }
     if (thread_.joinable()) thread_.join();
     // Kernels of the device lane cannot be cancelled: wait (bounded) for them before their buffers go.
-    if (lane_stream_) {
-      Status s = options_.engine->device().synchronize(*lane_stream_, std::chrono::seconds(60));
+    for (auto* stream : {&lane_stream_, &verify_stream_}) {
+      if (!*stream) continue;
+      Status s = options_.engine->device().synchronize(**stream, std::chrono::seconds(60));
       if (!s.ok()) log(LogLevel::kError, "transport", fmt::format("pd: device lane did not drain: {}", s.to_string()));
-      options_.engine->forget_stream(*lane_stream_).ignore_error();
+      options_.engine->forget_stream(**stream).ignore_error();
     }
   }
 
@@ -326,20 +344,23 @@ class Endpoint {
   bool device_lane() const noexcept { return options_.engine != nullptr; }
   Device& lane_device() const { return options_.engine->device(); }
 
-  // Per-transfer device lane state: checksums on the device and their host copy, an event per layer.
+  // Per-transfer device lane state: checksums on the device and their host copy, events per layer. Per layer
+  // two lists of n checksums, next to each other so that one copy brings both to the host: [0] what the copy
+  // (or the receiver's pass) computed, [1] what the moving side's read-back of the destinations computed.
   struct LaneBuffers {
-    Buffer device_checksums;                       // layers x n
-    std::unique_ptr<PinnedMemory> host_checksums;  // layers x n, copied behind each layer's kernel
-    std::vector<std::unique_ptr<Event>> events;    // per layer
+    Buffer device_checksums;                       // layers x 2 x n
+    std::unique_ptr<PinnedMemory> host_checksums;  // layers x 2 x n, copied behind each layer's kernels
+    std::vector<std::unique_ptr<Event>> events;    // per layer: its kernels and the checksum copy are done
+    std::vector<std::unique_ptr<Event>> copied;    // per layer: its copy is done (the read-back waits for it)
     std::vector<std::int32_t> local_ids, peer_ids;
     std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
     std::uint64_t n = 0;
     std::uint64_t capacity = 0;  // checksums the buffers hold
-    std::uint64_t* device_at(std::uint32_t layer) const {
-      return reinterpret_cast<std::uint64_t*>(device_checksums.bytes_ptr()) + std::uint64_t{layer} * n;
+    std::uint64_t* device_at(std::uint32_t layer, std::uint32_t list = 0) const {
+      return reinterpret_cast<std::uint64_t*>(device_checksums.bytes_ptr()) + (std::uint64_t{layer} * 2 + list) * n;
     }
-    std::uint64_t* host_at(std::uint32_t layer) const {
-      return reinterpret_cast<std::uint64_t*>(host_checksums->data()) + std::uint64_t{layer} * n;
+    std::uint64_t* host_at(std::uint32_t layer, std::uint32_t list = 0) const {
+      return reinterpret_cast<std::uint64_t*>(host_checksums->data()) + (std::uint64_t{layer} * 2 + list) * n;
     }
   };
   Result<std::unique_ptr<LaneBuffers>> make_lane(const std::vector<std::uint64_t>& local,
@@ -349,7 +370,7 @@ class Endpoint {
       for (std::uint64_t id : *ids)
         if (id > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
           return OutOfRange(fmt::format("block id {} does not fit the copy engine's 32-bit ids", id));
-    const std::uint64_t needed = std::max<std::uint64_t>(1, local.size() * layers);
+    const std::uint64_t needed = std::max<std::uint64_t>(1, local.size() * layers * 2);
     std::unique_ptr<LaneBuffers> lb;
     {
       // Buffers of forgotten transfers: allocating pinned and device memory per transfer costs milliseconds
@@ -370,9 +391,11 @@ class Endpoint {
       KVTIER_ASSIGN_OR_RETURN(lb->device_checksums, dev.allocate_device(bytes));
       KVTIER_ASSIGN_OR_RETURN(lb->host_checksums, dev.allocate_pinned(bytes));
       lb->events.resize(layers);
-      for (auto& e : lb->events) {
-        KVTIER_ASSIGN_OR_RETURN(e, dev.create_event());
-      }
+      lb->copied.resize(layers);
+      for (auto* list : {&lb->events, &lb->copied})
+        for (auto& e : *list) {
+          KVTIER_ASSIGN_OR_RETURN(e, dev.create_event());
+        }
     }
     lb->n = local.size();
     lb->local_ids.assign(local.begin(), local.end());
@@ -426,6 +449,36 @@ class Endpoint {
     return dev.record(*lb.events[layer], *lane_stream_);
   }
 
+  // The moving side's verification: the layer's copy `r` (its checksums into list 0) on the lane stream, then on
+  // the verify stream, once the copy is done, a read-only pass over the destinations `to` / `to_ids` (list 1),
+  // both lists to the host and the layer's event. The read-back of layer l overlaps the copy of layer l + 1.
+  Status copy_and_read_back(LaneBuffers& lb, std::uint32_t layer, CopyRequest r, const BlockSpace& to,
+                            std::span<const std::int32_t> to_ids) {
+    Device& dev = lane_device();
+    const std::uint32_t layers[1] = {layer};
+    r.checksums = lb.device_at(layer, 0);
+    KVTIER_RETURN_IF_ERROR(options_.engine->copy(r, *lane_stream_));
+    KVTIER_RETURN_IF_ERROR(dev.record(*lb.copied[layer], *lane_stream_));
+    KVTIER_RETURN_IF_ERROR(dev.wait(*verify_stream_, *lb.copied[layer]));
+    KVTIER_RETURN_IF_ERROR(
+        options_.engine->checksum(to, to_ids, layers, kAllRoles, lb.device_at(layer, 1), *verify_stream_));
+    KVTIER_RETURN_IF_ERROR(dev.memcpy_async(lb.host_at(layer, 0), lb.device_at(layer, 0),
+                                            2 * lb.n * sizeof(std::uint64_t), *verify_stream_));
+    return dev.record(*lb.events[layer], *verify_stream_);
+  }
+
+  // After a failed enqueue part of a layer's work may be on either stream: let it drain.
+  void drain_lane() {
+    for (auto* stream : {&lane_stream_, &verify_stream_})
+      if (*stream) lane_device().synchronize(**stream, std::chrono::seconds(10)).ignore_error();
+  }
+
+  // One layer's checksum list `list` (0: moved, 1: landed) as copied to the host.
+  static std::vector<std::uint64_t> list_of(const LaneBuffers& lb, std::uint32_t layer, std::uint32_t list) {
+    const std::uint64_t* c = lb.host_at(layer, list);
+    return std::vector<std::uint64_t>(c, c + lb.n);
+  }
+
   std::vector<std::uint64_t> local_strides() const {
     std::vector<std::uint64_t> s;
     for (std::uint32_t l = 0; l < blocks_.layout().num_layers(); ++l)
@@ -440,8 +493,9 @@ class Endpoint {
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread thread_;
-  std::set<PeerId> dropped_;             // peers this side disconnected
-  std::unique_ptr<Stream> lane_stream_;  // the device lane's copies and checksum passes, in order
+  std::set<PeerId> dropped_;               // peers this side disconnected
+  std::unique_ptr<Stream> lane_stream_;    // the device lane's copies and checksum passes, in order
+  std::unique_ptr<Stream> verify_stream_;  // the moving side's read-backs, each behind its layer's copy
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
@@ -536,6 +590,7 @@ class Prefill final : public PdPrefill, public Endpoint {
   struct Req {
     PdMode mode = PdMode::kPush;
     bool device_lane = false;
+    bool mover_verifies = false;  // device lane: this side reads the destinations back (lane byte 2)
     std::vector<std::uint64_t> dst;
     std::vector<std::uint64_t> strides;
   };
@@ -623,9 +678,10 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (type == 'R') {
       Req r;
       std::uint8_t mode = 0, lane = 0;
-      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 1 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
+      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 2 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
       r.mode = static_cast<PdMode>(mode);
-      r.device_lane = lane == 1;
+      r.device_lane = lane != 0;
+      r.mover_verifies = lane == 2;
       if (it == xfers_.end()) {
         early_[id] = std::move(r);
         return;
@@ -737,37 +793,50 @@ class Prefill final : public PdPrefill, public Endpoint {
         continue;
       }
       if (x.final) continue;  // the decode side knows the transfer failed; nothing more is announced
-      const std::uint64_t* c = x.lane->host_at(li);
-      std::vector<std::uint64_t> ck(c, c + x.lane->n);
       Msg m(x.req->mode == PdMode::kPull ? 'A' : 'W', id);
       if (x.req->mode == PdMode::kPull)
-        m.u32(li).u64s(x.src).u64s(ck).u64s(local_strides());
+        m.u32(li).u64s(x.src).u64s(list_of(*x.lane, li, 0)).u64s(local_strides());
+      else if (x.req->mover_verifies)
+        m.u32(li).u64s(list_of(*x.lane, li, 0)).u64s(list_of(*x.lane, li, 1));
       else
-        m.u32(li).u64s(ck);
+        m.u32(li).u64s(list_of(*x.lane, li, 0));
       t_.send_notification(x.peer, m.str()).ignore_error();
     }
   }
 
-  // Device lane: push, the layer's kernel writes the decode's blocks and checksums what it moves; pull, a
-  // read-only pass checksums the sources. The notification follows in finish_lane_layers.
+  // Device lane: push, the layer's kernel writes the decode's blocks and checksums what it moves (and, when
+  // this side verifies, a second pass reads them back); pull, a read-only pass checksums the sources, or, when
+  // the decode side verifies its own copy, the layer is announced at once. The notification of a kernel's
+  // work follows in finish_lane_layers.
   void send_lane_layer(TransferId id, X& x, std::uint32_t li) {
     L& l = x.layers[li];
     LaneBuffers& lb = *x.lane;
     const std::uint32_t layer[1] = {li};
     Status s;
-    if (x.req->mode == PdMode::kPush) {
-      CopyRequest r{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, layer, kAllRoles, CopyStrategy::kSmKernel};
-      r.checksums = lb.device_at(li);
-      s = options_.engine->copy(r, *lane_stream_).status();
-    } else {
-      s = options_.engine->checksum(blocks_, lb.local_ids, layer, kAllRoles, lb.device_at(li), *lane_stream_).status();
-    }
-    if (s.ok()) s = finish_lane_layer(lb, li);
     l.sent = true;
     x.last_sent = Clock::now();
+    if (x.req->mode == PdMode::kPull && x.req->mover_verifies) {
+      Msg m('A', id);
+      m.u32(li).u64s(x.src).u64s({}).u64s(local_strides());
+      t_.send_notification(x.peer, m.str()).ignore_error();
+      return;
+    }
+    if (x.req->mode == PdMode::kPush) {
+      CopyRequest r{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, layer, kAllRoles, CopyStrategy::kSmKernel};
+      if (x.req->mover_verifies) {
+        s = copy_and_read_back(lb, li, r, *lb.peer, lb.peer_ids);
+      } else {
+        r.checksums = lb.device_at(li);
+        s = options_.engine->copy(r, *lane_stream_).status();
+        if (s.ok()) s = finish_lane_layer(lb, li);
+      }
+    } else {
+      s = options_.engine->checksum(blocks_, lb.local_ids, layer, kAllRoles, lb.device_at(li), *lane_stream_).status();
+      if (s.ok()) s = finish_lane_layer(lb, li);
+    }
     if (!s.ok()) {
       // Part of it may be enqueued: let it drain before the writes can count as quiescent.
-      lane_device().synchronize(*lane_stream_, std::chrono::seconds(10)).ignore_error();
+      drain_lane();
       // Something may be enqueued: the layer counts as pending until its event (if recorded) says otherwise.
       t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
       fail(x, id, s.with_context(fmt::format("layer {} device lane", li)));
@@ -823,7 +892,8 @@ class Decode final : public PdDecode, public Endpoint {
     if (mode != PdMode::kPush && mode != PdMode::kPull)
       return InvalidArgument(fmt::format("unknown transfer mode {}", static_cast<int>(mode)));
     Msg m('R', id);
-    m.u8(static_cast<std::uint8_t>(mode)).u8(device_lane() ? 1 : 0).u64s(dst_blocks).u64s(local_strides());
+    const std::uint8_t lane_byte = !device_lane() ? 0 : options_.lane_verify == PdOptions::LaneVerify::kMover ? 2 : 1;
+    m.u8(static_cast<std::uint8_t>(mode)).u8(lane_byte).u64s(dst_blocks).u64s(local_strides());
     std::unique_ptr<LaneBuffers> lane;
     if (device_lane()) {
       KVTIER_ASSIGN_OR_RETURN(lane, make_lane(dst_blocks, dst_blocks));
@@ -1032,12 +1102,29 @@ class Decode final : public PdDecode, public Endpoint {
       case 'H': heard_heartbeat(x.beats, p, x.last_heard); return;
       case 'Q': x.prefill_quiet = true; return;
       case 'W': {
-        std::vector<std::uint64_t> ck;
+        std::vector<std::uint64_t> ck, landed;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(ck)) return;
+        // Device lane, the prefill verified: what its kernel moved against what it read back here.
+        const bool read_back = x.lane && mover_verifies();
+        if (read_back && !p.u64s(landed)) {
+          fail_layer(x, layer,
+                     DataLoss(fmt::format("transfer {} layer {}: the prefill's write notification lacks the "
+                                          "read-back checksums",
+                                          id, layer)));
+          return;
+        }
         if (n.kind != NotifKind::kMessage) {
           fail_layer(
               x, layer,
               Unavailable(fmt::format("transfer {} layer {}: prefill's write {}", id, layer, notif_kind_name(n.kind))));
+          return;
+        }
+        if (read_back) {
+          if (landed.size() != ck.size()) {
+            compare_layer(id, x, layer, ck, nullptr);
+            return;
+          }
+          compare_layer(id, x, layer, ck, landed.data());
           return;
         }
         if (x.lane) {
@@ -1055,10 +1142,13 @@ class Decode final : public PdDecode, public Endpoint {
         std::vector<std::uint64_t> src, ck, strides;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(src) || !p.u64s(ck) || !p.u64s(strides)) return;
         if (x.layers[layer] != LayerState::kPending || x.reads[layer].active) return;
-        if (src.size() != x.dst.size() || ck.size() != x.dst.size()) {
+        // When this side verifies its own device lane copy the prefill sends no checksums.
+        const std::size_t want_ck = x.lane && mover_verifies() ? 0 : x.dst.size();
+        if (src.size() != x.dst.size() || ck.size() != want_ck) {
           fail_layer(x, layer,
-                     InvalidArgument(fmt::format("transfer {} layer {}: prefill announced {} blocks, decode has {}", id,
-                                                 layer, src.size(), x.dst.size())));
+                     InvalidArgument(fmt::format(
+                         "transfer {} layer {}: prefill announced {} blocks and {} checksums, decode has {} blocks", id,
+                         layer, src.size(), ck.size(), x.dst.size())));
           return;
         }
         if (x.lane) {
@@ -1100,10 +1190,13 @@ class Decode final : public PdDecode, public Endpoint {
 
   // Device lane: `from` null (push) checksums the layer's destinations in place; otherwise (pull) the layer is
   // copied from the prefill's pool `from` and checksummed by that copy. Compared in finish_lane_layers.
+  // When this side verifies its own copy (pull, kMover) `ck` is empty: the copy's checksums are compared with a
+  // read-back of the destinations.
   void start_lane_layer(TransferId id, X& x, std::uint32_t layer, std::vector<std::uint64_t> ck,
                         const BlockSpace* from) {
     if (x.layers[layer] != LayerState::kPending || x.lane_pending[layer] != 0) return;
-    if (ck.size() != x.dst.size()) {
+    const bool read_back = from != nullptr && mover_verifies();
+    if (!read_back && ck.size() != x.dst.size()) {
       compare_layer(id, x, layer, ck, nullptr);
       return;
     }
@@ -1113,14 +1206,19 @@ class Decode final : public PdDecode, public Endpoint {
     if (from == nullptr) {
       s = options_.engine->checksum(blocks_, lb.local_ids, layers, kAllRoles, lb.device_at(layer), *lane_stream_)
               .status();
+      if (s.ok()) s = finish_lane_layer(lb, layer);
     } else {
       CopyRequest r{from, &blocks_, lb.peer_ids, lb.local_ids, layers, kAllRoles, CopyStrategy::kSmKernel};
-      r.checksums = lb.device_at(layer);
-      s = options_.engine->copy(r, *lane_stream_).status();
+      if (read_back) {
+        s = copy_and_read_back(lb, layer, r, blocks_, lb.local_ids);
+      } else {
+        r.checksums = lb.device_at(layer);
+        s = options_.engine->copy(r, *lane_stream_).status();
+        if (s.ok()) s = finish_lane_layer(lb, layer);
+      }
     }
-    if (s.ok()) s = finish_lane_layer(lb, layer);
     if (!s.ok()) {
-      lane_device().synchronize(*lane_stream_, std::chrono::seconds(10)).ignore_error();
+      drain_lane();
       fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane", id, layer)));
       return;
     }
@@ -1136,6 +1234,8 @@ class Decode final : public PdDecode, public Endpoint {
       x.lane_pending[l] = 0;
       if (!done.ok()) {
         fail_layer(x, l, done.status().with_context(fmt::format("transfer {} layer {}: device lane kernel", id, l)));
+      } else if (x.mode == PdMode::kPull && mover_verifies()) {
+        compare_layer(id, x, l, list_of(*x.lane, l, 0), x.lane->host_at(l, 1));
       } else {
         compare_layer(id, x, l, x.expected[l], x.lane->host_at(l));
       }
@@ -1191,6 +1291,8 @@ class Decode final : public PdDecode, public Endpoint {
       }
     }
   }
+
+  bool mover_verifies() const noexcept { return options_.lane_verify == PdOptions::LaneVerify::kMover; }
 
   std::map<TransferId, X> xfers_;
 };

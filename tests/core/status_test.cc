@@ -75,5 +75,23 @@ TEST(Result, OkStatusWithoutValueIsInternalError) {
   EXPECT_EQ(r.status().code(), StatusCode::kInternal);
 }
 
+// The status of a temporary Result, returned through KVTIER_RETURN_IF_ERROR: the macro binds what it is given
+// to a reference, so status() of an rvalue Result must not hand out a reference into the temporary (under
+// AddressSanitizer that was a stack-use-after-scope read of the destroyed Result's message).
+Result<std::string> failing_lookup(int key) {
+  return NotFound("key " + std::to_string(key) +
+                  " is not in the table of this very long message, long enough to live on the heap");
+}
+Status forward_status_of_temporary(int key) {
+  KVTIER_RETURN_IF_ERROR(failing_lookup(key).status());
+  return Status::Ok();
+}
+
+TEST(Result, StatusOfATemporaryOutlivesIt) {
+  Status s = forward_status_of_temporary(7);
+  EXPECT_EQ(s.code(), StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("key 7 is not in the table"), std::string::npos) << s.to_string();
+}
+
 }  // namespace
 }  // namespace kvtier

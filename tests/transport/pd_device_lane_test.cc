@@ -1,7 +1,8 @@
 // The prefill/decode device lane (pd.h, "Device lane") on the host backend: loopback transports in one process
 // hand out each other's pools (Transport::peer_region_address), the host copy engine runs the SM kernel's exact
-// work decomposition with its checksums. Push and pull byte-exact layer by layer; bytes damaged between the
-// kernel and the verification caught in both modes; a failed kernel never reported loaded; a prefill on the
+// work decomposition with its checksums. Push and pull, with either side making the second checksum pass
+// (PdOptions::lane_verify), byte-exact layer by layer; bytes damaged between the kernel and the verification
+// caught in every combination; a failed kernel never reported loaded; a prefill on the
 // other lane refused; blocks of a failed push kept until the prefill's writes are proven over.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <thread>
 
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/device/host_device.h"
@@ -95,13 +97,27 @@ struct LaneRig {
 const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
 const std::vector<std::uint64_t> kDst = {0, 2, 6, 4};
 
-class LaneModes : public ::testing::TestWithParam<PdMode> {};
+struct LaneCase {
+  PdMode mode;
+  PdOptions::LaneVerify verify;
+};
+
+class LaneModes : public ::testing::TestWithParam<LaneCase> {
+ protected:
+  static PdOptions options() {
+    PdOptions o;
+    o.lane_verify = GetParam().verify;
+    return o;
+  }
+  static PdMode mode() { return GetParam().mode; }
+  static bool mover_verifies() { return GetParam().verify == PdOptions::LaneVerify::kMover; }
+};
 
 TEST_P(LaneModes, LayersMoveByteExactThroughTheKernelLayerByLayer) {
-  LaneRig rig;
+  LaneRig rig({}, true, options());
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 42, kSrc).ok());
   ASSERT_TRUE(rig.pre->layer_ready(42, 2).ok());  // ready before the request
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, mode(), kDst).ok());
   auto st = rig.dec->wait_layer(42, 2, 5s);
   ASSERT_TRUE(st.ok()) << st.status().to_string();
   EXPECT_EQ(*st, LayerState::kLoaded);
@@ -129,22 +145,25 @@ TEST_P(LaneModes, LayersMoveByteExactThroughTheKernelLayerByLayer) {
   EXPECT_TRUE(rig.dec->forget(42).ok());
 }
 
-// Push: a byte of a destination block damaged after the prefill's kernel wrote it (before the decode's
-// verification pass). Pull: a byte of a source block damaged after the prefill checksummed it (before the
-// decode's kernel reads it). Either way that block of that layer fails; the others load.
+// The receiving side verifies. Push: a byte of a destination block damaged after the prefill's kernel wrote it
+// (before the decode's verification pass). Pull: a byte of a source block damaged after the prefill checksummed
+// it (before the decode's kernel reads it). Either way that block of that layer fails; the others load.
 TEST_P(LaneModes, BytesDamagedBetweenKernelAndVerificationAreCaught) {
-  const PdMode mode = GetParam();
+  if (mover_verifies()) GTEST_SKIP() << "the receiving side's pass: BytesDamagedBetweenCopyAndReadBackAreCaught";
+  const PdMode mode = GetParam().mode;
   HostBlocks* pre_mem = nullptr;
   HostBlocks* dec_mem = nullptr;
   std::atomic<bool> damaged{false};
-  LaneRig rig([&](const Notification& n) {
-    const char want = mode == PdMode::kPush ? 'W' : 'A';
-    if (n.message.empty() || n.message[0] != want || layer_of(n) != 1 || damaged.exchange(true)) return;
-    if (mode == PdMode::kPush)
-      dec_mem->space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
-    else
-      pre_mem->space.block_ptr(1, 0, kSrc[2])[4000] ^= std::byte{0x80};
-  });
+  LaneRig rig(
+      [&](const Notification& n) {
+        const char want = mode == PdMode::kPush ? 'W' : 'A';
+        if (n.message.empty() || n.message[0] != want || layer_of(n) != 1 || damaged.exchange(true)) return;
+        if (mode == PdMode::kPush)
+          dec_mem->space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
+        else
+          pre_mem->space.block_ptr(1, 0, kSrc[2])[4000] ^= std::byte{0x80};
+      },
+      true, options());
   pre_mem = &rig.pre_mem;
   dec_mem = &rig.dec_mem;
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
@@ -162,15 +181,48 @@ TEST_P(LaneModes, BytesDamagedBetweenKernelAndVerificationAreCaught) {
       << fin->error.to_string();
 }
 
+// The moving side verifies: a byte of a destination block damaged after the moving kernel wrote it and before
+// its read-back (held back on the moving side's verify stream) fails that block of that layer; the others load.
+TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
+  if (!mover_verifies())
+    GTEST_SKIP() << "the moving side's read-back: BytesDamagedBetweenKernelAndVerificationAreCaught";
+  LaneRig rig({}, true, options());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 5, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, mode(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
+  // The side that moves the layer: the prefill in push, the decode in pull.
+  rig.device->set_stream_delay(mode() == PdMode::kPush ? "pd-verify-prefill" : "pd-verify-decode", 200ms);
+  ASSERT_TRUE(rig.pre->layer_ready(5, 1).ok());
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (!layer_matches(rig.dec_mem.space, kDst[2], 1, kSrc[2]) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(layer_matches(rig.dec_mem.space, kDst[2], 1, kSrc[2])) << "the copy of layer 1 never landed";
+  rig.dec_mem.space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
+  auto l1 = rig.dec->wait_layer(5, 1, 5s);
+  rig.device->set_stream_delay("", 0us);
+  ASSERT_TRUE(l1.ok()) << l1.status().to_string();
+  EXPECT_EQ(*l1, LayerState::kPartial);
+  for (std::uint32_t l : {2u, 3u}) ASSERT_TRUE(rig.pre->layer_ready(5, l).ok());
+  auto fin = rig.dec->wait(5, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (std::uint32_t l : {0u, 2u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, true, false, true}));
+  EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(fin->error.message().find("layer 1 block 6 (position 2): checksum mismatch"), std::string::npos)
+      << fin->error.to_string();
+}
+
 // A kernel that fails (the device reports the launch's operation failed): its layer is failed, never loaded.
 TEST_P(LaneModes, AFailedKernelFailsItsLayer) {
-  LaneRig rig;
+  LaneRig rig({}, true, options());
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 11, kSrc).ok());
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, mode(), kDst).ok());
   ASSERT_TRUE(rig.pre->layer_ready(11, 0).ok());
   ASSERT_EQ(rig.dec->wait_layer(11, 0, 5s).value(), LayerState::kLoaded);
   // The next operation on the host backend fails: in push the prefill's write kernel of layer 1, in pull the
-  // prefill's checksum pass. Either way the decode side hears of it ('X') and fails the layer.
+  // prefill's checksum pass (the receiving side verifies) or the decode's copy (the moving side verifies). Either
+  // way the decode side fails the layer (after the prefill's 'X', or from its own kernel's event).
   rig.device->fail_nth_operation(1);
   ASSERT_TRUE(rig.pre->layer_ready(11, 1).ok());
   auto l1 = rig.dec->wait_layer(11, 1, 5s);
@@ -180,8 +232,15 @@ TEST_P(LaneModes, AFailedKernelFailsItsLayer) {
   EXPECT_EQ(st.block_loaded, (std::vector<bool>{false, false, false, false}));
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, LaneModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
-                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Modes, LaneModes,
+                         ::testing::Values(LaneCase{PdMode::kPush, PdOptions::LaneVerify::kMover},
+                                           LaneCase{PdMode::kPull, PdOptions::LaneVerify::kMover},
+                                           LaneCase{PdMode::kPush, PdOptions::LaneVerify::kReceiver},
+                                           LaneCase{PdMode::kPull, PdOptions::LaneVerify::kReceiver}),
+                         [](const auto& info) {
+                           return fmt::format("{}_{}_verifies", pd_mode_name(info.param.mode),
+                                              lane_verify_name(info.param.verify));
+                         });
 
 TEST(PdDeviceLane, APrefillOnTheTransportLaneIsRefused) {
   LaneRig rig({}, /*prefill_lane=*/false);

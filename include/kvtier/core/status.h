@@ -141,8 +141,10 @@ class [[nodiscard]] Result {
 
   bool ok() const noexcept { return has_value_; }
   explicit operator bool() const noexcept { return has_value_; }
-  // OK when a value is held.
-  const Status& status() const noexcept { return status_; }
+  // OK when a value is held. A temporary Result hands its Status out by value, so that
+  // `KVTIER_RETURN_IF_ERROR(f().status())` does not bind a reference into a destroyed Result.
+  const Status& status() const& noexcept { return status_; }
+  Status status() && noexcept { return std::move(status_); }
 
   // Precondition: ok(). Calling these on an error is a caller bug.
   T& value() & noexcept { return value_; }

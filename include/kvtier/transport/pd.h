@@ -43,10 +43,17 @@
 // data path: push, the prefill's copy kernel writes the layer's scattered blocks straight into the decode's
 // pool, one launch per layer; pull, the decode's kernel reads them out of the prefill's pool likewise. The
 // transport carries only the messages. Checksums are the copy engine's block_checksum() (copy_engine.h), not
-// xxh3: the side that moves the layer gets them from the moving kernel itself (every word read once), the
-// other side from a read-only kernel pass over its blocks (the prefill's sources before announcing them in
-// pull, the decode's destinations before verifying them in push); the host only compares 8 bytes per block.
-// A layer's notification goes out once the kernel's event has completed (its bytes are then visible to the
+// xxh3: the side that moves the layer gets them from the moving kernel itself (every word read once); the
+// host only compares 8 bytes per block. What they are compared with is PdOptions::lane_verify (the decode
+// side's choice, carried in its request):
+//   kMover: the moving side reads the layer's destinations back in a read-only pass on a second stream of its
+//     own (overlapping the next layer's copy) and the moved words are compared with what landed. All GPU work
+//     of a transfer runs in one CUDA context, so two processes sharing a GPU do not alternate contexts per layer.
+//     It proves every block landed intact; it does not notice a source the prefill changes after the copy.
+//   kReceiver: the other side makes the second pass over its own blocks: the prefill's sources before it
+//     announces them in pull (so a source changed between that pass and the decode's copy is caught), the
+//     decode's destinations in push. One pass in each process's context.
+// A layer's notification goes out once the kernels' event has completed (its bytes are then visible to the
 // peer's later work). Both endpoints of a transfer must use the same lane: the decode side's request names
 // it, and a prefill on the other lane fails the transfer (every layer 'X', kFailedPrecondition). Kernels
 // cannot be cancelled: a side whose lease expires waits for its launched kernels (they are short) before its
@@ -91,7 +98,11 @@ struct PdOptions {
   // The device lane (see "Device lane" above): blocks in device memory of engine->device(), moved by its SM
   // kernel straight between the two pools. Null: the transport lane. Must outlive the endpoint.
   CopyEngine* engine = nullptr;
+  // The device lane's second checksum pass (see "Device lane" above); the decode side's value is used.
+  enum class LaneVerify : std::uint8_t { kMover, kReceiver };
+  LaneVerify lane_verify = LaneVerify::kMover;
 };
+std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
 
 // The checksum of one block of one layer (xxh3-64 over its roles in order).
 std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
