@@ -92,8 +92,10 @@ transport::PdOptions::LaneVerify lane_verify_of(const std::string& name) {
 }
 
 transport::UcxOptions lane_options(const std::string& lane) {
-  if (lane == "tcp") return {"tcp", "lo"};
-  return {"shm", ""};
+  transport::UcxOptions o;
+  o.tls = lane == "tcp" ? "tcp" : "shm";
+  o.net_devices = lane == "tcp" ? "lo" : "";
+  return o;
 }
 
 // The transport of a lane: UCX for tcp and shm, kvtier's same-host ipc backend for ipc (its regions here are

@@ -37,7 +37,11 @@ for the layer's copy.
 ``"loopback"`` in one) is the device lane: each side maps the other's pool (CUDA IPC) and each
 layer moves by one copy-kernel launch straight between the two pools, checksummed on the GPU by
 the kernel that moves it; nothing is staged. A layer reported loaded by ``wait_layer`` is then
-final in device memory.
+final in device memory. ``verify`` (the decode side's choice) names who checksums every block a
+second time, after the copy: ``"mover"`` (default; the side that moved the layer reads its
+destinations back, so the GPU work of a transfer stays in one process's CUDA context) or
+``"receiver"`` (the other side checks its own blocks; in pull that also catches a source the
+prefill changed after announcing it).
 
 Transports: ``"ipc"`` (same host, two processes; memory shared through sealed memfd windows),
 ``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP),
@@ -137,7 +141,7 @@ class _Endpoint:
                  peer_secret: Optional[bytes] = None, tls: str = "", net_devices: str = "",
                  heartbeat_s: float = 0.1, lease_s: float = 1.0, device: Any = None,
                  staging_blocks: int = 0, num_model_layers: Optional[int] = None, rank: int = 0,
-                 device_label: int = 0, block_tokens: int = 64, lane: str = "auto"):
+                 device_label: int = 0, block_tokens: int = 64, lane: str = "auto", verify: str = "mover"):
         tensors = _name_map(kv, rank, device_label)
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)
@@ -149,7 +153,8 @@ class _Endpoint:
         self._ep = _native.PdEndpoint.create(
             self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
             tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
-            device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane)
+            device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane,
+            verify=verify)
 
     # ---- identity and peers
 

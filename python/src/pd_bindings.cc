@@ -66,6 +66,8 @@ struct EndpointOptions {
   // "auto": host memory without a device, staged with one; "direct": the device lane of pd.h (device memory,
   // the peer's pool mapped here: ipc between CUDA processes, loopback in one process).
   std::string lane = "auto";
+  // The device lane's second checksum pass (PdOptions::lane_verify): "mover" or "receiver".
+  std::string verify = "mover";
 };
 
 Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout,
@@ -251,6 +253,8 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
   if (o.lane != "auto" && o.lane != "direct")
     raise_status(InvalidArgument(fmt::format("lane '{}' is not auto or direct", o.lane)));
+  if (o.verify != "mover" && o.verify != "receiver")
+    raise_status(InvalidArgument(fmt::format("verify '{}' is not mover or receiver", o.verify)));
   if (o.lane == "direct" && device_obj.is_none())
     raise_status(InvalidArgument("lane 'direct' moves device memory: pass device= (kvtier.cuda_device(n))"));
   if (o.lane == "direct" && o.transport == "ucx")
@@ -301,6 +305,8 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       // The device lane: the copy engine's kernel moves each layer straight between the two pools.
       KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
       pd.engine = n->engine.get();
+      pd.lane_verify = o.verify == "receiver" ? transport::PdOptions::LaneVerify::kReceiver
+                                              : transport::PdOptions::LaneVerify::kMover;
       if (o.role == "prefill") {
         KVTIER_ASSIGN_OR_RETURN(n->prefill, transport::PdPrefill::create(*n->transport, n->space, pd));
       } else {
@@ -355,7 +361,8 @@ void bind_pd(nb::module_& m) {
           [](const std::string& role, std::map<std::string, nb::ndarray<>> tensors, const std::string& transport,
              const std::string& name, std::uint32_t num_model_layers, nb::object device, nb::bytes peer_secret,
              const std::string& tls, const std::string& net_devices, double heartbeat_s, double lease_s, int rank,
-             int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane) {
+             int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane,
+             const std::string& verify) {
             EndpointOptions o;
             o.role = role;
             o.transport = transport;
@@ -371,6 +378,7 @@ void bind_pd(nb::module_& m) {
             o.block_tokens = block_tokens;
             o.staging_blocks = staging_blocks;
             o.lane = lane;
+            o.verify = verify;
             if (!device.is_none() && !nb::isinstance<PyDevice>(device))
               raise_status(InvalidArgument("device is not a kvtier Device (kvtier.cuda_device() / host_device())"));
             return create_endpoint(std::move(tensors), std::move(device), std::move(o));
@@ -378,6 +386,7 @@ void bind_pd(nb::module_& m) {
           "role"_a, "tensors"_a, "transport"_a, "name"_a, "num_model_layers"_a, "device"_a = nb::none(),
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
           "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0, "lane"_a = "auto",
+          "verify"_a = "mover",
           "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
           "on the tensors; a Device: its memory, staged through pinned host memory, or with lane='direct' moved by "
           "the copy kernel straight between the two pools (ipc on CUDA, loopback).")

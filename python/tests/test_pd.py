@@ -393,15 +393,17 @@ def test_staged_on_the_host_backend_with_streams(mode):
         p.forget(1)
 
 
+@pytest.mark.parametrize("verify", ["mover", "receiver"])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_direct_lane_on_the_host_backend(mode):
-    """lane="direct": the copy kernel moves each layer between the pools (loopback maps the peer's pool here)."""
+def test_direct_lane_on_the_host_backend(mode, verify):
+    """lane="direct": the copy kernel moves each layer between the pools (loopback maps the peer's pool here),
+    with either side making the second checksum pass."""
     dev = kvtier.host_device()
     fwd = dev.create_stream("forward")
     src_kv, dst_kv = prefill_kv(seed=6), decode_kv()
     src_blocks, dst_blocks = [7, 2, 5, 0], [3, 9, 1, 6]
-    with Prefill(src_kv, transport="loopback", device=dev, lane="direct", **FAST) as p, \
-            Decode(dst_kv, transport="loopback", device=dev, lane="direct", **FAST) as d:
+    with Prefill(src_kv, transport="loopback", device=dev, lane="direct", verify=verify, **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, lane="direct", verify=verify, **FAST) as d:
         assert p.lane == "direct" and d.lane == "direct"
         to_decode, to_prefill = connect(p, d)
         d.start(to_prefill, 1, dst_blocks, mode=mode)
@@ -421,6 +423,12 @@ def test_direct_lane_on_the_host_backend(mode):
         assert p.wait(1, TIMEOUT).done
         d.forget(1)
         p.forget(1)
+
+
+def test_direct_lane_verify_must_be_known():
+    dev = kvtier.host_device()
+    with pytest.raises(kvtier.InvalidArgumentError, match="verify 'both' is not mover or receiver"):
+        Decode(decode_kv(), transport="loopback", device=dev, lane="direct", verify="both", **FAST)
 
 
 def test_direct_lane_refusals():
