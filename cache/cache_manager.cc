@@ -173,12 +173,23 @@ Status check_chain(const CacheManager::Impl& s, std::span<const BlockKey> keys) 
 
 // admit() and admit_receive(): match (unless `match` is false) + pin + allocate + queue loads/evictions.
 Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys, std::uint32_t extra_blocks,
-                           bool match, AdmissionRec::Recv recv, std::uint32_t received_extra) {
+                           bool match, AdmissionRec::Recv recv, std::uint32_t received_extra,
+                           std::uint32_t max_hit_blocks = kNoHitLimit) {
   KVTIER_RETURN_IF_ERROR(check_chain(s, keys));
   ++s.clock;
   ++s.st.admissions;
   std::vector<NodeId> matched;
   MatchResult m = match ? s.match_nodes(keys, &matched) : MatchResult{};
+  if (m.total() > max_hit_blocks) {
+    // The keys past the limit are computed into fresh blocks even where a copy is cached: the caller's
+    // forward pass writes them (a hybrid model's other groups served less), and a cached block may be
+    // read by other requests. commit() keeps the cached copy (ours becomes its device copy only where it has
+    // none) and frees ours at release().
+    m.device_blocks = std::min(m.device_blocks, max_hit_blocks);
+    m.host_blocks = std::min(m.host_blocks, max_hit_blocks - m.device_blocks);
+    m.storage_blocks = std::min(m.storage_blocks, max_hit_blocks - m.device_blocks - m.host_blocks);
+    m.stopped_at_in_flight = false;
+  }
   const std::uint32_t hits = m.device_blocks + m.host_blocks;
   matched.resize(hits);  // storage hits are recomputed here (prefetch() brings them to host)
   const std::uint32_t num_keys = static_cast<std::uint32_t>(keys.size());
@@ -337,9 +348,10 @@ std::uint32_t commit_in(CacheManager::Impl& s, AdmissionRec& rec, std::uint32_t 
 
 }  // namespace
 
-Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks) {
+Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks,
+                                      std::uint32_t max_hit_blocks) {
   ExportOnReturn exported(*this);
-  return admit_in(*impl_, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0);
+  return admit_in(*impl_, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, max_hit_blocks);
 }
 
 Result<Admission> CacheManager::admit_receive(std::span<const BlockKey> keys, const ReceiveOptions& options) {

@@ -73,6 +73,43 @@ TEST(CacheManager, EvictionIsLeafOnlyAndWriteBackMovesToHost) {
   EXPECT_INVARIANTS(*c);
 }
 
+// max_hit_blocks: keys past the limit get fresh blocks (never a cached block another request reads), and
+// commit() keeps the cached copies indexed.
+TEST(CacheManager, MaxHitBlocksComputesPastTheLimit) {
+  auto c = make_cache(testing::config(16));
+  auto keys = path({1, 2, 3, 4});
+  Admission a = run_request(*c, keys);
+  auto b = c->admit(keys, 1, 2);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  EXPECT_EQ(b->device_hit_blocks, 2u);
+  EXPECT_EQ(b->new_blocks, 2u);
+  EXPECT_EQ(b->extra_blocks, 1u);
+  ASSERT_EQ(b->device_blocks.size(), 5u);
+  EXPECT_EQ(b->device_blocks[0], a.device_blocks[0]);
+  EXPECT_EQ(b->device_blocks[1], a.device_blocks[1]);
+  for (std::size_t i = 2; i < 5; ++i)
+    EXPECT_EQ(std::count(a.device_blocks.begin(), a.device_blocks.end(), b->device_blocks[i]), 0) << i;
+  EXPECT_EQ(c->stats().tiers[0].used, 7u);
+  ASSERT_TRUE(c->commit_all(b->id).ok());
+  ASSERT_TRUE(c->release(b->id).ok());
+  EXPECT_EQ(c->match(keys).device_ids, a.device_blocks);
+  EXPECT_EQ(c->stats().tiers[0].used, 4u);
+  EXPECT_INVARIANTS(*c);
+
+  // Host hits past the limit are not loaded.
+  auto h = make_cache(testing::config(4, 16));
+  run_request(*h, keys);
+  run_request(*h, path({7, 8, 9, 10}));  // pushes all of `keys` to host
+  ASSERT_EQ(h->match(keys).host_blocks, 4u);
+  auto d = h->admit(keys, 0, 1);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->host_hit_blocks, 1u);
+  EXPECT_EQ(d->new_blocks, 3u);
+  EXPECT_EQ(h->take_plan().loads.size(), 1u);
+  ASSERT_TRUE(h->release(d->id).ok());
+  EXPECT_INVARIANTS(*h);
+}
+
 TEST(CacheManager, HostHitsLoadAndOnlyServeAfterTheAck) {
   auto c = make_cache(testing::config(4, 16));
   auto a = path({1, 2, 3, 4});

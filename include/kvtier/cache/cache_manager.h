@@ -164,6 +164,8 @@ struct MatchResult {
 };
 
 using AdmissionId = std::uint64_t;
+// admit()'s default `max_hit_blocks`: serve the whole servable prefix.
+inline constexpr std::uint32_t kNoHitLimit = 0xFFFFFFFFu;
 
 // A P/D receive admission (admit_receive()).
 struct ReceiveOptions {
@@ -258,7 +260,12 @@ class CacheManager {
   // tier, being written to storage: CacheStats::pressure_demotions grew);
   // then the evictions and demotions queued so far stay queued (blocks moved
   // down a tier, or dropped) and a retry after the plan's acks can succeed.
-  Result<Admission> admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks = 0);
+  // `max_hit_blocks` caps the served prefix: keys past it get fresh blocks to
+  // compute into even when cached (the Admission counts them as new), for a
+  // caller whose forward pass starts earlier than this cache could serve
+  // (a hybrid model whose other KV groups served less: hybrid_cache.h).
+  Result<Admission> admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks = 0,
+                          std::uint32_t max_hit_blocks = kNoHitLimit);
 
   // After the forward pass: the first `num_computed` keys of the admission
   // hold data; the new ones join the index (still pinned by the admission).
