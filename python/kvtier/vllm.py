@@ -27,7 +27,7 @@ What is stored: one kvtier object per offloaded chunk (vLLM's ``OffloadKey``: th
 its KV cache group) and worker rank, holding that rank's bytes of every layer of the group, layer by layer,
 block by block. The object's key is a 128-bit BLAKE2b of the ``OffloadKey``; the namespace carries the
 model, the KV dtype and layout, the chunk geometry and the rank identity (rank, TP, PP, PCP, DCP; on disk
-also the DP replica), so a different model or parallel layout never reads these objects.
+also the DP replica, on Redis the engine id), so a different model or parallel layout never reads these objects.
 
 The scheduler side (:class:`KvtierOffloadingManager`) keeps the index of stored chunks: capacity in
 chunks, least-recently-used eviction of chunks no load holds, evicted chunks deleted from the tier by the
@@ -211,8 +211,12 @@ def namespace_of(config: OffloadingConfig, settings: KvtierSettings, rank: int) 
         f"block_bytes={config.worker_kv_bytes_per_block}", f"rank={rank}/{p.world_size}",
         f"tp={p.tp_size}", f"pp={p.pp_size}", f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
     ]
-    if settings.disk and p.data_parallel_size > 1:
-        parts.append(f"dp={p.data_parallel_index}")  # a disk directory belongs to one process
+    if settings.disk:
+        if p.data_parallel_size > 1:
+            parts.append(f"dp={p.data_parallel_index}")  # a disk directory belongs to one process
+    else:
+        # A shared tier: each engine its own key space, since its index deletes what it evicts.
+        parts.append(f"engine={config.engine_id}")
     if settings.namespace:
         parts.append(f"ns={settings.namespace}")
     return "|".join(parts)
@@ -479,6 +483,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 offset += ref.page_size_bytes * self.blocks_per_chunk
             self._groups.append(regions)
             self._object_bytes.append(offset)
+        if self._device is not None and self._device.type not in ("cuda", "cpu"):
+            raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device}: CUDA (or ROCm) GPUs and the CPU only")
         self._cuda = self._device is not None and self._device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self._device) if self._cuda else None
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-store")

@@ -481,7 +481,7 @@ def test_unsupported_layouts_are_refused_at_start(tmp_path):
         spec.get_worker(caches)
 
 
-def test_namespaces_separate_models_ranks_and_dp_replicas_on_disk():
+def test_namespaces_separate_models_ranks_dp_replicas_and_engines():
     s = kv.parse_extra_config({"storage": "disk:/x", "namespace": "blue"})
     base = kv.namespace_of(make_config({}, G1), s, 0)
     assert "model=org/model-8b" in base and "rank=0/1" in base and "ns=blue" in base
@@ -490,9 +490,11 @@ def test_namespaces_separate_models_ranks_and_dp_replicas_on_disk():
         make_config({}, G1, world_size=2), s, 0)
     dp = [kv.namespace_of(make_config({}, G1, dp=(i, 2)), s, 0) for i in range(2)]
     assert dp[0] != dp[1]  # two DP engines never share a disk directory
+    # On a shared (Redis) tier each engine has its own key space: its index deletes what it evicts.
     r = kv.parse_extra_config({"storage": "redis://h:1", "capacity": "1G"})
-    assert kv.namespace_of(make_config({}, G1, dp=(0, 2)), r, 0) == kv.namespace_of(make_config({}, G1, dp=(1, 2)),
-                                                                                     r, 0)
+    cfg = make_config({}, G1)
+    assert "engine=engine-0" in kv.namespace_of(cfg, r, 0)
+    assert kv.namespace_of(dataclasses.replace(cfg, engine_id="engine-1"), r, 0) != kv.namespace_of(cfg, r, 0)
 
 
 # ------------------------------------------------------------------ Redis (scripts/start-test-services.sh)
