@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl
 
+import numpy as np
+
 from . import _native
 from .errors import InvalidArgumentError, NotSupportedError
 
@@ -399,6 +401,7 @@ class _Region:
     """One data reference of a group: rows of a canonical (num_blocks, page) byte tensor."""
 
     tensor: Any  # torch.uint8 view, (num_blocks, row_bytes)
+    array: Any  # the same memory as a numpy array (CPU tensors), else None
     base: int
     row_stride: int
     num_blocks: int
@@ -414,7 +417,7 @@ class _GroupMoves:
     first: int
     count: int
     object_bytes: int
-    moves: List[Tuple[_Region, Any, Any, Any]]  # region, chunk (int64 tensor), slot, row
+    moves: List[Tuple[_Region, Any, Any, Any]]  # region, chunk, slot, row (int64 numpy arrays)
 
 
 @dataclass
@@ -479,7 +482,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 elif t.device != self._device:
                     raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device} and {t.device}")
                 u = t if t.dtype == torch.uint8 else t.view(torch.uint8)
-                regions.append(_Region(u, t.data_ptr(), t.stride(0), t.shape[0], ref.page_size_bytes, offset))
+                arr = u.numpy() if u.device.type == "cpu" else None
+                regions.append(_Region(u, arr, t.data_ptr(), t.stride(0), t.shape[0], ref.page_size_bytes, offset))
                 offset += ref.page_size_bytes * self.blocks_per_chunk
             self._groups.append(regions)
             self._object_bytes.append(offset)
@@ -507,8 +511,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
         counts = tuple(ptrs.group_block_counts)
         if len(counts) != len(self._groups):
             raise _JobFailed(f"{len(counts)} KV cache groups in the job, {len(self._groups)} registered")
-        all_ptrs = [int(p) for p in ptrs.ptrs]
-        all_sizes = [int(s) for s in ptrs.sizes]
+        all_ptrs = np.asarray(ptrs.ptrs, dtype=np.uint64).astype(np.int64)
+        all_sizes = np.asarray(ptrs.sizes, dtype=np.uint64).astype(np.int64)
         chunk0 = at = total = 0
         groups: List[_GroupMoves] = []
         for g, (n_blocks, n_refs, block_idx) in enumerate(zip(counts, ptrs.group_data_ref_counts,
@@ -523,20 +527,22 @@ class KvtierOffloadingWorker(OffloadingWorker):
             if is_store and (skip or n_blocks % bpc):
                 raise _JobFailed(f"group {g}: a store of {n_blocks} blocks from block {block_idx} is not whole "
                                  f"chunks of {bpc} blocks")
-            pos = torch.arange(skip, skip + n_blocks, dtype=torch.int64)
+            pos = np.arange(skip, skip + n_blocks, dtype=np.int64)
             chunk, slot = pos // bpc, pos % bpc
             moves = []
             for r in regions:
-                rows = []
-                for p, s in zip(all_ptrs[at:at + n_blocks], all_sizes[at:at + n_blocks]):
-                    off = p - r.base
-                    if s != r.page_bytes or off < 0 or off % r.row_stride or off // r.row_stride >= r.num_blocks:
-                        raise _JobFailed(f"group {g}: device pointer {p:#x} of {s} bytes is not a block of its "
-                                         f"KV tensor (base {r.base:#x}, {r.num_blocks} rows of {r.row_stride} "
-                                         f"bytes, pages of {r.page_bytes})")
-                    rows.append(off // r.row_stride)
+                seg, sizes = all_ptrs[at:at + n_blocks], all_sizes[at:at + n_blocks]
+                off = seg - r.base
+                bad = (sizes != r.page_bytes) | (off < 0) | (off % r.row_stride != 0) | (
+                    off // r.row_stride >= r.num_blocks)
+                if len(seg) != n_blocks or bad.any():
+                    i = int(np.argmax(bad)) if len(seg) and bad.any() else 0
+                    what = f"{int(seg[i]):#x} of {int(sizes[i])} bytes" if len(seg) else "(missing)"
+                    raise _JobFailed(f"group {g}: device pointer {what} is not a block of its KV tensor (base "
+                                     f"{r.base:#x}, {r.num_blocks} rows of {r.row_stride} bytes, pages of "
+                                     f"{r.page_bytes})")
                 at += n_blocks
-                moves.append((r, chunk, slot, torch.tensor(rows, dtype=torch.int64)))
+                moves.append((r, chunk, slot, off // r.row_stride))
                 total += n_blocks * r.page_bytes
             groups.append(_GroupMoves(chunk0, n_chunks, self._object_bytes[g], moves))
             chunk0 += n_chunks
@@ -561,29 +567,31 @@ class KvtierOffloadingWorker(OffloadingWorker):
             a = b
         return out
 
+    def _staging(self, sizes: List[int]) -> Tuple[Any, Any, List[int]]:
+        """A staging buffer for objects of ``sizes`` (pinned for a GPU): the tensor, a numpy view, the offsets."""
+        starts, at = [], 0
+        for s in sizes:
+            starts.append(at)
+            at += s
+        t = torch.empty(at, dtype=torch.uint8, pin_memory=self._cuda)
+        return t, t.numpy(), starts
+
     def _pages(self, plan: _Plan, staging: Any, starts: List[int], a: int, b: int):
-        """For chunks [a, b) in ``staging`` (chunk i at byte starts[i - a]): per region a (chunks, bpc, page) view
-        of its pages in the staging buffer, and the (chunk, slot) indexes and tensor rows of its moves there."""
+        """For chunks [a, b) in ``staging`` (numpy; chunk i at byte starts[i - a]): per region a (chunks, bpc,
+        page) view of its pages there, the (chunk, slot) places of its moves in that view and their tensor rows."""
+        bpc = self.blocks_per_chunk
         for g in plan.groups:
             lo, hi = max(a, g.first), min(b, g.first + g.count)
             if lo >= hi:
                 continue
             n = hi - lo
-            objects = staging[starts[lo - a]:starts[lo - a] + n * g.object_bytes].view(n, g.object_bytes)
+            objects = staging[starts[lo - a]:starts[lo - a] + n * g.object_bytes].reshape(n, g.object_bytes)
             for r, chunk, slot, rows in g.moves:
-                sel = ((chunk + g.first) >= lo) & ((chunk + g.first) < hi)
-                if not bool(sel.any()):
+                sel = (chunk + g.first >= lo) & (chunk + g.first < hi)
+                if not sel.any():
                     continue
-                view = objects[:, r.offset:r.offset + self.blocks_per_chunk * r.page_bytes].view(
-                    n, self.blocks_per_chunk, r.page_bytes)
+                view = objects[:, r.offset:r.offset + bpc * r.page_bytes].reshape(n, bpc, r.page_bytes)
                 yield r, view, chunk[sel] + g.first - lo, slot[sel], rows[sel]
-
-    def _staging(self, sizes: List[int]) -> Tuple[Any, List[int]]:
-        starts, at = [], 0
-        for s in sizes:
-            starts.append(at)
-            at += s
-        return torch.empty(at, dtype=torch.uint8, pin_memory=self._cuda), starts
 
     def _run_store(self, plan: _Plan, delete: List[str], ready: Any) -> int:
         if delete:
@@ -598,13 +606,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
                 torch.cuda.set_device(self._device)
                 self._stream.wait_event(ready)  # the blocks are final once the engine's stream got there
             for a, b in self._batches(sizes):
-                staging, starts = self._staging(sizes[a:b])
-                for r, view, ci, si, rows in self._pages(plan, staging, starts, a, b):
+                staging, host, starts = self._staging(sizes[a:b])
+                for r, view, ci, si, rows in self._pages(plan, host, starts, a, b):
                     if self._cuda:
                         with torch.cuda.stream(self._stream):
-                            pages = r.tensor[rows.to(r.tensor.device), :r.page_bytes].to("cpu")
+                            idx = torch.from_numpy(rows).to(self._device)
+                            pages = r.tensor.index_select(0, idx)[:, :r.page_bytes].cpu().numpy()
                     else:
-                        pages = r.tensor[rows, :r.page_bytes]
+                        pages = r.array[rows, :r.page_bytes]
                     view[ci, si] = pages
                 base = staging.data_ptr()
                 results = self.store.put_many(plan.names[a:b], [(base + starts[i], sizes[a + i])
@@ -628,7 +637,7 @@ class KvtierOffloadingWorker(OffloadingWorker):
         if self._cuda:
             torch.cuda.set_device(self._device)
         for a, b in self._batches(sizes):
-            staging, starts = self._staging(sizes[a:b])
+            staging, host, starts = self._staging(sizes[a:b])
             base = staging.data_ptr()
             results = self.store.get_many(plan.names[a:b], [(base + starts[i], sizes[a + i]) for i in range(b - a)])
             for i, res in enumerate(results):  # every object whole and verified before a byte is scattered
@@ -636,13 +645,14 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     what = res if not isinstance(res, int) else (
                         f"object of {res} bytes where the chunk has {sizes[a + i]}")
                     raise _JobFailed(f"reading chunk {plan.names[a + i]}: {what}")
-            for r, view, ci, si, rows in self._pages(plan, staging, starts, a, b):
+            for r, view, ci, si, rows in self._pages(plan, host, starts, a, b):
                 pages = view[ci, si]
                 if self._cuda:
                     with torch.cuda.stream(self._stream):
-                        r.tensor[rows.to(r.tensor.device), :r.page_bytes] = pages.to(r.tensor.device)
+                        idx = torch.from_numpy(rows).to(self._device)
+                        r.tensor[idx, :r.page_bytes] = torch.from_numpy(pages).to(self._device)
                 else:
-                    r.tensor[rows, :r.page_bytes] = pages
+                    r.array[rows, :r.page_bytes] = pages
             if self._cuda:
                 self._stream.synchronize()  # the blocks are in place before the job is reported done
         self.stats["loaded_chunks"] += len(plan.names)
