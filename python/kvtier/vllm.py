@@ -7,7 +7,7 @@ Redis Cluster tier, and loads them back on a prefix hit. vLLM loads it with::
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"spec_name": "KvtierOffloadingSpec",
             "spec_module_path": "kvtier.vllm",
-            "storage": "disk:/var/cache/kvtier?durability=process", "capacity": "200G"}}'
+            "storage": "disk:/var/cache/kvtier?capacity=200G&durability=process"}}'
 
 (docs/engines.md has the whole story.) ``kv_connector_extra_config`` keys:
 
