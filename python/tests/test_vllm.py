@@ -409,6 +409,18 @@ def test_index_capacity_evicts_lru_deletes_objects_and_refuses_when_all_pinned(t
     assert c.finish(c.store(reqs[4], [0], {0: [5]})) == [True]
 
 
+def test_job_specs_survive_pickling(tmp_path, connectors):
+    """vLLM ships store and load specs to the worker processes pickled (the connector metadata)."""
+    import pickle
+
+    c = connectors(extra(tmp_path), G1, num_blocks=8)
+    req = c.request("r", chunk_hashes(2))
+    out = c.manager.prepare_store([make_offload_key(h, 0) for h in req.hashes], req.ctx)
+    back = pickle.loads(pickle.dumps(out.store_spec))
+    assert isinstance(back, kv.KvtierLoadStoreSpec) and back.names == out.store_spec.names and back.delete == []
+    assert back.names == [kv.object_key(make_offload_key(h, 0)) for h in req.hashes]
+
+
 def test_reset_cache_forgets_every_chunk(tmp_path, connectors):
     c = connectors(extra(tmp_path), G1, num_blocks=8)
     req = c.request("r", chunk_hashes(2))
