@@ -21,6 +21,8 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
   transfer-connector slot holds kvtier's prefill/decode);
 - :mod:`kvtier.sglang`: ``HiCacheKvtier``, an SGLang HiCache storage backend (L3) on kvtier's disk and
   Redis tiers (``--hicache-storage-backend dynamic``; docs/engines.md);
+- :mod:`kvtier.vllm`: ``KvtierOffloadingSpec``, vLLM's native KV offloading (``OffloadingConnector``) on kvtier's
+  disk and Redis tiers (``spec_module_path: kvtier.vllm``; docs/engines.md; imports vLLM, so not imported here);
 - :mod:`kvtier.pd`: prefill/decode KV transfer between instances (``Prefill``, ``Decode``):
   metadata as bytes, push or pull, per-layer waits, byte-verified blocks.
 

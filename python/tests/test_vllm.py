@@ -1,0 +1,540 @@
+"""kvtier.vllm: vLLM's native KV offloading (OffloadingSpec) on kvtier's tiers, byte-exact, failures as misses.
+
+The runner (vllm_runner.py) drives the spec as vLLM's OffloadingConnector does, with vLLM's own classes, on CPU
+torch tensors. The interface test compares the installed vLLM's ABCs and data classes with the ones recorded
+from the pinned release (data/vllm_interface.json), and kvtier's classes with both, so that a vLLM release that
+changes the interface fails here, loudly. Skipped where vLLM is not installed (scripts/test-wheel.sh installs
+it: ``pip install --no-deps vllm==0.34.0`` and torch).
+
+Regenerate the recorded interface from a newly pinned release with ``python test_vllm.py > data/vllm_interface.json``
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import inspect
+import json
+import logging
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="kvtier.vllm's tests need torch (scripts/test-wheel.sh installs it)")
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed (pip install --no-deps vllm==0.34.0)")
+
+import kvtier  # noqa: E402
+
+if not kvtier._native.has_cache:
+    pytest.skip("kvtier built without the storage bindings (KVTIER_PYTHON_CACHE=OFF)", allow_module_level=True)
+
+import vllm as vllm_pkg  # noqa: E402
+from vllm.v1.kv_offload import base as vbase  # noqa: E402
+from vllm.v1.kv_offload import config as vconfig  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, Medium, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+
+import kvtier.vllm as kv  # noqa: E402
+from kvtier.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
+from vllm_runner import Connector, Group, chunk_hashes, make_config  # noqa: E402
+
+INTERFACE = os.path.join(os.path.dirname(__file__), "data", "vllm_interface.json")
+
+ABCS = ["OffloadingManager", "OffloadingWorker", "OffloadingSpec"]
+DATACLASSES = {
+    "base": ["ReqContext", "PrepareStoreOutput", "OffloadingEvent", "CanonicalKVCacheTensor", "CanonicalKVCacheRef",
+             "CanonicalKVCaches", "DevicePointers", "TransferResult", "RequestOffloadingContext", "ConfigInfo"],
+    "config": ["OffloadingConfig", "OffloadingGroupConfig", "OffloadingModelConfig", "OffloadingCacheConfig",
+               "OffloadingParallelConfig"],
+}
+ENUMS = ["LookupResult", "Medium", "Locality", "OffloadPolicy"]
+FUNCTIONS = ["make_offload_key", "get_offload_block_hash", "get_offload_group_idx"]
+OURS = {"OffloadingManager": kv.KvtierOffloadingManager, "OffloadingWorker": kv.KvtierOffloadingWorker,
+        "OffloadingSpec": kv.KvtierOffloadingSpec}
+
+
+def _sig(fn) -> dict:
+    sig = inspect.signature(fn)
+    return {
+        "params": list(sig.parameters),
+        "defaults": {k: repr(p.default) for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty},
+    }
+
+
+def _members(cls) -> dict:
+    out = {}
+    for name, raw in vars(cls).items():
+        if name.startswith("_") and name != "__init__":
+            continue
+        if isinstance(raw, property):
+            out[name] = {"kind": "property", "abstract": bool(getattr(raw.fget, "__isabstractmethod__", False))}
+            continue
+        if isinstance(raw, classmethod):
+            kind, fn = "classmethod", raw.__func__
+        elif isinstance(raw, staticmethod):
+            kind, fn = "staticmethod", raw.__func__
+        elif callable(raw):
+            kind, fn = "method", raw
+        else:
+            continue
+        out[name] = {"kind": kind, "abstract": bool(getattr(fn, "__isabstractmethod__", False)), **_sig(fn)}
+    return out
+
+
+def describe_installed() -> dict:
+    """The offloading interface of the installed vLLM, as recorded in data/vllm_interface.json."""
+    mods = {"base": vbase, "config": vconfig}
+    return {
+        "about": "vLLM's native KV offloading interface (vllm/v1/kv_offload/base.py and config.py), recorded from "
+                 "the released package for kvtier.vllm's interface test: the ABCs' members (parameters with self "
+                 "first, defaults as repr, abstract or not), the data classes' fields, the enums' members and the "
+                 "key helpers. Regenerate from a newly pinned release (python test_vllm.py) and review the diff.",
+        "vllm_version": vllm_pkg.__version__,
+        "abcs": {name: _members(getattr(vbase, name)) for name in ABCS},
+        "dataclasses": {name: [f.name for f in dataclasses.fields(getattr(mods[m], name))]
+                        for m, names in DATACLASSES.items() for name in names},
+        "enums": {name: [m.name for m in getattr(vbase, name)] for name in ENUMS},
+        "functions": {name: _sig(getattr(vbase, name)) for name in FUNCTIONS},
+        "GPULoadStoreSpec": _sig(vbase.GPULoadStoreSpec.__init__),
+    }
+
+
+def recorded() -> dict:
+    with open(INTERFACE) as f:
+        return json.load(f)
+
+
+G1 = [Group(layers=3, page=512, row=640)]  # one group, 3 layers, padded rows
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def extra(path, **more):
+    e = {"storage": f"disk:{path}?durability=process", "capacity": "64M"}
+    e.update(more)
+    return e
+
+
+@pytest.fixture
+def connectors():
+    made = []
+
+    def make(*args, **kw):
+        c = Connector(*args, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.shutdown()
+
+
+# ------------------------------------------------------------------ the interface, pinned
+
+
+def test_recorded_interface_is_the_installed_one():
+    want, have = recorded(), describe_installed()
+    assert have["vllm_version"] == kv.VLLM_TESTED == want["vllm_version"], (
+        f"vLLM {have['vllm_version']} is installed; kvtier.vllm is pinned to {kv.VLLM_TESTED}")
+    for key in ("abcs", "dataclasses", "enums", "functions", "GPULoadStoreSpec"):
+        assert have[key] == want[key], f"vLLM's offloading interface changed ({key}): re-record and review"
+
+
+@pytest.mark.parametrize("abc", ABCS)
+def test_our_classes_implement_the_installed_abcs(abc):
+    base = getattr(vbase, abc)
+    ours = OURS[abc]
+    assert issubclass(ours, base)
+    assert not getattr(ours, "__abstractmethods__", set()), f"{ours.__name__} leaves abstract methods"
+    for name, want in recorded()["abcs"][abc].items():
+        if want["kind"] == "property" or name == "__init__" or name not in vars(ours):
+            continue  # inherited as vLLM wrote it
+        raw = vars(ours)[name]
+        kind = "classmethod" if isinstance(raw, classmethod) else "staticmethod" if isinstance(
+            raw, staticmethod) else "method"
+        assert kind == want["kind"], f"{ours.__name__}.{name} is a {kind}, vLLM's a {want['kind']}"
+        have = _sig(getattr(raw, "__func__", raw))
+        assert have["params"] == want["params"], f"{ours.__name__}.{name}{have['params']} vs vLLM's {want['params']}"
+        assert have["defaults"] == want["defaults"], f"{ours.__name__}.{name} defaults"
+    # The spec is constructed as vLLM's factory constructs every spec: spec_cls(config).
+    assert list(inspect.signature(kv.KvtierOffloadingSpec.__init__).parameters) == \
+        recorded()["abcs"]["OffloadingSpec"]["__init__"]["params"]
+
+
+def test_vllms_factory_loads_the_spec_by_module_path(tmp_path):
+    cfg = make_config(extra(tmp_path), G1)
+    assert OffloadingSpecFactory.get_spec_cls(cfg.extra_config) is kv.KvtierOffloadingSpec
+    spec = OffloadingSpecFactory.create_spec(cfg)
+    assert isinstance(spec, kv.KvtierOffloadingSpec) and isinstance(spec.get_manager(), vbase.OffloadingManager)
+    assert spec.capacity_chunks == (64 << 20) // (4096 + 8192)  # 3 x 640-byte rows = 1920 bytes in 4 KiB + header
+
+
+# ------------------------------------------------------------------ store, then load: bytes compared
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bpc", [1, 4])
+def test_store_then_load_byte_exact_into_poisoned_blocks(tmp_path, connectors, bpc, device):
+    c = connectors(extra(tmp_path), G1, num_blocks=40, blocks_per_chunk=bpc, device=device)
+    kvt = c.kv[0]
+    req = c.request("r1", chunk_hashes(4))
+    src = list(range(1, 1 + 4 * bpc))
+    kvt.fill_random(0, src)
+    want = {b: kvt.block(0, b) for b in src}
+    assert c.lookup(req) == (0, [LookupResult.MISS])
+    job = c.store(req, [0, 1, 2, 3], {0: src})
+    assert c.lookup(req)[1] == [LookupResult.HIT_PENDING]  # stored but not complete: not loadable yet
+    assert c.finish(job) == [True]
+    assert c.lookup(req) == (4, [])
+    assert c.store(req, [0, 1, 2, 3], {0: src}) == 0  # already offloaded: nothing to do
+    # A new request with the same prefix loads it into other blocks, poisoned first.
+    req2 = c.request("r2", chunk_hashes(4))
+    dst = list(range(20, 20 + 4 * bpc))
+    kvt.poison(0, dst)
+    rows_before = {b: kvt.row(0, b) for b in range(40) if b not in dst}
+    assert c.finish(c.load(req2, 4, {0: dst})) == [True]
+    for s, d in zip(src, dst):
+        assert kvt.block(0, d) == want[s]
+    # Padding beyond the page and every other block are untouched.
+    for d in dst:
+        assert kvt.row(0, d)[-128:] == bytes([0x5A]) * 128
+    assert all(kvt.row(0, b) == rows_before[b] for b in rows_before)
+    stats = c.workers[0].stats
+    assert stats["stored_chunks"] == 4 and stats["loaded_chunks"] == 4 and stats["failed_jobs"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_first_chunk_and_sync_load(tmp_path, connectors, device):
+    """A load from the middle of a chunk (the GPU holds the first blocks): the object is read whole and only its
+    tail is scattered; an expedited (sync) load is complete once ``wait`` returns."""
+    bpc = 4
+    c = connectors(extra(tmp_path), G1, num_blocks=40, blocks_per_chunk=bpc, device=device)
+    kvt = c.kv[0]
+    req = c.request("r1", chunk_hashes(3))
+    src = list(range(1, 13))
+    kvt.fill_random(0, src)
+    assert c.finish(c.store(req, [0, 1, 2], {0: src})) == [True]
+    req2 = c.request("r2", chunk_hashes(3))
+    dst = list(range(30, 36))  # blocks 6..11 of the prefix: chunk 1 from its slot 2, then chunk 2
+    kvt.poison(0, dst)
+    job = c.load(req2, 3, {0: dst}, first_block=6, sync=True)
+    for i, d in enumerate(dst):  # wait() returned: the bytes are in place before get_finished
+        assert kvt.block(0, d) == kvt.block(0, src[6 + i])
+    assert c.finish(job) == [True]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_groups_keep_keys_per_group(tmp_path, connectors, device):
+    """Two KV cache groups of different page sizes (full attention and a sliding-window group): each chunk has
+    one object per group; a group's chunk can be stored and found without the other's."""
+    groups = [Group(layers=2, page=256), Group(layers=1, page=1024, tokens_per_block=16)]
+    c = connectors(extra(tmp_path), groups, num_blocks=24, device=device)
+    kvt = c.kv[0]
+    assert [c.workers[0].object_bytes(g) for g in (0, 1)] == [512, 1024]
+    req = c.request("r", chunk_hashes(3))
+    blocks = {0: [1, 2, 3], 1: [4, 5, 6]}
+    kvt.fill_random(0, blocks[0])
+    kvt.fill_random(1, blocks[1])
+    assert c.finish(c.store(req, [0, 1, 2], blocks)) == [True]
+    assert c.lookup(req) == (3, [])
+    # Group 1 only (a sliding window keeps the last chunks): other keys, other objects.
+    req2 = c.request("r2", chunk_hashes(3, "other"))
+    kvt.fill_random(1, [7])
+    assert c.finish(c.store(req2, [0], {1: [7]}, groups=[1])) == [True]
+    assert c.lookup(req2, groups=[1])[0] == 1
+    assert c.lookup(req2, groups=[0]) == (0, [LookupResult.MISS])
+    dst = {0: [10, 11, 12], 1: [13, 14, 15]}
+    kvt.poison(0, dst[0])
+    kvt.poison(1, dst[1])
+    req3 = c.request("r3", chunk_hashes(3))
+    assert c.finish(c.load(req3, 3, dst)) == [True]
+    for g in (0, 1):
+        for s, d in zip(blocks[g], dst[g]):
+            assert kvt.block(g, d) == kvt.block(g, s)
+    # Keys differ by group for one block hash; so do the tier's objects.
+    h = req.hashes[0]
+    assert kv.object_key(make_offload_key(h, 0)) != kv.object_key(make_offload_key(h, 1))
+
+
+def test_tensor_parallel_workers_store_and_load_their_own_bytes(tmp_path, connectors):
+    c = connectors(extra(tmp_path), G1, num_blocks=16, world_size=2)
+    assert c.worker_specs[0].store is not c.worker_specs[1].store
+    for kvt in c.kv:
+        kvt.fill_random(0, [1, 2])
+    assert c.kv[0].block(0, 1) != c.kv[1].block(0, 1)
+    req = c.request("r", chunk_hashes(2))
+    assert c.finish(c.store(req, [0, 1], {0: [1, 2]})) == [True]
+    for kvt in c.kv:
+        kvt.poison(0, [8, 9])
+    assert c.finish(c.load(c.request("r2", chunk_hashes(2)), 2, {0: [8, 9]})) == [True]
+    for kvt in c.kv:
+        assert kvt.block(0, 8) == kvt.block(0, 1) and kvt.block(0, 9) == kvt.block(0, 2)
+    # Each rank has its own namespace, so its own disk directory.
+    dirs = sorted(os.listdir(tmp_path))
+    assert len(dirs) == 2
+
+
+def test_staging_smaller_than_a_job_moves_it_in_batches(tmp_path, connectors):
+    c = connectors(extra(tmp_path, staging_bytes="4K"), G1, num_blocks=40, blocks_per_chunk=2)
+    kvt = c.kv[0]
+    req = c.request("r", chunk_hashes(8))
+    src = list(range(1, 17))
+    kvt.fill_random(0, src)
+    assert c.finish(c.store(req, list(range(8)), {0: src})) == [True]  # 3 KiB objects: one per batch
+    dst = list(range(20, 36))
+    kvt.poison(0, dst)
+    assert c.finish(c.load(c.request("r2", chunk_hashes(8)), 8, {0: dst})) == [True]
+    assert all(kvt.block(0, d) == kvt.block(0, s) for s, d in zip(src, dst))
+
+
+# ------------------------------------------------------------------ failures: misses and failed jobs, never garbage
+
+
+def _object_file(root, name):
+    (path,) = glob.glob(os.path.join(str(root), "**", kvtier.StorageBackend.object_name(name) + ".kvo"),
+                        recursive=True)
+    return path
+
+
+def test_corrupt_object_fails_the_load_and_leaves_the_blocks(tmp_path, connectors, caplog):
+    c = connectors(extra(tmp_path), G1, num_blocks=16)
+    kvt = c.kv[0]
+    req = c.request("r", chunk_hashes(3))
+    kvt.fill_random(0, [1, 2, 3])
+    assert c.finish(c.store(req, [0, 1, 2], {0: [1, 2, 3]})) == [True]
+    want = kvt.block(0, 2)
+    path = _object_file(tmp_path, kv.object_key(make_offload_key(req.hashes[1], 0)))
+    with open(path, "r+b") as f:  # flip one payload byte: bit rot under the tier
+        data = f.read()
+        at = data.find(want[-64:])
+        assert at > 0
+        f.seek(at + 7)
+        f.write(bytes([data[at + 7] ^ 0x01]))
+    kvt.poison(0, [8, 9, 10])
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: [8, 9, 10]})) == [False]
+    assert "DataLoss" in c.workers[0].last_error
+    assert any("load job" in r.getMessage() for r in caplog.records)
+    # Nothing of the job reached the blocks: vLLM recomputes them, it never reads a torn chunk.
+    assert all(kvt.row(0, b) == bytes([0x5A]) * 3 * 640 for b in (8, 9, 10))
+    assert c.worker_specs[0].store.stats()["quarantined"] == 1
+    # The chunk is gone from the tier: a later load of it fails the same way (until the index evicts it).
+    assert c.finish(c.load(c.request("r3", chunk_hashes(3)), 3, {0: [8, 9, 10]})) == [False]
+    assert "NotFound" in c.workers[0].last_error
+
+
+def test_object_of_another_size_fails_the_load(tmp_path, connectors):
+    """An object under the chunk's key but of another size (a model or layout change under the same namespace):
+    a failed load, not a partial copy."""
+    c = connectors(extra(tmp_path), G1, num_blocks=16)
+    req = c.request("r", chunk_hashes(1))
+    c.kv[0].fill_random(0, [1])
+    assert c.finish(c.store(req, [0], {0: [1]})) == [True]
+    name = kv.object_key(make_offload_key(req.hashes[0], 0))
+    c.worker_specs[0].store.put(name, b"\x01" * 100)  # a shorter object under the same key
+    c.kv[0].poison(0, [5])
+    assert c.finish(c.load(c.request("r2", chunk_hashes(1)), 1, {0: [5]})) == [False]
+    assert c.kv[0].row(0, 5) == bytes([0x5A]) * 3 * 640
+
+
+def test_full_tier_fails_the_store_and_the_chunks_stay_misses(tmp_path, connectors):
+    # kvtier.vllm's capacity says yes, the disk tier (1 KiB) refuses every object.
+    c = connectors(extra(tmp_path, **{"storage.disk.capacity_bytes": "1K"}), G1, num_blocks=16, events=True)
+    req = c.request("r", chunk_hashes(2))
+    c.kv[0].fill_random(0, [1, 2])
+    assert c.finish(c.store(req, [0, 1], {0: [1, 2]})) == [False]
+    assert "ResourceExhausted" in c.workers[0].last_error
+    assert c.lookup(req) == (0, [LookupResult.MISS])  # complete_store(success=False) dropped them
+    assert len(c.manager) == 0
+    ev = list(c.manager.take_events())
+    assert len(ev) == 1 and ev[0].removed and ev[0].metadata_only and ev[0].medium is Medium.STORAGE
+
+
+def test_failed_copy_fails_the_job_and_deletes_what_it_wrote(tmp_path, connectors, monkeypatch):
+    c = connectors(extra(tmp_path), G1, num_blocks=16)
+    req = c.request("r", chunk_hashes(3))
+    c.kv[0].fill_random(0, [1, 2, 3])
+    store = c.worker_specs[0].store
+
+    class Flaky:  # the tier takes the first object of a batch, then fails (a Redis node lost mid-batch)
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_many(self, names, bufs):
+            res = store.put_many(names[:1], bufs[:1])
+            return res + [kvtier.errors.UnavailableError("connection reset")] * (len(names) - 1)
+
+    monkeypatch.setattr(c.workers[0], "store", Flaky())
+    assert c.finish(c.store(req, [0, 1, 2], {0: [1, 2, 3]})) == [False]
+    assert "connection reset" in c.workers[0].last_error
+    assert c.lookup(req) == (0, [LookupResult.MISS])
+    assert store.stats()["objects"] == 0  # the one object written was deleted again
+    monkeypatch.setattr(c.workers[0], "store", store)
+    assert c.finish(c.store(req, [0, 1, 2], {0: [1, 2, 3]})) == [True]  # vLLM offers them again: stored
+
+
+def test_device_pointers_outside_the_kv_tensors_fail_the_job(tmp_path, connectors):
+    c = connectors(extra(tmp_path), G1, num_blocks=16)
+    req = c.request("r", chunk_hashes(1))
+    job = c.store(req, [0], {0: [999]})  # a block id past the tensor: vLLM's pointer lands outside it
+    assert c.finish(job) == [False]
+    assert "not a block of its KV tensor" in c.workers[0].last_error
+    assert c.lookup(req) == (0, [LookupResult.MISS])
+
+
+def test_index_capacity_evicts_lru_deletes_objects_and_refuses_when_all_pinned(tmp_path, connectors):
+    chunk_on_disk = 4096 + 8192
+    c = connectors(extra(tmp_path, capacity=3 * chunk_on_disk), G1, num_blocks=32, events=True)
+    assert c.spec.capacity_chunks == 3
+    store = c.worker_specs[0].store
+    reqs = [c.request(f"r{i}", chunk_hashes(1, f"p{i}")) for i in range(5)]
+    c.kv[0].fill_random(0, range(1, 6))
+    for i in range(3):
+        assert c.finish(c.store(reqs[i], [0], {0: [1 + i]})) == [True]
+    c.lookup(reqs[0])  # lookups do not reorder; a load does
+    assert c.finish(c.load(c.request("again", reqs[0].hashes), 1, {0: [20]})) == [True]
+    # The fourth chunk evicts the least recently used one: r1's (r0's was just loaded).
+    assert c.finish(c.store(reqs[3], [0], {0: [4]})) == [True]
+    assert [c.lookup(r)[0] for r in reqs[:4]] == [1, 0, 1, 1]
+    assert store.stats()["objects"] == 3  # the evicted chunk's object was deleted by the store job
+    assert c.workers[0].stats["deleted_chunks"] == 1
+    events = list(c.manager.take_events())
+    assert [(e.removed, len(e.keys)) for e in events if e.removed] == [(True, 1)]
+    # Loads in flight pin their chunks: with every chunk pinned there is no room, and prepare_store says None.
+    pinned = [c.load(c.request(f"l{i}", r.hashes), 1, {0: [24 + i]}) for i, r in enumerate([reqs[0], reqs[2],
+                                                                                             reqs[3]])]
+    assert c.store(reqs[4], [0], {0: [5]}) is None
+    assert c.finish(*pinned) == [True, True, True]
+    assert c.finish(c.store(reqs[4], [0], {0: [5]})) == [True]
+
+
+def test_job_specs_survive_pickling(tmp_path, connectors):
+    """vLLM ships store and load specs to the worker processes pickled (the connector metadata)."""
+    import pickle
+
+    c = connectors(extra(tmp_path), G1, num_blocks=8)
+    req = c.request("r", chunk_hashes(2))
+    out = c.manager.prepare_store([make_offload_key(h, 0) for h in req.hashes], req.ctx)
+    back = pickle.loads(pickle.dumps(out.store_spec))
+    assert isinstance(back, kv.KvtierLoadStoreSpec) and back.names == out.store_spec.names and back.delete == []
+    assert back.names == [kv.object_key(make_offload_key(h, 0)) for h in req.hashes]
+
+
+def test_reset_cache_forgets_every_chunk(tmp_path, connectors):
+    c = connectors(extra(tmp_path), G1, num_blocks=8)
+    req = c.request("r", chunk_hashes(2))
+    c.kv[0].fill_random(0, [1, 2])
+    assert c.finish(c.store(req, [0, 1], {0: [1, 2]})) == [True]
+    c.manager.reset_cache()
+    assert c.lookup(req) == (0, [LookupResult.MISS])
+
+
+def test_events_announce_stored_and_evicted_chunks(tmp_path, connectors):
+    c = connectors(extra(tmp_path), G1, num_blocks=8, events=True)
+    req = c.request("r", chunk_hashes(2))
+    c.kv[0].fill_random(0, [1, 2])
+    assert c.finish(c.store(req, [0, 1], {0: [1, 2]})) == [True]
+    (ev,) = list(c.manager.take_events())
+    assert not ev.removed and ev.medium is Medium.STORAGE and ev.locality is vbase.Locality.LOCAL
+    assert [bytes(k) for k in ev.keys] == [bytes(make_offload_key(h, 0)) for h in req.hashes]
+    assert list(c.manager.take_events()) == []
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_extra_config_maps_onto_kvtier_knobs_and_names_bad_values(tmp_path, caplog):
+    s = kv.parse_extra_config({"storage": "redis://h:1", "capacity": "2G", "namespace": "blue",
+                               "storage.redis.workers": 4, "storage.tenant.id": "team-a",
+                               "spec_name": "KvtierOffloadingSpec", "blocks_per_chunk": 4})
+    assert (s.storage, s.namespace, s.capacity_bytes, s.knobs) == (
+        "redis://h:1", "blue", 2 << 30, {"storage.redis.workers": "4", "storage.tenant.id": "team-a"})
+    assert kv.parse_extra_config({"storage": "disk:/x?capacity=3M&durability=process"}).capacity_bytes == 3 << 20
+    assert kv.parse_extra_config({"storage": "disk:/x", "storage.disk.capacity_bytes": "5K"}).capacity_bytes == 5120
+    bad = [
+        ({}, "must name the tier"),
+        ({"storage": "s3://bucket"}, "'s3://bucket'"),
+        ({"storage": "disk:/x", "capacity": "12X"}, "'12X'"),
+        ({"storage": "disk:/x", "capacity": -1}, "-1"),
+        ({"storage": "disk:/x", "storage.cache.host_blocks": 3}, "storage.cache.host_blocks"),
+        ({"storage": "disk:/x", "storage.disk.qd": [1]}, "storage.disk.qd"),
+        ({"storage": "disk:/x", "namespace": 3}, "namespace"),
+    ]
+    for cfg, needle in bad:
+        with pytest.raises(InvalidArgumentError, match=None) as e:
+            kv.parse_extra_config(cfg)
+        assert needle in str(e.value), (cfg, str(e.value))
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        kv.parse_extra_config({"storage": "disk:/x", "capcity": "1G"})
+    assert "capcity" in caplog.text
+    # A Redis tier needs a capacity; a knob's bad value is named when the worker opens the tier.
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        kv.KvtierOffloadingSpec(make_config({"storage": "redis://127.0.0.1:1"}, G1))
+    for knob, value in [("storage.disk.queue_depth", "deep"), ("storage.disk.durability", "process")]:
+        spec = kv.KvtierOffloadingSpec(make_config(extra(tmp_path, **{knob: value}), G1))
+        with pytest.raises(InvalidArgumentError, match=knob if value == "process" else value):
+            spec.get_worker(None)  # the tier opens before the caches are read
+    with pytest.raises(InvalidArgumentError, match="holds no chunk"):
+        kv.KvtierOffloadingSpec(make_config(extra(tmp_path, capacity="4K"), G1))
+
+
+def test_unsupported_layouts_are_refused_at_start(tmp_path):
+    with pytest.raises(NotSupportedError, match="canonical_layout"):
+        kv.KvtierOffloadingSpec(make_config(extra(tmp_path), G1, canonical=True))
+    cfg = make_config(extra(tmp_path), G1)
+    with pytest.raises(NotSupportedError, match="worker_kv_bytes_per_block"):
+        kv.KvtierOffloadingSpec(dataclasses.replace(cfg, worker_kv_bytes_per_block=0))
+    spec = kv.KvtierOffloadingSpec(cfg)
+    caches = vbase.CanonicalKVCaches(
+        tensors=[vbase.CanonicalKVCacheTensor(torch.zeros((4, 8, 8), dtype=torch.float16), 128)],
+        group_data_refs=[[vbase.CanonicalKVCacheRef(0, 128)]])
+    with pytest.raises(NotSupportedError, match="byte tensor"):
+        spec.get_worker(caches)
+
+
+def test_namespaces_separate_models_ranks_dp_replicas_and_engines():
+    s = kv.parse_extra_config({"storage": "disk:/x", "namespace": "blue"})
+    base = kv.namespace_of(make_config({}, G1), s, 0)
+    assert "model=org/model-8b" in base and "rank=0/1" in base and "ns=blue" in base
+    assert kv.namespace_of(make_config({}, G1, model="org/other"), s, 0) != base
+    assert kv.namespace_of(make_config({}, G1, world_size=2), s, 1) != kv.namespace_of(
+        make_config({}, G1, world_size=2), s, 0)
+    dp = [kv.namespace_of(make_config({}, G1, dp=(i, 2)), s, 0) for i in range(2)]
+    assert dp[0] != dp[1]  # two DP engines never share a disk directory
+    # On a shared (Redis) tier each engine has its own key space: its index deletes what it evicts.
+    r = kv.parse_extra_config({"storage": "redis://h:1", "capacity": "1G"})
+    cfg = make_config({}, G1)
+    assert "engine=engine-0" in kv.namespace_of(cfg, r, 0)
+    assert kv.namespace_of(dataclasses.replace(cfg, engine_id="engine-1"), r, 0) != kv.namespace_of(cfg, r, 0)
+
+
+# ------------------------------------------------------------------ Redis (scripts/start-test-services.sh)
+
+REDIS = os.environ.get("KVTIER_TEST_REDIS")
+REDIS_PW = os.environ.get("KVTIER_TEST_REDIS_PASSWORD", "")
+
+
+@pytest.mark.skipif(not REDIS, reason="no test Redis (KVTIER_TEST_REDIS; scripts/start-test-services.sh)")
+def test_redis_tier_round_trip(connectors):
+    import uuid
+
+    prefix = f"kvtier-vllm-{uuid.uuid4().hex[:12]}"
+    e = {"storage": f"redis://:{REDIS_PW}@{REDIS}?prefix={prefix}&cluster=off", "capacity": "16M",
+         "storage.redis.item_deadline": "2s"}
+    c = connectors(e, G1, num_blocks=16, blocks_per_chunk=2)
+    kvt = c.kv[0]
+    req = c.request("r", chunk_hashes(3))
+    kvt.fill_random(0, range(1, 7))
+    assert c.finish(c.store(req, [0, 1, 2], {0: list(range(1, 7))})) == [True]
+    kvt.poison(0, range(8, 14))
+    assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [True]
+    assert all(kvt.block(0, 7 + i) == kvt.block(0, i) for i in range(1, 7))
+    assert c.manager.get_load_source(make_offload_key(req.hashes[0], 0), req.ctx).value == "external_unspecified"
+    store = c.worker_specs[0].store
+    store.delete_many([kv.object_key(make_offload_key(h, 0)) for h in req.hashes])
+
+
+if __name__ == "__main__":  # records the installed interface: python test_vllm.py > data/vllm_interface.json
+    json.dump(describe_installed(), sys.stdout, indent=1)
+    sys.stdout.write("\n")
