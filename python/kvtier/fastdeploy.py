@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import _native
 from .errors import KvtierError
@@ -119,6 +119,20 @@ class LayerEvent:
         """Makes ``stream`` (default: the engine's current stream) wait for the layer on the GPU."""
         owner = self._owner
         owner._require_manager().wait_for_layer(self.task, self.layer, owner._stream_for(stream))
+
+
+def _engine_defaults(device: Any, environ: Mapping[str, str]) -> Dict[str, str]:
+    """Knob values the drop-in sets for an engine, unless the environment sets them.
+
+    Loads on CUDA run as kvtier's copy kernel (``transfer.load_strategy = sm_kernel``): a layer-wise
+    load overlaps the engine's forward, and the kernel (one launch per layer) leaves the driver to
+    the engine's own launches, where the DMA strategies' many copy calls slowed an eager decode step
+    by about a quarter on an H200 (docs/performance.md, "Python: the FastDeploy drop-in").
+    """
+    out: Dict[str, str] = {}
+    if device is not None and device.backend == "cuda" and "KVTIER_TRANSFER_LOAD_STRATEGY" not in environ:
+        out["transfer.load_strategy"] = "sm_kernel"
+    return out
 
 
 class CacheTransferManager:
@@ -364,7 +378,8 @@ class CacheTransferManager:
             host = {k: int(v) for k, v in self._host_cache_kvs_map.items() if v}
             self._mgr = _native.TransferManager.from_tensors(
                 self._device, self._compute, tensors, host, self._num_host_blocks, self._num_layers,
-                rank=self._local_rank, device_label=self._device_id, block_tokens=self._block_tokens)
+                rank=self._local_rank, device_label=self._device_id, block_tokens=self._block_tokens,
+                config=_engine_defaults(self._device, os.environ))
             # kvtier's process registry (kvtier.metrics): on unless KVTIER_METRICS=0.
             if os.environ.get("KVTIER_METRICS", "1") != "0":
                 self._mgr.attach_metrics({"rank": str(self._local_rank), "device": str(self._device_id)})

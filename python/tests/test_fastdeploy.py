@@ -290,3 +290,13 @@ def test_transfer_connector_moves_kv_between_instances(engine, monkeypatch, mode
     dec.close()
     with pytest.raises(kvtier.FailedPreconditionError, match="set_cache_kvs_map"):
         d.metadata()
+
+
+def test_loads_on_cuda_default_to_the_copy_kernel_unless_the_environment_says_otherwise():
+    defaults = kvtier.fastdeploy._engine_defaults
+    cuda = types.SimpleNamespace(backend="cuda")
+    assert defaults(cuda, {}) == {"transfer.load_strategy": "sm_kernel"}
+    assert defaults(cuda, {"KVTIER_TRANSFER_LOAD_STRATEGY": "dma_batch"}) == {}
+    assert defaults(kvtier.host_device(), {}) == {}
+    assert defaults(None, {}) == {}
+

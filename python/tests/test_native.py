@@ -190,6 +190,21 @@ def test_wait_timeout_raises_timedout():
     mgr.wait(t, timeout=None)  # forever: waits, does not time out at once
 
 
+def test_loads_by_the_copy_kernel_move_the_bytes():
+    # The FastDeploy drop-in's default for loads on CUDA (transfer.load_strategy = sm_kernel); the host
+    # backend runs the kernel's work decomposition.
+    dev, compute, mgr, d, h = manager(**{"transfer.load_strategy": "sm_kernel"})
+    before = {k: v[[4, 7]].copy() for k, v in d.items()}
+    mgr.wait(mgr.evict([4, 7], [1, 2]), timeout=30)
+    for v in d.values():
+        v[[4, 7]] = 0x5A
+    t = mgr.load([0, 1, 2, 3], [1, 2], [7, 4])
+    mgr.wait(t, timeout=30)
+    for k, v in d.items():
+        np.testing.assert_array_equal(v[[7, 4]], before[k])
+    assert mgr.task_info(t)["layer_states"] == ["done"] * LAYERS
+
+
 def test_config_knobs_are_listed():
     knobs = {k["name"]: k for k in kvtier.transfer_config_knobs()}
     assert knobs["transfer.max_in_flight_tasks"]["env"] == "KVTIER_TRANSFER_MAX_IN_FLIGHT_TASKS"

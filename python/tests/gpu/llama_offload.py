@@ -490,6 +490,24 @@ def main(argv=None):
 
         # -- 5. overlap: load alone, step alone, load + step with per-layer waits
         t = {"load": [], "step": [], "overlapped": []}
+        # Host time of the overlapped run's parts: the load's submission and the per-layer waits (a wait blocks
+        # the host only until the layer's copy is enqueued; time here delays the step's launches).
+        host_t = {"submit": [], "waits": []}
+        # Where an overlap is lost (timings only, the tokens of these runs are not checked): the step behind a
+        # wait for the whole load at its first layer (no layer-wise overlap at all), and the step with no wait
+        # (as if every layer had arrived: what the load's traffic alone costs the step).
+        diag = {"wait_all_first": [], "no_wait": []}
+
+        def timed_load():
+            t0 = time.perf_counter()
+            load()
+            host_now["submit"] += time.perf_counter() - t0
+
+        def timed_wait(layer):
+            t0 = time.perf_counter()
+            mgr.wait_for_layer(layer)
+            host_now["waits"] += time.perf_counter() - t0
+        host_now = {"submit": 0.0, "waits": 0.0}
         first_ok = True
         for r in range(a.repeats + 1):
             poison(constant=bool(r % 2))
@@ -504,13 +522,24 @@ def main(argv=None):
             tok0, g2, w2 = timed(lambda: step(last).argmax().item(), dev)  # prefix KV resident
             first_ok &= tok0 == ref_tokens[0]
             poison(constant=not (r % 2))
-            tok0, g3, w3 = timed(lambda: (load(), step(last, mgr.wait_for_layer).argmax().item())[1], dev)
+            host_now.update(submit=0.0, waits=0.0)
+            tok0, g3, w3 = timed(lambda: (timed_load(), step(last, timed_wait).argmax().item())[1], dev)
             mgr.sync_input_stream()
             first_ok &= tok0 == ref_tokens[0] and same_as(snap)
             if r:  # first round is warm-up
                 t["load"].append((g1, w1))
                 t["step"].append((g2, w2))
                 t["overlapped"].append((g3, w3))
+                host_t["submit"].append(host_now["submit"])
+                host_t["waits"].append(host_now["waits"])
+            _, g4, _ = timed(lambda: (load(), step(last, lambda l: mgr.wait_for_layer(L - 1) if l == 0 else None)
+                                      .argmax().item()), dev)
+            mgr.sync_input_stream()
+            _, g5, _ = timed(lambda: (load(), step(last).argmax().item()), dev)
+            mgr.sync_input_stream()
+            if r:
+                diag["wait_all_first"].append(g4)
+                diag["no_wait"].append(g5)
         checks["repeats_first_token_and_kv_exact"] = bool(first_ok)
 
         # control: with the prefix poisoned and no load the first-step logits must change
@@ -531,6 +560,10 @@ def main(argv=None):
         "ttft_with_load_s": {"gpu_p50": to, "wall_p50": med(t["overlapped"], 1)},
         "load_alone_s": {"gpu_p50": tl, "wall_p50": med(t["load"], 1)},
         "step_alone_s": {"gpu_p50": ts, "wall_p50": med(t["step"], 1)},
+        "overlapped_host_s": {"load_submit_p50": p50(host_t["submit"]), "layer_waits_p50": p50(host_t["waits"])},
+        "overlap_diagnosis_gpu_s": {"wait_all_first_p50": p50(diag["wait_all_first"]),
+                                    "no_wait_p50": p50(diag["no_wait"])},
+        "ttft_over_max_load_step": to / max(tl, ts) if max(tl, ts) > 0 else None,
         "hidden_fraction": min(1.0, max(0.0, (tl + ts - to) / tl)) if tl > 0 else 0.0,
         "ttft_ratio_recompute_over_load": tr / to if to > 0 else None,
         "bytes_moved": nbytes, "load_GBps": nbytes / tl / 1e9 if tl > 0 else None,
