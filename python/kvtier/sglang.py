@@ -48,6 +48,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _native
+from ._engine_config import split_extra_config
 from .errors import InvalidArgumentError, KvtierError, NotSupportedError
 
 logger = logging.getLogger("kvtier.sglang")
@@ -167,17 +168,7 @@ _SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
     "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
 })
-_KNOB_PREFIXES = ("storage.disk.", "storage.redis.", "storage.tenant.")
 _KV = "kv"
-
-
-def _knob_text(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, str)):
-        return str(value)
-    raise InvalidArgumentError(
-        f"kvtier.sglang: extra_config['{key}'] = {value!r} is not a string, number or boolean")
 
 
 def parse_extra_config(extra: Optional[dict]) -> Tuple[str, str, Dict[str, str], bool]:
@@ -189,23 +180,10 @@ def parse_extra_config(extra: Optional[dict]) -> Tuple[str, str, Dict[str, str],
     spec = extra["storage"]
     if not isinstance(spec, str):
         raise InvalidArgumentError(f"kvtier.sglang: extra_config['storage'] = {spec!r} is not a string")
-    ns = extra.get("namespace", "")
-    if not isinstance(ns, str):
-        raise InvalidArgumentError(f"kvtier.sglang: extra_config['namespace'] = {ns!r} is not a string")
-    knobs: Dict[str, str] = {}
-    ignored = []
-    for key, value in extra.items():
-        if key.startswith("storage."):
-            if not key.startswith(_KNOB_PREFIXES):
-                raise InvalidArgumentError(
-                    f"kvtier.sglang: extra_config key '{key}' is not a storage.disk.*, storage.redis.* or "
-                    "storage.tenant.* knob")
-            knobs[key] = _knob_text(key, value)
-        elif key not in ("storage", "namespace") and key not in _SGLANG_KEYS:
-            ignored.append(key)
+    ns, knobs, ignored = split_extra_config("kvtier.sglang", extra, _SGLANG_KEYS | {"storage"})
     if ignored:
         logger.warning("kvtier.sglang: ignoring extra_config keys %s (not kvtier's, not SGLang's known ones)",
-                       sorted(ignored))
+                       ignored)
     # SGLang's own test (cache_controller.py), so that exists queries use the objects its calls write.
     zero_copy = bool(extra.get("interface_v1", 0))
     return spec, ns, knobs, zero_copy

@@ -56,6 +56,7 @@ from urllib.parse import parse_qsl
 import numpy as np
 
 from . import _native
+from ._engine_config import split_extra_config
 from .errors import InvalidArgumentError, NotSupportedError
 
 try:
@@ -106,7 +107,6 @@ _VLLM_KEYS = frozenset({
     "self_describing_kv_events", "sync_load_budget_bytes", "kv_load_failure_policy",
 })
 _OWN_KEYS = frozenset({"storage", "capacity", "namespace", "staging_bytes"})
-_KNOB_PREFIXES = ("storage.disk.", "storage.redis.", "storage.tenant.")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # What one object costs on a disk tier beyond its payload rounded to 4 KiB: its header block, and slack.
 _DISK_OBJECT_OVERHEAD = 8192
@@ -139,14 +139,6 @@ def parse_size(key: str, value: Any) -> int:
     return n
 
 
-def _knob_text(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, str)):
-        return str(value)
-    raise InvalidArgumentError(f"kvtier.vllm: extra_config['{key}'] = {value!r} is not a string, number or boolean")
-
-
 @dataclass(frozen=True)
 class KvtierSettings:
     """``kv_connector_extra_config`` as kvtier reads it."""
@@ -173,23 +165,10 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
         raise InvalidArgumentError(
             f"kvtier.vllm: extra_config['storage'] = {spec!r} is neither 'disk:<dir>[?...]' nor "
             "'redis://host:port[?...]'")
-    ns = extra.get("namespace", "")
-    if not isinstance(ns, str):
-        raise InvalidArgumentError(f"kvtier.vllm: extra_config['namespace'] = {ns!r} is not a string")
-    knobs: Dict[str, str] = {}
-    ignored = []
-    for key, value in extra.items():
-        if key.startswith("storage."):
-            if not key.startswith(_KNOB_PREFIXES):
-                raise InvalidArgumentError(
-                    f"kvtier.vllm: extra_config key '{key}' is not a storage.disk.*, storage.redis.* or "
-                    "storage.tenant.* knob")
-            knobs[key] = _knob_text(key, value)
-        elif key not in _OWN_KEYS and key not in _VLLM_KEYS:
-            ignored.append(key)
+    ns, knobs, ignored = split_extra_config("kvtier.vllm", extra, _OWN_KEYS | _VLLM_KEYS)
     if ignored:
         logger.warning("kvtier.vllm: ignoring kv_connector_extra_config keys %s (neither kvtier's nor vLLM's)",
-                       sorted(ignored))
+                       ignored)
     capacity: Optional[int] = None
     if extra.get("capacity") is not None:
         capacity = parse_size("capacity", extra["capacity"])
