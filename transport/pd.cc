@@ -216,7 +216,12 @@ class Endpoint {
     for (auto* stream : {&lane_stream_, &verify_stream_}) {
       if (!*stream) continue;
       Status s = options_.engine->device().synchronize(**stream, std::chrono::seconds(60));
-      if (!s.ok()) log(LogLevel::kError, "transport", fmt::format("pd: device lane did not drain: {}", s.to_string()));
+      // A stream that drained after a failed operation reports that failure again: it was already reported on
+      // its layer, so only a stream that did not drain is an error here.
+      if (s.code() == StatusCode::kTimedOut)
+        log(LogLevel::kError, "transport", fmt::format("pd: device lane did not drain: {}", s.to_string()));
+      else if (!s.ok())
+        log(LogLevel::kDebug, "transport", fmt::format("pd: device lane drained after a failure: {}", s.to_string()));
       options_.engine->forget_stream(**stream).ignore_error();
     }
   }

@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
-#include <thread>
 
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/device/host_device.h"
@@ -182,7 +181,9 @@ TEST_P(LaneModes, BytesDamagedBetweenKernelAndVerificationAreCaught) {
 }
 
 // The moving side verifies: a byte of a destination block damaged after the moving kernel wrote it and before
-// its read-back (held back on the moving side's verify stream) fails that block of that layer; the others load.
+// its read-back fails that block of that layer; the others load. The damage is done on the device's own worker
+// thread just before the read-back's first operation (the zeroing of its checksums: the second checksum-sized
+// memset of the layer, after the copy's), so it is ordered after the copy and before the read-back.
 TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
   if (!mover_verifies())
     GTEST_SKIP() << "the moving side's read-back: BytesDamagedBetweenKernelAndVerificationAreCaught";
@@ -191,17 +192,20 @@ TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, mode(), kDst).ok());
   ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
   ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
-  // The side that moves the layer: the prefill in push, the decode in pull.
-  rig.device->set_stream_delay(mode() == PdMode::kPush ? "pd-verify-prefill" : "pd-verify-decode", 200ms);
+  std::atomic<int> checksum_memsets{0};
+  std::atomic<bool> damaged{false};
+  rig.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
+    if (bytes == kDst.size() * sizeof(std::uint64_t) && checksum_memsets.fetch_add(1) + 1 == 2) {
+      rig.dec_mem.space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
+      damaged = true;
+    }
+    return false;  // nothing fails: the bytes are silently wrong
+  });
   ASSERT_TRUE(rig.pre->layer_ready(5, 1).ok());
-  const auto until = std::chrono::steady_clock::now() + 5s;
-  while (!layer_matches(rig.dec_mem.space, kDst[2], 1, kSrc[2]) && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(1ms);
-  ASSERT_TRUE(layer_matches(rig.dec_mem.space, kDst[2], 1, kSrc[2])) << "the copy of layer 1 never landed";
-  rig.dec_mem.space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
   auto l1 = rig.dec->wait_layer(5, 1, 5s);
-  rig.device->set_stream_delay("", 0us);
+  rig.device->set_failure_predicate(nullptr);
   ASSERT_TRUE(l1.ok()) << l1.status().to_string();
+  EXPECT_TRUE(damaged.load());
   EXPECT_EQ(*l1, LayerState::kPartial);
   for (std::uint32_t l : {2u, 3u}) ASSERT_TRUE(rig.pre->layer_ready(5, l).ok());
   auto fin = rig.dec->wait(5, 5s);
