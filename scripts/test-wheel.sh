@@ -24,7 +24,8 @@ rm -rf "$env"
   echo "test-wheel: sglang 0.5.23 not installable here; kvtier.sglang's tests against it skip" >&2
 # vLLM's native offloading interface for kvtier.vllm's tests (python/tests/test_vllm.py), pinned: vLLM alone
 # (--no-deps; vllm.v1.kv_offload needs only numpy, packaging and msgspec of its dependencies, and vLLM's logger
-# psutil, urllib3, regex, pydantic and pyzmq when it logs once per rank) and torch, whose
+# psutil, urllib3, regex, pydantic and pyzmq when it logs once per rank) and torch (its pure-Python dependencies:
+# typing_extensions, filelock, sympy, networkx, jinja2, fsspec), whose
 # PyPI wheel is a CUDA build: of its CUDA libraries only those the machine's CUDA toolkit lacks (NCCL, cuSPARSELt,
 # NVSHMEM, cuFile) come from PyPI; where torch still does not import, torch's full dependency set is installed.
 # About 1.2 GB downloaded, 2.3 GB installed, 80-85 s on a 2-core machine (docs/engines.md). Where none of it can
@@ -33,9 +34,9 @@ vllm_start=$SECONDS
 if "$env/bin/python" -m pip install -q --no-deps "vllm==0.34.0" "torch==2.14.0" "nvidia-nccl-cu13==2.30.7" \
     "nvidia-cusparselt-cu13==0.8.1" "nvidia-nvshmem-cu13==3.4.5" "nvidia-cufile==1.15.1.6.*" &&
   "$env/bin/python" -m pip install -q numpy packaging msgspec typing_extensions filelock psutil urllib3 regex \
-    pydantic; then
-  if ! (cd / && "$env/bin/python" -c "import torch, vllm.v1.kv_offload.base" 2>/dev/null); then
-    echo "test-wheel: torch does not import with the machine's CUDA libraries; installing its dependencies" >&2
+    pydantic sympy networkx jinja2 fsspec; then
+  if ! why=$(env_python="$PWD/$env/bin/python" && cd / && "$env_python" -c "import torch, vllm.v1.kv_offload.base" 2>&1); then
+    echo "test-wheel: torch does not import with the machine's CUDA libraries ($(tail -n 1 <<<"$why")); installing its dependencies" >&2
     "$env/bin/python" -m pip install -q "torch==2.14.0" ||
       echo "test-wheel: torch 2.14.0 not installable here; kvtier.vllm's tests skip" >&2
   fi
