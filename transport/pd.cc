@@ -111,7 +111,7 @@ class Msg {
     s_.append(reinterpret_cast<const char*>(&v), 8);
     return *this;
   }
-  Msg& u64s(const std::vector<std::uint64_t>& v) {
+  Msg& u64s(std::span<const std::uint64_t> v) {
     u32(static_cast<std::uint32_t>(v.size()));
     s_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(std::uint64_t));
     return *this;
@@ -479,9 +479,8 @@ class Endpoint {
   }
 
   // One layer's checksum list `list` (0: moved, 1: landed) as copied to the host.
-  static std::vector<std::uint64_t> list_of(const LaneBuffers& lb, std::uint32_t layer, std::uint32_t list) {
-    const std::uint64_t* c = lb.host_at(layer, list);
-    return std::vector<std::uint64_t>(c, c + lb.n);
+  static std::span<const std::uint64_t> list_of(const LaneBuffers& lb, std::uint32_t layer, std::uint32_t list) {
+    return {lb.host_at(layer, list), lb.n};
   }
 
   std::vector<std::uint64_t> local_strides() const {
@@ -1074,7 +1073,7 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   // The layer's blocks against the checksums the prefill announced; `actual`: what arrived (x.dst.size()).
-  void compare_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& ck,
+  void compare_layer(TransferId id, X& x, std::uint32_t layer, std::span<const std::uint64_t> ck,
                      const std::uint64_t* actual) {
     if (x.layers[layer] != LayerState::kPending) return;
     if (ck.size() != x.dst.size()) {
