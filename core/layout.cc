@@ -280,6 +280,17 @@ std::string KvLayout::describe() const {
 Result<BlockSpace> BlockSpace::from_planes(MemoryKind kind, int device_ordinal, KvLayout layout,
                                            std::uint64_t num_blocks, std::vector<std::vector<Plane>> planes,
                                            std::vector<std::vector<std::uint64_t>> region_bytes) {
+  return make(kind, device_ordinal, std::move(layout), num_blocks, std::move(planes), std::move(region_bytes), false);
+}
+
+Result<BlockSpace> BlockSpace::layer_slot(MemoryKind kind, int device_ordinal, KvLayout layout,
+                                          std::uint64_t num_blocks, std::vector<std::vector<Plane>> planes) {
+  return make(kind, device_ordinal, std::move(layout), num_blocks, std::move(planes), {}, true);
+}
+
+Result<BlockSpace> BlockSpace::make(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
+                                    std::vector<std::vector<Plane>> planes,
+                                    std::vector<std::vector<std::uint64_t>> region_bytes, bool layers_share) {
   if (layout.num_layers() == 0) return InvalidArgument("BlockSpace needs a non-empty KvLayout");
   if (num_blocks == 0) return InvalidArgument("BlockSpace num_blocks must be >= 1, got 0");
   if (num_blocks > static_cast<std::uint64_t>(INT32_MAX))
@@ -337,6 +348,7 @@ Result<BlockSpace> BlockSpace::from_planes(MemoryKind kind, int device_ordinal, 
     for (std::size_t j = i + 1; j < intervals.size() && intervals[j].begin < intervals[i].end; ++j) {
       const Interval& a = intervals[i];
       const Interval& b = intervals[j];
+      if (layers_share && a.l != b.l) continue;
       const Plane& pa = planes[a.l][a.r];
       const Plane& pb = planes[b.l][b.r];
       const std::uint64_t delta = b.begin - a.begin;

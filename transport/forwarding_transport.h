@@ -23,6 +23,7 @@ class ForwardingTransport : public Transport {
   Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override {
     return inner_->peer_region_address(peer, region);
   }
+  Result<SharedMemory> allocate_shared(std::uint64_t bytes) override { return inner_->allocate_shared(bytes); }
   Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
                       std::string notification) override {
     return inner_->post(op, peer, local, remote, std::move(notification));

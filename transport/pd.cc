@@ -19,6 +19,14 @@
 // stalled) can therefore never extend the lease of a peer that has died since; renewing by the time a message
 // was processed did. 'Q' is what proves to the decode side that no write of the prefill can still land.
 //
+// Ring lane (pd.h), lane byte 3 in 'R', which then ends with u32 slots u64 slot_bytes (the decode's ring, its
+// region number num_planes):
+//   'G' xid u32 layer u32 piece u32 slot            decode -> prefill: write that piece of the layer into the slot
+//   'P' xid u32 layer u32 piece u32 slot u32 n ck   prefill -> decode: the piece is in the slot, with the checksums
+//                                                  (block_checksum()) its copy kernel computed
+// Piece p of a layer holds positions [p * per_slot, min(n, (p + 1) * per_slot)) of the transfer's lists, per_slot
+// being the blocks of the largest layer a slot holds.
+//
 // Device lane (pd.h): 'W', 'A' and 'D' keep their meaning; the bytes move by copy kernels outside the transport,
 // and the checksums are block_checksum() values computed on the device. When the moving side verifies (lane 2),
 // 'W' carries a second list, u32 n n*u64 landed (the destinations read back after the write), and 'A' an empty
@@ -174,6 +182,7 @@ class Endpoint {
       if (options_.lane_verify != PdOptions::LaneVerify::kMover &&
           options_.lane_verify != PdOptions::LaneVerify::kReceiver)
         return InvalidArgument(fmt::format("{}: unknown lane_verify {}", role, static_cast<int>(options_.lane_verify)));
+      role_ = role;
       // Named so that logs (and the host backend's per-stream fault hooks) can tell them apart.
       for (auto [s, name] : {std::pair{&lane_stream_, "pd-lane"}, std::pair{&verify_stream_, "pd-verify"}}) {
         auto stream = dev.create_stream(StreamOptions{StreamPriority::kNormal, fmt::format("{}-{}", name, role)});
@@ -198,6 +207,10 @@ class Endpoint {
                           l, r, *id, plane_index(l, r)));
       }
     }
+    if (options_.ring_slots > 0 && options_.engine == nullptr)
+      return InvalidArgument(
+          fmt::format("{}: the ring lane ({} slots) needs a copy engine", role, options_.ring_slots));
+    KVTIER_RETURN_IF_ERROR(after_planes(role));
     try {
       thread_ = std::thread([this] { loop(); });
     } catch (const std::exception& e) {
@@ -213,7 +226,9 @@ class Endpoint {
     }
     if (thread_.joinable()) thread_.join();
     // Kernels of the device lane cannot be cancelled: wait (bounded) for them before their buffers go.
-    for (auto* stream : {&lane_stream_, &verify_stream_}) {
+    std::vector<std::unique_ptr<Stream>*> streams = {&lane_stream_, &verify_stream_};
+    for (auto& r : retired_streams_) streams.push_back(&r);
+    for (auto* stream : streams) {
       if (!*stream) continue;
       Status s = options_.engine->device().synchronize(**stream, std::chrono::seconds(60));
       // A stream that drained after a failed operation reports that failure again: it was already reported on
@@ -275,6 +290,11 @@ class Endpoint {
   // BlockSpaces (block counts, strides) need not be.
   virtual void on_message(const Notification& n, char type, TransferId id, Parse& p) = 0;
   virtual void tick(Clock::time_point now) = 0;
+  // After the planes are registered, before the progress thread starts (the decode's ring).
+  virtual Status after_planes(std::string_view role) {
+    (void)role;
+    return Status::Ok();
+  }
 
   // True while a transfer has work the progress thread must notice without a message: a device lane kernel
   // whose event it polls, a layer whose readiness it polls, a transfer not yet final (under mu_).
@@ -347,7 +367,115 @@ class Endpoint {
   }
 
   bool device_lane() const noexcept { return options_.engine != nullptr; }
+  bool ring_lane() const noexcept { return device_lane() && options_.ring_slots > 0; }
+  // The lane byte of 'R' this side runs (the device lane's verifying side aside): 0 transport, 1 device, 3 ring.
+  std::uint8_t lane_kind() const noexcept { return ring_lane() ? 3 : device_lane() ? 1 : 0; }
+  static std::string_view lane_kind_name(std::uint8_t kind) noexcept {
+    return kind == 3 ? "ring" : kind == 0 ? "transport" : "device";
+  }
   Device& lane_device() const { return options_.engine->device(); }
+
+  // ---- ring lane ----
+  struct RingGeometry {
+    std::uint32_t slots = 0;
+    std::uint64_t slot_bytes = 0;
+    std::uint64_t slot_stride = 0;  // slot_bytes rounded up to a page
+    std::uint64_t per_slot = 0;     // blocks of one layer (every role) a slot holds
+    std::uint64_t ring_bytes() const { return slot_stride * slots; }
+  };
+  static constexpr std::uint64_t kRingPage = 4096;
+  static constexpr std::uint64_t kMaxPerSlot = std::uint64_t{1} << 20;
+  Result<RingGeometry> ring_geometry(std::uint32_t slots, std::uint64_t slot_bytes) const {
+    const KvLayout& layout = blocks_.layout();
+    if (slots == 0 || slots > PdOptions::kMaxRingSlots)
+      return InvalidArgument(fmt::format("ring of {} slots: 1 to {}", slots, PdOptions::kMaxRingSlots));
+    std::uint64_t layer_bytes = 0;
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+      std::uint64_t b = 0;
+      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) b += layout.block_bytes(l, r);
+      layer_bytes = std::max(layer_bytes, b);
+    }
+    if (slot_bytes < layer_bytes || slot_bytes > (std::uint64_t{1} << 40))
+      return InvalidArgument(
+          fmt::format("ring slot of {} bytes: must hold one block of the largest layer ({} bytes) and be at most 1 TiB",
+                      slot_bytes, layer_bytes));
+    RingGeometry g;
+    g.slots = slots;
+    g.slot_bytes = slot_bytes;
+    g.slot_stride = (slot_bytes + kRingPage - 1) / kRingPage * kRingPage;
+    g.per_slot = std::min(slot_bytes / layer_bytes, kMaxPerSlot);
+    return g;
+  }
+  // One BlockSpace per slot of a ring mapped at `base`: layer l's role r holds per_slot blocks at
+  // per_slot x (bytes of l's earlier roles) into the slot (every layer in the same slot memory).
+  Result<std::vector<BlockSpace>> ring_slot_spaces(std::byte* base, const RingGeometry& g) const {
+    const KvLayout& layout = blocks_.layout();
+    std::vector<BlockSpace> out;
+    for (std::uint32_t s = 0; s < g.slots; ++s) {
+      std::vector<std::vector<Plane>> planes(layout.num_layers());
+      for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
+        std::uint64_t off = 0;
+        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+          planes[l].push_back(Plane{base + s * g.slot_stride + off, layout.block_bytes(l, r)});
+          off += g.per_slot * layout.block_bytes(l, r);
+        }
+      }
+      KVTIER_ASSIGN_OR_RETURN(BlockSpace space,
+                              BlockSpace::layer_slot(MemoryKind::kPinnedHost, blocks_.device_ordinal(), layout,
+                                                     g.per_slot, std::move(planes)));
+      out.push_back(std::move(space));
+    }
+    if (ring_ids_.size() < g.per_slot) {
+      ring_ids_.resize(g.per_slot);
+      for (std::size_t i = 0; i < ring_ids_.size(); ++i) ring_ids_[i] = static_cast<std::int32_t>(i);
+    }
+    return out;
+  }
+  // A ring mapped here, registered with the lane's device for its kernels unless it already is (one process: the
+  // peer's ring is this process's memory). Null when nothing was registered.
+  Result<std::unique_ptr<PinnedMemory>> register_ring(std::byte* base, std::uint64_t bytes) {
+    Device& dev = lane_device();
+    const auto at = reinterpret_cast<std::uintptr_t>(base);
+    const Device::Registration reg = dev.registration_of(base);
+    if (reg.first <= at && at + bytes <= reg.last && reg.last != 0) return std::unique_ptr<PinnedMemory>();
+    KVTIER_ASSIGN_OR_RETURN(auto pinned, dev.register_host(base, bytes));
+    KVTIER_RETURN_IF_ERROR(pinned->wait_ready(std::chrono::minutes(1)));
+    return pinned;
+  }
+  // Positions [first, end) of piece `piece` of a transfer of n blocks.
+  static std::pair<std::uint64_t, std::uint64_t> piece_range(std::uint64_t piece, std::uint64_t per_slot,
+                                                             std::uint64_t n) {
+    const std::uint64_t a = piece * per_slot;
+    return {a, std::min(n, a + per_slot)};
+  }
+  // Per piece of a ring transfer: [layer * pieces_per_layer + piece].
+  enum class PieceState : std::uint8_t { kWaiting, kGranted, kCopying, kDone, kDropped };
+  struct Piece {
+    PieceState state = PieceState::kWaiting;
+    std::uint32_t slot = 0;
+  };
+  // The event behind piece u's kernel and checksum copy, created on first use.
+  Result<Event*> piece_event(std::vector<std::unique_ptr<Event>>& events, std::size_t u) {
+    if (events.size() <= u) events.resize(u + 1);
+    if (!events[u]) {
+      KVTIER_ASSIGN_OR_RETURN(events[u], lane_device().create_event());
+    }
+    return events[u].get();
+  }
+  // Enqueues one piece's copy (ids `from_ids` of `from` to `to_ids` of `to`, one layer) on the lane stream with its
+  // checksums into `ck_device` (copied to `ck_host`), then records `done`.
+  Status copy_piece(const BlockSpace& from, std::span<const std::int32_t> from_ids, const BlockSpace& to,
+                    std::span<const std::int32_t> to_ids, std::uint32_t layer, std::uint64_t* ck_device,
+                    std::uint64_t* ck_host, Event& done) {
+    Device& dev = lane_device();
+    const std::uint32_t layers[1] = {layer};
+    CopyRequest r{&from, &to, from_ids, to_ids, layers, kAllRoles, CopyStrategy::kSmKernel};
+    r.checksums = ck_device;
+    KVTIER_RETURN_IF_ERROR(options_.engine->copy(r, *lane_stream_).status());
+    KVTIER_RETURN_IF_ERROR(
+        dev.memcpy_async(ck_host, ck_device, from_ids.size() * sizeof(std::uint64_t), *lane_stream_));
+    return dev.record(done, *lane_stream_);
+  }
 
   // Per-transfer device lane state: checksums on the device and their host copy, events per layer. Per layer
   // two lists of n checksums, next to each other so that one copy brings both to the host: [0] what the copy
@@ -357,6 +485,7 @@ class Endpoint {
     std::unique_ptr<PinnedMemory> host_checksums;  // layers x 2 x n, copied behind each layer's kernels
     std::vector<std::unique_ptr<Event>> events;    // per layer: its kernels and the checksum copy are done
     std::vector<std::unique_ptr<Event>> copied;    // per layer: its copy is done (the read-back waits for it)
+    std::vector<std::unique_ptr<Event>> pieces;    // ring lane, per piece: its copy and checksums are done
     std::vector<std::int32_t> local_ids, peer_ids;
     std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
     std::uint64_t n = 0;
@@ -472,6 +601,18 @@ class Endpoint {
     return dev.record(*lb.events[layer], *verify_stream_);
   }
 
+  // A stream whose work failed stays failed (CUDA's errors are sticky, and the host backend models that), so the
+  // ring lane's later pieces go on a fresh stream; the old one is kept until the endpoint stops (work of other
+  // pieces on it reports the failure through their events).
+  void renew_failed_lane_stream() {
+    Device& dev = lane_device();
+    if (dev.query(*lane_stream_).ok()) return;
+    auto fresh = dev.create_stream(StreamOptions{StreamPriority::kNormal, fmt::format("pd-lane-{}", role_)});
+    if (!fresh.ok()) return;  // the next enqueue fails and says why
+    retired_streams_.push_back(std::move(lane_stream_));
+    lane_stream_ = std::move(fresh).value();
+  }
+
   // After a failed enqueue part of a layer's work may be on either stream: let it drain.
   void drain_lane() {
     for (auto* stream : {&lane_stream_, &verify_stream_})
@@ -497,12 +638,15 @@ class Endpoint {
   std::condition_variable cv_;
   bool stop_ = false;
   std::thread thread_;
-  std::set<PeerId> dropped_;               // peers this side disconnected
-  std::unique_ptr<Stream> lane_stream_;    // the device lane's copies and checksum passes, in order
-  std::unique_ptr<Stream> verify_stream_;  // the moving side's read-backs, each behind its layer's copy
+  std::set<PeerId> dropped_;                              // peers this side disconnected
+  std::unique_ptr<Stream> lane_stream_;                   // the device lane's copies and checksum passes, in order
+  std::unique_ptr<Stream> verify_stream_;                 // the moving side's read-backs, each behind its layer's copy
+  std::vector<std::unique_ptr<Stream>> retired_streams_;  // failed lane streams (renew_failed_lane_stream)
+  std::string role_;
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
+  mutable std::vector<std::int32_t> ring_ids_;  // 0, 1, ...: a slot's block ids (under mu_)
 };
 
 // ---- prefill --------------------------------------------------------------------------------------------
@@ -526,6 +670,10 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (auto it = early_.find(id); it != early_.end()) {
       apply_request(id, x, it->second);
       early_.erase(it);
+    }
+    if (auto it = early_grants_.find(id); it != early_grants_.end()) {
+      for (const Grant& g : it->second) grant(id, x, g);
+      early_grants_.erase(it);
     }
     return Status::Ok();
   }
@@ -590,13 +738,22 @@ class Prefill final : public PdPrefill, public Endpoint {
     bool acked = false;          // pull: the decode side's read notification came
     std::optional<XferId> xfer;  // push: the write
     bool lane_pending = false;   // device lane: the layer's kernel is enqueued, its event not yet seen
+    bool ready_seen = false;     // ring lane: its data is in place; its pieces go as slots are granted
   };
   struct Req {
     PdMode mode = PdMode::kPush;
-    bool device_lane = false;
+    std::uint8_t lane = 0;        // lane_kind() of the decode's request
     bool mover_verifies = false;  // device lane: this side reads the destinations back (lane byte 2)
     std::vector<std::uint64_t> dst;
     std::vector<std::uint64_t> strides;
+    std::uint32_t ring_slots = 0;  // ring lane: the decode's ring
+    std::uint64_t ring_slot_bytes = 0;
+  };
+  // The decode's ring as mapped here (per decode peer, for the endpoint's lifetime).
+  struct PeerRing {
+    RingGeometry g;
+    std::unique_ptr<PinnedMemory> registration;
+    std::vector<BlockSpace> slots;
   };
   struct X {
     PeerId peer = 0;
@@ -608,19 +765,27 @@ class Prefill final : public PdPrefill, public Endpoint {
     bool final = false, done = false;
     bool quiet_sent = false;  // 'Q' went out (or could not: the peer is gone)
     Status error;
-    std::unique_ptr<LaneBuffers> lane;  // device lane
+    std::unique_ptr<LaneBuffers> lane;  // device and ring lanes
+    PeerRing* ring = nullptr;           // ring lane
+    std::vector<Piece> pieces;          // ring lane: [layer * pieces_per_layer + piece]
+    std::uint32_t pieces_per_layer = 0;
   };
 
   bool busy() const override {
-    for (const auto& [id, x] : xfers_)
+    for (const auto& [id, x] : xfers_) {
       for (const L& l : x.layers)
         if (l.lane_pending || l.xfer || (x.req && !x.final && l.declared && !l.sent)) return true;
+      for (const Piece& pc : x.pieces)
+        if (pc.state == PieceState::kCopying) return true;
+    }
     return false;
   }
 
   static bool writes_quiet(const X& x) {
     for (const L& l : x.layers)
       if (l.xfer || l.lane_pending) return false;
+    for (const Piece& pc : x.pieces)
+      if (pc.state == PieceState::kCopying) return false;
     return true;
   }
 
@@ -646,13 +811,24 @@ class Prefill final : public PdPrefill, public Endpoint {
       refuse(InvalidArgument(fmt::format("decode asked for {} blocks, prefill has {}", r.dst.size(), x.src.size())));
       return;
     }
-    if (r.device_lane != device_lane()) {
+    if (r.lane != lane_kind()) {
       refuse(FailedPrecondition(fmt::format("decode asked for the {} lane, this prefill runs the {} lane",
-                                            r.device_lane ? "device" : "transport",
-                                            device_lane() ? "device" : "transport")));
+                                            lane_kind_name(r.lane), lane_kind_name(lane_kind()))));
       return;
     }
-    if (r.device_lane) {
+    if (r.lane == 3) {
+      auto ring = map_peer_ring(x.peer, r.ring_slots, r.ring_slot_bytes);
+      auto lane = ring.ok() ? make_lane(x.src, r.dst) : Result<std::unique_ptr<LaneBuffers>>(ring.status());
+      if (!lane.ok()) {
+        refuse(lane.status().with_context("ring lane"));
+        return;
+      }
+      x.lane = std::move(lane).value();
+      x.ring = *ring;
+      const std::uint64_t per = x.ring->g.per_slot;
+      x.pieces_per_layer = static_cast<std::uint32_t>((x.src.size() + per - 1) / per);
+      x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
+    } else if (r.lane != 0) {
       auto lane = make_lane(x.src, r.dst);
       if (lane.ok() && r.mode == PdMode::kPush) {
         auto peer = peer_space(x.peer, r.strides);
@@ -679,12 +855,20 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
     auto it = xfers_.find(id);
+    if (type == 'G' && it == xfers_.end()) {  // before begin(), as an early request
+      Grant g;
+      auto& early = early_grants_[id];
+      if (early.size() < std::size_t{PdOptions::kMaxRingSlots} && p.u32(g.layer) && p.u32(g.piece) && p.u32(g.slot))
+        early.push_back(g);
+      return;
+    }
     if (type == 'R') {
       Req r;
       std::uint8_t mode = 0, lane = 0;
-      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 2 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
+      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 3 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
+      if (lane == 3 && (!p.u32(r.ring_slots) || !p.u64(r.ring_slot_bytes))) return;
       r.mode = static_cast<PdMode>(mode);
-      r.device_lane = lane != 0;
+      r.lane = lane == 2 ? 1 : lane;
       r.mover_verifies = lane == 2;
       if (it == xfers_.end()) {
         early_[id] = std::move(r);
@@ -703,6 +887,11 @@ class Prefill final : public PdPrefill, public Endpoint {
         if (!p.u32(layer) || layer >= x.layers.size()) return;
         if (n.kind == NotifKind::kMessage) x.layers[layer].acked = true;
         return;
+      case 'G': {
+        Grant g;
+        if (p.u32(g.layer) && p.u32(g.piece) && p.u32(g.slot)) grant(id, x, g);
+        return;
+      }
       case 'F': {
         std::uint8_t ok = 0;
         (void)p.u8(ok);
@@ -719,7 +908,10 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   void tick(Clock::time_point now) override {
     for (auto& [id, x] : xfers_) {
-      if (x.lane) finish_lane_layers(id, x);
+      if (x.ring)
+        finish_ring_pieces(id, x);
+      else if (x.lane)
+        finish_lane_layers(id, x);
       // Writes: observe completion, keep the region busy until quiescent.
       for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
         L& l = x.layers[li];
@@ -766,7 +958,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (!x.req || x.final) return;
     for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
       L& l = x.layers[li];
-      if (!l.declared || l.sent) continue;
+      if (!l.declared || l.sent || l.ready_seen) continue;
       auto ready = l.ready();
       if (!ready.ok()) {
         // The layer's data will never be valid (its event or staging copy failed): tell the decode side now
@@ -777,8 +969,111 @@ class Prefill final : public PdPrefill, public Endpoint {
         return;
       }
       if (!*ready) continue;
+      if (x.ring) {
+        l.ready_seen = true;
+        continue;
+      }
       send_layer(id, x, li);
       if (x.final) return;
+    }
+    if (x.ring) pump_ring(id, x);
+  }
+
+  // ---- ring lane ----
+
+  struct Grant {
+    std::uint32_t layer = 0, piece = 0, slot = 0;
+  };
+  // The decode granted a slot to a piece (ignored when out of range or not waiting).
+  void grant(TransferId id, X& x, const Grant& g) {
+    if (!x.ring || g.layer >= x.layers.size() || g.piece >= x.pieces_per_layer || g.slot >= x.ring->g.slots) return;
+    Piece& pc = x.pieces[std::size_t{g.layer} * x.pieces_per_layer + g.piece];
+    if (pc.state != PieceState::kWaiting) return;
+    pc.state = PieceState::kGranted;
+    pc.slot = g.slot;
+    pump_ring(id, x);
+  }
+
+  // The decode `peer`'s ring, mapped and registered here on first use.
+  Result<PeerRing*> map_peer_ring(PeerId peer, std::uint32_t slots, std::uint64_t slot_bytes) {
+    KVTIER_ASSIGN_OR_RETURN(RingGeometry g, ring_geometry(slots, slot_bytes));
+    if (auto it = peer_rings_.find(peer); it != peer_rings_.end()) {
+      const RingGeometry& have = it->second.g;
+      if (have.slots != g.slots || have.slot_bytes != g.slot_bytes)
+        return InvalidArgument(fmt::format("decode ring of {} slots of {} bytes, earlier {} of {}", g.slots,
+                                           g.slot_bytes, have.slots, have.slot_bytes));
+      return &it->second;
+    }
+    const std::uint32_t region = blocks_.layout().num_planes();
+    KVTIER_ASSIGN_OR_RETURN(PeerInfo info, t_.peer_info(peer));
+    if (region >= info.regions.size() || info.regions[region].bytes < g.ring_bytes())
+      return InvalidArgument(fmt::format("decode's ring (its region {}) has {} bytes, {} slots of {} need {}", region,
+                                         region < info.regions.size() ? info.regions[region].bytes : 0, g.slots,
+                                         g.slot_bytes, g.ring_bytes()));
+    KVTIER_ASSIGN_OR_RETURN(void* base, t_.peer_region_address(peer, region));
+    PeerRing ring;
+    ring.g = g;
+    KVTIER_ASSIGN_OR_RETURN(ring.registration, register_ring(static_cast<std::byte*>(base), g.ring_bytes()));
+    KVTIER_ASSIGN_OR_RETURN(ring.slots, ring_slot_spaces(static_cast<std::byte*>(base), g));
+    return &(peer_rings_[peer] = std::move(ring));
+  }
+
+  // Copies every granted piece of a ready layer into its slot (device to host), checksumming what it moves.
+  void pump_ring(TransferId id, X& x) {
+    if (!x.req || x.final) return;
+    LaneBuffers& lb = *x.lane;
+    const std::uint64_t n = x.src.size();
+    for (std::size_t u = 0; u < x.pieces.size(); ++u) {
+      Piece& pc = x.pieces[u];
+      const auto li = static_cast<std::uint32_t>(u / x.pieces_per_layer);
+      if (pc.state != PieceState::kGranted || !x.layers[li].ready_seen) continue;
+      const auto [a, b] = piece_range(u % x.pieces_per_layer, x.ring->g.per_slot, n);
+      auto done = piece_event(lb.pieces, u);
+      Status s = done.status();
+      if (s.ok())
+        s = copy_piece(blocks_, std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), x.ring->slots[pc.slot],
+                       std::span<const std::int32_t>(ring_ids_).first(b - a), li, lb.device_at(li) + a,
+                       lb.host_at(li) + a, **done);
+      if (!s.ok()) {
+        drain_lane();
+        renew_failed_lane_stream();
+        for (std::uint32_t v = 0; v < x.layers.size(); ++v)
+          if (!x.layers[v].sent) t_.send_notification(x.peer, Msg('X', id).u32(v).str()).ignore_error();
+        fail(x, id, s.with_context(fmt::format("layer {} ring piece {}", li, u % x.pieces_per_layer)));
+        return;
+      }
+      pc.state = PieceState::kCopying;
+      x.last_sent = Clock::now();
+    }
+  }
+
+  // Pieces whose copy completed are announced with their checksums; a layer is sent once all of its pieces are.
+  void finish_ring_pieces(TransferId id, X& x) {
+    const std::uint64_t n = x.src.size();
+    for (std::size_t u = 0; u < x.pieces.size(); ++u) {
+      Piece& pc = x.pieces[u];
+      if (pc.state != PieceState::kCopying) continue;
+      const auto li = static_cast<std::uint32_t>(u / x.pieces_per_layer);
+      const std::uint32_t piece = static_cast<std::uint32_t>(u % x.pieces_per_layer);
+      auto done = lane_device().query(*x.lane->pieces[u]);
+      if (done.ok() && !*done) continue;
+      pc.state = PieceState::kDone;
+      if (!done.ok()) {
+        renew_failed_lane_stream();
+        for (std::uint32_t v = 0; v < x.layers.size(); ++v)
+          if (!x.layers[v].sent) t_.send_notification(x.peer, Msg('X', id).u32(v).str()).ignore_error();
+        fail(x, id, done.status().with_context(fmt::format("layer {} ring piece {}", li, piece)));
+        continue;
+      }
+      if (x.final) continue;
+      const auto [a, b] = piece_range(piece, x.ring->g.per_slot, n);
+      Msg m('P', id);
+      m.u32(li).u32(piece).u32(pc.slot).u64s(std::span<const std::uint64_t>(x.lane->host_at(li) + a, b - a));
+      t_.send_notification(x.peer, m.str()).ignore_error();
+      bool all = true;
+      for (std::uint32_t q = 0; q < x.pieces_per_layer; ++q)
+        all = all && x.pieces[std::size_t{li} * x.pieces_per_layer + q].state == PieceState::kDone;
+      if (all) x.layers[li].sent = true;
     }
   }
 
@@ -882,6 +1177,8 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   std::map<TransferId, X> xfers_;
   std::map<TransferId, Req> early_;
+  std::map<PeerId, PeerRing> peer_rings_;                  // ring lane (std::map: X::ring points into it)
+  std::map<TransferId, std::vector<Grant>> early_grants_;  // grants that came before begin()
 };
 
 // ---- decode ---------------------------------------------------------------------------------------------
@@ -896,8 +1193,12 @@ class Decode final : public PdDecode, public Endpoint {
     if (mode != PdMode::kPush && mode != PdMode::kPull)
       return InvalidArgument(fmt::format("unknown transfer mode {}", static_cast<int>(mode)));
     Msg m('R', id);
-    const std::uint8_t lane_byte = !device_lane() ? 0 : options_.lane_verify == PdOptions::LaneVerify::kMover ? 2 : 1;
+    const std::uint8_t lane_byte = ring_lane()                                             ? 3
+                                   : !device_lane()                                        ? 0
+                                   : options_.lane_verify == PdOptions::LaneVerify::kMover ? 2
+                                                                                           : 1;
     m.u8(static_cast<std::uint8_t>(mode)).u8(lane_byte).u64s(dst_blocks).u64s(local_strides());
+    if (ring_lane()) m.u32(ring_.slots).u64(ring_.slot_bytes);
     std::unique_ptr<LaneBuffers> lane;
     if (device_lane()) {
       KVTIER_ASSIGN_OR_RETURN(lane, make_lane(dst_blocks, dst_blocks));
@@ -916,14 +1217,22 @@ class Decode final : public PdDecode, public Endpoint {
       x.block_layer_ok.assign(x.dst.size() * x.layers.size(), 0);
       x.reads.resize(x.layers.size());
       x.last_heard = x.last_sent = Clock::now();
+      if (ring_lane()) {
+        x.pieces_per_layer = static_cast<std::uint32_t>((x.dst.size() + ring_.per_slot - 1) / ring_.per_slot);
+        x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
+      }
     }
     Status s = t_.send_notification(prefill, m.str());
     std::lock_guard lock(mu_);
     X& x = xfers_[id];
-    if (!s.ok())
+    if (!s.ok()) {
       fail_rest(x, s);
-    else
+    } else {
       x.request_sent = true;
+      // Slots are granted in order, after the request (the prefill ignores grants of transfers it does not know).
+      for (std::size_t u = 0; u < x.pieces.size(); ++u) ring_waiting_.emplace_back(id, u);
+      grant_ring();
+    }
     return Status::Ok();
   }
 
@@ -972,6 +1281,9 @@ class Decode final : public PdDecode, public Endpoint {
     DecodeStatus s = summarize(it->second, Clock::now());
     if (!s.final || !s.reclaimable)
       return FailedPrecondition(fmt::format("decode transfer {} is not final and reclaimable", id));
+    // Slots granted to pieces that never came stay out of the ring until the prefill is quiet.
+    for (const Piece& pc : it->second.pieces)
+      if (pc.state == PieceState::kGranted) quarantined_.push_back(Quarantine{it->second.peer, id, pc.slot});
     recycle_lane(std::move(it->second.lane));
     xfers_.erase(it);
     return Status::Ok();
@@ -1002,12 +1314,17 @@ class Decode final : public PdDecode, public Endpoint {
     std::unique_ptr<LaneBuffers> lane;
     std::vector<std::vector<std::uint64_t>> expected;
     std::vector<std::uint8_t> lane_pending;
+    // Ring lane: per piece ([layer * pieces_per_layer + piece]) its slot and state.
+    std::vector<Piece> pieces;
+    std::uint32_t pieces_per_layer = 0;
   };
 
   bool busy() const override {
     for (const auto& [id, x] : xfers_) {
       for (std::uint8_t p : x.lane_pending)
         if (p != 0) return true;
+      for (const Piece& pc : x.pieces)
+        if (pc.state == PieceState::kCopying) return true;
       for (const Read& r : x.reads)
         if (r.active) return true;
     }
@@ -1042,6 +1359,12 @@ class Decode final : public PdDecode, public Endpoint {
       if (r.active) return false;
     for (std::uint8_t p : x.lane_pending)
       if (p != 0) return false;
+    // Ring lane: only this side's kernels write the destinations (the prefill writes slots, never blocks).
+    if (ring_lane()) {
+      for (const Piece& pc : x.pieces)
+        if (pc.state == PieceState::kCopying) return false;
+      return true;
+    }
     // After a failure in push mode a write of the prefill side may still land (a prefill paused past the lease
     // resumes with its writes posted): the blocks stay quarantined until the prefill proves its writes are done
     // ('Q') or the transport guarantees the peer can no longer write here. Time alone proves nothing. In pull mode
@@ -1053,6 +1376,11 @@ class Decode final : public PdDecode, public Endpoint {
     if (layer >= x.layers.size() || x.layers[layer] != LayerState::kPending) return;
     x.layers[layer] = LayerState::kFailed;
     x.any_failure = true;
+    // Its pieces still waiting for a slot will not get one; granted slots wait for the prefill (finish_ring).
+    for (std::uint32_t q = 0; q < x.pieces_per_layer; ++q) {
+      Piece& pc = x.pieces[std::size_t{layer} * x.pieces_per_layer + q];
+      if (pc.state == PieceState::kWaiting) pc.state = PieceState::kDropped;
+    }
     std::fill_n(x.block_layer_ok.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * x.dst.size()), x.dst.size(),
                 std::uint8_t{0});
     if (x.error.ok()) x.error = why;
@@ -1099,12 +1427,24 @@ class Decode final : public PdDecode, public Endpoint {
 
   void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
     auto it = xfers_.find(id);
-    if (it == xfers_.end()) return;
+    if (it == xfers_.end()) {
+      if (type == 'Q') release_quarantined(id);
+      return;
+    }
     X& x = it->second;
     std::uint32_t layer = 0;
     switch (type) {
       case 'H': heard_heartbeat(x.beats, p, x.last_heard); return;
       case 'Q': x.prefill_quiet = true; return;
+      case 'P': {
+        std::uint32_t piece = 0, slot = 0;
+        std::vector<std::uint64_t> ck;
+        if (x.pieces.empty() || !p.u32(layer) || !p.u32(piece) || !p.u32(slot) || !p.u64s(ck) ||
+            layer >= x.layers.size() || piece >= x.pieces_per_layer)
+          return;
+        on_piece(id, x, layer, piece, slot, std::move(ck));
+        return;
+      }
       case 'W': {
         std::vector<std::uint64_t> ck, landed;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(ck)) return;
@@ -1249,8 +1589,9 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   void tick(Clock::time_point now) override {
+    if (ring_lane()) finish_ring(now);
     for (auto& [id, x] : xfers_) {
-      if (x.lane) finish_lane_layers(id, x);
+      if (x.lane && !ring_lane()) finish_lane_layers(id, x);
       for (std::uint32_t l = 0; l < x.reads.size(); ++l) {
         Read& r = x.reads[l];
         if (!r.active) continue;
@@ -1298,7 +1639,175 @@ class Decode final : public PdDecode, public Endpoint {
 
   bool mover_verifies() const noexcept { return options_.lane_verify == PdOptions::LaneVerify::kMover; }
 
+  // ---- ring lane ----
+
+  Status after_planes(std::string_view role) override {
+    if (!ring_lane()) return Status::Ok();
+    KVTIER_ASSIGN_OR_RETURN(ring_, ring_geometry(options_.ring_slots, options_.ring_slot_bytes));
+    auto mem = t_.allocate_shared(ring_.ring_bytes());
+    if (!mem.ok())
+      return mem.status().with_context(
+          fmt::format("{}: ring of {} slots of {} bytes", role, ring_.slots, ring_.slot_bytes));
+    if (mem->region != blocks_.layout().num_planes())
+      return FailedPrecondition(fmt::format("{}: the ring got region {}, expected {}: the transport must be fresh",
+                                            role, mem->region, blocks_.layout().num_planes()));
+    KVTIER_ASSIGN_OR_RETURN(ring_registration_, register_ring(mem->data, ring_.ring_bytes()));
+    KVTIER_ASSIGN_OR_RETURN(ring_spaces_, ring_slot_spaces(mem->data, ring_));
+    for (std::uint32_t sl = 0; sl < ring_.slots; ++sl) free_slots_.push_back(sl);
+    return Status::Ok();
+  }
+
+  // Grants free slots to the waiting pieces, in order.
+  void grant_ring() {
+    while (!free_slots_.empty() && !ring_waiting_.empty()) {
+      const auto [id, u] = ring_waiting_.front();
+      ring_waiting_.pop_front();
+      auto it = xfers_.find(id);
+      if (it == xfers_.end() || it->second.pieces[u].state != PieceState::kWaiting) continue;
+      X& x = it->second;
+      const auto layer = static_cast<std::uint32_t>(u / x.pieces_per_layer);
+      const auto piece = static_cast<std::uint32_t>(u % x.pieces_per_layer);
+      const std::uint32_t slot = free_slots_.front();
+      Status s = t_.send_notification(x.peer, Msg('G', id).u32(layer).u32(piece).u32(slot).str());
+      if (!s.ok()) {  // the grant never left: the slot stays free
+        fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: granting a ring slot", id, layer)));
+        continue;
+      }
+      free_slots_.pop_front();
+      x.pieces[u] = Piece{PieceState::kGranted, slot};
+    }
+  }
+
+  // The prefill put a piece into its slot: scatter it into the destinations, checksumming what is read.
+  void on_piece(TransferId id, X& x, std::uint32_t layer, std::uint32_t piece, std::uint32_t slot,
+                std::vector<std::uint64_t> ck) {
+    Piece& pc = x.pieces[std::size_t{layer} * x.pieces_per_layer + piece];
+    if (pc.state != PieceState::kGranted || pc.slot != slot) {
+      fail_layer(x, layer,
+                 InvalidArgument(fmt::format("transfer {} layer {}: prefill filled slot {} for piece {}, which was not "
+                                             "granted it",
+                                             id, layer, slot, piece)));
+      return;
+    }
+    const auto [a, b] = piece_range(piece, ring_.per_slot, x.dst.size());
+    if (x.layers[layer] != LayerState::kPending) {  // failed meanwhile: the prefill's copy into the slot is over
+      pc.state = PieceState::kDropped;
+      free_slots_.push_back(slot);
+      grant_ring();
+      return;
+    }
+    if (ck.size() != b - a) {
+      fail_layer(x, layer,
+                 DataLoss(fmt::format("transfer {} layer {} piece {}: {} checksums for {} blocks", id, layer, piece,
+                                      ck.size(), b - a)));
+      pc.state = PieceState::kDropped;
+      free_slots_.push_back(slot);
+      grant_ring();
+      return;
+    }
+    LaneBuffers& lb = *x.lane;
+    const std::size_t u = std::size_t{layer} * x.pieces_per_layer + piece;
+    auto done = piece_event(lb.pieces, u);
+    Status s = done.status();
+    if (s.ok())
+      s = copy_piece(ring_spaces_[slot], std::span<const std::int32_t>(ring_ids_).first(b - a), blocks_,
+                     std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), layer, lb.device_at(layer) + a,
+                     lb.host_at(layer) + a, **done);
+    if (!s.ok()) {
+      drain_lane();
+      renew_failed_lane_stream();
+      pc.state = PieceState::kDropped;
+      free_slots_.push_back(slot);
+      fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {} piece {}: ring copy", id, layer, piece)));
+      grant_ring();
+      return;
+    }
+    auto& expected = x.expected[layer];
+    if (expected.size() != x.dst.size()) expected.assign(x.dst.size(), 0);
+    std::copy(ck.begin(), ck.end(), expected.begin() + static_cast<std::ptrdiff_t>(a));
+    pc.state = PieceState::kCopying;
+  }
+
+  // Completed scatters: their blocks compared, their slots freed; a layer is final with its last piece. Slots of
+  // pieces that never came return once the prefill is quiet or revoked.
+  void finish_ring(Clock::time_point now) {
+    (void)now;
+    for (auto& [id, x] : xfers_) {
+      const std::size_t n = x.dst.size();
+      for (std::size_t u = 0; u < x.pieces.size(); ++u) {
+        Piece& pc = x.pieces[u];
+        const auto layer = static_cast<std::uint32_t>(u / x.pieces_per_layer);
+        if (pc.state == PieceState::kGranted && all_final(x) && (x.prefill_quiet || t_.peer_revoked(x.peer))) {
+          pc.state = PieceState::kDropped;
+          free_slots_.push_back(pc.slot);
+          continue;
+        }
+        if (pc.state != PieceState::kCopying) continue;
+        auto done = lane_device().query(*x.lane->pieces[u]);
+        if (done.ok() && !*done) continue;
+        pc.state = PieceState::kDone;
+        free_slots_.push_back(pc.slot);
+        const auto [a, b] = piece_range(u % x.pieces_per_layer, ring_.per_slot, n);
+        if (!done.ok()) {
+          renew_failed_lane_stream();
+          fail_layer(x, layer, done.status().with_context(fmt::format("transfer {} layer {}: ring copy", id, layer)));
+          continue;
+        }
+        if (x.layers[layer] != LayerState::kPending) continue;
+        const std::uint64_t* got = x.lane->host_at(layer);
+        for (std::uint64_t i = a; i < b; ++i) {
+          const bool ok = got[i] == x.expected[layer][i];
+          x.block_layer_ok[std::size_t{layer} * n + i] = ok ? 1 : 0;
+          if (!ok && x.error.ok())
+            x.error = DataLoss(
+                fmt::format("transfer {} layer {} block {} (position {}): checksum mismatch", id, layer, x.dst[i], i));
+        }
+        bool all = true;
+        for (std::uint32_t q = 0; q < x.pieces_per_layer; ++q)
+          all = all && x.pieces[std::size_t{layer} * x.pieces_per_layer + q].state == PieceState::kDone;
+        if (!all) continue;
+        std::size_t bad = 0;
+        for (std::size_t i = 0; i < n; ++i) bad += x.block_layer_ok[std::size_t{layer} * n + i] == 0 ? 1 : 0;
+        if (bad != 0) x.any_failure = true;
+        x.layers[layer] = bad == 0 ? LayerState::kLoaded : bad == n ? LayerState::kFailed : LayerState::kPartial;
+      }
+    }
+    for (auto q = quarantined_.begin(); q != quarantined_.end();) {
+      if (t_.peer_revoked(q->peer)) {
+        free_slots_.push_back(q->slot);
+        q = quarantined_.erase(q);
+      } else {
+        ++q;
+      }
+    }
+    grant_ring();
+  }
+
+  void release_quarantined(TransferId id) {
+    for (auto q = quarantined_.begin(); q != quarantined_.end();) {
+      if (q->id == id) {
+        free_slots_.push_back(q->slot);
+        q = quarantined_.erase(q);
+      } else {
+        ++q;
+      }
+    }
+    grant_ring();
+  }
+
   std::map<TransferId, X> xfers_;
+  // Ring lane: the shared ring (the transport owns its memory), its slots and who may use them.
+  RingGeometry ring_;
+  std::unique_ptr<PinnedMemory> ring_registration_;
+  std::vector<BlockSpace> ring_spaces_;
+  std::deque<std::uint32_t> free_slots_;
+  std::deque<std::pair<TransferId, std::size_t>> ring_waiting_;  // pieces waiting for a slot, in grant order
+  struct Quarantine {
+    PeerId peer = 0;
+    TransferId id = 0;
+    std::uint32_t slot = 0;
+  };
+  std::vector<Quarantine> quarantined_;  // slots of forgotten transfers the prefill may still write
 };
 
 }  // namespace

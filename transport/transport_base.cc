@@ -339,6 +339,21 @@ Result<void*> TransportBase::peer_region_address(PeerId peer, std::uint32_t regi
   return backend_peer_address(peer, region, r);
 }
 
+Result<Transport::SharedMemory> TransportBase::allocate_shared(std::uint64_t bytes) {
+  if (bytes == 0) return InvalidArgument("allocate_shared: 0 bytes");
+  KVTIER_ASSIGN_OR_RETURN(void* p, backend_allocate_shared(bytes));
+  auto id = register_memory({MemoryKind::kPinnedHost, 0, p, bytes});
+  if (!id.ok()) {
+    backend_free_shared(p);
+    return id.status().with_context("allocate_shared");
+  }
+  return SharedMemory{*id, static_cast<std::byte*>(p), bytes};
+}
+
+Result<void*> TransportBase::backend_allocate_shared(std::uint64_t) {
+  return NotSupported(fmt::format("the {} backend cannot share memory that peers map directly", backend_name()));
+}
+
 Result<void*> TransportBase::backend_peer_address(PeerId, std::uint32_t, const Blob::Region&) {
   return NotSupported(
       fmt::format("the {} backend reaches a peer's memory only through its own copies", backend_name()));

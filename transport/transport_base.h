@@ -72,6 +72,7 @@ class TransportBase : public Transport {
   Result<PeerId> load_peer(std::span<const std::byte> blob) override;
   Result<PeerInfo> peer_info(PeerId peer) const override;
   Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override;
+  Result<SharedMemory> allocate_shared(std::uint64_t bytes) override;
   Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
                       std::string notification) override;
   Result<XferStatus> poll(XferId xfer) override;
@@ -114,6 +115,11 @@ class TransportBase : public Transport {
   // peer_region_address for a known, connected peer and a region index inside its blob (`r`, as loaded).
   // Default: kNotSupported (the backend reaches a peer's memory only through its own copies).
   virtual Result<void*> backend_peer_address(PeerId peer, std::uint32_t region, const Blob::Region& r);
+  // allocate_shared: memory of `bytes` that peers can map (zeroed), or kNotSupported (the default). The base then
+  // registers it; backend_register sees it as a region whose base this hook returned. backend_free_shared takes
+  // back memory whose registration failed (a registered one is the backend's until it is destroyed).
+  virtual Result<void*> backend_allocate_shared(std::uint64_t bytes);
+  virtual void backend_free_shared(void* p) { (void)p; }
 
   // ---- for backends ----
   void finish_xfer(XferId id, Status status);

@@ -3,7 +3,10 @@
 // work decomposition with its checksums. Push and pull, with either side making the second checksum pass
 // (PdOptions::lane_verify), byte-exact layer by layer; bytes damaged between the kernel and the verification
 // caught in every combination; a failed kernel never reported loaded; a prefill on the
-// other lane refused; blocks of a failed push kept until the prefill's writes are proven over.
+// other lane refused; blocks of a failed push kept until the prefill's writes are proven over. The ring lane
+// (pd.h, "Ring lane") likewise: layers in more pieces than the ring has slots, byte-exact; bytes damaged in a slot
+// caught; a failed copy failing its layer; slots of pieces that never came kept out of the ring until the prefill
+// is quiet or gone.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +23,7 @@ namespace kvtier::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::as_device;
 using testing::HostBlocks;
 using testing::layer_matches;
 using testing::pd_layout;
@@ -42,15 +46,6 @@ class Watching final : public testing::ForwardingTransport {
  private:
   Hook hook_;
 };
-
-// Device memory of the host backend is RAM: the test blocks, viewed as device memory.
-BlockSpace as_device(const BlockSpace& s) {
-  const KvLayout& layout = s.layout();
-  std::vector<std::vector<Plane>> planes(layout.num_layers());
-  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
-    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) planes[l].push_back(s.plane(l, r));
-  return BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, s.num_blocks(), std::move(planes)).value();
-}
 
 std::uint32_t layer_of(const Notification& n) {
   std::uint32_t l = 0;
@@ -300,6 +295,218 @@ TEST(PdDeviceLane, AFailedPushKeepsTheBlocksWhileThePrefillCanStillWrite) {
   ASSERT_TRUE(rec.ok()) << rec.status().to_string();
   EXPECT_TRUE(rec->reclaimable);
   EXPECT_TRUE(rig.dec->forget(5).ok());
+}
+
+// ---- ring lane ----------------------------------------------------------------------------------------------
+
+// Two slots of two blocks of a layer (both roles): the 4-block transfers below go as 2 pieces per layer, 8 pieces
+// per transfer through 2 slots.
+PdOptions ring_options(PdOptions o = {}) {
+  o.ring_slots = 2;
+  o.ring_slot_bytes = 2 * 2 * 8192;
+  return o;
+}
+
+// Where the decode's ring lies (the loopback hands out the decode's memory to the prefill).
+std::byte* ring_base(LaneRig& rig) {
+  return static_cast<std::byte*>(rig.pre_t->peer_region_address(rig.to_dec, rig.layout.num_planes()).value());
+}
+
+class RingModes : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(RingModes, LayersMoveByteExactInMorePiecesThanSlots) {
+  LaneRig rig({}, true, ring_options());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 42, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(42, 2).ok());  // ready before the request, and out of order
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, GetParam(), kDst).ok());
+  // Layer 0's pieces hold both slots and layer 0 is not ready: layer 2 waits for them.
+  EXPECT_EQ(rig.dec->wait_layer(42, 2, 100ms).status().code(), StatusCode::kTimedOut);
+  for (std::uint32_t l : {0u, 1u, 3u}) ASSERT_TRUE(rig.pre->layer_ready(42, l).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) {
+    auto ls = rig.dec->wait_layer(42, l, 5s);
+    ASSERT_TRUE(ls.ok()) << ls.status().to_string();
+    EXPECT_EQ(*ls, LayerState::kLoaded) << l;
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  }
+  auto fin = rig.dec->wait(42, 5s, true);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  for (std::uint64_t untouched : {1u, 3u, 5u, 7u})
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, 1, untouched)[17], std::byte{0xee});
+  auto pf = rig.pre->wait(42, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_TRUE(pf->done);
+  EXPECT_EQ(pf->layers_sent, 4u);
+  EXPECT_TRUE(rig.pre->forget(42).ok());
+  EXPECT_TRUE(rig.dec->forget(42).ok());
+  // The slots came back: a second transfer on the same ring.
+  const std::vector<std::uint64_t> src2 = {0, 2}, dst2 = {7, 5};
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 43, src2).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(43, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 43, GetParam(), dst2).ok());
+  auto fin2 = rig.dec->wait(43, 5s, true);
+  ASSERT_TRUE(fin2.ok()) << fin2.status().to_string();
+  EXPECT_EQ(fin2->leading_loaded_blocks(), 2u) << fin2->error.to_string();
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < dst2.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, dst2[i], l, src2[i]));
+}
+
+// A byte of the slot changed after the prefill's kernel filled it and before the decode's kernel read it: that
+// block of that layer fails (the two kernels' checksums differ); the others load.
+TEST_P(RingModes, BytesDamagedInTheSlotAreCaught) {
+  std::byte* ring = nullptr;
+  std::atomic<bool> damaged{false};
+  LaneRig rig(
+      [&](const Notification& n) {
+        // 'P' xid layer piece slot: piece 1 of layer 1 holds positions 2 and 3.
+        if (n.message.size() < 21 || n.message[0] != 'P' || layer_of(n) != 1) return;
+        std::uint32_t piece = 0, slot = 0;
+        std::memcpy(&piece, n.message.data() + 13, 4);
+        std::memcpy(&slot, n.message.data() + 17, 4);
+        if (piece != 1 || damaged.exchange(true)) return;
+        // Role 0 of the slot's first block (position 2), well inside it.
+        ring[slot * 32768 + 100] ^= std::byte{0x04};
+      },
+      true, ring_options());
+  ring = ring_base(rig);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, GetParam(), kDst).ok());
+  auto fin = rig.dec->wait(9, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(damaged.load());
+  EXPECT_EQ(fin->layers[1], LayerState::kPartial);
+  for (std::uint32_t l : {0u, 2u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, true, false, true}));
+  EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(fin->error.message().find("layer 1 block 6 (position 2): checksum mismatch"), std::string::npos)
+      << fin->error.to_string();
+  EXPECT_TRUE(fin->reclaimable);
+}
+
+// A copy that fails fails its layer (never loaded) and the prefill's transfer; the slots granted to pieces that
+// never came return once the prefill is quiet, so the ring carries the next transfer.
+TEST_P(RingModes, AFailedCopyFailsItsLayerAndTheRingRecovers) {
+  LaneRig rig({}, true, ring_options());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 11, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(11, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(11, 0, 5s).value(), LayerState::kLoaded);
+  rig.device->fail_nth_operation(1);  // the prefill's first copy of layer 1
+  ASSERT_TRUE(rig.pre->layer_ready(11, 1).ok());
+  auto l1 = rig.dec->wait_layer(11, 1, 5s);
+  ASSERT_TRUE(l1.ok()) << l1.status().to_string();
+  EXPECT_EQ(*l1, LayerState::kFailed);
+  auto fin = rig.dec->wait(11, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{false, false, false, false}));
+  EXPECT_FALSE(fin->error.ok());
+  ASSERT_TRUE(rig.pre->wait(11, 5s).ok());
+  EXPECT_TRUE(rig.pre->forget(11).ok());
+  EXPECT_TRUE(rig.dec->forget(11).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 12, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(12, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 12, GetParam(), kDst).ok());
+  auto again = rig.dec->wait(12, 5s, true);
+  ASSERT_TRUE(again.ok()) << again.status().to_string() << " (slots lost to the failed transfer?)";
+  EXPECT_EQ(again->leading_loaded_blocks(), 4u) << again->error.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, RingModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
+// A prefill that falls silent holding granted slots: the decode's blocks are reclaimable at once (only its own
+// kernels write them), the slots stay out of the ring while that prefill could still write them, and return when
+// its transport (with its mapping of the ring) is gone.
+TEST(PdRingLane, SlotsOfASilentPrefillReturnOnlyWhenItCanNoLongerWrite) {
+  PdOptions opt = ring_options(PdOptions{20ms, 150ms});
+  LaneRig rig({}, true, opt);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 5, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, PdMode::kPush, kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
+  rig.pre.reset();  // silent, with layer 1's slots granted, its transport alive
+  auto fin = rig.dec->wait(5, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(fin->reclaimable);
+  EXPECT_TRUE(rig.dec->forget(5).ok());
+  // A second prefill: the ring has no free slot while the first could still write its two.
+  auto pre2_t =
+      create_loopback_transport({fmt::format("lane-pre2-{}", ++g_seq), rig.layout.fingerprint(), 1, 0}).value();
+  PdOptions pre_opt = opt;
+  pre_opt.engine = rig.engine.get();
+  pre_opt.lease = 5s;
+  pre_opt.heartbeat = 50ms;
+  auto pre2 = PdPrefill::create(*pre2_t, as_device(rig.pre_mem.space), pre_opt).value();
+  const PeerId to_dec2 = pre2_t->load_peer(rig.dec_t->export_metadata().value()).value();
+  const PeerId to_pre2 = rig.dec_t->load_peer(pre2_t->export_metadata().value()).value();
+  ASSERT_TRUE(pre2->begin(to_dec2, 6, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre2->layer_ready(6, l).ok());
+  ASSERT_TRUE(rig.dec->start(to_pre2, 6, PdMode::kPush, kDst).ok());
+  EXPECT_EQ(rig.dec->wait_layer(6, 0, 100ms).status().code(), StatusCode::kTimedOut)
+      << "a slot the silent prefill may still write was granted again";
+  rig.pre_t.reset();  // the first prefill's mapping is gone
+  auto fin2 = rig.dec->wait(6, 5s, true);
+  ASSERT_TRUE(fin2.ok()) << fin2.status().to_string();
+  EXPECT_EQ(fin2->leading_loaded_blocks(), 4u) << fin2->error.to_string();
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  pre2.reset();
+}
+
+TEST(PdRingLane, APrefillOnTheDeviceLaneIsRefused) {
+  const KvLayout layout = pd_layout();
+  LaneRig rig({}, true, ring_options());
+  // A second prefill without the ring.
+  auto t = create_loopback_transport({fmt::format("lane-dev{}", ++g_seq), layout.fingerprint(), 1, 0}).value();
+  PdOptions o;
+  o.engine = rig.engine.get();
+  auto pre = PdPrefill::create(*t, as_device(rig.pre_mem.space), o).value();
+  const PeerId to_dec = t->load_peer(rig.dec_t->export_metadata().value()).value();
+  const PeerId to_pre = rig.dec_t->load_peer(t->export_metadata().value()).value();
+  ASSERT_TRUE(pre->begin(to_dec, 3, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(to_pre, 3, PdMode::kPush, kDst).ok());
+  auto fin = rig.dec->wait(3, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (LayerState st : fin->layers) EXPECT_EQ(st, LayerState::kFailed);
+  auto pf = pre->wait(3, 5s);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_EQ(pf->error.code(), StatusCode::kFailedPrecondition) << pf->error.to_string();
+  EXPECT_NE(pf->error.message().find("decode asked for the ring lane, this prefill runs the device lane"),
+            std::string::npos)
+      << pf->error.to_string();
+  pre.reset();
+}
+
+TEST(PdRingLane, BadGeometryIsRefusedAtCreationNamingTheValue) {
+  const KvLayout layout = pd_layout();
+  HostBlocks mem = HostBlocks::make(layout, 8, false);
+  auto device = HostDevice::create().value();
+  auto engine = CopyEngine::create(*device).value();
+  struct Case {
+    std::uint32_t slots;
+    std::uint64_t slot_bytes;
+    const char* says;
+  };
+  for (const Case& c : {Case{65, 1 << 20, "ring of 65 slots"}, Case{2, 16000, "ring slot of 16000 bytes"}}) {
+    auto t = create_loopback_transport({fmt::format("ring-geo{}", ++g_seq), layout.fingerprint(), 1, 0}).value();
+    PdOptions opt;
+    opt.engine = engine.get();
+    opt.ring_slots = c.slots;
+    opt.ring_slot_bytes = c.slot_bytes;
+    auto d = PdDecode::create(*t, as_device(mem.space), opt);
+    ASSERT_FALSE(d.ok()) << c.says;
+    EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(d.status().message().find(c.says), std::string::npos) << d.status().to_string();
+  }
+  auto t = create_loopback_transport({fmt::format("ring-noeng{}", ++g_seq), layout.fingerprint(), 1, 0}).value();
+  PdOptions opt;
+  opt.ring_slots = 2;
+  auto d = PdDecode::create(*t, mem.space, opt);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("needs a copy engine"), std::string::npos) << d.status().to_string();
 }
 
 }  // namespace

@@ -27,6 +27,15 @@ inline std::byte pattern(std::uint32_t l, std::uint32_t r, std::uint64_t b, std:
   return static_cast<std::byte>(x);
 }
 
+// Host-backend device memory is RAM: the same blocks viewed as device memory (the device and ring lanes).
+inline BlockSpace as_device(const BlockSpace& s) {
+  const KvLayout& layout = s.layout();
+  std::vector<std::vector<Plane>> planes(layout.num_layers());
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) planes[l].push_back(s.plane(l, r));
+  return BlockSpace::from_planes(MemoryKind::kDevice, 0, layout, s.num_blocks(), std::move(planes)).value();
+}
+
 // Layer-first host block space; the memory lives in `storage`.
 struct HostBlocks {
   std::vector<std::vector<std::unique_ptr<std::byte[]>>> storage;

@@ -16,6 +16,8 @@
 #include <thread>
 
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/copy/copy_engine.h"
+#include "kvtier/device/host_device.h"
 #include "kvtier/transport/ipc.h"
 #include "kvtier/transport/pd.h"
 #include "transport/pd_test_util.h"
@@ -26,6 +28,7 @@ namespace kvtier::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::as_device;
 using testing::HostBlocks;
 using testing::layer_matches;
 using testing::pd_layout;
@@ -94,7 +97,17 @@ struct HelperArgs {
   std::int64_t corrupt_op = -1;
   int in_fd = -1, out_fd = -1;
   int stop_before_write = -1;  // >= 0: the helper stops itself (SIGSTOP) as it posts that layer's write
+  int ring_slots = 0;          // > 0: the ring lane (host backend: "device" blocks in RAM, the ring a shared memfd)
 };
+
+// The ring lane's options: slots of two blocks of a layer, so a 4-block transfer goes in 2 pieces per layer.
+PdOptions ring_options(CopyEngine* engine, int slots) {
+  PdOptions o{50ms, 500ms};
+  o.engine = engine;
+  o.ring_slots = static_cast<std::uint32_t>(slots);
+  o.ring_slot_bytes = 2 * 2 * 8192;
+  return o;
+}
 
 // The prefill's transport with a pause in the middle of a post: the helper stops itself (SIGSTOP) when it posts
 // the WRITE of layer `layer`, after its lease checks passed, and forwards the post once continued. To the decode
@@ -130,8 +143,19 @@ int run_helper(const HelperArgs& a) {
   std::unique_ptr<Transport> transport = wrap_with_wire_faults(std::move(t).value(), WireFaults{a.corrupt_op, 17});
   if (a.stop_before_write >= 0)
     transport = std::make_unique<StopBeforeWrite>(std::move(transport), a.stop_before_write);
-  auto pre = PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
-  if (!pre.ok()) return 5;
+  std::unique_ptr<HostDevice> device;
+  std::unique_ptr<CopyEngine> engine;
+  if (a.ring_slots > 0) {
+    device = HostDevice::create().value();
+    engine = CopyEngine::create(*device).value();
+  }
+  auto pre = a.ring_slots > 0
+                 ? PdPrefill::create(*transport, as_device(mem.space), ring_options(engine.get(), a.ring_slots))
+                 : PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
+  if (!pre.ok()) {
+    std::fprintf(stderr, "prefill helper: %s\n", pre.status().to_string().c_str());
+    return 5;
+  }
   auto blob = transport->export_metadata();
   if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
   auto peer_blob = recv_blob(a.in_fd);
@@ -162,8 +186,8 @@ TEST(PdHelper, PrefillProcess) {
   HelperArgs a;
   int mode = 0;
   long long wrong = 0, op = -1;
-  if (std::sscanf(spec, "%d %d %lld %lld %d %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd,
-                  &a.stop_before_write) != 7)
+  if (std::sscanf(spec, "%d %d %lld %lld %d %d %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd,
+                  &a.stop_before_write, &a.ring_slots) != 8)
     _exit(5);
   a.mode = static_cast<PdMode>(mode);
   a.wrong_layout = static_cast<std::uint64_t>(wrong);
@@ -180,9 +204,9 @@ struct Child {
     int down[2], up[2];
     if (pipe(down) != 0 || pipe(up) != 0) return Internal("pipe");
     Child c;
-    const std::string spec = fmt::format("{} {} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms,
+    const std::string spec = fmt::format("{} {} {} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms,
                                          static_cast<long long>(a.wrong_layout), static_cast<long long>(a.corrupt_op),
-                                         down[0], up[1], a.stop_before_write);
+                                         down[0], up[1], a.stop_before_write, a.ring_slots);
     c.pid = fork();
     if (c.pid < 0) return Internal("fork");
     if (c.pid == 0) {
@@ -225,19 +249,29 @@ struct Child {
 struct DecodeRig {
   KvLayout layout = pd_layout(kLayers);
   HostBlocks mem = HostBlocks::make(layout, 8, false);
+  std::unique_ptr<HostDevice> device = HostDevice::create().value();
+  std::unique_ptr<CopyEngine> engine = CopyEngine::create(*device).value();
   std::unique_ptr<Transport> t;
   std::unique_ptr<PdDecode> dec;
   Child child;
   PeerId peer = 0;
   Status load_status;
 
+  ~DecodeRig() { dec.reset(); }
+
   void start(const HelperArgs& a, WireFaults faults = {}) {
     auto tr = make_transport("decode", layout);
     ASSERT_TRUE(tr.ok()) << tr.status().to_string();
     t = wrap_with_wire_faults(std::move(tr).value(), faults);
-    auto d = PdDecode::create(*t, mem.space, PdOptions{50ms, 500ms});
+    auto d = a.ring_slots > 0 ? PdDecode::create(*t, as_device(mem.space), ring_options(engine.get(), a.ring_slots))
+                              : PdDecode::create(*t, mem.space, PdOptions{50ms, 500ms});
     ASSERT_TRUE(d.ok()) << d.status().to_string();
     dec = std::move(d).value();
+    spawn_prefill(a);
+  }
+
+  // A (further) prefill process, connected to this decode.
+  void spawn_prefill(const HelperArgs& a) {
     auto c = Child::spawn(a);
     ASSERT_TRUE(c.ok());
     child = *c;
@@ -329,6 +363,70 @@ TEST_P(TwoProcess, ACorruptedByteOnTheWireIsCaughtByTheChecksum) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, TwoProcess, ::testing::Values(PdMode::kPush, PdMode::kPull),
                          [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
+#ifdef KVTIER_PD_IPC
+// The ring lane between two processes: the decode's ring is a sealed memfd both map (ipc allocate_shared); each
+// process's copy engine moves its side (the host backend's kernels: "device" blocks in RAM).
+class TwoProcessRing : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(TwoProcessRing, LayersMoveByteExactThroughTheSharedRing) {
+  DecodeRig rig;
+  HelperArgs a{GetParam(), 20};
+  a.ring_slots = 2;
+  rig.start(a);
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  const std::vector<std::uint64_t> dst = {6, 0, 2, 4};
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
+  for (std::uint32_t l = 0; l < kLayers; ++l) {
+    auto ls = rig.dec->wait_layer(kXid, l, 10s);
+    ASSERT_TRUE(ls.ok()) << ls.status().to_string();
+    ASSERT_EQ(*ls, LayerState::kLoaded) << "layer " << l;
+    for (std::size_t i = 0; i < dst.size(); ++i) EXPECT_TRUE(layer_matches(rig.mem.space, dst[i], l, kSrc[i]));
+  }
+  auto fin = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(fin.ok());
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u) << fin->error.to_string();
+  for (std::uint64_t untouched : {1u, 3u, 5u, 7u})
+    EXPECT_EQ(rig.mem.space.block_ptr(2, 1, untouched)[5], std::byte{0xee});
+  EXPECT_EQ(rig.child.reap(), 0);
+}
+
+// A prefill killed with ring slots granted: the decode fails the rest at the lease, its blocks are reclaimable at
+// once, and the slots come back once the prefill's process is gone (it had the ring mapped), so a second prefill's
+// transfer goes through the same ring.
+TEST_P(TwoProcessRing, APrefillKilledMidTransferGivesItsSlotsBackAndTheNextTransferGoesThrough) {
+  DecodeRig rig;
+  HelperArgs a{GetParam(), 300};
+  a.ring_slots = 2;
+  rig.start(a);
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  const std::vector<std::uint64_t> dst = {6, 0, 2, 4};
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
+  ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
+  kill(rig.child.pid, SIGKILL);
+  EXPECT_EQ(rig.child.reap(), -SIGKILL);
+  auto fin = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
+  for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_TRUE(fin->reclaimable);
+  EXPECT_TRUE(rig.dec->forget(kXid).ok());
+  a.layer_ms = 0;
+  rig.spawn_prefill(a);
+  ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+  const std::vector<std::uint64_t> dst2 = {1, 3, 5, 7};
+  ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst2).ok());
+  auto again = rig.dec->wait(kXid, 10s, true);
+  ASSERT_TRUE(again.ok()) << again.status().to_string() << " (ring slots lost to the killed prefill?)";
+  EXPECT_EQ(again->leading_loaded_blocks(), 4u) << again->error.to_string();
+  for (std::uint32_t l = 0; l < kLayers; ++l)
+    for (std::size_t i = 0; i < dst2.size(); ++i) EXPECT_TRUE(layer_matches(rig.mem.space, dst2[i], l, kSrc[i]));
+  EXPECT_EQ(rig.child.reap(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TwoProcessRing, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+#endif
 
 // A prefill paused past the lease (SIGSTOP) with a write posted, resumed after the decode side failed the
 // transfer. The decode side may report its blocks reclaimable only when nothing of the prefill can land there any

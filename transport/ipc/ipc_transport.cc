@@ -234,6 +234,12 @@ class IpcTransport final : public detail::TransportBase {
     std::lock_guard lock(regions_mu_);
     for (auto& [id, w] : own_)
       if (w.base) munmap(w.base, w.bytes), close(w.fd);
+    for (auto& w : retired_shared_) munmap(w.base, w.bytes), close(w.fd);
+    for (auto& [p, fd] : pending_shared_) {
+      struct stat st {};
+      if (fstat(fd, &st) == 0 && st.st_size > 0) munmap(p, static_cast<std::size_t>(st.st_size));
+      close(fd);
+    }
 #if KVTIER_IPC_CUDA
     for (void* p : opened_) cudaIpcCloseMemHandle(p);
     if (streams_[0]) cudaStreamDestroy(streams_[0]), cudaEventDestroy(events_[0]);
@@ -263,12 +269,54 @@ class IpcTransport final : public detail::TransportBase {
       return NotSupported("ipc backend: CUDA device memory (CUDA IPC handles) is not supported by this build");
 #endif
     }
-    const int fd = memfd_create(fmt::format("kvtier-ipc-{}", id).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    {
+      // Memory of allocate_shared: the window is the memory itself, nothing is copied in or out of it.
+      std::lock_guard lock(regions_mu_);
+      if (auto it = pending_shared_.find(region.base); it != pending_shared_.end()) {
+        own_[id] = OwnWindow{static_cast<std::byte*>(region.base), region.bytes, it->second,
+                             static_cast<std::byte*>(region.base), false,        true};
+        pending_shared_.erase(it);
+        return std::string(kSharedKey);
+      }
+    }
+    KVTIER_ASSIGN_OR_RETURN(Window w, make_window(region.bytes, fmt::format("kvtier-ipc-{}", id)));
+    std::lock_guard lock(regions_mu_);
+    own_[id] = OwnWindow{w.base, region.bytes, w.fd, static_cast<std::byte*>(region.base)};
+    return std::string("memfd");
+  }
+
+  Result<void*> backend_allocate_shared(std::uint64_t bytes) override {
+    KVTIER_ASSIGN_OR_RETURN(Window w, make_window(bytes, "kvtier-ipc-shared"));
+    std::lock_guard lock(regions_mu_);
+    pending_shared_[w.base] = w.fd;
+    return static_cast<void*>(w.base);
+  }
+
+  void backend_free_shared(void* p) override {
+    std::lock_guard lock(regions_mu_);
+    auto it = pending_shared_.find(p);
+    if (it == pending_shared_.end()) return;
+    auto* w = static_cast<std::byte*>(p);
+    std::uint64_t bytes = 0;
+    struct stat st {};
+    if (fstat(it->second, &st) == 0) bytes = static_cast<std::uint64_t>(st.st_size);
+    if (bytes != 0) munmap(w, bytes);
+    close(it->second);
+    pending_shared_.erase(it);
+  }
+
+  // A sealed memfd of `bytes`, mapped here (zeroed, as a fresh file is).
+  struct Window {
+    std::byte* base = nullptr;
+    int fd = -1;
+  };
+  static Result<Window> make_window(std::uint64_t bytes, const std::string& name) {
+    const int fd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return Internal(fmt::format("memfd_create: {}", std::strerror(errno)));
-    if (ftruncate(fd, static_cast<off_t>(region.bytes)) != 0) {
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
       const int e = errno;
       close(fd);
-      return ResourceExhausted(fmt::format("memfd of {} bytes: {}", region.bytes, std::strerror(e)));
+      return ResourceExhausted(fmt::format("memfd of {} bytes: {}", bytes, std::strerror(e)));
     }
     // Every peer gets this descriptor, and a descriptor lets its holder ftruncate the file: a peer that shrank
     // it would make our own copies in and out of the window fault (SIGBUS) and kill this process. Sealed, its
@@ -276,24 +324,25 @@ class IpcTransport final : public detail::TransportBase {
     if (fcntl(fd, F_ADD_SEALS, kWindowSeals) != 0) {
       const int e = errno;
       close(fd);
-      return Internal(fmt::format("sealing the memfd window of region {}: {}", id, std::strerror(e)));
+      return Internal(fmt::format("sealing the memfd window {}: {}", name, std::strerror(e)));
     }
-    void* p = mmap(nullptr, region.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       const int e = errno;
       close(fd);
-      return ResourceExhausted(fmt::format("mapping a window of {} bytes: {}", region.bytes, std::strerror(e)));
+      return ResourceExhausted(fmt::format("mapping a window of {} bytes: {}", bytes, std::strerror(e)));
     }
-    std::lock_guard lock(regions_mu_);
-    own_[id] = OwnWindow{static_cast<std::byte*>(p), region.bytes, fd, static_cast<std::byte*>(region.base)};
-    return std::string("memfd");
+    return Window{static_cast<std::byte*>(p), fd};
   }
 
   void backend_deregister(RegionId id) override {
     std::lock_guard lock(regions_mu_);  // after any copy of a server thread
     auto it = own_.find(id);
     if (it == own_.end()) return;
-    if (it->second.base) munmap(it->second.base, it->second.bytes), close(it->second.fd);
+    if (it->second.shared)  // the caller uses it in place: it stays mapped until the transport goes
+      retired_shared_.push_back(it->second);
+    else if (it->second.base)
+      munmap(it->second.base, it->second.bytes), close(it->second.fd);
     own_.erase(it);
   }
 
@@ -304,9 +353,10 @@ class IpcTransport final : public detail::TransportBase {
   Status backend_check_blob(const detail::Blob& blob) override {
     for (std::size_t i = 0; i < blob.regions.size(); ++i) {
       const std::string& key = blob.regions[i].key;
-      if (blob.regions[i].bytes != 0 && key != "memfd" && key.rfind("cuda;", 0) != 0)
-        return InvalidArgument(fmt::format("peer '{}' region {}: ipc key of {} bytes is neither 'memfd' nor 'cuda;...'",
-                                           blob.identity.name, i, key.size()));
+      if (blob.regions[i].bytes != 0 && key != "memfd" && key != kSharedKey && key.rfind("cuda;", 0) != 0)
+        return InvalidArgument(
+            fmt::format("peer '{}' region {}: ipc key of {} bytes is neither 'memfd', '{}' nor 'cuda;...'",
+                        blob.identity.name, i, key.size(), kSharedKey));
     }
     return Status::Ok();
   }
@@ -445,15 +495,15 @@ class IpcTransport final : public detail::TransportBase {
     }
     return backend_revoked(peer);
   }
-  // Host windows: this agent copies the peer's writes itself and stopped at the disconnect. CUDA regions: the peer
-  // holds their IPC handles (its blob copy) and its kernels and copies write them directly, which nothing here
-  // can stop, so they are safe only once the peer's process has exited.
+  // Host windows: this agent copies the peer's writes itself and stopped at the disconnect. CUDA regions and
+  // shared memory: the peer holds their IPC handles or has the memfd mapped, and its kernels and copies write them
+  // directly, which nothing here can stop, so they are safe only once the peer's process has exited.
   bool backend_revoked(PeerId peer) const override {
     {
       std::lock_guard lock(regions_mu_);
-      bool cuda = false;
-      for (const auto& [id, w] : own_) cuda = cuda || w.cuda;
-      if (!cuda) return true;
+      bool direct = !retired_shared_.empty();
+      for (const auto& [id, w] : own_) direct = direct || w.cuda || w.shared;
+      if (!direct) return true;
     }
     auto conn = conn_of(peer);
     if (!conn || conn->pidfd < 0) return false;
@@ -465,9 +515,11 @@ class IpcTransport final : public detail::TransportBase {
   Result<void*> backend_peer_address(PeerId peer, std::uint32_t region, const detail::Blob::Region&) override {
     auto conn = conn_of(peer);
     if (!conn) return NotFound(fmt::format("peer {} is not connected", peer));
-    if (region >= conn->windows.size() || conn->windows[region].base == nullptr || !conn->windows[region].cuda)
+    if (region >= conn->windows.size() || conn->windows[region].base == nullptr ||
+        !(conn->windows[region].cuda || conn->windows[region].shared))
       return NotSupported(fmt::format(
-          "peer '{}' region {} is not CUDA memory mapped here (host windows are reached through the owner's copies)",
+          "peer '{}' region {} is neither CUDA memory nor shared memory mapped here (other host windows are reached "
+          "through the owner's copies)",
           conn->name, region));
     return static_cast<void*>(conn->windows[region].base);
   }
@@ -486,13 +538,15 @@ class IpcTransport final : public detail::TransportBase {
     std::uint64_t bytes = 0;
     std::uint64_t remote_base = 0;  // the region's address in the peer (the blob's base)
     bool cuda = false;              // the peer's CUDA memory, opened from its IPC handle
+    bool shared = false;            // the peer's allocate_shared memory: the window is the memory itself
   };
   struct OwnWindow {
     std::byte* base = nullptr;
     std::uint64_t bytes = 0;
     int fd = -1;
     std::byte* region = nullptr;
-    bool cuda = false;  // CUDA memory: the peer copies into the region itself
+    bool cuda = false;    // CUDA memory: the peer copies into the region itself
+    bool shared = false;  // allocate_shared memory: the window is the region
   };
   struct Conn {
     int fd = -1;
@@ -752,7 +806,7 @@ class IpcTransport final : public detail::TransportBase {
     if (w == MAP_FAILED)
       return ResourceExhausted(fmt::format("peer '{}' window of region {}: mapping {} bytes: {}", conn.name, index,
                                            bytes, std::strerror(errno)));
-    conn.windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, r.base};
+    conn.windows[index] = PeerWindow{static_cast<std::byte*>(w), bytes, r.base, false, r.key == kSharedKey};
     return Status::Ok();
   }
 
@@ -890,7 +944,8 @@ class IpcTransport final : public detail::TransportBase {
                 fmt::format("region {} [{}, +{}) is no longer registered here", r.region, r.offset, r.bytes));
             break;
           }
-          if (it->second.cuda) continue;  // the initiator copied into (or reads from) the region itself
+          // The initiator copied into (or reads from) the region itself.
+          if (it->second.cuda || it->second.shared) continue;
           if (type == kWrite)
             std::memcpy(it->second.region + r.offset, it->second.base + r.offset, r.bytes);
           else
@@ -938,6 +993,9 @@ class IpcTransport final : public detail::TransportBase {
 
   mutable std::mutex regions_mu_;
   std::map<RegionId, OwnWindow> own_;
+  std::map<void*, int> pending_shared_;    // allocate_shared memory not yet registered: its memfd
+  std::vector<OwnWindow> retired_shared_;  // allocate_shared memory deregistered (still the caller's)
+  static constexpr std::string_view kSharedKey = "memfd-shared";
   struct Served {
     std::string name;      // the peer's agent name, from its hello
     bool revoked = false;  // disconnect_peer: its requests are no longer served

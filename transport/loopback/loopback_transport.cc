@@ -8,7 +8,9 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <set>
 #include <thread>
@@ -165,6 +167,22 @@ class LoopbackTransport final : public detail::TransportBase {
     std::lock_guard lock(ep->mu);
     return ep->owner == nullptr;
   }
+  // One process: shared memory is plain memory the peer addresses as it is (backend_peer_address).
+  Result<void*> backend_allocate_shared(std::uint64_t bytes) override {
+    constexpr std::uint64_t kPage = 4096;
+    if (bytes > std::numeric_limits<std::uint64_t>::max() - kPage)
+      return InvalidArgument(fmt::format("allocate_shared: {} bytes", bytes));
+    void* p = std::aligned_alloc(kPage, (bytes + kPage - 1) / kPage * kPage);
+    if (p == nullptr) return ResourceExhausted(fmt::format("allocate_shared: {} bytes", bytes));
+    std::memset(p, 0, bytes);
+    std::lock_guard lock(jobs_mu_);
+    shared_.emplace_back(static_cast<std::byte*>(p));
+    return p;
+  }
+  void backend_free_shared(void* p) override {
+    std::lock_guard lock(jobs_mu_);
+    std::erase_if(shared_, [p](const auto& s) { return s.get() == p; });
+  }
   // One process: the peer's region is its own memory, at the address its blob carries.
   Result<void*> backend_peer_address(PeerId peer, std::uint32_t, const detail::Blob::Region& r) override {
     {
@@ -260,6 +278,10 @@ class LoopbackTransport final : public detail::TransportBase {
   }
 
   const LoopbackOptions options_;
+  struct FreeShared {
+    void operator()(std::byte* p) const noexcept { std::free(p); }
+  };
+  std::vector<std::unique_ptr<std::byte, FreeShared>> shared_;  // allocate_shared's memory (under jobs_mu_)
   std::shared_ptr<Endpoint> self_;
   mutable std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;

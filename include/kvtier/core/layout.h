@@ -198,6 +198,11 @@ class BlockSpace {
   static Result<BlockSpace> from_planes(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
                                         std::vector<std::vector<Plane>> planes,
                                         std::vector<std::vector<std::uint64_t>> region_bytes = {});
+  // A staging slot that holds one layer at a time: as from_planes, but planes of different layers may share
+  // memory (every layer's planes lie in the same slot); the planes of one layer may not overlap (checked). A copy
+  // into it must select one layer (the slot then holds that layer's blocks).
+  static Result<BlockSpace> layer_slot(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
+                                       std::vector<std::vector<Plane>> planes);
   // One region per (layer, role), block stride = block_bytes.
   static Result<BlockSpace> layer_first(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
                                         std::vector<std::vector<void*>> bases);
@@ -226,6 +231,10 @@ class BlockSpace {
   std::uint64_t page_bytes() const noexcept { return page_bytes_; }
 
  private:
+  static Result<BlockSpace> make(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
+                                 std::vector<std::vector<Plane>> planes,
+                                 std::vector<std::vector<std::uint64_t>> region_bytes, bool layers_share);
+
   MemoryKind kind_ = MemoryKind::kDevice;
   int device_ordinal_ = 0;
   KvLayout layout_;

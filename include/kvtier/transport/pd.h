@@ -61,6 +61,22 @@
 // the decode's blocks are reclaimable only once the prefill proved its writes are over ('Q') or the transport
 // reports it revoked (the ipc backend: the prefill's process has exited).
 //
+// Ring lane (PdOptions::ring_slots > 0, with `engine`): for device pools that cannot map each other (two GPUs
+// without peer access, containers that forbid CUDA IPC). The decode side owns a ring of ring_slots slots of pinned
+// host memory that both processes map (Transport::allocate_shared: a sealed memfd on the ipc backend, registered
+// with each side's device). A slot holds up to ring_slot_bytes of one layer: blocks [a, b) of the transfer's list,
+// every role (a layer larger than a slot goes as several pieces). The decode side grants slots to the pieces of
+// its transfers in order ('G'); the prefill's copy kernel gathers a granted piece from its pool into the slot once
+// the piece's layer is ready (device to host) and announces it with the checksums that kernel computed ('P'); the
+// decode's kernel scatters the slot into the destination blocks (host to device), checksumming what it reads in
+// the same pass, and frees the slot for the next piece. So D2H of one piece overlaps H2D of another, ring_slots
+// deep, and every byte is read once on each side with integrity checked end to end (what left the prefill's pool
+// is what reached the decode's). The prefill never addresses the decode's blocks: after any failure they are
+// reclaimable once the decode's own kernels are done; only slots granted to pieces that never arrived wait for the
+// prefill's quiescence ('Q', or the transport's peer_revoked), and stay out of the ring until then (fail closed).
+// Push and pull move the same way on this lane. Both sides set ring_slots (the decode's geometry is used and
+// sent in its request); a prefill without it refuses the transfer as on the device lane.
+//
 // Thread-safety: every method may be called from any thread; a progress thread per endpoint handles messages,
 // layer readiness, heartbeats and leases. Every wait has a deadline. Errors: kInvalidArgument / kOutOfRange
 // (block ids, layers), kNotFound (transfer), kAlreadyExists (transfer id reused), kFailedPrecondition (memory
@@ -101,6 +117,12 @@ struct PdOptions {
   // The device lane's second checksum pass (see "Device lane" above); the decode side's value is used.
   enum class LaneVerify : std::uint8_t { kMover, kReceiver };
   LaneVerify lane_verify = LaneVerify::kMover;
+  // The ring lane (see "Ring lane" above), with `engine` set: slots of the decode's shared pinned ring (0: the
+  // device lane), at most kMaxRingSlots; and the bytes of one slot (at least one block of every layer's roles).
+  // The decode side allocates ring_slots x ring_slot_bytes from its transport at create().
+  std::uint32_t ring_slots = 0;
+  std::uint64_t ring_slot_bytes = std::uint64_t{32} << 20;
+  static constexpr std::uint32_t kMaxRingSlots = 64;
 };
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
 

@@ -159,6 +159,22 @@ class Transport {
   // transport destroyed.
   virtual Result<void*> peer_region_address(PeerId peer, std::uint32_t region) = 0;
 
+  // Memory that this process uses in place and that peers map directly (peer_region_address answers for it):
+  // allocated by the transport (page-aligned, zeroed), registered as the next region (pinned-host kind), owned by
+  // the transport until it is destroyed. The ipc backend shares a sealed memfd that both processes map; loopback
+  // hands out the memory itself (one process). The prefill/decode ring lane (pd.h) keeps its ring here. The caller
+  // registers it with its device (Device::register_host) where kernels must reach it. kNotSupported where peers
+  // cannot map memory (UCX), kInvalidArgument for 0 bytes, kResourceExhausted when the memory is not there.
+  struct SharedMemory {
+    RegionId region = 0;
+    std::byte* data = nullptr;
+    std::uint64_t bytes = 0;
+  };
+  virtual Result<SharedMemory> allocate_shared(std::uint64_t bytes) {
+    (void)bytes;
+    return NotSupported("this transport cannot share memory that peers map directly");
+  }
+
   virtual Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local,
                               std::span<const RemoteDesc> remote, std::string notification) = 0;
   virtual Result<XferStatus> poll(XferId xfer) = 0;
