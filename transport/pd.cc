@@ -207,6 +207,9 @@ class Endpoint {
                           l, r, *id, plane_index(l, r)));
       }
     }
+    if (static_cast<int>(options_.ring_copy) >= kNumCopyStrategies)
+      return InvalidArgument(
+          fmt::format("{}: unknown ring_copy strategy {}", role, static_cast<int>(options_.ring_copy)));
     if (options_.ring_slots > 0 && options_.engine == nullptr)
       return InvalidArgument(
           fmt::format("{}: the ring lane ({} slots) needs a copy engine", role, options_.ring_slots));
@@ -462,16 +465,27 @@ class Endpoint {
     }
     return events[u].get();
   }
-  // Enqueues one piece's copy (ids `from_ids` of `from` to `to_ids` of `to`, one layer) on the lane stream with its
-  // checksums into `ck_device` (copied to `ck_host`), then records `done`.
+  // Enqueues one piece's copy (ids `from_ids` of `from` to `to_ids` of `to`, one layer) on the lane stream with the
+  // checksums of its device side (`from` when device_is_source) into `ck_device` (copied to `ck_host`), then records
+  // `done`. PdOptions::ring_copy: the SM kernel computes them while it copies; otherwise a checksum pass over the
+  // device side runs before (sources) or after (destinations) the copy.
   Status copy_piece(const BlockSpace& from, std::span<const std::int32_t> from_ids, const BlockSpace& to,
-                    std::span<const std::int32_t> to_ids, std::uint32_t layer, std::uint64_t* ck_device,
-                    std::uint64_t* ck_host, Event& done) {
+                    std::span<const std::int32_t> to_ids, std::uint32_t layer, bool device_is_source,
+                    std::uint64_t* ck_device, std::uint64_t* ck_host, Event& done) {
     Device& dev = lane_device();
+    CopyEngine& engine = *options_.engine;
     const std::uint32_t layers[1] = {layer};
-    CopyRequest r{&from, &to, from_ids, to_ids, layers, kAllRoles, CopyStrategy::kSmKernel};
-    r.checksums = ck_device;
-    KVTIER_RETURN_IF_ERROR(options_.engine->copy(r, *lane_stream_).status());
+    CopyRequest r{&from, &to, from_ids, to_ids, layers, kAllRoles, options_.ring_copy};
+    if (options_.ring_copy == CopyStrategy::kSmKernel) {
+      r.checksums = ck_device;
+      KVTIER_RETURN_IF_ERROR(engine.copy(r, *lane_stream_).status());
+    } else if (device_is_source) {
+      KVTIER_RETURN_IF_ERROR(engine.checksum(from, from_ids, layers, kAllRoles, ck_device, *lane_stream_).status());
+      KVTIER_RETURN_IF_ERROR(engine.copy(r, *lane_stream_).status());
+    } else {
+      KVTIER_RETURN_IF_ERROR(engine.copy(r, *lane_stream_).status());
+      KVTIER_RETURN_IF_ERROR(engine.checksum(to, to_ids, layers, kAllRoles, ck_device, *lane_stream_).status());
+    }
     KVTIER_RETURN_IF_ERROR(
         dev.memcpy_async(ck_host, ck_device, from_ids.size() * sizeof(std::uint64_t), *lane_stream_));
     return dev.record(done, *lane_stream_);
@@ -1032,7 +1046,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       Status s = done.status();
       if (s.ok())
         s = copy_piece(blocks_, std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), x.ring->slots[pc.slot],
-                       std::span<const std::int32_t>(ring_ids_).first(b - a), li, lb.device_at(li) + a,
+                       std::span<const std::int32_t>(ring_ids_).first(b - a), li, true, lb.device_at(li) + a,
                        lb.host_at(li) + a, **done);
       if (!s.ok()) {
         drain_lane();
@@ -1711,8 +1725,8 @@ class Decode final : public PdDecode, public Endpoint {
     Status s = done.status();
     if (s.ok())
       s = copy_piece(ring_spaces_[slot], std::span<const std::int32_t>(ring_ids_).first(b - a), blocks_,
-                     std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), layer, lb.device_at(layer) + a,
-                     lb.host_at(layer) + a, **done);
+                     std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), layer, false,
+                     lb.device_at(layer) + a, lb.host_at(layer) + a, **done);
     if (!s.ok()) {
       drain_lane();
       renew_failed_lane_stream();

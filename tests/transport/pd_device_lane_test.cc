@@ -301,9 +301,10 @@ TEST(PdDeviceLane, AFailedPushKeepsTheBlocksWhileThePrefillCanStillWrite) {
 
 // Two slots of two blocks of a layer (both roles): the 4-block transfers below go as 2 pieces per layer, 8 pieces
 // per transfer through 2 slots.
-PdOptions ring_options(PdOptions o = {}) {
+PdOptions ring_options(PdOptions o = {}, CopyStrategy how = CopyStrategy::kAuto) {
   o.ring_slots = 2;
   o.ring_slot_bytes = 2 * 2 * 8192;
+  o.ring_copy = how;
   return o;
 }
 
@@ -312,13 +313,19 @@ std::byte* ring_base(LaneRig& rig) {
   return static_cast<std::byte*>(rig.pre_t->peer_region_address(rig.to_dec, rig.layout.num_planes()).value());
 }
 
-class RingModes : public ::testing::TestWithParam<PdMode> {};
+// Push and pull, each with the checksums in the SM kernel's copy and with the engine's own copy plus a checksum
+// pass over the device side.
+class RingModes : public ::testing::TestWithParam<std::tuple<PdMode, CopyStrategy>> {
+ protected:
+  static PdMode mode() { return std::get<0>(GetParam()); }
+  static PdOptions options(PdOptions o = {}) { return ring_options(o, std::get<1>(GetParam())); }
+};
 
 TEST_P(RingModes, LayersMoveByteExactInMorePiecesThanSlots) {
-  LaneRig rig({}, true, ring_options());
+  LaneRig rig({}, true, options());
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 42, kSrc).ok());
   ASSERT_TRUE(rig.pre->layer_ready(42, 2).ok());  // ready before the request, and out of order
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, mode(), kDst).ok());
   // Layer 0's pieces hold both slots and layer 0 is not ready: layer 2 waits for them.
   EXPECT_EQ(rig.dec->wait_layer(42, 2, 100ms).status().code(), StatusCode::kTimedOut);
   for (std::uint32_t l : {0u, 1u, 3u}) ASSERT_TRUE(rig.pre->layer_ready(42, l).ok());
@@ -344,7 +351,7 @@ TEST_P(RingModes, LayersMoveByteExactInMorePiecesThanSlots) {
   const std::vector<std::uint64_t> src2 = {0, 2}, dst2 = {7, 5};
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 43, src2).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(43, l).ok());
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 43, GetParam(), dst2).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 43, mode(), dst2).ok());
   auto fin2 = rig.dec->wait(43, 5s, true);
   ASSERT_TRUE(fin2.ok()) << fin2.status().to_string();
   EXPECT_EQ(fin2->leading_loaded_blocks(), 2u) << fin2->error.to_string();
@@ -368,11 +375,11 @@ TEST_P(RingModes, BytesDamagedInTheSlotAreCaught) {
         // Role 0 of the slot's first block (position 2), well inside it.
         ring[slot * 32768 + 100] ^= std::byte{0x04};
       },
-      true, ring_options());
+      true, options());
   ring = ring_base(rig);
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, mode(), kDst).ok());
   auto fin = rig.dec->wait(9, 5s, true);
   ASSERT_TRUE(fin.ok()) << fin.status().to_string();
   EXPECT_TRUE(damaged.load());
@@ -388,9 +395,9 @@ TEST_P(RingModes, BytesDamagedInTheSlotAreCaught) {
 // A copy that fails fails its layer (never loaded) and the prefill's transfer; the slots granted to pieces that
 // never came return once the prefill is quiet, so the ring carries the next transfer.
 TEST_P(RingModes, AFailedCopyFailsItsLayerAndTheRingRecovers) {
-  LaneRig rig({}, true, ring_options());
+  LaneRig rig({}, true, options());
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 11, kSrc).ok());
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, mode(), kDst).ok());
   ASSERT_TRUE(rig.pre->layer_ready(11, 0).ok());
   ASSERT_EQ(rig.dec->wait_layer(11, 0, 5s).value(), LayerState::kLoaded);
   rig.device->fail_nth_operation(1);  // the prefill's first copy of layer 1
@@ -407,14 +414,19 @@ TEST_P(RingModes, AFailedCopyFailsItsLayerAndTheRingRecovers) {
   EXPECT_TRUE(rig.dec->forget(11).ok());
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 12, kSrc).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(12, l).ok());
-  ASSERT_TRUE(rig.dec->start(rig.to_pre, 12, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 12, mode(), kDst).ok());
   auto again = rig.dec->wait(12, 5s, true);
   ASSERT_TRUE(again.ok()) << again.status().to_string() << " (slots lost to the failed transfer?)";
   EXPECT_EQ(again->leading_loaded_blocks(), 4u) << again->error.to_string();
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, RingModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
-                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Modes, RingModes,
+                         ::testing::Combine(::testing::Values(PdMode::kPush, PdMode::kPull),
+                                            ::testing::Values(CopyStrategy::kSmKernel, CopyStrategy::kAuto)),
+                         [](const auto& info) {
+                           return fmt::format("{}_{}", pd_mode_name(std::get<0>(info.param)),
+                                              copy_strategy_name(std::get<1>(info.param)));
+                         });
 
 // A prefill that falls silent holding granted slots: the decode's blocks are reclaimable at once (only its own
 // kernels write them), the slots stay out of the ring while that prefill could still write them, and return when

@@ -69,13 +69,14 @@
 // its transfers in order ('G'); the prefill's copy kernel gathers a granted piece from its pool into the slot once
 // the piece's layer is ready (device to host) and announces it with the checksums that kernel computed ('P'); the
 // decode's kernel scatters the slot into the destination blocks (host to device), checksumming what it reads in
-// the same pass, and frees the slot for the next piece. So D2H of one piece overlaps H2D of another, ring_slots
-// deep, and every byte is read once on each side with integrity checked end to end (what left the prefill's pool
-// is what reached the decode's). The prefill never addresses the decode's blocks: after any failure they are
-// reclaimable once the decode's own kernels are done; only slots granted to pieces that never arrived wait for the
-// prefill's quiescence ('Q', or the transport's peer_revoked), and stay out of the ring until then (fail closed).
-// Push and pull move the same way on this lane. Both sides set ring_slots (the decode's geometry is used and
-// sent in its request); a prefill without it refuses the transfer as on the device lane.
+// the same pass (PdOptions::ring_copy: or copies by DMA and checksums its device side in a pass over device
+// memory), and frees the slot for the next piece. So D2H of one piece overlaps H2D of another, ring_slots deep,
+// with integrity checked end to end (what left the prefill's pool is what reached the decode's). The prefill never
+// addresses the decode's blocks: after any failure they are reclaimable once the decode's own kernels are done; only
+// slots granted to pieces that never arrived wait for the prefill's quiescence ('Q', or the transport's peer_revoked),
+// and stay out of the ring until then (fail closed). Push and pull move the same way on this lane. Both sides set
+// ring_slots (the decode's geometry is used and sent in its request); a prefill without it refuses the transfer as on
+// the device lane.
 //
 // Thread-safety: every method may be called from any thread; a progress thread per endpoint handles messages,
 // layer readiness, heartbeats and leases. Every wait has a deadline. Errors: kInvalidArgument / kOutOfRange
@@ -122,6 +123,12 @@ struct PdOptions {
   // The decode side allocates ring_slots x ring_slot_bytes from its transport at create().
   std::uint32_t ring_slots = 0;
   std::uint64_t ring_slot_bytes = std::uint64_t{32} << 20;
+  // How each side copies between its pool and a slot. kSmKernel folds the checksums into the copy (every byte
+  // crosses PCIe once and is read nowhere else), but SM kernels share a PCIe link poorly when both directions run
+  // at once (one GPU serving both sides, or a prefill that also loads); any other strategy copies with the engine's
+  // choice (DMA where it pays) and checksums the device side of the piece in a separate pass over device memory
+  // (the prefill's sources, the decode's destinations: local reads, a small fraction of the copy's time).
+  CopyStrategy ring_copy = CopyStrategy::kAuto;
   static constexpr std::uint32_t kMaxRingSlots = 64;
 };
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
