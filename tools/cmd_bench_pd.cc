@@ -24,6 +24,12 @@
 // pattern of its source and blocks outside the list must still hold the poison. Beside it, in the decode process, the
 // same block lists gathered inside one process (pool to a second pool, one SM-kernel launch per layer, without and with
 // checksums): ratio_to_gather = gbps / gather_gbps.
+//
+// --lanes ring runs the ring lane of pd.h on the same pools and lists (forced: the two processes could map each
+// other's pools): each layer goes device -> the decode's shared pinned ring (the prefill's copy) -> device (the
+// decode's), --ring-slots slots of --ring-slot-bytes (0: one layer of a transfer), a row per --ring-copy strategy.
+// Beside it, in the decode process, the PCIe ceiling of the same bytes: contiguous cudaMemcpyAsync of one layer's
+// bytes device -> pinned host and back (each direction alone), ratio_to_ceiling = gbps / min(d2h, h2d).
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
@@ -76,6 +82,9 @@ struct PdArgs {
   std::uint64_t pool_bytes = 512ull << 20;  // direct lane: the pool the scattered blocks are taken from, per side
   std::vector<std::string> lane_verifies = {"mover"};  // direct lanes: PdOptions::lane_verify values, a row each
   std::vector<std::uint32_t> inflights = {1};          // direct lanes: transfers in flight, a row each
+  std::uint32_t ring_slots = 4;                        // ring lane
+  std::uint64_t ring_slot_bytes = 0;                   // ring lane: 0 = one layer of a transfer
+  std::vector<std::string> ring_copies = {"auto"};     // ring lane: PdOptions::ring_copy values, a row each
   // hidden: the prefill process
   std::string role;
   std::string lane = "tcp";
@@ -85,7 +94,15 @@ struct PdArgs {
   int in_fd = -1, out_fd = -1;
   std::string lane_verify = "mover";
   std::uint32_t inflight = 1;
+  std::string ring_copy = "auto";
 };
+
+// The ring lane's options of a row (both processes).
+void set_ring_options(const PdArgs& a, std::uint64_t n, transport::PdOptions& o) {
+  o.ring_slots = a.ring_slots;
+  o.ring_slot_bytes = a.ring_slot_bytes != 0 ? a.ring_slot_bytes : n * a.block_bytes;
+  o.ring_copy = parse_copy_strategy(a.ring_copy).value_or(CopyStrategy::kAuto);
+}
 
 transport::PdOptions::LaneVerify lane_verify_of(const std::string& name) {
   return name == "receiver" ? transport::PdOptions::LaneVerify::kReceiver : transport::PdOptions::LaneVerify::kMover;
@@ -399,6 +416,7 @@ int run_prefill_direct(const PdArgs& a) {
   transport::PdOptions o = kPdOptions;
   o.engine = side->engine.get();
   o.lane_verify = lane_verify_of(a.lane_verify);
+  if (a.lane == "ring") set_ring_options(a, plan.src.size(), o);
   auto pre = transport::PdPrefill::create(**t, side->space, o);
   if (!pre.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", pre.status().to_string().c_str());
@@ -411,6 +429,37 @@ struct GatherRates {
   double plain = 0, checksummed = 0;
 };
 GatherRates g_last_gather;  // of the last direct row (the decode process)
+
+struct PcieRates {
+  double d2h = 0, h2d = 0;
+};
+PcieRates g_last_ceiling;  // of the last ring row (the decode process)
+
+// The PCIe ceiling for the ring rows: one layer's bytes of a transfer copied contiguously between a device pool
+// and pinned host memory, iters x layers times each way (one direction at a time), after a warm-up.
+Result<PcieRates> run_pcie_ceiling(const PdArgs& a, DirectSide& d, std::uint64_t layer_bytes) {
+  KVTIER_ASSIGN_OR_RETURN(auto pinned, d.device->allocate_pinned(layer_bytes));
+  KVTIER_RETURN_IF_ERROR(pinned->wait_ready(60s));
+  KVTIER_ASSIGN_OR_RETURN(auto stream, d.device->create_stream());
+  std::byte* dev = static_cast<std::byte*>(d.mem[0].data());
+  PcieRates r;
+  for (bool to_host : {true, false}) {
+    std::chrono::steady_clock::time_point t0;
+    for (std::uint32_t it = 0; it <= a.iters; ++it) {
+      if (it == 1) {
+        KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+        t0 = std::chrono::steady_clock::now();
+      }
+      for (std::uint32_t l = 0; l < a.layers; ++l)
+        KVTIER_RETURN_IF_ERROR(to_host ? d.device->memcpy_async(pinned->data(), dev, layer_bytes, *stream)
+                                       : d.device->memcpy_async(dev, pinned->data(), layer_bytes, *stream));
+    }
+    KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    (to_host ? r.d2h : r.h2d) = static_cast<double>(a.iters) * a.layers * layer_bytes / secs / 1e9;
+  }
+  return r;
+}
 
 // The same block lists gathered inside one process: the decode's pool to a second pool, one launch per layer.
 Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan& p) {
@@ -468,7 +517,7 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
 
 int run_prefill(const PdArgs& a) {
   alarm(300);
-  if (a.lane == "direct") return run_prefill_direct(a);
+  if (a.lane == "direct" || a.lane == "ring") return run_prefill_direct(a);
   if (a.memory == "device") {
     auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
     if (!layout.ok()) return 5;
@@ -566,9 +615,11 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   }
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
   const std::uint64_t n = blocks_for(a, block_bytes);
-  const bool direct = lane == "direct";
+  const bool ring = lane == "ring";
+  const bool direct = lane == "direct" || ring;
   const bool staged = memory == "device" && !direct;
-  if (direct && memory != "device") return NotSupported("the direct lane moves device memory only (--memory device)");
+  if (direct && memory != "device")
+    return NotSupported(fmt::format("the {} lane moves device memory only (--memory device)", lane));
   std::optional<DirectSide> direct_side;
   DirectPlan plan;
   if (direct) {
@@ -592,6 +643,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
     transport::PdOptions o = kPdOptions;
     o.engine = direct_side->engine.get();
     o.lane_verify = lane_verify_of(a.lane_verify);
+    if (ring) set_ring_options(a, n, o);
     KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, direct_side->space, o));
     dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst_of(id)); },
            [&](auto id) { return plain->wait(id, 60s, true); }, [&](auto id) { return plain->forget(id); }};
@@ -649,7 +701,13 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      "--lane-verify-one",
                                      a.lane_verify,
                                      "--inflight-one",
-                                     std::to_string(a.inflight)};
+                                     std::to_string(a.inflight),
+                                     "--ring-slots",
+                                     std::to_string(a.ring_slots),
+                                     "--ring-slot-bytes",
+                                     std::to_string(a.ring_slot_bytes),
+                                     "--ring-copy-one",
+                                     a.ring_copy};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -692,7 +750,11 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   if (direct) {
     KVTIER_RETURN_IF_ERROR(check_direct_bytes(*direct_side, plan));
     plain.reset();
-    KVTIER_ASSIGN_OR_RETURN(g_last_gather, run_gather(a, *direct_side, plan));
+    if (ring) {
+      KVTIER_ASSIGN_OR_RETURN(g_last_ceiling, run_pcie_ceiling(a, *direct_side, n * block_bytes));
+    } else {
+      KVTIER_ASSIGN_OR_RETURN(g_last_gather, run_gather(a, *direct_side, plan));
+    }
   }
   return bytes / secs / 1e9;
 }
@@ -735,18 +797,25 @@ int run_bench(const PdArgs& a) {
     for (const auto& m : a.modes) {
       const PdMode mode = m == "pull" ? PdMode::kPull : PdMode::kPush;
       for (std::uint64_t bs : a.block_sizes) {
-        Result<double> p = a.no_perftest || lane.rfind("direct", 0) == 0 ? Result<double>(NotSupported("skipped"))
-                                                                         : run_perftest(lane, mode, bs, port++);
+        const bool ring_lane = lane == "ring";
+        const bool direct_lane = lane.rfind("direct", 0) == 0 || ring_lane;
+        Result<double> p = a.no_perftest || direct_lane ? Result<double>(NotSupported("skipped"))
+                                                        : run_perftest(lane, mode, bs, port++);
         std::optional<double> host_gbps;
-        // The direct lanes get a row per verifying side and transfers in flight; the others one row.
-        const bool direct_lane = lane.rfind("direct", 0) == 0;
+        // The direct lanes get a row per verifying side and transfers in flight, the ring a row per copy strategy
+        // and transfers in flight; the others one row.
         std::vector<std::pair<std::string, std::uint32_t>> variants;
-        for (const auto& v : direct_lane ? a.lane_verifies : std::vector<std::string>{a.lane_verify})
+        for (const auto& v : ring_lane     ? a.ring_copies
+                             : direct_lane ? a.lane_verifies
+                                           : std::vector<std::string>{a.lane_verify})
           for (std::uint32_t k : direct_lane ? a.inflights : std::vector<std::uint32_t>{1}) variants.emplace_back(v, k);
         for (const auto& memory : a.memories)
           for (const auto& [verify, inflight] : variants) {
             PdArgs row = a;
-            row.lane_verify = verify;
+            if (ring_lane)
+              row.ring_copy = verify;
+            else
+              row.lane_verify = verify;
             row.inflight = inflight;
             auto g = run_decode(row, lane, mode, bs, memory);
             if (!g.ok()) {
@@ -774,7 +843,18 @@ int run_bench(const PdArgs& a) {
               j["gbps"] = *g;
               j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
               j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
-              if (direct_lane) {
+              if (ring_lane) {
+                const double ceiling = std::min(g_last_ceiling.d2h, g_last_ceiling.h2d);
+                j["ring_copy"] = verify;
+                j["ring_slots"] = a.ring_slots;
+                j["ring_slot_bytes"] = a.ring_slot_bytes != 0 ? a.ring_slot_bytes : blocks_for(a, bs) * bs;
+                j["inflight"] = inflight;
+                j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
+                j["ceiling_d2h_gbps"] = g_last_ceiling.d2h;
+                j["ceiling_h2d_gbps"] = g_last_ceiling.h2d;
+                j["ratio_to_ceiling"] = ceiling > 0 ? *g / ceiling : 0.0;
+                j["bytes_checked"] = true;
+              } else if (direct_lane) {
                 j["lane_verify"] = verify;
                 j["inflight"] = inflight;
                 j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
@@ -792,7 +872,11 @@ int run_bench(const PdArgs& a) {
               std::printf("%s\n", j.dump().c_str());
             } else {
               std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
-              if (direct_lane)
+              if (ring_lane)
+                th = fmt::format("copy {} x{} d2h {:.1f} h2d {:.1f} ratio {:.2f}", verify, inflight, g_last_ceiling.d2h,
+                                 g_last_ceiling.h2d,
+                                 *g / std::max(1e-9, std::min(g_last_ceiling.d2h, g_last_ceiling.h2d)));
+              else if (direct_lane)
                 th = fmt::format("verify {} x{} gather {:.1f} ({:.1f} ck) ratio {:.2f}", verify, inflight,
                                  g_last_gather.plain, g_last_gather.checksummed,
                                  g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0);
@@ -816,7 +900,11 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--lanes", a->lanes,
                   "lanes: tcp (UCX, 127.0.0.1), shm (UCX), ipc (kvtier's same-host backend), direct (the device lane: "
                   "CUDA IPC, copy kernels, --memory device), direct-inproc (the same with both endpoints in this "
-                  "process: a diagnostic)")
+                  "process: a diagnostic), ring (the ring lane through the decode's shared pinned ring, forced)")
+      ->delimiter(',');
+  cmd->add_option("--ring-slots", a->ring_slots, "ring lane: slots of the ring");
+  cmd->add_option("--ring-slot-bytes", a->ring_slot_bytes, "ring lane: bytes of a slot (0: one layer of a transfer)");
+  cmd->add_option("--ring-copy", a->ring_copies, "ring lane: copy strategies (a row each), e.g. auto,sm_kernel")
       ->delimiter(',');
   cmd->add_option("--pool-bytes", a->pool_bytes, "direct lane: bytes of the pool per side the blocks are taken from");
   cmd->add_option("--lane-verify", a->lane_verifies,
@@ -844,21 +932,34 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--in-fd", a->in_fd)->group("");
   cmd->add_option("--lane-verify-one", a->lane_verify)->group("");
   cmd->add_option("--inflight-one", a->inflight)->group("");
+  cmd->add_option("--ring-copy-one", a->ring_copy)->group("");
   cmd->add_option("--out-fd", a->out_fd)->group("");
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
     for (const auto& l : a->lanes)
-      if (l != "tcp" && l != "shm" && l != "ipc" && l != "direct" && l != "direct-inproc") {
-        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm, ipc, direct or direct-inproc\n", l.c_str());
+      if (l != "tcp" && l != "shm" && l != "ipc" && l != "direct" && l != "direct-inproc" && l != "ring") {
+        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm, ipc, direct, direct-inproc or ring\n",
+                     l.c_str());
         return 2;
       }
     for (const auto& l : a->lanes)
-      if (l.rfind("direct", 0) == 0 && (cuda_device_count() == 0 || a->backend == "host")) {
+      if ((l.rfind("direct", 0) == 0 || l == "ring") && (cuda_device_count() == 0 || a->backend == "host")) {
         std::fprintf(stderr,
-                     "kvtier bench pd: the direct lane needs CUDA memory: no CUDA device is visible "
-                     "(or --backend host)\n");
+                     "kvtier bench pd: the %s lane needs CUDA memory: no CUDA device is visible "
+                     "(or --backend host)\n",
+                     l.c_str());
         return 2;
       }
+    for (const auto& c : a->ring_copies)
+      if (!parse_copy_strategy(c).ok()) {
+        std::fprintf(stderr, "kvtier bench pd: --ring-copy '%s' is not a copy strategy\n", c.c_str());
+        return 2;
+      }
+    if (a->ring_slots == 0 || a->ring_slots > transport::PdOptions::kMaxRingSlots) {
+      std::fprintf(stderr, "kvtier bench pd: --ring-slots %u is not in [1, %u]\n", a->ring_slots,
+                   transport::PdOptions::kMaxRingSlots);
+      return 2;
+    }
     for (const auto& v : a->lane_verifies)
       if (v != "mover" && v != "receiver") {
         std::fprintf(stderr, "kvtier bench pd: --lane-verify '%s' is not mover or receiver\n", v.c_str());
