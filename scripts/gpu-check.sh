@@ -15,7 +15,9 @@
 # `pd`: kvtier bench pd over the direct lane (the device lane of pd.h between two processes on GPU 0: CUDA IPC,
 # copy kernels, GPU checksums, bytes checked) beside the same block lists gathered in one process, and, where the
 # nixl-cu13 wheel is in .whl/, bench/pd_nixl.py with the same block lists (NIXL's UCX backend, WRITE and READ).
-# Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|all] [extra kvtier bench copy args...]
+# `ring` (also part of `pd`): kvtier bench pd over the ring lane (the decode's shared pinned ring) beside the
+# PCIe ceiling of the same bytes.
+# Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|ring|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +101,15 @@ if [ "$what" = pd ] || [ "$what" = all ]; then
       --json "$OUT/bench_pd_nixl.jsonl" > "$OUT/bench_pd_nixl.log" 2>&1
     echo "pd_nixl rc=$?"; tail -20 "$OUT/bench_pd_nixl.log"
   fi
+fi
+if [ "$what" = ring ] || [ "$what" = pd ] || [ "$what" = all ]; then
+  # The ring lane (forced: the two processes could map each other's pools), a layer of 64 MiB per slot, eight
+  # slots; the SM kernel's in-copy checksums and the engine's own copy plus a device-side checksum pass; beside
+  # the PCIe ceiling of the same bytes (contiguous D2H and H2D) measured in the decode process.
+  timeout 300 "$BIN/kvtier" bench pd --lanes ring --memory device --modes push,pull --layers 8 \
+    --layer-bytes $((64 << 20)) --pool-bytes $((2 << 30)) --block-sizes 16384,1048576 --iters 8 --ring-slots 8 \
+    --ring-copy auto,sm_kernel --inflight 1,4 --json > "$OUT/bench_pd_ring.jsonl" 2> "$OUT/bench_pd_ring.err"
+  echo "bench pd ring rc=$?"; tail -5 "$OUT/bench_pd_ring.err"; cat "$OUT/bench_pd_ring.jsonl"
 fi
 if [ "$what" = probes ] || [ "$what" = all ]; then
   mkdir -p "$PROBES"

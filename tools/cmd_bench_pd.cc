@@ -29,7 +29,9 @@
 // other's pools): each layer goes device -> the decode's shared pinned ring (the prefill's copy) -> device (the
 // decode's), --ring-slots slots of --ring-slot-bytes (0: one layer of a transfer), a row per --ring-copy strategy.
 // Beside it, in the decode process, the PCIe ceiling of the same bytes: contiguous cudaMemcpyAsync of one layer's
-// bytes device -> pinned host and back (each direction alone), ratio_to_ceiling = gbps / min(d2h, h2d).
+// bytes device -> pinned host and back, each direction alone (ratio_to_ceiling = gbps / min(d2h, h2d)) and both at
+// once on two streams (ratio_to_duplex_ceiling: with both processes on one GPU the ring's D2H and H2D share its
+// link, which carries less each way when both run).
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
@@ -97,10 +99,10 @@ struct PdArgs {
   std::string ring_copy = "auto";
 };
 
-// The ring lane's options of a row (both processes).
-void set_ring_options(const PdArgs& a, std::uint64_t n, transport::PdOptions& o) {
+// The ring lane's options of a row (both processes); `layer_bytes`: one layer of a transfer.
+void set_ring_options(const PdArgs& a, std::uint64_t layer_bytes, transport::PdOptions& o) {
   o.ring_slots = a.ring_slots;
-  o.ring_slot_bytes = a.ring_slot_bytes != 0 ? a.ring_slot_bytes : n * a.block_bytes;
+  o.ring_slot_bytes = a.ring_slot_bytes != 0 ? a.ring_slot_bytes : layer_bytes;
   o.ring_copy = parse_copy_strategy(a.ring_copy).value_or(CopyStrategy::kAuto);
 }
 
@@ -416,7 +418,7 @@ int run_prefill_direct(const PdArgs& a) {
   transport::PdOptions o = kPdOptions;
   o.engine = side->engine.get();
   o.lane_verify = lane_verify_of(a.lane_verify);
-  if (a.lane == "ring") set_ring_options(a, plan.src.size(), o);
+  if (a.lane == "ring") set_ring_options(a, plan.src.size() * a.block_bytes, o);
   auto pre = transport::PdPrefill::create(**t, side->space, o);
   if (!pre.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", pre.status().to_string().c_str());
@@ -431,18 +433,42 @@ struct GatherRates {
 GatherRates g_last_gather;  // of the last direct row (the decode process)
 
 struct PcieRates {
-  double d2h = 0, h2d = 0;
+  double d2h = 0, h2d = 0;  // each direction alone
+  double duplex = 0;        // each direction while the other runs (the same bytes both ways at once)
 };
 PcieRates g_last_ceiling;  // of the last ring row (the decode process)
 
 // The PCIe ceiling for the ring rows: one layer's bytes of a transfer copied contiguously between a device pool
-// and pinned host memory, iters x layers times each way (one direction at a time), after a warm-up.
+// and pinned host memory, iters x layers times each way, after a warm-up: one direction at a time, then both at
+// once on two streams (what a ring between two processes on one GPU shares: its D2H and H2D cross one link).
 Result<PcieRates> run_pcie_ceiling(const PdArgs& a, DirectSide& d, std::uint64_t layer_bytes) {
   KVTIER_ASSIGN_OR_RETURN(auto pinned, d.device->allocate_pinned(layer_bytes));
   KVTIER_RETURN_IF_ERROR(pinned->wait_ready(60s));
+  KVTIER_ASSIGN_OR_RETURN(auto pinned2, d.device->allocate_pinned(layer_bytes));
+  KVTIER_RETURN_IF_ERROR(pinned2->wait_ready(60s));
   KVTIER_ASSIGN_OR_RETURN(auto stream, d.device->create_stream());
+  KVTIER_ASSIGN_OR_RETURN(auto stream2, d.device->create_stream());
   std::byte* dev = static_cast<std::byte*>(d.mem[0].data());
+  std::byte* dev2 = static_cast<std::byte*>(d.mem[d.mem.size() > 1 ? 1 : 0].data());
   PcieRates r;
+  {
+    std::chrono::steady_clock::time_point t0;
+    for (std::uint32_t it = 0; it <= a.iters; ++it) {
+      if (it == 1) {
+        KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+        KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream2, 60s));
+        t0 = std::chrono::steady_clock::now();
+      }
+      for (std::uint32_t l = 0; l < a.layers; ++l) {
+        KVTIER_RETURN_IF_ERROR(d.device->memcpy_async(pinned->data(), dev, layer_bytes, *stream));
+        KVTIER_RETURN_IF_ERROR(d.device->memcpy_async(dev2, pinned2->data(), layer_bytes, *stream2));
+      }
+    }
+    KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+    KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream2, 60s));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.duplex = static_cast<double>(a.iters) * a.layers * layer_bytes / secs / 1e9;
+  }
   for (bool to_host : {true, false}) {
     std::chrono::steady_clock::time_point t0;
     for (std::uint32_t it = 0; it <= a.iters; ++it) {
@@ -643,7 +669,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
     transport::PdOptions o = kPdOptions;
     o.engine = direct_side->engine.get();
     o.lane_verify = lane_verify_of(a.lane_verify);
-    if (ring) set_ring_options(a, n, o);
+    if (ring) set_ring_options(a, n * block_bytes, o);
     KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, direct_side->space, o));
     dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst_of(id)); },
            [&](auto id) { return plain->wait(id, 60s, true); }, [&](auto id) { return plain->forget(id); }};
@@ -819,9 +845,9 @@ int run_bench(const PdArgs& a) {
             row.inflight = inflight;
             auto g = run_decode(row, lane, mode, bs, memory);
             if (!g.ok()) {
-              std::fprintf(stderr, "kvtier bench pd: %s %s %s %llu (verify %s, %u in flight): %s\n", lane.c_str(),
-                           m.c_str(), memory.c_str(), static_cast<unsigned long long>(bs), verify.c_str(), inflight,
-                           g.status().to_string().c_str());
+              std::fprintf(stderr, "kvtier bench pd: %s %s %s %llu (%s %s, %u in flight): %s\n", lane.c_str(),
+                           m.c_str(), memory.c_str(), static_cast<unsigned long long>(bs),
+                           ring_lane ? "copy" : "verify", verify.c_str(), inflight, g.status().to_string().c_str());
               rc = 1;
               continue;
             }
@@ -853,6 +879,8 @@ int run_bench(const PdArgs& a) {
                 j["ceiling_d2h_gbps"] = g_last_ceiling.d2h;
                 j["ceiling_h2d_gbps"] = g_last_ceiling.h2d;
                 j["ratio_to_ceiling"] = ceiling > 0 ? *g / ceiling : 0.0;
+                j["ceiling_duplex_gbps"] = g_last_ceiling.duplex;
+                j["ratio_to_duplex_ceiling"] = g_last_ceiling.duplex > 0 ? *g / g_last_ceiling.duplex : 0.0;
                 j["bytes_checked"] = true;
               } else if (direct_lane) {
                 j["lane_verify"] = verify;
@@ -873,9 +901,10 @@ int run_bench(const PdArgs& a) {
             } else {
               std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
               if (ring_lane)
-                th = fmt::format("copy {} x{} d2h {:.1f} h2d {:.1f} ratio {:.2f}", verify, inflight, g_last_ceiling.d2h,
-                                 g_last_ceiling.h2d,
-                                 *g / std::max(1e-9, std::min(g_last_ceiling.d2h, g_last_ceiling.h2d)));
+                th = fmt::format("copy {} x{} d2h {:.1f} h2d {:.1f} duplex {:.1f} ratio {:.2f} ({:.2f} of duplex)",
+                                 verify, inflight, g_last_ceiling.d2h, g_last_ceiling.h2d, g_last_ceiling.duplex,
+                                 *g / std::max(1e-9, std::min(g_last_ceiling.d2h, g_last_ceiling.h2d)),
+                                 *g / std::max(1e-9, g_last_ceiling.duplex));
               else if (direct_lane)
                 th = fmt::format("verify {} x{} gather {:.1f} ({:.1f} ck) ratio {:.2f}", verify, inflight,
                                  g_last_gather.plain, g_last_gather.checksummed,

@@ -43,6 +43,15 @@ destinations back, so the GPU work of a transfer stays in one process's CUDA con
 ``"receiver"`` (the other side checks its own blocks; in pull that also catches a source the
 prefill changed after announcing it).
 
+``lane="ring"`` (with ``device``, ``transport="ipc"`` or ``"loopback"``) is the ring lane, for
+GPUs that cannot map each other's pools (no peer access, containers without CUDA IPC): the
+decode side owns a ring of ``ring_slots`` slots of ``ring_slot_bytes`` pinned host memory that
+both processes map; the prefill's copy engine moves each piece of a layer from its pool into a
+slot the decode granted, the decode's moves it on into its pool, and the checksums of both
+device sides are compared (``ring_copy``: ``"auto"`` copies with the engine's choice and
+checksums in a pass over device memory; ``"sm_kernel"`` folds them into the copy). Both sides
+pass ``lane="ring"``; the decode's ring settings are the ones used.
+
 Transports: ``"ipc"`` (same host, two processes; memory shared through sealed memfd windows),
 ``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP),
 ``"loopback"`` (one process: tests). ``peer_secret`` (32 to 64 bytes shared by the two sides)
@@ -141,7 +150,8 @@ class _Endpoint:
                  peer_secret: Optional[bytes] = None, tls: str = "", net_devices: str = "",
                  heartbeat_s: float = 0.1, lease_s: float = 1.0, device: Any = None,
                  staging_blocks: int = 0, num_model_layers: Optional[int] = None, rank: int = 0,
-                 device_label: int = 0, block_tokens: int = 64, lane: str = "auto", verify: str = "mover"):
+                 device_label: int = 0, block_tokens: int = 64, lane: str = "auto", verify: str = "mover",
+                 ring_slots: int = 4, ring_slot_bytes: int = 32 << 20, ring_copy: str = "auto"):
         tensors = _name_map(kv, rank, device_label)
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)
@@ -154,7 +164,7 @@ class _Endpoint:
             self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
             tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
             device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane,
-            verify=verify)
+            verify=verify, ring_slots=int(ring_slots), ring_slot_bytes=int(ring_slot_bytes), ring_copy=ring_copy)
 
     # ---- identity and peers
 
@@ -171,7 +181,8 @@ class _Endpoint:
     @property
     def lane(self) -> str:
         """How blocks move: "host" (the transport on host memory), "staged" (device memory through pinned
-        staging) or "direct" (the copy kernel between the two device pools)."""
+        staging), "direct" (the copy kernel between the two device pools) or "ring" (through the decode's shared
+        pinned ring)."""
         return self._ep.lane
 
     @property

@@ -64,10 +64,15 @@ struct EndpointOptions {
   std::uint32_t block_tokens = 64;
   std::uint64_t staging_blocks = 0;  // staged only; 0: as many as the device space has
   // "auto": host memory without a device, staged with one; "direct": the device lane of pd.h (device memory,
-  // the peer's pool mapped here: ipc between CUDA processes, loopback in one process).
+  // the peer's pool mapped here: ipc between CUDA processes, loopback in one process); "ring": the ring lane of
+  // pd.h (device memory, through the decode's shared pinned ring: GPUs that cannot map each other's pools).
   std::string lane = "auto";
   // The device lane's second checksum pass (PdOptions::lane_verify): "mover" or "receiver".
   std::string verify = "mover";
+  // The ring lane (the decode's values are used): slots, bytes per slot, the copies' strategy.
+  std::uint32_t ring_slots = 4;
+  std::uint64_t ring_slot_bytes = std::uint64_t{32} << 20;
+  std::string ring_copy = "auto";
 };
 
 Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout,
@@ -81,8 +86,9 @@ Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptio
   if (o.transport == "ipc") {
     transport::IpcOptions io;
     io.peer_secret = o.peer_secret;
-    if (o.lane == "direct" && device != nullptr && device->backend() == BackendKind::kCuda) {
-      io.device_memory = transport::IpcOptions::DeviceMemory::kCuda;  // the pools shared through CUDA IPC
+    if ((o.lane == "direct" || o.lane == "ring") && device != nullptr && device->backend() == BackendKind::kCuda) {
+      // The pools shared through CUDA IPC (direct), or registered by handle only (ring: no window per pool).
+      io.device_memory = transport::IpcOptions::DeviceMemory::kCuda;
       io.cuda_device = device->ordinal();
     }
     return transport::create_ipc_transport(std::move(id), std::move(io));
@@ -251,15 +257,21 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.role != "prefill" && o.role != "decode")
     raise_status(InvalidArgument(fmt::format("role '{}' is not prefill or decode", o.role)));
   if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
-  if (o.lane != "auto" && o.lane != "direct")
-    raise_status(InvalidArgument(fmt::format("lane '{}' is not auto or direct", o.lane)));
+  if (o.lane != "auto" && o.lane != "direct" && o.lane != "ring")
+    raise_status(InvalidArgument(fmt::format("lane '{}' is not auto, direct or ring", o.lane)));
   if (o.verify != "mover" && o.verify != "receiver")
     raise_status(InvalidArgument(fmt::format("verify '{}' is not mover or receiver", o.verify)));
-  if (o.lane == "direct" && device_obj.is_none())
-    raise_status(InvalidArgument("lane 'direct' moves device memory: pass device= (kvtier.cuda_device(n))"));
+  if ((o.lane == "direct" || o.lane == "ring") && device_obj.is_none())
+    raise_status(InvalidArgument(
+        fmt::format("lane '{}' moves device memory: pass device= (kvtier.cuda_device(n))", o.lane)));
   if (o.lane == "direct" && o.transport == "ucx")
     raise_status(InvalidArgument(
         "lane 'direct' needs a transport that maps the peer's pool here: ipc (CUDA IPC) or loopback, not ucx"));
+  if (o.lane == "ring" && o.transport == "ucx")
+    raise_status(InvalidArgument(
+        "lane 'ring' needs a transport that shares memory both processes map: ipc or loopback, not ucx"));
+  const auto ring_copy = parse_copy_strategy(o.ring_copy);
+  if (!ring_copy.ok()) raise_status(ring_copy.status().with_context("ring_copy"));
   const auto heartbeat = to_ms(o.heartbeat_s, "heartbeat");
   const auto lease = to_ms(o.lease_s, "lease");
   auto n = std::make_shared<PdNative>();
@@ -301,12 +313,18 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
       n->adopted_device.push_back(std::move(b).value());
     }
-    if (o.lane == "direct") {
-      // The device lane: the copy engine's kernel moves each layer straight between the two pools.
+    if (o.lane == "direct" || o.lane == "ring") {
+      // The device lane: the copy engine's kernel moves each layer straight between the two pools. The ring lane:
+      // each side's copy engine moves it between its pool and the decode's shared ring.
       KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
       pd.engine = n->engine.get();
       pd.lane_verify = o.verify == "receiver" ? transport::PdOptions::LaneVerify::kReceiver
                                               : transport::PdOptions::LaneVerify::kMover;
+      if (o.lane == "ring") {
+        pd.ring_slots = o.ring_slots;
+        pd.ring_slot_bytes = o.ring_slot_bytes;
+        pd.ring_copy = *ring_copy;
+      }
       if (o.role == "prefill") {
         KVTIER_ASSIGN_OR_RETURN(n->prefill, transport::PdPrefill::create(*n->transport, n->space, pd));
       } else {
@@ -339,13 +357,13 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   }
   auto out = std::make_unique<PyPdEndpoint>();
   out->options = std::move(o);
-  out->lane = device == nullptr ? "host" : out->options.lane == "direct" ? "direct" : "staged";
+  out->lane = device == nullptr ? "host" : out->options.lane == "auto" ? "staged" : out->options.lane;
   out->backend = std::string(n->transport->backend_name());
   out->layout = n->layout.describe();
   out->num_layers = n->layout.num_layers();
   out->num_blocks = n->space.num_blocks();
   out->block_bytes = n->layout.total_block_bytes();
-  out->staged = device != nullptr && out->options.lane != "direct";
+  out->staged = device != nullptr && out->options.lane == "auto";
   out->native = std::move(n);
   return out;
 }
@@ -362,7 +380,8 @@ void bind_pd(nb::module_& m) {
              const std::string& name, std::uint32_t num_model_layers, nb::object device, nb::bytes peer_secret,
              const std::string& tls, const std::string& net_devices, double heartbeat_s, double lease_s, int rank,
              int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane,
-             const std::string& verify) {
+             const std::string& verify, std::uint32_t ring_slots, std::uint64_t ring_slot_bytes,
+             const std::string& ring_copy) {
             EndpointOptions o;
             o.role = role;
             o.transport = transport;
@@ -379,6 +398,9 @@ void bind_pd(nb::module_& m) {
             o.staging_blocks = staging_blocks;
             o.lane = lane;
             o.verify = verify;
+            o.ring_slots = ring_slots;
+            o.ring_slot_bytes = ring_slot_bytes;
+            o.ring_copy = ring_copy;
             if (!device.is_none() && !nb::isinstance<PyDevice>(device))
               raise_status(InvalidArgument("device is not a kvtier Device (kvtier.cuda_device() / host_device())"));
             return create_endpoint(std::move(tensors), std::move(device), std::move(o));
@@ -386,10 +408,11 @@ void bind_pd(nb::module_& m) {
           "role"_a, "tensors"_a, "transport"_a, "name"_a, "num_model_layers"_a, "device"_a = nb::none(),
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
           "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0, "lane"_a = "auto",
-          "verify"_a = "mover",
+          "verify"_a = "mover", "ring_slots"_a = 4, "ring_slot_bytes"_a = std::uint64_t{32} << 20, "ring_copy"_a = "auto",
           "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
           "on the tensors; a Device: its memory, staged through pinned host memory, or with lane='direct' moved by "
-          "the copy kernel straight between the two pools (ipc on CUDA, loopback).")
+          "the copy kernel straight between the two pools (ipc on CUDA, loopback), or with lane='ring' through the "
+          "decode's shared pinned ring of ring_slots slots of ring_slot_bytes (ipc, loopback).")
       .def_prop_ro("role", [](const PyPdEndpoint& e) { return e.options.role; })
       .def_prop_ro("name", [](const PyPdEndpoint& e) { return e.options.name; })
       .def_prop_ro("transport", [](const PyPdEndpoint& e) { return e.backend; })

@@ -425,6 +425,48 @@ def test_direct_lane_on_the_host_backend(mode, verify):
         p.forget(1)
 
 
+@pytest.mark.parametrize("ring_copy", ["auto", "sm_kernel"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_ring_lane_on_the_host_backend(mode, ring_copy):
+    """lane="ring": each layer goes through the decode's shared ring (2 slots of 2 blocks: 2 pieces per layer of 4
+    blocks, more pieces than slots), byte-exact, the destinations outside the list untouched."""
+    dev = kvtier.host_device()
+    src_kv, dst_kv = prefill_kv(seed=7), decode_kv()
+    src_blocks, dst_blocks = [7, 2, 5, 0], [3, 9, 1, 6]
+    ring = dict(lane="ring", ring_slots=2, ring_slot_bytes=2 * 2 * 512, ring_copy=ring_copy)
+    with Prefill(src_kv, transport="loopback", device=dev, **ring, **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **ring, **FAST) as d:
+        assert p.lane == "ring" and d.lane == "ring"
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, dst_blocks, mode=mode)
+        p.begin(to_decode, 1, src_blocks)
+        for layer in (2, 0, 1):
+            p.layer_ready(1, layer)
+        for layer in range(LAYERS):
+            assert d.wait_layer(1, layer, TIMEOUT) == "loaded"
+        st = d.wait(1, TIMEOUT, reclaimable=True)
+        assert st.leading_loaded_blocks == 4 and st.error is None, st
+        for layer in range(LAYERS):
+            assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
+            assert_poisoned(dst_kv, layer, [0, 2, 4, 5, 7, 8])
+        assert p.wait(1, TIMEOUT).done
+        d.forget(1)
+        p.forget(1)
+
+
+def test_ring_lane_refusals():
+    src_kv = prefill_kv()
+    dev = kvtier.host_device()
+    with pytest.raises(kvtier.InvalidArgumentError, match="lane 'ring' moves device memory"):
+        Prefill(src_kv, transport="loopback", lane="ring")
+    with pytest.raises(kvtier.InvalidArgumentError, match="not ucx"):
+        Prefill(src_kv, transport="ucx", device=dev, lane="ring")
+    with pytest.raises(kvtier.InvalidArgumentError, match="ring_copy"):
+        Decode(decode_kv(), transport="loopback", device=dev, lane="ring", ring_copy="teleport")
+    with pytest.raises(kvtier.InvalidArgumentError, match="ring slot of 100 bytes"):
+        Decode(decode_kv(), transport="loopback", device=dev, lane="ring", ring_slot_bytes=100)
+
+
 def test_direct_lane_verify_must_be_known():
     dev = kvtier.host_device()
     with pytest.raises(kvtier.InvalidArgumentError, match="verify 'both' is not mover or receiver"):
