@@ -13,6 +13,9 @@ Native API (kvtier._native, C++ underneath; contracts in include/kvtier/):
   :class:`KeyHasher` (namespaced chained block keys), :class:`StorageBackend`
   (``StorageBackend.open("disk:/path")`` or ``"redis://host:port"``; batches ``exists_many``,
   ``get_many``, ``put_many``, ``delete_many`` on borrowed buffers);
+- :class:`HybridCache`: hybrid models' KV groups (full attention, sliding window, Mamba / linear-attention
+  state), one CacheManager per group; a prefix hits only as far as every group serves it, admission is all
+  or nothing, plans / acks / KV events per group;
 - :mod:`kvtier.errors`: exceptions carrying the status code and message;
 - :mod:`kvtier.metrics`: kvtier's metrics registry for ``prometheus_client`` (``KvtierCollector``),
   as text, or on kvtier's own ``/metrics``; ``attach_metrics(labels)`` on the managers; KV events
@@ -54,7 +57,7 @@ from . import _native
 from .errors import *  # noqa: F401,F403
 
 if _native.has_cache:  # built with the cache and storage bindings (KVTIER_PYTHON_CACHE)
-    from ._native import CacheManager, KeyHasher, StorageBackend  # noqa: F401
+    from ._native import CacheManager, HybridCache, KeyHasher, StorageBackend  # noqa: F401
 
 _native._register_errors(errors.CLASS_BY_CODE)
 

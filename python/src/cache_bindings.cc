@@ -12,15 +12,18 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/cache/hybrid_cache.h"
 #include "kvtier/core/config.h"
 #include "kvtier/storage/storage_backend.h"
 #include "kvtier/storage/storage_config.h"
@@ -88,6 +91,98 @@ struct PyCacheManager {
 struct PyStorage {
   std::unique_ptr<storage::StorageBackend> backend;
 };
+
+// ---------------------------------------------------------------- hybrid models
+
+struct PyHybridCache {
+  std::mutex mu;
+  std::unique_ptr<cache::HybridCache> hc;
+};
+
+// One group of HybridCache's config from a dict: name, kind ("full", "sliding_window", "state"), block_tokens,
+// window_tokens (sliding window), and the group's pools and policies as CacheManager's constructor names them.
+cache::KvGroupConfig group_config(const nb::dict& d, std::size_t index) {
+  static const char* known[] = {"name",        "kind",           "block_tokens", "window_tokens", "device_blocks",
+                                "host_blocks", "storage_blocks", "write_policy", "device_policy", "host_policy"};
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    if (std::find(std::begin(known), std::end(known), key) == std::end(known))
+      raise_status(InvalidArgument(fmt::format("group {}: unknown key '{}'", index, key)));
+  }
+  auto get_u32 = [&](const char* key, std::uint32_t fallback) {
+    return d.contains(key) ? nb::cast<std::uint32_t>(d[key]) : fallback;
+  };
+  auto get_str = [&](const char* key, const char* fallback) {
+    return d.contains(key) ? nb::cast<std::string>(d[key]) : std::string(fallback);
+  };
+  cache::KvGroupConfig g;
+  g.name = get_str("name", "");
+  const std::string kind = get_str("kind", "full");
+  if (kind == "full")
+    g.kind = cache::GroupKind::kFull;
+  else if (kind == "sliding_window")
+    g.kind = cache::GroupKind::kSlidingWindow;
+  else if (kind == "state")
+    g.kind = cache::GroupKind::kState;
+  else
+    raise_status(InvalidArgument(
+        fmt::format("group {} ('{}'): kind '{}' is not full, sliding_window or state", index, g.name, kind)));
+  g.block_tokens = get_u32("block_tokens", 0);
+  g.window_tokens = get_u32("window_tokens", 0);
+  g.cache.device_blocks = get_u32("device_blocks", 0);
+  g.cache.host_blocks = get_u32("host_blocks", 0);
+  g.cache.storage_blocks = get_u32("storage_blocks", 0);
+  g.cache.write_policy = value_or_raise(cache::parse_write_policy(get_str("write_policy", "write_back")));
+  g.cache.device_policy = get_str("device_policy", "lru");
+  g.cache.host_policy = get_str("host_policy", "lru");
+  return g;
+}
+
+// A request from Python: chains[g] the hex keys of group g (KeyHasher.keys_for at that group's block size).
+struct HybridRequestArgs {
+  std::vector<std::vector<BlockKey>> chains;
+  cache::HybridRequest request;
+};
+HybridRequestArgs hybrid_request(std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
+                                 std::uint32_t extra_tokens, std::optional<std::uint32_t> max_hit_tokens,
+                                 const std::vector<std::uint32_t>& save_states_at) {
+  HybridRequestArgs a;
+  for (std::size_t g = 0; g < chains.size(); ++g) {
+    std::vector<BlockKey> keys;
+    keys.reserve(chains[g].size());
+    for (std::size_t i = 0; i < chains[g].size(); ++i) {
+      auto k = BlockKey::from_hex(chains[g][i]);
+      if (!k.ok()) raise_status(k.status().with_context(fmt::format("group {} key at index {}", g, i)));
+      keys.push_back(*k);
+    }
+    a.chains.push_back(std::move(keys));
+  }
+  a.request.num_tokens = num_tokens;
+  for (const auto& c : a.chains) a.request.chains.emplace_back(c);
+  a.request.extra_tokens = extra_tokens;
+  if (max_hit_tokens) a.request.max_hit_tokens = *max_hit_tokens;
+  a.request.save_states_at = save_states_at;
+  return a;
+}
+
+nb::object group_or_none(std::uint32_t g) {
+  if (g == cache::kNoGroup) return nb::none();
+  return nb::int_(g);
+}
+nb::object block_or_none(cache::BlockId b) {
+  if (b == cache::kNoBlock) return nb::none();
+  return nb::int_(b);
+}
+
+nb::dict step_plan_dict(const cache::StepPlan& plan) {
+  nb::dict d;
+  d["evictions"] = moves(plan.evictions);
+  d["backups"] = moves(plan.backups);
+  d["loads"] = moves(plan.loads);
+  d["storage_writes"] = moves(plan.storage_writes);
+  d["storage_prefetches"] = moves(plan.storage_prefetches);
+  return d;
+}
 
 storage::StorageKey storage_key(const std::string& hex, std::uint32_t rank) {
   auto k = BlockKey::from_hex(hex);
@@ -461,6 +556,222 @@ void bind_cache(nb::module_& m) {
           "publisher"_a,
           "Takes the events since the last call and publishes them as one batch on a KvEventPublisher; returns "
           "its sequence number, or None when there was nothing to send.");
+
+  nb::class_<PyHybridCache>(m, "HybridCache",
+                            "Hybrid models' KV groups (full attention, sliding window, Mamba / linear-attention "
+                            "state), one CacheManager per group; a prefix hits only as far as every group serves it "
+                            "(include/kvtier/cache/hybrid_cache.h). Chains cross as lists of hex keys per group.")
+      .def(
+          "__init__",
+          [](PyHybridCache* self, const std::vector<nb::dict>& groups) {
+            cache::HybridConfig c;
+            for (std::size_t i = 0; i < groups.size(); ++i) c.groups.push_back(group_config(groups[i], i));
+            new (self) PyHybridCache();
+            self->hc = value_or_raise(cache::HybridCache::create(std::move(c)));
+          },
+          "groups"_a,
+          "groups: one dict per KV group: name, kind ('full' | 'sliding_window' | 'state'), block_tokens, "
+          "window_tokens (sliding window), device_blocks, host_blocks, storage_blocks, write_policy, device_policy, "
+          "host_policy.")
+      .def_prop_ro("num_groups", [](PyHybridCache& p) { return p.hc->num_groups(); })
+      .def_prop_ro(
+          "hit_granularity", [](PyHybridCache& p) { return p.hc->hit_granularity(); },
+          "Tokens a hit is a multiple of (the lcm of the groups' block sizes).")
+      .def(
+          "match",
+          [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
+             std::optional<std::uint32_t> max_hit_tokens) {
+            HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
+            std::lock_guard lock(p.mu);
+            cache::HybridMatch r = value_or_raise(p.hc->match(a.request));
+            nb::dict d;
+            d["hit_tokens"] = r.hit_tokens;
+            d["limited_by"] = group_or_none(r.limited_by);
+            d["stopped_at_in_flight"] = r.stopped_at_in_flight;
+            nb::list groups;
+            for (const auto& g : r.groups) {
+              nb::dict gd;
+              gd["alone_hit_tokens"] = g.alone_hit_tokens;
+              gd["in_flight"] = g.in_flight;
+              groups.append(gd);
+            }
+            d["groups"] = groups;
+            return d;
+          },
+          "num_tokens"_a, "chains"_a, "max_hit_tokens"_a = nb::none(),
+          "The hit every group can serve together (changes nothing).")
+      .def(
+          "admit",
+          [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
+             std::uint32_t extra_tokens, std::optional<std::uint32_t> max_hit_tokens,
+             const std::vector<std::uint32_t>& save_states_at) {
+            HybridRequestArgs a = hybrid_request(num_tokens, chains, extra_tokens, max_hit_tokens, save_states_at);
+            std::lock_guard lock(p.mu);
+            cache::HybridAdmission r = value_or_raise(p.hc->admit(a.request));
+            nb::dict d;
+            d["id"] = r.id;
+            d["hit_tokens"] = r.hit_tokens;
+            d["limited_by"] = group_or_none(r.limited_by);
+            d["stopped_at_in_flight"] = r.stopped_at_in_flight;
+            nb::list groups;
+            for (const auto& g : r.groups) {
+              nb::dict gd;
+              gd["group"] = g.group;
+              gd["kind"] = std::string(cache::group_kind_name(g.kind));
+              nb::list blocks;
+              for (cache::BlockId b : g.device_blocks) blocks.append(block_or_none(b));
+              gd["device_blocks"] = blocks;
+              gd["first_block"] = g.first_block;
+              gd["hit_blocks"] = g.hit_blocks;
+              gd["loaded_blocks"] = g.loaded_blocks;
+              gd["new_blocks"] = g.new_blocks;
+              gd["extra_blocks"] = g.extra_blocks;
+              gd["state_in"] = block_or_none(g.state_in);
+              nb::list saves;
+              for (const auto& s : g.state_saves) saves.append(nb::make_tuple(s.tokens, s.block));
+              gd["state_saves"] = saves;
+              gd["state_work"] = block_or_none(g.state_work);
+              groups.append(gd);
+            }
+            d["groups"] = groups;
+            return d;
+          },
+          "num_tokens"_a, "chains"_a, "extra_tokens"_a = 0, "max_hit_tokens"_a = nb::none(),
+          "save_states_at"_a = std::vector<std::uint32_t>{},
+          "Admits a request in every group or in none (ResourceExhaustedError, nothing left admitted). Per group: "
+          "the device block of every position (None outside a window), hits, loads, new blocks; state groups: the "
+          "state to start from, where to save states, the working block.")
+      .def(
+          "commit",
+          [](PyHybridCache& p, std::uint64_t id, std::uint32_t num_computed_tokens) {
+            std::lock_guard lock(p.mu);
+            check(p.hc->commit(id, num_computed_tokens));
+          },
+          "admission"_a, "num_computed_tokens"_a)
+      .def("release",
+           [](PyHybridCache& p, std::uint64_t id) {
+             std::lock_guard lock(p.mu);
+             check(p.hc->release(id));
+           })
+      .def("admission_status",
+           [](PyHybridCache& p, std::uint64_t id) {
+             std::lock_guard lock(p.mu);
+             auto s = value_or_raise(p.hc->admission_status(id));
+             nb::dict d;
+             d["ready"] = s.ready;
+             d["loading_blocks"] = s.loading_blocks;
+             d["failed"] = s.failed;
+             d["failed_group"] = group_or_none(s.failed_group);
+             return d;
+           })
+      .def(
+          "take_plan",
+          [](PyHybridCache& p) {
+            std::lock_guard lock(p.mu);
+            cache::HybridPlan plan = p.hc->take_plan();
+            nb::list out;
+            for (const auto& g : plan.groups) out.append(step_plan_dict(g));
+            return out;
+          },
+          "Moves queued since the last call, one dict per group (as CacheManager.take_plan), in that group's block "
+          "ids.")
+      .def(
+          "ack",
+          [](PyHybridCache& p, std::uint32_t group, const std::string& kind,
+             const std::vector<std::int64_t>& dst_blocks, std::optional<std::string> error) {
+            cache::GroupCompletion c;
+            c.group = group;
+            if (kind == "evictions")
+              c.completion.kind = cache::MoveKind::kEviction;
+            else if (kind == "backups")
+              c.completion.kind = cache::MoveKind::kBackup;
+            else if (kind == "loads")
+              c.completion.kind = cache::MoveKind::kLoad;
+            else if (kind == "storage_writes")
+              c.completion.kind = cache::MoveKind::kStorageWrite;
+            else if (kind == "storage_prefetches")
+              c.completion.kind = cache::MoveKind::kStoragePrefetch;
+            else
+              raise_status(InvalidArgument(fmt::format(
+                  "ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
+            c.completion.dst = to_block_ids(dst_blocks);
+            c.completion.status = ack_status(error);
+            std::lock_guard lock(p.mu);
+            check(p.hc->apply_completions(std::span<const cache::GroupCompletion>(&c, 1)));
+          },
+          "group"_a, "kind"_a, "dst_blocks"_a, "error"_a = nb::none(),
+          "Acknowledges one group's moves of one kind by destination block; error: None or why they failed.")
+      .def("stats",
+           [](PyHybridCache& p) {
+             std::lock_guard lock(p.mu);
+             cache::HybridStats s = p.hc->stats();
+             nb::dict d;
+             d["admissions"] = s.admissions;
+             d["refusals"] = s.refusals;
+             d["rollbacks"] = s.rollbacks;
+             d["lookup_tokens"] = s.lookup_tokens;
+             d["hit_tokens"] = s.hit_tokens;
+             nb::list groups;
+             for (const auto& g : s.groups) {
+               nb::dict gd;
+               for (int t = 0; t < cache::kNumTiers; ++t) {
+                 nb::dict td;
+                 td["capacity"] = g.tiers[t].capacity;
+                 td["used"] = g.tiers[t].used;
+                 td["resident"] = g.tiers[t].resident;
+                 gd[std::string(cache::tier_name(static_cast<cache::Tier>(t))).c_str()] = td;
+               }
+               gd["evictions_d2h"] = g.evictions_d2h;
+               gd["loads_h2d"] = g.loads_h2d;
+               gd["hit_blocks"] = nb::make_tuple(g.hit_blocks[0], g.hit_blocks[1], g.hit_blocks[2]);
+               groups.append(gd);
+             }
+             d["groups"] = groups;
+             return d;
+           })
+      .def("check_invariants",
+           [](PyHybridCache& p) {
+             std::lock_guard lock(p.mu);
+             check(p.hc->check_invariants());
+           })
+      .def(
+          "enable_kv_events",
+          [](PyHybridCache& p, const std::string& storage_medium) {
+            auto medium = value_or_raise(metrics::parse_medium(storage_medium));
+            std::lock_guard lock(p.mu);
+            p.hc->enable_kv_events(medium);
+          },
+          "storage_medium"_a = "DISK")
+      .def(
+          "take_events",
+          [](PyHybridCache& p) {
+            std::vector<cache::GroupEvent> ev;
+            {
+              std::lock_guard lock(p.mu);
+              ev = p.hc->take_events();
+            }
+            nb::list out;
+            for (auto& e : ev) {
+              std::vector<metrics::KvEvent> one{std::move(e.event)};
+              nb::list l = events_to_python(one);
+              for (auto item : l) {
+                nb::dict d = nb::cast<nb::dict>(item);
+                d["group"] = e.group;
+                out.append(d);
+              }
+            }
+            return out;
+          },
+          "The events since the last call, as CacheManager.take_events, each with its 'group'.")
+      .def(
+          "attach_metrics",
+          [](PyHybridCache& p, const nb::dict& labels) {
+            metrics::Labels l = labels_from(labels);
+            std::lock_guard lock(p.mu);
+            check(p.hc->attach_metrics(metrics::default_registry(), l));
+          },
+          "labels"_a = nb::dict(),
+          "Exports every group's counters into kvtier's process registry, with a kv_group label per group.");
 
   nb::class_<PyStorage>(m, "StorageBackend",
                         "A storage tier (disk with io_uring, Redis or Redis Cluster): verified objects keyed by "

@@ -262,8 +262,8 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.verify != "mover" && o.verify != "receiver")
     raise_status(InvalidArgument(fmt::format("verify '{}' is not mover or receiver", o.verify)));
   if ((o.lane == "direct" || o.lane == "ring") && device_obj.is_none())
-    raise_status(InvalidArgument(
-        fmt::format("lane '{}' moves device memory: pass device= (kvtier.cuda_device(n))", o.lane)));
+    raise_status(
+        InvalidArgument(fmt::format("lane '{}' moves device memory: pass device= (kvtier.cuda_device(n))", o.lane)));
   if (o.lane == "direct" && o.transport == "ucx")
     raise_status(InvalidArgument(
         "lane 'direct' needs a transport that maps the peer's pool here: ipc (CUDA IPC) or loopback, not ucx"));
@@ -408,7 +408,8 @@ void bind_pd(nb::module_& m) {
           "role"_a, "tensors"_a, "transport"_a, "name"_a, "num_model_layers"_a, "device"_a = nb::none(),
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
           "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0, "lane"_a = "auto",
-          "verify"_a = "mover", "ring_slots"_a = 4, "ring_slot_bytes"_a = std::uint64_t{32} << 20, "ring_copy"_a = "auto",
+          "verify"_a = "mover", "ring_slots"_a = 4, "ring_slot_bytes"_a = std::uint64_t{32} << 20,
+          "ring_copy"_a = "auto",
           "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
           "on the tensors; a Device: its memory, staged through pinned host memory, or with lane='direct' moved by "
           "the copy kernel straight between the two pools (ipc on CUDA, loopback), or with lane='ring' through the "

@@ -1,0 +1,131 @@
+"""kvtier.HybridCache: hybrid models' KV groups from Python (include/kvtier/cache/hybrid_cache.h): a Gemma-style
+model (sliding-window and full attention) and a Jamba-style one (Mamba state and attention)."""
+
+import pytest
+
+import kvtier
+
+pytestmark = pytest.mark.skipif(not kvtier._native.has_cache, reason="built without the cache bindings")
+
+BLOCK = 16
+
+
+def keys(tokens, block=BLOCK, model="hybrid-test"):
+    return kvtier.KeyHasher(model, block_tokens=block).keys_for(tokens)
+
+
+def gemma(device_blocks=64):
+    return kvtier.HybridCache([
+        dict(name="full", kind="full", block_tokens=BLOCK, device_blocks=device_blocks),
+        dict(name="swa", kind="sliding_window", block_tokens=BLOCK, window_tokens=2 * BLOCK,
+             device_blocks=device_blocks),
+    ])
+
+
+def jamba(device_blocks=64):
+    return kvtier.HybridCache([
+        dict(name="attention", kind="full", block_tokens=BLOCK, device_blocks=device_blocks),
+        dict(name="mamba", kind="state", block_tokens=4 * BLOCK, device_blocks=device_blocks),
+    ])
+
+
+def test_sliding_window_and_full_attention_hit_together_and_the_window_slides():
+    hc = gemma()
+    assert hc.num_groups == 2 and hc.hit_granularity == BLOCK
+    prompt = list(range(8 * BLOCK))
+    chain = keys(prompt)
+    assert len(chain) == 8
+    a = hc.admit(len(prompt), [chain, chain], extra_tokens=BLOCK)
+    assert a["hit_tokens"] == 0
+    full, swa = a["groups"]
+    assert full["kind"] == "full" and swa["kind"] == "sliding_window"
+    assert full["new_blocks"] == 8 and full["extra_blocks"] == 1
+    assert len(full["device_blocks"]) == 9 and None not in full["device_blocks"]
+    hc.commit(a["id"], len(prompt))
+    hc.release(a["id"])
+    hc.check_invariants()
+    # The same prompt plus one more block: both groups serve the 8 blocks; the window group only needs the last
+    # two blocks before the hit (its window), the full group every block.
+    longer = prompt + list(range(1000, 1000 + BLOCK))
+    chain2 = keys(longer)
+    m = hc.match(len(longer), [chain2, chain2])
+    assert m["hit_tokens"] == 8 * BLOCK, m
+    b = hc.admit(len(longer), [chain2, chain2])
+    assert b["hit_tokens"] == 8 * BLOCK
+    full, swa = b["groups"]
+    assert full["hit_blocks"] == 8 and full["new_blocks"] == 1
+    assert swa["first_block"] > 0, swa  # positions before the window hold no block
+    assert all(x is None for x in swa["device_blocks"][:swa["first_block"]])
+    assert all(x is not None for x in swa["device_blocks"][swa["first_block"]:])
+    hc.commit(b["id"], len(longer))
+    hc.release(b["id"])
+    s = hc.stats()
+    assert s["admissions"] == 2 and s["hit_tokens"] == 8 * BLOCK
+    assert len(s["groups"]) == 2
+    hc.check_invariants()
+
+
+def test_a_state_group_hits_only_at_its_saved_states():
+    hc = jamba()
+    assert hc.hit_granularity == 4 * BLOCK
+    prompt = list(range(10 * BLOCK))  # 160 tokens: states can be saved at 64 and 128
+    att, mamba = keys(prompt), keys(prompt, block=4 * BLOCK)
+    a = hc.admit(len(prompt), [att, mamba], save_states_at=[4 * BLOCK, 8 * BLOCK])
+    assert a["hit_tokens"] == 0
+    st = a["groups"][1]
+    assert st["kind"] == "state" and st["state_in"] is None
+    assert [t for t, _ in st["state_saves"]] == [4 * BLOCK, 8 * BLOCK]
+    assert st["device_blocks"] == []
+    hc.commit(a["id"], len(prompt))
+    hc.release(a["id"])
+    # A request sharing the first 160 tokens: the attention group could serve 10 blocks, the state group only up
+    # to its last saved state (128 tokens): the hit is 128, limited by the state group.
+    longer = prompt + list(range(5000, 5000 + 6 * BLOCK))
+    att2, mamba2 = keys(longer), keys(longer, block=4 * BLOCK)
+    m = hc.match(len(longer), [att2, mamba2])
+    assert m["hit_tokens"] == 8 * BLOCK, m
+    assert m["groups"][0]["alone_hit_tokens"] >= 8 * BLOCK
+    b = hc.admit(len(longer), [att2, mamba2])
+    assert b["hit_tokens"] == 8 * BLOCK
+    assert b["groups"][1]["state_in"] is not None  # the saved state the forward starts from
+    hc.release(b["id"])
+    hc.check_invariants()
+
+
+def test_admission_is_all_or_nothing_across_groups():
+    # The window group has room for the request, the full group does not: nothing stays admitted.
+    hc = kvtier.HybridCache([
+        dict(name="swa", kind="sliding_window", block_tokens=BLOCK, window_tokens=BLOCK, device_blocks=64),
+        dict(name="full", kind="full", block_tokens=BLOCK, device_blocks=4),
+    ])
+    prompt = list(range(8 * BLOCK))
+    chain = keys(prompt)
+    with pytest.raises(kvtier.ResourceExhaustedError):
+        hc.admit(len(prompt), [chain, chain])
+    s = hc.stats()
+    assert s["refusals"] == 1 and s["admissions"] == 0
+    assert s["groups"][0]["device"]["used"] == 0 and s["groups"][1]["device"]["used"] == 0
+    hc.check_invariants()
+
+
+def test_kv_events_and_bad_input_name_the_group():
+    hc = gemma()
+    hc.enable_kv_events()
+    prompt = list(range(4 * BLOCK))
+    chain = keys(prompt)
+    a = hc.admit(len(prompt), [chain, chain])
+    hc.commit(a["id"], len(prompt))
+    ev = hc.take_events()
+    assert {e["group"] for e in ev} == {0, 1}
+    assert all(e["type"] == "BlockStored" for e in ev)
+    hc.release(a["id"])
+    with pytest.raises(kvtier.InvalidArgumentError, match="kind 'banded'"):
+        kvtier.HybridCache([dict(name="x", kind="banded", block_tokens=BLOCK, device_blocks=8)])
+    with pytest.raises(kvtier.InvalidArgumentError, match="unknown key 'blocks'"):
+        kvtier.HybridCache([dict(name="x", kind="full", block_tokens=BLOCK, blocks=8)])
+    with pytest.raises(kvtier.KvtierError):
+        hc.admit(len(prompt), [chain])  # one chain for two groups
+    with pytest.raises(kvtier.InvalidArgumentError, match="group 1 key at index 0"):
+        hc.match(len(prompt), [chain, ["not-hex"] + chain[1:]])
+    with pytest.raises(kvtier.InvalidArgumentError, match="ack kind 'teleports'"):
+        hc.ack(0, "teleports", [1])
