@@ -45,22 +45,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl
-
-import numpy as np
 
 from . import _native
 from ._engine_config import split_extra_config
 from .errors import InvalidArgumentError, NotSupportedError
 
 try:
-    import torch
+    import torch  # noqa: F401 (kvtier._chunk_mover's copies)
     import vllm
     from vllm.v1.kv_offload.base import (
         CanonicalKVCaches,
@@ -87,6 +82,9 @@ except ImportError as _e:  # kvtier.vllm lives inside vLLM's processes: without 
         f"kvtier.vllm needs vLLM's offloading interface (vllm.v1.kv_offload, tested with vLLM 0.34.0) and "
         f"torch: {_e}") from _e
 
+from ._chunk_mover import DEFAULT_STAGING as _DEFAULT_STAGING  # noqa: E402 (after the import check above)
+from ._chunk_mover import ChunkMover  # noqa: E402
+
 logger = logging.getLogger("kvtier.vllm")
 
 __all__ = [
@@ -110,7 +108,6 @@ _OWN_KEYS = frozenset({"storage", "capacity", "namespace", "staging_bytes"})
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # What one object costs on a disk tier beyond its payload rounded to 4 KiB: its header block, and slack.
 _DISK_OBJECT_OVERHEAD = 8192
-_DEFAULT_STAGING = 256 << 20
 
 
 # ---------------------------------------------------------------------------------------------- configuration
@@ -375,60 +372,9 @@ class KvtierOffloadingManager(OffloadingManager):
 # ---------------------------------------------------------------------------------------------- worker side
 
 
-@dataclass
-class _Region:
-    """One data reference of a group: rows of a canonical (num_blocks, page) byte tensor."""
-
-    tensor: Any  # torch.uint8 view, (num_blocks, row_bytes)
-    array: Any  # the same memory as a numpy array (CPU tensors), else None
-    base: int
-    row_stride: int
-    num_blocks: int
-    page_bytes: int
-    offset: int  # where its pages start in the chunk's object
-
-
-@dataclass
-class _GroupMoves:
-    """The blocks of one KV cache group in a job: chunks [first, first + count) of the job, each an object of
-    ``object_bytes``; per region the (chunk - first, slot, row) of every block moved."""
-
-    first: int
-    count: int
-    object_bytes: int
-    moves: List[Tuple[_Region, Any, Any, Any]]  # region, chunk, slot, row (int64 numpy arrays)
-
-
-@dataclass
-class _Plan:
-    names: List[str]
-    groups: List[_GroupMoves]
-    total_bytes: int
-
-    def object_bytes(self) -> List[int]:
-        out: List[int] = []
-        for g in self.groups:
-            out += [g.object_bytes] * g.count
-        return out
-
-
-class _Job:
-    __slots__ = ("job_id", "future", "bytes", "start", "is_store")
-
-    def __init__(self, job_id: int, future: Future, nbytes: int, is_store: bool):
-        self.job_id = job_id
-        self.future = future
-        self.bytes = nbytes
-        self.start = time.perf_counter()
-        self.is_store = is_store
-
-
-class _JobFailed(Exception):
-    pass
-
-
 class KvtierOffloadingWorker(OffloadingWorker):
-    """Moves chunks between vLLM's KV tensors and a kvtier storage tier (worker side).
+    """Moves chunks between vLLM's KV tensors and a kvtier storage tier (worker side): vLLM's calls on
+    :class:`kvtier._chunk_mover.ChunkMover`.
 
     Stores run in submission order on one thread (so a chunk evicted by one store and stored again by a later
     one is deleted before it is written); loads run on their own thread, never behind stores. A job gathers
@@ -437,230 +383,31 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def __init__(self, kv_caches: CanonicalKVCaches, store: Any, blocks_per_chunk: int,
                  staging_bytes: int = _DEFAULT_STAGING):
-        self.store = store
-        self.blocks_per_chunk = int(blocks_per_chunk)
-        self.staging_bytes = int(staging_bytes)
-        self.last_error: Optional[str] = None
-        self._groups: List[List[_Region]] = []
-        self._object_bytes: List[int] = []
-        self._device = None
-        for g, refs in enumerate(kv_caches.group_data_refs):
-            regions: List[_Region] = []
-            offset = 0
-            for ref in refs:
-                t = kv_caches.tensors[ref.tensor_idx].tensor
-                if t.dim() != 2 or t.stride(1) != 1 or t.element_size() != 1:
-                    raise NotSupportedError(
-                        f"kvtier.vllm: KV tensor {ref.tensor_idx} of group {g} is not a (num_blocks, bytes) byte "
-                        f"tensor (shape {tuple(t.shape)}, strides {t.stride()}, dtype {t.dtype})")
-                if ref.page_size_bytes > t.shape[1]:
-                    raise InvalidArgumentError(
-                        f"kvtier.vllm: group {g}: page of {ref.page_size_bytes} bytes in rows of {t.shape[1]}")
-                if self._device is None:
-                    self._device = t.device
-                elif t.device != self._device:
-                    raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device} and {t.device}")
-                u = t if t.dtype == torch.uint8 else t.view(torch.uint8)
-                arr = u.numpy() if u.device.type == "cpu" else None
-                regions.append(_Region(u, arr, t.data_ptr(), t.stride(0), t.shape[0], ref.page_size_bytes, offset))
-                offset += ref.page_size_bytes * self.blocks_per_chunk
-            self._groups.append(regions)
-            self._object_bytes.append(offset)
-        if self._device is not None and self._device.type not in ("cuda", "cpu"):
-            raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device}: CUDA (or ROCm) GPUs and the CPU only")
-        self._cuda = self._device is not None and self._device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=self._device) if self._cuda else None
-        self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-store")
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
-        self._jobs: Dict[int, _Job] = {}
-        self._lock = threading.Lock()
-        self._logged: set = set()
-        self.stats = {"stored_chunks": 0, "loaded_chunks": 0, "failed_jobs": 0, "deleted_chunks": 0}
+        groups = [[(kv_caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes) for ref in refs]
+                  for refs in kv_caches.group_data_refs]
+        self._mover = ChunkMover(groups, store, blocks_per_chunk, staging_bytes)
+
+    @property
+    def store(self) -> Any:
+        return self._mover.store
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        return self._mover.stats
+
+    @property
+    def last_error(self) -> Optional[str]:
+        return self._mover.last_error
 
     def object_bytes(self, group: int) -> int:
         """The size of one chunk's object of a KV cache group (this rank's bytes of every layer of it)."""
-        return self._object_bytes[group]
-
-    # ------------------------------------------------------------------ resolving a job
-
-    def _plan(self, ptrs: DevicePointers, names: List[str], is_store: bool) -> _Plan:
-        """Device pointers (vLLM's order: group by group, data reference by data reference, block by block) as
-        moves between tensor rows and (chunk, slot) places of the objects."""
-        bpc = self.blocks_per_chunk
-        counts = tuple(ptrs.group_block_counts)
-        if len(counts) != len(self._groups):
-            raise _JobFailed(f"{len(counts)} KV cache groups in the job, {len(self._groups)} registered")
-        all_ptrs = np.asarray(ptrs.ptrs, dtype=np.uint64).astype(np.int64)
-        all_sizes = np.asarray(ptrs.sizes, dtype=np.uint64).astype(np.int64)
-        chunk0 = at = total = 0
-        groups: List[_GroupMoves] = []
-        for g, (n_blocks, n_refs, block_idx) in enumerate(zip(counts, ptrs.group_data_ref_counts,
-                                                              ptrs.block_indices)):
-            if n_blocks == 0:
-                continue
-            regions = self._groups[g]
-            if n_refs != len(regions):
-                raise _JobFailed(f"group {g}: {n_refs} data references in the job, {len(regions)} registered")
-            skip = int(block_idx) % bpc
-            n_chunks = (n_blocks + skip + bpc - 1) // bpc
-            if is_store and (skip or n_blocks % bpc):
-                raise _JobFailed(f"group {g}: a store of {n_blocks} blocks from block {block_idx} is not whole "
-                                 f"chunks of {bpc} blocks")
-            pos = np.arange(skip, skip + n_blocks, dtype=np.int64)
-            chunk, slot = pos // bpc, pos % bpc
-            moves = []
-            for r in regions:
-                seg, sizes = all_ptrs[at:at + n_blocks], all_sizes[at:at + n_blocks]
-                off = seg - r.base
-                bad = (sizes != r.page_bytes) | (off < 0) | (off % r.row_stride != 0) | (
-                    off // r.row_stride >= r.num_blocks)
-                if len(seg) != n_blocks or bad.any():
-                    i = int(np.argmax(bad)) if len(seg) and bad.any() else 0
-                    what = f"{int(seg[i]):#x} of {int(sizes[i])} bytes" if len(seg) else "(missing)"
-                    raise _JobFailed(f"group {g}: device pointer {what} is not a block of its KV tensor (base "
-                                     f"{r.base:#x}, {r.num_blocks} rows of {r.row_stride} bytes, pages of "
-                                     f"{r.page_bytes})")
-                at += n_blocks
-                moves.append((r, chunk, slot, off // r.row_stride))
-                total += n_blocks * r.page_bytes
-            groups.append(_GroupMoves(chunk0, n_chunks, self._object_bytes[g], moves))
-            chunk0 += n_chunks
-        if at != len(all_ptrs):
-            raise _JobFailed(f"{len(all_ptrs)} device pointers, {at} expected from the group counts")
-        if chunk0 != len(names):
-            raise _JobFailed(f"{len(names)} chunk keys for {chunk0} chunks of device blocks")
-        return _Plan(list(names), groups, total)
-
-    # ------------------------------------------------------------------ the copies (on the job threads)
-
-    def _batches(self, sizes: List[int]) -> List[Tuple[int, int]]:
-        """Chunk ranges [a, b) whose objects fit in staging_bytes (one chunk at least)."""
-        out = []
-        a = 0
-        while a < len(sizes):
-            b, size = a, 0
-            while b < len(sizes) and (b == a or size + sizes[b] <= self.staging_bytes):
-                size += sizes[b]
-                b += 1
-            out.append((a, b))
-            a = b
-        return out
-
-    def _staging(self, sizes: List[int]) -> Tuple[Any, Any, List[int]]:
-        """A staging buffer for objects of ``sizes`` (pinned for a GPU): the tensor, a numpy view, the offsets."""
-        starts, at = [], 0
-        for s in sizes:
-            starts.append(at)
-            at += s
-        t = torch.empty(at, dtype=torch.uint8, pin_memory=self._cuda)
-        return t, t.numpy(), starts
-
-    def _pages(self, plan: _Plan, staging: Any, starts: List[int], a: int, b: int):
-        """For chunks [a, b) in ``staging`` (numpy; chunk i at byte starts[i - a]): per region a (chunks, bpc,
-        page) view of its pages there, the (chunk, slot) places of its moves in that view and their tensor rows."""
-        bpc = self.blocks_per_chunk
-        for g in plan.groups:
-            lo, hi = max(a, g.first), min(b, g.first + g.count)
-            if lo >= hi:
-                continue
-            n = hi - lo
-            objects = staging[starts[lo - a]:starts[lo - a] + n * g.object_bytes].reshape(n, g.object_bytes)
-            for r, chunk, slot, rows in g.moves:
-                sel = (chunk + g.first >= lo) & (chunk + g.first < hi)
-                if not sel.any():
-                    continue
-                view = objects[:, r.offset:r.offset + bpc * r.page_bytes].reshape(n, bpc, r.page_bytes)
-                yield r, view, chunk[sel] + g.first - lo, slot[sel], rows[sel]
-
-    def _run_store(self, plan: _Plan, delete: List[str], ready: Any) -> int:
-        if delete:
-            res = self.store.delete_many(delete)
-            self.stats["deleted_chunks"] += sum(1 for x in res if isinstance(x, int))
-        if not plan.names:
-            return 0
-        sizes = plan.object_bytes()
-        written: List[str] = []
-        try:
-            if self._cuda:
-                torch.cuda.set_device(self._device)
-                self._stream.wait_event(ready)  # the blocks are final once the engine's stream got there
-            for a, b in self._batches(sizes):
-                staging, host, starts = self._staging(sizes[a:b])
-                for r, view, ci, si, rows in self._pages(plan, host, starts, a, b):
-                    if self._cuda:
-                        with torch.cuda.stream(self._stream):
-                            idx = torch.from_numpy(rows).to(self._device)
-                            pages = r.tensor.index_select(0, idx)[:, :r.page_bytes].cpu().numpy()
-                    else:
-                        pages = r.array[rows, :r.page_bytes]
-                    view[ci, si] = pages
-                base = staging.data_ptr()
-                results = self.store.put_many(plan.names[a:b], [(base + starts[i], sizes[a + i])
-                                                                 for i in range(b - a)])
-                for i, res in enumerate(results):
-                    if not (isinstance(res, int) and res == sizes[a + i]):
-                        raise _JobFailed(f"writing chunk {plan.names[a + i]}: {res}")
-                    written.append(plan.names[a + i])
-        except BaseException:
-            if written:  # the index drops every chunk of a failed job: free the space of those written
-                try:
-                    self.store.delete_many(written)
-                except Exception:  # noqa: BLE001 (best effort; the tier's capacity evicts them anyway)
-                    pass
-            raise
-        self.stats["stored_chunks"] += len(written)
-        return plan.total_bytes
-
-    def _run_load(self, plan: _Plan) -> int:
-        sizes = plan.object_bytes()
-        if self._cuda:
-            torch.cuda.set_device(self._device)
-        for a, b in self._batches(sizes):
-            staging, host, starts = self._staging(sizes[a:b])
-            base = staging.data_ptr()
-            results = self.store.get_many(plan.names[a:b], [(base + starts[i], sizes[a + i]) for i in range(b - a)])
-            for i, res in enumerate(results):  # every object whole and verified before a byte is scattered
-                if not (isinstance(res, int) and res == sizes[a + i]):
-                    what = res if not isinstance(res, int) else (
-                        f"object of {res} bytes where the chunk has {sizes[a + i]}")
-                    raise _JobFailed(f"reading chunk {plan.names[a + i]}: {what}")
-            for r, view, ci, si, rows in self._pages(plan, host, starts, a, b):
-                pages = view[ci, si]
-                if self._cuda:
-                    with torch.cuda.stream(self._stream):
-                        idx = torch.from_numpy(rows).to(self._device)
-                        r.tensor[idx, :r.page_bytes] = torch.from_numpy(pages).to(self._device)
-                else:
-                    r.array[rows, :r.page_bytes] = pages
-            if self._cuda:
-                self._stream.synchronize()  # the blocks are in place before the job is reported done
-        self.stats["loaded_chunks"] += len(plan.names)
-        return plan.total_bytes
-
-    # ------------------------------------------------------------------ OffloadingWorker
+        return self._mover.object_bytes(group)
 
     def _submit(self, job_id: int, ptrs: DevicePointers, spec: LoadStoreSpec, is_store: bool) -> bool:
         if not isinstance(spec, KvtierLoadStoreSpec):
             raise InvalidArgumentError(f"kvtier.vllm: job {job_id} has a {type(spec).__name__}, not a "
                                        "KvtierLoadStoreSpec")
-        ready = None
-        try:
-            plan = self._plan(ptrs, spec.names, is_store)
-            if self._cuda and is_store:
-                ready = torch.cuda.Event()
-                ready.record()  # the engine's stream: the blocks are final once it reaches here
-        except _JobFailed as e:
-            fut: Future = Future()
-            fut.set_exception(e)
-            with self._lock:
-                self._jobs[job_id] = _Job(job_id, fut, 0, is_store)
-            return True
-        if is_store:
-            fut = self._store_pool.submit(self._run_store, plan, spec.delete, ready)
-        else:
-            fut = self._load_pool.submit(self._run_load, plan)
-        with self._lock:
-            self._jobs[job_id] = _Job(job_id, fut, plan.total_bytes, is_store)
+        self._mover.submit(job_id, ptrs, spec.names, spec.delete if is_store else [], is_store)
         return True
 
     def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: LoadStoreSpec) -> bool:
@@ -670,46 +417,15 @@ class KvtierOffloadingWorker(OffloadingWorker):
                     expedited: bool = False) -> bool:
         return self._submit(job_id, device_ptrs, src_spec, False)
 
-    def _fail(self, job: _Job, err: BaseException) -> None:
-        reason = f"{'store' if job.is_store else 'load'} job {job.job_id}: {err}"
-        self.last_error = reason
-        self.stats["failed_jobs"] += 1
-        kind = f"{type(err).__name__}:{'store' if job.is_store else 'load'}"
-        if kind not in self._logged:
-            self._logged.add(kind)
-            logger.warning("kvtier.vllm: %s (the job fails: %s)", reason,
-                           "its chunks are not offloaded" if job.is_store else "vLLM recomputes its blocks")
-        else:
-            logger.debug("kvtier.vllm: %s", reason)
-
     def get_finished(self) -> List[TransferResult]:
-        with self._lock:
-            done = [j for j in self._jobs.values() if j.future.done()]
-            for j in done:
-                del self._jobs[j.job_id]
-        out = []
-        for j in done:
-            err = j.future.exception()
-            if err is not None:
-                self._fail(j, err)
-            out.append(TransferResult(job_id=j.job_id, success=err is None,
-                                      transfer_size=j.bytes if err is None else None,
-                                      transfer_time=(time.perf_counter() - j.start) if err is None else None))
-        return out
+        return [TransferResult(job_id=f.job_id, success=f.success, transfer_size=f.bytes, transfer_time=f.seconds)
+                for f in self._mover.finished()]
 
     def wait(self, job_ids: set) -> None:
-        for job_id in job_ids:
-            with self._lock:
-                j = self._jobs.get(job_id)
-            if j is not None:
-                try:
-                    j.future.result()
-                except BaseException:  # noqa: BLE001 (reported by get_finished)
-                    pass
+        self._mover.wait(job_ids)
 
     def shutdown(self) -> None:
-        self._store_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
+        self._mover.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------- the spec
