@@ -487,6 +487,50 @@ TEST(UcxBlob, ShortOrGarbageRemoteKeysAreRefusedBeforeOrByUcx) {
   }
 }
 
+// allocate_shared: memory the owner uses in place and a peer maps directly. What the peer writes through its mapping
+// is in the owner's memory, a transfer into it lands there like into any region, and a later blob carries it;
+// backends that cannot share say so. Zero bytes is refused.
+TEST_P(TransportConformance, SharedMemoryIsTheSameBytesOnBothSidesOrNotSupported) {
+  std::vector<std::byte> mem_b = random_bytes(1 << 16, 3);  // outlives the transport it is registered with
+  auto a = make(GetParam(), ident("a"));
+  auto b = make(GetParam(), ident("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*a)->allocate_shared(0).status().code(), StatusCode::kInvalidArgument);
+  auto shared = (*a)->allocate_shared(1 << 20);
+  if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kUcxShm) {
+    EXPECT_EQ(shared.status().code(), StatusCode::kNotSupported) << shared.status().to_string();
+    return;
+  }
+  ASSERT_TRUE(shared.ok()) << shared.status().to_string();
+  ASSERT_NE(shared->data, nullptr);
+  EXPECT_EQ(shared->bytes, std::uint64_t{1} << 20);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(shared->data) % 4096, 0u);
+  EXPECT_EQ(shared->data[12345], std::byte{0});  // zeroed
+  auto rb = (*b)->register_memory({MemoryKind::kPinnedHost, 0, mem_b.data(), mem_b.size()});
+  ASSERT_TRUE(rb.ok());
+  auto b_sees_a = (*b)->load_peer((*a)->export_metadata().value());
+  ASSERT_TRUE(b_sees_a.ok()) << b_sees_a.status().to_string();
+  ASSERT_TRUE((*a)->load_peer((*b)->export_metadata().value()).ok());
+  // The peer's direct mapping: its stores are the owner's bytes, and the owner's are its.
+  auto mapped = (*b)->peer_region_address(*b_sees_a, shared->region);
+  ASSERT_TRUE(mapped.ok()) << mapped.status().to_string();
+  auto* view = static_cast<std::byte*>(*mapped);
+  view[777] = std::byte{0x42};
+  EXPECT_EQ(shared->data[777], std::byte{0x42});
+  shared->data[4242] = std::byte{0x17};
+  EXPECT_EQ(view[4242], std::byte{0x17});
+  // A transfer into it lands in the owner's memory.
+  std::vector<LocalDesc> l = {{*rb, 0, 1 << 16}};
+  std::vector<RemoteDesc> r = {{shared->region, 65536, 1 << 16}};
+  auto x = (*b)->post(XferOp::kWrite, *b_sees_a, l, r, "into-shared");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  std::vector<Notification> seen;
+  ASSERT_TRUE(await_notification(**a, "into-shared", seen).ok());
+  EXPECT_EQ(std::memcmp(shared->data + 65536, mem_b.data(), mem_b.size()), 0);
+  ASSERT_TRUE(await_quiescent(**b, *x).ok());
+  EXPECT_TRUE((*b)->release(*x).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance,
                          ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxShm, Kind::kIpc),
                          [](const auto& info) { return kind_name(info.param); });
