@@ -87,6 +87,7 @@ struct PdArgs {
   std::uint32_t ring_slots = 4;                        // ring lane
   std::uint64_t ring_slot_bytes = 0;                   // ring lane: 0 = one layer of a transfer
   std::vector<std::string> ring_copies = {"auto"};     // ring lane: PdOptions::ring_copy values, a row each
+  int prefill_gpu = -1;  // ring lane: the prefill process on this GPU (CUDA_VISIBLE_DEVICES); -1: the decode's
   // hidden: the prefill process
   std::string role;
   std::string lane = "tcp";
@@ -697,6 +698,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   if (pid == 0) {
     close(down[1]);
     close(up[0]);
+    // The prefill on another GPU (the ring lane's case: two GPUs whose pools are not mapped into each other).
+    if (a.prefill_gpu >= 0) setenv("CUDA_VISIBLE_DEVICES", std::to_string(a.prefill_gpu).c_str(), 1);
     std::vector<std::string> args = {"/proc/self/exe",
                                      "bench",
                                      "pd",
@@ -874,6 +877,7 @@ int run_bench(const PdArgs& a) {
                 j["ring_copy"] = verify;
                 j["ring_slots"] = a.ring_slots;
                 j["ring_slot_bytes"] = a.ring_slot_bytes != 0 ? a.ring_slot_bytes : blocks_for(a, bs) * bs;
+                j["prefill_gpu"] = a.prefill_gpu >= 0 ? a.prefill_gpu : 0;
                 j["inflight"] = inflight;
                 j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
                 j["ceiling_d2h_gbps"] = g_last_ceiling.d2h;
@@ -935,6 +939,9 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--ring-slot-bytes", a->ring_slot_bytes, "ring lane: bytes of a slot (0: one layer of a transfer)");
   cmd->add_option("--ring-copy", a->ring_copies, "ring lane: copy strategies (a row each), e.g. auto,sm_kernel")
       ->delimiter(',');
+  cmd->add_option("--prefill-gpu", a->prefill_gpu,
+                  "ring lane: run the prefill process on this GPU (its CUDA_VISIBLE_DEVICES; the decode stays on GPU "
+                  "0 of this process), e.g. 1 on a two-GPU machine");
   cmd->add_option("--pool-bytes", a->pool_bytes, "direct lane: bytes of the pool per side the blocks are taken from");
   cmd->add_option("--lane-verify", a->lane_verifies,
                   "direct lanes: which side makes the second checksum pass, mover and/or receiver (a row each)")
@@ -984,6 +991,18 @@ Action register_bench_pd(CLI::App& bench) {
         std::fprintf(stderr, "kvtier bench pd: --ring-copy '%s' is not a copy strategy\n", c.c_str());
         return 2;
       }
+    if (a->prefill_gpu >= 0) {
+      for (const auto& l : a->lanes)
+        if (l != "ring") {
+          std::fprintf(stderr, "kvtier bench pd: --prefill-gpu is for the ring lane only (lane '%s')\n", l.c_str());
+          return 2;
+        }
+      if (a->prefill_gpu >= cuda_device_count()) {
+        std::fprintf(stderr, "kvtier bench pd: --prefill-gpu %d, but %d CUDA devices are visible\n", a->prefill_gpu,
+                     cuda_device_count());
+        return 2;
+      }
+    }
     if (a->ring_slots == 0 || a->ring_slots > transport::PdOptions::kMaxRingSlots) {
       std::fprintf(stderr, "kvtier bench pd: --ring-slots %u is not in [1, %u]\n", a->ring_slots,
                    transport::PdOptions::kMaxRingSlots);
