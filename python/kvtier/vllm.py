@@ -389,7 +389,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     @property
     def store(self) -> Any:
+        """The storage tier the worker reads and writes (kvtier.StorageBackend)."""
         return self._mover.store
+
+    @store.setter
+    def store(self, store: Any) -> None:
+        self._mover.store = store
 
     @property
     def stats(self) -> Dict[str, int]:
