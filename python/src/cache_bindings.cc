@@ -165,6 +165,28 @@ HybridRequestArgs hybrid_request(std::uint32_t num_tokens, const std::vector<std
   return a;
 }
 
+// The ack kinds of CacheManager.ack / HybridCache.ack: the StepPlan lists by name.
+cache::MoveKind move_kind(const std::string& kind) {
+  if (kind == "evictions") return cache::MoveKind::kEviction;
+  if (kind == "backups") return cache::MoveKind::kBackup;
+  if (kind == "loads") return cache::MoveKind::kLoad;
+  if (kind == "storage_writes") return cache::MoveKind::kStorageWrite;
+  if (kind == "storage_prefetches") return cache::MoveKind::kStoragePrefetch;
+  raise_status(InvalidArgument(
+      fmt::format("ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
+}
+
+// A CacheManager's tiers as {"device": {capacity, used, resident}, "host": ..., "storage": ...} in `d`.
+void put_tier_stats(nb::dict& d, const cache::CacheStats& s) {
+  for (int t = 0; t < cache::kNumTiers; ++t) {
+    nb::dict td;
+    td["capacity"] = s.tiers[t].capacity;
+    td["used"] = s.tiers[t].used;
+    td["resident"] = s.tiers[t].resident;
+    d[std::string(cache::tier_name(static_cast<cache::Tier>(t))).c_str()] = td;
+  }
+}
+
 nb::object group_or_none(std::uint32_t g) {
   if (g == cache::kNoGroup) return nb::none();
   return nb::int_(g);
@@ -438,30 +460,24 @@ void bind_cache(nb::module_& m) {
           "take_plan",
           [](PyCacheManager& p) {
             std::lock_guard lock(p.mu);
-            cache::StepPlan plan = p.cm->take_plan();
-            nb::dict d;
-            d["evictions"] = moves(plan.evictions);
-            d["backups"] = moves(plan.backups);
-            d["loads"] = moves(plan.loads);
-            d["storage_writes"] = moves(plan.storage_writes);
-            d["storage_prefetches"] = moves(plan.storage_prefetches);
-            return d;
+            return step_plan_dict(p.cm->take_plan());
           },
           "Moves queued since the last call: dict of lists of (src, dst, key_hex).")
       .def(
           "ack",
           [](PyCacheManager& p, const std::string& kind, const std::vector<std::int64_t>& dst_blocks,
              std::optional<std::string> error) {
+            const cache::MoveKind k = move_kind(kind);
             auto ids = to_block_ids(dst_blocks);
             Status st = ack_status(error);
             std::lock_guard lock(p.mu);
-            if (kind == "evictions") return check(p.cm->ack_evictions(ids, st));
-            if (kind == "backups") return check(p.cm->ack_backups(ids, st));
-            if (kind == "loads") return check(p.cm->ack_loads(ids, st));
-            if (kind == "storage_writes") return check(p.cm->ack_storage_writes(ids, st));
-            if (kind == "storage_prefetches") return check(p.cm->ack_storage_prefetches(ids, st));
-            raise_status(InvalidArgument(fmt::format(
-                "ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
+            switch (k) {
+              case cache::MoveKind::kEviction: return check(p.cm->ack_evictions(ids, st));
+              case cache::MoveKind::kBackup: return check(p.cm->ack_backups(ids, st));
+              case cache::MoveKind::kLoad: return check(p.cm->ack_loads(ids, st));
+              case cache::MoveKind::kStorageWrite: return check(p.cm->ack_storage_writes(ids, st));
+              case cache::MoveKind::kStoragePrefetch: return check(p.cm->ack_storage_prefetches(ids, st));
+            }
           },
           "kind"_a, "dst_blocks"_a, "error"_a = nb::none(),
           "Acknowledges moves of one kind by destination block; error: None (done) or why it failed (the blocks "
@@ -471,13 +487,7 @@ void bind_cache(nb::module_& m) {
              std::lock_guard lock(p.mu);
              cache::CacheStats s = p.cm->stats();
              nb::dict d;
-             for (int t = 0; t < cache::kNumTiers; ++t) {
-               nb::dict td;
-               td["capacity"] = s.tiers[t].capacity;
-               td["used"] = s.tiers[t].used;
-               td["resident"] = s.tiers[t].resident;
-               d[std::string(cache::tier_name(static_cast<cache::Tier>(t))).c_str()] = td;
-             }
+             put_tier_stats(d, s);
              d["nodes"] = s.nodes;
              d["admissions"] = s.admissions;
              d["admission_failures"] = s.admission_failures;
@@ -681,19 +691,7 @@ void bind_cache(nb::module_& m) {
              const std::vector<std::int64_t>& dst_blocks, std::optional<std::string> error) {
             cache::GroupCompletion c;
             c.group = group;
-            if (kind == "evictions")
-              c.completion.kind = cache::MoveKind::kEviction;
-            else if (kind == "backups")
-              c.completion.kind = cache::MoveKind::kBackup;
-            else if (kind == "loads")
-              c.completion.kind = cache::MoveKind::kLoad;
-            else if (kind == "storage_writes")
-              c.completion.kind = cache::MoveKind::kStorageWrite;
-            else if (kind == "storage_prefetches")
-              c.completion.kind = cache::MoveKind::kStoragePrefetch;
-            else
-              raise_status(InvalidArgument(fmt::format(
-                  "ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
+            c.completion.kind = move_kind(kind);
             c.completion.dst = to_block_ids(dst_blocks);
             c.completion.status = ack_status(error);
             std::lock_guard lock(p.mu);
@@ -714,13 +712,7 @@ void bind_cache(nb::module_& m) {
              nb::list groups;
              for (const auto& g : s.groups) {
                nb::dict gd;
-               for (int t = 0; t < cache::kNumTiers; ++t) {
-                 nb::dict td;
-                 td["capacity"] = g.tiers[t].capacity;
-                 td["used"] = g.tiers[t].used;
-                 td["resident"] = g.tiers[t].resident;
-                 gd[std::string(cache::tier_name(static_cast<cache::Tier>(t))).c_str()] = td;
-               }
+               put_tier_stats(gd, g);
                gd["evictions_d2h"] = g.evictions_d2h;
                gd["loads_h2d"] = g.loads_h2d;
                gd["hit_blocks"] = nb::make_tuple(g.hit_blocks[0], g.hit_blocks[1], g.hit_blocks[2]);
