@@ -468,6 +468,88 @@ TEST(PdRingLane, SlotsOfASilentPrefillReturnOnlyWhenItCanNoLongerWrite) {
   pre2.reset();
 }
 
+// Rewrites the notifications a decode receives: a prefill that sends crafted ring messages.
+class Rewriting final : public testing::ForwardingTransport {
+ public:
+  using Fn = std::function<void(Notification&)>;
+  Rewriting(std::unique_ptr<Transport> inner, Fn fn) : ForwardingTransport(std::move(inner)), fn_(std::move(fn)) {}
+  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
+    auto got = inner().wait_notifications(timeout);
+    if (got.ok())
+      for (Notification& n : *got) fn_(n);
+    return got;
+  }
+
+ private:
+  Fn fn_;
+};
+
+// A 'P' naming a slot its piece was not granted, and one whose checksum list is cut, fail their layers (never
+// loaded, nothing copied out of a slot the piece does not own); the other layers load; the ring's slots come back
+// (the prefill's 'Q') and carry the next transfer.
+TEST(PdRingLane, CraftedPieceMessagesFailTheirLayersAndTheRingRecovers) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  auto device = HostDevice::create().value();
+  auto engine = CopyEngine::create(*device).value();
+  const int n = ++g_seq;
+  auto pre_t = create_loopback_transport({fmt::format("craft-pre{}", n), layout.fingerprint(), 1, 0}).value();
+  std::atomic<bool> crafting{true};
+  auto dec_t = std::make_unique<Rewriting>(
+      create_loopback_transport({fmt::format("craft-dec{}", n), layout.fingerprint(), 1, 0}).value(),
+      [&](Notification& m) {
+        if (!crafting || m.message.size() < 25 || m.message[0] != 'P') return;
+        std::uint32_t layer = 0, piece = 0, slot = 0;
+        std::memcpy(&layer, m.message.data() + 9, 4);
+        std::memcpy(&piece, m.message.data() + 13, 4);
+        std::memcpy(&slot, m.message.data() + 17, 4);
+        if (layer == 1 && piece == 0) {
+          slot ^= 1;  // the other slot: granted to another piece, or to none
+          std::memcpy(m.message.data() + 17, &slot, 4);
+        } else if (layer == 2 && piece == 1) {
+          const std::uint32_t none = 0;
+          m.message.resize(25);
+          std::memcpy(m.message.data() + 21, &none, 4);  // no checksums
+        }
+      });
+  PdOptions opt = ring_options();
+  opt.engine = engine.get();
+  auto pre = PdPrefill::create(*pre_t, as_device(pre_mem.space), opt).value();
+  auto dec = PdDecode::create(*dec_t, as_device(dec_mem.space), opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  ASSERT_TRUE(pre->begin(to_dec, 1, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(1, l).ok());
+  ASSERT_TRUE(dec->start(to_pre, 1, PdMode::kPush, kDst).ok());
+  auto fin = dec->wait(1, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
+  EXPECT_EQ(fin->layers[1], LayerState::kFailed);
+  EXPECT_EQ(fin->layers[2], LayerState::kFailed);
+  EXPECT_EQ(fin->layers[3], LayerState::kLoaded);
+  EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+  EXPECT_FALSE(fin->error.ok());
+  for (std::size_t i = 0; i < kDst.size(); ++i) {
+    EXPECT_TRUE(layer_matches(dec_mem.space, kDst[i], 0, kSrc[i]));
+    EXPECT_TRUE(layer_matches(dec_mem.space, kDst[i], 3, kSrc[i]));
+  }
+  ASSERT_TRUE(dec->wait(1, 5s, true).ok());
+  ASSERT_TRUE(pre->wait(1, 5s).ok());
+  EXPECT_TRUE(pre->forget(1).ok());
+  EXPECT_TRUE(dec->forget(1).ok());
+  crafting = false;
+  const std::vector<std::uint64_t> src2 = {0, 2}, dst2 = {7, 5};
+  ASSERT_TRUE(pre->begin(to_dec, 2, src2).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(2, l).ok());
+  ASSERT_TRUE(dec->start(to_pre, 2, PdMode::kPush, dst2).ok());
+  auto again = dec->wait(2, 5s, true);
+  ASSERT_TRUE(again.ok()) << again.status().to_string() << " (ring slots lost to the crafted transfer?)";
+  EXPECT_EQ(again->leading_loaded_blocks(), 2u) << again->error.to_string();
+  pre.reset();
+  dec.reset();
+}
+
 TEST(PdRingLane, APrefillOnTheDeviceLaneIsRefused) {
   const KvLayout layout = pd_layout();
   LaneRig rig({}, true, ring_options());
