@@ -18,7 +18,8 @@ Reported (p50 over --repeats after one warm-up):
                     prefill did not hide of the transfer)
 Exit code 1 if the tokens differ, a block did not arrive, or a transfer failed.
 
-GPU:  python llama_pd.py --out result.json           (kvtier importable; lane "direct": CUDA IPC, copy kernels)
+GPU:  python llama_pd.py --out result.json           (kvtier importable; lane "direct": CUDA IPC, copy kernels;
+      --lane ring: through the decode's shared pinned ring)
 CPU:  python llama_pd.py --device cpu --lane auto --layers 2 --hidden 64 --heads 4 --kv-heads 2 \
         --intermediate 128 --prompt-tokens 200 --block-tokens 16 --new-tokens 4 --dtype float32
 """
@@ -49,8 +50,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--lane", choices=["direct", "auto"], default="direct",
-                   help="direct: the device lane (CUDA); auto: host memory on CPU, staged on CUDA")
+    p.add_argument("--lane", choices=["direct", "ring", "auto"], default="direct",
+                   help="direct: the device lane (CUDA); ring: the ring lane (through the decode's shared pinned "
+                        "ring); auto: host memory on CPU, staged on CUDA")
     p.add_argument("--transport", default="ipc")
     p.add_argument("--mode", choices=["push", "pull"], default="push")
     p.add_argument("--timeout", type=float, default=120.0)
