@@ -860,6 +860,14 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.req = std::move(r);
   }
 
+  // Tells the decode side that none of the layers not yet sent will come ('X'), so it fails them at once rather
+  // than at the lease, and fails the transfer.
+  void fail_unsent(X& x, TransferId id, Status why) {
+    for (std::uint32_t u = 0; u < x.layers.size(); ++u)
+      if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
+    fail(x, id, std::move(why));
+  }
+
   void fail(X& x, TransferId id, Status why) {
     if (x.final) return;
     x.final = true;
@@ -975,11 +983,8 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (!l.declared || l.sent || l.ready_seen) continue;
       auto ready = l.ready();
       if (!ready.ok()) {
-        // The layer's data will never be valid (its event or staging copy failed): tell the decode side now
-        // that none of the unsent layers will come, so it fails them at once rather than at the lease.
-        for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-          if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
-        fail(x, id, ready.status().with_context(fmt::format("layer {} event", li)));
+        // The layer's data will never be valid (its event or staging copy failed).
+        fail_unsent(x, id, ready.status().with_context(fmt::format("layer {} event", li)));
         return;
       }
       if (!*ready) continue;
@@ -1051,9 +1056,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (!s.ok()) {
         drain_lane();
         renew_failed_lane_stream();
-        for (std::uint32_t v = 0; v < x.layers.size(); ++v)
-          if (!x.layers[v].sent) t_.send_notification(x.peer, Msg('X', id).u32(v).str()).ignore_error();
-        fail(x, id, s.with_context(fmt::format("layer {} ring piece {}", li, u % x.pieces_per_layer)));
+        fail_unsent(x, id, s.with_context(fmt::format("layer {} ring piece {}", li, u % x.pieces_per_layer)));
         return;
       }
       pc.state = PieceState::kCopying;
@@ -1074,9 +1077,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       pc.state = PieceState::kDone;
       if (!done.ok()) {
         renew_failed_lane_stream();
-        for (std::uint32_t v = 0; v < x.layers.size(); ++v)
-          if (!x.layers[v].sent) t_.send_notification(x.peer, Msg('X', id).u32(v).str()).ignore_error();
-        fail(x, id, done.status().with_context(fmt::format("layer {} ring piece {}", li, piece)));
+        fail_unsent(x, id, done.status().with_context(fmt::format("layer {} ring piece {}", li, piece)));
         continue;
       }
       if (x.final) continue;

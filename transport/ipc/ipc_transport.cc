@@ -235,11 +235,7 @@ class IpcTransport final : public detail::TransportBase {
     for (auto& [id, w] : own_)
       if (w.base) munmap(w.base, w.bytes), close(w.fd);
     for (auto& w : retired_shared_) munmap(w.base, w.bytes), close(w.fd);
-    for (auto& [p, fd] : pending_shared_) {
-      struct stat st {};
-      if (fstat(fd, &st) == 0 && st.st_size > 0) munmap(p, static_cast<std::size_t>(st.st_size));
-      close(fd);
-    }
+    for (auto& [p, w] : pending_shared_) munmap(w.base, w.bytes), close(w.fd);
 #if KVTIER_IPC_CUDA
     for (void* p : opened_) cudaIpcCloseMemHandle(p);
     if (streams_[0]) cudaStreamDestroy(streams_[0]), cudaEventDestroy(events_[0]);
@@ -273,8 +269,7 @@ class IpcTransport final : public detail::TransportBase {
       // Memory of allocate_shared: the window is the memory itself, nothing is copied in or out of it.
       std::lock_guard lock(regions_mu_);
       if (auto it = pending_shared_.find(region.base); it != pending_shared_.end()) {
-        own_[id] = OwnWindow{static_cast<std::byte*>(region.base), region.bytes, it->second,
-                             static_cast<std::byte*>(region.base), false,        true};
+        own_[id] = it->second;
         pending_shared_.erase(it);
         return std::string(kSharedKey);
       }
@@ -288,7 +283,7 @@ class IpcTransport final : public detail::TransportBase {
   Result<void*> backend_allocate_shared(std::uint64_t bytes) override {
     KVTIER_ASSIGN_OR_RETURN(Window w, make_window(bytes, "kvtier-ipc-shared"));
     std::lock_guard lock(regions_mu_);
-    pending_shared_[w.base] = w.fd;
+    pending_shared_[w.base] = OwnWindow{w.base, bytes, w.fd, w.base, false, true};
     return static_cast<void*>(w.base);
   }
 
@@ -296,12 +291,8 @@ class IpcTransport final : public detail::TransportBase {
     std::lock_guard lock(regions_mu_);
     auto it = pending_shared_.find(p);
     if (it == pending_shared_.end()) return;
-    auto* w = static_cast<std::byte*>(p);
-    std::uint64_t bytes = 0;
-    struct stat st {};
-    if (fstat(it->second, &st) == 0) bytes = static_cast<std::uint64_t>(st.st_size);
-    if (bytes != 0) munmap(w, bytes);
-    close(it->second);
+    munmap(it->second.base, it->second.bytes);
+    close(it->second.fd);
     pending_shared_.erase(it);
   }
 
@@ -993,8 +984,8 @@ class IpcTransport final : public detail::TransportBase {
 
   mutable std::mutex regions_mu_;
   std::map<RegionId, OwnWindow> own_;
-  std::map<void*, int> pending_shared_;    // allocate_shared memory not yet registered: its memfd
-  std::vector<OwnWindow> retired_shared_;  // allocate_shared memory deregistered (still the caller's)
+  std::map<void*, OwnWindow> pending_shared_;  // allocate_shared memory not yet registered
+  std::vector<OwnWindow> retired_shared_;      // allocate_shared memory deregistered (still the caller's)
   static constexpr std::string_view kSharedKey = "memfd-shared";
   struct Served {
     std::string name;      // the peer's agent name, from its hello
