@@ -88,6 +88,9 @@ struct PdArgs {
   std::uint64_t ring_slot_bytes = 0;                   // ring lane: 0 = one layer of a transfer
   std::vector<std::string> ring_copies = {"auto"};     // ring lane: PdOptions::ring_copy values, a row each
   int prefill_gpu = -1;  // ring lane: the prefill process on this GPU (CUDA_VISIBLE_DEVICES); -1: the decode's
+  // Where host blocks and staging live: "transport" (Transport::allocate_host, what the lane reaches best) or
+  // "caller" (plain memory the caller allocated, registered as it is).
+  std::string host_alloc = "transport";
   // hidden: the prefill process
   std::string role;
   std::string lane = "tcp";
@@ -167,18 +170,34 @@ Result<std::vector<std::byte>> recv_blob(int fd) {
 }
 
 struct Blocks {
-  std::vector<std::unique_ptr<std::byte[]>> mem;
+  std::vector<std::unique_ptr<std::byte[]>> mem;  // empty when the transport owns the memory
   BlockSpace space;
 };
 
-Result<Blocks> make_blocks(const KvLayout& layout, std::uint64_t n, std::byte fill) {
+// Host blocks, layer l filled with fill + l: one allocation from `t` (allocate_host) for every layer, or, with
+// `t` null, one caller allocation per layer.
+Result<Blocks> make_blocks(const KvLayout& layout, std::uint64_t n, std::byte fill, transport::Transport* t) {
   Blocks b;
   std::vector<std::vector<void*>> bases(layout.num_layers());
+  std::span<std::byte> all;
+  if (t != nullptr) {
+    std::uint64_t total = 0;
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l) total += layout.block_bytes(l, 0) * n;
+    KVTIER_ASSIGN_OR_RETURN(all, t->allocate_host(total));
+  }
+  std::uint64_t off = 0;
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
     const std::uint64_t bytes = layout.block_bytes(l, 0) * n;
-    b.mem.emplace_back(new std::byte[bytes]);
-    std::memset(b.mem.back().get(), static_cast<int>(fill) + static_cast<int>(l), bytes);
-    bases[l].push_back(b.mem.back().get());
+    std::byte* p = nullptr;
+    if (t != nullptr) {
+      p = all.data() + off;
+      off += bytes;
+    } else {
+      b.mem.emplace_back(new std::byte[bytes]);
+      p = b.mem.back().get();
+    }
+    std::memset(p, static_cast<int>(fill) + static_cast<int>(l), bytes);
+    bases[l].push_back(p);
   }
   KVTIER_ASSIGN_OR_RETURN(b.space, BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, n, bases));
   return b;
@@ -542,8 +561,86 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
   return serve_prefill(a, **t, **pre, iota(n));
 }
 
+// ---- the raw transport rows (--memory raw): the same blocks and descriptors as the protocol's host rows, posted
+// straight through the transport: per layer one transfer of every block (its notification names it), no
+// checksums, no protocol messages, no leases. What the protocol is measured against.
+
+// Registers one region per layer plane, in order (as the protocol's endpoints do).
+Status register_planes(transport::Transport& t, const BlockSpace& space, std::uint64_t n) {
+  for (std::uint32_t l = 0; l < space.layout().num_layers(); ++l) {
+    KVTIER_RETURN_IF_ERROR(t.register_memory({MemoryKind::kPinnedHost, 0, space.block_ptr(l, 0, 0),
+                                               space.layout().block_bytes(l, 0) * n})
+                               .status());
+  }
+  return Status::Ok();
+}
+
+// Layer l of every block (0..n), block by block.
+void raw_layer_descs(std::uint32_t l, std::uint64_t n, std::uint64_t bb, std::vector<transport::LocalDesc>& ld,
+                     std::vector<transport::RemoteDesc>& rd) {
+  ld.clear();
+  rd.clear();
+  for (std::uint64_t b = 0; b < n; ++b) {
+    ld.push_back({l, b * bb, bb});
+    rd.push_back({l, b * bb, bb});
+  }
+}
+
+// Waits for every transfer in `xfers` and releases it; the first failure.
+Status finish_raw(transport::Transport& t, std::vector<transport::XferId>& xfers) {
+  Status first;
+  for (transport::XferId x : xfers) {
+    auto st = t.wait(x, 60s);
+    if (!st.ok()) return st.status();
+    if (st->state != transport::XferState::kDone && first.ok()) first = st->error;
+    while (!t.poll(x)->quiescent) std::this_thread::sleep_for(1ms);
+    t.release(x).ignore_error();
+  }
+  xfers.clear();
+  return first;
+}
+
+// The prefill process of a raw row: in push, each "go <id>" from the decode makes it write every layer (one
+// transfer per layer, its notification "w <id>"); in pull it only serves. Ends when the decode closes its pipe.
+int run_prefill_raw(const PdArgs& a) {
+  auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
+  if (!layout.ok()) return 5;
+  const std::uint64_t n = blocks_for(a, a.block_bytes);
+  auto t = lane_transport({"bench-prefill", layout->fingerprint(), 1, 0}, a.lane);
+  if (!t.ok()) return 5;
+  auto blocks = make_blocks(*layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr);
+  if (!blocks.ok() || !register_planes(**t, blocks->space, n).ok()) return 5;
+  auto blob = (*t)->export_metadata();
+  if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
+  auto peer_blob = recv_blob(a.in_fd);
+  if (!peer_blob.ok()) return 5;
+  auto peer = (*t)->load_peer(*peer_blob);
+  if (!peer.ok()) return 3;
+  std::vector<transport::LocalDesc> ld;
+  std::vector<transport::RemoteDesc> rd;
+  std::vector<transport::XferId> xfers;
+  for (;;) {
+    pollfd p{a.in_fd, POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0) break;  // the decode closed its end: the row is over
+    auto notes = (*t)->wait_notifications(10ms);
+    if (!notes.ok()) continue;
+    for (const auto& note : *notes) {
+      if (note.message.rfind("go ", 0) != 0) continue;
+      for (std::uint32_t l = 0; l < a.layers; ++l) {
+        raw_layer_descs(l, n, a.block_bytes, ld, rd);
+        auto x = (*t)->post(transport::XferOp::kWrite, *peer, ld, rd, "w " + note.message.substr(3));
+        if (!x.ok()) return 4;
+        xfers.push_back(*x);
+      }
+      if (!finish_raw(**t, xfers).ok()) return 4;
+    }
+  }
+  return 0;
+}
+
 int run_prefill(const PdArgs& a) {
   alarm(300);
+  if (a.memory == "raw") return run_prefill_raw(a);
   if (a.lane == "direct" || a.lane == "ring") return run_prefill_direct(a);
   if (a.memory == "device") {
     auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
@@ -553,13 +650,24 @@ int run_prefill(const PdArgs& a) {
   auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
   if (!layout.ok()) return 5;
   const std::uint64_t n = blocks_for(a, a.block_bytes);
-  auto blocks = make_blocks(*layout, n, std::byte{1});
-  if (!blocks.ok()) return 5;
   auto t = lane_transport({"bench-prefill", layout->fingerprint(), 1, 0}, a.lane);
   if (!t.ok()) return 5;
+  auto blocks = make_blocks(*layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr);
+  if (!blocks.ok()) return 5;
   auto pre = transport::PdPrefill::create(**t, blocks->space, kPdOptions);
   if (!pre.ok()) return 5;
   return serve_prefill(a, **t, **pre, iota(n));
+}
+
+// Layer l of every host block holds fill + l (what the prefill's blocks hold).
+Status check_host_bytes(const BlockSpace& space, std::uint64_t n, std::byte fill) {
+  for (std::uint32_t l = 0; l < space.layout().num_layers(); ++l) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(space.block_ptr(l, 0, 0));
+    const std::uint8_t want = static_cast<std::uint8_t>(static_cast<int>(fill) + static_cast<int>(l));
+    for (std::uint64_t i = 0; i < space.layout().block_bytes(l, 0) * n; ++i)
+      if (p[i] != want) return DataLoss(fmt::format("layer {} byte {}: {:#x}, expected {:#x}", l, i, p[i], want));
+  }
+  return Status::Ok();
 }
 
 // A decode transfer's end: every block loaded, then forgotten.
@@ -645,6 +753,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   const bool ring = lane == "ring";
   const bool direct = lane == "direct" || ring;
   const bool staged = memory == "device" && !direct;
+  const bool raw = memory == "raw";
+  if (raw && direct) return NotSupported(fmt::format("raw rows are for transport lanes, not '{}'", lane));
   if (direct && memory != "device")
     return NotSupported(fmt::format("the {} lane moves device memory only (--memory device)", lane));
   std::optional<DirectSide> direct_side;
@@ -653,18 +763,22 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
     plan = direct_plan(a, block_bytes, a.inflight);
     KVTIER_ASSIGN_OR_RETURN(direct_side, make_direct_side(layout, plan.pool, false));
   }
-  // Declaration order is destruction order in reverse: endpoints, then the transport, then the memory.
+  // Declaration order is destruction order in reverse: endpoints, then the transport (and the memory it
+  // allocated), then the caller's memory.
   Blocks blocks;
   std::optional<DeviceSide> side;
   if (staged) {
     KVTIER_ASSIGN_OR_RETURN(side, make_device_side(a.backend, layout, n, std::byte{0x40}));
-  } else {
-    KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n, std::byte{0x40}));
   }
   KVTIER_ASSIGN_OR_RETURN(auto t, direct ? direct_transport({"bench-decode", layout.fingerprint(), 1, 0})
                                          : lane_transport({"bench-decode", layout.fingerprint(), 1, 0}, lane));
+  if (!staged && !direct) {
+    transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
+    KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n, std::byte{0x40}, from));
+  }
   std::unique_ptr<transport::PdDecode> plain;
   std::unique_ptr<transport::PdStagedDecode> sdec;
+  std::vector<transport::XferId> raw_xfers;  // raw pull rows: the reads of the transfer in flight
   DecodeOps dec;
   if (direct) {
     transport::PdOptions o = kPdOptions;
@@ -681,6 +795,39 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                                                     side->staging.space, so));
     dec = {[&](auto p, auto id, auto m, auto b) { return sdec->start(p, id, m, std::move(b)); },
            [&](auto id) { return sdec->wait(id, 60s, true); }, [&](auto id) { return sdec->forget(id); }};
+  } else if (raw) {
+    KVTIER_RETURN_IF_ERROR(register_planes(*t, blocks.space, n));
+    dec = {[&, bb = block_bytes](transport::PeerId p, transport::TransferId id, PdMode m, auto) -> Status {
+             if (m == PdMode::kPush) return t->send_notification(p, fmt::format("go {}", id));
+             std::vector<transport::LocalDesc> ld;
+             std::vector<transport::RemoteDesc> rd;
+             for (std::uint32_t l = 0; l < a.layers; ++l) {
+               raw_layer_descs(l, n, bb, ld, rd);
+               KVTIER_ASSIGN_OR_RETURN(auto x, t->post(transport::XferOp::kRead, p, ld, rd, ""));
+               raw_xfers.push_back(x);
+             }
+             return Status::Ok();
+           },
+           [&](transport::TransferId id) -> Result<transport::DecodeStatus> {
+             if (mode == PdMode::kPull) {
+               KVTIER_RETURN_IF_ERROR(finish_raw(*t, raw_xfers));
+             } else {
+               // Every layer's write notification (sent once its bytes are visible here).
+               const std::string want = fmt::format("w {}", id);
+               for (std::uint32_t got = 0; got < a.layers;) {
+                 KVTIER_ASSIGN_OR_RETURN(auto notes, t->wait_notifications(60s));
+                 for (const auto& note : notes) {
+                   if (note.kind != transport::NotifKind::kMessage) return DataLoss("a raw write failed");
+                   if (note.message == want) ++got;
+                 }
+               }
+             }
+             transport::DecodeStatus st;
+             st.final = st.reclaimable = true;
+             st.block_loaded.assign(n, true);
+             return st;
+           },
+           [](transport::TransferId) { return Status::Ok(); }};
   } else {
     KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, blocks.space, kPdOptions));
     dec = {[&](auto p, auto id, auto m, auto b) { return plain->start(p, id, m, std::move(b)); },
@@ -736,7 +883,9 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      "--ring-slot-bytes",
                                      std::to_string(a.ring_slot_bytes),
                                      "--ring-copy-one",
-                                     a.ring_copy};
+                                     a.ring_copy,
+                                     "--host-alloc",
+                                     a.host_alloc};
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -776,6 +925,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   const double bytes = static_cast<double>(a.iters) * a.layers * n * block_bytes;
   KVTIER_RETURN_IF_ERROR(finish(Status::Ok()));
   if (staged) KVTIER_RETURN_IF_ERROR(check_device_bytes(*side, std::byte{1}));
+  if (raw) KVTIER_RETURN_IF_ERROR(check_host_bytes(blocks.space, n, std::byte{1}));
   if (direct) {
     KVTIER_RETURN_IF_ERROR(check_direct_bytes(*direct_side, plan));
     plain.reset();
@@ -789,12 +939,14 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
 }
 
 // ucx_perftest over the same lane: a server and a client process; GB/s of the client's "Final:" line.
-Result<double> run_perftest(const std::string& lane, PdMode mode, std::uint64_t block_bytes, int port) {
+// `block_bytes` is the message size; `bytes_per_run` the bytes the run moves (at least 200 messages).
+Result<double> run_perftest(const std::string& lane, PdMode mode, std::uint64_t block_bytes, int port,
+                            std::uint64_t bytes_per_run = 256ull << 20, std::uint64_t min_iters = 200) {
   if (lane == "ipc") return NotSupported("ucx_perftest has no ipc lane");
   const transport::UcxOptions o = lane_options(lane);
   std::string env = "UCX_TLS=" + o.tls + (o.net_devices.empty() ? "" : " UCX_NET_DEVICES=" + o.net_devices);
   const std::string test = mode == PdMode::kPush ? "ucp_put_bw" : "ucp_get";
-  const std::uint64_t iters = std::max<std::uint64_t>(200, (256ull << 20) / block_bytes);
+  const std::uint64_t iters = std::max<std::uint64_t>(min_iters, bytes_per_run / block_bytes);
   const std::string common = fmt::format("-t {} -s {} -n {} -p {}", test, block_bytes, iters, port);
   const std::string server = fmt::format("env {} timeout 60 ucx_perftest {} >/dev/null 2>&1 &", env, common);
   if (std::system(server.c_str()) != 0) return Unavailable("could not start the ucx_perftest server");
@@ -830,7 +982,13 @@ int run_bench(const PdArgs& a) {
         const bool direct_lane = lane.rfind("direct", 0) == 0 || ring_lane;
         Result<double> p = a.no_perftest || direct_lane ? Result<double>(NotSupported("skipped"))
                                                         : run_perftest(lane, mode, bs, port++);
-        std::optional<double> host_gbps;
+        // The same lane with one message per transfer of the rows (every layer's blocks: the bytes a transfer
+        // touches, so that neither side runs from its caches, as a 16 KiB message reused 16k times does).
+        const std::uint64_t transfer_bytes = std::uint64_t{a.layers} * blocks_for(a, bs) * bs;
+        Result<double> pt = a.no_perftest || direct_lane
+                                ? Result<double>(NotSupported("skipped"))
+                                : run_perftest(lane, mode, transfer_bytes, port++, 2ull << 30, 10);
+        std::optional<double> host_gbps, raw_gbps;
         // The direct lanes get a row per verifying side and transfers in flight, the ring a row per copy strategy
         // and transfers in flight; the others one row.
         std::vector<std::pair<std::string, std::uint32_t>> variants;
@@ -855,6 +1013,7 @@ int run_bench(const PdArgs& a) {
               continue;
             }
             if (memory == "host") host_gbps = *g;
+            if (memory == "raw") raw_gbps = *g;
             const double pg = p.ok() ? *p : 0.0;
             const double ratio = pg > 0 ? *g / pg : 0.0;
             const std::optional<double> to_host =
@@ -866,12 +1025,17 @@ int run_bench(const PdArgs& a) {
               j["lane"] = lane;
               j["memory"] = memory;
               j["block_bytes"] = bs;
+              if (!direct_lane) j["host_alloc"] = a.host_alloc;
               j["blocks"] = blocks_for(a, bs);
               j["layers"] = a.layers;
               j["iters"] = a.iters;
               j["gbps"] = *g;
               j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
               j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+              if (pt.ok()) {
+                j["ucx_perftest_transfer_gbps"] = *pt;
+                j["ratio_to_perftest_transfer"] = *pt > 0 ? *g / *pt : 0.0;
+              }
               if (ring_lane) {
                 const double ceiling = std::min(g_last_ceiling.d2h, g_last_ceiling.h2d);
                 j["ring_copy"] = verify;
@@ -895,7 +1059,11 @@ int run_bench(const PdArgs& a) {
                 j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
                 j["bytes_checked"] = true;
               }
-              if (memory != "host") {
+              if (memory == "host" && raw_gbps) {
+                j["raw_gbps"] = *raw_gbps;
+                j["ratio_to_raw"] = *raw_gbps > 0 ? *g / *raw_gbps : 0.0;
+              }
+              if (memory == "device") {
                 j["backend"] = a.backend == "auto" ? (cuda_device_count() > 0 ? "cuda" : "host") : a.backend;
                 j["host_gbps"] = host_gbps ? nlohmann::json(*host_gbps) : nlohmann::json(nullptr);
                 j["ratio_to_host"] = to_host ? nlohmann::json(*to_host) : nlohmann::json(nullptr);
@@ -904,6 +1072,11 @@ int run_bench(const PdArgs& a) {
               std::printf("%s\n", j.dump().c_str());
             } else {
               std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
+              if (memory != "device") {
+                th = pt.ok() ? fmt::format("perftest/transfer {:.2f} ({:.2f})", *pt, *g / std::max(1e-9, *pt)) : "";
+                if (memory == "host" && raw_gbps)
+                  th += fmt::format(" raw {:.2f} ({:.2f})", *raw_gbps, *g / std::max(1e-9, *raw_gbps));
+              }
               if (ring_lane)
                 th = fmt::format("copy {} x{} d2h {:.1f} h2d {:.1f} duplex {:.1f} ratio {:.2f} ({:.2f} of duplex)",
                                  verify, inflight, g_last_ceiling.d2h, g_last_ceiling.h2d, g_last_ceiling.duplex,
@@ -950,7 +1123,9 @@ Action register_bench_pd(CLI::App& bench) {
       ->delimiter(',');
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,
-                  "host (pinned host blocks), device (device blocks through the staged path); both: host,device")
+                  "host (pinned host blocks), device (device blocks through the staged path), raw (host blocks moved "
+                  "by the transport alone: the same descriptors, a transfer per layer, no checksums or protocol; "
+                  "list it before host for the host rows' ratio_to_raw); e.g. raw,host,device")
       ->delimiter(',');
   cmd->add_option("--backend", a->backend, "device memory: auto | cuda | host (auto: cuda when a GPU is visible)");
   cmd->add_option("--block-sizes", a->block_sizes, "bytes per block (one role per layer)")->delimiter(',');
@@ -958,6 +1133,10 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--layer-bytes", a->layer_bytes, "payload of one layer (sets the block count, >= 4 blocks)");
   cmd->add_option("--iters", a->iters, "measured transfers (after one warm-up)");
   cmd->add_flag("--json", a->json, "one JSON object per line");
+  cmd->add_option("--host-alloc", a->host_alloc,
+                  "where host blocks live: transport (Transport::allocate_host: UCX allocates them, so its "
+                  "shared-memory lanes reach them directly) or caller (plain memory, registered as it is)")
+      ->check(CLI::IsMember({"transport", "caller"}));
   cmd->add_flag("--no-perftest", a->no_perftest, "skip ucx_perftest");
   auto* role = cmd->add_option("--role", a->role, "internal: the prefill process");
   role->group("");
@@ -1024,8 +1203,8 @@ Action register_bench_pd(CLI::App& bench) {
         return 2;
       }
     for (const auto& m : a->memories)
-      if (m != "host" && m != "device") {
-        std::fprintf(stderr, "kvtier bench pd: memory '%s' is not host or device\n", m.c_str());
+      if (m != "host" && m != "device" && m != "raw") {
+        std::fprintf(stderr, "kvtier bench pd: memory '%s' is not host, device or raw\n", m.c_str());
         return 2;
       }
     if (a->backend != "auto" && a->backend != "cuda" && a->backend != "host") {

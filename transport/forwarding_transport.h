@@ -24,6 +24,7 @@ class ForwardingTransport : public Transport {
     return inner_->peer_region_address(peer, region);
   }
   Result<SharedMemory> allocate_shared(std::uint64_t bytes) override { return inner_->allocate_shared(bytes); }
+  Result<std::span<std::byte>> allocate_host(std::uint64_t bytes) override { return inner_->allocate_host(bytes); }
   Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
                       std::string notification) override {
     return inner_->post(op, peer, local, remote, std::move(notification));

@@ -53,6 +53,7 @@
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/log.h"
 #include "kvtier/device/device.h"
+#include "transport/parallel_loop.h"
 
 namespace kvtier::transport {
 
@@ -189,6 +190,15 @@ class Endpoint {
         if (!stream.ok()) return stream.status().with_context(fmt::format("{}: device lane stream {}", role, name));
         *s = std::move(stream).value();
       }
+    }
+    if (options_.engine == nullptr) {
+      std::uint32_t helpers = options_.checksum_helpers;
+      if (helpers == PdOptions::kAutoChecksumHelpers)
+        helpers = detail::ParallelLoop::default_helpers(std::thread::hardware_concurrency());
+      if (helpers > PdOptions::kMaxChecksumHelpers)
+        return InvalidArgument(fmt::format("{}: checksum_helpers {} (at most {})", role, helpers,
+                                           PdOptions::kMaxChecksumHelpers));
+      if (helpers > 0) checksum_loop_ = std::make_unique<detail::ParallelLoop>(helpers);
     }
     const KvLayout& layout = blocks_.layout();
     if (blocks_.num_blocks() == 0) return InvalidArgument(fmt::format("{}: block space has no blocks", role));
@@ -661,6 +671,25 @@ class Endpoint {
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
   mutable std::vector<std::int32_t> ring_ids_;  // 0, 1, ...: a slot's block ids (under mu_)
+  std::unique_ptr<detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
+
+ protected:
+  // Host lanes: the checksum of `blocks[i]` of `layer` into out[i], split over the checksum helpers when the layer
+  // is large enough to pay for waking them (chunks of at least 256 KiB).
+  void layer_checksums(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) const {
+    const KvLayout& layout = blocks_.layout();
+    std::uint64_t block_bytes = 0;
+    for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r) block_bytes += layout.block_bytes(layer, r);
+    const std::size_t grain = std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
+    auto body = [&](std::size_t begin, std::size_t end) {
+      for (std::size_t i = begin; i < end; ++i) out[i] = block_layer_checksum(blocks_, layer, blocks[i]);
+    };
+    if (checksum_loop_ == nullptr) {
+      body(0, blocks.size());
+      return;
+    }
+    checksum_loop_->run(blocks.size(), grain, body);
+  }
 };
 
 // ---- prefill --------------------------------------------------------------------------------------------
@@ -1165,9 +1194,8 @@ class Prefill final : public PdPrefill, public Endpoint {
       return;
     }
     L& l = x.layers[li];
-    std::vector<std::uint64_t> ck;
-    ck.reserve(x.src.size());
-    for (std::uint64_t b : x.src) ck.push_back(block_layer_checksum(blocks_, li, b));
+    std::vector<std::uint64_t> ck(x.src.size());
+    layer_checksums(li, x.src, ck.data());
     l.sent = true;
     x.last_sent = Clock::now();
     if (x.req->mode == PdMode::kPull) {
@@ -1411,7 +1439,7 @@ class Decode final : public PdDecode, public Endpoint {
       return;
     }
     std::vector<std::uint64_t> actual(x.dst.size());
-    for (std::size_t i = 0; i < x.dst.size(); ++i) actual[i] = block_layer_checksum(blocks_, layer, x.dst[i]);
+    layer_checksums(layer, x.dst, actual.data());
     compare_layer(id, x, layer, ck, actual.data());
   }
 

@@ -2,10 +2,12 @@
 
 #include <fmt/format.h>
 #include <sodium.h>
+#include <sys/mman.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstring>
 #include <set>
 
@@ -118,6 +120,22 @@ Status check_fields(const Blob& b) {
 }
 
 }  // namespace
+
+void merge_contiguous(std::vector<ResolvedOp>& ops) {
+  if (ops.size() < 2) return;
+  std::size_t out = 0;
+  for (std::size_t i = 1; i < ops.size(); ++i) {
+    ResolvedOp& last = ops[out];
+    const ResolvedOp& o = ops[i];
+    if (o.remote_region == last.remote_region && o.local_ptr == last.local_ptr + last.bytes &&
+        o.remote_addr == last.remote_addr + last.bytes) {
+      last.bytes += o.bytes;
+    } else {
+      ops[++out] = o;
+    }
+  }
+  ops.resize(out + 1);
+}
 
 Status check_peer_secret(std::string_view secret) {
   if (secret.empty() || (secret.size() >= kMinPeerSecretBytes && secret.size() <= kMaxPeerSecretBytes))
@@ -348,6 +366,25 @@ Result<Transport::SharedMemory> TransportBase::allocate_shared(std::uint64_t byt
     return id.status().with_context("allocate_shared");
   }
   return SharedMemory{*id, static_cast<std::byte*>(p), bytes};
+}
+
+TransportBase::~TransportBase() {
+  for (const HostMapping& m : host_mappings_) munmap(m.data, m.bytes);
+}
+
+Result<std::span<std::byte>> TransportBase::allocate_host(std::uint64_t bytes) {
+  if (bytes == 0) return InvalidArgument("allocate_host: 0 bytes");
+  KVTIER_ASSIGN_OR_RETURN(void* p, backend_allocate_host(bytes));
+  return std::span<std::byte>(static_cast<std::byte*>(p), bytes);
+}
+
+Result<void*> TransportBase::backend_allocate_host(std::uint64_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    return ResourceExhausted(fmt::format("allocate_host: {} bytes: {}", bytes, std::strerror(errno)));
+  std::lock_guard lock(mu_);
+  host_mappings_.push_back({p, bytes});
+  return p;
 }
 
 Result<void*> TransportBase::backend_allocate_shared(std::uint64_t) {

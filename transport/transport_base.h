@@ -26,6 +26,11 @@ struct ResolvedOp {
   std::uint64_t bytes = 0;
 };
 
+// Joins neighbouring operations that are contiguous on both sides (the same peer region, each starting where the
+// last one ended locally and remotely) into one, in place, keeping the order: an engine's block lists are often
+// runs of consecutive blocks, and one operation per run costs the backend one request instead of one per block.
+void merge_contiguous(std::vector<ResolvedOp>& ops);
+
 // The decoded blob (exposed for tests of the format).
 struct Blob {
   std::uint32_t version = 0;
@@ -64,6 +69,7 @@ class TransportBase : public Transport {
   // `peer_secret`: empty, or checked by check_peer_secret (the factories refuse other lengths).
   explicit TransportBase(AgentIdentity identity, std::string peer_secret = {})
       : identity_(std::move(identity)), peer_secret_(std::move(peer_secret)) {}
+  ~TransportBase() override;
 
   const AgentIdentity& identity() const noexcept override { return identity_; }
   Result<RegionId> register_memory(const MemoryRegion& region) override;
@@ -73,6 +79,7 @@ class TransportBase : public Transport {
   Result<PeerInfo> peer_info(PeerId peer) const override;
   Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override;
   Result<SharedMemory> allocate_shared(std::uint64_t bytes) override;
+  Result<std::span<std::byte>> allocate_host(std::uint64_t bytes) override;
   Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local, std::span<const RemoteDesc> remote,
                       std::string notification) override;
   Result<XferStatus> poll(XferId xfer) override;
@@ -120,6 +127,9 @@ class TransportBase : public Transport {
   // back memory whose registration failed (a registered one is the backend's until it is destroyed).
   virtual Result<void*> backend_allocate_shared(std::uint64_t bytes);
   virtual void backend_free_shared(void* p) { (void)p; }
+  // allocate_host: page-aligned zeroed memory of `bytes`, the backend's until it is destroyed. Default: anonymous
+  // memory that the base unmaps when it is destroyed (after the backend's destructor has let go of every request).
+  virtual Result<void*> backend_allocate_host(std::uint64_t bytes);
 
   // ---- for backends ----
   void finish_xfer(XferId id, Status status);
@@ -163,6 +173,11 @@ class TransportBase : public Transport {
   std::unordered_map<XferId, XferRec> xfers_;
   XferId next_xfer_ = 1;
   std::deque<Notification> inbox_;
+  struct HostMapping {
+    void* data = nullptr;
+    std::uint64_t bytes = 0;
+  };
+  std::vector<HostMapping> host_mappings_;  // backend_allocate_host's default memory (under mu_)
 };
 
 }  // namespace kvtier::transport::detail

@@ -433,6 +433,7 @@ class IpcTransport final : public detail::TransportBase {
                       std::string notification) override {
     auto conn = conn_of(peer);
     if (!conn) return NotFound(fmt::format("peer {} is not connected", peer));
+    detail::merge_contiguous(ops);
     if (ops.size() * 20 + notification.size() + 64 > kMaxMessage)
       return ResourceExhausted(fmt::format("{} descriptors and a {}-byte notification exceed the {}-byte request",
                                            ops.size(), notification.size(), kMaxMessage));

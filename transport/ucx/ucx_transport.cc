@@ -285,6 +285,7 @@ class UcxTransport final : public detail::TransportBase {
       std::lock_guard lock(ucx_mu_);
       for (auto& [id, memh] : memh_)
         if (memh != nullptr) ucp_mem_unmap(context_, memh);
+      for (HostAllocation& a : host_allocs_) ucp_mem_unmap(context_, a.memh);
       ucp_worker_destroy(worker_);
     }
     if (context_ != nullptr) ucp_cleanup(context_);
@@ -294,8 +295,49 @@ class UcxTransport final : public detail::TransportBase {
   std::string_view backend_name() const noexcept override { return "ucx"; }
 
  protected:
+  // UCX allocates the memory itself, so that the memory domains of its shared-memory transports (which cannot
+  // register memory they did not allocate) hand peers a key that maps it: RMA then copies straight into it.
+  Result<void*> backend_allocate_host(std::uint64_t bytes) override {
+    std::lock_guard lock(ucx_mu_);
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.address = nullptr;
+    mp.length = bytes;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t st = ucp_mem_map(context_, &mp, &memh);
+    if (st != UCS_OK) return ResourceExhausted(fmt::format("allocate_host: UCX could not allocate {} bytes: {}", bytes,
+                                                           ucs_status_string(st)));
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    void* rkey = nullptr;
+    size_t rkey_len = 0;
+    if ((st = ucp_mem_query(memh, &attr)) != UCS_OK || (st = ucp_rkey_pack(context_, memh, &rkey, &rkey_len)) != UCS_OK) {
+      ucp_mem_unmap(context_, memh);
+      return ucs_error("allocate_host: UCX allocation", st);
+    }
+    HostAllocation a;
+    a.base = static_cast<std::byte*>(attr.address);
+    a.bytes = bytes;
+    a.memh = memh;
+    a.key.assign(static_cast<const char*>(rkey), rkey_len);
+    ucp_rkey_buffer_release(rkey);
+    // UCX may hand out memory it allocated earlier and zeroes nothing; the contract says zeroed.
+    std::memset(a.base, 0, bytes);
+    host_allocs_.push_back(std::move(a));
+    return static_cast<void*>(host_allocs_.back().base);
+  }
+
   Result<std::string> backend_register(RegionId id, const MemoryRegion& region) override {
     std::lock_guard lock(ucx_mu_);
+    const auto* base = static_cast<const std::byte*>(region.base);
+    for (const HostAllocation& a : host_allocs_) {
+      if (base >= a.base && base - a.base <= static_cast<std::ptrdiff_t>(a.bytes) &&
+          region.bytes <= a.bytes - static_cast<std::uint64_t>(base - a.base)) {
+        memh_[id] = nullptr;  // the allocation's mapping serves it
+        return a.key;
+      }
+    }
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = region.base;
@@ -319,7 +361,7 @@ class UcxTransport final : public detail::TransportBase {
     std::lock_guard lock(ucx_mu_);
     auto it = memh_.find(id);
     if (it == memh_.end()) return;
-    ucp_mem_unmap(context_, it->second);
+    if (it->second != nullptr) ucp_mem_unmap(context_, it->second);
     memh_.erase(it);
   }
 
@@ -396,6 +438,7 @@ class UcxTransport final : public detail::TransportBase {
           return OutOfRange(fmt::format("descriptor {}: remote [{:#x}, +{}) outside peer '{}' region {} [{:#x}, +{})",
                                         i, o.remote_addr, o.bytes, p->name, o.remote_region, b.base, b.bytes));
       }
+      detail::merge_contiguous(ops);
       auto pend = std::make_unique<Pending>();
       Pending* pd = pend.get();
       pd->self = this;
@@ -704,7 +747,14 @@ class UcxTransport final : public detail::TransportBase {
   std::string address_;
   HostIdentity host_;
   mutable std::mutex ucx_mu_;
-  std::unordered_map<RegionId, ucp_mem_h> memh_;
+  std::unordered_map<RegionId, ucp_mem_h> memh_;  // null for regions inside a host allocation
+  struct HostAllocation {
+    std::byte* base = nullptr;
+    std::uint64_t bytes = 0;
+    ucp_mem_h memh = nullptr;
+    std::string key;  // packed once: every region inside shares it
+  };
+  std::vector<HostAllocation> host_allocs_;  // allocate_host's memory, unmapped when the transport is destroyed
   std::vector<std::unique_ptr<UcxPeer>> peers_;
   std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
   std::list<SendBuf> sends_;

@@ -130,6 +130,13 @@ struct PdOptions {
   // (the prefill's sources, the decode's destinations: local reads, a small fraction of the copy's time).
   CopyStrategy ring_copy = CopyStrategy::kAuto;
   static constexpr std::uint32_t kMaxRingSlots = 64;
+  // The transport lane (no `engine`): threads beside the protocol thread that share each layer's checksums (xxh3 of
+  // every block, on both sides), which on one thread cost more than a shared-memory lane's copy. kAuto: by the
+  // machine's cores (none on two cores or fewer, then one per two cores beyond, at most 4); at most
+  // kMaxChecksumHelpers.
+  static constexpr std::uint32_t kAutoChecksumHelpers = ~std::uint32_t{0};
+  static constexpr std::uint32_t kMaxChecksumHelpers = 32;
+  std::uint32_t checksum_helpers = kAutoChecksumHelpers;
 };
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
 

@@ -175,6 +175,18 @@ class Transport {
     return NotSupported("this transport cannot share memory that peers map directly");
   }
 
+  // Host memory for blocks that this transport moves (an engine's host pool, pinned staging): page-aligned, zeroed,
+  // owned by the transport until it is destroyed. Not a region: register the ranges that peers may address with
+  // register_memory as for any memory (any number of them, anywhere inside it). The backend places it where its
+  // lanes reach it best: UCX allocates it itself (ucp_mem_map ALLOCATE, a shared-memory segment where its
+  // shared-memory transports are enabled), so that a same-host peer copies straight into or out of it, where memory
+  // the caller allocated is reached only through UCX's RMA emulation (an active message per fragment, copied by the
+  // target's progress thread); the other backends hand out anonymous memory. Trust: on UCX, a region inside an
+  // allocation carries the allocation's key, so a peer that loaded the blob can reach the whole allocation; allocate
+  // only what you register. The caller registers it with its device (Device::register_host) where DMA must reach it.
+  // kInvalidArgument for 0 bytes, kResourceExhausted when the memory is not there.
+  virtual Result<std::span<std::byte>> allocate_host(std::uint64_t bytes) = 0;
+
   virtual Result<XferId> post(XferOp op, PeerId peer, std::span<const LocalDesc> local,
                               std::span<const RemoteDesc> remote, std::string notification) = 0;
   virtual Result<XferStatus> poll(XferId xfer) = 0;
