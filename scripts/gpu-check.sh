@@ -17,7 +17,8 @@
 # nixl-cu13 wheel is in .whl/, bench/pd_nixl.py with the same block lists (NIXL's UCX backend, WRITE and READ).
 # `ring` (also part of `pd`): kvtier bench pd over the ring lane (the decode's shared pinned ring) beside the
 # PCIe ceiling of the same bytes.
-# Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|ring|all] [extra kvtier bench copy args...]
+# `host` (also part of `pd`): kvtier bench pd over the host lanes (UCX shm and tcp, ipc) beside the raw transport.
+# Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|ring|host|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +102,19 @@ if [ "$what" = pd ] || [ "$what" = all ]; then
       --json "$OUT/bench_pd_nixl.jsonl" > "$OUT/bench_pd_nixl.log" 2>&1
     echo "pd_nixl rc=$?"; tail -20 "$OUT/bench_pd_nixl.log"
   fi
+fi
+if [ "$what" = host ] || [ "$what" = pd ] || [ "$what" = all ]; then
+  # The host lanes on this machine's cores: UCX shm and tcp and kvtier's ipc backend, each row beside the raw
+  # transport (the same descriptors, no protocol) and, where ucx_perftest is installed, beside it; pinned host
+  # blocks, then CUDA blocks through the staged path. Blocks from Transport::allocate_host, then (shm) the
+  # caller's own memory.
+  perftest=(--no-perftest); command -v ucx_perftest > /dev/null && perftest=()
+  timeout 300 "$BIN/kvtier" bench pd --lanes shm,tcp,ipc --memory raw,host,device --backend cuda \
+    --block-sizes 16384,1048576 --iters 8 "${perftest[@]}" --json > "$OUT/bench_pd_host.jsonl" 2> "$OUT/bench_pd_host.err"
+  echo "bench pd host rc=$?"; tail -5 "$OUT/bench_pd_host.err"
+  timeout 120 "$BIN/kvtier" bench pd --lanes shm --memory raw,host --host-alloc caller --block-sizes 16384,1048576 \
+    --iters 8 "${perftest[@]}" --json >> "$OUT/bench_pd_host.jsonl" 2>> "$OUT/bench_pd_host.err"
+  echo "bench pd host (caller memory) rc=$?"; cat "$OUT/bench_pd_host.jsonl"
 fi
 if [ "$what" = ring ] || [ "$what" = pd ] || [ "$what" = all ]; then
   # The ring lane (forced: the two processes could map each other's pools), a layer of 64 MiB per slot, eight

@@ -224,12 +224,13 @@ struct DeviceSide {
   transport::StagingSpace staging;
 };
 
+// `t`: the transport the staging comes from (nullptr: the device's pinned memory); it must outlive the side.
 Result<DeviceSide> make_device_side(const std::string& backend, const KvLayout& layout, std::uint64_t n,
-                                    std::byte fill) {
+                                    std::byte fill, transport::Transport* t) {
   DeviceSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, open_device(backend));
   KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device));
-  KVTIER_ASSIGN_OR_RETURN(d.staging, transport::StagingSpace::allocate(*d.device, layout, n));
+  KVTIER_ASSIGN_OR_RETURN(d.staging, transport::StagingSpace::allocate(*d.device, layout, n, t));
   std::vector<std::vector<void*>> bases(layout.num_layers());
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
     const std::uint64_t bytes = layout.block_bytes(l, 0) * n;
@@ -546,13 +547,13 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
 }
 
 int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n) {
-  auto side = make_device_side(a.backend, layout, n, std::byte{1});
+  auto t = lane_transport({"bench-prefill", layout.fingerprint(), 1, 0}, a.lane);
+  if (!t.ok()) return 5;
+  auto side = make_device_side(a.backend, layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr);
   if (!side.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", side.status().to_string().c_str());
     return 5;
   }
-  auto t = lane_transport({"bench-prefill", layout.fingerprint(), 1, 0}, a.lane);
-  if (!t.ok()) return 5;
   transport::StagedOptions so;
   so.pd = kPdOptions;
   auto pre =
@@ -766,12 +767,13 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   // Declaration order is destruction order in reverse: endpoints, then the transport (and the memory it
   // allocated), then the caller's memory.
   Blocks blocks;
-  std::optional<DeviceSide> side;
-  if (staged) {
-    KVTIER_ASSIGN_OR_RETURN(side, make_device_side(a.backend, layout, n, std::byte{0x40}));
-  }
   KVTIER_ASSIGN_OR_RETURN(auto t, direct ? direct_transport({"bench-decode", layout.fingerprint(), 1, 0})
                                          : lane_transport({"bench-decode", layout.fingerprint(), 1, 0}, lane));
+  std::optional<DeviceSide> side;  // its staging may be the transport's memory
+  if (staged) {
+    transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
+    KVTIER_ASSIGN_OR_RETURN(side, make_device_side(a.backend, layout, n, std::byte{0x40}, from));
+  }
   if (!staged && !direct) {
     transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
     KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n, std::byte{0x40}, from));

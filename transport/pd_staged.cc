@@ -16,14 +16,20 @@
 
 namespace kvtier::transport {
 
-Result<StagingSpace> StagingSpace::allocate(Device& device, const KvLayout& layout, std::uint64_t num_blocks) {
+Result<StagingSpace> StagingSpace::allocate(Device& device, const KvLayout& layout, std::uint64_t num_blocks,
+                                            Transport* transport) {
   if (num_blocks == 0) return InvalidArgument("staging space: num_blocks is 0");
   std::uint64_t total = 0;
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
     for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
       total += BlockSpace::layer_first_region_bytes(layout, l, r, num_blocks);
   StagingSpace s;
-  KVTIER_ASSIGN_OR_RETURN(s.memory, device.allocate_pinned(total));
+  if (transport != nullptr) {
+    KVTIER_ASSIGN_OR_RETURN(std::span<std::byte> host, transport->allocate_host(total));
+    KVTIER_ASSIGN_OR_RETURN(s.memory, device.register_host(host.data(), host.size()));
+  } else {
+    KVTIER_ASSIGN_OR_RETURN(s.memory, device.allocate_pinned(total));
+  }
   KVTIER_RETURN_IF_ERROR(s.memory->wait_ready(std::chrono::minutes(1)));
   std::vector<std::vector<void*>> bases(layout.num_layers());
   std::uint64_t off = 0;

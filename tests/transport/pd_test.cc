@@ -138,6 +138,57 @@ TEST_P(PdModes, ACorruptedByteOnTheWireFailsThatBlockOnly) {
   EXPECT_TRUE(layer_matches(rig.pre_mem.space, kSrc[2], 0, kSrc[2]));
 }
 
+// Checksums split over helper threads (layers large enough to be split) give the same verdicts: every block
+// byte-exact, and one byte damaged on the wire fails exactly its (layer, block).
+TEST_P(PdModes, ChecksumHelpersVerifyEveryBlockAndCatchOneDamagedByte) {
+  const KvLayout layout = pd_layout(4, 65536);  // 128 KiB per block and layer: two blocks per 256 KiB chunk
+  constexpr std::uint64_t kBlocks = 64;
+  HostBlocks pre_mem = HostBlocks::make(layout, kBlocks, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, kBlocks, false);
+  std::vector<std::uint64_t> src(kBlocks), dst(kBlocks);
+  for (std::uint64_t i = 0; i < kBlocks; ++i) {
+    src[i] = kBlocks - 1 - i;  // no two neighbours contiguous: a descriptor per block and role
+    dst[i] = i;
+  }
+  // Layer 0, role 1, position 37 (descriptors go role by role, block by block).
+  const WireFaults f{static_cast<std::int64_t>(kBlocks + 37), 4096};
+  const int n = ++g_seq;
+  auto pre_t = wrap_with_wire_faults(
+      create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value(),
+      GetParam() == PdMode::kPush ? f : WireFaults{});
+  auto dec_t = wrap_with_wire_faults(
+      create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value(),
+      GetParam() == PdMode::kPull ? f : WireFaults{});
+  PdOptions opt;
+  opt.checksum_helpers = 3;
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  for (TransferId id : {TransferId{1}, TransferId{2}}) {  // the fault hits the first transfer only
+    ASSERT_TRUE(pre->begin(to_dec, id, src).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(id, l).ok());
+    ASSERT_TRUE(dec->start(to_pre, id, GetParam(), dst).ok());
+    auto fin = dec->wait(id, 10s, true);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    for (std::uint32_t l = 0; l < 4; ++l)
+      for (std::size_t i = 0; i < kBlocks; ++i) {
+        const bool damaged = id == 1 && l == 0 && i == 37;
+        EXPECT_EQ(fin->layer_block_is_loaded(l, i), !damaged) << id << " " << l << " " << i;
+        if (!damaged) EXPECT_TRUE(layer_matches(dec_mem.space, dst[i], l, src[i])) << id << " " << l << " " << i;
+      }
+    EXPECT_EQ(fin->error.code(), id == 1 ? StatusCode::kDataLoss : StatusCode::kOk) << fin->error.to_string();
+    ASSERT_TRUE(pre->wait(id, 10s).ok());
+    EXPECT_TRUE(dec->forget(id).ok());
+    EXPECT_TRUE(pre->forget(id).ok());
+  }
+  PdOptions too_many;
+  too_many.checksum_helpers = PdOptions::kMaxChecksumHelpers + 1;
+  auto refused = PdDecode::create(*dec_t, dec_mem.space, too_many);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("checksum_helpers 33"), std::string::npos) << refused.status().to_string();
+}
+
 TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
   PdOptions opt{20ms, 150ms};
   Rig rig({}, {}, opt);

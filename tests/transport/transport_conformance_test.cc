@@ -531,6 +531,65 @@ TEST_P(TransportConformance, SharedMemoryIsTheSameBytesOnBothSidesOrNotSupported
   EXPECT_TRUE((*b)->release(*x).ok());
 }
 
+// allocate_host: zeroed, page-aligned memory that regions anywhere inside it use like any memory (several per
+// allocation, beside regions of caller memory). Lists with contiguous runs (which backends join) and gaps move
+// byte-exact both ways, and bytes outside the descriptors stay as they were.
+TEST_P(TransportConformance, HostAllocationHoldsRegionsThatMoveBytesBothWays) {
+  std::vector<std::byte> caller_b = random_bytes(1 << 16, 9);  // outlives the transports
+  auto a = make(GetParam(), ident("a"));
+  auto b = make(GetParam(), ident("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*a)->allocate_host(0).status().code(), StatusCode::kInvalidArgument);
+  constexpr std::uint64_t kBytes = 1 << 20, kQ = kBytes / 4;
+  auto ha = (*a)->allocate_host(kBytes);
+  auto hb = (*b)->allocate_host(kBytes);
+  ASSERT_TRUE(ha.ok() && hb.ok()) << ha.status().to_string() << " " << hb.status().to_string();
+  ASSERT_EQ(ha->size(), kBytes);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(ha->data()) % 4096, 0u);
+  EXPECT_TRUE(std::all_of(ha->begin(), ha->end(), [](std::byte x) { return x == std::byte{0}; }));
+  const std::vector<std::byte> src = random_bytes(kBytes, 5), poison(kBytes, std::byte{0xEE});
+  std::memcpy(ha->data(), src.data(), kBytes);
+  std::memcpy(hb->data(), poison.data(), kBytes);
+  // a: two regions inside its allocation with a gap between them; b: one inside, one of caller memory.
+  auto a0 = (*a)->register_memory({MemoryKind::kPinnedHost, 0, ha->data(), kQ});
+  auto a1 = (*a)->register_memory({MemoryKind::kPinnedHost, 0, ha->data() + 2 * kQ, kQ});
+  auto b0 = (*b)->register_memory({MemoryKind::kPinnedHost, 0, hb->data() + kQ, 2 * kQ});
+  auto b1 = (*b)->register_memory({MemoryKind::kPinnedHost, 0, caller_b.data(), caller_b.size()});
+  ASSERT_TRUE(a0.ok() && a1.ok() && b0.ok() && b1.ok());
+  auto a_sees_b = (*a)->load_peer((*b)->export_metadata().value());
+  auto b_sees_a = (*b)->load_peer((*a)->export_metadata().value());
+  ASSERT_TRUE(a_sees_b.ok() && b_sees_a.ok()) << a_sees_b.status().to_string();
+  // WRITE: a run of three contiguous 4 KiB pieces, a gap, one more; then one from a1 into b's caller memory.
+  std::vector<LocalDesc> l = {{*a0, 0, 4096}, {*a0, 4096, 4096}, {*a0, 8192, 4096}, {*a0, 20000, 3000},
+                              {*a1, 100, 5000}};
+  std::vector<RemoteDesc> r = {{0, 0, 4096}, {0, 4096, 4096}, {0, 8192, 4096}, {0, 30000, 3000}, {1, 7, 5000}};
+  auto x = (*a)->post(XferOp::kWrite, *a_sees_b, l, r, "host-write");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  std::vector<Notification> seen;
+  ASSERT_TRUE(await_notification(**b, "host-write", seen).ok());
+  std::byte* b0p = hb->data() + kQ;
+  EXPECT_EQ(std::memcmp(b0p, src.data(), 12288), 0);
+  EXPECT_EQ(std::memcmp(b0p + 30000, src.data() + 20000, 3000), 0);
+  EXPECT_EQ(std::memcmp(caller_b.data() + 7, src.data() + 2 * kQ + 100, 5000), 0);
+  EXPECT_EQ(std::memcmp(b0p + 12288, poison.data(), 30000 - 12288), 0);  // the gap
+  EXPECT_EQ(std::memcmp(hb->data(), poison.data(), kQ), 0);                // outside b's region
+  ASSERT_TRUE(await_quiescent(**a, *x).ok());
+  EXPECT_TRUE((*a)->release(*x).ok());
+  // READ back into a's second region, contiguous runs again, and the bytes land where asked.
+  std::fill(ha->data() + 2 * kQ, ha->data() + 3 * kQ, std::byte{0x11});
+  l = {{*a1, 0, 8192}, {*a1, 8192, 8192}};
+  r = {{0, 0, 8192}, {0, 8192, 8192}};
+  x = (*a)->post(XferOp::kRead, *a_sees_b, l, r, "host-read");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  ASSERT_TRUE(await_quiescent(**a, *x).ok());
+  auto st = (*a)->poll(*x);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  EXPECT_EQ(std::memcmp(ha->data() + 2 * kQ, b0p, 16384), 0);
+  EXPECT_EQ(ha->data()[2 * kQ + 16384], std::byte{0x11});
+  EXPECT_TRUE((*a)->release(*x).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance,
                          ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxShm, Kind::kIpc),
                          [](const auto& info) { return kind_name(info.param); });
@@ -671,6 +730,33 @@ TEST(ByteCodec, FieldsRoundTripAndTruncatedInputIsRefused) {
   ASSERT_TRUE(rs.u32(seven) && rs.str(ipc));
   EXPECT_EQ(seven, 7u);
   EXPECT_EQ(ipc, "ipc");
+}
+
+TEST(MergeContiguous, JoinsRunsContiguousOnBothSidesAndKeepsTheRest) {
+  std::vector<std::byte> mem(1 << 12);
+  std::byte* p = mem.data();
+  using detail::ResolvedOp;
+  std::vector<ResolvedOp> ops = {
+      {p, 1000, 0, 10},        // run 1 ...
+      {p + 10, 1010, 0, 20},   // ... continues on both sides
+      {p + 30, 1030, 1, 5},    // another remote region: kept apart
+      {p + 35, 2000, 1, 5},    // local continues, remote does not
+      {p + 40, 2005, 1, 5},    // continues the previous one
+      {p + 100, 2010, 1, 5},   // remote continues, local does not
+      {p + 100, 2010, 1, 5}};  // the same range again (not after its end): kept
+  detail::merge_contiguous(ops);
+  ASSERT_EQ(ops.size(), 5u);
+  EXPECT_EQ(ops[0].local_ptr, p);
+  EXPECT_EQ(ops[0].bytes, 30u);
+  EXPECT_EQ(ops[1].remote_region, 1u);
+  EXPECT_EQ(ops[1].bytes, 5u);
+  EXPECT_EQ(ops[2].remote_addr, 2000u);
+  EXPECT_EQ(ops[2].bytes, 10u);
+  EXPECT_EQ(ops[3].local_ptr, p + 100);
+  EXPECT_EQ(ops[4].local_ptr, p + 100);
+  std::vector<ResolvedOp> none;
+  detail::merge_contiguous(none);
+  EXPECT_TRUE(none.empty());
 }
 
 }  // namespace

@@ -49,11 +49,15 @@
 
 namespace kvtier::transport {
 
-// Pinned host staging blocks: one allocation, layer-first (a plane per (layer, role)).
+// Pinned host staging blocks: one allocation, layer-first (a plane per (layer, role)). With `transport`, the memory
+// is the transport's (Transport::allocate_host: where its lanes reach it best, e.g. UCX's shared-memory lanes copy
+// straight into it) pinned with device.register_host; the transport must then outlive the StagingSpace. Without,
+// the device allocates it (allocate_pinned).
 struct StagingSpace {
   std::unique_ptr<PinnedMemory> memory;
   BlockSpace space;
-  static Result<StagingSpace> allocate(Device& device, const KvLayout& layout, std::uint64_t num_blocks);
+  static Result<StagingSpace> allocate(Device& device, const KvLayout& layout, std::uint64_t num_blocks,
+                                       Transport* transport = nullptr);
 };
 
 struct StagedOptions {
