@@ -619,13 +619,12 @@ int run_prefill_raw(const PdArgs& a) {
   if (!peer.ok()) return 3;
   std::vector<transport::LocalDesc> ld;
   std::vector<transport::RemoteDesc> rd;
-  std::vector<transport::XferId> xfers;
+  std::vector<transport::XferId> xfers;  // writes in flight (of any number of transfers)
   for (;;) {
     pollfd p{a.in_fd, POLLIN, 0};
     if (::poll(&p, 1, 0) > 0) break;  // the decode closed its end: the row is over
-    auto notes = (*t)->wait_notifications(10ms);
-    if (!notes.ok()) continue;
-    for (const auto& note : *notes) {
+    auto notes = (*t)->wait_notifications(xfers.empty() ? 10ms : 0ms);
+    for (const auto& note : notes.ok() ? *notes : std::vector<transport::Notification>{}) {
       if (note.message.rfind("go ", 0) != 0) continue;
       for (std::uint32_t l = 0; l < a.layers; ++l) {
         raw_layer_descs(l, n, a.block_bytes, ld, rd);
@@ -633,8 +632,16 @@ int run_prefill_raw(const PdArgs& a) {
         if (!x.ok()) return 4;
         xfers.push_back(*x);
       }
-      if (!finish_raw(**t, xfers).ok()) return 4;
     }
+    bool failed = false;
+    std::erase_if(xfers, [&](transport::XferId x) {
+      auto st = (*t)->poll(x);
+      if (!st.ok() || !st->quiescent) return false;
+      failed = failed || st->state != transport::XferState::kDone;
+      (*t)->release(x).ignore_error();
+      return true;
+    });
+    if (failed) return 4;
   }
   return 0;
 }
@@ -780,7 +787,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   }
   std::unique_ptr<transport::PdDecode> plain;
   std::unique_ptr<transport::PdStagedDecode> sdec;
-  std::vector<transport::XferId> raw_xfers;  // raw pull rows: the reads of the transfer in flight
+  std::map<transport::TransferId, std::vector<transport::XferId>> raw_xfers;  // raw pull rows: reads per transfer
+  std::map<transport::TransferId, std::uint32_t> raw_writes;  // raw push rows: layers written, per transfer
   DecodeOps dec;
   if (direct) {
     transport::PdOptions o = kPdOptions;
@@ -806,23 +814,27 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
              for (std::uint32_t l = 0; l < a.layers; ++l) {
                raw_layer_descs(l, n, bb, ld, rd);
                KVTIER_ASSIGN_OR_RETURN(auto x, t->post(transport::XferOp::kRead, p, ld, rd, ""));
-               raw_xfers.push_back(x);
+               raw_xfers[id].push_back(x);
              }
              return Status::Ok();
            },
            [&](transport::TransferId id) -> Result<transport::DecodeStatus> {
              if (mode == PdMode::kPull) {
-               KVTIER_RETURN_IF_ERROR(finish_raw(*t, raw_xfers));
+               KVTIER_RETURN_IF_ERROR(finish_raw(*t, raw_xfers[id]));
+               raw_xfers.erase(id);
              } else {
-               // Every layer's write notification (sent once its bytes are visible here).
-               const std::string want = fmt::format("w {}", id);
-               for (std::uint32_t got = 0; got < a.layers;) {
+               // Every layer's write notification (sent once its bytes are visible here); other transfers'
+               // notifications are counted for their own wait.
+               while (raw_writes[id] < a.layers) {
                  KVTIER_ASSIGN_OR_RETURN(auto notes, t->wait_notifications(60s));
                  for (const auto& note : notes) {
                    if (note.kind != transport::NotifKind::kMessage) return DataLoss("a raw write failed");
-                   if (note.message == want) ++got;
+                   transport::TransferId of = 0;
+                   if (std::sscanf(note.message.c_str(), "w %llu", reinterpret_cast<unsigned long long*>(&of)) == 1)
+                     ++raw_writes[of];
                  }
                }
+               raw_writes.erase(id);
              }
              transport::DecodeStatus st;
              st.final = st.reclaimable = true;
@@ -919,7 +931,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   if (!peer.ok()) return finish(peer.status());
   std::chrono::steady_clock::time_point t0;
   Status s = run_transfers(
-      a.iters, direct ? a.inflight : 1, [&](std::uint64_t id) { return dec.start(*peer, id, mode, iota(n)); },
+      a.iters, a.inflight, [&](std::uint64_t id) { return dec.start(*peer, id, mode, iota(n)); },
       [&](std::uint64_t id) { return finish_decode(dec.wait(id), n, [&] { return dec.forget(id); }); },
       [&] { t0 = std::chrono::steady_clock::now(); });
   if (!s.ok()) return finish(s);
@@ -990,14 +1002,15 @@ int run_bench(const PdArgs& a) {
         Result<double> pt = a.no_perftest || direct_lane
                                 ? Result<double>(NotSupported("skipped"))
                                 : run_perftest(lane, mode, transfer_bytes, port++, 2ull << 30, 10);
-        std::optional<double> host_gbps, raw_gbps;
+        std::optional<double> host_gbps;
+        std::map<std::uint32_t, double> raw_by_inflight;  // raw rows of this block size, by transfers in flight
         // The direct lanes get a row per verifying side and transfers in flight, the ring a row per copy strategy
         // and transfers in flight; the others one row.
         std::vector<std::pair<std::string, std::uint32_t>> variants;
         for (const auto& v : ring_lane     ? a.ring_copies
                              : direct_lane ? a.lane_verifies
                                            : std::vector<std::string>{a.lane_verify})
-          for (std::uint32_t k : direct_lane ? a.inflights : std::vector<std::uint32_t>{1}) variants.emplace_back(v, k);
+          for (std::uint32_t k : a.inflights) variants.emplace_back(v, k);
         for (const auto& memory : a.memories)
           for (const auto& [verify, inflight] : variants) {
             PdArgs row = a;
@@ -1015,7 +1028,9 @@ int run_bench(const PdArgs& a) {
               continue;
             }
             if (memory == "host") host_gbps = *g;
-            if (memory == "raw") raw_gbps = *g;
+            if (memory == "raw") raw_by_inflight[inflight] = *g;
+            const std::optional<double> raw_gbps =
+                raw_by_inflight.count(inflight) ? std::optional<double>(raw_by_inflight[inflight]) : std::nullopt;
             const double pg = p.ok() ? *p : 0.0;
             const double ratio = pg > 0 ? *g / pg : 0.0;
             const std::optional<double> to_host =
@@ -1027,7 +1042,10 @@ int run_bench(const PdArgs& a) {
               j["lane"] = lane;
               j["memory"] = memory;
               j["block_bytes"] = bs;
-              if (!direct_lane) j["host_alloc"] = a.host_alloc;
+              if (!direct_lane) {
+                j["host_alloc"] = a.host_alloc;
+                j["inflight"] = inflight;
+              }
               j["blocks"] = blocks_for(a, bs);
               j["layers"] = a.layers;
               j["iters"] = a.iters;
@@ -1078,6 +1096,7 @@ int run_bench(const PdArgs& a) {
                 th = pt.ok() ? fmt::format("perftest/transfer {:.2f} ({:.2f})", *pt, *g / std::max(1e-9, *pt)) : "";
                 if (memory == "host" && raw_gbps)
                   th += fmt::format(" raw {:.2f} ({:.2f})", *raw_gbps, *g / std::max(1e-9, *raw_gbps));
+                if (inflight > 1) th += fmt::format(" x{}", inflight);
               }
               if (ring_lane)
                 th = fmt::format("copy {} x{} d2h {:.1f} h2d {:.1f} duplex {:.1f} ratio {:.2f} ({:.2f} of duplex)",
@@ -1121,7 +1140,7 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--lane-verify", a->lane_verifies,
                   "direct lanes: which side makes the second checksum pass, mover and/or receiver (a row each)")
       ->delimiter(',');
-  cmd->add_option("--inflight", a->inflights, "direct lanes: transfers in flight at once (a row each), e.g. 1,4")
+  cmd->add_option("--inflight", a->inflights, "transfers in flight at once (a row each), e.g. 1,4")
       ->delimiter(',');
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,

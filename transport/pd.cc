@@ -694,10 +694,84 @@ class Endpoint {
 
 // ---- prefill --------------------------------------------------------------------------------------------
 
+// The prefill's checksums on the transport lane, off the protocol thread: one worker takes layers in the order they
+// became ready (each split over the endpoint's checksum helpers), so that a layer's checksums overlap the previous
+// layer's post, which on UCX shared memory is the copy itself. The worker starts with the first job.
+class ChecksumQueue {
+ public:
+  struct Job {
+    std::uint32_t layer = 0;
+    std::vector<std::uint64_t> blocks;
+    std::vector<std::uint64_t> out;  // the checksums, once `done`
+    std::atomic<bool> done{false};
+  };
+  using Compute = std::function<void(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out)>;
+  explicit ChecksumQueue(Compute compute) : compute_(std::move(compute)) {}
+  ~ChecksumQueue() { stop(); }
+  ChecksumQueue(const ChecksumQueue&) = delete;
+  ChecksumQueue& operator=(const ChecksumQueue&) = delete;
+
+  // Null when the worker cannot be started (the caller computes the checksums itself).
+  std::shared_ptr<Job> submit(std::uint32_t layer, const std::vector<std::uint64_t>& blocks) {
+    auto job = std::make_shared<Job>();
+    job->layer = layer;
+    job->blocks = blocks;
+    job->out.resize(blocks.size());
+    std::lock_guard lock(mu_);
+    if (stop_) return nullptr;
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { run(); });
+      } catch (const std::system_error&) {
+        return nullptr;
+      }
+    }
+    jobs_.push_back(job);
+    cv_.notify_one();
+    return job;
+  }
+
+  // Finishes the job in progress; jobs not started never complete (their transfers are gone with the endpoint).
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+      jobs_.clear();
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      std::shared_ptr<Job> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      compute_(job->layer, job->blocks, job->out.data());
+      job->done.store(true, std::memory_order_release);
+      lock.lock();
+    }
+  }
+
+  Compute compute_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> jobs_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 class Prefill final : public PdPrefill, public Endpoint {
  public:
   using Endpoint::Endpoint;
-  ~Prefill() override { stop(); }
+  ~Prefill() override {
+    stop();
+    checksums_.stop();
+  }
 
   Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
@@ -782,6 +856,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::optional<XferId> xfer;  // push: the write
     bool lane_pending = false;   // device lane: the layer's kernel is enqueued, its event not yet seen
     bool ready_seen = false;     // ring lane: its data is in place; its pieces go as slots are granted
+    std::shared_ptr<ChecksumQueue::Job> ck;  // transport lane: the layer's checksums, being computed or done
   };
   struct Req {
     PdMode mode = PdMode::kPush;
@@ -824,9 +899,10 @@ class Prefill final : public PdPrefill, public Endpoint {
     return false;
   }
 
+  // Nothing of the transfer still reads or writes its blocks: no write in flight, no kernel, no checksum job.
   static bool writes_quiet(const X& x) {
     for (const L& l : x.layers)
-      if (l.xfer || l.lane_pending) return false;
+      if (l.xfer || l.lane_pending || (l.ck && !l.ck->done.load(std::memory_order_acquire))) return false;
     for (const Piece& pc : x.pieces)
       if (pc.state == PieceState::kCopying) return false;
     return true;
@@ -1010,6 +1086,11 @@ class Prefill final : public PdPrefill, public Endpoint {
     for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
       L& l = x.layers[li];
       if (!l.declared || l.sent || l.ready_seen) continue;
+      if (l.ck) {  // ready already; its checksums are being computed
+        if (l.ck->done.load(std::memory_order_acquire)) send_layer(id, x, li);
+        if (x.final) return;
+        continue;
+      }
       auto ready = l.ready();
       if (!ready.ok()) {
         // The layer's data will never be valid (its event or staging copy failed).
@@ -1021,6 +1102,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         l.ready_seen = true;
         continue;
       }
+      if (!x.lane && (l.ck = checksums_.submit(li, x.src)) != nullptr) continue;
       send_layer(id, x, li);
       if (x.final) return;
     }
@@ -1194,8 +1276,13 @@ class Prefill final : public PdPrefill, public Endpoint {
       return;
     }
     L& l = x.layers[li];
-    std::vector<std::uint64_t> ck(x.src.size());
-    layer_checksums(li, x.src, ck.data());
+    std::vector<std::uint64_t> ck;
+    if (l.ck) {
+      ck = std::move(l.ck->out);
+    } else {
+      ck.resize(x.src.size());
+      layer_checksums(li, x.src, ck.data());
+    }
     l.sent = true;
     x.last_sent = Clock::now();
     if (x.req->mode == PdMode::kPull) {
@@ -1220,6 +1307,9 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   std::map<TransferId, X> xfers_;
   std::map<TransferId, Req> early_;
+  ChecksumQueue checksums_{[this](std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) {
+    layer_checksums(layer, blocks, out);
+  }};
   std::map<PeerId, PeerRing> peer_rings_;                  // ring lane (std::map: X::ring points into it)
   std::map<TransferId, std::vector<Grant>> early_grants_;  // grants that came before begin()
 };
@@ -1229,7 +1319,10 @@ class Prefill final : public PdPrefill, public Endpoint {
 class Decode final : public PdDecode, public Endpoint {
  public:
   using Endpoint::Endpoint;
-  ~Decode() override { stop(); }
+  ~Decode() override {
+    stop();
+    checksums_.stop();
+  }
 
   Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_blocks(dst_blocks, "destination"));
@@ -1360,10 +1453,18 @@ class Decode final : public PdDecode, public Endpoint {
     // Ring lane: per piece ([layer * pieces_per_layer + piece]) its slot and state.
     std::vector<Piece> pieces;
     std::uint32_t pieces_per_layer = 0;
+    // Transport lane: layers whose arrived blocks are being checksummed off the protocol thread.
+    struct Verify {
+      std::uint32_t layer = 0;
+      std::vector<std::uint64_t> expected;
+      std::shared_ptr<ChecksumQueue::Job> job;
+    };
+    std::vector<Verify> verifying;
   };
 
   bool busy() const override {
     for (const auto& [id, x] : xfers_) {
+      if (!x.verifying.empty()) return true;
       for (std::uint8_t p : x.lane_pending)
         if (p != 0) return true;
       for (const Piece& pc : x.pieces)
@@ -1398,6 +1499,7 @@ class Decode final : public PdDecode, public Endpoint {
 
   // Whether nothing can still land in the destination blocks (the transfer being final aside).
   bool is_reclaimable(const X& x) const {
+    if (!x.verifying.empty()) return false;  // a checksum job still reads the blocks
     for (const Read& r : x.reads)
       if (r.active) return false;
     for (std::uint8_t p : x.lane_pending)
@@ -1438,9 +1540,22 @@ class Decode final : public PdDecode, public Endpoint {
       compare_layer(id, x, layer, ck, nullptr);
       return;
     }
+    if (auto job = checksums_.submit(layer, x.dst)) {
+      x.verifying.push_back({layer, ck, std::move(job)});
+      return;
+    }
     std::vector<std::uint64_t> actual(x.dst.size());
     layer_checksums(layer, x.dst, actual.data());
     compare_layer(id, x, layer, ck, actual.data());
+  }
+
+  // Layers whose checksum jobs are done are compared (a layer failed meanwhile stays failed).
+  void finish_verifications(TransferId id, X& x) {
+    std::erase_if(x.verifying, [&](X::Verify& v) {
+      if (!v.job->done.load(std::memory_order_acquire)) return false;
+      compare_layer(id, x, v.layer, v.expected, v.job->out.data());
+      return true;
+    });
   }
 
   // The layer's blocks against the checksums the prefill announced; `actual`: what arrived (x.dst.size()).
@@ -1634,6 +1749,7 @@ class Decode final : public PdDecode, public Endpoint {
   void tick(Clock::time_point now) override {
     if (ring_lane()) finish_ring(now);
     for (auto& [id, x] : xfers_) {
+      finish_verifications(id, x);
       if (x.lane && !ring_lane()) finish_lane_layers(id, x);
       for (std::uint32_t l = 0; l < x.reads.size(); ++l) {
         Read& r = x.reads[l];
@@ -1838,6 +1954,9 @@ class Decode final : public PdDecode, public Endpoint {
     grant_ring();
   }
 
+  ChecksumQueue checksums_{[this](std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) {
+    layer_checksums(layer, blocks, out);
+  }};
   std::map<TransferId, X> xfers_;
   // Ring lane: the shared ring (the transport owns its memory), its slots and who may use them.
   RingGeometry ring_;
