@@ -179,16 +179,16 @@ struct PdNative {
 
   Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 
-  // Endpoints first (their progress threads), then the transport, the copy engine, the staging memory and the
-  // adoptions; the Python references last, under the GIL.
+  // Endpoints first (their progress threads), then the copy engine, the staging (unpinned before the transport
+  // that allocated its memory goes), the transport and the adoptions; the Python references last, under the GIL.
   ~PdNative() {
     prefill.reset();
     decode.reset();
     staged_prefill.reset();
     staged_decode.reset();
-    transport.reset();
     engine.reset();
     staging.reset();
+    transport.reset();
     adopted_device.clear();
     if (!device_ref.is_valid() && !keep_alive.is_valid()) return;
     if (!Py_IsInitialized()) {  // the interpreter is gone: leak rather than crash
@@ -334,7 +334,9 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     }
     // Device memory: staged through pinned host memory with the copy engine.
     const std::uint64_t staging_blocks = o.staging_blocks != 0 ? o.staging_blocks : space.num_blocks();
-    KVTIER_ASSIGN_OR_RETURN(auto staging, transport::StagingSpace::allocate(*device, n->layout, staging_blocks));
+    // From the transport (allocate_host), so that UCX's shared-memory lanes reach the staging directly.
+    KVTIER_ASSIGN_OR_RETURN(auto staging,
+                            transport::StagingSpace::allocate(*device, n->layout, staging_blocks, n->transport.get()));
     n->staging.emplace(std::move(staging));
     KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
     transport::StagedOptions so;
