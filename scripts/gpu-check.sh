@@ -110,10 +110,10 @@ if [ "$what" = host ] || [ "$what" = pd ] || [ "$what" = all ]; then
   # caller's own memory.
   perftest=(--no-perftest); command -v ucx_perftest > /dev/null && perftest=()
   timeout 300 "$BIN/kvtier" bench pd --lanes shm,tcp,ipc --memory raw,host,device --backend cuda \
-    --block-sizes 16384,1048576 --iters 8 "${perftest[@]}" --json > "$OUT/bench_pd_host.jsonl" 2> "$OUT/bench_pd_host.err"
+    --block-sizes 16384,1048576 --layers 8 --iters 24 --inflight 1,4 "${perftest[@]}" --json > "$OUT/bench_pd_host.jsonl" 2> "$OUT/bench_pd_host.err"
   echo "bench pd host rc=$?"; tail -5 "$OUT/bench_pd_host.err"
-  timeout 120 "$BIN/kvtier" bench pd --lanes shm --memory raw,host --host-alloc caller --block-sizes 16384,1048576 \
-    --iters 8 "${perftest[@]}" --json >> "$OUT/bench_pd_host.jsonl" 2>> "$OUT/bench_pd_host.err"
+  timeout 120 "$BIN/kvtier" bench pd --lanes shm --memory raw,host --host-alloc caller --block-sizes 16384,1048576 --layers 8 \
+    --iters 24 --inflight 1,4 "${perftest[@]}" --json >> "$OUT/bench_pd_host.jsonl" 2>> "$OUT/bench_pd_host.err"
   echo "bench pd host (caller memory) rc=$?"; cat "$OUT/bench_pd_host.jsonl"
 fi
 if [ "$what" = ring ] || [ "$what" = pd ] || [ "$what" = all ]; then

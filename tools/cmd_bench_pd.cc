@@ -226,11 +226,13 @@ struct DeviceSide {
 
 // `t`: the transport the staging comes from (nullptr: the device's pinned memory); it must outlive the side.
 Result<DeviceSide> make_device_side(const std::string& backend, const KvLayout& layout, std::uint64_t n,
-                                    std::byte fill, transport::Transport* t) {
+                                    std::byte fill, transport::Transport* t, std::uint32_t inflight) {
   DeviceSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, open_device(backend));
   KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device));
-  KVTIER_ASSIGN_OR_RETURN(d.staging, transport::StagingSpace::allocate(*d.device, layout, n, t));
+  // Staging for every transfer in flight (each takes n staging blocks until it is forgotten).
+  const std::uint64_t staging_blocks = n * std::max<std::uint32_t>(1, inflight);
+  KVTIER_ASSIGN_OR_RETURN(d.staging, transport::StagingSpace::allocate(*d.device, layout, staging_blocks, t));
   std::vector<std::vector<void*>> bases(layout.num_layers());
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
     const std::uint64_t bytes = layout.block_bytes(l, 0) * n;
@@ -549,7 +551,8 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
 int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n) {
   auto t = lane_transport({"bench-prefill", layout.fingerprint(), 1, 0}, a.lane);
   if (!t.ok()) return 5;
-  auto side = make_device_side(a.backend, layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr);
+  auto side = make_device_side(a.backend, layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr,
+                               a.inflight);
   if (!side.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", side.status().to_string().c_str());
     return 5;
@@ -594,7 +597,14 @@ Status finish_raw(transport::Transport& t, std::vector<transport::XferId>& xfers
     auto st = t.wait(x, 60s);
     if (!st.ok()) return st.status();
     if (st->state != transport::XferState::kDone && first.ok()) first = st->error;
-    while (!t.poll(x)->quiescent) std::this_thread::sleep_for(1ms);
+    // Quiescence follows completion closely: spin (yielding) rather than sleep, so the raw row pays no timer.
+    for (const auto limit = std::chrono::steady_clock::now() + 60s;;) {
+      auto q = t.poll(x);
+      if (!q.ok()) return q.status();
+      if (q->quiescent) break;
+      if (std::chrono::steady_clock::now() > limit) return TimedOut("raw transfer not quiescent after 60 s");
+      std::this_thread::yield();
+    }
     t.release(x).ignore_error();
   }
   xfers.clear();
@@ -779,7 +789,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   std::optional<DeviceSide> side;  // its staging may be the transport's memory
   if (staged) {
     transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
-    KVTIER_ASSIGN_OR_RETURN(side, make_device_side(a.backend, layout, n, std::byte{0x40}, from));
+    KVTIER_ASSIGN_OR_RETURN(side, make_device_side(a.backend, layout, n, std::byte{0x40}, from, a.inflight));
   }
   if (!staged && !direct) {
     transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
