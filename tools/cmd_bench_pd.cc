@@ -32,14 +32,18 @@
 // bytes device -> pinned host and back, each direction alone (ratio_to_ceiling = gbps / min(d2h, h2d)) and both at
 // once on two streams (ratio_to_duplex_ceiling: with both processes on one GPU the ring's D2H and H2D share its
 // link, which carries less each way when both run).
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <poll.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -992,6 +996,57 @@ Result<double> run_perftest(const std::string& lane, PdMode mode, std::uint64_t 
   return v[5] * 1048576.0 / 1e9;
 }
 
+// The tcp rows' reference: `bytes` through one plain loopback TCP connection (a sender and a receiver thread,
+// 1 MiB send() and recv() calls), GB/s.
+Result<double> run_socket_stream(std::uint64_t bytes) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listener < 0) return Unavailable(fmt::format("socket: {}", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(listener);
+    return Unavailable(fmt::format("loopback listener: {}", std::strerror(errno)));
+  }
+  constexpr std::size_t kChunk = 1 << 20;
+  std::atomic<bool> send_failed{false};
+  std::thread sender([&] {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    std::vector<char> buf(kChunk, 'k');
+    if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      send_failed = true;
+    } else {
+      for (std::uint64_t sent = 0; sent < bytes;) {
+        const ssize_t n = send(fd, buf.data(), std::min<std::uint64_t>(kChunk, bytes - sent), MSG_NOSIGNAL);
+        if (n <= 0) {
+          send_failed = true;
+          break;
+        }
+        sent += static_cast<std::uint64_t>(n);
+      }
+    }
+    if (fd >= 0) close(fd);
+  });
+  pollfd p{listener, POLLIN, 0};
+  const int conn = ::poll(&p, 1, 10000) > 0 ? accept4(listener, nullptr, nullptr, SOCK_CLOEXEC) : -1;
+  close(listener);
+  std::vector<char> buf(kChunk);
+  std::uint64_t got = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (conn >= 0 && got < bytes) {
+    const ssize_t n = recv(conn, buf.data(), kChunk, 0);
+    if (n <= 0) break;
+    got += static_cast<std::uint64_t>(n);
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (conn >= 0) close(conn);
+  sender.join();
+  if (got < bytes || send_failed) return Unavailable("loopback stream ended early");
+  return static_cast<double>(bytes) / secs / 1e9;
+}
+
 int run_bench(const PdArgs& a) {
   if (!a.json)
     std::printf("%-5s %-5s %-6s %12s %8s %10s %18s %7s %13s\n", "lane", "mode", "memory", "block_bytes", "blocks",
@@ -1012,6 +1067,9 @@ int run_bench(const PdArgs& a) {
         Result<double> pt = a.no_perftest || direct_lane
                                 ? Result<double>(NotSupported("skipped"))
                                 : run_perftest(lane, mode, transfer_bytes, port++, 2ull << 30, 10);
+        // The tcp lane's other reference: the same bytes through one plain loopback socket stream.
+        const Result<double> socket_gbps =
+            lane == "tcp" ? run_socket_stream(std::uint64_t{a.iters} * transfer_bytes) : Result<double>(NotSupported(""));
         std::optional<double> host_gbps;
         std::map<std::uint32_t, double> raw_by_inflight;  // raw rows of this block size, by transfers in flight
         // The direct lanes get a row per verifying side and transfers in flight, the ring a row per copy strategy
@@ -1062,6 +1120,10 @@ int run_bench(const PdArgs& a) {
               j["gbps"] = *g;
               j["ucx_perftest_gbps"] = p.ok() ? nlohmann::json(pg) : nlohmann::json(nullptr);
               j["ratio"] = p.ok() ? nlohmann::json(ratio) : nlohmann::json(nullptr);
+              if (socket_gbps.ok() && memory != "device") {
+                j["socket_stream_gbps"] = *socket_gbps;
+                j["ratio_to_socket_stream"] = *socket_gbps > 0 ? *g / *socket_gbps : 0.0;
+              }
               if (pt.ok()) {
                 j["ucx_perftest_transfer_gbps"] = *pt;
                 j["ratio_to_perftest_transfer"] = *pt > 0 ? *g / *pt : 0.0;
@@ -1106,6 +1168,8 @@ int run_bench(const PdArgs& a) {
                 th = pt.ok() ? fmt::format("perftest/transfer {:.2f} ({:.2f})", *pt, *g / std::max(1e-9, *pt)) : "";
                 if (memory == "host" && raw_gbps)
                   th += fmt::format(" raw {:.2f} ({:.2f})", *raw_gbps, *g / std::max(1e-9, *raw_gbps));
+                if (socket_gbps.ok())
+                  th += fmt::format(" socket {:.2f} ({:.2f})", *socket_gbps, *g / std::max(1e-9, *socket_gbps));
                 if (inflight > 1) th += fmt::format(" x{}", inflight);
               }
               if (ring_lane)

@@ -732,6 +732,44 @@ TEST(ByteCodec, FieldsRoundTripAndTruncatedInputIsRefused) {
   EXPECT_EQ(ipc, "ipc");
 }
 
+// The TCP segment size is checked before UCX sees it; 0 keeps UCX's defaults, and those transports still move bytes.
+TEST(UcxOptionsCheck, TcpSegmentOutOfRangeIsRefusedNamingIt) {
+  for (std::uint64_t bad : {std::uint64_t{1}, std::uint64_t{4095}, (std::uint64_t{64} << 20) + 1}) {
+    UcxOptions o;
+    o.tls = "tcp";
+    o.net_devices = "lo";
+    o.tcp_segment_bytes = bad;
+    auto t = create_ucx_transport(ident("seg"), o);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(t.status().message().find(fmt::format("tcp_segment_bytes {}", bad)), std::string::npos)
+        << t.status().to_string();
+  }
+  for (std::uint64_t good : {std::uint64_t{0}, std::uint64_t{4096}, std::uint64_t{1} << 20}) {
+    UcxOptions o;
+    o.tls = "tcp";
+    o.net_devices = "lo";
+    o.tcp_segment_bytes = good;
+    auto a = create_ucx_transport(ident(fmt::format("seg-a{}", good)), o);
+    auto b = create_ucx_transport(ident(fmt::format("seg-b{}", good)), o);
+    ASSERT_TRUE(a.ok() && b.ok()) << good;
+    std::vector<std::byte> src = random_bytes(3 << 20, 21), dst(3 << 20);
+    auto ra = (*a)->register_memory({MemoryKind::kPinnedHost, 0, src.data(), src.size()});
+    auto rb = (*b)->register_memory({MemoryKind::kPinnedHost, 0, dst.data(), dst.size()});
+    ASSERT_TRUE(ra.ok() && rb.ok());
+    auto peer = (*a)->load_peer((*b)->export_metadata().value());
+    ASSERT_TRUE(peer.ok() && (*b)->load_peer((*a)->export_metadata().value()).ok());
+    std::vector<LocalDesc> l = {{*ra, 0, src.size()}};
+    std::vector<RemoteDesc> r = {{0, 0, src.size()}};
+    auto x = (*a)->post(XferOp::kWrite, *peer, l, r, "seg");
+    ASSERT_TRUE(x.ok());
+    std::vector<Notification> seen;
+    ASSERT_TRUE(await_notification(**b, "seg", seen).ok()) << good;
+    EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0) << good;
+    ASSERT_TRUE(await_quiescent(**a, *x).ok());
+  }
+}
+
 TEST(MergeContiguous, JoinsRunsContiguousOnBothSidesAndKeepsTheRest) {
   std::vector<std::byte> mem(1 << 12);
   std::byte* p = mem.data();

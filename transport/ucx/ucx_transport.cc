@@ -41,6 +41,8 @@ namespace kvtier::transport {
 namespace {
 
 constexpr unsigned kAmId = 0x4b56;  // "KV"
+// UcxOptions::tcp_segment_bytes: at least a page, at most what a receive buffer per connection may sensibly hold.
+constexpr std::uint64_t kMinTcpSegment = 4096, kMaxTcpSegment = std::uint64_t{64} << 20;
 
 Status ucs_error(std::string_view what, ucs_status_t st) {
   return Internal(fmt::format("{}: {}", what, ucs_status_string(st)));
@@ -196,6 +198,23 @@ class UcxTransport final : public detail::TransportBase {
         (st = ucp_config_modify(config, "NET_DEVICES", options_.net_devices.c_str())) != UCS_OK) {
       ucp_config_release(config);
       return InvalidArgument(fmt::format("UCX NET_DEVICES '{}': {}", options_.net_devices, ucs_status_string(st)));
+    }
+    // TCP moves data in segments of UCX_TCP_TX_SEG_SIZE / RX_SEG_SIZE (8 KiB / 64 KiB by default): a send call and
+    // a receive call per segment. KV layers are megabytes, and larger segments move 3-4x the bytes per second over
+    // loopback (docs/performance.md, "Host lanes"). The environment's values, when set, win.
+    // Only where TCP may be used: UCX warns about settings that no transport of the context took.
+    const bool tcp_possible = options_.tls.empty() || options_.tls.find("tcp") != std::string::npos ||
+                              options_.tls.find("all") != std::string::npos;
+    if (options_.tcp_segment_bytes != 0 && tcp_possible) {
+      const std::string seg = std::to_string(options_.tcp_segment_bytes);
+      for (const char* name : {"TX_SEG_SIZE", "RX_SEG_SIZE"}) {  // the tcp interface's fields
+        if (std::getenv(fmt::format("UCX_TCP_{}", name).c_str()) != nullptr) continue;
+        if ((st = ucp_config_modify(config, name, seg.c_str())) != UCS_OK) {
+          ucp_config_release(config);
+          return InvalidArgument(
+              fmt::format("UCX {} {}: {}", name, options_.tcp_segment_bytes, ucs_status_string(st)));
+        }
+      }
     }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -771,6 +790,10 @@ Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, 
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));
+  if (options.tcp_segment_bytes != 0 &&
+      (options.tcp_segment_bytes < kMinTcpSegment || options.tcp_segment_bytes > kMaxTcpSegment))
+    return InvalidArgument(fmt::format("tcp_segment_bytes {}: 0 (UCX's defaults) or {} to {}", options.tcp_segment_bytes,
+                                       kMinTcpSegment, kMaxTcpSegment));
   auto t = std::make_unique<UcxTransport>(std::move(identity), std::move(options));
   KVTIER_RETURN_IF_ERROR(t->start());
   return std::unique_ptr<Transport>(std::move(t));

@@ -243,6 +243,10 @@ struct UcxOptions {
   std::string net_devices;
   // See "Trust" above: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
   std::string peer_secret;
+  // The TCP lane's send and receive segment (UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE, unless the environment
+  // sets them): UCX's defaults (8 KiB / 64 KiB) cost a system call per segment. 0: UCX's defaults; otherwise 4 KiB
+  // to 64 MiB (kInvalidArgument naming the value).
+  std::uint64_t tcp_segment_bytes = std::uint64_t{256} << 10;
 };
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options = {});
 
