@@ -35,8 +35,8 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <poll.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -229,8 +229,8 @@ struct DeviceSide {
 };
 
 // `t`: the transport the staging comes from (nullptr: the device's pinned memory); it must outlive the side.
-Result<DeviceSide> make_device_side(const std::string& backend, const KvLayout& layout, std::uint64_t n,
-                                    std::byte fill, transport::Transport* t, std::uint32_t inflight) {
+Result<DeviceSide> make_device_side(const std::string& backend, const KvLayout& layout, std::uint64_t n, std::byte fill,
+                                    transport::Transport* t, std::uint32_t inflight) {
   DeviceSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, open_device(backend));
   KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device));
@@ -576,9 +576,9 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
 // Registers one region per layer plane, in order (as the protocol's endpoints do).
 Status register_planes(transport::Transport& t, const BlockSpace& space, std::uint64_t n) {
   for (std::uint32_t l = 0; l < space.layout().num_layers(); ++l) {
-    KVTIER_RETURN_IF_ERROR(t.register_memory({MemoryKind::kPinnedHost, 0, space.block_ptr(l, 0, 0),
-                                               space.layout().block_bytes(l, 0) * n})
-                               .status());
+    KVTIER_RETURN_IF_ERROR(
+        t.register_memory({MemoryKind::kPinnedHost, 0, space.block_ptr(l, 0, 0), space.layout().block_bytes(l, 0) * n})
+            .status());
   }
   return Status::Ok();
 }
@@ -615,16 +615,30 @@ Status finish_raw(transport::Transport& t, std::vector<transport::XferId>& xfers
   return first;
 }
 
+// The prefill process's host blocks (layer l filled with 1 + l) and its lane's transport; the transport goes first
+// (the caller's memory stays registered in it until then).
+struct PrefillHost {
+  Blocks blocks;
+  std::unique_ptr<transport::Transport> t;
+  std::uint64_t n = 0;
+};
+Result<PrefillHost> make_prefill_host(const PdArgs& a) {
+  KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, a.block_bytes));
+  PrefillHost h;
+  h.n = blocks_for(a, a.block_bytes);
+  KVTIER_ASSIGN_OR_RETURN(h.t, lane_transport({"bench-prefill", layout.fingerprint(), 1, 0}, a.lane));
+  KVTIER_ASSIGN_OR_RETURN(h.blocks,
+                          make_blocks(layout, h.n, std::byte{1}, a.host_alloc == "transport" ? h.t.get() : nullptr));
+  return h;
+}
+
 // The prefill process of a raw row: in push, each "go <id>" from the decode makes it write every layer (one
 // transfer per layer, its notification "w <id>"); in pull it only serves. Ends when the decode closes its pipe.
 int run_prefill_raw(const PdArgs& a) {
-  auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
-  if (!layout.ok()) return 5;
-  const std::uint64_t n = blocks_for(a, a.block_bytes);
-  auto t = lane_transport({"bench-prefill", layout->fingerprint(), 1, 0}, a.lane);
-  if (!t.ok()) return 5;
-  auto blocks = make_blocks(*layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr);
-  if (!blocks.ok() || !register_planes(**t, blocks->space, n).ok()) return 5;
+  auto host = make_prefill_host(a);
+  if (!host.ok() || !register_planes(*host->t, host->blocks.space, host->n).ok()) return 5;
+  auto* t = &host->t;
+  const std::uint64_t n = host->n;
   auto blob = (*t)->export_metadata();
   if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
   auto peer_blob = recv_blob(a.in_fd);
@@ -669,16 +683,11 @@ int run_prefill(const PdArgs& a) {
     if (!layout.ok()) return 5;
     return run_prefill_staged(a, *layout, blocks_for(a, a.block_bytes));
   }
-  auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
-  if (!layout.ok()) return 5;
-  const std::uint64_t n = blocks_for(a, a.block_bytes);
-  auto t = lane_transport({"bench-prefill", layout->fingerprint(), 1, 0}, a.lane);
-  if (!t.ok()) return 5;
-  auto blocks = make_blocks(*layout, n, std::byte{1}, a.host_alloc == "transport" ? t->get() : nullptr);
-  if (!blocks.ok()) return 5;
-  auto pre = transport::PdPrefill::create(**t, blocks->space, kPdOptions);
+  auto host = make_prefill_host(a);
+  if (!host.ok()) return 5;
+  auto pre = transport::PdPrefill::create(*host->t, host->blocks.space, kPdOptions);
   if (!pre.ok()) return 5;
-  return serve_prefill(a, **t, **pre, iota(n));
+  return serve_prefill(a, *host->t, **pre, iota(host->n));
 }
 
 // Layer l of every host block holds fill + l (what the prefill's blocks hold).
@@ -1068,8 +1077,8 @@ int run_bench(const PdArgs& a) {
                                 ? Result<double>(NotSupported("skipped"))
                                 : run_perftest(lane, mode, transfer_bytes, port++, 2ull << 30, 10);
         // The tcp lane's other reference: the same bytes through one plain loopback socket stream.
-        const Result<double> socket_gbps =
-            lane == "tcp" ? run_socket_stream(std::uint64_t{a.iters} * transfer_bytes) : Result<double>(NotSupported(""));
+        const Result<double> socket_gbps = lane == "tcp" ? run_socket_stream(std::uint64_t{a.iters} * transfer_bytes)
+                                                         : Result<double>(NotSupported(""));
         std::optional<double> host_gbps;
         std::map<std::uint32_t, double> raw_by_inflight;  // raw rows of this block size, by transfers in flight
         // The direct lanes get a row per verifying side and transfers in flight, the ring a row per copy strategy
@@ -1214,8 +1223,7 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--lane-verify", a->lane_verifies,
                   "direct lanes: which side makes the second checksum pass, mover and/or receiver (a row each)")
       ->delimiter(',');
-  cmd->add_option("--inflight", a->inflights, "transfers in flight at once (a row each), e.g. 1,4")
-      ->delimiter(',');
+  cmd->add_option("--inflight", a->inflights, "transfers in flight at once (a row each), e.g. 1,4")->delimiter(',');
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,
                   "host (pinned host blocks), device (device blocks through the staged path), raw (host blocks moved "

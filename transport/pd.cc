@@ -196,8 +196,8 @@ class Endpoint {
       if (helpers == PdOptions::kAutoChecksumHelpers)
         helpers = detail::ParallelLoop::default_helpers(std::thread::hardware_concurrency());
       if (helpers > PdOptions::kMaxChecksumHelpers)
-        return InvalidArgument(fmt::format("{}: checksum_helpers {} (at most {})", role, helpers,
-                                           PdOptions::kMaxChecksumHelpers));
+        return InvalidArgument(
+            fmt::format("{}: checksum_helpers {} (at most {})", role, helpers, PdOptions::kMaxChecksumHelpers));
       if (helpers > 0) checksum_loop_ = std::make_unique<detail::ParallelLoop>(helpers);
     }
     const KvLayout& layout = blocks_.layout();
@@ -670,7 +670,7 @@ class Endpoint {
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
-  mutable std::vector<std::int32_t> ring_ids_;  // 0, 1, ...: a slot's block ids (under mu_)
+  mutable std::vector<std::int32_t> ring_ids_;           // 0, 1, ...: a slot's block ids (under mu_)
   std::unique_ptr<detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
 
  protected:
@@ -680,7 +680,8 @@ class Endpoint {
     const KvLayout& layout = blocks_.layout();
     std::uint64_t block_bytes = 0;
     for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r) block_bytes += layout.block_bytes(layer, r);
-    const std::size_t grain = std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
+    const std::size_t grain =
+        std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
     auto body = [&](std::size_t begin, std::size_t end) {
       for (std::size_t i = begin; i < end; ++i) out[i] = block_layer_checksum(blocks_, layer, blocks[i]);
     };
@@ -705,7 +706,8 @@ class ChecksumQueue {
     std::vector<std::uint64_t> out;  // the checksums, once `done`
     std::atomic<bool> done{false};
   };
-  using Compute = std::function<void(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out)>;
+  using Compute =
+      std::function<void(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out)>;
   explicit ChecksumQueue(Compute compute) : compute_(std::move(compute)) {}
   ~ChecksumQueue() { stop(); }
   ChecksumQueue(const ChecksumQueue&) = delete;
@@ -851,11 +853,11 @@ class Prefill final : public PdPrefill, public Endpoint {
   struct L {
     bool declared = false;
     ReadyFn ready;
-    bool sent = false;           // written (push) or announced (pull)
-    bool acked = false;          // pull: the decode side's read notification came
-    std::optional<XferId> xfer;  // push: the write
-    bool lane_pending = false;   // device lane: the layer's kernel is enqueued, its event not yet seen
-    bool ready_seen = false;     // ring lane: its data is in place; its pieces go as slots are granted
+    bool sent = false;                       // written (push) or announced (pull)
+    bool acked = false;                      // pull: the decode side's read notification came
+    std::optional<XferId> xfer;              // push: the write
+    bool lane_pending = false;               // device lane: the layer's kernel is enqueued, its event not yet seen
+    bool ready_seen = false;                 // ring lane: its data is in place; its pieces go as slots are granted
     std::shared_ptr<ChecksumQueue::Job> ck;  // transport lane: the layer's checksums, being computed or done
   };
   struct Req {

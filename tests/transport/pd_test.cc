@@ -153,12 +153,12 @@ TEST_P(PdModes, ChecksumHelpersVerifyEveryBlockAndCatchOneDamagedByte) {
   // Layer 0, role 1, position 37 (descriptors go role by role, block by block).
   const WireFaults f{static_cast<std::int64_t>(kBlocks + 37), 4096};
   const int n = ++g_seq;
-  auto pre_t = wrap_with_wire_faults(
-      create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value(),
-      GetParam() == PdMode::kPush ? f : WireFaults{});
-  auto dec_t = wrap_with_wire_faults(
-      create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value(),
-      GetParam() == PdMode::kPull ? f : WireFaults{});
+  auto pre_t =
+      wrap_with_wire_faults(create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value(),
+                            GetParam() == PdMode::kPush ? f : WireFaults{});
+  auto dec_t =
+      wrap_with_wire_faults(create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value(),
+                            GetParam() == PdMode::kPull ? f : WireFaults{});
   PdOptions opt;
   opt.checksum_helpers = 3;
   auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();

@@ -560,8 +560,8 @@ TEST_P(TransportConformance, HostAllocationHoldsRegionsThatMoveBytesBothWays) {
   auto b_sees_a = (*b)->load_peer((*a)->export_metadata().value());
   ASSERT_TRUE(a_sees_b.ok() && b_sees_a.ok()) << a_sees_b.status().to_string();
   // WRITE: a run of three contiguous 4 KiB pieces, a gap, one more; then one from a1 into b's caller memory.
-  std::vector<LocalDesc> l = {{*a0, 0, 4096}, {*a0, 4096, 4096}, {*a0, 8192, 4096}, {*a0, 20000, 3000},
-                              {*a1, 100, 5000}};
+  std::vector<LocalDesc> l = {
+      {*a0, 0, 4096}, {*a0, 4096, 4096}, {*a0, 8192, 4096}, {*a0, 20000, 3000}, {*a1, 100, 5000}};
   std::vector<RemoteDesc> r = {{0, 0, 4096}, {0, 4096, 4096}, {0, 8192, 4096}, {0, 30000, 3000}, {1, 7, 5000}};
   auto x = (*a)->post(XferOp::kWrite, *a_sees_b, l, r, "host-write");
   ASSERT_TRUE(x.ok()) << x.status().to_string();
@@ -572,7 +572,7 @@ TEST_P(TransportConformance, HostAllocationHoldsRegionsThatMoveBytesBothWays) {
   EXPECT_EQ(std::memcmp(b0p + 30000, src.data() + 20000, 3000), 0);
   EXPECT_EQ(std::memcmp(caller_b.data() + 7, src.data() + 2 * kQ + 100, 5000), 0);
   EXPECT_EQ(std::memcmp(b0p + 12288, poison.data(), 30000 - 12288), 0);  // the gap
-  EXPECT_EQ(std::memcmp(hb->data(), poison.data(), kQ), 0);                // outside b's region
+  EXPECT_EQ(std::memcmp(hb->data(), poison.data(), kQ), 0);              // outside b's region
   ASSERT_TRUE(await_quiescent(**a, *x).ok());
   EXPECT_TRUE((*a)->release(*x).ok());
   // READ back into a's second region, contiguous runs again, and the bytes land where asked.
@@ -774,14 +774,13 @@ TEST(MergeContiguous, JoinsRunsContiguousOnBothSidesAndKeepsTheRest) {
   std::vector<std::byte> mem(1 << 12);
   std::byte* p = mem.data();
   using detail::ResolvedOp;
-  std::vector<ResolvedOp> ops = {
-      {p, 1000, 0, 10},        // run 1 ...
-      {p + 10, 1010, 0, 20},   // ... continues on both sides
-      {p + 30, 1030, 1, 5},    // another remote region: kept apart
-      {p + 35, 2000, 1, 5},    // local continues, remote does not
-      {p + 40, 2005, 1, 5},    // continues the previous one
-      {p + 100, 2010, 1, 5},   // remote continues, local does not
-      {p + 100, 2010, 1, 5}};  // the same range again (not after its end): kept
+  std::vector<ResolvedOp> ops = {{p, 1000, 0, 10},        // run 1 ...
+                                 {p + 10, 1010, 0, 20},   // ... continues on both sides
+                                 {p + 30, 1030, 1, 5},    // another remote region: kept apart
+                                 {p + 35, 2000, 1, 5},    // local continues, remote does not
+                                 {p + 40, 2005, 1, 5},    // continues the previous one
+                                 {p + 100, 2010, 1, 5},   // remote continues, local does not
+                                 {p + 100, 2010, 1, 5}};  // the same range again (not after its end): kept
   detail::merge_contiguous(ops);
   ASSERT_EQ(ops.size(), 5u);
   EXPECT_EQ(ops[0].local_ptr, p);

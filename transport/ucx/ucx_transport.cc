@@ -211,8 +211,7 @@ class UcxTransport final : public detail::TransportBase {
         if (std::getenv(fmt::format("UCX_TCP_{}", name).c_str()) != nullptr) continue;
         if ((st = ucp_config_modify(config, name, seg.c_str())) != UCS_OK) {
           ucp_config_release(config);
-          return InvalidArgument(
-              fmt::format("UCX {} {}: {}", name, options_.tcp_segment_bytes, ucs_status_string(st)));
+          return InvalidArgument(fmt::format("UCX {} {}: {}", name, options_.tcp_segment_bytes, ucs_status_string(st)));
         }
       }
     }
@@ -325,13 +324,15 @@ class UcxTransport final : public detail::TransportBase {
     mp.flags = UCP_MEM_MAP_ALLOCATE;
     ucp_mem_h memh = nullptr;
     ucs_status_t st = ucp_mem_map(context_, &mp, &memh);
-    if (st != UCS_OK) return ResourceExhausted(fmt::format("allocate_host: UCX could not allocate {} bytes: {}", bytes,
-                                                           ucs_status_string(st)));
+    if (st != UCS_OK)
+      return ResourceExhausted(
+          fmt::format("allocate_host: UCX could not allocate {} bytes: {}", bytes, ucs_status_string(st)));
     ucp_mem_attr_t attr{};
     attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
     void* rkey = nullptr;
     size_t rkey_len = 0;
-    if ((st = ucp_mem_query(memh, &attr)) != UCS_OK || (st = ucp_rkey_pack(context_, memh, &rkey, &rkey_len)) != UCS_OK) {
+    if ((st = ucp_mem_query(memh, &attr)) != UCS_OK ||
+        (st = ucp_rkey_pack(context_, memh, &rkey, &rkey_len)) != UCS_OK) {
       ucp_mem_unmap(context_, memh);
       return ucs_error("allocate_host: UCX allocation", st);
     }
@@ -792,8 +793,8 @@ Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, 
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));
   if (options.tcp_segment_bytes != 0 &&
       (options.tcp_segment_bytes < kMinTcpSegment || options.tcp_segment_bytes > kMaxTcpSegment))
-    return InvalidArgument(fmt::format("tcp_segment_bytes {}: 0 (UCX's defaults) or {} to {}", options.tcp_segment_bytes,
-                                       kMinTcpSegment, kMaxTcpSegment));
+    return InvalidArgument(fmt::format("tcp_segment_bytes {}: 0 (UCX's defaults) or {} to {}",
+                                       options.tcp_segment_bytes, kMinTcpSegment, kMaxTcpSegment));
   auto t = std::make_unique<UcxTransport>(std::move(identity), std::move(options));
   KVTIER_RETURN_IF_ERROR(t->start());
   return std::unique_ptr<Transport>(std::move(t));
