@@ -17,6 +17,8 @@ Redis Cluster tier, and loads them back on a prefix hit. vLLM loads it with::
   spec's ``capacity=`` or the ``storage.disk.capacity_bytes`` knob; required for Redis;
 - ``namespace``: a string added to the namespace (deployments that share a tier but not pages);
 - ``staging_bytes``: the most bytes one worker gathers per storage batch (default ``256M``);
+- ``cache.device_policy``: the eviction policy of the scheduler's index of stored chunks (kvtier's
+  ``CacheManager``): ``lru`` (default), ``s3fifo``, ``arc`` or ``lrfu[:boost]``;
 - ``storage.disk.*``, ``storage.redis.*``, ``storage.tenant.*``: kvtier's knobs (docs/configuration.md),
   as strings, numbers or booleans; an unknown knob or a bad value raises ``InvalidArgumentError`` naming it;
 - vLLM's own keys (``spec_name``, ``spec_module_path``, ``block_size``, ``blocks_per_chunk``,
@@ -29,9 +31,9 @@ block by block. The object's key is a 128-bit BLAKE2b of the ``OffloadKey``; the
 model, the KV dtype and layout, the chunk geometry and the rank identity (rank, TP, PP, PCP, DCP; on disk
 also the DP replica, on Redis the engine id), so a different model or parallel layout never reads these objects.
 
-The scheduler side (:class:`KvtierOffloadingManager`) keeps the index of stored chunks: capacity in
-chunks, least-recently-used eviction of chunks no load holds, evicted chunks deleted from the tier by the
-next store job. The worker side (:class:`KvtierOffloadingWorker`) gathers the chunk's blocks from vLLM's
+The scheduler side (:class:`KvtierOffloadingManager`) keeps the index of stored chunks in kvtier's
+``CacheManager``: capacity in chunks, its eviction policy over chunks no load holds, evicted chunks deleted
+from the tier by the next store job. The worker side (:class:`KvtierOffloadingWorker`) gathers the chunk's blocks from vLLM's
 KV tensors (GPU or CPU) into a staging buffer (pinned for a GPU) and writes it with one storage batch,
 or reads and verifies the objects first and scatters them into the KV tensors after.
 
@@ -45,14 +47,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl
 
 from . import _native
 from ._engine_config import split_extra_config
-from .errors import InvalidArgumentError, NotSupportedError
+from .errors import InvalidArgumentError, NotSupportedError, ResourceExhaustedError
 
 try:
     import torch  # noqa: F401 (kvtier._chunk_mover's copies)
@@ -104,7 +105,7 @@ _VLLM_KEYS = frozenset({
     "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout", "offload_prompt_only",
     "self_describing_kv_events", "sync_load_budget_bytes", "kv_load_failure_policy",
 })
-_OWN_KEYS = frozenset({"storage", "capacity", "namespace", "staging_bytes"})
+_OWN_KEYS = frozenset({"storage", "capacity", "namespace", "staging_bytes", "cache.device_policy"})
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # What one object costs on a disk tier beyond its payload rounded to 4 KiB: its header block, and slack.
 _DISK_OBJECT_OVERHEAD = 8192
@@ -145,6 +146,7 @@ class KvtierSettings:
     capacity_bytes: Optional[int]  # None: not given (a Redis tier then refuses)
     staging_bytes: int
     knobs: Dict[str, str]
+    policy: str = "lru"  # the index's eviction policy (cache.device_policy)
 
     @property
     def disk(self) -> bool:
@@ -176,7 +178,11 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
         elif "storage.disk.capacity_bytes" in knobs and knobs["storage.disk.capacity_bytes"] not in ("0", ""):
             capacity = parse_size("storage.disk.capacity_bytes", knobs["storage.disk.capacity_bytes"])
     staging = parse_size("staging_bytes", extra.get("staging_bytes", _DEFAULT_STAGING))
-    return KvtierSettings(spec, ns, capacity, staging, knobs)
+    policy = extra.get("cache.device_policy", "lru")
+    if not isinstance(policy, str) or not policy:
+        raise InvalidArgumentError(f"kvtier.vllm: extra_config['cache.device_policy'] = {policy!r} is not a policy "
+                                   "name (lru, s3fifo, arc, lrfu[:boost])")
+    return KvtierSettings(spec, ns, capacity, staging, knobs, policy)
 
 
 def namespace_of(config: OffloadingConfig, settings: KvtierSettings, rank: int) -> str:
@@ -232,37 +238,58 @@ class KvtierOffloadingInfo(ConfigInfo):
 # ---------------------------------------------------------------------------------------------- scheduler side
 
 
-class _Entry:
-    __slots__ = ("ready", "refs")
-
-    def __init__(self) -> None:
-        self.ready = False  # False: its store is in flight
-        self.refs = 0  # loads in flight
-
-
 class KvtierOffloadingManager(OffloadingManager):
-    """The index of offloaded chunks (scheduler side): which are stored, which are being stored or loaded.
+    """The index of offloaded chunks (scheduler side), kept by kvtier's ``CacheManager``.
 
-    ``capacity_chunks`` chunks at most; a store that needs room evicts least-recently-used stored chunks that no
-    load holds (their objects are deleted by the store job's workers); when there are not enough, ``prepare_store``
-    returns None (vLLM counts an allocation failure and does not offload)."""
+    Each chunk (``OffloadKey``, under its :func:`object_key`) is one block of a ``CacheManager`` whose pool is the
+    tier's capacity in chunks: the manager's eviction policy (``policy``: lru, s3fifo, arc, lrfu[:boost]) chooses
+    which stored chunk a store evicts, a load in flight pins its chunks (an admission of them, released by
+    ``complete_load``), and a store in flight holds its new chunks uncommitted until ``complete_store`` commits
+    them (or drops them, on failure). When the chunks that may be evicted are too few for a store,
+    ``prepare_store`` returns None (vLLM counts an allocation failure and does not offload) and evicts nothing.
+    Evicted chunks' objects are deleted by the next store job's workers."""
 
     def __init__(self, capacity_chunks: int, medium: Medium = Medium.STORAGE, locality: Locality = Locality.LOCAL,
-                 enable_events: bool = False, info: Optional[KvtierOffloadingInfo] = None):
+                 enable_events: bool = False, info: Optional[KvtierOffloadingInfo] = None, policy: str = "lru"):
         if capacity_chunks <= 0:
             raise InvalidArgumentError(f"kvtier.vllm: capacity of {capacity_chunks} chunks")
         self.capacity_chunks = capacity_chunks
         self.medium = medium
         self.locality = locality
-        self._index: "OrderedDict[bytes, _Entry]" = OrderedDict()  # least recently used first
+        self.policy = policy
+        self._index = self._new_index()  # raises InvalidArgumentError naming a bad policy
+        self._chunks: Dict[str, bytes] = {}  # object_key -> OffloadKey bytes: stored or being stored
+        self._pending: Dict[bytes, int] = {}  # being stored: the admission that holds its block
+        self._loads: Dict[bytes, List[int]] = {}  # loads in flight: their admissions
+        self._orphans: List[str] = []  # evicted objects the next store job deletes
         self._events: Optional[List[OffloadingEvent]] = [] if enable_events else None
         self._info = info.as_config_info() if info is not None else {}
         self.stats = {"stores": 0, "stored": 0, "store_failures": 0, "evicted": 0, "loads": 0, "refused": 0}
 
+    def _new_index(self) -> Any:
+        index = _native.CacheManager(device_blocks=self.capacity_chunks, device_policy=self.policy)
+        index.enable_kv_events(1, "DISK")  # its BlockRemoved events name the chunks its policy evicts
+        return index
+
+    def _take_evicted(self) -> List[bytes]:
+        """The chunks the index evicted since the last call (the index's events, drained)."""
+        evicted: List[bytes] = []
+        for event in self._index.take_events():
+            if event["type"] != "BlockRemoved":
+                continue
+            for h in event["block_hashes"]:
+                key = self._chunks.pop(bytes(h).hex(), None)
+                if key is not None:
+                    evicted.append(key)
+        return evicted
+
+    def _stored(self, key: bytes) -> bool:
+        return object_key(key) in self._chunks and key not in self._pending
+
     # the index
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._chunks)
 
     def _event(self, keys: List[OffloadKey], removed: bool, **more: Any) -> None:
         if self._events is not None and keys:
@@ -272,10 +299,10 @@ class KvtierOffloadingManager(OffloadingManager):
     # OffloadingManager
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        e = self._index.get(bytes(key))
-        if e is None:
+        k = bytes(key)
+        if object_key(k) not in self._chunks:
             return LookupResult.MISS
-        return LookupResult.HIT if e.ready else LookupResult.HIT_PENDING
+        return LookupResult.HIT_PENDING if k in self._pending else LookupResult.HIT
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.DISK if self.locality is Locality.LOCAL else CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -283,67 +310,82 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         for key in keys:
-            e = self._index.get(bytes(key))
-            if e is None or not e.ready:
+            if not self._stored(bytes(key)):
                 raise InvalidArgumentError(
                     f"kvtier.vllm: prepare_load of chunk {bytes(key).hex()}, which is "
-                    f"{'not stored' if e is None else 'still being stored'}")
+                    f"{'still being stored' if bytes(key) in self._pending else 'not stored'}")
         for key in keys:
-            e = self._index[bytes(key)]
-            e.refs += 1
-            self._index.move_to_end(bytes(key))
+            # An admission of a stored chunk is a hit: it counts as a use for the policy and pins the chunk.
+            self._loads.setdefault(bytes(key), []).append(self._index.admit([object_key(key)], 0)["id"])
         self.stats["loads"] += len(keys)
         return KvtierLoadStoreSpec([object_key(k) for k in keys])
 
     def complete_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
-            e = self._index.get(bytes(key))
-            if e is not None and e.refs > 0:
-                e.refs -= 1
+            held = self._loads.get(bytes(key))
+            if held:
+                self._index.release(held.pop())
+                if not held:
+                    del self._loads[bytes(key)]
 
     def prepare_store(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
         keys = list(dict.fromkeys(keys))
-        to_store = [k for k in keys if bytes(k) not in self._index]
-        for k in keys:
-            if bytes(k) in self._index:
-                self._index.move_to_end(bytes(k))
-        if not to_store:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]), evicted_keys=[])
-        need = len(self._index) + len(to_store) - self.capacity_chunks
-        evicted: List[bytes] = []
-        if need > 0:
+        to_store = [k for k in keys if object_key(k) not in self._chunks]
+        # The stored chunks of this call: a use each, and not evicted for the others.
+        held = [self._index.admit([object_key(k)], 0)["id"] for k in keys if self._stored(bytes(k))]
+        try:
+            if not to_store:
+                return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]), evicted_keys=[])
+            # Room first, so a refused store evicts nothing: free blocks, then stored chunks no load holds.
+            free = self.capacity_chunks - len(self._chunks)
             protected = {bytes(k) for k in keys}
-            for k, e in self._index.items():  # least recently used first
-                if len(evicted) == need:
-                    break
-                if e.ready and e.refs == 0 and k not in protected:
-                    evicted.append(k)
-            if len(evicted) < need:
+            movable = sum(1 for k in self._chunks.values()
+                          if k not in self._pending and k not in self._loads and k not in protected)
+            if len(to_store) > free + movable:
                 self.stats["refused"] += len(to_store)
                 return None
-            for k in evicted:
-                del self._index[k]
-            self.stats["evicted"] += len(evicted)
-            self._event([OffloadKey(k) for k in evicted], removed=True)
-        for k in to_store:
-            self._index[bytes(k)] = _Entry()
+            admitted: List[Tuple[OffloadKey, int]] = []
+            try:
+                for k in to_store:
+                    admitted.append((k, self._index.admit([object_key(k)], 0)["id"]))
+                    self._chunks[object_key(k)] = bytes(k)
+            except ResourceExhaustedError:  # the count above disagreed with the index: refuse, keep the index whole
+                for k, admission in admitted:
+                    self._index.release(admission)
+                    self._chunks.pop(object_key(k), None)
+                self.stats["refused"] += len(to_store)
+                evicted = self._take_evicted()
+                self._orphans.extend(object_key(k) for k in evicted)
+                self._event([OffloadKey(k) for k in evicted], removed=True)
+                return None
+            for k, admission in admitted:
+                self._pending[bytes(k)] = admission
+            evicted = self._take_evicted()
+        finally:
+            for admission in held:
+                self._index.release(admission)
         self.stats["stores"] += len(to_store)
-        spec = KvtierLoadStoreSpec([object_key(k) for k in to_store], [object_key(k) for k in evicted])
+        self.stats["evicted"] += len(evicted)
+        self._event([OffloadKey(k) for k in evicted], removed=True)
+        delete = [object_key(k) for k in evicted] + self._orphans
+        self._orphans = []
+        spec = KvtierLoadStoreSpec([object_key(k) for k in to_store], delete)
         return PrepareStoreOutput(keys_to_store=list(to_store), store_spec=spec,
                                   evicted_keys=[OffloadKey(k) for k in evicted])
 
     def complete_store(self, keys: Iterable[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         done: List[OffloadKey] = []
         for key in keys:
-            e = self._index.get(bytes(key))
-            if e is None or e.ready:
+            admission = self._pending.pop(bytes(key), None)
+            if admission is None:
                 continue
             if success:
-                e.ready = True
-                self._index.move_to_end(bytes(key))
+                self._index.commit(admission)
             else:
-                del self._index[bytes(key)]
+                self._chunks.pop(object_key(key), None)
+            self._index.release(admission)  # uncommitted: its block returns to the pool
             done.append(key)
+        self._take_evicted()  # drains the index's own events of these chunks
         if success:
             self.stats["stored"] += len(done)
             self._event(done, removed=False, removal_expected=True, req_context=req_context)
@@ -362,8 +404,12 @@ class KvtierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         """Forgets every chunk (vLLM's reset_prefix_cache). The objects stay on the tier until overwritten or
-        evicted by the tier's own capacity; this index never reports them again."""
-        self._index.clear()
+        evicted by the tier's own capacity; this index never reports them again. Loads and stores in flight
+        complete against nothing."""
+        self._index = self._new_index()
+        self._chunks.clear()
+        self._pending.clear()
+        self._loads.clear()
 
     def config_info(self) -> Sequence[Mapping[str, Any]]:
         return [self._info]
@@ -484,7 +530,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                                         self.capacity_chunks, self.blocks_per_chunk)
             self._manager = KvtierOffloadingManager(
                 self.capacity_chunks, self.medium, self.locality,
-                enable_events=self.kv_events_config.enable_kv_cache_events, info=info)
+                enable_events=self.kv_events_config.enable_kv_cache_events, info=info, policy=self.settings.policy)
         return self._manager
 
     def open_store(self, rank: Optional[int] = None) -> Any:

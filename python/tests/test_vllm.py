@@ -538,3 +538,47 @@ def test_redis_tier_round_trip(connectors):
 if __name__ == "__main__":  # records the installed interface: python test_vllm.py > data/vllm_interface.json
     json.dump(describe_installed(), sys.stdout, indent=1)
     sys.stdout.write("\n")
+
+
+# ------------------------------------------------------------------ the index is kvtier's CacheManager
+
+
+@pytest.mark.parametrize("policy, evicted", [("lru", 0), ("lrfu", 1)])
+def test_index_evicts_by_the_configured_kvtier_policy(tmp_path, connectors, policy, evicted):
+    """A chunk loaded often but not lately: LRU evicts it, LRFU (recency and frequency) keeps it and evicts the
+    younger chunk used once."""
+    chunk_on_disk = 4096 + 8192
+    c = connectors(extra(tmp_path, capacity=3 * chunk_on_disk, **{"cache.device_policy": policy}), G1, num_blocks=32)
+    assert c.spec.settings.policy == policy and c.manager.policy == policy
+    reqs = [c.request(f"r{i}", chunk_hashes(1, f"p{i}")) for i in range(4)]
+    c.kv[0].fill_random(0, range(1, 5))
+    assert c.finish(c.store(reqs[0], [0], {0: [1]})) == [True]
+    for i in range(3):
+        assert c.finish(c.load(c.request(f"again{i}", reqs[0].hashes), 1, {0: [20 + i]})) == [True]
+    for i in (1, 2):
+        assert c.finish(c.store(reqs[i], [0], {0: [1 + i]})) == [True]
+    assert c.finish(c.store(reqs[3], [0], {0: [4]})) == [True]
+    hits = [c.lookup(r)[0] for r in reqs]
+    assert hits[evicted] == 0 and sum(hits) == 3, hits
+
+
+def test_a_refused_store_evicts_nothing(tmp_path, connectors):
+    chunk_on_disk = 4096 + 8192
+    c = connectors(extra(tmp_path, capacity=2 * chunk_on_disk), G1, num_blocks=32)
+    reqs = [c.request(f"r{i}", chunk_hashes(1, f"q{i}")) for i in range(3)]
+    c.kv[0].fill_random(0, range(1, 4))
+    for i in range(2):
+        assert c.finish(c.store(reqs[i], [0], {0: [1 + i]})) == [True]
+    pinned = [c.load(c.request(f"l{i}", reqs[i].hashes), 1, {0: [24 + i]}) for i in range(2)]
+    assert c.store(reqs[2], [0], {0: [3]}) is None
+    assert [c.lookup(r)[0] for r in reqs[:2]] == [1, 1] and c.manager.stats["evicted"] == 0
+    assert c.finish(*pinned) == [True, True]
+    assert c.finish(c.store(reqs[2], [0], {0: [3]})) == [True]
+    assert sorted(c.lookup(r)[0] for r in reqs) == [0, 1, 1] and c.manager.stats["evicted"] == 1
+
+
+def test_an_unknown_policy_is_named(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="bogus"):
+        kv.KvtierOffloadingManager(4, policy="bogus")
+    with pytest.raises(InvalidArgumentError, match="cache.device_policy"):
+        kv.parse_extra_config(extra(tmp_path, **{"cache.device_policy": 7}))
