@@ -63,6 +63,13 @@ Errors are the exceptions of :mod:`kvtier.errors` with kvtier's message (a bad b
 damaged or foreign blob ``DataLossError`` / ``FailedPreconditionError``, a wait past its
 timeout ``TimedOutError``). Waits release the GIL and take ``timeout`` in seconds (``None``:
 no deadline).
+
+Through the cache. An engine whose device blocks are kept by kvtier's ``CacheManager`` (with a
+``TransferManager`` over the same tensors) receives through a :class:`Receiver`: it admits the
+prompt's keys (blocks being received are never matched, evicted or reused), guards the blocks on
+the ``TransferManager`` (the forward waits per layer with ``wait_for_layer`` / ``wait_layer_host``,
+as for a local load, and a block that failed is never reported loaded), and commits what arrived
+verified to the prefix index.
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 from . import _native
 from .errors import InvalidArgumentError, KvtierError
 
-__all__ = ["Prefill", "Decode", "PrefillStatus", "DecodeStatus", "DEFAULT_TIMEOUT"]
+__all__ = ["Prefill", "Decode", "Receiver", "Receive", "ReceiveOutcome", "PrefillStatus", "DecodeStatus",
+           "DEFAULT_TIMEOUT"]
 
 #: The timeout (seconds) of every wait that is not given one.
 DEFAULT_TIMEOUT = 60.0
@@ -313,3 +321,100 @@ class Decode(_Endpoint):
              reclaimable: bool = False) -> DecodeStatus:
         """Until every layer is final (and, with ``reclaimable``, the blocks may be reused)."""
         return DecodeStatus(**self._ep.wait(int(transfer_id), timeout, reclaimable))
+
+
+# ---------------------------------------------------------------------------------------------- receives
+
+
+@dataclass
+class Receive:
+    """A receive started by :meth:`Receiver.start`: the forward waits on ``task`` per layer
+    (``TransferManager.wait_for_layer`` / ``wait_layer_host``) and runs in ``admission["device_blocks"]``;
+    ``device_blocks[receive_begin : receive_begin + receive_blocks]`` are the blocks the peer writes."""
+
+    transfer_id: int
+    task: int
+    admission: Dict[str, Any]
+
+
+@dataclass
+class ReceiveOutcome:
+    """A receive that ended: ``loaded_blocks`` leading blocks verified and committed to the prefix index; without
+    ``reclaimable`` the others are quarantined (the peer may still write them) until a later poll reclaims them."""
+
+    transfer_id: int
+    admission: int
+    task: int
+    receive_blocks: int
+    loaded_blocks: int
+    reclaimable: bool
+    error: Optional[str]
+    transfer: DecodeStatus
+
+
+class Receiver:
+    """A decode instance's prefill/decode receives through its ``CacheManager`` and ``TransferManager``
+    (include/kvtier/pd/pd_receiver.h).
+
+    ``decode`` is a :class:`Decode` endpoint over the same tensors as ``transfers`` (the same blocks; checked).
+    The receiver moves the cache's plans itself (the evictions that free the receive blocks, the loads of a
+    matched prefix) on ``transfers`` and applies their completions in :meth:`poll`, :meth:`finish` and
+    :meth:`drain`: the engine takes no plans of that cache itself. Per prompt: ``start`` (the peer is told the
+    blocks only after they are admitted and guarded), the forward's per-layer waits on ``Receive.task``, then
+    ``poll`` / ``finish`` for the outcome, and ``cache.release(admission)`` at the request's end. The
+    ``TransferManager`` cannot be closed while a receiver drives it (close the receiver first)."""
+
+    def __init__(self, cache: Any, transfers: Any, decode: "Decode", *, poll_interval: float = 1e-4,
+                 receive_timeout: float = 30.0, free_timeout: float = 10.0):
+        if not isinstance(decode, Decode):
+            raise InvalidArgumentError(f"Receiver needs a kvtier.pd.Decode endpoint, got {type(decode).__name__}")
+        self._rx = _native.PdReceiver.create(cache, transfers, decode._ep, float(poll_interval),
+                                             float(receive_timeout), float(free_timeout))
+
+    def start(self, peer: int, transfer_id: int, keys: Sequence[str], mode: str = "push", *,
+              extra_blocks: int = 0, received_extra_blocks: int = 0, match_prefix: bool = False) -> Receive:
+        """Admits the prompt's ``keys`` (32 hex digits each, chained as the cache's keys are), guards the blocks and
+        starts transfer ``transfer_id`` from ``peer`` into them. ``match_prefix``: the cached prefix is served (and
+        loaded) and only the keys after it are received (the peer must send only those)."""
+        d = self._rx.start(int(peer), int(transfer_id), mode, list(keys), int(extra_blocks),
+                           int(received_extra_blocks), bool(match_prefix))
+        return Receive(d["transfer_id"], d["task"], d["admission"])
+
+    @staticmethod
+    def _outcome(d: Dict[str, Any]) -> ReceiveOutcome:
+        d = dict(d)
+        d["transfer"] = DecodeStatus(**d["transfer"])
+        return ReceiveOutcome(**d)
+
+    def poll(self) -> List[ReceiveOutcome]:
+        """The receives that ended since the last call (their blocks committed or released), in transfer id order."""
+        return [self._outcome(d) for d in self._rx.poll()]
+
+    def finish(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> ReceiveOutcome:
+        """Until receive ``transfer_id`` ended (``TimedOutError`` past ``timeout``)."""
+        return self._outcome(self._rx.finish(int(transfer_id), timeout))
+
+    def drain(self, timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
+        """Until no receive is open or quarantined."""
+        self._rx.drain(timeout)
+
+    @property
+    def active(self) -> int:
+        return self._rx.active
+
+    @property
+    def quarantined(self) -> int:
+        return self._rx.quarantined
+
+    def stats(self) -> Dict[str, int]:
+        return self._rx.stats()
+
+    def close(self) -> None:
+        """Stops the receiver (idempotent): receives still open end as cancelled, their blocks stay guarded."""
+        self._rx.close()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

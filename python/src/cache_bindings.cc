@@ -27,6 +27,7 @@
 #include "kvtier/core/config.h"
 #include "kvtier/storage/storage_backend.h"
 #include "kvtier/storage/storage_config.h"
+#include "engine_bridge.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"
 
@@ -81,11 +82,6 @@ nb::list moves(const std::vector<cache::BlockMove>& v) {
 
 struct PyKeyHasher {
   cache::KeyHasher hasher;
-};
-
-struct PyCacheManager {
-  std::mutex mu;
-  std::unique_ptr<cache::CacheManager> cm;
 };
 
 struct PyStorage {
@@ -343,6 +339,8 @@ nb::list run_many(PyStorage& p, storage::StorageOp op, const std::vector<std::st
 }
 
 }  // namespace
+
+std::vector<cache::BlockKey> block_keys_from_hex(const std::vector<std::string>& hex) { return parse_keys(hex); }
 
 void bind_cache(nb::module_& m) {
   nb::class_<PyKeyHasher>(m, "KeyHasher",

@@ -15,6 +15,7 @@ void bind_cache(nb::module_& m);
 void bind_log(nb::module_& m);
 void bind_metrics(nb::module_& m);
 void bind_pd(nb::module_& m);
+void bind_pd_receiver(nb::module_& m);
 }  // namespace kvtier::python
 
 NB_MODULE(_native, m) {
@@ -26,6 +27,7 @@ NB_MODULE(_native, m) {
   kvtier::python::bind_pd(m);
 #ifdef KVTIER_PYTHON_WITH_CACHE
   kvtier::python::bind_cache(m);
+  kvtier::python::bind_pd_receiver(m);
   m.attr("has_cache") = true;
 #else
   m.attr("has_cache") = false;

@@ -32,6 +32,7 @@
 #include "kvtier/transfer/registration.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "engine_bridge.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"
 
@@ -248,29 +249,6 @@ namespace {
 
 // ---------------------------------------------------------------- manager
 
-struct PyTransferManager {
-  // Destroyed in reverse order: the manager (after shutdown) first, then the
-  // host registrations and device adoptions it used, then the Python refs.
-  nb::object device_ref;
-  nb::object compute_ref;
-  nb::list keep_alive;  // the engine's tensors
-  std::vector<Buffer> adopted_device;
-  std::vector<std::unique_ptr<PinnedMemory>> host_registrations;
-  std::unique_ptr<TransferManager> mgr;
-  KvLayout layout;
-
-  ~PyTransferManager() { close(); }
-  void close() {
-    if (!mgr) return;
-    nb::gil_scoped_release release;  // callbacks in flight need the GIL to finish
-    mgr->shutdown().ignore_error();
-    mgr.reset();
-  }
-  TransferManager& get() {
-    if (!mgr) raise_status(FailedPrecondition("the TransferManager was closed"));
-    return *mgr;
-  }
-};
 
 TransferManager::DeviceAccess parse_access(const std::string& s) {
   if (s == "read") return TransferManager::DeviceAccess::kRead;

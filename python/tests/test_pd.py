@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier.pd import Decode, DecodeStatus, Prefill, PrefillStatus
+from kvtier.pd import Decode, DecodeStatus, Prefill, PrefillStatus, Receiver
 
 LAYERS = 3
 PREFILL_BLOCKS, DECODE_BLOCKS = 8, 10
@@ -562,3 +562,107 @@ def test_two_processes_over_ipc(mode):
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+# ------------------------------------------------------------------ receives through the cache (kvtier.pd.Receiver)
+
+needs_cache = pytest.mark.skipif(not kvtier._native.has_cache, reason="built without the cache bindings")
+
+
+def receiver_rig(dst_kv, host_blocks: int = 4):
+    """The decode side's TransferManager (host backend) over dst_kv and a CacheManager of as many blocks."""
+    dev = kvtier.host_device()
+    compute = dev.create_stream("compute")
+    names = kvtier.pd._name_map(dst_kv, 0, 0)
+    tm = kvtier.TransferManager.from_tensors(dev, compute, names, None, host_blocks, LAYERS)
+    cache = kvtier.CacheManager(device_blocks=DECODE_BLOCKS, host_blocks=host_blocks)
+    return dev, tm, cache
+
+
+def chain(n: int, salt: int = 0):
+    return [f"{salt:016x}{i + 1:016x}" for i in range(n)]
+
+
+@needs_cache
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_receiver_guards_awaits_and_commits_a_prompt(mode):
+    """Blocks being received are neither reused by the cache nor loaded into by the TransferManager; the forward's
+    per-layer waits pass as layers arrive; what arrived verified joins the prefix index and serves a later request."""
+    src_kv, dst_kv = prefill_kv(seed=11), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    src_blocks, keys = [6, 1, 4, 3], chain(4)
+    with Prefill(src_kv, transport="loopback", **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        rx = Receiver(cache, tm, d, receive_timeout=TIMEOUT)
+        r = rx.start(to_prefill, 7, keys, mode)
+        a = r.admission
+        blocks = a["device_blocks"][a["receive_begin"]:a["receive_begin"] + a["receive_blocks"]]
+        assert len(blocks) == 4 and rx.active == 1
+        # Nothing sent yet: the forward's wait does not pass, and the blocks are not the cache's to reuse.
+        with pytest.raises(kvtier.TimedOutError):
+            tm.wait_layer_host(r.task, 0, 0.05)
+        with pytest.raises(kvtier.ResourceExhaustedError):
+            cache.admit(chain(DECODE_BLOCKS - 3, salt=9), 0)  # needs a receive block
+        with pytest.raises(kvtier.KvtierError):
+            tm.wait(tm.load([0], [0], [blocks[0]]), TIMEOUT)  # a load into a block being received is refused
+        p.begin(to_decode, 7, src_blocks)
+        for layer in range(LAYERS):
+            p.layer_ready(7, layer)
+            tm.wait_layer_host(r.task, layer, TIMEOUT)
+            assert_layer_moved(src_kv, dst_kv, layer, src_blocks, blocks)
+        out = rx.finish(7, TIMEOUT)
+        assert out.loaded_blocks == 4 and out.error is None and out.reclaimable, out
+        assert out.transfer.leading_loaded_blocks == 4
+        m = cache.match(keys)
+        assert m["device_blocks"] == 4 and list(m["device_ids"]) == list(blocks)
+        cache.release(a["id"])
+        assert p.wait(7, TIMEOUT).done
+        st = rx.stats()
+        assert st["started"] == 1 and st["completed"] == 1 and st["committed_blocks"] == 4
+        with pytest.raises(kvtier.FailedPreconditionError, match="receiver"):
+            tm.close()  # the receiver drives it
+        rx.close()
+        rx.close()
+    tm.close()
+
+
+@needs_cache
+def test_receiver_commits_only_what_arrived_when_the_prefill_dies():
+    src_kv, dst_kv = prefill_kv(seed=12), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    keys = chain(4, salt=1)
+    p = Prefill(src_kv, transport="loopback", **FAST)
+    with Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        with Receiver(cache, tm, d, receive_timeout=TIMEOUT) as rx:
+            r = rx.start(to_prefill, 3, keys, "push")
+            p.begin(to_decode, 3, [0, 1, 2, 3])
+            p.layer_ready(3, 0)
+            tm.wait_layer_host(r.task, 0, TIMEOUT)
+            p.close()  # gone before layers 1 and 2
+            out = rx.finish(3, TIMEOUT)
+            assert out.loaded_blocks == 0 and out.error is not None, out
+            assert cache.match(keys)["device_blocks"] == 0  # nothing joined the index
+            with pytest.raises(kvtier.KvtierError):
+                tm.wait(r.task, TIMEOUT)  # the receive's task failed: never reported loaded
+            rx.drain(TIMEOUT)
+            assert rx.quarantined == 0
+            cache.release(r.admission["id"])
+    tm.close()
+
+
+@needs_cache
+def test_receiver_refusals_name_the_problem():
+    src_kv, dst_kv = prefill_kv(), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    other_kv = decode_kv()
+    with Decode(other_kv, transport="loopback", device=dev, **FAST) as other, \
+            Prefill(src_kv, transport="loopback", **FAST) as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="does not move the TransferManager's device blocks"):
+            Receiver(cache, tm, other)
+        with pytest.raises(kvtier.InvalidArgumentError, match="Decode"):
+            Receiver(cache, tm, p)
+        with pytest.raises(kvtier.InvalidArgumentError, match="receive_timeout"):
+            Receiver(cache, tm, other, receive_timeout=0)
+    tm.close()

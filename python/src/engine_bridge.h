@@ -1,0 +1,60 @@
+// The Python objects of kvtier's CacheManager and TransferManager, shared by the bindings that take them
+// (cache, transfer, and the P/D receiver that drives both).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kvtier/cache/cache_manager.h"
+#include "kvtier/core/layout.h"
+#include "kvtier/device/device.h"
+#include "kvtier/transfer/transfer_manager.h"
+#include "status_bridge.h"
+
+namespace kvtier::python {
+
+struct PyCacheManager {
+  std::mutex mu;  // every call of cm
+  std::unique_ptr<cache::CacheManager> cm;
+};
+
+struct PyTransferManager {
+  // Destroyed in reverse order: the manager (after shutdown) first, then the
+  // host registrations and device adoptions it used, then the Python refs.
+  nanobind::object device_ref;
+  nanobind::object compute_ref;
+  nanobind::list keep_alive;  // the engine's tensors
+  std::vector<Buffer> adopted_device;
+  std::vector<std::unique_ptr<PinnedMemory>> host_registrations;
+  std::unique_ptr<TransferManager> mgr;
+  KvLayout layout;
+  // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
+  std::atomic<int> receivers{0};
+
+  ~PyTransferManager() { shutdown(); }
+  void close() {
+    if (receivers.load() > 0)
+      raise_status(FailedPrecondition("the TransferManager drives a kvtier.pd.Receiver: close the receiver first"));
+    shutdown();
+  }
+  void shutdown() {
+    if (!mgr) return;
+    nanobind::gil_scoped_release release;  // callbacks in flight need the GIL to finish
+    mgr->shutdown().ignore_error();
+    mgr.reset();
+  }
+  TransferManager& get() {
+    if (!mgr) raise_status(FailedPrecondition("the TransferManager was closed"));
+    return *mgr;
+  }
+};
+
+// Keys as 32 hex digits each (InvalidArgument naming the index of a bad one).
+std::vector<cache::BlockKey> block_keys_from_hex(const std::vector<std::string>& hex);
+
+}  // namespace kvtier::python

@@ -1,0 +1,136 @@
+// The native side of kvtier.pd's endpoints, shared by the bindings that take an endpoint (pd, pd receiver).
+#pragma once
+
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "device_bridge.h"
+#include "kvtier/copy/copy_engine.h"
+#include "kvtier/transport/pd.h"
+#include "kvtier/transport/pd_staged.h"
+#include "kvtier/transport/transport.h"
+#include "status_bridge.h"
+
+namespace kvtier::python {
+
+namespace nb = nanobind;
+
+struct EndpointOptions {
+  std::string role;       // prefill | decode
+  std::string transport;  // loopback | ipc | ucx
+  std::string name;
+  std::string peer_secret;
+  std::string tls;
+  std::string net_devices;
+  double heartbeat_s = 0.1;
+  double lease_s = 1.0;
+  std::uint32_t num_model_layers = 0;
+  int rank = 0;
+  int device_label = 0;
+  std::uint32_t block_tokens = 64;
+  std::uint64_t staging_blocks = 0;  // staged only; 0: as many as the device space has
+  // "auto": host memory without a device, staged with one; "direct": the device lane of pd.h (device memory,
+  // the peer's pool mapped here: ipc between CUDA processes, loopback in one process); "ring": the ring lane of
+  // pd.h (device memory, through the decode's shared pinned ring: GPUs that cannot map each other's pools).
+  std::string lane = "auto";
+  // The device lane's second checksum pass (PdOptions::lane_verify): "mover" or "receiver".
+  std::string verify = "mover";
+  // The ring lane (the decode's values are used): slots, bytes per slot, the copies' strategy.
+  std::uint32_t ring_slots = 4;
+  std::uint64_t ring_slot_bytes = std::uint64_t{32} << 20;
+  std::string ring_copy = "auto";
+};
+
+// Everything native of one endpoint. Shared by the Python object and the calls in flight (which hold a
+// reference while the GIL is released), so close() from one thread never frees what another thread's wait uses:
+// the last holder tears it down.
+struct PdNative {
+  nb::object device_ref;  // the PyDevice (staged), or None
+  nb::object keep_alive;  // a list of the engine's tensors
+  std::vector<Buffer> adopted_device;
+  KvLayout layout;
+  BlockSpace space;
+  std::optional<transport::StagingSpace> staging;
+  std::unique_ptr<CopyEngine> engine;
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<transport::PdPrefill> prefill;
+  std::unique_ptr<transport::PdDecode> decode;
+  std::unique_ptr<transport::PdStagedPrefill> staged_prefill;
+  std::unique_ptr<transport::PdStagedDecode> staged_decode;
+
+  Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
+
+  // Endpoints first (their progress threads), then the copy engine, the staging (unpinned before the transport
+  // that allocated its memory goes), the transport and the adoptions; the Python references last, under the GIL.
+  ~PdNative() {
+    prefill.reset();
+    decode.reset();
+    staged_prefill.reset();
+    staged_decode.reset();
+    engine.reset();
+    staging.reset();
+    transport.reset();
+    adopted_device.clear();
+    if (!device_ref.is_valid() && !keep_alive.is_valid()) return;
+    if (!Py_IsInitialized()) {  // the interpreter is gone: leak rather than crash
+      (void)device_ref.release();
+      (void)keep_alive.release();
+      return;
+    }
+    nb::gil_scoped_acquire gil;
+    device_ref.reset();
+    keep_alive.reset();
+  }
+};
+
+struct PyPdEndpoint {
+  EndpointOptions options;
+  // Kept for after close().
+  std::string backend;
+  std::string layout;
+  std::uint32_t num_layers = 0;
+  std::uint64_t num_blocks = 0;
+  std::uint64_t block_bytes = 0;
+  bool staged = false;
+  std::string lane;  // "host", "staged" or "direct"
+  std::mutex mu;
+  std::shared_ptr<PdNative> native;  // null once closed
+
+  ~PyPdEndpoint() { close(); }
+
+  void close() {
+    std::shared_ptr<PdNative> n;
+    {
+      std::lock_guard lock(mu);
+      n = std::move(native);
+    }
+    nb::gil_scoped_release release;  // teardown joins kvtier threads
+    n.reset();
+  }
+
+  std::shared_ptr<PdNative> get() {
+    std::lock_guard lock(mu);
+    if (!native)
+      raise_status(FailedPrecondition(fmt::format("the {} endpoint '{}' was closed", options.role, options.name)));
+    return native;
+  }
+  bool is_prefill() const { return options.role == "prefill"; }
+  std::shared_ptr<PdNative> get(const char* role, const char* method) {
+    if (options.role != role)
+      raise_status(FailedPrecondition(
+          fmt::format("{}() is a {} call; '{}' is a {} endpoint", method, role, options.name, options.role)));
+    return get();
+  }
+};
+
+// A DecodeStatus as kvtier.pd reports it (a dict), and a mode name ("push" | "pull", else InvalidArgument).
+nb::dict decode_status_dict(const transport::DecodeStatus& s);
+transport::PdMode pd_mode_from(const std::string& mode);
+
+}  // namespace kvtier::python

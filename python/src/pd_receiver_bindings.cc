@@ -1,0 +1,253 @@
+// kvtier.pd.Receiver: a decode instance's P/D receives through its CacheManager and TransferManager
+// (include/kvtier/pd/pd_receiver.h), for Python engines that keep their device blocks in kvtier's CacheManager.
+//
+// The receiver owns the plan executor that moves the cache's plans on the TransferManager (the evictions that free
+// the receive blocks, and with match_prefix the loads of the servable prefix): poll() applies its completions to
+// the cache before the receiver's own steps, so an engine that drives a CacheManager through a Receiver takes no
+// plans of its own. Every call that touches the cache holds the cache's lock; the receiver's reporter thread
+// touches only the TransferManager and the endpoint.
+#include <fmt/format.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine_bridge.h"
+#include "kvtier/cache/transfer_executor.h"
+#include "kvtier/pd/pd_receiver.h"
+#include "pd_bridge.h"
+#include "status_bridge.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvtier::python {
+namespace {
+
+struct PyPdReceiver {
+  // Kept alive (and, for the TransferManager, kept open) while the receiver runs.
+  nb::object cache_ref, transfers_ref, endpoint_ref;
+  PyCacheManager* cache = nullptr;
+  PyTransferManager* transfers = nullptr;
+  std::shared_ptr<PdNative> endpoint;
+  std::unique_ptr<cache::TransferPlanExecutor> executor;
+  std::unique_ptr<pd::PdReceiver> receiver;
+  std::mutex mu;  // receiver calls from Python (the scheduler's methods run one at a time)
+
+  ~PyPdReceiver() { close(); }
+
+  // The receiver first (its reporter thread; open receives end as Cancelled, their blocks stay declared), then
+  // the executor; the TransferManager may be closed after.
+  void close() {
+    std::unique_lock lock(mu);
+    if (!receiver && !executor) return;
+    {
+      nb::gil_scoped_release release;
+      receiver.reset();
+      executor.reset();
+    }
+    if (transfers != nullptr) transfers->receivers.fetch_sub(1);
+    transfers = nullptr;
+  }
+
+  pd::PdReceiver& get() {
+    if (!receiver) raise_status(FailedPrecondition("the kvtier.pd.Receiver was closed"));
+    return *receiver;
+  }
+
+  // Applies the executor's completed moves to the cache (under the cache's lock).
+  Status apply_moves() {
+    std::lock_guard lock(cache->mu);
+    return cache::apply_completions(*cache->cm, executor->poll());
+  }
+};
+
+nb::dict admission_dict(const cache::Admission& a) {
+  nb::dict d;
+  d["id"] = a.id;
+  d["device_hit_blocks"] = a.device_hit_blocks;
+  d["host_hit_blocks"] = a.host_hit_blocks;
+  d["new_blocks"] = a.new_blocks;
+  d["extra_blocks"] = a.extra_blocks;
+  std::vector<std::int64_t> blocks(a.device_blocks.begin(), a.device_blocks.end());
+  d["device_blocks"] = blocks;
+  d["receive_begin"] = a.receive_begin;
+  d["receive_blocks"] = a.receive_blocks;
+  return d;
+}
+
+nb::dict outcome_dict(const pd::ReceiveOutcome& o) {
+  nb::dict d;
+  d["transfer_id"] = o.id;
+  d["admission"] = o.admission;
+  d["task"] = o.task;
+  d["receive_blocks"] = o.receive_blocks;
+  d["loaded_blocks"] = o.loaded_blocks;
+  d["reclaimable"] = o.reclaimable;
+  d["error"] = o.error.ok() ? nb::none() : nb::cast(o.error.to_string());
+  d["transfer"] = decode_status_dict(o.transfer);
+  return d;
+}
+
+std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object transfers_obj, nb::object endpoint_obj,
+                                              double poll_interval_s, double receive_timeout_s, double free_timeout_s) {
+  if (!nb::isinstance<PyCacheManager>(cache_obj))
+    raise_status(InvalidArgument("cache is not a kvtier.CacheManager"));
+  if (!nb::isinstance<PyTransferManager>(transfers_obj))
+    raise_status(InvalidArgument("transfers is not a kvtier.TransferManager"));
+  if (!nb::isinstance<PyPdEndpoint>(endpoint_obj))
+    raise_status(InvalidArgument("decode is not a kvtier.pd.Decode endpoint"));
+  for (auto [what, v] : {std::pair{"poll_interval", poll_interval_s}, std::pair{"receive_timeout", receive_timeout_s},
+                         std::pair{"free_timeout", free_timeout_s}})
+    if (!(v > 0) || v > 86400) raise_status(InvalidArgument(fmt::format("{} {} s: need 0 < seconds <= 86400", what, v)));
+  auto out = std::make_unique<PyPdReceiver>();
+  out->cache_ref = cache_obj;
+  out->transfers_ref = transfers_obj;
+  out->endpoint_ref = endpoint_obj;
+  out->cache = &nb::cast<PyCacheManager&>(cache_obj);
+  PyTransferManager& tm = nb::cast<PyTransferManager&>(transfers_obj);
+  PyPdEndpoint& ep = nb::cast<PyPdEndpoint&>(endpoint_obj);
+  if (ep.options.role != "decode")
+    raise_status(InvalidArgument(fmt::format("endpoint '{}' is a {} endpoint; a Receiver needs a decode endpoint",
+                                             ep.options.name, ep.options.role)));
+  out->endpoint = ep.get();
+  TransferManager& manager = tm.get();
+  PdNative& n = *out->endpoint;
+  // The endpoint's blocks must be the TransferManager's device blocks: the receiver hands the endpoint the block ids
+  // the cache admitted, and the TransferManager guards the same ids.
+  const BlockSpace& device = manager.device_space();
+  const BlockSpace& space = n.space;
+  if (space.layout().fingerprint() != device.layout().fingerprint() || space.num_blocks() != device.num_blocks() ||
+      space.kind() != device.kind() || space.block_ptr(0, 0, 0) != device.block_ptr(0, 0, 0))
+    raise_status(InvalidArgument(fmt::format(
+        "endpoint '{}' does not move the TransferManager's device blocks ({} blocks of layout {} at {}; the manager "
+        "has {} of layout {} at {}): create both over the same tensors",
+        ep.options.name, space.num_blocks(), space.layout().describe(), fmt::ptr(space.block_ptr(0, 0, 0)),
+        device.num_blocks(), device.layout().describe(), fmt::ptr(device.block_ptr(0, 0, 0)))));
+  Device& dev = nb::cast<PyDevice&>(tm.device_ref).get();
+  Stream& compute = *nb::cast<PyStream&>(tm.compute_ref).stream;
+  out->executor = std::make_unique<cache::TransferPlanExecutor>(manager, dev, compute, manager.device_space(),
+                                                                cache::TransferPlanExecutor::Options{false, 0});
+  pd::ReceiverOptions ro;
+  ro.poll_interval = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::duration<double>(poll_interval_s));
+  ro.receive_timeout =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(receive_timeout_s));
+  ro.free_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(free_timeout_s));
+  if (n.staged_decode) {
+    out->receiver =
+        value_or_raise(pd::PdReceiver::create(*out->cache->cm, manager, *out->executor, *n.staged_decode, ro));
+  } else if (n.decode) {
+    out->receiver = value_or_raise(pd::PdReceiver::create(*out->cache->cm, manager, *out->executor, *n.decode, ro));
+  } else {
+    raise_status(InvalidArgument(fmt::format("endpoint '{}' has no decode endpoint", ep.options.name)));
+  }
+  out->transfers = &tm;
+  tm.receivers.fetch_add(1);
+  return out;
+}
+
+}  // namespace
+
+void bind_pd_receiver(nb::module_& m) {
+  nb::class_<PyPdReceiver>(m, "PdReceiver",
+                           "A decode instance's P/D receives through its CacheManager and TransferManager. See "
+                           "kvtier.pd.Receiver and include/kvtier/pd/pd_receiver.h.")
+      .def_static("create", &create_receiver, "cache"_a, "transfers"_a, "decode"_a, "poll_interval_s"_a = 1e-4,
+                  "receive_timeout_s"_a = 30.0, "free_timeout_s"_a = 10.0)
+      .def(
+          "start",
+          [](PyPdReceiver& r, std::uint32_t peer, std::uint64_t transfer_id, const std::string& mode,
+             const std::vector<std::string>& keys, std::uint32_t extra_blocks, std::uint32_t received_extra_blocks,
+             bool match_prefix) {
+            pd::ReceiveRequest q;
+            q.prefill = peer;
+            q.id = transfer_id;
+            q.mode = pd_mode_from(mode);
+            q.keys = block_keys_from_hex(keys);
+            q.options.extra_blocks = extra_blocks;
+            q.options.received_extra_blocks = received_extra_blocks;
+            q.options.match_prefix = match_prefix;
+            std::lock_guard lock(r.mu);
+            pd::PdReceiver& rx = r.get();
+            pd::Receive got = value_or_raise(released([&]() -> Result<pd::Receive> {
+              std::lock_guard cache_lock(r.cache->mu);
+              return rx.start(q);
+            }));
+            nb::dict d;
+            d["transfer_id"] = got.id;
+            d["task"] = got.task;
+            d["admission"] = admission_dict(got.admission);
+            return d;
+          },
+          "peer"_a, "transfer_id"_a, "mode"_a, "keys"_a, "extra_blocks"_a = 0, "received_extra_blocks"_a = 0,
+          "match_prefix"_a = false)
+      .def("poll",
+           [](PyPdReceiver& r) {
+             std::lock_guard lock(r.mu);
+             pd::PdReceiver& rx = r.get();
+             auto outcomes = value_or_raise(released([&]() -> Result<std::vector<pd::ReceiveOutcome>> {
+               KVTIER_RETURN_IF_ERROR(r.apply_moves());
+               std::lock_guard cache_lock(r.cache->mu);
+               return rx.poll();
+             }));
+             nb::list out;
+             for (const auto& o : outcomes) out.append(outcome_dict(o));
+             return out;
+           })
+      .def(
+          "finish",
+          [](PyPdReceiver& r, std::uint64_t transfer_id, std::optional<double> timeout_s) {
+            std::lock_guard lock(r.mu);
+            pd::PdReceiver& rx = r.get();
+            const auto limit = to_timeout(timeout_s);
+            auto o = value_or_raise(released([&]() -> Result<pd::ReceiveOutcome> {
+              KVTIER_RETURN_IF_ERROR(r.apply_moves());
+              std::lock_guard cache_lock(r.cache->mu);
+              return rx.finish(transfer_id, limit);
+            }));
+            return outcome_dict(o);
+          },
+          "transfer_id"_a, "timeout_s"_a = nb::none())
+      .def(
+          "drain",
+          [](PyPdReceiver& r, std::optional<double> timeout_s) {
+            std::lock_guard lock(r.mu);
+            pd::PdReceiver& rx = r.get();
+            const auto limit = to_timeout(timeout_s);
+            check(released([&]() -> Status {
+              KVTIER_RETURN_IF_ERROR(r.apply_moves());
+              std::lock_guard cache_lock(r.cache->mu);
+              return rx.drain(limit);
+            }));
+          },
+          "timeout_s"_a = nb::none())
+      .def_prop_ro("active", [](PyPdReceiver& r) { return r.get().active(); })
+      .def_prop_ro("quarantined", [](PyPdReceiver& r) { return r.get().quarantined(); })
+      .def("stats",
+           [](PyPdReceiver& r) {
+             const pd::ReceiverStats s = r.get().stats();
+             nb::dict d;
+             d["started"] = s.started;
+             d["refused"] = s.refused;
+             d["completed"] = s.completed;
+             d["failed"] = s.failed;
+             d["committed_blocks"] = s.committed_blocks;
+             d["layers_reported"] = s.layers_reported;
+             d["layers_failed"] = s.layers_failed;
+             d["quarantined"] = s.quarantined;
+             d["reclaimed"] = s.reclaimed;
+             d["timed_out"] = s.timed_out;
+             return d;
+           })
+      .def("close", &PyPdReceiver::close,
+           "Stops the receiver (idempotent); receives still open end as Cancelled and their blocks stay guarded.");
+}
+
+}  // namespace kvtier::python
