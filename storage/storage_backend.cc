@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/memory_backend.h"
 #include "kvtier/storage/redis_backend.h"
 #include "kvtier/storage/storage_config.h"
 
@@ -316,7 +317,30 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
     }
     return create_redis_backend(std::move(c), std::move(options));
   }
-  return InvalidArgument(fmt::format("storage spec '{}' is neither disk:<dir> nor redis://host:port", spec));
+  if (spec.starts_with("memory:")) {
+    auto [rest, params] = split_query(spec.substr(7));
+    if (!rest.empty())
+      return InvalidArgument(fmt::format("memory spec '{}': nothing goes between 'memory:' and '?' (got '{}')", spec, rest));
+    MemoryBackendConfig c;
+    for (auto [k, v] : params) {
+      if (k == "capacity") {
+        KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, parse_size(v));
+      } else if (k == "evict") {
+        if (v == "on" || v == "1")
+          c.evict = true;
+        else if (v == "off" || v == "0")
+          c.evict = false;
+        else
+          return InvalidArgument(fmt::format("evict '{}' is not on|off", v));
+      } else {
+        KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
+        if (!tenant_param) return InvalidArgument(fmt::format("unknown memory parameter '{}' in '{}'", k, spec));
+      }
+    }
+    return create_memory_backend(c, std::move(options));
+  }
+  return InvalidArgument(
+      fmt::format("storage spec '{}' is neither disk:<dir>, redis://host:port nor memory:?capacity=<bytes>", spec));
 }
 
 }  // namespace kvtier::storage

@@ -14,7 +14,8 @@ secret), verified before a page is reported loaded. SGLang loads it with::
 
 (docs/engines.md has the whole story.) ``extra_config`` keys:
 
-- ``storage`` (required): kvtier's storage spec, ``disk:<dir>[?...]`` or ``redis://host:port[?...]``
+- ``storage`` (required): kvtier's storage spec, ``disk:<dir>[?...]``, ``redis://host:port[?...]`` or
+  ``memory:?capacity=<bytes>`` (the rank's own RAM)
   (:meth:`kvtier.StorageBackend.open`);
 - ``namespace``: a string added to the namespace (keeps deployments that share a tier apart);
 - ``storage.disk.*``, ``storage.redis.*``, ``storage.tenant.*``: kvtier's knobs
@@ -245,7 +246,7 @@ class HiCacheKvtier(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Optional[dict] = None):
         cfg = storage_config
         spec, extra_ns, knobs, zero_copy = parse_extra_config(getattr(cfg, "extra_config", None))
-        disk = spec.startswith("disk:")
+        disk = spec.startswith(("disk:", "memory:"))  # a tier of one process (a disk directory, its RAM)
         if getattr(cfg, "should_split_heads", False):
             raise NotSupportedError(
                 "kvtier.sglang: heterogeneous TP (tp_lcm_size, should_split_heads) is not supported")
@@ -253,7 +254,7 @@ class HiCacheKvtier(HiCacheStorage):
             raise NotSupportedError(
                 f"kvtier.sglang: an MLA model at tp_size {cfg.tp_size} on the disk tier '{spec}': SGLang writes MLA "
                 "pages from one rank and reads them on every rank, and a kvtier disk directory belongs to one "
-                "process; use a redis:// tier")
+                "process (and a memory tier is the process's own); use a redis:// tier")
         self.storage_config = cfg
         self.spec = spec
         self.zero_copy = zero_copy

@@ -11,8 +11,8 @@ Redis Cluster tier, and loads them back on a prefix hit. vLLM loads it with::
 
 (docs/engines.md has the whole story.) ``kv_connector_extra_config`` keys:
 
-- ``storage`` (required): kvtier's storage spec, ``disk:<dir>[?...]`` or ``redis://host:port[?...]``
-  (:meth:`kvtier.StorageBackend.open`);
+- ``storage`` (required): kvtier's storage spec, ``disk:<dir>[?...]``, ``redis://host:port[?...]`` or
+  ``memory:?capacity=<bytes>`` (this worker's RAM) (:meth:`kvtier.StorageBackend.open`);
 - ``capacity``: bytes each worker's tier holds for this engine (``"200G"``, an integer); default: the disk
   spec's ``capacity=`` or the ``storage.disk.capacity_bytes`` knob; required for Redis;
 - ``namespace``: a string added to the namespace (deployments that share a tier but not pages);
@@ -109,6 +109,8 @@ _OWN_KEYS = frozenset({"storage", "capacity", "namespace", "staging_bytes", "cac
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # What one object costs on a disk tier beyond its payload rounded to 4 KiB: its header block, and slack.
 _DISK_OBJECT_OVERHEAD = 8192
+# On a memory tier: its header (a fixed part and the roles table, rounded to 8 bytes), bounded.
+_MEMORY_OBJECT_OVERHEAD = 4096
 
 
 # ---------------------------------------------------------------------------------------------- configuration
@@ -152,6 +154,15 @@ class KvtierSettings:
     def disk(self) -> bool:
         return self.storage.startswith("disk:")
 
+    @property
+    def memory(self) -> bool:
+        return self.storage.startswith("memory:")
+
+    @property
+    def local(self) -> bool:
+        """A tier of this process or this host alone (disk, memory), not shared by engines (Redis)."""
+        return self.disk or self.memory
+
 
 def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
     """kv_connector_extra_config as kvtier's settings; raises ``InvalidArgumentError`` naming a bad key or value."""
@@ -160,10 +171,10 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
             "kvtier.vllm: kv_connector_extra_config must name the tier, e.g. "
             f"{{\"storage\": \"disk:/var/cache/kvtier?durability=process\", \"capacity\": \"200G\"}} (got {extra!r})")
     spec = extra["storage"]
-    if not isinstance(spec, str) or not (spec.startswith("disk:") or spec.startswith("redis://")):
+    if not isinstance(spec, str) or not spec.startswith(("disk:", "redis://", "memory:")):
         raise InvalidArgumentError(
-            f"kvtier.vllm: extra_config['storage'] = {spec!r} is neither 'disk:<dir>[?...]' nor "
-            "'redis://host:port[?...]'")
+            f"kvtier.vllm: extra_config['storage'] = {spec!r} is not 'disk:<dir>[?...]', "
+            "'redis://host:port[?...]' or 'memory:?capacity=<bytes>'")
     ns, knobs, ignored = split_extra_config("kvtier.vllm", extra, _OWN_KEYS | _VLLM_KEYS)
     if ignored:
         logger.warning("kvtier.vllm: ignoring kv_connector_extra_config keys %s (neither kvtier's nor vLLM's)",
@@ -171,7 +182,7 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
     capacity: Optional[int] = None
     if extra.get("capacity") is not None:
         capacity = parse_size("capacity", extra["capacity"])
-    elif spec.startswith("disk:"):
+    elif spec.startswith(("disk:", "memory:")):
         query = dict(parse_qsl(spec.partition("?")[2]))
         if "capacity" in query:
             capacity = parse_size("storage", query["capacity"])
@@ -195,9 +206,9 @@ def namespace_of(config: OffloadingConfig, settings: KvtierSettings, rank: int) 
         f"block_bytes={config.worker_kv_bytes_per_block}", f"rank={rank}/{p.world_size}",
         f"tp={p.tp_size}", f"pp={p.pp_size}", f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
     ]
-    if settings.disk:
+    if settings.local:
         if p.data_parallel_size > 1:
-            parts.append(f"dp={p.data_parallel_index}")  # a disk directory belongs to one process
+            parts.append(f"dp={p.data_parallel_index}")  # a disk directory (a memory tier) belongs to one process
     else:
         # A shared tier: each engine its own key space, since its index deletes what it evicts.
         parts.append(f"engine={config.engine_id}")
@@ -305,6 +316,8 @@ class KvtierOffloadingManager(OffloadingManager):
         return LookupResult.HIT_PENDING if k in self._pending else LookupResult.HIT
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        if self.medium is Medium.CPU:
+            return CacheHitSource.HOST
         return CacheHitSource.DISK if self.locality is Locality.LOCAL else CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def prepare_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -514,12 +527,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
         per_chunk = chunk_bytes
         if self.settings.disk:
             per_chunk = -(-chunk_bytes // 4096) * 4096 + _DISK_OBJECT_OVERHEAD
+        elif self.settings.memory:
+            per_chunk = chunk_bytes + _MEMORY_OBJECT_OVERHEAD
         self.capacity_chunks = cap // per_chunk
         if self.capacity_chunks < 1:
             raise InvalidArgumentError(
                 f"kvtier.vllm: capacity {cap} bytes holds no chunk of {per_chunk} bytes (on the tier)")
-        self.medium = Medium.STORAGE
-        self.locality = Locality.LOCAL if self.settings.disk else Locality.REMOTE
+        self.medium = Medium.CPU if self.settings.memory else Medium.STORAGE
+        self.locality = Locality.LOCAL if self.settings.local else Locality.REMOTE
         self._manager: Optional[KvtierOffloadingManager] = None
         self._worker: Optional[KvtierOffloadingWorker] = None
         self.store: Any = None

@@ -535,6 +535,32 @@ def test_redis_tier_round_trip(connectors):
     store.delete_many([kv.object_key(make_offload_key(h, 0)) for h in req.hashes])
 
 
+def test_memory_tier_round_trip_and_capacity(connectors):
+    """storage "memory:": the worker's own RAM as the tier (vLLM's CPU medium), byte-exact, verified, bounded."""
+    probe = connectors({"storage": "memory:?capacity=64M"}, G1, num_blocks=24, blocks_per_chunk=2)
+    chunk = probe.spec.chunk_bytes
+    e = {"storage": f"memory:?capacity={3 * (chunk + 4096)}", "cache.device_policy": "lru"}
+    c = connectors(e, G1, num_blocks=24, blocks_per_chunk=2, events=True)
+    assert c.spec.capacity_chunks == 3 and c.spec.medium is Medium.CPU
+    kvt = c.kv[0]
+    req = c.request("r", chunk_hashes(3))
+    kvt.fill_random(0, range(1, 7))
+    assert c.finish(c.store(req, [0, 1, 2], {0: list(range(1, 7))})) == [True]
+    kvt.poison(0, range(8, 14))
+    assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [True]
+    assert all(kvt.block(0, 7 + i) == kvt.block(0, i) for i in range(1, 7))
+    assert c.manager.get_load_source(make_offload_key(req.hashes[0], 0), req.ctx).value == "host"
+    (stored,) = [ev for ev in c.manager.take_events() if not ev.removed]
+    assert stored.medium is Medium.CPU
+    store = c.worker_specs[0].store
+    assert store.stats()["objects"] == 3
+    # A fourth chunk evicts one; the worker deletes its object, and the memory tier's own capacity holds.
+    other = c.request("o", chunk_hashes(1, "other"))
+    kvt.fill_random(0, [20, 21])
+    assert c.finish(c.store(other, [0], {0: [20, 21]})) == [True]
+    assert store.stats()["objects"] == 3 and store.stats()["bytes"] <= 3 * (chunk + 4096)
+
+
 if __name__ == "__main__":  # records the installed interface: python test_vllm.py > data/vllm_interface.json
     json.dump(describe_installed(), sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -16,6 +16,7 @@
 
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/fault_injection.h"
+#include "kvtier/storage/memory_backend.h"
 #include "kvtier/storage/redis_backend.h"
 #include "storage/object_format.h"
 #include "storage/storage_test_util.h"
@@ -38,7 +39,7 @@ const char* env(const char* name) {
 // How a test instance creates (and re-creates, on the same storage) a backend.
 struct BackendKind {
   std::string name;
-  enum Base { kDiskDirect, kDiskBuffered, kRedis, kRedisCluster } base;
+  enum Base { kDiskDirect, kDiskBuffered, kRedis, kRedisCluster, kMemory } base;
   bool fault_wrapper = false;
   bool keyed = false;  // a tenant with a secret: version-2 objects with keyed-BLAKE2b tags
 };
@@ -68,6 +69,11 @@ class BackendHarness {
         c.direct_io = kind_.base == BackendKind::kDiskDirect ? DirectIo::kAuto : DirectIo::kOff;
         c.capacity_bytes = capacity_;
         return create_disk_backend(c, options);
+      }
+      case BackendKind::kMemory: {
+        MemoryBackendConfig c;
+        c.capacity_bytes = capacity_ != 0 ? capacity_ : std::uint64_t{1} << 30;
+        return create_memory_backend(c, options);
       }
       case BackendKind::kRedis:
       case BackendKind::kRedisCluster: {
@@ -113,6 +119,9 @@ std::vector<BackendKind> all_kinds() {
       {"keyed_disk_buffered", BackendKind::kDiskBuffered, false, true},
       {"keyed_redis", BackendKind::kRedis, false, true},
       {"keyed_redis_cluster", BackendKind::kRedisCluster, false, true},
+      {"memory", BackendKind::kMemory, false},
+      {"fault_memory", BackendKind::kMemory, true},
+      {"keyed_memory", BackendKind::kMemory, false, true},
   };
 }
 
@@ -121,6 +130,7 @@ std::vector<BackendKind> base_kinds() {
       {"disk_direct", BackendKind::kDiskDirect, false},
       {"redis", BackendKind::kRedis, false},
       {"redis_cluster", BackendKind::kRedisCluster, false},
+      {"memory", BackendKind::kMemory, false},
   };
 }
 

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "kvtier/storage/disk_backend.h"
+#include "kvtier/storage/memory_backend.h"
 #include "kvtier/storage/redis_backend.h"
 #include "kvtier/storage/storage_tier.h"
 #include "storage/object_format.h"
@@ -98,6 +99,59 @@ TEST(StorageSpec, ParsesAndRejects) {
   EXPECT_EQ(make_storage_backend("s3://bucket", {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(make_storage_backend("redis://127.0.0.1:1?timeout_ms=100", {}).status().code(),
             StatusCode::kUnavailable);
+}
+
+// The memory tier: its spec, then capacity by least recent use (a get and an exists are uses), a tier that
+// must not evict, and an object larger than the tier.
+TEST(MemoryBackend, SpecCapacityAndEviction) {
+  auto parsed = make_storage_backend("memory:?capacity=1M&evict=off", StorageOptions{});
+  ASSERT_TRUE(parsed.ok()) << parsed.status().to_string();
+  EXPECT_EQ((*parsed)->name(), "memory");
+  EXPECT_EQ((*parsed)->stats().capacity_bytes, 1u << 20);
+  EXPECT_FALSE((*parsed)->caps().persistent);
+  for (const char* bad : {"memory:", "memory:?capacity=0", "memory:?capacity=1M&evict=maybe",
+                          "memory:?capacity=1M&colour=blue", "memory:here?capacity=1M"}) {
+    auto b = make_storage_backend(bad, StorageOptions{});
+    EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+
+  const std::uint64_t object = format::header_bytes(StorageOptions{}, 8) + 8192;
+  auto put = [](StorageBackend& b, int i, const std::vector<std::byte>& v) {
+    return (*run_batch(b, StorageBatch{StorageOp::kPut, {{key_of(3, i), const_cast<std::byte*>(v.data()), v.size()}}}))[0]
+        .status;
+  };
+  auto present = [](StorageBackend& b, int i) {
+    return (*run_batch(b, StorageBatch{StorageOp::kExists, {{key_of(3, i), nullptr, 0}}}))[0].status.ok();
+  };
+  std::vector<std::byte> v(8192), dst(8192);
+  MemoryBackendConfig c;
+  c.capacity_bytes = 4 * object;
+  auto lru = create_memory_backend(c, StorageOptions{});
+  ASSERT_TRUE(lru.ok());
+  for (int i = 0; i < 4; ++i) {
+    fill_random(v.data(), v.size(), 100 + i);
+    ASSERT_TRUE(put(**lru, i, v).ok()) << i;
+  }
+  ASSERT_TRUE((*run_batch(**lru, StorageBatch{StorageOp::kGet, {{key_of(3, 0), dst.data(), dst.size()}}}))[0].status.ok());
+  ASSERT_TRUE(present(**lru, 1));  // uses 0 and 1: 2 is now the least recently used
+  ASSERT_TRUE(put(**lru, 4, v).ok());
+  EXPECT_FALSE(present(**lru, 2));
+  for (int i : {0, 1, 3, 4}) EXPECT_TRUE(present(**lru, i)) << i;
+  EXPECT_EQ((*lru)->stats().evictions, 1u);
+  EXPECT_EQ((*lru)->stats().bytes, 4 * object);
+  std::vector<std::byte> big(4 * object);
+  EXPECT_EQ(put(**lru, 9, big).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ((*lru)->stats().objects, 4u);  // the refused put evicted nothing
+
+  c.evict = false;
+  auto full = create_memory_backend(c, StorageOptions{});
+  ASSERT_TRUE(full.ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(put(**full, i, v).ok());
+  EXPECT_EQ(put(**full, 4, v).code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(put(**full, 2, v).ok());  // a replacement needs no more room
+  std::vector<std::byte> bigger(v.size() + 4096);
+  EXPECT_EQ(put(**full, 2, bigger).code(), StatusCode::kResourceExhausted);  // ... this one does: refused
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(present(**full, i)) << i;            // and the old object 2 is still there
 }
 
 TEST(DiskBackend, CapacityEvictsLeastRecentlyUsed) {

@@ -1,0 +1,35 @@
+// Host-memory storage backend: a tier in this process's RAM, below the host blocks and above disk and Redis.
+//
+// For engines whose own KV offloading wants a CPU tier with kvtier's guarantees (vLLM's offloading spec, SGLang's
+// HiCache storage), and for tests and replays that want a storage tier without a disk or a server. Objects are
+// the format every backend stores (object_format.h: header, checksum, tenant tags), each in its own allocation,
+// verified on every get: a damaged or foreign object is a miss (DataLoss, removed), never served.
+//
+// Capacity: capacity_bytes counts every stored object's bytes (header + payload). A put that needs room evicts the
+// least recently used objects (a get or an exists is a use); an object larger than the capacity is
+// ResourceExhausted, and so is every put when `evict` is false and the tier is full. Not persistent, not shared:
+// the objects live as long as the backend, and each backend has its own.
+//
+// post() returns at once; one worker thread runs the batches in the order they were posted (a get copies the
+// payload into the caller's buffer and verifies it in the same pass, chunk by chunk, before the item is reported
+// OK). register_region() only records the region (every copy is one memcpy, registered or not).
+//
+// Thread-safety: as StorageBackend. Destroying the backend finishes the batch in progress and cancels the rest.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "kvtier/storage/storage_backend.h"
+
+namespace kvtier::storage {
+
+struct MemoryBackendConfig {
+  std::uint64_t capacity_bytes = 0;  // required: > 0
+  bool evict = true;                 // a full tier evicts least recently used objects (false: the put fails)
+};
+
+// InvalidArgument for a zero capacity or bad tenant options (naming them).
+Result<std::unique_ptr<StorageBackend>> create_memory_backend(MemoryBackendConfig config, StorageOptions options);
+
+}  // namespace kvtier::storage

@@ -1,0 +1,293 @@
+#include "kvtier/storage/memory_backend.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "storage/object_format.h"
+#include "storage/region_set.h"
+
+namespace kvtier::storage {
+namespace {
+
+// One stored object (header + payload), immutable once stored: a get copies out of it without the lock.
+struct Object {
+  std::unique_ptr<std::byte[]> data;
+  std::uint64_t bytes = 0;
+  std::uint32_t header_size = 0;
+};
+
+// Gets copy and verify in chunks that stay in the caches between the two.
+constexpr std::uint64_t kVerifyChunk = 256 << 10;
+
+class MemoryBackend final : public StorageBackend {
+ public:
+  MemoryBackend(MemoryBackendConfig config, StorageOptions options)
+      : config_(config), options_(std::move(options)), ns_digest_(format::namespace_digest(options_)) {}
+
+  ~MemoryBackend() override {
+    std::deque<Batch> left;
+    {
+      std::lock_guard lock(queue_mu_);
+      stop_ = true;
+      left.swap(queue_);
+    }
+    queue_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    for (Batch& b : left)
+      for (std::size_t i = 0; i < b.items.size(); ++i)
+        b.ticket->complete(i, Cancelled("memory backend destroyed before the item ran"));
+  }
+
+  Status start() {
+    try {
+      worker_ = std::thread([this] { run(); });
+    } catch (const std::system_error& e) {
+      return Internal(fmt::format("memory backend worker: {}", e.what()));
+    }
+    return Status::Ok();
+  }
+
+  std::string_view name() const noexcept override { return "memory"; }
+  StorageCaps caps() const noexcept override {
+    StorageCaps c;
+    c.max_in_flight = 1;
+    c.max_object_bytes = config_.capacity_bytes;
+    return c;
+  }
+  const StorageOptions& options() const noexcept override { return options_; }
+
+  Status register_region(void* ptr, std::uint64_t bytes) override { return regions_.add(ptr, bytes); }
+  Status unregister_region(void* ptr) override { return regions_.remove(ptr); }
+
+  Result<StorageTicket> post(StorageBatch batch) override {
+    StorageTicket ticket = StorageTicket::create(batch.op, batch.items.size());
+    if (batch.items.empty()) return ticket;
+    std::lock_guard lock(queue_mu_);
+    if (stop_) return Cancelled("memory backend is shutting down");
+    queue_.push_back(Batch{batch.op, std::move(batch.items), ticket.completion()});
+    queue_cv_.notify_one();
+    return ticket;
+  }
+
+  StorageStats stats() const override {
+    std::lock_guard lock(mu_);
+    StorageStats s;
+    s.objects = index_.size();
+    s.bytes = stored_bytes_;
+    s.capacity_bytes = config_.capacity_bytes;
+    s.evictions = evictions_;
+    s.quarantined = quarantined_;
+    s.auth_failures = auth_failures_;
+    return s;
+  }
+
+  Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) override {
+    std::lock_guard lock(mu_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return NotFound(fmt::format("object {} is not stored", key.to_string()));
+    const Object& old = *it->second.object;
+    if (offset >= old.bytes) return OutOfRange(fmt::format("offset {} >= object bytes {}", offset, old.bytes));
+    // Objects are immutable (a get may be copying out of this one): store a damaged copy in its place.
+    auto damaged = std::make_shared<Object>();
+    damaged->data = std::make_unique<std::byte[]>(old.bytes);
+    damaged->bytes = old.bytes;
+    damaged->header_size = old.header_size;
+    std::memcpy(damaged->data.get(), old.data.get(), old.bytes);
+    damaged->data[offset] ^= std::byte{xor_mask};
+    it->second.object = std::move(damaged);
+    return Status::Ok();
+  }
+
+  Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override {
+    std::lock_guard lock(mu_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return NotFound(fmt::format("object {} is not stored", key.to_string()));
+    return it->second.object->bytes;
+  }
+
+ private:
+  struct Batch {
+    StorageOp op = StorageOp::kGet;
+    std::vector<StorageItem> items;
+    std::shared_ptr<detail::Completion> ticket;
+  };
+  struct Entry {
+    std::shared_ptr<const Object> object;
+    std::list<StorageKey>::iterator lru;  // position in lru_ (front: least recently used)
+  };
+
+  void run() {
+    for (;;) {
+      Batch b;
+      {
+        std::unique_lock lock(queue_mu_);
+        queue_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping
+        b = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      for (std::size_t i = 0; i < b.items.size(); ++i) {
+        std::uint64_t bytes = 0;
+        Status st = one(b.op, b.items[i], bytes);
+        b.ticket->complete(i, std::move(st), bytes);
+      }
+    }
+  }
+
+  Status one(StorageOp op, const StorageItem& item, std::uint64_t& bytes) {
+    switch (op) {
+      case StorageOp::kPut: return put(item, bytes);
+      case StorageOp::kGet: return get(item, bytes);
+      case StorageOp::kExists: {
+        std::lock_guard lock(mu_);
+        auto it = index_.find(item.key);
+        if (it == index_.end()) return NotFound(fmt::format("object {} is not stored", item.key.to_string()));
+        touch(it->second);
+        bytes = it->second.object->bytes - it->second.object->header_size;
+        return Status::Ok();
+      }
+      case StorageOp::kDelete: {
+        std::lock_guard lock(mu_);
+        auto it = index_.find(item.key);
+        if (it == index_.end()) return NotFound(fmt::format("object {} is not stored", item.key.to_string()));
+        erase(it);
+        return Status::Ok();
+      }
+    }
+    return InvalidArgument(fmt::format("unknown storage op {}", static_cast<int>(op)));
+  }
+
+  Status put(const StorageItem& item, std::uint64_t& bytes) {
+    if (item.buffer == nullptr && item.bytes != 0) return InvalidArgument("put item has no source buffer");
+    KVTIER_RETURN_IF_ERROR(format::check_payload_size(options_, item.bytes));
+    const std::uint32_t header = format::header_bytes(options_, 8);
+    const std::uint64_t total = std::uint64_t{header} + item.bytes;
+    if (total > config_.capacity_bytes)
+      return ResourceExhausted(fmt::format("object of {} bytes (payload {}) exceeds the memory tier's capacity of {}",
+                                           total, item.bytes, config_.capacity_bytes));
+    // Built outside the lock: the copy is the cost of a put.
+    auto object = std::make_shared<Object>();
+    object->data.reset(new (std::nothrow) std::byte[total]);
+    if (!object->data) return ResourceExhausted(fmt::format("memory tier: {} bytes not available", total));
+    object->bytes = total;
+    object->header_size = header;
+    KVTIER_RETURN_IF_ERROR(
+        format::encode_header(options_, ns_digest_, item.key, item.buffer, item.bytes, header, object->data.get()));
+    if (item.bytes != 0) std::memcpy(object->data.get() + header, item.buffer, item.bytes);
+    std::lock_guard lock(mu_);
+    // The object it replaces frees its bytes, but only once this put succeeds: a refused put loses nothing.
+    auto replaced = index_.find(item.key);
+    const std::uint64_t freed = replaced != index_.end() ? replaced->second.object->bytes : 0;
+    std::uint64_t room = config_.capacity_bytes - (stored_bytes_ - freed);
+    std::vector<StorageKey> victims;
+    for (auto v = lru_.begin(); room < total && config_.evict && v != lru_.end(); ++v) {
+      if (*v == item.key) continue;
+      victims.push_back(*v);
+      room += index_.find(*v)->second.object->bytes;
+    }
+    if (room < total)
+      return ResourceExhausted(fmt::format("memory tier full: {} of {} bytes stored, {} more needed", stored_bytes_,
+                                           config_.capacity_bytes, total));
+    for (const StorageKey& v : victims) erase(index_.find(v));
+    evictions_ += victims.size();
+    if (replaced != index_.end()) erase(index_.find(item.key));
+    lru_.push_back(item.key);
+    index_.emplace(item.key, Entry{std::move(object), std::prev(lru_.end())});
+    stored_bytes_ += total;
+    bytes = item.bytes;
+    return Status::Ok();
+  }
+
+  Status get(const StorageItem& item, std::uint64_t& bytes) {
+    std::shared_ptr<const Object> object;
+    {
+      std::lock_guard lock(mu_);
+      auto it = index_.find(item.key);
+      if (it == index_.end()) return NotFound(fmt::format("object {} is not stored", item.key.to_string()));
+      touch(it->second);
+      object = it->second.object;
+    }
+    Status st = copy_verified(*object, item, bytes);
+    if (st.code() == StatusCode::kDataLoss) {
+      std::lock_guard lock(mu_);
+      if (format::is_auth_failure(st)) ++auth_failures_;
+      // Quarantine = removal, unless a put replaced the object meanwhile.
+      if (auto it = index_.find(item.key); it != index_.end() && it->second.object == object) {
+        erase(it);
+        ++quarantined_;
+      }
+      return st.with_context("object quarantined (removed)");
+    }
+    return st;
+  }
+
+  // The payload into the caller's buffer, verified in the same pass (each chunk is checked right after its copy, from
+  // the caches); kDataLoss for a damaged or foreign object, whose bytes in the buffer are then undefined.
+  Status copy_verified(const Object& o, const StorageItem& item, std::uint64_t& bytes) {
+    KVTIER_ASSIGN_OR_RETURN(format::ObjectHeader h,
+                            format::decode_header(o.data.get(), o.bytes, nullptr, options_.tenant_secret));
+    KVTIER_RETURN_IF_ERROR(format::check_object_size(h, o.bytes, true));
+    KVTIER_RETURN_IF_ERROR(format::check_identity(h, ns_digest_, options_.layout_fingerprint, item.key));
+    if (item.bytes < h.payload_bytes)
+      return InvalidArgument(fmt::format("get destination of {} bytes < payload {} of object {}", item.bytes,
+                                         h.payload_bytes, item.key.to_string()));
+    if (item.buffer == nullptr && h.payload_bytes != 0) return InvalidArgument("get item has no destination buffer");
+    format::ObjectVerifier verifier(o.data.get(), h, options_.tenant_secret);
+    const std::byte* src = o.data.get() + h.header_size;
+    auto* dst = static_cast<std::byte*>(item.buffer);
+    for (std::uint64_t off = 0; off < h.payload_bytes; off += kVerifyChunk) {
+      const std::uint64_t n = std::min(kVerifyChunk, h.payload_bytes - off);
+      std::memcpy(dst + off, src + off, n);
+      verifier.update(src + off, n);
+    }
+    KVTIER_RETURN_IF_ERROR(verifier.finish());
+    bytes = h.payload_bytes;
+    return Status::Ok();
+  }
+
+  // (mu_ held)
+  void touch(Entry& e) { lru_.splice(lru_.end(), lru_, e.lru); }
+  void erase(std::unordered_map<StorageKey, Entry, StorageKeyHash>::iterator it) {
+    stored_bytes_ -= it->second.object->bytes;
+    lru_.erase(it->second.lru);
+    index_.erase(it);
+  }
+
+  const MemoryBackendConfig config_;
+  const StorageOptions options_;
+  const std::uint64_t ns_digest_;
+  RegionSet regions_;
+
+  mutable std::mutex mu_;  // the index, the LRU list and the counters
+  std::unordered_map<StorageKey, Entry, StorageKeyHash> index_;
+  std::list<StorageKey> lru_;
+  std::uint64_t stored_bytes_ = 0, evictions_ = 0, quarantined_ = 0, auth_failures_ = 0;
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Batch> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StorageBackend>> create_memory_backend(MemoryBackendConfig config, StorageOptions options) {
+  if (config.capacity_bytes == 0)
+    return InvalidArgument("memory backend: capacity_bytes is 0 (give the tier a capacity, e.g. memory:?capacity=64G)");
+  KVTIER_RETURN_IF_ERROR(format::check_tenant_options(options));
+  auto b = std::make_unique<MemoryBackend>(config, std::move(options));
+  KVTIER_RETURN_IF_ERROR(b->start());
+  return std::unique_ptr<StorageBackend>(std::move(b));
+}
+
+}  // namespace kvtier::storage
