@@ -223,6 +223,15 @@ Result<std::string> read_tenant_secret_file(const std::string& path) {
   return secret;
 }
 
+Status check_batch_buffers(const StorageBatch& batch) {
+  if (batch.op != StorageOp::kGet && batch.op != StorageOp::kPut) return Status::Ok();
+  for (std::size_t i = 0; i < batch.items.size(); ++i)
+    if (batch.items[i].buffer == nullptr && batch.items[i].bytes > 0)
+      return InvalidArgument(fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i,
+                                         batch.items[i].bytes));
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options) {
   return make_storage_backend(spec, std::move(options), StorageBackendDefaults{});
 }

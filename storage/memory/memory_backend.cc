@@ -69,6 +69,7 @@ class MemoryBackend final : public StorageBackend {
   Status unregister_region(void* ptr) override { return regions_.remove(ptr); }
 
   Result<StorageTicket> post(StorageBatch batch) override {
+    KVTIER_RETURN_IF_ERROR(check_batch_buffers(batch));
     StorageTicket ticket = StorageTicket::create(batch.op, batch.items.size());
     if (batch.items.empty()) return ticket;
     std::lock_guard lock(queue_mu_);

@@ -280,6 +280,10 @@ class StorageBackendWrapper : public StorageBackend {
 Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch batch,
                                           std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
 
+// For backends' post(): InvalidArgument naming the first item of a get or put batch that has no buffer for its
+// nonzero size (such a batch is refused whole, nothing posted).
+Status check_batch_buffers(const StorageBatch& batch);
+
 // Creates a backend from a spec string (for tools and configuration):
 //   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>&<tenant>]
 //   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&item_deadline_ms=<n>&
