@@ -252,7 +252,7 @@ class HiCacheKvtier(HiCacheStorage):
                 "kvtier.sglang: heterogeneous TP (tp_lcm_size, should_split_heads) is not supported")
         if disk and getattr(cfg, "is_mla_model", False) and getattr(cfg, "tp_size", 1) > 1:
             raise NotSupportedError(
-                f"kvtier.sglang: an MLA model at tp_size {cfg.tp_size} on the disk tier '{spec}': SGLang writes MLA "
+                f"kvtier.sglang: an MLA model at tp_size {cfg.tp_size} on the process-local tier '{spec}': SGLang writes MLA "
                 "pages from one rank and reads them on every rank, and a kvtier disk directory belongs to one "
                 "process (and a memory tier is the process's own); use a redis:// tier")
         self.storage_config = cfg

@@ -461,3 +461,22 @@ def test_redis_tier_byte_exact_and_corrupt_value_is_a_miss(tmp_path):
     for k in subprocess.run(cli + ["--scan", "--pattern", f"{prefix}:*"], capture_output=True, text=True,
                             check=True).stdout.split():
         subprocess.run(cli + ["del", k], capture_output=True, check=True)
+
+
+def test_memory_tier_byte_exact_and_an_mla_model_across_ranks_is_refused():
+    """storage "memory:": the rank's own RAM; byte-exact through SGLang's calls. An MLA model at TP > 1 reads on every
+    rank what one rank wrote, which a process's own tier cannot serve: refused, naming the tier."""
+    extra = {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "HiCacheKvtier",
+             "storage": "memory:?capacity=64M", "interface_v1": 1}
+    backend = ks.HiCacheKvtier(make_config(extra), {})
+    pool = HostPool(pages=16, layout="page_first", seed=5)
+    ctl = Controller(backend, pool, True)
+    keys = hashes(8, "m")
+    want = written(pool, range(8))
+    assert ctl.backup(keys, list(range(8))) == 8
+    pool.clear()
+    assert ctl.prefetch(keys, list(range(8, 16))) == 8
+    assert all(pool.page_bytes(8 + i) == want[i] for i in range(8))
+    assert backend.tier_stats()["objects"] == sum(len(backend.object_names(k)) for k in keys)
+    with pytest.raises(NotSupportedError, match="memory"):
+        ks.HiCacheKvtier(make_config(extra, is_mla_model=True, tp_size=2), {})
