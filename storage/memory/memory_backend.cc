@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <list>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -27,6 +28,10 @@ struct Object {
 
 // Gets copy and verify in chunks that stay in the caches between the two.
 constexpr std::uint64_t kVerifyChunk = 256 << 10;
+// Freed objects' memory kept for later puts of the same size (an engine re-stores chunks of one size): a fresh
+// allocation of a large object costs a page fault per page, more than the copy into it. At most this much, and at
+// most a quarter of the capacity.
+constexpr std::uint64_t kMaxSpareBytes = std::uint64_t{1} << 30;
 
 class MemoryBackend final : public StorageBackend {
  public:
@@ -177,7 +182,8 @@ class MemoryBackend final : public StorageBackend {
                                            total, item.bytes, config_.capacity_bytes));
     // Built outside the lock: the copy is the cost of a put.
     auto object = std::make_shared<Object>();
-    object->data.reset(new (std::nothrow) std::byte[total]);
+    object->data = take_spare(total);
+    if (!object->data) object->data.reset(new (std::nothrow) std::byte[total]);
     if (!object->data) return ResourceExhausted(fmt::format("memory tier: {} bytes not available", total));
     object->bytes = total;
     object->header_size = header;
@@ -255,10 +261,28 @@ class MemoryBackend final : public StorageBackend {
     return Status::Ok();
   }
 
+  std::unique_ptr<std::byte[]> take_spare(std::uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    auto it = spare_.find(bytes);
+    if (it == spare_.end()) return nullptr;
+    std::unique_ptr<std::byte[]> p = std::move(it->second);
+    spare_.erase(it);
+    spare_bytes_ -= bytes;
+    return p;
+  }
+
   // (mu_ held)
   void touch(Entry& e) { lru_.splice(lru_.end(), lru_, e.lru); }
   void erase(std::unordered_map<StorageKey, Entry, StorageKeyHash>::iterator it) {
-    stored_bytes_ -= it->second.object->bytes;
+    const std::uint64_t bytes = it->second.object->bytes;
+    stored_bytes_ -= bytes;
+    // Its memory is kept for reuse when no get is copying out of it (gets hold the object while they do).
+    const std::uint64_t limit = std::min(kMaxSpareBytes, config_.capacity_bytes / 4);
+    if (it->second.object.use_count() == 1 && spare_bytes_ + bytes <= limit) {
+      auto* o = const_cast<Object*>(it->second.object.get());
+      spare_.emplace(bytes, std::move(o->data));
+      spare_bytes_ += bytes;
+    }
     lru_.erase(it->second.lru);
     index_.erase(it);
   }
@@ -272,6 +296,8 @@ class MemoryBackend final : public StorageBackend {
   std::unordered_map<StorageKey, Entry, StorageKeyHash> index_;
   std::list<StorageKey> lru_;
   std::uint64_t stored_bytes_ = 0, evictions_ = 0, quarantined_ = 0, auth_failures_ = 0;
+  std::multimap<std::uint64_t, std::unique_ptr<std::byte[]>> spare_;  // freed objects' memory, by size
+  std::uint64_t spare_bytes_ = 0;
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -142,6 +142,19 @@ TEST(MemoryBackend, SpecCapacityAndEviction) {
   std::vector<std::byte> big(4 * object);
   EXPECT_EQ(put(**lru, 9, big).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ((*lru)->stats().objects, 4u);  // the refused put evicted nothing
+  // Replacements and evictions leave memory that later puts of the size reuse: every object reads back as written.
+  std::vector<std::vector<std::byte>> latest(12, std::vector<std::byte>(8192));
+  for (int round = 0; round < 3; ++round)
+    for (int i : {0, 1, 5, 6}) {
+      fill_random(latest[i].data(), latest[i].size(), 1000 * round + i);
+      ASSERT_TRUE(put(**lru, i, latest[i]).ok()) << round << " " << i;
+    }
+  for (int i : {0, 1, 5, 6}) {
+    std::fill(dst.begin(), dst.end(), std::byte{0});
+    auto r = run_batch(**lru, StorageBatch{StorageOp::kGet, {{key_of(3, i), dst.data(), dst.size()}}});
+    ASSERT_TRUE((*r)[0].status.ok()) << i << " " << (*r)[0].status.to_string();
+    EXPECT_EQ(dst, latest[i]) << i;
+  }
 
   c.evict = false;
   auto full = create_memory_backend(c, StorageOptions{});

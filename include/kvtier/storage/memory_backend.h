@@ -8,7 +8,9 @@
 // Capacity: capacity_bytes counts every stored object's bytes (header + payload). A put that needs room evicts the
 // least recently used objects (a get or an exists is a use); an object larger than the capacity is
 // ResourceExhausted, and so is every put when `evict` is false and the tier is full. Not persistent, not shared:
-// the objects live as long as the backend, and each backend has its own.
+// the objects live as long as the backend, and each backend has its own. The memory of freed objects (up to a
+// quarter of the capacity, at most 1 GiB, beyond it) is kept for later puts of the same size: a fresh allocation of
+// a large object costs a page fault per page, more than the copy into it.
 //
 // post() returns at once; one worker thread runs the batches in the order they were posted (a get copies the
 // payload into the caller's buffer and verifies it in the same pass, chunk by chunk, before the item is reported

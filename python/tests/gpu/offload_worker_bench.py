@@ -6,9 +6,11 @@ poll; bytes checked on the GPU against the source blocks, with the destinations 
 
 Shape: one KV cache group of --layers data references (vLLM's canonical (num_blocks, page) byte tensors on the
 GPU, one per layer), pages of --page-bytes (a 7B model's K+V of one layer for 16 tokens: 256 KiB), chunks of
---blocks-per-chunk blocks, --chunks chunks per job. Two tiers behind the worker:
-  - memory: a Python store (ctypes memmove into host buffers): the worker's own copies, nothing else;
-  - disk:   kvtier's disk tier in --dir (tmpfs by default: no device in the way).
+--blocks-per-chunk blocks, --chunks chunks per job. Three tiers behind the worker:
+  - memory:   a Python store (ctypes memmove into host buffers): the worker's own copies, nothing else;
+  - kvmemory: kvtier's memory tier (memory:?capacity=...): objects in RAM with their headers and checksums,
+              verified on every get;
+  - disk:     kvtier's disk tier in --dir (tmpfs by default: no device in the way).
 Beside it, the same bytes moved in the same run by:
   - the PCIe ceiling: one contiguous pinned <-> device copy per layer (torch, non_blocking);
   - vLLM's CPU-offload copy shape: one cudaMemcpyAsync per (layer, block) between the GPU blocks and a pinned
@@ -99,7 +101,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--staging-bytes", type=int, default=256 << 20)
-    ap.add_argument("--tiers", default="memory,disk")
+    ap.add_argument("--tiers", default="memory,kvmemory,disk")
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -124,6 +126,9 @@ def main():
         tmp = None
         if tier == "memory":
             store = MemoryStore()
+        elif tier == "kvmemory":  # kvtier's own memory tier (memory:?capacity=...): verified objects in RAM
+            cap = 2 * a.chunks * (a.layers * bpc * a.page_bytes + (1 << 20))
+            store = kvtier.StorageBackend.open(f"memory:?capacity={cap}", "bench", {})
         else:
             tmp = tempfile.mkdtemp(prefix="kvtier-worker-", dir=a.dir)
             cap = 2 * a.chunks * (a.layers * bpc * a.page_bytes + (1 << 20))
