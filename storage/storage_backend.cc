@@ -227,8 +227,8 @@ Status check_batch_buffers(const StorageBatch& batch) {
   if (batch.op != StorageOp::kGet && batch.op != StorageOp::kPut) return Status::Ok();
   for (std::size_t i = 0; i < batch.items.size(); ++i)
     if (batch.items[i].buffer == nullptr && batch.items[i].bytes > 0)
-      return InvalidArgument(fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i,
-                                         batch.items[i].bytes));
+      return InvalidArgument(
+          fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i, batch.items[i].bytes));
   return Status::Ok();
 }
 
@@ -329,7 +329,8 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
   if (spec.starts_with("memory:")) {
     auto [rest, params] = split_query(spec.substr(7));
     if (!rest.empty())
-      return InvalidArgument(fmt::format("memory spec '{}': nothing goes between 'memory:' and '?' (got '{}')", spec, rest));
+      return InvalidArgument(
+          fmt::format("memory spec '{}': nothing goes between 'memory:' and '?' (got '{}')", spec, rest));
     MemoryBackendConfig c;
     for (auto [k, v] : params) {
       if (k == "capacity") {

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "engine_bridge.h"
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/cache/cache_manager.h"
@@ -27,7 +28,6 @@
 #include "kvtier/core/config.h"
 #include "kvtier/storage/storage_backend.h"
 #include "kvtier/storage/storage_config.h"
-#include "engine_bridge.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"
 

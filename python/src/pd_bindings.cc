@@ -29,13 +29,13 @@
 #include <vector>
 
 #include "device_bridge.h"
-#include "pd_bridge.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/transfer/registration.h"
 #include "kvtier/transport/ipc.h"
 #include "kvtier/transport/pd.h"
 #include "kvtier/transport/pd_staged.h"
 #include "kvtier/transport/transport.h"
+#include "pd_bridge.h"
 #include "status_bridge.h"
 
 namespace nb = nanobind;
@@ -49,7 +49,6 @@ using transport::LayerState;
 using transport::PdMode;
 using transport::PrefillStatus;
 using transport::TransferId;
-
 
 Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout,
                                                              const Device* device) {
@@ -136,7 +135,6 @@ nb::dict decode_dict(const DecodeStatus& s) {
   return d;
 }
 
-
 // A stream of the endpoint's own device (a stream of another Device object is refused: its work is not that
 // device's to wait for).
 void check_stream(const PdNative& n, const PyStream& stream, const std::string& endpoint) {
@@ -146,7 +144,6 @@ void check_stream(const PdNative& n, const PyStream& stream, const std::string& 
                     "endpoint's device",
                     stream.stream->id(), endpoint)));
 }
-
 
 std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<>> tensors, nb::object device_obj,
                                               EndpointOptions o) {

@@ -98,15 +98,15 @@ nb::dict outcome_dict(const pd::ReceiveOutcome& o) {
 
 std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object transfers_obj, nb::object endpoint_obj,
                                               double poll_interval_s, double receive_timeout_s, double free_timeout_s) {
-  if (!nb::isinstance<PyCacheManager>(cache_obj))
-    raise_status(InvalidArgument("cache is not a kvtier.CacheManager"));
+  if (!nb::isinstance<PyCacheManager>(cache_obj)) raise_status(InvalidArgument("cache is not a kvtier.CacheManager"));
   if (!nb::isinstance<PyTransferManager>(transfers_obj))
     raise_status(InvalidArgument("transfers is not a kvtier.TransferManager"));
   if (!nb::isinstance<PyPdEndpoint>(endpoint_obj))
     raise_status(InvalidArgument("decode is not a kvtier.pd.Decode endpoint"));
   for (auto [what, v] : {std::pair{"poll_interval", poll_interval_s}, std::pair{"receive_timeout", receive_timeout_s},
                          std::pair{"free_timeout", free_timeout_s}})
-    if (!(v > 0) || v > 86400) raise_status(InvalidArgument(fmt::format("{} {} s: need 0 < seconds <= 86400", what, v)));
+    if (!(v > 0) || v > 86400)
+      raise_status(InvalidArgument(fmt::format("{} {} s: need 0 < seconds <= 86400", what, v)));
   auto out = std::make_unique<PyPdReceiver>();
   out->cache_ref = cache_obj;
   out->transfers_ref = transfers_obj;
@@ -136,10 +136,12 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   out->executor = std::make_unique<cache::TransferPlanExecutor>(manager, dev, compute, manager.device_space(),
                                                                 cache::TransferPlanExecutor::Options{false, 0});
   pd::ReceiverOptions ro;
-  ro.poll_interval = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::duration<double>(poll_interval_s));
+  ro.poll_interval =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::duration<double>(poll_interval_s));
   ro.receive_timeout =
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(receive_timeout_s));
-  ro.free_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(free_timeout_s));
+  ro.free_timeout =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(free_timeout_s));
   if (n.staged_decode) {
     out->receiver =
         value_or_raise(pd::PdReceiver::create(*out->cache->cm, manager, *out->executor, *n.staged_decode, ro));

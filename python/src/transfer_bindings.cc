@@ -26,13 +26,13 @@
 #include <vector>
 
 #include "device_bridge.h"
+#include "engine_bridge.h"
 #include "kvtier/core/config.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/transfer/registration.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
-#include "engine_bridge.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"
 
@@ -248,7 +248,6 @@ std::uint64_t tensor_extent_bytes(const TensorDesc& t) {
 namespace {
 
 // ---------------------------------------------------------------- manager
-
 
 TransferManager::DeviceAccess parse_access(const std::string& s) {
   if (s == "read") return TransferManager::DeviceAccess::kRead;
