@@ -55,6 +55,7 @@ void ParallelLoop::run(std::size_t n, std::size_t grain, const std::function<voi
     body(0, n);
     return;
   }
+  std::lock_guard turn(run_mu_);
   {
     // A helper that woke late for the last run may still be looking for chunks: the fields change only once no
     // helper is inside a run.

@@ -27,7 +27,7 @@ class ParallelLoop {
   unsigned helpers() const noexcept { return static_cast<unsigned>(threads_.size()); }
 
   // Calls body(begin, end) over [0, n) in chunks of `grain` items (the last one shorter), on the caller and the
-  // helpers, and returns once every chunk is done. `body` must not throw. One run at a time (callers serialize).
+  // helpers, and returns once every chunk is done. `body` must not throw. Concurrent callers take turns.
   void run(std::size_t n, std::size_t grain, const std::function<void(std::size_t, std::size_t)>& body);
 
   // The helpers for a machine with `cores` cores: none on two cores or fewer (the lane and the peer need them),
@@ -39,6 +39,7 @@ class ParallelLoop {
   void helper_loop();
 
   std::vector<std::thread> threads_;
+  std::mutex run_mu_;  // one run at a time
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   std::uint64_t generation_ = 0;  // a new run

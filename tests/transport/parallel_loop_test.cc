@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
+#include <thread>
 #include <vector>
 
 namespace kvtier::transport::detail {
@@ -35,6 +37,24 @@ TEST(ParallelLoop, ManyShortRunsBackToBackEachCoverEveryIndex) {
       for (std::size_t i = begin; i < end; ++i) sum.fetch_add(i);
     });
   EXPECT_EQ(sum.load(), 2000u * (63u * 64u / 2));
+}
+
+// Two threads running loops on one ParallelLoop at once (the decode's worker and, when it could not start, the
+// protocol thread): they take turns, and each covers its own indices.
+TEST(ParallelLoop, ConcurrentCallersTakeTurns) {
+  ParallelLoop loop(2);
+  std::atomic<std::uint64_t> a{0}, b{0};
+  auto caller = [&loop](std::atomic<std::uint64_t>& sum) {
+    for (int run = 0; run < 500; ++run)
+      loop.run(100, 7, [&](std::size_t begin, std::size_t end) {
+        for (std::size_t i = begin; i < end; ++i) sum.fetch_add(i);
+      });
+  };
+  std::thread t1(caller, std::ref(a)), t2(caller, std::ref(b));
+  t1.join();
+  t2.join();
+  EXPECT_EQ(a.load(), 500u * (99u * 100u / 2));
+  EXPECT_EQ(b.load(), 500u * (99u * 100u / 2));
 }
 
 TEST(ParallelLoop, DefaultHelpersLeaveSmallMachinesAlone) {
