@@ -515,6 +515,19 @@ REDIS = os.environ.get("KVTIER_TEST_REDIS")
 REDIS_PW = os.environ.get("KVTIER_TEST_REDIS_PASSWORD", "")
 
 
+def round_trip_three_chunks(c):
+    """Stores three chunks of two blocks (blocks 1-6), loads them into poisoned blocks 8-13 for a request with the
+    same prefix, and checks the bytes; returns the storing request."""
+    kvt = c.kv[0]
+    req = c.request("r", chunk_hashes(3))
+    kvt.fill_random(0, range(1, 7))
+    assert c.finish(c.store(req, [0, 1, 2], {0: list(range(1, 7))})) == [True]
+    kvt.poison(0, range(8, 14))
+    assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [True]
+    assert all(kvt.block(0, 7 + i) == kvt.block(0, i) for i in range(1, 7))
+    return req
+
+
 @pytest.mark.skipif(not REDIS, reason="no test Redis (KVTIER_TEST_REDIS; scripts/start-test-services.sh)")
 def test_redis_tier_round_trip(connectors):
     import uuid
@@ -523,13 +536,7 @@ def test_redis_tier_round_trip(connectors):
     e = {"storage": f"redis://:{REDIS_PW}@{REDIS}?prefix={prefix}&cluster=off", "capacity": "16M",
          "storage.redis.item_deadline": "2s"}
     c = connectors(e, G1, num_blocks=16, blocks_per_chunk=2)
-    kvt = c.kv[0]
-    req = c.request("r", chunk_hashes(3))
-    kvt.fill_random(0, range(1, 7))
-    assert c.finish(c.store(req, [0, 1, 2], {0: list(range(1, 7))})) == [True]
-    kvt.poison(0, range(8, 14))
-    assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [True]
-    assert all(kvt.block(0, 7 + i) == kvt.block(0, i) for i in range(1, 7))
+    req = round_trip_three_chunks(c)
     assert c.manager.get_load_source(make_offload_key(req.hashes[0], 0), req.ctx).value == "external_unspecified"
     store = c.worker_specs[0].store
     store.delete_many([kv.object_key(make_offload_key(h, 0)) for h in req.hashes])
@@ -543,12 +550,7 @@ def test_memory_tier_round_trip_and_capacity(connectors):
     c = connectors(e, G1, num_blocks=24, blocks_per_chunk=2, events=True)
     assert c.spec.capacity_chunks == 3 and c.spec.medium is Medium.CPU
     kvt = c.kv[0]
-    req = c.request("r", chunk_hashes(3))
-    kvt.fill_random(0, range(1, 7))
-    assert c.finish(c.store(req, [0, 1, 2], {0: list(range(1, 7))})) == [True]
-    kvt.poison(0, range(8, 14))
-    assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [True]
-    assert all(kvt.block(0, 7 + i) == kvt.block(0, i) for i in range(1, 7))
+    req = round_trip_three_chunks(c)
     assert c.manager.get_load_source(make_offload_key(req.hashes[0], 0), req.ctx).value == "host"
     (stored,) = [ev for ev in c.manager.take_events() if not ev.removed]
     assert stored.medium is Medium.CPU
