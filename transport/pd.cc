@@ -166,6 +166,79 @@ bool header(const std::string& m, char& type, TransferId& id) {
 }
 
 // What both endpoints share: the plane regions, the progress thread, the lock.
+// The transport lane's checksums, off the protocol thread: one worker takes layers in the order they became ready
+// (the prefill's before it posts them, the decode's as they arrive; each split over the endpoint's checksum helpers),
+// so that a layer's checksums overlap the lane's copy of the previous one, which on UCX shared memory is done by the
+// protocol thread itself. The worker starts with the first job.
+class ChecksumQueue {
+ public:
+  struct Job {
+    std::uint32_t layer = 0;
+    std::vector<std::uint64_t> blocks;
+    std::vector<std::uint64_t> out;  // the checksums, once `done`
+    std::atomic<bool> done{false};
+  };
+  using Compute =
+      std::function<void(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out)>;
+  explicit ChecksumQueue(Compute compute) : compute_(std::move(compute)) {}
+  ~ChecksumQueue() { stop(); }
+  ChecksumQueue(const ChecksumQueue&) = delete;
+  ChecksumQueue& operator=(const ChecksumQueue&) = delete;
+
+  // Null when the worker cannot be started (the caller computes the checksums itself).
+  std::shared_ptr<Job> submit(std::uint32_t layer, const std::vector<std::uint64_t>& blocks) {
+    auto job = std::make_shared<Job>();
+    job->layer = layer;
+    job->blocks = blocks;
+    job->out.resize(blocks.size());
+    std::lock_guard lock(mu_);
+    if (stop_) return nullptr;
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { run(); });
+      } catch (const std::system_error&) {
+        return nullptr;
+      }
+    }
+    jobs_.push_back(job);
+    cv_.notify_one();
+    return job;
+  }
+
+  // Finishes the job in progress; jobs not started never complete (their transfers are gone with the endpoint).
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+      jobs_.clear();
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      std::shared_ptr<Job> job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      compute_(job->layer, job->blocks, job->out.data());
+      job->done.store(true, std::memory_order_release);
+      lock.lock();
+    }
+  }
+
+  Compute compute_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> jobs_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 class Endpoint {
  public:
   Endpoint(Transport& t, BlockSpace blocks, PdOptions options) : t_(t), blocks_(std::move(blocks)), options_(options) {}
@@ -238,6 +311,7 @@ class Endpoint {
       stop_ = true;
     }
     if (thread_.joinable()) thread_.join();
+    checksums_.stop();  // after the progress thread: nothing submits any more
     // Kernels of the device lane cannot be cancelled: wait (bounded) for them before their buffers go.
     std::vector<std::unique_ptr<Stream>*> streams = {&lane_stream_, &verify_stream_};
     for (auto& r : retired_streams_) streams.push_back(&r);
@@ -691,89 +765,19 @@ class Endpoint {
     }
     checksum_loop_->run(blocks.size(), grain, body);
   }
+
+  // The transport lane's checksum worker (declared after what its jobs read, so it goes first).
+  ChecksumQueue checksums_{[this](std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) {
+    layer_checksums(layer, blocks, out);
+  }};
 };
 
 // ---- prefill --------------------------------------------------------------------------------------------
 
-// The prefill's checksums on the transport lane, off the protocol thread: one worker takes layers in the order they
-// became ready (each split over the endpoint's checksum helpers), so that a layer's checksums overlap the previous
-// layer's post, which on UCX shared memory is the copy itself. The worker starts with the first job.
-class ChecksumQueue {
- public:
-  struct Job {
-    std::uint32_t layer = 0;
-    std::vector<std::uint64_t> blocks;
-    std::vector<std::uint64_t> out;  // the checksums, once `done`
-    std::atomic<bool> done{false};
-  };
-  using Compute =
-      std::function<void(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out)>;
-  explicit ChecksumQueue(Compute compute) : compute_(std::move(compute)) {}
-  ~ChecksumQueue() { stop(); }
-  ChecksumQueue(const ChecksumQueue&) = delete;
-  ChecksumQueue& operator=(const ChecksumQueue&) = delete;
-
-  // Null when the worker cannot be started (the caller computes the checksums itself).
-  std::shared_ptr<Job> submit(std::uint32_t layer, const std::vector<std::uint64_t>& blocks) {
-    auto job = std::make_shared<Job>();
-    job->layer = layer;
-    job->blocks = blocks;
-    job->out.resize(blocks.size());
-    std::lock_guard lock(mu_);
-    if (stop_) return nullptr;
-    if (!thread_.joinable()) {
-      try {
-        thread_ = std::thread([this] { run(); });
-      } catch (const std::system_error&) {
-        return nullptr;
-      }
-    }
-    jobs_.push_back(job);
-    cv_.notify_one();
-    return job;
-  }
-
-  // Finishes the job in progress; jobs not started never complete (their transfers are gone with the endpoint).
-  void stop() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-      jobs_.clear();
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void run() {
-    std::unique_lock lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
-      if (stop_) return;
-      std::shared_ptr<Job> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      compute_(job->layer, job->blocks, job->out.data());
-      job->done.store(true, std::memory_order_release);
-      lock.lock();
-    }
-  }
-
-  Compute compute_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> jobs_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 class Prefill final : public PdPrefill, public Endpoint {
  public:
   using Endpoint::Endpoint;
-  ~Prefill() override {
-    stop();
-    checksums_.stop();
-  }
+  ~Prefill() override { stop(); }
 
   Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
@@ -1309,9 +1313,6 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   std::map<TransferId, X> xfers_;
   std::map<TransferId, Req> early_;
-  ChecksumQueue checksums_{[this](std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) {
-    layer_checksums(layer, blocks, out);
-  }};
   std::map<PeerId, PeerRing> peer_rings_;                  // ring lane (std::map: X::ring points into it)
   std::map<TransferId, std::vector<Grant>> early_grants_;  // grants that came before begin()
 };
@@ -1321,10 +1322,7 @@ class Prefill final : public PdPrefill, public Endpoint {
 class Decode final : public PdDecode, public Endpoint {
  public:
   using Endpoint::Endpoint;
-  ~Decode() override {
-    stop();
-    checksums_.stop();
-  }
+  ~Decode() override { stop(); }
 
   Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_blocks(dst_blocks, "destination"));
@@ -1956,9 +1954,6 @@ class Decode final : public PdDecode, public Endpoint {
     grant_ring();
   }
 
-  ChecksumQueue checksums_{[this](std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) {
-    layer_checksums(layer, blocks, out);
-  }};
   std::map<TransferId, X> xfers_;
   // Ring lane: the shared ring (the transport owns its memory), its slots and who may use them.
   RingGeometry ring_;
