@@ -195,8 +195,30 @@ Status check_payload_size(const StorageOptions& options, std::uint64_t payload_b
   return Status::Ok();
 }
 
-Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
-                     std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
+namespace {
+
+// Payload bytes hashed per step when the payload is copied as it is hashed: the copy's destination is hashed
+// while it is still in the caches.
+constexpr std::uint64_t kCopyChunk = 256 << 10;
+
+// Feeds the payload to `update`; with `copy_to`, copies each chunk there first and feeds the copy.
+template <typename Update>
+void feed_payload(const void* payload, std::uint64_t payload_bytes, std::byte* copy_to, Update&& update) {
+  if (payload_bytes == 0) return;
+  if (copy_to == nullptr) {
+    update(payload, payload_bytes);
+    return;
+  }
+  const auto* src = static_cast<const std::byte*>(payload);
+  for (std::uint64_t off = 0; off < payload_bytes; off += kCopyChunk) {
+    const std::uint64_t n = std::min(kCopyChunk, payload_bytes - off);
+    std::memcpy(copy_to + off, src + off, n);
+    update(copy_to + off, n);
+  }
+}
+
+Status encode(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
+              std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out, std::byte* copy_to) {
   const std::string_view secret = options.tenant_secret;
   const bool keyed = !secret.empty();
   if (keyed && (secret.size() < kMinSecretBytes || secret.size() > kMaxSecretBytes))
@@ -229,7 +251,11 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
     e += kRoleEntryBytes;
   }
   if (!keyed) {
-    put_le<std::uint64_t>(out + kOffChecksum, object_checksum(out, header_size, payload, payload_bytes));
+    XXH3_state_t state;
+    object_checksum_header(&state, out, header_size);
+    feed_payload(payload, payload_bytes, copy_to,
+                 [&](const void* p, std::uint64_t n) { XXH3_64bits_update(&state, p, static_cast<std::size_t>(n)); });
+    put_le<std::uint64_t>(out + kOffChecksum, XXH3_64bits_digest(&state));
     put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
     return Status::Ok();
   }
@@ -239,13 +265,28 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
   randombytes_buf(out + kOffNonce, 16);
   crypto_onetimeauth_state st;
   payload_mac_init(&st, out, header_size, secret);
-  if (payload_bytes > 0) crypto_onetimeauth_update(&st, static_cast<const unsigned char*>(payload), payload_bytes);
+  feed_payload(payload, payload_bytes, copy_to, [&](const void* p, std::uint64_t n) {
+    crypto_onetimeauth_update(&st, static_cast<const unsigned char*>(p), n);
+  });
   crypto_onetimeauth_final(&st, reinterpret_cast<unsigned char*>(out + kOffPayloadTag));
   sodium_memzero(&st, sizeof(st));
   const auto htag = keyed_header_hash(out, header_size, secret, kPersonalHeader);
   std::memcpy(out + kOffHeaderTag, htag.data(), kHeaderTagBytes);
   put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, true));
   return Status::Ok();
+}
+
+}  // namespace
+
+Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
+                     std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
+  return encode(options, ns_digest, key, payload, payload_bytes, header_size, out, nullptr);
+}
+
+Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
+                     const void* payload, std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
+  if (payload_bytes != 0 && payload == nullptr) return InvalidArgument("encode_object: no payload");
+  return encode(options, ns_digest, key, payload, payload_bytes, header_size, out, out + header_size);
 }
 
 Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std::uint32_t* needed,

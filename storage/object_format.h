@@ -131,6 +131,12 @@ Status check_payload_size(const StorageOptions& options, std::uint64_t payload_b
 Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
                      std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out);
 
+// The whole object in one pass: the header into out[0, header_size) as encode_header writes it, and the
+// payload copied to out + header_size, each chunk checksummed (or authenticated) right after its copy, from the
+// caches. `out` holds header_size + payload_bytes bytes.
+Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
+                     const void* payload, std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out);
+
 // Parses and checks the header alone. `avail` bytes are readable at `data`; when the header is
 // longer than that, returns kOutOfRange with the needed size in the message and sets *needed.
 // Every size field is bounded (kMaxHeaderBytes, kMaxPayloadBytes, roles inside the payload)

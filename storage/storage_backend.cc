@@ -342,6 +342,10 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
           c.evict = false;
         else
           return InvalidArgument(fmt::format("evict '{}' is not on|off", v));
+      } else if (k == "threads") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(v));
+        if (n > 64) return InvalidArgument(fmt::format("memory spec '{}': threads={} is more than 64", spec, v));
+        c.threads = static_cast<unsigned>(n);
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
         if (!tenant_param) return InvalidArgument(fmt::format("unknown memory parameter '{}' in '{}'", k, spec));

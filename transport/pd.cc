@@ -53,7 +53,7 @@
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/log.h"
 #include "kvtier/device/device.h"
-#include "transport/parallel_loop.h"
+#include "core/parallel_loop.h"
 
 namespace kvtier::transport {
 
@@ -267,11 +267,11 @@ class Endpoint {
     if (options_.engine == nullptr) {
       std::uint32_t helpers = options_.checksum_helpers;
       if (helpers == PdOptions::kAutoChecksumHelpers)
-        helpers = detail::ParallelLoop::default_helpers(std::thread::hardware_concurrency());
+        helpers = kvtier::detail::ParallelLoop::default_helpers(std::thread::hardware_concurrency());
       if (helpers > PdOptions::kMaxChecksumHelpers)
         return InvalidArgument(
             fmt::format("{}: checksum_helpers {} (at most {})", role, helpers, PdOptions::kMaxChecksumHelpers));
-      if (helpers > 0) checksum_loop_ = std::make_unique<detail::ParallelLoop>(helpers);
+      if (helpers > 0) checksum_loop_ = std::make_unique<kvtier::detail::ParallelLoop>(helpers);
     }
     const KvLayout& layout = blocks_.layout();
     if (blocks_.num_blocks() == 0) return InvalidArgument(fmt::format("{}: block space has no blocks", role));
@@ -745,7 +745,7 @@ class Endpoint {
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
   mutable std::vector<std::int32_t> ring_ids_;           // 0, 1, ...: a slot's block ids (under mu_)
-  std::unique_ptr<detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
+  std::unique_ptr<kvtier::detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
 
  protected:
   // Host lanes: the checksum of `blocks[i]` of `layer` into out[i], split over the checksum helpers when the layer

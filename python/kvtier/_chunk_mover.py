@@ -3,10 +3,14 @@ of :mod:`kvtier.vllm`, written against plain tensors and duck-typed job descript
 does (the GPU runner, ``python/tests/gpu/offload_worker_bench.py``, runs it where vLLM is not installed).
 
 Each chunk of ``blocks_per_chunk`` blocks of one KV cache group is one storage object: that rank's bytes of every
-layer of the group, data reference by data reference, block by block (pages of ``page_size_bytes`` at the start of
-each row of a ``(num_blocks, row_bytes)`` byte tensor). Failures are misses, never garbage: a job succeeds only when
-every object was written (store) or read whole, verified and of the chunk's exact size (load), and a load scatters
-nothing before all its objects verified.
+layer of the group, block by block, each block's pages data reference by data reference (pages of
+``page_size_bytes`` at the start of each row of a ``(num_blocks, row_bytes)`` byte tensor). The copies between the
+KV tensors and the objects are kvtier's: per group a :class:`kvtier.TransferManager` over the tensors' pages
+(``TransferManager.from_pages``) whose pinned host cache, page-first, holds a batch of chunks as their objects'
+exact bytes, so the storage tier writes and reads them in place. Failures are misses, never garbage: a job
+succeeds only when every object was written (store) or read whole, verified and of the chunk's exact size (load),
+a load moves no byte of a batch before all the batch's objects verified, and every copy is checked by the manager
+(a failed copy fails the job).
 """
 
 from __future__ import annotations
@@ -21,11 +25,16 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from . import _native
 from .errors import InvalidArgumentError, NotSupportedError
 
 logger = logging.getLogger("kvtier.vllm")
 
-DEFAULT_STAGING = 256 << 20
+# Bytes of one batch of chunks. Each group's manager holds four batches of pinned host memory: two for stores and
+# two for loads, so the copy of one batch overlaps the storage tier's work on the other.
+DEFAULT_STAGING = 64 << 20
+# The deadline of each wait on a copy (a copy that takes longer fails its job).
+COPY_TIMEOUT_S = 120.0
 
 
 class FinishedJob(NamedTuple):
@@ -36,40 +45,39 @@ class FinishedJob(NamedTuple):
 
 
 @dataclass
-class _Region:
-    """One data reference of a group: rows of a canonical (num_blocks, page) byte tensor."""
+class _Group:
+    """One KV cache group: its data references and the manager that moves their pages."""
 
-    tensor: Any  # torch.uint8 view, (num_blocks, row_bytes)
-    array: Any  # the same memory as a numpy array (CPU tensors), else None
-    base: int
-    row_stride: int
-    num_blocks: int
-    page_bytes: int
-    offset: int  # where its pages start in the chunk's object
+    tensors: List[Any]  # torch.uint8 views, (num_blocks, row_bytes)
+    bases: List[int]
+    row_strides: List[int]
+    num_blocks: int  # rows every data reference has
+    pages: List[int]
+    block_bytes: int  # one block's pages of every data reference: one host block
+    object_bytes: int  # blocks_per_chunk host blocks
+    batch_chunks: int  # chunks per batch
+    manager: Any = None  # kvtier TransferManager (from_pages); replaced after a failed copy
 
 
 @dataclass
-class _GroupMoves:
-    """The blocks of one KV cache group in a job: chunks [first, first + count) of the job, each an object of
-    ``object_bytes``; per region the (chunk - first, slot, row) of every block moved."""
+class _Batch:
+    """Chunks [first, first + count) of one group's part of a job, with the moves that touch them: for each moved
+    block its place in the batch (host block, relative to the batch's buffer) and its device row."""
 
-    first: int
-    count: int
-    object_bytes: int
-    moves: List[Tuple[_Region, Any, Any, Any]]  # region, chunk, slot, row (int64 numpy arrays)
+    group: int
+    names: List[str]
+    host: Any  # int64 numpy array: host block (chunk * bpc + slot) within the batch
+    rows: Any  # int64 numpy array: device rows
 
 
 @dataclass
 class _Plan:
-    names: List[str]
-    groups: List[_GroupMoves]
+    batches: List[_Batch]
     total_bytes: int
 
-    def object_bytes(self) -> List[int]:
-        out: List[int] = []
-        for g in self.groups:
-            out += [g.object_bytes] * g.count
-        return out
+    @property
+    def names(self) -> List[str]:
+        return [n for b in self.batches for n in b.names]
 
 
 class _Job:
@@ -87,64 +95,136 @@ class _JobFailed(Exception):
     pass
 
 
+class _CopyFailed(Exception):
+    """A copy of the group's manager failed (on a GPU such errors are usually sticky: the manager is replaced)."""
+
+    def __init__(self, group: int, error: BaseException):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.group = group
+
+
 class ChunkMover:
     """Moves chunks between an engine's KV tensors and a kvtier storage tier.
 
     Stores run in submission order on one thread (so a chunk evicted by one store and stored again by a later
-    one is deleted before it is written); loads run on their own thread, never behind stores. A job gathers
-    (store) or scatters (load) through a staging buffer of at most ``staging_bytes`` per storage batch, pinned
-    when the KV tensors are on a GPU, with the copies on a side stream that waits for the engine's stream."""
+    one is deleted before it is written); loads run on their own thread, never behind stores. A job moves its
+    chunks in batches of at most ``staging_bytes``: a store copies a batch's blocks into pinned host memory with
+    kvtier's copy engine, after the work the engine's stream had at ``submit``, and the storage tier writes the
+    batch's objects from there while the next batch is copied; a load reads a batch's objects there, verified,
+    and the copy engine moves them into the KV tensors while the tier reads the next batch."""
 
     def __init__(self, groups: Sequence[Sequence[Tuple[Any, int]]], store: Any, blocks_per_chunk: int,
                  staging_bytes: int = DEFAULT_STAGING):
         self.store = store
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.staging_bytes = int(staging_bytes)
+        if self.blocks_per_chunk < 1:
+            raise InvalidArgumentError(f"kvtier.vllm: blocks_per_chunk {blocks_per_chunk} is not >= 1")
+        if self.staging_bytes < 1:
+            raise InvalidArgumentError(f"kvtier.vllm: staging of {staging_bytes} bytes")
         self.last_error: Optional[str] = None
-        self._groups: List[List[_Region]] = []
-        self._object_bytes: List[int] = []
-        self._device = None
+        self._groups: List[_Group] = []
+        self._device_of = None
         for g, refs in enumerate(groups):
-            regions: List[_Region] = []
-            offset = 0
+            tensors, pages = [], []
             for i, (t, page_size_bytes) in enumerate(refs):
                 if t.dim() != 2 or t.stride(1) != 1 or t.element_size() != 1:
                     raise NotSupportedError(
                         f"kvtier.vllm: KV tensor {i} of group {g} is not a (num_blocks, bytes) byte "
                         f"tensor (shape {tuple(t.shape)}, strides {t.stride()}, dtype {t.dtype})")
-                if page_size_bytes > t.shape[1]:
+                if page_size_bytes <= 0 or page_size_bytes > t.shape[1]:
                     raise InvalidArgumentError(
                         f"kvtier.vllm: group {g}: page of {page_size_bytes} bytes in rows of {t.shape[1]}")
-                if self._device is None:
-                    self._device = t.device
-                elif t.device != self._device:
-                    raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device} and {t.device}")
-                u = t if t.dtype == torch.uint8 else t.view(torch.uint8)
-                arr = u.numpy() if u.device.type == "cpu" else None
-                regions.append(_Region(u, arr, t.data_ptr(), t.stride(0), t.shape[0], page_size_bytes, offset))
-                offset += page_size_bytes * self.blocks_per_chunk
-            self._groups.append(regions)
-            self._object_bytes.append(offset)
-        if self._device is not None and self._device.type not in ("cuda", "cpu"):
-            raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device}: CUDA (or ROCm) GPUs and the CPU only")
-        self._cuda = self._device is not None and self._device.type == "cuda"
-        self._stream = torch.cuda.Stream(device=self._device) if self._cuda else None
+                if self._device_of is None:
+                    self._device_of = t.device
+                elif t.device != self._device_of:
+                    raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device_of} and {t.device}")
+                tensors.append(t if t.dtype == torch.uint8 else t.view(torch.uint8))
+                pages.append(int(page_size_bytes))
+            if not tensors:
+                raise InvalidArgumentError(f"kvtier.vllm: KV cache group {g} has no data reference")
+            block_bytes = sum(pages)
+            object_bytes = block_bytes * self.blocks_per_chunk
+            self._groups.append(_Group(tensors, [t.data_ptr() for t in tensors], [t.stride(0) for t in tensors],
+                                       min(t.shape[0] for t in tensors), pages, block_bytes, object_bytes,
+                                       max(1, self.staging_bytes // object_bytes)))
+        if self._device_of is not None and self._device_of.type not in ("cuda", "cpu"):
+            raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device_of}: CUDA (or ROCm) GPUs and the CPU "
+                                    "only")
+        self._cuda = self._device_of is not None and self._device_of.type == "cuda"
+        # kvtier's device and the stream its managers copy behind: on a GPU a side stream that waits, per job, for
+        # the engine's stream at submit; on the CPU (kvtier's host backend) a stream of its own.
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=self._device_of)
+            self._device = _native.cuda_device(self._device_of.index if self._device_of.index is not None else 0)
+            self._kv_stream = self._device.adopt_stream(self._stream.cuda_stream, "kvtier-vllm")
+        else:
+            self._stream = None
+            self._device = _native.host_device()
+            self._kv_stream = self._device.create_stream("kvtier-vllm")
+        # Managers in use by jobs (id -> count) and those replaced but still in use: closed when no job uses them.
+        self._mgr_lock = threading.Lock()
+        self._users: Dict[int, int] = {}
+        self._retired: List[Any] = []
+        for grp in self._groups:
+            grp.manager = self._new_manager(grp)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-store")
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
         self._jobs: Dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._logged: set = set()
+        self._closed = False
         self.stats = {"stored_chunks": 0, "loaded_chunks": 0, "failed_jobs": 0, "deleted_chunks": 0}
+
+    def _new_manager(self, grp: _Group) -> Any:
+        return _native.TransferManager.from_pages(self._device, self._kv_stream, grp.tensors, grp.pages,
+                                                  num_host_blocks=4 * grp.batch_chunks * self.blocks_per_chunk)
+
+    def _acquire(self, plan: _Plan) -> Dict[int, Any]:
+        """The managers of the job's groups, held until _release."""
+        with self._mgr_lock:
+            mgrs = {b.group: self._groups[b.group].manager for b in plan.batches}
+            for m in mgrs.values():
+                self._users[id(m)] = self._users.get(id(m), 0) + 1
+        return mgrs
+
+    def _release(self, mgrs: Dict[int, Any], failed: Optional[int]) -> None:
+        """Ends a job's use of its managers. A failed copy retires its group's manager (a GPU copy error is sticky:
+        every later copy of it would fail) for a new one; a retired manager closes once no job uses it."""
+        close = []
+        with self._mgr_lock:
+            for g, m in mgrs.items():
+                self._users[id(m)] -= 1
+                grp = self._groups[g]
+                if g == failed and grp.manager is m and not self._closed:
+                    try:
+                        grp.manager = self._new_manager(grp)
+                        self._retired.append(m)
+                        logger.warning("kvtier.vllm: KV cache group %d: a copy failed; its copies continue on a new "
+                                       "transfer manager", g)
+                    except Exception as e:  # noqa: BLE001 (later jobs fail on the old one, as they would anyway)
+                        logger.error("kvtier.vllm: KV cache group %d: no new transfer manager after a failed copy: "
+                                     "%s", g, e)
+            for m in list(self._retired):
+                if self._users.get(id(m), 0) == 0:
+                    self._retired.remove(m)
+                    self._users.pop(id(m), None)
+                    close.append(m)
+        for m in close:
+            try:
+                m.close()
+            except Exception as e:  # noqa: BLE001 (its copies failed already; nothing is lost)
+                logger.debug("kvtier.vllm: closing a retired transfer manager: %s", e)
 
     def object_bytes(self, group: int) -> int:
         """The size of one chunk's object of a KV cache group (this rank's bytes of every layer of it)."""
-        return self._object_bytes[group]
+        return self._groups[group].object_bytes
 
     # ------------------------------------------------------------------ resolving a job
 
     def _plan(self, ptrs: Any, names: List[str], is_store: bool) -> _Plan:
         """Device pointers (vLLM's order: group by group, data reference by data reference, block by block) as
-        moves between tensor rows and (chunk, slot) places of the objects."""
+        batches of chunks, each with its blocks' (host block in the batch, device row)."""
         bpc = self.blocks_per_chunk
         counts = tuple(ptrs.group_block_counts)
         if len(counts) != len(self._groups):
@@ -152,166 +232,169 @@ class ChunkMover:
         all_ptrs = np.asarray(ptrs.ptrs, dtype=np.uint64).astype(np.int64)
         all_sizes = np.asarray(ptrs.sizes, dtype=np.uint64).astype(np.int64)
         chunk0 = at = total = 0
-        groups: List[_GroupMoves] = []
+        batches: List[_Batch] = []
         for g, (n_blocks, n_refs, block_idx) in enumerate(zip(counts, ptrs.group_data_ref_counts,
                                                               ptrs.block_indices)):
             if n_blocks == 0:
                 continue
-            regions = self._groups[g]
-            if n_refs != len(regions):
-                raise _JobFailed(f"group {g}: {n_refs} data references in the job, {len(regions)} registered")
+            grp = self._groups[g]
+            if n_refs != len(grp.tensors):
+                raise _JobFailed(f"group {g}: {n_refs} data references in the job, {len(grp.tensors)} registered")
             skip = int(block_idx) % bpc
             n_chunks = (n_blocks + skip + bpc - 1) // bpc
             if is_store and (skip or n_blocks % bpc):
                 raise _JobFailed(f"group {g}: a store of {n_blocks} blocks from block {block_idx} is not whole "
                                  f"chunks of {bpc} blocks")
-            pos = np.arange(skip, skip + n_blocks, dtype=np.int64)
-            chunk, slot = pos // bpc, pos % bpc
-            moves = []
-            for r in regions:
+            rows = None
+            for i in range(len(grp.tensors)):
                 seg, sizes = all_ptrs[at:at + n_blocks], all_sizes[at:at + n_blocks]
-                off = seg - r.base
-                bad = (sizes != r.page_bytes) | (off < 0) | (off % r.row_stride != 0) | (
-                    off // r.row_stride >= r.num_blocks)
+                off = seg - grp.bases[i]
+                stride = grp.row_strides[i]
+                bad = (sizes != grp.pages[i]) | (off < 0) | (off % stride != 0) | (off // stride >= grp.num_blocks)
                 if len(seg) != n_blocks or bad.any():
-                    i = int(np.argmax(bad)) if len(seg) and bad.any() else 0
-                    what = f"{int(seg[i]):#x} of {int(sizes[i])} bytes" if len(seg) else "(missing)"
-                    raise _JobFailed(f"group {g}: device pointer {what} is not a block of its KV tensor (base "
-                                     f"{r.base:#x}, {r.num_blocks} rows of {r.row_stride} bytes, pages of "
-                                     f"{r.page_bytes})")
+                    j = int(np.argmax(bad)) if len(seg) and bad.any() else 0
+                    what = f"{int(seg[j]):#x} of {int(sizes[j])} bytes" if len(seg) else "(missing)"
+                    raise _JobFailed(f"group {g}: device pointer {what} is not a block of its KV tensor {i} (base "
+                                     f"{grp.bases[i]:#x}, {grp.num_blocks} rows of {stride} bytes, pages of "
+                                     f"{grp.pages[i]})")
+                r = off // stride
+                if rows is None:
+                    rows = r
+                elif not np.array_equal(rows, r):
+                    j = int(np.argmax(rows != r))
+                    raise _JobFailed(f"group {g}: block {j} of the job is row {int(rows[j])} of KV tensor 0 and row "
+                                     f"{int(r[j])} of KV tensor {i} (a group's data references share block ids)")
                 at += n_blocks
-                moves.append((r, chunk, slot, off // r.row_stride))
-                total += n_blocks * r.page_bytes
-            groups.append(_GroupMoves(chunk0, n_chunks, self._object_bytes[g], moves))
+            if len(np.unique(rows)) != len(rows):
+                raise _JobFailed(f"group {g}: a device block appears twice in the job")
+            pos = np.arange(skip, skip + n_blocks, dtype=np.int64)  # place in the group's chunks: chunk * bpc + slot
+            for c0 in range(0, n_chunks, grp.batch_chunks):
+                c1 = min(n_chunks, c0 + grp.batch_chunks)
+                sel = (pos >= c0 * bpc) & (pos < c1 * bpc)
+                batches.append(_Batch(g, list(names[chunk0 + c0:chunk0 + c1]), pos[sel] - c0 * bpc, rows[sel]))
+            total += n_blocks * grp.block_bytes
             chunk0 += n_chunks
         if at != len(all_ptrs):
             raise _JobFailed(f"{len(all_ptrs)} device pointers, {at} expected from the group counts")
         if chunk0 != len(names):
             raise _JobFailed(f"{len(names)} chunk keys for {chunk0} chunks of device blocks")
-        return _Plan(list(names), groups, total)
+        return _Plan(batches, total)
 
     # ------------------------------------------------------------------ the copies (on the job threads)
 
-    def _batches(self, sizes: List[int]) -> List[Tuple[int, int]]:
-        """Chunk ranges [a, b) whose objects fit in staging_bytes (one chunk at least)."""
-        out = []
-        a = 0
-        while a < len(sizes):
-            b, size = a, 0
-            while b < len(sizes) and (b == a or size + sizes[b] <= self.staging_bytes):
-                size += sizes[b]
-                b += 1
-            out.append((a, b))
-            a = b
-        return out
+    def _buffer(self, mgr: Any, batch: _Batch, is_store: bool, k: int) -> int:
+        """The first host block of the k-th buffer of a batch's group (stores use buffers 0 and 1, loads 2 and 3),
+        once no earlier copy uses the buffer."""
+        span = self._groups[batch.group].batch_chunks * self.blocks_per_chunk
+        first = ((0 if is_store else 2) + k % 2) * span
+        self._copy(batch.group, mgr.wait_host_blocks_free, list(range(first, first + span)), COPY_TIMEOUT_S)
+        return first
 
-    def _staging(self, sizes: List[int]) -> Tuple[Any, Any, List[int]]:
-        """A staging buffer for objects of ``sizes`` (pinned for a GPU): the tensor, a numpy view, the offsets."""
-        starts, at = [], 0
-        for s in sizes:
-            starts.append(at)
-            at += s
-        t = torch.empty(at, dtype=torch.uint8, pin_memory=self._cuda)
-        return t, t.numpy(), starts
-
-    def _pages(self, plan: _Plan, staging: Any, starts: List[int], a: int, b: int):
-        """For chunks [a, b) in ``staging`` (numpy or torch; chunk i at byte starts[i - a]): per region a (chunks,
-        bpc, page) view of its pages there, the (chunk, slot) places of its moves in that view and their tensor
-        rows."""
-        bpc = self.blocks_per_chunk
-        for g in plan.groups:
-            lo, hi = max(a, g.first), min(b, g.first + g.count)
-            if lo >= hi:
-                continue
-            n = hi - lo
-            objects = staging[starts[lo - a]:starts[lo - a] + n * g.object_bytes].reshape(n, g.object_bytes)
-            for r, chunk, slot, rows in g.moves:
-                sel = (chunk + g.first >= lo) & (chunk + g.first < hi)
-                if not sel.any():
-                    continue
-                view = objects[:, r.offset:r.offset + bpc * r.page_bytes].reshape(n, bpc, r.page_bytes)
-                yield r, view, chunk[sel] + g.first - lo, slot[sel], rows[sel]
+    def _objects(self, mgr: Any, batch: _Batch, first: int) -> List[Tuple[int, int]]:
+        size = self._groups[batch.group].object_bytes
+        base = mgr.host_page(first)
+        return [(base + i * size, size) for i in range(len(batch.names))]
 
     @staticmethod
-    def _runs(ci: Any, si: Any):
-        """Runs [j0, j1) of moves whose places follow each other inside one chunk (ci equal, si consecutive): one
-        contiguous range of the staging buffer each."""
-        if len(ci) == 0:
-            return
-        breaks = np.flatnonzero((np.diff(ci) != 0) | (np.diff(si) != 1)) + 1
-        bounds = [0, *breaks.tolist(), len(ci)]
-        for j0, j1 in zip(bounds[:-1], bounds[1:]):
-            yield j0, j1, int(ci[j0]), int(si[j0])
+    def _copy(group: int, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as e:
+            raise _CopyFailed(group, e) from e
 
     def _run_store(self, plan: _Plan, delete: List[str], ready: Any) -> int:
         if delete:
             res = self.store.delete_many(delete)
             self.stats["deleted_chunks"] += sum(1 for x in res if isinstance(x, int))
-        if not plan.names:
+        if not plan.batches:
             return 0
-        sizes = plan.object_bytes()
         written: List[str] = []
+        mgrs = self._acquire(plan)
+        failed = None
+        pending = None
         try:
-            if self._cuda:
-                torch.cuda.set_device(self._device)
+            if ready is not None:
                 self._stream.wait_event(ready)  # the blocks are final once the engine's stream got there
-            for a, b in self._batches(sizes):
-                staging, host, starts = self._staging(sizes[a:b])
-                if self._cuda:
-                    # Per region: gathered on the GPU, then one DMA per run of places into the pinned staging.
-                    with torch.cuda.stream(self._stream):
-                        for r, view, ci, si, rows in self._pages(plan, staging, starts, a, b):
-                            idx = torch.from_numpy(rows).to(self._device, non_blocking=True)
-                            gathered = r.tensor.index_select(0, idx)[:, :r.page_bytes].contiguous()
-                            for j0, j1, c, s0 in self._runs(ci, si):
-                                view[c, s0:s0 + (j1 - j0)].copy_(gathered[j0:j1], non_blocking=True)
-                    self._stream.synchronize()
-                else:
-                    for r, view, ci, si, rows in self._pages(plan, host, starts, a, b):
-                        view[ci, si] = r.array[rows, :r.page_bytes]
-                base = staging.data_ptr()
-                results = self.store.put_many(plan.names[a:b], [(base + starts[i], sizes[a + i])
-                                                                 for i in range(b - a)])
-                for i, res in enumerate(results):
-                    if not (isinstance(res, int) and res == sizes[a + i]):
-                        raise _JobFailed(f"writing chunk {plan.names[a + i]}: {res}")
-                    written.append(plan.names[a + i])
-        except BaseException:
+
+            def start(k: int):
+                b = plan.batches[k]
+                mgr = mgrs[b.group]
+                first = self._buffer(mgr, b, True, k)
+                task = self._copy(b.group, mgr.evict, b.rows.tolist(), (b.host + first).tolist())
+                return b, first, mgr, task
+
+            pending = start(0)
+            for k in range(len(plan.batches)):
+                b, first, mgr, task = pending
+                # The next batch's copy runs while the tier writes this one.
+                pending = None
+                pending = start(k + 1) if k + 1 < len(plan.batches) else None
+                self._copy(b.group, mgr.wait, task, COPY_TIMEOUT_S)
+                results = self.store.put_many(b.names, self._objects(mgr, b, first))
+                size = self._groups[b.group].object_bytes
+                for name, res in zip(b.names, results):
+                    if not (isinstance(res, int) and res == size):
+                        raise _JobFailed(f"writing chunk {name}: {res}")
+                    written.append(name)
+        except BaseException as e:
+            failed = e.group if isinstance(e, _CopyFailed) else None
             if written:  # the index drops every chunk of a failed job: free the space of those written
                 try:
                     self.store.delete_many(written)
                 except Exception:  # noqa: BLE001 (best effort; the tier's capacity evicts them anyway)
                     pass
             raise
+        finally:
+            if pending is not None:  # a batch copied ahead of a failed put: done before the job ends
+                try:
+                    pending[2].wait(pending[3], COPY_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (the job failed already)
+                    pass
+            self._release(mgrs, failed)
         self.stats["stored_chunks"] += len(written)
         return plan.total_bytes
 
     def _run_load(self, plan: _Plan) -> int:
-        sizes = plan.object_bytes()
-        if self._cuda:
-            torch.cuda.set_device(self._device)
-        for a, b in self._batches(sizes):
-            staging, host, starts = self._staging(sizes[a:b])
-            base = staging.data_ptr()
-            results = self.store.get_many(plan.names[a:b], [(base + starts[i], sizes[a + i]) for i in range(b - a)])
-            for i, res in enumerate(results):  # every object whole and verified before a byte is scattered
-                if not (isinstance(res, int) and res == sizes[a + i]):
-                    what = res if not isinstance(res, int) else (
-                        f"object of {res} bytes where the chunk has {sizes[a + i]}")
-                    raise _JobFailed(f"reading chunk {plan.names[a + i]}: {what}")
-            if self._cuda:
-                # Per region: one DMA per run of places out of the pinned staging, then scattered on the GPU.
-                with torch.cuda.stream(self._stream):
-                    for r, view, ci, si, rows in self._pages(plan, staging, starts, a, b):
-                        pages = torch.empty((len(rows), r.page_bytes), dtype=torch.uint8, device=self._device)
-                        for j0, j1, c, s0 in self._runs(ci, si):
-                            pages[j0:j1].copy_(view[c, s0:s0 + (j1 - j0)], non_blocking=True)
-                        idx = torch.from_numpy(rows).to(self._device, non_blocking=True)
-                        r.tensor[idx, :r.page_bytes] = pages
-                self._stream.synchronize()  # the blocks are in place before the job is reported done
-            else:
-                for r, view, ci, si, rows in self._pages(plan, host, starts, a, b):
-                    r.array[rows, :r.page_bytes] = view[ci, si]
+        mgrs = self._acquire(plan)
+        tasks: List[Tuple[int, Any, Any]] = []
+        failed: Optional[int] = None
+
+        def wait_all() -> None:  # the blocks are in place (or the job failed) before it is reported
+            first_error = None
+            for g, mgr, task in tasks:
+                try:
+                    self._copy(g, mgr.wait, task, COPY_TIMEOUT_S)
+                except _CopyFailed as e:
+                    first_error = first_error or e
+            tasks.clear()
+            if first_error is not None:
+                raise first_error
+
+        try:
+            for k, b in enumerate(plan.batches):
+                mgr = mgrs[b.group]
+                first = self._buffer(mgr, b, False, k)
+                size = self._groups[b.group].object_bytes
+                results = self.store.get_many(b.names, self._objects(mgr, b, first))
+                for name, res in zip(b.names, results):  # every object whole and verified before a byte moves
+                    if not (isinstance(res, int) and res == size):
+                        what = res if not isinstance(res, int) else (
+                            f"object of {res} bytes where the chunk has {size}")
+                        raise _JobFailed(f"reading chunk {name}: {what}")
+                # The copy into the KV tensors runs while the tier reads the next batch.
+                tasks.append((b.group, mgr, self._copy(b.group, mgr.load, [], (b.host + first).tolist(),
+                                                       b.rows.tolist())))
+            wait_all()
+        except BaseException as e:
+            try:
+                wait_all()
+            except _CopyFailed as copy_error:
+                failed = copy_error.group
+            if isinstance(e, _CopyFailed):
+                failed = e.group
+            raise
+        finally:
+            self._release(mgrs, failed)
         self.stats["loaded_chunks"] += len(plan.names)
         return plan.total_bytes
 
@@ -324,6 +407,8 @@ class ChunkMover:
         reported failed by ``finished()``."""
         ready = None
         try:
+            if self._closed:
+                raise _JobFailed("the worker was shut down")
             plan = self._plan(ptrs, names, is_store)
             if self._cuda and is_store:
                 ready = torch.cuda.Event()
@@ -379,5 +464,14 @@ class ChunkMover:
                     pass
 
     def shutdown(self) -> None:
+        """Finishes the jobs submitted so far and releases the managers (idempotent)."""
+        self._closed = True
         self._store_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
+        with self._mgr_lock:
+            managers = [grp.manager for grp in self._groups if grp.manager is not None] + self._retired
+            self._retired = []
+            for grp in self._groups:
+                grp.manager = None
+        for m in managers:
+            m.close()

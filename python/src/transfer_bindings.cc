@@ -20,6 +20,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -353,6 +354,79 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
   return out;
 }
 
+// A manager over pages of an engine's byte tensors (vLLM's canonical KV caches): tensor i is (num_blocks,
+// row_bytes) of one-byte elements, block b's page of page_bytes[i] at the start of row b. Each tensor is one
+// layer of one role (kOther, "page") of the layout; the host cache kvtier allocates is page-first with no padding,
+// so host block b holds every tensor's page of one block back to back and consecutive host blocks are consecutive
+// memory (a run of host blocks is one contiguous buffer: a storage object).
+std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb::object compute_obj,
+                                                       std::vector<nb::ndarray<>> tensors,
+                                                       std::vector<std::uint64_t> page_bytes,
+                                                       std::uint64_t num_host_blocks, std::uint32_t block_tokens,
+                                                       std::map<std::string, std::string> config) {
+  PyDevice& pd = nb::cast<PyDevice&>(device_obj);
+  PyStream& compute = nb::cast<PyStream&>(compute_obj);
+  Device& device = pd.get();
+  if (tensors.empty()) raise_status(InvalidArgument("from_pages: no tensors"));
+  if (tensors.size() != page_bytes.size())
+    raise_status(InvalidArgument(
+        fmt::format("from_pages: {} tensors and {} page sizes", tensors.size(), page_bytes.size())));
+  if (num_host_blocks == 0) raise_status(InvalidArgument("from_pages: num_host_blocks is 0"));
+  auto out = std::make_unique<PyTransferManager>();
+  out->device_ref = device_obj;
+  out->compute_ref = compute_obj;
+  std::vector<TensorDesc> descs;
+  std::vector<LayerLayout> layers;
+  std::uint64_t num_blocks = std::numeric_limits<std::uint64_t>::max();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = fmt::format("tensor {}", i);
+    TensorDesc t = value_or_raise(describe_tensor(name, tensors[i], device));
+    if (t.shape.size() != 2 || dtype_bytes(t.dtype) != 1 || t.strides.size() != 2 || t.strides[1] != 1 ||
+        t.shape[0] <= 0 || t.strides[0] < t.shape[1])
+      raise_status(InvalidArgument(fmt::format(
+          "from_pages: {} is not a (num_blocks, row_bytes) tensor of one-byte elements with contiguous rows "
+          "(dims {}, {}-byte elements)",
+          name, t.shape.size(), dtype_bytes(t.dtype))));
+    if (page_bytes[i] == 0 || page_bytes[i] > static_cast<std::uint64_t>(t.shape[1]))
+      raise_status(InvalidArgument(
+          fmt::format("from_pages: page of {} bytes for {} whose rows hold {}", page_bytes[i], name, t.shape[1])));
+    num_blocks = std::min(num_blocks, static_cast<std::uint64_t>(t.shape[0]));
+    layers.push_back(LayerLayout{{RoleLayout{Role::kOther, DType::kUint8, page_bytes[i], "page"}}, false});
+    descs.push_back(std::move(t));
+    out->keep_alive.append(nb::cast(tensors[i]));
+  }
+  TransferManagerConfig cfg;
+  {
+    ConfigTable table;
+    bind_transfer_manager_config(table, cfg);
+    check(table.apply_env(environ).with_context("KVTIER_TRANSFER_* environment"));
+    for (const auto& [k, v] : config) check(table.set(k, v));
+  }
+  Status st = released([&]() -> Status {
+    KVTIER_ASSIGN_OR_RETURN(out->layout, KvLayout::create(std::move(layers), block_tokens, TokenOrder::kOpaque));
+    std::vector<std::vector<Plane>> planes;
+    std::vector<std::vector<std::uint64_t>> extents;
+    for (std::size_t i = 0; i < descs.size(); ++i) {
+      const TensorDesc& t = descs[i];
+      planes.push_back({Plane{static_cast<std::byte*>(t.data), static_cast<std::uint64_t>(t.strides[0])}});
+      extents.push_back({tensor_extent_bytes(t)});
+      auto b = device.adopt_device_memory(t.data, tensor_extent_bytes(t));
+      if (!b.ok()) return b.status().with_context(fmt::format("tensor {}", i));
+      out->adopted_device.push_back(std::move(b).value());
+    }
+    KvCacheRegistration reg;
+    KVTIER_ASSIGN_OR_RETURN(reg.device, BlockSpace::from_planes(MemoryKind::kDevice, device.ordinal(), out->layout,
+                                                                num_blocks, std::move(planes), std::move(extents)));
+    reg.host.num_blocks = num_host_blocks;
+    reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
+    reg.host.page_alignment = 1;
+    KVTIER_ASSIGN_OR_RETURN(out->mgr, TransferManager::create(device, *compute.stream, std::move(reg), cfg));
+    return Status::Ok();
+  });
+  check(st);
+  return out;
+}
+
 }  // namespace
 
 void bind_transfer(nb::module_& m) {
@@ -393,7 +467,20 @@ void bind_transfer(nb::module_& m) {
             }
             check(st);
           },
-          "stream"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the stream's work completed.");
+          "stream"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the stream's work completed.")
+      .def(
+          "fail_nth_operation",
+          [](PyDevice& d, std::uint64_t n) {
+            auto* host = dynamic_cast<HostDevice*>(&d.get());
+            if (host == nullptr)
+              raise_status(NotSupported(fmt::format("fail_nth_operation: the {} backend injects no failures "
+                                                    "(the host backend does)",
+                                                    backend_name(d.get().backend()))));
+            host->fail_nth_operation(n);
+          },
+          "n"_a,
+          "Host backend, for tests: the n-th data operation (copy, fill, kernel) to start from now (1-based) fails "
+          "and poisons its destination, as a failed GPU copy would leave it undefined.");
 
   nb::class_<PyStream>(m, "Stream")
       .def_prop_ro("id", [](const PyStream& s) { return s.stream->id(); })
@@ -439,6 +526,25 @@ void bind_transfer(nb::module_& m) {
                   "Registers the engine's KV tensors (FastDeploy names: key_caches_{layer}_rank{r}.device{d}, ...) "
                   "and its host cache (integer pointers to num_host_blocks blocks per tensor, same per-block "
                   "layout; None: kvtier allocates it). config: knob -> value (docs/configuration.md).")
+      .def_static("from_pages", &create_page_manager, "device"_a, "compute_stream"_a, "tensors"_a, "page_bytes"_a,
+                  "num_host_blocks"_a, "block_tokens"_a = 16, "config"_a = std::map<std::string, std::string>{},
+                  "Registers pages of an engine's byte tensors (vLLM's canonical KV caches): tensor i is (num_blocks, "
+                  "row_bytes) of one-byte elements, block b's page of page_bytes[i] bytes at the start of its row b. "
+                  "kvtier allocates num_host_blocks pinned host blocks, page-first with no padding: host block b "
+                  "holds the pages of every tensor back to back (host_page(b), host_page_bytes), so a run of host "
+                  "blocks is one contiguous buffer.")
+      .def_prop_ro("host_page_bytes", [](PyTransferManager& p) { return p.get().host_space().page_bytes(); })
+      .def(
+          "host_page",
+          [](PyTransferManager& p, std::int64_t block) {
+            const BlockSpace& hs = p.get().host_space();
+            if (hs.page_bytes() == 0)
+              raise_status(FailedPrecondition("the host cache is not page-first (from_pages managers only)"));
+            if (block < 0 || static_cast<std::uint64_t>(block) >= hs.num_blocks())
+              raise_status(OutOfRange(fmt::format("host block {} is not in [0, {})", block, hs.num_blocks())));
+            return reinterpret_cast<std::uintptr_t>(hs.block_ptr(0, 0, static_cast<std::uint64_t>(block)));
+          },
+          "block"_a, "Address of host block `block`'s page (page-first host caches: from_pages).")
       .def_prop_ro("layout", [](PyTransferManager& p) { return p.layout.describe(); })
       .def_prop_ro("num_layers", [](PyTransferManager& p) { return p.layout.num_layers(); })
       .def_prop_ro("block_bytes", [](PyTransferManager& p) { return p.layout.total_block_bytes(); })

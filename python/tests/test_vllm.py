@@ -374,6 +374,28 @@ def test_failed_copy_fails_the_job_and_deletes_what_it_wrote(tmp_path, connector
     assert c.finish(c.store(req, [0, 1, 2], {0: [1, 2, 3]})) == [True]  # vLLM offers them again: stored
 
 
+def test_failed_device_copy_fails_the_job_never_reports_garbage(tmp_path, connectors):
+    """The copy engine's copy fails (kvtier's host backend injects it where a GPU copy would fail): a store writes
+    no object, a load is a failed job (vLLM recomputes the blocks), and the next jobs run normally."""
+    c = connectors(extra(tmp_path), G1, num_blocks=16, blocks_per_chunk=2)
+    kvt = c.kv[0]
+    device = c.workers[0]._mover._device
+    req = c.request("r", chunk_hashes(2))
+    kvt.fill_random(0, [1, 2, 3, 4])
+    store = c.worker_specs[0].store
+    device.fail_nth_operation(1)  # the store's copy out of the KV tensors
+    assert c.finish(c.store(req, [0, 1], {0: [1, 2, 3, 4]})) == [False]
+    assert "injected failure" in c.workers[0].last_error
+    assert store.stats()["objects"] == 0 and c.lookup(req) == (0, [LookupResult.MISS])
+    assert c.finish(c.store(req, [0, 1], {0: [1, 2, 3, 4]})) == [True], c.workers[0].last_error  # offered again
+    kvt.poison(0, [8, 9, 10, 11])
+    device.fail_nth_operation(1)  # the load's copy into the KV tensors
+    assert c.finish(c.load(c.request("r2", chunk_hashes(2)), 2, {0: [8, 9, 10, 11]})) == [False]
+    assert "injected failure" in c.workers[0].last_error
+    assert c.finish(c.load(c.request("r3", chunk_hashes(2)), 2, {0: [8, 9, 10, 11]})) == [True]
+    assert all(kvt.block(0, d) == kvt.block(0, s) for s, d in zip([1, 2, 3, 4], [8, 9, 10, 11]))
+
+
 def test_device_pointers_outside_the_kv_tensors_fail_the_job(tmp_path, connectors):
     c = connectors(extra(tmp_path), G1, num_blocks=16)
     req = c.request("r", chunk_hashes(1))

@@ -6,13 +6,16 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <mutex>
+#include <unordered_set>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "core/parallel_loop.h"
 #include "storage/object_format.h"
 #include "storage/region_set.h"
 
@@ -53,7 +56,13 @@ class MemoryBackend final : public StorageBackend {
   }
 
   Status start() {
+    unsigned threads = config_.threads;
+    if (threads == 0) {
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      threads = std::clamp(cores / 2, 1u, 8u);
+    }
     try {
+      if (threads > 1) loop_ = std::make_unique<kvtier::detail::ParallelLoop>(threads - 1);
       worker_ = std::thread([this] { run(); });
     } catch (const std::system_error& e) {
       return Internal(fmt::format("memory backend worker: {}", e.what()));
@@ -141,11 +150,63 @@ class MemoryBackend final : public StorageBackend {
         b = std::move(queue_.front());
         queue_.pop_front();
       }
-      for (std::size_t i = 0; i < b.items.size(); ++i) {
+      if (b.op == StorageOp::kPut)
+        run_puts(b);
+      else if (b.op == StorageOp::kGet)
+        run_gets(b);
+      else
+        for (std::size_t i = 0; i < b.items.size(); ++i) {
+          std::uint64_t bytes = 0;
+          Status st = one(b.op, b.items[i], bytes);
+          b.ticket->complete(i, std::move(st), bytes);
+        }
+    }
+  }
+
+  // Runs body(i) for every item, on the helpers too when there are several items.
+  void for_items(std::size_t n, const std::function<void(std::size_t)>& body) {
+    if (!loop_ || n < 2) {
+      for (std::size_t i = 0; i < n; ++i) body(i);
+      return;
+    }
+    loop_->run(n, 1, [&](std::size_t begin, std::size_t end) {
+      for (std::size_t i = begin; i < end; ++i) body(i);
+    });
+  }
+
+  void run_gets(Batch& b) {
+    std::vector<Status> status(b.items.size());
+    std::vector<std::uint64_t> bytes(b.items.size(), 0);
+    for_items(b.items.size(), [&](std::size_t i) { status[i] = get(b.items[i], bytes[i]); });
+    for (std::size_t i = 0; i < b.items.size(); ++i) b.ticket->complete(i, std::move(status[i]), bytes[i]);
+  }
+
+  // Objects built (copied and checksummed) in parallel, then committed in item order. A key put twice in the
+  // batch: everything one item after the other.
+  void run_puts(Batch& b) {
+    const std::size_t n = b.items.size();
+    bool repeated = false;
+    {
+      std::unordered_set<StorageKey, StorageKeyHash> keys;
+      for (const StorageItem& item : b.items) repeated = repeated || !keys.insert(item.key).second;
+    }
+    if (repeated || !loop_) {
+      for (std::size_t i = 0; i < n; ++i) {
         std::uint64_t bytes = 0;
-        Status st = one(b.op, b.items[i], bytes);
+        Status st = put(b.items[i], bytes);
         b.ticket->complete(i, std::move(st), bytes);
       }
+      return;
+    }
+    std::vector<Result<std::shared_ptr<Object>>> built(n, Internal("not built"));
+    for_items(n, [&](std::size_t i) { built[i] = build(b.items[i]); });
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!built[i].ok()) {
+        b.ticket->complete(i, built[i].status(), 0);
+        continue;
+      }
+      Status st = commit(b.items[i].key, std::move(built[i]).value());
+      b.ticket->complete(i, std::move(st), st.ok() ? b.items[i].bytes : 0);
     }
   }
 
@@ -173,6 +234,15 @@ class MemoryBackend final : public StorageBackend {
   }
 
   Status put(const StorageItem& item, std::uint64_t& bytes) {
+    KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<Object> object, build(item));
+    KVTIER_RETURN_IF_ERROR(commit(item.key, std::move(object)));
+    bytes = item.bytes;
+    return Status::Ok();
+  }
+
+  // The object of a put: header and payload, the payload copied and checksummed in one pass. Outside the lock:
+  // the copy is the cost of a put.
+  Result<std::shared_ptr<Object>> build(const StorageItem& item) {
     if (item.buffer == nullptr && item.bytes != 0) return InvalidArgument("put item has no source buffer");
     KVTIER_RETURN_IF_ERROR(format::check_payload_size(options_, item.bytes));
     const std::uint32_t header = format::header_bytes(options_, 8);
@@ -180,37 +250,48 @@ class MemoryBackend final : public StorageBackend {
     if (total > config_.capacity_bytes)
       return ResourceExhausted(fmt::format("object of {} bytes (payload {}) exceeds the memory tier's capacity of {}",
                                            total, item.bytes, config_.capacity_bytes));
-    // Built outside the lock: the copy is the cost of a put.
     auto object = std::make_shared<Object>();
     object->data = take_spare(total);
     if (!object->data) object->data.reset(new (std::nothrow) std::byte[total]);
     if (!object->data) return ResourceExhausted(fmt::format("memory tier: {} bytes not available", total));
     object->bytes = total;
     object->header_size = header;
-    KVTIER_RETURN_IF_ERROR(
-        format::encode_header(options_, ns_digest_, item.key, item.buffer, item.bytes, header, object->data.get()));
-    if (item.bytes != 0) std::memcpy(object->data.get() + header, item.buffer, item.bytes);
+    Status st =
+        format::encode_object(options_, ns_digest_, item.key, item.buffer, item.bytes, header, object->data.get());
+    if (!st.ok()) {
+      give_back(*object);
+      return st;
+    }
+    return object;
+  }
+
+  // Stores a built object under `key`: room made by evicting least recently used objects (when allowed), the
+  // object it replaces dropped. A refused put loses nothing (its memory is kept for reuse).
+  Status commit(const StorageKey& key, std::shared_ptr<Object> object) {
+    const std::uint64_t total = object->bytes;
     std::lock_guard lock(mu_);
     // The object it replaces frees its bytes, but only once this put succeeds: a refused put loses nothing.
-    auto replaced = index_.find(item.key);
+    auto replaced = index_.find(key);
     const std::uint64_t freed = replaced != index_.end() ? replaced->second.object->bytes : 0;
     std::uint64_t room = config_.capacity_bytes - (stored_bytes_ - freed);
     std::vector<StorageKey> victims;
     for (auto v = lru_.begin(); room < total && config_.evict && v != lru_.end(); ++v) {
-      if (*v == item.key) continue;
+      if (*v == key) continue;
       victims.push_back(*v);
       room += index_.find(*v)->second.object->bytes;
     }
-    if (room < total)
-      return ResourceExhausted(fmt::format("memory tier full: {} of {} bytes stored, {} more needed", stored_bytes_,
-                                           config_.capacity_bytes, total));
+    if (room < total) {
+      Status full = ResourceExhausted(fmt::format("memory tier full: {} of {} bytes stored, {} more needed",
+                                                  stored_bytes_, config_.capacity_bytes, total));
+      keep_spare(*object);
+      return full;
+    }
     for (const StorageKey& v : victims) erase(index_.find(v));
     evictions_ += victims.size();
-    if (replaced != index_.end()) erase(index_.find(item.key));
-    lru_.push_back(item.key);
-    index_.emplace(item.key, Entry{std::move(object), std::prev(lru_.end())});
+    if (replaced != index_.end()) erase(index_.find(key));
+    lru_.push_back(key);
+    index_.emplace(key, Entry{std::move(object), std::prev(lru_.end())});
     stored_bytes_ += total;
-    bytes = item.bytes;
     return Status::Ok();
   }
 
@@ -271,18 +352,27 @@ class MemoryBackend final : public StorageBackend {
     return p;
   }
 
+  void give_back(Object& o) {
+    std::lock_guard lock(mu_);
+    keep_spare(o);
+  }
+
+  // (mu_ held) Keeps an unused object's memory for a later put of its size, within the spare limit.
+  void keep_spare(Object& o) {
+    const std::uint64_t limit = std::min(kMaxSpareBytes, config_.capacity_bytes / 4);
+    if (o.data && spare_bytes_ + o.bytes <= limit) {
+      spare_.emplace(o.bytes, std::move(o.data));
+      spare_bytes_ += o.bytes;
+    }
+  }
+
   // (mu_ held)
   void touch(Entry& e) { lru_.splice(lru_.end(), lru_, e.lru); }
   void erase(std::unordered_map<StorageKey, Entry, StorageKeyHash>::iterator it) {
     const std::uint64_t bytes = it->second.object->bytes;
     stored_bytes_ -= bytes;
     // Its memory is kept for reuse when no get is copying out of it (gets hold the object while they do).
-    const std::uint64_t limit = std::min(kMaxSpareBytes, config_.capacity_bytes / 4);
-    if (it->second.object.use_count() == 1 && spare_bytes_ + bytes <= limit) {
-      auto* o = const_cast<Object*>(it->second.object.get());
-      spare_.emplace(bytes, std::move(o->data));
-      spare_bytes_ += bytes;
-    }
+    if (it->second.object.use_count() == 1) keep_spare(*const_cast<Object*>(it->second.object.get()));
     lru_.erase(it->second.lru);
     index_.erase(it);
   }
@@ -298,6 +388,8 @@ class MemoryBackend final : public StorageBackend {
   std::uint64_t stored_bytes_ = 0, evictions_ = 0, quarantined_ = 0, auth_failures_ = 0;
   std::multimap<std::uint64_t, std::unique_ptr<std::byte[]>> spare_;  // freed objects' memory, by size
   std::uint64_t spare_bytes_ = 0;
+
+  std::unique_ptr<kvtier::detail::ParallelLoop> loop_;  // the worker's helpers for a batch's copies (null: one thread)
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -12,9 +12,13 @@
 // quarter of the capacity, at most 1 GiB, beyond it) is kept for later puts of the same size: a fresh allocation of
 // a large object costs a page fault per page, more than the copy into it.
 //
-// post() returns at once; one worker thread runs the batches in the order they were posted (a get copies the
-// payload into the caller's buffer and verifies it in the same pass, chunk by chunk, before the item is reported
-// OK). register_region() only records the region (every copy is one memcpy, registered or not).
+// post() returns at once; one worker thread runs the batches in the order they were posted. Within a batch the
+// copies of its items run on `threads` threads (the worker and helpers): a put copies the caller's payload into
+// the object and checksums it in the same pass, a get copies the payload into the caller's buffer and verifies
+// it in the same pass, chunk by chunk from the caches, before the item is reported OK. A batch's puts are then
+// committed in item order (the room, the evictions and the LRU order are those of one put after the other), so
+// a batch of puts holds up to its own bytes beyond the capacity while it is copied. Puts of one key twice in a
+// batch run one after the other. register_region() only records the region.
 //
 // Thread-safety: as StorageBackend. Destroying the backend finishes the batch in progress and cancels the rest.
 #pragma once
@@ -29,9 +33,11 @@ namespace kvtier::storage {
 struct MemoryBackendConfig {
   std::uint64_t capacity_bytes = 0;  // required: > 0
   bool evict = true;                 // a full tier evicts least recently used objects (false: the put fails)
+  // Threads that copy a batch's items: 0 = one per two cores, at most 8 (1 on two cores); else 1..64.
+  unsigned threads = 0;
 };
 
-// InvalidArgument for a zero capacity or bad tenant options (naming them).
+// InvalidArgument for a zero capacity, more than 64 threads or bad tenant options (naming them).
 Result<std::unique_ptr<StorageBackend>> create_memory_backend(MemoryBackendConfig config, StorageOptions options);
 
 }  // namespace kvtier::storage

@@ -1,5 +1,5 @@
-// ParallelLoop (transport/parallel_loop.h): every index once, whatever the helpers and grain; runs back to back.
-#include "transport/parallel_loop.h"
+// ParallelLoop (core/parallel_loop.h): every index once, whatever the helpers and grain; runs back to back.
+#include "core/parallel_loop.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-namespace kvtier::transport::detail {
+namespace kvtier::detail {
 namespace {
 
 TEST(ParallelLoop, EveryIndexExactlyOnceOnAnyNumberOfHelpers) {
@@ -66,4 +66,4 @@ TEST(ParallelLoop, DefaultHelpersLeaveSmallMachinesAlone) {
 }
 
 }  // namespace
-}  // namespace kvtier::transport::detail
+}  // namespace kvtier::detail

@@ -1,8 +1,8 @@
 // ParallelLoop: a few threads that share one loop with the calling thread.
 //
-// The host lanes of the prefill/decode protocol checksum every block on both sides (xxh3 over each block's bytes).
-// On the one protocol thread that costs more than the lane's copy itself; split over a few cores it leaves the
-// critical path. Private to transport/.
+// Host-side passes over many bytes (the prefill/decode host lanes' checksums of every block, the memory tier's
+// copies of a batch's objects) cost more on one thread than the transfer around them; split over a few cores they
+// leave the critical path. Private to kvtier's libraries (not installed).
 #pragma once
 
 #include <atomic>
@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-namespace kvtier::transport::detail {
+namespace kvtier::detail {
 
 class ParallelLoop {
  public:
@@ -51,4 +51,4 @@ class ParallelLoop {
   std::atomic<std::size_t> next_{0};
 };
 
-}  // namespace kvtier::transport::detail
+}  // namespace kvtier::detail

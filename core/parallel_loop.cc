@@ -1,8 +1,8 @@
-#include "transport/parallel_loop.h"
+#include "core/parallel_loop.h"
 
 #include <algorithm>
 
-namespace kvtier::transport::detail {
+namespace kvtier::detail {
 
 ParallelLoop::ParallelLoop(unsigned helpers) {
   for (unsigned i = 0; i < helpers; ++i) {
@@ -75,4 +75,4 @@ void ParallelLoop::run(std::size_t n, std::size_t grain, const std::function<voi
   done_cv_.wait(lock, [&] { return busy_ == 0; });
 }
 
-}  // namespace kvtier::transport::detail
+}  // namespace kvtier::detail
