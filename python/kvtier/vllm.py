@@ -205,6 +205,9 @@ def namespace_of(config: OffloadingConfig, settings: KvtierSettings, rank: int) 
         f"groups={groups}", f"chunk={config.cache.blocks_per_chunk}x{config.cache.tokens_per_hash}",
         f"block_bytes={config.worker_kv_bytes_per_block}", f"rank={rank}/{p.world_size}",
         f"tp={p.tp_size}", f"pp={p.pp_size}", f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
+        # A chunk's object holds its blocks one after the other, each block's pages in data-reference order (the
+        # objects of earlier versions, data reference by data reference, are in another namespace: never read).
+        "objects=block-major",
     ]
     if settings.local:
         if p.data_parallel_size > 1:

@@ -72,6 +72,40 @@ TEST(ObjectFormat, EncodeDecodeVerify) {
   EXPECT_EQ(format::check_payload_size(o, 100).code(), StatusCode::kInvalidArgument);
 }
 
+// encode_object (the header and the payload copied in one pass) writes the bytes encode_header + a copy write,
+// unkeyed and keyed (the keyed header's nonce differs per object: both verify, and the payloads are equal).
+TEST(ObjectFormat, EncodeObjectInOnePassEqualsHeaderAndCopy) {
+  for (bool keyed : {false, true}) {
+    StorageOptions o;
+    if (keyed) o.tenant_secret = std::string(32, 's');
+    const std::uint32_t hs = format::header_bytes(o, 8);
+    const std::uint64_t ns = format::namespace_digest(o);
+    for (std::uint64_t n : {std::uint64_t{0}, std::uint64_t{5}, std::uint64_t{256} << 10, (std::uint64_t{600} << 10) + 3}) {
+      std::vector<std::byte> payload(n);
+      fill_random(payload.data(), payload.size(), 7 + n);
+      std::vector<std::byte> two(hs + n), one(hs + n, std::byte{0xDB});
+      ASSERT_TRUE(format::encode_header(o, ns, key_of(1, 1), payload.data(), n, hs, two.data()).ok());
+      std::copy(payload.begin(), payload.end(), two.begin() + hs);
+      ASSERT_TRUE(format::encode_object(o, ns, key_of(1, 1), payload.data(), n, hs, one.data()).ok());
+      if (!keyed) EXPECT_EQ(one, two) << n;
+      EXPECT_TRUE(std::equal(one.begin() + hs, one.end(), payload.begin())) << n;
+      auto h = format::decode_header(one.data(), hs, nullptr, o.tenant_secret);
+      ASSERT_TRUE(h.ok()) << h.status().to_string();
+      EXPECT_TRUE(format::verify_object(one.data(), *h, one.data() + hs, o.tenant_secret).ok()) << n;
+      if (n > 0) {
+        one[hs + n - 1] ^= std::byte{1};
+        EXPECT_EQ(format::verify_object(one.data(), *h, one.data() + hs, o.tenant_secret).code(),
+                  StatusCode::kDataLoss);
+      }
+    }
+  }
+  std::vector<std::byte> out(format::header_bytes(StorageOptions{}, 8) + 8);
+  EXPECT_EQ(format::encode_object(StorageOptions{}, 0, key_of(1, 1), nullptr, 8, format::header_bytes(StorageOptions{}, 8),
+                                  out.data())
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(RedisKeySlot, MatchesRedis) {
   // Reference values from the Redis Cluster specification / CLUSTER KEYSLOT.
   EXPECT_EQ(redis_key_slot("123456789"), 0x31C3 & 16383);
@@ -165,6 +199,62 @@ TEST(MemoryBackend, SpecCapacityAndEviction) {
   std::vector<std::byte> bigger(v.size() + 4096);
   EXPECT_EQ(put(**full, 2, bigger).code(), StatusCode::kResourceExhausted);  // ... this one does: refused
   for (int i = 0; i < 4; ++i) EXPECT_TRUE(present(**full, i)) << i;            // and the old object 2 is still there
+}
+
+// A batch's items copied on several threads: every get and put of a batch reads back byte-exact, a key put twice
+// in one batch keeps the later bytes, and a batch of puts evicts as one put after the other would (item order).
+TEST(MemoryBackend, BatchesOnSeveralThreadsKeepItemOrder) {
+  for (unsigned threads : {1u, 4u}) {
+    auto spec = fmt::format("memory:?capacity=64M&threads={}", threads);
+    auto b = make_storage_backend(spec, StorageOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    constexpr int kItems = 16;
+    std::vector<std::vector<std::byte>> data(kItems, std::vector<std::byte>((300 << 10) + 17));
+    StorageBatch puts{StorageOp::kPut, {}};
+    for (int i = 0; i < kItems; ++i) {
+      fill_random(data[i].data(), data[i].size(), 50 + i + 100 * threads);
+      puts.items.push_back({key_of(4, i), data[i].data(), data[i].size()});
+    }
+    auto r = run_batch(**b, puts);
+    ASSERT_TRUE(r.ok());
+    for (int i = 0; i < kItems; ++i) ASSERT_TRUE((*r)[i].status.ok()) << i << (*r)[i].status.to_string();
+    // One key twice in a batch: the later item's bytes.
+    std::vector<std::byte> later(data[0].size());
+    fill_random(later.data(), later.size(), 999);
+    r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(4, 1), data[2].data(), data[2].size()},
+                                                      {key_of(4, 1), later.data(), later.size()}}});
+    ASSERT_TRUE(r.ok() && (*r)[0].status.ok() && (*r)[1].status.ok());
+    data[1] = later;
+    std::vector<std::vector<std::byte>> got(kItems, std::vector<std::byte>(data[0].size()));
+    StorageBatch gets{StorageOp::kGet, {}};
+    for (int i = 0; i < kItems; ++i) gets.items.push_back({key_of(4, i), got[i].data(), got[i].size()});
+    r = run_batch(**b, gets);
+    ASSERT_TRUE(r.ok());
+    for (int i = 0; i < kItems; ++i) {
+      ASSERT_TRUE((*r)[i].status.ok()) << i;
+      EXPECT_EQ(got[i], data[i]) << threads << " " << i;
+    }
+    EXPECT_EQ(make_storage_backend("memory:?capacity=1M&threads=65", {}).status().code(),
+              StatusCode::kInvalidArgument);
+  }
+  // Room for three objects; a batch of five puts leaves the last three (the first two evicted by the later ones).
+  const std::uint64_t object = format::header_bytes(StorageOptions{}, 8) + 8192;
+  MemoryBackendConfig c;
+  c.capacity_bytes = 3 * object;
+  c.threads = 4;
+  auto lru = create_memory_backend(c, StorageOptions{});
+  ASSERT_TRUE(lru.ok());
+  std::vector<std::byte> v(8192);
+  StorageBatch five{StorageOp::kPut, {}};
+  for (int i = 0; i < 5; ++i) five.items.push_back({key_of(5, i), v.data(), v.size()});
+  auto r = run_batch(**lru, five);
+  ASSERT_TRUE(r.ok());
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE((*r)[i].status.ok()) << i;
+  for (int i = 0; i < 5; ++i) {
+    auto e = run_batch(**lru, StorageBatch{StorageOp::kExists, {{key_of(5, i), nullptr, 0}}});
+    EXPECT_EQ((*e)[0].status.ok(), i >= 2) << i;
+  }
+  EXPECT_EQ((*lru)->stats().evictions, 2u);
 }
 
 TEST(DiskBackend, CapacityEvictsLeastRecentlyUsed) {
