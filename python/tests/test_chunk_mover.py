@@ -1,0 +1,154 @@
+"""kvtier._chunk_mover.ChunkMover (the data path of kvtier.vllm's worker) without vLLM: the copies through kvtier's
+TransferManager between (num_blocks, row) byte tensors and a storage tier, on the CPU (kvtier's host backend) and,
+where there is one, on a CUDA GPU. Bytes are compared after loads into poisoned blocks; the rows' padding and every
+block not in a job must stay as they were."""
+import time
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvtier  # noqa: E402
+from kvtier._chunk_mover import ChunkMover  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+POISON = 0x5A
+
+
+def tensors(device, layers, num_blocks, page, row, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layers):
+        t = torch.full((num_blocks, row), POISON, dtype=torch.uint8)
+        t[:, :page] = torch.randint(0, 256, (num_blocks, page), generator=g, dtype=torch.uint8)
+        out.append(t.to(device))
+    return out
+
+
+def pointers(groups, rows_per_group, first_blocks=None):
+    """vLLM's DevicePointers for blocks `rows_per_group[g]` of each group (group by group, data reference by data
+    reference, block by block)."""
+    ptrs, sizes = [], []
+    for refs, rows in zip(groups, rows_per_group):
+        for t, page in refs:
+            ptrs += [t.data_ptr() + r * t.stride(0) for r in rows]
+            sizes += [page] * len(rows)
+    return types.SimpleNamespace(ptrs=np.array(ptrs, dtype=np.uint64), sizes=np.array(sizes, dtype=np.uint64),
+                                 group_block_counts=[len(r) for r in rows_per_group],
+                                 group_data_ref_counts=[len(refs) for refs in groups],
+                                 block_indices=first_blocks or [0] * len(groups))
+
+
+def run(mover, job_id, ptrs, names, is_store, timeout=60.0):
+    mover.submit(job_id, ptrs, names, [], is_store)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for f in mover.finished():
+            assert f.job_id == job_id
+            return f.success
+        time.sleep(0.001)
+    raise AssertionError(f"job {job_id} not finished in {timeout} s")
+
+
+@pytest.fixture
+def memory_tier():
+    return kvtier.StorageBackend.open("memory:?capacity=256M&threads=3", "chunk-mover-test", {})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bpc,staging", [(1, 64 << 20), (4, 64 << 20), (4, 1)])
+def test_store_then_load_byte_exact(device, bpc, staging, memory_tier):
+    """Whole chunks stored from scattered blocks, loaded into other (poisoned) blocks; with staging of one byte
+    every chunk is a batch of its own (more batches than the two buffers a direction has)."""
+    page, row, n = 4096 + 64, 4096 + 256, 64
+    kv = tensors(device, 3, n, page, row, seed=bpc)
+    groups = [[(t, page) for t in kv]]
+    mover = ChunkMover(groups, memory_tier, bpc, staging)
+    try:
+        chunks = 5
+        rng = np.random.default_rng(bpc)
+        perm = rng.permutation(n)
+        src, dst = perm[:chunks * bpc].tolist(), perm[chunks * bpc:2 * chunks * bpc].tolist()
+        names = [f"{c + 1:032x}" for c in range(chunks)]
+        assert run(mover, 1, pointers(groups, [src]), names, True), mover.last_error
+        assert memory_tier.stats()["objects"] == chunks
+        before = [t.clone() for t in kv]
+        for t in kv:
+            t[dst, :page] = POISON
+        assert run(mover, 2, pointers(groups, [dst]), names, False), mover.last_error
+        for t, old in zip(kv, before):
+            assert torch.equal(t[dst, :page], old[src, :page])
+            others = [r for r in range(n) if r not in dst]
+            assert torch.equal(t[others], old[others])  # nothing else written
+            assert bool((t[:, page:] == POISON).all())  # the rows' padding never written
+        assert mover.stats["stored_chunks"] == chunks and mover.stats["loaded_chunks"] == chunks
+    finally:
+        mover.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_groups_and_a_load_from_the_middle_of_a_chunk(device, memory_tier):
+    """Two KV cache groups with other pages (full attention and a sliding-window group): each its own objects; a
+    load that starts inside a chunk reads the object whole and moves only the blocks it was given."""
+    bpc = 4
+    g0 = tensors(device, 2, 32, 1024, 1024, seed=1)
+    g1 = tensors(device, 1, 16, 512, 640, seed=2)
+    groups = [[(t, 1024) for t in g0], [(g1[0], 512)]]
+    mover = ChunkMover(groups, memory_tier, bpc)
+    try:
+        assert [mover.object_bytes(0), mover.object_bytes(1)] == [2 * 1024 * bpc, 512 * bpc]
+        rows0, rows1 = [3, 9, 1, 30, 7, 8, 12, 20], [5, 2, 11, 0]
+        names = ["a" * 32, "b" * 32, "c" * 32]  # two chunks of group 0, one of group 1
+        assert run(mover, 1, pointers(groups, [rows0, rows1]), names, True), mover.last_error
+        want0 = [t[rows0[6:], :1024].clone() for t in g0]  # the load: blocks 6 and 7 of group 0's prefix
+        want1 = g1[0][rows1, :512].clone()
+        for t in g0:
+            t[[14, 15], :] = POISON
+        g1[0][[12, 13, 14, 15], :512] = POISON
+        ptrs = pointers(groups, [[14, 15], [12, 13, 14, 15]], first_blocks=[6, 0])
+        assert run(mover, 2, ptrs, ["b" * 32, "c" * 32], False), mover.last_error
+        for t, w in zip(g0, want0):
+            assert torch.equal(t[[14, 15], :1024], w)
+        assert torch.equal(g1[0][[12, 13, 14, 15], :512], want1)
+    finally:
+        mover.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_jobs_fail_and_leave_the_blocks(device, memory_tier):
+    page = 2048
+    kv = tensors(device, 2, 16, page, page, seed=3)
+    groups = [[(t, page) for t in kv]]
+    mover = ChunkMover(groups, memory_tier, 2)
+    try:
+        # The data references of a group disagree on the block (vLLM gives every layer the same block ids).
+        p = pointers(groups, [[1, 2]])
+        p.ptrs[2] = np.uint64(kv[1].data_ptr() + 5 * page)
+        assert not run(mover, 1, p, ["d" * 32], True)
+        assert "share block ids" in mover.last_error
+        # A block twice in one job.
+        assert not run(mover, 2, pointers(groups, [[4, 4]]), ["d" * 32], True)
+        assert "twice" in mover.last_error
+        # A load of a chunk the tier does not have: a failed job, the blocks untouched.
+        before = [t.clone() for t in kv]
+        assert not run(mover, 3, pointers(groups, [[6, 7]]), ["e" * 32], False)
+        assert "NotFound" in mover.last_error
+        assert all(torch.equal(t, b) for t, b in zip(kv, before))
+        assert memory_tier.stats()["objects"] == 0
+        assert mover.stats["failed_jobs"] == 3
+    finally:
+        mover.shutdown()
+    # After shutdown a job fails (named), nothing runs.
+    assert not run(mover, 4, pointers(groups, [[1, 2]]), ["d" * 32], True)
+    assert "shut down" in mover.last_error
+
+
+def test_bad_tensors_are_refused_naming_them():
+    with pytest.raises(kvtier.errors.NotSupportedError, match="not a \\(num_blocks, bytes\\) byte tensor"):
+        ChunkMover([[(torch.zeros((4, 8, 2), dtype=torch.uint8), 8)]], None, 1)
+    with pytest.raises(kvtier.errors.InvalidArgumentError, match="page of 64 bytes in rows of 32"):
+        ChunkMover([[(torch.zeros((4, 32), dtype=torch.uint8), 64)]], None, 1)
+    with pytest.raises(kvtier.errors.InvalidArgumentError, match="blocks_per_chunk 0"):
+        ChunkMover([[(torch.zeros((4, 32), dtype=torch.uint8), 32)]], None, 0)
