@@ -309,8 +309,10 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
     return auth_failure("unkeyed object (format version 1) and this reader requires a tenant MAC");
   const std::uint16_t flags = get_le<std::uint16_t>(data + kOffFlags);
   const std::uint16_t want_flags = h.keyed ? kFlagKeyed : 0;
-  if (flags != want_flags)
-    return DataLoss(fmt::format("header flags {:#06x} (version {} writes {:#06x})", flags, h.version, want_flags));
+  h.chunked = !h.keyed && flags == kFlagChunked;
+  if (flags != want_flags && !h.chunked)
+    return DataLoss(fmt::format("header flags {:#06x} (version {} writes {:#06x}{})", flags, h.version, want_flags,
+                                h.keyed ? "" : " or 0x0002"));
   const std::uint32_t fixed = fixed_bytes(h.keyed);
   if (avail < fixed)
     return DataLoss(fmt::format("object of {} bytes is shorter than the {}-byte header", avail, fixed));
@@ -392,7 +394,7 @@ Status check_identity(const ObjectHeader& header, std::uint64_t ns_digest, std::
 
 Status verify_object(const std::byte* header_bytes, const ObjectHeader& header, const void* payload,
                      std::string_view secret) {
-  if (!header.keyed && secret.empty()) {  // the unkeyed fast path, without the verifier's state allocation
+  if (!header.keyed && !header.chunked && secret.empty()) {  // the unkeyed fast path, without the verifier's state
     const std::uint64_t c = object_checksum(header_bytes, header.header_size, payload, header.payload_bytes);
     if (c != header.checksum)
       return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
@@ -423,10 +425,16 @@ ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader
   auto* st = new XXH3_state_t;
   object_checksum_header(st, header_bytes, header.header_size);
   state_ = st;
+  if (header.chunked) {
+    auto* piece = new XXH3_state_t;
+    XXH3_64bits_reset(piece);
+    piece_state_ = piece;
+  }
 }
 
 ObjectVerifier::~ObjectVerifier() {
   delete static_cast<XXH3_state_t*>(state_);
+  delete static_cast<XXH3_state_t*>(piece_state_);
   if (mac_state_ != nullptr) {
     auto* st = static_cast<crypto_onetimeauth_state*>(mac_state_);
     sodium_memzero(st, sizeof(*st));  // holds key material
@@ -436,6 +444,21 @@ ObjectVerifier::~ObjectVerifier() {
 
 void ObjectVerifier::update(const void* data, std::size_t bytes) {
   if (bytes == 0) return;
+  if (piece_state_ != nullptr) {  // chunked: each piece's digest goes into the object checksum
+    auto* piece = static_cast<XXH3_state_t*>(piece_state_);
+    const auto* p = static_cast<const std::byte*>(data);
+    std::size_t left = bytes;
+    while (left > 0) {
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left, kChecksumChunkBytes - piece_seen_));
+      XXH3_64bits_update(piece, p, n);
+      piece_seen_ += n;
+      p += n;
+      left -= n;
+      if (piece_seen_ == kChecksumChunkBytes) end_piece();
+    }
+    seen_ += bytes;
+    return;
+  }
   if (state_ != nullptr) XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
   if (mac_state_ != nullptr)
     crypto_onetimeauth_update(static_cast<crypto_onetimeauth_state*>(mac_state_),
@@ -456,10 +479,75 @@ Status ObjectVerifier::finish() {
                                       header_.key.to_string(), header_.payload_bytes));
     return Status::Ok();
   }
+  if (piece_state_ != nullptr && piece_seen_ > 0) end_piece();
   const std::uint64_t c = XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_));
   if (c != header_.checksum)
     return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
                                 header_.checksum, header_.key.to_string(), header_.payload_bytes));
+  return Status::Ok();
+}
+
+void ObjectVerifier::end_piece() {
+  auto* piece = static_cast<XXH3_state_t*>(piece_state_);
+  std::byte digest[8];
+  put_le<std::uint64_t>(digest, XXH3_64bits_digest(piece));
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), digest, 8);
+  XXH3_64bits_reset(piece);
+  piece_seen_ = 0;
+}
+
+std::uint64_t num_checksum_chunks(std::uint64_t payload_bytes) noexcept {
+  return (payload_bytes + kChecksumChunkBytes - 1) / kChecksumChunkBytes;
+}
+
+std::uint64_t chunk_digest(const void* data, std::uint64_t bytes) noexcept {
+  return XXH3_64bits(data, static_cast<std::size_t>(bytes));
+}
+
+namespace {
+
+std::uint64_t chunked_checksum(const std::byte* header, std::uint32_t header_size,
+                               std::span<const std::uint64_t> digests) {
+  XXH3_state_t state;
+  object_checksum_header(&state, header, header_size);
+  for (std::uint64_t d : digests) {
+    std::byte le[8];
+    put_le<std::uint64_t>(le, d);
+    XXH3_64bits_update(&state, le, 8);
+  }
+  return XXH3_64bits_digest(&state);
+}
+
+}  // namespace
+
+Status encode_chunked_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
+                             std::uint64_t payload_bytes, std::span<const std::uint64_t> digests,
+                             std::uint32_t header_size, std::byte* out) {
+  if (!options.tenant_secret.empty())
+    return InvalidArgument("chunked checksums are for unkeyed objects (this backend has a tenant secret)");
+  if (digests.size() != num_checksum_chunks(payload_bytes))
+    return InvalidArgument(fmt::format("{} piece digests for a payload of {} bytes ({} pieces)", digests.size(),
+                                       payload_bytes, num_checksum_chunks(payload_bytes)));
+  // The fields as an unkeyed header has them, then the flag and the checksums over the digests.
+  KVTIER_RETURN_IF_ERROR(encode(options, ns_digest, key, nullptr, 0, header_size, out, nullptr));
+  put_le<std::uint64_t>(out + kOffPayload, payload_bytes);
+  put_le<std::uint16_t>(out + kOffFlags, kFlagChunked);
+  put_le<std::uint64_t>(out + kOffChecksum, 0);
+  put_le<std::uint64_t>(out + kOffHeaderChecksum, 0);
+  put_le<std::uint64_t>(out + kOffChecksum, chunked_checksum(out, header_size, digests));
+  put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
+  return Status::Ok();
+}
+
+Status verify_chunked(const std::byte* header_bytes, const ObjectHeader& header,
+                      std::span<const std::uint64_t> digests) {
+  if (!header.chunked) return DataLoss(fmt::format("object of key {} has no chunked checksum", header.key.to_string()));
+  if (digests.size() != num_checksum_chunks(header.payload_bytes))
+    return DataLoss(fmt::format("{} piece digests for a payload of {} bytes", digests.size(), header.payload_bytes));
+  const std::uint64_t c = chunked_checksum(header_bytes, header.header_size, digests);
+  if (c != header.checksum)
+    return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
+                                header.checksum, header.key.to_string(), header.payload_bytes));
   return Status::Ok();
 }
 

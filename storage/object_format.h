@@ -5,7 +5,7 @@
 //   offset size  field (little-endian)
 //   0      8     magic "KVTOBJ\0\1"
 //   8      2     format version (1)
-//   10     2     flags (0)
+//   10     2     flags (0; 2 = kFlagChunked: the object checksum is over the payload's piece digests, below)
 //   12     4     header size: payload starts here (fixed part + roles table, zero padded to the
 //                backend's alignment: 4096 on disk for O_DIRECT, 8 in Redis)
 //   16     8     namespace digest (namespace_digest(StorageOptions): xxh3-64 of ns, and of the
@@ -17,7 +17,7 @@
 //   56     8     payload bytes
 //   64     8     header checksum: xxh3-64 of [0, header size) with this field zeroed
 //   72     8     object checksum: xxh3-64 of [0, header size) with both checksum fields zeroed,
-//                followed by the payload
+//                followed by the payload (chunked: by the payload's piece digests)
 //   80     24*n  roles table {u16 layer, u8 role, u8 dtype, u32 0, u64 offset, u64 bytes}
 //   ...          zero padding up to header size, then the page-first payload
 //
@@ -53,6 +53,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -67,6 +68,7 @@ inline constexpr std::uint64_t kMagic = 0x01004a424f54564bULL;  // "KVTOBJ\0\1" 
 inline constexpr std::uint16_t kFormatVersion = 1;              // unkeyed
 inline constexpr std::uint16_t kKeyedFormatVersion = 2;         // keyed
 inline constexpr std::uint16_t kFlagKeyed = 1;
+inline constexpr std::uint16_t kFlagChunked = 2;  // version 1: chunked checksum (below)
 inline constexpr std::uint32_t kFixedHeaderBytes = 80;        // version 1
 inline constexpr std::uint32_t kKeyedFixedHeaderBytes = 144;  // version 2
 inline constexpr std::size_t kHeaderTagBytes = 32;
@@ -97,6 +99,7 @@ struct ObjectHeader {
   std::uint64_t payload_bytes = 0;
   std::uint64_t header_checksum = 0;
   std::uint64_t checksum = 0;                                // version 1
+  bool chunked = false;                                      // version 1, flags bit 1 (kFlagChunked)
   std::array<std::uint8_t, kPayloadTagBytes> payload_tag{};  // version 2
 };
 
@@ -137,6 +140,24 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
 Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
                      const void* payload, std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out);
 
+// Chunked checksums (version 1 with flags bit 1, kFlagChunked; unkeyed only): the object checksum is xxh3-64 of the
+// header with both checksum fields zeroed, followed by the xxh3-64 digests (8 bytes little-endian each) of the
+// payload's pieces of kChecksumChunkBytes (the last one shorter), so the pieces of one object can be copied and
+// hashed on several threads. Readers of this format version verify both kinds; builds before it refuse the flag
+// (kDataLoss: a miss, never a misparse).
+inline constexpr std::uint64_t kChecksumChunkBytes = std::uint64_t{1} << 20;
+std::uint64_t num_checksum_chunks(std::uint64_t payload_bytes) noexcept;
+std::uint64_t chunk_digest(const void* data, std::uint64_t bytes) noexcept;
+// The header of a chunked object whose payload pieces have `digests` (num_checksum_chunks of them).
+// InvalidArgument for a keyed `options` or a wrong number of digests.
+Status encode_chunked_header(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
+                             std::uint64_t payload_bytes, std::span<const std::uint64_t> digests,
+                             std::uint32_t header_size, std::byte* out);
+// A chunked object's checksum from its pieces' digests (kDataLoss when they do not match, or for an object that is
+// not chunked).
+Status verify_chunked(const std::byte* header_bytes, const ObjectHeader& header,
+                      std::span<const std::uint64_t> digests);
+
 // Parses and checks the header alone. `avail` bytes are readable at `data`; when the header is
 // longer than that, returns kOutOfRange with the needed size in the message and sets *needed.
 // Every size field is bounded (kMaxHeaderBytes, kMaxPayloadBytes, roles inside the payload)
@@ -176,6 +197,9 @@ class ObjectVerifier {
   std::uint64_t seen_ = 0;
   void* state_ = nullptr;      // XXH3_state_t (version 1)
   void* mac_state_ = nullptr;  // crypto_onetimeauth_state (version 2)
+  void* piece_state_ = nullptr;  // XXH3_state_t of the current piece (chunked)
+  std::uint64_t piece_seen_ = 0;
+  void end_piece();
   Status error_;               // a keyed object met without a secret
 };
 

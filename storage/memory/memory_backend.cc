@@ -163,8 +163,8 @@ class MemoryBackend final : public StorageBackend {
     }
   }
 
-  // Runs body(i) for every item, on the helpers too when there are several items.
-  void for_items(std::size_t n, const std::function<void(std::size_t)>& body) {
+  // Runs body(i) for i in [0, n), on the helpers too when there are several.
+  void for_each(std::size_t n, const std::function<void(std::size_t)>& body) {
     if (!loop_ || n < 2) {
       for (std::size_t i = 0; i < n; ++i) body(i);
       return;
@@ -174,15 +174,74 @@ class MemoryBackend final : public StorageBackend {
     });
   }
 
+  // A unit of a batch's copies: one piece (format::kChecksumChunkBytes) of an unkeyed item, or a whole keyed item
+  // (Poly1305 runs over the payload in order).
+  struct Unit {
+    std::size_t item = 0;
+    std::uint64_t piece = 0;
+    bool whole = false;
+  };
+
+  // Gets: objects found and their headers checked one by one; then every piece copied into the caller's buffer and
+  // hashed (from the caches) on the helpers; then each item's checksum compared. A damaged object is quarantined.
   void run_gets(Batch& b) {
-    std::vector<Status> status(b.items.size());
-    std::vector<std::uint64_t> bytes(b.items.size(), 0);
-    for_items(b.items.size(), [&](std::size_t i) { status[i] = get(b.items[i], bytes[i]); });
-    for (std::size_t i = 0; i < b.items.size(); ++i) b.ticket->complete(i, std::move(status[i]), bytes[i]);
+    const std::size_t n = b.items.size();
+    std::vector<Status> status(n);
+    std::vector<std::shared_ptr<const Object>> objects(n);
+    std::vector<format::ObjectHeader> headers(n);
+    std::vector<std::vector<std::uint64_t>> digests(n);
+    std::vector<Unit> units;
+    for (std::size_t i = 0; i < n; ++i) {
+      const StorageItem& item = b.items[i];
+      {
+        std::lock_guard lock(mu_);
+        auto it = index_.find(item.key);
+        if (it == index_.end()) {
+          status[i] = NotFound(fmt::format("object {} is not stored", item.key.to_string()));
+          continue;
+        }
+        touch(it->second);
+        objects[i] = it->second.object;
+      }
+      Result<format::ObjectHeader> h = check_get(*objects[i], item);
+      if (!h.ok()) {
+        status[i] = h.status();
+        continue;
+      }
+      headers[i] = std::move(h).value();
+      if (!headers[i].chunked) {
+        units.push_back({i, 0, true});
+        continue;
+      }
+      digests[i].resize(format::num_checksum_chunks(headers[i].payload_bytes));
+      for (std::uint64_t p = 0; p < digests[i].size(); ++p) units.push_back({i, p, false});
+    }
+    for_each(units.size(), [&](std::size_t u) {
+      const Unit& unit = units[u];
+      const StorageItem& item = b.items[unit.item];
+      const Object& o = *objects[unit.item];
+      const format::ObjectHeader& h = headers[unit.item];
+      if (unit.whole) {
+        status[unit.item] = copy_verified(o, h, item);
+        return;
+      }
+      const std::uint64_t off = unit.piece * format::kChecksumChunkBytes;
+      const std::uint64_t bytes = std::min(format::kChecksumChunkBytes, h.payload_bytes - off);
+      const std::byte* src = o.data.get() + h.header_size + off;
+      std::memcpy(static_cast<std::byte*>(item.buffer) + off, src, bytes);
+      digests[unit.item][unit.piece] = format::chunk_digest(src, bytes);
+    });
+    for (std::size_t i = 0; i < n; ++i) {
+      if (objects[i] && status[i].ok() && headers[i].chunked)
+        status[i] = format::verify_chunked(objects[i]->data.get(), headers[i], digests[i]);
+      if (status[i].code() == StatusCode::kDataLoss && objects[i]) status[i] = quarantine(b.items[i].key, objects[i], status[i]);
+      b.ticket->complete(i, status[i], status[i].ok() ? headers[i].payload_bytes : 0);
+    }
   }
 
-  // Objects built (copied and checksummed) in parallel, then committed in item order. A key put twice in the
-  // batch: everything one item after the other.
+  // Puts: objects allocated one by one; every piece copied from the caller's buffer and hashed on the helpers (a
+  // keyed item as a whole); then the headers written and the objects committed in item order. A key put twice in
+  // the batch: one item after the other.
   void run_puts(Batch& b) {
     const std::size_t n = b.items.size();
     bool repeated = false;
@@ -190,30 +249,64 @@ class MemoryBackend final : public StorageBackend {
       std::unordered_set<StorageKey, StorageKeyHash> keys;
       for (const StorageItem& item : b.items) repeated = repeated || !keys.insert(item.key).second;
     }
-    if (repeated || !loop_) {
-      for (std::size_t i = 0; i < n; ++i) {
-        std::uint64_t bytes = 0;
-        Status st = put(b.items[i], bytes);
-        b.ticket->complete(i, std::move(st), bytes);
-      }
+    if (repeated) {
+      for (std::size_t i = 0; i < n; ++i) put_items(b, i, i + 1);
       return;
     }
-    std::vector<Result<std::shared_ptr<Object>>> built(n, Internal("not built"));
-    for_items(n, [&](std::size_t i) { built[i] = build(b.items[i]); });
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!built[i].ok()) {
-        b.ticket->complete(i, built[i].status(), 0);
+    put_items(b, 0, n);
+  }
+
+  void put_items(Batch& b, std::size_t first, std::size_t last) {
+    const bool keyed = !options_.tenant_secret.empty();
+    std::vector<Result<std::shared_ptr<Object>>> built;
+    std::vector<std::vector<std::uint64_t>> digests(last - first);
+    std::vector<Unit> units;
+    for (std::size_t i = first; i < last; ++i) {
+      built.push_back(allocate(b.items[i]));
+      if (!built.back().ok()) continue;
+      if (keyed) {
+        units.push_back({i, 0, true});
         continue;
       }
-      Status st = commit(b.items[i].key, std::move(built[i]).value());
-      b.ticket->complete(i, std::move(st), st.ok() ? b.items[i].bytes : 0);
+      digests[i - first].resize(format::num_checksum_chunks(b.items[i].bytes));
+      for (std::uint64_t p = 0; p < digests[i - first].size(); ++p) units.push_back({i, p, false});
+    }
+    std::vector<Status> encoded(last - first);
+    for_each(units.size(), [&](std::size_t u) {
+      const Unit& unit = units[u];
+      const StorageItem& item = b.items[unit.item];
+      Object& o = *built[unit.item - first].value();
+      if (unit.whole) {
+        encoded[unit.item - first] = format::encode_object(options_, ns_digest_, item.key, item.buffer, item.bytes,
+                                                           o.header_size, o.data.get());
+        return;
+      }
+      const std::uint64_t off = unit.piece * format::kChecksumChunkBytes;
+      const std::uint64_t bytes = std::min(format::kChecksumChunkBytes, item.bytes - off);
+      std::byte* dst = o.data.get() + o.header_size + off;
+      std::memcpy(dst, static_cast<const std::byte*>(item.buffer) + off, bytes);
+      digests[unit.item - first][unit.piece] = format::chunk_digest(dst, bytes);
+    });
+    for (std::size_t i = first; i < last; ++i) {
+      Result<std::shared_ptr<Object>>& r = built[i - first];
+      Status st = r.status();
+      if (st.ok() && !keyed)
+        st = format::encode_chunked_header(options_, ns_digest_, b.items[i].key, b.items[i].bytes, digests[i - first],
+                                           r.value()->header_size, r.value()->data.get());
+      if (st.ok()) st = encoded[i - first];
+      if (st.ok()) {
+        st = commit(b.items[i].key, std::move(r).value());
+      } else if (r.ok()) {
+        give_back(*r.value());
+      }
+      b.ticket->complete(i, st, st.ok() ? b.items[i].bytes : 0);
     }
   }
 
   Status one(StorageOp op, const StorageItem& item, std::uint64_t& bytes) {
     switch (op) {
-      case StorageOp::kPut: return put(item, bytes);
-      case StorageOp::kGet: return get(item, bytes);
+      case StorageOp::kPut:
+      case StorageOp::kGet: break;  // run_puts / run_gets
       case StorageOp::kExists: {
         std::lock_guard lock(mu_);
         auto it = index_.find(item.key);
@@ -233,16 +326,9 @@ class MemoryBackend final : public StorageBackend {
     return InvalidArgument(fmt::format("unknown storage op {}", static_cast<int>(op)));
   }
 
-  Status put(const StorageItem& item, std::uint64_t& bytes) {
-    KVTIER_ASSIGN_OR_RETURN(std::shared_ptr<Object> object, build(item));
-    KVTIER_RETURN_IF_ERROR(commit(item.key, std::move(object)));
-    bytes = item.bytes;
-    return Status::Ok();
-  }
-
-  // The object of a put: header and payload, the payload copied and checksummed in one pass. Outside the lock:
-  // the copy is the cost of a put.
-  Result<std::shared_ptr<Object>> build(const StorageItem& item) {
+  // The memory of a put's object (header + payload), its header size set; reused from freed objects of the size
+  // when there are some.
+  Result<std::shared_ptr<Object>> allocate(const StorageItem& item) {
     if (item.buffer == nullptr && item.bytes != 0) return InvalidArgument("put item has no source buffer");
     KVTIER_RETURN_IF_ERROR(format::check_payload_size(options_, item.bytes));
     const std::uint32_t header = format::header_bytes(options_, 8);
@@ -256,12 +342,6 @@ class MemoryBackend final : public StorageBackend {
     if (!object->data) return ResourceExhausted(fmt::format("memory tier: {} bytes not available", total));
     object->bytes = total;
     object->header_size = header;
-    Status st =
-        format::encode_object(options_, ns_digest_, item.key, item.buffer, item.bytes, header, object->data.get());
-    if (!st.ok()) {
-      give_back(*object);
-      return st;
-    }
     return object;
   }
 
@@ -295,32 +375,19 @@ class MemoryBackend final : public StorageBackend {
     return Status::Ok();
   }
 
-  Status get(const StorageItem& item, std::uint64_t& bytes) {
-    std::shared_ptr<const Object> object;
-    {
-      std::lock_guard lock(mu_);
-      auto it = index_.find(item.key);
-      if (it == index_.end()) return NotFound(fmt::format("object {} is not stored", item.key.to_string()));
-      touch(it->second);
-      object = it->second.object;
+  // Removes a damaged object (unless a put replaced it meanwhile) and counts it.
+  Status quarantine(const StorageKey& key, const std::shared_ptr<const Object>& object, const Status& st) {
+    std::lock_guard lock(mu_);
+    if (format::is_auth_failure(st)) ++auth_failures_;
+    if (auto it = index_.find(key); it != index_.end() && it->second.object == object) {
+      erase(it);
+      ++quarantined_;
     }
-    Status st = copy_verified(*object, item, bytes);
-    if (st.code() == StatusCode::kDataLoss) {
-      std::lock_guard lock(mu_);
-      if (format::is_auth_failure(st)) ++auth_failures_;
-      // Quarantine = removal, unless a put replaced the object meanwhile.
-      if (auto it = index_.find(item.key); it != index_.end() && it->second.object == object) {
-        erase(it);
-        ++quarantined_;
-      }
-      return st.with_context("object quarantined (removed)");
-    }
-    return st;
+    return st.with_context("object quarantined (removed)");
   }
 
-  // The payload into the caller's buffer, verified in the same pass (each chunk is checked right after its copy, from
-  // the caches); kDataLoss for a damaged or foreign object, whose bytes in the buffer are then undefined.
-  Status copy_verified(const Object& o, const StorageItem& item, std::uint64_t& bytes) {
+  // The stored object's header, checked against the get's key and buffer.
+  Result<format::ObjectHeader> check_get(const Object& o, const StorageItem& item) {
     KVTIER_ASSIGN_OR_RETURN(format::ObjectHeader h,
                             format::decode_header(o.data.get(), o.bytes, nullptr, options_.tenant_secret));
     KVTIER_RETURN_IF_ERROR(format::check_object_size(h, o.bytes, true));
@@ -329,6 +396,12 @@ class MemoryBackend final : public StorageBackend {
       return InvalidArgument(fmt::format("get destination of {} bytes < payload {} of object {}", item.bytes,
                                          h.payload_bytes, item.key.to_string()));
     if (item.buffer == nullptr && h.payload_bytes != 0) return InvalidArgument("get item has no destination buffer");
+    return h;
+  }
+
+  // The payload into the caller's buffer, verified in the same pass (each chunk is checked right after its copy, from
+  // the caches); kDataLoss for a damaged or foreign object, whose bytes in the buffer are then undefined.
+  Status copy_verified(const Object& o, const format::ObjectHeader& h, const StorageItem& item) {
     format::ObjectVerifier verifier(o.data.get(), h, options_.tenant_secret);
     const std::byte* src = o.data.get() + h.header_size;
     auto* dst = static_cast<std::byte*>(item.buffer);
@@ -337,9 +410,7 @@ class MemoryBackend final : public StorageBackend {
       std::memcpy(dst + off, src + off, n);
       verifier.update(src + off, n);
     }
-    KVTIER_RETURN_IF_ERROR(verifier.finish());
-    bytes = h.payload_bytes;
-    return Status::Ok();
+    return verifier.finish();
   }
 
   std::unique_ptr<std::byte[]> take_spare(std::uint64_t bytes) {

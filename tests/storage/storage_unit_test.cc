@@ -106,6 +106,68 @@ TEST(ObjectFormat, EncodeObjectInOnePassEqualsHeaderAndCopy) {
             StatusCode::kInvalidArgument);
 }
 
+// Chunked checksums: a header written from the pieces' digests verifies through verify_chunked, verify_object
+// and the streaming verifier fed in pieces of any size; a flipped byte in any piece, a digest of the wrong
+// piece, or the digests of an unchunked object are refused.
+TEST(ObjectFormat, ChunkedChecksumOverPieceDigests) {
+  StorageOptions o;
+  o.ns = "chunked";
+  const std::uint32_t hs = format::header_bytes(o, 8);
+  const std::uint64_t ns = format::namespace_digest(o);
+  for (std::uint64_t n : {std::uint64_t{0}, std::uint64_t{100}, format::kChecksumChunkBytes,
+                          2 * format::kChecksumChunkBytes + 5}) {
+    std::vector<std::byte> payload(n);
+    fill_random(payload.data(), n, 40 + n);
+    std::vector<std::uint64_t> digests;
+    for (std::uint64_t off = 0; off < n; off += format::kChecksumChunkBytes)
+      digests.push_back(format::chunk_digest(payload.data() + off, std::min(format::kChecksumChunkBytes, n - off)));
+    ASSERT_EQ(digests.size(), format::num_checksum_chunks(n));
+    std::vector<std::byte> hdr(hs);
+    ASSERT_TRUE(format::encode_chunked_header(o, ns, key_of(2, 2), n, digests, hs, hdr.data()).ok());
+    auto h = format::decode_header(hdr.data(), hs);
+    ASSERT_TRUE(h.ok()) << h.status().to_string();
+    EXPECT_TRUE(h->chunked);
+    EXPECT_EQ(h->payload_bytes, n);
+    EXPECT_TRUE(format::verify_chunked(hdr.data(), *h, digests).ok());
+    EXPECT_TRUE(format::verify_object(hdr.data(), *h, payload.data()).ok()) << n;
+    for (std::size_t step : {std::size_t{1} << 12, std::size_t{(1 << 20) + 3}, std::size_t{777777}}) {
+      format::ObjectVerifier v(hdr.data(), *h);
+      for (std::uint64_t off = 0; off < n; off += step) v.update(payload.data() + off, std::min<std::uint64_t>(step, n - off));
+      EXPECT_TRUE(v.finish().ok()) << n << " " << step;
+    }
+    if (n == 0) continue;
+    for (std::uint64_t off : {std::uint64_t{0}, n / 2, n - 1}) {
+      payload[off] ^= std::byte{4};
+      EXPECT_EQ(format::verify_object(hdr.data(), *h, payload.data()).code(), StatusCode::kDataLoss) << off;
+      payload[off] ^= std::byte{4};
+    }
+    auto wrong = digests;
+    wrong.back() ^= 1;
+    EXPECT_EQ(format::verify_chunked(hdr.data(), *h, wrong).code(), StatusCode::kDataLoss);
+    wrong.pop_back();
+    EXPECT_EQ(format::verify_chunked(hdr.data(), *h, wrong).code(), StatusCode::kDataLoss);
+    // An unchunked object of the same payload has no piece digests to compare.
+    std::vector<std::byte> plain(hs);
+    ASSERT_TRUE(format::encode_header(o, ns, key_of(2, 2), payload.data(), n, hs, plain.data()).ok());
+    auto ph = format::decode_header(plain.data(), hs);
+    ASSERT_TRUE(ph.ok());
+    EXPECT_FALSE(ph->chunked);
+    EXPECT_EQ(format::verify_chunked(plain.data(), *ph, digests).code(), StatusCode::kDataLoss);
+  }
+  std::vector<std::byte> hdr(hs);
+  const std::uint64_t one_digest[1] = {0};
+  EXPECT_EQ(format::encode_chunked_header(o, ns, key_of(2, 2), 3 * format::kChecksumChunkBytes, one_digest, hs,
+                                          hdr.data())
+                .code(),
+            StatusCode::kInvalidArgument);
+  StorageOptions keyed = o;
+  keyed.tenant_secret = std::string(32, 'k');
+  EXPECT_EQ(format::encode_chunked_header(keyed, ns, key_of(2, 2), 1, one_digest, format::header_bytes(keyed, 8),
+                                          hdr.data())
+                .code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(RedisKeySlot, MatchesRedis) {
   // Reference values from the Redis Cluster specification / CLUSTER KEYSLOT.
   EXPECT_EQ(redis_key_slot("123456789"), 0x31C3 & 16383);
@@ -209,7 +271,7 @@ TEST(MemoryBackend, BatchesOnSeveralThreadsKeepItemOrder) {
     auto b = make_storage_backend(spec, StorageOptions{});
     ASSERT_TRUE(b.ok()) << b.status().to_string();
     constexpr int kItems = 16;
-    std::vector<std::vector<std::byte>> data(kItems, std::vector<std::byte>((300 << 10) + 17));
+    std::vector<std::vector<std::byte>> data(kItems, std::vector<std::byte>((2 << 20) + 17));  // 3 pieces each
     StorageBatch puts{StorageOp::kPut, {}};
     for (int i = 0; i < kItems; ++i) {
       fill_random(data[i].data(), data[i].size(), 50 + i + 100 * threads);

@@ -13,9 +13,11 @@
 // a large object costs a page fault per page, more than the copy into it.
 //
 // post() returns at once; one worker thread runs the batches in the order they were posted. Within a batch the
-// copies of its items run on `threads` threads (the worker and helpers): a put copies the caller's payload into
-// the object and checksums it in the same pass, a get copies the payload into the caller's buffer and verifies
-// it in the same pass, chunk by chunk from the caches, before the item is reported OK. A batch's puts are then
+// copies run on `threads` threads (the worker and helpers), in pieces of 1 MiB: a put copies each piece of the
+// caller's payload into the object and hashes it from the caches, a get copies each piece into the caller's
+// buffer and hashes it likewise; the object's checksum is over its pieces' digests (object_format.h, "chunked
+// checksums"), so one large object is copied by every thread, and a get is reported OK only once every piece
+// verified. Keyed tiers (a tenant secret) authenticate each object in one pass, objects on several threads. A batch's puts are then
 // committed in item order (the room, the evictions and the LRU order are those of one put after the other), so
 // a batch of puts holds up to its own bytes beyond the capacity while it is copied. Puts of one key twice in a
 // batch run one after the other. register_region() only records the region.
