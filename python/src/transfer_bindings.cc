@@ -15,6 +15,7 @@
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
@@ -28,6 +29,7 @@
 
 #include "device_bridge.h"
 #include "engine_bridge.h"
+#include "kvtier/core/checksum.h"
 #include "kvtier/core/config.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
@@ -510,6 +512,22 @@ void bind_transfer(nb::module_& m) {
         return d;
       },
       "ordinal"_a = 0, "A CUDA device by process-visible ordinal (after CUDA_VISIBLE_DEVICES).");
+  m.def(
+      "piece_checksums",
+      [](const std::vector<std::pair<std::uintptr_t, std::uint64_t>>& buffers) {
+        std::vector<std::pair<const void*, std::uint64_t>> spans;
+        spans.reserve(buffers.size());
+        for (std::size_t i = 0; i < buffers.size(); ++i) {
+          if (buffers[i].first == 0 && buffers[i].second != 0)
+            raise_status(InvalidArgument(fmt::format("piece_checksums: buffer {} is a null pointer", i)));
+          spans.emplace_back(reinterpret_cast<const void*>(buffers[i].first), buffers[i].second);
+        }
+        nb::gil_scoped_release release;
+        return piece_checksums(spans);
+      },
+      "buffers"_a,
+      "Piece checksums (kvtier/core/checksum.h) of host buffers given as (address, bytes), on a pool of threads "
+      "(GIL released). The memory must stay valid and unchanged during the call.");
   m.def("cuda_device_count", [] { return cuda_device_count(); });
   m.def("cuda_compiled", [] { return cuda_compiled(); });
   m.def(
