@@ -103,6 +103,192 @@ class _CopyFailed(Exception):
         self.group = group
 
 
+class _StagedTier:
+    """A storage tier behind pinned batches: each direction of each group has two batch buffers in the group's
+    manager's host cache; a store puts a copied batch's objects from there, a load gets them there (verified)."""
+
+    pinned = False
+
+    def __init__(self, mover: "ChunkMover", store: Any):
+        self.mover = mover
+        self.store = store
+
+    def host_blocks(self, grp: _Group) -> int:
+        return 4 * grp.batch_chunks * self.mover.blocks_per_chunk
+
+    def reset(self, group: int) -> None:
+        pass
+
+    def delete(self, names: List[str]) -> int:
+        if not names:
+            return 0
+        return sum(1 for x in self.store.delete_many(names) if isinstance(x, int))
+
+    def _buffer(self, mgr: Any, b: _Batch, is_store: bool, k: int) -> List[int]:
+        """The first host block of each chunk of the batch in the k-th buffer of its direction (stores use buffers 0
+        and 1, loads 2 and 3), once no earlier copy uses the buffer."""
+        bpc = self.mover.blocks_per_chunk
+        span = self.mover._groups[b.group].batch_chunks * bpc
+        first = ((0 if is_store else 2) + k % 2) * span
+        self.mover._copy(b.group, mgr.wait_host_blocks_free, list(range(first, first + span)), COPY_TIMEOUT_S)
+        return [first + i * bpc for i in range(len(b.names))]
+
+    def _objects(self, mgr: Any, b: _Batch, bases: List[int]) -> List[Tuple[int, int]]:
+        size = self.mover._groups[b.group].object_bytes
+        return [(mgr.host_page(base), size) for base in bases]
+
+    def store_bases(self, mgr: Any, b: _Batch, k: int) -> List[int]:
+        return self._buffer(mgr, b, True, k)
+
+    def stored(self, mgr: Any, b: _Batch, bases: List[int]) -> None:
+        size = self.mover._groups[b.group].object_bytes
+        results = self.store.put_many(b.names, self._objects(mgr, b, bases))
+        bad = [(name, res) for name, res in zip(b.names, results) if not (isinstance(res, int) and res == size)]
+        if bad:
+            # The batch's objects that were written go with the failed job (store_failed deletes earlier batches').
+            self.store_failed([n for n, res in zip(b.names, results) if isinstance(res, int) and res == size], [])
+            raise _JobFailed(f"writing chunk {bad[0][0]}: {bad[0][1]}")
+
+    def store_failed(self, written: List[str], uncommitted: List[Tuple[int, List[int]]]) -> None:
+        if written:  # the index drops every chunk of a failed job: free the space of those written
+            try:
+                self.store.delete_many(written)
+            except Exception:  # noqa: BLE001 (best effort; the tier's capacity evicts them anyway)
+                pass
+
+    def load_bases(self, mgr: Any, b: _Batch, k: int) -> List[int]:
+        bases = self._buffer(mgr, b, False, k)
+        size = self.mover._groups[b.group].object_bytes
+        for name, res in zip(b.names, self.store.get_many(b.names, self._objects(mgr, b, bases))):
+            if not (isinstance(res, int) and res == size):  # every object whole and verified before a byte moves
+                what = res if not isinstance(res, int) else f"object of {res} bytes where the chunk has {size}"
+                raise _JobFailed(f"reading chunk {name}: {what}")
+        return bases
+
+    def loaded(self, group: int, bases: List[int]) -> None:
+        pass
+
+
+class _PinnedTier:
+    """The chunks themselves in pinned host memory: each group's manager's host cache holds ``chunks`` slots of a
+    chunk's blocks. A store copies a chunk's blocks straight into a free slot and keeps the piece checksum of its
+    bytes; a load verifies the slot's checksum, then copies from it. A slot being loaded from is never written: a
+    chunk deleted meanwhile frees its slot once the load is done."""
+
+    pinned = True
+
+    def __init__(self, mover: "ChunkMover", chunks: int):
+        self.mover = mover
+        self.chunks = chunks
+        self.lock = threading.Lock()
+        self.free: List[List[int]] = []
+        self.slot_of: List[Dict[str, int]] = []  # per group: chunk -> slot
+        self.checksum: List[Dict[str, int]] = []
+        self.readers: List[Dict[int, int]] = []  # per group: slot -> loads reading it
+        self.doomed: List[set] = []  # per group: slots of deleted chunks still being read
+
+    def host_blocks(self, grp: _Group) -> int:
+        return self.chunks * self.mover.blocks_per_chunk
+
+    def reset(self, group: int) -> None:
+        """The group's slots all free (a new manager: a new host cache, every chunk of the old one gone)."""
+        with self.lock:
+            while len(self.free) <= group:
+                self.free.append([])
+                self.slot_of.append({})
+                self.checksum.append({})
+                self.readers.append({})
+                self.doomed.append(set())
+            self.free[group] = list(range(self.chunks - 1, -1, -1))
+            self.slot_of[group], self.checksum[group] = {}, {}
+            self.readers[group], self.doomed[group] = {}, set()
+
+    def objects(self) -> int:
+        with self.lock:
+            return sum(len(m) for m in self.slot_of)
+
+    def _drop(self, g: int, name: str) -> bool:  # (lock held)
+        slot = self.slot_of[g].pop(name, None)
+        if slot is None:
+            return False
+        self.checksum[g].pop(name, None)
+        if self.readers[g].get(slot):
+            self.doomed[g].add(slot)
+        else:
+            self.free[g].append(slot)
+        return True
+
+    def delete(self, names: List[str]) -> int:
+        with self.lock:
+            return sum(1 for name in names for g in range(len(self.slot_of)) if self._drop(g, name))
+
+    def store_bases(self, mgr: Any, b: _Batch, k: int) -> List[int]:
+        g, bpc = b.group, self.mover.blocks_per_chunk
+        with self.lock:
+            for name in b.names:  # stored again: the old bytes are gone first
+                self._drop(g, name)
+            if len(self.free[g]) < len(b.names):
+                raise _JobFailed(f"the pinned tier of KV cache group {g} is full ({self.chunks} chunks)")
+            slots = [self.free[g].pop() for _ in b.names]
+        return [slot * bpc for slot in slots]
+
+    def _sums(self, mgr: Any, b: _Batch, bases: List[int]) -> List[int]:
+        size = self.mover._groups[b.group].object_bytes
+        return _native.piece_checksums([(mgr.host_page(base), size) for base in bases])
+
+    def stored(self, mgr: Any, b: _Batch, bases: List[int]) -> None:
+        sums = self._sums(mgr, b, bases)
+        bpc = self.mover.blocks_per_chunk
+        with self.lock:
+            for name, base, c in zip(b.names, bases, sums):
+                self.slot_of[b.group][name] = base // bpc
+                self.checksum[b.group][name] = c
+
+    def store_failed(self, written: List[str], uncommitted: List[Tuple[int, List[int]]]) -> None:
+        bpc = self.mover.blocks_per_chunk
+        self.delete(written)
+        with self.lock:
+            for g, bases in uncommitted:
+                self.free[g] += [base // bpc for base in bases]
+
+    def load_bases(self, mgr: Any, b: _Batch, k: int) -> List[int]:
+        g, bpc = b.group, self.mover.blocks_per_chunk
+        with self.lock:
+            missing = [name for name in b.names if name not in self.slot_of[g]]
+            if missing:
+                raise _JobFailed(f"reading chunk {missing[0]}: NotFound: not in the pinned tier")
+            slots = [self.slot_of[g][name] for name in b.names]
+            want = [self.checksum[g][name] for name in b.names]
+            for slot in slots:
+                self.readers[g][slot] = self.readers[g].get(slot, 0) + 1
+        bases = [slot * bpc for slot in slots]
+        try:
+            for name, have, c in zip(b.names, self._sums(mgr, b, bases), want):
+                if have != c:
+                    with self.lock:
+                        self._drop(g, name)
+                    raise _JobFailed(f"reading chunk {name}: DataLoss: piece checksum {have:#018x} of its pinned "
+                                     f"bytes != {c:#018x} when stored (the chunk is dropped)")
+        except BaseException:
+            self.loaded(g, bases)
+            raise
+        return bases
+
+    def loaded(self, group: int, bases: List[int]) -> None:
+        bpc = self.mover.blocks_per_chunk
+        with self.lock:
+            for base in bases:
+                slot = base // bpc
+                n = self.readers[group].get(slot, 0) - 1
+                if n > 0:
+                    self.readers[group][slot] = n
+                    continue
+                self.readers[group].pop(slot, None)
+                if slot in self.doomed[group]:
+                    self.doomed[group].discard(slot)
+                    self.free[group].append(slot)
+
+
 class ChunkMover:
     """Moves chunks between an engine's KV tensors and a kvtier storage tier.
 
@@ -114,14 +300,17 @@ class ChunkMover:
     and the copy engine moves them into the KV tensors while the tier reads the next batch."""
 
     def __init__(self, groups: Sequence[Sequence[Tuple[Any, int]]], store: Any, blocks_per_chunk: int,
-                 staging_bytes: int = DEFAULT_STAGING):
-        self.store = store
+                 staging_bytes: int = DEFAULT_STAGING, pinned_chunks: int = 0):
         self.blocks_per_chunk = int(blocks_per_chunk)
         self.staging_bytes = int(staging_bytes)
         if self.blocks_per_chunk < 1:
             raise InvalidArgumentError(f"kvtier.vllm: blocks_per_chunk {blocks_per_chunk} is not >= 1")
         if self.staging_bytes < 1:
             raise InvalidArgumentError(f"kvtier.vllm: staging of {staging_bytes} bytes")
+        if pinned_chunks < 0 or (pinned_chunks > 0) == (store is not None):
+            raise InvalidArgumentError(f"kvtier.vllm: a storage tier ({store!r}) or pinned chunks ({pinned_chunks}), "
+                                       "one of them")
+        self._tier: Any = _PinnedTier(self, int(pinned_chunks)) if pinned_chunks else _StagedTier(self, store)
         self.last_error: Optional[str] = None
         self._groups: List[_Group] = []
         self._device_of = None
@@ -166,7 +355,8 @@ class ChunkMover:
         self._mgr_lock = threading.Lock()
         self._users: Dict[int, int] = {}
         self._retired: List[Any] = []
-        for grp in self._groups:
+        for g, grp in enumerate(self._groups):
+            self._tier.reset(g)
             grp.manager = self._new_manager(grp)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-store")
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
@@ -176,9 +366,25 @@ class ChunkMover:
         self._closed = False
         self.stats = {"stored_chunks": 0, "loaded_chunks": 0, "failed_jobs": 0, "deleted_chunks": 0}
 
+    @property
+    def store(self) -> Any:
+        """The storage tier (None when the chunks live in the worker's pinned memory)."""
+        return None if self._tier.pinned else self._tier.store
+
+    @store.setter
+    def store(self, store: Any) -> None:
+        if self._tier.pinned:
+            raise NotSupportedError("kvtier.vllm: the chunks live in pinned memory; there is no storage tier to set")
+        self._tier.store = store
+
+    @property
+    def pinned_chunks(self) -> int:
+        """Chunks stored in pinned memory now (0 with a storage tier)."""
+        return self._tier.objects() if self._tier.pinned else 0
+
     def _new_manager(self, grp: _Group) -> Any:
         return _native.TransferManager.from_pages(self._device, self._kv_stream, grp.tensors, grp.pages,
-                                                  num_host_blocks=4 * grp.batch_chunks * self.blocks_per_chunk)
+                                                  num_host_blocks=self._tier.host_blocks(grp))
 
     def _acquire(self, plan: _Plan) -> Dict[int, Any]:
         """The managers of the job's groups, held until _release."""
@@ -199,6 +405,7 @@ class ChunkMover:
                 if g == failed and grp.manager is m and not self._closed:
                     try:
                         grp.manager = self._new_manager(grp)
+                        self._tier.reset(g)  # pinned chunks lived in the old manager's host cache
                         self._retired.append(m)
                         logger.warning("kvtier.vllm: KV cache group %d: a copy failed; its copies continue on a new "
                                        "transfer manager", g)
@@ -282,19 +489,6 @@ class ChunkMover:
 
     # ------------------------------------------------------------------ the copies (on the job threads)
 
-    def _buffer(self, mgr: Any, batch: _Batch, is_store: bool, k: int) -> int:
-        """The first host block of the k-th buffer of a batch's group (stores use buffers 0 and 1, loads 2 and 3),
-        once no earlier copy uses the buffer."""
-        span = self._groups[batch.group].batch_chunks * self.blocks_per_chunk
-        first = ((0 if is_store else 2) + k % 2) * span
-        self._copy(batch.group, mgr.wait_host_blocks_free, list(range(first, first + span)), COPY_TIMEOUT_S)
-        return first
-
-    def _objects(self, mgr: Any, batch: _Batch, first: int) -> List[Tuple[int, int]]:
-        size = self._groups[batch.group].object_bytes
-        base = mgr.host_page(first)
-        return [(base + i * size, size) for i in range(len(batch.names))]
-
     @staticmethod
     def _copy(group: int, call: Any, *args: Any) -> Any:
         try:
@@ -302,16 +496,20 @@ class ChunkMover:
         except Exception as e:
             raise _CopyFailed(group, e) from e
 
+    def _hosts(self, b: _Batch, bases: List[int]) -> List[int]:
+        """The host block of every move of the batch, its chunk at bases[chunk]."""
+        bpc = self.blocks_per_chunk
+        return (np.asarray(bases, dtype=np.int64)[b.host // bpc] + b.host % bpc).tolist()
+
     def _run_store(self, plan: _Plan, delete: List[str], ready: Any) -> int:
-        if delete:
-            res = self.store.delete_many(delete)
-            self.stats["deleted_chunks"] += sum(1 for x in res if isinstance(x, int))
+        self.stats["deleted_chunks"] += self._tier.delete(list(delete))
         if not plan.batches:
             return 0
         written: List[str] = []
         mgrs = self._acquire(plan)
         failed = None
         pending = None
+        current = None
         try:
             if ready is not None:
                 self._stream.wait_event(ready)  # the blocks are final once the engine's stream got there
@@ -319,53 +517,55 @@ class ChunkMover:
             def start(k: int):
                 b = plan.batches[k]
                 mgr = mgrs[b.group]
-                first = self._buffer(mgr, b, True, k)
-                task = self._copy(b.group, mgr.evict, b.rows.tolist(), (b.host + first).tolist())
-                return b, first, mgr, task
+                bases = self._tier.store_bases(mgr, b, k)
+                try:
+                    task = self._copy(b.group, mgr.evict, b.rows.tolist(), self._hosts(b, bases))
+                except BaseException:
+                    self._tier.store_failed([], [(b.group, bases)])
+                    raise
+                return b, bases, mgr, task
 
             pending = start(0)
             for k in range(len(plan.batches)):
-                b, first, mgr, task = pending
-                # The next batch's copy runs while the tier writes this one.
-                pending = None
+                current, pending = pending, None
+                b, bases, mgr, task = current
+                # The next batch's copy runs while the tier takes this one.
                 pending = start(k + 1) if k + 1 < len(plan.batches) else None
                 self._copy(b.group, mgr.wait, task, COPY_TIMEOUT_S)
-                results = self.store.put_many(b.names, self._objects(mgr, b, first))
-                size = self._groups[b.group].object_bytes
-                for name, res in zip(b.names, results):
-                    if not (isinstance(res, int) and res == size):
-                        raise _JobFailed(f"writing chunk {name}: {res}")
-                    written.append(name)
+                self._tier.stored(mgr, b, bases)
+                written += b.names
+                current = None
         except BaseException as e:
             failed = e.group if isinstance(e, _CopyFailed) else None
-            if written:  # the index drops every chunk of a failed job: free the space of those written
-                try:
-                    self.store.delete_many(written)
-                except Exception:  # noqa: BLE001 (best effort; the tier's capacity evicts them anyway)
-                    pass
+            uncommitted = [(c[0].group, c[1]) for c in (current, pending) if c is not None]
+            for c in (current, pending):  # copies in flight end before their slots or buffers are reused
+                if c is not None:
+                    try:
+                        c[2].wait(c[3], COPY_TIMEOUT_S)
+                    except Exception:  # noqa: BLE001 (the job failed already)
+                        pass
+            self._tier.store_failed(written, uncommitted)
             raise
         finally:
-            if pending is not None:  # a batch copied ahead of a failed put: done before the job ends
-                try:
-                    pending[2].wait(pending[3], COPY_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (the job failed already)
-                    pass
             self._release(mgrs, failed)
         self.stats["stored_chunks"] += len(written)
         return plan.total_bytes
 
     def _run_load(self, plan: _Plan) -> int:
         mgrs = self._acquire(plan)
-        tasks: List[Tuple[int, Any, Any]] = []
+        tasks: List[Tuple[int, Any, Any, List[int]]] = []
         failed: Optional[int] = None
 
         def wait_all() -> None:  # the blocks are in place (or the job failed) before it is reported
             first_error = None
-            for g, mgr, task in tasks:
+            for g, mgr, task, bases in tasks:
                 try:
-                    self._copy(g, mgr.wait, task, COPY_TIMEOUT_S)
+                    if task is not None:
+                        self._copy(g, mgr.wait, task, COPY_TIMEOUT_S)
                 except _CopyFailed as e:
                     first_error = first_error or e
+                finally:
+                    self._tier.loaded(g, bases)
             tasks.clear()
             if first_error is not None:
                 raise first_error
@@ -373,17 +573,11 @@ class ChunkMover:
         try:
             for k, b in enumerate(plan.batches):
                 mgr = mgrs[b.group]
-                first = self._buffer(mgr, b, False, k)
-                size = self._groups[b.group].object_bytes
-                results = self.store.get_many(b.names, self._objects(mgr, b, first))
-                for name, res in zip(b.names, results):  # every object whole and verified before a byte moves
-                    if not (isinstance(res, int) and res == size):
-                        what = res if not isinstance(res, int) else (
-                            f"object of {res} bytes where the chunk has {size}")
-                        raise _JobFailed(f"reading chunk {name}: {what}")
+                bases = self._tier.load_bases(mgr, b, k)
+                tasks.append((b.group, mgr, None, bases))
                 # The copy into the KV tensors runs while the tier reads the next batch.
-                tasks.append((b.group, mgr, self._copy(b.group, mgr.load, [], (b.host + first).tolist(),
-                                                       b.rows.tolist())))
+                task = self._copy(b.group, mgr.load, [], self._hosts(b, bases), b.rows.tolist())
+                tasks[-1] = (b.group, mgr, task, bases)
             wait_all()
         except BaseException as e:
             try:

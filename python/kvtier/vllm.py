@@ -159,9 +159,14 @@ class KvtierSettings:
         return self.storage.startswith("memory:")
 
     @property
+    def pinned(self) -> bool:
+        """The chunks in the worker's own pinned memory, copied straight from and to the GPU."""
+        return self.storage.startswith("pinned:")
+
+    @property
     def local(self) -> bool:
-        """A tier of this process or this host alone (disk, memory), not shared by engines (Redis)."""
-        return self.disk or self.memory
+        """A tier of this process or this host alone (disk, memory, pinned), not shared by engines (Redis)."""
+        return self.disk or self.memory or self.pinned
 
 
 def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
@@ -171,10 +176,16 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
             "kvtier.vllm: kv_connector_extra_config must name the tier, e.g. "
             f"{{\"storage\": \"disk:/var/cache/kvtier?durability=process\", \"capacity\": \"200G\"}} (got {extra!r})")
     spec = extra["storage"]
-    if not isinstance(spec, str) or not spec.startswith(("disk:", "redis://", "memory:")):
+    if not isinstance(spec, str) or not spec.startswith(("disk:", "redis://", "memory:", "pinned:")):
         raise InvalidArgumentError(
             f"kvtier.vllm: extra_config['storage'] = {spec!r} is not 'disk:<dir>[?...]', "
-            "'redis://host:port[?...]' or 'memory:?capacity=<bytes>'")
+            "'redis://host:port[?...]', 'memory:?capacity=<bytes>' or 'pinned:?capacity=<bytes>'")
+    if spec.startswith("pinned:"):
+        rest, _, query = spec[len("pinned:"):].partition("?")
+        unknown = [k for k, _ in parse_qsl(query) if k != "capacity"]
+        if rest or unknown:
+            raise InvalidArgumentError(f"kvtier.vllm: extra_config['storage'] = {spec!r}: the pinned tier takes "
+                                       "'pinned:?capacity=<bytes>' and nothing else")
     ns, knobs, ignored = split_extra_config("kvtier.vllm", extra, _OWN_KEYS | _VLLM_KEYS)
     if ignored:
         logger.warning("kvtier.vllm: ignoring kv_connector_extra_config keys %s (neither kvtier's nor vLLM's)",
@@ -182,7 +193,7 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
     capacity: Optional[int] = None
     if extra.get("capacity") is not None:
         capacity = parse_size("capacity", extra["capacity"])
-    elif spec.startswith(("disk:", "memory:")):
+    elif spec.startswith(("disk:", "memory:", "pinned:")):
         query = dict(parse_qsl(spec.partition("?")[2]))
         if "capacity" in query:
             capacity = parse_size("storage", query["capacity"])
@@ -435,24 +446,31 @@ class KvtierOffloadingManager(OffloadingManager):
 
 
 class KvtierOffloadingWorker(OffloadingWorker):
-    """Moves chunks between vLLM's KV tensors and a kvtier storage tier (worker side): vLLM's calls on
-    :class:`kvtier._chunk_mover.ChunkMover`.
+    """Moves chunks between vLLM's KV tensors and a kvtier storage tier, or its own pinned memory (worker side):
+    vLLM's calls on :class:`kvtier._chunk_mover.ChunkMover`.
 
     Stores run in submission order on one thread (so a chunk evicted by one store and stored again by a later
-    one is deleted before it is written); loads run on their own thread, never behind stores. A job gathers
-    (store) or scatters (load) through a staging buffer of at most ``staging_bytes`` per storage batch, pinned
-    when the KV tensors are on a GPU, with the copies on a side stream that waits for the engine's stream."""
+    one is deleted before it is written); loads run on their own thread, never behind stores. The copies are
+    kvtier's (a ``TransferManager`` per KV cache group over vLLM's tensors), after the work the engine's stream had
+    when the store was submitted: through pinned batches of at most ``staging_bytes`` that the storage tier writes
+    and reads in place, or, with ``pinned_chunks`` (the ``pinned:`` tier), straight into and out of that many
+    chunks' slots of pinned memory, each chunk's bytes checksummed when stored and verified before a load."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, store: Any, blocks_per_chunk: int,
-                 staging_bytes: int = _DEFAULT_STAGING):
+                 staging_bytes: int = _DEFAULT_STAGING, pinned_chunks: int = 0):
         groups = [[(kv_caches.tensors[ref.tensor_idx].tensor, ref.page_size_bytes) for ref in refs]
                   for refs in kv_caches.group_data_refs]
-        self._mover = ChunkMover(groups, store, blocks_per_chunk, staging_bytes)
+        self._mover = ChunkMover(groups, store, blocks_per_chunk, staging_bytes, pinned_chunks)
 
     @property
     def store(self) -> Any:
-        """The storage tier the worker reads and writes (kvtier.StorageBackend)."""
+        """The storage tier the worker reads and writes (kvtier.StorageBackend; None for the pinned tier)."""
         return self._mover.store
+
+    @property
+    def pinned_chunks(self) -> int:
+        """Chunks in the worker's pinned memory (the pinned tier)."""
+        return self._mover.pinned_chunks
 
     @store.setter
     def store(self, store: Any) -> None:
@@ -532,11 +550,12 @@ class KvtierOffloadingSpec(OffloadingSpec):
             per_chunk = -(-chunk_bytes // 4096) * 4096 + _DISK_OBJECT_OVERHEAD
         elif self.settings.memory:
             per_chunk = chunk_bytes + _MEMORY_OBJECT_OVERHEAD
+        # pinned: a chunk takes its bytes (its checksum lives beside it)
         self.capacity_chunks = cap // per_chunk
         if self.capacity_chunks < 1:
             raise InvalidArgumentError(
                 f"kvtier.vllm: capacity {cap} bytes holds no chunk of {per_chunk} bytes (on the tier)")
-        self.medium = Medium.CPU if self.settings.memory else Medium.STORAGE
+        self.medium = Medium.CPU if (self.settings.memory or self.settings.pinned) else Medium.STORAGE
         self.locality = Locality.LOCAL if self.settings.local else Locality.REMOTE
         self._manager: Optional[KvtierOffloadingManager] = None
         self._worker: Optional[KvtierOffloadingWorker] = None
@@ -552,23 +571,28 @@ class KvtierOffloadingSpec(OffloadingSpec):
         return self._manager
 
     def open_store(self, rank: Optional[int] = None) -> Any:
-        """The kvtier storage tier of one worker rank (default: this process's rank)."""
+        """The kvtier storage tier of one worker rank (default: this process's rank); None for the pinned tier (the
+        worker holds the chunks itself)."""
+        if self.settings.pinned:
+            return None
         r = self.config.parallel.rank if rank is None else rank
         return _native.StorageBackend.open(self.settings.storage, namespace_of(self.config, self.settings, r),
                                            self.settings.knobs)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            if self.store is None:
+            if self.store is None and not self.settings.pinned:
                 self.store = self.open_store()  # first: a bad storage knob is named before anything else
             if len(kv_caches.group_data_refs) != len(self.config.groups):
                 raise NotSupportedError(
                     f"kvtier.vllm: {len(kv_caches.group_data_refs)} KV cache groups registered, "
                     f"{len(self.config.groups)} configured")
             self._worker = KvtierOffloadingWorker(kv_caches, self.store, self.blocks_per_chunk,
-                                                  self.settings.staging_bytes)
+                                                  self.settings.staging_bytes,
+                                                  self.capacity_chunks if self.settings.pinned else 0)
             logger.info("kvtier.vllm: rank %d: %s tier %s, %d groups, chunk objects of %s bytes",
-                        self.config.parallel.rank, self.store.name, self.settings.storage.split("?")[0],
+                        self.config.parallel.rank, self.store.name if self.store is not None else "pinned",
+                        self.settings.storage.split("?")[0],
                         len(kv_caches.group_data_refs),
                         [self._worker.object_bytes(g) for g in range(len(kv_caches.group_data_refs))])
         return self._worker

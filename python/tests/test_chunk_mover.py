@@ -2,6 +2,7 @@
 TransferManager between (num_blocks, row) byte tensors and a storage tier, on the CPU (kvtier's host backend) and,
 where there is one, on a CUDA GPU. Bytes are compared after loads into poisoned blocks; the rows' padding and every
 block not in a job must stay as they were."""
+import ctypes
 import time
 import types
 
@@ -57,15 +58,27 @@ def memory_tier():
     return kvtier.StorageBackend.open("memory:?capacity=256M&threads=3", "chunk-mover-test", {})
 
 
+def mover_for(tier, groups, bpc, memory_tier, staging=64 << 20, pinned_chunks=64):
+    if tier == "pinned":
+        return ChunkMover(groups, None, bpc, staging, pinned_chunks=pinned_chunks)
+    return ChunkMover(groups, memory_tier, bpc, staging)
+
+
+def stored_objects(mover, memory_tier):
+    return mover.pinned_chunks if mover.store is None else memory_tier.stats()["objects"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tier", ["memory", "pinned"])
 @pytest.mark.parametrize("bpc,staging", [(1, 64 << 20), (4, 64 << 20), (4, 1)])
-def test_store_then_load_byte_exact(device, bpc, staging, memory_tier):
+def test_store_then_load_byte_exact(device, tier, bpc, staging, memory_tier):
     """Whole chunks stored from scattered blocks, loaded into other (poisoned) blocks; with staging of one byte
-    every chunk is a batch of its own (more batches than the two buffers a direction has)."""
+    every chunk is a batch of its own (more batches than the two buffers a direction has). Behind a storage tier
+    (kvtier's memory tier) and in the worker's pinned memory."""
     page, row, n = 4096 + 64, 4096 + 256, 64
     kv = tensors(device, 3, n, page, row, seed=bpc)
     groups = [[(t, page) for t in kv]]
-    mover = ChunkMover(groups, memory_tier, bpc, staging)
+    mover = mover_for(tier, groups, bpc, memory_tier, staging)
     try:
         chunks = 5
         rng = np.random.default_rng(bpc)
@@ -73,7 +86,7 @@ def test_store_then_load_byte_exact(device, bpc, staging, memory_tier):
         src, dst = perm[:chunks * bpc].tolist(), perm[chunks * bpc:2 * chunks * bpc].tolist()
         names = [f"{c + 1:032x}" for c in range(chunks)]
         assert run(mover, 1, pointers(groups, [src]), names, True), mover.last_error
-        assert memory_tier.stats()["objects"] == chunks
+        assert stored_objects(mover, memory_tier) == chunks
         before = [t.clone() for t in kv]
         for t in kv:
             t[dst, :page] = POISON
@@ -89,14 +102,15 @@ def test_store_then_load_byte_exact(device, bpc, staging, memory_tier):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_two_groups_and_a_load_from_the_middle_of_a_chunk(device, memory_tier):
+@pytest.mark.parametrize("tier", ["memory", "pinned"])
+def test_two_groups_and_a_load_from_the_middle_of_a_chunk(device, tier, memory_tier):
     """Two KV cache groups with other pages (full attention and a sliding-window group): each its own objects; a
     load that starts inside a chunk reads the object whole and moves only the blocks it was given."""
     bpc = 4
     g0 = tensors(device, 2, 32, 1024, 1024, seed=1)
     g1 = tensors(device, 1, 16, 512, 640, seed=2)
     groups = [[(t, 1024) for t in g0], [(g1[0], 512)]]
-    mover = ChunkMover(groups, memory_tier, bpc)
+    mover = mover_for(tier, groups, bpc, memory_tier)
     try:
         assert [mover.object_bytes(0), mover.object_bytes(1)] == [2 * 1024 * bpc, 512 * bpc]
         rows0, rows1 = [3, 9, 1, 30, 7, 8, 12, 20], [5, 2, 11, 0]
@@ -117,11 +131,12 @@ def test_two_groups_and_a_load_from_the_middle_of_a_chunk(device, memory_tier):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bad_jobs_fail_and_leave_the_blocks(device, memory_tier):
+@pytest.mark.parametrize("tier", ["memory", "pinned"])
+def test_bad_jobs_fail_and_leave_the_blocks(device, tier, memory_tier):
     page = 2048
     kv = tensors(device, 2, 16, page, page, seed=3)
     groups = [[(t, page) for t in kv]]
-    mover = ChunkMover(groups, memory_tier, 2)
+    mover = mover_for(tier, groups, 2, memory_tier)
     try:
         # The data references of a group disagree on the block (vLLM gives every layer the same block ids).
         p = pointers(groups, [[1, 2]])
@@ -136,7 +151,7 @@ def test_bad_jobs_fail_and_leave_the_blocks(device, memory_tier):
         assert not run(mover, 3, pointers(groups, [[6, 7]]), ["e" * 32], False)
         assert "NotFound" in mover.last_error
         assert all(torch.equal(t, b) for t, b in zip(kv, before))
-        assert memory_tier.stats()["objects"] == 0
+        assert stored_objects(mover, memory_tier) == 0
         assert mover.stats["failed_jobs"] == 3
     finally:
         mover.shutdown()
@@ -147,8 +162,58 @@ def test_bad_jobs_fail_and_leave_the_blocks(device, memory_tier):
 
 def test_bad_tensors_are_refused_naming_them():
     with pytest.raises(kvtier.errors.NotSupportedError, match="not a \\(num_blocks, bytes\\) byte tensor"):
-        ChunkMover([[(torch.zeros((4, 8, 2), dtype=torch.uint8), 8)]], None, 1)
+        ChunkMover([[(torch.zeros((4, 8, 2), dtype=torch.uint8), 8)]], object(), 1)
     with pytest.raises(kvtier.errors.InvalidArgumentError, match="page of 64 bytes in rows of 32"):
-        ChunkMover([[(torch.zeros((4, 32), dtype=torch.uint8), 64)]], None, 1)
+        ChunkMover([[(torch.zeros((4, 32), dtype=torch.uint8), 64)]], object(), 1)
     with pytest.raises(kvtier.errors.InvalidArgumentError, match="blocks_per_chunk 0"):
-        ChunkMover([[(torch.zeros((4, 32), dtype=torch.uint8), 32)]], None, 0)
+        ChunkMover([[(torch.zeros((4, 32), dtype=torch.uint8), 32)]], object(), 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pinned_tier_full_delete_and_damaged_bytes(device):
+    """The pinned tier holds as many chunks as it has slots: one more fails the store (nothing of it kept) until a
+    delete frees a slot; bytes changed in pinned memory fail the load (the chunk is dropped), never reach the
+    blocks."""
+    bpc, page = 2, 4096
+    kv = tensors(device, 2, 32, page, page, seed=9)
+    groups = [[(t, page) for t in kv]]
+    mover = ChunkMover(groups, None, bpc, pinned_chunks=3)
+    try:
+        names = [f"{c + 1:032x}" for c in range(4)]
+        assert run(mover, 1, pointers(groups, [[0, 1, 2, 3, 4, 5]]), names[:3], True), mover.last_error
+        assert not run(mover, 2, pointers(groups, [[6, 7]]), names[3:], True)
+        assert "full (3 chunks)" in mover.last_error and mover.pinned_chunks == 3
+        mover.submit(3, pointers(groups, [[6, 7]]), names[3:], [names[0]], True)  # the index evicted chunk 1
+        deadline = time.monotonic() + 30
+        while not (done := mover.finished()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert done and done[0].success, mover.last_error
+        assert mover.pinned_chunks == 3 and mover.stats["deleted_chunks"] == 1
+        # Chunk 3 (blocks 4 and 5) damaged in pinned memory: one byte of its second block's first page.
+        mgr = mover._groups[0].manager
+        slot = mover._tier.slot_of[0][names[2]]
+        addr = mgr.host_page(slot * bpc + 1) + 100
+        ctypes.c_uint8.from_address(addr).value ^= 0x01
+        for t in kv:
+            t[[20, 21], :] = POISON
+        before = [t.clone() for t in kv]
+        assert not run(mover, 4, pointers(groups, [[20, 21]]), [names[2]], False)
+        assert "DataLoss" in mover.last_error
+        assert all(torch.equal(t, b) for t, b in zip(kv, before))
+        assert mover.pinned_chunks == 2  # dropped: a later load is a miss
+        assert not run(mover, 5, pointers(groups, [[20, 21]]), [names[2]], False)
+        assert "NotFound" in mover.last_error
+        # The others load byte-exact.
+        assert run(mover, 6, pointers(groups, [[20, 21, 22, 23]]), [names[1], names[3]], False), mover.last_error
+        for t in kv:
+            assert torch.equal(t[[20, 21, 22, 23]], t[[2, 3, 6, 7]])
+    finally:
+        mover.shutdown()
+
+
+def test_a_tier_or_pinned_chunks_not_both():
+    t = torch.zeros((4, 32), dtype=torch.uint8)
+    with pytest.raises(kvtier.errors.InvalidArgumentError, match="one of them"):
+        ChunkMover([[(t, 32)]], object(), 1, pinned_chunks=4)
+    with pytest.raises(kvtier.errors.InvalidArgumentError, match="one of them"):
+        ChunkMover([[(t, 32)]], None, 1)

@@ -585,6 +585,31 @@ def test_memory_tier_round_trip_and_capacity(connectors):
     assert store.stats()["objects"] == 3 and store.stats()["bytes"] <= 3 * (chunk + 4096)
 
 
+def test_pinned_tier_round_trip_capacity_and_damage(connectors):
+    """storage "pinned:": the chunks in the worker's pinned memory (vLLM's CPU medium), copied straight from and
+    to the KV tensors, byte-exact; the index's capacity is the tier's; a damaged chunk is a failed load (vLLM
+    recomputes), never garbage."""
+    probe = connectors({"storage": "pinned:?capacity=64M"}, G1, num_blocks=24, blocks_per_chunk=2)
+    chunk = probe.spec.chunk_bytes
+    c = connectors({"storage": f"pinned:?capacity={3 * chunk}"}, G1, num_blocks=24, blocks_per_chunk=2,
+                   events=True)
+    assert c.spec.capacity_chunks == 3 and c.spec.medium is Medium.CPU
+    assert c.worker_specs[0].store is None
+    kvt = c.kv[0]
+    req = round_trip_three_chunks(c)
+    assert c.manager.get_load_source(make_offload_key(req.hashes[0], 0), req.ctx).value == "host"
+    worker = c.workers[0]
+    assert worker.pinned_chunks == 3
+    # A fourth chunk evicts one: the worker frees its slot and the tier keeps three.
+    other = c.request("o", chunk_hashes(1, "other"))
+    kvt.fill_random(0, [20, 21])
+    assert c.finish(c.store(other, [0], {0: [20, 21]})) == [True]
+    assert worker.pinned_chunks == 3 and worker.stats["deleted_chunks"] == 1
+    for bad in ("pinned:/x?capacity=1M", "pinned:?capacity=1M&evict=off"):
+        with pytest.raises(kvtier.errors.InvalidArgumentError, match="pinned tier takes"):
+            kv.parse_extra_config({"storage": bad})
+
+
 if __name__ == "__main__":  # records the installed interface: python test_vllm.py > data/vllm_interface.json
     json.dump(describe_installed(), sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -11,6 +11,8 @@ GPU, one per layer), pages of --page-bytes (a 7B model's K+V of one layer for 16
   - kvmemory: kvtier's memory tier (memory:?capacity=...): objects in RAM with their headers and checksums,
               verified on every get;
   - disk:     kvtier's disk tier in --dir (tmpfs by default: no device in the way);
+  - pinned:   the chunks in the worker's own pinned memory (storage "pinned:"): copied straight between the KV
+              tensors and their slots, checksummed when stored and verified before loaded;
   - discard:  a store that keeps nothing (puts and gets do no copy): the worker's GPU side alone, the copies
               between the KV tensors and its pinned batches; the loaded bytes are not checked on this row.
 Beside it, the same bytes moved in the same run by:
@@ -118,7 +120,7 @@ def main():
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--staging-bytes", type=int, default=DEFAULT_STAGING)
-    ap.add_argument("--tiers", default="discard,memory,kvmemory,disk")
+    ap.add_argument("--tiers", default="discard,pinned,memory,kvmemory,disk")
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -141,7 +143,10 @@ def main():
     # ---- the worker, per tier
     for tier in a.tiers.split(","):
         tmp = None
-        if tier == "memory":
+        pinned = 0
+        if tier == "pinned":
+            store, pinned = None, 2 * a.chunks
+        elif tier == "memory":
             store = MemoryStore()
         elif tier == "discard":
             store = DiscardStore()
@@ -152,7 +157,7 @@ def main():
             tmp = tempfile.mkdtemp(prefix="kvtier-worker-", dir=a.dir)
             cap = 2 * a.chunks * (a.layers * bpc * a.page_bytes + (1 << 20))
             store = kvtier.StorageBackend.open(f"disk:{tmp}?capacity={cap}&durability=process", "bench", {})
-        mover = ChunkMover([[(t, a.page_bytes) for t in tensors]], store, bpc, a.staging_bytes)
+        mover = ChunkMover([[(t, a.page_bytes) for t in tensors]], store, bpc, a.staging_bytes, pinned)
         names = [f"{c:032x}" for c in range(1, a.chunks + 1)]
         store_s, load_s = [], []
         for rep in range(a.repeats + 1):
