@@ -68,6 +68,7 @@ class _Batch:
     names: List[str]
     host: Any  # int64 numpy array: host block (chunk * bpc + slot) within the batch
     rows: Any  # int64 numpy array: device rows
+    sums: Any = None  # the pinned tier's checksums of the batch's chunks, taken when a load starts
 
 
 @dataclass
@@ -165,15 +166,22 @@ class _StagedTier:
                 raise _JobFailed(f"reading chunk {name}: {what}")
         return bases
 
+    def loaded_check(self, mgr: Any, b: _Batch) -> None:
+        pass
+
     def loaded(self, group: int, bases: List[int]) -> None:
         pass
 
 
 class _PinnedTier:
     """The chunks themselves in pinned host memory: each group's manager's host cache holds ``chunks`` slots of a
-    chunk's blocks. A store copies a chunk's blocks straight into a free slot and keeps the piece checksum of its
-    bytes; a load verifies the slot's checksum, then copies from it. A slot being loaded from is never written: a
-    chunk deleted meanwhile frees its slot once the load is done."""
+    chunk's blocks. A store copies a chunk's blocks straight into a free slot; a load copies them from it. A slot
+    being loaded from is never written: a chunk deleted meanwhile frees its slot once the load is done.
+
+    Integrity end to end: when every page is 16-byte aligned (vLLM's are), the device computes the block checksum
+    of each stored block as it leaves the KV tensors, and of each loaded block once it is in place; a load whose
+    blocks differ fails (the blocks are not reported loaded; vLLM recomputes them) and the chunk is dropped.
+    Otherwise the CPU keeps the piece checksum of each slot's bytes and verifies it before the copy."""
 
     pinned = True
 
@@ -183,25 +191,30 @@ class _PinnedTier:
         self.lock = threading.Lock()
         self.free: List[List[int]] = []
         self.slot_of: List[Dict[str, int]] = []  # per group: chunk -> slot
-        self.checksum: List[Dict[str, int]] = []
+        self.sums: List[Dict[str, Any]] = []  # per group: chunk -> its blocks' sums (device) or its piece checksum
         self.readers: List[Dict[int, int]] = []  # per group: slot -> loads reading it
         self.doomed: List[set] = []  # per group: slots of deleted chunks still being read
+        self.on_device: List[bool] = []
 
     def host_blocks(self, grp: _Group) -> int:
         return self.chunks * self.mover.blocks_per_chunk
 
     def reset(self, group: int) -> None:
         """The group's slots all free (a new manager: a new host cache, every chunk of the old one gone)."""
+        grp = self.mover._groups[group]
+        aligned = all(x % 16 == 0 for x in [*grp.pages, *grp.bases, *grp.row_strides])
         with self.lock:
             while len(self.free) <= group:
                 self.free.append([])
                 self.slot_of.append({})
-                self.checksum.append({})
+                self.sums.append({})
                 self.readers.append({})
                 self.doomed.append(set())
+                self.on_device.append(False)
             self.free[group] = list(range(self.chunks - 1, -1, -1))
-            self.slot_of[group], self.checksum[group] = {}, {}
+            self.slot_of[group], self.sums[group] = {}, {}
             self.readers[group], self.doomed[group] = {}, set()
+            self.on_device[group] = aligned
 
     def objects(self) -> int:
         with self.lock:
@@ -211,7 +224,7 @@ class _PinnedTier:
         slot = self.slot_of[g].pop(name, None)
         if slot is None:
             return False
-        self.checksum[g].pop(name, None)
+        self.sums[g].pop(name, None)
         if self.readers[g].get(slot):
             self.doomed[g].add(slot)
         else:
@@ -232,17 +245,29 @@ class _PinnedTier:
             slots = [self.free[g].pop() for _ in b.names]
         return [slot * bpc for slot in slots]
 
-    def _sums(self, mgr: Any, b: _Batch, bases: List[int]) -> List[int]:
+    def _device_sums(self, mgr: Any, b: _Batch) -> Dict[Tuple[int, int], int]:
+        """(chunk in the batch, block in the chunk) -> the block checksum of its device block, on the device."""
+        bpc = self.mover.blocks_per_chunk
+        sums = self.mover._copy(b.group, mgr.device_checksums, b.rows.tolist(), self.mover._kv_stream,
+                                COPY_TIMEOUT_S)
+        return {(int(h) // bpc, int(h) % bpc): c for h, c in zip(b.host, sums)}
+
+    def _piece_sums(self, mgr: Any, b: _Batch, bases: List[int]) -> List[int]:
         size = self.mover._groups[b.group].object_bytes
         return _native.piece_checksums([(mgr.host_page(base), size) for base in bases])
 
     def stored(self, mgr: Any, b: _Batch, bases: List[int]) -> None:
-        sums = self._sums(mgr, b, bases)
-        bpc = self.mover.blocks_per_chunk
+        g, bpc = b.group, self.mover.blocks_per_chunk
+        if self.on_device[g]:
+            # The blocks are the bytes the copy took: the engine does not write blocks it is storing.
+            by_place = self._device_sums(mgr, b)
+            sums: List[Any] = [[by_place.get((i, s)) for s in range(bpc)] for i in range(len(b.names))]
+        else:
+            sums = self._piece_sums(mgr, b, bases)
         with self.lock:
             for name, base, c in zip(b.names, bases, sums):
-                self.slot_of[b.group][name] = base // bpc
-                self.checksum[b.group][name] = c
+                self.slot_of[g][name] = base // bpc
+                self.sums[g][name] = c
 
     def store_failed(self, written: List[str], uncommitted: List[Tuple[int, List[int]]]) -> None:
         bpc = self.mover.blocks_per_chunk
@@ -251,6 +276,12 @@ class _PinnedTier:
             for g, bases in uncommitted:
                 self.free[g] += [base // bpc for base in bases]
 
+    def _damaged(self, g: int, name: str, what: str) -> _JobFailed:
+        with self.lock:
+            if self.slot_of[g].get(name) is not None:
+                self._drop(g, name)
+        return _JobFailed(f"reading chunk {name}: DataLoss: {what} (the chunk is dropped)")
+
     def load_bases(self, mgr: Any, b: _Batch, k: int) -> List[int]:
         g, bpc = b.group, self.mover.blocks_per_chunk
         with self.lock:
@@ -258,21 +289,32 @@ class _PinnedTier:
             if missing:
                 raise _JobFailed(f"reading chunk {missing[0]}: NotFound: not in the pinned tier")
             slots = [self.slot_of[g][name] for name in b.names]
-            want = [self.checksum[g][name] for name in b.names]
+            b.sums = [self.sums[g][name] for name in b.names]
             for slot in slots:
                 self.readers[g][slot] = self.readers[g].get(slot, 0) + 1
         bases = [slot * bpc for slot in slots]
+        if self.on_device[g]:
+            return bases  # checked on the device once in place (loaded_check)
         try:
-            for name, have, c in zip(b.names, self._sums(mgr, b, bases), want):
-                if have != c:
-                    with self.lock:
-                        self._drop(g, name)
-                    raise _JobFailed(f"reading chunk {name}: DataLoss: piece checksum {have:#018x} of its pinned "
-                                     f"bytes != {c:#018x} when stored (the chunk is dropped)")
+            for name, have, want in zip(b.names, self._piece_sums(mgr, b, bases), b.sums):
+                if have != want:
+                    raise self._damaged(g, name, f"piece checksum {have:#018x} of its pinned bytes != {want:#018x} "
+                                                 "when stored")
         except BaseException:
             self.loaded(g, bases)
             raise
         return bases
+
+    def loaded_check(self, mgr: Any, b: _Batch) -> None:
+        """After the copy into the KV tensors: the blocks' device checksums equal those they had when stored."""
+        g = b.group
+        if not self.on_device[g]:
+            return
+        for (i, slot), have in self._device_sums(mgr, b).items():
+            want = b.sums[i][slot]
+            if have != want:
+                raise self._damaged(g, b.names[i], f"block {slot} of the chunk has checksum {have:#018x} once "
+                                                   f"loaded, {want if want is None else hex(want)} when stored")
 
     def loaded(self, group: int, bases: List[int]) -> None:
         bpc = self.mover.blocks_per_chunk
@@ -553,19 +595,21 @@ class ChunkMover:
 
     def _run_load(self, plan: _Plan) -> int:
         mgrs = self._acquire(plan)
-        tasks: List[Tuple[int, Any, Any, List[int]]] = []
+        tasks: List[Tuple[_Batch, Any, Any, List[int]]] = []
         failed: Optional[int] = None
 
-        def wait_all() -> None:  # the blocks are in place (or the job failed) before it is reported
+        def wait_all() -> None:  # the blocks are in place and checked (or the job failed) before it is reported
             first_error = None
-            for g, mgr, task, bases in tasks:
+            for b, mgr, task, bases in tasks:
                 try:
                     if task is not None:
-                        self._copy(g, mgr.wait, task, COPY_TIMEOUT_S)
-                except _CopyFailed as e:
+                        self._copy(b.group, mgr.wait, task, COPY_TIMEOUT_S)
+                        if first_error is None:
+                            self._tier.loaded_check(mgr, b)
+                except (_CopyFailed, _JobFailed) as e:
                     first_error = first_error or e
                 finally:
-                    self._tier.loaded(g, bases)
+                    self._tier.loaded(b.group, bases)
             tasks.clear()
             if first_error is not None:
                 raise first_error
@@ -574,16 +618,18 @@ class ChunkMover:
             for k, b in enumerate(plan.batches):
                 mgr = mgrs[b.group]
                 bases = self._tier.load_bases(mgr, b, k)
-                tasks.append((b.group, mgr, None, bases))
+                tasks.append((b, mgr, None, bases))
                 # The copy into the KV tensors runs while the tier reads the next batch.
                 task = self._copy(b.group, mgr.load, [], self._hosts(b, bases), b.rows.tolist())
-                tasks[-1] = (b.group, mgr, task, bases)
+                tasks[-1] = (b, mgr, task, bases)
             wait_all()
         except BaseException as e:
             try:
                 wait_all()
             except _CopyFailed as copy_error:
                 failed = copy_error.group
+            except _JobFailed:
+                pass
             if isinstance(e, _CopyFailed):
                 failed = e.group
             raise

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/device/device.h"
 #include "kvtier/transfer/transfer_manager.h"
@@ -23,6 +24,15 @@ struct PyCacheManager {
   std::unique_ptr<cache::CacheManager> cm;
 };
 
+// Block checksums of a manager's device blocks computed on its device (TransferManager.device_checksums): an engine
+// of their own and scratch memory for the sums, grown as needed.
+struct DeviceChecksums {
+  std::mutex mu;
+  std::unique_ptr<CopyEngine> engine;
+  Buffer sums;                          // device memory, 8 bytes per block
+  std::unique_ptr<PinnedMemory> host;  // where they are read back
+};
+
 struct PyTransferManager {
   // Destroyed in reverse order: the manager (after shutdown) first, then the
   // host registrations and device adoptions it used, then the Python refs.
@@ -32,6 +42,7 @@ struct PyTransferManager {
   std::vector<Buffer> adopted_device;
   std::vector<std::unique_ptr<PinnedMemory>> host_registrations;
   std::unique_ptr<TransferManager> mgr;
+  std::unique_ptr<DeviceChecksums> checksums;  // created on first use; destroyed before the device it uses
   KvLayout layout;
   // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
   std::atomic<int> receivers{0};

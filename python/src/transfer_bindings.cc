@@ -22,6 +22,7 @@
 
 #include <atomic>
 #include <limits>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -551,6 +552,44 @@ void bind_transfer(nb::module_& m) {
                   "kvtier allocates num_host_blocks pinned host blocks, page-first with no padding: host block b "
                   "holds the pages of every tensor back to back (host_page(b), host_page_bytes), so a run of host "
                   "blocks is one contiguous buffer.")
+      .def(
+          "device_checksums",
+          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream,
+             std::optional<double> timeout) {
+            auto ids = to_ids(blocks, "device");
+            TransferManager& tm = p.get();
+            if (!p.checksums) p.checksums = std::make_unique<DeviceChecksums>();
+            DeviceChecksums& c = *p.checksums;
+            std::vector<std::uint64_t> out(ids.size());
+            check(released([&]() -> Status {
+              std::lock_guard lock(c.mu);
+              Device& device = tm.device();
+              const std::uint64_t bytes = std::max<std::uint64_t>(8, 8 * ids.size());
+              if (!c.engine) {
+                KVTIER_ASSIGN_OR_RETURN(c.engine, CopyEngine::create(device));
+              }
+              if (c.sums.size() < bytes) {
+                c.sums = Buffer();
+                c.host.reset();
+                KVTIER_ASSIGN_OR_RETURN(c.sums, device.allocate_device(bytes));
+                KVTIER_ASSIGN_OR_RETURN(c.host, device.allocate_pinned(bytes));
+                KVTIER_RETURN_IF_ERROR(c.host->wait_ready(std::chrono::seconds(60)));
+              }
+              if (ids.empty()) return Status::Ok();
+              auto* sums = static_cast<std::uint64_t*>(c.sums.data());
+              KVTIER_RETURN_IF_ERROR(
+                  c.engine->checksum(tm.device_space(), ids, {}, kAllRoles, sums, *stream.stream).status());
+              KVTIER_RETURN_IF_ERROR(device.memcpy_async(c.host->data(), sums, 8 * ids.size(), *stream.stream));
+              KVTIER_RETURN_IF_ERROR(device.synchronize(*stream.stream, to_timeout(timeout)));
+              std::memcpy(out.data(), c.host->data(), 8 * ids.size());
+              return Status::Ok();
+            }));
+            return out;
+          },
+          "device_blocks"_a, "stream"_a, "timeout"_a = nb::none(),
+          "Block checksums (kvtier/copy/copy_engine.h, block_checksum: every plane of the block) of device blocks, "
+          "computed on the device after the work enqueued so far on `stream`, then read back (waits for the stream, "
+          "GIL released). Blocks must be 16-byte aligned (InvalidArgumentError naming the plane otherwise).")
       .def_prop_ro("host_page_bytes", [](PyTransferManager& p) { return p.get().host_space().page_bytes(); })
       .def(
           "host_page",
