@@ -50,8 +50,8 @@ std::vector<std::uint64_t> piece_checksums(std::span<const std::pair<const void*
   std::vector<std::uint64_t> digests(first.back());
   std::vector<std::uint32_t> owner(digests.size());
   for (std::size_t i = 0; i < buffers.size(); ++i)
-    std::fill(owner.begin() + static_cast<std::ptrdiff_t>(first[i]), owner.begin() + static_cast<std::ptrdiff_t>(first[i + 1]),
-              static_cast<std::uint32_t>(i));
+    std::fill(owner.begin() + static_cast<std::ptrdiff_t>(first[i]),
+              owner.begin() + static_cast<std::ptrdiff_t>(first[i + 1]), static_cast<std::uint32_t>(i));
   pool().run(digests.size(), 1, [&](std::size_t begin, std::size_t end) {
     for (std::size_t u = begin; u < end; ++u) {
       const auto& [data, bytes] = buffers[owner[u]];

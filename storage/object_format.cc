@@ -283,8 +283,8 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
   return encode(options, ns_digest, key, payload, payload_bytes, header_size, out, nullptr);
 }
 
-Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
-                     const void* payload, std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
+Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
+                     std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out) {
   if (payload_bytes != 0 && payload == nullptr) return InvalidArgument("encode_object: no payload");
   return encode(options, ns_digest, key, payload, payload_bytes, header_size, out, out + header_size);
 }

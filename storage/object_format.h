@@ -68,7 +68,7 @@ inline constexpr std::uint64_t kMagic = 0x01004a424f54564bULL;  // "KVTOBJ\0\1" 
 inline constexpr std::uint16_t kFormatVersion = 1;              // unkeyed
 inline constexpr std::uint16_t kKeyedFormatVersion = 2;         // keyed
 inline constexpr std::uint16_t kFlagKeyed = 1;
-inline constexpr std::uint16_t kFlagChunked = 2;  // version 1: chunked checksum (below)
+inline constexpr std::uint16_t kFlagChunked = 2;              // version 1: chunked checksum (below)
 inline constexpr std::uint32_t kFixedHeaderBytes = 80;        // version 1
 inline constexpr std::uint32_t kKeyedFixedHeaderBytes = 144;  // version 2
 inline constexpr std::size_t kHeaderTagBytes = 32;
@@ -137,8 +137,8 @@ Status encode_header(const StorageOptions& options, std::uint64_t ns_digest, con
 // The whole object in one pass: the header into out[0, header_size) as encode_header writes it, and the
 // payload copied to out + header_size, each chunk checksummed (or authenticated) right after its copy, from the
 // caches. `out` holds header_size + payload_bytes bytes.
-Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key,
-                     const void* payload, std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out);
+Status encode_object(const StorageOptions& options, std::uint64_t ns_digest, const StorageKey& key, const void* payload,
+                     std::uint64_t payload_bytes, std::uint32_t header_size, std::byte* out);
 
 // Chunked checksums (version 1 with flags bit 1, kFlagChunked; unkeyed only): the object checksum is xxh3-64 of the
 // header with both checksum fields zeroed, followed by the xxh3-64 digests (8 bytes little-endian each) of the
@@ -195,12 +195,12 @@ class ObjectVerifier {
  private:
   const ObjectHeader& header_;
   std::uint64_t seen_ = 0;
-  void* state_ = nullptr;      // XXH3_state_t (version 1)
-  void* mac_state_ = nullptr;  // crypto_onetimeauth_state (version 2)
+  void* state_ = nullptr;        // XXH3_state_t (version 1)
+  void* mac_state_ = nullptr;    // crypto_onetimeauth_state (version 2)
   void* piece_state_ = nullptr;  // XXH3_state_t of the current piece (chunked)
   std::uint64_t piece_seen_ = 0;
   void end_piece();
-  Status error_;               // a keyed object met without a secret
+  Status error_;  // a keyed object met without a secret
 };
 
 // Page-first roles table of a layout, matching BlockSpace::page_first(page_alignment, role_alignment).

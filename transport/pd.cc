@@ -50,10 +50,10 @@
 #include <set>
 #include <thread>
 
+#include "core/parallel_loop.h"
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/log.h"
 #include "kvtier/device/device.h"
-#include "core/parallel_loop.h"
 
 namespace kvtier::transport {
 
@@ -744,7 +744,7 @@ class Endpoint {
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
-  mutable std::vector<std::int32_t> ring_ids_;           // 0, 1, ...: a slot's block ids (under mu_)
+  mutable std::vector<std::int32_t> ring_ids_;                   // 0, 1, ...: a slot's block ids (under mu_)
   std::unique_ptr<kvtier::detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
 
  protected:

@@ -29,7 +29,7 @@ struct PyCacheManager {
 struct DeviceChecksums {
   std::mutex mu;
   std::unique_ptr<CopyEngine> engine;
-  Buffer sums;                          // device memory, 8 bytes per block
+  Buffer sums;                         // device memory, 8 bytes per block
   std::unique_ptr<PinnedMemory> host;  // where they are read back
 };
 

@@ -21,8 +21,8 @@
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -372,8 +372,8 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
   Device& device = pd.get();
   if (tensors.empty()) raise_status(InvalidArgument("from_pages: no tensors"));
   if (tensors.size() != page_bytes.size())
-    raise_status(InvalidArgument(
-        fmt::format("from_pages: {} tensors and {} page sizes", tensors.size(), page_bytes.size())));
+    raise_status(
+        InvalidArgument(fmt::format("from_pages: {} tensors and {} page sizes", tensors.size(), page_bytes.size())));
   if (num_host_blocks == 0) raise_status(InvalidArgument("from_pages: num_host_blocks is 0"));
   auto out = std::make_unique<PyTransferManager>();
   out->device_ref = device_obj;
@@ -476,9 +476,10 @@ void bind_transfer(nb::module_& m) {
           [](PyDevice& d, std::uint64_t n) {
             auto* host = dynamic_cast<HostDevice*>(&d.get());
             if (host == nullptr)
-              raise_status(NotSupported(fmt::format("fail_nth_operation: the {} backend injects no failures "
-                                                    "(the host backend does)",
-                                                    backend_name(d.get().backend()))));
+              raise_status(
+                  NotSupported(fmt::format("fail_nth_operation: the {} backend injects no failures "
+                                           "(the host backend does)",
+                                           backend_name(d.get().backend()))));
             host->fail_nth_operation(n);
           },
           "n"_a,

@@ -10,9 +10,9 @@
 #include <list>
 #include <map>
 #include <mutex>
-#include <unordered_set>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core/parallel_loop.h"
@@ -234,7 +234,8 @@ class MemoryBackend final : public StorageBackend {
     for (std::size_t i = 0; i < n; ++i) {
       if (objects[i] && status[i].ok() && headers[i].chunked)
         status[i] = format::verify_chunked(objects[i]->data.get(), headers[i], digests[i]);
-      if (status[i].code() == StatusCode::kDataLoss && objects[i]) status[i] = quarantine(b.items[i].key, objects[i], status[i]);
+      if (status[i].code() == StatusCode::kDataLoss && objects[i])
+        status[i] = quarantine(b.items[i].key, objects[i], status[i]);
       b.ticket->complete(i, status[i], status[i].ok() ? headers[i].payload_bytes : 0);
     }
   }
@@ -277,8 +278,8 @@ class MemoryBackend final : public StorageBackend {
       const StorageItem& item = b.items[unit.item];
       Object& o = *built[unit.item - first].value();
       if (unit.whole) {
-        encoded[unit.item - first] = format::encode_object(options_, ns_digest_, item.key, item.buffer, item.bytes,
-                                                           o.header_size, o.data.get());
+        encoded[unit.item - first] =
+            format::encode_object(options_, ns_digest_, item.key, item.buffer, item.bytes, o.header_size, o.data.get());
         return;
       }
       const std::uint64_t off = unit.piece * format::kChecksumChunkBytes;

@@ -12,8 +12,8 @@ namespace {
 
 TEST(PieceChecksum, PoolEqualsOneThreadAndSeesEveryByte) {
   std::mt19937_64 rng(5);
-  const std::uint64_t sizes[] = {0, 1, kChecksumPieceBytes - 1, kChecksumPieceBytes, kChecksumPieceBytes + 1,
-                                 3 * kChecksumPieceBytes + 5};
+  const std::uint64_t sizes[] = {
+      0, 1, kChecksumPieceBytes - 1, kChecksumPieceBytes, kChecksumPieceBytes + 1, 3 * kChecksumPieceBytes + 5};
   std::vector<std::vector<unsigned char>> data;
   for (std::uint64_t n : sizes) {
     data.emplace_back(n);

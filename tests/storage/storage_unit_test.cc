@@ -1,11 +1,10 @@
 // Object format, key slots, spec parsing and the StorageTier adapter.
+#include <dirent.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
-#include <dirent.h>
 #include <sys/wait.h>
-
-#include <fmt/format.h>
 
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/memory_backend.h"
@@ -80,7 +79,8 @@ TEST(ObjectFormat, EncodeObjectInOnePassEqualsHeaderAndCopy) {
     if (keyed) o.tenant_secret = std::string(32, 's');
     const std::uint32_t hs = format::header_bytes(o, 8);
     const std::uint64_t ns = format::namespace_digest(o);
-    for (std::uint64_t n : {std::uint64_t{0}, std::uint64_t{5}, std::uint64_t{256} << 10, (std::uint64_t{600} << 10) + 3}) {
+    for (std::uint64_t n :
+         {std::uint64_t{0}, std::uint64_t{5}, std::uint64_t{256} << 10, (std::uint64_t{600} << 10) + 3}) {
       std::vector<std::byte> payload(n);
       fill_random(payload.data(), payload.size(), 7 + n);
       std::vector<std::byte> two(hs + n), one(hs + n, std::byte{0xDB});
@@ -100,8 +100,8 @@ TEST(ObjectFormat, EncodeObjectInOnePassEqualsHeaderAndCopy) {
     }
   }
   std::vector<std::byte> out(format::header_bytes(StorageOptions{}, 8) + 8);
-  EXPECT_EQ(format::encode_object(StorageOptions{}, 0, key_of(1, 1), nullptr, 8, format::header_bytes(StorageOptions{}, 8),
-                                  out.data())
+  EXPECT_EQ(format::encode_object(StorageOptions{}, 0, key_of(1, 1), nullptr, 8,
+                                  format::header_bytes(StorageOptions{}, 8), out.data())
                 .code(),
             StatusCode::kInvalidArgument);
 }
@@ -114,8 +114,8 @@ TEST(ObjectFormat, ChunkedChecksumOverPieceDigests) {
   o.ns = "chunked";
   const std::uint32_t hs = format::header_bytes(o, 8);
   const std::uint64_t ns = format::namespace_digest(o);
-  for (std::uint64_t n : {std::uint64_t{0}, std::uint64_t{100}, format::kChecksumChunkBytes,
-                          2 * format::kChecksumChunkBytes + 5}) {
+  for (std::uint64_t n :
+       {std::uint64_t{0}, std::uint64_t{100}, format::kChecksumChunkBytes, 2 * format::kChecksumChunkBytes + 5}) {
     std::vector<std::byte> payload(n);
     fill_random(payload.data(), n, 40 + n);
     std::vector<std::uint64_t> digests;
@@ -132,7 +132,8 @@ TEST(ObjectFormat, ChunkedChecksumOverPieceDigests) {
     EXPECT_TRUE(format::verify_object(hdr.data(), *h, payload.data()).ok()) << n;
     for (std::size_t step : {std::size_t{1} << 12, std::size_t{(1 << 20) + 3}, std::size_t{777777}}) {
       format::ObjectVerifier v(hdr.data(), *h);
-      for (std::uint64_t off = 0; off < n; off += step) v.update(payload.data() + off, std::min<std::uint64_t>(step, n - off));
+      for (std::uint64_t off = 0; off < n; off += step)
+        v.update(payload.data() + off, std::min<std::uint64_t>(step, n - off));
       EXPECT_TRUE(v.finish().ok()) << n << " " << step;
     }
     if (n == 0) continue;
@@ -156,16 +157,16 @@ TEST(ObjectFormat, ChunkedChecksumOverPieceDigests) {
   }
   std::vector<std::byte> hdr(hs);
   const std::uint64_t one_digest[1] = {0};
-  EXPECT_EQ(format::encode_chunked_header(o, ns, key_of(2, 2), 3 * format::kChecksumChunkBytes, one_digest, hs,
-                                          hdr.data())
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      format::encode_chunked_header(o, ns, key_of(2, 2), 3 * format::kChecksumChunkBytes, one_digest, hs, hdr.data())
+          .code(),
+      StatusCode::kInvalidArgument);
   StorageOptions keyed = o;
   keyed.tenant_secret = std::string(32, 'k');
-  EXPECT_EQ(format::encode_chunked_header(keyed, ns, key_of(2, 2), 1, one_digest, format::header_bytes(keyed, 8),
-                                          hdr.data())
-                .code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      format::encode_chunked_header(keyed, ns, key_of(2, 2), 1, one_digest, format::header_bytes(keyed, 8), hdr.data())
+          .code(),
+      StatusCode::kInvalidArgument);
 }
 
 TEST(RedisKeySlot, MatchesRedis) {
@@ -193,8 +194,7 @@ TEST(StorageSpec, ParsesAndRejects) {
   EXPECT_EQ((*b)->stats().capacity_bytes, 1u << 20);
   EXPECT_EQ(make_storage_backend("disk:/x?bogus=1", {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(make_storage_backend("s3://bucket", {}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(make_storage_backend("redis://127.0.0.1:1?timeout_ms=100", {}).status().code(),
-            StatusCode::kUnavailable);
+  EXPECT_EQ(make_storage_backend("redis://127.0.0.1:1?timeout_ms=100", {}).status().code(), StatusCode::kUnavailable);
 }
 
 // The memory tier: its spec, then capacity by least recent use (a get and an exists are uses), a tier that
@@ -213,7 +213,8 @@ TEST(MemoryBackend, SpecCapacityAndEviction) {
 
   const std::uint64_t object = format::header_bytes(StorageOptions{}, 8) + 8192;
   auto put = [](StorageBackend& b, int i, const std::vector<std::byte>& v) {
-    return (*run_batch(b, StorageBatch{StorageOp::kPut, {{key_of(3, i), const_cast<std::byte*>(v.data()), v.size()}}}))[0]
+    return (*run_batch(b,
+                       StorageBatch{StorageOp::kPut, {{key_of(3, i), const_cast<std::byte*>(v.data()), v.size()}}}))[0]
         .status;
   };
   auto present = [](StorageBackend& b, int i) {
@@ -228,7 +229,8 @@ TEST(MemoryBackend, SpecCapacityAndEviction) {
     fill_random(v.data(), v.size(), 100 + i);
     ASSERT_TRUE(put(**lru, i, v).ok()) << i;
   }
-  ASSERT_TRUE((*run_batch(**lru, StorageBatch{StorageOp::kGet, {{key_of(3, 0), dst.data(), dst.size()}}}))[0].status.ok());
+  ASSERT_TRUE(
+      (*run_batch(**lru, StorageBatch{StorageOp::kGet, {{key_of(3, 0), dst.data(), dst.size()}}}))[0].status.ok());
   ASSERT_TRUE(present(**lru, 1));  // uses 0 and 1: 2 is now the least recently used
   ASSERT_TRUE(put(**lru, 4, v).ok());
   EXPECT_FALSE(present(**lru, 2));
@@ -260,7 +262,7 @@ TEST(MemoryBackend, SpecCapacityAndEviction) {
   ASSERT_TRUE(put(**full, 2, v).ok());  // a replacement needs no more room
   std::vector<std::byte> bigger(v.size() + 4096);
   EXPECT_EQ(put(**full, 2, bigger).code(), StatusCode::kResourceExhausted);  // ... this one does: refused
-  for (int i = 0; i < 4; ++i) EXPECT_TRUE(present(**full, i)) << i;            // and the old object 2 is still there
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(present(**full, i)) << i;          // and the old object 2 is still there
 }
 
 // A batch's items copied on several threads: every get and put of a batch reads back byte-exact, a key put twice
@@ -283,8 +285,9 @@ TEST(MemoryBackend, BatchesOnSeveralThreadsKeepItemOrder) {
     // One key twice in a batch: the later item's bytes.
     std::vector<std::byte> later(data[0].size());
     fill_random(later.data(), later.size(), 999);
-    r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(4, 1), data[2].data(), data[2].size()},
-                                                      {key_of(4, 1), later.data(), later.size()}}});
+    r = run_batch(**b, StorageBatch{StorageOp::kPut,
+                                    {{key_of(4, 1), data[2].data(), data[2].size()},
+                                     {key_of(4, 1), later.data(), later.size()}}});
     ASSERT_TRUE(r.ok() && (*r)[0].status.ok() && (*r)[1].status.ok());
     data[1] = later;
     std::vector<std::vector<std::byte>> got(kItems, std::vector<std::byte>(data[0].size()));
@@ -296,8 +299,7 @@ TEST(MemoryBackend, BatchesOnSeveralThreadsKeepItemOrder) {
       ASSERT_TRUE((*r)[i].status.ok()) << i;
       EXPECT_EQ(got[i], data[i]) << threads << " " << i;
     }
-    EXPECT_EQ(make_storage_backend("memory:?capacity=1M&threads=65", {}).status().code(),
-              StatusCode::kInvalidArgument);
+    EXPECT_EQ(make_storage_backend("memory:?capacity=1M&threads=65", {}).status().code(), StatusCode::kInvalidArgument);
   }
   // Room for three objects; a batch of five puts leaves the last three (the first two evicted by the later ones).
   const std::uint64_t object = format::header_bytes(StorageOptions{}, 8) + 8192;
@@ -334,7 +336,8 @@ TEST(DiskBackend, CapacityEvictsLeastRecentlyUsed) {
   }
   EXPECT_EQ((*b)->stats().objects, 10u);
   // Touch key 0, then add one more: key 1 (the least recently used) goes.
-  ASSERT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kGet, {{key_of(9, 0), dst.data(), dst.size()}}}))[0].status.ok());
+  ASSERT_TRUE(
+      (*run_batch(**b, StorageBatch{StorageOp::kGet, {{key_of(9, 0), dst.data(), dst.size()}}}))[0].status.ok());
   auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(9, 10), v.data(), v.size()}}});
   ASSERT_TRUE((*r)[0].status.ok());
   auto st = (*b)->stats();
@@ -365,8 +368,8 @@ TEST(DiskBackend, OutOfSpaceIsResourceExhaustedAndNotAcknowledged) {
     auto b = create_disk_backend(c, StorageOptions{});
     if (!b.ok()) _exit(11);
     AlignedBuffer v(1 << 20);
-    auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(1, 1), v.data(), v.size()},
-                                                             {key_of(1, 2), v.data(), 4096}}});
+    auto r = run_batch(
+        **b, StorageBatch{StorageOp::kPut, {{key_of(1, 1), v.data(), v.size()}, {key_of(1, 2), v.data(), 4096}}});
     if (!r.ok()) _exit(12);
     if ((*r)[0].status.code() != StatusCode::kResourceExhausted) _exit(13);
     if (!(*r)[1].status.ok()) _exit(14);
@@ -393,7 +396,8 @@ TEST(DiskBackend, IndexRebuildQuarantinesBadFilesAndDropsTemporaries) {
     AlignedBuffer v(8192);
     fill_random(v.data(), v.size(), 1);
     for (int i = 0; i < 3; ++i)
-      ASSERT_TRUE((*run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(5, i), v.data(), v.size()}}}))[0].status.ok());
+      ASSERT_TRUE(
+          (*run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(5, i), v.data(), v.size()}}}))[0].status.ok());
     // Corrupt one header at rest.
     ASSERT_TRUE((*b)->corrupt_stored_object(key_of(5, 1), 40, 0xFF).ok());
   }
@@ -429,7 +433,8 @@ TEST(DiskBackend, RecycledFilesServeOnlyTheirNewObject) {
   AlignedBuffer big(1 << 20), small(600 * 1024), dst(1 << 20);
   fill_random(big.data(), big.size(), 1);
   fill_random(small.data(), small.size(), 2);
-  const std::string free_dir = fmt::format("{}/{:016x}-{:016x}/free", dir.path(), format::namespace_digest("recycle"), 0);
+  const std::string free_dir =
+      fmt::format("{}/{:016x}-{:016x}/free", dir.path(), format::namespace_digest("recycle"), 0);
   auto count_free = [&] {
     int n = 0;
     if (DIR* d = ::opendir(free_dir.c_str())) {
@@ -496,7 +501,8 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
   AlignedBuffer region(page * kBlocks), region2(page * kBlocks);
   std::vector<std::unique_ptr<AlignedBuffer>> planes;
   auto make_space = [&](AlignedBuffer& r) -> Result<BlockSpace> {
-    if (page_first) return BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, kBlocks, r.data(), r.size(), 4096);
+    if (page_first)
+      return BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, kBlocks, r.data(), r.size(), 4096);
     std::vector<std::vector<void*>> bases(layout->num_layers());
     for (std::uint32_t l = 0; l < layout->num_layers(); ++l)
       for (std::uint32_t k = 0; k < layout->num_roles(l); ++k) {
@@ -546,8 +552,10 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
   EXPECT_EQ(rd->ok_prefix(), 2u);
   for (std::uint32_t l = 0; l < layout->num_layers(); ++l)
     for (std::uint32_t r = 0; r < layout->num_roles(l); ++r) {
-      EXPECT_EQ(std::memcmp(dst_space->block_ptr(l, r, 0), src_space->block_ptr(l, r, 7), layout->block_bytes(l, r)), 0);
-      EXPECT_EQ(std::memcmp(dst_space->block_ptr(l, r, 3), src_space->block_ptr(l, r, 5), layout->block_bytes(l, r)), 0);
+      EXPECT_EQ(std::memcmp(dst_space->block_ptr(l, r, 0), src_space->block_ptr(l, r, 7), layout->block_bytes(l, r)),
+                0);
+      EXPECT_EQ(std::memcmp(dst_space->block_ptr(l, r, 3), src_space->block_ptr(l, r, 5), layout->block_bytes(l, r)),
+                0);
     }
   auto ex = (*tier2)->exists(rkeys);
   ASSERT_TRUE(ex.ok());
@@ -555,7 +563,8 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
   EXPECT_EQ(ex->ok_prefix(), 2u);
   // A backend created for another layout is refused.
   auto other = KvLayout::uniform(2, 1, 4096);
-  auto b3 = create_disk_backend(DiskBackendConfig{dir.path() + "/x"}, StorageTier::storage_options(*other, "tier-test"));
+  auto b3 =
+      create_disk_backend(DiskBackendConfig{dir.path() + "/x"}, StorageTier::storage_options(*other, "tier-test"));
   ASSERT_TRUE(b3.ok());
   EXPECT_EQ(StorageTier::create(std::move(b3).value(), *dst_space, 0).status().code(), StatusCode::kInvalidArgument);
 }
