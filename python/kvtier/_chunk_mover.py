@@ -245,11 +245,11 @@ class _PinnedTier:
             slots = [self.free[g].pop() for _ in b.names]
         return [slot * bpc for slot in slots]
 
-    def _device_sums(self, mgr: Any, b: _Batch) -> Dict[Tuple[int, int], int]:
-        """(chunk in the batch, block in the chunk) -> the block checksum of its device block, on the device."""
+    def _device_sums(self, mgr: Any, b: _Batch, stream: Any) -> Dict[Tuple[int, int], int]:
+        """(chunk in the batch, block in the chunk) -> the block checksum of its device block, computed on the device
+        behind the work on ``stream``."""
         bpc = self.mover.blocks_per_chunk
-        sums = self.mover._copy(b.group, mgr.device_checksums, b.rows.tolist(), self.mover._kv_stream,
-                                COPY_TIMEOUT_S)
+        sums = self.mover._copy(b.group, mgr.device_checksums, b.rows.tolist(), stream, COPY_TIMEOUT_S)
         return {(int(h) // bpc, int(h) % bpc): c for h, c in zip(b.host, sums)}
 
     def _piece_sums(self, mgr: Any, b: _Batch, bases: List[int]) -> List[int]:
@@ -260,7 +260,7 @@ class _PinnedTier:
         g, bpc = b.group, self.mover.blocks_per_chunk
         if self.on_device[g]:
             # The blocks are the bytes the copy took: the engine does not write blocks it is storing.
-            by_place = self._device_sums(mgr, b)
+            by_place = self._device_sums(mgr, b, self.mover._kv_stream)  # behind the engine's stream at submit
             sums: List[Any] = [[by_place.get((i, s)) for s in range(bpc)] for i in range(len(b.names))]
         else:
             sums = self._piece_sums(mgr, b, bases)
@@ -310,7 +310,8 @@ class _PinnedTier:
         g = b.group
         if not self.on_device[g]:
             return
-        for (i, slot), have in self._device_sums(mgr, b).items():
+        # On a stream of its own: a load never waits behind the engine's stream a later store waits for.
+        for (i, slot), have in self._device_sums(mgr, b, self.mover._verify_stream).items():
             want = b.sums[i][slot]
             if have != want:
                 raise self._damaged(g, b.names[i], f"block {slot} of the chunk has checksum {have:#018x} once "
@@ -393,6 +394,7 @@ class ChunkMover:
             self._stream = None
             self._device = _native.host_device()
             self._kv_stream = self._device.create_stream("kvtier-vllm")
+        self._verify_stream = self._device.create_stream("kvtier-vllm-verify")
         # Managers in use by jobs (id -> count) and those replaced but still in use: closed when no job uses them.
         self._mgr_lock = threading.Lock()
         self._users: Dict[int, int] = {}
