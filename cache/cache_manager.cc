@@ -114,8 +114,8 @@ Status CacheManager::reset() {
                     s.quarantined_now, s.quarantine.begin()->first));
   for (std::size_t id = 1; id < s.nodes.size(); ++id)
     if (s.nodes[id].live && s.nodes[id].state != NodeState::kSettled)
-      return FailedPrecondition(fmt::format("reset: block {} has a move in flight (ack it first)",
-                                            s.nodes[id].key.hex()));
+      return FailedPrecondition(
+          fmt::format("reset: block {} has a move in flight (ack it first)", s.nodes[id].key.hex()));
   auto fresh = std::make_unique<Impl>();
   KVTIER_RETURN_IF_ERROR(init_state(*fresh, s.cfg));
   fresh->next_admission = s.next_admission;

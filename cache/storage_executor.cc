@@ -24,8 +24,8 @@ void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& mo
   if (op.ok())
     p.op = std::move(*op);
   else
-    p.post_error = op.status().with_context(
-        fmt::format("storage {} of {} blocks", write ? "write" : "prefetch", moves.size()));
+    p.post_error =
+        op.status().with_context(fmt::format("storage {} of {} blocks", write ? "write" : "prefetch", moves.size()));
   pending_.push_back(std::move(p));
 }
 

@@ -60,7 +60,7 @@ Status Status::with_context(std::string_view context) const {
   return Status(code_, std::move(msg));
 }
 
-#define KVTIER_DEFINE_STATUS_FACTORY(Name)                              \
+#define KVTIER_DEFINE_STATUS_FACTORY(Name) \
   Status Name(std::string message) { return Status(StatusCode::k##Name, std::move(message)); }
 KVTIER_DEFINE_STATUS_FACTORY(InvalidArgument)
 KVTIER_DEFINE_STATUS_FACTORY(OutOfRange)

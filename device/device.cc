@@ -1,13 +1,13 @@
 #include "kvtier/device/device.h"
 
+#include <fmt/format.h>
+
 #include <atomic>
 #include <memory>
 #include <utility>
 
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
-
-#include <fmt/format.h>
 
 namespace kvtier {
 namespace {
@@ -27,8 +27,9 @@ std::string_view backend_name(BackendKind kind) noexcept {
 Stream::Stream() : id_(g_next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
 
 Result<std::unique_ptr<Stream>> Device::adopt_stream(void* native_handle, const std::string& name) {
-  return NotSupported(fmt::format("adopt_stream('{}', handle {}): the {} backend has no native streams; use create_stream",
-                                  name, native_handle, backend_name(backend())));
+  return NotSupported(
+      fmt::format("adopt_stream('{}', handle {}): the {} backend has no native streams; use create_stream", name,
+                  native_handle, backend_name(backend())));
 }
 
 Result<Buffer> Device::adopt_device_memory(void* data, std::uint64_t bytes) {

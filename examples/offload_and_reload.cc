@@ -56,8 +56,8 @@ Status run(bool force_host) {
       regions.push_back(std::move(b));
     }
   KvCacheRegistration reg;
-  KVTIER_ASSIGN_OR_RETURN(reg.device, BlockSpace::layer_first(MemoryKind::kDevice, device->ordinal(), layout,
-                                                               device_blocks, bases));
+  KVTIER_ASSIGN_OR_RETURN(
+      reg.device, BlockSpace::layer_first(MemoryKind::kDevice, device->ordinal(), layout, device_blocks, bases));
   reg.host.num_blocks = 256;  // kvtier allocates and pins the host tier
   KVTIER_ASSIGN_OR_RETURN(auto tm, TransferManager::create(*device, *compute, std::move(reg)));
   const BlockSpace& space = tm->device_space();

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The test command (what CI runs). Stages, each timed; a table of their seconds is printed last:
+#   format  every C++ and CUDA source formatted as .clang-format says (scripts/check-format.sh)
 #   asan    every CPU test under AddressSanitizer + UBSan (preset asan: clang-14; the same build makes
 #           the libFuzzer harnesses)
 #   fuzz    the harnesses, each for KVTIER_FUZZ_SECONDS, one per core at a time (scripts/run-fuzzers.sh)
@@ -14,7 +15,7 @@
 # timers, the other process, a build's serial link steps), so the tests run as fast as alone; each stage
 # then waits for its build (logs under build/ci-background/). KVTIER_CI_OVERLAP=0 runs everything in turn.
 # Test services (Redis on loopback) are started first.
-# Usage: scripts/test.sh [stage ...]   (default: asan fuzz tsan wheel)
+# Usage: scripts/test.sh [stage ...]   (default: format asan fuzz tsan wheel)
 #   KVTIER_SKIP_FUZZ=1 / KVTIER_SKIP_PYTHON=1 leave out the fuzz / wheel stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +38,7 @@ fi
 stages=("$@")
 overlap=0
 if [ ${#stages[@]} -eq 0 ]; then
-  stages=(asan)
+  stages=(format asan)
   [ "${KVTIER_SKIP_FUZZ:-0}" = 1 ] || stages+=(fuzz)
   stages+=(tsan)
   [ "${KVTIER_SKIP_PYTHON:-0}" = 1 ] || stages+=(wheel)
@@ -104,6 +105,10 @@ for s in "${stages[@]}"; do
       ctest --preset "$s" -j "$jobs"
       finish_stage "$s tests"
       ;;
+    format)
+      scripts/check-format.sh
+      finish_stage format
+      ;;
     fuzz)
       scripts/run-fuzzers.sh
       finish_stage fuzz
@@ -119,7 +124,7 @@ for s in "${stages[@]}"; do
       finish_stage "wheel pytest"
       ;;
     *)
-      echo "test.sh: unknown stage '$s' (asan, fuzz, tsan, wheel, default)" >&2
+      echo "test.sh: unknown stage '$s' (format, asan, fuzz, tsan, wheel, default)" >&2
       exit 2
       ;;
   esac

@@ -19,11 +19,11 @@ StorageTier::StorageTier(std::unique_ptr<StorageBackend> backend, BlockSpace hos
 }
 
 Result<std::unique_ptr<StorageTier>> StorageTier::create(std::unique_ptr<StorageBackend> backend, BlockSpace host,
-                                                          std::uint32_t rank) {
+                                                         std::uint32_t rank) {
   if (!backend) return InvalidArgument("StorageTier: null backend");
   if (host.kind() != MemoryKind::kPinnedHost)
-    return InvalidArgument(fmt::format("StorageTier: host space is {} memory, need pinned host",
-                                       memory_kind_name(host.kind())));
+    return InvalidArgument(
+        fmt::format("StorageTier: host space is {} memory, need pinned host", memory_kind_name(host.kind())));
   const StorageOptions want = storage_options(host.layout(), backend->options().ns);
   const StorageOptions& have = backend->options();
   bool roles_equal = have.roles.size() == want.roles.size();
@@ -32,10 +32,10 @@ Result<std::unique_ptr<StorageTier>> StorageTier::create(std::unique_ptr<Storage
                   have.roles[i].dtype == want.roles[i].dtype && have.roles[i].offset == want.roles[i].offset &&
                   have.roles[i].bytes == want.roles[i].bytes;
   if (have.layout_fingerprint != want.layout_fingerprint || !roles_equal)
-    return InvalidArgument(fmt::format(
-        "StorageTier: backend options (fingerprint {:#018x}, {} roles) do not match the host layout "
-        "(fingerprint {:#018x}, {} roles); create the backend with StorageTier::storage_options()",
-        have.layout_fingerprint, have.roles.size(), want.layout_fingerprint, want.roles.size()));
+    return InvalidArgument(
+        fmt::format("StorageTier: backend options (fingerprint {:#018x}, {} roles) do not match the host layout "
+                    "(fingerprint {:#018x}, {} roles); create the backend with StorageTier::storage_options()",
+                    have.layout_fingerprint, have.roles.size(), want.layout_fingerprint, want.roles.size()));
   std::unique_ptr<StorageTier> t(new StorageTier(std::move(backend), std::move(host), rank));
   // Zero-copy when every role sits at its packed offset inside one page.
   const BlockSpace& h = t->host_;
@@ -44,8 +44,8 @@ Result<std::unique_ptr<StorageTier>> StorageTier::create(std::unique_ptr<Storage
     std::uint32_t idx = 0;
     for (std::uint32_t l = 0; packed && l < h.layout().num_layers(); ++l)
       for (std::uint32_t r = 0; packed && r < h.layout().num_roles(l); ++r, ++idx)
-        packed = h.plane(l, r).base == h.plane(0, 0).base + want.roles[idx].offset &&
-                 h.plane(l, r).stride == h.page_bytes();
+        packed =
+            h.plane(l, r).base == h.plane(0, 0).base + want.roles[idx].offset && h.plane(l, r).stride == h.page_bytes();
   }
   t->zero_copy_ = packed;
   if (packed) {
@@ -59,8 +59,8 @@ Status StorageTier::check(std::span<const StorageKey> keys, std::span<const std:
     return InvalidArgument(fmt::format("{} keys but {} host blocks", keys.size(), host_blocks.size()));
   for (std::size_t i = 0; i < host_blocks.size(); ++i)
     if (host_blocks[i] >= host_.num_blocks())
-      return OutOfRange(fmt::format("host block id {} >= num_blocks {} at index {}", host_blocks[i],
-                                    host_.num_blocks(), i));
+      return OutOfRange(
+          fmt::format("host block id {} >= num_blocks {} at index {}", host_blocks[i], host_.num_blocks(), i));
   return Status::Ok();
 }
 
@@ -161,8 +161,8 @@ bool StorageTierOp::poll() {
   for (std::size_t i = 0; i < results.size(); ++i) {
     Status st = results[i].status;
     if (st.ok() && op_ == StorageOp::kGet && results[i].bytes != tier_->object_bytes_)
-      st = DataLoss(fmt::format("block {}: object of {} bytes, layout needs {}", i, results[i].bytes,
-                                tier_->object_bytes_));
+      st = DataLoss(
+          fmt::format("block {}: object of {} bytes, layout needs {}", i, results[i].bytes, tier_->object_bytes_));
     if (st.ok() && op_ == StorageOp::kGet && staged_)
       tier_->scatter(staging_.data() + i * tier_->object_bytes_, blocks_[i]);
     statuses_.push_back(std::move(st));

@@ -292,8 +292,7 @@ class ShapeBench {
       KVTIER_ASSIGN_OR_RETURN(double ms, time_load(false, 0));
       tc.push_back(ms);
     }
-    const double cpu_ms_per_gb =
-        (process_cpu_ms() - cpu0) / (static_cast<double>(prefix_bytes_) * a_.reps * 1e-9);
+    const double cpu_ms_per_gb = (process_cpu_ms() - cpu0) / (static_cast<double>(prefix_bytes_) * a_.reps * 1e-9);
     const double t_copy = p50(tc);
     const double copy_gbps = static_cast<double>(prefix_bytes_) / (t_copy * 1e-3) * 1e-9;
     KVTIER_RETURN_IF_ERROR(verify_sample());

@@ -28,8 +28,6 @@
 
 #include "probe_common.cuh"
 
-
-
 template <int L>
 __device__ __forceinline__ int4 load16(const int4* p) {
   int4 r;
@@ -72,7 +70,8 @@ __global__ void gather_kernel(const char* __restrict__ src, char* __restrict__ d
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int nwarps = (gridDim.x * blockDim.x) >> 5;
   const int vecs = block_bytes / 16;
-  if (PF == 1 && lane == 0 && first + warp < n) bulk_prefetch_l2(src + (size_t)sid[first + warp] * block_bytes, block_bytes);
+  if (PF == 1 && lane == 0 && first + warp < n)
+    bulk_prefetch_l2(src + (size_t)sid[first + warp] * block_bytes, block_bytes);
   for (int b = first + warp; b < n; b += nwarps) {
     if (PF == 1 && lane == 0 && b + nwarps < n)
       bulk_prefetch_l2(src + (size_t)sid[b + nwarps] * block_bytes, block_bytes);
@@ -101,7 +100,6 @@ struct Variant {
   const char* name;
   KernelFn fn;
 };
-
 
 int main(int argc, char** argv) {
   const size_t total = (argc > 1 ? std::atoll(argv[1]) : 256) << 20;
@@ -158,11 +156,16 @@ int main(int argc, char** argv) {
   std::printf("ceiling h2d %.2f GB/s\n", ceiling);
 
   const Variant variants[] = {
-      {"cs", gather_kernel<0, 4, 0>},          {"nc.L2::256B", gather_kernel<1, 4, 0>},
-      {"L2::256B", gather_kernel<2, 4, 0>},    {"nc.L2::128B", gather_kernel<3, 4, 0>},
-      {"cs.L2::256B", gather_kernel<4, 4, 0>}, {"cg.L2::256B", gather_kernel<5, 4, 0>},
-      {"cs+pf_next", gather_kernel<0, 4, 1>},  {"cs+pf_cur", gather_kernel<0, 4, 2>},
-      {"nc256+pf_next", gather_kernel<1, 4, 1>}, {"cs u8", gather_kernel<0, 8, 0>},
+      {"cs", gather_kernel<0, 4, 0>},
+      {"nc.L2::256B", gather_kernel<1, 4, 0>},
+      {"L2::256B", gather_kernel<2, 4, 0>},
+      {"nc.L2::128B", gather_kernel<3, 4, 0>},
+      {"cs.L2::256B", gather_kernel<4, 4, 0>},
+      {"cg.L2::256B", gather_kernel<5, 4, 0>},
+      {"cs+pf_next", gather_kernel<0, 4, 1>},
+      {"cs+pf_cur", gather_kernel<0, 4, 2>},
+      {"nc256+pf_next", gather_kernel<1, 4, 1>},
+      {"cs u8", gather_kernel<0, 8, 0>},
       {"nc.L2::256B u8", gather_kernel<1, 8, 0>},
   };
 
@@ -250,14 +253,17 @@ int main(int argc, char** argv) {
                     }
                   });
                 for (auto& t : th) t.join();
-                const double wall = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+                const double wall =
+                    std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
                 *reinterpret_cast<volatile unsigned*>(flag) = 1;
                 CK(cudaDeviceSynchronize());
                 us.push_back(wall);
               }
               const double w = p50(us);
-              std::printf("C bs=%5zuK hints=%d overlap=%d chunk=%5d threads=%d wall %.0f us for %d desc: %.3f us/desc wall, %.3f us/desc cpu\n",
-                          bs >> 10, hints, overlap, chunk, threads, w, nd, w / nd, w * threads / nd);
+              std::printf(
+                  "C bs=%5zuK hints=%d overlap=%d chunk=%5d threads=%d wall %.0f us for %d desc: %.3f us/desc wall, "
+                  "%.3f us/desc cpu\n",
+                  bs >> 10, hints, overlap, chunk, threads, w, nd, w / nd, w * threads / nd);
             }
       // Check the first and last submitted descriptor, then re-poison.
       CK(cudaDeviceSynchronize());

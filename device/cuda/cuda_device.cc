@@ -4,8 +4,6 @@
 // current device is unchanged, and checks every CUDA call.
 #include "kvtier/device/cuda_device.h"
 
-#include "kvtier/core/deadline.h"
-
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
@@ -22,6 +20,7 @@
 
 #include "device/cuda/cuda_check.h"
 #include "device/pinned.h"
+#include "kvtier/core/deadline.h"
 
 namespace kvtier {
 namespace {
@@ -178,12 +177,15 @@ class CudaDevice final : public Device {
   Result<Buffer> adopt_device_memory(void* data, std::uint64_t bytes) override {
     KVTIER_RETURN_IF_ERROR(Device::adopt_device_memory(data, bytes).status());  // null, empty, wrapping
     KVTIER_CUDA_GUARD(ordinal_);
-    for (const void* p : {static_cast<const void*>(data), static_cast<const void*>(static_cast<std::byte*>(data) + bytes - 1)}) {
+    for (const void* p :
+         {static_cast<const void*>(data), static_cast<const void*>(static_cast<std::byte*>(data) + bytes - 1)}) {
       cudaPointerAttributes attr{};
-      KVTIER_CUDA_TRY_CTX(cudaPointerGetAttributes(&attr, p), fmt::format("adopt_device_memory: cudaPointerGetAttributes({})", p));
+      KVTIER_CUDA_TRY_CTX(cudaPointerGetAttributes(&attr, p),
+                          fmt::format("adopt_device_memory: cudaPointerGetAttributes({})", p));
       if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
-        return InvalidArgument(fmt::format("adopt_device_memory: {} (in [{}, +{} bytes)) is not device memory (CUDA memory type {})",
-                                           p, data, bytes, static_cast<int>(attr.type)));
+        return InvalidArgument(
+            fmt::format("adopt_device_memory: {} (in [{}, +{} bytes)) is not device memory (CUDA memory type {})", p,
+                        data, bytes, static_cast<int>(attr.type)));
       if (attr.device != ordinal_)
         return InvalidArgument(fmt::format("adopt_device_memory: {} is memory of CUDA device {}, not device {}", p,
                                            attr.device, ordinal_));
@@ -479,7 +481,8 @@ class CudaDevice final : public Device {
   // registered by someone else).
   bool already_pinned(void* data, std::uint64_t bytes) const {
     DeviceGuard guard(ordinal_);
-    for (const void* p : {static_cast<const void*>(data), static_cast<const void*>(static_cast<std::byte*>(data) + bytes - 1)}) {
+    for (const void* p :
+         {static_cast<const void*>(data), static_cast<const void*>(static_cast<std::byte*>(data) + bytes - 1)}) {
       cudaPointerAttributes attr{};
       if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
         static_cast<void>(cudaGetLastError());

@@ -23,8 +23,6 @@
 // another worker's wait) takes that mutex, which orders the bytes for them.
 #include "kvtier/device/host_device.h"
 
-#include "kvtier/core/deadline.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,6 +40,7 @@
 #include <utility>
 
 #include "device/pinned.h"
+#include "kvtier/core/deadline.h"
 
 namespace kvtier {
 namespace {

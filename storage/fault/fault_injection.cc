@@ -52,7 +52,8 @@ struct FaultInjectingBackend::Impl {
       if (stopping && watches.empty()) return;
       const auto now = std::chrono::steady_clock::now();
       for (auto it = watches.begin(); it != watches.end();) {
-        if (!it->inner.poll() || now < it->posted + (has_drop(*it) ? config.drop_timeout : std::chrono::milliseconds(0))) {
+        if (!it->inner.poll() ||
+            now < it->posted + (has_drop(*it) ? config.drop_timeout : std::chrono::milliseconds(0))) {
           ++it;
           continue;
         }
@@ -144,7 +145,8 @@ Result<StorageTicket> FaultInjectingBackend::post(StorageBatch batch) {
       }
       bool drop = c.drop_every_nth && n % c.drop_every_nth == 0;
       bool corrupt_put = false;
-      if (batch.op == StorageOp::kPut) corrupt_put = c.corrupt_every_nth_put && ++impl_->puts % c.corrupt_every_nth_put == 0;
+      if (batch.op == StorageOp::kPut)
+        corrupt_put = c.corrupt_every_nth_put && ++impl_->puts % c.corrupt_every_nth_put == 0;
       if (batch.op == StorageOp::kGet && c.corrupt_every_nth_get && ++impl_->gets % c.corrupt_every_nth_get == 0)
         corrupt_before_get.push_back(batch.items[i].key);
       if (drop) ++impl_->counters.dropped;

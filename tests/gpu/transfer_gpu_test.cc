@@ -87,7 +87,6 @@ TEST(TransferGpu, RandomInterleavedMla) {
   transfer_test::run_random_interleaving(*dev, options(mla_layout(), CopyStrategy::kAuto, 48, 64), ro);
 }
 
-
 // The engine's patterns (decode steps with per-layer declared writes during
 // loads, reuse right after submission, callbacks waiting for other tasks,
 // shutdown with work in flight) at length on the GPU.

@@ -3,6 +3,7 @@
 // moment, reopens the directory and checks that the index was rebuilt, every
 // acknowledged object is readable and verified, no object is partial and no
 // temporary file is left.
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -11,9 +12,8 @@
 #include <functional>
 #include <map>
 #include <random>
-#include <thread>
-#include <dirent.h>
 #include <set>
+#include <thread>
 
 #include "kvtier/storage/disk_backend.h"
 #include "storage/storage_test_util.h"
@@ -83,8 +83,10 @@ std::size_t count_tmp_files(const std::string& dir) {
     while (dirent* e = ::readdir(d)) {
       std::string name = e->d_name;
       if (name == "." || name == "..") continue;
-      if (e->d_type == DT_DIR) walk(p + "/" + name);
-      else if (name.find(".tmp.") != std::string::npos) ++n;
+      if (e->d_type == DT_DIR)
+        walk(p + "/" + name);
+      else if (name.find(".tmp.") != std::string::npos)
+        ++n;
     }
     ::closedir(d);
   };

@@ -3,6 +3,7 @@
 // KVTIER_TEST_REDIS_PASSWORD), Redis Cluster (KVTIER_TEST_REDIS_CLUSTER=host:port
 // of any master), each also behind a pass-through FaultInjectingBackend. A
 // second suite runs the fault scenarios over each base backend.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,8 +12,6 @@
 #include <functional>
 #include <map>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/fault_injection.h"
@@ -140,8 +139,8 @@ class StorageConformance : public ::testing::TestWithParam<BackendKind> {
     harness_ = std::make_unique<BackendHarness>(GetParam());
     if (auto why = harness_->skip_reason(); !why.empty()) GTEST_SKIP() << why;
     salt_ = testing::random_salt();
-    options_.ns = fmt::format("conformance-{}-{:x}", ::testing::UnitTest::GetInstance()->current_test_info()->name(),
-                              salt_);
+    options_.ns =
+        fmt::format("conformance-{}-{:x}", ::testing::UnitTest::GetInstance()->current_test_info()->name(), salt_);
     options_.layout_fingerprint = 0x5eed5eed ^ salt_;
     if (GetParam().keyed) {
       options_.tenant = "conformance";
@@ -346,7 +345,7 @@ TEST_P(StorageConformance, CorruptionIsDetectedAndQuarantined) {
   for (std::uint64_t off : header_offsets) probe(off);
   const std::uint64_t hdr = format::header_bytes(options_, 8);
   probe(hdr + 100 < 4096 ? 4096 + 100 : hdr + 100);  // payload (disk headers are 4096 bytes)
-  probe(UINT64_MAX);                                  // last byte
+  probe(UINT64_MAX);                                 // last byte
   if (harness_->is_disk()) {
     EXPECT_GE(backend_->stats().quarantined, header_offsets.size() + 2);
   }

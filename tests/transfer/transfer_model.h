@@ -17,12 +17,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <thread>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <random>
 #include <set>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -223,8 +223,7 @@ class TransferRig {
       }
       for (std::int32_t b : d) {
         const std::uint64_t tag = next_tag_++;
-        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
-          KVTIER_RETURN_IF_ERROR(write_on_compute(b, l, r, tag));
+        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) KVTIER_RETURN_IF_ERROR(write_on_compute(b, l, r, tag));
         dev_[b][l] = Content{tag, {}};
       }
       KVTIER_RETURN_IF_ERROR(mgr_->record_device_access(d, *compute_, TransferManager::DeviceAccess::kWrite));

@@ -200,7 +200,7 @@ struct Admission {
 struct AdmissionStatus {
   std::uint32_t ready_blocks = 0;  // leading blocks whose data is on device
   std::uint32_t loading_blocks = 0;
-  bool failed = false;  // a load failed: release() and recompute
+  bool failed = false;                   // a load failed: release() and recompute
   std::uint32_t receiving_blocks = 0;    // receive blocks a peer is writing (before complete_receive)
   std::uint32_t quarantined_blocks = 0;  // receive blocks a peer may still write after a failed receive
 };

@@ -98,13 +98,11 @@ class [[nodiscard]] Result {
   static_assert(!std::is_reference_v<T>, "Result<T&> is not supported");
 
  public:
-  Result(const T& value) : has_value_(true) { new (&value_) T(value); }  // NOLINT
+  Result(const T& value) : has_value_(true) { new (&value_) T(value); }        // NOLINT
   Result(T&& value) : has_value_(true) { new (&value_) T(std::move(value)); }  // NOLINT
-  template <typename U,
-            typename = std::enable_if_t<std::is_constructible_v<T, U&&> &&
-                                        !std::is_same_v<std::decay_t<U>, T> &&
-                                        !std::is_same_v<std::decay_t<U>, Status> &&
-                                        !std::is_same_v<std::decay_t<U>, Result<T>>>>
+  template <typename U, typename = std::enable_if_t<
+                            std::is_constructible_v<T, U&&> && !std::is_same_v<std::decay_t<U>, T> &&
+                            !std::is_same_v<std::decay_t<U>, Status> && !std::is_same_v<std::decay_t<U>, Result<T>>>>
   Result(U&& value) : has_value_(true) {  // NOLINT
     new (&value_) T(std::forward<U>(value));
   }
@@ -190,11 +188,11 @@ const Status& status_of(const Result<T>& r) noexcept {
 #define KVTIER_CONCAT_(a, b) KVTIER_CONCAT_INNER_(a, b)
 
 // Returns the status of `expr` (a Status or Result) from the enclosing function if not OK.
-#define KVTIER_RETURN_IF_ERROR(expr)                                        \
-  do {                                                                      \
-    auto&& kvtier_status_or_result_ = (expr);                               \
-    if (!::kvtier::detail::status_of(kvtier_status_or_result_).ok())        \
-      return ::kvtier::detail::status_of(kvtier_status_or_result_);         \
+#define KVTIER_RETURN_IF_ERROR(expr)                                 \
+  do {                                                               \
+    auto&& kvtier_status_or_result_ = (expr);                        \
+    if (!::kvtier::detail::status_of(kvtier_status_or_result_).ok()) \
+      return ::kvtier::detail::status_of(kvtier_status_or_result_);  \
   } while (0)
 
 // `lhs = value of expr` or returns its status. lhs may be a declaration: `auto x`.

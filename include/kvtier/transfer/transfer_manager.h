@@ -248,7 +248,7 @@ struct DirectionStats {
   std::uint64_t tasks_done = 0;
   std::uint64_t tasks_failed = 0;
   std::uint64_t bytes_submitted = 0;
-  std::uint64_t bytes_done = 0;  // bytes of tasks that completed successfully
+  std::uint64_t bytes_done = 0;     // bytes of tasks that completed successfully
   std::uint64_t blocks_done = 0;    // block pairs of tasks that completed successfully
   std::uint64_t blocks_failed = 0;  // destination blocks reported failed (FailedBlocks)
   // Wall time during which at least one task of this direction was in
