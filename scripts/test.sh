@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (what CI runs). Stages, each timed; a table of their seconds is printed last:
-#   format  every C++ and CUDA source formatted as .clang-format says (scripts/check-format.sh)
+#   format  every C++ and CUDA source formatted as .clang-format says (scripts/check-format.sh), and every
+#           folder including only what its layer may (scripts/check-layers.py, docs/architecture.md)
 #   asan    every CPU test under AddressSanitizer + UBSan (preset asan: clang-14; the same build makes
 #           the libFuzzer harnesses)
 #   fuzz    the harnesses, each for KVTIER_FUZZ_SECONDS, one per core at a time (scripts/run-fuzzers.sh)
@@ -107,6 +108,7 @@ for s in "${stages[@]}"; do
       ;;
     format)
       scripts/check-format.sh
+      python3 scripts/check-layers.py
       finish_stage format
       ;;
     fuzz)
