@@ -336,6 +336,7 @@ TEST_F(RedisClusterTest, TrafficDuringClientKillsAndSlotMigrationsKeepsTheContra
     else if (!same && other < 8 * kThreads)
       keys[other++ % kThreads].push_back(k);
   }
+  for (const auto& k : keys) ASSERT_EQ(k.size(), static_cast<std::size_t>(kKeysPerThread));
   const NodeInfo* from = owner_of(nodes_, slot);
   ASSERT_NE(from, nullptr);
   const NodeInfo* to = from == &nodes_[0] ? &nodes_[1] : &nodes_[0];

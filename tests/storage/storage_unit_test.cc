@@ -563,8 +563,9 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
   EXPECT_EQ(ex->ok_prefix(), 2u);
   // A backend created for another layout is refused.
   auto other = KvLayout::uniform(2, 1, 4096);
-  auto b3 =
-      create_disk_backend(DiskBackendConfig{dir.path() + "/x"}, StorageTier::storage_options(*other, "tier-test"));
+  DiskBackendConfig other_dir;
+  other_dir.root = dir.path() + "/x";
+  auto b3 = create_disk_backend(other_dir, StorageTier::storage_options(*other, "tier-test"));
   ASSERT_TRUE(b3.ok());
   EXPECT_EQ(StorageTier::create(std::move(b3).value(), *dst_space, 0).status().code(), StatusCode::kInvalidArgument);
 }

@@ -37,7 +37,11 @@ struct NameMap {
     std::uint64_t n = dtype_bytes(dtype);
     for (auto d : shape) n *= static_cast<std::uint64_t>(d);
     storage.emplace_back(n);
-    tensors[name] = TensorDesc{storage.back().data(), shape, dtype, 0};
+    TensorDesc t;
+    t.data = storage.back().data();
+    t.shape = shape;
+    t.dtype = dtype;
+    tensors[name] = t;
   }
 };
 
