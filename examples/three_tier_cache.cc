@@ -79,8 +79,8 @@ Status run(bool force_host) {
       regions.push_back(std::move(b));
     }
   KvCacheRegistration reg;
-  KVTIER_ASSIGN_OR_RETURN(reg.device, BlockSpace::layer_first(MemoryKind::kDevice, device->ordinal(), layout,
-                                                               kDeviceBlocks, bases));
+  KVTIER_ASSIGN_OR_RETURN(
+      reg.device, BlockSpace::layer_first(MemoryKind::kDevice, device->ordinal(), layout, kDeviceBlocks, bases));
   reg.host.num_blocks = kHostBlocks;
   reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
   KVTIER_ASSIGN_OR_RETURN(auto tm, TransferManager::create(*device, *compute, std::move(reg)));
@@ -136,8 +136,8 @@ Status run(bool force_host) {
     KVTIER_RETURN_IF_ERROR(request(keys).status());
   }
   MatchResult m = cache->match(first);
-  std::printf("conversation 0 now: %u blocks on device, %u on host, %u in storage\n", m.device_blocks,
-              m.host_blocks, m.storage_blocks);
+  std::printf("conversation 0 now: %u blocks on device, %u on host, %u in storage\n", m.device_blocks, m.host_blocks,
+              m.storage_blocks);
   if (m.storage_blocks != first.size()) return FailedPrecondition("conversation 0 did not reach storage");
 
   // It returns: prefetch its prefix from storage to host (a few steps while the host makes room), then admit it:

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "python")
-RUNS = [("offload_and_reload.py", ["--host"]), ("prefill_decode.py", ["push"]), ("prefill_decode.py", ["pull"])]
+RUNS = [("offload_and_reload.py", ["--host"]), ("prefill_decode.py", ["push"]), ("prefill_decode.py", ["pull"]),
+        ("three_tier_cache.py", ["--host"])]
 
 
 @pytest.mark.parametrize("script,args", RUNS, ids=[f"{s}-{'-'.join(a)}" for s, a in RUNS])
