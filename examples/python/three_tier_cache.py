@@ -63,18 +63,15 @@ class Engine:
                 src, dst = [m[0] for m in plan[kind]], [m[1] for m in plan[kind]]
                 self.tm.wait(self.tm.evict(src, dst), timeout=30)
                 self.cache.ack(kind, dst)
-        if plan["storage_writes"]:
-            moves = plan["storage_writes"]
-            res = self.store.put_many([m[2] for m in moves], [(self.tm.host_page(m[0]), self.tm.host_page_bytes)
-                                                              for m in moves])
-            for m, r in zip(moves, res):
-                self.cache.ack("storage_writes", [m[1]], None if isinstance(r, int) else str(r))
-        if plan["storage_prefetches"]:
-            moves = plan["storage_prefetches"]
-            res = self.store.get_many([m[2] for m in moves], [(self.tm.host_page(m[1]), self.tm.host_page_bytes)
-                                                              for m in moves])
-            for m, r in zip(moves, res):
-                self.cache.ack("storage_prefetches", [m[1]], None if isinstance(r, int) else str(r))
+        # Storage objects are named by the block's key; writes read host block src (acked by storage slot dst),
+        # prefetches write host block dst. Per item: the bytes moved (int) or the error (a miss, never served).
+        for kind, call, host in (("storage_writes", self.store.put_many, 0), ("storage_prefetches",
+                                                                              self.store.get_many, 1)):
+            moves = plan[kind]
+            if moves:
+                res = call([m[2] for m in moves], [(self.tm.host_page(m[host]), self.tm.host_page_bytes) for m in moves])
+                for m, r in zip(moves, res):
+                    self.cache.ack(kind, [m[1]], None if isinstance(r, int) else str(r))
         if plan["loads"]:
             src, dst = [m[0] for m in plan["loads"]], [m[1] for m in plan["loads"]]
             self.tm.wait(self.tm.load([], src, dst), timeout=30)
