@@ -288,7 +288,7 @@ Status check_batch_buffers(const StorageBatch& batch);
 //   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>&<tenant>]
 //   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&item_deadline_ms=<n>&
 //          batch_deadline_ms=<n>&workers=<n>&<tenant>]
-//   memory:?capacity=<bytes|64G>[&evict=on|off&<tenant>]      (memory_backend.h: this process's RAM)
+//   memory:?capacity=<bytes|64G>[&evict=on|off&threads=<n>&<tenant>]  (memory_backend.h: this process's RAM)
 // where <tenant> is tenant=<id>&secret_file=<path> (each optional; they override options.tenant and
 // options.tenant_secret; the file as read_tenant_secret_file describes).
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options);
