@@ -225,11 +225,14 @@ def test_partial_first_chunk_and_sync_load(tmp_path, connectors, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_hybrid_groups_keep_keys_per_group(tmp_path, connectors, device):
+@pytest.mark.parametrize("tier", ["disk", "pinned"])
+def test_hybrid_groups_keep_keys_per_group(tmp_path, connectors, device, tier):
     """Two KV cache groups of different page sizes (full attention and a sliding-window group): each chunk has
-    one object per group; a group's chunk can be stored and found without the other's."""
+    one object per group (on the pinned tier, one slot per group); a group's chunk can be stored and found
+    without the other's."""
     groups = [Group(layers=2, page=256), Group(layers=1, page=1024, tokens_per_block=16)]
-    c = connectors(extra(tmp_path), groups, num_blocks=24, device=device)
+    e = extra(tmp_path) if tier == "disk" else {"storage": "pinned:?capacity=1M"}
+    c = connectors(e, groups, num_blocks=24, device=device)
     kvt = c.kv[0]
     assert [c.workers[0].object_bytes(g) for g in (0, 1)] == [512, 1024]
     req = c.request("r", chunk_hashes(3))
