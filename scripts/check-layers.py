@@ -42,12 +42,12 @@ INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
 
 
 def closure(folder):
-    seen, todo = set(), list(DEPENDS[folder])
-    while todo:
-        d = todo.pop()
+    seen, queue = set(), list(DEPENDS[folder])
+    while queue:
+        d = queue.pop()
         if d not in seen:
             seen.add(d)
-            todo += DEPENDS.get(d, [])
+            queue += DEPENDS.get(d, [])
     return seen
 
 
