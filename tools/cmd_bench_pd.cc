@@ -115,7 +115,7 @@ void set_ring_options(const PdArgs& a, std::uint64_t layer_bytes, transport::PdO
 }
 
 transport::PdOptions::LaneVerify lane_verify_of(const std::string& name) {
-  return name == "receiver" ? transport::PdOptions::LaneVerify::kReceiver : transport::PdOptions::LaneVerify::kMover;
+  return transport::parse_lane_verify(name).value_or(transport::PdOptions::LaneVerify::kMover);
 }
 
 transport::UcxOptions lane_options(const std::string& lane) {
@@ -1291,8 +1291,8 @@ Action register_bench_pd(CLI::App& bench) {
       return 2;
     }
     for (const auto& v : a->lane_verifies)
-      if (v != "mover" && v != "receiver") {
-        std::fprintf(stderr, "kvtier bench pd: --lane-verify '%s' is not mover or receiver\n", v.c_str());
+      if (auto parsed = transport::parse_lane_verify(v); !parsed.ok()) {
+        std::fprintf(stderr, "kvtier bench pd: --lane-verify: %s\n", parsed.status().message().c_str());
         return 2;
       }
     for (std::uint32_t k : a->inflights)

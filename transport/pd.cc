@@ -65,6 +65,12 @@ std::string_view pd_mode_name(PdMode mode) noexcept {
   return "?";
 }
 
+Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name) {
+  for (auto v : {PdOptions::LaneVerify::kMover, PdOptions::LaneVerify::kReceiver})
+    if (name == lane_verify_name(v)) return v;
+  return InvalidArgument(fmt::format("lane verify '{}' is not mover or receiver", name));
+}
+
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept {
   switch (verify) {
     case PdOptions::LaneVerify::kMover: return "mover";

@@ -152,8 +152,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
   if (o.lane != "auto" && o.lane != "direct" && o.lane != "ring")
     raise_status(InvalidArgument(fmt::format("lane '{}' is not auto, direct or ring", o.lane)));
-  if (o.verify != "mover" && o.verify != "receiver")
-    raise_status(InvalidArgument(fmt::format("verify '{}' is not mover or receiver", o.verify)));
+  if (auto v = transport::parse_lane_verify(o.verify); !v.ok()) raise_status(v.status());
   if ((o.lane == "direct" || o.lane == "ring") && device_obj.is_none())
     raise_status(
         InvalidArgument(fmt::format("lane '{}' moves device memory: pass device= (kvtier.cuda_device(n))", o.lane)));
@@ -211,8 +210,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       // each side's copy engine moves it between its pool and the decode's shared ring.
       KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
       pd.engine = n->engine.get();
-      pd.lane_verify = o.verify == "receiver" ? transport::PdOptions::LaneVerify::kReceiver
-                                              : transport::PdOptions::LaneVerify::kMover;
+      KVTIER_ASSIGN_OR_RETURN(pd.lane_verify, transport::parse_lane_verify(o.verify));
       if (o.lane == "ring") {
         pd.ring_slots = o.ring_slots;
         pd.ring_slot_bytes = o.ring_slot_bytes;

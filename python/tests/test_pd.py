@@ -469,7 +469,7 @@ def test_ring_lane_refusals():
 
 def test_direct_lane_verify_must_be_known():
     dev = kvtier.host_device()
-    with pytest.raises(kvtier.InvalidArgumentError, match="verify 'both' is not mover or receiver"):
+    with pytest.raises(kvtier.InvalidArgumentError, match="lane verify 'both' is not mover or receiver"):
         Decode(decode_kv(), transport="loopback", device=dev, lane="direct", verify="both", **FAST)
 
 

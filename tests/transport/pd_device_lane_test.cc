@@ -241,6 +241,18 @@ INSTANTIATE_TEST_SUITE_P(Modes, LaneModes,
                                               lane_verify_name(info.param.verify));
                          });
 
+TEST(PdDeviceLane, LaneVerifyNamesParseBackAndUnknownOnesAreRefusedByName) {
+  for (auto v : {PdOptions::LaneVerify::kMover, PdOptions::LaneVerify::kReceiver}) {
+    auto parsed = parse_lane_verify(lane_verify_name(v));
+    ASSERT_TRUE(parsed.ok()) << parsed.status().to_string();
+    EXPECT_EQ(*parsed, v);
+  }
+  auto bad = parse_lane_verify("both");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'both'"), std::string::npos) << bad.status().to_string();
+}
+
 TEST(PdDeviceLane, APrefillOnTheTransportLaneIsRefused) {
   LaneRig rig({}, /*prefill_lane=*/false);
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 3, kSrc).ok());

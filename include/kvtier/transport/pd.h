@@ -139,6 +139,8 @@ struct PdOptions {
   std::uint32_t checksum_helpers = kAutoChecksumHelpers;
 };
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
+// "mover" or "receiver"; InvalidArgument naming `name` otherwise.
+Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name);
 
 // The checksum of one block of one layer (xxh3-64 over its roles in order).
 std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
