@@ -20,8 +20,9 @@ Runs (the prompt is split into prefix = prompt[:-1] and its last token):
 
 Prints a JSON object (and writes it to --out); exit code 1 if any check fails. Timings: p50
 of --repeats, CUDA events on the current stream ("gpu") and host clock ("wall"), synchronised
-around. The eager decode step is host-launch bound (~30-60 ms on an H200 host, ~13 ms of GPU
-work), so the load can hide behind its launches.
+around. On CUDA the timed decode step (the first continuation token) replays CUDA graphs, one per
+layer, with the per-layer wait between them (--eager-step: the eager forward from Python, which is
+host-launch bound); its attention reads each layer's context once (grouped query heads).
 GPU:  python llama_offload.py --out result.json            (needs kvtier importable)
 CPU:  python llama_offload.py --device cpu --fake-kvtier --layers 2 --hidden 64 --heads 4 \
         --kv-heads 2 --intermediate 128 --prompt-tokens 200 --block-tokens 16
@@ -59,6 +60,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--eager-step", action="store_true",
+                   help="run the timed decode step eagerly from Python (default on CUDA: replayed CUDA graphs)")
     p.add_argument("--fake-kvtier", action="store_true",
                    help="use the in-script stand-in manager (testing this script without kvtier)")
     p.add_argument("--out", default=None, help="also write the JSON result here")
@@ -150,6 +153,17 @@ class PagedDecoder:
         flash = p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
         self.backend = SDPBackend.FLASH_ATTENTION if flash else SDPBackend.MATH
 
+    def decode_attention(self, q, k, v, scale):
+        """One query token against the cached context, grouped: the `rep` query heads of a KV head share its
+        keys and values, so they are not repeated per query head (a decode step reads the context once).
+        q [1, heads, 1, hd], k and v [1, kv_heads, ctx, hd] -> [1, heads, 1, hd]. Scores and softmax in fp32
+        (as flash keeps them), the weighted sum in the cache's dtype."""
+        kvh, hd = k.shape[1], q.shape[-1]
+        qg = q.reshape(kvh, self.rep, hd).float()
+        w = torch.softmax(torch.matmul(qg, k[0].float().transpose(1, 2)) * scale, dim=-1)  # [kvh, rep, ctx]
+        o = torch.matmul(w.to(v.dtype), v[0])  # [kvh, rep, hd]
+        return o.reshape(1, kvh * self.rep, 1, hd)
+
     @torch.no_grad()
     def forward(self, table, ids, start, before_attention=None, all_logits=False):
         """ids [T] at positions start..start+T-1. Either a fresh prefill (start == 0, causal
@@ -166,26 +180,80 @@ class PagedDecoder:
         pos = torch.arange(start, start + T, device=ids.device)
         h = mm.embed_tokens(ids[None])
         cos, sin = mm.rotary_emb(h, pos[None])
-        for l, layer in enumerate(mm.layers):
-            at = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = at.q_proj(x).view(1, T, -1, self.hd).transpose(1, 2)
-            k = at.k_proj(x).view(1, T, -1, self.hd).transpose(1, 2)
-            v = at.v_proj(x).view(1, T, -1, self.hd).transpose(1, 2)
-            q, k = self.rope(q, k, cos, sin)
-            if before_attention is not None:
-                # The cache write below may hit a block that is still being loaded (the prefix's
-                # last block is partial), so the wait comes before the write, not only the read.
-                before_attention(l)
-            self.kv.write(l, table, start, k[0], v[0])
-            kk, vv = (k, v) if start == 0 else self.kv.gather(l, table, start + 1)
-            kk = kk.repeat_interleave(self.rep, dim=1)  # GQA: query head i uses kv head i // rep
-            vv = vv.repeat_interleave(self.rep, dim=1)  # (flash has no enable_gqa in torch 2.11)
-            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=(start == 0 and T > 1), scale=at.scaling)
-            h = h + at.o_proj(o.transpose(1, 2).reshape(1, T, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for l in range(len(mm.layers)):
+            h = self.layer(l, table, h, cos, sin, start, before_attention)
         h = mm.norm(h if all_logits else h[:, -1:])
         return self.m.lm_head(h)[0].float()  # [T or 1, vocab]
+
+    def layer(self, l, table, h, cos, sin, start, before_attention=None):
+        """Decoder layer l over the hidden states h [1, T, hidden] at positions start..start+T-1."""
+        layer = self.m.model.layers[l]
+        at, T = layer.self_attn, h.shape[1]
+        x = layer.input_layernorm(h)
+        q = at.q_proj(x).view(1, T, -1, self.hd).transpose(1, 2)
+        k = at.k_proj(x).view(1, T, -1, self.hd).transpose(1, 2)
+        v = at.v_proj(x).view(1, T, -1, self.hd).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        if before_attention is not None:
+            # The cache write below may hit a block that is still being loaded (the prefix's
+            # last block is partial), so the wait comes before the write, not only the read.
+            before_attention(l)
+        self.kv.write(l, table, start, k[0], v[0])
+        if start == 0:
+            kk = k.repeat_interleave(self.rep, dim=1)  # GQA: query head i uses kv head i // rep
+            vv = v.repeat_interleave(self.rep, dim=1)  # (flash has no enable_gqa in torch 2.11)
+            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1, scale=at.scaling)
+        else:
+            o = self.decode_attention(q, *self.kv.gather(l, table, start + 1), at.scaling)
+        h = h + at.o_proj(o.transpose(1, 2).reshape(1, T, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class GraphedStep:
+    """One decode step of PagedDecoder at a fixed position and block table, captured as CUDA graphs: one for
+    the embedding, one per layer, one for the head. Replayed on the current stream with before_attention(l)
+    between the graphs (a stream wait, as kvtier's per-layer wait is), so the step costs its GPU work rather
+    than the eager forward's ~15 launches per layer from Python. Same kernels as the eager step, so the same
+    logits bit for bit (checked at capture)."""
+
+    def __init__(self, dec, table, start, tok):
+        m, self.L = dec.m.model, len(dec.m.model.layers)
+        self.tok = tok.clone()  # static input
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs = []
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            eager = dec.forward(table, self.tok, start)  # warm-up (cuBLAS handles, workspaces) and reference
+            pos = torch.arange(start, start + 1, device=tok.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                h = m.embed_tokens(self.tok[None])
+                cos, sin = m.rotary_emb(h, pos[None])
+            self.graphs.append(g)
+            for l in range(self.L):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    h = dec.layer(l, table, h, cos, sin, start)
+                self.graphs.append(g)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                self.logits = dec.m.lm_head(m.norm(h))[0].float()
+            self.graphs.append(g)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.replay(tok)
+        self.matches_eager = torch.equal(self.logits, eager)
+
+    def replay(self, tok, before_attention=None):
+        """-> the step's logits [1, vocab] (a new tensor; the graphs' own output is overwritten next time)."""
+        self.tok.copy_(tok)
+        self.graphs[0].replay()
+        for l in range(self.L):
+            if before_attention is not None:
+                before_attention(l)
+            self.graphs[1 + l].replay()
+        self.graphs[-1].replay()
+        return self.logits.clone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +460,11 @@ def main(argv=None):
     prefix_blocks = table.t[:pb]
     prefix_blocks_list = table.ids[:pb]
 
+    graphed = {}  # "step": GraphedStep of the first continuation step (CUDA, unless --eager-step)
+
     def step(tok, hook=None):  # the first continuation step: last prompt token at position P-1
+        if "step" in graphed:
+            return graphed["step"].replay(tok, hook)
         return dec.forward(table, tok, P - 1, before_attention=hook)
 
     def generate(first_hook=None, timer=None):
@@ -400,7 +472,7 @@ def main(argv=None):
         later steps are stream-ordered after it. With timer: time to the first token's logits."""
         toks, logits0, tok, ttft = [], None, last, None
         for i in range(a.new_tokens):
-            lg = dec.forward(table, tok, P - 1 + i, before_attention=first_hook if i == 0 else None)
+            lg = step(tok, first_hook) if i == 0 else dec.forward(table, tok, P - 1 + i)
             tok = lg[-1].argmax().view(1)
             if i == 0:
                 logits0, ttft = lg, (timer.stop() if timer else None)
@@ -424,6 +496,10 @@ def main(argv=None):
     with torch.no_grad():
         dec.forward(table, prefix, 0)
         snap = snapshot()
+        if dev.type == "cuda" and not a.eager_step:
+            graphed["step"] = GraphedStep(dec, table, P - 1, last)
+            checks["graphed_step_matches_eager"] = graphed["step"].matches_eager
+        res["step_mode"] = "cuda_graphs" if "step" in graphed else "eager"
         ref_tokens, ref_logits0, _ = generate()
 
     # -- 4. offload run through kvtier.fastdeploy.CacheTransferManager
