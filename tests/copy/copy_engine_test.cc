@@ -238,6 +238,40 @@ TEST_F(CopyEngineTest, AliasedSpacesOnDifferentBasesRejectedBeforeEnqueue) {
   EXPECT_EQ(mem, before) << "part of an aliasing copy was written";
 }
 
+// Per-layer allocations (as engines keep their caches), the two spaces' planes interleaved in memory. Only
+// planes that meet are compared block by block: here layer 1 of `a` and layer 0 of `b` share one allocation, so
+// copies of layer 0 alone are plain, while copies of both layers where a source block of a's layer 1 is a
+// destination block of b's layer 0 are refused, naming that pair.
+TEST_F(CopyEngineTest, InterleavedPerLayerSpacesAreCheckedWhereTheirPlanesMeet) {
+  auto layout = *KvLayout::uniform(2, 1, 64);
+  std::vector<std::byte> mem(64 * 8 * 3);
+  std::byte* a0 = mem.data();
+  std::byte* shared = mem.data() + 64 * 8;  // a's layer 1 and b's layer 0
+  std::byte* b1 = mem.data() + 64 * 16;
+  auto a = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 8, {{a0}, {shared}});
+  auto b = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 8, {{shared}, {b1}});
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<std::int32_t> src = {1, 3};
+  const std::vector<std::int32_t> dst = {3, 5};
+  const std::uint32_t layer0[1] = {0};
+  CopyRequest r;
+  r.src = &*a;
+  r.dst = &*b;
+  r.src_blocks = src;
+  r.dst_blocks = dst;
+  r.layers = layer0;
+  r.strategy = CopyStrategy::kDmaPerRun;
+  EXPECT_TRUE(engine_->validate(r).ok()) << "layer 0 of a and layer 0 of b do not meet";
+  r.layers = {};  // both layers: a's layer-1 block 3 is b's layer-0 block 3, a destination
+  Status overlap = engine_->validate(r);
+  EXPECT_EQ(overlap.code(), StatusCode::kInvalidArgument) << overlap.to_string();
+  EXPECT_NE(overlap.message().find("src block 3 at index 1 (layer 1"), std::string::npos) << overlap.to_string();
+  EXPECT_NE(overlap.message().find("dst block 3 at index 0"), std::string::npos) << overlap.to_string();
+  const std::vector<std::int32_t> far_dst = {6, 7};  // no source block of a's layer 1 lands there
+  r.dst_blocks = far_dst;
+  EXPECT_TRUE(engine_->validate(r).ok()) << "meeting planes, disjoint blocks";
+}
+
 TEST(KernelPlanTest, ItemsCoverEveryByteOnce) {
   using namespace copy_detail;
   const std::uint64_t sizes[] = {1, 15, 16, 17, 100, 4096, 4097, 70000};
