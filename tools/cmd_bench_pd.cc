@@ -233,7 +233,7 @@ Result<DeviceSide> make_device_side(const std::string& backend, const KvLayout& 
                                     transport::Transport* t, std::uint32_t inflight) {
   DeviceSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, open_device(backend));
-  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device));
+  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, transport::lane_engine_options()));
   // Staging for every transfer in flight (each takes n staging blocks until it is forgotten).
   const std::uint64_t staging_blocks = n * std::max<std::uint32_t>(1, inflight);
   KVTIER_ASSIGN_OR_RETURN(d.staging, transport::StagingSpace::allocate(*d.device, layout, staging_blocks, t));
@@ -326,7 +326,7 @@ struct DirectSide {
 Result<DirectSide> make_direct_side(const KvLayout& layout, std::uint64_t pool, bool fill_pattern) {
   DirectSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, create_cuda_device(0));
-  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device));
+  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, transport::lane_engine_options()));
   std::vector<std::vector<void*>> bases(layout.num_layers());
   const std::uint64_t bb = layout.block_bytes(0, 0);
   std::vector<std::uint64_t> host(pool * bb / 8);

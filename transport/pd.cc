@@ -65,6 +65,12 @@ std::string_view pd_mode_name(PdMode mode) noexcept {
   return "?";
 }
 
+CopyEngineOptions lane_engine_options() {
+  CopyEngineOptions o;
+  o.descriptor_slots = 256;  // 8 transfers of 16 layers in flight; slots are allocated only when used
+  return o;
+}
+
 Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name) {
   for (auto v : {PdOptions::LaneVerify::kMover, PdOptions::LaneVerify::kReceiver})
     if (name == lane_verify_name(v)) return v;

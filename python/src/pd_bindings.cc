@@ -208,7 +208,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     if (o.lane == "direct" || o.lane == "ring") {
       // The device lane: the copy engine's kernel moves each layer straight between the two pools. The ring lane:
       // each side's copy engine moves it between its pool and the decode's shared ring.
-      KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
+      KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device, transport::lane_engine_options()));
       pd.engine = n->engine.get();
       KVTIER_ASSIGN_OR_RETURN(pd.lane_verify, transport::parse_lane_verify(o.verify));
       if (o.lane == "ring") {
@@ -229,7 +229,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     KVTIER_ASSIGN_OR_RETURN(auto staging,
                             transport::StagingSpace::allocate(*device, n->layout, staging_blocks, n->transport.get()));
     n->staging.emplace(std::move(staging));
-    KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device));
+    KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device, transport::lane_engine_options()));
     transport::StagedOptions so;
     so.pd = pd;
     if (o.role == "prefill") {

@@ -113,7 +113,8 @@ struct PdOptions {
   std::chrono::milliseconds heartbeat{100};
   std::chrono::milliseconds lease{1000};
   // The device lane (see "Device lane" above): blocks in device memory of engine->device(), moved by its SM
-  // kernel straight between the two pools. Null: the transport lane. Must outlive the endpoint.
+  // kernel straight between the two pools. Null: the transport lane. Must outlive the endpoint. Create it with
+  // lane_engine_options() (below), so that the progress thread does not wait for descriptor slots.
   CopyEngine* engine = nullptr;
   // The device lane's second checksum pass (see "Device lane" above); the decode side's value is used.
   enum class LaneVerify : std::uint8_t { kMover, kReceiver };
@@ -141,6 +142,10 @@ struct PdOptions {
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
 // "mover" or "receiver"; InvalidArgument naming `name` otherwise.
 Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name);
+// Options for the CopyEngine of PdOptions::engine: the device lane enqueues two launches per layer and transfer
+// from the progress thread, and a launch of more pairs than fit inline takes a descriptor slot until it has run;
+// with the engine's default ring a few transfers in flight would make the progress thread wait for the GPU.
+CopyEngineOptions lane_engine_options();
 
 // The checksum of one block of one layer (xxh3-64 over its roles in order).
 std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
