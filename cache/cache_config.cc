@@ -22,8 +22,8 @@ void bind_cache_config(ConfigTable& t, CacheConfig& c, const std::string& p) {
   t.add(p + ".device_blocks", &c.device_blocks, "device tier capacity in blocks (required >= 1)");
   t.add(p + ".host_blocks", &c.host_blocks, "host tier capacity in blocks (0: no host tier)");
   t.add(p + ".storage_blocks", &c.storage_blocks, "storage tier capacity in blocks (0: no storage tier)");
-  t.add(p + ".device_policy", &c.device_policy, "eviction policy of the device tier: lru, s3fifo, arc, lrfu[:boost]",
-        validate_policy);
+  t.add(p + ".device_policy", &c.device_policy,
+        "eviction policy of the device tier: lru, s3fifo, sieve, arc, lrfu[:boost]", validate_policy);
   t.add(p + ".host_policy", &c.host_policy, "eviction policy of the host tier", validate_policy);
   t.add(p + ".storage_policy", &c.storage_policy, "eviction policy of the storage tier", validate_policy);
   const std::vector<WritePolicy> write_policies{WritePolicy::kWriteThrough, WritePolicy::kWriteThroughSelective,
@@ -42,6 +42,12 @@ void bind_cache_config(ConfigTable& t, CacheConfig& c, const std::string& p) {
         1.0);
   t.add(p + ".contiguous_host_runs", &c.contiguous_host_runs,
         "take an eviction batch's host blocks as one contiguous run when one exists");
+  t.add(p + ".lookahead_prefetch_blocks", &c.lookahead_prefetch_blocks,
+        "moves per plan that prefetch announced blocks to a faster tier (0: protection only)");
+  t.add(p + ".lookahead_max_fraction", &c.lookahead_max_fraction,
+        "fraction of a tier that protected copies and look-ahead moves may fill by prefetch", 0.0, 1.0);
+  t.add(p + ".lookahead_retain_steps", &c.lookahead_retain_steps,
+        "plans a withdrawn request hinted 'continues' (no ttl) keeps its chain protected");
 }
 
 }  // namespace kvtier::cache

@@ -74,6 +74,9 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
     if (w->low < 0 || w->high > 1 || w->low > w->high)
       return InvalidArgument(
           fmt::format("cache config: watermarks low {} high {} must satisfy 0 <= low <= high <= 1", w->low, w->high));
+  if (!(config.lookahead_max_fraction >= 0 && config.lookahead_max_fraction <= 1))
+    return InvalidArgument(
+        fmt::format("cache config: lookahead_max_fraction {} must be in [0, 1]", config.lookahead_max_fraction));
   std::unique_ptr<CacheManager> m(new CacheManager(config));
   KVTIER_RETURN_IF_ERROR(init_state(*m->impl_, config));
   return m;
@@ -126,22 +129,30 @@ Status CacheManager::reset() {
   fresh->storage_medium = s.storage_medium;
   fresh->events = std::move(s.events);
   if (fresh->events_on) fresh->events.push_back(metrics::AllBlocksCleared{});
+  // The engine's queue outlives the cached blocks: announcements stay, and protect what is cached again.
+  fresh->announcements = std::move(s.announcements);
+  fresh->queue_order = std::move(s.queue_order);
+  fresh->expiry = std::move(s.expiry);
+  fresh->retained_by_conversation = std::move(s.retained_by_conversation);
+  fresh->wanted_keys = std::move(s.wanted_keys);
+  fresh->step = s.step;
+  fresh->epoch = s.epoch + 1;
+  fresh->next_queued = s.next_queued;
   impl_ = std::move(fresh);
   return Status::Ok();
 }
 
 MatchResult CacheManager::match(std::span<const BlockKey> keys) const { return impl_->match_nodes(keys, nullptr); }
 
-namespace {
-
 // Keys of one request are a hash chain: no key repeats, and every indexed key sits right below the
 // previous one (a request's first key below the root). Anything else would pin, load or index one
 // block twice.
-Status check_chain(const CacheManager::Impl& s, std::span<const BlockKey> keys) {
+Status CacheManager::Impl::check_chain(std::span<const BlockKey> keys, std::string_view what, NodeId prev,
+                                       std::size_t first_pos) const {
   if (keys.size() > 1) {
     std::vector<std::pair<BlockKey, std::size_t>> sorted;
     sorted.reserve(keys.size());
-    for (std::size_t i = 0; i < keys.size(); ++i) sorted.emplace_back(keys[i], i);
+    for (std::size_t i = 0; i < keys.size(); ++i) sorted.emplace_back(keys[i], first_pos + i);
     std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
       return a.first.hi != b.first.hi   ? a.first.hi < b.first.hi
              : a.first.lo != b.first.lo ? a.first.lo < b.first.lo
@@ -149,33 +160,40 @@ Status check_chain(const CacheManager::Impl& s, std::span<const BlockKey> keys) 
     });
     for (std::size_t i = 1; i < sorted.size(); ++i)
       if (sorted[i].first == sorted[i - 1].first)
-        return InvalidArgument(fmt::format("admit: key {} repeats (positions {} and {}): keys must form a hash chain",
-                                           sorted[i].first.hex(), sorted[i - 1].second, sorted[i].second));
+        return InvalidArgument(fmt::format("{}: key {} repeats (positions {} and {}): keys must form a hash chain",
+                                           what, sorted[i].first.hex(), sorted[i - 1].second, sorted[i].second));
   }
-  NodeId prev = CacheManager::Impl::kRoot;
   for (std::size_t i = 0; i < keys.size(); ++i) {
-    NodeId found = s.map.find(keys[i]);
-    if (found != kNoNode && s.nodes[found].parent != prev) {
+    NodeId found = map.find(keys[i]);
+    if (found != kNoNode && nodes[found].parent != prev) {
+      const std::size_t pos = first_pos + i;
+      if (pos == 0)
+        return InvalidArgument(fmt::format(
+            "{}: first key {} is indexed below another block, not at a request's start: keys must form a hash "
+            "chain",
+            what, keys[i].hex()));
       if (i == 0)
         return InvalidArgument(fmt::format(
-            "admit: first key {} is indexed below another block, not at a request's start: keys must form a hash "
-            "chain",
-            keys[i].hex()));
+            "{}: key {} (position {}) is indexed below another block than the chain's previous key: keys must "
+            "form a hash chain",
+            what, keys[i].hex(), pos));
       return InvalidArgument(fmt::format(
-          "admit: key {} (position {}) is indexed below another block than key {} (position {}): keys must form a "
+          "{}: key {} (position {}) is indexed below another block than key {} (position {}): keys must form a "
           "hash chain",
-          keys[i].hex(), i, keys[i - 1].hex(), i - 1));
+          what, keys[i].hex(), pos, keys[i - 1].hex(), pos - 1));
     }
     prev = found;
   }
   return Status::Ok();
 }
 
+namespace {
+
 // admit() and admit_receive(): match (unless `match` is false) + pin + allocate + queue loads/evictions.
 Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys, std::uint32_t extra_blocks,
                            bool match, AdmissionRec::Recv recv, std::uint32_t received_extra,
                            std::uint32_t max_hit_blocks = kNoHitLimit) {
-  KVTIER_RETURN_IF_ERROR(check_chain(s, keys));
+  KVTIER_RETURN_IF_ERROR(s.check_chain(keys, "admit"));
   ++s.clock;
   ++s.st.admissions;
   std::vector<NodeId> matched;
@@ -261,7 +279,7 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
   // Deepest first: parents end up more recent than their children.
   for (std::uint32_t i = hits; i-- > 0;) {
     NodeId id = matched[i];
-    s.policy[i < m.device_blocks ? kDev : kHst]->touch(id, s.info(id));
+    s.track_touch(id, i < m.device_blocks ? kDev : kHst);
   }
   for (std::uint32_t i = hits; i < num_keys + extra_blocks; ++i) {
     rec.blocks[i] = *s.pools[kDev].allocate();
@@ -340,7 +358,7 @@ std::uint32_t commit_in(CacheManager::Impl& s, AdmissionRec& rec, std::uint32_t 
     rec.pinned.push_back(nid);
     rec.pos_node[pos] = nid;
   }
-  for (auto a = added.rbegin(); a != added.rend(); ++a) s.policy[kDev]->insert(*a, s.info(*a));
+  for (auto a = added.rbegin(); a != added.rend(); ++a) s.track_insert(*a, kDev);
   if (s.cfg.write_policy == WritePolicy::kWriteThrough)
     for (NodeId nid : added) s.backup(nid);
   return static_cast<std::uint32_t>(added.size());
@@ -549,6 +567,10 @@ StepPlan CacheManager::take_plan() {
   auto below = [](const BlockPool& p, double frac) {
     return static_cast<double>(p.num_free()) < frac * static_cast<double>(p.capacity());
   };
+  ++s.step;
+  if (!s.expiry.empty()) s.expire_retentions();
+  // The watermarks evict on the cache's own account: never a protected copy.
+  s.shield_protected = true;
   const Watermarks& dw = s.cfg.device_watermarks;
   if (dw.high > 0 && below(s.pools[kDev], dw.low)) {
     auto target = static_cast<std::uint32_t>(dw.high * s.pools[kDev].capacity() + 0.999999);
@@ -562,6 +584,8 @@ StepPlan CacheManager::take_plan() {
     while (static_cast<double>(s.pools[kHst].num_free() + s.pending_demotions) < target)
       if (!s.evict_one_host_background()) break;
   }
+  s.shield_protected = false;
+  if (!s.queue_order.empty() && s.cfg.lookahead_prefetch_blocks > 0) s.lookahead_prefetch();
   StepPlan out = std::move(s.plan);
   s.plan = StepPlan{};
   return out;
@@ -575,8 +599,11 @@ CacheStats CacheManager::stats() const {
   for (int t = 0; t < kNumTiers; ++t) {
     out.tiers[t].capacity = s.pools[t].capacity();
     out.tiers[t].used = s.pools[t].num_used();
-    out.tiers[t].resident = static_cast<std::uint32_t>(s.policy[t]->size());
+    out.tiers[t].resident = static_cast<std::uint32_t>(s.policy[t]->size() + s.parked[t].size());
+    out.protected_blocks[t] = static_cast<std::uint32_t>(s.parked[t].size());
   }
+  out.queued_requests = static_cast<std::uint32_t>(s.queue_order.size());
+  out.retained_requests = static_cast<std::uint32_t>(s.expiry.size());
   out.nodes = s.map.size();
   out.receiving_device_blocks = s.receiving_now;
   out.quarantined_device_blocks = s.quarantined_now;

@@ -31,7 +31,7 @@ Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const S
     } else if (status.ok()) {
       n.present |= bit(kHst);
       s.announce(id);
-      s.policy[kHst]->insert(id, s.info(id));
+      s.track_insert(id, kHst);
       s.retier(id);
       s.store_through(id);
     } else {
@@ -58,7 +58,7 @@ Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Sta
     } else if (status.ok()) {
       n.present |= bit(kHst);
       s.announce(id);
-      s.policy[kHst]->insert(id, s.info(id));
+      s.track_insert(id, kHst);
       s.store_through(id);
     } else {
       ++s.st.failed_transfers;
@@ -74,28 +74,54 @@ Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Sta
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kLoading;
   for (BlockId b : device_blocks) KVTIER_ACK_LOOKUP(kDev, b, NodeState::kLoading, "load");
-  std::vector<NodeId> landed;
+  std::vector<NodeId> landed, failed_lookahead;
   for (BlockId b : device_blocks) {
     NodeId id = s.owner[kDev][b];
     if (id == kNoNode || s.nodes[id].state != want) continue;  // listed twice
     Node& n = s.nodes[id];
     n.state = NodeState::kSettled;
+    const bool lookahead = n.lookahead_move;
+    if (lookahead) {
+      n.lookahead_move = false;
+      --s.lookahead_in_flight[kDev];
+    }
     if (n.detached) {
       s.reclaim_if_dead(id);
     } else if (status.ok()) {
       n.present |= bit(kDev);
       s.announce(id);
       landed.push_back(id);
+    } else if (lookahead) {
+      ++s.st.failed_transfers;
+      failed_lookahead.push_back(id);
     } else {
       // Device bytes are garbage, and so is anything computed on top of them.
       ++s.st.failed_transfers;
       s.detach_subtree(id);
     }
   }
+  // Deepest first, so that a failed look-ahead load whose children went back to host can go back too.
+  std::sort(failed_lookahead.begin(), failed_lookahead.end(),
+            [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
+  for (NodeId id : failed_lookahead) {
+    Node& n = s.nodes[id];
+    if (n.detached) continue;  // detached with a subtree above: reclaimed there
+    if (n.refs == 0 && n.child_tier[kDev] == 0) {
+      // Nobody admitted it (a look-ahead prefetch: a match stops at a block in flight) and nothing on the
+      // device sits below it: the device block is garbage, the host copy it was read from is intact.
+      s.free_block(kDev, n.block[kDev]);
+      n.block[kDev] = kNoBlock;
+      s.retier(id);
+      ++s.epoch;
+    } else {
+      // Device bytes are garbage, and so is anything computed on top of them.
+      s.detach_subtree(id);
+    }
+  }
   std::sort(landed.begin(), landed.end(), [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
   for (NodeId id : landed) {
     if (s.nodes[id].detached) continue;
-    s.policy[kDev]->insert(id, s.info(id));
+    s.track_insert(id, kDev);
     s.retier(id);
   }
   return Status::Ok();
@@ -126,7 +152,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
       n.present |= bit(kSto);
       s.announce(id);
       n.write_failed = false;
-      s.policy[kSto]->insert(id, s.info(id));
+      s.track_insert(id, kSto);
       if (demoting) {  // the host block was read by the write: free it only now
         s.free_block(kHst, n.block[kHst]);
         n.block[kHst] = kNoBlock;
@@ -145,7 +171,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
         n.present |= bit(kHst);  // the host copy is intact: it stays
         s.announce(id);
         n.write_failed = true;
-        s.policy[kHst]->insert(id, s.info(id));
+        s.track_insert(id, kHst);
       }
     }
     s.retier(id);
@@ -163,12 +189,16 @@ Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks
     if (id == kNoNode || s.nodes[id].state != want) continue;  // listed twice
     Node& n = s.nodes[id];
     n.state = NodeState::kSettled;
+    if (n.lookahead_move) {
+      n.lookahead_move = false;
+      --s.lookahead_in_flight[kHst];
+    }
     if (n.detached) {
       s.reclaim_if_dead(id);
     } else if (status.ok()) {
       n.present |= bit(kHst);
       s.announce(id);
-      s.policy[kHst]->insert(id, s.info(id));
+      s.track_insert(id, kHst);
       s.retier(id);
     } else {
       // Descendants may already have landed on host; keeping this block in storage would put

@@ -14,6 +14,12 @@
 namespace kvtier::cache {
 
 // ---- eviction ------------------------------------------------------------
+NodeId CacheManager::Impl::victim(int t, FunctionRef<bool(NodeId)> pred, bool allow_protected) {
+  NodeId v = policy[t]->victim(pred);
+  if (v != kNoNode || !allow_protected || shield_protected || parked[t].empty()) return v;
+  return protected_victim(t, pred);
+}
+
 bool CacheManager::Impl::device_evictable(NodeId id) const {
   const Node& n = nodes[id];
   return n.live && !n.detached && n.state == NodeState::kSettled && (n.present & bit(kDev)) && n.refs == 0 &&
@@ -56,7 +62,7 @@ void CacheManager::Impl::drop_host_copy(NodeId id) {
 // Frees one host block now by dropping a host copy (never waits on a demotion).
 bool CacheManager::Impl::drop_one_host() {
   if (!has_tier(kHst)) return false;
-  NodeId v = policy[kHst]->victim([this](NodeId n) { return host_droppable(n); });
+  NodeId v = victim(kHst, [this](NodeId n) { return host_droppable(n); });
   if (v == kNoNode) return false;
   drop_host_copy(v);
   return true;
@@ -80,7 +86,7 @@ bool CacheManager::Impl::start_demotion(NodeId v) {
   if (!slot.ok()) return false;
   Node& n = nodes[v];
   plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
-  policy[kHst]->erase(v);
+  untrack(v, kHst);
   n.present = static_cast<std::uint8_t>(n.present & ~bit(kHst));  // block kept until the ack
   announce(v);
   set_block(v, kSto, *slot);
@@ -99,14 +105,18 @@ CacheManager::Impl::Room CacheManager::Impl::make_host_room() {
   if (!write_back_to_storage()) return drop_one_host() ? Room::kFree : Room::kNone;
   NodeId first_dirty = kNoNode;
   std::uint32_t dirty_seen = 0;
-  NodeId v = policy[kHst]->victim([&](NodeId id) {
+  auto pred = [&](NodeId id) {
     if (!host_candidate(id)) return false;
     const Node& n = nodes[id];
     if (n.present != bit(kHst)) return can_drop(n, kHst);
     if (!host_demotable(n)) return false;
     if (first_dirty == kNoNode) first_dirty = id;
     return ++dirty_seen >= kCleanVictimWindow;  // stop scanning: no clean copy near the tail
-  });
+  };
+  NodeId v = victim(kHst, pred, /*allow_protected=*/false);
+  // Protected copies only when the policy offers neither a clean nor a dirty victim (same preference order).
+  if (v == kNoNode && first_dirty == kNoNode && !shield_protected && !parked[kHst].empty())
+    v = protected_victim(kHst, pred);
   if (v != kNoNode && nodes[v].present != bit(kHst)) {
     drop_host_copy(v);
     return Room::kFree;
@@ -138,7 +148,7 @@ Result<BlockId> CacheManager::Impl::take_host_block() {
 
 bool CacheManager::Impl::drop_one_storage() {
   if (!has_tier(kSto)) return false;
-  NodeId v = policy[kSto]->victim([this](NodeId n) { return storage_droppable(n); });
+  NodeId v = victim(kSto, [this](NodeId n) { return storage_droppable(n); });
   if (v == kNoNode) return false;
   drop_copy(v, kSto);
   ++st.drops_storage;
@@ -170,7 +180,7 @@ bool CacheManager::Impl::evict_one_device() {
   bool host_full = false;
   NodeId lossy_fallback = kNoNode, keep_fallback = kNoNode;
   for (int attempt = 0; attempt < 64; ++attempt) {
-    NodeId v = policy[kDev]->victim(pred);
+    NodeId v = victim(kDev, pred);
     if (v == kNoNode) break;
     Node& n = nodes[v];
     if (n.present & bit(kHst)) {  // backed up: no copy needed
@@ -265,7 +275,7 @@ bool CacheManager::Impl::evict_one_host_background() {
     return host_candidate(id) && std::find(skipped.begin(), skipped.end(), id) == skipped.end();
   };
   for (int attempt = 0; attempt < 64; ++attempt) {
-    NodeId v = policy[kHst]->victim(pred);
+    NodeId v = victim(kHst, pred);
     if (v == kNoNode) return false;
     Node& n = nodes[v];
     if ((n.present & bit(kDev)) || (n.present & bit(kSto))) {

@@ -5,15 +5,20 @@
 // nodes, the key index, the pools and eviction policies of every tier, the
 // open admissions and the plan being built, and keeps the tree's bookkeeping
 // consistent (retier, detach_subtree, ...). Its eviction and placement
-// members are defined in cache_manager_eviction.cc.
+// members are defined in cache_manager_eviction.cc, its look-ahead members
+// (announcements, protection, prefetch) in cache_manager_lookahead.cc.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
+#include <set>
 #include <span>
+#include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -54,10 +59,14 @@ struct Node {
   bool write_failed = false;
   std::uint8_t counted_tier = kNoTier;  // the tier this node counts as in its parent's child_tier
   std::uint8_t announced = 0;           // tiers a BlockStored event was emitted for and not yet removed
+  // A look-ahead prefetch (take_plan()) is moving this block to the tier it is in flight to.
+  bool lookahead_move = false;
   std::uint32_t refs = 0;
   std::uint32_t hits = 0;
   std::uint32_t depth = 0;
   std::array<std::uint32_t, 4> child_tier{};
+  // (Look-ahead protection lives beside the nodes, in Impl::want: a node stays this size, and the O(nodes)
+  // walks stay as fast, whether or not anything is announced.)
 };
 
 inline int lowest_tier(std::uint8_t mask) {
@@ -106,6 +115,124 @@ struct CacheManager::Impl {
   std::uint64_t clock = 0;
   StepPlan plan;
   CacheStats st;
+
+  // ---- look-ahead (cache_manager_lookahead.cc) --------------------------------
+  // Rank of an announcement: higher priority first, then the earlier announced (smaller id).
+  struct Rank {
+    std::int32_t priority = 0;
+    std::uint64_t seq = 0;
+    bool better_than(const Rank& o) const { return priority != o.priority ? priority > o.priority : seq < o.seq; }
+    friend bool operator==(const Rank&, const Rank&) = default;
+  };
+  struct Announcement {
+    std::vector<BlockKey> keys;
+    RequestHints hints;
+    bool queued = true;            // false: withdrawn, chain retained until expires_at
+    std::uint64_t expires_at = 0;  // step of the retention's end
+    // Prefetch cursor: keys[0, cursor) were on (or loading to) the device when last walked, keys[cursor - 1]
+    // being node cursor_node; valid while cursor_epoch == Impl::epoch (a protected copy that leaves a tier
+    // or a detached subtree bumps the epoch, as either can undo what the cursor skips).
+    std::uint32_t cursor = 0;
+    NodeId cursor_node = 0;
+    std::uint64_t cursor_epoch = 0;
+    Rank rank(QueuedId id) const { return Rank{hints.priority, id}; }
+  };
+  // Per announced key: how many active announcements (queued or retained) hold it, and the best rank among
+  // those that held it since the count was last 0 (kept, not recomputed, when the best one leaves: O(1) per
+  // key, and a rank only orders the last-resort eviction of protected blocks).
+  struct KeyWant {
+    std::uint32_t count = 0;
+    Rank rank;
+  };
+  std::unordered_map<QueuedId, Announcement> announcements;
+  std::set<std::tuple<std::int64_t, QueuedId>> queue_order;  // queued: (-priority, id), prefetch order
+  std::multimap<std::uint64_t, QueuedId> expiry;             // retained: (expires_at, id)
+  std::unordered_map<std::uint64_t, std::vector<QueuedId>> retained_by_conversation;
+  std::unordered_map<BlockKey, KeyWant, BlockKeyHash> wanted_keys;
+  // Protected resident copies per tier, least important first: (priority, -seq, -depth, node).
+  using ParkKey = std::tuple<std::int32_t, std::int64_t, std::int64_t, NodeId>;
+  std::array<std::set<ParkKey>, kNumTiers> parked;
+  // Per node: announcements whose chain holds its key (wanted_keys[key].count while indexed; 0 once detached
+  // or removed) and the rank kept for that key. While count > 0 the node's resident copies are protected: in
+  // parked, not in their tier's policy. Sized on the first announcement that reaches an indexed node: shorter
+  // than nodes means 0 for the rest.
+  struct NodeWant {
+    std::uint32_t count = 0;
+    std::int32_t priority = 0;
+    std::uint64_t seq = 0;
+  };
+  std::vector<NodeWant> want;
+  std::array<std::uint32_t, kNumTiers> lookahead_in_flight{};  // look-ahead moves in flight, by target tier
+  std::uint64_t step = 0;                                      // take_plan() calls (retention clock)
+  std::uint64_t epoch = 1;  // prefetch cursors older than this are walked again from the chain's start
+  QueuedId next_queued = 1;
+  // Set while take_plan() evicts on its own account (watermarks, prefetch): victims never include protected
+  // copies then.
+  bool shield_protected = false;
+
+  std::uint32_t wanted(NodeId id) const { return id < want.size() ? want[id].count : 0; }
+  NodeWant& want_of(NodeId id) {
+    if (id >= want.size()) want.resize(std::max(nodes.size(), std::size_t{id} + 1));
+    return want[id];
+  }
+  ParkKey park_key(NodeId id) const {
+    const NodeWant& w = want[id];  // only for protected nodes: in range
+    return ParkKey{w.priority, -static_cast<std::int64_t>(w.seq), -static_cast<std::int64_t>(nodes[id].depth), id};
+  }
+  bool resident_in(const Node& n, int t) const { return n.live && !n.detached && (n.present & bit(t)); }
+  // A copy of `id` became resident in tier t: its policy tracks it, unless it is protected.
+  void track_insert(NodeId id, int t) {
+    if (wanted(id))
+      parked[t].insert(park_key(id));
+    else
+      policy[t]->insert(id, info(id));
+  }
+  // The resident copy in tier t was hit: protected copies are outside the policy until protection ends.
+  void track_touch(NodeId id, int t) {
+    if (!wanted(id)) policy[t]->touch(id, info(id));
+  }
+  // The copy in tier t stops being resident (evicted, dropped, demoted, invalidated).
+  void untrack(NodeId id, int t) {
+    if (wanted(id)) {
+      if (parked[t].erase(park_key(id)) && !nodes[id].detached) {
+        ++st.protected_evictions;
+        ++epoch;
+      }
+    } else {
+      policy[t]->erase(id);
+    }
+  }
+  // Sets a node's announcement count and rank, moving its resident copies between policy and parked.
+  void set_wanted(NodeId id, std::uint32_t count, Rank rank);
+  // Protection of a node that joined the index: from wanted_keys.
+  void init_wanted(NodeId id) {
+    if (wanted_keys.empty()) return;
+    auto it = wanted_keys.find(nodes[id].key);
+    if (it == wanted_keys.end()) return;
+    want_of(id) = NodeWant{it->second.count, it->second.rank.priority, it->second.rank.seq};
+  }
+  // Adds (+1) or removes (-1) one announcement's hold on `key`.
+  void hold_key(const BlockKey& key, Rank rank);
+  void unhold_key(const BlockKey& key);
+  // Ends an announcement's protection and forgets it.
+  void drop_announcement(QueuedId id);
+  void expire_retentions();
+  // take_plan()'s prefetch of queued announcements' blocks, within the budget.
+  void lookahead_prefetch();
+  bool lookahead_load(NodeId id);   // host -> device; false when no device block can be had
+  bool lookahead_fetch(NodeId id);  // storage -> host; false when no host block can be had
+  // The policy's victim in tier t among `pred`; failing that, unless shield_protected, the least important
+  // protected copy among `pred` (a last resort: protection never refuses room).
+  NodeId victim(int t, FunctionRef<bool(NodeId)> pred, bool allow_protected = true);
+  NodeId protected_victim(int t, FunctionRef<bool(NodeId)> pred) const {
+    for (const ParkKey& k : parked[t])
+      if (pred(std::get<3>(k))) return std::get<3>(k);
+    return kNoNode;
+  }
+  // Keys form a hash chain continuing after node `prev` (kRoot: a request's start) at position `first_pos`;
+  // `what` names the caller in the message.
+  Status check_chain(std::span<const BlockKey> keys, std::string_view what, NodeId prev = kRoot,
+                     std::size_t first_pos = 0) const;
   std::deque<BlockId> host_run;  // pre-allocated contiguous host blocks for an eviction batch
   std::uint32_t pending_demotions = 0;
   std::uint64_t failed_writes_in_a_row = 0;  // storage writes failed since the last one that succeeded
@@ -192,6 +319,7 @@ struct CacheManager::Impl {
     n.counted_tier = kNoTier;
     ++p.child_tier[kNoTier];
     map.insert(key, id);
+    init_wanted(id);
     return id;
   }
 
@@ -221,8 +349,9 @@ struct CacheManager::Impl {
     if (t == kHst) n.write_failed = false;
     if (n.block[t] != kNoBlock) free_block(t, n.block[t]);
     n.block[t] = kNoBlock;
+    const bool was_resident = resident_in(n, t);
     n.present = static_cast<std::uint8_t>(n.present & ~bit(t));
-    policy[t]->erase(id);
+    if (was_resident) untrack(id, t);
     announce(id);
   }
 
@@ -235,6 +364,7 @@ struct CacheManager::Impl {
       map.erase(n.key);
       unlink_from_parent(id);
     }
+    if (id < want.size()) want[id] = NodeWant{};
     n.live = false;
     free_nodes.push_back(id);
   }
@@ -257,7 +387,17 @@ struct CacheManager::Impl {
     for (NodeId x : all) {
       Node& n = nodes[x];
       map.erase(n.key);
-      for (int t = 0; t < kNumTiers; ++t) policy[t]->erase(x);
+      const bool prot = wanted(x) > 0;
+      for (int t = 0; t < kNumTiers; ++t) {
+        if (prot)
+          parked[t].erase(park_key(x));
+        else
+          policy[t]->erase(x);
+      }
+      if (prot) {
+        ++epoch;
+        want[x] = NodeWant{};  // out of the index: wanted_keys still counts the key for a node that joins later
+      }
       ++st.invalidated_blocks;
     }
     // Unlink deepest first so every parent's counts stay consistent.

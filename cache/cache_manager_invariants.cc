@@ -1,16 +1,76 @@
 // CacheManager::check_invariants(): a walk over the whole state that checks
 // the invariants of cache_manager.h (block ownership against the pools,
 // references against the admissions, in-flight bookkeeping, policy tracking,
-// the index, tier order along every path and the child tier counts). Tests
+// the index, tier order along every path and the child tier counts, and the
+// look-ahead's announcement counts and protected copies). Tests
 // and replay's check_invariants_every call it; the request path does not.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
+#include <unordered_map>
 #include <vector>
 
 #include "cache/cache_manager_impl.h"
 
 namespace kvtier::cache {
+
+namespace {
+
+// Announcements against their indexes: queue order, expiry, conversations and the per-key counts.
+Status check_lookahead(const CacheManager::Impl& s) {
+  using Impl = CacheManager::Impl;
+  std::unordered_map<BlockKey, Impl::KeyWant, BlockKeyHash> expect;
+  std::size_t queued = 0, retained = 0, by_conversation = 0;
+  for (const auto& [qid, a] : s.announcements) {
+    if (qid == 0 || qid >= s.next_queued) return Internal(fmt::format("announcement id {} out of range", qid));
+    if (a.queued) {
+      ++queued;
+      if (!s.queue_order.count({-static_cast<std::int64_t>(a.hints.priority), qid}))
+        return Internal(fmt::format("queued request {} is missing from the queue order", qid));
+    } else {
+      ++retained;
+      if (a.expires_at <= s.step)
+        return Internal(fmt::format("retention of request {} ended at step {}, now {}", qid, a.expires_at, s.step));
+      bool found = false;
+      for (auto [e, end] = s.expiry.equal_range(a.expires_at); e != end && !found; ++e) found = e->second == qid;
+      if (!found) return Internal(fmt::format("retained request {} is missing from the expiry index", qid));
+      if (a.hints.conversation_id != 0) {
+        ++by_conversation;
+        auto c = s.retained_by_conversation.find(a.hints.conversation_id);
+        if (c == s.retained_by_conversation.end() || std::count(c->second.begin(), c->second.end(), qid) != 1)
+          return Internal(fmt::format("retained request {} is not listed once under conversation {}", qid,
+                                      a.hints.conversation_id));
+      }
+    }
+    for (const BlockKey& k : a.keys) {
+      Impl::KeyWant& e = expect[k];
+      if (e.count == 0 || a.rank(qid).better_than(e.rank)) e.rank = a.rank(qid);
+      ++e.count;
+    }
+  }
+  std::size_t listed = 0;
+  for (const auto& [conv, ids] : s.retained_by_conversation) listed += ids.size();
+  if (queued != s.queue_order.size() || retained != s.expiry.size() || by_conversation != listed)
+    return Internal(
+        fmt::format("announcements: {} queued, {} retained ({} with a conversation); indexes hold {}, {} and {}",
+                    queued, retained, by_conversation, s.queue_order.size(), s.expiry.size(), listed));
+  if (expect.size() != s.wanted_keys.size())
+    return Internal(fmt::format("{} keys are announced, {} counted", expect.size(), s.wanted_keys.size()));
+  for (const auto& [k, e] : expect) {
+    auto w = s.wanted_keys.find(k);
+    if (w == s.wanted_keys.end() || w->second.count != e.count)
+      return Internal(fmt::format("key {} is held by {} announcements, counted {}", k.hex(), e.count,
+                                  w == s.wanted_keys.end() ? 0 : w->second.count));
+    // The kept rank is the best since the count was last 0: never worse than a current holder's.
+    if (e.rank.better_than(w->second.rank))
+      return Internal(fmt::format("key {} has rank ({}, {}), worse than its holder's ({}, {})", k.hex(),
+                                  w->second.rank.priority, w->second.rank.seq, e.rank.priority, e.rank.seq));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status CacheManager::check_invariants() const {
   const Impl& s = *impl_;
@@ -58,10 +118,34 @@ Status CacheManager::check_invariants() const {
   if (receiving != s.receiving_now || quarantined != s.quarantined_now)
     return Internal(fmt::format("receive gauges say {} receiving, {} quarantined; admissions hold {} and {}",
                                 s.receiving_now, s.quarantined_now, receiving, quarantined));
+  KVTIER_RETURN_IF_ERROR(check_lookahead(s));
   std::size_t live_attached = 0;
+  std::array<std::size_t, kNumTiers> parked{}, lookahead_moves{};
   for (NodeId id = 1; id < s.nodes.size(); ++id) {
     const Node& n = s.nodes[id];
-    if (!n.live) continue;
+    if (!n.live) {
+      if (s.wanted(id)) return Internal(fmt::format("removed node {} is still protected ({})", id, s.wanted(id)));
+      continue;
+    }
+    if (n.lookahead_move) {
+      if (n.state != NodeState::kLoading && n.state != NodeState::kFetching)
+        return Internal(fmt::format("node {} is marked as a look-ahead move but is not loading or fetching", id));
+      ++lookahead_moves[n.state == NodeState::kLoading ? kDev : kHst];
+    }
+    // Protection: attached nodes count the announcements holding their key, detached ones none.
+    const std::uint32_t wanted = s.wanted(id);
+    if (n.detached) {
+      if (wanted) return Internal(fmt::format("detached node {} is still protected ({})", id, wanted));
+    } else {
+      auto w = s.wanted_keys.find(n.key);
+      const std::uint32_t count = w == s.wanted_keys.end() ? 0 : w->second.count;
+      if (wanted != count)
+        return Internal(
+            fmt::format("node {} (key {}) counts {} announcements, {} hold its key", id, n.key.hex(), wanted, count));
+      if (count && !(Impl::Rank{s.want[id].priority, s.want[id].seq} == w->second.rank))
+        return Internal(fmt::format("node {} has rank ({}, {}), its key ({}, {})", id, s.want[id].priority,
+                                    s.want[id].seq, w->second.rank.priority, w->second.rank.seq));
+    }
     if (n.refs != refs[id])
       return Internal(fmt::format("node {} has {} refs, admissions hold {}", id, n.refs, refs[id]));
     for (int t = 0; t < kNumTiers; ++t) {
@@ -100,11 +184,14 @@ Status CacheManager::check_invariants() const {
         break;
     }
     for (int t = 0; t < kNumTiers; ++t) {
+      // A resident copy is tracked by its tier's policy, or parked while protected: never both.
+      bool resident = !n.detached && (n.present & bit(t));
       bool tracked = s.policy[t]->contains(id);
-      bool want = !n.detached && (n.present & bit(t));
-      if (tracked != want)
-        return Internal(
-            fmt::format("node {}: {} policy tracking {} != resident {}", id, tier_name(Tier(t)), tracked, want));
+      bool in_parked = wanted && s.parked[t].count(s.park_key(id)) != 0;
+      if (tracked != (resident && !wanted) || in_parked != (resident && wanted))
+        return Internal(fmt::format("node {}: {} policy tracking {}, parked {}, resident {}, protected by {}", id,
+                                    tier_name(Tier(t)), tracked, in_parked, resident, wanted));
+      parked[t] += in_parked;
     }
     if (n.detached) {
       if (s.map.find(n.key) == id) return Internal(fmt::format("detached node {} indexed", id));
@@ -139,6 +226,14 @@ Status CacheManager::check_invariants() const {
   }
   if (live_attached != s.map.size())
     return Internal(fmt::format("index has {} keys but {} attached nodes", s.map.size(), live_attached));
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (parked[t] != s.parked[t].size())
+      return Internal(fmt::format("{} tier parks {} copies, {} nodes are protected residents there", tier_name(Tier(t)),
+                                  s.parked[t].size(), parked[t]));
+    if (lookahead_moves[t] != s.lookahead_in_flight[t])
+      return Internal(fmt::format("{} tier counts {} look-ahead moves in flight, {} nodes are marked",
+                                  tier_name(Tier(t)), s.lookahead_in_flight[t], lookahead_moves[t]));
+  }
   for (int t = 0; t < kNumTiers; ++t) {
     std::uint32_t used = 0;
     for (auto v : seen[t]) used += v;

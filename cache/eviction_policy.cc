@@ -211,6 +211,54 @@ class S3FifoPolicy final : public EvictionPolicy {
   std::vector<std::uint64_t> fp_;
 };
 
+// ---- SIEVE ---------------------------------------------------------------
+// SIEVE (Zhang et al., NSDI'24): one FIFO queue, new entries at the head, a visited bit per entry set
+// by a hit, and a hand that walks from the tail toward the head, clearing visited bits and stopping at
+// the first unvisited entry; it wraps to the tail past the head. Entries never move on a hit, so a hit
+// is one bit and the hand's walk is paid for by the bits it clears: O(1) amortized per eviction.
+//
+// The manager's predicate: the hand passes over an entry that may not go now (pinned, a parent in its
+// tier) as over a visited one, clearing its bit, and keeps its place between calls, so such entries cost
+// one step per lap, not a rescan from the tail each time. One lap clears every bit, so two laps find any
+// evictable entry; a call that finds none gives up after them.
+class SievePolicy final : public EvictionPolicy {
+ public:
+  SievePolicy() : lists_(1) {}
+  std::string name() const override { return "sieve"; }
+  void insert(NodeId n, const AccessInfo& info) override {
+    if (contains(n)) return touch(n, info);
+    if (n >= visited_.size()) visited_.resize(std::max<std::size_t>(n + 1, visited_.size() * 2), 0);
+    visited_[n] = 0;
+    lists_.push_head(0, n);
+  }
+  void touch(NodeId n, const AccessInfo&) override {
+    if (contains(n)) visited_[n] = 1;
+  }
+  void erase(NodeId n) override {
+    if (!contains(n)) return;
+    if (hand_ == n) hand_ = lists_.prev(n);  // toward the head; kNoNode: wraps at the next call
+    lists_.unlink(n);
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
+    const std::size_t steps = 2 * lists_.size(0) + 1;
+    for (std::size_t i = 0; i < steps && lists_.size(0) > 0; ++i) {
+      if (hand_ == kNoNode) hand_ = lists_.tail(0);
+      const NodeId n = hand_;
+      if (!visited_[n] && evictable(n)) return n;  // the hand stays on it until erase() moves it on
+      visited_[n] = 0;
+      hand_ = lists_.prev(n);
+    }
+    return kNoNode;
+  }
+  std::size_t size() const override { return lists_.size(0); }
+  bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
+
+ private:
+  NodeLists lists_;
+  std::vector<std::uint8_t> visited_;
+  NodeId hand_ = kNoNode;  // next entry the hand looks at; kNoNode: start from the tail
+};
+
 // ---- ARC -----------------------------------------------------------------
 class ArcPolicy final : public EvictionPolicy {
  public:
@@ -386,6 +434,7 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::
   if (name == "lru") return std::unique_ptr<EvictionPolicy>(new LruPolicy());
   if (name == "s3fifo") return std::unique_ptr<EvictionPolicy>(new S3FifoPolicy(capacity));
   if (name == "arc") return std::unique_ptr<EvictionPolicy>(new ArcPolicy(capacity));
+  if (name == "sieve") return std::unique_ptr<EvictionPolicy>(new SievePolicy());
   if (name == "belady") {
     if (!oracle) return InvalidArgument("policy 'belady' needs a next-use oracle (offline replay only)");
     return std::unique_ptr<EvictionPolicy>(new BeladyPolicy(std::move(oracle)));
@@ -403,7 +452,7 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::
     return std::unique_ptr<EvictionPolicy>(new LrfuPolicy(boost, capacity));
   }
   return InvalidArgument(
-      fmt::format("unknown eviction policy '{}' (known: lru, s3fifo, arc, lrfu[:boost], belady)", name));
+      fmt::format("unknown eviction policy '{}' (known: lru, s3fifo, sieve, arc, lrfu[:boost], belady)", name));
 }
 
 }  // namespace kvtier::cache

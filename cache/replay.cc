@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <unordered_map>
@@ -577,24 +578,50 @@ ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const Repl
 }
 
 Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vector<std::uint32_t>& capacities,
-                         const std::vector<std::string>& policies, const ReplayOptions& options) {
+                         const std::vector<std::string>& policies, const ReplayOptions& options,
+                         const SweepOptions& so) {
   if (capacities.empty()) return InvalidArgument("sweep: no capacities");
-  KVTIER_ASSIGN_OR_RETURN(Prepared prep, prepare(trace, options));
+  for (std::size_t i = 0; i < capacities.size(); ++i)
+    if (capacities[i] == 0)
+      return InvalidArgument(fmt::format("sweep: capacity 0 (entry {}) is not a block count >= 1", i));
+  if (!(so.max_multiplier >= 1.0 && std::isfinite(so.max_multiplier)))
+    return InvalidArgument(fmt::format("sweep: max_multiplier {} is not a number >= 1", so.max_multiplier));
+  if (!(so.multiplier_precision > 0.0 && std::isfinite(so.multiplier_precision)))
+    return InvalidArgument(fmt::format("sweep: multiplier_precision {} is not a number > 0", so.multiplier_precision));
   SweepTable t;
   t.capacities = capacities;
-  for (const std::string& p : policies)
-    if (p != "belady" && p != "min-bypass") t.policies.push_back(p);
+  t.max_multiplier = so.max_multiplier;
+  t.multiplier_precision = so.multiplier_precision;
+  t.default_policy = so.default_policy.empty() ? CacheConfig{}.device_policy : so.default_policy;
+  if (t.default_policy == "belady" || t.default_policy == "min-bypass")
+    return InvalidArgument(
+        fmt::format("sweep: default policy '{}' is an offline bound, not a policy", t.default_policy));
+  auto add = [&t](const std::string& p) {
+    if (p != "belady" && p != "min-bypass" && std::find(t.policies.begin(), t.policies.end(), p) == t.policies.end())
+      t.policies.push_back(p);
+  };
+  for (const std::string& p : policies) add(p);
+  for (const char* p : kSweepPeers) add(p);
+  add(t.default_policy);
+  for (const std::string& p : t.policies)
+    if (auto made = make_policy(p, 1); !made.ok())
+      return InvalidArgument(fmt::format("sweep: policy '{}': {}", p, made.status().message()));
   t.policies.push_back("belady");
   t.policies.push_back("min-bypass");
+  KVTIER_ASSIGN_OR_RETURN(Prepared prep, prepare(trace, options));
+  auto single_tier = [&options](std::uint32_t cap, const std::string& policy) {
+    ReplayOptions o = options;
+    o.device_blocks = cap;
+    o.host_blocks = 0;
+    o.storage_blocks = 0;
+    o.storage = nullptr;
+    o.policy = policy;
+    return o;
+  };
   t.results.resize(t.policies.size());
   for (std::size_t pi = 0; pi < t.policies.size(); ++pi) {
     for (std::uint32_t cap : capacities) {
-      ReplayOptions o = options;
-      o.device_blocks = cap;
-      o.host_blocks = 0;
-      o.storage_blocks = 0;
-      o.storage = nullptr;
-      o.policy = t.policies[pi];
+      const ReplayOptions o = single_tier(cap, t.policies[pi]);
       if (o.policy == "min-bypass") {
         KVTIER_ASSIGN_OR_RETURN(ReplayResult r, replay_min_bypass(trace, cap, o));
         t.results[pi].push_back(std::move(r));
@@ -608,6 +635,62 @@ Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vect
     }
   }
   t.unbounded_hit_ratio = replay_unbounded(trace, options).hit_ratio();
+  KVTIER_ASSIGN_OR_RETURN(t.class_ttl, replay_class_ttl(trace, capacities, options));
+
+  // Memory multiplier. From `all_fit` blocks on nothing is ever evicted (every key of the trace plus the
+  // largest request's blocks), so the default reaches the unbounded ratio there, which no bound exceeds.
+  std::uint64_t all_fit = 1;
+  {
+    std::unordered_set<BlockKey, BlockKeyHash> distinct;
+    std::uint64_t largest = 0;
+    for (std::size_t i = 0; i < prep.keys.size(); ++i) {
+      distinct.insert(prep.keys[i].begin(), prep.keys[i].end());
+      largest = std::max<std::uint64_t>(largest, prep.keys[i].size() + prep.extra[i]);
+    }
+    all_fit = std::max<std::uint64_t>(1, distinct.size() + largest);
+  }
+  const std::size_t def = std::find(t.policies.begin(), t.policies.end(), t.default_policy) - t.policies.begin();
+  std::unordered_map<std::uint32_t, std::uint64_t> hits_at;  // the default's hit blocks per capacity
+  for (std::size_t c = 0; c < capacities.size(); ++c) hits_at[capacities[c]] = t.results[def][c].hit_blocks();
+  auto default_hits = [&](std::uint32_t cap) -> Result<std::uint64_t> {
+    if (auto it = hits_at.find(cap); it != hits_at.end()) return it->second;
+    const ReplayOptions o = single_tier(cap, t.default_policy);
+    KVTIER_ASSIGN_OR_RETURN(ReplayResult r, run(trace, prep, o, base_config(o), o.policy));
+    hits_at[cap] = r.hit_blocks();
+    return r.hit_blocks();
+  };
+  for (std::size_t c = 0; c < capacities.size(); ++c) {
+    const std::uint64_t cap = capacities[c];
+    const std::uint64_t target = t.results.back()[c].hit_blocks();  // min-bypass at cap
+    const std::uint64_t limit = std::max<std::uint64_t>(
+        cap,
+        std::min<std::uint64_t>({static_cast<std::uint64_t>(std::floor(static_cast<double>(cap) * so.max_multiplier)),
+                                 all_fit, 0xFFFFFFFEu}));
+    std::uint64_t lo = cap, hi = 0;  // lo misses the target (or is cap), hi reaches it
+    KVTIER_ASSIGN_OR_RETURN(std::uint64_t at_cap, default_hits(static_cast<std::uint32_t>(cap)));
+    if (at_cap >= target) {
+      hi = cap;
+    } else {
+      for (std::uint64_t x = cap; x < limit;) {
+        x = std::min(limit, 2 * x);
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t h, default_hits(static_cast<std::uint32_t>(x)));
+        if (h >= target) {
+          hi = x;
+          break;
+        }
+        lo = x;
+      }
+      while (hi != 0 && hi - lo > 1 &&
+             static_cast<double>(hi) > static_cast<double>(lo) * (1.0 + so.multiplier_precision)) {
+        const std::uint64_t mid = lo + (hi - lo) / 2;
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t h, default_hits(static_cast<std::uint32_t>(mid)));
+        (h >= target ? hi : lo) = mid;
+      }
+    }
+    t.multiplier_capacity.push_back(static_cast<std::uint32_t>(hi));
+    t.memory_multiplier.push_back(hi ? static_cast<double>(hi) / static_cast<double>(cap)
+                                     : std::numeric_limits<double>::infinity());
+  }
   return t;
 }
 
@@ -622,49 +705,124 @@ std::size_t best_policy(const SweepTable& t, std::size_t c) {
     if (t.results[p][c].hit_ratio() > t.results[best][c].hit_ratio()) best = p;
   return best;
 }
+
+// Column of `name` among the online policies; policies.size() when absent.
+std::size_t column_of(const SweepTable& t, const std::string& name) {
+  for (std::size_t p = 0; p + kBoundColumns < t.policies.size(); ++p)
+    if (t.policies[p] == name) return p;
+  return t.policies.size();
+}
+
+// The best peer (kSweepPeers) other than the default at capacity column c; policies.size() when none.
+std::size_t best_peer(const SweepTable& t, std::size_t c) {
+  std::size_t best = t.policies.size();
+  for (const char* peer : kSweepPeers) {
+    const std::size_t p = column_of(t, peer);
+    if (p == t.policies.size() || t.policies[p] == t.default_policy) continue;
+    if (best == t.policies.size() || t.results[p][c].hit_ratio() > t.results[best][c].hit_ratio()) best = p;
+  }
+  return best;
+}
+
+// "lru" is leaf-first LRU: the manager evicts only leaves of a tier and reports a path's accesses
+// deepest first, so a parent is never older than its children; vLLM's free-block queue (a finished
+// request's blocks appended deepest first, taken from the front) and SGLang's radix cache (the least
+// recently used evictable leaf) evict in that order.
+std::string column_label(const SweepTable& t, const std::string& p) {
+  std::string label = p;
+  if (p == "belady") label = "belady (no bypass)";
+  if (p == "lru") label = "lru (leaf-first LRU, as vLLM and SGLang)";
+  if (p == t.default_policy) label += " [default]";
+  return label;
+}
+
+std::string multiplier_text(const SweepTable& t, std::size_t c) {
+  if (c >= t.memory_multiplier.size()) return "-";
+  if (std::isinf(t.memory_multiplier[c])) return fmt::format(">{:g}x", t.max_multiplier);
+  return fmt::format("{:.2f}x", t.memory_multiplier[c]);
+}
 }  // namespace
 
 std::string sweep_markdown(const SweepTable& t, std::uint32_t block_tokens) {
-  // The default policy's share too, when it is in the table.
-  const std::string default_policy = ReplayOptions{}.policy;
-  std::size_t def = t.policies.size();
-  for (std::size_t p = 0; p + kBoundColumns < t.policies.size(); ++p)
-    if (t.policies[p] == default_policy) def = p;
+  const std::size_t def = column_of(t, t.default_policy);
+  const bool has_def = def < t.policies.size();
+  const bool has_cv = t.class_ttl.size() == t.capacities.size();
   std::string out = "| capacity (blocks) | capacity (tokens) |";
-  for (const auto& p : t.policies) out += fmt::format(" {} |", p == "belady" ? "belady (no bypass)" : p);
+  for (const auto& p : t.policies) out += fmt::format(" {} |", column_label(t, p));
   out += " best online | best / MIN-bypass |";
-  if (def < t.policies.size()) out += fmt::format(" {} (default) / MIN-bypass |", default_policy);
+  if (has_def) out += fmt::format(" {} (default) / MIN-bypass |", t.default_policy);
+  if (has_cv) out += " class-TTL bound (cross-validated) |";
+  if (has_def && has_cv) out += fmt::format(" {} (default) / class-TTL bound |", t.default_policy);
+  if (has_def) out += fmt::format(" {} (default) - best peer |", t.default_policy);
+  if (has_def) out += fmt::format(" memory multiplier ({}) |", t.default_policy);
   out += "\n|---:|---:|";
   for (std::size_t i = 0; i < t.policies.size(); ++i) out += "---:|";
-  out += def < t.policies.size() ? "---|---:|---:|\n" : "---|---:|\n";
+  out += "---|---:|";
+  if (has_def) out += "---:|";
+  if (has_cv) out += "---:|";
+  if (has_def && has_cv) out += "---:|";
+  if (has_def) out += "---|---:|";
+  out += "\n";
   const std::size_t bound = t.policies.size() - 1;
-  auto share = [&](std::size_t p, std::size_t c) {
-    const double bh = t.results[bound][c].hit_ratio();
-    return bh > 0 ? 100.0 * t.results[p][c].hit_ratio() / bh : 100.0;
-  };
+  auto share = [&](double v, double of) { return of > 0 ? 100.0 * v / of : 100.0; };
   for (std::size_t c = 0; c < t.capacities.size(); ++c) {
+    const double min_bypass = t.results[bound][c].hit_ratio();
     out += fmt::format("| {} | {} |", t.capacities[c], std::uint64_t{t.capacities[c]} * block_tokens);
     for (std::size_t p = 0; p < t.policies.size(); ++p) out += fmt::format(" {:.4f} |", t.results[p][c].hit_ratio());
     const std::size_t b = best_policy(t, c);
-    out += fmt::format(" {} | {:.1f}% |", t.policies[b], share(b, c));
-    if (def < t.policies.size()) out += fmt::format(" {:.1f}% |", share(def, c));
+    out += fmt::format(" {} | {:.1f}% |", t.policies[b], share(t.results[b][c].hit_ratio(), min_bypass));
+    if (has_def) out += fmt::format(" {:.1f}% |", share(t.results[def][c].hit_ratio(), min_bypass));
+    if (has_cv) out += fmt::format(" {:.4f} |", t.class_ttl[c].cross_validated);
+    if (has_def && has_cv)
+      out += fmt::format(" {:.1f}% |", share(t.results[def][c].hit_ratio(), t.class_ttl[c].cross_validated));
+    if (has_def) {
+      const std::size_t peer = best_peer(t, c);
+      if (peer < t.policies.size())
+        out += fmt::format(" {:+.4f} ({}) |", t.results[def][c].hit_ratio() - t.results[peer][c].hit_ratio(),
+                           t.policies[peer]);
+      else
+        out += " - |";
+      out += fmt::format(" {} |", multiplier_text(t, c));
+    }
     out += "\n";
   }
   out += fmt::format(
-      "\nBlock hit ratio (hit blocks / all blocks). min-bypass: MIN with bypass, the offline optimum of any policy; "
-      "belady (no bypass): the cache manager with the oracle eviction policy, keeping each request resident. "
-      "Unbounded capacity: {:.4f}.\n",
+      "\nBlock hit ratio (hit blocks / all blocks), one tier of C blocks. min-bypass: MIN with bypass, the offline "
+      "optimum of any policy; belady (no bypass): the cache manager with the oracle eviction policy, keeping each "
+      "request resident. Unbounded capacity: {:.4f}.\n",
       t.unbounded_hit_ratio);
+  if (has_cv)
+    out +=
+        "class-TTL bound (cross-validated): the best policy that keeps a block for a time-to-live chosen by its use "
+        "count so far and the distance of its last reuse, with those TTLs fitted on one half of the requests and "
+        "scored on the other, both ways (halves by conversation: a request that re-reads a previous request's whole "
+        "input continues its conversation; a conversation's half is a hash of its first request); residency "
+        "budgeted on average, hits counted per block. The hindsight value (fitted and scored on the whole trace, "
+        "bench/trace_bounds.py's class_ttl) is in the CSV.\n";
+  if (has_def)
+    out += fmt::format(
+        "{0} is the CacheConfig default (or the sweep's --sweep-default). best peer: the best of leaf-first LRU "
+        "(lru), S3-FIFO and SIEVE other than the default; negative: the default is below it. memory multiplier: "
+        "the capacity {0} needs to reach min-bypass's hit ratio at C, as a multiple of C (doubling, then bisection "
+        "to {1:g}%; >{2:g}x: not reached within {2:g}C).\n",
+        t.default_policy, 100.0 * t.multiplier_precision, t.max_multiplier);
   return out;
 }
 
 std::string sweep_csv(const SweepTable& t, std::uint32_t block_tokens) {
+  const bool has_cv = t.class_ttl.size() == t.capacities.size();
+  const bool has_mult = t.memory_multiplier.size() == t.capacities.size();
   std::string out = "capacity_blocks,capacity_tokens";
   for (const auto& p : t.policies) out += "," + p;
+  if (has_cv) out += ",class_ttl_cv,class_ttl_hindsight";
+  if (has_mult) out += ",memory_multiplier_" + t.default_policy;
   out += "\n";
   for (std::size_t c = 0; c < t.capacities.size(); ++c) {
     out += fmt::format("{},{}", t.capacities[c], std::uint64_t{t.capacities[c]} * block_tokens);
     for (std::size_t p = 0; p < t.policies.size(); ++p) out += fmt::format(",{:.6f}", t.results[p][c].hit_ratio());
+    if (has_cv) out += fmt::format(",{:.6f},{:.6f}", t.class_ttl[c].cross_validated, t.class_ttl[c].hindsight);
+    if (has_mult)
+      out += std::isinf(t.memory_multiplier[c]) ? std::string(",inf") : fmt::format(",{:.4f}", t.memory_multiplier[c]);
     out += "\n";
   }
   return out;
@@ -678,6 +836,7 @@ std::string sweep_svg(const SweepTable& t, std::uint32_t block_tokens) {
   double ymax = std::max(0.05, t.unbounded_hit_ratio);
   for (const auto& row : t.results)
     for (const auto& r : row) ymax = std::max(ymax, r.hit_ratio());
+  for (const ClassTtlBound& b : t.class_ttl) ymax = std::max(ymax, b.cross_validated);
   ymax = std::ceil(ymax * 20) / 20;
   auto X = [&](double cap) { return L + (std::log10(std::max(1.0, cap)) - xmin) / (xmax - xmin) * (W - L - R); };
   auto Y = [&](double v) { return H - B - v / ymax * (H - T - B); };
@@ -707,6 +866,13 @@ std::string sweep_svg(const SweepTable& t, std::uint32_t block_tokens) {
                    (H - B + T) / 2, (H - B + T) / 2);
   s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#999\" stroke-dasharray=\"4 4\"/>\n",
                    L, Y(t.unbounded_hit_ratio), W - R, Y(t.unbounded_hit_ratio));
+  double ly = T + 20;
+  auto legend = [&](const std::string& color, const char* dash, const std::string& label) {
+    s += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"2\"{}/>\n", W - R + 15,
+                     ly, W - R + 40, ly, color, dash);
+    s += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", W - R + 46, ly + 4, label);
+    ly += 20;
+  };
   for (std::size_t p = 0; p < t.policies.size(); ++p) {
     const bool bound = t.policies[p] == "belady" || t.policies[p] == "min-bypass";
     const char* color = colors[p % 7];
@@ -717,15 +883,21 @@ std::string sweep_svg(const SweepTable& t, std::uint32_t block_tokens) {
       pts += fmt::format("{:.1f},{:.1f} ", X(t.capacities[c]), Y(t.results[p][c].hit_ratio()));
     s += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{} points=\"{}\"/>\n", color,
                      bound ? " stroke-dasharray=\"6 3\"" : "", pts);
-    double ly = T + 20 + 20.0 * p;
-    s += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"{}\" stroke-width=\"2\"/>\n", W - R + 15,
-                     ly, W - R + 40, ly, color);
-    s += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", W - R + 46, ly + 4, t.policies[p]);
+    legend(color, bound ? " stroke-dasharray=\"6 3\"" : "",
+           t.policies[p] == t.default_policy ? t.policies[p] + " (default)" : t.policies[p]);
   }
-  double ly = T + 20 + 20.0 * t.policies.size();
-  s += fmt::format("<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#999\" stroke-dasharray=\"4 4\"/>\n",
-                   W - R + 15, ly, W - R + 40, ly);
-  s += fmt::format("<text x=\"{}\" y=\"{}\">unbounded</text>\n</svg>\n", W - R + 46, ly + 4);
+  if (t.class_ttl.size() == t.capacities.size()) {
+    const char* color = "#bcbd22";
+    std::string pts;
+    for (std::size_t c = 0; c < t.capacities.size(); ++c)
+      pts += fmt::format("{:.1f},{:.1f} ", X(t.capacities[c]), Y(t.class_ttl[c].cross_validated));
+    s += fmt::format(
+        "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"2\" stroke-dasharray=\"2 3\" points=\"{}\"/>\n", color,
+        pts);
+    legend(color, " stroke-dasharray=\"2 3\"", "class-TTL (CV)");
+  }
+  legend("#999", " stroke-dasharray=\"4 4\"", "unbounded");
+  s += "</svg>\n";
   return s;
 }
 

@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -113,7 +115,9 @@ Action register_replay(CLI::App& app) {
     std::size_t max_requests = 0;
     bool json = false;
     std::string sweep;
-    std::string sweep_policies = "lru,s3fifo,arc,lrfu";
+    std::string sweep_policies = "lru,s3fifo,sieve,arc,lrfu";
+    std::string sweep_default;
+    double sweep_max_multiplier = 16;
     std::string out = "replay_sweep";
     std::uint32_t check_every = 0;
     std::string storage;
@@ -141,7 +145,7 @@ Action register_replay(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--host-tokens", args->host_tokens, "host capacity in tokens (overrides --host-blocks)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--policy", args->policy, "eviction policy: lru, s3fifo, arc, lrfu[:boost], belady")
+  cmd->add_option("--policy", args->policy, "eviction policy: lru, s3fifo, sieve, arc, lrfu[:boost], belady")
       ->capture_default_str();
   cmd->add_option("--write-policy", args->write_policy, "write_back, write_through, write_through_selective")
       ->capture_default_str();
@@ -184,7 +188,15 @@ Action register_replay(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--sweep", args->sweep, "comma-separated device capacities (blocks): hit ratio table + plot");
-  cmd->add_option("--sweep-policies", args->sweep_policies, "policies of the sweep (Belady is always added)")
+  cmd->add_option("--sweep-policies", args->sweep_policies,
+                  "policies of the sweep (Belady, MIN with bypass, the class-TTL bound and the peers lru, s3fifo, "
+                  "sieve are always added)")
+      ->capture_default_str();
+  cmd->add_option("--sweep-default", args->sweep_default,
+                  "the policy the sweep calls the default: its share of the bounds, its distance to the peers and "
+                  "its memory multiplier (default: the CacheConfig default device policy)");
+  cmd->add_option("--sweep-max-multiplier", args->sweep_max_multiplier,
+                  "largest memory multiplier the sweep searches (capacities up to this times each swept one)")
       ->capture_default_str();
   cmd->add_option("--out", args->out, "sweep output prefix: PREFIX.md, PREFIX.csv, PREFIX.svg")->capture_default_str();
   cmd->add_option("--check-invariants", args->check_every, "check the index invariants every N requests (slow)");
@@ -282,6 +294,8 @@ Action register_replay(CLI::App& app) {
                     fmt::format("--device-blocks {} --host-blocks {}{}", a.device_blocks, a.host_blocks,
                                 a.storage.empty() ? "" : fmt::format(" --storage-blocks {}", a.storage_blocks))))
       return 2;
+    if (!(a.sweep_max_multiplier >= 1.0 && a.sweep_max_multiplier <= 1024.0))
+      return bad(fmt::format("--sweep-max-multiplier must be a number in [1, 1024], got {}", a.sweep_max_multiplier));
     // Sweep capacities: 1..kMaxBlocks each, digits only ("-5" is not a block count).
     std::vector<std::uint32_t> sweep_caps;
     if (!a.sweep.empty()) {
@@ -335,7 +349,13 @@ Action register_replay(CLI::App& app) {
       std::vector<std::string> pols;
       const std::vector<std::uint32_t>& caps = sweep_caps;
       parse_list(a.sweep_policies, pols);
-      auto table = cache::sweep(*trace, caps, pols, o);
+      cache::SweepOptions so;
+      so.default_policy = a.sweep_default;
+      so.max_multiplier = a.sweep_max_multiplier;
+      const auto sweep_start = std::chrono::steady_clock::now();
+      auto table = cache::sweep(*trace, caps, pols, o, so);
+      const double sweep_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - sweep_start).count();
       if (!table.ok()) {
         std::fprintf(stderr, "kvtier replay: %s\n", table.status().to_string().c_str());
         return 1;
@@ -354,10 +374,23 @@ Action register_replay(CLI::App& app) {
         j["capacities"] = table->capacities;
         for (std::size_t p = 0; p < table->policies.size(); ++p)
           for (const auto& r : table->results[p]) j["results"][table->policies[p]].push_back(to_json(r));
+        j["default_policy"] = table->default_policy;
+        for (std::size_t c = 0; c < table->capacities.size(); ++c) {
+          const cache::ClassTtlBound& b = table->class_ttl[c];
+          j["class_ttl"].push_back({{"capacity_blocks", b.capacity_blocks},
+                                    {"cross_validated", b.cross_validated},
+                                    {"hindsight", b.hindsight},
+                                    {"fold", {b.fold[0], b.fold[1]}}});
+          // null: not reached within --sweep-max-multiplier
+          const double m = table->memory_multiplier[c];
+          j["memory_multiplier"].push_back(std::isinf(m) ? nlohmann::json() : nlohmann::json(m));
+        }
+        j["max_multiplier"] = table->max_multiplier;
+        j["seconds"] = sweep_seconds;
         std::printf("%s\n", j.dump(2).c_str());
       } else {
-        std::printf("trace: %s (%zu requests)\n\n%s\nwrote %s.md, %s.csv, %s.svg\n", path.c_str(), trace->size(),
-                    md.c_str(), a.out.c_str(), a.out.c_str(), a.out.c_str());
+        std::printf("trace: %s (%zu requests)\n\n%s\nsweep time %.1f s\nwrote %s.md, %s.csv, %s.svg\n", path.c_str(),
+                    trace->size(), md.c_str(), sweep_seconds, a.out.c_str(), a.out.c_str(), a.out.c_str());
       }
       return 0;
     }

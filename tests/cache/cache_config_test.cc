@@ -37,6 +37,9 @@ const std::map<std::string, Case>& cases() {
       {"cache.host_watermarks.low", {"0.05", "0.05", [](const auto& x) { return x.host_watermarks.low == 0.05; }}},
       {"cache.host_watermarks.high", {"1", "1", [](const auto& x) { return x.host_watermarks.high == 1.0; }}},
       {"cache.contiguous_host_runs", {"off", "false", [](const auto& x) { return !x.contiguous_host_runs; }}},
+      {"cache.lookahead_prefetch_blocks", {"0", "0", [](const auto& x) { return x.lookahead_prefetch_blocks == 0; }}},
+      {"cache.lookahead_max_fraction", {"0.5", "0.5", [](const auto& x) { return x.lookahead_max_fraction == 0.5; }}},
+      {"cache.lookahead_retain_steps", {"2K", "2048", [](const auto& x) { return x.lookahead_retain_steps == 2048; }}},
   };
   return c;
 }
@@ -68,6 +71,9 @@ TEST(CacheConfigTable, EveryKnobIsCoveredAndDefaultsAreTheStructs) {
       {"cache.host_watermarks.low", "0"},
       {"cache.host_watermarks.high", "0"},
       {"cache.contiguous_host_runs", fresh.contiguous_host_runs ? "true" : "false"},
+      {"cache.lookahead_prefetch_blocks", std::to_string(fresh.lookahead_prefetch_blocks)},
+      {"cache.lookahead_max_fraction", "0.25"},
+      {"cache.lookahead_retain_steps", std::to_string(fresh.lookahead_retain_steps)},
   };
   for (const auto& [name, v] : expected) EXPECT_EQ(all.at(name).default_value, v) << name;
   // Spelled out, so that a changed struct default shows up here too.

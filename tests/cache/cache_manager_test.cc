@@ -431,7 +431,7 @@ TEST_P(FailedAdmission, LeavesIndexPoolsAndPolicyAsTheyWere) {
   EXPECT_INVARIANTS(*c);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, FailedAdmission, ::testing::Values("lru", "s3fifo", "arc", "lrfu"));
+INSTANTIATE_TEST_SUITE_P(Policies, FailedAdmission, ::testing::Values("lru", "s3fifo", "sieve", "arc", "lrfu"));
 
 // Keys that are not a hash chain are rejected before anything is pinned, loaded or allocated. A
 // repeated key on the host once queued two loads of one block and leaked a device block.

@@ -30,6 +30,51 @@ TEST(Policy, LruOrderAndPredicate) {
   EXPECT_EQ(p->victim([](NodeId) { return false; }), kNoNode);
 }
 
+// SIEVE: hits set a bit and move nothing; the hand walks from the tail toward the head, clearing bits,
+// and takes the first unvisited evictable entry; it keeps its place between calls and wraps at the head.
+TEST(Policy, SieveOrderAndPredicate) {
+  auto p = make("sieve", 8);
+  for (NodeId n = 1; n <= 4; ++n) p->insert(n, at(n));  // queue, tail to head: 1 2 3 4
+  p->touch(1, at(5));
+  p->touch(3, at(6));
+  auto all = [](NodeId) { return true; };
+  EXPECT_EQ(p->victim(all), 2u);  // 1 was visited: its bit is cleared and the hand moves on
+  EXPECT_EQ(p->victim(all), 2u);  // not erased: the hand stays on it
+  p->erase(2);                    // the hand moves on toward the head, to 3
+  EXPECT_EQ(p->victim(all), 4u);  // 3 was visited too
+  p->erase(4);                    // 4 was the head: the hand wraps to the tail at the next call
+  p->insert(5, at(7));
+  EXPECT_EQ(p->victim(all), 1u);                              // 1 lost its bit on the first lap and was not hit since
+  EXPECT_EQ(p->victim([](NodeId n) { return n != 1; }), 3u);  // 1 may not go: passed over; 3's bit is gone
+  EXPECT_EQ(p->size(), 3u);
+  EXPECT_EQ(p->victim([](NodeId) { return false; }), kNoNode);
+  p->touch(5, at(8));
+  p->insert(5, at(9));  // already tracked: a hit, not a second entry
+  EXPECT_EQ(p->size(), 3u);
+  EXPECT_EQ(p->victim([](NodeId n) { return n == 5; }), 5u);  // found after its bit is cleared on the way
+}
+
+// The hand keeps its place: entries that may not go (parents, pinned) cost one step per lap, not a scan
+// from the tail at every eviction, so draining the evictable entries behind a long run of entries that
+// may not go takes work linear in the queue (LRU rescans them at every call).
+TEST(Policy, SieveHandMakesEvictionAmortizedConstant) {
+  auto p = make("sieve", 4000);
+  constexpr NodeId kPinned = 3000, kAll = 4000;
+  for (NodeId n = 0; n < kAll; ++n) p->insert(n, at(n));  // the oldest 3000 may not go
+  std::uint64_t calls = 0;
+  auto evictable = [&calls](NodeId n) {
+    ++calls;
+    return n >= kPinned;
+  };
+  for (NodeId i = 0; i < kAll - kPinned; ++i) {
+    NodeId v = p->victim(evictable);
+    ASSERT_EQ(v, kPinned + i) << "FIFO order among the evictable entries";
+    p->erase(v);
+  }
+  EXPECT_EQ(p->victim(evictable), kNoNode);
+  EXPECT_LT(calls, 4u * kAll) << "the hand rescanned the entries that may not go";
+}
+
 TEST(Policy, UnknownNamesAndMissingOracleAreErrors) {
   EXPECT_EQ(make_policy("mru", 4).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(make_policy("belady", 4).status().code(), StatusCode::kInvalidArgument);
@@ -86,17 +131,19 @@ double hot_hit_ratio(std::string_view name) {
 
 TEST(Policy, S3FifoIsScanResistantWhereLruIsNot) {
   double lru = hot_hit_ratio("lru"), s3 = hot_hit_ratio("s3fifo"), arc = hot_hit_ratio("arc");
+  double sieve = hot_hit_ratio("sieve");
   // LRU loses the hot set to every scan (only the second pass of each round hits).
   EXPECT_LT(lru, 0.55);
   EXPECT_GT(s3, 0.9) << "lru " << lru;
   EXPECT_GT(arc, 0.9) << "lru " << lru;
+  EXPECT_GT(sieve, 0.9) << "lru " << lru;
 }
 
 // Every policy finds an evictable node whenever one is tracked, whatever the others are (pinned,
 // parents): S3-FIFO once cycled its main queue to its step limit while the small queue, below its
 // target size, held the only evictable nodes.
 TEST(Policy, EveryPolicyFindsTheOnlyEvictableNodes) {
-  for (const char* name : {"lru", "s3fifo", "arc", "lrfu"}) {
+  for (const char* name : {"lru", "s3fifo", "sieve", "arc", "lrfu"}) {
     auto p = make(name, 100);
     BlockKey k[40];
     for (NodeId n = 0; n < 40; ++n) k[n] = BlockKey{7, n};

@@ -223,5 +223,31 @@ TEST_P(CachePropertyWriteBackPressure, RandomOperationSequencesKeepInvariants) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, CachePropertyWriteBackPressure, ::testing::Range(0, 16));
 
+// SIEVE in every tier under the same random sequences: its hand passes over what the manager may not take
+// (pinned, parents in the tier, in flight) and keeps its place across calls; an admission still fails only
+// when nothing is evictable.
+class CachePropertySieve : public ::testing::TestWithParam<int> {};
+
+TEST_P(CachePropertySieve, RandomOperationSequencesKeepInvariants) {
+  const int variant = GetParam();
+  Scenario sc;
+  sc.seed = 7000 + variant;
+  sc.cfg.device_blocks = 12 + variant % 3 * 8;
+  sc.cfg.host_blocks = variant % 4 == 3 ? 0 : 16 + variant % 5 * 8;
+  sc.cfg.storage_blocks = variant % 2 ? 64 : 0;
+  sc.cfg.device_policy = "sieve";
+  sc.cfg.host_policy = variant % 3 == 0 ? "lru" : "sieve";
+  sc.cfg.storage_policy = variant % 2 ? "sieve" : "lru";
+  sc.cfg.write_policy = static_cast<WritePolicy>(variant % 3);
+  sc.cfg.write_through_threshold = 1 + variant % 2;
+  if (variant % 2) sc.cfg.host_watermarks = {0.25, 0.5};
+  if (variant % 5 == 1) sc.cfg.device_watermarks = {0.1, 0.3};
+  sc.failure_rate = variant % 3 == 0 ? 0.0 : 0.1;
+  sc.delay_polls = variant % 4;
+  run_scenario(sc, 2000);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, CachePropertySieve, ::testing::Range(0, 12));
+
 }  // namespace
 }  // namespace kvtier::cache

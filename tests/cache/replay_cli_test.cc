@@ -104,6 +104,9 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
        {"--device-blocks 4000000", "machine has"}},
       {"--transfer gpu", {"--transfer", "'gpu'"}},
       {"--storage disk:/nonexistent --host-blocks 0", {"--storage", "--host-blocks"}},
+      {"--sweep 100 --sweep-max-multiplier 0.5", {"--sweep-max-multiplier", "got 0.5"}},
+      {"--sweep 100 --sweep-default nope", {"'nope'"}},
+      {"--sweep 100 --sweep-policies lru,bogus", {"'bogus'"}},
   };
   for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
 }
@@ -156,6 +159,42 @@ TEST_F(ReplayCli, LargeValidValuesAreKeptExactly) {
   EXPECT_EQ(j["requests"], 2);
   EXPECT_EQ(j["total_tokens"].get<std::uint64_t>(), 99999999999999ull + 4294967296ull);
   EXPECT_EQ(j["device_hit_blocks"], 1);  // the second request reuses the first block (id 2^64-1)
+}
+
+// --sweep prints the bounds and the peers per capacity: the cross-validated class-TTL bound, leaf-first
+// LRU, S3-FIFO, SIEVE, the default's shares and its memory multiplier; the CSV and JSON carry them too.
+TEST_F(ReplayCli, SweepPrintsBoundsPeersAndTheMemoryMultiplier) {
+  const std::string args =
+      "replay --transfer none --max-requests 300 " + kSample + " --sweep 100,400 --sweep-policies lrfu --out '";
+  CliRun text = run(args + dir_ + "/sw'");
+  ASSERT_EQ(text.rc, 0) << text.out;
+  for (const char* s : {"lru (leaf-first LRU, as vLLM and SGLang) [default]", "| s3fifo |", "| sieve |", "| lrfu |",
+                        "class-TTL bound (cross-validated)", "lru (default) / class-TTL bound",
+                        "lru (default) - best peer", "memory multiplier (lru)", "sweep time"})
+    EXPECT_NE(text.out.find(s), std::string::npos) << s << " in: " << text.out;
+  std::ifstream csv(dir_ + "/sw.csv");
+  std::string header;
+  std::getline(csv, header);
+  EXPECT_EQ(header,
+            "capacity_blocks,capacity_tokens,lrfu,lru,s3fifo,sieve,belady,min-bypass,class_ttl_cv,class_ttl_hindsight,"
+            "memory_multiplier_lru");
+  CliRun js = run(args + dir_ + "/sw2' --json --sweep-default lrfu", false);
+  ASSERT_EQ(js.rc, 0) << js.out;
+  auto j = nlohmann::json::parse(js.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << js.out;
+  EXPECT_EQ(j["default_policy"], "lrfu");
+  ASSERT_EQ(j["class_ttl"].size(), 2u);
+  ASSERT_EQ(j["memory_multiplier"].size(), 2u);
+  for (std::size_t c = 0; c < 2; ++c) {
+    const double cv = j["class_ttl"][c]["cross_validated"].get<double>();
+    EXPECT_GT(cv, 0.0);
+    EXPECT_LT(cv, j["results"]["min-bypass"][c]["hit_ratio"].get<double>());
+    // lrfu never reaches MIN at the same capacity: a multiplier above 1, or null (not within 16x).
+    if (!j["memory_multiplier"][c].is_null()) {
+      EXPECT_GT(j["memory_multiplier"][c].get<double>(), 1.0);
+    }
+  }
+  EXPECT_EQ(j["results"]["sieve"].size(), 2u);
 }
 
 // --transfer host --storage disk:DIR: device, host and storage tiers together, real bytes on every

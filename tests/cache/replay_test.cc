@@ -1,8 +1,10 @@
 #include "kvtier/cache/replay.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 
 #include "kvtier/cache/plan_executor.h"
@@ -103,24 +105,119 @@ TEST(Replay, SweepTablesAndPlot) {
   ReplayOptions o;
   auto t = sweep(sample(), {250, 1000}, {"lru", "lrfu"}, o);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
-  ASSERT_EQ(t->policies.size(), 4u);
-  EXPECT_EQ(t->policies[2], "belady");
-  ASSERT_EQ(t->policies.back(), "min-bypass");
+  // The named policies, then the peers not named (S3-FIFO, SIEVE; lru is leaf-first LRU), then the bounds.
+  const std::vector<std::string> want = {"lru", "lrfu", "s3fifo", "sieve", "belady", "min-bypass"};
+  ASSERT_EQ(t->policies, want);
+  EXPECT_EQ(t->default_policy, CacheConfig{}.device_policy);
+  ASSERT_EQ(t->default_policy, "lru");
   std::string md = sweep_markdown(*t, 512);
   EXPECT_NE(md.find("| 1000 | 512000 |"), std::string::npos) << md;
   EXPECT_NE(md.find("best / MIN-bypass"), std::string::npos) << md;
-  EXPECT_NE(md.find("lrfu (default) / MIN-bypass"), std::string::npos) << md;
-  EXPECT_NE(sweep_csv(*t, 512).find("capacity_blocks,capacity_tokens,lru,lrfu,belady,min-bypass"), std::string::npos);
+  EXPECT_NE(md.find("lru (default) / MIN-bypass"), std::string::npos) << md;
+  EXPECT_NE(md.find("lru (leaf-first LRU, as vLLM and SGLang) [default]"), std::string::npos) << md;
+  EXPECT_NE(md.find("class-TTL bound (cross-validated)"), std::string::npos) << md;
+  EXPECT_NE(md.find("lru (default) / class-TTL bound"), std::string::npos) << md;
+  EXPECT_NE(md.find("memory multiplier (lru)"), std::string::npos) << md;
+  const std::string csv = sweep_csv(*t, 512);
+  EXPECT_NE(csv.find("capacity_blocks,capacity_tokens,lru,lrfu,s3fifo,sieve,belady,min-bypass,class_ttl_cv,"
+                     "class_ttl_hindsight,memory_multiplier_lru\n"),
+            std::string::npos)
+      << csv;
   // MIN with bypass bounds every column, the no-bypass Belady included.
   for (std::size_t c = 0; c < 2; ++c)
     for (std::size_t p = 0; p + 1 < t->policies.size(); ++p)
       EXPECT_LE(t->results[p][c].hit_ratio(), t->results.back()[c].hit_ratio() + 1e-12) << t->policies[p];
+  // The class-TTL columns are replay_class_ttl's, and the markdown prints them.
+  const std::vector<std::uint32_t> caps = {250, 1000};
+  auto ttl = replay_class_ttl(sample(), caps, o);
+  ASSERT_TRUE(ttl.ok());
+  ASSERT_EQ(t->class_ttl.size(), 2u);
+  for (std::size_t c = 0; c < 2; ++c) {
+    EXPECT_EQ(t->class_ttl[c].cross_validated, (*ttl)[c].cross_validated);
+    EXPECT_GT(t->class_ttl[c].cross_validated, 0.0);
+    EXPECT_NE(md.find(fmt::format(" {:.4f} |", t->class_ttl[c].cross_validated)), std::string::npos) << md;
+  }
+  // The memory multiplier. At 250 blocks lru needs more than 16x (the first 1000 requests hold blocks that
+  // MIN keeps for their next turn and LRU does not), and 16 * 250 blocks indeed fall short; at 1000 the default
+  // at multiplier * C reaches min-bypass at C, and 2% less does not (the bracket the bisection ends on).
+  ASSERT_EQ(t->memory_multiplier.size(), 2u);
+  ReplayOptions d = o;
+  d.policy = t->default_policy;
+  d.host_blocks = 0;
+  EXPECT_TRUE(std::isinf(t->memory_multiplier[0])) << t->memory_multiplier[0];
+  EXPECT_EQ(t->multiplier_capacity[0], 0u);
+  d.device_blocks = 16 * 250;
+  auto at16 = replay_trace(sample(), d);
+  ASSERT_TRUE(at16.ok());
+  EXPECT_LT(at16->hit_blocks(), t->results.back()[0].hit_blocks());
+  EXPECT_NE(md.find("| >16x |"), std::string::npos) << md;
+  {
+    const std::uint32_t cap = t->capacities[1];
+    const std::uint64_t target = t->results.back()[1].hit_blocks();
+    ASSERT_FALSE(std::isinf(t->memory_multiplier[1])) << cap;
+    EXPECT_GT(t->memory_multiplier[1], 1.0) << cap;
+    const std::uint32_t reach = t->multiplier_capacity[1];
+    EXPECT_DOUBLE_EQ(t->memory_multiplier[1], double(reach) / cap);
+    d.device_blocks = reach;
+    auto at = replay_trace(sample(), d);
+    ASSERT_TRUE(at.ok());
+    EXPECT_GE(at->hit_blocks(), target) << cap;
+    d.device_blocks = static_cast<std::uint32_t>(reach / 1.02);
+    auto below = replay_trace(sample(), d);
+    ASSERT_TRUE(below.ok());
+    EXPECT_LT(below->hit_blocks(), target) << cap << ": " << d.device_blocks << " blocks already reach it";
+    EXPECT_NE(md.find(fmt::format("| {:.2f}x |", t->memory_multiplier[1])), std::string::npos) << md;
+  }
   std::string svg = sweep_svg(*t, 512);
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
-  for (std::size_t c = 0; c < 2; ++c)
-    for (std::size_t p = 0; p + 1 < t->policies.size(); ++p)
-      EXPECT_LE(t->results[p][c].hit_ratio(), t->results.back()[c].hit_ratio());
+  EXPECT_NE(svg.find("class-TTL (CV)"), std::string::npos);
+  EXPECT_NE(svg.find("lru (default)"), std::string::npos);
+}
+
+// Another default, a multiplier cap too small to reach MIN, and bad input named.
+TEST(Replay, SweepDefaultAndBadInput) {
+  ReplayOptions o;
+  SweepOptions so;
+  so.default_policy = "lrfu";
+  so.max_multiplier = 1.5;
+  auto t = sweep(sample(), {250}, {"arc"}, o, so);
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  const std::vector<std::string> want = {"arc", "lru", "s3fifo", "sieve", "lrfu", "belady", "min-bypass"};
+  EXPECT_EQ(t->policies, want);
+  ASSERT_EQ(t->memory_multiplier.size(), 1u);
+  EXPECT_TRUE(std::isinf(t->memory_multiplier[0])) << t->memory_multiplier[0];
+  const std::string md = sweep_markdown(*t, 512);
+  EXPECT_NE(md.find("| >1.5x |"), std::string::npos) << md;
+  EXPECT_NE(md.find("lrfu (default) - best peer"), std::string::npos) << md;
+  EXPECT_NE(sweep_csv(*t, 512).find(",inf\n"), std::string::npos);
+  // The best peer column names a peer and the signed difference.
+  const double lrfu = t->results[4][0].hit_ratio();
+  double best = 0;
+  std::string best_name;
+  for (std::size_t p = 1; p <= 3; ++p)
+    if (t->results[p][0].hit_ratio() > best) best = t->results[p][0].hit_ratio(), best_name = t->policies[p];
+  EXPECT_NE(md.find(fmt::format(" {:+.4f} ({}) |", lrfu - best, best_name)), std::string::npos) << md;
+
+  auto bad = [&](std::vector<std::uint32_t> caps, std::vector<std::string> pols, SweepOptions x, const char* says) {
+    auto r = sweep(sample(), caps, pols, o, x);
+    ASSERT_EQ(r.status().code(), StatusCode::kInvalidArgument) << says;
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().to_string();
+  };
+  bad({}, {"lru"}, {}, "no capacities");
+  bad({100, 0}, {"lru"}, {}, "capacity 0 (entry 1)");
+  bad({100}, {"lru", "nope"}, {}, "'nope'");
+  SweepOptions x;
+  x.default_policy = "bogus";
+  bad({100}, {"lru"}, x, "'bogus'");
+  x.default_policy = "belady";
+  bad({100}, {"lru"}, x, "'belady'");
+  x = {};
+  x.max_multiplier = 0.5;
+  bad({100}, {"lru"}, x, "max_multiplier 0.5");
+  x = {};
+  x.multiplier_precision = 0;
+  bad({100}, {"lru"}, x, "multiplier_precision 0");
 }
 
 // An executor whose moves take wall-clock time, as real copies do: completions are held back until they are

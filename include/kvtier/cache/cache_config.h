@@ -2,7 +2,7 @@
 // KVTIER_<PREFIX>_<FIELD>; watermarks as "<prefix>.<tier>_watermarks.low" /
 // ".high"), so that every cache knob is declared once with its doc string and
 // can be set from the environment or a config file. Policy names are checked
-// when set (make_policy names: lru, s3fifo, arc, lrfu[:boost], belady);
+// when set (make_policy names: lru, s3fifo, sieve, arc, lrfu[:boost], belady);
 // write_policy takes write_policy_name values. Cross-field rules (device_blocks
 // >= 1, low <= high, belady's oracle) are CacheManager::create's.
 //

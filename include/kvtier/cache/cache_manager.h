@@ -46,6 +46,11 @@
 // the same blocks to its TransferManager (begin_external_write) for as long
 // as the peer may write them (docs/architecture.md, "P/D receives").
 //
+// Look-ahead (announce(), see "Look-ahead" below CacheConfig): the engine
+// tells the cache which requests wait in its queue (their key chains) and
+// which left it; their indexed blocks are kept over others and prefetched to
+// faster tiers by take_plan(), within a budget.
+//
 // Thread-safety: none; one scheduler thread drives a CacheManager.
 #pragma once
 
@@ -118,6 +123,75 @@ struct CacheConfig {
   bool contiguous_host_runs = true;
   // Only for the offline "belady" policy (replay).
   NextUseOracle next_use_oracle;
+  // Look-ahead (announce()). Moves take_plan() queues per call to bring announced blocks to a faster tier
+  // (storage -> host, host -> device, together); 0: no prefetch (announced blocks are still protected).
+  std::uint32_t lookahead_prefetch_blocks = 64;
+  // Prefetch fills a tier only while its protected copies (resident copies of announced blocks) plus the
+  // look-ahead moves in flight to it stay below this fraction of its capacity; 0: no prefetch.
+  double lookahead_max_fraction = 0.25;
+  // How long, in take_plan() calls, a withdrawn request hinted Continuation::kContinues without a ttl_steps
+  // keeps its chain protected.
+  std::uint32_t lookahead_retain_steps = 512;
+};
+
+// ---- Look-ahead ----
+// A request the engine has queued and not yet scheduled, announced with its key chain (announce()).
+//
+// Protection. Every indexed block whose key is in an active announcement's chain (the prefix of it that is
+// cached: a chain's keys are indexed parent first) is protected: eviction, demotion and drops take
+// unprotected victims first, whatever the tier's policy says, and the watermark evictions of take_plan() never
+// take a protected copy. Protection is a preference, never a refusal: when admit() (or prefetch()) needs room
+// and only protected copies can give it, the least important protected copy goes (lowest priority, then the
+// latest announced, deeper first), so admit() succeeds exactly where it did without announcements
+// (CacheStats::protected_evictions counts those). Blocks indexed after the announce (a key committed later)
+// are protected from the moment they join the index; a block that leaves the index simply stops being
+// protected. A protected copy sits outside its tier's policy until its protection ends, then re-enters it as
+// just used.
+//
+// Prefetch. Each take_plan() walks the queued announcements by priority (higher first), then announce order,
+// and queues, for the cached prefix of each chain, storage -> host fetches (StepPlan::storage_prefetches) and
+// host -> device loads (StepPlan::loads) of blocks not yet admitted, at most lookahead_prefetch_blocks moves
+// per call and only while the target tier's protected copies plus look-ahead moves in flight stay below
+// lookahead_max_fraction of it. Room is made only from free blocks and unprotected, unpinned, settled
+// victims: a prefetch never evicts a block pinned by an admission (a running request) nor a block of any
+// announcement, so a later announcement never displaces an earlier one's blocks. The moves are acked like
+// any other (ack_loads, ack_storage_prefetches); until then the blocks are in flight and match() stops at
+// them (Admission::stopped_at_in_flight: admit a step later, or announce earlier). A prefetched copy nobody
+// admits is an ordinary cached block. A failed prefetch load leaves the block on host (or, if a device
+// block below it was loaded too, turns it and its subtree into misses); a failed storage fetch makes the
+// block and its subtree misses, as for prefetch(); neither is ever served.
+//
+// Hints. Optional, and never able to do harm when wrong. `priority` orders prefetch and the last-resort
+// eviction of protected blocks (a block's rank is the best rank of the announcements that referenced it since
+// it was last unreferenced). `continuation` and `ttl_steps` decide what happens at withdraw(): by default
+// protection ends there; a request hinted kContinues, or given ttl_steps > 0 (a tool call's context), keeps
+// its chain protected (not prefetched) for ttl_steps take_plan() calls (kContinues without ttl_steps:
+// CacheConfig::lookahead_retain_steps), or until a new announcement of the same `conversation_id` (non-zero)
+// takes over; kLastTurn never retains (ttl_steps is ignored). A conversation that ends anyway loses only the
+// retention when it expires, one that returns after kLastTurn is an ordinary hit or miss: expiry drops
+// protection, never data.
+using QueuedId = std::uint64_t;
+
+enum class Continuation : std::uint8_t {
+  kUnknown,    // nothing known: protection ends at withdraw() unless ttl_steps says otherwise
+  kContinues,  // the conversation comes back: keep the chain protected a while after withdraw()
+  kLastTurn,   // its last turn: protection ends at withdraw(), whatever ttl_steps says
+};
+std::string_view continuation_name(Continuation c) noexcept;
+
+struct RequestHints {
+  std::uint64_t conversation_id = 0;  // 0: none
+  Continuation continuation = Continuation::kUnknown;
+  std::uint32_t ttl_steps = 0;  // protection kept after withdraw(), in take_plan() calls; 0: see Continuation
+  std::int32_t priority = 0;    // higher: prefetched first, its protected blocks evicted last
+};
+
+// An announcement as the cache holds it (announcement()).
+struct AnnouncementInfo {
+  RequestHints hints;
+  std::uint32_t keys = 0;
+  bool queued = false;               // false: withdrawn, its chain retained (protected) until expiry
+  std::uint32_t retained_steps = 0;  // take_plan() calls left of the retention (queued: 0)
 };
 
 // Index memory a CacheManager of `config` needs at most (nodes, key index, owners, policy state per
@@ -232,6 +306,13 @@ struct CacheStats {
   std::uint64_t quarantined_blocks = 0;
   // Now: device blocks a peer is writing, and quarantined device blocks (in no pool until acknowledged reclaimable).
   std::uint32_t receiving_device_blocks = 0, quarantined_device_blocks = 0;
+  // Look-ahead, now: announcements queued and withdrawn-but-retained, and protected copies per tier (resident
+  // copies of announced blocks; included in TierStats::resident).
+  std::uint32_t queued_requests = 0, retained_requests = 0;
+  std::array<std::uint32_t, kNumTiers> protected_blocks{};
+  // Look-ahead counters: moves take_plan() queued for announced blocks (also counted in loads_h2d and
+  // storage_prefetches), and copies of protected blocks given up because nothing unprotected could go.
+  std::uint64_t lookahead_loads = 0, lookahead_fetches = 0, protected_evictions = 0;
 };
 
 class CacheManager {
@@ -304,7 +385,26 @@ class CacheManager {
   // the rest of the segment (CacheStats::pressure_demotions grows): call again after their acks.
   Result<std::uint32_t> prefetch(std::span<const BlockKey> keys);
 
-  // Moves queued since the last call, plus watermark evictions.
+  // ---- Look-ahead (see "Look-ahead" above) ----
+  // The engine queued a request whose full blocks have `keys` (a hash chain, as for admit(); it may be empty
+  // and grow with extend_announced()). Its cached blocks are protected from now on and prefetched by
+  // take_plan(). O(1) per key, plus O(log n) per protected resident copy. InvalidArgument (nothing changed)
+  // when the keys are not a hash chain, naming the key.
+  Result<QueuedId> announce(std::span<const BlockKey> keys, const RequestHints& hints = {});
+  // Appends keys to a queued announcement's chain (tokens arrived). NotFound for an unknown id,
+  // FailedPrecondition when it was withdrawn, InvalidArgument when the keys do not continue the chain.
+  Status extend_announced(QueuedId id, std::span<const BlockKey> more_keys);
+  // The request left the queue (scheduled: call it before admit(), or cancelled). Protection ends, or, with
+  // kContinues / ttl_steps, becomes a retention (see Hints). admit() does not depend on it: a request admitted
+  // while still announced is served the same; its blocks just stay protected until the withdraw. NotFound for
+  // an id never announced, FailedPrecondition for one already withdrawn (retained or expired).
+  Status withdraw(QueuedId id);
+  // An announcement's state. NotFound for an id never announced; FailedPrecondition once withdrawn without
+  // retention, or once its retention ended.
+  Result<AnnouncementInfo> announcement(QueuedId id) const;
+
+  // Moves queued since the last call, plus watermark evictions, plus look-ahead prefetches of announced
+  // blocks; it also counts one step of every retention (RequestHints::ttl_steps).
   StepPlan take_plan();
 
   // Completion acknowledgements, by destination block id of each move.

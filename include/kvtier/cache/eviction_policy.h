@@ -10,8 +10,15 @@
 //
 // Policies (make_policy names):
 //   lru        least recently used (intrusive list, O(1); victim() scans past non-evictable nodes).
+//              With the manager's leaf-only predicate this is leaf-first LRU, the order in which vLLM
+//              (free-block queue, a request's blocks freed deepest first) and SGLang (radix tree, least
+//              recently used evictable leaf) evict: accesses are reported deepest first, so a parent is
+//              never older than its children, and only leaves may go.
 //   s3fifo     S3-FIFO (Yang et al., SOSP'23): small FIFO (10%), main FIFO with 2-bit frequency,
 //              ghost FIFO of keys evicted from small; scan resistant.
+//   sieve      SIEVE (Zhang et al., NSDI'24): FIFO queue, a visited bit per entry, and a hand moving from
+//              tail to head that clears visited bits and takes the first unvisited evictable entry; a
+//              hit only sets the bit. O(1) amortized; the hand keeps its place between calls.
 //   arc        ARC (Megiddo & Modha, FAST'03): T1/T2 with ghosts B1/B2 and adaptive target p.
 //   lrfu[:b]   recency-frequency: priority = last access time + b * log2(uses), time in admissions,
 //              uses = AccessInfo::hit_count + 1 (counted per key across residencies); O(1) per operation

@@ -29,6 +29,9 @@
 //   below MIN with bypass at small capacities. It bounds what an eviction
 //   policy can do inside the cache manager; replay_min_bypass bounds any
 //   policy, admission included.
+// - replay_class_ttl: what a policy that keeps blocks for a TTL per class of
+//   use count and reuse distance reaches, in hindsight and cross-validated
+//   (a reference for online policies, not a bound of every one; see below).
 //
 // Thread-safety: functions are reentrant; no shared state.
 #pragma once
@@ -192,15 +195,85 @@ Result<ReplayResult> replay_min_bypass(const std::vector<TraceRequest>& trace, s
 // Hit ratio with unbounded capacity (the ceiling of any policy).
 ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
 
+// ---- Class-TTL bound (cache/replay_bounds.cc) ----
+// The best hit ratio of a policy that knows of a block, at each use, only its use count so far (0..6,
+// capped) and the distance of its last reuse (bit width of the distance in requests), and keeps it for a
+// time-to-live chosen per such class: bench/trace_bounds.py's class_ttl. TTLs come from a geometric grid
+// (2^(k/8) requests); the budget is capacity * requests block-requests of residency (an average occupancy
+// of `capacity`; the class at the margin mixes two TTLs) and hits are counted per block, both of which
+// flatter such a policy; see replay_bounds.cc. Not a bound of every policy: one that uses the prefix
+// structure or finer recency can exceed it.
+//
+// hindsight: TTLs fitted on the whole trace and scored on it (what trace_bounds.py prints); it has seen
+// the answers. cross_validated: the requests are split in two halves (conversation_halves); the TTLs
+// fitted on one half are scored on the other, both ways. Fitting fixes, per class, the TTLs on the hull
+// of that half's (residency, hits) curve and the order in which the classes' TTLs grow (hits per unit
+// of residency, on that half); scoring walks the other half along that order until its own share of the
+// budget (its share of the block uses) is spent, as an online TTL cache lengthens or shortens its TTLs to
+// stay full. A class the fitting half never saw gets TTL 0. cross_validated is hit blocks over all
+// blocks, i.e. the mean of the two halves' hit ratios weighted by their blocks; fold[h] is half h's
+// hit ratio under the TTLs fitted on the other half.
+struct ClassTtlBound {
+  std::uint32_t capacity_blocks = 0;
+  double hindsight = 0;
+  double cross_validated = 0;
+  double fold[2] = {0, 0};
+};
+// Per request, its half (0 or 1) for cross-validation, by conversation: request i continues the
+// conversation of request j when j introduced the deepest of i's cacheable blocks seen before, that
+// block is j's last cacheable block (i re-reads j's whole cacheable input, as a chat's next turn does),
+// and no earlier request continued j (a conversation is a chain of turns; a second continuation, like
+// many requests behind one shared system prompt, starts a conversation of its own). A conversation's
+// half is a hash of its first request's index, so its turns never straddle the halves. Uses
+// block_tokens and cache_partial_blocks of `options`.
+Result<std::vector<std::uint8_t>> conversation_halves(const std::vector<TraceRequest>& trace,
+                                                      const ReplayOptions& options);
+// One result per capacity (each >= 1, else InvalidArgument naming it). `halves`: one 0/1 per request
+// (empty: conversation_halves); another size or value is InvalidArgument. Deterministic; O(block uses
+// * log + classes * grid).
+Result<std::vector<ClassTtlBound>> replay_class_ttl(const std::vector<TraceRequest>& trace,
+                                                    std::span<const std::uint32_t> capacities,
+                                                    const ReplayOptions& options,
+                                                    std::span<const std::uint8_t> halves = {});
+
+// A hit-ratio sweep over single-tier capacities, with the bounds and peers a policy is judged against:
+// - min-bypass (the optimum) and belady (the manager with the oracle, no bypass);
+// - the cross-validated class-TTL bound (replay_class_ttl; hindsight kept alongside);
+// - the peers: leaf-first LRU as vLLM and SGLang evict (kvtier's "lru": the manager only evicts leaves of a
+//   tier and reports a path's accesses deepest first, see eviction_policy.h), S3-FIFO ("s3fifo") and SIEVE
+//   ("sieve"); sweep() adds any of them, and the default policy, that `policies` leaves out;
+// - the default policy's memory multiplier: the capacity it needs to reach min-bypass's hit ratio at C, as
+//   a multiple of C, found by doubling from C then bisection to within `multiplier_precision` (relative),
+//   up to `max_multiplier` (beyond that: not reached). Probes stop at the capacity that holds every
+//   block of the trace (no eviction), where any policy reaches the unbounded hit ratio. The search assumes
+//   the hit ratio grows with capacity; where it does not, it finds a capacity that reaches the target,
+//   bracketed within the precision by one that does not.
+struct SweepOptions {
+  std::string default_policy;          // empty: CacheConfig{}.device_policy
+  double max_multiplier = 16;          // >= 1
+  double multiplier_precision = 0.02;  // > 0
+};
+
+inline constexpr const char* kSweepPeers[] = {"lru", "s3fifo", "sieve"};
+
 struct SweepTable {
   std::vector<std::uint32_t> capacities;           // device blocks, single tier
   std::vector<std::string> policies;               // the online ones, then "belady", "min-bypass"
   std::vector<std::vector<ReplayResult>> results;  // [policy][capacity]
   double unbounded_hit_ratio = 0;
+  std::vector<ClassTtlBound> class_ttl;  // [capacity]
+  std::string default_policy;            // one of `policies`
+  // [capacity]: the default's capacity reaching min-bypass(C), / C; +infinity: not within max_multiplier.
+  std::vector<double> memory_multiplier;
+  // [capacity]: that capacity in blocks (0: not reached).
+  std::vector<std::uint32_t> multiplier_capacity;
+  double max_multiplier = 16, multiplier_precision = 0.02;
 };
 
+// InvalidArgument for no capacities, a capacity 0, an unknown policy or bad SweepOptions, naming the value.
 Result<SweepTable> sweep(const std::vector<TraceRequest>& trace, const std::vector<std::uint32_t>& capacities,
-                         const std::vector<std::string>& policies, const ReplayOptions& options);
+                         const std::vector<std::string>& policies, const ReplayOptions& options,
+                         const SweepOptions& sweep_options = {});
 std::string sweep_markdown(const SweepTable& table, std::uint32_t block_tokens);
 std::string sweep_csv(const SweepTable& table, std::uint32_t block_tokens);
 std::string sweep_svg(const SweepTable& table, std::uint32_t block_tokens);
