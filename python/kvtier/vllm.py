@@ -53,7 +53,8 @@ from urllib.parse import parse_qsl
 
 from . import _native
 from ._engine_config import split_extra_config
-from .errors import InvalidArgumentError, NotSupportedError, ResourceExhaustedError
+from .errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, NotSupportedError,
+                     ResourceExhaustedError)
 
 try:
     import torch  # noqa: F401 (kvtier._chunk_mover's copies)
@@ -74,6 +75,7 @@ try:
         PrepareStoreOutput,
         ReqContext,
         RequestOffloadingContext,
+        ScheduleEndContext,
         TransferResult,
     )
     from vllm.v1.kv_offload.config import OffloadingConfig
@@ -231,6 +233,44 @@ def namespace_of(config: OffloadingConfig, settings: KvtierSettings, rank: int) 
     return "|".join(parts)
 
 
+HINT_ACTION = "kvtier.request_hints"
+
+
+def request_hints(envelope: Any) -> Dict[str, Any]:
+    """kvtier's hints for one request from vLLM's KV hints (``kv_hints`` of the request: an envelope of actions), as
+    keyword arguments of ``CacheManager.announce``. The action is ``action_type`` "kvtier.request_hints" with a
+    payload of any of ``conversation_id`` (an integer, or a string hashed to one), ``continuation`` ("unknown",
+    "continues", "last_turn"), ``ttl_steps`` (protection kept after the request leaves the queue, in scheduler
+    steps) and ``priority`` (an integer, higher first). Hints are advice: a malformed one is logged and ignored,
+    never fails the request."""
+    out: Dict[str, Any] = {}
+    for action in getattr(envelope, "actions", None) or ():
+        if getattr(action, "action_type", None) != HINT_ACTION:
+            continue
+        payload = getattr(action, "payload", None) or {}
+        try:
+            if "conversation_id" in payload:
+                cid = payload["conversation_id"]
+                out["conversation_id"] = (cid if isinstance(cid, int) and not isinstance(cid, bool) else
+                                          int.from_bytes(hashlib.blake2b(str(cid).encode(), digest_size=8).digest(),
+                                                         "little")) & ((1 << 64) - 1)
+            if "continuation" in payload:
+                if payload["continuation"] not in ("unknown", "continues", "last_turn"):
+                    raise ValueError(f"continuation {payload['continuation']!r}")
+                out["continuation"] = payload["continuation"]
+            for name, lo, hi in (("ttl_steps", 0, (1 << 32) - 1), ("priority", -(1 << 31), (1 << 31) - 1)):
+                if name in payload:
+                    v = payload[name]
+                    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                        raise ValueError(f"{name} {v!r}")
+                    out[name] = v
+        except ValueError as e:
+            logger.warning("kvtier.vllm: ignoring the request hints of action %r: %s",
+                         getattr(action, "action_id", "?"), e)
+            return {}
+    return out
+
+
 def object_key(key: bytes) -> str:
     """The kvtier key (32 hex digits) of one vLLM ``OffloadKey`` (block hash + group index)."""
     return hashlib.blake2b(bytes(key), digest_size=16, person=b"kvtier.vllm").hexdigest()
@@ -287,6 +327,10 @@ class KvtierOffloadingManager(OffloadingManager):
         self._pending: Dict[bytes, int] = {}  # being stored: the admission that holds its block
         self._loads: Dict[bytes, List[int]] = {}  # loads in flight: their admissions
         self._orphans: List[str] = []  # evicted objects the next store job deletes
+        # Look-ahead: the stored chunks of requests vLLM looked up but has not scheduled yet, announced to the index
+        # (kept over other chunks when a store must evict), and each request's hints (RequestHints).
+        self._queued: Dict[str, Dict[bytes, int]] = {}
+        self._hints: Dict[str, Dict[str, Any]] = {}
         self._events: Optional[List[OffloadingEvent]] = [] if enable_events else None
         self._info = info.as_config_info() if info is not None else {}
         self.stats = {"stores": 0, "stored": 0, "store_failures": 0, "evicted": 0, "loads": 0, "refused": 0}
@@ -327,7 +371,37 @@ class KvtierOffloadingManager(OffloadingManager):
         k = bytes(key)
         if object_key(k) not in self._chunks:
             return LookupResult.MISS
-        return LookupResult.HIT_PENDING if k in self._pending else LookupResult.HIT
+        if k in self._pending:
+            return LookupResult.HIT_PENDING
+        self._announce(k, req_context)
+        return LookupResult.HIT
+
+    # Look-ahead. vLLM looks a waiting request's chunks up before it schedules it, and says which requests it
+    # scheduled at the end of each step (on_schedule_end): a chunk a waiting request hit is announced to the
+    # index until then, so a store in between evicts other chunks first (as a last resort it may still take it).
+
+    def _announce(self, key: bytes, req_context: ReqContext) -> None:
+        rid = getattr(req_context, "req_id", None)
+        if rid is None:
+            return
+        queued = self._queued.setdefault(rid, {})
+        if key not in queued:
+            queued[key] = self._index.announce([object_key(key)], **self._hints.get(rid, {}))
+
+    def _withdraw(self, rid: str) -> None:
+        for qid in self._queued.pop(rid, {}).values():
+            try:
+                self._index.withdraw(qid)
+            except (FailedPreconditionError, NotFoundError):  # withdrawn already, or the index was reset
+                pass
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        for rid in context.new_req_ids:
+            self._withdraw(rid)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._withdraw(req_context.req_id)
+        self._hints.pop(req_context.req_id, None)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         if self.medium is Medium.CPU:
@@ -421,6 +495,9 @@ class KvtierOffloadingManager(OffloadingManager):
             self._event(done, removed=True, metadata_only=True)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        hints = request_hints(getattr(req_context, "kv_hints", None))
+        if hints:
+            self._hints[req_context.req_id] = hints
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -434,6 +511,7 @@ class KvtierOffloadingManager(OffloadingManager):
         evicted by the tier's own capacity; this index never reports them again. Loads and stores in flight
         complete against nothing."""
         self._index = self._new_index()
+        self._queued.clear()  # the new index holds no announcement
         self._chunks.clear()
         self._pending.clear()
         self._loads.clear()

@@ -173,6 +173,12 @@ cache::MoveKind move_kind(const std::string& kind) {
 }
 
 // A CacheManager's tiers as {"device": {capacity, used, resident}, "host": ..., "storage": ...} in `d`.
+cache::Continuation parse_continuation(const std::string& name) {
+  for (auto c : {cache::Continuation::kUnknown, cache::Continuation::kContinues, cache::Continuation::kLastTurn})
+    if (name == cache::continuation_name(c)) return c;
+  raise_status(InvalidArgument(fmt::format("continuation '{}' is not unknown, continues or last_turn", name)));
+}
+
 void put_tier_stats(nb::dict& d, const cache::CacheStats& s) {
   for (int t = 0; t < cache::kNumTiers; ++t) {
     nb::dict td;
@@ -501,8 +507,64 @@ void bind_cache(nb::module_& m) {
              d["lookup_blocks"] = s.lookup_blocks;
              d["hit_blocks"] = nb::make_tuple(s.hit_blocks[0], s.hit_blocks[1], s.hit_blocks[2]);
              d["resets"] = s.resets;
+             d["queued_requests"] = s.queued_requests;
+             d["retained_requests"] = s.retained_requests;
+             d["protected_blocks"] =
+                 nb::make_tuple(s.protected_blocks[0], s.protected_blocks[1], s.protected_blocks[2]);
+             d["lookahead_loads"] = s.lookahead_loads;
+             d["lookahead_fetches"] = s.lookahead_fetches;
+             d["protected_evictions"] = s.protected_evictions;
              return d;
            })
+      .def(
+          "announce",
+          [](PyCacheManager& p, const std::vector<std::string>& keys, std::uint64_t conversation_id,
+             const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
+            auto k = parse_keys(keys);
+            cache::RequestHints h;
+            h.conversation_id = conversation_id;
+            h.continuation = parse_continuation(continuation);
+            h.ttl_steps = ttl_steps;
+            h.priority = priority;
+            std::lock_guard lock(p.mu);
+            return value_or_raise(p.cm->announce(k, h));
+          },
+          "keys"_a, "conversation_id"_a = 0, "continuation"_a = "unknown", "ttl_steps"_a = 0, "priority"_a = 0,
+          "The engine queued a request with these block keys (a hash chain, hex): its cached blocks are kept over "
+          "others and prefetched to faster tiers by take_plan(). Hints are optional: conversation_id (0: none), "
+          "continuation 'unknown' | 'continues' | 'last_turn', ttl_steps (protection kept after withdraw, in "
+          "take_plan() calls), priority (higher first). Returns the announcement's id.")
+      .def(
+          "extend_announced",
+          [](PyCacheManager& p, std::uint64_t id, const std::vector<std::string>& keys) {
+            auto k = parse_keys(keys);
+            std::lock_guard lock(p.mu);
+            check(p.cm->extend_announced(id, k));
+          },
+          "id"_a, "keys"_a, "Appends keys (tokens arrived) to a queued announcement's chain.")
+      .def(
+          "withdraw",
+          [](PyCacheManager& p, std::uint64_t id) {
+            std::lock_guard lock(p.mu);
+            check(p.cm->withdraw(id));
+          },
+          "id"_a, "The request left the queue (scheduled or cancelled).")
+      .def(
+          "announcement",
+          [](PyCacheManager& p, std::uint64_t id) {
+            std::lock_guard lock(p.mu);
+            const cache::AnnouncementInfo a = value_or_raise(p.cm->announcement(id));
+            nb::dict d;
+            d["keys"] = a.keys;
+            d["queued"] = a.queued;
+            d["retained_steps"] = a.retained_steps;
+            d["conversation_id"] = a.hints.conversation_id;
+            d["continuation"] = std::string(cache::continuation_name(a.hints.continuation));
+            d["ttl_steps"] = a.hints.ttl_steps;
+            d["priority"] = a.hints.priority;
+            return d;
+          },
+          "id"_a)
       .def("check_invariants",
            [](PyCacheManager& p) {
              std::lock_guard lock(p.mu);

@@ -59,6 +59,50 @@ def test_admit_plan_ack_and_prefix_hits():
         cm.match(["not-a-key"])
 
 
+def test_announced_requests_are_prefetched_and_withdrawn():
+    """Look-ahead: a queued request's blocks that sit on host come back to the device ahead of its admission;
+    a withdrawn announcement is gone; bad hints are refused by name."""
+    cm = kvtier.CacheManager(device_blocks=8, host_blocks=16, write_policy="write_back")
+    h = kvtier.KeyHasher("m", block_tokens=2)
+    keys_a = h.keys_for(list(range(4)))  # 2 blocks
+    keys_b = h.keys_for(list(range(100, 116)))  # 8 blocks: the whole device
+
+    def run(keys):
+        adm = cm.admit(keys)
+        plan = cm.take_plan()
+        for kind in ("evictions", "loads"):
+            if plan[kind]:
+                cm.ack(kind, [dst for _, dst, _ in plan[kind]])
+        cm.commit(adm["id"])
+        cm.release(adm["id"])
+
+    run(keys_a)
+    run(keys_b)  # A goes to host
+    assert cm.match(keys_a)["host_blocks"] == 2
+    qid = cm.announce(keys_a, conversation_id=7, continuation="continues", priority=1)
+    info = cm.announcement(qid)
+    assert info["queued"] and info["keys"] == 2 and info["continuation"] == "continues"
+    plan = cm.take_plan()
+    assert sorted(k for _, _, k in plan["loads"]) == sorted(keys_a)  # prefetched, not yet admitted
+    cm.ack("evictions", [dst for _, dst, _ in plan["evictions"]])
+    cm.ack("loads", [dst for _, dst, _ in plan["loads"]])
+    assert cm.match(keys_a)["device_blocks"] == 2
+    s = cm.stats()
+    assert s["queued_requests"] == 1 and s["lookahead_loads"] == 2 and s["protected_blocks"][0] == 2
+    a = cm.admit(keys_a)
+    assert a["device_hit_blocks"] == 2
+    cm.release(a["id"])
+    cm.withdraw(qid)
+    assert cm.stats()["queued_requests"] == 0
+    with pytest.raises(kvtier.FailedPreconditionError):
+        cm.withdraw(qid)
+    with pytest.raises(kvtier.InvalidArgumentError, match="'forever'"):
+        cm.announce(keys_a, continuation="forever")
+    with pytest.raises(kvtier.NotFoundError):
+        cm.announcement(987654)
+    cm.check_invariants()
+
+
 def test_disk_storage_round_trip(tmp_path):
     st = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=process", namespace="model-a")
     key = kvtier.KeyHasher("m", block_tokens=2).keys_for([1, 2])[0]

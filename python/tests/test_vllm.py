@@ -655,6 +655,60 @@ def test_a_refused_store_evicts_nothing(tmp_path, connectors):
     assert sorted(c.lookup(r)[0] for r in reqs) == [0, 1, 1] and c.manager.stats["evicted"] == 1
 
 
+def test_a_waiting_requests_chunks_are_evicted_last(tmp_path, connectors):
+    """Look-ahead: chunks a waiting request hit (looked up, not yet scheduled) are kept when a store must evict;
+    once vLLM scheduled it (on_schedule_end) they are ordinary chunks again."""
+    chunk_on_disk = 4096 + 8192
+    c = connectors(extra(tmp_path, capacity=3 * chunk_on_disk), G1, num_blocks=32)
+    reqs = [c.request(f"r{i}", chunk_hashes(1, f"w{i}")) for i in range(4)]
+    c.kv[0].fill_random(0, range(1, 5))
+    for i in range(3):
+        assert c.finish(c.store(reqs[i], [0], {0: [1 + i]})) == [True]
+    waiting = c.request("waiting", reqs[0].hashes)  # r0's chunk: the least recently used
+    assert c.lookup(waiting)[0] == 1
+    assert c.manager._index.stats()["queued_requests"] == 1
+    assert c.finish(c.store(reqs[3], [0], {0: [4]})) == [True]
+    assert c.manager.stats["evicted"] == 1
+    c.scheduled(waiting)
+    assert c.manager._index.stats()["queued_requests"] == 0
+    assert [c.lookup(r)[0] for r in reqs] == [1, 0, 1, 1], "r1 went, not the waiting request's r0"
+
+
+def test_request_hints_come_from_vllms_kv_hints_and_bad_ones_are_ignored(tmp_path, connectors, caplog):
+    from vllm.v1.kv_hints.protocol import KvHintAction, KvHintsEnvelope
+    from vllm.v1.kv_offload.base import ReqContext
+
+    def envelope(payload):
+        return KvHintsEnvelope(protocol_version="1", message_id="m", actions=[
+            KvHintAction(action_id="a", action_type=kv.HINT_ACTION, action_version="1", payload=payload)])
+
+    assert kv.request_hints(envelope({"conversation_id": 7, "continuation": "continues", "ttl_steps": 5,
+                                      "priority": 2})) == {"conversation_id": 7, "continuation": "continues",
+                                                           "ttl_steps": 5, "priority": 2}
+    assert kv.request_hints(envelope({"conversation_id": "chat-1"}))["conversation_id"] == \
+        kv.request_hints(envelope({"conversation_id": "chat-1"}))["conversation_id"] != 0
+    assert kv.request_hints(None) == {}
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        assert kv.request_hints(envelope({"continuation": "forever"})) == {}
+        assert kv.request_hints(envelope({"priority": "high"})) == {}
+    assert "forever" in caplog.text and "priority" in caplog.text
+    chunk_on_disk = 4096 + 8192
+    c = connectors(extra(tmp_path, capacity=2 * chunk_on_disk), G1, num_blocks=32)
+    r = c.request("r", chunk_hashes(1, "h"))
+    c.kv[0].fill_random(0, [1])
+    assert c.finish(c.store(r, [0], {0: [1]})) == [True]
+    ctx = ReqContext(req_id="hinted", kv_hints=envelope({"conversation_id": 9, "continuation": "last_turn",
+                                                          "priority": 3}))
+    c.manager.on_new_request(ctx)
+    from vllm.v1.kv_offload.base import make_offload_key
+    assert c.manager.lookup(make_offload_key(r.hashes[0], 0), ctx) is kv.LookupResult.HIT
+    (qid,) = c.manager._queued["hinted"].values()
+    info = c.manager._index.announcement(qid)
+    assert (info["conversation_id"], info["continuation"], info["priority"]) == (9, "last_turn", 3)
+    c.manager.on_request_finished(ctx)
+    assert c.manager._index.stats()["queued_requests"] == 0 and "hinted" not in c.manager._hints
+
+
 def test_an_unknown_policy_is_named(tmp_path):
     with pytest.raises(InvalidArgumentError, match="bogus"):
         kv.KvtierOffloadingManager(4, policy="bogus")

@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LookupResult,
     ReqContext,
+    ScheduleEndContext,
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import (
@@ -184,6 +185,11 @@ class Connector:
         gs = range(len(self.groups)) if groups is None else groups
         return [make_offload_key(req.hashes[chunk], g) for g in gs]
 
+    def scheduled(self, req: Request) -> None:
+        """The end of the scheduler step that scheduled ``req`` (vLLM's on_schedule_end, after that step's
+        prepare_store / prepare_load)."""
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=[req.req_id], preempted_req_ids=[]))
+
     def lookup(self, req: Request, groups: Optional[Sequence[int]] = None) -> Tuple[int, List[LookupResult]]:
         """Chunks hit from the start (every group's key a HIT), and the first non-HIT result per group."""
         n = 0
@@ -201,6 +207,7 @@ class Connector:
         gs = list(range(len(self.groups)) if groups is None else groups)
         keys = [make_offload_key(req.hashes[c], g) for g in gs for c in chunks]
         out = self.manager.prepare_store(keys, req.ctx)
+        self.scheduled(req)
         if out is None:
             return None
         if not out.keys_to_store:
@@ -228,6 +235,7 @@ class Connector:
         first_chunk = first_block // self.bpc
         keys = [make_offload_key(req.hashes[c], g) for g in gs for c in range(first_chunk, n_chunks)]
         src = self.manager.prepare_load(keys, req.ctx)
+        self.scheduled(req)
         dst_blocks, sizes, indices = [], [0] * len(self.groups), [0] * len(self.groups)
         for g in gs:
             n_blocks = n_chunks * self.bpc - first_block
