@@ -7,10 +7,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <queue>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -284,9 +287,98 @@ Result<Prepared> prepare(const std::vector<TraceRequest>& trace, const ReplayOpt
   return p;
 }
 
+// Queue-model options, each named with its value when out of range (NaN and infinity included).
+Status check_queue_options(const ReplayOptions& o) {
+  if (o.lookahead && !o.queue_model)
+    return InvalidArgument("replay: lookahead needs queue_model (requests are announced as they enter the queue)");
+  if (!o.queue_model) return Status::Ok();
+  auto positive = [](const char* name, double v) -> Status {
+    if (v > 0.0 && std::isfinite(v)) return Status::Ok();
+    return InvalidArgument(fmt::format("replay: {} {} is not a finite number > 0", name, v));
+  };
+  KVTIER_RETURN_IF_ERROR(positive("load_factor", o.load_factor));
+  KVTIER_RETURN_IF_ERROR(positive("prefill_tokens_per_s", o.prefill_tokens_per_s));
+  KVTIER_RETURN_IF_ERROR(positive("decode_tokens_per_s", o.decode_tokens_per_s));
+  if (o.max_batch == 0) return InvalidArgument("replay: max_batch 0 is not a batch size >= 1");
+  return Status::Ok();
+}
+
+// The discrete-event simulation of the queue model (replay.h, "Queue model"). `serve(i, hit_tokens)` runs
+// request i through the cache at its admission; `step()` runs a take_plan() round, so that announcements
+// are prefetched before the next admission. Only simulated time is used, so results are deterministic.
+template <class Serve, class Step>
+Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& prep, const ReplayOptions& o,
+                      CacheManager& cache, Serve& serve, Step step, ReplayResult& res) {
+  const std::size_t n = trace.size();
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  // A trace is in timestamp order as recorded; a stable sort only guards against one that is not.
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return trace[a].timestamp_ms < trace[b].timestamp_ms; });
+  const std::uint64_t first_ms = n ? trace[order[0]].timestamp_ms : 0;
+  auto arrival = [&](std::size_t k) {
+    return static_cast<double>(trace[order[k]].timestamp_ms - first_ms) / 1000.0 / o.load_factor;
+  };
+  // The keys serve() admits (a request longer than the device is cut to what fits), announced as such.
+  auto admitted_keys = [&](std::size_t i) {
+    std::span<const BlockKey> keys = prep.keys[i];
+    const std::uint32_t cap = cache.config().device_blocks;
+    if (keys.size() + prep.extra[i] > cap) keys = keys.first(cap - std::min(prep.extra[i], cap));
+    return keys;
+  };
+  struct Waiting {
+    std::size_t request;
+    bool announced;
+    QueuedId announcement;
+    double arrived;
+  };
+  std::deque<Waiting> waiting;
+  std::priority_queue<double, std::vector<double>, std::greater<>> finishes;  // running requests' ends
+  double now = 0, prefill_free = 0, depth_area = 0, wait_sum = 0;
+  std::size_t next = 0;
+  while (next < n || !waiting.empty() || !finishes.empty()) {
+    double t = std::numeric_limits<double>::infinity();
+    if (next < n) t = arrival(next);
+    if (!finishes.empty()) t = std::min(t, finishes.top());
+    depth_area += static_cast<double>(waiting.size()) * (t - now);
+    now = t;
+    while (!finishes.empty() && finishes.top() <= now) finishes.pop();
+    bool announced = false;
+    while (next < n && arrival(next) <= now) {
+      const std::size_t i = order[next++];
+      QueuedId id = 0;
+      if (o.lookahead) {
+        KVTIER_ASSIGN_OR_RETURN(id, cache.announce(admitted_keys(i)));
+        ++res.announced_requests;
+        announced = true;
+      }
+      waiting.push_back({i, o.lookahead, id, now});
+    }
+    if (announced) KVTIER_RETURN_IF_ERROR(step());
+    while (!waiting.empty() && finishes.size() < o.max_batch) {
+      const Waiting w = waiting.front();
+      waiting.pop_front();
+      if (w.announced) KVTIER_RETURN_IF_ERROR(cache.withdraw(w.announcement));
+      std::uint64_t hit_tokens = 0;
+      KVTIER_RETURN_IF_ERROR(serve(w.request, hit_tokens));
+      wait_sum += now - w.arrived;
+      const TraceRequest& r = trace[w.request];
+      const std::uint64_t uncached = r.input_length - std::min(hit_tokens, r.input_length);
+      prefill_free = std::max(now, prefill_free) + static_cast<double>(uncached) / o.prefill_tokens_per_s;
+      finishes.push(prefill_free + static_cast<double>(r.output_length) / o.decode_tokens_per_s);
+    }
+    res.max_queue_depth = std::max<std::uint64_t>(res.max_queue_depth, waiting.size());
+  }
+  res.simulated_seconds = now;
+  res.mean_queue_depth = now > 0 ? depth_area / now : 0.0;
+  res.mean_wait_s = n ? wait_sum / static_cast<double>(n) : 0.0;
+  return Status::Ok();
+}
+
 Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared& prep, const ReplayOptions& o,
                          CacheConfig cfg, const std::string& label) {
   auto t0 = std::chrono::steady_clock::now();
+  KVTIER_RETURN_IF_ERROR(check_queue_options(o));
   KVTIER_ASSIGN_OR_RETURN(auto cache, CacheManager::create(std::move(cfg)));
   if (o.metrics) KVTIER_RETURN_IF_ERROR(cache->attach_metrics(*o.metrics, o.metrics_labels));
   if (o.on_kv_events) cache->enable_kv_events(o.block_tokens, o.kv_events_storage_medium);
@@ -363,7 +455,11 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   res.host_blocks = cache->config().host_blocks;
   res.storage_blocks = cache->config().storage_blocks;
   const std::uint32_t bt = o.block_tokens;
-  for (std::size_t i = 0; i < trace.size(); ++i) {
+  // One request through the cache: admit (after a storage prefetch of its prefix), load, commit, release.
+  // hit_tokens: its input tokens served from the cache (what prefill skips).
+  std::uint64_t served = 0;
+  auto serve = [&](std::size_t i, std::uint64_t& hit_tokens) -> Status {
+    hit_tokens = 0;
     const TraceRequest& r = trace[i];
     std::span<const BlockKey> keys = prep.keys[i];
     std::uint32_t extra = prep.extra[i];
@@ -419,7 +515,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     }
     if (!adm.ok()) {
       ++res.failed_admissions;
-      continue;
+      return Status::Ok();
     }
     KVTIER_RETURN_IF_ERROR(drive(adm->id));
     KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(adm->id));
@@ -437,6 +533,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     res.device_hit_tokens += dev_tokens;
     res.host_hit_tokens += dh_tokens - dev_tokens;
     res.storage_hit_tokens += all_tokens - dh_tokens;
+    hit_tokens = all_tokens;
     if (as.failed) {  // a load failed: recompute from scratch (a fresh admission in a real engine)
       KVTIER_RETURN_IF_ERROR(cache->release(adm->id));
     } else {
@@ -451,8 +548,16 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       o.on_request(res, *cache);
     }
     hand_over_events();
-    if (o.check_invariants_every && (i + 1) % o.check_invariants_every == 0)
+    if (o.check_invariants_every && ++served % o.check_invariants_every == 0)
       KVTIER_RETURN_IF_ERROR(cache->check_invariants().with_context(fmt::format("after request {}", i)));
+    return Status::Ok();
+  };
+  if (o.queue_model) {
+    KVTIER_RETURN_IF_ERROR(simulate_queue(
+        trace, prep, o, *cache, serve, [&] { return drive(0); }, res));
+  } else {
+    std::uint64_t hit_tokens = 0;
+    for (std::size_t i = 0; i < trace.size(); ++i) KVTIER_RETURN_IF_ERROR(serve(i, hit_tokens));
   }
   // Drain: report only once every move the replay started is acknowledged (the evictions of the last
   // requests too), and the plans those acknowledgements produce (store-through writes) have run as well.

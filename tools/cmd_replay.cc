@@ -91,6 +91,97 @@ nlohmann::json to_json(const cache::ReplayResult& r) {
           {"seconds", r.seconds}};
 }
 
+// `--queue`: per load factor, the queue model's hit ratio without (and with --lookahead, with) look-ahead,
+// the queue depth and wait, and the same capacity's hit ratio without the queue model for reference.
+int run_load_table(const std::vector<cache::TraceRequest>& trace, const std::string& path,
+                   const cache::ReplayOptions& base, const std::vector<double>& loads, bool lookahead, bool json) {
+  const auto start = std::chrono::steady_clock::now();
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "kvtier replay: %s\n", s.to_string().c_str());
+    return 1;
+  };
+  auto reference = cache::replay_trace(trace, base);
+  if (!reference.ok()) return fail(reference.status());
+  struct Row {
+    double load;
+    cache::ReplayResult plain, ahead;
+  };
+  std::vector<Row> rows;
+  for (double load : loads) {
+    cache::ReplayOptions o = base;
+    o.queue_model = true;
+    o.load_factor = load;
+    Row row{load, {}, {}};
+    auto plain = cache::replay_trace(trace, o);
+    if (!plain.ok()) return fail(plain.status());
+    row.plain = *plain;
+    if (lookahead) {
+      o.lookahead = true;
+      auto ahead = cache::replay_trace(trace, o);
+      if (!ahead.ok()) return fail(ahead.status());
+      row.ahead = *ahead;
+    }
+    rows.push_back(std::move(row));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (json) {
+    nlohmann::json j;
+    j["trace"] = path;
+    j["policy"] = base.policy;
+    j["device_blocks"] = base.device_blocks;
+    j["host_blocks"] = base.host_blocks;
+    j["prefill_tokens_per_s"] = base.prefill_tokens_per_s;
+    j["decode_tokens_per_s"] = base.decode_tokens_per_s;
+    j["max_batch"] = base.max_batch;
+    j["no_queue_hit_ratio"] = reference->hit_ratio();
+    for (const Row& r : rows) {
+      auto side = [](const cache::ReplayResult& x) {
+        return nlohmann::json{{"hit_ratio", x.hit_ratio()},
+                              {"token_hit_ratio", x.token_hit_ratio()},
+                              {"mean_queue_depth", x.mean_queue_depth},
+                              {"max_queue_depth", x.max_queue_depth},
+                              {"mean_wait_s", x.mean_wait_s},
+                              {"simulated_seconds", x.simulated_seconds},
+                              {"failed_admissions", x.failed_admissions}};
+      };
+      nlohmann::json e{{"load", r.load}, {"queue", side(r.plain)}};
+      if (lookahead) e["lookahead"] = side(r.ahead);
+      j["loads"].push_back(e);
+    }
+    j["seconds"] = seconds;
+    std::printf("%s\n", j.dump(2).c_str());
+    return 0;
+  }
+  std::string out = fmt::format("trace: {} ({} requests), policy {}, {} device + {} host blocks\n\n", path,
+                                trace.size(), base.policy, base.device_blocks, base.host_blocks);
+  out += "| load | hit ratio, no queue model | hit ratio, queue |";
+  if (lookahead) out += " hit ratio, queue + look-ahead | look-ahead gain |";
+  out += " mean queue depth | max queue depth | mean wait (s) |\n|---:|---:|---:|";
+  if (lookahead) out += "---:|---:|";
+  out += "---:|---:|---:|\n";
+  for (const Row& r : rows) {
+    out += fmt::format("| {:g}x | {:.4f} | {:.4f} |", r.load, reference->hit_ratio(), r.plain.hit_ratio());
+    if (lookahead) {
+      out += fmt::format(" {:.4f} | {:+.4f} |", r.ahead.hit_ratio(), r.ahead.hit_ratio() - r.plain.hit_ratio());
+      out += fmt::format(" {:.1f} / {:.1f} | {} / {} | {:.1f} / {:.1f} |\n", r.plain.mean_queue_depth,
+                         r.ahead.mean_queue_depth, r.plain.max_queue_depth, r.ahead.max_queue_depth,
+                         r.plain.mean_wait_s, r.ahead.mean_wait_s);
+    } else {
+      out += fmt::format(" {:.1f} | {} | {:.1f} |\n", r.plain.mean_queue_depth, r.plain.max_queue_depth,
+                         r.plain.mean_wait_s);
+    }
+  }
+  out += fmt::format(
+      "\nBlock hit ratio (hit blocks / all blocks). load: arrival-rate multiplier of the trace's timestamps. Service "
+      "model: {:g} uncached prompt tokens/s of prefill (serialized), {:g} output tokens/s per sequence, at most {} "
+      "running (model-level assumptions, not measurements). Queue depth: waiting requests, mean over simulated "
+      "time{}.\n\nload table time {:.1f} s\n",
+      base.prefill_tokens_per_s, base.decode_tokens_per_s, base.max_batch,
+      lookahead ? "; depth and wait as without / with look-ahead" : "", seconds);
+  std::printf("%s", out.c_str());
+  return 0;
+}
+
 bool write_file(const std::string& path, const std::string& text) {
   std::ofstream f(path);
   f << text;
@@ -132,6 +223,12 @@ Action register_replay(CLI::App& app) {
     std::uint32_t tp_gpus = 0;
     std::int64_t failure_rank = -1;
     std::uint64_t rank_deadline_ms = 30000;
+    bool queue = false;
+    std::string loads = "0.5,1,2";
+    bool lookahead = false;
+    double prefill_tps = cache::ReplayOptions{}.prefill_tokens_per_s;
+    double decode_tps = cache::ReplayOptions{}.decode_tokens_per_s;
+    std::uint32_t max_batch = cache::ReplayOptions{}.max_batch;
   };
   auto args = std::make_shared<Args>();
   auto* cmd = app.add_subcommand("replay", "Replay a Mooncake-format trace through the cache manager");
@@ -198,6 +295,20 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--sweep-max-multiplier", args->sweep_max_multiplier,
                   "largest memory multiplier the sweep searches (capacities up to this times each swept one)")
       ->capture_default_str();
+  cmd->add_flag("--queue", args->queue,
+                "queue model: arrivals at the trace's timestamps / each --load, a FIFO queue and a service model; "
+                "prints a load table (hit ratio, queue depth) against the replay without the queue model");
+  cmd->add_option("--load", args->loads, "with --queue: comma-separated arrival-rate multipliers (each > 0)")
+      ->capture_default_str();
+  cmd->add_flag("--lookahead", args->lookahead,
+                "with --queue: also run with look-ahead (each queued request announced until its admission)");
+  // Defaults: model-level assumptions for a 7B model on one H200 (ReplayOptions), not measurements.
+  cmd->add_option("--prefill-tokens-per-s", args->prefill_tps,
+                  "with --queue: uncached prompt tokens prefilled per second (cached tokens cost nothing)")
+      ->capture_default_str();
+  cmd->add_option("--decode-tokens-per-s", args->decode_tps, "with --queue: output tokens per second per sequence")
+      ->capture_default_str();
+  cmd->add_option("--max-batch", args->max_batch, "with --queue: most requests running at once")->capture_default_str();
   cmd->add_option("--out", args->out, "sweep output prefix: PREFIX.md, PREFIX.csv, PREFIX.svg")->capture_default_str();
   cmd->add_option("--check-invariants", args->check_every, "check the index invariants every N requests (slow)");
   cmd->add_option("--metrics-port", args->metrics_port, "serve Prometheus /metrics on 127.0.0.1:PORT while it runs");
@@ -344,6 +455,29 @@ Action register_replay(CLI::App& app) {
     if (!a.storage.empty() && a.host_blocks == 0) {
       std::fprintf(stderr, "kvtier replay: --storage needs a host tier (--host-blocks >= 1)\n");
       return 2;
+    }
+    if (a.lookahead && !a.queue) return bad("--lookahead needs --queue (requests are announced while they wait)");
+    if (a.queue) {
+      if (!a.sweep.empty() || !a.storage.empty()) return bad("--queue runs the fake executor: no --sweep or --storage");
+      std::vector<std::string> load_s;
+      parse_list(a.loads, load_s);
+      if (load_s.empty()) return bad(fmt::format("--load '{}' holds no load factor", a.loads));
+      std::vector<double> loads;
+      for (const auto& l : load_s) {
+        char* end = nullptr;
+        const double v = std::strtod(l.c_str(), &end);
+        if (end != l.c_str() + l.size() || !(v > 0.0) || !std::isfinite(v))
+          return bad(fmt::format("--load value '{}' is not a finite number > 0", l));
+        loads.push_back(v);
+      }
+      for (auto [flag, v] :
+           {std::pair{"--prefill-tokens-per-s", a.prefill_tps}, {"--decode-tokens-per-s", a.decode_tps}})
+        if (!(v > 0.0) || !std::isfinite(v)) return bad(fmt::format("{} {} is not a finite number > 0", flag, v));
+      if (a.max_batch == 0) return bad("--max-batch 0 is not a batch size >= 1");
+      o.prefill_tokens_per_s = a.prefill_tps;
+      o.decode_tokens_per_s = a.decode_tps;
+      o.max_batch = a.max_batch;
+      return run_load_table(*trace, path, o, loads, a.lookahead, a.json);
     }
     if (!a.sweep.empty()) {
       std::vector<std::string> pols;

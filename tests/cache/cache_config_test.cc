@@ -77,7 +77,7 @@ TEST(CacheConfigTable, EveryKnobIsCoveredAndDefaultsAreTheStructs) {
   };
   for (const auto& [name, v] : expected) EXPECT_EQ(all.at(name).default_value, v) << name;
   // Spelled out, so that a changed struct default shows up here too.
-  EXPECT_EQ(all.at("cache.device_policy").default_value, "lru");
+  EXPECT_EQ(all.at("cache.device_policy").default_value, "lrfu");
   EXPECT_EQ(all.at("cache.write_policy").default_value, "write_back");
   EXPECT_EQ(all.at("cache.write_through_threshold").default_value, "2");
   EXPECT_EQ(all.at("cache.write_policy").type, "enum: write_through, write_through_selective, write_back");

@@ -168,28 +168,29 @@ TEST_F(ReplayCli, SweepPrintsBoundsPeersAndTheMemoryMultiplier) {
       "replay --transfer none --max-requests 300 " + kSample + " --sweep 100,400 --sweep-policies lrfu --out '";
   CliRun text = run(args + dir_ + "/sw'");
   ASSERT_EQ(text.rc, 0) << text.out;
-  for (const char* s : {"lru (leaf-first LRU, as vLLM and SGLang) [default]", "| s3fifo |", "| sieve |", "| lrfu |",
-                        "class-TTL bound (cross-validated)", "lru (default) / class-TTL bound",
-                        "lru (default) - best peer", "memory multiplier (lru)", "sweep time"})
+  // No --sweep-default: CacheConfig's default policy, lrfu.
+  for (const char* s : {"| lru (leaf-first LRU, as vLLM and SGLang) |", "| s3fifo |", "| sieve |", "| lrfu [default] |",
+                        "class-TTL bound (cross-validated)", "lrfu (default) / class-TTL bound",
+                        "lrfu (default) - best peer", "memory multiplier (lrfu)", "sweep time"})
     EXPECT_NE(text.out.find(s), std::string::npos) << s << " in: " << text.out;
   std::ifstream csv(dir_ + "/sw.csv");
   std::string header;
   std::getline(csv, header);
   EXPECT_EQ(header,
             "capacity_blocks,capacity_tokens,lrfu,lru,s3fifo,sieve,belady,min-bypass,class_ttl_cv,class_ttl_hindsight,"
-            "memory_multiplier_lru");
-  CliRun js = run(args + dir_ + "/sw2' --json --sweep-default lrfu", false);
+            "memory_multiplier_lrfu");
+  CliRun js = run(args + dir_ + "/sw2' --json --sweep-default lru", false);
   ASSERT_EQ(js.rc, 0) << js.out;
   auto j = nlohmann::json::parse(js.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << js.out;
-  EXPECT_EQ(j["default_policy"], "lrfu");
+  EXPECT_EQ(j["default_policy"], "lru");
   ASSERT_EQ(j["class_ttl"].size(), 2u);
   ASSERT_EQ(j["memory_multiplier"].size(), 2u);
   for (std::size_t c = 0; c < 2; ++c) {
     const double cv = j["class_ttl"][c]["cross_validated"].get<double>();
     EXPECT_GT(cv, 0.0);
     EXPECT_LT(cv, j["results"]["min-bypass"][c]["hit_ratio"].get<double>());
-    // lrfu never reaches MIN at the same capacity: a multiplier above 1, or null (not within 16x).
+    // lru never reaches MIN at the same capacity: a multiplier above 1, or null (not within 16x).
     if (!j["memory_multiplier"][c].is_null()) {
       EXPECT_GT(j["memory_multiplier"][c].get<double>(), 1.0);
     }
@@ -335,6 +336,40 @@ TEST_F(ReplayCli, TensorParallelBadInput) {
   expect_error(run("replay " + kSample + " --max-requests 5 --tp 2 --transfer none"),
                {"--tp 2 needs real transfers", "--transfer none"}, "tp without transfers");
   expect_error(run(base + " --tp 2 --tp-gpus 3"), {"--tp-gpus 3 must be <= --tp 2"}, "more GPUs than ranks");
+}
+
+// `--queue`: a load table per --load, with and without look-ahead, against the replay without the queue
+// model; bad queue flags name the flag and the value.
+TEST_F(ReplayCli, QueuePrintsTheLoadTable) {
+  CliRun r = run("replay --transfer none --host-blocks 0 --device-blocks 200 --max-requests 300 " + kSample +
+                 " --queue --load 0.01,4 --lookahead");
+  ASSERT_EQ(r.rc, 0) << r.out;
+  for (const char* s : {"hit ratio, no queue model", "hit ratio, queue + look-ahead", "mean queue depth", "| 0.01x |",
+                        "| 4x |", "model-level assumptions", "load table time"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << " in: " << r.out;
+  CliRun j = run("replay --transfer none --host-blocks 0 --device-blocks 200 --max-requests 300 " + kSample +
+                     " --queue --load 0.01,4 --json",
+                 /*with_stderr=*/false);
+  ASSERT_EQ(j.rc, 0) << j.out;
+  auto doc = nlohmann::json::parse(j.out, nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << j.out;
+  ASSERT_EQ(doc["loads"].size(), 2u) << j.out;
+  EXPECT_EQ(doc["loads"][0]["queue"]["max_queue_depth"].get<std::uint64_t>(), 0u) << j.out;  // 100x slower: idle
+  EXPECT_GT(doc["loads"][1]["queue"]["max_queue_depth"].get<std::uint64_t>(), 0u) << j.out;
+  EXPECT_FALSE(doc["loads"][0].contains("lookahead")) << j.out;  // only with --lookahead
+  const std::vector<std::pair<std::string, std::vector<std::string>>> bad = {
+      {"--queue --load 0", {"--load", "'0'"}},
+      {"--queue --load 1,x", {"--load", "'x'"}},
+      {"--queue --prefill-tokens-per-s -5", {"--prefill-tokens-per-s", "-5"}},
+      {"--queue --decode-tokens-per-s 0", {"--decode-tokens-per-s", "0"}},
+      {"--queue --max-batch 0", {"--max-batch", "0"}},
+      {"--lookahead", {"--lookahead", "--queue"}},
+  };
+  for (const auto& [args, says] : bad) {
+    CliRun e = run("replay --transfer none --max-requests 5 " + kSample + " " + args);
+    expect_error(e, says, args);
+    EXPECT_EQ(e.rc, 2) << args << ": " << e.out;
+  }
 }
 
 }  // namespace

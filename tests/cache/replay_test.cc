@@ -103,12 +103,13 @@ TEST(Replay, TwoTiersWithInvariantChecksAndInjectedFailures) {
 
 TEST(Replay, SweepTablesAndPlot) {
   ReplayOptions o;
-  auto t = sweep(sample(), {250, 1000}, {"lru", "lrfu"}, o);
+  SweepOptions so;
+  so.default_policy = "lru";  // the columns of a default named explicitly (CacheConfig's is lrfu: below)
+  auto t = sweep(sample(), {250, 1000}, {"lru", "lrfu"}, o, so);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
   // The named policies, then the peers not named (S3-FIFO, SIEVE; lru is leaf-first LRU), then the bounds.
   const std::vector<std::string> want = {"lru", "lrfu", "s3fifo", "sieve", "belady", "min-bypass"};
   ASSERT_EQ(t->policies, want);
-  EXPECT_EQ(t->default_policy, CacheConfig{}.device_policy);
   ASSERT_EQ(t->default_policy, "lru");
   std::string md = sweep_markdown(*t, 512);
   EXPECT_NE(md.find("| 1000 | 512000 |"), std::string::npos) << md;
@@ -175,11 +176,11 @@ TEST(Replay, SweepTablesAndPlot) {
   EXPECT_NE(svg.find("lru (default)"), std::string::npos);
 }
 
-// Another default, a multiplier cap too small to reach MIN, and bad input named.
+// CacheConfig's default policy, a multiplier cap too small to reach MIN, and bad input named.
 TEST(Replay, SweepDefaultAndBadInput) {
   ReplayOptions o;
-  SweepOptions so;
-  so.default_policy = "lrfu";
+  SweepOptions so;  // no default named: CacheConfig's, recency and frequency
+  ASSERT_EQ(CacheConfig{}.device_policy, "lrfu");
   so.max_multiplier = 1.5;
   auto t = sweep(sample(), {250}, {"arc"}, o, so);
   ASSERT_TRUE(t.ok()) << t.status().to_string();

@@ -4,7 +4,8 @@
 //
 // Trace format (one JSON object per line): timestamp (ms), input_length,
 // output_length, hash_ids (one id per block of the input; equal ids = equal
-// prefix blocks). Requests are replayed in file order, one at a time.
+// prefix blocks). Requests are replayed in file order, one at a time, or, with
+// ReplayOptions::queue_model, through a simulated serving queue (see "Queue model").
 //
 // Semantics per request: the keys are the chained keys of its hash_ids; by
 // default only full blocks (input_length / block_tokens of them) are cacheable,
@@ -152,7 +153,34 @@ struct ReplayOptions {
   // request's events (one step's batch; none when empty) are handed over after the request.
   std::function<void(std::vector<metrics::KvEvent>)> on_kv_events;
   metrics::Medium kv_events_storage_medium = metrics::Medium::kDisk;
+
+  // ---- Queue model (see "Queue model" below) ----
+  // Off: requests are served one after another in file order, none waits. On: a discrete-event
+  // simulation of one serving instance, so queue depth follows load.
+  bool queue_model = false;
+  // Arrival-rate multiplier: request i arrives at (timestamp_i - timestamp_0) / load_factor ms (2: twice
+  // the trace's rate). > 0.
+  double load_factor = 1.0;
+  // Service model. The defaults are model-level assumptions for a 7B model on one H200, not measurements:
+  // uncached prompt tokens per second of prefill (cached tokens cost nothing), output tokens per second of
+  // each decoding sequence, and the most requests running (prefilling or decoding) at once. All > 0.
+  double prefill_tokens_per_s = 20000;
+  double decode_tokens_per_s = 50;
+  std::uint32_t max_batch = 64;
+  // With queue_model: announce each request's key chain (CacheManager::announce) when it enters the
+  // waiting queue and withdraw it just before its admission.
+  bool lookahead = false;
 };
+
+// Queue model (ReplayOptions::queue_model). Requests arrive at their scaled timestamps (ties in file order;
+// arrival order is timestamp order, file order among equals) into one FIFO waiting queue. Whenever fewer
+// than max_batch requests run, the head is admitted: the replay's usual admit / plan / ack / commit flow
+// (its blocks are committed and released at admission, as without the queue model, so running requests pin
+// nothing: capacity is the cache's alone). Its prefill then takes (input tokens not hit) /
+// prefill_tokens_per_s, serialized in admission order on one prefill server (a request admitted while
+// another prefills starts after it), then it decodes output_length tokens at decode_tokens_per_s and
+// leaves, freeing its batch slot. Arrivals and completions at the same instant: completions first, then
+// arrivals, then admissions. Deterministic: simulated time only, no wall clock.
 
 struct ReplayResult {
   std::string policy;
@@ -172,6 +200,11 @@ struct ReplayResult {
   // (prefetched blocks at their ack, host blocks read by loads), and those that did not match.
   std::uint64_t verified_blocks = 0, verification_failures = 0;
   double seconds = 0;
+  // Queue model only: waiting-queue depth averaged over simulated time and its maximum after each
+  // instant's admissions, the mean wait from arrival to admission, the simulated span (first arrival to
+  // last completion), and requests announced (look-ahead).
+  double mean_queue_depth = 0, mean_wait_s = 0, simulated_seconds = 0;
+  std::uint64_t max_queue_depth = 0, announced_requests = 0;
 
   std::uint64_t hit_blocks() const { return device_hit_blocks + host_hit_blocks + storage_hit_blocks; }
   double hit_ratio() const { return total_blocks ? double(hit_blocks()) / double(total_blocks) : 0.0; }
@@ -183,6 +216,8 @@ struct ReplayResult {
   }
 };
 
+// InvalidArgument, naming the value, for queue-model options out of range (checked only with queue_model)
+// and for lookahead without queue_model.
 Result<ReplayResult> replay_trace(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
 // Single tier of capacity_blocks through the cache manager with the oracle policy "belady" (MIN
 // without bypass, see above); other fields of `options` as given.
