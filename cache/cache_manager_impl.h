@@ -433,9 +433,15 @@ struct CacheManager::Impl {
   bool ensure_device_free(std::uint32_t need);
   // Device blocks that evictions could free now, by the policy-independent definition: settled,
   // unpinned device copies with no pinned or in-flight device block below them (leaves, or
-  // leaves once their device subtree went). O(nodes). Counting stops at `enough`.
+  // leaves once their device subtree went). Counting stops at `enough`: a short walk over childless device
+  // copies proves `enough` in the common case; otherwise O(nodes).
   std::uint32_t reclaimable_device_blocks(std::uint32_t enough) const;
+  // blocked[id] = 1 for every node at or above a pinned or in-flight node on (or bound for) the device.
+  void mark_blocked_device(std::vector<std::uint8_t>& blocked) const;
   mutable std::vector<std::uint8_t> blocked_scratch;
+  // The node at which reclaimable_device_blocks()'s quick count of device leaves resumes (a rotating start, so
+  // that successive admissions do not rescan the same nodes).
+  mutable NodeId reclaim_cursor = 1;
   bool evict_one_host_background();
   void store_through(NodeId id);
   void backup(NodeId id);

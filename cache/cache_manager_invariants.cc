@@ -224,6 +224,15 @@ Status CacheManager::check_invariants() const {
     if (!found_self) return Internal(fmt::format("node {} missing from its parent's children", id));
     if (ct != n.child_tier) return Internal(fmt::format("node {} child tier counts stale", id));
   }
+  // reclaimable_device_blocks() counts leaves of the device tier without the full pass: none may be blocked.
+  std::vector<std::uint8_t> blocked;
+  s.mark_blocked_device(blocked);
+  for (NodeId id = 1; id < s.nodes.size(); ++id)
+    if (s.device_evictable(id) && blocked[id])
+      return Internal(
+          fmt::format("node {} is a leaf of the device tier with a pinned or in-flight device block "
+                      "below it",
+                      id));
   if (live_attached != s.map.size())
     return Internal(fmt::format("index has {} keys but {} attached nodes", s.map.size(), live_attached));
   for (int t = 0; t < kNumTiers; ++t) {
