@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "kvtier/cache/eviction_policy.h"
+#include "kvtier/backend/eviction_policy.h"
 
 namespace kvtier::cache {
 namespace {

@@ -1,4 +1,4 @@
-#include "kvtier/cache/eviction_policy.h"
+#include "kvtier/backend/eviction_policy.h"
 
 #include <fmt/format.h>
 

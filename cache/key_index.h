@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <vector>
 
+#include "kvtier/backend/eviction_policy.h"
 #include "kvtier/cache/block_key.h"
-#include "kvtier/cache/eviction_policy.h"
 
 namespace kvtier::cache {
 

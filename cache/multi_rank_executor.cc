@@ -11,17 +11,6 @@
 namespace kvtier::cache {
 namespace {
 
-const char* kind_name(MoveKind kind) {
-  switch (kind) {
-    case MoveKind::kEviction: return "eviction";
-    case MoveKind::kBackup: return "backup";
-    case MoveKind::kLoad: return "load";
-    case MoveKind::kStorageWrite: return "storage write";
-    case MoveKind::kStoragePrefetch: return "storage prefetch";
-  }
-  return "move";
-}
-
 std::array<std::pair<MoveKind, const std::vector<BlockMove>*>, 5> move_lists(const StepPlan& plan) {
   return {{{MoveKind::kEviction, &plan.evictions},
            {MoveKind::kBackup, &plan.backups},
@@ -58,7 +47,7 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
         return InvalidArgument(fmt::format(
             "MultiRankPlanExecutor: {} move to block {} is already in flight (a destination is reused before "
             "its move was acknowledged)",
-            kind_name(kind), m.dst));
+            move_kind_name(kind), m.dst));
     }
   if (refs.empty()) return Status::Ok();
   const Clock::time_point deadline = now() + options_.move_deadline;
@@ -159,36 +148,8 @@ std::vector<Completion> MultiRankPlanExecutor::poll() {
     finish(ref,
            TimedOut(fmt::format("{} move to block {}: rank(s) {} of {} did not report within {} ms (its bytes there "
                                 "are unknown: the block is a miss)",
-                                kind_name(ref.kind), ref.dst, missing, n, ms)),
+                                move_kind_name(ref.kind), ref.dst, missing, n, ms)),
            out);
-  }
-  return out;
-}
-
-FaultInjectingPlanExecutor::FaultInjectingPlanExecutor(PlanExecutor& inner, Options options)
-    : inner_(inner), options_(std::move(options)), rng_(options_.seed) {}
-
-std::vector<Completion> FaultInjectingPlanExecutor::poll() {
-  std::vector<Completion> out;
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (Completion& c : inner_.poll()) {
-    if (!c.status.ok() || options_.failure_rate <= 0) {
-      out.push_back(std::move(c));
-      continue;
-    }
-    Completion ok{c.kind, {}, Status::Ok()};
-    Completion bad{c.kind, {}, Status(options_.code, fmt::format("injected {} failure", kind_name(c.kind)))};
-    for (BlockId b : c.dst) {
-      if (u(rng_) < options_.failure_rate) {
-        bad.dst.push_back(b);
-        ++injected_;
-        if (options_.on_fail) options_.on_fail(c.kind, b);
-      } else {
-        ok.dst.push_back(b);
-      }
-    }
-    if (!ok.dst.empty()) out.push_back(std::move(ok));
-    if (!bad.dst.empty()) out.push_back(std::move(bad));
   }
   return out;
 }

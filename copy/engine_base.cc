@@ -9,7 +9,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+
+#include "kvtier/backend/copy_backend.h"
 
 namespace kvtier {
 
@@ -60,11 +63,11 @@ CopyDirection copy_direction(MemoryKind src, MemoryKind dst) noexcept {
 
 Result<std::unique_ptr<CopyEngine>> CopyEngine::create(Device& device, const CopyEngineOptions& options) {
   KVTIER_RETURN_IF_ERROR(copy_detail::EngineBase::check_options(options));
-  switch (device.backend()) {
-    case BackendKind::kHost: return copy_detail::create_host_copy_engine(device, options);
-    case BackendKind::kCuda: return copy_detail::create_cuda_copy_engine(device, options);
-  }
-  return InvalidArgument(fmt::format("unknown device backend {}", static_cast<int>(device.backend())));
+  const auto* backend = static_cast<const CopyBackend*>(device.extension(CopyBackend::kExtension));
+  if (backend == nullptr)
+    return NotSupported(
+        fmt::format("device '{}' ({} backend) offers no copy engine", device.name(), backend_name(device.backend())));
+  return backend->create_engine(device, options);
 }
 
 namespace copy_detail {
@@ -238,10 +241,43 @@ Status EngineBase::note_enqueued(StreamState& st, Stream& stream, CopyDirection 
 }
 
 Result<CopyReport> EngineBase::copy(const CopyRequest& r, Stream& stream) {
+  KVTIER_RETURN_IF_ERROR(validate_request(r, device_.ordinal()));
+  return copy_valid(r, stream);
+}
+
+Result<PreparedCopy> EngineBase::prepare(const CopyRequest& request) const {
+  KVTIER_RETURN_IF_ERROR(validate(request));
+  PreparedCopy prepared;
+  prepared.request_ = request;
+  prepared.request_.checksums = nullptr;
+  prepared.engine_ = this;
+  return prepared;
+}
+
+Result<CopyReport> EngineBase::copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
+                                    std::uint64_t* checksums) {
+  if (prepared.engine_ != this)
+    return InvalidArgument(prepared.engine_ == nullptr ? std::string("copy of a PreparedCopy that was never prepared")
+                                                       : std::string("copy of a PreparedCopy of another copy engine"));
+  CopyRequest r = prepared.request_;
+  r.checksums = checksums;
+  if (!layers.empty()) {
+    if (!r.layers.empty())
+      for (std::size_t i = 0; i < layers.size(); ++i)
+        if (std::find(r.layers.begin(), r.layers.end(), layers[i]) == r.layers.end())
+          return InvalidArgument(fmt::format("layer {} at index {} is not one of the prepared request's {} layers",
+                                             layers[i], i, r.layers.size()));
+    r.layers = layers;
+    KVTIER_RETURN_IF_ERROR(validate_layers(r));
+  }
+  return copy_valid(r, stream);
+}
+
+// The body of copy() for a request that passed validation.
+Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) {
   if (&stream.device() != &device_)
     return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
                                        stream.id(), stream.device().name(), device_.name()));
-  KVTIER_RETURN_IF_ERROR(validate_request(r, device_.ordinal()));
   if (r.checksums != nullptr && r.strategy != CopyStrategy::kAuto && r.strategy != CopyStrategy::kSmKernel)
     return InvalidArgument(
         fmt::format("a checksummed copy runs the sm_kernel strategy, not {}", copy_strategy_name(r.strategy)));

@@ -153,6 +153,9 @@ class EngineBase : public CopyEngine {
 
   Status validate(const CopyRequest& request) const override;
   Result<CopyReport> copy(const CopyRequest& request, Stream& stream) override;
+  Result<PreparedCopy> prepare(const CopyRequest& request) const override;
+  Result<CopyReport> copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
+                          std::uint64_t* checksums) override;
   CopyStrategy choose(const CopyRequest& request) const override;
   Result<CopyReport> checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
                               std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
@@ -223,14 +226,12 @@ class EngineBase : public CopyEngine {
   Result<DescriptorSlot*> acquire_slot(StreamState& st, std::uint64_t bytes);
   Status note_enqueued(StreamState& st, Stream& stream, CopyDirection dir);
   std::uint32_t ctas_for(CopyDirection dir) const noexcept;
+  // copy() of a request that passed validation (copy(request) and copy(prepared, ...)).
+  Result<CopyReport> copy_valid(const CopyRequest& r, Stream& stream);
 
   SplitTuner tuner_;
   mutable std::mutex map_mu_;
   std::map<std::uint64_t, std::shared_ptr<StreamState>> streams_;
 };
-
-// Factories of the backends (engine_base.cc dispatches on Device::backend()).
-Result<std::unique_ptr<CopyEngine>> create_host_copy_engine(Device& device, const CopyEngineOptions& options);
-Result<std::unique_ptr<CopyEngine>> create_cuda_copy_engine(Device& device, const CopyEngineOptions& options);
 
 }  // namespace kvtier::copy_detail

@@ -160,6 +160,45 @@ Status check_byte_overlap(const CopyRequest& r) {
 
 }  // namespace
 
+Status validate_layers(const CopyRequest& r) {
+  const KvLayout& layout = r.src->layout();
+  // Layers: in range, no duplicates.
+  if (!r.layers.empty()) {
+    auto& bm = thread_bitmap(layout.num_layers());
+    Status st;
+    std::size_t set = 0;
+    for (; set < r.layers.size(); ++set) {
+      const std::uint32_t l = r.layers[set];
+      if (l >= layout.num_layers()) {
+        st = OutOfRange(fmt::format("layer {} at index {} is outside [0, {})", l, set, layout.num_layers()));
+        break;
+      }
+      if (test_and_set(bm, l)) {
+        st = InvalidArgument(fmt::format("layer {} appears twice in the layer list (index {})", l, set));
+        ++set;
+        break;
+      }
+    }
+    for (std::size_t i = 0; i < set && i < r.layers.size(); ++i)
+      if (r.layers[i] < layout.num_layers()) bm[r.layers[i] >> 6] = 0;
+    KVTIER_RETURN_IF_ERROR(st);
+  }
+  // Roles: at least one selected plane.
+  bool any_plane = false;
+  for (std::uint32_t l = 0; l < layout.num_layers() && !any_plane; ++l) {
+    if (!layer_selected(r, l)) continue;
+    for (const RoleLayout& role : layout.layer(l).roles)
+      if (r.roles & role_bit(role.role)) {
+        any_plane = true;
+        break;
+      }
+  }
+  if (!any_plane)
+    return InvalidArgument(
+        fmt::format("role mask {:#x} selects no (layer, role) plane of layout {}", r.roles, layout.describe()));
+  return Status::Ok();
+}
+
 Status validate_request(const CopyRequest& r, int device_ordinal, bool read_only) {
   if (r.src == nullptr) return InvalidArgument("copy request has a null src BlockSpace");
   if (r.dst == nullptr) return InvalidArgument("copy request has a null dst BlockSpace");
@@ -206,40 +245,7 @@ Status validate_request(const CopyRequest& r, int device_ordinal, bool read_only
   if (static_cast<unsigned>(r.strategy) >= static_cast<unsigned>(kNumCopyStrategies))
     return InvalidArgument(fmt::format("invalid copy strategy value {}", static_cast<int>(r.strategy)));
 
-  // Layers: in range, no duplicates.
-  if (!r.layers.empty()) {
-    auto& bm = thread_bitmap(layout.num_layers());
-    Status st;
-    std::size_t set = 0;
-    for (; set < r.layers.size(); ++set) {
-      const std::uint32_t l = r.layers[set];
-      if (l >= layout.num_layers()) {
-        st = OutOfRange(fmt::format("layer {} at index {} is outside [0, {})", l, set, layout.num_layers()));
-        break;
-      }
-      if (test_and_set(bm, l)) {
-        st = InvalidArgument(fmt::format("layer {} appears twice in the layer list (index {})", l, set));
-        ++set;
-        break;
-      }
-    }
-    for (std::size_t i = 0; i < set && i < r.layers.size(); ++i)
-      if (r.layers[i] < layout.num_layers()) bm[r.layers[i] >> 6] = 0;
-    KVTIER_RETURN_IF_ERROR(st);
-  }
-  // Roles: at least one selected plane.
-  bool any_plane = false;
-  for (std::uint32_t l = 0; l < layout.num_layers() && !any_plane; ++l) {
-    if (!layer_selected(r, l)) continue;
-    for (const RoleLayout& role : layout.layer(l).roles)
-      if (r.roles & role_bit(role.role)) {
-        any_plane = true;
-        break;
-      }
-  }
-  if (!any_plane)
-    return InvalidArgument(
-        fmt::format("role mask {:#x} selects no (layer, role) plane of layout {}", r.roles, layout.describe()));
+  KVTIER_RETURN_IF_ERROR(validate_layers(r));
 
   if (r.src_blocks.empty()) return Status::Ok();
   KVTIER_RETURN_IF_ERROR(check_ids(r.src_blocks, r.src->num_blocks(), "src"));

@@ -129,6 +129,9 @@ struct PlanSummary {
 // on it. Uses thread-local scratch bitmaps (no allocation in steady state).
 // `read_only`: the request only reads its src blocks (checksums): no
 // destination checks.
+// The layer list (in range, no repeats) and the role mask (at least one selected plane) of a request whose spaces
+// are set: the part of validate_request that a prepared request's later layer subsets still need.
+Status validate_layers(const CopyRequest& request);
 Status validate_request(const CopyRequest& request, int device_ordinal, bool read_only = false);
 // Checksummed requests: every selected plane 16-byte aligned on both sides, block sizes multiples of 16.
 Status check_checksum_alignment(std::span<const SelectedPlane> planes);

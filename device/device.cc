@@ -1,13 +1,9 @@
-#include "kvtier/device/device.h"
+#include "kvtier/backend/device.h"
 
 #include <fmt/format.h>
 
 #include <atomic>
 #include <memory>
-#include <utility>
-
-#include "kvtier/device/cuda_device.h"
-#include "kvtier/device/host_device.h"
 
 namespace kvtier {
 namespace {
@@ -38,14 +34,6 @@ Result<Buffer> Device::adopt_device_memory(void* data, std::uint64_t bytes) {
   if (reinterpret_cast<std::uintptr_t>(data) + bytes < reinterpret_cast<std::uintptr_t>(data))
     return InvalidArgument(fmt::format("adopt_device_memory: {} + {} bytes wraps around", data, bytes));
   return Buffer(data, bytes, MemoryKind::kDevice, [] {});
-}
-
-Result<std::unique_ptr<Device>> open_default_device(bool prefer_cuda, int ordinal) {
-  if (prefer_cuda && cuda_device_count() > 0) return create_cuda_device(ordinal);
-  HostDeviceOptions options;
-  options.ordinal = ordinal;
-  KVTIER_ASSIGN_OR_RETURN(auto host, HostDevice::create(options));
-  return std::unique_ptr<Device>(std::move(host));
 }
 
 }  // namespace kvtier

@@ -38,8 +38,8 @@
 #include <functional>
 #include <memory>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/core/status.h"
-#include "kvtier/device/device.h"
 
 namespace kvtier::detail {
 

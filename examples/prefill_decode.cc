@@ -14,10 +14,10 @@
 #include <memory>
 #include <vector>
 
+#include "kvtier/backend/transport.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
 #include "kvtier/transport/pd.h"
-#include "kvtier/transport/transport.h"
 
 namespace {
 

@@ -17,9 +17,9 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/plan_executor.h"
 #include "kvtier/cache/storage_executor.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/core/layout.h"

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "fuzz/fuzz_util.h"
-#include "kvtier/cache/replay.h"
+#include "sim/replay.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace kvtier;

@@ -58,9 +58,9 @@
 #include <string_view>
 #include <vector>
 
+#include "kvtier/backend/storage_backend.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
-#include "kvtier/storage/storage_backend.h"
 
 namespace kvtier::storage::format {
 

@@ -1,4 +1,4 @@
-#include "kvtier/storage/storage_backend.h"
+#include "kvtier/backend/storage_backend.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>

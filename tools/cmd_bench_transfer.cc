@@ -39,9 +39,9 @@
 #include "kvtier/device/host_device.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "sim/bench_compute.h"
 #include "tools/cli.h"
 #include "tools/cpu_time.h"
-#include "transfer/bench_compute.h"
 
 extern char** environ;
 

@@ -19,14 +19,15 @@
 
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/cache/multi_rank_executor.h"
-#include "kvtier/cache/replay.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/metrics/http_server.h"
 #include "kvtier/metrics/zmq_publisher.h"
+#include "kvtier/testing/plan_executors.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "sim/replay.h"
 #include "tools/cli.h"
 #include "tools/replay_metrics.h"
 

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/replay.h"
 #include "kvtier/metrics/registry.h"
+#include "sim/replay.h"
 
 namespace kvtier::cli {
 

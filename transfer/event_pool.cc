@@ -1,4 +1,4 @@
-#include "kvtier/transfer/event_pool.h"
+#include "transfer/event_pool.h"
 
 #include <mutex>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "kvtier/transfer/hazard_tracker.h"
+#include "transfer/hazard_tracker.h"
 
 #include <fmt/format.h>
 

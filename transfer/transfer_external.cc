@@ -75,7 +75,8 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
     // write's `done` may still wait for a staging copy): waited for below, before the peer may write.
     dev_hazards_->hazards_for_write(device_blocks, HazardTracker::kNoStream, waits);
 
-    task->start(next_id_++, TaskKind::kExternalWrite, device_blocks, events, bytes, std::move(options.on_layer),
+    task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+    task->start(next_id_++, TaskKind::kExternalWrite, events, bytes, std::move(options.on_layer),
                 std::move(options.on_done));
     task->layers = std::move(order);
 

@@ -28,9 +28,9 @@
 #include <utility>
 #include <vector>
 
-#include "kvtier/transfer/event_pool.h"
-#include "kvtier/transfer/hazard_tracker.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "transfer/event_pool.h"
+#include "transfer/hazard_tracker.h"
 
 namespace kvtier::transfer_detail {
 
@@ -43,6 +43,8 @@ struct TaskRec {
   std::vector<std::int32_t> host_blocks;
   // Loads: the layers in order; evicts: empty (one slot covers all layers).
   std::vector<std::uint32_t> layers;
+  // Evicts and loads: the copy over the lists above, checked once at submission; each layer is posted from it.
+  PreparedCopy copy;
   std::vector<LayerState> slot_state;
   std::vector<Status> slot_status;
   std::vector<EventLease> slot_event;
@@ -71,13 +73,12 @@ struct TaskRec {
   std::size_t num_slots() const { return slot_state.size(); }
 
   // The fields every kind starts with: `events.size()` pending slots (one per layer, or one for an eviction),
-  // the device blocks, the payload and callbacks, and a fresh origin of the bytes it writes.
-  void start(TaskId task_id, TaskKind task_kind, std::span<const std::int32_t> device, std::vector<EventLease> events,
-             std::uint64_t payload, LayerCallback layer_cb, TaskCallback done_cb) {
+  // the payload and callbacks, and a fresh origin of the bytes it writes (device_blocks is set before).
+  void start(TaskId task_id, TaskKind task_kind, std::vector<EventLease> events, std::uint64_t payload,
+             LayerCallback layer_cb, TaskCallback done_cb) {
     const std::size_t n = events.size();
     id = task_id;
     kind = task_kind;
-    device_blocks.assign(device.begin(), device.end());
     slot_state.assign(n, TaskState::kPending);
     slot_visible.assign(n, false);
     slot_status.assign(n, Status::Ok());

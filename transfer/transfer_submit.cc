@@ -72,14 +72,20 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(host_blocks, "evict_to_host_async host_blocks"));
+  // The task's own lists, checked once here; the worker posts the copy prepared over them.
+  auto task = std::make_shared<TaskRec>();
+  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
   {
     CopyRequest req;
     req.src = &device_space_;
     req.dst = &host_space_;
-    req.src_blocks = device_blocks;
-    req.dst_blocks = host_blocks;
+    req.src_blocks = task->device_blocks;
+    req.dst_blocks = task->host_blocks;
     req.strategy = config_.evict_strategy;
-    KVTIER_RETURN_IF_ERROR(engine_->validate(req).with_context("evict_to_host_async"));
+    auto prepared = engine_->prepare(req);
+    if (!prepared.ok()) return prepared.status().with_context("evict_to_host_async");
+    task->copy = *prepared;
   }
 
   std::lock_guard<std::mutex> submit(submit_mu_);
@@ -97,13 +103,11 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
   KVTIER_RETURN_IF_ERROR(device_.record(*e_c, after));
   SubmitJob job;
   job.waits.add(e_c);
-  auto task = std::make_shared<TaskRec>();
   dev_hazards_->hazards_for_read(device_blocks, out_id, job.waits, &task->sources);
   host_hazards_->hazards_for_write(host_blocks, out_id, job.waits);
 
-  task->start(next_id_++, TaskKind::kEvict, device_blocks, {e_o},
-              device_space_.layout().total_block_bytes() * device_blocks.size(), nullptr, options.on_done);
-  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
+  task->start(next_id_++, TaskKind::kEvict, {e_o}, device_space_.layout().total_block_bytes() * device_blocks.size(),
+              nullptr, options.on_done);
 
   // 2. e_o, recorded by the submission after the copy: the device blocks are
   //    busy until it, the host blocks written at it.
@@ -129,17 +133,26 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
   KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(device_blocks, "load_layers_to_device_async device_blocks"));
-  KVTIER_ASSIGN_OR_RETURN(std::vector<std::uint32_t> order, layer_order(layout, layers, "load_layers_to_device_async"));
+  KVTIER_ASSIGN_OR_RETURN(std::vector<std::uint32_t> ordered,
+                          layer_order(layout, layers, "load_layers_to_device_async"));
+  // The task's own lists, checked once here; the worker posts each layer from the copy prepared over them.
+  auto task = std::make_shared<TaskRec>();
+  task->device_blocks.assign(device_blocks.begin(), device_blocks.end());
+  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
+  task->layers = std::move(ordered);
   {
     CopyRequest req;
     req.src = &host_space_;
     req.dst = &device_space_;
-    req.src_blocks = host_blocks;
-    req.dst_blocks = device_blocks;
-    req.layers = order;
+    req.src_blocks = task->host_blocks;
+    req.dst_blocks = task->device_blocks;
+    req.layers = task->layers;
     req.strategy = config_.load_strategy;
-    KVTIER_RETURN_IF_ERROR(engine_->validate(req).with_context("load_layers_to_device_async"));
+    auto prepared = engine_->prepare(req);
+    if (!prepared.ok()) return prepared.status().with_context("load_layers_to_device_async");
+    task->copy = *prepared;
   }
+  const std::vector<std::uint32_t>& order = task->layers;
   const std::size_t n = order.size();
   std::uint64_t bytes = 0;
   for (std::uint32_t l : order)
@@ -155,15 +168,11 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
     KVTIER_ASSIGN_OR_RETURN(e, pool_->acquire());
   }
   const std::uint64_t in_id = in_->id();
-  auto task = std::make_shared<TaskRec>();
   SubmitJob job;
   host_hazards_->hazards_for_read(host_blocks, in_id, job.waits, &task->sources);
   dev_hazards_->hazards_for_write(device_blocks, in_id, job.waits);
 
-  task->start(next_id_++, TaskKind::kLoad, device_blocks, events, bytes, std::move(options.on_layer),
-              std::move(options.on_done));
-  task->host_blocks.assign(host_blocks.begin(), host_blocks.end());
-  task->layers = std::move(order);
+  task->start(next_id_++, TaskKind::kLoad, events, bytes, std::move(options.on_layer), std::move(options.on_done));
 
   for (const auto& e : events) gate_.expect(e.get());
   // The last layer's event completes every layer (one stream, in order).
@@ -235,12 +244,6 @@ void TransferManagerImpl::run_job(SubmitWorker& w, SubmitJob& job) {
     }
   }
   const bool load = t.kind == TaskKind::kLoad;
-  CopyRequest req;
-  req.src = load ? &host_space_ : &device_space_;
-  req.dst = load ? &device_space_ : &host_space_;
-  req.src_blocks = load ? t.host_blocks : t.device_blocks;
-  req.dst_blocks = load ? t.device_blocks : t.host_blocks;
-  req.strategy = load ? config_.load_strategy : config_.evict_strategy;
   bool broken = false;  // a record failed and the stream was drained: enqueue nothing more
   const std::size_t n = events.size();
   for (std::size_t k = 0; k < n; ++k) {
@@ -249,8 +252,9 @@ void TransferManagerImpl::run_job(SubmitWorker& w, SubmitJob& job) {
     if (st.ok() && broken)
       st = Aborted(fmt::format("layer {} not enqueued: the device failed earlier in this load", t.layers[k]));
     if (st.ok()) {
-      if (load) req.layers = std::span<const std::uint32_t>(&t.layers[k], 1);
-      auto report = engine_->copy(req, stream);
+      // A load posts its layers one at a time; an eviction copies every layer at once.
+      const auto layers = load ? std::span<const std::uint32_t>(&t.layers[k], 1) : std::span<const std::uint32_t>();
+      auto report = engine_->copy(t.copy, layers, stream);
       if (!report.ok())
         st = report.status().with_context(load ? fmt::format("load layer {}", t.layers[k])
                                                : std::string("evict_to_host_async"));

@@ -5,7 +5,7 @@
 #include <memory>
 #include <utility>
 
-#include "kvtier/transport/transport.h"
+#include "kvtier/backend/transport.h"
 
 namespace kvtier::transport::detail {
 

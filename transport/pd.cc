@@ -51,9 +51,9 @@
 #include <thread>
 
 #include "core/parallel_loop.h"
+#include "kvtier/backend/device.h"
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/log.h"
-#include "kvtier/device/device.h"
 
 namespace kvtier::transport {
 
@@ -598,6 +598,8 @@ class Endpoint {
     std::vector<std::unique_ptr<Event>> pieces;    // ring lane, per piece: its copy and checksums are done
     std::vector<std::int32_t> local_ids, peer_ids;
     std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
+    // The moving side's copy over every layer, checked once (lane_copy_layer); cleared when the ids change.
+    std::optional<PreparedCopy> prepared;
     std::uint64_t n = 0;
     std::uint64_t capacity = 0;  // checksums the buffers hold
     std::uint64_t* device_at(std::uint32_t layer, std::uint32_t list = 0) const {
@@ -645,6 +647,7 @@ class Endpoint {
     lb->local_ids.assign(local.begin(), local.end());
     lb->peer_ids.assign(peer.begin(), peer.end());
     lb->peer.reset();
+    lb->prepared.reset();
     return lb;
   }
 
@@ -652,6 +655,7 @@ class Endpoint {
   void recycle_lane(std::unique_ptr<LaneBuffers> lb) {
     if (!lb) return;
     lb->peer.reset();
+    lb->prepared.reset();
     std::lock_guard lock(lane_pool_mu_);
     if (lane_pool_.size() < kLanePoolSize) lane_pool_.push_back(std::move(lb));
   }
@@ -693,15 +697,29 @@ class Endpoint {
     return dev.record(*lb.events[layer], *lane_stream_);
   }
 
-  // The moving side's verification: the layer's copy `r` (its checksums into list 0) on the lane stream, then on
+  // One layer of the transfer's copy `all` (its request over every layer) on the lane stream, checksums into
+  // `checksums`. The request is checked once per transfer, not per layer: the ids of thousands of blocks cost as
+  // much to check as a small layer takes to move.
+  Status lane_copy_layer(LaneBuffers& lb, const CopyRequest& all, std::uint32_t layer, std::uint64_t* checksums) {
+    const CopyRequest* had = lb.prepared ? &lb.prepared->request() : nullptr;
+    if (had == nullptr || had->src != all.src || had->dst != all.dst ||
+        had->src_blocks.data() != all.src_blocks.data() || had->dst_blocks.data() != all.dst_blocks.data() ||
+        had->src_blocks.size() != all.src_blocks.size()) {
+      KVTIER_ASSIGN_OR_RETURN(PreparedCopy prepared, options_.engine->prepare(all));
+      lb.prepared = prepared;
+    }
+    const std::uint32_t layers[1] = {layer};
+    return options_.engine->copy(*lb.prepared, layers, *lane_stream_, checksums).status();
+  }
+
+  // The moving side's verification: the layer's copy (of `all`, checksums into list 0) on the lane stream, then on
   // the verify stream, once the copy is done, a read-only pass over the destinations `to` / `to_ids` (list 1),
   // both lists to the host and the layer's event. The read-back of layer l overlaps the copy of layer l + 1.
-  Status copy_and_read_back(LaneBuffers& lb, std::uint32_t layer, CopyRequest r, const BlockSpace& to,
+  Status copy_and_read_back(LaneBuffers& lb, std::uint32_t layer, const CopyRequest& all, const BlockSpace& to,
                             std::span<const std::int32_t> to_ids) {
     Device& dev = lane_device();
     const std::uint32_t layers[1] = {layer};
-    r.checksums = lb.device_at(layer, 0);
-    KVTIER_RETURN_IF_ERROR(options_.engine->copy(r, *lane_stream_));
+    KVTIER_RETURN_IF_ERROR(lane_copy_layer(lb, all, layer, lb.device_at(layer, 0)));
     KVTIER_RETURN_IF_ERROR(dev.record(*lb.copied[layer], *lane_stream_));
     KVTIER_RETURN_IF_ERROR(dev.wait(*verify_stream_, *lb.copied[layer]));
     KVTIER_RETURN_IF_ERROR(
@@ -1265,12 +1283,11 @@ class Prefill final : public PdPrefill, public Endpoint {
       return;
     }
     if (x.req->mode == PdMode::kPush) {
-      CopyRequest r{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, layer, kAllRoles, CopyStrategy::kSmKernel};
+      const CopyRequest all{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
       if (x.req->mover_verifies) {
-        s = copy_and_read_back(lb, li, r, *lb.peer, lb.peer_ids);
+        s = copy_and_read_back(lb, li, all, *lb.peer, lb.peer_ids);
       } else {
-        r.checksums = lb.device_at(li);
-        s = options_.engine->copy(r, *lane_stream_).status();
+        s = lane_copy_layer(lb, all, li, lb.device_at(li));
         if (s.ok()) s = finish_lane_layer(lb, li);
       }
     } else {
@@ -1677,8 +1694,11 @@ class Decode final : public PdDecode, public Endpoint {
           for (std::size_t i = 0; s.ok() && i < src.size(); ++i) {
             if (src[i] > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
               s = OutOfRange(fmt::format("prefill block id {} does not fit the copy engine's 32-bit ids", src[i]));
-            else
+            else if (x.lane->peer_ids[i] != static_cast<std::int32_t>(src[i])) {
+              // Another list than the one the lane's copy was checked with: check it again.
               x.lane->peer_ids[i] = static_cast<std::int32_t>(src[i]);
+              x.lane->prepared.reset();
+            }
           }
           if (!s.ok()) {
             fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane read", id, layer)));
@@ -1722,12 +1742,11 @@ class Decode final : public PdDecode, public Endpoint {
               .status();
       if (s.ok()) s = finish_lane_layer(lb, layer);
     } else {
-      CopyRequest r{from, &blocks_, lb.peer_ids, lb.local_ids, layers, kAllRoles, CopyStrategy::kSmKernel};
+      const CopyRequest all{from, &blocks_, lb.peer_ids, lb.local_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
       if (read_back) {
-        s = copy_and_read_back(lb, layer, r, blocks_, lb.local_ids);
+        s = copy_and_read_back(lb, layer, all, blocks_, lb.local_ids);
       } else {
-        r.checksums = lb.device_at(layer);
-        s = options_.engine->copy(r, *lane_stream_).status();
+        s = lane_copy_layer(lb, all, layer, lb.device_at(layer));
         if (s.ok()) s = finish_lane_layer(lb, layer);
       }
     }

@@ -14,7 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kvtier/transport/transport.h"
+#include "kvtier/backend/transport.h"
 
 namespace kvtier::transport::detail {
 

@@ -21,12 +21,12 @@
 #include <vector>
 
 #include "engine_bridge.h"
+#include "kvtier/backend/storage_backend.h"
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/cache/hybrid_cache.h"
 #include "kvtier/core/config.h"
-#include "kvtier/storage/storage_backend.h"
 #include "kvtier/storage/storage_config.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"

@@ -9,8 +9,8 @@
 #include <optional>
 #include <string>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/core/status.h"
-#include "kvtier/device/device.h"
 #include "kvtier/transfer/registration.h"
 
 namespace kvtier::python {

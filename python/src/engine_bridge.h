@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
-#include "kvtier/device/device.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "status_bridge.h"
 

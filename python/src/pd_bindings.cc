@@ -29,12 +29,12 @@
 #include <vector>
 
 #include "device_bridge.h"
+#include "kvtier/backend/transport.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/transfer/registration.h"
 #include "kvtier/transport/ipc.h"
 #include "kvtier/transport/pd.h"
 #include "kvtier/transport/pd_staged.h"
-#include "kvtier/transport/transport.h"
 #include "pd_bridge.h"
 #include "status_bridge.h"
 

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "device_bridge.h"
+#include "kvtier/backend/transport.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/transport/pd.h"
 #include "kvtier/transport/pd_staged.h"
-#include "kvtier/transport/transport.h"
 #include "status_bridge.h"
 
 namespace kvtier::python {

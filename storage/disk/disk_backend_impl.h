@@ -32,7 +32,7 @@
 
 #include "kvtier/core/log.h"
 #include "kvtier/storage/disk_backend.h"
-#include "kvtier/storage/disk_fault.h"
+#include "kvtier/testing/disk_fault.h"
 #include "storage/region_set.h"
 
 namespace kvtier::storage::disk {

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "kvtier/storage/disk_fault.h"
+#include "kvtier/testing/disk_fault.h"
 #include "storage/disk/disk_backend_impl.h"
 
 namespace kvtier::storage::disk {

@@ -19,7 +19,7 @@
 #include <mutex>
 #include <vector>
 
-#include "kvtier/storage/disk_fault.h"
+#include "kvtier/testing/disk_fault.h"
 #include "storage/disk/disk_backend_impl.h"
 #include "storage/object_format.h"
 

@@ -1,4 +1,4 @@
-#include "kvtier/storage/disk_fault.h"
+#include "kvtier/testing/disk_fault.h"
 
 #include <fcntl.h>
 #include <linux/falloc.h>

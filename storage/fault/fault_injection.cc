@@ -1,4 +1,4 @@
-#include "kvtier/storage/fault_injection.h"
+#include "kvtier/testing/fault_injection.h"
 
 #include <fmt/format.h>
 

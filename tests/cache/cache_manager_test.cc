@@ -5,7 +5,8 @@
 #include <algorithm>
 #include <set>
 
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/backend/plan_executor.h"
+#include "kvtier/testing/plan_executors.h"
 #include "tests/cache/cache_test_util.h"
 
 namespace kvtier::cache {

@@ -12,8 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/metrics/registry.h"
+#include "kvtier/testing/plan_executors.h"
 
 namespace kvtier::cache {
 namespace {

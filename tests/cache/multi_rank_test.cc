@@ -16,10 +16,11 @@
 
 #include "cache_test_util.h"
 #include "kvtier/cache/multi_rank_executor.h"
-#include "kvtier/cache/replay.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/host_device.h"
+#include "kvtier/testing/plan_executors.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "sim/replay.h"
 
 namespace kvtier::cache {
 namespace {

@@ -7,8 +7,9 @@
 #include <random>
 #include <set>
 
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/testing/plan_executors.h"
 #include "tests/cache/cache_test_util.h"
 
 namespace kvtier::cache {

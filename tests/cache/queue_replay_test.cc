@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "kvtier/cache/replay.h"
+#include "sim/replay.h"
 
 namespace kvtier::cache {
 namespace {

@@ -12,9 +12,10 @@
 #include <set>
 #include <string>
 
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/plan_executor.h"
 #include "kvtier/metrics/registry.h"
+#include "kvtier/testing/plan_executors.h"
 #include "tests/cache/cache_test_util.h"
 
 namespace kvtier::cache {

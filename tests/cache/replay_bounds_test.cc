@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "kvtier/cache/replay.h"
+#include "sim/replay.h"
 
 namespace kvtier::cache {
 namespace {

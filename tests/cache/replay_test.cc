@@ -1,4 +1,4 @@
-#include "kvtier/cache/replay.h"
+#include "sim/replay.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -7,7 +7,8 @@
 #include <cmath>
 #include <filesystem>
 
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/backend/plan_executor.h"
+#include "kvtier/testing/plan_executors.h"
 
 namespace kvtier::cache {
 namespace {

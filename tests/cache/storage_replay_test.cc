@@ -10,9 +10,10 @@
 #include <string>
 #include <thread>
 
-#include "kvtier/cache/replay.h"
 #include "kvtier/cache/storage_executor.h"
-#include "kvtier/storage/fault_injection.h"
+#include "kvtier/testing/fault_injection.h"
+#include "kvtier/testing/plan_executors.h"
+#include "sim/replay.h"
 #include "tests/storage/storage_test_util.h"
 
 namespace kvtier::cache {

@@ -10,10 +10,10 @@
 #include <cstdlib>
 #include <string>
 
-#include "kvtier/cache/replay.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "sim/replay.h"
 #include "tests/storage/storage_test_util.h"
 
 namespace kvtier::cache {

@@ -7,10 +7,10 @@
 #include <chrono>
 #include <string>
 
-#include "kvtier/cache/replay.h"
 #include "kvtier/cache/transfer_executor.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "sim/replay.h"
 
 namespace kvtier::cache {
 namespace {

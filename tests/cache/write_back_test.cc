@@ -14,11 +14,12 @@
 #include <string>
 #include <thread>
 
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/plan_executor.h"
-#include "kvtier/cache/replay.h"
 #include "kvtier/cache/storage_executor.h"
-#include "kvtier/storage/fault_injection.h"
+#include "kvtier/testing/fault_injection.h"
+#include "kvtier/testing/plan_executors.h"
+#include "sim/replay.h"
 #include "tests/cache/cache_test_util.h"
 #include "tests/storage/storage_test_util.h"
 

@@ -23,9 +23,9 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
-#include "kvtier/device/device.h"
 #include "kvtier/device/host_device.h"
 
 namespace kvtier::copy_test {
@@ -528,6 +528,59 @@ TEST_F(CopyEngineTest, LayerSubsetsAndRoleMasks) {
         EXPECT_EQ(rep.planes, (layers.empty() ? 5 : layers.size()) * planes_per_layer);
         if (HasFailure()) return;
       }
+}
+
+// A request prepared once and posted a layer at a time (as a load is) lands the same bytes as one copy of it; only
+// the layer list is checked at each post.
+TEST_F(CopyEngineTest, PreparedCopyPostsLayersOneAtATime) {
+  auto layout = KvLayout::uniform(4, 2, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 32);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 32);
+  ASSERT_TRUE(dev && host);
+  fill_random(*host, 21);
+  fill_poison(*dev);
+  auto s = random_ids(32, 12, 22);
+  auto d = random_ids(32, 12, 23);
+  const std::vector<std::uint32_t> layers{3, 0, 2};  // layer 1 is not part of it
+  for (CopyStrategy strategy : kStrategies) {
+    SCOPED_TRACE(copy_strategy_name(strategy));
+    CopyRequest r{&host->space, &dev->space, s, d, layers, kAllRoles, strategy};
+    if (!engine_->validate(r).ok()) continue;  // a strategy this direction does not support
+    auto prepared = engine_->prepare(r);
+    ASSERT_TRUE(prepared.ok()) << prepared.status().to_string();
+    for (std::uint32_t l : layers) {
+      const std::uint32_t one[1] = {l};
+      auto rep = engine_->copy(*prepared, one, *stream_);
+      ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    }
+    ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+    model_copy(*host, *dev, r);
+    expect_matches_model(*dev);
+    if (HasFailure()) return;
+  }
+  auto prepared = engine_->prepare(CopyRequest{&host->space, &dev->space, s, d, layers, kAllRoles});
+  ASSERT_TRUE(prepared.ok());
+  const std::uint32_t not_prepared[1] = {1};
+  Status st = engine_->copy(*prepared, not_prepared, *stream_).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("layer 1 at index 0"), std::string::npos) << st.to_string();
+  const std::uint32_t twice[2] = {2, 2};
+  st = engine_->copy(*prepared, twice, *stream_).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_EQ(engine_->copy(PreparedCopy{}, {}, *stream_).status().code(), StatusCode::kInvalidArgument);
+  auto other = CopyEngine::create(*device_);
+  ASSERT_TRUE(other.ok());
+  st = (*other)->copy(*prepared, {}, *stream_).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("another copy engine"), std::string::npos) << st.to_string();
+  // An invalid request is refused at prepare(), naming the bad id.
+  std::vector<std::int32_t> bad = d;
+  bad[3] = 99;
+  auto refused = engine_->prepare(CopyRequest{&host->space, &dev->space, s, bad, layers, kAllRoles});
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange) << refused.status().to_string();
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  expect_matches_model(*dev);  // nothing refused wrote anything
 }
 
 TEST_F(CopyEngineTest, HostLayoutsAndInterleavedDevice) {

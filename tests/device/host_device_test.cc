@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/device/cuda_device.h"
-#include "kvtier/device/device.h"
 #include "tests/device/device_test_util.h"
 
 namespace kvtier {

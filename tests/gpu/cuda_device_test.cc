@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "device/cuda/cuda_check.h"
-#include "device/cuda/gpu_gate.h"
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/gpu_gate.h"
 
 namespace kvtier {
 namespace {

@@ -11,9 +11,9 @@
 
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/replay.h"
 #include "kvtier/metrics/kv_events.h"
 #include "kvtier/metrics/registry.h"
+#include "sim/replay.h"
 
 namespace kvtier::cache {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "kvtier/metrics/registry.h"
 #include "kvtier/storage/disk_backend.h"
-#include "kvtier/storage/disk_fault.h"
 #include "kvtier/storage/storage_tier.h"
+#include "kvtier/testing/disk_fault.h"
 #include "storage/storage_test_util.h"
 
 namespace kvtier::storage {

@@ -9,7 +9,7 @@
 //   - the backend keeps working once the faults stop.
 // Run with buffered I/O (the object is fdatasynced) and with O_DIRECT where the filesystem takes
 // it (the directory fsync covers the data on ext4/XFS).
-#include "kvtier/storage/disk_fault.h"
+#include "kvtier/testing/disk_fault.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

@@ -13,8 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kvtier/backend/storage_backend.h"
 #include "kvtier/storage/redis_backend.h"
-#include "kvtier/storage/storage_backend.h"
 #include "storage/fake_redis.h"
 #include "storage/storage_test_util.h"
 

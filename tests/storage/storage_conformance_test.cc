@@ -14,9 +14,9 @@
 #include <thread>
 
 #include "kvtier/storage/disk_backend.h"
-#include "kvtier/storage/fault_injection.h"
 #include "kvtier/storage/memory_backend.h"
 #include "kvtier/storage/redis_backend.h"
+#include "kvtier/testing/fault_injection.h"
 #include "storage/object_format.h"
 #include "storage/storage_test_util.h"
 

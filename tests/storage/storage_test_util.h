@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "kvtier/storage/storage_backend.h"
+#include "kvtier/backend/storage_backend.h"
 
 namespace kvtier::storage::testing {
 

@@ -7,9 +7,9 @@
 #include <cstring>
 
 #include "kvtier/device/host_device.h"
-#include "kvtier/transfer/event_pool.h"
-#include "kvtier/transfer/hazard_tracker.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "transfer/event_pool.h"
+#include "transfer/hazard_tracker.h"
 
 namespace kvtier {
 namespace {

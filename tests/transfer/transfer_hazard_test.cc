@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "kvtier/device/host_device.h"
-#include "kvtier/transfer/hazard_tracker.h"
 #include "kvtier/transfer/transfer_manager.h"
+#include "transfer/hazard_tracker.h"
 #include "transfer/transfer_model.h"
 #include "transfer/transfer_test_util.h"
 

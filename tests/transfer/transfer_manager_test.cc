@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "kvtier/device/host_device.h"
-#include "kvtier/transfer/hazard_tracker.h"
+#include "transfer/hazard_tracker.h"
 #include "transfer/transfer_model.h"
 #include "transfer/transfer_test_util.h"
 

@@ -6,8 +6,8 @@
 #include <memory>
 #include <vector>
 
+#include "kvtier/backend/transport.h"
 #include "kvtier/core/layout.h"
-#include "kvtier/transport/transport.h"
 #include "transport/forwarding_transport.h"
 
 namespace kvtier::transport::testing {

@@ -11,8 +11,8 @@
 #include <random>
 #include <thread>
 
+#include "kvtier/backend/transport.h"
 #include "kvtier/transport/ipc.h"
-#include "kvtier/transport/transport.h"
 #include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 

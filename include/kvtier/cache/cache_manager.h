@@ -62,9 +62,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kvtier/backend/eviction_policy.h"
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/block_pool.h"
-#include "kvtier/cache/eviction_policy.h"
 #include "kvtier/core/status.h"
 #include "kvtier/metrics/kv_events.h"
 #include "kvtier/metrics/registry.h"

@@ -102,9 +102,9 @@
 #include <utility>
 #include <vector>
 
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/plan_executor.h"
 #include "kvtier/core/status.h"
 #include "kvtier/metrics/kv_events.h"
 #include "kvtier/metrics/registry.h"

@@ -54,7 +54,7 @@
 #include <random>
 #include <vector>
 
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/core/status.h"
 
 namespace kvtier::cache {
@@ -113,34 +113,6 @@ class MultiRankPlanExecutor final : public PlanExecutor {
   std::vector<Completion> ready_;                          // failed at execute(), reported at the next poll
   std::vector<RankStats> stats_;
   std::uint64_t seq_ = 0, completed_moves_ = 0, failed_moves_ = 0, timed_out_moves_ = 0;
-};
-
-// Wraps a rank's executor and fails a random fraction of its moves (seeded):
-// the wrapped executor runs them, but their completions are reported with
-// `code`, as if the rank's copy had failed. Injects failures on one rank of a
-// MultiRankPlanExecutor (the real TransferManager's stream errors are sticky,
-// which would end a replay). `on_fail` sees every move it failed.
-class FaultInjectingPlanExecutor final : public PlanExecutor {
- public:
-  struct Options {
-    double failure_rate = 0.0;  // 0..1
-    std::uint64_t seed = 1;
-    StatusCode code = StatusCode::kDataLoss;
-    std::function<void(MoveKind, BlockId)> on_fail;
-  };
-  // `inner` must outlive the wrapper.
-  FaultInjectingPlanExecutor(PlanExecutor& inner, Options options);
-
-  Status execute(const StepPlan& plan) override { return inner_.execute(plan); }
-  std::vector<Completion> poll() override;
-
-  std::uint64_t injected() const noexcept { return injected_; }
-
- private:
-  PlanExecutor& inner_;
-  Options options_;
-  std::mt19937_64 rng_;
-  std::uint64_t injected_ = 0;
 };
 
 }  // namespace kvtier::cache

@@ -26,7 +26,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/storage/storage_tier.h"
 
 namespace kvtier::cache {

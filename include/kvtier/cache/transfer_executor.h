@@ -27,7 +27,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kvtier/cache/plan_executor.h"
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/transfer/transfer_manager.h"
 
 namespace kvtier::cache {

@@ -162,9 +162,9 @@
 #include <span>
 #include <string_view>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
-#include "kvtier/device/device.h"
 
 namespace kvtier {
 
@@ -384,10 +384,32 @@ struct CopyReport {
   std::uint32_t lanes = 0;     // split: DMA lane streams used
 };
 
+namespace copy_detail {
+class EngineBase;
+}  // namespace copy_detail
+
+// A request that CopyEngine::prepare() checked once, then copied a part of its layers at a time without its
+// block lists being checked again: a load of 32 layers posts each layer on its turn, and its ids, spaces and
+// overlaps were checked when it was submitted. It keeps the request's pointers and spans: the spaces, the block
+// lists and the layer list must stay alive and unchanged while it is used. It belongs to the engine that prepared
+// it (another engine refuses it). Cheap to copy.
+class PreparedCopy {
+ public:
+  PreparedCopy() = default;
+  const CopyRequest& request() const noexcept { return request_; }
+
+ private:
+  friend class copy_detail::EngineBase;
+  CopyRequest request_;
+  const void* engine_ = nullptr;
+};
+
 class CopyEngine {
  public:
-  // Picks the implementation from device.backend(): HostDevice -> host
-  // executors; CUDA -> CUDA executors (NotSupported when built without CUDA).
+  // The engine of the device's backend, which the device offers as an
+  // extension (kvtier/backend/copy_backend.h): the host backend's executors on
+  // a HostDevice, the CUDA executors on a CUDA device. NotSupported for a
+  // device that offers none.
   static Result<std::unique_ptr<CopyEngine>> create(Device& device, const CopyEngineOptions& options = {});
   virtual ~CopyEngine() = default;
 
@@ -397,6 +419,15 @@ class CopyEngine {
   // Returns once enqueued; never waits for the copy (it may wait for one of
   // its own descriptor slots, see the file comment).
   virtual Result<CopyReport> copy(const CopyRequest& request, Stream& stream) = 0;
+  // Validates `request` as validate() does and returns it prepared for copy(prepared, ...). Its `checksums`
+  // field is not kept: each copy of the prepared request names its own.
+  virtual Result<PreparedCopy> prepare(const CopyRequest& request) const = 0;
+  // Enqueues the copy of `layers` of a prepared request (empty: all of the request's layers), as copy() would
+  // with the request's layer list replaced by `layers` and its checksums by `checksums` (nullptr: none). Only the
+  // layer list is checked: each in range, none twice, each one of the request's layers (any layer when the request
+  // selected every layer), and at least one plane selected; the block lists are not checked again.
+  virtual Result<CopyReport> copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
+                                  std::uint64_t* checksums = nullptr) = 0;
   // The strategy kAuto would pick for this request now (the request must be
   // valid; an invalid one gets kDmaPerRun).
   virtual CopyStrategy choose(const CopyRequest& request) const = 0;

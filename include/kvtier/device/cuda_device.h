@@ -14,7 +14,7 @@
 
 #include <memory>
 
-#include "kvtier/device/device.h"
+#include "kvtier/backend/device.h"
 
 namespace kvtier {
 

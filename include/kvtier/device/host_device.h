@@ -53,7 +53,7 @@
 #include <string>
 #include <string_view>
 
-#include "kvtier/device/device.h"
+#include "kvtier/backend/device.h"
 
 namespace kvtier {
 
@@ -79,6 +79,8 @@ class HostDevice final : public Device {
   ~HostDevice() override;
 
   BackendKind backend() const noexcept override { return BackendKind::kHost; }
+  // Offers the host backend's copy engine (CopyBackend::kExtension).
+  const void* extension(std::string_view id) const noexcept override;
   int ordinal() const noexcept override;
   std::string name() const override;
   int multiprocessor_count() const noexcept override;

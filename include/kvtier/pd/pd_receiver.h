@@ -64,9 +64,9 @@
 #include <memory>
 #include <vector>
 
+#include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_manager.h"
-#include "kvtier/cache/plan_executor.h"
 #include "kvtier/core/status.h"
 #include "kvtier/transfer/transfer_manager.h"
 #include "kvtier/transport/pd.h"

@@ -52,7 +52,7 @@
 #include <memory>
 #include <string>
 
-#include "kvtier/storage/storage_backend.h"
+#include "kvtier/backend/storage_backend.h"
 
 namespace kvtier::storage {
 

@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "kvtier/storage/storage_backend.h"
+#include "kvtier/backend/storage_backend.h"
 
 namespace kvtier::storage {
 

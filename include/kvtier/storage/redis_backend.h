@@ -53,7 +53,7 @@
 #include <string_view>
 #include <vector>
 
-#include "kvtier/storage/storage_backend.h"
+#include "kvtier/backend/storage_backend.h"
 
 namespace kvtier::storage {
 

@@ -35,10 +35,10 @@
 #include <span>
 #include <vector>
 
+#include "kvtier/backend/storage_backend.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
 #include "kvtier/metrics/registry.h"
-#include "kvtier/storage/storage_backend.h"
 
 namespace kvtier::storage {
 

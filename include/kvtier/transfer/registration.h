@@ -28,9 +28,9 @@
 #include <string_view>
 #include <vector>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
-#include "kvtier/device/device.h"
 
 namespace kvtier {
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <string_view>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/core/config.h"
-#include "kvtier/device/device.h"
 #include "kvtier/transfer/transfer_manager.h"
 
 namespace kvtier {

@@ -141,10 +141,10 @@
 #include <string>
 #include <vector>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
-#include "kvtier/device/device.h"
 #include "kvtier/metrics/registry.h"
 #include "kvtier/transfer/registration.h"
 

@@ -25,7 +25,7 @@
 #include <functional>
 #include <string>
 
-#include "kvtier/transport/transport.h"
+#include "kvtier/backend/transport.h"
 
 namespace kvtier::transport {
 

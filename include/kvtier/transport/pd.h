@@ -89,10 +89,10 @@
 #include <memory>
 #include <vector>
 
+#include "kvtier/backend/transport.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
-#include "kvtier/transport/transport.h"
 
 namespace kvtier::transport {
 

@@ -41,10 +41,10 @@
 #include <memory>
 #include <vector>
 
+#include "kvtier/backend/device.h"
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
-#include "kvtier/device/device.h"
 #include "kvtier/transport/pd.h"
 
 namespace kvtier::transport {

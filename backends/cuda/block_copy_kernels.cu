@@ -1,0 +1,203 @@
+// SM gather/scatter copy kernel. Decomposition and alignment split:
+// copy/kernel_plan.h (the host backend runs the same decomposition).
+//
+// Accesses: streaming loads/stores (__ldcs / __stcs: evict-first, so moving KV
+// does not flush the compute kernels' L2 working set); host memory is reached
+// through its mapped (UVA) address. Each lane keeps kUnroll loads in flight
+// before storing, to cover PCIe read latency with few CTAs.
+//
+// Programmatic dependent launch (sm_90+): a launch with `programmatic` set may
+// start while the kernel before it on the stream still runs. Every CTA first
+// waits for that kernel to complete and its memory to be visible
+// (griddepcontrol.wait), so stream order holds for every byte; what overlaps
+// is the launch and the CTAs' start-up, the gap that held streams of small
+// back-to-back requests below the link's ceiling. Once every CTA is past the
+// wait, the next copy kernel may launch in turn.
+#include <cstring>
+
+#include "backends/cuda/block_copy_kernels.h"
+
+namespace kvtier::copy_detail {
+namespace {
+
+constexpr int kUnroll = 4;
+
+template <int W>
+struct Vec;
+template <>
+struct Vec<16> {
+  using T = uint4;
+};
+template <>
+struct Vec<8> {
+  using T = uint2;
+};
+template <>
+struct Vec<4> {
+  using T = unsigned int;
+};
+template <>
+struct Vec<1> {
+  using T = unsigned char;
+};
+
+template <int W>
+__device__ __forceinline__ void copy_body(const unsigned char* src, unsigned char* dst, std::uint64_t n,
+                                          std::uint32_t lane) {
+  using T = typename Vec<W>::T;
+  const T* s = reinterpret_cast<const T*>(src);
+  T* d = reinterpret_cast<T*>(dst);
+  std::uint64_t e = lane;
+  for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) __stcs(d + e + u * kWarpLanes, v[u]);
+  }
+  for (; e < n; e += kWarpLanes) __stcs(d + e, __ldcs(s + e));
+}
+
+// The checksummed body (width 16, body-only items: the engine checks the
+// alignment). kStore false: read and fold only. Returns the lane's sum.
+template <bool kStore>
+__device__ __forceinline__ unsigned long long sum_body(const unsigned char* src, unsigned char* dst, std::uint64_t n,
+                                                       std::uint32_t lane, std::uint64_t position) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  unsigned long long acc = 0;
+  std::uint64_t e = lane;
+  for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
+    if constexpr (kStore) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) __stcs(d + e + u * kWarpLanes, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      acc += checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
+                           std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
+  }
+  for (; e < n; e += kWarpLanes) {
+    const uint4 v = __ldcs(s + e);
+    if constexpr (kStore) __stcs(d + e, v);
+    acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
+                         std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
+  }
+  return acc;
+}
+
+__device__ __forceinline__ void order_after_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// One warp per item over `a.num_items` items; `planes` are in shared memory.
+__device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlane* planes, const KernelPair* pairs) {
+  const std::uint32_t lane = threadIdx.x % kWarpLanes;
+  const std::uint32_t warps = blockDim.x / kWarpLanes;
+  const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
+  for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
+       item += total_warps) {
+    const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
+    if (a.checksums != nullptr) {
+      const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
+      unsigned long long acc = a.store ? sum_body<true>(w.src, w.dst, w.bytes / 16, lane, position)
+                                       : sum_body<false>(w.src, w.dst, w.bytes / 16, lane, position);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) atomicAdd(a.checksums + w.pair, acc);
+      continue;
+    }
+    const VectorSplit v = split_for_vectors(w.src, w.dst, w.bytes);
+    if (lane < v.head) w.dst[lane] = w.src[lane];
+    const unsigned char* src = w.src + v.head;
+    unsigned char* dst = w.dst + v.head;
+    switch (v.width) {
+      case 16: copy_body<16>(src, dst, v.body, lane); break;
+      case 8: copy_body<8>(src, dst, v.body, lane); break;
+      case 4: copy_body<4>(src, dst, v.body, lane); break;
+      default: copy_body<1>(src, dst, v.body, lane); break;
+    }
+    const std::uint64_t tail_at = v.body * v.width;
+    if (lane < v.tail) dst[tail_at + lane] = src[tail_at + lane];
+  }
+}
+
+__global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
+  extern __shared__ KernelPlane smem_planes[];
+  order_after_previous_grid();
+  for (std::uint32_t i = threadIdx.x; i < a.num_planes; i += blockDim.x) smem_planes[i] = a.planes[i];
+  __syncthreads();
+  copy_items(a, smem_planes, a.pairs);
+}
+
+// Parameter block of an inline launch: descriptors travel with the launch.
+template <std::uint32_t MaxPairs>
+struct InlineParams {
+  KernelArgs args;
+  KernelPlane planes[kInlineMaxPlanes];
+  KernelPair pairs[MaxPairs];
+};
+static_assert(sizeof(InlineParams<kInlineMaxPairs>) <= 32764, "kernel parameter limit (CUDA 12.1+)");
+
+template <std::uint32_t MaxPairs>
+__global__ void __launch_bounds__(1024) block_copy_inline_kernel(const __grid_constant__ InlineParams<MaxPairs> p) {
+  __shared__ KernelPlane smem_planes[kInlineMaxPlanes];
+  order_after_previous_grid();
+  for (std::uint32_t i = threadIdx.x; i < p.args.num_planes; i += blockDim.x) smem_planes[i] = p.planes[i];
+  __syncthreads();
+  copy_items(p.args, smem_planes, p.pairs);
+}
+
+template <typename Kernel, typename Params>
+cudaError_t launch(Kernel kernel, const Params& params, std::uint32_t ctas, std::uint32_t threads, std::size_t smem,
+                   cudaStream_t stream, bool programmatic) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = programmatic ? &attr : nullptr;
+  config.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, params);
+  if (err != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+template <std::uint32_t MaxPairs>
+cudaError_t launch_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
+                          std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream, bool programmatic) {
+  InlineParams<MaxPairs> p;
+  p.args = args;
+  std::memcpy(p.planes, planes, sizeof(KernelPlane) * args.num_planes);
+  std::memcpy(p.pairs, pairs, sizeof(KernelPair) * args.num_pairs);
+  return launch(block_copy_inline_kernel<MaxPairs>, p, ctas, threads, 0, stream, programmatic);
+}
+
+}  // namespace
+
+cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream,
+                              bool programmatic) {
+  const std::size_t smem = std::size_t{args.num_planes} * sizeof(KernelPlane);
+  return launch(block_copy_kernel, args, ctas, threads, smem, stream, programmatic);
+}
+
+cudaError_t launch_block_copy_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,
+                                     std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream,
+                                     bool programmatic) {
+  if (args.num_planes > kInlineMaxPlanes || args.num_pairs > kInlineMaxPairs) return cudaErrorInvalidValue;
+  // Size classes: the driver copies the whole parameter block at every launch.
+  if (args.num_pairs <= 128) return launch_inline<128>(args, planes, pairs, ctas, threads, stream, programmatic);
+  if (args.num_pairs <= 768) return launch_inline<768>(args, planes, pairs, ctas, threads, stream, programmatic);
+  return launch_inline<kInlineMaxPairs>(args, planes, pairs, ctas, threads, stream, programmatic);
+}
+
+}  // namespace kvtier::copy_detail
