@@ -65,6 +65,7 @@ Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Sta
       s.free_block(kHst, b);
       n.block[kHst] = kNoBlock;  // the device copy stays
     }
+    s.sync_reclaim(id);  // the device copy is no longer read by a move
   }
   return Status::Ok();
 }
