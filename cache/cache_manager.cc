@@ -98,7 +98,9 @@ Status CacheManager::init_state(Impl& s, const CacheConfig& config) {
   s.nodes.reserve(expect);
   s.map.reserve(expect);
   // The root: the namespace, always "on device", never evicted.
+  s.host_drop.reserve(expect);
   s.nodes.emplace_back();
+  s.host_drop.push_back(0);
   s.nodes[0].live = true;
   s.nodes[0].counted_tier = kDev;
   return Status::Ok();

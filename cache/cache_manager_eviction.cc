@@ -62,7 +62,7 @@ void CacheManager::Impl::drop_host_copy(NodeId id) {
 // Frees one host block now by dropping a host copy (never waits on a demotion).
 bool CacheManager::Impl::drop_one_host() {
   if (!has_tier(kHst)) return false;
-  NodeId v = victim(kHst, [this](NodeId n) { return host_droppable(n); });
+  NodeId v = victim(kHst, [this](NodeId n) { return host_drop[n] != 0; });
   if (v == kNoNode) return false;
   drop_host_copy(v);
   return true;

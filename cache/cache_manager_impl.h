@@ -291,6 +291,7 @@ struct CacheManager::Impl {
     --p.child_tier[n.counted_tier];
     ++p.child_tier[t];
     n.counted_tier = static_cast<std::uint8_t>(t);
+    sync_host_drop(n.parent);
   }
 
   // ---- reclaimable device blocks (incremental) ------------------------------
@@ -307,6 +308,7 @@ struct CacheManager::Impl {
   }
   void sync_reclaim(NodeId id) {
     if (id == kRoot) return;  // the root is never evicted and blocks nothing
+    sync_host_drop(id);
     Node& n = nodes[id];
     const std::uint8_t rc = reclaim_flags(n, eventual_tier(n));
     if (rc == n.rc) return;
@@ -325,6 +327,13 @@ struct CacheManager::Impl {
       if (holds(p) == held_before) return;
       id = p.parent;
     }
+  }
+  // host_drop[id] == host_droppable(id), kept beside the nodes: the host policy's victim scan reads one byte per
+  // candidate instead of a node (it passes over host-only parents whose children are still on host, at times
+  // many per call). Updated with the reclaim flags, and for a parent whose children change.
+  std::vector<std::uint8_t> host_drop;
+  void sync_host_drop(NodeId id) {
+    if (id != kRoot && id != kNoNode) host_drop[id] = host_droppable(id);
   }
   // A pin taken or dropped by an admission.
   void pin(NodeId id) {
@@ -360,9 +369,11 @@ struct CacheManager::Impl {
       id = free_nodes.back();
       free_nodes.pop_back();
       nodes[id] = Node{};
+      host_drop[id] = 0;
     } else {
       id = static_cast<NodeId>(nodes.size());
       nodes.emplace_back();
+      host_drop.push_back(0);
     }
     Node& n = nodes[id];
     n.key = key;
@@ -375,6 +386,7 @@ struct CacheManager::Impl {
     p.first_child = id;
     n.counted_tier = kNoTier;
     ++p.child_tier[kNoTier];
+    sync_host_drop(parent);
     map.insert(key, id);
     init_wanted(id);
     return id;
@@ -391,6 +403,7 @@ struct CacheManager::Impl {
     else
       p.first_child = n.next_sib;
     if (n.next_sib != kNoNode) nodes[n.next_sib].prev_sib = n.prev_sib;
+    sync_host_drop(n.parent);
     n.parent = n.prev_sib = n.next_sib = kNoNode;
   }
 

@@ -234,6 +234,12 @@ Status CacheManager::check_invariants() const {
       return Internal(fmt::format("node {} was last counted with reclaim flags {}, its state gives {}", id, n.rc, rc));
     if (n.live && !n.detached && n.parent != Impl::kRoot && holds(n)) ++held_children[n.parent];
   }
+  if (s.host_drop.size() != s.nodes.size())
+    return Internal(fmt::format("{} host drop flags for {} nodes", s.host_drop.size(), s.nodes.size()));
+  for (NodeId id = 1; id < s.nodes.size(); ++id)
+    if ((s.host_drop[id] != 0) != s.host_droppable(id))
+      return Internal(fmt::format("node {}: host drop flag {}, its state gives {}", id, s.host_drop[id] != 0,
+                                  s.host_droppable(id)));
   for (NodeId id = 1; id < s.nodes.size(); ++id)
     if (s.nodes[id].held_below != held_children[id])
       return Internal(fmt::format("node {} counts {} children holding a device block, {} do", id,
