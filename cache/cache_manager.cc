@@ -98,7 +98,9 @@ Status CacheManager::init_state(Impl& s, const CacheConfig& config) {
   s.nodes.reserve(expect);
   s.map.reserve(expect);
   // The root: the namespace, always "on device", never evicted.
+  s.host_drop.reserve(expect);
   s.nodes.emplace_back();
+  s.host_drop.push_back(0);
   s.nodes[0].live = true;
   s.nodes[0].counted_tier = kDev;
   return Status::Ok();
@@ -218,15 +220,15 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
         fmt::format("admission needs {} device blocks, the device tier has {}", need64, s.pools[kDev].capacity()));
   }
   const auto need = static_cast<std::uint32_t>(need64);
-  for (NodeId id : matched) ++s.nodes[id].refs;
+  for (NodeId id : matched) s.pin(id);
   auto unpin = [&] {
-    for (NodeId id : matched) --s.nodes[id].refs;
+    for (NodeId id : matched) s.unpin(id);
   };
   // Transactional: nothing is evicted unless enough can be, so a failed admission leaves the index,
   // the pools and the policies as they were.
   const std::uint32_t free_now = s.pools[kDev].num_free();
   if (free_now < need) {
-    const std::uint32_t reclaimable = s.reclaimable_device_blocks(need - free_now);
+    const std::uint32_t reclaimable = s.reclaimable_now;  // counts the pins just taken
     if (free_now + reclaimable < need) {
       unpin();
       ++s.st.admission_failures;
@@ -354,7 +356,7 @@ std::uint32_t commit_in(CacheManager::Impl& s, AdmissionRec& rec, std::uint32_t 
       }
       // else: another request computed it first; ours is freed at release.
     }
-    ++s.nodes[nid].refs;
+    s.pin(nid);
     rec.pinned.push_back(nid);
     rec.pos_node[pos] = nid;
   }
@@ -423,7 +425,7 @@ Status CacheManager::release(AdmissionId id) {
   if (it == s.admissions.end()) return NotFound(fmt::format("release: admission {} not found", id));
   AdmissionRec& rec = it->second;
   for (NodeId nid : rec.pinned) {
-    --s.nodes[nid].refs;
+    s.unpin(nid);
     s.reclaim_if_dead(nid);
   }
   // Receive blocks a peer may still write go to quarantine, never to the pool (fail closed).
@@ -591,7 +593,7 @@ StepPlan CacheManager::take_plan() {
   return out;
 }
 
-std::uint32_t CacheManager::reclaimable_device_blocks() const { return impl_->reclaimable_device_blocks(UINT32_MAX); }
+std::uint32_t CacheManager::reclaimable_device_blocks() const { return impl_->reclaimable_now; }
 
 CacheStats CacheManager::stats() const {
   const Impl& s = *impl_;

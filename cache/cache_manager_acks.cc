@@ -2,6 +2,8 @@
 // (evictions, backups, loads, storage writes, storage prefetches) done or
 // failed, and the block settles in its new tier or, on a failure, loses that
 // copy or turns with its subtree into a miss (cache_manager.h, "Model").
+// What each kind of move does on each outcome is one row of kAckRules, applied
+// by one loop (ack_moves), so the rules can be read, and changed, side by side.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,99 +13,176 @@
 
 namespace kvtier::cache {
 
-#define KVTIER_ACK_LOOKUP(tier, b, want, what)                                                                 \
-  if ((b) >= s.owner[tier].size() || s.owner[tier][b] == kNoNode || s.nodes[s.owner[tier][b]].state != (want)) \
-    return FailedPrecondition(                                                                                 \
-        fmt::format("{}: {} block {} has no {} in flight", what, tier_name(static_cast<Tier>(tier)), b, what));
+namespace {
 
-Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const Status& status) {
-  ExportOnReturn exported(*this);
-  Impl& s = *impl_;
-  constexpr NodeState want = NodeState::kEvicting;
-  for (BlockId b : host_blocks) KVTIER_ACK_LOOKUP(kHst, b, NodeState::kEvicting, "eviction");
-  for (BlockId b : host_blocks) {
-    NodeId id = s.owner[kHst][b];
-    if (id == kNoNode || s.nodes[id].state != want) continue;  // listed twice
-    Node& n = s.nodes[id];
-    n.state = NodeState::kSettled;
-    if (n.detached) {
-      s.reclaim_if_dead(id);
-    } else if (status.ok()) {
-      n.present |= bit(kHst);
-      s.announce(id);
-      s.track_insert(id, kHst);
-      s.retier(id);
-      s.store_through(id);
-    } else {
-      // The device copy is gone (its block was reused) and the host copy is garbage: a miss from here down.
-      ++s.st.failed_transfers;
-      s.detach_subtree(id);
-    }
-  }
-  return Status::Ok();
+using Impl = CacheManager::Impl;
+
+enum class AckKind : std::uint8_t { kEviction, kBackup, kLoad, kStorageWrite, kStoragePrefetch };
+
+// How an ack finds its moves: by destination block of one tier; `noun` and `what` name them in errors
+// ("<noun> <id> has no <what> in flight").
+struct AckTarget {
+  int tier;
+  const char* noun;
+  const char* what;
+};
+
+constexpr AckTarget kAckTargets[] = {
+    /* kEviction */ {kHst, "eviction: host block", "eviction"},
+    /* kBackup */ {kHst, "backup: host block", "backup"},
+    /* kLoad */ {kDev, "load: device block", "load"},
+    /* kStorageWrite */ {kSto, "storage write: storage slot", "write"},
+    /* kStoragePrefetch */ {kHst, "prefetch: host block", "prefetch"},
+};
+
+// What a failed move leaves.
+enum class OnFailure : std::uint8_t {
+  // The target's bytes are garbage and the source copy is gone or unusable: the block and everything computed
+  // on top of it become a miss (the subtree is invalidated).
+  kMiss,
+  // The target block is freed; the source copy was only read and stays as it was.
+  kDropTarget,
+  // A demotion: the storage slot is freed and the host copy, intact, becomes resident again (marked
+  // write_failed, so that under pressure it is dropped rather than written again) unless its parent went to
+  // storage meanwhile (a host block below it would break the tier order: a miss then).
+  kRestoreSource,
+  // A look-ahead load nobody asked for: handled after the other acks, deepest first (retreat_failed_loads).
+  kRetreat,
+};
+
+// One row per move kind and in-flight state: the state the block leaves, the tier its copy joins on success,
+// what is released and what is counted. Every ack settles the node (kSettled), clears a look-ahead mark
+// (lookahead_in_flight[lands_in] counts it), and, for a node detached meanwhile, only reclaims it if dead.
+struct AckRule {
+  AckKind kind;
+  NodeState from;
+  int lands_in;                      // the tier whose copy becomes present on success
+  bool ends_demotion = false;        // pending_demotions counts the move until its ack, whatever the outcome
+  bool counts_write = false;         // failed_writes_in_a_row follows the outcome (write-back falls back on it)
+  bool frees_source_host = false;    // success: the host block was read by the write, freed only now
+  bool clears_write_failed = false;  // success: a stored copy, the host copy's failed write is forgotten
+  bool defer_landing = false;        // success: policy insert and retier after every ack, deepest first (loads)
+  bool stores_through = false;       // success: a copy that settles on host is also written to storage (write-through)
+  OnFailure on_failure = OnFailure::kMiss;
+  OnFailure on_lookahead_failure = OnFailure::kMiss;  // the same move queued by the look-ahead prefetch
+};
+
+constexpr AckRule kAckRules[] = {
+    // Device -> host eviction: the device block was given up at once (and may be reused), so a failure leaves
+    // no good copy.
+    {.kind = AckKind::kEviction,
+     .from = NodeState::kEvicting,
+     .lands_in = kHst,
+     .stores_through = true,
+     .on_failure = OnFailure::kMiss,
+     .on_lookahead_failure = OnFailure::kMiss},
+    // Device -> host backup (write-through): the device copy stays servable throughout.
+    {.kind = AckKind::kBackup,
+     .from = NodeState::kBackingUp,
+     .lands_in = kHst,
+     .stores_through = true,
+     .on_failure = OnFailure::kDropTarget,
+     .on_lookahead_failure = OnFailure::kDropTarget},
+    // Host -> device load: an admitted block's device bytes are garbage, and so is anything computed on them.
+    {.kind = AckKind::kLoad,
+     .from = NodeState::kLoading,
+     .lands_in = kDev,
+     .defer_landing = true,
+     .on_failure = OnFailure::kMiss,
+     .on_lookahead_failure = OnFailure::kRetreat},
+    // Host -> storage write-through: the host copy stays servable throughout.
+    {.kind = AckKind::kStorageWrite,
+     .from = NodeState::kStoring,
+     .lands_in = kSto,
+     .counts_write = true,
+     .clears_write_failed = true,
+     .on_failure = OnFailure::kDropTarget,
+     .on_lookahead_failure = OnFailure::kDropTarget},
+    // Host -> storage demotion (write-back): the host block was held, unservable, for the write.
+    {.kind = AckKind::kStorageWrite,
+     .from = NodeState::kDemoting,
+     .lands_in = kSto,
+     .ends_demotion = true,
+     .counts_write = true,
+     .frees_source_host = true,
+     .clears_write_failed = true,
+     .on_failure = OnFailure::kRestoreSource,
+     .on_lookahead_failure = OnFailure::kRestoreSource},
+    // Storage -> host prefetch: descendants may have landed on host already, so a storage-only block cannot stay
+    // above them.
+    {.kind = AckKind::kStoragePrefetch,
+     .from = NodeState::kFetching,
+     .lands_in = kHst,
+     .on_failure = OnFailure::kMiss,
+     .on_lookahead_failure = OnFailure::kMiss},
+};
+
+// The rule for a node in `state` acked as a move of `kind`; nullptr when it has no such move in flight.
+const AckRule* find_rule(AckKind kind, NodeState state) {
+  for (const AckRule& r : kAckRules)
+    if (r.kind == kind && r.from == state) return &r;
+  return nullptr;
 }
 
-Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Status& status) {
-  ExportOnReturn exported(*this);
-  Impl& s = *impl_;
-  constexpr NodeState want = NodeState::kBackingUp;
-  for (BlockId b : host_blocks) KVTIER_ACK_LOOKUP(kHst, b, NodeState::kBackingUp, "backup");
-  for (BlockId b : host_blocks) {
-    NodeId id = s.owner[kHst][b];
-    if (id == kNoNode || s.nodes[id].state != want) continue;  // listed twice
-    Node& n = s.nodes[id];
-    n.state = NodeState::kSettled;
-    if (n.detached) {
-      s.reclaim_if_dead(id);
-    } else if (status.ok()) {
-      n.present |= bit(kHst);
-      s.announce(id);
-      s.track_insert(id, kHst);
-      s.store_through(id);
-    } else {
-      ++s.st.failed_transfers;
-      s.free_block(kHst, b);
-      n.block[kHst] = kNoBlock;  // the device copy stays
-    }
-  }
-  return Status::Ok();
+// The node whose move of `kind` lands in block b of the kind's target tier, or kNoNode.
+NodeId acked_node(const Impl& s, AckKind kind, BlockId b, const AckRule** rule) {
+  const int t = kAckTargets[static_cast<int>(kind)].tier;
+  if (b >= s.owner[t].size() || s.owner[t][b] == kNoNode) return kNoNode;
+  const NodeId id = s.owner[t][b];
+  *rule = find_rule(kind, s.nodes[id].state);
+  return *rule ? id : kNoNode;
 }
 
-Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Status& status) {
-  ExportOnReturn exported(*this);
-  Impl& s = *impl_;
-  constexpr NodeState want = NodeState::kLoading;
-  for (BlockId b : device_blocks) KVTIER_ACK_LOOKUP(kDev, b, NodeState::kLoading, "load");
-  std::vector<NodeId> landed, failed_lookahead;
-  for (BlockId b : device_blocks) {
-    NodeId id = s.owner[kDev][b];
-    if (id == kNoNode || s.nodes[id].state != want) continue;  // listed twice
-    Node& n = s.nodes[id];
-    n.state = NodeState::kSettled;
-    const bool lookahead = n.lookahead_move;
-    if (lookahead) {
-      n.lookahead_move = false;
-      --s.lookahead_in_flight[kDev];
-    }
-    if (n.detached) {
-      s.reclaim_if_dead(id);
-    } else if (status.ok()) {
-      n.present |= bit(kDev);
-      s.announce(id);
-      landed.push_back(id);
-    } else if (lookahead) {
-      ++s.st.failed_transfers;
-      failed_lookahead.push_back(id);
-    } else {
-      // Device bytes are garbage, and so is anything computed on top of them.
-      ++s.st.failed_transfers;
-      s.detach_subtree(id);
-    }
+// Success: the copy joins its tier.
+void land(Impl& s, NodeId id, const AckRule& r, std::vector<NodeId>& landed, int& deferred_tier) {
+  Node& n = s.nodes[id];
+  n.present |= bit(r.lands_in);
+  s.announce(id);
+  if (r.clears_write_failed) n.write_failed = false;
+  if (r.defer_landing) {
+    landed.push_back(id);
+    deferred_tier = r.lands_in;
+    return;
   }
-  // Deepest first, so that a failed look-ahead load whose children went back to host can go back too.
-  std::sort(failed_lookahead.begin(), failed_lookahead.end(),
-            [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
-  for (NodeId id : failed_lookahead) {
+  s.track_insert(id, r.lands_in);
+  if (r.frees_source_host) {
+    s.free_block(kHst, n.block[kHst]);
+    n.block[kHst] = kNoBlock;
+  }
+  s.retier(id);
+  if (r.stores_through) s.store_through(id);
+}
+
+// Failure of the move into tier t's block b.
+void fail(Impl& s, NodeId id, OnFailure what, int t, BlockId b, std::vector<NodeId>& retreating) {
+  Node& n = s.nodes[id];
+  ++s.st.failed_transfers;
+  switch (what) {
+    case OnFailure::kMiss: s.detach_subtree(id); return;
+    case OnFailure::kRetreat: retreating.push_back(id); return;
+    case OnFailure::kDropTarget:
+    case OnFailure::kRestoreSource: break;
+  }
+  s.free_block(t, b);
+  n.block[t] = kNoBlock;
+  if (what == OnFailure::kRestoreSource) {
+    const int parent_tier = n.parent == Impl::kRoot ? kDev : s.eventual_tier(s.nodes[n.parent]);
+    if (parent_tier > kHst) {
+      s.detach_subtree(id);
+      return;
+    }
+    n.present |= bit(kHst);
+    s.announce(id);
+    n.write_failed = true;
+    s.track_insert(id, kHst);
+  }
+  s.retier(id);
+}
+
+// Failed look-ahead loads, deepest first, so that one whose children went back to host can go back too.
+void retreat_failed_loads(Impl& s, std::vector<NodeId>& ids) {
+  std::sort(ids.begin(), ids.end(), [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
+  for (NodeId id : ids) {
     Node& n = s.nodes[id];
     if (n.detached) continue;  // detached with a subtree above: reclaimed there
     if (n.refs == 0 && n.child_tier[kDev] == 0) {
@@ -118,99 +197,77 @@ Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Sta
       s.detach_subtree(id);
     }
   }
+}
+
+// Applies the rules to every move of `kind` whose destination block is listed; all-or-nothing on a block
+// with no such move in flight (FailedPrecondition, nothing changed). A block listed twice is acked once.
+Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const Status& status) {
+  const AckTarget& target = kAckTargets[static_cast<int>(kind)];
+  const AckRule* rule = nullptr;
+  for (BlockId b : blocks)
+    if (acked_node(s, kind, b, &rule) == kNoNode)
+      return FailedPrecondition(fmt::format("{} {} has no {} in flight", target.noun, b, target.what));
+  std::vector<NodeId> landed, retreating;
+  int deferred_tier = kNoTier;
+  for (BlockId b : blocks) {
+    const NodeId id = acked_node(s, kind, b, &rule);
+    if (id == kNoNode) continue;  // listed twice: settled by its first ack
+    const AckRule& r = *rule;
+    Node& n = s.nodes[id];
+    if (r.ends_demotion) --s.pending_demotions;
+    n.state = NodeState::kSettled;
+    if (r.counts_write) s.failed_writes_in_a_row = status.ok() ? 0 : s.failed_writes_in_a_row + 1;
+    const bool lookahead = n.lookahead_move;
+    if (lookahead) {
+      n.lookahead_move = false;
+      --s.lookahead_in_flight[r.lands_in];
+    }
+    if (n.detached)
+      s.reclaim_if_dead(id);
+    else if (status.ok())
+      land(s, id, r, landed, deferred_tier);
+    else
+      fail(s, id, lookahead ? r.on_lookahead_failure : r.on_failure, target.tier, b, retreating);
+    s.sync_reclaim(id);  // the settled state counts at once, whatever the outcome deferred
+  }
+  retreat_failed_loads(s, retreating);
+  // Deferred landings (one kind per call, so one tier), deepest first: parents end up more recent in the
+  // policy than their children.
   std::sort(landed.begin(), landed.end(), [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
   for (NodeId id : landed) {
     if (s.nodes[id].detached) continue;
-    s.track_insert(id, kDev);
+    s.track_insert(id, deferred_tier);
     s.retier(id);
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
+  return ack_moves(*impl_, AckKind::kEviction, host_blocks, status);
+}
+
+Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
+  return ack_moves(*impl_, AckKind::kBackup, host_blocks, status);
+}
+
+Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Status& status) {
+  ExportOnReturn exported(*this);
+  return ack_moves(*impl_, AckKind::kLoad, device_blocks, status);
 }
 
 Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, const Status& status) {
   ExportOnReturn exported(*this);
-  Impl& s = *impl_;
-  for (BlockId b : storage_slots)
-    if (b >= s.owner[kSto].size() || s.owner[kSto][b] == kNoNode ||
-        (s.nodes[s.owner[kSto][b]].state != NodeState::kDemoting &&
-         s.nodes[s.owner[kSto][b]].state != NodeState::kStoring))
-      return FailedPrecondition(fmt::format("storage write: storage slot {} has no write in flight", b));
-  for (BlockId b : storage_slots) {
-    NodeId id = s.owner[kSto][b];
-    if (id == kNoNode || (s.nodes[id].state != NodeState::kDemoting && s.nodes[id].state != NodeState::kStoring))
-      continue;  // listed twice
-    Node& n = s.nodes[id];
-    bool demoting = n.state == NodeState::kDemoting;
-    if (demoting) --s.pending_demotions;
-    n.state = NodeState::kSettled;
-    s.failed_writes_in_a_row = status.ok() ? 0 : s.failed_writes_in_a_row + 1;
-    if (n.detached) {
-      s.reclaim_if_dead(id);
-      continue;
-    }
-    if (status.ok()) {
-      n.present |= bit(kSto);
-      s.announce(id);
-      n.write_failed = false;
-      s.track_insert(id, kSto);
-      if (demoting) {  // the host block was read by the write: free it only now
-        s.free_block(kHst, n.block[kHst]);
-        n.block[kHst] = kNoBlock;
-      }
-    } else {
-      ++s.st.failed_transfers;
-      s.free_block(kSto, b);
-      n.block[kSto] = kNoBlock;
-      if (demoting) {
-        int parent_tier = n.parent == Impl::kRoot ? kDev : s.eventual_tier(s.nodes[n.parent]);
-        if (parent_tier > kHst) {
-          // The parent went to storage meanwhile: a host block below it would break the order.
-          s.detach_subtree(id);
-          continue;
-        }
-        n.present |= bit(kHst);  // the host copy is intact: it stays
-        s.announce(id);
-        n.write_failed = true;
-        s.track_insert(id, kHst);
-      }
-    }
-    s.retier(id);
-  }
-  return Status::Ok();
+  return ack_moves(*impl_, AckKind::kStorageWrite, storage_slots, status);
 }
 
 Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks, const Status& status) {
   ExportOnReturn exported(*this);
-  Impl& s = *impl_;
-  constexpr NodeState want = NodeState::kFetching;
-  for (BlockId b : host_blocks) KVTIER_ACK_LOOKUP(kHst, b, NodeState::kFetching, "prefetch");
-  for (BlockId b : host_blocks) {
-    NodeId id = s.owner[kHst][b];
-    if (id == kNoNode || s.nodes[id].state != want) continue;  // listed twice
-    Node& n = s.nodes[id];
-    n.state = NodeState::kSettled;
-    if (n.lookahead_move) {
-      n.lookahead_move = false;
-      --s.lookahead_in_flight[kHst];
-    }
-    if (n.detached) {
-      s.reclaim_if_dead(id);
-    } else if (status.ok()) {
-      n.present |= bit(kHst);
-      s.announce(id);
-      s.track_insert(id, kHst);
-      s.retier(id);
-    } else {
-      // Descendants may already have landed on host; keeping this block in storage would put
-      // host blocks below a storage block. The subtree becomes a miss (recompute).
-      ++s.st.failed_transfers;
-      s.detach_subtree(id);
-    }
-  }
-  return Status::Ok();
+  return ack_moves(*impl_, AckKind::kStoragePrefetch, host_blocks, status);
 }
-
-#undef KVTIER_ACK_LOOKUP
 
 Status CacheManager::ack_plan(const StepPlan& plan, const Status& status) {
   ExportOnReturn exported(*this);

@@ -62,7 +62,7 @@ void CacheManager::Impl::drop_host_copy(NodeId id) {
 // Frees one host block now by dropping a host copy (never waits on a demotion).
 bool CacheManager::Impl::drop_one_host() {
   if (!has_tier(kHst)) return false;
-  NodeId v = victim(kHst, [this](NodeId n) { return host_droppable(n); });
+  NodeId v = victim(kHst, [this](NodeId n) { return host_drop[n] != 0; });
   if (v == kNoNode) return false;
   drop_host_copy(v);
   return true;
@@ -259,29 +259,11 @@ void CacheManager::Impl::mark_blocked_device(std::vector<std::uint8_t>& blocked)
   }
 }
 
-std::uint32_t CacheManager::Impl::reclaimable_device_blocks(std::uint32_t enough) const {
-  // Quick proof first: a leaf of the device tier (device_evictable: settled, unpinned, no child on or bound
-  // for the device; tiers are ordered along every path, so nothing deeper is either) has nothing below it that
-  // could block it, so it counts exactly as the full pass below would count it (check_invariants() verifies
-  // that). An admission needs a few blocks of a full tier, and such leaves are common, so a short walk from a
-  // rotating start usually finds `enough` of them and spares the pass over every node (hundreds of
-  // microseconds at 100k blocks). Only when the walk falls short does the exact count run.
-  if (enough != UINT32_MAX && nodes.size() > 1) {
-    const std::uint64_t span = nodes.size() - 1;
-    const std::uint64_t limit = std::min<std::uint64_t>(span, 256 + 128 * std::uint64_t{enough});
-    std::uint32_t found = 0;
-    NodeId id = reclaim_cursor >= 1 && reclaim_cursor < nodes.size() ? reclaim_cursor : 1;
-    for (std::uint64_t step = 0; step < limit && found < enough; ++step) {
-      if (device_evictable(id)) ++found;
-      id = id + 1 < nodes.size() ? id + 1 : 1;
-    }
-    reclaim_cursor = id;
-    if (found >= enough) return found;
-  }
-  std::vector<std::uint8_t>& blocked = blocked_scratch;
+std::uint32_t CacheManager::Impl::recount_reclaimable_device_blocks() const {
+  std::vector<std::uint8_t> blocked;
   mark_blocked_device(blocked);
   std::uint32_t count = 0;
-  for (NodeId id = 1; id < nodes.size() && count < enough; ++id) {
+  for (NodeId id = 1; id < nodes.size(); ++id) {
     const Node& n = nodes[id];
     if (n.live && !n.detached && !blocked[id] && (n.present & bit(kDev)) && n.state == NodeState::kSettled &&
         n.refs == 0)
@@ -329,6 +311,7 @@ void CacheManager::Impl::store_through(NodeId id) {
   plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
   set_block(id, kSto, *slot);
   n.state = NodeState::kStoring;
+  sync_reclaim(id);  // a device copy beside the host one is held until the write's ack
   ++st.storage_writes;
 }
 
@@ -340,6 +323,7 @@ void CacheManager::Impl::backup(NodeId id) {
   plan.backups.push_back(BlockMove{n.block[kDev], *hb, n.key});
   set_block(id, kHst, *hb);
   n.state = NodeState::kBackingUp;
+  sync_reclaim(id);
   ++st.backups_d2h;
 }
 

@@ -65,9 +65,22 @@ struct Node {
   std::uint32_t hits = 0;
   std::uint32_t depth = 0;
   std::array<std::uint32_t, 4> child_tier{};
+  // Incremental count of reclaimable device blocks (Impl::reclaimable_now): the flags this node was last
+  // counted with (kRcFree, kRcHeld) and how many of its children hold a device block below or at them. Kept
+  // per node so that a change updates the count by walking up only while an ancestor's standing changes.
+  std::uint32_t held_below = 0;
+  std::uint8_t rc = 0;
   // (Look-ahead protection lives beside the nodes, in Impl::want: a node stays this size, and the O(nodes)
   // walks stay as fast, whether or not anything is announced.)
 };
+
+// Node::rc: kRcFree, a settled, unpinned device copy (reclaimable unless a held block sits below it); kRcHeld,
+// a pinned or in-flight block on (or bound for) the device, which keeps itself and every device block above it.
+inline constexpr std::uint8_t kRcFree = 1, kRcHeld = 2;
+// A held block at or below n: n's device copy, and its ancestors', cannot be reclaimed.
+inline bool holds(const Node& n) { return (n.rc & kRcHeld) || n.held_below > 0; }
+// n counts in Impl::reclaimable_now.
+inline bool counts_reclaimable(const Node& n) { return (n.rc & kRcFree) && n.held_below == 0; }
 
 inline int lowest_tier(std::uint8_t mask) {
   for (int t = 0; t < kNumTiers; ++t)
@@ -269,6 +282,7 @@ struct CacheManager::Impl {
   }
 
   void retier(NodeId id) {
+    sync_reclaim(id);
     Node& n = nodes[id];
     if (n.detached || n.parent == kNoNode) return;
     int t = eventual_tier(n);
@@ -277,6 +291,58 @@ struct CacheManager::Impl {
     --p.child_tier[n.counted_tier];
     ++p.child_tier[t];
     n.counted_tier = static_cast<std::uint8_t>(t);
+    sync_host_drop(n.parent);
+  }
+
+  // ---- reclaimable device blocks (incremental) ------------------------------
+  // reclaimable_now counts the nodes whose device copy evictions could free now: settled, unpinned device
+  // copies with no pinned or in-flight block on (or bound for) the device at or below them. Every change of a
+  // node's refs, state, copies or attachment is followed by sync_reclaim(id) before the count is read;
+  // check_invariants() compares it, and every node's flags, with a full recount.
+  std::uint32_t reclaimable_now = 0;
+  static std::uint8_t reclaim_flags(const Node& n, int eventual) {
+    if (!n.live || n.detached) return 0;
+    const bool idle = n.state == NodeState::kSettled && n.refs == 0;
+    if (idle) return (n.present & bit(kDev)) ? kRcFree : 0;
+    return ((n.present & bit(kDev)) || eventual == kDev) ? kRcHeld : 0;
+  }
+  void sync_reclaim(NodeId id) {
+    if (id == kRoot) return;  // the root is never evicted and blocks nothing
+    sync_host_drop(id);
+    Node& n = nodes[id];
+    const std::uint8_t rc = reclaim_flags(n, eventual_tier(n));
+    if (rc == n.rc) return;
+    const bool held_before = holds(n), counted_before = counts_reclaimable(n);
+    n.rc = rc;
+    reclaimable_now = reclaimable_now - counted_before + counts_reclaimable(n);
+    if (holds(n) != held_before) add_held_below(n.parent, holds(n));
+  }
+  // One child of `id` started (up) or stopped holding: up the path while an ancestor's standing changes.
+  void add_held_below(NodeId id, bool up) {
+    while (id != kNoNode && id != kRoot) {
+      Node& p = nodes[id];
+      const bool held_before = holds(p), counted_before = counts_reclaimable(p);
+      p.held_below = up ? p.held_below + 1 : p.held_below - 1;
+      reclaimable_now = reclaimable_now - counted_before + counts_reclaimable(p);
+      if (holds(p) == held_before) return;
+      id = p.parent;
+    }
+  }
+  // host_drop[id] == host_droppable(id), kept beside the nodes: the host policy's victim scan reads one byte per
+  // candidate instead of a node (it passes over host-only parents whose children are still on host, at times
+  // many per call). Updated with the reclaim flags, and for a parent whose children change.
+  std::vector<std::uint8_t> host_drop;
+  void sync_host_drop(NodeId id) {
+    if (id != kRoot && id != kNoNode) host_drop[id] = host_droppable(id);
+  }
+  // A pin taken or dropped by an admission.
+  void pin(NodeId id) {
+    ++nodes[id].refs;
+    sync_reclaim(id);
+  }
+  void unpin(NodeId id) {
+    --nodes[id].refs;
+    sync_reclaim(id);
   }
 
   std::uint32_t num_children(const Node& n) const {
@@ -303,9 +369,11 @@ struct CacheManager::Impl {
       id = free_nodes.back();
       free_nodes.pop_back();
       nodes[id] = Node{};
+      host_drop[id] = 0;
     } else {
       id = static_cast<NodeId>(nodes.size());
       nodes.emplace_back();
+      host_drop.push_back(0);
     }
     Node& n = nodes[id];
     n.key = key;
@@ -318,6 +386,7 @@ struct CacheManager::Impl {
     p.first_child = id;
     n.counted_tier = kNoTier;
     ++p.child_tier[kNoTier];
+    sync_host_drop(parent);
     map.insert(key, id);
     init_wanted(id);
     return id;
@@ -326,6 +395,7 @@ struct CacheManager::Impl {
   void unlink_from_parent(NodeId id) {
     Node& n = nodes[id];
     if (n.parent == kNoNode) return;
+    if (holds(n)) add_held_below(n.parent, false);
     Node& p = nodes[n.parent];
     --p.child_tier[n.counted_tier];
     if (n.prev_sib != kNoNode)
@@ -333,6 +403,7 @@ struct CacheManager::Impl {
     else
       p.first_child = n.next_sib;
     if (n.next_sib != kNoNode) nodes[n.next_sib].prev_sib = n.prev_sib;
+    sync_host_drop(n.parent);
     n.parent = n.prev_sib = n.next_sib = kNoNode;
   }
 
@@ -352,6 +423,7 @@ struct CacheManager::Impl {
     const bool was_resident = resident_in(n, t);
     n.present = static_cast<std::uint8_t>(n.present & ~bit(t));
     if (was_resident) untrack(id, t);
+    sync_reclaim(id);
     announce(id);
   }
 
@@ -366,6 +438,7 @@ struct CacheManager::Impl {
     }
     if (id < want.size()) want[id] = NodeWant{};
     n.live = false;
+    sync_reclaim(id);
     free_nodes.push_back(id);
   }
 
@@ -400,11 +473,13 @@ struct CacheManager::Impl {
       }
       ++st.invalidated_blocks;
     }
-    // Unlink deepest first so every parent's counts stay consistent.
+    // Unlink deepest first so every parent's counts stay consistent (a node's children have taken their held
+    // blocks off its held_below before it leaves its parent).
     for (auto it = all.rbegin(); it != all.rend(); ++it) {
       unlink_from_parent(*it);
       nodes[*it].detached = true;
       nodes[*it].first_child = kNoNode;
+      sync_reclaim(*it);
     }
     for (NodeId x : all) announce(x);
     for (NodeId x : all) reclaim_if_dead(x);
@@ -431,17 +506,11 @@ struct CacheManager::Impl {
   void evict_to_host(NodeId v, BlockId hb);
   bool evict_one_device();
   bool ensure_device_free(std::uint32_t need);
-  // Device blocks that evictions could free now, by the policy-independent definition: settled,
-  // unpinned device copies with no pinned or in-flight device block below them (leaves, or
-  // leaves once their device subtree went). Counting stops at `enough`: a short walk over childless device
-  // copies proves `enough` in the common case; otherwise O(nodes).
-  std::uint32_t reclaimable_device_blocks(std::uint32_t enough) const;
+  // reclaimable_now recounted from scratch, O(nodes), by the policy-independent definition: settled, unpinned
+  // device copies with no pinned or in-flight device block at or below them (check_invariants() only).
+  std::uint32_t recount_reclaimable_device_blocks() const;
   // blocked[id] = 1 for every node at or above a pinned or in-flight node on (or bound for) the device.
   void mark_blocked_device(std::vector<std::uint8_t>& blocked) const;
-  mutable std::vector<std::uint8_t> blocked_scratch;
-  // The node at which reclaimable_device_blocks()'s quick count of device leaves resumes (a rotating start, so
-  // that successive admissions do not rescan the same nodes).
-  mutable NodeId reclaim_cursor = 1;
   bool evict_one_host_background();
   void store_through(NodeId id);
   void backup(NodeId id);

@@ -224,15 +224,29 @@ Status CacheManager::check_invariants() const {
     if (!found_self) return Internal(fmt::format("node {} missing from its parent's children", id));
     if (ct != n.child_tier) return Internal(fmt::format("node {} child tier counts stale", id));
   }
-  // reclaimable_device_blocks() counts leaves of the device tier without the full pass: none may be blocked.
-  std::vector<std::uint8_t> blocked;
-  s.mark_blocked_device(blocked);
+  // The incremental count of reclaimable device blocks against a full recount, and the per-node state behind it
+  // (the flags each node was counted with, and how many of its children hold a device block at or below them).
+  std::vector<std::uint32_t> held_children(s.nodes.size(), 0);
+  for (NodeId id = 1; id < s.nodes.size(); ++id) {
+    const Node& n = s.nodes[id];
+    const std::uint8_t rc = Impl::reclaim_flags(n, s.eventual_tier(n));
+    if (n.rc != rc)
+      return Internal(fmt::format("node {} was last counted with reclaim flags {}, its state gives {}", id, n.rc, rc));
+    if (n.live && !n.detached && n.parent != Impl::kRoot && holds(n)) ++held_children[n.parent];
+  }
+  if (s.host_drop.size() != s.nodes.size())
+    return Internal(fmt::format("{} host drop flags for {} nodes", s.host_drop.size(), s.nodes.size()));
   for (NodeId id = 1; id < s.nodes.size(); ++id)
-    if (s.device_evictable(id) && blocked[id])
-      return Internal(
-          fmt::format("node {} is a leaf of the device tier with a pinned or in-flight device block "
-                      "below it",
-                      id));
+    if ((s.host_drop[id] != 0) != s.host_droppable(id))
+      return Internal(fmt::format("node {}: host drop flag {}, its state gives {}", id, s.host_drop[id] != 0,
+                                  s.host_droppable(id)));
+  for (NodeId id = 1; id < s.nodes.size(); ++id)
+    if (s.nodes[id].held_below != held_children[id])
+      return Internal(fmt::format("node {} counts {} children holding a device block, {} do", id,
+                                  s.nodes[id].held_below, held_children[id]));
+  if (const std::uint32_t full = s.recount_reclaimable_device_blocks(); full != s.reclaimable_now)
+    return Internal(
+        fmt::format("{} device blocks counted reclaimable, a full recount finds {}", s.reclaimable_now, full));
   if (live_attached != s.map.size())
     return Internal(fmt::format("index has {} keys but {} attached nodes", s.map.size(), live_attached));
   for (int t = 0; t < kNumTiers; ++t) {

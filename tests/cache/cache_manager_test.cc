@@ -197,6 +197,164 @@ TEST(CacheManager, StaleOrUnknownAcksAreRejected) {
   EXPECT_EQ(c->ack_backups(big, Status::Ok()).code(), StatusCode::kFailedPrecondition);
 }
 
+// Each kind of ack names the block it could not find and changes nothing when one block of the list has no such
+// move in flight (the acks are all-or-nothing).
+TEST(CacheManager, StaleAcksNameTheBlockAndChangeNothing) {
+  auto c = make_cache(testing::config(4, 8, 8));
+  const std::vector<BlockId> zero{0};
+  EXPECT_EQ(c->ack_evictions(zero, Status::Ok()).message(), "eviction: host block 0 has no eviction in flight");
+  EXPECT_EQ(c->ack_backups(zero, Status::Ok()).message(), "backup: host block 0 has no backup in flight");
+  EXPECT_EQ(c->ack_loads(zero, Status::Ok()).message(), "load: device block 0 has no load in flight");
+  EXPECT_EQ(c->ack_storage_writes(zero, Status::Ok()).message(),
+            "storage write: storage slot 0 has no write in flight");
+  EXPECT_EQ(c->ack_storage_prefetches(zero, Status::Ok()).message(),
+            "prefetch: host block 0 has no prefetch in flight");
+  // A valid eviction listed with a stale block: refused as a whole, the eviction stays in flight.
+  auto a = path({1, 2});
+  run_request(*c, a);
+  run_request(*c, path({3, 4}));
+  auto adm = c->admit(path({5, 6}));
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.evictions.size(), 2u);
+  BlockId stale = 0;
+  while (stale == p.evictions[0].dst || stale == p.evictions[1].dst) ++stale;
+  std::vector<BlockId> mixed{p.evictions[0].dst, stale};
+  EXPECT_EQ(c->ack_evictions(mixed, Status::Ok()).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(c->match(a).stopped_at_in_flight || c->match(path({3, 4})).stopped_at_in_flight);
+  // An ack of the right kind in the wrong list (an eviction's host block acked as a backup) is refused too.
+  EXPECT_EQ(c->ack_backups(dsts(p.evictions), Status::Ok()).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+  EXPECT_EQ(c->stats().failed_transfers, 0u);
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+// A block listed twice in one ack is settled once: counted once, tracked once, and its failure counted once.
+TEST(CacheManager, AckListingABlockTwiceSettlesItOnce) {
+  auto c = make_cache(testing::config(2, 8));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  auto adm = c->admit(path({3, 4}));
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.evictions.size(), 2u);
+  std::vector<BlockId> twice{p.evictions[0].dst, p.evictions[1].dst, p.evictions[0].dst};
+  ASSERT_TRUE(c->ack_evictions(twice, Status::Ok()).ok());
+  EXPECT_EQ(c->match(a).host_blocks, 2u);
+  EXPECT_EQ(c->stats().tiers[1].resident, 2u);
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  EXPECT_INVARIANTS(*c);
+  // Loads of a, one of them listed twice and failed: one failure, the subtree a miss.
+  auto again = c->admit(a);
+  ASSERT_TRUE(again.ok());
+  StepPlan q = c->take_plan();
+  ASSERT_EQ(q.loads.size(), 2u);
+  ASSERT_TRUE(c->ack_evictions(dsts(q.evictions), Status::Ok()).ok());
+  std::vector<BlockId> bad{q.loads[1].dst, q.loads[1].dst};
+  ASSERT_TRUE(c->ack_loads(bad, DataLoss("bad copy")).ok());
+  EXPECT_EQ(c->stats().failed_transfers, 1u);
+  ASSERT_TRUE(c->ack_loads(std::vector<BlockId>{q.loads[0].dst}, Status::Ok()).ok());
+  EXPECT_EQ(c->match(a).device_blocks, 1u);
+  EXPECT_EQ(c->match(a).total(), 1u);
+  ASSERT_TRUE(c->release(again->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+// A move whose block was invalidated while it ran (its parent's load failed) only settles: its outcome is not
+// counted, it never joins a tier, and its blocks go back to the pools once nothing holds the node.
+TEST(CacheManager, AckOfABlockInvalidatedInFlightOnlyReclaimsIt) {
+  auto c = make_cache(testing::config(2, 8));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  run_request(*c, path({3, 4}));  // a -> host
+  auto adm = c->admit(a);
+  ASSERT_TRUE(adm.ok());
+  StepPlan p = c->take_plan();
+  ASSERT_EQ(p.loads.size(), 2u);
+  ASSERT_TRUE(c->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
+  const BlockId parent = p.loads[0].key == a[0] ? p.loads[0].dst : p.loads[1].dst;
+  const BlockId child = p.loads[0].key == a[0] ? p.loads[1].dst : p.loads[0].dst;
+  ASSERT_TRUE(c->ack_loads(std::vector<BlockId>{parent}, DataLoss("bad copy")).ok());
+  EXPECT_EQ(c->stats().failed_transfers, 1u);
+  ASSERT_TRUE(c->ack_loads(std::vector<BlockId>{child}, Status::Ok()).ok());
+  EXPECT_EQ(c->stats().failed_transfers, 1u) << "the invalidated block's outcome is not counted";
+  EXPECT_EQ(c->match(a).total(), 0u);
+  EXPECT_INVARIANTS(*c);
+  ASSERT_TRUE(c->release(adm->id).ok());
+  const CacheStats s = c->stats();
+  EXPECT_EQ(s.tiers[0].used, 0u) << "a's device blocks went back (3, 4 made room for them)";
+  EXPECT_EQ(s.tiers[1].used, 2u) << "3, 4 on host; a's host copies went with the subtree";
+  EXPECT_INVARIANTS(*c);
+}
+
+// Write-through to storage (kStoring): a copy written lands in storage beside the host copy; a failed write frees
+// the storage slot and leaves the host copy as it was.
+TEST(CacheManager, StoreThroughAcks) {
+  auto c = make_cache(
+      testing::with(testing::config(2, 8, 8), [](CacheConfig& cf) { cf.write_policy = WritePolicy::kWriteThrough; }));
+  auto a = path({1, 2});
+  auto b = path({3, 4});
+  std::uint32_t slots = 0;
+  for (const auto& keys : {a, b}) {
+    auto adm = c->admit(keys);
+    ASSERT_TRUE(adm.ok());
+    ASSERT_TRUE(c->commit_all(adm->id).ok());
+    StepPlan p = c->take_plan();
+    ASSERT_EQ(p.backups.size(), 2u);
+    ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());  // backups land on host: store-through queued
+    ASSERT_TRUE(c->release(adm->id).ok());
+    StepPlan w = c->take_plan();
+    ASSERT_EQ(w.storage_writes.size(), 2u);
+    slots += 2;
+    EXPECT_EQ(c->stats().tiers[2].used, slots);
+    EXPECT_EQ(c->match(keys).device_blocks, 2u) << "the device copies stay servable during the write";
+    const Status outcome = keys == a ? Status::Ok() : Unavailable("disk gone");
+    ASSERT_TRUE(c->ack_storage_writes(dsts(w.storage_writes), outcome).ok());
+    EXPECT_INVARIANTS(*c);
+  }
+  const CacheStats s = c->stats();
+  EXPECT_EQ(s.failed_transfers, 2u);
+  EXPECT_EQ(s.tiers[2].used, 2u) << "b's slots went back";
+  EXPECT_EQ(s.tiers[2].resident, 2u);
+  EXPECT_EQ(s.tiers[1].used, 4u) << "both host copies stay";
+  EXPECT_EQ(c->match(a).host_blocks, 2u) << "a's device copies made room for b";
+  EXPECT_EQ(c->match(b).device_blocks, 2u);
+  EXPECT_INVARIANTS(*c);
+}
+
+// A failed storage prefetch turns the block and its subtree into a miss; its host block goes back.
+TEST(CacheManager, FailedStoragePrefetchIsAMiss) {
+  auto c = make_cache(testing::with(testing::config(2, 4, 16), [](CacheConfig& cf) {
+    cf.host_watermarks = Watermarks{0.5, 1.0};
+  }));
+  auto a = path({1, 2});
+  run_request(*c, a);
+  run_request(*c, path({3, 4}));
+  auto adm = c->admit(path({5, 6}));
+  ASSERT_TRUE(adm.ok());
+  ASSERT_TRUE(c->ack_plan(c->take_plan(), Status::Ok()).ok());
+  ASSERT_EQ(c->match(a).storage_blocks, 2u);
+  ASSERT_TRUE(c->commit_all(adm->id).ok());
+  ASSERT_TRUE(c->release(adm->id).ok());
+  const std::uint32_t host_used = c->stats().tiers[1].used, storage_used = c->stats().tiers[2].used;
+  auto n = c->prefetch(a);
+  ASSERT_TRUE(n.ok());
+  ASSERT_EQ(*n, 2u);
+  StepPlan f = c->take_plan();
+  ASSERT_EQ(f.storage_prefetches.size(), 2u);
+  EXPECT_EQ(c->stats().tiers[1].used, host_used + 2);
+  ASSERT_TRUE(c->ack_storage_prefetches(dsts(f.storage_prefetches), Unavailable("disk gone")).ok());
+  EXPECT_EQ(c->match(a).total(), 0u);
+  EXPECT_FALSE(c->match(a).stopped_at_in_flight);
+  EXPECT_EQ(c->stats().failed_transfers, 1u) << "the child was invalidated with its parent, before its own ack";
+  EXPECT_EQ(c->stats().tiers[1].used, host_used);
+  // a's storage copies went with the subtree; the plan's watermark demotions (if any) hold new slots.
+  EXPECT_EQ(c->stats().tiers[2].used, storage_used - 2 + f.storage_writes.size());
+  EXPECT_INVARIANTS(*c);
+}
+
 TEST(CacheManager, HostBlockNotReusedWhileALoadReadsIt) {
   // Host tier of 4: a load reads host blocks while a new request's evictions need host space.
   auto c = make_cache(testing::config(4, 4));

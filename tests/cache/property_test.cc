@@ -1,11 +1,15 @@
 // Random operation sequences against the CacheManager's invariants:
-// tier-ordered paths, no orphaned subtrees, balanced references, no in-flight block served.
+// tier-ordered paths, no orphaned subtrees, balanced references, no in-flight block served, and the
+// incremental count of reclaimable device blocks equal to a full recount.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
 #include <set>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/cache_manager.h"
@@ -249,6 +253,187 @@ TEST_P(CachePropertySieve, RandomOperationSequencesKeepInvariants) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, CachePropertySieve, ::testing::Range(0, 12));
+
+// The incremental count of reclaimable device blocks (what admit() checks before it evicts) against a full
+// recount (check_invariants()) after every call, over random sequences of every kind of call: admissions with
+// extra blocks and hit limits, P/D receives (completed, quarantined, released mid-receive), partial commits,
+// look-ahead announcements (extended, withdrawn with retention), storage prefetches, plans acked by kind with
+// failures, delays and blocks listed twice, acks of moves not in flight, and reset(). Every tier layout and
+// write policy; the device tier is small, so admissions fail often and evictions run on most of them.
+class CachePropertyReclaimable : public ::testing::TestWithParam<int> {};
+
+TEST_P(CachePropertyReclaimable, IncrementalCountEqualsFullRecountAfterEveryCall) {
+  const int variant = GetParam();
+  CacheConfig cfg;
+  cfg.device_blocks = 10 + variant % 3 * 7;
+  cfg.host_blocks = variant % 4 == 3 ? 0 : 12 + variant % 5 * 6;
+  cfg.storage_blocks = variant % 2 ? 10 + variant % 3 * 30 : 0;
+  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "sieve"};
+  cfg.device_policy = policies[variant % 5];
+  cfg.host_policy = policies[(variant + 2) % 5];
+  cfg.write_policy = static_cast<WritePolicy>(variant % 3);
+  cfg.write_through_threshold = 1 + variant % 2;
+  if (variant % 3 == 1) cfg.host_watermarks = {0.25, 0.5};
+  if (variant % 5 == 2) cfg.device_watermarks = {0.1, 0.3};
+  cfg.lookahead_prefetch_blocks = variant % 4 == 0 ? 0 : 4 + variant % 3 * 4;
+  cfg.lookahead_max_fraction = variant % 2 ? 1.0 : 0.5;
+  cfg.lookahead_retain_steps = variant % 3;
+  auto c = testing::make_cache(cfg);
+  FakePlanExecutor::Options eo;
+  eo.failure_rate = variant % 4 == 1 ? 0.0 : 0.08;
+  eo.delay_polls = variant % 3;
+  eo.seed = 9000 + variant;
+  FakePlanExecutor ex(eo);
+  std::mt19937_64 rng(9000 + variant);
+  std::vector<std::vector<std::uint64_t>> paths;
+  for (int i = 0; i < 30; ++i) {
+    std::vector<std::uint64_t> p;
+    if (!paths.empty() && rng() % 3) {
+      const auto& base = paths[rng() % paths.size()];
+      p.assign(base.begin(), base.begin() + rng() % (base.size() + 1));
+    }
+    std::size_t len = p.size() + 1 + rng() % 4;
+    while (p.size() < len) p.push_back(1000 + rng() % 100000);
+    paths.push_back(p);
+  }
+  auto hasher = testing::test_hasher();
+  std::vector<std::vector<BlockKey>> keys;
+  for (auto& p : paths) keys.push_back(hasher.keys_for_ids(p));
+  struct Open {
+    std::size_t path;
+    bool receiving;
+  };
+  std::map<AdmissionId, Open> open;
+  std::vector<AdmissionId> quarantined;  // released while receiving, or completed without `reclaimable`
+  std::vector<QueuedId> queued;
+  std::uint64_t refused = 0, admitted = 0, receives = 0, announced = 0, resets = 0;
+
+  auto pump = [&] {
+    ASSERT_TRUE(ex.execute(c->take_plan()).ok());
+    std::vector<Completion> done = ex.poll();
+    for (Completion& d : done) {
+      if (!d.dst.empty() && rng() % 8 == 0) d.dst.push_back(d.dst.front());  // listed twice: acked once
+      const Status acked = apply_completions(*c, {d});
+      ASSERT_TRUE(acked.ok()) << acked.to_string();
+      const Status inv = c->check_invariants();
+      ASSERT_TRUE(inv.ok()) << "after an ack: " << inv.to_string();
+    }
+  };
+
+  for (int step = 0; step < 1500; ++step) {
+    const int op = static_cast<int>(rng() % 16);
+    std::string what = fmt::format("op {}", op);
+    if (op < 4) {  // admit, sometimes with extra blocks or a hit limit
+      const std::size_t pi = rng() % keys.size();
+      const std::uint32_t extra = rng() % 3 == 0 ? static_cast<std::uint32_t>(rng() % 3) : 0;
+      const std::uint32_t limit = rng() % 5 == 0 ? static_cast<std::uint32_t>(rng() % 3) : kNoHitLimit;
+      auto a = c->admit(keys[pi], extra, limit);
+      if (a.ok()) {
+        open[a->id] = Open{pi, false};
+        ++admitted;
+      } else {
+        ASSERT_EQ(a.status().code(), StatusCode::kResourceExhausted) << a.status().to_string();
+        ++refused;
+      }
+    } else if (op == 4) {  // a P/D receive
+      const std::size_t pi = rng() % keys.size();
+      ReceiveOptions ro;
+      ro.extra_blocks = static_cast<std::uint32_t>(rng() % 2);
+      ro.received_extra_blocks = ro.extra_blocks ? static_cast<std::uint32_t>(rng() % 2) : 0;
+      ro.match_prefix = rng() % 2;
+      auto a = c->admit_receive(keys[pi], ro);
+      if (a.ok()) {
+        open[a->id] = Open{pi, true};
+        ++receives;
+      } else {
+        ASSERT_EQ(a.status().code(), StatusCode::kResourceExhausted) << a.status().to_string();
+        ++refused;
+      }
+    } else if (op == 5 && !open.empty()) {  // complete a receive (or commit part of an admission)
+      auto it = open.begin();
+      std::advance(it, rng() % open.size());
+      if (it->second.receiving) {
+        auto st = c->admission_status(it->first);
+        ASSERT_TRUE(st.ok());
+        const std::uint32_t n = st->receiving_blocks;
+        const bool reclaimable = rng() % 2;
+        ASSERT_TRUE(
+            c->complete_receive(it->first, n ? static_cast<std::uint32_t>(rng() % (n + 1)) : 0, reclaimable).ok());
+        it->second.receiving = false;
+        auto after = c->admission_status(it->first);
+        ASSERT_TRUE(after.ok());
+        if (after->quarantined_blocks && rng() % 2) {
+          ASSERT_TRUE(c->ack_receive_reclaimable(it->first).ok());
+        }
+      } else {
+        (void)c->commit(it->first, static_cast<std::uint32_t>(rng() % (keys[it->second.path].size() + 1)));
+      }
+    } else if (op < 8 && !open.empty()) {  // commit all (when allowed) and release
+      auto it = open.begin();
+      std::advance(it, rng() % open.size());
+      if (!it->second.receiving && rng() % 2) (void)c->commit_all(it->first);  // refused while quarantined
+      auto st = c->admission_status(it->first);
+      ASSERT_TRUE(st.ok());
+      const bool guarded = st->receiving_blocks > 0 || st->quarantined_blocks > 0;
+      ASSERT_TRUE(c->release(it->first).ok());
+      if (guarded) quarantined.push_back(it->first);
+      open.erase(it);
+    } else if (op == 8 && !quarantined.empty()) {  // the peer is proven quiescent
+      const std::size_t i = rng() % quarantined.size();
+      ASSERT_TRUE(c->ack_receive_reclaimable(quarantined[i]).ok());
+      quarantined.erase(quarantined.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (op == 9) {  // announce a queued request, with hints
+      RequestHints h;
+      h.priority = static_cast<std::int32_t>(rng() % 3);
+      h.ttl_steps = static_cast<std::uint32_t>(rng() % 3);
+      h.conversation_id = rng() % 3;
+      h.continuation = static_cast<Continuation>(rng() % 3);
+      const auto& k = keys[rng() % keys.size()];
+      const std::size_t first = 1 + rng() % k.size();
+      auto q = c->announce(std::span<const BlockKey>(k.data(), first), h);
+      ASSERT_TRUE(q.ok()) << q.status().to_string();
+      if (first < k.size() && rng() % 2) {
+        ASSERT_TRUE(c->extend_announced(*q, std::span<const BlockKey>(k.data() + first, k.size() - first)).ok());
+      }
+      queued.push_back(*q);
+      ++announced;
+    } else if (op == 10 && !queued.empty()) {  // withdraw (the request was scheduled or cancelled)
+      const std::size_t i = rng() % queued.size();
+      ASSERT_TRUE(c->withdraw(queued[i]).ok());
+      queued.erase(queued.begin() + static_cast<std::ptrdiff_t>(i));
+    } else if (op == 11) {
+      ASSERT_TRUE(c->prefetch(keys[rng() % keys.size()]).ok());
+    } else if (op == 12) {  // an ack of a block no move can be in flight to: refused, nothing changes
+      const auto past = static_cast<BlockId>(rng() % 3);
+      const Status s = rng() % 2 ? c->ack_loads(std::vector<BlockId>{cfg.device_blocks + past}, Status::Ok())
+                                 : c->ack_evictions(std::vector<BlockId>{cfg.host_blocks + past}, Unavailable("x"));
+      ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.to_string();
+    } else if (op == 13 && open.empty() && quarantined.empty() && ex.in_flight() == 0 && rng() % 4 == 0) {
+      StepPlan p = c->take_plan();
+      if (p.empty()) {
+        ASSERT_TRUE(c->reset().ok());
+        ++resets;
+      } else {
+        ASSERT_TRUE(ex.execute(p).ok());
+      }
+    } else {
+      pump();
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+    const Status inv = c->check_invariants();
+    ASSERT_TRUE(inv.ok()) << "step " << step << " (" << what << "): " << inv.to_string();
+  }
+  for (auto& [id, o] : open) ASSERT_TRUE(c->release(id).ok());
+  for (QueuedId q : queued) ASSERT_TRUE(c->withdraw(q).ok());
+  for (int i = 0; i < 8 + static_cast<int>(eo.delay_polls); ++i) pump();
+  ASSERT_TRUE(c->check_invariants().ok());
+  EXPECT_GT(admitted, 0u);
+  EXPECT_GT(refused, 0u);  // the small device tier is exhausted now and then: the check decides
+  EXPECT_GT(receives + announced, 0u);
+  (void)resets;
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, CachePropertyReclaimable, ::testing::Range(0, 40));
 
 }  // namespace
 }  // namespace kvtier::cache

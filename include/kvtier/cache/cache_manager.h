@@ -418,9 +418,11 @@ class CacheManager {
 
   CacheStats stats() const;
   // Device blocks that evictions could free now, whatever the policy: settled, unpinned device copies
-  // with nothing pinned or in flight on the device below them (the bound admit() checks). O(nodes).
+  // with nothing pinned or in flight on the device below them (the bound admit() checks). O(1): kept up to
+  // date on every change (check_invariants() compares it with a full recount).
   std::uint32_t reclaimable_device_blocks() const;
-  // Internal, O(nodes): tree links, tier order, in-flight bookkeeping, pool ownership, reference counts.
+  // Internal, O(nodes): tree links, tier order, in-flight bookkeeping, pool ownership, reference counts, the
+  // count of reclaimable device blocks.
   Status check_invariants() const;
 
   // KV events (vLLM's schema, metrics/kv_events.h): from this call on, every settled copy that joins
