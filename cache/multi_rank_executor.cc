@@ -8,19 +8,20 @@
 #include <string>
 #include <utility>
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier::cache {
 namespace {
 
-const char* kind_name(MoveKind kind) {
-  switch (kind) {
-    case MoveKind::kEviction: return "eviction";
-    case MoveKind::kBackup: return "backup";
-    case MoveKind::kLoad: return "load";
-    case MoveKind::kStorageWrite: return "storage write";
-    case MoveKind::kStoragePrefetch: return "storage prefetch";
-  }
-  return "move";
-}
+constexpr EnumName<MoveKind> kMoveKindEntries[] = {
+    {MoveKind::kEviction, "eviction"},
+    {MoveKind::kBackup, "backup"},
+    {MoveKind::kLoad, "load"},
+    {MoveKind::kStorageWrite, "storage write"},
+    {MoveKind::kStoragePrefetch, "storage prefetch"},
+};
+constexpr auto kMoveKindNames = enum_table("move kind", kMoveKindEntries, "move");
+std::string_view kind_name(MoveKind kind) noexcept { return kMoveKindNames.name(kind); }
 
 std::array<std::pair<MoveKind, const std::vector<BlockMove>*>, 5> move_lists(const StepPlan& plan) {
   return {{{MoveKind::kEviction, &plan.evictions},

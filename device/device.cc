@@ -6,6 +6,7 @@
 #include <memory>
 #include <utility>
 
+#include "kvtier/core/enum_names.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 
@@ -16,13 +17,12 @@ namespace {
 std::atomic<std::uint64_t> g_next_stream_id{1};
 }  // namespace
 
-std::string_view backend_name(BackendKind kind) noexcept {
-  switch (kind) {
-    case BackendKind::kHost: return "host";
-    case BackendKind::kCuda: return "cuda";
-  }
-  return "unknown";
-}
+constexpr EnumName<BackendKind> kBackendEntries[] = {
+    {BackendKind::kHost, "host"},
+    {BackendKind::kCuda, "cuda"},
+};
+constexpr auto kBackendNames = enum_table("backend", kBackendEntries, "unknown");
+std::string_view backend_name(BackendKind kind) noexcept { return kBackendNames.name(kind); }
 
 Stream::Stream() : id_(g_next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
 

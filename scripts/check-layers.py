@@ -36,6 +36,9 @@ PRIVATE_EXCEPTIONS = {
     ("tools", "transfer/bench_compute.h"): "the transfer benchmark's compute model lives in transfer/",
     ("storage", "core/parallel_loop.h"): "core's helper threads, shared by the libraries above core",
     ("transport", "core/parallel_loop.h"): "core's helper threads, shared by the libraries above core",
+    ("cache", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
+    ("storage", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
+    ("transport", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
