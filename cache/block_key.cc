@@ -3,36 +3,24 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include <array>
+#include <cstring>
+
+#include "cache/canonical_key.h"
+#include "core/byte_codec.h"
+
 namespace kvtier::cache {
 namespace {
 
-class ByteWriter {
+// The key-derivation input: integers little-endian (core/byte_codec.h), 128-bit keys in XXH128's canonical form.
+class KeyInput {
  public:
-  void u8(std::uint8_t v) { buf_.push_back(static_cast<unsigned char>(v)); }
-  void u32(std::uint32_t v) {
-    for (int i = 0; i < 4; ++i) buf_.push_back(static_cast<unsigned char>(v >> (8 * i)));
-  }
-  void u64(std::uint64_t v) {
-    for (int i = 0; i < 8; ++i) buf_.push_back(static_cast<unsigned char>(v >> (8 * i)));
-  }
-  void str(std::string_view s) {
-    u32(static_cast<std::uint32_t>(s.size()));
-    buf_.insert(buf_.end(), s.begin(), s.end());
-  }
-  void raw(std::string_view s) { buf_.insert(buf_.end(), s.begin(), s.end()); }
-  void key(const BlockKey& k) {
-    // XXH128 canonical form: big-endian, high half first.
-    for (int i = 7; i >= 0; --i) buf_.push_back(static_cast<unsigned char>(k.hi >> (8 * i)));
-    for (int i = 7; i >= 0; --i) buf_.push_back(static_cast<unsigned char>(k.lo >> (8 * i)));
-  }
+  codec::ByteWriter<std::vector<std::byte>> w;
+  void key(const BlockKey& k) { w.raw(canonical(k).data(), 16); }
   BlockKey digest() const {
-    XXH128_hash_t h = XXH3_128bits(buf_.data(), buf_.size());
+    XXH128_hash_t h = XXH3_128bits(w.out.data(), w.out.size());
     return BlockKey{h.high64, h.low64};
   }
-  void clear() { buf_.clear(); }
-
- private:
-  std::vector<unsigned char> buf_;
 };
 
 }  // namespace
@@ -66,40 +54,36 @@ Result<KeyHasher> KeyHasher::create(const KeyNamespace& ns) {
   if (ns.tp_rank >= ns.tp_size)
     return InvalidArgument(fmt::format("key namespace: tp_rank {} >= tp_size {}", ns.tp_rank, ns.tp_size));
   if (ns.block_tokens == 0) return InvalidArgument("key namespace: block_tokens is 0");
-  ByteWriter w;
-  w.raw("kvtier.key.v1");
-  w.str(ns.model_id);
-  w.u64(ns.layout_fingerprint);
-  w.str(ns.dtype);
-  w.u32(ns.tp_rank);
-  w.u32(ns.tp_size);
-  w.u32(ns.block_tokens);
-  w.str(ns.tenant_salt);
-  w.str(ns.extra);
+  KeyInput in;
+  in.w.raw("kvtier.key.v1");
+  in.w.str(ns.model_id).u64(ns.layout_fingerprint).str(ns.dtype);
+  in.w.u32(ns.tp_rank).u32(ns.tp_size).u32(ns.block_tokens);
+  in.w.str(ns.tenant_salt).str(ns.extra);
   KeyHasher h;
   h.ns_ = ns;
-  h.root_ = w.digest();
+  h.root_ = in.digest();
   return h;
 }
 
 BlockKey KeyHasher::block_key(const BlockKey& parent, std::span<const std::int32_t> tokens,
                               std::span<const BlockKey> extra_keys) const {
-  ByteWriter w;
-  w.u8(0x01);
-  w.key(parent);
-  w.u32(static_cast<std::uint32_t>(tokens.size()));
-  for (std::int32_t t : tokens) w.u32(static_cast<std::uint32_t>(t));
-  w.u32(static_cast<std::uint32_t>(extra_keys.size()));
-  for (const BlockKey& e : extra_keys) w.key(e);
-  return w.digest();
+  KeyInput in;
+  in.w.u8(0x01);
+  in.key(parent);
+  in.w.u32(static_cast<std::uint32_t>(tokens.size()));
+  for (std::int32_t t : tokens) in.w.u32(static_cast<std::uint32_t>(t));
+  in.w.u32(static_cast<std::uint32_t>(extra_keys.size()));
+  for (const BlockKey& e : extra_keys) in.key(e);
+  return in.digest();
 }
 
 BlockKey KeyHasher::opaque_key(const BlockKey& parent, std::uint64_t id) const {
-  unsigned char buf[1 + 16 + 8];
-  buf[0] = 0x02;
-  for (int i = 0; i < 8; ++i) buf[1 + i] = static_cast<unsigned char>(parent.hi >> (8 * (7 - i)));
-  for (int i = 0; i < 8; ++i) buf[9 + i] = static_cast<unsigned char>(parent.lo >> (8 * (7 - i)));
-  for (int i = 0; i < 8; ++i) buf[17 + i] = static_cast<unsigned char>(id >> (8 * i));
+  // On the stack: opaque keys are derived per block on the hot path.
+  std::byte buf[1 + 16 + 8];
+  buf[0] = std::byte{0x02};
+  const auto c = canonical(parent);
+  std::memcpy(buf + 1, c.data(), 16);
+  codec::store_le<std::uint64_t>(buf + 17, id);
   XXH128_hash_t h = XXH3_128bits(buf, sizeof(buf));
   return BlockKey{h.high64, h.low64};
 }

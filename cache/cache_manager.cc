@@ -13,34 +13,27 @@
 #include <vector>
 
 #include "cache/cache_manager_impl.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier::cache {
 
-std::string_view tier_name(Tier tier) noexcept {
-  switch (tier) {
-    case Tier::kDevice: return "device";
-    case Tier::kHost: return "host";
-    case Tier::kStorage: return "storage";
-  }
-  return "?";
-}
+constexpr EnumName<Tier> kTierEntries[] = {
+    {Tier::kDevice, "device"},
+    {Tier::kHost, "host"},
+    {Tier::kStorage, "storage"},
+};
+constexpr auto kTierNames = enum_table("tier", kTierEntries);
+std::string_view tier_name(Tier tier) noexcept { return kTierNames.name(tier); }
 
-std::string_view write_policy_name(WritePolicy policy) noexcept {
-  switch (policy) {
-    case WritePolicy::kWriteThrough: return "write_through";
-    case WritePolicy::kWriteThroughSelective: return "write_through_selective";
-    case WritePolicy::kWriteBack: return "write_back";
-  }
-  return "?";
-}
+constexpr EnumName<WritePolicy> kWritePolicyEntries[] = {
+    {WritePolicy::kWriteThrough, "write_through"},
+    {WritePolicy::kWriteThroughSelective, "write_through_selective"},
+    {WritePolicy::kWriteBack, "write_back"},
+};
+constexpr auto kWritePolicyNames = enum_table("write policy", kWritePolicyEntries);
+std::string_view write_policy_name(WritePolicy policy) noexcept { return kWritePolicyNames.name(policy); }
 
-Result<WritePolicy> parse_write_policy(std::string_view name) {
-  if (name == "write_through") return WritePolicy::kWriteThrough;
-  if (name == "write_through_selective") return WritePolicy::kWriteThroughSelective;
-  if (name == "write_back") return WritePolicy::kWriteBack;
-  return InvalidArgument(
-      fmt::format("unknown write policy '{}' (known: write_through, write_through_selective, write_back)", name));
-}
+Result<WritePolicy> parse_write_policy(std::string_view name) { return kWritePolicyNames.parse(name); }
 
 std::uint64_t index_memory_bytes(const CacheConfig& config) noexcept {
   // sizeof(Node) plus the key index entry, an owner slot, policy links and ghost entries, rounded up.

@@ -9,17 +9,17 @@
 #include <vector>
 
 #include "cache/cache_manager_impl.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier::cache {
 
-std::string_view continuation_name(Continuation c) noexcept {
-  switch (c) {
-    case Continuation::kUnknown: return "unknown";
-    case Continuation::kContinues: return "continues";
-    case Continuation::kLastTurn: return "last_turn";
-  }
-  return "?";
-}
+constexpr EnumName<Continuation> kContinuationEntries[] = {
+    {Continuation::kUnknown, "unknown"},
+    {Continuation::kContinues, "continues"},
+    {Continuation::kLastTurn, "last_turn"},
+};
+constexpr auto kContinuationNames = enum_table("continuation", kContinuationEntries);
+std::string_view continuation_name(Continuation c) noexcept { return kContinuationNames.name(c); }
 
 // ---- protection ----------------------------------------------------------------
 

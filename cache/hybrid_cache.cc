@@ -8,7 +8,12 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
+
+#include "cache/canonical_key.h"
+#include "core/byte_codec.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier::cache {
 
@@ -40,25 +45,25 @@ std::uint32_t ceil_div(std::uint64_t a, std::uint64_t b) { return static_cast<st
 
 }  // namespace
 
-std::string_view group_kind_name(GroupKind kind) noexcept {
-  switch (kind) {
-    case GroupKind::kFull: return "full";
-    case GroupKind::kSlidingWindow: return "sliding_window";
-    case GroupKind::kState: return "state";
-  }
-  return "unknown";
-}
+constexpr EnumName<GroupKind> kGroupKindEntries[] = {
+    {GroupKind::kFull, "full"},
+    {GroupKind::kSlidingWindow, "sliding_window"},
+    {GroupKind::kState, "state"},
+};
+constexpr auto kGroupKindNames = enum_table("group kind", kGroupKindEntries, "unknown");
+std::string_view group_kind_name(GroupKind kind) noexcept { return kGroupKindNames.name(kind); }
 
 BlockKey group_block_key(const BlockKey& chain_key, std::uint32_t group, GroupKind kind) noexcept {
   static constexpr char kTag[] = "kvtier.group.v1";
-  unsigned char buf[sizeof(kTag) - 1 + 16 + 4 + 1];
-  std::size_t n = 0;
-  for (std::size_t i = 0; i + 1 < sizeof(kTag); ++i) buf[n++] = static_cast<unsigned char>(kTag[i]);
-  for (int i = 7; i >= 0; --i) buf[n++] = static_cast<unsigned char>(chain_key.hi >> (8 * i));
-  for (int i = 7; i >= 0; --i) buf[n++] = static_cast<unsigned char>(chain_key.lo >> (8 * i));
-  for (int i = 0; i < 4; ++i) buf[n++] = static_cast<unsigned char>(group >> (8 * i));
-  buf[n++] = static_cast<unsigned char>(kind);
-  XXH128_hash_t h = XXH3_128bits(buf, n);
+  // On the stack (noexcept, per block): the fields at their fixed offsets (core/byte_codec.h).
+  constexpr std::size_t kTagBytes = sizeof(kTag) - 1;
+  std::byte buf[kTagBytes + 16 + 4 + 1];
+  std::memcpy(buf, kTag, kTagBytes);
+  const auto c = canonical(chain_key);
+  std::memcpy(buf + kTagBytes, c.data(), 16);
+  codec::store_le<std::uint32_t>(buf + kTagBytes + 16, group);
+  buf[kTagBytes + 20] = static_cast<std::byte>(kind);
+  XXH128_hash_t h = XXH3_128bits(buf, sizeof(buf));
   return BlockKey{h.high64, h.low64};
 }
 

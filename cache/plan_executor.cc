@@ -2,18 +2,22 @@
 
 #include <fmt/format.h>
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier::cache {
 
-std::string_view move_kind_name(MoveKind kind) noexcept {
-  switch (kind) {
-    case MoveKind::kEviction: return "eviction";
-    case MoveKind::kBackup: return "backup";
-    case MoveKind::kLoad: return "load";
-    case MoveKind::kStorageWrite: return "storage write";
-    case MoveKind::kStoragePrefetch: return "storage prefetch";
-  }
-  return "move";
-}
+namespace {
+constexpr EnumName<MoveKind> kMoveKindEntries[] = {
+    {MoveKind::kEviction, "eviction"},
+    {MoveKind::kBackup, "backup"},
+    {MoveKind::kLoad, "load"},
+    {MoveKind::kStorageWrite, "storage write"},
+    {MoveKind::kStoragePrefetch, "storage prefetch"},
+};
+constexpr auto kMoveKindNames = enum_table("move kind", kMoveKindEntries, "move");
+}  // namespace
+
+std::string_view move_kind_name(MoveKind kind) noexcept { return kMoveKindNames.name(kind); }
 
 Status apply_completions(CacheManager& cache, const std::vector<Completion>& completions) {
   for (const Completion& c : completions) {

@@ -13,44 +13,39 @@
 #include <chrono>
 
 #include "kvtier/backend/copy_backend.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier {
 
-std::string_view copy_strategy_name(CopyStrategy s) noexcept {
-  switch (s) {
-    case CopyStrategy::kAuto: return "auto";
-    case CopyStrategy::kDmaPerRun: return "dma_per_run";
-    case CopyStrategy::kDmaBatch: return "dma_batch";
-    case CopyStrategy::kSmKernel: return "sm_kernel";
-    case CopyStrategy::kStagedDma: return "staged_dma";
-    case CopyStrategy::kSplit: return "split";
-  }
-  return "?";
-}
+constexpr EnumName<CopyStrategy> kCopyStrategyEntries[] = {
+    {CopyStrategy::kAuto, "auto"},
+    {CopyStrategy::kDmaPerRun, "dma_per_run"},
+    {CopyStrategy::kDmaBatch, "dma_batch"},
+    {CopyStrategy::kSmKernel, "sm_kernel"},
+    {CopyStrategy::kStagedDma, "staged_dma"},
+    {CopyStrategy::kSplit, "split"},
+    // Short spellings.
+    {CopyStrategy::kDmaPerRun, "per_run"},
+    {CopyStrategy::kDmaBatch, "batch"},
+    {CopyStrategy::kSmKernel, "kernel"},
+    {CopyStrategy::kSmKernel, "sm"},
+    {CopyStrategy::kStagedDma, "staged"},
+    {CopyStrategy::kSplit, "hybrid"},
+};
+constexpr auto kCopyStrategyNames = enum_table("copy strategy", kCopyStrategyEntries);
+static_assert(kCopyStrategyNames.covers_dense(kNumCopyStrategies), "a CopyStrategy without a name");
+std::string_view copy_strategy_name(CopyStrategy s) noexcept { return kCopyStrategyNames.name(s); }
 
-Result<CopyStrategy> parse_copy_strategy(std::string_view name) {
-  for (int i = 0; i < kNumCopyStrategies; ++i) {
-    const auto s = static_cast<CopyStrategy>(i);
-    if (copy_strategy_name(s) == name) return s;
-  }
-  if (name == "per_run") return CopyStrategy::kDmaPerRun;
-  if (name == "batch") return CopyStrategy::kDmaBatch;
-  if (name == "kernel" || name == "sm") return CopyStrategy::kSmKernel;
-  if (name == "staged") return CopyStrategy::kStagedDma;
-  if (name == "hybrid") return CopyStrategy::kSplit;
-  return InvalidArgument(fmt::format(
-      "unknown copy strategy '{}' (expected auto, dma_per_run, dma_batch, sm_kernel, staged_dma, split)", name));
-}
+Result<CopyStrategy> parse_copy_strategy(std::string_view name) { return kCopyStrategyNames.parse(name); }
 
-std::string_view copy_direction_name(CopyDirection d) noexcept {
-  switch (d) {
-    case CopyDirection::kDeviceToHost: return "d2h";
-    case CopyDirection::kHostToDevice: return "h2d";
-    case CopyDirection::kDeviceToDevice: return "d2d";
-    case CopyDirection::kHostToHost: return "h2h";
-  }
-  return "?";
-}
+constexpr EnumName<CopyDirection> kCopyDirectionEntries[] = {
+    {CopyDirection::kDeviceToHost, "d2h"},
+    {CopyDirection::kHostToDevice, "h2d"},
+    {CopyDirection::kDeviceToDevice, "d2d"},
+    {CopyDirection::kHostToHost, "h2h"},
+};
+constexpr auto kCopyDirectionNames = enum_table("copy direction", kCopyDirectionEntries);
+std::string_view copy_direction_name(CopyDirection d) noexcept { return kCopyDirectionNames.name(d); }
 
 CopyDirection copy_direction(MemoryKind src, MemoryKind dst) noexcept {
   const bool sd = src == MemoryKind::kDevice;

@@ -7,15 +7,15 @@
 #include <mutex>
 #include <thread>
 
+#include "core/byte_codec.h"
 #include "core/parallel_loop.h"
 
 namespace kvtier {
 namespace {
 
 std::uint64_t combine(std::span<const std::uint64_t> digests) {
-  std::vector<unsigned char> le(8 * digests.size());
-  for (std::size_t p = 0; p < digests.size(); ++p)
-    for (int i = 0; i < 8; ++i) le[8 * p + i] = static_cast<unsigned char>(digests[p] >> (8 * i));
+  std::vector<std::byte> le(8 * digests.size());
+  for (std::size_t p = 0; p < digests.size(); ++p) codec::store_le(le.data() + 8 * p, digests[p]);
   return XXH3_64bits(le.data(), le.size());
 }
 

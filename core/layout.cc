@@ -7,6 +7,8 @@
 #include <set>
 #include <utility>
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier {
 namespace {
 
@@ -64,34 +66,41 @@ std::uint32_t dtype_bytes(DType dtype) noexcept {
   }
 }
 
-std::string_view dtype_name(DType dtype) noexcept {
-  switch (dtype) {
-    case DType::kBf16: return "bf16";
-    case DType::kFp16: return "fp16";
-    case DType::kFp32: return "fp32";
-    case DType::kFp8E4M3: return "fp8_e4m3";
-    case DType::kFp8E5M2: return "fp8_e5m2";
-    case DType::kInt8: return "int8";
-    case DType::kUint8: return "uint8";
-    case DType::kInt16: return "int16";
-    case DType::kUint16: return "uint16";
-    case DType::kInt32: return "int32";
-    case DType::kUint32: return "uint32";
-    case DType::kInt64: return "int64";
-    case DType::kUint64: return "uint64";
-    case DType::kFp64: return "fp64";
-    case DType::kBool: return "bool";
-    case DType::kComplex64: return "complex64";
-    case DType::kComplex128: return "complex128";
-    case DType::kFp8E4M3Fnuz: return "fp8_e4m3fnuz";
-    case DType::kFp8E5M2Fnuz: return "fp8_e5m2fnuz";
-    case DType::kFp8E8M0: return "fp8_e8m0";
-    case DType::kFp8E3M4: return "fp8_e3m4";
-    case DType::kFp8E4M3Ieee: return "fp8_e4m3_ieee";
-    case DType::kFp8E4M3B11Fnuz: return "fp8_e4m3b11fnuz";
-  }
-  return "?";
-}
+constexpr EnumName<DType> kDtypeEntries[] = {
+    {DType::kBf16, "bf16"},
+    {DType::kFp16, "fp16"},
+    {DType::kFp32, "fp32"},
+    {DType::kFp8E4M3, "fp8_e4m3"},
+    {DType::kFp8E5M2, "fp8_e5m2"},
+    {DType::kInt8, "int8"},
+    {DType::kUint8, "uint8"},
+    {DType::kInt16, "int16"},
+    {DType::kUint16, "uint16"},
+    {DType::kInt32, "int32"},
+    {DType::kUint32, "uint32"},
+    {DType::kInt64, "int64"},
+    {DType::kUint64, "uint64"},
+    {DType::kFp64, "fp64"},
+    {DType::kBool, "bool"},
+    {DType::kComplex64, "complex64"},
+    {DType::kComplex128, "complex128"},
+    {DType::kFp8E4M3Fnuz, "fp8_e4m3fnuz"},
+    {DType::kFp8E5M2Fnuz, "fp8_e5m2fnuz"},
+    {DType::kFp8E8M0, "fp8_e8m0"},
+    {DType::kFp8E3M4, "fp8_e3m4"},
+    {DType::kFp8E4M3Ieee, "fp8_e4m3_ieee"},
+    {DType::kFp8E4M3B11Fnuz, "fp8_e4m3b11fnuz"},
+    // Further spellings (PyTorch's and engines' names).
+    {DType::kBf16, "bfloat16"},
+    {DType::kFp16, "float16"},
+    {DType::kFp32, "float32"},
+    {DType::kFp64, "float64"},
+    {DType::kFp8E4M3, "fp8"},
+    {DType::kFp8E4M3, "fp8_e4m3fn"},
+};
+constexpr auto kDtypeNames = enum_table("dtype", kDtypeEntries);
+static_assert(kDtypeNames.covers_dense(std::size(kAllDTypes)), "a DType without a name");
+std::string_view dtype_name(DType dtype) noexcept { return kDtypeNames.name(dtype); }
 
 bool dtype_is_fp8(DType dtype) noexcept {
   switch (dtype) {
@@ -107,52 +116,34 @@ bool dtype_is_fp8(DType dtype) noexcept {
   }
 }
 
-Result<DType> parse_dtype(std::string_view name) {
-  for (DType d : kAllDTypes) {
-    if (dtype_name(d) == name) return d;
-  }
-  if (name == "bfloat16") return DType::kBf16;
-  if (name == "float16") return DType::kFp16;
-  if (name == "float32") return DType::kFp32;
-  if (name == "float64") return DType::kFp64;
-  if (name == "fp8" || name == "fp8_e4m3fn") return DType::kFp8E4M3;
-  std::string known;
-  for (DType d : kAllDTypes) {
-    if (!known.empty()) known += ", ";
-    known += dtype_name(d);
-  }
-  return InvalidArgument(fmt::format("unknown dtype '{}' (expected one of {})", name, known));
-}
+Result<DType> parse_dtype(std::string_view name) { return kDtypeNames.parse(name); }
 
-std::string_view role_name(Role role) noexcept {
-  switch (role) {
-    case Role::kKey: return "key";
-    case Role::kValue: return "value";
-    case Role::kKeyScale: return "key_scale";
-    case Role::kValueScale: return "value_scale";
-    case Role::kLatent: return "latent";
-    case Role::kIndexer: return "indexer";
-    case Role::kOther: return "other";
-  }
-  return "?";
-}
+constexpr EnumName<Role> kRoleEntries[] = {
+    {Role::kKey, "key"},
+    {Role::kValue, "value"},
+    {Role::kKeyScale, "key_scale"},
+    {Role::kValueScale, "value_scale"},
+    {Role::kLatent, "latent"},
+    {Role::kIndexer, "indexer"},
+    {Role::kOther, "other"},
+};
+constexpr auto kRoleNames = enum_table("role", kRoleEntries);
+std::string_view role_name(Role role) noexcept { return kRoleNames.name(role); }
 
-std::string_view token_order_name(TokenOrder order) noexcept {
-  switch (order) {
-    case TokenOrder::kHnd: return "HND";
-    case TokenOrder::kNhd: return "NHD";
-    case TokenOrder::kOpaque: return "opaque";
-  }
-  return "?";
-}
+constexpr EnumName<TokenOrder> kTokenOrderEntries[] = {
+    {TokenOrder::kHnd, "HND"},
+    {TokenOrder::kNhd, "NHD"},
+    {TokenOrder::kOpaque, "opaque"},
+};
+constexpr auto kTokenOrderNames = enum_table("token order", kTokenOrderEntries);
+std::string_view token_order_name(TokenOrder order) noexcept { return kTokenOrderNames.name(order); }
 
-std::string_view memory_kind_name(MemoryKind kind) noexcept {
-  switch (kind) {
-    case MemoryKind::kDevice: return "device";
-    case MemoryKind::kPinnedHost: return "pinned_host";
-  }
-  return "?";
-}
+constexpr EnumName<MemoryKind> kMemoryKindEntries[] = {
+    {MemoryKind::kDevice, "device"},
+    {MemoryKind::kPinnedHost, "pinned_host"},
+};
+constexpr auto kMemoryKindNames = enum_table("memory kind", kMemoryKindEntries);
+std::string_view memory_kind_name(MemoryKind kind) noexcept { return kMemoryKindNames.name(kind); }
 
 Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t block_tokens, TokenOrder token_order) {
   if (layers.empty()) return InvalidArgument("KvLayout needs at least one layer, got 0");

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "kvtier/core/enum_names.h"
+
 extern char** environ;
 
 namespace kvtier {
@@ -101,22 +103,14 @@ void read_env_once() noexcept {
 
 }  // namespace
 
-std::string_view log_level_name(LogLevel level) noexcept {
-  switch (level) {
-    case LogLevel::kDebug: return "debug";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kWarning: return "warning";
-    case LogLevel::kError: return "error";
-    case LogLevel::kOff: return "off";
-  }
-  return "?";
-}
+constexpr EnumName<LogLevel> kLogLevelEntries[] = {
+    {LogLevel::kDebug, "debug"}, {LogLevel::kInfo, "info"}, {LogLevel::kWarning, "warning"},
+    {LogLevel::kError, "error"}, {LogLevel::kOff, "off"},
+};
+constexpr auto kLogLevelNames = enum_table("log level", kLogLevelEntries);
+std::string_view log_level_name(LogLevel level) noexcept { return kLogLevelNames.name(level); }
 
-Result<LogLevel> parse_log_level(std::string_view name) {
-  for (LogLevel l : {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError, LogLevel::kOff})
-    if (name == log_level_name(l)) return l;
-  return InvalidArgument(fmt::format("unknown log level '{}' (expected debug, info, warning, error, off)", name));
-}
+Result<LogLevel> parse_log_level(std::string_view name) { return kLogLevelNames.parse(name); }
 
 void set_log_sink(LogSink sink) noexcept {
   LogState& s = state();

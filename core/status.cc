@@ -1,27 +1,28 @@
 #include "kvtier/core/status.h"
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier {
 
-std::string_view status_code_name(StatusCode code) noexcept {
-  switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kOutOfRange: return "OutOfRange";
-    case StatusCode::kFailedPrecondition: return "FailedPrecondition";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kAlreadyExists: return "AlreadyExists";
-    case StatusCode::kResourceExhausted: return "ResourceExhausted";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kAborted: return "Aborted";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kTimedOut: return "TimedOut";
-    case StatusCode::kDataLoss: return "DataLoss";
-    case StatusCode::kNotSupported: return "NotSupported";
-    case StatusCode::kDeviceLost: return "DeviceLost";
-    case StatusCode::kInternal: return "Internal";
-  }
-  return "Unknown";
-}
+constexpr EnumName<StatusCode> kStatusCodeEntries[] = {
+    {StatusCode::kOk, "OK"},
+    {StatusCode::kInvalidArgument, "InvalidArgument"},
+    {StatusCode::kOutOfRange, "OutOfRange"},
+    {StatusCode::kFailedPrecondition, "FailedPrecondition"},
+    {StatusCode::kNotFound, "NotFound"},
+    {StatusCode::kAlreadyExists, "AlreadyExists"},
+    {StatusCode::kResourceExhausted, "ResourceExhausted"},
+    {StatusCode::kUnavailable, "Unavailable"},
+    {StatusCode::kAborted, "Aborted"},
+    {StatusCode::kCancelled, "Cancelled"},
+    {StatusCode::kTimedOut, "TimedOut"},
+    {StatusCode::kDataLoss, "DataLoss"},
+    {StatusCode::kNotSupported, "NotSupported"},
+    {StatusCode::kDeviceLost, "DeviceLost"},
+    {StatusCode::kInternal, "Internal"},
+};
+constexpr auto kStatusCodeNames = enum_table("status code", kStatusCodeEntries, "Unknown");
+std::string_view status_code_name(StatusCode code) noexcept { return kStatusCodeNames.name(code); }
 
 RetryAdvice Status::retry_advice() const noexcept {
   switch (code_) {

@@ -5,6 +5,8 @@
 #include <atomic>
 #include <memory>
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier {
 namespace {
 // Stream ids are process-wide and never reused, so that they can key maps
@@ -12,13 +14,12 @@ namespace {
 std::atomic<std::uint64_t> g_next_stream_id{1};
 }  // namespace
 
-std::string_view backend_name(BackendKind kind) noexcept {
-  switch (kind) {
-    case BackendKind::kHost: return "host";
-    case BackendKind::kCuda: return "cuda";
-  }
-  return "unknown";
-}
+constexpr EnumName<BackendKind> kBackendEntries[] = {
+    {BackendKind::kHost, "host"},
+    {BackendKind::kCuda, "cuda"},
+};
+constexpr auto kBackendNames = enum_table("backend", kBackendEntries, "unknown");
+std::string_view backend_name(BackendKind kind) noexcept { return kBackendNames.name(kind); }
 
 Stream::Stream() : id_(g_next_stream_id.fetch_add(1, std::memory_order_relaxed)) {}
 

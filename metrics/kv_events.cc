@@ -9,23 +9,20 @@
 #include <cstring>
 #include <memory>
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier::metrics {
 
-std::string_view medium_name(Medium m) noexcept {
-  switch (m) {
-    case Medium::kGpu: return "GPU";
-    case Medium::kCpu: return "CPU";
-    case Medium::kDisk: return "DISK";
-    case Medium::kRemote: return "REMOTE";
-  }
-  return "GPU";
-}
+constexpr EnumName<Medium> kMediumEntries[] = {
+    {Medium::kGpu, "GPU"},
+    {Medium::kCpu, "CPU"},
+    {Medium::kDisk, "DISK"},
+    {Medium::kRemote, "REMOTE"},
+};
+constexpr auto kMediumNames = enum_table("medium", kMediumEntries, "GPU");
+std::string_view medium_name(Medium m) noexcept { return kMediumNames.name(m); }
 
-Result<Medium> parse_medium(std::string_view name) {
-  for (Medium m : {Medium::kGpu, Medium::kCpu, Medium::kDisk, Medium::kRemote})
-    if (medium_name(m) == name) return m;
-  return InvalidArgument(fmt::format("unknown medium '{}' (known: GPU, CPU, DISK, REMOTE)", name));
-}
+Result<Medium> parse_medium(std::string_view name) { return kMediumNames.parse(name); }
 
 double unix_time_now() noexcept {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();

@@ -8,6 +8,8 @@
 #include <limits>
 #include <variant>
 
+#include "kvtier/core/enum_names.h"
+
 namespace kvtier::metrics {
 
 namespace detail {
@@ -75,14 +77,13 @@ Result<std::vector<double>> exponential_buckets(double start, double factor, int
   return b;
 }
 
-std::string_view metric_type_name(MetricType t) noexcept {
-  switch (t) {
-    case MetricType::kCounter: return "counter";
-    case MetricType::kGauge: return "gauge";
-    case MetricType::kHistogram: return "histogram";
-  }
-  return "untyped";
-}
+constexpr EnumName<MetricType> kMetricTypeEntries[] = {
+    {MetricType::kCounter, "counter"},
+    {MetricType::kGauge, "gauge"},
+    {MetricType::kHistogram, "histogram"},
+};
+constexpr auto kMetricTypeNames = enum_table("metric type", kMetricTypeEntries, "untyped");
+std::string_view metric_type_name(MetricType t) noexcept { return kMetricTypeNames.name(t); }
 
 // ---- text helpers ---------------------------------------------------------------
 

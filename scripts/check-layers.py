@@ -44,6 +44,9 @@ PRIVATE_EXCEPTIONS = {
     ("tools", "sim/"): "the CLI runs the trace replay and the synthetic compute",
     ("storage", "core/parallel_loop.h"): "core's helper threads, shared by the libraries above core",
     ("transport", "core/parallel_loop.h"): "core's helper threads, shared by the libraries above core",
+    ("cache", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
+    ("storage", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
+    ("transport", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
 }
 
 # Headers outside include/kvtier/<layer>/ and the layer each belongs to: the interfaces a backend implements

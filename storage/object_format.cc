@@ -8,20 +8,14 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/byte_codec.h"
+
 namespace kvtier::storage::format {
 namespace {
 
-template <typename T>
-void put_le(std::byte* p, T v) {
-  static_assert(std::is_unsigned_v<T>);
-  for (std::size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
-}
-template <typename T>
-T get_le(const std::byte* p) {
-  T v = 0;
-  for (std::size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<std::uint8_t>(p[i])) << (8 * i);
-  return v;
-}
+// Every field little-endian at its fixed offset (core/byte_codec.h).
+using codec::load_le;
+using codec::store_le;
 
 constexpr std::size_t kOffMagic = 0, kOffVersion = 8, kOffFlags = 10, kOffHeaderSize = 12, kOffNs = 16, kOffLayout = 24,
                       kOffKey = 32, kOffRank = 48, kOffNumRoles = 52, kOffPayload = 56, kOffHeaderChecksum = 64,
@@ -157,11 +151,11 @@ std::string keyed_object_name(const StorageOptions& options, const StorageKey& k
                                                 reinterpret_cast<const unsigned char*>(options.tenant_secret.data()),
                                                 options.tenant_secret.size(), 16, nullptr, kPersonalName);
   std::byte fixed[8 + 8 + 8 + 16 + 4];
-  put_le<std::uint64_t>(fixed, options.tenant.size());
-  put_le<std::uint64_t>(fixed + 8, options.ns.size());
-  put_le<std::uint64_t>(fixed + 16, options.layout_fingerprint);
+  store_le<std::uint64_t>(fixed, options.tenant.size());
+  store_le<std::uint64_t>(fixed + 8, options.ns.size());
+  store_le<std::uint64_t>(fixed + 16, options.layout_fingerprint);
   std::memcpy(fixed + 24, key.digest.data(), 16);
-  put_le<std::uint32_t>(fixed + 40, key.rank);
+  store_le<std::uint32_t>(fixed + 40, key.rank);
   crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(fixed), sizeof(fixed));
   crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(options.tenant.data()), options.tenant.size());
   crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(options.ns.data()), options.ns.size());
@@ -231,23 +225,23 @@ Status encode(const StorageOptions& options, std::uint64_t ns_digest, const Stor
     return InvalidArgument(fmt::format("header size {} < {} or not a multiple of 8", header_size,
                                        raw_header_bytes(options.roles.size(), keyed)));
   std::memset(out, 0, header_size);
-  put_le<std::uint64_t>(out + kOffMagic, kMagic);
-  put_le<std::uint16_t>(out + kOffVersion, keyed ? kKeyedFormatVersion : kFormatVersion);
-  put_le<std::uint16_t>(out + kOffFlags, keyed ? kFlagKeyed : 0);
-  put_le<std::uint32_t>(out + kOffHeaderSize, header_size);
-  put_le<std::uint64_t>(out + kOffNs, ns_digest);
-  put_le<std::uint64_t>(out + kOffLayout, options.layout_fingerprint);
+  store_le<std::uint64_t>(out + kOffMagic, kMagic);
+  store_le<std::uint16_t>(out + kOffVersion, keyed ? kKeyedFormatVersion : kFormatVersion);
+  store_le<std::uint16_t>(out + kOffFlags, keyed ? kFlagKeyed : 0);
+  store_le<std::uint32_t>(out + kOffHeaderSize, header_size);
+  store_le<std::uint64_t>(out + kOffNs, ns_digest);
+  store_le<std::uint64_t>(out + kOffLayout, options.layout_fingerprint);
   std::memcpy(out + kOffKey, key.digest.data(), 16);
-  put_le<std::uint32_t>(out + kOffRank, key.rank);
-  put_le<std::uint32_t>(out + kOffNumRoles, static_cast<std::uint32_t>(options.roles.size()));
-  put_le<std::uint64_t>(out + kOffPayload, payload_bytes);
+  store_le<std::uint32_t>(out + kOffRank, key.rank);
+  store_le<std::uint32_t>(out + kOffNumRoles, static_cast<std::uint32_t>(options.roles.size()));
+  store_le<std::uint64_t>(out + kOffPayload, payload_bytes);
   std::byte* e = out + fixed_bytes(keyed);
   for (const auto& r : options.roles) {
-    put_le<std::uint16_t>(e, r.layer);
+    store_le<std::uint16_t>(e, r.layer);
     e[2] = static_cast<std::byte>(r.role);
     e[3] = static_cast<std::byte>(r.dtype);
-    put_le<std::uint64_t>(e + 8, r.offset);
-    put_le<std::uint64_t>(e + 16, r.bytes);
+    store_le<std::uint64_t>(e + 8, r.offset);
+    store_le<std::uint64_t>(e + 16, r.bytes);
     e += kRoleEntryBytes;
   }
   if (!keyed) {
@@ -255,8 +249,8 @@ Status encode(const StorageOptions& options, std::uint64_t ns_digest, const Stor
     object_checksum_header(&state, out, header_size);
     feed_payload(payload, payload_bytes, copy_to,
                  [&](const void* p, std::uint64_t n) { XXH3_64bits_update(&state, p, static_cast<std::size_t>(n)); });
-    put_le<std::uint64_t>(out + kOffChecksum, XXH3_64bits_digest(&state));
-    put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
+    store_le<std::uint64_t>(out + kOffChecksum, XXH3_64bits_digest(&state));
+    store_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
     return Status::Ok();
   }
   // A fresh nonce per written object: the payload's one-time key is never reused, even when the
@@ -272,7 +266,7 @@ Status encode(const StorageOptions& options, std::uint64_t ns_digest, const Stor
   sodium_memzero(&st, sizeof(st));
   const auto htag = keyed_header_hash(out, header_size, secret, kPersonalHeader);
   std::memcpy(out + kOffHeaderTag, htag.data(), kHeaderTagBytes);
-  put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, true));
+  store_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, true));
   return Status::Ok();
 }
 
@@ -293,10 +287,10 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
                                    std::string_view secret) {
   if (avail < kFixedHeaderBytes)
     return DataLoss(fmt::format("object of {} bytes is shorter than the {}-byte header", avail, kFixedHeaderBytes));
-  const std::uint64_t magic = get_le<std::uint64_t>(data + kOffMagic);
+  const std::uint64_t magic = load_le<std::uint64_t>(data + kOffMagic);
   if (magic != kMagic) return DataLoss(fmt::format("bad magic {:#018x}", magic));
   ObjectHeader h;
-  h.version = get_le<std::uint16_t>(data + kOffVersion);
+  h.version = load_le<std::uint16_t>(data + kOffVersion);
   if (h.version != kFormatVersion && h.version != kKeyedFormatVersion)
     return DataLoss(
         fmt::format("format version {} (this build reads {} and {})", h.version, kFormatVersion, kKeyedFormatVersion));
@@ -307,7 +301,7 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
     return auth_failure("keyed object (format version 2) and this reader has no tenant secret");
   if (!h.keyed && !secret.empty())
     return auth_failure("unkeyed object (format version 1) and this reader requires a tenant MAC");
-  const std::uint16_t flags = get_le<std::uint16_t>(data + kOffFlags);
+  const std::uint16_t flags = load_le<std::uint16_t>(data + kOffFlags);
   const std::uint16_t want_flags = h.keyed ? kFlagKeyed : 0;
   h.chunked = !h.keyed && flags == kFlagChunked;
   if (flags != want_flags && !h.chunked)
@@ -316,8 +310,8 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   const std::uint32_t fixed = fixed_bytes(h.keyed);
   if (avail < fixed)
     return DataLoss(fmt::format("object of {} bytes is shorter than the {}-byte header", avail, fixed));
-  h.header_size = get_le<std::uint32_t>(data + kOffHeaderSize);
-  const std::uint32_t num_roles = get_le<std::uint32_t>(data + kOffNumRoles);
+  h.header_size = load_le<std::uint32_t>(data + kOffHeaderSize);
+  const std::uint32_t num_roles = load_le<std::uint32_t>(data + kOffNumRoles);
   if (num_roles >= kMaxRoles || h.header_size < raw_header_bytes(num_roles, h.keyed) || h.header_size % 8 != 0 ||
       h.header_size > kMaxHeaderBytes)
     return DataLoss(fmt::format("header size {} inconsistent with {} roles (limit {} bytes)", h.header_size, num_roles,
@@ -325,38 +319,38 @@ Result<ObjectHeader> decode_header(const std::byte* data, std::size_t avail, std
   if (needed) *needed = h.header_size;
   if (avail < h.header_size)
     return OutOfRange(fmt::format("header needs {} bytes, {} available", h.header_size, avail));
-  h.header_checksum = get_le<std::uint64_t>(data + kOffHeaderChecksum);
+  h.header_checksum = load_le<std::uint64_t>(data + kOffHeaderChecksum);
   const std::uint64_t hc = header_checksum(data, h.header_size, h.keyed);
   if (hc != h.header_checksum)
     return DataLoss(fmt::format("header checksum {:#018x} != stored {:#018x}", hc, h.header_checksum));
   if (h.keyed) {
-    if (get_le<std::uint64_t>(data + kOffReserved) != 0) return DataLoss("version-2 header: non-zero reserved word");
+    if (load_le<std::uint64_t>(data + kOffReserved) != 0) return DataLoss("version-2 header: non-zero reserved word");
     const auto tag = keyed_header_hash(data, h.header_size, secret, kPersonalHeader);
     if (sodium_memcmp(tag.data(), data + kOffHeaderTag, kHeaderTagBytes) != 0)
       return auth_failure("header tag does not match this tenant's secret (foreign, forged or damaged object)");
     std::memcpy(h.payload_tag.data(), data + kOffPayloadTag, kPayloadTagBytes);
   } else {
-    h.checksum = get_le<std::uint64_t>(data + kOffChecksum);
+    h.checksum = load_le<std::uint64_t>(data + kOffChecksum);
   }
-  h.ns_digest = get_le<std::uint64_t>(data + kOffNs);
-  h.layout_fingerprint = get_le<std::uint64_t>(data + kOffLayout);
+  h.ns_digest = load_le<std::uint64_t>(data + kOffNs);
+  h.layout_fingerprint = load_le<std::uint64_t>(data + kOffLayout);
   std::memcpy(h.key.digest.data(), data + kOffKey, 16);
-  h.key.rank = get_le<std::uint32_t>(data + kOffRank);
-  h.payload_bytes = get_le<std::uint64_t>(data + kOffPayload);
+  h.key.rank = load_le<std::uint32_t>(data + kOffRank);
+  h.payload_bytes = load_le<std::uint64_t>(data + kOffPayload);
   if (h.payload_bytes > kMaxPayloadBytes)
     return DataLoss(
         fmt::format("payload size {} exceeds the format's limit of {} bytes", h.payload_bytes, kMaxPayloadBytes));
   h.roles.resize(num_roles);
   const std::byte* e = data + fixed;
   for (auto& r : h.roles) {
-    r.layer = get_le<std::uint16_t>(e);
+    r.layer = load_le<std::uint16_t>(e);
     r.role = static_cast<std::uint8_t>(e[2]);
     r.dtype = static_cast<std::uint8_t>(e[3]);
-    if (const std::uint32_t reserved = get_le<std::uint32_t>(e + 4); reserved != 0)
+    if (const std::uint32_t reserved = load_le<std::uint32_t>(e + 4); reserved != 0)
       return DataLoss(
           fmt::format("role entry {} has reserved word {:#x} (this version writes 0)", &r - h.roles.data(), reserved));
-    r.offset = get_le<std::uint64_t>(e + 8);
-    r.bytes = get_le<std::uint64_t>(e + 16);
+    r.offset = load_le<std::uint64_t>(e + 8);
+    r.bytes = load_le<std::uint64_t>(e + 16);
     if (r.offset + r.bytes > h.payload_bytes || r.offset + r.bytes < r.offset)
       return DataLoss(fmt::format("role at offset {} of {} bytes exceeds the payload of {} bytes", r.offset, r.bytes,
                                   h.payload_bytes));
@@ -490,7 +484,7 @@ Status ObjectVerifier::finish() {
 void ObjectVerifier::end_piece() {
   auto* piece = static_cast<XXH3_state_t*>(piece_state_);
   std::byte digest[8];
-  put_le<std::uint64_t>(digest, XXH3_64bits_digest(piece));
+  store_le<std::uint64_t>(digest, XXH3_64bits_digest(piece));
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), digest, 8);
   XXH3_64bits_reset(piece);
   piece_seen_ = 0;
@@ -512,7 +506,7 @@ std::uint64_t chunked_checksum(const std::byte* header, std::uint32_t header_siz
   object_checksum_header(&state, header, header_size);
   for (std::uint64_t d : digests) {
     std::byte le[8];
-    put_le<std::uint64_t>(le, d);
+    store_le<std::uint64_t>(le, d);
     XXH3_64bits_update(&state, le, 8);
   }
   return XXH3_64bits_digest(&state);
@@ -530,12 +524,12 @@ Status encode_chunked_header(const StorageOptions& options, std::uint64_t ns_dig
                                        payload_bytes, num_checksum_chunks(payload_bytes)));
   // The fields as an unkeyed header has them, then the flag and the checksums over the digests.
   KVTIER_RETURN_IF_ERROR(encode(options, ns_digest, key, nullptr, 0, header_size, out, nullptr));
-  put_le<std::uint64_t>(out + kOffPayload, payload_bytes);
-  put_le<std::uint16_t>(out + kOffFlags, kFlagChunked);
-  put_le<std::uint64_t>(out + kOffChecksum, 0);
-  put_le<std::uint64_t>(out + kOffHeaderChecksum, 0);
-  put_le<std::uint64_t>(out + kOffChecksum, chunked_checksum(out, header_size, digests));
-  put_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
+  store_le<std::uint64_t>(out + kOffPayload, payload_bytes);
+  store_le<std::uint16_t>(out + kOffFlags, kFlagChunked);
+  store_le<std::uint64_t>(out + kOffChecksum, 0);
+  store_le<std::uint64_t>(out + kOffHeaderChecksum, 0);
+  store_le<std::uint64_t>(out + kOffChecksum, chunked_checksum(out, header_size, digests));
+  store_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
   return Status::Ok();
 }
 

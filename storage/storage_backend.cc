@@ -11,6 +11,7 @@
 #include <charconv>
 #include <cstring>
 
+#include "kvtier/core/enum_names.h"
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/memory_backend.h"
 #include "kvtier/storage/redis_backend.h"
@@ -45,15 +46,14 @@ std::size_t StorageKeyHash::operator()(const StorageKey& k) const noexcept {
   return static_cast<std::size_t>(a ^ (b * 0x9e3779b97f4a7c15ULL) ^ (std::uint64_t{k.rank} << 17));
 }
 
-std::string_view storage_op_name(StorageOp op) noexcept {
-  switch (op) {
-    case StorageOp::kExists: return "exists";
-    case StorageOp::kGet: return "get";
-    case StorageOp::kPut: return "put";
-    case StorageOp::kDelete: return "delete";
-  }
-  return "?";
-}
+constexpr EnumName<StorageOp> kStorageOpEntries[] = {
+    {StorageOp::kExists, "exists"},
+    {StorageOp::kGet, "get"},
+    {StorageOp::kPut, "put"},
+    {StorageOp::kDelete, "delete"},
+};
+constexpr auto kStorageOpNames = enum_table("storage op", kStorageOpEntries);
+std::string_view storage_op_name(StorageOp op) noexcept { return kStorageOpNames.name(op); }
 
 namespace detail {
 

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/core/enum_names.h"
 #include "tools/bench_copy.h"
 #include "tools/cpu_time.h"
 
@@ -24,14 +25,13 @@ namespace kvtier::cli::bench_copy_detail {
 
 namespace {
 
-std::string_view dir_name(Dir d) {
-  switch (d) {
-    case Dir::kH2D: return "h2d";
-    case Dir::kD2H: return "d2h";
-    case Dir::kBoth: return "both";
-  }
-  return "?";
-}
+constexpr EnumName<Dir> kDirEntries[] = {
+    {Dir::kH2D, "h2d"},
+    {Dir::kD2H, "d2h"},
+    {Dir::kBoth, "both"},
+};
+constexpr auto kDirNames = enum_table("dir", kDirEntries);
+std::string_view dir_name(Dir d) { return kDirNames.name(d); }
 
 // Layer-first spaces: plane p of a half covers [off + p*half*bb, ...).
 Result<BlockSpace> make_half(MemoryKind kind, int ordinal, const KvLayout& layout, std::byte* base,
@@ -289,7 +289,7 @@ Status BenchCopy::run_size(std::uint64_t bb) {
   SizeSetup z;
   KVTIER_RETURN_IF_ERROR(build(z, bb));
   for (const std::string& dname : a_.directions) {
-    const Dir dir = dname == "h2d" ? Dir::kH2D : dname == "d2h" ? Dir::kD2H : Dir::kBoth;
+    const Dir dir = kDirNames.find(dname).value_or(Dir::kBoth);
     KVTIER_ASSIGN_OR_RETURN(const double ceil_gbps, ceiling(z, dir));
     for (const std::string& sname : a_.strategies) {
       KVTIER_ASSIGN_OR_RETURN(const CopyStrategy strategy, parse_copy_strategy(sname));

@@ -5,22 +5,18 @@
 #include <vector>
 
 #include "kvtier/copy/copy_config.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier {
 
-std::string_view stream_priority_name(StreamPriority priority) noexcept {
-  switch (priority) {
-    case StreamPriority::kNormal: return "normal";
-    case StreamPriority::kHigh: return "high";
-  }
-  return "?";
-}
+constexpr EnumName<StreamPriority> kStreamPriorityEntries[] = {
+    {StreamPriority::kNormal, "normal"},
+    {StreamPriority::kHigh, "high"},
+};
+constexpr auto kStreamPriorityNames = enum_table("stream priority", kStreamPriorityEntries);
+std::string_view stream_priority_name(StreamPriority priority) noexcept { return kStreamPriorityNames.name(priority); }
 
-Result<StreamPriority> parse_stream_priority(std::string_view name) {
-  if (name == "normal") return StreamPriority::kNormal;
-  if (name == "high") return StreamPriority::kHigh;
-  return InvalidArgument(fmt::format("unknown stream priority '{}' (expected normal, high)", name));
-}
+Result<StreamPriority> parse_stream_priority(std::string_view name) { return kStreamPriorityNames.parse(name); }
 
 void bind_transfer_manager_config(ConfigTable& t, TransferManagerConfig& c, const std::string& p) {
   std::vector<CopyStrategy> strategies;

@@ -11,27 +11,26 @@
 #include <cstring>
 
 #include "kvtier/core/deadline.h"
+#include "kvtier/core/enum_names.h"
 #include "transfer/transfer_manager_impl.h"
 
 namespace kvtier {
 
-std::string_view task_kind_name(TaskKind kind) noexcept {
-  switch (kind) {
-    case TaskKind::kEvict: return "evict";
-    case TaskKind::kLoad: return "load";
-    case TaskKind::kExternalWrite: return "external_write";
-  }
-  return "?";
-}
+constexpr EnumName<TaskKind> kTaskKindEntries[] = {
+    {TaskKind::kEvict, "evict"},
+    {TaskKind::kLoad, "load"},
+    {TaskKind::kExternalWrite, "external_write"},
+};
+constexpr auto kTaskKindNames = enum_table("task kind", kTaskKindEntries);
+std::string_view task_kind_name(TaskKind kind) noexcept { return kTaskKindNames.name(kind); }
 
-std::string_view task_state_name(TaskState state) noexcept {
-  switch (state) {
-    case TaskState::kPending: return "pending";
-    case TaskState::kDone: return "done";
-    case TaskState::kFailed: return "failed";
-  }
-  return "?";
-}
+constexpr EnumName<TaskState> kTaskStateEntries[] = {
+    {TaskState::kPending, "pending"},
+    {TaskState::kDone, "done"},
+    {TaskState::kFailed, "failed"},
+};
+constexpr auto kTaskStateNames = enum_table("task state", kTaskStateEntries);
+std::string_view task_state_name(TaskState state) noexcept { return kTaskStateNames.name(state); }
 
 namespace {
 

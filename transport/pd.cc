@@ -50,20 +50,21 @@
 #include <set>
 #include <thread>
 
+#include "core/byte_codec.h"
 #include "core/parallel_loop.h"
 #include "kvtier/backend/device.h"
 #include "kvtier/core/deadline.h"
+#include "kvtier/core/enum_names.h"
 #include "kvtier/core/log.h"
 
 namespace kvtier::transport {
 
-std::string_view pd_mode_name(PdMode mode) noexcept {
-  switch (mode) {
-    case PdMode::kPush: return "push";
-    case PdMode::kPull: return "pull";
-  }
-  return "?";
-}
+constexpr EnumName<PdMode> kPdModeEntries[] = {
+    {PdMode::kPush, "push"},
+    {PdMode::kPull, "pull"},
+};
+constexpr auto kPdModeNames = enum_table("pd mode", kPdModeEntries);
+std::string_view pd_mode_name(PdMode mode) noexcept { return kPdModeNames.name(mode); }
 
 CopyEngineOptions lane_engine_options() {
   CopyEngineOptions o;
@@ -71,29 +72,23 @@ CopyEngineOptions lane_engine_options() {
   return o;
 }
 
-Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name) {
-  for (auto v : {PdOptions::LaneVerify::kMover, PdOptions::LaneVerify::kReceiver})
-    if (name == lane_verify_name(v)) return v;
-  return InvalidArgument(fmt::format("lane verify '{}' is not mover or receiver", name));
-}
+constexpr EnumName<PdOptions::LaneVerify> kLaneVerifyEntries[] = {
+    {PdOptions::LaneVerify::kMover, "mover"},
+    {PdOptions::LaneVerify::kReceiver, "receiver"},
+};
+constexpr auto kLaneVerifyNames = enum_table("lane verify", kLaneVerifyEntries);
+Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name) { return kLaneVerifyNames.parse(name); }
 
-std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept {
-  switch (verify) {
-    case PdOptions::LaneVerify::kMover: return "mover";
-    case PdOptions::LaneVerify::kReceiver: return "receiver";
-  }
-  return "?";
-}
+std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept { return kLaneVerifyNames.name(verify); }
 
-std::string_view layer_state_name(LayerState state) noexcept {
-  switch (state) {
-    case LayerState::kPending: return "pending";
-    case LayerState::kLoaded: return "loaded";
-    case LayerState::kPartial: return "partial";
-    case LayerState::kFailed: return "failed";
-  }
-  return "?";
-}
+constexpr EnumName<LayerState> kLayerStateEntries[] = {
+    {LayerState::kPending, "pending"},
+    {LayerState::kLoaded, "loaded"},
+    {LayerState::kPartial, "partial"},
+    {LayerState::kFailed, "failed"},
+};
+constexpr auto kLayerStateNames = enum_table("layer state", kLayerStateEntries);
+std::string_view layer_state_name(LayerState state) noexcept { return kLayerStateNames.name(state); }
 
 std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block) {
   XXH3_state_t st;
@@ -114,66 +109,41 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// A message: its type byte and transfer id, then the fields (core/byte_codec.h), sent as a notification's text.
 class Msg {
  public:
   explicit Msg(char type, TransferId id) {
-    s_.push_back(type);
-    u64(id);
+    w_.u8(static_cast<std::uint8_t>(type));
+    w_.u64(id);
   }
   Msg& u8(std::uint8_t v) {
-    s_.push_back(static_cast<char>(v));
+    w_.u8(v);
     return *this;
   }
   Msg& u32(std::uint32_t v) {
-    s_.append(reinterpret_cast<const char*>(&v), 4);
+    w_.u32(v);
     return *this;
   }
   Msg& u64(std::uint64_t v) {
-    s_.append(reinterpret_cast<const char*>(&v), 8);
+    w_.u64(v);
     return *this;
   }
   Msg& u64s(std::span<const std::uint64_t> v) {
-    u32(static_cast<std::uint32_t>(v.size()));
-    s_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(std::uint64_t));
+    w_.u64s(v);
     return *this;
   }
-  std::string str() { return std::move(s_); }
+  std::string str() { return std::move(w_.out); }
 
  private:
-  std::string s_;
+  codec::ByteWriter<std::string> w_;
 };
 
-class Parse {
- public:
-  explicit Parse(const std::string& s) : s_(s) {}
-  bool u8(std::uint8_t& v) { return raw(&v, 1); }
-  bool u32(std::uint32_t& v) { return raw(&v, 4); }
-  bool u64(std::uint64_t& v) { return raw(&v, 8); }
-  bool u64s(std::vector<std::uint64_t>& v, std::uint32_t n) {
-    if (n > (s_.size() - pos_) / 8) return false;
-    v.resize(n);
-    return n == 0 || raw(v.data(), std::size_t{n} * sizeof(std::uint64_t));
-  }
-  bool u64s(std::vector<std::uint64_t>& v) {
-    std::uint32_t n = 0;
-    return u32(n) && u64s(v, n);
-  }
-  bool raw(void* p, std::size_t n) {
-    if (n > s_.size() - pos_) return false;
-    std::memcpy(p, s_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-
- private:
-  const std::string& s_;
-  std::size_t pos_ = 0;
-};
+using Parse = codec::ByteReader;
 
 bool header(const std::string& m, char& type, TransferId& id) {
   if (m.size() < 9) return false;
   type = m[0];
-  std::memcpy(&id, m.data() + 1, 8);
+  id = codec::load_le<std::uint64_t>(reinterpret_cast<const std::byte*>(m.data() + 1));
   return true;
 }
 
@@ -420,8 +390,7 @@ class Endpoint {
             continue;
           }
           Parse p(n.message);
-          std::uint8_t skip[9];
-          (void)p.raw(skip, 9);
+          (void)p.skip(9);  // the header, read above
           on_message(n, type, id, p);
         }
       }

@@ -11,36 +11,34 @@
 #include <cstring>
 #include <set>
 
+#include "core/byte_codec.h"
 #include "kvtier/core/deadline.h"
-#include "transport/byte_codec.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier::transport {
 
-std::string_view xfer_op_name(XferOp op) noexcept {
-  switch (op) {
-    case XferOp::kRead: return "read";
-    case XferOp::kWrite: return "write";
-  }
-  return "?";
-}
+constexpr EnumName<XferOp> kXferOpEntries[] = {
+    {XferOp::kRead, "read"},
+    {XferOp::kWrite, "write"},
+};
+constexpr auto kXferOpNames = enum_table("xfer op", kXferOpEntries);
+std::string_view xfer_op_name(XferOp op) noexcept { return kXferOpNames.name(op); }
 
-std::string_view xfer_state_name(XferState state) noexcept {
-  switch (state) {
-    case XferState::kInProgress: return "in_progress";
-    case XferState::kDone: return "done";
-    case XferState::kFailed: return "failed";
-  }
-  return "?";
-}
+constexpr EnumName<XferState> kXferStateEntries[] = {
+    {XferState::kInProgress, "in_progress"},
+    {XferState::kDone, "done"},
+    {XferState::kFailed, "failed"},
+};
+constexpr auto kXferStateNames = enum_table("xfer state", kXferStateEntries);
+std::string_view xfer_state_name(XferState state) noexcept { return kXferStateNames.name(state); }
 
-std::string_view notif_kind_name(NotifKind kind) noexcept {
-  switch (kind) {
-    case NotifKind::kMessage: return "message";
-    case NotifKind::kAborted: return "aborted";
-    case NotifKind::kFailedToPost: return "failed_to_post";
-  }
-  return "?";
-}
+constexpr EnumName<NotifKind> kNotifKindEntries[] = {
+    {NotifKind::kMessage, "message"},
+    {NotifKind::kAborted, "aborted"},
+    {NotifKind::kFailedToPost, "failed_to_post"},
+};
+constexpr auto kNotifKindNames = enum_table("notif kind", kNotifKindEntries);
+std::string_view notif_kind_name(NotifKind kind) noexcept { return kNotifKindNames.name(kind); }
 
 namespace detail {
 namespace {
@@ -52,7 +50,7 @@ constexpr std::uint32_t kMaxRegions = 1u << 16;
 // BLAKE2b personalisation: a MAC of a peer blob is never valid as any other keyed hash of kvtier.
 constexpr unsigned char kPersonalPeerBlob[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-peer-v1";
 
-using Writer = ByteWriter<std::vector<std::byte>>;
+using Writer = codec::ByteWriter<std::vector<std::byte>>;
 
 bool ensure_sodium() {
   static const int rc = sodium_init();
@@ -173,8 +171,7 @@ std::vector<std::byte> encode_blob(const Blob& blob, std::string_view secret) {
 
 Result<Blob> decode_blob(std::span<const std::byte> all, std::string_view secret) {
   if (all.size() < 20) return InvalidArgument(fmt::format("peer blob of {} bytes is too short", all.size()));
-  std::uint64_t magic = 0;
-  std::memcpy(&magic, all.data(), 8);
+  const std::uint64_t magic = codec::load_le<std::uint64_t>(all.data());
   if (magic != kBlobMagic && magic != kBlobMagicKeyed)
     return InvalidArgument(fmt::format("peer blob has magic {:#018x}, not a kvtier transport blob", magic));
   const bool keyed = magic == kBlobMagicKeyed;
@@ -198,10 +195,9 @@ Result<Blob> decode_blob(std::span<const std::byte> all, std::string_view secret
           "peer blob authentication failed: its MAC does not verify under this agent's peer_secret (the peer holds "
           "another secret, or the blob was changed)");
   }
-  ByteReader r(bytes, kMaxString);
-  (void)r.u64(magic);
-  std::uint64_t stored = 0;
-  std::memcpy(&stored, bytes.data() + bytes.size() - 8, 8);
+  codec::ByteReader r(bytes, kMaxString);
+  (void)r.skip(8);  // the magic, read above
+  const std::uint64_t stored = codec::load_le<std::uint64_t>(bytes.data() + bytes.size() - 8);
   const std::uint64_t computed = XXH3_64bits(bytes.data(), bytes.size() - 8);
   if (stored != computed)
     return DataLoss(fmt::format("peer blob checksum {:#018x} != computed {:#018x} (damaged blob)", stored, computed));

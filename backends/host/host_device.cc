@@ -42,6 +42,7 @@
 #include "backends/host/host_backend.h"
 #include "device/pinned.h"
 #include "kvtier/core/deadline.h"
+#include "kvtier/core/enum_names.h"
 
 namespace kvtier {
 namespace {
@@ -109,17 +110,12 @@ struct Core {
 
 enum class OpKind : std::uint8_t { kMemcpy, kMemset, kTask, kWait, kCallback, kStamp };
 
-std::string_view op_name(OpKind kind) {
-  switch (kind) {
-    case OpKind::kMemcpy: return "memcpy_async";
-    case OpKind::kMemset: return "memset_async";
-    case OpKind::kTask: return "enqueue_task";
-    case OpKind::kWait: return "wait";
-    case OpKind::kCallback: return "launch_host_callback";
-    case OpKind::kStamp: return "record (timing)";
-  }
-  return "operation";
-}
+constexpr EnumName<OpKind> kOpEntries[] = {
+    {OpKind::kMemcpy, "memcpy_async"}, {OpKind::kMemset, "memset_async"},           {OpKind::kTask, "enqueue_task"},
+    {OpKind::kWait, "wait"},           {OpKind::kCallback, "launch_host_callback"}, {OpKind::kStamp, "record (timing)"},
+};
+constexpr auto kOpNames = enum_table("op", kOpEntries, "operation");
+std::string_view op_name(OpKind kind) { return kOpNames.name(kind); }
 
 struct StreamState;
 

@@ -469,7 +469,8 @@ def test_ring_lane_refusals():
 
 def test_direct_lane_verify_must_be_known():
     dev = kvtier.host_device()
-    with pytest.raises(kvtier.InvalidArgumentError, match="lane verify 'both' is not mover or receiver"):
+    with pytest.raises(kvtier.InvalidArgumentError,
+                       match=r"unknown lane verify 'both' \(expected one of mover, receiver\)"):
         Decode(decode_kv(), transport="loopback", device=dev, lane="direct", verify="both", **FAST)
 
 

@@ -272,6 +272,29 @@ TEST_F(CopyEngineTest, InterleavedPerLayerSpacesAreCheckedWhereTheirPlanesMeet) 
   EXPECT_TRUE(engine_->validate(r).ok()) << "meeting planes, disjoint blocks";
 }
 
+// Strategy names come from one table (kvtier/core/enum_names.h): every name parses back, the short spellings
+// still parse, and a bad one is refused with the accepted spellings listed.
+TEST(CopyStrategyNames, NamesAndAliasesParse) {
+  for (int i = 0; i < kNumCopyStrategies; ++i) {
+    const auto s = static_cast<CopyStrategy>(i);
+    EXPECT_EQ(parse_copy_strategy(copy_strategy_name(s)).value(), s) << copy_strategy_name(s);
+  }
+  EXPECT_EQ(parse_copy_strategy("per_run").value(), CopyStrategy::kDmaPerRun);
+  EXPECT_EQ(parse_copy_strategy("batch").value(), CopyStrategy::kDmaBatch);
+  EXPECT_EQ(parse_copy_strategy("kernel").value(), CopyStrategy::kSmKernel);
+  EXPECT_EQ(parse_copy_strategy("sm").value(), CopyStrategy::kSmKernel);
+  EXPECT_EQ(parse_copy_strategy("staged").value(), CopyStrategy::kStagedDma);
+  EXPECT_EQ(parse_copy_strategy("hybrid").value(), CopyStrategy::kSplit);
+  EXPECT_EQ(copy_strategy_name(CopyStrategy::kSplit), "split");
+  auto bad = parse_copy_strategy("fast");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("unknown copy strategy 'fast' (expected one of auto, dma_per_run, dma_batch, "
+                                        "sm_kernel, staged_dma, split, per_run"),
+            std::string::npos)
+      << bad.status().message();
+}
+
 TEST(KernelPlanTest, ItemsCoverEveryByteOnce) {
   using namespace copy_detail;
   const std::uint64_t sizes[] = {1, 15, 16, 17, 100, 4096, 4097, 70000};

@@ -198,3 +198,25 @@ TEST(DType, EveryTypeRoundTripsThroughItsNameWithItsSize) {
 
 }  // namespace
 }  // namespace kvtier
+
+namespace kvtier {
+namespace {
+
+// Ids of other widths convert only when they fit: a negative or too large id is an error naming the value, never a
+// truncated block id.
+TEST(BlockIdConversion, RefusesWhatDoesNotFit) {
+  EXPECT_EQ(to_block_id(std::int32_t{0}).value(), 0u);
+  EXPECT_EQ(to_block_id(std::int32_t{2147483647}).value(), 2147483647u);
+  EXPECT_EQ(to_block_id(std::uint64_t{0xffffffffu}).value(), 0xffffffffu);
+  auto neg = to_block_id(std::int32_t{-1}, "dst block");
+  ASSERT_FALSE(neg.ok());
+  EXPECT_EQ(neg.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(neg.status().message(), "dst block -1 is negative");
+  auto big = to_block_id(std::uint64_t{1} << 32);
+  ASSERT_FALSE(big.ok());
+  EXPECT_EQ(big.status().message(), "block id 4294967296 does not fit a 32-bit block id");
+  static_assert(std::is_same_v<BlockId, std::uint32_t>);
+}
+
+}  // namespace
+}  // namespace kvtier

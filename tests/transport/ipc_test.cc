@@ -16,7 +16,7 @@
 #include <random>
 #include <thread>
 
-#include "transport/byte_codec.h"
+#include "core/byte_codec.h"
 #include "transport/ipc/ipc_wire.h"
 #include "transport/transport_base.h"
 
@@ -208,13 +208,13 @@ class FakeIpcOwner {
     std::string m;
     int ignored = -1;
     if (!recv_with_fd(fd, m, ignored)) return;
-    detail::ByteWriter<std::string> r;
+    codec::ByteWriter<std::string> r;
     r.u32(kRegion);
     r.u32(0);
     r.u64(claimed_);
     r.u8(1);
     if (!send_with_fd(fd, r.out, window_)) return;
-    detail::ByteWriter<std::string> end;
+    codec::ByteWriter<std::string> end;
     end.u32(kRegionsEnd);
     send_with_fd(fd, end.out, -1);
     // Stay connected until the test ends (the loader's receiver reads until the connection closes).
@@ -328,7 +328,7 @@ TEST(IpcWindows, WindowsHandedToPeersAreSealedAgainstResizing) {
   ASSERT_GE(sock, 0);
   timeval tv{10, 0};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  detail::ByteWriter<std::string> hello;
+  codec::ByteWriter<std::string> hello;
   hello.u32(kHello);
   hello.str("prober");
   ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
@@ -359,7 +359,7 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
   ASSERT_GE(sock, 0);
   timeval tv{10, 0};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  detail::ByteWriter<std::string> hello;
+  codec::ByteWriter<std::string> hello;
   hello.u32(kHello);
   hello.str("crafted");
   ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
@@ -369,7 +369,7 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
     ASSERT_TRUE(recv_with_fd(sock, m, fd));
     if (fd >= 0) close(fd);
   } while (m.size() < 4 || m[0] != static_cast<char>(kRegionsEnd));
-  detail::ByteWriter<std::string> req;
+  codec::ByteWriter<std::string> req;
   req.u32(4);  // kWrite
   req.u64(1);
   req.u32(0xffffffffu);  // ranges claimed; none follow

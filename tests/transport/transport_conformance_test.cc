@@ -13,7 +13,6 @@
 
 #include "kvtier/backend/transport.h"
 #include "kvtier/transport/ipc.h"
-#include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 
 namespace kvtier::transport {
@@ -677,59 +676,6 @@ TEST(LoopbackFaults, APeerThatIsGoneFailsTransfersInsteadOfTouchingItsMemory) {
   EXPECT_EQ(st->error.code(), StatusCode::kUnavailable);
   // Later posts are refused outright.
   EXPECT_EQ(p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "later").status().code(), StatusCode::kUnavailable);
-}
-
-// The codec under the blob and the ipc messages: what is written reads back, and a truncated or oversized
-// field is refused without moving past the input or changing the field.
-TEST(ByteCodec, FieldsRoundTripAndTruncatedInputIsRefused) {
-  detail::ByteWriter<std::vector<std::byte>> w;
-  w.u8(0xab);
-  w.u32(0xdeadbeef);
-  w.u64(0x0123456789abcdefULL);
-  w.str("layout-fingerprint");
-  w.str("");
-  const std::vector<std::byte> bytes = w.out;
-  ASSERT_EQ(bytes.size(), 1u + 4 + 8 + (4 + 18) + 4);
-
-  detail::ByteReader r(bytes);
-  std::uint8_t a = 0;
-  std::uint32_t b = 0;
-  std::uint64_t c = 0;
-  std::string d, e = "x";
-  ASSERT_TRUE(r.u8(a) && r.u32(b) && r.u64(c) && r.str(d) && r.str(e));
-  EXPECT_EQ(a, 0xab);
-  EXPECT_EQ(b, 0xdeadbeefu);
-  EXPECT_EQ(c, 0x0123456789abcdefULL);
-  EXPECT_EQ(d, "layout-fingerprint");
-  EXPECT_EQ(e, "");
-  EXPECT_EQ(r.pos(), bytes.size());
-  EXPECT_FALSE(r.u8(a)) << "read past the end";
-
-  // Every truncation of the string field fails, and leaves the string and the position as they were.
-  for (std::size_t cut = 13; cut < 13 + 4 + 18; ++cut) {
-    detail::ByteReader t(std::span<const std::byte>(bytes.data(), cut));
-    ASSERT_TRUE(t.u8(a) && t.u32(b) && t.u64(c));
-    std::string s = "kept";
-    EXPECT_FALSE(t.str(s)) << "cut at " << cut;
-    EXPECT_EQ(s, "kept");
-    EXPECT_EQ(t.pos(), 13u);
-  }
-
-  // A length above the reader's bound is refused even when the bytes are there.
-  detail::ByteReader bounded(std::span<const std::byte>(bytes.data() + 13, 4 + 18), 17);
-  std::string s;
-  EXPECT_FALSE(bounded.str(s));
-
-  // The std::string writer and the string_view reader (the ipc messages) agree with the byte ones.
-  detail::ByteWriter<std::string> ws;
-  ws.u32(7);
-  ws.str("ipc");
-  detail::ByteReader rs(std::string_view(ws.out));
-  std::uint32_t seven = 0;
-  std::string ipc;
-  ASSERT_TRUE(rs.u32(seven) && rs.str(ipc));
-  EXPECT_EQ(seven, 7u);
-  EXPECT_EQ(ipc, "ipc");
 }
 
 // The TCP segment size is checked before UCX sees it; 0 keeps UCX's defaults, and those transports still move bytes.

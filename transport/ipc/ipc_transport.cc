@@ -31,8 +31,8 @@
 #include <random>
 #include <thread>
 
+#include "core/byte_codec.h"
 #include "kvtier/transport/ipc.h"
-#include "transport/byte_codec.h"
 #include "transport/ipc/ipc_wire.h"
 #include "transport/transport_base.h"
 
@@ -66,8 +66,8 @@ constexpr int kWindowSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 // Requests larger than this are refused at post (a socket message has to fit the socket's buffer).
 constexpr std::size_t kMaxMessage = 4u << 20;
 
-using Buf = detail::ByteWriter<std::string>;
-using Parse = detail::ByteReader;
+using Buf = codec::ByteWriter<std::string>;
+using Parse = codec::ByteReader;
 
 struct Range {
   std::uint32_t region = 0;

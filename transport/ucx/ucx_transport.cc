@@ -32,9 +32,9 @@
 #include <list>
 #include <thread>
 
+#include "core/byte_codec.h"
 #include "kvtier/core/log.h"
 #include "kvtier/transport/ipc.h"
-#include "transport/byte_codec.h"
 #include "transport/transport_base.h"
 
 namespace kvtier::transport {
@@ -125,7 +125,7 @@ std::vector<char> padded(const std::string& s) {
   return v;
 }
 
-// The blob's address: "KVUCXA1", the agent's host identity (boot id, pid namespace: byte_codec strings) and pid
+// The blob's address: "KVUCXA1", the agent's host identity (boot id, pid namespace: u32-length strings) and pid
 // (u32), then UCX's worker address. The pid lets a peer on the same host tell a dead agent from a paused one.
 constexpr std::string_view kAddressMagic = "KVUCXA1";
 struct UcxAddress {
@@ -134,7 +134,7 @@ struct UcxAddress {
   std::string worker;
 };
 std::string format_address(const UcxAddress& a) {
-  detail::ByteWriter<std::string> w;
+  codec::ByteWriter<std::string> w;
   w.raw(kAddressMagic.data(), kAddressMagic.size());
   w.str(a.host.boot_id);
   w.str(a.host.pid_ns);
@@ -145,7 +145,7 @@ std::string format_address(const UcxAddress& a) {
 Result<UcxAddress> parse_address(std::string_view name, std::string_view s) {
   if (s.substr(0, kAddressMagic.size()) != kAddressMagic)
     return InvalidArgument(fmt::format("peer '{}': address of {} bytes is not a kvtier UCX address", name, s.size()));
-  detail::ByteReader r(s.substr(kAddressMagic.size()), 256);
+  codec::ByteReader r(s.substr(kAddressMagic.size()), 256);
   UcxAddress a;
   if (!r.str(a.host.boot_id) || !r.str(a.host.pid_ns) || !r.u32(a.pid))
     return InvalidArgument(fmt::format("peer '{}': UCX address of {} bytes is truncated", name, s.size()));

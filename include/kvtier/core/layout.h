@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "kvtier/core/status.h"
@@ -181,6 +182,27 @@ enum class MemoryKind : std::uint8_t {
   kPinnedHost,  // page-locked host memory, reachable by DMA and by kernels via UVA
 };
 std::string_view memory_kind_name(MemoryKind kind) noexcept;
+
+// A block's index in its pool (a BlockSpace's blocks, a cache tier's pool, a transport's destination list): the
+// one block-id type of the public APIs. 32 bits unsigned: pools hold at most 2^32 blocks (at 64 tokens a block,
+// 2^38 tokens per tier), ids stay compact in the cache's per-block state, and every engine's int32 block tables
+// convert without loss. Formats with their own fixed width (the copy kernel's int32 pair list, u64 lists on the
+// wire) convert at one place each through to_block_id, which refuses a value that does not fit.
+using BlockId = std::uint32_t;
+inline constexpr std::uint64_t kMaxBlockId = 0xffffffffu;
+
+// `value` as a BlockId; InvalidArgument naming `what` and the value when it is negative or above kMaxBlockId
+// (never a silent truncation).
+template <typename Int>
+Result<BlockId> to_block_id(Int value, std::string_view what = "block id") {
+  static_assert(std::is_integral_v<Int>);
+  if constexpr (std::is_signed_v<Int>) {
+    if (value < 0) return InvalidArgument(std::string(what) + " " + std::to_string(value) + " is negative");
+  }
+  if (static_cast<std::uint64_t>(value) > kMaxBlockId)
+    return InvalidArgument(std::string(what) + " " + std::to_string(value) + " does not fit a 32-bit block id");
+  return static_cast<BlockId>(value);
+}
 
 struct Plane {
   std::byte* base = nullptr;
