@@ -17,6 +17,7 @@ namespace kvtier::cache {
         fmt::format("{}: {} block {} has no {} in flight", what, tier_name(static_cast<Tier>(tier)), b, what));
 
 Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kEvicting;
@@ -44,6 +45,7 @@ Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const S
 }
 
 Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kBackingUp;
@@ -70,6 +72,7 @@ Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Sta
 }
 
 Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kLoading;
@@ -128,6 +131,7 @@ Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Sta
 }
 
 Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   Impl& s = *impl_;
   for (BlockId b : storage_slots)
@@ -180,6 +184,7 @@ Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, 
 }
 
 Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   Impl& s = *impl_;
   constexpr NodeState want = NodeState::kFetching;
@@ -213,6 +218,7 @@ Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks
 #undef KVTIER_ACK_LOOKUP
 
 Status CacheManager::ack_plan(const StepPlan& plan, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   auto dsts = [](const std::vector<BlockMove>& v) {
     std::vector<BlockId> out;
