@@ -24,12 +24,18 @@ command -v "$tidy" >/dev/null || { echo "check-tidy: no $tidy (scripts/install-d
 py_includes=""
 if [ -d python/src ]; then
   venv=build/tidy-venv
+  # The wheel build's environment has nanobind already (scripts/build-wheel.sh).
+  for w in build/wheel-env-*; do
+    if [ ! -x "$venv/bin/python" ] && [ -x "$w/bin/python" ] && "$w/bin/python" -c "import nanobind" 2>/dev/null; then
+      venv=$w
+    fi
+  done
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind" 2>/dev/null; then
     (python3 -m venv "$venv" && "$venv/bin/python" -m pip install -q "nanobind>=2.10") >/dev/null 2>&1 ||
       echo "check-tidy: nanobind not installable here; python/src is not checked" >&2
   fi
   if "$venv/bin/python" -c "import nanobind" 2>/dev/null; then
-    py_includes="$("$venv/bin/python" -c 'import nanobind, sysconfig; print(nanobind.include_dir() + ":" + sysconfig.get_paths()["include"])')"
+    py_includes="$("$venv/bin/python" -c 'import nanobind, sysconfig; i = nanobind.include_dir(); print(":".join([i, i + "/../ext/robin_map/include", sysconfig.get_paths()["include"]]))')"
   fi
 fi
 
@@ -42,7 +48,9 @@ import json, os, re, shlex, sys
 root, build, out, py_includes = sys.argv[1:5]
 entries = json.load(open(os.path.join(build, "compile_commands.json")))
 folders = "core|metrics|device|copy|transfer|storage|transport|cache|pd|tools"
-mine = re.compile(r"/(%s)/CMakeFiles/[^/]+/Unity/unity_\d+_cxx\.cxx$|^%s/(%s)/.*\.cc$" % (folders, re.escape(root), folders))
+tree = os.path.realpath(build)
+mine = re.compile(r"^%s/(%s)/CMakeFiles/[^/]+/Unity/unity_\d+_cxx\.cxx$|^%s/(%s)/.*\.cc$" %
+                  (re.escape(tree), folders, re.escape(root), folders))
 keep = []
 for e in entries:
     args = e["arguments"] if "arguments" in e else shlex.split(e["command"])
@@ -76,7 +84,23 @@ filter="^$root/(include|core|metrics|device|copy|transfer|storage|transport|cach
 log=$db/tidy.log
 printf '%s\n' "${files[@]}" | xargs -P "$jobs" -I{} "$tidy" -p "$db" --quiet --header-filter="$filter" {} >"$log" 2>&1 ||
   status=$?
-grep -E '(warning|error):' "$log" | sort -u || true
+# Each finding once (a header's is reported by every unity file that includes it), with its source lines.
+python3 - "$log" <<'PY'
+import re, sys
+head = re.compile(r"^\S+:\d+:\d+: (warning|error): ")
+seen, block = set(), []
+def flush():
+    if block and block[0] not in seen:
+        seen.add(block[0])
+        print("\n".join(block))
+for line in open(sys.argv[1], errors="replace").read().splitlines():
+    if head.match(line):
+        flush()
+        block = [line]
+    elif block and not re.match(r"^\d+ (warnings?|errors?) (generated|treated)|^Suppressed|^Use -header-filter", line):
+        block.append(line)
+flush()
+PY
 if [ "${status:-0}" != 0 ]; then
   grep -q -E '(warning|error):' "$log" || cat "$log"
   echo "check-tidy: findings above (fix them, or NOLINT(<check>) with the reason where a finding is wrong)" >&2
