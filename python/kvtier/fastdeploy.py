@@ -67,6 +67,7 @@ def _knobs() -> Dict[str, Any]:
     (read afresh on each call; a bad value raises ``InvalidArgumentError`` naming it)."""
     return _native.integration_config()
 
+
 __all__ = ["CacheTransferManager", "LayerEvent", "PdTransferConnector", "create_transfer_connector"]
 
 

@@ -8,7 +8,7 @@
 // Thread-safety: Status and Result are values; copying them is safe.
 //
 // Checked mode (debug): built with KVTIER_STATUS_CHECKED=1 (CMake option KVTIER_STATUS_CHECKED; on in
-// the asan and debug presets), an error Status or Result destroyed without anyone having looked at
+// the debug preset), an error Status or Result destroyed without anyone having looked at
 // it aborts the process with a message naming it. (A success nobody looked at is let go: objects
 // keep outcomes for callers who may never ask, and most of those outcomes are successes.) Looking
 // at it: ok(), code(), message(),
