@@ -8,19 +8,21 @@
 # Python bindings, which no CI tree compiles outside the wheel, get a core unity file's flags plus the
 # Python and nanobind include folders (nanobind from build/tidy-venv, made on first use; skipped with a
 # note when neither it nor network access is there).
-# Usage: scripts/check-tidy.sh [build-dir]    (default build/asan; configured, e.g. `cmake --preset asan`)
+# Usage: scripts/check-tidy.sh [build-dir [regex]]   (default build/asan; configured, e.g. `cmake --preset asan`;
+#   regex: only the translation units whose path matches, e.g. 'python/src|/transport/')
 #   CLANG_TIDY  the binary (default clang-tidy-14);  KVTIER_TIDY_JOBS  parallel runs (default nproc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 tidy=${CLANG_TIDY:-clang-tidy-14}
 build=${1:-build/asan}
+only=${2:-}
 jobs=${KVTIER_TIDY_JOBS:-$(nproc)}
 command -v "$tidy" >/dev/null || { echo "check-tidy: no $tidy (scripts/install-deps.sh installs it)" >&2; exit 2; }
 [ -f "$build/compile_commands.json" ] ||
   { echo "check-tidy: no $build/compile_commands.json (configure it first: cmake --preset asan)" >&2; exit 2; }
 
-# Python and nanobind headers for python/src.
+# Python and nanobind headers for python/src (checked as one unity file, like the libraries).
 py_includes=""
 if [ -d python/src ]; then
   venv=build/tidy-venv
@@ -71,14 +73,18 @@ if py_includes:
     flags = [a for a in base["arguments"][1:] if a.startswith(("-D", "-I", "-std="))]
     flags += ["-I" + p for p in py_includes.split(":")] + ["-I" + os.path.join(root, "python/src")]
     flags.append("-DKVTIER_PYTHON_WITH_CACHE=1")
-    for name in sorted(os.listdir(os.path.join(root, "python/src"))):
-        if name.endswith(".cc"):
-            f = os.path.join(root, "python/src", name)
-            keep.append({"directory": root, "file": f, "arguments": [base["arguments"][0], *flags, "-c", f]})
+    # One unity file, as the libraries': nanobind and the standard library parsed once, not once per file.
+    unity = os.path.join(out, "python_src_unity.cc")
+    with open(unity, "w") as u:
+        for name in sorted(os.listdir(os.path.join(root, "python/src"))):
+            if name.endswith(".cc"):
+                u.write('#include "%s"\n' % os.path.join(root, "python/src", name))
+    keep.append({"directory": root, "file": unity, "arguments": [base["arguments"][0], *flags, "-c", unity]})
 json.dump(keep, open(os.path.join(out, "compile_commands.json"), "w"), indent=1)
 print(f"check-tidy: {len(keep)} translation units", file=sys.stderr)
 PY
-mapfile -t files < <(python3 -c "import json,sys; [print(e['file']) for e in json.load(open(sys.argv[1]))]" "$db/compile_commands.json")
+mapfile -t files < <(python3 -c "import json,sys; [print(e['file']) for e in json.load(open(sys.argv[1]))]" "$db/compile_commands.json" |
+  grep -E -- "${only:-.}")
 # Findings in kvtier's own headers and sources only (a unity file's includes are the sources it stands for).
 filter="^$root/(include|core|metrics|device|copy|transfer|storage|transport|cache|pd|tools|python/src)/"
 log=$db/tidy.log
