@@ -245,31 +245,37 @@ Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const S
 }  // namespace
 
 Status CacheManager::ack_evictions(std::span<const BlockId> host_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   return ack_moves(*impl_, AckKind::kEviction, host_blocks, status);
 }
 
 Status CacheManager::ack_backups(std::span<const BlockId> host_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   return ack_moves(*impl_, AckKind::kBackup, host_blocks, status);
 }
 
 Status CacheManager::ack_loads(std::span<const BlockId> device_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   return ack_moves(*impl_, AckKind::kLoad, device_blocks, status);
 }
 
 Status CacheManager::ack_storage_writes(std::span<const BlockId> storage_slots, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   return ack_moves(*impl_, AckKind::kStorageWrite, storage_slots, status);
 }
 
 Status CacheManager::ack_storage_prefetches(std::span<const BlockId> host_blocks, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   return ack_moves(*impl_, AckKind::kStoragePrefetch, host_blocks, status);
 }
 
 Status CacheManager::ack_plan(const StepPlan& plan, const Status& status) {
+  status.ignore_error();  // taken over here: with no block to ack, the outcome concerns none
   ExportOnReturn exported(*this);
   auto dsts = [](const std::vector<BlockMove>& v) {
     std::vector<BlockId> out;

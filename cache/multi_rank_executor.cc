@@ -62,7 +62,7 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
   for (std::uint32_t r = 0; r < n; ++r) {
     Status st = ranks_[r]->execute(plan);
     if (st.ok()) continue;
-    const Status err = st.with_context(fmt::format("rank {} of {}: execute", r, n));
+    Status err = st.with_context(fmt::format("rank {} of {}: execute", r, n));
     // Ranks 0..r got the plan (rank r perhaps in part): drop their reports of these moves.
     for (const MoveRef& ref : refs) {
       pending_.erase(ref);

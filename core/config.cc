@@ -215,6 +215,21 @@ void ConfigTable::add(std::string name, std::string* field, std::string doc,
       [field] { return *field; });
 }
 
+void ConfigTable::add_secret(std::string name, std::string* field, std::string doc,
+                             std::function<Status(std::string_view)> validate) {
+  const std::string key = name;
+  add_knob(
+      std::move(name), "string (secret)", std::move(doc),
+      [field, validate = std::move(validate)](std::string_view v) -> Status {
+        v = trim(v);
+        KVTIER_RETURN_IF_ERROR(validate(v));
+        *field = std::string(v);
+        return Status::Ok();
+      },
+      [field] { return std::string(field->empty() ? "" : "(set)"); });
+  knobs_[key].secret = true;
+}
+
 void ConfigTable::add_duration(std::string name, std::string doc, std::int64_t unit_ns,
                                std::function<Status(std::int64_t)> set_count, std::function<std::int64_t()> get_count) {
   const std::string suffix(unit_suffix(unit_ns));
@@ -237,6 +252,7 @@ Status ConfigTable::set(std::string_view name, std::string_view value) {
   auto it = knobs_.find(name);
   if (it == knobs_.end()) return InvalidArgument(fmt::format("unknown config knob '{}'", name));
   Status s = it->second.setter(value);
+  if (!s.ok() && it->second.secret) return InvalidArgument(fmt::format("config knob '{}': {}", name, s.message()));
   if (!s.ok()) return InvalidArgument(fmt::format("config knob '{}' = '{}': {}", name, value, s.message()));
   return Status::Ok();
 }

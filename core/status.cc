@@ -1,6 +1,16 @@
 #include "kvtier/core/status.h"
 
 #include "kvtier/core/enum_names.h"
+#if KVTIER_STATUS_CHECKED
+#include <execinfo.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+// Defined by the sanitizer runtimes; null in a build without one.
+extern "C" void __sanitizer_print_stack_trace() __attribute__((weak));
+#endif
 
 namespace kvtier {
 
@@ -25,6 +35,7 @@ constexpr auto kStatusCodeNames = enum_table("status code", kStatusCodeEntries, 
 std::string_view status_code_name(StatusCode code) noexcept { return kStatusCodeNames.name(code); }
 
 RetryAdvice Status::retry_advice() const noexcept {
+  mark_checked();
   switch (code_) {
     case StatusCode::kOk: return RetryAdvice::kNone;
     case StatusCode::kInvalidArgument:
@@ -80,3 +91,24 @@ KVTIER_DEFINE_STATUS_FACTORY(Internal)
 #undef KVTIER_DEFINE_STATUS_FACTORY
 
 }  // namespace kvtier
+
+#if KVTIER_STATUS_CHECKED
+namespace kvtier::detail {
+void status_unchecked(const Status& status, const char* what, const char* event) noexcept {
+  std::fprintf(stderr,
+               "kvtier: unchecked %s %s: %s\n"
+               "kvtier: KVTIER_STATUS_CHECKED build: look at every Status and Result (ok(), code(), ...), "
+               "propagate it, or call ignore_error() with a comment saying why\n",
+               what, event, status.to_string().c_str());
+  if (__sanitizer_print_stack_trace != nullptr) {
+    __sanitizer_print_stack_trace();
+  } else {
+    void* frames[64];
+    int n = backtrace(frames, 64);
+    backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  }
+  std::fflush(stderr);
+  std::abort();
+}
+}  // namespace kvtier::detail
+#endif

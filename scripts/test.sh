@@ -7,23 +7,26 @@
 #   fuzz    the harnesses, each for KVTIER_FUZZ_SECONDS, one per core at a time (scripts/run-fuzzers.sh)
 #   tsan    every test that starts threads, under ThreadSanitizer (preset tsan; SINGLE_THREADED tests
 #           and the CLI's tests are left out there: tests/CMakeLists.txt)
+#   tidy    clang-tidy 14 with the checks of .clang-tidy over the libraries, the CLI and the Python bindings
+#           (scripts/check-tidy.sh), from the asan tree's compile database (its unity files)
 #   wheel   the Python wheel built and repaired as users get it (scripts/build-wheel.sh; host backend
 #           only, CUDA is compiled by the gpu and default presets), installed into a fresh virtual
 #           environment with no access to the source tree's package, its shared libraries checked to
 #           come from the wheel, and the pytest suite run against it (scripts/test-wheel.sh)
 # With the default stages, the tsan and wheel builds start at once in the background at the lowest CPU
-# priority (nice 19): they take only the cycles the foreground leaves idle (tests waiting on sockets,
-# timers, the other process, a build's serial link steps), so the tests run as fast as alone; each stage
-# then waits for its build (logs under build/ci-background/). KVTIER_CI_OVERLAP=0 runs everything in turn.
+# priority (nice 19), then clang-tidy (on the asan tree, configured first): they take only the cycles the
+# foreground leaves idle (tests waiting on sockets, timers, the other process, a build's serial link
+# steps), so the tests run as fast as alone; each stage then waits for its part (logs under
+# build/ci-background/). KVTIER_CI_OVERLAP=0 runs everything in turn.
 # Test services (Redis on loopback) are started first.
-# Usage: scripts/test.sh [stage ...]   (default: format asan fuzz tsan wheel)
-#   KVTIER_SKIP_FUZZ=1 / KVTIER_SKIP_PYTHON=1 leave out the fuzz / wheel stage.
+# Usage: scripts/test.sh [stage ...]   (default: format asan fuzz tsan wheel tidy)
+#   KVTIER_SKIP_FUZZ=1 / KVTIER_SKIP_PYTHON=1 / KVTIER_SKIP_TIDY=1 leave out the fuzz / wheel / tidy stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheel_file=build/wheelhouse/.latest
 build_wheel() {
   mkdir -p build/wheelhouse
-  scripts/build-wheel.sh --cuda OFF --out build/wheelhouse | tail -n 1 >"$wheel_file.tmp"
+  scripts/build-wheel.sh --cuda OFF --werror ON --out build/wheelhouse | tail -n 1 >"$wheel_file.tmp"
   mv "$wheel_file.tmp" "$wheel_file"
 }
 if [ "${1:-}" = __background ]; then
@@ -32,8 +35,14 @@ if [ "${1:-}" = __background ]; then
   set +e
   (set -eo pipefail; cmake --preset tsan >/dev/null && cmake --build --preset tsan -j "$(nproc)") >$bg/tsan.log 2>&1
   echo $? >$bg/tsan.rc
-  (set -eo pipefail; build_wheel) >$bg/wheel.log 2>&1
-  echo $? >$bg/wheel.rc
+  if [ "${KVTIER_SKIP_PYTHON:-0}" != 1 ]; then
+    (set -eo pipefail; build_wheel) >$bg/wheel.log 2>&1
+    echo $? >$bg/wheel.rc
+  fi
+  if [ "${KVTIER_SKIP_TIDY:-0}" != 1 ]; then
+    scripts/check-tidy.sh build/asan >$bg/tidy.log 2>&1
+    echo $? >$bg/tidy.rc
+  fi
   exit 0
 fi
 stages=("$@")
@@ -43,6 +52,7 @@ if [ ${#stages[@]} -eq 0 ]; then
   [ "${KVTIER_SKIP_FUZZ:-0}" = 1 ] || stages+=(fuzz)
   stages+=(tsan)
   [ "${KVTIER_SKIP_PYTHON:-0}" = 1 ] || stages+=(wheel)
+  [ "${KVTIER_SKIP_TIDY:-0}" = 1 ] || stages+=(tidy)
   overlap=${KVTIER_CI_OVERLAP:-1}
 fi
 jobs=$(nproc)
@@ -71,6 +81,8 @@ finish_stage services
 bg=build/ci-background
 if [ "$overlap" = 1 ]; then
   rm -rf "$bg" && mkdir -p "$bg"
+  # The tidy part reads the asan tree's compile database: configured here, before either side uses it.
+  cmake --preset asan >/dev/null
   # Its own process group (set -m), so that the trap can end all of it on failure.
   set -m
   nice -n 19 "$0" __background &
@@ -95,11 +107,14 @@ await_background() {  # name
 for s in "${stages[@]}"; do
   echo "=== $s ==="
   case "$s" in
-    asan | tsan | default)
+    asan | tsan | default | debug)
       if [ "$s" = tsan ] && [ "$overlap" = 1 ]; then
         await_background tsan
       else
-        cmake --preset "$s" >/dev/null
+        # The presets CI does not build with warnings as errors get them here.
+        werror=()
+        [ "$s" != default ] || werror=(-DKVTIER_WERROR=ON)
+        cmake --preset "$s" "${werror[@]}" >/dev/null
         cmake --build --preset "$s" -j "$jobs"
       fi
       finish_stage "$s build"
@@ -125,8 +140,17 @@ for s in "${stages[@]}"; do
       scripts/test-wheel.sh "$(cat "$wheel_file")"
       finish_stage "wheel pytest"
       ;;
+    tidy)
+      if [ "$overlap" = 1 ]; then
+        await_background tidy
+      else
+        [ -f build/asan/compile_commands.json ] || cmake --preset asan >/dev/null
+        scripts/check-tidy.sh build/asan
+      fi
+      finish_stage tidy
+      ;;
     *)
-      echo "test.sh: unknown stage '$s' (format, asan, fuzz, tsan, wheel, default)" >&2
+      echo "test.sh: unknown stage '$s' (format, asan, fuzz, tsan, wheel, tidy, default, debug)" >&2
       exit 2
       ;;
   esac

@@ -451,7 +451,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
         device_moves_out -= std::min<std::uint64_t>(device_moves_out, c.dst.size());
     const std::size_t n = done.size();
     completions_applied += n;
-    KVTIER_RETURN_IF_ERROR(apply_completions(*cache, std::move(done)));
+    KVTIER_RETURN_IF_ERROR(apply_completions(*cache, done));
     return n;
   };
 

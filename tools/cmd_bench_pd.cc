@@ -1106,12 +1106,14 @@ int run_bench(const PdArgs& a) {
             }
             if (memory == "host") host_gbps = *g;
             if (memory == "raw") raw_by_inflight[inflight] = *g;
-            const std::optional<double> raw_gbps =
-                raw_by_inflight.count(inflight) ? std::optional<double>(raw_by_inflight[inflight]) : std::nullopt;
+            // Flags and plain doubles, not std::optional<double>: GCC 12 at -O3 reports those as maybe used
+            // uninitialized (a false -Wmaybe-uninitialized).
+            const bool has_raw = raw_by_inflight.count(inflight) > 0;
+            const double raw_gbps = has_raw ? raw_by_inflight[inflight] : 0.0;
             const double pg = p.ok() ? *p : 0.0;
             const double ratio = pg > 0 ? *g / pg : 0.0;
-            const std::optional<double> to_host =
-                memory != "host" && host_gbps && *host_gbps > 0 ? std::optional<double>(*g / *host_gbps) : std::nullopt;
+            const bool has_to_host = memory != "host" && host_gbps && *host_gbps > 0;
+            const double to_host = has_to_host ? *g / *host_gbps : 0.0;
             if (a.json) {
               nlohmann::json j;
               j["bench"] = "pd";
@@ -1160,23 +1162,23 @@ int run_bench(const PdArgs& a) {
                 j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
                 j["bytes_checked"] = true;
               }
-              if (memory == "host" && raw_gbps) {
-                j["raw_gbps"] = *raw_gbps;
-                j["ratio_to_raw"] = *raw_gbps > 0 ? *g / *raw_gbps : 0.0;
+              if (memory == "host" && has_raw) {
+                j["raw_gbps"] = raw_gbps;
+                j["ratio_to_raw"] = raw_gbps > 0 ? *g / raw_gbps : 0.0;
               }
               if (memory == "device") {
                 j["backend"] = a.backend == "auto" ? (cuda_device_count() > 0 ? "cuda" : "host") : a.backend;
                 j["host_gbps"] = host_gbps ? nlohmann::json(*host_gbps) : nlohmann::json(nullptr);
-                j["ratio_to_host"] = to_host ? nlohmann::json(*to_host) : nlohmann::json(nullptr);
+                j["ratio_to_host"] = has_to_host ? nlohmann::json(to_host) : nlohmann::json(nullptr);
               }
               if (!p.ok()) j["ucx_perftest_error"] = p.status().to_string();
               std::printf("%s\n", j.dump().c_str());
             } else {
-              std::string th = to_host ? fmt::format("{:.2f}", *to_host) : "-";
+              std::string th = has_to_host ? fmt::format("{:.2f}", to_host) : "-";
               if (memory != "device") {
                 th = pt.ok() ? fmt::format("perftest/transfer {:.2f} ({:.2f})", *pt, *g / std::max(1e-9, *pt)) : "";
-                if (memory == "host" && raw_gbps)
-                  th += fmt::format(" raw {:.2f} ({:.2f})", *raw_gbps, *g / std::max(1e-9, *raw_gbps));
+                if (memory == "host" && has_raw)
+                  th += fmt::format(" raw {:.2f} ({:.2f})", raw_gbps, *g / std::max(1e-9, raw_gbps));
                 if (socket_gbps.ok())
                   th += fmt::format(" socket {:.2f} ({:.2f})", *socket_gbps, *g / std::max(1e-9, *socket_gbps));
                 if (inflight > 1) th += fmt::format(" x{}", inflight);

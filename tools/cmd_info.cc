@@ -7,6 +7,7 @@
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/copy/copy_config.h"
 #include "kvtier/core/config.h"
+#include "kvtier/core/integration_config.h"
 #include "kvtier/core/log.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/storage/storage_config.h"
@@ -42,6 +43,8 @@ Action register_info(CLI::App& app) {
       storage::bind_disk_backend_config(table, disk);
       storage::TenantConfig tenant;
       storage::bind_tenant_config(table, tenant);
+      IntegrationConfig integration;
+      bind_integration_config(table, integration);
       if (Status s = table.apply_env(environ); !s.ok()) {
         std::fprintf(stderr, "kvtier info: %s\n", s.to_string().c_str());
         return 2;

@@ -708,7 +708,7 @@ Action register_replay(CLI::App& app) {
     if (a.metrics_port || !a.metrics_out.empty()) {
       auto m = ReplayMetrics::create(registry);
       if (!m.ok()) return std::fprintf(stderr, "kvtier replay: metrics: %s\n", m.status().to_string().c_str()), 1;
-      rm.emplace(std::move(*m));
+      rm.emplace(*m);
       o.metrics = &registry;
       Status st = rt.manager ? rt.manager->attach_metrics(registry) : Status::Ok();
       if (st.ok() && storage) st = storage->tier().attach_metrics(registry);

@@ -1516,6 +1516,7 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   void fail_layer(X& x, std::uint32_t layer, const Status& why) {
+    why.ignore_error();  // the transfer reports its first failure; later ones, and a final layer's, go here
     if (layer >= x.layers.size() || x.layers[layer] != LayerState::kPending) return;
     x.layers[layer] = LayerState::kFailed;
     x.any_failure = true;

@@ -318,12 +318,14 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
     for (const auto& r : b.regions) rec.info.regions.push_back(RegionInfo{r.kind, r.bytes});
     rec.regions = b.regions;
     rec.failed = Unavailable(fmt::format("peer '{}' is still connecting", peer.name));
+    rec.failed.ignore_error();  // the peer's state: a call that meets it returns a copy to look at
     peers_.push_back(std::move(rec));
   }
   Status s = backend_connect(id, b);
   std::lock_guard lock(mu_);
   // A refused connection leaves a failed record, so the peer's index stays stable for the backend.
   peers_[id].failed = s.ok() ? Status::Ok() : s;
+  peers_[id].failed.ignore_error();  // the peer's state (as above); s itself is returned below
   if (!s.ok()) {
     peers_[id].info.identity.name += " (failed)";
     return s;
@@ -511,6 +513,7 @@ Status TransportBase::disconnect_peer(PeerId peer) {
     if (p.disconnected) return Status::Ok();
     p.disconnected = true;
     p.failed = Unavailable(fmt::format("peer '{}' was disconnected by this agent", p.info.identity.name));
+    p.failed.ignore_error();  // the peer's state: a call that meets it returns a copy to look at
     // The peer may come back as a fresh process: its name is free for a new load_peer.
     p.info.identity.name += " (disconnected)";
     for (auto& [id, x] : xfers_) {
@@ -598,7 +601,11 @@ void TransportBase::deliver(Notification n) {
 
 void TransportBase::mark_peer_failed(PeerId peer, Status why) {
   std::lock_guard lock(mu_);
-  if (peer < peers_.size() && peers_[peer].failed.ok()) peers_[peer].failed = std::move(why);
+  why.ignore_error();  // kept as the peer's state below when it is its first failure; a later one goes here
+  if (peer < peers_.size() && peers_[peer].failed.ok()) {
+    peers_[peer].failed = std::move(why);
+    peers_[peer].failed.ignore_error();  // the peer's state: a call that meets it returns a copy to look at
+  }
 }
 
 bool TransportBase::covers(const void* p, std::uint64_t bytes) const {

@@ -40,8 +40,11 @@ P/D (the transfer connector): FastDeploy's ``config.scheduler_config.splitwise_r
 Environment: ``KVTIER_FASTDEPLOY_BACKEND`` = ``auto`` (default: CUDA for CUDA tensors, the
 host backend for CPU arrays) | ``host`` | ``cuda``; ``KVTIER_FASTDEPLOY_FENCE_EVICTIONS`` =
 ``1`` (default) | ``0`` (the engine fences reuse itself); ``KVTIER_FASTDEPLOY_SYNC_TIMEOUT``
-seconds for ``sync_*_stream`` (default 300); the ``KVTIER_TRANSFER_*`` knobs of
-docs/configuration.md.
+seconds for ``sync_*_stream`` (default 300); ``KVTIER_METRICS`` = ``1`` (default) | ``0`` (the
+manager is not attached to :mod:`kvtier.metrics`); the ``KVTIER_TRANSFER_*`` knobs of
+docs/configuration.md. These variables are knobs of kvtier's config table (``fastdeploy.*``,
+``metrics``; ``kvtier info --config`` lists them): they are read through it, and a bad value raises
+``InvalidArgumentError`` naming it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ from .errors import KvtierError
 logger = logging.getLogger("kvtier.fastdeploy")
 
 _DLPACK_CPU, _DLPACK_CUDA, _DLPACK_CUDA_HOST = 1, 2, 3
+
+
+def _knobs() -> Dict[str, Any]:
+    """The ``fastdeploy.*`` and ``metrics`` knobs from the environment, typed, through kvtier's config table
+    (read afresh on each call; a bad value raises ``InvalidArgumentError`` naming it)."""
+    return _native.integration_config()
+
 
 __all__ = ["CacheTransferManager", "LayerEvent", "PdTransferConnector", "create_transfer_connector"]
 
@@ -177,8 +187,9 @@ class CacheTransferManager:
         self._last_submitted: Optional[tuple] = None
         self._last_error: Optional[str] = None
         self._logged_errors: set = set()
-        self._fence_evictions = os.environ.get("KVTIER_FASTDEPLOY_FENCE_EVICTIONS", "1") != "0"
-        self._sync_timeout = float(os.environ.get("KVTIER_FASTDEPLOY_SYNC_TIMEOUT", "300"))
+        knobs = _knobs()
+        self._fence_evictions = knobs["fastdeploy.fence_evictions"]
+        self._sync_timeout = knobs["fastdeploy.sync_timeout"]
 
         # ============ Connectors ============
         self._transfer_connector = create_transfer_connector(
@@ -360,7 +371,8 @@ class CacheTransferManager:
                 raise _error("FailedPrecondition", "set_host_cache_kvs_map() has not been called")
             tensors = {k: v for k, v in self._cache_kvs_map.items() if v is not None}
             first = self._first_tensor()
-            backend = os.environ.get("KVTIER_FASTDEPLOY_BACKEND", "auto")
+            knobs = _knobs()
+            backend = knobs["fastdeploy.backend"]
             dev = _dlpack_device(first)
             on_cuda = dev is not None and dev[0] == _DLPACK_CUDA
             if backend == "cuda" or (backend == "auto" and on_cuda):
@@ -381,7 +393,7 @@ class CacheTransferManager:
                 rank=self._local_rank, device_label=self._device_id, block_tokens=self._block_tokens,
                 config=_engine_defaults(self._device, os.environ))
             # kvtier's process registry (kvtier.metrics): on unless KVTIER_METRICS=0.
-            if os.environ.get("KVTIER_METRICS", "1") != "0":
+            if knobs["metrics"]:
                 self._mgr.attach_metrics({"rank": str(self._local_rank), "device": str(self._device_id)})
             return self._mgr
 
@@ -686,16 +698,15 @@ def create_transfer_connector(cache_config: Any, splitwise_role: Optional[str] =
     ``KVTIER_FASTDEPLOY_PD_ROLE``, else ``splitwise_role`` (the drop-in passes FastDeploy's
     ``config.scheduler_config.splitwise_role``; FastDeploy's own call passes only ``cache_config``), else
     ``cache_config.splitwise_role``, else ``mixed``. Environment: see the module's docstring."""
-    role = (os.environ.get("KVTIER_FASTDEPLOY_PD_ROLE") or splitwise_role or _attr(cache_config, "splitwise_role")
-            or "mixed")
+    knobs = _knobs()
+    role = (knobs["fastdeploy.pd_role"] or splitwise_role or _attr(cache_config, "splitwise_role") or "mixed")
     if role == "mixed":
         return None
-    secret_hex = os.environ.get("KVTIER_FASTDEPLOY_PD_SECRET", "")
-    try:
-        secret = bytes.fromhex(secret_hex) if secret_hex else None
-    except ValueError:
-        raise _error("InvalidArgument", "KVTIER_FASTDEPLOY_PD_SECRET is not hex") from None
-    transport = os.environ.get("KVTIER_FASTDEPLOY_PD_TRANSPORT", "ipc")
-    tls = os.environ.get("KVTIER_FASTDEPLOY_PD_TLS", "tcp" if transport == "ucx" else "")
+    secret_hex = knobs["fastdeploy.pd_secret"]  # hex: checked by the config table
+    secret = bytes.fromhex(secret_hex) if secret_hex else None
+    transport = knobs["fastdeploy.pd_transport"]
+    tls = knobs["fastdeploy.pd_tls"]
+    if tls == "auto":
+        tls = "tcp" if transport == "ucx" else ""
     return PdTransferConnector(role, transport=transport, peer_secret=secret, tls=tls,
-                               net_devices=os.environ.get("KVTIER_FASTDEPLOY_PD_NET_DEVICES", ""))
+                               net_devices=knobs["fastdeploy.pd_net_devices"])

@@ -4,10 +4,13 @@
 #include <nanobind/stl/string.h>
 
 #include "kvtier/core/config.h"
+#include "kvtier/core/integration_config.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "status_bridge.h"
 
 namespace nb = nanobind;
+
+extern char** environ;
 
 namespace kvtier::python {
 void bind_transfer(nb::module_& m);
@@ -51,4 +54,26 @@ NB_MODULE(_native, m) {
         return out;
       },
       "The TransferManager's knobs (name, KVTIER_* env var, type, default, doc).");
+  m.def(
+      "integration_config",
+      [] {
+        // Read afresh on each call, as os.environ was: a process may set the variables after import.
+        kvtier::IntegrationConfig c;
+        kvtier::ConfigTable table;
+        kvtier::bind_integration_config(table, c);
+        kvtier::python::check(table.apply_env(environ));
+        nb::dict d;
+        d["fastdeploy.backend"] = c.fastdeploy_backend;
+        d["fastdeploy.fence_evictions"] = c.fastdeploy_fence_evictions;
+        d["fastdeploy.sync_timeout"] = c.fastdeploy_sync_timeout_s;
+        d["fastdeploy.pd_role"] = c.fastdeploy_pd_role;
+        d["fastdeploy.pd_secret"] = c.fastdeploy_pd_secret;
+        d["fastdeploy.pd_transport"] = c.fastdeploy_pd_transport;
+        d["fastdeploy.pd_tls"] = c.fastdeploy_pd_tls;
+        d["fastdeploy.pd_net_devices"] = c.fastdeploy_pd_net_devices;
+        d["metrics"] = c.metrics;
+        return d;
+      },
+      "The engine integrations' knobs (fastdeploy.*, metrics) from the KVTIER_* environment, typed; "
+      "InvalidArgumentError naming a bad value.");
 }

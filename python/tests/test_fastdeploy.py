@@ -300,3 +300,58 @@ def test_loads_on_cuda_default_to_the_copy_kernel_unless_the_environment_says_ot
     assert defaults(kvtier.host_device(), {}) == {}
     assert defaults(None, {}) == {}
 
+
+def test_environment_knobs_are_config_table_knobs(monkeypatch):
+    """The KVTIER_FASTDEPLOY_* and KVTIER_METRICS variables are knobs of kvtier's config table: read through it
+    with the defaults the drop-in always had, and a bad value rejected with a message naming it."""
+    for var in ("BACKEND", "FENCE_EVICTIONS", "SYNC_TIMEOUT", "PD_ROLE", "PD_SECRET", "PD_TRANSPORT", "PD_TLS",
+                "PD_NET_DEVICES"):
+        monkeypatch.delenv("KVTIER_FASTDEPLOY_" + var, raising=False)
+    monkeypatch.delenv("KVTIER_METRICS", raising=False)
+    knobs = kvtier._native.integration_config()
+    assert knobs == {
+        "fastdeploy.backend": "auto", "fastdeploy.fence_evictions": True, "fastdeploy.sync_timeout": 300.0,
+        "fastdeploy.pd_role": "", "fastdeploy.pd_secret": "", "fastdeploy.pd_transport": "ipc",
+        "fastdeploy.pd_tls": "auto", "fastdeploy.pd_net_devices": "", "metrics": True}
+    mgr = CacheTransferManager(fd_config(2, 4))
+    assert mgr._fence_evictions is True and mgr._sync_timeout == 300.0
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_FENCE_EVICTIONS", "0")
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_SYNC_TIMEOUT", "2.5")
+    mgr = CacheTransferManager(fd_config(2, 4))
+    assert mgr._fence_evictions is False and mgr._sync_timeout == 2.5
+    monkeypatch.setenv("KVTIER_METRICS", "0")
+    assert kvtier._native.integration_config()["metrics"] is False
+
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_SYNC_TIMEOUT", "soon")
+    with pytest.raises(kvtier.InvalidArgumentError, match="KVTIER_FASTDEPLOY_SYNC_TIMEOUT.*'soon'"):
+        CacheTransferManager(fd_config(2, 4))
+    monkeypatch.delenv("KVTIER_FASTDEPLOY_SYNC_TIMEOUT")
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_BACKEND", "gpu")
+    with pytest.raises(kvtier.InvalidArgumentError, match="'gpu' is not one of auto, host, cuda"):
+        CacheTransferManager(fd_config(2, 4))
+    monkeypatch.delenv("KVTIER_FASTDEPLOY_BACKEND")
+    monkeypatch.setenv("KVTIER_METRICS", "maybe")
+    with pytest.raises(kvtier.InvalidArgumentError, match="KVTIER_METRICS.*'maybe'"):
+        kvtier._native.integration_config()
+    monkeypatch.delenv("KVTIER_METRICS")
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_ROLE", "decode")
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(kvtier.InvalidArgumentError, match="'carrier-pigeon'"):
+        kvtier.fastdeploy.create_transfer_connector(types.SimpleNamespace())
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_TRANSPORT", "loopback")
+    monkeypatch.setenv("KVTIER_FASTDEPLOY_PD_SECRET", "not-hex-secret")
+    with pytest.raises(kvtier.InvalidArgumentError, match="KVTIER_FASTDEPLOY_PD_SECRET.*not hex") as err:
+        kvtier.fastdeploy.create_transfer_connector(types.SimpleNamespace())
+    assert "not-hex-secret" not in str(err.value)  # a secret is never echoed
+
+
+def test_kvtier_info_lists_the_integration_knobs():
+    import subprocess
+    cli = os.path.join(os.path.dirname(kvtier.__file__), "bin", "kvtier")
+    if not os.path.exists(cli):
+        pytest.skip("this installation carries no kvtier CLI")
+    out = subprocess.run([cli, "info", "--config"], check=True, capture_output=True, text=True).stdout
+    for var in ("KVTIER_FASTDEPLOY_BACKEND", "KVTIER_FASTDEPLOY_FENCE_EVICTIONS", "KVTIER_FASTDEPLOY_SYNC_TIMEOUT",
+                "KVTIER_FASTDEPLOY_PD_ROLE", "KVTIER_FASTDEPLOY_PD_SECRET", "KVTIER_FASTDEPLOY_PD_TRANSPORT",
+                "KVTIER_FASTDEPLOY_PD_TLS", "KVTIER_FASTDEPLOY_PD_NET_DEVICES", "`KVTIER_METRICS`"):
+        assert var in out

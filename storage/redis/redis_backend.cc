@@ -230,6 +230,7 @@ class RedisBackend final : public StorageBackend {
     if (node.empty())
       return last.with_context(
           fmt::format("redis backend: no endpoint usable after {} rounds", config_.max_retries + 1));
+    last.ignore_error();  // a usable endpoint: the earlier endpoints' failures no longer matter
     single_node_ = node;
     for (std::uint32_t i = 0; i < config_.workers; ++i) workers_.emplace_back([this] { worker(); });
     return Status::Ok();

@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
+
+#include "kvtier/core/integration_config.h"
 
 namespace kvtier {
 namespace {
@@ -76,6 +79,62 @@ TEST(Config, EnvAndTextApply) {
       EXPECT_EQ(r.default_value, "16");
       EXPECT_EQ(r.value, "8");
     }
+}
+
+// The engine integrations' knobs (kvtier.fastdeploy reads them through kvtier._native): the defaults the Python
+// code had, the KVTIER_* names it read, and bad values rejected naming the value, except the secret's.
+TEST(IntegrationConfig, DefaultsNamesAndValidation) {
+  IntegrationConfig c;
+  ConfigTable t;
+  bind_integration_config(t, c);
+  std::map<std::string, std::string> env_of;
+  for (const KnobInfo& k : t.describe()) env_of[k.name] = k.env_var;
+  EXPECT_EQ(env_of.at("fastdeploy.backend"), "KVTIER_FASTDEPLOY_BACKEND");
+  EXPECT_EQ(env_of.at("fastdeploy.fence_evictions"), "KVTIER_FASTDEPLOY_FENCE_EVICTIONS");
+  EXPECT_EQ(env_of.at("fastdeploy.sync_timeout"), "KVTIER_FASTDEPLOY_SYNC_TIMEOUT");
+  EXPECT_EQ(env_of.at("fastdeploy.pd_role"), "KVTIER_FASTDEPLOY_PD_ROLE");
+  EXPECT_EQ(env_of.at("fastdeploy.pd_secret"), "KVTIER_FASTDEPLOY_PD_SECRET");
+  EXPECT_EQ(env_of.at("fastdeploy.pd_transport"), "KVTIER_FASTDEPLOY_PD_TRANSPORT");
+  EXPECT_EQ(env_of.at("fastdeploy.pd_tls"), "KVTIER_FASTDEPLOY_PD_TLS");
+  EXPECT_EQ(env_of.at("fastdeploy.pd_net_devices"), "KVTIER_FASTDEPLOY_PD_NET_DEVICES");
+  EXPECT_EQ(env_of.at("metrics"), "KVTIER_METRICS");
+  EXPECT_EQ(env_of.size(), 9u);
+
+  EXPECT_EQ(c.fastdeploy_backend, "auto");
+  EXPECT_TRUE(c.fastdeploy_fence_evictions);
+  EXPECT_DOUBLE_EQ(c.fastdeploy_sync_timeout_s, 300.0);
+  EXPECT_EQ(c.fastdeploy_pd_transport, "ipc");
+  EXPECT_EQ(c.fastdeploy_pd_tls, "auto");
+  EXPECT_TRUE(c.metrics);
+
+  std::string a = "KVTIER_FASTDEPLOY_BACKEND=host", b = "KVTIER_METRICS=0", d = "KVTIER_FASTDEPLOY_SYNC_TIMEOUT=2.5",
+              e = "KVTIER_FASTDEPLOY_PD_SECRET=ABab01";
+  char* env[] = {a.data(), b.data(), d.data(), e.data(), nullptr};
+  ASSERT_TRUE(t.apply_env(env).ok());
+  EXPECT_EQ(c.fastdeploy_backend, "host");
+  EXPECT_FALSE(c.metrics);
+  EXPECT_DOUBLE_EQ(c.fastdeploy_sync_timeout_s, 2.5);
+  EXPECT_EQ(c.fastdeploy_pd_secret, "ABab01");
+
+  Status s = t.set("fastdeploy.backend", "gpu");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'gpu' is not one of auto, host, cuda"), std::string::npos) << s.to_string();
+  EXPECT_EQ(c.fastdeploy_backend, "host");  // unchanged
+  s = t.set("fastdeploy.pd_transport", "tcp");
+  EXPECT_NE(s.message().find("'tcp'"), std::string::npos) << s.to_string();
+  s = t.set("fastdeploy.pd_role", "both");
+  EXPECT_NE(s.message().find("'both'"), std::string::npos) << s.to_string();
+  s = t.set("fastdeploy.sync_timeout", "-1");
+  EXPECT_NE(s.message().find("-1"), std::string::npos) << s.to_string();
+  s = t.set("metrics", "2");
+  EXPECT_NE(s.message().find("'2' is not a boolean"), std::string::npos) << s.to_string();
+  s = t.set("fastdeploy.pd_secret", "s3cretvalue");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message().find("s3cretvalue"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("fastdeploy.pd_secret"), std::string::npos) << s.to_string();
+  EXPECT_EQ(c.fastdeploy_pd_secret, "ABab01");
+  EXPECT_EQ(t.markdown().find("ABab01"), std::string::npos);  // `kvtier info --config` shows "(set)"
+  EXPECT_NE(t.markdown().find("(set)"), std::string::npos);
 }
 
 }  // namespace

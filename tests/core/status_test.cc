@@ -93,5 +93,87 @@ TEST(Result, StatusOfATemporaryOutlivesIt) {
   EXPECT_NE(s.message().find("key 7 is not in the table"), std::string::npos) << s.to_string();
 }
 
+// KVTIER_STATUS_CHECKED (the asan preset): an error Status or Result nobody looked at aborts, naming it; one that was
+// looked at, propagated, moved from or explicitly ignored does not. Assigning over one is not checked (a retry
+// loop's latest failure), but the value it ends with is.
+#if KVTIER_STATUS_CHECKED
+TEST(StatusCheckedDeathTest, UncheckedErrorAbortsWhenDestroyed) {
+  EXPECT_DEATH({ Status s = DataLoss("object 42 corrupt"); },
+               "unchecked Status destroyed: DataLoss: object 42 corrupt");
+}
+
+TEST(StatusCheckedDeathTest, UncheckedResultAbortsWhenDestroyed) {
+  EXPECT_DEATH({ Result<int> r = parse_positive(-3); }, "unchecked Result destroyed: InvalidArgument: value -3");
+}
+
+TEST(StatusCheckedDeathTest, TheValueAVariableEndsWithIsChecked) {
+  EXPECT_DEATH(
+      {
+        Status latest = Unavailable("attempt 1");
+        latest.ignore_error();
+        latest = Unavailable("attempt 2");
+      },
+      "unchecked Status destroyed: Unavailable: attempt 2");
+}
+
+TEST(StatusCheckedDeathTest, CopyHandsTheDutyOn) {
+  EXPECT_DEATH(
+      {
+        Status a = Aborted("step 3");
+        Status b = a;  // a is handed on; b is not looked at
+        a.ignore_error();
+      },
+      "unchecked Status destroyed: Aborted: step 3");
+}
+
+TEST(StatusChecked, LookedAtPropagatedMovedOrIgnoredDoesNotAbort) {
+  { EXPECT_FALSE(DataLoss("x").ok()); }
+  { EXPECT_EQ(NotFound("x").code(), StatusCode::kNotFound); }
+  { NotFound("ignored on purpose in this test").ignore_error(); }
+  {
+    Status a = Internal("moved");
+    Status b = std::move(a);  // a is moved from: only b carries the outcome
+    EXPECT_EQ(b.code(), StatusCode::kInternal);
+  }
+  {
+    Status latest = Unavailable("attempt 1");
+    latest = Unavailable("attempt 2");  // the retry loop's latest failure replaces the earlier one
+    EXPECT_EQ(latest.message(), "attempt 2");
+  }
+  {
+    Result<int> r = parse_positive(-1);
+    r = parse_positive(5);
+    EXPECT_EQ(*r, 5);
+  }
+  { EXPECT_EQ(use_return(-1).code(), StatusCode::kInvalidArgument); }
+  {
+    int out = 0;
+    EXPECT_TRUE(use_assign(4, &out).ok());
+  }
+  { EXPECT_EQ(parse_positive(2).value(), 2); }
+  { EXPECT_EQ(parse_positive(-2).value_or(7), 7); }
+  {
+    Result<int> r = parse_positive(-2);
+    if (r) ADD_FAILURE() << "expected an error";
+  }
+  { parse_positive(-2).ignore_error(); }
+  {
+    // A success nobody looked at is let go (objects keep outcomes for callers who may never ask).
+    Status unlooked = Status::Ok();
+    Result<int> unlooked_value = parse_positive(3);
+  }
+}
+#else
+TEST(StatusChecked, OffByDefaultAddsNothing) {
+  // Built without KVTIER_STATUS_CHECKED, Status is its code and message, nothing more.
+  struct Plain {
+    StatusCode code;
+    std::string message;
+  };
+  static_assert(sizeof(Status) == sizeof(Plain));
+  Status s = DataLoss("unchecked is allowed in this build");
+}
+#endif
+
 }  // namespace
 }  // namespace kvtier

@@ -50,6 +50,10 @@ class ConfigTable {
   // A string knob whose values are checked by `validate` (its error should
   // name the value); the field is left unchanged on error.
   void add(std::string name, std::string* field, std::string doc, std::function<Status(std::string_view)> validate);
+  // A string knob holding a secret: describe() and markdown() show "(set)" or nothing, and set()'s errors
+  // leave the value out (so should `validate`'s).
+  void add_secret(std::string name, std::string* field, std::string doc,
+                  std::function<Status(std::string_view)> validate);
 
   // A std::chrono duration knob (ns, us, ms or s resolution). Accepts an
   // integer with a unit suffix (ns, us, ms, s; "50us", "2 s") or a bare
@@ -119,6 +123,7 @@ class ConfigTable {
     KnobInfo info;
     std::function<Status(std::string_view)> setter;
     std::function<std::string()> getter;
+    bool secret = false;
   };
   std::map<std::string, Knob, std::less<>> knobs_;
   void add_knob(std::string name, std::string type, std::string doc, std::function<Status(std::string_view)> setter,

@@ -6,6 +6,19 @@
 // the offending value ("block id 17 >= num_blocks 16 in dst list at index 3").
 //
 // Thread-safety: Status and Result are values; copying them is safe.
+//
+// Checked mode (debug): built with KVTIER_STATUS_CHECKED=1 (CMake option KVTIER_STATUS_CHECKED; on in
+// the debug preset), an error Status or Result destroyed without anyone having looked at
+// it aborts the process with a message naming it. (A success nobody looked at is let go: objects
+// keep outcomes for callers who may never ask, and most of those outcomes are successes.) Looking
+// at it: ok(), code(), message(),
+// retry_advice(), to_string(), with_context(), ==, ignore_error(); for a Result also operator bool,
+// status(), value(), *, -> and value_or(). Copying or moving hands the duty on: the copy (or the
+// moved-to object) must be looked at, the source no longer. Assigning over a Status is not checked:
+// a variable that keeps the latest failure of a retry loop is the common, intended case; the value
+// it ends with must be looked at. This is the one deliberate abort of the library, and only in that
+// debug mode; built without it (the default) Status and Result carry no flag and the checks compile
+// to nothing.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +60,16 @@ enum class RetryAdvice : std::uint8_t {
 
 std::string_view status_code_name(StatusCode code) noexcept;
 
+#ifndef KVTIER_STATUS_CHECKED
+#define KVTIER_STATUS_CHECKED 0
+#endif
+
+class Status;
+namespace detail {
+// Checked mode only: prints "kvtier: unchecked <what> <event>: <status>" and a stack trace, then aborts.
+void status_unchecked(const Status& status, const char* what, const char* event) noexcept;
+}  // namespace detail
+
 class [[nodiscard]] Status {
  public:
   Status() noexcept = default;  // OK
@@ -54,9 +77,18 @@ class [[nodiscard]] Status {
 
   static Status Ok() noexcept { return Status(); }
 
-  bool ok() const noexcept { return code_ == StatusCode::kOk; }
-  StatusCode code() const noexcept { return code_; }
-  const std::string& message() const noexcept { return message_; }
+  bool ok() const noexcept {
+    mark_checked();
+    return code_ == StatusCode::kOk;
+  }
+  StatusCode code() const noexcept {
+    mark_checked();
+    return code_;
+  }
+  const std::string& message() const noexcept {
+    mark_checked();
+    return message_;
+  }
   RetryAdvice retry_advice() const noexcept;
   // "InvalidArgument: block id 17 >= 16"; "OK" for success.
   std::string to_string() const;
@@ -64,16 +96,59 @@ class [[nodiscard]] Status {
   // Returns a copy whose message is prefixed with `context: `.
   Status with_context(std::string_view context) const;
 
-  // Explicitly discards a status (greppable).
-  void ignore_error() const noexcept {}
+  // Explicitly discards a status (greppable). Say why at the call site.
+  void ignore_error() const noexcept { mark_checked(); }
 
   friend bool operator==(const Status& a, const Status& b) noexcept {
+    a.mark_checked();
+    b.mark_checked();
     return a.code_ == b.code_ && a.message_ == b.message_;
   }
 
+#if KVTIER_STATUS_CHECKED
+  Status(const Status& other) : code_(other.code_), message_(other.message_) { other.mark_checked(); }
+  Status(Status&& other) noexcept : code_(other.code_), message_(std::move(other.message_)) { other.mark_checked(); }
+  Status& operator=(const Status& other) {
+    if (this != &other) {
+      code_ = other.code_;
+      message_ = other.message_;
+      checked_ = false;
+      other.mark_checked();
+    }
+    return *this;
+  }
+  Status& operator=(Status&& other) noexcept {
+    if (this != &other) {
+      code_ = other.code_;
+      message_ = std::move(other.message_);
+      checked_ = false;
+      other.mark_checked();
+    }
+    return *this;
+  }
+  ~Status() {
+    if (!checked_ && code_ != StatusCode::kOk) detail::status_unchecked(*this, "Status", "destroyed");
+  }
+#endif
+
  private:
+  template <typename T>
+  friend class Result;
+
+  void mark_checked() const noexcept {
+#if KVTIER_STATUS_CHECKED
+    checked_ = true;
+#endif
+  }
+#if KVTIER_STATUS_CHECKED
+  bool checked() const noexcept { return checked_; }
+#endif
+
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
+#if KVTIER_STATUS_CHECKED
+  mutable bool checked_ = false;
+#endif
 };
 
 Status InvalidArgument(std::string message);
@@ -107,7 +182,10 @@ class [[nodiscard]] Result {
     new (&value_) T(std::forward<U>(value));
   }
   Result(Status status) : status_(std::move(status)) {  // NOLINT
-    if (status_.ok()) status_ = Status(StatusCode::kInternal, "Result constructed from OK status without a value");
+    if (status_.code_ == StatusCode::kOk) {
+      status_.mark_checked();
+      status_ = Status(StatusCode::kInternal, "Result constructed from OK status without a value");
+    }
   }
 
   Result(const Result& other) : status_(other.status_), has_value_(other.has_value_) {
@@ -119,6 +197,7 @@ class [[nodiscard]] Result {
   }
   Result& operator=(const Result& other) {
     if (this != &other) {
+      status_.mark_checked();  // assigning over it is not checked (see the file comment)
       reset();
       status_ = other.status_;
       has_value_ = other.has_value_;
@@ -128,6 +207,7 @@ class [[nodiscard]] Result {
   }
   Result& operator=(Result&& other) noexcept(std::is_nothrow_move_constructible_v<T>) {
     if (this != &other) {
+      status_.mark_checked();  // assigning over it is not checked (see the file comment)
       reset();
       status_ = std::move(other.status_);
       has_value_ = other.has_value_;
@@ -135,29 +215,54 @@ class [[nodiscard]] Result {
     }
     return *this;
   }
-  ~Result() { reset(); }
+  ~Result() {
+#if KVTIER_STATUS_CHECKED
+    if (!status_.checked() && !has_value_) detail::status_unchecked(status_, "Result", "destroyed");
+    status_.mark_checked();  // reported above, as the Result
+#endif
+    reset();
+  }
 
-  bool ok() const noexcept { return has_value_; }
-  explicit operator bool() const noexcept { return has_value_; }
+  bool ok() const noexcept {
+    status_.mark_checked();
+    return has_value_;
+  }
+  explicit operator bool() const noexcept { return ok(); }
   // OK when a value is held. A temporary Result hands its Status out by value, so that
   // `KVTIER_RETURN_IF_ERROR(f().status())` does not bind a reference into a destroyed Result.
-  const Status& status() const& noexcept { return status_; }
+  const Status& status() const& noexcept {
+    status_.mark_checked();
+    return status_;
+  }
   Status status() && noexcept { return std::move(status_); }
 
   // Precondition: ok(). Calling these on an error is a caller bug.
-  T& value() & noexcept { return value_; }
-  const T& value() const& noexcept { return value_; }
-  T&& value() && noexcept { return std::move(value_); }
-  T& operator*() & noexcept { return value_; }
-  const T& operator*() const& noexcept { return value_; }
-  T&& operator*() && noexcept { return std::move(value_); }
-  T* operator->() noexcept { return &value_; }
-  const T* operator->() const noexcept { return &value_; }
+  T& value() & noexcept {
+    status_.mark_checked();
+    return value_;
+  }
+  const T& value() const& noexcept {
+    status_.mark_checked();
+    return value_;
+  }
+  T&& value() && noexcept {
+    status_.mark_checked();
+    return std::move(value_);
+  }
+  T& operator*() & noexcept { return value(); }
+  const T& operator*() const& noexcept { return value(); }
+  T&& operator*() && noexcept { return std::move(*this).value(); }
+  T* operator->() noexcept { return &value(); }
+  const T* operator->() const noexcept { return &value(); }
 
   template <typename U>
   T value_or(U&& fallback) const& {
+    status_.mark_checked();
     return has_value_ ? value_ : static_cast<T>(std::forward<U>(fallback));
   }
+
+  // Explicitly discards the outcome (greppable). Say why at the call site.
+  void ignore_error() const noexcept { status_.mark_checked(); }
 
  private:
   void reset() noexcept {
@@ -195,10 +300,13 @@ const Status& status_of(const Result<T>& r) noexcept {
       return ::kvtier::detail::status_of(kvtier_status_or_result_);  \
   } while (0)
 
-// `lhs = value of expr` or returns its status. lhs may be a declaration: `auto x`.
+// `lhs = value of expr` or returns its status. lhs may be a declaration: `auto x`, so it cannot be
+// parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define KVTIER_ASSIGN_OR_RETURN(lhs, expr) \
   KVTIER_ASSIGN_OR_RETURN_IMPL_(KVTIER_CONCAT_(kvtier_result_, __LINE__), lhs, expr)
 #define KVTIER_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                  \
   if (!tmp.ok()) return tmp.status();                 \
   lhs = std::move(tmp).value()
+// NOLINTEND(bugprone-macro-parentheses)
