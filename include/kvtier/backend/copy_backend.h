@@ -23,8 +23,7 @@ class CopyBackend {
   virtual ~CopyBackend() = default;
   // An engine over `device`, which must be a device of this backend (InvalidArgument naming it otherwise).
   // `options` were checked by CopyEngine::create.
-  virtual Result<std::unique_ptr<CopyEngine>> create_engine(Device& device,
-                                                            const CopyEngineOptions& options) const = 0;
+  virtual Result<std::unique_ptr<CopyEngine>> create_engine(Device& device, const CopyEngineOptions& options) const = 0;
 };
 
 }  // namespace kvtier
