@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs clang-tidy 14 with the checks of .clang-tidy over kvtier's own C++ sources: the libraries, the CLI
-# (tools/) and the Python bindings (python/src/); not the tests, not third-party code, not build outputs.
+# Runs clang-tidy 14 with the checks of .clang-tidy over kvtier's own C++ sources: the libraries and backends,
+# the test doubles and the simulator (testing/, sim/) and the Python bindings (python/src/); not the tests, not
+# the CLI (tools/: a program of its own; its unity files cost CI a minute, `KVTIER_TIDY_TOOLS=1` adds them), not
+# third-party code, not build outputs.
 # Fails on any finding (.clang-tidy: WarningsAsErrors). Cheap by reuse: the translation units and flags
 # come from the compile database of a build tree CI configures anyway (default build/asan: its unity
 # files, a few large translation units that include the sources, so the standard library and fmt are
@@ -49,7 +51,9 @@ python3 - "$root" "$build" "$db" "$py_includes" <<'PY'
 import json, os, re, shlex, sys
 root, build, out, py_includes = sys.argv[1:5]
 entries = json.load(open(os.path.join(build, "compile_commands.json")))
-folders = "core|metrics|device|copy|transfer|storage|transport|cache|pd|tools"
+folders = "core|metrics|device|copy|backends|transfer|storage|transport|cache|pd|testing|sim"
+if os.environ.get("KVTIER_TIDY_TOOLS") == "1":
+    folders += "|tools"
 tree = os.path.realpath(build)
 mine = re.compile(r"^%s/(%s)/CMakeFiles/[^/]+/Unity/unity_\d+_cxx\.cxx$|^%s/(%s)/.*\.cc$" %
                   (re.escape(tree), folders, re.escape(root), folders))
@@ -86,7 +90,7 @@ PY
 mapfile -t files < <(python3 -c "import json,sys; [print(e['file']) for e in json.load(open(sys.argv[1]))]" "$db/compile_commands.json" |
   grep -E -- "${only:-.}")
 # Findings in kvtier's own headers and sources only (a unity file's includes are the sources it stands for).
-filter="^$root/(include|core|metrics|device|copy|transfer|storage|transport|cache|pd|tools|python/src)/"
+filter="^$root/(include|core|metrics|device|copy|backends|transfer|storage|transport|cache|pd|testing|sim|tools|python/src)/"
 log=$db/tidy.log
 printf '%s\n' "${files[@]}" | xargs -P "$jobs" -I{} "$tidy" -p "$db" --quiet --header-filter="$filter" {} >"$log" 2>&1 ||
   status=$?

@@ -5,7 +5,7 @@
 # scratch directory). Fails when any harness crashes, hangs past the per-input timeout, leaks or
 # runs out of memory; the input that did it is kept under $KVTIER_FUZZ_OUT.
 # Usage: scripts/run-fuzzers.sh [harness ...]      (default: every harness)
-#   KVTIER_FUZZ_SECONDS   time per harness (default 20)
+#   KVTIER_FUZZ_SECONDS   time per harness (default 12)
 #   KVTIER_FUZZ_TIMEOUT   seconds one input may take (default 10)
 #   KVTIER_FUZZ_RSS_MB    memory limit of a harness (default 2048)
 #   KVTIER_FUZZ_OUT       scratch corpora and crash inputs (default: a temporary directory)
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 harnesses=("$@")
 [ ${#harnesses[@]} -gt 0 ] || harnesses=(fuzz_disk_object fuzz_redis_value fuzz_trace fuzz_config)
-seconds=${KVTIER_FUZZ_SECONDS:-20}
+seconds=${KVTIER_FUZZ_SECONDS:-12}
 timeout_s=${KVTIER_FUZZ_TIMEOUT:-10}
 rss_mb=${KVTIER_FUZZ_RSS_MB:-2048}
 out=${KVTIER_FUZZ_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvtier-fuzz.XXXXXX")}

@@ -320,7 +320,7 @@ TEST_P(CachePropertyReclaimable, IncrementalCountEqualsFullRecountAfterEveryCall
     }
   };
 
-  for (int step = 0; step < 1500; ++step) {
+  for (int step = 0; step < 700; ++step) {
     const int op = static_cast<int>(rng() % 16);
     std::string what = fmt::format("op {}", op);
     if (op < 4) {  // admit, sometimes with extra blocks or a hit limit
