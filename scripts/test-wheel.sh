@@ -5,45 +5,73 @@
 # extension and the CLI load must come from the wheel itself or from the C library that every
 # manylinux system has, not from the -dev packages this machine has installed.
 # Usage: scripts/test-wheel.sh <kvtier-*.whl> [pytest args...]
+#        scripts/test-wheel.sh --prepare-env
+#   --prepare-env  only makes the environment with everything but kvtier (pytest, SGLang, vLLM, torch: mostly
+#                  downloads, so CI does it while it builds); the next run with a wheel then uses that
+#                  environment once, installs the wheel into it and makes it anew afterwards
 #   PYTHON   interpreter of the environment (default python3; its version must match the wheel's tag)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-wheel=${1:?usage: scripts/test-wheel.sh <kvtier-*.whl> [pytest args...]}
-shift
-[ -f "$wheel" ] || { echo "test-wheel: no wheel at '$wheel'" >&2; exit 2; }
 py=${PYTHON:-python3}
 env=build/wheel-test-venv
-rm -rf "$env"
-"$py" -m venv "$env"
-"$env/bin/python" -m pip install -q --upgrade pip
-"$env/bin/python" -m pip install -q "$wheel" pytest prometheus-client pyzmq
-# SGLang's HiCache storage interface for kvtier.sglang's tests against the real classes: the package
-# alone (--no-deps: about 40 MB, 220 MB installed, under 10 s; its storage module needs none of its
-# dependencies, see python/tests/sglang_real.py). Where it cannot be installed those tests skip.
-"$env/bin/python" -m pip install -q --no-deps "sglang==0.5.23" ||
-  echo "test-wheel: sglang 0.5.23 not installable here; kvtier.sglang's tests against it skip" >&2
-# vLLM's native offloading interface for kvtier.vllm's tests (python/tests/test_vllm.py), pinned: vLLM alone
-# (--no-deps; vllm.v1.kv_offload needs only numpy, packaging and msgspec of its dependencies, and vLLM's logger
-# psutil, urllib3, regex, pydantic and pyzmq when it logs once per rank) and torch (its pure-Python dependencies:
-# typing_extensions, filelock, sympy, networkx, jinja2, fsspec), whose
-# PyPI wheel is a CUDA build: of its CUDA libraries only those the machine's CUDA toolkit lacks (NCCL, cuSPARSELt,
-# NVSHMEM, cuFile) come from PyPI; where torch still does not import, torch's full dependency set is installed.
-# About 1.2 GB downloaded, 2.3 GB installed, 80-85 s on a 2-core machine (docs/engines.md). Where none of it can
-# be installed those tests skip.
-vllm_start=$SECONDS
-if "$env/bin/python" -m pip install -q --no-deps "vllm==0.34.0" "torch==2.14.0" "nvidia-nccl-cu13==2.30.7" \
-    "nvidia-cusparselt-cu13==0.8.1" "nvidia-nvshmem-cu13==3.4.5" "nvidia-cufile==1.15.1.6.*" &&
-  "$env/bin/python" -m pip install -q numpy packaging msgspec typing_extensions filelock psutil urllib3 regex \
-    pydantic sympy networkx jinja2 fsspec; then
-  if ! why=$(env_python="$PWD/$env/bin/python" && cd / && "$env_python" -c "import torch, vllm.v1.kv_offload.base" 2>&1); then
-    echo "test-wheel: torch does not import with the machine's CUDA libraries ($(tail -n 1 <<<"$why")); installing its dependencies" >&2
-    "$env/bin/python" -m pip install -q "torch==2.14.0" ||
-      echo "test-wheel: torch 2.14.0 not installable here; kvtier.vllm's tests skip" >&2
-  fi
+prepared=$env/.prepared-without-kvtier
+prepare_only=0
+if [ "${1:-}" = --prepare-env ]; then
+  prepare_only=1
 else
-  echo "test-wheel: vllm 0.34.0 / torch 2.14.0 not installable here; kvtier.vllm's tests skip" >&2
+  wheel=${1:?usage: scripts/test-wheel.sh <kvtier-*.whl> [pytest args...] | --prepare-env}
+  shift
+  [ -f "$wheel" ] || { echo "test-wheel: no wheel at '$wheel'" >&2; exit 2; }
 fi
-echo "test-wheel: vLLM's offloading interface installed in $((SECONDS - vllm_start)) s"
+
+# The third-party part of the environment: everything the tests use but kvtier itself.
+prepare_env() {
+  rm -rf "$env"
+  "$py" -m venv "$env"
+  "$env/bin/python" -m pip install -q --upgrade pip
+  "$env/bin/python" -m pip install -q pytest prometheus-client pyzmq numpy
+  # SGLang's HiCache storage interface for kvtier.sglang's tests against the real classes: the package
+  # alone (--no-deps: about 40 MB, 220 MB installed, under 10 s; its storage module needs none of its
+  # dependencies, see python/tests/sglang_real.py). Where it cannot be installed those tests skip.
+  "$env/bin/python" -m pip install -q --no-deps "sglang==0.5.23" ||
+    echo "test-wheel: sglang 0.5.23 not installable here; kvtier.sglang's tests against it skip" >&2
+  # vLLM's native offloading interface for kvtier.vllm's tests (python/tests/test_vllm.py), pinned: vLLM alone
+  # (--no-deps; vllm.v1.kv_offload needs only numpy, packaging and msgspec of its dependencies, and vLLM's logger
+  # psutil, urllib3, regex, pydantic and pyzmq when it logs once per rank) and torch (its pure-Python dependencies:
+  # typing_extensions, filelock, sympy, networkx, jinja2, fsspec), whose
+  # PyPI wheel is a CUDA build: of its CUDA libraries only those the machine's CUDA toolkit lacks (NCCL, cuSPARSELt,
+  # NVSHMEM, cuFile) come from PyPI; where torch still does not import, torch's full dependency set is installed.
+  # About 1.2 GB downloaded, 2.3 GB installed, 80-85 s on a 2-core machine (docs/engines.md). Where none of it can
+  # be installed those tests skip.
+  vllm_start=$SECONDS
+  if "$env/bin/python" -m pip install -q --no-deps "vllm==0.34.0" "torch==2.14.0" "nvidia-nccl-cu13==2.30.7" \
+      "nvidia-cusparselt-cu13==0.8.1" "nvidia-nvshmem-cu13==3.4.5" "nvidia-cufile==1.15.1.6.*" &&
+    "$env/bin/python" -m pip install -q numpy packaging msgspec typing_extensions filelock psutil urllib3 regex \
+      pydantic sympy networkx jinja2 fsspec; then
+    if ! why=$(env_python="$PWD/$env/bin/python" && cd / && "$env_python" -c "import torch, vllm.v1.kv_offload.base" 2>&1); then
+      echo "test-wheel: torch does not import with the machine's CUDA libraries ($(tail -n 1 <<<"$why")); installing its dependencies" >&2
+      "$env/bin/python" -m pip install -q "torch==2.14.0" ||
+        echo "test-wheel: torch 2.14.0 not installable here; kvtier.vllm's tests skip" >&2
+    fi
+  else
+    echo "test-wheel: vllm 0.34.0 / torch 2.14.0 not installable here; kvtier.vllm's tests skip" >&2
+  fi
+  echo "test-wheel: vLLM's offloading interface installed in $((SECONDS - vllm_start)) s"
+}
+
+if [ $prepare_only = 1 ]; then
+  prepare_env
+  echo "$py" >"$prepared"
+  exit 0
+fi
+# A prepared environment is used once: the marker goes, so that the next run starts from a fresh one.
+if [ -f "$prepared" ] && [ "$(cat "$prepared")" = "$py" ]; then
+  rm -f "$prepared"
+  echo "test-wheel: using the environment prepared in $env"
+else
+  prepare_env
+fi
+"$env/bin/python" -m pip install -q "$wheel"
 
 # The package must be the installed one, and its native code must resolve to the wheel's libraries.
 # Run from outside the checkout so that no source folder can shadow site-packages.

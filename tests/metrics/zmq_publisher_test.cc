@@ -8,8 +8,9 @@
 #include <vector>
 
 #include "metrics/zmq_loader.h"
+#include "sanitizers.h"
 
-#if defined(__SANITIZE_THREAD__)
+#if defined(KVTIER_TEST_TSAN)
 // libzmq is not instrumented: ThreadSanitizer sees its threads' malloc/memcpy but not the lock-free
 // queues that order them, and reports races inside it.
 extern "C" const char* __tsan_default_suppressions() { return "called_from_lib:libzmq.so.5\n"; }
