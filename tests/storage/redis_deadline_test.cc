@@ -15,8 +15,8 @@
 
 #include "kvtier/storage/redis_backend.h"
 #include "kvtier/storage/storage_config.h"
-#include "storage/redis_server.h"
 #include "sanitizers.h"
+#include "storage/redis_server.h"
 #include "storage/storage_test_util.h"
 
 namespace kvtier::storage {
