@@ -9,7 +9,7 @@ PKGS=(build-essential cmake ninja-build pkg-config
       liburing-dev libhiredis-dev libxxhash-dev libnuma-dev libsodium-dev
       libucx-dev ucx-utils
       libzmq3-dev
-      clang-14 libclang-rt-14-dev clang-format-14 clang-tidy-14
+      clang-14 libclang-rt-14-dev clang-format-14 clang-tidy-14 lld-14
       redis-server redis-tools
       python3 python3-venv python3-dev)
 missing=()
