@@ -223,7 +223,7 @@ class PinnedRegion final : public PinnedMemory {
   std::mutex mu_;
   std::condition_variable done_cv_;
   bool done_ = false;  // guarded by mu_
-  Status result_;      // guarded by mu_
+  KeptStatus result_;  // guarded by mu_
   std::thread thread_;
 };
 

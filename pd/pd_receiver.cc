@@ -58,7 +58,7 @@ struct Entry {
   bool reclaimable = false;  // no byte can land any more: released on the data plane, endpoint forgot it
   bool timed_out = false;
   DecodeStatus final_status;
-  Status error;
+  KeptStatus error;
   // Scheduler thread.
   bool completed = false;         // complete_receive called (or refused)
   bool cache_quarantine = false;  // the CacheManager holds quarantined blocks of it until acked

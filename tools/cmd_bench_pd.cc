@@ -705,7 +705,7 @@ Status check_host_bytes(const BlockSpace& space, std::uint64_t n, std::byte fill
 Status finish_decode(const Result<transport::DecodeStatus>& st, std::size_t blocks,
                      const std::function<Status()>& forget) {
   if (!st.ok()) return st.status();
-  if (st->leading_loaded_blocks() != blocks) return st->error.ok() ? DataLoss("blocks not loaded") : st->error;
+  if (st->leading_loaded_blocks() != blocks) return st->error.ok() ? DataLoss("blocks not loaded") : Status(st->error);
   return forget();
 }
 

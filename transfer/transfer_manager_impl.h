@@ -46,7 +46,7 @@ struct TaskRec {
   // Evicts and loads: the copy over the lists above, checked once at submission; each layer is posted from it.
   PreparedCopy copy;
   std::vector<LayerState> slot_state;
-  std::vector<Status> slot_status;
+  std::vector<KeptStatus> slot_status;
   std::vector<EventLease> slot_event;
   std::vector<Clock::time_point> slot_done_at;
   // Origins (not yet known good) of the bytes the pairs read: (pair, origin).
@@ -63,7 +63,7 @@ struct TaskRec {
   std::vector<bool> slot_visible;
   bool visible = false;
   TaskState state = TaskState::kPending;
-  Status status;
+  KeptStatus status;
   FailedBlocks failed;
   std::uint64_t bytes = 0;
   Clock::time_point submitted;
@@ -81,7 +81,7 @@ struct TaskRec {
     kind = task_kind;
     slot_state.assign(n, TaskState::kPending);
     slot_visible.assign(n, false);
-    slot_status.assign(n, Status::Ok());
+    slot_status.assign(n, KeptStatus());
     slot_event = std::move(events);
     slot_done_at.assign(n, Clock::time_point{});
     bytes = payload;
@@ -96,7 +96,7 @@ struct PendingEntry {
   std::shared_ptr<TaskRec> task;
   std::size_t slot = 0;
   EventLease event;  // null: the slot failed at enqueue; `preset` holds why
-  Status preset;
+  KeptStatus preset;
 };
 
 // The registry series of an attached manager (transfer_metrics.cc). Counters

@@ -887,7 +887,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     Beats beats;
     bool final = false, done = false;
     bool quiet_sent = false;  // 'Q' went out (or could not: the peer is gone)
-    Status error;
+    KeptStatus error;
     std::unique_ptr<LaneBuffers> lane;  // device and ring lanes
     PeerRing* ring = nullptr;           // ring lane
     std::vector<Piece> pieces;          // ring lane: [layer * pieces_per_layer + piece]
@@ -1442,7 +1442,7 @@ class Decode final : public PdDecode, public Endpoint {
     bool any_failure = false;
     bool prefill_quiet = false;  // 'Q': no write of the prefill side can still land
     bool request_sent = false;   // 'R' was handed to the transport: the prefill may know the destinations
-    Status error;
+    KeptStatus error;
     // Device lane: buffers, and per layer the checksums announced by the prefill and whether the layer's
     // kernel (verification pass in push, read in pull) is still running.
     std::unique_ptr<LaneBuffers> lane;

@@ -386,13 +386,13 @@ class StagedDecode final : public PdStagedDecode {
     LayerState state = LayerState::kPending;  // final state in device memory
     bool enqueued = false;                    // the staging -> device copy is on the stream
     std::unique_ptr<Event> event;             // recorded behind that copy
-    Status error;
+    KeptStatus error;
   };
   struct X {
     std::vector<std::int32_t> dst;
     std::vector<std::uint64_t> staging;
     std::vector<L> layers;
-    Status copy_error;
+    KeptStatus copy_error;
   };
 
   Result<L*> find_layer(TransferId id, std::uint32_t layer) {

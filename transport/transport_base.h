@@ -152,7 +152,7 @@ class TransportBase : public Transport {
   struct PeerRec {
     PeerInfo info;
     std::vector<Blob::Region> regions;
-    Status failed;
+    KeptStatus failed;
     bool disconnected = false;
     bool revoked = false;  // backend_disconnect's answer
   };

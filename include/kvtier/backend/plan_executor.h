@@ -27,7 +27,7 @@ std::string_view move_kind_name(MoveKind kind) noexcept;
 struct Completion {
   MoveKind kind = MoveKind::kLoad;
   std::vector<BlockId> dst;  // destination block ids (the ack key of each move)
-  Status status;
+  KeptStatus status;
 };
 
 class PlanExecutor {

@@ -88,7 +88,7 @@ struct StorageBatch {
 };
 
 struct ItemResult {
-  Status status = Cancelled("not completed");
+  KeptStatus status = Cancelled("not completed");
   std::uint64_t bytes = 0;  // payload bytes of the object (exists/get), bytes stored (put)
 };
 

@@ -130,7 +130,7 @@ struct Notification {
 struct XferStatus {
   XferState state = XferState::kInProgress;
   bool quiescent = false;  // see the quiescence rule
-  Status error;            // why it failed (OK otherwise)
+  KeptStatus error;        // why it failed (OK otherwise)
 };
 
 class Transport {

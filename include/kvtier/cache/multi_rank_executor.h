@@ -98,7 +98,7 @@ class MultiRankPlanExecutor final : public PlanExecutor {
   struct Entry {
     std::vector<bool> reported;  // per rank
     std::uint32_t count = 0;
-    Status status;  // first failure
+    KeptStatus status;  // first failure
     Clock::time_point deadline;
     std::uint64_t seq = 0;  // submission order, for deterministic timeout reports
   };

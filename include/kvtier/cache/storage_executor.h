@@ -54,7 +54,7 @@ class StoragePlanExecutor final : public PlanExecutor {
     MoveKind kind;
     std::vector<BlockId> dst;
     storage::StorageTierOp op;
-    Status post_error;  // set when the batch never reached the backend
+    KeptStatus post_error;  // set when the batch never reached the backend
   };
   void submit(MoveKind kind, const std::vector<BlockMove>& moves);
 

@@ -16,7 +16,8 @@
 // status(), value(), *, -> and value_or(). Copying or moving hands the duty on: the copy (or the
 // moved-to object) must be looked at, the source no longer. Assigning over a Status is not checked:
 // a variable that keeps the latest failure of a retry loop is the common, intended case; the value
-// it ends with must be looked at. This is the one deliberate abort of the library, and only in that
+// it ends with must be looked at. A record that keeps an outcome for callers who may never ask holds it as a
+// KeptStatus (below), which is let go unread. This is the one deliberate abort of the library, and only in that
 // debug mode; built without it (the default) Status and Result carry no flag and the checks compile
 // to nothing.
 #pragma once
@@ -149,6 +150,24 @@ class [[nodiscard]] Status {
 #if KVTIER_STATUS_CHECKED
   mutable bool checked_ = false;
 #endif
+};
+
+// A Status a record keeps for callers who may or may not ask for it: a batch item's outcome, a transfer's first
+// failure. Holding an error there is the record's job, so in checked mode a KeptStatus destroyed unread does not
+// abort; what is read or copied out of it is an ordinary Status again, with the duty to look at it.
+class [[nodiscard]] KeptStatus : public Status {
+ public:
+  KeptStatus() noexcept = default;
+  KeptStatus(Status status) : Status(std::move(status)) {}  // NOLINT: records are assigned from results
+  KeptStatus(const KeptStatus&) = default;
+  KeptStatus(KeptStatus&&) noexcept = default;
+  KeptStatus& operator=(const KeptStatus&) = default;
+  KeptStatus& operator=(KeptStatus&&) noexcept = default;
+  KeptStatus& operator=(Status status) {
+    Status::operator=(std::move(status));
+    return *this;
+  }
+  ~KeptStatus() { ignore_error(); }
 };
 
 Status InvalidArgument(std::string message);

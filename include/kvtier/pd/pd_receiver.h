@@ -107,7 +107,7 @@ struct ReceiveOutcome {
   std::uint32_t receive_blocks = 0;
   std::uint32_t loaded_blocks = 0;   // leading loaded blocks given to complete_receive (joined the index if keyed)
   bool reclaimable = false;          // when it ended: false -> the others are quarantined until reclaimable
-  Status error;                      // the transfer's first failure (OK when every block loaded)
+  KeptStatus error;                  // the transfer's first failure (OK when every block loaded)
   transport::DecodeStatus transfer;  // the endpoint's final status (empty after a receive_timeout)
 };
 

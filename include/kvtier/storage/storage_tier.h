@@ -94,7 +94,7 @@ class StorageTierOp {
   bool staged_ = false;
   bool finished_ = false;
   std::chrono::steady_clock::time_point posted_;
-  std::vector<Status> statuses_;
+  std::vector<KeptStatus> statuses_;
 };
 
 class StorageTier {

@@ -229,7 +229,7 @@ struct FailedBlocks {
 struct TaskCompletion {
   TaskId id = 0;
   TaskKind kind = TaskKind::kEvict;
-  Status status;  // OK, or the first failure
+  KeptStatus status;  // OK, or the first failure
   FailedBlocks failed;
   std::uint64_t bytes = 0;
 };
@@ -237,7 +237,7 @@ struct TaskCompletion {
 struct TaskInfo {
   TaskKind kind = TaskKind::kEvict;
   TaskState state = TaskState::kPending;
-  Status status;
+  KeptStatus status;
   std::vector<std::uint32_t> layers;     // loads: in submission order
   std::vector<LayerState> layer_states;  // parallel to layers
   std::uint64_t bytes = 0;

@@ -157,7 +157,7 @@ struct PrefillStatus {
   bool done = false;         // the decode side confirmed every layer
   bool reclaimable = false;  // source blocks may be reused
   std::uint32_t layers_sent = 0;
-  Status error;
+  KeptStatus error;
 };
 
 class PdPrefill {
@@ -193,7 +193,7 @@ struct DecodeStatus {
   // Per (layer, position): that block's layer verified, [layer * positions + position]; what a partial layer
   // loaded before the transfer is final. Empty where an endpoint does not know it.
   std::vector<std::uint8_t> layer_block_loaded;
-  Status error;  // first failure seen (OK when every block loaded)
+  KeptStatus error;  // first failure seen (OK when every block loaded)
   bool layer_block_is_loaded(std::uint32_t layer, std::size_t position) const {
     const std::size_t n = block_loaded.size(), at = std::size_t{layer} * n + position;
     return position < n && at < layer_block_loaded.size() && layer_block_loaded[at] != 0;
