@@ -25,6 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       KVTIER_FUZZ_CHECK((*some)[i].timestamp_ms == (*all)[i].timestamp_ms);
       KVTIER_FUZZ_CHECK((*some)[i].hash_ids == (*all)[i].hash_ids);
     }
+  } else {
+    some.status().ignore_error();  // a limited read may stop before the line that fails the whole trace
   }
   return 0;
 }

@@ -283,7 +283,7 @@ class ShapeBench {
                fmt::format("  ceiling   h2d {:7.1f} GB/s  d2h {:7.1f} GB/s  both {:7.1f} GB/s", c_h2d, c_d2h, c_both));
     }
     // Copy alone.
-    (void)time_load(false, 0);  // warm-up (descriptor rings, events)
+    KVTIER_RETURN_IF_ERROR(time_load(false, 0).status());  // warm-up (descriptor rings, events)
     std::vector<double> tc;
     // CPU of every thread (submission, progress polling, the caller's waits)
     // over the reps: what a layer-wise load costs the host per GB moved.
@@ -349,7 +349,7 @@ class ShapeBench {
                            t_ov, bound, std::max(0.0, t_ov - t_comp), t_ov <= bound ? "PASS" : "FAIL"));
     }
     // Duplex.
-    (void)duplex(1, nullptr);
+    KVTIER_RETURN_IF_ERROR(duplex(1, nullptr).status());  // warm-up
     {
       auto t0 = Clock::now();
       KVTIER_ASSIGN_OR_RETURN(std::uint64_t bytes, duplex(a_.reps, nullptr));
@@ -367,7 +367,7 @@ class ShapeBench {
       KVTIER_RETURN_IF_ERROR(sync(*compute_));
       return ms_since(t0);
     };
-    (void)gemm_loop();
+    KVTIER_RETURN_IF_ERROR(gemm_loop().status());  // warm-up
     std::vector<double> g0;
     for (int i = 0; i < 3; ++i) {
       KVTIER_ASSIGN_OR_RETURN(double ms, gemm_loop());

@@ -257,6 +257,7 @@ void TransferManagerImpl::release_external_locked(TaskId id) {
 }
 
 Status TransferManagerImpl::end_external_write(TaskId id, const Status& status, bool quiescent) {
+  status.ignore_error();  // handed over: recorded below, or the call is refused and says why
   std::lock_guard<std::mutex> submit(submit_mu_);
   auto it = externals_.find(id);
   if (it == externals_.end())

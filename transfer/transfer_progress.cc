@@ -61,7 +61,8 @@ void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& t
     if (t.on_layer) {
       auto cb = t.on_layer;
       std::uint32_t layer = t.layers[slot];
-      fire.push_back([cb, layer, st] { cb(layer, st); });
+      // A notification: the outcome stays in the task's record, so a callback that ignores it loses nothing.
+      fire.push_back([cb, layer, kept = KeptStatus(st)] { cb(layer, kept); });
     }
   }
   if (t.slots_final == t.num_slots()) finalize_task_locked(tp, fire);
@@ -139,7 +140,8 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
   if (t.on_done) {
     auto cb = t.on_done;
     TaskId id = t.id;
-    fire.push_back([cb, id, first] { cb(id, first); });
+    // A notification, as the layer's: the outcome stays in completions_ and the task's record.
+    fire.push_back([cb, id, kept = KeptStatus(first)] { cb(id, kept); });
   }
 }
 

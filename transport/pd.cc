@@ -979,7 +979,10 @@ class Prefill final : public PdPrefill, public Endpoint {
   }
 
   void fail(X& x, TransferId id, Status why) {
-    if (x.final) return;
+    if (x.final) {
+      why.ignore_error();  // the transfer already ended with its first error, which is what the caller sees
+      return;
+    }
     x.final = true;
     x.error = std::move(why);
     log(LogLevel::kWarning, "transport", fmt::format("pd prefill transfer {}: {}", id, x.error.to_string()));

@@ -570,9 +570,12 @@ Result<std::vector<Notification>> TransportBase::wait_notifications(std::chrono:
 void TransportBase::finish_xfer(XferId id, Status status) {
   std::lock_guard lock(mu_);
   auto it = xfers_.find(id);
-  if (it == xfers_.end()) return;
-  XferStatus& st = it->second.status;
-  if (st.state != XferState::kInProgress) return;  // aborted meanwhile: stays failed
+  XferStatus* st_or_null = it == xfers_.end() ? nullptr : &it->second.status;
+  if (st_or_null == nullptr || st_or_null->state != XferState::kInProgress) {
+    status.ignore_error();  // released, or aborted meanwhile: the transfer keeps the outcome it already has
+    return;
+  }
+  XferStatus& st = *st_or_null;
   st.state = status.ok() ? XferState::kDone : XferState::kFailed;
   st.error = std::move(status);
   cv_.notify_all();

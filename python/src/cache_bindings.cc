@@ -296,7 +296,7 @@ Borrowed borrow_buffer(nb::handle h, bool writable, std::size_t index, std::vect
 Result<std::vector<storage::ItemResult>> run_to_completion(storage::StorageBackend& backend,
                                                            storage::StorageBatch batch) {
   KVTIER_ASSIGN_OR_RETURN(storage::StorageTicket ticket, backend.post(std::move(batch)));
-  while (!ticket.poll()) (void)ticket.wait(std::chrono::milliseconds(1000));
+  while (!ticket.poll()) ticket.wait(std::chrono::milliseconds(1000)).ignore_error();  // a timeout: poll again
   return ticket.results();
 }
 

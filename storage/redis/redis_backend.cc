@@ -175,7 +175,7 @@ class RedisBackend final : public StorageBackend {
     // All of it within create_deadline: without it a stopped or hung server cost
     // (max_retries + 1) x command_timeout per seed endpoint (25.6 s for one by default).
     const Clock::time_point deadline = Clock::now() + config_.create_deadline;
-    Status last = Unavailable("no endpoint tried");
+    KeptStatus last = Unavailable("no endpoint tried");  // the latest endpoint's failure, reported only if none works
     std::string node;
     auto backoff = config_.backoff_initial;
     for (std::uint32_t attempt = 0; attempt <= config_.max_retries && node.empty() && Clock::now() < deadline;
@@ -230,7 +230,6 @@ class RedisBackend final : public StorageBackend {
     if (node.empty())
       return last.with_context(
           fmt::format("redis backend: no endpoint usable after {} rounds", config_.max_retries + 1));
-    last.ignore_error();  // a usable endpoint: the earlier endpoints' failures no longer matter
     single_node_ = node;
     for (std::uint32_t i = 0; i < config_.workers; ++i) workers_.emplace_back([this] { worker(); });
     return Status::Ok();

@@ -313,6 +313,8 @@ TEST(TransferManagerFailure, LoadOfFailedEvictionIsFailedEvenWhenSubmittedBefore
   rig.quiesce_and_verify();
   Gate gate;
   ASSERT_TRUE(gate.block(*dev, rig.compute()).ok());
+  // Counted from the operations started so far: under load the gate's own task could otherwise be the first.
+  ASSERT_TRUE(gate.wait_entered());
   dev->fail_nth_operation(1);  // the eviction's first copy
   auto ev = rig.evict(ids({0}), ids({3}));
   ASSERT_TRUE(ev.ok());

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -40,12 +41,21 @@ struct Gate {
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;
+  bool entered = false;
   Status block(HostDevice& dev, Stream& s) {
     return dev.enqueue_task(s, [this]() -> Status {
       std::unique_lock<std::mutex> lock(mu);
+      entered = true;
+      cv.notify_all();
       cv.wait(lock, [this] { return open; });
       return Status::Ok();
     });
+  }
+  // Until the gate's task runs on its stream: only then is it no longer an operation yet to start (what
+  // HostDevice::fail_nth_operation counts). False at the deadline.
+  bool wait_entered(std::chrono::seconds deadline = std::chrono::seconds(10)) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, deadline, [this] { return entered; });
   }
   void release() {
     {
