@@ -38,8 +38,8 @@ Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
   if (todo.empty()) return Status::Ok();
   // The blocks may still be read by an earlier eviction of their previous
   // contents: the compute stream waits (on the device) until they are free.
-  std::vector<std::int32_t> blocks;
-  for (const BlockMove* m : todo) blocks.push_back(static_cast<std::int32_t>(m->src));
+  std::vector<BlockId> blocks;
+  for (const BlockMove* m : todo) blocks.push_back(m->src);
   KVTIER_RETURN_IF_ERROR(manager_.wait_device_blocks_free(blocks, compute_));
   // One staging image per block; kept until the compute stream passed the copies.
   staging_.resize(todo.size() * block_bytes);
@@ -63,12 +63,12 @@ Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
 Status TransferPlanExecutor::submit_d2h(MoveKind kind, const std::vector<BlockMove>& moves) {
   if (moves.empty()) return Status::Ok();
   if (options_.model_prefill) KVTIER_RETURN_IF_ERROR(prefill(moves));
-  std::vector<std::int32_t> dev, host;
+  std::vector<BlockId> dev, host;
   Pending p;
   p.kind = kind;
   for (const BlockMove& m : moves) {
-    dev.push_back(static_cast<std::int32_t>(m.src));
-    host.push_back(static_cast<std::int32_t>(m.dst));
+    dev.push_back(m.src);
+    host.push_back(m.dst);
     p.ack.push_back(m.dst);
     p.device.push_back(m.src);
     p.keys.push_back(m.key);
@@ -88,12 +88,12 @@ Status TransferPlanExecutor::execute(const StepPlan& plan) {
   KVTIER_RETURN_IF_ERROR(submit_d2h(MoveKind::kEviction, plan.evictions));
   KVTIER_RETURN_IF_ERROR(submit_d2h(MoveKind::kBackup, plan.backups));
   if (!plan.loads.empty()) {
-    std::vector<std::int32_t> dev, host;
+    std::vector<BlockId> dev, host;
     Pending p;
     p.kind = MoveKind::kLoad;
     for (const BlockMove& m : plan.loads) {
-      host.push_back(static_cast<std::int32_t>(m.src));
-      dev.push_back(static_cast<std::int32_t>(m.dst));
+      host.push_back(m.src);
+      dev.push_back(m.dst);
       p.ack.push_back(m.dst);
       p.device.push_back(m.dst);
       p.keys.push_back(m.key);

@@ -89,7 +89,7 @@ bool EngineBase::staged_preferred(const CopyRequest& r, const PlanSummary& s, Pl
   // leave it to the duplex and kernel rules.
   if (s.full_duplex_hint || in_flight(h2d ? CopyDirection::kDeviceToHost : CopyDirection::kHostToDevice, nullptr))
     return false;
-  const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
+  const std::span<const BlockId> host_ids = h2d ? r.src_blocks : r.dst_blocks;
   const std::uint64_t ranges = estimate_host_ranges(sc.planes, host_ids, h2d);
   if (ranges == 0 || s.bytes / ranges < options_.staged_min_host_run_bytes) return false;
   if (!plan_staged_chunks(sc.planes, host_ids, h2d, options_.staged_slot_bytes, options_.max_pairs_per_call, sc.staged)

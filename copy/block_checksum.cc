@@ -6,7 +6,7 @@
 
 namespace kvtier {
 
-std::uint64_t block_checksum(const BlockSpace& space, std::uint64_t block, std::span<const std::uint32_t> layers,
+std::uint64_t block_checksum(const BlockSpace& space, BlockId block, std::span<const std::uint32_t> layers,
                              RoleMask roles) {
   const KvLayout& layout = space.layout();
   std::uint64_t sum = 0;

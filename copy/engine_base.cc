@@ -368,7 +368,7 @@ Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) 
   return report;
 }
 
-Result<CopyReport> EngineBase::checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
+Result<CopyReport> EngineBase::checksum(const BlockSpace& space, std::span<const BlockId> blocks,
                                         std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
                                         Stream& stream) {
   if (&stream.device() != &device_)

@@ -157,7 +157,7 @@ class EngineBase : public CopyEngine {
   Result<CopyReport> copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
                           std::uint64_t* checksums) override;
   CopyStrategy choose(const CopyRequest& request) const override;
-  Result<CopyReport> checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
+  Result<CopyReport> checksum(const BlockSpace& space, std::span<const BlockId> blocks,
                               std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
                               Stream& stream) override;
   Status forget_stream(Stream& stream) override;

@@ -66,6 +66,12 @@ struct KernelPair {
   std::int32_t dst;
 };
 
+// The kernel's pair of a request's ids, which validation keeps below num_blocks, itself at most INT32_MAX
+// (BlockSpace::make): the conversion never changes a value.
+inline KernelPair kernel_pair(std::uint32_t src, std::uint32_t dst) noexcept {  // BlockId (core/layout.h)
+  return KernelPair{static_cast<std::int32_t>(src), static_cast<std::int32_t>(dst)};
+}
+
 // Descriptors passed inside the launch's kernel parameters (no upload, no
 // descriptor slot): launches of at most kInlineMaxPlanes planes and
 // kInlineMaxPairs pairs. The parameter block then stays below CUDA's 32764-byte

@@ -26,7 +26,7 @@ bool test_and_set(std::vector<std::uint64_t>& bm, std::uint32_t id) {
   return was;
 }
 bool test(const std::vector<std::uint64_t>& bm, std::uint32_t id) { return (bm[id >> 6] >> (id & 63)) & 1; }
-void clear_bits(std::vector<std::uint64_t>& bm, std::span<const std::int32_t> ids, std::size_t count) {
+void clear_bits(std::vector<std::uint64_t>& bm, std::span<const BlockId> ids, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) bm[static_cast<std::uint32_t>(ids[i]) >> 6] = 0;
 }
 
@@ -35,10 +35,10 @@ bool layer_selected(const CopyRequest& r, std::uint32_t l) {
   return std::find(r.layers.begin(), r.layers.end(), l) != r.layers.end();
 }
 
-Status check_ids(std::span<const std::int32_t> ids, std::uint64_t num_blocks, const char* side) {
+Status check_ids(std::span<const BlockId> ids, std::uint64_t num_blocks, const char* side) {
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    const std::int32_t id = ids[i];
-    if (id < 0 || static_cast<std::uint64_t>(id) >= num_blocks)
+    const BlockId id = ids[i];
+    if (static_cast<std::uint64_t>(id) >= num_blocks)
       return OutOfRange(fmt::format("{} block id {} at index {} is outside [0, {})", side, id, i, num_blocks));
   }
   return Status::Ok();
@@ -318,7 +318,7 @@ void select_planes(const CopyRequest& r, std::vector<SelectedPlane>& out) {
     for (std::uint32_t l : r.layers) add_layer(l);
 }
 
-void find_runs(std::span<const std::int32_t> src, std::span<const std::int32_t> dst, std::vector<Run>& out) {
+void find_runs(std::span<const BlockId> src, std::span<const BlockId> dst, std::vector<Run>& out) {
   out.clear();
   const std::size_t n = src.size();
   std::size_t i = 0;
@@ -420,7 +420,7 @@ void sort_planes_by_host_base(std::span<const SelectedPlane> planes, bool host_i
 
 }  // namespace
 
-std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids,
                                    bool host_is_src) {
   if (host_ids.empty() || planes.empty()) return 0;
   std::uint64_t id_runs = 1;
@@ -442,8 +442,8 @@ std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::s
   return ranges;
 }
 
-std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, std::int32_t min_id,
-                               std::int32_t max_id, StagedScratch& sc) {
+std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, BlockId min_id,
+                               BlockId max_id, StagedScratch& sc) {
   auto& iv = sc.intervals;
   iv.clear();
   for (std::uint32_t p : sc.order) {
@@ -471,7 +471,7 @@ std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_
   return at;
 }
 
-Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids,
                           bool host_is_src, std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc) {
   sort_planes_by_host_base(planes, host_is_src, sc);
   sc.chunks.clear();
@@ -487,7 +487,7 @@ Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const
     // Footprint of the chunk [i, i + k); extends the prefix min/max lazily.
     auto footprint = [&](std::size_t k) {
       while (pmin.size() < k) {
-        const std::int32_t id = host_ids[i + pmin.size()];
+        const BlockId id = host_ids[i + pmin.size()];
         pmin.push_back(pmin.empty() ? id : std::min(pmin.back(), id));
         pmax.push_back(pmax.empty() ? id : std::max(pmax.back(), id));
       }
@@ -535,7 +535,7 @@ std::uint64_t staged_offset(const StagedScratch& sc, std::uint64_t x) {
   return iv.offset + (x - iv.lo);
 }
 
-void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const std::int32_t> host_ids,
+void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const BlockId> host_ids,
                       StagedScratch& sc) {
   auto& runs = sc.runs;
   runs.clear();

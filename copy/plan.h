@@ -71,7 +71,7 @@ struct HostRun {
 struct StagedScratch {
   std::vector<std::uint32_t> order;  // selected planes sorted by host base
   std::vector<StagedChunk> chunks;
-  std::vector<std::int32_t> prefix_min, prefix_max;
+  std::vector<BlockId> prefix_min, prefix_max;
   std::vector<StagedInterval> intervals;
   std::vector<HostRun> runs;
   std::uint64_t footprint = 0;  // sum over chunks
@@ -86,20 +86,20 @@ inline constexpr std::uint64_t kStagedAlign = 64;
 // staged copy would issue, ignoring chunk boundaries): host-id runs times the
 // planes, or just the host-id runs when the selected planes tile each host
 // page (page-first, every plane selected).
-std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids,
                                    bool host_is_src);
 // Cuts the pairs into chunks (greedy, in order, each as large as fits in
 // `slot_bytes` and has at most `max_pairs` pairs); fills sc.order, sc.chunks,
 // sc.footprint. NotSupported when a single pair does not fit.
-Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const std::int32_t> host_ids,
+Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids,
                           bool host_is_src, std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc);
 // The merged host intervals (with packed offsets) of a chunk whose host ids
 // span [min_id, max_id], into sc.intervals; returns the footprint. Needs sc.order.
-std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, std::int32_t min_id,
-                               std::int32_t max_id, StagedScratch& sc);
+std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, BlockId min_id,
+                               BlockId max_id, StagedScratch& sc);
 // The merged host ranges of a chunk's (pair, plane) blocks, mapped into the
 // slot through sc.intervals (staged_intervals of the same chunk), into sc.runs.
-void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const std::int32_t> host_ids,
+void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const BlockId> host_ids,
                       StagedScratch& sc);
 // Offset of host address `x` (inside one of sc.intervals) in the slot.
 std::uint64_t staged_offset(const StagedScratch& sc, std::uint64_t x);
@@ -139,7 +139,7 @@ Status check_checksum_alignment(std::span<const SelectedPlane> planes);
 // Selected planes in (layer, role) order. Precondition: a valid request.
 void select_planes(const CopyRequest& request, std::vector<SelectedPlane>& out);
 // Runs of consecutive ids on both sides.
-void find_runs(std::span<const std::int32_t> src, std::span<const std::int32_t> dst, std::vector<Run>& out);
+void find_runs(std::span<const BlockId> src, std::span<const BlockId> dst, std::vector<Run>& out);
 PlanSummary summarize(const CopyRequest& request, std::span<const SelectedPlane> planes, std::span<const Run> runs);
 // Materialises the merged segments. Returns the smallest segment size (0 when none).
 std::uint64_t build_segments(const CopyRequest& request, std::span<const SelectedPlane> planes,

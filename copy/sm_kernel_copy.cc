@@ -95,7 +95,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
       for (std::size_t i0 = 0; i0 < n; i0 += inline_max) {
         const auto count = static_cast<std::uint32_t>(std::min<std::size_t>(inline_max, n - i0));
         pairs.resize(count);
-        for (std::uint32_t k = 0; k < count; ++k) pairs[k] = KernelPair{r.src_blocks[i0 + k], r.dst_blocks[i0 + k]};
+        for (std::uint32_t k = 0; k < count; ++k) pairs[k] = kernel_pair(r.src_blocks[i0 + k], r.dst_blocks[i0 + k]);
         if (hook_pending) {
           hook_pending = false;
           KVTIER_RETURN_IF_ERROR(after_upload());
@@ -124,7 +124,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
       std::byte* staging = slot->staging->data();
       std::memcpy(staging, kplanes.data(), plane_bytes);
       auto* pairs = reinterpret_cast<KernelPair*>(staging + plane_bytes);
-      for (std::uint32_t k = 0; k < count; ++k) pairs[k] = KernelPair{r.src_blocks[i0 + k], r.dst_blocks[i0 + k]};
+      for (std::uint32_t k = 0; k < count; ++k) pairs[k] = kernel_pair(r.src_blocks[i0 + k], r.dst_blocks[i0 + k]);
       std::byte* base = staging;
       if (options_.sm_descriptors_in_device_memory) {
         KVTIER_RETURN_IF_ERROR(device_.memcpy_async(slot->device.data(), staging, bytes, stream)

@@ -52,7 +52,7 @@ Status EngineBase::run_staged(StreamState& st, Stream& stream, const CopyRequest
   KVTIER_ASSIGN_OR_RETURN(StagedStreamState * ss, staged_state(st));
   Stream& aux = *ss->aux;
   const bool h2d = dir == CopyDirection::kHostToDevice;
-  const std::span<const std::int32_t> host_ids = h2d ? r.src_blocks : r.dst_blocks;
+  const std::span<const BlockId> host_ids = h2d ? r.src_blocks : r.dst_blocks;
   const auto& planes = st.scratch.planes;
   StagedScratch& sc = st.scratch.staged;
   const auto& chunks = sc.chunks;
@@ -64,7 +64,7 @@ Status EngineBase::run_staged(StreamState& st, Stream& stream, const CopyRequest
   report.chunks = static_cast<std::uint32_t>(chunks.size());
 
   auto min_max = [&](const StagedChunk& c) {
-    std::int32_t lo = host_ids[c.first], hi = lo;
+    BlockId lo = host_ids[c.first], hi = lo;
     for (std::uint32_t k = 1; k < c.count; ++k) {
       lo = std::min(lo, host_ids[c.first + k]);
       hi = std::max(hi, host_ids[c.first + k]);
@@ -117,7 +117,7 @@ Status EngineBase::run_staged(StreamState& st, Stream& stream, const CopyRequest
         assign_items(table + g * kMaxKernelPlanes, std::min(kMaxKernelPlanes, num_planes - g * kMaxKernelPlanes),
                      options_.sm_item_bytes);
       for (std::uint32_t k = 0; k < chunk.count; ++k)
-        *pairs++ = KernelPair{r.src_blocks[chunk.first + k], r.dst_blocks[chunk.first + k]};
+        *pairs++ = kernel_pair(r.src_blocks[chunk.first + k], r.dst_blocks[chunk.first + k]);
     }
     std::byte* base = staging;
     if (options_.sm_descriptors_in_device_memory) {

@@ -23,7 +23,7 @@ namespace {
 using namespace kvtier;
 
 // The byte at offset i of block b of (layer l, role r): what the "prefill" wrote.
-std::byte pattern(std::uint32_t l, std::uint32_t r, std::int32_t b, std::uint64_t i) {
+std::byte pattern(std::uint32_t l, std::uint32_t r, BlockId b, std::uint64_t i) {
   return static_cast<std::byte>((l * 131 + r * 71 + static_cast<std::uint32_t>(b) * 17 + i) & 0xff);
 }
 
@@ -63,13 +63,13 @@ Status run(bool force_host) {
   const BlockSpace& space = tm->device_space();
 
   // 3. The prompt's blocks 3..10 hold its KV (written by the "prefill"; here from the host).
-  std::vector<std::int32_t> prompt(8), host(8);
+  std::vector<BlockId> prompt(8), host(8);
   std::iota(prompt.begin(), prompt.end(), 3);
   std::iota(host.begin(), host.end(), 100);
-  auto write_blocks = [&](const std::vector<std::int32_t>& blocks, bool poison) -> Status {
+  auto write_blocks = [&](const std::vector<BlockId>& blocks, bool poison) -> Status {
     for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
       for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
-        for (std::int32_t b : blocks) {
+        for (BlockId b : blocks) {
           std::vector<std::byte> bytes(layout.block_bytes(l, r));
           for (std::uint64_t i = 0; i < bytes.size(); ++i) bytes[i] = poison ? std::byte{0xDB} : pattern(l, r, b, i);
           KVTIER_RETURN_IF_ERROR(device->memcpy_sync(space.block_ptr(l, r, b), bytes.data(), bytes.size()));
@@ -85,7 +85,7 @@ Status run(bool force_host) {
 
   // 5. The device blocks are reused (poisoned here); later the prompt comes back into blocks 20..27 (poisoned
   //    too), layer by layer.
-  std::vector<std::int32_t> reload(8);
+  std::vector<BlockId> reload(8);
   std::iota(reload.begin(), reload.end(), 20);
   KVTIER_RETURN_IF_ERROR(write_blocks(prompt, true));
   KVTIER_RETURN_IF_ERROR(write_blocks(reload, true));

@@ -49,7 +49,7 @@ Status run(PdMode mode) {
   KVTIER_ASSIGN_OR_RETURN(HostCache prefill_kv, make_cache(layout, 32, std::byte{0}));
   KVTIER_ASSIGN_OR_RETURN(HostCache decode_kv, make_cache(layout, 48, std::byte{0xDB}));  // poisoned
   // The prompt's KV, written by the prefill's forward into its blocks 4..9.
-  const std::vector<std::uint64_t> src{4, 5, 6, 7, 8, 9}, dst{40, 12, 33, 2, 17, 25};
+  const std::vector<BlockId> src{4, 5, 6, 7, 8, 9}, dst{40, 12, 33, 2, 17, 25};
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
     for (std::uint32_t r = 0; r < 2; ++r)
       for (std::uint64_t b : src)

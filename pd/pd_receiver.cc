@@ -28,7 +28,7 @@ class Endpoint {
  public:
   virtual ~Endpoint() = default;
   virtual Status start(transport::PeerId peer, TransferId id, transport::PdMode mode,
-                       std::vector<std::uint64_t> dst) = 0;
+                       std::vector<BlockId> dst) = 0;
   virtual Result<DecodeStatus> status(TransferId id) const = 0;
   virtual Status forget(TransferId id) = 0;
 };
@@ -37,7 +37,7 @@ template <class E>
 class EndpointOf final : public Endpoint {
  public:
   explicit EndpointOf(E& e) : e_(e) {}
-  Status start(transport::PeerId peer, TransferId id, transport::PdMode mode, std::vector<std::uint64_t> dst) override {
+  Status start(transport::PeerId peer, TransferId id, transport::PdMode mode, std::vector<BlockId> dst) override {
     return e_.start(peer, id, mode, std::move(dst));
   }
   Result<DecodeStatus> status(TransferId id) const override { return e_.status(id); }
@@ -49,7 +49,7 @@ class EndpointOf final : public Endpoint {
 
 struct Entry {
   Receive r;
-  std::vector<std::int32_t> blocks;    // the receive blocks, as the TransferManager names them
+  std::vector<BlockId> blocks;    // the receive blocks, as the TransferManager names them
   std::vector<std::uint8_t> reported;  // per layer: reported to the TransferManager
   Clock::time_point deadline;
   // Reporter thread.
@@ -207,7 +207,7 @@ class Receiver final : public PdReceiver {
       Status s = executor_.execute(plan);
       if (!s.ok()) return undo_admission(s.with_context(what + ": executing the admission's plan"));
     }
-    std::vector<std::int32_t> blocks(
+    std::vector<BlockId> blocks(
         r.admission.device_blocks.begin() + r.admission.receive_begin,
         r.admission.device_blocks.begin() + r.admission.receive_begin + r.admission.receive_blocks);
     ExternalWriteOptions wo;
@@ -215,8 +215,7 @@ class Receiver final : public PdReceiver {
     auto task = tm_.begin_external_write({}, blocks, wo);
     if (!task.ok()) return undo_admission(task.status().with_context(what + ": begin_external_write"));
     r.task = *task;
-    std::vector<std::uint64_t> dst(blocks.begin(), blocks.end());
-    Status s = ep_->start(req.prefill, req.id, req.mode, std::move(dst));
+    Status s = ep_->start(req.prefill, req.id, req.mode, blocks);
     if (!s.ok()) {
       // The endpoints refuse before the request leaves (a failed send is reported in the transfer's status
       // instead): nobody can write the blocks.
@@ -249,7 +248,7 @@ class Receiver final : public PdReceiver {
     }
   }
 
-  void report(Entry& e, std::uint32_t layer, std::span<const std::int32_t> failed) {
+  void report(Entry& e, std::uint32_t layer, std::span<const BlockId> failed) {
     Status s = tm_.complete_external_layer(e.r.task, layer, failed);
     e.reported[layer] = 1;
     ++stats_.layers_reported;
@@ -270,18 +269,18 @@ class Receiver final : public PdReceiver {
       if (st->layers[l] == LayerState::kFailed) report(e, l, e.blocks);
       if (st->layers[l] == LayerState::kPartial && !st->layer_block_loaded.empty()) {
         // The endpoint says which blocks of the layer arrived: the others fail now, not at the end.
-        std::vector<std::int32_t> failed;
+        std::vector<BlockId> failed;
         for (std::size_t i = 0; i < e.blocks.size(); ++i)
           if (!st->layer_block_is_loaded(l, i)) failed.push_back(e.blocks[i]);
         report(e, l, failed);
       }
     }
     if (st->final) {
-      std::vector<std::int32_t> not_loaded;
+      std::vector<BlockId> not_loaded;
       for (std::size_t i = 0; i < e.blocks.size(); ++i)
         if (i >= st->block_loaded.size() || !st->block_loaded[i]) not_loaded.push_back(e.blocks[i]);
       for (std::uint32_t l = 0; l < num_layers_; ++l)
-        if (e.reported[l] == 0) report(e, l, not_loaded.empty() ? std::span<const std::int32_t>(e.blocks) : not_loaded);
+        if (e.reported[l] == 0) report(e, l, not_loaded.empty() ? std::span<const BlockId>(e.blocks) : not_loaded);
       e.final_status = *st;
       if (e.error.ok()) e.error = st->error;
       end(e, st->error, st->reclaimable);

@@ -88,7 +88,7 @@ struct SizeSetup {
   std::uint64_t dev_half = 0, host_half = 0;  // blocks per half
   KvLayout layout;
   BlockSpace dev_a, dev_b, host_a, host_b;
-  std::vector<std::int32_t> h2d_src, h2d_dst, d2h_src, d2h_dst;
+  std::vector<BlockId> h2d_src, h2d_dst, d2h_src, d2h_dst;
 };
 
 struct Row {

@@ -47,12 +47,12 @@ Result<BlockSpace> make_half(MemoryKind kind, int ordinal, const KvLayout& layou
 }
 
 // `count` ids out of [0, pool) following `pattern`; `runs_of` consecutive ids per run.
-std::vector<std::int32_t> pick_ids(std::uint64_t pool, std::uint64_t count, std::mt19937_64& rng, std::uint32_t run) {
+std::vector<BlockId> pick_ids(std::uint64_t pool, std::uint64_t count, std::mt19937_64& rng, std::uint32_t run) {
   const std::uint64_t slots = pool / run;
-  std::vector<std::int32_t> slot_ids(slots);
+  std::vector<BlockId> slot_ids(slots);
   std::iota(slot_ids.begin(), slot_ids.end(), 0);
   std::shuffle(slot_ids.begin(), slot_ids.end(), rng);
-  std::vector<std::int32_t> ids;
+  std::vector<BlockId> ids;
   ids.reserve(count);
   for (std::uint64_t s = 0; ids.size() < count; ++s)
     for (std::uint32_t k = 0; k < run && ids.size() < count; ++k) ids.push_back(slot_ids[s] * run + k);
@@ -181,7 +181,7 @@ Status BenchCopy::poison(const SizeSetup& z, bool h2d) {
   const auto* dst = &z.host_b;
   for (std::uint32_t l = 0; l < z.layout.num_layers(); ++l)
     for (std::uint32_t r = 0; r < z.layout.num_roles(l); ++r)
-      for (std::int32_t id : z.d2h_dst) std::memset(dst->block_ptr(l, r, id), 0xA5, z.block_bytes);
+      for (BlockId id : z.d2h_dst) std::memset(dst->block_ptr(l, r, id), 0xA5, z.block_bytes);
   return Status::Ok();
 }
 

@@ -207,9 +207,9 @@ Result<Blocks> make_blocks(const KvLayout& layout, std::uint64_t n, std::byte fi
   return b;
 }
 
-std::vector<std::uint64_t> iota(std::uint64_t n) {
-  std::vector<std::uint64_t> v(n);
-  for (std::uint64_t i = 0; i < n; ++i) v[i] = i;
+std::vector<BlockId> iota(std::uint64_t n) {
+  std::vector<BlockId> v(n);
+  for (std::uint64_t i = 0; i < n; ++i) v[i] = static_cast<BlockId>(i);
   return v;
 }
 
@@ -276,9 +276,9 @@ const transport::PdOptions kPdOptions{std::chrono::milliseconds(200), std::chron
 
 struct DirectPlan {
   std::uint64_t pool = 0;  // blocks per layer plane
-  std::vector<std::uint64_t> src;
-  std::vector<std::vector<std::uint64_t>> dsts;  // one destination list per transfer in flight, disjoint
-  const std::vector<std::uint64_t>& dst_of(std::uint64_t transfer) const { return dsts[transfer % dsts.size()]; }
+  std::vector<BlockId> src;
+  std::vector<std::vector<BlockId>> dsts;  // one destination list per transfer in flight, disjoint
+  const std::vector<BlockId>& dst_of(std::uint64_t transfer) const { return dsts[transfer % dsts.size()]; }
 };
 
 // The same lists in both processes (and in bench/pd_nixl.py): `n` distinct ids per side out of the pool,
@@ -298,10 +298,10 @@ DirectPlan direct_plan(const PdArgs& a, std::uint64_t block_bytes, std::uint32_t
   p.pool = std::max<std::uint64_t>((std::uint64_t{inflight} + 1) * n,
                                    a.pool_bytes / (std::uint64_t{a.layers} * block_bytes));
   const std::uint64_t as = coprime_step(7919, p.pool), ad = coprime_step(104729, p.pool);
-  for (std::uint64_t i = 0; i < n; ++i) p.src.push_back((as * i + 13) % p.pool);
+  for (std::uint64_t i = 0; i < n; ++i) p.src.push_back(static_cast<BlockId>((as * i + 13) % p.pool));
   p.dsts.resize(inflight);
   for (std::uint32_t k = 0; k < inflight; ++k)
-    for (std::uint64_t i = 0; i < n; ++i) p.dsts[k].push_back((ad * (k * n + i) + 101) % p.pool);
+    for (std::uint64_t i = 0; i < n; ++i) p.dsts[k].push_back(static_cast<BlockId>((ad * (k * n + i) + 101) % p.pool));
   return p;
 }
 
@@ -403,7 +403,7 @@ Status run_transfers(
 // awaited and forgotten. The endpoint is a PdPrefill or a PdStagedPrefill. Exit codes: 3 peer refused,
 // 4 transfer failed, 5 other.
 template <typename Prefill>
-int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const std::vector<std::uint64_t>& src) {
+int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const std::vector<BlockId>& src) {
   auto blob = t.export_metadata();
   if (!blob.ok() || !send_blob(a.out_fd, *blob)) return 5;
   auto peer_blob = recv_blob(a.in_fd);
@@ -528,7 +528,7 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
   KVTIER_ASSIGN_OR_RETURN(BlockSpace out, BlockSpace::layer_first(MemoryKind::kDevice, 0, layout, p.pool, bases));
   KVTIER_ASSIGN_OR_RETURN(Buffer ck, d.device->allocate_device(p.src.size() * 8));
   KVTIER_ASSIGN_OR_RETURN(auto stream, d.device->create_stream());
-  std::vector<std::int32_t> src(p.dsts[0].begin(), p.dsts[0].end()), dst(p.src.begin(), p.src.end());
+  std::vector<BlockId> src(p.dsts[0].begin(), p.dsts[0].end()), dst(p.src.begin(), p.src.end());
   GatherRates r;
   for (bool checksummed : {false, true}) {
     std::chrono::steady_clock::time_point t0;
@@ -768,7 +768,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
 // One kvtier row: GB/s of the protocol, or an error.
 // The decode side of either memory: start a transfer, wait until it is final and reclaimable, forget it.
 struct DecodeOps {
-  std::function<Status(transport::PeerId, transport::TransferId, PdMode, std::vector<std::uint64_t>)> start;
+  std::function<Status(transport::PeerId, transport::TransferId, PdMode, std::vector<BlockId>)> start;
   std::function<Result<transport::DecodeStatus>(transport::TransferId)> wait;
   std::function<Status(transport::TransferId)> forget;
 };

@@ -158,16 +158,16 @@ class ShapeBench {
     KVTIER_ASSIGN_OR_RETURN(compute_work_, BenchCompute::create(dev_, co));
     // Random, non-adjacent ids: load host [0, n) -> device [0, n); evict device [n, 2n) -> host [n, 2n).
     std::mt19937_64 rng(7);
-    auto perm = [&](std::int32_t base) {
-      std::vector<std::int32_t> v(n_);
+    auto perm = [&](BlockId base) {
+      std::vector<BlockId> v(n_);
       std::iota(v.begin(), v.end(), base);
       std::shuffle(v.begin(), v.end(), rng);
       return v;
     };
     load_h_ = perm(0);
     load_d_ = perm(0);
-    evict_d_ = perm(static_cast<std::int32_t>(n_));
-    evict_h_ = perm(static_cast<std::int32_t>(n_));
+    evict_d_ = perm(static_cast<BlockId>(n_));
+    evict_h_ = perm(static_cast<BlockId>(n_));
     prefix_bytes_ = layout_.total_block_bytes() * n_;
     return Status::Ok();
   }
@@ -429,7 +429,7 @@ class ShapeBench {
   std::unique_ptr<BenchCompute> compute_work_;
   Buffer ceil_dev_;
   std::unique_ptr<PinnedMemory> ceil_host_;
-  std::vector<std::int32_t> load_h_, load_d_, evict_d_, evict_h_;
+  std::vector<BlockId> load_h_, load_d_, evict_d_, evict_h_;
   bool verify_failed_ = false;
 };
 

@@ -8,7 +8,7 @@
 
 namespace kvtier {
 
-bool WriteOrigin::block_failed(std::int32_t block) const noexcept {
+bool WriteOrigin::block_failed(BlockId block) const noexcept {
   if (state.load(std::memory_order_acquire) != kFailed) return false;
   return all_failed || std::binary_search(failed_blocks.begin(), failed_blocks.end(), block);
 }
@@ -55,9 +55,9 @@ void EventSet::add(const EventLease& event) {
 HazardTracker::HazardTracker(Device& device, std::uint64_t num_blocks, std::string tier_name, const RecordGate* gate)
     : device_(device), gate_(gate), num_blocks_(num_blocks), tier_name_(std::move(tier_name)), records_(num_blocks) {}
 
-Status HazardTracker::check_ids(std::span<const std::int32_t> blocks, std::string_view what) const {
+Status HazardTracker::check_ids(std::span<const BlockId> blocks, std::string_view what) const {
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    if (blocks[i] < 0 || static_cast<std::uint64_t>(blocks[i]) >= num_blocks_)
+    if (static_cast<std::uint64_t>(blocks[i]) >= num_blocks_)
       return OutOfRange(fmt::format("{} block id {} at index {} of {} is outside [0, {})", tier_name_, blocks[i], i,
                                     what, num_blocks_));
   }
@@ -94,7 +94,7 @@ void prune_good(std::vector<WriteOriginRef>& origins) {
 }
 }  // namespace
 
-void HazardTracker::hazards_for_read(std::span<const std::int32_t> blocks, std::uint64_t stream_id, EventSet& waits,
+void HazardTracker::hazards_for_read(std::span<const BlockId> blocks, std::uint64_t stream_id, EventSet& waits,
                                      SourceOrigins* sources) {
   std::lock_guard<std::mutex> lock(mu_);
   QueryCache cache;
@@ -108,10 +108,10 @@ void HazardTracker::hazards_for_read(std::span<const std::int32_t> blocks, std::
   }
 }
 
-void HazardTracker::hazards_for_write(std::span<const std::int32_t> blocks, std::uint64_t stream_id, EventSet& waits) {
+void HazardTracker::hazards_for_write(std::span<const BlockId> blocks, std::uint64_t stream_id, EventSet& waits) {
   std::lock_guard<std::mutex> lock(mu_);
   QueryCache cache;
-  for (std::int32_t b : blocks) {
+  for (BlockId b : blocks) {
     Record& r = records_[static_cast<std::size_t>(b)];
     add_pending_locked(r.writers, stream_id, waits, cache);
     add_pending_locked(r.readers, stream_id, waits, cache);
@@ -144,17 +144,17 @@ void HazardTracker::upsert_locked(std::vector<Access>& accesses, const EventLeas
   if (!replaced) accesses.push_back(Access{event, stream_id});
 }
 
-void HazardTracker::note_read(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id) {
+void HazardTracker::note_read(std::span<const BlockId> blocks, const EventLease& event, std::uint64_t stream_id) {
   std::lock_guard<std::mutex> lock(mu_);
   QueryCache cache;
-  for (std::int32_t b : blocks) upsert_locked(records_[static_cast<std::size_t>(b)].readers, event, stream_id, cache);
+  for (BlockId b : blocks) upsert_locked(records_[static_cast<std::size_t>(b)].readers, event, stream_id, cache);
 }
 
-void HazardTracker::note_write(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id,
+void HazardTracker::note_write(std::span<const BlockId> blocks, const EventLease& event, std::uint64_t stream_id,
                                WriteOriginRef origin, bool full, bool ordered_after_pending) {
   std::lock_guard<std::mutex> lock(mu_);
   QueryCache cache;
-  for (std::int32_t b : blocks) {
+  for (BlockId b : blocks) {
     Record& r = records_[static_cast<std::size_t>(b)];
     if (ordered_after_pending) {
       // The writer waited on every pending writer and reader: its event implies them.
@@ -174,8 +174,8 @@ void HazardTracker::note_write(std::span<const std::int32_t> blocks, const Event
   }
 }
 
-Result<bool> HazardTracker::is_free(std::int32_t block) {
-  KVTIER_RETURN_IF_ERROR(check_ids(std::span<const std::int32_t>(&block, 1), "is_free"));
+Result<bool> HazardTracker::is_free(BlockId block) {
+  KVTIER_RETURN_IF_ERROR(check_ids(std::span<const BlockId>(&block, 1), "is_free"));
   std::lock_guard<std::mutex> lock(mu_);
   QueryCache cache;
   Record& r = records_[static_cast<std::size_t>(block)];
@@ -187,7 +187,7 @@ Result<bool> HazardTracker::is_free(std::int32_t block) {
   return free;
 }
 
-Status HazardTracker::wait_free(std::span<const std::int32_t> blocks, Stream& stream) {
+Status HazardTracker::wait_free(std::span<const BlockId> blocks, Stream& stream) {
   KVTIER_RETURN_IF_ERROR(check_ids(blocks, "wait_free"));
   EventSet waits;
   hazards_for_write(blocks, kNoStream, waits);
@@ -198,7 +198,7 @@ Status HazardTracker::wait_free(std::span<const std::int32_t> blocks, Stream& st
   return Status::Ok();
 }
 
-Status HazardTracker::wait_free_host(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) {
+Status HazardTracker::wait_free_host(std::span<const BlockId> blocks, std::chrono::nanoseconds timeout) {
   KVTIER_RETURN_IF_ERROR(check_ids(blocks, "wait_free_host"));
   const auto deadline = deadline_after(timeout);
   EventSet waits;
@@ -218,8 +218,8 @@ Status HazardTracker::wait_free_host(std::span<const std::int32_t> blocks, std::
   return Status::Ok();
 }
 
-bool HazardTracker::last_write_failed(std::int32_t block) const {
-  if (block < 0 || static_cast<std::uint64_t>(block) >= num_blocks_) return false;
+bool HazardTracker::last_write_failed(BlockId block) const {
+  if (static_cast<std::uint64_t>(block) >= num_blocks_) return false;
   std::lock_guard<std::mutex> lock(mu_);
   const Record& r = records_[static_cast<std::size_t>(block)];
   for (const auto& o : r.origins)
@@ -227,8 +227,8 @@ bool HazardTracker::last_write_failed(std::int32_t block) const {
   return false;
 }
 
-std::size_t HazardTracker::tracked_events(std::int32_t block) const {
-  if (block < 0 || static_cast<std::uint64_t>(block) >= num_blocks_) return 0;
+std::size_t HazardTracker::tracked_events(BlockId block) const {
+  if (static_cast<std::uint64_t>(block) >= num_blocks_) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   const Record& r = records_[static_cast<std::size_t>(block)];
   return r.writers.size() + r.readers.size();

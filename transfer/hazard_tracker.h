@@ -66,11 +66,11 @@ struct WriteOrigin {
   std::uint64_t task_id;
   std::atomic<std::uint8_t> state{kPending};
   bool all_failed = true;
-  std::vector<std::int32_t> failed_blocks;  // sorted; used when !all_failed
+  std::vector<BlockId> failed_blocks;  // sorted; used when !all_failed
 
   bool settled() const noexcept { return state.load(std::memory_order_acquire) != kPending; }
   // True when the bytes this origin wrote into `block` are invalid.
-  bool block_failed(std::int32_t block) const noexcept;
+  bool block_failed(BlockId block) const noexcept;
 };
 using WriteOriginRef = std::shared_ptr<WriteOrigin>;
 // (index into the block list, origin of that block's bytes).
@@ -118,18 +118,18 @@ class HazardTracker {
 
   std::uint64_t num_blocks() const noexcept { return num_blocks_; }
   // OutOfRange naming the first bad id and its index in `what`.
-  Status check_ids(std::span<const std::int32_t> blocks, std::string_view what) const;
+  Status check_ids(std::span<const BlockId> blocks, std::string_view what) const;
 
   // Events a task on `stream_id` reading `blocks` must wait for. When
   // `sources` is non-null it receives the origins of the bytes read that are
   // not yet known good: (index in `blocks`, origin) pairs.
-  void hazards_for_read(std::span<const std::int32_t> blocks, std::uint64_t stream_id, EventSet& waits,
+  void hazards_for_read(std::span<const BlockId> blocks, std::uint64_t stream_id, EventSet& waits,
                         SourceOrigins* sources);
   // Events a task on `stream_id` writing `blocks` must wait for.
-  void hazards_for_write(std::span<const std::int32_t> blocks, std::uint64_t stream_id, EventSet& waits);
+  void hazards_for_write(std::span<const BlockId> blocks, std::uint64_t stream_id, EventSet& waits);
 
   // After enqueuing: `event` (recorded on stream `stream_id`) completes the access.
-  void note_read(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id);
+  void note_read(std::span<const BlockId> blocks, const EventLease& event, std::uint64_t stream_id);
   // `origin` may be null for writes that cannot fail as far as kvtier knows
   // (compute kernels declared through TransferManager::record_device_access).
   // `full`: the write replaces every byte of the blocks (all layers and
@@ -139,22 +139,22 @@ class HazardTracker {
   // writer and reader (it waited on hazards_for_write), so they are implied
   // by its event and are dropped. Pass false for writes that were not
   // (declared compute writes): the pending accesses are then kept.
-  void note_write(std::span<const std::int32_t> blocks, const EventLease& event, std::uint64_t stream_id,
+  void note_write(std::span<const BlockId> blocks, const EventLease& event, std::uint64_t stream_id,
                   WriteOriginRef origin, bool full, bool ordered_after_pending = true);
 
   // True when no access to `block` is pending. Non-blocking.
-  Result<bool> is_free(std::int32_t block);
+  Result<bool> is_free(BlockId block);
   // Makes `stream` wait (on the device) for every pending access to `blocks`.
-  Status wait_free(std::span<const std::int32_t> blocks, Stream& stream);
+  Status wait_free(std::span<const BlockId> blocks, Stream& stream);
   // Blocks the calling thread until every access to `blocks` completed, or
   // TimedOut.
-  Status wait_free_host(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout);
+  Status wait_free_host(std::span<const BlockId> blocks, std::chrono::nanoseconds timeout);
   // True when the last write to `block` is known to have failed (its bytes
   // are garbage until rewritten); false when it succeeded, is pending, or
   // never happened.
-  bool last_write_failed(std::int32_t block) const;
+  bool last_write_failed(BlockId block) const;
   // Pending accesses still recorded for `block` (tests, stats).
-  std::size_t tracked_events(std::int32_t block) const;
+  std::size_t tracked_events(BlockId block) const;
 
  private:
   struct Access {

@@ -19,7 +19,7 @@
 
 namespace kvtier::transfer_detail {
 
-Status TransferManagerImpl::check_not_external_locked(std::span<const std::int32_t> blocks,
+Status TransferManagerImpl::check_not_external_locked(std::span<const BlockId> blocks,
                                                       std::string_view what) const {
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const TaskId owner = external_of_[static_cast<std::size_t>(blocks[i])];
@@ -32,7 +32,7 @@ Status TransferManagerImpl::check_not_external_locked(std::span<const std::int32
   return Status::Ok();
 }
 
-Status TransferManagerImpl::wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) {
+Status TransferManagerImpl::wait_device_blocks_free(std::span<const BlockId> blocks, Stream& stream) {
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(blocks, "wait_device_blocks_free"));
   {
     std::lock_guard<std::mutex> submit(submit_mu_);
@@ -42,7 +42,7 @@ Status TransferManagerImpl::wait_device_blocks_free(std::span<const std::int32_t
 }
 
 Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::uint32_t> layers,
-                                                         std::span<const std::int32_t> device_blocks,
+                                                         std::span<const BlockId> device_blocks,
                                                          ExternalWriteOptions options) {
   const KvLayout& layout = device_space_.layout();
   if (device_blocks.empty()) return InvalidArgument("begin_external_write: empty block list");
@@ -86,7 +86,7 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
     // beside it (not ordered_after_pending): if the wait below times out they are still what orders later work.
     dev_hazards_->note_write(device_blocks, done, ext_id, task->origin, /*full=*/n == layout.num_layers(),
                              /*ordered_after_pending=*/false);
-    for (std::int32_t b : device_blocks) external_of_[static_cast<std::size_t>(b)] = task->id;
+    for (BlockId b : device_blocks) external_of_[static_cast<std::size_t>(b)] = task->id;
     register_task(task);
     ExternalRec x;
     x.task = task;
@@ -118,8 +118,8 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
     }
   }
   if (busy.ok()) return id;
-  std::int32_t first_busy = device_blocks.front();
-  for (std::int32_t b : device_blocks) {
+  BlockId first_busy = device_blocks.front();
+  for (BlockId b : device_blocks) {
     auto free = dev_hazards_->is_free(b);
     // The write's own `done` is never free: look for an older access still recorded beside it.
     if (free.ok() && dev_hazards_->tracked_events(b) > 1) {
@@ -141,7 +141,7 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
 }
 
 void TransferManagerImpl::report_external_layer_locked(ExternalRec& x, std::size_t k, Status st,
-                                                       std::span<const std::int32_t> failed, bool all_failed,
+                                                       std::span<const BlockId> failed, bool all_failed,
                                                        Stream& landed_on) {
   TaskRec& t = *x.task;
   x.reported[k] = true;
@@ -173,7 +173,7 @@ void TransferManagerImpl::report_external_layer_locked(ExternalRec& x, std::size
 }
 
 Status TransferManagerImpl::complete_external_layer(TaskId id, std::uint32_t layer,
-                                                    std::span<const std::int32_t> failed_blocks, Stream* after) {
+                                                    std::span<const BlockId> failed_blocks, Stream* after) {
   if (after && &after->device() != &device_)
     return InvalidArgument(fmt::format(
         "complete_external_layer: task {} layer {}: the stream `after` belongs to another Device", id, layer));
@@ -201,7 +201,7 @@ Status TransferManagerImpl::complete_external_layer(TaskId id, std::uint32_t lay
                       failed_blocks[i], i, id));
   Status st;
   if (!failed_blocks.empty()) {
-    std::vector<std::int32_t> sorted(failed_blocks.begin(), failed_blocks.end());
+    std::vector<BlockId> sorted(failed_blocks.begin(), failed_blocks.end());
     std::sort(sorted.begin(), sorted.end());
     sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
     st = DataLoss(fmt::format("device blocks [{}] failed ({} of {}: the peer's write failed or did not verify)",
@@ -222,7 +222,7 @@ void TransferManagerImpl::end_external_locked(ExternalRec& x, const Status& stat
   if (quiescent || !all_reported) return;
   // Not quiescent, but every layer was reported: a block no report named failed holds verified bytes and no
   // write targets it any more (each (block, layer) is written once); only the failed ones stay declared.
-  std::vector<std::int32_t> good;
+  std::vector<BlockId> good;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (x.task->ext_all_failed) return;
@@ -237,7 +237,7 @@ void TransferManagerImpl::end_external_locked(ExternalRec& x, const Status& stat
   if (!ordered || !device_.record(**early, *ext_).ok()) return;
   // Replaces the write's `done` (same stream) in their records: later work orders after the layers' landing.
   dev_hazards_->note_write(good, *early, ext_->id(), nullptr, /*full=*/false, /*ordered_after_pending=*/false);
-  for (std::int32_t b : good) external_of_[static_cast<std::size_t>(b)] = 0;
+  for (BlockId b : good) external_of_[static_cast<std::size_t>(b)] = 0;
 }
 
 void TransferManagerImpl::release_external_locked(TaskId id) {
@@ -251,7 +251,7 @@ void TransferManagerImpl::release_external_locked(TaskId id) {
   // layers' own completion having been reported already.
   if (recorded) device_.record(*x.done, *ext_).ignore_error();
   gate_.recorded(x.done.get());
-  for (std::int32_t b : x.task->device_blocks)  // (a block released early may be declared by another write now)
+  for (BlockId b : x.task->device_blocks)  // (a block released early may be declared by another write now)
     if (external_of_[static_cast<std::size_t>(b)] == id) external_of_[static_cast<std::size_t>(b)] = 0;
   externals_.erase(it);
 }

@@ -39,8 +39,8 @@ using Clock = std::chrono::steady_clock;
 struct TaskRec {
   TaskId id = 0;
   TaskKind kind = TaskKind::kEvict;
-  std::vector<std::int32_t> device_blocks;
-  std::vector<std::int32_t> host_blocks;
+  std::vector<BlockId> device_blocks;
+  std::vector<BlockId> host_blocks;
   // Loads: the layers in order; evicts: empty (one slot covers all layers).
   std::vector<std::uint32_t> layers;
   // Evicts and loads: the copy over the lists above, checked once at submission; each layer is posted from it.
@@ -55,7 +55,7 @@ struct TaskRec {
   bool copy_failed = false;
   // External writes: the blocks named failed by reported layers (sorted, unique), and whether a layer ended
   // without a report (then every block failed).
-  std::vector<std::int32_t> ext_failed;
+  std::vector<BlockId> ext_failed;
   bool ext_all_failed = false;
   std::size_t slots_final = 0;
   // Set once the callbacks of a final slot / task ran: host waiters wake on
@@ -107,7 +107,7 @@ struct ExternalRec {
   std::vector<EventLease> layer_events;  // slot events (the task's copies are reset as slots settle)
   EventLease done;                       // recorded at release, after every layer event: the hazard records' writer
   std::vector<bool> reported;
-  std::vector<std::int32_t> sorted_blocks;
+  std::vector<BlockId> sorted_blocks;
   bool ended = false;
 };
 
@@ -132,7 +132,7 @@ struct DirCounters {
 };
 
 // InvalidArgument naming a block listed twice in `ids` (transfer_submit.cc).
-Status check_no_duplicates(std::span<const std::int32_t> ids, std::string_view what);
+Status check_no_duplicates(std::span<const BlockId> ids, std::string_view what);
 // `layers` checked against the layout (empty: every layer in order).
 Result<std::vector<std::uint32_t>> layer_order(const KvLayout& layout, std::span<const std::uint32_t> layers,
                                                std::string_view what);
@@ -153,17 +153,17 @@ class TransferManagerImpl final : public TransferManager {
 
   Status init(KvCacheRegistration reg, CopyEngine* engine);
 
-  Result<TaskId> evict_to_host_async(std::span<const std::int32_t> device_blocks,
-                                     std::span<const std::int32_t> host_blocks, const EvictOptions& options) override;
+  Result<TaskId> evict_to_host_async(std::span<const BlockId> device_blocks,
+                                     std::span<const BlockId> host_blocks, const EvictOptions& options) override;
   Result<TaskId> load_layers_to_device_async(std::span<const std::uint32_t> layers,
-                                             std::span<const std::int32_t> host_blocks,
-                                             std::span<const std::int32_t> device_blocks, LoadOptions options) override;
-  Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+                                             std::span<const BlockId> host_blocks,
+                                             std::span<const BlockId> device_blocks, LoadOptions options) override;
+  Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream,
                               DeviceAccess access) override;
   Result<TaskId> begin_external_write(std::span<const std::uint32_t> layers,
-                                      std::span<const std::int32_t> device_blocks,
+                                      std::span<const BlockId> device_blocks,
                                       ExternalWriteOptions options) override;
-  Status complete_external_layer(TaskId task, std::uint32_t layer, std::span<const std::int32_t> failed_blocks,
+  Status complete_external_layer(TaskId task, std::uint32_t layer, std::span<const BlockId> failed_blocks,
                                  Stream* after) override;
   Status end_external_write(TaskId task, const Status& status, bool quiescent) override;
   Status release_external_write(TaskId task) override;
@@ -174,10 +174,10 @@ class TransferManagerImpl final : public TransferManager {
   Result<TaskInfo> task_info(TaskId task) const override;
   Result<FailedBlocks> failed_blocks(TaskId task) const override;
   std::vector<TaskCompletion> poll_completions() override;
-  Result<bool> is_device_block_free(std::int32_t block) override { return dev_hazards_->is_free(block); }
-  Result<bool> is_host_block_free(std::int32_t block) override { return host_hazards_->is_free(block); }
-  Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) override;
-  Status wait_host_blocks_free(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) override {
+  Result<bool> is_device_block_free(BlockId block) override { return dev_hazards_->is_free(block); }
+  Result<bool> is_host_block_free(BlockId block) override { return host_hazards_->is_free(block); }
+  Status wait_device_blocks_free(std::span<const BlockId> blocks, Stream& stream) override;
+  Status wait_host_blocks_free(std::span<const BlockId> blocks, std::chrono::nanoseconds timeout) override {
     return host_hazards_->wait_free_host(blocks, timeout);
   }
   TransferStats stats() const override;
@@ -211,10 +211,10 @@ class TransferManagerImpl final : public TransferManager {
   // Caller holds submit_mu_: ResourceExhausted when too many tasks are in flight.
   Status admit_locked() const;
   // Caller holds submit_mu_: FailedPrecondition naming the first block an external write declared.
-  Status check_not_external_locked(std::span<const std::int32_t> blocks, std::string_view what) const;
+  Status check_not_external_locked(std::span<const BlockId> blocks, std::string_view what) const;
   // Caller holds submit_mu_. Layer slot k of x is final with `st` (failed blocks `failed`, or every block when
   // `all_failed`) once the work enqueued so far on `landed_on` completed.
-  void report_external_layer_locked(ExternalRec& x, std::size_t k, Status st, std::span<const std::int32_t> failed,
+  void report_external_layer_locked(ExternalRec& x, std::size_t k, Status st, std::span<const BlockId> failed,
                                     bool all_failed, Stream& landed_on);
   // Caller holds submit_mu_. Every layer not reported fails with `status`; then the write is ended. Not
   // `quiescent` and every layer reported: the blocks no report named failed are undeclared now.

@@ -83,7 +83,7 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
   std::vector<bool> pair_bad(dst_ids.size(), false);
   for (const auto& [i, origin] : t.sources)
     if (origin->settled() && origin->block_failed(src_ids[i])) pair_bad[i] = true;
-  std::vector<std::int32_t> bad_src, bad_dst;
+  std::vector<BlockId> bad_src, bad_dst;
   for (std::size_t i = 0; i < dst_ids.size(); ++i) {
     if (pair_bad[i]) bad_src.push_back(src_ids[i]);
     if (pair_bad[i] || t.copy_failed) bad_dst.push_back(dst_ids[i]);

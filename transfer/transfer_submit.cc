@@ -13,8 +13,8 @@
 
 namespace kvtier::transfer_detail {
 
-Status check_no_duplicates(std::span<const std::int32_t> ids, std::string_view what) {
-  std::vector<std::pair<std::int32_t, std::size_t>> sorted;
+Status check_no_duplicates(std::span<const BlockId> ids, std::string_view what) {
+  std::vector<std::pair<BlockId, std::size_t>> sorted;
   sorted.reserve(ids.size());
   for (std::size_t i = 0; i < ids.size(); ++i) sorted.push_back({ids[i], i});
   std::sort(sorted.begin(), sorted.end());
@@ -62,8 +62,8 @@ Status TransferManagerImpl::admit_locked() const {
   return Status::Ok();
 }
 
-Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int32_t> device_blocks,
-                                                        std::span<const std::int32_t> host_blocks,
+Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const BlockId> device_blocks,
+                                                        std::span<const BlockId> host_blocks,
                                                         const EvictOptions& options) {
   if (device_blocks.size() != host_blocks.size())
     return InvalidArgument(fmt::format("evict_to_host_async: {} device blocks but {} host blocks", device_blocks.size(),
@@ -122,8 +122,8 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const std::int
 }
 
 Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const std::uint32_t> layers,
-                                                                std::span<const std::int32_t> host_blocks,
-                                                                std::span<const std::int32_t> device_blocks,
+                                                                std::span<const BlockId> host_blocks,
+                                                                std::span<const BlockId> device_blocks,
                                                                 LoadOptions options) {
   const KvLayout& layout = device_space_.layout();
   if (device_blocks.size() != host_blocks.size())
@@ -286,7 +286,7 @@ void TransferManagerImpl::run_job(SubmitWorker& w, SubmitJob& job) {
   }
 }
 
-Status TransferManagerImpl::record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+Status TransferManagerImpl::record_device_access(std::span<const BlockId> device_blocks, Stream& stream,
                                                  DeviceAccess access) {
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "record_device_access"));
   std::lock_guard<std::mutex> submit(submit_mu_);

@@ -495,7 +495,7 @@ class Endpoint {
     }
     if (ring_ids_.size() < g.per_slot) {
       ring_ids_.resize(g.per_slot);
-      for (std::size_t i = 0; i < ring_ids_.size(); ++i) ring_ids_[i] = static_cast<std::int32_t>(i);
+      for (std::size_t i = 0; i < ring_ids_.size(); ++i) ring_ids_[i] = static_cast<BlockId>(i);
     }
     return out;
   }
@@ -534,8 +534,8 @@ class Endpoint {
   // checksums of its device side (`from` when device_is_source) into `ck_device` (copied to `ck_host`), then records
   // `done`. PdOptions::ring_copy: the SM kernel computes them while it copies; otherwise a checksum pass over the
   // device side runs before (sources) or after (destinations) the copy.
-  Status copy_piece(const BlockSpace& from, std::span<const std::int32_t> from_ids, const BlockSpace& to,
-                    std::span<const std::int32_t> to_ids, std::uint32_t layer, bool device_is_source,
+  Status copy_piece(const BlockSpace& from, std::span<const BlockId> from_ids, const BlockSpace& to,
+                    std::span<const BlockId> to_ids, std::uint32_t layer, bool device_is_source,
                     std::uint64_t* ck_device, std::uint64_t* ck_host, Event& done) {
     Device& dev = lane_device();
     CopyEngine& engine = *options_.engine;
@@ -565,7 +565,7 @@ class Endpoint {
     std::vector<std::unique_ptr<Event>> events;    // per layer: its kernels and the checksum copy are done
     std::vector<std::unique_ptr<Event>> copied;    // per layer: its copy is done (the read-back waits for it)
     std::vector<std::unique_ptr<Event>> pieces;    // ring lane, per piece: its copy and checksums are done
-    std::vector<std::int32_t> local_ids, peer_ids;
+    std::vector<BlockId> local_ids, peer_ids;
     std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
     // The moving side's copy over every layer, checked once (lane_copy_layer); cleared when the ids change.
     std::optional<PreparedCopy> prepared;
@@ -685,7 +685,7 @@ class Endpoint {
   // the verify stream, once the copy is done, a read-only pass over the destinations `to` / `to_ids` (list 1),
   // both lists to the host and the layer's event. The read-back of layer l overlaps the copy of layer l + 1.
   Status copy_and_read_back(LaneBuffers& lb, std::uint32_t layer, const CopyRequest& all, const BlockSpace& to,
-                            std::span<const std::int32_t> to_ids) {
+                            std::span<const BlockId> to_ids) {
     Device& dev = lane_device();
     const std::uint32_t layers[1] = {layer};
     KVTIER_RETURN_IF_ERROR(lane_copy_layer(lb, all, layer, lb.device_at(layer, 0)));
@@ -743,7 +743,7 @@ class Endpoint {
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
-  mutable std::vector<std::int32_t> ring_ids_;                   // 0, 1, ...: a slot's block ids (under mu_)
+  mutable std::vector<BlockId> ring_ids_;                   // 0, 1, ...: a slot's block ids (under mu_)
   std::unique_ptr<kvtier::detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
 
  protected:
@@ -778,7 +778,8 @@ class Prefill final : public PdPrefill, public Endpoint {
   using Endpoint::Endpoint;
   ~Prefill() override { stop(); }
 
-  Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) override {
+  Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_ids) override {
+    std::vector<std::uint64_t> src_blocks(src_ids.begin(), src_ids.end());  // lists travel as u64 on the wire
     KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
     KVTIER_RETURN_IF_ERROR(t_.peer_info(decode).status().with_context("prefill begin"));
     std::lock_guard lock(mu_);
@@ -1169,8 +1170,8 @@ class Prefill final : public PdPrefill, public Endpoint {
       auto done = piece_event(lb.pieces, u);
       Status s = done.status();
       if (s.ok())
-        s = copy_piece(blocks_, std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), x.ring->slots[pc.slot],
-                       std::span<const std::int32_t>(ring_ids_).first(b - a), li, true, lb.device_at(li) + a,
+        s = copy_piece(blocks_, std::span<const BlockId>(lb.local_ids).subspan(a, b - a), x.ring->slots[pc.slot],
+                       std::span<const BlockId>(ring_ids_).first(b - a), li, true, lb.device_at(li) + a,
                        lb.host_at(li) + a, **done);
       if (!s.ok()) {
         drain_lane();
@@ -1325,7 +1326,8 @@ class Decode final : public PdDecode, public Endpoint {
   using Endpoint::Endpoint;
   ~Decode() override { stop(); }
 
-  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) override {
+  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_ids) override {
+    std::vector<std::uint64_t> dst_blocks(dst_ids.begin(), dst_ids.end());  // lists travel as u64 on the wire
     KVTIER_RETURN_IF_ERROR(check_blocks(dst_blocks, "destination"));
     if (mode != PdMode::kPush && mode != PdMode::kPull)
       return InvalidArgument(fmt::format("unknown transfer mode {}", static_cast<int>(mode)));
@@ -1667,9 +1669,9 @@ class Decode final : public PdDecode, public Endpoint {
           for (std::size_t i = 0; s.ok() && i < src.size(); ++i) {
             if (src[i] > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
               s = OutOfRange(fmt::format("prefill block id {} does not fit the copy engine's 32-bit ids", src[i]));
-            else if (x.lane->peer_ids[i] != static_cast<std::int32_t>(src[i])) {
+            else if (x.lane->peer_ids[i] != static_cast<BlockId>(src[i])) {
               // Another list than the one the lane's copy was checked with: check it again.
-              x.lane->peer_ids[i] = static_cast<std::int32_t>(src[i]);
+              x.lane->peer_ids[i] = static_cast<BlockId>(src[i]);
               x.lane->prepared.reset();
             }
           }
@@ -1873,8 +1875,8 @@ class Decode final : public PdDecode, public Endpoint {
     auto done = piece_event(lb.pieces, u);
     Status s = done.status();
     if (s.ok())
-      s = copy_piece(ring_spaces_[slot], std::span<const std::int32_t>(ring_ids_).first(b - a), blocks_,
-                     std::span<const std::int32_t>(lb.local_ids).subspan(a, b - a), layer, false,
+      s = copy_piece(ring_spaces_[slot], std::span<const BlockId>(ring_ids_).first(b - a), blocks_,
+                     std::span<const BlockId>(lb.local_ids).subspan(a, b - a), layer, false,
                      lb.device_at(layer) + a, lb.host_at(layer) + a, **done);
     if (!s.ok()) {
       drain_lane();

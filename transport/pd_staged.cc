@@ -81,8 +81,9 @@ class StagingPool {
   std::vector<std::uint64_t> free_;
 };
 
-std::vector<std::int32_t> as_i32(const std::vector<std::uint64_t>& v) {
-  return std::vector<std::int32_t>(v.begin(), v.end());
+// The staging pool's ids (below its space's num_blocks, itself at most INT32_MAX) and checked request lists.
+std::vector<BlockId> as_block_ids(const std::vector<std::uint64_t>& v) {
+  return std::vector<BlockId>(v.begin(), v.end());
 }
 
 Status check_ids(const std::vector<std::uint64_t>& ids, const BlockSpace& space, std::string_view what) {
@@ -123,18 +124,19 @@ class StagedPrefill final : public PdStagedPrefill {
     return Status::Ok();
   }
 
-  Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) override {
+  Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_ids) override {
+    const std::vector<std::uint64_t> src_blocks(src_ids.begin(), src_ids.end());  // as the staging pool counts
     KVTIER_RETURN_IF_ERROR(check_ids(src_blocks, dev_, "source"));
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
     KVTIER_ASSIGN_OR_RETURN(auto staged, pool_.take(src_blocks.size()));
-    Status s = pd_->begin(decode, id, staged);
+    Status s = pd_->begin(decode, id, as_block_ids(staged));
     if (!s.ok()) {
       pool_.give(staged);
       return s;
     }
     X& x = xfers_[id];
-    x.src = as_i32(src_blocks);
+    x.src = as_block_ids(src_blocks);
     x.staging = std::move(staged);
     x.events.resize(dev_.layout().num_layers());
     return Status::Ok();
@@ -189,7 +191,7 @@ class StagedPrefill final : public PdStagedPrefill {
 
  private:
   struct X {
-    std::vector<std::int32_t> src;
+    std::vector<BlockId> src;
     std::vector<std::uint64_t> staging;
     std::vector<std::unique_ptr<Event>> events;  // per layer, recorded behind its staging copy
   };
@@ -203,7 +205,7 @@ class StagedPrefill final : public PdStagedPrefill {
     if (x.events[layer]) return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layer));
     KVTIER_ASSIGN_OR_RETURN(auto ev, device_.create_event());
     if (after != nullptr) KVTIER_RETURN_IF_ERROR(device_.wait(*stream_, *after));
-    const std::vector<std::int32_t> dst = as_i32(x.staging);
+    const std::vector<BlockId> dst = as_block_ids(x.staging);
     const std::uint32_t layers[1] = {layer};
     CopyRequest req;
     req.src = &dev_;
@@ -287,7 +289,8 @@ class StagedDecode final : public PdStagedDecode {
     return Status::Ok();
   }
 
-  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) override {
+  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_ids) override {
+    const std::vector<std::uint64_t> dst_blocks(dst_ids.begin(), dst_ids.end());  // as the staging pool counts
     KVTIER_RETURN_IF_ERROR(check_ids(dst_blocks, dev_, "destination"));
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
@@ -302,13 +305,13 @@ class StagedDecode final : public PdStagedDecode {
       l.event = std::move(ev).value();
     }
     // Validates the destination ids (distinct) as PdDecode would, before any staging block is in use.
-    Status s = pd_->start(prefill, id, mode, staged);
+    Status s = pd_->start(prefill, id, mode, as_block_ids(staged));
     if (!s.ok()) {
       pool_.give(staged);
       return s;
     }
     X& x = xfers_[id];
-    x.dst = as_i32(dst_blocks);
+    x.dst = as_block_ids(dst_blocks);
     x.staging = std::move(staged);
     x.layers = std::move(layers);
     cv_.notify_all();
@@ -389,7 +392,7 @@ class StagedDecode final : public PdStagedDecode {
     KeptStatus error;
   };
   struct X {
-    std::vector<std::int32_t> dst;
+    std::vector<BlockId> dst;
     std::vector<std::uint64_t> staging;
     std::vector<L> layers;
     KeptStatus copy_error;
@@ -502,7 +505,7 @@ class StagedDecode final : public PdStagedDecode {
   }
 
   Status enqueue_copy(X& x, std::uint32_t layer) {
-    const std::vector<std::int32_t> src = as_i32(x.staging);
+    const std::vector<BlockId> src = as_block_ids(x.staging);
     const std::uint32_t layers[1] = {layer};
     CopyRequest req;
     req.src = &staging_;

@@ -84,12 +84,14 @@ std::chrono::milliseconds to_ms(double seconds, const char* what) {
   return std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(seconds * 1000)));
 }
 
-std::vector<std::uint64_t> to_blocks(const std::vector<std::int64_t>& ids, const char* what) {
-  std::vector<std::uint64_t> out;
+std::vector<BlockId> to_blocks(const std::vector<std::int64_t>& ids, const char* what) {
+  std::vector<BlockId> out;
   out.reserve(ids.size());
   for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0) raise_status(OutOfRange(fmt::format("{} block id {} at index {} is negative", what, ids[i], i)));
-    out.push_back(static_cast<std::uint64_t>(ids[i]));
+    if (static_cast<std::uint64_t>(ids[i]) > kMaxBlockId)
+      raise_status(OutOfRange(fmt::format("{} block id {} at index {} does not fit a 32-bit block id", what, ids[i], i)));
+    out.push_back(static_cast<BlockId>(ids[i]));
   }
   return out;
 }

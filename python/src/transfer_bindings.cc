@@ -260,13 +260,13 @@ TransferManager::DeviceAccess parse_access(const std::string& s) {
   raise_status(InvalidArgument(fmt::format("access '{}' is not one of read, write, overwrite", s)));
 }
 
-std::vector<std::int32_t> to_ids(const std::vector<std::int64_t>& ids, const char* what) {
-  std::vector<std::int32_t> out;
+std::vector<BlockId> to_ids(const std::vector<std::int64_t>& ids, const char* what) {
+  std::vector<BlockId> out;
   out.reserve(ids.size());
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] > INT32_MAX)
+    if (ids[i] < 0 || static_cast<std::uint64_t>(ids[i]) > kMaxBlockId)
       raise_status(OutOfRange(fmt::format("{} block id {} at index {} is not a valid block id", what, ids[i], i)));
-    out.push_back(static_cast<std::int32_t>(ids[i]));
+    out.push_back(static_cast<BlockId>(ids[i]));
   }
   return out;
 }

@@ -48,7 +48,7 @@ RigOptions rig_options() {
   return o;
 }
 
-std::vector<std::int32_t> as_ids(const std::vector<BlockId>& v) { return {v.begin(), v.end()}; }
+std::vector<BlockId> as_ids(const std::vector<BlockId>& v) { return {v.begin(), v.end()}; }
 
 std::vector<BlockId> receive_blocks(const Admission& a) {
   return {a.device_blocks.begin() + a.receive_begin, a.device_blocks.begin() + a.receive_begin + a.receive_blocks};
@@ -72,19 +72,19 @@ struct Decode {
   Status run_plan() {
     StepPlan plan = cache->take_plan();
     if (!plan.evictions.empty()) {
-      std::vector<std::int32_t> d, h;
+      std::vector<BlockId> d, h;
       for (const BlockMove& m : plan.evictions) {
-        d.push_back(static_cast<std::int32_t>(m.src));
-        h.push_back(static_cast<std::int32_t>(m.dst));
+        d.push_back(static_cast<BlockId>(m.src));
+        h.push_back(static_cast<BlockId>(m.dst));
       }
       KVTIER_ASSIGN_OR_RETURN(TaskId t, tm().evict_to_host_async(d, h));
       KVTIER_RETURN_IF_ERROR(cache->ack_evictions(testing::dsts(plan.evictions), tm().wait(t, 10s)));
     }
     if (!plan.loads.empty()) {
-      std::vector<std::int32_t> h, d;
+      std::vector<BlockId> h, d;
       for (const BlockMove& m : plan.loads) {
-        h.push_back(static_cast<std::int32_t>(m.src));
-        d.push_back(static_cast<std::int32_t>(m.dst));
+        h.push_back(static_cast<BlockId>(m.src));
+        d.push_back(static_cast<BlockId>(m.dst));
       }
       KVTIER_ASSIGN_OR_RETURN(TaskId t, tm().load_layers_to_device_async({}, h, d));
       KVTIER_RETURN_IF_ERROR(cache->ack_loads(testing::dsts(plan.loads), tm().wait(t, 10s)));
@@ -96,7 +96,7 @@ struct Decode {
   Status compute_request(const std::vector<BlockKey>& keys) {
     KVTIER_ASSIGN_OR_RETURN(Admission a, cache->admit(keys));
     KVTIER_RETURN_IF_ERROR(run_plan());
-    std::vector<std::int32_t> fresh(a.device_blocks.begin() + a.device_hit_blocks + a.host_hit_blocks,
+    std::vector<BlockId> fresh(a.device_blocks.begin() + a.device_hit_blocks + a.host_hit_blocks,
                                     a.device_blocks.end());
     if (!fresh.empty()) KVTIER_RETURN_IF_ERROR(rig.compute_write(fresh));
     KVTIER_RETURN_IF_ERROR(cache->commit_all(a.id));
@@ -108,7 +108,7 @@ struct Decode {
     for (std::uint32_t r = 0; r < layout().num_roles(layer); ++r)
       fill_pattern(tm().device_space().block_ptr(layer, r, block), layout().block_bytes(layer, r), tag, layer, r);
   }
-  bool host_holds(std::int32_t host_block, std::uint32_t layer, std::uint64_t tag) {
+  bool host_holds(BlockId host_block, std::uint32_t layer, std::uint64_t tag) {
     for (std::uint32_t r = 0; r < layout().num_roles(layer); ++r)
       if (check_pattern(tm().host_space().block_ptr(layer, r, static_cast<std::uint64_t>(host_block)),
                         layout().block_bytes(layer, r), tag, layer, r) != -1)
@@ -144,18 +144,18 @@ TEST(ReceiveHazard, BlockBeingReceivedIsNeitherEvictedNorReadAsLoaded) {
     EXPECT_EQ(std::count(receiving.begin(), receiving.end(), e.src), 0) << "the plan evicts receiving block " << e.src;
   EXPECT_TRUE(disjoint(receiving, b->device_blocks));
   {
-    std::vector<std::int32_t> dsrc, hdst;
+    std::vector<BlockId> dsrc, hdst;
     for (const BlockMove& e : peek.evictions) {
-      dsrc.push_back(static_cast<std::int32_t>(e.src));
-      hdst.push_back(static_cast<std::int32_t>(e.dst));
+      dsrc.push_back(static_cast<BlockId>(e.src));
+      hdst.push_back(static_cast<BlockId>(e.dst));
     }
     auto ev = tm.evict_to_host_async(dsrc, hdst);
     ASSERT_TRUE(ev.ok()) << ev.status().to_string();
     ASSERT_TRUE(cache.ack_evictions(testing::dsts(peek.evictions), tm.wait(*ev, 10s)).ok());
   }
   // A stale or buggy plan that evicts a receiving block is refused by the data plane.
-  auto bad_evict = tm.evict_to_host_async(std::vector<std::int32_t>{static_cast<std::int32_t>(receiving[0])},
-                                          std::vector<std::int32_t>{static_cast<std::int32_t>(kHostBlocks - 1)});
+  auto bad_evict = tm.evict_to_host_async(std::vector<BlockId>{static_cast<BlockId>(receiving[0])},
+                                          std::vector<BlockId>{static_cast<BlockId>(kHostBlocks - 1)});
   EXPECT_EQ(bad_evict.status().code(), StatusCode::kFailedPrecondition) << bad_evict.status().to_string();
   // Nothing more can be had: the receive's blocks are not evictable, another request for its keys fails.
   auto again = cache.admit(recv_keys);
@@ -169,10 +169,10 @@ TEST(ReceiveHazard, BlockBeingReceivedIsNeitherEvictedNorReadAsLoaded) {
   auto info = tm.task_info(*task);
   ASSERT_TRUE(info.ok()) << info.status().to_string();
   EXPECT_EQ(info->layer_states.at(1), TaskState::kPending);
-  auto bad_load = tm.load_layers_to_device_async({}, std::vector<std::int32_t>{0},
-                                                 std::vector<std::int32_t>{static_cast<std::int32_t>(receiving[1])});
+  auto bad_load = tm.load_layers_to_device_async({}, std::vector<BlockId>{0},
+                                                 std::vector<BlockId>{static_cast<BlockId>(receiving[1])});
   EXPECT_EQ(bad_load.status().code(), StatusCode::kFailedPrecondition) << bad_load.status().to_string();
-  EXPECT_FALSE(*tm.is_device_block_free(static_cast<std::int32_t>(receiving[2])));
+  EXPECT_FALSE(*tm.is_device_block_free(static_cast<BlockId>(receiving[2])));
   EXPECT_INVARIANTS(cache);
 
   // The prefill stops answering; its posted writes may still land: fail, not reclaimable.
@@ -223,8 +223,8 @@ TEST(ReceiveHazard, LeadingLoadedBlocksJoinTheIndexAndServeTheirBytes) {
   for (std::uint32_t l = 0; l < layers; ++l) {
     for (BlockId b : receiving) d.peer_write(b, l, 700 + b);
     // The third block's layer 1 fails its checksum.
-    std::vector<std::int32_t> failed;
-    if (l == 1) failed.push_back(static_cast<std::int32_t>(receiving[2]));
+    std::vector<BlockId> failed;
+    if (l == 1) failed.push_back(static_cast<BlockId>(receiving[2]));
     ASSERT_TRUE(tm.complete_external_layer(*task, l, failed).ok());
     // The decode forward waits for each layer on its stream, as for a local load.
     Status w = tm.wait_for_layer(*task, l, d.rig.compute());
@@ -237,7 +237,7 @@ TEST(ReceiveHazard, LeadingLoadedBlocksJoinTheIndexAndServeTheirBytes) {
   ASSERT_TRUE(failed.ok());
   std::uint32_t leading = 0;
   while (leading < receiving.size() &&
-         std::count(failed->device.begin(), failed->device.end(), static_cast<std::int32_t>(receiving[leading])) == 0)
+         std::count(failed->device.begin(), failed->device.end(), static_cast<BlockId>(receiving[leading])) == 0)
     ++leading;
   EXPECT_EQ(leading, 2u);
   ASSERT_TRUE(cache.complete_receive(r->id, leading, /*reclaimable=*/true).ok());
@@ -245,7 +245,7 @@ TEST(ReceiveHazard, LeadingLoadedBlocksJoinTheIndexAndServeTheirBytes) {
   EXPECT_EQ(m.device_blocks, 2u);
   EXPECT_EQ(m.device_ids, std::vector<BlockId>(receiving.begin(), receiving.begin() + 2));
   // The failed block is recomputed into the same block and committed.
-  ASSERT_TRUE(d.rig.compute_write(std::vector<std::int32_t>{static_cast<std::int32_t>(receiving[2])}).ok());
+  ASSERT_TRUE(d.rig.compute_write(std::vector<BlockId>{static_cast<BlockId>(receiving[2])}).ok());
   ASSERT_TRUE(cache.commit_all(r->id).ok());
   ASSERT_TRUE(cache.release(r->id).ok());
   EXPECT_EQ(cache.match(keys).device_blocks, 3u);
@@ -258,7 +258,7 @@ TEST(ReceiveHazard, LeadingLoadedBlocksJoinTheIndexAndServeTheirBytes) {
   ASSERT_EQ(after.host_blocks, 3u);
   for (std::uint32_t i = 0; i < 2; ++i)
     for (std::uint32_t l = 0; l < layers; ++l)
-      EXPECT_TRUE(d.host_holds(static_cast<std::int32_t>(after.host_ids[i]), l, 700 + receiving[i]))
+      EXPECT_TRUE(d.host_holds(static_cast<BlockId>(after.host_ids[i]), l, 700 + receiving[i]))
           << "block " << i << " layer " << l;
   ASSERT_TRUE(cache.release(other->id).ok());
   const CacheStats s = cache.stats();
@@ -285,8 +285,8 @@ TEST(ReceiveHazard, FailedReceiveServesWhatLandedAndQuarantinesTheRest) {
   ASSERT_TRUE(task.ok());
   for (std::uint32_t l = 0; l < d.layout().num_layers(); ++l) {
     for (BlockId b : receiving) d.peer_write(b, l, 900 + b);
-    std::vector<std::int32_t> failed;
-    if (l == 2) failed.push_back(static_cast<std::int32_t>(receiving[2]));
+    std::vector<BlockId> failed;
+    if (l == 2) failed.push_back(static_cast<BlockId>(receiving[2]));
     ASSERT_TRUE(tm.complete_external_layer(*task, l, failed).ok());
   }
   // The prefill did not confirm that its writes are quiescent: not reclaimable.
@@ -306,10 +306,10 @@ TEST(ReceiveHazard, FailedReceiveServesWhatLandedAndQuarantinesTheRest) {
   ASSERT_EQ(m.host_blocks, 2u) << "the received blocks' evictions were refused or failed";
   for (std::uint32_t i = 0; i < 2; ++i)
     for (std::uint32_t l = 0; l < d.layout().num_layers(); ++l)
-      EXPECT_TRUE(d.host_holds(static_cast<std::int32_t>(m.host_ids[i]), l, 900 + receiving[i]));
+      EXPECT_TRUE(d.host_holds(static_cast<BlockId>(m.host_ids[i]), l, 900 + receiving[i]));
   EXPECT_EQ(cache.admit(path({70})).status().code(), StatusCode::kResourceExhausted);
-  auto bad_load = tm.load_layers_to_device_async({}, std::vector<std::int32_t>{0},
-                                                 std::vector<std::int32_t>{static_cast<std::int32_t>(receiving[2])});
+  auto bad_load = tm.load_layers_to_device_async({}, std::vector<BlockId>{0},
+                                                 std::vector<BlockId>{static_cast<BlockId>(receiving[2])});
   EXPECT_EQ(bad_load.status().code(), StatusCode::kFailedPrecondition) << bad_load.status().to_string();
   ASSERT_TRUE(cache.release(big->id).ok());
   EXPECT_INVARIANTS(cache);

@@ -67,7 +67,7 @@ TEST_F(CopyEngineTest, FailedCopyIsReportedByTheStream) {
   auto dev = layer_first(MemoryKind::kDevice, *layout, 8);
   auto host = layer_first(MemoryKind::kPinnedHost, *layout, 8);
   ASSERT_TRUE(dev && host);
-  std::vector<std::int32_t> s{0, 2}, d{1, 3};
+  std::vector<BlockId> s{0, 2}, d{1, 3};
   for (CopyStrategy strategy : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch, CopyStrategy::kSmKernel,
                                 CopyStrategy::kStagedDma, CopyStrategy::kSplit}) {
     SCOPED_TRACE(copy_strategy_name(strategy));
@@ -183,8 +183,8 @@ TEST_F(CopyEngineTest, AliasedSpacesWithDifferentBlockCounts) {
   auto big = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 4096, {{mem.data()}});
   auto small = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 4, {{mem.data()}});
   ASSERT_TRUE(big.ok() && small.ok());
-  const std::vector<std::int32_t> src = {4000, 3999};
-  const std::vector<std::int32_t> dst = {0, 1};
+  const std::vector<BlockId> src = {4000, 3999};
+  const std::vector<BlockId> dst = {0, 1};
   Status st;
   // A fresh thread: its bitmap is sized for the 4-block destination only.
   std::thread([&] {
@@ -199,8 +199,8 @@ TEST_F(CopyEngineTest, AliasedSpacesWithDifferentBlockCounts) {
   EXPECT_TRUE(st.ok()) << "disjoint bytes: " << st.to_string();
 
   // Source block 2 of the big space is destination block 2 of the small one.
-  const std::vector<std::int32_t> src2 = {2};
-  const std::vector<std::int32_t> dst2 = {2};
+  const std::vector<BlockId> src2 = {2};
+  const std::vector<BlockId> dst2 = {2};
   CopyRequest r;
   r.src = &*big;
   r.dst = &*small;
@@ -221,8 +221,8 @@ TEST_F(CopyEngineTest, AliasedSpacesOnDifferentBasesRejectedBeforeEnqueue) {
   auto a = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 8, {{mem.data()}});
   auto b = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 7, {{mem.data() + 64}});
   ASSERT_TRUE(a.ok() && b.ok());
-  const std::vector<std::int32_t> src = {5, 1};
-  const std::vector<std::int32_t> dst = {6, 0};  // a's block 1 is b's block 0
+  const std::vector<BlockId> src = {5, 1};
+  const std::vector<BlockId> dst = {6, 0};  // a's block 1 is b's block 0
   CopyRequest r;
   r.src = &*a;
   r.dst = &*b;
@@ -251,8 +251,8 @@ TEST_F(CopyEngineTest, InterleavedPerLayerSpacesAreCheckedWhereTheirPlanesMeet) 
   auto a = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 8, {{a0}, {shared}});
   auto b = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, 8, {{shared}, {b1}});
   ASSERT_TRUE(a.ok() && b.ok());
-  const std::vector<std::int32_t> src = {1, 3};
-  const std::vector<std::int32_t> dst = {3, 5};
+  const std::vector<BlockId> src = {1, 3};
+  const std::vector<BlockId> dst = {3, 5};
   const std::uint32_t layer0[1] = {0};
   CopyRequest r;
   r.src = &*a;
@@ -267,7 +267,7 @@ TEST_F(CopyEngineTest, InterleavedPerLayerSpacesAreCheckedWhereTheirPlanesMeet) 
   EXPECT_EQ(overlap.code(), StatusCode::kInvalidArgument) << overlap.to_string();
   EXPECT_NE(overlap.message().find("src block 3 at index 1 (layer 1"), std::string::npos) << overlap.to_string();
   EXPECT_NE(overlap.message().find("dst block 3 at index 0"), std::string::npos) << overlap.to_string();
-  const std::vector<std::int32_t> far_dst = {6, 7};  // no source block of a's layer 1 lands there
+  const std::vector<BlockId> far_dst = {6, 7};  // no source block of a's layer 1 lands there
   r.dst_blocks = far_dst;
   EXPECT_TRUE(engine_->validate(r).ok()) << "meeting planes, disjoint blocks";
 }

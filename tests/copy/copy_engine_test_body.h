@@ -247,8 +247,8 @@ class CopyEngineTest : public ::testing::Test {
     expect_matches_model(dst);
   }
 
-  static std::vector<std::int32_t> random_ids(std::uint64_t pool, std::size_t n, std::uint64_t seed) {
-    std::vector<std::int32_t> all(pool);
+  static std::vector<BlockId> random_ids(std::uint64_t pool, std::size_t n, std::uint64_t seed) {
+    std::vector<BlockId> all(pool);
     std::iota(all.begin(), all.end(), 0);
     std::mt19937_64 rng(seed);
     std::shuffle(all.begin(), all.end(), rng);
@@ -268,7 +268,7 @@ inline constexpr CopyStrategy kStrategies[] = {CopyStrategy::kDmaPerRun, CopyStr
 
 struct ValidationFixture {
   std::unique_ptr<TestSpace> src, dst;
-  std::vector<std::int32_t> s{0, 1, 2}, d{3, 4, 5};
+  std::vector<BlockId> s{0, 1, 2}, d{3, 4, 5};
   CopyRequest req() const {
     CopyRequest r;
     r.src = &src->space;
@@ -318,7 +318,7 @@ TEST_F(CopyValidationTest, LayoutMismatch) {
 }
 TEST_F(CopyValidationTest, LengthMismatch) {
   auto r = v_.req();
-  std::vector<std::int32_t> d{3, 4};
+  std::vector<BlockId> d{3, 4};
   r.dst_blocks = d;
   expect_rejected(*v_.dst, r, StatusCode::kInvalidArgument);
 }
@@ -341,10 +341,10 @@ TEST_F(CopyValidationTest, SrcIdOutOfRange) {
   expect_rejected(*v_.dst, v_.req(), StatusCode::kOutOfRange);
   EXPECT_NE(engine_->validate(v_.req()).message().find("index 1"), std::string::npos);
 }
-TEST_F(CopyValidationTest, NegativeSrcId) {
-  v_.s = {0, 1, -1};
+TEST_F(CopyValidationTest, LargestSrcIdIsOutOfRange) {
+  v_.s = {0, 1, static_cast<BlockId>(kMaxBlockId)};  // what an engine's -1 becomes unchecked
   expect_rejected(*v_.dst, v_.req(), StatusCode::kOutOfRange);
-  EXPECT_NE(engine_->validate(v_.req()).message().find("-1"), std::string::npos);
+  EXPECT_NE(engine_->validate(v_.req()).message().find("4294967295"), std::string::npos);
 }
 TEST_F(CopyValidationTest, DstIdOutOfRange) {
   v_.d = {3, 4, 100};
@@ -451,10 +451,10 @@ TEST_F(CopyEngineTest, EveryStrategyEverySizeEveryDirection) {
       fill_random(*src, ++seed);
       // 9 random ids plus a run of 3 consecutive ids on both sides
       // (src 17..19 -> dst 10..12), so that per-run merging is exercised.
-      std::vector<std::int32_t> s = random_ids(17, 9, ++seed);
+      std::vector<BlockId> s = random_ids(17, 9, ++seed);
       s.insert(s.end(), {17, 18, 19});
-      std::vector<std::int32_t> d;
-      for (std::int32_t x : random_ids(pool, pool, ++seed))
+      std::vector<BlockId> d;
+      for (BlockId x : random_ids(pool, pool, ++seed))
         if ((x < 10 || x > 12) && d.size() < 9) d.push_back(x);
       d.insert(d.end(), {10, 11, 12});
       ASSERT_EQ(s.size(), d.size());
@@ -488,7 +488,7 @@ TEST_F(CopyEngineTest, MisalignedPlanesUseNarrowAccesses) {
   auto dst = layer_first(MemoryKind::kPinnedHost, *layout, 16, 5, 3);
   ASSERT_TRUE(src && dst);
   fill_random(*src, 3);
-  std::vector<std::int32_t> s{0, 3, 5, 9, 15, 2}, d{7, 1, 2, 3, 0, 14};
+  std::vector<BlockId> s{0, 3, 5, 9, 15, 2}, d{7, 1, 2, 3, 0, 14};
   for (CopyStrategy strategy : kStrategies) {
     SCOPED_TRACE(copy_strategy_name(strategy));
     fill_poison(*dst);
@@ -575,7 +575,7 @@ TEST_F(CopyEngineTest, PreparedCopyPostsLayersOneAtATime) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
   EXPECT_NE(st.message().find("another copy engine"), std::string::npos) << st.to_string();
   // An invalid request is refused at prepare(), naming the bad id.
-  std::vector<std::int32_t> bad = d;
+  std::vector<BlockId> bad = d;
   bad[3] = 99;
   auto refused = engine_->prepare(CopyRequest{&host->space, &dev->space, s, bad, layers, kAllRoles});
   EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange) << refused.status().to_string();
@@ -654,8 +654,8 @@ TEST_F(CopyEngineTest, RunsAreMerged) {
   ASSERT_TRUE(dev && host);
   fill_random(*dev, 14);
   // Two runs (8..15 -> 40..47, 20..23 -> 0..3) and one singleton.
-  std::vector<std::int32_t> s{8, 9, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 30};
-  std::vector<std::int32_t> d{40, 41, 42, 43, 44, 45, 46, 47, 0, 1, 2, 3, 60};
+  std::vector<BlockId> s{8, 9, 10, 11, 12, 13, 14, 15, 20, 21, 22, 23, 30};
+  std::vector<BlockId> d{40, 41, 42, 43, 44, 45, 46, 47, 0, 1, 2, 3, 60};
   for (CopyStrategy strategy : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch}) {
     fill_poison(*host);
     const CopyReport rep =
@@ -663,7 +663,7 @@ TEST_F(CopyEngineTest, RunsAreMerged) {
     EXPECT_EQ(rep.segments, 3u * 4u);  // 3 runs x 4 planes
   }
   // Source adjacent but destination not: no merge.
-  std::vector<std::int32_t> d2{40, 42, 44, 46, 48, 50, 52, 54, 0, 2, 4, 6, 60};
+  std::vector<BlockId> d2{40, 42, 44, 46, 48, 50, 52, 54, 0, 2, 4, 6, 60};
   fill_poison(*host);
   const CopyReport rep = copy_and_check(
       *dev, *host, CopyRequest{&dev->space, &host->space, s, d2, {}, kAllRoles, CopyStrategy::kDmaPerRun});
@@ -677,7 +677,7 @@ TEST_F(CopyEngineTest, PageFirstBothSidesMergesAcrossPlanes) {
   auto host = page_first(MemoryKind::kPinnedHost, *layout, 32);
   ASSERT_TRUE(dev && host);
   fill_random(*dev, 15);
-  std::vector<std::int32_t> s{4, 5, 6, 20}, d{10, 11, 12, 0};
+  std::vector<BlockId> s{4, 5, 6, 20}, d{10, 11, 12, 0};
   fill_poison(*host);
   const CopyReport rep = copy_and_check(
       *dev, *host, CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, CopyStrategy::kDmaPerRun});
@@ -783,7 +783,7 @@ TEST_F(CopyEngineTest, ManyPlanesSplitAcrossLaunches) {
   ASSERT_TRUE(dev && host);
   fill_random(*dev, 19);
   fill_poison(*host);
-  std::vector<std::int32_t> s{1, 3, 5}, d{0, 7, 2};
+  std::vector<BlockId> s{1, 3, 5}, d{0, 7, 2};
   const CopyReport rep =
       copy_and_check(*dev, *host, CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, CopyStrategy::kSmKernel});
   EXPECT_EQ(rep.calls, 2u);
@@ -809,11 +809,11 @@ TEST_F(CopyEngineTest, ConcurrentCopiesOnSeveralStreams) {
     streams.push_back(std::move(s).value());
   }
   // Thread t owns destination blocks [t*n, (t+1)*n).
-  std::vector<std::vector<std::int32_t>> src_ids(kThreads), dst_ids(kThreads);
+  std::vector<std::vector<BlockId>> src_ids(kThreads), dst_ids(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     src_ids[t] = random_ids(n * kThreads, 24, 100 + t);
     dst_ids[t] = random_ids(n, 24, 200 + t);
-    for (auto& x : dst_ids[t]) x += static_cast<std::int32_t>(t * n);
+    for (auto& x : dst_ids[t]) x += static_cast<BlockId>(t * n);
   }
   std::atomic<int> failures{0};
   std::vector<std::thread> threads;
@@ -856,7 +856,7 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   ASSERT_TRUE(dev_s && host_s && host_s2 && dev_b && host_b && dev_m && host_m);
   auto s = random_ids(32, 16, 21);
   auto d = random_ids(32, 16, 22);
-  auto req = [&](TestSpace& a, TestSpace& b, std::span<const std::int32_t> x, std::span<const std::int32_t> y) {
+  auto req = [&](TestSpace& a, TestSpace& b, std::span<const BlockId> x, std::span<const BlockId> y) {
     return CopyRequest{&a.space, &b.space, x, y, {}, kAllRoles, CopyStrategy::kAuto};
   };
   // Small scattered blocks, nothing else in flight: the SM kernel for D2H,
@@ -866,7 +866,7 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
   EXPECT_EQ(engine_->choose(req(*dev_s, *dev_s, std::span(s).first(8), std::span(s).last(8))), CopyStrategy::kSmKernel);
   EXPECT_EQ(engine_->choose(req(*host_s, *host_s2, s, d)), CopyStrategy::kDmaBatch);
   // Large merged segments: one DMA per run.
-  std::vector<std::int32_t> b0{0, 1, 2}, b1{1, 2, 3};
+  std::vector<BlockId> b0{0, 1, 2}, b1{1, 2, 3};
   EXPECT_EQ(engine_->choose(req(*dev_b, *host_b, b0, b1)), CopyStrategy::kDmaPerRun);
   // 1 MiB scattered: copy engines (batch) in both directions.
   auto ms = random_ids(16, 8, 23);
@@ -909,9 +909,9 @@ TEST_F(CopyEngineTest, AutoPicksExpectedStrategies) {
 
 // ------------------------------------------------------------- staged DMA
 
-inline std::vector<std::int32_t> staged_range_ids(std::int32_t first, std::size_t n, std::int32_t step = 1) {
-  std::vector<std::int32_t> ids(n);
-  for (std::size_t i = 0; i < n; ++i) ids[i] = first + static_cast<std::int32_t>(i) * step;
+inline std::vector<BlockId> staged_range_ids(BlockId first, std::size_t n, BlockId step = 1) {
+  std::vector<BlockId> ids(n);
+  for (std::size_t i = 0; i < n; ++i) ids[i] = first + static_cast<BlockId>(i) * step;
   return ids;
 }
 
@@ -1015,7 +1015,7 @@ TEST_F(CopyEngineTest, StagedDmaRepeatedSources) {
   ASSERT_TRUE(host && dev);
   fill_random(*host, 31);
   fill_poison(*dev);
-  std::vector<std::int32_t> s{3, 4, 4, 5, 3, 6, 7, 7}, d{0, 9, 2, 11, 4, 15, 6, 1};
+  std::vector<BlockId> s{3, 4, 4, 5, 3, 6, 7, 7}, d{0, 9, 2, 11, 4, 15, 6, 1};
   copy_and_check(*host, *dev, CopyRequest{&host->space, &dev->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma});
 }
 
@@ -1078,7 +1078,7 @@ TEST_F(CopyEngineTest, StagedDmaRejections) {
   fill_poison(*dev2);
   fill_poison(*host2);
   fill_poison(*page);
-  std::vector<std::int32_t> s{0, 1, 2}, d{3, 4, 5};
+  std::vector<BlockId> s{0, 1, 2}, d{3, 4, 5};
   expect_rejected(*dev2, CopyRequest{&dev->space, &dev2->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma},
                   StatusCode::kNotSupported);
   expect_rejected(*host2, CopyRequest{&host->space, &host2->space, s, d, {}, kAllRoles, CopyStrategy::kStagedDma},
@@ -1119,7 +1119,7 @@ TEST_F(CopyEngineTest, AutoPicksStagedForDenseHostRuns) {
   const auto every_other = staged_range_ids(0, n, 2);
   const auto random_host = random_ids(2 * n, n, 41);
   const auto d = random_ids(2 * n, n, 42);
-  auto req = [&](TestSpace& hs, std::span<const std::int32_t> h, bool h2d) {
+  auto req = [&](TestSpace& hs, std::span<const BlockId> h, bool h2d) {
     return h2d ? CopyRequest{&hs.space, &dev->space, h, d, {}, kAllRoles, CopyStrategy::kAuto}
                : CopyRequest{&dev->space, &hs.space, d, h, {}, kAllRoles, CopyStrategy::kAuto};
   };
@@ -1240,7 +1240,7 @@ TEST_F(CopyEngineTest, SplitRejectsHostToHostAndDeviceToDevice) {
   ASSERT_TRUE(dev && dev2 && host && host2);
   fill_poison(*dev2);
   fill_poison(*host2);
-  std::vector<std::int32_t> s{0, 2}, d{1, 3};
+  std::vector<BlockId> s{0, 2}, d{1, 3};
   expect_rejected(*dev2, CopyRequest{&dev->space, &dev2->space, s, d, {}, kAllRoles, CopyStrategy::kSplit},
                   StatusCode::kNotSupported);
   expect_rejected(*host2, CopyRequest{&host->space, &host2->space, s, d, {}, kAllRoles, CopyStrategy::kSplit},
@@ -1459,11 +1459,11 @@ class CopyChecksumTest : public CopyEngineTest {
     EXPECT_TRUE(device_->memcpy_sync(v.data(), p, n * 8).ok());
     return v;
   }
-  std::vector<std::uint64_t> reference(TestSpace& ts, std::span<const std::int32_t> ids,
+  std::vector<std::uint64_t> reference(TestSpace& ts, std::span<const BlockId> ids,
                                        std::span<const std::uint32_t> layers, RoleMask roles = kAllRoles) {
     const BlockSpace m = mirror_space(ts);
     std::vector<std::uint64_t> v;
-    for (std::int32_t id : ids) v.push_back(block_checksum(m, static_cast<std::uint64_t>(id), layers, roles));
+    for (BlockId id : ids) v.push_back(block_checksum(m, static_cast<std::uint64_t>(id), layers, roles));
     return v;
   }
   std::vector<Buffer> buffers_;
@@ -1548,7 +1548,7 @@ TEST_F(CopyChecksumTest, ChecksumReadsWithoutWritingAndSeesEveryFlippedHalfWord)
   auto dev = layer_first(MemoryKind::kDevice, *layout, 4);
   ASSERT_TRUE(dev);
   fill_random(*dev, 221);
-  const std::vector<std::int32_t> ids{2, 0, 2};  // repeats are allowed: nothing is written
+  const std::vector<BlockId> ids{2, 0, 2};  // repeats are allowed: nothing is written
   std::uint64_t* ck = checksum_buffer(ids.size());
   ASSERT_NE(ck, nullptr);
   auto run = [&]() {
@@ -1601,7 +1601,7 @@ TEST_F(CopyChecksumTest, ChecksummedCopyRefusesMisalignedBlocksAndDmaStrategies)
   fill_random(*odd_src, 233);
   fill_poison(*dst);
   fill_poison(*odd_dst);
-  const std::vector<std::int32_t> s{1, 3}, d{0, 2};
+  const std::vector<BlockId> s{1, 3}, d{0, 2};
   std::uint64_t* ck = checksum_buffer(2);
   ASSERT_NE(ck, nullptr);
   CopyRequest misaligned{&padded->space, &dst->space, s, d, {}, kAllRoles, CopyStrategy::kAuto};
@@ -1626,7 +1626,7 @@ TEST_F(CopyChecksumTest, ChecksummedCopyRefusesMisalignedBlocksAndDmaStrategies)
   }
   auto r3 = engine_->checksum(dst->space, s, {}, kAllRoles, ck, *stream_);
   EXPECT_EQ(r3.status().code(), StatusCode::kNotSupported) << "host memory: block_checksum() on the CPU";
-  const std::vector<std::int32_t> bad{1, 8};
+  const std::vector<BlockId> bad{1, 8};
   auto r4 = engine_->checksum(src->space, bad, {}, kAllRoles, ck, *stream_);
   EXPECT_EQ(r4.status().code(), StatusCode::kOutOfRange) << r4.status().to_string();
   ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());

@@ -58,7 +58,7 @@ TEST_F(CopyEngineTest, ManyBackToBackKernelCallsReuseSlots) {
     fill_random(*dev, 4);
     fill_poison(*host);
     // 64 calls over disjoint destination ranges.
-    std::vector<std::vector<std::int32_t>> src(64), dst(64);
+    std::vector<std::vector<BlockId>> src(64), dst(64);
     for (int i = 0; i < 64; ++i) {
       src[i] = random_ids(256, 4, 10 + i);
       for (int k = 0; k < 4; ++k) dst[i].push_back(i * 4 + k);
@@ -96,11 +96,11 @@ TEST_F(CopyEngineTest, ChainedKernelCopiesOnOneStreamKeepStreamOrder) {
     // Hop k copies the 32 blocks the previous hop wrote to fresh positions of
     // the next space: a -> dev -> b -> dev -> a -> ... (ids shuffled per hop).
     TestSpace* spaces[3] = {host_a.get(), dev.get(), host_b.get()};
-    std::vector<std::int32_t> prev = random_ids(kBlocks, 32, 100);
+    std::vector<BlockId> prev = random_ids(kBlocks, 32, 100);
     int at = 0;
     for (int hop = 0; hop < 24; ++hop) {
       const int next = (at == 1) ? (hop % 4 == 1 ? 2 : 0) : 1;
-      std::vector<std::int32_t> dst = random_ids(kBlocks, 32, 200 + hop);
+      std::vector<BlockId> dst = random_ids(kBlocks, 32, 200 + hop);
       CopyRequest r{&spaces[at]->space, &spaces[next]->space, prev, dst, {}, kAllRoles, CopyStrategy::kSmKernel};
       model_copy(*spaces[at], *spaces[next], r);
       ASSERT_TRUE(engine_->copy(r, *stream_).ok());

@@ -174,7 +174,7 @@ struct Rig {
   }
 };
 
-const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
+const std::vector<BlockId> kSrc = {3, 1, 7, 5};
 
 class Modes : public ::testing::TestWithParam<PdMode> {};
 
@@ -210,7 +210,7 @@ TEST_P(Modes, AReceivedPromptIsAwaitedPerLayerCommittedAndServedAsDeviceHits) {
   EXPECT_TRUE(rig.tm->failed_blocks(rcv->task)->device.empty());
   ASSERT_TRUE(rig.rx->drain(5s).ok());
   EXPECT_EQ(rig.rx->active(), 0u);
-  for (BlockId b : blocks) EXPECT_TRUE(*rig.tm->is_device_block_free(static_cast<std::int32_t>(b))) << b;
+  for (BlockId b : blocks) EXPECT_TRUE(*rig.tm->is_device_block_free(b)) << b;
   ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
 
   // A later request with the same prompt: every block a device hit, in the blocks that hold the received bytes.
@@ -276,7 +276,7 @@ TEST_P(Modes, ACorruptedBlockIsNeverCommittedAndALaterRequestRecomputesIt) {
   for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_TRUE(rig.tm->wait_layer_host(rcv->task, l, 5s).ok()) << l;
   auto failed = rig.tm->failed_blocks(rcv->task);
   ASSERT_TRUE(failed.ok());
-  EXPECT_EQ(failed->device, (std::vector<std::int32_t>{static_cast<std::int32_t>(blocks[2])}));
+  EXPECT_EQ(failed->device, (std::vector<BlockId>{blocks[2]}));
   EXPECT_EQ(rig.cache->stats().received_committed_blocks, 2u);
 
   // Once the prefill's writes are proven over, nothing stays quarantined.
@@ -319,7 +319,7 @@ TEST(PdReceiver, APartialLayerFailsAtOnceNamingItsBadBlock) {
   for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_TRUE(rig.tm->wait_layer_host(rcv->task, l, 5s).ok()) << l;
   auto failed = rig.tm->failed_blocks(rcv->task);
   ASSERT_TRUE(failed.ok());
-  EXPECT_EQ(failed->device, (std::vector<std::int32_t>{static_cast<std::int32_t>(blocks[2])}));
+  EXPECT_EQ(failed->device, (std::vector<BlockId>{blocks[2]}));
   ASSERT_TRUE(rig.rx->drain(5s).ok());
   ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
   EXPECT_TRUE(rig.cache->check_invariants().ok());
@@ -338,8 +338,8 @@ TEST(PdReceiver, AStagedReceiveIsAwaitedCommittedAndItsStagingReturned) {
   ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
   const std::vector<BlockId> blocks = receive_blocks(rcv->admission);
   EXPECT_EQ(rig.sdec->staging_blocks_free(), 2u);
-  auto evict = rig.tm->evict_to_host_async(std::vector<std::int32_t>{static_cast<std::int32_t>(blocks[3])},
-                                           std::vector<std::int32_t>{0});
+  auto evict = rig.tm->evict_to_host_async(std::vector<BlockId>{blocks[3]},
+                                           std::vector<BlockId>{0});
   EXPECT_EQ(evict.status().code(), StatusCode::kFailedPrecondition) << evict.status().to_string();
   for (std::uint32_t l = 0; l < kLayers; ++l) {
     ASSERT_TRUE(rig.pre->layer_ready(19, l).ok());
@@ -419,7 +419,7 @@ TEST(PdReceiver, ASilentPrefillKeepsTheBlocksQuarantinedUntilItCanNoLongerWrite)
   EXPECT_EQ(cs.quarantined_device_blocks, 4u);
   EXPECT_EQ(cs.received_committed_blocks, 0u);
   EXPECT_EQ(rig.cache->match(keys).total(), 0u);
-  for (BlockId b : blocks) EXPECT_FALSE(*rig.tm->is_device_block_free(static_cast<std::int32_t>(b))) << b;
+  for (BlockId b : blocks) EXPECT_FALSE(*rig.tm->is_device_block_free(b)) << b;
   auto others = rig.cache->admit(cache::testing::path({20, 21, 22, 23}));
   ASSERT_TRUE(others.ok()) << others.status().to_string();
   for (BlockId b : others->device_blocks) EXPECT_EQ(std::count(blocks.begin(), blocks.end(), b), 0) << b;
@@ -434,7 +434,7 @@ TEST(PdReceiver, ASilentPrefillKeepsTheBlocksQuarantinedUntilItCanNoLongerWrite)
   ASSERT_TRUE(rig.rx->drain(5s).ok());
   EXPECT_EQ(rig.rx->quarantined(), 0u);
   EXPECT_EQ(rig.cache->stats().quarantined_device_blocks, 0u);
-  for (BlockId b : blocks) EXPECT_TRUE(*rig.tm->is_device_block_free(static_cast<std::int32_t>(b))) << b;
+  for (BlockId b : blocks) EXPECT_TRUE(*rig.tm->is_device_block_free(b)) << b;
   auto all = rig.cache->admit(cache::testing::path({40, 41, 42, 43, 44, 45, 46, 47}));
   EXPECT_TRUE(all.ok()) << all.status().to_string();
   const auto st = rig.rx->stats();
@@ -452,11 +452,11 @@ TEST(PdReceiver, AnEvictionOfAReceivingBlockIsRefused) {
   auto rcv = rig.rx->start(rig.request(14, PdMode::kPush, keys));
   ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
   const std::vector<BlockId> blocks = receive_blocks(rcv->admission);
-  const auto b0 = static_cast<std::int32_t>(blocks[0]);
+  const auto b0 = blocks[0];
 
-  auto evict = rig.tm->evict_to_host_async(std::vector<std::int32_t>{b0}, std::vector<std::int32_t>{0});
+  auto evict = rig.tm->evict_to_host_async(std::vector<BlockId>{b0}, std::vector<BlockId>{0});
   EXPECT_EQ(evict.status().code(), StatusCode::kFailedPrecondition) << evict.status().to_string();
-  auto load = rig.tm->load_layers_to_device_async({}, std::vector<std::int32_t>{1}, std::vector<std::int32_t>{b0});
+  auto load = rig.tm->load_layers_to_device_async({}, std::vector<BlockId>{1}, std::vector<BlockId>{b0});
   EXPECT_EQ(load.status().code(), StatusCode::kFailedPrecondition) << load.status().to_string();
   EXPECT_EQ(rig.cache->commit_all(rcv->admission.id).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(rig.cache->match(keys).total(), 0u);

@@ -200,7 +200,7 @@ TEST(Registration, NameMapToWorkingManager) {
   auto compute = (*dev)->create_stream();
   auto mgr = TransferManager::create(**dev, **compute, *reg);
   ASSERT_TRUE(mgr.ok()) << mgr.status().to_string();
-  std::vector<std::int32_t> d = {5, 1}, h = {0, 3};
+  std::vector<BlockId> d = {5, 1}, h = {0, 3};
   auto ev = (*mgr)->evict_to_host_async(d, h);
   ASSERT_TRUE(ev.ok());
   ASSERT_TRUE((*mgr)->wait(*ev, 5s).ok());
@@ -215,8 +215,8 @@ TEST(Registration, NameMapToWorkingManager) {
       EXPECT_EQ(std::memcmp(dst + 3 * bb, src + 1 * bb, bb), 0) << "layer " << l << " role " << r;
       EXPECT_EQ(std::memcmp(dst + 0 * bb, src + 5 * bb, bb), 0) << "layer " << l << " role " << r;
     }
-  std::vector<std::int32_t> d2 = {0};
-  std::vector<std::int32_t> h2 = {3};
+  std::vector<BlockId> d2 = {0};
+  std::vector<BlockId> h2 = {3};
   auto ld = (*mgr)->load_layers_to_device_async({}, h2, d2);
   ASSERT_TRUE(ld.ok());
   ASSERT_TRUE((*mgr)->wait(*ld, 5s).ok());
@@ -261,7 +261,7 @@ TEST(HazardTracker, OrdersReadsAndWritesAcrossStreams) {
   auto s2 = (*dev)->create_stream();
   auto pool = EventPool::create(**dev);
   HazardTracker t(**dev, 4, "device");
-  EXPECT_EQ(t.check_ids(std::vector<std::int32_t>{0, 4}, "x").code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(t.check_ids(std::vector<BlockId>{0, 4}, "x").code(), StatusCode::kOutOfRange);
   std::mutex mu;
   std::condition_variable cv;
   bool open = false;
@@ -275,7 +275,7 @@ TEST(HazardTracker, OrdersReadsAndWritesAcrossStreams) {
                   .ok());
   auto w = (*pool)->acquire();
   ASSERT_TRUE((*dev)->record(**w, **s1).ok());
-  std::vector<std::int32_t> b0 = {0};
+  std::vector<BlockId> b0 = {0};
   auto origin = std::make_shared<WriteOrigin>(1);
   t.note_write(b0, *w, (*s1)->id(), origin, true);
   EXPECT_FALSE(*t.is_free(0));

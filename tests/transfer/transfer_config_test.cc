@@ -265,17 +265,17 @@ TEST(TransferConfig, EnvConfiguredManagerMovesBytes) {
 
   // Random bytes in device blocks 1, 2; poisoned device blocks 6, 4. Evict 1, 2 -> host 5, 3, then
   // load host 5, 3 -> device 6, 4: every plane of 6, 4 must hold 1's, 2's bytes.
-  const std::vector<std::int32_t> dsrc{1, 2}, hblk{5, 3}, ddst{6, 4};
+  const std::vector<BlockId> dsrc{1, 2}, hblk{5, 3}, ddst{6, 4};
   std::mt19937_64 rng(11);
   std::vector<std::byte> data(kBlockBytes), got(kBlockBytes), poison(kBlockBytes, std::byte{0xA5});
   std::map<std::pair<int, int>, std::vector<std::byte>> expect;  // (layer * 2 + role, block) -> bytes
   for (int lr = 0; lr < 4; ++lr) {
-    for (std::int32_t b : dsrc) {
+    for (BlockId b : dsrc) {
       for (auto& x : data) x = static_cast<std::byte>(rng());
       ASSERT_TRUE((*dev)->memcpy_sync(space->block_ptr(lr / 2, lr % 2, b), data.data(), kBlockBytes).ok());
       expect[{lr, b}] = data;
     }
-    for (std::int32_t b : ddst)
+    for (BlockId b : ddst)
       ASSERT_TRUE((*dev)->memcpy_sync(space->block_ptr(lr / 2, lr % 2, b), poison.data(), kBlockBytes).ok());
   }
   auto ev = (*mgr)->evict_to_host_async(dsrc, hblk);

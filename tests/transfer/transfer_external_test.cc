@@ -42,19 +42,19 @@ RigOptions options(std::uint32_t layers = 4) {
   return o;
 }
 
-std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }
+std::vector<BlockId> ids(std::initializer_list<BlockId> l) { return l; }
 
 bool contains(const Status& s, const std::string& text) { return s.message().find(text) != std::string::npos; }
 
 // The peer's bytes for (block, layer): written straight into the device cache (host backend memory), as a
 // transport's WRITE lands.
-void peer_write(TransferRig& rig, std::int32_t block, std::uint32_t layer, std::uint64_t tag) {
+void peer_write(TransferRig& rig, BlockId block, std::uint32_t layer, std::uint64_t tag) {
   for (std::uint32_t r = 0; r < rig.layout().num_roles(layer); ++r)
     fill_pattern(rig.mgr().device_space().block_ptr(layer, r, static_cast<std::uint64_t>(block)),
                  rig.layout().block_bytes(layer, r), tag, layer, r);
 }
 
-bool holds(const BlockSpace& space, const KvLayout& layout, std::int32_t block, std::uint32_t layer,
+bool holds(const BlockSpace& space, const KvLayout& layout, BlockId block, std::uint32_t layer,
            std::uint64_t tag) {
   for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r)
     if (check_pattern(space.block_ptr(layer, r, static_cast<std::uint64_t>(block)), layout.block_bytes(layer, r), tag,
@@ -64,14 +64,14 @@ bool holds(const BlockSpace& space, const KvLayout& layout, std::int32_t block, 
 }
 
 // Host block `h` gets fresh bytes through device block `via` (compute write, evict).
-void seed_host_block(TransferRig& rig, std::int32_t via, std::int32_t h) {
+void seed_host_block(TransferRig& rig, BlockId via, BlockId h) {
   ASSERT_TRUE(rig.compute_write(ids({via})).ok());
   auto ev = rig.evict(ids({via}), ids({h}));
   ASSERT_TRUE(ev.ok()) << ev.status().to_string();
   ASSERT_TRUE(rig.mgr().wait(*ev, 10s).ok());
 }
 
-bool becomes_free(TransferManager& mgr, std::int32_t block) {
+bool becomes_free(TransferManager& mgr, BlockId block) {
   const auto until = std::chrono::steady_clock::now() + 10s;
   while (std::chrono::steady_clock::now() < until) {
     auto f = mgr.is_device_block_free(block);
@@ -228,7 +228,7 @@ TEST(TransferExternal, FailedBlocksAreNeverLoadedAndPoisonLaterReads) {
   auto t = mgr.begin_external_write({}, ids({1, 2, 3}));
   ASSERT_TRUE(t.ok());
   for (std::uint32_t l = 0; l < rig.layout().num_layers(); ++l) {
-    for (std::int32_t b : {1, 2, 3}) peer_write(rig, b, l, 31);
+    for (BlockId b : {1, 2, 3}) peer_write(rig, b, l, 31);
     // Block 2's layer 0 did not verify (a checksum mismatch on the decode side).
     ASSERT_TRUE(mgr.complete_external_layer(*t, l, l == 0 ? ids({2}) : ids({})).ok());
   }
@@ -317,7 +317,7 @@ TEST(TransferExternal, QuarantineHoldsOnlyTheBlocksThatMayStillBeWritten) {
   auto t = mgr.begin_external_write({}, ids({1, 2, 3}));
   ASSERT_TRUE(t.ok());
   for (std::uint32_t l = 0; l < 2; ++l) {
-    for (std::int32_t b : {1, 2, 3}) peer_write(rig, b, l, 90);
+    for (BlockId b : {1, 2, 3}) peer_write(rig, b, l, 90);
     ASSERT_TRUE(mgr.complete_external_layer(*t, l, l == 1 ? ids({2}) : ids({})).ok());
   }
   ASSERT_TRUE(mgr.end_external_write(*t, Aborted("prefill silent"), /*quiescent=*/false).ok());

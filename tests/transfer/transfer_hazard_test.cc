@@ -35,10 +35,10 @@ RigOptions options(std::uint32_t layers = 4) {
   return o;
 }
 
-std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }
+std::vector<BlockId> ids(std::initializer_list<BlockId> l) { return l; }
 
 // Host block `h` gets fresh bytes through a device block (compute write, evict).
-void seed_host_block(TransferRig& rig, std::int32_t via_device, std::int32_t h) {
+void seed_host_block(TransferRig& rig, BlockId via_device, BlockId h) {
   ASSERT_TRUE(rig.compute_write(ids({via_device})).ok());
   auto ev = rig.evict(ids({via_device}), ids({h}));
   ASSERT_TRUE(ev.ok()) << ev.status().to_string();
@@ -133,7 +133,7 @@ TEST(TransferHazards, SettledReadersArePruned) {
   auto dev = make_host(103, 0);
   HazardTracker tracker(*dev, 4, "device");
   std::vector<std::unique_ptr<Stream>> streams;
-  const std::vector<std::int32_t> block = {1};
+  const std::vector<BlockId> block = {1};
   for (int i = 0; i < 100; ++i) {
     auto s = dev->create_stream({});
     ASSERT_TRUE(s.ok());

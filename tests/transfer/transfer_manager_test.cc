@@ -64,7 +64,7 @@ RigOptions rig_options(KvLayout layout, CopyStrategy strategy = CopyStrategy::kA
   return transfer_test::small_rig_options(std::move(layout), strategy);
 }
 
-std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }
+std::vector<BlockId> ids(std::initializer_list<BlockId> l) { return l; }
 
 // ---------------------------------------------------------------- ordering
 
@@ -179,9 +179,9 @@ TEST(TransferManager, ConcurrentSubmittersAndCallbacks) {
   TransferManager& mgr = rig.mgr();
   std::atomic<int> layer_ok{0}, layer_bad{0}, done{0};
   auto worker = [&](int t) {
-    const std::int32_t src = t, scratch = 8 + t;
+    const BlockId src = t, scratch = 8 + t;
     for (int it = 0; it < 40; ++it) {
-      const std::int32_t h = t * 4 + (it % 4);
+      const BlockId h = t * 4 + (it % 4);
       auto ev = mgr.evict_to_host_async(ids({src}), ids({h}));
       ASSERT_TRUE(ev.ok()) << ev.status().to_string();
       LoadOptions lo;
@@ -437,7 +437,7 @@ TEST(HazardTrackerGate, EventNotedBeforeItsRecordIsPending) {
   ASSERT_TRUE(ev.ok());
   EventLease event = std::move(ev).value();
   gate.expect(event.get());
-  const std::vector<std::int32_t> blocks = {2};
+  const std::vector<BlockId> blocks = {2};
   tracker.note_read(blocks, event, (*copy_stream)->id());
 
   auto free = tracker.is_free(2);
@@ -490,7 +490,8 @@ TEST(TransferManager, ValidationRejectsBeforeEnqueue) {
   EXPECT_EQ(m.evict_to_host_async(ids({0, 1}), ids({0})).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(m.evict_to_host_async(ids({}), ids({})).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(m.evict_to_host_async(ids({12}), ids({0})).status().code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(m.evict_to_host_async(ids({0}), ids({-1})).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(m.evict_to_host_async(ids({0}), ids({static_cast<BlockId>(kMaxBlockId)})).status().code(),
+            StatusCode::kOutOfRange);
   EXPECT_EQ(m.evict_to_host_async(ids({0, 1}), ids({3, 3})).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(m.load_layers_to_device_async({}, ids({0, 0}), ids({1, 1})).status().code(), StatusCode::kInvalidArgument);
   std::vector<std::uint32_t> bad_layer = {4}, dup_layer = {1, 1};
@@ -536,7 +537,7 @@ TEST(TransferManager, ShutdownDrainsAndFinishesEveryTask) {
     TransferRig rig(*dev, rig_options(small_gqa()));
     ASSERT_TRUE(rig.init().ok());
     ASSERT_TRUE(rig.compute_write(ids({0, 1})).ok());
-    for (int i = 0; i < 10; ++i) {
+    for (BlockId i = 0; i < 10; ++i) {
       EvictOptions eo;
       eo.on_done = [&](TaskId, const Status&) { finals++; };
       ASSERT_TRUE(rig.mgr().evict_to_host_async(ids({i % 2}), ids({i}), eo).ok());

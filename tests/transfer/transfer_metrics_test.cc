@@ -20,7 +20,7 @@ using transfer_test::make_host;
 using transfer_test::small_gqa;
 using transfer_test::TransferRig;
 
-std::vector<std::int32_t> ids(std::initializer_list<std::int32_t> l) { return l; }
+std::vector<BlockId> ids(std::initializer_list<BlockId> l) { return l; }
 
 const metrics::FamilySnapshot* family(const std::vector<metrics::FamilySnapshot>& snap, const std::string& name) {
   for (const auto& f : snap)

@@ -58,7 +58,7 @@ inline std::int64_t check_pattern(const std::byte* p, std::uint64_t n, std::uint
 
 struct Hop {
   TaskId task = 0;
-  std::int32_t block = 0;  // the destination block the task wrote
+  BlockId block = 0;  // the destination block the task wrote
 };
 struct Content {
   std::uint64_t tag = 0;  // 0: never written by the test (initial bytes; not checked)
@@ -118,16 +118,16 @@ class TransferRig {
   std::uint64_t arena_begin() const { return reinterpret_cast<std::uintptr_t>(arena_->data()); }
   std::uint64_t arena_end() const { return arena_begin() + arena_->size(); }
   std::uint64_t next_tag() const { return next_tag_; }
-  const Content& device_content(std::int32_t b, std::uint32_t l) const { return dev_[b][l]; }
-  const Content& host_content(std::int32_t b, std::uint32_t l) const { return host_model_[b][l]; }
+  const Content& device_content(BlockId b, std::uint32_t l) const { return dev_[b][l]; }
+  const Content& host_content(BlockId b, std::uint32_t l) const { return host_model_[b][l]; }
   std::size_t compute_reads_checked() const { return reads_checked_; }
 
   // The compute stream writes fresh tags into whole device blocks (after
   // fencing them with wait_device_blocks_free, as an engine reusing blocks must).
-  Status compute_write(std::span<const std::int32_t> blocks) {
+  Status compute_write(std::span<const BlockId> blocks) {
     const KvLayout& layout = o_.layout;
     KVTIER_RETURN_IF_ERROR(mgr_->wait_device_blocks_free(blocks, *compute_));
-    for (std::int32_t b : blocks) {
+    for (BlockId b : blocks) {
       const std::uint64_t tag = next_tag_++;
       for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
         for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
@@ -151,10 +151,10 @@ class TransferRig {
     return mgr_->record_device_access(blocks, *compute_, TransferManager::DeviceAccess::kOverwrite);
   }
 
-  Result<TaskId> evict(std::span<const std::int32_t> d, std::span<const std::int32_t> h) {
+  Result<TaskId> evict(std::span<const BlockId> d, std::span<const BlockId> h) {
     KVTIER_ASSIGN_OR_RETURN(TaskId id, mgr_->evict_to_host_async(d, h));
     std::vector<std::vector<Content>> src;
-    for (std::int32_t b : d) src.push_back(dev_[b]);
+    for (BlockId b : d) src.push_back(dev_[b]);
     for (std::size_t i = 0; i < d.size(); ++i) {
       for (std::uint32_t l = 0; l < o_.layout.num_layers(); ++l) {
         Content c = src[i][l];
@@ -168,8 +168,8 @@ class TransferRig {
 
   // Loads `layers` (empty: all). With `compute_reads`, the compute stream
   // waits for each layer (wait_for_layer) and copies it out for checking.
-  Result<TaskId> load(std::span<const std::uint32_t> layers, std::span<const std::int32_t> h,
-                      std::span<const std::int32_t> d, bool compute_reads, LoadOptions options = {}) {
+  Result<TaskId> load(std::span<const std::uint32_t> layers, std::span<const BlockId> h,
+                      std::span<const BlockId> d, bool compute_reads, LoadOptions options = {}) {
     std::vector<std::uint32_t> order(layers.begin(), layers.end());
     if (order.empty())
       for (std::uint32_t l = 0; l < o_.layout.num_layers(); ++l) order.push_back(l);
@@ -190,7 +190,7 @@ class TransferRig {
     if (compute_reads) {
       for (std::uint32_t l : order) {
         Status w = mgr_->wait_for_layer(id, l, *compute_);
-        for (std::int32_t b : d) {
+        for (BlockId b : d) {
           for (std::uint32_t r = 0; r < o_.layout.num_roles(l); ++r) {
             const std::uint64_t n = o_.layout.block_bytes(l, r);
             KVTIER_ASSIGN_OR_RETURN(std::byte * stage, stage_bytes(n));
@@ -210,7 +210,7 @@ class TransferRig {
   // compute stream waits for it on the device, appends (rewrites the layer of
   // every block with a fresh tag) and declares the write with kWrite while
   // the load's later layers are still in flight.
-  Result<TaskId> load_and_append(std::span<const std::int32_t> h, std::span<const std::int32_t> d,
+  Result<TaskId> load_and_append(std::span<const BlockId> h, std::span<const BlockId> d,
                                  LoadOptions options = {}) {
     KVTIER_ASSIGN_OR_RETURN(TaskId id, load({}, h, d, /*compute_reads=*/false, std::move(options)));
     const KvLayout& layout = o_.layout;
@@ -218,10 +218,10 @@ class TransferRig {
       Status w = mgr_->wait_for_layer(id, l, *compute_);
       if (!w.ok()) {
         // Known failed: an engine would recompute; the bytes are unknown.
-        for (std::int32_t b : d) dev_[b][l] = Content{};
+        for (BlockId b : d) dev_[b][l] = Content{};
         continue;
       }
-      for (std::int32_t b : d) {
+      for (BlockId b : d) {
         const std::uint64_t tag = next_tag_++;
         for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) KVTIER_RETURN_IF_ERROR(write_on_compute(b, l, r, tag));
         dev_[b][l] = Content{tag, {}};
@@ -280,7 +280,7 @@ class TransferRig {
   struct ComputeRead {
     TaskId load;
     std::uint32_t layer, role;
-    std::int32_t block;
+    BlockId block;
     Content expected;
     std::byte* stage;
     std::uint64_t bytes;
@@ -288,7 +288,7 @@ class TransferRig {
   };
 
   // Enqueues on the compute stream the pattern of (tag, l, r) into device block b.
-  Status write_on_compute(std::int32_t b, std::uint32_t l, std::uint32_t r, std::uint64_t tag) {
+  Status write_on_compute(BlockId b, std::uint32_t l, std::uint32_t r, std::uint64_t tag) {
     const std::uint64_t n = o_.layout.block_bytes(l, r);
     KVTIER_ASSIGN_OR_RETURN(std::byte * stage, stage_bytes(n));
     fill_pattern(stage, n, tag, l, r);
@@ -441,8 +441,8 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
   const std::uint32_t nd = static_cast<std::uint32_t>(rig.mgr().device_space().num_blocks());
   const std::uint32_t nh = static_cast<std::uint32_t>(rig.mgr().host_space().num_blocks());
   auto pick_distinct = [&](std::uint32_t n, std::uint32_t k) {
-    std::vector<std::int32_t> all(n);
-    for (std::uint32_t i = 0; i < n; ++i) all[i] = static_cast<std::int32_t>(i);
+    std::vector<BlockId> all(n);
+    for (std::uint32_t i = 0; i < n; ++i) all[i] = static_cast<BlockId>(i);
     std::shuffle(all.begin(), all.end(), rng);
     all.resize(k);
     return all;
@@ -466,10 +466,10 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       auto h = pick_distinct(nh, k);
       // Sometimes runs of adjacent ids, to exercise run merging.
       if (rng() % 4 == 0) {
-        std::int32_t d0 = static_cast<std::int32_t>(rng() % (nd - k + 1)),
-                     h0 = static_cast<std::int32_t>(rng() % (nh - k + 1));
+        BlockId d0 = static_cast<BlockId>(rng() % (nd - k + 1)),
+                     h0 = static_cast<BlockId>(rng() % (nh - k + 1));
         for (std::uint32_t i = 0; i < k; ++i)
-          d[i] = d0 + static_cast<std::int32_t>(i), h[i] = h0 + static_cast<std::int32_t>(i);
+          d[i] = d0 + static_cast<BlockId>(i), h[i] = h0 + static_cast<BlockId>(i);
       }
       auto id = rig.evict(d, h);
       ASSERT_TRUE(id.ok()) << id.status().to_string();
@@ -481,8 +481,8 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       }
     } else if (ro.engine_patterns && kind == 9) {
       auto d = pick_distinct(nd, k);
-      std::vector<std::int32_t> h(k);
-      for (auto& x : h) x = static_cast<std::int32_t>(rng() % nh);
+      std::vector<BlockId> h(k);
+      for (auto& x : h) x = static_cast<BlockId>(rng() % nh);
       LoadOptions lo;
       const TaskId previous = last_task;
       lo.on_layer = [&callbacks](std::uint32_t, const Status&) { callbacks.layers++; };
@@ -502,8 +502,8 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       ++loads;
     } else {
       auto d = pick_distinct(nd, k);
-      std::vector<std::int32_t> h(k);
-      for (auto& x : h) x = static_cast<std::int32_t>(rng() % nh);  // sources may repeat
+      std::vector<BlockId> h(k);
+      for (auto& x : h) x = static_cast<BlockId>(rng() % nh);  // sources may repeat
       std::vector<std::uint32_t> layers;
       if (rng() % 3 == 0) {
         for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
@@ -550,7 +550,7 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
     EXPECT_EQ(a.code(), b.code());
     EXPECT_EQ(callbacks.done.load(), callbacks.expected_done) << "a callback was lost or ran after shutdown()";
     EXPECT_EQ(callbacks.layers.load(), callbacks.expected_layers);
-    EXPECT_FALSE(rig.mgr().evict_to_host_async(std::vector<std::int32_t>{0}, std::vector<std::int32_t>{0}).ok());
+    EXPECT_FALSE(rig.mgr().evict_to_host_async(std::vector<BlockId>{0}, std::vector<BlockId>{0}).ok());
   }
   rig.quiesce_and_verify(ro.inject_failures);
   EXPECT_EQ(callbacks.done.load(), callbacks.expected_done);

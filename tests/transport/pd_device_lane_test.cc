@@ -88,8 +88,8 @@ struct LaneRig {
   }
 };
 
-const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
-const std::vector<std::uint64_t> kDst = {0, 2, 6, 4};
+const std::vector<BlockId> kSrc = {3, 1, 7, 5};
+const std::vector<BlockId> kDst = {0, 2, 6, 4};
 
 struct LaneCase {
   PdMode mode;
@@ -360,7 +360,7 @@ TEST_P(RingModes, LayersMoveByteExactInMorePiecesThanSlots) {
   EXPECT_TRUE(rig.pre->forget(42).ok());
   EXPECT_TRUE(rig.dec->forget(42).ok());
   // The slots came back: a second transfer on the same ring.
-  const std::vector<std::uint64_t> src2 = {0, 2}, dst2 = {7, 5};
+  const std::vector<BlockId> src2 = {0, 2}, dst2 = {7, 5};
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 43, src2).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(43, l).ok());
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 43, mode(), dst2).ok());
@@ -551,7 +551,7 @@ TEST(PdRingLane, CraftedPieceMessagesFailTheirLayersAndTheRingRecovers) {
   EXPECT_TRUE(pre->forget(1).ok());
   EXPECT_TRUE(dec->forget(1).ok());
   crafting = false;
-  const std::vector<std::uint64_t> src2 = {0, 2}, dst2 = {7, 5};
+  const std::vector<BlockId> src2 = {0, 2}, dst2 = {7, 5};
   ASSERT_TRUE(pre->begin(to_dec, 2, src2).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(2, l).ok());
   ASSERT_TRUE(dec->start(to_pre, 2, PdMode::kPush, dst2).ok());

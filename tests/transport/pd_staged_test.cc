@@ -80,8 +80,8 @@ struct Rig {
   }
 };
 
-const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
-const std::vector<std::uint64_t> kDst = {0, 2, 6, 4};
+const std::vector<BlockId> kSrc = {3, 1, 7, 5};
+const std::vector<BlockId> kDst = {0, 2, 6, 4};
 
 class StagedModes : public ::testing::TestWithParam<PdMode> {};
 

@@ -39,8 +39,8 @@ using testing::pd_layout;
 
 constexpr std::uint32_t kLayers = 4;
 constexpr std::uint64_t kBlocks = 8;
-const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
-const std::vector<std::uint64_t> kDst = {6, 0, 2, 4};
+const std::vector<BlockId> kSrc = {3, 1, 7, 5};
+const std::vector<BlockId> kDst = {6, 0, 2, 4};
 constexpr TransferId kXid = 91;
 constexpr std::byte kPoison{0xee};
 

@@ -46,8 +46,8 @@ struct Rig {
   }
 };
 
-const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
-const std::vector<std::uint64_t> kDst = {0, 2, 6, 4};
+const std::vector<BlockId> kSrc = {3, 1, 7, 5};
+const std::vector<BlockId> kDst = {0, 2, 6, 4};
 
 class PdModes : public ::testing::TestWithParam<PdMode> {};
 
@@ -145,7 +145,7 @@ TEST_P(PdModes, ChecksumHelpersVerifyEveryBlockAndCatchOneDamagedByte) {
   constexpr std::uint64_t kBlocks = 64;
   HostBlocks pre_mem = HostBlocks::make(layout, kBlocks, true);
   HostBlocks dec_mem = HostBlocks::make(layout, kBlocks, false);
-  std::vector<std::uint64_t> src(kBlocks), dst(kBlocks);
+  std::vector<BlockId> src(kBlocks), dst(kBlocks);
   for (std::uint64_t i = 0; i < kBlocks; ++i) {
     src[i] = kBlocks - 1 - i;  // no two neighbours contiguous: a descriptor per block and role
     dst[i] = i;
@@ -336,7 +336,7 @@ TEST_P(PdModes, RunsContiguousOnBothSidesTravelAsOneDescriptor) {
   auto dec = PdDecode::create(*dec_t, dec_mem.space).value();
   const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
   const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
-  const std::vector<std::uint64_t> src = {4, 5, 0, 1}, dst = {2, 3, 6, 7};
+  const std::vector<BlockId> src = {4, 5, 0, 1}, dst = {2, 3, 6, 7};
   ASSERT_TRUE(pre->begin(to_dec, 3, src).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(3, l).ok());
   ASSERT_TRUE(dec->start(to_pre, 3, GetParam(), dst).ok());
@@ -413,7 +413,7 @@ TEST(Pd, ReceivedBlocksJoinTheDecodeSidePrefixIndex) {
   auto adm = cm->admit(keys);
   ASSERT_TRUE(adm.ok()) << adm.status().to_string();
   ASSERT_EQ(adm->new_blocks, 4u);
-  std::vector<std::uint64_t> dst(adm->device_blocks.begin(), adm->device_blocks.end());
+  std::vector<BlockId> dst(adm->device_blocks.begin(), adm->device_blocks.end());
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 3, kSrc).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(3, l).ok());
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 3, PdMode::kPush, dst).ok());

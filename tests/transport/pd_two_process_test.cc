@@ -34,7 +34,7 @@ using testing::layer_matches;
 using testing::pd_layout;
 
 constexpr int kLayers = 4;
-const std::vector<std::uint64_t> kSrc = {3, 1, 7, 5};
+const std::vector<BlockId> kSrc = {3, 1, 7, 5};
 constexpr TransferId kXid = 77;
 
 Result<std::unique_ptr<Transport>> make_transport(std::string name, const KvLayout& layout) {
@@ -290,7 +290,7 @@ TEST_P(TwoProcess, LayerWiseTransferIsByteExactAndDecodeWaitsPerLayer) {
   DecodeRig rig;
   rig.start(HelperArgs{GetParam(), 150});
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
-  const std::vector<std::uint64_t> dst = {6, 0, 2, 4};
+  const std::vector<BlockId> dst = {6, 0, 2, 4};
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
   for (std::uint32_t l = 0; l < kLayers; ++l) {
     auto ls = rig.dec->wait_layer(kXid, l, 10s);
@@ -321,7 +321,7 @@ TEST_P(TwoProcess, PrefillKilledMidTransferFailsTheUnfinishedLayersAndTheBlocksR
   DecodeRig rig;
   rig.start(HelperArgs{GetParam(), 300});
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
-  std::vector<std::uint64_t> dst(adm->device_blocks.begin(), adm->device_blocks.end());
+  std::vector<BlockId> dst(adm->device_blocks.begin(), adm->device_blocks.end());
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
   ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
   kill(rig.child.pid, SIGKILL);
@@ -375,7 +375,7 @@ TEST_P(TwoProcessRing, LayersMoveByteExactThroughTheSharedRing) {
   a.ring_slots = 2;
   rig.start(a);
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
-  const std::vector<std::uint64_t> dst = {6, 0, 2, 4};
+  const std::vector<BlockId> dst = {6, 0, 2, 4};
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
   for (std::uint32_t l = 0; l < kLayers; ++l) {
     auto ls = rig.dec->wait_layer(kXid, l, 10s);
@@ -400,7 +400,7 @@ TEST_P(TwoProcessRing, APrefillKilledMidTransferGivesItsSlotsBackAndTheNextTrans
   a.ring_slots = 2;
   rig.start(a);
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
-  const std::vector<std::uint64_t> dst = {6, 0, 2, 4};
+  const std::vector<BlockId> dst = {6, 0, 2, 4};
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
   ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
   kill(rig.child.pid, SIGKILL);
@@ -414,7 +414,7 @@ TEST_P(TwoProcessRing, APrefillKilledMidTransferGivesItsSlotsBackAndTheNextTrans
   a.layer_ms = 0;
   rig.spawn_prefill(a);
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
-  const std::vector<std::uint64_t> dst2 = {1, 3, 5, 7};
+  const std::vector<BlockId> dst2 = {1, 3, 5, 7};
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst2).ok());
   auto again = rig.dec->wait(kXid, 10s, true);
   ASSERT_TRUE(again.ok()) << again.status().to_string() << " (ring slots lost to the killed prefill?)";
@@ -439,7 +439,7 @@ TEST(TwoProcessLateWrites, APrefillStoppedPastTheLeaseNeverWritesIntoBlocksRepor
   a.stop_before_write = 1;
   rig.start(a);
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
-  const std::vector<std::uint64_t> dst = {0, 1, 2, 3};
+  const std::vector<BlockId> dst = {0, 1, 2, 3};
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, PdMode::kPush, dst).ok());
   ASSERT_EQ(rig.dec->wait_layer(kXid, 0, 10s).value(), LayerState::kLoaded);
   // The helper stops itself as it posts layer 1.

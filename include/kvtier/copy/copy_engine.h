@@ -336,8 +336,8 @@ struct CopyEngineOptions {
 struct CopyRequest {
   const BlockSpace* src = nullptr;
   const BlockSpace* dst = nullptr;
-  std::span<const std::int32_t> src_blocks;
-  std::span<const std::int32_t> dst_blocks;
+  std::span<const BlockId> src_blocks;
+  std::span<const BlockId> dst_blocks;
   std::span<const std::uint32_t> layers;  // empty: every layer
   RoleMask roles = kAllRoles;             // by Role bit
   CopyStrategy strategy = CopyStrategy::kAuto;
@@ -366,7 +366,7 @@ struct CopyRequest {
 // CopyEngine::checksum() compute on the device; this is the CPU reference
 // (the memory must be CPU-readable). Blocks whose size is not a multiple of
 // 16 fold their last partial word zero-padded.
-std::uint64_t block_checksum(const BlockSpace& space, std::uint64_t block, std::span<const std::uint32_t> layers = {},
+std::uint64_t block_checksum(const BlockSpace& space, BlockId block, std::span<const std::uint32_t> layers = {},
                              RoleMask roles = kAllRoles);
 
 struct CopyReport {
@@ -436,7 +436,7 @@ class CopyEngine {
   // device-writable memory, zeroed first), reading the blocks once with the
   // SM kernel and writing nothing else. Same alignment rule as
   // CopyRequest::checksums; ids must be in range (repeats are allowed).
-  virtual Result<CopyReport> checksum(const BlockSpace& space, std::span<const std::int32_t> blocks,
+  virtual Result<CopyReport> checksum(const BlockSpace& space, std::span<const BlockId> blocks,
                                       std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
                                       Stream& stream) = 0;
   // Waits for the engine's last work on `stream`, then frees that stream's

@@ -245,7 +245,7 @@ class BlockSpace {
   const KvLayout& layout() const noexcept { return layout_; }
   std::uint64_t num_blocks() const noexcept { return num_blocks_; }
   const Plane& plane(std::uint32_t l, std::uint32_t r) const { return planes_[l][r]; }
-  std::byte* block_ptr(std::uint32_t l, std::uint32_t r, std::uint64_t block) const {
+  std::byte* block_ptr(std::uint32_t l, std::uint32_t r, BlockId block) const {
     const Plane& p = planes_[l][r];
     return p.base + block * p.stride;
   }

@@ -222,8 +222,8 @@ struct ExternalWriteOptions {
 };
 
 struct FailedBlocks {
-  std::vector<std::int32_t> device;  // device blocks whose bytes are invalid
-  std::vector<std::int32_t> host;    // host blocks whose bytes are invalid
+  std::vector<BlockId> device;  // device blocks whose bytes are invalid
+  std::vector<BlockId> host;    // host blocks whose bytes are invalid
 };
 
 struct TaskCompletion {
@@ -301,14 +301,14 @@ class TransferManager {
   // device_blocks[i] -> host_blocks[i], every layer and role. Validation
   // errors (lengths, ids, duplicate host destinations) return before anything
   // is enqueued.
-  virtual Result<TaskId> evict_to_host_async(std::span<const std::int32_t> device_blocks,
-                                             std::span<const std::int32_t> host_blocks,
+  virtual Result<TaskId> evict_to_host_async(std::span<const BlockId> device_blocks,
+                                             std::span<const BlockId> host_blocks,
                                              const EvictOptions& options = {}) = 0;
   // host_blocks[i] -> device_blocks[i], the given layers in the given order
   // (empty: every layer in order), every role of each layer.
   virtual Result<TaskId> load_layers_to_device_async(std::span<const std::uint32_t> layers,
-                                                     std::span<const std::int32_t> host_blocks,
-                                                     std::span<const std::int32_t> device_blocks,
+                                                     std::span<const BlockId> host_blocks,
+                                                     std::span<const BlockId> device_blocks,
                                                      LoadOptions options = {}) = 0;
   // Declares that work enqueued so far on `stream` accesses the device
   // blocks; later loads into them are ordered after it (and evictions of
@@ -317,7 +317,7 @@ class TransferManager {
   // kWrite keeps it (appending tokens to a block whose load failed does not
   // repair the older tokens).
   enum class DeviceAccess : std::uint8_t { kRead, kWrite, kOverwrite };
-  virtual Status record_device_access(std::span<const std::int32_t> device_blocks, Stream& stream,
+  virtual Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream,
                                       DeviceAccess access) = 0;
 
   // ---- external writes (see "External writes") ----
@@ -325,13 +325,13 @@ class TransferManager {
   // Validation as for loads (ids, duplicates, layers); FailedPrecondition when a block is already declared;
   // TimedOut when earlier accesses did not complete within options.free_timeout (nothing stays declared).
   virtual Result<TaskId> begin_external_write(std::span<const std::uint32_t> layers,
-                                              std::span<const std::int32_t> device_blocks,
+                                              std::span<const BlockId> device_blocks,
                                               ExternalWriteOptions options = {}) = 0;
   // Layer `layer` of external write `task` is final: landed in every block but `failed_blocks` (blocks of the
   // task), once the work enqueued so far on `after` completed (null: landed already). NotFound (task),
   // InvalidArgument (a layer or block not of the task), FailedPrecondition (layer already reported, task ended).
   virtual Status complete_external_layer(TaskId task, std::uint32_t layer,
-                                         std::span<const std::int32_t> failed_blocks = {}, Stream* after = nullptr) = 0;
+                                         std::span<const BlockId> failed_blocks = {}, Stream* after = nullptr) = 0;
   // Ends the external write: every layer not reported yet fails with `status` (InvalidArgument when one is
   // left and `status` is OK). `quiescent`: no byte can land any more: the blocks are released now; otherwise
   // they stay declared until release_external_write (all of them if a layer was not reported, else the
@@ -362,14 +362,14 @@ class TransferManager {
 
   // ---- blocks ----
   // True when no eviction, load, external write or declared access of the block is pending.
-  virtual Result<bool> is_device_block_free(std::int32_t block) = 0;
-  virtual Result<bool> is_host_block_free(std::int32_t block) = 0;
+  virtual Result<bool> is_device_block_free(BlockId block) = 0;
+  virtual Result<bool> is_host_block_free(BlockId block) = 0;
   // `stream` waits (on the device) until the blocks are free to overwrite. FailedPrecondition for a block
   // declared by an external write (its end is a peer's, not a device point).
-  virtual Status wait_device_blocks_free(std::span<const std::int32_t> blocks, Stream& stream) = 0;
+  virtual Status wait_device_blocks_free(std::span<const BlockId> blocks, Stream& stream) = 0;
   // The calling thread waits until the host blocks are free (e.g. before a
   // storage read overwrites them with the CPU), or TimedOut.
-  virtual Status wait_host_blocks_free(std::span<const std::int32_t> blocks, std::chrono::nanoseconds timeout) = 0;
+  virtual Status wait_host_blocks_free(std::span<const BlockId> blocks, std::chrono::nanoseconds timeout) = 0;
 
   // ---- introspection ----
   virtual TransferStats stats() const = 0;

@@ -170,7 +170,7 @@ class PdPrefill {
 
   // Declares a transfer to `decode` of the prefill blocks `src_blocks` (in the order of the decode side's
   // destination list).
-  virtual Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) = 0;
+  virtual Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_blocks) = 0;
   // Layer `layer` becomes ready when `ready` says so (nullptr: now). Layers may be declared in any order.
   virtual Status layer_ready(TransferId id, std::uint32_t layer, ReadyFn ready = nullptr) = 0;
   // The layer is ready when `event` has completed on `device` (no host sync on the compute stream: the progress
@@ -208,7 +208,7 @@ class PdDecode {
   static Result<std::unique_ptr<PdDecode>> create(Transport& transport, BlockSpace blocks, PdOptions options = {});
 
   // Starts transfer `id` from `prefill` into `dst_blocks` (distinct ids of this side's BlockSpace).
-  virtual Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) = 0;
+  virtual Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_blocks) = 0;
   // Until layer `layer` is final (loaded, partial or failed) or the timeout (kTimedOut).
   virtual Result<LayerState> wait_layer(TransferId id, std::uint32_t layer, std::chrono::nanoseconds timeout) = 0;
   virtual Result<DecodeStatus> status(TransferId id) const = 0;

@@ -78,7 +78,7 @@ class PdStagedPrefill {
                                                          StagedOptions options = {});
 
   // As PdPrefill::begin, `src_blocks` being device block ids; takes src_blocks.size() staging blocks.
-  virtual Status begin(PeerId decode, TransferId id, std::vector<std::uint64_t> src_blocks) = 0;
+  virtual Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_blocks) = 0;
   // The layer's device bytes are complete once `compute_done` (recorded on the compute stream) has fired.
   // Only the event's current capture matters: it may be re-recorded or destroyed after the call.
   virtual Status layer_ready_after(TransferId id, std::uint32_t layer, Event& compute_done) = 0;
@@ -101,7 +101,7 @@ class PdStagedDecode {
                                                         StagedOptions options = {});
 
   // As PdDecode::start, `dst_blocks` being device block ids; takes dst_blocks.size() staging blocks.
-  virtual Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<std::uint64_t> dst_blocks) = 0;
+  virtual Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_blocks) = 0;
   // Until the layer's staging -> device copy is enqueued: the event behind it (valid until forget()).
   // kDataLoss / kUnavailable (the layer's error) when the layer failed before reaching device memory;
   // kTimedOut at the deadline.
