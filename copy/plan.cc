@@ -442,8 +442,8 @@ std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::s
   return ranges;
 }
 
-std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, BlockId min_id,
-                               BlockId max_id, StagedScratch& sc) {
+std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, BlockId min_id, BlockId max_id,
+                               StagedScratch& sc) {
   auto& iv = sc.intervals;
   iv.clear();
   for (std::uint32_t p : sc.order) {
@@ -471,8 +471,8 @@ std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_
   return at;
 }
 
-Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids,
-                          bool host_is_src, std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc) {
+Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids, bool host_is_src,
+                          std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc) {
   sort_planes_by_host_base(planes, host_is_src, sc);
   sc.chunks.clear();
   sc.footprint = 0;

@@ -91,12 +91,12 @@ std::uint64_t estimate_host_ranges(std::span<const SelectedPlane> planes, std::s
 // Cuts the pairs into chunks (greedy, in order, each as large as fits in
 // `slot_bytes` and has at most `max_pairs` pairs); fills sc.order, sc.chunks,
 // sc.footprint. NotSupported when a single pair does not fit.
-Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids,
-                          bool host_is_src, std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc);
+Status plan_staged_chunks(std::span<const SelectedPlane> planes, std::span<const BlockId> host_ids, bool host_is_src,
+                          std::uint64_t slot_bytes, std::uint32_t max_pairs, StagedScratch& sc);
 // The merged host intervals (with packed offsets) of a chunk whose host ids
 // span [min_id, max_id], into sc.intervals; returns the footprint. Needs sc.order.
-std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, BlockId min_id,
-                               BlockId max_id, StagedScratch& sc);
+std::uint64_t staged_intervals(std::span<const SelectedPlane> planes, bool host_is_src, BlockId min_id, BlockId max_id,
+                               StagedScratch& sc);
 // The merged host ranges of a chunk's (pair, plane) blocks, mapped into the
 // slot through sc.intervals (staged_intervals of the same chunk), into sc.runs.
 void staged_host_runs(std::span<const SelectedPlane> planes, bool host_is_src, std::span<const BlockId> host_ids,

@@ -27,8 +27,7 @@ using transport::TransferId;
 class Endpoint {
  public:
   virtual ~Endpoint() = default;
-  virtual Status start(transport::PeerId peer, TransferId id, transport::PdMode mode,
-                       std::vector<BlockId> dst) = 0;
+  virtual Status start(transport::PeerId peer, TransferId id, transport::PdMode mode, std::vector<BlockId> dst) = 0;
   virtual Result<DecodeStatus> status(TransferId id) const = 0;
   virtual Status forget(TransferId id) = 0;
 };
@@ -49,7 +48,7 @@ class EndpointOf final : public Endpoint {
 
 struct Entry {
   Receive r;
-  std::vector<BlockId> blocks;    // the receive blocks, as the TransferManager names them
+  std::vector<BlockId> blocks;         // the receive blocks, as the TransferManager names them
   std::vector<std::uint8_t> reported;  // per layer: reported to the TransferManager
   Clock::time_point deadline;
   // Reporter thread.

@@ -19,8 +19,7 @@
 
 namespace kvtier::transfer_detail {
 
-Status TransferManagerImpl::check_not_external_locked(std::span<const BlockId> blocks,
-                                                      std::string_view what) const {
+Status TransferManagerImpl::check_not_external_locked(std::span<const BlockId> blocks, std::string_view what) const {
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const TaskId owner = external_of_[static_cast<std::size_t>(blocks[i])];
     if (owner != 0)

@@ -153,15 +153,13 @@ class TransferManagerImpl final : public TransferManager {
 
   Status init(KvCacheRegistration reg, CopyEngine* engine);
 
-  Result<TaskId> evict_to_host_async(std::span<const BlockId> device_blocks,
-                                     std::span<const BlockId> host_blocks, const EvictOptions& options) override;
+  Result<TaskId> evict_to_host_async(std::span<const BlockId> device_blocks, std::span<const BlockId> host_blocks,
+                                     const EvictOptions& options) override;
   Result<TaskId> load_layers_to_device_async(std::span<const std::uint32_t> layers,
                                              std::span<const BlockId> host_blocks,
                                              std::span<const BlockId> device_blocks, LoadOptions options) override;
-  Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream,
-                              DeviceAccess access) override;
-  Result<TaskId> begin_external_write(std::span<const std::uint32_t> layers,
-                                      std::span<const BlockId> device_blocks,
+  Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream, DeviceAccess access) override;
+  Result<TaskId> begin_external_write(std::span<const std::uint32_t> layers, std::span<const BlockId> device_blocks,
                                       ExternalWriteOptions options) override;
   Status complete_external_layer(TaskId task, std::uint32_t layer, std::span<const BlockId> failed_blocks,
                                  Stream* after) override;

@@ -743,7 +743,7 @@ class Endpoint {
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
   std::vector<std::unique_ptr<LaneBuffers>> lane_pool_;
-  mutable std::vector<BlockId> ring_ids_;                   // 0, 1, ...: a slot's block ids (under mu_)
+  mutable std::vector<BlockId> ring_ids_;                        // 0, 1, ...: a slot's block ids (under mu_)
   std::unique_ptr<kvtier::detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
 
  protected:
@@ -1876,8 +1876,8 @@ class Decode final : public PdDecode, public Endpoint {
     Status s = done.status();
     if (s.ok())
       s = copy_piece(ring_spaces_[slot], std::span<const BlockId>(ring_ids_).first(b - a), blocks_,
-                     std::span<const BlockId>(lb.local_ids).subspan(a, b - a), layer, false,
-                     lb.device_at(layer) + a, lb.host_at(layer) + a, **done);
+                     std::span<const BlockId>(lb.local_ids).subspan(a, b - a), layer, false, lb.device_at(layer) + a,
+                     lb.host_at(layer) + a, **done);
     if (!s.ok()) {
       drain_lane();
       renew_failed_lane_stream();

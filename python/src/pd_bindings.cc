@@ -90,7 +90,8 @@ std::vector<BlockId> to_blocks(const std::vector<std::int64_t>& ids, const char*
   for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0) raise_status(OutOfRange(fmt::format("{} block id {} at index {} is negative", what, ids[i], i)));
     if (static_cast<std::uint64_t>(ids[i]) > kMaxBlockId)
-      raise_status(OutOfRange(fmt::format("{} block id {} at index {} does not fit a 32-bit block id", what, ids[i], i)));
+      raise_status(
+          OutOfRange(fmt::format("{} block id {} at index {} does not fit a 32-bit block id", what, ids[i], i)));
     out.push_back(static_cast<BlockId>(ids[i]));
   }
   return out;

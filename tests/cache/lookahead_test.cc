@@ -738,10 +738,11 @@ TEST_P(LookaheadRandom, InvariantsHoldAfterEveryCall) {
   EXPECT_GT(extended, 10u);
   EXPECT_GT(m->stats().lookahead_loads, 0u);
   // Selective write-through stores only blocks hit twice: too few storage-only blocks here to require it.
-  if (rc.storage && rc.write != WritePolicy::kWriteThroughSelective)
+  if (rc.storage && rc.write != WritePolicy::kWriteThroughSelective) {
     EXPECT_GT(m->stats().lookahead_fetches, 0u)
         << "storage writes " << m->stats().storage_writes << ", storage resident " << m->stats().tiers[2].resident
         << ", storage prefetches " << m->stats().storage_prefetches << ", drops host " << m->stats().drops_host;
+  }
   EXPECT_GT(m->stats().protected_evictions + m->stats().lookahead_loads, 0u);
   // Drain: withdraw everything, release everything, ack everything, let retentions expire.
   for (const Queued& q : queued) {

@@ -97,7 +97,7 @@ struct Decode {
     KVTIER_ASSIGN_OR_RETURN(Admission a, cache->admit(keys));
     KVTIER_RETURN_IF_ERROR(run_plan());
     std::vector<BlockId> fresh(a.device_blocks.begin() + a.device_hit_blocks + a.host_hit_blocks,
-                                    a.device_blocks.end());
+                               a.device_blocks.end());
     if (!fresh.empty()) KVTIER_RETURN_IF_ERROR(rig.compute_write(fresh));
     KVTIER_RETURN_IF_ERROR(cache->commit_all(a.id));
     return cache->release(a.id);

@@ -121,11 +121,21 @@ TEST(ByteCodec, TruncatedInputIsRefusedAtEveryCut) {
     EXPECT_FALSE(whole) << "cut " << cut;
     EXPECT_EQ(r.pos(), read) << "a failed read moved the position, cut " << cut;
     EXPECT_LE(r.pos(), cut);
-    if (read < 2) EXPECT_EQ(a, 0xaaaa);
-    if (read < 6) EXPECT_EQ(b, 0xbbbbbbbbu);
-    if (read < 14) EXPECT_EQ(c, 0xccu);
-    if (read < 14 + 4 + 6) EXPECT_EQ(s, "kept") << "cut " << cut;
-    if (read < 24 + 4 + 24) EXPECT_EQ(l, std::vector<std::uint64_t>{42}) << "cut " << cut;
+    if (read < 2) {
+      EXPECT_EQ(a, 0xaaaa);
+    }
+    if (read < 6) {
+      EXPECT_EQ(b, 0xbbbbbbbbu);
+    }
+    if (read < 14) {
+      EXPECT_EQ(c, 0xccu);
+    }
+    if (read < 14 + 4 + 6) {
+      EXPECT_EQ(s, "kept") << "cut " << cut;
+    }
+    if (read < 24 + 4 + 24) {
+      EXPECT_EQ(l, std::vector<std::uint64_t>{42}) << "cut " << cut;
+    }
     EXPECT_EQ(e, 0xee);
   }
 }

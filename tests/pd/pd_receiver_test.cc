@@ -199,7 +199,9 @@ TEST_P(Modes, AReceivedPromptIsAwaitedPerLayerCommittedAndServedAsDeviceHits) {
     ASSERT_TRUE(rig.dev->synchronize(*rig.forward, 5s).ok());
     for (std::size_t i = 0; i < blocks.size(); ++i)
       EXPECT_TRUE(layer_matches(rig.tm->device_space(), blocks[i], l, kSrc[i])) << "layer " << l << " block " << i;
-    if (l + 1 < kLayers) EXPECT_EQ(rig.tm->wait_layer_host(rcv->task, l + 1, 1ms).code(), StatusCode::kTimedOut);
+    if (l + 1 < kLayers) {
+      EXPECT_EQ(rig.tm->wait_layer_host(rcv->task, l + 1, 1ms).code(), StatusCode::kTimedOut);
+    }
   }
   auto out = rig.rx->finish(11, 5s);
   ASSERT_TRUE(out.ok()) << out.status().to_string();
@@ -338,8 +340,7 @@ TEST(PdReceiver, AStagedReceiveIsAwaitedCommittedAndItsStagingReturned) {
   ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
   const std::vector<BlockId> blocks = receive_blocks(rcv->admission);
   EXPECT_EQ(rig.sdec->staging_blocks_free(), 2u);
-  auto evict = rig.tm->evict_to_host_async(std::vector<BlockId>{blocks[3]},
-                                           std::vector<BlockId>{0});
+  auto evict = rig.tm->evict_to_host_async(std::vector<BlockId>{blocks[3]}, std::vector<BlockId>{0});
   EXPECT_EQ(evict.status().code(), StatusCode::kFailedPrecondition) << evict.status().to_string();
   for (std::uint32_t l = 0; l < kLayers; ++l) {
     ASSERT_TRUE(rig.pre->layer_ready(19, l).ok());

@@ -54,8 +54,7 @@ void peer_write(TransferRig& rig, BlockId block, std::uint32_t layer, std::uint6
                  rig.layout().block_bytes(layer, r), tag, layer, r);
 }
 
-bool holds(const BlockSpace& space, const KvLayout& layout, BlockId block, std::uint32_t layer,
-           std::uint64_t tag) {
+bool holds(const BlockSpace& space, const KvLayout& layout, BlockId block, std::uint32_t layer, std::uint64_t tag) {
   for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r)
     if (check_pattern(space.block_ptr(layer, r, static_cast<std::uint64_t>(block)), layout.block_bytes(layer, r), tag,
                       layer, r) != -1)

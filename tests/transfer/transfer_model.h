@@ -168,8 +168,8 @@ class TransferRig {
 
   // Loads `layers` (empty: all). With `compute_reads`, the compute stream
   // waits for each layer (wait_for_layer) and copies it out for checking.
-  Result<TaskId> load(std::span<const std::uint32_t> layers, std::span<const BlockId> h,
-                      std::span<const BlockId> d, bool compute_reads, LoadOptions options = {}) {
+  Result<TaskId> load(std::span<const std::uint32_t> layers, std::span<const BlockId> h, std::span<const BlockId> d,
+                      bool compute_reads, LoadOptions options = {}) {
     std::vector<std::uint32_t> order(layers.begin(), layers.end());
     if (order.empty())
       for (std::uint32_t l = 0; l < o_.layout.num_layers(); ++l) order.push_back(l);
@@ -210,8 +210,7 @@ class TransferRig {
   // compute stream waits for it on the device, appends (rewrites the layer of
   // every block with a fresh tag) and declares the write with kWrite while
   // the load's later layers are still in flight.
-  Result<TaskId> load_and_append(std::span<const BlockId> h, std::span<const BlockId> d,
-                                 LoadOptions options = {}) {
+  Result<TaskId> load_and_append(std::span<const BlockId> h, std::span<const BlockId> d, LoadOptions options = {}) {
     KVTIER_ASSIGN_OR_RETURN(TaskId id, load({}, h, d, /*compute_reads=*/false, std::move(options)));
     const KvLayout& layout = o_.layout;
     for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
@@ -466,10 +465,8 @@ inline void run_random_interleaving(Device& device, RigOptions rig_options, cons
       auto h = pick_distinct(nh, k);
       // Sometimes runs of adjacent ids, to exercise run merging.
       if (rng() % 4 == 0) {
-        BlockId d0 = static_cast<BlockId>(rng() % (nd - k + 1)),
-                     h0 = static_cast<BlockId>(rng() % (nh - k + 1));
-        for (std::uint32_t i = 0; i < k; ++i)
-          d[i] = d0 + static_cast<BlockId>(i), h[i] = h0 + static_cast<BlockId>(i);
+        BlockId d0 = static_cast<BlockId>(rng() % (nd - k + 1)), h0 = static_cast<BlockId>(rng() % (nh - k + 1));
+        for (std::uint32_t i = 0; i < k; ++i) d[i] = d0 + static_cast<BlockId>(i), h[i] = h0 + static_cast<BlockId>(i);
       }
       auto id = rig.evict(d, h);
       ASSERT_TRUE(id.ok()) << id.status().to_string();

@@ -317,8 +317,7 @@ class TransferManager {
   // kWrite keeps it (appending tokens to a block whose load failed does not
   // repair the older tokens).
   enum class DeviceAccess : std::uint8_t { kRead, kWrite, kOverwrite };
-  virtual Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream,
-                                      DeviceAccess access) = 0;
+  virtual Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream, DeviceAccess access) = 0;
 
   // ---- external writes (see "External writes") ----
   // Declares that something outside this manager writes `layers` (empty: every layer) of `device_blocks`.
@@ -330,8 +329,8 @@ class TransferManager {
   // Layer `layer` of external write `task` is final: landed in every block but `failed_blocks` (blocks of the
   // task), once the work enqueued so far on `after` completed (null: landed already). NotFound (task),
   // InvalidArgument (a layer or block not of the task), FailedPrecondition (layer already reported, task ended).
-  virtual Status complete_external_layer(TaskId task, std::uint32_t layer,
-                                         std::span<const BlockId> failed_blocks = {}, Stream* after = nullptr) = 0;
+  virtual Status complete_external_layer(TaskId task, std::uint32_t layer, std::span<const BlockId> failed_blocks = {},
+                                         Stream* after = nullptr) = 0;
   // Ends the external write: every layer not reported yet fails with `status` (InvalidArgument when one is
   // left and `status` is OK). `quiescent`: no byte can land any more: the blocks are released now; otherwise
   // they stay declared until release_external_write (all of them if a layer was not reported, else the
