@@ -748,6 +748,68 @@ Status HybridCache::reset() {
   return Status::Ok();
 }
 
+Result<HybridQueuedId> HybridCache::announce(const HybridRequest& request, const RequestHints& hints) {
+  KVTIER_RETURN_IF_ERROR(validate(request).with_context("hybrid announce"));
+  // The largest hit the request can have: what admit() would serve if every group held it.
+  std::uint32_t h = std::min(request.num_tokens, request.max_hit_tokens);
+  h -= h % granularity_;
+  std::vector<std::pair<std::uint32_t, QueuedId>> made;
+  auto undo = [&] {
+    for (const auto& [g, q] : made)
+      managers_[g]->withdraw(q).ignore_error();  // announced a moment ago by this call: cannot be withdrawn yet
+  };
+  std::vector<BlockKey> keys;
+  for (std::uint32_t g = 0; g < num_groups(); ++g) {
+    const KvGroupConfig& c = config_.groups[g];
+    const std::span<const BlockKey> chain = request.chains[g];
+    const std::uint32_t B = c.block_tokens;
+    // One CacheManager announcement per chain: a full group's blocks form one; a window's blocks and a state
+    // are root-level entries, each a chain of one.
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> spans;  // [first, end) of `chain`, announced together
+    switch (c.kind) {
+      case GroupKind::kFull:
+        if (h / B > 0) spans.emplace_back(0, h / B);
+        break;
+      case GroupKind::kSlidingWindow: {
+        const std::uint32_t W = c.window_tokens;
+        for (std::uint32_t j = h > W ? (h - W) / B : 0; j < h / B; ++j) spans.emplace_back(j, j + 1);
+        break;
+      }
+      case GroupKind::kState:
+        if (h / B > 0) spans.emplace_back(h / B - 1, h / B);
+        break;
+    }
+    for (const auto& [first, end] : spans) {
+      keys.clear();
+      for (std::uint32_t j = first; j < end; ++j) keys.push_back(group_block_key(chain[j], g, c.kind));
+      auto q = managers_[g]->announce(keys, hints);
+      if (!q.ok()) {
+        undo();
+        return q.status().with_context(fmt::format("hybrid announce: {}", group_label(c, g)));
+      }
+      made.emplace_back(g, *q);
+    }
+  }
+  const HybridQueuedId id = next_queued_++;
+  announced_.emplace(id, std::move(made));
+  return id;
+}
+
+Status HybridCache::withdraw(HybridQueuedId id) {
+  auto it = announced_.find(id);
+  if (it == announced_.end())
+    return NotFound(fmt::format("hybrid withdraw: announcement {} is unknown or already withdrawn", id));
+  const auto made = std::move(it->second);
+  announced_.erase(it);
+  Status first;
+  for (const auto& [g, q] : made) {
+    Status s = managers_[g]->withdraw(q);
+    if (!s.ok() && first.ok())
+      first = s.with_context(fmt::format("hybrid withdraw: {}", group_label(config_.groups[g], g)));
+  }
+  return first;
+}
+
 Status HybridPlanExecutor::execute(const HybridPlan& plan) {
   if (plan.groups.size() != executors_.size())
     return InvalidArgument(fmt::format("hybrid executor: plan has {} group plans for {} executors", plan.groups.size(),

@@ -58,10 +58,11 @@ Status run(PdMode mode) {
 
   // A transport per endpoint, a shared secret authenticating the metadata (32..64 bytes, from a secret store).
   const std::string secret(32, 'k');
-  KVTIER_ASSIGN_OR_RETURN(
-      auto prefill_t, create_loopback_transport({"prefill-0", layout.fingerprint(), 1, 0}, {.peer_secret = secret}));
-  KVTIER_ASSIGN_OR_RETURN(auto decode_t,
-                          create_loopback_transport({"decode-0", layout.fingerprint(), 1, 0}, {.peer_secret = secret}));
+  LoopbackOptions loopback;
+  loopback.peer_secret = secret;
+  KVTIER_ASSIGN_OR_RETURN(auto prefill_t,
+                          create_loopback_transport({"prefill-0", layout.fingerprint(), 1, 0}, loopback));
+  KVTIER_ASSIGN_OR_RETURN(auto decode_t, create_loopback_transport({"decode-0", layout.fingerprint(), 1, 0}, loopback));
   PdOptions options;
   options.heartbeat = 100ms;
   options.lease = 1000ms;

@@ -172,12 +172,24 @@ cache::MoveKind move_kind(const std::string& kind) {
       fmt::format("ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
 }
 
-// A CacheManager's tiers as {"device": {capacity, used, resident}, "host": ..., "storage": ...} in `d`.
 cache::Continuation parse_continuation(const std::string& name) {
   for (auto c : {cache::Continuation::kUnknown, cache::Continuation::kContinues, cache::Continuation::kLastTurn})
     if (name == cache::continuation_name(c)) return c;
   raise_status(InvalidArgument(fmt::format("continuation '{}' is not unknown, continues or last_turn", name)));
 }
+
+// The announce() hints of CacheManager.announce and HybridCache.announce, from their keyword arguments.
+cache::RequestHints request_hints(std::uint64_t conversation_id, const std::string& continuation,
+                                  std::uint32_t ttl_steps, std::int32_t priority) {
+  cache::RequestHints h;
+  h.conversation_id = conversation_id;
+  h.continuation = parse_continuation(continuation);
+  h.ttl_steps = ttl_steps;
+  h.priority = priority;
+  return h;
+}
+
+// A CacheManager's tiers as {"device": {capacity, used, resident}, "host": ..., "storage": ...} in `d`.
 
 void put_tier_stats(nb::dict& d, const cache::CacheStats& s) {
   for (int t = 0; t < cache::kNumTiers; ++t) {
@@ -521,11 +533,7 @@ void bind_cache(nb::module_& m) {
           [](PyCacheManager& p, const std::vector<std::string>& keys, std::uint64_t conversation_id,
              const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
             auto k = parse_keys(keys);
-            cache::RequestHints h;
-            h.conversation_id = conversation_id;
-            h.continuation = parse_continuation(continuation);
-            h.ttl_steps = ttl_steps;
-            h.priority = priority;
+            const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             std::lock_guard lock(p.mu);
             return value_or_raise(p.cm->announce(k, h));
           },
@@ -712,6 +720,28 @@ void bind_cache(nb::module_& m) {
           "the device block of every position (None outside a window), hits, loads, new blocks; state groups: the "
           "state to start from, where to save states, the working block.")
       .def(
+          "announce",
+          [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
+             std::optional<std::uint32_t> max_hit_tokens, std::uint64_t conversation_id,
+             const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
+            HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
+            const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
+            std::lock_guard lock(p.mu);
+            return value_or_raise(p.hc->announce(a.request, h));
+          },
+          "num_tokens"_a, "chains"_a, "max_hit_tokens"_a = nb::none(), "conversation_id"_a = 0,
+          "continuation"_a = "unknown", "ttl_steps"_a = 0, "priority"_a = 0,
+          "The engine queued this request (chains as for admit): every group keeps and prefetches what the "
+          "request's largest hit would need from it (full groups their chain, sliding-window groups the window's "
+          "blocks, state groups the state at the hit). Hints as CacheManager.announce. Returns the id.")
+      .def(
+          "withdraw",
+          [](PyHybridCache& p, std::uint64_t id) {
+            std::lock_guard lock(p.mu);
+            check(p.hc->withdraw(id));
+          },
+          "id"_a, "The request left the queue (scheduled: before admit, or cancelled): every group withdraws it.")
+      .def(
           "commit",
           [](PyHybridCache& p, std::uint64_t id, std::uint32_t num_computed_tokens) {
             std::lock_guard lock(p.mu);
@@ -776,6 +806,10 @@ void bind_cache(nb::module_& m) {
                gd["evictions_d2h"] = g.evictions_d2h;
                gd["loads_h2d"] = g.loads_h2d;
                gd["hit_blocks"] = nb::make_tuple(g.hit_blocks[0], g.hit_blocks[1], g.hit_blocks[2]);
+               gd["queued_requests"] = g.queued_requests;
+               gd["protected_blocks"] =
+                   nb::make_tuple(g.protected_blocks[0], g.protected_blocks[1], g.protected_blocks[2]);
+               gd["lookahead_loads"] = g.lookahead_loads;
                groups.append(gd);
              }
              d["groups"] = groups;

@@ -129,3 +129,26 @@ def test_kv_events_and_bad_input_name_the_group():
         hc.match(len(prompt), [chain, ["not-hex"] + chain[1:]])
     with pytest.raises(kvtier.InvalidArgumentError, match="ack kind 'teleports'"):
         hc.ack(0, "teleports", [1])
+
+
+def test_an_announced_request_is_protected_in_every_group_until_withdrawn():
+    hc = gemma(device_blocks=64)
+    prompt = list(range(8 * BLOCK))
+    chain = keys(prompt)
+    a = hc.admit(len(prompt), [chain, chain])
+    hc.commit(a["id"], len(prompt))
+    hc.release(a["id"])
+    q = hc.announce(len(prompt), [chain, chain], conversation_id=7, priority=1)
+    s = hc.stats()["groups"]
+    # The full group protects the whole chain on device, the window group the two blocks before the hit.
+    assert s[0]["queued_requests"] == 1 and s[0]["protected_blocks"][0] == 8, s[0]
+    assert s[1]["queued_requests"] == 2 and s[1]["protected_blocks"][0] == 2, s[1]
+    hc.check_invariants()
+    hc.withdraw(q)
+    s = hc.stats()["groups"]
+    assert s[0]["queued_requests"] == 0 and s[1]["queued_requests"] == 0
+    assert s[0]["protected_blocks"][0] == 0
+    with pytest.raises(kvtier.NotFoundError):
+        hc.withdraw(q)
+    with pytest.raises(kvtier.InvalidArgumentError, match="hybrid announce"):
+        hc.announce(len(prompt), [chain])

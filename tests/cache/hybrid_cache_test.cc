@@ -818,5 +818,96 @@ TEST(HybridCache, BadInputIsAnErrorNamingTheValue) {
   EXPECT_HYBRID_INVARIANTS(*h);
 }
 
+// Look-ahead: an announced request's blocks are prefetched from host in every group (the full group's chain,
+// the window's blocks before the hit, the state at it, nothing else), stay through a flood of other requests
+// while announced, and are left to the policies again once withdrawn.
+TEST(HybridCache, AnnouncedRequestsArePrefetchedAndProtectedPerGroup) {
+  HybridConfig cfg;
+  cfg.groups.push_back(group("full", GroupKind::kFull, 16, 0, /*device=*/128, /*host=*/512));
+  cfg.groups.push_back(group("swa", GroupKind::kSlidingWindow, 32, 64, /*device=*/64, /*host=*/512));
+  cfg.groups.push_back(group("state", GroupKind::kState, 64, 0, /*device=*/8, /*host=*/128));
+  auto h = make(cfg);
+  ASSERT_TRUE(h);
+  constexpr std::uint32_t kFullG = 0, kSwa = 1, kStateG = 2;
+  Fakes f(h->num_groups());
+  const Prompt a(*h, tokens(256, 1));
+  serve(*h, *f.exec, a.request());
+  // Others push every block of `a` off the device (write-back: to host).
+  auto flood = [&](int first, int count) {
+    for (int i = first; i < first + count; ++i) {
+      serve(*h, *f.exec, Prompt(*h, tokens(256, 100 + i)).request());
+      run_plan(*h, *f.exec);  // the evictions' acks
+    }
+  };
+  flood(0, 12);
+  auto on = [&](std::uint32_t g, std::uint32_t i, Tier t) {
+    return keyset(cached_keys(*h, g, t)).count({a.key(*h, g, i).hi, a.key(*h, g, i).lo}) == 1;
+  };
+  for (std::uint32_t i = 0; i < 16; ++i) ASSERT_TRUE(on(kFullG, i, Tier::kHost)) << "full block " << i;
+  for (std::uint32_t i = 0; i < 16; ++i) ASSERT_FALSE(on(kFullG, i, Tier::kDevice)) << "full block " << i;
+  ASSERT_TRUE(on(kSwa, 6, Tier::kHost) && on(kSwa, 7, Tier::kHost) && on(kStateG, 3, Tier::kHost));
+
+  auto q = h->announce(a.request());
+  ASSERT_TRUE(q.ok()) << q.status().to_string();
+  EXPECT_EQ(h->announced(), 1u);
+  EXPECT_EQ(manager(*h, kFullG).stats().queued_requests, 1u);  // one chain
+  EXPECT_EQ(manager(*h, kSwa).stats().queued_requests, 2u);    // one per window block
+  EXPECT_EQ(manager(*h, kStateG).stats().queued_requests, 1u);
+  for (int step = 0; step < 4; ++step) run_plan(*h, *f.exec);
+  // The largest hit is 256 tokens: all 16 full blocks, the window's two blocks before it (positions 6 and 7
+  // of 32 tokens, window 64), the state after 256 tokens (boundary 4: key position 3; the only one saved).
+  for (std::uint32_t i = 0; i < 16; ++i) EXPECT_TRUE(on(kFullG, i, Tier::kDevice)) << "full block " << i;
+  EXPECT_TRUE(on(kSwa, 6, Tier::kDevice) && on(kSwa, 7, Tier::kDevice));
+  for (std::uint32_t i = 0; i < 6; ++i) EXPECT_FALSE(on(kSwa, i, Tier::kDevice)) << "window block " << i;
+  EXPECT_TRUE(on(kStateG, 3, Tier::kDevice));
+  // Protected while announced: a flood of other requests leaves them on device.
+  flood(20, 12);
+  for (std::uint32_t i = 0; i < 16; ++i) EXPECT_TRUE(on(kFullG, i, Tier::kDevice)) << "full block " << i;
+  EXPECT_TRUE(on(kSwa, 6, Tier::kDevice) && on(kSwa, 7, Tier::kDevice) && on(kStateG, 3, Tier::kDevice));
+  // Scheduled: withdrawn first, then admitted with the whole prompt served from device.
+  ASSERT_OK(h->withdraw(*q));
+  EXPECT_EQ(h->announced(), 0u);
+  EXPECT_EQ(h->withdraw(*q).code(), StatusCode::kNotFound);
+  auto adm = h->admit(a.request());
+  ASSERT_TRUE(adm.ok()) << adm.status().to_string();
+  EXPECT_EQ(adm->hit_tokens, 256u);
+  for (const GroupAdmission& g : adm->groups) EXPECT_EQ(g.loaded_blocks, 0u) << "group " << g.group;
+  ASSERT_OK(h->release(adm->id));
+  // No longer protected in any group: the policies decide again.
+  for (std::uint32_t g = 0; g < h->num_groups(); ++g) {
+    const CacheStats st = manager(*h, g).stats();
+    EXPECT_EQ(st.queued_requests, 0u) << g;
+    EXPECT_EQ(st.protected_blocks[static_cast<int>(Tier::kDevice)], 0u) << g;
+    EXPECT_EQ(st.protected_blocks[static_cast<int>(Tier::kHost)], 0u) << g;
+  }
+  EXPECT_HYBRID_INVARIANTS(*h);
+}
+
+// Announcements of bad requests are refused naming the value, and leave nothing announced in any group.
+TEST(HybridCache, BadAnnouncementsChangeNothing) {
+  auto h = make(three());
+  ASSERT_TRUE(h);
+  const Prompt a(*h, tokens(128, 3));
+  HybridRequest r = a.request();
+  r.chains.pop_back();
+  auto q = h->announce(r);
+  EXPECT_EQ(q.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(q.status().message().find("hybrid announce"), std::string::npos) << q.status().to_string();
+  r = a.request();
+  r.num_tokens = 96;  // the chains are of 128 tokens
+  EXPECT_EQ(h->announce(r).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(h->announced(), 0u);
+  for (std::uint32_t g = 0; g < h->num_groups(); ++g) EXPECT_EQ(manager(*h, g).stats().queued_requests, 0u) << g;
+  EXPECT_EQ(h->withdraw(12345).code(), StatusCode::kNotFound);
+  // A request shorter than a state boundary announces no state; a hit limit below every block nothing at all.
+  r = a.request();
+  r.max_hit_tokens = 10;
+  auto none = h->announce(r);
+  ASSERT_TRUE(none.ok()) << none.status().to_string();
+  for (std::uint32_t g = 0; g < h->num_groups(); ++g) EXPECT_EQ(manager(*h, g).stats().queued_requests, 0u) << g;
+  ASSERT_OK(h->withdraw(*none));
+  EXPECT_HYBRID_INVARIANTS(*h);
+}
+
 }  // namespace
 }  // namespace kvtier::cache

@@ -439,7 +439,9 @@ TEST_P(StorageConformance, PollIsNonBlockingAndCancelCompletesEverything) {
     EXPECT_TRUE(r.status.ok() || r.status.code() == StatusCode::kCancelled) << r.status.to_string();
     ok += r.status.ok();
   }
-  if (!backend_->caps().cancellable) EXPECT_EQ(ok, kN) << "a backend that cannot cancel runs every item";
+  if (!backend_->caps().cancellable) {
+    EXPECT_EQ(ok, kN) << "a backend that cannot cancel runs every item";
+  }
   // Whatever was acknowledged is readable.
   std::vector<std::byte> dst(128 * 1024);
   for (int i = 0; i < kN; ++i) {

@@ -122,7 +122,9 @@ TEST(ObjectFormat, EncodeObjectInOnePassEqualsHeaderAndCopy) {
       ASSERT_TRUE(format::encode_header(o, ns, key_of(1, 1), payload.data(), n, hs, two.data()).ok());
       std::copy(payload.begin(), payload.end(), two.begin() + hs);
       ASSERT_TRUE(format::encode_object(o, ns, key_of(1, 1), payload.data(), n, hs, one.data()).ok());
-      if (!keyed) EXPECT_EQ(one, two) << n;
+      if (!keyed) {
+        EXPECT_EQ(one, two) << n;
+      }
       EXPECT_TRUE(std::equal(one.begin() + hs, one.end(), payload.begin())) << n;
       auto h = format::decode_header(one.data(), hs, nullptr, o.tenant_secret);
       ASSERT_TRUE(h.ok()) << h.status().to_string();

@@ -109,7 +109,9 @@ TEST(TransferHazards, PerLayerWritesDuringLoadAreOrderedAfterEachLayer) {
     // pending while the forward declares its writes.
     Gate hold;
     const bool held = round % 2 == 0;
-    if (held) ASSERT_TRUE(hold.block(*dev, rig.mgr().input_stream()).ok());
+    if (held) {
+      ASSERT_TRUE(hold.block(*dev, rig.mgr().input_stream()).ok());
+    }
     auto load = rig.mgr().load_layers_to_device_async({}, ids({3}), ids({4}));
     ASSERT_TRUE(load.ok());
     for (std::uint32_t l = 0; l < rig.layout().num_layers(); ++l) {

@@ -175,7 +175,9 @@ TEST_P(PdModes, ChecksumHelpersVerifyEveryBlockAndCatchOneDamagedByte) {
       for (std::size_t i = 0; i < kBlocks; ++i) {
         const bool damaged = id == 1 && l == 0 && i == 37;
         EXPECT_EQ(fin->layer_block_is_loaded(l, i), !damaged) << id << " " << l << " " << i;
-        if (!damaged) EXPECT_TRUE(layer_matches(dec_mem.space, dst[i], l, src[i])) << id << " " << l << " " << i;
+        if (!damaged) {
+          EXPECT_TRUE(layer_matches(dec_mem.space, dst[i], l, src[i])) << id << " " << l << " " << i;
+        }
       }
     EXPECT_EQ(fin->error.code(), id == 1 ? StatusCode::kDataLoss : StatusCode::kOk) << fin->error.to_string();
     ASSERT_TRUE(pre->wait(id, 10s).ok());

@@ -168,6 +168,7 @@ struct HybridMatch {
 };
 
 using HybridAdmissionId = std::uint64_t;
+using HybridQueuedId = std::uint64_t;
 
 struct StateSave {
   std::uint32_t tokens = 0;  // the state after this many tokens
@@ -259,7 +260,25 @@ class HybridCache {
   Status release(HybridAdmissionId id);
   Result<HybridAdmissionStatus> admission_status(HybridAdmissionId id) const;
 
-  // Every group's moves queued since the last call (HybridPlan::groups[g] is group g's).
+  // ---- Look-ahead (CacheManager's "Look-ahead", per group) ----
+  // The engine queued `request` (chains and limits as for admit(); extra_tokens and save_states_at unused).
+  // Each group announces, to its CacheManager, what the largest hit the request can have (min(num_tokens,
+  // max_hit_tokens) rounded down to hit_granularity()) would need from it: a full group its chain up to that
+  // hit; a sliding-window group the blocks of the window before it, each on its own (they are root-level
+  // entries); a state group the state at it. Those blocks are then protected and prefetched as CacheManager
+  // protects and prefetches announced blocks; `hints` go to every group. A shorter hit may need other window
+  // blocks or another state: they are simply not protected (a hint never does harm). All or nothing: a group
+  // refusing withdraws what the groups before it announced and returns its error, naming the group.
+  Result<HybridQueuedId> announce(const HybridRequest& request, const RequestHints& hints = {});
+  // The request left the queue (scheduled: call it before admit(), or cancelled): every group's announcement
+  // is withdrawn (CacheManager::withdraw: kContinues / ttl_steps become retentions). NotFound for an id never
+  // announced or already withdrawn; a group's error names the group (the other groups are still withdrawn).
+  Status withdraw(HybridQueuedId id);
+  // Announcements not yet withdrawn.
+  std::size_t announced() const noexcept { return announced_.size(); }
+
+  // Every group's moves queued since the last call (HybridPlan::groups[g] is group g's), with each group's
+  // look-ahead prefetches.
   HybridPlan take_plan();
   // Acks every move of `plan` with `status`, each group's to its group.
   Status ack_plan(const HybridPlan& plan, const Status& status);
@@ -310,6 +329,9 @@ class HybridCache {
   std::vector<std::unordered_map<BlockKey, std::uint32_t, BlockKeyHash>> pins_;
   std::unordered_map<HybridAdmissionId, std::unique_ptr<Rec>> admissions_;
   HybridAdmissionId next_id_ = 1;
+  // Per announcement: each group's CacheManager announcements (group, id); a window group has one per block.
+  std::unordered_map<HybridQueuedId, std::vector<std::pair<std::uint32_t, QueuedId>>> announced_;
+  HybridQueuedId next_queued_ = 1;
   HybridStats stats_;
 };
 
