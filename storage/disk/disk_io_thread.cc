@@ -152,6 +152,9 @@ void DiskBackend::start(IoOp* op) {
       std::lock_guard<std::mutex> lk(index_mu_);
       auto it = index_.find(op->item.key);
       if (it == index_.end()) return finish(op, NotFound(fmt::format("key {} not stored", op->item.key.to_string())));
+      // A use, as a get is (and as on the memory tier): an engine asks before it reads, e.g. SGLang's prefetch
+      // of a queued request, and what it asked for should not be the next object evicted.
+      lru_.splice(lru_.end(), lru_, it->second.lru);
       return finish(op, Status::Ok(), it->second.payload_bytes);
     }
     case StorageOp::kDelete: {

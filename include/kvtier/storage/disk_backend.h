@@ -36,7 +36,7 @@
 // instead of recycled.
 //
 // Capacity: when a put would exceed capacity_bytes (object file bytes incl.
-// headers), least-recently-used objects (by put/get; mtime order after a
+// headers), least-recently-used objects (by put/get/exists; mtime order after a
 // restart) are removed first. A put larger than the capacity fails with
 // ResourceExhausted. Errors: ENOSPC/EFBIG/EDQUOT -> ResourceExhausted, from any
 // call that writes, syncs, renames or creates a file or directory (inodes
