@@ -720,6 +720,10 @@ class Endpoint {
   static std::span<const std::uint64_t> list_of(const LaneBuffers& lb, std::uint32_t layer, std::uint32_t list) {
     return {lb.host_at(layer, list), lb.n};
   }
+  // The moving side's read-back of the layer found every block as it was moved.
+  static bool lists_match(const LaneBuffers& lb, std::uint32_t layer) {
+    return std::memcmp(lb.host_at(layer, 0), lb.host_at(layer, 1), lb.n * sizeof(std::uint64_t)) == 0;
+  }
 
   std::vector<std::uint64_t> local_strides() const {
     std::vector<std::uint64_t> s;
@@ -1230,6 +1234,10 @@ class Prefill final : public PdPrefill, public Endpoint {
       Msg m(x.req->mode == PdMode::kPull ? 'A' : 'W', id);
       if (x.req->mode == PdMode::kPull)
         m.u32(li).u64s(x.src).u64s(list_of(*x.lane, li, 0)).u64s(local_strides());
+      else if (x.req->mover_verifies && lists_match(*x.lane, li))
+        // Every block read back as moved: the count alone (the decode trusts this side's read-back either way,
+        // and 16 bytes per block per layer through the socket cost as much as a small layer's copy).
+        m.u32(li).u64s({}).u64s({}).u32(static_cast<std::uint32_t>(x.lane->n));
       else if (x.req->mover_verifies)
         m.u32(li).u64s(list_of(*x.lane, li, 0)).u64s(list_of(*x.lane, li, 1));
       else
@@ -1626,6 +1634,21 @@ class Decode final : public PdDecode, public Endpoint {
           return;
         }
         if (read_back) {
+          std::uint32_t matched = 0;
+          if (ck.empty() && landed.empty() && p.u32(matched)) {
+            // The prefill's read-back matched every block: the count must be this transfer's.
+            if (x.layers[layer] != LayerState::kPending) return;
+            if (matched != x.dst.size()) {
+              fail_layer(x, layer,
+                         DataLoss(fmt::format("transfer {} layer {}: the prefill verified {} blocks of {}", id, layer,
+                                              matched, x.dst.size())));
+              return;
+            }
+            std::fill_n(x.block_layer_ok.begin() + static_cast<std::ptrdiff_t>(std::size_t{layer} * x.dst.size()),
+                        x.dst.size(), std::uint8_t{1});
+            x.layers[layer] = LayerState::kLoaded;
+            return;
+          }
           if (landed.size() != ck.size()) {
             compare_layer(id, x, layer, ck, nullptr);
             return;
