@@ -756,7 +756,7 @@ Result<HybridQueuedId> HybridCache::announce(const HybridRequest& request, const
   std::vector<std::pair<std::uint32_t, QueuedId>> made;
   auto undo = [&] {
     for (const auto& [g, q] : made)
-      managers_[g]->withdraw(q).ignore_error();  // announced a moment ago by this call: cannot be withdrawn yet
+      managers_[g]->withdraw(q).ignore_error();  // announced by this call a moment ago: nothing can refuse it
   };
   std::vector<BlockKey> keys;
   for (std::uint32_t g = 0; g < num_groups(); ++g) {

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <thread>
 
 #include "kvtier/core/deadline.h"
@@ -64,31 +65,27 @@ Status check_spaces(std::string_view role, const Device& device, const BlockSpac
 // Free staging block ids (the caller holds the endpoint's lock).
 class StagingPool {
  public:
+  // `n`: the staging space's num_blocks (at most INT32_MAX, BlockSpace::make).
   explicit StagingPool(std::uint64_t n) {
-    for (std::uint64_t i = n; i > 0; --i) free_.push_back(i - 1);
+    for (std::uint64_t i = n; i > 0; --i) free_.push_back(static_cast<BlockId>(i - 1));
   }
-  Result<std::vector<std::uint64_t>> take(std::size_t n) {
+  Result<std::vector<BlockId>> take(std::size_t n) {
     if (n > free_.size())
       return ResourceExhausted(fmt::format("staging pool: {} blocks asked, {} free", n, free_.size()));
-    std::vector<std::uint64_t> out(free_.end() - static_cast<std::ptrdiff_t>(n), free_.end());
+    std::vector<BlockId> out(free_.end() - static_cast<std::ptrdiff_t>(n), free_.end());
     free_.resize(free_.size() - n);
     return out;
   }
-  void give(const std::vector<std::uint64_t>& ids) { free_.insert(free_.end(), ids.begin(), ids.end()); }
+  void give(const std::vector<BlockId>& ids) { free_.insert(free_.end(), ids.begin(), ids.end()); }
   std::uint64_t free() const { return free_.size(); }
 
  private:
-  std::vector<std::uint64_t> free_;
+  std::vector<BlockId> free_;
 };
 
-// The staging pool's ids (below its space's num_blocks, itself at most INT32_MAX) and checked request lists.
-std::vector<BlockId> as_block_ids(const std::vector<std::uint64_t>& v) {
-  return std::vector<BlockId>(v.begin(), v.end());
-}
-
-Status check_ids(const std::vector<std::uint64_t>& ids, const BlockSpace& space, std::string_view what) {
+Status check_ids(std::span<const BlockId> ids, const BlockSpace& space, std::string_view what) {
   if (ids.empty()) return InvalidArgument(fmt::format("{} list is empty", what));
-  std::set<std::uint64_t> seen;
+  std::set<BlockId> seen;
   for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] >= space.num_blocks())
       return OutOfRange(
@@ -124,19 +121,18 @@ class StagedPrefill final : public PdStagedPrefill {
     return Status::Ok();
   }
 
-  Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_ids) override {
-    const std::vector<std::uint64_t> src_blocks(src_ids.begin(), src_ids.end());  // as the staging pool counts
+  Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_ids(src_blocks, dev_, "source"));
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
     KVTIER_ASSIGN_OR_RETURN(auto staged, pool_.take(src_blocks.size()));
-    Status s = pd_->begin(decode, id, as_block_ids(staged));
+    Status s = pd_->begin(decode, id, staged);
     if (!s.ok()) {
       pool_.give(staged);
       return s;
     }
     X& x = xfers_[id];
-    x.src = as_block_ids(src_blocks);
+    x.src = std::move(src_blocks);
     x.staging = std::move(staged);
     x.events.resize(dev_.layout().num_layers());
     return Status::Ok();
@@ -192,7 +188,7 @@ class StagedPrefill final : public PdStagedPrefill {
  private:
   struct X {
     std::vector<BlockId> src;
-    std::vector<std::uint64_t> staging;
+    std::vector<BlockId> staging;
     std::vector<std::unique_ptr<Event>> events;  // per layer, recorded behind its staging copy
   };
 
@@ -205,13 +201,12 @@ class StagedPrefill final : public PdStagedPrefill {
     if (x.events[layer]) return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layer));
     KVTIER_ASSIGN_OR_RETURN(auto ev, device_.create_event());
     if (after != nullptr) KVTIER_RETURN_IF_ERROR(device_.wait(*stream_, *after));
-    const std::vector<BlockId> dst = as_block_ids(x.staging);
     const std::uint32_t layers[1] = {layer};
     CopyRequest req;
     req.src = &dev_;
     req.dst = &staging_;
     req.src_blocks = x.src;
-    req.dst_blocks = dst;
+    req.dst_blocks = x.staging;
     req.layers = layers;
     req.strategy = options_.strategy;
     auto copied = engine_.copy(req, *stream_);
@@ -289,8 +284,7 @@ class StagedDecode final : public PdStagedDecode {
     return Status::Ok();
   }
 
-  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_ids) override {
-    const std::vector<std::uint64_t> dst_blocks(dst_ids.begin(), dst_ids.end());  // as the staging pool counts
+  Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_blocks) override {
     KVTIER_RETURN_IF_ERROR(check_ids(dst_blocks, dev_, "destination"));
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
@@ -305,13 +299,13 @@ class StagedDecode final : public PdStagedDecode {
       l.event = std::move(ev).value();
     }
     // Validates the destination ids (distinct) as PdDecode would, before any staging block is in use.
-    Status s = pd_->start(prefill, id, mode, as_block_ids(staged));
+    Status s = pd_->start(prefill, id, mode, staged);
     if (!s.ok()) {
       pool_.give(staged);
       return s;
     }
     X& x = xfers_[id];
-    x.dst = as_block_ids(dst_blocks);
+    x.dst = std::move(dst_blocks);
     x.staging = std::move(staged);
     x.layers = std::move(layers);
     cv_.notify_all();
@@ -393,7 +387,7 @@ class StagedDecode final : public PdStagedDecode {
   };
   struct X {
     std::vector<BlockId> dst;
-    std::vector<std::uint64_t> staging;
+    std::vector<BlockId> staging;
     std::vector<L> layers;
     KeptStatus copy_error;
   };
@@ -505,12 +499,11 @@ class StagedDecode final : public PdStagedDecode {
   }
 
   Status enqueue_copy(X& x, std::uint32_t layer) {
-    const std::vector<BlockId> src = as_block_ids(x.staging);
     const std::uint32_t layers[1] = {layer};
     CopyRequest req;
     req.src = &staging_;
     req.dst = &dev_;
-    req.src_blocks = src;
+    req.src_blocks = x.staging;
     req.dst_blocks = x.dst;
     req.layers = layers;
     req.strategy = options_.strategy;
