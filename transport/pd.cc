@@ -30,7 +30,9 @@
 // Device lane (pd.h): 'W', 'A' and 'D' keep their meaning; the bytes move by copy kernels outside the transport,
 // and the checksums are block_checksum() values computed on the device. When the moving side verifies (lane 2),
 // 'W' carries a second list, u32 n n*u64 landed (the destinations read back after the write), and 'A' an empty
-// checksum list (the decode's copy and read-back are compared on the decode side).
+// checksum list (the decode's copy and read-back are compared on the decode side). Only a transfer's first 'A'
+// carries the source list and strides; each later one has both lists empty and ends with u32 n, "the list of the
+// first 'A'" (n: its length).
 #include "kvtier/transport/pd.h"
 
 #include <fmt/format.h>
@@ -569,6 +571,7 @@ class Endpoint {
     std::optional<BlockSpace> peer;  // the peer's pool, mapped here (the moving side)
     // The moving side's copy over every layer, checked once (lane_copy_layer); cleared when the ids change.
     std::optional<PreparedCopy> prepared;
+    bool peer_list_known = false;  // pull, the reading side: the prefill's source list arrived in an 'A'
     std::uint64_t n = 0;
     std::uint64_t capacity = 0;  // checksums the buffers hold
     std::uint64_t* device_at(std::uint32_t layer, std::uint32_t list = 0) const {
@@ -617,6 +620,7 @@ class Endpoint {
     lb->peer_ids.assign(peer.begin(), peer.end());
     lb->peer.reset();
     lb->prepared.reset();
+    lb->peer_list_known = false;
     return lb;
   }
 
@@ -897,6 +901,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     PeerRing* ring = nullptr;           // ring lane
     std::vector<Piece> pieces;          // ring lane: [layer * pieces_per_layer + piece]
     std::uint32_t pieces_per_layer = 0;
+    bool lane_list_sent = false;  // device lane, pull: an 'A' with the source list and strides went out
   };
 
   bool busy() const override {
@@ -1233,7 +1238,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (x.final) continue;  // the decode side knows the transfer failed; nothing more is announced
       Msg m(x.req->mode == PdMode::kPull ? 'A' : 'W', id);
       if (x.req->mode == PdMode::kPull)
-        m.u32(li).u64s(x.src).u64s(list_of(*x.lane, li, 0)).u64s(local_strides());
+        append_read_announcement(m.u32(li), x, list_of(*x.lane, li, 0));
       else if (x.req->mover_verifies && lists_match(*x.lane, li))
         // Every block read back as moved: the count alone (the decode trusts this side's read-back either way,
         // and 16 bytes per block per layer through the socket cost as much as a small layer's copy).
@@ -1244,6 +1249,19 @@ class Prefill final : public PdPrefill, public Endpoint {
         m.u32(li).u64s(list_of(*x.lane, li, 0));
       t_.send_notification(x.peer, m.str()).ignore_error();
     }
+  }
+
+  // Device lane, pull: the first 'A' of a transfer carries the source list and this side's strides; every later
+  // one carries neither and ends with the list's length instead (4,096 blocks are 32 KiB per layer otherwise,
+  // parsed and compared again on the decode side for every layer). The transport keeps one peer's messages in
+  // order, so the list arrives first.
+  void append_read_announcement(Msg& m, X& x, std::span<const std::uint64_t> ck) {
+    if (!x.lane_list_sent) {
+      m.u64s(x.src).u64s(ck).u64s(local_strides());
+      x.lane_list_sent = true;
+      return;
+    }
+    m.u64s({}).u64s(ck).u64s({}).u32(static_cast<std::uint32_t>(x.src.size()));
   }
 
   // Device lane: push, the layer's kernel writes the decode's blocks and checksums what it moves (and, when
@@ -1259,7 +1277,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.last_sent = Clock::now();
     if (x.req->mode == PdMode::kPull && x.req->mover_verifies) {
       Msg m('A', id);
-      m.u32(li).u64s(x.src).u64s({}).u64s(local_strides());
+      append_read_announcement(m.u32(li), x, {});
       t_.send_notification(x.peer, m.str()).ignore_error();
       return;
     }
@@ -1670,36 +1688,36 @@ class Decode final : public PdDecode, public Endpoint {
       case 'A': {
         std::vector<std::uint64_t> src, ck, strides;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(src) || !p.u64s(ck) || !p.u64s(strides)) return;
-        if (x.layers[layer] != LayerState::kPending || x.reads[layer].active) return;
+        // Device lane: a trailing count says "the source list of this transfer's first 'A'".
+        std::uint32_t same_list = 0;
+        const bool repeats_list = x.lane && src.empty() && strides.empty() && p.u32(same_list);
         // When this side verifies its own device lane copy the prefill sends no checksums.
         const std::size_t want_ck = x.lane && mover_verifies() ? 0 : x.dst.size();
-        if (src.size() != x.dst.size() || ck.size() != want_ck) {
-          fail_layer(x, layer,
-                     InvalidArgument(fmt::format(
-                         "transfer {} layer {}: prefill announced {} blocks and {} checksums, decode has {} blocks", id,
-                         layer, src.size(), ck.size(), x.dst.size())));
+        const std::size_t announced = repeats_list ? same_list : src.size();
+        if (announced != x.dst.size() || ck.size() != want_ck) {
+          if (x.layers[layer] == LayerState::kPending && !x.reads[layer].active)
+            fail_layer(x, layer,
+                       InvalidArgument(fmt::format(
+                           "transfer {} layer {}: prefill announced {} blocks and {} checksums, decode has {} blocks",
+                           id, layer, announced, ck.size(), x.dst.size())));
           return;
         }
-        if (x.lane) {
-          Status s = Status::Ok();
-          if (!x.lane->peer) {
-            auto peer = peer_space(x.peer, strides);
-            if (peer.ok())
-              x.lane->peer = std::move(peer).value();
-            else
-              s = peer.status();
-          }
-          for (std::size_t i = 0; s.ok() && i < src.size(); ++i) {
-            if (src[i] > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
-              s = OutOfRange(fmt::format("prefill block id {} does not fit the copy engine's 32-bit ids", src[i]));
-            else if (x.lane->peer_ids[i] != static_cast<BlockId>(src[i])) {
-              // Another list than the one the lane's copy was checked with: check it again.
-              x.lane->peer_ids[i] = static_cast<BlockId>(src[i]);
-              x.lane->prepared.reset();
-            }
-          }
+        if (x.lane && !repeats_list) {
+          // Kept whatever this layer's state: later layers' announcements refer to it.
+          Status s = take_source_list(x, src, strides);
           if (!s.ok()) {
-            fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane read", id, layer)));
+            if (x.layers[layer] == LayerState::kPending)
+              fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane read", id, layer)));
+            return;
+          }
+        }
+        if (x.layers[layer] != LayerState::kPending || x.reads[layer].active) return;
+        if (x.lane) {
+          if (!x.lane->peer_list_known) {
+            fail_layer(x, layer,
+                       InvalidArgument(fmt::format("transfer {} layer {}: the prefill referred to a source list it "
+                                                   "never sent",
+                                                   id, layer)));
             return;
           }
           start_lane_layer(id, x, layer, std::move(ck), &*x.lane->peer);
@@ -1718,6 +1736,27 @@ class Decode final : public PdDecode, public Endpoint {
       }
       default: return;
     }
+  }
+
+  // Device lane, pull: the prefill's source list and strides from its first 'A' (the peer's pool mapped once).
+  // A list other than the one the lane's copy was checked with is checked again.
+  Status take_source_list(X& x, const std::vector<std::uint64_t>& src, const std::vector<std::uint64_t>& strides) {
+    LaneBuffers& lb = *x.lane;
+    lb.peer_list_known = false;
+    if (!lb.peer) {
+      KVTIER_ASSIGN_OR_RETURN(auto peer, peer_space(x.peer, strides));
+      lb.peer = std::move(peer);
+    }
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      if (src[i] > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
+        return OutOfRange(fmt::format("prefill block id {} does not fit the copy engine's 32-bit ids", src[i]));
+      if (lb.peer_ids[i] != static_cast<BlockId>(src[i])) {
+        lb.peer_ids[i] = static_cast<BlockId>(src[i]);
+        lb.prepared.reset();
+      }
+    }
+    lb.peer_list_known = true;
+    return Status::Ok();
   }
 
   // Device lane: `from` null (push) checksums the layer's destinations in place; otherwise (pull) the layer is

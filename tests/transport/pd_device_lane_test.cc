@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <mutex>
 
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/device/host_device.h"
@@ -558,6 +559,108 @@ TEST(PdRingLane, CraftedPieceMessagesFailTheirLayersAndTheRingRecovers) {
   auto again = dec->wait(2, 5s, true);
   ASSERT_TRUE(again.ok()) << again.status().to_string() << " (ring slots lost to the crafted transfer?)";
   EXPECT_EQ(again->leading_loaded_blocks(), 2u) << again->error.to_string();
+  pre.reset();
+  dec.reset();
+}
+
+// Pull over the device lane: only a transfer's first 'A' carries the source list (the others end with its
+// length), and the bytes still land exactly. A crafted 'A' that refers to a list never sent, or gives another
+// length, fails its layer without copying anything into it; the other layers load.
+TEST(PdDeviceLane, PullSendsTheSourceListOnceAndRefusesReferencesToAnother) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  auto device = HostDevice::create().value();
+  auto engine = CopyEngine::create(*device).value();
+  const int n = ++g_seq;
+  // 'A' xid u64, layer u32, then three u64 lists (u32 length + items) and, without a list, u32 length.
+  constexpr std::size_t kHead = 13;
+  auto list_length = [](const Notification& m) {
+    std::uint32_t len = 0;
+    std::memcpy(&len, m.message.data() + kHead, 4);
+    return len;
+  };
+  auto as_reference = [](Notification& m, std::uint32_t length) {
+    const std::uint32_t none = 0;
+    m.message.resize(kHead + 16);
+    for (int i = 0; i < 3; ++i) std::memcpy(m.message.data() + kHead + 4 * i, &none, 4);
+    std::memcpy(m.message.data() + kHead + 12, &length, 4);
+  };
+  std::mutex mu;
+  std::vector<std::pair<std::uint32_t, std::size_t>> seen;  // (list length, message size) of each 'A'
+  int craft = 0;  // 0: observe only; 1: the first 'A' loses its list; 2: layer 2's reference gives length 3
+  auto pre_t = create_loopback_transport({fmt::format("alist-pre{}", n), layout.fingerprint(), 1, 0}).value();
+  auto dec_t = std::make_unique<Rewriting>(
+      create_loopback_transport({fmt::format("alist-dec{}", n), layout.fingerprint(), 1, 0}).value(),
+      [&](Notification& m) {
+        if (m.message.size() < kHead + 4 || m.message[0] != 'A') return;
+        std::lock_guard lock(mu);
+        const std::uint32_t len = list_length(m);
+        seen.emplace_back(len, m.message.size());
+        if (craft == 1 && seen.size() == 1) as_reference(m, len);
+        if (craft == 2 && layer_of(m) == 2) as_reference(m, 3);
+      });
+  PdOptions opt;
+  opt.engine = engine.get();
+  ASSERT_EQ(opt.lane_verify, PdOptions::LaneVerify::kMover);
+  auto pre = PdPrefill::create(*pre_t, as_device(pre_mem.space), opt).value();
+  auto dec = PdDecode::create(*dec_t, as_device(dec_mem.space), opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  auto run = [&](TransferId id) -> Result<DecodeStatus> {
+    KVTIER_RETURN_IF_ERROR(pre->begin(to_dec, id, kSrc));
+    for (std::uint32_t l = 0; l < 4; ++l) KVTIER_RETURN_IF_ERROR(pre->layer_ready(id, l));
+    KVTIER_RETURN_IF_ERROR(dec->start(to_pre, id, PdMode::kPull, kDst));
+    auto fin = dec->wait(id, 5s, true);
+    KVTIER_RETURN_IF_ERROR(pre->wait(id, 5s).status());
+    KVTIER_RETURN_IF_ERROR(pre->forget(id));
+    KVTIER_RETURN_IF_ERROR(dec->forget(id));
+    return fin;
+  };
+
+  auto fin = run(1);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), kDst.size()) << fin->error.to_string();
+  for (std::size_t i = 0; i < kDst.size(); ++i)
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_TRUE(layer_matches(dec_mem.space, kDst[i], l, kSrc[i])) << i;
+  {
+    std::lock_guard lock(mu);
+    ASSERT_EQ(seen.size(), 4u);
+    EXPECT_EQ(seen[0].first, kSrc.size());
+    for (std::size_t i = 1; i < seen.size(); ++i) {
+      EXPECT_EQ(seen[i].first, 0u) << i;
+      EXPECT_LT(seen[i].second, seen[0].second) << i;
+    }
+    seen.clear();
+    craft = 1;
+  }
+
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
+      for (std::uint64_t b = 0; b < 8; ++b)
+        std::memset(dec_mem.space.block_ptr(l, r, b), 0xee, layout.block_bytes(l, r));
+  fin = run(2);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_EQ(fin->error.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(fin->error.message().find("source list it never sent"), std::string::npos) << fin->error.to_string();
+  for (std::uint64_t dst : kDst)
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(dec_mem.space.block_ptr(l, 1, dst)[17], std::byte{0xee});
+  {
+    std::lock_guard lock(mu);
+    seen.clear();
+    craft = 2;
+  }
+
+  fin = run(3);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->layers[2], LayerState::kFailed);
+  for (std::uint32_t l : {0u, 1u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
+  EXPECT_NE(fin->error.message().find("prefill announced 3 blocks"), std::string::npos) << fin->error.to_string();
+  for (std::size_t i = 0; i < kDst.size(); ++i) {
+    EXPECT_TRUE(layer_matches(dec_mem.space, kDst[i], 0, kSrc[i])) << i;
+    EXPECT_EQ(dec_mem.space.block_ptr(2, 1, kDst[i])[17], std::byte{0xee}) << i;
+  }
   pre.reset();
   dec.reset();
 }
