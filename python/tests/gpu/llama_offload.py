@@ -42,6 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+try:  # the paged decode attention kernel below (CUDA, 16-bit caches); without it the step gathers the context
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,6 +68,9 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--eager-step", action="store_true",
                    help="run the timed decode step eagerly from Python (default on CUDA: replayed CUDA graphs)")
+    p.add_argument("--gather-attention", action="store_true",
+                   help="decode steps gather each layer's context before attending (default on CUDA with Triton: "
+                        "a paged attention kernel reads the cache in place)")
     p.add_argument("--fake-kvtier", action="store_true",
                    help="use the in-script stand-in manager (testing this script without kvtier)")
     p.add_argument("--out", default=None, help="also write the JSON result here")
@@ -130,6 +139,108 @@ class PagedKV:
         return out
 
 
+if triton is not None:
+    @triton.jit
+    def _paged_decode_split(q_ptr, k_ptr, v_ptr, table_ptr, o_ptr, m_ptr, l_ptr, scale, ctx, blocks_per_split,
+                            stride_block, stride_head, splits, REP: tl.constexpr, REP_PAD: tl.constexpr,
+                            BT: tl.constexpr, HD: tl.constexpr):
+        """One (KV head, split) of a decode step's attention, read in place from the paged cache: the REP query
+        heads of the KV head against the split's blocks of the block table. Scores and the running softmax in
+        fp32; writes the split's unnormalised output, running max and sum for _combine_splits."""
+        h, sp = tl.program_id(0), tl.program_id(1)
+        r, d, t = tl.arange(0, REP_PAD), tl.arange(0, HD), tl.arange(0, BT)
+        q = tl.load(q_ptr + (h * REP + r)[:, None] * HD + d[None, :], mask=(r < REP)[:, None], other=0.0)
+        m_i = tl.full([REP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, HD], tl.float32)
+        first = sp * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, tl.cdiv(ctx, BT))
+        for j in range(first, last):
+            blk = tl.load(table_ptr + j).to(tl.int64)
+            off = blk * stride_block + h * stride_head + t[:, None] * HD + d[None, :]
+            valid = (j * BT + t) < ctx  # the last block's slots past the context may hold anything
+            kb = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb)) * scale  # [REP_PAD, BT], fp32 accumulation
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vb = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
+        base = h * splits + sp
+        tl.store(o_ptr + (base * REP_PAD + r)[:, None] * HD + d[None, :], acc)
+        tl.store(m_ptr + base * REP_PAD + r, m_i)
+        tl.store(l_ptr + base * REP_PAD + r, l_i)
+
+
+def paged_decode_attention(q, K, V, table_t, ctx, scale):
+    """q [1, heads, 1, hd] against positions 0..ctx-1 of the paged cache K, V [num_blocks, kv_heads, bt, hd] at
+    the blocks table_t lists, read in place (no gather): the context is split into runs of blocks per KV head
+    (flash-decoding), each split's partial softmax combined after. -> [1, heads, 1, hd] in q's dtype."""
+    _, kvh, bt, hd = K.shape
+    heads = q.shape[1]
+    assert K.is_contiguous() and V.is_contiguous() and K.shape == V.shape and K.dtype == V.dtype == q.dtype
+    assert table_t.dtype == torch.int64 and 0 < ctx <= table_t.numel() * bt and heads % kvh == 0
+    rep = heads // kvh
+    nb = -(-ctx // bt)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+    per = max(1, -(-nb * kvh // (2 * sms)))  # about two programs per SM
+    splits = -(-nb // per)
+    rep_pad = max(16, triton.next_power_of_2(rep))  # tl.dot needs 16 rows
+    o = torch.empty((kvh, splits, rep_pad, hd), dtype=torch.float32, device=q.device)
+    m = torch.empty((kvh, splits, rep_pad), dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    _paged_decode_split[(kvh, splits)](q.contiguous(), K, V, table_t, o, m, lsum, scale, ctx, per,
+                                       K.stride(0), K.stride(1), splits, REP=rep, REP_PAD=rep_pad, BT=bt, HD=hd)
+    o, m, lsum = o[:, :, :rep], m[:, :, :rep], lsum[:, :, :rep]
+    w = torch.exp(m - m.amax(1, keepdim=True))  # [kvh, splits, rep]
+    out = (o * w[..., None]).sum(1) / (lsum * w).sum(1)[..., None]  # [kvh, rep, hd]
+    return out.to(q.dtype).reshape(1, heads, 1, hd)
+
+
+def check_paged_attention(dev, dtype, heads=32, kv_heads=8, hd=128, bt=64, seed=7):
+    """paged_decode_attention against a CPU float64 reference on random caches and shuffled block tables, at
+    context lengths around block and split boundaries. Blocks outside the table, and the last block's slots past
+    the context, hold NaN, so reading one shows. -> (ok, worst error relative to the reference's largest value, the gather path's worst error)."""
+    gen = torch.Generator().manual_seed(seed)
+    worst = worst_gather = 0.0
+    ok = True
+    for ctx in (1, bt - 1, bt, bt + 1, 3 * bt + 5, 1000, 8191):
+        nb = -(-ctx // bt)
+        pool = nb + 7
+        K = torch.randn((pool, kv_heads, bt, hd), generator=gen).to(dtype)
+        V = torch.randn((pool, kv_heads, bt, hd), generator=gen).to(dtype)
+        ids = torch.randperm(pool, generator=gen)[:nb]
+        unused = torch.ones(pool, dtype=torch.bool)
+        unused[ids] = False
+        K[unused] = float("nan")
+        V[unused] = float("nan")
+        K[ids[-1], :, ctx - (nb - 1) * bt:] = float("nan")  # the last block's slots past the context
+        V[ids[-1], :, ctx - (nb - 1) * bt:] = float("nan")
+        q = torch.randn((1, heads, 1, hd), generator=gen).to(dtype)
+        scale = hd ** -0.5
+        # reference: float64 on the CPU over the gathered context
+        k = K[ids].transpose(0, 1).reshape(kv_heads, nb * bt, hd)[:, :ctx].double()
+        v = V[ids].transpose(0, 1).reshape(kv_heads, nb * bt, hd)[:, :ctx].double()
+        qg = q.reshape(kv_heads, heads // kv_heads, hd).double()
+        ref = torch.matmul(torch.softmax(torch.matmul(qg, k.transpose(1, 2)) * scale, -1), v).reshape(heads, hd)
+        got = paged_decode_attention(q.to(dev), K.to(dev), V.to(dev), ids.to(dev), ctx, scale)
+        if q.is_cuda:
+            torch.cuda.synchronize(dev)
+        err = ((got.double().cpu().reshape(heads, hd) - ref).abs().max() / ref.abs().max()).item()
+        gathered = PagedKV.gather(types.SimpleNamespace(K=[K.to(dev)], V=[V.to(dev)], bt=bt), 0,
+                                  BlockTable(ids, dev), ctx)
+        base = PagedDecoder.decode_attention(types.SimpleNamespace(rep=heads // kv_heads), q.to(dev), *gathered,
+                                             scale)
+        err_gather = ((base.double().cpu().reshape(heads, hd) - ref).abs().max() / ref.abs().max()).item()
+        worst, worst_gather = max(worst, err), max(worst_gather, err_gather)
+        # bf16 output rounding alone is 2^-8 of a value; allow twice the gather path's error or that
+        ok = ok and err == err and err <= max(2 * err_gather, 2.0 ** -7)
+    return ok, worst, worst_gather
+
+
 class BlockTable:
     """A sequence's block ids, as a host list (decode writes) and a device tensor (gathers)."""
 
@@ -141,7 +252,7 @@ class BlockTable:
 class PagedDecoder:
     """Forward pass over the HF model's own modules with attention on the paged cache."""
 
-    def __init__(self, model, kv):
+    def __init__(self, model, kv, paged_kernel=None):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         self.m, self.kv, self.rope = model, kv, apply_rotary_pos_emb
         c = model.config
@@ -152,6 +263,10 @@ class PagedDecoder:
         p = next(model.parameters())
         flash = p.is_cuda and p.dtype in (torch.bfloat16, torch.float16)
         self.backend = SDPBackend.FLASH_ATTENTION if flash else SDPBackend.MATH
+        # A decode step's attention reads the paged cache in place (paged_decode_attention) where it can: CUDA,
+        # a 16-bit cache, Triton importable; otherwise (or paged_kernel=False) it gathers the context first.
+        can = flash and triton is not None
+        self.paged_kernel = can if paged_kernel is None else (paged_kernel and can)
 
     def decode_attention(self, q, k, v, scale):
         """One query token against the cached context, grouped: the `rep` query heads of a KV head share its
@@ -163,6 +278,12 @@ class PagedDecoder:
         w = torch.softmax(torch.matmul(qg, k[0].float().transpose(1, 2)) * scale, dim=-1)  # [kvh, rep, ctx]
         o = torch.matmul(w.to(v.dtype), v[0])  # [kvh, rep, hd]
         return o.reshape(1, kvh * self.rep, 1, hd)
+
+    def cached_attention(self, l, q, table, ctx, scale):
+        """One query token against positions 0..ctx-1 of layer l's paged cache."""
+        if self.paged_kernel:
+            return paged_decode_attention(q, self.kv.K[l], self.kv.V[l], table.t, ctx, scale)
+        return self.decode_attention(q, *self.kv.gather(l, table, ctx), scale)
 
     @torch.no_grad()
     def forward(self, table, ids, start, before_attention=None, all_logits=False):
@@ -204,7 +325,7 @@ class PagedDecoder:
             vv = v.repeat_interleave(self.rep, dim=1)  # (flash has no enable_gqa in torch 2.11)
             o = F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1, scale=at.scaling)
         else:
-            o = self.decode_attention(q, *self.kv.gather(l, table, start + 1), at.scaling)
+            o = self.cached_attention(l, q, table, start + 1, at.scaling)
         h = h + at.o_proj(o.transpose(1, 2).reshape(1, T, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -331,14 +452,14 @@ class FakeCacheTransferManager:
 # ------------------------------------------------------------------------------ end FAKE kvtier
 
 
-def compare_paged(model, ids, split, bt, dev, gen):
+def compare_paged(model, ids, split, bt, dev, gen, paged_kernel=None):
     """transformers' logits of ids and the paged decoder's: prefill ids[:split], then decode the
     rest one token at a time (on a fresh shuffled block table)."""
     S, c = ids.shape[0], model.config
     nb = -(-S // bt) + 4
     kv = PagedKV(c.num_hidden_layers, nb, c.num_key_value_heads, bt, c.head_dim,
                  next(model.parameters()).dtype, dev)
-    dec, table = PagedDecoder(model, kv), BlockTable(torch.randperm(nb, generator=gen), dev)
+    dec, table = PagedDecoder(model, kv, paged_kernel), BlockTable(torch.randperm(nb, generator=gen), dev)
     with torch.no_grad():
         ref = model(ids[None], use_cache=False).logits[0].float()
         mine = [dec.forward(table, ids[:split], 0, all_logits=True)]
@@ -358,7 +479,7 @@ def logits_check(a, model, dev, gen):
     m32 = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
     ref32, mine32 = compare_paged(m32, ids, split, a.block_tokens, dev, gen)
     del m32
-    ref, mine = compare_paged(model, ids, split, a.block_tokens, dev, gen)
+    ref, mine = compare_paged(model, ids, split, a.block_tokens, dev, gen, paged_kernel=not a.gather_attention)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -439,16 +560,23 @@ def main(argv=None):
     need = -(-(P + a.new_tokens) // BT)
     nblocks = need + a.spare_blocks
     kv = PagedKV(L, nblocks, KVH, BT, HD, dtype, dev)
-    dec = PagedDecoder(model, kv)
+    dec = PagedDecoder(model, kv, paged_kernel=not a.gather_attention)
     gen = torch.Generator().manual_seed(a.seed + 1)
     table = BlockTable(torch.randperm(nblocks, generator=gen)[:need], dev)  # shuffled, non-contiguous
     checks, res = {}, {"config": {k: v for k, v in vars(a).items() if k != "out"},
                        "num_device_blocks": nblocks, "block_table_head": table.ids[:8],
                        "torch": torch.__version__, "device_name": torch.cuda.get_device_name(dev)
                        if dev.type == "cuda" else "cpu", "attn_implementation": cfg._attn_implementation,
-                       "paged_sdpa_backend": dec.backend.name}
+                       "paged_sdpa_backend": dec.backend.name,
+                       "decode_attention": "paged_kernel" if dec.paged_kernel else "gather"}
     import transformers
     res["transformers"] = transformers.__version__
+
+    # -- 0. the paged attention kernel against a CPU float64 reference (NaN in every block outside the table)
+    if dec.paged_kernel:
+        ok, worst, worst_gather = check_paged_attention(dev, dtype)
+        res["paged_attention_check"] = {"max_rel_err": worst, "gather_path_max_rel_err": worst_gather}
+        checks["paged_attention_matches_reference"] = ok
 
     # -- 1. paged decoder vs transformers on a short prompt (prefill, then decode steps)
     res["logits_check"], ok = logits_check(a, model, dev, gen)

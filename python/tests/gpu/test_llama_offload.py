@@ -3,6 +3,8 @@
 test_llama_offload: on a CUDA machine, the 7B-shaped model with a shorter prompt through the
 real kvtier.fastdeploy.CacheTransferManager; tokens after offload + layer-wise reload must equal
 the reference run's. Skipped without CUDA.
+test_paged_attention_matches_reference: the paged decode attention kernel against a CPU
+float64 reference. Skipped without CUDA and Triton.
 test_script_with_fake_manager: the script itself on a tiny CPU model with its in-script stand-in
 manager (no kvtier involved). Skipped where torch or transformers are missing.
 """
@@ -40,3 +42,11 @@ def test_script_with_fake_manager(tmp_path):
     _run(["--device", "cpu", "--fake-kvtier", "--layers", "2", "--hidden", "64", "--heads", "4",
           "--kv-heads", "2", "--intermediate", "128", "--prompt-tokens", "200", "--block-tokens", "16",
           "--new-tokens", "8", "--repeats", "2", "--check-tokens", "96"], tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or llama_offload.triton is None, reason="needs a CUDA GPU and Triton")
+def test_paged_attention_matches_reference():
+    # The decode step's paged attention kernel against a CPU float64 reference, NaN outside the context.
+    for dtype in (torch.bfloat16, torch.float16):
+        ok, worst, worst_gather = llama_offload.check_paged_attention(torch.device("cuda"), dtype)
+        assert ok, (dtype, worst, worst_gather)
