@@ -54,12 +54,16 @@ std::uint32_t layer_of(const Notification& n) {
   return l;
 }
 
-struct LaneRig {
+// Both sides' pools (the prefill's filled with the pattern, the decode's poisoned) and the host copy engine.
+struct LaneMemory {
   KvLayout layout = pd_layout();
   HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
   HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
   std::unique_ptr<HostDevice> device = HostDevice::create().value();
   std::unique_ptr<CopyEngine> engine = CopyEngine::create(*device).value();
+};
+
+struct LaneRig : LaneMemory {
   std::unique_ptr<Transport> pre_t, dec_t;
   std::unique_ptr<PdPrefill> pre;
   std::unique_ptr<PdDecode> dec;
@@ -501,11 +505,8 @@ class Rewriting final : public testing::ForwardingTransport {
 // loaded, nothing copied out of a slot the piece does not own); the other layers load; the ring's slots come back
 // (the prefill's 'Q') and carry the next transfer.
 TEST(PdRingLane, CraftedPieceMessagesFailTheirLayersAndTheRingRecovers) {
-  const KvLayout layout = pd_layout();
-  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
-  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
-  auto device = HostDevice::create().value();
-  auto engine = CopyEngine::create(*device).value();
+  LaneMemory mem;
+  auto& [layout, pre_mem, dec_mem, device, engine] = mem;
   const int n = ++g_seq;
   auto pre_t = create_loopback_transport({fmt::format("craft-pre{}", n), layout.fingerprint(), 1, 0}).value();
   std::atomic<bool> crafting{true};
@@ -567,11 +568,8 @@ TEST(PdRingLane, CraftedPieceMessagesFailTheirLayersAndTheRingRecovers) {
 // length), and the bytes still land exactly. A crafted 'A' that refers to a list never sent, or gives another
 // length, fails its layer without copying anything into it; the other layers load.
 TEST(PdDeviceLane, PullSendsTheSourceListOnceAndRefusesReferencesToAnother) {
-  const KvLayout layout = pd_layout();
-  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
-  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
-  auto device = HostDevice::create().value();
-  auto engine = CopyEngine::create(*device).value();
+  LaneMemory mem;
+  auto& [layout, pre_mem, dec_mem, device, engine] = mem;
   const int n = ++g_seq;
   // 'A' xid u64, layer u32, then three u64 lists (u32 length + items) and, without a list, u32 length.
   constexpr std::size_t kHead = 13;
