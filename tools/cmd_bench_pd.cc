@@ -23,7 +23,8 @@
 // block, word) and the destination poisoned; after the measured transfers every destination block is compared with the
 // pattern of its source and blocks outside the list must still hold the poison. Beside it, in the decode process, the
 // same block lists gathered inside one process (pool to a second pool, one SM-kernel launch per layer, without and with
-// checksums): ratio_to_gather = gbps / gather_gbps.
+// checksums): ratio_to_gather = gbps / gather_gbps; and the plain gather with one CTA per SM instead of the lane
+// engine's count: ratio_to_gather_all_sms = gbps / gather_all_sms_gbps.
 //
 // --lanes ring runs the ring lane of pd.h on the same pools and lists (forced: the two processes could map each
 // other's pools): each layer goes device -> the decode's shared pinned ring (the prefill's copy) -> device (the
@@ -456,6 +457,11 @@ int run_prefill_direct(const PdArgs& a) {
 
 struct GatherRates {
   double plain = 0, checksummed = 0;
+  // The plain gather with a copy kernel of one CTA per SM (the lane engine runs lane_engine_options()'s
+  // sm_ctas_d2d, a quarter of an H200's SMs): a gather that uses the whole GPU, a reference the lane's own engine
+  // options do not set.
+  double all_sms = 0;
+  std::uint32_t all_sms_ctas = 0;
 };
 GatherRates g_last_gather;  // of the last direct row (the decode process)
 
@@ -530,7 +536,13 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
   KVTIER_ASSIGN_OR_RETURN(auto stream, d.device->create_stream());
   std::vector<BlockId> src(p.dsts[0].begin(), p.dsts[0].end()), dst(p.src.begin(), p.src.end());
   GatherRates r;
-  for (bool checksummed : {false, true}) {
+  CopyEngineOptions wide = transport::lane_engine_options();
+  wide.sm_ctas_d2d = static_cast<std::uint32_t>(std::max(1, d.device->multiprocessor_count()));
+  r.all_sms_ctas = wide.sm_ctas_d2d;
+  KVTIER_ASSIGN_OR_RETURN(auto wide_engine, CopyEngine::create(*d.device, wide));
+  for (int pass = 0; pass < 3; ++pass) {
+    const bool checksummed = pass == 1;
+    CopyEngine& engine = pass == 2 ? *wide_engine : *d.engine;
     std::chrono::steady_clock::time_point t0;
     for (std::uint32_t it = 0; it <= a.iters; ++it) {
       if (it == 1) {
@@ -541,14 +553,16 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
         const std::uint32_t layer[1] = {l};
         CopyRequest req{&d.space, &out, src, dst, layer, kAllRoles, CopyStrategy::kSmKernel};
         if (checksummed) req.checksums = reinterpret_cast<std::uint64_t*>(ck.data());
-        KVTIER_RETURN_IF_ERROR(d.engine->copy(req, *stream).status());
+        KVTIER_RETURN_IF_ERROR(engine.copy(req, *stream).status());
       }
     }
     KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    (checksummed ? r.checksummed : r.plain) = static_cast<double>(a.iters) * a.layers * p.src.size() * bb / secs / 1e9;
+    const double gbps = static_cast<double>(a.iters) * a.layers * p.src.size() * bb / secs / 1e9;
+    (pass == 0 ? r.plain : pass == 1 ? r.checksummed : r.all_sms) = gbps;
   }
   KVTIER_RETURN_IF_ERROR(d.engine->forget_stream(*stream));
+  KVTIER_RETURN_IF_ERROR(wide_engine->forget_stream(*stream));
   return r;
 }
 
@@ -1159,6 +1173,9 @@ int run_bench(const PdArgs& a) {
                 j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
                 j["gather_gbps"] = g_last_gather.plain;
                 j["gather_checksummed_gbps"] = g_last_gather.checksummed;
+                j["gather_all_sms_gbps"] = g_last_gather.all_sms;
+                j["gather_all_sms_ctas"] = g_last_gather.all_sms_ctas;
+                j["ratio_to_gather_all_sms"] = g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0;
                 j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
                 j["bytes_checked"] = true;
               }
@@ -1189,9 +1206,10 @@ int run_bench(const PdArgs& a) {
                                  *g / std::max(1e-9, std::min(g_last_ceiling.d2h, g_last_ceiling.h2d)),
                                  *g / std::max(1e-9, g_last_ceiling.duplex));
               else if (direct_lane)
-                th = fmt::format("verify {} x{} gather {:.1f} ({:.1f} ck) ratio {:.2f}", verify, inflight,
-                                 g_last_gather.plain, g_last_gather.checksummed,
-                                 g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0);
+                th = fmt::format("verify {} x{} gather {:.1f} ({:.1f} ck, {:.1f} all SMs) ratio {:.2f} ({:.2f})",
+                                 verify, inflight, g_last_gather.plain, g_last_gather.checksummed,
+                                 g_last_gather.all_sms, g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0,
+                                 g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0);
               std::printf("%-5s %-5s %-6s %12llu %8llu %10.2f %18.2f %7.2f %13s\n", lane.c_str(), m.c_str(),
                           memory.c_str(), static_cast<unsigned long long>(bs),
                           static_cast<unsigned long long>(blocks_for(a, bs)), *g, pg, ratio, th.c_str());
