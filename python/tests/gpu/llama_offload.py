@@ -22,7 +22,8 @@ Prints a JSON object (and writes it to --out); exit code 1 if any check fails. T
 of --repeats, CUDA events on the current stream ("gpu") and host clock ("wall"), synchronised
 around. On CUDA the timed decode step (the first continuation token) replays CUDA graphs, one per
 layer, with the per-layer wait between them (--eager-step: the eager forward from Python, which is
-host-launch bound); its attention reads each layer's context once (grouped query heads).
+host-launch bound); its attention reads each layer's context once (grouped query heads), in place in the
+paged cache with a Triton kernel where CUDA and Triton are present (--gather-attention: gather it first).
 GPU:  python llama_offload.py --out result.json            (needs kvtier importable)
 CPU:  python llama_offload.py --device cpu --fake-kvtier --layers 2 --hidden 64 --heads 4 \
         --kv-heads 2 --intermediate 128 --prompt-tokens 200 --block-tokens 16
