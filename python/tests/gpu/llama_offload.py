@@ -147,7 +147,7 @@ if triton is not None:
                             BT: tl.constexpr, HD: tl.constexpr):
         """One (KV head, split) of a decode step's attention, read in place from the paged cache: the REP query
         heads of the KV head against the split's blocks of the block table. Scores and the running softmax in
-        fp32; writes the split's unnormalised output, running max and sum for _combine_splits."""
+        fp32; writes the split's unnormalised output, running max and sum, which paged_decode_attention combines."""
         h, sp = tl.program_id(0), tl.program_id(1)
         r, d, t = tl.arange(0, REP_PAD), tl.arange(0, HD), tl.arange(0, BT)
         q = tl.load(q_ptr + (h * REP + r)[:, None] * HD + d[None, :], mask=(r < REP)[:, None], other=0.0)
@@ -204,7 +204,8 @@ def paged_decode_attention(q, K, V, table_t, ctx, scale):
 def check_paged_attention(dev, dtype, heads=32, kv_heads=8, hd=128, bt=64, seed=7):
     """paged_decode_attention against a CPU float64 reference on random caches and shuffled block tables, at
     context lengths around block and split boundaries. Blocks outside the table, and the last block's slots past
-    the context, hold NaN, so reading one shows. -> (ok, worst error relative to the reference's largest value, the gather path's worst error)."""
+    the context, hold NaN, so reading one shows. -> (ok, worst error relative to the reference's largest value,
+    the gather path's worst error)."""
     gen = torch.Generator().manual_seed(seed)
     worst = worst_gather = 0.0
     ok = True
@@ -231,10 +232,10 @@ def check_paged_attention(dev, dtype, heads=32, kv_heads=8, hd=128, bt=64, seed=
         if q.is_cuda:
             torch.cuda.synchronize(dev)
         err = ((got.double().cpu().reshape(heads, hd) - ref).abs().max() / ref.abs().max()).item()
-        gathered = PagedKV.gather(types.SimpleNamespace(K=[K.to(dev)], V=[V.to(dev)], bt=bt), 0,
-                                  BlockTable(ids, dev), ctx)
-        base = PagedDecoder.decode_attention(types.SimpleNamespace(rep=heads // kv_heads), q.to(dev), *gathered,
-                                             scale)
+        cache = PagedKV(1, pool, kv_heads, bt, hd, dtype, dev)
+        cache.K[0].copy_(K)
+        cache.V[0].copy_(V)
+        base = PagedDecoder.decode_attention(q.to(dev), *cache.gather(0, BlockTable(ids, dev), ctx), scale)
         err_gather = ((base.double().cpu().reshape(heads, hd) - ref).abs().max() / ref.abs().max()).item()
         worst, worst_gather = max(worst, err), max(worst_gather, err_gather)
         # bf16 output rounding alone is 2^-8 of a value; allow twice the gather path's error or that
@@ -269,16 +270,18 @@ class PagedDecoder:
         can = flash and triton is not None
         self.paged_kernel = can if paged_kernel is None else (paged_kernel and can)
 
-    def decode_attention(self, q, k, v, scale):
+    @staticmethod
+    def decode_attention(q, k, v, scale):
         """One query token against the cached context, grouped: the `rep` query heads of a KV head share its
         keys and values, so they are not repeated per query head (a decode step reads the context once).
         q [1, heads, 1, hd], k and v [1, kv_heads, ctx, hd] -> [1, heads, 1, hd]. Scores and softmax in fp32
         (as flash keeps them), the weighted sum in the cache's dtype."""
         kvh, hd = k.shape[1], q.shape[-1]
-        qg = q.reshape(kvh, self.rep, hd).float()
+        rep = q.shape[1] // kvh
+        qg = q.reshape(kvh, rep, hd).float()
         w = torch.softmax(torch.matmul(qg, k[0].float().transpose(1, 2)) * scale, dim=-1)  # [kvh, rep, ctx]
         o = torch.matmul(w.to(v.dtype), v[0])  # [kvh, rep, hd]
-        return o.reshape(1, kvh * self.rep, 1, hd)
+        return o.reshape(1, kvh * rep, 1, hd)
 
     def cached_attention(self, l, q, table, ctx, scale):
         """One query token against positions 0..ctx-1 of layer l's paged cache."""
