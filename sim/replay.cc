@@ -455,8 +455,9 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     return n;
   };
 
-  // Storage moves are waited for at every step: the replay is a simulation, and finished
-  // writes make the next requests' matches deterministic.
+  // Every move a step started is waited for before the next request (device<->host copies as well
+  // as storage moves): the replay is a simulation without forward passes to hide them behind, and
+  // landed moves make the next requests' matches, and so the hit ratio, independent of thread timing.
   auto drive = [&](AdmissionId wait_for) -> Status {
     StepPlan plan = cache->take_plan();
     plan_d2h += plan.evictions.size() + plan.backups.size();
@@ -469,16 +470,20 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     for (int spins = 0;; ++spins) {
       KVTIER_RETURN_IF_ERROR(poll_and_apply());
-      bool storage_idle = !real || real->storage_in_flight() == 0;
+      const bool storage_idle = !real || real->storage_in_flight() == 0;
+      const bool device_idle = device_moves_out == 0;
       bool loads_done = true;
       if (wait_for != 0) {
         KVTIER_ASSIGN_OR_RETURN(AdmissionStatus as, cache->admission_status(wait_for));
         loads_done = as.loading_blocks == 0;
       }
-      if (storage_idle && loads_done) return Status::Ok();
+      if (storage_idle && device_idle && loads_done) return Status::Ok();
       if (spins > 1000000 && std::chrono::steady_clock::now() > deadline)
-        return TimedOut(fmt::format("replay: moves of admission {} never completed", wait_for));
-      if (!storage_idle) std::this_thread::yield();
+        return TimedOut(
+            fmt::format("replay: moves of admission {} never completed ({} device moves, {} storage "
+                        "moves in flight)",
+                        wait_for, device_moves_out, real ? real->storage_in_flight() : 0));
+      if (!storage_idle || !device_idle) std::this_thread::yield();
     }
   };
 

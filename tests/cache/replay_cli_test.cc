@@ -8,12 +8,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern char** environ;
@@ -249,6 +253,58 @@ TEST_F(ReplayCli, ThreeTiersWithARedisTier) {
 // --failure-rate with real transfers (one rank, no --failure-rank): the moves run on the TransferManager and a
 // seeded fraction is reported failed; it used to switch silently to the fake executor (no bytes moved, a
 // 64 MiB block size in the report). Alone and with a storage tier.
+// Real copies land on worker threads; the replay lets each request's moves land before the next, so its
+// hits equal the instant fake executor's in every run, also on a busy machine (bursts of spinning threads
+// here). Before it did, these shapes gave 0-4 host hits against 4, 0-27 against 27, 5-91 against 92 and
+// 0 against 3 from run to run.
+TEST_F(ReplayCli, RealTransfersGiveTheFakeExecutorsHitsInEveryRun) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spinners;
+  for (unsigned i = 0; i < std::max(2u, std::thread::hardware_concurrency()); ++i)
+    spinners.emplace_back([&stop, i] {
+      std::uint64_t x = 0x9e3779b97f4a7c15ull * (i + 1);
+      while (!stop.load(std::memory_order_relaxed)) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(x % 3000);
+        while (std::chrono::steady_clock::now() < until) {
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds((x >> 20) % 3000));
+      }
+    });
+  struct Join {
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& threads;
+    ~Join() {
+      stop = true;
+      for (auto& t : threads) t.join();
+    }
+  } join{stop, spinners};
+  struct Shape {
+    int device, host, requests;
+  };
+  for (const Shape& s : {Shape{256, 512, 300}, Shape{128, 256, 600}, Shape{64, 512, 600}, Shape{128, 128, 1000}}) {
+    const std::string base = "replay " + kSample + " --max-requests " + std::to_string(s.requests) +
+                             " --device-blocks " + std::to_string(s.device) + " --host-blocks " +
+                             std::to_string(s.host) + " --json --transfer ";
+    SCOPED_TRACE(base);
+    CliRun fake = run(base + "none", false);
+    ASSERT_EQ(fake.rc, 0) << fake.out;
+    const auto f = nlohmann::json::parse(fake.out);
+    ASSERT_GT(f["host_hit_blocks"].get<std::uint64_t>(), 0u) << "the shape must reach host hits to test anything";
+    for (int round = 0; round < 2; ++round) {
+      CliRun r = run(base + "host", false);
+      ASSERT_EQ(r.rc, 0) << r.out;
+      const auto j = nlohmann::json::parse(r.out);
+      EXPECT_EQ(j["host_hit_blocks"], f["host_hit_blocks"]) << "round " << round;
+      EXPECT_EQ(j["device_hit_blocks"], f["device_hit_blocks"]) << "round " << round;
+      EXPECT_EQ(j["transfer"]["bytes_h2d"].get<std::uint64_t>(),
+                f["host_hit_blocks"].get<std::uint64_t>() * j["block_bytes"].get<std::uint64_t>())
+          << "round " << round;
+      EXPECT_EQ(j["transfer"]["verification_failures"], 0);
+    }
+  }
+}
+
 TEST_F(ReplayCli, InjectedFailuresRunOnRealTransfers) {
   const std::string base =
       "replay " + kSample + " --transfer host --max-requests 300 --device-blocks 64 --host-blocks 1024 --json";
