@@ -159,11 +159,15 @@ bool TransferManagerImpl::progress_once(std::vector<std::function<void()>>& fire
           if (q->empty()) break;
           head = q->front();
         }
-        Status copy_status = head.preset;
+        // The entry's outcome is taken only once it is final: a failure preset at enqueue stays in the queue's
+        // record (a KeptStatus) while the entry's event is pending, not in a copy dropped at the break.
+        Status copy_status;
         if (head.event) {
           auto done = device_.query(*head.event);
           if (done.ok() && !done.value()) break;  // in order: nothing behind it is done either
-          if (!done.ok()) copy_status = done.status();
+          copy_status = done.ok() ? Status(head.preset) : done.status();
+        } else {
+          copy_status = head.preset;
         }
         std::lock_guard<std::mutex> lock(mu_);
         // The bytes it read came from a task not settled yet (it completed on
