@@ -154,14 +154,19 @@ struct CacheManager::Impl {
   // those that held it since the count was last 0 (kept, not recomputed, when the best one leaves: O(1) per
   // key, and a rank only orders the last-resort eviction of protected blocks).
   struct KeyWant {
-    std::uint32_t count = 0;
+    std::uint32_t count = 0;  // 0 only in a free slot of wanted_keys
     Rank rank;
   };
-  std::unordered_map<QueuedId, Announcement> announcements;
-  std::set<std::tuple<std::int64_t, QueuedId>> queue_order;  // queued: (-priority, id), prefetch order
-  std::multimap<std::uint64_t, QueuedId> expiry;             // retained: (expires_at, id)
+  struct KeyWantSlot {
+    static constexpr KeyWant free_value() { return KeyWant{}; }
+    static constexpr bool is_free(const KeyWant& w) { return w.count == 0; }
+  };
+  std::unordered_map<QueuedId, Announcement> announcements;  // node-based: queue_order points into it
+  // Queued announcements in prefetch order, (-priority, id), each with its entry in `announcements`.
+  std::map<std::tuple<std::int64_t, QueuedId>, Announcement*> queue_order;
+  std::multimap<std::uint64_t, QueuedId> expiry;  // retained: (expires_at, id)
   std::unordered_map<std::uint64_t, std::vector<QueuedId>> retained_by_conversation;
-  std::unordered_map<BlockKey, KeyWant, BlockKeyHash> wanted_keys;
+  OpenKeyTable<KeyWant, KeyWantSlot> wanted_keys;  // keys held by at least one announcement
   // Protected resident copies per tier, least important first: (priority, -seq, -depth, node).
   using ParkKey = std::tuple<std::int32_t, std::int64_t, std::int64_t, NodeId>;
   std::array<std::set<ParkKey>, kNumTiers> parked;
@@ -220,9 +225,9 @@ struct CacheManager::Impl {
   // Protection of a node that joined the index: from wanted_keys.
   void init_wanted(NodeId id) {
     if (wanted_keys.empty()) return;
-    auto it = wanted_keys.find(nodes[id].key);
-    if (it == wanted_keys.end()) return;
-    want_of(id) = NodeWant{it->second.count, it->second.rank.priority, it->second.rank.seq};
+    const KeyWant* w = wanted_keys.find(nodes[id].key);
+    if (w == nullptr) return;
+    want_of(id) = NodeWant{w->count, w->rank.priority, w->rank.seq};
   }
   // Adds (+1) or removes (-1) one announcement's hold on `key`.
   void hold_key(const BlockKey& key, Rank rank);

@@ -26,8 +26,10 @@ Status check_lookahead(const CacheManager::Impl& s) {
     if (qid == 0 || qid >= s.next_queued) return Internal(fmt::format("announcement id {} out of range", qid));
     if (a.queued) {
       ++queued;
-      if (!s.queue_order.count({-static_cast<std::int64_t>(a.hints.priority), qid}))
+      auto q = s.queue_order.find({-static_cast<std::int64_t>(a.hints.priority), qid});
+      if (q == s.queue_order.end())
         return Internal(fmt::format("queued request {} is missing from the queue order", qid));
+      if (q->second != &a) return Internal(fmt::format("queued request {}'s queue entry points elsewhere", qid));
     } else {
       ++retained;
       if (a.expires_at <= s.step)
@@ -58,14 +60,14 @@ Status check_lookahead(const CacheManager::Impl& s) {
   if (expect.size() != s.wanted_keys.size())
     return Internal(fmt::format("{} keys are announced, {} counted", expect.size(), s.wanted_keys.size()));
   for (const auto& [k, e] : expect) {
-    auto w = s.wanted_keys.find(k);
-    if (w == s.wanted_keys.end() || w->second.count != e.count)
-      return Internal(fmt::format("key {} is held by {} announcements, counted {}", k.hex(), e.count,
-                                  w == s.wanted_keys.end() ? 0 : w->second.count));
+    const Impl::KeyWant* w = s.wanted_keys.find(k);
+    if (w == nullptr || w->count != e.count)
+      return Internal(
+          fmt::format("key {} is held by {} announcements, counted {}", k.hex(), e.count, w == nullptr ? 0 : w->count));
     // The kept rank is the best since the count was last 0: never worse than a current holder's.
-    if (e.rank.better_than(w->second.rank))
+    if (e.rank.better_than(w->rank))
       return Internal(fmt::format("key {} has rank ({}, {}), worse than its holder's ({}, {})", k.hex(),
-                                  w->second.rank.priority, w->second.rank.seq, e.rank.priority, e.rank.seq));
+                                  w->rank.priority, w->rank.seq, e.rank.priority, e.rank.seq));
   }
   return Status::Ok();
 }
@@ -137,14 +139,14 @@ Status CacheManager::check_invariants() const {
     if (n.detached) {
       if (wanted) return Internal(fmt::format("detached node {} is still protected ({})", id, wanted));
     } else {
-      auto w = s.wanted_keys.find(n.key);
-      const std::uint32_t count = w == s.wanted_keys.end() ? 0 : w->second.count;
+      const Impl::KeyWant* w = s.wanted_keys.find(n.key);
+      const std::uint32_t count = w == nullptr ? 0 : w->count;
       if (wanted != count)
         return Internal(
             fmt::format("node {} (key {}) counts {} announcements, {} hold its key", id, n.key.hex(), wanted, count));
-      if (count && !(Impl::Rank{s.want[id].priority, s.want[id].seq} == w->second.rank))
+      if (count && !(Impl::Rank{s.want[id].priority, s.want[id].seq} == w->rank))
         return Internal(fmt::format("node {} has rank ({}, {}), its key ({}, {})", id, s.want[id].priority,
-                                    s.want[id].seq, w->second.rank.priority, w->second.rank.seq));
+                                    s.want[id].seq, w->rank.priority, w->rank.seq));
     }
     if (n.refs != refs[id])
       return Internal(fmt::format("node {} has {} refs, admissions hold {}", id, n.refs, refs[id]));

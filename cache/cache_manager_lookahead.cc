@@ -46,7 +46,7 @@ void CacheManager::Impl::set_wanted(NodeId id, std::uint32_t count, Rank rank) {
 }
 
 void CacheManager::Impl::hold_key(const BlockKey& key, Rank rank) {
-  KeyWant& w = wanted_keys[key];
+  KeyWant& w = wanted_keys.find_or_claim(key);
   if (w.count == 0 || rank.better_than(w.rank)) w.rank = rank;
   ++w.count;
   const NodeId id = map.find(key);
@@ -54,11 +54,14 @@ void CacheManager::Impl::hold_key(const BlockKey& key, Rank rank) {
 }
 
 void CacheManager::Impl::unhold_key(const BlockKey& key) {
-  auto it = wanted_keys.find(key);
-  if (it == wanted_keys.end()) return;  // cannot happen while the counts are balanced (check_invariants)
-  const std::uint32_t count = --it->second.count;
-  const Rank rank = it->second.rank;
-  if (count == 0) wanted_keys.erase(it);
+  KeyWant* w = wanted_keys.find(key);
+  if (w == nullptr) return;  // cannot happen while the counts are balanced (check_invariants)
+  const std::uint32_t count = w->count - 1;
+  const Rank rank = w->rank;
+  if (count == 0)
+    wanted_keys.erase(key);  // found by its count: erased before the count reads as a free slot
+  else
+    w->count = count;
   const NodeId id = map.find(key);
   if (id != kNoNode) set_wanted(id, count, count ? rank : Rank{});
 }
@@ -110,8 +113,8 @@ Result<QueuedId> CacheManager::announce(std::span<const BlockKey> keys, const Re
   a.hints = hints;
   const Impl::Rank rank = a.rank(id);
   for (const BlockKey& k : a.keys) s.hold_key(k, rank);
-  s.queue_order.emplace(-static_cast<std::int64_t>(hints.priority), id);
-  s.announcements.emplace(id, std::move(a));
+  auto [stored, inserted] = s.announcements.emplace(id, std::move(a));
+  s.queue_order.emplace(std::tuple{-static_cast<std::int64_t>(hints.priority), id}, &stored->second);
   // A new request of the conversation holds its chain now: earlier retentions of it end (after the hold
   // above, so that shared blocks stay protected throughout).
   if (hints.conversation_id != 0) {
@@ -250,11 +253,10 @@ void CacheManager::Impl::lookahead_prefetch() {
   };
   bool loads_ok = true, fetches_ok = has_tier(kSto);
   shield_protected = true;  // a prefetch takes room from unprotected, unpinned blocks only
-  for (const auto& entry : queue_order) {
+  for (const auto& [order, queued] : queue_order) {
     if (budget == 0 || scan == 0 || (!loads_ok && !fetches_ok)) break;
-    auto it = announcements.find(std::get<1>(entry));
-    if (it == announcements.end()) continue;  // cannot happen while the indexes agree (check_invariants)
-    Announcement& a = it->second;
+    Announcement& a = *queued;
+    if (a.cursor_epoch == epoch && a.cursor == a.keys.size()) continue;  // all on (or loading to) the device
     if (a.cursor_epoch != epoch) {
       a.cursor = 0;
       a.cursor_node = kRoot;

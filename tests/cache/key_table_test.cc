@@ -1,0 +1,118 @@
+// The cache manager's open-addressing key tables (cache/key_index.h) against std::unordered_map under random
+// inserts, lookups and erases, with keys made to collide so that probe runs are long, wrap around the table's
+// end and are closed up by backward-shift deletion.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/key_index.h"
+
+namespace kvtier::cache {
+namespace {
+
+// Keys whose home slot lies in a few slots at the table's end (the home is (lo ^ (hi >> 17)) & mask): runs
+// cross the end and wrap to slot 0.
+BlockKey colliding_key(std::mt19937_64& rng, std::uint64_t hot_homes) {
+  BlockKey k;
+  k.hi = rng();
+  const std::uint64_t home = ~std::uint64_t{0} - rng() % hot_homes;  // low bits: the last slots of any table
+  k.lo = home ^ (k.hi >> 17);
+  return k;
+}
+
+TEST(KeyIndex, AgreesWithAReferenceMapUnderCollidingInsertsAndErases) {
+  std::mt19937_64 rng(7);
+  KeyIndex index;
+  std::unordered_map<BlockKey, NodeId, BlockKeyHash> ref;
+  std::vector<BlockKey> keys;
+  for (int i = 0; i < 600; ++i) keys.push_back(i % 3 ? colliding_key(rng, 4) : BlockKey{rng(), rng()});
+  for (int op = 0; op < 200000; ++op) {
+    const BlockKey& k = keys[rng() % keys.size()];
+    const bool present = ref.count(k) > 0;
+    switch (rng() % 3) {
+      case 0:
+        if (!present) {
+          const NodeId id = static_cast<NodeId>(op);
+          index.insert(k, id);
+          ref[k] = id;
+        }
+        break;
+      case 1:
+        index.erase(k);
+        ref.erase(k);
+        break;
+      default:
+        break;
+    }
+    auto it = ref.find(k);
+    ASSERT_EQ(index.find(k), it == ref.end() ? kNoNode : it->second) << "op " << op;
+    ASSERT_EQ(index.size(), ref.size()) << "op " << op;
+    if (op % 4096 == 0)
+      for (const BlockKey& x : keys) {
+        auto it = ref.find(x);
+        ASSERT_EQ(index.find(x), it == ref.end() ? kNoNode : it->second) << "op " << op;
+      }
+  }
+}
+
+struct Counted {
+  std::uint32_t count = 0;
+  std::uint64_t tag = 0;
+};
+struct CountedSlot {
+  static constexpr Counted free_value() { return Counted{}; }
+  static constexpr bool is_free(const Counted& c) { return c.count == 0; }
+};
+
+// The look-ahead's use: find_or_claim then count up; count down and erase at zero.
+TEST(OpenKeyTable, CountsUpAndDownLikeAReferenceMap) {
+  std::mt19937_64 rng(11);
+  OpenKeyTable<Counted, CountedSlot> table;
+  std::unordered_map<BlockKey, Counted, BlockKeyHash> ref;
+  std::vector<BlockKey> keys;
+  for (int i = 0; i < 300; ++i) keys.push_back(i % 2 ? colliding_key(rng, 3) : BlockKey{rng(), rng()});
+  EXPECT_TRUE(table.empty());
+  EXPECT_EQ(table.find(keys[0]), nullptr);
+  table.erase(keys[0]);  // absent: nothing happens
+  EXPECT_EQ(table.size(), 0u);
+  for (int op = 0; op < 200000; ++op) {
+    const BlockKey& k = keys[rng() % keys.size()];
+    if (rng() % 2) {
+      Counted& c = table.find_or_claim(k);
+      if (c.count == 0) c.tag = static_cast<std::uint64_t>(op);
+      ++c.count;
+      Counted& r = ref[k];
+      if (r.count == 0) r.tag = static_cast<std::uint64_t>(op);
+      ++r.count;
+    } else if (Counted* c = table.find(k)) {
+      if (c->count == 1)
+        table.erase(k);
+      else
+        --c->count;
+      if (--ref[k].count == 0) ref.erase(k);
+    } else {
+      ASSERT_EQ(ref.count(k), 0u) << "op " << op;
+    }
+    ASSERT_EQ(table.size(), ref.size()) << "op " << op;
+    const Counted* c = table.find(k);
+    auto it = ref.find(k);
+    ASSERT_EQ(c != nullptr, it != ref.end()) << "op " << op;
+    if (c) {
+      ASSERT_EQ(c->count, it->second.count) << "op " << op;
+      ASSERT_EQ(c->tag, it->second.tag) << "op " << op;
+    }
+  }
+  for (const BlockKey& k : keys) {
+    auto it = ref.find(k);
+    const Counted* c = table.find(k);
+    ASSERT_EQ(c != nullptr, it != ref.end());
+    if (c) {
+      EXPECT_EQ(c->count, it->second.count);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvtier::cache
