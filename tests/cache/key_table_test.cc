@@ -43,8 +43,7 @@ TEST(KeyIndex, AgreesWithAReferenceMapUnderCollidingInsertsAndErases) {
         index.erase(k);
         ref.erase(k);
         break;
-      default:
-        break;
+      default: break;
     }
     auto it = ref.find(k);
     ASSERT_EQ(index.find(k), it == ref.end() ? kNoNode : it->second) << "op " << op;
