@@ -384,43 +384,13 @@ TEST(TransferExternal, BeginWaitsUntilAnEvictionStopsReadingTheBlock) {
 
 // A receive released while its last layer still lands through a staging copy: the next receive into the block
 // (and any load) must wait for that copy, although both are ordered through the manager's external stream.
+// A begin on a block still being written by an ended write's staging copy waits for that copy: with a short
+// free_timeout it times out, after the copy it returns with the copy's bytes landed. The begin that timed out
+// ends its layers with that failure, on the external stream behind the copy; once the copy lands the progress
+// thread may find the failed entry at its queue's head while the entry's own event is still pending, and must
+// wait for the event without touching the failure (it used to copy the failure out and drop it, which aborts
+// the checked build: in 4-14 of every 100 runs of this sequence). Hence 100 rounds with random stream delays.
 TEST(TransferExternal, NextWriteWaitsForTheLastOnesStagingCopy) {
-  auto dev = make_host(208, 50);
-  TransferRig rig(*dev, options(1));
-  ASSERT_TRUE(rig.init().ok());
-  TransferManager& mgr = rig.mgr();
-  auto ring = dev->create_stream(StreamOptions{StreamPriority::kNormal, "test-ring"});
-  ASSERT_TRUE(ring.ok());
-  Gate hold;
-  ASSERT_TRUE(hold.block(*dev, **ring).ok());
-  auto first = mgr.begin_external_write({}, ids({4}));
-  ASSERT_TRUE(first.ok());
-  ASSERT_TRUE(dev->enqueue_task(**ring,
-                                [&]() -> Status {
-                                  peer_write(rig, 4, 0, 41);
-                                  return Status::Ok();
-                                })
-                  .ok());
-  ASSERT_TRUE(mgr.complete_external_layer(*first, 0, {}, ring->get()).ok());
-  ASSERT_TRUE(mgr.end_external_write(*first, Status::Ok(), /*quiescent=*/true).ok());
-  EXPECT_FALSE(*mgr.is_device_block_free(4)) << "the staging copy still writes block 4";
-  ExternalWriteOptions quick;
-  quick.free_timeout = 30ms;
-  auto early = mgr.begin_external_write({}, ids({4}), quick);
-  EXPECT_EQ(early.status().code(), StatusCode::kTimedOut) << early.status().to_string();
-  hold.release();
-  auto second = mgr.begin_external_write({}, ids({4}));
-  ASSERT_TRUE(second.ok()) << second.status().to_string();
-  EXPECT_TRUE(holds(mgr.device_space(), rig.layout(), 4, 0, 41)) << "begin returned before the copy landed";
-  ASSERT_TRUE(mgr.end_external_write(*second, Cancelled("request aborted"), true).ok());
-  ASSERT_TRUE(dev->synchronize(**ring, 10s).ok());
-}
-
-// A begin that timed out ends its layers with that failure, on the external stream behind the earlier write's
-// copy. Once that copy lands, the progress thread may find the failed entry at its queue's head while the
-// entry's own event is still pending. It must wait for the event without touching the failure: it used to copy
-// the failure out and drop it, which aborts the checked build (in 4-14 of every 100 runs of this sequence).
-TEST(TransferExternal, AFailedBeginsEntryWaitsForItsEventWithoutDroppingItsFailure) {
   for (std::uint64_t round = 0; round < 100; ++round) {
     SCOPED_TRACE(round);
     auto dev = make_host(300 + round, 50);
@@ -442,6 +412,7 @@ TEST(TransferExternal, AFailedBeginsEntryWaitsForItsEventWithoutDroppingItsFailu
                     .ok());
     ASSERT_TRUE(mgr.complete_external_layer(*first, 0, {}, ring->get()).ok());
     ASSERT_TRUE(mgr.end_external_write(*first, Status::Ok(), /*quiescent=*/true).ok());
+    EXPECT_FALSE(*mgr.is_device_block_free(4)) << "the staging copy still writes block 4";
     ExternalWriteOptions quick;
     quick.free_timeout = 2ms;
     auto early = mgr.begin_external_write({}, ids({4}), quick);
