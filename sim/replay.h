@@ -14,7 +14,9 @@
 // host then storage; host hits are loaded (H2D) through the executor, storage
 // hits are prefetched to host first (see ReplayOptions::storage); misses are computed
 // and committed; the request is released at once (no overlap between
-// requests). Ratios: hit blocks / all blocks of the trace (partial included);
+// requests), and every move its step planned (evictions, backups, loads,
+// storage writes) lands before the next request is served, so a real
+// executor gives the fake executor's hits whatever its threads' timing. Ratios: hit blocks / all blocks of the trace (partial included);
 // saved tokens = min(hit blocks * block_tokens, input_length) / input tokens.
 //
 // Bounds (one tier of `capacity` blocks):
