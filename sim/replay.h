@@ -16,8 +16,8 @@
 // and committed; the request is released at once (no overlap between
 // requests), and every move its step planned (evictions, backups, loads,
 // storage writes) lands before the next request is served, so a real
-// executor gives the fake executor's hits whatever its threads' timing. Ratios: hit blocks / all blocks of the trace (partial included);
-// saved tokens = min(hit blocks * block_tokens, input_length) / input tokens.
+// executor gives the fake executor's hits whatever its threads' timing. Ratios: hit blocks / all blocks of the trace
+// (partial included); saved tokens = min(hit blocks * block_tokens, input_length) / input tokens.
 //
 // Bounds (one tier of `capacity` blocks):
 // - replay_min_bypass: MIN with bypass, the true offline optimum. After every
