@@ -1,13 +1,13 @@
 // GhostFifo (cache/ghost_fifo.h), the ghost entries of the S3-FIFO and ARC policies: a FIFO set of the `cap`
 // fingerprints added last, against a reference model under random adds, re-adds and removals; and its memory,
 // which must stay bounded when entries are removed before the FIFO fills.
+#include "cache/ghost_fifo.h"
+
 #include <gtest/gtest.h>
 
 #include <list>
 #include <random>
 #include <unordered_map>
-
-#include "cache/ghost_fifo.h"
 
 namespace kvtier::cache {
 namespace {
@@ -55,11 +55,8 @@ TEST(GhostFifo, MatchesTheReferenceUnderRandomAddsReaddsAndRemovals) {
           ghost.add(h);
           ref.add(h);
           break;
-        case 1:
-          ASSERT_EQ(ghost.remove(h), ref.remove(h)) << "op " << op;
-          break;
-        default:
-          ASSERT_EQ(ghost.contains(h), ref.contains(h)) << "op " << op;
+        case 1: ASSERT_EQ(ghost.remove(h), ref.remove(h)) << "op " << op; break;
+        default: ASSERT_EQ(ghost.contains(h), ref.contains(h)) << "op " << op;
       }
       ASSERT_EQ(ghost.size(), ref.size()) << "op " << op;
       ASSERT_LE(ghost.records(), 2 * cap + GhostFifo::kSlack) << "op " << op;
