@@ -113,8 +113,8 @@ Result<QueuedId> CacheManager::announce(std::span<const BlockKey> keys, const Re
   a.hints = hints;
   const Impl::Rank rank = a.rank(id);
   for (const BlockKey& k : a.keys) s.hold_key(k, rank);
-  auto [stored, inserted] = s.announcements.emplace(id, std::move(a));
-  s.queue_order.emplace(std::tuple{-static_cast<std::int64_t>(hints.priority), id}, &stored->second);
+  Impl::Announcement& stored = s.announcements.emplace(id, std::move(a)).first->second;
+  s.queue_order.emplace(std::tuple{-static_cast<std::int64_t>(hints.priority), id}, &stored);
   // A new request of the conversation holds its chain now: earlier retentions of it end (after the hold
   // above, so that shared blocks stay protected throughout).
   if (hints.conversation_id != 0) {

@@ -537,20 +537,8 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       KVTIER_RETURN_IF_ERROR(drive(0));
       adm = cache->admit(keys, extra);
     }
-    if (!adm.ok() && adm.status().code() == StatusCode::kResourceExhausted && device_moves_out > 0) {
-      // Device blocks still being copied (write-through backups, evictions) are not reclaimable
-      // yet; an engine waits for them rather than give up: wait, then try again (bounded).
-      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      while (!adm.ok() && adm.status().code() == StatusCode::kResourceExhausted && device_moves_out > 0 &&
-             std::chrono::steady_clock::now() < until) {
-        KVTIER_ASSIGN_OR_RETURN(std::size_t acked, poll_and_apply());
-        if (acked == 0) {
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-          continue;
-        }
-        adm = cache->admit(keys, extra);
-      }
-    }
+    // No device move is in flight here (drive() waits for all of them), so a device block still being copied
+    // never makes an admission fail.
     if (!adm.ok()) {
       ++res.failed_admissions;
       return Status::Ok();
