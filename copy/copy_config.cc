@@ -8,6 +8,10 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
   t.add(p + ".sm_ctas_d2d", &o.sm_ctas_d2d, "SM kernel CTAs for device->device copies (and staged DMA)");
   t.add(p + ".sm_threads_per_cta", &o.sm_threads_per_cta, "SM kernel threads per CTA (multiple of 32, <= 1024)");
   t.add(p + ".sm_item_bytes", &o.sm_item_bytes, "bytes one warp copies per work item");
+  t.add(p + ".sm_ctas_landed", &o.sm_ctas_landed,
+        "SM kernel CTAs for copies that read back what they wrote (landed checksums; 0: one per SM)");
+  t.add(p + ".sm_landed_item_bytes", &o.sm_landed_item_bytes,
+        "largest work item of a copy that reads back what it wrote (multiple of 16)");
   t.add(p + ".sm_inline_descriptor_max_pairs", &o.sm_inline_descriptor_max_pairs,
         "kernel launches of at most this many pairs pass descriptors as kernel parameters (0: never, <= 3072)");
   t.add(p + ".sm_programmatic_launch", &o.sm_programmatic_launch,

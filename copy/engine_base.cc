@@ -79,6 +79,9 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
         fmt::format("sm_ctas_* must be >= 1 (h2d {}, d2h {}, d2d {})", o.sm_ctas_h2d, o.sm_ctas_d2h, o.sm_ctas_d2d));
   if (o.sm_item_bytes == 0 || o.sm_item_bytes % 16 != 0)
     return InvalidArgument(fmt::format("sm_item_bytes must be a positive multiple of 16, got {}", o.sm_item_bytes));
+  if (o.sm_landed_item_bytes == 0 || o.sm_landed_item_bytes % 16 != 0)
+    return InvalidArgument(
+        fmt::format("sm_landed_item_bytes must be a positive multiple of 16, got {}", o.sm_landed_item_bytes));
   if (o.sm_inline_descriptor_max_pairs > kInlineMaxPairs)
     return InvalidArgument(fmt::format("sm_inline_descriptor_max_pairs must be <= {}, got {}", kInlineMaxPairs,
                                        o.sm_inline_descriptor_max_pairs));
@@ -245,17 +248,19 @@ Result<PreparedCopy> EngineBase::prepare(const CopyRequest& request) const {
   PreparedCopy prepared;
   prepared.request_ = request;
   prepared.request_.checksums = nullptr;
+  prepared.request_.landed_checksums = nullptr;
   prepared.engine_ = this;
   return prepared;
 }
 
 Result<CopyReport> EngineBase::copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
-                                    std::uint64_t* checksums) {
+                                    std::uint64_t* checksums, std::uint64_t* landed_checksums) {
   if (prepared.engine_ != this)
     return InvalidArgument(prepared.engine_ == nullptr ? std::string("copy of a PreparedCopy that was never prepared")
                                                        : std::string("copy of a PreparedCopy of another copy engine"));
   CopyRequest r = prepared.request_;
   r.checksums = checksums;
+  r.landed_checksums = landed_checksums;
   if (!layers.empty()) {
     if (!r.layers.empty())
       for (std::size_t i = 0; i < layers.size(); ++i)
@@ -278,6 +283,12 @@ Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) 
         fmt::format("a checksummed copy runs the sm_kernel strategy, not {}", copy_strategy_name(r.strategy)));
   if (r.checksums != nullptr && copy_direction(r.src->kind(), r.dst->kind()) == CopyDirection::kHostToHost)
     return NotSupported("a checksummed copy needs device memory on at least one side (the SM kernel computes it)");
+  if (r.landed_checksums != nullptr && r.checksums == nullptr)
+    return InvalidArgument(
+        "landed_checksums of a copy without checksums (the kernel that reads back its writes is "
+        "the checksummed one)");
+  if (r.landed_checksums != nullptr && r.landed_checksums == r.checksums)
+    return InvalidArgument("landed_checksums and checksums are the same array; each needs its own");
   CopyReport report;
   report.direction = copy_direction(r.src->kind(), r.dst->kind());
   report.strategy = r.strategy;
@@ -292,6 +303,10 @@ Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) 
     KVTIER_RETURN_IF_ERROR(device_.memset_async(r.checksums, 0, r.src_blocks.size() * sizeof(std::uint64_t), stream)
                                .with_context("zeroing the copy's checksums"));
   }
+  if (r.landed_checksums != nullptr)
+    KVTIER_RETURN_IF_ERROR(
+        device_.memset_async(r.landed_checksums, 0, r.src_blocks.size() * sizeof(std::uint64_t), stream)
+            .with_context("zeroing the copy's landed checksums"));
   find_runs(r.src_blocks, r.dst_blocks, sc.runs);
   const PlanSummary summary = summarize(r, sc.planes, sc.runs);
   CopyStrategy strategy = r.checksums != nullptr ? CopyStrategy::kSmKernel : r.strategy;

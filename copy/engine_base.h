@@ -155,7 +155,7 @@ class EngineBase : public CopyEngine {
   Result<CopyReport> copy(const CopyRequest& request, Stream& stream) override;
   Result<PreparedCopy> prepare(const CopyRequest& request) const override;
   Result<CopyReport> copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
-                          std::uint64_t* checksums) override;
+                          std::uint64_t* checksums, std::uint64_t* landed_checksums) override;
   CopyStrategy choose(const CopyRequest& request) const override;
   Result<CopyReport> checksum(const BlockSpace& space, std::span<const BlockId> blocks,
                               std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,

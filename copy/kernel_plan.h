@@ -32,7 +32,11 @@
 // index among the request's selected planes, and the byte offset in the
 // block) makes the value depend on where every word sits. Checksummed
 // launches need 16-byte aligned blocks whose size is a multiple of 16 (the
-// engine checks), so every item is body-only at width 16.
+// engine checks), so every item is body-only at width 16. With landed sums
+// (KernelArgs::landed) each warp also reads back the item it copied before,
+// after storing the next, and folds the words it finds into the pair's
+// landed sum (the last item after the loop); the host backend reads every
+// item back in a second task behind the copy.
 #pragma once
 
 #include <cstdint>
@@ -75,7 +79,7 @@ inline KernelPair kernel_pair(std::uint32_t src, std::uint32_t dst) noexcept {  
 // Descriptors passed inside the launch's kernel parameters (no upload, no
 // descriptor slot): launches of at most kInlineMaxPlanes planes and
 // kInlineMaxPairs pairs. The parameter block then stays below CUDA's 32764-byte
-// limit (CUDA 12.1+, Volta and newer): 56 + 8 * 48 + 3072 * 8 = 25,016 bytes.
+// limit (CUDA 12.1+, Volta and newer): 64 + 8 * 48 + 3072 * 8 = 25,024 bytes.
 inline constexpr std::uint32_t kInlineMaxPlanes = 8;
 inline constexpr std::uint32_t kInlineMaxPairs = 3072;
 
@@ -84,6 +88,9 @@ struct KernelArgs {
   // Per pair of this launch (device-writable, zeroed before the launch), or
   // nullptr: no checksums.
   unsigned long long* checksums = nullptr;
+  // With checksums and store: per pair, the checksum of the destination words as each warp reads back its
+  // previous item after storing the next one (and its last item at the end), or nullptr.
+  unsigned long long* landed = nullptr;
   std::uint32_t plane_index_base = 0;  // index of planes[0] among the request's selected planes
   std::uint32_t store = 1;             // 0: read and checksum only (dst pointers unused)
   const KernelPair* pairs = nullptr;   // num_pairs entries (device-readable)

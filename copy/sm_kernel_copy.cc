@@ -50,11 +50,19 @@ Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t 
 Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest& r, CopyDirection dir,
                               CopyReport& report, const std::function<Status()>& after_upload, bool store) {
   auto* const checksums = reinterpret_cast<unsigned long long*>(r.checksums);
+  // A copy that reads back what it wrote: more CTAs (its checksum arithmetic doubles) and small items (each warp
+  // keeps one item in L2 until it reads it back).
+  auto* const landed =
+      store && checksums != nullptr ? reinterpret_cast<unsigned long long*>(r.landed_checksums) : nullptr;
   bool hook_pending = static_cast<bool>(after_upload);
   const auto& planes = st.scratch.planes;
   auto& kplanes = st.scratch.kernel_planes;
   const std::uint32_t warps_per_cta = options_.sm_threads_per_cta / kWarpLanes;
-  const std::uint32_t max_ctas = ctas_for(dir);
+  const std::uint32_t max_ctas = landed == nullptr ? ctas_for(dir)
+                                 : options_.sm_ctas_landed > 0
+                                     ? options_.sm_ctas_landed
+                                     : static_cast<std::uint32_t>(std::max(1, device_.multiprocessor_count()));
+  const std::uint64_t max_item_bytes = landed == nullptr ? options_.sm_item_bytes : options_.sm_landed_item_bytes;
   const std::size_t n = r.src_blocks.size();
   for (std::size_t p0 = 0; p0 < planes.size(); p0 += kMaxKernelPlanes) {
     const auto g = static_cast<std::uint32_t>(std::min<std::size_t>(kMaxKernelPlanes, planes.size() - p0));
@@ -79,7 +87,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
     const std::uint64_t warps_wanted = std::uint64_t{max_ctas} * warps_per_cta;
     const std::uint64_t fair = ((payload + warps_wanted - 1) / warps_wanted + 15) / 16 * 16;
     const auto item_bytes = static_cast<std::uint32_t>(
-        std::min<std::uint64_t>(options_.sm_item_bytes, std::max<std::uint64_t>(fair, kMinItemBytes)));
+        std::min<std::uint64_t>(max_item_bytes, std::max<std::uint64_t>(fair, kMinItemBytes)));
     const std::uint32_t items_per_pair = assign_items(kplanes.data(), g, item_bytes);
     auto ctas_for_items = [&](std::uint64_t items) {
       const std::uint64_t useful = (items + warps_per_cta - 1) / warps_per_cta;
@@ -102,6 +110,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
         }
         KernelArgs args;
         args.checksums = checksums != nullptr ? checksums + i0 : nullptr;
+        args.landed = landed != nullptr ? landed + i0 : nullptr;
         args.plane_index_base = static_cast<std::uint32_t>(p0);
         args.store = store ? 1 : 0;
         args.num_planes = g;
@@ -144,6 +153,7 @@ Status EngineBase::run_kernel(StreamState& st, Stream& stream, const CopyRequest
       args.planes = reinterpret_cast<const KernelPlane*>(base);
       args.pairs = reinterpret_cast<const KernelPair*>(base + plane_bytes);
       args.checksums = checksums != nullptr ? checksums + i0 : nullptr;
+      args.landed = landed != nullptr ? landed + i0 : nullptr;
       args.plane_index_base = static_cast<std::uint32_t>(p0);
       args.store = store ? 1 : 0;
       args.num_planes = g;

@@ -84,10 +84,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   echo "bench transfer rc=$?"; tail -5 "$OUT/bench_transfer.err"
 fi
 if [ "$what" = pd ] || [ "$what" = all ]; then
-  pd_args=(--layers 8 --layer-bytes $((64 << 20)) --pool-bytes $((2 << 30)) --block-sizes 16384,1048576 --iters 8)
-  # Either side verifying (PdOptions::lane_verify), one transfer at a time and four in flight.
+  pd_args=(--layers 8 --layer-bytes $((64 << 20)) --pool-bytes $((2 << 30)) --block-sizes 16384,1048576 --iters 32)
+  # The mover verifying inside its copy kernel (the default), with a separate read-back pass, and the receiver
+  # verifying (PdOptions::lane_verify, lane_read_back_in_copy); one transfer at a time and eight in flight.
   timeout 400 "$BIN/kvtier" bench pd --lanes direct --memory device --modes push,pull "${pd_args[@]}" \
-    --lane-verify mover,receiver --inflight 1,4 --json > "$OUT/bench_pd.jsonl" 2> "$OUT/bench_pd.err"
+    --lane-verify mover,mover-pass,receiver --inflight 1,8 --json > "$OUT/bench_pd.jsonl" 2> "$OUT/bench_pd.err"
   echo "bench pd rc=$?"; tail -5 "$OUT/bench_pd.err"; cat "$OUT/bench_pd.jsonl"
   # 2 GiB per transfer (256 MiB per layer, an 8 GiB pool per side), the default verification, four in flight.
   timeout 300 "$BIN/kvtier" bench pd --lanes direct --memory device --modes push,pull --layers 8 \
@@ -127,9 +128,9 @@ if [ "$what" = ring ] || [ "$what" = pd ] || [ "$what" = all ]; then
 fi
 if [ "$what" = probes ] || [ "$what" = all ]; then
   mkdir -p "$PROBES"
-  for p in h2d_probe copy_probe host_pages_probe; do
+  for p in h2d_probe copy_probe host_pages_probe readback_probe; do
     if [ ! -x "$PROBES/$p" ]; then
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cudart static -Xcompiler -static-libstdc++ \
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -cudart static -Xcompiler -static-libstdc++ -I. \
         -o "$PROBES/$p" "bench/gpu/$p.cu" > "$OUT/build_$p.log" 2>&1
       echo "build $p rc=$?"
     fi
@@ -142,6 +143,9 @@ if [ "$what" = probes ] || [ "$what" = all ]; then
   echo "copy_probe rc=$?"
   PROBE_KINDS=hostalloc,thp PROBE_SIZES=32768 timeout 200 "$PROBES/host_pages_probe" 256 3 > "$OUT/host_pages_probe.txt" 2>&1
   echo "host_pages_probe rc=$?"
+  # The device lane's read-back: a separate pass against inside the copy kernel, 32 and 132 CTAs.
+  PROBE_CTAS=32,132 timeout 200 "$PROBES/readback_probe" 64 8 5 > "$OUT/readback_probe.txt" 2>&1
+  echo "readback_probe rc=$?"; cat "$OUT/readback_probe.txt"
   grep -h -E "ceiling|VERIFY" "$OUT/h2d_probe.txt" "$OUT/copy_probe.txt" "$OUT/host_pages_probe.txt"
 fi
 echo "================ summary ================"

@@ -115,8 +115,15 @@ void set_ring_options(const PdArgs& a, std::uint64_t layer_bytes, transport::PdO
   o.ring_copy = parse_copy_strategy(a.ring_copy).value_or(CopyStrategy::kAuto);
 }
 
-transport::PdOptions::LaneVerify lane_verify_of(const std::string& name) {
-  return transport::parse_lane_verify(name).value_or(transport::PdOptions::LaneVerify::kMover);
+// A --lane-verify value: a PdOptions::lane_verify name, or "mover-pass" (the mover verifies with a separate
+// read-back pass instead of inside its copy kernel, PdOptions::lane_read_back_in_copy = false).
+constexpr std::string_view kMoverPass = "mover-pass";
+
+void set_lane_verify(const std::string& name, transport::PdOptions& o) {
+  o.lane_verify = name == kMoverPass
+                      ? transport::PdOptions::LaneVerify::kMover
+                      : transport::parse_lane_verify(name).value_or(transport::PdOptions::LaneVerify::kMover);
+  o.lane_read_back_in_copy = name != kMoverPass;
 }
 
 transport::UcxOptions lane_options(const std::string& lane) {
@@ -445,7 +452,7 @@ int run_prefill_direct(const PdArgs& a) {
   if (!t.ok()) return 5;
   transport::PdOptions o = kPdOptions;
   o.engine = side->engine.get();
-  o.lane_verify = lane_verify_of(a.lane_verify);
+  set_lane_verify(a.lane_verify, o);
   if (a.lane == "ring") set_ring_options(a, plan.src.size() * a.block_bytes, o);
   auto pre = transport::PdPrefill::create(**t, side->space, o);
   if (!pre.ok()) {
@@ -739,7 +746,8 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   transport::PdOptions po = kPdOptions, dopt = kPdOptions;
   po.engine = pre_side.engine.get();
   dopt.engine = dec_side.engine.get();
-  po.lane_verify = dopt.lane_verify = lane_verify_of(a.lane_verify);
+  set_lane_verify(a.lane_verify, po);
+  set_lane_verify(a.lane_verify, dopt);
   KVTIER_ASSIGN_OR_RETURN(auto pre, transport::PdPrefill::create(*pre_t, pre_side.space, po));
   KVTIER_ASSIGN_OR_RETURN(auto dec, transport::PdDecode::create(*dec_t, dec_side.space, dopt));
   KVTIER_ASSIGN_OR_RETURN(auto b1, dec_t->export_metadata());
@@ -830,7 +838,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   if (direct) {
     transport::PdOptions o = kPdOptions;
     o.engine = direct_side->engine.get();
-    o.lane_verify = lane_verify_of(a.lane_verify);
+    set_lane_verify(a.lane_verify, o);
     if (ring) set_ring_options(a, n * block_bytes, o);
     KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, direct_side->space, o));
     dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst_of(id)); },
@@ -1241,7 +1249,8 @@ Action register_bench_pd(CLI::App& bench) {
                   "0 of this process), e.g. 1 on a two-GPU machine");
   cmd->add_option("--pool-bytes", a->pool_bytes, "direct lane: bytes of the pool per side the blocks are taken from");
   cmd->add_option("--lane-verify", a->lane_verifies,
-                  "direct lanes: which side makes the second checksum pass, mover and/or receiver (a row each)")
+                  "direct lanes: which side makes the second checksum pass, mover (inside its copy kernel), "
+                  "mover-pass (a separate read-back pass) and/or receiver (a row each)")
       ->delimiter(',');
   cmd->add_option("--inflight", a->inflights, "transfers in flight at once (a row each), e.g. 1,4")->delimiter(',');
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
@@ -1311,7 +1320,7 @@ Action register_bench_pd(CLI::App& bench) {
       return 2;
     }
     for (const auto& v : a->lane_verifies)
-      if (auto parsed = transport::parse_lane_verify(v); !parsed.ok()) {
+      if (auto parsed = transport::parse_lane_verify(v); !parsed.ok() && v != kMoverPass) {
         std::fprintf(stderr, "kvtier bench pd: --lane-verify: %s\n", parsed.status().message().c_str());
         return 2;
       }

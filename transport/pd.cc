@@ -673,7 +673,8 @@ class Endpoint {
   // One layer of the transfer's copy `all` (its request over every layer) on the lane stream, checksums into
   // `checksums`. The request is checked once per transfer, not per layer: the ids of thousands of blocks cost as
   // much to check as a small layer takes to move.
-  Status lane_copy_layer(LaneBuffers& lb, const CopyRequest& all, std::uint32_t layer, std::uint64_t* checksums) {
+  Status lane_copy_layer(LaneBuffers& lb, const CopyRequest& all, std::uint32_t layer, std::uint64_t* checksums,
+                         std::uint64_t* landed = nullptr) {
     const CopyRequest* had = lb.prepared ? &lb.prepared->request() : nullptr;
     if (had == nullptr || had->src != all.src || had->dst != all.dst ||
         had->src_blocks.data() != all.src_blocks.data() || had->dst_blocks.data() != all.dst_blocks.data() ||
@@ -682,16 +683,24 @@ class Endpoint {
       lb.prepared = prepared;
     }
     const std::uint32_t layers[1] = {layer};
-    return options_.engine->copy(*lb.prepared, layers, *lane_stream_, checksums).status();
+    return options_.engine->copy(*lb.prepared, layers, *lane_stream_, checksums, landed).status();
   }
 
   // The moving side's verification: the layer's copy (of `all`, checksums into list 0) on the lane stream, then on
   // the verify stream, once the copy is done, a read-only pass over the destinations `to` / `to_ids` (list 1),
   // both lists to the host and the layer's event. The read-back of layer l overlaps the copy of layer l + 1.
+  // With PdOptions::lane_read_back_in_copy the copy kernel itself reads back what it wrote (list 1), and both
+  // lists and the event follow it on the lane stream.
   Status copy_and_read_back(LaneBuffers& lb, std::uint32_t layer, const CopyRequest& all, const BlockSpace& to,
                             std::span<const BlockId> to_ids) {
     Device& dev = lane_device();
     const std::uint32_t layers[1] = {layer};
+    if (options_.lane_read_back_in_copy) {
+      KVTIER_RETURN_IF_ERROR(lane_copy_layer(lb, all, layer, lb.device_at(layer, 0), lb.device_at(layer, 1)));
+      KVTIER_RETURN_IF_ERROR(dev.memcpy_async(lb.host_at(layer, 0), lb.device_at(layer, 0),
+                                              2 * lb.n * sizeof(std::uint64_t), *lane_stream_));
+      return dev.record(*lb.events[layer], *lane_stream_);
+    }
     KVTIER_RETURN_IF_ERROR(lane_copy_layer(lb, all, layer, lb.device_at(layer, 0)));
     KVTIER_RETURN_IF_ERROR(dev.record(*lb.copied[layer], *lane_stream_));
     KVTIER_RETURN_IF_ERROR(dev.wait(*verify_stream_, *lb.copied[layer]));

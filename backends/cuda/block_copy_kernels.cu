@@ -89,6 +89,88 @@ __device__ __forceinline__ unsigned long long sum_body(const unsigned char* src,
   return acc;
 }
 
+// The checksum of an item's destination words, loaded from L2 (ld.global.cg: the warp stored them an item ago,
+// so they are there and no older copy in L1 can answer).
+__device__ __forceinline__ unsigned long long landed_sum(const unsigned char* dst, std::uint64_t n, std::uint32_t lane,
+                                                         std::uint64_t position) {
+  const uint4* d = reinterpret_cast<const uint4*>(dst);
+  unsigned long long acc = 0;
+  std::uint64_t e = lane;
+  for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(d + e + u * kWarpLanes);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      acc += checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
+                           std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
+  }
+  for (; e < n; e += kWarpLanes) {
+    const uint4 v = __ldcg(d + e);
+    acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
+                         std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
+  }
+  return acc;
+}
+
+__device__ __forceinline__ void warp_add(unsigned long long* slot, unsigned long long acc) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (threadIdx.x % kWarpLanes == 0) atomicAdd(slot, acc);
+}
+
+// A checksummed copy that reads back what it wrote (KernelArgs::landed): each item is copied with default
+// stores (streaming ones would mark its lines first to leave L2), then the warp's previous item is read back;
+// the last one after the loop. Reading an item back right behind its own stores waits for them; one item later
+// they have reached L2 (measured on an H200, bench/gpu/readback_probe.cu).
+__device__ __forceinline__ void copy_items_landed(const KernelArgs& a, const KernelPlane* planes,
+                                                  const KernelPair* pairs) {
+  const std::uint32_t lane = threadIdx.x % kWarpLanes;
+  const std::uint32_t warps = blockDim.x / kWarpLanes;
+  const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
+  WorkItem previous{};
+  bool have_previous = false;
+  for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
+       item += total_warps) {
+    const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
+    const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
+    const uint4* s = reinterpret_cast<const uint4*>(w.src);
+    uint4* d = reinterpret_cast<uint4*>(w.dst);
+    const std::uint64_t n = w.bytes / 16;
+    unsigned long long acc = 0;
+    std::uint64_t e = lane;
+    for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) d[e + u * kWarpLanes] = v[u];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        acc +=
+            checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
+                          std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
+    }
+    for (; e < n; e += kWarpLanes) {
+      const uint4 v = __ldcs(s + e);
+      d[e] = v;
+      acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
+                           std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
+    }
+    warp_add(a.checksums + w.pair, acc);
+    if (have_previous)
+      warp_add(a.landed + previous.pair,
+               landed_sum(previous.dst, previous.bytes / 16, lane,
+                          checksum_position(a.plane_index_base + previous.plane, previous.offset)));
+    previous = w;
+    have_previous = true;
+  }
+  if (have_previous)
+    warp_add(a.landed + previous.pair,
+             landed_sum(previous.dst, previous.bytes / 16, lane,
+                        checksum_position(a.plane_index_base + previous.plane, previous.offset)));
+}
+
 __device__ __forceinline__ void order_after_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -98,6 +180,10 @@ __device__ __forceinline__ void order_after_previous_grid() {
 
 // One warp per item over `a.num_items` items; `planes` are in shared memory.
 __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlane* planes, const KernelPair* pairs) {
+  if (a.landed != nullptr && a.store != 0) {
+    copy_items_landed(a, planes, pairs);
+    return;
+  }
   const std::uint32_t lane = threadIdx.x % kWarpLanes;
   const std::uint32_t warps = blockDim.x / kWarpLanes;
   const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;

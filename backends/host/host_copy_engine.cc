@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <cstring>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "backends/host/host_backend.h"
@@ -45,6 +47,26 @@ void warp_sum_emulated(const KernelArgs& a, const WorkItem& w) {
     acc += checksum_word(half[0], half[1], position + e * 16);
   }
   a.checksums[w.pair] += acc;
+}
+
+// An inline launch's descriptors, owned by its tasks as a GPU launch owns its parameter block.
+using InlineDescriptors = std::pair<std::vector<KernelPlane>, std::vector<KernelPair>>;
+
+// The read-back of a launch with KernelArgs::landed: every item's destination words folded into its pair's landed
+// sum. The GPU kernel reads each warp's items back one item behind its stores; here it is a second task on the
+// stream after the whole copy (an order the kernel's allows), so a test can change a destination in between.
+void landed_pass_emulated(const KernelArgs& a) {
+  for (std::uint64_t item = 0; item < a.num_items; ++item) {
+    const WorkItem w = resolve_item(a.planes, a.num_planes, a.pairs, a.items_per_pair, a.item_bytes, item);
+    const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
+    unsigned long long acc = 0;
+    for (std::uint64_t e = 0; e < w.bytes / 16; ++e) {
+      std::uint64_t half[2];
+      std::memcpy(half, w.dst + e * 16, 16);
+      acc += checksum_word(half[0], half[1], position + e * 16);
+    }
+    a.landed[w.pair] += acc;
+  }
 }
 
 // The kernel's grid: CTA c, warp w takes items c*warps + w, + total_warps, ...
@@ -98,7 +120,7 @@ class HostCopyEngine final : public EngineBase {
     const auto* staged_pairs = reinterpret_cast<const KernelPair*>(
         staging + (reinterpret_cast<const std::byte*>(args.pairs) - reinterpret_cast<const std::byte*>(args.planes)));
     void* first_dst = first_destination(staged_planes, staged_pairs, args);
-    return host_.enqueue_task(
+    KVTIER_RETURN_IF_ERROR(host_.enqueue_task(
         stream,
         [args, ctas, threads, staging, descriptor_bytes]() -> Status {
           // A failed (injected) descriptor upload leaves garbage where a GPU
@@ -109,7 +131,8 @@ class HostCopyEngine final : public EngineBase {
           run_kernel_emulated(args, ctas, threads);
           return Status::Ok();
         },
-        first_dst, 0);
+        first_dst, 0));
+    return enqueue_landed_pass(stream, args, nullptr);
   }
 
   Status launch_kernel_inline(StreamState&, Stream& stream, const KernelArgs& meta, const KernelPlane* planes,
@@ -118,27 +141,43 @@ class HostCopyEngine final : public EngineBase {
       return InvalidArgument(fmt::format("inline kernel descriptors: {} planes, {} pairs (limits {}, {})",
                                          meta.num_planes, meta.num_pairs, kInlineMaxPlanes, kInlineMaxPairs));
     // The task owns its copy, as a GPU launch owns its parameter block.
-    struct Owned {
-      std::vector<KernelPlane> planes;
-      std::vector<KernelPair> pairs;
-    };
-    auto owned = std::make_shared<Owned>(Owned{std::vector<KernelPlane>(planes, planes + meta.num_planes),
-                                               std::vector<KernelPair>(pairs, pairs + meta.num_pairs)});
+    auto owned = std::make_shared<const InlineDescriptors>(std::vector<KernelPlane>(planes, planes + meta.num_planes),
+                                                           std::vector<KernelPair>(pairs, pairs + meta.num_pairs));
     const std::uint32_t threads = options_.sm_threads_per_cta;
     void* first_dst = first_destination(planes, pairs, meta);
-    return host_.enqueue_task(
+    KVTIER_RETURN_IF_ERROR(host_.enqueue_task(
         stream,
         [meta, owned, ctas, threads]() -> Status {
           KernelArgs args = meta;
-          args.planes = owned->planes.data();
-          args.pairs = owned->pairs.data();
+          args.planes = owned->first.data();
+          args.pairs = owned->second.data();
           run_kernel_emulated(args, ctas, threads);
           return Status::Ok();
         },
-        first_dst, 0);
+        first_dst, 0));
+    return enqueue_landed_pass(stream, meta, owned);
   }
 
  private:
+  // The landed pass of a launch that asked for one, as its own task (its destination the landed sums: fault
+  // injection that selects by size or address reaches it). `owner` keeps inline descriptors alive; slot ones
+  // stay valid until the event recorded after the launch, which follows this task on the stream.
+  Status enqueue_landed_pass(Stream& stream, const KernelArgs& meta, std::shared_ptr<const InlineDescriptors> owner) {
+    if (meta.landed == nullptr || meta.store == 0 || meta.checksums == nullptr) return Status::Ok();
+    return host_.enqueue_task(
+        stream,
+        [meta, owner]() -> Status {
+          KernelArgs args = meta;
+          if (owner != nullptr) {
+            args.planes = owner->first.data();
+            args.pairs = owner->second.data();
+          }
+          landed_pass_emulated(args);
+          return Status::Ok();
+        },
+        meta.landed, std::uint64_t{meta.num_pairs} * sizeof(std::uint64_t));
+  }
+
   HostDevice& host_;
 };
 

@@ -1542,6 +1542,144 @@ TEST_F(CopyChecksumTest, ChecksumDoesNotDependOnTheKernelShapeOrLaunchCuts) {
   }
 }
 
+// CopyRequest::landed_checksums: the copy reads back what it wrote (each warp its previous item) and both lists
+// equal the CPU reference of the destination, for every direction, layer selection and kernel shape: one CTA of
+// two warps with 16-byte items (a warp reads back dozens of items, each one behind), inline and ring launches,
+// through copy() and a prepared copy. Both lists start poisoned.
+TEST_F(CopyChecksumTest, LandedChecksumsAreTheDestinationsAsWritten) {
+  auto layout = KvLayout::uniform(3, 2, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto dev_a = layer_first(MemoryKind::kDevice, *layout, 96);
+  auto dev_b = layer_first(MemoryKind::kDevice, *layout, 96);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 96);
+  ASSERT_TRUE(dev_a && dev_b && host);
+  const auto s = random_ids(96, 70, 241);
+  const auto d = random_ids(96, 70, 242);
+  CopyEngineOptions shapes[3];
+  shapes[1].sm_ctas_landed = 1;
+  shapes[1].sm_threads_per_cta = 64;
+  shapes[1].sm_landed_item_bytes = 16;
+  shapes[2].sm_inline_descriptor_max_pairs = 0;
+  shapes[2].max_pairs_per_call = 32;
+  shapes[2].sm_landed_item_bytes = 1024;
+  struct Case {
+    TestSpace* src;
+    TestSpace* dst;
+    const char* name;
+  };
+  const std::vector<std::uint32_t> one_layer{1}, two_layers{2, 0};
+  for (int shape = 0; shape < 3; ++shape) {
+    ASSERT_TRUE(make_engine(shapes[shape]).ok());
+    for (const Case& c : {Case{dev_a.get(), dev_b.get(), "d2d"}, Case{dev_a.get(), host.get(), "d2h"},
+                          Case{host.get(), dev_b.get(), "h2d"}}) {
+      for (std::span<const std::uint32_t> layers :
+           {std::span<const std::uint32_t>{}, std::span<const std::uint32_t>(one_layer),
+            std::span<const std::uint32_t>(two_layers)}) {
+        for (bool prepared : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "shape " << shape << ", " << c.name << ", " << layers.size() << " layers"
+                                            << (prepared ? ", prepared" : ""));
+          fill_random(*c.src, 243 + shape * 10 + layers.size());
+          fill_poison(*c.dst);
+          std::uint64_t* ck = checksum_buffer(s.size());
+          std::uint64_t* landed = checksum_buffer(s.size());
+          ASSERT_TRUE(ck != nullptr && landed != nullptr);
+          CopyRequest r{&c.src->space, &c.dst->space, s, d, layers, kAllRoles, CopyStrategy::kAuto};
+          r.checksums = ck;
+          r.landed_checksums = landed;
+          if (prepared) {
+            CopyRequest whole = r;
+            whole.layers = {};
+            auto p = engine_->prepare(whole);
+            ASSERT_TRUE(p.ok()) << p.status().to_string();
+            model_copy(*c.src, *c.dst, r);
+            auto rep = engine_->copy(*p, layers, *stream_, ck, landed);
+            ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+            EXPECT_EQ(rep->strategy, CopyStrategy::kSmKernel);
+            ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+            expect_matches_model(*c.dst);
+          } else {
+            EXPECT_EQ(copy_and_check(*c.src, *c.dst, r).strategy, CopyStrategy::kSmKernel);
+          }
+          const auto want = reference(*c.dst, d, layers);
+          EXPECT_EQ(want, reference(*c.src, s, layers));
+          EXPECT_EQ(read(ck, s.size()), want);
+          EXPECT_EQ(read(landed, s.size()), want) << "the read-back sees the destination as written";
+        }
+      }
+    }
+  }
+}
+
+// Landed checksums need the copy's own checksums and an array of their own; refused by name, nothing written.
+TEST_F(CopyChecksumTest, LandedChecksumsWithoutChecksumsOrInTheSameArrayAreRefused) {
+  auto layout = KvLayout::uniform(1, 1, 256);
+  ASSERT_TRUE(layout.ok());
+  auto src = layer_first(MemoryKind::kDevice, *layout, 4);
+  auto dst = layer_first(MemoryKind::kDevice, *layout, 4);
+  ASSERT_TRUE(src && dst);
+  fill_random(*src, 251);
+  fill_poison(*dst);
+  const std::vector<BlockId> ids{0, 2};
+  std::uint64_t* ck = checksum_buffer(2);
+  ASSERT_NE(ck, nullptr);
+  CopyRequest alone{&src->space, &dst->space, ids, ids, {}, kAllRoles, CopyStrategy::kAuto};
+  alone.landed_checksums = ck;
+  auto r1 = engine_->copy(alone, *stream_);
+  ASSERT_FALSE(r1.ok());
+  EXPECT_EQ(r1.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r1.status().message().find("without checksums"), std::string::npos) << r1.status().to_string();
+  CopyRequest same = alone;
+  same.checksums = ck;
+  auto r2 = engine_->copy(same, *stream_);
+  ASSERT_FALSE(r2.ok());
+  EXPECT_EQ(r2.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r2.status().message().find("same array"), std::string::npos) << r2.status().to_string();
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  expect_matches_model(*dst);
+}
+
+// On the host backend, where the read-back is its own task behind the copy: a destination byte changed between
+// the copy and the read-back shows in that block's landed checksum only.
+TEST_F(CopyChecksumTest, LandedChecksumsSeeADestinationChangedAfterTheCopy) {
+  auto* host_device = dynamic_cast<HostDevice*>(device_.get());
+  if (host_device == nullptr) GTEST_SKIP() << "the read-back is inside the kernel on a GPU";
+  auto layout = KvLayout::uniform(2, 2, 1024);
+  ASSERT_TRUE(layout.ok());
+  auto src = layer_first(MemoryKind::kDevice, *layout, 16);
+  auto dst = layer_first(MemoryKind::kDevice, *layout, 16);
+  ASSERT_TRUE(src && dst);
+  fill_random(*src, 261);
+  fill_poison(*dst);
+  const std::vector<BlockId> s{3, 7, 11}, d{2, 9, 14};
+  std::uint64_t* ck = checksum_buffer(3);
+  std::uint64_t* landed = checksum_buffer(3);
+  ASSERT_TRUE(ck != nullptr && landed != nullptr);
+  // The operations writing `landed`: its zeroing before the copy, then the read-back after it.
+  std::atomic<int> landed_ops{0};
+  std::atomic<bool> damaged{false};
+  host_device->set_failure_predicate([&](std::uint64_t, const void* op_dst, std::uint64_t) {
+    if (op_dst == landed && landed_ops.fetch_add(1) + 1 == 2) {
+      dst->space.block_ptr(1, 1, d[1])[40] ^= std::byte{0x10};
+      damaged = true;
+    }
+    return false;  // nothing fails: the bytes are silently wrong
+  });
+  CopyRequest r{&src->space, &dst->space, s, d, {}, kAllRoles, CopyStrategy::kAuto};
+  r.checksums = ck;
+  r.landed_checksums = landed;
+  auto rep = engine_->copy(r, *stream_);
+  ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  host_device->set_failure_predicate(nullptr);
+  ASSERT_TRUE(damaged.load());
+  const auto moved = reference(*src, s, {});
+  const auto got = read(landed, 3);
+  EXPECT_EQ(read(ck, 3), moved);
+  EXPECT_EQ(got[0], moved[0]);
+  EXPECT_NE(got[1], moved[1]) << "the changed block";
+  EXPECT_EQ(got[2], moved[2]);
+}
+
 TEST_F(CopyChecksumTest, ChecksumReadsWithoutWritingAndSeesEveryFlippedHalfWord) {
   auto layout = KvLayout::uniform(1, 2, 256);
   ASSERT_TRUE(layout.ok());

@@ -99,6 +99,7 @@ const std::vector<BlockId> kDst = {0, 2, 6, 4};
 struct LaneCase {
   PdMode mode;
   PdOptions::LaneVerify verify;
+  bool read_back_in_copy = true;  // PdOptions::lane_read_back_in_copy (both sides)
 };
 
 class LaneModes : public ::testing::TestWithParam<LaneCase> {
@@ -106,6 +107,7 @@ class LaneModes : public ::testing::TestWithParam<LaneCase> {
   static PdOptions options() {
     PdOptions o;
     o.lane_verify = GetParam().verify;
+    o.lane_read_back_in_copy = GetParam().read_back_in_copy;
     return o;
   }
   static PdMode mode() { return GetParam().mode; }
@@ -182,8 +184,10 @@ TEST_P(LaneModes, BytesDamagedBetweenKernelAndVerificationAreCaught) {
 
 // The moving side verifies: a byte of a destination block damaged after the moving kernel wrote it and before
 // its read-back fails that block of that layer; the others load. The damage is done on the device's own worker
-// thread just before the read-back's first operation (the zeroing of its checksums: the second checksum-sized
-// memset of the layer, after the copy's), so it is ordered after the copy and before the read-back.
+// thread just before the read-back's first operation, so it is ordered after the copy and before the read-back:
+// with a separate pass, the zeroing of its checksums (the layer's second checksum-sized operation, after the
+// copy's zeroing); inside the copy, the host backend's read-back task (the third: both lists are zeroed before
+// the copy).
 TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
   if (!mover_verifies())
     GTEST_SKIP() << "the moving side's read-back: BytesDamagedBetweenKernelAndVerificationAreCaught";
@@ -195,7 +199,8 @@ TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
   std::atomic<int> checksum_memsets{0};
   std::atomic<bool> damaged{false};
   rig.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
-    if (bytes == kDst.size() * sizeof(std::uint64_t) && checksum_memsets.fetch_add(1) + 1 == 2) {
+    const int read_back_op = GetParam().read_back_in_copy ? 3 : 2;
+    if (bytes == kDst.size() * sizeof(std::uint64_t) && checksum_memsets.fetch_add(1) + 1 == read_back_op) {
       rig.dec_mem.space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
       damaged = true;
     }
@@ -239,11 +244,15 @@ TEST_P(LaneModes, AFailedKernelFailsItsLayer) {
 INSTANTIATE_TEST_SUITE_P(Modes, LaneModes,
                          ::testing::Values(LaneCase{PdMode::kPush, PdOptions::LaneVerify::kMover},
                                            LaneCase{PdMode::kPull, PdOptions::LaneVerify::kMover},
+                                           LaneCase{PdMode::kPush, PdOptions::LaneVerify::kMover, false},
+                                           LaneCase{PdMode::kPull, PdOptions::LaneVerify::kMover, false},
                                            LaneCase{PdMode::kPush, PdOptions::LaneVerify::kReceiver},
                                            LaneCase{PdMode::kPull, PdOptions::LaneVerify::kReceiver}),
                          [](const auto& info) {
-                           return fmt::format("{}_{}_verifies", pd_mode_name(info.param.mode),
-                                              lane_verify_name(info.param.verify));
+                           const bool pass =
+                               info.param.verify == PdOptions::LaneVerify::kMover && !info.param.read_back_in_copy;
+                           return fmt::format("{}_{}_verifies{}", pd_mode_name(info.param.mode),
+                                              lane_verify_name(info.param.verify), pass ? "_in_a_pass" : "");
                          });
 
 TEST(PdDeviceLane, LaneVerifyNamesParseBackAndUnknownOnesAreRefusedByName) {

@@ -193,6 +193,13 @@ struct CopyEngineOptions {
   // Multiple of 16. A request too small to give every warp of the launch an
   // item of this size is cut finer (payload / warps, at least 2 KiB).
   std::uint32_t sm_item_bytes = 64 * 1024;
+  // Copies that read back what they wrote (CopyRequest::landed_checksums): CTAs per launch, 0 for one per SM
+  // (the read-back doubles the checksum arithmetic, which bounds such a copy with few CTAs: on an H200 it moved
+  // 0.47-0.53 of a plain gather's bytes at 32 CTAs, 0.85-0.90 at 132), and the largest work item (each warp keeps
+  // one item's lines in L2 until it reads them back: 4 KiB items did best there, 16 KiB fell to 0.69-0.77). On
+  // the host backend the landed pass follows the launch's copy as a second task.
+  std::uint32_t sm_ctas_landed = 0;
+  std::uint32_t sm_landed_item_bytes = 4 * 1024;
   // true: descriptors (pair list + plane table) are uploaded to device memory
   // with one memcpy_async before the kernel, so the kernel's descriptor reads
   // never compete with its payload reads for PCIe requests. false: the kernel
@@ -355,6 +362,13 @@ struct CopyRequest {
   // at a 16-byte aligned address on both sides with a size that is a multiple
   // of 16 (InvalidArgument naming the plane otherwise).
   std::uint64_t* checksums = nullptr;
+  // Optional, with `checksums`: the same checksum of every pair's destination as read back after the copy wrote
+  // it, by the same kernel: each warp reads back the work item it copied before once it has stored the next one
+  // (its stores have reached L2 by then and its lines are still there), and its last item at the end. Equal to
+  // `checksums` unless a write to the destination was lost or the destination changed between the store and the
+  // read-back. Same memory rules as `checksums`. The read-back doubles the checksum arithmetic, so these copies
+  // run CopyEngineOptions::sm_ctas_landed CTAs in items of at most sm_landed_item_bytes.
+  std::uint64_t* landed_checksums = nullptr;
 };
 
 // The checksum of block `block` of `space` over the selected planes (layers
@@ -419,15 +433,16 @@ class CopyEngine {
   // Returns once enqueued; never waits for the copy (it may wait for one of
   // its own descriptor slots, see the file comment).
   virtual Result<CopyReport> copy(const CopyRequest& request, Stream& stream) = 0;
-  // Validates `request` as validate() does and returns it prepared for copy(prepared, ...). Its `checksums`
-  // field is not kept: each copy of the prepared request names its own.
+  // Validates `request` as validate() does and returns it prepared for copy(prepared, ...). Its `checksums` and
+  // `landed_checksums` are not kept: each copy of the prepared request names its own.
   virtual Result<PreparedCopy> prepare(const CopyRequest& request) const = 0;
   // Enqueues the copy of `layers` of a prepared request (empty: all of the request's layers), as copy() would
-  // with the request's layer list replaced by `layers` and its checksums by `checksums` (nullptr: none). Only the
+  // with the request's layer list replaced by `layers` and its checksums by `checksums` and `landed_checksums`
+  // (nullptr: none; landed ones need `checksums`). Only the
   // layer list is checked: each in range, none twice, each one of the request's layers (any layer when the request
   // selected every layer), and at least one plane selected; the block lists are not checked again.
   virtual Result<CopyReport> copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
-                                  std::uint64_t* checksums = nullptr) = 0;
+                                  std::uint64_t* checksums = nullptr, std::uint64_t* landed_checksums = nullptr) = 0;
   // The strategy kAuto would pick for this request now (the request must be
   // valid; an invalid one gets kDmaPerRun).
   virtual CopyStrategy choose(const CopyRequest& request) const = 0;

@@ -46,8 +46,9 @@
 // xxh3: the side that moves the layer gets them from the moving kernel itself (every word read once); the
 // host only compares 8 bytes per block. What they are compared with is PdOptions::lane_verify (the decode
 // side's choice, carried in its request):
-//   kMover: the moving side reads the layer's destinations back in a read-only pass on a second stream of its
-//     own (overlapping the next layer's copy) and the moved words are compared with what landed. All GPU work
+//   kMover: the moving side reads the layer's destinations back, inside its copy kernel (each warp reads back
+//     what it wrote one work item earlier, from L2) or in a read-only pass on a second stream of its own
+//     (PdOptions::lane_read_back_in_copy), and the moved words are compared with what landed. All GPU work
 //     of a transfer runs in one CUDA context, so two processes sharing a GPU do not alternate contexts per layer.
 //     It proves every block landed intact; it does not notice a source the prefill changes after the copy.
 //   kReceiver: the other side makes the second pass over its own blocks: the prefill's sources before it
@@ -119,6 +120,14 @@ struct PdOptions {
   // The device lane's second checksum pass (see "Device lane" above); the decode side's value is used.
   enum class LaneVerify : std::uint8_t { kMover, kReceiver };
   LaneVerify lane_verify = LaneVerify::kMover;
+  // How this side reads back a layer it moved when the mover verifies (each side's own choice). true: inside the
+  // copy kernel (CopyRequest::landed_checksums: each warp reads back the item it wrote before, from L2), which
+  // then runs CopyEngineOptions::sm_ctas_landed CTAs (one per SM by default). false: a read-only pass over the
+  // destinations on a second stream behind the copy, which keeps sm_ctas_d2d CTAs but reads every byte from
+  // memory a third time. On an H200 (bench/gpu/readback_probe.cu, 64 MiB layers of scattered blocks) the copy
+  // with its read-back moved 0.85-0.90 of a plain gather's bytes at one CTA per SM, against 0.70-0.72 with the
+  // separate pass at any CTA count; with 32 CTAs the in-copy read-back falls to about 0.5.
+  bool lane_read_back_in_copy = true;
   // The ring lane (see "Ring lane" above), with `engine` set: slots of the decode's shared pinned ring (0: the
   // device lane), at most kMaxRingSlots; and the bytes of one slot (at least one block of every layer's roles).
   // The decode side allocates ring_slots x ring_slot_bytes from its transport at create().
