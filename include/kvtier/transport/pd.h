@@ -151,7 +151,7 @@ struct PdOptions {
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
 // "mover" or "receiver"; InvalidArgument naming `name` otherwise.
 Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name);
-// Options for the CopyEngine of PdOptions::engine: the device lane enqueues two launches per layer and transfer
+// Options for the CopyEngine of PdOptions::engine: the device lane enqueues one or two launches per layer and transfer
 // from the progress thread, and a launch of more pairs than fit inline takes a descriptor slot until it has run;
 // with the engine's default ring a few transfers in flight would make the progress thread wait for the GPU.
 CopyEngineOptions lane_engine_options();
