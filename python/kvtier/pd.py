@@ -41,7 +41,11 @@ final in device memory. ``verify`` (the decode side's choice) names who checksum
 second time, after the copy: ``"mover"`` (default; the side that moved the layer reads its
 destinations back, so the GPU work of a transfer stays in one process's CUDA context) or
 ``"receiver"`` (the other side checks its own blocks; in pull that also catches a source the
-prefill changed after announcing it).
+prefill changed after announcing it). ``read_back`` (each side's own choice) is how a moving side
+reads back: ``"copy"`` (default; inside its copy kernel, each warp re-reading from L2 what it wrote
+one work item earlier, with one CTA per SM) or ``"pass"`` (a separate read-only pass on a second
+stream, the copy keeping 32 CTAs: fewer SMs taken from a forward pass running beside it, about 0.7
+of a plain gather's rate against 0.85-0.9 on an H200).
 
 ``lane="ring"`` (with ``device``, ``transport="ipc"`` or ``"loopback"``) is the ring lane, for
 GPUs that cannot map each other's pools (no peer access, containers without CUDA IPC): the
@@ -159,7 +163,8 @@ class _Endpoint:
                  heartbeat_s: float = 0.1, lease_s: float = 1.0, device: Any = None,
                  staging_blocks: int = 0, num_model_layers: Optional[int] = None, rank: int = 0,
                  device_label: int = 0, block_tokens: int = 64, lane: str = "auto", verify: str = "mover",
-                 ring_slots: int = 4, ring_slot_bytes: int = 32 << 20, ring_copy: str = "auto"):
+                 ring_slots: int = 4, ring_slot_bytes: int = 32 << 20, ring_copy: str = "auto",
+                 read_back: str = "copy"):
         tensors = _name_map(kv, rank, device_label)
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)
@@ -172,7 +177,8 @@ class _Endpoint:
             self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
             tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
             device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane,
-            verify=verify, ring_slots=int(ring_slots), ring_slot_bytes=int(ring_slot_bytes), ring_copy=ring_copy)
+            verify=verify, ring_slots=int(ring_slots), ring_slot_bytes=int(ring_slot_bytes), ring_copy=ring_copy,
+            read_back=read_back)
 
     # ---- identity and peers
 

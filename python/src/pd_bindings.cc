@@ -156,6 +156,8 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.lane != "auto" && o.lane != "direct" && o.lane != "ring")
     raise_status(InvalidArgument(fmt::format("lane '{}' is not auto, direct or ring", o.lane)));
   if (auto v = transport::parse_lane_verify(o.verify); !v.ok()) raise_status(v.status());
+  if (o.read_back != "copy" && o.read_back != "pass")
+    raise_status(InvalidArgument(fmt::format("read_back '{}' is not copy or pass", o.read_back)));
   if ((o.lane == "direct" || o.lane == "ring") && device_obj.is_none())
     raise_status(
         InvalidArgument(fmt::format("lane '{}' moves device memory: pass device= (kvtier.cuda_device(n))", o.lane)));
@@ -214,6 +216,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       KVTIER_ASSIGN_OR_RETURN(n->engine, CopyEngine::create(*device, transport::lane_engine_options()));
       pd.engine = n->engine.get();
       KVTIER_ASSIGN_OR_RETURN(pd.lane_verify, transport::parse_lane_verify(o.verify));
+      pd.lane_read_back_in_copy = o.read_back == "copy";
       if (o.lane == "ring") {
         pd.ring_slots = o.ring_slots;
         pd.ring_slot_bytes = o.ring_slot_bytes;
@@ -280,7 +283,7 @@ void bind_pd(nb::module_& m) {
              const std::string& tls, const std::string& net_devices, double heartbeat_s, double lease_s, int rank,
              int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane,
              const std::string& verify, std::uint32_t ring_slots, std::uint64_t ring_slot_bytes,
-             const std::string& ring_copy) {
+             const std::string& ring_copy, const std::string& read_back) {
             EndpointOptions o;
             o.role = role;
             o.transport = transport;
@@ -300,6 +303,7 @@ void bind_pd(nb::module_& m) {
             o.ring_slots = ring_slots;
             o.ring_slot_bytes = ring_slot_bytes;
             o.ring_copy = ring_copy;
+            o.read_back = read_back;
             if (!device.is_none() && !nb::isinstance<PyDevice>(device))
               raise_status(InvalidArgument("device is not a kvtier Device (kvtier.cuda_device() / host_device())"));
             return create_endpoint(std::move(tensors), std::move(device), std::move(o));
@@ -308,7 +312,7 @@ void bind_pd(nb::module_& m) {
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
           "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0, "lane"_a = "auto",
           "verify"_a = "mover", "ring_slots"_a = 4, "ring_slot_bytes"_a = std::uint64_t{32} << 20,
-          "ring_copy"_a = "auto",
+          "ring_copy"_a = "auto", "read_back"_a = "copy",
           "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
           "on the tensors; a Device: its memory, staged through pinned host memory, or with lane='direct' moved by "
           "the copy kernel straight between the two pools (ipc on CUDA, loopback), or with lane='ring' through the "

@@ -41,6 +41,9 @@ struct EndpointOptions {
   std::string lane = "auto";
   // The device lane's second checksum pass (PdOptions::lane_verify): "mover" or "receiver".
   std::string verify = "mover";
+  // How this side reads back a layer it moved when the mover verifies (PdOptions::lane_read_back_in_copy):
+  // "copy" (inside the copy kernel) or "pass" (a separate read-only pass).
+  std::string read_back = "copy";
   // The ring lane (the decode's values are used): slots, bytes per slot, the copies' strategy.
   std::uint32_t ring_slots = 4;
   std::uint64_t ring_slot_bytes = std::uint64_t{32} << 20;

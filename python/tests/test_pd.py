@@ -393,17 +393,18 @@ def test_staged_on_the_host_backend_with_streams(mode):
         p.forget(1)
 
 
-@pytest.mark.parametrize("verify", ["mover", "receiver"])
+@pytest.mark.parametrize("verify,read_back", [("mover", "copy"), ("mover", "pass"), ("receiver", "copy")])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_direct_lane_on_the_host_backend(mode, verify):
+def test_direct_lane_on_the_host_backend(mode, verify, read_back):
     """lane="direct": the copy kernel moves each layer between the pools (loopback maps the peer's pool here),
-    with either side making the second checksum pass."""
+    with either side making the second checksum pass, the mover inside its copy or in a pass of its own."""
     dev = kvtier.host_device()
     fwd = dev.create_stream("forward")
     src_kv, dst_kv = prefill_kv(seed=6), decode_kv()
     src_blocks, dst_blocks = [7, 2, 5, 0], [3, 9, 1, 6]
-    with Prefill(src_kv, transport="loopback", device=dev, lane="direct", verify=verify, **FAST) as p, \
-            Decode(dst_kv, transport="loopback", device=dev, lane="direct", verify=verify, **FAST) as d:
+    lane = dict(lane="direct", verify=verify, read_back=read_back)
+    with Prefill(src_kv, transport="loopback", device=dev, **lane, **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **lane, **FAST) as d:
         assert p.lane == "direct" and d.lane == "direct"
         to_decode, to_prefill = connect(p, d)
         d.start(to_prefill, 1, dst_blocks, mode=mode)
@@ -472,6 +473,8 @@ def test_direct_lane_verify_must_be_known():
     with pytest.raises(kvtier.InvalidArgumentError,
                        match=r"unknown lane verify 'both' \(expected one of mover, receiver\)"):
         Decode(decode_kv(), transport="loopback", device=dev, lane="direct", verify="both", **FAST)
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"read_back 'later' is not copy or pass"):
+        Prefill(prefill_kv(), transport="loopback", device=dev, lane="direct", read_back="later", **FAST)
 
 
 def test_direct_lane_refusals():
