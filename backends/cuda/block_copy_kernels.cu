@@ -58,55 +58,40 @@ __device__ __forceinline__ void copy_body(const unsigned char* src, unsigned cha
   for (; e < n; e += kWarpLanes) __stcs(d + e, __ldcs(s + e));
 }
 
+// How a checksummed body reads and writes: sources by streaming loads; destinations by streaming stores, by
+// default stores (whose lines stay in L2 for a read-back), or not at all (a read-only pass); kFromL2 reads
+// destinations back from L2 (ld.global.cg: a warp's own stores of an item ago are there, and no older copy of
+// the line in L1 can answer).
+enum class Access { kStreamingStores, kDefaultStores, kReadOnly, kFromL2 };
+
 // The checksummed body (width 16, body-only items: the engine checks the
-// alignment). kStore false: read and fold only. Returns the lane's sum.
-template <bool kStore>
+// alignment). Returns the lane's sum of the words it read.
+template <Access kAccess>
 __device__ __forceinline__ unsigned long long sum_body(const unsigned char* src, unsigned char* dst, std::uint64_t n,
                                                        std::uint32_t lane, std::uint64_t position) {
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* d = reinterpret_cast<uint4*>(dst);
+  auto load = [s](std::uint64_t i) { return kAccess == Access::kFromL2 ? __ldcg(s + i) : __ldcs(s + i); };
+  auto store = [d](std::uint64_t i, const uint4& v) {
+    if constexpr (kAccess == Access::kStreamingStores) __stcs(d + i, v);
+    if constexpr (kAccess == Access::kDefaultStores) d[i] = v;
+  };
   unsigned long long acc = 0;
   std::uint64_t e = lane;
   for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
     uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
-    if constexpr (kStore) {
+    for (int u = 0; u < kUnroll; ++u) v[u] = load(e + u * kWarpLanes);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) __stcs(d + e + u * kWarpLanes, v[u]);
-    }
+    for (int u = 0; u < kUnroll; ++u) store(e + u * kWarpLanes, v[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       acc += checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
                            std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
   }
   for (; e < n; e += kWarpLanes) {
-    const uint4 v = __ldcs(s + e);
-    if constexpr (kStore) __stcs(d + e, v);
-    acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
-                         std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
-  }
-  return acc;
-}
-
-// The checksum of an item's destination words, loaded from L2 (ld.global.cg: the warp stored them an item ago,
-// so they are there and no older copy in L1 can answer).
-__device__ __forceinline__ unsigned long long landed_sum(const unsigned char* dst, std::uint64_t n, std::uint32_t lane,
-                                                         std::uint64_t position) {
-  const uint4* d = reinterpret_cast<const uint4*>(dst);
-  unsigned long long acc = 0;
-  std::uint64_t e = lane;
-  for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcg(d + e + u * kWarpLanes);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      acc += checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
-                           std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
-  }
-  for (; e < n; e += kWarpLanes) {
-    const uint4 v = __ldcg(d + e);
+    const uint4 v = load(e);
+    store(e, v);
     acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
                          std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
   }
@@ -117,6 +102,12 @@ __device__ __forceinline__ void warp_add(unsigned long long* slot, unsigned long
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (threadIdx.x % kWarpLanes == 0) atomicAdd(slot, acc);
+}
+
+// One item's destination words read back from L2 into its pair's landed sum.
+__device__ __forceinline__ void read_back(const KernelArgs& a, const WorkItem& w, std::uint32_t lane) {
+  warp_add(a.landed + w.pair, sum_body<Access::kFromL2>(w.dst, nullptr, w.bytes / 16, lane,
+                                                        checksum_position(a.plane_index_base + w.plane, w.offset)));
 }
 
 // A checksummed copy that reads back what it wrote (KernelArgs::landed): each item is copied with default
@@ -133,42 +124,14 @@ __device__ __forceinline__ void copy_items_landed(const KernelArgs& a, const Ker
   for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
        item += total_warps) {
     const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
-    const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
-    const uint4* s = reinterpret_cast<const uint4*>(w.src);
-    uint4* d = reinterpret_cast<uint4*>(w.dst);
-    const std::uint64_t n = w.bytes / 16;
-    unsigned long long acc = 0;
-    std::uint64_t e = lane;
-    for (; e + (kUnroll - 1) * kWarpLanes < n; e += kUnroll * kWarpLanes) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(s + e + u * kWarpLanes);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) d[e + u * kWarpLanes] = v[u];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        acc +=
-            checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
-                          std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), position + (e + u * kWarpLanes) * 16);
-    }
-    for (; e < n; e += kWarpLanes) {
-      const uint4 v = __ldcs(s + e);
-      d[e] = v;
-      acc += checksum_word(std::uint64_t{v.x} | (std::uint64_t{v.y} << 32),
-                           std::uint64_t{v.z} | (std::uint64_t{v.w} << 32), position + e * 16);
-    }
+    const unsigned long long acc = sum_body<Access::kDefaultStores>(
+        w.src, w.dst, w.bytes / 16, lane, checksum_position(a.plane_index_base + w.plane, w.offset));
     warp_add(a.checksums + w.pair, acc);
-    if (have_previous)
-      warp_add(a.landed + previous.pair,
-               landed_sum(previous.dst, previous.bytes / 16, lane,
-                          checksum_position(a.plane_index_base + previous.plane, previous.offset)));
+    if (have_previous) read_back(a, previous, lane);
     previous = w;
     have_previous = true;
   }
-  if (have_previous)
-    warp_add(a.landed + previous.pair,
-             landed_sum(previous.dst, previous.bytes / 16, lane,
-                        checksum_position(a.plane_index_base + previous.plane, previous.offset)));
+  if (have_previous) read_back(a, previous, lane);
 }
 
 __device__ __forceinline__ void order_after_previous_grid() {
@@ -192,11 +155,10 @@ __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlan
     const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
     if (a.checksums != nullptr) {
       const std::uint64_t position = checksum_position(a.plane_index_base + w.plane, w.offset);
-      unsigned long long acc = a.store ? sum_body<true>(w.src, w.dst, w.bytes / 16, lane, position)
-                                       : sum_body<false>(w.src, w.dst, w.bytes / 16, lane, position);
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-      if (lane == 0) atomicAdd(a.checksums + w.pair, acc);
+      const unsigned long long acc =
+          a.store ? sum_body<Access::kStreamingStores>(w.src, w.dst, w.bytes / 16, lane, position)
+                  : sum_body<Access::kReadOnly>(w.src, w.dst, w.bytes / 16, lane, position);
+      warp_add(a.checksums + w.pair, acc);
       continue;
     }
     const VectorSplit v = split_for_vectors(w.src, w.dst, w.bytes);
