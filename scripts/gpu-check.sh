@@ -109,6 +109,10 @@ if [ "$what" = host ] || [ "$what" = pd ] || [ "$what" = all ]; then
   # transport (the same descriptors, no protocol) and, where ucx_perftest is installed, beside it; pinned host
   # blocks, then CUDA blocks through the staged path. Blocks from Transport::allocate_host, then (shm) the
   # caller's own memory.
+  if [ -x .gpu-pack/bin/ucx_perftest ]; then  # packed by scripts/pack-gpu.sh where the build machine has it
+    export PATH="$PWD/.gpu-pack/bin:$PATH" LD_LIBRARY_PATH="$PWD/.gpu-pack/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export UCX_MODULE_DIR="$PWD/.gpu-pack/lib/ucx"
+  fi
   perftest=(--no-perftest); command -v ucx_perftest > /dev/null && perftest=()
   timeout 300 "$BIN/kvtier" bench pd --lanes shm,tcp,ipc --memory raw,host,device --backend cuda \
     --block-sizes 16384,1048576 --layers 8 --iters 24 --inflight 1,4 "${perftest[@]}" --json > "$OUT/bench_pd_host.jsonl" 2> "$OUT/bench_pd_host.err"
