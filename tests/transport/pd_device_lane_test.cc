@@ -31,16 +31,16 @@ using testing::pd_layout;
 
 int g_seq = 0;
 
-// Runs `hook` on every notification before the endpoint sees it.
+// Runs `hook` on every notification before the endpoint sees it (a hook may change it).
 class Watching final : public testing::ForwardingTransport {
  public:
-  using Hook = std::function<void(const Notification&)>;
+  using Hook = std::function<void(Notification&)>;
   Watching(std::unique_ptr<Transport> inner, Hook hook)
       : ForwardingTransport(std::move(inner)), hook_(std::move(hook)) {}
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
     auto got = inner().wait_notifications(timeout);
     if (got.ok() && hook_)
-      for (const Notification& n : *got) hook_(n);
+      for (Notification& n : *got) hook_(n);
     return got;
   }
 
@@ -220,6 +220,46 @@ TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
   EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
   EXPECT_NE(fin->error.message().find("layer 1 block 6 (position 2): checksum mismatch"), std::string::npos)
       << fin->error.to_string();
+}
+
+// Push with the prefill verifying: when its read-back matched every block, 'W' carries only the count of blocks it
+// verified. A count that is not the transfer's (a prefill that verified fewer blocks, or a damaged message), or
+// none at all, fails that layer; the others load.
+TEST_P(LaneModes, AWriteNotificationWithAWrongOrMissingCountFailsItsLayer) {
+  if (mode() != PdMode::kPush || !mover_verifies())
+    GTEST_SKIP() << "the count travels in push when the prefill verifies";
+  for (const bool truncate : {false, true}) {
+    SCOPED_TRACE(truncate ? "count missing" : "count one short");
+    std::atomic<int> edited{0};
+    LaneRig rig(
+        [&](Notification& n) {
+          if (n.message.size() < 13 + 12 || n.message[0] != 'W' || layer_of(n) != 1) return;
+          const std::size_t at = n.message.size() - 4;  // the count is the message's last field
+          if (truncate) {
+            n.message.resize(at);
+          } else {
+            std::uint32_t count = 0;
+            std::memcpy(&count, n.message.data() + at, 4);
+            --count;
+            std::memcpy(n.message.data() + at, &count, 4);
+          }
+          ++edited;
+        },
+        true, options());
+    ASSERT_TRUE(rig.pre->begin(rig.to_dec, 13, kSrc).ok());
+    ASSERT_TRUE(rig.dec->start(rig.to_pre, 13, mode(), kDst).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(13, l).ok());
+    auto fin = rig.dec->wait(13, 5s);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_EQ(edited.load(), 1);
+    EXPECT_EQ(fin->layers[1], LayerState::kFailed);
+    for (std::uint32_t l : {0u, 2u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
+    EXPECT_EQ(fin->block_loaded, (std::vector<bool>{false, false, false, false}));
+    EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss) << fin->error.to_string();
+    if (!truncate)
+      EXPECT_NE(fin->error.message().find("the prefill verified 3 blocks of 4"), std::string::npos)
+          << fin->error.to_string();
+  }
 }
 
 // A kernel that fails (the device reports the launch's operation failed): its layer is failed, never loaded.
