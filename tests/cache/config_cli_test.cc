@@ -161,4 +161,28 @@ TEST_F(ConfigCli, InfoListsEveryTable) {
     EXPECT_NE(info.out.find(s), std::string::npos) << s;
 }
 
+// docs/configuration.md documents every knob `kvtier info --config` prints (two copy-engine knobs were once
+// missing from it): a row per knob name.
+TEST_F(ConfigCli, TheConfigurationDocListsEveryKnob) {
+  CliRun info = run("", "info --config", Capture::kStdout);
+  ASSERT_EQ(info.rc, 0) << info.out;
+  std::FILE* f = std::fopen(KVTIER_SOURCE_DIR "/docs/configuration.md", "r");
+  ASSERT_NE(f, nullptr) << "docs/configuration.md";
+  std::string doc;
+  std::array<char, 4096> buf;
+  std::size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), f)) > 0) doc.append(buf.data(), n);
+  std::fclose(f);
+  int knobs = 0;
+  for (std::size_t at = info.out.find("\n| `"); at != std::string::npos; at = info.out.find("\n| `", at + 1)) {
+    const std::size_t end = info.out.find('`', at + 4);
+    ASSERT_NE(end, std::string::npos);
+    const std::string row_start = info.out.substr(at, end - at + 1);  // "\n| `name`"
+    ++knobs;
+    EXPECT_NE(doc.find(row_start), std::string::npos)
+        << row_start.substr(1) << " is not in docs/configuration.md (regenerate its table from kvtier info --config)";
+  }
+  EXPECT_GT(knobs, 100);
+}
+
 }  // namespace
