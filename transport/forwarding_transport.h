@@ -44,6 +44,7 @@ class ForwardingTransport : public Transport {
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
     return inner_->wait_notifications(timeout);
   }
+  void wake_notification_waiter() override { inner_->wake_notification_waiter(); }
 
  protected:
   Transport& inner() noexcept { return *inner_; }

@@ -231,6 +231,9 @@ class Endpoint {
     if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
       return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
                                          options_.heartbeat.count(), options_.lease.count()));
+    if (options_.idle_wait.count() <= 0 || options_.idle_wait > options_.heartbeat)
+      return InvalidArgument(fmt::format("{}: idle_wait {} us: need 0 < idle_wait <= heartbeat ({} ms)", role,
+                                         options_.idle_wait.count(), options_.heartbeat.count()));
     if (options_.engine != nullptr) {
       Device& dev = options_.engine->device();
       if (blocks_.kind() != MemoryKind::kDevice || blocks_.device_ordinal() != dev.ordinal())
@@ -294,6 +297,7 @@ class Endpoint {
       std::lock_guard lock(mu_);
       stop_ = true;
     }
+    wake_progress();
     if (thread_.joinable()) thread_.join();
     checksums_.stop();  // after the progress thread: nothing submits any more
     // Kernels of the device lane cannot be cancelled: wait (bounded) for them before their buffers go.
@@ -380,8 +384,10 @@ class Endpoint {
         active = busy();
       }
       // Kernels' events and layers' readiness are seen only by polling: while a transfer is in progress look
-      // again soon, so a layer does not wait a whole idle period behind them; idle, messages wake the thread.
-      auto got = t_.wait_notifications(active ? std::chrono::microseconds(20) : std::chrono::microseconds(1000));
+      // again soon, so a layer does not wait a whole idle period behind them. Idle, messages wake the thread, and
+      // so do the calls that give it work (wake_progress): a copy launched or a layer declared from the caller's
+      // thread while this one sleeps would otherwise wait out the idle period.
+      auto got = t_.wait_notifications(active ? std::chrono::microseconds(20) : options_.idle_wait);
       std::lock_guard lock(mu_);
       if (got.ok()) {
         for (const Notification& n : *got) {
@@ -400,6 +406,10 @@ class Endpoint {
       cv_.notify_all();
     }
   }
+
+  // A call of this endpoint gave the progress thread work to poll (a transfer, a layer to watch, a launched copy):
+  // end its idle sleep now. Called without mu_ held.
+  void wake_progress() { t_.wake_notification_waiter(); }
 
   // Heartbeats of one transfer, one direction each way.
   struct Beats {
@@ -796,6 +806,12 @@ class Prefill final : public PdPrefill, public Endpoint {
   ~Prefill() override { stop(); }
 
   Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_ids) override {
+    Status s = open_transfer(decode, id, std::move(src_ids));
+    if (s.ok()) wake_progress();  // an early request applied here may have launched copies
+    return s;
+  }
+
+  Status open_transfer(PeerId decode, TransferId id, std::vector<BlockId> src_ids) {
     std::vector<std::uint64_t> src_blocks(src_ids.begin(), src_ids.end());  // lists travel as u64 on the wire
     KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
     KVTIER_RETURN_IF_ERROR(t_.peer_info(decode).status().with_context("prefill begin"));
@@ -819,6 +835,12 @@ class Prefill final : public PdPrefill, public Endpoint {
   }
 
   Status layer_ready(TransferId id, std::uint32_t layer, ReadyFn ready) override {
+    Status s = declare_layer(id, layer, std::move(ready));
+    if (s.ok()) wake_progress();  // its readiness, or the copy launched below, is polled by the progress thread
+    return s;
+  }
+
+  Status declare_layer(TransferId id, std::uint32_t layer, ReadyFn ready) {
     std::lock_guard lock(mu_);
     auto it = xfers_.find(id);
     if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
@@ -1397,16 +1419,19 @@ class Decode final : public PdDecode, public Endpoint {
       }
     }
     Status s = t_.send_notification(prefill, m.str());
-    std::lock_guard lock(mu_);
-    X& x = xfers_[id];
-    if (!s.ok()) {
-      fail_rest(x, s);
-    } else {
-      x.request_sent = true;
-      // Slots are granted in order, after the request (the prefill ignores grants of transfers it does not know).
-      for (std::size_t u = 0; u < x.pieces.size(); ++u) ring_waiting_.emplace_back(id, u);
-      grant_ring();
+    {
+      std::lock_guard lock(mu_);
+      X& x = xfers_[id];
+      if (!s.ok()) {
+        fail_rest(x, s);
+      } else {
+        x.request_sent = true;
+        // Slots are granted in order, after the request (the prefill ignores grants of transfers it does not know).
+        for (std::size_t u = 0; u < x.pieces.size(); ++u) ring_waiting_.emplace_back(id, u);
+        grant_ring();
+      }
     }
+    wake_progress();  // the transfer's lease and, on the ring lane, the copies just granted are the thread's to watch
     return Status::Ok();
   }
 

@@ -559,12 +559,21 @@ std::vector<Notification> TransportBase::take_notifications() {
 Result<std::vector<Notification>> TransportBase::wait_notifications(std::chrono::nanoseconds timeout) {
   const auto deadline = deadline_after(timeout);
   std::unique_lock lock(mu_);
-  if (!cv_.wait_until(lock, deadline, [&] { return !inbox_.empty(); }))
+  if (!cv_.wait_until(lock, deadline, [&] { return !inbox_.empty() || wake_waiter_; }))
     return TimedOut(fmt::format("no notification within {} ms",
                                 std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
+  wake_waiter_ = false;
   std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
   inbox_.clear();
   return out;
+}
+
+void TransportBase::wake_notification_waiter() {
+  {
+    std::lock_guard lock(mu_);
+    wake_waiter_ = true;
+  }
+  cv_.notify_all();
 }
 
 void TransportBase::finish_xfer(XferId id, Status status) {

@@ -91,6 +91,7 @@ class TransportBase : public Transport {
   Status send_notification(PeerId peer, std::string message) override;
   std::vector<Notification> take_notifications() override;
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override;
+  void wake_notification_waiter() override;
 
  protected:
   // ---- hooks ----
@@ -173,6 +174,7 @@ class TransportBase : public Transport {
   std::unordered_map<XferId, XferRec> xfers_;
   XferId next_xfer_ = 1;
   std::deque<Notification> inbox_;
+  bool wake_waiter_ = false;  // wake_notification_waiter() was called: the next wait_notifications returns at once
   struct HostMapping {
     void* data = nullptr;
     std::uint64_t bytes = 0;

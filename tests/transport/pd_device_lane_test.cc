@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <thread>
 
 #include "kvtier/copy/copy_engine.h"
 #include "kvtier/device/host_device.h"
@@ -144,6 +145,33 @@ TEST_P(LaneModes, LayersMoveByteExactThroughTheKernelLayerByLayer) {
   EXPECT_TRUE(pf->done);
   EXPECT_TRUE(rig.pre->forget(42).ok());
   EXPECT_TRUE(rig.dec->forget(42).ok());
+}
+
+// The progress threads sleep their idle period (here far longer than the deadlines) while no transfer needs them.
+// The decode's request reaches the prefill before begin() and is parked there, and its thread goes back to sleep;
+// begin() and layer_ready() then launch the copies from this thread. Their completion must not wait out the idle
+// period (it did: the launching call did not wake the thread that polls the copies' events, which one transfer
+// at a time cost up to a millisecond per transfer at the default period).
+TEST_P(LaneModes, CallsThatGiveTheProgressThreadWorkWakeItFromItsIdleSleep) {
+  PdOptions o = options();
+  o.heartbeat = 20s;  // no heartbeat wakes anyone during the test
+  o.lease = 60s;
+  o.idle_wait = 20s;
+  LaneRig rig({}, true, o);
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, mode(), kDst).ok());
+  std::this_thread::sleep_for(100ms);  // the request arrives, is parked, and the prefill's thread sleeps again
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
+  auto fin = rig.dec->wait(9, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), kDst.size());
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  auto pf = rig.pre->wait(9, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_TRUE(pf->done);
+  EXPECT_TRUE(rig.pre->forget(9).ok());
+  EXPECT_TRUE(rig.dec->forget(9).ok());
 }
 
 // The receiving side verifies. Push: a byte of a destination block damaged after the prefill's kernel wrote it

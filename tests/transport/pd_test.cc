@@ -254,6 +254,29 @@ TEST(Pd, BadBlockListsAndIdsAreRefused) {
   EXPECT_NE(pf->error.message().find("decode asked for 2 blocks, prefill has 1"), std::string::npos);
 }
 
+TEST(Pd, TimingOptionsOutOfRangeAreRefusedNamingTheValue) {
+  KvLayout layout = pd_layout();
+  HostBlocks mem = HostBlocks::make(layout, 8, true);
+  struct Bad {
+    std::chrono::milliseconds heartbeat, lease;
+    std::chrono::microseconds idle;
+    const char* names;
+  };
+  for (const Bad& b :
+       {Bad{0ms, 1000ms, 1000us, "heartbeat 0 ms"}, Bad{100ms, 100ms, 1000us, "lease 100 ms"},
+        Bad{100ms, 1000ms, 0us, "idle_wait 0 us"}, Bad{100ms, 1000ms, 100001us, "idle_wait 100001 us"}}) {
+    PdOptions o;
+    o.heartbeat = b.heartbeat;
+    o.lease = b.lease;
+    o.idle_wait = b.idle;
+    auto t = create_loopback_transport({fmt::format("opt{}", ++g_seq), layout.fingerprint(), 1, 0}).value();
+    auto pre = PdPrefill::create(*t, mem.space, o);
+    ASSERT_FALSE(pre.ok()) << b.names;
+    EXPECT_EQ(pre.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(pre.status().message().find(b.names), std::string::npos) << pre.status().to_string();
+  }
+}
+
 // A peer id that was never loaded: the prefill refuses at once; the decode's transfer fails at once, and since
 // its request never left, nobody can write its blocks: they are reclaimable (push too).
 TEST(Pd, UnknownPeersFailAtOnceAndHoldNoBlocks) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -587,6 +588,30 @@ TEST_P(TransportConformance, HostAllocationHoldsRegionsThatMoveBytesBothWays) {
   EXPECT_EQ(std::memcmp(ha->data() + 2 * kQ, b0p, 16384), 0);
   EXPECT_EQ(ha->data()[2 * kQ + 16384], std::byte{0x11});
   EXPECT_TRUE((*a)->release(*x).ok());
+}
+
+// wake_notification_waiter ends a blocked wait at once with nothing (not kTimedOut); a wake with nobody waiting
+// ends the next wait; it is used up by that wait (the one after it waits again); queued notifications still come.
+TEST_P(TransportConformance, AWakeEndsTheNotificationWaitAtOnceAndOnlyOnce) {
+  Pair p;
+  connect(GetParam(), p, 4096);
+  auto blocked = std::async(std::launch::async, [&] { return p.b->wait_notifications(60s); });
+  EXPECT_EQ(blocked.wait_for(50ms), std::future_status::timeout) << "returned before anything happened";
+  p.b->wake_notification_waiter();
+  ASSERT_EQ(blocked.wait_for(10s), std::future_status::ready) << "the wake did not end the wait";
+  auto got = blocked.get();
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  EXPECT_TRUE(got->empty());
+  auto again = p.b->wait_notifications(30ms);
+  EXPECT_EQ(again.status().code(), StatusCode::kTimedOut) << "the wake was not used up";
+  p.b->wake_notification_waiter();  // nobody waits: the next wait returns at once
+  const auto t0 = std::chrono::steady_clock::now();
+  auto early = p.b->wait_notifications(60s);
+  ASSERT_TRUE(early.ok()) << early.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s);
+  ASSERT_TRUE(p.a->send_notification(p.a_sees_b, "after-wake").ok());
+  std::vector<Notification> seen;
+  EXPECT_TRUE(await_notification(*p.b, "after-wake", seen).ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance,

@@ -218,6 +218,12 @@ class Transport {
   // Blocks until at least one notification is queued (then returns them all) or the timeout passes
   // (kTimedOut).
   virtual Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) = 0;
+  // Makes the wait_notifications() blocked now return at once (or the next one, when none is blocked) with what is
+  // queued, possibly nothing: an empty list, not kTimedOut. For the owner of the notification stream whose thread
+  // also has work that comes without a message: the prefill/decode endpoints (pd.h) launch a layer's copy or
+  // declare it ready from the caller's thread, and their progress thread, asleep for its idle period, must start
+  // polling that work's events now rather than when the period ends.
+  virtual void wake_notification_waiter() = 0;
 };
 
 // ---- backends ----------------------------------------------------------------------------------------------

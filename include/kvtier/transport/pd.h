@@ -113,6 +113,10 @@ std::string_view layer_state_name(LayerState state) noexcept;
 struct PdOptions {
   std::chrono::milliseconds heartbeat{100};
   std::chrono::milliseconds lease{1000};
+  // How long the progress thread sleeps while no transfer needs polling (1 us up to `heartbeat`). A message, or a
+  // call of this endpoint that gives the thread work (begin, layer_ready, start), wakes it at once; the period
+  // bounds how late heartbeats are sent and leases checked, and how often an idle endpoint wakes up.
+  std::chrono::microseconds idle_wait{1000};
   // The device lane (see "Device lane" above): blocks in device memory of engine->device(), moved by its SM
   // kernel straight between the two pools. Null: the transport lane. Must outlive the endpoint. Create it with
   // lane_engine_options() (below), so that the progress thread does not wait for descriptor slots.
