@@ -154,6 +154,7 @@ if [ "$what" = probes ] || [ "$what" = all ]; then
 fi
 echo "================ summary ================"
 printf '%s\n' "${summary[@]}"
-python3 scripts/gpu_table.py copy="$OUT/bench_copy.jsonl" transfer="$OUT/bench_transfer.jsonl"
+python3 scripts/gpu_table.py copy="$OUT/bench_copy.jsonl" transfer="$OUT/bench_transfer.jsonl" \
+  pd="$OUT/bench_pd.jsonl" pd_2g="$OUT/bench_pd_2g.jsonl" ring="$OUT/bench_pd_ring.jsonl" host="$OUT/bench_pd_host.jsonl"
 for f in "$OUT/h2d_probe.txt" "$OUT/copy_probe.txt"; do [ -s "$f" ] && grep -E "^(A |sm_|batch_)" "$f"; done
 exit 0
