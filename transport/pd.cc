@@ -685,6 +685,12 @@ class Endpoint {
   // much to check as a small layer takes to move.
   Status lane_copy_layer(LaneBuffers& lb, const CopyRequest& all, std::uint32_t layer, std::uint64_t* checksums,
                          std::uint64_t* landed = nullptr) {
+    const std::uint32_t layers[1] = {layer};
+    return lane_copy_layers(lb, all, layers, checksums, landed);
+  }
+  // The same for several layers in one copy: each block's checksum is then its sum over those layers' planes.
+  Status lane_copy_layers(LaneBuffers& lb, const CopyRequest& all, std::span<const std::uint32_t> layers,
+                          std::uint64_t* checksums, std::uint64_t* landed) {
     const CopyRequest* had = lb.prepared ? &lb.prepared->request() : nullptr;
     if (had == nullptr || had->src != all.src || had->dst != all.dst ||
         had->src_blocks.data() != all.src_blocks.data() || had->dst_blocks.data() != all.dst_blocks.data() ||
@@ -692,8 +698,28 @@ class Endpoint {
       KVTIER_ASSIGN_OR_RETURN(PreparedCopy prepared, options_.engine->prepare(all));
       lb.prepared = prepared;
     }
-    const std::uint32_t layers[1] = {layer};
     return options_.engine->copy(*lb.prepared, layers, *lane_stream_, checksums, landed).status();
+  }
+
+  // Whether the moving side moves the layers that are ready at one moment as one copy: when it verifies with the
+  // read-back inside the copy. Each launch costs the CPU tens of microseconds (a 64 MiB layer of 16 KiB blocks:
+  // about 60 us, as long as the GPU takes to move it), so layer by layer the launching thread, not the GPU, set the
+  // pace; layers that become ready one at a time (a forward pass) still go one at a time.
+  bool lane_groups_layers(bool mover_verifies) const {
+    return mover_verifies && options_.lane_read_back_in_copy && !ring_lane();
+  }
+
+  // The moving side's copy of a group of layers ready at once (`group`, at least one), reading back what it wrote
+  // inside the copy: both lists hold each block's checksum over the group's planes, in the first layer's slots (a
+  // block that fails fails in every layer of the group); both lists to the host, then every layer's event.
+  Status copy_group_and_read_back(LaneBuffers& lb, std::span<const std::uint32_t> group, const CopyRequest& all) {
+    Device& dev = lane_device();
+    const std::uint32_t head = group.front();
+    KVTIER_RETURN_IF_ERROR(lane_copy_layers(lb, all, group, lb.device_at(head, 0), lb.device_at(head, 1)));
+    KVTIER_RETURN_IF_ERROR(
+        dev.memcpy_async(lb.host_at(head, 0), lb.device_at(head, 0), 2 * lb.n * sizeof(std::uint64_t), *lane_stream_));
+    for (std::uint32_t l : group) KVTIER_RETURN_IF_ERROR(dev.record(*lb.events[l], *lane_stream_));
+    return Status::Ok();
   }
 
   // The moving side's verification: the layer's copy (of `all`, checksums into list 0) on the lane stream, then on
@@ -900,6 +926,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     bool acked = false;                      // pull: the decode side's read notification came
     std::optional<XferId> xfer;              // push: the write
     bool lane_pending = false;               // device lane: the layer's kernel is enqueued, its event not yet seen
+    std::uint32_t lane_head = 0;             // device lane: the layer whose checksum slots its copy used
     bool ready_seen = false;                 // ring lane: its data is in place; its pieces go as slots are granted
     std::shared_ptr<ChecksumQueue::Job> ck;  // transport lane: the layer's checksums, being computed or done
   };
@@ -1132,6 +1159,8 @@ class Prefill final : public PdPrefill, public Endpoint {
   // Sends every declared layer whose readiness now says so (requested transfers only).
   void send_ready_layers(TransferId id, X& x) {
     if (!x.req || x.final) return;
+    std::vector<std::uint32_t> group;  // device lane, push: the layers ready now, moved by one copy
+    const bool grouping = x.lane && x.req->mode == PdMode::kPush && lane_groups_layers(x.req->mover_verifies);
     for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
       L& l = x.layers[li];
       if (!l.declared || l.sent || l.ready_seen) continue;
@@ -1152,10 +1181,35 @@ class Prefill final : public PdPrefill, public Endpoint {
         continue;
       }
       if (!x.lane && (l.ck = checksums_.submit(li, x.src)) != nullptr) continue;
+      if (grouping) {
+        group.push_back(li);
+        continue;
+      }
       send_layer(id, x, li);
       if (x.final) return;
     }
+    if (group.size() == 1) send_layer(id, x, group[0]);
+    if (group.size() > 1) send_lane_group(id, x, group);
     if (x.ring) pump_ring(id, x);
+  }
+
+  // Device lane, push with this side verifying: layers ready at once go as one copy (lane_groups_layers).
+  void send_lane_group(TransferId id, X& x, std::span<const std::uint32_t> group) {
+    LaneBuffers& lb = *x.lane;
+    for (std::uint32_t li : group) x.layers[li].sent = true;
+    x.last_sent = Clock::now();
+    const CopyRequest all{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
+    Status s = copy_group_and_read_back(lb, group, all);
+    if (!s.ok()) {
+      drain_lane();
+      for (std::uint32_t li : group) t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+      fail(x, id, s.with_context(fmt::format("layers {}-{} device lane", group.front(), group.back())));
+      return;
+    }
+    for (std::uint32_t li : group) {
+      x.layers[li].lane_pending = true;
+      x.layers[li].lane_head = group.front();
+    }
   }
 
   // ---- ring lane ----
@@ -1270,12 +1324,12 @@ class Prefill final : public PdPrefill, public Endpoint {
       Msg m(x.req->mode == PdMode::kPull ? 'A' : 'W', id);
       if (x.req->mode == PdMode::kPull)
         append_read_announcement(m.u32(li), x, list_of(*x.lane, li, 0));
-      else if (x.req->mover_verifies && lists_match(*x.lane, li))
+      else if (x.req->mover_verifies && lists_match(*x.lane, l.lane_head))
         // Every block read back as moved: the count alone (the decode trusts this side's read-back either way,
         // and 16 bytes per block per layer through the socket cost as much as a small layer's copy).
         m.u32(li).u64s({}).u64s({}).u32(static_cast<std::uint32_t>(x.lane->n));
-      else if (x.req->mover_verifies)
-        m.u32(li).u64s(list_of(*x.lane, li, 0)).u64s(list_of(*x.lane, li, 1));
+      else if (x.req->mover_verifies)  // a layer of a group carries the group's lists: its failed blocks fail here
+        m.u32(li).u64s(list_of(*x.lane, l.lane_head, 0)).u64s(list_of(*x.lane, l.lane_head, 1));
       else
         m.u32(li).u64s(list_of(*x.lane, li, 0));
       t_.send_notification(x.peer, m.str()).ignore_error();
@@ -1333,6 +1387,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       return;
     }
     l.lane_pending = true;
+    l.lane_head = li;
   }
 
   void send_layer(TransferId id, X& x, std::uint32_t li) {
@@ -1406,6 +1461,8 @@ class Decode final : public PdDecode, public Endpoint {
       x.lane = std::move(lane);
       x.expected.resize(blocks_.layout().num_layers());
       x.lane_pending.assign(blocks_.layout().num_layers(), 0);
+      x.lane_announced.assign(blocks_.layout().num_layers(), 0);
+      x.lane_head.assign(blocks_.layout().num_layers(), 0);
       x.peer = prefill;
       x.mode = mode;
       x.dst = std::move(dst_blocks);
@@ -1513,6 +1570,8 @@ class Decode final : public PdDecode, public Endpoint {
     std::unique_ptr<LaneBuffers> lane;
     std::vector<std::vector<std::uint64_t>> expected;
     std::vector<std::uint8_t> lane_pending;
+    std::vector<std::uint8_t> lane_announced;  // pull, this side verifying: announced, to be copied at the next tick
+    std::vector<std::uint32_t> lane_head;      // the layer whose checksum slots its copy used
     // Ring lane: per piece ([layer * pieces_per_layer + piece]) its slot and state.
     std::vector<Piece> pieces;
     std::uint32_t pieces_per_layer = 0;
@@ -1754,6 +1813,10 @@ class Decode final : public PdDecode, public Endpoint {
                                                    id, layer)));
             return;
           }
+          if (lane_groups_layers(mover_verifies())) {
+            x.lane_announced[layer] = 1;  // copied with the others announced in this batch (start_lane_group)
+            return;
+          }
           start_lane_layer(id, x, layer, std::move(ck), &*x.lane->peer);
           return;
         }
@@ -1828,6 +1891,38 @@ class Decode final : public PdDecode, public Endpoint {
     }
     x.expected[layer] = std::move(ck);
     x.lane_pending[layer] = 1;
+    x.lane_head[layer] = layer;
+  }
+
+  // Device lane, pull with this side verifying: the layers announced since the last tick go as one copy
+  // (lane_groups_layers).
+  void start_lane_group(TransferId id, X& x) {
+    std::vector<std::uint32_t> group;
+    for (std::uint32_t l = 0; l < x.lane_announced.size(); ++l) {
+      if (x.lane_announced[l] == 0) continue;
+      x.lane_announced[l] = 0;
+      if (x.layers[l] == LayerState::kPending && x.lane_pending[l] == 0) group.push_back(l);
+    }
+    if (group.empty()) return;
+    if (group.size() == 1) {
+      start_lane_layer(id, x, group[0], {}, &*x.lane->peer);
+      return;
+    }
+    LaneBuffers& lb = *x.lane;
+    const CopyRequest all{&*lb.peer, &blocks_, lb.peer_ids, lb.local_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
+    Status s = copy_group_and_read_back(lb, group, all);
+    if (!s.ok()) {
+      drain_lane();
+      for (std::uint32_t l : group)
+        fail_layer(x, l, s.with_context(fmt::format("transfer {} layer {}: device lane", id, l)));
+      s.ignore_error();
+      return;
+    }
+    for (std::uint32_t l : group) {
+      x.expected[l].clear();
+      x.lane_pending[l] = 1;
+      x.lane_head[l] = group.front();
+    }
   }
 
   void finish_lane_layers(TransferId id, X& x) {
@@ -1839,7 +1934,8 @@ class Decode final : public PdDecode, public Endpoint {
       if (!done.ok()) {
         fail_layer(x, l, done.status().with_context(fmt::format("transfer {} layer {}: device lane kernel", id, l)));
       } else if (x.mode == PdMode::kPull && mover_verifies()) {
-        compare_layer(id, x, l, list_of(*x.lane, l, 0), x.lane->host_at(l, 1));
+        const std::uint32_t head = x.lane_head[l];  // a layer of a group compares the group's lists
+        compare_layer(id, x, l, list_of(*x.lane, head, 0), x.lane->host_at(head, 1));
       } else {
         compare_layer(id, x, l, x.expected[l], x.lane->host_at(l));
       }
@@ -1852,7 +1948,10 @@ class Decode final : public PdDecode, public Endpoint {
     if (ring_lane()) finish_ring(now);
     for (auto& [id, x] : xfers_) {
       finish_verifications(id, x);
-      if (x.lane && !ring_lane()) finish_lane_layers(id, x);
+      if (x.lane && !ring_lane()) {
+        start_lane_group(id, x);
+        finish_lane_layers(id, x);
+      }
       for (std::uint32_t l = 0; l < x.reads.size(); ++l) {
         Read& r = x.reads[l];
         if (!r.active) continue;

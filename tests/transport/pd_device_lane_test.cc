@@ -250,6 +250,61 @@ TEST_P(LaneModes, BytesDamagedBetweenCopyAndReadBackAreCaught) {
       << fin->error.to_string();
 }
 
+// Layers that are ready when the moving side starts go as one copy (each launch costs the CPU about what a large
+// layer of small blocks costs the GPU): push, every layer declared before the decode's request arrives. One copy
+// zeroes its two checksum lists once (two list-sized operations before the read-back, against eight layer by
+// layer); every layer lands byte-exact.
+TEST(PdDeviceLane, LayersReadyTogetherMoveAsOneCopy) {
+  LaneRig rig;
+  std::atomic<int> list_ops{0};
+  rig.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
+    if (bytes == kDst.size() * sizeof(std::uint64_t)) list_ops.fetch_add(1);
+    return false;
+  });
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 3, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(3, l).ok());  // before the request
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 3, PdMode::kPush, kDst).ok());
+  auto fin = rig.dec->wait(3, 5s, true);
+  rig.device->set_failure_predicate(nullptr);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), kDst.size());
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  EXPECT_EQ(list_ops.load(), 3) << "two lists zeroed and one read-back for the whole transfer";
+  ASSERT_TRUE(rig.pre->wait(3, 5s).ok());
+}
+
+// A byte damaged between a grouped copy and its read-back: the damaged block fails in every layer of the group (its
+// checksum is its sum over the group's planes, so the layer cannot be told), the other blocks load, and the error
+// names the block.
+TEST(PdDeviceLane, ADamagedByteInAGroupedCopyFailsThatBlockInEveryLayerOfTheGroup) {
+  LaneRig rig;
+  std::atomic<int> list_ops{0};
+  std::atomic<bool> damaged{false};
+  rig.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
+    // The third list-sized operation is the read-back (after the two lists are zeroed): damage just before it.
+    if (bytes == kDst.size() * sizeof(std::uint64_t) && list_ops.fetch_add(1) + 1 == 3) {
+      rig.dec_mem.space.block_ptr(1, 1, kDst[2])[100] ^= std::byte{0x01};
+      damaged = true;
+    }
+    return false;
+  });
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 4, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(4, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 4, PdMode::kPush, kDst).ok());
+  auto fin = rig.dec->wait(4, 5s, true);
+  rig.device->set_failure_predicate(nullptr);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(damaged.load());
+  for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kPartial) << l;
+  EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, true, false, true}));
+  EXPECT_EQ(fin->leading_loaded_blocks(), 2u);
+  EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
+  EXPECT_NE(fin->error.message().find("block 6 (position 2): checksum mismatch"), std::string::npos)
+      << fin->error.to_string();
+}
+
 // Push with the prefill verifying: when its read-back matched every block, 'W' carries only the count of blocks it
 // verified. A count that is not the transfer's (a prefill that verified fewer blocks, or a damaged message), or
 // none at all, fails that layer; the others load.

@@ -54,7 +54,11 @@
 //   kReceiver: the other side makes the second pass over its own blocks: the prefill's sources before it
 //     announces them in pull (so a source changed between that pass and the decode's copy is caught), the
 //     decode's destinations in push. One pass in each process's context.
-// A layer's notification goes out once the kernels' event has completed (its bytes are then visible to the
+// When the mover verifies with the read-back inside its copy (the default), the layers that are ready at one moment
+// go as one copy (pull: the layers announced in one batch of messages; push: the layers ready when the request
+// arrives): each launch costs the CPU about as much as a large layer of small blocks costs the GPU. A block's
+// checksums are then its sums over the group's layers, so a block that fails verification fails in every layer of
+// its group. A layer's notification goes out once the kernels' event has completed (its bytes are then visible to the
 // peer's later work). Both endpoints of a transfer must use the same lane: the decode side's request names
 // it, and a prefill on the other lane fails the transfer (every layer 'X', kFailedPrecondition). Kernels
 // cannot be cancelled: a side whose lease expires waits for its launched kernels (they are short) before its
