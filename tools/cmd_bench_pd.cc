@@ -54,6 +54,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -386,6 +387,13 @@ Result<std::unique_ptr<transport::Transport>> direct_transport(transport::AgentI
   return transport::create_ipc_transport(std::move(id), o);
 }
 
+// 0, 1, ..., layers - 1: what the prefill declares ready at once (its forward has finished).
+std::vector<std::uint32_t> all_layers(const PdArgs& a) {
+  std::vector<std::uint32_t> l(a.layers);
+  std::iota(l.begin(), l.end(), 0u);
+  return l;
+}
+
 // Transfers 1 (the warm-up, alone) to iters + 1, up to `inflight` of the measured ones open at once, each
 // awaited and forgotten in order: `open(id)` starts one, `close(id)` waits for it and forgets it.
 Status run_transfers(
@@ -423,8 +431,12 @@ int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const 
       a.iters, a.inflight,
       [&](std::uint64_t id) {
         KVTIER_RETURN_IF_ERROR(pre.begin(*peer, id, src));
-        for (std::uint32_t l = 0; l < a.layers; ++l) KVTIER_RETURN_IF_ERROR(pre.layer_ready(id, l));
-        return Status::Ok();
+        if constexpr (requires { pre.layers_ready(id, std::span<const std::uint32_t>{}); }) {
+          return pre.layers_ready(id, all_layers(a));  // the forward has finished: every layer at once
+        } else {
+          for (std::uint32_t l = 0; l < a.layers; ++l) KVTIER_RETURN_IF_ERROR(pre.layer_ready(id, l));
+          return Status::Ok();
+        }
       },
       [&](std::uint64_t id) {
         auto st = pre.wait(id, 60s);
@@ -760,8 +772,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
         a.iters, a.inflight,
         [&](std::uint64_t id) {
           KVTIER_RETURN_IF_ERROR(pre->begin(to_dec, id, plan.src));
-          for (std::uint32_t l = 0; l < a.layers; ++l) KVTIER_RETURN_IF_ERROR(pre->layer_ready(id, l));
-          return Status::Ok();
+          return pre->layers_ready(id, all_layers(a));
         },
         [&](std::uint64_t id) {
           auto st = pre->wait(id, 60s);

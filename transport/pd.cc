@@ -885,6 +885,31 @@ class Prefill final : public PdPrefill, public Endpoint {
     return layer_ready(id, layer, [&device, &event]() { return device.query(event); });
   }
 
+  Status layers_ready(TransferId id, std::span<const std::uint32_t> layers) override {
+    {
+      std::lock_guard lock(mu_);
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+      X& x = it->second;
+      for (std::size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i] >= x.layers.size())
+          return OutOfRange(fmt::format("layers[{}] = {} >= num_layers {}", i, layers[i], x.layers.size()));
+        if (x.layers[layers[i]].declared)
+          return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layers[i]));
+        if (std::find(layers.begin(), layers.begin() + static_cast<std::ptrdiff_t>(i), layers[i]) !=
+            layers.begin() + static_cast<std::ptrdiff_t>(i))
+          return AlreadyExists(fmt::format("layers[{}] = {} is listed twice", i, layers[i]));
+      }
+      for (std::uint32_t l : layers) {
+        x.layers[l].declared = true;
+        x.layers[l].ready = ReadyFn([] { return Result<bool>(true); });
+      }
+      send_ready_layers(id, x);
+    }
+    wake_progress();
+    return Status::Ok();
+  }
+
   Result<PrefillStatus> status(TransferId id) const override {
     std::lock_guard lock(mu_);
     auto it = xfers_.find(id);

@@ -288,6 +288,12 @@ class Prefill(_Endpoint):
         without blocking the host."""
         self._ep.layer_ready(int(transfer_id), int(layer), self._stream(stream))
 
+    def layers_ready(self, transfer_id: int, layers: Sequence[int]) -> None:
+        """Declares every layer of ``layers`` ready now, in one call (the forward pass that computed them has
+        finished): the device lane moves those whose destinations it knows as one copy, where ``layer_ready`` layer
+        by layer launches each alone. Every layer is checked before any is declared."""
+        self._ep.layers_ready(int(transfer_id), [int(l) for l in layers])
+
     def status(self, transfer_id: int) -> PrefillStatus:
         return PrefillStatus(**self._ep.status(int(transfer_id)))
 

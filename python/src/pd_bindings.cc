@@ -389,6 +389,22 @@ void bind_pd(nb::module_& m) {
           "transfer_id"_a, "layer"_a, "stream"_a = nb::none(),
           "Declares the layer ready: now, or (stream=) once the work enqueued so far on the stream completed "
           "(no host sync).")
+      .def(
+          "layers_ready",
+          [](PyPdEndpoint& e, std::int64_t id, const std::vector<std::int64_t>& layers) {
+            auto n = e.get("prefill", "layers_ready");
+            const TransferId x = to_xid(id);
+            std::vector<std::uint32_t> ls;
+            ls.reserve(layers.size());
+            for (std::int64_t l : layers) ls.push_back(to_layer(l));
+            if (n->prefill) {
+              check(released([&] { return n->prefill->layers_ready(x, ls); }));
+              return;
+            }
+            for (std::uint32_t l : ls) check(released([&] { return n->staged_prefill->layer_ready(x, l); }));
+          },
+          "transfer_id"_a, "layers"_a,
+          "Declares several layers ready now, in one call (the device lane moves them as one copy).")
       // ---- decode
       .def(
           "start",

@@ -121,6 +121,27 @@ def test_transfer_is_byte_exact(transport, mode):
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
+def test_layers_ready_in_one_call(pair, mode):
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    src_blocks, dst_blocks = [6, 4, 1], [2, 8, 5]
+    with pytest.raises(kvtier.NotFoundError):
+        p.layers_ready(12, range(LAYERS))
+    d.start(to_prefill, 12, dst_blocks, mode=mode)
+    p.begin(to_decode, 12, src_blocks)
+    with pytest.raises(kvtier.OutOfRangeError, match=f"layers\\[1\\] = {LAYERS}"):
+        p.layers_ready(12, [0, LAYERS])
+    with pytest.raises(kvtier.AlreadyExistsError, match="listed twice"):
+        p.layers_ready(12, [1, 1])
+    assert d.status(12).layers == ["pending"] * LAYERS  # the refused calls declared nothing
+    p.layers_ready(12, range(LAYERS))
+    st = d.wait(12, TIMEOUT, reclaimable=True)
+    assert st.error is None and st.leading_loaded_blocks == 3
+    for layer in range(LAYERS):
+        assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks)
+    assert p.wait(12, TIMEOUT).done
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_layer_by_layer(pair, mode):
     p, d, src_kv, dst_kv, to_decode, to_prefill = pair
     src_blocks, dst_blocks = [1, 2, 3], [4, 5, 6]

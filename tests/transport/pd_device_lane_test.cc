@@ -275,6 +275,37 @@ TEST(PdDeviceLane, LayersReadyTogetherMoveAsOneCopy) {
   ASSERT_TRUE(rig.pre->wait(3, 5s).ok());
 }
 
+// The same when the request came first and the prefill then declares every layer in one call (layers_ready), as a
+// prefill whose forward has finished does; layer_ready called layer by layer launches each alone.
+TEST(PdDeviceLane, LayersDeclaredInOneCallAfterTheRequestMoveAsOneCopy) {
+  for (const bool one_call : {true, false}) {
+    SCOPED_TRACE(one_call ? "layers_ready" : "layer_ready x 4");
+    LaneRig rig;
+    std::atomic<int> list_ops{0};
+    rig.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
+      if (bytes == kDst.size() * sizeof(std::uint64_t)) list_ops.fetch_add(1);
+      return false;
+    });
+    ASSERT_TRUE(rig.dec->start(rig.to_pre, 6, PdMode::kPush, kDst).ok());
+    ASSERT_TRUE(rig.pre->begin(rig.to_dec, 6, kSrc).ok());
+    std::this_thread::sleep_for(50ms);  // the request reaches the prefill (before or after begin: applied either way)
+    if (one_call) {
+      const std::uint32_t all[] = {0, 1, 2, 3};
+      ASSERT_TRUE(rig.pre->layers_ready(6, all).ok());
+    } else {
+      for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(6, l).ok());
+    }
+    auto fin = rig.dec->wait(6, 5s, true);
+    rig.device->set_failure_predicate(nullptr);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_EQ(fin->leading_loaded_blocks(), kDst.size());
+    for (std::uint32_t l = 0; l < 4; ++l)
+      for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+    EXPECT_EQ(list_ops.load(), one_call ? 3 : 12);
+    ASSERT_TRUE(rig.pre->wait(6, 5s).ok());
+  }
+}
+
 // A byte damaged between a grouped copy and its read-back: the damaged block fails in every layer of the group (its
 // checksum is its sum over the group's planes, so the layer cannot be told), the other blocks load, and the error
 // names the block.

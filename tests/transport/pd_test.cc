@@ -254,6 +254,34 @@ TEST(Pd, BadBlockListsAndIdsAreRefused) {
   EXPECT_NE(pf->error.message().find("decode asked for 2 blocks, prefill has 1"), std::string::npos);
 }
 
+// layers_ready checks every layer before it declares any: an unknown transfer, a layer out of range, one listed
+// twice or one declared before are refused by name, and after a refusal nothing of that call was declared.
+TEST(Pd, LayersReadyIsCheckedWholeBeforeAnyLayerIsDeclared) {
+  Rig rig;
+  const std::uint32_t ok_layers[] = {0, 1}, out_of_range[] = {2, 4}, twice[] = {2, 3, 2}, again[] = {3, 1};
+  EXPECT_EQ(rig.pre->layers_ready(1, ok_layers).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 1, {3, 1, 7, 5}).ok());
+  Status s = rig.pre->layers_ready(1, out_of_range);
+  EXPECT_EQ(s.code(), StatusCode::kOutOfRange);
+  EXPECT_NE(s.message().find("layers[1] = 4"), std::string::npos) << s.to_string();
+  s = rig.pre->layers_ready(1, twice);
+  EXPECT_EQ(s.code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("layers[2] = 2 is listed twice"), std::string::npos) << s.to_string();
+  ASSERT_TRUE(rig.pre->layers_ready(1, ok_layers).ok());
+  s = rig.pre->layers_ready(1, again);
+  EXPECT_EQ(s.code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(s.message().find("layer 1 already declared"), std::string::npos) << s.to_string();
+  // Nothing of the refused calls was declared: layers 2 and 3 are still free to declare, and the transfer completes.
+  ASSERT_TRUE(rig.pre->layer_ready(1, 2).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(1, 3).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 1, PdMode::kPush, {0, 2, 6, 4}).ok());
+  auto fin = rig.dec->wait(1, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  for (std::size_t i = 0; i < kDst.size(); ++i)
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+}
+
 TEST(Pd, TimingOptionsOutOfRangeAreRefusedNamingTheValue) {
   KvLayout layout = pd_layout();
   HostBlocks mem = HostBlocks::make(layout, 8, true);

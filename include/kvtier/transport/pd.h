@@ -92,6 +92,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvtier/backend/transport.h"
@@ -190,6 +191,11 @@ class PdPrefill {
   virtual Status begin(PeerId decode, TransferId id, std::vector<BlockId> src_blocks) = 0;
   // Layer `layer` becomes ready when `ready` says so (nullptr: now). Layers may be declared in any order.
   virtual Status layer_ready(TransferId id, std::uint32_t layer, ReadyFn ready = nullptr) = 0;
+  // Layers that are all ready now (the forward pass that computed them has finished), declared in one call: the
+  // device lane moves those whose destinations are known as one copy (see "Device lane"), where layer_ready() called
+  // layer by layer launches each alone. Every layer is checked (the transfer known, each layer in range, not declared
+  // before, none twice: kNotFound / kOutOfRange / kAlreadyExists naming it) before any is declared.
+  virtual Status layers_ready(TransferId id, std::span<const std::uint32_t> layers) = 0;
   // The layer is ready when `event` has completed on `device` (no host sync on the compute stream: the progress
   // thread queries the event). Both must outlive the transfer.
   virtual Status layer_ready_after(TransferId id, std::uint32_t layer, Device& device, Event& event) = 0;
