@@ -56,7 +56,8 @@
 //     decode's destinations in push. One pass in each process's context.
 // When the mover verifies with the read-back inside its copy (the default), the layers that are ready at one moment
 // go as one copy (pull: the layers announced in one batch of messages; push: the layers ready when the request
-// arrives): each launch costs the CPU about as much as a large layer of small blocks costs the GPU. A block's
+// arrives, or declared together with layers_ready()): each launch costs the CPU about as much as a large layer of
+// small blocks costs the GPU. A block's
 // checksums are then its sums over the group's layers, so a block that fails verification fails in every layer of
 // its group. A layer's notification goes out once the kernels' event has completed (its bytes are then visible to the
 // peer's later work). Both endpoints of a transfer must use the same lane: the decode side's request names
