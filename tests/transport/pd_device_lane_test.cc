@@ -306,6 +306,78 @@ TEST(PdDeviceLane, LayersDeclaredInOneCallAfterTheRequestMoveAsOneCopy) {
   }
 }
 
+// Holds back the announcements ('A') a decode side receives until `want` of them have come, then hands them over
+// in one batch: the pull side's grouping made deterministic.
+class BatchingAnnouncements final : public testing::ForwardingTransport {
+ public:
+  BatchingAnnouncements(std::unique_ptr<Transport> inner, std::size_t want)
+      : ForwardingTransport(std::move(inner)), want_(want) {}
+  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
+    auto got = inner().wait_notifications(timeout);
+    if (!got.ok()) return got;
+    std::vector<Notification> out;
+    for (Notification& n : *got) (n.message.rfind("A", 0) == 0 ? held_ : out).push_back(std::move(n));
+    if (held_.size() >= want_) {
+      for (Notification& n : held_) out.push_back(std::move(n));
+      held_.clear();
+    }
+    return out;
+  }
+
+ private:
+  std::size_t want_;
+  std::vector<Notification> held_;  // only the progress thread calls wait_notifications
+};
+
+// Pull: the layers announced in one batch go as one copy on the decode side; a byte damaged between that copy and
+// its read-back fails that block in every layer of the batch, the other blocks load.
+TEST(PdDeviceLane, LayersAnnouncedInOneBatchArePulledAsOneCopy) {
+  for (const bool damage : {false, true}) {
+    SCOPED_TRACE(damage ? "a byte damaged before the read-back" : "byte-exact");
+    LaneMemory mem;
+    const int n = ++g_seq;
+    auto pre_t = create_loopback_transport({fmt::format("batch-pre{}", n), mem.layout.fingerprint(), 1, 0}).value();
+    auto dec_t = std::make_unique<BatchingAnnouncements>(
+        create_loopback_transport({fmt::format("batch-dec{}", n), mem.layout.fingerprint(), 1, 0}).value(), 4);
+    PdOptions o;
+    o.engine = mem.engine.get();
+    auto pre = PdPrefill::create(*pre_t, as_device(mem.pre_mem.space), o).value();
+    auto dec = PdDecode::create(*dec_t, as_device(mem.dec_mem.space), o).value();
+    const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+    const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+    std::atomic<int> list_ops{0};
+    mem.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
+      // The third list-sized operation is the read-back (after the two lists are zeroed).
+      if (bytes == kDst.size() * sizeof(std::uint64_t) && list_ops.fetch_add(1) + 1 == 3 && damage)
+        mem.dec_mem.space.block_ptr(2, 1, kDst[1])[7] ^= std::byte{0x10};
+      return false;
+    });
+    ASSERT_TRUE(dec->start(to_pre, 8, PdMode::kPull, kDst).ok());
+    ASSERT_TRUE(pre->begin(to_dec, 8, kSrc).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(8, l).ok());  // four 'A's, one batch
+    auto fin = dec->wait(8, 5s, true);
+    mem.device->set_failure_predicate(nullptr);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_EQ(list_ops.load(), 3) << "two lists zeroed and one read-back for the four layers";
+    if (!damage) {
+      EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+      EXPECT_EQ(fin->leading_loaded_blocks(), kDst.size());
+      for (std::uint32_t l = 0; l < 4; ++l)
+        for (std::size_t i = 0; i < kDst.size(); ++i)
+          EXPECT_TRUE(layer_matches(mem.dec_mem.space, kDst[i], l, kSrc[i]));
+    } else {
+      for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kPartial) << l;
+      EXPECT_EQ(fin->block_loaded, (std::vector<bool>{true, false, true, true}));
+      EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss);
+      EXPECT_NE(fin->error.message().find("block 2 (position 1): checksum mismatch"), std::string::npos)
+          << fin->error.to_string();
+    }
+    ASSERT_TRUE(pre->wait(8, 5s).ok());
+    dec.reset();
+    pre.reset();
+  }
+}
+
 // A byte damaged between a grouped copy and its read-back: the damaged block fails in every layer of the group (its
 // checksum is its sum over the group's planes, so the layer cannot be told), the other blocks load, and the error
 // names the block.
