@@ -117,12 +117,15 @@ KVTIER_HD std::uint64_t checksum_position(std::uint32_t plane_index, std::uint64
 
 // One 16-byte word's term of a block checksum: a bijection of `lo` for fixed
 // (hi, position) and of `hi` for fixed (lo, position), so a change of either
-// half of one word always changes the sum.
+// half of one word always changes the sum; the final multiply spreads every
+// input bit over the term, so changes in several words do not cancel in the
+// sum by structure. Three 64-bit multiplies, one of them the position's: the
+// GPU computes this twice for every word a verified copy moves, and with few
+// CTAs its multiplies, not memory, set the pace (a fourth, on `hi`, cost 3-5 %
+// of a 32-CTA checksummed copy on an H200, bench/gpu/readback_probe.cu).
 KVTIER_HD std::uint64_t checksum_word(std::uint64_t lo, std::uint64_t hi, std::uint64_t position) {
-  std::uint64_t h = lo * 0x9E3779B97F4A7C15ull;
-  const std::uint64_t m = hi * 0xC2B2AE3D27D4EB4Full;
-  h ^= (m << 31) | (m >> 33);
-  h ^= position * 0x165667B19E3779F9ull + 0x27D4EB2F165667C5ull;
+  std::uint64_t h = (lo ^ (position * 0x165667B19E3779F9ull + 0x27D4EB2F165667C5ull)) * 0x9E3779B97F4A7C15ull;
+  h ^= (hi << 31) | (hi >> 33);
   h ^= h >> 32;
   h *= 0xD6E8FEB86659FD93ull;
   h ^= h >> 32;

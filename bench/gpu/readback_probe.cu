@@ -15,7 +15,13 @@
 //   copy+ck, rb   copy+ck, then the read-back pass on a second stream (today's lane)
 //   fused/I       copy+ck with the previous item read back in the same warp,
 //                 items of I bytes; `cs` = streaming (evict-first) stores,
-//                 `wb` = default stores
+//                 `wb` = default stores, the read-back after the copy;
+//                 `il` = default stores, the read-back's loads issued beside
+//                 the copy's source loads (0.90-0.91 of the gather at 16 KiB
+//                 blocks and 132 CTAs where `wb` is 0.85-0.86; not in the
+//                 library: its kernel is built for 1024-thread CTAs, 64
+//                 registers a thread, where four loads of each kind spill
+//                 and two or three moved the device lane no faster)
 // Every variant is verified: destinations poisoned before each variant, all
 // destination blocks compared with their sources on the GPU afterwards, and
 // every block's landed checksum equal to its copied one (and to a CPU
@@ -74,7 +80,8 @@ __device__ __forceinline__ void warp_add(u64* slot, u64 acc) {
 }
 
 // mode 0: copy; 1: copy + checksum; 2: read + checksum of dst (the read-back pass);
-// 3: copy + checksum + previous item read back (streaming stores); 4: the same with default stores.
+// 3: copy + checksum + previous item read back (streaming stores); 4: the same with default stores;
+// 5: as 4, with the previous item's read-back loads issued beside this item's source loads.
 template <int kMode>
 __global__ void __launch_bounds__(kThreads)
     probe_kernel(const char* src, char* dst, const int* sid, const int* did, int n, int block_bytes, int item_bytes,
@@ -84,6 +91,42 @@ __global__ void __launch_bounds__(kThreads)
   const long long warps = (static_cast<long long>(gridDim.x) * blockDim.x) >> 5;
   const long long items = static_cast<long long>(n) * (block_bytes / item_bytes);
   long long previous = -1;
+  if constexpr (kMode == 5) {
+    // Interleaved: the previous item's read-back loads go out with this item's source loads.
+    Item p{};
+    bool have = false;
+    for (long long k = warp; k < items + warps; k += warps) {
+      const bool cur = k < items;
+      Item it{};
+      if (cur) it = item_at(src, dst, sid, did, block_bytes, item_bytes, k);
+      const unsigned nc = cur ? it.vecs : 0, np = have ? p.vecs : 0;
+      const unsigned n = nc > np ? nc : np;
+      u64 acc = 0, back = 0;
+      for (unsigned e = lane; e < n; e += kUnroll * 32) {
+        uint4 v[kUnroll], r[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const unsigned i = e + u * 32;
+          if (i < nc) v[u] = __ldcs(it.src + i);
+          if (i < np) r[u] = __ldcg(p.dst + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const unsigned i = e + u * 32;
+          if (i < nc) {
+            it.dst[i] = v[u];
+            acc += word_sum(v[u], it.position + u64{i} * 16);
+          }
+          if (i < np) back += word_sum(r[u], p.position + u64{i} * 16);
+        }
+      }
+      if (cur) warp_add(copied + it.block, acc);
+      if (have) warp_add(landed + p.block, back);
+      p = it;
+      have = cur;
+    }
+    return;
+  }
   for (long long k = warp; k < items; k += warps) {
     const Item it = item_at(src, dst, sid, did, block_bytes, item_bytes, k);
     u64 acc = 0;
@@ -122,7 +165,7 @@ __global__ void __launch_bounds__(kThreads)
       previous = k;
     }
   }
-  if constexpr (kMode >= 3) {
+  if constexpr (kMode >= 3 && kMode != 5) {
     if (previous >= 0) {  // the warp's last item
       const Item p = item_at(src, dst, sid, did, block_bytes, item_bytes, previous);
       u64 back = 0;
@@ -240,10 +283,15 @@ int main(int argc, char** argv) {
       for (int item : {2048, 4096, 8192, 16384})
         if (size_t(item) <= block_bytes) variants.push_back({nullptr, 4, item});
       variants.push_back({nullptr, 3, 4096});
+      for (int item : {4096, 8192, 16384})
+        if (size_t(item) <= block_bytes) variants.push_back({nullptr, 5, item});
       for (const Variant& v : variants) {
         const int item = static_cast<int>(std::min<size_t>(v.item, block_bytes));
-        std::string name =
-            v.name ? v.name : std::string("fused/") + std::to_string(item / 1024) + "K " + (v.mode == 3 ? "cs" : "wb");
+        std::string name = v.name ? v.name
+                                  : std::string("fused/") + std::to_string(item / 1024) + "K " +
+                                        (v.mode == 3   ? "cs"
+                                         : v.mode == 5 ? "il"
+                                                       : "wb");
         std::vector<double> gbps;
         bool sums_ok = true;
         unsigned mismatched = 0;
@@ -267,6 +315,7 @@ int main(int argc, char** argv) {
                 CK(cudaStreamWaitEvent(s1, layer_done[l], 0));
                 launch<2>(ctas, s1, src, dst, ls, ld, n, block_bytes, item, lc, ll);
                 break;
+              case 5: launch<5>(ctas, s0, src, dst, ls, ld, n, block_bytes, item, lc, ll); break;
               case 3: launch<3>(ctas, s0, src, dst, ls, ld, n, block_bytes, item, lc, ll); break;
               default: launch<4>(ctas, s0, src, dst, ls, ld, n, block_bytes, item, lc, ll); break;
             }
