@@ -33,10 +33,11 @@
 // block) makes the value depend on where every word sits. Checksummed
 // launches need 16-byte aligned blocks whose size is a multiple of 16 (the
 // engine checks), so every item is body-only at width 16. With landed sums
-// (KernelArgs::landed) each warp also reads back the item it copied before,
-// after storing the next, and folds the words it finds into the pair's
-// landed sum (the last item after the loop); the host backend reads every
-// item back in a second task behind the copy.
+// (KernelArgs::landed) each warp also reads back the item it copied before
+// (beside copying the next in CTAs of up to 512 threads, after it in larger
+// ones) and folds the words it finds into the pair's landed sum (the last
+// item after the loop); the host backend reads every item back in a second
+// task behind the copy.
 #pragma once
 
 #include <cstdint>

@@ -21,6 +21,9 @@ namespace kvtier::copy_detail {
 namespace {
 
 constexpr int kUnroll = 4;
+// The largest CTA the kernels built for copies that read back what they wrote run in (CopyEngineOptions::
+// sm_threads_per_cta is 512 by default); larger CTAs take the general build and its read-back after the copy.
+constexpr std::uint32_t kLandedMaxThreads = 512;
 
 template <int W>
 struct Vec;
@@ -134,6 +137,67 @@ __device__ __forceinline__ void copy_items_landed(const KernelArgs& a, const Ker
   if (have_previous) read_back(a, previous, lane);
 }
 
+// Copies item `w` (when `copy`) and reads item `p` back (when `back`) in one loop: the read-back's loads go out
+// beside the copy's source loads, so a warp keeps both kinds in flight instead of waiting for one after the other.
+// Each lane reads back, one item after storing them, the words it stored itself. kUnroll loads of each kind need
+// more than the 64 registers a thread of a 1024-thread CTA may have (they spilled); block_copy_landed_kernel runs it
+// in CTAs of at most kLandedMaxThreads threads.
+__device__ __forceinline__ void copy_beside_read_back(const KernelArgs& a, const WorkItem& w, bool copy,
+                                                      const WorkItem& p, bool back, std::uint32_t lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(w.src);
+  uint4* d = reinterpret_cast<uint4*>(w.dst);
+  const uint4* r = reinterpret_cast<const uint4*>(p.dst);
+  const std::uint64_t copy_words = copy ? w.bytes / 16 : 0, back_words = back ? p.bytes / 16 : 0;
+  const std::uint64_t words = copy_words > back_words ? copy_words : back_words;
+  const std::uint64_t copy_position = copy ? checksum_position(a.plane_index_base + w.plane, w.offset) : 0;
+  const std::uint64_t back_position = back ? checksum_position(a.plane_index_base + p.plane, p.offset) : 0;
+  unsigned long long copied = 0, landed = 0;
+  for (std::uint64_t e = lane; e < words; e += kUnroll * kWarpLanes) {
+    uint4 v[kUnroll], b[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::uint64_t i = e + u * kWarpLanes;
+      if (i < copy_words) v[u] = __ldcs(s + i);
+      if (i < back_words) b[u] = __ldcg(r + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::uint64_t i = e + u * kWarpLanes;
+      if (i < copy_words) {
+        d[i] = v[u];
+        copied += checksum_word(std::uint64_t{v[u].x} | (std::uint64_t{v[u].y} << 32),
+                                std::uint64_t{v[u].z} | (std::uint64_t{v[u].w} << 32), copy_position + i * 16);
+      }
+      if (i < back_words)
+        landed += checksum_word(std::uint64_t{b[u].x} | (std::uint64_t{b[u].y} << 32),
+                                std::uint64_t{b[u].z} | (std::uint64_t{b[u].w} << 32), back_position + i * 16);
+    }
+  }
+  if (copy) warp_add(a.checksums + w.pair, copied);
+  if (back) warp_add(a.landed + p.pair, landed);
+}
+
+// copy_items_landed() with each item's copy beside the read-back of the warp's previous item, and the last item
+// read back in one more pass.
+__device__ __forceinline__ void copy_items_landed_paired(const KernelArgs& a, const KernelPlane* planes,
+                                                         const KernelPair* pairs) {
+  const std::uint32_t lane = threadIdx.x % kWarpLanes;
+  const std::uint32_t warps = blockDim.x / kWarpLanes;
+  const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
+  WorkItem previous{};
+  bool have_previous = false;
+  for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes;; item += total_warps) {
+    const bool copy = item < a.num_items;
+    if (!copy && !have_previous) break;
+    WorkItem w{};
+    if (copy) w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
+    copy_beside_read_back(a, w, copy, previous, have_previous, lane);
+    if (!copy) break;
+    previous = w;
+    have_previous = true;
+  }
+}
+
 __device__ __forceinline__ void order_after_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -141,10 +205,15 @@ __device__ __forceinline__ void order_after_previous_grid() {
 #endif
 }
 
-// One warp per item over `a.num_items` items; `planes` are in shared memory.
+// One warp per item over `a.num_items` items; `planes` are in shared memory. kPaired: copies that read back what
+// they wrote take copy_items_landed_paired() (only in kernels built for at most kLandedMaxThreads threads).
+template <bool kPaired>
 __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlane* planes, const KernelPair* pairs) {
   if (a.landed != nullptr && a.store != 0) {
-    copy_items_landed(a, planes, pairs);
+    if constexpr (kPaired)
+      copy_items_landed_paired(a, planes, pairs);
+    else
+      copy_items_landed(a, planes, pairs);
     return;
   }
   const std::uint32_t lane = threadIdx.x % kWarpLanes;
@@ -176,12 +245,15 @@ __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlan
   }
 }
 
-__global__ void __launch_bounds__(1024) block_copy_kernel(KernelArgs a) {
+// kPaired: built for CTAs of at most kLandedMaxThreads threads (up to 128 registers a thread), for the copies
+// that read back what they wrote; otherwise for up to 1024.
+template <bool kPaired>
+__global__ void __launch_bounds__(kPaired ? kLandedMaxThreads : 1024) block_copy_kernel(KernelArgs a) {
   extern __shared__ KernelPlane smem_planes[];
   order_after_previous_grid();
   for (std::uint32_t i = threadIdx.x; i < a.num_planes; i += blockDim.x) smem_planes[i] = a.planes[i];
   __syncthreads();
-  copy_items(a, smem_planes, a.pairs);
+  copy_items<kPaired>(a, smem_planes, a.pairs);
 }
 
 // Parameter block of an inline launch: descriptors travel with the launch.
@@ -193,13 +265,20 @@ struct InlineParams {
 };
 static_assert(sizeof(InlineParams<kInlineMaxPairs>) <= 32764, "kernel parameter limit (CUDA 12.1+)");
 
-template <std::uint32_t MaxPairs>
-__global__ void __launch_bounds__(1024) block_copy_inline_kernel(const __grid_constant__ InlineParams<MaxPairs> p) {
+template <std::uint32_t MaxPairs, bool kPaired>
+__global__ void __launch_bounds__(kPaired ? kLandedMaxThreads : 1024)
+    block_copy_inline_kernel(const __grid_constant__ InlineParams<MaxPairs> p) {
   __shared__ KernelPlane smem_planes[kInlineMaxPlanes];
   order_after_previous_grid();
   for (std::uint32_t i = threadIdx.x; i < p.args.num_planes; i += blockDim.x) smem_planes[i] = p.planes[i];
   __syncthreads();
-  copy_items(p.args, smem_planes, p.pairs);
+  copy_items<kPaired>(p.args, smem_planes, p.pairs);
+}
+
+// The kernel for a launch: copies that read back what they wrote in CTAs of at most kLandedMaxThreads take the
+// build whose read-back goes beside the copy.
+bool paired(const KernelArgs& args, std::uint32_t threads) {
+  return args.landed != nullptr && args.store != 0 && threads <= kLandedMaxThreads;
 }
 
 template <typename Kernel, typename Params>
@@ -227,7 +306,9 @@ cudaError_t launch_inline(const KernelArgs& args, const KernelPlane* planes, con
   p.args = args;
   std::memcpy(p.planes, planes, sizeof(KernelPlane) * args.num_planes);
   std::memcpy(p.pairs, pairs, sizeof(KernelPair) * args.num_pairs);
-  return launch(block_copy_inline_kernel<MaxPairs>, p, ctas, threads, 0, stream, programmatic);
+  if (paired(args, threads))
+    return launch(block_copy_inline_kernel<MaxPairs, true>, p, ctas, threads, 0, stream, programmatic);
+  return launch(block_copy_inline_kernel<MaxPairs, false>, p, ctas, threads, 0, stream, programmatic);
 }
 
 }  // namespace
@@ -235,7 +316,8 @@ cudaError_t launch_inline(const KernelArgs& args, const KernelPlane* planes, con
 cudaError_t launch_block_copy(const KernelArgs& args, std::uint32_t ctas, std::uint32_t threads, cudaStream_t stream,
                               bool programmatic) {
   const std::size_t smem = std::size_t{args.num_planes} * sizeof(KernelPlane);
-  return launch(block_copy_kernel, args, ctas, threads, smem, stream, programmatic);
+  if (paired(args, threads)) return launch(block_copy_kernel<true>, args, ctas, threads, smem, stream, programmatic);
+  return launch(block_copy_kernel<false>, args, ctas, threads, smem, stream, programmatic);
 }
 
 cudaError_t launch_block_copy_inline(const KernelArgs& args, const KernelPlane* planes, const KernelPair* pairs,

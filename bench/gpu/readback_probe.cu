@@ -17,11 +17,8 @@
 //                 items of I bytes; `cs` = streaming (evict-first) stores,
 //                 `wb` = default stores, the read-back after the copy;
 //                 `il` = default stores, the read-back's loads issued beside
-//                 the copy's source loads (0.90-0.91 of the gather at 16 KiB
-//                 blocks and 132 CTAs where `wb` is 0.85-0.86; not in the
-//                 library: its kernel is built for 1024-thread CTAs, 64
-//                 registers a thread, where four loads of each kind spill
-//                 and two or three moved the device lane no faster)
+//                 the copy's source loads (the library's kernel for CTAs of
+//                 at most 512 threads; its 1024-thread build reads back after)
 // Every variant is verified: destinations poisoned before each variant, all
 // destination blocks compared with their sources on the GPU afterwards, and
 // every block's landed checksum equal to its copied one (and to a CPU

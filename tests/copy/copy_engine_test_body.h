@@ -1545,7 +1545,8 @@ TEST_F(CopyChecksumTest, ChecksumDoesNotDependOnTheKernelShapeOrLaunchCuts) {
 // CopyRequest::landed_checksums: the copy reads back what it wrote (each warp its previous item) and both lists
 // equal the CPU reference of the destination, for every direction, layer selection and kernel shape: one CTA of
 // two warps with 16-byte items (a warp reads back dozens of items, each one behind), inline and ring launches,
-// through copy() and a prepared copy. Both lists start poisoned.
+// 1024-thread CTAs (on CUDA the general kernel build, whose read-back follows the copy; up to 512 threads the
+// read-back goes beside the copy), through copy() and a prepared copy. Both lists start poisoned.
 TEST_F(CopyChecksumTest, LandedChecksumsAreTheDestinationsAsWritten) {
   auto layout = KvLayout::uniform(3, 2, 4096);
   ASSERT_TRUE(layout.ok());
@@ -1555,20 +1556,23 @@ TEST_F(CopyChecksumTest, LandedChecksumsAreTheDestinationsAsWritten) {
   ASSERT_TRUE(dev_a && dev_b && host);
   const auto s = random_ids(96, 70, 241);
   const auto d = random_ids(96, 70, 242);
-  CopyEngineOptions shapes[3];
+  CopyEngineOptions shapes[4];
   shapes[1].sm_ctas_landed = 1;
   shapes[1].sm_threads_per_cta = 64;
   shapes[1].sm_landed_item_bytes = 16;
   shapes[2].sm_inline_descriptor_max_pairs = 0;
   shapes[2].max_pairs_per_call = 32;
   shapes[2].sm_landed_item_bytes = 1024;
+  shapes[3].sm_ctas_landed = 2;
+  shapes[3].sm_threads_per_cta = 1024;
+  shapes[3].sm_landed_item_bytes = 256;
   struct Case {
     TestSpace* src;
     TestSpace* dst;
     const char* name;
   };
   const std::vector<std::uint32_t> one_layer{1}, two_layers{2, 0};
-  for (int shape = 0; shape < 3; ++shape) {
+  for (int shape = 0; shape < 4; ++shape) {
     ASSERT_TRUE(make_engine(shapes[shape]).ok());
     for (const Case& c : {Case{dev_a.get(), dev_b.get(), "d2d"}, Case{dev_a.get(), host.get(), "d2h"},
                           Case{host.get(), dev_b.get(), "h2d"}}) {

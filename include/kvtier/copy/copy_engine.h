@@ -363,8 +363,9 @@ struct CopyRequest {
   // of 16 (InvalidArgument naming the plane otherwise).
   std::uint64_t* checksums = nullptr;
   // Optional, with `checksums`: the same checksum of every pair's destination as read back after the copy wrote
-  // it, by the same kernel: each warp reads back the work item it copied before once it has stored the next one
-  // (its stores have reached L2 by then and its lines are still there), and its last item at the end. Equal to
+  // it, by the same kernel: each warp reads back the work item it copied before while it copies the next one (its
+  // stores have reached L2 by then and its lines are still there; with CTAs of more than 512 threads, after it
+  // has stored the next one), and its last item at the end. Equal to
   // `checksums` unless a write to the destination was lost or the destination changed between the store and the
   // read-back. Same memory rules as `checksums`. The read-back doubles the checksum arithmetic, so these copies
   // run CopyEngineOptions::sm_ctas_landed CTAs in items of at most sm_landed_item_bytes.
