@@ -113,30 +113,6 @@ __device__ __forceinline__ void read_back(const KernelArgs& a, const WorkItem& w
                                                         checksum_position(a.plane_index_base + w.plane, w.offset)));
 }
 
-// A checksummed copy that reads back what it wrote (KernelArgs::landed): each item is copied with default
-// stores (streaming ones would mark its lines first to leave L2), then the warp's previous item is read back;
-// the last one after the loop. Reading an item back right behind its own stores waits for them; one item later
-// they have reached L2 (measured on an H200, bench/gpu/readback_probe.cu).
-__device__ __forceinline__ void copy_items_landed(const KernelArgs& a, const KernelPlane* planes,
-                                                  const KernelPair* pairs) {
-  const std::uint32_t lane = threadIdx.x % kWarpLanes;
-  const std::uint32_t warps = blockDim.x / kWarpLanes;
-  const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
-  WorkItem previous{};
-  bool have_previous = false;
-  for (std::uint64_t item = std::uint64_t{blockIdx.x} * warps + threadIdx.x / kWarpLanes; item < a.num_items;
-       item += total_warps) {
-    const WorkItem w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
-    const unsigned long long acc = sum_body<Access::kDefaultStores>(
-        w.src, w.dst, w.bytes / 16, lane, checksum_position(a.plane_index_base + w.plane, w.offset));
-    warp_add(a.checksums + w.pair, acc);
-    if (have_previous) read_back(a, previous, lane);
-    previous = w;
-    have_previous = true;
-  }
-  if (have_previous) read_back(a, previous, lane);
-}
-
 // Copies item `w` (when `copy`) and reads item `p` back (when `back`) in one loop: the read-back's loads go out
 // beside the copy's source loads, so a warp keeps both kinds in flight instead of waiting for one after the other.
 // Each lane reads back, one item after storing them, the words it stored itself. kUnroll loads of each kind need
@@ -177,10 +153,14 @@ __device__ __forceinline__ void copy_beside_read_back(const KernelArgs& a, const
   if (back) warp_add(a.landed + p.pair, landed);
 }
 
-// copy_items_landed() with each item's copy beside the read-back of the warp's previous item, and the last item
-// read back in one more pass.
-__device__ __forceinline__ void copy_items_landed_paired(const KernelArgs& a, const KernelPlane* planes,
-                                                         const KernelPair* pairs) {
+// A checksummed copy that reads back what it wrote (KernelArgs::landed): each item is copied with default
+// stores (streaming ones would mark its lines first to leave L2) and the warp's previous item is read back, beside
+// the copy (kPaired: copy_beside_read_back()) or after it; the last item in one more pass. Reading an item back
+// right behind its own stores waits for them; one item later they have reached L2 (measured on an H200,
+// bench/gpu/readback_probe.cu).
+template <bool kPaired>
+__device__ __forceinline__ void copy_items_landed(const KernelArgs& a, const KernelPlane* planes,
+                                                  const KernelPair* pairs) {
   const std::uint32_t lane = threadIdx.x % kWarpLanes;
   const std::uint32_t warps = blockDim.x / kWarpLanes;
   const std::uint64_t total_warps = std::uint64_t{gridDim.x} * warps;
@@ -191,7 +171,15 @@ __device__ __forceinline__ void copy_items_landed_paired(const KernelArgs& a, co
     if (!copy && !have_previous) break;
     WorkItem w{};
     if (copy) w = resolve_item(planes, a.num_planes, pairs, a.items_per_pair, a.item_bytes, item);
-    copy_beside_read_back(a, w, copy, previous, have_previous, lane);
+    if constexpr (kPaired) {
+      copy_beside_read_back(a, w, copy, previous, have_previous, lane);
+    } else {
+      if (copy)
+        warp_add(a.checksums + w.pair,
+                 sum_body<Access::kDefaultStores>(w.src, w.dst, w.bytes / 16, lane,
+                                                  checksum_position(a.plane_index_base + w.plane, w.offset)));
+      if (have_previous) read_back(a, previous, lane);
+    }
     if (!copy) break;
     previous = w;
     have_previous = true;
@@ -206,14 +194,11 @@ __device__ __forceinline__ void order_after_previous_grid() {
 }
 
 // One warp per item over `a.num_items` items; `planes` are in shared memory. kPaired: copies that read back what
-// they wrote take copy_items_landed_paired() (only in kernels built for at most kLandedMaxThreads threads).
+// they wrote do it beside the copy (only in kernels built for at most kLandedMaxThreads threads).
 template <bool kPaired>
 __device__ __forceinline__ void copy_items(const KernelArgs& a, const KernelPlane* planes, const KernelPair* pairs) {
   if (a.landed != nullptr && a.store != 0) {
-    if constexpr (kPaired)
-      copy_items_landed_paired(a, planes, pairs);
-    else
-      copy_items_landed(a, planes, pairs);
+    copy_items_landed<kPaired>(a, planes, pairs);
     return;
   }
   const std::uint32_t lane = threadIdx.x % kWarpLanes;
