@@ -116,8 +116,8 @@ __device__ __forceinline__ void read_back(const KernelArgs& a, const WorkItem& w
 // Copies item `w` (when `copy`) and reads item `p` back (when `back`) in one loop: the read-back's loads go out
 // beside the copy's source loads, so a warp keeps both kinds in flight instead of waiting for one after the other.
 // Each lane reads back, one item after storing them, the words it stored itself. kUnroll loads of each kind need
-// more than the 64 registers a thread of a 1024-thread CTA may have (they spilled); block_copy_landed_kernel runs it
-// in CTAs of at most kLandedMaxThreads threads.
+// more than the 64 registers a thread of a 1024-thread CTA may have (they spilled), so only the kernels built for
+// CTAs of at most kLandedMaxThreads threads (kPaired below) run it.
 __device__ __forceinline__ void copy_beside_read_back(const KernelArgs& a, const WorkItem& w, bool copy,
                                                       const WorkItem& p, bool back, std::uint32_t lane) {
   const uint4* s = reinterpret_cast<const uint4*>(w.src);
