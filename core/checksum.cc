@@ -1,7 +1,5 @@
 #include "kvtier/core/checksum.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -9,6 +7,7 @@
 
 #include "core/byte_codec.h"
 #include "core/parallel_loop.h"
+#include "core/xxh3.h"
 
 namespace kvtier {
 namespace {
@@ -16,15 +15,15 @@ namespace {
 std::uint64_t combine(std::span<const std::uint64_t> digests) {
   std::vector<std::byte> le(8 * digests.size());
   for (std::size_t p = 0; p < digests.size(); ++p) codec::store_le(le.data() + 8 * p, digests[p]);
-  return XXH3_64bits(le.data(), le.size());
+  return detail::xxh3_64(le.data(), le.size());
 }
 
 std::uint64_t num_pieces(std::uint64_t bytes) { return (bytes + kChecksumPieceBytes - 1) / kChecksumPieceBytes; }
 
 std::uint64_t piece_digest(const void* data, std::uint64_t bytes, std::uint64_t piece) {
   const std::uint64_t off = piece * kChecksumPieceBytes;
-  return XXH3_64bits(static_cast<const unsigned char*>(data) + off,
-                     static_cast<std::size_t>(std::min(kChecksumPieceBytes, bytes - off)));
+  return detail::xxh3_64(static_cast<const unsigned char*>(data) + off,
+                         static_cast<std::size_t>(std::min(kChecksumPieceBytes, bytes - off)));
 }
 
 detail::ParallelLoop& pool() {

@@ -1,14 +1,13 @@
 #include "storage/object_format.h"
 
 #include <fmt/format.h>
-#define XXH_STATIC_LINKING_ONLY
 #include <sodium.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "core/byte_codec.h"
+#include "core/xxh3.h"
 
 namespace kvtier::storage::format {
 namespace {
@@ -16,6 +15,8 @@ namespace {
 // Every field little-endian at its fixed offset (core/byte_codec.h).
 using codec::load_le;
 using codec::store_le;
+using kvtier::detail::Xxh3;
+using kvtier::detail::xxh3_64;
 
 constexpr std::size_t kOffMagic = 0, kOffVersion = 8, kOffFlags = 10, kOffHeaderSize = 12, kOffNs = 16, kOffLayout = 24,
                       kOffKey = 32, kOffRank = 48, kOffNumRoles = 52, kOffPayload = 56, kOffHeaderChecksum = 64,
@@ -86,34 +87,34 @@ std::uint64_t raw_header_bytes(std::size_t num_roles, bool keyed) {
 std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
 // Hash of the header with both checksum fields zeroed (the payload follows).
-void object_checksum_header(XXH3_state_t* state, const std::byte* header, std::uint32_t header_size) {
-  XXH3_64bits_reset(state);
-  XXH3_64bits_update(state, header, kOffHeaderChecksum);
+void object_checksum_header(Xxh3* state, const std::byte* header, std::uint32_t header_size) {
+  state->reset();
+  state->update(header, kOffHeaderChecksum);
   static constexpr std::byte kZeros[16] = {};
-  XXH3_64bits_update(state, kZeros, 16);
-  XXH3_64bits_update(state, header + kOffChecksum + 8, header_size - (kOffChecksum + 8));
+  state->update(kZeros, 16);
+  state->update(header + kOffChecksum + 8, header_size - (kOffChecksum + 8));
 }
 
 std::uint64_t object_checksum(const std::byte* header, std::uint32_t header_size, const void* payload,
                               std::uint64_t payload_bytes) {
-  XXH3_state_t state;
+  Xxh3 state;
   object_checksum_header(&state, header, header_size);
-  if (payload_bytes > 0) XXH3_64bits_update(&state, payload, payload_bytes);
-  return XXH3_64bits_digest(&state);
+  if (payload_bytes > 0) state.update(payload, payload_bytes);
+  return state.digest();
 }
 
 std::uint64_t header_checksum(const std::byte* header, std::uint32_t header_size, bool keyed) {
-  XXH3_state_t state;
-  XXH3_64bits_reset(&state);
+  Xxh3 state;
+  state.reset();
   if (keyed) {
-    feed_canonical(header, header_size, [&](const void* p, std::size_t n) { XXH3_64bits_update(&state, p, n); });
-    return XXH3_64bits_digest(&state);
+    feed_canonical(header, header_size, [&](const void* p, std::size_t n) { state.update(p, n); });
+    return state.digest();
   }
-  XXH3_64bits_update(&state, header, kOffHeaderChecksum);
+  state.update(header, kOffHeaderChecksum);
   static constexpr std::byte kZeros[8] = {};
-  XXH3_64bits_update(&state, kZeros, 8);
-  XXH3_64bits_update(&state, header + kOffChecksum, header_size - kOffChecksum);
-  return XXH3_64bits_digest(&state);
+  state.update(kZeros, 8);
+  state.update(header + kOffChecksum, header_size - kOffChecksum);
+  return state.digest();
 }
 
 bool valid_tenant_char(char c) {
@@ -122,13 +123,13 @@ bool valid_tenant_char(char c) {
 
 }  // namespace
 
-std::uint64_t namespace_digest(std::string_view ns) noexcept { return XXH3_64bits(ns.data(), ns.size()); }
+std::uint64_t namespace_digest(std::string_view ns) noexcept { return xxh3_64(ns.data(), ns.size()); }
 
 std::uint64_t namespace_digest(const StorageOptions& options) noexcept {
   if (options.tenant.empty()) return namespace_digest(options.ns);
   // Length-prefixed, so ("a", "bc") and ("ab", "c") differ.
   std::string m = fmt::format("tenant:{}:{}\n{}", options.tenant.size(), options.tenant, options.ns);
-  return XXH3_64bits(m.data(), m.size());
+  return xxh3_64(m.data(), m.size());
 }
 
 Status check_tenant_options(const StorageOptions& options) {
@@ -245,11 +246,11 @@ Status encode(const StorageOptions& options, std::uint64_t ns_digest, const Stor
     e += kRoleEntryBytes;
   }
   if (!keyed) {
-    XXH3_state_t state;
+    Xxh3 state;
     object_checksum_header(&state, out, header_size);
     feed_payload(payload, payload_bytes, copy_to,
-                 [&](const void* p, std::uint64_t n) { XXH3_64bits_update(&state, p, static_cast<std::size_t>(n)); });
-    store_le<std::uint64_t>(out + kOffChecksum, XXH3_64bits_digest(&state));
+                 [&](const void* p, std::uint64_t n) { state.update(p, static_cast<std::size_t>(n)); });
+    store_le<std::uint64_t>(out + kOffChecksum, state.digest());
     store_le<std::uint64_t>(out + kOffHeaderChecksum, header_checksum(out, header_size, false));
     return Status::Ok();
   }
@@ -416,19 +417,18 @@ ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader
     error_ = auth_failure("unkeyed object (format version 1) and this reader requires a tenant MAC");
     return;
   }
-  auto* st = new XXH3_state_t;
+  auto* st = new Xxh3;
   object_checksum_header(st, header_bytes, header.header_size);
   state_ = st;
   if (header.chunked) {
-    auto* piece = new XXH3_state_t;
-    XXH3_64bits_reset(piece);
+    auto* piece = new Xxh3;
     piece_state_ = piece;
   }
 }
 
 ObjectVerifier::~ObjectVerifier() {
-  delete static_cast<XXH3_state_t*>(state_);
-  delete static_cast<XXH3_state_t*>(piece_state_);
+  delete static_cast<Xxh3*>(state_);
+  delete static_cast<Xxh3*>(piece_state_);
   if (mac_state_ != nullptr) {
     auto* st = static_cast<crypto_onetimeauth_state*>(mac_state_);
     sodium_memzero(st, sizeof(*st));  // holds key material
@@ -439,12 +439,12 @@ ObjectVerifier::~ObjectVerifier() {
 void ObjectVerifier::update(const void* data, std::size_t bytes) {
   if (bytes == 0) return;
   if (piece_state_ != nullptr) {  // chunked: each piece's digest goes into the object checksum
-    auto* piece = static_cast<XXH3_state_t*>(piece_state_);
+    auto* piece = static_cast<Xxh3*>(piece_state_);
     const auto* p = static_cast<const std::byte*>(data);
     std::size_t left = bytes;
     while (left > 0) {
       const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left, kChecksumChunkBytes - piece_seen_));
-      XXH3_64bits_update(piece, p, n);
+      piece->update(p, n);
       piece_seen_ += n;
       p += n;
       left -= n;
@@ -453,7 +453,7 @@ void ObjectVerifier::update(const void* data, std::size_t bytes) {
     seen_ += bytes;
     return;
   }
-  if (state_ != nullptr) XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, bytes);
+  if (state_ != nullptr) static_cast<Xxh3*>(state_)->update(data, bytes);
   if (mac_state_ != nullptr)
     crypto_onetimeauth_update(static_cast<crypto_onetimeauth_state*>(mac_state_),
                               static_cast<const unsigned char*>(data), bytes);
@@ -474,7 +474,7 @@ Status ObjectVerifier::finish() {
     return Status::Ok();
   }
   if (piece_state_ != nullptr && piece_seen_ > 0) end_piece();
-  const std::uint64_t c = XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_));
+  const std::uint64_t c = static_cast<Xxh3*>(state_)->digest();
   if (c != header_.checksum)
     return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
                                 header_.checksum, header_.key.to_string(), header_.payload_bytes));
@@ -482,11 +482,11 @@ Status ObjectVerifier::finish() {
 }
 
 void ObjectVerifier::end_piece() {
-  auto* piece = static_cast<XXH3_state_t*>(piece_state_);
+  auto* piece = static_cast<Xxh3*>(piece_state_);
   std::byte digest[8];
-  store_le<std::uint64_t>(digest, XXH3_64bits_digest(piece));
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), digest, 8);
-  XXH3_64bits_reset(piece);
+  store_le<std::uint64_t>(digest, piece->digest());
+  static_cast<Xxh3*>(state_)->update(digest, 8);
+  piece->reset();
   piece_seen_ = 0;
 }
 
@@ -495,21 +495,21 @@ std::uint64_t num_checksum_chunks(std::uint64_t payload_bytes) noexcept {
 }
 
 std::uint64_t chunk_digest(const void* data, std::uint64_t bytes) noexcept {
-  return XXH3_64bits(data, static_cast<std::size_t>(bytes));
+  return xxh3_64(data, static_cast<std::size_t>(bytes));
 }
 
 namespace {
 
 std::uint64_t chunked_checksum(const std::byte* header, std::uint32_t header_size,
                                std::span<const std::uint64_t> digests) {
-  XXH3_state_t state;
+  Xxh3 state;
   object_checksum_header(&state, header, header_size);
   for (std::uint64_t d : digests) {
     std::byte le[8];
     store_le<std::uint64_t>(le, d);
-    XXH3_64bits_update(&state, le, 8);
+    state.update(le, 8);
   }
-  return XXH3_64bits_digest(&state);
+  return state.digest();
 }
 
 }  // namespace

@@ -36,8 +36,6 @@
 #include "kvtier/transport/pd.h"
 
 #include <fmt/format.h>
-#define XXH_STATIC_LINKING_ONLY
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -58,6 +56,7 @@
 
 #include "core/byte_codec.h"
 #include "core/parallel_loop.h"
+#include "core/xxh3.h"
 #include "kvtier/backend/device.h"
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/enum_names.h"
@@ -97,12 +96,11 @@ constexpr auto kLayerStateNames = enum_table("layer state", kLayerStateEntries);
 std::string_view layer_state_name(LayerState state) noexcept { return kLayerStateNames.name(state); }
 
 std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block) {
-  XXH3_state_t st;
-  XXH3_64bits_reset(&st);
+  kvtier::detail::Xxh3 h;
   const KvLayout& layout = space.layout();
   for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r)
-    XXH3_64bits_update(&st, space.block_ptr(layer, r, block), layout.block_bytes(layer, r));
-  return XXH3_64bits_digest(&st);
+    h.update(space.block_ptr(layer, r, block), layout.block_bytes(layer, r));
+  return h.digest();
 }
 
 std::uint32_t DecodeStatus::leading_loaded_blocks() const {
