@@ -47,6 +47,8 @@ PRIVATE_EXCEPTIONS = {
     ("cache", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
     ("storage", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
     ("transport", "core/byte_codec.h"): "the one little-endian codec of kvtier's persisted and wire formats",
+    ("storage", "core/xxh3.h"): "the one XXH3 of kvtier's checksums, built for the CPU it runs on",
+    ("transport", "core/xxh3.h"): "the one XXH3 of kvtier's checksums, built for the CPU it runs on",
 }
 
 # Headers outside include/kvtier/<layer>/ and the layer each belongs to: the interfaces a backend implements
