@@ -417,18 +417,12 @@ ObjectVerifier::ObjectVerifier(const std::byte* header_bytes, const ObjectHeader
     error_ = auth_failure("unkeyed object (format version 1) and this reader requires a tenant MAC");
     return;
   }
-  auto* st = new Xxh3;
-  object_checksum_header(st, header_bytes, header.header_size);
-  state_ = st;
-  if (header.chunked) {
-    auto* piece = new Xxh3;
-    piece_state_ = piece;
-  }
+  state_ = std::make_unique<Xxh3>();
+  object_checksum_header(state_.get(), header_bytes, header.header_size);
+  if (header.chunked) piece_state_ = std::make_unique<Xxh3>();
 }
 
 ObjectVerifier::~ObjectVerifier() {
-  delete static_cast<Xxh3*>(state_);
-  delete static_cast<Xxh3*>(piece_state_);
   if (mac_state_ != nullptr) {
     auto* st = static_cast<crypto_onetimeauth_state*>(mac_state_);
     sodium_memzero(st, sizeof(*st));  // holds key material
@@ -439,7 +433,7 @@ ObjectVerifier::~ObjectVerifier() {
 void ObjectVerifier::update(const void* data, std::size_t bytes) {
   if (bytes == 0) return;
   if (piece_state_ != nullptr) {  // chunked: each piece's digest goes into the object checksum
-    auto* piece = static_cast<Xxh3*>(piece_state_);
+    Xxh3* piece = piece_state_.get();
     const auto* p = static_cast<const std::byte*>(data);
     std::size_t left = bytes;
     while (left > 0) {
@@ -453,7 +447,7 @@ void ObjectVerifier::update(const void* data, std::size_t bytes) {
     seen_ += bytes;
     return;
   }
-  if (state_ != nullptr) static_cast<Xxh3*>(state_)->update(data, bytes);
+  if (state_ != nullptr) state_->update(data, bytes);
   if (mac_state_ != nullptr)
     crypto_onetimeauth_update(static_cast<crypto_onetimeauth_state*>(mac_state_),
                               static_cast<const unsigned char*>(data), bytes);
@@ -474,7 +468,7 @@ Status ObjectVerifier::finish() {
     return Status::Ok();
   }
   if (piece_state_ != nullptr && piece_seen_ > 0) end_piece();
-  const std::uint64_t c = static_cast<Xxh3*>(state_)->digest();
+  const std::uint64_t c = state_->digest();
   if (c != header_.checksum)
     return DataLoss(fmt::format("checksum {:#018x} != stored {:#018x} for key {} ({} payload bytes)", c,
                                 header_.checksum, header_.key.to_string(), header_.payload_bytes));
@@ -482,11 +476,10 @@ Status ObjectVerifier::finish() {
 }
 
 void ObjectVerifier::end_piece() {
-  auto* piece = static_cast<Xxh3*>(piece_state_);
   std::byte digest[8];
-  store_le<std::uint64_t>(digest, piece->digest());
-  static_cast<Xxh3*>(state_)->update(digest, 8);
-  piece->reset();
+  store_le<std::uint64_t>(digest, piece_state_->digest());
+  state_->update(digest, 8);
+  piece_state_->reset();
   piece_seen_ = 0;
 }
 

@@ -53,11 +53,13 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "core/xxh3.h"
 #include "kvtier/backend/storage_backend.h"
 #include "kvtier/core/layout.h"
 #include "kvtier/core/status.h"
@@ -195,9 +197,9 @@ class ObjectVerifier {
  private:
   const ObjectHeader& header_;
   std::uint64_t seen_ = 0;
-  void* state_ = nullptr;        // XXH3_state_t (version 1)
-  void* mac_state_ = nullptr;    // crypto_onetimeauth_state (version 2)
-  void* piece_state_ = nullptr;  // XXH3_state_t of the current piece (chunked)
+  std::unique_ptr<kvtier::detail::Xxh3> state_;        // version 1
+  void* mac_state_ = nullptr;                          // crypto_onetimeauth_state (version 2)
+  std::unique_ptr<kvtier::detail::Xxh3> piece_state_;  // of the current piece (chunked)
   std::uint64_t piece_seen_ = 0;
   void end_piece();
   Status error_;  // a keyed object met without a secret
