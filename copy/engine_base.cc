@@ -56,6 +56,10 @@ CopyDirection copy_direction(MemoryKind src, MemoryKind dst) noexcept {
   return CopyDirection::kHostToHost;
 }
 
+Status check_copy_engine_options(const CopyEngineOptions& options) {
+  return copy_detail::EngineBase::check_options(options);
+}
+
 Result<std::unique_ptr<CopyEngine>> CopyEngine::create(Device& device, const CopyEngineOptions& options) {
   KVTIER_RETURN_IF_ERROR(copy_detail::EngineBase::check_options(options));
   const auto* backend = static_cast<const CopyBackend*>(device.extension(CopyBackend::kExtension));

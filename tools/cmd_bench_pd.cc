@@ -24,7 +24,9 @@
 // pattern of its source and blocks outside the list must still hold the poison. Beside it, in the decode process, the
 // same block lists gathered inside one process (pool to a second pool, one SM-kernel launch per layer, without and with
 // checksums): ratio_to_gather = gbps / gather_gbps; and the plain gather with one CTA per SM instead of the lane
-// engine's count: ratio_to_gather_all_sms = gbps / gather_all_sms_gbps.
+// engine's count: ratio_to_gather_all_sms = gbps / gather_all_sms_gbps; and the lane's own kernel in one process (every
+// layer in one copy that reads back what it wrote, as the mover does): ratio_to_gather_landed = gbps /
+// gather_landed_gbps. --lane-engine KEY=VALUE sets the lane engines' CopyEngineOptions (both processes).
 //
 // --lanes ring runs the ring lane of pd.h on the same pools and lists (forced: the two processes could map each
 // other's pools): each layer goes device -> the decode's shared pinned ring (the prefill's copy) -> device (the
@@ -60,7 +62,9 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/copy/copy_config.h"
 #include "kvtier/copy/copy_engine.h"
+#include "kvtier/core/config.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/transport/ipc.h"
@@ -107,7 +111,29 @@ struct PdArgs {
   std::string lane_verify = "mover";
   std::uint32_t inflight = 1;
   std::string ring_copy = "auto";
+  // KEY=VALUE settings of the lanes' CopyEngineOptions (copy_config.h's knob names without a prefix), applied over
+  // transport::lane_engine_options() in both processes.
+  std::vector<std::string> lane_engine;
 };
+
+// The options of every lane engine this command creates: lane_engine_options() with --lane-engine applied (set
+// once, before any row; the prefill process applies the same settings, forwarded on its command line).
+CopyEngineOptions g_lane_engine = transport::lane_engine_options();
+
+// Applies --lane-engine's KEY=VALUE settings to lane_engine_options(); InvalidArgument naming the setting.
+Result<CopyEngineOptions> lane_engine_from(const std::vector<std::string>& settings) {
+  CopyEngineOptions o = transport::lane_engine_options();
+  ConfigTable t;
+  bind_copy_engine_options(t, o, "engine");
+  for (const std::string& kv : settings) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      return InvalidArgument(fmt::format("--lane-engine '{}': expected KEY=VALUE (e.g. sm_landed_item_bytes=8192)", kv));
+    KVTIER_RETURN_IF_ERROR(t.set("engine." + kv.substr(0, eq), kv.substr(eq + 1)));
+  }
+  KVTIER_RETURN_IF_ERROR(check_copy_engine_options(o));
+  return o;
+}
 
 // The ring lane's options of a row (both processes); `layer_bytes`: one layer of a transfer.
 void set_ring_options(const PdArgs& a, std::uint64_t layer_bytes, transport::PdOptions& o) {
@@ -242,7 +268,7 @@ Result<DeviceSide> make_device_side(const std::string& backend, const KvLayout& 
                                     transport::Transport* t, std::uint32_t inflight) {
   DeviceSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, open_device(backend));
-  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, transport::lane_engine_options()));
+  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, g_lane_engine));
   // Staging for every transfer in flight (each takes n staging blocks until it is forgotten).
   const std::uint64_t staging_blocks = n * std::max<std::uint32_t>(1, inflight);
   KVTIER_ASSIGN_OR_RETURN(d.staging, transport::StagingSpace::allocate(*d.device, layout, staging_blocks, t));
@@ -335,7 +361,7 @@ struct DirectSide {
 Result<DirectSide> make_direct_side(const KvLayout& layout, std::uint64_t pool, bool fill_pattern) {
   DirectSide d;
   KVTIER_ASSIGN_OR_RETURN(d.device, create_cuda_device(0));
-  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, transport::lane_engine_options()));
+  KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, g_lane_engine));
   std::vector<std::vector<void*>> bases(layout.num_layers());
   const std::uint64_t bb = layout.block_bytes(0, 0);
   std::vector<std::uint64_t> host(pool * bb / 8);
@@ -481,6 +507,11 @@ struct GatherRates {
   // options do not set.
   double all_sms = 0;
   std::uint32_t all_sms_ctas = 0;
+  // The lane's own kernel in one process: the lane engine's copy of every layer at once with both checksum lists
+  // (CopyRequest::landed_checksums: the read-back inside the copy), as the mover copies layers that are ready
+  // together. The lane against it is the protocol's and the second process's cost; it against all_sms is the
+  // integrity's.
+  double landed = 0;
 };
 GatherRates g_last_gather;  // of the last direct row (the decode process)
 
@@ -559,6 +590,25 @@ Result<GatherRates> run_gather(const PdArgs& a, DirectSide& d, const DirectPlan&
   wide.sm_ctas_d2d = static_cast<std::uint32_t>(std::max(1, d.device->multiprocessor_count()));
   r.all_sms_ctas = wide.sm_ctas_d2d;
   KVTIER_ASSIGN_OR_RETURN(auto wide_engine, CopyEngine::create(*d.device, wide));
+  KVTIER_ASSIGN_OR_RETURN(Buffer landed_ck, d.device->allocate_device(p.src.size() * 8));
+  std::vector<std::uint32_t> all_layers(a.layers);
+  std::iota(all_layers.begin(), all_layers.end(), 0u);
+  {
+    std::chrono::steady_clock::time_point t0;
+    for (std::uint32_t it = 0; it <= a.iters; ++it) {
+      if (it == 1) {
+        KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+        t0 = std::chrono::steady_clock::now();
+      }
+      CopyRequest req{&d.space, &out, src, dst, all_layers, kAllRoles, CopyStrategy::kSmKernel};
+      req.checksums = reinterpret_cast<std::uint64_t*>(ck.data());
+      req.landed_checksums = reinterpret_cast<std::uint64_t*>(landed_ck.data());
+      KVTIER_RETURN_IF_ERROR(d.engine->copy(req, *stream).status());
+    }
+    KVTIER_RETURN_IF_ERROR(d.device->synchronize(*stream, 60s));
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.landed = static_cast<double>(a.iters) * a.layers * p.src.size() * bb / secs / 1e9;
+  }
   for (int pass = 0; pass < 3; ++pass) {
     const bool checksummed = pass == 1;
     CopyEngine& engine = pass == 2 ? *wide_engine : *d.engine;
@@ -956,6 +1006,10 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      a.ring_copy,
                                      "--host-alloc",
                                      a.host_alloc};
+    for (const std::string& kv : a.lane_engine) {
+      args.push_back("--lane-engine");
+      args.push_back(kv);
+    }
     std::vector<char*> argv;
     for (auto& s : args) argv.push_back(s.data());
     argv.push_back(nullptr);
@@ -1196,6 +1250,9 @@ int run_bench(const PdArgs& a) {
                 j["gather_all_sms_ctas"] = g_last_gather.all_sms_ctas;
                 j["ratio_to_gather_all_sms"] = g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0;
                 j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
+                j["gather_landed_gbps"] = g_last_gather.landed;
+                j["ratio_to_gather_landed"] = g_last_gather.landed > 0 ? *g / g_last_gather.landed : 0.0;
+                if (!a.lane_engine.empty()) j["lane_engine"] = a.lane_engine;
                 j["bytes_checked"] = true;
               }
               if (memory == "host" && has_raw) {
@@ -1225,10 +1282,13 @@ int run_bench(const PdArgs& a) {
                                  *g / std::max(1e-9, std::min(g_last_ceiling.d2h, g_last_ceiling.h2d)),
                                  *g / std::max(1e-9, g_last_ceiling.duplex));
               else if (direct_lane)
-                th = fmt::format("verify {} x{} gather {:.1f} ({:.1f} ck, {:.1f} all SMs) ratio {:.2f} ({:.2f})",
-                                 verify, inflight, g_last_gather.plain, g_last_gather.checksummed,
-                                 g_last_gather.all_sms, g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0,
-                                 g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0);
+                th = fmt::format(
+                    "verify {} x{} gather {:.1f} ({:.1f} ck, {:.1f} all SMs, {:.1f} landed) ratio {:.2f} ({:.2f}, "
+                    "{:.2f} of landed)",
+                    verify, inflight, g_last_gather.plain, g_last_gather.checksummed, g_last_gather.all_sms,
+                    g_last_gather.landed, g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0,
+                    g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0,
+                    g_last_gather.landed > 0 ? *g / g_last_gather.landed : 0.0);
               std::printf("%-5s %-5s %-6s %12llu %8llu %10.2f %18.2f %7.2f %13s\n", lane.c_str(), m.c_str(),
                           memory.c_str(), static_cast<unsigned long long>(bs),
                           static_cast<unsigned long long>(blocks_for(a, bs)), *g, pg, ratio, th.c_str());
@@ -1281,6 +1341,9 @@ Action register_bench_pd(CLI::App& bench) {
                   "shared-memory lanes reach them directly) or caller (plain memory, registered as it is)")
       ->check(CLI::IsMember({"transport", "caller"}));
   cmd->add_flag("--no-perftest", a->no_perftest, "skip ucx_perftest");
+  cmd->add_option("--lane-engine", a->lane_engine,
+                  "KEY=VALUE settings of the lanes' copy engine over lane_engine_options() (knob names of "
+                  "copy_config.h without a prefix, e.g. sm_landed_item_bytes=8192); repeat for several");
   auto* role = cmd->add_option("--role", a->role, "internal: the prefill process");
   role->group("");
   cmd->add_option("--lane", a->lane)->group("");
@@ -1308,6 +1371,12 @@ Action register_bench_pd(CLI::App& bench) {
                      l.c_str());
         return 2;
       }
+    if (auto o = lane_engine_from(a->lane_engine); o.ok()) {
+      g_lane_engine = *o;
+    } else {
+      std::fprintf(stderr, "kvtier bench pd: %s\n", o.status().message().c_str());
+      return 2;
+    }
     for (const auto& c : a->ring_copies)
       if (!parse_copy_strategy(c).ok()) {
         std::fprintf(stderr, "kvtier bench pd: --ring-copy '%s' is not a copy strategy\n", c.c_str());

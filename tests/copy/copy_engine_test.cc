@@ -590,5 +590,24 @@ TEST(CopyConfig, KnobsBindToOptionsAndEnv) {
   EXPECT_NE(t.markdown().find("KVTIER_COPY_BATCH_MAX_DESCRIPTORS"), std::string::npos);
 }
 
+TEST(CopyConfig, OptionsAreCheckedWithoutADevice) {
+  EXPECT_TRUE(check_copy_engine_options(CopyEngineOptions{}).ok());
+  CopyEngineOptions o;
+  o.sm_landed_item_bytes = 17;
+  const Status bad_item = check_copy_engine_options(o);
+  EXPECT_EQ(bad_item.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_item.message().find("sm_landed_item_bytes"), std::string::npos) << bad_item.message();
+  EXPECT_NE(bad_item.message().find("17"), std::string::npos) << bad_item.message();
+  o = CopyEngineOptions{};
+  o.sm_threads_per_cta = 1056;
+  EXPECT_EQ(check_copy_engine_options(o).code(), StatusCode::kInvalidArgument);
+  // What create() refuses, the check refuses with the same message.
+  auto device = HostDevice::create();
+  ASSERT_TRUE(device.ok()) << device.status().to_string();
+  auto engine = CopyEngine::create(**device, o);
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().message(), check_copy_engine_options(o).message());
+}
+
 }  // namespace
 }  // namespace kvtier

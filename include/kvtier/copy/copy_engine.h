@@ -419,6 +419,10 @@ class PreparedCopy {
   const void* engine_ = nullptr;
 };
 
+// Checks `options` as CopyEngine::create() does, without a device (InvalidArgument naming the bad field and value):
+// for settings read from a command line or a config file before any engine exists.
+Status check_copy_engine_options(const CopyEngineOptions& options);
+
 class CopyEngine {
  public:
   // The engine of the device's backend, which the device offers as an
