@@ -128,7 +128,8 @@ Result<CopyEngineOptions> lane_engine_from(const std::vector<std::string>& setti
   for (const std::string& kv : settings) {
     const auto eq = kv.find('=');
     if (eq == std::string::npos || eq == 0)
-      return InvalidArgument(fmt::format("--lane-engine '{}': expected KEY=VALUE (e.g. sm_landed_item_bytes=8192)", kv));
+      return InvalidArgument(
+          fmt::format("--lane-engine '{}': expected KEY=VALUE (e.g. sm_landed_item_bytes=8192)", kv));
     KVTIER_RETURN_IF_ERROR(t.set("engine." + kv.substr(0, eq), kv.substr(eq + 1)));
   }
   KVTIER_RETURN_IF_ERROR(check_copy_engine_options(o));

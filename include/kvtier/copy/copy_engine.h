@@ -196,10 +196,13 @@ struct CopyEngineOptions {
   // Copies that read back what they wrote (CopyRequest::landed_checksums): CTAs per launch, 0 for one per SM
   // (the read-back doubles the checksum arithmetic, which bounds such a copy with few CTAs: on an H200 it moved
   // 0.47-0.53 of a plain gather's bytes at 32 CTAs, 0.85-0.90 at 132), and the largest work item (each warp keeps
-  // one item's lines in L2 until it reads them back: 4 KiB items did best there, 16 KiB fell to 0.69-0.77). On
-  // the host backend the landed pass follows the launch's copy as a second task.
+  // one item's lines in L2 until it reads them back). Measured on an H200 with the kernel that reads back beside
+  // the copy (docs/performance.md, "Work items of 8 KiB"), 8 layers of 64 MiB of scattered 1 MiB blocks at one
+  // CTA per SM: 2 / 4 / 8 / 12 / 16 KiB items moved 0.57-0.58 / 0.79-0.83 / 0.90-0.96 / 0.85-0.87 / 0.80-0.81
+  // of a plain gather with as many CTAs; with 16 KiB blocks 4 and 8 KiB items moved the same (1,597-1,654 GB/s).
+  // On the host backend the landed pass follows the launch's copy as a second task.
   std::uint32_t sm_ctas_landed = 0;
-  std::uint32_t sm_landed_item_bytes = 4 * 1024;
+  std::uint32_t sm_landed_item_bytes = 8 * 1024;
   // true: descriptors (pair list + plane table) are uploaded to device memory
   // with one memcpy_async before the kernel, so the kernel's descriptor reads
   // never compete with its payload reads for PCIe requests. false: the kernel
