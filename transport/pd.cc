@@ -6,8 +6,6 @@
 //                                               side verifies)
 //   'W' xid u32 layer u32 n n*u64 checksum     prefill -> decode: notification of layer's WRITE (push)
 //   'A' xid u32 layer u32 n n*u64 src n*u64 ck prefill -> decode: layer ready for reading (pull)
-//   'B' xid u32 k k*u32 layer, then as 'A'     prefill -> decode: device lane, pull, the decode verifying: the k
-//                                              layers declared ready together, announced at once (one copy)
 //   'D' xid u32 layer                          decode -> prefill: notification of the layer's READ (pull)
 //   'X' xid u32 layer                          prefill -> decode: the layer cannot be sent (failed post)
 //   'F' xid u8 ok                              decode -> prefill: the decode side is final
@@ -1199,13 +1197,8 @@ class Prefill final : public PdPrefill, public Endpoint {
   // Sends every declared layer whose readiness now says so (requested transfers only).
   void send_ready_layers(TransferId id, X& x) {
     if (!x.req || x.final) return;
-    // Device lane: the layers ready now, moved by one copy (push) or announced in one message (pull, the decode
-    // verifying its copy: it copies the layers of one announcement together, and 'A's sent one by one reached it
-    // in more than one batch about one time in ten, each batch a copy of its own).
-    std::vector<std::uint32_t> group;
-    const bool pull_announce = x.lane && x.req->mode == PdMode::kPull && x.req->mover_verifies && !ring_lane();
-    const bool grouping =
-        pull_announce || (x.lane && x.req->mode == PdMode::kPush && lane_groups_layers(x.req->mover_verifies));
+    std::vector<std::uint32_t> group;  // device lane, push: the layers ready now, moved by one copy
+    const bool grouping = x.lane && x.req->mode == PdMode::kPush && lane_groups_layers(x.req->mover_verifies);
     for (std::uint32_t li = 0; li < x.layers.size(); ++li) {
       L& l = x.layers[li];
       if (!l.declared || l.sent || l.ready_seen) continue;
@@ -1234,24 +1227,8 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (x.final) return;
     }
     if (group.size() == 1) send_layer(id, x, group[0]);
-    if (group.size() > 1) {
-      if (pull_announce)
-        announce_lane_group(id, x, group);
-      else
-        send_lane_group(id, x, group);
-    }
+    if (group.size() > 1) send_lane_group(id, x, group);
     if (x.ring) pump_ring(id, x);
-  }
-
-  // Device lane, pull with the decode verifying its copy: the layers ready at once in one 'B'.
-  void announce_lane_group(TransferId id, X& x, std::span<const std::uint32_t> group) {
-    for (std::uint32_t li : group) x.layers[li].sent = true;
-    x.last_sent = Clock::now();
-    Msg m('B', id);
-    m.u32(static_cast<std::uint32_t>(group.size()));
-    for (std::uint32_t li : group) m.u32(li);
-    append_read_announcement(m, x, {});
-    t_.send_notification(x.peer, m.str()).ignore_error();
   }
 
   // Device lane, push with this side verifying: layers ready at once go as one copy (lane_groups_layers).
@@ -1839,43 +1816,6 @@ class Decode final : public PdDecode, public Endpoint {
         if (p.u32(layer))
           fail_layer(x, layer, Unavailable(fmt::format("transfer {} layer {}: prefill could not send it", id, layer)));
         return;
-      case 'B': {
-        // Device lane, pull, this side verifying its copy: k layers announced at once, then the fields of an 'A'
-        // (the source list, or its length when an earlier announcement carried it; no checksums).
-        std::uint32_t count = 0;
-        if (!x.lane || x.mode != PdMode::kPull || !mover_verifies() || !p.u32(count) || count == 0 ||
-            count > x.layers.size())
-          return;
-        std::vector<std::uint32_t> group(count);
-        for (std::uint32_t& l : group)
-          if (!p.u32(l) || l >= x.layers.size()) return;
-        std::vector<std::uint64_t> src, ck, strides;
-        if (!p.u64s(src) || !p.u64s(ck) || !p.u64s(strides)) return;
-        std::uint32_t same_list = 0;
-        const bool repeats_list = src.empty() && strides.empty() && p.u32(same_list);
-        const std::size_t announced = repeats_list ? same_list : src.size();
-        Status bad;
-        if (announced != x.dst.size() || !ck.empty())
-          bad =
-              InvalidArgument(fmt::format("transfer {}: prefill announced {} blocks and {} checksums for {} layers, "
-                                          "decode has {} blocks",
-                                          id, announced, ck.size(), count, x.dst.size()));
-        else if (!repeats_list)
-          bad = take_source_list(x, src, strides).with_context(fmt::format("transfer {}: device lane read", id));
-        else if (!x.lane->peer_list_known)
-          bad = InvalidArgument(fmt::format("transfer {}: the prefill referred to a source list it never sent", id));
-        for (std::uint32_t l : group) {
-          if (x.layers[l] != LayerState::kPending || x.reads[l].active || x.lane_pending[l] != 0) continue;
-          if (!bad.ok())
-            fail_layer(x, l, bad);
-          else if (lane_groups_layers(true))
-            x.lane_announced[l] = 1;  // copied together at the end of this batch (start_lane_group)
-          else
-            start_lane_layer(id, x, l, {}, &*x.lane->peer);
-        }
-        bad.ignore_error();
-        return;
-      }
       case 'A': {
         std::vector<std::uint64_t> src, ck, strides;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(src) || !p.u64s(ck) || !p.u64s(strides)) return;

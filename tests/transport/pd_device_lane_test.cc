@@ -12,10 +12,8 @@
 
 #include <atomic>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <mutex>
-#include <string>
 #include <thread>
 
 #include "kvtier/copy/copy_engine.h"
@@ -843,12 +841,9 @@ TEST(PdDeviceLane, PullSendsTheSourceListOnceAndRefusesReferencesToAnother) {
   const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
   const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
   auto run = [&](TransferId id) -> Result<DecodeStatus> {
-    // The request first, then the layers one call each: an 'A' per layer (layers ready when the request comes go
-    // in one 'B').
-    KVTIER_RETURN_IF_ERROR(dec->start(to_pre, id, PdMode::kPull, kDst));
     KVTIER_RETURN_IF_ERROR(pre->begin(to_dec, id, kSrc));
-    std::this_thread::sleep_for(50ms);
     for (std::uint32_t l = 0; l < 4; ++l) KVTIER_RETURN_IF_ERROR(pre->layer_ready(id, l));
+    KVTIER_RETURN_IF_ERROR(dec->start(to_pre, id, PdMode::kPull, kDst));
     auto fin = dec->wait(id, 5s, true);
     KVTIER_RETURN_IF_ERROR(pre->wait(id, 5s).status());
     KVTIER_RETURN_IF_ERROR(pre->forget(id));
@@ -901,147 +896,6 @@ TEST(PdDeviceLane, PullSendsTheSourceListOnceAndRefusesReferencesToAnother) {
   }
   pre.reset();
   dec.reset();
-}
-
-// Hands the decode side its notifications one per wait (the rest stay queued), so that announcements sent one by
-// one reach it in as many batches: the worst case of the timing that split a pull's layers into several copies.
-class OneNotificationPerWait final : public testing::ForwardingTransport {
- public:
-  using Hook = std::function<void(Notification&)>;
-  OneNotificationPerWait(std::unique_ptr<Transport> inner, Hook hook)
-      : ForwardingTransport(std::move(inner)), hook_(std::move(hook)) {}
-  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
-    if (queued_.empty()) {
-      auto got = inner().wait_notifications(timeout);
-      if (!got.ok()) return got;
-      for (Notification& n : *got) {
-        hook_(n);
-        queued_.push_back(std::move(n));
-      }
-    }
-    std::vector<Notification> out;
-    if (!queued_.empty()) {
-      out.push_back(std::move(queued_.front()));
-      queued_.pop_front();
-    }
-    return out;
-  }
-
- private:
-  Hook hook_;
-  std::deque<Notification> queued_;  // only the progress thread calls wait_notifications
-};
-
-// Pull with the decode verifying: layers declared ready together (layers_ready) go in one 'B', so the decode copies
-// them as one copy however its messages are batched (four 'A's handed over one at a time were four copies).
-TEST(PdDeviceLane, PullLayersReadyTogetherAreAnnouncedInOneMessageAndCopiedOnce) {
-  LaneMemory mem;
-  const int n = ++g_seq;
-  std::mutex mu;
-  std::string kinds;  // the type byte of every announcement the decode received
-  auto pre_t = create_loopback_transport({fmt::format("one-pre{}", n), mem.layout.fingerprint(), 1, 0}).value();
-  auto dec_t = std::make_unique<OneNotificationPerWait>(
-      create_loopback_transport({fmt::format("one-dec{}", n), mem.layout.fingerprint(), 1, 0}).value(),
-      [&](Notification& m) {
-        if (!m.message.empty() && (m.message[0] == 'A' || m.message[0] == 'B')) {
-          std::lock_guard lock(mu);
-          kinds += m.message[0];
-        }
-      });
-  PdOptions o;
-  o.engine = mem.engine.get();
-  auto pre = PdPrefill::create(*pre_t, as_device(mem.pre_mem.space), o).value();
-  auto dec = PdDecode::create(*dec_t, as_device(mem.dec_mem.space), o).value();
-  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
-  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
-  std::atomic<int> list_ops{0};
-  mem.device->set_failure_predicate([&](std::uint64_t, const void*, std::uint64_t bytes) {
-    if (bytes == kDst.size() * sizeof(std::uint64_t)) list_ops.fetch_add(1);
-    return false;
-  });
-  for (TransferId id = 1; id <= 3; ++id) {
-    SCOPED_TRACE(id);
-    list_ops = 0;
-    ASSERT_TRUE(dec->start(to_pre, id, PdMode::kPull, kDst).ok());
-    ASSERT_TRUE(pre->begin(to_dec, id, kSrc).ok());
-    std::this_thread::sleep_for(50ms);  // the request has come: the layers below are sent when declared
-    const std::uint32_t all[] = {3, 0, 2, 1};
-    ASSERT_TRUE(pre->layers_ready(id, all).ok());
-    auto fin = dec->wait(id, 5s, true);
-    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
-    EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
-    EXPECT_EQ(fin->leading_loaded_blocks(), kDst.size());
-    for (std::uint32_t l = 0; l < 4; ++l)
-      for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(mem.dec_mem.space, kDst[i], l, kSrc[i]));
-    EXPECT_EQ(list_ops.load(), 3) << "two lists zeroed and one read-back for the four layers";
-    ASSERT_TRUE(pre->wait(id, 5s).ok());
-    ASSERT_TRUE(pre->forget(id).ok());
-    ASSERT_TRUE(dec->forget(id).ok());
-  }
-  mem.device->set_failure_predicate(nullptr);
-  {
-    std::lock_guard lock(mu);
-    EXPECT_EQ(kinds, "BBB");
-  }
-  dec.reset();
-  pre.reset();
-}
-
-// A 'B' whose source list does not match the decode's blocks (cut to three) fails every layer it names, with the
-// count in the error, and nothing is copied; the next transfer loads.
-TEST(PdDeviceLane, ACraftedBatchAnnouncementFailsEveryLayerItNamesAndCopiesNothing) {
-  LaneMemory mem;
-  const int n = ++g_seq;
-  std::atomic<bool> crafting{true};
-  auto pre_t = create_loopback_transport({fmt::format("cb-pre{}", n), mem.layout.fingerprint(), 1, 0}).value();
-  auto dec_t = std::make_unique<Rewriting>(
-      create_loopback_transport({fmt::format("cb-dec{}", n), mem.layout.fingerprint(), 1, 0}).value(),
-      [&](Notification& m) {
-        if (!crafting || m.message.size() < 13 || m.message[0] != 'B') return;
-        std::uint32_t k = 0;
-        std::memcpy(&k, m.message.data() + 9, 4);
-        const std::size_t at = 13 + 4 * std::size_t{k};  // the source list's length
-        std::uint32_t len = 0;
-        std::memcpy(&len, m.message.data() + at, 4);
-        if (len == 0) return;
-        --len;
-        std::memcpy(m.message.data() + at, &len, 4);
-        m.message.erase(at + 4 + 8 * std::size_t{len}, 8);  // its last id
-      });
-  PdOptions o;
-  o.engine = mem.engine.get();
-  auto pre = PdPrefill::create(*pre_t, as_device(mem.pre_mem.space), o).value();
-  auto dec = PdDecode::create(*dec_t, as_device(mem.dec_mem.space), o).value();
-  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
-  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
-  for (std::uint32_t l = 0; l < mem.layout.num_layers(); ++l)
-    for (std::uint32_t r = 0; r < mem.layout.num_roles(l); ++r)
-      for (BlockId b : kDst) std::memset(mem.dec_mem.space.block_ptr(l, r, b), 0xee, mem.layout.block_bytes(l, r));
-  ASSERT_TRUE(pre->begin(to_dec, 1, kSrc).ok());
-  const std::uint32_t all[] = {0, 1, 2, 3};
-  ASSERT_TRUE(pre->layers_ready(1, all).ok());  // ready before the request: one 'B' when it comes
-  ASSERT_TRUE(dec->start(to_pre, 1, PdMode::kPull, kDst).ok());
-  auto fin = dec->wait(1, 5s, true);
-  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
-  for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
-  EXPECT_EQ(fin->error.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(fin->error.message().find("prefill announced 3 blocks"), std::string::npos) << fin->error.to_string();
-  for (BlockId b : kDst)
-    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(mem.dec_mem.space.block_ptr(l, 1, b)[17], std::byte{0xee});
-  ASSERT_TRUE(pre->wait(1, 5s).ok());
-  ASSERT_TRUE(pre->forget(1).ok());
-  ASSERT_TRUE(dec->forget(1).ok());
-  crafting = false;
-  ASSERT_TRUE(pre->begin(to_dec, 2, kSrc).ok());
-  ASSERT_TRUE(pre->layers_ready(2, all).ok());
-  ASSERT_TRUE(dec->start(to_pre, 2, PdMode::kPull, kDst).ok());
-  auto again = dec->wait(2, 5s, true);
-  ASSERT_TRUE(again.ok()) << again.status().to_string();
-  EXPECT_EQ(again->leading_loaded_blocks(), kDst.size()) << again->error.to_string();
-  for (std::uint32_t l = 0; l < 4; ++l)
-    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(mem.dec_mem.space, kDst[i], l, kSrc[i]));
-  dec.reset();
-  pre.reset();
 }
 
 TEST(PdRingLane, APrefillOnTheDeviceLaneIsRefused) {

@@ -62,9 +62,8 @@
 namespace kvtier::transport {
 
 // Version of the blob format and of the wire protocol built on it, including the block checksum the device and
-// ring lanes send (copy_engine.h: block_checksum(); 3: its three-multiply form; 4: the device lane's 'B', several
-// layers announced for reading in one message); peers must agree.
-inline constexpr std::uint32_t kTransportVersion = 4;
+// ring lanes send (copy_engine.h: block_checksum(); 3: its three-multiply form); peers must agree.
+inline constexpr std::uint32_t kTransportVersion = 3;
 
 enum class XferOp : std::uint8_t { kRead, kWrite };
 std::string_view xfer_op_name(XferOp op) noexcept;

@@ -55,8 +55,7 @@
 //     announces them in pull (so a source changed between that pass and the decode's copy is caught), the
 //     decode's destinations in push. One pass in each process's context.
 // When the mover verifies with the read-back inside its copy (the default), the layers that are ready at one moment
-// go as one copy (pull: the layers announced in one batch of messages, and layers ready together when the request
-// arrives or declared with layers_ready() are announced in one message; push: the layers ready when the request
+// go as one copy (pull: the layers announced in one batch of messages; push: the layers ready when the request
 // arrives, or declared together with layers_ready()): each launch costs the CPU about as much as a large layer of
 // small blocks costs the GPU. A block's
 // checksums are then its sums over the group's layers, so a block that fails verification fails in every layer of
