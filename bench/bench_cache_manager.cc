@@ -185,8 +185,10 @@ BENCHMARK_CAPTURE(BM_AdmitPlanCommit, lru, std::string("lru"));
 BENCHMARK_CAPTURE(BM_AdmitPlanCommit, s3fifo, std::string("s3fifo"));
 BENCHMARK_CAPTURE(BM_AdmitPlanCommit, arc, std::string("arc"));
 BENCHMARK_CAPTURE(BM_AdmitPlanCommit, lrfu, std::string("lrfu"));
+BENCHMARK_CAPTURE(BM_AdmitPlanCommit, adaptive, std::string("adaptive"));
 BENCHMARK_CAPTURE(BM_AdmitPlanCommitLookahead, lru, std::string("lru"))->Arg(0)->Arg(64)->Arg(256);
 BENCHMARK_CAPTURE(BM_AdmitPlanCommitLookahead, lrfu, std::string("lrfu"))->Arg(64)->Arg(256);
+BENCHMARK_CAPTURE(BM_AdmitPlanCommitLookahead, adaptive, std::string("adaptive"))->Arg(64)->Arg(256);
 BENCHMARK(BM_AnnounceWithdraw)->Args({64, 0})->Args({256, 0})->Args({256, 1});
 BENCHMARK(BM_MatchOnly);
 

@@ -23,7 +23,8 @@ void bind_cache_config(ConfigTable& t, CacheConfig& c, const std::string& p) {
   t.add(p + ".host_blocks", &c.host_blocks, "host tier capacity in blocks (0: no host tier)");
   t.add(p + ".storage_blocks", &c.storage_blocks, "storage tier capacity in blocks (0: no storage tier)");
   t.add(p + ".device_policy", &c.device_policy,
-        "eviction policy of the device tier: lru, s3fifo, sieve, arc, lrfu[:boost]", validate_policy);
+        "eviction policy of the device tier: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...]",
+        validate_policy);
   t.add(p + ".host_policy", &c.host_policy, "eviction policy of the host tier", validate_policy);
   t.add(p + ".storage_policy", &c.storage_policy, "eviction policy of the storage tier", validate_policy);
   const std::vector<WritePolicy> write_policies{WritePolicy::kWriteThrough, WritePolicy::kWriteThroughSelective,

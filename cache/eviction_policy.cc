@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 #include <set>
@@ -397,6 +398,177 @@ class BeladyPolicy final : public PriorityPolicy {
   NextUseOracle oracle_;
 };
 
+// ---- dueling experts -----------------------------------------------------
+// Key fingerprint -> node of a shadow cache: open addressing (linear probing, backward-shift deletion), sized once
+// for the shadow's capacity, so that an access costs a probe or two and no allocation.
+class FingerprintTable {
+ public:
+  explicit FingerprintTable(std::size_t max_entries) {
+    std::size_t n = 16;
+    while (n < 2 * max_entries + 2) n <<= 1;
+    slots_.assign(n, Slot{});
+    mask_ = n - 1;
+  }
+  NodeId find(std::uint64_t fp) const {
+    fp = live(fp);
+    for (std::size_t i = home(fp);; i = (i + 1) & mask_) {
+      if (slots_[i].fp == 0) return kNoNode;
+      if (slots_[i].fp == fp) return slots_[i].node;
+    }
+  }
+  // `fp` must be absent and the table below max_entries + 1 entries.
+  void insert(std::uint64_t fp, NodeId node) {
+    fp = live(fp);
+    std::size_t i = home(fp);
+    while (slots_[i].fp != 0) i = (i + 1) & mask_;
+    slots_[i] = Slot{fp, node};
+  }
+  void erase(std::uint64_t fp) {
+    fp = live(fp);
+    std::size_t i = home(fp);
+    while (slots_[i].fp != fp) {
+      if (slots_[i].fp == 0) return;
+      i = (i + 1) & mask_;
+    }
+    for (std::size_t j = (i + 1) & mask_; slots_[j].fp != 0; j = (j + 1) & mask_) {
+      const std::size_t k = home(slots_[j].fp);
+      if (((j - k) & mask_) >= ((j - i) & mask_)) {  // slots_[j] may move back to i
+        slots_[i] = slots_[j];
+        i = j;
+      }
+    }
+    slots_[i] = Slot{};
+  }
+
+ private:
+  struct Slot {
+    std::uint64_t fp = 0;  // 0: empty
+    NodeId node = kNoNode;
+  };
+  static std::uint64_t live(std::uint64_t fp) { return fp == 0 ? 1 : fp; }
+  std::size_t home(std::uint64_t fp) const {
+    return static_cast<std::size_t>((fp * 0x9E3779B97F4A7C15ull) >> 17) & mask_;
+  }
+  std::vector<Slot> slots_;
+  std::size_t mask_ = 0;
+};
+
+// One expert's shadow: a cache of `capacity` keys that the expert alone manages, fed the tier's accesses, counting
+// the hits it would have had. Keys only (no blocks), so it costs a probe and the expert's own bookkeeping per
+// access. It sees accesses block by block: no prefix rule and no leaf rule, which the experts' orders mostly respect
+// anyway (a parent is accessed whenever its child is); the blocks accessed at the current clock tick (the running
+// request's) are not evicted, as a cache pins them. A request longer than the capacity overfills it until the next
+// tick (bounded by kMaxOverfill, then the oldest goes regardless).
+class ShadowCache {
+ public:
+  ShadowCache(std::unique_ptr<EvictionPolicy> expert, std::uint32_t capacity)
+      : expert_(std::move(expert)), capacity_(capacity), where_(std::size_t{capacity} + kMaxOverfill) {}
+  // True on a hit.
+  bool access(std::uint64_t fp, const AccessInfo& info) {
+    if (const NodeId hit = where_.find(fp); hit != kNoNode) {
+      seen_at_[hit] = info.now;
+      expert_->touch(hit, info);
+      return true;
+    }
+    while (expert_->size() >= capacity_) {
+      const std::uint64_t now = info.now;
+      NodeId v = expert_->victim([&](NodeId x) { return seen_at_[x] != now; });
+      if (v == kNoNode && expert_->size() < std::size_t{capacity_} + kMaxOverfill) break;
+      if (v == kNoNode) v = expert_->victim([](NodeId) { return true; });
+      expert_->erase(v);
+      where_.erase(fp_of_[v]);
+      free_ids_.push_back(v);
+    }
+    NodeId id;
+    if (!free_ids_.empty()) {
+      id = free_ids_.back();
+      free_ids_.pop_back();
+    } else {
+      id = static_cast<NodeId>(fp_of_.size());
+      fp_of_.push_back(0);
+      seen_at_.push_back(0);
+    }
+    fp_of_[id] = fp;
+    seen_at_[id] = info.now;
+    where_.insert(fp, id);
+    expert_->insert(id, info);
+    return false;
+  }
+  static constexpr std::size_t kMaxOverfill = 4096;
+
+ private:
+  std::unique_ptr<EvictionPolicy> expert_;
+  std::uint32_t capacity_;
+  FingerprintTable where_;
+  std::vector<std::uint64_t> fp_of_, seen_at_;
+  std::vector<NodeId> free_ids_;
+};
+
+class DuelingPolicy final : public EvictionPolicy {
+ public:
+  // Each expert twice: one orders the tier's resident copies, the other runs in a shadow cache.
+  DuelingPolicy(std::string name, std::vector<std::unique_ptr<EvictionPolicy>> real,
+                std::vector<std::unique_ptr<EvictionPolicy>> shadow, std::uint32_t capacity)
+      : name_(std::move(name)), real_(std::move(real)) {
+    // Spatial sampling: a large tier's shadows follow only keys whose hash falls in 1 / 2^shift of the space, with
+    // capacities scaled alike (a sampled cache's hit ratio tracks the full one's, as SHARDS-style miniature
+    // simulations use); small tiers are shadowed whole.
+    std::uint32_t cap = std::max<std::uint32_t>(capacity, 1);
+    while (sample_shift_ < 16 && (cap >> 1) >= kMinShadowBlocks) {
+      cap >>= 1;
+      ++sample_shift_;
+    }
+    for (auto& expert : shadow) shadows_.emplace_back(std::move(expert), cap);
+    score_.assign(real_.size(), 0.0);
+    window_ = kWindowPerBlock * static_cast<double>(cap);
+    decay_ = 1.0 - 1.0 / window_;
+  }
+  std::string name() const override { return name_; }
+  void insert(NodeId n, const AccessInfo& info) override {
+    observe(info);
+    for (auto& e : real_) e->insert(n, info);
+  }
+  void touch(NodeId n, const AccessInfo& info) override {
+    if (!contains(n)) return;
+    observe(info);
+    for (auto& e : real_) e->touch(n, info);
+  }
+  void erase(NodeId n) override {
+    for (auto& e : real_) e->erase(n);
+  }
+  NodeId victim(FunctionRef<bool(NodeId)> evictable) override { return real_[leader_]->victim(evictable); }
+  std::size_t size() const override { return real_[0]->size(); }
+  bool contains(NodeId n) const override { return real_[0]->contains(n); }
+  std::size_t leader() const { return leader_; }
+
+  // The shadows' hits are averaged over about this many accesses per block of capacity; no switch before that many.
+  static constexpr double kWindowPerBlock = 10.0;
+  // Shadows are sampled down to no fewer blocks than this.
+  static constexpr std::uint32_t kMinShadowBlocks = 4096;
+
+ private:
+  void observe(const AccessInfo& info) {
+    if (info.key == nullptr) return;  // nothing to follow it by
+    const std::uint64_t fp = fingerprint(info);
+    if (sample_shift_ != 0 && ((fp * 0xD6E8FEB86659FD93ull) >> (64 - sample_shift_)) != 0) return;
+    for (std::size_t i = 0; i < shadows_.size(); ++i)
+      score_[i] = score_[i] * decay_ + (shadows_[i].access(fp, info) ? 1.0 : 0.0);
+    if (static_cast<double>(++observed_) < window_) return;
+    std::size_t best = leader_;
+    for (std::size_t i = 0; i < score_.size(); ++i)
+      if (score_[i] > score_[best]) best = i;
+    leader_ = best;
+  }
+  std::string name_;
+  std::vector<std::unique_ptr<EvictionPolicy>> real_;
+  std::vector<ShadowCache> shadows_;
+  std::vector<double> score_;
+  double window_ = 1, decay_ = 0;
+  std::uint64_t observed_ = 0;
+  std::size_t leader_ = 0;
+  int sample_shift_ = 0;
+};
+
 }  // namespace
 
 Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,
@@ -408,6 +580,31 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::
   if (name == "belady") {
     if (!oracle) return InvalidArgument("policy 'belady' needs a next-use oracle (offline replay only)");
     return std::unique_ptr<EvictionPolicy>(new BeladyPolicy(std::move(oracle)));
+  }
+  if (name == "adaptive" || name.substr(0, 5) == "duel:") {
+    const std::string_view list = name == "adaptive" ? kAdaptiveExperts : name.substr(5);
+    std::vector<std::unique_ptr<EvictionPolicy>> real, shadow;
+    for (std::size_t at = 0; at <= list.size();) {
+      const std::size_t plus = std::min(list.find('+', at), list.size());
+      const std::string_view expert = list.substr(at, plus - at);
+      if (expert.empty() || expert == "adaptive" || expert.substr(0, 5) == "duel:" || expert == "belady")
+        return InvalidArgument(
+            fmt::format("policy '{}': '{}' cannot be an expert (an online policy of make_policy: "
+                        "lru, s3fifo, sieve, arc, lrfu[:boost])",
+                        name, expert));
+      for (auto* side : {&real, &shadow}) {
+        auto made = make_policy(expert, capacity);
+        if (!made.ok())
+          return Status(made.status().code(), fmt::format("policy '{}': {}", name, made.status().message()));
+        side->push_back(std::move(made).value());
+      }
+      at = plus + 1;
+    }
+    if (real.size() < 2 || real.size() > kMaxDuelExperts)
+      return InvalidArgument(
+          fmt::format("policy '{}': {} experts; a duel takes 2 to {}", name, real.size(), kMaxDuelExperts));
+    return std::unique_ptr<EvictionPolicy>(
+        new DuelingPolicy(std::string(name), std::move(real), std::move(shadow), capacity));
   }
   if (name.substr(0, 4) == "lrfu") {
     double boost = kDefaultLrfuBoost;
@@ -421,8 +618,9 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::
     }
     return std::unique_ptr<EvictionPolicy>(new LrfuPolicy(boost, capacity));
   }
-  return InvalidArgument(
-      fmt::format("unknown eviction policy '{}' (known: lru, s3fifo, sieve, arc, lrfu[:boost], belady)", name));
+  return InvalidArgument(fmt::format(
+      "unknown eviction policy '{}' (known: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...], belady)",
+      name));
 }
 
 }  // namespace kvtier::cache

@@ -120,7 +120,7 @@ struct ReplayResult;
 struct ReplayOptions {
   std::uint32_t device_blocks = 4096;
   std::uint32_t host_blocks = 0;
-  std::string policy = "lrfu";  // device and host tiers ("belady" needs the oracle: replay_belady)
+  std::string policy = "adaptive";  // device and host tiers ("belady" needs the oracle: replay_belady)
   WritePolicy write_policy = WritePolicy::kWriteBack;
   std::uint32_t write_through_threshold = 2;
   std::uint32_t block_tokens = 512;

@@ -196,7 +196,7 @@ Action register_replay(CLI::App& app) {
     std::string trace = kDefaultTrace;
     std::uint32_t device_blocks = 2048, host_blocks = 8192;
     std::uint64_t device_tokens = 0, host_tokens = 0;
-    std::string policy = "lrfu";
+    std::string policy = "adaptive";
     std::string write_policy = "write_back";
     std::uint32_t threshold = 2;
     std::uint32_t block_tokens = 512;
@@ -207,7 +207,7 @@ Action register_replay(CLI::App& app) {
     std::size_t max_requests = 0;
     bool json = false;
     std::string sweep;
-    std::string sweep_policies = "lru,s3fifo,sieve,arc,lrfu";
+    std::string sweep_policies = "lru,s3fifo,sieve,arc,lrfu,adaptive";
     std::string sweep_default;
     double sweep_max_multiplier = 16;
     std::string out = "replay_sweep";
@@ -243,7 +243,8 @@ Action register_replay(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--host-tokens", args->host_tokens, "host capacity in tokens (overrides --host-blocks)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--policy", args->policy, "eviction policy: lru, s3fifo, sieve, arc, lrfu[:boost], belady")
+  cmd->add_option("--policy", args->policy,
+                  "eviction policy: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...], belady")
       ->capture_default_str();
   cmd->add_option("--write-policy", args->write_policy, "write_back, write_through, write_through_selective")
       ->capture_default_str();

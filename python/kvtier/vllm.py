@@ -18,7 +18,8 @@ Redis Cluster tier, and loads them back on a prefix hit. vLLM loads it with::
 - ``namespace``: a string added to the namespace (deployments that share a tier but not pages);
 - ``staging_bytes``: the most bytes one worker gathers per storage batch (default ``256M``);
 - ``cache.device_policy``: the eviction policy of the scheduler's index of stored chunks (kvtier's
-  ``CacheManager``): ``lru`` (default), ``s3fifo``, ``arc`` or ``lrfu[:boost]``;
+  ``CacheManager``): ``lru`` (default), ``s3fifo``, ``sieve``, ``arc``, ``lrfu[:boost]``, ``adaptive`` or
+  ``duel:A+B[+...]`` (docs/configuration.md);
 - ``storage.disk.*``, ``storage.redis.*``, ``storage.tenant.*``: kvtier's knobs (docs/configuration.md),
   as strings, numbers or booleans; an unknown knob or a bad value raises ``InvalidArgumentError`` naming it;
 - vLLM's own keys (``spec_name``, ``spec_module_path``, ``block_size``, ``blocks_per_chunk``,
@@ -205,7 +206,7 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
     policy = extra.get("cache.device_policy", "lru")
     if not isinstance(policy, str) or not policy:
         raise InvalidArgumentError(f"kvtier.vllm: extra_config['cache.device_policy'] = {policy!r} is not a policy "
-                                   "name (lru, s3fifo, arc, lrfu[:boost])")
+                                   "name (lru, s3fifo, sieve, arc, lrfu[:boost], adaptive, duel:A+B)")
     return KvtierSettings(spec, ns, capacity, staging, knobs, policy)
 
 
@@ -307,7 +308,7 @@ class KvtierOffloadingManager(OffloadingManager):
     """The index of offloaded chunks (scheduler side), kept by kvtier's ``CacheManager``.
 
     Each chunk (``OffloadKey``, under its :func:`object_key`) is one block of a ``CacheManager`` whose pool is the
-    tier's capacity in chunks: the manager's eviction policy (``policy``: lru, s3fifo, arc, lrfu[:boost]) chooses
+    tier's capacity in chunks: the manager's eviction policy (``policy``: lru, s3fifo, sieve, arc, lrfu[:boost], adaptive) chooses
     which stored chunk a store evicts, a load in flight pins its chunks (an admission of them, released by
     ``complete_load``), and a store in flight holds its new chunks uncommitted until ``complete_store`` commits
     them (or drops them, on failure). When the chunks that may be evicted are too few for a store,

@@ -129,7 +129,7 @@ cache::KvGroupConfig group_config(const nb::dict& d, std::size_t index) {
   g.cache.host_blocks = get_u32("host_blocks", 0);
   g.cache.storage_blocks = get_u32("storage_blocks", 0);
   g.cache.write_policy = value_or_raise(cache::parse_write_policy(get_str("write_policy", "write_back")));
-  g.cache.device_policy = get_str("device_policy", "lrfu");
+  g.cache.device_policy = get_str("device_policy", "adaptive");
   g.cache.host_policy = get_str("host_policy", "lru");
   return g;
 }
@@ -411,7 +411,7 @@ void bind_cache(nb::module_& m) {
             self->cm = value_or_raise(cache::CacheManager::create(std::move(c)));
           },
           "device_blocks"_a, "host_blocks"_a = 0, "storage_blocks"_a = 0, "write_policy"_a = "write_back",
-          "device_policy"_a = "lrfu", "host_policy"_a = "lru", "write_through_threshold"_a = 2)
+          "device_policy"_a = "adaptive", "host_policy"_a = "lru", "write_through_threshold"_a = 2)
       .def("match",
            [](PyCacheManager& p, const std::vector<std::string>& keys) {
              auto k = parse_keys(keys);

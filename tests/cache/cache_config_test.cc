@@ -77,7 +77,7 @@ TEST(CacheConfigTable, EveryKnobIsCoveredAndDefaultsAreTheStructs) {
   };
   for (const auto& [name, v] : expected) EXPECT_EQ(all.at(name).default_value, v) << name;
   // Spelled out, so that a changed struct default shows up here too.
-  EXPECT_EQ(all.at("cache.device_policy").default_value, "lrfu");
+  EXPECT_EQ(all.at("cache.device_policy").default_value, "adaptive");
   EXPECT_EQ(all.at("cache.write_policy").default_value, "write_back");
   EXPECT_EQ(all.at("cache.write_through_threshold").default_value, "2");
   EXPECT_EQ(all.at("cache.write_policy").type, "enum: write_through, write_through_selective, write_back");
@@ -132,7 +132,7 @@ TEST(CacheConfigTable, BadValuesNameKnobAndValueAndKeepTheField) {
   CacheConfig c;
   ConfigTable t;
   bind_cache_config(t, c);
-  EXPECT_NE(t.set("cache.device_policy", "fifo").message().find("known: lru"), std::string::npos);
+  EXPECT_NE(t.set("cache.device_policy", "fifo").message().find("known: adaptive, lru"), std::string::npos);
   EXPECT_NE(t.set("cache.write_policy", "x").message().find("write_through_selective"), std::string::npos);
   EXPECT_NE(t.set("cache.host_watermarks.high", "2").message().find("outside [0, 1]"), std::string::npos);
 }

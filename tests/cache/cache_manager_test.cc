@@ -590,7 +590,8 @@ TEST_P(FailedAdmission, LeavesIndexPoolsAndPolicyAsTheyWere) {
   EXPECT_INVARIANTS(*c);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, FailedAdmission, ::testing::Values("lru", "s3fifo", "sieve", "arc", "lrfu"));
+INSTANTIATE_TEST_SUITE_P(Policies, FailedAdmission,
+                         ::testing::Values("lru", "s3fifo", "sieve", "arc", "lrfu", "adaptive"));
 
 // Keys that are not a hash chain are rejected before anything is pinned, loaded or allocated. A
 // repeated key on the host once queued two loads of one block and leaked a device block.

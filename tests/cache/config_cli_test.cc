@@ -67,7 +67,7 @@ TEST_F(ConfigCli, ReplayEnvSetsDefaultsAndFlagsOverride) {
   auto j = json_of(base);
   EXPECT_EQ(j["device_blocks"], 2048);
   EXPECT_EQ(j["host_blocks"], 8192);
-  EXPECT_EQ(j["policy"], "lrfu");
+  EXPECT_EQ(j["policy"], "adaptive");
   EXPECT_EQ(j["write_policy"], "write_back");
 
   const std::string env =

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <unordered_map>
+#include <vector>
 
 #include "kvtier/backend/eviction_policy.h"
 
@@ -143,7 +145,7 @@ TEST(Policy, S3FifoIsScanResistantWhereLruIsNot) {
 // parents): S3-FIFO once cycled its main queue to its step limit while the small queue, below its
 // target size, held the only evictable nodes.
 TEST(Policy, EveryPolicyFindsTheOnlyEvictableNodes) {
-  for (const char* name : {"lru", "s3fifo", "sieve", "arc", "lrfu"}) {
+  for (const char* name : {"lru", "s3fifo", "sieve", "arc", "lrfu", "adaptive", "duel:sieve+lru"}) {
     auto p = make(name, 100);
     BlockKey k[40];
     for (NodeId n = 0; n < 40; ++n) k[n] = BlockKey{7, n};
@@ -195,6 +197,134 @@ TEST(Policy, LrfuKeepsFrequentlyHitBlocksLonger) {
   EXPECT_EQ(p->victim([](NodeId) { return true; }), 2u);
   p->touch(2, at(400, nullptr, 0));
   EXPECT_EQ(p->victim([](NodeId) { return true; }), 1u);
+}
+
+// A cache of `cap` keys driven through one policy, as the CacheManager drives a tier: uses counted per key across
+// stays (AccessInfo::hit_count), one clock tick per access.
+struct CountingCache {
+  CountingCache(std::string_view name, std::uint32_t cap) : policy(make(name, cap)), cap(cap) {}
+  bool access(std::uint64_t k) {
+    ++now;
+    auto [kit, fresh] = keys.try_emplace(k, BlockKey{k * 0x9E3779B97F4A7C15ull + 1, k});
+    const std::uint32_t used = uses[k]++;
+    const AccessInfo info = at(now, &kit->second, used);
+    if (auto it = where.find(k); it != where.end()) {
+      policy->touch(it->second, info);
+      return true;
+    }
+    if (where.size() >= cap) {
+      const NodeId v = policy->victim([](NodeId) { return true; });
+      EXPECT_NE(v, kNoNode);
+      policy->erase(v);
+      where.erase(owner[v]);
+      free.push_back(v);
+    }
+    NodeId n = next;
+    if (!free.empty()) {
+      n = free.back();
+      free.pop_back();
+    } else {
+      ++next;
+    }
+    owner[n] = k;
+    where[k] = n;
+    policy->insert(n, info);
+    return false;
+  }
+  std::unique_ptr<EvictionPolicy> policy;
+  std::uint32_t cap;
+  std::uint64_t now = 0;
+  NodeId next = 0;
+  std::vector<NodeId> free;
+  std::unordered_map<std::uint64_t, NodeId> where;
+  std::unordered_map<NodeId, std::uint64_t> owner;
+  std::unordered_map<std::uint64_t, BlockKey> keys;
+  std::unordered_map<std::uint64_t, std::uint32_t> uses;
+};
+
+// Frequency pays: a hot set of half the cache re-read between one-time scans longer than the other half.
+std::uint64_t hits_hot_set_and_scans(std::string_view name, std::uint32_t cap) {
+  CountingCache c(name, cap);
+  std::uint64_t hits = 0, scan = 1u << 30;
+  for (int round = 0; round < 200; ++round) {
+    for (std::uint64_t k = 0; k < cap / 2; ++k) hits += c.access(k);
+    for (std::uint32_t i = 0; i < cap; ++i) c.access(scan++);
+  }
+  return hits;
+}
+
+// Recency pays: a first working set read many times, then working sets of half the cache that change every four
+// passes; a policy that trusts old counts keeps the first set and misses the new ones.
+std::uint64_t hits_shifting_working_sets(std::string_view name, std::uint32_t cap) {
+  CountingCache c(name, cap);
+  std::uint64_t hits = 0;
+  for (int pass = 0; pass < 16; ++pass)
+    for (std::uint64_t k = 0; k < cap; ++k) c.access(k);
+  for (std::uint64_t set = 1; set <= 100; ++set)
+    for (int pass = 0; pass < 4; ++pass)
+      for (std::uint64_t k = 0; k < cap / 2; ++k) hits += c.access((set << 32) + k);
+  return hits;
+}
+
+// The dueling policy follows the expert that suits the traffic: on each stream it gets most of what the better
+// expert gets alone, in either order of the experts, where the two experts differ by far.
+TEST(Policy, DuelFollowsTheExpertThatSuitsTheTraffic) {
+  const std::uint32_t cap = 200;
+  struct Stream {
+    const char* what;
+    std::uint64_t (*hits)(std::string_view, std::uint32_t);
+  };
+  for (const Stream& s : {Stream{"hot set and scans", &hits_hot_set_and_scans},
+                          Stream{"shifting working sets", &hits_shifting_working_sets}}) {
+    const std::uint64_t lru = s.hits("lru", cap), lfu = s.hits("lrfu:1000000", cap);
+    const std::uint64_t best = std::max(lru, lfu), worst = std::min(lru, lfu);
+    ASSERT_GT(best, 2 * worst + 1000) << s.what << ": lru " << lru << ", lrfu:1000000 " << lfu;
+    for (const char* duel : {"duel:lru+lrfu:1000000", "duel:lrfu:1000000+lru"}) {
+      const std::uint64_t got = s.hits(duel, cap);
+      EXPECT_GE(got, best - (best - worst) / 10) << s.what << ", " << duel << ": lru " << lru << ", lrfu " << lfu;
+    }
+  }
+  // "adaptive" is lrfu and arc: on the scans it keeps the hot set as both do, far above lru.
+  EXPECT_GT(hits_hot_set_and_scans("adaptive", cap), 2 * hits_hot_set_and_scans("lru", cap));
+}
+
+TEST(Policy, DuelNamesAreChecked) {
+  EXPECT_TRUE(make_policy("adaptive", 10).ok());
+  EXPECT_EQ(make("adaptive", 10)->name(), "adaptive");
+  EXPECT_EQ(make("duel:lru+sieve+lrfu:50", 10)->name(), "duel:lru+sieve+lrfu:50");
+  auto refused = [](std::string_view name, std::string_view says) {
+    auto p = make_policy(name, 10);
+    ASSERT_EQ(p.status().code(), StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(p.status().message().find(says), std::string::npos) << p.status().to_string();
+  };
+  refused("duel:lru", "1 experts");
+  refused("duel:", "'' cannot be an expert");
+  refused("duel:lru++arc", "'' cannot be an expert");
+  refused("duel:lru+belady", "'belady' cannot be an expert");
+  refused("duel:lru+adaptive", "'adaptive' cannot be an expert");
+  refused("duel:lru+duel:arc+sieve", "'duel:arc' cannot be an expert");
+  refused("duel:lru+nope", "'nope'");
+  refused("duel:lru+lrfu:x", "boost 'x'");
+  refused("duel:lru+arc+sieve+s3fifo+lrfu", "5 experts");
+}
+
+// Blocks without a key (nothing to follow them by) are ordered as the first expert orders them; a tier far larger
+// than its shadows (sampled) still finds every evictable node.
+TEST(Policy, DuelWithoutKeysAndWithSampledShadows) {
+  auto p = make("duel:lru+arc", 8);
+  for (NodeId n = 0; n < 4; ++n) p->insert(n, at(n));
+  p->touch(0, at(10));
+  EXPECT_EQ(p->victim([](NodeId) { return true; }), 1u);
+  auto big = make("adaptive", 1u << 20);
+  std::vector<BlockKey> k(50000);
+  for (NodeId n = 0; n < k.size(); ++n) {
+    k[n] = BlockKey{n * 0x9E3779B97F4A7C15ull, n};
+    big->insert(n, at(n, &k[n]));
+  }
+  EXPECT_EQ(big->size(), k.size());
+  for (NodeId n = 0; n < k.size(); n += 2) big->erase(n);
+  const NodeId v = big->victim([](NodeId n) { return n == 49999; });
+  EXPECT_EQ(v, 49999u);
 }
 
 }  // namespace

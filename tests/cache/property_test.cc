@@ -190,7 +190,7 @@ TEST_P(CacheProperty, RandomOperationSequencesKeepInvariants) {
   sc.cfg.device_blocks = 12 + variant % 3 * 8;
   sc.cfg.host_blocks = variant % 4 == 3 ? 0 : 16 + variant % 5 * 8;
   sc.cfg.storage_blocks = variant % 2 ? 64 : 0;
-  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu"};
+  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "adaptive"};
   sc.cfg.device_policy = policies[variant % 4];
   sc.cfg.host_policy = policies[(variant + 1) % 4];
   sc.cfg.write_policy = static_cast<WritePolicy>(variant % 3);
@@ -216,7 +216,7 @@ TEST_P(CachePropertyWriteBackPressure, RandomOperationSequencesKeepInvariants) {
   sc.cfg.device_blocks = 12 + variant % 3 * 8;
   sc.cfg.host_blocks = 8 + variant % 4 * 8;
   sc.cfg.storage_blocks = variant % 5 == 4 ? 12 : 64;
-  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu"};
+  const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "adaptive"};
   sc.cfg.device_policy = policies[variant % 4];
   sc.cfg.host_policy = policies[(variant / 4) % 4];
   sc.cfg.write_policy = WritePolicy::kWriteBack;

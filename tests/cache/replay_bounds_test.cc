@@ -114,7 +114,7 @@ TEST(MinBypass, BoundsEveryPolicyOnTheSample) {
   ASSERT_TRUE(resident.ok());
   EXPECT_GE(bound->hit_ratio(), resident->hit_ratio());
   EXPECT_LE(bound->hit_ratio(), replay_unbounded(*trace, o).hit_ratio() + 1e-12);
-  for (const char* p : {"lru", "s3fifo", "arc", "lrfu"}) {
+  for (const char* p : {"lru", "s3fifo", "arc", "lrfu", "adaptive"}) {
     o.policy = p;
     auto r = replay_trace(*trace, o);
     ASSERT_TRUE(r.ok()) << r.status().to_string();

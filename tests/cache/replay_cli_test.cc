@@ -169,20 +169,22 @@ TEST_F(ReplayCli, LargeValidValuesAreKeptExactly) {
 // LRU, S3-FIFO, SIEVE, the default's shares and its memory multiplier; the CSV and JSON carry them too.
 TEST_F(ReplayCli, SweepPrintsBoundsPeersAndTheMemoryMultiplier) {
   const std::string args =
-      "replay --transfer none --max-requests 300 " + kSample + " --sweep 100,400 --sweep-policies lrfu --out '";
+      "replay --transfer none --max-requests 300 " + kSample + " --sweep 100,400 --sweep-policies adaptive --out '";
   CliRun text = run(args + dir_ + "/sw'");
   ASSERT_EQ(text.rc, 0) << text.out;
-  // No --sweep-default: CacheConfig's default policy, lrfu.
-  for (const char* s : {"| lru (leaf-first LRU, as vLLM and SGLang) |", "| s3fifo |", "| sieve |", "| lrfu [default] |",
-                        "class-TTL bound (cross-validated)", "lrfu (default) / class-TTL bound",
-                        "lrfu (default) - best peer", "memory multiplier (lrfu)", "sweep time"})
+  // No --sweep-default: CacheConfig's default policy, adaptive.
+  for (const char* s :
+       {"| lru (leaf-first LRU, as vLLM and SGLang) |", "| s3fifo |", "| sieve |", "| adaptive [default] |",
+        "class-TTL bound (cross-validated)", "adaptive (default) / class-TTL bound", "adaptive (default) - best peer",
+        "memory multiplier (adaptive)", "sweep time"})
     EXPECT_NE(text.out.find(s), std::string::npos) << s << " in: " << text.out;
   std::ifstream csv(dir_ + "/sw.csv");
   std::string header;
   std::getline(csv, header);
-  EXPECT_EQ(header,
-            "capacity_blocks,capacity_tokens,lrfu,lru,s3fifo,sieve,belady,min-bypass,class_ttl_cv,class_ttl_hindsight,"
-            "memory_multiplier_lrfu");
+  EXPECT_EQ(
+      header,
+      "capacity_blocks,capacity_tokens,adaptive,lru,s3fifo,sieve,belady,min-bypass,class_ttl_cv,class_ttl_hindsight,"
+      "memory_multiplier_adaptive");
   CliRun js = run(args + dir_ + "/sw2' --json --sweep-default lru", false);
   ASSERT_EQ(js.rc, 0) << js.out;
   auto j = nlohmann::json::parse(js.out, nullptr, false);

@@ -52,7 +52,7 @@ TEST(Replay, SaneNumbersAndBeladyBoundsEveryPolicy) {
   ReplayResult unb = replay_unbounded(sample(), o);
   auto bel = replay_belady(sample(), 1000, o);
   ASSERT_TRUE(bel.ok()) << bel.status().to_string();
-  for (const char* p : {"lru", "s3fifo", "arc", "lrfu"}) {
+  for (const char* p : {"lru", "s3fifo", "arc", "lrfu", "adaptive"}) {
     o.policy = p;
     auto r = replay_trace(sample(), o);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
@@ -180,26 +180,26 @@ TEST(Replay, SweepTablesAndPlot) {
 // CacheConfig's default policy, a multiplier cap too small to reach MIN, and bad input named.
 TEST(Replay, SweepDefaultAndBadInput) {
   ReplayOptions o;
-  SweepOptions so;  // no default named: CacheConfig's, recency and frequency
-  ASSERT_EQ(CacheConfig{}.device_policy, "lrfu");
+  SweepOptions so;  // no default named: CacheConfig's, lrfu and arc dueling
+  ASSERT_EQ(CacheConfig{}.device_policy, "adaptive");
   so.max_multiplier = 1.5;
   auto t = sweep(sample(), {250}, {"arc"}, o, so);
   ASSERT_TRUE(t.ok()) << t.status().to_string();
-  const std::vector<std::string> want = {"arc", "lru", "s3fifo", "sieve", "lrfu", "belady", "min-bypass"};
+  const std::vector<std::string> want = {"arc", "lru", "s3fifo", "sieve", "adaptive", "belady", "min-bypass"};
   EXPECT_EQ(t->policies, want);
   ASSERT_EQ(t->memory_multiplier.size(), 1u);
   EXPECT_TRUE(std::isinf(t->memory_multiplier[0])) << t->memory_multiplier[0];
   const std::string md = sweep_markdown(*t, 512);
   EXPECT_NE(md.find("| >1.5x |"), std::string::npos) << md;
-  EXPECT_NE(md.find("lrfu (default) - best peer"), std::string::npos) << md;
+  EXPECT_NE(md.find("adaptive (default) - best peer"), std::string::npos) << md;
   EXPECT_NE(sweep_csv(*t, 512).find(",inf\n"), std::string::npos);
   // The best peer column names a peer and the signed difference.
-  const double lrfu = t->results[4][0].hit_ratio();
+  const double adaptive = t->results[4][0].hit_ratio();
   double best = 0;
   std::string best_name;
   for (std::size_t p = 1; p <= 3; ++p)
     if (t->results[p][0].hit_ratio() > best) best = t->results[p][0].hit_ratio(), best_name = t->policies[p];
-  EXPECT_NE(md.find(fmt::format(" {:+.4f} ({}) |", lrfu - best, best_name)), std::string::npos) << md;
+  EXPECT_NE(md.find(fmt::format(" {:+.4f} ({}) |", adaptive - best, best_name)), std::string::npos) << md;
 
   auto bad = [&](std::vector<std::uint32_t> caps, std::vector<std::string> pols, SweepOptions x, const char* says) {
     auto r = sweep(sample(), caps, pols, o, x);

@@ -23,12 +23,25 @@
 //   lrfu[:b]   recency-frequency: priority = last access time + b * log2(uses), time in admissions,
 //              uses = AccessInfo::hit_count + 1 (counted per key across residencies); O(1) per operation
 //              (b defaults to kDefaultLrfuBoost); evicts the lowest priority, deeper first on ties.
+//   duel:A+B[+...]  two to kMaxDuelExperts online policies of this list (lru, s3fifo, sieve, arc, lrfu[:b]) as
+//              experts. Each orders the tier's resident copies (every insert, touch and erase goes to all), and each
+//              also runs alone in a shadow cache of the tier's capacity over the same accesses (keys only), counting
+//              the hits it would have had; victim() asks the expert whose shadow hit most over about the last
+//              10 x capacity accesses (exponentially decayed), and no other before that many accesses. So the tier
+//              follows whichever expert suits the traffic of the moment: on Mooncake's conversation trace lrfu (long
+//              reuse of blocks seen before), on its synthetic trace arc (recency, short reuse of hot blocks), where
+//              each alone loses to the other by up to 30 % (docs/performance.md, "One policy for every trace").
+//              Cost per access: every expert twice and a hash lookup per shadow; memory about 100 bytes per block of
+//              capacity per expert. Shadows see blocks one by one (no prefix or leaf rule), which orders experts,
+//              not hit ratios.
+//   adaptive   duel:lrfu+arc (kAdaptiveExperts): the CacheManager's default device policy.
 //   belady     offline optimum: evicts the block whose next use (from an oracle) is farthest, deeper
 //              first on ties. Needs CacheConfig::next_use_oracle.
 //
 // Thread-safety: none; owned and serialized by the CacheManager.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -91,6 +104,9 @@ class EvictionPolicy {
 };
 
 inline constexpr double kDefaultLrfuBoost = 500.0;
+// The experts of the "adaptive" policy, and the most a duel takes (each costs a shadow cache).
+inline constexpr std::string_view kAdaptiveExperts = "lrfu+arc";
+inline constexpr std::size_t kMaxDuelExperts = 4;
 
 // `capacity` is the tier's size in blocks (S3-FIFO and ARC size their queues by it).
 Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,
