@@ -198,12 +198,16 @@ struct CacheManager::Impl {
     return ParkKey{w.priority, -static_cast<std::int64_t>(w.seq), -static_cast<std::int64_t>(nodes[id].depth), id};
   }
   bool resident_in(const Node& n, int t) const { return n.live && !n.detached && (n.present & bit(t)); }
-  // A copy of `id` became resident in tier t: its policy tracks it, unless it is protected.
-  void track_insert(NodeId id, int t) {
-    if (wanted(id))
+  // A copy of `id` became resident in tier t (or, with accessed false, its protection ended): its policy tracks it,
+  // unless it is protected.
+  void track_insert(NodeId id, int t, bool accessed = true) {
+    if (wanted(id)) {
       parked[t].insert(park_key(id));
-    else
-      policy[t]->insert(id, info(id));
+      return;
+    }
+    AccessInfo i = info(id);
+    i.accessed = accessed;
+    policy[t]->insert(id, i);
   }
   // The resident copy in tier t was hit: protected copies are outside the policy until protection ends.
   void track_touch(NodeId id, int t) {

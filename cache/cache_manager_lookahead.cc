@@ -42,7 +42,7 @@ void CacheManager::Impl::set_wanted(NodeId id, std::uint32_t count, Rank rank) {
   w = now ? NodeWant{count, rank.priority, rank.seq} : NodeWant{};
   // Unparked copies re-enter their policy as just used: a withdrawn request is usually admitted next.
   for (int t = 0; t < kNumTiers; ++t)
-    if (resident_in(n, t)) track_insert(id, t);
+    if (resident_in(n, t)) track_insert(id, t, /*accessed=*/false);
 }
 
 void CacheManager::Impl::hold_key(const BlockKey& key, Rank rank) {

@@ -525,7 +525,7 @@ class DuelingPolicy final : public EvictionPolicy {
   }
   std::string name() const override { return name_; }
   void insert(NodeId n, const AccessInfo& info) override {
-    observe(info);
+    if (info.accessed) observe(info);
     for (auto& e : real_) e->insert(n, info);
   }
   void touch(NodeId n, const AccessInfo& info) override {

@@ -308,6 +308,28 @@ TEST(Policy, DuelNamesAreChecked) {
   refused("duel:lru+arc+sieve+s3fifo+lrfu", "5 experts");
 }
 
+// Copies that re-enter the policy without a request using them (an announcement's protection ended) do not count as
+// accesses: a flood of them in a pattern where lru's shadow would hit leaves the duel on its first expert, lrfu.
+TEST(Policy, DuelLearnsOnlyFromAccesses) {
+  auto p = make("duel:lrfu:1000000+lru", 100);
+  std::vector<BlockKey> keys(50);
+  std::uint64_t now = 0;
+  for (std::uint64_t set = 1; set <= 100; ++set)
+    for (int pass = 0; pass < 4; ++pass)
+      for (NodeId n = 0; n < 50; ++n) {
+        keys[n] = BlockKey{set, n};
+        AccessInfo i = at(++now, &keys[n], static_cast<std::uint32_t>(pass));
+        i.accessed = false;
+        p->insert(n, i);
+        p->erase(n);
+      }
+  // lrfu evicts the new block used once; lru the older one used often.
+  const BlockKey often{7, 7}, once{8, 8};
+  p->insert(1000, at(++now, &often, 50));
+  p->insert(1001, at(++now, &once, 0));
+  EXPECT_EQ(p->victim([](NodeId) { return true; }), 1001u);
+}
+
 // Blocks without a key (nothing to follow them by) are ordered as the first expert orders them; a tier far larger
 // than its shadows (sampled) still finds every evictable node.
 TEST(Policy, DuelWithoutKeysAndWithSampledShadows) {

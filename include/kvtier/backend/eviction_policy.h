@@ -82,6 +82,10 @@ struct AccessInfo {
   // history), clamped so that a block never counts more than its parent: priorities derived from
   // (now, hit_count) then never rank a parent below its child.
   std::uint32_t hit_count = 0;
+  // False when the copy (re-)enters the tier's policy without a request using it now: protection by an
+  // announcement ended (CacheManager::withdraw), so the copy is tracked again. Policies that learn from the access
+  // stream (duel's shadows) skip it; orderings treat it as an insert.
+  bool accessed = true;
 };
 
 // Next use of a block after logical time `now` (UINT64_MAX: never).
