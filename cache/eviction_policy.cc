@@ -571,6 +571,17 @@ class DuelingPolicy final : public EvictionPolicy {
 
 }  // namespace
 
+std::string_view lower_tier_policy(std::string_view policy) {
+  std::string_view experts;
+  if (policy == "adaptive")
+    experts = kAdaptiveExperts;
+  else if (policy.substr(0, 5) == "duel:")
+    experts = policy.substr(5);
+  else
+    return policy;
+  return experts.substr(0, experts.find('+'));
+}
+
 Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,
                                                     NextUseOracle oracle) {
   if (name == "lru") return std::unique_ptr<EvictionPolicy>(new LruPolicy());

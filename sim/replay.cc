@@ -489,6 +489,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
 
   ReplayResult res;
   res.policy = label;
+  if (cache->config().host_blocks > 0) res.host_policy = cache->config().host_policy;
   res.device_blocks = cache->config().device_blocks;
   res.host_blocks = cache->config().host_blocks;
   res.storage_blocks = cache->config().storage_blocks;
@@ -628,7 +629,7 @@ CacheConfig base_config(const ReplayOptions& o) {
   cfg.device_blocks = o.device_blocks;
   cfg.host_blocks = o.host_blocks;
   cfg.device_policy = o.policy;
-  cfg.host_policy = o.host_policy.empty() ? o.policy : o.host_policy;
+  cfg.host_policy = o.host_policy.empty() ? std::string(lower_tier_policy(o.policy)) : o.host_policy;
   cfg.storage_policy = o.storage_policy;
   cfg.write_policy = o.write_policy;
   cfg.write_through_threshold = o.write_through_threshold;

@@ -142,7 +142,7 @@ struct ReplayOptions {
   // background to keep this free fraction (write_through copies every block settling on host).
   double host_low_watermark = 0.05, host_high_watermark = 0.15;
   // CacheConfig knobs with no replay flag (kvtier replay takes them from KVTIER_CACHE_*).
-  std::string host_policy;             // empty: `policy`
+  std::string host_policy;             // empty: `policy`, a duel's first expert for a duel (lower_tier_policy)
   std::string storage_policy = "lru";  // with storage_blocks > 0
   Watermarks device_watermarks;        // 0/0: no proactive device eviction
   bool contiguous_host_runs = true;
@@ -187,6 +187,7 @@ struct ReplayOptions {
 
 struct ReplayResult {
   std::string policy;
+  std::string host_policy;  // the host tier's policy (empty without a host tier)
   std::uint32_t device_blocks = 0, host_blocks = 0;
   std::uint64_t requests = 0, truncated_requests = 0, failed_admissions = 0;
   std::uint64_t total_blocks = 0, cacheable_blocks = 0;

@@ -60,6 +60,7 @@ bool parse_list(const std::string& s, std::vector<std::string>& out) {
 
 nlohmann::json to_json(const cache::ReplayResult& r) {
   return {{"policy", r.policy},
+          {"host_policy", r.host_policy},
           {"device_blocks", r.device_blocks},
           {"host_blocks", r.host_blocks},
           {"requests", r.requests},
@@ -244,7 +245,8 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--host-tokens", args->host_tokens, "host capacity in tokens (overrides --host-blocks)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--policy", args->policy,
-                  "eviction policy: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...], belady")
+                  "eviction policy: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...], belady (the host "
+                  "tier follows it; a duel's first expert there)")
       ->capture_default_str();
   cmd->add_option("--write-policy", args->write_policy, "write_back, write_through, write_through_selective")
       ->capture_default_str();
@@ -844,9 +846,12 @@ Action register_replay(CLI::App& app) {
     std::printf("trace            %s: %llu requests, %llu blocks (%llu cacheable), %llu input tokens\n", path.c_str(),
                 (unsigned long long)r.requests, (unsigned long long)r.total_blocks,
                 (unsigned long long)r.cacheable_blocks, (unsigned long long)r.total_tokens);
-    std::printf("cache            device %u blocks (%llu tokens), host %u blocks (%llu tokens), policy %s, %s\n",
+    const std::string host_policy =
+        r.host_policy.empty() || r.host_policy == r.policy ? "" : fmt::format(" (host {})", r.host_policy);
+    std::printf("cache            device %u blocks (%llu tokens), host %u blocks (%llu tokens), policy %s%s, %s\n",
                 r.device_blocks, (unsigned long long)r.device_blocks * a.block_tokens, r.host_blocks,
-                (unsigned long long)r.host_blocks * a.block_tokens, r.policy.c_str(), a.write_policy.c_str());
+                (unsigned long long)r.host_blocks * a.block_tokens, r.policy.c_str(), host_policy.c_str(),
+                a.write_policy.c_str());
     if (!a.storage.empty())
       std::printf("storage          %u blocks (%llu tokens), %s\n", r.storage_blocks,
                   (unsigned long long)r.storage_blocks * a.block_tokens, a.storage.c_str());

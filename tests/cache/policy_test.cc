@@ -288,6 +288,15 @@ TEST(Policy, DuelFollowsTheExpertThatSuitsTheTraffic) {
   EXPECT_GT(hits_hot_set_and_scans("adaptive", cap), 2 * hits_hot_set_and_scans("lru", cap));
 }
 
+// A tier below the first that follows a duel takes the duel's first expert (its shadows need the requests' accesses).
+TEST(Policy, LowerTierPolicyOfADuelIsItsFirstExpert) {
+  EXPECT_EQ(lower_tier_policy("adaptive"), "lrfu");
+  EXPECT_EQ(lower_tier_policy("duel:arc+lru"), "arc");
+  EXPECT_EQ(lower_tier_policy("duel:lrfu:50+sieve+lru"), "lrfu:50");
+  EXPECT_EQ(lower_tier_policy("lrfu:100"), "lrfu:100");
+  EXPECT_EQ(lower_tier_policy("s3fifo"), "s3fifo");
+}
+
 TEST(Policy, DuelNamesAreChecked) {
   EXPECT_TRUE(make_policy("adaptive", 10).ok());
   EXPECT_EQ(make("adaptive", 10)->name(), "adaptive");

@@ -67,6 +67,32 @@ TEST(Replay, SaneNumbersAndBeladyBoundsEveryPolicy) {
   }
 }
 
+// The host tier follows the device's policy, but a duel's shadows learn from the requests' accesses, which a host
+// tier below the device does not see (its inserts are demotions): it takes the duel's first expert instead.
+TEST(Replay, TheHostTierFollowsADuelWithItsFirstExpert) {
+  ReplayOptions o;
+  o.device_blocks = 300;
+  o.host_blocks = 1200;
+  ASSERT_EQ(o.policy, "adaptive");
+  auto r = replay_trace(sample(), o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->policy, "adaptive");
+  EXPECT_EQ(r->host_policy, "lrfu");
+  o.host_policy = "adaptive";  // asked for: kept
+  auto both = replay_trace(sample(), o);
+  ASSERT_TRUE(both.ok()) << both.status().to_string();
+  EXPECT_EQ(both->host_policy, "adaptive");
+  o.host_policy.clear();
+  o.policy = "s3fifo";
+  auto plain = replay_trace(sample(), o);
+  ASSERT_TRUE(plain.ok()) << plain.status().to_string();
+  EXPECT_EQ(plain->host_policy, "s3fifo");
+  o.host_blocks = 0;
+  auto one_tier = replay_trace(sample(), o);
+  ASSERT_TRUE(one_tier.ok()) << one_tier.status().to_string();
+  EXPECT_EQ(one_tier->host_policy, "");
+}
+
 TEST(Replay, TwoTiersWithInvariantChecksAndInjectedFailures) {
   ReplayOptions o;
   o.device_blocks = 300;
