@@ -59,6 +59,22 @@ def test_admit_plan_ack_and_prefix_hits():
         cm.match(["not-a-key"])
 
 
+def test_eviction_policies_by_name():
+    """The default device policy is the lrfu/arc duel; any duel of online policies is accepted, a bad one is named."""
+    h = kvtier.KeyHasher("m", block_tokens=2)
+    for kwargs in ({}, {"device_policy": "duel:lru+sieve+lrfu:50"}):
+        cm = kvtier.CacheManager(device_blocks=4, **kwargs)
+        for r in range(6):  # more requests than the device holds: evictions follow the policy
+            a = cm.admit(h.keys_for(list(range(100 * r, 100 * r + 4))))
+            cm.commit(a["id"])
+            cm.release(a["id"])
+        assert cm.match(h.keys_for([500, 501, 502, 503]))["device_blocks"] == 2
+        cm.check_invariants()
+    for bad, says in (("duel:lru", "1 experts"), ("duel:lru+belady", "'belady'"), ("duel:lru+x", "'x'")):
+        with pytest.raises(kvtier.InvalidArgumentError, match=says):
+            kvtier.CacheManager(device_blocks=4, device_policy=bad)
+
+
 def test_announced_requests_are_prefetched_and_withdrawn():
     """Look-ahead: a queued request's blocks that sit on host come back to the device ahead of its admission;
     a withdrawn announcement is gone; bad hints are refused by name."""
