@@ -830,6 +830,22 @@ class Endpoint {
     checksum_loop_->run(blocks.size(), grain, body);
   }
 
+  // Bytes of `count` blocks of `layer` (every role).
+  std::uint64_t layer_bytes(std::uint32_t layer, std::size_t count) const {
+    const KvLayout& layout = blocks_.layout();
+    std::uint64_t block_bytes = 0;
+    for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r) block_bytes += layout.block_bytes(layer, r);
+    return block_bytes * count;
+  }
+  // A layer's checksums on the checksum worker, or null: the caller computes them on the protocol thread. Layers of
+  // fewer than kInlineChecksumBytes are hashed in place (a few microseconds), since handing them to the worker and
+  // back costs two thread wake-ups, more than the hashing: bench/bench_pd_latency's transfers of 12 KiB layers.
+  std::shared_ptr<ChecksumQueue::Job> submit_checksums(std::uint32_t layer, const std::vector<std::uint64_t>& blocks) {
+    if (layer_bytes(layer, blocks.size()) < kInlineChecksumBytes) return nullptr;
+    return checksums_.submit(layer, blocks);
+  }
+  static constexpr std::uint64_t kInlineChecksumBytes = std::uint64_t{64} << 10;
+
   // The transport lane's checksum worker (declared after what its jobs read, so it goes first).
   ChecksumQueue checksums_{[this](std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) {
                              layer_checksums(layer, blocks, out);
@@ -1218,7 +1234,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         l.ready_seen = true;
         continue;
       }
-      if (!x.lane && (l.ck = checksums_.submit(li, x.src)) != nullptr) continue;
+      if (!x.lane && (l.ck = submit_checksums(li, x.src)) != nullptr) continue;
       if (grouping) {
         group.push_back(li);
         continue;
@@ -1701,7 +1717,7 @@ class Decode final : public PdDecode, public Endpoint {
       compare_layer(id, x, layer, ck, nullptr);
       return;
     }
-    if (auto job = checksums_.submit(layer, x.dst)) {
+    if (auto job = submit_checksums(layer, x.dst)) {
       x.verifying.push_back({layer, ck, std::move(job)});
       return;
     }
