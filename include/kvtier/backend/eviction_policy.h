@@ -31,9 +31,10 @@
 //              follows whichever expert suits the traffic of the moment: on Mooncake's conversation trace lrfu (long
 //              reuse of blocks seen before), on its synthetic trace arc (recency, short reuse of hot blocks), where
 //              each alone loses to the other by up to 30 % (docs/performance.md, "One policy for every trace").
-//              Cost per access: every expert twice and a hash lookup per shadow; memory about 100 bytes per block of
-//              capacity per expert. Shadows see blocks one by one (no prefix or leaf rule), which orders experts,
-//              not hit ratios.
+//              From 8,192 blocks the shadows follow a spatial sample of the keys (1 in 2^k, capacity scaled alike,
+//              4,096-8,191 keys). Cost per access: every expert's order, and for a sampled key a probe and the
+//              expert's bookkeeping per shadow; memory: each expert's order of the tier, plus under a MiB per shadow.
+//              Shadows see blocks one by one (no prefix or leaf rule), which ranks experts, not hit ratios.
 //   adaptive   duel:lrfu+arc (kAdaptiveExperts): the CacheManager's default device policy.
 //   belady     offline optimum: evicts the block whose next use (from an oracle) is farthest, deeper
 //              first on ties. Needs CacheConfig::next_use_oracle.
