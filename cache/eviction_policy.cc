@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cache/ghost_fifo.h"
+#include "cache/key_index.h"
 
 namespace kvtier::cache {
 namespace {
@@ -399,73 +400,21 @@ class BeladyPolicy final : public PriorityPolicy {
 };
 
 // ---- dueling experts -----------------------------------------------------
-// Key fingerprint -> node of a shadow cache: open addressing (linear probing, backward-shift deletion), sized once
-// for the shadow's capacity, so that an access costs a probe or two and no allocation.
-class FingerprintTable {
- public:
-  explicit FingerprintTable(std::size_t max_entries) {
-    std::size_t n = 16;
-    while (n < 2 * max_entries + 2) n <<= 1;
-    slots_.assign(n, Slot{});
-    mask_ = n - 1;
-  }
-  NodeId find(std::uint64_t fp) const {
-    fp = live(fp);
-    for (std::size_t i = home(fp);; i = (i + 1) & mask_) {
-      if (slots_[i].fp == 0) return kNoNode;
-      if (slots_[i].fp == fp) return slots_[i].node;
-    }
-  }
-  // `fp` must be absent and the table below max_entries + 1 entries.
-  void insert(std::uint64_t fp, NodeId node) {
-    fp = live(fp);
-    std::size_t i = home(fp);
-    while (slots_[i].fp != 0) i = (i + 1) & mask_;
-    slots_[i] = Slot{fp, node};
-  }
-  void erase(std::uint64_t fp) {
-    fp = live(fp);
-    std::size_t i = home(fp);
-    while (slots_[i].fp != fp) {
-      if (slots_[i].fp == 0) return;
-      i = (i + 1) & mask_;
-    }
-    for (std::size_t j = (i + 1) & mask_; slots_[j].fp != 0; j = (j + 1) & mask_) {
-      const std::size_t k = home(slots_[j].fp);
-      if (((j - k) & mask_) >= ((j - i) & mask_)) {  // slots_[j] may move back to i
-        slots_[i] = slots_[j];
-        i = j;
-      }
-    }
-    slots_[i] = Slot{};
-  }
-
- private:
-  struct Slot {
-    std::uint64_t fp = 0;  // 0: empty
-    NodeId node = kNoNode;
-  };
-  static std::uint64_t live(std::uint64_t fp) { return fp == 0 ? 1 : fp; }
-  std::size_t home(std::uint64_t fp) const {
-    return static_cast<std::size_t>((fp * 0x9E3779B97F4A7C15ull) >> 17) & mask_;
-  }
-  std::vector<Slot> slots_;
-  std::size_t mask_ = 0;
-};
-
 // One expert's shadow: a cache of `capacity` keys that the expert alone manages, fed the tier's accesses, counting
-// the hits it would have had. Keys only (no blocks), so it costs a probe and the expert's own bookkeeping per
-// access. It sees accesses block by block: no prefix rule and no leaf rule, which the experts' orders mostly respect
-// anyway (a parent is accessed whenever its child is); the blocks accessed at the current clock tick (the running
-// request's) are not evicted, as a cache pins them. A request longer than the capacity overfills it until the next
-// tick (bounded by kMaxOverfill, then the oldest goes regardless).
+// the hits it would have had. Keys only (no blocks; the key index's open-addressing table), so it costs a probe and
+// the expert's own bookkeeping per access. It sees accesses block by block: no prefix rule and no leaf rule, which the
+// experts' orders mostly respect anyway (a parent is accessed whenever its child is); the blocks accessed at the
+// current clock tick (the running request's) are not evicted, as a cache pins them. A request longer than the capacity
+// overfills it until the next tick (bounded by kMaxOverfill, then the oldest goes regardless).
 class ShadowCache {
  public:
   ShadowCache(std::unique_ptr<EvictionPolicy> expert, std::uint32_t capacity)
-      : expert_(std::move(expert)), capacity_(capacity), where_(std::size_t{capacity} + kMaxOverfill) {}
+      : expert_(std::move(expert)), capacity_(capacity) {
+    where_.reserve(std::size_t{capacity} + kMaxOverfill);
+  }
   // True on a hit.
-  bool access(std::uint64_t fp, const AccessInfo& info) {
-    if (const NodeId hit = where_.find(fp); hit != kNoNode) {
+  bool access(const BlockKey& key, const AccessInfo& info) {
+    if (const NodeId hit = where_.find(key); hit != kNoNode) {
       seen_at_[hit] = info.now;
       expert_->touch(hit, info);
       return true;
@@ -476,7 +425,7 @@ class ShadowCache {
       if (v == kNoNode && expert_->size() < std::size_t{capacity_} + kMaxOverfill) break;
       if (v == kNoNode) v = expert_->victim([](NodeId) { return true; });
       expert_->erase(v);
-      where_.erase(fp_of_[v]);
+      where_.erase(key_of_[v]);
       free_ids_.push_back(v);
     }
     NodeId id;
@@ -484,13 +433,13 @@ class ShadowCache {
       id = free_ids_.back();
       free_ids_.pop_back();
     } else {
-      id = static_cast<NodeId>(fp_of_.size());
-      fp_of_.push_back(0);
+      id = static_cast<NodeId>(key_of_.size());
+      key_of_.emplace_back();
       seen_at_.push_back(0);
     }
-    fp_of_[id] = fp;
+    key_of_[id] = key;
     seen_at_[id] = info.now;
-    where_.insert(fp, id);
+    where_.insert(key, id);
     expert_->insert(id, info);
     return false;
   }
@@ -499,8 +448,9 @@ class ShadowCache {
  private:
   std::unique_ptr<EvictionPolicy> expert_;
   std::uint32_t capacity_;
-  FingerprintTable where_;
-  std::vector<std::uint64_t> fp_of_, seen_at_;
+  KeyIndex where_;
+  std::vector<BlockKey> key_of_;
+  std::vector<std::uint64_t> seen_at_;
   std::vector<NodeId> free_ids_;
 };
 
@@ -552,7 +502,7 @@ class DuelingPolicy final : public EvictionPolicy {
     const std::uint64_t fp = fingerprint(info);
     if (sample_shift_ != 0 && ((fp * 0xD6E8FEB86659FD93ull) >> (64 - sample_shift_)) != 0) return;
     for (std::size_t i = 0; i < shadows_.size(); ++i)
-      score_[i] = score_[i] * decay_ + (shadows_[i].access(fp, info) ? 1.0 : 0.0);
+      score_[i] = score_[i] * decay_ + (shadows_[i].access(*info.key, info) ? 1.0 : 0.0);
     if (static_cast<double>(++observed_) < window_) return;
     std::size_t best = leader_;
     for (std::size_t i = 0; i < score_.size(); ++i)

@@ -812,12 +812,17 @@ class Endpoint {
   std::unique_ptr<kvtier::detail::ParallelLoop> checksum_loop_;  // host lanes: each layer's xxh3 checksums, split
 
  protected:
-  // Host lanes: the checksum of `blocks[i]` of `layer` into out[i], split over the checksum helpers when the layer
-  // is large enough to pay for waking them (chunks of at least 256 KiB).
-  void layer_checksums(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) const {
+  // Bytes of `count` blocks of `layer` (every role).
+  std::uint64_t layer_bytes(std::uint32_t layer, std::size_t count) const {
     const KvLayout& layout = blocks_.layout();
     std::uint64_t block_bytes = 0;
     for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r) block_bytes += layout.block_bytes(layer, r);
+    return block_bytes * count;
+  }
+  // Host lanes: the checksum of `blocks[i]` of `layer` into out[i], split over the checksum helpers when the layer
+  // is large enough to pay for waking them (chunks of at least 256 KiB).
+  void layer_checksums(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) const {
+    const std::uint64_t block_bytes = layer_bytes(layer, 1);
     const std::size_t grain =
         std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
     auto body = [&](std::size_t begin, std::size_t end) {
@@ -830,13 +835,6 @@ class Endpoint {
     checksum_loop_->run(blocks.size(), grain, body);
   }
 
-  // Bytes of `count` blocks of `layer` (every role).
-  std::uint64_t layer_bytes(std::uint32_t layer, std::size_t count) const {
-    const KvLayout& layout = blocks_.layout();
-    std::uint64_t block_bytes = 0;
-    for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r) block_bytes += layout.block_bytes(layer, r);
-    return block_bytes * count;
-  }
   // A layer's checksums on the checksum worker, or null: the caller computes them on the protocol thread. Layers of
   // fewer than kInlineChecksumBytes are hashed in place (a few microseconds), since handing them to the worker and
   // back costs two thread wake-ups, more than the hashing: bench/bench_pd_latency's transfers of 12 KiB layers.
