@@ -308,6 +308,7 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
 std::uint32_t commit_in(CacheManager::Impl& s, AdmissionRec& rec, std::uint32_t num_computed) {
   using Impl = CacheManager::Impl;
   std::vector<NodeId> added;
+  for (std::uint32_t pos = rec.committed; pos < num_computed; ++pos) s.history->prefetch(rec.keys[pos]);
   for (std::uint32_t pos = rec.committed; pos < num_computed; ++pos) {
     rec.committed = pos + 1;
     if (rec.chain_broken) continue;

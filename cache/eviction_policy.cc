@@ -234,17 +234,18 @@ class SievePolicy final : public EvictionPolicy {
 // ---- ARC -----------------------------------------------------------------
 class ArcPolicy final : public EvictionPolicy {
  public:
-  explicit ArcPolicy(std::uint32_t capacity) : lists_(2), c_(std::max<std::uint32_t>(capacity, 1)), b1_(c_), b2_(c_) {}
+  explicit ArcPolicy(std::uint32_t capacity) : lists_(2), c_(std::max<std::uint32_t>(capacity, 1)), ghosts_(c_) {}
   std::string name() const override { return "arc"; }
   void insert(NodeId n, const AccessInfo& info) override {
     if (contains(n)) return touch(n, info);
     grow(n);
     fp_[n] = fingerprint(info);
-    double s1 = static_cast<double>(b1_.size()), s2 = static_cast<double>(b2_.size());
-    if (b1_.remove(fp_[n])) {
+    const double s1 = static_cast<double>(ghosts_.size(kB1)), s2 = static_cast<double>(ghosts_.size(kB2));
+    const int ghost = ghosts_.take(fp_[n]);
+    if (ghost == kB1) {
       p_ = std::min<double>(c_, p_ + std::max(1.0, s2 / std::max(s1, 1.0)));
       lists_.push_head(kT2, n);
-    } else if (b2_.remove(fp_[n])) {
+    } else if (ghost == kB2) {
       p_ = std::max(0.0, p_ - std::max(1.0, s1 / std::max(s2, 1.0)));
       lists_.push_head(kT2, n);
     } else {
@@ -256,7 +257,7 @@ class ArcPolicy final : public EvictionPolicy {
   }
   void erase(NodeId n) override {
     if (!contains(n)) return;
-    (lists_.list_of(n) == kT1 ? b1_ : b2_).add(fp_[n]);
+    ghosts_.add(fp_[n], lists_.list_of(n) == kT1 ? kB1 : kB2);
     lists_.unlink(n);
   }
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
@@ -271,14 +272,15 @@ class ArcPolicy final : public EvictionPolicy {
   bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
 
  private:
-  static constexpr int kT1 = 0, kT2 = 1;
+  static constexpr int kT1 = 0, kT2 = 1;  // resident lists
+  static constexpr int kB1 = 0, kB2 = 1;  // their ghost lists, in ghosts_
   void grow(NodeId n) {
     if (n >= fp_.size()) fp_.resize(std::max<std::size_t>(n + 1, fp_.size() * 2), 0);
   }
   NodeLists lists_;
   std::uint32_t c_;
   double p_ = 0;
-  GhostFifo b1_, b2_;
+  GhostFifo ghosts_;  // B1 and B2 in one table: one probe per insert
   std::vector<std::uint64_t> fp_;
 };
 

@@ -11,75 +11,101 @@
 
 namespace kvtier::cache {
 
-// Bounded FIFO set of key fingerprints (ghost entries): the `cap` most recently added, a re-add counting as
-// the latest. An open-addressing table (linear probing, backward-shift deletion) maps each fingerprint to the
-// sequence number of its latest add, over a FIFO of (fingerprint, sequence) records; a record whose
-// fingerprint was re-added or removed since is stale and skipped when it reaches the front. S3-FIFO and ARC
-// add or look up a ghost on every insert and erase of their tier, so the table keeps that to a probe or two,
-// with no allocation per entry. Stale records are also dropped in a sweep whenever they outnumber the live
-// ones plus `cap`: without it, entries removed before the FIFO fills (a block that keeps coming back) left their
-// records behind forever, 16 bytes each.
+// One or two bounded FIFO sets of key fingerprints (ghost entries): each list holds the `cap` fingerprints added to
+// it last, a re-add (to either list) counting as the latest of the list it is added to. ARC keeps its two ghost
+// lists in one object, so that an insert finds out in one probe whether, and in which list, a key is a ghost.
+//
+// One open-addressing table (linear probing, backward-shift deletion) serves all lists: 8 bytes a slot, a 32-bit
+// tag of the fingerprint and a 32-bit stamp (the list in the low bit, that list's sequence number of the latest add
+// above it), so a table of a 32,768-block tier's two ghost lists fits in 1 MiB. Each list's FIFO holds (tag, stamp)
+// records; a record whose tag was re-added or removed since is stale and skipped when it reaches the front. Stale
+// records are also dropped in a sweep whenever a list's records outnumber twice its cap plus kSlack: without it,
+// entries removed before the FIFO fills (a block that keeps coming back) left their records behind forever.
+//
+// Fingerprints are compared by their 32-bit tags: two fingerprints that share a tag count as one ghost (one such
+// pair in about 2^32 / cap lookups), which only shifts an adaptive policy's guess, never correctness. Sequence
+// numbers wrap at 2^31; a record can match only a slot of its own list, and a list's records are at most 2 * cap +
+// kSlack of its adds old, so a wrapped stamp never meets a stale record while cap < 2^29.
 class GhostFifo {
  public:
-  explicit GhostFifo(std::size_t cap) : cap_(std::max<std::size_t>(cap, 1)) {}
-  void add(std::uint64_t h) {
-    const std::uint64_t seq = ++seq_;
-    put(h, seq);
-    fifo_.emplace_back(h, seq);
-    while (size_ > cap_) pop_oldest();
-    if (fifo_.size() > 2 * cap_ + kSlack) drop_stale_records();
-  }
-  bool contains(std::uint64_t h) const { return find(h) != kAbsent; }
-  bool remove(std::uint64_t h) {
-    const std::size_t i = find(h);
-    if (i == kAbsent) return false;
-    erase_at(i);
-    return true;
-  }
-  std::size_t size() const { return size_; }
-  // Records in the FIFO, stale ones included: at most 2 * cap + kSlack after any call.
-  std::size_t records() const { return fifo_.size(); }
+  static constexpr int kMaxLists = 2;
+  static constexpr int kNotFound = -1;
   static constexpr std::size_t kSlack = 64;
-  void pop_oldest() {
-    while (!fifo_.empty()) {
-      auto [h, seq] = fifo_.front();
-      fifo_.pop_front();
-      const std::size_t i = find(h);
-      if (i != kAbsent && slots_[i].seq == seq) {
+
+  // Lists 0 and 1, `cap` fingerprints each (a caller that needs one list uses list 0 only).
+  explicit GhostFifo(std::size_t cap) : cap_(std::max<std::size_t>(cap, 1)) {}
+
+  void add(std::uint64_t h, int list = 0) {
+    const std::uint32_t t = tag(h);
+    std::uint32_t& seq = seq_[list];
+    seq = (seq + 1) & 0x7FFFFFFFu;
+    if (seq == 0) seq = 1;
+    const std::uint32_t stamp = (seq << 1) | static_cast<std::uint32_t>(list);
+    put(t, stamp);
+    fifo_[list].emplace_back(t, stamp);
+    while (size_[list] > cap_) pop_oldest(list);
+    if (fifo_[list].size() > 2 * cap_ + kSlack) drop_stale_records(list);
+  }
+  bool contains(std::uint64_t h) const { return find(tag(h)) != kAbsent; }
+  // Removes the fingerprint; returns the list it was in, or kNotFound.
+  int take(std::uint64_t h) {
+    const std::size_t i = find(tag(h));
+    if (i == kAbsent) return kNotFound;
+    const int list = static_cast<int>(slots_[i].stamp & 1u);
+    erase_at(i);
+    return list;
+  }
+  bool remove(std::uint64_t h) { return take(h) != kNotFound; }
+  std::size_t size(int list = 0) const { return size_[list]; }
+  // A list's records, stale ones included: at most 2 * cap + kSlack after any call.
+  std::size_t records(int list = 0) const { return fifo_[list].size(); }
+
+ private:
+  struct Slot {
+    std::uint32_t tag = 0;
+    std::uint32_t stamp = 0;  // 0: empty (sequence numbers start at 1)
+  };
+  using Record = std::pair<std::uint32_t, std::uint32_t>;  // (tag, stamp)
+  static constexpr std::size_t kAbsent = SIZE_MAX;
+  static std::uint32_t tag(std::uint64_t h) { return static_cast<std::uint32_t>(h ^ (h >> 32)); }
+  std::size_t home(std::uint32_t t) const {
+    return static_cast<std::size_t>((std::uint64_t{t} * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+  std::size_t find(std::uint32_t t) const {
+    if (slots_.empty()) return kAbsent;
+    const std::size_t mask = slots_.size() - 1;
+    for (std::size_t i = home(t);; i = (i + 1) & mask) {
+      if (slots_[i].stamp == 0) return kAbsent;
+      if (slots_[i].tag == t) return i;
+    }
+  }
+  void put(std::uint32_t t, std::uint32_t stamp) {
+    if ((total() + 1) * 2 > slots_.size()) grow();
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t i = home(t);
+    while (slots_[i].stamp != 0 && slots_[i].tag != t) i = (i + 1) & mask;
+    if (slots_[i].stamp != 0) --size_[slots_[i].stamp & 1u];
+    ++size_[stamp & 1u];
+    slots_[i] = Slot{t, stamp};
+  }
+  void pop_oldest(int list) {
+    auto& fifo = fifo_[list];
+    while (!fifo.empty()) {
+      const auto [t, stamp] = fifo.front();
+      fifo.pop_front();
+      const std::size_t i = find(t);
+      if (i != kAbsent && slots_[i].stamp == stamp) {
         erase_at(i);
         return;
       }
     }
   }
-
- private:
-  struct Slot {
-    std::uint64_t h = 0;
-    std::uint64_t seq = 0;  // 0: empty (sequence numbers start at 1)
-  };
-  static constexpr std::size_t kAbsent = SIZE_MAX;
-  std::size_t home(std::uint64_t h) const { return static_cast<std::size_t>((h * 0x9E3779B97F4A7C15ull) >> shift_); }
-  std::size_t find(std::uint64_t h) const {
-    if (slots_.empty()) return kAbsent;
-    const std::size_t mask = slots_.size() - 1;
-    for (std::size_t i = home(h);; i = (i + 1) & mask) {
-      if (slots_[i].seq == 0) return kAbsent;
-      if (slots_[i].h == h) return i;
-    }
-  }
-  void put(std::uint64_t h, std::uint64_t seq) {
-    if ((size_ + 1) * 2 > slots_.size()) grow();
-    const std::size_t mask = slots_.size() - 1;
-    std::size_t i = home(h);
-    while (slots_[i].seq != 0 && slots_[i].h != h) i = (i + 1) & mask;
-    if (slots_[i].seq == 0) ++size_;
-    slots_[i] = Slot{h, seq};
-  }
   // Empties slot i and moves later entries of its probe run back, so that lookups need no tombstones.
   void erase_at(std::size_t i) {
+    --size_[slots_[i].stamp & 1u];
     const std::size_t mask = slots_.size() - 1;
-    for (std::size_t j = (i + 1) & mask; slots_[j].seq != 0; j = (j + 1) & mask) {
-      const std::size_t k = home(slots_[j].h);
+    for (std::size_t j = (i + 1) & mask; slots_[j].stamp != 0; j = (j + 1) & mask) {
+      const std::size_t k = home(slots_[j].tag);
       // slots_[j] may move to i when its home is not cyclically within (i, j].
       if (((j - k) & mask) >= ((j - i) & mask)) {
         slots_[i] = slots_[j];
@@ -87,35 +113,35 @@ class GhostFifo {
       }
     }
     slots_[i] = Slot{};
-    --size_;
   }
-  // Keeps the records that are their fingerprint's latest add (the live ones), in order: O(records), paid for
-  // by the at least cap + kSlack adds that made the stale ones.
-  void drop_stale_records() {
-    std::deque<std::pair<std::uint64_t, std::uint64_t>> live;
-    for (const auto& [h, seq] : fifo_) {
-      const std::size_t i = find(h);
-      if (i != kAbsent && slots_[i].seq == seq) live.emplace_back(h, seq);
+  // Keeps the list's records that are their tag's latest add (the live ones), in order: O(records), paid for by
+  // the at least cap + kSlack adds that made the stale ones.
+  void drop_stale_records(int list) {
+    std::deque<Record> live;
+    for (const auto& [t, stamp] : fifo_[list]) {
+      const std::size_t i = find(t);
+      if (i != kAbsent && slots_[i].stamp == stamp) live.emplace_back(t, stamp);
     }
-    fifo_.swap(live);
+    fifo_[list].swap(live);
   }
+  std::size_t total() const { return size_[0] + size_[1]; }
   void grow() {
     std::vector<Slot> old = std::move(slots_);
     const std::size_t n = std::max<std::size_t>(16, old.size() * 2);
     slots_.assign(n, Slot{});
     shift_ = 64;
     for (std::size_t v = n; v > 1; v >>= 1) --shift_;
-    size_ = 0;
+    size_[0] = size_[1] = 0;
     for (const Slot& s : old)
-      if (s.seq != 0) put(s.h, s.seq);
+      if (s.stamp != 0) put(s.tag, s.stamp);
   }
 
   std::size_t cap_;
-  std::uint64_t seq_ = 0;
-  std::size_t size_ = 0;
+  std::uint32_t seq_[kMaxLists] = {0, 0};
+  std::size_t size_[kMaxLists] = {0, 0};
   int shift_ = 64;
   std::vector<Slot> slots_;
-  std::deque<std::pair<std::uint64_t, std::uint64_t>> fifo_;
+  std::deque<Record> fifo_[kMaxLists];
 };
 
 }  // namespace kvtier::cache

@@ -1,6 +1,6 @@
 // GhostFifo (cache/ghost_fifo.h), the ghost entries of the S3-FIFO and ARC policies: a FIFO set of the `cap`
-// fingerprints added last, against a reference model under random adds, re-adds and removals; and its memory,
-// which must stay bounded when entries are removed before the FIFO fills.
+// fingerprints added last, against a reference model under random adds, re-adds and removals, with one list and
+// with two; and its memory, which must stay bounded when entries are removed before the FIFO fills.
 #include "cache/ghost_fifo.h"
 
 #include <gtest/gtest.h>
@@ -82,6 +82,41 @@ TEST(GhostFifo, RecordsStayBoundedWhenEntriesComeBackBeforeTheFifoFills) {
   EXPECT_EQ(ghost.size(), 1u);
   EXPECT_TRUE(ghost.contains(42));
   EXPECT_LE(ghost.records(), 2 * kCap + GhostFifo::kSlack);
+}
+
+// ARC's two ghost lists in one object: each list is its own FIFO of `cap`, a fingerprint lives in one list at a
+// time (an add to the other list moves it there), and take() names the list it was found in.
+TEST(GhostFifo, TwoListsMatchTwoReferencesWithMovesBetweenThem) {
+  for (std::size_t cap : {1u, 5u, 200u}) {
+    SCOPED_TRACE(cap);
+    std::mt19937_64 rng(cap + 1000);
+    GhostFifo ghost(cap);
+    ReferenceGhost ref[2] = {ReferenceGhost(cap), ReferenceGhost(cap)};
+    const std::uint64_t universe = 4 * cap + 5;
+    for (int op = 0; op < 100000; ++op) {
+      const std::uint64_t h = rng() % universe * 0x9E3779B97F4A7C15ull;
+      const int list = static_cast<int>(rng() % 2);
+      switch (rng() % 3) {
+        case 0:
+          ghost.add(h, list);
+          ref[1 - list].remove(h);
+          ref[list].add(h);
+          break;
+        case 1: {
+          const int want = ref[0].contains(h) ? 0 : ref[1].contains(h) ? 1 : GhostFifo::kNotFound;
+          ref[0].remove(h);
+          ref[1].remove(h);
+          ASSERT_EQ(ghost.take(h), want) << "op " << op;
+          break;
+        }
+        default: ASSERT_EQ(ghost.contains(h), ref[0].contains(h) || ref[1].contains(h)) << "op " << op;
+      }
+      for (int l = 0; l < 2; ++l) {
+        ASSERT_EQ(ghost.size(l), ref[l].size()) << "op " << op << " list " << l;
+        ASSERT_LE(ghost.records(l), 2 * cap + GhostFifo::kSlack) << "op " << op << " list " << l;
+      }
+    }
+  }
 }
 
 }  // namespace
