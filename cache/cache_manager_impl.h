@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cache/key_index.h"
+#include "cache/large_table.h"
 #include "cache/use_history.h"
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/metrics/kv_events.h"
@@ -117,7 +118,7 @@ struct CacheManager::Impl {
   std::array<BlockPool, kNumTiers> pools;
   std::array<std::unique_ptr<EvictionPolicy>, kNumTiers> policy;
   std::array<std::vector<NodeId>, kNumTiers> owner;
-  std::vector<Node> nodes;
+  LargeTable<Node> nodes;
   std::vector<NodeId> free_nodes;
   KeyIndex map;
   std::unordered_map<AdmissionId, AdmissionRec> admissions;

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "cache/large_table.h"
+
 namespace kvtier::cache {
 
 // One or two bounded FIFO sets of key fingerprints (ghost entries): each list holds the `cap` fingerprints added to
@@ -126,7 +128,7 @@ class GhostFifo {
   }
   std::size_t total() const { return size_[0] + size_[1]; }
   void grow() {
-    std::vector<Slot> old = std::move(slots_);
+    LargeTable<Slot> old = std::move(slots_);
     const std::size_t n = std::max<std::size_t>(16, old.size() * 2);
     slots_.assign(n, Slot{});
     shift_ = 64;
@@ -140,7 +142,7 @@ class GhostFifo {
   std::uint32_t seq_[kMaxLists] = {0, 0};
   std::size_t size_[kMaxLists] = {0, 0};
   int shift_ = 64;
-  std::vector<Slot> slots_;
+  LargeTable<Slot> slots_;
   std::deque<Record> fifo_[kMaxLists];
 };
 

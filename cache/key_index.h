@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "cache/large_table.h"
 #include "kvtier/backend/eviction_policy.h"
 #include "kvtier/cache/block_key.h"
 
@@ -79,14 +80,14 @@ class OpenKeyTable {
     return slots_[i].value;
   }
   void rehash(std::size_t cap) {
-    std::vector<Slot> old = std::move(slots_);
+    LargeTable<Slot> old = std::move(slots_);
     slots_.assign(cap, Slot{});
     mask_ = cap - 1;
     size_ = 0;
     for (const Slot& s : old)
       if (!Traits::is_free(s.value)) insert(s.key, s.value);
   }
-  std::vector<Slot> slots_;
+  LargeTable<Slot> slots_;
   std::size_t mask_ = 0;
   std::size_t size_ = 0;
 };

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache/large_table.h"
 #include "kvtier/cache/block_key.h"
 
 namespace kvtier::cache {
@@ -45,7 +46,7 @@ class UseHistory {
   }
 
  private:
-  std::vector<std::uint32_t> slots_;
+  LargeTable<std::uint32_t> slots_;
   std::size_t mask_ = 0;
   std::size_t ops_ = 0;
 };
