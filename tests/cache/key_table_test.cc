@@ -1,13 +1,16 @@
 // The cache manager's open-addressing key tables (cache/key_index.h) against std::unordered_map under random
 // inserts, lookups and erases, with keys made to collide so that probe runs are long, wrap around the table's
-// end and are closed up by backward-shift deletion.
+// end and are closed up by backward-shift deletion. And LargeTable (cache/large_table.h), the vector these tables
+// live in, across the size where it switches to huge-page allocations.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <random>
 #include <unordered_map>
 #include <vector>
 
 #include "cache/key_index.h"
+#include "cache/large_table.h"
 
 namespace kvtier::cache {
 namespace {
@@ -111,6 +114,27 @@ TEST(OpenKeyTable, CountsUpAndDownLikeAReferenceMap) {
       EXPECT_EQ(c->count, it->second.count);
     }
   }
+}
+
+// Growth past one huge page moves the elements from a standard allocation to an aligned one (and copies and
+// shrinks move them back): every element must survive each move, and each allocation must be freed by the
+// path that made it (AddressSanitizer reports a mismatch in CI).
+TEST(LargeTable, KeepsItsElementsAcrossTheHugePageThreshold) {
+  constexpr std::size_t kHugeElements = LargeTableAllocator<std::uint64_t>::kHugePage / sizeof(std::uint64_t);
+  LargeTable<std::uint64_t> table;
+  for (std::uint64_t i = 0; i < 3 * kHugeElements; ++i) table.push_back(i * 0x9E3779B97F4A7C15ull);
+  for (std::uint64_t i = 0; i < table.size(); ++i) ASSERT_EQ(table[i], i * 0x9E3779B97F4A7C15ull) << i;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(table.data()) % LargeTableAllocator<std::uint64_t>::kHugePage, 0u);
+#endif
+  LargeTable<std::uint64_t> copy = table;
+  EXPECT_EQ(copy, table);
+  table.resize(16);
+  table.shrink_to_fit();
+  for (std::uint64_t i = 0; i < table.size(); ++i) ASSERT_EQ(table[i], copy[i]);
+  LargeTable<std::uint64_t> assigned(kHugeElements + 1, 7);
+  EXPECT_EQ(assigned.front(), 7u);
+  EXPECT_EQ(assigned.back(), 7u);
 }
 
 }  // namespace
