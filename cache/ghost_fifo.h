@@ -24,8 +24,9 @@ namespace kvtier::cache {
 // records are also dropped in a sweep whenever a list's records outnumber twice its cap plus kSlack: without it,
 // entries removed before the FIFO fills (a block that keeps coming back) left their records behind forever.
 //
-// Fingerprints are compared by their 32-bit tags: two fingerprints that share a tag count as one ghost (one such
-// pair in about 2^32 / cap lookups), which only shifts an adaptive policy's guess, never correctness. Sequence
+// Fingerprints are compared by their 32-bit tags: two fingerprints that share a tag count as one ghost (a lookup
+// finds a false ghost with a probability of about 2 * cap / 2^32), which only shifts an adaptive policy's guess,
+// never correctness. Sequence
 // numbers wrap at 2^31; a record can match only a slot of its own list, and a list's records are at most 2 * cap +
 // kSlack of its adds old, so a wrapped stamp never meets a stale record while cap < 2^29.
 class GhostFifo {
