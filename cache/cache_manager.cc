@@ -596,6 +596,9 @@ CacheStats CacheManager::stats() const {
     out.tiers[t].capacity = s.pools[t].capacity();
     out.tiers[t].used = s.pools[t].num_used();
     out.tiers[t].resident = static_cast<std::uint32_t>(s.policy[t]->size() + s.parked[t].size());
+    const EvictionPolicy::Lead lead = s.policy[t]->lead();
+    out.tiers[t].policy_expert = lead.expert;
+    out.tiers[t].policy_switches = lead.switches;
     out.protected_blocks[t] = static_cast<std::uint32_t>(s.parked[t].size());
   }
   out.queued_requests = static_cast<std::uint32_t>(s.queue_order.size());

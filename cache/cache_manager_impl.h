@@ -576,6 +576,9 @@ struct CacheManager::MetricSeries {
   metrics::Gauge* capacity[kNumTiers] = {};
   metrics::Gauge* resident[kNumTiers] = {};
   metrics::Gauge* index_blocks = nullptr;
+  // Per tier: lead changes of its policy, and one 0/1 gauge per expert (policy_experts) saying which leads.
+  Delta policy_switches[kNumTiers];
+  std::vector<metrics::Gauge*> policy_lead[kNumTiers];
 };
 
 // Ends a public CacheManager call: exports the counters when metrics are attached.

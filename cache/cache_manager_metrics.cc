@@ -48,6 +48,19 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
     KVTIER_ASSIGN_OR_RETURN(m->resident[t],
                             reg.gauge("kvtier_cache_resident_blocks", "Settled copies indexed in a tier.",
                                       metrics::with_labels(labels, {{"tier", tier}})));
+    KVTIER_RETURN_IF_ERROR(counter(m->policy_switches[t], "kvtier_cache_policy_switches_total",
+                                   "Times the lead of a tier's dueling eviction policy changed hands.",
+                                   metrics::with_labels(labels, {{"tier", tier}, {"policy", policies[t]}})));
+    for (const std::string_view expert : policy_experts(policies[t])) {
+      metrics::Gauge* g = nullptr;
+      KVTIER_ASSIGN_OR_RETURN(
+          g, reg.gauge("kvtier_cache_policy_lead",
+                       "1 for the expert whose order a tier's eviction policy follows now (a duel's; any other "
+                       "policy is its own one expert), 0 for the others.",
+                       metrics::with_labels(
+                           labels, {{"tier", tier}, {"policy", policies[t]}, {"expert", std::string(expert)}})));
+      m->policy_lead[t].push_back(g);
+    }
   }
   KVTIER_RETURN_IF_ERROR(
       counter(m->moved_device, "kvtier_cache_evictions_total",
@@ -115,6 +128,11 @@ void CacheManager::export_metrics() {
     m.used[t]->set(s.tiers[t].used);
     m.capacity[t]->set(s.tiers[t].capacity);
     m.resident[t]->set(s.tiers[t].resident);
+    m.policy_switches[t].to(s.tiers[t].policy_switches);
+    // An expert named twice in a duel is one series (the registry's): 1 when either place leads.
+    const auto& lead = m.policy_lead[t];
+    const metrics::Gauge* leader = s.tiers[t].policy_expert < lead.size() ? lead[s.tiers[t].policy_expert] : nullptr;
+    for (metrics::Gauge* g : lead) g->set(g == leader ? 1.0 : 0.0);
   }
   m.received.to(s.received_blocks);
   m.received_loaded.to(s.received_loaded_blocks);

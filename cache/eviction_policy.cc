@@ -492,6 +492,7 @@ class DuelingPolicy final : public EvictionPolicy {
   std::size_t size() const override { return real_[0]->size(); }
   bool contains(NodeId n) const override { return real_[0]->contains(n); }
   std::size_t leader() const { return leader_; }
+  Lead lead() const override { return {static_cast<std::uint32_t>(leader_), switches_}; }
 
   // The shadows' hits are averaged over about this many accesses per block of capacity; no switch before that many.
   static constexpr double kWindowPerBlock = 10.0;
@@ -509,6 +510,7 @@ class DuelingPolicy final : public EvictionPolicy {
     std::size_t best = leader_;
     for (std::size_t i = 0; i < score_.size(); ++i)
       if (score_[i] > score_[best]) best = i;
+    if (best != leader_) ++switches_;
     leader_ = best;
   }
   std::string name_;
@@ -518,21 +520,30 @@ class DuelingPolicy final : public EvictionPolicy {
   double window_ = 1, decay_ = 0;
   std::uint64_t observed_ = 0;
   std::size_t leader_ = 0;
+  std::uint64_t switches_ = 0;
   int sample_shift_ = 0;
 };
 
 }  // namespace
 
-std::string_view lower_tier_policy(std::string_view policy) {
-  std::string_view experts;
+std::vector<std::string_view> policy_experts(std::string_view policy) {
+  std::string_view list;
   if (policy == "adaptive")
-    experts = kAdaptiveExperts;
+    list = kAdaptiveExperts;
   else if (policy.substr(0, 5) == "duel:")
-    experts = policy.substr(5);
+    list = policy.substr(5);
   else
-    return policy;
-  return experts.substr(0, experts.find('+'));
+    return {policy};
+  std::vector<std::string_view> experts;
+  for (std::size_t at = 0; at <= list.size();) {
+    const std::size_t plus = std::min(list.find('+', at), list.size());
+    experts.push_back(list.substr(at, plus - at));
+    at = plus + 1;
+  }
+  return experts;
 }
+
+std::string_view lower_tier_policy(std::string_view policy) { return policy_experts(policy).front(); }
 
 Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,
                                                     NextUseOracle oracle) {
@@ -545,27 +556,25 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::
     return std::unique_ptr<EvictionPolicy>(new BeladyPolicy(std::move(oracle)));
   }
   if (name == "adaptive" || name.substr(0, 5) == "duel:") {
-    const std::string_view list = name == "adaptive" ? kAdaptiveExperts : name.substr(5);
-    std::vector<std::unique_ptr<EvictionPolicy>> real, shadow;
-    for (std::size_t at = 0; at <= list.size();) {
-      const std::size_t plus = std::min(list.find('+', at), list.size());
-      const std::string_view expert = list.substr(at, plus - at);
+    const std::vector<std::string_view> experts = policy_experts(name);
+    for (const std::string_view expert : experts)
       if (expert.empty() || expert == "adaptive" || expert.substr(0, 5) == "duel:" || expert == "belady")
         return InvalidArgument(
             fmt::format("policy '{}': '{}' cannot be an expert (an online policy of make_policy: "
                         "lru, s3fifo, sieve, arc, lrfu[:boost])",
                         name, expert));
+    // Counted before any is built: each expert costs an order and a shadow of the tier.
+    if (experts.size() < 2 || experts.size() > kMaxDuelExperts)
+      return InvalidArgument(
+          fmt::format("policy '{}': {} experts; a duel takes 2 to {}", name, experts.size(), kMaxDuelExperts));
+    std::vector<std::unique_ptr<EvictionPolicy>> real, shadow;
+    for (const std::string_view expert : experts)
       for (auto* side : {&real, &shadow}) {
         auto made = make_policy(expert, capacity);
         if (!made.ok())
           return Status(made.status().code(), fmt::format("policy '{}': {}", name, made.status().message()));
         side->push_back(std::move(made).value());
       }
-      at = plus + 1;
-    }
-    if (real.size() < 2 || real.size() > kMaxDuelExperts)
-      return InvalidArgument(
-          fmt::format("policy '{}': {} experts; a duel takes 2 to {}", name, real.size(), kMaxDuelExperts));
     return std::unique_ptr<EvictionPolicy>(
         new DuelingPolicy(std::string(name), std::move(real), std::move(shadow), capacity));
   }

@@ -493,6 +493,8 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   res.device_blocks = cache->config().device_blocks;
   res.host_blocks = cache->config().host_blocks;
   res.storage_blocks = cache->config().storage_blocks;
+  if (const std::size_t experts = policy_experts(cache->config().device_policy).size(); experts > 1)
+    res.device_lead_requests.assign(experts, 0);
   const std::uint32_t bt = o.block_tokens;
   // One request through the cache: admit (after a storage prefetch of its prefix), load, commit, release.
   // hit_tokens: its input tokens served from the cache (what prefill skips).
@@ -568,6 +570,10 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       KVTIER_RETURN_IF_ERROR(cache->release(adm->id));
     }
     KVTIER_RETURN_IF_ERROR(drive(0));
+    if (!res.device_lead_requests.empty()) {
+      const std::uint32_t lead = cache->stats().tiers[static_cast<int>(Tier::kDevice)].policy_expert;
+      if (lead < res.device_lead_requests.size()) ++res.device_lead_requests[lead];
+    }
     if (o.on_request) {
       res.bytes_d2h = plan_d2h * o.block_bytes;
       res.bytes_h2d = plan_h2d * o.block_bytes;
@@ -606,6 +612,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   res.failed_transfers = cs.failed_transfers;
   res.storage_writes = cs.storage_writes;
   res.storage_prefetches = cs.storage_prefetches;
+  res.device_policy_switches = cs.tiers[static_cast<int>(Tier::kDevice)].policy_switches;
   if (real) {
     res.bytes_to_storage = real->storage().bytes_written();
     res.bytes_from_storage = real->storage().bytes_read();

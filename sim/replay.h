@@ -209,6 +209,10 @@ struct ReplayResult {
   // last completion), and requests announced (look-ahead).
   double mean_queue_depth = 0, mean_wait_s = 0, simulated_seconds = 0;
   std::uint64_t max_queue_depth = 0, announced_requests = 0;
+  // The device tier's policy when it is a duel (policy_experts of `policy` has more than one): requests served
+  // while each expert led, in that order, and the lead's changes over the replay. Empty and 0 otherwise.
+  std::vector<std::uint64_t> device_lead_requests;
+  std::uint64_t device_policy_switches = 0;
 
   std::uint64_t hit_blocks() const { return device_hit_blocks + host_hit_blocks + storage_hit_blocks; }
   double hit_ratio() const { return total_blocks ? double(hit_blocks()) / double(total_blocks) : 0.0; }

@@ -189,7 +189,8 @@ cache::RequestHints request_hints(std::uint64_t conversation_id, const std::stri
   return h;
 }
 
-// A CacheManager's tiers as {"device": {capacity, used, resident}, "host": ..., "storage": ...} in `d`.
+// A CacheManager's tiers as {"device": {capacity, used, resident, policy_expert, policy_switches}, "host": ...,
+// "storage": ...} in `d`.
 
 void put_tier_stats(nb::dict& d, const cache::CacheStats& s) {
   for (int t = 0; t < cache::kNumTiers; ++t) {
@@ -197,6 +198,8 @@ void put_tier_stats(nb::dict& d, const cache::CacheStats& s) {
     td["capacity"] = s.tiers[t].capacity;
     td["used"] = s.tiers[t].used;
     td["resident"] = s.tiers[t].resident;
+    td["policy_expert"] = s.tiers[t].policy_expert;
+    td["policy_switches"] = s.tiers[t].policy_switches;
     d[std::string(cache::tier_name(static_cast<cache::Tier>(t))).c_str()] = td;
   }
 }

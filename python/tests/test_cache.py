@@ -60,7 +60,8 @@ def test_admit_plan_ack_and_prefix_hits():
 
 
 def test_eviction_policies_by_name():
-    """The default device policy is the lrfu/arc duel; any duel of online policies is accepted, a bad one is named."""
+    """The default device policy is the lrfu/arc duel; any duel of online policies is accepted, a bad one is named;
+    stats() says which expert leads."""
     h = kvtier.KeyHasher("m", block_tokens=2)
     for kwargs in ({}, {"device_policy": "duel:lru+sieve+lrfu:50"}):
         cm = kvtier.CacheManager(device_blocks=4, **kwargs)
@@ -70,6 +71,8 @@ def test_eviction_policies_by_name():
             cm.release(a["id"])
         assert cm.match(h.keys_for([500, 501, 502, 503]))["device_blocks"] == 2
         cm.check_invariants()
+        device = cm.stats()["device"]  # a duel's lead: its first expert until its window of accesses has passed
+        assert (device["policy_expert"], device["policy_switches"]) == (0, 0)
     for bad, says in (("duel:lru", "1 experts"), ("duel:lru+belady", "'belady'"), ("duel:lru+x", "'x'")):
         with pytest.raises(kvtier.InvalidArgumentError, match=says):
             kvtier.CacheManager(device_blocks=4, device_policy=bad)

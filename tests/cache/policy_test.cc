@@ -288,6 +288,35 @@ TEST(Policy, DuelFollowsTheExpertThatSuitsTheTraffic) {
   EXPECT_GT(hits_hot_set_and_scans("adaptive", cap), 2 * hits_hot_set_and_scans("lru", cap));
 }
 
+// A duel reports which expert leads and how often the lead changed hands (CacheStats, metrics): on the shifting
+// working sets it starts on its first expert (lrfu, counts) and hands the lead to lru; a policy that is no duel
+// reports {0, 0}.
+TEST(Policy, DuelReportsItsLead) {
+  const std::uint32_t cap = 200;
+  CountingCache c("duel:lrfu:1000000+lru", cap);
+  EXPECT_EQ(c.policy->lead().expert, 0u);
+  EXPECT_EQ(c.policy->lead().switches, 0u);
+  for (int pass = 0; pass < 16; ++pass)
+    for (std::uint64_t k = 0; k < cap; ++k) c.access(k);
+  for (std::uint64_t set = 1; set <= 100; ++set)
+    for (int pass = 0; pass < 4; ++pass)
+      for (std::uint64_t k = 0; k < cap / 2; ++k) c.access((set << 32) + k);
+  EXPECT_EQ(c.policy->lead().expert, 1u);
+  EXPECT_GE(c.policy->lead().switches, 1u);
+  CountingCache plain("lru", cap);
+  for (std::uint64_t k = 0; k < 4 * cap; ++k) plain.access(k % (2 * cap));
+  EXPECT_EQ(plain.policy->lead().expert, 0u);
+  EXPECT_EQ(plain.policy->lead().switches, 0u);
+}
+
+TEST(Policy, ExpertsOfAPolicyName) {
+  using V = std::vector<std::string_view>;
+  EXPECT_EQ(policy_experts("adaptive"), (V{"lrfu", "arc"}));
+  EXPECT_EQ(policy_experts("duel:lrfu:50+sieve+lru"), (V{"lrfu:50", "sieve", "lru"}));
+  EXPECT_EQ(policy_experts("duel:lru++arc"), (V{"lru", "", "arc"}));
+  EXPECT_EQ(policy_experts("s3fifo"), (V{"s3fifo"}));
+}
+
 // A tier below the first that follows a duel takes the duel's first expert (its shadows need the requests' accesses).
 TEST(Policy, LowerTierPolicyOfADuelIsItsFirstExpert) {
   EXPECT_EQ(lower_tier_policy("adaptive"), "lrfu");
@@ -315,6 +344,10 @@ TEST(Policy, DuelNamesAreChecked) {
   refused("duel:lru+nope", "'nope'");
   refused("duel:lru+lrfu:x", "boost 'x'");
   refused("duel:lru+arc+sieve+s3fifo+lrfu", "5 experts");
+  // Counted before any expert is built.
+  std::string many = "duel:lru";
+  for (int i = 0; i < 100000; ++i) many += "+lru";
+  refused(many, "100001 experts");
 }
 
 // Copies that re-enter the policy without a request using them (an announcement's protection ended) do not count as

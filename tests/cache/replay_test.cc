@@ -93,6 +93,26 @@ TEST(Replay, TheHostTierFollowsADuelWithItsFirstExpert) {
   EXPECT_EQ(one_tier->host_policy, "");
 }
 
+// A dueling device policy's lead over the replay: every request counted under the expert that led when it was
+// served, and the lead's changes (lru leads first here, lrfu's counts take over); none for a policy of one expert.
+TEST(Replay, ReportsWhichExpertOfADuelLed) {
+  ReplayOptions o;
+  o.device_blocks = 300;
+  o.policy = "duel:lru+lrfu";
+  auto r = replay_trace(sample(), o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  ASSERT_EQ(r->device_lead_requests.size(), 2u);
+  EXPECT_EQ(r->device_lead_requests[0] + r->device_lead_requests[1], r->requests);
+  EXPECT_GT(r->device_lead_requests[0], 0u);
+  EXPECT_GT(r->device_lead_requests[1], 0u);
+  EXPECT_GE(r->device_policy_switches, 1u);
+  o.policy = "lru";
+  auto plain = replay_trace(sample(), o);
+  ASSERT_TRUE(plain.ok()) << plain.status().to_string();
+  EXPECT_TRUE(plain->device_lead_requests.empty());
+  EXPECT_EQ(plain->device_policy_switches, 0u);
+}
+
 TEST(Replay, TwoTiersWithInvariantChecksAndInjectedFailures) {
   ReplayOptions o;
   o.device_blocks = 300;

@@ -337,6 +337,20 @@ TEST(CacheMetrics, SeriesFollowTheManagersStats) {
   EXPECT_TRUE(has("kvtier_cache_pool_used_blocks{engine=\"e0\",tier=\"device\"} " + num(s.tiers[0].used))) << text;
   EXPECT_TRUE(has("kvtier_cache_pool_capacity_blocks{engine=\"e0\",tier=\"host\"} 8")) << text;
   EXPECT_TRUE(has("kvtier_cache_index_blocks{engine=\"e0\"} " + num(s.nodes))) << text;
+  // The device tier's duel: a 0/1 series per expert for the one that leads, and its lead changes; the host tier's
+  // lru is its own one expert.
+  ASSERT_EQ(cfg.device_policy, "adaptive");
+  EXPECT_EQ(s.tiers[0].policy_expert, 0u);  // lrfu: a few dozen accesses are no window
+  EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"device\",policy=\"adaptive\",expert=\"lrfu\"} 1"))
+      << text;
+  EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"device\",policy=\"adaptive\",expert=\"arc\"} 0"))
+      << text;
+  EXPECT_TRUE(has("kvtier_cache_policy_switches_total{engine=\"e0\",tier=\"device\",policy=\"adaptive\"} " +
+                  num(s.tiers[0].policy_switches)))
+      << text;
+  EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"host\",policy=\"" + cfg.host_policy + "\",expert=\"" +
+                  cfg.host_policy + "\"} 1"))
+      << text;
 }
 
 }  // namespace

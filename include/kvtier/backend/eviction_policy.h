@@ -49,6 +49,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "kvtier/cache/block_key.h"
 #include "kvtier/core/status.h"
@@ -106,6 +107,15 @@ class EvictionPolicy {
   virtual NodeId victim(FunctionRef<bool(NodeId)> evictable) = 0;
   virtual std::size_t size() const = 0;
   virtual bool contains(NodeId n) const = 0;
+
+  // For a policy that follows one of several experts (duel:A+B..., adaptive): the expert whose order picks victims
+  // now (its position in policy_experts(name()), 0 first) and how many times the lead has changed hands. Other
+  // policies: {0, 0}. For operators: which policy the traffic favours, and whether it keeps changing its mind.
+  struct Lead {
+    std::uint32_t expert = 0;
+    std::uint64_t switches = 0;
+  };
+  virtual Lead lead() const { return {}; }
 };
 
 inline constexpr double kDefaultLrfuBoost = 500.0;
@@ -118,6 +128,10 @@ inline constexpr std::size_t kMaxDuelExperts = 4;
 // tier sees (a host tier's inserts are demotions); any other policy itself. On the conversation trace with both
 // tiers dueling, 4,000 device + 12,000 host blocks hit 0.2515 against 0.2699 with lrfu below.
 std::string_view lower_tier_policy(std::string_view policy);
+
+// The experts of a duel ("adaptive": lrfu, arc; "duel:A+B": A, B), in order; any other policy: itself alone. Names
+// are not checked (make_policy does).
+std::vector<std::string_view> policy_experts(std::string_view policy);
 
 // `capacity` is the tier's size in blocks (S3-FIFO and ARC size their queues by it).
 Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::uint32_t capacity,

@@ -283,6 +283,10 @@ struct TierStats {
   std::uint32_t capacity = 0;
   std::uint32_t used = 0;
   std::uint32_t resident = 0;  // settled copies indexed in this tier
+  // The tier's eviction policy (EvictionPolicy::lead): for a duel, the expert whose order evicts now (its position in
+  // policy_experts(policy)) and how many times the lead has changed hands; 0 and 0 for other policies.
+  std::uint32_t policy_expert = 0;
+  std::uint64_t policy_switches = 0;
 };
 
 struct CacheStats {
