@@ -170,6 +170,9 @@ TEST(Policy, EveryPolicyFindsTheOnlyEvictableNodes) {
     // frequency has decayed.
     for (int i = 0; i < 3; ++i) p->touch(3, at(70 + i, &k[3]));
     EXPECT_EQ(p->victim([](NodeId n) { return n == 3; }), 3u) << name;
+    // lead() names one of the policy's experts (a policy that is no duel is its own one expert, never switching).
+    EXPECT_LT(p->lead().expert, policy_experts(name).size()) << name;
+    if (policy_experts(name).size() == 1) EXPECT_EQ(p->lead().switches, 0u) << name;
   }
 }
 
