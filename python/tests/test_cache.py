@@ -60,7 +60,7 @@ def test_admit_plan_ack_and_prefix_hits():
 
 
 def test_eviction_policies_by_name():
-    """The default device policy is the lrfu/arc duel; any duel of online policies is accepted, a bad one is named;
+    """The default device policy is the lrfu/arc/lru duel; any duel of online policies is accepted, a bad one is named;
     stats() says which expert leads."""
     h = kvtier.KeyHasher("m", block_tokens=2)
     for kwargs in ({}, {"device_policy": "duel:lru+sieve+lrfu:50"}):

@@ -226,7 +226,7 @@ TEST(Replay, SweepTablesAndPlot) {
 // CacheConfig's default policy, a multiplier cap too small to reach MIN, and bad input named.
 TEST(Replay, SweepDefaultAndBadInput) {
   ReplayOptions o;
-  SweepOptions so;  // no default named: CacheConfig's, lrfu and arc dueling
+  SweepOptions so;  // no default named: CacheConfig's, lrfu, arc and lru dueling
   ASSERT_EQ(CacheConfig{}.device_policy, "adaptive");
   so.max_multiplier = 1.5;
   auto t = sweep(sample(), {250}, {"arc"}, o, so);

@@ -345,6 +345,8 @@ TEST(CacheMetrics, SeriesFollowTheManagersStats) {
       << text;
   EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"device\",policy=\"adaptive\",expert=\"arc\"} 0"))
       << text;
+  EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"device\",policy=\"adaptive\",expert=\"lru\"} 0"))
+      << text;
   EXPECT_TRUE(has("kvtier_cache_policy_switches_total{engine=\"e0\",tier=\"device\",policy=\"adaptive\"} " +
                   num(s.tiers[0].policy_switches)))
       << text;

@@ -30,12 +30,13 @@
 //              10 x capacity accesses (exponentially decayed), and no other before that many accesses. So the tier
 //              follows whichever expert suits the traffic of the moment: on Mooncake's conversation trace lrfu (long
 //              reuse of blocks seen before), on its synthetic trace arc (recency, short reuse of hot blocks), where
-//              each alone loses to the other by up to 30 % (docs/performance.md, "One policy for every trace").
+//              each alone loses to the other by up to 30 %, on sessions whose context grows every turn lru
+//              (docs/performance.md, "One policy for every trace").
 //              From 8,192 blocks the shadows follow a spatial sample of the keys (1 in 2^k, capacity scaled alike,
 //              4,096-8,191 keys). Cost per access: every expert's order, and for a sampled key a probe and the
 //              expert's bookkeeping per shadow; memory: each expert's order of the tier, plus under a MiB per shadow.
 //              Shadows see blocks one by one (no prefix or leaf rule), which ranks experts, not hit ratios.
-//   adaptive   duel:lrfu+arc (kAdaptiveExperts): the CacheManager's default device policy.
+//   adaptive   duel:lrfu+arc+lru (kAdaptiveExperts): the CacheManager's default device policy.
 //   belady     offline optimum: evicts the block whose next use (from an oracle) is farthest, deeper
 //              first on ties. Needs CacheConfig::next_use_oracle.
 //
@@ -120,7 +121,7 @@ class EvictionPolicy {
 
 inline constexpr double kDefaultLrfuBoost = 500.0;
 // The experts of the "adaptive" policy, and the most a duel takes (each costs a shadow cache).
-inline constexpr std::string_view kAdaptiveExperts = "lrfu+arc";
+inline constexpr std::string_view kAdaptiveExperts = "lrfu+arc+lru";
 inline constexpr std::size_t kMaxDuelExperts = 4;
 
 // The policy a tier below the first takes when it follows the first tier's `policy` (kvtier replay's --policy): a
@@ -129,7 +130,7 @@ inline constexpr std::size_t kMaxDuelExperts = 4;
 // tiers dueling, 4,000 device + 12,000 host blocks hit 0.2515 against 0.2699 with lrfu below.
 std::string_view lower_tier_policy(std::string_view policy);
 
-// The experts of a duel ("adaptive": lrfu, arc; "duel:A+B": A, B), in order; any other policy: itself alone. Names
+// The experts of a duel ("adaptive": lrfu, arc, lru; "duel:A+B": A, B), in order; any other policy: itself alone. Names
 // are not checked (make_policy does).
 std::vector<std::string_view> policy_experts(std::string_view policy);
 
