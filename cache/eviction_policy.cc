@@ -491,7 +491,6 @@ class DuelingPolicy final : public EvictionPolicy {
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override { return real_[leader_]->victim(evictable); }
   std::size_t size() const override { return real_[0]->size(); }
   bool contains(NodeId n) const override { return real_[0]->contains(n); }
-  std::size_t leader() const { return leader_; }
   Lead lead() const override { return {static_cast<std::uint32_t>(leader_), switches_}; }
 
   // The shadows' hits are averaged over about this many accesses per block of capacity; no switch before that many.

@@ -58,21 +58,28 @@ bool parse_list(const std::string& s, std::vector<std::string>& out) {
   return !out.empty();
 }
 
-// Per expert of a dueling device policy: the share of requests it led ({} for other policies).
-nlohmann::json lead_shares(const cache::ReplayResult& r) {
-  nlohmann::json shares = nlohmann::json::object();
+// Per expert of a dueling device policy, in order: its name (a view into r.policy) and the share of requests it led.
+// Empty for other policies.
+std::vector<std::pair<std::string_view, double>> lead_shares(const cache::ReplayResult& r) {
+  std::vector<std::pair<std::string_view, double>> shares;
   std::uint64_t all = 0;
   for (std::uint64_t n : r.device_lead_requests) all += n;
   const std::vector<std::string_view> experts = cache::policy_experts(r.policy);
   for (std::size_t e = 0; e < r.device_lead_requests.size() && e < experts.size(); ++e)
-    shares[std::string(experts[e])] = all ? static_cast<double>(r.device_lead_requests[e]) / double(all) : 0.0;
+    shares.emplace_back(experts[e], all ? static_cast<double>(r.device_lead_requests[e]) / double(all) : 0.0);
   return shares;
+}
+
+nlohmann::json lead_shares_json(const cache::ReplayResult& r) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [expert, share] : lead_shares(r)) j[std::string(expert)] = share;
+  return j;
 }
 
 nlohmann::json to_json(const cache::ReplayResult& r) {
   return {{"policy", r.policy},
           {"host_policy", r.host_policy},
-          {"policy_lead_share", lead_shares(r)},
+          {"policy_lead_share", lead_shares_json(r)},
           {"policy_switches", r.device_policy_switches},
           {"device_blocks", r.device_blocks},
           {"host_blocks", r.host_blocks},
@@ -867,12 +874,8 @@ Action register_replay(CLI::App& app) {
                 a.write_policy.c_str());
     if (!r.device_lead_requests.empty()) {
       std::string led;
-      const std::vector<std::string_view> experts = cache::policy_experts(r.policy);
-      std::uint64_t all = 0;
-      for (std::uint64_t n : r.device_lead_requests) all += n;
-      for (std::size_t e = 0; e < r.device_lead_requests.size() && e < experts.size(); ++e)
-        led += fmt::format("{}{} {:.1f} %", led.empty() ? "" : ", ", experts[e],
-                           all ? 100.0 * static_cast<double>(r.device_lead_requests[e]) / double(all) : 0.0);
+      for (const auto& [expert, share] : lead_shares(r))
+        led += fmt::format("{}{} {:.1f} %", led.empty() ? "" : ", ", expert, 100.0 * share);
       std::printf("policy lead      %s of requests, %llu switches\n", led.c_str(),
                   (unsigned long long)r.device_policy_switches);
     }
