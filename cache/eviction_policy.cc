@@ -472,6 +472,8 @@ class DuelingPolicy final : public EvictionPolicy {
     }
     for (auto& expert : shadow) shadows_.emplace_back(std::move(expert), cap);
     score_.assign(real_.size(), 0.0);
+    disagree_.assign(real_.size(), 0);
+    lead_over_leader_.assign(real_.size(), 0);
     window_ = kWindowPerBlock * static_cast<double>(cap);
     decay_ = 1.0 - 1.0 / window_;
   }
@@ -503,18 +505,51 @@ class DuelingPolicy final : public EvictionPolicy {
     if (info.key == nullptr) return;  // nothing to follow it by
     const std::uint64_t fp = fingerprint(info);
     if (sample_shift_ != 0 && ((fp * 0xD6E8FEB86659FD93ull) >> (64 - sample_shift_)) != 0) return;
-    for (std::size_t i = 0; i < shadows_.size(); ++i)
-      score_[i] = score_[i] * decay_ + (shadows_[i].access(*info.key, info) ? 1.0 : 0.0);
-    if (static_cast<double>(++observed_) < window_) return;
+    bool hit[kMaxDuelExperts];
+    for (std::size_t i = 0; i < shadows_.size(); ++i) {
+      hit[i] = shadows_[i].access(*info.key, info);
+      score_[i] = score_[i] * decay_ + (hit[i] ? 1.0 : 0.0);
+    }
+    if (static_cast<double>(++observed_) < window_) {
+      early_switch(hit);
+      return;
+    }
     std::size_t best = leader_;
     for (std::size_t i = 0; i < score_.size(); ++i)
       if (score_[i] > score_[best]) best = i;
     if (best != leader_) ++switches_;
     leader_ = best;
   }
+  // Before the first window has passed the averaged scores say little, but a trace shorter than the window (or a
+  // long first phase) would otherwise keep the first expert throughout. A sign test on the accesses where an expert
+  // and the leader disagree decides early instead: under "no better than the leader" the expert's wins among n
+  // disagreements are Binomial(n, 1/2), so a lead of kEarlyZ standard deviations (sqrt(n)) is evidence, not noise. The
+  // bar is set high (5 and 7 also switched early on traces where the window's average later chose otherwise, and lost
+  // hits there): an early switch must be unmistakable, and the window's rule takes over once it has passed.
+  void early_switch(const bool* hit) {
+    for (std::size_t i = 0; i < shadows_.size(); ++i) {
+      if (i == leader_ || hit[i] == hit[leader_]) continue;
+      ++disagree_[i];
+      lead_over_leader_[i] += hit[i] ? 1 : -1;
+      const double n = static_cast<double>(disagree_[i]);
+      if (disagree_[i] < kEarlyMinDisagreements || lead_over_leader_[i] <= 0 ||
+          static_cast<double>(lead_over_leader_[i]) * static_cast<double>(lead_over_leader_[i]) < kEarlyZ * kEarlyZ * n)
+        continue;
+      leader_ = i;
+      ++switches_;
+      std::fill(disagree_.begin(), disagree_.end(), 0);
+      std::fill(lead_over_leader_.begin(), lead_over_leader_.end(), 0);
+      return;
+    }
+  }
+  static constexpr double kEarlyZ = 10.0;
+  static constexpr std::uint64_t kEarlyMinDisagreements = 256;
+
   std::string name_;
   std::vector<std::unique_ptr<EvictionPolicy>> real_;
   std::vector<ShadowCache> shadows_;
+  std::vector<std::uint64_t> disagree_;         // per expert: accesses where it and the leader disagreed (early)
+  std::vector<std::int64_t> lead_over_leader_;  // per expert: its hits minus the leader's on those accesses
   std::vector<double> score_;
   double window_ = 1, decay_ = 0;
   std::uint64_t observed_ = 0;

@@ -94,9 +94,14 @@ struct PdArgs {
   std::uint64_t pool_bytes = 512ull << 20;  // direct lane: the pool the scattered blocks are taken from, per side
   std::vector<std::string> lane_verifies = {"mover"};  // direct lanes: PdOptions::lane_verify values, a row each
   std::vector<std::uint32_t> inflights = {1};          // direct lanes: transfers in flight, a row each
-  std::uint32_t ring_slots = 4;                        // ring lane
-  std::uint64_t ring_slot_bytes = 0;                   // ring lane: 0 = one layer of a transfer
-  std::vector<std::string> ring_copies = {"auto"};     // ring lane: PdOptions::ring_copy values, a row each
+  // Direct and ring lanes: when the decode counts a transfer done. "reclaimable": its blocks loaded and verified and
+  // the prefill's writes proven over ('F', 'Q'), then forgotten, before the next transfer past the in-flight limit
+  // starts. "final": loaded and verified (what a decode engine waits for before its step); it is forgotten once
+  // reclaimable, after the next one is final, so that exchange overlaps the next transfer's bytes.
+  std::string decode_wait = "reclaimable";
+  std::uint32_t ring_slots = 4;                     // ring lane
+  std::uint64_t ring_slot_bytes = 0;                // ring lane: 0 = one layer of a transfer
+  std::vector<std::string> ring_copies = {"auto"};  // ring lane: PdOptions::ring_copy values, a row each
   int prefill_gpu = -1;  // ring lane: the prefill process on this GPU (CUDA_VISIBLE_DEVICES); -1: the decode's
   // Where host blocks and staging live: "transport" (Transport::allocate_host, what the lane reaches best) or
   // "caller" (plain memory the caller allocated, registered as it is).
@@ -341,6 +346,39 @@ DirectPlan direct_plan(const PdArgs& a, std::uint64_t block_bytes, std::uint32_t
   return p;
 }
 
+// Destination lists a run needs: one per transfer in flight, and one more when the decode forgets a transfer only
+// after the next one is final (--decode-wait final), so no block is the destination of two unforgotten transfers.
+std::uint32_t plan_lists(const PdArgs& a) { return a.inflight + (a.decode_wait == "final" ? 1 : 0); }
+
+// --decode-wait final: a transfer final on the decode side is waited on until reclaimable and forgotten only after
+// the next one is final (or at the end), so the 'F' / 'Q' exchange that makes it reclaimable overlaps the next
+// transfer instead of preceding it.
+class DeferredForget {
+ public:
+  DeferredForget(std::function<Result<transport::DecodeStatus>(transport::TransferId)> wait_reclaimable,
+                 std::function<Status(transport::TransferId)> forget)
+      : wait_reclaimable_(std::move(wait_reclaimable)), forget_(std::move(forget)) {}
+  // `id` is final: forgets the one deferred before it, then defers `id`.
+  Status defer(transport::TransferId id) {
+    Status s = drain();
+    pending_ = id;
+    return s;
+  }
+  Status drain() {
+    if (!pending_) return Status::Ok();
+    const transport::TransferId id = *pending_;
+    pending_.reset();
+    auto st = wait_reclaimable_(id);
+    if (!st.ok()) return st.status().with_context(fmt::format("transfer {}: reclaim", id));
+    return forget_(id);
+  }
+
+ private:
+  std::function<Result<transport::DecodeStatus>(transport::TransferId)> wait_reclaimable_;
+  std::function<Status(transport::TransferId)> forget_;
+  std::optional<transport::TransferId> pending_;
+};
+
 std::uint64_t pattern_word(std::uint32_t layer, std::uint64_t block, std::uint64_t word) {
   std::uint64_t x = (std::uint64_t{layer} << 56) ^ (block << 28) ^ word ^ 0x9E3779B97F4A7C15ull;
   x ^= x >> 31;
@@ -454,8 +492,10 @@ int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const 
   auto peer = t.load_peer(*peer_blob);
   if (!peer.ok()) return 3;
   bool failed = false;
+  // With --decode-wait final the prefill opens one transfer more than the decode has in flight: an engine's prefill
+  // begins its next request without waiting for the last one's reclaim; nothing moves before the decode's request.
   Status s = run_transfers(
-      a.iters, a.inflight,
+      a.iters, plan_lists(a),
       [&](std::uint64_t id) {
         KVTIER_RETURN_IF_ERROR(pre.begin(*peer, id, src));
         if constexpr (requires { pre.layers_ready(id, std::span<const std::uint32_t>{}); }) {
@@ -481,7 +521,7 @@ int serve_prefill(const PdArgs& a, transport::Transport& t, Prefill& pre, const 
 int run_prefill_direct(const PdArgs& a) {
   auto layout = KvLayout::uniform(a.layers, 1, a.block_bytes);
   if (!layout.ok()) return 5;
-  const DirectPlan plan = direct_plan(a, a.block_bytes, a.inflight);
+  const DirectPlan plan = direct_plan(a, a.block_bytes, plan_lists(a));
   auto side = make_direct_side(*layout, plan.pool, true);
   if (!side.ok()) {
     std::fprintf(stderr, "kvtier bench pd (prefill): %s\n", side.status().to_string().c_str());
@@ -797,7 +837,7 @@ Status finish_decode(const Result<transport::DecodeStatus>& st, std::size_t bloc
 // CUDA context): the protocol and the kernels without the second process. A diagnostic beside `direct`.
 Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t block_bytes) {
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
-  const DirectPlan plan = direct_plan(a, block_bytes, a.inflight);
+  const DirectPlan plan = direct_plan(a, block_bytes, plan_lists(a));
   KVTIER_ASSIGN_OR_RETURN(DirectSide pre_side, make_direct_side(layout, plan.pool, true));
   KVTIER_ASSIGN_OR_RETURN(DirectSide dec_side, make_direct_side(layout, plan.pool, false));
   static int seq = 0;
@@ -820,7 +860,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   Status prefill_status;
   std::thread prefill([&] {
     prefill_status = run_transfers(
-        a.iters, a.inflight,
+        a.iters, plan_lists(a),
         [&](std::uint64_t id) {
           KVTIER_RETURN_IF_ERROR(pre->begin(to_dec, id, plan.src));
           return pre->layers_ready(id, all_layers(a));
@@ -832,12 +872,16 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
         });
   });
   std::chrono::steady_clock::time_point t0;
+  const bool until_final = a.decode_wait == "final";
+  DeferredForget deferred([&](auto id) { return dec->wait(id, 60s, true); }, [&](auto id) { return dec->forget(id); });
   Status s = run_transfers(
       a.iters, a.inflight, [&](std::uint64_t id) { return dec->start(to_pre, id, mode, plan.dst_of(id)); },
       [&](std::uint64_t id) {
-        return finish_decode(dec->wait(id, 60s, true), plan.src.size(), [&] { return dec->forget(id); });
+        return finish_decode(dec->wait(id, 60s, !until_final), plan.src.size(),
+                             [&] { return until_final ? deferred.defer(id) : dec->forget(id); });
       },
       [&] { t0 = std::chrono::steady_clock::now(); });
+  if (s.ok()) s = deferred.drain();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   prefill.join();
   KVTIER_RETURN_IF_ERROR(s);
@@ -875,7 +919,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   std::optional<DirectSide> direct_side;
   DirectPlan plan;
   if (direct) {
-    plan = direct_plan(a, block_bytes, a.inflight);
+    plan = direct_plan(a, block_bytes, plan_lists(a));
     KVTIER_ASSIGN_OR_RETURN(direct_side, make_direct_side(layout, plan.pool, false));
   }
   // Declaration order is destruction order in reverse: endpoints, then the transport (and the memory it
@@ -897,6 +941,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   std::map<transport::TransferId, std::vector<transport::XferId>> raw_xfers;  // raw pull rows: reads per transfer
   std::map<transport::TransferId, std::uint32_t> raw_writes;  // raw push rows: layers written, per transfer
   DecodeOps dec;
+  DeferredForget deferred([&](auto id) { return plain->wait(id, 60s, true); },
+                          [&](auto id) { return plain->forget(id); });  // direct and ring lanes, --decode-wait final
   if (direct) {
     transport::PdOptions o = kPdOptions;
     o.engine = direct_side->engine.get();
@@ -904,7 +950,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
     if (ring) set_ring_options(a, n * block_bytes, o);
     KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, direct_side->space, o));
     dec = {[&](auto p, auto id, auto m, auto) { return plain->start(p, id, m, plan.dst_of(id)); },
-           [&](auto id) { return plain->wait(id, 60s, true); }, [&](auto id) { return plain->forget(id); }};
+           [&](auto id) { return plain->wait(id, 60s, a.decode_wait != "final"); },
+           [&](auto id) { return a.decode_wait == "final" ? deferred.defer(id) : plain->forget(id); }};
   } else if (staged) {
     transport::StagedOptions so;
     so.pd = kPdOptions;
@@ -999,6 +1046,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      a.lane_verify,
                                      "--inflight-one",
                                      std::to_string(a.inflight),
+                                     "--decode-wait",
+                                     a.decode_wait,
                                      "--ring-slots",
                                      std::to_string(a.ring_slots),
                                      "--ring-slot-bytes",
@@ -1045,6 +1094,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
       a.iters, a.inflight, [&](std::uint64_t id) { return dec.start(*peer, id, mode, iota(n)); },
       [&](std::uint64_t id) { return finish_decode(dec.wait(id), n, [&] { return dec.forget(id); }); },
       [&] { t0 = std::chrono::steady_clock::now(); });
+  if (s.ok()) s = deferred.drain();
   if (!s.ok()) return finish(s);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double bytes = static_cast<double>(a.iters) * a.layers * n * block_bytes;
@@ -1234,7 +1284,8 @@ int run_bench(const PdArgs& a) {
                 j["ring_slot_bytes"] = a.ring_slot_bytes != 0 ? a.ring_slot_bytes : blocks_for(a, bs) * bs;
                 j["prefill_gpu"] = a.prefill_gpu >= 0 ? a.prefill_gpu : 0;
                 j["inflight"] = inflight;
-                j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
+                j["decode_wait"] = a.decode_wait;
+                j["pool_blocks"] = direct_plan(row, bs, plan_lists(row)).pool;
                 j["ceiling_d2h_gbps"] = g_last_ceiling.d2h;
                 j["ceiling_h2d_gbps"] = g_last_ceiling.h2d;
                 j["ratio_to_ceiling"] = ceiling > 0 ? *g / ceiling : 0.0;
@@ -1244,7 +1295,8 @@ int run_bench(const PdArgs& a) {
               } else if (direct_lane) {
                 j["lane_verify"] = verify;
                 j["inflight"] = inflight;
-                j["pool_blocks"] = direct_plan(row, bs, inflight).pool;
+                j["decode_wait"] = a.decode_wait;
+                j["pool_blocks"] = direct_plan(row, bs, plan_lists(row)).pool;
                 j["gather_gbps"] = g_last_gather.plain;
                 j["gather_checksummed_gbps"] = g_last_gather.checksummed;
                 j["gather_all_sms_gbps"] = g_last_gather.all_sms;
@@ -1325,6 +1377,11 @@ Action register_bench_pd(CLI::App& bench) {
                   "mover-pass (a separate read-back pass) and/or receiver (a row each)")
       ->delimiter(',');
   cmd->add_option("--inflight", a->inflights, "transfers in flight at once (a row each), e.g. 1,4")->delimiter(',');
+  cmd->add_option("--decode-wait", a->decode_wait,
+                  "direct and ring lanes: when the decode counts a transfer done, reclaimable (its blocks loaded and "
+                  "the prefill's writes proven over, then forgotten) or final (loaded and verified, what a decode "
+                  "step waits for; forgotten once reclaimable, after the next one is final)")
+      ->check(CLI::IsMember({"reclaimable", "final"}));
   cmd->add_option("--modes", a->modes, "push, pull")->delimiter(',');
   cmd->add_option("--memory", a->memories,
                   "host (pinned host blocks), device (device blocks through the staged path), raw (host blocks moved "
@@ -1410,6 +1467,13 @@ Action register_bench_pd(CLI::App& bench) {
         std::fprintf(stderr, "kvtier bench pd: --inflight %u is not in [1, 64]\n", k);
         return 2;
       }
+    if (a->decode_wait == "final" && a->role.empty())
+      for (const auto& lane : a->lanes)
+        if (lane != "direct" && lane != "direct-inproc" && lane != "ring") {
+          std::fprintf(stderr, "kvtier bench pd: --decode-wait final is for the direct and ring lanes, not '%s'\n",
+                       lane.c_str());
+          return 2;
+        }
     for (const auto& m : a->modes)
       if (m != "push" && m != "pull") {
         std::fprintf(stderr, "kvtier bench pd: mode '%s' is not push or pull\n", m.c_str());

@@ -312,6 +312,32 @@ TEST(Policy, DuelReportsItsLead) {
   EXPECT_EQ(plain.policy->lead().switches, 0u);
 }
 
+// Before its first window (10 accesses per block) has passed, a duel still hands the lead over when the evidence is
+// overwhelming: 100 hot keys, each access followed by two keys never seen again, so every hot key's reuse distance
+// (299) exceeds the capacity. LRU never hits; S3-FIFO moves the hot keys to its main queue on their ghost hits and then
+// always does. Within six passes (1,800 accesses, under the window's 2,000) the lead goes to S3-FIFO. Where the
+// experts agree (every key reused at once) it stays put.
+TEST(Policy, DuelSwitchesBeforeItsFirstWindowOnOverwhelmingEvidence) {
+  const std::uint32_t cap = 200;
+  CountingCache looped("duel:lru+s3fifo", cap);
+  std::uint64_t fresh = 1'000'000;
+  for (int pass = 0; pass < 6; ++pass)
+    for (std::uint64_t k = 0; k < 100; ++k) {
+      looped.access(k);
+      looped.access(fresh++);
+      looped.access(fresh++);
+    }
+  EXPECT_EQ(looped.policy->lead().expert, 1u);
+  EXPECT_EQ(looped.policy->lead().switches, 1u);
+  CountingCache agreeing("duel:lru+s3fifo", cap);
+  for (std::uint64_t k = 0; k < 5 * cap; ++k) {
+    agreeing.access(k);
+    agreeing.access(k);
+  }
+  EXPECT_EQ(agreeing.policy->lead().expert, 0u);
+  EXPECT_EQ(agreeing.policy->lead().switches, 0u);
+}
+
 TEST(Policy, ExpertsOfAPolicyName) {
   using V = std::vector<std::string_view>;
   EXPECT_EQ(policy_experts("adaptive"), (V{"lrfu", "arc", "lru"}));
