@@ -313,6 +313,14 @@ Status check_device_bytes(DeviceSide& d, std::byte fill) {
 
 const transport::PdOptions kPdOptions{std::chrono::milliseconds(200), std::chrono::milliseconds(5000)};
 
+// The host lanes' options: shm-direct is UCX's shared-memory transport with PdOptions::host_direct (the moving side
+// copies through UCX's mapping of the peer's pool).
+transport::PdOptions host_lane_options(const std::string& lane) {
+  transport::PdOptions o = kPdOptions;
+  o.host_direct = lane == "shm-direct";
+  return o;
+}
+
 // ---- the direct lane ----------------------------------------------------------------------------------------
 
 struct DirectPlan {
@@ -809,7 +817,7 @@ int run_prefill(const PdArgs& a) {
   }
   auto host = make_prefill_host(a);
   if (!host.ok()) return 5;
-  auto pre = transport::PdPrefill::create(*host->t, host->blocks.space, kPdOptions);
+  auto pre = transport::PdPrefill::create(*host->t, host->blocks.space, host_lane_options(a.lane));
   if (!pre.ok()) return 5;
   return serve_prefill(a, *host->t, **pre, iota(host->n));
 }
@@ -997,7 +1005,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
            },
            [](transport::TransferId) { return Status::Ok(); }};
   } else {
-    KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, blocks.space, kPdOptions));
+    KVTIER_ASSIGN_OR_RETURN(plain, transport::PdDecode::create(*t, blocks.space, host_lane_options(lane)));
     dec = {[&](auto p, auto id, auto m, auto b) { return plain->start(p, id, m, std::move(b)); },
            [&](auto id) { return plain->wait(id, 60s, true); }, [&](auto id) { return plain->forget(id); }};
   }
@@ -1360,7 +1368,9 @@ Action register_bench_pd(CLI::App& bench) {
   auto a = std::make_shared<PdArgs>();
   auto* cmd = bench.add_subcommand("pd", "Prefill/decode KV transfer between two processes (UCX) vs ucx_perftest");
   cmd->add_option("--lanes", a->lanes,
-                  "lanes: tcp (UCX, 127.0.0.1), shm (UCX), ipc (kvtier's same-host backend), direct (the device lane: "
+                  "lanes: tcp (UCX, 127.0.0.1), shm (UCX), shm-direct (UCX shared memory, the host direct lane: the "
+                  "moving side copies and checksums through UCX's mapping of the peer's pool), ipc (kvtier's same-host "
+                  "backend), direct (the device lane: "
                   "CUDA IPC, copy kernels, --memory device), direct-inproc (the same with both endpoints in this "
                   "process: a diagnostic), ring (the ring lane through the decode's shared pinned ring, forced)")
       ->delimiter(',');
@@ -1416,11 +1426,23 @@ Action register_bench_pd(CLI::App& bench) {
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
     for (const auto& l : a->lanes)
-      if (l != "tcp" && l != "shm" && l != "ipc" && l != "direct" && l != "direct-inproc" && l != "ring") {
-        std::fprintf(stderr, "kvtier bench pd: lane '%s' is not tcp, shm, ipc, direct, direct-inproc or ring\n",
+      if (l != "tcp" && l != "shm" && l != "shm-direct" && l != "ipc" && l != "direct" && l != "direct-inproc" &&
+          l != "ring") {
+        std::fprintf(stderr,
+                     "kvtier bench pd: lane '%s' is not tcp, shm, shm-direct, ipc, direct, direct-inproc or ring\n",
                      l.c_str());
         return 2;
       }
+    for (const auto& l : a->lanes) {
+      if (l != "shm-direct") continue;
+      const bool device_memory = std::find(a->memories.begin(), a->memories.end(), "device") != a->memories.end();
+      if (device_memory || a->host_alloc != "transport") {
+        std::fprintf(stderr,
+                     "kvtier bench pd: lane shm-direct moves host blocks the transport allocated: --memory raw,host "
+                     "and --host-alloc transport\n");
+        return 2;
+      }
+    }
     for (const auto& l : a->lanes)
       if ((l.rfind("direct", 0) == 0 || l == "ring") && (cuda_device_count() == 0 || a->backend == "host")) {
         std::fprintf(stderr,

@@ -163,6 +163,7 @@ class ChecksumQueue {
     std::vector<std::uint64_t> blocks;
     std::vector<std::uint64_t> out;  // the checksums, once `done`
     std::atomic<bool> done{false};
+    std::function<void(std::uint64_t* out)> work;  // set: run instead of the queue's checksums (host direct copies)
   };
   using Compute =
       std::function<void(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out)>;
@@ -180,6 +181,19 @@ class ChecksumQueue {
     job->layer = layer;
     job->blocks = blocks;
     job->out.resize(blocks.size());
+    return enqueue(std::move(job));
+  }
+  // A job that runs `work` with `outputs` words of out; null when the worker cannot be started.
+  std::shared_ptr<Job> submit_work(std::uint32_t layer, std::size_t outputs, std::function<void(std::uint64_t*)> work) {
+    auto job = std::make_shared<Job>();
+    job->layer = layer;
+    job->out.resize(outputs);
+    job->work = std::move(work);
+    return enqueue(std::move(job));
+  }
+
+ private:
+  std::shared_ptr<Job> enqueue(std::shared_ptr<Job> job) {
     std::lock_guard lock(mu_);
     if (stop_) return nullptr;
     if (!thread_.joinable()) {
@@ -194,6 +208,7 @@ class ChecksumQueue {
     return job;
   }
 
+ public:
   // Finishes the job in progress; jobs not started never complete (their transfers are gone with the endpoint).
   void stop() {
     {
@@ -214,7 +229,10 @@ class ChecksumQueue {
       std::shared_ptr<Job> job = std::move(jobs_.front());
       jobs_.pop_front();
       lock.unlock();
-      compute_(job->layer, job->blocks, job->out.data());
+      if (job->work)
+        job->work(job->out.data());
+      else
+        compute_(job->layer, job->blocks, job->out.data());
       job->done.store(true, std::memory_order_release);
       if (on_done_) on_done_();
       lock.lock();
@@ -258,8 +276,14 @@ class Endpoint {
         *s = std::move(stream).value();
       }
     }
+    if (options_.host_direct && options_.engine != nullptr)
+      return InvalidArgument(
+          fmt::format("{}: host_direct and a copy engine (the device lane) exclude each other", role));
     if (options_.engine == nullptr) {
       std::uint32_t helpers = options_.checksum_helpers;
+      // The host direct lane's copies are its only work: every core but one (the protocol thread's) helps.
+      if (helpers == PdOptions::kAutoChecksumHelpers && options_.host_direct)
+        helpers = std::clamp(std::thread::hardware_concurrency(), 2u, 5u) - 1;
       if (helpers == PdOptions::kAutoChecksumHelpers)
         helpers = kvtier::detail::ParallelLoop::default_helpers(std::thread::hardware_concurrency());
       if (helpers > PdOptions::kMaxChecksumHelpers)
@@ -452,6 +476,13 @@ class Endpoint {
     for (const auto& [id, x] : xfers)
       if (x.peer == peer && now - x.last_heard <= options_.lease) return;
     if (dropped_.insert(peer).second) {
+      // Disconnecting unmaps the peer's memory here (UCX): the host direct lane's copies into or out of it end first.
+      if (!wait_direct_copies(peer)) {
+        log(LogLevel::kError, "transport",
+            fmt::format("pd: host direct copies to peer {} did not end in {} s; the peer stays connected", peer,
+                        kDirectCopyDrainSeconds));
+        return;
+      }
       Status s = t_.disconnect_peer(peer);
       if (!s.ok())
         log(LogLevel::kWarning, "transport", fmt::format("pd: disconnecting peer {}: {}", peer, s.to_string()));
@@ -460,10 +491,84 @@ class Endpoint {
 
   bool device_lane() const noexcept { return options_.engine != nullptr; }
   bool ring_lane() const noexcept { return device_lane() && options_.ring_slots > 0; }
-  // The lane byte of 'R' this side runs (the device lane's verifying side aside): 0 transport, 1 device, 3 ring.
-  std::uint8_t lane_kind() const noexcept { return ring_lane() ? 3 : device_lane() ? 1 : 0; }
+  bool host_direct() const noexcept { return options_.host_direct && !device_lane(); }
+  // The lane byte of 'R' this side runs (the device lane's verifying side aside): 0 transport, 1 device, 3 ring,
+  // 4 host direct.
+  std::uint8_t lane_kind() const noexcept { return ring_lane() ? 3 : device_lane() ? 1 : host_direct() ? 4 : 0; }
   static std::string_view lane_kind_name(std::uint8_t kind) noexcept {
-    return kind == 3 ? "ring" : kind == 0 ? "transport" : "device";
+    return kind == 3 ? "ring" : kind == 0 ? "transport" : kind == 4 ? "host direct" : "device";
+  }
+
+  // ---- host direct lane ----
+  // The side's host direct copies that touch `peer`'s memory have ended (bounded; false: still running).
+  virtual bool wait_direct_copies(PeerId peer) = 0;
+  static constexpr int kDirectCopyDrainSeconds = 60;
+  template <typename Jobs>
+  static bool wait_jobs(const Jobs& jobs) {
+    const auto deadline = Clock::now() + std::chrono::seconds(kDirectCopyDrainSeconds);
+    for (const auto& job : jobs)
+      while (!job->done.load(std::memory_order_acquire)) {
+        if (Clock::now() > deadline) return false;
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    return true;
+  }
+  // Every id of `ids` names a block of `space` (the peer's pool as mapped here: its registered regions).
+  static Status check_ids_in(const BlockSpace& space, const std::vector<std::uint64_t>& ids, std::string_view what) {
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] >= space.num_blocks())
+        return OutOfRange(fmt::format("{} block id {} at index {} is outside the peer's registered regions ({} blocks)",
+                                      what, ids[i], i, space.num_blocks()));
+    return Status::Ok();
+  }
+  // Copies `layer` of blocks from[src[i]] to to[dst[i]] (every role), with the xxh3 block checksum of what it read
+  // into out[i] and of what landed into out[n + i]: each chunk is hashed on both sides right after its copy, while it
+  // is in cache. Split over the checksum helpers like layer_checksums. The ids are checked by the caller.
+  void move_layer(const BlockSpace& from, const std::vector<std::uint64_t>& src, const BlockSpace& to,
+                  const std::vector<std::uint64_t>& dst, std::uint32_t layer, std::uint64_t* out) const {
+    const KvLayout& layout = blocks_.layout();
+    const std::size_t n = src.size();
+    const std::uint64_t block_bytes = layer_bytes(layer, 1);
+    const std::size_t grain =
+        std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
+    auto body = [&](std::size_t begin, std::size_t end) {
+      kvtier::detail::Xxh3 read, landed;
+      for (std::size_t i = begin; i < end; ++i) {
+        read.reset();
+        landed.reset();
+        for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r) {
+          const std::byte* s = from.block_ptr(layer, r, static_cast<BlockId>(src[i]));
+          std::byte* d = to.block_ptr(layer, r, static_cast<BlockId>(dst[i]));
+          const std::uint64_t bytes = layout.block_bytes(layer, r);
+          for (std::uint64_t off = 0; off < bytes; off += kMoveChunkBytes) {
+            const std::size_t c = static_cast<std::size_t>(std::min<std::uint64_t>(kMoveChunkBytes, bytes - off));
+            std::memcpy(d + off, s + off, c);
+            read.update(s + off, c);
+            landed.update(d + off, c);
+          }
+        }
+        out[i] = read.digest();
+        out[n + i] = landed.digest();
+      }
+    };
+    if (checksum_loop_ == nullptr) {
+      body(0, n);
+      return;
+    }
+    checksum_loop_->run(n, grain, body);
+  }
+  // A chunk small enough that its source and destination stay in L1/L2 between the copy and the two hashes.
+  static constexpr std::uint64_t kMoveChunkBytes = std::uint64_t{16} << 10;
+  // A host direct copy on the checksum worker (`from`, `to` and the lists are copied into the job), or null: the
+  // caller moves it on the protocol thread. Small layers move in place, as small checksums do.
+  std::shared_ptr<ChecksumQueue::Job> submit_move(BlockSpace from, std::vector<std::uint64_t> src, BlockSpace to,
+                                                  std::vector<std::uint64_t> dst, std::uint32_t layer) {
+    if (layer_bytes(layer, src.size()) < kInlineChecksumBytes) return nullptr;
+    const std::size_t n = src.size();
+    return checksums_.submit_work(
+        layer, 2 * n,
+        [this, from = std::move(from), src = std::move(src), to = std::move(to), dst = std::move(dst),
+         layer](std::uint64_t* out) { move_layer(from, src, to, dst, layer, out); });
   }
   Device& lane_device() const { return options_.engine->device(); }
 
@@ -681,7 +786,7 @@ class Endpoint {
         blocks = std::min(blocks, (bytes - bb) / stride + 1);
         planes[l].push_back(Plane{static_cast<std::byte*>(base), stride});
       }
-    return BlockSpace::from_planes(MemoryKind::kDevice, blocks_.device_ordinal(), layout, blocks, std::move(planes));
+    return BlockSpace::from_planes(blocks_.kind(), blocks_.device_ordinal(), layout, blocks, std::move(planes));
   }
 
   // Behind the layer's kernel on the lane stream: its checksums to the host, then the layer's event.
@@ -1011,13 +1116,15 @@ class Prefill final : public PdPrefill, public Endpoint {
     PeerRing* ring = nullptr;           // ring lane
     std::vector<Piece> pieces;          // ring lane: [layer * pieces_per_layer + piece]
     std::uint32_t pieces_per_layer = 0;
-    bool lane_list_sent = false;  // device lane, pull: an 'A' with the source list and strides went out
+    bool lane_list_sent = false;            // device lane, pull: an 'A' with the source list and strides went out
+    std::optional<BlockSpace> direct_peer;  // host direct lane, push: the decode's pool as mapped here
   };
 
   bool busy() const override {
     for (const auto& [id, x] : xfers_) {
+      // A layer whose checksums or host direct copy are on the worker needs no polling: the job wakes this thread.
       for (const L& l : x.layers)
-        if (l.lane_pending || l.xfer || (x.req && !x.final && l.declared && !l.sent)) return true;
+        if (l.lane_pending || l.xfer || (x.req && !x.final && l.declared && !l.sent && !l.ck)) return true;
       for (const Piece& pc : x.pieces)
         if (pc.state == PieceState::kCopying) return true;
     }
@@ -1072,6 +1179,17 @@ class Prefill final : public PdPrefill, public Endpoint {
       const std::uint64_t per = x.ring->g.per_slot;
       x.pieces_per_layer = static_cast<std::uint32_t>((x.src.size() + per - 1) / per);
       x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
+    } else if (r.lane == 4) {
+      if (r.mode == PdMode::kPush) {
+        // Push writes the decode's pool through this process's mapping of it: every destination inside its regions.
+        auto peer = peer_space(x.peer, r.strides);
+        Status s = peer.ok() ? check_ids_in(*peer, r.dst, "destination") : peer.status();
+        if (!s.ok()) {
+          refuse(s.with_context("host direct lane"));
+          return;
+        }
+        x.direct_peer = std::move(peer).value();
+      }
     } else if (r.lane != 0) {
       auto lane = make_lane(x.src, r.dst);
       if (lane.ok() && r.mode == PdMode::kPush) {
@@ -1120,11 +1238,11 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (type == 'R') {
       Req r;
       std::uint8_t mode = 0, lane = 0;
-      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 3 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
+      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 4 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
       if (lane == 3 && (!p.u32(r.ring_slots) || !p.u64(r.ring_slot_bytes))) return;
       r.mode = static_cast<PdMode>(mode);
       r.lane = lane == 2 ? 1 : lane;
-      r.mover_verifies = lane == 2;
+      r.mover_verifies = lane == 2 || lane == 4;
       if (it == xfers_.end()) {
         early_[id] = std::move(r);
         return;
@@ -1232,7 +1350,11 @@ class Prefill final : public PdPrefill, public Endpoint {
         l.ready_seen = true;
         continue;
       }
-      if (!x.lane && (l.ck = submit_checksums(li, x.src)) != nullptr) continue;
+      if (x.direct_peer) {  // host direct push: the copy itself, with both checksums, on the worker
+        if ((l.ck = submit_move(blocks_, x.src, *x.direct_peer, x.req->dst, li)) != nullptr) continue;
+      } else if (!x.lane && x.req->lane != 4 && (l.ck = submit_checksums(li, x.src)) != nullptr) {
+        continue;
+      }
       if (grouping) {
         group.push_back(li);
         continue;
@@ -1447,6 +1569,10 @@ class Prefill final : public PdPrefill, public Endpoint {
       send_lane_layer(id, x, li);
       return;
     }
+    if (x.req->lane == 4) {
+      send_direct_layer(id, x, li);
+      return;
+    }
     L& l = x.layers[li];
     std::vector<std::uint64_t> ck;
     if (l.ck) {
@@ -1477,6 +1603,45 @@ class Prefill final : public PdPrefill, public Endpoint {
     l.xfer = *posted;
   }
 
+  // Host direct lane. Push: the layer's copy is done (on the worker, or here for a small layer); 'W' carries the
+  // count of blocks whose read-back matched, or both lists when some did not. Pull: 'A' with the source list and
+  // this side's strides; the decode copies and reads back.
+  void send_direct_layer(TransferId id, X& x, std::uint32_t li) {
+    L& l = x.layers[li];
+    l.sent = true;
+    x.last_sent = Clock::now();
+    const std::size_t n = x.src.size();
+    if (x.req->mode == PdMode::kPull) {
+      Msg m('A', id);
+      m.u32(li).u64s(x.src).u64s({}).u64s(local_strides());
+      t_.send_notification(x.peer, m.str()).ignore_error();
+      return;
+    }
+    std::vector<std::uint64_t> both;
+    if (l.ck) {
+      both = l.ck->out;  // the job stays: writes_quiet() sees it done
+    } else {
+      both.resize(2 * n);
+      move_layer(blocks_, x.src, *x.direct_peer, x.req->dst, li, both.data());
+    }
+    const std::span<const std::uint64_t> read(both.data(), n), landed(both.data() + n, n);
+    Msg m('W', id);
+    if (std::equal(read.begin(), read.end(), landed.begin()))
+      m.u32(li).u64s({}).u64s({}).u32(static_cast<std::uint32_t>(n));
+    else
+      m.u32(li).u64s(read).u64s(landed);
+    t_.send_notification(x.peer, m.str()).ignore_error();
+  }
+
+  bool wait_direct_copies(PeerId peer) override {
+    std::vector<std::shared_ptr<ChecksumQueue::Job>> jobs;
+    for (const auto& [id, x] : xfers_)
+      if (x.peer == peer && x.direct_peer)
+        for (const L& l : x.layers)
+          if (l.ck) jobs.push_back(l.ck);
+    return wait_jobs(jobs);
+  }
+
   std::map<TransferId, X> xfers_;
   std::map<TransferId, Req> early_;
   std::map<PeerId, PeerRing> peer_rings_;                  // ring lane (std::map: X::ring points into it)
@@ -1497,6 +1662,7 @@ class Decode final : public PdDecode, public Endpoint {
       return InvalidArgument(fmt::format("unknown transfer mode {}", static_cast<int>(mode)));
     Msg m('R', id);
     const std::uint8_t lane_byte = ring_lane()                                             ? 3
+                                   : host_direct()                                         ? 4
                                    : !device_lane()                                        ? 0
                                    : options_.lane_verify == PdOptions::LaneVerify::kMover ? 2
                                                                                            : 1;
@@ -1634,11 +1800,18 @@ class Decode final : public PdDecode, public Endpoint {
       std::shared_ptr<ChecksumQueue::Job> job;
     };
     std::vector<Verify> verifying;
+    // Host direct lane, pull: the prefill's pool as mapped here, and the layers this side is copying.
+    std::optional<BlockSpace> direct_peer;
+    struct Move {
+      std::uint32_t layer = 0;
+      std::shared_ptr<ChecksumQueue::Job> job;
+    };
+    std::vector<Move> moving;
   };
 
   bool busy() const override {
     for (const auto& [id, x] : xfers_) {
-      if (!x.verifying.empty()) return true;
+      // Checksum jobs and host direct copies wake this thread when they are done: no polling for them.
       for (std::uint8_t p : x.lane_pending)
         if (p != 0) return true;
       for (const Piece& pc : x.pieces)
@@ -1674,6 +1847,7 @@ class Decode final : public PdDecode, public Endpoint {
   // Whether nothing can still land in the destination blocks (the transfer being final aside).
   bool is_reclaimable(const X& x) const {
     if (!x.verifying.empty()) return false;  // a checksum job still reads the blocks
+    if (!x.moving.empty()) return false;     // a host direct copy still writes them
     for (const Read& r : x.reads)
       if (r.active) return false;
     for (std::uint8_t p : x.lane_pending)
@@ -1781,8 +1955,9 @@ class Decode final : public PdDecode, public Endpoint {
       case 'W': {
         std::vector<std::uint64_t> ck, landed;
         if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(ck)) return;
-        // Device lane, the prefill verified: what its kernel moved against what it read back here.
-        const bool read_back = x.lane && mover_verifies();
+        // Device lane, the prefill verified: what its kernel moved against what it read back here. Host direct lane
+        // likewise, what its copy read against what landed.
+        const bool read_back = (x.lane && mover_verifies()) || host_direct();
         if (read_back && !p.u64s(landed)) {
           fail_layer(x, layer,
                      DataLoss(fmt::format("transfer {} layer {}: the prefill's write notification lacks the "
@@ -1837,7 +2012,7 @@ class Decode final : public PdDecode, public Endpoint {
         std::uint32_t same_list = 0;
         const bool repeats_list = x.lane && src.empty() && strides.empty() && p.u32(same_list);
         // When this side verifies its own device lane copy the prefill sends no checksums.
-        const std::size_t want_ck = x.lane && mover_verifies() ? 0 : x.dst.size();
+        const std::size_t want_ck = (x.lane && mover_verifies()) || host_direct() ? 0 : x.dst.size();
         const std::size_t announced = repeats_list ? same_list : src.size();
         if (announced != x.dst.size() || ck.size() != want_ck) {
           if (x.layers[layer] == LayerState::kPending && !x.reads[layer].active)
@@ -1857,6 +2032,10 @@ class Decode final : public PdDecode, public Endpoint {
           }
         }
         if (x.layers[layer] != LayerState::kPending || x.reads[layer].active) return;
+        if (host_direct()) {
+          start_direct_layer(id, x, layer, src, strides);
+          return;
+        }
         if (x.lane) {
           if (!x.lane->peer_list_known) {
             fail_layer(x, layer,
@@ -1885,6 +2064,55 @@ class Decode final : public PdDecode, public Endpoint {
       }
       default: return;
     }
+  }
+
+  // Host direct lane, pull: copies the announced layer out of the prefill's pool as mapped here (built from the
+  // first 'A'), every source id checked against the prefill's registered regions first.
+  void start_direct_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& src,
+                          const std::vector<std::uint64_t>& strides) {
+    for (const X::Move& mv : x.moving)
+      if (mv.layer == layer) return;  // announced twice
+    if (!x.direct_peer) {
+      auto peer = peer_space(x.peer, strides);
+      if (!peer.ok()) {
+        fail_layer(x, layer,
+                   peer.status().with_context(fmt::format("transfer {} layer {}: host direct read", id, layer)));
+        return;
+      }
+      x.direct_peer = std::move(peer).value();
+    }
+    Status s = check_ids_in(*x.direct_peer, src, "source");
+    if (!s.ok()) {
+      fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: host direct read", id, layer)));
+      return;
+    }
+    if (auto job = submit_move(*x.direct_peer, src, blocks_, x.dst, layer)) {
+      x.moving.push_back({layer, std::move(job)});
+      return;
+    }
+    std::vector<std::uint64_t> both(2 * x.dst.size());
+    move_layer(*x.direct_peer, src, blocks_, x.dst, layer, both.data());
+    finish_direct_layer(id, x, layer, both);
+  }
+  // The copy of `layer` is done: what it read against what landed, then the prefill's sources are free ('D').
+  void finish_direct_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& both) {
+    const std::size_t n = x.dst.size();
+    compare_layer(id, x, layer, std::span<const std::uint64_t>(both.data(), n), both.data() + n);
+    t_.send_notification(x.peer, Msg('D', id).u32(layer).str()).ignore_error();
+  }
+  void finish_direct_layers(TransferId id, X& x) {
+    std::erase_if(x.moving, [&](X::Move& mv) {
+      if (!mv.job->done.load(std::memory_order_acquire)) return false;
+      finish_direct_layer(id, x, mv.layer, mv.job->out);
+      return true;
+    });
+  }
+  bool wait_direct_copies(PeerId peer) override {
+    std::vector<std::shared_ptr<ChecksumQueue::Job>> jobs;
+    for (const auto& [id, x] : xfers_)
+      if (x.peer == peer)
+        for (const X::Move& mv : x.moving) jobs.push_back(mv.job);
+    return wait_jobs(jobs);
   }
 
   // Device lane, pull: the prefill's source list and strides from its first 'A' (the peer's pool mapped once).
@@ -2000,6 +2228,7 @@ class Decode final : public PdDecode, public Endpoint {
     if (ring_lane()) finish_ring(now);
     for (auto& [id, x] : xfers_) {
       finish_verifications(id, x);
+      finish_direct_layers(id, x);
       if (x.lane && !ring_lane()) {
         start_lane_group(id, x);
         finish_lane_layers(id, x);

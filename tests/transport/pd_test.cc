@@ -10,6 +10,7 @@
 #include <atomic>
 #include <thread>
 
+#include "core/byte_codec.h"
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/device/host_device.h"
 #include "transport/pd_test_util.h"
@@ -33,14 +34,16 @@ struct Rig {
   std::unique_ptr<PdDecode> dec;
   PeerId to_dec = 0, to_pre = 0;
 
-  explicit Rig(WireFaults pre_faults = {}, WireFaults dec_faults = {}, PdOptions opt = {}) {
+  explicit Rig(WireFaults pre_faults = {}, WireFaults dec_faults = {}, PdOptions opt = {})
+      : Rig(pre_faults, dec_faults, opt, opt) {}
+  Rig(WireFaults pre_faults, WireFaults dec_faults, PdOptions pre_opt, PdOptions dec_opt) {
     const int n = ++g_seq;
     pre_t = wrap_with_wire_faults(
         create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value(), pre_faults);
     dec_t = wrap_with_wire_faults(
         create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value(), dec_faults);
-    pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
-    dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+    pre = PdPrefill::create(*pre_t, pre_mem.space, pre_opt).value();
+    dec = PdDecode::create(*dec_t, dec_mem.space, dec_opt).value();
     to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
     to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
   }
@@ -231,6 +234,63 @@ TEST_P(PdModes, AFailedLayerEventFailsTheUnsentLayersAtOnce) {
   ASSERT_TRUE(pre.ok());
   EXPECT_FALSE(pre->done);
   EXPECT_EQ(pre->error.code(), StatusCode::kDataLoss) << pre->error.to_string();
+}
+
+PdOptions host_direct_options() {
+  PdOptions o;
+  o.host_direct = true;
+  return o;
+}
+
+// The host direct lane: the moving side copies through its mapping of the peer's pool (loopback: the pool itself)
+// and reads back what landed. A transfer of four blocks (64 KiB a layer: the checksum worker's copy) and one of a
+// single block (16 KiB: copied on the protocol thread) land byte-exact, nothing else is touched, both sides end
+// done and reclaimable. Both transports corrupt the first descriptor they move: the lane moves nothing through them.
+TEST_P(PdModes, HostDirectLaneMovesLayersByteExactOnTheWorkerAndInPlace) {
+  Rig rig(WireFaults{0, 5}, WireFaults{0, 5}, host_direct_options(), host_direct_options());
+  const std::vector<std::pair<std::vector<BlockId>, std::vector<BlockId>>> transfers = {{kSrc, kDst}, {{6}, {3}}};
+  TransferId id = 50;
+  for (const auto& [src, dst] : transfers) {
+    ++id;
+    ASSERT_TRUE(rig.pre->begin(rig.to_dec, id, src).ok());
+    ASSERT_TRUE(rig.dec->start(rig.to_pre, id, GetParam(), dst).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(id, l).ok());
+    auto fin = rig.dec->wait(id, 5s, true);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+    EXPECT_EQ(fin->leading_loaded_blocks(), dst.size());
+    for (std::size_t i = 0; i < dst.size(); ++i)
+      for (std::uint32_t l = 0; l < 4; ++l) EXPECT_TRUE(layer_matches(rig.dec_mem.space, dst[i], l, src[i])) << l;
+    auto pf = rig.pre->wait(id, 5s);
+    ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+    EXPECT_TRUE(pf->done);
+    EXPECT_TRUE(rig.pre->forget(id).ok());
+    EXPECT_TRUE(rig.dec->forget(id).ok());
+  }
+  // Blocks that were never a destination still hold the poison in every layer and role.
+  for (BlockId b : {1u, 5u, 7u})
+    for (std::uint32_t l = 0; l < 4; ++l)
+      for (std::uint32_t r = 0; r < 2; ++r) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, r, b)[100], std::byte{0xee});
+}
+
+// Both sides must run the lane: a decode that asks for it from a prefill that does not (and the other way round)
+// gets every layer failed with kFailedPrecondition naming both lanes, and no block is reported loaded.
+TEST_P(PdModes, HostDirectLaneOnOneSideOnlyIsRefused) {
+  for (bool decode_direct : {true, false}) {
+    Rig rig({}, {}, decode_direct ? PdOptions{} : host_direct_options(),
+            decode_direct ? host_direct_options() : PdOptions{});
+    ASSERT_TRUE(rig.pre->begin(rig.to_dec, 5, kSrc).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(5, l).ok());
+    ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, GetParam(), kDst).ok());
+    auto fin = rig.dec->wait(5, 5s);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_EQ(fin->leading_loaded_blocks(), 0u) << decode_direct;
+    auto pf = rig.pre->wait(5, 5s);
+    ASSERT_TRUE(pf.ok());
+    EXPECT_FALSE(pf->done);
+    EXPECT_EQ(pf->error.code(), StatusCode::kFailedPrecondition) << pf->error.to_string();
+    EXPECT_NE(pf->error.message().find("host direct"), std::string::npos) << pf->error.to_string();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, PdModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
@@ -483,6 +543,32 @@ TEST(Pd, ReceivedBlocksJoinTheDecodeSidePrefixIndex) {
     for (std::uint32_t l = 0; l < 4; ++l) EXPECT_TRUE(layer_matches(rig.dec_mem.space, dst[i], l, kSrc[i]));
   }
   EXPECT_TRUE(cm->check_invariants().ok());
+}
+
+// A decode that names destinations outside its registered regions (a crafted request on the host direct lane, where
+// the prefill writes through its own mapping of the decode's pool and no transport checks the addresses): the
+// prefill refuses the transfer with kOutOfRange naming the id before any byte moves, so even the valid destinations
+// of the list keep their poison.
+TEST(Pd, HostDirectDestinationsOutsideThePeersRegionsAreRefusedBeforeAnyByteMoves) {
+  Rig rig({}, {}, host_direct_options(), host_direct_options());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
+  codec::ByteWriter<std::string> r;
+  r.u8('R');
+  r.u64(9);
+  r.u8(0);                                                                // push
+  r.u8(4);                                                                // the host direct lane
+  const std::vector<std::uint64_t> dst = {0, 2, 8, 4}, strides(8, 8192);  // 8: one past the decode's 8 blocks
+  r.u64s(dst);
+  r.u64s(strides);
+  ASSERT_TRUE(rig.dec_t->send_notification(rig.to_pre, std::move(r.out)).ok());
+  auto pf = rig.pre->wait(9, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_FALSE(pf->done);
+  EXPECT_EQ(pf->error.code(), StatusCode::kOutOfRange) << pf->error.to_string();
+  EXPECT_NE(pf->error.message().find("block id 8"), std::string::npos) << pf->error.to_string();
+  for (BlockId b : {0u, 2u, 4u})
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, 0, b)[0], std::byte{0xee});
 }
 
 }  // namespace

@@ -98,7 +98,35 @@ struct HelperArgs {
   int in_fd = -1, out_fd = -1;
   int stop_before_write = -1;  // >= 0: the helper stops itself (SIGSTOP) as it posts that layer's write
   int ring_slots = 0;          // > 0: the ring lane (host backend: "device" blocks in RAM, the ring a shared memfd)
+  int host_direct = 0;         // 1: the host direct lane, both pools in the transport's memory (allocate_host)
 };
+
+// Layer-first host blocks in memory the transport allocated (allocate_host: on UCX's shared-memory lane the peer maps
+// it, which the host direct lane needs), holding the pattern or the poison.
+Result<BlockSpace> transport_blocks(Transport& t, const KvLayout& layout, std::uint64_t num_blocks, bool fill) {
+  std::uint64_t total = 0;
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) total += layout.block_bytes(l, r) * num_blocks;
+  KVTIER_ASSIGN_OR_RETURN(std::span<std::byte> mem, t.allocate_host(total));
+  std::vector<std::vector<void*>> bases(layout.num_layers());
+  std::uint64_t at = 0;
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      std::byte* p = mem.data() + at;
+      for (std::uint64_t b = 0; b < num_blocks; ++b)
+        for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
+          p[b * layout.block_bytes(l, r) + i] = fill ? testing::pattern(l, r, b, i) : std::byte{0xee};
+      bases[l].push_back(p);
+      at += layout.block_bytes(l, r) * num_blocks;
+    }
+  return BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, num_blocks, std::move(bases));
+}
+
+PdOptions host_direct_options() {
+  PdOptions o{50ms, 500ms};
+  o.host_direct = true;
+  return o;
+}
 
 // The ring lane's options: slots of two blocks of a layer, so a 4-block transfer goes in 2 pieces per layer.
 PdOptions ring_options(CopyEngine* engine, int slots) {
@@ -149,9 +177,13 @@ int run_helper(const HelperArgs& a) {
     device = HostDevice::create().value();
     engine = CopyEngine::create(*device).value();
   }
+  Result<BlockSpace> direct_space = BlockSpace{};
+  if (a.host_direct != 0) direct_space = transport_blocks(*transport, layout, 8, true);
+  if (!direct_space.ok()) return 5;
   auto pre = a.ring_slots > 0
                  ? PdPrefill::create(*transport, as_device(mem.space), ring_options(engine.get(), a.ring_slots))
-                 : PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
+             : a.host_direct != 0 ? PdPrefill::create(*transport, *direct_space, host_direct_options())
+                                  : PdPrefill::create(*transport, mem.space, PdOptions{50ms, 500ms});
   if (!pre.ok()) {
     std::fprintf(stderr, "prefill helper: %s\n", pre.status().to_string().c_str());
     return 5;
@@ -186,8 +218,8 @@ TEST(PdHelper, PrefillProcess) {
   HelperArgs a;
   int mode = 0;
   long long wrong = 0, op = -1;
-  if (std::sscanf(spec, "%d %d %lld %lld %d %d %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd,
-                  &a.stop_before_write, &a.ring_slots) != 8)
+  if (std::sscanf(spec, "%d %d %lld %lld %d %d %d %d %d", &mode, &a.layer_ms, &wrong, &op, &a.in_fd, &a.out_fd,
+                  &a.stop_before_write, &a.ring_slots, &a.host_direct) != 9)
     _exit(5);
   a.mode = static_cast<PdMode>(mode);
   a.wrong_layout = static_cast<std::uint64_t>(wrong);
@@ -204,9 +236,9 @@ struct Child {
     int down[2], up[2];
     if (pipe(down) != 0 || pipe(up) != 0) return Internal("pipe");
     Child c;
-    const std::string spec = fmt::format("{} {} {} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms,
+    const std::string spec = fmt::format("{} {} {} {} {} {} {} {} {}", static_cast<int>(a.mode), a.layer_ms,
                                          static_cast<long long>(a.wrong_layout), static_cast<long long>(a.corrupt_op),
-                                         down[0], up[1], a.stop_before_write, a.ring_slots);
+                                         down[0], up[1], a.stop_before_write, a.ring_slots, a.host_direct);
     c.pid = fork();
     if (c.pid < 0) return Internal("fork");
     if (c.pid == 0) {
@@ -256,6 +288,7 @@ struct DecodeRig {
   Child child;
   PeerId peer = 0;
   Status load_status;
+  BlockSpace direct_space;  // the host direct lane's blocks, in the transport's memory
 
   ~DecodeRig() { dec.reset(); }
 
@@ -263,8 +296,14 @@ struct DecodeRig {
     auto tr = make_transport("decode", layout);
     ASSERT_TRUE(tr.ok()) << tr.status().to_string();
     t = wrap_with_wire_faults(std::move(tr).value(), faults);
-    auto d = a.ring_slots > 0 ? PdDecode::create(*t, as_device(mem.space), ring_options(engine.get(), a.ring_slots))
-                              : PdDecode::create(*t, mem.space, PdOptions{50ms, 500ms});
+    if (a.host_direct != 0) {
+      auto space = transport_blocks(*t, layout, 8, false);
+      ASSERT_TRUE(space.ok()) << space.status().to_string();
+      direct_space = std::move(space).value();
+    }
+    auto d = a.ring_slots > 0     ? PdDecode::create(*t, as_device(mem.space), ring_options(engine.get(), a.ring_slots))
+             : a.host_direct != 0 ? PdDecode::create(*t, direct_space, host_direct_options())
+                                  : PdDecode::create(*t, mem.space, PdOptions{50ms, 500ms});
     ASSERT_TRUE(d.ok()) << d.status().to_string();
     dec = std::move(d).value();
     spawn_prefill(a);
@@ -511,6 +550,44 @@ TEST_P(TwoProcessShm, PrefillKilledMidTransferFailsTheRestAndTheBlocksReturn) {
   ASSERT_TRUE(rec.ok()) << "blocks pinned by a dead peer on the shm lane: " << rec.status().to_string();
   EXPECT_TRUE(rec->reclaimable);
   EXPECT_TRUE(rig.dec->forget(kXid).ok());
+}
+
+// The host direct lane across two processes on UCX's shared-memory lane: each side's pool is the transport's memory,
+// which UCX maps into the other process (ucp_rkey_ptr); the moving side copies with its own loads and stores, layer
+// by layer as the prefill's layers become ready. Byte-exact, nothing else touched, reclaimable; then a prefill
+// killed mid-transfer fails the rest and the decode's blocks still come back.
+TEST_P(TwoProcessShm, HostDirectLaneMovesByteExactThroughUcxsMappingAndSurvivesAKilledPrefill) {
+  setenv("KVTIER_PD_TEST_TLS", "shm", 1);
+  for (bool kill_it : {false, true}) {
+    DecodeRig rig;
+    HelperArgs a{GetParam(), kill_it ? 300 : 20};
+    a.host_direct = 1;
+    rig.start(a);
+    ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
+    const std::vector<BlockId> dst = {6, 0, 2, 4};
+    ASSERT_TRUE(rig.dec->start(rig.peer, kXid, GetParam(), dst).ok());
+    auto first = rig.dec->wait_layer(kXid, 0, 10s);
+    ASSERT_TRUE(first.ok()) << first.status().to_string();
+    ASSERT_EQ(*first, LayerState::kLoaded);
+    if (kill_it) {
+      kill(rig.child.pid, SIGKILL);
+      EXPECT_EQ(rig.child.reap(), -SIGKILL);
+    }
+    auto fin = rig.dec->wait(kXid, 10s, true);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_TRUE(fin->reclaimable);
+    if (kill_it) {
+      for (std::uint32_t l = 1; l < kLayers; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+    } else {
+      EXPECT_EQ(fin->leading_loaded_blocks(), dst.size()) << fin->error.to_string();
+      EXPECT_EQ(rig.child.reap(), 0);
+    }
+    for (std::uint32_t l = 0; l < (kill_it ? 1u : kLayers); ++l)
+      for (std::size_t i = 0; i < dst.size(); ++i) EXPECT_TRUE(layer_matches(rig.direct_space, dst[i], l, kSrc[i]));
+    for (BlockId b : {1u, 3u, 5u, 7u}) EXPECT_EQ(rig.direct_space.block_ptr(0, 0, b)[0], std::byte{0xee});
+    EXPECT_TRUE(rig.dec->forget(kXid).ok());
+  }
+  unsetenv("KVTIER_PD_TEST_TLS");
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, TwoProcessShm, ::testing::Values(PdMode::kPush, PdMode::kPull),

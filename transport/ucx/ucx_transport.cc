@@ -560,6 +560,25 @@ class UcxTransport final : public detail::TransportBase {
     // the peer copies itself). Only the peer's end proves it: its process gone, or its connection failed.
     return revoked;
   }
+  // Where UCX maps the peer's memory into this process (ucp_rkey_ptr: its shared-memory transports, for memory the
+  // peer allocated through UCX, allocate_host), this process reaches the region with its own loads and stores.
+  // The mapping lives as long as the peer's key, which disconnect_peer destroys: a caller must be done with the
+  // address before it disconnects the peer (pd.h's host direct lane waits for its copies).
+  Result<void*> backend_peer_address(PeerId peer, std::uint32_t region, const detail::Blob::Region& r) override {
+    std::lock_guard lock(ucx_mu_);
+    UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
+    if (p == nullptr || p->ep == nullptr) return NotFound(fmt::format("peer {} is not connected", peer));
+    ucp_rkey_h rkey = region < p->rkeys.size() ? p->rkeys[region] : nullptr;
+    if (rkey == nullptr) return NotFound(fmt::format("peer '{}' region {} has no key", p->name, region));
+    void* local = nullptr;
+    const ucs_status_t st = ucp_rkey_ptr(rkey, r.base, &local);
+    if (st != UCS_OK || local == nullptr)
+      return NotSupported(
+          fmt::format("peer '{}' region {}: UCX does not map it here ({}); only memory the peer allocated through UCX "
+                      "(allocate_host) on a shared-memory transport is",
+                      p->name, region, ucs_status_string(st)));
+    return local;
+  }
   bool backend_revoked(PeerId peer) const override {
     std::lock_guard lock(ucx_mu_);
     return peer < peers_.size() && peers_[peer] && peers_[peer]->gone();

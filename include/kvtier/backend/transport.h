@@ -152,12 +152,14 @@ class Transport {
   virtual Result<PeerId> load_peer(std::span<const std::byte> blob) = 0;
   virtual Result<PeerInfo> peer_info(PeerId peer) const = 0;
   // Where the peer's region `region` is mapped into this process for direct access by this process's device
-  // (kernels read and write it as local memory): the CUDA IPC mapping of a peer's CUDA device memory (ipc
-  // backend), the peer's own memory (loopback: one process). kNotSupported where the backend reaches the region
-  // only through its own copies (UCX, ipc host windows), kNotFound for an unknown peer or region. Bytes moved
-  // through this address bypass the transport: no transfer, no notification, no quiescence tracking; the
-  // caller owns those (the prefill/decode device lane of pd.h). Valid until the peer is disconnected or the
-  // transport destroyed.
+  // (kernels read and write it as local memory) or its CPU: the CUDA IPC mapping of a peer's CUDA device memory and
+  // the peer's shared memory (allocate_shared) mapped here (ipc backend); the peer's memory from allocate_host
+  // mapped by UCX's shared-memory transports (UCX, ucp_rkey_ptr); the peer's own memory (loopback: one process).
+  // kNotSupported where the backend reaches the region only through its own copies (UCX over TCP or for memory the
+  // peer allocated itself, other ipc host windows), kNotFound for an unknown peer or region. Bytes moved through
+  // this address bypass the transport: no transfer, no notification, no quiescence tracking; the caller owns those
+  // (the prefill/decode device and host direct lanes of pd.h), and the bounds: the mapping may reach beyond the
+  // region's bytes. Valid until the peer is disconnected or the transport destroyed.
   virtual Result<void*> peer_region_address(PeerId peer, std::uint32_t region) = 0;
 
   // Memory that this process uses in place and that peers map directly (peer_region_address answers for it):

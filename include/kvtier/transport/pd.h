@@ -84,6 +84,20 @@
 // ring_slots (the decode's geometry is used and sent in its request); a prefill without it refuses the transfer as on
 // the device lane.
 //
+// Host direct lane (PdOptions::host_direct, no engine): for host pools on one machine that the other process maps
+// (Transport::peer_region_address: memory from allocate_host on UCX's shared-memory transports, allocate_shared on
+// the ipc backend, one process on loopback). Instead of the transport's copy plus a checksum pass on each side, the
+// moving side (the prefill in push, the decode in pull) copies each layer's blocks itself on its checksum worker and
+// helpers, taking the xxh3 checksum of what it read and of what landed chunk by chunk while both are in cache, and
+// compares them: every byte is read and written once and hashed from cache twice. A push's 'W' then carries only
+// the count of blocks that matched (or both lists when some did not), and the decode trusts that read-back as it
+// trusts the device lane's kMover; a pull's 'A' carries the source list and strides and no checksums, and the decode
+// reads back its own copy. As on the device lane this proves every block landed intact, not that the prefill's
+// source did not change after the copy read it. Block ids are checked against the peer's registered regions before
+// any byte moves (the mapping may reach further). A copy cannot be cancelled: a side whose lease expires waits for
+// its copies to end before it disconnects the peer (which unmaps its memory here), and after a failed push the
+// decode's blocks stay quarantined until 'Q' or the transport's peer_revoked, as on the device lane.
+//
 // Thread-safety: every method may be called from any thread; a progress thread per endpoint handles messages,
 // layer readiness, heartbeats and leases. Every wait has a deadline. Errors: kInvalidArgument / kOutOfRange
 // (block ids, layers), kNotFound (transfer), kAlreadyExists (transfer id reused), kFailedPrecondition (memory
@@ -158,6 +172,11 @@ struct PdOptions {
   static constexpr std::uint32_t kAutoChecksumHelpers = ~std::uint32_t{0};
   static constexpr std::uint32_t kMaxChecksumHelpers = 32;
   std::uint32_t checksum_helpers = kAutoChecksumHelpers;
+  // The host direct lane (see "Host direct lane" above; no `engine`): the side that moves a layer copies its blocks
+  // itself through the transport's mapping of the peer's pool, hashing what it read and what landed in the same
+  // pass. Both sides set it; the decode's request names it and a prefill without it refuses the transfer. kAuto
+  // checksum helpers here are one per core but one, at most 4 (the copy is this lane's only work).
+  bool host_direct = false;
 };
 std::string_view lane_verify_name(PdOptions::LaneVerify verify) noexcept;
 // "mover" or "receiver"; InvalidArgument naming `name` otherwise.
