@@ -602,6 +602,39 @@ TEST_P(TransportConformance, HostAllocationHoldsRegionsThatMoveBytesBothWays) {
   EXPECT_TRUE((*a)->release(*x).ok());
 }
 
+// peer_region_address on memory from allocate_host: where the backend maps it into the peer (UCX's shared-memory
+// transports through ucp_rkey_ptr; loopback, one process) the peer's loads and stores are the owner's bytes, at the
+// region's offset; elsewhere (UCX over TCP) kNotSupported. A region of the caller's own memory is not mapped by UCX.
+TEST_P(TransportConformance, PeerRegionAddressOfHostAllocationsIsTheOwnersBytesOrNotSupported) {
+  std::vector<std::byte> caller_a = random_bytes(1 << 16, 4);  // outlives the transport
+  auto a = make(GetParam(), ident("a"));
+  auto b = make(GetParam(), ident("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  constexpr std::uint64_t kBytes = 1 << 20;
+  auto ha = (*a)->allocate_host(kBytes);
+  ASSERT_TRUE(ha.ok()) << ha.status().to_string();
+  auto r0 = (*a)->register_memory({MemoryKind::kPinnedHost, 0, ha->data() + 8192, kBytes / 2});
+  auto r1 = (*a)->register_memory({MemoryKind::kPinnedHost, 0, caller_a.data(), caller_a.size()});
+  ASSERT_TRUE(r0.ok() && r1.ok());
+  auto b_sees_a = (*b)->load_peer((*a)->export_metadata().value());
+  ASSERT_TRUE(b_sees_a.ok()) << b_sees_a.status().to_string();
+  EXPECT_EQ((*b)->peer_region_address(*b_sees_a, 7).status().code(), StatusCode::kNotFound);
+  auto mapped = (*b)->peer_region_address(*b_sees_a, *r0);
+  if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kIpc) {
+    EXPECT_EQ(mapped.status().code(), StatusCode::kNotSupported) << mapped.status().to_string();
+    return;
+  }
+  ASSERT_TRUE(mapped.ok()) << mapped.status().to_string();
+  auto* view = static_cast<std::byte*>(*mapped);
+  view[100] = std::byte{0x5A};
+  EXPECT_EQ(ha->data()[8192 + 100], std::byte{0x5A});
+  ha->data()[8192 + 4000] = std::byte{0xA5};
+  EXPECT_EQ(view[4000], std::byte{0xA5});
+  if (GetParam() == Kind::kUcxShm) {
+    EXPECT_EQ((*b)->peer_region_address(*b_sees_a, *r1).status().code(), StatusCode::kNotSupported);
+  }
+}
+
 // wake_notification_waiter ends a blocked wait at once with nothing (not kTimedOut); a wake with nobody waiting
 // ends the next wait; it is used up by that wait (the one after it waits again); queued notifications still come.
 TEST_P(TransportConformance, AWakeEndsTheNotificationWaitAtOnceAndOnlyOnce) {
