@@ -17,7 +17,8 @@
 # nixl-cu13 wheel is in .whl/, bench/pd_nixl.py with the same block lists (NIXL's UCX backend, WRITE and READ).
 # `ring` (also part of `pd`): kvtier bench pd over the ring lane (the decode's shared pinned ring) beside the
 # PCIe ceiling of the same bytes.
-# `host` (also part of `pd`): kvtier bench pd over the host lanes (UCX shm and tcp, ipc) beside the raw transport.
+# `host` (also part of `pd`): kvtier bench pd over the host lanes (UCX shm and tcp, ipc, and shm-direct, the host
+# direct lane) beside the raw transport.
 # Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|ring|host|all] [extra kvtier bench copy args...]
 #   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
 set -uo pipefail
@@ -119,6 +120,10 @@ if [ "$what" = host ] || [ "$what" = pd ] || [ "$what" = all ]; then
   echo "bench pd host rc=$?"; tail -5 "$OUT/bench_pd_host.err"
   timeout 120 "$BIN/kvtier" bench pd --lanes shm --memory raw,host --host-alloc caller --block-sizes 16384,1048576 --layers 8 \
     --iters 24 --inflight 1,4 "${perftest[@]}" --json >> "$OUT/bench_pd_host.jsonl" 2>> "$OUT/bench_pd_host.err"
+  # The host direct lane (PdOptions::host_direct: the moving side copies through UCX's mapping of the peer's pool).
+  timeout 200 "$BIN/kvtier" bench pd --lanes shm-direct --memory raw,host --block-sizes 16384,1048576 --layers 8 \
+    --iters 24 --inflight 1,4 "${perftest[@]}" --json >> "$OUT/bench_pd_host.jsonl" 2>> "$OUT/bench_pd_host.err"
+  echo "bench pd host direct rc=$?"
   echo "bench pd host (caller memory) rc=$?"; cat "$OUT/bench_pd_host.jsonl"
 fi
 if [ "$what" = ring ] || [ "$what" = pd ] || [ "$what" = all ]; then
