@@ -469,22 +469,40 @@ std::vector<std::uint32_t> all_layers(const PdArgs& a) {
 
 // Transfers 1 (the warm-up, alone) to iters + 1, up to `inflight` of the measured ones open at once, each
 // awaited and forgotten in order: `open(id)` starts one, `close(id)` waits for it and forgets it.
+// `latencies_us`, when given, gets each measured transfer's time from the start of its open to the return of its
+// close (one transfer at a time: what a transfer costs end to end).
 Status run_transfers(
     std::uint32_t iters, std::uint32_t inflight, const std::function<Status(std::uint64_t)>& open,
-    const std::function<Status(std::uint64_t)>& close, const std::function<void()>& measured_from = [] {}) {
+    const std::function<Status(std::uint64_t)>& close, const std::function<void()>& measured_from = [] {},
+    std::vector<double>* latencies_us = nullptr) {
   KVTIER_RETURN_IF_ERROR(open(1));
   KVTIER_RETURN_IF_ERROR(close(1));
   measured_from();
+  if (latencies_us != nullptr) latencies_us->clear();
+  std::map<std::uint64_t, std::chrono::steady_clock::time_point> opened;
   std::deque<std::uint64_t> pending;
   for (std::uint64_t next = 2, last = std::uint64_t{iters} + 1; next <= last || !pending.empty();) {
     while (next <= last && pending.size() < std::max<std::uint32_t>(1, inflight)) {
+      opened[next] = std::chrono::steady_clock::now();
       KVTIER_RETURN_IF_ERROR(open(next));
       pending.push_back(next++);
     }
     KVTIER_RETURN_IF_ERROR(close(pending.front()));
+    if (latencies_us != nullptr)
+      latencies_us->push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - opened[pending.front()])
+              .count());
     pending.pop_front();
   }
   return Status::Ok();
+}
+
+// The decode's per-transfer latencies of the last direct or ring row (run_transfers' latencies_us).
+std::vector<double> g_last_latencies;
+double quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
 }
 
 // The prefill process's part after its endpoint exists: blobs over the pipes, then one warm-up and `iters`
@@ -888,7 +906,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
         return finish_decode(dec->wait(id, 60s, !until_final), plan.src.size(),
                              [&] { return until_final ? deferred.defer(id) : dec->forget(id); });
       },
-      [&] { t0 = std::chrono::steady_clock::now(); });
+      [&] { t0 = std::chrono::steady_clock::now(); }, &g_last_latencies);
   if (s.ok()) s = deferred.drain();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   prefill.join();
@@ -1101,7 +1119,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   Status s = run_transfers(
       a.iters, a.inflight, [&](std::uint64_t id) { return dec.start(*peer, id, mode, iota(n)); },
       [&](std::uint64_t id) { return finish_decode(dec.wait(id), n, [&] { return dec.forget(id); }); },
-      [&] { t0 = std::chrono::steady_clock::now(); });
+      [&] { t0 = std::chrono::steady_clock::now(); }, &g_last_latencies);
   if (s.ok()) s = deferred.drain();
   if (!s.ok()) return finish(s);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -1312,6 +1330,14 @@ int run_bench(const PdArgs& a) {
                 j["ratio_to_gather_all_sms"] = g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0;
                 j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
                 j["gather_landed_gbps"] = g_last_gather.landed;
+                // One transfer's end-to-end time on the decode (start to done), against the time the lane's own
+                // kernel needs for its bytes: the difference is what the protocol adds per transfer.
+                j["transfer_us_p50"] = quantile(g_last_latencies, 0.5);
+                j["transfer_us_p90"] = quantile(g_last_latencies, 0.9);
+                j["landed_kernel_us"] = g_last_gather.landed > 0
+                                            ? static_cast<double>(std::uint64_t{a.layers} * blocks_for(a, bs) * bs) /
+                                                  g_last_gather.landed / 1e3
+                                            : 0.0;
                 j["ratio_to_gather_landed"] = g_last_gather.landed > 0 ? *g / g_last_gather.landed : 0.0;
                 if (!a.lane_engine.empty()) j["lane_engine"] = a.lane_engine;
                 j["bytes_checked"] = true;
