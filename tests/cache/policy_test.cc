@@ -172,7 +172,9 @@ TEST(Policy, EveryPolicyFindsTheOnlyEvictableNodes) {
     EXPECT_EQ(p->victim([](NodeId n) { return n == 3; }), 3u) << name;
     // lead() names one of the policy's experts (a policy that is no duel is its own one expert, never switching).
     EXPECT_LT(p->lead().expert, policy_experts(name).size()) << name;
-    if (policy_experts(name).size() == 1) EXPECT_EQ(p->lead().switches, 0u) << name;
+    if (policy_experts(name).size() == 1) {
+      EXPECT_EQ(p->lead().switches, 0u) << name;
+    }
   }
 }
 

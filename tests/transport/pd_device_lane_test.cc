@@ -442,9 +442,10 @@ TEST_P(LaneModes, AWriteNotificationWithAWrongOrMissingCountFailsItsLayer) {
     for (std::uint32_t l : {0u, 2u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
     EXPECT_EQ(fin->block_loaded, (std::vector<bool>{false, false, false, false}));
     EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss) << fin->error.to_string();
-    if (!truncate)
+    if (!truncate) {
       EXPECT_NE(fin->error.message().find("the prefill verified 3 blocks of 4"), std::string::npos)
           << fin->error.to_string();
+    }
   }
 }
 
