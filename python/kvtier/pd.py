@@ -56,6 +56,14 @@ device sides are compared (``ring_copy``: ``"auto"`` copies with the engine's ch
 checksums in a pass over device memory; ``"sm_kernel"`` folds them into the copy). Both sides
 pass ``lane="ring"``; the decode's ring settings are the ones used.
 
+``lane="host-direct"`` (host memory, ``transport="ucx"`` with ``tls="shm"`` between processes of
+one host, or ``"loopback"`` in one) is the host direct lane: the endpoint allocates its pool in
+its transport's memory, which the peer's transport maps, as a copy of ``kv`` (the same tensors
+and shapes); the engine then keeps its KV in :meth:`kv_pool`'s arrays, not in ``kv``. The side
+that moves a layer copies it through that mapping and checksums what it read and what landed in
+the same pass: with the checksums on it moves 0.9-1.2x the raw UCX transport on two cores and
+2-3x on sixteen (``docs/performance.md``). Both sides pass ``lane="host-direct"``.
+
 Transports: ``"ipc"`` (same host, two processes; memory shared through sealed memfd windows),
 ``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP),
 ``"loopback"`` (one process: tests). ``peer_secret`` (32 to 64 bytes shared by the two sides)
@@ -166,6 +174,7 @@ class _Endpoint:
                  ring_slots: int = 4, ring_slot_bytes: int = 32 << 20, ring_copy: str = "auto",
                  read_back: str = "copy"):
         tensors = _name_map(kv, rank, device_label)
+        self._pairs = None if isinstance(kv, Mapping) else len(kv)  # kv_pool() answers in the caller's form
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)
         if name is None:  # unique across the hosts and processes that talk to each other
@@ -192,9 +201,27 @@ class _Endpoint:
         """The transport's backend name."""
         return self._ep.transport
 
+    def kv_pool(self) -> KvTensors:
+        """The host direct lane's pool (``lane="host-direct"``): numpy arrays over the transport's memory, in the
+        form ``kv`` was given (a list of (key, value) per layer, or the name map). The engine reads and writes its KV
+        there; each array keeps the pool alive. Other lanes: InvalidArgumentError."""
+        pool = self._ep.kv_pool()
+        if not pool:
+            raise InvalidArgumentError(f"endpoint '{self.name}' runs the {self.lane} lane; kv_pool() is the "
+                                       f"host direct lane's (lane='host-direct')")
+        if self._pairs is None:
+            return pool
+        out = []
+        for layer in range(self._pairs):
+            parts = [v for role in ("key_caches", "value_caches") for k, v in pool.items()
+                     if k.startswith(f"{role}_{layer}_")]
+            out.append(tuple(parts) if len(parts) == 2 else parts[0])
+        return out
+
     @property
     def lane(self) -> str:
-        """How blocks move: "host" (the transport on host memory), "staged" (device memory through pinned
+        """How blocks move: "host" (the transport on host memory), "host-direct" (the host direct lane),
+        "staged" (device memory through pinned
         staging), "direct" (the copy kernel between the two device pools) or "ring" (through the decode's shared
         pinned ring)."""
         return self._ep.lane

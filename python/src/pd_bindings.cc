@@ -153,8 +153,14 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (o.role != "prefill" && o.role != "decode")
     raise_status(InvalidArgument(fmt::format("role '{}' is not prefill or decode", o.role)));
   if (o.name.empty()) raise_status(InvalidArgument("the endpoint's name is empty"));
-  if (o.lane != "auto" && o.lane != "direct" && o.lane != "ring")
-    raise_status(InvalidArgument(fmt::format("lane '{}' is not auto, direct or ring", o.lane)));
+  if (o.lane != "auto" && o.lane != "direct" && o.lane != "ring" && o.lane != "host-direct")
+    raise_status(InvalidArgument(fmt::format("lane '{}' is not auto, direct, ring or host-direct", o.lane)));
+  if (o.lane == "host-direct" && !device_obj.is_none())
+    raise_status(InvalidArgument("lane 'host-direct' moves host memory: no device="));
+  if (o.lane == "host-direct" && o.transport != "ucx" && o.transport != "loopback")
+    raise_status(InvalidArgument(fmt::format(
+        "lane 'host-direct' needs a transport that maps the peer's pool here: ucx (tls='shm') or loopback, not {}",
+        o.transport)));
   if (auto v = transport::parse_lane_verify(o.verify); !v.ok()) raise_status(v.status());
   if (o.read_back != "copy" && o.read_back != "pass")
     raise_status(InvalidArgument(fmt::format("read_back '{}' is not copy or pass", o.read_back)));
@@ -180,6 +186,16 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   for (auto& [name, array] : tensors) {
     descs[name] = value_or_raise(device ? describe_tensor(name, array, *device) : describe_host_tensor(name, array));
     keep_alive.append(nb::cast(array));
+    if (o.lane == "host-direct") {
+      PdNative::PoolTensor pt;
+      pt.name = name;
+      for (std::size_t d = 0; d < array.ndim(); ++d) {
+        pt.shape.push_back(array.shape(d));
+        pt.strides.push_back(array.stride(d));
+      }
+      pt.dtype = array.dtype();
+      n->pool.push_back(std::move(pt));
+    }
   }
   Status st = released([&]() -> Status {
     KVTIER_ASSIGN_OR_RETURN(n->layout,
@@ -190,8 +206,26 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     transport::PdOptions pd;
     pd.heartbeat = heartbeat;
     pd.lease = lease;
+    if (device == nullptr && o.lane == "host-direct") {
+      // The host direct lane: the pool lives in the transport's memory (UCX maps it into the peer), a copy of the
+      // engine's tensors, one after another; the engine uses it through kv_pool().
+      std::uint64_t total = 0;
+      std::map<std::string, std::uint64_t> at;
+      for (const auto& [name, t] : descs) {
+        at[name] = total;
+        total += (tensor_extent_bytes(t) + 63) / 64 * 64;
+      }
+      KVTIER_ASSIGN_OR_RETURN(std::span<std::byte> mem, n->transport->allocate_host(total));
+      for (auto& [name, t] : descs) {
+        std::memcpy(mem.data() + at[name], t.data, tensor_extent_bytes(t));
+        t.data = mem.data() + at[name];
+      }
+      for (PdNative::PoolTensor& pt : n->pool) pt.data = mem.data() + at[pt.name];
+      KVTIER_ASSIGN_OR_RETURN(space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label, 0));
+      pd.host_direct = true;
+    }
     if (device == nullptr) {
-      // Host memory: the protocol runs on the tensors themselves.
+      // Host memory: the protocol runs on the tensors themselves (the host direct lane: on its pool).
       std::vector<std::vector<Plane>> planes(n->layout.num_layers());
       for (std::uint32_t l = 0; l < n->layout.num_layers(); ++l)
         for (std::uint32_t r = 0; r < n->layout.num_roles(l); ++r) planes[l].push_back(space.plane(l, r));
@@ -256,7 +290,9 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   }
   auto out = std::make_unique<PyPdEndpoint>();
   out->options = std::move(o);
-  out->lane = device == nullptr ? "host" : out->options.lane == "auto" ? "staged" : out->options.lane;
+  out->lane = device == nullptr             ? (out->options.lane == "host-direct" ? "host-direct" : "host")
+              : out->options.lane == "auto" ? "staged"
+                                            : out->options.lane;
   out->backend = std::string(n->transport->backend_name());
   out->layout = n->layout.describe();
   out->num_layers = n->layout.num_layers();
@@ -322,6 +358,21 @@ void bind_pd(nb::module_& m) {
       .def_prop_ro("transport", [](const PyPdEndpoint& e) { return e.backend; })
       .def_prop_ro("staged", [](const PyPdEndpoint& e) { return e.staged; })
       .def_prop_ro("lane", [](const PyPdEndpoint& e) { return e.lane; })
+      .def(
+          "kv_pool",
+          [](PyPdEndpoint& e) {
+            auto n = e.get();
+            nb::dict out;
+            for (const PdNative::PoolTensor& pt : n->pool) {
+              // Each array keeps the endpoint's native state (and so the transport's memory) alive.
+              nb::capsule owner(new std::shared_ptr<PdNative>(n),
+                                [](void* p) noexcept { delete static_cast<std::shared_ptr<PdNative>*>(p); });
+              out[pt.name.c_str()] =
+                  nb::ndarray<nb::numpy>(pt.data, pt.shape.size(), pt.shape.data(), owner, pt.strides.data(), pt.dtype);
+            }
+            return out;
+          },
+          "The host direct lane's pool, by tensor name (numpy arrays over the transport's memory); empty otherwise.")
       .def_prop_ro("layout", [](const PyPdEndpoint& e) { return e.layout; })
       .def_prop_ro("num_layers", [](const PyPdEndpoint& e) { return e.num_layers; })
       .def_prop_ro("num_blocks", [](const PyPdEndpoint& e) { return e.num_blocks; })

@@ -66,6 +66,16 @@ struct PdNative {
   std::unique_ptr<transport::PdDecode> decode;
   std::unique_ptr<transport::PdStagedPrefill> staged_prefill;
   std::unique_ptr<transport::PdStagedDecode> staged_decode;
+  // The host direct lane: the pool this endpoint allocated in its transport's memory (the peer maps it), one entry
+  // per engine tensor, shaped as the tensor it was copied from (PdEndpoint.kv_pool()).
+  struct PoolTensor {
+    std::string name;
+    std::byte* data = nullptr;
+    std::vector<std::size_t> shape;
+    std::vector<std::int64_t> strides;
+    nb::dlpack::dtype dtype;
+  };
+  std::vector<PoolTensor> pool;
 
   Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 
@@ -101,7 +111,7 @@ struct PyPdEndpoint {
   std::uint64_t num_blocks = 0;
   std::uint64_t block_bytes = 0;
   bool staged = false;
-  std::string lane;  // "host", "staged" or "direct"
+  std::string lane;  // "host", "host-direct", "staged", "direct" or "ring"
   std::mutex mu;
   std::shared_ptr<PdNative> native;  // null once closed
 

@@ -691,3 +691,54 @@ def test_receiver_refusals_name_the_problem():
         with pytest.raises(kvtier.InvalidArgumentError, match="receive_timeout"):
             Receiver(cache, tm, other, receive_timeout=0)
     tm.close()
+
+
+HOST_DIRECT = {
+    "loopback": dict(transport="loopback"),
+    "ucx-shm": dict(transport="ucx", tls="shm"),
+}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("transport", list(HOST_DIRECT))
+def test_host_direct_lane_moves_the_pools_byte_exact(transport, mode):
+    """lane="host-direct": each endpoint's pool is a copy of its kv in the transport's memory (kv_pool()), the
+    moving side copies through the transport's mapping of the peer's pool. Byte-exact into the decode's pool,
+    untouched blocks keep their poison, the caller's own tensors are not the pool."""
+    src_kv, dst_kv = prefill_kv(seed=5), decode_kv()
+    src_blocks, dst_blocks = [1, 6, 3], [2, 8, 5]
+    lane = dict(lane="host-direct", **HOST_DIRECT[transport])
+    with Prefill(src_kv, **lane, **FAST) as p, Decode(dst_kv, **lane, **FAST) as d:
+        assert p.lane == d.lane == "host-direct"
+        src_pool, dst_pool = p.kv_pool(), d.kv_pool()
+        assert len(src_pool) == len(dst_pool) == LAYERS
+        for layer in range(LAYERS):
+            for role in range(2):
+                assert np.array_equal(src_pool[layer][role].view(np.uint8), src_kv[layer][role].view(np.uint8))
+                assert src_pool[layer][role].ctypes.data != src_kv[layer][role].ctypes.data
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 7, dst_blocks, mode=mode)
+        p.begin(to_decode, 7, src_blocks)
+        p.layers_ready(7, list(range(LAYERS)))
+        st = d.wait(7, TIMEOUT, reclaimable=True)
+        assert st.final and st.error is None and st.leading_loaded_blocks == 3
+        untouched = sorted(set(range(DECODE_BLOCKS)) - set(dst_blocks))
+        for layer in range(LAYERS):
+            assert_layer_moved(src_pool, dst_pool, layer, src_blocks, dst_blocks)
+            assert_poisoned(dst_pool, layer, untouched)
+            assert_poisoned(dst_kv, layer, range(DECODE_BLOCKS))  # the caller's tensors are not the pool
+        assert p.wait(7, TIMEOUT).done
+        d.forget(7)
+        p.forget(7)
+    # The arrays outlive the endpoints that made them.
+    assert dst_pool[0][0].view(np.uint8)[dst_blocks[0]].tobytes() == src_pool[0][0].view(np.uint8)[1].tobytes()
+
+
+def test_host_direct_lane_is_checked():
+    with pytest.raises(kvtier.InvalidArgumentError, match="host-direct"):
+        Prefill(prefill_kv(), transport="ipc", lane="host-direct")
+    with pytest.raises(kvtier.InvalidArgumentError, match="no device"):
+        Prefill(prefill_kv(), transport="loopback", lane="host-direct", device=kvtier.host_device())
+    with Prefill(prefill_kv(), transport="loopback") as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="kv_pool"):
+            p.kv_pool()
