@@ -528,10 +528,7 @@ class Endpoint {
                   const std::vector<std::uint64_t>& dst, std::uint32_t layer, std::uint64_t* out) const {
     const KvLayout& layout = blocks_.layout();
     const std::size_t n = src.size();
-    const std::uint64_t block_bytes = layer_bytes(layer, 1);
-    const std::size_t grain =
-        std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
-    auto body = [&](std::size_t begin, std::size_t end) {
+    split_over_helpers(n, layer_bytes(layer, 1), [&](std::size_t begin, std::size_t end) {
       kvtier::detail::Xxh3 read, landed;
       for (std::size_t i = begin; i < end; ++i) {
         read.reset();
@@ -550,12 +547,7 @@ class Endpoint {
         out[i] = read.digest();
         out[n + i] = landed.digest();
       }
-    };
-    if (checksum_loop_ == nullptr) {
-      body(0, n);
-      return;
-    }
-    checksum_loop_->run(n, grain, body);
+    });
   }
   // A chunk small enough that its source and destination stay in L1/L2 between the copy and the two hashes.
   static constexpr std::uint64_t kMoveChunkBytes = std::uint64_t{16} << 10;
@@ -927,17 +919,21 @@ class Endpoint {
   // Host lanes: the checksum of `blocks[i]` of `layer` into out[i], split over the checksum helpers when the layer
   // is large enough to pay for waking them (chunks of at least 256 KiB).
   void layer_checksums(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) const {
-    const std::uint64_t block_bytes = layer_bytes(layer, 1);
-    const std::size_t grain =
-        std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
-    auto body = [&](std::size_t begin, std::size_t end) {
+    split_over_helpers(blocks.size(), layer_bytes(layer, 1), [&](std::size_t begin, std::size_t end) {
       for (std::size_t i = begin; i < end; ++i) out[i] = block_layer_checksum(blocks_, layer, blocks[i]);
-    };
+    });
+  }
+  // body(begin, end) over blocks [0, n) of `block_bytes` each, split over the checksum helpers in chunks of at least
+  // 256 KiB (on the caller alone without helpers).
+  void split_over_helpers(std::size_t n, std::uint64_t block_bytes,
+                          const std::function<void(std::size_t, std::size_t)>& body) const {
     if (checksum_loop_ == nullptr) {
-      body(0, blocks.size());
+      body(0, n);
       return;
     }
-    checksum_loop_->run(blocks.size(), grain, body);
+    const std::size_t grain =
+        std::max<std::uint64_t>(1, (std::uint64_t{256} << 10) / std::max<std::uint64_t>(block_bytes, 1));
+    checksum_loop_->run(n, grain, body);
   }
 
   // A layer's checksums on the checksum worker, or null: the caller computes them on the protocol thread. Layers of
@@ -1617,14 +1613,13 @@ class Prefill final : public PdPrefill, public Endpoint {
       t_.send_notification(x.peer, m.str()).ignore_error();
       return;
     }
-    std::vector<std::uint64_t> both;
-    if (l.ck) {
-      both = l.ck->out;  // the job stays: writes_quiet() sees it done
-    } else {
-      both.resize(2 * n);
-      move_layer(blocks_, x.src, *x.direct_peer, x.req->dst, li, both.data());
+    std::vector<std::uint64_t> here;  // a small layer, moved on this thread
+    if (!l.ck) {
+      here.resize(2 * n);
+      move_layer(blocks_, x.src, *x.direct_peer, x.req->dst, li, here.data());
     }
-    const std::span<const std::uint64_t> read(both.data(), n), landed(both.data() + n, n);
+    const std::uint64_t* both = l.ck ? l.ck->out.data() : here.data();  // the job stays: writes_quiet() sees it done
+    const std::span<const std::uint64_t> read(both, n), landed(both + n, n);
     Msg m('W', id);
     if (std::equal(read.begin(), read.end(), landed.begin()))
       m.u32(li).u64s({}).u64s({}).u32(static_cast<std::uint32_t>(n));

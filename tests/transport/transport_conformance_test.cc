@@ -618,6 +618,15 @@ TEST_P(TransportConformance, PeerRegionAddressOfHostAllocationsIsTheOwnersBytesO
   ASSERT_TRUE(r0.ok() && r1.ok());
   auto b_sees_a = (*b)->load_peer((*a)->export_metadata().value());
   ASSERT_TRUE(b_sees_a.ok()) << b_sees_a.status().to_string();
+  auto a_sees_b = (*a)->load_peer((*b)->export_metadata().value());
+  ASSERT_TRUE(a_sees_b.ok()) << a_sees_b.status().to_string();
+  // A message each way first: UCX's TCP wireup must finish before either side is destroyed (Debian's UCX asserts in
+  // its wireup when the peer goes away mid-connection).
+  std::vector<Notification> seen;
+  ASSERT_TRUE((*b)->send_notification(*b_sees_a, "hello-a").ok());
+  ASSERT_TRUE(await_notification(**a, "hello-a", seen).ok());
+  ASSERT_TRUE((*a)->send_notification(*a_sees_b, "hello-b").ok());
+  ASSERT_TRUE(await_notification(**b, "hello-b", seen).ok());
   EXPECT_EQ((*b)->peer_region_address(*b_sees_a, 7).status().code(), StatusCode::kNotFound);
   auto mapped = (*b)->peer_region_address(*b_sees_a, *r0);
   if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kIpc) {
