@@ -36,7 +36,27 @@ void BM_Kvtier(benchmark::State& state) {
   auto& b = buffer(n);
   for (auto _ : state) benchmark::DoNotOptimize(kvtier::detail::xxh3_64(b.data(), n));
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * n));
-  state.SetLabel(kvtier::detail::xxh3_uses_avx2() ? "avx2" : "library");
+  state.SetLabel(kvtier::detail::xxh3_best_path_name());
+}
+
+// range(1): the path (Xxh3::Path), to compare the builds in one run; a path this CPU lacks is skipped.
+void BM_KvtierPath(benchmark::State& state) {
+  const auto n = static_cast<std::size_t>(state.range(0));
+  const auto path = static_cast<kvtier::detail::Xxh3::Path>(state.range(1));
+  if (!kvtier::detail::xxh3_has_path(path)) {
+    state.SkipWithError("this CPU lacks the path's instruction set");
+    return;
+  }
+  auto& b = buffer(n);
+  kvtier::detail::Xxh3 h(path);
+  for (auto _ : state) {
+    h.reset();
+    h.update(b.data(), n);
+    benchmark::DoNotOptimize(h.digest());
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * n));
+  constexpr const char* kNames[] = {"best", "avx512", "avx2", "library"};
+  state.SetLabel(kNames[state.range(1)]);
 }
 
 void BM_Memcpy(benchmark::State& state) {
@@ -99,6 +119,7 @@ void BM_CopyHashInCacheBlocks(benchmark::State& state) {
 
 BENCHMARK(BM_Library)->Arg(16 << 10)->Arg(1 << 20)->Arg(256 << 20);
 BENCHMARK(BM_Kvtier)->Arg(16 << 10)->Arg(1 << 20)->Arg(256 << 20);
+BENCHMARK(BM_KvtierPath)->ArgsProduct({{16 << 10, 1 << 20, 256 << 20}, {1, 2}});
 BENCHMARK(BM_Memcpy)->Arg(16 << 10)->Arg(1 << 20)->Arg(256 << 20);
 BENCHMARK(BM_CopyBlocks);
 BENCHMARK(BM_CopyThenHashBlocks);

@@ -1,12 +1,14 @@
-// detail::Xxh3 (core/xxh3.h) gives xxHash's XXH3_64bits values on both of its paths, whatever the lengths and
-// however the stream is cut.
+// detail::Xxh3 (core/xxh3.h) gives xxHash's XXH3_64bits values on each of its paths this CPU runs, whatever the
+// lengths and however the stream is cut.
 #include "core/xxh3.h"
 
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace kvtier::detail {
@@ -33,10 +35,13 @@ TEST(Xxh3, OneShotEqualsTheLibrary) {
     }
 }
 
-TEST(Xxh3, StreamsEqualTheLibraryOnBothPathsHoweverTheyAreCut) {
+TEST(Xxh3, StreamsEqualTheLibraryOnEveryPathHoweverTheyAreCut) {
   const auto data = random_bytes((1 << 20) + 64, 2);
   std::mt19937 rng(3);
-  for (Xxh3::Path path : {Xxh3::Path::kBest, Xxh3::Path::kPortable}) {
+  int paths = 0;
+  for (Xxh3::Path path : {Xxh3::Path::kBest, Xxh3::Path::kAvx512, Xxh3::Path::kAvx2, Xxh3::Path::kPortable}) {
+    if (!xxh3_has_path(path)) continue;
+    ++paths;
     Xxh3 h(path);
     for (std::size_t n : kLengths) {
       SCOPED_TRACE(::testing::Message() << n << " bytes, path " << static_cast<int>(path));
@@ -52,6 +57,27 @@ TEST(Xxh3, StreamsEqualTheLibraryOnBothPathsHoweverTheyAreCut) {
       }
       EXPECT_EQ(h.digest(), want) << "random cuts";
     }
+  }
+  EXPECT_GE(paths, 2);
+  std::printf("xxh3 paths run: %d, the best is %s\n", paths, xxh3_best_path_name());
+}
+
+TEST(Xxh3, ThePathsAgreeAndTheBestIsTheWidestThisCpuRuns) {
+  const std::string best = xxh3_best_path_name();
+  if (xxh3_has_path(Xxh3::Path::kAvx512))
+    EXPECT_EQ(best, "avx512");
+  else if (xxh3_has_path(Xxh3::Path::kAvx2))
+    EXPECT_EQ(best, "avx2");
+  else
+    EXPECT_EQ(best, "library");
+  EXPECT_TRUE(xxh3_has_path(Xxh3::Path::kBest));
+  EXPECT_TRUE(xxh3_has_path(Xxh3::Path::kPortable));
+  // A path this CPU lacks falls back to the library, with the same values.
+  const auto data = random_bytes(4096, 5);
+  for (Xxh3::Path path : {Xxh3::Path::kAvx512, Xxh3::Path::kAvx2}) {
+    Xxh3 h(path);
+    h.update(data.data(), data.size());
+    EXPECT_EQ(h.digest(), XXH3_64bits(data.data(), data.size()));
   }
 }
 
