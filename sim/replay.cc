@@ -41,6 +41,17 @@ bool as_u64(const nlohmann::json& v, std::uint64_t& out) {
   return false;
 }
 
+// A bad field's value for an error message: scalars as JSON, at most kMaxShown characters; arrays and objects by
+// their size only (dumping them recurses once per level of nesting, and a line can nest deeper than a stack).
+std::string shown_value(const nlohmann::json& v) {
+  constexpr std::size_t kMaxShown = 64;
+  if (v.is_array()) return fmt::format("an array of {} elements", v.size());
+  if (v.is_object()) return fmt::format("an object of {} fields", v.size());
+  std::string s = v.dump(-1, ' ', /*ensure_ascii=*/true, nlohmann::json::error_handler_t::replace);
+  if (s.size() > kMaxShown) s = s.substr(0, kMaxShown) + fmt::format("... ({} characters)", s.size());
+  return s;
+}
+
 }  // namespace
 
 Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests) {
@@ -69,7 +80,7 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
         return required ? InvalidArgument(fmt::format("{}:{}: {} missing", path, lineno, k)) : Status::Ok();
       if (!as_u64(*it, dst))
         return InvalidArgument(
-            fmt::format("{}:{}: {} is {}, not an integer in 0..2^64-1", path, lineno, k, it->dump()));
+            fmt::format("{}:{}: {} is {}, not an integer in 0..2^64-1", path, lineno, k, shown_value(*it)));
       return Status::Ok();
     };
     KVTIER_RETURN_IF_ERROR(field("timestamp", r.timestamp_ms, true));
@@ -81,8 +92,8 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
     r.hash_ids.resize(h->size());
     for (std::size_t i = 0; i < h->size(); ++i)
       if (!as_u64((*h)[i], r.hash_ids[i]))
-        return InvalidArgument(
-            fmt::format("{}:{}: hash_ids[{}] is {}, not an integer in 0..2^64-1", path, lineno, i, (*h)[i].dump()));
+        return InvalidArgument(fmt::format("{}:{}: hash_ids[{}] is {}, not an integer in 0..2^64-1", path, lineno, i,
+                                           shown_value((*h)[i])));
     if (r.input_length > UINT64_MAX - input_tokens)
       return InvalidArgument(
           fmt::format("{}:{}: input_length {}: the trace's input tokens exceed 2^64-1", path, lineno, r.input_length));

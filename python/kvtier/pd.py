@@ -179,6 +179,10 @@ class _Endpoint:
             num_model_layers = _num_layers(tensors)
         if name is None:  # unique across the hosts and processes that talk to each other
             name = f"{self._role}-{socket.gethostname()[:64]}-{os.getpid()}-{next(_names)}"
+        if peer_secret is not None and not isinstance(peer_secret, (bytes, bytearray, memoryview)):
+            # bytes(40) would be 40 zero bytes: a secret anyone could guess, accepted without a word.
+            raise InvalidArgumentError(
+                f"peer_secret is a {type(peer_secret).__name__}; it must be bytes (32 to 64 of them)")
         secret = b"" if peer_secret is None else bytes(peer_secret)
         self._device = device
         self._streams: Dict[int, Any] = {}  # engine streams adopted on the device, by handle

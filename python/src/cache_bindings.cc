@@ -39,6 +39,17 @@ using namespace nb::literals;
 namespace kvtier::python {
 namespace {
 
+// The medium KV events name the storage tier by: DISK or REMOTE (GPU and CPU are the device and host tiers').
+metrics::Medium storage_medium_from(const std::string& name) {
+  const metrics::Medium m = value_or_raise(metrics::parse_medium(name));
+  if (m != metrics::Medium::kDisk && m != metrics::Medium::kRemote)
+    raise_status(
+        InvalidArgument(fmt::format("storage_medium '{}': DISK or REMOTE (GPU and CPU are the device and "
+                                    "host tiers' own media)",
+                                    name)));
+  return m;
+}
+
 using cache::BlockId;
 using cache::BlockKey;
 
@@ -418,7 +429,7 @@ void bind_cache(nb::module_& m) {
       .def("match",
            [](PyCacheManager& p, const std::vector<std::string>& keys) {
              auto k = parse_keys(keys);
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              cache::MatchResult r = p.cm->match(k);
              nb::dict d;
              d["device_blocks"] = r.device_blocks;
@@ -434,7 +445,7 @@ void bind_cache(nb::module_& m) {
           "admit",
           [](PyCacheManager& p, const std::vector<std::string>& keys, std::uint32_t extra_blocks) {
             auto k = parse_keys(keys);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             cache::Admission a = value_or_raise(p.cm->admit(k, extra_blocks));
             nb::dict d;
             d["id"] = a.id;
@@ -450,18 +461,18 @@ void bind_cache(nb::module_& m) {
       .def(
           "commit",
           [](PyCacheManager& p, std::uint64_t id, std::optional<std::uint32_t> num_computed) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(num_computed ? p.cm->commit(id, *num_computed) : p.cm->commit_all(id));
           },
           "admission"_a, "num_computed"_a = nb::none())
       .def("release",
            [](PyCacheManager& p, std::uint64_t id) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              check(p.cm->release(id));
            })
       .def("admission_status",
            [](PyCacheManager& p, std::uint64_t id) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              auto s = value_or_raise(p.cm->admission_status(id));
              nb::dict d;
              d["ready_blocks"] = s.ready_blocks;
@@ -472,13 +483,13 @@ void bind_cache(nb::module_& m) {
       .def("prefetch",
            [](PyCacheManager& p, const std::vector<std::string>& keys) {
              auto k = parse_keys(keys);
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              return value_or_raise(p.cm->prefetch(k));
            })
       .def(
           "take_plan",
           [](PyCacheManager& p) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             return step_plan_dict(p.cm->take_plan());
           },
           "Moves queued since the last call: dict of lists of (src, dst, key_hex).")
@@ -489,7 +500,7 @@ void bind_cache(nb::module_& m) {
             const cache::MoveKind k = move_kind(kind);
             auto ids = to_block_ids(dst_blocks);
             Status st = ack_status(error);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             switch (k) {
               case cache::MoveKind::kEviction: return check(p.cm->ack_evictions(ids, st));
               case cache::MoveKind::kBackup: return check(p.cm->ack_backups(ids, st));
@@ -503,7 +514,7 @@ void bind_cache(nb::module_& m) {
           "become misses).")
       .def("stats",
            [](PyCacheManager& p) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              cache::CacheStats s = p.cm->stats();
              nb::dict d;
              put_tier_stats(d, s);
@@ -537,7 +548,7 @@ void bind_cache(nb::module_& m) {
              const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
             auto k = parse_keys(keys);
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.cm->announce(k, h));
           },
           "keys"_a, "conversation_id"_a = 0, "continuation"_a = "unknown", "ttl_steps"_a = 0, "priority"_a = 0,
@@ -549,21 +560,21 @@ void bind_cache(nb::module_& m) {
           "extend_announced",
           [](PyCacheManager& p, std::uint64_t id, const std::vector<std::string>& keys) {
             auto k = parse_keys(keys);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.cm->extend_announced(id, k));
           },
           "id"_a, "keys"_a, "Appends keys (tokens arrived) to a queued announcement's chain.")
       .def(
           "withdraw",
           [](PyCacheManager& p, std::uint64_t id) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.cm->withdraw(id));
           },
           "id"_a, "The request left the queue (scheduled or cancelled).")
       .def(
           "announcement",
           [](PyCacheManager& p, std::uint64_t id) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             const cache::AnnouncementInfo a = value_or_raise(p.cm->announcement(id));
             nb::dict d;
             d["keys"] = a.keys;
@@ -578,13 +589,13 @@ void bind_cache(nb::module_& m) {
           "id"_a)
       .def("check_invariants",
            [](PyCacheManager& p) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              check(p.cm->check_invariants());
            })
       .def(
           "reset",
           [](PyCacheManager& p) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.cm->reset());
           },
           "Forgets every cached block (vLLM's reset_prefix_cache); FailedPreconditionError while an admission is "
@@ -593,7 +604,7 @@ void bind_cache(nb::module_& m) {
           "attach_metrics",
           [](PyCacheManager& p, const nb::dict& labels) {
             metrics::Labels l = labels_from(labels);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.cm->attach_metrics(metrics::default_registry(), l));
           },
           "labels"_a = nb::dict(),
@@ -602,8 +613,9 @@ void bind_cache(nb::module_& m) {
       .def(
           "enable_kv_events",
           [](PyCacheManager& p, std::uint32_t block_size, const std::string& storage_medium) {
-            auto medium = value_or_raise(metrics::parse_medium(storage_medium));
-            std::lock_guard lock(p.mu);
+            if (block_size == 0) raise_status(InvalidArgument("enable_kv_events: block_size 0 (tokens per block)"));
+            auto medium = storage_medium_from(storage_medium);
+            auto lock = lock_gil_safe(p.mu);
             p.cm->enable_kv_events(block_size, medium);
           },
           "block_size"_a, "storage_medium"_a = "DISK",
@@ -614,7 +626,7 @@ void bind_cache(nb::module_& m) {
           [](PyCacheManager& p) {
             std::vector<metrics::KvEvent> ev;
             {
-              std::lock_guard lock(p.mu);
+              auto lock = lock_gil_safe(p.mu);
               ev = p.cm->take_events();
             }
             return events_to_python(ev);
@@ -628,7 +640,7 @@ void bind_cache(nb::module_& m) {
             auto& pub = publisher_of(publisher);
             std::vector<metrics::KvEvent> ev;
             {
-              std::lock_guard lock(p.mu);
+              auto lock = lock_gil_safe(p.mu);
               ev = p.cm->take_events();
             }
             if (ev.empty()) return nb::none();
@@ -663,7 +675,7 @@ void bind_cache(nb::module_& m) {
           [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
              std::optional<std::uint32_t> max_hit_tokens) {
             HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             cache::HybridMatch r = value_or_raise(p.hc->match(a.request));
             nb::dict d;
             d["hit_tokens"] = r.hit_tokens;
@@ -687,7 +699,7 @@ void bind_cache(nb::module_& m) {
              std::uint32_t extra_tokens, std::optional<std::uint32_t> max_hit_tokens,
              const std::vector<std::uint32_t>& save_states_at) {
             HybridRequestArgs a = hybrid_request(num_tokens, chains, extra_tokens, max_hit_tokens, save_states_at);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             cache::HybridAdmission r = value_or_raise(p.hc->admit(a.request));
             nb::dict d;
             d["id"] = r.id;
@@ -729,7 +741,7 @@ void bind_cache(nb::module_& m) {
              const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
             HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.hc->announce(a.request, h));
           },
           "num_tokens"_a, "chains"_a, "max_hit_tokens"_a = nb::none(), "conversation_id"_a = 0,
@@ -740,25 +752,25 @@ void bind_cache(nb::module_& m) {
       .def(
           "withdraw",
           [](PyHybridCache& p, std::uint64_t id) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.hc->withdraw(id));
           },
           "id"_a, "The request left the queue (scheduled: before admit, or cancelled): every group withdraws it.")
       .def(
           "commit",
           [](PyHybridCache& p, std::uint64_t id, std::uint32_t num_computed_tokens) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.hc->commit(id, num_computed_tokens));
           },
           "admission"_a, "num_computed_tokens"_a)
       .def("release",
            [](PyHybridCache& p, std::uint64_t id) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              check(p.hc->release(id));
            })
       .def("admission_status",
            [](PyHybridCache& p, std::uint64_t id) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              auto s = value_or_raise(p.hc->admission_status(id));
              nb::dict d;
              d["ready"] = s.ready;
@@ -770,7 +782,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "take_plan",
           [](PyHybridCache& p) {
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             cache::HybridPlan plan = p.hc->take_plan();
             nb::list out;
             for (const auto& g : plan.groups) out.append(step_plan_dict(g));
@@ -787,14 +799,14 @@ void bind_cache(nb::module_& m) {
             c.completion.kind = move_kind(kind);
             c.completion.dst = to_block_ids(dst_blocks);
             c.completion.status = ack_status(error);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.hc->apply_completions(std::span<const cache::GroupCompletion>(&c, 1)));
           },
           "group"_a, "kind"_a, "dst_blocks"_a, "error"_a = nb::none(),
           "Acknowledges one group's moves of one kind by destination block; error: None or why they failed.")
       .def("stats",
            [](PyHybridCache& p) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              cache::HybridStats s = p.hc->stats();
              nb::dict d;
              d["admissions"] = s.admissions;
@@ -820,14 +832,14 @@ void bind_cache(nb::module_& m) {
            })
       .def("check_invariants",
            [](PyHybridCache& p) {
-             std::lock_guard lock(p.mu);
+             auto lock = lock_gil_safe(p.mu);
              check(p.hc->check_invariants());
            })
       .def(
           "enable_kv_events",
           [](PyHybridCache& p, const std::string& storage_medium) {
-            auto medium = value_or_raise(metrics::parse_medium(storage_medium));
-            std::lock_guard lock(p.mu);
+            auto medium = storage_medium_from(storage_medium);
+            auto lock = lock_gil_safe(p.mu);
             p.hc->enable_kv_events(medium);
           },
           "storage_medium"_a = "DISK")
@@ -836,7 +848,7 @@ void bind_cache(nb::module_& m) {
           [](PyHybridCache& p) {
             std::vector<cache::GroupEvent> ev;
             {
-              std::lock_guard lock(p.mu);
+              auto lock = lock_gil_safe(p.mu);
               ev = p.hc->take_events();
             }
             nb::list out;
@@ -856,7 +868,7 @@ void bind_cache(nb::module_& m) {
           "attach_metrics",
           [](PyHybridCache& p, const nb::dict& labels) {
             metrics::Labels l = labels_from(labels);
-            std::lock_guard lock(p.mu);
+            auto lock = lock_gil_safe(p.mu);
             check(p.hc->attach_metrics(metrics::default_registry(), l));
           },
           "labels"_a = nb::dict(),

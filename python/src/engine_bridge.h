@@ -41,7 +41,9 @@ struct PyTransferManager {
   nanobind::list keep_alive;  // the engine's tensors
   std::vector<Buffer> adopted_device;
   std::vector<std::unique_ptr<PinnedMemory>> host_registrations;
-  std::unique_ptr<TransferManager> mgr;
+  // Shared with the calls running on it with the GIL released: close() from another thread drops this reference
+  // and shuts the manager down (those calls then fail cleanly), and the last call to return frees it.
+  std::shared_ptr<TransferManager> mgr;
   std::unique_ptr<DeviceChecksums> checksums;  // created on first use; destroyed before the device it uses
   KvLayout layout;
   // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
@@ -54,14 +56,18 @@ struct PyTransferManager {
     shutdown();
   }
   void shutdown() {
-    if (!mgr) return;
+    std::shared_ptr<TransferManager> m = std::move(mgr);
+    if (!m) return;
     nanobind::gil_scoped_release release;  // callbacks in flight need the GIL to finish
-    mgr->shutdown().ignore_error();
-    mgr.reset();
+    m->shutdown().ignore_error();
+    m.reset();
   }
-  TransferManager& get() {
+  // With the GIL held (it raises): for calls that use the manager without releasing the GIL.
+  TransferManager& get() { return *hold(); }
+  // With the GIL held (it raises): the reference a call keeps while it runs with the GIL released.
+  std::shared_ptr<TransferManager> hold() {
     if (!mgr) raise_status(FailedPrecondition("the TransferManager was closed"));
-    return *mgr;
+    return mgr;
   }
 };
 

@@ -252,6 +252,10 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       KVTIER_ASSIGN_OR_RETURN(pd.lane_verify, transport::parse_lane_verify(o.verify));
       pd.lane_read_back_in_copy = o.read_back == "copy";
       if (o.lane == "ring") {
+        // PdOptions reads ring_slots 0 as "no ring" (the device lane): refused here, where the lane was asked for.
+        if (o.ring_slots == 0)
+          return InvalidArgument(
+              fmt::format("lane 'ring' with ring_slots 0: 1 to {}", transport::PdOptions::kMaxRingSlots));
         pd.ring_slots = o.ring_slots;
         pd.ring_slot_bytes = o.ring_slot_bytes;
         pd.ring_copy = *ring_copy;

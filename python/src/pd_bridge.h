@@ -120,7 +120,7 @@ struct PyPdEndpoint {
   void close() {
     std::shared_ptr<PdNative> n;
     {
-      std::lock_guard lock(mu);
+      auto lock = lock_gil_safe(mu);
       n = std::move(native);
     }
     nb::gil_scoped_release release;  // teardown joins kvtier threads
@@ -128,10 +128,16 @@ struct PyPdEndpoint {
   }
 
   std::shared_ptr<PdNative> get() {
-    std::lock_guard lock(mu);
-    if (!native)
+    std::shared_ptr<PdNative> n;
+    {
+      auto lock = lock_gil_safe(mu);
+      n = native;
+    }
+    // Raised after the mutex is released: raising runs Python code, which may hand the GIL to a thread that
+    // then waits for the mutex.
+    if (!n)
       raise_status(FailedPrecondition(fmt::format("the {} endpoint '{}' was closed", options.role, options.name)));
-    return native;
+    return n;
   }
   bool is_prefill() const { return options.role == "prefill"; }
   std::shared_ptr<PdNative> get(const char* role, const char* method) {

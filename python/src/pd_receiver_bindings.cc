@@ -46,7 +46,7 @@ struct PyPdReceiver {
   // The receiver first (its reporter thread; open receives end as Cancelled, their blocks stay declared), then
   // the executor; the TransferManager may be closed after.
   void close() {
-    std::unique_lock lock(mu);
+    auto lock = lock_gil_safe(mu);
     if (!receiver && !executor) return;
     {
       nb::gil_scoped_release release;
@@ -176,7 +176,7 @@ void bind_pd_receiver(nb::module_& m) {
             q.options.extra_blocks = extra_blocks;
             q.options.received_extra_blocks = received_extra_blocks;
             q.options.match_prefix = match_prefix;
-            std::lock_guard lock(r.mu);
+            auto lock = lock_gil_safe(r.mu);
             pd::PdReceiver& rx = r.get();
             pd::Receive got = value_or_raise(released([&]() -> Result<pd::Receive> {
               std::lock_guard cache_lock(r.cache->mu);
@@ -192,7 +192,7 @@ void bind_pd_receiver(nb::module_& m) {
           "match_prefix"_a = false)
       .def("poll",
            [](PyPdReceiver& r) {
-             std::lock_guard lock(r.mu);
+             auto lock = lock_gil_safe(r.mu);
              pd::PdReceiver& rx = r.get();
              auto outcomes = value_or_raise(released([&]() -> Result<std::vector<pd::ReceiveOutcome>> {
                KVTIER_RETURN_IF_ERROR(r.apply_moves());
@@ -206,7 +206,7 @@ void bind_pd_receiver(nb::module_& m) {
       .def(
           "finish",
           [](PyPdReceiver& r, std::uint64_t transfer_id, std::optional<double> timeout_s) {
-            std::lock_guard lock(r.mu);
+            auto lock = lock_gil_safe(r.mu);
             pd::PdReceiver& rx = r.get();
             const auto limit = to_timeout(timeout_s);
             auto o = value_or_raise(released([&]() -> Result<pd::ReceiveOutcome> {
@@ -220,7 +220,7 @@ void bind_pd_receiver(nb::module_& m) {
       .def(
           "drain",
           [](PyPdReceiver& r, std::optional<double> timeout_s) {
-            std::lock_guard lock(r.mu);
+            auto lock = lock_gil_safe(r.mu);
             pd::PdReceiver& rx = r.get();
             const auto limit = to_timeout(timeout_s);
             check(released([&]() -> Status {

@@ -8,6 +8,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <mutex>
 #include <string>
 
 #include "kvtier/core/status.h"
@@ -34,6 +35,18 @@ template <typename F>
 auto released(F&& f) {
   nanobind::gil_scoped_release release;
   return f();
+}
+
+// Locks a wrapper's mutex from a call that holds the GIL, without waiting for it with the GIL held: the thread
+// that holds the mutex may need the GIL to go on (it builds the result's Python objects or raises, and Python may
+// hand the GIL to another thread meanwhile), so waiting with the GIL held could deadlock both.
+inline std::unique_lock<std::mutex> lock_gil_safe(std::mutex& mu) {
+  std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+  if (!lock.owns_lock()) {
+    nanobind::gil_scoped_release release;
+    lock.lock();
+  }
+  return lock;
 }
 
 // The exception object of `status` (not raised): None for OK, kvtier.errors' class otherwise.

@@ -50,6 +50,8 @@ namespace kvtier::python {
 std::chrono::nanoseconds to_timeout(std::optional<double> seconds) {
   using Seconds = std::chrono::duration<double>;
   if (!seconds) return std::chrono::nanoseconds::max();  // deadline_after saturates it
+  // nb::value_error, not raise_status: callers may convert inside a call that released the GIL. A negative
+  // timeout is a deadline already passed: the wait only looks (the drop-ins' callers rely on it).
   if (*seconds != *seconds) throw nb::value_error("timeout is NaN");
   if (*seconds >= 1e9) return std::chrono::nanoseconds::max();
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Seconds(*seconds));
@@ -558,7 +560,8 @@ void bind_transfer(nb::module_& m) {
           [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream,
              std::optional<double> timeout) {
             auto ids = to_ids(blocks, "device");
-            TransferManager& tm = p.get();
+            const std::shared_ptr<TransferManager> held = p.hold();
+            TransferManager& tm = *held;
             if (!p.checksums) p.checksums = std::make_unique<DeviceChecksums>();
             DeviceChecksums& c = *p.checksums;
             std::vector<std::uint64_t> out(ids.size());
@@ -618,9 +621,10 @@ void bind_transfer(nb::module_& m) {
             auto d = to_ids(device_blocks, "device");
             auto h = to_ids(host_blocks, "host");
             Result<TaskId> id = Internal("not run");
+            auto tm = p.hold();
             {
               nb::gil_scoped_release release;
-              id = p.get().evict_to_host_async(d, h, o);
+              id = tm->evict_to_host_async(d, h, o);
             }
             return value_or_raise(std::move(id));
           },
@@ -639,9 +643,10 @@ void bind_transfer(nb::module_& m) {
             auto h = to_ids(host_blocks, "host");
             auto d = to_ids(device_blocks, "device");
             Result<TaskId> id = Internal("not run");
+            auto tm = p.hold();
             {
               nb::gil_scoped_release release;
-              id = p.get().load_layers_to_device_async(l, h, d, std::move(o));
+              id = tm->load_layers_to_device_async(l, h, d, std::move(o));
             }
             return value_or_raise(std::move(id));
           },
@@ -654,77 +659,88 @@ void bind_transfer(nb::module_& m) {
              const std::string& access) {
             auto b = to_ids(blocks, "device");
             auto a = parse_access(access);
-            check(released([&] { return p.get().record_device_access(b, *stream.stream, a); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->record_device_access(b, *stream.stream, a); }));
           },
           "device_blocks"_a, "stream"_a, "access"_a,
           "Declares that work enqueued so far on `stream` reads / writes / overwrites the blocks.")
       .def(
           "wait_for_layer",
           [](PyTransferManager& p, TaskId task, std::uint32_t layer, PyStream& stream) {
-            check(released([&] { return p.get().wait_for_layer(task, layer, *stream.stream); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->wait_for_layer(task, layer, *stream.stream); }));
           },
           "task"_a, "layer"_a, "stream"_a, "`stream` waits on the device for the layer (no host blocking).")
       .def(
           "wait_layer_host",
           [](PyTransferManager& p, TaskId task, std::uint32_t layer, std::optional<double> timeout) {
-            check(released([&] { return p.get().wait_layer_host(task, layer, to_timeout(timeout)); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->wait_layer_host(task, layer, to_timeout(timeout)); }));
           },
           "task"_a, "layer"_a, "timeout"_a = nb::none())
       .def(
           "wait",
           [](PyTransferManager& p, TaskId task, std::optional<double> timeout) {
-            check(released([&] { return p.get().wait(task, to_timeout(timeout)); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->wait(task, to_timeout(timeout)); }));
           },
           "task"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the task is final; raises its error.")
       .def(
           "wait_all",
           [](PyTransferManager& p, std::optional<double> timeout) {
-            check(released([&] { return p.get().wait_all(to_timeout(timeout)); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->wait_all(to_timeout(timeout)); }));
           },
           "timeout"_a = nb::none())
       .def(
           "wait_host_blocks_free",
           [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, std::optional<double> timeout) {
             auto b = to_ids(blocks, "host");
-            check(released([&] { return p.get().wait_host_blocks_free(b, to_timeout(timeout)); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->wait_host_blocks_free(b, to_timeout(timeout)); }));
           },
           "host_blocks"_a, "timeout"_a = nb::none())
       .def(
           "wait_device_blocks_free",
           [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream) {
             auto b = to_ids(blocks, "device");
-            check(released([&] { return p.get().wait_device_blocks_free(b, *stream.stream); }));
+            auto tm = p.hold();
+            check(released([&] { return tm->wait_device_blocks_free(b, *stream.stream); }));
           },
           "device_blocks"_a, "stream"_a)
       .def(
           "is_device_block_free",
           [](PyTransferManager& p, std::int64_t block) {
             auto b = to_ids({block}, "device");
-            return value_or_raise(released([&] { return p.get().is_device_block_free(b[0]); }));
+            auto tm = p.hold();
+            return value_or_raise(released([&] { return tm->is_device_block_free(b[0]); }));
           },
           "block"_a)
       .def(
           "is_host_block_free",
           [](PyTransferManager& p, std::int64_t block) {
             auto b = to_ids({block}, "host");
-            return value_or_raise(released([&] { return p.get().is_host_block_free(b[0]); }));
+            auto tm = p.hold();
+            return value_or_raise(released([&] { return tm->is_host_block_free(b[0]); }));
           },
           "block"_a)
       .def("task_info",
            [](PyTransferManager& p, TaskId task) {
              Result<TaskInfo> info = Internal("not run");
+             auto tm = p.hold();
              {
                nb::gil_scoped_release release;
-               info = p.get().task_info(task);
+               info = tm->task_info(task);
              }
              return task_info_dict(value_or_raise(std::move(info)));
            })
       .def("failed_blocks",
            [](PyTransferManager& p, TaskId task) {
              Result<FailedBlocks> f = Internal("not run");
+             auto tm = p.hold();
              {
                nb::gil_scoped_release release;
-               f = p.get().failed_blocks(task);
+               f = tm->failed_blocks(task);
              }
              FailedBlocks v = value_or_raise(std::move(f));
              nb::dict d;
@@ -735,9 +751,10 @@ void bind_transfer(nb::module_& m) {
       .def("poll_completions",
            [](PyTransferManager& p) {
              std::vector<TaskCompletion> done;
+             auto tm = p.hold();
              {
                nb::gil_scoped_release release;
-               done = p.get().poll_completions();
+               done = tm->poll_completions();
              }
              nb::list out;
              for (const auto& c : done) {
@@ -756,9 +773,10 @@ void bind_transfer(nb::module_& m) {
       .def("stats",
            [](PyTransferManager& p) {
              std::string json;
+             auto tm = p.hold();
              {
                nb::gil_scoped_release release;
-               json = p.get().stats().to_json();
+               json = tm->stats().to_json();
              }
              return parse_json(json);
            })
@@ -777,10 +795,11 @@ void bind_transfer(nb::module_& m) {
           "shutdown",
           [](PyTransferManager& p) {
             if (!p.mgr) return;
+            const std::shared_ptr<TransferManager> tm = p.hold();
             Status st;
             {
               nb::gil_scoped_release release;
-              st = p.mgr->shutdown();
+              st = tm->shutdown();
             }
             check(st);
           },

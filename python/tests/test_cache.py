@@ -138,3 +138,50 @@ def test_disk_storage_round_trip(tmp_path):
     assert other.get(key, 8192) is None, "namespaces must not share objects"
     with pytest.raises(kvtier.KvtierError, match="nope"):
         kvtier.StorageBackend.open("nope:/x")
+
+
+def test_kv_events_refuse_a_zero_block_size_and_a_tier_medium():
+    cm = kvtier.CacheManager(device_blocks=4, host_blocks=8)
+    with pytest.raises(kvtier.InvalidArgumentError, match="block_size 0"):
+        cm.enable_kv_events(0)
+    with pytest.raises(kvtier.InvalidArgumentError, match="storage_medium 'GPU': DISK or REMOTE"):
+        cm.enable_kv_events(2, storage_medium="GPU")
+    cm.enable_kv_events(2, storage_medium="REMOTE")
+
+
+_THREADS_THAT_RAISE = """
+import threading, kvtier
+cm = kvtier.CacheManager(device_blocks=64, host_blocks=64)
+h = kvtier.KeyHasher("m", block_tokens=2)
+def work(seed):
+    for i in range(3000):
+        keys = h.keys_for([seed, i, i + 1, i + 2])
+        try:
+            a = cm.admit(keys)
+            cm.commit(a["id"])
+            cm.release(a["id"])
+        except kvtier.KvtierError:
+            pass
+        try:
+            cm.commit(10**9 + i)  # unknown: raises every time
+        except kvtier.KvtierError:
+            pass
+        cm.stats()
+threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("done")
+"""
+
+
+def test_threads_whose_calls_raise_share_a_cache_manager_without_deadlock():
+    # Calls held the manager's mutex while they built results and raised, which runs Python code; a thread given the
+    # GIL meanwhile waited for that mutex with the GIL held, and neither went on. They now wait with it released.
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", _THREADS_THAT_RAISE], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("threads sharing a CacheManager deadlocked")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "done"

@@ -272,3 +272,67 @@ def test_the_extension_exports_no_statically_linked_runtime():
     strong = [line.split()[-1] for line in out.stdout.splitlines() if len(line.split()) == 3 and line.split()[1] in "TDBR"]
     assert not [s for s in strong if s.startswith(("_ZNSt", "_ZNKSt", "_ZSt", "_ZN9__gnu_cxx"))], strong[:10]
     assert "PyInit__native" in strong
+
+
+def test_every_call_after_close_raises_and_none_crashes():
+    # Calls that release the GIL looked the manager up without it: after close() they raised from a thread
+    # without the GIL and crashed the interpreter (segfault).
+    _, compute, mgr, _, _ = manager()
+    task = mgr.evict([0], [0])
+    mgr.wait(task, timeout=10.0)
+    mgr.close()
+    calls = {
+        "evict": lambda: mgr.evict([0], [1]),
+        "load": lambda: mgr.load([], [0], [1]),
+        "wait": lambda: mgr.wait(task, timeout=1.0),
+        "wait_all": lambda: mgr.wait_all(timeout=1.0),
+        "wait_layer_host": lambda: mgr.wait_layer_host(task, 0, timeout=1.0),
+        "wait_for_layer": lambda: mgr.wait_for_layer(task, 0, compute),
+        "record_device_access": lambda: mgr.record_device_access([0], compute, "read"),
+        "wait_host_blocks_free": lambda: mgr.wait_host_blocks_free([0], timeout=1.0),
+        "wait_device_blocks_free": lambda: mgr.wait_device_blocks_free([0], compute),
+        "is_device_block_free": lambda: mgr.is_device_block_free(0),
+        "is_host_block_free": lambda: mgr.is_host_block_free(0),
+        "task_info": lambda: mgr.task_info(task),
+        "failed_blocks": lambda: mgr.failed_blocks(task),
+        "poll_completions": lambda: mgr.poll_completions(),
+        "stats": lambda: mgr.stats(),
+        "shutdown": lambda: mgr.shutdown(),
+    }
+    for name, call in calls.items():
+        if name == "shutdown":
+            call()  # idempotent after close
+            continue
+        with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+            call()
+
+
+def test_close_from_another_thread_while_calls_run():
+    # close() drops the manager while other threads are inside calls with the GIL released: they finish or fail
+    # with FailedPreconditionError, never touch freed memory.
+    _, _, mgr, _, _ = manager(delay_us=200)
+    errors, stop = [], threading.Event()
+
+    def worker():
+        i = 0
+        while not stop.is_set():
+            try:
+                t = mgr.evict([i % 4], [i % 4])
+                mgr.wait(t, timeout=10.0)
+                mgr.stats()
+            except kvtier.KvtierError as e:
+                if not isinstance(e, (kvtier.FailedPreconditionError, kvtier.NotFoundError)):
+                    errors.append(e)
+            i += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    mgr.close()
+    time.sleep(0.1)
+    stop.set()
+    for t in threads:
+        t.join(timeout=10.0)
+        assert not t.is_alive()
+    assert errors == []

@@ -742,3 +742,54 @@ def test_host_direct_lane_is_checked():
     with Prefill(prefill_kv(), transport="loopback") as p:
         with pytest.raises(kvtier.InvalidArgumentError, match="kv_pool"):
             p.kv_pool()
+
+
+_CLOSED_ENDPOINT_THREADS = """
+import threading, numpy as np, kvtier
+from kvtier.pd import Decode
+d = Decode([(np.zeros((4, 256), np.uint8), np.zeros((4, 256), np.uint8))], transport="loopback")
+d.close()
+def hammer():
+    for _ in range(100000):
+        try:
+            d.status(1)
+        except kvtier.FailedPreconditionError:
+            pass
+threads = [threading.Thread(target=hammer) for _ in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("done")
+"""
+
+
+def test_threads_calling_a_closed_endpoint_get_errors_not_a_deadlock():
+    # The "closed" error was raised while the endpoint's mutex was held; raising runs Python code, which could hand
+    # the GIL to a thread that then waited for the mutex with the GIL held: both hung for good.
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-c", _CLOSED_ENDPOINT_THREADS], capture_output=True, text=True,
+                           timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("threads calling a closed endpoint deadlocked")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "done"
+
+
+def test_ring_lane_without_slots_and_a_secret_that_is_not_bytes_are_refused():
+    kv = decode_kv()
+    # ring_slots 0 meant "no ring" inside: the endpoint came up on the device lane and every transfer failed later.
+    with pytest.raises(kvtier.InvalidArgumentError, match="ring_slots 0"):
+        Decode(kv, transport="loopback", device=kvtier.host_device(), lane="ring", ring_slots=0)
+    # bytes(40) is 40 zero bytes: an int secret was taken as that and authenticated.
+    with pytest.raises(kvtier.InvalidArgumentError, match="peer_secret is a int"):
+        Prefill(prefill_kv(), transport="loopback", peer_secret=40)
+    with pytest.raises(kvtier.InvalidArgumentError, match="peer_secret is a str"):
+        Prefill(prefill_kv(), transport="loopback", peer_secret="s" * 32)
+    p = Prefill(prefill_kv(), transport="loopback", peer_secret=bytearray(SECRET))  # bytes-like is fine
+    p.close()
+
+
+def test_a_ucx_transport_list_that_names_nothing_is_an_invalid_argument():
+    with pytest.raises(kvtier.InvalidArgumentError, match="TLS 'no_such_transport'"):
+        Prefill(prefill_kv(), transport="ucx", tls="no_such_transport")

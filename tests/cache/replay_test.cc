@@ -45,6 +45,33 @@ TEST(Replay, RejectsMalformedLines) {
   std::filesystem::remove(path);
 }
 
+// A bad value is named in the error by its kind and size, never dumped whole: a value nested 100,000 deep crashed the
+// loader while it wrote the message (the dump recursed once per level), and a long string was copied in full.
+TEST(Replay, ABadValueIsShownBoundedHoweverDeepOrLongItIs) {
+  auto path = std::filesystem::temp_directory_path() / "kvtier_deep_trace.jsonl";
+  const auto load_line = [&](const std::string& line) {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    std::fputs(line.c_str(), f);
+    std::fclose(f);
+    return load_mooncake_trace(path.string());
+  };
+  constexpr int kDepth = 100000;
+  auto deep = load_line("{\"timestamp\": " + std::string(kDepth, '[') + std::string(kDepth, ']') +
+                        ", \"input_length\": 1, \"hash_ids\": [1]}\n");
+  EXPECT_EQ(deep.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(deep.status().message().find("timestamp is an array of 1 elements"), std::string::npos)
+      << deep.status().to_string();
+
+  auto long_string =
+      load_line("{\"timestamp\": 0, \"input_length\": 1, \"hash_ids\": [1, \"" + std::string(1 << 20, 'x') + "\"]}\n");
+  EXPECT_EQ(long_string.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(long_string.status().message().find("hash_ids[1] is \"xxx"), std::string::npos);
+  EXPECT_NE(long_string.status().message().find("(1048578 characters)"), std::string::npos)
+      << long_string.status().message().substr(0, 300);
+  EXPECT_LT(long_string.status().message().size(), 400u);
+  std::filesystem::remove(path);
+}
+
 TEST(Replay, SaneNumbersAndBeladyBoundsEveryPolicy) {
   ReplayOptions o;
   o.device_blocks = 1000;

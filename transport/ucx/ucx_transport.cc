@@ -221,6 +221,11 @@ class UcxTransport final : public detail::TransportBase {
     params.mt_workers_shared = 0;
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
+    if (st == UCS_ERR_NO_DEVICE && !options_.tls.empty())  // the caller's list names nothing UCX has here
+      return InvalidArgument(
+          fmt::format("UCX TLS '{}': no transport of that list is available here ({}); e.g. "
+                      "'tcp', 'shm' or '' for UCX's choice",
+                      options_.tls, ucs_status_string(st)));
     if (st != UCS_OK) return ucs_error(fmt::format("ucp_init (TLS '{}')", options_.tls), st);
 
     ucp_worker_params_t wp{};

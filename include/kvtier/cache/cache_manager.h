@@ -397,7 +397,10 @@ class CacheManager {
   // when the keys are not a hash chain, naming the key.
   Result<QueuedId> announce(std::span<const BlockKey> keys, const RequestHints& hints = {});
   // Appends keys to a queued announcement's chain (tokens arrived). NotFound for an unknown id,
-  // FailedPrecondition when it was withdrawn, InvalidArgument when the keys do not continue the chain.
+  // FailedPrecondition when it was withdrawn, InvalidArgument when the keys do not continue the chain: a key
+  // repeated within more_keys, or indexed under another parent than the chain's last key. A new key equal to an
+  // earlier key of the chain that is not indexed is not looked for (that would cost O(chain) per key); it is held
+  // twice and released twice, which changes nothing else.
   Status extend_announced(QueuedId id, std::span<const BlockKey> more_keys);
   // The request left the queue (scheduled: call it before admit(), or cancelled). Protection ends, or, with
   // kContinues / ttl_steps, becomes a retention (see Hints). admit() does not depend on it: a request admitted
