@@ -261,7 +261,9 @@ class TransferManagerImpl final : public TransferManager {
     auto it = tasks_.find(id);
     return it == tasks_.end() ? nullptr : &it->second;
   }
-  Status task_not_found(TaskId id) const {
+  Status task_not_found(TaskId id) const {  // under mu_
+    if (stop_)                              // shutdown() forgets every task, finished or not
+      return FailedPrecondition(fmt::format("transfer task {}: the TransferManager was shut down", id));
     return NotFound(fmt::format("transfer task {} is unknown or no longer retained (retained_finished_tasks = {})", id,
                                 config_.retained_finished_tasks));
   }

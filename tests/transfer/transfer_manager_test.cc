@@ -550,7 +550,14 @@ TEST(TransferManager, ShutdownDrainsAndFinishesEveryTask) {
     EXPECT_TRUE(rig.mgr().shutdown().ok());
     EXPECT_EQ(finals.load(), 20);
     EXPECT_EQ(rig.mgr().evict_to_host_async(ids({0}), ids({0})).status().code(), StatusCode::kFailedPrecondition);
-    for (TaskId t : tasks) EXPECT_EQ(rig.mgr().task_info(t).status().code(), StatusCode::kNotFound);
+    // Shut down, it forgot its tasks: it says so, rather than "unknown or no longer retained".
+    for (TaskId t : tasks) {
+      const Status st = rig.mgr().task_info(t).status();
+      EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition);
+      EXPECT_NE(st.message().find("was shut down"), std::string::npos) << st.to_string();
+      EXPECT_EQ(rig.mgr().wait(t, 1s).code(), StatusCode::kFailedPrecondition);
+    }
+    EXPECT_EQ(rig.mgr().task_info(9999).status().code(), StatusCode::kFailedPrecondition);
     EXPECT_TRUE(rig.mgr().shutdown().ok());  // idempotent
     EXPECT_TRUE(dev->synchronize(rig.compute(), 10s).ok());
   }

@@ -353,7 +353,8 @@ class TransferManager {
   virtual Status wait(TaskId task, std::chrono::nanoseconds timeout) = 0;
   // Blocks until every task submitted before the call is final (OK), or TimedOut.
   virtual Status wait_all(std::chrono::nanoseconds timeout) = 0;
-  // NotFound once the task was dropped from the retained set.
+  // NotFound once the task was dropped from the retained set; FailedPrecondition after shutdown() (which forgets
+  // every task).
   virtual Result<TaskInfo> task_info(TaskId task) const = 0;
   virtual Result<FailedBlocks> failed_blocks(TaskId task) const = 0;
   // Tasks that became final since the last call, in completion order.
