@@ -193,6 +193,12 @@ def parse_extra_config(extra: Optional[dict]) -> Tuple[str, str, Dict[str, str],
 def namespace_of(cfg: Any, extra_ns: str, disk: bool) -> str:
     """The kvtier namespace of one SGLang rank: the model and the shard identity SGLang keys by."""
     g = lambda name, default=0: getattr(cfg, name, default)  # noqa: E731 (fields differ by version)
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("attn_cp_rank", "attn_cp_size"),
+                       ("dcp_rank", "dcp_size")):
+        r, n = g(rank), g(size, 1)
+        if isinstance(r, int) and isinstance(n, int) and n >= 1 and not 0 <= r < n:
+            # A rank outside its group would share (or invent) another shard's namespace.
+            raise InvalidArgumentError(f"kvtier.sglang: {rank} {r!r} with {size} {n!r}: the rank must be in 0..{size}-1")
     parts = ["sglang", f"model={g('model_name', '') or ''}"]
     if not g("is_mla_model", False):
         parts.append(f"tp={g('tp_rank')}/{g('tp_size', 1)}")

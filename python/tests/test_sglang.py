@@ -480,3 +480,13 @@ def test_memory_tier_byte_exact_and_an_mla_model_across_ranks_is_refused():
     assert backend.tier_stats()["objects"] == sum(len(backend.object_names(k)) for k in keys)
     with pytest.raises(NotSupportedError, match="memory"):
         ks.HiCacheKvtier(make_config(extra, is_mla_model=True, tp_size=2), {})
+
+
+def test_a_rank_outside_its_group_is_refused():
+    # tp_rank 5 of 2 was accepted and keyed its pages under a shard namespace no real rank has.
+    from kvtier.sglang import namespace_of
+    cfg = types.SimpleNamespace(tp_rank=5, tp_size=2, pp_rank=0, pp_size=1, model_name="m", is_mla_model=False)
+    with pytest.raises(kvtier.InvalidArgumentError, match="tp_rank 5 with tp_size 2"):
+        namespace_of(cfg, "", disk=True)
+    cfg.tp_rank = 1
+    assert "tp=1/2" in namespace_of(cfg, "", disk=True)
