@@ -44,6 +44,10 @@ using namespace nb::literals;
 namespace kvtier::python {
 namespace {
 
+// The first byte of an endpoint's metadata: its role.
+constexpr char kPrefillTag = 'P';
+constexpr char kDecodeTag = 'D';
+
 using transport::DecodeStatus;
 using transport::LayerState;
 using transport::PdMode;
@@ -386,15 +390,29 @@ void bind_pd(nb::module_& m) {
           [](PyPdEndpoint& e) {
             auto n = e.get();
             auto blob = value_or_raise(released([&] { return n->transport->export_metadata(); }));
-            return nb::bytes(reinterpret_cast<const char*>(blob.data()), blob.size());
+            // The endpoint's role first, then the transport's blob: add_peer() refuses an endpoint of its own role,
+            // which would otherwise wait for requests that never come until a lease or a timeout ended it.
+            std::string out(1, e.is_prefill() ? kPrefillTag : kDecodeTag);
+            out.append(reinterpret_cast<const char*>(blob.data()), blob.size());
+            return nb::bytes(out.data(), out.size());
           },
           "This endpoint's metadata blob, for the peer's add_peer().")
       .def(
           "add_peer",
           [](PyPdEndpoint& e, nb::bytes blob) {
             auto n = e.get();
-            std::vector<std::byte> b(blob.size());
-            if (blob.size() != 0) std::memcpy(b.data(), blob.c_str(), blob.size());
+            const char tag = blob.size() != 0 ? blob.c_str()[0] : '\0';
+            if (tag != kPrefillTag && tag != kDecodeTag)
+              raise_status(
+                  DataLoss(fmt::format("add_peer: a blob of {} bytes that is not a kvtier.pd endpoint's "
+                                       "metadata (it starts with neither role)",
+                                       blob.size())));
+            if ((tag == kPrefillTag) == e.is_prefill())
+              raise_status(FailedPrecondition(fmt::format(
+                  "add_peer: the blob is another {0} endpoint's; '{1}' is a {0} and pairs with a {2} endpoint",
+                  e.options.role, e.options.name, e.is_prefill() ? "decode" : "prefill")));
+            std::vector<std::byte> b(blob.size() - 1);
+            if (!b.empty()) std::memcpy(b.data(), blob.c_str() + 1, b.size());
             return value_or_raise(released([&] { return n->transport->load_peer(b); }));
           },
           "metadata"_a, "Loads the peer's metadata blob (checked, authenticated with a peer secret); its peer id.")

@@ -793,3 +793,19 @@ def test_ring_lane_without_slots_and_a_secret_that_is_not_bytes_are_refused():
 def test_a_ucx_transport_list_that_names_nothing_is_an_invalid_argument():
     with pytest.raises(kvtier.InvalidArgumentError, match="TLS 'no_such_transport'"):
         Prefill(prefill_kv(), transport="ucx", tls="no_such_transport")
+
+
+def test_add_peer_refuses_an_endpoint_of_its_own_role():
+    # Two prefills paired with each other each waited for a request that never came, until a lease or the caller's
+    # timeout ended it with a misleading reason.
+    with Prefill(prefill_kv(1), transport="loopback") as a, Prefill(prefill_kv(2), transport="loopback") as b, \
+            Decode(decode_kv(), transport="loopback") as d, Decode(decode_kv(), transport="loopback") as e:
+        with pytest.raises(kvtier.FailedPreconditionError, match="another prefill endpoint's"):
+            a.add_peer(b.metadata())
+        with pytest.raises(kvtier.FailedPreconditionError, match="another decode endpoint's"):
+            d.add_peer(e.metadata())
+        with pytest.raises(kvtier.DataLossError, match="not a kvtier.pd endpoint's"):
+            d.add_peer(b"X" + a.metadata()[1:])
+        with pytest.raises(kvtier.DataLossError):
+            d.add_peer(b"")
+        assert d.add_peer(a.metadata()) >= 0 and a.add_peer(d.metadata()) >= 0
