@@ -86,10 +86,12 @@ verified to the prefix index.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import re
 import socket
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -103,6 +105,22 @@ __all__ = ["Prefill", "Decode", "Receiver", "Receive", "ReceiveOutcome", "Prefil
 DEFAULT_TIMEOUT = 60.0
 
 _names = itertools.count()
+
+# Endpoints and receivers still open when the interpreter exits are closed by atexit, before the extension's
+# types go: left to finalization, their native parts (which hold the Device) could outlive the module, and
+# nanobind reports them as leaked.
+_open_receivers: "weakref.WeakSet" = weakref.WeakSet()
+_open_endpoints: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_objects() -> None:
+    for group in (_open_receivers, _open_endpoints):  # receivers drive endpoints: first
+        for obj in list(group):
+            try:
+                obj.close()
+            except Exception:  # noqa: BLE001 (exiting: nothing to report to)
+                pass
 _KEY_RE = re.compile(r"^key_caches_(\d+)_rank")
 
 
@@ -192,6 +210,7 @@ class _Endpoint:
             device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane,
             verify=verify, ring_slots=int(ring_slots), ring_slot_bytes=int(ring_slot_bytes), ring_copy=ring_copy,
             read_back=read_back)
+        _open_endpoints.add(self)
 
     # ---- identity and peers
 
@@ -413,6 +432,7 @@ class Receiver:
             raise InvalidArgumentError(f"Receiver needs a kvtier.pd.Decode endpoint, got {type(decode).__name__}")
         self._rx = _native.PdReceiver.create(cache, transfers, decode._ep, float(poll_interval),
                                              float(receive_timeout), float(free_timeout))
+        _open_receivers.add(self)
 
     def start(self, peer: int, transfer_id: int, keys: Sequence[str], mode: str = "push", *,
               extra_blocks: int = 0, received_extra_blocks: int = 0, match_prefix: bool = False) -> Receive:

@@ -809,3 +809,18 @@ def test_add_peer_refuses_an_endpoint_of_its_own_role():
         with pytest.raises(kvtier.DataLossError):
             d.add_peer(b"")
         assert d.add_peer(a.metadata()) >= 0 and a.add_peer(d.metadata()) >= 0
+
+
+def test_endpoints_left_open_at_exit_are_closed_without_leaks():
+    # An endpoint with a device that the program never closed outlived the extension at exit: nanobind reported
+    # the Device and the extension's types as leaked.
+    import subprocess
+    import sys
+    script = (
+        "import numpy as np, kvtier\n"
+        "from kvtier.pd import Decode\n"
+        "kv = [(np.zeros((4, 256), np.uint8), np.zeros((4, 256), np.uint8))]\n"
+        "d = Decode(kv, transport='loopback', device=kvtier.host_device())\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "leaked" not in r.stderr, r.stderr[-2000:]
