@@ -163,11 +163,43 @@ struct ZmqEventPublisher::Impl {
   }
 };
 
+namespace {
+
+// What libzmq would take in another sense than written: it cuts an endpoint at a NUL byte and takes a TCP port
+// modulo 65536 (tcp://127.0.0.1:99999 binds port 34463), so subscribers of the configured endpoint hear nothing.
+Status check_endpoint(std::string_view what, const std::string& endpoint) {
+  if (endpoint.find('\0') != std::string::npos)
+    return InvalidArgument(fmt::format("zmq publisher: {} endpoint holds a NUL byte", what));
+  if (endpoint.rfind("tcp://", 0) == 0) {
+    const std::size_t colon = endpoint.rfind(':');
+    const std::string_view port = std::string_view(endpoint).substr(colon + 1);
+    if (colon < 6 || port.empty())
+      return InvalidArgument(fmt::format("zmq publisher: {} endpoint '{}' names no port", what, endpoint));
+    if (port != "*") {
+      std::uint64_t p = 0;
+      for (char c : port) {
+        if (c < '0' || c > '9' || p > 65535)
+          return InvalidArgument(
+              fmt::format("zmq publisher: {} endpoint '{}': port '{}' is not '*' or 0..65535", what, endpoint, port));
+        p = p * 10 + static_cast<std::uint64_t>(c - '0');
+      }
+      if (p > 65535)
+        return InvalidArgument(
+            fmt::format("zmq publisher: {} endpoint '{}': port {} is past 65535", what, endpoint, p));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<ZmqEventPublisher>> ZmqEventPublisher::create(ZmqPublisherOptions options) {
   const detail::ZmqApi* z = detail::zmq_api();
   if (!z) return Unavailable("zmq publisher: libzmq.so.5 cannot be loaded (install libzmq5)");
   if (options.endpoint.empty()) return InvalidArgument("zmq publisher: endpoint is empty");
   if (options.max_queue_batches == 0) return InvalidArgument("zmq publisher: max_queue_batches is 0");
+  KVTIER_RETURN_IF_ERROR(check_endpoint("PUB", options.endpoint));
+  if (!options.replay_endpoint.empty()) KVTIER_RETURN_IF_ERROR(check_endpoint("replay", options.replay_endpoint));
   auto impl = std::make_unique<Impl>();
   impl->z = z;
   impl->opt = std::move(options);

@@ -11,6 +11,7 @@
 #include <charconv>
 #include <cstring>
 
+#include "kvtier/core/config.h"
 #include "kvtier/core/enum_names.h"
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/memory_backend.h"
@@ -122,21 +123,6 @@ Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch 
 }
 
 namespace {
-
-Result<std::uint64_t> parse_size(std::string_view s) {
-  if (s.empty()) return InvalidArgument("empty size");
-  std::uint64_t mult = 1;
-  const char last = s.back();
-  if (last == 'K' || last == 'k') mult = 1ull << 10;
-  if (last == 'M' || last == 'm') mult = 1ull << 20;
-  if (last == 'G' || last == 'g') mult = 1ull << 30;
-  if (last == 'T' || last == 't') mult = 1ull << 40;
-  if (mult != 1) s.remove_suffix(1);
-  std::uint64_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p != s.data() + s.size()) return InvalidArgument(fmt::format("bad size '{}'", s));
-  return v * mult;
-}
 
 // Splits "a?k=v&k2=v2" into the path and the parameters.
 std::pair<std::string_view, std::vector<std::pair<std::string_view, std::string_view>>> split_query(

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <functional>
+#include <string>
 
 namespace kvtier::cli {
 
@@ -24,5 +26,15 @@ using Registrar = Action (*)(CLI::App& app);
 // JSON object per line (nlohmann-json); a nonzero exit code on any failed
 // verification.
 using BenchRegistrar = Action (*)(CLI::App& bench);
+
+// For counts and sizes that must be at least 1 (a 0 divides by zero or measures nothing): CLI::PositiveNumber's
+// message prints the largest double instead.
+inline const CLI::Validator kAtLeastOne(
+    [](std::string& v) -> std::string {
+      char* end = nullptr;
+      const double d = std::strtod(v.c_str(), &end);
+      return end != v.c_str() && *end == '\0' && d >= 1 ? std::string() : "'" + v + "' is not a number >= 1";
+    },
+    "NUMBER >= 1");
 
 }  // namespace kvtier::cli

@@ -1425,10 +1425,12 @@ Action register_bench_pd(CLI::App& bench) {
                   "list it before host for the host rows' ratio_to_raw); e.g. raw,host,device")
       ->delimiter(',');
   cmd->add_option("--backend", a->backend, "device memory: auto | cuda | host (auto: cuda when a GPU is visible)");
-  cmd->add_option("--block-sizes", a->block_sizes, "bytes per block (one role per layer)")->delimiter(',');
-  cmd->add_option("--layers", a->layers, "layers per transfer");
+  cmd->add_option("--block-sizes", a->block_sizes, "bytes per block (one role per layer)")
+      ->delimiter(',')
+      ->check(kAtLeastOne);
+  cmd->add_option("--layers", a->layers, "layers per transfer")->check(kAtLeastOne);
   cmd->add_option("--layer-bytes", a->layer_bytes, "payload of one layer (sets the block count, >= 4 blocks)");
-  cmd->add_option("--iters", a->iters, "measured transfers (after one warm-up)");
+  cmd->add_option("--iters", a->iters, "measured transfers (after one warm-up)")->check(kAtLeastOne);
   cmd->add_flag("--json", a->json, "one JSON object per line");
   cmd->add_option("--host-alloc", a->host_alloc,
                   "where host blocks live: transport (Transport::allocate_host: UCX allocates them, so its "

@@ -391,7 +391,9 @@ Action register_bench_storage(CLI::App& bench) {
   cmd->add_option("--redis", args->redis, "host:port of a Redis server to measure");
   cmd->add_option("--redis-password", args->redis_password, "AUTH password for --redis");
   cmd->add_option("--redis-cluster", args->redis_cluster, "host:port of any master of a Redis Cluster");
-  cmd->add_option("--redis-value-kib", args->redis_value_kib, "Redis value sizes, KiB")->delimiter(',');
+  cmd->add_option("--redis-value-kib", args->redis_value_kib, "Redis value sizes, KiB")
+      ->delimiter(',')
+      ->check(kAtLeastOne);
   cmd->add_option("--redis-total-mib", args->redis_total_mib, "bytes per Redis measurement, MiB");
   cmd->add_option("--redis-workers", args->redis_workers, "Redis backend worker threads");
   cmd->add_flag("--json", args->json, "one JSON object per line");

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -443,16 +444,24 @@ Action register_bench_transfer(CLI::App& bench) {
   cmd->add_option("--backend", args->backend, "auto | cuda | host")->capture_default_str();
   cmd->add_option("--shape", args->shapes, "gqa and/or mla")->capture_default_str();
   cmd->add_option("--blocks", args->blocks, "blocks per prefix (0: 256 on CUDA, 16 on host)");
-  cmd->add_option("--reps", args->reps, "repetitions (p50)")->capture_default_str();
+  cmd->add_option("--reps", args->reps, "repetitions (p50)")->capture_default_str()->check(kAtLeastOne);
   cmd->add_option("--compute-ratio", args->compute_ratio, "per-layer compute time / per-layer copy time")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1e-6, 1e6));
   auto* strategy_opt =
       cmd->add_option("--strategy", args->strategy,
                       "copy strategy of loads and evictions: auto, dma_per_run, dma_batch, sm_kernel (overrides "
                       "KVTIER_TRANSFER_LOAD_STRATEGY / _EVICT_STRATEGY)")
           ->capture_default_str();
-  cmd->add_option("--gemm-n", args->gemm_n, "GEMM size n (multiple of 128)")->capture_default_str();
-  cmd->add_option("--gemm-iters", args->gemm_iters, "GEMMs per timed loop")->capture_default_str();
+  cmd->add_option("--gemm-n", args->gemm_n, "GEMM size n (multiple of 128)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](const std::string& v) -> std::string {
+            const long n = std::strtol(v.c_str(), nullptr, 10);
+            return n > 0 && n % 128 == 0 ? std::string() : "--gemm-n " + v + ": a positive multiple of 128";
+          },
+          "MULTIPLE OF 128"));
+  cmd->add_option("--gemm-iters", args->gemm_iters, "GEMMs per timed loop")->capture_default_str()->check(kAtLeastOne);
   cmd->add_flag("--json", args->json, "one JSON object per line");
   return [cmd, args, strategy_opt]() -> int {
     if (!cmd->parsed()) return -1;

@@ -50,12 +50,13 @@ docs/configuration.md. These variables are knobs of kvtier's config table (``fas
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import _native
-from .errors import KvtierError
+from .errors import InvalidArgumentError, KvtierError
 
 logger = logging.getLogger("kvtier.fastdeploy")
 
@@ -418,8 +419,17 @@ class CacheTransferManager:
             pass
 
     @staticmethod
-    def _ids(ids: List[int]) -> List[int]:
-        return [int(i) for i in ids]
+    def _ids(ids: List[int], what: str = "block id") -> List[int]:
+        # int() would truncate 1.9 to block 1 and read "1" as block 1: a copy of blocks nobody named.
+        out = []
+        for i in ids:
+            if isinstance(i, bool):
+                raise InvalidArgumentError(f"{what} {i!r} is a bool, not an integer")
+            try:
+                out.append(operator.index(i))
+            except TypeError:
+                raise InvalidArgumentError(f"{what} {i!r} is a {type(i).__name__}, not an integer") from None
+        return out
 
     # ============ Public Async API ============
 
@@ -465,7 +475,7 @@ class CacheTransferManager:
             with self._lock:
                 mgr = self._require_manager()
                 stream = self._stream_for(None)
-                layers = [int(x) for x in layer_indices]
+                layers = self._ids(layer_indices, "layer index")
                 d, h = self._ids(device_block_ids), self._ids(host_block_ids)
                 # The engine's work enqueued so far may still use these blocks.
                 mgr.record_device_access(d, stream, "read")
@@ -505,6 +515,8 @@ class CacheTransferManager:
         True when it is (or no load of it is pending); False on failure or timeout, with the
         reason in ``last_error``.
         """
+        if self._mgr is not None and not 0 <= layer_idx < self._mgr.num_layers:
+            return self._fail(f"wait_layer_host({layer_idx}): the model has layers 0..{self._mgr.num_layers - 1}")
         task = self._layer_task.get(layer_idx)
         if task is None or self._mgr is None:
             return True

@@ -112,15 +112,29 @@ cache::KvGroupConfig group_config(const nb::dict& d, std::size_t index) {
   static const char* known[] = {"name",        "kind",           "block_tokens", "window_tokens", "device_blocks",
                                 "host_blocks", "storage_blocks", "write_policy", "device_policy", "host_policy"};
   for (auto [k, v] : d) {
-    const std::string key = nb::cast<std::string>(k);
+    std::string key;
+    if (!nb::try_cast<std::string>(k, key))
+      raise_status(
+          InvalidArgument(fmt::format("group {}: key {} is not a string", index, nb::cast<std::string>(nb::repr(k)))));
     if (std::find(std::begin(known), std::end(known), key) == std::end(known))
       raise_status(InvalidArgument(fmt::format("group {}: unknown key '{}'", index, key)));
   }
+  // nb::try_cast, not nb::cast: a failed cast throws std::bad_cast, which reaches Python naming nothing.
   auto get_u32 = [&](const char* key, std::uint32_t fallback) {
-    return d.contains(key) ? nb::cast<std::uint32_t>(d[key]) : fallback;
+    if (!d.contains(key)) return fallback;
+    std::uint32_t v = 0;
+    if (!nb::try_cast<std::uint32_t>(d[key], v))
+      raise_status(InvalidArgument(fmt::format("group {}: {} is {}, not an integer in 0..2^32-1", index, key,
+                                               nb::cast<std::string>(nb::repr(d[key])))));
+    return v;
   };
   auto get_str = [&](const char* key, const char* fallback) {
-    return d.contains(key) ? nb::cast<std::string>(d[key]) : std::string(fallback);
+    if (!d.contains(key)) return std::string(fallback);
+    std::string v;
+    if (!nb::try_cast<std::string>(d[key], v))
+      raise_status(InvalidArgument(
+          fmt::format("group {}: {} is {}, not a string", index, key, nb::cast<std::string>(nb::repr(d[key])))));
+    return v;
   };
   cache::KvGroupConfig g;
   g.name = get_str("name", "");

@@ -214,6 +214,11 @@ void bind_metrics(nb::module_& m) {
       "zmq_available", [] { return metrics::zmq_available(); }, "Whether libzmq.so.5 could be loaded.");
 }
 
-metrics::ZmqEventPublisher& publisher_of(nb::handle h) { return nb::cast<PyEventPublisher&>(h).get(); }
+metrics::ZmqEventPublisher& publisher_of(nb::handle h) {
+  if (!nb::isinstance<PyEventPublisher>(h))
+    raise_status(InvalidArgument(fmt::format("publisher is a {}, not a kvtier.metrics.KvEventPublisher",
+                                             nb::cast<std::string>(nb::str(h.type().attr("__name__"))))));
+  return nb::cast<PyEventPublisher&>(h).get();
+}
 
 }  // namespace kvtier::python

@@ -186,6 +186,16 @@ def test_false_keeps_the_reason(engine, caplog):
     n = len(caplog.records)
     assert mgr.load_layers_to_device_async([0], [0, 0], [1, 1]) is False
     assert len(caplog.records) == n
+    # Ids that are not integers were truncated (1.9 -> block 1, "1" -> block 1) and the copy went ahead.
+    for bad in (1.9, "1", True):
+        assert mgr.evict_to_host_async([bad], [5]) is False
+        assert repr(bad) in mgr.last_error
+    assert mgr.load_layers_to_device_async([0.7], [5], [2]) is False
+    assert "layer index 0.7" in mgr.last_error
+    assert mgr.evict_to_host_async([np.int64(1)], [np.int32(5)]) is True  # numpy integers are integers
+    assert mgr.wait_layer_host(LAYERS + 7) is False  # no such layer: not "loaded"
+    assert str(LAYERS + 7) in mgr.last_error
+    mgr.sync_output_stream()
     # Nothing was moved, and it still works.
     assert mgr.evict_to_host_async([0], [0]) is True
     mgr.sync_output_stream()

@@ -152,3 +152,14 @@ def test_an_announced_request_is_protected_in_every_group_until_withdrawn():
         hc.withdraw(q)
     with pytest.raises(kvtier.InvalidArgumentError, match="hybrid announce"):
         hc.announce(len(prompt), [chain])
+
+
+def test_group_numbers_of_the_wrong_kind_are_named():
+    # A negative, too large or non-integer number in a group dict escaped as RuntimeError("std::bad_cast").
+    for key, value in (("device_blocks", -1), ("device_blocks", 2**40), ("block_tokens", "x"), ("window_tokens", -16)):
+        g = dict(name="s", kind="sliding_window", block_tokens=16, window_tokens=64, device_blocks=16)
+        g[key] = value
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"group 0: {key} is {value!r}"):
+            kvtier.HybridCache([g])
+    with pytest.raises(kvtier.InvalidArgumentError, match="key 1 is not a string"):
+        kvtier.HybridCache([{1: 2}])

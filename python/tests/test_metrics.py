@@ -290,3 +290,11 @@ def test_kv_events_published_over_zmq_reach_a_subscriber():
     pub.shutdown()
     sub.close()
     ctx.term()
+
+
+def test_publish_events_names_a_publisher_of_the_wrong_type():
+    import kvtier
+    cm = kvtier.CacheManager(device_blocks=8, host_blocks=8)
+    cm.enable_kv_events(block_size=16)
+    with pytest.raises(kvtier.InvalidArgumentError, match="publisher is a object"):
+        cm.publish_events(object())

@@ -431,3 +431,22 @@ TEST_F(ReplayCli, QueuePrintsTheLoadTable) {
 }
 
 }  // namespace
+
+// The benches' counts and sizes of 0 divided by zero (SIGFPE: `bench pd --block-sizes 0`, `bench storage
+// --redis-value-kib 0` against a live server) or printed a PASS over nothing (`bench transfer --reps 0`).
+TEST(BenchCli, CountsAndSizesOfZeroAreRefusedNamingTheFlag) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"bench pd --lanes ipc --block-sizes 0 --no-perftest --iters 1", "--block-sizes: '0'"},
+      {"bench pd --lanes ipc --iters 0 --no-perftest", "--iters: '0'"},
+      {"bench pd --lanes ipc --layers 0", "--layers: '0'"},
+      {"bench transfer --backend host --reps 0", "--reps: '0'"},
+      {"bench transfer --backend host --gemm-iters 0", "--gemm-iters: '0'"},
+      {"bench transfer --backend host --gemm-n 100", "--gemm-n 100"},
+      {"bench storage --skip-disk --redis 127.0.0.1:1 --redis-value-kib 0", "--redis-value-kib: '0'"}};
+  for (const auto& [args, named] : cases) {
+    const CliRun r = run(args);
+    EXPECT_NE(r.rc, 0) << args << ": " << r.out;
+    EXPECT_NE(r.rc, -1) << args << " died of a signal: " << r.out;
+    EXPECT_NE(r.out.find(named), std::string::npos) << args << ": " << r.out;
+  }
+}

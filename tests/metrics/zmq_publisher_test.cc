@@ -124,5 +124,30 @@ TEST(ZmqPublisher, BadEndpointNamesIt) {
   EXPECT_NE(pub.status().message().find("nonsense://x"), std::string::npos);
 }
 
+// libzmq takes a TCP port modulo 65536 and cuts an endpoint at a NUL: tcp://127.0.0.1:99999 was bound as port 34463.
+TEST(ZmqPublisher, EndpointsLibzmqWouldReadOtherwiseAreRefused) {
+  if (!zmq_available()) GTEST_SKIP() << "libzmq.so.5 is not installed";
+  for (const std::string& bad : {std::string("tcp://127.0.0.1:99999"), std::string("tcp://127.0.0.1:65536"),
+                                 std::string("tcp://127.0.0.1:45\0"
+                                             "999",
+                                             22),
+                                 std::string("tcp://127.0.0.1:"), std::string("tcp://127.0.0.1:12a")}) {
+    ZmqPublisherOptions o;
+    o.endpoint = bad;
+    auto pub = ZmqEventPublisher::create(o);
+    ASSERT_FALSE(pub.ok()) << bad;
+    EXPECT_EQ(pub.status().code(), StatusCode::kInvalidArgument) << pub.status().to_string();
+  }
+  ZmqPublisherOptions o;
+  o.endpoint = "tcp://127.0.0.1:*";
+  o.replay_endpoint = "tcp://127.0.0.1:70000";
+  auto pub = ZmqEventPublisher::create(o);
+  ASSERT_FALSE(pub.ok());
+  EXPECT_NE(pub.status().message().find("replay endpoint"), std::string::npos) << pub.status().to_string();
+  o.replay_endpoint = "tcp://127.0.0.1:*";
+  auto ok = ZmqEventPublisher::create(o);
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+}
+
 }  // namespace
 }  // namespace kvtier::metrics

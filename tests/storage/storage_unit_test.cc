@@ -247,6 +247,12 @@ TEST(MemoryBackend, SpecCapacityAndEviction) {
     auto b = make_storage_backend(bad, StorageOptions{});
     EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << bad;
   }
+  // A size past 64 bits wrapped (16777217T opened a 1 TiB tier): refused, as the config knobs refuse it.
+  for (std::string huge : {"16777217T", "16777216T", "99999999999999999999"}) {
+    auto b = make_storage_backend("memory:?capacity=" + huge, StorageOptions{});
+    EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << huge;
+    EXPECT_NE(b.status().message().find(huge), std::string::npos) << b.status().to_string();
+  }
 
   const std::uint64_t object = format::header_bytes(StorageOptions{}, 8) + 8192;
   auto put = [](StorageBackend& b, int i, const std::vector<std::byte>& v) {
