@@ -45,16 +45,24 @@ struct PyPdReceiver {
 
   // The receiver first (its reporter thread; open receives end as Cancelled, their blocks stay declared), then
   // the executor; the TransferManager may be closed after.
+  // Then what it kept alive, so that a closed receiver the program still references (a module global at exit)
+  // holds no endpoint, manager or Device.
   void close() {
     auto lock = lock_gil_safe(mu);
     if (!receiver && !executor) return;
+    std::shared_ptr<PdNative> ep = std::move(endpoint);
     {
-      nb::gil_scoped_release release;
+      nb::gil_scoped_release release;  // teardown joins kvtier threads
       receiver.reset();
       executor.reset();
+      ep.reset();
     }
     if (transfers != nullptr) transfers->receivers.fetch_sub(1);
     transfers = nullptr;
+    cache = nullptr;
+    cache_ref.reset();
+    transfers_ref.reset();
+    endpoint_ref.reset();
   }
 
   pd::PdReceiver& get() {

@@ -824,3 +824,25 @@ def test_endpoints_left_open_at_exit_are_closed_without_leaks():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "leaked" not in r.stderr, r.stderr[-2000:]
+
+
+@needs_cache
+def test_a_closed_receiver_the_program_still_references_holds_nothing_at_exit():
+    # A closed Receiver kept its references to the endpoint, the managers and so the Device: left in a module
+    # global, it outlived the extension at exit and nanobind reported leaks.
+    import subprocess
+    import sys
+    script = (
+        "import numpy as np, kvtier\n"
+        "from kvtier.pd import Decode, Receiver\n"
+        "dev = kvtier.host_device()\n"
+        "compute = dev.create_stream('compute')\n"
+        "kv = [(np.zeros((10, 2, 16, 8), np.float16), np.zeros((10, 2, 16, 8), np.float16)) for _ in range(3)]\n"
+        "tm = kvtier.TransferManager.from_tensors(dev, compute, kvtier.pd._name_map(kv, 0, 0), None, 4, 3)\n"
+        "cache = kvtier.CacheManager(device_blocks=10, host_blocks=4)\n"
+        "d = Decode(kv, transport='loopback', device=dev)\n"
+        "rx = Receiver(cache, tm, d)\n"
+        "rx.close(); d.close(); tm.close()\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "leaked" not in r.stderr, r.stderr[-2000:]
