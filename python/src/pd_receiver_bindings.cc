@@ -238,11 +238,24 @@ void bind_pd_receiver(nb::module_& m) {
             }));
           },
           "timeout_s"_a = nb::none())
-      .def_prop_ro("active", [](PyPdReceiver& r) { return r.get().active(); })
-      .def_prop_ro("quarantined", [](PyPdReceiver& r) { return r.get().quarantined(); })
+      // Under the receiver's mutex, as every call: close() from another thread resets the receiver under it.
+      .def_prop_ro("active",
+                   [](PyPdReceiver& r) {
+                     auto lock = lock_gil_safe(r.mu);
+                     return r.get().active();
+                   })
+      .def_prop_ro("quarantined",
+                   [](PyPdReceiver& r) {
+                     auto lock = lock_gil_safe(r.mu);
+                     return r.get().quarantined();
+                   })
       .def("stats",
            [](PyPdReceiver& r) {
-             const pd::ReceiverStats s = r.get().stats();
+             pd::ReceiverStats s;
+             {
+               auto lock = lock_gil_safe(r.mu);
+               s = r.get().stats();
+             }
              nb::dict d;
              d["started"] = s.started;
              d["refused"] = s.refused;
