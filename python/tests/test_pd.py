@@ -811,27 +811,30 @@ def test_add_peer_refuses_an_endpoint_of_its_own_role():
         assert d.add_peer(a.metadata()) >= 0 and a.add_peer(d.metadata()) >= 0
 
 
+def assert_exits_without_leaks(script: str) -> None:
+    """Runs `script` in a fresh interpreter: it must exit 0 with no nanobind leak report."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "leaked" not in r.stderr, r.stderr[-2000:]
+
+
 def test_endpoints_left_open_at_exit_are_closed_without_leaks():
     # An endpoint with a device that the program never closed outlived the extension at exit: nanobind reported
     # the Device and the extension's types as leaked.
-    import subprocess
-    import sys
     script = (
         "import numpy as np, kvtier\n"
         "from kvtier.pd import Decode\n"
         "kv = [(np.zeros((4, 256), np.uint8), np.zeros((4, 256), np.uint8))]\n"
         "d = Decode(kv, transport='loopback', device=kvtier.host_device())\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "leaked" not in r.stderr, r.stderr[-2000:]
+    assert_exits_without_leaks(script)
 
 
 @needs_cache
 def test_a_closed_receiver_the_program_still_references_holds_nothing_at_exit():
     # A closed Receiver kept its references to the endpoint, the managers and so the Device: left in a module
     # global, it outlived the extension at exit and nanobind reported leaks.
-    import subprocess
-    import sys
     script = (
         "import numpy as np, kvtier\n"
         "from kvtier.pd import Decode, Receiver\n"
@@ -843,6 +846,4 @@ def test_a_closed_receiver_the_program_still_references_holds_nothing_at_exit():
         "d = Decode(kv, transport='loopback', device=dev)\n"
         "rx = Receiver(cache, tm, d)\n"
         "rx.close(); d.close(); tm.close()\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "leaked" not in r.stderr, r.stderr[-2000:]
+    assert_exits_without_leaks(script)
