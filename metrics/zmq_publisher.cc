@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#include <charconv>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -175,18 +176,11 @@ Status check_endpoint(std::string_view what, const std::string& endpoint) {
     const std::string_view port = std::string_view(endpoint).substr(colon + 1);
     if (colon < 6 || port.empty())
       return InvalidArgument(fmt::format("zmq publisher: {} endpoint '{}' names no port", what, endpoint));
-    if (port != "*") {
-      std::uint64_t p = 0;
-      for (char c : port) {
-        if (c < '0' || c > '9' || p > 65535)
-          return InvalidArgument(
-              fmt::format("zmq publisher: {} endpoint '{}': port '{}' is not '*' or 0..65535", what, endpoint, port));
-        p = p * 10 + static_cast<std::uint64_t>(c - '0');
-      }
-      if (p > 65535)
-        return InvalidArgument(
-            fmt::format("zmq publisher: {} endpoint '{}': port {} is past 65535", what, endpoint, p));
-    }
+    std::uint32_t p = 0;
+    const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
+    if (port != "*" && (ec != std::errc() || end != port.data() + port.size() || p > 65535))
+      return InvalidArgument(
+          fmt::format("zmq publisher: {} endpoint '{}': port '{}' is not '*' or 0..65535", what, endpoint, port));
   }
   return Status::Ok();
 }

@@ -8,7 +8,6 @@
 
 #include <cctype>
 #include <cerrno>
-#include <charconv>
 #include <cstring>
 
 #include "kvtier/core/config.h"

@@ -121,6 +121,8 @@ def _close_open_objects() -> None:
                 obj.close()
             except Exception:  # noqa: BLE001 (exiting: nothing to report to)
                 pass
+
+
 _KEY_RE = re.compile(r"^key_caches_(\d+)_rank")
 
 

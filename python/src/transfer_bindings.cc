@@ -51,7 +51,7 @@ std::chrono::nanoseconds to_timeout(std::optional<double> seconds) {
   using Seconds = std::chrono::duration<double>;
   if (!seconds) return std::chrono::nanoseconds::max();  // deadline_after saturates it
   // nb::value_error, not raise_status: callers may convert inside a call that released the GIL. A negative
-  // timeout is a deadline already passed: the wait only looks (the drop-ins' callers rely on it).
+  // timeout is a deadline already passed: the wait only looks.
   if (*seconds != *seconds) throw nb::value_error("timeout is NaN");
   if (*seconds >= 1e9) return std::chrono::nanoseconds::max();
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Seconds(*seconds));
