@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "kvtier/core/deadline.h"
 #include "metrics/zmq_loader.h"
 
 namespace kvtier::metrics {
@@ -248,7 +249,7 @@ Result<std::uint64_t> ZmqEventPublisher::publish(std::vector<KvEvent> events) {
 
 Status ZmqEventPublisher::flush(std::chrono::milliseconds timeout) {
   std::unique_lock lk(impl_->mu);
-  if (!impl_->drained.wait_for(lk, timeout, [&] { return impl_->sent_seq == impl_->next_seq; }))
+  if (!impl_->drained.wait_until(lk, deadline_after(timeout), [&] { return impl_->sent_seq == impl_->next_seq; }))
     return TimedOut(fmt::format("zmq publisher: {} batches still queued after {} ms", impl_->next_seq - impl_->sent_seq,
                                 timeout.count()));
   return Status::Ok();

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "kvtier/core/config.h"
+#include "kvtier/core/deadline.h"
 #include "kvtier/core/enum_names.h"
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/memory_backend.h"
@@ -87,7 +88,7 @@ std::vector<ItemResult> Completion::snapshot() const {
 
 bool Completion::wait_for(std::chrono::nanoseconds timeout) const {
   std::unique_lock<std::mutex> lk(mu_);
-  return cv_.wait_for(lk, timeout, [&] { return remaining_.load(std::memory_order_acquire) == 0; });
+  return cv_.wait_until(lk, deadline_after(timeout), [&] { return remaining_.load(std::memory_order_acquire) == 0; });
 }
 
 }  // namespace detail
@@ -100,7 +101,7 @@ StorageTicket StorageTicket::create(StorageOp op, std::size_t n) {
 
 Status StorageTicket::wait(std::chrono::milliseconds timeout) const {
   if (!c_) return InvalidArgument("wait on an empty ticket");
-  if (c_->wait_for(timeout)) return Status::Ok();
+  if (c_->wait_for(clamp_timeout(timeout))) return Status::Ok();
   return TimedOut(
       fmt::format("{} of {} items still pending after {} ms", c_->remaining(), c_->size(), timeout.count()));
 }

@@ -26,9 +26,6 @@ struct PyStream {
   bool adopted = false;
 };
 
-// Seconds (None: no deadline) as a timeout; ValueError for NaN.
-std::chrono::nanoseconds to_timeout(std::optional<double> seconds);
-
 // The engine's tensor as kvtier sees it (data, dtype, shape, strides), checked against the backend of `device`.
 Result<TensorDesc> describe_tensor(const std::string& name, const nanobind::ndarray<>& a, const Device& device);
 // As describe_tensor, for memory the CPU addresses: DLPack CPU or CUDA-host (pinned) tensors only.

@@ -175,10 +175,11 @@ void bind_metrics(nb::module_& m) {
           "flush",
           [](PyEventPublisher& p, double timeout) {
             auto& pub = p.get();
+            const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             Status st;
             {
               nb::gil_scoped_release release;
-              st = pub.flush(std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000)));
+              st = pub.flush(limit);
             }
             check(st);
           },
@@ -187,10 +188,11 @@ void bind_metrics(nb::module_& m) {
           "shutdown",
           [](PyEventPublisher& p, double timeout) {
             if (!p.pub) return;
+            const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             Status st;
             {
               nb::gil_scoped_release release;
-              st = p.pub->shutdown(std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000)));
+              st = p.pub->shutdown(limit);
               p.pub.reset();
             }
             check(st);

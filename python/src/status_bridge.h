@@ -8,7 +8,9 @@
 
 #include <nanobind/nanobind.h>
 
+#include <chrono>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "kvtier/core/status.h"
@@ -53,5 +55,9 @@ inline std::unique_lock<std::mutex> lock_gil_safe(std::mutex& mu) {
 nanobind::object exception_object(const Status& status);
 
 void bind_errors(nanobind::module_& m);
+
+// Seconds (None: no deadline; 1e9 or more saturates) as a timeout; ValueError for NaN. A negative timeout is a
+// deadline already passed: a wait given one only looks.
+std::chrono::nanoseconds to_timeout(std::optional<double> seconds);
 
 }  // namespace kvtier::python

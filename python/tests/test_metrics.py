@@ -292,6 +292,22 @@ def test_kv_events_published_over_zmq_reach_a_subscriber():
     ctx.term()
 
 
+def test_publisher_timeouts_that_are_not_numbers_or_are_huge():
+    # flush(1e300) multiplied by 1000 into an int64 (undefined); NaN became a wait of no time.
+    import kvtier.metrics as km
+
+    if not km.zmq_available():
+        pytest.skip("libzmq.so.5 not loadable")
+    pub = km.KvEventPublisher("tcp://127.0.0.1:*")
+    with pytest.raises(ValueError, match="NaN"):
+        pub.flush(float("nan"))
+    pub.flush(1e300)
+    pub.flush(float("inf"))
+    with pytest.raises(ValueError, match="NaN"):
+        pub.shutdown(float("nan"))
+    pub.shutdown(1e300)
+
+
 def test_publish_events_names_a_publisher_of_the_wrong_type():
     import kvtier
     cm = kvtier.CacheManager(device_blocks=8, host_blocks=8)

@@ -115,6 +115,22 @@ TEST(ZmqPublisher, LateSubscriberCatchesUpThroughReplay) {
   EXPECT_EQ((*pub)->publish(step_events(0)).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// flush() waited with condition_variable::wait_for, whose now + timeout overflows for "forever"
+// (milliseconds::max(), what Python's flush(1e300) became): it reported TimedOut at once while batches were queued.
+TEST(ZmqPublisher, FlushWithoutALimitWaitsForTheQueue) {
+  if (!zmq_available()) GTEST_SKIP() << "libzmq.so.5 is not installed";
+  ZmqPublisherOptions o;
+  o.endpoint = "tcp://127.0.0.1:*";
+  auto pub = ZmqEventPublisher::create(o);
+  ASSERT_TRUE(pub.ok()) << pub.status().to_string();
+  for (std::uint64_t i = 0; i < 20000; ++i) ASSERT_TRUE((*pub)->publish(step_events(i)).ok());
+  const Status flushed = (*pub)->flush(std::chrono::milliseconds::max());
+  EXPECT_TRUE(flushed.ok()) << flushed.to_string();
+  for (std::uint64_t i = 0; i < 20000; ++i) ASSERT_TRUE((*pub)->publish(step_events(i)).ok());
+  const Status closed = (*pub)->shutdown(std::chrono::milliseconds::max());
+  EXPECT_TRUE(closed.ok()) << closed.to_string();
+}
+
 TEST(ZmqPublisher, BadEndpointNamesIt) {
   if (!zmq_available()) GTEST_SKIP() << "libzmq.so.5 is not installed";
   ZmqPublisherOptions o;

@@ -6,10 +6,12 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 #include "kvtier/storage/disk_backend.h"
 #include "kvtier/storage/memory_backend.h"
@@ -624,6 +626,20 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
 
 INSTANTIATE_TEST_SUITE_P(HostLayouts, StorageTierTest, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "page_first" : "layer_first"; });
+
+// StorageTicket::wait(milliseconds::max()) converted the timeout to nanoseconds implicitly, which overflows: it
+// reported TimedOut at once for a batch still in progress instead of waiting for it.
+TEST(StorageTicket, WaitWithoutALimitWaitsForTheBatch) {
+  StorageTicket ticket = StorageTicket::create(StorageOp::kPut, 1);
+  std::thread finisher([c = ticket.completion()] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    c->complete(0, Status::Ok(), 16);
+  });
+  const Status waited = ticket.wait(std::chrono::milliseconds::max());
+  finisher.join();
+  EXPECT_TRUE(waited.ok()) << waited.to_string();
+  EXPECT_TRUE(ticket.poll());
+}
 
 }  // namespace
 }  // namespace kvtier::storage

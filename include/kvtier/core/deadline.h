@@ -15,14 +15,22 @@ namespace kvtier {
 
 inline constexpr std::chrono::nanoseconds kMaxTimeout = std::chrono::hours(24 * 365 * 100);
 
-// `timeout` clamped to [0, kMaxTimeout].
-constexpr std::chrono::nanoseconds clamp_timeout(std::chrono::nanoseconds timeout) noexcept {
-  return std::clamp(timeout, std::chrono::nanoseconds::zero(), kMaxTimeout);
+// `timeout`, in any unit, as nanoseconds clamped to [0, kMaxTimeout]. The unit is a template parameter because
+// the implicit conversion to nanoseconds overflows for coarse timeouts such as milliseconds::max() (the same
+// "forever" in another unit).
+template <typename Rep, typename Period>
+constexpr std::chrono::nanoseconds clamp_timeout(std::chrono::duration<Rep, Period> timeout) noexcept {
+  using Timeout = std::chrono::duration<Rep, Period>;
+  if (!(timeout > Timeout::zero())) return std::chrono::nanoseconds::zero();  // also NaN for floating units
+  if (timeout >= std::chrono::duration_cast<Timeout>(kMaxTimeout)) return kMaxTimeout;
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(timeout);
 }
 
 // now + timeout, saturated (see above).
-inline std::chrono::steady_clock::time_point deadline_after(
-    std::chrono::nanoseconds timeout, std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
+template <typename Rep, typename Period>
+std::chrono::steady_clock::time_point deadline_after(
+    std::chrono::duration<Rep, Period> timeout,
+    std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
   return now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(clamp_timeout(timeout));
 }
 

@@ -1,9 +1,13 @@
-// A small /metrics HTTP endpoint for the CLI and tests: one thread, a plain
-// blocking accept loop that serves one connection at a time.
+// A small /metrics HTTP endpoint for the CLI, the Python package and tests: one
+// thread polling the listening socket and every open connection, so a client
+// that connects and sends nothing, or asks and never reads the answer, delays
+// nobody else's scrape.
 //
-// Bounded: a request is read up to 8 KiB with a 2 s deadline per connection;
-// anything but "GET /metrics" gets 404 (other paths) or 405 (other methods).
-// The listening socket is polled every 100 ms, so stop() (and the destructor)
+// Bounded: at most 64 connections at once (more wait in the listen backlog);
+// a request is read up to 8 KiB within 2 s of the connection's accept, and its
+// answer must be taken by the client within 10 s, or the connection is closed.
+// Anything but "GET /metrics" gets 404 (other paths) or 405 (other methods).
+// The thread wakes at least every 100 ms, so stop() (and the destructor)
 // returns within about that long. Binds 127.0.0.1 unless told otherwise: the
 // exposition is not authenticated.
 //
@@ -15,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "kvtier/core/status.h"
@@ -40,7 +45,8 @@ class MetricsServer {
  private:
   MetricsServer(Registry& registry, int fd, std::uint16_t port);
   void loop();
-  void serve(int client);
+  // The whole HTTP response to one request's bytes (the request line decides).
+  std::string answer(std::string_view request);
 
   Registry& registry_;
   int fd_;
