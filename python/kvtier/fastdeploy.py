@@ -179,6 +179,7 @@ class CacheTransferManager:
 
         self._device = None
         self._mgr = None
+        self._closed = False  # close() is final: no call creates a manager again
         self._compute = None  # kvtier Stream over the engine's stream (host backend: kvtier's own)
         self._streams: Dict[int, Any] = {}  # adopted engine streams by handle
         self._registration = (0, 0, 0)  # num_layers, local_rank, device_id
@@ -205,6 +206,8 @@ class CacheTransferManager:
     def set_cache_kvs_map(self, cache_kvs_map: Dict[str, Any]) -> None:
         """Shares the device KV tensor map: ``key_caches_{layer}_rank{r}.device{d}`` -> tensor, ..."""
         with self._lock:
+            if self._closed:
+                raise _error("FailedPrecondition", "set_cache_kvs_map: the CacheTransferManager was closed")
             self._close_manager()
             self._cache_kvs_map = cache_kvs_map
             self._build_device_layer_indices()
@@ -234,6 +237,8 @@ class CacheTransferManager:
     def set_host_cache_kvs_map(self, host_cache_kvs_map: Dict[str, Any]) -> None:
         """Shares the host cache map: same names -> host pointers (int), ``num_cpu_blocks`` blocks each."""
         with self._lock:
+            if self._closed:
+                raise _error("FailedPrecondition", "set_host_cache_kvs_map: the CacheTransferManager was closed")
             self._close_manager()
             self._host_cache_kvs_map = host_cache_kvs_map
             self._build_host_layer_indices()
@@ -364,6 +369,8 @@ class CacheTransferManager:
         with self._lock:
             if self._mgr is not None:
                 return self._mgr
+            if self._closed:
+                raise _error("FailedPrecondition", "the CacheTransferManager was closed")
             if self._num_host_blocks <= 0:
                 raise _error("FailedPrecondition", "no host cache: cache_config.num_cpu_blocks is 0")
             if not self._cache_kvs_map:
@@ -406,8 +413,12 @@ class CacheTransferManager:
         self._streams, self._compute, self._device = {}, None, None
 
     def close(self) -> None:
-        """Drains every transfer and releases the engine memory (idempotent); closes the transfer connector."""
+        """Drains every transfer and releases the engine memory (idempotent); closes the transfer connector.
+
+        Final: later transfers return False with ``last_error`` saying so, and the map setters raise.
+        """
         with self._lock:
+            self._closed = True
             self._close_manager()
             if self._transfer_connector is not None:
                 self._transfer_connector.close()

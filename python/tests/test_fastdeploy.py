@@ -202,6 +202,25 @@ def test_false_keeps_the_reason(engine, caplog):
     mgr.close()
 
 
+def test_close_is_final(engine):
+    # A transfer after close() used to build a new native manager over the engine's memory behind the caller's back.
+    mgr, dev, host = make(engine)
+    assert mgr.evict_to_host_async([0], [0]) is True
+    mgr.sync_output_stream()
+    mgr.close()
+    assert mgr.transfer_manager is None
+    assert mgr.evict_to_host_async([1], [1]) is False
+    assert "closed" in mgr.last_error
+    assert mgr.load_layers_to_device_async([0], [0], [2]) is False
+    assert "closed" in mgr.last_error
+    assert mgr.transfer_manager is None
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        mgr.set_cache_kvs_map(dev)
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        mgr.set_host_cache_kvs_map({k: engine.ptr(v) for k, v in host.items()})
+    mgr.close()  # idempotent
+
+
 def test_no_host_cache_returns_false(engine):
     mgr = CacheTransferManager(fd_config(2, 0))
     assert mgr.evict_to_host_async([0], [0]) is False
