@@ -16,6 +16,8 @@ a load moves no byte of a batch before all the batch's objects verified, and eve
 from __future__ import annotations
 
 import logging
+import operator
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from . import _native
-from .errors import InvalidArgumentError, NotSupportedError
+from .errors import InvalidArgumentError, NotSupportedError, ResourceExhaustedError
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -35,6 +37,27 @@ logger = logging.getLogger("kvtier.vllm")
 DEFAULT_STAGING = 64 << 20
 # The deadline of each wait on a copy (a copy that takes longer fails its job).
 COPY_TIMEOUT_S = 120.0
+# Blocks of one batch at most: with tiny pages a staging buffer of many MiB would otherwise mean millions of host
+# blocks (each with its bookkeeping in the manager); a batch this large is as fast as a larger one.
+MAX_BATCH_BLOCKS = 16384
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as an int when it is one (numpy integers too); bool, float and str are refused by name."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"kvtier.vllm: {what} {value!r} is a bool, not an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"kvtier.vllm: {what} {value!r} is a {type(value).__name__}, not an "
+                                   "integer") from None
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class FinishedJob(NamedTuple):
@@ -344,8 +367,9 @@ class ChunkMover:
 
     def __init__(self, groups: Sequence[Sequence[Tuple[Any, int]]], store: Any, blocks_per_chunk: int,
                  staging_bytes: int = DEFAULT_STAGING, pinned_chunks: int = 0):
-        self.blocks_per_chunk = int(blocks_per_chunk)
-        self.staging_bytes = int(staging_bytes)
+        self.blocks_per_chunk = _count(blocks_per_chunk, "blocks_per_chunk")
+        self.staging_bytes = _count(staging_bytes, "staging_bytes")
+        pinned_chunks = _count(pinned_chunks, "pinned_chunks")
         if self.blocks_per_chunk < 1:
             raise InvalidArgumentError(f"kvtier.vllm: blocks_per_chunk {blocks_per_chunk} is not >= 1")
         if self.staging_bytes < 1:
@@ -364,6 +388,7 @@ class ChunkMover:
                     raise NotSupportedError(
                         f"kvtier.vllm: KV tensor {i} of group {g} is not a (num_blocks, bytes) byte "
                         f"tensor (shape {tuple(t.shape)}, strides {t.stride()}, dtype {t.dtype})")
+                page_size_bytes = _count(page_size_bytes, f"group {g}: page_size_bytes")
                 if page_size_bytes <= 0 or page_size_bytes > t.shape[1]:
                     raise InvalidArgumentError(
                         f"kvtier.vllm: group {g}: page of {page_size_bytes} bytes in rows of {t.shape[1]}")
@@ -379,7 +404,8 @@ class ChunkMover:
             object_bytes = block_bytes * self.blocks_per_chunk
             self._groups.append(_Group(tensors, [t.data_ptr() for t in tensors], [t.stride(0) for t in tensors],
                                        min(t.shape[0] for t in tensors), pages, block_bytes, object_bytes,
-                                       max(1, self.staging_bytes // object_bytes)))
+                                       max(1, min(self.staging_bytes // object_bytes,
+                                                  MAX_BATCH_BLOCKS // self.blocks_per_chunk))))
         if self._device_of is not None and self._device_of.type not in ("cuda", "cpu"):
             raise NotSupportedError(f"kvtier.vllm: KV tensors on {self._device_of}: CUDA (or ROCm) GPUs and the CPU "
                                     "only")
@@ -399,6 +425,12 @@ class ChunkMover:
         self._mgr_lock = threading.Lock()
         self._users: Dict[int, int] = {}
         self._retired: List[Any] = []
+        if pinned_chunks:
+            need = pinned_chunks * sum(grp.object_bytes for grp in self._groups)
+            ram = _physical_memory()
+            if ram and need > ram:
+                raise ResourceExhaustedError(f"kvtier.vllm: {pinned_chunks} pinned chunks need {need} bytes of pinned "
+                                             f"host memory; this machine has {ram}")
         for g, grp in enumerate(self._groups):
             self._tier.reset(g)
             grp.manager = self._new_manager(grp)
@@ -491,6 +523,8 @@ class ChunkMover:
             grp = self._groups[g]
             if n_refs != len(grp.tensors):
                 raise _JobFailed(f"group {g}: {n_refs} data references in the job, {len(grp.tensors)} registered")
+            if int(block_idx) < 0:
+                raise _JobFailed(f"group {g}: block index {block_idx} is negative")
             skip = int(block_idx) % bpc
             n_chunks = (n_blocks + skip + bpc - 1) // bpc
             if is_store and (skip or n_blocks % bpc):
@@ -648,6 +682,9 @@ class ChunkMover:
         ``group_block_counts``, ``group_data_ref_counts``, ``block_indices``). A job that cannot be planned is
         reported failed by ``finished()``."""
         ready = None
+        with self._lock:
+            if job_id in self._jobs:  # a second job of one id would hide the first one's outcome
+                raise InvalidArgumentError(f"kvtier.vllm: job {job_id} is already submitted and not yet finished")
         try:
             if self._closed:
                 raise _JobFailed("the worker was shut down")
@@ -661,10 +698,14 @@ class ChunkMover:
             with self._lock:
                 self._jobs[job_id] = _Job(job_id, fut, 0, is_store)
             return
-        if is_store:
-            fut = self._store_pool.submit(self._run_store, plan, list(delete), ready)
-        else:
-            fut = self._load_pool.submit(self._run_load, plan)
+        try:
+            if is_store:
+                fut = self._store_pool.submit(self._run_store, plan, list(delete), ready)
+            else:
+                fut = self._load_pool.submit(self._run_load, plan)
+        except RuntimeError:  # shut down between the check above and here
+            fut = Future()
+            fut.set_exception(_JobFailed("the worker was shut down"))
         with self._lock:
             self._jobs[job_id] = _Job(job_id, fut, plan.total_bytes, is_store)
 

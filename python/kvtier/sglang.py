@@ -346,12 +346,30 @@ class HiCacheKvtier(HiCacheStorage):
             raise InvalidArgumentError(f"kvtier.sglang: no host pool registered as '{name}'")
         return pool
 
+    @staticmethod
+    def _check_indices(pool: Any, host_indices: Any) -> None:
+        """Every host index inside the pool: the pool turns them into raw addresses, which kvtier then reads or
+        writes, so an index outside it would read or write memory that is not the pool's."""
+        size = getattr(pool, "size", None)
+        if not isinstance(size, int) or isinstance(size, bool) or _length(host_indices) == 0:
+            return
+        try:
+            lo, hi = host_indices.min(), host_indices.max()
+        except AttributeError:
+            values = list(host_indices)
+            lo, hi = min(values), max(values)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= size:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgumentError(f"kvtier.sglang: host index {bad} is outside the host pool of {size} slots")
+
     def _meta(self, pool: Any, keys: List[str], host_indices: Any) -> Tuple[List[Tuple[int, int]], int]:
         """(address, nbytes) of every segment of every page, and segments per page."""
         page_size = getattr(pool, "page_size", 1) or 1
         if _length(host_indices) != len(keys) * page_size:
             raise InvalidArgumentError(
                 f"kvtier.sglang: {len(keys)} keys but {_length(host_indices)} host indices (page size {page_size})")
+        self._check_indices(pool, host_indices)
         ptrs, sizes = _flatten_meta(*pool.get_page_buffer_meta(host_indices))
         if not keys or len(ptrs) % len(keys):
             raise InvalidArgumentError(
@@ -399,6 +417,10 @@ class HiCacheKvtier(HiCacheStorage):
     def _io_flat_pages(self, name: Any, pool: Any, keys: List[str], host_indices: Any, is_set: bool) -> List[bool]:
         """Pools without buffer metadata: one object per flat page (get_data_page / set_from_flat_data_page)."""
         page_size = getattr(pool, "page_size", 1) or 1
+        if _length(host_indices) != len(keys) * page_size:
+            raise InvalidArgumentError(
+                f"kvtier.sglang: {len(keys)} keys but {_length(host_indices)} host indices (page size {page_size})")
+        self._check_indices(pool, host_indices)
         starts = [int(host_indices[i * page_size]) for i in range(len(keys))]
         names = self._names(keys, self._pool_desc(pool, name) + "|flat", 1)
         if is_set:
@@ -487,6 +509,8 @@ class HiCacheKvtier(HiCacheStorage):
         if target_locations is None:
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         targets = list(target_locations)
+        if len(targets) != len(keys):
+            raise InvalidArgumentError(f"kvtier.sglang: {len(keys)} keys but {len(targets)} target locations")
         ok = self._ok(self._run("get", self._flat_names(keys), targets), [_nbytes(t) for t in targets], "get")
         return [t if good else None for t, good in zip(targets, ok)]
 
@@ -507,7 +531,11 @@ class HiCacheKvtier(HiCacheStorage):
             sizes = [_nbytes(v) for v in bufs]
         elif target_locations is not None and target_sizes is not None:
             sizes = [int(s) for s in target_sizes]
-            bufs = [(int(p), s) for p, s in zip(target_locations, sizes)]
+            locations = list(target_locations)
+            if len(locations) != len(sizes):
+                raise InvalidArgumentError(
+                    f"kvtier.sglang: {len(locations)} target locations but {len(sizes)} target sizes")
+            bufs = [(int(p), s) for p, s in zip(locations, sizes)]
         else:
             raise InvalidArgumentError("kvtier.sglang: batch_set needs values or target_locations + target_sizes")
         if len(bufs) != len(keys):

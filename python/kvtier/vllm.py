@@ -250,11 +250,16 @@ def request_hints(envelope: Any) -> Dict[str, Any]:
             continue
         payload = getattr(action, "payload", None) or {}
         try:
+            if not isinstance(payload, Mapping):
+                raise ValueError(f"payload is a {type(payload).__name__}, not a mapping")
             if "conversation_id" in payload:
                 cid = payload["conversation_id"]
-                out["conversation_id"] = (cid if isinstance(cid, int) and not isinstance(cid, bool) else
+                # An integer that fits 64 bits is the id; anything else (a string, a larger integer) is hashed to
+                # one, so that ids differing by 2**64 do not collide.
+                fits = isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid < (1 << 64)
+                out["conversation_id"] = (cid if fits else
                                           int.from_bytes(hashlib.blake2b(str(cid).encode(), digest_size=8).digest(),
-                                                         "little")) & ((1 << 64) - 1)
+                                                         "little"))
             if "continuation" in payload:
                 if payload["continuation"] not in ("unknown", "continues", "last_turn"):
                     raise ValueError(f"continuation {payload['continuation']!r}")
@@ -265,7 +270,7 @@ def request_hints(envelope: Any) -> Dict[str, Any]:
                     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                         raise ValueError(f"{name} {v!r}")
                     out[name] = v
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             logger.warning("kvtier.vllm: ignoring the request hints of action %r: %s",
                          getattr(action, "action_id", "?"), e)
             return {}

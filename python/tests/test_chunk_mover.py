@@ -221,3 +221,64 @@ def test_a_tier_or_pinned_chunks_not_both():
         ChunkMover([[(t, 32)]], object(), 1, pinned_chunks=4)
     with pytest.raises(kvtier.errors.InvalidArgumentError, match="one of them"):
         ChunkMover([[(t, 32)]], None, 1)
+
+
+def test_sizes_that_are_not_integers_are_refused_and_tiny_pages_stay_bounded(memory_tier):
+    t = torch.zeros((64, 32), dtype=torch.uint8)
+    # True was taken as 1 and 100.5 as 100.
+    for bad in (True, 100.5 / 4, "8"):
+        with pytest.raises(kvtier.errors.InvalidArgumentError, match="not an integer"):
+            ChunkMover([[(t, bad)]], memory_tier, 1)
+    with pytest.raises(kvtier.errors.InvalidArgumentError, match="pinned_chunks 2.5"):
+        ChunkMover([[(t, 32)]], None, 1, pinned_chunks=2.5)
+    with pytest.raises(kvtier.errors.InvalidArgumentError, match="staging_bytes"):
+        ChunkMover([[(t, 32)]], memory_tier, 1, staging_bytes=4.0)
+    # Pages of one byte behind 4 MiB of staging were 16.7 million host blocks (over 1 GiB of bookkeeping).
+    from kvtier._chunk_mover import MAX_BATCH_BLOCKS
+
+    mover = ChunkMover([[(t, 1)]], memory_tier, 1, staging_bytes=4 << 20)
+    try:
+        assert mover._groups[0].batch_chunks * mover.blocks_per_chunk <= MAX_BATCH_BLOCKS
+        assert mover._tier.host_blocks(mover._groups[0]) <= 4 * MAX_BATCH_BLOCKS
+    finally:
+        mover.shutdown()
+    # More pinned chunks than the machine has memory: refused before anything is allocated.
+    with pytest.raises(kvtier.errors.ResourceExhaustedError, match="10000000000000 pinned chunks"):
+        ChunkMover([[(t, 32)]], None, 1, pinned_chunks=10**13)
+
+
+def test_a_job_id_in_flight_is_not_reused_and_negative_block_indices_fail(memory_tier):
+    # A second job of the same id replaced the first: a failed load was then reported as a success.
+    page = 256
+    kv = tensors("cpu", 1, 8, page, page, seed=11)
+    groups = [[(t, page) for t in kv]]
+    mover = ChunkMover(groups, memory_tier, 1)
+    try:
+        mover.submit(7, pointers(groups, [[5]]), ["%032x" % 999], [], False)  # not stored: this load fails
+        with pytest.raises(kvtier.errors.InvalidArgumentError, match="job 7 is already submitted"):
+            mover.submit(7, pointers(groups, [[6]]), ["%032x" % 1], [], False)
+        deadline = time.monotonic() + 30
+        while not (done := mover.finished()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert [(f.job_id, f.success) for f in done] == [(7, False)]
+        # Once collected, the id may be used again.
+        assert run(mover, 7, pointers(groups, [[1]]), ["%032x" % 2], True), mover.last_error
+        # A negative first block index was taken modulo the chunk's blocks.
+        assert not run(mover, 8, pointers(groups, [[2]], first_blocks=[-1]), ["%032x" % 3], True)
+        assert "block index -1 is negative" in mover.last_error
+    finally:
+        mover.shutdown()
+
+
+def test_a_submit_that_races_shutdown_fails_the_job_not_the_caller(memory_tier):
+    # The executor refused the job with RuntimeError("cannot schedule new futures after shutdown"), raised into vLLM.
+    page = 256
+    kv = tensors("cpu", 1, 8, page, page, seed=12)
+    groups = [[(t, page) for t in kv]]
+    mover = ChunkMover(groups, memory_tier, 1)
+    try:
+        mover._store_pool.shutdown()  # what shutdown() does first, before the worker is marked closed
+        assert not run(mover, 1, pointers(groups, [[1]]), ["%032x" % 4], True)
+        assert "shut down" in mover.last_error
+    finally:
+        mover.shutdown()

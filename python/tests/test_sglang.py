@@ -490,3 +490,33 @@ def test_a_rank_outside_its_group_is_refused():
         namespace_of(cfg, "", disk=True)
     cfg.tp_rank = 1
     assert "tp=1/2" in namespace_of(cfg, "", disk=True)
+
+
+def test_host_indices_outside_the_pool_and_mismatched_lists_are_refused(tmp_path):
+    # The pool turns host indices into raw addresses: indices past its end crashed the process (kvtier read or wrote
+    # there), negative ones stored bytes from before it.
+    pool = HostPool(pages=8)
+    backend = open_backend(tmp_path)
+    backend.register_mem_pool_host(pool)
+    want = written(pool, [1])
+    for bad, named in ((np.arange(10**6, 10**6 + 4), 10**6 + 3), (np.arange(-4, 0), -4),
+                       (np.arange(pool.size - 2, pool.size + 2), pool.size + 1)):
+        with pytest.raises(InvalidArgumentError, match=f"host index {named} is outside the host pool of {pool.size}"):
+            backend.batch_set_v1(["k"], bad)
+        with pytest.raises(InvalidArgumentError, match=f"host index {named} is outside"):
+            backend.batch_get_v1(["k"], bad)
+    assert backend.batch_exists(["k"]) == 0  # nothing was stored
+    assert backend.batch_set_v1(["k"], pool.indices([1])) == [True]
+    pool.clear()
+    assert backend.batch_get_v1(["k"], pool.indices([1])) == [True]
+    assert pool.page_bytes(1) == want[1]
+    # batch_get returned as many results as targets, whatever the keys; batch_set ignored extra locations.
+    flat = open_backend(tmp_path / "flat", zero_copy=False)
+    flat.register_mem_pool_host(pool)
+    page = pool.get_data_page(1)
+    assert flat.batch_set(["a"], [page])
+    with pytest.raises(InvalidArgumentError, match="3 keys but 1 target locations"):
+        flat.batch_get(["a", "b", "c"], [pool.get_dummy_flat_data_page()])
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(InvalidArgumentError, match="2 target locations but 1 target sizes"):
+        flat.batch_set(["x"], None, [buf.ctypes.data, buf.ctypes.data], [64])

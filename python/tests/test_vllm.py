@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import types
 
 import pytest
 
@@ -692,6 +693,20 @@ def test_request_hints_come_from_vllms_kv_hints_and_bad_ones_are_ignored(tmp_pat
         assert kv.request_hints(envelope({"continuation": "forever"})) == {}
         assert kv.request_hints(envelope({"priority": "high"})) == {}
     assert "forever" in caplog.text and "priority" in caplog.text
+    # A payload that is not a mapping raised TypeError out of on_new_request; ids past 64 bits kept only their low
+    # bits (2**100 became 0, "no conversation").
+    def raw(payload):
+        return types.SimpleNamespace(actions=[types.SimpleNamespace(action_id="r", action_type=kv.HINT_ACTION,
+                                                                    payload=payload)])
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        for payload in (["ttl_steps"], "conversation_id", ("priority", 1), 42):
+            assert kv.request_hints(raw(payload)) == {}
+    assert "not a mapping" in caplog.text
+    big = kv.request_hints(raw({"conversation_id": 2**100}))["conversation_id"]
+    assert big != 0 and 0 <= big < 2**64
+    assert kv.request_hints(raw({"conversation_id": 2**64 + 5}))["conversation_id"] != 5
+    assert kv.request_hints(raw({"conversation_id": 2**64 - 1}))["conversation_id"] == 2**64 - 1
     chunk_on_disk = 4096 + 8192
     c = connectors(extra(tmp_path, capacity=2 * chunk_on_disk), G1, num_blocks=32)
     r = c.request("r", chunk_hashes(1, "h"))
