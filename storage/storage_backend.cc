@@ -224,6 +224,17 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
 
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options,
                                                              const StorageBackendDefaults& defaults) {
+  // The paths, hosts and names of a spec reach C APIs that stop at a NUL byte: "disk:/a\0/b" would open /a.
+  if (const std::size_t nul = spec.find('\0'); nul != std::string_view::npos) {
+    std::string shown;
+    for (const char ch : spec.substr(0, 200)) {
+      if (ch == '\0')
+        shown += "\\0";
+      else
+        shown += ch;
+    }
+    return InvalidArgument(fmt::format("storage spec '{}' holds a NUL byte at offset {}", shown, nul));
+  }
   if (spec.starts_with("disk:")) {
     auto [path, params] = split_query(spec.substr(5));
     DiskBackendConfig c = defaults.disk;

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -626,6 +627,21 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
 
 INSTANTIATE_TEST_SUITE_P(HostLayouts, StorageTierTest, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "page_first" : "layer_first"; });
+
+// A spec with a NUL byte opened what came before the NUL ("disk:/a\0/b" became disk:/a): refused, the NUL shown.
+TEST(StorageSpec, ANulByteIsRefusedNotCutAt) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / fmt::format("kvtier-nul-{}", ::getpid());
+  std::filesystem::remove_all(dir);
+  const std::string spec = "disk:" + dir.string() + std::string(1, '\0') + "/other";
+  auto backend = make_storage_backend(spec, StorageOptions{});
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(backend.status().message().find(dir.string() + "\\0/other"), std::string::npos)
+      << backend.status().message();
+  EXPECT_FALSE(std::filesystem::exists(dir));
+  for (const std::string& other : {std::string("memory:?capacity=1M") + '\0', std::string("redis://h") + '\0' + ":1"})
+    EXPECT_EQ(make_storage_backend(other, StorageOptions{}).status().code(), StatusCode::kInvalidArgument);
+}
 
 // StorageTicket::wait(milliseconds::max()) converted the timeout to nanoseconds implicitly, which overflows: it
 // reported TimedOut at once for a batch still in progress instead of waiting for it.
