@@ -533,6 +533,9 @@ class ChunkMover:
             rows = None
             for i in range(len(grp.tensors)):
                 seg, sizes = all_ptrs[at:at + n_blocks], all_sizes[at:at + n_blocks]
+                if len(seg) != n_blocks or len(sizes) != n_blocks:
+                    raise _JobFailed(f"{len(all_ptrs)} device pointers and {len(all_sizes)} sizes, fewer than the "
+                                     f"group counts {counts} and data references need")
                 off = seg - grp.bases[i]
                 stride = grp.row_strides[i]
                 bad = (sizes != grp.pages[i]) | (off < 0) | (off % stride != 0) | (off // stride >= grp.num_blocks)

@@ -507,7 +507,11 @@ class HiCacheKvtier(HiCacheStorage):
         if not keys:
             return []
         if target_locations is None:
-            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+            pool = getattr(self, "mem_pool_host", None)
+            if pool is None:
+                raise InvalidArgumentError("kvtier.sglang: no target locations and no host pool registered "
+                                           "(register_mem_pool_host) to read pages into")
+            target_locations = [pool.get_dummy_flat_data_page() for _ in keys]
         targets = list(target_locations)
         if len(targets) != len(keys):
             raise InvalidArgumentError(f"kvtier.sglang: {len(keys)} keys but {len(targets)} target locations")

@@ -263,6 +263,11 @@ def test_a_job_id_in_flight_is_not_reused_and_negative_block_indices_fail(memory
         assert [(f.job_id, f.success) for f in done] == [(7, False)]
         # Once collected, the id may be used again.
         assert run(mover, 7, pointers(groups, [[1]]), ["%032x" % 2], True), mover.last_error
+        # Too few pointers for the group counts: the message named a valid pointer as "not a block".
+        p = pointers(groups, [[3, 4]])
+        p.ptrs, p.sizes = p.ptrs[:1], p.sizes[:1]
+        assert not run(mover, 9, p, ["%032x" % 5, "%032x" % 6], True)
+        assert "1 device pointers and 1 sizes, fewer than the group counts" in mover.last_error
         # A negative first block index was taken modulo the chunk's blocks.
         assert not run(mover, 8, pointers(groups, [[2]], first_blocks=[-1]), ["%032x" % 3], True)
         assert "block index -1 is negative" in mover.last_error

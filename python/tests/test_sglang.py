@@ -520,3 +520,10 @@ def test_host_indices_outside_the_pool_and_mismatched_lists_are_refused(tmp_path
     buf = np.zeros(64, np.uint8)
     with pytest.raises(InvalidArgumentError, match="2 target locations but 1 target sizes"):
         flat.batch_set(["x"], None, [buf.ctypes.data, buf.ctypes.data], [64])
+
+
+def test_get_without_a_pool_or_targets_names_what_is_missing(tmp_path):
+    # It raised AttributeError: 'HiCacheKvtier' object has no attribute 'mem_pool_host'.
+    backend = open_backend(tmp_path, zero_copy=False)
+    with pytest.raises(InvalidArgumentError, match="no host pool registered"):
+        backend.get("k0")
