@@ -247,12 +247,16 @@ def test_sizes_that_are_not_integers_are_refused_and_tiny_pages_stay_bounded(mem
         ChunkMover([[(t, 32)]], None, 1, pinned_chunks=10**13)
 
 
+def small_mover(memory_tier, seed):
+    """One group of one CPU tensor of 8 blocks of 256 bytes, chunks of one block: (groups, mover)."""
+    kv = tensors("cpu", 1, 8, 256, 256, seed=seed)
+    groups = [[(t, 256) for t in kv]]
+    return groups, ChunkMover(groups, memory_tier, 1)
+
+
 def test_a_job_id_in_flight_is_not_reused_and_negative_block_indices_fail(memory_tier):
     # A second job of the same id replaced the first: a failed load was then reported as a success.
-    page = 256
-    kv = tensors("cpu", 1, 8, page, page, seed=11)
-    groups = [[(t, page) for t in kv]]
-    mover = ChunkMover(groups, memory_tier, 1)
+    groups, mover = small_mover(memory_tier, seed=11)
     try:
         mover.submit(7, pointers(groups, [[5]]), ["%032x" % 999], [], False)  # not stored: this load fails
         with pytest.raises(kvtier.errors.InvalidArgumentError, match="job 7 is already submitted"):
@@ -277,10 +281,7 @@ def test_a_job_id_in_flight_is_not_reused_and_negative_block_indices_fail(memory
 
 def test_a_submit_that_races_shutdown_fails_the_job_not_the_caller(memory_tier):
     # The executor refused the job with RuntimeError("cannot schedule new futures after shutdown"), raised into vLLM.
-    page = 256
-    kv = tensors("cpu", 1, 8, page, page, seed=12)
-    groups = [[(t, page) for t in kv]]
-    mover = ChunkMover(groups, memory_tier, 1)
+    groups, mover = small_mover(memory_tier, seed=12)
     try:
         mover._store_pool.shutdown()  # what shutdown() does first, before the worker is marked closed
         assert not run(mover, 1, pointers(groups, [[1]]), ["%032x" % 4], True)
