@@ -159,10 +159,14 @@ void set_lane_verify(const std::string& name, transport::PdOptions& o) {
   o.lane_read_back_in_copy = name != kMoverPass;
 }
 
+// tcp takes UCX over TCP's default data path (active messages, UcxDataPath), tcp-rma UCX's emulated RMA.
+bool tcp_lane(const std::string& lane) { return lane == "tcp" || lane == "tcp-rma"; }
+
 transport::UcxOptions lane_options(const std::string& lane) {
   transport::UcxOptions o;
-  o.tls = lane == "tcp" ? "tcp" : "shm";
-  o.net_devices = lane == "tcp" ? "lo" : "";
+  o.tls = tcp_lane(lane) ? "tcp" : "shm";
+  o.net_devices = tcp_lane(lane) ? "lo" : "";
+  if (lane == "tcp-rma") o.data_path = transport::UcxDataPath::kRma;
   return o;
 }
 
@@ -404,10 +408,12 @@ struct DirectSide {
   BlockSpace space;
 };
 
-// A pool of `pool` blocks per layer in CUDA memory: the pattern (prefill) or the poison (decode).
-Result<DirectSide> make_direct_side(const KvLayout& layout, std::uint64_t pool, bool fill_pattern) {
+// A pool of `pool` blocks per layer in device memory (CUDA memory of GPU 0, or the host backend's for the
+// in-process lane): the pattern (prefill) or the poison (decode).
+Result<DirectSide> make_direct_side(const KvLayout& layout, std::uint64_t pool, bool fill_pattern,
+                                    const std::string& backend = "cuda") {
   DirectSide d;
-  KVTIER_ASSIGN_OR_RETURN(d.device, create_cuda_device(0));
+  KVTIER_ASSIGN_OR_RETURN(d.device, open_device(backend));
   KVTIER_ASSIGN_OR_RETURN(d.engine, CopyEngine::create(*d.device, g_lane_engine));
   std::vector<std::vector<void*>> bases(layout.num_layers());
   const std::uint64_t bb = layout.block_bytes(0, 0);
@@ -864,8 +870,8 @@ Status finish_decode(const Result<transport::DecodeStatus>& st, std::size_t bloc
 Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t block_bytes) {
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
   const DirectPlan plan = direct_plan(a, block_bytes, plan_lists(a));
-  KVTIER_ASSIGN_OR_RETURN(DirectSide pre_side, make_direct_side(layout, plan.pool, true));
-  KVTIER_ASSIGN_OR_RETURN(DirectSide dec_side, make_direct_side(layout, plan.pool, false));
+  KVTIER_ASSIGN_OR_RETURN(DirectSide pre_side, make_direct_side(layout, plan.pool, true, a.backend));
+  KVTIER_ASSIGN_OR_RETURN(DirectSide dec_side, make_direct_side(layout, plan.pool, false, a.backend));
   static int seq = 0;
   ++seq;
   KVTIER_ASSIGN_OR_RETURN(auto pre_t, transport::create_loopback_transport(
@@ -1241,8 +1247,8 @@ int run_bench(const PdArgs& a) {
                                 ? Result<double>(NotSupported("skipped"))
                                 : run_perftest(lane, mode, transfer_bytes, port++, 2ull << 30, 10);
         // The tcp lane's other reference: the same bytes through one plain loopback socket stream.
-        const Result<double> socket_gbps = lane == "tcp" ? run_socket_stream(std::uint64_t{a.iters} * transfer_bytes)
-                                                         : Result<double>(NotSupported(""));
+        const Result<double> socket_gbps = tcp_lane(lane) ? run_socket_stream(std::uint64_t{a.iters} * transfer_bytes)
+                                                          : Result<double>(NotSupported(""));
         std::optional<double> host_gbps;
         std::map<std::uint32_t, double> raw_by_inflight;  // raw rows of this block size, by transfers in flight
         // The direct lanes get a row per verifying side and transfers in flight, the ring a row per copy strategy
@@ -1394,7 +1400,8 @@ Action register_bench_pd(CLI::App& bench) {
   auto a = std::make_shared<PdArgs>();
   auto* cmd = bench.add_subcommand("pd", "Prefill/decode KV transfer between two processes (UCX) vs ucx_perftest");
   cmd->add_option("--lanes", a->lanes,
-                  "lanes: tcp (UCX, 127.0.0.1), shm (UCX), shm-direct (UCX shared memory, the host direct lane: the "
+                  "lanes: tcp (UCX, 127.0.0.1; its active-message data path), tcp-rma (the same with UCX's emulated "
+                  "RMA), shm (UCX), shm-direct (UCX shared memory, the host direct lane: the "
                   "moving side copies and checksums through UCX's mapping of the peer's pool), ipc (kvtier's same-host "
                   "backend), direct (the device lane: "
                   "CUDA IPC, copy kernels, --memory device), direct-inproc (the same with both endpoints in this "
@@ -1454,10 +1461,11 @@ Action register_bench_pd(CLI::App& bench) {
   return [cmd, a]() -> int {
     if (!cmd->parsed()) return -1;
     for (const auto& l : a->lanes)
-      if (l != "tcp" && l != "shm" && l != "shm-direct" && l != "ipc" && l != "direct" && l != "direct-inproc" &&
+      if (!tcp_lane(l) && l != "shm" && l != "shm-direct" && l != "ipc" && l != "direct" && l != "direct-inproc" &&
           l != "ring") {
         std::fprintf(stderr,
-                     "kvtier bench pd: lane '%s' is not tcp, shm, shm-direct, ipc, direct, direct-inproc or ring\n",
+                     "kvtier bench pd: lane '%s' is not tcp, tcp-rma, shm, shm-direct, ipc, direct, direct-inproc or "
+                     "ring\n",
                      l.c_str());
         return 2;
       }
@@ -1472,7 +1480,10 @@ Action register_bench_pd(CLI::App& bench) {
       }
     }
     for (const auto& l : a->lanes)
-      if ((l.rfind("direct", 0) == 0 || l == "ring") && (cuda_device_count() == 0 || a->backend == "host")) {
+      // direct-inproc runs on the host backend too (both endpoints in this process: the protocol's own CPU cost,
+      // with copies the host backend's threads do).
+      if (l != "direct-inproc" && (l.rfind("direct", 0) == 0 || l == "ring") &&
+          (cuda_device_count() == 0 || a->backend == "host")) {
         std::fprintf(stderr,
                      "kvtier bench pd: the %s lane needs CUDA memory: no CUDA device is visible "
                      "(or --backend host)\n",

@@ -43,9 +43,12 @@ Result<std::unique_ptr<Transport>> make_transport(std::string name, const KvLayo
 #else
   // KVTIER_PD_TEST_TLS=shm (set by the shared-memory cases, inherited by the helper) picks UCX's shm lane.
   const char* tls = std::getenv("KVTIER_PD_TEST_TLS");
+  // KVTIER_PD_TEST_TLS=tcp-rma: TCP with UCX's emulated RMA instead of TCP's default active-message data path.
   if (tls != nullptr && std::string_view(tls) == "shm")
     return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"shm", "", {}});
-  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
+  UcxOptions o{"tcp", "lo", {}};
+  if (tls != nullptr && std::string_view(tls) == "tcp-rma") o.data_path = UcxDataPath::kRma;
+  return create_ucx_transport({std::move(name), layout.fingerprint(), 1, 0}, std::move(o));
 #endif
 }
 
@@ -469,14 +472,21 @@ INSTANTIATE_TEST_SUITE_P(Modes, TwoProcessRing, ::testing::Values(PdMode::kPush,
 
 // A prefill paused past the lease (SIGSTOP) with a write posted, resumed after the decode side failed the
 // transfer. The decode side may report its blocks reclaimable only when nothing of the prefill can land there any
-// more: ipc tears the path down (the decode side no longer serves the prefill's requests), so it may, and the
-// blocks' new contents must survive the resumed prefill; UCX cannot revoke a live peer's RMA, so the blocks stay
-// quarantined until the resumed prefill proves its writes are done.
-TEST(TwoProcessLateWrites, APrefillStoppedPastTheLeaseNeverWritesIntoBlocksReportedReclaimable) {
+// more: ipc tears the path down (the decode side no longer serves the prefill's requests), and so does UCX over
+// TCP's active-message path (the decode side lands the prefill's writes itself and no longer does), so they may,
+// and the blocks' new contents must survive the resumed prefill; UCX's RMA of a live peer cannot be revoked
+// (KVTIER_PD_TEST_TLS=tcp-rma), so there the blocks stay quarantined until the resumed prefill proves its writes
+// are done.
+class TwoProcessLateWrites : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(TwoProcessLateWrites, APrefillStoppedPastTheLeaseNeverWritesIntoBlocksReportedReclaimable) {
+  const bool rma = std::string_view(GetParam()) == "tcp-rma";
+  if (rma) setenv("KVTIER_PD_TEST_TLS", "tcp-rma", 1);
   DecodeRig rig;
   HelperArgs a{PdMode::kPush, 200};  // layer 0 lands and is confirmed well before layer 1 is posted
   a.stop_before_write = 1;
   rig.start(a);
+  unsetenv("KVTIER_PD_TEST_TLS");
   ASSERT_TRUE(rig.load_status.ok()) << rig.load_status.to_string();
   const std::vector<BlockId> dst = {0, 1, 2, 3};
   ASSERT_TRUE(rig.dec->start(rig.peer, kXid, PdMode::kPush, dst).ok());
@@ -520,12 +530,19 @@ TEST(TwoProcessLateWrites, APrefillStoppedPastTheLeaseNeverWritesIntoBlocksRepor
     ASSERT_TRUE(later.ok()) << later.status().to_string();
     EXPECT_TRUE(later->reclaimable);
   }
-#ifdef KVTIER_PD_IPC
-  EXPECT_TRUE(reclaimed) << "ipc tears the path down: the blocks need not wait for the stopped prefill";
-#else
-  EXPECT_FALSE(reclaimed) << "UCX cannot revoke a live peer's writes: the blocks must stay quarantined";
-#endif
+  if (rma) {
+    EXPECT_FALSE(reclaimed) << "UCX cannot revoke a live peer's RMA: the blocks must stay quarantined";
+  } else {
+    EXPECT_TRUE(reclaimed) << "the decode side lands nothing more of the stopped prefill: its blocks need not wait";
+  }
 }
+
+#ifdef KVTIER_PD_IPC
+INSTANTIATE_TEST_SUITE_P(Lanes, TwoProcessLateWrites, ::testing::Values("ipc"));
+#else
+INSTANTIATE_TEST_SUITE_P(Lanes, TwoProcessLateWrites, ::testing::Values("tcp", "tcp-rma"),
+                         [](const auto& info) { return std::string(info.param) == "tcp" ? "tcp" : "tcp_rma"; });
+#endif
 
 #ifndef KVTIER_PD_IPC
 // UCX's shared-memory lane reports no dead peer (no endpoint error handling): only the lease finds a killed

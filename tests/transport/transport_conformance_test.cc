@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <random>
 #include <thread>
@@ -21,12 +22,14 @@ namespace {
 
 using namespace std::chrono_literals;
 
-enum class Kind { kLoopback, kUcxTcp, kUcxShm, kIpc };
+// kUcxTcp takes TCP's default data path (active messages: UcxDataPath), kUcxTcpRma UCX's emulated RMA over TCP.
+enum class Kind { kLoopback, kUcxTcp, kUcxTcpRma, kUcxShm, kIpc };
 
 std::string kind_name(Kind k) {
   switch (k) {
     case Kind::kLoopback: return "loopback";
     case Kind::kUcxTcp: return "ucx_tcp";
+    case Kind::kUcxTcpRma: return "ucx_tcp_rma";
     case Kind::kUcxShm: return "ucx_shm";
     case Kind::kIpc: return "ipc";
   }
@@ -43,6 +46,11 @@ Result<std::unique_ptr<Transport>> make(Kind kind, AgentIdentity id, LoopbackOpt
   switch (kind) {
     case Kind::kLoopback: return create_loopback_transport(std::move(id), std::move(lo));
     case Kind::kUcxTcp: return create_ucx_transport(std::move(id), UcxOptions{"tcp", "lo", {}});
+    case Kind::kUcxTcpRma: {
+      UcxOptions o{"tcp", "lo", {}};
+      o.data_path = UcxDataPath::kRma;
+      return create_ucx_transport(std::move(id), std::move(o));
+    }
     case Kind::kUcxShm: return create_ucx_transport(std::move(id), UcxOptions{"shm", "", {}});
     case Kind::kIpc: return create_ipc_transport(std::move(id));
   }
@@ -58,8 +66,11 @@ Result<std::unique_ptr<Transport>> make_keyed(Kind kind, AgentIdentity id, std::
       return create_loopback_transport(std::move(id), std::move(o));
     }
     case Kind::kUcxTcp:
+    case Kind::kUcxTcpRma:
     case Kind::kUcxShm: {
-      UcxOptions o{kind == Kind::kUcxTcp ? "tcp" : "shm", kind == Kind::kUcxTcp ? "lo" : "", std::move(secret)};
+      const bool tcp = kind != Kind::kUcxShm;
+      UcxOptions o{tcp ? "tcp" : "shm", tcp ? "lo" : "", std::move(secret)};
+      if (kind == Kind::kUcxTcpRma) o.data_path = UcxDataPath::kRma;
       return create_ucx_transport(std::move(id), std::move(o));
     }
     case Kind::kIpc: {
@@ -463,8 +474,10 @@ TEST_P(TransportConformance, CraftedRegionFieldsAreRefusedAtLoadEvenWithAValidCh
 TEST(UcxBlob, ShortOrGarbageRemoteKeysAreRefusedBeforeOrByUcx) {
   for (const char* tls : {"tcp", "shm"}) {
     SCOPED_TRACE(tls);
-    auto a = create_ucx_transport(ident("a"), UcxOptions{tls, std::string(tls) == "tcp" ? "lo" : "", {}});
-    auto good = create_ucx_transport(ident("good"), UcxOptions{tls, std::string(tls) == "tcp" ? "lo" : "", {}});
+    UcxOptions o{tls, std::string(tls) == "tcp" ? "lo" : "", {}};
+    o.data_path = UcxDataPath::kRma;  // UCX keys in the blob (TCP's default path sends tokens instead)
+    auto a = create_ucx_transport(ident("a"), o);
+    auto good = create_ucx_transport(ident("good"), o);
     ASSERT_TRUE(a.ok() && good.ok());
     std::vector<std::byte> mem(65536);
     ASSERT_TRUE((*good)->register_memory({MemoryKind::kPinnedHost, 0, mem.data(), mem.size()}).ok());
@@ -509,7 +522,7 @@ TEST_P(TransportConformance, SharedMemoryIsTheSameBytesOnBothSidesOrNotSupported
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ((*a)->allocate_shared(0).status().code(), StatusCode::kInvalidArgument);
   auto shared = (*a)->allocate_shared(1 << 20);
-  if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kUcxShm) {
+  if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kUcxTcpRma || GetParam() == Kind::kUcxShm) {
     EXPECT_EQ(shared.status().code(), StatusCode::kNotSupported) << shared.status().to_string();
     return;
   }
@@ -629,7 +642,7 @@ TEST_P(TransportConformance, PeerRegionAddressOfHostAllocationsIsTheOwnersBytesO
   ASSERT_TRUE(await_notification(**b, "hello-b", seen).ok());
   EXPECT_EQ((*b)->peer_region_address(*b_sees_a, 7).status().code(), StatusCode::kNotFound);
   auto mapped = (*b)->peer_region_address(*b_sees_a, *r0);
-  if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kIpc) {
+  if (GetParam() == Kind::kUcxTcp || GetParam() == Kind::kUcxTcpRma || GetParam() == Kind::kIpc) {
     EXPECT_EQ(mapped.status().code(), StatusCode::kNotSupported) << mapped.status().to_string();
     return;
   }
@@ -669,7 +682,7 @@ TEST_P(TransportConformance, AWakeEndsTheNotificationWaitAtOnceAndOnlyOnce) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TransportConformance,
-                         ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxShm, Kind::kIpc),
+                         ::testing::Values(Kind::kLoopback, Kind::kUcxTcp, Kind::kUcxTcpRma, Kind::kUcxShm, Kind::kIpc),
                          [](const auto& info) { return kind_name(info.param); });
 
 // ---- deterministic fault cases on the loopback -------------------------------------------------------------
@@ -755,6 +768,212 @@ TEST(LoopbackFaults, APeerThatIsGoneFailsTransfersInsteadOfTouchingItsMemory) {
   EXPECT_EQ(st->error.code(), StatusCode::kUnavailable);
   // Later posts are refused outright.
   EXPECT_EQ(p.a->post(XferOp::kWrite, p.a_sees_b, {&l, 1}, {&r, 1}, "later").status().code(), StatusCode::kUnavailable);
+}
+
+// ---- UCX over TCP: the active-message data path (UcxDataPath) ------------------------------------------------
+
+// Two TCP agents, `a` taking `a_path` and `b` taking `b_path`; a's region random, b's poisoned. When `tamper` is
+// set, `a` loads b's blob after it has changed it.
+struct AmPair {
+  std::vector<std::byte> mem_a, mem_b;
+  std::unique_ptr<Transport> a, b;
+  RegionId ra = 0, rb = 0;
+  PeerId a_sees_b = 0, b_sees_a = 0;
+};
+void connect_am(AmPair& p, std::size_t bytes, UcxDataPath a_path, UcxDataPath b_path,
+                const std::function<void(detail::Blob&)>& tamper = {}) {
+  UcxOptions oa{"tcp", "lo", {}}, ob{"tcp", "lo", {}};
+  oa.data_path = a_path;
+  ob.data_path = b_path;
+  auto a = create_ucx_transport(ident("am-a"), oa);
+  auto b = create_ucx_transport(ident("am-b"), ob);
+  ASSERT_TRUE(a.ok() && b.ok());
+  p.a = std::move(a).value();
+  p.b = std::move(b).value();
+  p.mem_a = random_bytes(bytes, 11);
+  p.mem_b.assign(bytes, std::byte{0x5a});
+  p.ra = p.a->register_memory({MemoryKind::kPinnedHost, 0, p.mem_a.data(), bytes}).value();
+  p.rb = p.b->register_memory({MemoryKind::kPinnedHost, 0, p.mem_b.data(), bytes}).value();
+  auto blob_b = p.b->export_metadata().value();
+  if (tamper) {
+    detail::Blob decoded = detail::decode_blob(blob_b).value();
+    tamper(decoded);
+    blob_b = detail::encode_blob(decoded);
+  }
+  auto pb = p.a->load_peer(blob_b);
+  ASSERT_TRUE(pb.ok()) << pb.status().to_string();
+  p.a_sees_b = *pb;
+  auto pa = p.b->load_peer(p.a->export_metadata().value());
+  ASSERT_TRUE(pa.ok()) << pa.status().to_string();
+  p.b_sees_a = *pa;
+}
+
+// The blob of a TCP agent names no UCX key: a random token per region, different for every region and agent.
+TEST(UcxActiveMessages, TcpBlobsCarryTokensNotUcxKeys) {
+  AmPair p;
+  connect_am(p, 4096, UcxDataPath::kAuto, UcxDataPath::kAuto);
+  std::vector<std::byte> more(4096);
+  ASSERT_TRUE(p.b->register_memory({MemoryKind::kPinnedHost, 0, more.data(), more.size()}).ok());
+  const detail::Blob b = detail::decode_blob(p.b->export_metadata().value()).value();
+  const detail::Blob a = detail::decode_blob(p.a->export_metadata().value()).value();
+  ASSERT_EQ(b.regions.size(), 2u);
+  for (const auto& r : b.regions) {
+    EXPECT_EQ(r.key.size(), 21u);
+    EXPECT_EQ(r.key.substr(0, 5), "KVAM1");
+  }
+  EXPECT_NE(b.regions[0].key, b.regions[1].key);
+  EXPECT_NE(b.regions[0].key, a.regions[0].key);
+  // A blob mixing tokens and UCX keys is refused before anything connects.
+  UcxOptions rma{"tcp", "lo", {}};
+  rma.data_path = UcxDataPath::kRma;
+  auto c = create_ucx_transport(ident("am-c"), rma);
+  ASSERT_TRUE(c.ok());
+  std::vector<std::byte> mem_c(4096);
+  ASSERT_TRUE((*c)->register_memory({MemoryKind::kPinnedHost, 0, mem_c.data(), mem_c.size()}).ok());
+  detail::Blob mixed = b;
+  mixed.regions[1].key = detail::decode_blob((*c)->export_metadata().value()).value().regions[0].key;
+  auto loaded = p.a->load_peer(detail::encode_blob(mixed));
+  EXPECT_EQ(loaded.status().code(), StatusCode::kInvalidArgument) << loaded.status().to_string();
+  EXPECT_NE(loaded.status().message().find("one data path"), std::string::npos) << loaded.status().to_string();
+}
+
+// A peer that names a region with the wrong token, or a range the region does not hold (a blob whose region was
+// made larger), gets its transfer refused by the target: nothing lands there, the notification is not delivered,
+// and a read's destination keeps its bytes. UCX's emulated RMA checks neither.
+TEST(UcxActiveMessages, AWrongTokenOrARangeOutsideTheRegionMovesNothing) {
+  const std::vector<std::function<void(detail::Blob&)>> tampers = {
+      [](detail::Blob& b) { b.regions[0].key.back() = static_cast<char>(b.regions[0].key.back() ^ 1); },
+      [](detail::Blob& b) { b.regions[0].bytes += 8192; },
+  };
+  const char* wants[] = {"wrong token", "outside region"};
+  for (std::size_t t = 0; t < tampers.size(); ++t) {
+    SCOPED_TRACE(wants[t]);
+    AmPair p;
+    connect_am(p, 1 << 16, UcxDataPath::kAuto, UcxDataPath::kAuto, tampers[t]);
+    const std::uint64_t offset = t == 0 ? 0 : (1 << 16) + 4096;  // the second reaches past the real region
+    std::vector<LocalDesc> l = {{p.ra, 0, 4096}};
+    std::vector<RemoteDesc> r = {{0, offset, 4096}};
+    auto w = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "refused-write");
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    auto st = p.a->wait(*w, 10s);
+    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    EXPECT_EQ(st->state, XferState::kFailed);
+    EXPECT_NE(st->error.message().find(wants[t]), std::string::npos) << st->error.to_string();
+    ASSERT_TRUE(await_quiescent(*p.a, *w).ok());
+    EXPECT_EQ(p.mem_b, std::vector<std::byte>(1 << 16, std::byte{0x5a})) << "bytes landed";
+    const std::vector<std::byte> before = p.mem_a;
+    auto rd = p.a->post(XferOp::kRead, p.a_sees_b, l, r, "refused-read");
+    ASSERT_TRUE(rd.ok()) << rd.status().to_string();
+    st = p.a->wait(*rd, 10s);
+    ASSERT_TRUE(st.ok()) << st.status().to_string();
+    EXPECT_EQ(st->state, XferState::kFailed);
+    EXPECT_NE(st->error.message().find(wants[t]), std::string::npos) << st->error.to_string();
+    ASSERT_TRUE(await_quiescent(*p.a, *rd).ok());
+    EXPECT_EQ(p.mem_a, before) << "a refused read changed its destination";
+    // The target delivered neither notification; a message sent afterwards still arrives (nothing is stuck).
+    ASSERT_TRUE(p.a->send_notification(p.a_sees_b, "after").ok());
+    std::vector<Notification> seen;
+    ASSERT_TRUE(await_notification(*p.b, "after", seen).ok());
+    for (const auto& n : seen) EXPECT_TRUE(n.message != "refused-write" && n.message != "refused-read") << n.message;
+  }
+}
+
+// After the target disconnects the peer, nothing the peer sends lands any more: peer_revoked is true at once
+// (while the peer lives), and a later write of the peer, eager or rendezvous, lands nothing and is not delivered;
+// the writer hears no acknowledgement (the target closed its side), so its write ends when it gives up on the
+// target too (abort, disconnect_peer). With
+// UCX's emulated RMA only the peer's end could prove that (the pd lane kept such blocks quarantined until then).
+TEST(UcxActiveMessages, AfterDisconnectNothingOfALivePeerLands) {
+  AmPair p;
+  connect_am(p, 1 << 20, UcxDataPath::kAuto, UcxDataPath::kAuto);
+  std::vector<LocalDesc> l = {{p.ra, 0, 1 << 19}};
+  std::vector<RemoteDesc> r = {{0, 0, 1 << 19}};
+  auto first = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "before");
+  ASSERT_TRUE(first.ok());
+  std::vector<Notification> seen;
+  ASSERT_TRUE(await_notification(*p.b, "before", seen).ok());
+  EXPECT_EQ(std::memcmp(p.mem_a.data(), p.mem_b.data(), 1 << 19), 0);
+  EXPECT_FALSE(p.b->peer_revoked(p.b_sees_a));
+  ASSERT_TRUE(p.b->disconnect_peer(p.b_sees_a).ok());
+  EXPECT_TRUE(p.b->peer_revoked(p.b_sees_a)) << "a live peer's writes are refused after the disconnect";
+  std::fill(p.mem_b.begin(), p.mem_b.end(), std::byte{0x5a});
+  std::vector<LocalDesc> l2 = {{p.ra, 0, 4096}, {p.ra, 1 << 19, 1 << 19}};
+  std::vector<RemoteDesc> r2 = {{0, 0, 4096}, {0, 1 << 19, 1 << 19}};
+  auto late = p.a->post(XferOp::kWrite, p.a_sees_b, l2, r2, "late");
+  ASSERT_TRUE(late.ok()) << late.status().to_string();
+  auto st = p.a->wait(*late, 1s);
+  if (st.ok()) EXPECT_EQ(st->state, XferState::kFailed) << "a write into a target that disconnected it completed";
+  // The writer gives up on the target as the target gave up on it (its lease), which ends what it still sends.
+  ASSERT_TRUE(p.a->abort(*late).ok());
+  ASSERT_TRUE(p.a->disconnect_peer(p.a_sees_b).ok());
+  ASSERT_TRUE(await_quiescent(*p.a, *late).ok());
+  auto got = p.b->wait_notifications(200ms);
+  if (got.ok())
+    for (const auto& n : *got) EXPECT_FALSE(n.kind == NotifKind::kMessage && n.message == "late");  // kAborted may come
+  EXPECT_EQ(p.mem_b, std::vector<std::byte>(1 << 20, std::byte{0x5a})) << "a late write landed";
+}
+
+// Agents that chose different paths talk both ways: each follows the target's blob.
+TEST(UcxActiveMessages, AgentsOfEitherPathMoveBytesBothWays) {
+  AmPair p;
+  connect_am(p, 1 << 21, UcxDataPath::kRma, UcxDataPath::kActiveMessages);
+  // a (RMA) writes into b (tokens): 1 MiB (rendezvous) and small pieces, scattered.
+  std::vector<LocalDesc> l = {{p.ra, 0, 1 << 20}, {p.ra, (1 << 20) + 17, 100}, {p.ra, (1 << 20) + 4096, 8192}};
+  std::vector<RemoteDesc> r = {{0, 4096, 1 << 20}, {0, (1 << 20) + 8192, 100}, {0, 3 << 19, 8192}};
+  auto w = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "mixed-write");
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  std::vector<Notification> seen;
+  ASSERT_TRUE(await_notification(*p.b, "mixed-write", seen).ok());
+  for (std::size_t i = 0; i < l.size(); ++i)
+    EXPECT_EQ(std::memcmp(p.mem_a.data() + l[i].offset, p.mem_b.data() + r[i].offset, l[i].bytes), 0) << i;
+  auto st = p.a->wait(*w, 10s);
+  ASSERT_TRUE(st.ok() && st->state == XferState::kDone) << (st.ok() ? st->error.to_string() : "");
+  // a reads them back from b into another place of its own region.
+  std::vector<LocalDesc> lr = {{p.ra, 0, 1 << 20}};
+  std::vector<RemoteDesc> rr = {{0, 4096, 1 << 20}};
+  std::fill(p.mem_a.begin(), p.mem_a.begin() + (1 << 20), std::byte{0});
+  auto rd = p.a->post(XferOp::kRead, p.a_sees_b, lr, rr, "mixed-read");
+  ASSERT_TRUE(rd.ok()) << rd.status().to_string();
+  st = p.a->wait(*rd, 10s);
+  ASSERT_TRUE(st.ok() && st->state == XferState::kDone) << (st.ok() ? st->error.to_string() : "");
+  EXPECT_EQ(std::memcmp(p.mem_a.data(), p.mem_b.data() + 4096, 1 << 20), 0);
+  ASSERT_TRUE(await_notification(*p.b, "mixed-read", seen).ok());
+  // b (tokens) writes into a (RMA keys): b follows a's blob.
+  std::vector<LocalDesc> lb = {{p.rb, 0, 1 << 20}};
+  std::vector<RemoteDesc> rb = {{0, 1 << 20, 1 << 20}};
+  auto wb = p.b->post(XferOp::kWrite, p.b_sees_a, lb, rb, "rma-write");
+  ASSERT_TRUE(wb.ok()) << wb.status().to_string();
+  ASSERT_TRUE(await_notification(*p.a, "rma-write", seen).ok());
+  EXPECT_EQ(std::memcmp(p.mem_b.data(), p.mem_a.data() + (1 << 20), 1 << 20), 0);
+}
+
+// An abort of a read whose answers are still coming ends it; answers that come later are dropped unread.
+TEST(UcxActiveMessages, AnAbortedReadIsQuiescentAndLaterAnswersAreDropped) {
+  AmPair p;
+  connect_am(p, 8 << 20, UcxDataPath::kAuto, UcxDataPath::kAuto);
+  std::vector<LocalDesc> l;
+  std::vector<RemoteDesc> r;
+  for (std::uint64_t i = 0; i < 2048; ++i) {
+    l.push_back({p.ra, i * 4096, 4096});
+    r.push_back({0, i * 4096, 4096});
+  }
+  for (int round = 0; round < 5; ++round) {
+    auto rd = p.a->post(XferOp::kRead, p.a_sees_b, l, r, "aborted");
+    ASSERT_TRUE(rd.ok()) << rd.status().to_string();
+    ASSERT_TRUE(p.a->abort(*rd).ok());
+    ASSERT_TRUE(await_quiescent(*p.a, *rd).ok()) << round;
+    auto st = p.a->poll(*rd);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->state, XferState::kFailed);
+    EXPECT_TRUE(p.a->release(*rd).ok());
+  }
+  // A read after them moves the right bytes.
+  std::fill(p.mem_a.begin(), p.mem_a.end(), std::byte{0});
+  auto rd = p.a->post(XferOp::kRead, p.a_sees_b, l, r, "after");
+  ASSERT_TRUE(rd.ok());
+  auto st = p.a->wait(*rd, 10s);
+  ASSERT_TRUE(st.ok() && st->state == XferState::kDone) << (st.ok() ? st->error.to_string() : "");
+  EXPECT_EQ(std::memcmp(p.mem_a.data(), p.mem_b.data(), 8 << 20), 0);
 }
 
 // The TCP segment size is checked before UCX sees it; 0 keeps UCX's defaults, and those transports still move bytes.

@@ -13,14 +13,30 @@
 // have completed, and it is quiescent when every request of it has completed. A failed request fails the
 // transfer; if the failure happened while posting, the peer gets kFailedToPost.
 //
+// The active-message data path (UcxDataPath::kActiveMessages, TCP's default): UCX 1.13 carries RMA over TCP as
+// active messages that the target's progress thread copies into place, without bounds. Instead the target's blob
+// carries a random token per region, and a write sends each descriptor as an active message on kDataAmId whose
+// header names (transfer, index, region, token, address, bytes, sender): the target checks the token and the
+// region's bounds, then copies an eager message's bytes or receives a rendezvous one straight into place
+// (ucp_am_recv_data_nbx: over TCP the kernel's receive copy lands in the region). Once every descriptor's send has
+// completed the writer sends the write's end (kCtlAmId: count, notification); the target holds it, and every
+// later message of that writer, until the write's bytes have landed, then delivers the notification and
+// acknowledges (or says why not, without delivering it); the writer's transfer completes on the acknowledgement.
+// A read sends one request naming every descriptor; the target checks them all, then answers each as a data
+// message that lands in the reader's own destinations (matched by transfer, a random nonce and index, never by an
+// address the target sends). After disconnect_peer the target lands and answers nothing more of that peer.
+//
 // Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER where the lanes support it (TCP; not shared memory,
 // where the endpoint is created without it); the error callback marks the peer failed (later posts are
 // refused); its outstanding requests complete with errors, which fails their transfers. Where nothing reports a
 // dead peer (shared memory), disconnect_peer force-closes the endpoint so its requests complete with errors.
 // Whether a disconnected peer can still write here (peer_revoked): RMA is one-sided, so only the peer's end
-// proves it: its connection failed, or its process (same host: a pidfd from the pid in its address) exited.
+// proves it: its connection failed, or its process (same host: a pidfd from the pid in its address) exited. On
+// the active-message path this agent lands the peer's bytes itself, so its refusal and the end of its receives
+// in flight prove it.
 #include <fmt/format.h>
 #include <poll.h>
+#include <sodium.h>
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <ucp/api/ucp.h>
@@ -28,8 +44,12 @@
 
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstring>
+#include <deque>
 #include <list>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "core/byte_codec.h"
@@ -41,6 +61,38 @@ namespace kvtier::transport {
 namespace {
 
 constexpr unsigned kAmId = 0x4b56;  // "KV"
+// The active-message data path (UcxDataPath::kActiveMessages): the bytes of writes and of reads' answers, and its
+// control messages (a write's end, its acknowledgement, a read's request, a refused read).
+constexpr unsigned kDataAmId = 0x4b57, kCtlAmId = 0x4b58;
+enum class DataKind : std::uint8_t { kWrite = 1, kReadAnswer = 2 };
+enum class CtlKind : std::uint8_t { kWriteDone = 1, kWriteAck = 2, kReadRequest = 3, kReadRefused = 4 };
+// A region's key on that path: this magic and a random token that a peer learns only from the blob.
+constexpr std::string_view kAmKeyMagic = "KVAM1";
+constexpr std::size_t kAmTokenBytes = 16;
+// A read request's entry: region (u32), its token, address (u64), bytes (u64).
+constexpr std::size_t kReadEntryBytes = 4 + kAmTokenBytes + 8 + 8;
+// Bytes of a write that arrived without the write's end message are forgotten after this long (the writer failed
+// before it sent the end); a write's end that waits this long for its bytes fails (nothing else of that peer's
+// messages is delivered while it waits: notifications keep their order).
+constexpr auto kOrphanBytesAfter = std::chrono::seconds(60);
+constexpr auto kWriteEndWaitsAtMost = std::chrono::seconds(30);
+
+bool is_am_key(std::string_view key) {
+  return key.size() == kAmKeyMagic.size() + kAmTokenBytes && key.substr(0, kAmKeyMagic.size()) == kAmKeyMagic;
+}
+
+std::uint64_t random_u64() {
+  std::uint64_t v = 0;
+  randombytes_buf(&v, sizeof v);
+  return v;
+}
+
+// A status carried in an acknowledgement or a refusal: its code (unknown codes read as kInternal) and message.
+Status status_from_wire(std::uint8_t code, std::string message) {
+  if (code == 0) return Status::Ok();
+  if (code > static_cast<std::uint8_t>(StatusCode::kInternal)) return Internal(std::move(message));
+  return Status(static_cast<StatusCode>(code), std::move(message));
+}
 // UcxOptions::tcp_segment_bytes: at least a page, at most what a receive buffer per connection may sensibly hold.
 constexpr std::uint64_t kMinTcpSegment = 4096, kMaxTcpSegment = std::uint64_t{64} << 20;
 
@@ -78,6 +130,18 @@ struct Pending {
   std::string header;
   std::string message;
   std::vector<void*> requests;  // for cancellation (completed ones are removed)
+  // The active-message data path (the peer's regions have tokens): a write's per-descriptor headers (alive until
+  // their sends complete), then its end message and the peer's acknowledgement; a read's request, then the
+  // answers landing into `ops`.
+  bool am = false;
+  XferOp op = XferOp::kWrite;
+  std::uint64_t nonce = 0;  // echoed by the peer: answers and acknowledgements of other transfers do not match
+  std::vector<std::string> headers;
+  std::vector<detail::ResolvedOp> ops;  // a read's destinations
+  std::vector<std::uint8_t> landed;     // a read's descriptors whose answer arrived (or is arriving)
+  std::size_t landed_count = 0;         // ... and has landed
+  bool end_started = false;             // a write's end message was sent
+  bool acknowledged = false;            // ... and the peer acknowledged every byte
 };
 
 // A bare message in flight: its buffers live until the send completes.
@@ -171,7 +235,9 @@ struct UcxPeer {
   }
   int pidfd = -1;  // the peer's process, when it runs on this host in this pid namespace
   ucp_ep_h ep = nullptr;
-  std::vector<ucp_rkey_h> rkeys;  // by peer region index (null for empty keys)
+  std::vector<ucp_rkey_h> rkeys;    // by peer region index (null for empty keys and active-message tokens)
+  std::vector<std::string> tokens;  // by peer region index: the active-message path's tokens (empty otherwise)
+  bool am = false;                  // the peer's regions take the active-message data path
   struct Bounds {
     std::uint64_t base = 0, bytes = 0;
   };
@@ -184,7 +250,26 @@ struct UcxPeer {
 class UcxTransport final : public detail::TransportBase {
  public:
   UcxTransport(AgentIdentity identity, UcxOptions options)
-      : TransportBase(std::move(identity), options.peer_secret), options_(std::move(options)) {}
+      : TransportBase(std::move(identity), options.peer_secret),
+        options_(std::move(options)),
+        am_mode_(options_.data_path == UcxDataPath::kActiveMessages ||
+                 (options_.data_path == UcxDataPath::kAuto && names_only_tcp(options_.tls))) {}
+
+  // "tcp", "tcp,self", "self,tcp": the lists whose RMA UCX 1.13 can only emulate.
+  static bool names_only_tcp(std::string_view tls) {
+    bool tcp = false;
+    while (!tls.empty()) {
+      const std::size_t comma = tls.find(',');
+      const std::string_view item = tls.substr(0, comma);
+      if (item == "tcp") {
+        tcp = true;
+      } else if (item != "self") {
+        return false;
+      }
+      tls = comma == std::string_view::npos ? std::string_view{} : tls.substr(comma + 1);
+    }
+    return tcp;
+  }
 
   Status start() {
     ucp_config_t* config = nullptr;
@@ -241,6 +326,17 @@ class UcxTransport final : public detail::TransportBase {
     hp.arg = this;
     if ((st = ucp_worker_set_am_recv_handler(worker_, &hp)) != UCS_OK)
       return ucs_error("ucp_worker_set_am_recv_handler", st);
+    // The active-message data path is served whatever this agent's own choice: a peer follows the kind of key in
+    // the target's blob, and a target without tokens refuses what names none.
+    hp.id = kDataAmId;
+    hp.cb = &UcxTransport::on_data;
+    if ((st = ucp_worker_set_am_recv_handler(worker_, &hp)) != UCS_OK)
+      return ucs_error("ucp_worker_set_am_recv_handler (data)", st);
+    hp.id = kCtlAmId;
+    hp.cb = &UcxTransport::on_ctl;
+    if ((st = ucp_worker_set_am_recv_handler(worker_, &hp)) != UCS_OK)
+      return ucs_error("ucp_worker_set_am_recv_handler (control)", st);
+    if (sodium_init() < 0) return Internal("libsodium did not initialise (the data path's tokens)");
 
     ucp_worker_attr_t attr{};
     attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
@@ -273,6 +369,16 @@ class UcxTransport final : public detail::TransportBase {
         std::lock_guard lock(ucx_mu_);
         for (auto& [id, p] : pending_)
           for (void* r : p->requests) ucp_request_cancel(worker_, r);
+        // Transfers of the active-message path waiting for the peer with no request in flight end now.
+        std::vector<XferId> waiting;
+        for (const auto& [id, p] : pending_)
+          if (p->am) waiting.push_back(id);
+        for (XferId id : waiting) {
+          auto it = pending_.find(id);
+          if (it == pending_.end()) continue;
+          if (it->second->error.ok()) it->second->error = Aborted("the transport is shutting down");
+          advance(it->second.get());
+        }
         for (auto& peer : peers_) {
           if (!peer || peer->ep == nullptr) continue;
           for (ucp_rkey_h k : peer->rkeys)
@@ -300,6 +406,10 @@ class UcxTransport final : public detail::TransportBase {
       }
       if (!wait_all_quiescent(std::chrono::seconds(5)))
         log(LogLevel::kWarning, "transport", "UCX transfers still in flight at shutdown after 5 s");
+      // Receives into this agent's memory and answers from it (the active-message path), bounded.
+      std::lock_guard lock(ucx_mu_);
+      if (!settle_requests_locked([](const auto&) { return true; }))
+        log(LogLevel::kWarning, "transport", "UCX receives or answers still in flight at shutdown after 5 s");
     }
     stop_.store(true);
     wake();
@@ -355,6 +465,16 @@ class UcxTransport final : public detail::TransportBase {
 
   Result<std::string> backend_register(RegionId id, const MemoryRegion& region) override {
     std::lock_guard lock(ucx_mu_);
+    if (am_mode_) {
+      // No UCX key leaves this agent: peers reach the region only through messages this agent checks.
+      LocalRegion rec{static_cast<std::byte*>(region.base), region.bytes, std::string(kAmTokenBytes, '\0')};
+      randombytes_buf(rec.token.data(), rec.token.size());
+      std::string key(kAmKeyMagic);
+      key += rec.token;
+      local_[id] = std::move(rec);
+      memh_[id] = nullptr;
+      return key;
+    }
     const auto* base = static_cast<const std::byte*>(region.base);
     for (const HostAllocation& a : host_allocs_) {
       if (base >= a.base && base - a.base <= static_cast<std::ptrdiff_t>(a.bytes) &&
@@ -384,6 +504,11 @@ class UcxTransport final : public detail::TransportBase {
 
   void backend_deregister(RegionId id) override {
     std::lock_guard lock(ucx_mu_);
+    if (local_.erase(id) != 0) {
+      // Nothing lands in it or is answered from it any more; what is under way is cancelled and waited for.
+      const auto touches = [id](const auto& op) { return op.region == id; };
+      settle_requests_locked(touches);
+    }
     auto it = memh_.find(id);
     if (it == memh_.end()) return;
     if (it->second != nullptr) ucp_mem_unmap(context_, it->second);
@@ -394,8 +519,21 @@ class UcxTransport final : public detail::TransportBase {
 
   Status backend_check_blob(const detail::Blob& blob) override {
     if (auto a = parse_address(blob.identity.name, blob.address); !a.ok()) return a.status();
-    for (std::size_t i = 0; i < blob.regions.size(); ++i)
-      if (blob.regions[i].bytes != 0) KVTIER_RETURN_IF_ERROR(check_ucx_key(blob.identity.name, i, blob.regions[i].key));
+    std::size_t tokens = 0, keys = 0;
+    for (std::size_t i = 0; i < blob.regions.size(); ++i) {
+      if (blob.regions[i].bytes == 0) continue;
+      if (is_am_key(blob.regions[i].key)) {
+        ++tokens;
+      } else {
+        KVTIER_RETURN_IF_ERROR(check_ucx_key(blob.identity.name, i, blob.regions[i].key));
+        ++keys;
+      }
+    }
+    if (tokens != 0 && keys != 0)
+      return InvalidArgument(
+          fmt::format("peer '{}': {} regions with UCX keys and {} with active-message tokens; an "
+                      "agent uses one data path",
+                      blob.identity.name, keys, tokens));
     return Status::Ok();
   }
 
@@ -428,9 +566,14 @@ class UcxTransport final : public detail::TransportBase {
     }
     if (st != UCS_OK)
       return Unavailable(fmt::format("ucp_ep_create to peer '{}': {}", blob.identity.name, ucs_status_string(st)));
+    revoked_names_.erase(rec->name);  // loaded again from a fresh blob
+    rec->tokens.resize(blob.regions.size());
     for (std::size_t i = 0; i < blob.regions.size(); ++i) {
       ucp_rkey_h k = nullptr;
-      if (!blob.regions[i].key.empty()) {
+      if (is_am_key(blob.regions[i].key)) {
+        rec->tokens[i] = blob.regions[i].key.substr(kAmKeyMagic.size());
+        rec->am = true;
+      } else if (!blob.regions[i].key.empty()) {
         const std::vector<char> key = padded(blob.regions[i].key);
         st = ucp_ep_rkey_unpack(rec->ep, key.data(), &k);
         if (st != UCS_OK) {
@@ -476,7 +619,8 @@ class UcxTransport final : public detail::TransportBase {
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.send = &UcxTransport::on_op_done;
       rp.user_data = pd;
-      for (std::size_t i = 0; i < ops.size() && pd->error.ok(); ++i) {
+      if (p->am) post_active_messages_locked(pd, op, *p, std::move(ops));
+      for (std::size_t i = 0; !p->am && i < ops.size() && pd->error.ok(); ++i) {
         const auto& o = ops[i];
         ucp_rkey_h rkey = o.remote_region < p->rkeys.size() ? p->rkeys[o.remote_region] : nullptr;
         if (rkey == nullptr) {
@@ -487,7 +631,7 @@ class UcxTransport final : public detail::TransportBase {
                                                   : ucp_get_nbx(p->ep, o.local_ptr, o.bytes, o.remote_addr, rkey, &rp);
         track(pd, r, op, i, ops.size());
       }
-      if (pd->error.ok()) {
+      if (!p->am && pd->error.ok()) {
         ucp_request_param_t fp = rp;
         fp.cb.send = &UcxTransport::on_flush_done;
         ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
@@ -561,6 +705,7 @@ class UcxTransport final : public detail::TransportBase {
         if (k != nullptr) ucp_rkey_destroy(k);
       p->rkeys.clear();
     }
+    if (am_mode_) return revoke_sender(peer) || revoked;
     // RMA is one-sided: closing our endpoint does not stop a live peer's puts into our memory (on shared memory
     // the peer copies itself). Only the peer's end proves it: its process gone, or its connection failed.
     return revoked;
@@ -573,6 +718,9 @@ class UcxTransport final : public detail::TransportBase {
     std::lock_guard lock(ucx_mu_);
     UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
     if (p == nullptr || p->ep == nullptr) return NotFound(fmt::format("peer {} is not connected", peer));
+    if (p->am)
+      return NotSupported(
+          fmt::format("peer '{}' region {}: reached through active messages, not mapped here", p->name, region));
     ucp_rkey_h rkey = region < p->rkeys.size() ? p->rkeys[region] : nullptr;
     if (rkey == nullptr) return NotFound(fmt::format("peer '{}' region {} has no key", p->name, region));
     void* local = nullptr;
@@ -586,7 +734,13 @@ class UcxTransport final : public detail::TransportBase {
   }
   bool backend_revoked(PeerId peer) const override {
     std::lock_guard lock(ucx_mu_);
-    return peer < peers_.size() && peers_[peer] && peers_[peer]->gone();
+    if (peer >= peers_.size() || !peers_[peer]) return false;
+    if (peers_[peer]->gone()) return true;
+    // This agent lands the peer's bytes itself: once it refuses them and its receives of them have ended, nothing
+    // of the peer's can land here.
+    const std::string& name = peers_[peer]->name;
+    return am_mode_ && revoked_names_.count(name) != 0 &&
+           std::none_of(recvs_.begin(), recvs_.end(), [&](const RecvOp& op) { return op.sender == name; });
   }
 
   void backend_abort(XferId id) override {
@@ -594,7 +748,14 @@ class UcxTransport final : public detail::TransportBase {
     auto it = pending_.find(id);
     if (it == pending_.end()) return;
     // RMA requests of most transports cannot be cancelled; those that can complete with UCS_ERR_CANCELED.
-    for (void* r : it->second->requests) ucp_request_cancel(worker_, r);
+    Pending* pd = it->second.get();
+    for (void* r : pd->requests) ucp_request_cancel(worker_, r);
+    // A transfer of the active-message path may wait for the peer with no request of its own in flight (an
+    // acknowledgement, a read's answers): it ends now, and what the peer sends for it later is dropped.
+    if (pd->am && pd->error.ok()) {
+      pd->error = Aborted(fmt::format("transfer {} aborted", id));
+      advance(pd);
+    }
   }
 
  private:
@@ -643,9 +804,544 @@ class UcxTransport final : public detail::TransportBase {
     return Status::Ok();
   }
 
+  // ---- the active-message data path (UcxDataPath::kActiveMessages; every function with ucx_mu_ held) ----
+
+  struct LocalRegion {
+    std::byte* base = nullptr;
+    std::uint64_t bytes = 0;
+    std::string token;
+  };
+  static constexpr RegionId kNoRegion = std::numeric_limits<RegionId>::max();
+  // A rendezvous receive in flight: a peer's write landing in a local region, or the answer to a read of ours.
+  struct RecvOp {
+    UcxTransport* self = nullptr;
+    void* request = nullptr;
+    RegionId region = kNoRegion;  // a write's target (a read's answer lands in memory of the transfer's own)
+    Pending* read = nullptr;      // the read it answers
+    std::uint32_t index = 0;
+    std::string sender;  // a write's sender and transfer
+    XferId xfer = 0;
+    std::list<RecvOp>::iterator pos;
+  };
+  // The answer to a peer's read in flight from a local region: its header lives until the send completes.
+  struct ServeOp {
+    UcxTransport* self = nullptr;
+    void* request = nullptr;
+    RegionId region = kNoRegion;
+    std::string sender;  // the reader
+    std::string header;
+    std::list<ServeOp>::iterator pos;
+  };
+  // A peer's write as it lands here.
+  struct Incoming {
+    std::uint64_t landed = 0;
+    int in_flight = 0;
+    Status error;
+    std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
+  };
+  // What a peer sent, in its order: a notification, or the end of a write (with its notification), which waits
+  // for the write's bytes before it and every later message of that peer is delivered.
+  struct Queued {
+    Notification note;
+    bool write_end = false;
+    XferId xfer = 0;
+    std::uint64_t nonce = 0;
+    std::uint64_t count = 0;
+    ucp_ep_h reply = nullptr;
+    std::chrono::steady_clock::time_point since = std::chrono::steady_clock::now();
+  };
+
+  // Posts a transfer to a peer whose regions take active messages: a write sends each descriptor as a message
+  // that names (region, token, address, bytes); a read sends one request naming them all.
+  void post_active_messages_locked(Pending* pd, XferOp op, UcxPeer& p, std::vector<detail::ResolvedOp> ops) {
+    pd->am = true;
+    pd->op = op;
+    pd->nonce = random_u64();
+    for (const auto& o : ops)
+      if (o.remote_region >= p.tokens.size() || p.tokens[o.remote_region].empty()) {
+        pd->error = FailedPrecondition(fmt::format("peer '{}' region {} has no token", p.name, o.remote_region));
+        return;
+      }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = &UcxTransport::on_op_done;
+    rp.user_data = pd;
+    if (op == XferOp::kWrite) {
+      pd->headers.reserve(ops.size());  // the headers stay where UCX was given them
+      for (std::size_t i = 0; i < ops.size() && pd->error.ok(); ++i) {
+        const auto& o = ops[i];
+        codec::ByteWriter<std::string> w;
+        w.u8(static_cast<std::uint8_t>(DataKind::kWrite)).u64(pd->id).u32(static_cast<std::uint32_t>(i));
+        w.u32(o.remote_region).raw(p.tokens[o.remote_region]).u64(o.remote_addr).u64(o.bytes).str(identity().name);
+        pd->headers.push_back(std::move(w.out));
+        const std::string& h = pd->headers.back();
+        track(pd, ucp_am_send_nbx(p.ep, kDataAmId, h.data(), h.size(), o.local_ptr, o.bytes, &rp), op, i, ops.size());
+      }
+      return;
+    }
+    codec::ByteWriter<std::string> w, entries;
+    w.u8(static_cast<std::uint8_t>(CtlKind::kReadRequest)).u64(pd->id).u64(pd->nonce).u64(ops.size());
+    w.str(identity().name);
+    for (const auto& o : ops)
+      entries.u32(o.remote_region).raw(p.tokens[o.remote_region]).u64(o.remote_addr).u64(o.bytes);
+    pd->headers = {std::move(w.out), std::move(entries.out)};
+    pd->ops = std::move(ops);
+    pd->landed.assign(pd->ops.size(), 0);
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    track(pd,
+          ucp_am_send_nbx(p.ep, kCtlAmId, pd->headers[0].data(), pd->headers[0].size(), pd->headers[1].data(),
+                          pd->headers[1].size(), &rp),
+          op, 0, 1);
+  }
+
+  // A write whose descriptors' sends have all completed: its end message carries the count and the notification.
+  void send_write_end(Pending* pd) {
+    pd->end_started = true;
+    UcxPeer* p = peers_[pd->peer].get();
+    codec::ByteWriter<std::string> w;
+    w.u8(static_cast<std::uint8_t>(CtlKind::kWriteDone)).u64(pd->id).u64(pd->nonce).u64(pd->headers.size());
+    w.str(identity().name);
+    pd->header = std::move(w.out);
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.cb.send = &UcxTransport::on_op_done;
+    rp.user_data = pd;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    ucs_status_ptr_t r = p == nullptr || p->ep == nullptr
+                             ? UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED)
+                             : ucp_am_send_nbx(p->ep, kCtlAmId, pd->header.data(), pd->header.size(),
+                                               pd->message.data(), pd->message.size(), &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      ++pd->outstanding;
+      pd->requests.push_back(r);
+      outstanding_.fetch_add(1);
+    } else if (UCS_PTR_IS_ERR(r)) {
+      pd->error = request_error("write end", UCS_PTR_STATUS(r));
+    }
+  }
+
+  // A control message to `ep` (a peer's reply endpoint): its buffers live until the send completes.
+  void send_control(ucp_ep_h ep, CtlKind kind, XferId xfer, std::uint64_t nonce, const Status& status) {
+    if (ep == nullptr) return;
+    sends_.emplace_back();
+    auto pos = std::prev(sends_.end());
+    SendBuf& b = *pos;
+    b.self = this;
+    codec::ByteWriter<std::string> w;
+    w.u8(static_cast<std::uint8_t>(kind)).u64(xfer).u64(nonce).u8(static_cast<std::uint8_t>(status.code()));
+    b.header = std::move(w.out);
+    b.message = status.message();
+    b.pos = pos;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    rp.cb.send = &UcxTransport::on_send_done;
+    rp.user_data = &b;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(ep, kCtlAmId, b.header.data(), b.header.size(), b.message.data(), b.message.size(), &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      outstanding_.fetch_add(1);
+      return;
+    }
+    sends_.erase(pos);  // sent at once, or the peer is gone (its transfer fails on its own side)
+  }
+
+  // Checks a descriptor a peer names against this agent's region: registered here with active messages, the
+  // peer's token equal to the region's, [addr, addr + bytes) inside it.
+  Result<RegionId> check_target(std::string_view what, std::uint32_t region, std::string_view token, std::uint64_t addr,
+                                std::uint64_t bytes) const {
+    auto it = local_.find(region);
+    if (it == local_.end())
+      return NotFound(fmt::format("{}: region {} is not registered here for active messages", what, region));
+    if (token.size() != kAmTokenBytes || sodium_memcmp(token.data(), it->second.token.data(), kAmTokenBytes) != 0)
+      return FailedPrecondition(fmt::format("{}: wrong token for region {}", what, region));
+    const auto base = reinterpret_cast<std::uint64_t>(it->second.base);
+    if (addr < base || addr - base > it->second.bytes || bytes > it->second.bytes - (addr - base))
+      return OutOfRange(fmt::format("{}: [{:#x}, +{}) outside region {} [{:#x}, +{})", what, addr, bytes, region, base,
+                                    it->second.bytes));
+    return it->first;
+  }
+
+  static ucs_status_t dropped(std::string_view what) {
+    log(LogLevel::kWarning, "transport", fmt::format("UCX: dropped {}", what));
+    return UCS_OK;  // a rendezvous descriptor not received is released by UCX (the sender's send completes)
+  }
+
+  static ucs_status_t on_data(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                              const ucp_am_recv_param_t* param) {
+    return static_cast<UcxTransport*>(arg)->receive_data(header, header_length, data, length, param);
+  }
+  ucs_status_t receive_data(const void* header, std::size_t header_length, void* data, std::size_t length,
+                            const ucp_am_recv_param_t* param) {
+    const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    codec::ByteReader r(std::string_view(static_cast<const char*>(header), header_length), detail::kMaxNameBytes);
+    std::uint8_t kind = 0;
+    if (!r.u8(kind)) return dropped("a data message without a header");
+    if (kind == static_cast<std::uint8_t>(DataKind::kWrite)) {
+      std::uint64_t xfer = 0, addr = 0, bytes = 0;
+      std::uint32_t index = 0, region = 0;
+      std::string token(kAmTokenBytes, '\0'), sender;
+      if (!r.u64(xfer) || !r.u32(index) || !r.u32(region) || !r.raw(token.data(), token.size()) || !r.u64(addr) ||
+          !r.u64(bytes) || !r.str(sender) || r.remaining() != 0)
+        return dropped("a malformed write");
+      if (revoked_names_.count(sender) != 0) return UCS_OK;  // disconnected here: nothing of it lands any more
+      Incoming& in = incoming_[{sender, xfer}];
+      if (!in.error.ok()) return UCS_OK;
+      auto target =
+          check_target(fmt::format("write {} of '{}', descriptor {}", xfer, sender, index), region, token, addr, bytes);
+      if (target.ok() && bytes != length)
+        target = InvalidArgument(fmt::format("write {} of '{}', descriptor {}: {} bytes announced, {} sent", xfer,
+                                             sender, index, bytes, length));
+      if (!target.ok()) {
+        log(LogLevel::kWarning, "transport", fmt::format("UCX: refused {}", target.status().message()));
+        in.error = target.status();
+        settle(sender);
+        return UCS_OK;
+      }
+      void* dest = reinterpret_cast<void*>(addr);
+      if (!rndv) {
+        if (length != 0) std::memcpy(dest, data, length);
+        ++in.landed;
+        settle(sender);
+        return UCS_OK;
+      }
+      RecvOp op;
+      op.region = *target;
+      op.sender = std::move(sender);
+      op.xfer = xfer;
+      start_receive(data, dest, bytes, std::move(op));
+      return UCS_OK;
+    }
+    if (kind == static_cast<std::uint8_t>(DataKind::kReadAnswer)) {
+      std::uint64_t xfer = 0, nonce = 0, bytes = 0;
+      std::uint32_t index = 0;
+      if (!r.u64(xfer) || !r.u64(nonce) || !r.u32(index) || !r.u64(bytes) || r.remaining() != 0)
+        return dropped("a malformed read answer");
+      auto it = pending_.find(xfer);
+      Pending* pd = it == pending_.end() ? nullptr : it->second.get();
+      // Answers of transfers that ended (aborted, failed) or that are not ours are dropped unread.
+      if (pd == nullptr || !pd->am || pd->op != XferOp::kRead || pd->nonce != nonce || !pd->error.ok() ||
+          index >= pd->ops.size() || pd->landed[index] != 0 || bytes != pd->ops[index].bytes || bytes != length)
+        return UCS_OK;
+      pd->landed[index] = 1;
+      if (!rndv) {
+        if (length != 0) std::memcpy(pd->ops[index].local_ptr, data, length);
+        ++pd->landed_count;
+        advance(pd);
+        return UCS_OK;
+      }
+      RecvOp op;
+      op.read = pd;
+      op.index = index;
+      start_receive(data, pd->ops[index].local_ptr, bytes, std::move(op));
+      return UCS_OK;
+    }
+    return dropped("a data message of unknown kind");
+  }
+
+  void start_receive(void* desc, void* dest, std::uint64_t bytes, RecvOp proto) {
+    recvs_.push_back(std::move(proto));
+    auto pos = std::prev(recvs_.end());
+    RecvOp& op = *pos;
+    op.self = this;
+    op.pos = pos;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.recv_am = &UcxTransport::on_receive_done;
+    rp.user_data = &op;
+    ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker_, desc, dest, bytes, &rp);
+    if (UCS_PTR_IS_PTR(r)) {
+      op.request = r;
+      outstanding_.fetch_add(1);
+      if (op.read != nullptr) {
+        ++op.read->outstanding;
+        op.read->requests.push_back(r);
+      } else {
+        ++incoming_[{op.sender, op.xfer}].in_flight;
+      }
+      return;
+    }
+    finish_receive(op, UCS_PTR_IS_ERR(r) ? UCS_PTR_STATUS(r) : UCS_OK);
+  }
+
+  static void on_receive_done(void* request, ucs_status_t st, size_t length, void* user) {
+    (void)request;
+    (void)length;
+    auto* op = static_cast<RecvOp*>(user);
+    op->self->finish_receive(*op, st);
+  }
+  void finish_receive(RecvOp& op, ucs_status_t st) {
+    if (Pending* pd = op.read; pd != nullptr) {
+      if (op.request != nullptr) {
+        complete(pd, op.request, st, "read answer");
+      } else if (st != UCS_OK && pd->error.ok()) {
+        pd->error = request_error("read answer", st);
+      }
+      if (st == UCS_OK) ++pd->landed_count;
+      recvs_.erase(op.pos);
+      advance(pd);
+      return;
+    }
+    if (op.request != nullptr) {
+      ucp_request_free(op.request);
+      outstanding_.fetch_sub(1);
+    }
+    auto it = incoming_.find({op.sender, op.xfer});
+    if (it != incoming_.end()) {
+      if (op.request != nullptr) --it->second.in_flight;
+      if (st == UCS_OK) {
+        ++it->second.landed;
+      } else if (it->second.error.ok()) {
+        it->second.error = request_error(fmt::format("write {} of '{}'", op.xfer, op.sender), st);
+      }
+    }
+    std::string sender = std::move(op.sender);
+    recvs_.erase(op.pos);
+    settle(sender);
+  }
+
+  static ucs_status_t on_ctl(void* arg, const void* header, size_t header_length, void* data, size_t length,
+                             const ucp_am_recv_param_t* param) {
+    return static_cast<UcxTransport*>(arg)->receive_control(header, header_length, data, length, param);
+  }
+  ucs_status_t receive_control(const void* header, std::size_t header_length, void* data, std::size_t length,
+                               const ucp_am_recv_param_t* param) {
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return dropped("a control message by rendezvous");
+    const ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+    const std::string_view body(static_cast<const char*>(data), length);
+    codec::ByteReader r(std::string_view(static_cast<const char*>(header), header_length), detail::kMaxNameBytes);
+    std::uint8_t kind = 0;
+    std::uint64_t xfer = 0, nonce = 0;
+    if (!r.u8(kind) || !r.u64(xfer) || !r.u64(nonce)) return dropped("a control message without a header");
+    switch (static_cast<CtlKind>(kind)) {
+      case CtlKind::kWriteDone: {
+        Queued q;
+        if (!r.u64(q.count) || !r.str(q.note.peer) || r.remaining() != 0 || reply == nullptr)
+          return dropped("a malformed write end");
+        if (revoked_names_.count(q.note.peer) != 0) {
+          send_control(reply, CtlKind::kWriteAck, xfer, nonce,
+                       Unavailable(fmt::format("'{}' was disconnected at '{}': write {} not landed", q.note.peer,
+                                               identity().name, xfer)));
+          return UCS_OK;
+        }
+        q.note.kind = NotifKind::kMessage;
+        q.note.message.assign(body);
+        q.write_end = true;
+        q.xfer = xfer;
+        q.nonce = nonce;
+        q.reply = reply;
+        enqueue(std::move(q));
+        return UCS_OK;
+      }
+      case CtlKind::kWriteAck:
+      case CtlKind::kReadRefused: {
+        std::uint8_t code = 0;
+        if (!r.u8(code) || r.remaining() != 0) return dropped("a malformed acknowledgement");
+        auto it = pending_.find(xfer);
+        Pending* pd = it == pending_.end() ? nullptr : it->second.get();
+        const XferOp op = static_cast<CtlKind>(kind) == CtlKind::kWriteAck ? XferOp::kWrite : XferOp::kRead;
+        if (pd == nullptr || !pd->am || pd->op != op || pd->nonce != nonce) return UCS_OK;  // ended, or not ours
+        if (op == XferOp::kWrite && !pd->end_started) return UCS_OK;
+        Status st = status_from_wire(code, std::string(body));
+        if (op == XferOp::kRead && st.ok()) st = Internal("peer refused the read without a reason");
+        if (!st.ok() && pd->error.ok()) {
+          const std::string& name = peers_[pd->peer] ? peers_[pd->peer]->name : std::string();
+          pd->error = Status(st.code(), fmt::format("peer '{}': {}", name, st.message()));
+        }
+        if (st.ok()) pd->acknowledged = true;
+        advance(pd);
+        return UCS_OK;
+      }
+      case CtlKind::kReadRequest: {
+        std::uint64_t count = 0;
+        std::string reader;
+        if (!r.u64(count) || !r.str(reader) || r.remaining() != 0 || reply == nullptr)
+          return dropped("a malformed read request");
+        serve_read(reply, reader, xfer, nonce, count, body);
+        return UCS_OK;
+      }
+    }
+    return dropped("a control message of unknown kind");
+  }
+
+  // A peer's read: every entry checked first (a bad one refuses the whole read, naming it), then each answered
+  // from this agent's region by a message of its own (rendezvous for large ones: the reader receives in place).
+  void serve_read(ucp_ep_h reply, const std::string& reader, XferId xfer, std::uint64_t nonce, std::uint64_t count,
+                  std::string_view entries) {
+    if (revoked_names_.count(reader) != 0) {
+      send_control(reply, CtlKind::kReadRefused, xfer, nonce,
+                   Unavailable(fmt::format("'{}' was disconnected at '{}'", reader, identity().name)));
+      return;
+    }
+    if (count > entries.size() / kReadEntryBytes || entries.size() != count * kReadEntryBytes) {
+      send_control(
+          reply, CtlKind::kReadRefused, xfer, nonce,
+          InvalidArgument(fmt::format("read {}: {} entries announced in {} bytes", xfer, count, entries.size())));
+      return;
+    }
+    struct Entry {
+      RegionId region;
+      std::uint64_t addr, bytes;
+    };
+    std::vector<Entry> list(count);
+    codec::ByteReader e(entries);
+    for (std::uint64_t i = 0; i < count; ++i) {
+      std::uint32_t region = 0;
+      std::string token(kAmTokenBytes, '\0');
+      std::uint64_t addr = 0, bytes = 0;
+      if (!e.u32(region) || !e.raw(token.data(), token.size()) || !e.u64(addr) || !e.u64(bytes)) break;
+      auto target =
+          check_target(fmt::format("read {} of '{}', descriptor {}", xfer, reader, i), region, token, addr, bytes);
+      if (!target.ok()) {
+        log(LogLevel::kWarning, "transport", fmt::format("UCX: refused {}", target.status().message()));
+        send_control(reply, CtlKind::kReadRefused, xfer, nonce, target.status());
+        return;
+      }
+      list[i] = Entry{*target, addr, bytes};
+    }
+    for (std::uint64_t i = 0; i < count; ++i) {
+      serves_.emplace_back();
+      auto pos = std::prev(serves_.end());
+      ServeOp& s = *pos;
+      s.self = this;
+      s.pos = pos;
+      s.region = list[i].region;
+      s.sender = reader;
+      codec::ByteWriter<std::string> w;
+      w.u8(static_cast<std::uint8_t>(DataKind::kReadAnswer)).u64(xfer).u64(nonce).u32(static_cast<std::uint32_t>(i));
+      w.u64(list[i].bytes);
+      s.header = std::move(w.out);
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = &UcxTransport::on_serve_done;
+      rp.user_data = &s;
+      ucs_status_ptr_t r = ucp_am_send_nbx(reply, kDataAmId, s.header.data(), s.header.size(),
+                                           reinterpret_cast<const void*>(list[i].addr), list[i].bytes, &rp);
+      if (UCS_PTR_IS_PTR(r)) {
+        s.request = r;
+        outstanding_.fetch_add(1);
+        continue;
+      }
+      serves_.erase(pos);
+      if (UCS_PTR_IS_ERR(r)) {
+        send_control(reply, CtlKind::kReadRefused, xfer, nonce,
+                     request_error(fmt::format("read {}: answer {} of {}", xfer, i, count), UCS_PTR_STATUS(r)));
+        return;
+      }
+    }
+  }
+  static void on_serve_done(void* request, ucs_status_t st, void* user) {
+    (void)st;  // a failed answer fails the reader's transfer on its side (its answers do not all land)
+    auto* s = static_cast<ServeOp*>(user);
+    UcxTransport* self = s->self;
+    ucp_request_free(request);
+    self->outstanding_.fetch_sub(1);
+    self->serves_.erase(s->pos);
+  }
+
+  // A peer's message in its order (notifications, ends of writes).
+  void enqueue(Queued q) {
+    auto& line = fifo_[q.note.peer];
+    const std::string sender = q.note.peer;
+    line.push_back(std::move(q));
+    settle(sender);
+  }
+  // Delivers what is at the head of the peer's line and ready: notifications at once, the end of a write once all
+  // its bytes have landed (then acknowledged: OK, or why not, and the notification not delivered).
+  void settle(const std::string& sender) {
+    auto f = fifo_.find(sender);
+    if (f == fifo_.end()) return;
+    auto& line = f->second;
+    const auto now = std::chrono::steady_clock::now();
+    while (!line.empty()) {
+      Queued& head = line.front();
+      if (head.write_end) {
+        auto in = incoming_.find({sender, head.xfer});
+        const std::uint64_t landed = in == incoming_.end() ? 0 : in->second.landed;
+        const bool failed = in != incoming_.end() && !in->second.error.ok();
+        if (in != incoming_.end() && in->second.in_flight > 0) break;  // bytes still landing
+        const bool late = now - head.since > kWriteEndWaitsAtMost;
+        if (!failed && landed < head.count && !late) break;  // bytes still on their way
+        Status outcome;
+        if (failed) {
+          outcome = in->second.error;
+        } else if (landed != head.count) {
+          outcome = DataLoss(fmt::format("write {} of '{}': {} of {} descriptors landed at '{}'", head.xfer, sender,
+                                         landed, head.count, identity().name));
+        }
+        if (in != incoming_.end()) incoming_.erase(in);
+        if (outcome.ok()) deliver(std::move(head.note));
+        send_control(head.reply, CtlKind::kWriteAck, head.xfer, head.nonce, outcome);
+      } else {
+        deliver(std::move(head.note));
+      }
+      line.pop_front();
+    }
+    if (line.empty()) fifo_.erase(f);
+  }
+
+  // After disconnect_peer: nothing of the peer lands or is answered any more; its receives in flight are cancelled
+  // and waited for (bounded). True when none is left.
+  bool revoke_sender(PeerId peer) {
+    std::lock_guard lock(ucx_mu_);
+    if (peer >= peers_.size() || !peers_[peer]) return false;
+    const std::string name = peers_[peer]->name;
+    revoked_names_.insert(name);
+    const bool none_left = settle_requests_locked([&](const auto& op) { return op.sender == name; });
+    for (auto& [key, in] : incoming_)
+      if (key.first == name && in.error.ok()) in.error = Unavailable(fmt::format("'{}' was disconnected", name));
+    settle(name);
+    return none_left;
+  }
+
+  // Cancels the receives and answers that `match` selects and progresses the worker until they have completed,
+  // up to 5 s; true when none is left.
+  template <typename Match>
+  bool settle_requests_locked(const Match& match) {
+    const auto left = [&] {
+      return std::any_of(recvs_.begin(), recvs_.end(), match) || std::any_of(serves_.begin(), serves_.end(), match);
+    };
+    for (const RecvOp& op : recvs_)
+      if (op.request != nullptr && match(op)) ucp_request_cancel(worker_, op.request);
+    for (const ServeOp& op : serves_)
+      if (op.request != nullptr && match(op)) ucp_request_cancel(worker_, op.request);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (left() && std::chrono::steady_clock::now() < deadline) ucp_worker_progress(worker_);
+    return !left();
+  }
+
+  // Once a second: bytes of writes whose end never came are forgotten, and ends that waited too long fail.
+  void housekeeping_locked(std::chrono::steady_clock::time_point now) {
+    for (auto it = incoming_.begin(); it != incoming_.end();) {
+      const bool awaited = [&] {
+        auto f = fifo_.find(it->first.first);
+        return f != fifo_.end() && std::any_of(f->second.begin(), f->second.end(), [&](const Queued& q) {
+                 return q.write_end && q.xfer == it->first.second;
+               });
+      }();
+      if (it->second.in_flight == 0 && !awaited && now - it->second.since > kOrphanBytesAfter) {
+        it = incoming_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    std::vector<std::string> senders;
+    for (const auto& [name, line] : fifo_) senders.push_back(name);
+    for (const auto& name : senders) settle(name);
+  }
+
   // Moves a transfer on after a completion (ucx_mu_ held).
   void advance(Pending* pd) {
     if (pd->posting) return;
+    if (pd->am && pd->op == XferOp::kWrite) {
+      // Every descriptor's send has completed: the end message (with the notification) follows them, and the peer
+      // acknowledges it once every byte has landed there and the notification is delivered.
+      if (pd->error.ok() && pd->outstanding == 0 && !pd->end_started) send_write_end(pd);
+      if (pd->acknowledged) pd->notified = true;
+    } else if (pd->am && pd->landed_count == pd->ops.size()) {
+      pd->flushed = true;  // every answer of a read has landed: the notification may follow
+    }
     if (pd->error.ok() && pd->flushed && pd->outstanding == 0 && !pd->notify_started) {
       pd->notify_started = true;
       UcxPeer* p = peers_[pd->peer].get();
@@ -722,8 +1418,10 @@ class UcxTransport final : public detail::TransportBase {
     const auto* h = static_cast<const char*>(header);
     const auto kind = static_cast<std::uint8_t>(h[0]);
     if (kind > static_cast<std::uint8_t>(NotifKind::kFailedToPost)) return UCS_OK;
-    self->deliver(Notification{std::string(h + 1, header_length - 1), static_cast<NotifKind>(kind),
-                               std::string(static_cast<const char*>(data), length)});
+    Queued q;
+    q.note = Notification{std::string(h + 1, header_length - 1), static_cast<NotifKind>(kind),
+                          std::string(static_cast<const char*>(data), length)};
+    self->enqueue(std::move(q));
     return UCS_OK;
   }
 
@@ -736,7 +1434,19 @@ class UcxTransport final : public detail::TransportBase {
       p->conn_failed = true;
       self->mark_peer_failed(static_cast<PeerId>(i), Unavailable(fmt::format("connection to peer '{}' failed: {}",
                                                                              p->name, ucs_status_string(st))));
-      // The endpoint is closed later (destructor); its requests complete with errors now.
+      // The endpoint is closed later (destructor); its requests complete with errors now. Transfers of the
+      // active-message path that wait for the peer without a request in flight end here.
+      std::vector<XferId> waiting;
+      for (const auto& [id, pd] : self->pending_)
+        if (pd->peer == i && pd->am) waiting.push_back(id);
+      for (XferId id : waiting) {
+        auto it = self->pending_.find(id);
+        if (it == self->pending_.end()) continue;
+        if (it->second->error.ok())
+          it->second->error =
+              Unavailable(fmt::format("connection to peer '{}' failed: {}", p->name, ucs_status_string(st)));
+        self->advance(it->second.get());
+      }
     }
   }
 
@@ -757,11 +1467,16 @@ class UcxTransport final : public detail::TransportBase {
   }
 
   void progress_loop() {
+    auto next_housekeeping = std::chrono::steady_clock::now();
     while (!stop_.load()) {
       ucs_status_t armed = UCS_OK;
       {
         std::lock_guard lock(ucx_mu_);
         while (ucp_worker_progress(worker_) != 0) {
+        }
+        if (const auto now = std::chrono::steady_clock::now(); now >= next_housekeeping) {
+          housekeeping_locked(now);
+          next_housekeeping = now + std::chrono::seconds(1);
         }
         if (outstanding_.load() > 0) {
           armed = UCS_ERR_BUSY;  // keep spinning while our requests are in flight
@@ -802,6 +1517,14 @@ class UcxTransport final : public detail::TransportBase {
   std::vector<std::unique_ptr<UcxPeer>> peers_;
   std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
   std::list<SendBuf> sends_;
+  // The active-message data path (see UcxDataPath).
+  const bool am_mode_;                                           // this agent's regions take active messages
+  std::unordered_map<RegionId, LocalRegion> local_;              // its regions, with their tokens
+  std::list<RecvOp> recvs_;                                      // rendezvous receives in flight
+  std::list<ServeOp> serves_;                                    // answers to peers' reads in flight
+  std::map<std::pair<std::string, XferId>, Incoming> incoming_;  // peers' writes landing here
+  std::unordered_map<std::string, std::deque<Queued>> fifo_;     // by sender: its messages not yet delivered
+  std::set<std::string> revoked_names_;                          // disconnected peers: nothing of theirs lands here
   std::atomic<int> outstanding_{0};
   std::atomic<bool> stop_{false};
   std::thread progress_;

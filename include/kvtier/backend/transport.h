@@ -35,7 +35,10 @@
 // 64 raw bytes shared by the agents that may talk to each other; other lengths are kInvalidArgument at creation)
 // the blob carries a keyed BLAKE2b MAC over all of it, verified before any field is read: a wrong MAC, a missing
 // one, or a MAC'd blob at an agent without a secret is refused (kFailedPrecondition, "authentication failed").
-// A peer that was loaded is trusted with the regions it was given (UCX RMA is one-sided).
+// A peer that was loaded is trusted with the regions it was given (UCX RMA is one-sided; on UCX's active-message
+// data path the target checks every descriptor's token and bounds itself, and stops landing a disconnected peer's
+// writes; a peer's name in those messages is not authenticated beyond the token, so a loaded peer could send
+// under another loaded peer's name).
 //
 // Thread-safety: every method may be called from any thread. Nothing blocks except wait() and
 // wait_notification(), each up to its deadline; post() returns once the operations are queued.
@@ -209,8 +212,9 @@ class Transport {
   // loaded again from a fresh blob. kNotFound for an unknown peer.
   virtual Status disconnect_peer(PeerId peer) = 0;
   // True when nothing the peer posted can land in this agent's memory any more: after disconnect_peer on the
-  // loopback and ipc backends (this agent copies the peer's writes itself and no longer does); on UCX only once
-  // the connection to the peer has failed (its process is gone), since RMA of a live peer is one-sided and UCX
+  // loopback and ipc backends and on UCX's active-message data path (UcxDataPath; TCP's default): this agent lands
+  // the peer's writes itself and no longer does, once its receives in flight have ended; on UCX's RMA path only
+  // once the connection to the peer has failed (its process is gone), since RMA of a live peer is one-sided and UCX
   // cannot revoke it. False for an unknown peer.
   virtual bool peer_revoked(PeerId peer) const = 0;
 
@@ -244,7 +248,24 @@ struct LoopbackOptions {
 };
 Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options = {});
 
-// UCX (ucp): RMA put/get with rkeys packed into the blob, active messages for notifications, a progress thread.
+// How a UCX agent's peers reach its registered memory (UcxOptions::data_path).
+//   kRma: one-sided RMA (ucp_put_nbx / ucp_get_nbx) with UCX remote keys packed into the blob. Where UCX has
+//     hardware RMA or maps the memory (shared memory, RDMA) this is one copy; over TCP UCX 1.13 emulates it
+//     (each put an active message that this agent's progress thread copies into place: three copies of every
+//     byte, docs/performance.md "Host lanes"), and UCX checks no bounds there.
+//   kActiveMessages: the blob carries a random 128-bit token per region instead of a key; a writer sends each
+//     descriptor as an active message naming (region, token, address, bytes), and this agent checks the token and
+//     the region's bounds before it lands the bytes (rendezvous messages land in place: TCP receives straight into
+//     the region); a reader asks and this agent answers the same way. Writes complete when this agent has landed
+//     every byte and acknowledged it, so completion and notifications keep the RMA lane's meaning. After
+//     disconnect_peer this agent lands nothing more from that peer: peer_revoked is true once its receives in
+//     flight have ended, without waiting for the peer's process to end.
+//   kAuto: kActiveMessages when `tls` names only TCP ("tcp", or "tcp" with "self"), kRma otherwise.
+// The writer or reader follows the target's choice (the kind of key in its blob), so agents of either kind talk.
+enum class UcxDataPath : std::uint8_t { kAuto, kRma, kActiveMessages };
+
+// UCX (ucp): RMA put/get with rkeys packed into the blob, or active messages (UcxDataPath), active messages for
+// notifications, a progress thread.
 struct UcxOptions {
   // UCX_TLS for this agent's context ("tcp", "shm", "tcp,self", ...); empty: UCX's default (or the environment).
   std::string tls;
@@ -257,6 +278,8 @@ struct UcxOptions {
   // to 64 MiB (kInvalidArgument naming the value). 512 KiB: on the H200 machine's 16 cores the raw loopback lane
   // moved a median 3.9 GB/s against 3.3 at 256 KiB and 3.4 at 2 MiB (docs/performance.md, "TCP segments").
   std::uint64_t tcp_segment_bytes = std::uint64_t{512} << 10;
+  // How peers reach this agent's memory (see UcxDataPath).
+  UcxDataPath data_path = UcxDataPath::kAuto;
 };
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options = {});
 
