@@ -17,8 +17,9 @@
 // active messages that the target's progress thread copies into place, without bounds. Instead the target's blob
 // carries a random token per region, and a write sends each descriptor as an active message on kDataAmId whose
 // header names (transfer, index, region, token, address, bytes, sender): the target checks the token and the
-// region's bounds, then copies an eager message's bytes or receives a rendezvous one straight into place
-// (ucp_am_recv_data_nbx: over TCP the kernel's receive copy lands in the region). Once every descriptor's send has
+// region's bounds, then copies an eager message's bytes or receives a rendezvous one into place
+// (ucp_am_recv_data_nbx; UCX copies its fragments there over TCP, and lands them zero-copy where a lane has RMA).
+// Once every descriptor's send has
 // completed the writer sends the write's end (kCtlAmId: count, notification); the target holds it, and every
 // later message of that writer, until the write's bytes have landed, then delivers the notification and
 // acknowledges (or says why not, without delivering it); the writer's transfer completes on the acknowledgement.
@@ -875,7 +876,9 @@ class UcxTransport final : public detail::TransportBase {
         w.u32(o.remote_region).raw(p.tokens[o.remote_region]).u64(o.remote_addr).u64(o.bytes).str(identity().name);
         pd->headers.push_back(std::move(w.out));
         const std::string& h = pd->headers.back();
-        track(pd, ucp_am_send_nbx(p.ep, kDataAmId, h.data(), h.size(), o.local_ptr, o.bytes, &rp), op, i, ops.size());
+        ucp_request_param_t dp = rp;
+        set_data_protocol(dp, o.bytes);
+        track(pd, ucp_am_send_nbx(p.ep, kDataAmId, h.data(), h.size(), o.local_ptr, o.bytes, &dp), op, i, ops.size());
       }
       return;
     }
@@ -893,6 +896,15 @@ class UcxTransport final : public detail::TransportBase {
           ucp_am_send_nbx(p.ep, kCtlAmId, pd->headers[0].data(), pd->headers[0].size(), pd->headers[1].data(),
                           pd->headers[1].size(), &rp),
           op, 0, 1);
+  }
+
+  // Descriptors of at least kRendezvousBytes go by rendezvous, which lands them in place; smaller ones eagerly
+  // (copied out of UCX's receive buffer). UCX's own threshold sends megabytes eagerly over TCP, reassembled in
+  // buffers it allocates per message (page faults and a copy of every byte).
+  static constexpr std::uint64_t kRendezvousBytes = 64 * 1024;
+  static void set_data_protocol(ucp_request_param_t& rp, std::uint64_t bytes) {
+    rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = bytes >= kRendezvousBytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
   }
 
   // A write whose descriptors' sends have all completed: its end message carries the count and the notification.
@@ -1216,6 +1228,7 @@ class UcxTransport final : public detail::TransportBase {
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.send = &UcxTransport::on_serve_done;
       rp.user_data = &s;
+      set_data_protocol(rp, list[i].bytes);
       ucs_status_ptr_t r = ucp_am_send_nbx(reply, kDataAmId, s.header.data(), s.header.size(),
                                            reinterpret_cast<const void*>(list[i].addr), list[i].bytes, &rp);
       if (UCS_PTR_IS_PTR(r)) {

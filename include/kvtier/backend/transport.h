@@ -255,8 +255,8 @@ Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity ident
 //     byte, docs/performance.md "Host lanes"), and UCX checks no bounds there.
 //   kActiveMessages: the blob carries a random 128-bit token per region instead of a key; a writer sends each
 //     descriptor as an active message naming (region, token, address, bytes), and this agent checks the token and
-//     the region's bounds before it lands the bytes (rendezvous messages land in place: TCP receives straight into
-//     the region); a reader asks and this agent answers the same way. Writes complete when this agent has landed
+//     the region's bounds before it lands the bytes (large descriptors by rendezvous, received into the region);
+//     a reader asks and this agent answers the same way. Writes complete when this agent has landed
 //     every byte and acknowledged it, so completion and notifications keep the RMA lane's meaning. After
 //     disconnect_peer this agent lands nothing more from that peer: peer_revoked is true once its receives in
 //     flight have ended, without waiting for the peer's process to end.
