@@ -52,6 +52,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "core/byte_codec.h"
 #include "kvtier/core/log.h"
@@ -620,8 +621,9 @@ class UcxTransport final : public detail::TransportBase {
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.send = &UcxTransport::on_op_done;
       rp.user_data = pd;
-      if (p->am) post_active_messages_locked(pd, op, *p, std::move(ops));
-      for (std::size_t i = 0; !p->am && i < ops.size() && pd->error.ok(); ++i) {
+      const bool am = p->am;
+      if (am) post_active_messages_locked(pd, op, *p, std::exchange(ops, {}));
+      for (std::size_t i = 0; !am && i < ops.size() && pd->error.ok(); ++i) {
         const auto& o = ops[i];
         ucp_rkey_h rkey = o.remote_region < p->rkeys.size() ? p->rkeys[o.remote_region] : nullptr;
         if (rkey == nullptr) {
@@ -632,7 +634,7 @@ class UcxTransport final : public detail::TransportBase {
                                                   : ucp_get_nbx(p->ep, o.local_ptr, o.bytes, o.remote_addr, rkey, &rp);
         track(pd, r, op, i, ops.size());
       }
-      if (!p->am && pd->error.ok()) {
+      if (!am && pd->error.ok()) {
         ucp_request_param_t fp = rp;
         fp.cb.send = &UcxTransport::on_flush_done;
         ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
@@ -1120,7 +1122,7 @@ class UcxTransport final : public detail::TransportBase {
   ucs_status_t receive_control(const void* header, std::size_t header_length, void* data, std::size_t length,
                                const ucp_am_recv_param_t* param) {
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return dropped("a control message by rendezvous");
-    const ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+    ucp_ep_h reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
     const std::string_view body(static_cast<const char*>(data), length);
     codec::ByteReader r(std::string_view(static_cast<const char*>(header), header_length), detail::kMaxNameBytes);
     std::uint8_t kind = 0;
