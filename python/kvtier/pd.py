@@ -65,8 +65,9 @@ the same pass: with the checksums on it moves 0.9-1.2x the raw UCX transport on 
 2-3x on sixteen (``docs/performance.md``). Both sides pass ``lane="host-direct"``.
 
 Transports: ``"ipc"`` (same host, two processes; memory shared through sealed memfd windows),
-``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP),
-``"loopback"`` (one process: tests). ``peer_secret`` (32 to 64 bytes shared by the two sides)
+``"ucx"`` (``tls="tcp"`` across hosts, ``"shm"`` on one; ``net_devices="lo"`` for loopback TCP;
+over TCP each side checks and lands the other's bytes itself, so a peer given up on after its lease
+lands nothing more: docs/transport.md, "Data path over TCP"), ``"loopback"`` (one process: tests). ``peer_secret`` (32 to 64 bytes shared by the two sides)
 authenticates the metadata blobs with a keyed MAC; without it the channel that carries them
 must be trusted (docs/transport.md, "Trust").
 
