@@ -784,11 +784,18 @@ class UcxTransport final : public detail::TransportBase {
     UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
     if (p == nullptr || p->ep == nullptr || p->failed)
       return Unavailable(fmt::format("peer {} is not connected", peer));
+    const ucs_status_t st = send_bare(p->ep, kAmId, make_header(kind), std::move(message));
+    if (st != UCS_OK) return request_error("notification send", st);
+    return Status::Ok();
+  }
+
+  // An eager active message outside any transfer: its buffers live in sends_ until the send completes.
+  ucs_status_t send_bare(ucp_ep_h ep, unsigned am_id, std::string header, std::string message) {
     sends_.emplace_back();
     auto pos = std::prev(sends_.end());
     SendBuf& b = *pos;
     b.self = this;
-    b.header = make_header(kind);
+    b.header = std::move(header);
     b.message = std::move(message);
     b.pos = pos;
     ucp_request_param_t rp{};
@@ -797,14 +804,13 @@ class UcxTransport final : public detail::TransportBase {
     rp.user_data = &b;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;
     ucs_status_ptr_t r =
-        ucp_am_send_nbx(p->ep, kAmId, b.header.data(), b.header.size(), b.message.data(), b.message.size(), &rp);
+        ucp_am_send_nbx(ep, am_id, b.header.data(), b.header.size(), b.message.data(), b.message.size(), &rp);
     if (UCS_PTR_IS_PTR(r)) {
       outstanding_.fetch_add(1);
-      return Status::Ok();
+      return UCS_OK;
     }
     sends_.erase(pos);
-    if (UCS_PTR_IS_ERR(r)) return request_error("notification send", UCS_PTR_STATUS(r));
-    return Status::Ok();
+    return UCS_PTR_IS_ERR(r) ? UCS_PTR_STATUS(r) : UCS_OK;
   }
 
   // ---- the active-message data path (UcxDataPath::kActiveMessages; every function with ucx_mu_ held) ----
@@ -912,53 +918,47 @@ class UcxTransport final : public detail::TransportBase {
   // A write whose descriptors' sends have all completed: its end message carries the count and the notification.
   void send_write_end(Pending* pd) {
     pd->end_started = true;
-    UcxPeer* p = peers_[pd->peer].get();
     codec::ByteWriter<std::string> w;
     w.u8(static_cast<std::uint8_t>(CtlKind::kWriteDone)).u64(pd->id).u64(pd->nonce).u64(pd->headers.size());
     w.str(identity().name);
     pd->header = std::move(w.out);
+    send_transfer_message(pd, kCtlAmId, &UcxTransport::on_op_done, UCP_AM_SEND_FLAG_REPLY, "write end");
+  }
+
+  // Sends the transfer's `header` and `message` eagerly as an active message on `am_id` to its peer, as a request
+  // of the transfer (`done` on completion); true when it completed at once.
+  bool send_transfer_message(Pending* pd, unsigned am_id, ucp_send_nbx_callback_t done, std::uint32_t flags,
+                             const char* what) {
+    UcxPeer* p = peers_[pd->peer].get();
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    rp.cb.send = &UcxTransport::on_op_done;
+    rp.cb.send = done;
     rp.user_data = pd;
-    rp.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER | flags;
     ucs_status_ptr_t r = p == nullptr || p->ep == nullptr
                              ? UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED)
-                             : ucp_am_send_nbx(p->ep, kCtlAmId, pd->header.data(), pd->header.size(),
-                                               pd->message.data(), pd->message.size(), &rp);
+                             : ucp_am_send_nbx(p->ep, am_id, pd->header.data(), pd->header.size(), pd->message.data(),
+                                               pd->message.size(), &rp);
     if (UCS_PTR_IS_PTR(r)) {
       ++pd->outstanding;
       pd->requests.push_back(r);
       outstanding_.fetch_add(1);
-    } else if (UCS_PTR_IS_ERR(r)) {
-      pd->error = request_error("write end", UCS_PTR_STATUS(r));
+      return false;
     }
+    if (UCS_PTR_IS_ERR(r)) {
+      pd->error = request_error(what, UCS_PTR_STATUS(r));
+      return false;
+    }
+    return true;
   }
 
   // A control message to `ep` (a peer's reply endpoint): its buffers live until the send completes.
   void send_control(ucp_ep_h ep, CtlKind kind, XferId xfer, std::uint64_t nonce, const Status& status) {
     if (ep == nullptr) return;
-    sends_.emplace_back();
-    auto pos = std::prev(sends_.end());
-    SendBuf& b = *pos;
-    b.self = this;
     codec::ByteWriter<std::string> w;
     w.u8(static_cast<std::uint8_t>(kind)).u64(xfer).u64(nonce).u8(static_cast<std::uint8_t>(status.code()));
-    b.header = std::move(w.out);
-    b.message = status.message();
-    b.pos = pos;
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    rp.cb.send = &UcxTransport::on_send_done;
-    rp.user_data = &b;
-    rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(ep, kCtlAmId, b.header.data(), b.header.size(), b.message.data(), b.message.size(), &rp);
-    if (UCS_PTR_IS_PTR(r)) {
-      outstanding_.fetch_add(1);
-      return;
-    }
-    sends_.erase(pos);  // sent at once, or the peer is gone (its transfer fails on its own side)
+    // A failed send: the peer is gone, and its transfer fails on its own side.
+    (void)send_bare(ep, kCtlAmId, std::move(w.out), status.message());
   }
 
   // Checks a descriptor a peer names against this agent's region: registered here with active messages, the
@@ -1359,24 +1359,7 @@ class UcxTransport final : public detail::TransportBase {
     }
     if (pd->error.ok() && pd->flushed && pd->outstanding == 0 && !pd->notify_started) {
       pd->notify_started = true;
-      UcxPeer* p = peers_[pd->peer].get();
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-      rp.cb.send = &UcxTransport::on_notify_done;
-      rp.user_data = pd;
-      rp.flags = UCP_AM_SEND_FLAG_EAGER;
-      ucs_status_ptr_t r = p->ep == nullptr ? UCS_STATUS_PTR(UCS_ERR_NOT_CONNECTED)
-                                            : ucp_am_send_nbx(p->ep, kAmId, pd->header.data(), pd->header.size(),
-                                                              pd->message.data(), pd->message.size(), &rp);
-      if (UCS_PTR_IS_PTR(r)) {
-        ++pd->outstanding;
-        pd->requests.push_back(r);
-        outstanding_.fetch_add(1);
-      } else if (UCS_PTR_IS_ERR(r)) {
-        pd->error = request_error("notification", UCS_PTR_STATUS(r));
-      } else {
-        pd->notified = true;
-      }
+      if (send_transfer_message(pd, kAmId, &UcxTransport::on_notify_done, 0, "notification")) pd->notified = true;
     }
     if (!pd->outcome_set && (!pd->error.ok() || pd->notified)) {
       pd->outcome_set = true;
