@@ -43,6 +43,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <bit>
 #include <chrono>
@@ -963,17 +964,21 @@ class UcxTransport final : public detail::TransportBase {
 
   // Checks a descriptor a peer names against this agent's region: registered here with active messages, the
   // peer's token equal to the region's, [addr, addr + bytes) inside it.
-  Result<RegionId> check_target(std::string_view what, std::uint32_t region, std::string_view token, std::uint64_t addr,
+  // `op`, `xfer`, `peer` and `index` name the descriptor in a refusal; nothing is formatted when it passes (a
+  // transfer names thousands).
+  Result<RegionId> check_target(const char* op, XferId xfer, const std::string& peer, std::uint64_t index,
+                                std::uint32_t region, std::string_view token, std::uint64_t addr,
                                 std::uint64_t bytes) const {
+    const auto what = [&] { return fmt::format("{} {} of '{}', descriptor {}", op, xfer, peer, index); };
     auto it = local_.find(region);
     if (it == local_.end())
-      return NotFound(fmt::format("{}: region {} is not registered here for active messages", what, region));
+      return NotFound(fmt::format("{}: region {} is not registered here for active messages", what(), region));
     if (token.size() != kAmTokenBytes || sodium_memcmp(token.data(), it->second.token.data(), kAmTokenBytes) != 0)
-      return FailedPrecondition(fmt::format("{}: wrong token for region {}", what, region));
+      return FailedPrecondition(fmt::format("{}: wrong token for region {}", what(), region));
     const auto base = reinterpret_cast<std::uint64_t>(it->second.base);
     if (addr < base || addr - base > it->second.bytes || bytes > it->second.bytes - (addr - base))
-      return OutOfRange(fmt::format("{}: [{:#x}, +{}) outside region {} [{:#x}, +{})", what, addr, bytes, region, base,
-                                    it->second.bytes));
+      return OutOfRange(fmt::format("{}: [{:#x}, +{}) outside region {} [{:#x}, +{})", what(), addr, bytes, region,
+                                    base, it->second.bytes));
     return it->first;
   }
 
@@ -995,15 +1000,15 @@ class UcxTransport final : public detail::TransportBase {
     if (kind == static_cast<std::uint8_t>(DataKind::kWrite)) {
       std::uint64_t xfer = 0, addr = 0, bytes = 0;
       std::uint32_t index = 0, region = 0;
-      std::string token(kAmTokenBytes, '\0'), sender;
+      std::array<char, kAmTokenBytes> token{};
+      std::string sender;
       if (!r.u64(xfer) || !r.u32(index) || !r.u32(region) || !r.raw(token.data(), token.size()) || !r.u64(addr) ||
           !r.u64(bytes) || !r.str(sender) || r.remaining() != 0)
         return dropped("a malformed write");
       if (revoked_names_.count(sender) != 0) return UCS_OK;  // disconnected here: nothing of it lands any more
       Incoming& in = incoming_[{sender, xfer}];
       if (!in.error.ok()) return UCS_OK;
-      auto target =
-          check_target(fmt::format("write {} of '{}', descriptor {}", xfer, sender, index), region, token, addr, bytes);
+      auto target = check_target("write", xfer, sender, index, region, {token.data(), token.size()}, addr, bytes);
       if (target.ok() && bytes != length)
         target = InvalidArgument(fmt::format("write {} of '{}', descriptor {}: {} bytes announced, {} sent", xfer,
                                              sender, index, bytes, length));
@@ -1202,11 +1207,10 @@ class UcxTransport final : public detail::TransportBase {
     codec::ByteReader e(entries);
     for (std::uint64_t i = 0; i < count; ++i) {
       std::uint32_t region = 0;
-      std::string token(kAmTokenBytes, '\0');
+      std::array<char, kAmTokenBytes> token{};
       std::uint64_t addr = 0, bytes = 0;
       if (!e.u32(region) || !e.raw(token.data(), token.size()) || !e.u64(addr) || !e.u64(bytes)) break;
-      auto target =
-          check_target(fmt::format("read {} of '{}', descriptor {}", xfer, reader, i), region, token, addr, bytes);
+      auto target = check_target("read", xfer, reader, i, region, {token.data(), token.size()}, addr, bytes);
       if (!target.ok()) {
         log(LogLevel::kWarning, "transport", fmt::format("UCX: refused {}", target.status().message()));
         send_control(reply, CtlKind::kReadRefused, xfer, nonce, target.status());
