@@ -6,6 +6,8 @@
 //                                               side verifies)
 //   'W' xid u32 layer u32 n n*u64 checksum     prefill -> decode: notification of layer's WRITE (push)
 //   'A' xid u32 layer u32 n n*u64 src n*u64 ck prefill -> decode: layer ready for reading (pull)
+//   'K' xid u32 layer u32 n n*u64 ck           prefill -> decode: the checksums of a layer announced by an 'A' with
+//                                              an empty checksum list (pull, transport lane; see below)
 //   'D' xid u32 layer                          decode -> prefill: notification of the layer's READ (pull)
 //   'X' xid u32 layer                          prefill -> decode: the layer cannot be sent (failed post)
 //   'F' xid u8 ok                              decode -> prefill: the decode side is final
@@ -26,6 +28,12 @@
 //                                                  (block_checksum()) its copy kernel computed
 // Piece p of a layer holds positions [p * per_slot, min(n, (p + 1) * per_slot)) of the transfer's lists, per_slot
 // being the blocks of the largest layer a slot holds.
+//
+// Transport lane, pull: the prefill announces a ready layer at once ('A' without checksums) and sends its checksums
+// in 'K' when they are computed, so the decode's read starts while the prefill hashes. Announcing after the hash
+// queued each later 'A' behind the answers to the reads already started (one connection carries both on TCP), so
+// the reads went out one hash and one layer's answer late. The decode hashes what its read landed and compares once
+// both its hash and 'K' are there.
 //
 // Device lane (pd.h): 'W', 'A' and 'D' keep their meaning; the bytes move by copy kernels outside the transport,
 // and the checksums are block_checksum() values computed on the device. When the moving side verifies (lane 2),
@@ -1348,8 +1356,9 @@ class Prefill final : public PdPrefill, public Endpoint {
       }
       if (x.direct_peer) {  // host direct push: the copy itself, with both checksums, on the worker
         if ((l.ck = submit_move(blocks_, x.src, *x.direct_peer, x.req->dst, li)) != nullptr) continue;
-      } else if (!x.lane && x.req->lane != 4 && (l.ck = submit_checksums(li, x.src)) != nullptr) {
-        continue;
+      } else if (!x.lane && x.req->lane != 4) {
+        if (x.req->mode == PdMode::kPull) announce_for_read(id, x, li);
+        if ((l.ck = submit_checksums(li, x.src)) != nullptr) continue;
       }
       if (grouping) {
         group.push_back(li);
@@ -1579,10 +1588,8 @@ class Prefill final : public PdPrefill, public Endpoint {
     }
     l.sent = true;
     x.last_sent = Clock::now();
-    if (x.req->mode == PdMode::kPull) {
-      Msg m('A', id);
-      m.u32(li).u64s(x.src).u64s(ck).u64s(local_strides());
-      t_.send_notification(x.peer, m.str()).ignore_error();
+    if (x.req->mode == PdMode::kPull) {  // announced already: the checksums follow
+      t_.send_notification(x.peer, Msg('K', id).u32(li).u64s(ck).str()).ignore_error();
       return;
     }
     std::vector<LocalDesc> ld;
@@ -1597,6 +1604,14 @@ class Prefill final : public PdPrefill, public Endpoint {
       return;
     }
     l.xfer = *posted;
+  }
+
+  // Transport lane, pull: the layer is ready; 'A' with its source list and no checksums (they follow in 'K').
+  void announce_for_read(TransferId id, X& x, std::uint32_t li) {
+    Msg m('A', id);
+    m.u32(li).u64s(x.src).u64s(std::span<const std::uint64_t>{}).u64s(local_strides());
+    t_.send_notification(x.peer, m.str()).ignore_error();
+    x.last_sent = Clock::now();
   }
 
   // Host direct lane. Push: the layer's copy is done (on the worker, or here for a small layer); 'W' carries the
@@ -1761,8 +1776,10 @@ class Decode final : public PdDecode, public Endpoint {
  private:
   struct Read {
     XferId xfer = 0;
-    std::vector<std::uint64_t> ck;
+    std::vector<std::uint64_t> ck;  // transport lane: from 'K', which may come before or after the read is done
     bool active = false;
+    bool ck_known = false;
+    bool landed = false;  // done: its blocks are being verified (a read done stays active until quiescent)
   };
   struct X {
     PeerId peer = 0;
@@ -1792,7 +1809,9 @@ class Decode final : public PdDecode, public Endpoint {
     struct Verify {
       std::uint32_t layer = 0;
       std::vector<std::uint64_t> expected;
-      std::shared_ptr<ChecksumQueue::Job> job;
+      bool expected_known = false;              // pull: false until the prefill's 'K'
+      std::shared_ptr<ChecksumQueue::Job> job;  // null: hashed on the protocol thread, into `actual`
+      std::vector<std::uint64_t> actual;
     };
     std::vector<Verify> verifying;
     // Host direct lane, pull: the prefill's pool as mapped here, and the layers this side is copying.
@@ -1879,25 +1898,54 @@ class Decode final : public PdDecode, public Endpoint {
     for (std::uint32_t l = 0; l < x.layers.size(); ++l) fail_layer(x, l, why);
   }
 
-  void verify_layer(TransferId id, X& x, std::uint32_t layer, const std::vector<std::uint64_t>& ck) {
-    if (x.layers[layer] != LayerState::kPending || ck.size() != x.dst.size()) {
+  // The layer's blocks have landed: hashes them (off the protocol thread when large) and compares the hashes with
+  // the prefill's checksums `ck` once both are there. Pull on the transport lane may not know `ck` yet (`ck_known`
+  // false): its 'K' comes later (expect_checksums).
+  void verify_layer(TransferId id, X& x, std::uint32_t layer, std::vector<std::uint64_t> ck, bool ck_known) {
+    if (x.layers[layer] != LayerState::kPending) return;
+    if (ck_known && ck.size() != x.dst.size()) {
       compare_layer(id, x, layer, ck, nullptr);
       return;
     }
-    if (auto job = submit_checksums(layer, x.dst)) {
-      x.verifying.push_back({layer, ck, std::move(job)});
-      return;
+    X::Verify v{layer, std::move(ck), ck_known, submit_checksums(layer, x.dst), {}};
+    if (v.job == nullptr) {
+      v.actual.resize(x.dst.size());
+      layer_checksums(layer, x.dst, v.actual.data());
     }
-    std::vector<std::uint64_t> actual(x.dst.size());
-    layer_checksums(layer, x.dst, actual.data());
-    compare_layer(id, x, layer, ck, actual.data());
+    x.verifying.push_back(std::move(v));
+    finish_verifications(id, x);
   }
 
-  // Layers whose checksum jobs are done are compared (a layer failed meanwhile stays failed).
+  // A layer's checksums from 'K' (pull, transport lane): kept for its read, or compared with its hashes.
+  void expect_checksums(TransferId id, X& x, std::uint32_t layer, std::vector<std::uint64_t> ck) {
+    if (x.layers[layer] != LayerState::kPending) return;
+    if (ck.size() != x.dst.size()) {
+      fail_layer(x, layer,
+                 InvalidArgument(fmt::format("transfer {} layer {}: prefill sent {} checksums, decode has {} blocks",
+                                             id, layer, ck.size(), x.dst.size())));
+      return;
+    }
+    for (X::Verify& v : x.verifying)
+      if (v.layer == layer && !v.expected_known) {
+        v.expected = std::move(ck);
+        v.expected_known = true;
+        finish_verifications(id, x);
+        return;
+      }
+    if (layer < x.reads.size()) {
+      x.reads[layer].ck = std::move(ck);
+      x.reads[layer].ck_known = true;
+    }
+  }
+
+  // Layers whose hashes and expected checksums are both there are compared (a layer failed meanwhile stays failed;
+  // its entry goes once its hashing has ended).
   void finish_verifications(TransferId id, X& x) {
     std::erase_if(x.verifying, [&](X::Verify& v) {
-      if (!v.job->done.load(std::memory_order_acquire)) return false;
-      compare_layer(id, x, v.layer, v.expected, v.job->out.data());
+      if (v.job != nullptr && !v.job->done.load(std::memory_order_acquire)) return false;
+      if (x.layers[v.layer] != LayerState::kPending) return true;
+      if (!v.expected_known) return false;
+      compare_layer(id, x, v.layer, v.expected, v.job != nullptr ? v.job->out.data() : v.actual.data());
       return true;
     });
   }
@@ -1993,7 +2041,13 @@ class Decode final : public PdDecode, public Endpoint {
           start_lane_layer(id, x, layer, std::move(ck), nullptr);
           return;
         }
-        verify_layer(id, x, layer, ck);
+        verify_layer(id, x, layer, std::move(ck), true);
+        return;
+      }
+      case 'K': {
+        std::vector<std::uint64_t> ck;
+        if (!p.u32(layer) || layer >= x.layers.size() || !p.u64s(ck) || x.lane || host_direct()) return;
+        expect_checksums(id, x, layer, std::move(ck));
         return;
       }
       case 'X':
@@ -2007,7 +2061,8 @@ class Decode final : public PdDecode, public Endpoint {
         std::uint32_t same_list = 0;
         const bool repeats_list = x.lane && src.empty() && strides.empty() && p.u32(same_list);
         // When this side verifies its own device lane copy the prefill sends no checksums.
-        const std::size_t want_ck = (x.lane && mover_verifies()) || host_direct() ? 0 : x.dst.size();
+        // The transport lane's come in 'K' (see the top of this file); the device lane's when the decode verifies.
+        const std::size_t want_ck = x.lane && !mover_verifies() ? x.dst.size() : 0;
         const std::size_t announced = repeats_list ? same_list : src.size();
         if (announced != x.dst.size() || ck.size() != want_ck) {
           if (x.layers[layer] == LayerState::kPending && !x.reads[layer].active)
@@ -2054,7 +2109,8 @@ class Decode final : public PdDecode, public Endpoint {
           fail_layer(x, layer, posted.status());
           return;
         }
-        x.reads[layer] = Read{*posted, std::move(ck), true};
+        x.reads[layer].xfer = *posted;  // keeps the checksums of a 'K' that came first
+        x.reads[layer].active = true;
         return;
       }
       default: return;
@@ -2237,10 +2293,12 @@ class Decode final : public PdDecode, public Endpoint {
           continue;
         }
         if (st->state == XferState::kInProgress) continue;
-        if (st->state == XferState::kDone)
-          verify_layer(id, x, l, r.ck);
-        else
+        if (st->state == XferState::kDone) {
+          if (!r.landed) verify_layer(id, x, l, std::move(r.ck), r.ck_known);
+          r.landed = true;
+        } else {
           fail_layer(x, l, st->error);
+        }
         if (st->quiescent) {
           t_.release(r.xfer).ignore_error();
           r.active = false;

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "core/byte_codec.h"
@@ -515,6 +517,147 @@ TEST(PdLease, HeartbeatsProcessedLateDoNotRenewADeadPeersLease) {
   EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
   for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
   EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable) << fin->error.to_string();
+}
+
+// The prefill side's transport with its outgoing checksum messages ('K': pull on the transport lane, sent once a
+// layer's checksums are computed, after the layer's 'A') held back until released, or altered on the way.
+class ChecksumMessageTap final : public testing::ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  enum class Edit { kNone, kFlipFirstChecksumOfLayer2, kDropLastChecksumOfLayer1 };
+  std::atomic<bool> hold{false};
+  Edit edit = Edit::kNone;
+
+  Status send_notification(PeerId peer, std::string message) override {
+    if (message.empty() || message[0] != 'K') return inner().send_notification(peer, std::move(message));
+    // 'K' u64 xid u32 layer u32 n n*u64 checksums
+    std::uint32_t layer = 0, n = 0;
+    std::memcpy(&layer, message.data() + 9, 4);
+    std::memcpy(&n, message.data() + 13, 4);
+    if (edit == Edit::kFlipFirstChecksumOfLayer2 && layer == 2 && n > 0)
+      message[17] = static_cast<char>(message[17] ^ 1);
+    if (edit == Edit::kDropLastChecksumOfLayer1 && layer == 1 && n > 0) {
+      --n;
+      std::memcpy(message.data() + 13, &n, 4);
+      message.resize(message.size() - 8);
+    }
+    {
+      std::lock_guard lock(mu_);
+      ++seen_;
+      if (hold.load()) {
+        held_.emplace_back(peer, std::move(message));
+        return Status::Ok();
+      }
+    }
+    return inner().send_notification(peer, std::move(message));
+  }
+  int seen() {
+    std::lock_guard lock(mu_);
+    return seen_;
+  }
+  void release() {
+    std::vector<std::pair<PeerId, std::string>> out;
+    {
+      std::lock_guard lock(mu_);
+      hold.store(false);
+      out.swap(held_);
+    }
+    for (auto& [peer, m] : out) ASSERT_TRUE(inner().send_notification(peer, std::move(m)).ok());
+  }
+
+ private:
+  std::mutex mu_;
+  int seen_ = 0;
+  std::vector<std::pair<PeerId, std::string>> held_;
+};
+
+struct TappedPullRig {
+  KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  std::unique_ptr<ChecksumMessageTap> pre_t;
+  std::unique_ptr<Transport> dec_t;
+  std::unique_ptr<PdPrefill> pre;
+  std::unique_ptr<PdDecode> dec;
+  PeerId to_dec = 0, to_pre = 0;
+  TappedPullRig() {
+    const int n = ++g_seq;
+    pre_t = std::make_unique<ChecksumMessageTap>(
+        create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value());
+    dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
+    pre = PdPrefill::create(*pre_t, pre_mem.space).value();
+    dec = PdDecode::create(*dec_t, dec_mem.space).value();
+    to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+    to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  }
+  bool all_landed() const {
+    for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+      for (std::size_t i = 0; i < kDst.size(); ++i)
+        if (!layer_matches(dec_mem.space, kDst[i], l, kSrc[i])) return false;
+    return true;
+  }
+};
+
+// Pull on the transport lane: the prefill announces a ready layer before it has hashed it, so the decode's read runs
+// while the checksums are computed (announcing after the hash queued each later announcement behind the answers to
+// the reads already running). Bytes that landed are still not loaded until their checksums came and matched.
+TEST(PdPull, ReadsLandBeforeTheChecksumsComeAndNoBlockIsLoadedUntilTheyMatch) {
+  TappedPullRig rig;
+  rig.pre_t->hold.store(true);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 5, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(5, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, PdMode::kPull, kDst).ok());
+  const auto limit = std::chrono::steady_clock::now() + 5s;
+  while ((!rig.all_landed() || rig.pre_t->seen() < 4) && std::chrono::steady_clock::now() < limit)
+    std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(rig.all_landed()) << "the reads did not run before the checksums were sent";
+  ASSERT_EQ(rig.pre_t->seen(), 4) << "one checksum message per layer";
+  std::this_thread::sleep_for(50ms);
+  auto s = rig.dec->status(5);
+  ASSERT_TRUE(s.ok());
+  for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(s->layers[l], LayerState::kPending) << "layer " << l;
+  EXPECT_EQ(s->leading_loaded_blocks(), 0u);
+  EXPECT_EQ(rig.dec->wait_layer(5, 0, 20ms).status().code(), StatusCode::kTimedOut);
+
+  rig.pre_t->release();
+  auto fin = rig.dec->wait(5, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  auto pf = rig.pre->wait(5, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_TRUE(pf->done);
+}
+
+// A checksum message that does not match what landed fails exactly that (layer, block); one whose list is short
+// fails its layer, naming both counts; the other layers load.
+TEST(PdPull, ChecksumMessagesThatDisagreeFailTheirBlocksOrLayerNeverLoadThem) {
+  for (const auto edit :
+       {ChecksumMessageTap::Edit::kFlipFirstChecksumOfLayer2, ChecksumMessageTap::Edit::kDropLastChecksumOfLayer1}) {
+    TappedPullRig rig;
+    rig.pre_t->edit = edit;
+    ASSERT_TRUE(rig.pre->begin(rig.to_dec, 6, kSrc).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(6, l).ok());
+    ASSERT_TRUE(rig.dec->start(rig.to_pre, 6, PdMode::kPull, kDst).ok());
+    auto fin = rig.dec->wait(6, 5s);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    if (edit == ChecksumMessageTap::Edit::kFlipFirstChecksumOfLayer2) {
+      EXPECT_EQ(fin->layers[2], LayerState::kPartial);
+      for (std::uint32_t l = 0; l < 4; ++l)
+        for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(fin->layer_block_is_loaded(l, i), !(l == 2 && i == 0));
+      EXPECT_EQ(fin->error.code(), StatusCode::kDataLoss) << fin->error.to_string();
+      EXPECT_NE(fin->error.message().find("layer 2 block 0 (position 0): checksum mismatch"), std::string::npos)
+          << fin->error.to_string();
+    } else {
+      EXPECT_EQ(fin->layers[1], LayerState::kFailed);
+      for (std::size_t i = 0; i < 4; ++i) EXPECT_FALSE(fin->layer_block_is_loaded(1, i));
+      EXPECT_EQ(fin->error.code(), StatusCode::kInvalidArgument) << fin->error.to_string();
+      EXPECT_NE(fin->error.message().find("3 checksums, decode has 4 blocks"), std::string::npos)
+          << fin->error.to_string();
+    }
+    for (std::uint32_t l : {0u, 3u}) EXPECT_EQ(fin->layers[l], LayerState::kLoaded) << l;
+    EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+  }
 }
 
 TEST(Pd, ReceivedBlocksJoinTheDecodeSidePrefixIndex) {

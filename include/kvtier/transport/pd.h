@@ -5,8 +5,9 @@
 // side starts the transfer by telling the prefill side its destination blocks and the mode:
 //   - push: the prefill side WRITEs layer L into the decode blocks as soon as layer L is ready (its event has
 //     fired), with a notification carrying the layer's per-block checksums;
-//   - pull: the prefill side announces layer L (its source blocks and checksums) once it is ready; the decode
-//     side READs it, and the read's notification tells the prefill side that layer's source is free.
+//   - pull: the prefill side announces layer L (its source blocks) once it is ready and sends the layer's
+//     checksums once computed (the decode side's read runs meanwhile); the decode side READs it, and the read's
+//     notification tells the prefill side that layer's source is free.
 // A layer that becomes ready before the decode side's request arrives waits for it. A layer whose readiness
 // reports an error (its event failed) fails the transfer: the prefill side tells the decode side that this
 // layer and every layer not yet sent will not come ('X'), so their blocks are failed there at once. The
