@@ -555,7 +555,7 @@ class ChecksumMessageTap final : public testing::ForwardingTransport {
     std::lock_guard lock(mu_);
     return seen_;
   }
-  void release() {
+  void release_held() {
     std::vector<std::pair<PeerId, std::string>> out;
     {
       std::lock_guard lock(mu_);
@@ -619,7 +619,7 @@ TEST(PdPull, ReadsLandBeforeTheChecksumsComeAndNoBlockIsLoadedUntilTheyMatch) {
   EXPECT_EQ(s->leading_loaded_blocks(), 0u);
   EXPECT_EQ(rig.dec->wait_layer(5, 0, 20ms).status().code(), StatusCode::kTimedOut);
 
-  rig.pre_t->release();
+  rig.pre_t->release_held();
   auto fin = rig.dec->wait(5, 5s, true);
   ASSERT_TRUE(fin.ok()) << fin.status().to_string();
   EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
