@@ -511,6 +511,51 @@ double quantile(std::vector<double> v, double q) {
   return v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
 }
 
+// Where one transfer's time went, both endpoints in this process (direct-inproc): per measured transfer, the
+// prefill's and the decode's step times (PdTimes) and when the decode's wait returned; summarized as the p50 of
+// each step's share, in microseconds (empty for rows without both sides here).
+struct TransferSteps {
+  transport::PdTimes prefill, decode;
+  std::chrono::steady_clock::time_point waited;
+};
+std::map<std::string, double> g_last_phases;
+std::map<std::string, double> summarize_steps(const std::map<std::uint64_t, TransferSteps>& steps, PdMode mode) {
+  using TP = std::chrono::steady_clock::time_point;
+  auto us = [](TP from, TP to) {
+    return from == TP{} || to == TP{} ? -1.0 : std::chrono::duration<double, std::micro>(to - from).count();
+  };
+  std::map<std::string, std::vector<double>> v;
+  for (const auto& [id, t] : steps) {
+    const transport::PdTimes &p = t.prefill, &d = t.decode;
+    v["total"].push_back(us(d.started, t.waited));
+    v["request_to_prefill"].push_back(us(d.request, p.request));
+    // A request that came before the prefill's begin() waits for it (the bench's prefill opens a transfer once an
+    // earlier one is done).
+    v["request_waits_for_begin"].push_back(std::max(0.0, us(p.request, p.started)));
+    if (mode == PdMode::kPush) {
+      // The prefill moves: from the request (or begin(), if later) to its copy, the copy until seen complete, the
+      // notifications, the decode's verdict.
+      v["prefill_until_move"].push_back(us(std::max(p.request, p.started), p.move));
+      v["move_until_seen_done"].push_back(us(p.move, p.moved));
+      v["seen_done_to_notified"].push_back(us(p.moved, p.announced));
+      v["notified_to_decode_final"].push_back(us(p.announced, d.final));
+    } else {
+      // The decode moves once announced.
+      v["prefill_until_announced"].push_back(us(std::max(p.request, p.started), p.announced));
+      v["announced_to_decode_move"].push_back(us(p.announced, d.move));
+      v["move_until_seen_done"].push_back(us(d.move, d.moved));
+      v["seen_done_to_decode_final"].push_back(us(d.moved, d.final));
+    }
+    v["decode_final_to_wait_returned"].push_back(us(d.final, t.waited));
+  }
+  std::map<std::string, double> out;
+  for (auto& [name, xs] : v) {
+    std::erase_if(xs, [](double x) { return x < 0; });
+    if (!xs.empty()) out[name] = quantile(xs, 0.5);
+  }
+  return out;
+}
+
 // The prefill process's part after its endpoint exists: blobs over the pipes, then one warm-up and `iters`
 // measured transfers of `src` (`inflight` at once), every layer ready at once (the forward has finished), each
 // awaited and forgotten. The endpoint is a PdPrefill or a PdStagedPrefill. Exit codes: 3 peer refused,
@@ -868,6 +913,7 @@ Status finish_decode(const Result<transport::DecodeStatus>& st, std::size_t bloc
 // The direct lane with both endpoints in this process (loopback transports hand out each other's pools; one
 // CUDA context): the protocol and the kernels without the second process. A diagnostic beside `direct`.
 Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t block_bytes) {
+  g_last_phases.clear();
   KVTIER_ASSIGN_OR_RETURN(KvLayout layout, KvLayout::uniform(a.layers, 1, block_bytes));
   const DirectPlan plan = direct_plan(a, block_bytes, plan_lists(a));
   KVTIER_ASSIGN_OR_RETURN(DirectSide pre_side, make_direct_side(layout, plan.pool, true, a.backend));
@@ -890,6 +936,8 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   KVTIER_ASSIGN_OR_RETURN(transport::PeerId to_dec, pre_t->load_peer(b1));
   KVTIER_ASSIGN_OR_RETURN(transport::PeerId to_pre, dec_t->load_peer(b2));
   Status prefill_status;
+  std::mutex steps_mu;
+  std::map<std::uint64_t, TransferSteps> steps;
   std::thread prefill([&] {
     prefill_status = run_transfers(
         a.iters, plan_lists(a),
@@ -900,6 +948,10 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
         [&](std::uint64_t id) {
           auto st = pre->wait(id, 60s);
           if (!st.ok() || !st->done) return st.ok() ? st->error : st.status();
+          {
+            std::lock_guard lock(steps_mu);
+            steps[id].prefill = st->times;
+          }
           return pre->forget(id);
         });
   });
@@ -909,13 +961,20 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
   Status s = run_transfers(
       a.iters, a.inflight, [&](std::uint64_t id) { return dec->start(to_pre, id, mode, plan.dst_of(id)); },
       [&](std::uint64_t id) {
-        return finish_decode(dec->wait(id, 60s, !until_final), plan.src.size(),
-                             [&] { return until_final ? deferred.defer(id) : dec->forget(id); });
+        auto st = dec->wait(id, 60s, !until_final);
+        if (st.ok()) {
+          std::lock_guard lock(steps_mu);
+          steps[id].decode = st->times;
+          steps[id].waited = std::chrono::steady_clock::now();
+        }
+        return finish_decode(st, plan.src.size(), [&] { return until_final ? deferred.defer(id) : dec->forget(id); });
       },
       [&] { t0 = std::chrono::steady_clock::now(); }, &g_last_latencies);
   if (s.ok()) s = deferred.drain();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   prefill.join();
+  steps.erase(1);  // the warm-up
+  g_last_phases = summarize_steps(steps, mode);
   KVTIER_RETURN_IF_ERROR(s);
   KVTIER_RETURN_IF_ERROR(prefill_status.with_context("prefill"));
   dec.reset();
@@ -1349,6 +1408,7 @@ int run_bench(const PdArgs& a) {
                 j["ratio_to_gather_all_sms"] = g_last_gather.all_sms > 0 ? *g / g_last_gather.all_sms : 0.0;
                 j["ratio_to_gather"] = g_last_gather.plain > 0 ? *g / g_last_gather.plain : 0.0;
                 j["gather_landed_gbps"] = g_last_gather.landed;
+                if (lane == "direct-inproc" && !g_last_phases.empty()) j["steps_us_p50"] = g_last_phases;
                 // One transfer's end-to-end time on the decode (start to done), against the time the lane's own
                 // kernel needs for its bytes: the difference is what the protocol adds per transfer.
                 j["transfer_us_p50"] = quantile(g_last_latencies, 0.5);

@@ -497,6 +497,11 @@ class Endpoint {
     }
   }
 
+  // The first move of a transfer's bytes on this side (PdTimes::move).
+  static void mark_move(PdTimes& times, Clock::time_point now) {
+    if (times.move == Clock::time_point{}) times.move = now;
+  }
+
   bool device_lane() const noexcept { return options_.engine != nullptr; }
   bool ring_lane() const noexcept { return device_lane() && options_.ring_slots > 0; }
   bool host_direct() const noexcept { return options_.host_direct && !device_lane(); }
@@ -983,7 +988,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.peer = decode;
     x.src = std::move(src_blocks);
     x.layers.resize(blocks_.layout().num_layers());
-    x.last_heard = Clock::now();
+    x.last_heard = x.times.started = Clock::now();
     // A request that arrived before begin() is applied now.
     if (auto it = early_.find(id); it != early_.end()) {
       apply_request(id, x, it->second);
@@ -1099,6 +1104,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::vector<std::uint64_t> strides;
     std::uint32_t ring_slots = 0;  // ring lane: the decode's ring
     std::uint64_t ring_slot_bytes = 0;
+    Clock::time_point arrived;  // when 'R' came (before begin() for an early request)
   };
   // The decode's ring as mapped here (per decode peer, for the endpoint's lifetime).
   struct PeerRing {
@@ -1122,6 +1128,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::uint32_t pieces_per_layer = 0;
     bool lane_list_sent = false;            // device lane, pull: an 'A' with the source list and strides went out
     std::optional<BlockSpace> direct_peer;  // host direct lane, push: the decode's pool as mapped here
+    PdTimes times;
   };
 
   bool busy() const override {
@@ -1153,10 +1160,12 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (l.sent) ++s.layers_sent;
     // Forgetting the transfer before 'Q' went out would leave the decode side's blocks quarantined.
     s.reclaimable = x.final && writes_quiet(x) && x.quiet_sent;
+    s.times = x.times;
     return s;
   }
 
   void apply_request(TransferId id, X& x, Req r) {
+    x.times.request = r.arrived;
     auto refuse = [&](Status why) {
       for (std::uint32_t u = 0; u < x.layers.size(); ++u)
         t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
@@ -1247,6 +1256,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       r.mode = static_cast<PdMode>(mode);
       r.lane = lane == 2 ? 1 : lane;
       r.mover_verifies = lane == 2 || lane == 4;
+      r.arrived = Clock::now();
       if (it == xfers_.end()) {
         early_[id] = std::move(r);
         return;
@@ -1274,6 +1284,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         (void)p.u8(ok);
         if (!x.final) {
           x.final = true;
+          x.times.final = Clock::now();
           x.done = ok != 0;
           if (!x.done) x.error = Aborted(fmt::format("decode side ended transfer {} as failed", id));
         }
@@ -1300,6 +1311,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         }
         if (st->state == XferState::kFailed) fail(x, id, st->error);
         if (st->state != XferState::kInProgress && st->quiescent) {
+          x.times.moved = Clock::now();
           t_.release(*l.xfer).ignore_error();
           l.xfer.reset();
         }
@@ -1377,6 +1389,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     LaneBuffers& lb = *x.lane;
     for (std::uint32_t li : group) x.layers[li].sent = true;
     x.last_sent = Clock::now();
+    mark_move(x.times, x.last_sent);
     const CopyRequest all{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
     Status s = copy_group_and_read_back(lb, group, all);
     if (!s.ok()) {
@@ -1494,6 +1507,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       auto done = lane_device().query(*x.lane->events[li]);
       if (done.ok() && !*done) continue;
       l.lane_pending = false;
+      x.times.moved = Clock::now();
       if (!done.ok()) {
         t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
         fail(x, id, done.status().with_context(fmt::format("layer {} device lane kernel", li)));
@@ -1512,6 +1526,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       else
         m.u32(li).u64s(list_of(*x.lane, li, 0));
       t_.send_notification(x.peer, m.str()).ignore_error();
+      x.times.announced = Clock::now();
     }
   }
 
@@ -1543,8 +1558,10 @@ class Prefill final : public PdPrefill, public Endpoint {
       Msg m('A', id);
       append_read_announcement(m.u32(li), x, {});
       t_.send_notification(x.peer, m.str()).ignore_error();
+      x.times.announced = Clock::now();
       return;
     }
+    mark_move(x.times, x.last_sent);
     if (x.req->mode == PdMode::kPush) {
       const CopyRequest all{&blocks_, &*lb.peer, lb.local_ids, lb.peer_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
       if (x.req->mover_verifies) {
@@ -1590,6 +1607,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.last_sent = Clock::now();
     if (x.req->mode == PdMode::kPull) {  // announced already: the checksums follow
       t_.send_notification(x.peer, Msg('K', id).u32(li).u64s(ck).str()).ignore_error();
+      x.times.announced = Clock::now();
       return;
     }
     std::vector<LocalDesc> ld;
@@ -1597,6 +1615,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     layer_descs(li, x.src, x.req->dst, x.req->strides, ld, rd);
     Msg m('W', id);
     m.u32(li).u64s(ck);
+    mark_move(x.times, Clock::now());
     auto posted = t_.post(XferOp::kWrite, x.peer, ld, rd, m.str());
     if (!posted.ok()) {
       t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
@@ -1604,6 +1623,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       return;
     }
     l.xfer = *posted;
+    x.times.announced = Clock::now();
   }
 
   // Transport lane, pull: the layer is ready; 'A' with its source list and no checksums (they follow in 'K').
@@ -1611,7 +1631,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     Msg m('A', id);
     m.u32(li).u64s(x.src).u64s(std::span<const std::uint64_t>{}).u64s(local_strides());
     t_.send_notification(x.peer, m.str()).ignore_error();
-    x.last_sent = Clock::now();
+    x.last_sent = x.times.announced = Clock::now();
   }
 
   // Host direct lane. Push: the layer's copy is done (on the worker, or here for a small layer); 'W' carries the
@@ -1697,7 +1717,7 @@ class Decode final : public PdDecode, public Endpoint {
       x.layers.assign(blocks_.layout().num_layers(), LayerState::kPending);
       x.block_layer_ok.assign(x.dst.size() * x.layers.size(), 0);
       x.reads.resize(x.layers.size());
-      x.last_heard = x.last_sent = Clock::now();
+      x.last_heard = x.last_sent = x.times.started = Clock::now();
       if (ring_lane()) {
         x.pieces_per_layer = static_cast<std::uint32_t>((x.dst.size() + ring_.per_slot - 1) / ring_.per_slot);
         x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
@@ -1711,6 +1731,7 @@ class Decode final : public PdDecode, public Endpoint {
         fail_rest(x, s);
       } else {
         x.request_sent = true;
+        x.times.request = Clock::now();
         // Slots are granted in order, after the request (the prefill ignores grants of transfers it does not know).
         for (std::size_t u = 0; u < x.pieces.size(); ++u) ring_waiting_.emplace_back(id, u);
         grant_ring();
@@ -1795,6 +1816,7 @@ class Decode final : public PdDecode, public Endpoint {
     bool prefill_quiet = false;  // 'Q': no write of the prefill side can still land
     bool request_sent = false;   // 'R' was handed to the transport: the prefill may know the destinations
     KeptStatus error;
+    PdTimes times;
     // Device lane: buffers, and per layer the checksums announced by the prefill and whether the layer's
     // kernel (verification pass in push, read in pull) is still running.
     std::unique_ptr<LaneBuffers> lane;
@@ -1847,6 +1869,7 @@ class Decode final : public PdDecode, public Endpoint {
     s.layers = x.layers;
     s.final = all_final(x);
     s.error = x.error;
+    s.times = x.times;
     const std::size_t n = x.dst.size();
     s.layer_block_loaded = x.block_layer_ok;
     s.block_loaded.assign(n, true);
@@ -2109,6 +2132,7 @@ class Decode final : public PdDecode, public Endpoint {
           fail_layer(x, layer, posted.status());
           return;
         }
+        mark_move(x.times, Clock::now());
         x.reads[layer].xfer = *posted;  // keeps the checksums of a 'K' that came first
         x.reads[layer].active = true;
         return;
@@ -2202,6 +2226,7 @@ class Decode final : public PdDecode, public Endpoint {
     LaneBuffers& lb = *x.lane;
     const std::uint32_t layers[1] = {layer};
     Status s;
+    mark_move(x.times, Clock::now());
     if (from == nullptr) {
       s = options_.engine->checksum(blocks_, lb.local_ids, layers, kAllRoles, lb.device_at(layer), *lane_stream_)
               .status();
@@ -2241,6 +2266,7 @@ class Decode final : public PdDecode, public Endpoint {
     }
     LaneBuffers& lb = *x.lane;
     const CopyRequest all{&*lb.peer, &blocks_, lb.peer_ids, lb.local_ids, {}, kAllRoles, CopyStrategy::kSmKernel};
+    mark_move(x.times, Clock::now());
     Status s = copy_group_and_read_back(lb, group, all);
     if (!s.ok()) {
       drain_lane();
@@ -2262,6 +2288,7 @@ class Decode final : public PdDecode, public Endpoint {
       auto done = lane_device().query(*x.lane->events[l]);
       if (done.ok() && !*done) continue;
       x.lane_pending[l] = 0;
+      x.times.moved = Clock::now();
       if (!done.ok()) {
         fail_layer(x, l, done.status().with_context(fmt::format("transfer {} layer {}: device lane kernel", id, l)));
       } else if (x.mode == PdMode::kPull && mover_verifies()) {
@@ -2294,7 +2321,10 @@ class Decode final : public PdDecode, public Endpoint {
         }
         if (st->state == XferState::kInProgress) continue;
         if (st->state == XferState::kDone) {
-          if (!r.landed) verify_layer(id, x, l, std::move(r.ck), r.ck_known);
+          if (!r.landed) {
+            x.times.moved = now;
+            verify_layer(id, x, l, std::move(r.ck), r.ck_known);
+          }
           r.landed = true;
         } else {
           fail_layer(x, l, st->error);
@@ -2307,6 +2337,7 @@ class Decode final : public PdDecode, public Endpoint {
       if (all_final(x)) {
         if (!x.fin_sent) {
           x.fin_sent = true;
+          x.times.final = now;
           const DecodeStatus s = summarize(x, now);
           const bool ok = s.leading_loaded_blocks() == x.dst.size();
           t_.send_notification(x.peer, Msg('F', id).u8(ok ? 1 : 0).str()).ignore_error();

@@ -129,13 +129,20 @@ _KEY_RE = re.compile(r"^key_caches_(\d+)_rank")
 
 @dataclass
 class PrefillStatus:
-    """A prefill transfer's state. ``error`` is the exception of its failure (None when none)."""
+    """A prefill transfer's state. ``error`` is the exception of its failure (None when none).
+
+    ``times``: the steps this side has reached, in seconds of ``time.monotonic()``'s clock (system-wide, so the two
+    sides compare on one host): ``started`` (begin), ``request`` (the decode's request arrived), ``move`` and
+    ``moved`` (this side's first copy or write began, its last was seen complete), ``announced`` (its last layer's
+    notification went out), ``final``.
+    """
 
     final: bool
     done: bool
     reclaimable: bool
     layers_sent: int
     error: Optional[KvtierError] = None
+    times: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,7 +153,9 @@ class DecodeStatus:
     ``block_loaded``: per position of the destination list, every layer verified;
     ``leading_loaded_blocks``: positions ``[0, n)`` all loaded (what may join a prefix index);
     ``reclaimable``: no byte can still land in the destination blocks;
-    ``error``: the exception of the first failure (None when every block loaded).
+    ``error``: the exception of the first failure (None when every block loaded);
+    ``times``: the steps this side has reached (as ``PrefillStatus.times``: ``started``, ``request`` sent, ``move``
+    and ``moved`` where this side reads, ``final``).
     """
 
     final: bool
@@ -155,6 +164,7 @@ class DecodeStatus:
     block_loaded: List[bool] = field(default_factory=list)
     leading_loaded_blocks: int = 0
     error: Optional[KvtierError] = None
+    times: Dict[str, float] = field(default_factory=dict)
 
 
 KvTensors = Union[Mapping[str, Any], Sequence[Any]]

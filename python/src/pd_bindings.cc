@@ -117,6 +117,21 @@ PdMode parse_mode(const std::string& mode) {
   raise_status(InvalidArgument(fmt::format("mode '{}' is not push or pull", mode)));
 }
 
+// The steps this side has reached, in seconds of the monotonic clock (Python's time.monotonic() on Linux).
+nb::dict times_dict(const transport::PdTimes& t) {
+  nb::dict d;
+  auto put = [&](const char* name, transport::PdTimes::TimePoint at) {
+    if (at != transport::PdTimes::TimePoint{}) d[name] = std::chrono::duration<double>(at.time_since_epoch()).count();
+  };
+  put("started", t.started);
+  put("request", t.request);
+  put("move", t.move);
+  put("moved", t.moved);
+  put("announced", t.announced);
+  put("final", t.final);
+  return d;
+}
+
 nb::dict prefill_dict(const PrefillStatus& s) {
   nb::dict d;
   d["final"] = s.final;
@@ -124,6 +139,7 @@ nb::dict prefill_dict(const PrefillStatus& s) {
   d["reclaimable"] = s.reclaimable;
   d["layers_sent"] = s.layers_sent;
   d["error"] = exception_object(s.error);
+  d["times"] = times_dict(s.times);
   return d;
 }
 
@@ -139,6 +155,7 @@ nb::dict decode_dict(const DecodeStatus& s) {
   d["block_loaded"] = loaded;
   d["leading_loaded_blocks"] = s.leading_loaded_blocks();
   d["error"] = exception_object(s.error);
+  d["times"] = times_dict(s.times);
   return d;
 }
 

@@ -92,6 +92,44 @@ TEST_P(PdModes, LayersArriveByteExactAndEachCanBeAwaited) {
   EXPECT_TRUE(rig.dec->forget(42).ok());
 }
 
+// Each side's step times (PdTimes) follow the transfer: the decode asks, the prefill hears it, the bytes move and
+// are seen done, the last notification goes out, the decode is final; both statuses carry them.
+TEST_P(PdModes, StepTimesFollowTheTransferOnBothSides) {
+  Rig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 11, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 11, GetParam(), kDst).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(11, l).ok());
+  auto fin = rig.dec->wait(11, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  ASSERT_EQ(fin->leading_loaded_blocks(), 4u);
+  auto pf = rig.pre->wait(11, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  const PdTimes &d = fin->times, &p = pf->times;
+  const PdTimes::TimePoint never{};
+  for (auto t : {d.started, d.request, d.final, p.started, p.request, p.announced, p.final}) EXPECT_NE(t, never);
+  const PdTimes& mover = GetParam() == PdMode::kPush ? p : d;
+  EXPECT_NE(mover.move, never);
+  EXPECT_NE(mover.moved, never);
+  EXPECT_LE(p.started, p.request) << "begin() came before the request";
+  EXPECT_LE(d.started, d.request);
+  EXPECT_LE(d.request, p.request);
+  if (GetParam() == PdMode::kPush) {
+    // The prefill writes: its move (posted after the request) is seen done, then the decode is final.
+    EXPECT_EQ(d.move, never);
+    EXPECT_LE(p.request, p.move);
+    EXPECT_LE(p.move, p.announced);
+    EXPECT_LE(p.move, p.moved);
+    EXPECT_LE(p.announced, d.final);
+  } else {
+    // The decode reads after the first announcement and is final after its reads were seen done.
+    EXPECT_EQ(p.move, never);
+    EXPECT_LE(p.request, d.move);
+    EXPECT_LE(d.move, d.moved);
+    EXPECT_LE(d.moved, d.final);
+  }
+  EXPECT_LE(d.final, p.final) << "the prefill is final on the decode's 'F'";
+}
+
 TEST_P(PdModes, ALayerWaitsForItsDeviceEvent) {
   Rig rig;
   auto dev = HostDevice::create().value();

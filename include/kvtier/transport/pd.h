@@ -190,6 +190,19 @@ CopyEngineOptions lane_engine_options();
 // The checksum of one block of one layer (xxh3-64 over its roles in order).
 std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
 
+// When a transfer's steps happened on one side (steady_clock, which is system-wide on Linux, so the two sides'
+// times compare across processes of one host; a default time_point: not yet, or not a step of this lane). What
+// `kvtier bench pd` splits one transfer's time into.
+struct PdTimes {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  TimePoint started;  // prefill: begin(); decode: start()
+  TimePoint request;  // prefill: the decode's 'R' arrived; decode: 'R' handed to the transport
+  TimePoint move;     // this side's first move of the transfer's bytes began (a copy launched, a write or read posted)
+  TimePoint moved;    // this side saw its last move complete (a copy's event, a write's or read's completion)
+  TimePoint announced;  // prefill: its last layer's notification ('W', 'A' or 'K') handed to the transport
+  TimePoint final;      // every layer final on this side
+};
+
 // ---- prefill side ----------------------------------------------------------------------------------------
 
 struct PrefillStatus {
@@ -198,6 +211,7 @@ struct PrefillStatus {
   bool reclaimable = false;  // source blocks may be reused
   std::uint32_t layers_sent = 0;
   KeptStatus error;
+  PdTimes times;
 };
 
 class PdPrefill {
@@ -239,6 +253,7 @@ struct DecodeStatus {
   // loaded before the transfer is final. Empty where an endpoint does not know it.
   std::vector<std::uint8_t> layer_block_loaded;
   KeptStatus error;  // first failure seen (OK when every block loaded)
+  PdTimes times;
   bool layer_block_is_loaded(std::uint32_t layer, std::size_t position) const {
     const std::size_t n = block_loaded.size(), at = std::size_t{layer} * n + position;
     return position < n && at < layer_block_loaded.size() && layer_block_loaded[at] != 0;
