@@ -528,21 +528,21 @@ std::map<std::string, double> summarize_steps(const std::map<std::uint64_t, Tran
   for (const auto& [id, t] : steps) {
     const transport::PdTimes &p = t.prefill, &d = t.decode;
     v["total"].push_back(us(d.started, t.waited));
+    v["decode_start_to_request_sent"].push_back(us(d.started, d.request));
     v["request_to_prefill"].push_back(us(d.request, p.request));
-    // A request that came before the prefill's begin() waits for it (the bench's prefill opens a transfer once an
-    // earlier one is done).
-    v["request_waits_for_begin"].push_back(std::max(0.0, us(p.request, p.started)));
     if (mode == PdMode::kPush) {
-      // The prefill moves: from the request (or begin(), if later) to its copy, the copy until seen complete, the
-      // notifications, the decode's verdict.
+      // The prefill moves: a request that came before the prefill's begin() waits for it (the bench's prefill opens
+      // a transfer once an earlier one is done); then its copy, seen complete, the notifications, the decode's
+      // verdict.
+      v["request_waits_for_begin"].push_back(std::max(0.0, us(p.request, p.started)));
       v["prefill_until_move"].push_back(us(std::max(p.request, p.started), p.move));
       v["move_until_seen_done"].push_back(us(p.move, p.moved));
       v["seen_done_to_notified"].push_back(us(p.moved, p.announced));
       v["notified_to_decode_final"].push_back(us(p.announced, d.final));
     } else {
-      // The decode moves once announced.
-      v["prefill_until_announced"].push_back(us(std::max(p.request, p.started), p.announced));
-      v["announced_to_decode_move"].push_back(us(p.announced, d.move));
+      // The decode moves once announced: from the request's arrival (begin(), the announcement and its hop) to the
+      // decode's copy, the copy until seen complete, the verdict.
+      v["prefill_request_to_decode_move"].push_back(us(p.request, d.move));
       v["move_until_seen_done"].push_back(us(d.move, d.moved));
       v["seen_done_to_decode_final"].push_back(us(d.moved, d.final));
     }

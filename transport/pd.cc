@@ -2337,7 +2337,7 @@ class Decode final : public PdDecode, public Endpoint {
       if (all_final(x)) {
         if (!x.fin_sent) {
           x.fin_sent = true;
-          x.times.final = now;
+          x.times.final = Clock::now();  // not `now`: this tick may have finished the layers after it
           const DecodeStatus s = summarize(x, now);
           const bool ok = s.leading_loaded_blocks() == x.dst.size();
           t_.send_notification(x.peer, Msg('F', id).u8(ok ? 1 : 0).str()).ignore_error();
