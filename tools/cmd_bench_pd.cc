@@ -536,17 +536,22 @@ std::map<std::string, double> summarize_steps(const std::map<std::uint64_t, Tran
       // verdict.
       v["request_waits_for_begin"].push_back(std::max(0.0, us(p.request, p.started)));
       v["prefill_until_move"].push_back(us(std::max(p.request, p.started), p.move));
-      v["move_until_seen_done"].push_back(us(p.move, p.moved));
+      v["move_until_posted"].push_back(us(p.move, p.posted));
+      v["posted_until_seen_done"].push_back(us(p.posted, p.moved));
       v["seen_done_to_notified"].push_back(us(p.moved, p.announced));
       v["notified_to_decode_final"].push_back(us(p.announced, d.final));
     } else {
       // The decode moves once announced: from the request's arrival (begin(), the announcement and its hop) to the
       // decode's copy, the copy until seen complete, the verdict.
       v["prefill_request_to_decode_move"].push_back(us(p.request, d.move));
-      v["move_until_seen_done"].push_back(us(d.move, d.moved));
+      v["move_until_posted"].push_back(us(d.move, d.posted));
+      v["posted_until_seen_done"].push_back(us(d.posted, d.moved));
       v["seen_done_to_decode_final"].push_back(us(d.moved, d.final));
     }
+    // The decode's waiter woken (a transfer that loaded is reclaimable at once); beside the chain, the hop of the
+    // decode's 'F' to the prefill.
     v["decode_final_to_wait_returned"].push_back(us(d.final, t.waited));
+    v["decode_final_to_prefill_final"].push_back(us(d.final, p.final));
   }
   std::map<std::string, double> out;
   for (auto& [name, xs] : v) {

@@ -126,6 +126,7 @@ nb::dict times_dict(const transport::PdTimes& t) {
   put("started", t.started);
   put("request", t.request);
   put("move", t.move);
+  put("posted", t.posted);
   put("moved", t.moved);
   put("announced", t.announced);
   put("final", t.final);

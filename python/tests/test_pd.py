@@ -112,7 +112,7 @@ def test_transfer_is_byte_exact(transport, mode):
         assert pst.final and pst.done and pst.reclaimable and pst.error is None and pst.layers_sent == LAYERS
         # Each side's step times, on time.monotonic()'s clock, in the order the transfer took them.
         mover, now = (pst if mode == "push" else st).times, time.monotonic()
-        assert st.times["started"] <= st.times["request"] <= pst.times["request"] <= mover["move"] <= mover["moved"]
+        assert st.times["started"] <= st.times["request"] <= pst.times["request"] <= mover["move"] <= mover["posted"] <= mover["moved"]
         assert pst.times["started"] <= pst.times["announced"] <= pst.times["final"] <= now
         assert st.times["request"] <= st.times["final"] <= pst.times["final"]
         untouched = sorted(set(range(DECODE_BLOCKS)) - set(dst_blocks))

@@ -110,6 +110,8 @@ TEST_P(PdModes, StepTimesFollowTheTransferOnBothSides) {
   const PdTimes& mover = GetParam() == PdMode::kPush ? p : d;
   EXPECT_NE(mover.move, never);
   EXPECT_NE(mover.moved, never);
+  EXPECT_LE(mover.move, mover.posted);
+  EXPECT_LE(mover.posted, mover.moved);
   EXPECT_LE(p.started, p.request) << "begin() came before the request";
   EXPECT_LE(d.started, d.request);
   EXPECT_LE(d.request, p.request);

@@ -195,10 +195,11 @@ std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer,
 // `kvtier bench pd` splits one transfer's time into.
 struct PdTimes {
   using TimePoint = std::chrono::steady_clock::time_point;
-  TimePoint started;  // prefill: begin(); decode: start()
-  TimePoint request;  // prefill: the decode's 'R' arrived; decode: 'R' handed to the transport
-  TimePoint move;     // this side's first move of the transfer's bytes began (a copy launched, a write or read posted)
-  TimePoint moved;    // this side saw its last move complete (a copy's event, a write's or read's completion)
+  TimePoint started;    // prefill: begin(); decode: start()
+  TimePoint request;    // prefill: the decode's 'R' arrived; decode: 'R' handed to the transport
+  TimePoint move;       // this side's first move of the transfer's bytes began (its copy's launch, write or read)
+  TimePoint posted;     // ... and was handed over (the launch call returned, the transport took the write or read)
+  TimePoint moved;      // this side saw its last move complete (a copy's event, a write's or read's completion)
   TimePoint announced;  // prefill: its last layer's notification ('W', 'A' or 'K') handed to the transport
   TimePoint final;      // every layer final on this side
 };
