@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "core/byte_codec.h"
@@ -611,12 +612,35 @@ class ChecksumMessageTap final : public testing::ForwardingTransport {
   std::vector<std::pair<PeerId, std::string>> held_;
 };
 
+// The decode side's transport, counting the transfers its polls found done (the reads of a pull). Reading the
+// destination blocks only after that keeps the test's reads ordered after the transport's writes.
+class DoneReadsTap final : public testing::ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  Result<XferStatus> poll(XferId xfer) override {
+    Result<XferStatus> st = inner().poll(xfer);
+    if (st.ok() && st->state == XferState::kDone) {
+      std::lock_guard lock(mu_);
+      done_.insert(xfer);
+    }
+    return st;
+  }
+  std::size_t done() {
+    std::lock_guard lock(mu_);
+    return done_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<XferId> done_;
+};
+
 struct TappedPullRig {
   KvLayout layout = pd_layout();
   HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
   HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
   std::unique_ptr<ChecksumMessageTap> pre_t;
-  std::unique_ptr<Transport> dec_t;
+  std::unique_ptr<DoneReadsTap> dec_t;
   std::unique_ptr<PdPrefill> pre;
   std::unique_ptr<PdDecode> dec;
   PeerId to_dec = 0, to_pre = 0;
@@ -624,7 +648,8 @@ struct TappedPullRig {
     const int n = ++g_seq;
     pre_t = std::make_unique<ChecksumMessageTap>(
         create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value());
-    dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
+    dec_t = std::make_unique<DoneReadsTap>(
+        create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value());
     pre = PdPrefill::create(*pre_t, pre_mem.space).value();
     dec = PdDecode::create(*dec_t, dec_mem.space).value();
     to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
@@ -648,9 +673,10 @@ TEST(PdPull, ReadsLandBeforeTheChecksumsComeAndNoBlockIsLoadedUntilTheyMatch) {
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(5, l).ok());
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, PdMode::kPull, kDst).ok());
   const auto limit = std::chrono::steady_clock::now() + 5s;
-  while ((!rig.all_landed() || rig.pre_t->seen() < 4) && std::chrono::steady_clock::now() < limit)
+  while ((rig.dec_t->done() < 4 || rig.pre_t->seen() < 4) && std::chrono::steady_clock::now() < limit)
     std::this_thread::sleep_for(1ms);
-  ASSERT_TRUE(rig.all_landed()) << "the reads did not run before the checksums were sent";
+  ASSERT_EQ(rig.dec_t->done(), 4u) << "the reads did not run before the checksums were sent";
+  ASSERT_TRUE(rig.all_landed());
   ASSERT_EQ(rig.pre_t->seen(), 4) << "one checksum message per layer";
   std::this_thread::sleep_for(50ms);
   auto s = rig.dec->status(5);
