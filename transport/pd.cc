@@ -1790,8 +1790,8 @@ class Decode final : public PdDecode, public Endpoint {
     std::lock_guard lock(mu_);
     auto it = xfers_.find(id);
     if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
-    DecodeStatus s = summarize(it->second, Clock::now());
-    if (!s.final || !s.reclaimable)
+    // The two flags alone: a full summary walks every (block, layer) of the transfer.
+    if (!all_final(it->second) || !is_reclaimable(it->second))
       return FailedPrecondition(fmt::format("decode transfer {} is not final and reclaimable", id));
     // Slots granted to pieces that never came stay out of the ring until the prefill is quiet.
     for (const Piece& pc : it->second.pieces)
