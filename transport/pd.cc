@@ -1730,6 +1730,8 @@ class Decode final : public PdDecode, public Endpoint {
         x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
       }
     }
+    // Taken before the send: the prefill may have the request before the send call returns.
+    const Clock::time_point handed = Clock::now();
     Status s = t_.send_notification(prefill, m.str());
     {
       std::lock_guard lock(mu_);
@@ -1738,7 +1740,7 @@ class Decode final : public PdDecode, public Endpoint {
         fail_rest(x, s);
       } else {
         x.request_sent = true;
-        x.times.request = Clock::now();
+        x.times.request = handed;
         // Slots are granted in order, after the request (the prefill ignores grants of transfers it does not know).
         for (std::size_t u = 0; u < x.pieces.size(); ++u) ring_waiting_.emplace_back(id, u);
         grant_ring();
