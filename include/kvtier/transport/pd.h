@@ -196,7 +196,7 @@ std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer,
 struct PdTimes {
   using TimePoint = std::chrono::steady_clock::time_point;
   TimePoint started;    // prefill: begin(); decode: start()
-  TimePoint request;    // prefill: the decode's 'R' arrived; decode: 'R' handed to the transport
+  TimePoint request;    // prefill: the decode's 'R' arrived; decode: just before 'R' went to the transport
   TimePoint move;       // this side's first move of the transfer's bytes began (its copy's launch, write or read)
   TimePoint posted;     // ... and was handed over (the launch call returned, the transport took the write or read)
   TimePoint moved;      // this side saw its last move complete (a copy's event, a write's or read's completion)
