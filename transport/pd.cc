@@ -2338,7 +2338,7 @@ class Decode final : public PdDecode, public Endpoint {
         if (st->state == XferState::kInProgress) continue;
         if (st->state == XferState::kDone) {
           if (!r.landed) {
-            x.times.moved = now;
+            x.times.moved = Clock::now();
             verify_layer(id, x, l, std::move(r.ck), r.ck_known);
           }
           r.landed = true;
