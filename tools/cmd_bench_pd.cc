@@ -119,6 +119,8 @@ struct PdArgs {
   // KEY=VALUE settings of the lanes' CopyEngineOptions (copy_config.h's knob names without a prefix), applied over
   // transport::lane_engine_options() in both processes.
   std::vector<std::string> lane_engine;
+  // PdOptions::busy_wait of both endpoints, in microseconds.
+  std::int64_t busy_wait_us = transport::PdOptions{}.busy_wait.count();
 };
 
 // The options of every lane engine this command creates: lane_engine_options() with --lane-engine applied (set
@@ -315,12 +317,14 @@ Status check_device_bytes(DeviceSide& d, std::byte fill) {
   return Status::Ok();
 }
 
-const transport::PdOptions kPdOptions{std::chrono::milliseconds(200), std::chrono::milliseconds(5000)};
+// Every endpoint's options (heartbeat, lease), with --busy-wait-us applied (set once, before any row; the prefill
+// process gets the same value on its command line).
+transport::PdOptions g_pd_options{std::chrono::milliseconds(200), std::chrono::milliseconds(5000)};
 
 // The host lanes' options: shm-direct is UCX's shared-memory transport with PdOptions::host_direct (the moving side
 // copies through UCX's mapping of the peer's pool).
 transport::PdOptions host_lane_options(const std::string& lane) {
-  transport::PdOptions o = kPdOptions;
+  transport::PdOptions o = g_pd_options;
   o.host_direct = lane == "shm-direct";
   return o;
 }
@@ -611,7 +615,7 @@ int run_prefill_direct(const PdArgs& a) {
   }
   auto t = direct_transport({"bench-prefill", layout->fingerprint(), 1, 0});
   if (!t.ok()) return 5;
-  transport::PdOptions o = kPdOptions;
+  transport::PdOptions o = g_pd_options;
   o.engine = side->engine.get();
   set_lane_verify(a.lane_verify, o);
   if (a.lane == "ring") set_ring_options(a, plan.src.size() * a.block_bytes, o);
@@ -768,7 +772,7 @@ int run_prefill_staged(const PdArgs& a, const KvLayout& layout, std::uint64_t n)
     return 5;
   }
   transport::StagedOptions so;
-  so.pd = kPdOptions;
+  so.pd = g_pd_options;
   auto pre =
       transport::PdStagedPrefill::create(**t, *side->device, *side->engine, side->space, side->staging.space, so);
   if (!pre.ok()) return 5;
@@ -929,7 +933,7 @@ Result<double> run_direct_in_process(const PdArgs& a, PdMode mode, std::uint64_t
                                           {fmt::format("bench-inproc-prefill{}", seq), layout.fingerprint(), 1, 0}));
   KVTIER_ASSIGN_OR_RETURN(auto dec_t, transport::create_loopback_transport(
                                           {fmt::format("bench-inproc-decode{}", seq), layout.fingerprint(), 1, 0}));
-  transport::PdOptions po = kPdOptions, dopt = kPdOptions;
+  transport::PdOptions po = g_pd_options, dopt = g_pd_options;
   po.engine = pre_side.engine.get();
   dopt.engine = dec_side.engine.get();
   set_lane_verify(a.lane_verify, po);
@@ -1040,7 +1044,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   DeferredForget deferred([&](auto id) { return plain->wait(id, 60s, true); },
                           [&](auto id) { return plain->forget(id); });  // direct and ring lanes, --decode-wait final
   if (direct) {
-    transport::PdOptions o = kPdOptions;
+    transport::PdOptions o = g_pd_options;
     o.engine = direct_side->engine.get();
     set_lane_verify(a.lane_verify, o);
     if (ring) set_ring_options(a, n * block_bytes, o);
@@ -1050,7 +1054,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
            [&](auto id) { return a.decode_wait == "final" ? deferred.defer(id) : plain->forget(id); }};
   } else if (staged) {
     transport::StagedOptions so;
-    so.pd = kPdOptions;
+    so.pd = g_pd_options;
     KVTIER_ASSIGN_OR_RETURN(sdec, transport::PdStagedDecode::create(*t, *side->device, *side->engine, side->space,
                                                                     side->staging.space, so));
     dec = {[&](auto p, auto id, auto m, auto b) { return sdec->start(p, id, m, std::move(b)); },
@@ -1152,6 +1156,8 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                                      a.ring_copy,
                                      "--host-alloc",
                                      a.host_alloc};
+    args.push_back("--busy-wait-us");
+    args.push_back(std::to_string(a.busy_wait_us));
     for (const std::string& kv : a.lane_engine) {
       args.push_back("--lane-engine");
       args.push_back(kv);
@@ -1425,6 +1431,7 @@ int run_bench(const PdArgs& a) {
                                             : 0.0;
                 j["ratio_to_gather_landed"] = g_last_gather.landed > 0 ? *g / g_last_gather.landed : 0.0;
                 if (!a.lane_engine.empty()) j["lane_engine"] = a.lane_engine;
+                j["busy_wait_us"] = a.busy_wait_us;
                 j["bytes_checked"] = true;
               }
               if (memory == "host" && has_raw) {
@@ -1529,6 +1536,10 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--lane-engine", a->lane_engine,
                   "KEY=VALUE settings of the lanes' copy engine over lane_engine_options() (knob names of "
                   "copy_config.h without a prefix, e.g. sm_landed_item_bytes=8192); repeat for several");
+  cmd->add_option("--busy-wait-us", a->busy_wait_us,
+                  "PdOptions::busy_wait of both endpoints: microseconds between the progress thread's looks while "
+                  "a transfer needs polling (0: yield, no sleep)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1000}));
   auto* role = cmd->add_option("--role", a->role, "internal: the prefill process");
   role->group("");
   cmd->add_option("--lane", a->lane)->group("");
@@ -1572,6 +1583,7 @@ Action register_bench_pd(CLI::App& bench) {
                      l.c_str());
         return 2;
       }
+    g_pd_options.busy_wait = std::chrono::microseconds(a->busy_wait_us);
     if (auto o = lane_engine_from(a->lane_engine); o.ok()) {
       g_lane_engine = *o;
     } else {

@@ -267,6 +267,9 @@ class Endpoint {
     if (options_.idle_wait.count() <= 0 || options_.idle_wait > options_.heartbeat)
       return InvalidArgument(fmt::format("{}: idle_wait {} us: need 0 < idle_wait <= heartbeat ({} ms)", role,
                                          options_.idle_wait.count(), options_.heartbeat.count()));
+    if (options_.busy_wait.count() < 0 || options_.busy_wait > options_.idle_wait)
+      return InvalidArgument(fmt::format("{}: busy_wait {} us: need 0 <= busy_wait <= idle_wait ({} us)", role,
+                                         options_.busy_wait.count(), options_.idle_wait.count()));
     if (options_.engine != nullptr) {
       Device& dev = options_.engine->device();
       if (blocks_.kind() != MemoryKind::kDevice || blocks_.device_ordinal() != dev.ordinal())
@@ -416,7 +419,7 @@ class Endpoint {
 
   void loop() {
 #ifdef __linux__
-    // The busy period's 20 us waits would otherwise sleep the kernel's default timer slack (50 us) on top. A
+    // The busy period's waits (busy_wait, 20 us) would otherwise sleep the kernel's default timer slack (50 us) on top. A
     // refusal costs only that latency.
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
 #endif
@@ -431,7 +434,8 @@ class Endpoint {
       // again soon, so a layer does not wait a whole idle period behind them. Idle, messages wake the thread, and
       // so do the calls that give it work (wake_progress): a copy launched or a layer declared from the caller's
       // thread while this one sleeps would otherwise wait out the idle period.
-      auto got = t_.wait_notifications(active ? std::chrono::microseconds(20) : options_.idle_wait);
+      if (active && options_.busy_wait.count() == 0) std::this_thread::yield();
+      auto got = t_.wait_notifications(active ? options_.busy_wait : options_.idle_wait);
       std::lock_guard lock(mu_);
       if (got.ok()) {
         for (const Notification& n : *got) {

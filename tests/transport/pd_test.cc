@@ -93,6 +93,29 @@ TEST_P(PdModes, LayersArriveByteExactAndEachCanBeAwaited) {
   EXPECT_TRUE(rig.dec->forget(42).ok());
 }
 
+// busy_wait 0: the progress threads yield instead of sleeping while a transfer is in progress; every layer still
+// arrives byte-exact, and both sides end.
+TEST_P(PdModes, ProgressThreadsThatDoNotSleepWhileBusyMoveEveryLayerByteExact) {
+  PdOptions o;
+  o.busy_wait = 0us;
+  Rig rig({}, {}, o);
+  for (TransferId id = 100; id < 103; ++id) {
+    for (BlockId b : kDst)
+      for (std::uint32_t l = 0; l < 4; ++l) std::memset(rig.dec_mem.space.block_ptr(l, 0, b), 0x5a, 16);
+    ASSERT_TRUE(rig.pre->begin(rig.to_dec, id, kSrc).ok());
+    ASSERT_TRUE(rig.dec->start(rig.to_pre, id, GetParam(), kDst).ok());
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(id, l).ok());
+    auto fin = rig.dec->wait(id, 5s, true);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+    for (std::uint32_t l = 0; l < 4; ++l)
+      for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+    ASSERT_TRUE(rig.pre->wait(id, 5s).ok());
+    EXPECT_TRUE(rig.pre->forget(id).ok());
+    EXPECT_TRUE(rig.dec->forget(id).ok());
+  }
+}
+
 // Each side's step times (PdTimes) follow the transfer: the decode asks, the prefill hears it, the bytes move and
 // are seen done, the last notification goes out, the decode is final; both statuses carry them.
 TEST_P(PdModes, StepTimesFollowTheTransferOnBothSides) {
@@ -390,16 +413,19 @@ TEST(Pd, TimingOptionsOutOfRangeAreRefusedNamingTheValue) {
   HostBlocks mem = HostBlocks::make(layout, 8, true);
   struct Bad {
     std::chrono::milliseconds heartbeat, lease;
-    std::chrono::microseconds idle;
+    std::chrono::microseconds idle, busy = 20us;
     const char* names;
   };
-  for (const Bad& b :
-       {Bad{0ms, 1000ms, 1000us, "heartbeat 0 ms"}, Bad{100ms, 100ms, 1000us, "lease 100 ms"},
-        Bad{100ms, 1000ms, 0us, "idle_wait 0 us"}, Bad{100ms, 1000ms, 100001us, "idle_wait 100001 us"}}) {
+  for (const Bad& b : {Bad{0ms, 1000ms, 1000us, 20us, "heartbeat 0 ms"}, Bad{100ms, 100ms, 1000us, 20us, "lease 100 ms"},
+                       Bad{100ms, 1000ms, 0us, 0us, "idle_wait 0 us"},
+                       Bad{100ms, 1000ms, 100001us, 20us, "idle_wait 100001 us"},
+                       Bad{100ms, 1000ms, 1000us, -1us, "busy_wait -1 us"},
+                       Bad{100ms, 1000ms, 1000us, 1001us, "busy_wait 1001 us"}}) {
     PdOptions o;
     o.heartbeat = b.heartbeat;
     o.lease = b.lease;
     o.idle_wait = b.idle;
+    o.busy_wait = b.busy;
     auto t = create_loopback_transport({fmt::format("opt{}", ++g_seq), layout.fingerprint(), 1, 0}).value();
     auto pre = PdPrefill::create(*t, mem.space, o);
     ASSERT_FALSE(pre.ok()) << b.names;

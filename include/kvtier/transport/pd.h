@@ -138,6 +138,10 @@ struct PdOptions {
   // call of this endpoint that gives the thread work (begin, layer_ready, start), wakes it at once; the period
   // bounds how late heartbeats are sent and leases checked, and how often an idle endpoint wakes up.
   std::chrono::microseconds idle_wait{1000};
+  // How long the progress thread waits between looks while a transfer needs polling (a device lane kernel's
+  // event, a layer's readiness; at most `idle_wait`): what it can add to the moment a completion is seen. 0: it
+  // does not sleep but yields between looks (a core busy while such work is pending, for the lowest latency).
+  std::chrono::microseconds busy_wait{20};
   // The device lane (see "Device lane" above): blocks in device memory of engine->device(), moved by its SM
   // kernel straight between the two pools. Null: the transport lane. Must outlive the endpoint. Create it with
   // lane_engine_options() (below), so that the progress thread does not wait for descriptor slots.
