@@ -1032,10 +1032,19 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
     transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
     KVTIER_ASSIGN_OR_RETURN(side, make_device_side(a.backend, layout, n, std::byte{0x40}, from, a.inflight));
   }
+  // Host rows through the protocol: a stretch of n blocks per transfer in flight (a destination block belongs to
+  // one transfer until it is forgotten); the raw rows move the first n blocks, which the protocol does not govern.
+  const std::uint64_t host_lists = !staged && !direct && !raw ? std::max<std::uint32_t>(1, a.inflight) : 1;
   if (!staged && !direct) {
     transport::Transport* from = a.host_alloc == "transport" ? t.get() : nullptr;
-    KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n, std::byte{0x40}, from));
+    KVTIER_ASSIGN_OR_RETURN(blocks, make_blocks(layout, n * host_lists, std::byte{0x40}, from));
   }
+  // Transfers open at once have consecutive ids (run_transfers), so their stretches differ.
+  auto host_dst = [&](std::uint64_t id) {
+    std::vector<BlockId> ids = iota(n);
+    for (BlockId& b : ids) b += static_cast<BlockId>(((id - 1) % host_lists) * n);
+    return ids;
+  };
   std::unique_ptr<transport::PdDecode> plain;
   std::unique_ptr<transport::PdStagedDecode> sdec;
   std::map<transport::TransferId, std::vector<transport::XferId>> raw_xfers;  // raw pull rows: reads per transfer
@@ -1193,7 +1202,7 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
   if (!peer.ok()) return finish(peer.status());
   std::chrono::steady_clock::time_point t0;
   Status s = run_transfers(
-      a.iters, a.inflight, [&](std::uint64_t id) { return dec.start(*peer, id, mode, iota(n)); },
+      a.iters, a.inflight, [&](std::uint64_t id) { return dec.start(*peer, id, mode, host_dst(id)); },
       [&](std::uint64_t id) { return finish_decode(dec.wait(id), n, [&] { return dec.forget(id); }); },
       [&] { t0 = std::chrono::steady_clock::now(); }, &g_last_latencies);
   if (s.ok()) s = deferred.drain();

@@ -1716,6 +1716,19 @@ class Decode final : public PdDecode, public Endpoint {
     {
       std::lock_guard lock(mu_);
       if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
+      // A block that another transfer may still write or report as loaded: two transfers into one block would
+      // both verify their own bytes, and one of them would then read as loaded while holding the other's.
+      if (dst_taken_.size() != blocks_.num_blocks()) dst_taken_.assign(blocks_.num_blocks(), 0);
+      for (std::size_t i = 0; i < dst_blocks.size(); ++i)
+        if (dst_taken_[dst_blocks[i]] != 0) {
+          const TransferId owner = destination_owner(dst_blocks[i]);
+          recycle_lane(std::move(lane));
+          return FailedPrecondition(fmt::format(
+              "destination block {} at index {} belongs to transfer {}, not forgotten yet: forget it (when final "
+              "and reclaimable) before starting transfer {} into that block",
+              dst_blocks[i], i, owner, id));
+        }
+      for (std::uint64_t b : dst_blocks) dst_taken_[b] = 1;
       X& x = xfers_[id];
       x.lane = std::move(lane);
       x.expected.resize(blocks_.layout().num_layers());
@@ -1802,12 +1815,21 @@ class Decode final : public PdDecode, public Endpoint {
     // Slots granted to pieces that never came stay out of the ring until the prefill is quiet.
     for (const Piece& pc : it->second.pieces)
       if (pc.state == PieceState::kGranted) quarantined_.push_back(Quarantine{it->second.peer, id, pc.slot});
+    for (std::uint64_t b : it->second.dst) dst_taken_[b] = 0;
     recycle_lane(std::move(it->second.lane));
     xfers_.erase(it);
     return Status::Ok();
   }
 
  private:
+  // The transfer whose destination list holds `block` (dst_taken_ says one does; under mu_). Only an error path
+  // asks, so a scan is enough.
+  TransferId destination_owner(std::uint64_t block) const {
+    for (const auto& [id, x] : xfers_)
+      if (std::find(x.dst.begin(), x.dst.end(), block) != x.dst.end()) return id;
+    return 0;
+  }
+
   struct Read {
     XferId xfer = 0;
     std::vector<std::uint64_t> ck;  // transport lane: from 'K', which may come before or after the read is done
@@ -2541,6 +2563,8 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   std::map<TransferId, X> xfers_;
+  // Per block of this side's pool: 1 while a transfer not forgotten yet has it in its destination list.
+  std::vector<std::uint8_t> dst_taken_;
   // Ring lane: the shared ring (the transport owns its memory), its slots and who may use them.
   RingGeometry ring_;
   std::unique_ptr<PinnedMemory> ring_registration_;

@@ -382,6 +382,38 @@ TEST(Pd, BadBlockListsAndIdsAreRefused) {
 
 // layers_ready checks every layer before it declares any: an unknown transfer, a layer out of range, one listed
 // twice or one declared before are refused by name, and after a refusal nothing of that call was declared.
+// Two transfers into one destination block would each verify their own bytes and both report the block loaded
+// while it holds one prefill's data: a block stays the destination of one transfer until that one is forgotten.
+TEST(Pd, ADestinationBlockOfATransferNotForgottenIsRefusedNamingBoth) {
+  Rig rig;
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 1, PdMode::kPush, {0, 2}).ok());
+  Status s = rig.dec->start(rig.to_pre, 2, PdMode::kPush, {4, 2});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("destination block 2 at index 1 belongs to transfer 1"), std::string::npos)
+      << s.to_string();
+  EXPECT_EQ(rig.dec->status(2).status().code(), StatusCode::kNotFound) << "the refused transfer does not exist";
+  // Disjoint blocks go ahead; once transfer 1 is final, reclaimable and forgotten, its blocks are free again.
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 3, PdMode::kPush, {4, 6}).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 1, {1, 3}).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 3, {5, 7}).ok());
+  for (TransferId id : {1, 3})
+    for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(id, l).ok());
+  ASSERT_TRUE(rig.dec->wait(1, 5s, true).ok());
+  EXPECT_EQ(rig.dec->start(rig.to_pre, 2, PdMode::kPush, {2}).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(rig.dec->forget(1).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 2, PdMode::kPull, {0, 2}).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 2, {7, 5}).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(2, l).ok());
+  auto fin = rig.dec->wait(2, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 2u);
+  for (std::uint32_t l = 0; l < 4; ++l) {
+    EXPECT_TRUE(layer_matches(rig.dec_mem.space, 0, l, 7));
+    EXPECT_TRUE(layer_matches(rig.dec_mem.space, 2, l, 5));
+  }
+  ASSERT_TRUE(rig.dec->wait(3, 5s, true).ok());
+}
+
 TEST(Pd, LayersReadyIsCheckedWholeBeforeAnyLayerIsDeclared) {
   Rig rig;
   const std::uint32_t ok_layers[] = {0, 1}, out_of_range[] = {2, 4}, twice[] = {2, 3, 2}, again[] = {3, 1};

@@ -272,7 +272,9 @@ class PdDecode {
   virtual ~PdDecode() = default;
   static Result<std::unique_ptr<PdDecode>> create(Transport& transport, BlockSpace blocks, PdOptions options = {});
 
-  // Starts transfer `id` from `prefill` into `dst_blocks` (distinct ids of this side's BlockSpace).
+  // Starts transfer `id` from `prefill` into `dst_blocks` (distinct ids of this side's BlockSpace). A block that is
+  // a destination of another transfer not forgotten yet is refused (kFailedPrecondition naming both): until
+  // forget() that transfer may still write it or report it loaded.
   virtual Status start(PeerId prefill, TransferId id, PdMode mode, std::vector<BlockId> dst_blocks) = 0;
   // Until layer `layer` is final (loaded, partial or failed) or the timeout (kTimedOut).
   virtual Result<LayerState> wait_layer(TransferId id, std::uint32_t layer, std::chrono::nanoseconds timeout) = 0;
