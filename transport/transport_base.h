@@ -54,6 +54,9 @@ inline constexpr std::size_t kMaxNameBytes = 256;
 
 // kInvalidArgument unless `secret` is empty (no secret) or kMinPeerSecretBytes..kMaxPeerSecretBytes long.
 Status check_peer_secret(std::string_view secret);
+// An agent's own name as its peers will check it in its blob: 1 to 256 printable ASCII characters. Each
+// create_*_transport refuses another name at once, naming it, instead of leaving the refusal to every peer.
+Status check_agent_name(std::string_view name);
 
 // With a secret, the blob carries a keyed MAC (BLAKE2b-256 keyed with the secret) over everything else and a magic
 // of its own, so a receiver knows which kind it holds before it reads any field.

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import operator
 import os
 import re
 import socket
@@ -97,7 +98,54 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import _native
-from .errors import InvalidArgumentError, KvtierError
+from .errors import InvalidArgumentError, KvtierError, OutOfRangeError
+
+
+def _int(value: Any, what: str) -> int:
+    """``value`` as an integer (Python or numpy integers): a float, a bool or anything else is refused, naming it;
+    ``int()`` would silently take 7.9 as 7 and True as 1."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} {value!r} is a bool, not an integer")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} {value!r} is a {type(value).__name__}, not an integer") from None
+
+
+def _ranged(value: Any, what: str, low: int, high: int) -> int:
+    v = _int(value, what)
+    if not low <= v <= high:
+        raise OutOfRangeError(f"{what} {v} is not in [{low}, {high}]")
+    return v
+
+
+def _peer(value: Any) -> int:
+    return _ranged(value, "peer", 0, (1 << 32) - 1)
+
+
+def _xid(value: Any) -> int:
+    # Negative ids get the native layer's message; the native layer takes 63 bits.
+    return _ranged(value, "transfer id", -(1 << 63), (1 << 63) - 1)
+
+
+def _layer(value: Any) -> int:
+    return _ranged(value, "layer", -(1 << 63), (1 << 63) - 1)
+
+
+def _count(value: Any, what: str) -> int:
+    return _ranged(value, what, 0, (1 << 32) - 1)
+
+
+def _blocks(ids: Sequence[Any], what: str) -> List[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise InvalidArgumentError(f"{what} blocks {ids!r} is not a sequence of block ids")
+    out = []
+    for i, b in enumerate(ids):
+        v = _int(b, f"{what} block id at index {i}:")
+        if not -(1 << 63) <= v < (1 << 63):  # the native layer names negative and too large ids that fit 64 bits
+            raise OutOfRangeError(f"{what} block id {v} at index {i} does not fit a 32-bit block id")
+        out.append(v)
+    return out
 
 __all__ = ["Prefill", "Decode", "Receiver", "Receive", "ReceiveOutcome", "PrefillStatus", "DecodeStatus",
            "DEFAULT_TIMEOUT"]
@@ -218,10 +266,14 @@ class _Endpoint:
         self._device = device
         self._streams: Dict[int, Any] = {}  # engine streams adopted on the device, by handle
         self._ep = _native.PdEndpoint.create(
-            self._role, tensors, transport, name, int(num_model_layers), device=device, peer_secret=secret,
-            tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s), lease_s=float(lease_s), rank=rank,
-            device_label=device_label, block_tokens=block_tokens, staging_blocks=staging_blocks, lane=lane,
-            verify=verify, ring_slots=int(ring_slots), ring_slot_bytes=int(ring_slot_bytes), ring_copy=ring_copy,
+            self._role, tensors, transport, name, _count(num_model_layers, "num_model_layers"), device=device,
+            peer_secret=secret, tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s),
+            lease_s=float(lease_s), rank=_ranged(rank, "rank", 0, (1 << 31) - 1),
+            device_label=_ranged(device_label, "device_label", 0, (1 << 31) - 1),
+            block_tokens=_count(block_tokens, "block_tokens"),
+            staging_blocks=_ranged(staging_blocks, "staging_blocks", 0, (1 << 64) - 1), lane=lane, verify=verify,
+            ring_slots=_count(ring_slots, "ring_slots"),
+            ring_slot_bytes=_ranged(ring_slot_bytes, "ring_slot_bytes", 0, (1 << 64) - 1), ring_copy=ring_copy,
             read_back=read_back)
         _open_endpoints.add(self)
 
@@ -296,7 +348,7 @@ class _Endpoint:
 
     def forget(self, transfer_id: int) -> None:
         """Forgets a final, reclaimable transfer (``FailedPreconditionError`` otherwise)."""
-        self._ep.forget(transfer_id)
+        self._ep.forget(_xid(transfer_id))
 
     def _stream(self, stream: Any):
         """A :class:`kvtier.Stream` for ``stream``: one already, or the engine's stream (a torch or cupy stream,
@@ -343,26 +395,26 @@ class Prefill(_Endpoint):
 
     def begin(self, peer: int, transfer_id: int, src_blocks: Sequence[int]) -> None:
         """Declares transfer ``transfer_id`` of ``src_blocks`` (in the order of the decode side's destination list)."""
-        self._ep.begin(int(peer), int(transfer_id), [int(b) for b in src_blocks])
+        self._ep.begin(_peer(peer), _xid(transfer_id), _blocks(src_blocks, "source"))
 
     def layer_ready(self, transfer_id: int, layer: int, stream: Any = None) -> None:
         """Declares ``layer`` ready: now, or (``stream``: a :class:`kvtier.Stream` of the endpoint's device, or the
         engine's torch / cupy stream or ``cudaStream_t``) once the work enqueued so far on that stream completed,
         without blocking the host."""
-        self._ep.layer_ready(int(transfer_id), int(layer), self._stream(stream))
+        self._ep.layer_ready(_xid(transfer_id), _layer(layer), self._stream(stream))
 
     def layers_ready(self, transfer_id: int, layers: Sequence[int]) -> None:
         """Declares every layer of ``layers`` ready now, in one call (the forward pass that computed them has
         finished): the device lane moves those whose destinations it knows as one copy, where ``layer_ready`` layer
         by layer launches each alone. Every layer is checked before any is declared."""
-        self._ep.layers_ready(int(transfer_id), [int(l) for l in layers])
+        self._ep.layers_ready(_xid(transfer_id), [_layer(l) for l in layers])
 
     def status(self, transfer_id: int) -> PrefillStatus:
-        return PrefillStatus(**self._ep.status(int(transfer_id)))
+        return PrefillStatus(**self._ep.status(_xid(transfer_id)))
 
     def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> PrefillStatus:
         """Until the transfer is final and its source blocks reclaimable (``TimedOutError`` past ``timeout``)."""
-        return PrefillStatus(**self._ep.wait(int(transfer_id), timeout))
+        return PrefillStatus(**self._ep.wait(_xid(transfer_id), timeout))
 
 
 class Decode(_Endpoint):
@@ -373,12 +425,12 @@ class Decode(_Endpoint):
     def start(self, peer: int, transfer_id: int, dst_blocks: Sequence[int], mode: str = "push") -> None:
         """Starts transfer ``transfer_id`` from ``peer`` into ``dst_blocks`` (distinct ids of this side's blocks);
         ``mode`` ``"push"`` or ``"pull"``."""
-        self._ep.start(int(peer), int(transfer_id), [int(b) for b in dst_blocks], mode)
+        self._ep.start(_peer(peer), _xid(transfer_id), _blocks(dst_blocks, "destination"), mode)
 
     def wait_layer(self, transfer_id: int, layer: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> str:
         """Until ``layer`` is final: returns ``"loaded"``, ``"partial"`` or ``"failed"`` (``TimedOutError`` past
         ``timeout``)."""
-        return self._ep.wait_layer(int(transfer_id), int(layer), timeout)
+        return self._ep.wait_layer(_xid(transfer_id), _layer(layer), timeout)
 
     def wait_layer_on_stream(self, transfer_id: int, layer: int, stream: Any,
                              timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
@@ -387,15 +439,15 @@ class Decode(_Endpoint):
         failed: check :meth:`status` before trusting (committing) its blocks."""
         if stream is None:
             raise InvalidArgumentError("wait_layer_on_stream needs the stream that is to wait")
-        self._ep.wait_layer_on_stream(int(transfer_id), int(layer), self._stream(stream), timeout)
+        self._ep.wait_layer_on_stream(_xid(transfer_id), _layer(layer), self._stream(stream), timeout)
 
     def status(self, transfer_id: int) -> DecodeStatus:
-        return DecodeStatus(**self._ep.status(int(transfer_id)))
+        return DecodeStatus(**self._ep.status(_xid(transfer_id)))
 
     def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT,
              reclaimable: bool = False) -> DecodeStatus:
         """Until every layer is final (and, with ``reclaimable``, the blocks may be reused)."""
-        return DecodeStatus(**self._ep.wait(int(transfer_id), timeout, reclaimable))
+        return DecodeStatus(**self._ep.wait(_xid(transfer_id), timeout, reclaimable))
 
 
 # ---------------------------------------------------------------------------------------------- receives
@@ -452,8 +504,8 @@ class Receiver:
         """Admits the prompt's ``keys`` (32 hex digits each, chained as the cache's keys are), guards the blocks and
         starts transfer ``transfer_id`` from ``peer`` into them. ``match_prefix``: the cached prefix is served (and
         loaded) and only the keys after it are received (the peer must send only those)."""
-        d = self._rx.start(int(peer), int(transfer_id), mode, list(keys), int(extra_blocks),
-                           int(received_extra_blocks), bool(match_prefix))
+        d = self._rx.start(_peer(peer), _xid(transfer_id), mode, list(keys), _count(extra_blocks, "extra_blocks"),
+                           _count(received_extra_blocks, "received_extra_blocks"), bool(match_prefix))
         return Receive(d["transfer_id"], d["task"], d["admission"])
 
     @staticmethod
@@ -468,7 +520,7 @@ class Receiver:
 
     def finish(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> ReceiveOutcome:
         """Until receive ``transfer_id`` ended (``TimedOutError`` past ``timeout``)."""
-        return self._outcome(self._rx.finish(int(transfer_id), timeout))
+        return self._outcome(self._rx.finish(_xid(transfer_id), timeout))
 
     def drain(self, timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
         """Until no receive is open or quarantined."""

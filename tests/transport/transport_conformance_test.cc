@@ -265,6 +265,24 @@ TEST_P(TransportConformance, BadDescriptorListsAreRefusedBeforeAnythingIsPosted)
   EXPECT_TRUE(p.b->take_notifications().empty());
 }
 
+// A name every peer would refuse in the blob (empty, too long, not printable ASCII) is refused at creation.
+TEST_P(TransportConformance, AgentNamesPeersWouldRefuseAreRefusedAtCreationNamingThem) {
+  for (const std::string& bad : {std::string(), std::string(300, 'x'), std::string("a\nb"), std::string("na\xc3\xafve")}) {
+    AgentIdentity id = ident("unused");
+    id.name = bad;
+    auto t = make(GetParam(), id);
+    ASSERT_FALSE(t.ok()) << "accepted agent name of " << bad.size() << " bytes";
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(t.status().message().find(fmt::format("({} bytes)", bad.size())), std::string::npos)
+        << t.status().to_string();
+  }
+  EXPECT_NE(make(GetParam(), ident("a\tb")).status().message().find("a\\x09b"), std::string::npos);
+  AgentIdentity longest = ident("longest");
+  longest.name.resize(256, 'y');
+  auto fine = make(GetParam(), longest);
+  EXPECT_TRUE(fine.ok()) << fine.status().to_string();
+}
+
 TEST_P(TransportConformance, PeerBlobsOfAnotherLayoutTpSizeOrVersionAreRefusedNamingBothValues) {
   auto a = make(GetParam(), ident("a", 0x1111, 2));
   auto other_fp = make(GetParam(), ident("fp", 0x2222, 2));

@@ -1022,7 +1022,7 @@ Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob, std::string_
 }
 
 Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options) {
-  if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_agent_name(identity.name));
   KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(

@@ -302,7 +302,7 @@ class LoopbackTransport final : public detail::TransportBase {
 }  // namespace
 
 Result<std::unique_ptr<Transport>> create_loopback_transport(AgentIdentity identity, LoopbackOptions options) {
-  if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_agent_name(identity.name));
   KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(

@@ -1535,7 +1535,7 @@ class UcxTransport final : public detail::TransportBase {
 }  // namespace
 
 Result<std::unique_ptr<Transport>> create_ucx_transport(AgentIdentity identity, UcxOptions options) {
-  if (identity.name.empty()) return InvalidArgument("agent name is empty");
+  KVTIER_RETURN_IF_ERROR(detail::check_agent_name(identity.name));
   KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
