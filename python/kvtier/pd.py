@@ -237,6 +237,21 @@ def _name_map(kv: KvTensors, rank: int, device_label: int) -> Dict[str, Any]:
     return out
 
 
+def _check_tensors(tensors: Mapping[str, Any]) -> None:
+    """What the native layer would refuse with a message naming no tensor: objects that are not DLPack tensors,
+    read-only arrays (the decode side writes into them, and every endpoint registers its memory writable), and
+    arrays of Python objects."""
+    for name, t in tensors.items():
+        if not hasattr(t, "__dlpack__"):
+            raise InvalidArgumentError(f"tensor '{name}' is a {type(t).__name__}, not a DLPack tensor (numpy, torch, "
+                                       f"cupy, paddle)")
+        flags = getattr(t, "flags", None)
+        if flags is not None and getattr(flags, "writeable", True) is False:
+            raise InvalidArgumentError(f"tensor '{name}' is read-only; kvtier needs tensors it may write")
+        if getattr(getattr(t, "dtype", None), "kind", None) == "O":
+            raise InvalidArgumentError(f"tensor '{name}' holds Python objects (dtype object), not KV bytes")
+
+
 def _num_layers(names: Mapping[str, Any]) -> int:
     layers = {int(m.group(1)) for m in (_KEY_RE.match(n) for n in names) if m}
     return len(layers)
@@ -253,6 +268,7 @@ class _Endpoint:
                  ring_slots: int = 4, ring_slot_bytes: int = 32 << 20, ring_copy: str = "auto",
                  read_back: str = "copy"):
         tensors = _name_map(kv, rank, device_label)
+        _check_tensors(tensors)
         self._pairs = None if isinstance(kv, Mapping) else len(kv)  # kv_pool() answers in the caller's form
         if num_model_layers is None:
             num_model_layers = _num_layers(tensors)

@@ -382,6 +382,76 @@ def test_bad_arguments():
             p.layer_ready(1, 0, stream="not a stream")
 
 
+def test_ids_layers_and_counts_must_be_integers_in_range(pair):
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    # int() would take 7.9 as transfer 7, 2.7 as block 2 and True as 1: each is refused, naming it.
+    for call, named in [(lambda: d.start(to_prefill, 7.9, [2]), "transfer id 7.9 is a float"),
+                        (lambda: d.start(to_prefill, 7, [2.7]), "destination block id at index 0: 2.7 is a float"),
+                        (lambda: p.begin(to_decode, 7, [1, True]), "source block id at index 1: True is a bool"),
+                        (lambda: p.layer_ready(7, 0.99), "layer 0.99 is a float"),
+                        (lambda: d.status(True), "transfer id True is a bool"),
+                        (lambda: d.forget("7"), "transfer id '7' is a str")]:
+        with pytest.raises(kvtier.InvalidArgumentError, match=named):
+            call()
+    # Values the native layer cannot take are named too (nanobind's own TypeError names nothing).
+    for call, named in [(lambda: p.begin(-1, 1, [0]), r"peer -1 is not in \[0, 4294967295\]"),
+                        (lambda: d.start(to_prefill, 2**63, [0]), "transfer id 9223372036854775808"),
+                        (lambda: p.begin(to_decode, 1, [2**63]), "source block id 9223372036854775808 at index 0"),
+                        (lambda: d.wait_layer(1, 2**64), "layer 18446744073709551616")]:
+        with pytest.raises(kvtier.OutOfRangeError, match=named):
+            call()
+    # numpy integers are integers; nothing above declared or started anything.
+    d.start(to_prefill, np.int64(7), [np.uint32(2)])
+    p.begin(to_decode, np.int32(7), [np.int64(1)])
+    p.layers_ready(7, range(LAYERS))
+    st = d.wait(7, TIMEOUT, reclaimable=True)
+    assert st.leading_loaded_blocks == 1
+    for layer in range(LAYERS):
+        assert_layer_moved(src_kv, dst_kv, layer, [1], [2])
+
+
+def test_tensors_and_names_the_native_layer_cannot_take_are_named():
+    src_kv = prefill_kv()
+    ro = src_kv[0][0].copy()
+    ro.flags.writeable = False
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"tensor 'key_caches_0_rank0.device0' is read-only"):
+        Prefill([(ro, src_kv[0][1])] + src_kv[1:], transport="loopback")
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"'value_caches_1_rank0.device0' is a list"):
+        Prefill([src_kv[0], (src_kv[1][0], [1, 2])], transport="loopback")
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"dtype object"):
+        Prefill([(src_kv[0][0], np.empty((8, 4), dtype=object))], transport="loopback")
+    with pytest.raises(kvtier.OutOfRangeError, match="block_tokens 1099511627776"):
+        Prefill(src_kv, transport="loopback", block_tokens=2**40)
+    with pytest.raises(kvtier.OutOfRangeError, match="num_model_layers -1"):
+        Prefill(src_kv, transport="loopback", num_model_layers=-1)
+    # A name every peer would refuse in the metadata is refused here, at creation.
+    for transport in ("loopback", "ipc"):
+        for name in ["x" * 300, "a\nb", "na\u00efve"]:
+            with pytest.raises(kvtier.InvalidArgumentError, match="agent name"):
+                Prefill(src_kv, transport=transport, name=name)
+
+
+def test_a_block_still_held_by_another_transfer_is_refused(pair):
+    # Two transfers into one decode block would each verify their own bytes and both report the block loaded while
+    # it holds one prefill's data: the second start is refused until the first is forgotten.
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    d.start(to_prefill, 1, [0, 3])
+    with pytest.raises(kvtier.FailedPreconditionError, match="destination block 3 at index 0 belongs to transfer 1"):
+        d.start(to_prefill, 2, [3])
+    p.begin(to_decode, 1, [5, 6])
+    p.layers_ready(1, range(LAYERS))
+    assert d.wait(1, TIMEOUT, reclaimable=True).leading_loaded_blocks == 2
+    d.forget(1)
+    p.wait(1, TIMEOUT)
+    p.forget(1)
+    d.start(to_prefill, 2, [3], mode="pull")
+    p.begin(to_decode, 2, [7])
+    p.layers_ready(2, range(LAYERS))
+    assert d.wait(2, TIMEOUT, reclaimable=True).leading_loaded_blocks == 1
+    for layer in range(LAYERS):
+        assert_layer_moved(src_kv, dst_kv, layer, [5, 7], [0, 3])
+
+
 # ---------------------------------------------------------------- staged (a Device: its memory, its streams)
 
 
