@@ -37,6 +37,14 @@ class ForwardingTransport : public Transport {
   Status release(XferId xfer) override { return inner_->release(xfer); }
   Status disconnect_peer(PeerId peer) override { return inner_->disconnect_peer(peer); }
   bool peer_revoked(PeerId peer) const override { return inner_->peer_revoked(peer); }
+  std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const override {
+    return inner_->last_progress(peer);
+  }
+  // Through this class's send_notification, so that a wrapper that watches or drops messages (fault injection,
+  // test taps) sees urgent ones too; they lose their urgency only under such a wrapper.
+  Status send_urgent_notification(PeerId peer, std::string message) override {
+    return send_notification(peer, std::move(message));
+  }
   Status send_notification(PeerId peer, std::string message) override {
     return inner_->send_notification(peer, std::move(message));
   }

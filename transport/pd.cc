@@ -419,8 +419,8 @@ class Endpoint {
 
   void loop() {
 #ifdef __linux__
-    // The busy period's waits (busy_wait, 20 us) would otherwise sleep the kernel's default timer slack (50 us) on top. A
-    // refusal costs only that latency.
+    // The busy period's waits (busy_wait, 20 us) would otherwise sleep the kernel's default timer slack (50 us) on top.
+    // A refusal costs only that latency.
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
 #endif
     for (;;) {
@@ -480,6 +480,14 @@ class Endpoint {
     for (const auto& [n, when] : b.at)
       if (n == echo) last_heard = std::max(last_heard, when);
   }
+  // Bytes of a transfer with `peer` moved within the lease (Transport::last_progress): the peer is alive even when
+  // its heartbeats wait behind those bytes on one connection (UCX over TCP), so its lease holds. Asked only once
+  // the heartbeats say the lease is over.
+  bool bytes_moving(PeerId peer, Clock::time_point now) const {
+    const auto moved = t_.last_progress(peer);
+    return moved && now - *moved <= options_.lease;
+  }
+
   // The lease on `peer` expired for a transfer. When the peer is silent on every transfer of this side, it is
   // taken for dead: the transport drops it, which fails (and, where the backend can, cancels) every request to
   // it, so memory waiting on them is released; a peer still heard on other transfers keeps its connection.
@@ -1332,7 +1340,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         }
         continue;
       }
-      if (now - x.last_heard > options_.lease) {
+      if (now - x.last_heard > options_.lease && !bytes_moving(x.peer, now)) {
         fail(x, id,
              Unavailable(fmt::format("decode side silent for more than the lease ({} ms)", options_.lease.count())));
         // Writes in flight to a silent decode side may never complete (a dead peer on a lane without failure
@@ -1343,7 +1351,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         continue;
       }
       if (now - x.last_sent >= options_.heartbeat) {
-        t_.send_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
+        t_.send_urgent_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
         x.last_sent = now;
       }
       send_ready_layers(id, x);
@@ -2386,7 +2394,7 @@ class Decode final : public PdDecode, public Endpoint {
         }
         continue;
       }
-      if (now - x.last_heard > options_.lease) {
+      if (now - x.last_heard > options_.lease && !bytes_moving(x.peer, now)) {
         fail_rest(x, Unavailable(fmt::format("transfer {}: prefill side silent for more than the lease ({} ms)", id,
                                              options_.lease.count())));
         // Reads from a silent prefill may never complete (a dead peer on a lane without failure detection, such
@@ -2398,7 +2406,7 @@ class Decode final : public PdDecode, public Endpoint {
         continue;
       }
       if (now - x.last_sent >= options_.heartbeat) {
-        t_.send_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
+        t_.send_urgent_notification(x.peer, heartbeat(id, x.beats, now)).ignore_error();
         x.last_sent = now;
       }
     }

@@ -138,7 +138,8 @@ void merge_contiguous(std::vector<ResolvedOp>& ops) {
 Status check_agent_name(std::string_view name) {
   if (sane_name(name)) return Status::Ok();
   std::string shown;
-  for (char c : name.substr(0, 64)) shown += c >= 0x20 && c <= 0x7e ? std::string(1, c) : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+  for (char c : name.substr(0, 64))
+    shown += c >= 0x20 && c <= 0x7e ? std::string(1, c) : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
   return InvalidArgument(fmt::format("agent name '{}{}' ({} bytes): need 1..{} printable ASCII characters", shown,
                                      name.size() > 64 ? "..." : "", name.size(), kMaxNameBytes));
 }
@@ -555,6 +556,15 @@ Status TransportBase::send_notification(PeerId peer, std::string message) {
     if (!peers_[peer].failed.ok()) return peers_[peer].failed;
   }
   return backend_send(peer, NotifKind::kMessage, std::move(message));
+}
+
+Status TransportBase::send_urgent_notification(PeerId peer, std::string message) {
+  {
+    std::lock_guard lock(mu_);
+    if (peer >= peers_.size()) return NotFound(fmt::format("peer {} is not loaded ({} peers)", peer, peers_.size()));
+    if (!peers_[peer].failed.ok()) return peers_[peer].failed;
+  }
+  return backend_send_urgent(peer, std::move(message));
 }
 
 std::vector<Notification> TransportBase::take_notifications() {

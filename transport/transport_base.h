@@ -92,6 +92,7 @@ class TransportBase : public Transport {
   Status disconnect_peer(PeerId peer) override;
   bool peer_revoked(PeerId peer) const override;
   Status send_notification(PeerId peer, std::string message) override;
+  Status send_urgent_notification(PeerId peer, std::string message) override;
   std::vector<Notification> take_notifications() override;
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override;
   void wake_notification_waiter() override;
@@ -114,6 +115,10 @@ class TransportBase : public Transport {
   virtual Status backend_post(XferId id, XferOp op, PeerId peer, std::vector<ResolvedOp> ops,
                               std::string notification) = 0;
   virtual Status backend_send(PeerId peer, NotifKind kind, std::string message) = 0;
+  // send_urgent_notification's message (kMessage); by default as backend_send.
+  virtual Status backend_send_urgent(PeerId peer, std::string message) {
+    return backend_send(peer, NotifKind::kMessage, std::move(message));
+  }
   // Cancels what can be cancelled; the backend still calls set_quiescent when its requests are gone.
   virtual void backend_abort(XferId id) = 0;
   // disconnect_peer: the transfers to the peer are failed and backend_abort'ed already. Tears the path down so

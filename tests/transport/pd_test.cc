@@ -448,11 +448,10 @@ TEST(Pd, TimingOptionsOutOfRangeAreRefusedNamingTheValue) {
     std::chrono::microseconds idle, busy = 20us;
     const char* names;
   };
-  for (const Bad& b : {Bad{0ms, 1000ms, 1000us, 20us, "heartbeat 0 ms"}, Bad{100ms, 100ms, 1000us, 20us, "lease 100 ms"},
-                       Bad{100ms, 1000ms, 0us, 0us, "idle_wait 0 us"},
-                       Bad{100ms, 1000ms, 100001us, 20us, "idle_wait 100001 us"},
-                       Bad{100ms, 1000ms, 1000us, -1us, "busy_wait -1 us"},
-                       Bad{100ms, 1000ms, 1000us, 1001us, "busy_wait 1001 us"}}) {
+  for (const Bad& b :
+       {Bad{0ms, 1000ms, 1000us, 20us, "heartbeat 0 ms"}, Bad{100ms, 100ms, 1000us, 20us, "lease 100 ms"},
+        Bad{100ms, 1000ms, 0us, 0us, "idle_wait 0 us"}, Bad{100ms, 1000ms, 100001us, 20us, "idle_wait 100001 us"},
+        Bad{100ms, 1000ms, 1000us, -1us, "busy_wait -1 us"}, Bad{100ms, 1000ms, 1000us, 1001us, "busy_wait 1001 us"}}) {
     PdOptions o;
     o.heartbeat = b.heartbeat;
     o.lease = b.lease;
@@ -836,6 +835,62 @@ TEST(Pd, HostDirectDestinationsOutsideThePeersRegionsAreRefusedBeforeAnyByteMove
   EXPECT_NE(pf->error.message().find("block id 8"), std::string::npos) << pf->error.to_string();
   for (BlockId b : {0u, 2u, 4u})
     for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, 0, b)[0], std::byte{0xee});
+}
+
+// Over UCX's TCP data path a transfer's bytes and the heartbeats shared one connection, and UCX's progress
+// thread held its lock for as long as bytes kept flowing: a transfer longer than the lease failed with both sides
+// alive (1 GB at a 200 ms lease; at the default 1 s lease a few GB on loopback). Here 256 MiB at a 50 ms lease
+// (transfers of about twice the lease on two cores). KVTIER_TEST_LEASE_MS, KVTIER_TEST_MIB: other settings for a
+// manual run (1 GiB at 100 ms, 2 GiB at the default 1 s also pass).
+TEST(PdUcxTcp, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
+  const char* mib_env = std::getenv("KVTIER_TEST_MIB");
+  const char* lease_env = std::getenv("KVTIER_TEST_LEASE_MS");
+  const std::uint64_t n = (mib_env != nullptr ? std::strtoull(mib_env, nullptr, 10) : 256) / 8;  // 4 layers x 2 roles
+  const KvLayout layout = pd_layout(4, 1 << 20);
+  HostBlocks pre_mem = HostBlocks::make(layout, n, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, n, false);
+  PdOptions o;
+  o.lease = std::chrono::milliseconds(lease_env != nullptr ? std::strtoull(lease_env, nullptr, 10) : 50);
+  o.heartbeat = std::max(o.lease / 20, std::chrono::milliseconds(1));
+  const int seq = ++g_seq;
+  auto pre_t =
+      create_ucx_transport({fmt::format("pre-tcp{}", seq), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
+  auto dec_t =
+      create_ucx_transport({fmt::format("dec-tcp{}", seq), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
+  ASSERT_TRUE(pre_t.ok() && dec_t.ok()) << pre_t.status().to_string() << dec_t.status().to_string();
+  auto pre = PdPrefill::create(**pre_t, pre_mem.space, o);
+  auto dec = PdDecode::create(**dec_t, dec_mem.space, o);
+  ASSERT_TRUE(pre.ok() && dec.ok());
+  const PeerId to_dec = (*pre_t)->load_peer((*dec_t)->export_metadata().value()).value();
+  const PeerId to_pre = (*dec_t)->load_peer((*pre_t)->export_metadata().value()).value();
+  std::vector<BlockId> src(n), dst(n);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    src[i] = static_cast<BlockId>(i);
+    dst[i] = static_cast<BlockId>(n - 1 - i);
+  }
+  for (PdMode mode : {PdMode::kPush, PdMode::kPull}) {
+    const TransferId id = mode == PdMode::kPush ? 1 : 2;
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE((*dec)->start(to_pre, id, mode, dst).ok());
+    ASSERT_TRUE((*pre)->begin(to_dec, id, src).ok());
+    const std::uint32_t all[] = {0, 1, 2, 3};
+    ASSERT_TRUE((*pre)->layers_ready(id, all).ok());
+    auto fin = (*dec)->wait(id, 60s, true);
+    ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "%s: %.1f ms at a %lld ms lease\n", std::string(pd_mode_name(mode)).c_str(), ms,
+                 static_cast<long long>(o.lease.count()));
+    EXPECT_TRUE(fin->error.ok()) << pd_mode_name(mode) << " after " << ms << " ms: " << fin->error.to_string();
+    EXPECT_EQ(fin->leading_loaded_blocks(), n) << pd_mode_name(mode);
+    for (std::uint32_t l = 0; l < 4; ++l)
+      for (std::uint64_t i = 0; i < n; ++i)
+        ASSERT_TRUE(layer_matches(dec_mem.space, dst[i], l, src[i])) << l << " " << i;
+    ASSERT_TRUE((*pre)->wait(id, 10s).ok());
+    EXPECT_TRUE((*pre)->forget(id).ok());
+    EXPECT_TRUE((*dec)->forget(id).ok());
+    for (std::uint32_t l = 0; l < 4; ++l)
+      for (std::uint32_t r = 0; r < 2; ++r) std::memset(dec_mem.space.block_ptr(l, r, 0), 0xee, n << 20);
+  }
 }
 
 }  // namespace

@@ -267,7 +267,8 @@ TEST_P(TransportConformance, BadDescriptorListsAreRefusedBeforeAnythingIsPosted)
 
 // A name every peer would refuse in the blob (empty, too long, not printable ASCII) is refused at creation.
 TEST_P(TransportConformance, AgentNamesPeersWouldRefuseAreRefusedAtCreationNamingThem) {
-  for (const std::string& bad : {std::string(), std::string(300, 'x'), std::string("a\nb"), std::string("na\xc3\xafve")}) {
+  for (const std::string& bad :
+       {std::string(), std::string(300, 'x'), std::string("a\nb"), std::string("na\xc3\xafve")}) {
     AgentIdentity id = ident("unused");
     id.name = bad;
     auto t = make(GetParam(), id);
@@ -827,6 +828,35 @@ void connect_am(AmPair& p, std::size_t bytes, UcxDataPath a_path, UcxDataPath b_
 }
 
 // The blob of a TCP agent names no UCX key: a random token per region, different for every region and agent.
+// An urgent message is delivered like any other (it may overtake earlier traffic); an unknown peer is named. After
+// a write, a backend that tracks progress (UCX) reports when bytes with the peer last moved.
+TEST_P(TransportConformance, UrgentMessagesArriveAndProgressIsReportedOrUnknown) {
+  Pair p;
+  connect(GetParam(), p, 1 << 20);
+  const auto before = std::chrono::steady_clock::now();
+  const std::vector<LocalDesc> l = {{p.ra, 0, 1 << 20}};
+  const std::vector<RemoteDesc> r = {{0, 0, 1 << 20}};
+  auto x = p.a->post(XferOp::kWrite, p.a_sees_b, l, r, "bulk");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  ASSERT_TRUE(p.a->send_urgent_notification(p.a_sees_b, "urgent").ok());
+  std::vector<Notification> seen;
+  auto u = await_notification(*p.b, "urgent", seen);
+  ASSERT_TRUE(u.ok()) << u.status().to_string();
+  EXPECT_EQ(u->peer, p.a->identity().name);
+  ASSERT_TRUE(await_notification(*p.b, "bulk", seen).ok());
+  EXPECT_TRUE(p.mem_a == p.mem_b);
+  EXPECT_EQ(p.a->send_urgent_notification(PeerId{77}, "nobody").code(), StatusCode::kNotFound);
+  ASSERT_TRUE(p.a->wait(*x, 10s).ok());
+  for (Transport* t : {p.a.get(), p.b.get()}) {
+    const auto moved = t->last_progress(t == p.a.get() ? p.a_sees_b : p.b_sees_a);
+    if (moved) {
+      EXPECT_GE(*moved, before);
+      EXPECT_LE(*moved, std::chrono::steady_clock::now());
+    }
+  }
+  EXPECT_FALSE(p.a->last_progress(PeerId{77}).has_value());
+}
+
 TEST(UcxActiveMessages, TcpBlobsCarryTokensNotUcxKeys) {
   AmPair p;
   connect_am(p, 4096, UcxDataPath::kAuto, UcxDataPath::kAuto);

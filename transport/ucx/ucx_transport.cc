@@ -53,6 +53,8 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "core/byte_codec.h"
@@ -132,7 +134,7 @@ struct Pending {
   Status error;
   std::string header;
   std::string message;
-  std::vector<void*> requests;  // for cancellation (completed ones are removed)
+  std::unordered_set<void*> requests;  // for cancellation (completed ones are removed)
   // The active-message data path (the peer's regions have tokens): a write's per-descriptor headers (alive until
   // their sends complete), then its end message and the peer's acknowledgement; a read's request, then the
   // answers landing into `ops`.
@@ -223,6 +225,25 @@ Result<UcxAddress> parse_address(std::string_view name, std::string_view s) {
   return a;
 }
 
+// The mutex around UCX. The progress thread takes it again and again while bytes flow; a plain mutex lets it
+// win every time, so a caller (a heartbeat's send, a post) could wait for a whole transfer. Callers announce
+// themselves before they block, and the progress thread lets go until none waits.
+class HandoffMutex {
+ public:
+  void lock() {
+    waiting_.fetch_add(1, std::memory_order_relaxed);
+    mu_.lock();
+    waiting_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  void unlock() { mu_.unlock(); }
+  // Another thread waits for the mutex (the holder's hint to let go soon).
+  bool contended() const { return waiting_.load(std::memory_order_relaxed) > 0; }
+
+ private:
+  std::mutex mu_;
+  std::atomic<int> waiting_{0};
+};
+
 struct UcxPeer {
   UcxPeer() = default;
   UcxPeer(const UcxPeer&) = delete;
@@ -238,6 +259,9 @@ struct UcxPeer {
   }
   int pidfd = -1;  // the peer's process, when it runs on this host in this pid namespace
   ucp_ep_h ep = nullptr;
+  // A second endpoint for send_urgent_notification (null: ep): its own connection, so that a heartbeat does not
+  // wait behind the bytes queued on ep.
+  ucp_ep_h urgent = nullptr;
   std::vector<ucp_rkey_h> rkeys;    // by peer region index (null for empty keys and active-message tokens)
   std::vector<std::string> tokens;  // by peer region index: the active-message path's tokens (empty otherwise)
   bool am = false;                  // the peer's regions take the active-message data path
@@ -370,6 +394,7 @@ class UcxTransport final : public detail::TransportBase {
       std::vector<void*> closing;
       {
         std::lock_guard lock(ucx_mu_);
+        closing.swap(urgent_closing_);
         for (auto& [id, p] : pending_)
           for (void* r : p->requests) ucp_request_cancel(worker_, r);
         // Transfers of the active-message path waiting for the peer with no request in flight end now.
@@ -393,6 +418,11 @@ class UcxTransport final : public detail::TransportBase {
           ucs_status_ptr_t r = ucp_ep_close_nbx(peer->ep, &p);
           if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
           peer->ep = nullptr;
+          if (peer->urgent != nullptr) {
+            r = ucp_ep_close_nbx(peer->urgent, &p);
+            if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+            peer->urgent = nullptr;
+          }
         }
       }
       wake();
@@ -569,6 +599,8 @@ class UcxTransport final : public detail::TransportBase {
     }
     if (st != UCS_OK)
       return Unavailable(fmt::format("ucp_ep_create to peer '{}': {}", blob.identity.name, ucs_status_string(st)));
+    // Where it cannot be created, urgent messages take ep (ordered behind its traffic, as before).
+    if (ucp_ep_create(worker_, &ep, &rec->urgent) != UCS_OK) rec->urgent = nullptr;
     revoked_names_.erase(rec->name);  // loaded again from a fresh blob
     rec->tokens.resize(blob.regions.size());
     for (std::size_t i = 0; i < blob.regions.size(); ++i) {
@@ -583,6 +615,7 @@ class UcxTransport final : public detail::TransportBase {
           for (ucp_rkey_h r : rec->rkeys)
             if (r != nullptr) ucp_rkey_destroy(r);
           close_ep_locked(rec->ep);
+          if (rec->urgent != nullptr) close_ep_locked(rec->urgent);
           return InvalidArgument(fmt::format("peer '{}' region {}: rkey does not unpack: {}", blob.identity.name, i,
                                              ucs_status_string(st)));
         }
@@ -641,7 +674,7 @@ class UcxTransport final : public detail::TransportBase {
         ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &fp);
         if (UCS_PTR_IS_PTR(r)) {
           ++pd->outstanding;
-          pd->requests.push_back(r);
+          pd->requests.insert(r);
           outstanding_.fetch_add(1);
         } else if (UCS_PTR_IS_ERR(r)) {
           pd->error = request_error("flush", UCS_PTR_STATUS(r));
@@ -667,6 +700,35 @@ class UcxTransport final : public detail::TransportBase {
     return Status::Ok();
   }
 
+  void note_progress(const std::string& name) {
+    const auto now = std::chrono::steady_clock::now();
+    std::lock_guard lock(progress_mu_);
+    progress_by_name_[name] = now;
+  }
+
+  std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const override {
+    auto info = peer_info(peer);
+    if (!info.ok()) return std::nullopt;
+    std::lock_guard lock(progress_mu_);
+    auto it = progress_by_name_.find(info->identity.name);
+    if (it == progress_by_name_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  Status backend_send_urgent(PeerId peer, std::string message) override {
+    {
+      std::lock_guard lock(ucx_mu_);
+      UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
+      if (p == nullptr || p->ep == nullptr || p->failed)
+        return Unavailable(fmt::format("peer {} is not connected", peer));
+      const ucs_status_t st = send_bare(p->urgent != nullptr ? p->urgent : p->ep, kAmId,
+                                        make_header(NotifKind::kMessage), std::move(message));
+      if (st != UCS_OK) return request_error("urgent notification send", st);
+    }
+    wake();
+    return Status::Ok();
+  }
+
   bool backend_disconnect(PeerId peer) override {
     void* closing = nullptr;
     bool revoked = false;
@@ -685,6 +747,15 @@ class UcxTransport final : public detail::TransportBase {
         ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &cp);
         if (UCS_PTR_IS_PTR(r)) closing = r;
         p->ep = nullptr;
+      }
+      if (p->urgent != nullptr) {
+        // Its messages carry no bytes of a transfer: closing it needs no wait.
+        ucp_request_param_t cp{};
+        cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t r = ucp_ep_close_nbx(p->urgent, &cp);
+        if (UCS_PTR_IS_PTR(r)) urgent_closing_.push_back(r);
+        p->urgent = nullptr;
       }
     }
     wake();
@@ -774,7 +845,7 @@ class UcxTransport final : public detail::TransportBase {
   void track(Pending* pd, ucs_status_ptr_t r, XferOp op, std::size_t i, std::size_t n) {
     if (UCS_PTR_IS_PTR(r)) {
       ++pd->outstanding;
-      pd->requests.push_back(r);
+      pd->requests.insert(r);
       outstanding_.fetch_add(1);
     } else if (UCS_PTR_IS_ERR(r)) {
       pd->error = request_error(fmt::format("{} {} of {}", xfer_op_name(op), i, n), UCS_PTR_STATUS(r));
@@ -942,7 +1013,7 @@ class UcxTransport final : public detail::TransportBase {
                                                pd->message.size(), &rp);
     if (UCS_PTR_IS_PTR(r)) {
       ++pd->outstanding;
-      pd->requests.push_back(r);
+      pd->requests.insert(r);
       outstanding_.fetch_add(1);
       return false;
     }
@@ -1022,6 +1093,7 @@ class UcxTransport final : public detail::TransportBase {
       if (!rndv) {
         if (length != 0) std::memcpy(dest, data, length);
         ++in.landed;
+        note_progress(sender);
         settle(sender);
         return UCS_OK;
       }
@@ -1047,6 +1119,7 @@ class UcxTransport final : public detail::TransportBase {
       if (!rndv) {
         if (length != 0) std::memcpy(pd->ops[index].local_ptr, data, length);
         ++pd->landed_count;
+        if (pd->peer < peers_.size() && peers_[pd->peer]) note_progress(peers_[pd->peer]->name);
         advance(pd);
         return UCS_OK;
       }
@@ -1075,7 +1148,7 @@ class UcxTransport final : public detail::TransportBase {
       outstanding_.fetch_add(1);
       if (op.read != nullptr) {
         ++op.read->outstanding;
-        op.read->requests.push_back(r);
+        op.read->requests.insert(r);
       } else {
         ++incoming_[{op.sender, op.xfer}].in_flight;
       }
@@ -1111,6 +1184,7 @@ class UcxTransport final : public detail::TransportBase {
       if (op.request != nullptr) --it->second.in_flight;
       if (st == UCS_OK) {
         ++it->second.landed;
+        note_progress(op.sender);
       } else if (it->second.error.ok()) {
         it->second.error = request_error(fmt::format("write {} of '{}'", op.xfer, op.sender), st);
       }
@@ -1251,11 +1325,12 @@ class UcxTransport final : public detail::TransportBase {
     }
   }
   static void on_serve_done(void* request, ucs_status_t st, void* user) {
-    (void)st;  // a failed answer fails the reader's transfer on its side (its answers do not all land)
+    // A failed answer fails the reader's transfer on its side (its answers do not all land).
     auto* s = static_cast<ServeOp*>(user);
     UcxTransport* self = s->self;
     ucp_request_free(request);
     self->outstanding_.fetch_sub(1);
+    if (st == UCS_OK) self->note_progress(s->sender);  // the reader takes our answers: it is alive
     self->serves_.erase(s->pos);
   }
 
@@ -1379,9 +1454,10 @@ class UcxTransport final : public detail::TransportBase {
   void complete(Pending* pd, void* request, ucs_status_t st, std::string_view what) {
     --pd->outstanding;
     outstanding_.fetch_sub(1);
-    std::erase(pd->requests, request);
+    pd->requests.erase(request);  // a set: a transfer of 200,000 descriptors erased from a vector was quadratic
     ucp_request_free(request);
     if (st != UCS_OK && pd->error.ok()) pd->error = request_error(what, st);
+    if (st == UCS_OK && pd->peer < peers_.size() && peers_[pd->peer]) note_progress(peers_[pd->peer]->name);
   }
 
   static void on_op_done(void* request, ucs_status_t st, void* user) {
@@ -1431,7 +1507,7 @@ class UcxTransport final : public detail::TransportBase {
     auto* self = static_cast<UcxTransport*>(arg);
     for (std::size_t i = 0; i < self->peers_.size(); ++i) {
       UcxPeer* p = self->peers_[i].get();
-      if (p == nullptr || p->ep != ep) continue;
+      if (p == nullptr || (p->ep != ep && p->urgent != ep)) continue;
       p->failed = true;
       p->conn_failed = true;
       self->mark_peer_failed(static_cast<PeerId>(i), Unavailable(fmt::format("connection to peer '{}' failed: {}",
@@ -1468,25 +1544,40 @@ class UcxTransport final : public detail::TransportBase {
     if (wake_fd_ >= 0) (void)!write(wake_fd_, &one, sizeof one);
   }
 
+  // ucp_worker_progress calls per hold of ucx_mu_ by the progress thread before it lets other callers in.
+  static constexpr int kProgressCallsPerLock = 32;
+
   void progress_loop() {
     auto next_housekeeping = std::chrono::steady_clock::now();
     while (!stop_.load()) {
       ucs_status_t armed = UCS_OK;
+      bool more = false;
       {
         std::lock_guard lock(ucx_mu_);
-        while (ucp_worker_progress(worker_) != 0) {
+        // Bounded: while bytes flow, progress never runs dry, and holding ucx_mu_ until it did kept every other
+        // caller (a heartbeat's send, a post, a status) waiting for the whole transfer: a transfer longer than the
+        // protocol's lease failed with both sides alive.
+        for (int i = 0; i < kProgressCallsPerLock; ++i) {
+          if (ucp_worker_progress(worker_) == 0) break;
+          if (i + 1 == kProgressCallsPerLock || ucx_mu_.contended()) {
+            more = true;
+            break;
+          }
         }
         if (const auto now = std::chrono::steady_clock::now(); now >= next_housekeeping) {
           housekeeping_locked(now);
           next_housekeeping = now + std::chrono::seconds(1);
         }
-        if (outstanding_.load() > 0) {
-          armed = UCS_ERR_BUSY;  // keep spinning while our requests are in flight
+        if (more || outstanding_.load() > 0) {
+          armed = UCS_ERR_BUSY;  // keep spinning while our requests are in flight (or progress has more)
         } else {
           armed = ucp_worker_arm(worker_);
         }
       }
       if (armed == UCS_ERR_BUSY) {
+        // Let the callers waiting for ucx_mu_ have it before taking it again (bounded: a caller that keeps it long
+        // does not stop progress for long).
+        for (int i = 0; i < 64 && ucx_mu_.contended(); ++i) std::this_thread::yield();
         std::this_thread::yield();
         continue;
       }
@@ -1507,7 +1598,7 @@ class UcxTransport final : public detail::TransportBase {
   int wake_fd_ = -1;
   std::string address_;
   HostIdentity host_;
-  mutable std::mutex ucx_mu_;
+  mutable HandoffMutex ucx_mu_;
   std::unordered_map<RegionId, ucp_mem_h> memh_;  // null for regions inside a host allocation
   struct HostAllocation {
     std::byte* base = nullptr;
@@ -1519,6 +1610,12 @@ class UcxTransport final : public detail::TransportBase {
   std::vector<std::unique_ptr<UcxPeer>> peers_;
   std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
   std::list<SendBuf> sends_;
+  // Close requests of urgent endpoints closed by backend_disconnect, freed at shutdown (one per disconnect).
+  std::vector<void*> urgent_closing_;
+  // Per peer agent name: when bytes of a transfer with it last moved (last_progress). Written with ucx_mu_ held,
+  // read without it.
+  mutable std::mutex progress_mu_;
+  std::unordered_map<std::string, std::chrono::steady_clock::time_point> progress_by_name_;
   // The active-message data path (see UcxDataPath).
   const bool am_mode_;                                           // this agent's regions take active messages
   std::unordered_map<RegionId, LocalRegion> local_;              // its regions, with their tokens

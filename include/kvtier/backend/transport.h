@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -220,6 +221,20 @@ class Transport {
 
   // A message outside any transfer (control traffic). Delivered in order with the transfers' notifications.
   virtual Status send_notification(PeerId peer, std::string message) = 0;
+  // As send_notification, but the message may overtake this side's earlier messages and transfers to the peer:
+  // for messages whose order does not matter and whose delay would (heartbeats, which behind a long transfer's
+  // bytes on one connection arrive only when the bytes have). A backend with one ordered channel per peer sends
+  // it as send_notification does; UCX sends it on a connection of its own.
+  virtual Status send_urgent_notification(PeerId peer, std::string message) {
+    return send_notification(peer, std::move(message));
+  }
+  // When bytes of a transfer with `peer` last moved here (a send to it completed, bytes of it landed), or nullopt
+  // where the backend does not track it. While a long transfer keeps the peer's messages waiting behind its bytes
+  // on one connection, this is the evidence that the peer is alive and reading or writing.
+  virtual std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const {
+    (void)peer;
+    return std::nullopt;
+  }
   // Notifications received since the last call, in arrival order; never blocks.
   virtual std::vector<Notification> take_notifications() = 0;
   // Blocks until at least one notification is queued (then returns them all) or the timeout passes
