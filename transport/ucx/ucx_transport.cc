@@ -1338,6 +1338,7 @@ class UcxTransport final : public detail::TransportBase {
   void enqueue(Queued q) {
     auto& line = fifo_[q.note.peer];
     const std::string sender = q.note.peer;
+    note_progress(sender);  // read off its connection now: the peer was alive moments ago
     line.push_back(std::move(q));
     settle(sender);
   }

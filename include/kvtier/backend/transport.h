@@ -228,9 +228,10 @@ class Transport {
   virtual Status send_urgent_notification(PeerId peer, std::string message) {
     return send_notification(peer, std::move(message));
   }
-  // When bytes of a transfer with `peer` last moved here (a send to it completed, bytes of it landed), or nullopt
-  // where the backend does not track it. While a long transfer keeps the peer's messages waiting behind its bytes
-  // on one connection, this is the evidence that the peer is alive and reading or writing.
+  // When bytes with `peer` last moved here (a send to it completed, bytes or a message of it were read off the
+  // connection), or nullopt where the backend does not track it. Taken when the backend reads or completes them,
+  // not when anyone processes them: while a long transfer keeps the peer's heartbeats from being processed (or
+  // their echoes from arriving), it is the evidence that the peer is alive.
   virtual std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const {
     (void)peer;
     return std::nullopt;
