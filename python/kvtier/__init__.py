@@ -39,8 +39,30 @@ the call; an exception they raise is logged to the ``kvtier`` logger (and counte
 
 from __future__ import annotations
 
-from . import errors
-from ._native import (  # noqa: F401
+import os as _os
+
+
+def _keep_ucx_to_the_wheels_own() -> None:
+    """The wheel carries its own UCX (``kvtier.libs/libucs-*.so``, renamed by auditwheel). UCX loads its transport
+    modules from the directory compiled into it, the build machine's (``/usr/lib/x86_64-linux-gnu/ucx`` on Debian);
+    where that directory exists those modules, linked against the system's UCX, would bring a second UCX into the
+    process. Unless the user chose a module directory, UCX is pointed at ``kvtier.libs``, which holds none: the
+    wheel's UCX keeps what it carries (tcp, shared memory, self)."""
+    if "UCX_MODULE_DIR" in _os.environ:
+        return
+    libs = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "kvtier.libs")
+    try:
+        bundled = any(n.startswith("libucs-") for n in _os.listdir(libs))
+    except OSError:
+        return  # not a wheel: a source build uses the system's UCX and its modules
+    if bundled:
+        _os.environ["UCX_MODULE_DIR"] = libs
+
+
+_keep_ucx_to_the_wheels_own()
+
+from . import errors  # noqa: E402
+from ._native import (  # noqa: F401,E402
     log_level,
     set_log_level,
     Device,

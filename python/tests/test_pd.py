@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -429,6 +432,25 @@ def test_tensors_and_names_the_native_layer_cannot_take_are_named():
         for name in ["x" * 300, "a\nb", "na\u00efve"]:
             with pytest.raises(kvtier.InvalidArgumentError, match="agent name"):
                 Prefill(src_kv, transport=transport, name=name)
+
+
+def test_one_ucx_in_the_process():
+    # The wheel carries its own UCX; the system's UCX modules (linked against the system's UCX) must not load beside
+    # it (two UCX libraries in one process: a crash seen once in UCX's endpoint close).
+    code = ("import numpy as np\nfrom kvtier.pd import Decode, Prefill\n"
+            "kv = [(np.zeros((4, 256), np.float16), np.zeros((4, 256), np.float16))]\n"
+            "p = Prefill(kv, transport='ucx', tls='tcp', net_devices='lo')\n"
+            "d = Decode([(np.zeros((4, 256), np.float16), np.zeros((4, 256), np.float16))], transport='ucx', "
+            "tls='tcp', net_devices='lo')\n"
+            "to_d, to_p = p.add_peer(d.metadata()), d.add_peer(p.metadata())\n"
+            "d.start(to_p, 1, [0]); p.begin(to_d, 1, [3]); p.layers_ready(1, [0])\n"
+            "assert d.wait(1, 10, reclaimable=True).leading_loaded_blocks == 1\n"
+            "print('\\n'.join(sorted({l.split()[-1] for l in open('/proc/self/maps') if '/libucs' in l})))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "UCX_MODULE_DIR"})
+    assert out.returncode == 0, out.stderr
+    libs = [line for line in out.stdout.splitlines() if line]
+    assert len(libs) == 1, f"UCX libraries loaded: {libs}"
 
 
 def test_a_block_still_held_by_another_transfer_is_refused(pair):
