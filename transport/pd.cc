@@ -144,6 +144,11 @@ class Msg {
     w_.u64s(v);
     return *this;
   }
+  // A reason for the peer's messages (the first 400 bytes).
+  Msg& text(std::string_view v) {
+    w_.str(v.substr(0, 400));
+    return *this;
+  }
   std::string str() { return std::move(w_.out); }
 
  private:
@@ -1184,7 +1189,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.times.request = r.arrived;
     auto refuse = [&](Status why) {
       for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-        t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
+        t_.send_notification(x.peer, Msg('X', id).u32(u).text(why.to_string()).str()).ignore_error();
       fail(x, id, std::move(why));
     };
     if (r.dst.size() != x.src.size()) {
@@ -1241,7 +1246,7 @@ class Prefill final : public PdPrefill, public Endpoint {
   // than at the lease, and fails the transfer.
   void fail_unsent(X& x, TransferId id, Status why) {
     for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-      if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).str()).ignore_error();
+      if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).text(why.to_string()).str()).ignore_error();
     fail(x, id, std::move(why));
   }
 
@@ -1410,7 +1415,8 @@ class Prefill final : public PdPrefill, public Endpoint {
     Status s = copy_group_and_read_back(lb, group, all);
     if (!s.ok()) {
       drain_lane();
-      for (std::uint32_t li : group) t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+      for (std::uint32_t li : group)
+        t_.send_notification(x.peer, Msg('X', id).u32(li).text(s.to_string()).str()).ignore_error();
       fail(x, id, s.with_context(fmt::format("layers {}-{} device lane", group.front(), group.back())));
       return;
     }
@@ -1526,7 +1532,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       l.lane_pending = false;
       x.times.moved = Clock::now();
       if (!done.ok()) {
-        t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+        t_.send_notification(x.peer, Msg('X', id).u32(li).text(done.status().to_string()).str()).ignore_error();
         fail(x, id, done.status().with_context(fmt::format("layer {} device lane kernel", li)));
         continue;
       }
@@ -1595,7 +1601,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       // Part of it may be enqueued: let it drain before the writes can count as quiescent.
       drain_lane();
       // Something may be enqueued: the layer counts as pending until its event (if recorded) says otherwise.
-      t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+      t_.send_notification(x.peer, Msg('X', id).u32(li).text(s.to_string()).str()).ignore_error();
       fail(x, id, s.with_context(fmt::format("layer {} device lane", li)));
       return;
     }
@@ -1636,7 +1642,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     mark_move(x.times, Clock::now());
     auto posted = t_.post(XferOp::kWrite, x.peer, ld, rd, m.str());
     if (!posted.ok()) {
-      t_.send_notification(x.peer, Msg('X', id).u32(li).str()).ignore_error();
+      t_.send_notification(x.peer, Msg('X', id).u32(li).text(posted.status().to_string()).str()).ignore_error();
       fail(x, id, posted.status().with_context(fmt::format("layer {} write", li)));
       return;
     }
@@ -2121,8 +2127,17 @@ class Decode final : public PdDecode, public Endpoint {
         return;
       }
       case 'X':
-        if (p.u32(layer))
-          fail_layer(x, layer, Unavailable(fmt::format("transfer {} layer {}: prefill could not send it", id, layer)));
+        if (p.u32(layer)) {
+          // The prefill's reason, when it sent one (printable ASCII only: it comes from the peer).
+          std::string why;
+          if (!p.str(why)) why.clear();
+          for (char& c : why)
+            if (c < 0x20 || c > 0x7e) c = '?';
+          fail_layer(x, layer,
+                     Unavailable(why.empty() ? fmt::format("transfer {} layer {}: prefill could not send it", id, layer)
+                                             : fmt::format("transfer {} layer {}: prefill could not send it: {}", id,
+                                                           layer, why)));
+        }
         return;
       case 'A': {
         std::vector<std::uint64_t> src, ck, strides;

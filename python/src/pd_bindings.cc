@@ -425,13 +425,21 @@ void bind_pd(nb::module_& m) {
                   DataLoss(fmt::format("add_peer: a blob of {} bytes that is not a kvtier.pd endpoint's "
                                        "metadata (it starts with neither role)",
                                        blob.size())));
-            if ((tag == kPrefillTag) == e.is_prefill())
-              raise_status(FailedPrecondition(fmt::format(
-                  "add_peer: the blob is another {0} endpoint's; '{1}' is a {0} and pairs with a {2} endpoint",
-                  e.options.role, e.options.name, e.is_prefill() ? "decode" : "prefill")));
             std::vector<std::byte> b(blob.size() - 1);
             if (!b.empty()) std::memcpy(b.data(), blob.c_str() + 1, b.size());
-            return value_or_raise(released([&] { return n->transport->load_peer(b); }));
+            if ((tag == kPrefillTag) == e.is_prefill()) {
+              auto own = n->transport->export_metadata();
+              const bool self = own.ok() && *own == b;
+              raise_status(FailedPrecondition(fmt::format(
+                  "add_peer: the blob is {0} {1} endpoint's; '{2}' is a {1} and pairs with a {3} endpoint",
+                  self ? "this" : "another", e.options.role, e.options.name, e.is_prefill() ? "decode" : "prefill")));
+            }
+            // Sizes in the transport's messages count the blob without the role byte: say so once.
+            auto peer = released([&] { return n->transport->load_peer(b); });
+            if (!peer.ok())
+              raise_status(peer.status().with_context(
+                  fmt::format("add_peer: metadata of {} bytes (a role byte, then the transport's blob)", blob.size())));
+            return *peer;
           },
           "metadata"_a, "Loads the peer's metadata blob (checked, authenticated with a peer secret); its peer id.")
       // ---- prefill

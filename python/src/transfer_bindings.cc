@@ -54,6 +54,8 @@ std::chrono::nanoseconds to_timeout(std::optional<double> seconds) {
   // timeout is a deadline already passed: the wait only looks.
   if (*seconds != *seconds) throw nb::value_error("timeout is NaN");
   if (*seconds >= 1e9) return std::chrono::nanoseconds::max();
+  // Converting -inf or -1e300 overflows (undefined; it showed as "-9223372036854 ms" in messages).
+  if (*seconds <= 0) return std::chrono::nanoseconds(0);
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Seconds(*seconds));
 }
 

@@ -314,6 +314,10 @@ def test_timeouts(pair):
         d.forget(10)  # not final
     with pytest.raises(ValueError):
         d.wait(10, timeout=float("nan"))
+    # A deadline already passed only looks, however far back; the message does not show an overflowed count.
+    for gone in (-1e300, float("-inf"), -9.3e9):
+        with pytest.raises(kvtier.TimedOutError, match=r"after 0 ms"):
+            d.wait(10, timeout=gone)
 
 
 def test_dead_prefill_fails_the_transfer(pair):
@@ -905,6 +909,12 @@ def test_add_peer_refuses_an_endpoint_of_its_own_role():
             d.add_peer(b"X" + a.metadata()[1:])
         with pytest.raises(kvtier.DataLossError):
             d.add_peer(b"")
+        with pytest.raises(kvtier.FailedPreconditionError, match="this decode endpoint's"):
+            d.add_peer(d.metadata())
+        # A cut blob is named with the size the caller passed (the role byte included).
+        meta = a.metadata()
+        with pytest.raises(kvtier.KvtierError, match=f"metadata of 10 bytes"):
+            d.add_peer(meta[:10])
         assert d.add_peer(a.metadata()) >= 0 and a.add_peer(d.metadata()) >= 0
 
 

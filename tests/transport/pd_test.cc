@@ -414,6 +414,21 @@ TEST(Pd, ADestinationBlockOfATransferNotForgottenIsRefusedNamingBoth) {
   ASSERT_TRUE(rig.dec->wait(3, 5s, true).ok());
 }
 
+// The prefill's reason for not sending reaches the decode's error: it said only "prefill could not send it".
+TEST(Pd, ThePrefillsReasonForNotSendingReachesTheDecode) {
+  Rig rig;
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 7, PdMode::kPush, {0, 2, 4}).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 7, {1, 3}).ok());
+  auto fin = rig.dec->wait(7, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable);
+  EXPECT_NE(fin->error.message().find("prefill could not send it: InvalidArgument: decode asked for 3 blocks, prefill "
+                                      "has 2"),
+            std::string::npos)
+      << fin->error.to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 0u);
+}
+
 TEST(Pd, LayersReadyIsCheckedWholeBeforeAnyLayerIsDeclared) {
   Rig rig;
   const std::uint32_t ok_layers[] = {0, 1}, out_of_range[] = {2, 4}, twice[] = {2, 3, 2}, again[] = {3, 1};
