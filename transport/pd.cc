@@ -1246,7 +1246,8 @@ class Prefill final : public PdPrefill, public Endpoint {
   // than at the lease, and fails the transfer.
   void fail_unsent(X& x, TransferId id, Status why) {
     for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-      if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).text(why.to_string()).str()).ignore_error();
+      if (!x.layers[u].sent)
+        t_.send_notification(x.peer, Msg('X', id).u32(u).text(why.to_string()).str()).ignore_error();
     fail(x, id, std::move(why));
   }
 

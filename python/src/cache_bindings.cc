@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <span>
@@ -203,14 +204,48 @@ cache::Continuation parse_continuation(const std::string& name) {
   raise_status(InvalidArgument(fmt::format("continuation '{}' is not unknown, continues or last_turn", name)));
 }
 
+// An integer argument in [low, high] (a Python int or anything with __index__, not a bool): nanobind's own
+// conversion refuses -1 for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the
+// argument nor the value.
+std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::int64_t high) {
+  PyObject* o = value.ptr();
+  const std::string shown = nb::cast<std::string>(nb::repr(value));
+  if (PyBool_Check(o) || !PyIndex_Check(o))
+    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
+  nb::object index = nb::steal(PyNumber_Index(o));
+  if (!index.is_valid()) {
+    PyErr_Clear();
+    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0 || v < low || v > high)
+    raise_status(OutOfRange(fmt::format("{} {} is not in [{}, {}]", what, shown, low, high)));
+  return v;
+}
+// An unsigned 64-bit argument (ids, hashes up to 2**64 - 1).
+std::uint64_t u64_arg(nb::handle value, const char* what) {
+  PyObject* o = value.ptr();
+  const std::string shown = nb::cast<std::string>(nb::repr(value));
+  if (PyBool_Check(o) || !PyIndex_Check(o))
+    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
+  nb::object index = nb::steal(PyNumber_Index(o));
+  const unsigned long long v = index.is_valid() ? PyLong_AsUnsignedLongLong(index.ptr()) : 0ULL;
+  if (!index.is_valid() || PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    raise_status(OutOfRange(fmt::format("{} {} is not in [0, 2**64 - 1]", what, shown)));
+  }
+  return v;
+}
+
 // The announce() hints of CacheManager.announce and HybridCache.announce, from their keyword arguments.
-cache::RequestHints request_hints(std::uint64_t conversation_id, const std::string& continuation,
-                                  std::uint32_t ttl_steps, std::int32_t priority) {
+cache::RequestHints request_hints(nb::handle conversation_id, const std::string& continuation, nb::handle ttl_steps,
+                                  nb::handle priority) {
   cache::RequestHints h;
-  h.conversation_id = conversation_id;
+  h.conversation_id = u64_arg(conversation_id, "conversation_id");
   h.continuation = parse_continuation(continuation);
-  h.ttl_steps = ttl_steps;
-  h.priority = priority;
+  h.ttl_steps = static_cast<std::uint32_t>(int_arg(ttl_steps, "ttl_steps", 0, UINT32_MAX));
+  h.priority = static_cast<std::int32_t>(int_arg(priority, "priority", INT32_MIN, INT32_MAX));
   return h;
 }
 
@@ -558,8 +593,8 @@ void bind_cache(nb::module_& m) {
            })
       .def(
           "announce",
-          [](PyCacheManager& p, const std::vector<std::string>& keys, std::uint64_t conversation_id,
-             const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
+          [](PyCacheManager& p, const std::vector<std::string>& keys, nb::handle conversation_id,
+             const std::string& continuation, nb::handle ttl_steps, nb::handle priority) {
             auto k = parse_keys(keys);
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             auto lock = lock_gil_safe(p.mu);
@@ -572,24 +607,27 @@ void bind_cache(nb::module_& m) {
           "take_plan() calls), priority (higher first). Returns the announcement's id.")
       .def(
           "extend_announced",
-          [](PyCacheManager& p, std::uint64_t id, const std::vector<std::string>& keys) {
+          [](PyCacheManager& p, nb::handle id, const std::vector<std::string>& keys) {
+            const std::uint64_t queued = u64_arg(id, "id");
             auto k = parse_keys(keys);
             auto lock = lock_gil_safe(p.mu);
-            check(p.cm->extend_announced(id, k));
+            check(p.cm->extend_announced(queued, k));
           },
           "id"_a, "keys"_a, "Appends keys (tokens arrived) to a queued announcement's chain.")
       .def(
           "withdraw",
-          [](PyCacheManager& p, std::uint64_t id) {
+          [](PyCacheManager& p, nb::handle id) {
+            const std::uint64_t queued = u64_arg(id, "id");
             auto lock = lock_gil_safe(p.mu);
-            check(p.cm->withdraw(id));
+            check(p.cm->withdraw(queued));
           },
           "id"_a, "The request left the queue (scheduled or cancelled).")
       .def(
           "announcement",
-          [](PyCacheManager& p, std::uint64_t id) {
+          [](PyCacheManager& p, nb::handle id) {
+            const std::uint64_t queued = u64_arg(id, "id");
             auto lock = lock_gil_safe(p.mu);
-            const cache::AnnouncementInfo a = value_or_raise(p.cm->announcement(id));
+            const cache::AnnouncementInfo a = value_or_raise(p.cm->announcement(queued));
             nb::dict d;
             d["keys"] = a.keys;
             d["queued"] = a.queued;
@@ -751,8 +789,8 @@ void bind_cache(nb::module_& m) {
       .def(
           "announce",
           [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
-             std::optional<std::uint32_t> max_hit_tokens, std::uint64_t conversation_id,
-             const std::string& continuation, std::uint32_t ttl_steps, std::int32_t priority) {
+             std::optional<std::uint32_t> max_hit_tokens, nb::handle conversation_id, const std::string& continuation,
+             nb::handle ttl_steps, nb::handle priority) {
             HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             auto lock = lock_gil_safe(p.mu);
@@ -765,9 +803,10 @@ void bind_cache(nb::module_& m) {
           "blocks, state groups the state at the hit). Hints as CacheManager.announce. Returns the id.")
       .def(
           "withdraw",
-          [](PyHybridCache& p, std::uint64_t id) {
+          [](PyHybridCache& p, nb::handle id) {
+            const std::uint64_t queued = u64_arg(id, "id");
             auto lock = lock_gil_safe(p.mu);
-            check(p.hc->withdraw(id));
+            check(p.hc->withdraw(queued));
           },
           "id"_a, "The request left the queue (scheduled: before admit, or cancelled): every group withdraws it.")
       .def(

@@ -78,6 +78,29 @@ def test_eviction_policies_by_name():
             kvtier.CacheManager(device_blocks=4, device_policy=bad)
 
 
+def test_lookahead_integers_out_of_range_or_not_integers_are_named():
+    """nanobind's own refusal of -1 for an unsigned argument (or 2**31 for an int32) was a TypeError naming neither the
+    argument nor the value."""
+    cm = kvtier.CacheManager(device_blocks=8)
+    keys = kvtier.KeyHasher("m", block_tokens=2).keys_for(list(range(4)))
+    for call, error, says in [
+            (lambda: cm.withdraw(-1), kvtier.OutOfRangeError, r"id -1 is not in \[0, 2\*\*64 - 1\]"),
+            (lambda: cm.withdraw(1.0), kvtier.InvalidArgumentError, "id 1.0 is not an integer"),
+            (lambda: cm.announcement(True), kvtier.InvalidArgumentError, "id True is not an integer"),
+            (lambda: cm.extend_announced(-1, keys), kvtier.OutOfRangeError, "id -1"),
+            (lambda: cm.announce(keys, conversation_id=-1), kvtier.OutOfRangeError, "conversation_id -1"),
+            (lambda: cm.announce(keys, ttl_steps=-1), kvtier.OutOfRangeError, "ttl_steps -1"),
+            (lambda: cm.announce(keys, ttl_steps=2**32), kvtier.OutOfRangeError, "ttl_steps 4294967296"),
+            (lambda: cm.announce(keys, priority=2**31), kvtier.OutOfRangeError, "priority 2147483648"),
+            (lambda: cm.announce(keys, priority="high"), kvtier.InvalidArgumentError, "priority 'high'")]:
+        with pytest.raises(error, match=says):
+            call()
+    assert cm.stats()["queued_requests"] == 0  # nothing above was announced
+    qid = cm.announce(keys, conversation_id=2**64 - 1, ttl_steps=2**32 - 1, priority=-(2**31))
+    assert cm.announcement(qid)["conversation_id"] == 2**64 - 1
+    cm.withdraw(qid)
+
+
 def test_announced_requests_are_prefetched_and_withdrawn():
     """Look-ahead: a queued request's blocks that sit on host come back to the device ahead of its admission;
     a withdrawn announcement is gone; bad hints are refused by name."""
