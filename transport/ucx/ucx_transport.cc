@@ -412,17 +412,9 @@ class UcxTransport final : public detail::TransportBase {
           for (ucp_rkey_h k : peer->rkeys)
             if (k != nullptr) ucp_rkey_destroy(k);
           peer->rkeys.clear();
-          ucp_request_param_t p{};
-          p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-          p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-          ucs_status_ptr_t r = ucp_ep_close_nbx(peer->ep, &p);
-          if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
-          peer->ep = nullptr;
-          if (peer->urgent != nullptr) {
-            r = ucp_ep_close_nbx(peer->urgent, &p);
-            if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
-            peer->urgent = nullptr;
-          }
+          for (ucp_ep_h* ep : {&peer->ep, &peer->urgent})
+            if (*ep != nullptr)
+              if (void* r = force_close(*ep); r != nullptr) closing.push_back(r);
         }
       }
       wake();
@@ -738,25 +730,12 @@ class UcxTransport final : public detail::TransportBase {
       if (p == nullptr) return true;
       revoked = p->gone();
       p->failed = true;
-      if (p->ep != nullptr) {
-        // Forced: the peer may be dead. UCX completes every request still on the endpoint with an error, so
-        // transfers that would wait forever on a dead peer (lanes without failure detection) become quiescent.
-        ucp_request_param_t cp{};
-        cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &cp);
-        if (UCS_PTR_IS_PTR(r)) closing = r;
-        p->ep = nullptr;
-      }
-      if (p->urgent != nullptr) {
-        // Its messages carry no bytes of a transfer: closing it needs no wait.
-        ucp_request_param_t cp{};
-        cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        ucs_status_ptr_t r = ucp_ep_close_nbx(p->urgent, &cp);
-        if (UCS_PTR_IS_PTR(r)) urgent_closing_.push_back(r);
-        p->urgent = nullptr;
-      }
+      // Forced: the peer may be dead. UCX completes every request still on the endpoint with an error, so
+      // transfers that would wait forever on a dead peer (lanes without failure detection) become quiescent.
+      if (p->ep != nullptr) closing = force_close(p->ep);
+      // The urgent endpoint's messages carry no bytes of a transfer: its close needs no wait (freed at shutdown).
+      if (p->urgent != nullptr)
+        if (void* r = force_close(p->urgent); r != nullptr) urgent_closing_.push_back(r);
     }
     wake();
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -1527,6 +1506,17 @@ class UcxTransport final : public detail::TransportBase {
         self->advance(it->second.get());
       }
     }
+  }
+
+  // Starts a forced close of `ep` (the peer may be dead) and clears it: the close request to wait for and free,
+  // or null when it closed at once.
+  static void* force_close(ucp_ep_h& ep) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    ep = nullptr;
+    return UCS_PTR_IS_PTR(r) ? r : nullptr;
   }
 
   void close_ep_locked(ucp_ep_h ep) {
