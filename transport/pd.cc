@@ -1188,8 +1188,9 @@ class Prefill final : public PdPrefill, public Endpoint {
   void apply_request(TransferId id, X& x, Req r) {
     x.times.request = r.arrived;
     auto refuse = [&](Status why) {
+      const std::string reason = why.to_string();
       for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-        t_.send_notification(x.peer, Msg('X', id).u32(u).text(why.to_string()).str()).ignore_error();
+        t_.send_notification(x.peer, Msg('X', id).u32(u).text(reason).str()).ignore_error();
       fail(x, id, std::move(why));
     };
     if (r.dst.size() != x.src.size()) {
@@ -1245,9 +1246,9 @@ class Prefill final : public PdPrefill, public Endpoint {
   // Tells the decode side that none of the layers not yet sent will come ('X'), so it fails them at once rather
   // than at the lease, and fails the transfer.
   void fail_unsent(X& x, TransferId id, Status why) {
+    const std::string reason = why.to_string();
     for (std::uint32_t u = 0; u < x.layers.size(); ++u)
-      if (!x.layers[u].sent)
-        t_.send_notification(x.peer, Msg('X', id).u32(u).text(why.to_string()).str()).ignore_error();
+      if (!x.layers[u].sent) t_.send_notification(x.peer, Msg('X', id).u32(u).text(reason).str()).ignore_error();
     fail(x, id, std::move(why));
   }
 
@@ -1416,8 +1417,9 @@ class Prefill final : public PdPrefill, public Endpoint {
     Status s = copy_group_and_read_back(lb, group, all);
     if (!s.ok()) {
       drain_lane();
+      const std::string reason = s.to_string();
       for (std::uint32_t li : group)
-        t_.send_notification(x.peer, Msg('X', id).u32(li).text(s.to_string()).str()).ignore_error();
+        t_.send_notification(x.peer, Msg('X', id).u32(li).text(reason).str()).ignore_error();
       fail(x, id, s.with_context(fmt::format("layers {}-{} device lane", group.front(), group.back())));
       return;
     }

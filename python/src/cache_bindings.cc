@@ -207,16 +207,20 @@ cache::Continuation parse_continuation(const std::string& name) {
 // An integer argument in [low, high] (a Python int or anything with __index__, not a bool): nanobind's own
 // conversion refuses -1 for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the
 // argument nor the value.
-std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::int64_t high) {
+// `value` as a Python int (InvalidArgument naming it otherwise); `shown` gets its repr for the caller's messages.
+nb::object index_arg(nb::handle value, const char* what, std::string& shown) {
   PyObject* o = value.ptr();
-  const std::string shown = nb::cast<std::string>(nb::repr(value));
-  if (PyBool_Check(o) || !PyIndex_Check(o))
-    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
-  nb::object index = nb::steal(PyNumber_Index(o));
+  shown = nb::cast<std::string>(nb::repr(value));
+  nb::object index = PyBool_Check(o) || !PyIndex_Check(o) ? nb::object() : nb::steal(PyNumber_Index(o));
   if (!index.is_valid()) {
     PyErr_Clear();
     raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
   }
+  return index;
+}
+std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::int64_t high) {
+  std::string shown;
+  const nb::object index = index_arg(value, what, shown);
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0 || v < low || v > high)
@@ -225,13 +229,10 @@ std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::
 }
 // An unsigned 64-bit argument (ids, hashes up to 2**64 - 1).
 std::uint64_t u64_arg(nb::handle value, const char* what) {
-  PyObject* o = value.ptr();
-  const std::string shown = nb::cast<std::string>(nb::repr(value));
-  if (PyBool_Check(o) || !PyIndex_Check(o))
-    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
-  nb::object index = nb::steal(PyNumber_Index(o));
-  const unsigned long long v = index.is_valid() ? PyLong_AsUnsignedLongLong(index.ptr()) : 0ULL;
-  if (!index.is_valid() || PyErr_Occurred() != nullptr) {
+  std::string shown;
+  const nb::object index = index_arg(value, what, shown);
+  const unsigned long long v = PyLong_AsUnsignedLongLong(index.ptr());
+  if (PyErr_Occurred() != nullptr) {
     PyErr_Clear();
     raise_status(OutOfRange(fmt::format("{} {} is not in [0, 2**64 - 1]", what, shown)));
   }

@@ -710,12 +710,7 @@ class UcxTransport final : public detail::TransportBase {
   Status backend_send_urgent(PeerId peer, std::string message) override {
     {
       std::lock_guard lock(ucx_mu_);
-      UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
-      if (p == nullptr || p->ep == nullptr || p->failed)
-        return Unavailable(fmt::format("peer {} is not connected", peer));
-      const ucs_status_t st = send_bare(p->urgent != nullptr ? p->urgent : p->ep, kAmId,
-                                        make_header(NotifKind::kMessage), std::move(message));
-      if (st != UCS_OK) return request_error("urgent notification send", st);
+      KVTIER_RETURN_IF_ERROR(send_locked(peer, NotifKind::kMessage, std::move(message), /*urgent=*/true));
     }
     wake();
     return Status::Ok();
@@ -831,11 +826,13 @@ class UcxTransport final : public detail::TransportBase {
     }
   }
 
-  Status send_locked(PeerId peer, NotifKind kind, std::string message) {
+  // `urgent`: on the peer's urgent endpoint where it has one (send_urgent_notification).
+  Status send_locked(PeerId peer, NotifKind kind, std::string message, bool urgent = false) {
     UcxPeer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
     if (p == nullptr || p->ep == nullptr || p->failed)
       return Unavailable(fmt::format("peer {} is not connected", peer));
-    const ucs_status_t st = send_bare(p->ep, kAmId, make_header(kind), std::move(message));
+    const ucs_status_t st =
+        send_bare(urgent && p->urgent != nullptr ? p->urgent : p->ep, kAmId, make_header(kind), std::move(message));
     if (st != UCS_OK) return request_error("notification send", st);
     return Status::Ok();
   }
