@@ -20,6 +20,7 @@ class ForwardingTransport : public Transport {
   Result<std::vector<std::byte>> export_metadata() override { return inner_->export_metadata(); }
   Result<PeerId> load_peer(std::span<const std::byte> blob) override { return inner_->load_peer(blob); }
   Result<PeerInfo> peer_info(PeerId peer) const override { return inner_->peer_info(peer); }
+  Result<PeerId> find_peer(std::string_view name) const override { return inner_->find_peer(name); }
   Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override {
     return inner_->peer_region_address(peer, region);
   }

@@ -16,6 +16,14 @@
 //                                              number received from the other side (0: none yet)
 // A negative notification (aborted, failed to post) carries the 'W' or 'D' text of its transfer.
 //
+// A transfer id names one prefill's transfers: a message applies to a transfer only when its sender is the peer the
+// transfer was begun or started with (by agent name); another decode's 'R' for a begun id is answered with 'X' on
+// every layer. A request that comes before begin() is kept per (id, sender) and both sides heartbeat it, so a prefill
+// whose forward begins later than the lease keeps its lease; it ends with the decode's 'F' (answered with 'Q') or its
+// silence for a lease. A repeated 'R' of a requested transfer is ignored. A closing prefill sends 'X' for what it
+// did not send and 'Q' once its copies have drained; a closing decode fails what is not final ('F') and waits, up to
+// a lease, for 'Q' before its memory may go.
+//
 // Leases are renewed only by echoes: a heartbeat that echoes our heartbeat n proves the peer was alive when we
 // sent n, so the lease runs from n's send time. A message processed late (queued while this side or the wire
 // stalled) can therefore never extend the lease of a peer that has died since; renewing by the time a message
@@ -23,6 +31,9 @@
 //
 // Ring lane (pd.h), lane byte 3 in 'R', which then ends with u32 slots u64 slot_bytes (the decode's ring, its
 // region number num_planes):
+//   'Y' xid u32 layer                               prefill -> decode: the layer's data is ready here; its pieces may
+//                                                  be granted slots (a transfer whose forward has not reached a layer
+//                                                  holds no slot)
 //   'G' xid u32 layer u32 piece u32 slot            decode -> prefill: write that piece of the layer into the slot
 //   'P' xid u32 layer u32 piece u32 slot u32 n ck   prefill -> decode: the piece is in the slot, with the checksums
 //                                                  (block_checksum()) its copy kernel computed
@@ -52,6 +63,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <list>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -340,6 +352,7 @@ class Endpoint {
   }
 
   void stop() {
+    before_stop();
     {
       std::lock_guard lock(mu_);
       stop_ = true;
@@ -361,9 +374,16 @@ class Endpoint {
         log(LogLevel::kDebug, "transport", fmt::format("pd: device lane drained after a failure: {}", s.to_string()));
       options_.engine->forget_stream(**stream).ignore_error();
     }
+    std::lock_guard lock(mu_);
+    after_stop();
   }
 
  protected:
+  // At the start of stop(), the progress thread still running (no lock held).
+  virtual void before_stop() {}
+  // At the end of stop(), under mu_: the progress thread has ended and the device lane's kernels have drained.
+  virtual void after_stop() {}
+
   std::uint32_t plane_index(std::uint32_t l, std::uint32_t r) const {
     std::uint32_t idx = 0;
     for (std::uint32_t i = 0; i < l; ++i) idx += blocks_.layout().num_roles(i);
@@ -891,15 +911,17 @@ class Endpoint {
   }
 
   // A stream whose work failed stays failed (CUDA's errors are sticky, and the host backend models that), so the
-  // ring lane's later pieces go on a fresh stream; the old one is kept until the endpoint stops (work of other
+  // lanes' later copies go on a fresh stream; the old one is kept until the endpoint stops (work of other
   // pieces on it reports the failure through their events).
-  void renew_failed_lane_stream() {
+  void renew_failed_lane_streams() {
     Device& dev = lane_device();
-    if (dev.query(*lane_stream_).ok()) return;
-    auto fresh = dev.create_stream(StreamOptions{StreamPriority::kNormal, fmt::format("pd-lane-{}", role_)});
-    if (!fresh.ok()) return;  // the next enqueue fails and says why
-    retired_streams_.push_back(std::move(lane_stream_));
-    lane_stream_ = std::move(fresh).value();
+    for (auto* stream : {&lane_stream_, &verify_stream_}) {
+      if (!*stream || dev.query(**stream).ok()) continue;
+      auto fresh = dev.create_stream(StreamOptions{StreamPriority::kNormal, fmt::format("pd-lane-{}", role_)});
+      if (!fresh.ok()) continue;  // the next enqueue fails and says why
+      retired_streams_.push_back(std::move(*stream));
+      *stream = std::move(fresh).value();
+    }
   }
 
   // After a failed enqueue part of a layer's work may be on either stream: let it drain.
@@ -934,7 +956,7 @@ class Endpoint {
   std::set<PeerId> dropped_;                              // peers this side disconnected
   std::unique_ptr<Stream> lane_stream_;                   // the device lane's copies and checksum passes, in order
   std::unique_ptr<Stream> verify_stream_;                 // the moving side's read-backs, each behind its layer's copy
-  std::vector<std::unique_ptr<Stream>> retired_streams_;  // failed lane streams (renew_failed_lane_stream)
+  std::vector<std::unique_ptr<Stream>> retired_streams_;  // failed lane streams (renew_failed_lane_streams)
   std::string role_;
   static constexpr std::size_t kLanePoolSize = 16;
   std::mutex lane_pool_mu_;
@@ -1002,22 +1024,31 @@ class Prefill final : public PdPrefill, public Endpoint {
   Status open_transfer(PeerId decode, TransferId id, std::vector<BlockId> src_ids) {
     std::vector<std::uint64_t> src_blocks(src_ids.begin(), src_ids.end());  // lists travel as u64 on the wire
     KVTIER_RETURN_IF_ERROR(check_blocks(src_blocks, "source"));
-    KVTIER_RETURN_IF_ERROR(t_.peer_info(decode).status().with_context("prefill begin"));
+    auto info = t_.peer_info(decode);
+    if (!info.ok()) return info.status().with_context("prefill begin");
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
     X& x = xfers_[id];
     x.peer = decode;
+    x.peer_name = info->identity.name;
     x.src = std::move(src_blocks);
     x.layers.resize(blocks_.layout().num_layers());
     x.last_heard = x.times.started = Clock::now();
-    // A request that arrived before begin() is applied now.
-    if (auto it = early_.find(id); it != early_.end()) {
-      apply_request(id, x, it->second);
-      early_.erase(it);
-    }
-    if (auto it = early_grants_.find(id); it != early_grants_.end()) {
-      for (const Grant& g : it->second) grant(id, x, g);
-      early_grants_.erase(it);
+    // A request that arrived before begin() from this decode is applied now, its heartbeats carried over; the same
+    // transfer id asked for by any other decode is refused (transfer ids name one prefill's transfers).
+    for (auto it = early_.lower_bound({id, std::string()}); it != early_.end() && it->first.first == id;) {
+      Early& e = it->second;
+      if (it->first.second == x.peer_name) {
+        x.beats = std::move(e.beats);
+        x.last_heard = std::max(x.last_heard, e.last_heard);
+        x.last_sent = e.last_sent;
+        const std::vector<Grant> grants = std::move(e.grants);
+        apply_request(id, x, std::move(e.req));
+        for (const Grant& g : grants) grant(id, x, g);
+      } else {
+        refuse_foreign(it->first.second, id, x.peer_name);
+      }
+      it = early_.erase(it);
     }
     return Status::Ok();
   }
@@ -1135,12 +1166,14 @@ class Prefill final : public PdPrefill, public Endpoint {
   };
   struct X {
     PeerId peer = 0;
+    std::string peer_name;  // its agent name: only its messages apply to this transfer
     std::vector<std::uint64_t> src;
     std::optional<Req> req;
     std::vector<L> layers;
     Clock::time_point last_heard, last_sent;
     Beats beats;
     bool final = false, done = false;
+    bool fin_heard = false;   // the decode's 'F' came: it reads nothing of this transfer any more
     bool quiet_sent = false;  // 'Q' went out (or could not: the peer is gone)
     KeptStatus error;
     std::unique_ptr<LaneBuffers> lane;  // device and ring lanes
@@ -1252,6 +1285,18 @@ class Prefill final : public PdPrefill, public Endpoint {
     fail(x, id, std::move(why));
   }
 
+  // Device lane: as fail_unsent, for every layer the decode side has not been told about yet (not enqueued, or
+  // enqueued with its notification still to come: those are not announced once the transfer is final).
+  void fail_untold(X& x, TransferId id, Status why) {
+    if (!x.final) {
+      const std::string reason = why.to_string();
+      for (std::uint32_t u = 0; u < x.layers.size(); ++u)
+        if (!x.layers[u].sent || x.layers[u].lane_pending)
+          t_.send_notification(x.peer, Msg('X', id).u32(u).text(reason).str()).ignore_error();
+    }
+    fail(x, id, std::move(why));
+  }
+
   void fail(X& x, TransferId id, Status why) {
     if (x.final) {
       why.ignore_error();  // the transfer already ended with its first error, which is what the caller sees
@@ -1262,33 +1307,84 @@ class Prefill final : public PdPrefill, public Endpoint {
     log(LogLevel::kWarning, "transport", fmt::format("pd prefill transfer {}: {}", id, x.error.to_string()));
   }
 
+  // The endpoint closes: transfers not final are failed (the decode is told which layers will not come), and the
+  // close waits, up to a lease, until no decode still reads a layer announced to it (pull: its 'D' for every such
+  // layer, or its 'F'): the caller frees this side's blocks after it. A decode that does not answer in time is
+  // disconnected, which stops its reads where the transport can.
+  void before_stop() override {
+    std::unique_lock lock(mu_);
+    for (auto& [id, x] : xfers_)
+      if (!x.final) fail_untold(x, id, Cancelled(fmt::format("transfer {}: the prefill endpoint was closed", id)));
+    auto read_over = [](const X& x) {
+      if (x.fin_heard || !x.req || x.req->mode != PdMode::kPull) return true;
+      for (const L& l : x.layers)
+        if (l.sent && !l.acked) return false;
+      return true;
+    };
+    const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
+    auto settled = [&] {
+      for (const auto& [id, x] : xfers_)
+        if (!read_over(x)) return false;
+      return true;
+    };
+    while (!settled() && Clock::now() < deadline)
+      cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(10)));
+    std::set<PeerId> unsettled;
+    for (const auto& [id, x] : xfers_)
+      if (!read_over(x)) unsettled.insert(x.peer);
+    lock.unlock();
+    for (PeerId peer : unsettled) {
+      log(LogLevel::kError, "transport",
+          fmt::format("pd prefill: closing while decode peer {} may still read announced layers; disconnecting it",
+                      peer));
+      t_.disconnect_peer(peer).ignore_error();
+    }
+  }
+
+  // The endpoint closes: tell each decode that nothing of its transfers will land any more where that holds (the
+  // kernels have drained, the workers have stopped; transport writes are cancelled and must be quiescent), so that
+  // its blocks and ring slots are not held until this process exits.
+  void after_stop() override {
+    for (auto& [id, x] : xfers_) {
+      if (x.quiet_sent) continue;
+      bool quiet = true;
+      for (L& l : x.layers) {
+        if (!l.xfer) continue;
+        t_.abort(*l.xfer).ignore_error();
+        auto st = t_.poll(*l.xfer);
+        quiet = quiet && st.ok() && st->quiescent;
+      }
+      // Checksum and host direct jobs have ended or will never run: stop() joined their worker first.
+      if (!quiet) continue;
+      t_.send_notification(x.peer, Msg('Q', id).str()).ignore_error();
+      x.quiet_sent = true;
+    }
+    for (const auto& [key, e] : early_)
+      refuse_early(key.second, key.first, Cancelled("the prefill endpoint was closed before begin()"));
+    early_.clear();
+  }
+
   void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
     auto it = xfers_.find(id);
-    if (type == 'G' && it == xfers_.end()) {  // before begin(), as an early request
-      Grant g;
-      auto& early = early_grants_[id];
-      if (early.size() < std::size_t{PdOptions::kMaxRingSlots} && p.u32(g.layer) && p.u32(g.piece) && p.u32(g.slot))
-        early.push_back(g);
+    if (it != xfers_.end() && it->second.peer_name != n.peer) {
+      // Another decode's message for a transfer id this prefill runs with someone else: never applied (a request
+      // would redirect the copies, an 'F' would end the transfer). Its request is refused, so it fails at once.
+      if (type == 'R') refuse_foreign(n.peer, id, it->second.peer_name);
+      return;
+    }
+    if (it == xfers_.end()) {
+      on_early_message(n, type, id, p);
       return;
     }
     if (type == 'R') {
       Req r;
-      std::uint8_t mode = 0, lane = 0;
-      if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 4 || !p.u64s(r.dst) || !p.u64s(r.strides)) return;
-      if (lane == 3 && (!p.u32(r.ring_slots) || !p.u64(r.ring_slot_bytes))) return;
-      r.mode = static_cast<PdMode>(mode);
-      r.lane = lane == 2 ? 1 : lane;
-      r.mover_verifies = lane == 2 || lane == 4;
-      r.arrived = Clock::now();
-      if (it == xfers_.end()) {
-        early_[id] = std::move(r);
-        return;
-      }
+      // A request repeated for a transfer that has one (or has ended) is not applied again: its lane buffers may
+      // be in use by copies in flight, and its destinations were checked once.
+      if (!parse_request(p, r) || it->second.req || it->second.final) return;
       it->second.last_heard = Clock::now();
       apply_request(id, it->second, std::move(r));
       return;
     }
-    if (it == xfers_.end()) return;
     X& x = it->second;
     std::uint32_t layer = 0;
     switch (type) {
@@ -1305,6 +1401,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       case 'F': {
         std::uint8_t ok = 0;
         (void)p.u8(ok);
+        x.fin_heard = true;
         if (!x.final) {
           x.final = true;
           x.times.final = Clock::now();
@@ -1317,7 +1414,91 @@ class Prefill final : public PdPrefill, public Endpoint {
     }
   }
 
+  static bool parse_request(Parse& p, Req& r) {
+    std::uint8_t mode = 0, lane = 0;
+    if (!p.u8(mode) || mode > 1 || !p.u8(lane) || lane > 4 || !p.u64s(r.dst) || !p.u64s(r.strides)) return false;
+    if (lane == 3 && (!p.u32(r.ring_slots) || !p.u64(r.ring_slot_bytes))) return false;
+    r.mode = static_cast<PdMode>(mode);
+    r.lane = lane == 2 ? 1 : lane;
+    r.mover_verifies = lane == 2 || lane == 4;
+    r.arrived = Clock::now();
+    return true;
+  }
+
+  // A message for a transfer this prefill has not begun: the decode's request and grants are kept for begin(), and
+  // the two sides heartbeat it meanwhile, so a prefill whose forward starts later than the lease is not taken for
+  // dead. It ends with the decode's 'F' (answered with 'Q': nothing of it was or will be written) or its silence.
+  void on_early_message(const Notification& n, char type, TransferId id, Parse& p) {
+    const std::pair<TransferId, std::string> key{id, n.peer};
+    auto it = early_.find(key);
+    if (type == 'R') {
+      Req r;
+      if (it != early_.end() || !parse_request(p, r)) return;
+      if (early_.size() >= kMaxEarlyRequests) {
+        refuse_early(n.peer, id,
+                     ResourceExhausted(fmt::format("{} requests wait for begin() here already", kMaxEarlyRequests)));
+        return;
+      }
+      Early& e = early_[key];
+      e.req = std::move(r);
+      e.last_heard = e.req.arrived;
+      return;
+    }
+    if (it == early_.end()) return;
+    Early& e = it->second;
+    switch (type) {
+      case 'H': heard_heartbeat(e.beats, p, e.last_heard); return;
+      case 'G': {
+        Grant g;
+        if (e.grants.size() < std::size_t{PdOptions::kMaxRingSlots} && p.u32(g.layer) && p.u32(g.piece) &&
+            p.u32(g.slot))
+          e.grants.push_back(g);
+        return;
+      }
+      case 'F':
+        if (auto peer = t_.find_peer(n.peer); peer.ok()) t_.send_notification(*peer, Msg('Q', id).str()).ignore_error();
+        early_.erase(it);
+        return;
+      default: return;
+    }
+  }
+
+  // Fails, on the decode named `peer` (when it is loaded here), its transfer `id` that this prefill cannot serve:
+  // every layer 'X' with `why`, then 'Q' (nothing of it was or will be written there).
+  void refuse_early(const std::string& peer, TransferId id, const Status& why) {
+    auto to = t_.find_peer(peer);
+    if (!to.ok()) return;
+    const std::string reason = why.to_string();
+    for (std::uint32_t u = 0; u < blocks_.layout().num_layers(); ++u)
+      t_.send_notification(*to, Msg('X', id).u32(u).text(reason).str()).ignore_error();
+    t_.send_notification(*to, Msg('Q', id).str()).ignore_error();
+  }
+  void refuse_foreign(const std::string& peer, TransferId id, const std::string& owner) {
+    refuse_early(peer, id,
+                 AlreadyExists(fmt::format("prefill transfer {} belongs to another decode ('{}'), not to '{}'", id,
+                                           owner, peer)));
+  }
+
+  // Heartbeats of the requests waiting for begin(); a request whose decode went silent for more than the lease is
+  // dropped (that decode has failed the transfer by now and may reuse the blocks: a late begin() must not write them).
+  void tick_early(Clock::time_point now) {
+    for (auto it = early_.begin(); it != early_.end();) {
+      Early& e = it->second;
+      auto peer = t_.find_peer(it->first.second);
+      if (now - e.last_heard > options_.lease && !(peer.ok() && bytes_moving(*peer, now))) {
+        it = early_.erase(it);
+        continue;
+      }
+      if (peer.ok() && now - e.last_sent >= options_.heartbeat) {
+        t_.send_urgent_notification(*peer, heartbeat(it->first.first, e.beats, now)).ignore_error();
+        e.last_sent = now;
+      }
+      ++it;
+    }
+  }
+
   void tick(Clock::time_point now) override {
+    tick_early(now);
     for (auto& [id, x] : xfers_) {
       if (x.ring)
         finish_ring_pieces(id, x);
@@ -1387,6 +1568,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (!*ready) continue;
       if (x.ring) {
         l.ready_seen = true;
+        t_.send_notification(x.peer, Msg('Y', id).u32(li).str()).ignore_error();
         continue;
       }
       if (x.direct_peer) {  // host direct push: the copy itself, with both checksums, on the worker
@@ -1417,10 +1599,11 @@ class Prefill final : public PdPrefill, public Endpoint {
     Status s = copy_group_and_read_back(lb, group, all);
     if (!s.ok()) {
       drain_lane();
+      renew_failed_lane_streams();
       const std::string reason = s.to_string();
       for (std::uint32_t li : group)
         t_.send_notification(x.peer, Msg('X', id).u32(li).text(reason).str()).ignore_error();
-      fail(x, id, s.with_context(fmt::format("layers {}-{} device lane", group.front(), group.back())));
+      fail_untold(x, id, s.with_context(fmt::format("layers {}-{} device lane", group.front(), group.back())));
       return;
     }
     mark_posted(x.times);
@@ -1487,7 +1670,7 @@ class Prefill final : public PdPrefill, public Endpoint {
                        lb.host_at(li) + a, **done);
       if (!s.ok()) {
         drain_lane();
-        renew_failed_lane_stream();
+        renew_failed_lane_streams();
         fail_unsent(x, id, s.with_context(fmt::format("layer {} ring piece {}", li, u % x.pieces_per_layer)));
         return;
       }
@@ -1508,7 +1691,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       if (done.ok() && !*done) continue;
       pc.state = PieceState::kDone;
       if (!done.ok()) {
-        renew_failed_lane_stream();
+        renew_failed_lane_streams();
         fail_unsent(x, id, done.status().with_context(fmt::format("layer {} ring piece {}", li, piece)));
         continue;
       }
@@ -1536,7 +1719,8 @@ class Prefill final : public PdPrefill, public Endpoint {
       x.times.moved = Clock::now();
       if (!done.ok()) {
         t_.send_notification(x.peer, Msg('X', id).u32(li).text(done.status().to_string()).str()).ignore_error();
-        fail(x, id, done.status().with_context(fmt::format("layer {} device lane kernel", li)));
+        renew_failed_lane_streams();
+        fail_untold(x, id, done.status().with_context(fmt::format("layer {} device lane kernel", li)));
         continue;
       }
       if (x.final) continue;  // the decode side knows the transfer failed; nothing more is announced
@@ -1603,9 +1787,9 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (!s.ok()) {
       // Part of it may be enqueued: let it drain before the writes can count as quiescent.
       drain_lane();
-      // Something may be enqueued: the layer counts as pending until its event (if recorded) says otherwise.
+      renew_failed_lane_streams();
       t_.send_notification(x.peer, Msg('X', id).u32(li).text(s.to_string()).str()).ignore_error();
-      fail(x, id, s.with_context(fmt::format("layer {} device lane", li)));
+      fail_untold(x, id, s.with_context(fmt::format("layer {} device lane", li)));
       return;
     }
     mark_posted(x.times);
@@ -1701,9 +1885,16 @@ class Prefill final : public PdPrefill, public Endpoint {
   }
 
   std::map<TransferId, X> xfers_;
-  std::map<TransferId, Req> early_;
-  std::map<PeerId, PeerRing> peer_rings_;                  // ring lane (std::map: X::ring points into it)
-  std::map<TransferId, std::vector<Grant>> early_grants_;  // grants that came before begin()
+  // Requests that came before begin(), per (transfer, decode peer).
+  struct Early {
+    Req req;
+    Beats beats;
+    Clock::time_point last_heard, last_sent;
+    std::vector<Grant> grants;  // ring lane: slots granted before begin()
+  };
+  static constexpr std::size_t kMaxEarlyRequests = 1u << 16;
+  std::map<std::pair<TransferId, std::string>, Early> early_;
+  std::map<PeerId, PeerRing> peer_rings_;  // ring lane (std::map: X::ring points into it)
 };
 
 // ---- decode ---------------------------------------------------------------------------------------------
@@ -1718,6 +1909,8 @@ class Decode final : public PdDecode, public Endpoint {
     KVTIER_RETURN_IF_ERROR(check_blocks(dst_blocks, "destination"));
     if (mode != PdMode::kPush && mode != PdMode::kPull)
       return InvalidArgument(fmt::format("unknown transfer mode {}", static_cast<int>(mode)));
+    auto info = t_.peer_info(prefill);
+    if (!info.ok()) return info.status().with_context("decode start");
     Msg m('R', id);
     const std::uint8_t lane_byte = ring_lane()                                             ? 3
                                    : host_direct()                                         ? 4
@@ -1753,6 +1946,7 @@ class Decode final : public PdDecode, public Endpoint {
       x.lane_announced.assign(blocks_.layout().num_layers(), 0);
       x.lane_head.assign(blocks_.layout().num_layers(), 0);
       x.peer = prefill;
+      x.peer_name = info->identity.name;
       x.mode = mode;
       x.dst = std::move(dst_blocks);
       x.layers.assign(blocks_.layout().num_layers(), LayerState::kPending);
@@ -1762,6 +1956,7 @@ class Decode final : public PdDecode, public Endpoint {
       if (ring_lane()) {
         x.pieces_per_layer = static_cast<std::uint32_t>((x.dst.size() + ring_.per_slot - 1) / ring_.per_slot);
         x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
+        x.ring_ready.assign(x.layers.size(), 0);
       }
     }
     // Taken before the send: the prefill may have the request before the send call returns.
@@ -1856,6 +2051,7 @@ class Decode final : public PdDecode, public Endpoint {
   };
   struct X {
     PeerId peer = 0;
+    std::string peer_name;  // its agent name: only its messages apply to this transfer
     PdMode mode = PdMode::kPush;
     std::vector<std::uint64_t> dst;
     std::vector<LayerState> layers;
@@ -1876,9 +2072,11 @@ class Decode final : public PdDecode, public Endpoint {
     std::vector<std::uint8_t> lane_pending;
     std::vector<std::uint8_t> lane_announced;  // pull, this side verifying: announced, to be copied at the next tick
     std::vector<std::uint32_t> lane_head;      // the layer whose checksum slots its copy used
-    // Ring lane: per piece ([layer * pieces_per_layer + piece]) its slot and state.
+    // Ring lane: per piece ([layer * pieces_per_layer + piece]) its slot and state; per layer whether the prefill
+    // said its data is ready ('Y').
     std::vector<Piece> pieces;
     std::uint32_t pieces_per_layer = 0;
+    std::vector<std::uint8_t> ring_ready;
     // Transport lane: layers whose arrived blocks are being checksummed off the protocol thread.
     struct Verify {
       std::uint32_t layer = 0;
@@ -2054,17 +2252,71 @@ class Decode final : public PdDecode, public Endpoint {
     x.layers[layer] = bad == 0 ? LayerState::kLoaded : bad == x.dst.size() ? LayerState::kFailed : LayerState::kPartial;
   }
 
+  // The endpoint closes: transfers not final are failed (their prefills are told with 'F' and stop), and the close
+  // waits, up to a lease, until nothing of any transfer can still land here (the prefill's 'Q', or its transport
+  // revoked): the caller frees this side's blocks and ring after it. A prefill that does not answer in time is
+  // disconnected, which stops its writes where the transport can (docs/transport.md, "Closing an endpoint").
+  void before_stop() override {
+    std::unique_lock lock(mu_);
+    for (auto& [id, x] : xfers_)
+      if (!all_final(x)) fail_rest(x, Cancelled(fmt::format("transfer {}: the decode endpoint was closed", id)));
+    lock.unlock();
+    wake_progress();
+    lock.lock();
+    const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
+    auto settled = [&] {
+      for (const auto& [id, x] : xfers_)
+        if (!x.fin_sent || !is_reclaimable(x)) return false;
+      return true;
+    };
+    while (!settled() && Clock::now() < deadline)
+      cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(10)));
+    std::set<PeerId> unsettled;
+    for (auto& [id, x] : xfers_) {
+      if (is_reclaimable(x)) continue;
+      unsettled.insert(x.peer);
+      for (Read& r : x.reads)  // this side's reads into its blocks: cancelled, then waited for below
+        if (r.active) t_.abort(r.xfer).ignore_error();
+    }
+    lock.unlock();
+    for (PeerId peer : unsettled) {
+      log(LogLevel::kError, "transport",
+          fmt::format("pd decode: closing with transfers whose prefill (peer {}) did not prove its writes over; "
+                      "disconnecting it",
+                      peer));
+      t_.disconnect_peer(peer).ignore_error();
+    }
+    if (unsettled.empty()) return;
+    // The cancelled reads end within one copy's time (the progress thread sees them quiescent).
+    lock.lock();
+    const auto reads_deadline = Clock::now() + std::chrono::seconds(5);
+    auto reads_over = [&] {
+      for (const auto& [id, x] : xfers_)
+        for (const Read& r : x.reads)
+          if (r.active) return false;
+      return true;
+    };
+    while (!reads_over() && Clock::now() < reads_deadline)
+      cv_.wait_until(lock, std::min(reads_deadline, Clock::now() + std::chrono::milliseconds(10)));
+  }
   void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
     auto it = xfers_.find(id);
     if (it == xfers_.end()) {
-      if (type == 'Q') release_quarantined(id);
+      if (type != 'Q') return;
+      if (auto peer = t_.find_peer(n.peer); peer.ok()) release_quarantined(*peer, id);
       return;
     }
     X& x = it->second;
+    if (x.peer_name != n.peer) return;  // another prefill's message for this id: never applied to this transfer
     std::uint32_t layer = 0;
     switch (type) {
       case 'H': heard_heartbeat(x.beats, p, x.last_heard); return;
       case 'Q': x.prefill_quiet = true; return;
+      case 'Y':  // ring lane: the layer's data is ready on the prefill side; its pieces may have slots now
+        if (x.ring_ready.empty() || !p.u32(layer) || layer >= x.ring_ready.size()) return;
+        x.ring_ready[layer] = 1;
+        grant_ring();
+        return;
       case 'P': {
         std::uint32_t piece = 0, slot = 0;
         std::vector<std::uint64_t> ck;
@@ -2308,6 +2560,7 @@ class Decode final : public PdDecode, public Endpoint {
     }
     if (!s.ok()) {
       drain_lane();
+      renew_failed_lane_streams();
       fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {}: device lane", id, layer)));
       return;
     }
@@ -2337,6 +2590,7 @@ class Decode final : public PdDecode, public Endpoint {
     Status s = copy_group_and_read_back(lb, group, all);
     if (!s.ok()) {
       drain_lane();
+      renew_failed_lane_streams();
       for (std::uint32_t l : group)
         fail_layer(x, l, s.with_context(fmt::format("transfer {} layer {}: device lane", id, l)));
       s.ignore_error();
@@ -2358,6 +2612,7 @@ class Decode final : public PdDecode, public Endpoint {
       x.lane_pending[l] = 0;
       x.times.moved = Clock::now();
       if (!done.ok()) {
+        renew_failed_lane_streams();
         fail_layer(x, l, done.status().with_context(fmt::format("transfer {} layer {}: device lane kernel", id, l)));
       } else if (x.mode == PdMode::kPull && mover_verifies()) {
         const std::uint32_t head = x.lane_head[l];  // a layer of a group compares the group's lists
@@ -2451,15 +2706,24 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   // Grants free slots to the waiting pieces, in order.
+  // Free slots go to waiting pieces in start order, among those whose layer the prefill has said is ready ('Y'): a
+  // transfer whose forward has not reached a layer holds no slot that a ready transfer could use.
   void grant_ring() {
-    while (!free_slots_.empty() && !ring_waiting_.empty()) {
-      const auto [id, u] = ring_waiting_.front();
-      ring_waiting_.pop_front();
+    for (auto w = ring_waiting_.begin(); w != ring_waiting_.end() && !free_slots_.empty();) {
+      const auto [id, u] = *w;
       auto it = xfers_.find(id);
-      if (it == xfers_.end() || it->second.pieces[u].state != PieceState::kWaiting) continue;
+      if (it == xfers_.end() || it->second.pieces[u].state != PieceState::kWaiting) {
+        w = ring_waiting_.erase(w);
+        continue;
+      }
       X& x = it->second;
       const auto layer = static_cast<std::uint32_t>(u / x.pieces_per_layer);
       const auto piece = static_cast<std::uint32_t>(u % x.pieces_per_layer);
+      if (x.ring_ready[layer] == 0) {
+        ++w;
+        continue;
+      }
+      w = ring_waiting_.erase(w);
       const std::uint32_t slot = free_slots_.front();
       Status s = t_.send_notification(x.peer, Msg('G', id).u32(layer).u32(piece).u32(slot).str());
       if (!s.ok()) {  // the grant never left: the slot stays free
@@ -2508,7 +2772,7 @@ class Decode final : public PdDecode, public Endpoint {
                      lb.host_at(layer) + a, **done);
     if (!s.ok()) {
       drain_lane();
-      renew_failed_lane_stream();
+      renew_failed_lane_streams();
       pc.state = PieceState::kDropped;
       free_slots_.push_back(slot);
       fail_layer(x, layer, s.with_context(fmt::format("transfer {} layer {} piece {}: ring copy", id, layer, piece)));
@@ -2542,7 +2806,7 @@ class Decode final : public PdDecode, public Endpoint {
         free_slots_.push_back(pc.slot);
         const auto [a, b] = piece_range(u % x.pieces_per_layer, ring_.per_slot, n);
         if (!done.ok()) {
-          renew_failed_lane_stream();
+          renew_failed_lane_streams();
           fail_layer(x, layer, done.status().with_context(fmt::format("transfer {} layer {}: ring copy", id, layer)));
           continue;
         }
@@ -2576,9 +2840,9 @@ class Decode final : public PdDecode, public Endpoint {
     grant_ring();
   }
 
-  void release_quarantined(TransferId id) {
+  void release_quarantined(PeerId peer, TransferId id) {
     for (auto q = quarantined_.begin(); q != quarantined_.end();) {
-      if (q->id == id) {
+      if (q->id == id && q->peer == peer) {
         free_slots_.push_back(q->slot);
         q = quarantined_.erase(q);
       } else {
@@ -2596,7 +2860,7 @@ class Decode final : public PdDecode, public Endpoint {
   std::unique_ptr<PinnedMemory> ring_registration_;
   std::vector<BlockSpace> ring_spaces_;
   std::deque<std::uint32_t> free_slots_;
-  std::deque<std::pair<TransferId, std::size_t>> ring_waiting_;  // pieces waiting for a slot, in grant order
+  std::list<std::pair<TransferId, std::size_t>> ring_waiting_;  // pieces waiting for a slot, in start order
   struct Quarantine {
     PeerId peer = 0;
     TransferId id = 0;

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -11,6 +12,7 @@
 #include <set>
 #include <span>
 #include <thread>
+#include <unordered_map>
 
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/log.h"
@@ -20,10 +22,18 @@ namespace kvtier::transport {
 Result<StagingSpace> StagingSpace::allocate(Device& device, const KvLayout& layout, std::uint64_t num_blocks,
                                             Transport* transport) {
   if (num_blocks == 0) return InvalidArgument("staging space: num_blocks is 0");
+  if (num_blocks > std::uint64_t{kMaxBlockId} + 1)
+    return InvalidArgument(fmt::format("staging space of {} blocks: block ids hold at most {}", num_blocks,
+                                       std::uint64_t{kMaxBlockId} + 1));
   std::uint64_t total = 0;
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
-    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
-      total += BlockSpace::layer_first_region_bytes(layout, l, r, num_blocks);
+    for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      const std::uint64_t bytes = BlockSpace::layer_first_region_bytes(layout, l, r, num_blocks);
+      if (bytes / num_blocks < layout.block_bytes(l, r) || total + bytes < total)
+        return InvalidArgument(fmt::format("staging space of {} blocks of {} layers: its bytes overflow 64 bits",
+                                           num_blocks, layout.num_layers()));
+      total += bytes;
+    }
   StagingSpace s;
   if (transport != nullptr) {
     KVTIER_ASSIGN_OR_RETURN(std::span<std::byte> host, transport->allocate_host(total));
@@ -96,6 +106,18 @@ Status check_ids(std::span<const BlockId> ids, const BlockSpace& space, std::str
   return Status::Ok();
 }
 
+// A stream whose work failed stays failed (CUDA's errors are sticky, and the host backend models that): later
+// transfers' copies go on a fresh one; the failed one is kept in `retired` until the endpoint ends (work still on
+// it reports the failure through its events). Caller holds the endpoint's lock.
+void renew_if_failed(Device& device, std::unique_ptr<Stream>& stream, std::vector<std::unique_ptr<Stream>>& retired,
+                     std::string_view name) {
+  if (!stream || device.query(*stream).ok()) return;
+  auto fresh = device.create_stream({StreamPriority::kHigh, std::string(name)});
+  if (!fresh.ok()) return;  // the next copy fails and says why
+  retired.push_back(std::move(stream));
+  stream = std::move(fresh).value();
+}
+
 // ---- prefill --------------------------------------------------------------------------------------------
 
 class StagedPrefill final : public PdStagedPrefill {
@@ -112,6 +134,7 @@ class StagedPrefill final : public PdStagedPrefill {
     // The PD endpoint first (it polls our events), then the copies drain before the events go.
     pd_.reset();
     if (stream_) device_.synchronize(*stream_, std::chrono::seconds(30)).ignore_error();
+    for (auto& r : retired_) device_.synchronize(*r, std::chrono::seconds(30)).ignore_error();
   }
 
   Status init(Transport& t) {
@@ -142,6 +165,27 @@ class StagedPrefill final : public PdStagedPrefill {
     return stage(id, layer, &compute_done);
   }
   Status layer_ready(TransferId id, std::uint32_t layer) override { return stage(id, layer, nullptr); }
+
+  Status layers_ready(TransferId id, std::span<const std::uint32_t> layers) override {
+    {
+      std::lock_guard lock(mu_);
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+      const X& x = it->second;
+      for (std::size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i] >= x.events.size())
+          return OutOfRange(fmt::format("layers[{}] = {} >= num_layers {}", i, layers[i], x.events.size()));
+        if (x.events[layers[i]])
+          return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layers[i]));
+        if (std::find(layers.begin(), layers.begin() + static_cast<std::ptrdiff_t>(i), layers[i]) !=
+            layers.begin() + static_cast<std::ptrdiff_t>(i))
+          return AlreadyExists(fmt::format("layers[{}] = {} is listed twice", i, layers[i]));
+      }
+    }
+    // Checked above; only a failure of the copy's enqueue can stop it from here (that layer then fails on the wire).
+    for (std::uint32_t l : layers) KVTIER_RETURN_IF_ERROR(stage(id, l, nullptr));
+    return Status::Ok();
+  }
 
   Result<PrefillStatus> status(TransferId id) const override {
     std::lock_guard lock(mu_);
@@ -200,6 +244,7 @@ class StagedPrefill final : public PdStagedPrefill {
     if (layer >= x.events.size()) return OutOfRange(fmt::format("layer {} >= num_layers {}", layer, x.events.size()));
     if (x.events[layer]) return AlreadyExists(fmt::format("transfer {} layer {} already declared ready", id, layer));
     KVTIER_ASSIGN_OR_RETURN(auto ev, device_.create_event());
+    renew_if_failed(device_, stream_, retired_, "pd-stage-d2h");  // an earlier copy failed on it (sticky)
     if (after != nullptr) KVTIER_RETURN_IF_ERROR(device_.wait(*stream_, *after));
     const std::uint32_t layers[1] = {layer};
     CopyRequest req;
@@ -242,6 +287,7 @@ class StagedPrefill final : public PdStagedPrefill {
   mutable std::mutex mu_;
   StagingPool pool_;
   std::unique_ptr<Stream> stream_;
+  std::vector<std::unique_ptr<Stream>> retired_;  // failed streams (renew_if_failed)
   std::map<TransferId, X> xfers_;
   std::unique_ptr<PdPrefill> pd_;  // last member: destroyed first
 };
@@ -267,6 +313,7 @@ class StagedDecode final : public PdStagedDecode {
     if (thread_.joinable()) thread_.join();
     pd_.reset();
     if (stream_) device_.synchronize(*stream_, std::chrono::seconds(30)).ignore_error();
+    for (auto& r : retired_) device_.synchronize(*r, std::chrono::seconds(30)).ignore_error();
   }
 
   Status init(Transport& t) {
@@ -288,6 +335,14 @@ class StagedDecode final : public PdStagedDecode {
     KVTIER_RETURN_IF_ERROR(check_ids(dst_blocks, dev_, "destination"));
     std::lock_guard lock(mu_);
     if (xfers_.count(id) != 0) return AlreadyExists(fmt::format("transfer {} exists", id));
+    // A block another transfer not forgotten yet may still write or report as loaded (PdDecode::start refuses
+    // that for its own blocks, which here are staging blocks: the device destinations are checked here).
+    for (std::size_t i = 0; i < dst_blocks.size(); ++i)
+      if (auto owner = dst_owner_.find(dst_blocks[i]); owner != dst_owner_.end())
+        return FailedPrecondition(fmt::format(
+            "destination block {} at index {} belongs to transfer {}, not forgotten yet: forget it (when final "
+            "and reclaimable) before starting transfer {} into that block",
+            dst_blocks[i], i, owner->second, id));
     KVTIER_ASSIGN_OR_RETURN(auto staged, pool_.take(dst_blocks.size()));
     std::vector<L> layers(dev_.layout().num_layers());
     for (L& l : layers) {
@@ -304,6 +359,7 @@ class StagedDecode final : public PdStagedDecode {
       pool_.give(staged);
       return s;
     }
+    for (BlockId b : dst_blocks) dst_owner_.emplace(b, id);
     X& x = xfers_[id];
     x.dst = std::move(dst_blocks);
     x.staging = std::move(staged);
@@ -366,6 +422,7 @@ class StagedDecode final : public PdStagedDecode {
       return FailedPrecondition(fmt::format("staged decode transfer {} is not final and reclaimable", id));
     KVTIER_RETURN_IF_ERROR(pd_->forget(id));
     pool_.give(it->second.staging);
+    for (BlockId b : it->second.dst) dst_owner_.erase(b);
     xfers_.erase(it);
     return Status::Ok();
   }
@@ -499,6 +556,7 @@ class StagedDecode final : public PdStagedDecode {
   }
 
   Status enqueue_copy(X& x, std::uint32_t layer) {
+    renew_if_failed(device_, stream_, retired_, "pd-stage-h2d");  // an earlier copy failed on it (sticky)
     const std::uint32_t layers[1] = {layer};
     CopyRequest req;
     req.src = &staging_;
@@ -522,7 +580,9 @@ class StagedDecode final : public PdStagedDecode {
   bool stop_ = false;
   StagingPool pool_;
   std::unique_ptr<Stream> stream_;
+  std::vector<std::unique_ptr<Stream>> retired_;  // failed streams (renew_if_failed)
   std::map<TransferId, X> xfers_;
+  std::unordered_map<BlockId, TransferId> dst_owner_;  // destination blocks of transfers not forgotten yet
   std::unique_ptr<PdDecode> pd_;
   std::thread thread_;
 };

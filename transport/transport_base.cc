@@ -348,6 +348,14 @@ Result<PeerInfo> TransportBase::peer_info(PeerId peer) const {
   return peers_[peer].info;
 }
 
+Result<PeerId> TransportBase::find_peer(std::string_view name) const {
+  std::lock_guard lock(mu_);
+  for (std::size_t i = 0; i < peers_.size(); ++i)
+    if (peers_[i].info.identity.name == name && peers_[i].failed.ok() && !peers_[i].disconnected)
+      return static_cast<PeerId>(i);
+  return NotFound(fmt::format("no connected peer named '{}'", name));
+}
+
 Result<void*> TransportBase::peer_region_address(PeerId peer, std::uint32_t region) {
   Blob::Region r;
   {

@@ -80,6 +80,7 @@ class TransportBase : public Transport {
   Result<std::vector<std::byte>> export_metadata() override;
   Result<PeerId> load_peer(std::span<const std::byte> blob) override;
   Result<PeerInfo> peer_info(PeerId peer) const override;
+  Result<PeerId> find_peer(std::string_view name) const override;
   Result<void*> peer_region_address(PeerId peer, std::uint32_t region) override;
   Result<SharedMemory> allocate_shared(std::uint64_t bytes) override;
   Result<std::span<std::byte>> allocate_host(std::uint64_t bytes) override;

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import numbers
 import operator
 import os
 import re
@@ -117,6 +118,14 @@ def _ranged(value: Any, what: str, low: int, high: int) -> int:
     if not low <= v <= high:
         raise OutOfRangeError(f"{what} {v} is not in [{low}, {high}]")
     return v
+
+
+def _seconds(value: Any, what: str) -> float:
+    """``value`` as a number of seconds (an int or a float, numpy's included): a bool, a string or anything else is
+    refused, naming it; ``float()`` would take True as 1.0 and "0.1" as 0.1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what} {value!r} is a {type(value).__name__}, not a number of seconds")
+    return float(value)
 
 
 def _peer(value: Any) -> int:
@@ -283,8 +292,8 @@ class _Endpoint:
         self._streams: Dict[int, Any] = {}  # engine streams adopted on the device, by handle
         self._ep = _native.PdEndpoint.create(
             self._role, tensors, transport, name, _count(num_model_layers, "num_model_layers"), device=device,
-            peer_secret=secret, tls=tls, net_devices=net_devices, heartbeat_s=float(heartbeat_s),
-            lease_s=float(lease_s), rank=_ranged(rank, "rank", 0, (1 << 31) - 1),
+            peer_secret=secret, tls=tls, net_devices=net_devices, heartbeat_s=_seconds(heartbeat_s, "heartbeat_s"),
+            lease_s=_seconds(lease_s, "lease_s"), rank=_ranged(rank, "rank", 0, (1 << 31) - 1),
             device_label=_ranged(device_label, "device_label", 0, (1 << 31) - 1),
             block_tokens=_count(block_tokens, "block_tokens"),
             staging_blocks=_ranged(staging_blocks, "staging_blocks", 0, (1 << 64) - 1), lane=lane, verify=verify,
@@ -511,8 +520,10 @@ class Receiver:
                  receive_timeout: float = 30.0, free_timeout: float = 10.0):
         if not isinstance(decode, Decode):
             raise InvalidArgumentError(f"Receiver needs a kvtier.pd.Decode endpoint, got {type(decode).__name__}")
-        self._rx = _native.PdReceiver.create(cache, transfers, decode._ep, float(poll_interval),
-                                             float(receive_timeout), float(free_timeout))
+        self._rx = _native.PdReceiver.create(cache, transfers, decode._ep,
+                                             _seconds(poll_interval, "poll_interval"),
+                                             _seconds(receive_timeout, "receive_timeout"),
+                                             _seconds(free_timeout, "free_timeout"))
         _open_receivers.add(self)
 
     def start(self, peer: int, transfer_id: int, keys: Sequence[str], mode: str = "push", *,

@@ -82,10 +82,12 @@ Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptio
   return InvalidArgument(fmt::format("transport '{}' is not one of loopback, ipc, ucx", o.transport));
 }
 
+// Leases and heartbeats run in whole milliseconds: a value below one is refused rather than rounded to one (a
+// heartbeat of 0.1 ms and a lease of 1.9 ms would otherwise be refused as "heartbeat 1 ms and lease 1 ms").
 std::chrono::milliseconds to_ms(double seconds, const char* what) {
-  if (!(seconds > 0) || seconds > 86400)
-    raise_status(InvalidArgument(fmt::format("{} {} s is not in (0, 86400]", what, seconds)));
-  return std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(seconds * 1000)));
+  if (!(seconds >= 0.001) || seconds > 86400)
+    raise_status(InvalidArgument(fmt::format("{}_s {} is not in [0.001, 86400] seconds", what, seconds)));
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(seconds * 1000)));
 }
 
 std::vector<BlockId> to_blocks(const std::vector<std::int64_t>& ids, const char* what) {
@@ -500,7 +502,7 @@ void bind_pd(nb::module_& m) {
               check(released([&] { return n->prefill->layers_ready(x, ls); }));
               return;
             }
-            for (std::uint32_t l : ls) check(released([&] { return n->staged_prefill->layer_ready(x, l); }));
+            check(released([&] { return n->staged_prefill->layers_ready(x, ls); }));
           },
           "transfer_id"_a, "layers"_a,
           "Declares several layers ready now, in one call (the device lane moves them as one copy).")

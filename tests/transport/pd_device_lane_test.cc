@@ -66,13 +66,17 @@ struct LaneMemory {
 
 struct LaneRig : LaneMemory {
   std::unique_ptr<Transport> pre_t, dec_t;
+  testing::Mutable* pre_mute = nullptr;  // pre_t, to make the prefill fall silent
   std::unique_ptr<PdPrefill> pre;
   std::unique_ptr<PdDecode> dec;
   PeerId to_dec = 0, to_pre = 0;
 
   explicit LaneRig(Watching::Hook on_decode = {}, bool prefill_lane = true, PdOptions opt = {}) {
     const int n = ++g_seq;
-    pre_t = create_loopback_transport({fmt::format("lane-pre{}", n), layout.fingerprint(), 1, 0}).value();
+    auto mutable_pre = std::make_unique<testing::Mutable>(
+        create_loopback_transport({fmt::format("lane-pre{}", n), layout.fingerprint(), 1, 0}).value());
+    pre_mute = mutable_pre.get();
+    pre_t = std::move(mutable_pre);
     dec_t = std::make_unique<Watching>(
         create_loopback_transport({fmt::format("lane-dec{}", n), layout.fingerprint(), 1, 0}).value(),
         std::move(on_decode));
@@ -534,8 +538,9 @@ TEST(PdDeviceLane, AFailedPushKeepsTheBlocksWhileThePrefillCanStillWrite) {
   ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, PdMode::kPush, kDst).ok());
   ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
-  // The prefill falls silent without proving its writes over: its endpoint stops, its transport (and the
-  // mapping of the decode's pool it was handed) lives on.
+  // The prefill falls silent without proving its writes over (a paused process): muted, its endpoint stops
+  // (what its close says reaches nobody), its transport (and the mapping of the decode's pool it was handed) lives on.
+  rig.pre_mute->mute();
   rig.pre.reset();
   auto fin = rig.dec->wait(5, 5s);
   ASSERT_TRUE(fin.ok());
@@ -579,8 +584,9 @@ TEST_P(RingModes, LayersMoveByteExactInMorePiecesThanSlots) {
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 42, kSrc).ok());
   ASSERT_TRUE(rig.pre->layer_ready(42, 2).ok());  // ready before the request, and out of order
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 42, mode(), kDst).ok());
-  // Layer 0's pieces hold both slots and layer 0 is not ready: layer 2 waits for them.
-  EXPECT_EQ(rig.dec->wait_layer(42, 2, 100ms).status().code(), StatusCode::kTimedOut);
+  // Layer 0 is not ready: its pieces hold no slot, so layer 2 moves through both while layer 0 waits.
+  EXPECT_EQ(rig.dec->wait_layer(42, 2, 5s).value(), LayerState::kLoaded);
+  EXPECT_EQ(rig.dec->wait_layer(42, 0, 50ms).status().code(), StatusCode::kTimedOut);
   for (std::uint32_t l : {0u, 1u, 3u}) ASSERT_TRUE(rig.pre->layer_ready(42, l).ok());
   for (std::uint32_t l = 0; l < 4; ++l) {
     auto ls = rig.dec->wait_layer(42, l, 5s);
@@ -691,7 +697,12 @@ TEST(PdRingLane, SlotsOfASilentPrefillReturnOnlyWhenItCanNoLongerWrite) {
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 5, PdMode::kPush, kDst).ok());
   ASSERT_TRUE(rig.pre->layer_ready(5, 0).ok());
   ASSERT_EQ(rig.dec->wait_layer(5, 0, 5s).value(), LayerState::kLoaded);
-  rig.pre.reset();  // silent, with layer 1's slots granted, its transport alive
+  // Layer 1 ready: the prefill says so ('Y') and falls silent at once, so the slots the decode grants its pieces
+  // are never filled. Then its endpoint stops (silently), its transport alive.
+  rig.pre_mute->mute_after([](const std::string& m) { return !m.empty() && m[0] == 'Y'; });
+  ASSERT_TRUE(rig.pre->layer_ready(5, 1).ok());
+  std::this_thread::sleep_for(50ms);
+  rig.pre.reset();
   auto fin = rig.dec->wait(5, 5s, true);
   ASSERT_TRUE(fin.ok()) << fin.status().to_string();
   EXPECT_EQ(fin->error.code(), StatusCode::kUnavailable);

@@ -260,6 +260,108 @@ TEST_P(PdModes, ChecksumHelpersVerifyEveryBlockAndCatchOneDamagedByte) {
   EXPECT_NE(refused.status().message().find("checksum_helpers 33"), std::string::npos) << refused.status().to_string();
 }
 
+// Whether every byte of block `b` of layer `l` (both roles) is still the poison the decode's pool started with.
+bool untouched(const BlockSpace& decode, std::uint64_t b, std::uint32_t l) {
+  for (std::uint32_t r = 0; r < decode.layout().num_roles(l); ++r) {
+    const std::byte* p = decode.block_ptr(l, r, b);
+    for (std::uint64_t i = 0; i < decode.layout().block_bytes(l, r); ++i)
+      if (p[i] != std::byte{0xee}) return false;
+  }
+  return true;
+}
+
+// Transfer ids name one prefill's transfers: a second decode asking for a begun id (by mistake or malice) is
+// refused, and its request never redirects the copies (it would write the second decode's block ids into the first
+// decode's pool, and the first would report loaded blocks holding poison).
+TEST_P(PdModes, ARequestFromAnotherDecodeForABegunTransferIsRefusedAndChangesNothing) {
+  Rig rig;
+  HostBlocks other_mem = HostBlocks::make(rig.layout, 8, false);
+  auto other_t = create_loopback_transport({fmt::format("other{}", ++g_seq), rig.layout.fingerprint(), 1, 0}).value();
+  auto other = PdDecode::create(*other_t, other_mem.space, PdOptions{}).value();
+  const PeerId pre_to_other = rig.pre_t->load_peer(other_t->export_metadata().value()).value();
+  const PeerId other_to_pre = other_t->load_peer(rig.pre_t->export_metadata().value()).value();
+  (void)pre_to_other;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 7, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 7, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(7, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(7, 0, 5s).value(), LayerState::kLoaded);
+  ASSERT_TRUE(other->start(other_to_pre, 7, GetParam(), {1, 3, 5, 7}).ok());
+  auto refused = other->wait(7, 5s);
+  ASSERT_TRUE(refused.ok()) << refused.status().to_string();
+  EXPECT_NE(refused->error.message().find("belongs to another decode"), std::string::npos)
+      << refused->error.to_string();
+  EXPECT_TRUE(other->wait(7, 5s, true).ok()) << "the refused decode's blocks are held: nothing was sent to them";
+  for (std::uint32_t l = 1; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(7, l).ok());
+  auto fin = rig.dec->wait(7, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  for (std::uint32_t l = 0; l < 4; ++l) {
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+    for (std::uint64_t b : {1u, 3u, 5u, 7u}) {
+      EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << "block " << b << " layer " << l;
+      EXPECT_TRUE(untouched(other_mem.space, b, l)) << "other decode's block " << b << " layer " << l;
+    }
+  }
+  auto pf = rig.pre->wait(7, 5s);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_TRUE(pf->done) << pf->error.to_string();
+}
+
+// begin() may come any time after start() ("any order"): a prefill whose forward starts later than the lease is
+// alive, heartbeats the request it holds, and the transfer completes; nobody is disconnected.
+TEST_P(PdModes, ABeginLaterThanTheLeaseStillCompletesTheTransfer) {
+  Rig rig({}, {}, PdOptions{20ms, 150ms});
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 8, GetParam(), kDst).ok());
+  std::this_thread::sleep_for(450ms);  // three leases
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 8, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(8, l).ok());
+  auto fin = rig.dec->wait(8, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  EXPECT_FALSE(rig.dec_t->peer_revoked(rig.to_pre));
+}
+
+// A request whose decode gave up (its 'F') is dropped by the prefill: a begin() after it writes nothing, and the
+// decode's blocks are reclaimable once the prefill said so ('Q').
+TEST_P(PdModes, ABeginAfterTheDecodeGaveUpWritesNothing) {
+  Rig rig({}, {}, PdOptions{20ms, 150ms});
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, GetParam(), kDst).ok());
+  std::this_thread::sleep_for(50ms);
+  rig.dec.reset();  // closes: the transfer fails, the prefill is told and answers
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 9, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(9, l).ok());
+  auto pf = rig.pre->wait(9, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_FALSE(pf->done);
+  EXPECT_EQ(pf->layers_sent, 0u);
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::uint64_t b = 0; b < 8; ++b) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
+}
+
+// Closing the decode endpoint mid-transfer: the transfer fails, the prefill is told and sends nothing more, and the
+// close returns only once nothing of it can land (the prefill's 'Q'), so the caller may free the blocks.
+TEST_P(PdModes, ClosingTheDecodeMidTransferStopsThePrefillBeforeTheMemoryGoes) {
+  Rig rig({}, {}, PdOptions{20ms, 1s});
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 10, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 10, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(10, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(10, 0, 5s).value(), LayerState::kLoaded);
+  const auto t0 = std::chrono::steady_clock::now();
+  rig.dec.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 900ms) << "the close waited for the lease, not the prefill's answer";
+  for (std::uint32_t l = 1; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(10, l).ok());
+  auto pf = rig.pre->wait(10, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_FALSE(pf->done);
+  EXPECT_EQ(pf->layers_sent, 1u);
+  for (std::uint32_t l = 1; l < 4; ++l)
+    for (std::uint64_t b : kDst) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
+}
+
 TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
   PdOptions opt{20ms, 150ms};
   Rig rig({}, {}, opt);
@@ -480,9 +582,9 @@ TEST(Pd, TimingOptionsOutOfRangeAreRefusedNamingTheValue) {
   }
 }
 
-// A peer id that was never loaded: the prefill refuses at once; the decode's transfer fails at once, and since
-// its request never left, nobody can write its blocks: they are reclaimable (push too).
-TEST(Pd, UnknownPeersFailAtOnceAndHoldNoBlocks) {
+// A peer id that was never loaded: both sides refuse at once, naming it, and the decode takes no block (a start
+// into the same blocks from a known peer works).
+TEST(Pd, UnknownPeersAreRefusedAtOnceAndHoldNoBlocks) {
   Rig rig;
   const PeerId unknown = 77;
   auto b = rig.pre->begin(unknown, 1, {1});
@@ -490,13 +592,17 @@ TEST(Pd, UnknownPeersFailAtOnceAndHoldNoBlocks) {
   EXPECT_NE(b.message().find("77"), std::string::npos) << b.to_string();
   for (PdMode mode : {PdMode::kPush, PdMode::kPull}) {
     const TransferId id = mode == PdMode::kPush ? 2 : 3;
-    ASSERT_TRUE(rig.dec->start(unknown, id, mode, {0, 1}).ok());
-    auto st = rig.dec->wait(id, 2s, /*reclaimable=*/true);
-    ASSERT_TRUE(st.ok()) << pd_mode_name(mode) << ": " << st.status().to_string();
-    EXPECT_EQ(st->leading_loaded_blocks(), 0u);
-    EXPECT_FALSE(st->error.ok());
-    EXPECT_TRUE(rig.dec->forget(id).ok());
+    auto s = rig.dec->start(unknown, id, mode, {0, 1});
+    EXPECT_EQ(s.code(), StatusCode::kNotFound) << pd_mode_name(mode) << ": " << s.to_string();
+    EXPECT_NE(s.message().find("77"), std::string::npos) << s.to_string();
+    EXPECT_EQ(rig.dec->status(id).status().code(), StatusCode::kNotFound);
   }
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 4, {kSrc[0], kSrc[1]}).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(4, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 4, PdMode::kPush, {0, 1}).ok());
+  auto st = rig.dec->wait(4, 5s, /*reclaimable=*/true);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->leading_loaded_blocks(), 2u) << st->error.to_string();
 }
 
 // ---- leases: a silent peer must not hold blocks, and only fresh heartbeats renew a lease ------------------

@@ -2,8 +2,13 @@
 // block holds (a pure function of layer, role, block and byte index, so two processes agree).
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "kvtier/backend/transport.h"
@@ -14,6 +19,49 @@ namespace kvtier::transport::testing {
 
 // Forwards every call to `inner`; tests override what they need to disturb.
 using ForwardingTransport = detail::ForwardingTransport;
+
+// An agent that falls silent without ending (a paused or hung process): once muted, its notifications are dropped
+// both ways (nothing it sends leaves, nothing sent to it arrives), while its transport, its registered memory and
+// the peers' mappings of it live on. What an endpoint does while muted (including closing) reaches nobody.
+class Mutable final : public ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  void mute() { muted_.store(true); }
+  // Mutes the agent right after it sends a message that `pred` picks (the message still leaves).
+  void mute_after(std::function<bool(const std::string&)> pred) {
+    std::lock_guard lock(mu_);
+    mute_after_ = std::move(pred);
+  }
+  Status send_notification(PeerId peer, std::string message) override {
+    if (muted_.load()) return Status::Ok();
+    bool then_mute = false;
+    {
+      std::lock_guard lock(mu_);
+      then_mute = mute_after_ && mute_after_(message);
+    }
+    Status s = inner().send_notification(peer, std::move(message));
+    if (then_mute) mute();
+    return s;
+  }
+  Status send_urgent_notification(PeerId peer, std::string message) override {
+    return muted_.load() ? Status::Ok() : inner().send_urgent_notification(peer, std::move(message));
+  }
+  std::vector<Notification> take_notifications() override {
+    auto got = inner().take_notifications();
+    if (muted_.load()) got.clear();
+    return got;
+  }
+  Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
+    auto got = inner().wait_notifications(timeout);
+    if (got.ok() && muted_.load()) got->clear();
+    return got;
+  }
+
+ private:
+  std::atomic<bool> muted_{false};
+  std::mutex mu_;
+  std::function<bool(const std::string&)> mute_after_;
+};
 
 inline KvLayout pd_layout(std::uint32_t layers = 4, std::uint64_t block_bytes = 8192) {
   return KvLayout::uniform(layers, 2, block_bytes).value();

@@ -185,11 +185,20 @@ class LoopbackTransport final : public detail::TransportBase {
   }
   // One process: the peer's region is its own memory, at the address its blob carries.
   Result<void*> backend_peer_address(PeerId peer, std::uint32_t, const detail::Blob::Region& r) override {
+    std::shared_ptr<Endpoint> ep;
     {
       std::lock_guard lock(jobs_mu_);
       if (peer >= peers_.size() || !peers_[peer]) return NotFound(fmt::format("peer {} is not connected", peer));
-      peers_[peer]->mapped_directly.store(true);
+      ep = peers_[peer];
     }
+    // Under the peer's endpoint lock, which its disconnect takes to revoke us: a peer that revoked this agent (and
+    // may have reused the memory since) or is gone hands out no address, and one handed out before the revocation
+    // is seen by the peer's backend_revoked (mapped_directly), which then waits for this transport to end.
+    std::lock_guard lock(ep->mu);
+    if (ep->owner == nullptr) return Unavailable(fmt::format("peer {} has closed its transport", peer));
+    if (!ep->owner->accepts(self_.get()))
+      return Unavailable(fmt::format("peer {} has disconnected this agent: its memory is not addressable", peer));
+    ep->mapped_directly.store(true);
     return reinterpret_cast<void*>(static_cast<std::uintptr_t>(r.base));
   }
 

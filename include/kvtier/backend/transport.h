@@ -155,6 +155,9 @@ class Transport {
   virtual Result<std::vector<std::byte>> export_metadata() = 0;
   virtual Result<PeerId> load_peer(std::span<const std::byte> blob) = 0;
   virtual Result<PeerInfo> peer_info(PeerId peer) const = 0;
+  // The loaded peer whose agent name is `name` (a Notification's sender); kNotFound when none is (not loaded yet,
+  // failed to connect, or disconnected: a disconnected peer's name is free for a new load_peer).
+  virtual Result<PeerId> find_peer(std::string_view name) const = 0;
   // Where the peer's region `region` is mapped into this process for direct access by this process's device
   // (kernels read and write it as local memory) or its CPU: the CUDA IPC mapping of a peer's CUDA device memory and
   // the peer's shared memory (allocate_shared) mapped here (ipc backend); the peer's memory from allocate_host

@@ -39,6 +39,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kvtier/backend/device.h"
@@ -84,6 +85,9 @@ class PdStagedPrefill {
   virtual Status layer_ready_after(TransferId id, std::uint32_t layer, Event& compute_done) = 0;
   // The layer's device bytes are complete now.
   virtual Status layer_ready(TransferId id, std::uint32_t layer) = 0;
+  // Several layers complete now: every layer is checked (in range, not declared, not listed twice) before any is
+  // declared, so a refused call declares none.
+  virtual Status layers_ready(TransferId id, std::span<const std::uint32_t> layers) = 0;
   // As PdPrefill; reclaimable also needs every staging copy of the transfer completed (the device source
   // blocks are then free too).
   virtual Result<PrefillStatus> status(TransferId id) const = 0;

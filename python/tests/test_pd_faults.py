@@ -1,0 +1,570 @@
+"""kvtier.pd under faults and misuse: foreign and late requests, endpoints closed mid-transfer, failed device
+operations, ring slots, refused calls, argument checks. Byte-exact: random sources, poisoned destinations.
+
+Scenarios that could take the interpreter down (an endpoint's memory written after it was freed) run in a
+subprocess, which must exit cleanly."""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier.pd import Decode, Prefill
+
+LAYERS = 3
+PREFILL_BLOCKS, DECODE_BLOCKS = 8, 10
+BLOCK_SHAPE = (2, 16, 8)  # float16: 512 bytes per (layer, role, block), 1024 per (layer, block)
+POISON = 0xEE
+TIMEOUT = 3.0  # what a wait that should end gets (every transfer here is a few KiB)
+FAST = dict(heartbeat_s=0.05, lease_s=0.5)
+# A lease well past the waits of a test: a transfer that ends before it ended on its own, not by the lease.
+LONG_LEASE = dict(heartbeat_s=0.05, lease_s=2.0)
+
+# The lanes, as both sides pass them (with device=kvtier.host_device()); "host": host memory, no device.
+LANES = {
+    "host": None,
+    "staged": dict(),
+    "direct": dict(lane="direct"),
+    "ring": dict(lane="ring", ring_slots=2, ring_slot_bytes=2 * 1024),  # 2 slots of 2 blocks
+}
+
+
+def prefill_kv(seed: int = 1, blocks: int = PREFILL_BLOCKS, shape=BLOCK_SHAPE):
+    """One (key, value) pair of float16 tensors per layer, random bytes (a function of the seed)."""
+    rng = np.random.default_rng(seed)
+    kv = []
+    for _ in range(LAYERS):
+        pair = []
+        for _ in range(2):
+            t = np.empty((blocks,) + shape, dtype=np.float16)
+            t.view(np.uint8)[...] = rng.integers(0, 256, size=t.view(np.uint8).shape, dtype=np.uint8)
+            pair.append(t)
+        kv.append(tuple(pair))
+    return kv
+
+
+def decode_kv(blocks: int = DECODE_BLOCKS, shape=BLOCK_SHAPE):
+    kv = []
+    for _ in range(LAYERS):
+        pair = []
+        for _ in range(2):
+            t = np.empty((blocks,) + shape, dtype=np.float16)
+            t.view(np.uint8)[...] = POISON
+            pair.append(t)
+        kv.append(tuple(pair))
+    return kv
+
+
+def assert_moved(src_kv, dst_kv, src_blocks, dst_blocks, layers=range(LAYERS)):
+    for layer in layers:
+        for role in range(2):
+            src = src_kv[layer][role].view(np.uint8)
+            dst = dst_kv[layer][role].view(np.uint8)
+            for s, d in zip(src_blocks, dst_blocks):
+                assert np.array_equal(dst[d], src[s]), \
+                    f"layer {layer} role {role}: decode block {d} != prefill block {s}"
+
+
+def assert_poisoned(dst_kv, blocks, layers=range(LAYERS)):
+    for layer in layers:
+        for role in range(2):
+            dst = dst_kv[layer][role].view(np.uint8)
+            for b in blocks:
+                assert (dst[b] == POISON).all(), f"layer {layer} role {role}: decode block {b} was written"
+
+
+def connect(prefill, decode):
+    """Exchanges metadata; returns (decode's peer id at the prefill, prefill's peer id at the decode)."""
+    return prefill.add_peer(decode.metadata()), decode.add_peer(prefill.metadata())
+
+
+def endpoint_args(lane: str, dev=None, **extra):
+    """The keyword arguments of both endpoints on `lane` over loopback (one host Device for both sides)."""
+    kw = dict(transport="loopback", **FAST)
+    kw.update(extra)
+    if LANES[lane] is not None:
+        kw.update(device=dev if dev is not None else kvtier.host_device(), **LANES[lane])
+    return kw
+
+
+def wait_final(decode, transfer_id, timeout=TIMEOUT, reclaimable=False, what="the transfer"):
+    """decode.wait, failing the test (with the transfer's status) where it is not final in time."""
+    try:
+        return decode.wait(transfer_id, timeout, reclaimable=reclaimable)
+    except kvtier.TimedOutError as e:
+        timed_out = str(e)
+    pytest.fail(f"{what} (decode transfer {transfer_id}) was not final after {timeout} s: {timed_out}; "
+                f"status {decode.status(transfer_id)}")
+
+
+def run_transfer(p, d, to_decode, to_prefill, xid, src_blocks, dst_blocks, mode="push"):
+    """A whole transfer, every layer ready at once; returns the decode's final, reclaimable status."""
+    d.start(to_prefill, xid, dst_blocks, mode=mode)
+    p.begin(to_decode, xid, src_blocks)
+    p.layers_ready(xid, range(LAYERS))
+    return wait_final(d, xid, reclaimable=True, what=f"transfer {xid}")
+
+
+def wait_until(predicate, timeout=TIMEOUT, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not hold within {timeout} s")
+        time.sleep(0.005)
+
+
+def run_script(code: str, timeout: float = 10.0) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (a crash there is an exit code here, a hang a failure)."""
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    pytest.fail(f"the script hung (no exit within {timeout} s); its output so far:\n{out[-2000:]}")
+
+
+# ---------------------------------------------------------------- 1: requests from another decode
+
+
+@pytest.mark.parametrize("lane", ["host", "direct"])
+def test_a_request_from_another_decode_is_not_applied(lane):
+    """Two decodes use one transfer id (a router bug, two routers): the prefill began it toward A, so B's request
+    must not redirect its copies. A loads byte-exact and A's other blocks keep their poison; B's transfer fails or
+    stays unanswered, and writes nothing anywhere."""
+    dev = kvtier.host_device() if LANES[lane] is not None else None
+    kw = endpoint_args(lane, dev)
+    src_kv, a_kv, b_kv = prefill_kv(seed=21), decode_kv(), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(a_kv, **kw) as a, Decode(b_kv, **kw) as b:
+        to_a, a_to_p = connect(p, a)
+        to_b, b_to_p = connect(p, b)
+        a.start(a_to_p, 1, [0, 1])
+        p.begin(to_a, 1, [2, 3])
+        wait_until(lambda: "request" in p.status(1).times, what="the prefill having A's request")
+        b.start(b_to_p, 1, [5, 6])  # the same id from another decode, the transfer begun toward A
+        wait_until(lambda: "request" in b.status(1).times, what="B's request going out")
+        time.sleep(0.1)  # B's request reaches the prefill
+        p.layers_ready(1, range(LAYERS))
+        st = wait_final(a, 1, reclaimable=True, what="A's transfer")
+        assert st.error is None and st.layers == ["loaded"] * LAYERS and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, a_kv, [2, 3], [0, 1])
+        assert_poisoned(a_kv, range(2, DECODE_BLOCKS))  # B's list [5, 6] included
+        try:
+            st_b = b.wait(1, TIMEOUT, reclaimable=True)
+            assert not any(st_b.block_loaded) and st_b.error is not None, st_b
+        except kvtier.TimedOutError:
+            pass  # unanswered: fine, as long as it wrote nothing
+        assert_poisoned(b_kv, range(DECODE_BLOCKS))
+        # Nothing of B's request landed in A later either.
+        assert_moved(src_kv, a_kv, [2, 3], [0, 1])
+        assert_poisoned(a_kv, range(2, DECODE_BLOCKS))
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("lane", ["host", "direct"])
+def test_a_repeated_request_from_the_same_decode_is_not_applied(lane, mode):
+    """After a transfer ended and the decode forgot it, the decode starts the same id again before the prefill
+    forgot it: the prefill's transfer has had its request, so the new one is not applied (nothing lands in the new
+    destinations)."""
+    dev = kvtier.host_device() if LANES[lane] is not None else None
+    kw = endpoint_args(lane, dev)
+    src_kv, dst_kv = prefill_kv(seed=22), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        st = run_transfer(p, d, to_d, to_p, 1, [2, 3], [0, 1], mode=mode)
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        d.forget(1)
+        d.start(to_p, 1, [4, 5], mode=mode)  # the prefill still has transfer 1 (not forgotten)
+        try:
+            st = d.wait(1, 1.0)
+            assert not any(st.block_loaded), st
+        except kvtier.TimedOutError:
+            pass
+        assert_moved(src_kv, dst_kv, [2, 3], [0, 1])
+        assert_poisoned(dst_kv, range(2, DECODE_BLOCKS))
+
+
+# ---------------------------------------------------------------- 2: begin later than the lease
+
+
+@pytest.mark.parametrize("lane", ["host", "direct"])
+def test_a_begin_later_than_the_lease_still_completes_the_transfer(lane):
+    """begin() and start() come in any order: a prefill that has the decode's request but whose forward pass reaches
+    it more than a lease later keeps the transfer alive (it heartbeats the requests it holds). The transfer then
+    completes byte-exact, and the next one on the same endpoints works."""
+    dev = kvtier.host_device() if LANES[lane] is not None else None
+    kw = endpoint_args(lane, dev)
+    src_kv, dst_kv = prefill_kv(seed=23), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        d.start(to_p, 1, [0, 1])
+        time.sleep(1.6 * FAST["lease_s"])  # the prefill's forward has not reached this prompt yet
+        st = d.status(1)
+        assert not st.final, f"the decode gave up on a prefill that holds its request: {st}"
+        p.begin(to_d, 1, [4, 5])
+        p.layers_ready(1, range(LAYERS))
+        st = wait_final(d, 1, reclaimable=True)
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [4, 5], [0, 1])
+        assert p.wait(1, TIMEOUT).done
+        d.forget(1)
+        p.forget(1)
+        st = run_transfer(p, d, to_d, to_p, 2, [6, 7], [2, 3])
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [4, 5, 6, 7], [0, 1, 2, 3])
+        assert_poisoned(dst_kv, range(4, DECODE_BLOCKS))
+
+
+# ---------------------------------------------------------------- 3: the decode closes mid-transfer (subprocess)
+
+_CLOSE_MID_TRANSFER = """
+import gc, sys, time
+import numpy as np, kvtier
+from kvtier.pd import Decode, Prefill
+
+LAYERS, SHAPE = 3, (2, 64, 128)  # 32 KiB per (layer, role, block)
+
+def kv(n, seed=None):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(LAYERS):
+        pair = []
+        for _ in range(2):
+            t = np.empty((n,) + SHAPE, np.float16)
+            u = t.view(np.uint8)
+            u[...] = 0xEE if seed is None else rng.integers(0, 256, u.shape, dtype=np.uint8)
+            pair.append(t)
+        out.append(tuple(pair))
+    return out
+
+lane = {lane!r}
+dev = kvtier.host_device()
+o = dict(transport="loopback", device=dev, lane=lane, heartbeat_s=0.05, lease_s=0.5)
+if lane == "ring":
+    o.update(ring_slots=2, ring_slot_bytes=65536)
+src, dst = kv(8, seed=3), kv(10)
+p, d = Prefill(src, **o), Decode(dst, **o)
+to_d, to_p = p.add_peer(d.metadata()), d.add_peer(p.metadata())
+d.start(to_p, 1, [0, 1, 2, 3])
+p.begin(to_d, 1, [4, 5, 6, 7])
+p.layer_ready(1, 0)
+assert d.wait_layer(1, 0, 5) == "loaded"
+d.close()  # the decode instance shuts down mid-transfer and frees its KV
+del d, dst
+gc.collect()
+junk = [bytearray(40000) for _ in range(200)]  # the freed memory is reused
+p.layer_ready(1, 1)
+p.layer_ready(1, 2)
+try:
+    st = p.wait(1, 5)
+    print("PREFILL", "failed" if st.final and not st.done and st.error is not None else "not-failed", repr(st),
+          flush=True)
+except kvtier.TimedOutError as e:
+    print("PREFILL timed-out", e, flush=True)
+except kvtier.KvtierError as e:
+    print("PREFILL error", repr(e), flush=True)
+time.sleep(0.3)
+more = [np.ones(1000) for _ in range(100)]
+junk = [bytearray(40000) for _ in range(200)]
+p.close()
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("lane", ["direct", "ring"])
+def test_closing_the_decode_mid_transfer_fails_the_prefill_and_writes_no_freed_memory(lane):
+    """The decode endpoint closes (and its KV is freed) with layers 1 and 2 not sent: the prefill must not write the
+    freed memory. Its transfer ends failed within its wait, and the process survives."""
+    r = run_script(_CLOSE_MID_TRANSFER.format(lane=lane))
+    tail = f"rc={r.returncode}\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-2000:]}"
+    assert r.returncode == 0, f"the process died writing a closed decode's memory: {tail}"
+    assert "PREFILL failed" in r.stdout or "PREFILL error" in r.stdout, tail
+    assert "survived" in r.stdout, tail
+
+
+# ---------------------------------------------------------------- 4: staged destinations held by another transfer
+
+
+def test_a_staged_decode_refuses_a_block_still_held_by_another_transfer():
+    """As on the host and device lanes: two transfers into one decode block would both report it loaded while it
+    holds one prefill's bytes. The second start is refused, naming the block; the first transfer is unaffected."""
+    dev = kvtier.host_device()
+    kw = endpoint_args("staged", dev)
+    src_kv, dst_kv = prefill_kv(seed=24), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        d.start(to_p, 1, [0, 1])
+        p.begin(to_d, 1, [3, 4])
+        with pytest.raises(kvtier.FailedPreconditionError,
+                           match="destination block 1 at index 0 belongs to transfer 1"):
+            d.start(to_p, 2, [1, 2])
+        p.layers_ready(1, range(LAYERS))
+        st = wait_final(d, 1, reclaimable=True)
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [3, 4], [0, 1])
+        assert_poisoned(dst_kv, range(2, DECODE_BLOCKS))
+        assert p.wait(1, TIMEOUT).done
+        d.forget(1)
+        p.forget(1)
+        st = run_transfer(p, d, to_d, to_p, 2, [5, 6], [1, 2])  # forgotten: the block may be reused
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [3, 5, 6], [0, 1, 2])
+
+
+# ---------------------------------------------------------------- 5, 6: failed device operations
+
+
+def test_a_failed_device_lane_copy_fails_the_later_layers_promptly():
+    """lane="direct", push: layer 0's copy fails on the device, layers 1 and 2 are declared a little later. They
+    fail at once (not after the decode's lease), and the prefill is not dropped: the next transfer loads."""
+    dev = kvtier.host_device()
+    kw = endpoint_args("direct", dev, **LONG_LEASE)
+    src_kv, dst_kv = prefill_kv(seed=25), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        d.start(to_p, 1, [0, 1])
+        p.begin(to_d, 1, [2, 3])
+        dev.fail_nth_operation(1)  # layer 0's copy
+        p.layer_ready(1, 0)
+        time.sleep(0.1)  # the forward pass finishes layers 1 and 2 a little later
+        p.layer_ready(1, 1)
+        p.layer_ready(1, 2)
+        st = wait_final(d, 1, timeout=1.0, what="a transfer whose layer 0 failed (lease 2 s)")
+        assert st.layers == ["failed"] * LAYERS and st.error is not None, st
+        assert st.block_loaded == [False, False]
+        st = wait_final(d, 1, reclaimable=True)
+        assert p.wait(1, TIMEOUT).final
+        d.forget(1)
+        p.forget(1)
+        st = run_transfer(p, d, to_d, to_p, 2, [4, 5], [4, 5])
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [4, 5], [4, 5])
+
+
+@pytest.mark.parametrize("lane,mode", [("direct", "push"), ("direct", "pull"), ("staged", "push")])
+def test_transfers_after_a_failed_device_operation_load(lane, mode):
+    """One device operation fails (a transient copy error): that transfer fails, the ones after it load byte-exact
+    (as on the ring lane), not with the first one's error."""
+    dev = kvtier.host_device()
+    kw = endpoint_args(lane, dev, **LONG_LEASE)
+    src_kv, dst_kv = prefill_kv(seed=26), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        dev.fail_nth_operation(1)
+        st = run_transfer(p, d, to_d, to_p, 1, [0, 1], [0, 1], mode=mode)
+        assert st.error is not None and not any(st.block_loaded), st
+        assert p.wait(1, TIMEOUT).final
+        d.forget(1)
+        p.forget(1)
+        for xid, src_blocks, dst_blocks in [(2, [2, 3], [2, 3]), (3, [4, 5], [6, 7])]:
+            st = run_transfer(p, d, to_d, to_p, xid, src_blocks, dst_blocks, mode=mode)
+            assert st.error is None and st.leading_loaded_blocks == 2, f"transfer {xid}: {st}"
+            assert_moved(src_kv, dst_kv, src_blocks, dst_blocks)
+            assert p.wait(xid, TIMEOUT).done
+            d.forget(xid)
+            p.forget(xid)
+        assert_poisoned(dst_kv, [4, 5, 8, 9])
+
+
+# ---------------------------------------------------------------- 7: ring slots of a prefill that closed (ipc)
+
+RING_IPC = dict(lane="ring", ring_slots=2, ring_slot_bytes=2 * 1024, **FAST)
+
+
+def _ring_prefill_that_closes(conn):
+    """A prefill on the ring lane in its own process: sends layer 0 of transfer 7, closes its endpoint when told and
+    keeps running until told to exit."""
+    try:
+        p = Prefill(prefill_kv(seed=27), transport="ipc", device=kvtier.host_device(), **RING_IPC)
+        conn.send_bytes(p.metadata())
+        if not conn.poll(30):
+            return
+        peer = p.add_peer(conn.recv_bytes())
+        p.begin(peer, 7, [0, 1, 2, 3])
+        p.layer_ready(7, 0)
+        conn.send("begun")
+        if conn.poll(30) and conn.recv() == "close":
+            p.close()  # this endpoint shuts down; its process keeps running
+            conn.send("closed")
+        conn.poll(30)  # until the parent says "exit" (or goes)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        try:
+            conn.send(("error", repr(e)))
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def test_ring_slots_of_a_closed_prefill_whose_process_lives_on_are_reused():
+    """The ring slots granted to a prefill endpoint that closed (its process still running) are given back once it
+    closed: a new prefill's transfer completes, and does not wait for the old process to exit."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ring_prefill_that_closes, args=(child,), daemon=True)
+    proc.start()
+    dev = kvtier.host_device()
+    dst_kv = decode_kv()
+    try:
+        with Decode(dst_kv, transport="ipc", device=dev, **RING_IPC) as d:
+            assert parent.poll(30), "the prefill process sent no metadata"
+            old = d.add_peer(parent.recv_bytes())
+            parent.send_bytes(d.metadata())
+            d.start(old, 7, [0, 1, 2, 3])
+            assert parent.poll(TIMEOUT) and parent.recv() == "begun"
+            assert d.wait_layer(7, 0, TIMEOUT) == "loaded"
+            parent.send("close")
+            assert parent.poll(TIMEOUT) and parent.recv() == "closed"
+            st = wait_final(d, 7, reclaimable=True, what="the closed prefill's transfer")
+            assert st.layers[0] == "loaded" and "failed" in st.layers[1:], st
+            d.forget(7)
+            src_kv = prefill_kv(seed=28)
+            with Prefill(src_kv, transport="ipc", device=dev, **RING_IPC) as p2:
+                to_d, to_p = connect(p2, d)
+                d.start(to_p, 8, [4, 5])
+                p2.begin(to_d, 8, [4, 5])
+                p2.layers_ready(8, range(LAYERS))
+                st = wait_final(d, 8, reclaimable=True, what="the new prefill's transfer (the old process lives)")
+                assert st.error is None and st.leading_loaded_blocks == 2, st
+                assert_moved(src_kv, dst_kv, [4, 5], [4, 5])
+                assert_poisoned(dst_kv, range(6, DECODE_BLOCKS))
+    finally:
+        try:
+            parent.send("exit")
+        except Exception:  # noqa: BLE001
+            pass
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+# ---------------------------------------------------------------- 8: ring slots and a transfer not ready yet
+
+
+def test_a_ready_ring_transfer_completes_while_another_waits_for_its_layers():
+    """lane="ring", 2 slots of one block: transfer 1's forward pass is still running (no layer ready) when transfer 2
+    is ready in full. Transfer 1 must not hold the slots against it: 2 completes while 1 waits, then 1 completes."""
+    dev = kvtier.host_device()
+    kw = endpoint_args("ring", dev, ring_slot_bytes=1024)
+    src_kv, dst_kv = prefill_kv(seed=29), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        d.start(to_p, 1, [0, 1])
+        p.begin(to_d, 1, [0, 1])  # its forward pass is still running
+        d.start(to_p, 2, [2, 3])
+        p.begin(to_d, 2, [4, 5])
+        p.layers_ready(2, range(LAYERS))
+        st = wait_final(d, 2, timeout=2.0, reclaimable=True,
+                        what="the ready transfer (the other one waiting for its layers)")
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [4, 5], [2, 3])
+        assert d.status(1).layers == ["pending"] * LAYERS
+        assert_poisoned(dst_kv, [0, 1])
+        p.layers_ready(1, range(LAYERS))
+        st = wait_final(d, 1, reclaimable=True)
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [0, 1, 4, 5], [0, 1, 2, 3])
+        assert_poisoned(dst_kv, range(4, DECODE_BLOCKS))
+
+
+# ---------------------------------------------------------------- 9: staged layers_ready refusals
+
+
+@pytest.fixture
+def staged_pair():
+    dev = kvtier.host_device()
+    kw = endpoint_args("staged", dev)
+    src_kv, dst_kv = prefill_kv(seed=30), decode_kv()
+    p, d = Prefill(src_kv, **kw), Decode(dst_kv, **kw)
+    to_d, to_p = connect(p, d)
+    d.start(to_p, 1, [0, 1])
+    p.begin(to_d, 1, [2, 3])
+    yield p, d, src_kv, dst_kv
+    p.close()
+    d.close()
+
+
+def _assert_nothing_declared(p, d, src_kv, dst_kv):
+    for layer in range(LAYERS):
+        with pytest.raises(kvtier.TimedOutError):
+            d.wait_layer(1, layer, timeout=0.1)
+    assert d.status(1).layers == ["pending"] * LAYERS
+    assert_poisoned(dst_kv, range(DECODE_BLOCKS))
+    # Declared now, every layer arrives.
+    p.layers_ready(1, range(LAYERS))
+    st = wait_final(d, 1, reclaimable=True)
+    assert st.error is None and st.leading_loaded_blocks == 2, st
+    assert_moved(src_kv, dst_kv, [2, 3], [0, 1])
+
+
+def test_a_staged_layers_ready_with_a_layer_out_of_range_declares_nothing(staged_pair):
+    p, d, src_kv, dst_kv = staged_pair
+    with pytest.raises(kvtier.OutOfRangeError, match=r"layers\[1\] = 99"):
+        p.layers_ready(1, [0, 99])
+    _assert_nothing_declared(p, d, src_kv, dst_kv)
+
+
+def test_a_staged_layers_ready_listing_a_layer_twice_is_refused_as_such_and_declares_nothing(staged_pair):
+    p, d, src_kv, dst_kv = staged_pair
+    with pytest.raises(kvtier.AlreadyExistsError, match=r"layers\[1\] = 1 is listed twice"):
+        p.layers_ready(1, [1, 1])
+    _assert_nothing_declared(p, d, src_kv, dst_kv)
+
+
+# ---------------------------------------------------------------- 10: start toward an unknown peer
+
+
+@pytest.mark.parametrize("lane", ["host", "direct"])
+def test_start_toward_an_unknown_peer_raises_and_takes_no_block(lane):
+    dev = kvtier.host_device() if LANES[lane] is not None else None
+    kw = endpoint_args(lane, dev)
+    src_kv, dst_kv = prefill_kv(seed=31), decode_kv()
+    with Prefill(src_kv, **kw) as p, Decode(dst_kv, **kw) as d:
+        to_d, to_p = connect(p, d)
+        unknown = to_p + 77
+        with pytest.raises(kvtier.NotFoundError, match=f"peer {unknown}"):
+            d.start(unknown, 1, [0, 1])
+        # Neither the id nor the blocks were taken.
+        st = run_transfer(p, d, to_d, to_p, 1, [5, 6], [0, 1])
+        assert st.error is None and st.leading_loaded_blocks == 2, st
+        assert_moved(src_kv, dst_kv, [5, 6], [0, 1])
+        assert_poisoned(dst_kv, range(2, DECODE_BLOCKS))
+
+
+# ---------------------------------------------------------------- 11: argument checks and their messages
+
+
+def test_staging_blocks_too_large_is_refused_naming_the_request():
+    with pytest.raises(kvtier.KvtierError) as e:
+        Decode(decode_kv(), transport="loopback", device=kvtier.host_device(), staging_blocks=2**63, **FAST)
+    msg = str(e.value)
+    assert "0 bytes" not in msg, msg  # 2**63 blocks is not a request for 0 bytes
+    assert str(2**63) in msg or "too large" in msg.lower(), msg
+
+
+def test_a_heartbeat_or_lease_below_a_millisecond_is_refused_naming_the_value_given():
+    """Leases run in whole milliseconds: 0.1 ms is refused naming what was given, not rounded up to 1 ms (which
+    made 0.1 ms and 1.9 ms read as 'heartbeat 1 ms and lease 1 ms')."""
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"heartbeat_s 0\.0001 "):
+        Decode(decode_kv(), transport="loopback", heartbeat_s=0.0001, lease_s=0.0019)
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"lease_s 0\.0005 "):
+        Decode(decode_kv(), transport="loopback", heartbeat_s=0.001, lease_s=0.0005)
+    Decode(decode_kv(), transport="loopback", heartbeat_s=0.001, lease_s=0.0019).close()  # 1 ms and 2 ms
+
+
+@pytest.mark.parametrize("arg,value", [("heartbeat_s", True), ("heartbeat_s", "0.1"), ("lease_s", True),
+                                       ("lease_s", "5")])
+def test_a_heartbeat_or_lease_that_is_not_a_number_is_refused_naming_it(arg, value):
+    """float() took True as 1 s and "0.1" as 0.1 s: a bool or a str is refused, naming the argument and the value
+    (as the module's other numeric arguments are: a TypeError, or kvtier's InvalidArgumentError)."""
+    kw = dict(heartbeat_s=0.05, lease_s=5.0)
+    kw[arg] = value
+    with pytest.raises((TypeError, kvtier.InvalidArgumentError), match=re.escape(repr(value))) as e:
+        Decode(decode_kv(), transport="loopback", **kw).close()
+    assert arg.split("_")[0] in str(e.value), str(e.value)
