@@ -531,6 +531,43 @@ TEST(PdDeviceLane, HostMemoryIsRefusedAtCreation) {
 // After a failed push the prefill may still hold the decode's pool mapped: a silent prefill's blocks are not
 // reclaimable while it lives, even once the decode side gave up on it; they are once the prefill's transport
 // (with its mapping) is gone.
+// A failed device operation fails its transfer's untold layers at once (not at the lease, which would also
+// disconnect the peer), and the lane's stream, failed for good, is replaced: the next transfer loads.
+class LaneFailures : public ::testing::TestWithParam<PdMode> {};
+
+TEST_P(LaneFailures, AFailedCopyEndsTheTransferAtOnceAndTheNextOneLoads) {
+  LaneRig rig({}, true, PdOptions{20ms, 2s});
+  rig.device->fail_nth_operation(1);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 1, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 1, GetParam(), kDst).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(rig.pre->layer_ready(1, 0).ok());
+  std::this_thread::sleep_for(50ms);
+  for (std::uint32_t l = 1; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(1, l).ok());
+  auto fin = rig.dec->wait(1, 1500ms);
+  ASSERT_TRUE(fin.ok()) << "not final before the lease: " << fin.status().to_string();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  EXPECT_FALSE(fin->error.ok());
+  EXPECT_LT(fin->leading_loaded_blocks(), 4u);
+  ASSERT_TRUE(rig.dec->wait(1, 5s, true).ok());
+  ASSERT_TRUE(rig.pre->wait(1, 5s).ok());
+  ASSERT_TRUE(rig.dec->forget(1).ok());
+  ASSERT_TRUE(rig.pre->forget(1).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 2, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 2, GetParam(), kDst).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(2, l).ok());
+  auto next = rig.dec->wait(2, 5s, true);
+  ASSERT_TRUE(next.ok()) << next.status().to_string();
+  EXPECT_TRUE(next->error.ok()) << next->error.to_string();
+  EXPECT_EQ(next->leading_loaded_blocks(), 4u);
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::size_t i = 0; i < kDst.size(); ++i) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  EXPECT_FALSE(rig.dec_t->peer_revoked(rig.to_pre));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, LaneFailures, ::testing::Values(PdMode::kPush, PdMode::kPull),
+                         [](const auto& info) { return std::string(pd_mode_name(info.param)); });
+
 TEST(PdDeviceLane, AFailedPushKeepsTheBlocksWhileThePrefillCanStillWrite) {
   PdOptions opt{20ms, 150ms};
   LaneRig rig({}, true, opt);
