@@ -97,3 +97,31 @@ def fd_config(num_layers: int, num_cpu_blocks: int, quant=None, block_size: int 
                                            block_size=block_size),
         quant_config=types.SimpleNamespace(kv_cache_quant_type=quant),
     )
+
+
+def random_kv(layers: int, blocks: int, shape: tuple, seed: int) -> list:
+    """kvtier.pd's KV form: one (key, value) pair of float16 tensors per layer, ``[blocks, *shape]``, random bytes
+    (a function of the seed)."""
+    rng = np.random.default_rng(seed)
+    kv = []
+    for _ in range(layers):
+        pair = []
+        for _ in range(2):
+            t = np.empty((blocks,) + tuple(shape), dtype=np.float16)
+            t.view(np.uint8)[...] = rng.integers(0, 256, size=t.view(np.uint8).shape, dtype=np.uint8)
+            pair.append(t)
+        kv.append(tuple(pair))
+    return kv
+
+
+def poisoned_kv(layers: int, blocks: int, shape: tuple, poison: int) -> list:
+    """As random_kv, every byte ``poison``: a destination whose every written byte shows."""
+    kv = []
+    for _ in range(layers):
+        pair = []
+        for _ in range(2):
+            t = np.empty((blocks,) + tuple(shape), dtype=np.float16)
+            t.view(np.uint8)[...] = poison
+            pair.append(t)
+        kv.append(tuple(pair))
+    return kv

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kvtier
+from conftest import poisoned_kv, random_kv
 from kvtier.pd import Decode, DecodeStatus, Prefill, PrefillStatus, Receiver
 
 LAYERS = 3
@@ -33,28 +34,11 @@ TRANSPORTS = {
 
 def prefill_kv(seed: int = 1, blocks: int = PREFILL_BLOCKS, shape=BLOCK_SHAPE):
     """One (key, value) pair of float16 tensors per layer, random bytes (a function of the seed)."""
-    rng = np.random.default_rng(seed)
-    kv = []
-    for _ in range(LAYERS):
-        pair = []
-        for _ in range(2):
-            t = np.empty((blocks,) + shape, dtype=np.float16)
-            t.view(np.uint8)[...] = rng.integers(0, 256, size=t.view(np.uint8).shape, dtype=np.uint8)
-            pair.append(t)
-        kv.append(tuple(pair))
-    return kv
+    return random_kv(LAYERS, blocks, shape, seed)
 
 
 def decode_kv(blocks: int = DECODE_BLOCKS, shape=BLOCK_SHAPE):
-    kv = []
-    for _ in range(LAYERS):
-        pair = []
-        for _ in range(2):
-            t = np.empty((blocks,) + shape, dtype=np.float16)
-            t.view(np.uint8)[...] = POISON
-            pair.append(t)
-        kv.append(tuple(pair))
-    return kv
+    return poisoned_kv(LAYERS, blocks, shape, POISON)
 
 
 def assert_layer_moved(src_kv, dst_kv, layer, src_blocks, dst_blocks):

@@ -362,6 +362,41 @@ TEST_P(PdModes, ClosingTheDecodeMidTransferStopsThePrefillBeforeTheMemoryGoes) {
     for (std::uint64_t b : kDst) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
 }
 
+// A prefill closed with its transport right after it: its last messages ('X' for the layers it will not send,
+// then 'Q') still reach the decode, which ends the transfer at once rather than at the lease. A slow read the
+// prefill's transport is still serving holds the messages in its queue when the transport goes.
+TEST_P(PdModes, AClosedPrefillsLastMessagesArriveEvenAsItsTransportGoes) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  const int n = ++g_seq;
+  LoopbackOptions slow;
+  slow.op_delay = 150ms;
+  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, slow).value();
+  auto dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
+  const PdOptions opt{20ms, 5s};
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  ASSERT_TRUE(pre->begin(to_dec, 12, kSrc).ok());
+  ASSERT_TRUE(dec->start(to_pre, 12, GetParam(), kDst).ok());
+  ASSERT_TRUE(pre->layer_ready(12, 0).ok());
+  ASSERT_EQ(dec->wait_layer(12, 0, 5s).value(), LayerState::kLoaded);
+  // One byte of a block no transfer uses, read by the prefill's transport: its worker sleeps on it.
+  const std::uint64_t bb = layout.block_bytes(0, 0);
+  const LocalDesc local{0, 6 * bb, 1};
+  const RemoteDesc remote{0, 7 * bb, 1};
+  ASSERT_TRUE(pre_t->post(XferOp::kRead, to_dec, {&local, 1}, {&remote, 1}, "").ok());
+  pre.reset();  // 'X' for layers 1-3 and 'Q' queue behind the read
+  pre_t.reset();
+  auto fin = dec->wait(12, 2s, true);
+  ASSERT_TRUE(fin.ok()) << "the prefill's 'X' and 'Q' were lost with its transport: " << fin.status().to_string();
+  EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
+  for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_NE(fin->error.message().find("closed"), std::string::npos) << fin->error.to_string();
+}
+
 TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
   PdOptions opt{20ms, 150ms};
   Rig rig({}, {}, opt);

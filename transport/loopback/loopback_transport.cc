@@ -76,7 +76,11 @@ class LoopbackTransport final : public detail::TransportBase {
     {
       std::lock_guard lock(jobs_mu_);
       stop_ = true;
-      for (auto& j : jobs_) j.aborted->store(true);
+      // Transfers in the queue are cancelled; messages already sent are still delivered (the worker drains the
+      // queue before it ends), as a connection flushes what was written to it: an endpoint's last words when it
+      // closes (the prefill/decode protocol's 'X' and 'Q') reach the peer.
+      for (auto& j : jobs_)
+        if (j.id != 0) j.aborted->store(true);
     }
     jobs_cv_.notify_all();
     if (worker_.joinable()) worker_.join();
