@@ -391,6 +391,17 @@ class UcxTransport final : public detail::TransportBase {
     // Cancel what is in flight and close every endpoint (forced: the peer may be dead), then wait, bounded,
     // for the requests to be released before the memory they use is unmapped.
     if (worker_ != nullptr) {
+      // Messages already sent (a closing endpoint's last words: the prefill/decode protocol's 'X' and 'Q') get up
+      // to a second to leave first: a forced close drops what is still queued.
+      for (const auto flush_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);;) {
+        {
+          std::lock_guard lock(ucx_mu_);
+          if (sends_.empty()) break;
+          ucp_worker_progress(worker_);
+        }
+        if (std::chrono::steady_clock::now() > flush_deadline) break;
+        std::this_thread::yield();
+      }
       std::vector<void*> closing;
       {
         std::lock_guard lock(ucx_mu_);
