@@ -102,6 +102,17 @@ bool CacheManager::Impl::start_demotion(NodeId v) {
 // (kFree); otherwise the first dirty candidate is demoted, its block frees at the write's ack
 // (kPending). A dirty copy is dropped only when storage cannot take it.
 CacheManager::Impl::Room CacheManager::Impl::make_host_room() {
+  if (speculative && write_back_to_storage()) {
+    // A prefetch's room: a host copy that has another copy (device or storage); no demotion is started (storage
+    // I/O for a bet on a queued request) and no dirty copy dropped.
+    NodeId v = victim(
+        kHst,
+        [this](NodeId id) { return host_candidate(id) && nodes[id].present != bit(kHst) && can_drop(nodes[id], kHst); },
+        /*allow_protected=*/false);
+    if (v == kNoNode) return Room::kNone;
+    drop_host_copy(v);
+    return Room::kFree;
+  }
   if (!write_back_to_storage()) return drop_one_host() ? Room::kFree : Room::kNone;
   NodeId first_dirty = kNoNode;
   std::uint32_t dirty_seen = 0;
@@ -114,9 +125,18 @@ CacheManager::Impl::Room CacheManager::Impl::make_host_room() {
     return ++dirty_seen >= kCleanVictimWindow;  // stop scanning: no clean copy near the tail
   };
   NodeId v = victim(kHst, pred, /*allow_protected=*/false);
-  // Protected copies only when the policy offers neither a clean nor a dirty victim (same preference order).
-  if (v == kNoNode && first_dirty == kNoNode && !shield_protected && !parked[kHst].empty())
-    v = protected_victim(kHst, pred);
+  // No unprotected clean copy: a protected clean one before any demotion (dropping it loses nothing and frees a
+  // block now, where a demotion frees one only at its ack and the admission asking for room would be refused:
+  // protection is a preference, never a refusal). Protected dirty copies only when the policy offers no dirty
+  // victim either (same preference order).
+  if (v == kNoNode && !shield_protected && !parked[kHst].empty()) {
+    const NodeId dirty_unprotected = first_dirty;
+    v = protected_victim(kHst, [&](NodeId id) {
+      return host_candidate(id) && nodes[id].present != bit(kHst) && can_drop(nodes[id], kHst);
+    });
+    first_dirty = dirty_unprotected;
+    if (v == kNoNode && first_dirty == kNoNode) v = protected_victim(kHst, pred);
+  }
   if (v != kNoNode && nodes[v].present != bit(kHst)) {
     drop_host_copy(v);
     return Room::kFree;
@@ -209,6 +229,8 @@ bool CacheManager::Impl::evict_one_device() {
     }
     skipped.push_back(v);
   }
+  // A prefetch neither drops a last copy because demotions are pending nor frees a host block for it.
+  if (speculative) return false;
   if (lossy_fallback != kNoNode) {
     drop_copy(lossy_fallback, kDev);
     ++st.drops_device;

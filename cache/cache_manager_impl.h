@@ -15,6 +15,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <string_view>
@@ -164,7 +165,9 @@ struct CacheManager::Impl {
   };
   std::unordered_map<QueuedId, Announcement> announcements;  // node-based: queue_order points into it
   // Queued announcements in prefetch order, (-priority, id), each with its entry in `announcements`.
-  std::map<std::tuple<std::int64_t, QueuedId>, Announcement*> queue_order;
+  using QueueKey = std::tuple<std::int64_t, QueuedId>;  // (-priority, id): highest priority, then oldest, first
+  std::map<QueueKey, Announcement*> queue_order;
+  std::optional<QueueKey> lookahead_resume;       // where the last look-ahead walk stopped on its key limit
   std::multimap<std::uint64_t, QueuedId> expiry;  // retained: (expires_at, id)
   std::unordered_map<std::uint64_t, std::vector<QueuedId>> retained_by_conversation;
   OpenKeyTable<KeyWant, KeyWantSlot> wanted_keys;  // keys held by at least one announcement
@@ -188,6 +191,9 @@ struct CacheManager::Impl {
   // Set while take_plan() evicts on its own account (watermarks, prefetch): victims never include protected
   // copies then.
   bool shield_protected = false;
+  // Set while the look-ahead prefetch makes room (a bet on a queued request, not a block wanted now): room comes
+  // only from copies that exist on another tier or a free block; no last copy is dropped and no demotion started.
+  bool speculative = false;
 
   std::uint32_t wanted(NodeId id) const { return id < want.size() ? want[id].count : 0; }
   NodeWant& want_of(NodeId id) {

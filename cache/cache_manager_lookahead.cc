@@ -244,19 +244,19 @@ bool CacheManager::Impl::lookahead_fetch(NodeId id) {
 void CacheManager::Impl::lookahead_prefetch() {
   if (!has_tier(kHst)) return;  // nothing below the device
   std::uint32_t budget = cfg.lookahead_prefetch_blocks;
-  // Keys looked at per call, at most: a queue whose cursors were all reset (a protected copy was evicted)
-  // is walked again over several calls, highest rank first, rather than all at once.
-  std::uint64_t scan = std::max<std::uint64_t>(256, 16 * std::uint64_t{budget});
+  // Keys looked at per call, at most: half from the head of the queue (highest rank first), half from where the
+  // last call's walk stopped (lookahead_resume), so a long queue is walked over several calls and announcements
+  // behind many uncached ones (each costs a key to find uncached, every call) are reached too.
+  const std::uint64_t scan_limit = std::max<std::uint64_t>(256, 16 * std::uint64_t{budget});
+  std::uint64_t scan = 0;
   auto room = [&](int t) {
     return static_cast<double>(parked[t].size() + lookahead_in_flight[t] + 1) <=
            cfg.lookahead_max_fraction * static_cast<double>(pools[t].capacity());
   };
   bool loads_ok = true, fetches_ok = has_tier(kSto);
-  shield_protected = true;  // a prefetch takes room from unprotected, unpinned blocks only
-  for (const auto& [order, queued] : queue_order) {
-    if (budget == 0 || scan == 0 || (!loads_ok && !fetches_ok)) break;
-    Announcement& a = *queued;
-    if (a.cursor_epoch == epoch && a.cursor == a.keys.size()) continue;  // all on (or loading to) the device
+  auto stopped = [&] { return budget == 0 || scan == 0 || (!loads_ok && !fetches_ok); };
+  auto visit = [&](Announcement& a) {
+    if (a.cursor_epoch == epoch && a.cursor == a.keys.size()) return;  // all on (or loading to) the device
     if (a.cursor_epoch != epoch) {
       a.cursor = 0;
       a.cursor_node = kRoot;
@@ -301,8 +301,32 @@ void CacheManager::Impl::lookahead_prefetch() {
       }
       prev = id;
     }
+  };
+  shield_protected = true;  // a prefetch takes room from unprotected, unpinned blocks only
+  speculative = true;       // ... that have another copy
+  scan = scan_limit / 2;
+  for (auto it = queue_order.begin(); it != queue_order.end() && !stopped(); ++it) visit(*it->second);
+  // The rest from where the last call stopped, once around the queue at most.
+  scan += scan_limit - scan_limit / 2;
+  auto from = lookahead_resume ? queue_order.upper_bound(*lookahead_resume) : queue_order.begin();
+  std::optional<QueueKey> last;
+  bool wrapped = false;
+  for (auto it = from; !stopped();) {
+    if (it == queue_order.end()) {
+      if (wrapped || from == queue_order.begin()) break;
+      wrapped = true;
+      it = queue_order.begin();
+      continue;
+    }
+    if (wrapped && it == from) break;
+    visit(*it->second);
+    last = it->first;
+    ++it;
   }
+  // Stopped on the scan limit: the next call goes on after the last announcement visited; otherwise from the head.
+  lookahead_resume = scan == 0 ? last : std::nullopt;
   shield_protected = false;
+  speculative = false;
 }
 
 }  // namespace kvtier::cache

@@ -239,12 +239,27 @@ std::uint64_t u64_arg(nb::handle value, const char* what) {
   return v;
 }
 
+std::uint32_t u32_arg(nb::handle value, const char* what) {
+  return static_cast<std::uint32_t>(int_arg(value, what, 0, UINT32_MAX));
+}
+// An optional unsigned 32-bit argument: None, or as u32_arg.
+std::optional<std::uint32_t> opt_u32_arg(nb::handle value, const char* what) {
+  if (value.is_none()) return std::nullopt;
+  return u32_arg(value, what);
+}
+// A string argument (InvalidArgument naming the value otherwise).
+std::string str_arg(nb::handle value, const char* what) {
+  if (!nb::isinstance<nb::str>(value))
+    raise_status(InvalidArgument(fmt::format("{} {} is not a string", what, nb::cast<std::string>(nb::repr(value)))));
+  return nb::cast<std::string>(value);
+}
+
 // The announce() hints of CacheManager.announce and HybridCache.announce, from their keyword arguments.
-cache::RequestHints request_hints(nb::handle conversation_id, const std::string& continuation, nb::handle ttl_steps,
+cache::RequestHints request_hints(nb::handle conversation_id, nb::handle continuation, nb::handle ttl_steps,
                                   nb::handle priority) {
   cache::RequestHints h;
   h.conversation_id = u64_arg(conversation_id, "conversation_id");
-  h.continuation = parse_continuation(continuation);
+  h.continuation = parse_continuation(str_arg(continuation, "continuation"));
   h.ttl_steps = static_cast<std::uint32_t>(int_arg(ttl_steps, "ttl_steps", 0, UINT32_MAX));
   h.priority = static_cast<std::int32_t>(int_arg(priority, "priority", INT32_MIN, INT32_MAX));
   return h;
@@ -493,10 +508,11 @@ void bind_cache(nb::module_& m) {
            })
       .def(
           "admit",
-          [](PyCacheManager& p, const std::vector<std::string>& keys, std::uint32_t extra_blocks) {
+          [](PyCacheManager& p, const std::vector<std::string>& keys, nb::handle extra_blocks) {
             auto k = parse_keys(keys);
+            const std::uint32_t extra = u32_arg(extra_blocks, "extra_blocks");
             auto lock = lock_gil_safe(p.mu);
-            cache::Admission a = value_or_raise(p.cm->admit(k, extra_blocks));
+            cache::Admission a = value_or_raise(p.cm->admit(k, extra));
             nb::dict d;
             d["id"] = a.id;
             d["device_hit_blocks"] = a.device_hit_blocks;
@@ -507,29 +523,37 @@ void bind_cache(nb::module_& m) {
             d["device_blocks"] = a.device_blocks;
             return d;
           },
-          "keys"_a, "extra_blocks"_a = 0)
+          "keys"_a, "extra_blocks"_a.none() = 0)
       .def(
           "commit",
-          [](PyCacheManager& p, std::uint64_t id, std::optional<std::uint32_t> num_computed) {
+          [](PyCacheManager& p, nb::handle admission, nb::handle num_computed) {
+            const std::uint64_t id = u64_arg(admission, "admission");
+            const std::optional<std::uint32_t> n = opt_u32_arg(num_computed, "num_computed");
             auto lock = lock_gil_safe(p.mu);
-            check(num_computed ? p.cm->commit(id, *num_computed) : p.cm->commit_all(id));
+            check(n ? p.cm->commit(id, *n) : p.cm->commit_all(id));
           },
-          "admission"_a, "num_computed"_a = nb::none())
-      .def("release",
-           [](PyCacheManager& p, std::uint64_t id) {
-             auto lock = lock_gil_safe(p.mu);
-             check(p.cm->release(id));
-           })
-      .def("admission_status",
-           [](PyCacheManager& p, std::uint64_t id) {
-             auto lock = lock_gil_safe(p.mu);
-             auto s = value_or_raise(p.cm->admission_status(id));
-             nb::dict d;
-             d["ready_blocks"] = s.ready_blocks;
-             d["loading_blocks"] = s.loading_blocks;
-             d["failed"] = s.failed;
-             return d;
-           })
+          "admission"_a.none(), "num_computed"_a.none() = nb::none())
+      .def(
+          "release",
+          [](PyCacheManager& p, nb::handle admission) {
+            const std::uint64_t id = u64_arg(admission, "admission");
+            auto lock = lock_gil_safe(p.mu);
+            check(p.cm->release(id));
+          },
+          "admission"_a.none())
+      .def(
+          "admission_status",
+          [](PyCacheManager& p, nb::handle admission) {
+            const std::uint64_t id = u64_arg(admission, "admission");
+            auto lock = lock_gil_safe(p.mu);
+            auto s = value_or_raise(p.cm->admission_status(id));
+            nb::dict d;
+            d["ready_blocks"] = s.ready_blocks;
+            d["loading_blocks"] = s.loading_blocks;
+            d["failed"] = s.failed;
+            return d;
+          },
+          "admission"_a.none())
       .def("prefetch",
            [](PyCacheManager& p, const std::vector<std::string>& keys) {
              auto k = parse_keys(keys);
@@ -595,13 +619,14 @@ void bind_cache(nb::module_& m) {
       .def(
           "announce",
           [](PyCacheManager& p, const std::vector<std::string>& keys, nb::handle conversation_id,
-             const std::string& continuation, nb::handle ttl_steps, nb::handle priority) {
+             nb::handle continuation, nb::handle ttl_steps, nb::handle priority) {
             auto k = parse_keys(keys);
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.cm->announce(k, h));
           },
-          "keys"_a, "conversation_id"_a = 0, "continuation"_a = "unknown", "ttl_steps"_a = 0, "priority"_a = 0,
+          "keys"_a, "conversation_id"_a.none() = 0, "continuation"_a.none() = "unknown", "ttl_steps"_a.none() = 0,
+          "priority"_a.none() = 0,
           "The engine queued a request with these block keys (a hash chain, hex): its cached blocks are kept over "
           "others and prefetched to faster tiers by take_plan(). Hints are optional: conversation_id (0: none), "
           "continuation 'unknown' | 'continues' | 'last_turn', ttl_steps (protection kept after withdraw, in "
@@ -614,7 +639,7 @@ void bind_cache(nb::module_& m) {
             auto lock = lock_gil_safe(p.mu);
             check(p.cm->extend_announced(queued, k));
           },
-          "id"_a, "keys"_a, "Appends keys (tokens arrived) to a queued announcement's chain.")
+          "id"_a.none(), "keys"_a, "Appends keys (tokens arrived) to a queued announcement's chain.")
       .def(
           "withdraw",
           [](PyCacheManager& p, nb::handle id) {
@@ -622,7 +647,7 @@ void bind_cache(nb::module_& m) {
             auto lock = lock_gil_safe(p.mu);
             check(p.cm->withdraw(queued));
           },
-          "id"_a, "The request left the queue (scheduled or cancelled).")
+          "id"_a.none(), "The request left the queue (scheduled or cancelled).")
       .def(
           "announcement",
           [](PyCacheManager& p, nb::handle id) {
@@ -639,7 +664,7 @@ void bind_cache(nb::module_& m) {
             d["priority"] = a.hints.priority;
             return d;
           },
-          "id"_a)
+          "id"_a.none())
       .def("check_invariants",
            [](PyCacheManager& p) {
              auto lock = lock_gil_safe(p.mu);
@@ -725,9 +750,10 @@ void bind_cache(nb::module_& m) {
           "Tokens a hit is a multiple of (the lcm of the groups' block sizes).")
       .def(
           "match",
-          [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
-             std::optional<std::uint32_t> max_hit_tokens) {
-            HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
+          [](PyHybridCache& p, nb::handle num_tokens, const std::vector<std::vector<std::string>>& chains,
+             nb::handle max_hit_tokens) {
+            HybridRequestArgs a = hybrid_request(u32_arg(num_tokens, "num_tokens"), chains, 0,
+                                                 opt_u32_arg(max_hit_tokens, "max_hit_tokens"), {});
             auto lock = lock_gil_safe(p.mu);
             cache::HybridMatch r = value_or_raise(p.hc->match(a.request));
             nb::dict d;
@@ -744,14 +770,15 @@ void bind_cache(nb::module_& m) {
             d["groups"] = groups;
             return d;
           },
-          "num_tokens"_a, "chains"_a, "max_hit_tokens"_a = nb::none(),
+          "num_tokens"_a.none(), "chains"_a, "max_hit_tokens"_a.none() = nb::none(),
           "The hit every group can serve together (changes nothing).")
       .def(
           "admit",
-          [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
-             std::uint32_t extra_tokens, std::optional<std::uint32_t> max_hit_tokens,
-             const std::vector<std::uint32_t>& save_states_at) {
-            HybridRequestArgs a = hybrid_request(num_tokens, chains, extra_tokens, max_hit_tokens, save_states_at);
+          [](PyHybridCache& p, nb::handle num_tokens, const std::vector<std::vector<std::string>>& chains,
+             nb::handle extra_tokens, nb::handle max_hit_tokens, const std::vector<std::uint32_t>& save_states_at) {
+            HybridRequestArgs a =
+                hybrid_request(u32_arg(num_tokens, "num_tokens"), chains, u32_arg(extra_tokens, "extra_tokens"),
+                               opt_u32_arg(max_hit_tokens, "max_hit_tokens"), save_states_at);
             auto lock = lock_gil_safe(p.mu);
             cache::HybridAdmission r = value_or_raise(p.hc->admit(a.request));
             nb::dict d;
@@ -782,23 +809,24 @@ void bind_cache(nb::module_& m) {
             d["groups"] = groups;
             return d;
           },
-          "num_tokens"_a, "chains"_a, "extra_tokens"_a = 0, "max_hit_tokens"_a = nb::none(),
+          "num_tokens"_a.none(), "chains"_a, "extra_tokens"_a.none() = 0, "max_hit_tokens"_a.none() = nb::none(),
           "save_states_at"_a = std::vector<std::uint32_t>{},
           "Admits a request in every group or in none (ResourceExhaustedError, nothing left admitted). Per group: "
           "the device block of every position (None outside a window), hits, loads, new blocks; state groups: the "
           "state to start from, where to save states, the working block.")
       .def(
           "announce",
-          [](PyHybridCache& p, std::uint32_t num_tokens, const std::vector<std::vector<std::string>>& chains,
-             std::optional<std::uint32_t> max_hit_tokens, nb::handle conversation_id, const std::string& continuation,
-             nb::handle ttl_steps, nb::handle priority) {
-            HybridRequestArgs a = hybrid_request(num_tokens, chains, 0, max_hit_tokens, {});
+          [](PyHybridCache& p, nb::handle num_tokens, const std::vector<std::vector<std::string>>& chains,
+             nb::handle max_hit_tokens, nb::handle conversation_id, nb::handle continuation, nb::handle ttl_steps,
+             nb::handle priority) {
+            HybridRequestArgs a = hybrid_request(u32_arg(num_tokens, "num_tokens"), chains, 0,
+                                                 opt_u32_arg(max_hit_tokens, "max_hit_tokens"), {});
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.hc->announce(a.request, h));
           },
-          "num_tokens"_a, "chains"_a, "max_hit_tokens"_a = nb::none(), "conversation_id"_a = 0,
-          "continuation"_a = "unknown", "ttl_steps"_a = 0, "priority"_a = 0,
+          "num_tokens"_a.none(), "chains"_a, "max_hit_tokens"_a.none() = nb::none(), "conversation_id"_a.none() = 0,
+          "continuation"_a.none() = "unknown", "ttl_steps"_a.none() = 0, "priority"_a.none() = 0,
           "The engine queued this request (chains as for admit): every group keeps and prefetches what the "
           "request's largest hit would need from it (full groups their chain, sliding-window groups the window's "
           "blocks, state groups the state at the hit). Hints as CacheManager.announce. Returns the id.")
@@ -809,30 +837,39 @@ void bind_cache(nb::module_& m) {
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->withdraw(queued));
           },
-          "id"_a, "The request left the queue (scheduled: before admit, or cancelled): every group withdraws it.")
+          "id"_a.none(),
+          "The request left the queue (scheduled: before admit, or cancelled): every group withdraws it.")
       .def(
           "commit",
-          [](PyHybridCache& p, std::uint64_t id, std::uint32_t num_computed_tokens) {
+          [](PyHybridCache& p, nb::handle admission, nb::handle num_computed_tokens) {
+            const std::uint64_t id = u64_arg(admission, "admission");
+            const std::uint32_t n = u32_arg(num_computed_tokens, "num_computed_tokens");
             auto lock = lock_gil_safe(p.mu);
-            check(p.hc->commit(id, num_computed_tokens));
+            check(p.hc->commit(id, n));
           },
-          "admission"_a, "num_computed_tokens"_a)
-      .def("release",
-           [](PyHybridCache& p, std::uint64_t id) {
-             auto lock = lock_gil_safe(p.mu);
-             check(p.hc->release(id));
-           })
-      .def("admission_status",
-           [](PyHybridCache& p, std::uint64_t id) {
-             auto lock = lock_gil_safe(p.mu);
-             auto s = value_or_raise(p.hc->admission_status(id));
-             nb::dict d;
-             d["ready"] = s.ready;
-             d["loading_blocks"] = s.loading_blocks;
-             d["failed"] = s.failed;
-             d["failed_group"] = group_or_none(s.failed_group);
-             return d;
-           })
+          "admission"_a.none(), "num_computed_tokens"_a.none())
+      .def(
+          "release",
+          [](PyHybridCache& p, nb::handle admission) {
+            const std::uint64_t id = u64_arg(admission, "admission");
+            auto lock = lock_gil_safe(p.mu);
+            check(p.hc->release(id));
+          },
+          "admission"_a.none())
+      .def(
+          "admission_status",
+          [](PyHybridCache& p, nb::handle admission) {
+            const std::uint64_t id = u64_arg(admission, "admission");
+            auto lock = lock_gil_safe(p.mu);
+            auto s = value_or_raise(p.hc->admission_status(id));
+            nb::dict d;
+            d["ready"] = s.ready;
+            d["loading_blocks"] = s.loading_blocks;
+            d["failed"] = s.failed;
+            d["failed_group"] = group_or_none(s.failed_group);
+            return d;
+          },
+          "admission"_a.none())
       .def(
           "take_plan",
           [](PyHybridCache& p) {

@@ -101,6 +101,134 @@ def test_lookahead_integers_out_of_range_or_not_integers_are_named():
     cm.withdraw(qid)
 
 
+def test_request_integers_and_hints_out_of_range_or_none_are_named():
+    """The request path's integers (admit, commit, release, admission_status; HybridCache's too) and None for a hint
+    were refused by nanobind with a TypeError naming neither the argument nor the value."""
+    cm = kvtier.CacheManager(device_blocks=8)
+    keys = kvtier.KeyHasher("m", block_tokens=2).keys_for(list(range(4)))
+    hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=16)])
+    chain = kvtier.KeyHasher("m", block_tokens=16).keys_for(list(range(64)))
+    for call, error, says in [
+            (lambda: cm.admit(keys, -1), kvtier.OutOfRangeError, "extra_blocks -1"),
+            (lambda: cm.commit(1, -1), kvtier.OutOfRangeError, "num_computed -1"),
+            (lambda: cm.release(-1), kvtier.OutOfRangeError, "admission -1"),
+            (lambda: cm.admission_status(None), kvtier.InvalidArgumentError, "admission None"),
+            (lambda: cm.withdraw(None), kvtier.InvalidArgumentError, "id None"),
+            (lambda: cm.announce(keys, conversation_id=None), kvtier.InvalidArgumentError, "conversation_id None"),
+            (lambda: cm.announce(keys, priority=None), kvtier.InvalidArgumentError, "priority None"),
+            (lambda: cm.announce(keys, continuation=None), kvtier.InvalidArgumentError, "continuation None"),
+            (lambda: hc.announce(-1, [chain]), kvtier.OutOfRangeError, "num_tokens -1"),
+            (lambda: hc.announce(64, [chain], max_hit_tokens=-1), kvtier.OutOfRangeError, "max_hit_tokens -1"),
+            (lambda: hc.announce(2**32, [chain]), kvtier.OutOfRangeError, "num_tokens 4294967296"),
+            (lambda: hc.admit(64, [chain], extra_tokens=-1), kvtier.OutOfRangeError, "extra_tokens -1"),
+            (lambda: hc.match(64.0, [chain]), kvtier.InvalidArgumentError, "num_tokens 64.0"),
+            (lambda: hc.commit(1, -1), kvtier.OutOfRangeError, "num_computed_tokens -1"),
+            (lambda: hc.release(-1), kvtier.OutOfRangeError, "admission -1"),
+            (lambda: hc.withdraw(None), kvtier.InvalidArgumentError, "id None")]:
+        with pytest.raises(error, match=says):
+            call()
+    a = cm.admit(keys)  # the same calls with good values still work
+    cm.commit(a["id"], 0)
+    cm.release(a["id"])
+
+
+def _settle(cm):
+    """Acks every move of the next plan as done (the engine's copies, all succeeded)."""
+    plan = cm.take_plan()
+    for kind in ("evictions", "backups", "loads", "storage_writes", "storage_prefetches"):
+        if plan[kind]:
+            cm.ack(kind, [dst for _, dst, _ in plan[kind]])
+    return plan
+
+
+def _serve(cm, keys, extra=0):
+    for _ in range(8):
+        try:
+            a = cm.admit(keys, extra)
+            _settle(cm)
+            return a
+        except kvtier.ResourceExhaustedError:
+            _settle(cm)
+    raise AssertionError(f"{len(keys)} blocks never admitted")
+
+
+def test_an_announcement_never_makes_an_admission_fail():
+    """Protection is a preference, never a refusal: with write-back to storage, a full host holding an announced
+    block's clean copy (also in storage) and an unprotected dirty one, the admission that needs a host block now
+    drops the clean protected copy rather than start a demotion and be refused."""
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+
+    def scenario(announce):
+        cm = kvtier.CacheManager(device_blocks=3, host_blocks=2, storage_blocks=4, write_policy="write_back")
+        p, z, w = hasher.keys_for([0]), hasher.keys_for([100, 101, 102]), hasher.keys_for([200, 201, 202])
+        for keys in (p, z, w):
+            a = _serve(cm, keys)
+            cm.commit(a["id"])
+            cm.release(a["id"])
+        cm.release(_serve(cm, w[:2], 1)["id"])
+        cm.release(_serve(cm, w[:1], 2)["id"])  # w[1] on device, w[2] dirty on host only
+        cm.admit(hasher.keys_for([400, 401]))  # a running request holds two device blocks
+        _settle(cm)
+        for _ in range(8):  # p: a host copy and a storage copy (clean)
+            if cm.match(p)["host_blocks"]:
+                break
+            cm.prefetch(p)
+            _settle(cm)
+        assert cm.match(p)["host_blocks"] == 1
+        if announce:
+            cm.announce(p)
+        cm.admit(hasher.keys_for([500]))
+        cm.check_invariants()
+
+    scenario(False)
+    scenario(True)  # raised ResourceExhaustedError ("the evictable ones wait for host blocks")
+
+
+def test_a_prefetch_starts_no_demotion_and_drops_no_last_copy():
+    """A look-ahead load is a bet on a queued request: with write-back to storage and a full host it demoted an
+    unprotected dirty host copy and dropped a device block that was on no other tier to make room."""
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+
+    def copies(announce):
+        cm = kvtier.CacheManager(device_blocks=4, host_blocks=2, storage_blocks=8, write_policy="write_back")
+        p, d, v = hasher.keys_for([0]), hasher.keys_for([50]), hasher.keys_for([100, 101, 102, 103])
+        for keys in (p, d, v):  # p, d dirty on host (host full), v fills the device
+            a = _serve(cm, keys)
+            cm.commit(a["id"])
+            cm.release(a["id"])
+        if announce:
+            cm.announce(p)
+        plans = [_settle(cm), _settle(cm)]
+        m = cm.match(v)
+        cm.check_invariants()
+        return m["device_blocks"] + m["host_blocks"] + m["storage_blocks"], cm.stats()["drops_device"], plans
+
+    assert copies(False)[:2] == (4, 0)
+    kept, dropped, plans = copies(True)
+    assert (kept, dropped) == (4, 0)
+    assert not any(plan["storage_writes"] for plan in plans), "the prefetch queued a demotion"
+
+
+def test_prefetch_reaches_announcements_behind_many_uncached_ones():
+    """Each call looks at a bounded number of keys; it walked from the head every time, so an announcement behind
+    1,024 uncached ones (a key each) was never prefetched while they stayed queued."""
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+    for ahead in (10, 3000):
+        cm = kvtier.CacheManager(device_blocks=16, host_blocks=32)
+        wanted = hasher.keys_for([0, 1])
+        for keys in (wanted, hasher.keys_for(list(range(100, 116)))):  # wanted -> host
+            a = _serve(cm, keys)
+            cm.commit(a["id"])
+            cm.release(a["id"])
+        assert cm.match(wanted)["host_blocks"] == 2
+        for i in range(ahead):  # fresh prompts, nothing cached
+            cm.announce(hasher.keys_for([10**6 + i]))
+        cm.announce(wanted)
+        loads = sum(len(_settle(cm)["loads"]) for _ in range(100))
+        assert loads == 2, f"{ahead} ahead: {loads} loads"
+        assert cm.match(wanted)["device_blocks"] == 2
+
+
 def test_announced_requests_are_prefetched_and_withdrawn():
     """Look-ahead: a queued request's blocks that sit on host come back to the device ahead of its admission;
     a withdrawn announcement is gone; bad hints are refused by name."""
