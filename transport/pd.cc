@@ -1196,6 +1196,16 @@ class Prefill final : public PdPrefill, public Endpoint {
     return false;
   }
 
+  // Pull: the decode has said it reads no layer announced to it any more (its 'D' for each, or its 'F'). Until then
+  // a decode that was paused past the lease may still read the sources when it resumes, through a mapping this
+  // side cannot revoke (UCX's one-sided RMA, the host direct lane's mapping, CUDA IPC): a time-out proves nothing.
+  static bool reads_over(const X& x) {
+    if (x.fin_heard || !x.req || x.req->mode != PdMode::kPull) return true;
+    for (const L& l : x.layers)
+      if (l.sent && !l.acked) return false;
+    return true;
+  }
+
   // Nothing of the transfer still reads or writes its blocks: no write in flight, no kernel, no checksum job.
   static bool writes_quiet(const X& x) {
     for (const L& l : x.layers)
@@ -1212,8 +1222,9 @@ class Prefill final : public PdPrefill, public Endpoint {
     s.error = x.error;
     for (const L& l : x.layers)
       if (l.sent) ++s.layers_sent;
-    // Forgetting the transfer before 'Q' went out would leave the decode side's blocks quarantined.
-    s.reclaimable = x.final && writes_quiet(x) && x.quiet_sent;
+    // Forgetting the transfer before 'Q' went out would leave the decode side's blocks quarantined; in pull, the
+    // sources are the caller's again only once no read of the decode can still come.
+    s.reclaimable = x.final && writes_quiet(x) && x.quiet_sent && (reads_over(x) || t_.peer_revoked(x.peer));
     s.times = x.times;
     return s;
   }
@@ -1315,12 +1326,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::unique_lock lock(mu_);
     for (auto& [id, x] : xfers_)
       if (!x.final) fail_untold(x, id, Cancelled(fmt::format("transfer {}: the prefill endpoint was closed", id)));
-    auto read_over = [](const X& x) {
-      if (x.fin_heard || !x.req || x.req->mode != PdMode::kPull) return true;
-      for (const L& l : x.layers)
-        if (l.sent && !l.acked) return false;
-      return true;
-    };
+    auto read_over = [this](const X& x) { return reads_over(x); };
     const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
     auto settled = [&] {
       for (const auto& [id, x] : xfers_)
@@ -1345,14 +1351,26 @@ class Prefill final : public PdPrefill, public Endpoint {
   // kernels have drained, the workers have stopped; transport writes are cancelled and must be quiescent), so that
   // its blocks and ring slots are not held until this process exits.
   void after_stop() override {
+    // Transport writes still in flight are cancelled and given up to a lease to become quiescent (a write a
+    // transport cannot cancel usually ends within milliseconds); without that wait the 'Q' of a transfer closed
+    // mid-write never went out and its decode's blocks stayed quarantined while this process lived.
+    for (auto& [id, x] : xfers_)
+      for (L& l : x.layers)
+        if (l.xfer && !x.quiet_sent) t_.abort(*l.xfer).ignore_error();
+    const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
     for (auto& [id, x] : xfers_) {
       if (x.quiet_sent) continue;
       bool quiet = true;
       for (L& l : x.layers) {
         if (!l.xfer) continue;
-        t_.abort(*l.xfer).ignore_error();
-        auto st = t_.poll(*l.xfer);
-        quiet = quiet && st.ok() && st->quiescent;
+        for (;;) {
+          auto st = t_.poll(*l.xfer);
+          if (!st.ok() || st->quiescent || Clock::now() >= deadline) {
+            quiet = quiet && st.ok() && st->quiescent;
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
       }
       // Checksum and host direct jobs have ended or will never run: stop() joined their worker first.
       if (!quiet) continue;

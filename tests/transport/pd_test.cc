@@ -397,6 +397,34 @@ TEST_P(PdModes, AClosedPrefillsLastMessagesArriveEvenAsItsTransportGoes) {
   EXPECT_NE(fin->error.message().find("closed"), std::string::npos) << fin->error.to_string();
 }
 
+// A prefill closed while its writes are in flight cancels them and, once they are quiescent, still tells the decode
+// ('Q'): the decode's blocks come back without waiting for the prefill's process to end.
+TEST(Pd, APrefillClosedMidWriteStillProvesItsWritesOver) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  const int n = ++g_seq;
+  LoopbackOptions slow;
+  slow.op_delay = 100ms;  // each write's descriptors crawl: the close finds them in flight
+  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, slow).value();
+  auto dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
+  const PdOptions opt{20ms, 5s};
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  ASSERT_TRUE(pre->begin(to_dec, 4, kSrc).ok());
+  ASSERT_TRUE(dec->start(to_pre, 4, PdMode::kPush, kDst).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(4, l).ok());
+  std::this_thread::sleep_for(30ms);  // the first layer's write is posted and crawling
+  pre.reset();                        // its transport lives on: only 'Q' can prove its writes over
+  auto fin = dec->wait(4, 3s, true);
+  ASSERT_TRUE(fin.ok()) << "the decode's blocks are still quarantined: " << fin.status().to_string();
+  EXPECT_TRUE(fin->reclaimable);
+  EXPECT_FALSE(fin->error.ok());
+  EXPECT_TRUE(dec->forget(4).ok());
+}
+
 TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
   PdOptions opt{20ms, 150ms};
   Rig rig({}, {}, opt);
@@ -474,6 +502,70 @@ TEST_P(PdModes, HostDirectLaneMovesLayersByteExactOnTheWorkerAndInPlace) {
   for (BlockId b : {1u, 5u, 7u})
     for (std::uint32_t l = 0; l < 4; ++l)
       for (std::uint32_t r = 0; r < 2; ++r) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, r, b)[100], std::byte{0xee});
+}
+
+// Pull: a decode paused past the lease (SIGSTOP) holds announcements it will act on when it resumes, reading the
+// sources through its mapping of the prefill's pool, which the prefill cannot revoke while the decode's transport
+// lives. The prefill's transfer fails at the lease, but its sources stay out of the engine's hands (not
+// reclaimable, forget() refused) until the decode's reads are proven over: what the resumed decode then reports
+// loaded holds this transfer's bytes, never those of a prompt that reused the blocks.
+TEST(Pd, PullSourcesStayHeldWhileAPausedDecodeMayStillReadThem) {
+  const KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  const int n = ++g_seq;
+  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value();
+  auto paused = std::make_unique<testing::Mutable>(
+      create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value());
+  testing::Mutable* dec_pause = paused.get();
+  std::unique_ptr<Transport> dec_t = std::move(paused);
+  PdOptions opt = host_direct_options();
+  opt.heartbeat = 20ms;
+  opt.lease = 150ms;
+  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  // A first transfer: the decode has mapped the prefill's pool (as a UCX peer does at its first read).
+  ASSERT_TRUE(pre->begin(to_dec, 2, kSrc).ok());
+  ASSERT_TRUE(dec->start(to_pre, 2, PdMode::kPull, kDst).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(2, l).ok());
+  ASSERT_TRUE(dec->wait(2, 5s, true).ok());
+  ASSERT_TRUE(pre->wait(2, 5s).ok());
+  ASSERT_TRUE(dec->forget(2).ok());
+  ASSERT_TRUE(pre->forget(2).ok());
+  ASSERT_TRUE(pre->begin(to_dec, 3, kSrc).ok());
+  ASSERT_TRUE(dec->start(to_pre, 3, PdMode::kPull, kDst).ok());
+  for (auto t0 = std::chrono::steady_clock::now(); pre->status(3)->times.request == PdTimes::TimePoint{};)
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, 5s) << "the request never reached the prefill";
+  dec_pause->pause();
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(3, l).ok());
+  auto pf = pre->status(3);
+  for (auto t0 = std::chrono::steady_clock::now(); pf.ok() && !pf->final; pf = pre->status(3)) {
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, 5s) << "the prefill's lease on the paused decode never expired";
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_FALSE(pf->done);
+  EXPECT_EQ(pre->wait(3, 50ms).status().code(), StatusCode::kTimedOut);  // wait() is for final and reclaimable
+  EXPECT_FALSE(pf->reclaimable) << "the sources were handed back while the paused decode may still read them";
+  EXPECT_EQ(pre->forget(3).code(), StatusCode::kFailedPrecondition);
+  dec_pause->resume();  // it reads what was announced: the sources are as they were
+  auto fin = dec->wait(3, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  for (std::size_t i = 0; i < kDst.size(); ++i) {
+    for (std::uint32_t l = 0; l < 4; ++l) {
+      if (fin->layer_block_is_loaded(l, i)) {
+        EXPECT_TRUE(layer_matches(dec_mem.space, kDst[i], l, kSrc[i])) << i;
+      }
+    }
+  }
+  dec.reset();
+  dec_t.reset();  // the decode and its mapping are gone: the sources are free
+  auto rec = pre->wait(3, 1s);
+  ASSERT_TRUE(rec.ok());
+  EXPECT_TRUE(rec->reclaimable);
+  EXPECT_TRUE(pre->forget(3).ok());
 }
 
 // Both sides must run the lane: a decode that asks for it from a prefill that does not (and the other way round)

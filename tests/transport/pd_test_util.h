@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvtier/backend/transport.h"
@@ -27,13 +28,16 @@ class Mutable final : public ForwardingTransport {
  public:
   using ForwardingTransport::ForwardingTransport;
   void mute() { muted_.store(true); }
+  // A paused process (SIGSTOP): nothing it sends leaves, what is sent to it waits; resume() delivers what waited.
+  void pause() { paused_.store(true); }
+  void resume() { paused_.store(false); }
   // Mutes the agent right after it sends a message that `pred` picks (the message still leaves).
   void mute_after(std::function<bool(const std::string&)> pred) {
     std::lock_guard lock(mu_);
     mute_after_ = std::move(pred);
   }
   Status send_notification(PeerId peer, std::string message) override {
-    if (muted_.load()) return Status::Ok();
+    if (muted_.load() || paused_.load()) return Status::Ok();
     bool then_mute = false;
     {
       std::lock_guard lock(mu_);
@@ -44,21 +48,30 @@ class Mutable final : public ForwardingTransport {
     return s;
   }
   Status send_urgent_notification(PeerId peer, std::string message) override {
-    return muted_.load() ? Status::Ok() : inner().send_urgent_notification(peer, std::move(message));
+    return muted_.load() || paused_.load() ? Status::Ok() : inner().send_urgent_notification(peer, std::move(message));
   }
-  std::vector<Notification> take_notifications() override {
-    auto got = inner().take_notifications();
-    if (muted_.load()) got.clear();
-    return got;
-  }
+  std::vector<Notification> take_notifications() override { return filter(inner().take_notifications()); }
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override {
     auto got = inner().wait_notifications(timeout);
-    if (got.ok() && muted_.load()) got->clear();
+    if (got.ok()) *got = filter(std::move(*got));
     return got;
   }
 
  private:
-  std::atomic<bool> muted_{false};
+  std::vector<Notification> filter(std::vector<Notification> got) {
+    if (muted_.load()) return {};
+    std::lock_guard lock(mu_);
+    if (paused_.load()) {
+      for (Notification& n : got) waiting_.push_back(std::move(n));
+      return {};
+    }
+    if (waiting_.empty()) return got;
+    for (Notification& n : got) waiting_.push_back(std::move(n));
+    return std::exchange(waiting_, {});
+  }
+
+  std::atomic<bool> muted_{false}, paused_{false};
+  std::vector<Notification> waiting_;  // arrived while paused (under mu_)
   std::mutex mu_;
   std::function<bool(const std::string&)> mute_after_;
 };

@@ -452,10 +452,13 @@ class UcxTransport final : public detail::TransportBase {
     if (progress_.joinable()) progress_.join();
     if (worker_ != nullptr) {
       std::lock_guard lock(ucx_mu_);
+      // The worker first: requests that never completed (sends to a dead shared-memory peer wait in its pending
+      // queues) are purged with it and deregister the memory they use, which must still be mapped then.
+      ucp_worker_destroy(worker_);
+      worker_ = nullptr;
       for (auto& [id, memh] : memh_)
         if (memh != nullptr) ucp_mem_unmap(context_, memh);
       for (HostAllocation& a : host_allocs_) ucp_mem_unmap(context_, a.memh);
-      ucp_worker_destroy(worker_);
     }
     if (context_ != nullptr) ucp_cleanup(context_);
     if (wake_fd_ >= 0) close(wake_fd_);
