@@ -30,6 +30,7 @@ class Endpoint {
   virtual Status start(transport::PeerId peer, TransferId id, transport::PdMode mode, std::vector<BlockId> dst) = 0;
   virtual Result<DecodeStatus> status(TransferId id) const = 0;
   virtual Status forget(TransferId id) = 0;
+  virtual Status cancel(TransferId id) = 0;
 };
 
 template <class E>
@@ -41,6 +42,7 @@ class EndpointOf final : public Endpoint {
   }
   Result<DecodeStatus> status(TransferId id) const override { return e_.status(id); }
   Status forget(TransferId id) override { return e_.forget(id); }
+  Status cancel(TransferId id) override { return e_.cancel(id); }
 
  private:
   E& e_;
@@ -131,7 +133,8 @@ class Receiver final : public PdReceiver {
         return o;
       }
       auto it = entries_.find(id);
-      if (it == entries_.end())
+      // An entry whose outcome was taken stays while its blocks are quarantined: it was reported.
+      if (it == entries_.end() || it->second.completed)
         return NotFound(fmt::format("PdReceiver: transfer {} is not a receive of this receiver (or was reported)", id));
       if (Clock::now() >= deadline)
         return TimedOut(fmt::format("PdReceiver: transfer {} not ended after {} ms", id,
@@ -289,6 +292,9 @@ class Receiver final : public PdReceiver {
     if (now >= e.deadline) {
       ++stats_.timed_out;
       e.timed_out = true;
+      // The endpoint gives up too (its prefill is told and proves its writes over): without it a prefill that is
+      // alive but never began kept the transfer, and the blocks, pending for good.
+      ep_->cancel(id).ignore_error();
       end(e,
           TimedOut(fmt::format("transfer {} not final after the receive timeout ({} ms)", id,
                                options_.receive_timeout.count())),

@@ -2051,6 +2051,21 @@ class Decode final : public PdDecode, public Endpoint {
     return Status::Ok();
   }
 
+  Status cancel(TransferId id) override {
+    {
+      std::lock_guard lock(mu_);
+      auto it = xfers_.find(id);
+      if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
+      X& x = it->second;
+      if (all_final(x)) return Status::Ok();
+      fail_rest(x, Cancelled(fmt::format("transfer {} was cancelled by the decode side", id)));
+      for (Read& r : x.reads)  // this side's reads into its blocks end too
+        if (r.active) t_.abort(r.xfer).ignore_error();
+    }
+    wake_progress();  // its 'F' goes out from the progress thread
+    return Status::Ok();
+  }
+
  private:
   // The transfer whose destination list holds `block` (dst_taken_ says one does; under mu_). Only an error path
   // asks, so a scan is enough.
@@ -2320,8 +2335,15 @@ class Decode final : public PdDecode, public Endpoint {
   void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
     auto it = xfers_.find(id);
     if (it == xfers_.end()) {
-      if (type != 'Q') return;
-      if (auto peer = t_.find_peer(n.peer); peer.ok()) release_quarantined(*peer, id);
+      auto peer = t_.find_peer(n.peer);
+      if (!peer.ok()) return;
+      if (type == 'Q') release_quarantined(*peer, id);
+      // A prefill moving a transfer this side has forgotten (cancelled before the prefill began, then forgotten):
+      // it is told the transfer ended, so it stops and its sources are released, rather than held until its lease
+      // (a pull's sources stay held until the decode's word). Only messages that follow a request: a prefill may
+      // begin (and heartbeat) before this side's start().
+      if (type == 'A' || type == 'W' || type == 'K' || type == 'P' || type == 'Y')
+        t_.send_notification(*peer, Msg('F', id).u8(0).str()).ignore_error();
       return;
     }
     X& x = it->second;

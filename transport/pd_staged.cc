@@ -413,6 +413,14 @@ class StagedDecode final : public PdStagedDecode {
     }
   }
 
+  Status cancel(TransferId id) override {
+    {
+      std::lock_guard lock(mu_);
+      if (xfers_.count(id) == 0) return NotFound(fmt::format("transfer {} is unknown", id));
+    }
+    return pd_->cancel(id);  // the layers fail on the wire; this side's copies follow them (advance)
+  }
+
   Status forget(TransferId id) override {
     std::lock_guard lock(mu_);
     auto it = xfers_.find(id);

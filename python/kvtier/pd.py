@@ -474,6 +474,12 @@ class Decode(_Endpoint):
         """Until every layer is final (and, with ``reclaimable``, the blocks may be reused)."""
         return DecodeStatus(**self._ep.wait(_xid(transfer_id), timeout, reclaimable))
 
+    def cancel(self, transfer_id: int) -> None:
+        """Gives up on a transfer now (the engine dropped the request, or waited long enough): its layers not final
+        fail, the prefill is told, stops and proves its writes over; ``wait(..., reclaimable=True)`` then returns
+        once the blocks may be reused. Nothing changes on a final transfer."""
+        self._ep.cancel(_xid(transfer_id))
+
 
 # ---------------------------------------------------------------------------------------------- receives
 

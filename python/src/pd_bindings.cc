@@ -606,6 +606,15 @@ void bind_pd(nb::module_& m) {
             }));
           },
           "transfer_id"_a, "Forgets a final, reclaimable transfer (FailedPreconditionError otherwise).")
+      .def(
+          "cancel",
+          [](PyPdEndpoint& e, std::int64_t id) {
+            auto n = e.get("decode", "cancel");
+            const TransferId x = to_xid(id);
+            check(released([&] { return n->decode ? n->decode->cancel(x) : n->staged_decode->cancel(x); }));
+          },
+          "transfer_id"_a,
+          "Gives up on a transfer now: its layers not final fail, the prefill is told and proves its writes over.")
       .def("close", &PyPdEndpoint::close,
            "Stops the endpoint and its transport (idempotent). A call in flight on another thread keeps them until "
            "it returns.");

@@ -135,10 +135,12 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   if (space.layout().fingerprint() != device.layout().fingerprint() || space.num_blocks() != device.num_blocks() ||
       space.kind() != device.kind() || space.block_ptr(0, 0, 0) != device.block_ptr(0, 0, 0))
     raise_status(InvalidArgument(fmt::format(
-        "endpoint '{}' does not move the TransferManager's device blocks ({} blocks of layout {} at {}; the manager "
-        "has {} of layout {} at {}): create both over the same tensors",
-        ep.options.name, space.num_blocks(), space.layout().describe(), fmt::ptr(space.block_ptr(0, 0, 0)),
-        device.num_blocks(), device.layout().describe(), fmt::ptr(device.block_ptr(0, 0, 0)))));
+        "endpoint '{}' does not move the TransferManager's device blocks ({} {} blocks of layout {} at {}; the "
+        "manager has {} {} blocks of layout {} at {}): create both over the same tensors{}",
+        ep.options.name, space.num_blocks(), memory_kind_name(space.kind()), space.layout().describe(),
+        fmt::ptr(space.block_ptr(0, 0, 0)), device.num_blocks(), memory_kind_name(device.kind()),
+        device.layout().describe(), fmt::ptr(device.block_ptr(0, 0, 0)),
+        space.kind() != device.kind() ? ", the decode endpoint with device= the manager's device" : "")));
   Device& dev = nb::cast<PyDevice&>(tm.device_ref).get();
   Stream& compute = *nb::cast<PyStream&>(tm.compute_ref).stream;
   out->executor = std::make_unique<cache::TransferPlanExecutor>(manager, dev, compute, manager.device_space(),

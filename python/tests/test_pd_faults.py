@@ -18,7 +18,7 @@ import pytest
 
 import kvtier
 from conftest import poisoned_kv, random_kv
-from kvtier.pd import Decode, Prefill
+from kvtier.pd import Decode, Prefill, Receiver
 
 LAYERS = 3
 PREFILL_BLOCKS, DECODE_BLOCKS = 8, 10
@@ -552,3 +552,42 @@ def test_a_heartbeat_or_lease_that_is_not_a_number_is_refused_naming_it(arg, val
     with pytest.raises((TypeError, kvtier.InvalidArgumentError), match=re.escape(repr(value))) as e:
         Decode(decode_kv(), transport="loopback", **kw).close()
     assert arg.split("_")[0] in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- giving up on a transfer, and the Receiver
+
+
+def test_a_cancelled_transfer_ends_at_once_and_its_blocks_come_back():
+    """A prefill that is alive but never begins heartbeats the request it holds, so no lease ends the transfer:
+    cancel() does, and the prefill's answer frees the blocks."""
+    src_kv, dst_kv = prefill_kv(seed=41), decode_kv()
+    with Prefill(src_kv, transport="loopback", heartbeat_s=0.05, lease_s=5.0) as p, \
+            Decode(dst_kv, transport="loopback", heartbeat_s=0.05, lease_s=5.0) as d:
+        d.add_peer(p.metadata())
+        p.add_peer(d.metadata())
+        d.start(0, 1, [0, 1])
+        time.sleep(0.1)
+        assert not d.status(1).final
+        t0 = time.monotonic()
+        d.cancel(1)
+        st = d.wait(1, TIMEOUT, reclaimable=True)
+        assert time.monotonic() - t0 < 2.0
+        assert st.final and st.reclaimable and isinstance(st.error, kvtier.CancelledError), st.error
+        d.forget(1)
+        with pytest.raises(kvtier.NotFoundError, match="1"):
+            d.cancel(1)
+
+
+def test_a_receiver_over_a_host_memory_decode_names_the_memory_kinds():
+    kv = decode_kv()
+    dev = kvtier.host_device()
+    tm = kvtier.TransferManager.from_tensors(dev, dev.create_stream("compute"), kvtier.pd._name_map(kv, 0, 0), None,
+                                             4, LAYERS)
+    cache = kvtier.CacheManager(device_blocks=DECODE_BLOCKS, host_blocks=4)
+    d = Decode(kv, transport="loopback")
+    try:
+        with pytest.raises(kvtier.InvalidArgumentError, match="with device= the manager's device"):
+            Receiver(cache, tm, d)
+    finally:
+        d.close()
+        tm.close()

@@ -89,7 +89,8 @@ struct Rig {
   std::unique_ptr<PdReceiver> rx;
   transport::PeerId to_dec = 0, to_pre = 0;
 
-  explicit Rig(transport::WireFaults pre_faults = {}, transport::PdOptions opt = {}, bool staged = false) {
+  explicit Rig(transport::WireFaults pre_faults = {}, transport::PdOptions opt = {}, bool staged = false,
+               std::chrono::milliseconds receive_timeout = 10s) {
     const int n = ++g_seq;
     auto muting = std::make_unique<Muting>(transport::wrap_with_wire_faults(
         transport::create_loopback_transport({fmt::format("rx-pre{}", n), layout.fingerprint(), 1, 0}).value(),
@@ -136,7 +137,7 @@ struct Rig {
     to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
     ReceiverOptions ro;
     ro.poll_interval = 50us;
-    ro.receive_timeout = 10s;
+    ro.receive_timeout = receive_timeout;
     rx = (staged ? PdReceiver::create(*cache, *tm, *exec, *sdec, ro) : PdReceiver::create(*cache, *tm, *exec, *dec, ro))
              .value();
   }
@@ -490,6 +491,27 @@ TEST(PdReceiver, AnEvictionOfAReceivingBlockIsRefused) {
   EXPECT_GT(checked, 0u);
   EXPECT_EQ(rig.cache->stats().evictions_d2h, checked);
   ASSERT_TRUE(rig.cache->release(big->id).ok());
+  EXPECT_TRUE(rig.cache->check_invariants().ok());
+}
+
+// A receive whose prefill is alive but never begins (it heartbeats the request it holds, so no lease ends it): at
+// the receive timeout the endpoint gives up too (cancel), the prefill answers that nothing can land, and the blocks
+// come back, where they stayed pending and quarantined for good. Its outcome, once taken, is reported: a second
+// finish() is NotFound at once (it spun until its deadline while the blocks were quarantined).
+TEST(PdReceiver, AReceiveWhosePrefillNeverBeginsEndsAtTheTimeoutAndItsBlocksComeBack) {
+  Rig rig({}, transport::PdOptions{20ms, 5s}, false, 300ms);
+  auto rcv = rig.rx->start(rig.request(21, PdMode::kPush, cache::testing::path({60, 61})));
+  ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
+  auto out = rig.rx->finish(21, 5s);
+  ASSERT_TRUE(out.ok()) << out.status().to_string();
+  EXPECT_EQ(out->error.code(), StatusCode::kTimedOut) << out->error.to_string();
+  EXPECT_EQ(out->loaded_blocks, 0u);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(rig.rx->finish(21, 2s).status().code(), StatusCode::kNotFound);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 500ms);
+  ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
+  ASSERT_TRUE(rig.rx->drain(3s).ok()) << "the receive's blocks stayed quarantined";
+  EXPECT_EQ(rig.cache->stats().quarantined_device_blocks, 0u);
   EXPECT_TRUE(rig.cache->check_invariants().ok());
 }
 

@@ -425,6 +425,37 @@ TEST(Pd, APrefillClosedMidWriteStillProvesItsWritesOver) {
   EXPECT_TRUE(dec->forget(4).ok());
 }
 
+// cancel(): the decode gives up on a transfer whose prefill is alive but never begins (it heartbeats the request it
+// holds, so no lease ends it): the transfer fails at once, the prefill drops the request and says so ('Q'), the
+// blocks come back, and a begin() after it writes nothing.
+TEST_P(PdModes, ACancelledTransferEndsAtOnceAndItsBlocksComeBack) {
+  Rig rig({}, {}, PdOptions{20ms, 5s});
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 13, GetParam(), kDst).ok());
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(rig.dec->status(13)->final);
+  EXPECT_EQ(rig.dec->cancel(99).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(rig.dec->cancel(13).ok());
+  auto fin = rig.dec->wait(13, 2s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->error.code(), StatusCode::kCancelled) << fin->error.to_string();
+  EXPECT_TRUE(fin->reclaimable);
+  ASSERT_TRUE(rig.dec->forget(13).ok());
+  // A late begin(): the request was dropped (or, in pull, answered as ended): the prefill's transfer ends without a
+  // byte written, its sources free well before its 5 s lease.
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 13, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(13, l).ok());
+  std::this_thread::sleep_for(100ms);
+  for (std::uint32_t l = 0; l < 4; ++l)
+    for (std::uint64_t b : kDst) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
+  if (GetParam() == PdMode::kPush) {
+    EXPECT_EQ(rig.pre->status(13)->layers_sent, 0u);
+  } else {  // announced from the request it held: the decode answers that the transfer ended
+    auto pf = rig.pre->wait(13, 2s);
+    ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+    EXPECT_FALSE(pf->done);
+  }
+}
+
 TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
   PdOptions opt{20ms, 150ms};
   Rig rig({}, {}, opt);

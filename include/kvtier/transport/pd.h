@@ -283,6 +283,11 @@ class PdDecode {
   virtual Result<DecodeStatus> wait(TransferId id, std::chrono::nanoseconds timeout, bool reclaimable = false) = 0;
   // Forgets a final, reclaimable transfer; kFailedPrecondition otherwise.
   virtual Status forget(TransferId id) = 0;
+  // Gives up on transfer `id` now (a receive timeout, a request the engine dropped): every layer not final fails
+  // (kCancelled) and the prefill is told ('F'), which stops and proves its writes over ('Q'); the blocks are
+  // reclaimable once nothing can still land (wait(id, timeout, true)). Nothing changes on a final transfer.
+  // kNotFound for an unknown id.
+  virtual Status cancel(TransferId id) = 0;
 };
 
 // ---- fault wrapper ---------------------------------------------------------------------------------------

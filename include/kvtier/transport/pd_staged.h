@@ -116,6 +116,8 @@ class PdStagedDecode {
   // was verified on the wire and copied into device memory).
   virtual Result<DecodeStatus> status(TransferId id) const = 0;
   virtual Result<DecodeStatus> wait(TransferId id, std::chrono::nanoseconds timeout, bool reclaimable = false) = 0;
+  // As PdDecode::cancel.
+  virtual Status cancel(TransferId id) = 0;
   // Forgets a final, reclaimable transfer and returns its staging blocks; kFailedPrecondition otherwise.
   virtual Status forget(TransferId id) = 0;
   virtual std::uint64_t staging_blocks_free() const = 0;
