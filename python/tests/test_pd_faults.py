@@ -591,3 +591,61 @@ def test_a_receiver_over_a_host_memory_decode_names_the_memory_kinds():
     finally:
         d.close()
         tm.close()
+
+
+_CLOSE_AFTER_DECODE_KILLED = """
+import multiprocessing as mp, os, signal, time
+import numpy as np
+from kvtier.pd import Decode, Prefill
+
+SHAPE, N = (64, 1024), 64
+
+def kv(fill=None, seed=1):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(3):
+        pair = []
+        for _ in range(2):
+            t = np.empty((N,) + SHAPE, np.float16)
+            t.view(np.uint8)[...] = 0xEE if fill else rng.integers(0, 256, t.view(np.uint8).shape, dtype=np.uint8)
+            pair.append(t)
+        out.append(tuple(pair))
+    return out
+
+def decode_proc(conn):
+    d = Decode(kv(fill=True), transport="ucx", tls="shm", heartbeat_s=0.05, lease_s=0.5)
+    conn.send_bytes(d.metadata())
+    peer = d.add_peer(conn.recv_bytes())
+    d.start(peer, 1, list(range(N)), "pull")
+    conn.send("started")
+    time.sleep(60)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    child = ctx.Process(target=decode_proc, args=(b,), daemon=True)
+    child.start()
+    p = Prefill(kv(seed=7), transport="ucx", tls="shm", heartbeat_s=0.05, lease_s=0.5)
+    peer = p.add_peer(a.recv_bytes())
+    a.send_bytes(p.metadata())
+    assert a.recv() == "started"
+    time.sleep(0.05)
+    p.begin(peer, 1, list(range(N)))
+    p.layers_ready(1, range(3))
+    time.sleep(0.003)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    p.wait(1, 5)
+    p.close()
+    print("closed")
+"""
+
+
+def test_a_prefill_closes_cleanly_after_its_ucx_shared_memory_decode_was_killed_mid_pull(tmp_path):
+    """Sends to a dead shared-memory peer wait in UCX's pending queues; the transport unmapped the memory they use
+    before destroying the worker, whose purge then deregistered it: a segfault in about half the closes."""
+    script = tmp_path / "close_after_kill.py"
+    script.write_text(_CLOSE_AFTER_DECODE_KILLED)
+    for attempt in range(3):
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "closed" in r.stdout, (attempt, r.returncode, r.stdout[-500:], r.stderr[-2000:])
