@@ -1326,7 +1326,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::unique_lock lock(mu_);
     for (auto& [id, x] : xfers_)
       if (!x.final) fail_untold(x, id, Cancelled(fmt::format("transfer {}: the prefill endpoint was closed", id)));
-    auto read_over = [this](const X& x) { return reads_over(x); };
+    auto read_over = [](const X& x) { return reads_over(x); };
     const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
     auto settled = [&] {
       for (const auto& [id, x] : xfers_)
