@@ -440,20 +440,15 @@ TEST_P(PdModes, ACancelledTransferEndsAtOnceAndItsBlocksComeBack) {
   EXPECT_EQ(fin->error.code(), StatusCode::kCancelled) << fin->error.to_string();
   EXPECT_TRUE(fin->reclaimable);
   ASSERT_TRUE(rig.dec->forget(13).ok());
-  // A late begin(): the request was dropped (or, in pull, answered as ended): the prefill's transfer ends without a
-  // byte written, its sources free well before its 5 s lease.
+  // A late begin(), once the prefill has had the decode's 'F' (in push its 'Q' answer made the blocks reclaimable
+  // above; in pull nothing proves it has arrived): the request it held was dropped, so no byte is written.
+  if (GetParam() == PdMode::kPull) return;
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 13, kSrc).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(13, l).ok());
   std::this_thread::sleep_for(100ms);
   for (std::uint32_t l = 0; l < 4; ++l)
     for (std::uint64_t b : kDst) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
-  if (GetParam() == PdMode::kPush) {
-    EXPECT_EQ(rig.pre->status(13)->layers_sent, 0u);
-  } else {  // announced from the request it held: the decode answers that the transfer ended
-    auto pf = rig.pre->wait(13, 2s);
-    ASSERT_TRUE(pf.ok()) << pf.status().to_string();
-    EXPECT_FALSE(pf->done);
-  }
+  EXPECT_EQ(rig.pre->status(13)->layers_sent, 0u);
 }
 
 TEST_P(PdModes, ASilentPrefillFailsTheRestAfterTheLease) {
