@@ -450,17 +450,26 @@ class UcxTransport final : public detail::TransportBase {
     stop_.store(true);
     wake();
     if (progress_.joinable()) progress_.join();
+    bool abandoned = false;
     if (worker_ != nullptr) {
       std::lock_guard lock(ucx_mu_);
-      // The worker first: requests that never completed (sends to a dead shared-memory peer wait in its pending
-      // queues) are purged with it and deregister the memory they use, which must still be mapped then.
-      ucp_worker_destroy(worker_);
+      if (outstanding_.load() > 0 || !sends_.empty()) {
+        // Requests that never completed (sends to a dead shared-memory peer wait in UCX's pending queues for good):
+        // purging them in ucp_worker_destroy crashes inside UCX (ucp_request_memory_dereg), so the worker, its
+        // context and their mappings are left to the process's exit. No thread progresses them any more.
+        abandoned = true;
+        log(LogLevel::kWarning, "transport",
+            fmt::format("UCX: {} requests still in flight at shutdown (a dead peer's): the worker is not destroyed",
+                        outstanding_.load()));
+      } else {
+        ucp_worker_destroy(worker_);
+        for (auto& [id, memh] : memh_)
+          if (memh != nullptr) ucp_mem_unmap(context_, memh);
+        for (HostAllocation& a : host_allocs_) ucp_mem_unmap(context_, a.memh);
+      }
       worker_ = nullptr;
-      for (auto& [id, memh] : memh_)
-        if (memh != nullptr) ucp_mem_unmap(context_, memh);
-      for (HostAllocation& a : host_allocs_) ucp_mem_unmap(context_, a.memh);
     }
-    if (context_ != nullptr) ucp_cleanup(context_);
+    if (context_ != nullptr && !abandoned) ucp_cleanup(context_);
     if (wake_fd_ >= 0) close(wake_fd_);
   }
 
@@ -1548,30 +1557,41 @@ class UcxTransport final : public detail::TransportBase {
 
   // ucp_worker_progress calls per hold of ucx_mu_ by the progress thread before it lets other callers in.
   static constexpr int kProgressCallsPerLock = 32;
+  // How long the progress thread spins on requests in flight after the last progress, before it naps between looks.
+  static constexpr std::chrono::milliseconds kSpinWithoutProgress{5};
 
   void progress_loop() {
     auto next_housekeeping = std::chrono::steady_clock::now();
+    auto last_progress = next_housekeeping;
     while (!stop_.load()) {
       ucs_status_t armed = UCS_OK;
-      bool more = false;
+      bool more = false, napping = false;
       {
         std::lock_guard lock(ucx_mu_);
         // Bounded: while bytes flow, progress never runs dry, and holding ucx_mu_ until it did kept every other
         // caller (a heartbeat's send, a post, a status) waiting for the whole transfer: a transfer longer than the
         // protocol's lease failed with both sides alive.
+        bool progressed = false;
         for (int i = 0; i < kProgressCallsPerLock; ++i) {
           if (ucp_worker_progress(worker_) == 0) break;
+          progressed = true;
           if (i + 1 == kProgressCallsPerLock || ucx_mu_.contended()) {
             more = true;
             break;
           }
         }
-        if (const auto now = std::chrono::steady_clock::now(); now >= next_housekeeping) {
+        const auto now = std::chrono::steady_clock::now();
+        if (progressed) last_progress = now;
+        if (now >= next_housekeeping) {
           housekeeping_locked(now);
           next_housekeeping = now + std::chrono::seconds(1);
         }
-        if (more || outstanding_.load() > 0) {
+        if (more || (outstanding_.load() > 0 && now - last_progress < kSpinWithoutProgress)) {
           armed = UCS_ERR_BUSY;  // keep spinning while our requests are in flight (or progress has more)
+        } else if (outstanding_.load() > 0) {
+          // Requests in flight that have not moved for a while (a peer that died holds them until its connection
+          // is torn down; on shared memory, for good): look every millisecond rather than burn a core on them.
+          napping = true;
         } else {
           armed = ucp_worker_arm(worker_);
         }
@@ -1585,7 +1605,7 @@ class UcxTransport final : public detail::TransportBase {
       }
       pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
       // The timeout bounds the damage of a missed wakeup; events normally end the poll.
-      (void)::poll(fds, 2, 2);
+      (void)::poll(fds, 2, napping ? 1 : 2);
       if (fds[1].revents & POLLIN) {
         std::uint64_t v = 0;
         (void)!read(wake_fd_, &v, sizeof v);
