@@ -52,6 +52,31 @@ struct Rig {
   }
 };
 
+// Both endpoints on loopback with a 5 s lease (only a message can end a transfer early), the prefill's transport
+// taking `delay` per descriptor it moves, so that a test finds its copies in flight.
+struct SlowPrefillRig {
+  KvLayout layout = pd_layout();
+  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
+  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
+  std::unique_ptr<Transport> pre_t, dec_t;
+  std::unique_ptr<PdPrefill> pre;
+  std::unique_ptr<PdDecode> dec;
+  PeerId to_dec = 0, to_pre = 0;
+
+  explicit SlowPrefillRig(std::chrono::milliseconds delay) {
+    const int n = ++g_seq;
+    LoopbackOptions slow;
+    slow.op_delay = delay;
+    pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, slow).value();
+    dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
+    const PdOptions opt{20ms, 5s};
+    pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
+    dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
+    to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+    to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+  }
+};
+
 const std::vector<BlockId> kSrc = {3, 1, 7, 5};
 const std::vector<BlockId> kDst = {0, 2, 6, 4};
 
@@ -366,31 +391,19 @@ TEST_P(PdModes, ClosingTheDecodeMidTransferStopsThePrefillBeforeTheMemoryGoes) {
 // then 'Q') still reach the decode, which ends the transfer at once rather than at the lease. A slow read the
 // prefill's transport is still serving holds the messages in its queue when the transport goes.
 TEST_P(PdModes, AClosedPrefillsLastMessagesArriveEvenAsItsTransportGoes) {
-  const KvLayout layout = pd_layout();
-  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
-  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
-  const int n = ++g_seq;
-  LoopbackOptions slow;
-  slow.op_delay = 150ms;
-  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, slow).value();
-  auto dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
-  const PdOptions opt{20ms, 5s};
-  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
-  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
-  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
-  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
-  ASSERT_TRUE(pre->begin(to_dec, 12, kSrc).ok());
-  ASSERT_TRUE(dec->start(to_pre, 12, GetParam(), kDst).ok());
-  ASSERT_TRUE(pre->layer_ready(12, 0).ok());
-  ASSERT_EQ(dec->wait_layer(12, 0, 5s).value(), LayerState::kLoaded);
+  SlowPrefillRig rig(150ms);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 12, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 12, GetParam(), kDst).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(12, 0).ok());
+  ASSERT_EQ(rig.dec->wait_layer(12, 0, 5s).value(), LayerState::kLoaded);
   // One byte of a block no transfer uses, read by the prefill's transport: its worker sleeps on it.
-  const std::uint64_t bb = layout.block_bytes(0, 0);
+  const std::uint64_t bb = rig.layout.block_bytes(0, 0);
   const LocalDesc local{0, 6 * bb, 1};
   const RemoteDesc remote{0, 7 * bb, 1};
-  ASSERT_TRUE(pre_t->post(XferOp::kRead, to_dec, {&local, 1}, {&remote, 1}, "").ok());
-  pre.reset();  // 'X' for layers 1-3 and 'Q' queue behind the read
-  pre_t.reset();
-  auto fin = dec->wait(12, 2s, true);
+  ASSERT_TRUE(rig.pre_t->post(XferOp::kRead, rig.to_dec, {&local, 1}, {&remote, 1}, "").ok());
+  rig.pre.reset();  // 'X' for layers 1-3 and 'Q' queue behind the read
+  rig.pre_t.reset();
+  auto fin = rig.dec->wait(12, 2s, true);
   ASSERT_TRUE(fin.ok()) << "the prefill's 'X' and 'Q' were lost with its transport: " << fin.status().to_string();
   EXPECT_EQ(fin->layers[0], LayerState::kLoaded);
   for (std::uint32_t l = 1; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
@@ -400,29 +413,17 @@ TEST_P(PdModes, AClosedPrefillsLastMessagesArriveEvenAsItsTransportGoes) {
 // A prefill closed while its writes are in flight cancels them and, once they are quiescent, still tells the decode
 // ('Q'): the decode's blocks come back without waiting for the prefill's process to end.
 TEST(Pd, APrefillClosedMidWriteStillProvesItsWritesOver) {
-  const KvLayout layout = pd_layout();
-  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
-  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
-  const int n = ++g_seq;
-  LoopbackOptions slow;
-  slow.op_delay = 100ms;  // each write's descriptors crawl: the close finds them in flight
-  auto pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, slow).value();
-  auto dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
-  const PdOptions opt{20ms, 5s};
-  auto pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
-  auto dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
-  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
-  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
-  ASSERT_TRUE(pre->begin(to_dec, 4, kSrc).ok());
-  ASSERT_TRUE(dec->start(to_pre, 4, PdMode::kPush, kDst).ok());
-  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(pre->layer_ready(4, l).ok());
+  SlowPrefillRig rig(100ms);  // each write's descriptors crawl: the close finds them in flight
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 4, kSrc).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 4, PdMode::kPush, kDst).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(4, l).ok());
   std::this_thread::sleep_for(30ms);  // the first layer's write is posted and crawling
-  pre.reset();                        // its transport lives on: only 'Q' can prove its writes over
-  auto fin = dec->wait(4, 3s, true);
+  rig.pre.reset();                    // its transport lives on: only 'Q' can prove its writes over
+  auto fin = rig.dec->wait(4, 3s, true);
   ASSERT_TRUE(fin.ok()) << "the decode's blocks are still quarantined: " << fin.status().to_string();
   EXPECT_TRUE(fin->reclaimable);
   EXPECT_FALSE(fin->error.ok());
-  EXPECT_TRUE(dec->forget(4).ok());
+  EXPECT_TRUE(rig.dec->forget(4).ok());
 }
 
 // cancel(): the decode gives up on a transfer whose prefill is alive but never begins (it heartbeats the request it
