@@ -39,39 +39,17 @@ struct Rig {
 
   explicit Rig(WireFaults pre_faults = {}, WireFaults dec_faults = {}, PdOptions opt = {})
       : Rig(pre_faults, dec_faults, opt, opt) {}
-  Rig(WireFaults pre_faults, WireFaults dec_faults, PdOptions pre_opt, PdOptions dec_opt) {
+  // `pre_loopback`: the prefill's transport's options (a delay per descriptor leaves its copies in flight).
+  Rig(WireFaults pre_faults, WireFaults dec_faults, PdOptions pre_opt, PdOptions dec_opt,
+      LoopbackOptions pre_loopback = {}) {
     const int n = ++g_seq;
     pre_t = wrap_with_wire_faults(
-        create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}).value(), pre_faults);
+        create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, pre_loopback).value(),
+        pre_faults);
     dec_t = wrap_with_wire_faults(
         create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value(), dec_faults);
     pre = PdPrefill::create(*pre_t, pre_mem.space, pre_opt).value();
     dec = PdDecode::create(*dec_t, dec_mem.space, dec_opt).value();
-    to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
-    to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
-  }
-};
-
-// Both endpoints on loopback with a 5 s lease (only a message can end a transfer early), the prefill's transport
-// taking `delay` per descriptor it moves, so that a test finds its copies in flight.
-struct SlowPrefillRig {
-  KvLayout layout = pd_layout();
-  HostBlocks pre_mem = HostBlocks::make(layout, 8, true);
-  HostBlocks dec_mem = HostBlocks::make(layout, 8, false);
-  std::unique_ptr<Transport> pre_t, dec_t;
-  std::unique_ptr<PdPrefill> pre;
-  std::unique_ptr<PdDecode> dec;
-  PeerId to_dec = 0, to_pre = 0;
-
-  explicit SlowPrefillRig(std::chrono::milliseconds delay) {
-    const int n = ++g_seq;
-    LoopbackOptions slow;
-    slow.op_delay = delay;
-    pre_t = create_loopback_transport({fmt::format("pre{}", n), layout.fingerprint(), 1, 0}, slow).value();
-    dec_t = create_loopback_transport({fmt::format("dec{}", n), layout.fingerprint(), 1, 0}).value();
-    const PdOptions opt{20ms, 5s};
-    pre = PdPrefill::create(*pre_t, pre_mem.space, opt).value();
-    dec = PdDecode::create(*dec_t, dec_mem.space, opt).value();
     to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
     to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
   }
@@ -391,7 +369,9 @@ TEST_P(PdModes, ClosingTheDecodeMidTransferStopsThePrefillBeforeTheMemoryGoes) {
 // then 'Q') still reach the decode, which ends the transfer at once rather than at the lease. A slow read the
 // prefill's transport is still serving holds the messages in its queue when the transport goes.
 TEST_P(PdModes, AClosedPrefillsLastMessagesArriveEvenAsItsTransportGoes) {
-  SlowPrefillRig rig(150ms);
+  LoopbackOptions slow;
+  slow.op_delay = 150ms;
+  Rig rig({}, {}, PdOptions{20ms, 5s}, PdOptions{20ms, 5s}, slow);
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 12, kSrc).ok());
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 12, GetParam(), kDst).ok());
   ASSERT_TRUE(rig.pre->layer_ready(12, 0).ok());
@@ -413,7 +393,9 @@ TEST_P(PdModes, AClosedPrefillsLastMessagesArriveEvenAsItsTransportGoes) {
 // A prefill closed while its writes are in flight cancels them and, once they are quiescent, still tells the decode
 // ('Q'): the decode's blocks come back without waiting for the prefill's process to end.
 TEST(Pd, APrefillClosedMidWriteStillProvesItsWritesOver) {
-  SlowPrefillRig rig(100ms);  // each write's descriptors crawl: the close finds them in flight
+  LoopbackOptions slow;
+  slow.op_delay = 100ms;  // each write's descriptors crawl: the close finds them in flight
+  Rig rig({}, {}, PdOptions{20ms, 5s}, PdOptions{20ms, 5s}, slow);
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 4, kSrc).ok());
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 4, PdMode::kPush, kDst).ok());
   for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(4, l).ok());
