@@ -384,6 +384,27 @@ class Endpoint {
   // At the end of stop(), under mu_: the progress thread has ended and the device lane's kernels have drained.
   virtual void after_stop() {}
 
+  // How long a closing endpoint waits for its peers' word (a lease, at least 100 ms).
+  Clock::duration close_wait() const {
+    return std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
+  }
+  // Waits with `lock` (on mu_) held until `done()` or `timeout`, looking again at least every 10 ms (the progress
+  // thread also notifies cv_ after each round).
+  template <typename Done>
+  void wait_locked(std::unique_lock<std::mutex>& lock, Clock::duration timeout, Done done) {
+    const auto deadline = Clock::now() + timeout;
+    while (!done() && Clock::now() < deadline)
+      cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(10)));
+  }
+  // A closing endpoint gives up on peers that did not answer in time: disconnecting stops what they may still do
+  // to this side's memory where the transport can.
+  void disconnect_unanswered(const std::set<PeerId>& peers, std::string_view why) {
+    for (PeerId peer : peers) {
+      log(LogLevel::kError, "transport", fmt::format("pd: closing, peer {} {}; disconnecting it", peer, why));
+      t_.disconnect_peer(peer).ignore_error();
+    }
+  }
+
   std::uint32_t plane_index(std::uint32_t l, std::uint32_t r) const {
     std::uint32_t idx = 0;
     for (std::uint32_t i = 0; i < l; ++i) idx += blocks_.layout().num_roles(i);
@@ -1326,25 +1347,14 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::unique_lock lock(mu_);
     for (auto& [id, x] : xfers_)
       if (!x.final) fail_untold(x, id, Cancelled(fmt::format("transfer {}: the prefill endpoint was closed", id)));
-    auto read_over = [](const X& x) { return reads_over(x); };
-    const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
-    auto settled = [&] {
-      for (const auto& [id, x] : xfers_)
-        if (!read_over(x)) return false;
-      return true;
-    };
-    while (!settled() && Clock::now() < deadline)
-      cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(10)));
+    wait_locked(lock, close_wait(), [&] {
+      return std::all_of(xfers_.begin(), xfers_.end(), [](const auto& kv) { return reads_over(kv.second); });
+    });
     std::set<PeerId> unsettled;
     for (const auto& [id, x] : xfers_)
-      if (!read_over(x)) unsettled.insert(x.peer);
+      if (!reads_over(x)) unsettled.insert(x.peer);
     lock.unlock();
-    for (PeerId peer : unsettled) {
-      log(LogLevel::kError, "transport",
-          fmt::format("pd prefill: closing while decode peer {} may still read announced layers; disconnecting it",
-                      peer));
-      t_.disconnect_peer(peer).ignore_error();
-    }
+    disconnect_unanswered(unsettled, "(a decode) may still read layers announced to it");
   }
 
   // The endpoint closes: tell each decode that nothing of its transfers will land any more where that holds (the
@@ -1357,7 +1367,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     for (auto& [id, x] : xfers_)
       for (L& l : x.layers)
         if (l.xfer && !x.quiet_sent) t_.abort(*l.xfer).ignore_error();
-    const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
+    const auto deadline = Clock::now() + close_wait();
     for (auto& [id, x] : xfers_) {
       if (x.quiet_sent) continue;
       bool quiet = true;
@@ -2296,14 +2306,10 @@ class Decode final : public PdDecode, public Endpoint {
     lock.unlock();
     wake_progress();
     lock.lock();
-    const auto deadline = Clock::now() + std::max<Clock::duration>(options_.lease, std::chrono::milliseconds(100));
-    auto settled = [&] {
-      for (const auto& [id, x] : xfers_)
-        if (!x.fin_sent || !is_reclaimable(x)) return false;
-      return true;
-    };
-    while (!settled() && Clock::now() < deadline)
-      cv_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(10)));
+    wait_locked(lock, close_wait(), [&] {
+      return std::all_of(xfers_.begin(), xfers_.end(),
+                         [&](const auto& kv) { return kv.second.fin_sent && is_reclaimable(kv.second); });
+    });
     std::set<PeerId> unsettled;
     for (auto& [id, x] : xfers_) {
       if (is_reclaimable(x)) continue;
@@ -2312,25 +2318,16 @@ class Decode final : public PdDecode, public Endpoint {
         if (r.active) t_.abort(r.xfer).ignore_error();
     }
     lock.unlock();
-    for (PeerId peer : unsettled) {
-      log(LogLevel::kError, "transport",
-          fmt::format("pd decode: closing with transfers whose prefill (peer {}) did not prove its writes over; "
-                      "disconnecting it",
-                      peer));
-      t_.disconnect_peer(peer).ignore_error();
-    }
+    disconnect_unanswered(unsettled, "(a prefill) did not prove its writes over");
     if (unsettled.empty()) return;
     // The cancelled reads end within one copy's time (the progress thread sees them quiescent).
     lock.lock();
-    const auto reads_deadline = Clock::now() + std::chrono::seconds(5);
-    auto reads_over = [&] {
+    wait_locked(lock, std::chrono::seconds(5), [&] {
       for (const auto& [id, x] : xfers_)
         for (const Read& r : x.reads)
           if (r.active) return false;
       return true;
-    };
-    while (!reads_over() && Clock::now() < reads_deadline)
-      cv_.wait_until(lock, std::min(reads_deadline, Clock::now() + std::chrono::milliseconds(10)));
+    });
   }
   void on_message(const Notification& n, char type, TransferId id, Parse& p) override {
     auto it = xfers_.find(id);
