@@ -1347,12 +1347,14 @@ class Prefill final : public PdPrefill, public Endpoint {
     std::unique_lock lock(mu_);
     for (auto& [id, x] : xfers_)
       if (!x.final) fail_untold(x, id, Cancelled(fmt::format("transfer {}: the prefill endpoint was closed", id)));
+    // A decode whose process has ended (peer_revoked) reads nothing any more: no wait for it.
+    const auto settled = [&](const X& x) { return reads_over(x) || t_.peer_revoked(x.peer); };
     wait_locked(lock, close_wait(), [&] {
-      return std::all_of(xfers_.begin(), xfers_.end(), [](const auto& kv) { return reads_over(kv.second); });
+      return std::all_of(xfers_.begin(), xfers_.end(), [&](const auto& kv) { return settled(kv.second); });
     });
     std::set<PeerId> unsettled;
     for (const auto& [id, x] : xfers_)
-      if (!reads_over(x)) unsettled.insert(x.peer);
+      if (!settled(x)) unsettled.insert(x.peer);
     lock.unlock();
     disconnect_unanswered(unsettled, "(a decode) may still read layers announced to it");
   }

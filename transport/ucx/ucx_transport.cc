@@ -30,7 +30,8 @@
 // Peer failure: endpoints use UCP_ERR_HANDLING_MODE_PEER where the lanes support it (TCP; not shared memory,
 // where the endpoint is created without it); the error callback marks the peer failed (later posts are
 // refused); its outstanding requests complete with errors, which fails their transfers. Where nothing reports a
-// dead peer (shared memory), disconnect_peer force-closes the endpoint so its requests complete with errors.
+// dead peer (shared memory), disconnect_peer force-closes the endpoint so its requests complete with errors; those
+// that UCX leaves waiting for a dead process's answers end once that process has exited (abandon_dead_peers_locked).
 // Whether a disconnected peer can still write here (peer_revoked): RMA is one-sided, so only the peer's end
 // proves it: its connection failed, or its process (same host: a pidfd from the pid in its address) exited. On
 // the active-message path this agent lands the peer's bytes itself, so its refusal and the end of its receives
@@ -51,6 +52,7 @@
 #include <deque>
 #include <list>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -147,6 +149,9 @@ struct Pending {
   std::size_t landed_count = 0;         // ... and has landed
   bool end_started = false;             // a write's end message was sent
   bool acknowledged = false;            // ... and the peer acknowledged every byte
+  // Its peer's process ended with requests of it outstanding that UCX never completes (abandon_dead_peers_locked):
+  // the transfer ended failed and quiescent; the requests and this record stay until the transport goes.
+  bool abandoned = false;
 };
 
 // A bare message in flight: its buffers live until the send completes.
@@ -272,6 +277,10 @@ struct UcxPeer {
   std::string name;
   bool failed = false;
   bool conn_failed = false;  // the endpoint's error callback ran: the connection (and so the peer) is gone
+  // When this transport first saw the disconnected peer's process gone, and how many dry progress calls it had
+  // made by then (abandon_dead_peers_locked).
+  std::optional<std::chrono::steady_clock::time_point> gone_seen;
+  std::uint64_t dry_at_gone = 0;
 };
 
 class UcxTransport final : public detail::TransportBase {
@@ -1405,6 +1414,46 @@ class UcxTransport final : public detail::TransportBase {
     return !left();
   }
 
+  // A disconnected peer whose process has ended may leave requests that UCX never completes: shared memory's
+  // emulated RMA waits for answers the dead process will never send, and a forced close does not purge requests
+  // already sent. Their transfers would never become quiescent, so the memory they name (a decode's destination
+  // blocks of a pull) could never be reused. Nothing can complete them any more once the dead peer's last messages
+  // have been processed here: it writes no new ones, and this worker progressed dry (its receive queues empty)
+  // after kAbandonAfter past the sighting. Then each such transfer ends failed and quiescent; its requests and
+  // record are kept (a late callback finds them) until the transport goes, which then leaves the worker to the
+  // process's exit (see the destructor). Live or merely unreachable peers are never abandoned: their requests may
+  // still complete and write.
+  void abandon_dead_peers_locked(std::chrono::steady_clock::time_point now) {
+    for (PeerId peer = 0; peer < peers_.size(); ++peer) {
+      UcxPeer* p = peers_[peer].get();
+      if (p == nullptr || p->ep != nullptr || !p->failed || !p->gone()) continue;
+      if (!p->gone_seen) {
+        p->gone_seen = now;
+        p->dry_at_gone = dry_progress_;
+        continue;
+      }
+      if (now - *p->gone_seen < kAbandonAfter || dry_progress_ <= p->dry_at_gone) continue;
+      std::vector<XferId> stuck;
+      for (const auto& [id, pd] : pending_)
+        if (pd->peer == peer && pd->outstanding > 0 && !pd->posting) stuck.push_back(id);
+      for (XferId id : stuck) {
+        auto node = pending_.extract(id);
+        Pending* pd = node.mapped().get();
+        pd->abandoned = true;
+        if (pd->error.ok())
+          pd->error = Unavailable(fmt::format("peer '{}' exited with {} requests of transfer {} outstanding", p->name,
+                                              pd->outstanding, id));
+        log(LogLevel::kWarning, "transport", fmt::format("UCX: {}; they are abandoned", pd->error.message()));
+        if (!pd->outcome_set) {
+          pd->outcome_set = true;
+          finish_xfer(id, pd->error);
+        }
+        abandoned_.push_back(std::move(node.mapped()));
+        set_quiescent(id);
+      }
+    }
+  }
+
   // Once a second: bytes of writes whose end never came are forgotten, and ends that waited too long fail.
   void housekeeping_locked(std::chrono::steady_clock::time_point now) {
     for (auto it = incoming_.begin(); it != incoming_.end();) {
@@ -1427,7 +1476,7 @@ class UcxTransport final : public detail::TransportBase {
 
   // Moves a transfer on after a completion (ucx_mu_ held).
   void advance(Pending* pd) {
-    if (pd->posting) return;
+    if (pd->posting || pd->abandoned) return;
     if (pd->am && pd->op == XferOp::kWrite) {
       // Every descriptor's send has completed: the end message (with the notification) follows them, and the peer
       // acknowledges it once every byte has landed there and the notification is delivered.
@@ -1559,9 +1608,14 @@ class UcxTransport final : public detail::TransportBase {
   static constexpr int kProgressCallsPerLock = 32;
   // How long the progress thread spins on requests in flight after the last progress, before it naps between looks.
   static constexpr std::chrono::milliseconds kSpinWithoutProgress{5};
+  // abandon_dead_peers_locked: how often it looks, and how long after a peer's exit is seen its last messages
+  // have to be processed here.
+  static constexpr std::chrono::milliseconds kAbandonCheckPeriod{50};
+  static constexpr std::chrono::milliseconds kAbandonAfter{100};
 
   void progress_loop() {
     auto next_housekeeping = std::chrono::steady_clock::now();
+    auto next_abandon_check = next_housekeeping;
     auto last_progress = next_housekeeping;
     while (!stop_.load()) {
       ucs_status_t armed = UCS_OK;
@@ -1573,7 +1627,10 @@ class UcxTransport final : public detail::TransportBase {
         // protocol's lease failed with both sides alive.
         bool progressed = false;
         for (int i = 0; i < kProgressCallsPerLock; ++i) {
-          if (ucp_worker_progress(worker_) == 0) break;
+          if (ucp_worker_progress(worker_) == 0) {
+            ++dry_progress_;
+            break;
+          }
           progressed = true;
           if (i + 1 == kProgressCallsPerLock || ucx_mu_.contended()) {
             more = true;
@@ -1585,6 +1642,10 @@ class UcxTransport final : public detail::TransportBase {
         if (now >= next_housekeeping) {
           housekeeping_locked(now);
           next_housekeeping = now + std::chrono::seconds(1);
+        }
+        if (now >= next_abandon_check && !pending_.empty()) {
+          abandon_dead_peers_locked(now);
+          next_abandon_check = now + kAbandonCheckPeriod;
         }
         if (more || (outstanding_.load() > 0 && now - last_progress < kSpinWithoutProgress)) {
           armed = UCS_ERR_BUSY;  // keep spinning while our requests are in flight (or progress has more)
@@ -1631,6 +1692,8 @@ class UcxTransport final : public detail::TransportBase {
   std::vector<HostAllocation> host_allocs_;  // allocate_host's memory, unmapped when the transport is destroyed
   std::vector<std::unique_ptr<UcxPeer>> peers_;
   std::unordered_map<XferId, std::unique_ptr<Pending>> pending_;
+  std::vector<std::unique_ptr<Pending>> abandoned_;  // see abandon_dead_peers_locked
+  std::uint64_t dry_progress_ = 0;                   // progress calls that found nothing to do
   std::list<SendBuf> sends_;
   // Close requests of urgent endpoints closed by backend_disconnect, freed at shutdown (one per disconnect).
   std::vector<void*> urgent_closing_;
