@@ -555,6 +555,31 @@ class Endpoint {
     }
   }
 
+  // A peer whose lease expired is dropped (lease_expired) only after this side's last word of each transfer with
+  // it went out (a prefill's 'Q', a decode's 'F'), or a lease later: the peer may be alive after all (this side
+  // was the one paused, and the peer gave up meanwhile), and it holds blocks until that word reaches it; a
+  // disconnected peer gets nothing more.
+  void drop_after_last_word(PeerId peer, Clock::time_point now, bool at_once = false) {
+    const Clock::time_point due = at_once ? now : now + options_.lease;
+    auto [it, added] = drop_due_.try_emplace(peer, due);
+    if (!added) it->second = std::min(it->second, due);
+  }
+  template <typename Xfers, typename Awaiting>
+  void drop_peers_due(const Xfers& xfers, Clock::time_point now, const Awaiting& awaits_last_word) {
+    for (auto it = drop_due_.begin(); it != drop_due_.end();) {
+      const PeerId peer = it->first;
+      if (now < it->second && std::any_of(xfers.begin(), xfers.end(), [&](const auto& kv) {
+            return kv.second.peer == peer && awaits_last_word(kv.second);
+          })) {
+        ++it;
+        continue;
+      }
+      it = drop_due_.erase(it);
+      lease_expired(peer, xfers, now);
+    }
+  }
+  std::map<PeerId, Clock::time_point> drop_due_;  // drop_after_last_word: the peer and when it goes regardless
+
   // The first move of a transfer's bytes on this side (PdTimes::move).
   static void mark_move(PdTimes& times, Clock::time_point now) {
     if (times.move == Clock::time_point{}) times.move = now;
@@ -1196,6 +1221,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     bool final = false, done = false;
     bool fin_heard = false;   // the decode's 'F' came: it reads nothing of this transfer any more
     bool quiet_sent = false;  // 'Q' went out (or could not: the peer is gone)
+    std::optional<Clock::time_point> unquiet_since;  // final, with writes still in flight since then
     KeptStatus error;
     std::unique_ptr<LaneBuffers> lane;  // device and ring lanes
     PeerRing* ring = nullptr;           // ring lane
@@ -1555,6 +1581,16 @@ class Prefill final : public PdPrefill, public Endpoint {
           // After the write notifications of this transfer: nothing of it can land on the decode side any more.
           t_.send_notification(x.peer, Msg('Q', id).str()).ignore_error();
           x.quiet_sent = true;
+        } else if (!x.quiet_sent) {
+          // Writes that a decode which gave up refuses may never complete (UCX over TCP: a rendezvous it drops):
+          // cancelled, and a lease later the peer is dropped if it is silent everywhere, which ends them.
+          if (!x.unquiet_since) {
+            x.unquiet_since = now;
+            for (L& l : x.layers)
+              if (l.xfer) t_.abort(*l.xfer).ignore_error();
+          } else if (now - *x.unquiet_since > options_.lease) {
+            drop_after_last_word(x.peer, now, /*at_once=*/true);
+          }
         }
         continue;
       }
@@ -1562,10 +1598,12 @@ class Prefill final : public PdPrefill, public Endpoint {
         fail(x, id,
              Unavailable(fmt::format("decode side silent for more than the lease ({} ms)", options_.lease.count())));
         // Writes in flight to a silent decode side may never complete (a dead peer on a lane without failure
-        // detection): cancel them, and drop the peer if it is silent everywhere.
+        // detection): cancel them, and drop the peer if it is silent everywhere. Dropped only once 'Q' went out
+        // (or a lease later): a decode that is alive after all (this side was the one paused, and the decode gave
+        // up meanwhile) keeps its blocks quarantined until 'Q' reaches it, and a disconnected peer gets nothing.
         for (L& l : x.layers)
           if (l.xfer) t_.abort(*l.xfer).ignore_error();
-        lease_expired(x.peer, xfers_, now);
+        drop_after_last_word(x.peer, now);
         continue;
       }
       if (now - x.last_sent >= options_.heartbeat) {
@@ -1574,6 +1612,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       }
       send_ready_layers(id, x);
     }
+    drop_peers_due(xfers_, now, [](const X& x) { return x.final && !x.quiet_sent; });
   }
 
   // Sends every declared layer whose readiness now says so (requested transfers only).
@@ -2711,10 +2750,12 @@ class Decode final : public PdDecode, public Endpoint {
                                              options_.lease.count())));
         // Reads from a silent prefill may never complete (a dead peer on a lane without failure detection, such
         // as UCX shared memory): cancel them, and drop the peer if it is silent everywhere, so that the blocks
-        // they hold are released.
+        // they hold are released. Dropped after 'F' went out (the next tick): a prefill that is alive after all
+        // (this side was the one paused, and the prefill gave up meanwhile) holds its pull sources until it hears
+        // that no read of this side will come, and a disconnected peer gets nothing.
         for (Read& r : x.reads)
           if (r.active) t_.abort(r.xfer).ignore_error();
-        lease_expired(x.peer, xfers_, now);
+        drop_after_last_word(x.peer, now);
         continue;
       }
       if (now - x.last_sent >= options_.heartbeat) {
@@ -2722,6 +2763,7 @@ class Decode final : public PdDecode, public Endpoint {
         x.last_sent = now;
       }
     }
+    drop_peers_due(xfers_, now, [](const X& x) { return !x.fin_sent; });
   }
 
   bool mover_verifies() const noexcept { return options_.lane_verify == PdOptions::LaneVerify::kMover; }

@@ -651,7 +651,7 @@ def test_a_prefill_closes_cleanly_after_its_ucx_shared_memory_decode_was_killed_
         assert r.returncode == 0 and "closed" in r.stdout, (attempt, r.returncode, r.stdout[-500:], r.stderr[-2000:])
 
 
-_PEER_KILLED_MID_TRANSFER = """
+_PEER_STOPPED_MID_TRANSFER = """
 import multiprocessing as mp, os, signal, sys, time
 import numpy as np
 from kvtier.pd import Decode, Prefill
@@ -689,7 +689,7 @@ def child(conn, side, mode):
     time.sleep(120)
 
 if __name__ == "__main__":
-    victim, mode = sys.argv[1], sys.argv[2]
+    victim, mode, action = sys.argv[1], sys.argv[2], sys.argv[3]
     survivor = "decode" if victim == "prefill" else "prefill"
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -706,12 +706,17 @@ if __name__ == "__main__":
         assert a.recv() == "ready"
         ep.begin(peer, 1, list(range(N)))
         ep.layers_ready(1, range(3))
-    # 192 MiB each way: the victim stops (and then dies) with the survivor's requests to it in flight.
+    # 192 MiB each way: the victim stops with the survivor's requests to it in flight, then dies or, past the
+    # lease of both sides, resumes.
     time.sleep(0.003)
     os.kill(proc.pid, signal.SIGSTOP)
-    time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    if action == "kill":
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+    else:
+        time.sleep(3 * LEASE)
+        os.kill(proc.pid, signal.SIGCONT)
     t0 = time.monotonic()
     if survivor == "decode":
         st = ep.wait(1, 10, reclaimable=True)
@@ -721,6 +726,7 @@ if __name__ == "__main__":
         ok = st.reclaimable
     print("back after", round(time.monotonic() - t0, 3), "s; reclaimable", ok, "; error:", st.error)
     ep.close()
+    proc.kill()
     print("closed")
 """
 
@@ -733,10 +739,30 @@ def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_dies_mid_transfer(
     its blocks never came back (a decode's destinations of a pull, a prefill's sources of a push). They come back
     once the peer's process is gone and its last messages have been processed."""
     script = tmp_path / "peer_killed.py"
-    script.write_text(_PEER_KILLED_MID_TRANSFER)
-    r = subprocess.run([sys.executable, str(script), victim, mode], capture_output=True, text=True, timeout=90)
+    script.write_text(_PEER_STOPPED_MID_TRANSFER)
+    r = subprocess.run([sys.executable, str(script), victim, mode, "kill"], capture_output=True, text=True,
+                       timeout=90)
     assert r.returncode == 0 and "closed" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
     m = re.search(r"back after ([0-9.]+) s; reclaimable True ; error: (\S+)", r.stdout)
     assert m, r.stdout[-500:]
     assert float(m.group(1)) < 5.0, r.stdout
     assert m.group(2) != "None", "the transfer ended before the peer died: the test did not test: " + r.stdout
+
+
+@pytest.mark.parametrize("victim,mode", [("prefill", "push"), ("prefill", "pull"), ("decode", "push"),
+                                         ("decode", "pull")])
+def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_resumes_after_a_pause_past_the_lease(
+        tmp_path, victim, mode):
+    """Both sides give up during the pause. The resumed side's own lease check then took the peer for dead and
+    disconnected it before its last word ('Q' of a prefill, 'F' of a decode) went out, so the survivor, which
+    cannot tell a paused peer from a dead one on UCX's RMA paths, held its blocks while the peer lived (a decode's
+    destinations of a push). The last word now goes out before the disconnect."""
+    script = tmp_path / "peer_paused.py"
+    script.write_text(_PEER_STOPPED_MID_TRANSFER)
+    r = subprocess.run([sys.executable, str(script), victim, mode, "pause"], capture_output=True, text=True,
+                       timeout=90)
+    assert r.returncode == 0 and "closed" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    m = re.search(r"back after ([0-9.]+) s; reclaimable True ; error: (\S+)", r.stdout)
+    assert m, r.stdout[-500:]
+    assert float(m.group(1)) < 5.0, r.stdout
+    assert m.group(2) != "None", "the transfer ended before the pause: the test did not test: " + r.stdout
