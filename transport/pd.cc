@@ -1080,6 +1080,13 @@ class Prefill final : public PdPrefill, public Endpoint {
     x.src = std::move(src_blocks);
     x.layers.resize(blocks_.layout().num_layers());
     x.last_heard = x.times.started = Clock::now();
+    if (given_up_.erase({id, x.peer_name}) != 0) {
+      // Nothing was or will be written, and the decode reads nothing: the sources are reclaimable now.
+      x.final = x.fin_heard = x.quiet_sent = true;
+      x.times.final = x.last_heard;
+      x.error = Cancelled(fmt::format("decode '{}' gave up on transfer {} before this begin()", x.peer_name, id));
+      return Status::Ok();
+    }
     // A request that arrived before begin() from this decode is applied now, its heartbeats carried over; the same
     // transfer id asked for by any other decode is refused (transfer ids name one prefill's transfers).
     for (auto it = early_.lower_bound({id, std::string()}); it != early_.end() && it->first.first == id;) {
@@ -1490,6 +1497,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     if (type == 'R') {
       Req r;
       if (it != early_.end() || !parse_request(p, r)) return;
+      given_up_.erase(key);  // asked for again: a begin() serves this request
       if (early_.size() >= kMaxEarlyRequests) {
         refuse_early(n.peer, id,
                      ResourceExhausted(fmt::format("{} requests wait for begin() here already", kMaxEarlyRequests)));
@@ -1513,9 +1521,21 @@ class Prefill final : public PdPrefill, public Endpoint {
       }
       case 'F':
         if (auto peer = t_.find_peer(n.peer); peer.ok()) t_.send_notification(*peer, Msg('Q', id).str()).ignore_error();
+        note_given_up(it->first);
         early_.erase(it);
         return;
       default: return;
+    }
+  }
+
+  // The decode gave up on a request before begin() (it cancelled the transfer and may have forgotten it): a later
+  // begin() of that transfer ends at once as cancelled instead of heartbeating a decode that ignores it for a lease.
+  void note_given_up(const std::pair<TransferId, std::string>& key) {
+    if (!given_up_.insert(key).second) return;
+    given_up_order_.push_back(key);
+    while (given_up_order_.size() > kMaxEarlyRequests) {
+      given_up_.erase(given_up_order_.front());
+      given_up_order_.pop_front();
     }
   }
 
@@ -1542,6 +1562,7 @@ class Prefill final : public PdPrefill, public Endpoint {
       Early& e = it->second;
       auto peer = t_.find_peer(it->first.second);
       if (now - e.last_heard > options_.lease && !(peer.ok() && bytes_moving(*peer, now))) {
+        note_given_up(it->first);
         it = early_.erase(it);
         continue;
       }
@@ -1963,6 +1984,10 @@ class Prefill final : public PdPrefill, public Endpoint {
   };
   static constexpr std::size_t kMaxEarlyRequests = 1u << 16;
   std::map<std::pair<TransferId, std::string>, Early> early_;
+  // Requests whose decode gave up before begin() ('F', or silence past the lease), the most recent
+  // kMaxEarlyRequests: a later begin() of one ends at once (note_given_up, open_transfer).
+  std::set<std::pair<TransferId, std::string>> given_up_;
+  std::deque<std::pair<TransferId, std::string>> given_up_order_;
   std::map<PeerId, PeerRing> peer_rings_;  // ring lane (std::map: X::ring points into it)
 };
 

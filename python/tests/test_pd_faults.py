@@ -766,3 +766,34 @@ def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_resumes_after_a_pa
     assert m, r.stdout[-500:]
     assert float(m.group(1)) < 5.0, r.stdout
     assert m.group(2) != "None", "the transfer ended before the pause: the test did not test: " + r.stdout
+
+
+def test_a_begin_after_the_decode_cancelled_and_forgot_the_transfer_ends_at_once():
+    """The decode cancelled a request the prefill had not begun, and forgot it; the prefill's later begin() of that
+    transfer heartbeated a decode that ignores it, so its sources were held for a whole lease."""
+    src_kv, dst_kv = prefill_kv(seed=43), decode_kv()
+    with Prefill(src_kv, transport="loopback", heartbeat_s=0.05, lease_s=5.0) as p, \
+            Decode(dst_kv, transport="loopback", heartbeat_s=0.05, lease_s=5.0) as d:
+        d.add_peer(p.metadata())
+        to_decode = p.add_peer(d.metadata())
+        d.start(0, 1, [0, 1])
+        time.sleep(0.1)
+        d.cancel(1)
+        assert d.wait(1, TIMEOUT, reclaimable=True).reclaimable
+        d.forget(1)
+        time.sleep(0.1)  # the prefill hears the decode's 'F'
+        p.begin(to_decode, 1, [2, 3])
+        p.layers_ready(1, range(LAYERS))
+        t0 = time.monotonic()
+        st = p.wait(1, TIMEOUT)
+        assert time.monotonic() - t0 < 1.0
+        assert isinstance(st.error, kvtier.CancelledError), st.error
+        assert "gave up on transfer 1" in str(st.error)
+        p.forget(1)
+        assert_poisoned(dst_kv, [0, 1])
+        # The same id asked for again is served as usual.
+        d.start(0, 1, [0, 1])
+        p.begin(to_decode, 1, [2, 3])
+        p.layers_ready(1, range(LAYERS))
+        assert d.wait(1, TIMEOUT, reclaimable=True).error is None
+        assert_moved(src_kv, dst_kv, [2, 3], [0, 1])
