@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "cache/cache_manager_impl.h"
@@ -179,24 +180,72 @@ void fail(Impl& s, NodeId id, OnFailure what, int t, BlockId b, std::vector<Node
   s.retier(id);
 }
 
+// The nodes below `id` bound for or on the device, deepest first, when each can go back to its host copy: a
+// look-ahead load in flight (it retreats when it acks) or a settled device copy that has a host copy beside it,
+// none pinned. Empty when one cannot (then the subtree is invalidated instead).
+std::optional<std::vector<NodeId>> device_nodes_that_can_retreat(const Impl& s, NodeId id) {
+  std::vector<NodeId> out, stack{id};
+  while (!stack.empty()) {
+    const NodeId x = stack.back();
+    stack.pop_back();
+    for (NodeId c = s.nodes[x].first_child; c != kNoNode; c = s.nodes[c].next_sib) {
+      const Node& n = s.nodes[c];
+      if (n.counted_tier != kDev) continue;  // the tier order keeps everything below it off the device too
+      const bool has_host = (n.present & bit(kHst)) != 0;
+      const bool loading = n.state == NodeState::kLoading && n.lookahead_move;
+      const bool settled = n.state == NodeState::kSettled && (n.present & bit(kDev)) != 0;
+      if (n.refs != 0 || !has_host || !(loading || settled)) return std::nullopt;
+      out.push_back(c);
+      stack.push_back(c);
+    }
+  }
+  std::sort(out.begin(), out.end(), [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
+  return out;
+}
+
 // Failed look-ahead loads, deepest first, so that one whose children went back to host can go back too.
 void retreat_failed_loads(Impl& s, std::vector<NodeId>& ids) {
   std::sort(ids.begin(), ids.end(), [&](NodeId a, NodeId b) { return s.nodes[a].depth > s.nodes[b].depth; });
   for (NodeId id : ids) {
     Node& n = s.nodes[id];
-    if (n.detached) continue;  // detached with a subtree above: reclaimed there
-    if (n.refs == 0 && n.child_tier[kDev] == 0) {
-      // Nobody admitted it (a look-ahead prefetch: a match stops at a block in flight) and nothing on the
-      // device sits below it: the device block is garbage, the host copy it was read from is intact.
-      s.free_block(kDev, n.block[kDev]);
-      n.block[kDev] = kNoBlock;
-      s.retier(id);
-      ++s.epoch;
-    } else {
-      // Device bytes are garbage, and so is anything computed on top of them.
+    if (n.detached || n.state != NodeState::kSettled || n.block[kDev] == kNoBlock)
+      continue;  // detached with a subtree above (reclaimed there), or gone back already
+    // Nobody admitted it (a look-ahead prefetch: a match stops at a block in flight): its device block is
+    // garbage, the host copy it was read from is intact, and so are the host copies below it. What sits below it
+    // on the device goes back to host with it (loads in flight when they ack); only where that cannot be (a
+    // pinned block, a device-only copy) is the subtree invalidated: device bytes computed on top of garbage.
+    std::optional<std::vector<NodeId>> below;
+    if (n.refs == 0) below = device_nodes_that_can_retreat(s, id);
+    if (!below) {
       s.detach_subtree(id);
+      continue;
     }
+    for (NodeId c : *below) {
+      if (s.nodes[c].state == NodeState::kLoading)
+        s.nodes[c].retreat_on_ack = true;
+      else
+        s.release_copy(c, kDev);
+      s.retier(c);
+    }
+    s.free_block(kDev, n.block[kDev]);
+    n.block[kDev] = kNoBlock;
+    s.retier(id);
+    ++s.epoch;
   }
+}
+
+// A load acked under a failed one (retreat_on_ack): the device copy is given up, the host copy stays.
+void retreat_on_ack(Impl& s, NodeId id) {
+  Node& n = s.nodes[id];
+  n.retreat_on_ack = false;
+  if (n.present & bit(kDev)) {
+    s.release_copy(id, kDev);
+  } else {
+    s.free_block(kDev, n.block[kDev]);
+    n.block[kDev] = kNoBlock;
+  }
+  s.retier(id);
+  ++s.epoch;
 }
 
 // Applies the rules to every move of `kind` whose destination block is listed; all-or-nothing on a block
@@ -224,6 +273,8 @@ Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const S
     }
     if (n.detached)
       s.reclaim_if_dead(id);
+    else if (n.retreat_on_ack)
+      retreat_on_ack(s, id);
     else if (status.ok())
       land(s, id, r, landed, deferred_tier);
     else

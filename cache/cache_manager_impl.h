@@ -63,6 +63,9 @@ struct Node {
   std::uint8_t announced = 0;           // tiers a BlockStored event was emitted for and not yet removed
   // A look-ahead prefetch (take_plan()) is moving this block to the tier it is in flight to.
   bool lookahead_move = false;
+  // A look-ahead load below one that failed: its device copy is given up when it acks, whatever the outcome (a
+  // device block under a host-only parent would break the tier order); until then it counts as its host copy.
+  bool retreat_on_ack = false;
   std::uint32_t refs = 0;
   std::uint32_t hits = 0;
   std::uint32_t depth = 0;
@@ -286,7 +289,7 @@ struct CacheManager::Impl {
   // ---- node bookkeeping ----------------------------------------------------
   int eventual_tier(const Node& n) const {
     switch (n.state) {
-      case NodeState::kLoading: return kDev;
+      case NodeState::kLoading: return n.retreat_on_ack ? lowest_tier(n.present) : kDev;
       case NodeState::kEvicting: return kHst;
       case NodeState::kFetching: return kHst;
       case NodeState::kDemoting: return kSto;

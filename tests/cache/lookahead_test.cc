@@ -427,6 +427,50 @@ TEST(LookaheadPrefetch, FailedPrefetchBecomesAMissOrALowerTierNeverData) {
   EXPECT_INVARIANTS(*s);
 }
 
+// A failed look-ahead load whose children are still loading, or have landed, on the device: the host copies of
+// the whole chain stay (they were only read); the device copies below the failed block are given up (a device
+// block under a host-only parent would break the tier order), those still in flight when they ack.
+TEST(LookaheadPrefetch, AFailedLoadAboveOthersKeepsEveryHostCopy) {
+  const auto a = path({1, 2, 3, 4});
+  for (const bool children_first : {false, true}) {
+    SCOPED_TRACE(children_first ? "the children's loads ack first" : "the parent's load fails first");
+    auto m = make_cache(lookahead_config(8, 16, 0));
+    run_request(*m, a);
+    run_request(*m, path({10, 11, 12, 13}));
+    run_request(*m, path({20, 21, 22, 23}));  // a -> host
+    auto q = m->announce(a);
+    ASSERT_TRUE(q.ok());
+    StepPlan p = m->take_plan();
+    ASSERT_EQ(keys_of(p.loads), a);
+    ASSERT_TRUE(m->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
+    const std::vector<BlockId> loads = dsts(p.loads);
+    const std::vector<BlockId> parent(loads.begin() + 1, loads.begin() + 2);  // a[1]: a[2], a[3] below it
+    std::vector<BlockId> others = {loads[0], loads[2], loads[3]};
+    if (children_first) {
+      ASSERT_TRUE(m->ack_loads(others, Status::Ok()).ok());
+    }
+    ASSERT_TRUE(m->ack_loads(parent, Internal("injected load failure")).ok());
+    EXPECT_INVARIANTS(*m);
+    if (!children_first) {
+      ASSERT_TRUE(m->ack_loads(others, Status::Ok()).ok());
+    }
+    EXPECT_INVARIANTS(*m);
+    MatchResult r = m->match(a);
+    EXPECT_EQ(r.device_blocks, 1u) << "a[0] loaded; a[1] failed, so nothing below it stays on the device";
+    EXPECT_EQ(r.host_blocks, 3u) << "the host copies were only read";
+    EXPECT_EQ(m->stats().tiers[kDevice].used, 5u) << "the other request's 4 and a[0]";
+    // Withdrawn and admitted: a[1..3] loaded again by the admission.
+    ASSERT_TRUE(m->withdraw(*q).ok());
+    auto adm = m->admit(a);
+    ASSERT_TRUE(adm.ok());
+    EXPECT_EQ(adm->device_hit_blocks, 1u);
+    EXPECT_EQ(adm->host_hit_blocks, 3u);
+    ASSERT_TRUE(m->ack_plan(m->take_plan(), Status::Ok()).ok());
+    ASSERT_TRUE(m->release(adm->id).ok());
+    EXPECT_INVARIANTS(*m);
+  }
+}
+
 // A prefetched block that is not admitted and then evicted is a lower-tier copy or a miss, as any block.
 TEST(LookaheadPrefetch, PrefetchedBlockEvictedBeforeUseIsAMiss) {
   const auto a = path({1, 2, 3, 4});

@@ -158,9 +158,10 @@ struct CacheConfig {
 // announcement, so a later announcement never displaces an earlier one's blocks. The moves are acked like
 // any other (ack_loads, ack_storage_prefetches); until then the blocks are in flight and match() stops at
 // them (Admission::stopped_at_in_flight: admit a step later, or announce earlier). A prefetched copy nobody
-// admits is an ordinary cached block. A failed prefetch load leaves the block on host (or, if a device
-// block below it was loaded too, turns it and its subtree into misses); a failed storage fetch makes the
-// block and its subtree misses, as for prefetch(); neither is ever served.
+// admits is an ordinary cached block. A failed prefetch load leaves the block on host, and the blocks below
+// it that were loaded or are loading to the device go back to their host copies with it (those in flight
+// when they ack); only where one cannot (pinned, or on the device alone) does the subtree become misses. A
+// failed storage fetch makes the block and its subtree misses, as for prefetch(); neither is ever served.
 //
 // Hints. Optional, and never able to do harm when wrong. `priority` orders prefetch and the last-resort
 // eviction of protected blocks (a block's rank is the best rank of the announcements that referenced it since
