@@ -1602,7 +1602,7 @@ class Prefill final : public PdPrefill, public Endpoint {
           // After the write notifications of this transfer: nothing of it can land on the decode side any more.
           t_.send_notification(x.peer, Msg('Q', id).str()).ignore_error();
           x.quiet_sent = true;
-        } else if (!x.quiet_sent) {
+        } else if (!x.quiet_sent && !x.done) {
           // Writes that a decode which gave up refuses may never complete (UCX over TCP: a rendezvous it drops):
           // cancelled, and a lease later the peer is dropped if it is silent everywhere, which ends them.
           if (!x.unquiet_since) {
