@@ -124,6 +124,17 @@ Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch 
 
 namespace {
 
+// A spec parameter's number, at most `max` (named with the parameter: a value past it would wrap a 32-bit field
+// or overflow a deadline's clock arithmetic into failures that name something else).
+constexpr std::uint64_t kMaxRedisWaitMs = 86'400'000;
+
+Result<std::uint64_t> bounded_param(std::string_view key, std::string_view value, std::uint64_t max,
+                                    std::string_view why) {
+  KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(value));
+  if (n > max) return InvalidArgument(fmt::format("{}={} is more than {} ({})", key, value, max, why));
+  return n;
+}
+
 // Splits "a?k=v&k2=v2" into the path and the parameters.
 std::pair<std::string_view, std::vector<std::pair<std::string_view, std::string_view>>> split_query(
     std::string_view s) {
@@ -259,7 +270,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         else
           return InvalidArgument(fmt::format("direct '{}' is not auto|on|off", v));
       } else if (k == "qd") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, parse_size(v));
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, bounded_param(k, v, 65536, "io_uring entries"));
         c.queue_depth = static_cast<std::uint32_t>(qd);
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
@@ -302,20 +313,16 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
           return InvalidArgument(fmt::format("cluster '{}' is not auto|on|off", v));
       } else if (k == "prefix") {
         c.key_prefix = std::string(v);
-      } else if (k == "timeout_ms") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
-        c.command_timeout = std::chrono::milliseconds(ms);
-      } else if (k == "item_deadline_ms") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
-        c.item_deadline = std::chrono::milliseconds(ms);
-      } else if (k == "batch_deadline_ms") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, parse_size(v));
-        c.batch_deadline = std::chrono::milliseconds(ms);
+      } else if (k == "timeout_ms" || k == "item_deadline_ms" || k == "batch_deadline_ms") {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, bounded_param(k, v, kMaxRedisWaitMs, "a day"));
+        (k == "timeout_ms"         ? c.command_timeout
+         : k == "item_deadline_ms" ? c.item_deadline
+                                   : c.batch_deadline) = std::chrono::milliseconds(ms);
       } else if (k == "workers") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(v));
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, bounded_param(k, v, 256, "connections per endpoint"));
         c.workers = static_cast<std::uint32_t>(n);
       } else if (k == "ttl") {
-        KVTIER_ASSIGN_OR_RETURN(c.ttl_seconds, parse_size(v));
+        KVTIER_ASSIGN_OR_RETURN(c.ttl_seconds, bounded_param(k, v, 2147483647, "seconds Redis accepts for EX"));
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
         if (!tenant_param) return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, spec));

@@ -108,15 +108,25 @@ class LayerEvent:
     enqueued, and it reports failures.
     """
 
-    def __init__(self, owner: "CacheTransferManager", task: int, layer: int):
-        self._owner, self.task, self.layer = owner, task, layer
+    def __init__(self, owner: "CacheTransferManager", mgr: Any, task: int, layer: int):
+        # The native manager that runs the task: task ids start again in the manager that
+        # set_cache_kvs_map() makes, so another one's task of the same id is not this load.
+        self._owner, self._mgr, self.task, self.layer = owner, mgr, task, layer
+
+    def _manager(self):
+        if self._owner._mgr is not self._mgr:
+            raise _error("FailedPrecondition", f"load task {self.task} layer {self.layer}: its transfer manager was "
+                         "closed (set_cache_kvs_map() or close()), which drained its loads; the event is stale")
+        return self._mgr
 
     def synchronize(self, timeout: Optional[float] = None) -> None:
         """Blocks until the layer is on the device (raises its error, or TimedOutError)."""
-        self._owner._require_manager().wait_layer_host(self.task, self.layer, timeout)
+        self._manager().wait_layer_host(self.task, self.layer, timeout)
 
     def query(self) -> bool:
-        info = self._owner._require_manager().task_info(self.task)
+        info = self._manager().task_info(self.task)
+        if self.layer not in info["layers"]:
+            raise _error("InvalidArgument", f"load task {self.task} does not load layer {self.layer}")
         state = info["layer_states"][info["layers"].index(self.layer)]
         if state == "failed":
             self.synchronize(0)  # raises the layer's error
@@ -128,8 +138,7 @@ class LayerEvent:
 
     def wait(self, stream: Any = None) -> None:
         """Makes ``stream`` (default: the engine's current stream) wait for the layer on the GPU."""
-        owner = self._owner
-        owner._require_manager().wait_for_layer(self.task, self.layer, owner._stream_for(stream))
+        self._manager().wait_for_layer(self.task, self.layer, self._owner._stream_for(stream))
 
 
 def _engine_defaults(device: Any, environ: Mapping[str, str]) -> Dict[str, str]:
@@ -396,10 +405,16 @@ class CacheTransferManager:
             else:
                 raise _error("InvalidArgument", f"KVTIER_FASTDEPLOY_BACKEND={backend!r} is not auto, host or cuda")
             host = {k: int(v) for k, v in self._host_cache_kvs_map.items() if v}
-            self._mgr = _native.TransferManager.from_tensors(
-                self._device, self._compute, tensors, host, self._num_host_blocks, self._num_layers,
-                rank=self._local_rank, device_label=self._device_id, block_tokens=self._block_tokens,
-                config=_engine_defaults(self._device, os.environ))
+            for name, t in tensors.items():
+                if getattr(getattr(t, "flags", None), "writeable", True) is False:
+                    raise _error("InvalidArgument", f"cache_kvs_map[{name!r}] is read-only: loads write into it")
+            try:
+                self._mgr = _native.TransferManager.from_tensors(
+                    self._device, self._compute, tensors, host, self._num_host_blocks, self._num_layers,
+                    rank=self._local_rank, device_label=self._device_id, block_tokens=self._block_tokens,
+                    config=_engine_defaults(self._device, os.environ))
+            except TypeError as e:  # a tensor nanobind cannot take (its message names the argument types)
+                raise _error("InvalidArgument", f"cache_kvs_map: a tensor kvtier cannot use: {e}") from e
             # kvtier's process registry (kvtier.metrics): on unless KVTIER_METRICS=0.
             if knobs["metrics"]:
                 self._mgr.attach_metrics({"rank": str(self._local_rank), "device": str(self._device_id)})
@@ -564,7 +579,7 @@ class CacheTransferManager:
         """The completion of the most recently submitted layer, as a :class:`LayerEvent` (None if none)."""
         if self._mgr is None or self._last_submitted is None:
             return None
-        return LayerEvent(self, *self._last_submitted)
+        return LayerEvent(self, self._mgr, *self._last_submitted)
 
     def get_stats(self) -> Dict[str, Any]:
         stats = {

@@ -1007,10 +1007,25 @@ void bind_cache(nb::module_& m) {
       .def(
           "get",
           [](PyStorage& p, const std::string& key, std::uint64_t max_bytes, std::uint32_t rank) -> nb::object {
-            std::string buf(max_bytes, '\0');
-            auto got = run_one(p, storage::StorageOp::kGet, key, rank, buf.data(), buf.size());
-            if (!got) return nb::none();
-            return nb::bytes(buf.data(), *got);
+            // The buffer is sized by the object (exists), not by max_bytes: a generous bound costs no memory. An
+            // object replaced by a larger one between the two is looked up once more.
+            for (int attempt = 0;; ++attempt) {
+              auto size = run_one(p, storage::StorageOp::kExists, key, rank);
+              if (!size) return nb::none();
+              if (*size > max_bytes)
+                check(InvalidArgument(
+                    fmt::format("get {}: the object has {} bytes, more than max_bytes = {}", key, *size, max_bytes)));
+              std::string buf(*size, '\0');
+              storage::StorageBatch b;
+              b.op = storage::StorageOp::kGet;
+              b.items.push_back({storage_key(key, rank), buf.data(), buf.size()});
+              auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+              const Status& st = r.at(0).status;
+              if (st.code() == StatusCode::kNotFound) return nb::none();
+              if (st.code() == StatusCode::kInvalidArgument && attempt == 0) continue;  // replaced meanwhile
+              check(st);
+              return nb::bytes(buf.data(), r.at(0).bytes);
+            }
           },
           "key"_a, "max_bytes"_a, "rank"_a = 0, "The payload, or None when absent (DataLossError if corrupted).")
       .def(

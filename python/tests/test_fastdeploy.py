@@ -171,6 +171,36 @@ def test_partial_layers_and_layer_event(engine):
     mgr.close()
 
 
+def test_a_layer_event_from_before_set_cache_kvs_map_is_stale_not_another_load(engine):
+    """set_cache_kvs_map() replaces the native manager, whose task ids start again: an event kept across it was
+    answered by the new manager's task of the same id (a different load; query() raised a bare ValueError)."""
+    mgr, dev, host = make(engine)
+    assert mgr.evict_to_host_async([3], [2])
+    mgr.sync_output_stream()
+    events = []
+    assert mgr.load_layers_to_device_async([0, 1, 2], [2], [6],
+                                           on_layer_complete=lambda l: events.append(mgr.record_input_stream_event()))
+    old = events[2]
+    old.synchronize(timeout=30.0)
+    mgr.set_cache_kvs_map(dev)
+    assert mgr.load_layers_to_device_async([0], [2], [7])  # the new manager's first task, the same id as old's
+    for call in (old.query, lambda: old.synchronize(1.0), lambda: old.wait()):
+        with pytest.raises(kvtier.FailedPreconditionError, match="stale"):
+            call()
+    mgr.close()
+
+
+def test_a_read_only_device_tensor_is_refused_by_name():
+    """A read-only array in the map raised nanobind's TypeError out of evict_to_host_async (whose contract is
+    False and last_error), naming neither the tensor nor why."""
+    from conftest import Engine
+    mgr, dev, host = make(Engine("host"))
+    dev["key_caches_1_rank0.device0"].setflags(write=False)
+    assert mgr.evict_to_host_async([1], [3]) is False
+    assert "key_caches_1_rank0.device0" in mgr.last_error and "read-only" in mgr.last_error
+    mgr.close()
+
+
 def test_false_keeps_the_reason(engine, caplog):
     mgr, dev, host = make(engine)
     caplog.set_level(logging.ERROR, logger="kvtier.fastdeploy")

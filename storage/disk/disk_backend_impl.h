@@ -225,11 +225,13 @@ class DiskBackend final : public StorageBackend {
   void erase_locked(std::unordered_map<StorageKey, IndexEntry, StorageKeyHash>::iterator it);
   void insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
                      std::uint64_t payload_bytes);
-  void make_room_locked(std::uint64_t incoming);
+  // Ok, or why an object that had to go could not be removed (it stays indexed; nothing more is evicted).
+  Status make_room_locked(std::uint64_t incoming);
   void trim_quarantine_locked(std::size_t keep);
   void adopt_quarantine_locked();
-  // Moves file `name` of directory `dirfd` to free/ or unlinks it.
-  void recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes, const StorageKey& key);
+  // Moves file `name` of directory `dirfd` to free/ or unlinks it; an error (naming `shown`) when it is still there.
+  Status recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes, const StorageKey& key,
+                                  std::string_view shown);
   Status open_directories();
   Status rebuild_index();
   Status check_object_file(int dirfd, const std::string& name, const std::string& shown, const StorageKey& key,

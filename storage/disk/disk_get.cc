@@ -37,8 +37,17 @@ void DiskBackend::start_get(IoOp* op) {
   struct stat sb {};
   auto fd = open_regular(shard_fd(key), object_name(key), op->final_path, O_RDONLY | (direct_ ? O_DIRECT : 0), &sb);
   if (!fd.ok()) {
-    if (fd.status().code() == StatusCode::kNotFound)
+    if (fd.status().code() == StatusCode::kNotFound) {
+      // Removed under the tier: the index forgets it (exists() answered yes, and an engine that asks before it
+      // stores would never store it again). Checked under the index lock, which a put's commit also holds.
+      std::lock_guard<std::mutex> lk(index_mu_);
+      struct stat gone {};
+      auto it = index_.find(key);
+      if (it != index_.end() && ::fstatat(shard_fd(key), object_name(key).c_str(), &gone, AT_SYMLINK_NOFOLLOW) != 0 &&
+          errno == ENOENT)
+        erase_locked(it);
       return finish(op, NotFound(fmt::format("key {} was removed", key.to_string())));
+    }
     // A FIFO, device or symlink put under the object's name: never read from it.
     if (fd.status().code() == StatusCode::kDataLoss) return quarantine_get(op, fd.status());
     return finish(op, fd.status());

@@ -124,36 +124,42 @@ void DiskBackend::adopt_quarantine_locked() {
 }
 
 // Deletes quarantined files, then LRU objects, until `incoming` more bytes fit. Objects being
-// read stay readable (open fds).
-void DiskBackend::make_room_locked(std::uint64_t incoming) {
-  if (config_.capacity_bytes == 0) return;
+// read stay readable (open fds). An object whose file cannot be removed stays indexed (it would be served
+// again after a restart, and its bytes still take the disk): the eviction stops there with that error.
+Status DiskBackend::make_room_locked(std::uint64_t incoming) {
+  if (config_.capacity_bytes == 0) return Status::Ok();
   while (!quarantine_files_.empty() &&
          used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes)
     trim_quarantine_locked(quarantine_files_.size() - 1);
   while (!lru_.empty() && used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes) {
     const StorageKey victim = lru_.front();
     auto it = index_.find(victim);
-    recycle_or_unlink_locked(shard_fd(victim), object_name(victim), it->second.file_bytes, victim);
+    KVTIER_RETURN_IF_ERROR(recycle_or_unlink_locked(shard_fd(victim), object_name(victim), it->second.file_bytes,
+                                                    victim, final_path(victim))
+                               .with_context(fmt::format("evicting {} to make room", victim.to_string())));
     erase_locked(it);
     ++evictions_;
   }
+  return Status::Ok();
 }
 
 // Files of deleted, evicted and replaced objects go to a small pool of free files that later puts
 // overwrite in place: creating a file costs ext4 an inode allocation (about a millisecond once many
 // files were deleted) and new blocks, overwriting costs neither. A file that a get may still be
 // reading is unlinked instead, so no reader ever sees its inode rewritten.
-void DiskBackend::recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes,
-                                           const StorageKey& key) {
+Status DiskBackend::recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes,
+                                             const StorageKey& key, std::string_view shown) {
   auto r = reading_.find(key);
   if (free_files_.size() < max_free_files_ && (r == reading_.end() || r->second == 0)) {
     std::string dst = fmt::format("{}.{}", ::getpid(), ++seq_);
     if (::renameat(dirfd, name.c_str(), free_fd_.get(), dst.c_str()) == 0) {
       free_files_.emplace_back(std::move(dst), bytes);
-      return;
+      return Status::Ok();
     }
   }
-  ::unlinkat(dirfd, name.c_str(), 0);
+  if (::unlinkat(dirfd, name.c_str(), 0) != 0 && errno != ENOENT)
+    return fs_error(errno, fmt::format("unlink {}", shown));
+  return Status::Ok();
 }
 
 Status DiskBackend::rebuild_index() {
@@ -217,7 +223,7 @@ Status DiskBackend::rebuild_index() {
   }
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
   for (const Found& f : found) insert_locked(f.key, f.file_bytes, f.header_size, f.payload_bytes);
-  make_room_locked(0);
+  if (Status s = make_room_locked(0); !s.ok()) log_line(s.to_string());
   if (removed_tmp_ > 0)
     log_line(fmt::format("removed {} uncommitted temporary files in {}", removed_tmp_, dir_), LogLevel::kInfo);
   return Status::Ok();

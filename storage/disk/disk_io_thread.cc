@@ -152,6 +152,14 @@ void DiskBackend::start(IoOp* op) {
       std::lock_guard<std::mutex> lk(index_mu_);
       auto it = index_.find(op->item.key);
       if (it == index_.end()) return finish(op, NotFound(fmt::format("key {} not stored", op->item.key.to_string())));
+      // A file removed under the tier is forgotten (an engine that asks before it stores would never store it
+      // again).
+      struct stat sb {};
+      if (::fstatat(shard_fd(op->item.key), object_name(op->item.key).c_str(), &sb, AT_SYMLINK_NOFOLLOW) != 0 &&
+          errno == ENOENT) {
+        erase_locked(it);
+        return finish(op, NotFound(fmt::format("key {} was removed", op->item.key.to_string())));
+      }
       // A use, as a get is (and as on the memory tier): an engine asks before it reads, e.g. SGLang's prefetch
       // of a queued request, and what it asked for should not be the next object evicted.
       lru_.splice(lru_.end(), lru_, it->second.lru);
@@ -161,7 +169,10 @@ void DiskBackend::start(IoOp* op) {
       std::lock_guard<std::mutex> lk(index_mu_);
       auto it = index_.find(op->item.key);
       if (it == index_.end()) return finish(op, NotFound(fmt::format("key {} not stored", op->item.key.to_string())));
-      recycle_or_unlink_locked(shard_fd(op->item.key), object_name(op->item.key), it->second.file_bytes, op->item.key);
+      // A file that cannot be removed keeps its index entry: reported deleted, it was served again after a restart.
+      Status s = recycle_or_unlink_locked(shard_fd(op->item.key), object_name(op->item.key), it->second.file_bytes,
+                                          op->item.key, final_path(op->item.key));
+      if (!s.ok()) return finish(op, s.with_context(fmt::format("delete {}", op->item.key.to_string())));
       erase_locked(it);
       return finish(op, Status::Ok());
     }

@@ -38,7 +38,8 @@ void DiskBackend::start_put(IoOp* op) {
     if (config_.capacity_bytes && op->file_bytes > config_.capacity_bytes)
       return finish(op, ResourceExhausted(fmt::format("object of {} bytes exceeds the disk tier capacity of {}",
                                                       op->file_bytes, config_.capacity_bytes)));
-    make_room_locked(op->file_bytes);
+    if (Status s = make_room_locked(op->file_bytes); !s.ok())
+      return finish(op, s.with_context(fmt::format("put {}", op->item.key.to_string())));
     reserved_bytes_ += op->file_bytes;
     // Reuse a free file unless it is much larger than this object (the tail would be wasted).
     if (!free_files_.empty() && free_files_.front().second <= 2 * op->file_bytes + kAlign) {
@@ -175,7 +176,10 @@ void DiskBackend::commit_put(IoOp* op) {
   bool exchanged = false;
   if (old != index_.end()) {
     exchanged = ::renameat2(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str(), RENAME_EXCHANGE) == 0;
-    if (exchanged) recycle_or_unlink_locked(op->tmp_dir, op->tmp_name, old->second.file_bytes, op->item.key);
+    // The old object's file, now under the temporary name: a leftover is removed at the next open.
+    if (exchanged)
+      recycle_or_unlink_locked(op->tmp_dir, op->tmp_name, old->second.file_bytes, op->item.key, op->tmp_path)
+          .ignore_error();
   }
   if (!exchanged && ::renameat(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str()) != 0) {
     Status st = fs_error(errno, fmt::format("rename {} -> {}", op->tmp_path, op->final_path));

@@ -287,8 +287,10 @@ Status check_batch_buffers(const StorageBatch& batch);
 // Creates a backend from a spec string (for tools and configuration):
 //   disk:<dir>[?capacity=<bytes|10G>&durability=none|process|power&direct=auto|on|off&qd=<n>&<tenant>]
 //   redis://[[user]:password@]host:port[,host:port...][?cluster=auto|on|off&prefix=<p>&timeout_ms=<n>&item_deadline_ms=<n>&
-//          batch_deadline_ms=<n>&workers=<n>&<tenant>]
+//          batch_deadline_ms=<n>&workers=<n>&ttl=<seconds>&<tenant>]
 //   memory:?capacity=<bytes|64G>[&evict=on|off&threads=<n>&<tenant>]  (memory_backend.h: this process's RAM)
+// Numbers past their range are InvalidArgument naming the parameter: qd at most 65,536; timeout_ms and the
+// deadlines at most a day (86,400,000); workers at most 256; ttl at most 2,147,483,647 s; threads at most 64.
 // where <tenant> is tenant=<id>&secret_file=<path> (each optional; they override options.tenant and
 // options.tenant_secret; the file as read_tenant_secret_file describes).
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options);
