@@ -1,5 +1,8 @@
 // kvtier CLI: `kvtier info`, `kvtier bench copy`, ... (see --help).
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <iostream>
 #include <vector>
 
 #include "kvtier/core/config.h"
@@ -13,6 +16,16 @@ Action register_info(CLI::App& app);
 Action register_replay(CLI::App& app);
 Action register_bench(CLI::App& app);
 }  // namespace kvtier::cli
+
+// A report that did not reach stdout (a full disk, a closed pipe, /dev/full) is a failure, not a success.
+int report_written() {
+  std::cout.flush();
+  errno = 0;
+  if (std::fflush(stdout) == 0 && !std::ferror(stdout) && std::cout.good()) return 0;
+  std::fprintf(stderr, "kvtier: writing the report to stdout failed: %s\n",
+               errno != 0 ? std::strerror(errno) : "stream error");
+  return 1;
+}
 
 int main(int argc, char** argv) {
   CLI::App app{"kvtier: move paged LLM KV-cache blocks between GPU, pinned host, disk and remote tiers"};
@@ -42,7 +55,7 @@ int main(int argc, char** argv) {
     if (action) {
       // Each registrar returns an action that checks whether its own subcommand was selected.
       int rc = action();
-      if (rc >= 0) return rc;
+      if (rc >= 0) return rc == 0 ? report_written() : rc;
     }
   std::fprintf(stderr, "kvtier: no subcommand ran\n");
   return 2;

@@ -81,6 +81,10 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
     const HostCacheSpec& h = reg.host;
     if (h.num_blocks == 0)
       return InvalidArgument("TransferManager: host cache needs either a space or num_blocks >= 1");
+    // Block ids are 32-bit; past that the size below wrapped to a small (or zero) allocation.
+    if (h.num_blocks > kMaxBlockId + 1)
+      return InvalidArgument(fmt::format("TransferManager: host cache of {} blocks: at most {} (32-bit block ids)",
+                                         h.num_blocks, kMaxBlockId + 1));
     std::uint64_t bytes = 0;
     if (h.arrangement == HostCacheSpec::Arrangement::kLayerFirst) {
       for (std::uint32_t l = 0; l < layout.num_layers(); ++l)

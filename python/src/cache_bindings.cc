@@ -204,56 +204,6 @@ cache::Continuation parse_continuation(const std::string& name) {
   raise_status(InvalidArgument(fmt::format("continuation '{}' is not unknown, continues or last_turn", name)));
 }
 
-// An integer argument in [low, high] (a Python int or anything with __index__, not a bool): nanobind's own
-// conversion refuses -1 for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the
-// argument nor the value.
-// `value` as a Python int (InvalidArgument naming it otherwise); `shown` gets its repr for the caller's messages.
-nb::object index_arg(nb::handle value, const char* what, std::string& shown) {
-  PyObject* o = value.ptr();
-  shown = nb::cast<std::string>(nb::repr(value));
-  nb::object index = PyBool_Check(o) || !PyIndex_Check(o) ? nb::object() : nb::steal(PyNumber_Index(o));
-  if (!index.is_valid()) {
-    PyErr_Clear();
-    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
-  }
-  return index;
-}
-std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::int64_t high) {
-  std::string shown;
-  const nb::object index = index_arg(value, what, shown);
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  if (overflow != 0 || v < low || v > high)
-    raise_status(OutOfRange(fmt::format("{} {} is not in [{}, {}]", what, shown, low, high)));
-  return v;
-}
-// An unsigned 64-bit argument (ids, hashes up to 2**64 - 1).
-std::uint64_t u64_arg(nb::handle value, const char* what) {
-  std::string shown;
-  const nb::object index = index_arg(value, what, shown);
-  const unsigned long long v = PyLong_AsUnsignedLongLong(index.ptr());
-  if (PyErr_Occurred() != nullptr) {
-    PyErr_Clear();
-    raise_status(OutOfRange(fmt::format("{} {} is not in [0, 2**64 - 1]", what, shown)));
-  }
-  return v;
-}
-
-std::uint32_t u32_arg(nb::handle value, const char* what) {
-  return static_cast<std::uint32_t>(int_arg(value, what, 0, UINT32_MAX));
-}
-// An optional unsigned 32-bit argument: None, or as u32_arg.
-std::optional<std::uint32_t> opt_u32_arg(nb::handle value, const char* what) {
-  if (value.is_none()) return std::nullopt;
-  return u32_arg(value, what);
-}
-// A string argument (InvalidArgument naming the value otherwise).
-std::string str_arg(nb::handle value, const char* what) {
-  if (!nb::isinstance<nb::str>(value))
-    raise_status(InvalidArgument(fmt::format("{} {} is not a string", what, nb::cast<std::string>(nb::repr(value)))));
-  return nb::cast<std::string>(value);
-}
-
 // The announce() hints of CacheManager.announce and HybridCache.announce, from their keyword arguments.
 cache::RequestHints request_hints(nb::handle conversation_id, nb::handle continuation, nb::handle ttl_steps,
                                   nb::handle priority) {
@@ -775,7 +725,10 @@ void bind_cache(nb::module_& m) {
       .def(
           "admit",
           [](PyHybridCache& p, nb::handle num_tokens, const std::vector<std::vector<std::string>>& chains,
-             nb::handle extra_tokens, nb::handle max_hit_tokens, const std::vector<std::uint32_t>& save_states_at) {
+             nb::handle extra_tokens, nb::handle max_hit_tokens, nb::handle save_states_arg) {
+            std::vector<std::uint32_t> save_states_at;
+            for (std::int64_t t : int_list(save_states_arg, "save_states_at", UINT32_MAX))
+              save_states_at.push_back(static_cast<std::uint32_t>(t));
             HybridRequestArgs a =
                 hybrid_request(u32_arg(num_tokens, "num_tokens"), chains, u32_arg(extra_tokens, "extra_tokens"),
                                opt_u32_arg(max_hit_tokens, "max_hit_tokens"), save_states_at);
@@ -810,7 +763,7 @@ void bind_cache(nb::module_& m) {
             return d;
           },
           "num_tokens"_a.none(), "chains"_a, "extra_tokens"_a.none() = 0, "max_hit_tokens"_a.none() = nb::none(),
-          "save_states_at"_a = std::vector<std::uint32_t>{},
+          "save_states_at"_a = nb::make_tuple(),
           "Admits a request in every group or in none (ResourceExhaustedError, nothing left admitted). Per group: "
           "the device block of every position (None outside a window), hits, loads, new blocks; state groups: the "
           "state to start from, where to save states, the working block.")
@@ -883,12 +836,12 @@ void bind_cache(nb::module_& m) {
           "ids.")
       .def(
           "ack",
-          [](PyHybridCache& p, std::uint32_t group, const std::string& kind,
-             const std::vector<std::int64_t>& dst_blocks, std::optional<std::string> error) {
+          [](PyHybridCache& p, nb::handle group, const std::string& kind, nb::handle dst_blocks,
+             std::optional<std::string> error) {
             cache::GroupCompletion c;
-            c.group = group;
+            c.group = u32_arg(group, "group");
             c.completion.kind = move_kind(kind);
-            c.completion.dst = to_block_ids(dst_blocks);
+            c.completion.dst = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             c.completion.status = ack_status(error);
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->apply_completions(std::span<const cache::GroupCompletion>(&c, 1)));

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvtier/backend/device.h"
@@ -49,17 +50,37 @@ struct PyTransferManager {
   // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
   std::atomic<int> receivers{0};
 
-  ~PyTransferManager() { shutdown(); }
+  ~PyTransferManager() { shutdown(/*from_close=*/false); }
   void close() {
     if (receivers.load() > 0)
       raise_status(FailedPrecondition("the TransferManager drives a kvtier.pd.Receiver: close the receiver first"));
-    shutdown();
+    shutdown(/*from_close=*/true);
   }
-  void shutdown() {
+  // The manager refuses to shut down from one of its callbacks (FailedPrecondition: shutting down joins the
+  // thread that runs them), and dropping its last reference there destroyed it under that thread (std::terminate:
+  // a joinable thread destroyed). close() then raises and keeps the manager; a Python object collected inside a
+  // callback hands the manager to a thread of its own, which shuts it down once the callback has returned.
+  void shutdown(bool from_close) {
     std::shared_ptr<TransferManager> m = std::move(mgr);
     if (!m) return;
-    nanobind::gil_scoped_release release;  // callbacks in flight need the GIL to finish
-    m->shutdown().ignore_error();
+    Status s;
+    {
+      nanobind::gil_scoped_release release;  // callbacks in flight need the GIL to finish
+      s = m->shutdown();
+    }
+    if (s.code() == StatusCode::kFailedPrecondition) {
+      if (from_close) {
+        mgr = std::move(m);
+        raise_status(s);
+      }
+      std::thread([m = std::move(m)]() mutable {
+        m->shutdown().ignore_error();
+        m.reset();
+      }).detach();
+      return;
+    }
+    s.ignore_error();
+    nanobind::gil_scoped_release release;
     m.reset();
   }
   // With the GIL held (it raises): for calls that use the manager without releasing the GIL.

@@ -264,6 +264,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     }
     n->space = space;
     for (const auto& [name, t] : descs) {
+      if (tensor_extent_bytes(t) == 0) continue;  // no blocks: nothing of it is ever copied
       auto b = device->adopt_device_memory(t.data, tensor_extent_bytes(t));
       if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
       n->adopted_device.push_back(std::move(b).value());

@@ -1,5 +1,6 @@
 #include "status_bridge.h"
 
+#include <fmt/format.h>
 #include <nanobind/stl/string.h>
 
 #include <array>
@@ -63,4 +64,77 @@ void bind_errors(nb::module_& m) {
       "Raises the exception of a status code (tests).");
 }
 
+// An integer argument in [low, high] (a Python int or anything with __index__, not a bool): nanobind's own
+// conversion refuses -1 for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the
+// argument nor the value.
+// `value` as a Python int (InvalidArgument naming it otherwise); `shown` gets its repr for the caller's messages.
+nb::object index_arg(nb::handle value, const char* what, std::string& shown) {
+  PyObject* o = value.ptr();
+  shown = nb::cast<std::string>(nb::repr(value));
+  nb::object index = PyBool_Check(o) || !PyIndex_Check(o) ? nb::object() : nb::steal(PyNumber_Index(o));
+  if (!index.is_valid()) {
+    PyErr_Clear();
+    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
+  }
+  return index;
+}
+std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::int64_t high) {
+  std::string shown;
+  const nb::object index = index_arg(value, what, shown);
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0 || v < low || v > high)
+    raise_status(OutOfRange(fmt::format("{} {} is not in [{}, {}]", what, shown, low, high)));
+  return v;
+}
+// An unsigned 64-bit argument (ids, hashes up to 2**64 - 1).
+std::uint64_t u64_arg(nb::handle value, const char* what) {
+  std::string shown;
+  const nb::object index = index_arg(value, what, shown);
+  const unsigned long long v = PyLong_AsUnsignedLongLong(index.ptr());
+  if (PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    raise_status(OutOfRange(fmt::format("{} {} is not in [0, 2**64 - 1]", what, shown)));
+  }
+  return v;
+}
+
+std::uint32_t u32_arg(nb::handle value, const char* what) {
+  return static_cast<std::uint32_t>(int_arg(value, what, 0, UINT32_MAX));
+}
+// An optional unsigned 32-bit argument: None, or as u32_arg.
+std::optional<std::uint32_t> opt_u32_arg(nb::handle value, const char* what) {
+  if (value.is_none()) return std::nullopt;
+  return u32_arg(value, what);
+}
+// A string argument (InvalidArgument naming the value otherwise).
+std::string str_arg(nb::handle value, const char* what) {
+  if (!nb::isinstance<nb::str>(value))
+    raise_status(InvalidArgument(fmt::format("{} {} is not a string", what, nb::cast<std::string>(nb::repr(value)))));
+  return nb::cast<std::string>(value);
+}
+
+// A Python sequence of integers (a list, a tuple, a numpy array), each checked by int_arg: a value nanobind would
+// refuse (2**63, a float, None) is named with its index rather than a TypeError about the whole call.
+std::vector<std::int64_t> int_list(nb::handle seq, const char* what, std::int64_t high) {
+  if (nb::isinstance<nb::str>(seq) || nb::isinstance<nb::bytes>(seq) || PySequence_Check(seq.ptr()) == 0)
+    raise_status(InvalidArgument(
+        fmt::format("{} {} is not a sequence of integers", what, nb::cast<std::string>(nb::repr(seq)))));
+  const Py_ssize_t n = PySequence_Size(seq.ptr());
+  if (n < 0) {
+    PyErr_Clear();
+    raise_status(InvalidArgument(fmt::format("{}: the sequence has no length", what)));
+  }
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    nb::object item = nb::steal(PySequence_GetItem(seq.ptr(), i));
+    if (!item.is_valid()) {
+      PyErr_Clear();
+      raise_status(InvalidArgument(fmt::format("{}[{}] cannot be read", what, i)));
+    }
+    out.push_back(int_arg(item, fmt::format("{}[{}]", what, i).c_str(), 0, high));
+  }
+  return out;
+}
 }  // namespace kvtier::python

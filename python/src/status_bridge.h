@@ -9,9 +9,11 @@
 #include <nanobind/nanobind.h>
 
 #include <chrono>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kvtier/core/status.h"
 
@@ -19,6 +21,18 @@ namespace kvtier::python {
 
 // Raises the Python exception for `status` (must not be OK).
 [[noreturn]] void raise_status(const Status& status);
+
+// Integer and string arguments taken as Python objects and checked here: nanobind's own conversion refuses -1
+// for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the argument nor the
+// value. Each raises InvalidArgument (not an integer / not a string) or OutOfRange naming `what` and the value.
+nanobind::object index_arg(nanobind::handle value, const char* what, std::string& shown);
+std::int64_t int_arg(nanobind::handle value, const char* what, std::int64_t low, std::int64_t high);
+std::uint64_t u64_arg(nanobind::handle value, const char* what);
+std::uint32_t u32_arg(nanobind::handle value, const char* what);
+std::optional<std::uint32_t> opt_u32_arg(nanobind::handle value, const char* what);  // None, or as u32_arg
+std::string str_arg(nanobind::handle value, const char* what);
+// A sequence (list, tuple, numpy array) of integers in [0, high], each named `what[i]` when it is not.
+std::vector<std::int64_t> int_list(nanobind::handle seq, const char* what, std::int64_t high);
 
 inline void check(const Status& status) {
   if (!status.ok()) raise_status(status);

@@ -247,6 +247,10 @@ Result<TensorDesc> describe_host_tensor(const std::string& name, const nb::ndarr
 }
 
 std::uint64_t tensor_extent_bytes(const TensorDesc& t) {
+  // A 0-d tensor is one element; a tensor of no blocks covers nothing (a map may hold tensors the layout does not
+  // use: other ranks', names it does not know).
+  if (t.shape.empty()) return dtype_bytes(t.dtype);
+  if (t.shape[0] <= 0) return 0;
   std::uint64_t elems = 1;
   for (std::size_t i = 1; i < t.shape.size(); ++i) elems *= static_cast<std::uint64_t>(t.shape[i]);
   const std::uint64_t stride = t.strides.empty() ? elems : static_cast<std::uint64_t>(t.strides[0]);
@@ -275,13 +279,13 @@ std::vector<BlockId> to_ids(const std::vector<std::int64_t>& ids, const char* wh
   return out;
 }
 
-std::vector<std::uint32_t> to_layers(const std::vector<std::int64_t>& layers) {
+std::vector<BlockId> to_ids(nb::handle seq, const char* what) {
+  return to_ids(int_list(seq, fmt::format("{} block id", what).c_str(), static_cast<std::int64_t>(kMaxBlockId)), what);
+}
+
+std::vector<std::uint32_t> to_layers(nb::handle layers) {
   std::vector<std::uint32_t> out;
-  for (std::size_t i = 0; i < layers.size(); ++i) {
-    if (layers[i] < 0 || layers[i] > UINT32_MAX)
-      raise_status(OutOfRange(fmt::format("layer {} at index {} is not a valid layer index", layers[i], i)));
-    out.push_back(static_cast<std::uint32_t>(layers[i]));
-  }
+  for (std::int64_t l : int_list(layers, "layer", UINT32_MAX)) out.push_back(static_cast<std::uint32_t>(l));
   return out;
 }
 
@@ -337,6 +341,7 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
     // Engine memory: device ranges made known to the backend; host ranges
     // pinned (registered, or borrowed when already pinned).
     for (const auto& [name, t] : descs) {
+      if (tensor_extent_bytes(t) == 0) continue;  // no blocks: nothing of it is ever copied
       auto b = device.adopt_device_memory(t.data, tensor_extent_bytes(t));
       if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
       out->adopted_device.push_back(std::move(b).value());
@@ -559,8 +564,7 @@ void bind_transfer(nb::module_& m) {
                   "blocks is one contiguous buffer.")
       .def(
           "device_checksums",
-          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream,
-             std::optional<double> timeout) {
+          [](PyTransferManager& p, nb::handle blocks, PyStream& stream, std::optional<double> timeout) {
             auto ids = to_ids(blocks, "device");
             const std::shared_ptr<TransferManager> held = p.hold();
             TransferManager& tm = *held;
@@ -615,8 +619,8 @@ void bind_transfer(nb::module_& m) {
       .def_prop_ro("num_host_blocks", [](PyTransferManager& p) { return p.get().host_space().num_blocks(); })
       .def(
           "evict",
-          [](PyTransferManager& p, const std::vector<std::int64_t>& device_blocks,
-             const std::vector<std::int64_t>& host_blocks, PyStream* after, nb::object on_done) {
+          [](PyTransferManager& p, nb::handle device_blocks, nb::handle host_blocks, PyStream* after,
+             nb::object on_done) {
             EvictOptions o;
             o.after = after ? after->stream.get() : nullptr;
             o.on_done = wrap_task_callback(std::move(on_done));
@@ -635,8 +639,7 @@ void bind_transfer(nb::module_& m) {
           "(default: the compute stream). Returns the task id at once. on_done(task, error_or_None).")
       .def(
           "load",
-          [](PyTransferManager& p, const std::vector<std::int64_t>& layers,
-             const std::vector<std::int64_t>& host_blocks, const std::vector<std::int64_t>& device_blocks,
+          [](PyTransferManager& p, nb::handle layers, nb::handle host_blocks, nb::handle device_blocks,
              nb::object on_layer, nb::object on_done) {
             LoadOptions o;
             o.on_layer = wrap_layer_callback(std::move(on_layer));
@@ -657,8 +660,7 @@ void bind_transfer(nb::module_& m) {
           "per layer when it is final.")
       .def(
           "record_device_access",
-          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream,
-             const std::string& access) {
+          [](PyTransferManager& p, nb::handle blocks, PyStream& stream, const std::string& access) {
             auto b = to_ids(blocks, "device");
             auto a = parse_access(access);
             auto tm = p.hold();
@@ -668,21 +670,26 @@ void bind_transfer(nb::module_& m) {
           "Declares that work enqueued so far on `stream` reads / writes / overwrites the blocks.")
       .def(
           "wait_for_layer",
-          [](PyTransferManager& p, TaskId task, std::uint32_t layer, PyStream& stream) {
+          [](PyTransferManager& p, nb::handle task_arg, nb::handle layer_arg, PyStream& stream) {
+            const TaskId task = u64_arg(task_arg, "task");
+            const std::uint32_t layer = u32_arg(layer_arg, "layer");
             auto tm = p.hold();
             check(released([&] { return tm->wait_for_layer(task, layer, *stream.stream); }));
           },
           "task"_a, "layer"_a, "stream"_a, "`stream` waits on the device for the layer (no host blocking).")
       .def(
           "wait_layer_host",
-          [](PyTransferManager& p, TaskId task, std::uint32_t layer, std::optional<double> timeout) {
+          [](PyTransferManager& p, nb::handle task_arg, nb::handle layer_arg, std::optional<double> timeout) {
+            const TaskId task = u64_arg(task_arg, "task");
+            const std::uint32_t layer = u32_arg(layer_arg, "layer");
             auto tm = p.hold();
             check(released([&] { return tm->wait_layer_host(task, layer, to_timeout(timeout)); }));
           },
           "task"_a, "layer"_a, "timeout"_a = nb::none())
       .def(
           "wait",
-          [](PyTransferManager& p, TaskId task, std::optional<double> timeout) {
+          [](PyTransferManager& p, nb::handle task_arg, std::optional<double> timeout) {
+            const TaskId task = u64_arg(task_arg, "task");
             auto tm = p.hold();
             check(released([&] { return tm->wait(task, to_timeout(timeout)); }));
           },
@@ -696,7 +703,7 @@ void bind_transfer(nb::module_& m) {
           "timeout"_a = nb::none())
       .def(
           "wait_host_blocks_free",
-          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, std::optional<double> timeout) {
+          [](PyTransferManager& p, nb::handle blocks, std::optional<double> timeout) {
             auto b = to_ids(blocks, "host");
             auto tm = p.hold();
             check(released([&] { return tm->wait_host_blocks_free(b, to_timeout(timeout)); }));
@@ -704,7 +711,7 @@ void bind_transfer(nb::module_& m) {
           "host_blocks"_a, "timeout"_a = nb::none())
       .def(
           "wait_device_blocks_free",
-          [](PyTransferManager& p, const std::vector<std::int64_t>& blocks, PyStream& stream) {
+          [](PyTransferManager& p, nb::handle blocks, PyStream& stream) {
             auto b = to_ids(blocks, "device");
             auto tm = p.hold();
             check(released([&] { return tm->wait_device_blocks_free(b, *stream.stream); }));
@@ -712,22 +719,27 @@ void bind_transfer(nb::module_& m) {
           "device_blocks"_a, "stream"_a)
       .def(
           "is_device_block_free",
-          [](PyTransferManager& p, std::int64_t block) {
-            auto b = to_ids({block}, "device");
+          [](PyTransferManager& p, nb::handle block) {
+            auto b = to_ids(
+                std::vector<std::int64_t>{int_arg(block, "device block", 0, static_cast<std::int64_t>(kMaxBlockId))},
+                "device");
             auto tm = p.hold();
             return value_or_raise(released([&] { return tm->is_device_block_free(b[0]); }));
           },
           "block"_a)
       .def(
           "is_host_block_free",
-          [](PyTransferManager& p, std::int64_t block) {
-            auto b = to_ids({block}, "host");
+          [](PyTransferManager& p, nb::handle block) {
+            auto b = to_ids(
+                std::vector<std::int64_t>{int_arg(block, "host block", 0, static_cast<std::int64_t>(kMaxBlockId))},
+                "host");
             auto tm = p.hold();
             return value_or_raise(released([&] { return tm->is_host_block_free(b[0]); }));
           },
           "block"_a)
       .def("task_info",
-           [](PyTransferManager& p, TaskId task) {
+           [](PyTransferManager& p, nb::handle task_arg) {
+             const TaskId task = u64_arg(task_arg, "task");
              Result<TaskInfo> info = Internal("not run");
              auto tm = p.hold();
              {
@@ -737,7 +749,8 @@ void bind_transfer(nb::module_& m) {
              return task_info_dict(value_or_raise(std::move(info)));
            })
       .def("failed_blocks",
-           [](PyTransferManager& p, TaskId task) {
+           [](PyTransferManager& p, nb::handle task_arg) {
+             const TaskId task = u64_arg(task_arg, "task");
              Result<FailedBlocks> f = Internal("not run");
              auto tm = p.hold();
              {

@@ -1,0 +1,115 @@
+"""kvtier.TransferManager, HybridCache and the CLI under misuse: a tensor the layout does not use, close() from a
+callback, integers nanobind would refuse without naming them, a report stdout cannot take. Each failed before its
+fix (a segfault, std::terminate, unnamed TypeErrors, exit status 0)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import kvtier
+
+LAYERS, BLOCKS, HOST_BLOCKS, BLOCK_BYTES = 2, 8, 8, 512
+
+
+def arrays(n, fill=None, seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for layer in range(LAYERS):
+        for role in ("key_caches", "value_caches"):
+            a = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
+            a[...] = rng.integers(0, 256, a.shape, dtype=np.uint8) if fill is None else fill
+            out[f"{role}_{layer}_rank0.device0"] = a
+    return out
+
+
+def manager(extra=None, num_host_blocks=HOST_BLOCKS):
+    dev = kvtier.host_device()
+    compute = dev.create_stream("compute")
+    d, h = arrays(BLOCKS, seed=1), arrays(HOST_BLOCKS, fill=0xEE)
+    d.update(extra or {})
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()},
+                                              num_host_blocks, LAYERS)
+    return mgr, d, h
+
+
+@pytest.mark.parametrize("name", ["extra", "key_caches_0_rank1.device0"])
+def test_a_zero_d_tensor_the_layout_does_not_use_is_harmless(name):
+    """A 0-d tensor under a name the layout skips (not a KV name, another rank's) crashed from_tensors: its extent
+    was computed from a shape[0] it does not have."""
+    mgr, d, h = manager(extra={name: np.array(5, dtype=np.uint8)})
+    mgr.wait(mgr.evict([3], [1]), 10.0)
+    for k in h:
+        assert np.array_equal(h[k][1], d[k][3])
+    mgr.close()
+
+
+def test_close_from_a_callback_raises_and_the_manager_still_works():
+    """close() inside on_done dropped the manager's last reference on its own progress thread: std::terminate."""
+    mgr, d, h = manager()
+    seen = []
+
+    def on_done(task, error):
+        try:
+            mgr.close()
+            seen.append("closed")
+        except kvtier.FailedPreconditionError as e:
+            seen.append(str(e))
+
+    mgr.wait(mgr.evict([0], [0], on_done=on_done), 10.0)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen and "callback" in seen[0], seen
+    mgr.wait(mgr.evict([1], [1]), 10.0)
+    assert np.array_equal(h["key_caches_1_rank0.device0"][1], d["key_caches_1_rank0.device0"][1])
+    mgr.close()
+
+
+def test_integers_nanobind_would_refuse_are_named():
+    mgr, d, h = manager()
+    with pytest.raises(kvtier.OutOfRangeError, match=r"device block id\[0\] 9223372036854775808"):
+        mgr.evict([2**63], [0])
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"host block id\[1\] 1.5 is not an integer"):
+        mgr.evict([0, 1], [0, 1.5])
+    with pytest.raises(kvtier.InvalidArgumentError, match="is not a sequence of integers"):
+        mgr.evict(3, [0])
+    with pytest.raises(kvtier.OutOfRangeError, match=r"layer\[0\] -1"):
+        mgr.load([-1], [0], [0])
+    with pytest.raises(kvtier.OutOfRangeError, match="task -1"):
+        mgr.wait(-1)
+    with pytest.raises(kvtier.OutOfRangeError, match="layer -1"):
+        mgr.wait_layer_host(1, -1)
+    mgr.wait(mgr.evict(np.array([2, 3]), (4, 5)), 10.0)  # numpy arrays and tuples still work
+    assert np.array_equal(h["value_caches_0_rank0.device0"][5], d["value_caches_0_rank0.device0"][3])
+    mgr.close()
+    # A host cache kvtier allocates (no host pointers): the size wrapped to "0 bytes".
+    dev = kvtier.host_device()
+    with pytest.raises(kvtier.InvalidArgumentError, match="1152921504606846976 blocks"):
+        kvtier.TransferManager.from_tensors(dev, dev.create_stream("c"), arrays(BLOCKS), None, 2**60, LAYERS)
+
+
+def test_hybrid_cache_integers_are_named():
+    hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=8)])
+    with pytest.raises(kvtier.OutOfRangeError, match="group -1"):
+        hc.ack(-1, "loads", [0])
+    with pytest.raises(kvtier.OutOfRangeError, match=r"dst_blocks\[0\] -2"):
+        hc.ack(0, "loads", [-2])
+    with pytest.raises(kvtier.OutOfRangeError, match=r"save_states_at\[0\] -1"):
+        hc.admit(32, [["%032x" % 1, "%032x" % 2]], save_states_at=[-1])
+
+
+def test_the_cli_fails_when_its_report_cannot_be_written():
+    """`kvtier info > /dev/full` exited 0: the report was lost and nobody was told."""
+    exe = os.path.join(os.path.dirname(kvtier.__file__), "bin", "kvtier")
+    if not os.path.exists("/dev/full") or not os.access(exe, os.X_OK):
+        pytest.skip("no /dev/full or no kvtier executable in the package")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([exe, "info"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert r.returncode != 0 and "stdout" in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout
