@@ -382,11 +382,13 @@ Action register_bench_storage(CLI::App& bench) {
   auto* cmd = bench.add_subcommand("storage", "Storage tiers: disk backend vs plain sequential I/O; Redis ops/s");
   cmd->add_option("--dir", args->dir, "directory for the disk backend and the baseline file (a real disk)");
   cmd->add_option("--object-kib", args->object_kib, "disk object sizes, KiB")->delimiter(',');
-  cmd->add_option("--total-mib", args->total_mib, "bytes per disk measurement, MiB");
-  cmd->add_option("--qd", args->queue_depth, "disk backend queue depth");
-  cmd->add_option("--durability", args->durability, "power (fdatasync + dir fsync per object) | process");
-  cmd->add_option("--direct", args->direct, "O_DIRECT: auto | on | off");
-  cmd->add_option("--reps", args->reps, "repetitions (median reported)");
+  // Validated here, so that a bad value is named in the error (CLI11 says which option and why).
+  cmd->add_option("--total-mib", args->total_mib, "bytes per disk measurement, MiB")->check(kAtLeastOne);
+  cmd->add_option("--qd", args->queue_depth, "disk backend queue depth")->check(kAtLeastOne);
+  cmd->add_option("--durability", args->durability, "power (fdatasync + dir fsync per object) | process")
+      ->check(CLI::IsMember({"power", "process"}));
+  cmd->add_option("--direct", args->direct, "O_DIRECT: auto | on | off")->check(CLI::IsMember({"auto", "on", "off"}));
+  cmd->add_option("--reps", args->reps, "repetitions (median reported)")->check(kAtLeastOne);
   cmd->add_flag("--skip-disk", args->skip_disk, "only the Redis measurements");
   cmd->add_option("--redis", args->redis, "host:port of a Redis server to measure");
   cmd->add_option("--redis-password", args->redis_password, "AUTH password for --redis");

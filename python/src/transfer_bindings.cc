@@ -304,14 +304,31 @@ nb::dict task_info_dict(const TaskInfo& info) {
   return d;
 }
 
+// The device and stream arguments of from_tensors / from_pages: nb::cast of another object threw std::bad_cast,
+// which reached Python as a RuntimeError naming neither.
+PyDevice& device_arg(nb::handle value, const char* what) {
+  if (!nb::isinstance<PyDevice>(value))
+    raise_status(
+        InvalidArgument(fmt::format("{} is a {}, not a kvtier device (kvtier.host_device(), "
+                                    "kvtier.cuda_device())",
+                                    what, nb::cast<std::string>(nb::str(value.type())))));
+  return nb::cast<PyDevice&>(value);
+}
+PyStream& stream_arg(nb::handle value, const char* what) {
+  if (!nb::isinstance<PyStream>(value))
+    raise_status(InvalidArgument(fmt::format("{} is a {}, not a kvtier stream (device.create_stream())", what,
+                                             nb::cast<std::string>(nb::str(value.type())))));
+  return nb::cast<PyStream&>(value);
+}
+
 std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::object compute_obj,
                                                   std::map<std::string, nb::ndarray<>> tensors,
                                                   std::optional<std::map<std::string, std::uintptr_t>> host_pointers,
                                                   std::uint64_t num_host_blocks, std::uint32_t num_model_layers,
                                                   int rank, int device_label, std::uint32_t block_tokens,
                                                   std::map<std::string, std::string> config) {
-  PyDevice& pd = nb::cast<PyDevice&>(device_obj);
-  PyStream& compute = nb::cast<PyStream&>(compute_obj);
+  PyDevice& pd = device_arg(device_obj, "device");
+  PyStream& compute = stream_arg(compute_obj, "compute_stream");
   Device& device = pd.get();
   auto out = std::make_unique<PyTransferManager>();
   out->device_ref = device_obj;
@@ -376,8 +393,8 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
                                                        std::vector<std::uint64_t> page_bytes,
                                                        std::uint64_t num_host_blocks, std::uint32_t block_tokens,
                                                        std::map<std::string, std::string> config) {
-  PyDevice& pd = nb::cast<PyDevice&>(device_obj);
-  PyStream& compute = nb::cast<PyStream&>(compute_obj);
+  PyDevice& pd = device_arg(device_obj, "device");
+  PyStream& compute = stream_arg(compute_obj, "compute_stream");
   Device& device = pd.get();
   if (tensors.empty()) raise_status(InvalidArgument("from_pages: no tensors"));
   if (tensors.size() != page_bytes.size())

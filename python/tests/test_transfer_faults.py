@@ -113,3 +113,13 @@ def test_the_cli_fails_when_its_report_cannot_be_written():
     assert r.returncode != 0 and "stdout" in r.stderr, (r.returncode, r.stderr)
     r = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout
+
+
+def test_objects_that_are_not_a_device_or_a_stream_are_named():
+    """from_tensors(stream, stream, ...) raised RuntimeError('std::bad_cast')."""
+    dev = kvtier.host_device()
+    s = dev.create_stream("c")
+    with pytest.raises(kvtier.InvalidArgumentError, match="device is a .*not a kvtier device"):
+        kvtier.TransferManager.from_tensors(s, s, arrays(BLOCKS), None, HOST_BLOCKS, LAYERS)
+    with pytest.raises(kvtier.InvalidArgumentError, match="compute_stream is a .*not a kvtier stream"):
+        kvtier.TransferManager.from_tensors(dev, dev, arrays(BLOCKS), None, HOST_BLOCKS, LAYERS)
