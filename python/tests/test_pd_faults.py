@@ -593,12 +593,12 @@ def test_a_receiver_over_a_host_memory_decode_names_the_memory_kinds():
         tm.close()
 
 
-_CLOSE_AFTER_DECODE_KILLED = """
-import multiprocessing as mp, os, signal, time
+# The scripts below run in a process of their own: three layers of (key, value) float16 pools of N blocks of
+# SHAPE, random (a function of the seed) or poisoned.
+_SCRIPT_PRELUDE = """
+import multiprocessing as mp, os, signal, sys, time
 import numpy as np
 from kvtier.pd import Decode, Prefill
-
-SHAPE, N = (64, 1024), 64
 
 def kv(fill=None, seed=1):
     rng = np.random.default_rng(seed)
@@ -611,6 +611,10 @@ def kv(fill=None, seed=1):
             pair.append(t)
         out.append(tuple(pair))
     return out
+"""
+
+_CLOSE_AFTER_DECODE_KILLED = _SCRIPT_PRELUDE + """
+SHAPE, N = (64, 1024), 64
 
 def decode_proc(conn):
     d = Decode(kv(fill=True), transport="ucx", tls="shm", heartbeat_s=0.05, lease_s=0.5)
@@ -651,24 +655,8 @@ def test_a_prefill_closes_cleanly_after_its_ucx_shared_memory_decode_was_killed_
         assert r.returncode == 0 and "closed" in r.stdout, (attempt, r.returncode, r.stdout[-500:], r.stderr[-2000:])
 
 
-_PEER_STOPPED_MID_TRANSFER = """
-import multiprocessing as mp, os, signal, sys, time
-import numpy as np
-from kvtier.pd import Decode, Prefill
-
+_PEER_STOPPED_MID_TRANSFER = _SCRIPT_PRELUDE + """
 SHAPE, N, LEASE = (64, 1024), 256, 0.5
-
-def kv(fill=None, seed=1):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(3):
-        pair = []
-        for _ in range(2):
-            t = np.empty((N,) + SHAPE, np.float16)
-            t.view(np.uint8)[...] = 0xEE if fill else rng.integers(0, 256, t.view(np.uint8).shape, dtype=np.uint8)
-            pair.append(t)
-        out.append(tuple(pair))
-    return out
 
 def endpoint(side):
     cls = Prefill if side == "prefill" else Decode
@@ -731,6 +719,20 @@ if __name__ == "__main__":
 """
 
 
+def run_stopped_peer(tmp_path, victim: str, mode: str, action: str) -> float:
+    """Runs _PEER_STOPPED_MID_TRANSFER: the victim stopped mid-transfer, then killed or resumed; checks that the
+    survivor's blocks came back (reclaimable) with the transfer failed; returns how long that took."""
+    script = tmp_path / f"peer_{action}.py"
+    script.write_text(_PEER_STOPPED_MID_TRANSFER)
+    r = subprocess.run([sys.executable, str(script), victim, mode, action], capture_output=True, text=True,
+                       timeout=90)
+    assert r.returncode == 0 and "closed" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    m = re.search(r"back after ([0-9.]+) s; reclaimable True ; error: (\S+)", r.stdout)
+    assert m, r.stdout[-500:]
+    assert m.group(2) != "None", f"the transfer ended before the victim stopped: the test did not test: {r.stdout}"
+    return float(m.group(1))
+
+
 @pytest.mark.parametrize("victim,mode", [("prefill", "pull"), ("decode", "push"), ("decode", "pull"),
                                          ("prefill", "push")])
 def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_dies_mid_transfer(tmp_path, victim, mode):
@@ -738,15 +740,7 @@ def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_dies_mid_transfer(
     UCX's forced close does not complete requests already sent, so the survivor's transfer stayed in flight and
     its blocks never came back (a decode's destinations of a pull, a prefill's sources of a push). They come back
     once the peer's process is gone and its last messages have been processed."""
-    script = tmp_path / "peer_killed.py"
-    script.write_text(_PEER_STOPPED_MID_TRANSFER)
-    r = subprocess.run([sys.executable, str(script), victim, mode, "kill"], capture_output=True, text=True,
-                       timeout=90)
-    assert r.returncode == 0 and "closed" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
-    m = re.search(r"back after ([0-9.]+) s; reclaimable True ; error: (\S+)", r.stdout)
-    assert m, r.stdout[-500:]
-    assert float(m.group(1)) < 5.0, r.stdout
-    assert m.group(2) != "None", "the transfer ended before the peer died: the test did not test: " + r.stdout
+    assert run_stopped_peer(tmp_path, victim, mode, "kill") < 5.0
 
 
 @pytest.mark.parametrize("victim,mode", [("prefill", "push"), ("prefill", "pull"), ("decode", "push"),
@@ -757,15 +751,7 @@ def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_resumes_after_a_pa
     disconnected it before its last word ('Q' of a prefill, 'F' of a decode) went out, so the survivor, which
     cannot tell a paused peer from a dead one on UCX's RMA paths, held its blocks while the peer lived (a decode's
     destinations of a push). The last word now goes out before the disconnect."""
-    script = tmp_path / "peer_paused.py"
-    script.write_text(_PEER_STOPPED_MID_TRANSFER)
-    r = subprocess.run([sys.executable, str(script), victim, mode, "pause"], capture_output=True, text=True,
-                       timeout=90)
-    assert r.returncode == 0 and "closed" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
-    m = re.search(r"back after ([0-9.]+) s; reclaimable True ; error: (\S+)", r.stdout)
-    assert m, r.stdout[-500:]
-    assert float(m.group(1)) < 5.0, r.stdout
-    assert m.group(2) != "None", "the transfer ended before the pause: the test did not test: " + r.stdout
+    assert run_stopped_peer(tmp_path, victim, mode, "pause") < 5.0
 
 
 def test_a_begin_after_the_decode_cancelled_and_forgot_the_transfer_ends_at_once():

@@ -383,17 +383,30 @@ TEST(LookaheadPrefetch, LaterAnnouncementNeverEvictsAnEarlierOnesBlocks) {
   EXPECT_INVARIANTS(*m);
 }
 
+// A cache of 8 device / 16 host blocks where `a` (4 blocks) went to host behind two other requests, then `a` is
+// announced: the plan loads a's blocks back (and evicts the others' to make room), acked here for the evictions.
+struct AnnouncedOnHost {
+  std::unique_ptr<CacheManager> m;
+  Result<QueuedId> queued = Internal("not announced");
+  StepPlan plan;
+};
+AnnouncedOnHost announce_host_chain(const std::vector<BlockKey>& a) {
+  AnnouncedOnHost r;
+  r.m = make_cache(lookahead_config(8, 16, 0));
+  run_request(*r.m, a);
+  run_request(*r.m, path({10, 11, 12, 13}));
+  run_request(*r.m, path({20, 21, 22, 23}));  // a -> host
+  r.queued = r.m->announce(a);
+  r.plan = r.m->take_plan();
+  return r;
+}
+
 // A failed look-ahead load leaves the block on host, never served as loaded; a failed look-ahead fetch makes
 // the chain a miss.
 TEST(LookaheadPrefetch, FailedPrefetchBecomesAMissOrALowerTierNeverData) {
   const auto a = path({1, 2, 3, 4});
-  auto m = make_cache(lookahead_config(8, 16, 0));
-  run_request(*m, a);
-  run_request(*m, path({10, 11, 12, 13}));
-  run_request(*m, path({20, 21, 22, 23}));  // a -> host
-  auto q = m->announce(a);
+  auto [m, q, p] = announce_host_chain(a);
   ASSERT_TRUE(q.ok());
-  StepPlan p = m->take_plan();
   ASSERT_EQ(keys_of(p.loads), a);
   const std::uint64_t failed_before = m->stats().failed_transfers;
   ASSERT_TRUE(m->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
@@ -434,13 +447,8 @@ TEST(LookaheadPrefetch, AFailedLoadAboveOthersKeepsEveryHostCopy) {
   const auto a = path({1, 2, 3, 4});
   for (const bool children_first : {false, true}) {
     SCOPED_TRACE(children_first ? "the children's loads ack first" : "the parent's load fails first");
-    auto m = make_cache(lookahead_config(8, 16, 0));
-    run_request(*m, a);
-    run_request(*m, path({10, 11, 12, 13}));
-    run_request(*m, path({20, 21, 22, 23}));  // a -> host
-    auto q = m->announce(a);
+    auto [m, q, p] = announce_host_chain(a);
     ASSERT_TRUE(q.ok());
-    StepPlan p = m->take_plan();
     ASSERT_EQ(keys_of(p.loads), a);
     ASSERT_TRUE(m->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
     const std::vector<BlockId> loads = dsts(p.loads);
