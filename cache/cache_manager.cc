@@ -264,6 +264,7 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
     } else {
       BlockId db = *s.pools[kDev].allocate();  // ensured above
       s.plan.loads.push_back(BlockMove{n.block[kHst], db, n.key});
+      n.untaken = true;  // acknowledgeable once take_plan() has handed it out
       s.set_block(id, kDev, db);
       n.state = NodeState::kLoading;
       s.retier(id);
@@ -548,6 +549,7 @@ Result<std::uint32_t> CacheManager::prefetch(std::span<const BlockKey> keys) {
       break;
     }
     s.plan.storage_prefetches.push_back(BlockMove{n.block[kSto], *hb, n.key});
+    n.untaken = true;  // acknowledgeable once take_plan() has handed it out
     s.set_block(id, kHst, *hb);
     n.state = NodeState::kFetching;
     s.retier(id);
@@ -584,6 +586,15 @@ StepPlan CacheManager::take_plan() {
   if (!s.queue_order.empty() && s.cfg.lookahead_prefetch_blocks > 0) s.lookahead_prefetch();
   StepPlan out = std::move(s.plan);
   s.plan = StepPlan{};
+  const auto handed_out = [&](const std::vector<BlockMove>& moves, int dst_tier) {
+    for (const BlockMove& m : moves)
+      if (const NodeId id = s.owner[dst_tier][m.dst]; id != kNoNode) s.nodes[id].untaken = false;
+  };
+  handed_out(out.evictions, kHst);
+  handed_out(out.backups, kHst);
+  handed_out(out.loads, kDev);
+  handed_out(out.storage_writes, kSto);
+  handed_out(out.storage_prefetches, kHst);
   return out;
 }
 

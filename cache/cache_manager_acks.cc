@@ -253,9 +253,13 @@ void retreat_on_ack(Impl& s, NodeId id) {
 Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const Status& status) {
   const AckTarget& target = kAckTargets[static_cast<int>(kind)];
   const AckRule* rule = nullptr;
-  for (BlockId b : blocks)
-    if (acked_node(s, kind, b, &rule) == kNoNode)
-      return FailedPrecondition(fmt::format("{} {} has no {} in flight", target.noun, b, target.what));
+  for (BlockId b : blocks) {
+    const NodeId id = acked_node(s, kind, b, &rule);
+    if (id == kNoNode) return FailedPrecondition(fmt::format("{} {} has no {} in flight", target.noun, b, target.what));
+    if (s.nodes[id].untaken)
+      return FailedPrecondition(
+          fmt::format("{} {} has its {} queued, not yet handed out by take_plan()", target.noun, b, target.what));
+  }
   std::vector<NodeId> landed, retreating;
   int deferred_tier = kNoTier;
   for (BlockId b : blocks) {

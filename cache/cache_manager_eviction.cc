@@ -86,6 +86,7 @@ bool CacheManager::Impl::start_demotion(NodeId v) {
   if (!slot.ok()) return false;
   Node& n = nodes[v];
   plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
+  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
   untrack(v, kHst);
   n.present = static_cast<std::uint8_t>(n.present & ~bit(kHst));  // block kept until the ack
   announce(v);
@@ -178,6 +179,7 @@ bool CacheManager::Impl::drop_one_storage() {
 void CacheManager::Impl::evict_to_host(NodeId v, BlockId hb) {
   Node& n = nodes[v];
   plan.evictions.push_back(BlockMove{n.block[kDev], hb, n.key});
+  n.untaken = true;       // acknowledgeable once take_plan() has handed it out
   release_copy(v, kDev);  // same-step reuse: the plan orders this D2H before any write into the device block
   set_block(v, kHst, hb);
   n.state = NodeState::kEvicting;
@@ -331,6 +333,7 @@ void CacheManager::Impl::store_through(NodeId id) {
   auto slot = pools[kSto].allocate();
   if (!slot.ok()) return;
   plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
+  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
   set_block(id, kSto, *slot);
   n.state = NodeState::kStoring;
   sync_reclaim(id);  // a device copy beside the host one is held until the write's ack
@@ -343,6 +346,7 @@ void CacheManager::Impl::backup(NodeId id) {
   auto hb = take_host_block();
   if (!hb.ok()) return;
   plan.backups.push_back(BlockMove{n.block[kDev], *hb, n.key});
+  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
   set_block(id, kHst, *hb);
   n.state = NodeState::kBackingUp;
   sync_reclaim(id);

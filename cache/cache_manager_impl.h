@@ -66,6 +66,9 @@ struct Node {
   // A look-ahead load below one that failed: its device copy is given up when it acks, whatever the outcome (a
   // device block under a host-only parent would break the tier order); until then it counts as its host copy.
   bool retreat_on_ack = false;
+  // Its move is queued in the plan and take_plan() has not handed it out yet: an ack of it is refused (the engine
+  // cannot have copied a block it was never told to move, and landing it would serve garbage).
+  bool untaken = false;
   std::uint32_t refs = 0;
   std::uint32_t hits = 0;
   std::uint32_t depth = 0;

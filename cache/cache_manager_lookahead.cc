@@ -211,6 +211,7 @@ bool CacheManager::Impl::lookahead_load(NodeId id) {
   auto db = pools[kDev].allocate();
   if (!db.ok()) return false;
   plan.loads.push_back(BlockMove{n.block[kHst], *db, n.key});
+  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
   set_block(id, kDev, *db);
   n.state = NodeState::kLoading;
   n.lookahead_move = true;
@@ -231,6 +232,7 @@ bool CacheManager::Impl::lookahead_fetch(NodeId id) {
     return false;
   }
   plan.storage_prefetches.push_back(BlockMove{n.block[kSto], *hb, n.key});
+  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
   set_block(id, kHst, *hb);
   n.state = NodeState::kFetching;
   n.lookahead_move = true;

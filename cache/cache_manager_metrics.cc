@@ -9,6 +9,12 @@ namespace kvtier::cache {
 
 Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Labels& labels) {
   if (metrics_) return FailedPrecondition("attach_metrics: this cache manager is already attached to a registry");
+  // The manager's own label names, checked before anything is registered: a clash found halfway left series
+  // registered under the caller's labels, which fixed their families' label names for every later attach.
+  for (const char* own : {"tier", "policy", "action", "expert", "kind", "outcome"})
+    for (const auto& label : labels)
+      if (label.first == own)
+        return InvalidArgument(fmt::format("attach_metrics: label '{}' is one the cache manager sets itself", own));
   auto m = std::make_unique<MetricSeries>();
   auto counter = [&](MetricSeries::Delta& d, const char* name, const char* help, const metrics::Labels& l) -> Status {
     KVTIER_ASSIGN_OR_RETURN(d.c, reg.counter(name, help, l));

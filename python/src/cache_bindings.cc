@@ -425,22 +425,23 @@ void bind_cache(nb::module_& m) {
                              "table of docs/configuration.md without the 'cache.' prefix.")
       .def(
           "__init__",
-          [](PyCacheManager* self, std::uint32_t device_blocks, std::uint32_t host_blocks, std::uint32_t storage_blocks,
+          [](PyCacheManager* self, nb::handle device_blocks, nb::handle host_blocks, nb::handle storage_blocks,
              const std::string& write_policy, const std::string& device_policy, const std::string& host_policy,
-             std::uint32_t write_through_threshold) {
+             nb::handle write_through_threshold) {
             cache::CacheConfig c;
-            c.device_blocks = device_blocks;
-            c.host_blocks = host_blocks;
-            c.storage_blocks = storage_blocks;
+            c.device_blocks = u32_arg(device_blocks, "device_blocks");
+            c.host_blocks = u32_arg(host_blocks, "host_blocks");
+            c.storage_blocks = u32_arg(storage_blocks, "storage_blocks");
             c.write_policy = value_or_raise(cache::parse_write_policy(write_policy));
             c.device_policy = device_policy;
             c.host_policy = host_policy;
-            c.write_through_threshold = write_through_threshold;
+            c.write_through_threshold = u32_arg(write_through_threshold, "write_through_threshold");
             new (self) PyCacheManager();
             self->cm = value_or_raise(cache::CacheManager::create(std::move(c)));
           },
-          "device_blocks"_a, "host_blocks"_a = 0, "storage_blocks"_a = 0, "write_policy"_a = "write_back",
-          "device_policy"_a = "adaptive", "host_policy"_a = "lru", "write_through_threshold"_a = 2)
+          "device_blocks"_a.none(), "host_blocks"_a.none() = 0, "storage_blocks"_a.none() = 0,
+          "write_policy"_a = "write_back", "device_policy"_a = "adaptive", "host_policy"_a = "lru",
+          "write_through_threshold"_a.none() = 2)
       .def("match",
            [](PyCacheManager& p, const std::vector<std::string>& keys) {
              auto k = parse_keys(keys);

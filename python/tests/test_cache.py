@@ -336,3 +336,44 @@ def test_threads_whose_calls_raise_share_a_cache_manager_without_deadlock():
         pytest.fail("threads sharing a CacheManager deadlocked")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "done"
+
+
+def test_an_ack_of_a_move_take_plan_has_not_handed_out_is_refused():
+    """An eviction acked before take_plan() handed it out was accepted: the block was matchable on host although
+    no byte had been copied, and the engine's real ack of the move was refused later."""
+    h = kvtier.KeyHasher("m", block_tokens=1)
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=4, write_policy="write_back")
+    a_keys, b_keys = h.keys_for([1, 2]), h.keys_for([7, 8])
+    a = cm.admit(a_keys)
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    cm.admit(b_keys)  # queues the evictions of a's blocks
+    for hb in range(4):
+        with pytest.raises(kvtier.FailedPreconditionError, match=f"host block {hb} has"):
+            cm.ack("evictions", [hb])
+    assert cm.match(a_keys)["host_blocks"] == 0
+    plan = cm.take_plan()
+    assert len(plan["evictions"]) == 2
+    cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
+    assert cm.match(a_keys)["host_blocks"] == 2
+    cm.check_invariants()
+
+
+def test_a_refused_attach_metrics_registers_nothing():
+    """A label clashing with the manager's own ('tier') was found halfway: the series registered before it stayed,
+    and fixed their families' label names, so every later attach in the process was refused."""
+    import kvtier.metrics as metrics
+    cm1, cm2 = kvtier.CacheManager(device_blocks=2), kvtier.CacheManager(device_blocks=2)
+    with pytest.raises(kvtier.InvalidArgumentError, match="'tier'"):
+        cm1.attach_metrics({"tier": "x-refused"})
+    assert not [line for line in metrics.text().splitlines() if 'tier="x-refused"' in line]
+    cm2.attach_metrics({"engine": "attach-after-refusal"})
+
+
+@pytest.mark.parametrize("kwargs,named", [(dict(device_blocks=-1), "device_blocks -1"),
+                                          (dict(device_blocks=4, host_blocks=2**32), "host_blocks 4294967296"),
+                                          (dict(device_blocks=4, write_through_threshold=-1),
+                                           "write_through_threshold -1")])
+def test_constructor_integers_out_of_range_are_named(kwargs, named):
+    with pytest.raises(kvtier.OutOfRangeError, match=named):
+        kvtier.CacheManager(**kwargs)

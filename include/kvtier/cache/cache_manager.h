@@ -416,7 +416,8 @@ class CacheManager {
   // blocks; it also counts one step of every retention (RequestHints::ttl_steps).
   StepPlan take_plan();
 
-  // Completion acknowledgements, by destination block id of each move.
+  // Completion acknowledgements, by destination block id of each move take_plan() handed out: a block with no such
+  // move in flight, or whose move is queued but not yet handed out, is FailedPrecondition and nothing changes.
   Status ack_evictions(std::span<const BlockId> host_blocks, const Status& status);
   Status ack_backups(std::span<const BlockId> host_blocks, const Status& status);
   Status ack_loads(std::span<const BlockId> device_blocks, const Status& status);
