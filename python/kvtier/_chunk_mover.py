@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from . import _native
-from .errors import InvalidArgumentError, NotSupportedError, ResourceExhaustedError
+from .errors import InvalidArgumentError, NotSupportedError, ResourceExhaustedError, TimedOutError
 
 logger = logging.getLogger("kvtier.vllm")
 
@@ -37,6 +38,9 @@ logger = logging.getLogger("kvtier.vllm")
 DEFAULT_STAGING = 64 << 20
 # The deadline of each wait on a copy (a copy that takes longer fails its job).
 COPY_TIMEOUT_S = 120.0
+# How long wait() and shutdown() wait for jobs: the copies and Redis have deadlines of their own, but a tier can stop
+# answering (a hung mount) and the engine must hear of it rather than hang.
+JOB_TIMEOUT_S = 600.0
 # Blocks of one batch at most: with tiny pages a staging buffer of many MiB would otherwise mean millions of host
 # blocks (each with its bookkeeping in the manager); a batch this large is as fast as a larger one.
 MAX_BATCH_BLOCKS = 16384
@@ -698,6 +702,16 @@ class ChunkMover:
         except _JobFailed as e:
             fut: Future = Future()
             fut.set_exception(e)
+            if is_store and delete and not self._closed:
+                # The job's deletes (chunks the index evicted for it) still run: dropped with the job, they left
+                # objects no index reports, and a pinned tier full of them refused every later store.
+                def deletes_then_fail(names=list(delete), err=e):
+                    self.stats["deleted_chunks"] += self._tier.delete(names)
+                    raise err
+                try:
+                    fut = self._store_pool.submit(deletes_then_fail)
+                except RuntimeError:  # shut down meanwhile: nothing is stored any more
+                    pass
             with self._lock:
                 self._jobs[job_id] = _Job(job_id, fut, 0, is_store)
             return
@@ -739,21 +753,40 @@ class ChunkMover:
                                    (time.perf_counter() - j.start) if err is None else None))
         return out
 
-    def wait(self, job_ids: set) -> None:
+    def wait(self, job_ids: set, timeout: float = JOB_TIMEOUT_S) -> None:
+        """Until the jobs have ended (their outcome comes from finished()); TimedOutError naming the first job that
+        did not end within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         for job_id in job_ids:
             with self._lock:
                 j = self._jobs.get(job_id)
             if j is not None:
                 try:
-                    j.future.result()
+                    j.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    raise TimedOutError(f"kvtier.vllm: job {job_id} did not end within {timeout:g} s (a storage "
+                                        "tier that stopped answering?)") from None
                 except BaseException:  # noqa: BLE001 (reported by get_finished)
                     pass
 
-    def shutdown(self) -> None:
-        """Finishes the jobs submitted so far and releases the managers (idempotent)."""
+    def shutdown(self, timeout: float = JOB_TIMEOUT_S) -> None:
+        """Finishes the jobs submitted so far, up to ``timeout`` seconds, and releases the managers
+        (idempotent). Jobs still running then are left to their threads (logged)."""
         self._closed = True
-        self._store_pool.shutdown(wait=True)
-        self._load_pool.shutdown(wait=True)
+        self._store_pool.shutdown(wait=False)
+        self._load_pool.shutdown(wait=False)
+        with self._lock:
+            running = [j for j in self._jobs.values() if not j.future.done()]
+        deadline = time.monotonic() + timeout
+        for j in running:
+            try:
+                j.future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                logger.error("kvtier.vllm: shutdown: job %d did not end within %g s; left running", j.job_id,
+                             timeout)
+                break
+            except BaseException:  # noqa: BLE001 (its outcome was the job's)
+                pass
         with self._mgr_lock:
             managers = [grp.manager for grp in self._groups if grp.manager is not None] + self._retired
             self._retired = []

@@ -40,8 +40,9 @@ or reads and verifies the objects first and scatters them into the KV tensors af
 
 Failures are misses, never garbage: a job is reported successful only when every object was written
 (store) or read whole, verified and of the chunk's exact size (load). A failed store drops its chunks from
-the index (``complete_store(success=False)``) and deletes what it wrote; a failed load leaves the
-destination blocks as they were and vLLM recomputes them.
+the index (``complete_store(success=False)``), and the next store job deletes its objects on every rank; a
+failed load is reported failed and vLLM recomputes its blocks (a load of several batches may have scattered
+the batches before the one that failed into them: they are recomputed all the same).
 """
 
 from __future__ import annotations
@@ -485,11 +486,17 @@ class KvtierOffloadingManager(OffloadingManager):
         for key in keys:
             admission = self._pending.pop(bytes(key), None)
             if admission is None:
+                # A store from before reset_cache(): whatever it wrote belongs to no chunk of this index.
+                if object_key(key) not in self._chunks:
+                    self._orphans.append(object_key(key))
                 continue
             if success:
                 self._index.commit(admission)
             else:
+                # Failed on some rank: the ranks that wrote the object keep it until a store job deletes it
+                # (a pinned or memory tier would otherwise fill up with objects no index reports).
                 self._chunks.pop(object_key(key), None)
+                self._orphans.append(object_key(key))
             self._index.release(admission)  # uncommitted: its block returns to the pool
             done.append(key)
         self._take_evicted()  # drains the index's own events of these chunks
@@ -513,9 +520,11 @@ class KvtierOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Forgets every chunk (vLLM's reset_prefix_cache). The objects stay on the tier until overwritten or
-        evicted by the tier's own capacity; this index never reports them again. Loads and stores in flight
-        complete against nothing."""
+        """Forgets every chunk (vLLM's reset_prefix_cache): this index never reports them again, and the next
+        store job deletes their objects from the tier (the pinned tier has no eviction of its own, so they would
+        fill it for good), as it does what stores in flight at the reset write. Loads in flight complete against
+        nothing."""
+        self._orphans.extend(self._chunks.keys())
         self._index = self._new_index()
         self._queued.clear()  # the new index holds no announcement
         self._chunks.clear()

@@ -729,3 +729,87 @@ def test_an_unknown_policy_is_named(tmp_path):
         kv.KvtierOffloadingManager(4, policy="bogus")
     with pytest.raises(InvalidArgumentError, match="cache.device_policy"):
         kv.parse_extra_config(extra(tmp_path, **{"cache.device_policy": 7}))
+
+
+# ---- faults an adversarial pass found: space that was never given back, a wait with no deadline ----------------
+
+G_UNPADDED = [Group(layers=2, page=512, row=512)]  # 1 KiB per chunk: capacities below count in chunks
+
+
+def test_reset_cache_gives_the_pinned_tier_its_slots_back():
+    """reset_cache() cleared only the scheduler's index: the worker's pinned slots stayed taken, and every later
+    store failed 'the pinned tier ... is full' for good."""
+    c = Connector({"storage": "pinned:?capacity=4K"}, G_UNPADDED, num_blocks=16)
+    try:
+        c.kv[0].fill_random(0, range(1, 9))
+        assert c.finish(c.store(c.request("a", chunk_hashes(4, "a")), [0, 1, 2, 3], {0: [1, 2, 3, 4]})) == [True]
+        c.manager.reset_cache()
+        for i in range(3):
+            r = c.request(f"b{i}", chunk_hashes(1, f"b{i}"))
+            assert c.finish(c.store(r, [0], {0: [5 + i]})) == [True], c.workers[0].last_error
+        assert c.workers[0].pinned_chunks == len(c.manager) == 3
+    finally:
+        c.shutdown()
+
+
+def test_a_store_that_cannot_be_planned_still_deletes_what_the_index_evicted_for_it():
+    """The deletes of the chunks the index evicted for a store rode on that store's job; a job that failed in
+    planning (a block id out of range) dropped them, and the pinned tier filled with objects no index reports."""
+    c = Connector({"storage": "pinned:?capacity=2K"}, G_UNPADDED, num_blocks=16)
+    try:
+        c.kv[0].fill_random(0, range(1, 9))
+        ra, rb, rc = (c.request(n, chunk_hashes(1, n)) for n in "abc")
+        assert c.finish(c.store(ra, [0], {0: [1]}), c.store(rb, [0], {0: [2]})) == [True, True]
+        assert c.finish(c.store(rc, [0], {0: [999]})) == [False]
+        for i in range(3):
+            r = c.request(f"d{i}", chunk_hashes(1, f"d{i}"))
+            assert c.finish(c.store(r, [0], {0: [3 + i]})) == [True], c.workers[0].last_error
+        assert c.workers[0].pinned_chunks == len(c.manager)
+    finally:
+        c.shutdown()
+
+
+def test_a_store_failed_on_one_rank_has_its_objects_deleted_on_the_others():
+    """complete_store(success=False) dropped the chunk from the index but nobody deleted what the other ranks had
+    written: a memory tier without eviction filled up and refused every store."""
+    c = Connector({"storage": "memory:?capacity=64K&evict=off"}, G_UNPADDED, num_blocks=16, world_size=2)
+    try:
+        for k in c.kv:
+            k.fill_random(0, range(1, 9))
+        for i in range(30):
+            c.workers[1]._mover._device.fail_nth_operation(1)
+            assert c.finish(c.store(c.request(f"f{i}", chunk_hashes(1, f"f{i}")), [0], {0: [1]})) == [False]
+        for i in range(3):
+            r = c.request(f"d{i}", chunk_hashes(1, f"d{i}"))
+            assert c.finish(c.store(r, [0], {0: [2 + i]})) == [True], [w.last_error for w in c.workers]
+        assert [s.store.stats()["objects"] for s in c.worker_specs] == [len(c.manager)] * 2
+    finally:
+        c.shutdown()
+
+
+def test_wait_and_shutdown_end_when_a_tier_stops_answering(tmp_path, monkeypatch):
+    """A tier that stops answering (a hung mount) held vLLM's wait() of a sync load, and shutdown(), forever."""
+    import threading
+
+    import kvtier._chunk_mover as mover
+    c = Connector({"storage": f"disk:{tmp_path}?durability=process", "capacity": "64M"}, G_UNPADDED, num_blocks=16)
+    c.kv[0].fill_random(0, [1])
+    assert c.finish(c.store(c.request("r", chunk_hashes(1)), [0], {0: [1]})) == [True]
+    real, release = c.workers[0].store, threading.Event()
+
+    class Stalled:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def get_many(self, names, bufs):
+            release.wait(30)
+            return real.get_many(names, bufs)
+
+    c.workers[0].store = Stalled()
+    monkeypatch.setattr(mover, "JOB_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(mover.ChunkMover.wait, "__defaults__", (0.5,))
+    monkeypatch.setattr(mover.ChunkMover.shutdown, "__defaults__", (0.5,))
+    with pytest.raises(kvtier.TimedOutError, match="did not end within 0.5 s"):
+        c.load(c.request("r2", chunk_hashes(1)), 1, {0: [5]}, sync=True)
+    release.set()
+    c.shutdown()
