@@ -119,6 +119,49 @@ class _Job:
         self.is_store = is_store
 
 
+class _LoadQueue:
+    """One thread that runs loads in order, expedited ones (vLLM's sync loads, which the engine step waits for)
+    before every queued regular one: one thread, because loads share the groups' staging buffers."""
+
+    def __init__(self, name: str):
+        self._cv = threading.Condition()
+        self._expedited: List[Tuple[Future, Any, tuple]] = []
+        self._regular: List[Tuple[Future, Any, tuple]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, expedited: bool, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the load queue was shut down")
+            (self._expedited if expedited else self._regular).append((fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def shutdown(self) -> None:
+        """No new loads; those queued still run."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._expedited or self._regular or self._closed):
+                    self._cv.wait()
+                if not (self._expedited or self._regular):
+                    return
+                fut, fn, args = (self._expedited or self._regular).pop(0)
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (the job's outcome)
+                fut.set_exception(e)
+
+
 class _JobFailed(Exception):
     pass
 
@@ -439,7 +482,7 @@ class ChunkMover:
             self._tier.reset(g)
             grp.manager = self._new_manager(grp)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-store")
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-load")
+        self._load_pool = _LoadQueue("kvtier-vllm-load")
         self._jobs: Dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._logged: set = set()
@@ -683,7 +726,8 @@ class ChunkMover:
 
     # ------------------------------------------------------------------ jobs
 
-    def submit(self, job_id: int, ptrs: Any, names: List[str], delete: List[str], is_store: bool) -> None:
+    def submit(self, job_id: int, ptrs: Any, names: List[str], delete: List[str], is_store: bool,
+               expedited: bool = False) -> None:
         """Starts a store (KV tensors -> objects ``names``, after deleting ``delete``) or a load (objects -> KV
         tensors). ``ptrs``: the job's device blocks as vLLM's ``DevicePointers`` has them (``ptrs``, ``sizes``,
         ``group_block_counts``, ``group_data_ref_counts``, ``block_indices``). A job that cannot be planned is
@@ -719,7 +763,7 @@ class ChunkMover:
             if is_store:
                 fut = self._store_pool.submit(self._run_store, plan, list(delete), ready)
             else:
-                fut = self._load_pool.submit(self._run_load, plan)
+                fut = self._load_pool.submit(expedited, self._run_load, plan)
         except RuntimeError:  # shut down between the check above and here
             fut = Future()
             fut.set_exception(_JobFailed("the worker was shut down"))
@@ -774,7 +818,7 @@ class ChunkMover:
         (idempotent). Jobs still running then are left to their threads (logged)."""
         self._closed = True
         self._store_pool.shutdown(wait=False)
-        self._load_pool.shutdown(wait=False)
+        self._load_pool.shutdown()
         with self._lock:
             running = [j for j in self._jobs.values() if not j.future.done()]
         deadline = time.monotonic() + timeout

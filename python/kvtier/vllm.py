@@ -581,11 +581,12 @@ class KvtierOffloadingWorker(OffloadingWorker):
         """The size of one chunk's object of a KV cache group (this rank's bytes of every layer of it)."""
         return self._mover.object_bytes(group)
 
-    def _submit(self, job_id: int, ptrs: DevicePointers, spec: LoadStoreSpec, is_store: bool) -> bool:
+    def _submit(self, job_id: int, ptrs: DevicePointers, spec: LoadStoreSpec, is_store: bool,
+                expedited: bool = False) -> bool:
         if not isinstance(spec, KvtierLoadStoreSpec):
             raise InvalidArgumentError(f"kvtier.vllm: job {job_id} has a {type(spec).__name__}, not a "
                                        "KvtierLoadStoreSpec")
-        self._mover.submit(job_id, ptrs, spec.names, spec.delete if is_store else [], is_store)
+        self._mover.submit(job_id, ptrs, spec.names, spec.delete if is_store else [], is_store, expedited)
         return True
 
     def submit_store(self, job_id: int, device_ptrs: DevicePointers, dst_spec: LoadStoreSpec) -> bool:
@@ -593,7 +594,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, device_ptrs: DevicePointers,
                     expedited: bool = False) -> bool:
-        return self._submit(job_id, device_ptrs, src_spec, False)
+        # An expedited load (one the engine step waits for) runs before every queued regular load.
+        return self._submit(job_id, device_ptrs, src_spec, False, expedited)
 
     def get_finished(self) -> List[TransferResult]:
         return [TransferResult(job_id=f.job_id, success=f.success, transfer_size=f.bytes, transfer_time=f.seconds)

@@ -813,3 +813,31 @@ def test_wait_and_shutdown_end_when_a_tier_stops_answering(tmp_path, monkeypatch
         c.load(c.request("r2", chunk_hashes(1)), 1, {0: [5]}, sync=True)
     release.set()
     c.shutdown()
+
+
+def test_an_expedited_load_does_not_queue_behind_regular_loads(tmp_path):
+    """vLLM waits for an expedited (sync) load within the step; it ran after every queued regular load."""
+    import time
+    c = Connector({"storage": f"disk:{tmp_path}?durability=process", "capacity": "64M"}, G_UNPADDED, num_blocks=64)
+    try:
+        c.kv[0].fill_random(0, range(1, 9))
+        assert c.finish(c.store(c.request("r", chunk_hashes(8)), list(range(8)), {0: list(range(1, 9))})) == [True]
+        real = c.workers[0].store
+
+        class Slow:  # a remote tier: 0.3 s per batch read
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def get_many(self, names, bufs):
+                time.sleep(0.3)
+                return real.get_many(names, bufs)
+
+        c.workers[0].store = Slow()
+        regular = [c.load(c.request(f"a{i}", chunk_hashes(8)), 1, {0: [20 + i]}) for i in range(6)]
+        t0 = time.monotonic()
+        c.load(c.request("sync", chunk_hashes(8)), 1, {0: [40]}, sync=True)
+        assert time.monotonic() - t0 < 1.2, "the expedited load waited for the queued regular ones"
+        assert c.kv[0].block(0, 40) == c.kv[0].block(0, 1)
+        assert c.finish(*regular) == [True] * 6
+    finally:
+        c.shutdown()
