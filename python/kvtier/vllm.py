@@ -16,7 +16,7 @@ Redis Cluster tier, and loads them back on a prefix hit. vLLM loads it with::
 - ``capacity``: bytes each worker's tier holds for this engine (``"200G"``, an integer); default: the disk
   spec's ``capacity=`` or the ``storage.disk.capacity_bytes`` knob; required for Redis;
 - ``namespace``: a string added to the namespace (deployments that share a tier but not pages);
-- ``staging_bytes``: the most bytes one worker gathers per storage batch (default ``256M``);
+- ``staging_bytes``: the most bytes one worker gathers per storage batch (default ``64M``);
 - ``cache.device_policy``: the eviction policy of the scheduler's index of stored chunks (kvtier's
   ``CacheManager``): ``lru`` (default), ``s3fifo``, ``sieve``, ``arc``, ``lrfu[:boost]``, ``adaptive`` or
   ``duel:A+B[+...]`` (docs/configuration.md);
