@@ -329,7 +329,9 @@ TEST_P(PdModes, ABeginLaterThanTheLeaseStillCompletesTheTransfer) {
 }
 
 // A request whose decode gave up (its 'F') is dropped by the prefill: a begin() after it writes nothing, and the
-// decode's blocks are reclaimable once the prefill said so ('Q').
+// decode's blocks are reclaimable once the prefill said so ('Q'). A pull decode's close does not wait for that
+// answer (the prefill never writes its blocks), so there the prefill may begin before it hears the 'F' and announce
+// layers that nobody reads: only a push prefill is sure to send none.
 TEST_P(PdModes, ABeginAfterTheDecodeGaveUpWritesNothing) {
   Rig rig({}, {}, PdOptions{20ms, 150ms});
   ASSERT_TRUE(rig.dec->start(rig.to_pre, 9, GetParam(), kDst).ok());
@@ -340,7 +342,9 @@ TEST_P(PdModes, ABeginAfterTheDecodeGaveUpWritesNothing) {
   auto pf = rig.pre->wait(9, 5s);
   ASSERT_TRUE(pf.ok()) << pf.status().to_string();
   EXPECT_FALSE(pf->done);
-  EXPECT_EQ(pf->layers_sent, 0u);
+  if (GetParam() == PdMode::kPush) {
+    EXPECT_EQ(pf->layers_sent, 0u);
+  }
   for (std::uint32_t l = 0; l < 4; ++l)
     for (std::uint64_t b = 0; b < 8; ++b) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
 }
