@@ -263,8 +263,7 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
       rec.blocks[i] = n.block[kDev];
     } else {
       BlockId db = *s.pools[kDev].allocate();  // ensured above
-      s.plan.loads.push_back(BlockMove{n.block[kHst], db, n.key});
-      n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+      s.queue_move(s.plan.loads, BlockMove{n.block[kHst], db, n.key}, n);
       s.set_block(id, kDev, db);
       n.state = NodeState::kLoading;
       s.retier(id);
@@ -548,8 +547,7 @@ Result<std::uint32_t> CacheManager::prefetch(std::span<const BlockKey> keys) {
       s.pools[kHst].free(*hb).ignore_error();
       break;
     }
-    s.plan.storage_prefetches.push_back(BlockMove{n.block[kSto], *hb, n.key});
-    n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+    s.queue_move(s.plan.storage_prefetches, BlockMove{n.block[kSto], *hb, n.key}, n);
     s.set_block(id, kHst, *hb);
     n.state = NodeState::kFetching;
     s.retier(id);

@@ -85,8 +85,7 @@ bool CacheManager::Impl::start_demotion(NodeId v) {
   auto slot = pools[kSto].allocate();
   if (!slot.ok()) return false;
   Node& n = nodes[v];
-  plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
-  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+  queue_move(plan.storage_writes, BlockMove{n.block[kHst], *slot, n.key}, n);
   untrack(v, kHst);
   n.present = static_cast<std::uint8_t>(n.present & ~bit(kHst));  // block kept until the ack
   announce(v);
@@ -178,8 +177,7 @@ bool CacheManager::Impl::drop_one_storage() {
 
 void CacheManager::Impl::evict_to_host(NodeId v, BlockId hb) {
   Node& n = nodes[v];
-  plan.evictions.push_back(BlockMove{n.block[kDev], hb, n.key});
-  n.untaken = true;       // acknowledgeable once take_plan() has handed it out
+  queue_move(plan.evictions, BlockMove{n.block[kDev], hb, n.key}, n);
   release_copy(v, kDev);  // same-step reuse: the plan orders this D2H before any write into the device block
   set_block(v, kHst, hb);
   n.state = NodeState::kEvicting;
@@ -332,8 +330,7 @@ void CacheManager::Impl::store_through(NodeId id) {
   if (pools[kSto].num_free() == 0 && !drop_one_storage()) return;
   auto slot = pools[kSto].allocate();
   if (!slot.ok()) return;
-  plan.storage_writes.push_back(BlockMove{n.block[kHst], *slot, n.key});
-  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+  queue_move(plan.storage_writes, BlockMove{n.block[kHst], *slot, n.key}, n);
   set_block(id, kSto, *slot);
   n.state = NodeState::kStoring;
   sync_reclaim(id);  // a device copy beside the host one is held until the write's ack
@@ -345,8 +342,7 @@ void CacheManager::Impl::backup(NodeId id) {
   if (!has_tier(kHst) || n.state != NodeState::kSettled || !(n.present & bit(kDev)) || (n.present & bit(kHst))) return;
   auto hb = take_host_block();
   if (!hb.ok()) return;
-  plan.backups.push_back(BlockMove{n.block[kDev], *hb, n.key});
-  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+  queue_move(plan.backups, BlockMove{n.block[kDev], *hb, n.key}, n);
   set_block(id, kHst, *hb);
   n.state = NodeState::kBackingUp;
   sync_reclaim(id);

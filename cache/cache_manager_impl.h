@@ -135,6 +135,12 @@ struct CacheManager::Impl {
   AdmissionId next_admission = 1;
   std::uint64_t clock = 0;
   StepPlan plan;
+  // Queues a move of node `n` into one of plan's lists: acknowledgeable once take_plan() has handed it out
+  // (Node::untaken).
+  static void queue_move(std::vector<BlockMove>& moves, BlockMove m, Node& n) {
+    moves.push_back(m);
+    n.untaken = true;
+  }
   CacheStats st;
 
   // ---- look-ahead (cache_manager_lookahead.cc) --------------------------------

@@ -210,8 +210,7 @@ bool CacheManager::Impl::lookahead_load(NodeId id) {
   if (n.detached || n.state != NodeState::kSettled || lowest_tier(n.present) != kHst) return false;
   auto db = pools[kDev].allocate();
   if (!db.ok()) return false;
-  plan.loads.push_back(BlockMove{n.block[kHst], *db, n.key});
-  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+  queue_move(plan.loads, BlockMove{n.block[kHst], *db, n.key}, n);
   set_block(id, kDev, *db);
   n.state = NodeState::kLoading;
   n.lookahead_move = true;
@@ -231,8 +230,7 @@ bool CacheManager::Impl::lookahead_fetch(NodeId id) {
     pools[kHst].free(*hb).ignore_error();
     return false;
   }
-  plan.storage_prefetches.push_back(BlockMove{n.block[kSto], *hb, n.key});
-  n.untaken = true;  // acknowledgeable once take_plan() has handed it out
+  queue_move(plan.storage_prefetches, BlockMove{n.block[kSto], *hb, n.key}, n);
   set_block(id, kHst, *hb);
   n.state = NodeState::kFetching;
   n.lookahead_move = true;
