@@ -270,7 +270,7 @@ class _PinnedTier:
         return self.chunks * self.mover.blocks_per_chunk
 
     def reset(self, group: int) -> None:
-        """The group's slots all free (a new manager: a new host cache, every chunk of the old one gone)."""
+        """The group's slots all free (at start: no chunk stored yet)."""
         grp = self.mover._groups[group]
         aligned = all(x % 16 == 0 for x in [*grp.pages, *grp.bases, *grp.row_strides])
         with self.lock:
@@ -505,9 +505,9 @@ class ChunkMover:
         """Chunks stored in pinned memory now (0 with a storage tier)."""
         return self._tier.objects() if self._tier.pinned else 0
 
-    def _new_manager(self, grp: _Group) -> Any:
+    def _new_manager(self, grp: _Group, host_of: Any = None) -> Any:
         return _native.TransferManager.from_pages(self._device, self._kv_stream, grp.tensors, grp.pages,
-                                                  num_host_blocks=self._tier.host_blocks(grp))
+                                                  num_host_blocks=self._tier.host_blocks(grp), host_of=host_of)
 
     def _acquire(self, plan: _Plan) -> Dict[int, Any]:
         """The managers of the job's groups, held until _release."""
@@ -519,7 +519,9 @@ class ChunkMover:
 
     def _release(self, mgrs: Dict[int, Any], failed: Optional[int]) -> None:
         """Ends a job's use of its managers. A failed copy retires its group's manager (a GPU copy error is sticky:
-        every later copy of it would fail) for a new one; a retired manager closes once no job uses it."""
+        every later copy of its streams would fail) for a new one that takes over its host cache with the bytes in it
+        (the pinned tier's chunks stay, as the scheduler's index says); a retired manager closes once no job uses
+        it."""
         close = []
         with self._mgr_lock:
             for g, m in mgrs.items():
@@ -527,8 +529,7 @@ class ChunkMover:
                 grp = self._groups[g]
                 if g == failed and grp.manager is m and not self._closed:
                     try:
-                        grp.manager = self._new_manager(grp)
-                        self._tier.reset(g)  # pinned chunks lived in the old manager's host cache
+                        grp.manager = self._new_manager(grp, host_of=m)
                         self._retired.append(m)
                         logger.warning("kvtier.vllm: KV cache group %d: a copy failed; its copies continue on a new "
                                        "transfer manager", g)

@@ -682,6 +682,14 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 raise NotSupportedError(
                     f"kvtier.vllm: {len(kv_caches.group_data_refs)} KV cache groups registered, "
                     f"{len(self.config.groups)} configured")
+            # The tier was sized from vLLM's bytes per block; caches that hold more would overrun it (the pinned tier
+            # would pin more host memory than `capacity` says), so they are refused before anything is allocated.
+            pages = [ref.page_size_bytes for refs in kv_caches.group_data_refs for ref in refs]
+            if all(isinstance(p, int) for p in pages) and sum(pages) > self.config.worker_kv_bytes_per_block:
+                raise InvalidArgumentError(
+                    f"kvtier.vllm: the registered KV caches hold {sum(pages)} bytes per block, vLLM's config "
+                    f"{self.config.worker_kv_bytes_per_block} (worker_kv_bytes_per_block): the tier, sized from the "
+                    "config, would overrun its capacity")
             self._worker = KvtierOffloadingWorker(kv_caches, self.store, self.blocks_per_chunk,
                                                   self.settings.staging_bytes,
                                                   self.capacity_chunks if self.settings.pinned else 0)

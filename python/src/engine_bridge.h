@@ -42,6 +42,7 @@ struct PyTransferManager {
   nanobind::list keep_alive;  // the engine's tensors
   std::vector<Buffer> adopted_device;
   std::vector<std::unique_ptr<PinnedMemory>> host_registrations;
+  std::shared_ptr<PinnedMemory> host_memory;  // from_pages: the host cache, shared with a manager that replaces it
   // Shared with the calls running on it with the GIL released: close() from another thread drops this reference
   // and shuts the manager down (those calls then fail cleanly), and the last call to return frees it.
   std::shared_ptr<TransferManager> mgr;

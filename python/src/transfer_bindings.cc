@@ -392,7 +392,8 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
                                                        std::vector<nb::ndarray<>> tensors,
                                                        std::vector<std::uint64_t> page_bytes,
                                                        std::uint64_t num_host_blocks, std::uint32_t block_tokens,
-                                                       std::map<std::string, std::string> config) {
+                                                       std::map<std::string, std::string> config,
+                                                       nb::object host_of_obj) {
   PyDevice& pd = device_arg(device_obj, "device");
   PyStream& compute = stream_arg(compute_obj, "compute_stream");
   Device& device = pd.get();
@@ -401,6 +402,18 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
     raise_status(
         InvalidArgument(fmt::format("from_pages: {} tensors and {} page sizes", tensors.size(), page_bytes.size())));
   if (num_host_blocks == 0) raise_status(InvalidArgument("from_pages: num_host_blocks is 0"));
+  if (num_host_blocks > std::uint64_t{kMaxBlockId} + 1)
+    raise_status(InvalidArgument(fmt::format("from_pages: num_host_blocks {}: at most {} (32-bit block ids)",
+                                             num_host_blocks, kMaxBlockId + 1)));
+  const PyTransferManager* host_of = nullptr;
+  if (!host_of_obj.is_none()) {
+    if (!nb::isinstance<PyTransferManager>(host_of_obj))
+      raise_status(InvalidArgument(fmt::format("from_pages: host_of is a {}, not a kvtier TransferManager",
+                                               nb::type_name(host_of_obj.type()).c_str())));
+    host_of = &nb::cast<const PyTransferManager&>(host_of_obj);
+    if (!host_of->host_memory)
+      raise_status(InvalidArgument("from_pages: host_of was not made by from_pages (its host cache is its own)"));
+  }
   auto out = std::make_unique<PyTransferManager>();
   out->device_ref = device_obj;
   out->compute_ref = compute_obj;
@@ -446,9 +459,30 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
     KvCacheRegistration reg;
     KVTIER_ASSIGN_OR_RETURN(reg.device, BlockSpace::from_planes(MemoryKind::kDevice, device.ordinal(), out->layout,
                                                                 num_blocks, std::move(planes), std::move(extents)));
-    reg.host.num_blocks = num_host_blocks;
-    reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
-    reg.host.page_alignment = 1;
+    // The host cache is the binding's, not the manager's, so that a manager that replaces this one (after a
+    // failed copy: a GPU error poisons its streams) can take it over with what it holds (host_of).
+    const std::uint64_t page = BlockSpace::page_first_page_bytes(out->layout);
+    if (host_of) {
+      if (!(host_of->layout == out->layout) || host_of->host_memory->size() != page * num_host_blocks)
+        return InvalidArgument(fmt::format(
+            "from_pages: host_of holds {} bytes of another layout; this manager needs {} host blocks of {} bytes "
+            "({})",
+            host_of->host_memory->size(), num_host_blocks, page, out->layout.describe()));
+      out->host_memory = host_of->host_memory;
+    } else {
+      if (page > std::numeric_limits<std::uint64_t>::max() / num_host_blocks)
+        return InvalidArgument(fmt::format("from_pages: {} host blocks of {} bytes overflow", num_host_blocks, page));
+      auto mem = device.allocate_pinned(page * num_host_blocks);
+      if (!mem.ok())
+        return mem.status().with_context(fmt::format("pinned host cache of {} bytes", page * num_host_blocks));
+      KVTIER_RETURN_IF_ERROR(mem.value()->wait_ready(cfg.host_ready_timeout));
+      out->host_memory = std::shared_ptr<PinnedMemory>(std::move(mem).value());
+    }
+    KVTIER_ASSIGN_OR_RETURN(
+        BlockSpace host_space,
+        BlockSpace::page_first(MemoryKind::kPinnedHost, device.ordinal(), out->layout, num_host_blocks,
+                               out->host_memory->data(), out->host_memory->size()));
+    reg.host.space = std::move(host_space);
     KVTIER_ASSIGN_OR_RETURN(out->mgr, TransferManager::create(device, *compute.stream, std::move(reg), cfg));
     return Status::Ok();
   });
@@ -574,11 +608,14 @@ void bind_transfer(nb::module_& m) {
                   "layout; None: kvtier allocates it). config: knob -> value (docs/configuration.md).")
       .def_static("from_pages", &create_page_manager, "device"_a, "compute_stream"_a, "tensors"_a, "page_bytes"_a,
                   "num_host_blocks"_a, "block_tokens"_a = 16, "config"_a = std::map<std::string, std::string>{},
+                  "host_of"_a = nb::none(),
                   "Registers pages of an engine's byte tensors (vLLM's canonical KV caches): tensor i is (num_blocks, "
                   "row_bytes) of one-byte elements, block b's page of page_bytes[i] bytes at the start of its row b. "
                   "kvtier allocates num_host_blocks pinned host blocks, page-first with no padding: host block b "
                   "holds the pages of every tensor back to back (host_page(b), host_page_bytes), so a run of host "
-                  "blocks is one contiguous buffer.")
+                  "blocks is one contiguous buffer. host_of: a from_pages manager of the same tensors whose host "
+                  "cache, with its "
+                  "bytes, this one takes over (both hold it; it is freed with the last of them).")
       .def(
           "device_checksums",
           [](PyTransferManager& p, nb::handle blocks, PyStream& stream, std::optional<double> timeout) {

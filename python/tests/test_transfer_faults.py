@@ -123,3 +123,32 @@ def test_objects_that_are_not_a_device_or_a_stream_are_named():
         kvtier.TransferManager.from_tensors(s, s, arrays(BLOCKS), None, HOST_BLOCKS, LAYERS)
     with pytest.raises(kvtier.InvalidArgumentError, match="compute_stream is a .*not a kvtier stream"):
         kvtier.TransferManager.from_tensors(dev, dev, arrays(BLOCKS), None, HOST_BLOCKS, LAYERS)
+
+
+def test_a_page_manager_takes_over_another_ones_host_cache():
+    """from_pages(host_of=...): a manager that replaces one whose copy failed (its streams poisoned) keeps the host
+    cache's bytes (the vLLM connector's pinned tier lost every chunk with the old manager)."""
+    dev = kvtier.host_device()
+    compute = dev.create_stream("compute")
+    rng = np.random.default_rng(3)
+    tensors = [rng.integers(0, 256, (BLOCKS, 640), dtype=np.uint8) for _ in range(LAYERS)]
+    old = kvtier.TransferManager.from_pages(dev, compute, tensors, [512] * LAYERS, num_host_blocks=HOST_BLOCKS)
+    old.wait(old.evict([2, 5], [0, 3]), 10.0)
+    dev.fail_nth_operation(1)
+    with pytest.raises(kvtier.KvtierError, match="injected failure"):
+        old.wait(old.evict([1], [6]), 10.0)
+    new = kvtier.TransferManager.from_pages(dev, compute, tensors, [512] * LAYERS, num_host_blocks=HOST_BLOCKS,
+                                            host_of=old)
+    old.close()  # the host cache lives on with the new manager
+    for t in tensors:
+        t[6:8] = 0x5A
+    new.wait(new.load([], [0, 3], [6, 7]), 10.0)
+    for t in tensors:
+        assert np.array_equal(t[6, :512], t[2, :512]) and np.array_equal(t[7, :512], t[5, :512])
+    with pytest.raises(kvtier.InvalidArgumentError, match="host_of is a str"):
+        kvtier.TransferManager.from_pages(dev, compute, tensors, [512] * LAYERS, HOST_BLOCKS, host_of="old")
+    with pytest.raises(kvtier.InvalidArgumentError, match="another layout"):
+        kvtier.TransferManager.from_pages(dev, compute, tensors, [512] * LAYERS, HOST_BLOCKS + 1, host_of=new)
+    with pytest.raises(kvtier.InvalidArgumentError, match="another layout"):
+        kvtier.TransferManager.from_pages(dev, compute, tensors, [256] * LAYERS, HOST_BLOCKS, host_of=new)
+    new.close()

@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 import kvtier.vllm as kv  # noqa: E402
 from kvtier.errors import InvalidArgumentError, NotSupportedError  # noqa: E402
-from vllm_runner import Connector, Group, chunk_hashes, make_config  # noqa: E402
+from vllm_runner import Connector, Group, KVTensors, chunk_hashes, make_config  # noqa: E402
 
 INTERFACE = os.path.join(os.path.dirname(__file__), "data", "vllm_interface.json")
 
@@ -750,6 +750,49 @@ def test_reset_cache_gives_the_pinned_tier_its_slots_back():
         assert c.workers[0].pinned_chunks == len(c.manager) == 3
     finally:
         c.shutdown()
+
+
+def test_caches_larger_than_the_configured_bytes_per_block_are_refused():
+    """The tier is sized from vLLM's worker_kv_bytes_per_block; caches registered with more bytes per block were
+    taken, so the pinned tier pinned (and a storage tier stored) more than its capacity said."""
+    spec = kv.KvtierOffloadingSpec(make_config({"storage": "pinned:?capacity=4K"}, G_UNPADDED))
+    bigger = KVTensors([Group(layers=4, page=512, row=512)], num_blocks=8)  # 2 KiB per block, configured 1 KiB
+    with pytest.raises(InvalidArgumentError, match="2048 bytes per block.*1024"):
+        spec.get_worker(bigger.canonical())
+    fits = KVTensors(G_UNPADDED, num_blocks=8)
+    worker = spec.get_worker(fits.canonical())
+    try:
+        assert worker.object_bytes(0) == 1024 and worker.pinned_chunks == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_failed_load_copy_keeps_every_pinned_chunk(connectors):
+    """A failed copy replaced the group's transfer manager, whose host cache is the pinned tier: every pinned chunk
+    was dropped while the scheduler's index still reported them, so each later load of them failed. The chunks stay;
+    the failed load's rows take the engine's recomputed bytes and store again."""
+    chunk = kv.KvtierOffloadingSpec(make_config({"storage": "pinned:?capacity=64M"}, G1, blocks_per_chunk=2)).chunk_bytes
+    c = connectors({"storage": f"pinned:?capacity={4 * chunk}"}, G1, num_blocks=24, blocks_per_chunk=2)
+    kvt, worker = c.kv[0], c.workers[0]
+    req = c.request("r", chunk_hashes(3))
+    kvt.fill_random(0, range(1, 7))
+    assert c.finish(c.store(req, [0, 1, 2], {0: list(range(1, 7))})) == [True]
+    kvt.poison(0, range(8, 14))
+    worker._mover._device.fail_nth_operation(1)  # the load's copy into the KV tensors
+    assert c.finish(c.load(c.request("r2", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [False]
+    assert "injected failure" in worker.last_error
+    assert worker.pinned_chunks == 3 and c.lookup(req)[0] == 3
+    kvt.poison(0, range(8, 14))
+    assert c.finish(c.load(c.request("r3", chunk_hashes(3)), 3, {0: list(range(8, 14))})) == [True], worker.last_error
+    assert all(kvt.block(0, 7 + i) == kvt.block(0, i) for i in range(1, 7))
+    # The rows of the failed load, rewritten by the engine, store and load like any others.
+    kvt.fill_random(0, [8, 9])
+    other = c.request("o", chunk_hashes(1, "other"))
+    assert c.finish(c.store(other, [0], {0: [8, 9]})) == [True], worker.last_error
+    kvt.poison(0, [16, 17])
+    assert c.finish(c.load(c.request("o2", chunk_hashes(1, "other")), 1, {0: [16, 17]})) == [True]
+    assert kvt.block(0, 16) == kvt.block(0, 8) and kvt.block(0, 17) == kvt.block(0, 9)
+    assert worker.pinned_chunks == len(c.manager) == 4
 
 
 def test_a_store_that_cannot_be_planned_still_deletes_what_the_index_evicted_for_it():
