@@ -104,6 +104,8 @@ struct HybridCache::GroupRec {
 
 struct HybridCache::Rec {
   std::uint32_t num_tokens = 0, extra_tokens = 0, hit_tokens = 0, committed_tokens = 0;
+  // A hit's load failed in some group: every token past the hit was computed on its bytes, in every group.
+  bool load_failed = false;
   std::vector<GroupRec> groups;
 };
 
@@ -559,7 +561,22 @@ Status HybridCache::commit(HybridAdmissionId id, std::uint32_t num_computed_toke
         fmt::format("hybrid commit: num_computed_tokens {} > num_tokens {} + extra_tokens {} of admission {}",
                     num_computed_tokens, rec.num_tokens, rec.extra_tokens, id));
   if (num_computed_tokens <= rec.committed_tokens) return Status::Ok();
+  // Tokens past the hit were computed on the hit's bytes in every group, so they join the index only once every
+  // group's loads have landed. (A CacheManager breaks the chain below a failed load by itself; window and state
+  // blocks are entries of their own, and the groups do not see each other's failures.)
+  if (num_computed_tokens > rec.hit_tokens && !rec.load_failed) {
+    KVTIER_ASSIGN_OR_RETURN(HybridAdmissionStatus st, admission_status(id));
+    if (st.failed) {
+      rec.load_failed = true;
+    } else if (st.loading_blocks > 0) {
+      return FailedPrecondition(
+          fmt::format("hybrid commit: admission {}: {} hit blocks are still loading; commit tokens past the hit ({}) "
+                      "once admission_status() is ready",
+                      id, st.loading_blocks, rec.hit_tokens));
+    }
+  }
   rec.committed_tokens = num_computed_tokens;
+  const bool index = !rec.load_failed;
   const std::uint32_t n = num_computed_tokens;
   const std::uint32_t keyed_tokens = std::min(n, rec.num_tokens);
   for (std::uint32_t g = 0; g < rec.groups.size(); ++g) {
@@ -574,13 +591,14 @@ Status HybridCache::commit(HybridAdmissionId id, std::uint32_t num_computed_toke
       if (!s.open) continue;
       switch (s.role) {
         case Role::kChain: {
+          if (!index) break;
           const std::uint32_t blocks = keyed_tokens / B;
           KVTIER_RETURN_IF_ERROR(wrap(m.commit(s.id, blocks)));
           for (; gr.chain_pinned < blocks; ++gr.chain_pinned) pin(g, gr.chain_keys[gr.chain_pinned]);
           break;
         }
         case Role::kBlock:
-          if (s.hits == 0 && !s.committed && s.pos < keyed_tokens / B) {
+          if (index && s.hits == 0 && !s.committed && s.pos < keyed_tokens / B) {
             KVTIER_RETURN_IF_ERROR(wrap(m.commit_all(s.id)));
             s.committed = true;
             pin(g, s.key);
@@ -595,9 +613,9 @@ Status HybridCache::commit(HybridAdmissionId id, std::uint32_t num_computed_toke
         case Role::kStateSave:
           // Written when the forward passed it: index it, and let it go (the request does not read it again).
           if (s.pos <= keyed_tokens) {
-            KVTIER_RETURN_IF_ERROR(wrap(m.commit_all(s.id)));
+            if (index) KVTIER_RETURN_IF_ERROR(wrap(m.commit_all(s.id)));
             KVTIER_RETURN_IF_ERROR(wrap(m.release(s.id)));
-            s.committed = true;
+            s.committed = index;
             s.open = false;
           }
           break;

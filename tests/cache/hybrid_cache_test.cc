@@ -695,6 +695,52 @@ TEST(HybridCache, FailedLoadFailsTheAdmission) {
   EXPECT_HYBRID_INVARIANTS(*h);
 }
 
+// Tokens past the hit are computed on every group's hit bytes. A window group's blocks are index entries of their
+// own, so a failed load there broke no chain: the blocks computed on it (and the full group's) were indexed and
+// served to later requests.
+TEST(HybridCache, NothingComputedOnAFailedLoadIsIndexedInAnyGroup) {
+  HybridConfig c;
+  c.groups.push_back(group("full", GroupKind::kFull, 16, 0, 8, 32));
+  c.groups.push_back(group("swa", GroupKind::kSlidingWindow, 16, 32, 8, 32));
+  auto h = make(c);
+  ASSERT_TRUE(h);
+  Fakes f(h->num_groups());
+  constexpr std::uint32_t kSwa = 1;
+  Prompt a(*h, tokens(64, 1));
+  serve(*h, *f.exec, a.request());
+  for (bool fail : {false, true}) {
+    SCOPED_TRACE(fail ? "the window group's load fails" : "the loads land");
+    serve(*h, *f.exec, Prompt(*h, tokens(128, fail ? 6 : 2)).request());  // pushes a's blocks to host
+    Prompt b(*h, concat(a.ids, tokens(32, fail ? 3 : 4)));
+    auto bb = h->admit(b.request());
+    ASSERT_TRUE(bb.ok()) << bb.status().to_string();
+    ASSERT_EQ(bb->hit_tokens, 64u);
+    ASSERT_GT(bb->groups[kSwa].loaded_blocks, 0u);
+    HybridPlan p = h->take_plan();
+    // The forward may not index tokens past the hit while the hit is still loading.
+    Status early = h->commit(bb->id, 96);
+    EXPECT_EQ(early.code(), StatusCode::kFailedPrecondition) << early.to_string();
+    ASSERT_OK(h->ack_plan(0, p.groups[0], Status::Ok()));
+    ASSERT_OK(h->ack_plan(kSwa, p.groups[kSwa], fail ? DataLoss("checksum mismatch") : Status::Ok()));
+    ASSERT_OK(h->commit(bb->id, 96));
+    ASSERT_OK(h->release(bb->id));
+    run_plan(*h, *f.exec);
+    auto m = h->match(Prompt(*h, concat(b.ids, tokens(16, 5))).request());
+    ASSERT_TRUE(m.ok());
+    if (fail) {
+      EXPECT_LE(m->hit_tokens, 32u);
+      for (std::uint32_t g = 0; g < 2; ++g)
+        for (std::uint32_t pos : {4u, 5u})
+          for (Tier t : {Tier::kDevice, Tier::kHost})
+            EXPECT_EQ(keyset(cached_keys(*h, g, t)).count({b.key(*h, g, pos).hi, b.key(*h, g, pos).lo}), 0u)
+                << "group " << g << " position " << pos;
+    } else {
+      EXPECT_EQ(m->hit_tokens, 96u);
+    }
+    EXPECT_HYBRID_INVARIANTS(*h);
+  }
+}
+
 TEST(HybridCache, EventsAndMetricsCarryTheGroup) {
   auto h = make(three());
   ASSERT_TRUE(h);

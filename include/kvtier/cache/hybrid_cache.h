@@ -255,6 +255,9 @@ class HybridCache {
   // After the forward pass: the first `num_computed_tokens` tokens hold data in every group (at most
   // num_tokens + extra_tokens; a smaller value than an earlier call changes nothing). Full and sliding-window
   // groups index their computed keyed blocks; windows slide; states at saved boundaries are indexed.
+  // Tokens past the hit were computed on every group's hit bytes: FailedPrecondition while a hit block is still
+  // loading (commit once admission_status() is ready), and after a failed load nothing more of the admission
+  // is indexed (windows still slide; release() frees its blocks).
   Status commit(HybridAdmissionId id, std::uint32_t num_computed_tokens);
   // Unpins and frees whatever the admission still holds in every group.
   Status release(HybridAdmissionId id);
