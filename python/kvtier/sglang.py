@@ -44,9 +44,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import numbers
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _native
 from ._engine_config import split_extra_config
@@ -192,13 +193,26 @@ def parse_extra_config(extra: Optional[dict]) -> Tuple[str, str, Dict[str, str],
 
 def namespace_of(cfg: Any, extra_ns: str, disk: bool) -> str:
     """The kvtier namespace of one SGLang rank: the model and the shard identity SGLang keys by."""
-    g = lambda name, default=0: getattr(cfg, name, default)  # noqa: E731 (fields differ by version)
+    ints: Dict[str, int] = {}
+
+    def g(name: str, default: Any = 0) -> Any:  # fields differ by version
+        return ints[name] if name in ints else getattr(cfg, name, default)
+
     for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size"), ("attn_cp_rank", "attn_cp_size"),
-                       ("dcp_rank", "dcp_size")):
-        r, n = g(rank), g(size, 1)
-        if isinstance(r, int) and isinstance(n, int) and n >= 1 and not 0 <= r < n:
+                       ("dcp_rank", "dcp_size"), ("dp_rank", "")):
+        for field, default in ((rank, 0), (size, 1)):
+            if not field:
+                continue
+            value = getattr(cfg, field, default)
+            value = default if value is None else value
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise InvalidArgumentError(f"kvtier.sglang: {field} {value!r} is not an integer")
+            ints[field] = int(value)
+        r, n = ints[rank], ints.get(size, 1)
+        if n < 1 or not 0 <= r < (n if size else r + 1):
             # A rank outside its group would share (or invent) another shard's namespace.
-            raise InvalidArgumentError(f"kvtier.sglang: {rank} {r!r} with {size} {n!r}: the rank must be in 0..{size}-1")
+            raise InvalidArgumentError(f"kvtier.sglang: {rank} {r!r} with {size or 'no group size'} {n!r}: the "
+                                       f"rank must be in 0..{size or 'size'}-1")
     parts = ["sglang", f"model={g('model_name', '') or ''}"]
     if not g("is_mla_model", False):
         parts.append(f"tp={g('tp_rank')}/{g('tp_size', 1)}")
@@ -236,9 +250,25 @@ def _length(indices: Any) -> int:
 
 
 def _nbytes(t: Any) -> int:
+    if isinstance(t, tuple):  # (address, bytes)
+        return int(t[1])
     if hasattr(t, "nbytes"):
         return int(t.nbytes)
     return int(t.numel()) * int(t.element_size())
+
+
+def _address_target(location: Any, size: Any, i: int) -> Any:
+    """A target as get_many / put_many take it: an (address, bytes) pair for an integer address (its size from
+    target_sizes), otherwise the buffer itself."""
+    if isinstance(location, tuple) or not isinstance(location, numbers.Integral) or isinstance(location, bool):
+        if isinstance(location, tuple) and (len(location) != 2 or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in location)):
+            raise InvalidArgumentError(f"kvtier.sglang: target {i} is {location!r}, not an (address, bytes) pair")
+        return location
+    if size is None or isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0 or location <= 0:
+        raise InvalidArgumentError(f"kvtier.sglang: target {i} at address {location!r} needs a size in bytes "
+                                   f"(target_sizes[{i}] = {size!r})")
+    return (int(location), int(size))
 
 
 class HiCacheKvtier(HiCacheStorage):
@@ -268,7 +298,7 @@ class HiCacheKvtier(HiCacheStorage):
         self.store = _native.StorageBackend.open(spec, self.namespace, knobs)
         self.last_error: Optional[str] = None
         self._logged: set = set()
-        self._segments: Dict[Any, int] = {}
+        self._segments: Dict[Any, List[int]] = {}
         self.registered_pools: Dict[Any, Any] = {}
         pool = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
         if pool is not None:
@@ -278,8 +308,12 @@ class HiCacheKvtier(HiCacheStorage):
 
     # ------------------------------------------------------------------ keys and batches
 
-    def _pool_desc(self, pool: Any, name: Any) -> str:
-        return f"{name}|{getattr(pool, 'layout', '')}|{getattr(pool, 'dtype', '')}"
+    def _pool_desc(self, pool: Any, name: Any, segment_bytes: Sequence[int] = ()) -> str:
+        """What a page's objects are named after besides its key: the pool, its layout and dtype, and (zero-copy
+        pages) the bytes of each segment, so that a pool of another geometry (head count, page size) never takes
+        another's objects for its own."""
+        desc = f"{name}|{getattr(pool, 'layout', '')}|{getattr(pool, 'dtype', '')}"
+        return desc + ("|" + ",".join(map(str, segment_bytes)) if segment_bytes else "")
 
     def _names(self, keys: List[str], desc: str, segments: int) -> List[str]:
         out = []
@@ -321,13 +355,29 @@ class HiCacheKvtier(HiCacheStorage):
     def _pages(flags: List[bool], segments: int) -> List[bool]:
         return [all(flags[i * segments:(i + 1) * segments]) for i in range(len(flags) // max(segments, 1))]
 
-    def _present(self, names: List[str]) -> List[bool]:
+    def _present(self, names: List[str], sizes: Optional[List[Optional[int]]] = None) -> List[bool]:
+        """Per object: stored, and (sizes[i] given) of that many bytes."""
         r = self._run("exists", names)
-        return [isinstance(x, int) for x in r] if r is not None else [False] * len(names)
+        if r is None:
+            return [False] * len(names)
+        return [isinstance(x, int) and (sizes is None or sizes[i] is None or x == sizes[i]) for i, x in enumerate(r)]
 
     def _put_missing(self, names: List[str], buffers: list, sizes: List[int]) -> List[bool]:
-        """Stores the objects not stored yet (pages are content-addressed: a stored key holds these bytes)."""
-        present = self._present(names)
+        """Stores the objects not stored yet (pages are content-addressed: a stored key holds these bytes); one of
+        another size (written by a pool of another geometry) is written again. A name given twice is written once,
+        from its first buffer: a page's segments all come from one page, never some from each of two (SGLang's keys
+        are content hashes, so the pages of one key are alike; an engine that repeats a key with other bytes gets
+        the first)."""
+        first: Dict[str, int] = {}
+        for i, name in enumerate(names):
+            first.setdefault(name, i)
+        if len(first) < len(names):
+            once = sorted(first.values())
+            stored = dict(zip((names[i] for i in once),
+                              self._put_missing([names[i] for i in once], [buffers[i] for i in once],
+                                                [sizes[i] for i in once])))
+            return [stored[name] and sizes[i] == sizes[first[name]] for i, name in enumerate(names)]
+        present = self._present(names, sizes)
         todo = [i for i, p in enumerate(present) if not p]
         done = list(present)
         if todo:
@@ -376,8 +426,8 @@ class HiCacheKvtier(HiCacheStorage):
                 f"kvtier.sglang: the host pool gave {len(ptrs)} buffers for {len(keys)} pages")
         return list(zip(ptrs, sizes)), len(ptrs) // len(keys)
 
-    def _segments_of(self, pool: Any, name: Any) -> int:
-        """Segments per page of a pool (from its metadata of one page), for exists queries."""
+    def _segments_of(self, pool: Any, name: Any) -> List[int]:
+        """The bytes of each segment of a page of the pool (from its metadata of one page), for exists queries."""
         k = (id(pool), str(name))
         if k not in self._segments:
             page_size = getattr(pool, "page_size", 1) or 1
@@ -389,8 +439,8 @@ class HiCacheKvtier(HiCacheStorage):
                 import numpy as np
 
                 idx = np.arange(page_size, dtype=np.int64)
-            ptrs, _ = _flatten_meta(*pool.get_page_buffer_meta(idx))
-            self._segments[k] = max(len(ptrs), 1)
+            _, sizes = _flatten_meta(*pool.get_page_buffer_meta(idx))
+            self._segments[k] = [int(x) for x in sizes] or [0]
         return self._segments[k]
 
     def _io_pages(self, name: Any, keys: List[str], host_indices: Any, is_set: bool) -> List[bool]:
@@ -400,8 +450,9 @@ class HiCacheKvtier(HiCacheStorage):
         if not hasattr(pool, "get_page_buffer_meta"):
             return self._io_flat_pages(name, pool, keys, host_indices, is_set)
         segs, n = self._meta(pool, keys, host_indices)
-        self._segments[(id(pool), str(name))] = n
-        names = self._names(keys, self._pool_desc(pool, name), n)
+        page_segments = [size for _, size in segs[:n]]
+        self._segments[(id(pool), str(name))] = page_segments
+        names = self._names(keys, self._pool_desc(pool, name, page_segments), n)
         live = [i for i, (_, size) in enumerate(segs) if size > 0]  # empty segments (no state) are not stored
         flags = [True] * len(segs)
         bufs = [segs[i] for i in live]
@@ -455,12 +506,20 @@ class HiCacheKvtier(HiCacheStorage):
         if not keys:
             return []
         if str(name) == _KV and not self.zero_copy:
-            return self._present(self._flat_names(keys))
+            return self._present(self._flat_names(keys),
+                                 [self._flat_page_bytes(getattr(self, "mem_pool_host", None))] * len(keys))
         pool = self._pool(name)
         if not hasattr(pool, "get_page_buffer_meta"):
-            return self._present(self._names(keys, self._pool_desc(pool, name) + "|flat", 1))
-        n = self._segments_of(pool, name)
-        return self._pages(self._present(self._names(keys, self._pool_desc(pool, name), n)), n)
+            flat = [self._flat_page_bytes(pool)] * len(keys)
+            return self._present(self._names(keys, self._pool_desc(pool, name) + "|flat", 1), flat)
+        segments = self._segments_of(pool, name)
+        n = len(segments)
+        names = self._names(keys, self._pool_desc(pool, name, segments), n)
+        live = [i for i in range(len(names)) if segments[i % n] > 0]  # empty segments are not stored
+        flags = [True] * len(names)
+        for i, ok in zip(live, self._present([names[i] for i in live], [segments[i % n] for i in live])):
+            flags[i] = ok
+        return self._pages(flags, n)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
                         extra_info: Any = None) -> Any:
@@ -493,6 +552,15 @@ class HiCacheKvtier(HiCacheStorage):
 
     # ------------------------------------------------------------------ flat pages (SGLang's generic path)
 
+    def _flat_page_bytes(self, pool: Any) -> Optional[int]:
+        """The bytes of one flat page of the pool (None without a pool that makes them)."""
+        if pool is None or not hasattr(pool, "get_dummy_flat_data_page"):
+            return None
+        k = (id(pool), "|flat")
+        if k not in self._segments:
+            self._segments[k] = [_nbytes(pool.get_dummy_flat_data_page())]
+        return self._segments[k][0]
+
     def _flat_names(self, keys: List[str]) -> List[str]:
         pool = getattr(self, "mem_pool_host", None)
         return self._names(keys, self._pool_desc(pool, _KV) + "|flat", 1)
@@ -500,7 +568,8 @@ class HiCacheKvtier(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """The page read into ``target_location`` (a CPU tensor/array; default: a new flat page of the host
         pool), or None when it is absent or unusable."""
-        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+        return self.batch_get([key], [target_location] if target_location is not None else None,
+                              [target_sizes] if target_sizes is not None else None)[0]
 
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[Any]:
         """Per key its target filled with the page, or None (absent, evicted, corrupt, wrong size)."""
@@ -515,13 +584,19 @@ class HiCacheKvtier(HiCacheStorage):
         targets = list(target_locations)
         if len(targets) != len(keys):
             raise InvalidArgumentError(f"kvtier.sglang: {len(keys)} keys but {len(targets)} target locations")
+        sizes = list(target_sizes) if target_sizes is not None else [None] * len(targets)
+        if len(sizes) != len(targets):
+            raise InvalidArgumentError(f"kvtier.sglang: {len(targets)} target locations but {len(sizes)} target sizes")
+        targets = [_address_target(t, n, i) for i, (t, n) in enumerate(zip(targets, sizes))]
         ok = self._ok(self._run("get", self._flat_names(keys), targets), [_nbytes(t) for t in targets], "get")
         return [t if good else None for t, good in zip(targets, ok)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Stores one page: ``value`` (a CPU tensor/array) or the memory at ``target_location`` (an address)
         of ``target_sizes`` bytes."""
-        if value is None and target_location is not None:
+        if value is None and target_location is None:
+            raise InvalidArgumentError(f"kvtier.sglang: set({key!r}) needs a value or target_location + target_sizes")
+        if value is None:
             return self.batch_set([key], None, [target_location], [target_sizes])
         return self.batch_set([key], [value])
 
@@ -534,12 +609,12 @@ class HiCacheKvtier(HiCacheStorage):
             bufs = list(values)
             sizes = [_nbytes(v) for v in bufs]
         elif target_locations is not None and target_sizes is not None:
-            sizes = [int(s) for s in target_sizes]
-            locations = list(target_locations)
+            locations, sizes = list(target_locations), list(target_sizes)
             if len(locations) != len(sizes):
                 raise InvalidArgumentError(
                     f"kvtier.sglang: {len(locations)} target locations but {len(sizes)} target sizes")
-            bufs = [(int(p), s) for p, s in zip(locations, sizes)]
+            bufs = [_address_target(p, n, i) for i, (p, n) in enumerate(zip(locations, sizes))]
+            sizes = [n for _, n in bufs]
         else:
             raise InvalidArgumentError("kvtier.sglang: batch_set needs values or target_locations + target_sizes")
         if len(bufs) != len(keys):
@@ -573,7 +648,8 @@ class HiCacheKvtier(HiCacheStorage):
         if (str(pool) == _KV and not self.zero_copy) or not hasattr(p, "get_page_buffer_meta"):
             hexes = self._names([key], self._pool_desc(p, pool) + "|flat", 1)
         else:
-            hexes = self._names([key], self._pool_desc(p, pool), self._segments_of(p, pool))
+            segments = self._segments_of(p, pool)
+            hexes = self._names([key], self._pool_desc(p, pool, segments), len(segments))
         return [_native.StorageBackend.object_name(h) for h in hexes]
 
     def tier_stats(self) -> dict:

@@ -284,12 +284,72 @@ def test_page_of_another_geometry_is_a_miss(tmp_path):
     ctl = Controller(backend, bigger, True)
     bigger.clear(0x33)
     assert ctl.prefetch(hashes(1), [1]) == 0
+    # The new geometry's own backup of the page is stored and read back (it was reported stored while the old
+    # object stayed, and the page never loaded).
+    want = written(bigger, [0])
+    assert ctl.backup(hashes(1), [0]) == 1
+    bigger.clear(0x44)
+    assert backend.batch_exists(hashes(1)) == 1 and ctl.prefetch(hashes(1), [1]) == 1
+    assert bigger.page_bytes(1) == want[0]
     smaller = HostPool(pages=4, heads=1)
     backend2 = open_backend(tmp_path / "b")
     Controller(backend2, pool, True).backup(hashes(1), [0])
     del backend2
     backend2 = open_backend(tmp_path / "b")
     assert Controller(backend2, smaller, True).prefetch(hashes(1), [1]) == 0
+
+
+def test_a_flat_page_of_another_geometry_is_written_again(tmp_path):
+    """The flat path names pages by key only: a page stored by a pool of another geometry was reported present,
+    never rewritten, and never loaded."""
+    pool = FlatHostPool(pages=4, heads=2)
+    written(pool, [0])
+    assert Controller(open_backend(tmp_path, zero_copy=False), pool, False).backup(hashes(1), [0]) == 1
+    bigger = FlatHostPool(pages=4, heads=4)
+    backend = open_backend(tmp_path, zero_copy=False)
+    ctl = Controller(backend, bigger, False)
+    assert backend.batch_exists(hashes(1)) == 0
+    want = written(bigger, [0])
+    assert ctl.backup(hashes(1), [0]) == 1 and backend.batch_exists(hashes(1)) == 1
+    bigger.clear(0x44)
+    assert ctl.prefetch(hashes(1), [1]) == 1 and bigger.page_bytes(1) == want[0]
+
+
+def test_a_key_repeated_in_one_backup_stores_one_whole_page(tmp_path):
+    """batch_set_v1 with one key for pages of other bytes wrote every page's segments under the same names at once:
+    the page read back could mix one page's K with another's V, reported loaded."""
+    for trial in range(8):
+        backend = open_backend(tmp_path / str(trial))
+        pool = HostPool(pages=16, seed=trial)
+        backend.register_mem_pool_host(pool)
+        want = written(pool, [0, 1, 2])
+        assert backend.batch_set_v1(["dup"] * 3, pool.indices([0, 1, 2])) == [True] * 3
+        pool.clear(0x44)
+        assert backend.batch_get_v1(["dup"], pool.indices([8])) == [True]
+        assert pool.page_bytes(8) == want[0]  # the first page, whole
+
+
+def test_address_targets_read_and_bad_ones_are_named(tmp_path):
+    """get / batch_get took no (address, size) target where set does (AttributeError: 'int' object has no attribute
+    'numel'), and set() without a value or a size raised AttributeError / TypeError."""
+    backend = open_backend(tmp_path, zero_copy=False)
+    pool = HostPool(pages=4)
+    backend.register_mem_pool_host(pool)
+    written(pool, [0])
+    page = pool.get_data_page(0)
+    assert backend.set("k", page)
+    buf = np.zeros(page.nbytes, np.uint8)
+    assert backend.get("k", buf.ctypes.data, page.nbytes) == (buf.ctypes.data, page.nbytes)
+    assert buf.tobytes() == np.asarray(page).tobytes()
+    other = np.zeros(page.nbytes, np.uint8)
+    assert backend.batch_get(["k", "absent"], [(other.ctypes.data, other.nbytes), buf.ctypes.data],
+                             [None, buf.nbytes])[0] is not None and other.tobytes() == buf.tobytes()
+    with pytest.raises(InvalidArgumentError, match="needs a value"):
+        backend.set("k3")
+    with pytest.raises(InvalidArgumentError, match=r"target_sizes\[0\] = None"):
+        backend.set("k3", None, buf.ctypes.data)
+    with pytest.raises(InvalidArgumentError, match="not an \\(address, bytes\\) pair"):
+        backend.batch_get(["k"], [(buf.ctypes.data,)])
 
 
 # ------------------------------------------------------------------ v2: several pools
@@ -490,6 +550,15 @@ def test_a_rank_outside_its_group_is_refused():
         namespace_of(cfg, "", disk=True)
     cfg.tp_rank = 1
     assert "tp=1/2" in namespace_of(cfg, "", disk=True)
+    # A NumPy integer skipped the check (isinstance int) and keyed tp=5/2; other types are named.
+    cfg.tp_rank = np.int64(5)
+    with pytest.raises(kvtier.InvalidArgumentError, match="tp_rank 5 with tp_size 2"):
+        namespace_of(cfg, "", disk=True)
+    cfg.tp_rank = np.int64(1)
+    assert "tp=1/2" in namespace_of(cfg, "", disk=True)
+    cfg.tp_rank = "1"
+    with pytest.raises(kvtier.InvalidArgumentError, match="tp_rank '1' is not an integer"):
+        namespace_of(cfg, "", disk=True)
 
 
 def test_host_indices_outside_the_pool_and_mismatched_lists_are_refused(tmp_path):
