@@ -105,6 +105,26 @@ def test_a_file_removed_under_the_disk_tier_is_forgotten_and_can_be_stored_again
     assert b.exists(KEY) is False
 
 
+def test_a_namespace_directory_removed_under_the_tier_is_named(tmp_path):
+    """With its directory removed (and made again) every put failed 'mkdir .../ec: No such file or directory',
+    naming a path that exists: the error says the directory was removed and the tier must be reopened."""
+    import shutil
+
+    root = str(tmp_path / "d")
+    b = disk(root)
+    b.put(KEY, b"x" * 100)
+    shutil.rmtree(root)
+    os.makedirs(root)
+    with pytest.raises(kvtier.UnavailableError, match="removed while the tier was open"):
+        for i in range(64):  # keys of shards whose directory does not exist yet
+            b.put("%032x" % (1000 + i), b"y" * 100)
+    assert b.get(KEY, 100) is None
+    del b
+    b = disk(root)  # reopened: it stores again
+    b.put(KEY, b"z" * 100)
+    assert b.get(KEY, 100) == b"z" * 100
+
+
 def test_get_sizes_its_buffer_by_the_object_not_by_max_bytes(tmp_path):
     """get(key, 2**63) raised 'basic_string::_M_create' (and a large but possible bound allocated that much)."""
     b = disk(str(tmp_path / "d"))

@@ -128,6 +128,13 @@ Status DiskBackend::ensure_shard(std::uint32_t s) {
 }
 
 void DiskBackend::fail_put(IoOp* op, Status st) {
+  // A namespace directory removed while we hold it open has no links, and every put under it fails for good
+  // (ENOENT naming paths that may exist again, recreated): say what happened.
+  struct stat dsb {};
+  if (!st.ok() && ::fstat(dir_fd_.get(), &dsb) == 0 && dsb.st_nlink == 0)
+    st = Unavailable(fmt::format(
+        "the namespace directory {} was removed while the tier was open (its objects are gone; reopen the tier): {}",
+        dir_, st.message()));
   if (op->fd.get() >= 0) op->fd.reset();
   if (!op->tmp_name.empty()) ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
   {
