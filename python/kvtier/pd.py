@@ -128,6 +128,11 @@ def _seconds(value: Any, what: str) -> float:
     return float(value)
 
 
+def _timeout(value: Any) -> Optional[float]:
+    """A wait's timeout: None (no deadline) or a number of seconds (a bool or a string is refused, naming it)."""
+    return None if value is None else _seconds(value, "timeout")
+
+
 def _peer(value: Any) -> int:
     return _ranged(value, "peer", 0, (1 << 32) - 1)
 
@@ -439,7 +444,7 @@ class Prefill(_Endpoint):
 
     def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> PrefillStatus:
         """Until the transfer is final and its source blocks reclaimable (``TimedOutError`` past ``timeout``)."""
-        return PrefillStatus(**self._ep.wait(_xid(transfer_id), timeout))
+        return PrefillStatus(**self._ep.wait(_xid(transfer_id), _timeout(timeout)))
 
 
 class Decode(_Endpoint):
@@ -455,7 +460,7 @@ class Decode(_Endpoint):
     def wait_layer(self, transfer_id: int, layer: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> str:
         """Until ``layer`` is final: returns ``"loaded"``, ``"partial"`` or ``"failed"`` (``TimedOutError`` past
         ``timeout``)."""
-        return self._ep.wait_layer(_xid(transfer_id), _layer(layer), timeout)
+        return self._ep.wait_layer(_xid(transfer_id), _layer(layer), _timeout(timeout))
 
     def wait_layer_on_stream(self, transfer_id: int, layer: int, stream: Any,
                              timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
@@ -464,7 +469,7 @@ class Decode(_Endpoint):
         failed: check :meth:`status` before trusting (committing) its blocks."""
         if stream is None:
             raise InvalidArgumentError("wait_layer_on_stream needs the stream that is to wait")
-        self._ep.wait_layer_on_stream(_xid(transfer_id), _layer(layer), self._stream(stream), timeout)
+        self._ep.wait_layer_on_stream(_xid(transfer_id), _layer(layer), self._stream(stream), _timeout(timeout))
 
     def status(self, transfer_id: int) -> DecodeStatus:
         return DecodeStatus(**self._ep.status(_xid(transfer_id)))
@@ -472,7 +477,7 @@ class Decode(_Endpoint):
     def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT,
              reclaimable: bool = False) -> DecodeStatus:
         """Until every layer is final (and, with ``reclaimable``, the blocks may be reused)."""
-        return DecodeStatus(**self._ep.wait(_xid(transfer_id), timeout, reclaimable))
+        return DecodeStatus(**self._ep.wait(_xid(transfer_id), _timeout(timeout), reclaimable))
 
     def cancel(self, transfer_id: int) -> None:
         """Gives up on a transfer now (the engine dropped the request, or waited long enough): its layers not final
@@ -553,11 +558,11 @@ class Receiver:
 
     def finish(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> ReceiveOutcome:
         """Until receive ``transfer_id`` ended (``TimedOutError`` past ``timeout``)."""
-        return self._outcome(self._rx.finish(_xid(transfer_id), timeout))
+        return self._outcome(self._rx.finish(_xid(transfer_id), _timeout(timeout)))
 
     def drain(self, timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
         """Until no receive is open or quarantined."""
-        self._rx.drain(timeout)
+        self._rx.drain(_timeout(timeout))
 
     @property
     def active(self) -> int:

@@ -381,7 +381,11 @@ def test_ids_layers_and_counts_must_be_integers_in_range(pair):
                         (lambda: p.begin(to_decode, 7, [1, True]), "source block id at index 1: True is a bool"),
                         (lambda: p.layer_ready(7, 0.99), "layer 0.99 is a float"),
                         (lambda: d.status(True), "transfer id True is a bool"),
-                        (lambda: d.forget("7"), "transfer id '7' is a str")]:
+                        (lambda: d.forget("7"), "transfer id '7' is a str"),
+                        # a bool waited True as 1 s, False as 0 s; a string raised nanobind's unnamed TypeError
+                        (lambda: d.wait(7, timeout=True), "timeout True is a bool"),
+                        (lambda: p.wait(7, timeout="0.5"), "timeout '0.5' is a str"),
+                        (lambda: d.wait_layer(7, 0, timeout=False), "timeout False is a bool")]:
         with pytest.raises(kvtier.InvalidArgumentError, match=named):
             call()
     # Values the native layer cannot take are named too (nanobind's own TypeError names nothing).

@@ -14,6 +14,7 @@
 #include <cstdarg>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -473,17 +474,30 @@ class RedisBackend final : public StorageBackend {
     if (r->type != REDIS_REPLY_ARRAY) return Internal("CLUSTER SLOTS: unexpected reply type");
     const std::string seed_host = parse_host_port(node).value().first;
     SlotMap map;
+    // The reply is the server's (or whatever answers on its port): every field is checked before it indexes.
+    auto bad = [&](std::size_t i, const std::string& why) {
+      return DataLoss(fmt::format("CLUSTER SLOTS on {}: entry {} {}", node, i, why));
+    };
     for (std::size_t i = 0; i < r->elements; ++i) {
       redisReply* e = r->element[i];
       if (e->type != REDIS_REPLY_ARRAY || e->elements < 3) continue;
+      if (e->element[0]->type != REDIS_REPLY_INTEGER || e->element[1]->type != REDIS_REPLY_INTEGER)
+        return bad(i, "has a slot range that is not two integers");
       const long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+      if (lo < 0 || hi >= kNumSlots || lo > hi)
+        return bad(i, fmt::format("has slots {}..{}, not a range within 0..{}", lo, hi, kNumSlots - 1));
       redisReply* m = e->element[2];
       if (m->type != REDIS_REPLY_ARRAY || m->elements < 2) continue;
-      std::string host(m->element[0]->str ? std::string(m->element[0]->str, m->element[0]->len) : "");
+      if (m->element[0]->type != REDIS_REPLY_STRING || m->element[1]->type != REDIS_REPLY_INTEGER)
+        return bad(i, "has a node that is not (host, port)");
+      const long long port = m->element[1]->integer;
+      if (port < 1 || port > 65535) return bad(i, fmt::format("has port {}", port));
+      std::string host(m->element[0]->str, m->element[0]->len);
       if (host.empty() || host == "?") host = seed_host;
-      const std::string n = fmt::format("{}:{}", host, m->element[1]->integer);
+      const std::string n = fmt::format("{}:{}", host, port);
       const int idx = map.node_index(n);
-      for (long long s = lo; s <= hi && s < kNumSlots; ++s) map.owner[s] = static_cast<std::int16_t>(idx);
+      if (idx > std::numeric_limits<std::int16_t>::max()) return bad(i, "names more nodes than a cluster has slots");
+      for (long long s = lo; s <= hi; ++s) map.owner[s] = static_cast<std::int16_t>(idx);
     }
     if (map.nodes.empty()) return Unavailable(fmt::format("CLUSTER SLOTS on {}: no slots assigned", node));
     return map;
@@ -702,8 +716,8 @@ class RedisBackend final : public StorageBackend {
                                                 : NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
         return false;
       case StorageOp::kExists:
-        if (r->type != REDIS_REPLY_INTEGER) {
-          w.last = Internal("STRLEN: unexpected reply");
+        if (r->type != REDIS_REPLY_INTEGER || r->integer < 0) {
+          w.last = Internal(fmt::format("STRLEN {}: unexpected reply", w.key));
         } else if (r->integer == 0) {
           w.last = NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
         } else {

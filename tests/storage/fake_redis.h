@@ -144,6 +144,12 @@ class FakeRedis {
     std::lock_guard<std::mutex> lk(mu_);
     trickles_[cmd] = per_byte;
   }
+  // kServe: commands named cmd get this raw RESP reply instead of their own (a server, or whatever answers on
+  // its port, that replies out of spec).
+  void canned_reply(const std::string& cmd, std::string raw) {
+    std::lock_guard<std::mutex> lk(mu_);
+    canned_[cmd] = std::move(raw);
+  }
   // Reply bytes sent on every connection so far.
   std::uint64_t reply_bytes_sent() const { return reply_bytes_.load(); }
   // Commands named cmd received in kServe (dropped ones included).
@@ -264,6 +270,7 @@ class FakeRedis {
   std::string reply(const std::vector<std::string>& a) {
     const std::string cmd = a.empty() ? "" : a[0];
     std::lock_guard<std::mutex> lk(mu_);
+    if (auto canned = canned_.find(cmd); canned != canned_.end()) return canned->second;
     if (cmd == "CLUSTER" && a.size() == 2 && a[1] == "SLOTS") {
       if (!cluster_) return "-ERR This instance has cluster support disabled\r\n";
       return fmt::format("*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:{}\r\n", port_);
@@ -319,6 +326,7 @@ class FakeRedis {
   std::map<std::string, Drops> drops_;
   std::map<std::string, int> counts_;
   std::map<std::string, std::chrono::milliseconds> trickles_;
+  std::map<std::string, std::string> canned_;
   bool cluster_ = false;
 };
 

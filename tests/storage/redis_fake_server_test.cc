@@ -166,6 +166,40 @@ TEST(RedisFakeServerCreate, ClusterSlotsResetOnEveryRoundFailsUnavailableInTime)
   EXPECT_EQ(server.count("CLUSTER"), static_cast<int>(c.max_retries) + 1);
 }
 
+// CLUSTER SLOTS is whatever answers on the port: a slot range below 0 was written before the slot table (a
+// crash at open or later, when the map was freed), a port or slot that is not an integer was read as one.
+TEST(RedisFakeServerCreate, ClusterSlotsOutOfSpecAreRefusedNamingTheEntry) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"*1\r\n*3\r\n:-8\r\n:-1\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n", "-8..-1"},
+      {"*1\r\n*3\r\n:-100000000\r\n:5\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n", "-100000000..5"},
+      {"*1\r\n*3\r\n:0\r\n:16384\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n", "0..16384"},
+      {"*1\r\n*3\r\n:9\r\n:3\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n", "9..3"},
+      {"*1\r\n*3\r\n$1\r\n0\r\n:5\r\n*2\r\n$9\r\n127.0.0.1\r\n:7000\r\n", "not two integers"},
+      {"*1\r\n*3\r\n:0\r\n:5\r\n*2\r\n$9\r\n127.0.0.1\r\n:0\r\n", "port 0"},
+      {"*1\r\n*3\r\n:0\r\n:5\r\n*2\r\n:1\r\n:7000\r\n", "not (host, port)"},
+  };
+  for (const auto& [reply, named] : cases) {
+    FakeRedis server(FakeRedis::Mode::kServe);
+    ASSERT_EQ(server.error(), "");
+    server.canned_reply("CLUSTER", reply);
+    RedisBackendConfig c = config_for(server, RedisMode::kCluster);
+    c.max_retries = 0;
+    auto b = create_redis_backend(c, StorageOptions{});
+    ASSERT_FALSE(b.ok()) << named;
+    EXPECT_NE(b.status().message().find("CLUSTER SLOTS"), std::string::npos) << b.status().to_string();
+    EXPECT_NE(b.status().message().find(named), std::string::npos) << b.status().to_string();
+  }
+}
+
+// STRLEN answering a negative length became a size of 2^64 - n.
+TEST_P(RedisFakeServerTest, ANegativeLengthIsAnErrorNotASize) {
+  server_.canned_reply("STRLEN", ":-5\r\n");
+  const StorageKey k = key_of(0x77, 1);
+  auto r = one(*backend_, StorageOp::kExists, k, nullptr, 0);
+  EXPECT_EQ(r.status.code(), StatusCode::kInternal) << r.status.to_string();
+  EXPECT_EQ(r.bytes, 0u);
+}
+
 // A server that says it is not a cluster: kAuto uses it as one node,
 // kCluster refuses at once with the server's answer.
 TEST(RedisFakeServerCreate, NonClusterServerAutoFallsBackClusterRefuses) {
