@@ -143,12 +143,14 @@ class TransferManagerImpl final : public TransferManager {
       : device_(device), compute_(compute), config_(config) {}
 
   ~TransferManagerImpl() override {
-    // The hook reads this manager: gone before anything of it is.
+    shutdown().ignore_error();
+    // Scrapes export the counters; one last export keeps what the manager did since the last scrape. The hook
+    // reads this manager: gone before anything of it is.
     if (metrics_registry_) {
+      export_metrics();
       metrics_registry_->remove_collect_hook(metrics_hook_);
       for (int d = 0; d < kNumDirs; ++d) metrics_->in_flight[d]->add(-metrics_->in_flight_seen[d]);
     }
-    shutdown().ignore_error();
   }
 
   Status init(KvCacheRegistration reg, CopyEngine* engine);

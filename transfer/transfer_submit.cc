@@ -291,6 +291,10 @@ Status TransferManagerImpl::record_device_access(std::span<const BlockId> device
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "record_device_access"));
   std::lock_guard<std::mutex> submit(submit_mu_);
   if (shut_) return FailedPrecondition("record_device_access after shutdown");
+  // An overwrite clears the blocks' failure history, which a peer's late write would make a lie: not while one may
+  // still write them. (Reads and appending writes are the decode's own use of what it received.)
+  if (access == DeviceAccess::kOverwrite)
+    KVTIER_RETURN_IF_ERROR(check_not_external_locked(device_blocks, "record_device_access(overwrite)"));
   KVTIER_ASSIGN_OR_RETURN(EventLease e, pool_->acquire());
   KVTIER_RETURN_IF_ERROR(device_.record(*e, stream));
   switch (access) {

@@ -26,7 +26,8 @@ Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Strea
       return InvalidArgument(fmt::format("wait_for_layer: task {} is an eviction, not a load", id));
     auto it = std::find(task->layers.begin(), task->layers.end(), layer);
     if (it == task->layers.end())
-      return InvalidArgument(fmt::format("wait_for_layer: load task {} does not load layer {}", id, layer));
+      return InvalidArgument(
+          fmt::format("wait_for_layer: {} task {} has no layer {}", task_kind_name(task->kind), id, layer));
     k = static_cast<std::size_t>(it - task->layers.begin());
     if (task->slot_state[k] == TaskState::kDone) return Status::Ok();
     if (task->slot_state[k] == TaskState::kFailed) return task->slot_status[k];
@@ -54,10 +55,12 @@ Status TransferManagerImpl::wait_layer_host(TaskId id, std::uint32_t layer, std:
     return InvalidArgument(fmt::format("wait_layer_host: task {} is an eviction, not a load", id));
   auto it = std::find(task->layers.begin(), task->layers.end(), layer);
   if (it == task->layers.end())
-    return InvalidArgument(fmt::format("wait_layer_host: load task {} does not load layer {}", id, layer));
+    return InvalidArgument(
+        fmt::format("wait_layer_host: {} task {} has no layer {}", task_kind_name(task->kind), id, layer));
   std::size_t k = static_cast<std::size_t>(it - task->layers.begin());
   if (!wait_state(lock, deadline, [&] { return final_for_waiter(*task, k); }))
-    return TimedOut(fmt::format("layer {} of load task {} not ready after {} us", layer, id, timeout.count() / 1000));
+    return TimedOut(fmt::format("layer {} of {} task {} not ready after {} us", layer, task_kind_name(task->kind), id,
+                                timeout.count() / 1000));
   return task->slot_state[k] == TaskState::kDone ? Status::Ok() : task->slot_status[k];
 }
 

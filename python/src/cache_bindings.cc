@@ -520,10 +520,9 @@ void bind_cache(nb::module_& m) {
           "Moves queued since the last call: dict of lists of (src, dst, key_hex).")
       .def(
           "ack",
-          [](PyCacheManager& p, const std::string& kind, const std::vector<std::int64_t>& dst_blocks,
-             std::optional<std::string> error) {
+          [](PyCacheManager& p, const std::string& kind, nb::handle dst_blocks, std::optional<std::string> error) {
             const cache::MoveKind k = move_kind(kind);
-            auto ids = to_block_ids(dst_blocks);
+            auto ids = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             Status st = ack_status(error);
             auto lock = lock_gil_safe(p.mu);
             switch (k) {

@@ -81,8 +81,20 @@ struct PyTransferManager {
       return;
     }
     s.ignore_error();
-    nanobind::gil_scoped_release release;
-    m.reset();
+    // close() promises the engine's memory back: once no call holds the manager any more (one that does ends
+    // with it; the destructor frees the rest then), what it used goes now, not when Python drops this object.
+    const bool last = m.use_count() == 1;
+    {
+      nanobind::gil_scoped_release release;
+      m.reset();
+      if (from_close && last) {
+        checksums.reset();
+        host_registrations.clear();
+        host_memory.reset();
+        adopted_device.clear();
+      }
+    }
+    if (from_close && last) keep_alive.clear();  // the engine's tensors, last (with the GIL)
   }
   // With the GIL held (it raises): for calls that use the manager without releasing the GIL.
   TransferManager& get() { return *hold(); }

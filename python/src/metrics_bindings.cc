@@ -26,12 +26,25 @@ using namespace nb::literals;
 
 namespace kvtier::python {
 
+// A str as UTF-8 (a lone surrogate has none: nb::cast threw std::bad_cast, naming nothing).
+std::string label_text(nb::handle s, const std::string& what) {
+  Py_ssize_t n = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(s.ptr(), &n);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+    raise_status(InvalidArgument(fmt::format("metric label {}: not valid UTF-8 (a lone surrogate)", what)));
+  }
+  return std::string(utf8, static_cast<std::size_t>(n));
+}
+
 metrics::Labels labels_from(const nb::dict& d) {
   metrics::Labels out;
   for (auto [k, v] : d) {
     if (!nb::isinstance<nb::str>(k) || !nb::isinstance<nb::str>(v))
       raise_status(InvalidArgument("metric labels must map str to str"));
-    out.emplace_back(nb::cast<std::string>(k), nb::cast<std::string>(v));
+    std::string name = label_text(k, "name");
+    std::string value = label_text(v, fmt::format("'{}' value", name));
+    out.emplace_back(std::move(name), std::move(value));
   }
   return out;
 }

@@ -411,6 +411,7 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
       raise_status(InvalidArgument(fmt::format("from_pages: host_of is a {}, not a kvtier TransferManager",
                                                nb::type_name(host_of_obj.type()).c_str())));
     host_of = &nb::cast<const PyTransferManager&>(host_of_obj);
+    if (!host_of->mgr) raise_status(FailedPrecondition("from_pages: host_of was closed (its host cache with it)"));
     if (!host_of->host_memory)
       raise_status(InvalidArgument("from_pages: host_of was not made by from_pages (its host cache is its own)"));
   }

@@ -93,6 +93,26 @@ def test_integers_nanobind_would_refuse_are_named():
         kvtier.TransferManager.from_tensors(dev, dev.create_stream("c"), arrays(BLOCKS), None, 2**60, LAYERS)
 
 
+def test_cache_manager_ack_integers_and_odd_metric_labels_are_named():
+    """CacheManager.ack refused 2**63, 1.5 and "01" with nanobind's unnamed TypeError; a metric label that is not
+    valid UTF-8 (a lone surrogate) raised RuntimeError('std::bad_cast')."""
+    cm = kvtier.CacheManager(device_blocks=8)
+    with pytest.raises(kvtier.OutOfRangeError, match=r"dst_blocks\[0\] 9223372036854775808"):
+        cm.ack("loads", [2**63])
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"dst_blocks\[1\] 1.5 is not an integer"):
+        cm.ack("loads", [0, 1.5])
+    with pytest.raises(kvtier.InvalidArgumentError, match="dst_blocks"):
+        cm.ack("loads", "01")
+    mgr, d, h = manager()
+    for labels, named in [({"odd": "\ud800"}, "'odd' value"), ({"\ud800": "x"}, "name")]:
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"metric label {named}: not valid UTF-8"):
+            mgr.attach_metrics(labels)
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"metric label {named}: not valid UTF-8"):
+            cm.attach_metrics(labels)
+    mgr.attach_metrics({"odd": "ok \u00e9"})  # still attachable, unicode fine
+    mgr.close()
+
+
 def test_hybrid_cache_integers_are_named():
     hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=8)])
     with pytest.raises(kvtier.OutOfRangeError, match="group -1"):
@@ -152,3 +172,29 @@ def test_a_page_manager_takes_over_another_ones_host_cache():
     with pytest.raises(kvtier.InvalidArgumentError, match="another layout"):
         kvtier.TransferManager.from_pages(dev, compute, tensors, [256] * LAYERS, HOST_BLOCKS, host_of=new)
     new.close()
+
+
+def test_close_gives_the_engines_memory_back():
+    """close() promised to release the engine memory, but the manager's tensors, adopted device memory and host
+    cache stayed until Python dropped the closed object (on a GPU: the KV tensors and the pinned cache held)."""
+    import gc
+    import weakref
+
+    dev = kvtier.host_device()
+    compute = dev.create_stream("compute")
+    tensors = [np.zeros((BLOCKS, 512), dtype=np.uint8) for _ in range(LAYERS)]
+    refs = [weakref.ref(t) for t in tensors]
+    mgr = kvtier.TransferManager.from_pages(dev, compute, tensors, [512] * LAYERS, num_host_blocks=HOST_BLOCKS)
+    mgr.wait(mgr.evict([1], [1]), 10.0)
+    del tensors
+    gc.collect()
+    assert all(r() is not None for r in refs)  # the manager keeps them while open
+    mgr.close()
+    gc.collect()
+    assert all(r() is None for r in refs), "closed, the manager still holds the engine's tensors"
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        mgr.evict([1], [1])
+    with pytest.raises(kvtier.FailedPreconditionError, match="host_of was closed"):
+        kvtier.TransferManager.from_pages(dev, compute, [np.zeros((BLOCKS, 512), np.uint8)] * LAYERS, [512] * LAYERS,
+                                          HOST_BLOCKS, host_of=mgr)
+    mgr.close()  # idempotent

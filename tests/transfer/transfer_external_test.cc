@@ -110,6 +110,16 @@ TEST(TransferExternal, DeclaredBlocksRefuseLoadsEvictionsAndReuse) {
   EXPECT_TRUE(contains(twice.status(), "device block 3")) << twice.status().to_string();
   // The forward pass may declare its reads of landed layers.
   EXPECT_TRUE(mgr.record_device_access(ids({2}), rig.compute(), TransferManager::DeviceAccess::kRead).ok());
+  // An overwrite clears the blocks' failure history: a late write of the peer would then pass for valid bytes.
+  Status overwrite = mgr.record_device_access(ids({2}), rig.compute(), TransferManager::DeviceAccess::kOverwrite);
+  EXPECT_EQ(overwrite.code(), StatusCode::kFailedPrecondition) << overwrite.to_string();
+  EXPECT_TRUE(contains(overwrite, task)) << overwrite.to_string();
+  // A wait on a layer names the task for what it is.
+  Status no_layer = mgr.wait_layer_host(*t, 99, 1ms);
+  EXPECT_TRUE(contains(no_layer, "external_write task")) << no_layer.to_string();
+  Status not_yet = mgr.wait_layer_host(*t, 0, 1ms);
+  EXPECT_EQ(not_yet.code(), StatusCode::kTimedOut) << not_yet.to_string();
+  EXPECT_TRUE(contains(not_yet, "of external_write task")) << not_yet.to_string();
 
   for (std::uint32_t l = 0; l < rig.layout().num_layers(); ++l) {
     peer_write(rig, 2, l, 77);

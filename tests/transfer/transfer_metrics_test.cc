@@ -149,10 +149,17 @@ TEST(TransferMetrics, BadLabelsAreRefusedAndADestroyedManagerLeavesTheRegistrySc
     ASSERT_TRUE(rig.evict(ids({0}), ids({0})).ok());
     ASSERT_TRUE(rig.mgr().wait_all(std::chrono::seconds(10)).ok());
     (void)reg.expose();
+    // Work after the last scrape: the counters were exported only by scrapes, so it was lost with the manager.
+    ASSERT_TRUE(rig.compute_write(ids({1, 2})).ok());
+    ASSERT_TRUE(rig.evict(ids({1, 2}), ids({1, 2})).ok());
+    ASSERT_TRUE(rig.mgr().wait_all(std::chrono::seconds(10)).ok());
   }
-  // The hook left with the manager: scraping reads nothing freed (ASan) and keeps the totals.
+  // The hook left with the manager: scraping reads nothing freed (ASan) and keeps the totals, the work after the
+  // last scrape included.
   const auto snap = reg.snapshot();
-  EXPECT_EQ(value(snap, "kvtier_transfer_blocks_total", {{"direction", "evict"}, {"rank", "0"}}), 1);
+  EXPECT_EQ(value(snap, "kvtier_transfer_blocks_total", {{"direction", "evict"}, {"rank", "0"}}), 3);
+  EXPECT_EQ(value(snap, "kvtier_transfer_tasks_total", {{"direction", "evict"}, {"outcome", "ok"}, {"rank", "0"}}), 2);
+  EXPECT_EQ(value(snap, "kvtier_transfer_in_flight_tasks", {{"direction", "evict"}, {"rank", "0"}}), 0);
 }
 
 }  // namespace

@@ -315,7 +315,8 @@ class TransferManager {
   // them, for writes). kOverwrite also clears the blocks' failure history (a
   // prefill that rewrote every layer of every token makes them valid again);
   // kWrite keeps it (appending tokens to a block whose load failed does not
-  // repair the older tokens).
+  // repair the older tokens). kOverwrite of a block an external write still
+  // declares is FailedPrecondition (the peer may write it after the overwrite).
   enum class DeviceAccess : std::uint8_t { kRead, kWrite, kOverwrite };
   virtual Status record_device_access(std::span<const BlockId> device_blocks, Stream& stream, DeviceAccess access) = 0;
 
