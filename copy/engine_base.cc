@@ -90,6 +90,9 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
     return InvalidArgument(fmt::format("sm_inline_descriptor_max_pairs must be <= {}, got {}", kInlineMaxPairs,
                                        o.sm_inline_descriptor_max_pairs));
   if (o.descriptor_slots == 0) return InvalidArgument("descriptor_slots must be >= 1, got 0");
+  // Each slot holds descriptor arrays: past this the ring cost gigabytes, or aborted the process (bad_alloc).
+  if (o.descriptor_slots > 65536)
+    return InvalidArgument(fmt::format("descriptor_slots must be <= 65536, got {}", o.descriptor_slots));
   if (o.max_pairs_per_call == 0) return InvalidArgument("max_pairs_per_call must be >= 1, got 0");
   if (o.batch_max_descriptors == 0) return InvalidArgument("batch_max_descriptors must be >= 1, got 0");
   if (o.staged_slots == 0) return InvalidArgument("staged_slots must be >= 1, got 0");

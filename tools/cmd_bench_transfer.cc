@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvtier/cache/cache_manager.h"
 #include "kvtier/device/cuda_device.h"
 #include "kvtier/device/host_device.h"
 #include "kvtier/transfer/transfer_config.h"
@@ -121,7 +122,18 @@ class ShapeBench {
       return InvalidArgument(fmt::format("unknown shape '{}' (gqa, mla)", shape_));
     }
     n_ = a_.blocks ? a_.blocks : (gpu ? 256 : 16);
-    const std::uint64_t dev_blocks = 2 * n_ + 8, host_blocks = 2 * n_ + 8;
+    // In 64 bits: 2 * n_ + 8 wrapped in 32 (2^32 - 1 blocks gave 6), and the footprint is checked before anything
+    // is allocated (an uncaught bad_alloc aborted the process, naming nothing).
+    const std::uint64_t dev_blocks = 2 * std::uint64_t{n_} + 8, host_blocks = dev_blocks;
+    std::uint64_t block_bytes = 0;
+    for (std::uint32_t l = 0; l < layout_.num_layers(); ++l)
+      for (std::uint32_t r = 0; r < layout_.num_roles(l); ++r) block_bytes += layout_.block_bytes(l, r);
+    const std::uint64_t need = (gpu ? 1 : 2) * host_blocks * block_bytes + 16 * dev_blocks;
+    if (host_blocks > kMaxBlockId || need > cache::physical_memory_bytes())
+      return InvalidArgument(
+          fmt::format("--blocks {}: the bench needs {} blocks of {} bytes ({} MiB of host memory), "
+                      "the machine has {} MiB",
+                      n_, host_blocks, block_bytes, need >> 20, cache::physical_memory_bytes() >> 20));
     KVTIER_ASSIGN_OR_RETURN(compute_, dev_.create_stream(StreamOptions{StreamPriority::kNormal, "bench-compute"}));
     KVTIER_ASSIGN_OR_RETURN(side_, dev_.create_stream(StreamOptions{StreamPriority::kNormal, "bench-side"}));
     std::uint64_t total = 0;

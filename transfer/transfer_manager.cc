@@ -274,13 +274,21 @@ Status TransferManagerImpl::shutdown() {
 
 }  // namespace transfer_detail
 
+constexpr std::size_t kMaxLatencySamples = std::size_t{1} << 20;
+
 Status validate_transfer_config(const TransferManagerConfig& c) {
   auto bad = [](std::string_view field, auto value, std::string_view rule) {
     return InvalidArgument(fmt::format("TransferManagerConfig.{} = {} ({})", field, value, rule));
   };
   if (c.max_in_flight_tasks == 0) return bad("max_in_flight_tasks", 0, "must be >= 1: every submit would fail");
   if (c.retained_finished_tasks == 0) return bad("retained_finished_tasks", 0, "must be >= 1");
-  if (c.latency_samples == 0) return bad("latency_samples", 0, "must be >= 1");
+  // Completions past the cap are dropped: at 0 every one was, and a poller waiting for its tasks (the cache's plan
+  // executor) spun forever.
+  if (c.max_unpolled_completions == 0)
+    return bad("max_unpolled_completions", 0, "must be >= 1: every completion would be dropped unseen");
+  // The ring is allocated and written whole at create: a large value cost gigabytes, or aborted the process.
+  if (c.latency_samples == 0 || c.latency_samples > kMaxLatencySamples)
+    return bad("latency_samples", c.latency_samples, fmt::format("must be in [1, {}]", kMaxLatencySamples));
   if (c.poll_interval.count() <= 0)
     return bad("poll_interval", fmt::format("{}us", c.poll_interval.count()), "must be > 0");
   if (c.shutdown_timeout.count() <= 0)

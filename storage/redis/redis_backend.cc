@@ -169,6 +169,18 @@ class RedisBackend final : public StorageBackend {
     if (config_.create_deadline.count() <= 0)
       return InvalidArgument(
           fmt::format("redis backend: create_deadline {} ms must be > 0", config_.create_deadline.count()));
+    // Added to the clock: past about 292 years that overflowed (a deadline already passed, blaming another
+    // limit). A day is what the spec's parameters allow too.
+    constexpr std::chrono::milliseconds kMaxWait = std::chrono::hours(24);
+    const std::pair<const char*, std::chrono::milliseconds> waits[] = {
+        {"connect_timeout", config_.connect_timeout}, {"command_timeout", config_.command_timeout},
+        {"backoff_initial", config_.backoff_initial}, {"backoff_max", config_.backoff_max},
+        {"item_deadline", config_.item_deadline},     {"batch_deadline", config_.batch_deadline},
+        {"create_deadline", config_.create_deadline}};
+    for (const auto& [name, value] : waits)
+      if (value.count() < 0 || value > kMaxWait)
+        return InvalidArgument(
+            fmt::format("redis backend: {} {} ms is not within a day ({} ms)", name, value.count(), kMaxWait.count()));
     for (const auto& e : config_.endpoints) KVTIER_RETURN_IF_ERROR(parse_host_port(e));
     // A connection reset or an unreachable node while the cluster is changing
     // (restart, failover, an admin killing clients) is transient: every

@@ -425,6 +425,11 @@ TEST_F(CopyValidationTest, BadOptions) {
   o = {};
   o.descriptor_slots = 0;
   EXPECT_EQ(CopyEngine::create(*device_, o).status().code(), StatusCode::kInvalidArgument);
+  // A ring of 2^32 - 1 slots aborted the process (bad_alloc) instead of naming the knob.
+  o.descriptor_slots = 4294967295u;
+  auto huge = CopyEngine::create(*device_, o);
+  EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(huge.status().message().find("descriptor_slots"), std::string::npos) << huge.status().to_string();
 }
 
 // ------------------------------------------------------------- byte-exactness

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kvtier/storage/redis_backend.h"
@@ -110,6 +111,17 @@ TEST(RedisDeadline, DeadlinesAreValidated) {
   c.item_deadline = std::chrono::milliseconds(100);
   c.batch_deadline = std::chrono::milliseconds(-1);
   EXPECT_EQ(create_redis_backend(c, StorageOptions{}).status().code(), StatusCode::kInvalidArgument);
+  // Past about 292 years `now + deadline` overflowed: create gave up at once, or every put failed naming another
+  // limit. Knobs past a day (as the spec's parameters) are named.
+  c.batch_deadline = std::chrono::milliseconds(1000);
+  for (auto* knob : {&c.create_deadline, &c.item_deadline, &c.batch_deadline, &c.command_timeout}) {
+    const auto kept = *knob;
+    *knob = std::chrono::milliseconds(std::numeric_limits<std::int64_t>::max());
+    Status st = create_redis_backend(c, StorageOptions{}).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("9223372036854775807 ms is not within a day"), std::string::npos) << st.to_string();
+    *knob = kept;
+  }
 }
 
 // A server that requires a password, and a backend configured without one: create fails with

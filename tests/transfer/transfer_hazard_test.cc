@@ -323,6 +323,10 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
   expect_rejected([](TransferManagerConfig& c) { c.max_in_flight_tasks = 0; }, "max_in_flight_tasks");
   expect_rejected([](TransferManagerConfig& c) { c.retained_finished_tasks = 0; }, "retained_finished_tasks");
   expect_rejected([](TransferManagerConfig& c) { c.latency_samples = 0; }, "latency_samples");
+  // A ring allocated whole at create: 1G samples aborted the process (bad_alloc).
+  expect_rejected([](TransferManagerConfig& c) { c.latency_samples = std::size_t{1} << 30; }, "latency_samples");
+  // Every completion dropped unseen: the cache's plan executor waited for its tasks forever.
+  expect_rejected([](TransferManagerConfig& c) { c.max_unpolled_completions = 0; }, "max_unpolled_completions");
   expect_rejected([](TransferManagerConfig& c) { c.poll_interval = 0us; }, "poll_interval");
   expect_rejected([](TransferManagerConfig& c) { c.shutdown_timeout = 0ms; }, "shutdown_timeout");
   expect_rejected([](TransferManagerConfig& c) { c.host_ready_timeout = -1ms; }, "host_ready_timeout");

@@ -193,7 +193,8 @@ struct TransferManagerConfig {
 };
 
 // InvalidArgument naming the first bad field: max_in_flight_tasks,
-// retained_finished_tasks and latency_samples >= 1, poll_interval,
+// retained_finished_tasks and max_unpolled_completions >= 1, latency_samples
+// in [1, 2^20] (allocated at create), poll_interval,
 // shutdown_timeout and host_ready_timeout > 0, strategies and priorities in
 // range. TransferManager::create runs it.
 Status validate_transfer_config(const TransferManagerConfig& config);
