@@ -138,6 +138,27 @@ void ConfigTable::add(std::string name, std::uint32_t* field, std::string doc) {
       [field] { return std::to_string(*field); });
 }
 
+void ConfigTable::add_mode(std::string name, std::uint32_t* field, std::string doc) {
+  add_knob(
+      std::move(name), "octal mode", std::move(doc),
+      [field](std::string_view v) -> Status {
+        v = trim(v);
+        std::string_view digits = v.starts_with("0o") || v.starts_with("0O") ? v.substr(2) : v;
+        std::uint32_t x = 0;
+        bool octal = !digits.empty() && digits.size() <= 4;
+        for (const char c : digits) {
+          octal = octal && c >= '0' && c <= '7';
+          x = x * 8 + static_cast<std::uint32_t>(c - '0');
+        }
+        if (!octal || x > 0777)
+          return InvalidArgument(
+              fmt::format("'{}' is not permission bits in octal (0000..0777, e.g. 0600 or 0o600)", v));
+        *field = x;
+        return Status::Ok();
+      },
+      [field] { return fmt::format("0{:o}", *field); });
+}
+
 void ConfigTable::add(std::string name, int* field, std::string doc) {
   add_knob(
       std::move(name), "int", std::move(doc),

@@ -233,12 +233,57 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
   return make_storage_backend(spec, std::move(options), StorageBackendDefaults{});
 }
 
+std::string redact_storage_spec(std::string_view spec) {
+  // Any scheme:// (a mistyped one too: its credentials are as secret).
+  const std::size_t scheme = spec.find("://");
+  if (scheme == std::string_view::npos) return std::string(spec);
+  const std::size_t begin = scheme + 3, at = spec.rfind('@');
+  if (at == std::string_view::npos || at < begin) return std::string(spec);
+  const std::string_view cred = spec.substr(begin, at - begin);
+  const std::size_t colon = cred.find(':');
+  const std::string user = colon == std::string_view::npos ? "" : std::string(cred.substr(0, colon)) + ":";
+  return fmt::format("{}{}***{}", spec.substr(0, begin), user, spec.substr(at));
+}
+
+namespace {
+
+// A redis:// userinfo part, percent-decoded; `what` names it, the value is never shown (it may be a password).
+Result<std::string> decode_userinfo(std::string_view s, std::string_view what) {
+  std::string out;
+  out.reserve(s.size());
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out += s[i];
+      continue;
+    }
+    auto hex = [](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+      return -1;
+    };
+    const int hi = i + 2 < s.size() ? hex(s[i + 1]) : -1;
+    const int lo = i + 2 < s.size() ? hex(s[i + 2]) : -1;
+    if (hi < 0 || lo < 0)
+      return InvalidArgument(
+          fmt::format("redis spec: the {} holds a '%' at offset {} that is not followed by two hex "
+                      "digits (write a '%' as %25)",
+                      what, i));
+    out += static_cast<char>(hi * 16 + lo);
+    i += 2;
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options,
                                                              const StorageBackendDefaults& defaults) {
+  const std::string shown_spec = redact_storage_spec(spec);
   // The paths, hosts and names of a spec reach C APIs that stop at a NUL byte: "disk:/a\0/b" would open /a.
   if (const std::size_t nul = spec.find('\0'); nul != std::string_view::npos) {
     std::string shown;
-    for (const char ch : spec.substr(0, 200)) {
+    for (const char ch : std::string_view(shown_spec).substr(0, 200)) {
       if (ch == '\0')
         shown += "\\0";
       else
@@ -288,10 +333,10 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
       std::string_view cred = rest.substr(0, at);
       const auto colon = cred.find(':');
       if (colon == std::string_view::npos) {
-        c.password = std::string(cred);
+        KVTIER_ASSIGN_OR_RETURN(c.password, decode_userinfo(cred, "password"));
       } else {
-        c.username = std::string(cred.substr(0, colon));
-        c.password = std::string(cred.substr(colon + 1));
+        KVTIER_ASSIGN_OR_RETURN(c.username, decode_userinfo(cred.substr(0, colon), "user name"));
+        KVTIER_ASSIGN_OR_RETURN(c.password, decode_userinfo(cred.substr(colon + 1), "password"));
       }
       rest = rest.substr(at + 1);
     }
@@ -325,7 +370,12 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         KVTIER_ASSIGN_OR_RETURN(c.ttl_seconds, bounded_param(k, v, 2147483647, "seconds Redis accepts for EX"));
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
-        if (!tenant_param) return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, spec));
+        if (!tenant_param && k.find('@') != std::string_view::npos)
+          // A '?' in the credentials cut the spec there: the rest of the password is not a parameter to show.
+          return InvalidArgument(
+              "redis spec (not shown: it holds credentials): a parameter holds '@': a '?' in the user name or "
+              "password must be written %3F");
+        if (!tenant_param) return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, shown_spec));
       }
     }
     return create_redis_backend(std::move(c), std::move(options));
@@ -357,8 +407,8 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
     }
     return create_memory_backend(c, std::move(options));
   }
-  return InvalidArgument(
-      fmt::format("storage spec '{}' is neither disk:<dir>, redis://host:port nor memory:?capacity=<bytes>", spec));
+  return InvalidArgument(fmt::format(
+      "storage spec '{}' is neither disk:<dir>, redis://host:port nor memory:?capacity=<bytes>", shown_spec));
 }
 
 }  // namespace kvtier::storage

@@ -30,8 +30,8 @@ void bind_disk_backend_config(ConfigTable& t, DiskBackendConfig& c, const std::s
   t.add(p + ".max_free_files", &c.max_free_files, "disk: recycled-file pool size");
   t.add(p + ".max_quarantine_files", &c.max_quarantine_files,
         "disk: quarantined files kept for inspection (oldest removed first; counted in capacity)");
-  t.add(p + ".file_mode", &c.file_mode, "disk: permission bits of created files (decimal in env/config: 384 = 0600)");
-  t.add(p + ".dir_mode", &c.dir_mode, "disk: permission bits of created directories (448 = 0700)");
+  t.add_mode(p + ".file_mode", &c.file_mode, "disk: permission bits of created files, in octal (0600)");
+  t.add_mode(p + ".dir_mode", &c.dir_mode, "disk: permission bits of created directories, in octal (0700)");
 }
 
 void bind_tenant_config(ConfigTable& t, TenantConfig& c, const std::string& p) {

@@ -24,6 +24,7 @@
 #include "kvtier/device/host_device.h"
 #include "kvtier/metrics/http_server.h"
 #include "kvtier/metrics/zmq_publisher.h"
+#include "kvtier/storage/storage_config.h"
 #include "kvtier/testing/plan_executors.h"
 #include "kvtier/transfer/transfer_config.h"
 #include "kvtier/transfer/transfer_manager.h"
@@ -399,9 +400,12 @@ Action register_replay(CLI::App& app) {
     }
     if (a.host_tokens) {
       const std::uint64_t blocks = a.host_tokens / a.block_tokens;
-      if (blocks > kMaxBlocks)
-        return bad(fmt::format("--host-tokens {} is {} blocks of {} tokens: at most {} blocks", a.host_tokens, blocks,
-                               a.block_tokens, kMaxBlocks));
+      // Less than one block took the host tier away without a word (--host-blocks 0 says that).
+      if (blocks == 0 || blocks > kMaxBlocks)
+        return bad(
+            fmt::format("--host-tokens {} is {} blocks of {} tokens: must be 1..{} blocks (--host-blocks 0 "
+                        "for no host tier)",
+                        a.host_tokens, blocks, a.block_tokens, kMaxBlocks));
       a.host_blocks = static_cast<std::uint32_t>(blocks);
     }
     if (a.device_blocks == 0)
@@ -715,7 +719,8 @@ Action register_replay(CLI::App& app) {
       auto rs = use_transfer ? cache::ReplayStorage::create_over(a.storage, rt.manager->host_space())
                              : cache::ReplayStorage::create(a.storage, a.host_blocks, a.block_bytes);
       if (!rs.ok()) {
-        std::fprintf(stderr, "kvtier replay: --storage %s: %s\n", a.storage.c_str(), rs.status().to_string().c_str());
+        std::fprintf(stderr, "kvtier replay: --storage %s: %s\n", storage::redact_storage_spec(a.storage).c_str(),
+                     rs.status().to_string().c_str());
         return 1;
       }
       storage = std::move(*rs);
@@ -881,7 +886,8 @@ Action register_replay(CLI::App& app) {
     }
     if (!a.storage.empty())
       std::printf("storage          %u blocks (%llu tokens), %s\n", r.storage_blocks,
-                  (unsigned long long)r.storage_blocks * a.block_tokens, a.storage.c_str());
+                  (unsigned long long)r.storage_blocks * a.block_tokens,
+                  storage::redact_storage_spec(a.storage).c_str());
     std::printf("hit ratio        %.4f (device %.4f + host %.4f + storage %.4f) of blocks\n", r.hit_ratio(),
                 r.device_hit_ratio(), r.host_hit_ratio(), r.storage_hit_ratio());
     std::printf("prefill saved    %llu of %llu tokens (%.2f%%; %llu from host, %llu from storage)\n",
@@ -915,7 +921,7 @@ Action register_replay(CLI::App& app) {
     if (!a.storage.empty())
       std::printf(", host->storage %.1f MiB in %llu writes, storage->host %.1f MiB in %llu prefetches (%s)",
                   mib(r.bytes_to_storage), (unsigned long long)r.storage_writes, mib(r.bytes_from_storage),
-                  (unsigned long long)r.storage_prefetches, a.storage.c_str());
+                  (unsigned long long)r.storage_prefetches, storage::redact_storage_spec(a.storage).c_str());
     std::printf("\n");
     std::printf("failures         %llu failed transfer tasks, %llu failed moves acked as misses",
                 (unsigned long long)t_failed_tasks, (unsigned long long)r.failed_transfers);

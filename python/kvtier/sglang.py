@@ -303,7 +303,8 @@ class HiCacheKvtier(HiCacheStorage):
         pool = (kwargs or {}).get("mem_pool_host") if isinstance(kwargs, dict) else None
         if pool is not None:
             self.register_mem_pool_host(pool)
-        logger.info("kvtier.sglang: %s tier %s, namespace %s, %s pages", self.store.name, spec, self.namespace,
+        logger.info("kvtier.sglang: %s tier %s, namespace %s, %s pages", self.store.name,
+                    _native.StorageBackend.redacted_spec(spec), self.namespace,
                     "zero-copy" if zero_copy else "flat")
 
     # ------------------------------------------------------------------ keys and batches

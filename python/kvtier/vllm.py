@@ -120,6 +120,11 @@ _MEMORY_OBJECT_OVERHEAD = 4096
 # ---------------------------------------------------------------------------------------------- configuration
 
 
+def _shown(spec: Any) -> Any:
+    """A storage spec as errors and logs show it (a password redacted)."""
+    return _native.StorageBackend.redacted_spec(spec) if isinstance(spec, str) else spec
+
+
 def parse_size(key: str, value: Any) -> int:
     """A byte count: an integer, or a string like ``4096``, ``64K``, ``200G`` (binary units, optional ``B``)."""
     if isinstance(value, bool):
@@ -182,7 +187,7 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
     spec = extra["storage"]
     if not isinstance(spec, str) or not spec.startswith(("disk:", "redis://", "memory:", "pinned:")):
         raise InvalidArgumentError(
-            f"kvtier.vllm: extra_config['storage'] = {spec!r} is not 'disk:<dir>[?...]', "
+            f"kvtier.vllm: extra_config['storage'] = {_shown(spec)!r} is not 'disk:<dir>[?...]', "
             "'redis://host:port[?...]', 'memory:?capacity=<bytes>' or 'pinned:?capacity=<bytes>'")
     if spec.startswith("pinned:"):
         rest, _, query = spec[len("pinned:"):].partition("?")
@@ -695,7 +700,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
                                                   self.capacity_chunks if self.settings.pinned else 0)
             logger.info("kvtier.vllm: rank %d: %s tier %s, %d groups, chunk objects of %s bytes",
                         self.config.parallel.rank, self.store.name if self.store is not None else "pinned",
-                        self.settings.storage.split("?")[0],
+                        _native.StorageBackend.redacted_spec(self.settings.storage.split("?")[0]),
                         len(kv_caches.group_data_refs),
                         [self._worker.object_bytes(g) for g in range(len(kv_caches.group_data_refs))])
         return self._worker

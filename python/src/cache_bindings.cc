@@ -947,6 +947,9 @@ void bind_cache(nb::module_& m) {
           "config: knob -> value of the storage.disk.*, storage.redis.* and storage.tenant.* knobs "
           "(docs/configuration.md), applied over their KVTIER_STORAGE_* variables; what the spec names wins.")
       .def_static(
+          "redacted_spec", [](const std::string& spec) { return storage::redact_storage_spec(spec); }, "spec"_a,
+          "The spec as logs and errors may show it: a redis:// spec's password replaced by \"***\".")
+      .def_static(
           "object_name", [](const std::string& key, std::uint32_t rank) { return storage_key(key, rank).to_string(); },
           "key"_a, "rank"_a = 0,
           "The stored object's name (\"<32 hex digits>-r<rank>\"): the disk file <name>.kvo, the end of the Redis key.")

@@ -97,6 +97,7 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--device-blocks 0", {"--device-blocks", "got 0"}},  // was "allocate_device: bytes is 0"
       {"--device-blocks -5", {"--device-blocks", "-5"}},
       {"--device-tokens 100 --block-tokens 512", {"--device-tokens 100", "0 blocks"}},
+      {"--host-tokens 511 --block-tokens 512", {"--host-tokens 511", "0 blocks"}},  // took the host tier away
       {"--failure-rate 2", {"--failure-rate", "got 2"}},
       {"--failure-rate -1", {"--failure-rate", "got -1"}},
       {"--failure-rate nan", {"--failure-rate", "nan"}},

@@ -59,6 +59,28 @@ TEST(Config, ErrorsNameKnobAndValue) {
   EXPECT_FALSE(t.set("copy.ctas", "8G").ok());
 }
 
+// Permission bits are octal, as chmod takes them: read as a plain integer, "0440" was decimal 440 (0670, files
+// group-writable) and "0600" was refused as 1130.
+TEST(Config, ModesAreOctal) {
+  std::uint32_t mode = 0600;
+  ConfigTable t;
+  t.add_mode("disk.file_mode", &mode, "permission bits");
+  for (auto [text, want] : {std::pair{"0440", 0440u}, std::pair{"600", 0600u}, std::pair{"0o700", 0700u},
+                            std::pair{" 0 ", 0u}, std::pair{"0777", 0777u}}) {
+    ASSERT_TRUE(t.set("disk.file_mode", text).ok()) << text;
+    EXPECT_EQ(mode, want) << text;
+  }
+  for (const char* bad : {"0800", "1000", "07777", "abc", "", "-1", "0x1ff", "384 "}) {
+    mode = 0600;
+    Status s = t.set("disk.file_mode", bad);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("disk.file_mode"), std::string::npos) << s.to_string();
+    EXPECT_NE(s.message().find("octal"), std::string::npos) << s.to_string();
+    EXPECT_EQ(mode, 0600u) << bad;
+  }
+  EXPECT_EQ(t.describe().front().type, "octal mode");
+}
+
 TEST(Config, EnvAndTextApply) {
   Demo d;
   ConfigTable t = table_for(d);

@@ -237,6 +237,30 @@ TEST(StorageSpec, ParsesAndRejects) {
   EXPECT_EQ(make_storage_backend("redis://127.0.0.1:1?timeout_ms=100", {}).status().code(), StatusCode::kUnavailable);
 }
 
+// A password in a spec was echoed by every error that showed the spec ("unknown redis parameter 'x' in
+// 'redis://u:SECRET@...'"), and a '?' in it cut the spec there, the rest of the password shown as a parameter.
+TEST(StorageSpec, PasswordsAreNeverShown) {
+  EXPECT_EQ(redact_storage_spec("redis://tenant-a:S3CRET@h:1?prefix=p"), "redis://tenant-a:***@h:1?prefix=p");
+  EXPECT_EQ(redact_storage_spec("redis://:S3CRET@h:1"), "redis://:***@h:1");
+  EXPECT_EQ(redact_storage_spec("redis://S3CRET@h:1"), "redis://***@h:1");
+  EXPECT_EQ(redact_storage_spec("redis://u:p@ss@h:1"), "redis://u:***@h:1");
+  EXPECT_EQ(redact_storage_spec("rediss://u:S3CRET@h:1"), "rediss://u:***@h:1");  // a mistyped scheme too
+  EXPECT_EQ(redact_storage_spec("redis://h:1?prefix=p"), "redis://h:1?prefix=p");
+  EXPECT_EQ(redact_storage_spec("disk:/var/kv"), "disk:/var/kv");
+  for (const char* spec :
+       {"redis://u:S3CRET@127.0.0.1:1?timeot_ms=5", "redis://u:S3C?RET@127.0.0.1:1", "rediss://u:S3CRET@127.0.0.1:1",
+        "redis://u:S3CRET%zz@127.0.0.1:1", "redis://u:S3CRET@127.0.0.1:1?ttl=-1"}) {
+    Status st = make_storage_backend(spec, {}).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << spec << ": " << st.to_string();
+    EXPECT_EQ(st.message().find("S3C"), std::string::npos) << st.to_string();
+    EXPECT_EQ(st.message().find("RET"), std::string::npos) << st.to_string();
+  }
+  // Percent-decoded: "%3F" is a '?' of the password, not the start of the parameters (the server at port 1 is not
+  // there: the spec itself parsed).
+  EXPECT_EQ(make_storage_backend("redis://u:S3C%3FRET@127.0.0.1:1?timeout_ms=100", {}).status().code(),
+            StatusCode::kUnavailable);
+}
+
 // The memory tier: its spec, then capacity by least recent use (a get and an exists are uses), a tier that
 // must not evict, and an object larger than the tier.
 TEST(MemoryBackend, SpecCapacityAndEviction) {

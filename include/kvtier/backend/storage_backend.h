@@ -293,7 +293,12 @@ Status check_batch_buffers(const StorageBatch& batch);
 // deadlines at most a day (86,400,000); workers at most 256; ttl at most 2,147,483,647 s; threads at most 64.
 // where <tenant> is tenant=<id>&secret_file=<path> (each optional; they override options.tenant and
 // options.tenant_secret; the file as read_tenant_secret_file describes).
+// A redis:// user name and password are percent-decoded ("%3F" for a '?', "%40" for '@', "%25" for '%'), and
+// errors show the spec redacted (redact_storage_spec).
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options);
+// The spec as errors and logs may show it: the password of a scheme://user:password@host spec replaced by "***"
+// (everything between "://" and the last '@' but the user name). Specs without credentials unchanged.
+std::string redact_storage_spec(std::string_view spec);
 
 // Reads a tenant secret from a file holding it in hex (64..128 hex digits, surrounding
 // whitespace ignored: `openssl rand -hex 32 > f`). The file must be a regular file that neither

@@ -27,7 +27,7 @@ namespace kvtier {
 struct KnobInfo {
   std::string name;     // e.g. "copy.sm_ctas_h2d"
   std::string env_var;  // e.g. "KVTIER_COPY_SM_CTAS_H2D"
-  // "uint64", "uint32", "int", "double", "bool", "string", "duration (<unit>)" or "enum: a, b, c".
+  // "uint64", "uint32", "int", "double", "bool", "string", "octal mode", "duration (<unit>)" or "enum: a, b, c".
   std::string type;
   std::string default_value;
   std::string value;  // current value
@@ -42,6 +42,9 @@ class ConfigTable {
   void add(std::string name, std::uint64_t* field, std::string doc);
   void add(std::string name, std::uint32_t* field, std::string doc);
   void add(std::string name, int* field, std::string doc);
+  // Permission bits, written in octal as chmod takes them ("0600", "600", "0o600"; at most 0777). Read as a
+  // plain integer, "0440" was decimal 440, i.e. 0670: group-writable files from a value meant owner-only.
+  void add_mode(std::string name, std::uint32_t* field, std::string doc);
   void add(std::string name, double* field, std::string doc);
   // A double knob limited to [min, max] (NaN rejected).
   void add(std::string name, double* field, std::string doc, double min, double max);

@@ -39,6 +39,7 @@ struct StorageBackendDefaults {
 };
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options,
                                                              const StorageBackendDefaults& defaults);
+std::string redact_storage_spec(std::string_view spec);
 
 // Sets options.tenant and options.tenant_secret from `config` (the file is read here) and checks
 // them (format::check_tenant_options). Leaves `options` unchanged on error.
