@@ -150,3 +150,12 @@ def test_redis_parameters_past_their_range_are_refused_by_name(param, value):
 def test_a_disk_queue_depth_past_its_range_is_refused_by_name(tmp_path):
     with pytest.raises(kvtier.InvalidArgumentError, match="qd=4294967296"):
         disk(str(tmp_path / "d"), "?qd=4294967296")
+
+
+def test_a_password_in_a_spec_is_never_shown():
+    """The error of a spec with a bad parameter echoed it whole, the Redis password with it."""
+    with pytest.raises(kvtier.InvalidArgumentError) as e:
+        kvtier.StorageBackend.open("redis://tenant-a:S3CRET@127.0.0.1:1?timeot_ms=5")
+    assert "S3CRET" not in str(e.value) and "tenant-a:***@127.0.0.1:1" in str(e.value)
+    assert kvtier.StorageBackend.redacted_spec("redis://:S3CRET@h:1?prefix=p") == "redis://:***@h:1?prefix=p"
+    assert kvtier.StorageBackend.redacted_spec("disk:/var/kv") == "disk:/var/kv"
