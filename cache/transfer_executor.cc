@@ -73,20 +73,51 @@ Status TransferPlanExecutor::submit_d2h(MoveKind kind, const std::vector<BlockMo
     p.device.push_back(m.src);
     p.keys.push_back(m.key);
   }
-  KVTIER_ASSIGN_OR_RETURN(TaskId id, manager_.evict_to_host_async(dev, host));
+  EvictOptions options;
+  options.completion_queue = queue_;
+  KVTIER_ASSIGN_OR_RETURN(TaskId id, manager_.evict_to_host_async(dev, host, options));
   bytes_d2h_ += moves.size() * space_.layout().total_block_bytes();
   pending_.emplace(id, std::move(p));
   return Status::Ok();
 }
 
+// Moves of a plan that were not submitted fail at the next poll(): a plan taken from the cache is always acked
+// (unacked, its blocks stayed in flight for good: never matched, never evicted, reset() refused).
+void TransferPlanExecutor::fail_unsubmitted(MoveKind kind, const std::vector<BlockMove>& moves, const Status& why) {
+  if (moves.empty()) return;
+  Completion c{kind, {}, why};
+  for (const BlockMove& m : moves) c.dst.push_back(m.dst);
+  unsubmitted_.push_back(std::move(c));
+}
+
 Status TransferPlanExecutor::execute(const StepPlan& plan) {
+  Status st = submit_plan(plan);
+  if (st.ok()) return st;
+  // What was not submitted fails (the kinds are submitted in this order, each all or nothing).
+  const std::pair<MoveKind, const std::vector<BlockMove>*> kinds[] = {
+      {MoveKind::kEviction, &plan.evictions}, {MoveKind::kBackup, &plan.backups}, {MoveKind::kLoad, &plan.loads}};
+  for (const auto& [kind, moves] : kinds)
+    if (!submitted_.count(kind)) fail_unsubmitted(kind, *moves, st);
+  fail_unsubmitted(MoveKind::kStorageWrite, plan.storage_writes, st);
+  fail_unsubmitted(MoveKind::kStoragePrefetch, plan.storage_prefetches, st);
+  return st;
+}
+
+Status TransferPlanExecutor::submit_plan(const StepPlan& plan) {
+  submitted_.clear();
   if (!plan.storage_writes.empty() || !plan.storage_prefetches.empty())
     return InvalidArgument(fmt::format(
         "TransferPlanExecutor moves device<->host blocks only; plan has {} storage writes and {} prefetches "
         "(route them with CompositePlanExecutor)",
         plan.storage_writes.size(), plan.storage_prefetches.size()));
+  if (!queue_) {
+    // Completions of its own: the engine's poll_completions() on the same manager neither takes nor gets them.
+    KVTIER_ASSIGN_OR_RETURN(queue_, manager_.open_completion_queue());
+  }
   KVTIER_RETURN_IF_ERROR(submit_d2h(MoveKind::kEviction, plan.evictions));
+  submitted_.insert(MoveKind::kEviction);
   KVTIER_RETURN_IF_ERROR(submit_d2h(MoveKind::kBackup, plan.backups));
+  submitted_.insert(MoveKind::kBackup);
   if (!plan.loads.empty()) {
     std::vector<BlockId> dev, host;
     Pending p;
@@ -99,10 +130,13 @@ Status TransferPlanExecutor::execute(const StepPlan& plan) {
       p.keys.push_back(m.key);
       holds_.erase(m.dst);  // overwritten by the load; known again once checked
     }
-    KVTIER_ASSIGN_OR_RETURN(TaskId id, manager_.load_layers_to_device_async({}, host, dev));
+    LoadOptions options;
+    options.completion_queue = queue_;
+    KVTIER_ASSIGN_OR_RETURN(TaskId id, manager_.load_layers_to_device_async({}, host, dev, std::move(options)));
     bytes_h2d_ += plan.loads.size() * space_.layout().total_block_bytes();
     pending_.emplace(id, std::move(p));
   }
+  submitted_.insert(MoveKind::kLoad);
   return Status::Ok();
 }
 
@@ -131,8 +165,9 @@ void TransferPlanExecutor::check_loaded(const Pending& p) {
 }
 
 std::vector<Completion> TransferPlanExecutor::poll() {
-  std::vector<Completion> out;
-  for (TaskCompletion& c : manager_.poll_completions()) {
+  std::vector<Completion> out = std::move(unsubmitted_);
+  unsubmitted_.clear();
+  for (TaskCompletion& c : manager_.poll_completions(queue_)) {
     auto it = pending_.find(c.id);
     if (it == pending_.end()) continue;  // not submitted by this executor
     Pending& p = it->second;

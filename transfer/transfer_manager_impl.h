@@ -69,6 +69,7 @@ struct TaskRec {
   Clock::time_point submitted;
   LayerCallback on_layer;
   TaskCallback on_done;
+  std::uint32_t completion_queue = 0;
 
   std::size_t num_slots() const { return slot_state.size(); }
 
@@ -173,7 +174,15 @@ class TransferManagerImpl final : public TransferManager {
   Status wait_all(std::chrono::nanoseconds timeout) override;
   Result<TaskInfo> task_info(TaskId task) const override;
   Result<FailedBlocks> failed_blocks(TaskId task) const override;
-  std::vector<TaskCompletion> poll_completions() override;
+  std::vector<TaskCompletion> poll_completions() override { return poll_completions(0); }
+  Result<std::uint32_t> open_completion_queue() override;
+  Status check_completion_queue(std::uint32_t queue, std::string_view what) const {
+    const std::uint32_t open = completion_queues_.load(std::memory_order_acquire);
+    if (queue >= open)
+      return InvalidArgument(fmt::format("{}: completion_queue {} was never opened ({} open)", what, queue, open));
+    return Status::Ok();
+  }
+  std::vector<TaskCompletion> poll_completions(std::uint32_t queue) override;
   Result<bool> is_device_block_free(BlockId block) override { return dev_hazards_->is_free(block); }
   Result<bool> is_host_block_free(BlockId block) override { return host_hazards_->is_free(block); }
   Status wait_device_blocks_free(std::span<const BlockId> blocks, Stream& stream) override;
@@ -310,7 +319,10 @@ class TransferManagerImpl final : public TransferManager {
   std::unordered_map<TaskId, std::shared_ptr<TaskRec>> tasks_;
   std::set<TaskId> pending_ids_;
   std::deque<TaskId> finished_order_;
-  std::deque<TaskCompletion> completions_;
+  // Per completion queue (open_completion_queue; 0: poll_completions()'s), under mu_. The count is read by
+  // submits, which check a task's queue before taking mu_.
+  std::vector<std::deque<TaskCompletion>> completions_{1};
+  std::atomic<std::uint32_t> completion_queues_{1};
   DirCounters evict_;
   DirCounters load_;
   DirCounters external_;

@@ -135,12 +135,13 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
     tasks_.erase(finished_order_.front());
     finished_order_.pop_front();
   }
-  completions_.push_back(TaskCompletion{t.id, t.kind, first, t.failed, t.bytes});
-  while (completions_.size() > config_.max_unpolled_completions) completions_.pop_front();
+  std::deque<TaskCompletion>& queue = completions_[t.completion_queue];
+  queue.push_back(TaskCompletion{t.id, t.kind, first, t.failed, t.bytes});
+  while (queue.size() > config_.max_unpolled_completions) queue.pop_front();
   if (t.on_done) {
     auto cb = t.on_done;
     TaskId id = t.id;
-    // A notification, as the layer's: the outcome stays in completions_ and the task's record.
+    // A notification, as the layer's: the outcome stays in its completion queue and the task's record.
     fire.push_back([cb, id, kept = KeptStatus(first)] { cb(id, kept); });
   }
 }

@@ -150,12 +150,24 @@ Result<FailedBlocks> TransferManagerImpl::failed_blocks(TaskId id) const {
   return (*t)->failed;
 }
 
-std::vector<TaskCompletion> TransferManagerImpl::poll_completions() {
+std::vector<TaskCompletion> TransferManagerImpl::poll_completions(std::uint32_t queue) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<TaskCompletion> out(std::make_move_iterator(completions_.begin()),
-                                  std::make_move_iterator(completions_.end()));
-  completions_.clear();
+  if (queue >= completions_.size()) return {};
+  std::deque<TaskCompletion>& q = completions_[queue];
+  std::vector<TaskCompletion> out(std::make_move_iterator(q.begin()), std::make_move_iterator(q.end()));
+  q.clear();
   return out;
+}
+
+Result<std::uint32_t> TransferManagerImpl::open_completion_queue() {
+  constexpr std::size_t kMaxQueues = 1024;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (completions_.size() >= kMaxQueues)
+    return ResourceExhausted(
+        fmt::format("open_completion_queue: {} queues open (at most {})", completions_.size(), kMaxQueues));
+  completions_.emplace_back();
+  completion_queues_.store(static_cast<std::uint32_t>(completions_.size()), std::memory_order_release);
+  return static_cast<std::uint32_t>(completions_.size() - 1);
 }
 
 }  // namespace kvtier::transfer_detail

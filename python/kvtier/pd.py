@@ -133,6 +133,12 @@ def _timeout(value: Any) -> Optional[float]:
     return None if value is None else _seconds(value, "timeout")
 
 
+def _rxid(value: Any) -> int:
+    # A receiver's transfer ids are the unsigned 63 bits the decode endpoint starts (a negative one raised
+    # nanobind's unnamed TypeError).
+    return _ranged(value, "transfer id", 0, (1 << 63) - 1)
+
+
 def _peer(value: Any) -> int:
     return _ranged(value, "peer", 0, (1 << 32) - 1)
 
@@ -542,7 +548,7 @@ class Receiver:
         """Admits the prompt's ``keys`` (32 hex digits each, chained as the cache's keys are), guards the blocks and
         starts transfer ``transfer_id`` from ``peer`` into them. ``match_prefix``: the cached prefix is served (and
         loaded) and only the keys after it are received (the peer must send only those)."""
-        d = self._rx.start(_peer(peer), _xid(transfer_id), mode, list(keys), _count(extra_blocks, "extra_blocks"),
+        d = self._rx.start(_peer(peer), _rxid(transfer_id), mode, list(keys), _count(extra_blocks, "extra_blocks"),
                            _count(received_extra_blocks, "received_extra_blocks"), bool(match_prefix))
         return Receive(d["transfer_id"], d["task"], d["admission"])
 
@@ -558,7 +564,7 @@ class Receiver:
 
     def finish(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> ReceiveOutcome:
         """Until receive ``transfer_id`` ended (``TimedOutError`` past ``timeout``)."""
-        return self._outcome(self._rx.finish(_xid(transfer_id), _timeout(timeout)))
+        return self._outcome(self._rx.finish(_rxid(transfer_id), _timeout(timeout)))
 
     def drain(self, timeout: Optional[float] = DEFAULT_TIMEOUT) -> None:
         """Until no receive is open or quarantined."""

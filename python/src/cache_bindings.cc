@@ -502,6 +502,8 @@ void bind_cache(nb::module_& m) {
             d["ready_blocks"] = s.ready_blocks;
             d["loading_blocks"] = s.loading_blocks;
             d["failed"] = s.failed;
+            d["receiving_blocks"] = s.receiving_blocks;
+            d["quarantined_blocks"] = s.quarantined_blocks;
             return d;
           },
           "admission"_a.none())
@@ -554,6 +556,12 @@ void bind_cache(nb::module_& m) {
              d["storage_prefetches"] = s.storage_prefetches;
              d["failed_transfers"] = s.failed_transfers;
              d["invalidated_blocks"] = s.invalidated_blocks;
+             d["received_blocks"] = s.received_blocks;
+             d["received_loaded_blocks"] = s.received_loaded_blocks;
+             d["received_committed_blocks"] = s.received_committed_blocks;
+             d["quarantined_blocks"] = s.quarantined_blocks;
+             d["receiving_device_blocks"] = s.receiving_device_blocks;
+             d["quarantined_device_blocks"] = s.quarantined_device_blocks;
              d["lookup_blocks"] = s.lookup_blocks;
              d["hit_blocks"] = nb::make_tuple(s.hit_blocks[0], s.hit_blocks[1], s.hit_blocks[2]);
              d["resets"] = s.resets;

@@ -13,10 +13,12 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine_bridge.h"
@@ -53,8 +55,19 @@ struct PyPdReceiver {
     std::shared_ptr<PdNative> ep = std::move(endpoint);
     {
       nb::gil_scoped_release release;  // teardown joins kvtier threads
-      receiver.reset();
-      executor.reset();
+      {
+        // The receiver completes into the cache what ended (a landed receive was lost when not polled yet), and
+        // the cache's moves in flight are acked before the executor goes (unacked, they stayed in flight for good).
+        std::lock_guard cache_lock(cache->mu);
+        receiver.reset();
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (executor) {
+          cache::apply_completions(*cache->cm, executor->poll()).ignore_error();
+          if (executor->in_flight() == 0 || std::chrono::steady_clock::now() >= deadline) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        executor.reset();
+      }
       ep.reset();
     }
     if (transfers != nullptr) transfers->receivers.fetch_sub(1);
@@ -120,6 +133,12 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   out->transfers_ref = transfers_obj;
   out->endpoint_ref = endpoint_obj;
   out->cache = &nb::cast<PyCacheManager&>(cache_obj);
+  // Its plans run on the receiver's TransferPlanExecutor, which moves device <-> host blocks only: a storage move
+  // failed the receive (and, unacked, stayed in flight for good).
+  if (const std::uint32_t storage = out->cache->cm->config().storage_blocks; storage > 0)
+    raise_status(InvalidArgument(fmt::format(
+        "cache has a storage tier (storage_blocks {}): a Receiver's cache moves device <-> host blocks only",
+        storage)));
   PyTransferManager& tm = nb::cast<PyTransferManager&>(transfers_obj);
   PyPdEndpoint& ep = nb::cast<PyPdEndpoint&>(endpoint_obj);
   if (ep.options.role != "decode")

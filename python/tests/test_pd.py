@@ -742,6 +742,56 @@ def test_receiver_guards_awaits_and_commits_a_prompt(mode):
 
 
 @needs_cache
+def test_a_receive_that_landed_is_committed_when_the_receiver_closes():
+    """close() before poll() dropped a landed receive: its admission stayed 'receiving', release() quarantined its
+    blocks for good and reset() was refused for the cache's life."""
+    src_kv, dst_kv = prefill_kv(seed=12), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    keys = chain(4, salt=3)
+    with Prefill(src_kv, transport="loopback", **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        rx = Receiver(cache, tm, d, receive_timeout=TIMEOUT)
+        r = rx.start(to_prefill, 9, keys, "push")
+        p.begin(to_decode, 9, [0, 1, 2, 3])
+        p.layers_ready(9, range(LAYERS))
+        tm.wait(r.task, TIMEOUT)
+        assert p.wait(9, TIMEOUT).done
+        deadline = time.monotonic() + TIMEOUT
+        while rx.stats()["reclaimed"] == 0 and time.monotonic() < deadline:  # the reporter ended it
+            time.sleep(0.01)
+        rx.close()  # no poll() or finish() before
+        st = cache.admission_status(r.admission["id"])
+        assert st["receiving_blocks"] == 0 and st["quarantined_blocks"] == 0, st
+        cache.release(r.admission["id"])
+        assert cache.match(keys)["device_blocks"] == 4
+        stats = cache.stats()
+        assert stats["received_committed_blocks"] == 4 and stats["quarantined_device_blocks"] == 0, stats
+        cache.check_invariants()
+        cache.reset()
+    tm.close()
+
+
+@needs_cache
+def test_receiver_refuses_a_storage_tier_and_negative_ids():
+    """A cache with a storage tier was taken: its first plan with a storage move failed the receive and stayed in
+    flight for good. A negative transfer id raised nanobind's unnamed TypeError."""
+    src_kv, dst_kv = prefill_kv(seed=13), decode_kv()
+    dev, tm, _ = receiver_rig(dst_kv)
+    stored = kvtier.CacheManager(device_blocks=DECODE_BLOCKS, host_blocks=4, storage_blocks=16)
+    with Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        with pytest.raises(kvtier.InvalidArgumentError, match="storage tier"):
+            Receiver(stored, tm, d)
+        _, _, cache = receiver_rig(dst_kv)
+        with Receiver(cache, tm, d, receive_timeout=TIMEOUT) as rx:
+            with pytest.raises(kvtier.OutOfRangeError, match="transfer id -1"):
+                rx.start(0, -1, chain(2), "push")
+            with pytest.raises(kvtier.OutOfRangeError, match="transfer id -1"):
+                rx.finish(-1, 0.1)
+    tm.close()
+
+
+@needs_cache
 def test_receiver_commits_only_what_arrived_when_the_prefill_dies():
     src_kv, dst_kv = prefill_kv(seed=12), decode_kv()
     dev, tm, cache = receiver_rig(dst_kv)

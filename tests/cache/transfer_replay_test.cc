@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <map>
 #include <string>
 
 #include "kvtier/cache/transfer_executor.h"
@@ -166,9 +167,42 @@ TEST(TransferPlanExecutorTest, RefusesStorageMoves) {
   make_rig(rig, 4, 4, false);
   StepPlan plan;
   plan.storage_writes.push_back(BlockMove{0, 0, BlockKey{1, 2}});
+  plan.evictions.push_back(BlockMove{1, 2, BlockKey{3, 4}});
   Status s = rig.executor->execute(plan);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("storage"), std::string::npos);
+  // The plan was taken from a cache: every move of it comes back failed (unacked, they stayed in flight for good),
+  // and nothing of it was moved.
+  std::map<MoveKind, std::vector<BlockId>> failed;
+  for (const Completion& c : rig.executor->poll()) {
+    EXPECT_FALSE(c.status.ok());
+    failed[c.kind].insert(failed[c.kind].end(), c.dst.begin(), c.dst.end());
+  }
+  EXPECT_EQ(failed[MoveKind::kStorageWrite], std::vector<BlockId>{0});
+  EXPECT_EQ(failed[MoveKind::kEviction], std::vector<BlockId>{2});
+  EXPECT_EQ(rig.executor->in_flight(), 0u);
+  EXPECT_TRUE(rig.executor->poll().empty());
+}
+
+// The executor's completions are its own: an engine polling the same manager took them (the cache's moves were
+// never acked), and the executor's poll swallowed the engine's.
+TEST(TransferPlanExecutorTest, AnEnginePollingTheSameManagerTakesNothingOfIt) {
+  Rig rig;
+  make_rig(rig, 4, 8, false);
+  StepPlan plan;
+  plan.evictions.push_back(BlockMove{0, 5, BlockKey{1, 2}});
+  ASSERT_TRUE(rig.executor->execute(plan).ok());
+  auto engine_task = rig.manager->evict_to_host_async(std::vector<BlockId>{1}, std::vector<BlockId>{6});
+  ASSERT_TRUE(engine_task.ok()) << engine_task.status().to_string();
+  ASSERT_TRUE(rig.manager->wait_all(std::chrono::seconds(10)).ok());
+  const auto engine = rig.manager->poll_completions();
+  ASSERT_EQ(engine.size(), 1u);
+  EXPECT_EQ(engine[0].id, *engine_task);
+  const auto own = rig.executor->poll();
+  ASSERT_EQ(own.size(), 1u);
+  EXPECT_EQ(own[0].kind, MoveKind::kEviction);
+  EXPECT_EQ(own[0].dst, std::vector<BlockId>{5});
+  EXPECT_TRUE(own[0].status.ok()) << own[0].status.to_string();
 }
 
 }  // namespace

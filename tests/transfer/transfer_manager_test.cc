@@ -4,6 +4,7 @@
 // transfer_model.h.
 #include "kvtier/transfer/transfer_manager.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -84,6 +85,40 @@ TEST(TransferManager, EvictThenReuseDeviceBlock) {
     EXPECT_EQ(rig.host_content(4, 0).tag, 2u);
     EXPECT_EQ(rig.device_content(0, 0).tag, 3u);
   }
+}
+
+// Two consumers of one manager (an engine, and the cache's plan executor of a PdReceiver) took each other's
+// completions from the one queue: a cache move never acked, an engine's load never seen.
+TEST(TransferManager, CompletionQueuesKeepEachConsumersCompletions) {
+  auto dev = make_host(11, 0);
+  TransferRig rig(*dev, rig_options(small_gqa()));
+  ASSERT_TRUE(rig.init().ok());
+  TransferManager& mgr = rig.mgr();
+  auto queue = mgr.open_completion_queue();
+  ASSERT_TRUE(queue.ok()) << queue.status().to_string();
+  EXPECT_GT(*queue, 0u);
+  ASSERT_TRUE(rig.compute_write(ids({0, 1})).ok());
+  EvictOptions mine;
+  mine.completion_queue = *queue;
+  auto a = mgr.evict_to_host_async(ids({0}), ids({2}), mine);
+  auto b = mgr.evict_to_host_async(ids({1}), ids({3}));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(mgr.wait_all(std::chrono::seconds(10)).ok());
+  const auto engine = mgr.poll_completions();
+  ASSERT_EQ(engine.size(), 1u);
+  EXPECT_EQ(engine[0].id, *b);
+  const auto own = mgr.poll_completions(*queue);
+  ASSERT_EQ(own.size(), 1u);
+  EXPECT_EQ(own[0].id, *a);
+  EXPECT_TRUE(mgr.poll_completions(*queue).empty());
+  EXPECT_TRUE(mgr.poll_completions(*queue + 7).empty());
+  // A queue never opened is refused at submit, naming it.
+  EvictOptions bad;
+  bad.completion_queue = *queue + 1;
+  auto c = mgr.evict_to_host_async(ids({0}), ids({4}), bad);
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find(fmt::format("completion_queue {}", *queue + 1)), std::string::npos)
+      << c.status().to_string();
 }
 
 TEST(TransferManager, DeviceBlockNotFreeUntilEvictionCompleted) {

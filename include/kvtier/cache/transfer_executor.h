@@ -20,10 +20,17 @@
 // Storage moves are not handled here (InvalidArgument): route them with
 // CompositePlanExecutor.
 //
+// Its tasks' completions go to a completion queue of its own
+// (TransferManager::open_completion_queue), so an engine polling the same
+// manager neither takes them nor loses its own. A plan execute() could not
+// submit whole (an error, a storage move) is still acknowledged: its moves not
+// submitted come back failed from the next poll().
+//
 // Thread-safety: driven by the one scheduler thread that owns the CacheManager.
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -66,6 +73,8 @@ class TransferPlanExecutor final : public PlanExecutor {
     std::vector<BlockId> device;  // device blocks of the moves
     std::vector<BlockKey> keys;   // keys of the moves
   };
+  Status submit_plan(const StepPlan& plan);
+  void fail_unsubmitted(MoveKind kind, const std::vector<BlockMove>& moves, const Status& why);
   Status submit_d2h(MoveKind kind, const std::vector<BlockMove>& moves);
   Status prefill(const std::vector<BlockMove>& moves);
   void check_loaded(const Pending& p);
@@ -75,7 +84,10 @@ class TransferPlanExecutor final : public PlanExecutor {
   Stream& compute_;
   const BlockSpace& space_;
   Options options_;
+  std::uint32_t queue_ = 0;  // its completion queue of the manager (opened at the first plan)
   std::unordered_map<TaskId, Pending> pending_;
+  std::set<MoveKind> submitted_;                 // kinds of the current plan submitted so far
+  std::vector<Completion> unsubmitted_;          // moves of a failed execute(), failed at the next poll()
   std::unordered_map<BlockId, BlockKey> holds_;  // device block -> key whose bytes it holds
   std::vector<std::byte> staging_;
   std::uint64_t verified_ = 0, verification_failures_ = 0, bytes_d2h_ = 0, bytes_h2d_ = 0, failed_tasks_ = 0;

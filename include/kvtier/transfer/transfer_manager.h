@@ -207,11 +207,14 @@ struct EvictOptions {
   // Stream whose enqueued work wrote the blocks; nullptr = the compute stream.
   Stream* after = nullptr;
   TaskCallback on_done;
+  // Where the task's completion is listed: poll_completions(completion_queue); 0 is poll_completions()'s.
+  std::uint32_t completion_queue = 0;
 };
 
 struct LoadOptions {
   LayerCallback on_layer;
   TaskCallback on_done;
+  std::uint32_t completion_queue = 0;  // as EvictOptions
 };
 
 struct ExternalWriteOptions {
@@ -220,6 +223,7 @@ struct ExternalWriteOptions {
   TaskCallback on_done;
   // How long begin_external_write waits on the host for earlier accesses to the blocks to complete.
   std::chrono::nanoseconds free_timeout = std::chrono::seconds(60);
+  std::uint32_t completion_queue = 0;  // as EvictOptions
 };
 
 struct FailedBlocks {
@@ -359,8 +363,15 @@ class TransferManager {
   // every task).
   virtual Result<TaskInfo> task_info(TaskId task) const = 0;
   virtual Result<FailedBlocks> failed_blocks(TaskId task) const = 0;
-  // Tasks that became final since the last call, in completion order.
+  // Tasks that became final since the last call, in completion order: those submitted with completion_queue 0.
   virtual std::vector<TaskCompletion> poll_completions() = 0;
+  // A completion queue of the caller's own (at most 1,024 per manager: ResourceExhausted past). A component that
+  // shares the manager with the engine (the cache's plan executor of a PdReceiver) submits with it and polls it,
+  // so that neither consumes the other's completions (a completion taken by the wrong consumer was lost: a cache
+  // move never acked, an engine's load never seen).
+  virtual Result<std::uint32_t> open_completion_queue() = 0;
+  // Those of `queue` (empty for a queue never opened).
+  virtual std::vector<TaskCompletion> poll_completions(std::uint32_t queue) = 0;
 
   // ---- blocks ----
   // True when no eviction, load, external write or declared access of the block is pending.
