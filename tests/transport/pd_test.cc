@@ -16,6 +16,7 @@
 #include "core/byte_codec.h"
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/device/host_device.h"
+#include "sanitizers.h"
 #include "transport/pd_test_util.h"
 
 namespace kvtier::transport {
@@ -1100,18 +1101,25 @@ TEST(Pd, HostDirectDestinationsOutsideThePeersRegionsAreRefusedBeforeAnyByteMove
 
 // Over UCX's TCP data path a transfer's bytes and the heartbeats shared one connection, and UCX's progress
 // thread held its lock for as long as bytes kept flowing: a transfer longer than the lease failed with both sides
-// alive (1 GB at a 200 ms lease; at the default 1 s lease a few GB on loopback). Here 256 MiB at a 50 ms lease
-// (transfers of about twice the lease on two cores). KVTIER_TEST_LEASE_MS, KVTIER_TEST_MIB: other settings for a
-// manual run (1 GiB at 100 ms, 2 GiB at the default 1 s also pass).
+// alive (1 GB at a 200 ms lease; at the default 1 s lease a few GB on loopback). Here 1 GiB at a 200 ms lease
+// (transfers of about twice the lease on two cores), under ThreadSanitizer 256 MiB at 400 ms (about 1.4 s a
+// transfer there). The lease stays well above what a busy machine may keep a thread from running: at 50 ms a
+// build beside ThreadSanitizer's run starved the heartbeats past it. KVTIER_TEST_LEASE_MS, KVTIER_TEST_MIB: other
+// settings for a manual run (2 GiB at the default 1 s also passes).
 TEST(PdUcxTcp, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
+#if defined(KVTIER_TEST_TSAN)
+  constexpr std::uint64_t kMib = 256, kLeaseMs = 400;
+#else
+  constexpr std::uint64_t kMib = 1024, kLeaseMs = 200;
+#endif
   const char* mib_env = std::getenv("KVTIER_TEST_MIB");
   const char* lease_env = std::getenv("KVTIER_TEST_LEASE_MS");
-  const std::uint64_t n = (mib_env != nullptr ? std::strtoull(mib_env, nullptr, 10) : 256) / 8;  // 4 layers x 2 roles
+  const std::uint64_t n = (mib_env != nullptr ? std::strtoull(mib_env, nullptr, 10) : kMib) / 8;  // 4 layers x 2 roles
   const KvLayout layout = pd_layout(4, 1 << 20);
   HostBlocks pre_mem = HostBlocks::make(layout, n, true);
   HostBlocks dec_mem = HostBlocks::make(layout, n, false);
   PdOptions o;
-  o.lease = std::chrono::milliseconds(lease_env != nullptr ? std::strtoull(lease_env, nullptr, 10) : 50);
+  o.lease = std::chrono::milliseconds(lease_env != nullptr ? std::strtoull(lease_env, nullptr, 10) : kLeaseMs);
   o.heartbeat = std::max(o.lease / 20, std::chrono::milliseconds(1));
   const int seq = ++g_seq;
   auto pre_t =
