@@ -63,6 +63,7 @@ struct Entry {
   // Scheduler thread.
   bool completed = false;         // complete_receive called (or refused)
   bool cache_quarantine = false;  // the CacheManager holds quarantined blocks of it until acked
+  std::uint32_t loaded = 0;       // leading receive blocks committed
 };
 
 class Receiver final : public PdReceiver {
@@ -363,6 +364,7 @@ class Receiver final : public PdReceiver {
           o.error = s.with_context(fmt::format("transfer {}: complete_receive", id));
         }
         e.completed = true;
+        e.loaded = o.loaded_blocks;
         if (o.error.ok() && o.loaded_blocks == o.receive_blocks)
           ++stats_.completed;
         else
@@ -370,6 +372,13 @@ class Receiver final : public PdReceiver {
         ready_.emplace(id, std::move(o));
       }
       if (e.completed && e.reclaimable) {
+        // The blocks that did not land go back to the engine (to recompute) or the pool, for new bytes of its
+        // compute: the data plane forgets the receive's failure in them, which would fail the eviction of what
+        // the engine computes there and commits (its forward declares no access of its own).
+        if (e.loaded < e.blocks.size())
+          tm_.record_device_access(std::span<const BlockId>(e.blocks).subspan(e.loaded), tm_.compute_stream(),
+                                   TransferManager::DeviceAccess::kOverwrite)
+              .ignore_error();
         if (e.cache_quarantine) cache_.ack_receive_reclaimable(e.r.admission.id).ignore_error();
         it = entries_.erase(it);
         continue;

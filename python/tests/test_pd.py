@@ -817,6 +817,49 @@ def test_receiver_commits_only_what_arrived_when_the_prefill_dies():
 
 
 @needs_cache
+def test_blocks_of_a_failed_receive_store_what_the_engine_computes_there_later():
+    """A failed receive's blocks kept its failure on the data plane: what an unrelated request later computed and
+    committed in them failed its eviction (failed_transfers, invalidated): the cache dropped good data."""
+    src_kv, dst_kv = prefill_kv(seed=14), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv, host_blocks=8)
+    p = Prefill(src_kv, transport="loopback", **FAST)
+    with Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        with Receiver(cache, tm, d, receive_timeout=TIMEOUT) as rx:
+            r = rx.start(to_prefill, 1, chain(4, salt=1), "push")
+            p.begin(to_decode, 1, [0, 1, 2, 3])
+            p.layer_ready(1, 0)
+            tm.wait_layer_host(r.task, 0, TIMEOUT)
+            p.close()  # gone before layers 1 and 2
+            assert rx.finish(1, TIMEOUT).loaded_blocks == 0
+            rx.drain(TIMEOUT)
+            cache.release(r.admission["id"])
+            # An unrelated request computes into the same blocks (its forward declares no access) and commits.
+            local = chain(4, salt=50)
+            a = cache.admit(local, 0)
+            assert set(a["device_blocks"]) & set(r.admission["device_blocks"])
+            for layer in range(LAYERS):
+                for role in range(2):
+                    for i, b in enumerate(a["device_blocks"]):
+                        dst_kv[layer][role].view(np.uint8)[b] = (i + 1) * 7
+            cache.commit(a["id"])
+            cache.release(a["id"])
+            # Another request needs every device block: the committed ones go to host.
+            b = cache.admit(chain(DECODE_BLOCKS, salt=60), 0)
+            plan = cache.take_plan()
+            assert plan["evictions"], plan
+            done = tm.evict([m[0] for m in plan["evictions"]], [m[1] for m in plan["evictions"]])
+            tm.wait(done, TIMEOUT)  # failed with the receive's failure before
+            cache.ack("evictions", [m[1] for m in plan["evictions"]])
+            cache.release(b["id"])
+            st = cache.stats()
+            assert st["failed_transfers"] == 0 and st["invalidated_blocks"] == 0, st
+            assert cache.match(local)["host_blocks"] == 4
+            cache.check_invariants()
+    tm.close()
+
+
+@needs_cache
 def test_receiver_refusals_name_the_problem():
     src_kv, dst_kv = prefill_kv(), decode_kv()
     dev, tm, cache = receiver_rig(dst_kv)
