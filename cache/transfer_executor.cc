@@ -27,6 +27,10 @@ TransferPlanExecutor::TransferPlanExecutor(TransferManager& manager, Device& dev
                                            const BlockSpace& device_space, Options options)
     : manager_(manager), device_(device), compute_(compute), space_(device_space), options_(options) {}
 
+TransferPlanExecutor::~TransferPlanExecutor() {
+  if (queue_ != 0) manager_.close_completion_queue(queue_).ignore_error();
+}
+
 Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
   const KvLayout& layout = space_.layout();
   const std::uint64_t block_bytes = layout.total_block_bytes();

@@ -143,16 +143,19 @@ void ConfigTable::add_mode(std::string name, std::uint32_t* field, std::string d
       std::move(name), "octal mode", std::move(doc),
       [field](std::string_view v) -> Status {
         v = trim(v);
+        // Only with its octal marker: a bare number was this knob's decimal value before (416 meant 0640), and
+        // read as octal now it would quietly grant other bits.
+        const bool marked = v.starts_with("0o") || v.starts_with("0O") || v.starts_with("0");
         std::string_view digits = v.starts_with("0o") || v.starts_with("0O") ? v.substr(2) : v;
         std::uint32_t x = 0;
-        bool octal = !digits.empty() && digits.size() <= 4;
+        bool octal = marked && !digits.empty() && digits.size() <= 4;
         for (const char c : digits) {
           octal = octal && c >= '0' && c <= '7';
           x = x * 8 + static_cast<std::uint32_t>(c - '0');
         }
         if (!octal || x > 0777)
           return InvalidArgument(
-              fmt::format("'{}' is not permission bits in octal (0000..0777, e.g. 0600 or 0o600)", v));
+              fmt::format("'{}' is not permission bits in octal with a leading 0 (0000..0777, e.g. 0600 or 0o600)", v));
         *field = x;
         return Status::Ok();
       },

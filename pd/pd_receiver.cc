@@ -86,12 +86,6 @@ class Receiver final : public PdReceiver {
     }
     cv_.notify_all();
     thread_.join();
-    // What ended is completed into the cache (a receive that landed and was not polled yet was lost with the
-    // table); what is reclaimable is acked.
-    {
-      std::lock_guard lock(mu_);
-      complete_locked();
-    }
     // Open receives: the peer may still write their blocks, so they stay declared (fail closed).
     for (auto& [id, e] : entries_)
       if (!e.ended)

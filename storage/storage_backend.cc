@@ -326,6 +326,13 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
   }
   if (spec.starts_with("redis://")) {
     auto [rest, params] = split_query(spec.substr(8));
+    // A '?' in the credentials cut the spec there: the rest of the password is in a parameter, which no message
+    // may show (a parameter never holds '@').
+    for (auto [k, v] : params)
+      if (k.find('@') != std::string_view::npos || v.find('@') != std::string_view::npos)
+        return InvalidArgument(
+            "redis spec (not shown: it holds credentials): a parameter holds '@': a '?' in the user name or "
+            "password must be written %3F");
     RedisBackendConfig c = defaults.redis;
     c.endpoints.clear();
     const auto at = rest.rfind('@');
@@ -370,11 +377,6 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         KVTIER_ASSIGN_OR_RETURN(c.ttl_seconds, bounded_param(k, v, 2147483647, "seconds Redis accepts for EX"));
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
-        if (!tenant_param && k.find('@') != std::string_view::npos)
-          // A '?' in the credentials cut the spec there: the rest of the password is not a parameter to show.
-          return InvalidArgument(
-              "redis spec (not shown: it holds credentials): a parameter holds '@': a '?' in the user name or "
-              "password must be written %3F");
         if (!tenant_param) return InvalidArgument(fmt::format("unknown redis parameter '{}' in '{}'", k, shown_spec));
       }
     }

@@ -824,7 +824,7 @@ Action register_replay(CLI::App& app) {
       j["belady"] = to_json(*bel);
       j["min_bypass"] = to_json(*bound);
       j["unbounded_hit_ratio"] = unb.hit_ratio();
-      if (!a.storage.empty()) j["storage"] = a.storage;
+      if (!a.storage.empty()) j["storage"] = storage::redact_storage_spec(a.storage);
       if (rt.executor) {
         j["transfer"] = {{"backend", a.transfer},
                          {"verified_blocks", t_verified},

@@ -50,7 +50,8 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
         fmt::format("begin_external_write: free_timeout {} ns is negative", options.free_timeout.count()));
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(device_blocks, "begin_external_write device_blocks"));
-  KVTIER_RETURN_IF_ERROR(check_completion_queue(options.completion_queue, "begin_external_write"));
+  KVTIER_ASSIGN_OR_RETURN(const std::uint64_t generation,
+                          completion_queue_generation(options.completion_queue, "begin_external_write"));
   KVTIER_ASSIGN_OR_RETURN(std::vector<std::uint32_t> order, layer_order(layout, layers, "begin_external_write"));
   const std::size_t n = order.size();
   std::uint64_t bytes = 0;
@@ -79,6 +80,7 @@ Result<TaskId> TransferManagerImpl::begin_external_write(std::span<const std::ui
     task->start(next_id_++, TaskKind::kExternalWrite, events, bytes, std::move(options.on_layer),
                 std::move(options.on_done));
     task->completion_queue = options.completion_queue;
+    task->completion_generation = generation;
     task->layers = std::move(order);
 
     for (const auto& e : events) gate_.expect(e.get());

@@ -70,6 +70,7 @@ struct TaskRec {
   LayerCallback on_layer;
   TaskCallback on_done;
   std::uint32_t completion_queue = 0;
+  std::uint64_t completion_generation = 0;
 
   std::size_t num_slots() const { return slot_state.size(); }
 
@@ -176,11 +177,14 @@ class TransferManagerImpl final : public TransferManager {
   Result<FailedBlocks> failed_blocks(TaskId task) const override;
   std::vector<TaskCompletion> poll_completions() override { return poll_completions(0); }
   Result<std::uint32_t> open_completion_queue() override;
-  Status check_completion_queue(std::uint32_t queue, std::string_view what) const {
-    const std::uint32_t open = completion_queues_.load(std::memory_order_acquire);
-    if (queue >= open)
-      return InvalidArgument(fmt::format("{}: completion_queue {} was never opened ({} open)", what, queue, open));
-    return Status::Ok();
+  Status close_completion_queue(std::uint32_t queue) override;
+  // The queue's generation for a task submitted to it now (its completion is dropped if the queue is closed, or
+  // closed and opened again, before it settles).
+  Result<std::uint64_t> completion_queue_generation(std::uint32_t queue, std::string_view what) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queue >= completions_.size() || !completions_[queue].open)
+      return InvalidArgument(fmt::format("{}: completion_queue {} is not open", what, queue));
+    return completions_[queue].generation;
   }
   std::vector<TaskCompletion> poll_completions(std::uint32_t queue) override;
   Result<bool> is_device_block_free(BlockId block) override { return dev_hazards_->is_free(block); }
@@ -319,10 +323,14 @@ class TransferManagerImpl final : public TransferManager {
   std::unordered_map<TaskId, std::shared_ptr<TaskRec>> tasks_;
   std::set<TaskId> pending_ids_;
   std::deque<TaskId> finished_order_;
-  // Per completion queue (open_completion_queue; 0: poll_completions()'s), under mu_. The count is read by
-  // submits, which check a task's queue before taking mu_.
-  std::vector<std::deque<TaskCompletion>> completions_{1};
-  std::atomic<std::uint32_t> completion_queues_{1};
+  // Per completion queue (open_completion_queue; 0: poll_completions()'s), under mu_. A task settles into its
+  // queue only while the queue is in the generation it was submitted in.
+  struct CompletionQueue {
+    std::deque<TaskCompletion> items;
+    std::uint64_t generation = 0;
+    bool open = true;
+  };
+  std::vector<CompletionQueue> completions_{1};
   DirCounters evict_;
   DirCounters load_;
   DirCounters external_;

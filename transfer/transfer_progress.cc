@@ -135,9 +135,11 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
     tasks_.erase(finished_order_.front());
     finished_order_.pop_front();
   }
-  std::deque<TaskCompletion>& queue = completions_[t.completion_queue];
-  queue.push_back(TaskCompletion{t.id, t.kind, first, t.failed, t.bytes});
-  while (queue.size() > config_.max_unpolled_completions) queue.pop_front();
+  if (CompletionQueue& queue = completions_[t.completion_queue];
+      queue.open && queue.generation == t.completion_generation) {
+    queue.items.push_back(TaskCompletion{t.id, t.kind, first, t.failed, t.bytes});
+    while (queue.items.size() > config_.max_unpolled_completions) queue.items.pop_front();
+  }
   if (t.on_done) {
     auto cb = t.on_done;
     TaskId id = t.id;

@@ -69,7 +69,8 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const BlockId>
     return InvalidArgument(fmt::format("evict_to_host_async: {} device blocks but {} host blocks", device_blocks.size(),
                                        host_blocks.size()));
   if (device_blocks.empty()) return InvalidArgument("evict_to_host_async: empty block lists");
-  KVTIER_RETURN_IF_ERROR(check_completion_queue(options.completion_queue, "evict_to_host_async"));
+  KVTIER_ASSIGN_OR_RETURN(const std::uint64_t generation,
+                          completion_queue_generation(options.completion_queue, "evict_to_host_async"));
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(host_blocks, "evict_to_host_async host_blocks"));
@@ -110,6 +111,7 @@ Result<TaskId> TransferManagerImpl::evict_to_host_async(std::span<const BlockId>
   task->start(next_id_++, TaskKind::kEvict, {e_o}, device_space_.layout().total_block_bytes() * device_blocks.size(),
               nullptr, options.on_done);
   task->completion_queue = options.completion_queue;
+  task->completion_generation = generation;
 
   // 2. e_o, recorded by the submission after the copy: the device blocks are
   //    busy until it, the host blocks written at it.
@@ -132,7 +134,8 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
     return InvalidArgument(fmt::format("load_layers_to_device_async: {} host blocks but {} device blocks",
                                        host_blocks.size(), device_blocks.size()));
   if (device_blocks.empty()) return InvalidArgument("load_layers_to_device_async: empty block lists");
-  KVTIER_RETURN_IF_ERROR(check_completion_queue(options.completion_queue, "load_layers_to_device_async"));
+  KVTIER_ASSIGN_OR_RETURN(const std::uint64_t generation,
+                          completion_queue_generation(options.completion_queue, "load_layers_to_device_async"));
   KVTIER_RETURN_IF_ERROR(host_hazards_->check_ids(host_blocks, "host_blocks"));
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(device_blocks, "device_blocks"));
   KVTIER_RETURN_IF_ERROR(check_no_duplicates(device_blocks, "load_layers_to_device_async device_blocks"));
@@ -177,6 +180,7 @@ Result<TaskId> TransferManagerImpl::load_layers_to_device_async(std::span<const 
 
   task->start(next_id_++, TaskKind::kLoad, events, bytes, std::move(options.on_layer), std::move(options.on_done));
   task->completion_queue = options.completion_queue;
+  task->completion_generation = generation;
 
   for (const auto& e : events) gate_.expect(e.get());
   // The last layer's event completes every layer (one stream, in order).

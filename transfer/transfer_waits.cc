@@ -152,22 +152,39 @@ Result<FailedBlocks> TransferManagerImpl::failed_blocks(TaskId id) const {
 
 std::vector<TaskCompletion> TransferManagerImpl::poll_completions(std::uint32_t queue) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (queue >= completions_.size()) return {};
-  std::deque<TaskCompletion>& q = completions_[queue];
+  if (queue >= completions_.size() || !completions_[queue].open) return {};
+  std::deque<TaskCompletion>& q = completions_[queue].items;
   std::vector<TaskCompletion> out(std::make_move_iterator(q.begin()), std::make_move_iterator(q.end()));
   q.clear();
   return out;
 }
 
 Result<std::uint32_t> TransferManagerImpl::open_completion_queue() {
-  constexpr std::size_t kMaxQueues = 1024;
+  constexpr std::size_t kMaxOpen = 1024;
   std::lock_guard<std::mutex> lock(mu_);
-  if (completions_.size() >= kMaxQueues)
-    return ResourceExhausted(
-        fmt::format("open_completion_queue: {} queues open (at most {})", completions_.size(), kMaxQueues));
+  std::size_t open = 0;
+  for (const CompletionQueue& q : completions_) open += q.open ? 1 : 0;
+  if (open >= kMaxOpen)
+    return ResourceExhausted(fmt::format("open_completion_queue: {} queues open (at most {})", open, kMaxOpen));
+  for (std::uint32_t q = 1; q < completions_.size(); ++q)
+    if (!completions_[q].open) {
+      completions_[q].open = true;
+      return q;
+    }
   completions_.emplace_back();
-  completion_queues_.store(static_cast<std::uint32_t>(completions_.size()), std::memory_order_release);
   return static_cast<std::uint32_t>(completions_.size() - 1);
+}
+
+Status TransferManagerImpl::close_completion_queue(std::uint32_t queue) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (queue == 0 || queue >= completions_.size() || !completions_[queue].open)
+    return InvalidArgument(fmt::format("close_completion_queue: completion queue {} is not open (or is 0)", queue));
+  CompletionQueue& q = completions_[queue];
+  q.open = false;
+  ++q.generation;  // completions of its tasks still in flight are dropped
+  q.items.clear();
+  q.items.shrink_to_fit();
+  return Status::Ok();
 }
 
 }  // namespace kvtier::transfer_detail

@@ -519,9 +519,9 @@ class ChunkMover:
 
     def _release(self, mgrs: Dict[int, Any], failed: Optional[int]) -> None:
         """Ends a job's use of its managers. A failed copy retires its group's manager (a GPU copy error is sticky:
-        every later copy of its streams would fail) for a new one that takes over its host cache with the bytes in it
-        (the pinned tier's chunks stay, as the scheduler's index says); a retired manager closes once no job uses
-        it."""
+        every later copy of its streams would fail) for a new one, which on the pinned tier takes over its host cache
+        with the bytes in it (the chunks stay, as the scheduler's index says); a retired manager closes once no job
+        uses it."""
         close = []
         with self._mgr_lock:
             for g, m in mgrs.items():
@@ -529,7 +529,10 @@ class ChunkMover:
                 grp = self._groups[g]
                 if g == failed and grp.manager is m and not self._closed:
                     try:
-                        grp.manager = self._new_manager(grp, host_of=m)
+                        # The pinned tier's chunks live in the host cache: the new manager takes it over. (Not a
+                        # staged tier's buffers: the old manager's hazards are not the new one's, and a copy that
+                        # timed out may still write its buffer.)
+                        grp.manager = self._new_manager(grp, host_of=m if self._tier.pinned else None)
                         self._retired.append(m)
                         logger.warning("kvtier.vllm: KV cache group %d: a copy failed; its copies continue on a new "
                                        "transfer manager", g)

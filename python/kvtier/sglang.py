@@ -47,7 +47,7 @@ import logging
 import numbers
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _native
 from ._engine_config import split_extra_config
@@ -309,12 +309,11 @@ class HiCacheKvtier(HiCacheStorage):
 
     # ------------------------------------------------------------------ keys and batches
 
-    def _pool_desc(self, pool: Any, name: Any, segment_bytes: Sequence[int] = ()) -> str:
-        """What a page's objects are named after besides its key: the pool, its layout and dtype, and (zero-copy
-        pages) the bytes of each segment, so that a pool of another geometry (head count, page size) never takes
-        another's objects for its own."""
-        desc = f"{name}|{getattr(pool, 'layout', '')}|{getattr(pool, 'dtype', '')}"
-        return desc + ("|" + ",".join(map(str, segment_bytes)) if segment_bytes else "")
+    def _pool_desc(self, pool: Any, name: Any) -> str:
+        """What a page's objects are named after besides its key: the pool, its layout and dtype. (Not its
+        geometry: an object of another size, a pool of another head count or page size, is written again by a
+        backup and is a miss to a get.)"""
+        return f"{name}|{getattr(pool, 'layout', '')}|{getattr(pool, 'dtype', '')}"
 
     def _names(self, keys: List[str], desc: str, segments: int) -> List[str]:
         out = []
@@ -451,9 +450,8 @@ class HiCacheKvtier(HiCacheStorage):
         if not hasattr(pool, "get_page_buffer_meta"):
             return self._io_flat_pages(name, pool, keys, host_indices, is_set)
         segs, n = self._meta(pool, keys, host_indices)
-        page_segments = [size for _, size in segs[:n]]
-        self._segments[(id(pool), str(name))] = page_segments
-        names = self._names(keys, self._pool_desc(pool, name, page_segments), n)
+        self._segments[(id(pool), str(name))] = [size for _, size in segs[:n]]
+        names = self._names(keys, self._pool_desc(pool, name), n)
         live = [i for i, (_, size) in enumerate(segs) if size > 0]  # empty segments (no state) are not stored
         flags = [True] * len(segs)
         bufs = [segs[i] for i in live]
@@ -513,14 +511,10 @@ class HiCacheKvtier(HiCacheStorage):
         if not hasattr(pool, "get_page_buffer_meta"):
             flat = [self._flat_page_bytes(pool)] * len(keys)
             return self._present(self._names(keys, self._pool_desc(pool, name) + "|flat", 1), flat)
-        segments = self._segments_of(pool, name)
-        n = len(segments)
-        names = self._names(keys, self._pool_desc(pool, name, segments), n)
-        live = [i for i in range(len(names)) if segments[i % n] > 0]  # empty segments are not stored
-        flags = [True] * len(names)
-        for i, ok in zip(live, self._present([names[i] for i in live], [segments[i % n] for i in live])):
-            flags[i] = ok
-        return self._pages(flags, n)
+        # Presence only: a page's segment sizes may differ from the pool's first page's. An object of another
+        # geometry reads as a miss and the next backup writes it again.
+        n = len(self._segments_of(pool, name))
+        return self._pages(self._present(self._names(keys, self._pool_desc(pool, name), n)), n)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[Any]] = None,
                         extra_info: Any = None) -> Any:
@@ -649,8 +643,7 @@ class HiCacheKvtier(HiCacheStorage):
         if (str(pool) == _KV and not self.zero_copy) or not hasattr(p, "get_page_buffer_meta"):
             hexes = self._names([key], self._pool_desc(p, pool) + "|flat", 1)
         else:
-            segments = self._segments_of(p, pool)
-            hexes = self._names([key], self._pool_desc(p, pool, segments), len(segments))
+            hexes = self._names([key], self._pool_desc(p, pool), len(self._segments_of(p, pool)))
         return [_native.StorageBackend.object_name(h) for h in hexes]
 
     def tier_stats(self) -> dict:

@@ -642,7 +642,7 @@ class KvtierOffloadingSpec(OffloadingSpec):
         cap = self.settings.capacity_bytes
         if cap is None:
             raise InvalidArgumentError(
-                f"kvtier.vllm: the tier '{self.settings.storage}' has no capacity: set kv_connector_extra_config"
+                f"kvtier.vllm: the tier '{_shown(self.settings.storage)}' has no capacity: set kv_connector_extra_config"
                 "['capacity'] (bytes per worker, e.g. \"200G\")" + (
                     " or the disk spec's ?capacity=" if self.settings.disk else ""))
         per_chunk = chunk_bytes

@@ -74,9 +74,15 @@ struct PyTransferManager {
         mgr = std::move(m);
         raise_status(s);
       }
-      std::thread([m = std::move(m)]() mutable {
+      // The memory the manager copies into goes with it (the host cache is the binding's since from_pages shares
+      // it): freed after its shutdown, not under copies still in flight. (The engine's tensors are the engine's.)
+      std::thread([m = std::move(m), host = host_memory, regs = std::move(host_registrations),
+                   adopted = std::move(adopted_device)]() mutable {
         m->shutdown().ignore_error();
         m.reset();
+        regs.clear();
+        host.reset();
+        adopted.clear();
       }).detach();
       return;
     }

@@ -43,31 +43,36 @@ struct PyPdReceiver {
   std::unique_ptr<pd::PdReceiver> receiver;
   std::mutex mu;  // receiver calls from Python (the scheduler's methods run one at a time)
 
-  ~PyPdReceiver() { close(); }
+  ~PyPdReceiver() { close(/*collected=*/true); }
 
   // The receiver first (its reporter thread; open receives end as Cancelled, their blocks stay declared), then
   // the executor; the TransferManager may be closed after.
   // Then what it kept alive, so that a closed receiver the program still references (a module global at exit)
   // holds no endpoint, manager or Device.
-  void close() {
+  // `collected`: from the destructor, which the garbage collector may run inside a call that holds the cache's
+  // lock on this thread: the cache is then left as it is (what the receiver had not reported stays unreported).
+  void close(bool collected = false) {
     auto lock = lock_gil_safe(mu);
     if (!receiver && !executor) return;
     std::shared_ptr<PdNative> ep = std::move(endpoint);
     {
       nb::gil_scoped_release release;  // teardown joins kvtier threads
-      {
-        // The receiver completes into the cache what ended (a landed receive was lost when not polled yet), and
-        // the cache's moves in flight are acked before the executor goes (unacked, they stayed in flight for good).
-        std::lock_guard cache_lock(cache->mu);
-        receiver.reset();
+      std::unique_lock cache_lock(cache->mu, std::defer_lock);
+      if (collected ? cache_lock.try_lock() : (cache_lock.lock(), true)) {
+        // What ended is completed into the cache (a receive that landed and was not polled yet was lost with the
+        // receiver), and the cache's moves in flight are acked before the executor goes (unacked, they stayed in
+        // flight for good).
+        if (receiver) receiver->poll().status().ignore_error();
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
         while (executor) {
           cache::apply_completions(*cache->cm, executor->poll()).ignore_error();
           if (executor->in_flight() == 0 || std::chrono::steady_clock::now() >= deadline) break;
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
-        executor.reset();
       }
+      receiver.reset();
+      executor.reset();
+      if (cache_lock.owns_lock()) cache_lock.unlock();
       ep.reset();
     }
     if (transfers != nullptr) transfers->receivers.fetch_sub(1);
@@ -290,8 +295,9 @@ void bind_pd_receiver(nb::module_& m) {
              d["timed_out"] = s.timed_out;
              return d;
            })
-      .def("close", &PyPdReceiver::close,
-           "Stops the receiver (idempotent); receives still open end as Cancelled and their blocks stay guarded.");
+      .def(
+          "close", [](PyPdReceiver& r) { r.close(); },
+          "Stops the receiver (idempotent); receives still open end as Cancelled and their blocks stay guarded.");
 }
 
 }  // namespace kvtier::python

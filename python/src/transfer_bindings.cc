@@ -405,15 +405,19 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
   if (num_host_blocks > std::uint64_t{kMaxBlockId} + 1)
     raise_status(InvalidArgument(fmt::format("from_pages: num_host_blocks {}: at most {} (32-bit block ids)",
                                              num_host_blocks, kMaxBlockId + 1)));
-  const PyTransferManager* host_of = nullptr;
+  // What host_of shares, taken with the GIL held (a close() of it on another thread resets them).
+  std::shared_ptr<PinnedMemory> shared_host;
+  KvLayout shared_layout;
   if (!host_of_obj.is_none()) {
     if (!nb::isinstance<PyTransferManager>(host_of_obj))
       raise_status(InvalidArgument(fmt::format("from_pages: host_of is a {}, not a kvtier TransferManager",
                                                nb::type_name(host_of_obj.type()).c_str())));
-    host_of = &nb::cast<const PyTransferManager&>(host_of_obj);
-    if (!host_of->mgr) raise_status(FailedPrecondition("from_pages: host_of was closed (its host cache with it)"));
-    if (!host_of->host_memory)
+    const PyTransferManager& host_of = nb::cast<const PyTransferManager&>(host_of_obj);
+    if (!host_of.mgr) raise_status(FailedPrecondition("from_pages: host_of was closed (its host cache with it)"));
+    if (!host_of.host_memory)
       raise_status(InvalidArgument("from_pages: host_of was not made by from_pages (its host cache is its own)"));
+    shared_host = host_of.host_memory;
+    shared_layout = host_of.layout;
   }
   auto out = std::make_unique<PyTransferManager>();
   out->device_ref = device_obj;
@@ -463,13 +467,13 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
     // The host cache is the binding's, not the manager's, so that a manager that replaces this one (after a
     // failed copy: a GPU error poisons its streams) can take it over with what it holds (host_of).
     const std::uint64_t page = BlockSpace::page_first_page_bytes(out->layout);
-    if (host_of) {
-      if (!(host_of->layout == out->layout) || host_of->host_memory->size() != page * num_host_blocks)
+    if (shared_host) {
+      if (!(shared_layout == out->layout) || shared_host->size() != page * num_host_blocks)
         return InvalidArgument(fmt::format(
             "from_pages: host_of holds {} bytes of another layout; this manager needs {} host blocks of {} bytes "
             "({})",
-            host_of->host_memory->size(), num_host_blocks, page, out->layout.describe()));
-      out->host_memory = host_of->host_memory;
+            shared_host->size(), num_host_blocks, page, out->layout.describe()));
+      out->host_memory = std::move(shared_host);
     } else {
       if (page > std::numeric_limits<std::uint64_t>::max() / num_host_blocks)
         return InvalidArgument(fmt::format("from_pages: {} host blocks of {} bytes overflow", num_host_blocks, page));

@@ -757,8 +757,10 @@ def test_a_receive_that_landed_is_committed_when_the_receiver_closes():
         p.layers_ready(9, range(LAYERS))
         tm.wait(r.task, TIMEOUT)
         assert p.wait(9, TIMEOUT).done
+        blocks = r.admission["device_blocks"][r.admission["receive_begin"]:]
         deadline = time.monotonic() + TIMEOUT
-        while rx.stats()["reclaimed"] == 0 and time.monotonic() < deadline:  # the reporter ended it
+        # The receiver's reporter ended it (quiescent: the data plane released the blocks).
+        while not all(tm.is_device_block_free(b) for b in blocks) and time.monotonic() < deadline:
             time.sleep(0.01)
         rx.close()  # no poll() or finish() before
         st = cache.admission_status(r.admission["id"])

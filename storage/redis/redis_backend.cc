@@ -500,11 +500,14 @@ class RedisBackend final : public StorageBackend {
         return bad(i, fmt::format("has slots {}..{}, not a range within 0..{}", lo, hi, kNumSlots - 1));
       redisReply* m = e->element[2];
       if (m->type != REDIS_REPLY_ARRAY || m->elements < 2) continue;
-      if (m->element[0]->type != REDIS_REPLY_STRING || m->element[1]->type != REDIS_REPLY_INTEGER)
+      // A null host (Redis 7's unknown preferred endpoint) means the node we asked, as "" and "?" do.
+      const int host_type = m->element[0]->type;
+      if ((host_type != REDIS_REPLY_STRING && host_type != REDIS_REPLY_NIL) ||
+          m->element[1]->type != REDIS_REPLY_INTEGER)
         return bad(i, "has a node that is not (host, port)");
       const long long port = m->element[1]->integer;
       if (port < 1 || port > 65535) return bad(i, fmt::format("has port {}", port));
-      std::string host(m->element[0]->str, m->element[0]->len);
+      std::string host = host_type == REDIS_REPLY_STRING ? std::string(m->element[0]->str, m->element[0]->len) : "";
       if (host.empty() || host == "?") host = seed_host;
       const std::string n = fmt::format("{}:{}", host, port);
       const int idx = map.node_index(n);

@@ -65,12 +65,13 @@ TEST(Config, ModesAreOctal) {
   std::uint32_t mode = 0600;
   ConfigTable t;
   t.add_mode("disk.file_mode", &mode, "permission bits");
-  for (auto [text, want] : {std::pair{"0440", 0440u}, std::pair{"600", 0600u}, std::pair{"0o700", 0700u},
+  for (auto [text, want] : {std::pair{"0440", 0440u}, std::pair{"0o600", 0600u}, std::pair{"0O700", 0700u},
                             std::pair{" 0 ", 0u}, std::pair{"0777", 0777u}}) {
     ASSERT_TRUE(t.set("disk.file_mode", text).ok()) << text;
     EXPECT_EQ(mode, want) << text;
   }
-  for (const char* bad : {"0800", "1000", "07777", "abc", "", "-1", "0x1ff", "384 "}) {
+  // A bare number was the old decimal form: 416 meant 0640, and read as octal it would grant others read access.
+  for (const char* bad : {"0800", "1000", "07777", "abc", "", "-1", "0x1ff", "384 ", "416", "600"}) {
     mode = 0600;
     Status s = t.set("disk.file_mode", bad);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;

@@ -178,6 +178,15 @@ TEST(RedisFakeServerCreate, ClusterSlotsOutOfSpecAreRefusedNamingTheEntry) {
       {"*1\r\n*3\r\n:0\r\n:5\r\n*2\r\n$9\r\n127.0.0.1\r\n:0\r\n", "port 0"},
       {"*1\r\n*3\r\n:0\r\n:5\r\n*2\r\n:1\r\n:7000\r\n", "not (host, port)"},
   };
+  // A null host is the node asked (Redis 7 with an unknown preferred endpoint): it opens.
+  {
+    FakeRedis server(FakeRedis::Mode::kServe);
+    ASSERT_EQ(server.error(), "");
+    server.canned_reply("CLUSTER", fmt::format("*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$-1\r\n:{}\r\n",
+                                               server.endpoint().substr(server.endpoint().rfind(':') + 1)));
+    auto b = create_redis_backend(config_for(server, RedisMode::kCluster), StorageOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+  }
   for (const auto& [reply, named] : cases) {
     FakeRedis server(FakeRedis::Mode::kServe);
     ASSERT_EQ(server.error(), "");

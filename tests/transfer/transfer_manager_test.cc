@@ -119,6 +119,27 @@ TEST(TransferManager, CompletionQueuesKeepEachConsumersCompletions) {
   EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(c.status().message().find(fmt::format("completion_queue {}", *queue + 1)), std::string::npos)
       << c.status().to_string();
+  // Closed, the id is given out again, and a completion of the old owner's task still in flight is dropped.
+  ASSERT_TRUE(rig.compute_write(ids({0})).ok());
+  auto late = mgr.evict_to_host_async(ids({0}), ids({5}), mine);
+  ASSERT_TRUE(late.ok());
+  ASSERT_TRUE(mgr.close_completion_queue(*queue).ok());
+  EXPECT_EQ(mgr.close_completion_queue(*queue).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(mgr.close_completion_queue(0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(mgr.evict_to_host_async(ids({0}), ids({6}), mine).status().code(), StatusCode::kInvalidArgument);
+  auto again = mgr.open_completion_queue();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *queue);
+  ASSERT_TRUE(mgr.wait_all(std::chrono::seconds(10)).ok());
+  EXPECT_TRUE(mgr.poll_completions(*again).empty()) << "the closed owner's completion reached the new one";
+  // At most 1,024 open at once; closing makes room.
+  std::vector<std::uint32_t> opened;
+  Result<std::uint32_t> more = mgr.open_completion_queue();
+  for (; more.ok(); more = mgr.open_completion_queue()) opened.push_back(*more);
+  EXPECT_EQ(more.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(opened.size(), 1024u - 2u);  // queue 0 and `again` are open
+  ASSERT_TRUE(mgr.close_completion_queue(opened.back()).ok());
+  EXPECT_TRUE(mgr.open_completion_queue().ok());
 }
 
 TEST(TransferManager, DeviceBlockNotFreeUntilEvictionCompleted) {

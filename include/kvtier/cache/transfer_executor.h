@@ -51,6 +51,10 @@ class TransferPlanExecutor final : public PlanExecutor {
   // the stream the manager was created with. All must outlive the executor.
   TransferPlanExecutor(TransferManager& manager, Device& device, Stream& compute, const BlockSpace& device_space,
                        Options options);
+  // Gives its completion queue back to the manager.
+  ~TransferPlanExecutor() override;
+  TransferPlanExecutor(const TransferPlanExecutor&) = delete;
+  TransferPlanExecutor& operator=(const TransferPlanExecutor&) = delete;
 
   Status execute(const StepPlan& plan) override;
   std::vector<Completion> poll() override;

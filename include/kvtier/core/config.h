@@ -42,8 +42,9 @@ class ConfigTable {
   void add(std::string name, std::uint64_t* field, std::string doc);
   void add(std::string name, std::uint32_t* field, std::string doc);
   void add(std::string name, int* field, std::string doc);
-  // Permission bits, written in octal as chmod takes them ("0600", "600", "0o600"; at most 0777). Read as a
-  // plain integer, "0440" was decimal 440, i.e. 0670: group-writable files from a value meant owner-only.
+  // Permission bits, written in octal with a leading 0 ("0600", "0o600"; at most 0777). Read as a plain
+  // integer, "0440" was decimal 440, i.e. 0670: group-writable files from a value meant owner-only; a bare number
+  // (once this knob's decimal form) is refused rather than read either way.
   void add_mode(std::string name, std::uint32_t* field, std::string doc);
   void add(std::string name, double* field, std::string doc);
   // A double knob limited to [min, max] (NaN rejected).

@@ -52,11 +52,10 @@
 // Thread-safety: start(), poll(), finish() and drain() call the CacheManager and the PlanExecutor, so they run on
 // the one scheduler thread that drives them; stats() and active() from any thread. The TransferManager and the
 // endpoint are called from the reporter thread too (both are thread-safe). Every wait has a deadline.
-// Lifetime: the CacheManager, TransferManager, PlanExecutor and endpoint outlive the receiver. The destructor runs
-// on the scheduler thread: it stops the reporter thread and completes into the cache the receives that ended (as
-// poll() would; their outcomes are not reported); receives still open are ended on the data plane as Cancelled
-// and not quiescent, and those not yet reclaimable stay quarantined for good (fail closed: drain() first to get
-// their blocks back).
+// Lifetime: the CacheManager, TransferManager, PlanExecutor and endpoint outlive the receiver. The destructor stops
+// the reporter thread and does not touch the cache: poll() (or drain()) first, or a receive that ended and was
+// not reported is never completed into it. Receives still open are ended on the data plane as Cancelled and not
+// quiescent: their blocks stay declared for good (fail closed: drain() first to get them back).
 // Errors: InvalidArgument (no blocks to receive), AlreadyExists (transfer id active here), and the pieces'
 // errors (admission refused: ResourceExhausted; blocks busy: TimedOut; ...), with context naming the transfer.
 #pragma once

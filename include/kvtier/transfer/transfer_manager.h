@@ -365,13 +365,16 @@ class TransferManager {
   virtual Result<FailedBlocks> failed_blocks(TaskId task) const = 0;
   // Tasks that became final since the last call, in completion order: those submitted with completion_queue 0.
   virtual std::vector<TaskCompletion> poll_completions() = 0;
-  // A completion queue of the caller's own (at most 1,024 per manager: ResourceExhausted past). A component that
-  // shares the manager with the engine (the cache's plan executor of a PdReceiver) submits with it and polls it,
-  // so that neither consumes the other's completions (a completion taken by the wrong consumer was lost: a cache
-  // move never acked, an engine's load never seen).
+  // A completion queue of the caller's own (at most 1,024 open at once per manager: ResourceExhausted past). A
+  // component that shares the manager with the engine (the cache's plan executor of a PdReceiver) submits with it
+  // and polls it, so that neither consumes the other's completions (a completion taken by the wrong consumer was
+  // lost: a cache move never acked, an engine's load never seen).
   virtual Result<std::uint32_t> open_completion_queue() = 0;
-  // Those of `queue` (empty for a queue never opened).
+  // Those of `queue` (empty for a queue not open).
   virtual std::vector<TaskCompletion> poll_completions(std::uint32_t queue) = 0;
+  // Gives a queue back (its id may be opened again): its completions, and those of its tasks still in flight,
+  // are dropped. InvalidArgument for queue 0 or one not open.
+  virtual Status close_completion_queue(std::uint32_t queue) = 0;
 
   // ---- blocks ----
   // True when no eviction, load, external write or declared access of the block is pending.
