@@ -351,7 +351,9 @@ TEST_P(PdModes, ABeginAfterTheDecodeGaveUpWritesNothing) {
 }
 
 // Closing the decode endpoint mid-transfer: the transfer fails, the prefill is told and sends nothing more, and the
-// close returns only once nothing of it can land (the prefill's 'Q'), so the caller may free the blocks.
+// close returns only once nothing of it can land (the prefill's 'Q'), so the caller may free the blocks. A pull
+// prefill writes nothing: it may announce the later layers before it hears the decode gave up (a ThreadSanitizer
+// run saw 4 announced), and nobody reads them; only a push prefill is sure to send no more.
 TEST_P(PdModes, ClosingTheDecodeMidTransferStopsThePrefillBeforeTheMemoryGoes) {
   Rig rig({}, {}, PdOptions{20ms, 1s});
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 10, kSrc).ok());
@@ -365,7 +367,9 @@ TEST_P(PdModes, ClosingTheDecodeMidTransferStopsThePrefillBeforeTheMemoryGoes) {
   auto pf = rig.pre->wait(10, 5s);
   ASSERT_TRUE(pf.ok()) << pf.status().to_string();
   EXPECT_FALSE(pf->done);
-  EXPECT_EQ(pf->layers_sent, 1u);
+  if (GetParam() == PdMode::kPush) {
+    EXPECT_EQ(pf->layers_sent, 1u);
+  }
   for (std::uint32_t l = 1; l < 4; ++l)
     for (std::uint64_t b : kDst) EXPECT_TRUE(untouched(rig.dec_mem.space, b, l)) << b << " " << l;
 }
