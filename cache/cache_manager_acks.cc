@@ -49,6 +49,11 @@ enum class OnFailure : std::uint8_t {
   kRestoreSource,
   // A look-ahead load nobody asked for: handled after the other acks, deepest first (retreat_failed_loads).
   kRetreat,
+  // A load an admission waits for: its device block is garbage, and so is whatever the engine computes on it,
+  // but the host copy it was read from is intact, and so are the host and storage copies below it. The device
+  // side leaves the index (the admission sees the failure and recomputes); the lower copies stay indexed
+  // (keep_lower_copies_of_failed_load).
+  kKeepLowerCopies,
 };
 
 // One row per move kind and in-flight state: the state the block leaves, the tier its copy joins on success,
@@ -84,12 +89,13 @@ constexpr AckRule kAckRules[] = {
      .stores_through = true,
      .on_failure = OnFailure::kDropTarget,
      .on_lookahead_failure = OnFailure::kDropTarget},
-    // Host -> device load: an admitted block's device bytes are garbage, and so is anything computed on them.
+    // Host -> device load: an admitted block's device bytes are garbage, and so is anything computed on them;
+    // the host copy it was read from is not.
     {.kind = AckKind::kLoad,
      .from = NodeState::kLoading,
      .lands_in = kDev,
      .defer_landing = true,
-     .on_failure = OnFailure::kMiss,
+     .on_failure = OnFailure::kKeepLowerCopies,
      .on_lookahead_failure = OnFailure::kRetreat},
     // Host -> storage write-through: the host copy stays servable throughout.
     {.kind = AckKind::kStorageWrite,
@@ -140,6 +146,7 @@ void land(Impl& s, NodeId id, const AckRule& r, std::vector<NodeId>& landed, int
   n.present |= bit(r.lands_in);
   s.announce(id);
   if (r.clears_write_failed) n.write_failed = false;
+  if (r.lands_in == kDev) n.load_failed = false;  // its host copy read well
   if (r.defer_landing) {
     landed.push_back(id);
     deferred_tier = r.lands_in;
@@ -154,6 +161,101 @@ void land(Impl& s, NodeId id, const AckRule& r, std::vector<NodeId>& landed, int
   if (r.stores_through) s.store_through(id);
 }
 
+// Gives node `id`'s place in the index (its key, parent, children, protection) to a new node holding its host
+// and storage copies, and detaches `id` with what is left: its device block, state and pins, so that the
+// admissions that pinned it see it failed and it is reclaimed once they release it (and, if loading, once its
+// load acks). Returns the new node. A move still reading the host copy that changed hands is safe: a later
+// write to that block waits for it (the TransferManager orders writes after pending reads).
+NodeId replace_by_lower_copies(Impl& s, NodeId id, bool load_failed) {
+  const NodeId parent = s.nodes[id].parent;
+  const BlockKey key = s.nodes[id].key;
+  s.map.erase(key);
+  const bool prot = s.wanted(id) > 0;
+  for (int t = 0; t < kNumTiers; ++t) {
+    if (prot)
+      s.parked[t].erase(s.park_key(id));
+    else
+      s.policy[t]->erase(id);
+  }
+  if (prot) s.want[id] = Impl::NodeWant{};  // the new node takes the key's protection (init_wanted)
+  const NodeId y = s.new_node(key, parent);  // may grow s.nodes: references are taken after it
+  Node& n = s.nodes[id];
+  Node& r = s.nodes[y];
+  r.hits = n.hits;
+  r.load_failed = load_failed;
+  r.write_failed = n.write_failed;
+  n.write_failed = false;
+  constexpr auto kLower = static_cast<std::uint8_t>(bit(kHst) | bit(kSto));
+  for (int t : {kHst, kSto}) {
+    if (n.block[t] == kNoBlock) continue;
+    s.set_block(y, t, n.block[t]);
+    n.block[t] = kNoBlock;
+  }
+  r.present = n.present & kLower;
+  n.present = static_cast<std::uint8_t>(n.present & ~kLower);
+  // The copies that changed nodes stay announced: no BlockRemoved / BlockStored pair for bytes that did not move.
+  r.announced = n.announced & kLower;
+  n.announced = static_cast<std::uint8_t>(n.announced & ~kLower);
+  while (n.first_child != kNoNode) {
+    const NodeId c = n.first_child;
+    s.unlink_from_parent(c);
+    s.link_to_parent(c, y);
+  }
+  s.unlink_from_parent(id);
+  n.detached = true;
+  ++s.st.invalidated_blocks;
+  s.sync_reclaim(id);
+  s.announce(id);
+  s.retier(y);
+  for (int t : {kHst, kSto})
+    if (r.present & bit(t)) s.track_insert(y, t, /*accessed=*/false);
+  s.announce(y);
+  return y;
+}
+
+// A load that failed while an admission waits for it (or a failed look-ahead load with pinned blocks below it):
+// node `id`, settled without a device copy, keeps its host copy in the index. Below it, every node on or bound
+// for the device goes back to its host copy: a settled, unpinned device copy is released, a look-ahead load
+// retreats when it acks, a pinned or admitted one is replaced by its lower copies (the admission recomputes).
+// Only a node with no host copy (a device-only block, or one in the middle of another move), or one whose host
+// copy already failed a load once (Node::load_failed), is invalidated with its subtree.
+void keep_lower_copies_of_failed_load(Impl& s, NodeId id) {
+  if (!(s.nodes[id].present & bit(kHst)) || s.nodes[id].load_failed) {
+    s.detach_subtree(id);
+    return;
+  }
+  std::vector<NodeId> replaced{id};
+  std::vector<NodeId> stack{replace_by_lower_copies(s, id, /*load_failed=*/true)};
+  std::vector<NodeId> children;
+  while (!stack.empty()) {
+    const NodeId p = stack.back();
+    stack.pop_back();
+    children.clear();
+    for (NodeId c = s.nodes[p].first_child; c != kNoNode; c = s.nodes[c].next_sib) children.push_back(c);
+    for (NodeId c : children) {
+      Node& n = s.nodes[c];
+      if (n.counted_tier != kDev) continue;  // the tier order keeps everything below it off the device too
+      const bool has_host = (n.present & bit(kHst)) != 0;
+      if (has_host && n.state == NodeState::kLoading && n.lookahead_move) {
+        n.retreat_on_ack = true;
+        s.retier(c);
+        stack.push_back(c);
+      } else if (has_host && n.state == NodeState::kSettled && n.refs == 0) {
+        s.release_copy(c, kDev);
+        s.retier(c);
+        stack.push_back(c);
+      } else if (has_host && (n.state == NodeState::kSettled || n.state == NodeState::kLoading)) {
+        replaced.push_back(c);
+        stack.push_back(replace_by_lower_copies(s, c, n.load_failed));
+      } else {
+        s.detach_subtree(c);
+      }
+    }
+  }
+  for (NodeId x : replaced) s.reclaim_if_dead(x);
+  ++s.epoch;
+}
+
 // Failure of the move into tier t's block b.
 void fail(Impl& s, NodeId id, OnFailure what, int t, BlockId b, std::vector<NodeId>& retreating) {
   Node& n = s.nodes[id];
@@ -161,6 +263,7 @@ void fail(Impl& s, NodeId id, OnFailure what, int t, BlockId b, std::vector<Node
   switch (what) {
     case OnFailure::kMiss: s.detach_subtree(id); return;
     case OnFailure::kRetreat: retreating.push_back(id); return;
+    case OnFailure::kKeepLowerCopies: keep_lower_copies_of_failed_load(s, id); return;
     case OnFailure::kDropTarget:
     case OnFailure::kRestoreSource: break;
   }
@@ -213,11 +316,16 @@ void retreat_failed_loads(Impl& s, std::vector<NodeId>& ids) {
     // Nobody admitted it (a look-ahead prefetch: a match stops at a block in flight): its device block is
     // garbage, the host copy it was read from is intact, and so are the host copies below it. What sits below it
     // on the device goes back to host with it (loads in flight when they ack); only where that cannot be (a
-    // pinned block, a device-only copy) is the subtree invalidated: device bytes computed on top of garbage.
+    // pinned block) do the host copies take the device blocks' places in the index
+    // (keep_lower_copies_of_failed_load), and only a device-only copy is invalidated with its subtree.
+    if (n.load_failed) {  // its host copy failed a load before: it goes now
+      s.detach_subtree(id);
+      continue;
+    }
     std::optional<std::vector<NodeId>> below;
     if (n.refs == 0) below = device_nodes_that_can_retreat(s, id);
     if (!below) {
-      s.detach_subtree(id);
+      keep_lower_copies_of_failed_load(s, id);
       continue;
     }
     for (NodeId c : *below) {
@@ -229,6 +337,7 @@ void retreat_failed_loads(Impl& s, std::vector<NodeId>& ids) {
     }
     s.free_block(kDev, n.block[kDev]);
     n.block[kDev] = kNoBlock;
+    n.load_failed = true;
     s.retier(id);
     ++s.epoch;
   }

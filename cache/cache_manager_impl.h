@@ -59,6 +59,9 @@ struct Node {
   bool detached = false;
   // A storage write of this host copy failed: under pressure it is dropped rather than written again.
   bool write_failed = false;
+  // A load from this host copy failed and the copy was kept (its bytes may be fine: the copy failed, or they
+  // may be what failed); a second failure drops it, so bad bytes cost one more failed load, not one per request.
+  bool load_failed = false;
   std::uint8_t counted_tier = kNoTier;  // the tier this node counts as in its parent's child_tier
   std::uint8_t announced = 0;           // tiers a BlockStored event was emitted for and not yet removed
   // A look-ahead prefetch (take_plan()) is moving this block to the tier it is in flight to.
@@ -435,6 +438,20 @@ struct CacheManager::Impl {
     n.parent = n.prev_sib = n.next_sib = kNoNode;
   }
 
+  // Links a node without a parent (taken from another by unlink_from_parent) under `parent`; its depth stays.
+  void link_to_parent(NodeId id, NodeId parent) {
+    Node& n = nodes[id];
+    Node& p = nodes[parent];
+    n.parent = parent;
+    n.prev_sib = kNoNode;
+    n.next_sib = p.first_child;
+    if (p.first_child != kNoNode) nodes[p.first_child].prev_sib = id;
+    p.first_child = id;
+    ++p.child_tier[n.counted_tier];
+    if (holds(n)) add_held_below(parent, true);
+    sync_host_drop(parent);
+  }
+
   void set_block(NodeId id, int t, BlockId b) {
     nodes[id].block[t] = b;
     owner[t][b] = id;
@@ -445,7 +462,7 @@ struct CacheManager::Impl {
   }
   void release_copy(NodeId id, int t) {
     Node& n = nodes[id];
-    if (t == kHst) n.write_failed = false;
+    if (t == kHst) n.write_failed = n.load_failed = false;
     if (n.block[t] != kNoBlock) free_block(t, n.block[t]);
     n.block[t] = kNoBlock;
     const bool was_resident = resident_in(n, t);

@@ -164,7 +164,8 @@ Status CacheManager::check_invariants() const {
     switch (n.state) {
       case NodeState::kSettled: break;
       case NodeState::kLoading:
-        if (!(n.present & bit(kHst)) || (n.present & bit(kDev)) || n.block[kDev] == kNoBlock)
+        // A detached one may have handed its host copy to the node that took its place (a failed load above it).
+        if ((!(n.present & bit(kHst)) && !n.detached) || (n.present & bit(kDev)) || n.block[kDev] == kNoBlock)
           return Internal(fmt::format("loading node {} malformed", id));
         break;
       case NodeState::kEvicting:

@@ -143,6 +143,9 @@ class S3FifoPolicy final : public EvictionPolicy {
         NodeId t = lists_.tail(kSmall);
         if (freq_[t] > 0) {
           freq_[t] = 0;
+          // Promoted to main's head. With main exhausted, the lap that found it so never reaches the head: a
+          // node that may go now goes (nothing in main could), rather than the call giving up.
+          if (main_exhausted && evictable(t)) return t;
           lists_.move_head(kMain, t);
         } else if (evictable(t)) {
           return t;

@@ -158,18 +158,86 @@ TEST(CacheManager, FailedLoadTurnsIntoAMissNeverGarbage) {
   auto st = c->admission_status(adm->id);
   EXPECT_TRUE(st->failed);
   EXPECT_EQ(st->ready_blocks, 2u);
-  // Failed block and everything below it are out of the index at once.
+  // The failed block's device copy and everything below it on the device are out of the index at once; their
+  // host copies, intact, stay (the failed one's was only read).
   MatchResult m = c->match(a);
-  EXPECT_EQ(m.total(), 2u);
+  EXPECT_EQ(m.device_blocks, 2u);
+  EXPECT_EQ(m.host_blocks, 2u);
   EXPECT_INVARIANTS(*c);
   // Committing after a failure does not index the garbage chain.
   ASSERT_TRUE(c->commit_all(adm->id).ok());
   ASSERT_TRUE(c->release(adm->id).ok());
-  EXPECT_EQ(c->match(a).total(), 2u);
+  m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 2u);
+  EXPECT_EQ(m.host_blocks, 2u);
   EXPECT_INVARIANTS(*c);
-  // The failed and detached blocks went back to their pools.
+  // The failed and detached device blocks went back to their pool.
   CacheStats s = c->stats();
-  EXPECT_EQ(s.tiers[0].used + s.tiers[1].used, 2u /*a[0..1] dev*/ + 2 /*their host copies*/ + 4 /*7..10 on host*/);
+  EXPECT_EQ(s.tiers[0].used, 2u) << "a[0..1]";
+  EXPECT_EQ(s.tiers[1].used, 4u /*a's host copies*/ + 4 /*7..10*/);
+}
+
+// A failed load of an admitted block kept its host copy (and those below it): the next admission loads them again
+// and is served; a host copy that fails a second load goes, so bytes that are themselves bad cost one more failed
+// load, not one per request. The bytes of every load are the host copy's (the moves read the same host blocks).
+TEST(CacheManager, AFailedLoadKeepsItsHostCopyOnceASecondFailureDropsIt) {
+  auto c = make_cache(testing::config(4, 16));
+  auto a = path({1, 2, 3, 4});
+  run_request(*c, a);
+  run_request(*c, path({7, 8, 9, 10}));  // a -> host
+  const std::vector<BlockId> host_of_a = c->match(a).host_ids;
+  ASSERT_EQ(host_of_a.size(), 4u);
+  auto fail_block_1 = [&](bool second) {
+    auto adm = c->admit(a);
+    ASSERT_TRUE(adm.ok()) << adm.status().to_string();
+    StepPlan p = c->take_plan();
+    ASSERT_TRUE(c->ack_evictions(dsts(p.evictions), Status::Ok()).ok());
+    ASSERT_EQ(p.loads.size(), second ? 3u : 4u);
+    std::vector<BlockId> ok, bad;
+    for (const BlockMove& l : p.loads) (l.key == a[1] ? bad : ok).push_back(l.dst);
+    ASSERT_EQ(bad.size(), 1u);
+    ASSERT_TRUE(c->ack_loads(bad, DataLoss("bad copy")).ok());
+    ASSERT_TRUE(c->ack_loads(ok, Status::Ok()).ok());
+    EXPECT_TRUE(c->admission_status(adm->id)->failed);
+    ASSERT_TRUE(c->commit_all(adm->id).ok());
+    ASSERT_TRUE(c->release(adm->id).ok());
+    EXPECT_INVARIANTS(*c);
+  };
+  fail_block_1(false);
+  MatchResult m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 1u);
+  EXPECT_EQ(m.host_blocks, 3u);
+  EXPECT_EQ(std::vector<BlockId>(host_of_a.begin() + 1, host_of_a.end()), m.host_ids) << "the same host copies";
+  // Loaded again: a[1] reads the host block it failed to read before.
+  {
+    auto adm = c->admit(a);
+    ASSERT_TRUE(adm.ok());
+    StepPlan p = c->take_plan();
+    ASSERT_EQ(p.loads.size(), 3u);
+    for (const BlockMove& l : p.loads) {
+      if (l.key == a[1]) {
+        EXPECT_EQ(l.src, host_of_a[1]);
+      }
+    }
+    ASSERT_TRUE(c->ack_plan(p, Status::Ok()).ok());
+    auto st = c->admission_status(adm->id);
+    EXPECT_FALSE(st->failed);
+    EXPECT_EQ(st->ready_blocks, 4u);
+    ASSERT_TRUE(c->release(adm->id).ok());
+  }
+  EXPECT_EQ(c->match(a).device_blocks, 4u);
+  EXPECT_INVARIANTS(*c);
+  // A read that succeeded cleared the mark: one more failure keeps the copy again.
+  run_request(*c, path({7, 8, 9, 10}));
+  ASSERT_EQ(c->match(a).host_blocks, 4u);
+  fail_block_1(false);
+  EXPECT_EQ(c->match(a).host_blocks, 3u);
+  // A second failure in a row drops a[1]'s host copy and, below it, the ones that can only follow it.
+  fail_block_1(true);
+  m = c->match(a);
+  EXPECT_EQ(m.device_blocks, 1u);
+  EXPECT_EQ(m.host_blocks, 0u);
+  EXPECT_INVARIANTS(*c);
 }
 
 TEST(CacheManager, FailedEvictionDropsTheSubtree) {
@@ -257,7 +325,7 @@ TEST(CacheManager, AckListingABlockTwiceSettlesItOnce) {
   EXPECT_EQ(c->stats().failed_transfers, 1u);
   ASSERT_TRUE(c->ack_loads(std::vector<BlockId>{q.loads[0].dst}, Status::Ok()).ok());
   EXPECT_EQ(c->match(a).device_blocks, 1u);
-  EXPECT_EQ(c->match(a).total(), 1u);
+  EXPECT_EQ(c->match(a).host_blocks, 1u) << "the failed load's host copy stays";
   ASSERT_TRUE(c->release(again->id).ok());
   EXPECT_INVARIANTS(*c);
 }
@@ -280,12 +348,13 @@ TEST(CacheManager, AckOfABlockInvalidatedInFlightOnlyReclaimsIt) {
   EXPECT_EQ(c->stats().failed_transfers, 1u);
   ASSERT_TRUE(c->ack_loads(std::vector<BlockId>{child}, Status::Ok()).ok());
   EXPECT_EQ(c->stats().failed_transfers, 1u) << "the invalidated block's outcome is not counted";
-  EXPECT_EQ(c->match(a).total(), 0u);
+  EXPECT_EQ(c->match(a).device_blocks, 0u);
+  EXPECT_EQ(c->match(a).host_blocks, 2u) << "both host copies stay indexed";
   EXPECT_INVARIANTS(*c);
   ASSERT_TRUE(c->release(adm->id).ok());
   const CacheStats s = c->stats();
   EXPECT_EQ(s.tiers[0].used, 0u) << "a's device blocks went back (3, 4 made room for them)";
-  EXPECT_EQ(s.tiers[1].used, 2u) << "3, 4 on host; a's host copies went with the subtree";
+  EXPECT_EQ(s.tiers[1].used, 4u) << "3, 4 and a's host copies";
   EXPECT_INVARIANTS(*c);
 }
 
@@ -534,7 +603,8 @@ TEST(CacheManager, FakeExecutorDelaysAndFailures) {
   EXPECT_TRUE(c->admission_status(adm->id)->loading_blocks == 2);
   ASSERT_TRUE(apply_completions(*c, ex.poll()).ok());
   EXPECT_TRUE(c->admission_status(adm->id)->failed);
-  EXPECT_EQ(c->match(a).total(), 0u);
+  EXPECT_EQ(c->match(a).device_blocks, 0u);
+  EXPECT_EQ(c->match(a).host_blocks, 2u);
   ASSERT_TRUE(c->release(adm->id).ok());
   EXPECT_INVARIANTS(*c);
 }

@@ -728,7 +728,7 @@ TEST(HybridCache, NothingComputedOnAFailedLoadIsIndexedInAnyGroup) {
     auto m = h->match(Prompt(*h, concat(b.ids, tokens(16, 5))).request());
     ASSERT_TRUE(m.ok());
     if (fail) {
-      EXPECT_LE(m->hit_tokens, 32u);
+      EXPECT_LE(m->hit_tokens, 64u) << "a's own blocks (their host copies are intact), nothing computed past them";
       for (std::uint32_t g = 0; g < 2; ++g)
         for (std::uint32_t pos : {4u, 5u})
           for (Tier t : {Tier::kDevice, Tier::kHost})

@@ -141,6 +141,23 @@ TEST(Policy, S3FifoIsScanResistantWhereLruIsNot) {
   EXPECT_GT(sieve, 0.9) << "lru " << lru;
 }
 
+// The only evictable node was hit while it sat in S3-FIFO's small queue (below its target size) and every node
+// of the main queue is pinned: S3-FIFO promoted it to main's head once main was found exhausted, counted that
+// lap as over, and gave up without looking at it (an admission then failed with a block evictable).
+TEST(Policy, EveryPolicyFindsTheOnlyEvictableNodeAfterItWasHit) {
+  for (const char* name : {"lru", "s3fifo", "sieve", "arc", "lrfu", "adaptive"}) {
+    auto p = make(name, 100);
+    BlockKey k[21];
+    for (NodeId n = 0; n < 21; ++n) k[n] = BlockKey{9, n};
+    for (NodeId n = 0; n < 20; ++n) p->insert(n, at(n, &k[n]));
+    for (NodeId n = 0; n < 20; ++n) p->touch(n, at(20 + n, &k[n]));
+    EXPECT_EQ(p->victim([](NodeId) { return false; }), kNoNode) << name;
+    p->insert(20, at(40, &k[20]));
+    p->touch(20, at(41, &k[20]));
+    EXPECT_EQ(p->victim([](NodeId n) { return n == 20; }), 20u) << name;
+  }
+}
+
 // Every policy finds an evictable node whenever one is tracked, whatever the others are (pinned,
 // parents): S3-FIFO once cycled its main queue to its step limit while the small queue, below its
 // target size, held the only evictable nodes.

@@ -17,8 +17,15 @@
 //     step's forward pass: the executor must order a plan's evictions before
 //     them (StepPlan contract);
 //   - every reference an Admission takes is released by release().
-// A failed load or eviction ack turns the block and its subtree into misses
-// (recompute), never into served garbage; a failed backup just drops the copy.
+// A failed eviction ack turns the block and its subtree into misses (recompute),
+// never into served garbage; a failed backup just drops the copy. A failed load
+// turns the block's device copy, and those below it, into misses for the
+// admissions waiting on them (admission_status().failed: recompute); the host
+// and storage copies it read from, and those below it, stay indexed (the load
+// only read them) unless a load of that host copy failed before without one
+// succeeding since: then the block and its subtree become misses.
+// (One failure may be the copy's; two in a row say the bytes may be bad, and
+// dropping them bounds what bad bytes cost to one more failed load.)
 //
 // Flow per step: admit() each scheduled request (match + pin + allocate +
 // queue loads/evictions) -> take_plan() -> executor -> ack_*() -> after the
@@ -160,7 +167,8 @@ struct CacheConfig {
 // them (Admission::stopped_at_in_flight: admit a step later, or announce earlier). A prefetched copy nobody
 // admits is an ordinary cached block. A failed prefetch load leaves the block on host, and the blocks below
 // it that were loaded or are loading to the device go back to their host copies with it (those in flight
-// when they ack); only where one cannot (pinned, or on the device alone) does the subtree become misses. A
+// when they ack); a pinned one leaves the index for its host copy (its admission recomputes), and only a
+// block on the device alone becomes a miss with its subtree (a second failure in a row drops the copy). A
 // failed storage fetch makes the block and its subtree misses, as for prefetch(); neither is ever served.
 //
 // Hints. Optional, and never able to do harm when wrong. `priority` orders prefetch and the last-resort
