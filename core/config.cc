@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstring>
@@ -293,6 +294,68 @@ Status ConfigTable::apply_env(char** env) {
     }
   }
   return Status::Ok();
+}
+
+namespace {
+
+// "KVTIER_CACHE_" of "KVTIER_CACHE_DEVICE_BLOCKS"; empty for a name with no second word.
+std::string_view env_family(std::string_view var) {
+  constexpr std::string_view kPrefix = "KVTIER_";
+  if (var.substr(0, kPrefix.size()) != kPrefix) return {};
+  const std::size_t end = var.find('_', kPrefix.size());
+  return end == std::string_view::npos ? std::string_view{} : var.substr(0, end + 1);
+}
+
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::vector<std::string> ConfigTable::unrecognized_env(char* const* env) const {
+  std::vector<std::string> out;
+  if (env == nullptr) return out;
+  for (char* const* e = env; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view var = entry.substr(0, entry.find('='));
+    const std::string_view family = env_family(var);
+    if (family.empty() || var.size() == family.size()) continue;
+    bool known = false, same_family = false;
+    const std::string* nearest = nullptr;
+    std::size_t best = 0;
+    for (const auto& [name, knob] : knobs_) {
+      const std::string& k = knob.info.env_var;
+      if (k == var) {
+        known = true;
+        break;
+      }
+      if (env_family(k) != family) continue;
+      same_family = true;
+      const std::size_t d = edit_distance(var, k);
+      if (nearest == nullptr || d < best) {
+        nearest = &k;
+        best = d;
+      }
+    }
+    if (known || !same_family) continue;
+    // Near: a slip of a few letters, not another word (at most 3 edits, and at most a quarter of the name).
+    if (best <= 3 && best * 4 <= var.size())
+      out.push_back(fmt::format("{} is not a kvtier setting and is ignored (did you mean {}?)", var, *nearest));
+    else
+      out.push_back(fmt::format("{} is not a kvtier setting and is ignored (`kvtier info --config` lists them)", var));
+  }
+  return out;
 }
 
 Status ConfigTable::apply_text(std::string_view text) {

@@ -4,14 +4,10 @@
 
 #include <cstdio>
 
-#include "kvtier/cache/cache_config.h"
-#include "kvtier/copy/copy_config.h"
+#include "kvtier/cache/config_knobs.h"
 #include "kvtier/core/config.h"
-#include "kvtier/core/integration_config.h"
 #include "kvtier/core/log.h"
 #include "kvtier/device/cuda_device.h"
-#include "kvtier/storage/storage_config.h"
-#include "kvtier/transfer/transfer_config.h"
 #include "tools/cli.h"
 
 extern char** environ;
@@ -28,28 +24,13 @@ Action register_info(CLI::App& app) {
     std::printf("cuda compiled: %s\n", cuda_compiled() ? "yes" : "no");
     std::printf("cuda devices: %d\n", cuda_device_count());
     if (*show_config) {
-      CopyEngineOptions copy;
-      TransferManagerConfig transfer;
-      cache::CacheConfig cache;
-      LogLevel log_level_knob = LogLevel::kInfo;
-      ConfigTable table;
-      bind_log_config(table, log_level_knob);
-      bind_copy_engine_options(table, copy);
-      bind_transfer_manager_config(table, transfer);
-      cache::bind_cache_config(table, cache);
-      storage::RedisBackendConfig redis;
-      storage::DiskBackendConfig disk;
-      storage::bind_redis_backend_config(table, redis);
-      storage::bind_disk_backend_config(table, disk);
-      storage::TenantConfig tenant;
-      storage::bind_tenant_config(table, tenant);
-      IntegrationConfig integration;
-      bind_integration_config(table, integration);
+      cache::ConfigKnobs knobs;
+      ConfigTable& table = knobs.table;
       if (Status s = table.apply_env(environ); !s.ok()) {
         std::fprintf(stderr, "kvtier info: %s\n", s.to_string().c_str());
         return 2;
       }
-      set_log_level(log_level_knob);
+      set_log_level(knobs.log_level);
       std::printf("\n%s", table.markdown().c_str());
     }
     return 0;

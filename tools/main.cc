@@ -5,6 +5,7 @@
 #include <iostream>
 #include <vector>
 
+#include "kvtier/cache/config_knobs.h"
 #include "kvtier/core/config.h"
 #include "kvtier/core/log.h"
 #include "tools/cli.h"
@@ -51,6 +52,9 @@ int main(int argc, char** argv) {
     }
     kvtier::set_log_level(level);
   }
+  // A misspelt KVTIER_* setting would otherwise change nothing, silently.
+  for (const std::string& message : kvtier::cache::unrecognized_env_vars(environ))
+    kvtier::log(kvtier::LogLevel::kWarning, "config", message);
   for (auto& action : actions)
     if (action) {
       // Each registrar returns an action that checks whether its own subcommand was selected.

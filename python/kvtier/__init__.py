@@ -89,6 +89,19 @@ from . import pd  # noqa: E402,F401
 
 _logging.install()  # kvtier's C++ log lines go to the "kvtier.<component>" loggers
 
+
+def _warn_about_unrecognized_settings() -> None:
+    """A misspelt KVTIER_* setting would otherwise be ignored silently: each one is logged once, at import."""
+    if not hasattr(_native, "unrecognized_env"):
+        return  # built without the cache bindings
+    import logging
+
+    for message in _native.unrecognized_env():
+        logging.getLogger("kvtier.config").warning("%s", message)
+
+
+_warn_about_unrecognized_settings()
+
 __version__ = "0.1.0"
 
 

@@ -26,6 +26,7 @@
 #include "kvtier/cache/block_key.h"
 #include "kvtier/cache/cache_config.h"
 #include "kvtier/cache/cache_manager.h"
+#include "kvtier/cache/config_knobs.h"
 #include "kvtier/cache/hybrid_cache.h"
 #include "kvtier/core/config.h"
 #include "kvtier/storage/storage_config.h"
@@ -390,6 +391,10 @@ nb::list run_many(PyStorage& p, storage::StorageOp op, const std::vector<std::st
 std::vector<cache::BlockKey> block_keys_from_hex(const std::vector<std::string>& hex) { return parse_keys(hex); }
 
 void bind_cache(nb::module_& m) {
+  m.def(
+      "unrecognized_env", [] { return cache::unrecognized_env_vars(environ); },
+      "One message per KVTIER_* variable of the environment that looks like a setting (KVTIER_CACHE_..., "
+      "KVTIER_TRANSFER_...) but names none: a misspelt setting is otherwise ignored silently.");
   nb::class_<PyKeyHasher>(m, "KeyHasher",
                           "Chained 128-bit block keys in a namespace (model, layout, dtype, TP shard, block size, "
                           "tenant): equal token prefixes give equal keys, different namespaces never collide.")

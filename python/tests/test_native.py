@@ -238,6 +238,28 @@ def test_kvtier_log_reaches_python_logging(caplog):
         kvtier.set_log_level(old)
 
 
+def test_misspelt_settings_are_named_at_import():
+    # A KVTIER_* variable that names no setting changes nothing; importing kvtier says so on the
+    # "kvtier.config" logger, with the setting it was probably meant to be.
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(kvtier._native, "unrecognized_env"):
+        pytest.skip("built without the cache bindings")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.update(KVTIER_CACHE_DEVICE_BLOKS="100", KVTIER_CACHE_HOST_BLOCKS="300", KVTIER_TEST_ANYTHING="1")
+    code = "import logging, sys; logging.basicConfig(stream=sys.stdout, format='%(name)s %(message)s'); import kvtier"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert ("kvtier.config KVTIER_CACHE_DEVICE_BLOKS is not a kvtier setting and is ignored "
+            "(did you mean KVTIER_CACHE_DEVICE_BLOCKS?)") in out.stdout, out.stdout
+    assert "KVTIER_CACHE_HOST_BLOCKS" not in out.stdout and "KVTIER_TEST_ANYTHING" not in out.stdout, out.stdout
+    env.pop("KVTIER_CACHE_DEVICE_BLOKS")
+    clean = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert clean.returncode == 0 and "not a kvtier setting" not in clean.stdout, clean.stdout
+
+
 def test_interpreter_exit_is_clean_when_finalization_is_slow():
     # The log pump thread waits in native code with the GIL released. When the interpreter's final
     # collection outlasted its wait, the thread woke, CPython ended it inside C++ frames and the

@@ -152,6 +152,26 @@ TEST_F(ConfigCli, BenchCopyEnvThenFlags) {
   EXPECT_NE(bad.out.find("KVTIER_COPY_AUTO_SPLIT_ADAPTIVE"), std::string::npos) << bad.out;
 }
 
+// A misspelt setting of any table is reported on stderr with the knob it was probably meant for; the command still
+// runs (a warning, as the variable changes nothing), and correct or foreign variables say nothing.
+TEST_F(ConfigCli, MisspeltSettingsAreNamedWithTheKnobMeant) {
+  CliRun r = run("KVTIER_CACHE_DEVICE_BLOKS=100 KVTIER_TRANSFER_POLL_INTERVALL=10us KVTIER_STORAGE_DISK_PATHH=/tmp "
+                 "KVTIER_CACHE_HOST_BLOCKS=300 KVTIER_TEST_ANYTHING=1",
+                 "info", Capture::kBoth);
+  ASSERT_EQ(r.rc, 0) << r.out;
+  EXPECT_NE(r.out.find("KVTIER_CACHE_DEVICE_BLOKS is not a kvtier setting and is ignored (did you mean "
+                       "KVTIER_CACHE_DEVICE_BLOCKS?)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("did you mean KVTIER_TRANSFER_POLL_INTERVAL?"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("KVTIER_STORAGE_DISK_PATHH is not a kvtier setting"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("KVTIER_CACHE_HOST_BLOCKS"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("KVTIER_TEST_ANYTHING"), std::string::npos) << r.out;
+  CliRun clean = run("KVTIER_CACHE_HOST_BLOCKS=300", "info", Capture::kStderr);
+  EXPECT_EQ(clean.rc, 0);
+  EXPECT_EQ(clean.out.find("not a kvtier setting"), std::string::npos) << clean.out;
+}
+
 TEST_F(ConfigCli, InfoListsEveryTable) {
   CliRun info = run("KVTIER_TRANSFER_POLL_INTERVAL=2ms", "info --config", Capture::kStdout);
   ASSERT_EQ(info.rc, 0) << info.out;

@@ -82,6 +82,26 @@ TEST(Config, ModesAreOctal) {
   EXPECT_EQ(t.describe().front().type, "octal mode");
 }
 
+// A misspelt setting is ignored by apply_env; unrecognized_env names it, with the knob it was probably meant for,
+// and leaves alone known variables and those of families the table does not have (KVTIER_TEST_..., PATH).
+TEST(Config, UnrecognizedEnvNamesMisspeltSettingsOfTheTablesFamilies) {
+  Demo d;
+  ConfigTable t = table_for(d);
+  std::string known = "KVTIER_COPY_CTAS=4", typo = "KVTIER_COPY_CTASS=4", other = "KVTIER_CACHE_SOMETHING_ELSE=1",
+              foreign = "KVTIER_TEST_REDIS=localhost", path = "PATH=/bin", bare = "KVTIER_COPY=1", no_value = "KVTIER_CACHE_NAM";
+  char* env[] = {known.data(), typo.data(), other.data(), foreign.data(), path.data(), bare.data(), no_value.data(), nullptr};
+  ASSERT_TRUE(t.apply_env(env).ok()) << "apply_env still ignores them";
+  EXPECT_EQ(d.ctas, 4u);
+  const std::vector<std::string> got = t.unrecognized_env(env);
+  ASSERT_EQ(got.size(), 3u) << ::testing::PrintToString(got);
+  EXPECT_NE(got[0].find("KVTIER_COPY_CTASS is not a kvtier setting"), std::string::npos) << got[0];
+  EXPECT_NE(got[0].find("did you mean KVTIER_COPY_CTAS?"), std::string::npos) << got[0];
+  EXPECT_NE(got[1].find("KVTIER_CACHE_SOMETHING_ELSE"), std::string::npos) << got[1];
+  EXPECT_EQ(got[1].find("did you mean"), std::string::npos) << "nothing near: " << got[1];
+  EXPECT_NE(got[2].find("did you mean KVTIER_CACHE_NAME?"), std::string::npos) << got[2];
+  EXPECT_TRUE(t.unrecognized_env(nullptr).empty());
+}
+
 TEST(Config, EnvAndTextApply) {
   Demo d;
   ConfigTable t = table_for(d);

@@ -115,6 +115,12 @@ class ConfigTable {
   Status apply_env(char** env);
   // Applies "name = value" lines; '#' starts a comment.
   Status apply_text(std::string_view text);
+  // The variables of `env` that look meant for this table but name none of its knobs (apply_env ignores
+  // them, so a misspelt one would change nothing, silently): KVTIER_* names whose family (KVTIER_<WORD>_, e.g.
+  // KVTIER_CACHE_) is one of its knobs' families. One message per variable, naming it and, when one is near,
+  // the knob variable it probably meant. Callers log them; apply_env does not (the log reads its own level
+  // through a table).
+  std::vector<std::string> unrecognized_env(char* const* env) const;
 
   std::vector<KnobInfo> describe() const;
   // Markdown table of every knob (docs and `kvtier info --config`).
