@@ -154,6 +154,18 @@ std::pair<std::string_view, std::vector<std::pair<std::string_view, std::string_
   return {s, params};
 }
 
+// A parameter given twice is refused: which of the two was meant is a guess either way (a spec assembled from
+// a template and an override, say, would otherwise keep whichever came last without a word).
+Status refuse_repeated_params(const std::vector<std::pair<std::string_view, std::string_view>>& params,
+                              std::string_view kind, std::string_view shown_spec) {
+  for (std::size_t i = 0; i < params.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (params[i].first == params[j].first)
+        return InvalidArgument(
+            fmt::format("{} parameter '{}' is given twice in '{}'", kind, params[i].first, shown_spec));
+  return Status::Ok();
+}
+
 // The parameters every spec shares: tenant=<id>, secret_file=<path>. True when `k` was one.
 Result<bool> apply_tenant_param(std::string_view k, std::string_view v, StorageOptions& options) {
   if (k == "tenant") {
@@ -293,6 +305,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
   }
   if (spec.starts_with("disk:")) {
     auto [path, params] = split_query(spec.substr(5));
+    KVTIER_RETURN_IF_ERROR(refuse_repeated_params(params, "disk", spec));
     DiskBackendConfig c = defaults.disk;
     c.root = std::string(path);
     for (auto [k, v] : params) {
@@ -333,6 +346,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         return InvalidArgument(
             "redis spec (not shown: it holds credentials): a parameter holds '@': a '?' in the user name or "
             "password must be written %3F");
+    KVTIER_RETURN_IF_ERROR(refuse_repeated_params(params, "redis", shown_spec));
     RedisBackendConfig c = defaults.redis;
     c.endpoints.clear();
     const auto at = rest.rfind('@');
@@ -387,6 +401,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
     if (!rest.empty())
       return InvalidArgument(
           fmt::format("memory spec '{}': nothing goes between 'memory:' and '?' (got '{}')", spec, rest));
+    KVTIER_RETURN_IF_ERROR(refuse_repeated_params(params, "memory", spec));
     MemoryBackendConfig c;
     for (auto [k, v] : params) {
       if (k == "capacity") {

@@ -408,6 +408,12 @@ Action register_bench_storage(CLI::App& bench) {
       std::fprintf(stderr, "kvtier bench storage: bad arguments (see --help)\n");
       return 2;
     }
+    if (a.skip_disk && a.redis.empty() && a.redis_cluster.empty()) {
+      std::fprintf(stderr,
+                   "kvtier bench storage: --skip-disk leaves nothing to measure: give --redis HOST:PORT or "
+                   "--redis-cluster HOST:PORT\n");
+      return 2;
+    }
     for (auto kib : a.object_kib)
       if (kib == 0 || (kib * 1024) % 4096 != 0) {
         std::fprintf(stderr, "kvtier bench storage: --object-kib %llu is not a multiple of 4\n",

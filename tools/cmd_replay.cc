@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -448,6 +449,8 @@ Action register_replay(CLI::App& app) {
         if (!digits || v == 0 || v > kMaxBlocks)
           return bad(fmt::format("--sweep value '{}' is not a block count in 1..{}", c, kMaxBlocks));
         if (!index_fits(v, 0, 0, fmt::format("--sweep value {}", v))) return 2;
+        if (std::find(sweep_caps.begin(), sweep_caps.end(), v) != sweep_caps.end())
+          return bad(fmt::format("--sweep lists capacity {} twice", v));
         sweep_caps.push_back(static_cast<std::uint32_t>(v));
       }
     }
