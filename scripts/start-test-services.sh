@@ -97,14 +97,15 @@ else
 fi
 
 # ---- tenant ACL users (ACLs are per node: set on every server) -----------------
-# A tenant's user may run only what the Redis backend sends (GETRANGE SET DEL STRLEN; PING at create
-# in single mode; CLUSTER SLOTS and ASKING in a cluster) on keys under its tenant's prefix.
+# A tenant's user may run only what the Redis backend sends (GETRANGE SET DEL STRLEN; EVAL of its
+# delete-if-unchanged script; PING at create in single mode; CLUSTER SLOTS and ASKING in a cluster) on keys under
+# its tenant's prefix.
 acl_users() {  # redis-cli args...
   local user tenant
   for pair in kvtier-tenant-a:ta kvtier-tenant-b:tb; do
     user=${pair%%:*} tenant=${pair##*:}
     "$@" ACL SETUSER "$user" reset on ">pw-$user" "~kvtier-iso:$tenant:*" resetchannels -@all \
-      +getrange +set +del +strlen +ping +asking '+cluster|slots' >/dev/null
+      +getrange +set +del +strlen +eval +ping +asking '+cluster|slots' >/dev/null
   done
 }
 acl_users redis-cli -h $HOST -p "$PORT" -a "$PASSWORD" --no-auth-warning

@@ -358,7 +358,19 @@ class RedisBackend final : public StorageBackend {
     bool done = false;
     bool too_long = false;         // get: the value is longer than header + capacity (not read whole)
     std::uint64_t stored_len = 0;  // exists: the value's length (STRLEN)
+    // delete: only while the value is still these bytes (kDeleteIfUnchanged); empty: unconditional DEL.
+    std::string expect;
   };
+  // A value that failed verification: its key and the bytes read, so that only those bytes are deleted.
+  struct Quarantined {
+    StorageKey key;
+    std::string value;
+  };
+  // Deletes KEYS[1] only while it holds ARGV[1]: one atomic step on the server, so an object another instance
+  // wrote since the failed read is left alone. Needs EVAL in the user's ACL (docs/storage.md); the script runs
+  // with that user's rights, hence GETRANGE (which it has) rather than GET (which it need not have).
+  static constexpr const char* kDeleteIfUnchanged =
+      "if redis.call('GETRANGE', KEYS[1], 0, -1) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
   using Conns = std::unordered_map<std::string, ContextPtr>;
 
   std::string redis_key(const StorageKey& k) const {
@@ -654,7 +666,11 @@ class RedisBackend final : public StorageBackend {
         return redisAppendCommand(c, "GETRANGE %b 0 %b", w.key.data(), w.key.size(), end.data(), end.size()) ==
                REDIS_OK;
       }
-      case StorageOp::kDelete: return redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()) == REDIS_OK;
+      case StorageOp::kDelete:
+        if (!w.expect.empty())
+          return redisAppendCommand(c, "EVAL %s 1 %b %b", kDeleteIfUnchanged, w.key.data(), w.key.size(),
+                                    w.expect.data(), w.expect.size()) == REDIS_OK;
+        return redisAppendCommand(c, "DEL %b", w.key.data(), w.key.size()) == REDIS_OK;
       case StorageOp::kPut: {
         // Each write waits at most one send timeout, re-armed to what is left of the deadline, so
         // a server that reads slowly cannot stretch the put past it.
@@ -684,7 +700,7 @@ class RedisBackend final : public StorageBackend {
   }
 
   // Handles one reply. Returns true when the item should be retried after a backoff.
-  bool handle(StorageOp op, Work& w, redisReply* r, bool* refresh, std::vector<StorageKey>* quarantine) {
+  bool handle(StorageOp op, Work& w, redisReply* r, bool* refresh, std::vector<Quarantined>* quarantine) {
     w.ask_node.clear();
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string_view msg(r->str, r->len);
@@ -726,9 +742,12 @@ class RedisBackend final : public StorageBackend {
         w.cmd_tail.clear();
         return false;
       case StorageOp::kDelete:
-        w.last = r->type != REDIS_REPLY_INTEGER ? Internal("DEL: unexpected reply")
+        w.last = r->type != REDIS_REPLY_INTEGER ? Internal(w.expect.empty() ? "DEL: unexpected reply"
+                                                                             : "EVAL (delete if unchanged): unexpected reply")
                  : r->integer > 0               ? Status::Ok()
-                                                : NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
+                 : w.expect.empty()
+                     ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
+                     : NotFound(fmt::format("key {} is gone or holds other bytes", w.item.key.to_string()));
         return false;
       case StorageOp::kExists:
         if (r->type != REDIS_REPLY_INTEGER || r->integer < 0) {
@@ -762,7 +781,7 @@ class RedisBackend final : public StorageBackend {
         Status st = verify_value(w, reinterpret_cast<const std::byte*>(r->str), r->len);
         if (format::is_auth_failure(st)) ++auth_failures_;
         if (st.code() == StatusCode::kDataLoss) {
-          quarantine->push_back(w.item.key);
+          quarantine->push_back(Quarantined{w.item.key, std::string(r->str, r->len)});
           st = st.with_context("object quarantined (deleted)");
         }
         w.last = st;
@@ -803,7 +822,7 @@ class RedisBackend final : public StorageBackend {
       work[i].key = redis_key(work[i].item.key);
       if (task.op == StorageOp::kPut) build_set(work[i]);
     }
-    std::vector<StorageKey> quarantine;
+    std::vector<Quarantined> quarantine;
     run(task.op, work, conns, &quarantine, deadline);
     // Removed before the gets complete, so a caller that sees DataLoss and
     // looks again finds a miss (unless the delete itself failed: see below).
@@ -821,7 +840,7 @@ class RedisBackend final : public StorageBackend {
   // connection broke later in the same pipeline).
   // Nothing waits past `deadline`: connects, socket timeouts and backoff are capped by what is
   // left, and items still open when it passes complete with TimedOut.
-  void run(StorageOp op, std::vector<Work>& work, Conns& conns, std::vector<StorageKey>* quarantine,
+  void run(StorageOp op, std::vector<Work>& work, Conns& conns, std::vector<Quarantined>* quarantine,
            Clock::time_point deadline) {
     auto backoff = config_.backoff_initial;
     std::uint32_t attempts = 0;
@@ -919,7 +938,7 @@ class RedisBackend final : public StorageBackend {
       sizes.back().key = w.key;
     }
     if (refused.empty()) return;
-    std::vector<StorageKey> unused;
+    std::vector<Quarantined> unused;
     run(StorageOp::kExists, sizes, conns, &unused, deadline);
     for (std::size_t i = 0; i < refused.size(); ++i) {
       Work& w = *refused[i];
@@ -937,25 +956,51 @@ class RedisBackend final : public StorageBackend {
 
   // Deletes objects that failed verification, through the same routing and
   // retries as a caller's delete: a dropped connection or a slot that moved
-  // between the GET and the DEL must not leave the bad object in the shared
-  // pool. A DEL that still fails is reported, not counted: the object stays,
-  // and every later get verifies it again and reports DataLoss. (A good object
-  // written by another instance between our GET and DEL is deleted too: that
-  // costs one miss, never wrong bytes.)
-  void remove_quarantined(const std::vector<StorageKey>& keys, Conns& conns, Clock::time_point deadline) {
-    std::vector<Work> dels(keys.size());
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      dels[i].item.key = keys[i];
-      dels[i].key = redis_key(keys[i]);
+  // between the GET and the delete must not leave the bad object in the shared
+  // pool. Each delete is conditional (kDeleteIfUnchanged): a good object that
+  // another instance wrote between our read and the delete stays. Where the
+  // server refuses EVAL (an ACL without it, scripting disabled) the delete falls
+  // back to a plain DEL, which would remove such an object too (a miss, never
+  // wrong bytes), and says so once. A delete that still fails is reported, not
+  // counted: the object stays, and every later get verifies it again and
+  // reports DataLoss.
+  void remove_quarantined(std::vector<Quarantined>& bad, Conns& conns, Clock::time_point deadline) {
+    std::vector<Work> dels(bad.size());
+    for (std::size_t i = 0; i < bad.size(); ++i) {
+      dels[i].item.key = bad[i].key;
+      dels[i].key = redis_key(bad[i].key);
+      if (!eval_refused_.load(std::memory_order_relaxed)) dels[i].expect = std::move(bad[i].value);
     }
-    std::vector<StorageKey> unused;
+    std::vector<Quarantined> unused;
     run(StorageOp::kDelete, dels, conns, &unused, deadline);
+    // EVAL refused by the server: the same deletes as plain DELs, from now on for good.
+    std::vector<std::size_t> refused;
+    for (std::size_t i = 0; i < dels.size(); ++i) {
+      const Work& d = dels[i];
+      if (d.expect.empty() ||
+          (d.last.code() != StatusCode::kFailedPrecondition && d.last.code() != StatusCode::kInternal))
+        continue;
+      if (!eval_refused_.exchange(true))
+        log_line(fmt::format("the server refused EVAL ({}): objects that fail verification are deleted with a plain "
+                             "DEL, which also removes one rewritten since the read (grant +eval: docs/storage.md)",
+                             d.last.message()));
+      refused.push_back(i);
+    }
+    if (!refused.empty()) {
+      std::vector<Work> plain(refused.size());
+      for (std::size_t j = 0; j < refused.size(); ++j) {
+        plain[j].item.key = dels[refused[j]].item.key;
+        plain[j].key = dels[refused[j]].key;
+      }
+      run(StorageOp::kDelete, plain, conns, &unused, deadline);
+      for (std::size_t j = 0; j < refused.size(); ++j) dels[refused[j]].last = plain[j].last;
+    }
     for (const Work& d : dels) {
       if (d.last.ok()) {
         ++quarantined_;
         log_line(fmt::format("deleted {}: failed verification", d.key));
       } else if (d.last.code() == StatusCode::kNotFound) {
-        log_line(fmt::format("{} failed verification and is already gone", d.key));
+        log_line(fmt::format("{} failed verification and is already gone or rewritten", d.key));
       } else {
         log_line(fmt::format("could not delete {} (failed verification): {}", d.key, d.last.to_string()));
       }
@@ -972,6 +1017,7 @@ class RedisBackend final : public StorageBackend {
   mutable std::mutex slots_mu_;
   std::shared_ptr<SlotMap> slots_;
   std::atomic<std::uint64_t> quarantined_{0};
+  std::atomic<bool> eval_refused_{false};  // the server refused a conditional delete: plain DELs from then on
   std::atomic<std::uint64_t> auth_failures_{0};
   std::atomic<std::uint64_t> redirects_{0};
   std::atomic<std::uint64_t> reconnects_{0};

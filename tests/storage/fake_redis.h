@@ -23,6 +23,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -175,6 +176,18 @@ class FakeRedis {
     std::lock_guard<std::mutex> lk(mu_);
     store_[key] = std::move(value);
   }
+  // The value stored under key ("" if none).
+  std::string value(const std::string& key) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = store_.find(key);
+    return it == store_.end() ? std::string() : it->second;
+  }
+  // kServe: right before the next command not named `except` is applied, key is set to value, as another client's
+  // SET landing between two commands of ours would.
+  void set_before_next_command_except(const std::string& except, const std::string& key, std::string value) {
+    std::lock_guard<std::mutex> lk(mu_);
+    interleaved_ = Interleaved{except, key, std::move(value)};
+  }
 
  private:
   void accept_loop() {
@@ -270,6 +283,10 @@ class FakeRedis {
   std::string reply(const std::vector<std::string>& a) {
     const std::string cmd = a.empty() ? "" : a[0];
     std::lock_guard<std::mutex> lk(mu_);
+    if (interleaved_ && cmd != interleaved_->except) {
+      store_[interleaved_->key] = std::move(interleaved_->value);
+      interleaved_.reset();
+    }
     if (auto canned = canned_.find(cmd); canned != canned_.end()) return canned->second;
     if (cmd == "CLUSTER" && a.size() == 2 && a[1] == "SLOTS") {
       if (!cluster_) return "-ERR This instance has cluster support disabled\r\n";
@@ -306,6 +323,14 @@ class FakeRedis {
       return fmt::format(":{}\r\n", it == store_.end() ? 0 : it->second.size());
     }
     if (cmd == "DEL" && a.size() == 2) return fmt::format(":{}\r\n", store_.erase(a[1]));
+    // The one script the Redis backend sends: delete KEYS[1] while it holds ARGV[1].
+    if (cmd == "EVAL" && a.size() == 5 && a[2] == "1" &&
+        a[1].find("redis.call('GETRANGE', KEYS[1], 0, -1) == ARGV[1]") != std::string::npos) {
+      auto it = store_.find(a[3]);
+      if (it == store_.end() || it->second != a[4]) return ":0\r\n";
+      store_.erase(it);
+      return ":1\r\n";
+    }
     return fmt::format("-ERR unknown command '{}'\r\n", cmd);
   }
 
@@ -327,6 +352,10 @@ class FakeRedis {
   std::map<std::string, int> counts_;
   std::map<std::string, std::chrono::milliseconds> trickles_;
   std::map<std::string, std::string> canned_;
+  struct Interleaved {
+    std::string except, key, value;
+  };
+  std::optional<Interleaved> interleaved_;
   bool cluster_ = false;
 };
 

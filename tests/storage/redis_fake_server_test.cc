@@ -75,10 +75,10 @@ class RedisFakeServerTest : public ::testing::TestWithParam<RedisMode> {
 TEST_P(RedisFakeServerTest, QuarantineDeleteIsRetriedAfterDroppedConnection) {
   const StorageKey k = key_of(0x9a1, 1);
   put_corrupted(k);
-  server_.drop_next("DEL", 1);
+  server_.drop_next("EVAL", 1);
   ItemResult r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
   EXPECT_EQ(r.status.code(), StatusCode::kDataLoss) << r.status.to_string();
-  EXPECT_EQ(server_.count("DEL"), 2) << "the dropped DEL is sent again";
+  EXPECT_EQ(server_.count("EVAL"), 2) << "the dropped delete is sent again";
   EXPECT_EQ(server_.stored_keys(), 0u);
   EXPECT_EQ(one(*backend_, StorageOp::kExists, k, nullptr, 0).status.code(), StatusCode::kNotFound);
   EXPECT_EQ(one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size()).status.code(), StatusCode::kNotFound);
@@ -91,7 +91,7 @@ TEST_P(RedisFakeServerTest, QuarantineDeleteIsRetriedAfterDroppedConnection) {
 TEST_P(RedisFakeServerTest, QuarantineDeleteThatKeepsFailingIsNotCountedAndNeverServed) {
   const StorageKey k = key_of(0x9a1, 2);
   put_corrupted(k);
-  server_.drop_next("DEL", 1000);
+  server_.drop_next("EVAL", 1000);
   for (int i = 0; i < 2; ++i) {
     std::memset(dst_.data(), 0, dst_.size());
     ItemResult r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
@@ -101,10 +101,45 @@ TEST_P(RedisFakeServerTest, QuarantineDeleteThatKeepsFailingIsNotCountedAndNever
   EXPECT_EQ(server_.stored_keys(), 1u);
   EXPECT_EQ(backend_->stats().quarantined, 0u);
   // Deletes stop failing: the next get that sees the object removes it.
-  server_.drop_next("DEL", 0);
+  server_.drop_next("EVAL", 0);
   EXPECT_EQ(one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size()).status.code(), StatusCode::kDataLoss);
   EXPECT_EQ(server_.stored_keys(), 0u);
   EXPECT_EQ(backend_->stats().quarantined, 1u);
+}
+
+// Another instance rewrites the object, good, between our read of its bad bytes and their deletion: the good
+// object stays and is served (the delete was a plain DEL, which removed it: a miss for everyone until rewritten).
+TEST_P(RedisFakeServerTest, QuarantineLeavesAnObjectRewrittenSinceTheRead) {
+  const StorageKey k = key_of(0x9a1, 5);
+  ASSERT_TRUE(one(*backend_, StorageOp::kPut, k, value_.data(), value_.size()).status.ok());
+  ASSERT_EQ(server_.keys().size(), 1u);
+  const std::string name = server_.keys().front(), good = server_.value(name);
+  put_corrupted(k);
+  ASSERT_NE(server_.value(name), good);
+  server_.set_before_next_command_except("GETRANGE", name, good);
+  ItemResult r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
+  EXPECT_EQ(r.status.code(), StatusCode::kDataLoss) << "the bad bytes were read: " << r.status.to_string();
+  EXPECT_EQ(server_.value(name), good) << "the rewritten object was deleted";
+  EXPECT_EQ(backend_->stats().quarantined, 0u);
+  std::memset(dst_.data(), 0, dst_.size());
+  r = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  EXPECT_EQ(std::memcmp(dst_.data(), value_.data(), value_.size()), 0);
+}
+
+// A server that refuses EVAL (an ACL without +eval, scripting disabled): the bad object is still deleted, with a
+// plain DEL, and from then on every quarantine delete is a plain DEL.
+TEST_P(RedisFakeServerTest, QuarantineFallsBackToDelWhereEvalIsRefused) {
+  server_.canned_reply("EVAL", "-NOPERM this user has no permissions to run the 'eval' command\r\n");
+  for (int i = 0; i < 2; ++i) {
+    const StorageKey k = key_of(0x9a1, 6 + i);
+    put_corrupted(k);
+    EXPECT_EQ(one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size()).status.code(), StatusCode::kDataLoss);
+    EXPECT_EQ(server_.stored_keys(), 0u) << "round " << i;
+    EXPECT_EQ(backend_->stats().quarantined, i + 1u);
+  }
+  EXPECT_EQ(server_.count("EVAL"), 1) << "refused once, not asked again";
+  EXPECT_EQ(server_.count("DEL"), 2);
 }
 
 // A get pipeline that breaks after a value failed verification: the bad key

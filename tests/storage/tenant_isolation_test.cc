@@ -611,10 +611,11 @@ struct RedisCase {
 void PrintTo(const RedisCase& c, std::ostream* os) { *os << c.name; }
 
 // The ACL users of scripts/start-test-services.sh: each limited to its tenant's key prefix and to
-// the commands the backend sends (GETRANGE SET DEL STRLEN, PING, and in a cluster CLUSTER SLOTS and ASKING).
+// the commands the backend sends (GETRANGE SET DEL STRLEN, EVAL of its delete-if-unchanged script, PING, and in a
+// cluster CLUSTER SLOTS and ASKING).
 const std::vector<std::string>& acl_rule_tail() {
-  static const std::vector<std::string> tail{"resetchannels", "-@all", "+getrange", "+set",          "+del",
-                                             "+strlen",       "+ping", "+asking",   "+cluster|slots"};
+  static const std::vector<std::string> tail{"resetchannels", "-@all",  "+getrange", "+set",   "+del",
+                                             "+strlen",       "+eval",  "+ping",     "+asking", "+cluster|slots"};
   return tail;
 }
 
@@ -791,6 +792,7 @@ TEST_P(RedisTenants, AroundTheLibrary) {
                                                                 {"SET", key_a(k1), "x"},
                                                                 {"SET", key_a(k4), "x"},
                                                                 {"DEL", key_a(k2)},
+                                                                {"EVAL", "return redis.call('DEL', KEYS[1])", "1", key_a(k2)},
                                                                 {"STRLEN", key_a(k1)},
                                                                 {"GET", key_b(k1)},
                                                                 {"SETRANGE", key_b(k1), "0", "x"}}) {
