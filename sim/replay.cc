@@ -54,6 +54,39 @@ std::string shown_value(const nlohmann::json& v) {
 
 }  // namespace
 
+namespace {
+
+// A trace line is at most this long (about 25 million hash ids): a file without newlines (a device, a binary
+// file) is refused at that size instead of read into memory whole.
+constexpr std::size_t kMaxTraceLineBytes = std::size_t{256} << 20;
+
+enum class LineRead { kLine, kEnd, kTooLong };
+
+// The next line of `in` into `line`, without its '\n' (NUL bytes kept).
+LineRead read_trace_line(std::istream& in, std::string& line) {
+  line.clear();
+  char buf[1 << 16];
+  for (;;) {
+    in.getline(buf, sizeof buf);
+    const auto got = static_cast<std::size_t>(in.gcount());
+    if (in.bad()) return LineRead::kEnd;
+    if (in.fail() && !in.eof()) {  // the buffer filled before a '\n'
+      line.append(buf, got);
+      if (line.size() > kMaxTraceLineBytes) return LineRead::kTooLong;
+      in.clear();
+      continue;
+    }
+    if (in.eof()) {  // the last line, without a '\n'
+      line.append(buf, got);
+      return line.empty() ? LineRead::kEnd : LineRead::kLine;
+    }
+    line.append(buf, got > 0 ? got - 1 : 0);  // got counts the '\n'
+    return line.size() > kMaxTraceLineBytes ? LineRead::kTooLong : LineRead::kLine;
+  }
+}
+
+}  // namespace
+
 Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, std::size_t max_requests) {
   std::error_code ec;
   const auto type = std::filesystem::status(path, ec).type();
@@ -67,8 +100,15 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
   std::string line;
   std::size_t lineno = 0;
   std::uint64_t input_tokens = 0;
-  while (std::getline(in, line)) {
+  for (;;) {
+    const LineRead got = read_trace_line(in, line);
+    if (got == LineRead::kEnd) break;
     ++lineno;
+    if (got == LineRead::kTooLong)
+      return InvalidArgument(fmt::format("{}:{}: a line longer than {} MiB (no newline: not a JSON-lines trace?)", path,
+                                         lineno, kMaxTraceLineBytes >> 20));
+    if (const auto nul = line.find('\0'); nul != std::string::npos)
+      return InvalidArgument(fmt::format("{}:{}: a NUL byte at column {}", path, lineno, nul + 1));
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object())
@@ -363,6 +403,20 @@ Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& pr
   auto arrival = [&](std::size_t k) {
     return static_cast<double>(trace[order[k]].timestamp_ms - first_ms) / 1000.0 / o.load_factor;
   };
+  {
+    // Every instant of the simulation is at most the last arrival plus all the service: a rate so small
+    // that this is not a finite number of seconds would turn times into inf - inf = NaN.
+    double service = 0;
+    for (const TraceRequest& r : trace)
+      service += static_cast<double>(r.input_length) / o.prefill_tokens_per_s +
+                 static_cast<double>(r.output_length) / o.decode_tokens_per_s;
+    const double last = n ? arrival(n - 1) : 0.0;
+    if (!std::isfinite(last) || !std::isfinite(last + service) || last + service > 1e15)
+      return InvalidArgument(fmt::format(
+          "replay: load_factor {}, prefill_tokens_per_s {} and decode_tokens_per_s {} put this trace's events past "
+          "1e15 s (the last arrival at {} s, {} s of service): rates that small are not a serving instance",
+          o.load_factor, o.prefill_tokens_per_s, o.decode_tokens_per_s, last, service));
+  }
   // The keys serve() admits (a request longer than the device is cut to what fits), announced as such.
   auto admitted_keys = [&](std::size_t i) {
     std::span<const BlockKey> keys = prep.keys[i];
@@ -655,6 +709,9 @@ CacheConfig base_config(const ReplayOptions& o) {
   if (cfg.storage_blocks > 0) cfg.host_watermarks = Watermarks{o.host_low_watermark, o.host_high_watermark};
   cfg.device_watermarks = o.device_watermarks;
   cfg.contiguous_host_runs = o.contiguous_host_runs;
+  cfg.lookahead_prefetch_blocks = o.lookahead_prefetch_blocks;
+  cfg.lookahead_max_fraction = o.lookahead_max_fraction;
+  cfg.lookahead_retain_steps = o.lookahead_retain_steps;
   return cfg;
 }
 
@@ -708,19 +765,21 @@ Result<ReplayResult> replay_belady(const std::vector<TraceRequest>& trace, std::
 ReplayResult replay_unbounded(const std::vector<TraceRequest>& trace, const ReplayOptions& o) {
   ReplayResult res;
   res.policy = "unbounded";
-  std::unordered_set<std::uint64_t> seen;
-  for (const TraceRequest& r : trace) {
+  // The keys the cache sees: each chained to its prefix (an id seen under another prefix is another block).
+  auto prep = prepare(trace, o);
+  if (!prep.ok()) return res;
+  std::unordered_set<BlockKey, BlockKeyHash> seen;
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const TraceRequest& r = trace[i];
+    const std::vector<BlockKey>& keys = prep->keys[i];
     ++res.requests;
     res.total_blocks += r.hash_ids.size();
     res.total_tokens += r.input_length;
-    std::size_t cacheable =
-        o.cache_partial_blocks
-            ? r.hash_ids.size()
-            : std::min<std::size_t>(r.hash_ids.size(), r.input_length / std::max(1u, o.block_tokens));
+    const std::size_t cacheable = keys.size();
     res.cacheable_blocks += cacheable;
     std::uint32_t hits = 0;
-    while (hits < cacheable && seen.count(r.hash_ids[hits])) ++hits;
-    for (std::size_t k = hits; k < cacheable; ++k) seen.insert(r.hash_ids[k]);
+    while (hits < cacheable && seen.count(keys[hits])) ++hits;
+    for (std::size_t k = hits; k < cacheable; ++k) seen.insert(keys[k]);
     res.device_hit_blocks += hits;
     res.device_hit_tokens += std::min<std::uint64_t>(std::uint64_t{hits} * o.block_tokens, r.input_length);
   }

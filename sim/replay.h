@@ -173,6 +173,10 @@ struct ReplayOptions {
   // With queue_model: announce each request's key chain (CacheManager::announce) when it enters the
   // waiting queue and withdraw it just before its admission.
   bool lookahead = false;
+  // The look-ahead's CacheConfig knobs (KVTIER_CACHE_LOOKAHEAD_*), passed to the replay's cache manager.
+  std::uint32_t lookahead_prefetch_blocks = CacheConfig{}.lookahead_prefetch_blocks;
+  double lookahead_max_fraction = CacheConfig{}.lookahead_max_fraction;
+  std::uint32_t lookahead_retain_steps = CacheConfig{}.lookahead_retain_steps;
 };
 
 // Queue model (ReplayOptions::queue_model). Requests arrive at their scaled timestamps (ties in file order;

@@ -36,5 +36,13 @@ inline const CLI::Validator kAtLeastOne(
       return end != v.c_str() && *end == '\0' && d >= 1 ? std::string() : "'" + v + "' is not a number >= 1";
     },
     "NUMBER >= 1");
+// For counts that may be 0 (CLI::NonNegativeNumber's message prints the largest double).
+inline const CLI::Validator kAtLeastZero(
+    [](std::string& v) -> std::string {
+      char* end = nullptr;
+      const double d = std::strtod(v.c_str(), &end);
+      return end != v.c_str() && *end == '\0' && d >= 0 ? std::string() : "'" + v + "' is not a number >= 0";
+    },
+    "NUMBER >= 0");
 
 }  // namespace kvtier::cli

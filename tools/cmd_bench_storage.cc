@@ -135,12 +135,17 @@ Result<double> sequential_write(const std::string& path, const std::byte* src, s
   int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
   if (fd < 0) return Unavailable(fmt::format("open {}: {}", path, std::strerror(errno)));
   const auto t0 = Clock::now();
-  for (std::uint64_t off = 0; off < bytes; off += chunk) {
-    const std::uint64_t n = std::min(chunk, bytes - off);
-    if (::pwrite(fd, src + off, n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) {
+  // Linux moves at most 0x7ffff000 bytes per call: a shorter write is continued, not an error.
+  for (std::uint64_t off = 0; off < bytes;) {
+    const std::uint64_t n = std::min(chunk - off % chunk, bytes - off);
+    const ssize_t w = ::pwrite(fd, src + off, n, static_cast<off_t>(off));
+    if (w <= 0) {
+      const std::string why = w < 0 ? std::strerror(errno) : "wrote nothing (disk full?)";
       ::close(fd);
-      return Unavailable(fmt::format("pwrite {}: {}", path, std::strerror(errno)));
+      ::unlink(path.c_str());
+      return Unavailable(fmt::format("pwrite {} at offset {}: {}", path, off, why));
     }
+    off += static_cast<std::uint64_t>(w);
   }
   if (sync) ::fdatasync(fd);
   const auto t1 = Clock::now();
@@ -155,12 +160,16 @@ Result<double> sequential_read(const std::string& path, std::byte* dst, std::uin
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
   if (fd < 0) return Unavailable(fmt::format("open {}: {}", path, std::strerror(errno)));
   const auto t0 = Clock::now();
-  for (std::uint64_t off = 0; off < bytes; off += chunk) {
-    const std::uint64_t n = std::min(chunk, bytes - off);
-    if (::pread(fd, dst + off, n, static_cast<off_t>(off)) != static_cast<ssize_t>(n)) {
+  for (std::uint64_t off = 0; off < bytes;) {
+    const std::uint64_t n = std::min(chunk - off % chunk, bytes - off);
+    const ssize_t r = ::pread(fd, dst + off, n, static_cast<off_t>(off));
+    if (r <= 0) {
+      const std::string why = r < 0 ? std::strerror(errno) : "end of file before the bytes written";
       ::close(fd);
-      return Unavailable(fmt::format("pread {}: {}", path, std::strerror(errno)));
+      ::unlink(path.c_str());
+      return Unavailable(fmt::format("pread {} at offset {}: {}", path, off, why));
     }
+    off += static_cast<std::uint64_t>(r);
   }
   const auto t1 = Clock::now();
   ::close(fd);

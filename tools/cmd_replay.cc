@@ -263,9 +263,9 @@ Action register_replay(CLI::App& app) {
       ->capture_default_str();
   // CLI11 reads "-3" into an unsigned 64-bit option as 2^64-3: negative values are refused up front.
   cmd->add_option("--device-tokens", args->device_tokens, "device capacity in tokens (overrides --device-blocks)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kAtLeastZero);
   cmd->add_option("--host-tokens", args->host_tokens, "host capacity in tokens (overrides --host-blocks)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kAtLeastZero);
   cmd->add_option("--policy", args->policy,
                   "eviction policy: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...], belady (the host "
                   "tier follows it; a duel's first expert there)")
@@ -277,9 +277,10 @@ Action register_replay(CLI::App& app) {
   cmd->add_option("--block-tokens", args->block_tokens, "tokens per block of the trace")->capture_default_str();
   auto* block_bytes_opt =
       cmd->add_option("--block-bytes", args->block_bytes,
-                      "KV bytes per block: byte counters; with --storage, bytes moved per block (default 4096 then)")
+                      "KV bytes per block: byte counters on the fake executor (--transfer none); bytes moved per block with "
+                      "real transfers (--transfer host|cuda) or --storage, 4096 by default then")
           ->capture_default_str()
-          ->check(CLI::NonNegativeNumber);
+          ->check(kAtLeastZero);
   cmd->add_option("--storage", args->storage,
                   "storage tier moving real, verified bytes: disk:<dir>[?...] or redis://host:port[?...]");
   cmd->add_option("--storage-blocks", args->storage_blocks, "storage tier capacity in blocks (with --storage)")
@@ -290,7 +291,7 @@ Action register_replay(CLI::App& app) {
                   "reported failed, on --failure-rank or rank 0)");
   cmd->add_option("--seed", args->seed, "seed of injected failures");
   cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kAtLeastZero);
   cmd->add_flag("--json", args->json, "machine-readable output");
   cmd->add_option("--transfer", args->transfer,
                   "device<->host bytes: host (TransferManager on the simulated host device, default), cuda (on the "
@@ -305,11 +306,11 @@ Action register_replay(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--failure-rank", args->failure_rank,
                   "inject --failure-rate failures on this rank only (default 0; real transfers on every rank)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kAtLeastZero);
   cmd->add_option("--rank-deadline-ms", args->rank_deadline_ms,
                   "with --tp: a move that a rank has not reported by then fails (TimedOut) on all ranks")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(kAtLeastOne);
   cmd->add_option("--sweep", args->sweep, "comma-separated device capacities (blocks): hit ratio table + plot");
   cmd->add_option("--sweep-policies", args->sweep_policies,
                   "policies of the sweep (Belady, MIN with bypass, the class-TTL bound and the peers lru, s3fifo, "
@@ -412,6 +413,14 @@ Action register_replay(CLI::App& app) {
     if (a.device_blocks == 0)
       return bad(fmt::format("--device-blocks must be >= 1, got 0{}",
                              given("--device-blocks") ? "" : " (from KVTIER_CACHE_DEVICE_BLOCKS)"));
+    if (a.threshold == 0)
+      return bad(fmt::format("--write-through-threshold must be >= 1, got 0{}",
+                             given("--write-through-threshold") ? "" : " (from KVTIER_CACHE_WRITE_THROUGH_THRESHOLD)"));
+    for (const auto& [tier, w] : {std::pair{"DEVICE", env_cache.device_watermarks}, {"HOST", env_cache.host_watermarks}})
+      if (!(w.low >= 0 && w.high <= 1 && w.low <= w.high))
+        return bad(fmt::format("KVTIER_CACHE_{0}_WATERMARKS_LOW {1} and KVTIER_CACHE_{0}_WATERMARKS_HIGH {2} must "
+                               "satisfy 0 <= low <= high <= 1",
+                               tier, w.low, w.high));
     if (!(a.failure_rate >= 0.0 && a.failure_rate <= 1.0))
       return bad(fmt::format("--failure-rate must be a probability in [0, 1], got {}", a.failure_rate));
     constexpr std::uint64_t kMaxBlockBytes = std::uint64_t{1} << 40;
@@ -483,11 +492,61 @@ Action register_replay(CLI::App& app) {
     o.storage_policy = env_cache.storage_policy;
     o.device_watermarks = env_cache.device_watermarks;
     o.contiguous_host_runs = env_cache.contiguous_host_runs;
+    o.lookahead_prefetch_blocks = env_cache.lookahead_prefetch_blocks;
+    o.lookahead_max_fraction = env_cache.lookahead_max_fraction;
+    o.lookahead_retain_steps = env_cache.lookahead_retain_steps;
     if (!a.storage.empty() && a.host_blocks == 0) {
       std::fprintf(stderr, "kvtier replay: --storage needs a host tier (--host-blocks >= 1)\n");
       return 2;
     }
     if (a.lookahead && !a.queue) return bad("--lookahead needs --queue (requests are announced while they wait)");
+    // A flag the chosen mode does not use is refused, not ignored: the report would describe another run.
+    const auto first_given = [&](const std::vector<const char*>& flags) -> const char* {
+      for (const char* f : flags)
+        if (given(f)) return f;
+      return nullptr;
+    };
+    if (!a.queue)
+      if (const char* f = first_given({"--load", "--prefill-tokens-per-s", "--decode-tokens-per-s", "--max-batch"}))
+        return bad(fmt::format("{} needs --queue (the queue model's service)", f));
+    if (a.sweep.empty())
+      if (const char* f = first_given({"--sweep-policies", "--sweep-default", "--sweep-max-multiplier", "--out"}))
+        return bad(fmt::format("{} needs --sweep", f));
+    if (a.storage.empty() && given("--storage-blocks")) return bad("--storage-blocks needs --storage");
+    if (!a.storage.empty() && a.storage_blocks == 0)
+      return bad(fmt::format("--storage-blocks must be >= 1 with --storage, got 0{}",
+                             given("--storage-blocks") ? "" : " (from KVTIER_CACHE_STORAGE_BLOCKS)"));
+    if (!a.kv_events_replay.empty() && a.kv_events.empty())
+      return bad("--kv-events-replay needs --kv-events (the endpoint whose events it replays)");
+    // --transfer none says what the fake executor does: allowed there.
+    const bool given_none_transfer = a.transfer == "none";
+    const std::vector<const char*> real_run_flags = {
+        given_none_transfer ? "--tp" : "--transfer", "--tp",        "--tp-gpus",  "--failure-rank",
+        "--rank-deadline-ms",                         "--metrics-out", "--metrics-port", "--kv-events",
+        "--kv-events-replay",                         "--progress"};
+    if (a.queue)
+      if (const char* f = first_given(real_run_flags))
+        return bad(fmt::format("--queue runs the fake executor and prints its own table: no {}", f));
+    if (!a.sweep.empty()) {
+      if (!a.storage.empty()) return bad("--sweep replays one device tier per capacity: no --storage");
+      if (const char* f = first_given(real_run_flags))
+        return bad(fmt::format("--sweep replays one device tier per capacity on the fake executor: no {}", f));
+      if (given("--policy"))
+        return bad("--sweep runs every policy of --sweep-policies (and --sweep-default): no --policy");
+    }
+    if (a.policy == "belady" && a.sweep.empty() && !a.queue) {
+      // Belady is an offline bound: one tier (device plus host capacity) on the fake executor.
+      if (!a.storage.empty()) return bad("--policy belady is one tier of device + host capacity: no --storage");
+      if (a.failure_rate > 0) return bad("--policy belady is an offline bound: no --failure-rate");
+      if (const char* f = first_given({given_none_transfer ? "--tp" : "--transfer", "--tp", "--tp-gpus",
+                                       "--failure-rank", "--rank-deadline-ms"}))
+        return bad(fmt::format("--policy belady runs on the fake executor (no bytes move): no {}", f));
+    }
+    // A day: a rank silent that long is lost, not late (and 10^13 ms overflowed the deadline's nanoseconds).
+    constexpr std::uint64_t kMaxRankDeadlineMs = 86'400'000;
+    if (a.rank_deadline_ms == 0 || a.rank_deadline_ms > kMaxRankDeadlineMs)
+      return bad(fmt::format("--rank-deadline-ms must be 1..{} (a day), got {}", kMaxRankDeadlineMs,
+                             a.rank_deadline_ms));
     if (a.queue) {
       if (!a.sweep.empty() || !a.storage.empty()) return bad("--queue runs the fake executor: no --sweep or --storage");
       std::vector<std::string> load_s;

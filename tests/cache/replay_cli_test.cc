@@ -113,6 +113,28 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--sweep 100 --sweep-max-multiplier 0.5", {"--sweep-max-multiplier", "got 0.5"}},
       {"--sweep 100 --sweep-default nope", {"'nope'"}},
       {"--sweep 100 --sweep-policies lru,bogus", {"'bogus'"}},
+      // Flags the chosen mode does not use were accepted and ignored (exit 0, a report of another run).
+      {"--queue --transfer host", {"--queue", "no --transfer"}},
+      {"--queue --tp 2", {"--queue", "no --tp"}},
+      {"--queue --metrics-out /tmp/never.txt", {"--queue", "no --metrics-out"}},
+      {"--sweep 64 --policy bogus", {"--sweep", "no --policy"}},
+      {"--sweep 64 --storage bogus:xx", {"--sweep", "no --storage"}},
+      {"--sweep 64 --transfer bogus", {"--sweep", "no --transfer"}},
+      {"--policy belady --storage memory:?capacity=1G", {"belady", "no --storage"}},
+      {"--policy belady --failure-rate 0.5", {"belady", "no --failure-rate"}},
+      {"--policy belady --tp 2", {"belady", "no --tp"}},
+      {"--load 2", {"--load needs --queue"}},
+      {"--max-batch 8", {"--max-batch needs --queue"}},
+      {"--out /tmp/x", {"--out needs --sweep"}},
+      {"--sweep-policies lru", {"--sweep-policies needs --sweep"}},
+      {"--storage-blocks 10", {"--storage-blocks needs --storage"}},
+      {"--storage memory:?capacity=1G --storage-blocks 0", {"--storage-blocks", "got 0"}},  // turned the tier off
+      {"--kv-events-replay tcp://127.0.0.1:5", {"--kv-events-replay needs --kv-events"}},
+      // 10^13 ms overflowed the deadline's nanoseconds: every move "timed out", exit 0.
+      {"--tp 2 --rank-deadline-ms 10000000000000", {"--rank-deadline-ms", "10000000000000"}},
+      {"--rank-deadline-ms 0", {"--rank-deadline-ms", "'0'"}},
+      {"--write-through-threshold 0", {"--write-through-threshold", "got 0"}},
+      {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}},  // arrivals at inf: NaN depths, exit 0
   };
   for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
 }
@@ -141,12 +163,16 @@ TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
         R"({"timestamp": 0, "input_length": 1, "hash_ids": [1]})"},
        {":2:", "exceed 2^64-1"}},
       {{}, {"holds no requests"}},
+      // Garbage behind a NUL byte was never seen by the JSON parser.
+      {{ok + std::string(1, '\0') + " garbage {{{"}, {":1:", "NUL byte at column"}},
   };
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const std::string path = trace("bad" + std::to_string(i) + ".jsonl", cases[i].lines);
     expect_error(run("replay --transfer none " + path), cases[i].says, "trace case " + std::to_string(i));
   }
   expect_error(run("replay --transfer none '" + dir_ + "'"), {dir_, "is a directory"}, "a directory as the trace");
+  // A source without newlines was read into memory whole (until none was left).
+  expect_error(run("replay --transfer none /dev/zero"), {"/dev/zero:1:", "longer than 256 MiB"}, "/dev/zero");
   expect_error(run("replay --transfer none '" + dir_ + "/missing.jsonl'"), {"missing.jsonl", "does not exist"},
                "a missing trace");
 }
@@ -430,6 +456,26 @@ TEST_F(ReplayCli, QueuePrintsTheLoadTable) {
     expect_error(e, says, args);
     EXPECT_EQ(e.rc, 2) << args << ": " << e.out;
   }
+}
+
+// The look-ahead's knobs (KVTIER_CACHE_LOOKAHEAD_*) reach the queue model's cache manager: they were read and
+// dropped, so a run with the prefetch off gave the default run's table.
+TEST_F(ReplayCli, QueueLookaheadFollowsItsEnvKnobs) {
+  const std::string args = "replay --max-requests 1000 --device-blocks 256 --host-blocks 1024 " + kSample +
+                           " --queue --lookahead --load 4 --json";
+  auto lookahead_hits = [&](const char* prefetch_blocks) {
+    if (prefetch_blocks) setenv("KVTIER_CACHE_LOOKAHEAD_PREFETCH_BLOCKS", prefetch_blocks, 1);
+    CliRun r = run(args, /*with_stderr=*/false);
+    unsetenv("KVTIER_CACHE_LOOKAHEAD_PREFETCH_BLOCKS");
+    EXPECT_EQ(r.rc, 0) << r.out;
+    auto doc = nlohmann::json::parse(r.out, nullptr, false);
+    EXPECT_FALSE(doc.is_discarded()) << r.out;
+    return doc.is_discarded() ? std::string() : doc["loads"][0]["lookahead"].dump();
+  };
+  const std::string base = lookahead_hits(nullptr);
+  const std::string off = lookahead_hits("0");
+  ASSERT_FALSE(base.empty());
+  EXPECT_NE(base, off) << "no prefetch moves the same blocks as the default's 64 per plan";
 }
 
 }  // namespace

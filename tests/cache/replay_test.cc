@@ -94,6 +94,23 @@ TEST(Replay, SaneNumbersAndBeladyBoundsEveryPolicy) {
   }
 }
 
+// The unbounded ratio is an upper bound of every policy: it counts the keys the cache sees, each chained to its
+// prefix. It counted raw ids, so an id seen before under another prefix was a hit no cache could have.
+TEST(Replay, UnboundedCountsChainedKeysNotRawIds) {
+  std::vector<TraceRequest> t(2);
+  t[0].input_length = 1024;
+  t[0].hash_ids = {1, 2};
+  t[1].timestamp_ms = 1;
+  t[1].input_length = 512;
+  t[1].hash_ids = {2};  // id 2 again, but at the start of a chain: another block
+  ReplayOptions o;
+  o.device_blocks = 10240;
+  o.host_blocks = 0;
+  EXPECT_EQ(replay_unbounded(t, o).device_hit_blocks, 0u);
+  t[1].hash_ids = {1};  // the same first block: a hit
+  EXPECT_EQ(replay_unbounded(t, o).device_hit_blocks, 1u);
+}
+
 // The host tier follows the device's policy, but a duel's shadows learn from the requests' accesses, which a host
 // tier below the device does not see (its inserts are demotions): it takes the duel's first expert instead.
 TEST(Replay, TheHostTierFollowsADuelWithItsFirstExpert) {
