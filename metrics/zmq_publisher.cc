@@ -70,6 +70,9 @@ struct ZmqEventPublisher::Impl {
   std::uint64_t next_seq = 0, sent_seq = 0;  // sent_seq: batches handed to the PUB socket
   bool stopping = false;
   std::thread thread;
+  // Serializes shutdown(): a second caller (another thread, or the destructor) waits for the first and then
+  // finds the thread joined, instead of joining it too.
+  std::mutex shutdown_mu;
   // Publisher thread only.
   std::deque<std::pair<std::uint64_t, std::string>> ring;
 
@@ -256,6 +259,7 @@ Status ZmqEventPublisher::flush(std::chrono::milliseconds timeout) {
 }
 
 Status ZmqEventPublisher::shutdown(std::chrono::milliseconds timeout) {
+  std::lock_guard once(impl_->shutdown_mu);
   if (!impl_->thread.joinable()) return Status::Ok();
   Status flushed = flush(timeout);
   {

@@ -56,7 +56,7 @@ import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import _native
-from .errors import InvalidArgumentError, KvtierError
+from .errors import DataLossError, InvalidArgumentError, KvtierError, TimedOutError
 
 logger = logging.getLogger("kvtier.fastdeploy")
 
@@ -194,7 +194,13 @@ class CacheTransferManager:
         self._registration = (0, 0, 0)  # num_layers, local_rank, device_id
         self._loads: List[int] = []
         self._evicts: List[int] = []
-        self._layer_task: Dict[int, int] = {}
+        # Per layer, the loads not yet seen finished, in submission order: a wait covers all of them (a later
+        # load of the layer does not make an earlier, failed one's blocks good).
+        self._layer_tasks: Dict[int, List[int]] = {}
+        # Layers a load of this step failed on, with the reason: their waits keep failing (after
+        # sync_input_stream() too) until the next step's first load (a load submitted after a sync).
+        self._failed_layers: Dict[int, str] = {}
+        self._step_synced = False
         self._last_submitted: Optional[tuple] = None
         self._last_error: Optional[str] = None
         self._logged_errors: set = set()
@@ -424,7 +430,8 @@ class CacheTransferManager:
         mgr, self._mgr = self._mgr, None
         if mgr is not None:
             mgr.close()
-        self._loads, self._evicts, self._layer_task, self._last_submitted = [], [], {}, None
+        self._loads, self._evicts, self._layer_tasks, self._last_submitted = [], [], {}, None
+        self._failed_layers, self._step_synced = {}, False
         self._streams, self._compute, self._device = {}, None, None
 
     def close(self) -> None:
@@ -447,6 +454,12 @@ class CacheTransferManager:
     @staticmethod
     def _ids(ids: List[int], what: str = "block id") -> List[int]:
         # int() would truncate 1.9 to block 1 and read "1" as block 1: a copy of blocks nobody named.
+        if ids is None or isinstance(ids, (str, bytes)):
+            raise InvalidArgumentError(f"the {what}s are {ids!r}, not a list of integers")
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise InvalidArgumentError(f"the {what}s are a {type(ids).__name__}, not a list of integers") from None
         out = []
         for i in ids:
             if isinstance(i, bool):
@@ -506,9 +519,11 @@ class CacheTransferManager:
                 # The engine's work enqueued so far may still use these blocks.
                 mgr.record_device_access(d, stream, "read")
                 task = mgr.load(layers, h, d)
+                if self._step_synced:  # the first load of a new step: the last step's failures are told
+                    self._failed_layers, self._step_synced = {}, False
                 self._loads.append(task)
                 for layer in (layers or range(mgr.num_layers)):
-                    self._layer_task[layer] = task
+                    self._layer_tasks.setdefault(layer, []).append(task)
         except KvtierError as e:
             return self._fail(f"load_layers_to_device_async: {e}")
         if on_layer_complete is not None:
@@ -524,33 +539,66 @@ class CacheTransferManager:
 
     # ============ Layer waits (added) ============
 
-    def wait_for_layer(self, layer_idx: int, stream: Any = None) -> None:
-        """The engine's stream (default: current) waits on the GPU for the latest load of ``layer_idx``.
+    def _layer(self, layer_idx: Any, what: str) -> int:
+        if isinstance(layer_idx, bool):
+            raise InvalidArgumentError(f"{what}: layer {layer_idx!r} is a bool, not an integer")
+        try:
+            layer = operator.index(layer_idx)
+        except TypeError:
+            raise InvalidArgumentError(f"{what}: layer {layer_idx!r} is a {type(layer_idx).__name__}, not an "
+                                       "integer") from None
+        if self._mgr is not None and not 0 <= layer < self._mgr.num_layers:
+            raise InvalidArgumentError(f"{what}: the model has layers 0..{self._mgr.num_layers - 1}, not {layer}")
+        return layer
 
-        Returns at once when no load of the layer is pending. Raises the layer's error when it is
-        known failed (the forward must not use the blocks). No host synchronisation.
+    def _layer_failed(self, layer: int, task: int, error: KvtierError) -> None:
+        self._failed_layers.setdefault(layer, f"load task {task}: {error}")
+
+    def wait_for_layer(self, layer_idx: int, stream: Any = None) -> None:
+        """The engine's stream (default: current) waits on the GPU for every pending load of ``layer_idx``.
+
+        Returns at once when no load of the layer is pending. Raises the layer's error when a load of it is
+        known failed in this step (the forward must not use the blocks), however many loads of the layer came
+        after it, and after ``sync_input_stream()`` too. No host synchronisation.
         """
-        task = self._layer_task.get(layer_idx)
-        if task is None or self._mgr is None:
+        layer = self._layer(layer_idx, "wait_for_layer")
+        if self._mgr is None:
             return
-        self._mgr.wait_for_layer(task, layer_idx, self._stream_for(stream))
+        stream = self._stream_for(stream)
+        for task in list(self._layer_tasks.get(layer, ())):
+            try:
+                self._mgr.wait_for_layer(task, layer, stream)
+            except KvtierError as e:
+                self._layer_failed(layer, task, e)
+        if layer in self._failed_layers:
+            raise DataLossError(f"wait_for_layer({layer}): {self._failed_layers[layer]}")
 
     def wait_layer_host(self, layer_idx: int, timeout: Optional[float] = 1.0) -> bool:
-        """Blocks (GIL released) until the latest load of the layer is on the device.
+        """Blocks (GIL released) until every pending load of the layer is on the device.
 
-        True when it is (or no load of it is pending); False on failure or timeout, with the
+        True when they are (or none is pending); False on a timeout, or when a load of the layer failed in
+        this step (however many loads of it came after, and after ``sync_input_stream()`` too), with the
         reason in ``last_error``.
         """
-        if self._mgr is not None and not 0 <= layer_idx < self._mgr.num_layers:
-            return self._fail(f"wait_layer_host({layer_idx}): the model has layers 0..{self._mgr.num_layers - 1}")
-        task = self._layer_task.get(layer_idx)
-        if task is None or self._mgr is None:
-            return True
         try:
-            self._mgr.wait_layer_host(task, layer_idx, timeout)
-            return True
+            layer = self._layer(layer_idx, "wait_layer_host")
         except KvtierError as e:
-            return self._fail(f"wait_layer_host({layer_idx}): {e}")
+            return self._fail(str(e))
+        if self._mgr is None:
+            return True
+        tasks = self._layer_tasks.get(layer, [])
+        for task in list(tasks):
+            try:
+                self._mgr.wait_layer_host(task, layer, timeout)
+            except TimedOutError as e:
+                return self._fail(f"wait_layer_host({layer}): {e}")
+            except KvtierError as e:
+                self._layer_failed(layer, task, e)
+            if task in tasks:
+                tasks.remove(task)  # finished, for good or not: its outcome is in _failed_layers
+        if layer in self._failed_layers:
+            return self._fail(f"wait_layer_host({layer}): {self._failed_layers[layer]}")
+        return True
 
     # ============ Stream Utilities ============
 
@@ -565,10 +613,19 @@ class CacheTransferManager:
                 self._fail(f"{what}: task {task}: {e}")
 
     def sync_input_stream(self) -> None:
-        """Waits for every pending load (H2D). A failure is logged and kept in ``last_error``."""
+        """Waits for every pending load (H2D). A failure is logged and kept in ``last_error``; the layer waits
+        keep reporting it until the next load is submitted."""
         with self._lock:
             self._sync(self._loads, "sync_input_stream")
-            self._layer_task = {}
+            if self._mgr is not None:
+                for layer, tasks in self._layer_tasks.items():
+                    for task in tasks:
+                        try:
+                            self._mgr.wait_layer_host(task, layer, 0)
+                        except KvtierError as e:
+                            self._layer_failed(layer, task, e)
+            self._layer_tasks = {}
+            self._step_synced = True
 
     def sync_output_stream(self) -> None:
         """Waits for every pending eviction (D2H). A failure is logged and kept in ``last_error``."""

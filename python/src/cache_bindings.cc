@@ -678,14 +678,14 @@ void bind_cache(nb::module_& m) {
       .def(
           "publish_events",
           [](PyCacheManager& p, nb::handle publisher) -> nb::object {
-            auto& pub = publisher_of(publisher);
+            const auto pub = publisher_of(publisher);
             std::vector<metrics::KvEvent> ev;
             {
               auto lock = lock_gil_safe(p.mu);
               ev = p.cm->take_events();
             }
             if (ev.empty()) return nb::none();
-            return nb::int_(value_or_raise(pub.publish(std::move(ev))));
+            return nb::int_(value_or_raise(pub->publish(std::move(ev))));
           },
           "publisher"_a,
           "Takes the events since the last call and publishes them as one batch on a KvEventPublisher; returns "

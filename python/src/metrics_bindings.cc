@@ -92,11 +92,13 @@ struct PyMetricsServer {
   std::unique_ptr<metrics::MetricsServer> server;
 };
 
+// Calls hold their own reference (taken with the GIL held), so a shutdown() on another thread, which drops
+// the object's, never frees the publisher under them.
 struct PyEventPublisher {
-  std::unique_ptr<metrics::ZmqEventPublisher> pub;
-  metrics::ZmqEventPublisher& get() {
+  std::shared_ptr<metrics::ZmqEventPublisher> pub;
+  std::shared_ptr<metrics::ZmqEventPublisher> get() {
     if (!pub) raise_status(FailedPrecondition("the KV event publisher was shut down"));
-    return *pub;
+    return pub;
   }
 };
 
@@ -182,17 +184,17 @@ void bind_metrics(nb::module_& m) {
           },
           "endpoint"_a = "tcp://127.0.0.1:5557", "replay_endpoint"_a = "", "topic"_a = "", "buffer_steps"_a = 10000,
           "data_parallel_rank"_a = nb::none())
-      .def_prop_ro("endpoint", [](PyEventPublisher& p) { return p.get().endpoint(); })
-      .def_prop_ro("replay_endpoint", [](PyEventPublisher& p) { return p.get().replay_endpoint(); })
+      .def_prop_ro("endpoint", [](PyEventPublisher& p) { return p.get()->endpoint(); })
+      .def_prop_ro("replay_endpoint", [](PyEventPublisher& p) { return p.get()->replay_endpoint(); })
       .def(
           "flush",
           [](PyEventPublisher& p, double timeout) {
-            auto& pub = p.get();
+            const auto pub = p.get();
             const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             Status st;
             {
               nb::gil_scoped_release release;
-              st = pub.flush(limit);
+              st = pub->flush(limit);
             }
             check(st);
           },
@@ -200,13 +202,14 @@ void bind_metrics(nb::module_& m) {
       .def(
           "shutdown",
           [](PyEventPublisher& p, double timeout) {
-            if (!p.pub) return;
+            // Taken out with the GIL held: a second caller finds it gone and returns.
+            const std::shared_ptr<metrics::ZmqEventPublisher> pub = std::move(p.pub);
+            if (!pub) return;
             const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             Status st;
             {
               nb::gil_scoped_release release;
-              st = p.pub->shutdown(limit);
-              p.pub.reset();
+              st = pub->shutdown(limit);
             }
             check(st);
           },
@@ -229,7 +232,7 @@ void bind_metrics(nb::module_& m) {
       "zmq_available", [] { return metrics::zmq_available(); }, "Whether libzmq.so.5 could be loaded.");
 }
 
-metrics::ZmqEventPublisher& publisher_of(nb::handle h) {
+std::shared_ptr<metrics::ZmqEventPublisher> publisher_of(nb::handle h) {
   if (!nb::isinstance<PyEventPublisher>(h))
     raise_status(InvalidArgument(fmt::format("publisher is a {}, not a kvtier.metrics.KvEventPublisher",
                                              nb::cast<std::string>(nb::str(h.type().attr("__name__"))))));

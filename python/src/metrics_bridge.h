@@ -3,6 +3,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
 #include <vector>
 
 #include "kvtier/metrics/kv_events.h"
@@ -16,6 +17,6 @@ metrics::Labels labels_from(const nanobind::dict& d);
 // Events as dicts in vLLM's field names; block hashes as 16 bytes (hi then lo, big-endian).
 nanobind::list events_to_python(const std::vector<metrics::KvEvent>& events);
 // The native publisher behind a KvEventPublisher object (FailedPreconditionError after shutdown).
-metrics::ZmqEventPublisher& publisher_of(nanobind::handle publisher);
+std::shared_ptr<metrics::ZmqEventPublisher> publisher_of(nanobind::handle publisher);
 
 }  // namespace kvtier::python

@@ -14,6 +14,14 @@ constexpr int kNumCodes = static_cast<int>(StatusCode::kInternal) + 1;
 // Borrowed from kvtier.errors, which lives as long as the interpreter.
 std::array<PyObject*, kNumCodes> g_classes{};
 
+// A message as a Python str: bytes that are not UTF-8 (a name read from a file, a spec cut at a byte limit) come
+// through as U+FFFD instead of failing the conversion, which lost the error for a bare RuntimeError.
+nb::str message_str(std::string_view text) {
+  PyObject* s = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
+  if (s == nullptr) throw nb::python_error();
+  return nb::steal<nb::str>(s);
+}
+
 }  // namespace
 
 void raise_status(const Status& status) {
@@ -24,7 +32,7 @@ void raise_status(const Status& status) {
     // kvtier.errors not registered (the extension imported on its own).
     throw std::runtime_error(name + ": " + status.message());
   }
-  nb::object exc = nb::borrow(cls)(nb::str(status.message().c_str()), nb::str(name.c_str()));
+  nb::object exc = nb::borrow(cls)(message_str(status.message()), nb::str(name.c_str()));
   PyErr_SetObject(cls, exc.ptr());
   throw nb::python_error();
 }
@@ -34,8 +42,8 @@ nb::object exception_object(const Status& status) {
   const int code = static_cast<int>(status.code());
   PyObject* cls = code >= 0 && code < kNumCodes ? g_classes[static_cast<std::size_t>(code)] : nullptr;
   const std::string name(status_code_name(status.code()));
-  if (cls == nullptr) return nb::str((name + ": " + status.message()).c_str());
-  return nb::borrow(cls)(nb::str(status.message().c_str()), nb::str(name.c_str()));
+  if (cls == nullptr) return message_str(name + ": " + status.message());
+  return nb::borrow(cls)(message_str(status.message()), nb::str(name.c_str()));
 }
 
 void bind_errors(nb::module_& m) {

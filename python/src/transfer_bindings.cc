@@ -106,12 +106,20 @@ nb::object error_object(const Status& st) {
   return nb::none();
 }
 
-LayerCallback wrap_layer_callback(nb::object fn) {
-  if (fn.is_none()) return {};
-  auto holder = std::make_shared<PyCallable>(std::move(fn));
+// The callables a task holds are released (under the GIL) once the task is done, not when its record leaves the
+// manager's history of finished tasks: a callback that refers to the manager (a closure over it) would otherwise
+// keep it, its threads and its memory alive through a cycle that runs through C++, which Python's collector
+// cannot see.
+std::shared_ptr<PyCallable> callable_or_null(nb::object fn) {
+  return fn.is_none() ? nullptr : std::make_shared<PyCallable>(std::move(fn));
+}
+
+LayerCallback wrap_layer_callback(std::shared_ptr<PyCallable> holder) {
+  if (!holder) return {};
   return [holder](std::uint32_t layer, const Status& st) {
     if (!Py_IsInitialized()) return;
     nb::gil_scoped_acquire gil;
+    if (!holder->fn.is_valid()) return;  // released when its task finished
     try {
       holder->fn(layer, error_object(st));
     } catch (nb::python_error& e) {
@@ -120,17 +128,22 @@ LayerCallback wrap_layer_callback(nb::object fn) {
   };
 }
 
-TaskCallback wrap_task_callback(nb::object fn) {
-  if (fn.is_none()) return {};
-  auto holder = std::make_shared<PyCallable>(std::move(fn));
-  return [holder](TaskId id, const Status& st) {
+// `also_release`: the same task's on_layer callable, released with this one.
+TaskCallback wrap_task_callback(nb::object fn, std::shared_ptr<PyCallable> also_release = nullptr) {
+  auto holder = callable_or_null(std::move(fn));
+  if (!holder && !also_release) return {};
+  return [holder, also_release](TaskId id, const Status& st) {
     if (!Py_IsInitialized()) return;
     nb::gil_scoped_acquire gil;
-    try {
-      holder->fn(id, error_object(st));
-    } catch (nb::python_error& e) {
-      report_callback_error(e, "on_done");
+    if (holder && holder->fn.is_valid()) {
+      try {
+        holder->fn(id, error_object(st));
+      } catch (nb::python_error& e) {
+        report_callback_error(e, "on_done");
+      }
+      holder->fn.reset();
     }
+    if (also_release) also_release->fn.reset();
   };
 }
 
@@ -701,8 +714,9 @@ void bind_transfer(nb::module_& m) {
           [](PyTransferManager& p, nb::handle layers, nb::handle host_blocks, nb::handle device_blocks,
              nb::object on_layer, nb::object on_done) {
             LoadOptions o;
-            o.on_layer = wrap_layer_callback(std::move(on_layer));
-            o.on_done = wrap_task_callback(std::move(on_done));
+            auto layer_callable = callable_or_null(std::move(on_layer));
+            o.on_layer = wrap_layer_callback(layer_callable);
+            o.on_done = wrap_task_callback(std::move(on_done), layer_callable);
             auto l = to_layers(layers);
             auto h = to_ids(host_blocks, "host");
             auto d = to_ids(device_blocks, "device");

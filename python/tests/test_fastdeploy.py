@@ -6,6 +6,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import types
 
 import numpy as np
@@ -229,6 +230,75 @@ def test_false_keeps_the_reason(engine, caplog):
     # Nothing was moved, and it still works.
     assert mgr.evict_to_host_async([0], [0]) is True
     mgr.sync_output_stream()
+    mgr.close()
+
+
+def _host_engine_with_failure_injection(engine):
+    if engine.backend != "host":
+        pytest.skip("failure injection is the host backend's")
+    mgr, dev, host = make(engine)
+    mgr.transfer_manager  # the native manager exists: its device takes the injection
+    return mgr, dev, host
+
+
+def test_a_failed_load_stays_failed_after_sync_input_stream(engine):
+    # sync_input_stream() forgot the layer's loads: the per-layer waits then said "loaded" for a layer whose
+    # copy had failed, and the forward read bytes that never arrived.
+    mgr, dev, host = _host_engine_with_failure_injection(engine)
+    assert mgr.evict_to_host_async([1], [3]) is True
+    mgr.sync_output_stream()
+    mgr._device.fail_nth_operation(1)  # the next copy fails
+    assert mgr.load_layers_to_device_async([0, 1, 2], [3], [5]) is True
+    assert mgr.wait_layer_host(0, 5.0) is False
+    mgr.sync_input_stream()
+    assert "injected failure" in mgr.last_error
+    for _ in range(2):
+        assert mgr.wait_layer_host(0, 5.0) is False
+        with pytest.raises(kvtier.DataLossError, match="injected failure"):
+            mgr.wait_for_layer(0)
+    mgr.close()
+
+
+def test_a_failed_load_is_not_hidden_by_a_later_load_of_the_same_layer(engine):
+    # Only the latest load of a layer was waited for: an earlier, failed one's blocks were reported loaded.
+    mgr, dev, host = _host_engine_with_failure_injection(engine)
+    assert mgr.evict_to_host_async([1], [3]) is True
+    mgr.sync_output_stream()
+    mgr._device.fail_nth_operation(1)  # this eviction fails: host block 4 holds bytes of a failed copy
+    assert mgr.evict_to_host_async([2], [4]) is True
+    mgr.sync_output_stream()
+    assert mgr.load_layers_to_device_async([0, 1, 2], [4], [5]) is True  # fails: its source is bad
+    assert mgr.load_layers_to_device_async([0, 1, 2], [3], [6]) is True  # succeeds
+    assert mgr.wait_layer_host(0, 5.0) is False
+    assert "holds bytes of failed task" in mgr.last_error
+    with pytest.raises(kvtier.DataLossError):
+        mgr.wait_for_layer(0)
+    mgr.sync_input_stream()
+    assert mgr.wait_layer_host(0, 5.0) is False  # still, after the sync
+    # The next step's first load starts afresh: its layers are good again, and its bytes are the source's.
+    assert mgr.load_layers_to_device_async([0, 1, 2], [3], [7]) is True
+    assert mgr.wait_layer_host(0, 5.0) is True
+    mgr.wait_for_layer(0)
+    mgr.sync_input_stream()
+    key = "key_caches_0_rank0.device0"
+    np.testing.assert_array_equal(engine.numpy(dev[key])[7], engine.numpy(dev[key])[1])
+    mgr.close()
+
+
+def test_layer_and_id_arguments_of_the_wrong_kind_are_named(engine):
+    mgr, dev, host = make(engine)
+    mgr.transfer_manager  # created: it knows the model's layers
+    assert mgr.evict_to_host_async(None, None) is False
+    assert "None" in mgr.last_error
+    assert mgr.load_layers_to_device_async(None, [0], [1]) is False
+    assert "None" in mgr.last_error
+    for bad in (None, "1", 1.5, True):
+        assert mgr.wait_layer_host(bad) is False  # 1.5 was "loaded"
+        assert repr(bad) in mgr.last_error
+        with pytest.raises(kvtier.InvalidArgumentError, match=re.escape(repr(bad))):
+            mgr.wait_for_layer(bad)
+    with pytest.raises(kvtier.InvalidArgumentError, match="layers 0..2, not 99"):
+        mgr.wait_for_layer(99)  # returned silently
     mgr.close()
 
 

@@ -9,6 +9,8 @@ import subprocess
 
 import pytest
 
+import kvtier
+
 parser = pytest.importorskip("prometheus_client.parser")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -306,6 +308,45 @@ def test_publisher_timeouts_that_are_not_numbers_or_are_huge():
     with pytest.raises(ValueError, match="NaN"):
         pub.shutdown(float("nan"))
     pub.shutdown(1e300)
+
+
+def test_publisher_shutdown_from_two_threads_and_flush_beside_it():
+    # Two shutdown()s at once joined the same thread (RuntimeError) or used a freed publisher (SIGSEGV); a
+    # flush() beside a shutdown() did the same.
+    import threading
+
+    import kvtier.metrics as km
+
+    if not km.zmq_available():
+        pytest.skip("libzmq.so.5 not loadable")
+    for second in ("shutdown", "flush") * 25:
+        pub = km.KvEventPublisher("tcp://127.0.0.1:*")
+        barrier, errors = threading.Barrier(2), []
+
+        def call(what):
+            barrier.wait()
+            try:
+                getattr(pub, what)(1.0)
+            except kvtier.FailedPreconditionError:
+                pass  # flush() after the publisher was shut down: named
+            except Exception as e:  # noqa: BLE001 - any other outcome is the bug
+                errors.append(e)
+
+        threads = [threading.Thread(target=call, args=("shutdown",)), threading.Thread(target=call, args=(second,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "hung"
+        assert not errors, errors
+        with pytest.raises(kvtier.FailedPreconditionError):
+            pub.flush(0.1)
+
+
+def test_error_messages_that_are_not_utf8_keep_their_error_class():
+    # A message holding bytes that are not UTF-8 became a bare RuntimeError ("conversion error").
+    with pytest.raises(kvtier.DataLossError, match="unknown event tag"):
+        kvtier._native.decode_kv_event_batch(b"\x92\xcb" + 8 * b"\0" + b"\x91\x91\xa1\xff")
 
 
 def test_publish_events_names_a_publisher_of_the_wrong_type():

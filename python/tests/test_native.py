@@ -140,6 +140,45 @@ def test_callback_exception_is_logged_and_harmless(caplog):
     mgr.close()
 
 
+def test_callbacks_are_released_when_their_task_is_done():
+    # A finished task kept its callbacks (and what they captured) until 4,096 later tasks pushed its record out;
+    # a callback that refers to the manager kept the manager and its threads alive through a cycle through C++.
+    import gc
+    import weakref
+
+    class Callback:
+        def __init__(self, mgr=None):
+            self.mgr = mgr
+
+        def __call__(self, *args):
+            pass
+
+    dev, compute, mgr, d, h = manager()
+    on_done, on_layer = Callback(), Callback()
+    done_ref, layer_ref = weakref.ref(on_done), weakref.ref(on_layer)
+    task = mgr.load([], [0], [1], on_layer=on_layer, on_done=on_done)
+    del on_done, on_layer
+    mgr.wait(task, 5)
+    gc.collect()
+    assert done_ref() is None and layer_ref() is None
+    evict_cb = Callback()
+    evict_ref = weakref.ref(evict_cb)
+    mgr.wait(mgr.evict([0], [0], on_done=evict_cb), 5)
+    del evict_cb
+    gc.collect()
+    assert evict_ref() is None
+    # A callback that holds its manager: once the task is done, the manager is referenced by the test alone.
+    import sys
+
+    before = sys.getrefcount(mgr)
+    holder = Callback(mgr)
+    assert sys.getrefcount(mgr) == before + 1
+    mgr.wait(mgr.evict([1], [1], on_done=holder), 5)
+    del holder
+    gc.collect()
+    assert sys.getrefcount(mgr) == before, "the finished task still holds its callback, and with it the manager"
+
+
 def test_callback_may_wait_for_another_task():
     dev, compute, mgr, d, h = manager(delay_us=2000)
     result = {}

@@ -15,7 +15,9 @@
 //
 // Thread-safety: publish() from any thread (a bounded queue); the sockets live
 // on the publisher's own thread. shutdown() (and the destructor) sends what
-// is queued, for at most the given deadline, then closes the sockets.
+// is queued, for at most the given deadline, then closes the sockets; it may
+// be called from several threads at once (the first shuts down, the others
+// wait for it and return Ok), and flush() may run beside it.
 #pragma once
 
 #include <chrono>
