@@ -210,7 +210,21 @@ NodeId replace_by_lower_copies(Impl& s, NodeId id, bool load_failed) {
   for (int t : {kHst, kSto})
     if (r.present & bit(t)) s.track_insert(y, t, /*accessed=*/false);
   s.announce(y);
+  if (n.state == NodeState::kLoading) {  // its load still reads the host block y now holds
+    s.pin(y);
+    s.reading_replacement.emplace(id, y);
+  }
   return y;
+}
+
+// The ack of a replaced node's load: the node that took its host copy may go now.
+void release_reading_replacement(Impl& s, NodeId id) {
+  auto it = s.reading_replacement.find(id);
+  if (it == s.reading_replacement.end()) return;
+  const NodeId y = it->second;
+  s.reading_replacement.erase(it);
+  s.unpin(y);
+  s.reclaim_if_dead(y);
 }
 
 // A load that failed while an admission waits for it (or a failed look-ahead load with pinned blocks below it):
@@ -236,7 +250,7 @@ void keep_lower_copies_of_failed_load(Impl& s, NodeId id) {
       Node& n = s.nodes[c];
       if (n.counted_tier != kDev) continue;  // the tier order keeps everything below it off the device too
       const bool has_host = (n.present & bit(kHst)) != 0;
-      if (has_host && n.state == NodeState::kLoading && n.lookahead_move) {
+      if (has_host && n.state == NodeState::kLoading && n.lookahead_move && n.refs == 0) {
         n.retreat_on_ack = true;
         s.retier(c);
         stack.push_back(c);
@@ -384,8 +398,10 @@ Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const S
       n.lookahead_move = false;
       --s.lookahead_in_flight[r.lands_in];
     }
-    if (n.detached)
+    if (n.detached) {
+      release_reading_replacement(s, id);
       s.reclaim_if_dead(id);
+    }
     else if (n.retreat_on_ack)
       retreat_on_ack(s, id);
     else if (status.ok())

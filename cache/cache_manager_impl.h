@@ -199,6 +199,10 @@ struct CacheManager::Impl {
     std::uint64_t seq = 0;
   };
   std::vector<NodeWant> want;
+  // A node replaced by its lower copies while its load was in flight (keep_lower_copies_of_failed_load) -> the
+  // node that took its host copy, pinned until that load acks: the load still reads the host block, which must
+  // not be dropped and reused meanwhile (not every executor orders a write after the reads before it).
+  std::unordered_map<NodeId, NodeId> reading_replacement;
   std::array<std::uint32_t, kNumTiers> lookahead_in_flight{};  // look-ahead moves in flight, by target tier
   std::uint64_t step = 0;                                      // take_plan() calls (retention clock)
   std::uint64_t epoch = 1;  // prefetch cursors older than this are walked again from the chain's start

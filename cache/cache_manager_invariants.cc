@@ -80,6 +80,14 @@ Status CacheManager::check_invariants() const {
   std::array<std::vector<std::uint8_t>, kNumTiers> seen;
   for (int t = 0; t < kNumTiers; ++t) seen[t].assign(s.pools[t].capacity(), 0);
   std::uint32_t receiving = 0, quarantined = 0;
+  // A node replaced while its load was in flight pins its replacement until that load acks.
+  for (const auto& [twin, y] : s.reading_replacement) {
+    if (twin >= s.nodes.size() || y >= s.nodes.size() || !s.nodes[twin].live || !s.nodes[twin].detached ||
+        s.nodes[twin].state != NodeState::kLoading || !s.nodes[y].live)
+      return Internal(fmt::format("replaced loading node {} -> {} is not a detached load in flight and a node",
+                                  twin, y));
+    ++refs[y];
+  }
   for (const auto& [aid, rec] : s.admissions) {
     for (NodeId n : rec.pinned) ++refs[n];
     // Receive blocks a peer may still write: owned by the admission, never indexed, never committed.

@@ -105,7 +105,10 @@ struct HybridCache::GroupRec {
 struct HybridCache::Rec {
   std::uint32_t num_tokens = 0, extra_tokens = 0, hit_tokens = 0, committed_tokens = 0;
   // A hit's load failed in some group: every token past the hit was computed on its bytes, in every group.
+  // Sticky: admission_status() keeps reporting it after the window or state that held the failed block moved on
+  // (its sub-admission closed).
   bool load_failed = false;
+  std::uint32_t failed_group = 0;
   std::vector<GroupRec> groups;
 };
 
@@ -568,6 +571,7 @@ Status HybridCache::commit(HybridAdmissionId id, std::uint32_t num_computed_toke
     KVTIER_ASSIGN_OR_RETURN(HybridAdmissionStatus st, admission_status(id));
     if (st.failed) {
       rec.load_failed = true;
+      rec.failed_group = st.failed_group;
     } else if (st.loading_blocks > 0) {
       return FailedPrecondition(
           fmt::format("hybrid commit: admission {}: {} hit blocks are still loading; commit tokens past the hit ({}) "
@@ -649,6 +653,10 @@ Result<HybridAdmissionStatus> HybridCache::admission_status(HybridAdmissionId id
         out.failed_group = g;
       }
     }
+  if (rec.load_failed && !out.failed) {
+    out.failed = true;
+    out.failed_group = rec.failed_group;
+  }
   out.ready = !out.failed && out.loading_blocks == 0;
   return out;
 }

@@ -377,3 +377,128 @@ def test_a_refused_attach_metrics_registers_nothing():
 def test_constructor_integers_out_of_range_are_named(kwargs, named):
     with pytest.raises(kvtier.OutOfRangeError, match=named):
         kvtier.CacheManager(**kwargs)
+
+
+def _ack_all(cm):
+    p = cm.take_plan()
+    for kind in ("evictions", "backups", "loads"):
+        if p[kind]:
+            cm.ack(kind, [d for _, d, _ in p[kind]])
+
+
+def test_a_failed_load_above_a_lookahead_load_another_admission_pinned_keeps_the_tier_order():
+    # K0's admitted load and K1's look-ahead load are in flight; a second request that stopped at K0 computed K0..K2
+    # itself and committed K0, K1 (pinning the in-flight nodes). K0's load failed: K1 was sent back to host on its
+    # ack while pinned, and the second request's K2 was indexed on the device below it (tier order broken).
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+    cm = kvtier.CacheManager(device_blocks=6, host_blocks=8, write_policy="write_back")
+    keys = hasher.keys_for([1, 2, 3])
+    a = cm.admit(keys[:2])
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    x = cm.admit(hasher.keys_for(list(range(100, 106))))
+    _ack_all(cm)
+    cm.commit(x["id"])
+    cm.release(x["id"])
+    assert cm.match(keys[:2])["host_blocks"] == 2
+    cm.announce(keys[:2])
+    first = cm.admit(keys[:1])
+    plan = cm.take_plan()
+    if plan["evictions"]:
+        cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
+    load_dst = {key: d for _, d, key in plan["loads"]}
+    assert keys[0] in load_dst and keys[1] in load_dst
+    second = cm.admit(keys)
+    cm.commit(second["id"], 2)
+    cm.ack("loads", [load_dst[keys[0]]], error="copy failed")
+    cm.check_invariants()
+    cm.commit(second["id"], 3)
+    cm.check_invariants()
+    assert cm.admission_status(first["id"])["failed"]
+    cm.ack("loads", [load_dst[keys[1]]])
+    cm.check_invariants()
+    for adm in (first, second):
+        cm.release(adm["id"])
+    cm.check_invariants()
+
+
+def test_a_host_copy_a_load_still_reads_is_not_reused_before_that_load_acks():
+    # A's load failed while B's (below it) was in flight: B's host copy moved to the node that replaced B, which
+    # could be dropped and its host block made the destination of a new eviction while B's load still read it.
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+    cm = kvtier.CacheManager(device_blocks=4, host_blocks=4, write_policy="write_back")
+    ab = hasher.keys_for([1, 2])
+    a = cm.admit(ab)
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    x = cm.admit(hasher.keys_for([10, 11, 12, 13]))
+    _ack_all(cm)
+    cm.commit(x["id"])
+    cm.release(x["id"])
+    again = cm.admit(ab)
+    plan = cm.take_plan()
+    if plan["evictions"]:
+        cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
+    (src_a, dst_a, _), (src_b, dst_b, _) = sorted(plan["loads"], key=lambda m: ab.index(m[2]))
+    cm.ack("loads", [dst_a], error="copy failed")
+    cm.release(again["id"])
+    cm.check_invariants()
+    for i in range(6):
+        r = cm.admit(hasher.keys_for([100 + 10 * i, 101 + 10 * i]))
+        p = cm.take_plan()
+        written = [d for _, d, _ in p["evictions"] + p["backups"] + p["storage_prefetches"]]
+        assert src_b not in written, f"host block {src_b} is written while the load reading it is in flight"
+        for kind in ("evictions", "backups"):
+            if p[kind]:
+                cm.ack(kind, [d for _, d, _ in p[kind]])
+        cm.commit(r["id"])
+        cm.release(r["id"])
+        cm.check_invariants()
+    cm.ack("loads", [dst_b])  # now the host copy may go
+    cm.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "state"])
+def test_hybrid_failed_load_stays_failed_after_a_commit(kind):
+    # A commit slid the window (or the state) past the block whose load failed, and admission_status() then said
+    # ready, not failed: an engine checking between prefill chunks went on with the failed load's bytes.
+    block = 4 if kind == "sliding_window" else 8
+    hasher = kvtier.KeyHasher("m", block_tokens=block)
+    group = dict(name="g", kind=kind, block_tokens=block, device_blocks=4 if kind == "sliding_window" else 3,
+                 host_blocks=8)
+    if kind == "sliding_window":
+        group["window_tokens"] = 4
+    hc = kvtier.HybridCache([group])
+
+    def settle():
+        for gi, p in enumerate(hc.take_plan()):
+            for k in ("evictions", "backups", "loads", "storage_writes", "storage_prefetches"):
+                if p[k]:
+                    hc.ack(gi, k, [d for _, d, _ in p[k]])
+
+    prompt = list(range(8))
+    a = hc.admit(8, [hasher.keys_for(prompt)])
+    hc.commit(a["id"], 8)
+    hc.release(a["id"])
+    pushes = [range(100, 116)] if kind == "sliding_window" else [range(100, 108), range(200, 208), range(300, 308)]
+    for ids in pushes:  # push the prompt's blocks to host
+        other = list(ids)
+        x = hc.admit(len(other), [hasher.keys_for(other)])
+        settle()
+        hc.commit(x["id"], len(other))
+        hc.release(x["id"])
+    settle()
+    longer = prompt + list(range(50, 58))
+    r = hc.admit(len(longer), [hasher.keys_for(longer)])
+    assert r["hit_tokens"] == 8
+    plan = hc.take_plan()[0]
+    if plan["evictions"]:
+        hc.ack(0, "evictions", [d for _, d, _ in plan["evictions"]])
+    assert plan["loads"]
+    hc.ack(0, "loads", [d for _, d, _ in plan["loads"]], error="copy failed")
+    assert hc.admission_status(r["id"])["failed"]
+    hc.commit(r["id"], 12 if kind == "state" else len(longer))
+    st = hc.admission_status(r["id"])
+    assert st["failed"] and not st["ready"] and st["failed_group"] == 0, st
+    hc.release(r["id"])
+    hc.check_invariants()
