@@ -13,7 +13,8 @@ FastDeploy's class, on the engine's own tensors and streams, with its defects fi
   ``KVTIER_FASTDEPLOY_FENCE_EVICTIONS``), a load waits for the engine's work enqueued so
   far on its blocks, host blocks are not rewritten while a load reads them;
 - failures are never reported as done: a failed layer makes ``wait_for_layer`` /
-  ``wait_layer_host`` / ``LayerEvent.synchronize`` fail; where FastDeploy returns
+  ``wait_layer_host`` / ``LayerEvent.synchronize`` fail, whatever loads of the layer came after it and after
+  ``sync_input_stream()`` too, until the next step's first load (a load after a sync); where FastDeploy returns
   ``False`` this class returns ``False`` too and keeps the reason (``last_error``, logged
   once per distinct reason).
 
