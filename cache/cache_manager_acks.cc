@@ -177,7 +177,7 @@ NodeId replace_by_lower_copies(Impl& s, NodeId id, bool load_failed) {
     else
       s.policy[t]->erase(id);
   }
-  if (prot) s.want[id] = Impl::NodeWant{};  // the new node takes the key's protection (init_wanted)
+  if (prot) s.want[id] = Impl::NodeWant{};   // the new node takes the key's protection (init_wanted)
   const NodeId y = s.new_node(key, parent);  // may grow s.nodes: references are taken after it
   Node& n = s.nodes[id];
   Node& r = s.nodes[y];
@@ -401,8 +401,7 @@ Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const S
     if (n.detached) {
       release_reading_replacement(s, id);
       s.reclaim_if_dead(id);
-    }
-    else if (n.retreat_on_ack)
+    } else if (n.retreat_on_ack)
       retreat_on_ack(s, id);
     else if (status.ok())
       land(s, id, r, landed, deferred_tier);

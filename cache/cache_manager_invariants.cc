@@ -84,8 +84,8 @@ Status CacheManager::check_invariants() const {
   for (const auto& [twin, y] : s.reading_replacement) {
     if (twin >= s.nodes.size() || y >= s.nodes.size() || !s.nodes[twin].live || !s.nodes[twin].detached ||
         s.nodes[twin].state != NodeState::kLoading || !s.nodes[y].live)
-      return Internal(fmt::format("replaced loading node {} -> {} is not a detached load in flight and a node",
-                                  twin, y));
+      return Internal(
+          fmt::format("replaced loading node {} -> {} is not a detached load in flight and a node", twin, y));
     ++refs[y];
   }
   for (const auto& [aid, rec] : s.admissions) {

@@ -276,9 +276,10 @@ Action register_replay(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--block-tokens", args->block_tokens, "tokens per block of the trace")->capture_default_str();
   auto* block_bytes_opt =
-      cmd->add_option("--block-bytes", args->block_bytes,
-                      "KV bytes per block: byte counters on the fake executor (--transfer none); bytes moved per block with "
-                      "real transfers (--transfer host|cuda) or --storage, 4096 by default then")
+      cmd->add_option(
+             "--block-bytes", args->block_bytes,
+             "KV bytes per block: byte counters on the fake executor (--transfer none); bytes moved per block with "
+             "real transfers (--transfer host|cuda) or --storage, 4096 by default then")
           ->capture_default_str()
           ->check(kAtLeastZero);
   cmd->add_option("--storage", args->storage,
@@ -290,8 +291,7 @@ Action register_replay(CLI::App& app) {
                   "inject transfer failures with this probability (with --transfer host|cuda: moves run and are "
                   "reported failed, on --failure-rank or rank 0)");
   cmd->add_option("--seed", args->seed, "seed of injected failures");
-  cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests")
-      ->check(kAtLeastZero);
+  cmd->add_option("--max-requests", args->max_requests, "replay only the first N requests")->check(kAtLeastZero);
   cmd->add_flag("--json", args->json, "machine-readable output");
   cmd->add_option("--transfer", args->transfer,
                   "device<->host bytes: host (TransferManager on the simulated host device, default), cuda (on the "
@@ -416,11 +416,13 @@ Action register_replay(CLI::App& app) {
     if (a.threshold == 0)
       return bad(fmt::format("--write-through-threshold must be >= 1, got 0{}",
                              given("--write-through-threshold") ? "" : " (from KVTIER_CACHE_WRITE_THROUGH_THRESHOLD)"));
-    for (const auto& [tier, w] : {std::pair{"DEVICE", env_cache.device_watermarks}, {"HOST", env_cache.host_watermarks}})
+    for (const auto& [tier, w] :
+         {std::pair{"DEVICE", env_cache.device_watermarks}, {"HOST", env_cache.host_watermarks}})
       if (!(w.low >= 0 && w.high <= 1 && w.low <= w.high))
-        return bad(fmt::format("KVTIER_CACHE_{0}_WATERMARKS_LOW {1} and KVTIER_CACHE_{0}_WATERMARKS_HIGH {2} must "
-                               "satisfy 0 <= low <= high <= 1",
-                               tier, w.low, w.high));
+        return bad(
+            fmt::format("KVTIER_CACHE_{0}_WATERMARKS_LOW {1} and KVTIER_CACHE_{0}_WATERMARKS_HIGH {2} must "
+                        "satisfy 0 <= low <= high <= 1",
+                        tier, w.low, w.high));
     if (!(a.failure_rate >= 0.0 && a.failure_rate <= 1.0))
       return bad(fmt::format("--failure-rate must be a probability in [0, 1], got {}", a.failure_rate));
     constexpr std::uint64_t kMaxBlockBytes = std::uint64_t{1} << 40;
@@ -520,10 +522,16 @@ Action register_replay(CLI::App& app) {
       return bad("--kv-events-replay needs --kv-events (the endpoint whose events it replays)");
     // --transfer none says what the fake executor does: allowed there.
     const bool given_none_transfer = a.transfer == "none";
-    const std::vector<const char*> real_run_flags = {
-        given_none_transfer ? "--tp" : "--transfer", "--tp",        "--tp-gpus",  "--failure-rank",
-        "--rank-deadline-ms",                         "--metrics-out", "--metrics-port", "--kv-events",
-        "--kv-events-replay",                         "--progress"};
+    const std::vector<const char*> real_run_flags = {given_none_transfer ? "--tp" : "--transfer",
+                                                     "--tp",
+                                                     "--tp-gpus",
+                                                     "--failure-rank",
+                                                     "--rank-deadline-ms",
+                                                     "--metrics-out",
+                                                     "--metrics-port",
+                                                     "--kv-events",
+                                                     "--kv-events-replay",
+                                                     "--progress"};
     if (a.queue)
       if (const char* f = first_given(real_run_flags))
         return bad(fmt::format("--queue runs the fake executor and prints its own table: no {}", f));
@@ -545,8 +553,8 @@ Action register_replay(CLI::App& app) {
     // A day: a rank silent that long is lost, not late (and 10^13 ms overflowed the deadline's nanoseconds).
     constexpr std::uint64_t kMaxRankDeadlineMs = 86'400'000;
     if (a.rank_deadline_ms == 0 || a.rank_deadline_ms > kMaxRankDeadlineMs)
-      return bad(fmt::format("--rank-deadline-ms must be 1..{} (a day), got {}", kMaxRankDeadlineMs,
-                             a.rank_deadline_ms));
+      return bad(
+          fmt::format("--rank-deadline-ms must be 1..{} (a day), got {}", kMaxRankDeadlineMs, a.rank_deadline_ms));
     if (a.queue) {
       if (!a.sweep.empty() || !a.storage.empty()) return bad("--queue runs the fake executor: no --sweep or --storage");
       std::vector<std::string> load_s;

@@ -742,12 +742,12 @@ class RedisBackend final : public StorageBackend {
         w.cmd_tail.clear();
         return false;
       case StorageOp::kDelete:
-        w.last = r->type != REDIS_REPLY_INTEGER ? Internal(w.expect.empty() ? "DEL: unexpected reply"
-                                                                             : "EVAL (delete if unchanged): unexpected reply")
-                 : r->integer > 0               ? Status::Ok()
-                 : w.expect.empty()
-                     ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
-                     : NotFound(fmt::format("key {} is gone or holds other bytes", w.item.key.to_string()));
+        w.last =
+            r->type != REDIS_REPLY_INTEGER
+                ? Internal(w.expect.empty() ? "DEL: unexpected reply" : "EVAL (delete if unchanged): unexpected reply")
+            : r->integer > 0   ? Status::Ok()
+            : w.expect.empty() ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
+                               : NotFound(fmt::format("key {} is gone or holds other bytes", w.item.key.to_string()));
         return false;
       case StorageOp::kExists:
         if (r->type != REDIS_REPLY_INTEGER || r->integer < 0) {
@@ -981,9 +981,10 @@ class RedisBackend final : public StorageBackend {
           (d.last.code() != StatusCode::kFailedPrecondition && d.last.code() != StatusCode::kInternal))
         continue;
       if (!eval_refused_.exchange(true))
-        log_line(fmt::format("the server refused EVAL ({}): objects that fail verification are deleted with a plain "
-                             "DEL, which also removes one rewritten since the read (grant +eval: docs/storage.md)",
-                             d.last.message()));
+        log_line(
+            fmt::format("the server refused EVAL ({}): objects that fail verification are deleted with a plain "
+                        "DEL, which also removes one rewritten since the read (grant +eval: docs/storage.md)",
+                        d.last.message()));
       refused.push_back(i);
     }
     if (!refused.empty()) {

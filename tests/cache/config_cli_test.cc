@@ -155,9 +155,10 @@ TEST_F(ConfigCli, BenchCopyEnvThenFlags) {
 // A misspelt setting of any table is reported on stderr with the knob it was probably meant for; the command still
 // runs (a warning, as the variable changes nothing), and correct or foreign variables say nothing.
 TEST_F(ConfigCli, MisspeltSettingsAreNamedWithTheKnobMeant) {
-  CliRun r = run("KVTIER_CACHE_DEVICE_BLOKS=100 KVTIER_TRANSFER_POLL_INTERVALL=10us KVTIER_STORAGE_DISK_PATHH=/tmp "
-                 "KVTIER_CACHE_HOST_BLOCKS=300 KVTIER_TEST_ANYTHING=1",
-                 "info", Capture::kBoth);
+  CliRun r =
+      run("KVTIER_CACHE_DEVICE_BLOKS=100 KVTIER_TRANSFER_POLL_INTERVALL=10us KVTIER_STORAGE_DISK_PATHH=/tmp "
+          "KVTIER_CACHE_HOST_BLOCKS=300 KVTIER_TEST_ANYTHING=1",
+          "info", Capture::kBoth);
   ASSERT_EQ(r.rc, 0) << r.out;
   EXPECT_NE(r.out.find("KVTIER_CACHE_DEVICE_BLOKS is not a kvtier setting and is ignored (did you mean "
                        "KVTIER_CACHE_DEVICE_BLOCKS?)"),

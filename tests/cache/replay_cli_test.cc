@@ -92,7 +92,7 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--sweep 99999999999", {"--sweep", "99999999999"}},
       {"--sweep 1000,abc", {"--sweep", "'abc'"}},
       {"--sweep 0", {"--sweep", "'0'"}},
-      {"--sweep 250,500,250", {"--sweep lists capacity 250 twice"}},  // printed the row twice
+      {"--sweep 250,500,250", {"--sweep lists capacity 250 twice"}},                  // printed the row twice
       {"--sweep 4000000000", {"--sweep value 4000000000", "machine has"}},            // index beyond memory
       {"--device-blocks 2000000000", {"--device-blocks 2000000000", "machine has"}},  // was std::bad_alloc
       {"--device-blocks 0", {"--device-blocks", "got 0"}},  // was "allocate_device: bytes is 0"

@@ -88,8 +88,10 @@ TEST(Config, UnrecognizedEnvNamesMisspeltSettingsOfTheTablesFamilies) {
   Demo d;
   ConfigTable t = table_for(d);
   std::string known = "KVTIER_COPY_CTAS=4", typo = "KVTIER_COPY_CTASS=4", other = "KVTIER_CACHE_SOMETHING_ELSE=1",
-              foreign = "KVTIER_TEST_REDIS=localhost", path = "PATH=/bin", bare = "KVTIER_COPY=1", no_value = "KVTIER_CACHE_NAM";
-  char* env[] = {known.data(), typo.data(), other.data(), foreign.data(), path.data(), bare.data(), no_value.data(), nullptr};
+              foreign = "KVTIER_TEST_REDIS=localhost", path = "PATH=/bin", bare = "KVTIER_COPY=1",
+              no_value = "KVTIER_CACHE_NAM";
+  char* env[] = {known.data(), typo.data(), other.data(),    foreign.data(),
+                 path.data(),  bare.data(), no_value.data(), nullptr};
   ASSERT_TRUE(t.apply_env(env).ok()) << "apply_env still ignores them";
   EXPECT_EQ(d.ctas, 4u);
   const std::vector<std::string> got = t.unrecognized_env(env);

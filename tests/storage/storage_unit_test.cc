@@ -245,9 +245,9 @@ TEST(StorageSpec, AParameterGivenTwiceIsRefused) {
     Status st = make_storage_backend(spec, {}).status();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << spec << ": " << st.to_string();
     EXPECT_NE(st.message().find("is given twice"), std::string::npos) << st.to_string();
-    EXPECT_NE(st.message().find(std::string_view(spec).find("capacity") != std::string_view::npos ? "'capacity'"
-                                                                                                     : "'ttl'"),
-              std::string::npos)
+    EXPECT_NE(
+        st.message().find(std::string_view(spec).find("capacity") != std::string_view::npos ? "'capacity'" : "'ttl'"),
+        std::string::npos)
         << st.to_string();
     EXPECT_EQ(st.message().find("S3CRET"), std::string::npos) << st.to_string();
   }

@@ -614,8 +614,8 @@ void PrintTo(const RedisCase& c, std::ostream* os) { *os << c.name; }
 // the commands the backend sends (GETRANGE SET DEL STRLEN, EVAL of its delete-if-unchanged script, PING, and in a
 // cluster CLUSTER SLOTS and ASKING).
 const std::vector<std::string>& acl_rule_tail() {
-  static const std::vector<std::string> tail{"resetchannels", "-@all",  "+getrange", "+set",   "+del",
-                                             "+strlen",       "+eval",  "+ping",     "+asking", "+cluster|slots"};
+  static const std::vector<std::string> tail{"resetchannels", "-@all", "+getrange", "+set",    "+del",
+                                             "+strlen",       "+eval", "+ping",     "+asking", "+cluster|slots"};
   return tail;
 }
 
@@ -787,15 +787,16 @@ TEST_P(RedisTenants, AroundTheLibrary) {
   for (const auto& k : {k1, k4}) ASSERT_TRUE(put(*backend_b_, k, vb).ok());
   // B's ACL user against A's keys: NOPERM for every command, listing included; on its own keys for
   // every command the backend does not send (GET: gets use GETRANGE).
-  for (const auto& args : std::vector<std::vector<std::string>>{{"GET", key_a(k1)},
-                                                                {"GETRANGE", key_a(k1), "0", "10"},
-                                                                {"SET", key_a(k1), "x"},
-                                                                {"SET", key_a(k4), "x"},
-                                                                {"DEL", key_a(k2)},
-                                                                {"EVAL", "return redis.call('DEL', KEYS[1])", "1", key_a(k2)},
-                                                                {"STRLEN", key_a(k1)},
-                                                                {"GET", key_b(k1)},
-                                                                {"SETRANGE", key_b(k1), "0", "x"}}) {
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"GET", key_a(k1)},
+                                             {"GETRANGE", key_a(k1), "0", "10"},
+                                             {"SET", key_a(k1), "x"},
+                                             {"SET", key_a(k4), "x"},
+                                             {"DEL", key_a(k2)},
+                                             {"EVAL", "return redis.call('DEL', KEYS[1])", "1", key_a(k2)},
+                                             {"STRLEN", key_a(k1)},
+                                             {"GET", key_b(k1)},
+                                             {"SETRANGE", key_b(k1), "0", "x"}}) {
     auto r = raw(kUserB, args);
     ASSERT_TRUE(r->error()) << args[0] << " " << args[1];
     EXPECT_TRUE(r->str().starts_with("NOPERM")) << args[0] << ": " << r->str();
