@@ -214,6 +214,13 @@ NodeId replace_by_lower_copies(Impl& s, NodeId id, bool load_failed) {
     s.pin(y);
     s.reading_replacement.emplace(id, y);
   }
+  // `id` itself held the host copy an earlier replaced node's load still reads: that pin moves with the copy.
+  for (auto& [reader, holder] : s.reading_replacement)
+    if (holder == id) {
+      holder = y;
+      s.unpin(id);
+      s.pin(y);
+    }
   return y;
 }
 

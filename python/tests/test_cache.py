@@ -502,3 +502,50 @@ def test_hybrid_failed_load_stays_failed_after_a_commit(kind):
     assert st["failed"] and not st["ready"] and st["failed_group"] == 0, st
     hc.release(r["id"])
     hc.check_invariants()
+
+
+def test_a_host_copy_a_load_reads_stays_pinned_when_a_second_load_of_it_fails():
+    # X's load of B (from host block hB) is in flight when A's fails; Y loads B again from hB and that load fails
+    # too: the node that took hB in the second failure was not pinned for X's load, and hB became an eviction's
+    # destination while X's load still read it.
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+    cm = kvtier.CacheManager(device_blocks=6, host_blocks=6, write_policy="write_back")
+    ab = hasher.keys_for([1, 2])
+    a = cm.admit(ab)
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    x = cm.admit(hasher.keys_for(list(range(10, 16))))
+    _ack_all(cm)
+    cm.commit(x["id"])
+    cm.release(x["id"])
+
+    def loads_of(plan):
+        if plan["evictions"]:
+            cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
+        return {key: (src, dst) for src, dst, key in plan["loads"]}
+
+    first = cm.admit(ab)
+    loads = loads_of(cm.take_plan())
+    h_b, d_b = loads[ab[1]]
+    cm.ack("loads", [loads[ab[0]][1]], error="copy failed")
+    second = cm.admit(ab)
+    again = loads_of(cm.take_plan())
+    assert again[ab[1]][0] == h_b
+    cm.ack("loads", [again[ab[1]][1]], error="copy failed")
+    cm.ack("loads", [again[ab[0]][1]])
+    cm.release(second["id"])
+    cm.release(first["id"])
+    cm.check_invariants()
+    for i in range(6):
+        r = cm.admit(hasher.keys_for([100 + 10 * i, 101 + 10 * i]))
+        p = cm.take_plan()
+        written = [d for _, d, _ in p["evictions"] + p["backups"] + p["storage_prefetches"]]
+        assert h_b not in written, f"host block {h_b} is written while the first load reading it is in flight"
+        for kind in ("evictions", "backups"):
+            if p[kind]:
+                cm.ack(kind, [d for _, d, _ in p[kind]])
+        cm.commit(r["id"])
+        cm.release(r["id"])
+        cm.check_invariants()
+    cm.ack("loads", [d_b])
+    cm.check_invariants()
