@@ -386,6 +386,39 @@ def _ack_all(cm):
             cm.ack(kind, [d for _, d, _ in p[kind]])
 
 
+def _cached_on_host(cm, hasher, keys, others):
+    """Serves `keys`, then the ids `others`, which push them to host."""
+    a = cm.admit(keys)
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    x = cm.admit(hasher.keys_for(others))
+    _ack_all(cm)
+    cm.commit(x["id"])
+    cm.release(x["id"])
+
+
+def _loads_of(cm, plan):
+    """Acks a plan's evictions; its loads by key: (host source, device destination)."""
+    if plan["evictions"]:
+        cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
+    return {key: (src, dst) for src, dst, key in plan["loads"]}
+
+
+def _new_requests_never_write(cm, hasher, host_block, rounds=6):
+    """Serves `rounds` two-block requests; none of their moves may write `host_block` (a load still reads it)."""
+    for i in range(rounds):
+        r = cm.admit(hasher.keys_for([100 + 10 * i, 101 + 10 * i]))
+        p = cm.take_plan()
+        written = [d for _, d, _ in p["evictions"] + p["backups"] + p["storage_prefetches"]]
+        assert host_block not in written, f"host block {host_block} is written while a load reading it is in flight"
+        for kind in ("evictions", "backups"):
+            if p[kind]:
+                cm.ack(kind, [d for _, d, _ in p[kind]])
+        cm.commit(r["id"])
+        cm.release(r["id"])
+        cm.check_invariants()
+
+
 def test_a_failed_load_above_a_lookahead_load_another_admission_pinned_keeps_the_tier_order():
     # K0's admitted load and K1's look-ahead load are in flight; a second request that stopped at K0 computed K0..K2
     # itself and committed K0, K1 (pinning the in-flight nodes). K0's load failed: K1 was sent back to host on its
@@ -393,20 +426,11 @@ def test_a_failed_load_above_a_lookahead_load_another_admission_pinned_keeps_the
     hasher = kvtier.KeyHasher("m", block_tokens=1)
     cm = kvtier.CacheManager(device_blocks=6, host_blocks=8, write_policy="write_back")
     keys = hasher.keys_for([1, 2, 3])
-    a = cm.admit(keys[:2])
-    cm.commit(a["id"])
-    cm.release(a["id"])
-    x = cm.admit(hasher.keys_for(list(range(100, 106))))
-    _ack_all(cm)
-    cm.commit(x["id"])
-    cm.release(x["id"])
+    _cached_on_host(cm, hasher, keys[:2], list(range(100, 106)))
     assert cm.match(keys[:2])["host_blocks"] == 2
     cm.announce(keys[:2])
     first = cm.admit(keys[:1])
-    plan = cm.take_plan()
-    if plan["evictions"]:
-        cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
-    load_dst = {key: d for _, d, key in plan["loads"]}
+    load_dst = {key: dst for key, (_, dst) in _loads_of(cm, cm.take_plan()).items()}
     assert keys[0] in load_dst and keys[1] in load_dst
     second = cm.admit(keys)
     cm.commit(second["id"], 2)
@@ -428,32 +452,14 @@ def test_a_host_copy_a_load_still_reads_is_not_reused_before_that_load_acks():
     hasher = kvtier.KeyHasher("m", block_tokens=1)
     cm = kvtier.CacheManager(device_blocks=4, host_blocks=4, write_policy="write_back")
     ab = hasher.keys_for([1, 2])
-    a = cm.admit(ab)
-    cm.commit(a["id"])
-    cm.release(a["id"])
-    x = cm.admit(hasher.keys_for([10, 11, 12, 13]))
-    _ack_all(cm)
-    cm.commit(x["id"])
-    cm.release(x["id"])
+    _cached_on_host(cm, hasher, ab, [10, 11, 12, 13])
     again = cm.admit(ab)
-    plan = cm.take_plan()
-    if plan["evictions"]:
-        cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
-    (src_a, dst_a, _), (src_b, dst_b, _) = sorted(plan["loads"], key=lambda m: ab.index(m[2]))
-    cm.ack("loads", [dst_a], error="copy failed")
+    loads = _loads_of(cm, cm.take_plan())
+    src_b, dst_b = loads[ab[1]]
+    cm.ack("loads", [loads[ab[0]][1]], error="copy failed")
     cm.release(again["id"])
     cm.check_invariants()
-    for i in range(6):
-        r = cm.admit(hasher.keys_for([100 + 10 * i, 101 + 10 * i]))
-        p = cm.take_plan()
-        written = [d for _, d, _ in p["evictions"] + p["backups"] + p["storage_prefetches"]]
-        assert src_b not in written, f"host block {src_b} is written while the load reading it is in flight"
-        for kind in ("evictions", "backups"):
-            if p[kind]:
-                cm.ack(kind, [d for _, d, _ in p[kind]])
-        cm.commit(r["id"])
-        cm.release(r["id"])
-        cm.check_invariants()
+    _new_requests_never_write(cm, hasher, src_b)
     cm.ack("loads", [dst_b])  # now the host copy may go
     cm.check_invariants()
 
@@ -511,41 +517,19 @@ def test_a_host_copy_a_load_reads_stays_pinned_when_a_second_load_of_it_fails():
     hasher = kvtier.KeyHasher("m", block_tokens=1)
     cm = kvtier.CacheManager(device_blocks=6, host_blocks=6, write_policy="write_back")
     ab = hasher.keys_for([1, 2])
-    a = cm.admit(ab)
-    cm.commit(a["id"])
-    cm.release(a["id"])
-    x = cm.admit(hasher.keys_for(list(range(10, 16))))
-    _ack_all(cm)
-    cm.commit(x["id"])
-    cm.release(x["id"])
-
-    def loads_of(plan):
-        if plan["evictions"]:
-            cm.ack("evictions", [d for _, d, _ in plan["evictions"]])
-        return {key: (src, dst) for src, dst, key in plan["loads"]}
-
+    _cached_on_host(cm, hasher, ab, list(range(10, 16)))
     first = cm.admit(ab)
-    loads = loads_of(cm.take_plan())
+    loads = _loads_of(cm, cm.take_plan())
     h_b, d_b = loads[ab[1]]
     cm.ack("loads", [loads[ab[0]][1]], error="copy failed")
     second = cm.admit(ab)
-    again = loads_of(cm.take_plan())
+    again = _loads_of(cm, cm.take_plan())
     assert again[ab[1]][0] == h_b
     cm.ack("loads", [again[ab[1]][1]], error="copy failed")
     cm.ack("loads", [again[ab[0]][1]])
     cm.release(second["id"])
     cm.release(first["id"])
     cm.check_invariants()
-    for i in range(6):
-        r = cm.admit(hasher.keys_for([100 + 10 * i, 101 + 10 * i]))
-        p = cm.take_plan()
-        written = [d for _, d, _ in p["evictions"] + p["backups"] + p["storage_prefetches"]]
-        assert h_b not in written, f"host block {h_b} is written while the first load reading it is in flight"
-        for kind in ("evictions", "backups"):
-            if p[kind]:
-                cm.ack(kind, [d for _, d, _ in p[kind]])
-        cm.commit(r["id"])
-        cm.release(r["id"])
-        cm.check_invariants()
+    _new_requests_never_write(cm, hasher, h_b)
     cm.ack("loads", [d_b])
     cm.check_invariants()
