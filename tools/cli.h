@@ -27,22 +27,20 @@ using Registrar = Action (*)(CLI::App& app);
 // verification.
 using BenchRegistrar = Action (*)(CLI::App& bench);
 
-// For counts and sizes that must be at least 1 (a 0 divides by zero or measures nothing): CLI::PositiveNumber's
-// message prints the largest double instead.
-inline const CLI::Validator kAtLeastOne(
-    [](std::string& v) -> std::string {
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      return end != v.c_str() && *end == '\0' && d >= 1 ? std::string() : "'" + v + "' is not a number >= 1";
-    },
-    "NUMBER >= 1");
-// For counts that may be 0 (CLI::NonNegativeNumber's message prints the largest double).
-inline const CLI::Validator kAtLeastZero(
-    [](std::string& v) -> std::string {
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      return end != v.c_str() && *end == '\0' && d >= 0 ? std::string() : "'" + v + "' is not a number >= 0";
-    },
-    "NUMBER >= 0");
+// A number of at least `min`, named in the message when not (CLI::PositiveNumber / NonNegativeNumber print the
+// largest double instead).
+inline CLI::Validator at_least(int min) {
+  return CLI::Validator(
+      [min](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double d = std::strtod(v.c_str(), &end);
+        return end != v.c_str() && *end == '\0' && d >= min ? std::string()
+                                                            : "'" + v + "' is not a number >= " + std::to_string(min);
+      },
+      "NUMBER >= " + std::to_string(min));
+}
+// Counts and sizes that must be at least 1 (a 0 divides by zero or measures nothing), and counts that may be 0.
+inline const CLI::Validator kAtLeastOne = at_least(1);
+inline const CLI::Validator kAtLeastZero = at_least(0);
 
 }  // namespace kvtier::cli
