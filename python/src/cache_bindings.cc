@@ -400,16 +400,16 @@ void bind_cache(nb::module_& m) {
                           "tenant): equal token prefixes give equal keys, different namespaces never collide.")
       .def(
           "__init__",
-          [](PyKeyHasher* self, const std::string& model_id, std::uint32_t block_tokens,
-             std::uint64_t layout_fingerprint, const std::string& dtype, std::uint32_t tp_rank, std::uint32_t tp_size,
-             const std::string& tenant_salt, const std::string& extra) {
+          [](PyKeyHasher* self, const std::string& model_id, IntArg block_tokens, IntArg layout_fingerprint,
+             const std::string& dtype, IntArg tp_rank, IntArg tp_size, const std::string& tenant_salt,
+             const std::string& extra) {
             cache::KeyNamespace ns;
             ns.model_id = model_id;
-            ns.block_tokens = block_tokens;
-            ns.layout_fingerprint = layout_fingerprint;
+            ns.block_tokens = block_tokens.u32("block_tokens");
+            ns.layout_fingerprint = layout_fingerprint.u64("layout_fingerprint");
             ns.dtype = dtype;
-            ns.tp_rank = tp_rank;
-            ns.tp_size = tp_size;
+            ns.tp_rank = tp_rank.u32("tp_rank");
+            ns.tp_size = tp_size.u32("tp_size");
             ns.tenant_salt = tenant_salt;
             ns.extra = extra;
             new (self) PyKeyHasher{value_or_raise(cache::KeyHasher::create(ns))};
@@ -653,7 +653,8 @@ void bind_cache(nb::module_& m) {
           "carrying `labels`.")
       .def(
           "enable_kv_events",
-          [](PyCacheManager& p, std::uint32_t block_size, const std::string& storage_medium) {
+          [](PyCacheManager& p, IntArg block_size_arg, const std::string& storage_medium) {
+            const std::uint32_t block_size = block_size_arg.u32("block_size");
             if (block_size == 0) raise_status(InvalidArgument("enable_kv_events: block_size 0 (tokens per block)"));
             auto medium = storage_medium_from(storage_medium);
             auto lock = lock_gil_safe(p.mu);
@@ -963,19 +964,22 @@ void bind_cache(nb::module_& m) {
           "redacted_spec", [](const std::string& spec) { return storage::redact_storage_spec(spec); }, "spec"_a,
           "The spec as logs and errors may show it: a redis:// spec's password replaced by \"***\".")
       .def_static(
-          "object_name", [](const std::string& key, std::uint32_t rank) { return storage_key(key, rank).to_string(); },
-          "key"_a, "rank"_a = 0,
+          "object_name",
+          [](const std::string& key, IntArg rank) { return storage_key(key, rank.u32("rank")).to_string(); }, "key"_a,
+          "rank"_a = 0,
           "The stored object's name (\"<32 hex digits>-r<rank>\"): the disk file <name>.kvo, the end of the Redis key.")
       .def_prop_ro("name", [](PyStorage& p) { return std::string(p.backend->name()); })
       .def(
           "put",
-          [](PyStorage& p, const std::string& key, nb::bytes data, std::uint32_t rank) {
-            run_one(p, storage::StorageOp::kPut, key, rank, const_cast<char*>(data.c_str()), data.size());
+          [](PyStorage& p, const std::string& key, nb::bytes data, IntArg rank) {
+            run_one(p, storage::StorageOp::kPut, key, rank.u32("rank"), const_cast<char*>(data.c_str()), data.size());
           },
           "key"_a, "data"_a, "rank"_a = 0)
       .def(
           "get",
-          [](PyStorage& p, const std::string& key, std::uint64_t max_bytes, std::uint32_t rank) -> nb::object {
+          [](PyStorage& p, const std::string& key, IntArg max_bytes_arg, IntArg rank_arg) -> nb::object {
+            const std::uint64_t max_bytes = max_bytes_arg.u64("max_bytes");
+            const std::uint32_t rank = rank_arg.u32("rank");
             // The buffer is sized by the object (exists), not by max_bytes: a generous bound costs no memory. An
             // object replaced by a larger one between the two is looked up once more.
             for (int attempt = 0;; ++attempt) {
@@ -999,28 +1003,28 @@ void bind_cache(nb::module_& m) {
           "key"_a, "max_bytes"_a, "rank"_a = 0, "The payload, or None when absent (DataLossError if corrupted).")
       .def(
           "exists",
-          [](PyStorage& p, const std::string& key, std::uint32_t rank) {
-            return run_one(p, storage::StorageOp::kExists, key, rank).has_value();
+          [](PyStorage& p, const std::string& key, IntArg rank) {
+            return run_one(p, storage::StorageOp::kExists, key, rank.u32("rank")).has_value();
           },
           "key"_a, "rank"_a = 0)
       .def(
           "delete",
-          [](PyStorage& p, const std::string& key, std::uint32_t rank) {
-            return run_one(p, storage::StorageOp::kDelete, key, rank).has_value();
+          [](PyStorage& p, const std::string& key, IntArg rank) {
+            return run_one(p, storage::StorageOp::kDelete, key, rank.u32("rank")).has_value();
           },
           "key"_a, "rank"_a = 0, "True when it was removed, False when it was absent.")
       .def(
           "exists_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, std::uint32_t rank) {
-            return run_many(p, storage::StorageOp::kExists, keys, std::nullopt, rank);
+          [](PyStorage& p, const std::vector<std::string>& keys, IntArg rank) {
+            return run_many(p, storage::StorageOp::kExists, keys, std::nullopt, rank.u32("rank"));
           },
           "keys"_a, "rank"_a = 0,
           "One batch; per key the payload size (int) when present, else the exception object (NotFoundError when "
           "absent), not raised.")
       .def(
           "get_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, std::uint32_t rank) {
-            return run_many(p, storage::StorageOp::kGet, keys, buffers, rank);
+          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, IntArg rank) {
+            return run_many(p, storage::StorageOp::kGet, keys, buffers, rank.u32("rank"));
           },
           "keys"_a, "buffers"_a, "rank"_a = 0,
           "Reads each object into its buffer: a writable C-contiguous CPU array (numpy, CPU or pinned torch "
@@ -1030,8 +1034,8 @@ void bind_cache(nb::module_& m) {
           "... A buffer whose item failed holds undefined bytes. Returns when every item is done (GIL released).")
       .def(
           "put_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, std::uint32_t rank) {
-            return run_many(p, storage::StorageOp::kPut, keys, buffers, rank);
+          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, IntArg rank) {
+            return run_many(p, storage::StorageOp::kPut, keys, buffers, rank.u32("rank"));
           },
           "keys"_a, "buffers"_a, "rank"_a = 0,
           "Stores each buffer (as get_many's; read only) as the object of its key, replacing any. Per key the bytes "
@@ -1039,8 +1043,8 @@ void bind_cache(nb::module_& m) {
           "its capacity, UnavailableError, ...). Returns when every item is done (GIL released).")
       .def(
           "delete_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, std::uint32_t rank) {
-            return run_many(p, storage::StorageOp::kDelete, keys, std::nullopt, rank);
+          [](PyStorage& p, const std::vector<std::string>& keys, IntArg rank) {
+            return run_many(p, storage::StorageOp::kDelete, keys, std::nullopt, rank.u32("rank"));
           },
           "keys"_a, "rank"_a = 0, "Per key 0 when removed, else the exception object (NotFoundError: absent).")
       .def("stats", [](PyStorage& p) {

@@ -154,9 +154,10 @@ void bind_metrics(nb::module_& m) {
   nb::class_<PyMetricsServer>(m, "MetricsServer", "kvtier's own /metrics endpoint on 127.0.0.1 (a thread).")
       .def_static(
           "start",
-          [](std::uint16_t port) {
+          [](IntArg port) {
             auto p = std::make_unique<PyMetricsServer>();
-            p->server = value_or_raise(metrics::MetricsServer::start(metrics::default_registry(), port));
+            const auto number = static_cast<std::uint16_t>(port.in("port", 0, UINT16_MAX));
+            p->server = value_or_raise(metrics::MetricsServer::start(metrics::default_registry(), number));
             return p;
           },
           "port"_a = 0, "Serves the process registry on 127.0.0.1:port (0: an ephemeral port).")
@@ -172,13 +173,14 @@ void bind_metrics(nb::module_& m) {
       .def(
           "__init__",
           [](PyEventPublisher* self, const std::string& endpoint, const std::string& replay_endpoint,
-             const std::string& topic, std::size_t buffer_steps, std::optional<std::int64_t> data_parallel_rank) {
+             const std::string& topic, IntArg buffer_steps, nb::handle data_parallel_rank) {
             metrics::ZmqPublisherOptions o;
             o.endpoint = endpoint;
             o.replay_endpoint = replay_endpoint;
             o.topic = topic;
-            o.buffer_steps = buffer_steps;
-            o.data_parallel_rank = data_parallel_rank;
+            o.buffer_steps = buffer_steps.u64("buffer_steps");
+            if (!data_parallel_rank.is_none())
+              o.data_parallel_rank = int_arg(data_parallel_rank, "data_parallel_rank", 0, INT64_MAX);
             new (self) PyEventPublisher();
             self->pub = value_or_raise(metrics::ZmqEventPublisher::create(std::move(o)));
           },

@@ -34,6 +34,18 @@ std::string str_arg(nanobind::handle value, const char* what);
 // A sequence (list, tuple, numpy array) of integers in [0, high], each named `what[i]` when it is not.
 std::vector<std::int64_t> int_list(nanobind::handle seq, const char* what, std::int64_t high);
 
+// An integer parameter that nanobind hands over unconverted (its signature still reads `int`): the binding
+// converts it with int_arg / u32_arg / u64_arg, so -1 for a count is an error that names the parameter and the
+// value instead of nanobind's "incompatible function arguments".
+struct IntArg {
+  nanobind::handle value;
+  std::int64_t in(const char* what, std::int64_t low, std::int64_t high) const {
+    return int_arg(value, what, low, high);
+  }
+  std::uint32_t u32(const char* what) const { return u32_arg(value, what); }
+  std::uint64_t u64(const char* what) const { return u64_arg(value, what); }
+};
+
 inline void check(const Status& status) {
   if (!status.ok()) raise_status(status);
 }
@@ -75,3 +87,19 @@ void bind_errors(nanobind::module_& m);
 std::chrono::nanoseconds to_timeout(std::optional<double> seconds);
 
 }  // namespace kvtier::python
+
+namespace nanobind::detail {
+template <>
+struct type_caster<kvtier::python::IntArg> {
+  NB_TYPE_CASTER(kvtier::python::IntArg, const_name("int"))
+  // Every object is taken; the binding's own check names a bad one (the flags' type differs between versions).
+  template <typename Flags>
+  bool from_python(handle src, Flags, cleanup_list*) noexcept {
+    value.value = src;
+    return true;
+  }
+  static handle from_cpp(const kvtier::python::IntArg& v, rv_policy, cleanup_list*) noexcept {
+    return v.value.inc_ref();
+  }
+};
+}  // namespace nanobind::detail

@@ -337,9 +337,14 @@ PyStream& stream_arg(nb::handle value, const char* what) {
 std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::object compute_obj,
                                                   std::map<std::string, nb::ndarray<>> tensors,
                                                   std::optional<std::map<std::string, std::uintptr_t>> host_pointers,
-                                                  std::uint64_t num_host_blocks, std::uint32_t num_model_layers,
-                                                  int rank, int device_label, std::uint32_t block_tokens,
+                                                  IntArg num_host_blocks_arg, IntArg num_model_layers_arg,
+                                                  IntArg rank_arg, IntArg device_label_arg, IntArg block_tokens_arg,
                                                   std::map<std::string, std::string> config) {
+  const std::uint64_t num_host_blocks = num_host_blocks_arg.u64("num_host_blocks");
+  const std::uint32_t num_model_layers = num_model_layers_arg.u32("num_model_layers");
+  const int rank = static_cast<int>(rank_arg.in("rank", 0, INT32_MAX));
+  const int device_label = static_cast<int>(device_label_arg.in("device_label", 0, INT32_MAX));
+  const std::uint32_t block_tokens = block_tokens_arg.u32("block_tokens");
   PyDevice& pd = device_arg(device_obj, "device");
   PyStream& compute = stream_arg(compute_obj, "compute_stream");
   Device& device = pd.get();
@@ -404,9 +409,11 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
 std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb::object compute_obj,
                                                        std::vector<nb::ndarray<>> tensors,
                                                        std::vector<std::uint64_t> page_bytes,
-                                                       std::uint64_t num_host_blocks, std::uint32_t block_tokens,
+                                                       IntArg num_host_blocks_arg, IntArg block_tokens_arg,
                                                        std::map<std::string, std::string> config,
                                                        nb::object host_of_obj) {
+  const std::uint64_t num_host_blocks = num_host_blocks_arg.u64("num_host_blocks");
+  const std::uint32_t block_tokens = block_tokens_arg.u32("block_tokens");
   PyDevice& pd = device_arg(device_obj, "device");
   PyStream& compute = stream_arg(compute_obj, "compute_stream");
   Device& device = pd.get();
@@ -551,7 +558,8 @@ void bind_transfer(nb::module_& m) {
           "stream"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the stream's work completed.")
       .def(
           "fail_nth_operation",
-          [](PyDevice& d, std::uint64_t n) {
+          [](PyDevice& d, IntArg n_arg) {
+            const std::uint64_t n = n_arg.u64("n");
             auto* host = dynamic_cast<HostDevice*>(&d.get());
             if (host == nullptr)
               raise_status(
@@ -572,11 +580,11 @@ void bind_transfer(nb::module_& m) {
 
   m.def(
       "host_device",
-      [](std::uint64_t seed, int min_delay_us, int max_delay_us) {
+      [](IntArg seed, IntArg min_delay_us, IntArg max_delay_us) {
         HostDeviceOptions o;
-        o.seed = seed;
-        o.min_delay = std::chrono::microseconds(min_delay_us);
-        o.max_delay = std::chrono::microseconds(max_delay_us);
+        o.seed = seed.u64("seed");
+        o.min_delay = std::chrono::microseconds(min_delay_us.in("min_delay_us", 0, INT32_MAX));
+        o.max_delay = std::chrono::microseconds(max_delay_us.in("max_delay_us", 0, INT32_MAX));
         auto d = std::make_unique<PyDevice>();
         d->device = value_or_raise(HostDevice::create(o));
         return d;
@@ -586,9 +594,9 @@ void bind_transfer(nb::module_& m) {
       "operation when max_delay_us > 0.");
   m.def(
       "cuda_device",
-      [](int ordinal) {
+      [](IntArg ordinal) {
         auto d = std::make_unique<PyDevice>();
-        d->device = value_or_raise(create_cuda_device(ordinal));
+        d->device = value_or_raise(create_cuda_device(static_cast<int>(ordinal.in("ordinal", 0, INT32_MAX))));
         return d;
       },
       "ordinal"_a = 0, "A CUDA device by process-visible ordinal (after CUDA_VISIBLE_DEVICES).");

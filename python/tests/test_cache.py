@@ -289,6 +289,12 @@ def test_disk_storage_round_trip(tmp_path):
     assert other.get(key, 8192) is None, "namespaces must not share objects"
     with pytest.raises(kvtier.KvtierError, match="nope"):
         kvtier.StorageBackend.open("nope:/x")
+    with pytest.raises(kvtier.OutOfRangeError, match="rank -1"):
+        other.put(key, payload, rank=-1)
+    with pytest.raises(kvtier.OutOfRangeError, match="max_bytes -1"):
+        other.get(key, -1)
+    with pytest.raises(kvtier.OutOfRangeError, match="rank 4294967296"):
+        other.exists_many([key], rank=2**32)
 
 
 def test_kv_events_refuse_a_zero_block_size_and_a_tier_medium():
@@ -298,6 +304,8 @@ def test_kv_events_refuse_a_zero_block_size_and_a_tier_medium():
     with pytest.raises(kvtier.InvalidArgumentError, match="storage_medium 'GPU': DISK or REMOTE"):
         cm.enable_kv_events(2, storage_medium="GPU")
     cm.enable_kv_events(2, storage_medium="REMOTE")
+    with pytest.raises(kvtier.OutOfRangeError, match="block_size -2"):
+        cm.enable_kv_events(-2)
 
 
 _THREADS_THAT_RAISE = """

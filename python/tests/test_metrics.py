@@ -194,6 +194,8 @@ def test_collector_serves_the_transfer_managers_series_equal_to_its_stats():
     assert 'kvtier_transfer_blocks_total{rank="91",device="collector",direction="evict"} 3' in kvtier.metrics.text()
     import urllib.request
 
+    with pytest.raises(kvtier.OutOfRangeError, match="port 70000"):
+        kvtier.metrics.start_http_server(70000)
     server = kvtier.metrics.start_http_server(0)
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
@@ -265,6 +267,10 @@ def test_kv_events_published_over_zmq_reach_a_subscriber():
         pytest.skip("libzmq.so.5 not loadable")
     zmq = pytest.importorskip("zmq")
     decode = kvtier._native.decode_kv_event_batch
+    with pytest.raises(kvtier.OutOfRangeError, match="buffer_steps -1"):
+        km.KvEventPublisher("tcp://127.0.0.1:*", buffer_steps=-1)
+    with pytest.raises(kvtier.InvalidArgumentError, match="data_parallel_rank 'a'"):
+        km.KvEventPublisher("tcp://127.0.0.1:*", data_parallel_rank="a")
     pub = km.KvEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
 import numpy as np
+
 import pytest
 
 import kvtier
@@ -121,6 +123,40 @@ def test_validation_errors_name_the_bad_value():
         kvtier.TransferManager.from_tensors(dev2, c2, arrays(BLOCKS), None, 4, 6)
     with pytest.raises(kvtier.NotSupportedError, match="host backend"):
         dev2.adopt_stream(1234)
+
+
+def test_integer_arguments_out_of_range_are_named():
+    # nanobind alone refuses -1 for an unsigned parameter with "incompatible function arguments", naming neither
+    # the parameter nor the value: each such parameter is checked by the binding instead.
+    dev = kvtier.host_device()
+    compute = dev.create_stream()
+    calls = [
+        (lambda: kvtier.TransferManager.from_tensors(dev, compute, arrays(BLOCKS), None, -1, LAYERS),
+         kvtier.OutOfRangeError, "num_host_blocks -1"),
+        (lambda: kvtier.TransferManager.from_tensors(dev, compute, arrays(BLOCKS), None, 4, 2**32),
+         kvtier.OutOfRangeError, "num_model_layers 4294967296"),
+        (lambda: kvtier.TransferManager.from_tensors(dev, compute, arrays(BLOCKS), None, 4, LAYERS, rank=-1),
+         kvtier.OutOfRangeError, "rank -1"),
+        (lambda: kvtier.TransferManager.from_tensors(dev, compute, arrays(BLOCKS), None, 4, LAYERS,
+                                                     block_tokens="64"),
+         kvtier.InvalidArgumentError, "block_tokens '64' is not an integer"),
+        (lambda: kvtier.host_device(seed=-1), kvtier.OutOfRangeError, "seed -1"),
+        (lambda: kvtier.host_device(max_delay_us=-5), kvtier.OutOfRangeError, "max_delay_us -5"),
+        (lambda: dev.fail_nth_operation(-1), kvtier.OutOfRangeError, "n -1"),
+        (lambda: kvtier.KeyHasher("m", block_tokens=-1), kvtier.OutOfRangeError, "block_tokens -1"),
+        (lambda: kvtier.KeyHasher("m", block_tokens=4, tp_size=1.5), kvtier.InvalidArgumentError, "tp_size 1.5"),
+        (lambda: kvtier.KeyHasher("m", block_tokens=4, layout_fingerprint=2**64), kvtier.OutOfRangeError,
+         "layout_fingerprint 18446744073709551616"),
+    ]
+    if kvtier._native.has_cache:
+        cm = kvtier.CacheManager(device_blocks=4)
+        calls.append((lambda: cm.enable_kv_events(-1), kvtier.OutOfRangeError, "block_size -1"))
+    for call, error, message in calls:
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+    # In range, the same parameters still work.
+    assert kvtier.KeyHasher("m", block_tokens=4, tp_rank=1, tp_size=2, layout_fingerprint=2**64 - 1).keys_for(
+        list(range(4)))
 
 
 def test_callback_exception_is_logged_and_harmless(caplog):
