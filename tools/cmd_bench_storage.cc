@@ -29,6 +29,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kvtier/storage/disk_backend.h"
@@ -405,7 +407,7 @@ Action register_bench_storage(CLI::App& bench) {
   cmd->add_option("--redis-value-kib", args->redis_value_kib, "Redis value sizes, KiB")
       ->delimiter(',')
       ->check(kAtLeastOne);
-  cmd->add_option("--redis-total-mib", args->redis_total_mib, "bytes per Redis measurement, MiB");
+  cmd->add_option("--redis-total-mib", args->redis_total_mib, "bytes per Redis measurement, MiB")->check(kAtLeastOne);
   cmd->add_option("--redis-workers", args->redis_workers, "Redis backend worker threads");
   cmd->add_flag("--json", args->json, "one JSON object per line");
   return [cmd, args]() -> int {
@@ -424,11 +426,30 @@ Action register_bench_storage(CLI::App& bench) {
       return 2;
     }
     for (auto kib : a.object_kib)
-      if (kib == 0 || (kib * 1024) % 4096 != 0) {
+      if (kib == 0 || kib % 4 != 0) {
         std::fprintf(stderr, "kvtier bench storage: --object-kib %llu is not a multiple of 4\n",
                      static_cast<unsigned long long>(kib));
         return 2;
       }
+    // A measurement moves whole objects of each size, at least one: an object above the total would move more
+    // than the total says (and sizes near 2**64 KiB would overflow the byte counts).
+    constexpr std::uint64_t kMaxTotalMib = std::uint64_t{1} << 30;  // 1 PiB
+    for (const auto& [total, name] : {std::pair{a.total_mib, "--total-mib"}, {a.redis_total_mib, "--redis-total-mib"}})
+      if (total > kMaxTotalMib) {
+        std::fprintf(stderr, "kvtier bench storage: %s %llu is above %llu\n", name,
+                     static_cast<unsigned long long>(total), static_cast<unsigned long long>(kMaxTotalMib));
+        return 2;
+      }
+    for (const auto& [sizes, total, name, total_name] :
+         {std::tuple{&a.object_kib, a.total_mib, "--object-kib", "--total-mib"},
+          {&a.redis_value_kib, a.redis_total_mib, "--redis-value-kib", "--redis-total-mib"}})
+      for (auto kib : *sizes)
+        if (kib > total * 1024) {
+          std::fprintf(stderr, "kvtier bench storage: %s %llu is more than %s %llu (%llu KiB): raise %s\n", name,
+                       static_cast<unsigned long long>(kib), total_name, static_cast<unsigned long long>(total),
+                       static_cast<unsigned long long>(total * 1024), total_name);
+          return 2;
+        }
     return run(a);
   };
 }
