@@ -1,57 +1,30 @@
 // Fuzzes the configuration parsers: ConfigTable::apply_text (config files: "name = value"
-// lines) and apply_env (KVTIER_<NAME>=value variables), over every knob the CLI lists in
-// `kvtier info --config` (log, copy, transfer, cache, storage.redis, storage.disk), then reads
-// every knob back; also parse_size and parse_duration on the raw text.
+// lines) and apply_env (KVTIER_<NAME>=value variables), over every knob of the library
+// (cache::ConfigKnobs, what `kvtier info --config` lists), then reads every knob back; also
+// parse_size and parse_duration on the raw text.
 //
 // Input: one control byte, then the text. Bit 0: environment (one variable a line) instead of a
 // config file; bits 1-2: the unit parse_duration is asked for (ns, us, ms, s).
 // Invariants: every call returns a Status (no exception, no crash); a knob set without error
 // prints back a value that sets it again without error.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "fuzz/fuzz_util.h"
-#include "kvtier/cache/cache_config.h"
-#include "kvtier/copy/copy_config.h"
+#include "kvtier/cache/config_knobs.h"
 #include "kvtier/core/config.h"
-#include "kvtier/core/integration_config.h"
-#include "kvtier/core/log.h"
-#include "kvtier/storage/storage_config.h"
-#include "kvtier/transfer/transfer_config.h"
-
-namespace {
-
-struct Configs {
-  kvtier::LogLevel log = kvtier::LogLevel::kInfo;
-  kvtier::CopyEngineOptions copy;
-  kvtier::TransferManagerConfig transfer;
-  kvtier::cache::CacheConfig cache;
-  kvtier::storage::RedisBackendConfig redis;
-  kvtier::storage::DiskBackendConfig disk;
-  kvtier::IntegrationConfig integration;
-  kvtier::ConfigTable table;
-  Configs() {
-    kvtier::bind_log_config(table, log);
-    kvtier::bind_copy_engine_options(table, copy);
-    kvtier::bind_transfer_manager_config(table, transfer);
-    kvtier::cache::bind_cache_config(table, cache);
-    kvtier::storage::bind_redis_backend_config(table, redis);
-    kvtier::storage::bind_disk_backend_config(table, disk);
-    kvtier::bind_integration_config(table, integration);
-  }
-};
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace kvtier;
   if (size < 1) return 0;
   const std::uint8_t ctl = data[0];
   const std::string text(reinterpret_cast<const char*>(data + 1), size - 1);
-  Configs c;  // fresh defaults per input
+  cache::ConfigKnobs c;  // every knob of the library, fresh defaults per input
   Status st;
   if (ctl & 1) {
     std::vector<std::string> lines;
