@@ -278,6 +278,7 @@ class Endpoint {
   Endpoint(Transport& t, BlockSpace blocks, PdOptions options) : t_(t), blocks_(std::move(blocks)), options_(options) {}
 
   Status init(std::string_view role) {
+    role_ = role;
     if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
       return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
                                          options_.heartbeat.count(), options_.lease.count()));
@@ -296,7 +297,6 @@ class Endpoint {
       if (options_.lane_verify != PdOptions::LaneVerify::kMover &&
           options_.lane_verify != PdOptions::LaneVerify::kReceiver)
         return InvalidArgument(fmt::format("{}: unknown lane_verify {}", role, static_cast<int>(options_.lane_verify)));
-      role_ = role;
       // Named so that logs (and the host backend's per-stream fault hooks) can tell them apart.
       for (auto [s, name] : {std::pair{&lane_stream_, "pd-lane"}, std::pair{&verify_stream_, "pd-verify"}}) {
         auto stream = dev.create_stream(StreamOptions{StreamPriority::kNormal, fmt::format("{}-{}", name, role)});
@@ -379,6 +379,19 @@ class Endpoint {
   }
 
  protected:
+  // PdPrefill / PdDecode::abort_waits: waits in flight wake (cv_) and see waits_aborted_.
+  void abort_all_waits() {
+    {
+      std::lock_guard lock(mu_);
+      waits_aborted_ = true;
+    }
+    cv_.notify_all();
+  }
+  Status waits_aborted(TransferId id) const {
+    return FailedPrecondition(
+        fmt::format("{}: the endpoint is closing; transfer {} is no longer waited for", role_, id));
+  }
+
   // At the start of stop(), the progress thread still running (no lock held).
   virtual void before_stop() {}
   // At the end of stop(), under mu_: the progress thread has ended and the device lane's kernels have drained.
@@ -998,6 +1011,7 @@ class Endpoint {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool waits_aborted_ = false;  // abort_waits(): every wait returns at once (under mu_)
   std::thread thread_;
   std::set<PeerId> dropped_;                              // peers this side disconnected
   std::unique_ptr<Stream> lane_stream_;                   // the device lane's copies and checksum passes, in order
@@ -1167,6 +1181,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     const auto deadline = deadline_after(timeout);
     std::unique_lock lock(mu_);
     for (;;) {
+      if (waits_aborted_) return waits_aborted(id);
       auto it = xfers_.find(id);
       if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
       PrefillStatus s = summarize(it->second);
@@ -1176,6 +1191,8 @@ class Prefill final : public PdPrefill, public Endpoint {
                                     std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
     }
   }
+
+  void abort_waits() override { abort_all_waits(); }
 
   Status forget(TransferId id) override {
     std::lock_guard lock(mu_);
@@ -2077,6 +2094,7 @@ class Decode final : public PdDecode, public Endpoint {
     const auto deadline = deadline_after(timeout);
     std::unique_lock lock(mu_);
     for (;;) {
+      if (waits_aborted_) return waits_aborted(id);
       auto it = xfers_.find(id);
       if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
       if (layer >= it->second.layers.size())
@@ -2099,6 +2117,7 @@ class Decode final : public PdDecode, public Endpoint {
     const auto deadline = deadline_after(timeout);
     std::unique_lock lock(mu_);
     for (;;) {
+      if (waits_aborted_) return waits_aborted(id);
       auto it = xfers_.find(id);
       if (it == xfers_.end()) return NotFound(fmt::format("transfer {} is unknown", id));
       // The cheap test first: the progress thread wakes waiters at every tick, and a full summary walks every
@@ -2110,6 +2129,8 @@ class Decode final : public PdDecode, public Endpoint {
                                     std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
     }
   }
+
+  void abort_waits() override { abort_all_waits(); }
 
   Status forget(TransferId id) override {
     std::lock_guard lock(mu_);

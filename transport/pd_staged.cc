@@ -192,6 +192,8 @@ class StagedPrefill final : public PdStagedPrefill {
     return summarize(id);
   }
 
+  void abort_waits() override { pd_->abort_waits(); }
+
   Result<PrefillStatus> wait(TransferId id, std::chrono::nanoseconds timeout) override {
     const auto deadline = deadline_after(timeout);
     for (;;) {
@@ -368,10 +370,23 @@ class StagedDecode final : public PdStagedDecode {
     return Status::Ok();
   }
 
+  void abort_waits() override {
+    {
+      std::lock_guard lock(mu_);
+      waits_aborted_ = true;
+    }
+    cv_.notify_all();
+  }
+  static Status waits_aborted(TransferId id) {
+    return FailedPrecondition(
+        fmt::format("staged decode: the endpoint is closing; transfer {} is no longer waited for", id));
+  }
+
   Result<Event*> layer_event(TransferId id, std::uint32_t layer, std::chrono::nanoseconds timeout) override {
     const auto deadline = deadline_after(timeout);
     std::unique_lock lock(mu_);
     for (;;) {
+      if (waits_aborted_) return waits_aborted(id);
       KVTIER_ASSIGN_OR_RETURN(L * l, find_layer(id, layer));
       if (l->phase != Phase::kWire) {
         if (l->enqueued) return l->event.get();
@@ -387,6 +402,7 @@ class StagedDecode final : public PdStagedDecode {
     const auto deadline = deadline_after(timeout);
     std::unique_lock lock(mu_);
     for (;;) {
+      if (waits_aborted_) return waits_aborted(id);
       KVTIER_ASSIGN_OR_RETURN(L * l, find_layer(id, layer));
       if (l->phase == Phase::kFinal) return l->state;
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
@@ -404,6 +420,7 @@ class StagedDecode final : public PdStagedDecode {
     const auto deadline = deadline_after(timeout);
     std::unique_lock lock(mu_);
     for (;;) {
+      if (waits_aborted_) return waits_aborted(id);
       KVTIER_ASSIGN_OR_RETURN(DecodeStatus s, summarize(id));
       if (s.final && (!reclaimable || s.reclaimable)) return s;
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline)
@@ -586,6 +603,7 @@ class StagedDecode final : public PdStagedDecode {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool waits_aborted_ = false;  // abort_waits() (under mu_)
   StagingPool pool_;
   std::unique_ptr<Stream> stream_;
   std::vector<std::unique_ptr<Stream>> retired_;  // failed streams (renew_if_failed)

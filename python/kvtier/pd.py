@@ -411,7 +411,9 @@ class _Endpoint:
         return s
 
     def close(self) -> None:
-        """Stops the endpoint and its transport (idempotent). Transfers in flight fail at the peer."""
+        """Stops the endpoint and its transport (idempotent). Waits in flight on other threads raise
+        ``FailedPreconditionError`` at once, and the endpoint is torn down before this returns (unless a call
+        in flight keeps it for more than 10 s); transfers in flight fail at the peer."""
         self._ep.close()
 
     def __enter__(self):

@@ -4,10 +4,12 @@
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device_bridge.h"
@@ -79,6 +81,14 @@ struct PdNative {
 
   Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 
+  // Every wait in flight on this endpoint returns now (FailedPrecondition), and every later one.
+  void abort_waits() {
+    if (prefill) prefill->abort_waits();
+    if (decode) decode->abort_waits();
+    if (staged_prefill) staged_prefill->abort_waits();
+    if (staged_decode) staged_decode->abort_waits();
+  }
+
   // Endpoints first (their progress threads), then the copy engine, the staging (unpinned before the transport
   // that allocated its memory goes), the transport and the adoptions; the Python references last, under the GIL.
   ~PdNative() {
@@ -123,9 +133,18 @@ struct PyPdEndpoint {
       auto lock = lock_gil_safe(mu);
       n = std::move(native);
     }
+    if (!n) return;
     nb::gil_scoped_release release;  // teardown joins kvtier threads
+    // Calls in flight on other threads hold their own reference (the GIL released): their waits return now, so
+    // the teardown, which ends the transfers at the peers, happens here and not whenever the last of them would
+    // have returned. Bounded: past it, the last holder tears down.
+    n->abort_waits();
+    const auto deadline = std::chrono::steady_clock::now() + kCloseWaitForCalls;
+    while (n.use_count() > 1 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     n.reset();
   }
+  static constexpr std::chrono::seconds kCloseWaitForCalls{10};
 
   std::shared_ptr<PdNative> get() {
     std::shared_ptr<PdNative> n;

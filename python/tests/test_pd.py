@@ -323,7 +323,9 @@ def test_dead_prefill_fails_the_transfer(pair):
 
 
 def test_close_while_another_thread_waits(pair):
-    """close() returns at once; the wait in flight keeps the endpoint until it returns (its timeout), then it goes."""
+    """close() wakes a wait in flight on another thread (even one without a deadline), tears the endpoint down before
+    it returns, and the peer's transfer fails: before, the wait kept the endpoint, which went on receiving, until
+    the wait returned by itself (never, without a timeout)."""
     p, d, _, _, to_decode, to_prefill = pair
     d.start(to_prefill, 13, [0])
     p.begin(to_decode, 13, [0])  # no layer is ever declared ready
@@ -331,23 +333,25 @@ def test_close_while_another_thread_waits(pair):
 
     def waiter():
         try:
-            d.wait(13, timeout=1.0)
+            d.wait(13, timeout=None)
         except kvtier.KvtierError as e:
             outcome.append(e)
 
-    t = threading.Thread(target=waiter)
+    t = threading.Thread(target=waiter, daemon=True)
     t.start()
     time.sleep(0.2)
+    began = time.monotonic()
     d.close()
     t.join(TIMEOUT)
-    assert not t.is_alive()
-    # The wait in flight ends at its timeout (had the thread not reached it before close(), it would see the
-    # endpoint closed: a loaded machine may do that).
+    assert not t.is_alive() and time.monotonic() - began < 5
     assert len(outcome) == 1
-    assert isinstance(outcome[0], kvtier.TimedOutError) or "closed" in outcome[0].message, outcome
+    assert isinstance(outcome[0], kvtier.FailedPreconditionError) and "clos" in outcome[0].message, outcome
     with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
         d.status(13)
     assert d.num_blocks == DECODE_BLOCKS  # the description outlives close()
+    # The decode is gone: the prefill's transfer ends failed, and nothing it declares later lands anywhere.
+    s = p.wait(13, TIMEOUT)
+    assert s.final and not s.done and s.error is not None
 
 
 def test_bad_arguments():

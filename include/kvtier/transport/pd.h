@@ -245,6 +245,10 @@ class PdPrefill {
   virtual Result<PrefillStatus> wait(TransferId id, std::chrono::nanoseconds timeout) = 0;
   // Forgets a final, reclaimable transfer; kFailedPrecondition otherwise.
   virtual Status forget(TransferId id) = 0;
+  // Every wait in flight (wait, wait_layer) returns kFailedPrecondition ("closing") at once, and so does every
+  // later one: for an owner about to destroy the endpoint while other threads wait on it. Transfers are not touched
+  // (destroying the endpoint ends them).
+  virtual void abort_waits() = 0;
 };
 
 // ---- decode side -----------------------------------------------------------------------------------------
@@ -288,6 +292,10 @@ class PdDecode {
   // reclaimable once nothing can still land (wait(id, timeout, true)). Nothing changes on a final transfer.
   // kNotFound for an unknown id.
   virtual Status cancel(TransferId id) = 0;
+  // Every wait in flight (wait, wait_layer) returns kFailedPrecondition ("closing") at once, and so does every
+  // later one: for an owner about to destroy the endpoint while other threads wait on it. Transfers are not touched
+  // (destroying the endpoint ends them).
+  virtual void abort_waits() = 0;
 };
 
 // ---- fault wrapper ---------------------------------------------------------------------------------------

@@ -95,6 +95,8 @@ class PdStagedPrefill {
   // Forgets a final, reclaimable transfer and returns its staging blocks; kFailedPrecondition otherwise.
   virtual Status forget(TransferId id) = 0;
   virtual std::uint64_t staging_blocks_free() const = 0;
+  // As PdPrefill::abort_waits / PdDecode::abort_waits (layer_event included).
+  virtual void abort_waits() = 0;
 };
 
 class PdStagedDecode {
@@ -121,6 +123,8 @@ class PdStagedDecode {
   // Forgets a final, reclaimable transfer and returns its staging blocks; kFailedPrecondition otherwise.
   virtual Status forget(TransferId id) = 0;
   virtual std::uint64_t staging_blocks_free() const = 0;
+  // As PdPrefill::abort_waits / PdDecode::abort_waits (layer_event included).
+  virtual void abort_waits() = 0;
 };
 
 }  // namespace kvtier::transport
