@@ -837,8 +837,11 @@ class ChunkMover:
                 pass
         with self._mgr_lock:
             managers = [grp.manager for grp in self._groups if grp.manager is not None] + self._retired
-            self._retired = []
             for grp in self._groups:
                 grp.manager = None
-        for m in managers:
+            # A manager a job left running still uses (its host pages, its copies) closes when that job releases
+            # it (_release closes retired managers nobody uses); closing it here freed memory the job then touched.
+            self._retired = [m for m in managers if self._users.get(id(m), 0) > 0]
+            idle = [m for m in managers if self._users.get(id(m), 0) == 0]
+        for m in idle:
             m.close()

@@ -858,6 +858,44 @@ def test_wait_and_shutdown_end_when_a_tier_stops_answering(tmp_path, monkeypatch
     c.shutdown()
 
 
+def test_shutdown_leaves_a_job_it_gave_up_on_its_transfer_manager(tmp_path, monkeypatch):
+    """shutdown() gives up on a job stuck in a slow tier after its deadline, and closed the job's transfer manager
+    anyway: the job, once the tier answered, read the freed host pages (a segfault). The manager now closes when
+    the job ends."""
+    import threading
+    import time
+
+    import kvtier._chunk_mover as mover
+    c = Connector({"storage": f"disk:{tmp_path}?durability=process", "capacity": "64M"}, G_UNPADDED, num_blocks=16)
+    worker = c.workers[0]
+    real, entered, release = worker.store, threading.Event(), threading.Event()
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def put_many(self, names, bufs):
+            entered.set()
+            release.wait(30)
+            return real.put_many(names, bufs)
+
+    worker.store = Slow()
+    monkeypatch.setattr(mover.ChunkMover.shutdown, "__defaults__", (0.2,))
+    c.kv[0].fill_random(0, range(1, 5))
+    job = c.store(c.request("r", chunk_hashes(4)), [0, 1, 2, 3], {0: [1, 2, 3, 4]})
+    assert entered.wait(10)
+    c.shutdown()  # gives up on the job after 0.2 s
+    release.set()  # the tier answers: the job reads its host pages and stores them
+    deadline = time.monotonic() + 10
+    done = []
+    while not done and time.monotonic() < deadline:
+        done = [r for r in worker.get_finished() if r.job_id == job]
+        time.sleep(0.01)
+    assert done and done[0].success, done
+    with worker._mover._mgr_lock:
+        assert worker._mover._retired == [], "the job's manager stays open after the job ended"
+
+
 def test_an_expedited_load_does_not_queue_behind_regular_loads(tmp_path):
     """vLLM waits for an expedited (sync) load within the step; it ran after every queued regular load."""
     import time
