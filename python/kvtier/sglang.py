@@ -398,20 +398,38 @@ class HiCacheKvtier(HiCacheStorage):
 
     @staticmethod
     def _check_indices(pool: Any, host_indices: Any) -> None:
-        """Every host index inside the pool: the pool turns them into raw addresses, which kvtier then reads or
-        writes, so an index outside it would read or write memory that is not the pool's."""
+        """Every page of host indices (page_size of them each) inside the pool and contiguous: the pool turns each
+        page's first index into the raw address of page_size slots, which kvtier then reads or writes, so a page
+        that starts near the end of the pool (or whose indices are not start, start + 1, ...) would read or write
+        memory that is not the pool's, or slots other than the ones named."""
         size = getattr(pool, "size", None)
-        if not isinstance(size, int) or isinstance(size, bool) or _length(host_indices) == 0:
+        n = _length(host_indices)
+        if not isinstance(size, int) or isinstance(size, bool) or n == 0:
             return
+        import numpy as np
+
+        page_size = getattr(pool, "page_size", 1) or 1
         try:
-            lo, hi = host_indices.min(), host_indices.max()
-        except AttributeError:
-            values = list(host_indices)
-            lo, hi = min(values), max(values)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= size:
-            bad = lo if lo < 0 else hi
-            raise InvalidArgumentError(f"kvtier.sglang: host index {bad} is outside the host pool of {size} slots")
+            values = np.asarray(host_indices.tolist() if hasattr(host_indices, "tolist") else list(host_indices))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"kvtier.sglang: host indices are not integers: {e}") from None
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"kvtier.sglang: host indices of dtype {values.dtype}: need integers")
+        values = values.astype(np.int64)
+        starts = values[::page_size]
+        outside = np.flatnonzero((starts < 0) | (starts > size - page_size))
+        if outside.size:
+            start = int(starts[outside[0]])
+            raise InvalidArgumentError(
+                f"kvtier.sglang: the page at host index {start} (page size {page_size}) is outside the host pool of "
+                f"{size} slots")
+        expected = np.repeat(starts, page_size)[:n] + np.tile(np.arange(page_size, dtype=np.int64), len(starts))[:n]
+        wrong = np.flatnonzero(values != expected)
+        if wrong.size:
+            at = int(wrong[0])
+            raise InvalidArgumentError(
+                f"kvtier.sglang: host index {int(values[at])} at position {at} does not continue its page (which "
+                f"starts at {int(expected[at - at % page_size])}; page size {page_size})")
 
     def _meta(self, pool: Any, keys: List[str], host_indices: Any) -> Tuple[List[Tuple[int, int]], int]:
         """(address, nbytes) of every segment of every page, and segments per page."""

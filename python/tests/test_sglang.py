@@ -568,12 +568,21 @@ def test_host_indices_outside_the_pool_and_mismatched_lists_are_refused(tmp_path
     backend = open_backend(tmp_path)
     backend.register_mem_pool_host(pool)
     want = written(pool, [1])
-    for bad, named in ((np.arange(10**6, 10**6 + 4), 10**6 + 3), (np.arange(-4, 0), -4),
-                       (np.arange(pool.size - 2, pool.size + 2), pool.size + 1)):
-        with pytest.raises(InvalidArgumentError, match=f"host index {named} is outside the host pool of {pool.size}"):
+    # Each page's first index is what the pool turns into the address of the whole page: a page that starts inside
+    # the pool but runs past its end (every index in range: 30, 31, 31, 31 of 32 slots) wrote past the pool, and a
+    # page whose indices do not follow its first read or wrote slots other than the ones named.
+    ps = pool.page_size
+    for bad, named in ((np.arange(10**6, 10**6 + ps), 10**6), (np.arange(-ps, 0), -ps),
+                       (np.arange(pool.size - 2, pool.size + ps - 2), pool.size - 2),
+                       (np.array([pool.size - 2] + [pool.size - 1] * (ps - 1)), pool.size - 2)):
+        with pytest.raises(InvalidArgumentError,
+                           match=rf"page at host index {named} \(page size {ps}\) is outside the host pool of {pool.size}"):
             backend.batch_set_v1(["k"], bad)
-        with pytest.raises(InvalidArgumentError, match=f"host index {named} is outside"):
+        with pytest.raises(InvalidArgumentError, match=f"page at host index {named} "):
             backend.batch_get_v1(["k"], bad)
+    gap = np.concatenate([np.arange(0, 2), np.arange(5, 5 + ps - 2)])
+    with pytest.raises(InvalidArgumentError, match="host index 5 at position 2 does not continue its page"):
+        backend.batch_get_v1(["k"], gap)
     assert backend.batch_exists(["k"]) == 0  # nothing was stored
     assert backend.batch_set_v1(["k"], pool.indices([1])) == [True]
     pool.clear()
