@@ -330,7 +330,9 @@ class _PinnedTier:
         g, bpc = b.group, self.mover.blocks_per_chunk
         if self.on_device[g]:
             # The blocks are the bytes the copy took: the engine does not write blocks it is storing.
-            by_place = self._device_sums(mgr, b, self.mover._kv_stream)  # behind the engine's stream at submit
+            # After the copy that took them (so behind the engine's stream at submit), on the checksum stream: no
+            # data operation runs on the engine-facing stream, whose failure would fail every later store.
+            by_place = self._device_sums(mgr, b, self.mover._verify_stream)
             sums: List[Any] = [[by_place.get((i, s)) for s in range(bpc)] for i in range(len(b.names))]
         else:
             sums = self._piece_sums(mgr, b, bases)
@@ -380,7 +382,7 @@ class _PinnedTier:
         g = b.group
         if not self.on_device[g]:
             return
-        # On a stream of its own: a load never waits behind the engine's stream a later store waits for.
+        # On the checksum stream: a load never waits behind the engine's stream a later store waits for.
         for (i, slot), have in self._device_sums(mgr, b, self.mover._verify_stream).items():
             want = b.sums[i][slot]
             if have != want:
@@ -467,6 +469,7 @@ class ChunkMover:
             self._stream = None
             self._device = _native.host_device()
             self._kv_stream = self._device.create_stream("kvtier-vllm")
+        # The pinned tier's checksum passes (renewed after a failed copy: a stream's failure is sticky).
         self._verify_stream = self._device.create_stream("kvtier-vllm-verify")
         # Managers in use by jobs (id -> count) and those replaced but still in use: closed when no job uses them.
         self._mgr_lock = threading.Lock()
@@ -524,6 +527,11 @@ class ChunkMover:
         uses it."""
         close = []
         with self._mgr_lock:
+            if failed is not None and not self._closed:
+                try:
+                    self._verify_stream = self._device.create_stream("kvtier-vllm-verify")
+                except Exception as e:  # noqa: BLE001 (later checks fail on the old one, as they would anyway)
+                    logger.error("kvtier.vllm: no new checksum stream after a failed copy: %s", e)
             for g, m in mgrs.items():
                 self._users[id(m)] -= 1
                 grp = self._groups[g]

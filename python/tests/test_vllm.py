@@ -795,6 +795,35 @@ def test_a_failed_load_copy_keeps_every_pinned_chunk(connectors):
     assert worker.pinned_chunks == len(c.manager) == 4
 
 
+@pytest.mark.parametrize("phase", ["store", "load"])
+def test_any_failed_operation_of_a_pinned_job_leaves_later_jobs_working(connectors, phase):
+    """The pinned tier checksums on streams of its own: a failed operation there (a stream's failure is sticky)
+    failed every later store, or every later load of every pinned chunk while the index still reported them. Each
+    operation of the job fails in turn; the job fails, and the jobs after it store and load byte-exact."""
+    for n in range(1, 9):
+        c = connectors({"storage": "pinned:?capacity=64M"}, G1, num_blocks=40, blocks_per_chunk=2)
+        kvt, worker = c.kv[0], c.workers[0]
+        kvt.fill_random(0, range(16))
+        req = c.request("a", chunk_hashes(4))
+        assert c.finish(c.store(req, [0, 1, 2, 3], {0: list(range(8))})) == [True]
+        worker._mover._device.fail_nth_operation(n)
+        if phase == "store":
+            c.finish(c.store(c.request("b", chunk_hashes(4, "b")), [0, 1, 2, 3], {0: list(range(8, 16))}))
+        else:
+            kvt.poison(0, range(20, 28))
+            ok = c.finish(c.load(c.request("l", chunk_hashes(4)), 4, {0: list(range(20, 28))}))
+            assert not ok[0] or all(kvt.block(0, 20 + i) == kvt.block(0, i) for i in range(8)), n
+        worker._mover._device.fail_nth_operation(0)  # a job of fewer operations: the injection ends with it
+        for i in range(2):
+            kvt.poison(0, range(30, 38))
+            assert c.finish(c.load(c.request(f"l{i}", chunk_hashes(4)), 4, {0: list(range(30, 38))})) == [True], \
+                (n, worker.last_error)
+            assert all(kvt.block(0, 30 + j) == kvt.block(0, j) for j in range(8))
+            job = c.store(c.request(f"s{i}", chunk_hashes(4, f"s{i}")), [0, 1, 2, 3], {0: list(range(8, 16))})
+            assert job is None or c.finish(job) == [True], (n, worker.last_error)
+        c.shutdown()
+
+
 def test_a_store_that_cannot_be_planned_still_deletes_what_the_index_evicted_for_it():
     """The deletes of the chunks the index evicted for a store rode on that store's job; a job that failed in
     planning (a block id out of range) dropped them, and the pinned tier filled with objects no index reports."""
