@@ -165,6 +165,19 @@ class Receiver final : public PdReceiver {
     }
   }
 
+  void cancel_open() override {
+    std::vector<TransferId> open;
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& [id, e] : entries_)
+        if (!e.ended) open.push_back(id);
+    }
+    // Outside mu_: the endpoint takes its own lock, which its progress thread holds while the reporter thread
+    // may wait for mu_. A receive that ended meanwhile is final on the endpoint, where cancel changes nothing.
+    for (TransferId id : open) ep_->cancel(id).ignore_error();
+    cv_.notify_all();
+  }
+
   std::size_t active() const override {
     std::lock_guard lock(mu_);
     return entries_.size();

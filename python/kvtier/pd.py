@@ -584,7 +584,9 @@ class Receiver:
         return self._rx.stats()
 
     def close(self) -> None:
-        """Stops the receiver (idempotent): receives still open end as cancelled, their blocks stay guarded."""
+        """Stops the receiver (idempotent). Receives still open are cancelled (failed at the peer); their blocks
+        return to the cache once the peer can no longer write them, waiting up to ``free_timeout``; a receive not
+        provably quiet by then keeps its blocks guarded for good (fail closed)."""
         self._rx.close()
 
     def __enter__(self) -> "Receiver":

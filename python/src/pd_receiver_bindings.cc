@@ -13,16 +13,19 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "engine_bridge.h"
 #include "kvtier/cache/transfer_executor.h"
+#include "kvtier/core/deadline.h"
 #include "kvtier/pd/pd_receiver.h"
 #include "pd_bridge.h"
 #include "status_bridge.h"
@@ -42,6 +45,8 @@ struct PyPdReceiver {
   std::unique_ptr<cache::TransferPlanExecutor> executor;
   std::unique_ptr<pd::PdReceiver> receiver;
   std::mutex mu;  // receiver calls from Python (the scheduler's methods run one at a time)
+  std::chrono::microseconds poll_interval{100};
+  std::chrono::milliseconds free_timeout{10000};
 
   ~PyPdReceiver() { close(/*collected=*/true); }
 
@@ -57,6 +62,21 @@ struct PyPdReceiver {
     std::shared_ptr<PdNative> ep = std::move(endpoint);
     {
       nb::gil_scoped_release release;  // teardown joins kvtier threads
+      // Receives still open are cancelled and, once their peer can write them no more (bounded by free_timeout),
+      // completed into the cache, so their blocks come back; destroyed open, they stayed declared for good.
+      if (!collected && receiver) {
+        receiver->cancel_open();
+        const auto deadline = std::chrono::steady_clock::now() + free_timeout;
+        for (;;) {
+          {
+            std::lock_guard cache_lock(cache->mu);
+            if (executor) cache::apply_completions(*cache->cm, executor->poll()).ignore_error();
+            receiver->poll().status().ignore_error();
+            if (receiver->active() == 0 || std::chrono::steady_clock::now() >= deadline) break;
+          }
+          std::this_thread::sleep_for(poll_interval);
+        }
+      }
       std::unique_lock cache_lock(cache->mu, std::defer_lock);
       if (collected ? cache_lock.try_lock() : (cache_lock.lock(), true)) {
         // What ended is completed into the cache (a receive that landed and was not polled yet was lost with the
@@ -92,6 +112,36 @@ struct PyPdReceiver {
   Status apply_moves() {
     std::lock_guard lock(cache->mu);
     return cache::apply_completions(*cache->cm, executor->poll());
+  }
+
+  // A receiver call that waits (finish, drain) as tries of `slice` at most, each under the receiver's mutex and the
+  // cache's lock, the caller's mutex and the GIL not held: between tries neither lock is held, so the wait keeps
+  // neither the scheduler's other cache calls nor close() from another thread waiting (it held both throughout).
+  // `attempt(rx, slice)` returns its status; kTimedOut means "try again" until `limit` has passed.
+  template <typename Attempt>
+  auto wait_in_slices(std::chrono::nanoseconds limit, Attempt attempt)
+      -> decltype(attempt(std::declval<pd::PdReceiver&>(), limit)) {
+    const auto deadline = deadline_after(limit);
+    for (;;) {
+      {
+        std::lock_guard lock(mu);
+        if (!receiver) return FailedPrecondition("the kvtier.pd.Receiver was closed");
+        KVTIER_RETURN_IF_ERROR(apply_moves());
+        std::lock_guard cache_lock(cache->mu);
+        const auto now = std::chrono::steady_clock::now();
+        const auto slice = std::min<std::chrono::nanoseconds>(
+            poll_interval, std::max<std::chrono::nanoseconds>(deadline - now, std::chrono::nanoseconds(0)));
+        auto got = attempt(*receiver, slice);
+        const Status& st = status_of(got);
+        if (st.code() != StatusCode::kTimedOut || std::chrono::steady_clock::now() >= deadline) return got;
+      }
+      std::this_thread::yield();  // let a thread waiting for either lock in
+    }
+  }
+  static const Status& status_of(const Status& s) { return s; }
+  template <typename T>
+  static const Status& status_of(const Result<T>& r) {
+    return r.status();
   }
 };
 
@@ -184,6 +234,8 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   } else {
     raise_status(InvalidArgument(fmt::format("endpoint '{}' has no decode endpoint", ep.options.name)));
   }
+  out->poll_interval = ro.poll_interval;
+  out->free_timeout = ro.free_timeout;
   out->transfers = &tm;
   tm.receivers.fetch_add(1);
   return out;
@@ -240,13 +292,15 @@ void bind_pd_receiver(nb::module_& m) {
       .def(
           "finish",
           [](PyPdReceiver& r, std::uint64_t transfer_id, std::optional<double> timeout_s) {
-            auto lock = lock_gil_safe(r.mu);
-            pd::PdReceiver& rx = r.get();
             const auto limit = to_timeout(timeout_s);
             auto o = value_or_raise(released([&]() -> Result<pd::ReceiveOutcome> {
-              KVTIER_RETURN_IF_ERROR(r.apply_moves());
-              std::lock_guard cache_lock(r.cache->mu);
-              return rx.finish(transfer_id, limit);
+              auto got = r.wait_in_slices(limit, [&](pd::PdReceiver& rx, std::chrono::nanoseconds slice) {
+                return rx.finish(transfer_id, slice);
+              });
+              if (got.status().code() == StatusCode::kTimedOut)
+                return TimedOut(fmt::format("PdReceiver: transfer {} not ended after {} ms", transfer_id,
+                                            std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()));
+              return got;
             }));
             return outcome_dict(o);
           },
@@ -254,13 +308,17 @@ void bind_pd_receiver(nb::module_& m) {
       .def(
           "drain",
           [](PyPdReceiver& r, std::optional<double> timeout_s) {
-            auto lock = lock_gil_safe(r.mu);
-            pd::PdReceiver& rx = r.get();
             const auto limit = to_timeout(timeout_s);
             check(released([&]() -> Status {
-              KVTIER_RETURN_IF_ERROR(r.apply_moves());
-              std::lock_guard cache_lock(r.cache->mu);
-              return rx.drain(limit);
+              Status st = r.wait_in_slices(
+                  limit, [&](pd::PdReceiver& rx, std::chrono::nanoseconds slice) { return rx.drain(slice); });
+              if (st.code() != StatusCode::kTimedOut) return st;
+              // The last try's list of what is left, with the whole wait's time.
+              const std::string_view m = st.message();
+              const std::size_t at = m.find("still active");
+              return TimedOut(fmt::format("PdReceiver: after {} ms {}",
+                                          std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(),
+                                          at == std::string_view::npos ? m : m.substr(at)));
             }));
           },
           "timeout_s"_a = nb::none())
@@ -297,7 +355,9 @@ void bind_pd_receiver(nb::module_& m) {
            })
       .def(
           "close", [](PyPdReceiver& r) { r.close(); },
-          "Stops the receiver (idempotent); receives still open end as Cancelled and their blocks stay guarded.");
+          "Stops the receiver (idempotent). Receives still open are cancelled (they end as Cancelled at the peer) "
+          "and their blocks return to the cache once the peer can no longer write them, waiting up to "
+          "free_timeout_s; a receive not provably quiet by then keeps its blocks guarded for good.");
 }
 
 }  // namespace kvtier::python

@@ -798,6 +798,78 @@ def test_receiver_refuses_a_storage_tier_and_negative_ids():
 
 
 @needs_cache
+def test_closing_a_receiver_with_a_receive_open_gives_its_blocks_back():
+    """close() with a receive open declared its blocks for good: the transfer ended and was reclaimable, yet they
+    stayed quarantined in the cache (4 of its 10 blocks lost for the cache's life). The receive is now cancelled
+    and its blocks return once the peer can write them no more."""
+    src_kv, dst_kv = prefill_kv(seed=15), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    keys = chain(4, salt=5)
+    with Prefill(src_kv, transport="loopback", **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        rx = Receiver(cache, tm, d, receive_timeout=TIMEOUT)
+        r = rx.start(to_prefill, 4, keys, "push")
+        p.begin(to_decode, 4, [0, 1, 2, 3])
+        p.layer_ready(4, 0)
+        tm.wait_layer_host(r.task, 0, TIMEOUT)
+        rx.close()  # layers 1 and 2 never sent
+        s = p.wait(4, TIMEOUT)
+        assert s.final and not s.done and s.error is not None  # the prefill was told
+        cache.release(r.admission["id"])
+        st = cache.stats()
+        assert st["quarantined_device_blocks"] == 0 and st["receiving_device_blocks"] == 0, st
+        assert cache.match(keys)["device_blocks"] == 0  # nothing of the cancelled receive joined the index
+        a = cache.admit(chain(DECODE_BLOCKS, salt=6), 0)  # every device block is the cache's again
+        assert len(a["device_blocks"]) == DECODE_BLOCKS
+        cache.check_invariants()
+        cache.release(a["id"])
+    tm.close()
+
+
+@needs_cache
+def test_a_receivers_wait_holds_neither_the_cache_nor_close():
+    """finish() and drain() held the cache's lock and the receiver's mutex for their whole wait: the scheduler's
+    other cache calls waited the full timeout, and close() from another thread until the receive timed out."""
+    import threading
+    src_kv, dst_kv = prefill_kv(seed=16), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    with Prefill(src_kv, transport="loopback", **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        rx = Receiver(cache, tm, d, receive_timeout=TIMEOUT)
+        r = rx.start(to_prefill, 5, chain(3, salt=7), "push")
+        p.begin(to_decode, 5, [0, 1, 2])  # no layer ready yet
+        outcome = []
+
+        def wait(call):
+            try:
+                outcome.append(call())
+            except kvtier.KvtierError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=wait, args=(lambda: rx.finish(5, 2.0),))
+        t.start()
+        time.sleep(0.1)
+        began = time.monotonic()
+        cache.match(chain(1, salt=8))
+        assert time.monotonic() - began < 0.5, "a cache call waited behind finish()"
+        t.join(TIMEOUT)
+        assert isinstance(outcome[-1], kvtier.TimedOutError) and "not ended after 2000 ms" in outcome[-1].message
+        t = threading.Thread(target=wait, args=(lambda: rx.finish(5, None),))
+        t.start()
+        time.sleep(0.1)
+        began = time.monotonic()
+        rx.close()
+        t.join(TIMEOUT)
+        assert not t.is_alive() and time.monotonic() - began < 5
+        assert isinstance(outcome[-1], kvtier.FailedPreconditionError) and "closed" in outcome[-1].message
+        cache.release(r.admission["id"])
+        assert cache.stats()["quarantined_device_blocks"] == 0
+    tm.close()
+
+
+@needs_cache
 def test_receiver_commits_only_what_arrived_when_the_prefill_dies():
     src_kv, dst_kv = prefill_kv(seed=12), decode_kv()
     dev, tm, cache = receiver_rig(dst_kv)

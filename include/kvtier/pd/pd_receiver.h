@@ -55,7 +55,7 @@
 // Lifetime: the CacheManager, TransferManager, PlanExecutor and endpoint outlive the receiver. The destructor stops
 // the reporter thread and does not touch the cache: poll() (or drain()) first, or a receive that ended and was
 // not reported is never completed into it. Receives still open are ended on the data plane as Cancelled and not
-// quiescent: their blocks stay declared for good (fail closed: drain() first to get them back).
+// quiescent: their blocks stay declared for good (fail closed: cancel_open() and drain() first to get them back).
 // Errors: InvalidArgument (no blocks to receive), AlreadyExists (transfer id active here), and the pieces'
 // errors (admission refused: ResourceExhausted; blocks busy: TimedOut; ...), with context naming the transfer.
 #pragma once
@@ -140,6 +140,11 @@ class PdReceiver {
   virtual Result<ReceiveOutcome> finish(transport::TransferId id, std::chrono::nanoseconds timeout) = 0;
   // Until no receive is open or quarantined (polling), or TimedOut naming what is left.
   virtual Status drain(std::chrono::nanoseconds timeout) = 0;
+  // Cancels every receive still receiving on the endpoint (PdDecode::cancel): each ends failed (kCancelled) and,
+  // once the endpoint proves no byte can land any more, its blocks come back through poll() / drain() as any
+  // failed receive's do. For an owner about to destroy the receiver: cancel_open(), then drain(), then destroy.
+  // Thread-safe (it touches only the endpoint).
+  virtual void cancel_open() = 0;
 
   // Receives started and not yet through step 8 (open, ended not reported, or quarantined).
   virtual std::size_t active() const = 0;
