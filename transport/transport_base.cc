@@ -9,11 +9,13 @@
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "core/byte_codec.h"
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/enum_names.h"
+#include "kvtier/core/log.h"
 
 namespace kvtier::transport {
 
@@ -313,6 +315,33 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
   if (peer.name == identity_.name)
     return InvalidArgument(fmt::format("peer blob names this agent itself ('{}')", peer.name));
   KVTIER_RETURN_IF_ERROR(backend_check_blob(b));
+  // A peer loaded under this name before: the same blob again is a duplicate; another address or other regions are
+  // the peer restarted (a process with a stable name, as a pod's). The old incarnation is disconnected first (its
+  // transfers fail, what it could still write is revoked where the backend can), so the restart is served without
+  // recreating this agent; a disconnected peer's name is free already.
+  for (;;) {
+    std::optional<PeerId> previous;
+    {
+      std::lock_guard lock(mu_);
+      for (std::size_t i = 0; i < peers_.size(); ++i) {
+        const PeerRec& p = peers_[i];
+        if (p.info.identity.name != peer.name) continue;
+        const bool same_regions =
+            std::equal(p.regions.begin(), p.regions.end(), b.regions.begin(), b.regions.end(),
+                       [](const Blob::Region& x, const Blob::Region& y) {
+                         return x.kind == y.kind && x.base == y.base && x.bytes == y.bytes && x.key == y.key;
+                       });
+        if (p.address == b.address && same_regions)
+          return AlreadyExists(fmt::format("peer '{}' is already loaded", peer.name));
+        previous = static_cast<PeerId>(i);
+      }
+    }
+    if (!previous) break;
+    log(LogLevel::kWarning, "transport",
+        fmt::format("peer '{}' loaded again with new metadata (restarted): disconnecting its previous incarnation",
+                    peer.name));
+    KVTIER_RETURN_IF_ERROR(disconnect_peer(*previous));
+  }
   PeerId id = 0;
   {
     std::lock_guard lock(mu_);
@@ -326,6 +355,7 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
     rec.info.backend = b.backend;
     for (const auto& r : b.regions) rec.info.regions.push_back(RegionInfo{r.kind, r.bytes});
     rec.regions = b.regions;
+    rec.address = b.address;
     rec.failed = Unavailable(fmt::format("peer '{}' is still connecting", peer.name));
     rec.failed.ignore_error();  // the peer's state: a call that meets it returns a copy to look at
     peers_.push_back(std::move(rec));

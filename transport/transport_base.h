@@ -161,6 +161,7 @@ class TransportBase : public Transport {
   };
   struct PeerRec {
     PeerInfo info;
+    std::string address;  // the blob's backend address: a new one under the same name is the peer restarted
     std::vector<Blob::Region> regions;
     KeptStatus failed;
     bool disconnected = false;

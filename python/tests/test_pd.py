@@ -354,6 +354,29 @@ def test_close_while_another_thread_waits(pair):
     assert s.final and not s.done and s.error is not None
 
 
+@pytest.mark.parametrize("transport", ["ipc", "ucx-tcp"])
+def test_a_restarted_peer_with_the_same_name_is_added_again(transport):
+    """A prefill with a stable name (a pod's) that restarted while no transfer was in flight could never be added
+    again ("already loaded"): the decode had to be recreated. Its new metadata now replaces the old incarnation;
+    the same metadata twice is still refused."""
+    dst_kv = decode_kv()
+    with Decode(dst_kv, name="decode-stable", **TRANSPORTS[transport], **FAST) as d:
+        for incarnation in range(3):
+            src_kv = prefill_kv(seed=20 + incarnation)
+            with Prefill(src_kv, name="prefill-stable", **TRANSPORTS[transport], **FAST) as p:
+                to_decode, to_prefill = connect(p, d)
+                with pytest.raises(kvtier.AlreadyExistsError, match="already loaded"):
+                    d.add_peer(p.metadata())
+                d.start(to_prefill, 30 + incarnation, [incarnation])
+                p.begin(to_decode, 30 + incarnation, [2])
+                p.layers_ready(30 + incarnation, range(LAYERS))
+                assert d.wait(30 + incarnation, TIMEOUT, reclaimable=True).leading_loaded_blocks == 1
+                for layer in range(LAYERS):
+                    assert_layer_moved(src_kv, dst_kv, layer, [2], [incarnation])
+                d.forget(30 + incarnation)
+                p.wait(30 + incarnation, TIMEOUT)
+
+
 def test_bad_arguments():
     src_kv = prefill_kv()
     with pytest.raises(kvtier.InvalidArgumentError, match="'carrier-pigeon'"):

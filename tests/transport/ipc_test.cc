@@ -149,7 +149,7 @@ TEST(IpcBackend, APeerThatGoesAwayFailsTransfersWithUnavailableAndNothingHangs) 
 
 // ---- shared windows: a peer must not be able to resize them ---------------------------------------------
 
-// The ipc handshake as the backend speaks it (transport/ipc/ipc_wire.h): kHello {name}, kRegion {index, bytes,
+// The ipc handshake as the backend speaks it (transport/ipc/ipc_wire.h): kHello {name, address}, kRegion {index, bytes,
 // live} + the window's descriptor, kRegionsEnd.
 using ipc_wire::kHello;
 using ipc_wire::kRegion;
@@ -331,6 +331,7 @@ TEST(IpcWindows, WindowsHandedToPeersAreSealedAgainstResizing) {
   codec::ByteWriter<std::string> hello;
   hello.u32(kHello);
   hello.str("prober");
+  hello.str("");  // its address (incarnation)
   ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
   std::string m;
   int window = -1;
@@ -362,6 +363,7 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
   codec::ByteWriter<std::string> hello;
   hello.u32(kHello);
   hello.str("crafted");
+  hello.str("");  // its address (incarnation)
   ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
   std::string m;
   int fd = -1;

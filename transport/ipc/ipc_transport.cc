@@ -378,10 +378,13 @@ class IpcTransport final : public detail::TransportBase {
     conn->pidfd = peer_pidfd(fd);
     conn->peer = peer;
     conn->name = blob.identity.name;
+    conn->address = blob.address;
     conn->windows.resize(blob.regions.size());
+    KVTIER_ASSIGN_OR_RETURN(std::string own_address, backend_address());
     Buf hello;
     hello.u32(kHello);
     hello.str(identity().name);
+    hello.str(own_address);  // which incarnation of the name this is (a restarted peer keeps its name)
     Status s = send_msg(fd, hello.out) ? Status::Ok() : Unavailable("ipc hello: peer closed");
     while (s.ok()) {
       std::string m;
@@ -473,8 +476,9 @@ class IpcTransport final : public detail::TransportBase {
       // Under regions_mu_, which every server thread holds while it copies a request's bytes: a copy in progress
       // ends first, and no request of this peer is served after this (the flag is checked under the same lock).
       std::lock_guard lock(regions_mu_);
+      // The connections of this incarnation only: a restarted peer of the same name may be connected already.
       for (auto& [fd, sc] : served_)
-        if (sc.name == conn->name) {
+        if (sc.name == conn->name && sc.address == conn->address) {
           sc.revoked = true;
           fds.push_back(fd);
         }
@@ -548,6 +552,7 @@ class IpcTransport final : public detail::TransportBase {
     }
     PeerId peer = 0;
     std::string name;
+    std::string address;              // the peer's blob address: its incarnation
     std::vector<PeerWindow> windows;  // by the peer's region index
     std::mutex send_mu;
     std::thread receiver;
@@ -894,11 +899,12 @@ class IpcTransport final : public detail::TransportBase {
       std::uint32_t type = 0;
       static_cast<void>(p.u32(type));  // a short message leaves type 0, which is refused below
       if (!hello) {
-        if (type != kHello || !p.str(peer_name)) return;
+        std::string peer_address;
+        if (type != kHello || !p.str(peer_name) || !p.str(peer_address)) return;
         hello = true;
         {
           std::lock_guard lock(regions_mu_);
-          served_[fd] = Served{peer_name, false};
+          served_[fd] = Served{peer_name, false, peer_address};
         }
         if (!send_regions(fd)) return;
         continue;
@@ -991,6 +997,7 @@ class IpcTransport final : public detail::TransportBase {
   struct Served {
     std::string name;      // the peer's agent name, from its hello
     bool revoked = false;  // disconnect_peer: its requests are no longer served
+    std::string address;   // the peer's blob address, from its hello: which incarnation of the name
   };
   std::map<int, Served> served_;  // by incoming connection
 

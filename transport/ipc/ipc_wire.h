@@ -9,7 +9,7 @@
 namespace kvtier::transport::ipc_wire {
 
 enum MsgType : std::uint32_t {
-  kHello = 1,       // initiator -> owner: {name}
+  kHello = 1,       // initiator -> owner: {name, address (its blob's: which incarnation of the name)}
   kRegion = 2,      // owner -> initiator: {index, bytes, live} + the window's fd when live
   kRegionsEnd = 3,  // owner -> initiator
   kWrite = 4,       // initiator -> owner: {xfer, ranges, notification}

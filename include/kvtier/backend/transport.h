@@ -153,6 +153,9 @@ class Transport {
   virtual Status deregister_memory(RegionId region) = 0;
 
   virtual Result<std::vector<std::byte>> export_metadata() = 0;
+  // A new PeerId for the blob's agent. The same blob again: kAlreadyExists. A blob under a name already loaded but
+  // with another address or other regions is that peer restarted (a stable name, as a pod's): its previous
+  // incarnation is disconnected (as disconnect_peer) and the new one loaded.
   virtual Result<PeerId> load_peer(std::span<const std::byte> blob) = 0;
   virtual Result<PeerInfo> peer_info(PeerId peer) const = 0;
   // The loaded peer whose agent name is `name` (a Notification's sender); kNotFound when none is (not loaded yet,
