@@ -321,9 +321,12 @@ class Endpoint {
     }
     const KvLayout& layout = blocks_.layout();
     if (blocks_.num_blocks() == 0) return InvalidArgument(fmt::format("{}: block space has no blocks", role));
-    if (layout.fingerprint() != t_.identity().layout_fingerprint)
-      return InvalidArgument(fmt::format("{}: block space layout fingerprint {:#018x} != transport identity {:#018x}",
-                                         role, layout.fingerprint(), t_.identity().layout_fingerprint));
+    const std::uint64_t fingerprint =
+        options_.pairing_fingerprint != 0 ? options_.pairing_fingerprint : layout.fingerprint();
+    if (fingerprint != t_.identity().layout_fingerprint)
+      return InvalidArgument(fmt::format("{}: block space {} fingerprint {:#018x} != transport identity {:#018x}", role,
+                                         options_.pairing_fingerprint != 0 ? "pairing" : "layout", fingerprint,
+                                         t_.identity().layout_fingerprint));
     for (std::uint32_t l = 0; l < layout.num_layers(); ++l) {
       for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
         const Plane& p = blocks_.plane(l, r);

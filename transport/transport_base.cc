@@ -303,9 +303,10 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
     return FailedPrecondition(fmt::format("peer '{}' uses transport backend '{}', local '{}' uses '{}'", peer.name,
                                           b.backend, identity_.name, backend_name()));
   if (peer.layout_fingerprint != identity_.layout_fingerprint)
-    return FailedPrecondition(fmt::format("peer '{}' layout fingerprint {:#018x} != local '{}' fingerprint {:#018x}",
-                                          peer.name, peer.layout_fingerprint, identity_.name,
-                                          identity_.layout_fingerprint));
+    return FailedPrecondition(fmt::format(
+        "peer '{}' layout fingerprint {:#018x} != local '{}' fingerprint {:#018x} (the blocks differ in dtype, bytes, "
+        "roles, tokens per block, per-block tensor shape or tensor-parallel rank)",
+        peer.name, peer.layout_fingerprint, identity_.name, identity_.layout_fingerprint));
   if (peer.tp_size != identity_.tp_size)
     return FailedPrecondition(fmt::format("peer '{}' tensor-parallel size {} != local '{}' tensor-parallel size {}",
                                           peer.name, peer.tp_size, identity_.name, identity_.tp_size));

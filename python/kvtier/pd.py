@@ -22,8 +22,9 @@ tensors (or one tensor: MLA's latent), every tensor ``[num_blocks, ...]`` with e
 contiguous; or the name map of FastDeploy's ``CacheTransferManager``
 (``key_caches_{layer}_rank{r}.device{d}``, ``value_caches_...``, ``*_cache_scales_...``), as
 :meth:`kvtier.TransferManager.from_tensors` takes. Tensors are DLPack objects (numpy, torch,
-cupy, paddle). Both sides must have the same per-block layout (the metadata exchange refuses
-another one); their block counts may differ.
+cupy, paddle). Both sides must have the same per-block layout: dtype, bytes, roles, tokens per
+block, each tensor's per-block shape and the tensor-parallel ``rank`` (the metadata exchange
+refuses another one); their block counts may differ.
 
 Memory. Without ``device`` the tensors are memory the CPU addresses (numpy, CPU or pinned
 tensors) and the transfer moves them directly. With ``device`` (:func:`kvtier.cuda_device`,

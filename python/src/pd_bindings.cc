@@ -54,9 +54,30 @@ using transport::PdMode;
 using transport::PrefillStatus;
 using transport::TransferId;
 
-Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, const KvLayout& layout,
+// What both sides must agree on beyond the layout's own fingerprint (dtype, block bytes, roles, block tokens): each
+// tensor's per-block shape (a block of [heads, tokens, dim] is not one of [tokens, heads, dim], though it has as
+// many bytes) and the tensor-parallel rank (rank r's blocks hold rank r's heads). Another value refuses the pairing
+// at add_peer, where the transfer would have "loaded" bytes of another meaning. FNV-1a over the values.
+std::uint64_t pairing_fingerprint(const KvLayout& layout, const std::map<std::string, TensorDesc>& descs, int rank) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  const auto mix = [&h](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  };
+  mix(layout.fingerprint());
+  mix(static_cast<std::uint64_t>(rank));
+  for (const auto& [name, desc] : descs) {  // in name order, the same pattern on both sides
+    mix(desc.shape.size());
+    for (std::size_t d = 1; d < desc.shape.size(); ++d) mix(static_cast<std::uint64_t>(desc.shape[d]));
+  }
+  return h != 0 ? h : 1;  // 0 would mean "the layout's own" to PdOptions
+}
+
+Result<std::unique_ptr<transport::Transport>> make_transport(const EndpointOptions& o, std::uint64_t fingerprint,
                                                              const Device* device) {
-  transport::AgentIdentity id{o.name, layout.fingerprint(), 1, 0};
+  transport::AgentIdentity id{o.name, fingerprint, 1, 0};
   if (o.transport == "loopback") {
     transport::LoopbackOptions lo;
     lo.peer_secret = o.peer_secret;
@@ -226,8 +247,10 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
                             layout_from_name_map(descs, o.num_model_layers, o.rank, o.device_label, o.block_tokens));
     KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label,
                                                                          device ? device->ordinal() : 0));
-    KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, n->layout, device));
+    const std::uint64_t pairing = pairing_fingerprint(n->layout, descs, o.rank);
+    KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, pairing, device));
     transport::PdOptions pd;
+    pd.pairing_fingerprint = pairing;
     pd.heartbeat = heartbeat;
     pd.lease = lease;
     if (device == nullptr && o.lane == "host-direct") {

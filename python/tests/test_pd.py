@@ -377,6 +377,25 @@ def test_a_restarted_peer_with_the_same_name_is_added_again(transport):
                 p.wait(30 + incarnation, TIMEOUT)
 
 
+def test_blocks_of_another_shape_or_rank_are_refused_at_pairing():
+    """A prefill in HND order paired with a decode in NHD order (as many bytes per block), or rank 0 with rank 1,
+    was accepted and every block reported loaded: bytes of another meaning, committed as verified."""
+    def kv(shape):
+        return [tuple(np.zeros((4,) + shape, np.float16) for _ in range(2)) for _ in range(2)]
+    for pkw, dkw, pshape, dshape in (({}, {}, (8, 64, 128), (64, 8, 128)),
+                                     (dict(rank=0), dict(rank=1), (8, 64, 128), (8, 64, 128))):
+        with Prefill(kv(pshape), transport="loopback", **pkw) as p, \
+                Decode(kv(dshape), transport="loopback", **dkw) as d:
+            with pytest.raises(kvtier.FailedPreconditionError, match="per-block tensor shape or tensor-parallel rank"):
+                d.add_peer(p.metadata())
+            with pytest.raises(kvtier.FailedPreconditionError, match="fingerprint"):
+                p.add_peer(d.metadata())
+    # The same shape and rank pair as before.
+    with Prefill(kv((8, 64, 128)), transport="loopback", rank=1) as p, \
+            Decode(kv((8, 64, 128)), transport="loopback", rank=1) as d:
+        connect(p, d)
+
+
 def test_bad_arguments():
     src_kv = prefill_kv()
     with pytest.raises(kvtier.InvalidArgumentError, match="'carrier-pigeon'"):

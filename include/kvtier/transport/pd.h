@@ -134,6 +134,10 @@ std::string_view layer_state_name(LayerState state) noexcept;
 struct PdOptions {
   std::chrono::milliseconds heartbeat{100};
   std::chrono::milliseconds lease{1000};
+  // The layout fingerprint the transport's identity carries (and load_peer compares): 0, the blocks' own
+  // KvLayout::fingerprint(); otherwise one that covers it and more that both sides must agree on, which a caller
+  // that knows more than the layout adds (kvtier.pd: each tensor's per-block shape and the tensor-parallel rank).
+  std::uint64_t pairing_fingerprint = 0;
   // How long the progress thread sleeps while no transfer needs polling (1 us up to `heartbeat`). A message, or a
   // call of this endpoint that gives the thread work (begin, layer_ready, start), wakes it at once; the period
   // bounds how late heartbeats are sent and leases checked, and how often an idle endpoint wakes up.
