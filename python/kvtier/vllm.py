@@ -47,8 +47,10 @@ the batches before the one that failed into them: they are recomputed all the sa
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from urllib.parse import parse_qsl
@@ -315,6 +317,18 @@ class KvtierOffloadingInfo(ConfigInfo):
 # ---------------------------------------------------------------------------------------------- scheduler side
 
 
+def _serialized(method: Any) -> Any:
+    """One call of the manager at a time: its dictionaries and the native index change together, and a scheduler
+    that calls from several threads (a lookup beside a store) would otherwise corrupt both."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class KvtierOffloadingManager(OffloadingManager):
     """The index of offloaded chunks (scheduler side), kept by kvtier's ``CacheManager``.
 
@@ -334,6 +348,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self.medium = medium
         self.locality = locality
         self.policy = policy
+        self._lock = threading.RLock()
         self._index = self._new_index()  # raises InvalidArgumentError naming a bad policy
         self._chunks: Dict[str, bytes] = {}  # object_key -> OffloadKey bytes: stored or being stored
         self._pending: Dict[bytes, int] = {}  # being stored: the admission that holds its block
@@ -369,6 +384,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # the index
 
+    @_serialized
     def __len__(self) -> int:
         return len(self._chunks)
 
@@ -379,6 +395,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     # OffloadingManager
 
+    @_serialized
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         k = bytes(key)
         if object_key(k) not in self._chunks:
@@ -407,19 +424,23 @@ class KvtierOffloadingManager(OffloadingManager):
             except (FailedPreconditionError, NotFoundError):  # withdrawn already, or the index was reset
                 pass
 
+    @_serialized
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for rid in context.new_req_ids:
             self._withdraw(rid)
 
+    @_serialized
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._withdraw(req_context.req_id)
         self._hints.pop(req_context.req_id, None)
 
+    @_serialized
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         if self.medium is Medium.CPU:
             return CacheHitSource.HOST
         return CacheHitSource.DISK if self.locality is Locality.LOCAL else CacheHitSource.EXTERNAL_UNSPECIFIED
 
+    @_serialized
     def prepare_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         for key in keys:
@@ -433,6 +454,7 @@ class KvtierOffloadingManager(OffloadingManager):
         self.stats["loads"] += len(keys)
         return KvtierLoadStoreSpec([object_key(k) for k in keys])
 
+    @_serialized
     def complete_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
             held = self._loads.get(bytes(key))
@@ -441,6 +463,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 if not held:
                     del self._loads[bytes(key)]
 
+    @_serialized
     def prepare_store(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
         keys = list(dict.fromkeys(keys))
         to_store = [k for k in keys if object_key(k) not in self._chunks]
@@ -486,6 +509,7 @@ class KvtierOffloadingManager(OffloadingManager):
         return PrepareStoreOutput(keys_to_store=list(to_store), store_spec=spec,
                                   evicted_keys=[OffloadKey(k) for k in evicted])
 
+    @_serialized
     def complete_store(self, keys: Iterable[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         done: List[OffloadKey] = []
         for key in keys:
@@ -512,18 +536,21 @@ class KvtierOffloadingManager(OffloadingManager):
             self.stats["store_failures"] += len(done)
             self._event(done, removed=True, metadata_only=True)
 
+    @_serialized
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         hints = request_hints(getattr(req_context, "kv_hints", None))
         if hints:
             self._hints[req_context.req_id] = hints
         return RequestOffloadingContext()
 
+    @_serialized
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
             return ()
         events, self._events = self._events, []
         return events
 
+    @_serialized
     def reset_cache(self) -> None:
         """Forgets every chunk (vLLM's reset_prefix_cache): this index never reports them again, and the next
         store job deletes their objects from the tier (the pinned tier has no eviction of its own, so they would

@@ -824,6 +824,53 @@ def test_any_failed_operation_of_a_pinned_job_leaves_later_jobs_working(connecto
         c.shutdown()
 
 
+def test_the_index_is_whole_after_calls_from_several_threads():
+    """The scheduler-side manager shared its dictionaries and the native index across threads without a lock:
+    "dictionary changed size during iteration", and afterwards a store of `capacity` fresh chunks (nothing pinned)
+    was refused while the index had silently dropped the stored chunks."""
+    import random
+    import threading
+    from vllm.v1.kv_offload.base import ReqContext
+    m = kv.KvtierOffloadingManager(64, enable_events=True)
+    errors = []
+
+    def scheduler(seed):
+        rnd, ctx = random.Random(seed), ReqContext(req_id=f"r{seed}")
+        try:
+            for _ in range(1500):
+                keys = [make_offload_key(bytes([rnd.randrange(200)]) * 32, 0) for _ in range(rnd.randrange(1, 4))]
+                op = rnd.randrange(4)
+                if op == 0:
+                    for k in keys:
+                        m.lookup(k, ctx)
+                elif op == 1:
+                    out = m.prepare_store(keys, ctx)
+                    if out is not None and out.keys_to_store:
+                        m.complete_store(out.keys_to_store, ctx, success=rnd.random() < 0.8)
+                elif op == 2:
+                    hits = [k for k in keys if m.lookup(k, ctx) is LookupResult.HIT]
+                    if hits:
+                        m.prepare_load(hits, ctx)
+                        m.complete_load(hits, ctx)
+                else:
+                    m.take_events()
+                    m.on_request_finished(ctx)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=scheduler, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    fresh = [make_offload_key(b"Z" + bytes([i]) * 31, 0) for i in range(64)]
+    out = m.prepare_store(fresh, ReqContext(req_id="check"))
+    assert out is not None and len(out.keys_to_store) == 64, "a store of the whole capacity, nothing pinned"
+    m.complete_store(out.keys_to_store, ReqContext(req_id="check"))
+    assert len(m) == 64 and all(m.lookup(k, ReqContext(req_id="c2")) is LookupResult.HIT for k in fresh)
+
+
 def test_a_store_that_cannot_be_planned_still_deletes_what_the_index_evicted_for_it():
     """The deletes of the chunks the index evicted for a store rode on that store's job; a job that failed in
     planning (a block id out of range) dropped them, and the pinned tier filled with objects no index reports."""
