@@ -834,12 +834,14 @@ class ChunkMover:
         with self._lock:
             running = [j for j in self._jobs.values() if not j.future.done()]
         deadline = time.monotonic() + timeout
+        left_running = False
         for j in running:
             try:
                 j.future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 logger.error("kvtier.vllm: shutdown: job %d did not end within %g s; left running", j.job_id,
                              timeout)
+                left_running = True
                 break
             except BaseException:  # noqa: BLE001 (its outcome was the job's)
                 pass
@@ -853,3 +855,12 @@ class ChunkMover:
             idle = [m for m in managers if self._users.get(id(m), 0) == 0]
         for m in idle:
             m.close()
+        # The storage tier's backend goes with the worker (a disk tier's directory lock: a new worker of this
+        # process over the same directory was refused until the garbage collector ran), unless a job left running
+        # still uses it.
+        store = None if self._tier.pinned else self._tier.store
+        if store is not None and not left_running and hasattr(store, "close"):
+            try:
+                store.close()
+            except Exception as e:  # noqa: BLE001 (shutting down: nothing more to do with it)
+                logger.debug("kvtier.vllm: closing the storage tier: %s", e)

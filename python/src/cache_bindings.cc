@@ -97,8 +97,31 @@ struct PyKeyHasher {
   cache::KeyHasher hasher;
 };
 
+// Shared with the calls in flight (they run with the GIL released), so close() from another thread never frees
+// what one of them uses: the last holder destroys the backend (its directory lock, its connections).
 struct PyStorage {
-  std::unique_ptr<storage::StorageBackend> backend;
+  std::mutex mu;
+  std::shared_ptr<storage::StorageBackend> backend;  // null once closed
+  std::string name;                                  // kept for after close()
+
+  std::shared_ptr<storage::StorageBackend> get() {
+    std::shared_ptr<storage::StorageBackend> b;
+    {
+      std::lock_guard lock(mu);
+      b = backend;
+    }
+    if (!b) raise_status(FailedPrecondition(fmt::format("the storage backend '{}' was closed", name)));
+    return b;
+  }
+  void close() {
+    std::shared_ptr<storage::StorageBackend> b;
+    {
+      std::lock_guard lock(mu);
+      b = std::move(backend);
+    }
+    nb::gil_scoped_release release;  // a backend's teardown joins its threads
+    b.reset();
+  }
 };
 
 // ---------------------------------------------------------------- hybrid models
@@ -264,7 +287,8 @@ std::optional<std::uint64_t> run_one(PyStorage& p, storage::StorageOp op, const 
   storage::StorageBatch b;
   b.op = op;
   b.items.push_back({storage_key(key, rank), buffer, bytes});
-  auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+  const auto backend = p.get();
+  auto r = value_or_raise(released([&] { return storage::run_batch(*backend, std::move(b)); }));
   if (r.at(0).status.code() == StatusCode::kNotFound) return std::nullopt;
   check(r.at(0).status);
   return r.at(0).bytes;
@@ -382,7 +406,8 @@ nb::list run_many(PyStorage& p, storage::StorageOp op, const std::vector<std::st
     }
   }
   if (b.items.empty()) return nb::list();
-  auto r = value_or_raise(released([&] { return run_to_completion(*p.backend, std::move(b)); }));
+  const auto backend = p.get();
+  auto r = value_or_raise(released([&] { return run_to_completion(*backend, std::move(b)); }));
   return item_results(r);
 }
 
@@ -953,6 +978,7 @@ void bind_cache(nb::module_& m) {
             check(storage::apply_tenant_config(tenant, o));
             auto p = std::make_unique<PyStorage>();
             p->backend = value_or_raise(released([&] { return storage::make_storage_backend(spec, o, defaults); }));
+            p->name = std::string(p->backend->name());
             return p;
           },
           "spec"_a, "namespace"_a = "default", "config"_a = std::map<std::string, std::string>(),
@@ -968,7 +994,10 @@ void bind_cache(nb::module_& m) {
           [](const std::string& key, IntArg rank) { return storage_key(key, rank.u32("rank")).to_string(); }, "key"_a,
           "rank"_a = 0,
           "The stored object's name (\"<32 hex digits>-r<rank>\"): the disk file <name>.kvo, the end of the Redis key.")
-      .def_prop_ro("name", [](PyStorage& p) { return std::string(p.backend->name()); })
+      .def_prop_ro("name", [](PyStorage& p) { return p.name; })
+      .def("close", &PyStorage::close,
+           "Releases the backend (a disk tier's directory lock, a Redis tier's connections) once the calls in "
+           "flight on other threads end (idempotent); later calls raise FailedPreconditionError.")
       .def(
           "put",
           [](PyStorage& p, const std::string& key, nb::bytes data, IntArg rank) {
@@ -992,7 +1021,8 @@ void bind_cache(nb::module_& m) {
               storage::StorageBatch b;
               b.op = storage::StorageOp::kGet;
               b.items.push_back({storage_key(key, rank), buf.data(), buf.size()});
-              auto r = value_or_raise(released([&] { return storage::run_batch(*p.backend, std::move(b)); }));
+              const auto backend = p.get();
+              auto r = value_or_raise(released([&] { return storage::run_batch(*backend, std::move(b)); }));
               const Status& st = r.at(0).status;
               if (st.code() == StatusCode::kNotFound) return nb::none();
               if (st.code() == StatusCode::kInvalidArgument && attempt == 0) continue;  // replaced meanwhile
@@ -1048,7 +1078,7 @@ void bind_cache(nb::module_& m) {
           },
           "keys"_a, "rank"_a = 0, "Per key 0 when removed, else the exception object (NotFoundError: absent).")
       .def("stats", [](PyStorage& p) {
-        storage::StorageStats s = p.backend->stats();
+        storage::StorageStats s = p.get()->stats();
         nb::dict d;
         d["objects"] = s.objects;
         d["bytes"] = s.bytes;

@@ -289,6 +289,18 @@ def test_disk_storage_round_trip(tmp_path):
     assert other.get(key, 8192) is None, "namespaces must not share objects"
     with pytest.raises(kvtier.KvtierError, match="nope"):
         kvtier.StorageBackend.open("nope:/x")
+    # close() releases the directory (a second backend over it was refused until the first was collected).
+    other.close()
+    other.close()
+    with pytest.raises(kvtier.FailedPreconditionError, match="was closed"):
+        other.get(key, 8192)
+    spec = f"disk:{tmp_path}/store?durability=process"
+    first = kvtier.StorageBackend.open(spec, namespace="model-d")
+    with pytest.raises(kvtier.FailedPreconditionError, match="locked by another backend"):
+        kvtier.StorageBackend.open(spec, namespace="model-d")
+    first.close()
+    kvtier.StorageBackend.open(spec, namespace="model-d").close()  # free once closed, the object still referenced
+    other = kvtier.StorageBackend.open(f"disk:{tmp_path}/store?durability=process", namespace="model-b")
     with pytest.raises(kvtier.OutOfRangeError, match="rank -1"):
         other.put(key, payload, rank=-1)
     with pytest.raises(kvtier.OutOfRangeError, match="max_bytes -1"):

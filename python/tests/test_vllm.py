@@ -972,6 +972,22 @@ def test_shutdown_leaves_a_job_it_gave_up_on_its_transfer_manager(tmp_path, monk
         assert worker._mover._retired == [], "the job's manager stays open after the job ended"
 
 
+def test_a_worker_shut_down_releases_its_disk_tier(tmp_path):
+    """shutdown() kept the disk tier open: a new worker of this process over the same directory was refused
+    ("locked by another process") until the garbage collector freed the old spec."""
+    extra = {"storage": f"disk:{tmp_path}?durability=process", "capacity": "64M"}
+    c1 = Connector(extra, G_UNPADDED, num_blocks=16)
+    c1.kv[0].fill_random(0, [1])
+    assert c1.finish(c1.store(c1.request("r", chunk_hashes(1)), [0], {0: [1]})) == [True]
+    c1.shutdown()
+    c2 = Connector(extra, G_UNPADDED, num_blocks=16)  # c1 still referenced
+    try:
+        c2.kv[0].fill_random(0, [2])
+        assert c2.finish(c2.store(c2.request("r2", chunk_hashes(1, "x")), [0], {0: [2]})) == [True]
+    finally:
+        c2.shutdown()
+
+
 def test_an_expedited_load_does_not_queue_behind_regular_loads(tmp_path):
     """vLLM waits for an expedited (sync) load within the step; it ran after every queued regular load."""
     import time

@@ -172,7 +172,10 @@ Status DiskBackend::init() {
   if (lock < 0) return fs_error(-lock, fmt::format("open {}/LOCK", dir_));
   lock_fd_ = ScopedFd(lock);
   if (::flock(lock_fd_.get(), LOCK_EX | LOCK_NB) != 0)
-    return FailedPrecondition(fmt::format("disk backend directory {} is locked by another process", dir_));
+    return FailedPrecondition(fmt::format(
+        "disk backend directory {} is locked by another backend open on it (another process, or one of this process "
+        "not yet closed)",
+        dir_));
   header_size_ = format::header_bytes(options_, kAlign);
   // Shard directories are created on first use (metadata operations are slow on some disks).
   shard_fds_.resize(kNumShards);
