@@ -157,9 +157,35 @@ def _count(value: Any, what: str) -> int:
     return _ranged(value, what, 0, (1 << 32) - 1)
 
 
+def _mode(value: Any) -> str:
+    if value not in ("push", "pull") or not isinstance(value, str):
+        raise InvalidArgumentError(f"mode {value!r} is not 'push' or 'pull'")
+    return value
+
+
+def _flag(value: Any, what: str) -> bool:
+    """A bool (numpy's included): "yes" or 1 are refused, naming them; ``bool()`` would take "no" as True."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")):
+        return bool(value)
+    raise InvalidArgumentError(f"{what} {value!r} is a {type(value).__name__}, not a bool")
+
+
+def _keys(keys: Any) -> List[str]:
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) and not hasattr(keys, "tolist"):
+        raise InvalidArgumentError(f"keys {keys!r} is not a sequence of keys (32 hex digits each)")
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"key {k!r} at index {i} is a {type(k).__name__}, not 32 hex digits")
+    return out
+
+
 def _blocks(ids: Sequence[Any], what: str) -> List[int]:
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise InvalidArgumentError(f"{what} blocks {ids!r} is not a sequence of block ids")
+    # An ordered sequence only: position i of one side's list pairs with position i of the other's, so a set's or
+    # a dict's arbitrary order would pair blocks arbitrarily.
+    if isinstance(ids, (str, bytes, set, frozenset, dict)) or not hasattr(ids, "__iter__"):
+        raise InvalidArgumentError(f"{what} blocks {ids!r} is not a sequence of block ids (an ordered one: a list, a "
+                                   "tuple, a range, an array)")
     out = []
     for i, b in enumerate(ids):
         v = _int(b, f"{what} block id at index {i}:")
@@ -464,7 +490,7 @@ class Decode(_Endpoint):
     def start(self, peer: int, transfer_id: int, dst_blocks: Sequence[int], mode: str = "push") -> None:
         """Starts transfer ``transfer_id`` from ``peer`` into ``dst_blocks`` (distinct ids of this side's blocks);
         ``mode`` ``"push"`` or ``"pull"``."""
-        self._ep.start(_peer(peer), _xid(transfer_id), _blocks(dst_blocks, "destination"), mode)
+        self._ep.start(_peer(peer), _xid(transfer_id), _blocks(dst_blocks, "destination"), _mode(mode))
 
     def wait_layer(self, transfer_id: int, layer: int, timeout: Optional[float] = DEFAULT_TIMEOUT) -> str:
         """Until ``layer`` is final: returns ``"loaded"``, ``"partial"`` or ``"failed"`` (``TimedOutError`` past
@@ -486,7 +512,7 @@ class Decode(_Endpoint):
     def wait(self, transfer_id: int, timeout: Optional[float] = DEFAULT_TIMEOUT,
              reclaimable: bool = False) -> DecodeStatus:
         """Until every layer is final (and, with ``reclaimable``, the blocks may be reused)."""
-        return DecodeStatus(**self._ep.wait(_xid(transfer_id), _timeout(timeout), reclaimable))
+        return DecodeStatus(**self._ep.wait(_xid(transfer_id), _timeout(timeout), _flag(reclaimable, "reclaimable")))
 
     def cancel(self, transfer_id: int) -> None:
         """Gives up on a transfer now (the engine dropped the request, or waited long enough): its layers not final
@@ -551,8 +577,9 @@ class Receiver:
         """Admits the prompt's ``keys`` (32 hex digits each, chained as the cache's keys are), guards the blocks and
         starts transfer ``transfer_id`` from ``peer`` into them. ``match_prefix``: the cached prefix is served (and
         loaded) and only the keys after it are received (the peer must send only those)."""
-        d = self._rx.start(_peer(peer), _rxid(transfer_id), mode, list(keys), _count(extra_blocks, "extra_blocks"),
-                           _count(received_extra_blocks, "received_extra_blocks"), bool(match_prefix))
+        d = self._rx.start(_peer(peer), _rxid(transfer_id), _mode(mode), _keys(keys),
+                           _count(extra_blocks, "extra_blocks"), _count(received_extra_blocks, "received_extra_blocks"),
+                           _flag(match_prefix, "match_prefix"))
         return Receive(d["transfer_id"], d["task"], d["admission"])
 
     @staticmethod

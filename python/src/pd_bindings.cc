@@ -338,7 +338,10 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
       nb::gil_scoped_release release;
       n.reset();
     }
-    raise_status(st.with_context(fmt::format("{} endpoint '{}'", o.role, o.name)));
+    // The name as the error shows it: a name refused for its length is not repeated whole (100 KB of it).
+    const std::string shown =
+        o.name.size() <= 80 ? o.name : fmt::format("{}... ({} bytes)", o.name.substr(0, 64), o.name.size());
+    raise_status(st.with_context(fmt::format("{} endpoint '{}'", o.role, shown)));
   }
   auto out = std::make_unique<PyPdEndpoint>();
   out->options = std::move(o);

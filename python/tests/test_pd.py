@@ -406,6 +406,22 @@ def test_bad_arguments():
         Prefill([src_kv[0], (src_kv[1][0], src_kv[1][1], src_kv[1][0])], transport="loopback")
     with pytest.raises(kvtier.InvalidArgumentError, match="lease"):
         Prefill(src_kv, transport="loopback", lease_s=0)
+    # A name refused for its length is not repeated whole in the error (it was 100 KB long).
+    with pytest.raises(kvtier.InvalidArgumentError) as long_name:
+        Prefill(src_kv, transport="loopback", name="a" * 100000)
+    assert len(str(long_name.value)) < 1000 and "100000 bytes" in str(long_name.value)
+    with Prefill(src_kv, transport="loopback") as p, Decode(decode_kv(), transport="loopback") as d:
+        to_decode, to_prefill = connect(p, d)
+        # Each was nanobind's "incompatible function arguments", naming neither the argument nor the value; a set's
+        # order would pair source and destination blocks arbitrarily.
+        with pytest.raises(kvtier.InvalidArgumentError, match="mode None is not 'push' or 'pull'"):
+            d.start(to_prefill, 2, [0], mode=None)
+        with pytest.raises(kvtier.InvalidArgumentError, match="reclaimable 'yes' is a str, not a bool"):
+            d.wait(2, 0.1, reclaimable="yes")
+        with pytest.raises(kvtier.InvalidArgumentError, match="ordered"):
+            d.start(to_prefill, 3, {9, 3, 5})
+        with pytest.raises(kvtier.InvalidArgumentError, match="ordered"):
+            p.begin(to_decode, 3, {1: 0, 2: 0})
     with Decode(decode_kv(), transport="loopback") as d:
         with pytest.raises(kvtier.InvalidArgumentError, match="without a device"):
             d.wait_layer_on_stream(1, 0, kvtier.host_device().create_stream())
@@ -836,6 +852,12 @@ def test_receiver_refuses_a_storage_tier_and_negative_ids():
                 rx.start(0, -1, chain(2), "push")
             with pytest.raises(kvtier.OutOfRangeError, match="transfer id -1"):
                 rx.finish(-1, 0.1)
+            with pytest.raises(kvtier.InvalidArgumentError, match="key 5 at index 1 is a int"):
+                rx.start(0, 1, [chain(1)[0], 5], "push")
+            with pytest.raises(kvtier.InvalidArgumentError, match="mode 'sideways'"):
+                rx.start(0, 1, chain(2), "sideways")
+            with pytest.raises(kvtier.InvalidArgumentError, match="match_prefix 'no' is a str"):
+                rx.start(0, 1, chain(2), "push", match_prefix="no")
     tm.close()
 
 
