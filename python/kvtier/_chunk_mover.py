@@ -568,6 +568,11 @@ class ChunkMover:
         """Device pointers (vLLM's order: group by group, data reference by data reference, block by block) as
         batches of chunks, each with its blocks' (host block in the batch, device row)."""
         bpc = self.blocks_per_chunk
+        missing = [a for a in ("ptrs", "sizes", "group_block_counts", "group_data_ref_counts", "block_indices")
+                   if not hasattr(ptrs, a)]
+        if missing:
+            raise _JobFailed(f"device pointers {type(ptrs).__name__} have no {', '.join(missing)} (vLLM's "
+                             "DevicePointers)")
         counts = tuple(ptrs.group_block_counts)
         if len(counts) != len(self._groups):
             raise _JobFailed(f"{len(counts)} KV cache groups in the job, {len(self._groups)} registered")
@@ -582,6 +587,8 @@ class ChunkMover:
             grp = self._groups[g]
             if n_refs != len(grp.tensors):
                 raise _JobFailed(f"group {g}: {n_refs} data references in the job, {len(grp.tensors)} registered")
+            if isinstance(block_idx, (bool, np.bool_)) or not isinstance(block_idx, (int, np.integer)):
+                raise _JobFailed(f"group {g}: block index {block_idx!r} is not an integer")
             if int(block_idx) < 0:
                 raise _JobFailed(f"group {g}: block index {block_idx} is negative")
             skip = int(block_idx) % bpc

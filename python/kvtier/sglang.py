@@ -254,7 +254,25 @@ def _nbytes(t: Any) -> int:
         return int(t[1])
     if hasattr(t, "nbytes"):
         return int(t.nbytes)
-    return int(t.numel()) * int(t.element_size())
+    if hasattr(t, "numel") and hasattr(t, "element_size"):
+        return int(t.numel()) * int(t.element_size())
+    try:
+        return memoryview(t).nbytes  # bytes, bytearray: the buffer protocol
+    except TypeError:
+        raise InvalidArgumentError(f"kvtier.sglang: a page of type {type(t).__name__} ({t!r:.60}): need a CPU tensor, "
+                                   "an array, a buffer or an (address, bytes) pair") from None
+
+
+def _keys(keys: Any) -> List[str]:
+    """The keys of a batch: a sequence of strings (a string alone would be taken as one key per character)."""
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+        raise InvalidArgumentError(f"kvtier.sglang: keys {keys!r:.60} is not a list of keys")
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, str):
+            raise InvalidArgumentError(f"kvtier.sglang: key {k!r:.60} at index {i} is a {type(k).__name__}, not a "
+                                       "string")
+    return out
 
 
 def _address_target(location: Any, size: Any, i: int) -> Any:
@@ -334,6 +352,8 @@ class HiCacheKvtier(HiCacheStorage):
             if buffers is None:
                 return getattr(self.store, op + "_many")(names)
             return getattr(self.store, op + "_many")(names, buffers)
+        except InvalidArgumentError:
+            raise  # the caller's buffers (not contiguous, read only, of another device): malformed arguments raise
         except KvtierError as e:
             self._fail(op, e)
             return None
@@ -462,8 +482,12 @@ class HiCacheKvtier(HiCacheStorage):
         return self._segments[k]
 
     def _io_pages(self, name: Any, keys: List[str], host_indices: Any, is_set: bool) -> List[bool]:
+        keys = _keys(keys)
         if not keys:
             return []
+        if host_indices is None or not (hasattr(host_indices, "__len__") or hasattr(host_indices, "numel")):
+            raise InvalidArgumentError(f"kvtier.sglang: host indices {host_indices!r:.60} are not a sequence of "
+                                       "indices")
         pool = self._pool(name)
         if not hasattr(pool, "get_page_buffer_meta"):
             return self._io_flat_pages(name, pool, keys, host_indices, is_set)
@@ -586,6 +610,7 @@ class HiCacheKvtier(HiCacheStorage):
 
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[Any]:
         """Per key its target filled with the page, or None (absent, evicted, corrupt, wrong size)."""
+        keys = _keys(keys)
         if not keys:
             return []
         if target_locations is None:
@@ -616,6 +641,7 @@ class HiCacheKvtier(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         """Stores pages (``values``, or addresses + sizes); True when every page is stored."""
+        keys = _keys(keys)
         if not keys:
             return True
         if values is not None:
@@ -639,7 +665,7 @@ class HiCacheKvtier(HiCacheStorage):
 
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         """How many pages from the start are stored (every segment of each, on the zero-copy path)."""
-        present = self._page_present(_KV, list(keys))
+        present = self._page_present(_KV, _keys(keys))
         return present.index(False) if False in present else len(present)
 
     # ------------------------------------------------------------------ the rest

@@ -285,9 +285,17 @@ def request_hints(envelope: Any) -> Dict[str, Any]:
     return out
 
 
+def _key_bytes(key: Any) -> bytes:
+    """An ``OffloadKey`` (bytes) as bytes; anything else refused, naming it (``bytes(7)`` is seven zero bytes)."""
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"kvtier.vllm: offload key {key!r} is a {type(key).__name__}, not bytes (an "
+                                   "OffloadKey: block hash + group index)")
+    return bytes(key)
+
+
 def object_key(key: bytes) -> str:
     """The kvtier key (32 hex digits) of one vLLM ``OffloadKey`` (block hash + group index)."""
-    return hashlib.blake2b(bytes(key), digest_size=16, person=b"kvtier.vllm").hexdigest()
+    return hashlib.blake2b(_key_bytes(key), digest_size=16, person=b"kvtier.vllm").hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -397,7 +405,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     @_serialized
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        k = bytes(key)
+        k = _key_bytes(key)
         if object_key(k) not in self._chunks:
             return LookupResult.MISS
         if k in self._pending:
@@ -444,37 +452,37 @@ class KvtierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         for key in keys:
-            if not self._stored(bytes(key)):
+            if not self._stored(_key_bytes(key)):
                 raise InvalidArgumentError(
-                    f"kvtier.vllm: prepare_load of chunk {bytes(key).hex()}, which is "
-                    f"{'still being stored' if bytes(key) in self._pending else 'not stored'}")
+                    f"kvtier.vllm: prepare_load of chunk {_key_bytes(key).hex()}, which is "
+                    f"{'still being stored' if _key_bytes(key) in self._pending else 'not stored'}")
         for key in keys:
             # An admission of a stored chunk is a hit: it counts as a use for the policy and pins the chunk.
-            self._loads.setdefault(bytes(key), []).append(self._index.admit([object_key(key)], 0)["id"])
+            self._loads.setdefault(_key_bytes(key), []).append(self._index.admit([object_key(key)], 0)["id"])
         self.stats["loads"] += len(keys)
         return KvtierLoadStoreSpec([object_key(k) for k in keys])
 
     @_serialized
     def complete_load(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
-            held = self._loads.get(bytes(key))
+            held = self._loads.get(_key_bytes(key))
             if held:
                 self._index.release(held.pop())
                 if not held:
-                    del self._loads[bytes(key)]
+                    del self._loads[_key_bytes(key)]
 
     @_serialized
     def prepare_store(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
         keys = list(dict.fromkeys(keys))
         to_store = [k for k in keys if object_key(k) not in self._chunks]
         # The stored chunks of this call: a use each, and not evicted for the others.
-        held = [self._index.admit([object_key(k)], 0)["id"] for k in keys if self._stored(bytes(k))]
+        held = [self._index.admit([object_key(k)], 0)["id"] for k in keys if self._stored(_key_bytes(k))]
         try:
             if not to_store:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]), evicted_keys=[])
             # Room first, so a refused store evicts nothing: free blocks, then stored chunks no load holds.
             free = self.capacity_chunks - len(self._chunks)
-            protected = {bytes(k) for k in keys}
+            protected = {_key_bytes(k) for k in keys}
             movable = sum(1 for k in self._chunks.values()
                           if k not in self._pending and k not in self._loads and k not in protected)
             if len(to_store) > free + movable:
@@ -484,7 +492,7 @@ class KvtierOffloadingManager(OffloadingManager):
             try:
                 for k in to_store:
                     admitted.append((k, self._index.admit([object_key(k)], 0)["id"]))
-                    self._chunks[object_key(k)] = bytes(k)
+                    self._chunks[object_key(k)] = _key_bytes(k)
             except ResourceExhaustedError:  # the count above disagreed with the index: refuse, keep the index whole
                 for k, admission in admitted:
                     self._index.release(admission)
@@ -495,7 +503,7 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._event([OffloadKey(k) for k in evicted], removed=True)
                 return None
             for k, admission in admitted:
-                self._pending[bytes(k)] = admission
+                self._pending[_key_bytes(k)] = admission
             evicted = self._take_evicted()
         finally:
             for admission in held:
@@ -513,7 +521,7 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Iterable[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         done: List[OffloadKey] = []
         for key in keys:
-            admission = self._pending.pop(bytes(key), None)
+            admission = self._pending.pop(_key_bytes(key), None)
             if admission is None:
                 # A store from before reset_cache(): whatever it wrote belongs to no chunk of this index.
                 if object_key(key) not in self._chunks:
@@ -615,6 +623,8 @@ class KvtierOffloadingWorker(OffloadingWorker):
 
     def _submit(self, job_id: int, ptrs: DevicePointers, spec: LoadStoreSpec, is_store: bool,
                 expedited: bool = False) -> bool:
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise InvalidArgumentError(f"kvtier.vllm: job id {job_id!r} is a {type(job_id).__name__}, not an int")
         if not isinstance(spec, KvtierLoadStoreSpec):
             raise InvalidArgumentError(f"kvtier.vllm: job {job_id} has a {type(spec).__name__}, not a "
                                        "KvtierLoadStoreSpec")

@@ -600,6 +600,30 @@ def test_host_indices_outside_the_pool_and_mismatched_lists_are_refused(tmp_path
         flat.batch_set(["x"], None, [buf.ctypes.data, buf.ctypes.data], [64])
 
 
+def test_malformed_batches_raise_naming_what_is_wrong(tmp_path):
+    """bytes values, numbers as targets, None as host indices raised AttributeError / TypeError; a string as the
+    keys was taken as one key per character; a non-contiguous array was logged and reported as a miss."""
+    pool = HostPool(pages=4)
+    backend = open_backend(tmp_path)
+    backend.register_mem_pool_host(pool)
+    flat = open_backend(tmp_path / "flat", zero_copy=False)
+    flat.register_mem_pool_host(pool)
+    with pytest.raises(InvalidArgumentError, match="keys 'abc' is not a list of keys"):
+        backend.batch_exists("abc")
+    with pytest.raises(InvalidArgumentError, match="key 1 at index 1 is a int"):
+        backend.batch_exists(["a", 1])
+    with pytest.raises(InvalidArgumentError, match="host indices None"):
+        backend.batch_set_v1(["a"], None)
+    with pytest.raises(InvalidArgumentError, match="a page of type float"):
+        flat.batch_set(["x"], [1.5])
+    assert flat.batch_set(["b"], [b"hello"])  # bytes are a buffer: stored as they are
+    buf = bytearray(5)
+    assert flat.batch_get(["b"], [buf]) == [buf] and bytes(buf) == b"hello"
+    strided = np.zeros((8, 2), np.uint8)[:, 0]
+    with pytest.raises(InvalidArgumentError):
+        flat.batch_set(["c"], [strided])
+
+
 def test_get_without_a_pool_or_targets_names_what_is_missing(tmp_path):
     # It raised AttributeError: 'HiCacheKvtier' object has no attribute 'mem_pool_host'.
     backend = open_backend(tmp_path, zero_copy=False)

@@ -409,6 +409,28 @@ def test_device_pointers_outside_the_kv_tensors_fail_the_job(tmp_path, connector
     assert c.lookup(req) == (0, [LookupResult.MISS])
 
 
+def test_malformed_keys_job_ids_and_pointers_are_named(tmp_path, connectors):
+    """lookup(5) was a miss and prepare_store([7]) planned a store of key b"\\0" * 7 (bytes(7)); a str key raised
+    TypeError; a job id "x" was accepted; device pointers None raised AttributeError from submit."""
+    from vllm.v1.kv_offload.base import ReqContext
+    m = kv.KvtierOffloadingManager(8)
+    ctx = ReqContext(req_id="r")
+    for bad in (5, "abc", -1, None):
+        with pytest.raises(InvalidArgumentError, match="offload key .* not bytes"):
+            m.lookup(bad, ctx)
+    with pytest.raises(InvalidArgumentError, match="offload key 7 is a int"):
+        m.prepare_store([7], ctx)
+    assert len(m) == 0
+    c = connectors(extra(tmp_path), G1, num_blocks=16)
+    worker = c.workers[0]
+    with pytest.raises(InvalidArgumentError, match="job id 'x' is a str"):
+        worker.submit_store("x", None, kv.KvtierLoadStoreSpec(["0" * 32]))
+    assert worker.submit_load(77, kv.KvtierLoadStoreSpec(["0" * 32]), None)
+    worker.wait({77})
+    done = [r for r in worker.get_finished() if r.job_id == 77]
+    assert done and not done[0].success and "have no ptrs" in worker.last_error
+
+
 def test_index_capacity_evicts_lru_deletes_objects_and_refuses_when_all_pinned(tmp_path, connectors):
     chunk_on_disk = 4096 + 8192
     c = connectors(extra(tmp_path, capacity=3 * chunk_on_disk), G1, num_blocks=32, events=True)
