@@ -58,7 +58,7 @@ from urllib.parse import parse_qsl
 from . import _native
 from ._engine_config import split_extra_config
 from .errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, NotSupportedError,
-                     ResourceExhaustedError)
+                     OutOfRangeError, ResourceExhaustedError)
 
 try:
     import torch  # noqa: F401 (kvtier._chunk_mover's copies)
@@ -127,10 +127,15 @@ def _shown(spec: Any) -> Any:
     return _native.StorageBackend.redacted_spec(spec) if isinstance(spec, str) else spec
 
 
-def parse_size(key: str, value: Any) -> int:
-    """A byte count: an integer, or a string like ``4096``, ``64K``, ``200G`` (binary units, optional ``B``)."""
+_MAX_CHUNKS = (1 << 32) - 1  # the index's blocks (32-bit ids)
+
+
+def parse_size(key: str, value: Any, shown: Optional[str] = None) -> int:
+    """A byte count: an integer, or a string like ``4096``, ``64K``, ``200G`` (binary units, optional ``B``).
+    Errors name ``extra_config['key']``, or ``shown`` where the value came from elsewhere."""
+    what = shown if shown is not None else f"extra_config['{key}']"
     if isinstance(value, bool):
-        raise InvalidArgumentError(f"kvtier.vllm: extra_config['{key}'] = {value!r} is not a size")
+        raise InvalidArgumentError(f"kvtier.vllm: {what} = {value!r} is not a size")
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
@@ -141,12 +146,12 @@ def parse_size(key: str, value: Any) -> int:
         digits = t[:-1] if unit else t
         if unit not in _UNITS or not digits.isdigit():
             raise InvalidArgumentError(
-                f"kvtier.vllm: extra_config['{key}'] = {value!r} is not a size (examples: 4096, 64K, 1M, 200G)")
+                f"kvtier.vllm: {what} = {value!r} is not a size (examples: 4096, 64K, 1M, 200G)")
         n = int(digits) * _UNITS[unit]
     else:
-        raise InvalidArgumentError(f"kvtier.vllm: extra_config['{key}'] = {value!r} is not a size")
+        raise InvalidArgumentError(f"kvtier.vllm: {what} = {value!r} is not a size")
     if n <= 0:
-        raise InvalidArgumentError(f"kvtier.vllm: extra_config['{key}'] = {value!r} must be positive")
+        raise InvalidArgumentError(f"kvtier.vllm: {what} = {value!r} must be positive")
     return n
 
 
@@ -207,7 +212,7 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
     elif spec.startswith(("disk:", "memory:", "pinned:")):
         query = dict(parse_qsl(spec.partition("?")[2]))
         if "capacity" in query:
-            capacity = parse_size("storage", query["capacity"])
+            capacity = parse_size("storage", query["capacity"], shown="the storage spec's ?capacity")
         elif "storage.disk.capacity_bytes" in knobs and knobs["storage.disk.capacity_bytes"] not in ("0", ""):
             capacity = parse_size("storage.disk.capacity_bytes", knobs["storage.disk.capacity_bytes"])
     staging = parse_size("staging_bytes", extra.get("staging_bytes", _DEFAULT_STAGING))
@@ -692,6 +697,11 @@ class KvtierOffloadingSpec(OffloadingSpec):
         if self.capacity_chunks < 1:
             raise InvalidArgumentError(
                 f"kvtier.vllm: capacity {cap} bytes holds no chunk of {per_chunk} bytes (on the tier)")
+        if self.capacity_chunks > _MAX_CHUNKS:
+            raise OutOfRangeError(
+                f"kvtier.vllm: capacity {cap} bytes is {self.capacity_chunks} chunks of {per_chunk} bytes; the tier's "
+                f"index holds at most {_MAX_CHUNKS} (2**32 - 1 blocks): a smaller capacity, or larger chunks "
+                "(blocks_per_chunk)")
         self.medium = Medium.CPU if (self.settings.memory or self.settings.pinned) else Medium.STORAGE
         self.locality = Locality.LOCAL if self.settings.local else Locality.REMOTE
         self._manager: Optional[KvtierOffloadingManager] = None

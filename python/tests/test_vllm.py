@@ -508,6 +508,7 @@ def test_extra_config_maps_onto_kvtier_knobs_and_names_bad_values(tmp_path, capl
         ({"storage": "disk:/x", "storage.cache.host_blocks": 3}, "storage.cache.host_blocks"),
         ({"storage": "disk:/x", "storage.disk.qd": [1]}, "storage.disk.qd"),
         ({"storage": "disk:/x", "namespace": 3}, "namespace"),
+        ({"storage": "disk:/x?capacity=abc"}, "the storage spec's ?capacity = 'abc'"),
     ]
     for cfg, needle in bad:
         with pytest.raises(InvalidArgumentError, match=None) as e:
@@ -516,6 +517,9 @@ def test_extra_config_maps_onto_kvtier_knobs_and_names_bad_values(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
         kv.parse_extra_config({"storage": "disk:/x", "capcity": "1G"})
     assert "capcity" in caplog.text
+    # A capacity of more chunks than the index's 32-bit block ids named only the index's device_blocks.
+    with pytest.raises(kvtier.OutOfRangeError, match="capacity .* chunks .* at most 4294967295"):
+        kv.KvtierOffloadingSpec(make_config({"storage": "disk:/x?durability=process", "capacity": "999999999T"}, G1))
     # A Redis tier needs a capacity; a knob's bad value is named when the worker opens the tier.
     with pytest.raises(InvalidArgumentError, match="capacity"):
         kv.KvtierOffloadingSpec(make_config({"storage": "redis://127.0.0.1:1"}, G1))
