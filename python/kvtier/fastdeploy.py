@@ -51,6 +51,8 @@ docs/configuration.md. These variables are knobs of kvtier's config table (``fas
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import operator
 import os
 import threading
@@ -195,6 +197,10 @@ class CacheTransferManager:
         self._registration = (0, 0, 0)  # num_layers, local_rank, device_id
         self._loads: List[int] = []
         self._evicts: List[int] = []
+        # Host blocks an eviction that failed before the maps were registered again wrote (their bytes undefined):
+        # the new native manager does not know them, so a load of one fails here until an eviction rewrites it.
+        self._bad_host_blocks: Dict[int, str] = {}
+        self._evict_hosts: Dict[int, List[int]] = {}  # eviction task -> its host blocks
         # Per layer, the loads not yet seen finished, in submission order: a wait covers all of them (a later
         # load of the layer does not make an earlier, failed one's blocks good).
         self._layer_tasks: Dict[int, List[int]] = {}
@@ -430,9 +436,31 @@ class CacheTransferManager:
     def _close_manager(self) -> None:
         mgr, self._mgr = self._mgr, None
         if mgr is not None:
+            # The outcome of every transfer in flight is collected before the manager goes (closing drains them
+            # and drops their errors): a failed eviction's host blocks stay refused to loads, a failed load's
+            # layers keep failing their waits, and last_error says so.
+            for task in self._evicts:
+                try:
+                    mgr.wait(task, self._sync_timeout)
+                except KvtierError as e:
+                    why = f"eviction task {task} failed: {e}"
+                    for h in self._evict_hosts.get(task, ()):
+                        self._bad_host_blocks[h] = why
+                    self._fail(f"set_cache_kvs_map/close: {why}")
+            for layer, tasks in self._layer_tasks.items():
+                for task in tasks:
+                    try:
+                        mgr.wait_layer_host(task, layer, self._sync_timeout)
+                    except KvtierError as e:
+                        self._layer_failed(layer, task, e)
+            for task in self._loads:
+                try:
+                    mgr.wait(task, self._sync_timeout)
+                except KvtierError as e:
+                    self._fail(f"set_cache_kvs_map/close: load task {task}: {e}")
             mgr.close()
         self._loads, self._evicts, self._layer_tasks, self._last_submitted = [], [], {}, None
-        self._failed_layers, self._step_synced = {}, False
+        self._evict_hosts, self._step_synced = {}, False
         self._streams, self._compute, self._device = {}, None, None
 
     def close(self) -> None:
@@ -454,9 +482,12 @@ class CacheTransferManager:
 
     @staticmethod
     def _ids(ids: List[int], what: str = "block id") -> List[int]:
-        # int() would truncate 1.9 to block 1 and read "1" as block 1: a copy of blocks nobody named.
+        # int() would truncate 1.9 to block 1 and read "1" as block 1: a copy of blocks nobody named. A set or a
+        # dict has no order of its own: position i of the device list pairs with position i of the host list.
         if ids is None or isinstance(ids, (str, bytes)):
             raise InvalidArgumentError(f"the {what}s are {ids!r}, not a list of integers")
+        if isinstance(ids, (set, frozenset, dict)):
+            raise InvalidArgumentError(f"the {what}s are a {type(ids).__name__}, not an ordered list of integers")
         try:
             ids = list(ids)
         except TypeError:
@@ -488,6 +519,9 @@ class CacheTransferManager:
                 d, h = self._ids(device_block_ids), self._ids(host_block_ids)
                 task = mgr.evict(d, h, after=stream)
                 self._evicts.append(task)
+                self._evict_hosts[task] = h
+                for b in h:  # the manager knows what this eviction leaves there
+                    self._bad_host_blocks.pop(b, None)
                 if self._fence_evictions:
                     # FastDeploy hands evicted ids to new requests at once: the engine's
                     # later work waits (on the GPU) until the copy has read them.
@@ -517,6 +551,12 @@ class CacheTransferManager:
                 stream = self._stream_for(None)
                 layers = self._ids(layer_indices, "layer index")
                 d, h = self._ids(device_block_ids), self._ids(host_block_ids)
+                if not layers:
+                    return True  # as FastDeploy: no layer, no copy and no callback (the manager takes [] as all)
+                bad = next((b for b in h if b in self._bad_host_blocks), None)
+                if bad is not None:
+                    return self._fail(f"load_layers_to_device_async: host block {bad} holds undefined bytes: "
+                                      f"{self._bad_host_blocks[bad]}")
                 # The engine's work enqueued so far may still use these blocks.
                 mgr.record_device_access(d, stream, "read")
                 task = mgr.load(layers, h, d)
@@ -563,14 +603,16 @@ class CacheTransferManager:
         after it, and after ``sync_input_stream()`` too. No host synchronisation.
         """
         layer = self._layer(layer_idx, "wait_for_layer")
-        if self._mgr is None:
-            return
-        stream = self._stream_for(stream)
-        for task in list(self._layer_tasks.get(layer, ())):
-            try:
-                self._mgr.wait_for_layer(task, layer, stream)
-            except KvtierError as e:
-                self._layer_failed(layer, task, e)
+        mgr = self._mgr
+        if mgr is None and self._closed:
+            raise _error("FailedPrecondition", f"wait_for_layer({layer}): the CacheTransferManager was closed")
+        if mgr is not None:
+            stream = self._stream_for(stream)
+            for task in list(self._layer_tasks.get(layer, ())):
+                try:
+                    mgr.wait_for_layer(task, layer, stream)
+                except KvtierError as e:
+                    self._layer_failed(layer, task, e)
         if layer in self._failed_layers:
             raise DataLossError(f"wait_for_layer({layer}): {self._failed_layers[layer]}")
 
@@ -585,12 +627,16 @@ class CacheTransferManager:
             layer = self._layer(layer_idx, "wait_layer_host")
         except KvtierError as e:
             return self._fail(str(e))
-        if self._mgr is None:
-            return True
-        tasks = self._layer_tasks.get(layer, [])
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or
+                                    math.isnan(timeout)):
+            return self._fail(f"wait_layer_host({layer}): timeout {timeout!r} is not a number of seconds")
+        mgr = self._mgr  # close() on another thread may clear it: its waits then fail as closed
+        if mgr is None and self._closed:
+            return self._fail(f"wait_layer_host({layer}): the CacheTransferManager was closed")
+        tasks = self._layer_tasks.get(layer, []) if mgr is not None else []
         for task in list(tasks):
             try:
-                self._mgr.wait_layer_host(task, layer, timeout)
+                mgr.wait_layer_host(task, layer, timeout)
             except TimedOutError as e:
                 return self._fail(f"wait_layer_host({layer}): {e}")
             except KvtierError as e:

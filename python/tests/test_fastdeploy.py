@@ -285,6 +285,54 @@ def test_a_failed_load_is_not_hidden_by_a_later_load_of_the_same_layer(engine):
     mgr.close()
 
 
+def test_failures_in_flight_survive_registering_the_maps_again(engine):
+    """set_cache_kvs_map() closed the native manager, which drained the transfers and dropped their errors: a
+    failed eviction's host block then loaded as good (wrong bytes, last_error None), and a failed load's layer
+    waited as loaded. Both now stay failed, with the reason in last_error."""
+    mgr, dev, host = _host_engine_with_failure_injection(engine)
+    assert mgr.evict_to_host_async([0], [0]) is True
+    mgr.sync_output_stream()
+    mgr._device.fail_nth_operation(1)  # this eviction fails: host block 2's bytes are undefined
+    assert mgr.evict_to_host_async([1], [2]) is True
+    mgr.set_cache_kvs_map(dev)  # the same tensors, registered again
+    assert "eviction task" in mgr.last_error and "injected failure" in mgr.last_error
+    assert mgr.load_layers_to_device_async([0, 1, 2], [2], [6]) is False
+    assert "host block 2 holds undefined bytes" in mgr.last_error
+    assert mgr.load_layers_to_device_async([0, 1, 2], [0], [6]) is True  # other host blocks load as before
+    assert mgr.wait_layer_host(2, 5.0) is True
+    # A load that fails, then the maps registered again: its layer keeps failing.
+    assert mgr.evict_to_host_async([1], [2]) is True  # rewritten: host block 2 is good again
+    mgr.sync_output_stream()
+    mgr.sync_input_stream()
+    mgr._device.fail_nth_operation(1)
+    assert mgr.load_layers_to_device_async([0, 1, 2], [2], [7]) is True
+    mgr.set_cache_kvs_map(dev)
+    assert mgr.wait_layer_host(0, 5.0) is False and "injected failure" in mgr.last_error
+    with pytest.raises(kvtier.DataLossError):
+        mgr.wait_for_layer(0)
+    mgr.close()
+    # After close() a wait never says "loaded".
+    assert mgr.wait_layer_host(1, 5.0) is False and "closed" in mgr.last_error
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        mgr.wait_for_layer(1)
+
+
+def test_an_empty_layer_list_loads_nothing(engine):
+    """load_layers_to_device_async([], ...) loaded every layer (the native manager takes [] as all of them) and
+    called on_layer_complete for each; FastDeploy's loop over the layers copies nothing."""
+    mgr, dev, host = make(engine)
+    assert mgr.evict_to_host_async([3], [2]) is True
+    mgr.sync_output_stream()
+    before = {k: engine.numpy(v)[6].copy() for k, v in dev.items()}
+    seen = []
+    assert mgr.load_layers_to_device_async([], [2], [6], on_layer_complete=seen.append) is True
+    mgr.sync_input_stream()
+    assert seen == []
+    for k, v in dev.items():
+        np.testing.assert_array_equal(engine.numpy(v)[6], before[k])
+    mgr.close()
+
+
 def test_layer_and_id_arguments_of_the_wrong_kind_are_named(engine):
     mgr, dev, host = make(engine)
     mgr.transfer_manager  # created: it knows the model's layers
@@ -299,6 +347,11 @@ def test_layer_and_id_arguments_of_the_wrong_kind_are_named(engine):
             mgr.wait_for_layer(bad)
     with pytest.raises(kvtier.InvalidArgumentError, match="layers 0..2, not 99"):
         mgr.wait_for_layer(99)  # returned silently
+    # A set's order paired device and host blocks arbitrarily; a bad timeout raised instead of returning False.
+    assert mgr.evict_to_host_async({8, 1}, {2, 9}) is False and "set, not an ordered list" in mgr.last_error
+    assert mgr.evict_to_host_async({3: 4}, [5]) is False and "dict" in mgr.last_error
+    for bad in (float("nan"), "1"):
+        assert mgr.wait_layer_host(0, bad) is False and repr(bad) in mgr.last_error
     mgr.close()
 
 
