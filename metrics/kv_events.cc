@@ -7,6 +7,7 @@
 #include <bit>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "kvtier/core/enum_names.h"
@@ -181,6 +182,9 @@ class Reader {
       }
       case 0xcf: {
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, be(8));
+        // Every integer field of the schema fits 63 bits: a larger one is refused, not wrapped negative.
+        if (n > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+          return err(fmt::format("unsigned integer {} is above 2**63 - 1", n));
         return num(static_cast<std::int64_t>(n));
       }
       case 0xd0: {
@@ -282,8 +286,9 @@ Result<std::vector<BlockHash>> to_hashes(const Value& v) {
 Result<std::optional<Medium>> to_medium(const Value& v) {
   if (v.kind == Value::kNil) return std::optional<Medium>{};
   if (v.kind != Value::kStr) return bad("medium is not a string");
-  KVTIER_ASSIGN_OR_RETURN(Medium m, parse_medium(v.s));
-  return std::optional<Medium>{m};
+  auto m = parse_medium(v.s);
+  if (!m.ok()) return bad(fmt::format("medium '{}' is none of GPU, CPU, DISK, REMOTE", v.s));
+  return std::optional<Medium>{*m};
 }
 
 Result<KvEvent> to_event(const Value& v) {
@@ -304,7 +309,8 @@ Result<KvEvent> to_event(const Value& v) {
       if (t.kind != Value::kInt) return bad("a token id is not an integer");
       e.token_ids.push_back(t.i);
     }
-    if (it[4].kind != Value::kInt || it[4].i < 0) return bad("block_size is not a non-negative integer");
+    if (it[4].kind != Value::kInt || it[4].i < 0 || it[4].i > std::numeric_limits<std::uint32_t>::max())
+      return bad("block_size is not an integer in [0, 2**32 - 1]");
     e.block_size = static_cast<std::uint32_t>(it[4].i);
     if (it[5].kind == Value::kInt)
       e.lora_id = it[5].i;

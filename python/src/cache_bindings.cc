@@ -326,8 +326,14 @@ Borrowed borrow_array(const Array& a, std::size_t index) {
 
 // A buffer of a batch: a C-contiguous CPU array (DLPack or the buffer protocol: numpy, CPU or pinned
 // torch tensors; never converted or copied) or an (address, nbytes) pair of host memory the caller owns.
-// Arrays are appended to `keep` so that they outlive the batch.
-Borrowed borrow_buffer(nb::handle h, bool writable, std::size_t index, std::vector<nb::object>& keep) {
+// The arrays themselves (their DLPack or buffer-protocol export, not only the Python object) are kept in `keep` until
+// the batch has completed: with the export released, a bytearray could be cleared or an mmap closed while the
+// backend still read or wrote its memory.
+struct KeptBuffers {
+  std::vector<nb::ndarray<>> writable;
+  std::vector<nb::ndarray<nb::ro>> read_only;
+};
+Borrowed borrow_buffer(nb::handle h, bool writable, std::size_t index, KeptBuffers& keep) {
   if (nb::isinstance<nb::tuple>(h) && nb::len(h) == 2) {
     nb::tuple t = nb::borrow<nb::tuple>(h);
     std::uint64_t address = 0, bytes = 0;
@@ -340,13 +346,11 @@ Borrowed borrow_buffer(nb::handle h, bool writable, std::size_t index, std::vect
   }
   try {
     if (writable) {
-      auto a = nb::cast<nb::ndarray<>>(h, false);
-      keep.push_back(nb::borrow(h));
-      return borrow_array(a, index);
+      keep.writable.push_back(nb::cast<nb::ndarray<>>(h, false));
+      return borrow_array(keep.writable.back(), index);
     }
-    auto a = nb::cast<nb::ndarray<nb::ro>>(h, false);
-    keep.push_back(nb::borrow(h));
-    return borrow_array(a, index);
+    keep.read_only.push_back(nb::cast<nb::ndarray<nb::ro>>(h, false));
+    return borrow_array(keep.read_only.back(), index);
   } catch (const nb::cast_error&) {
     std::string type = nb::cast<std::string>(nb::str(nb::handle(h.type())));
     raise_status(InvalidArgument(
@@ -390,13 +394,16 @@ nb::list run_many(PyStorage& p, storage::StorageOp op, const std::vector<std::st
     if (!k.ok()) raise_status(k.status().with_context(fmt::format("key at index {}", i)));
     b.items[i].key = storage::StorageKey::from_u64(k->hi, k->lo, rank);
   }
-  std::vector<nb::object> keep;
+  KeptBuffers keep;
   if (op == storage::StorageOp::kGet || op == storage::StorageOp::kPut) {
     if (!buffers)
       raise_status(InvalidArgument(fmt::format("{} needs buffers (one per key)", storage::storage_op_name(op))));
     const std::size_t n = nb::len(*buffers);
     if (n != keys.size()) raise_status(InvalidArgument(fmt::format("{} keys but {} buffers", keys.size(), n)));
-    keep.reserve(n);
+    if (op == storage::StorageOp::kGet)
+      keep.writable.reserve(n);
+    else
+      keep.read_only.reserve(n);
     std::size_t i = 0;
     for (nb::handle h : *buffers) {
       Borrowed m = borrow_buffer(h, op == storage::StorageOp::kGet, i, keep);
@@ -1010,7 +1017,9 @@ void bind_cache(nb::module_& m) {
             const std::uint64_t max_bytes = max_bytes_arg.u64("max_bytes");
             const std::uint32_t rank = rank_arg.u32("rank");
             // The buffer is sized by the object (exists), not by max_bytes: a generous bound costs no memory. An
-            // object replaced by a larger one between the two is looked up once more.
+            // object replaced by a larger one between the two is looked up again (writers replacing it all the
+            // time: an Unavailable error, retryable, after kGetAttempts; it blamed the caller's destination).
+            constexpr int kGetAttempts = 16;
             for (int attempt = 0;; ++attempt) {
               auto size = run_one(p, storage::StorageOp::kExists, key, rank);
               if (!size) return nb::none();
@@ -1025,7 +1034,13 @@ void bind_cache(nb::module_& m) {
               auto r = value_or_raise(released([&] { return storage::run_batch(*backend, std::move(b)); }));
               const Status& st = r.at(0).status;
               if (st.code() == StatusCode::kNotFound) return nb::none();
-              if (st.code() == StatusCode::kInvalidArgument && attempt == 0) continue;  // replaced meanwhile
+              if (st.code() == StatusCode::kInvalidArgument) {  // replaced by a larger one since the size was read
+                if (attempt + 1 < kGetAttempts) continue;
+                check(
+                    Unavailable(fmt::format("get {}: the object was replaced by a larger one {} times while it was "
+                                            "read; try again",
+                                            key, kGetAttempts)));
+              }
               check(st);
               return nb::bytes(buf.data(), r.at(0).bytes);
             }

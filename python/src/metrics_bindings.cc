@@ -204,10 +204,11 @@ void bind_metrics(nb::module_& m) {
       .def(
           "shutdown",
           [](PyEventPublisher& p, double timeout) {
+            // The timeout checked first: a bad one (NaN) must not leave the publisher taken and not shut down.
+            const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             // Taken out with the GIL held: a second caller finds it gone and returns.
             const std::shared_ptr<metrics::ZmqEventPublisher> pub = std::move(p.pub);
             if (!pub) return;
-            const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             Status st;
             {
               nb::gil_scoped_release release;

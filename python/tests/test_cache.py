@@ -309,6 +309,61 @@ def test_disk_storage_round_trip(tmp_path):
         other.exists_many([key], rank=2**32)
 
 
+def test_a_buffer_stays_exported_while_its_batch_runs():
+    """The batch kept the buffer's object but released its export before the backend ran: a bytearray cleared (or
+    an mmap closed) on another thread meanwhile let the backend write freed memory (a segfault)."""
+    import threading
+    import time
+    s = kvtier.StorageBackend.open("memory:?capacity=256M")
+    key, n = "%032x" % 1, 32 << 20
+    s.put(key, b"\xab" * n)
+    buf, outcome = bytearray(n), []
+
+    def shrink():
+        time.sleep(0.002)
+        try:
+            buf.clear()
+            outcome.append("cleared")
+        except BufferError:
+            outcome.append("refused")
+
+    t = threading.Thread(target=shrink)
+    t.start()
+    assert s.get_many([key], [buf]) == [n]
+    t.join()
+    assert outcome in (["refused"], ["cleared"])
+    if outcome == ["refused"]:  # the clear ran while the batch did: it must have been refused
+        assert bytes(buf[:4]) == b"\xab" * 4 and len(buf) == n
+
+
+def test_get_returns_the_current_object_while_another_thread_replaces_it():
+    """get() sized its buffer by a separate exists() and retried once: a writer alternating small and large values
+    made it raise InvalidArgumentError about a "destination" the caller never passed (up to 23 % of gets)."""
+    import threading
+    import time
+    s = kvtier.StorageBackend.open("memory:?capacity=8M")
+    key = "%032x" % 2
+    small, large = b"s" * 100, b"L" * 100_000
+    s.put(key, small)
+    stop = time.monotonic() + 1.0
+
+    def writer():
+        i = 0
+        while time.monotonic() < stop:
+            s.put(key, large if i % 2 else small)
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    gets = 0
+    while time.monotonic() < stop:
+        got = s.get(key, max_bytes=1 << 30)
+        assert got in (small, large)
+        gets += 1
+    t.join()
+    assert gets > 0
+
+
 def test_kv_events_refuse_a_zero_block_size_and_a_tier_medium():
     cm = kvtier.CacheManager(device_blocks=4, host_blocks=8)
     with pytest.raises(kvtier.InvalidArgumentError, match="block_size 0"):

@@ -271,6 +271,11 @@ def test_kv_events_published_over_zmq_reach_a_subscriber():
         km.KvEventPublisher("tcp://127.0.0.1:*", buffer_steps=-1)
     with pytest.raises(kvtier.InvalidArgumentError, match="data_parallel_rank 'a'"):
         km.KvEventPublisher("tcp://127.0.0.1:*", data_parallel_rank="a")
+    spare = km.KvEventPublisher("tcp://127.0.0.1:*")
+    with pytest.raises(ValueError):
+        spare.shutdown(float("nan"))  # refused before the publisher is taken: it still flushes and shuts down
+    spare.flush(1.0)
+    spare.shutdown(1.0)
     pub = km.KvEventPublisher("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -353,6 +358,33 @@ def test_error_messages_that_are_not_utf8_keep_their_error_class():
     # A message holding bytes that are not UTF-8 became a bare RuntimeError ("conversion error").
     with pytest.raises(kvtier.DataLossError, match="unknown event tag"):
         kvtier._native.decode_kv_event_batch(b"\x92\xcb" + 8 * b"\0" + b"\x91\x91\xa1\xff")
+
+
+def test_event_batches_with_integers_out_of_range_or_an_unknown_medium_are_refused():
+    """A block_size of 2**32 + 5 decoded as 5 and a data_parallel_rank of 2**63 + 1 as a negative number; an unknown
+    medium raised InvalidArgumentError where the decoder promises DataLossError for what it cannot take."""
+    import struct
+
+    import kvtier
+
+    def text(x):
+        b = x.encode()
+        return bytes([0xa0 | len(b)]) + b
+
+    def stored(block_size, rank, medium="GPU"):
+        event = (b"\x97" + text("BlockStored") + b"\x91\xc4\x10" + b"a" * 16 + b"\xc0" + b"\x92\x01\x02"
+                 + b"\xcf" + struct.pack(">Q", block_size) + b"\xc0" + text(medium))
+        return b"\x93\xcb" + struct.pack(">d", 1.0) + b"\x91" + event + b"\xcf" + struct.pack(">Q", rank)
+
+    decode = kvtier._native.decode_kv_event_batch
+    ok = decode(stored(16, 3))
+    assert ok["events"][0]["block_size"] == 16 and ok["data_parallel_rank"] == 3
+    with pytest.raises(kvtier.DataLossError, match="block_size"):
+        decode(stored(2**32 + 5, 3))
+    with pytest.raises(kvtier.DataLossError, match="above 2\\*\\*63 - 1"):
+        decode(stored(16, 2**63 + 1))
+    with pytest.raises(kvtier.DataLossError, match="medium 'cpu_offload'"):
+        decode(stored(16, 3, "cpu_offload"))
 
 
 def test_publish_events_names_a_publisher_of_the_wrong_type():
