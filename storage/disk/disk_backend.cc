@@ -177,11 +177,6 @@ Status DiskBackend::init() {
         "not yet closed)",
         dir_));
   header_size_ = format::header_bytes(options_, kAlign);
-  // The smallest object takes a header and one aligned block of payload: a capacity below that holds none, and every
-  // put would fail while the open succeeded.
-  if (config_.capacity_bytes != 0 && config_.capacity_bytes < header_size_ + kAlign)
-    return InvalidArgument(fmt::format("disk backend: capacity of {} bytes holds no object (each takes at least {})",
-                                       config_.capacity_bytes, header_size_ + kAlign));
   // Shard directories are created on first use (metadata operations are slow on some disks).
   shard_fds_.resize(kNumShards);
   for (std::uint32_t s = 0; s < kNumShards; ++s) {
