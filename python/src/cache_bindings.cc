@@ -1017,16 +1017,21 @@ void bind_cache(nb::module_& m) {
             const std::uint64_t max_bytes = max_bytes_arg.u64("max_bytes");
             const std::uint32_t rank = rank_arg.u32("rank");
             // The buffer is sized by the object (exists), not by max_bytes: a generous bound costs no memory. An
-            // object replaced by a larger one between the two is looked up again (writers replacing it all the
-            // time: an Unavailable error, retryable, after kGetAttempts; it blamed the caller's destination).
+            // object replaced by a larger one between the two is read again into a buffer twice as large (bounded
+            // by max_bytes), so a writer alternating sizes cannot keep the read failing; it raised InvalidArgument
+            // about a destination the caller never passed. Unavailable (retryable) after kGetAttempts.
             constexpr int kGetAttempts = 16;
+            std::uint64_t room = 0, largest = 0;  // the buffer; the largest size exists() reported
             for (int attempt = 0;; ++attempt) {
               auto size = run_one(p, storage::StorageOp::kExists, key, rank);
               if (!size) return nb::none();
               if (*size > max_bytes)
                 check(InvalidArgument(
                     fmt::format("get {}: the object has {} bytes, more than max_bytes = {}", key, *size, max_bytes)));
-              std::string buf(*size, '\0');
+              const std::uint64_t grown = room > max_bytes / 2 ? max_bytes : room * 2;
+              largest = std::max(largest, *size);
+              room = std::max(largest, attempt == 0 ? 0 : grown);
+              std::string buf(room, '\0');
               storage::StorageBatch b;
               b.op = storage::StorageOp::kGet;
               b.items.push_back({storage_key(key, rank), buf.data(), buf.size()});
@@ -1035,6 +1040,9 @@ void bind_cache(nb::module_& m) {
               const Status& st = r.at(0).status;
               if (st.code() == StatusCode::kNotFound) return nb::none();
               if (st.code() == StatusCode::kInvalidArgument) {  // replaced by a larger one since the size was read
+                if (room >= max_bytes)
+                  check(
+                      InvalidArgument(fmt::format("get {}: the object has more than max_bytes = {}", key, max_bytes)));
                 if (attempt + 1 < kGetAttempts) continue;
                 check(
                     Unavailable(fmt::format("get {}: the object was replaced by a larger one {} times while it was "
