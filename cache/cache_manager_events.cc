@@ -1,5 +1,7 @@
 // CacheManager's KV events: announce() turns the change of a node's indexed settled copies into
 // BlockStored / BlockRemoved events, merging consecutive blocks of one chain and medium.
+#include <fmt/format.h>
+
 #include "cache/cache_manager_impl.h"
 
 namespace kvtier::cache {
@@ -41,11 +43,18 @@ void CacheManager::Impl::announce_slow(NodeId id) {
   }
 }
 
-void CacheManager::enable_kv_events(std::uint32_t block_size, metrics::Medium storage_medium) {
+Status CacheManager::enable_kv_events(std::uint32_t block_size, metrics::Medium storage_medium) {
   Impl& s = *impl_;
+  if (block_size == 0) return InvalidArgument("enable_kv_events: block_size 0 (tokens per block)");
+  if (s.events_on) {
+    if (block_size == s.event_block_size && storage_medium == s.storage_medium) return Status::Ok();
+    return FailedPrecondition(fmt::format(
+        "enable_kv_events: already on with block_size {} and storage medium {}; block_size {} and medium {} would "
+        "report blocks stored on one medium as removed from another",
+        s.event_block_size, metrics::medium_name(s.storage_medium), block_size, metrics::medium_name(storage_medium)));
+  }
   s.event_block_size = block_size;
   s.storage_medium = storage_medium;
-  if (s.events_on) return;
   s.events_on = true;
   // Announce what is indexed now, parents before children (preorder), so chains merge.
   std::vector<NodeId> stack;
@@ -56,6 +65,7 @@ void CacheManager::enable_kv_events(std::uint32_t block_size, metrics::Medium st
     s.announce(x);
     for (NodeId c = s.nodes[x].first_child; c != kNoNode; c = s.nodes[c].next_sib) stack.push_back(c);
   }
+  return Status::Ok();
 }
 
 std::vector<metrics::KvEvent> CacheManager::take_events() {

@@ -609,15 +609,27 @@ struct CacheManager::MetricSeries {
   Delta moved_device, dropped[kNumTiers];
   Delta loads, evictions, backups, storage_writes, storage_prefetches, pressure_demotions;
   Delta received, received_loaded, received_committed, quarantined;
-  metrics::Gauge* receiving_now = nullptr;
-  metrics::Gauge* quarantined_now = nullptr;
-  metrics::Gauge* used[kNumTiers] = {};
-  metrics::Gauge* capacity[kNumTiers] = {};
-  metrics::Gauge* resident[kNumTiers] = {};
-  metrics::Gauge* index_blocks = nullptr;
-  // Per tier: lead changes of its policy, and one 0/1 gauge per expert (policy_experts) saying which leads.
+  // Gauges as this manager's shares (metrics::GaugeShare): managers attached with the same labels add up.
+  using Share = metrics::GaugeShare;
+  Share receiving_now, quarantined_now, index_blocks;
+  Share used[kNumTiers], capacity[kNumTiers], resident[kNumTiers];
+  // Per tier: lead changes of its policy, and one 0/1 share per expert (policy_experts) saying which leads.
   Delta policy_switches[kNumTiers];
-  std::vector<metrics::Gauge*> policy_lead[kNumTiers];
+  std::vector<Share> policy_lead[kNumTiers];
+
+  MetricSeries() = default;
+  MetricSeries(const MetricSeries&) = delete;
+  MetricSeries& operator=(const MetricSeries&) = delete;
+  // The manager's shares leave the gauges with it (the registry outlives the manager).
+  ~MetricSeries() {
+    for (Share* s : {&receiving_now, &quarantined_now, &index_blocks}) s->release();
+    for (int t = 0; t < kNumTiers; ++t) {
+      used[t].release();
+      capacity[t].release();
+      resident[t].release();
+      for (Share& s : policy_lead[t]) s.release();
+    }
+  }
 };
 
 // Ends a public CacheManager call: exports the counters when metrics are attached.

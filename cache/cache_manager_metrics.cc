@@ -47,11 +47,11 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
         counter(m->dropped[t], "kvtier_cache_evictions_total",
                 "Copies a tier's eviction policy gave up: moved to the next tier or dropped.",
                 metrics::with_labels(labels, {{"tier", tier}, {"policy", policies[t]}, {"action", "dropped"}})));
-    KVTIER_ASSIGN_OR_RETURN(m->used[t], reg.gauge("kvtier_cache_pool_used_blocks", "Blocks in use in a tier's pool.",
-                                                  metrics::with_labels(labels, {{"tier", tier}})));
-    KVTIER_ASSIGN_OR_RETURN(m->capacity[t], reg.gauge("kvtier_cache_pool_capacity_blocks", "Blocks of a tier's pool.",
-                                                      metrics::with_labels(labels, {{"tier", tier}})));
-    KVTIER_ASSIGN_OR_RETURN(m->resident[t],
+    KVTIER_ASSIGN_OR_RETURN(m->used[t].g, reg.gauge("kvtier_cache_pool_used_blocks", "Blocks in use in a tier's pool.",
+                                                    metrics::with_labels(labels, {{"tier", tier}})));
+    KVTIER_ASSIGN_OR_RETURN(m->capacity[t].g, reg.gauge("kvtier_cache_pool_capacity_blocks", "Blocks of a tier's pool.",
+                                                        metrics::with_labels(labels, {{"tier", tier}})));
+    KVTIER_ASSIGN_OR_RETURN(m->resident[t].g,
                             reg.gauge("kvtier_cache_resident_blocks", "Settled copies indexed in a tier.",
                                       metrics::with_labels(labels, {{"tier", tier}})));
     KVTIER_RETURN_IF_ERROR(counter(m->policy_switches[t], "kvtier_cache_policy_switches_total",
@@ -65,7 +65,7 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
                        "policy is its own one expert), 0 for the others.",
                        metrics::with_labels(
                            labels, {{"tier", tier}, {"policy", policies[t]}, {"expert", std::string(expert)}})));
-      m->policy_lead[t].push_back(g);
+      m->policy_lead[t].push_back(metrics::GaugeShare{g});
     }
   }
   KVTIER_RETURN_IF_ERROR(
@@ -95,12 +95,12 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
     KVTIER_RETURN_IF_ERROR(counter(*r.d, "kvtier_cache_receive_blocks_total",
                                    "P/D receive blocks: admitted, reported loaded, joined the index, quarantined.",
                                    metrics::with_labels(labels, {{"outcome", r.outcome}})));
-  KVTIER_ASSIGN_OR_RETURN(
-      m->receiving_now, reg.gauge("kvtier_cache_receiving_blocks", "Device blocks a P/D peer is writing now.", labels));
-  KVTIER_ASSIGN_OR_RETURN(m->quarantined_now,
+  KVTIER_ASSIGN_OR_RETURN(m->receiving_now.g, reg.gauge("kvtier_cache_receiving_blocks",
+                                                        "Device blocks a P/D peer is writing now.", labels));
+  KVTIER_ASSIGN_OR_RETURN(m->quarantined_now.g,
                           reg.gauge("kvtier_cache_quarantined_blocks",
                                     "Device blocks of failed receives a peer may still write (in no pool).", labels));
-  KVTIER_ASSIGN_OR_RETURN(m->index_blocks,
+  KVTIER_ASSIGN_OR_RETURN(m->index_blocks.g,
                           reg.gauge("kvtier_cache_index_blocks", "Blocks in the prefix index.", labels));
   metrics_ = std::move(m);
   export_metrics();
@@ -131,22 +131,21 @@ void CacheManager::export_metrics() {
   m.storage_prefetches.to(s.storage_prefetches);
   m.pressure_demotions.to(s.pressure_demotions);
   for (int t = 0; t < kNumTiers; ++t) {
-    m.used[t]->set(s.tiers[t].used);
-    m.capacity[t]->set(s.tiers[t].capacity);
-    m.resident[t]->set(s.tiers[t].resident);
+    m.used[t].to(static_cast<double>(s.tiers[t].used));
+    m.capacity[t].to(static_cast<double>(s.tiers[t].capacity));
+    m.resident[t].to(static_cast<double>(s.tiers[t].resident));
     m.policy_switches[t].to(s.tiers[t].policy_switches);
-    // An expert named twice in a duel is one series (the registry's): 1 when either place leads.
-    const auto& lead = m.policy_lead[t];
-    const metrics::Gauge* leader = s.tiers[t].policy_expert < lead.size() ? lead[s.tiers[t].policy_expert] : nullptr;
-    for (metrics::Gauge* g : lead) g->set(g == leader ? 1.0 : 0.0);
+    // An expert named twice in a duel is one series (the registry's) with two shares: 1 when either place leads.
+    auto& lead = m.policy_lead[t];
+    for (std::size_t e = 0; e < lead.size(); ++e) lead[e].to(e == s.tiers[t].policy_expert ? 1.0 : 0.0);
   }
   m.received.to(s.received_blocks);
   m.received_loaded.to(s.received_loaded_blocks);
   m.received_committed.to(s.received_committed_blocks);
   m.quarantined.to(s.quarantined_blocks);
-  m.receiving_now->set(s.receiving_device_blocks);
-  m.quarantined_now->set(s.quarantined_device_blocks);
-  m.index_blocks->set(static_cast<double>(s.nodes));
+  m.receiving_now.to(static_cast<double>(s.receiving_device_blocks));
+  m.quarantined_now.to(static_cast<double>(s.quarantined_device_blocks));
+  m.index_blocks.to(static_cast<double>(s.nodes));
 }
 
 }  // namespace kvtier::cache

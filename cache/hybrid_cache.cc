@@ -739,9 +739,13 @@ Result<const CacheManager*> HybridCache::group_manager(std::uint32_t group) cons
   return static_cast<const CacheManager*>(managers_[group].get());
 }
 
-void HybridCache::enable_kv_events(metrics::Medium storage_medium) {
+Status HybridCache::enable_kv_events(metrics::Medium storage_medium) {
+  // Every group or none: the groups share one medium, so a change is refused by the first (group 0) already.
   for (std::uint32_t g = 0; g < managers_.size(); ++g)
-    managers_[g]->enable_kv_events(config_.groups[g].block_tokens, storage_medium);
+    KVTIER_RETURN_IF_ERROR(managers_[g]
+                               ->enable_kv_events(config_.groups[g].block_tokens, storage_medium)
+                               .with_context(fmt::format("hybrid {}", group_label(config_.groups[g], g))));
+  return Status::Ok();
 }
 
 std::vector<GroupEvent> HybridCache::take_events() {

@@ -479,7 +479,7 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
   KVTIER_RETURN_IF_ERROR(check_queue_options(o));
   KVTIER_ASSIGN_OR_RETURN(auto cache, CacheManager::create(std::move(cfg)));
   if (o.metrics) KVTIER_RETURN_IF_ERROR(cache->attach_metrics(*o.metrics, o.metrics_labels));
-  if (o.on_kv_events) cache->enable_kv_events(o.block_tokens, o.kv_events_storage_medium);
+  if (o.on_kv_events) KVTIER_RETURN_IF_ERROR(cache->enable_kv_events(o.block_tokens, o.kv_events_storage_medium));
   auto hand_over_events = [&] {
     if (!o.on_kv_events) return;
     std::vector<metrics::KvEvent> events = cache->take_events();

@@ -35,7 +35,12 @@ void record_metrics(StorageTierMetrics& m, const StorageTierOp& op) {
 }
 
 StorageTier::~StorageTier() {
-  if (metrics_registry_) metrics_registry_->remove_collect_hook(metrics_hook_);
+  if (metrics_registry_ == nullptr) return;
+  metrics_registry_->remove_collect_hook(metrics_hook_);  // no scrape runs the hook after this returns
+  if (metrics_owned_)
+    for (metrics::GaugeShare* g : {&metrics_owned_->objects, &metrics_owned_->stored_bytes,
+                                   &metrics_owned_->capacity_bytes, &metrics_owned_->direct_io_fallback})
+      g->release();
 }
 
 Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels& labels) {
@@ -58,13 +63,13 @@ Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels
                                                          "Post to observed completion of a storage batch.", buckets,
                                                          metrics::with_labels(base, {{"op", op}})));
   }
-  KVTIER_ASSIGN_OR_RETURN(m->objects, reg.gauge("kvtier_storage_objects", "Objects the backend indexes.", base));
-  KVTIER_ASSIGN_OR_RETURN(m->stored_bytes,
+  KVTIER_ASSIGN_OR_RETURN(m->objects.g, reg.gauge("kvtier_storage_objects", "Objects the backend indexes.", base));
+  KVTIER_ASSIGN_OR_RETURN(m->stored_bytes.g,
                           reg.gauge("kvtier_storage_stored_bytes", "Bytes on the medium, headers included.", base));
-  KVTIER_ASSIGN_OR_RETURN(m->capacity_bytes,
+  KVTIER_ASSIGN_OR_RETURN(m->capacity_bytes.g,
                           reg.gauge("kvtier_storage_capacity_bytes", "Capacity of the medium (0: unlimited).", base));
   KVTIER_ASSIGN_OR_RETURN(
-      m->direct_io_fallback,
+      m->direct_io_fallback.g,
       reg.gauge("kvtier_storage_direct_io_fallback",
                 "1 when the disk backend's O_DIRECT probe failed and it runs on buffered I/O for its life.", base));
   auto counter = [&](StorageTierMetrics::Delta& d, const char* name, const char* help) -> Status {
@@ -87,10 +92,10 @@ Status StorageTier::attach_metrics(metrics::Registry& reg, const metrics::Labels
   StorageTierMetrics* raw = metrics_owned_.get();
   metrics_hook_ = reg.add_collect_hook([this, raw] {
     const StorageStats s = backend_->stats();
-    raw->objects->set(static_cast<double>(s.objects));
-    raw->stored_bytes->set(static_cast<double>(s.bytes));
-    raw->capacity_bytes->set(static_cast<double>(s.capacity_bytes));
-    raw->direct_io_fallback->set(static_cast<double>(s.direct_io_fallback));
+    raw->objects.to(static_cast<double>(s.objects));
+    raw->stored_bytes.to(static_cast<double>(s.bytes));
+    raw->capacity_bytes.to(static_cast<double>(s.capacity_bytes));
+    raw->direct_io_fallback.to(static_cast<double>(s.direct_io_fallback));
     raw->evictions.to(s.evictions);
     raw->quarantined.to(s.quarantined);
     raw->auth_failures.to(s.auth_failures);

@@ -16,10 +16,8 @@ struct StorageTierMetrics {
   std::array<std::array<metrics::Counter*, kNumOutcomes>, kNumOps> items{};
   std::array<metrics::Counter*, kNumOps> bytes{};
   std::array<metrics::Histogram*, kNumOps> latency{};
-  metrics::Gauge* objects = nullptr;
-  metrics::Gauge* stored_bytes = nullptr;
-  metrics::Gauge* capacity_bytes = nullptr;
-  metrics::Gauge* direct_io_fallback = nullptr;
+  // This tier's shares (metrics::GaugeShare): tiers attached with the same labels add up; released when it goes.
+  metrics::GaugeShare objects, stored_bytes, capacity_bytes, direct_io_fallback;
   Delta evictions, quarantined, auth_failures, bounce_copies, redirects, reconnects;
 };
 

@@ -687,10 +687,9 @@ void bind_cache(nb::module_& m) {
           "enable_kv_events",
           [](PyCacheManager& p, IntArg block_size_arg, const std::string& storage_medium) {
             const std::uint32_t block_size = block_size_arg.u32("block_size");
-            if (block_size == 0) raise_status(InvalidArgument("enable_kv_events: block_size 0 (tokens per block)"));
             auto medium = storage_medium_from(storage_medium);
             auto lock = lock_gil_safe(p.mu);
-            p.cm->enable_kv_events(block_size, medium);
+            check(p.cm->enable_kv_events(block_size, medium));
           },
           "block_size"_a, "storage_medium"_a = "DISK",
           "KV events in vLLM's schema from now on (what is indexed already is announced at once); block_size: "
@@ -930,7 +929,7 @@ void bind_cache(nb::module_& m) {
           [](PyHybridCache& p, const std::string& storage_medium) {
             auto medium = storage_medium_from(storage_medium);
             auto lock = lock_gil_safe(p.mu);
-            p.hc->enable_kv_events(medium);
+            check(p.hc->enable_kv_events(medium));
           },
           "storage_medium"_a = "DISK")
       .def(

@@ -742,11 +742,11 @@ TEST(HybridCache, NothingComputedOnAFailedLoadIsIndexedInAnyGroup) {
 }
 
 TEST(HybridCache, EventsAndMetricsCarryTheGroup) {
+  metrics::Registry reg;  // outlives the cache, as attach_metrics requires
   auto h = make(three());
   ASSERT_TRUE(h);
   Fakes f(h->num_groups());
-  h->enable_kv_events();
-  metrics::Registry reg;
+  ASSERT_OK(h->enable_kv_events());
   ASSERT_OK(h->attach_metrics(reg, {{"model", "m"}}));
   Prompt a(*h, tokens(256, 1));
   serve(*h, *f.exec, a.request());

@@ -74,7 +74,7 @@ void check_rebuild(const std::vector<TraceRequest>& trace, CacheConfig cfg, int 
   auto cm = CacheManager::create(cfg);
   ASSERT_TRUE(cm.ok()) << cm.status().to_string();
   CacheManager& c = **cm;
-  c.enable_kv_events(512, Medium::kRemote);
+  ASSERT_TRUE(c.enable_kv_events(512, Medium::kRemote).ok());
   KeyNamespace ns;
   ns.model_id = "test/model";
   ns.block_tokens = 512;
@@ -205,7 +205,7 @@ TEST(CacheKvEvents, EnableOnAWarmCacheAnnouncesTheIndex) {
   ASSERT_TRUE((*cm)->commit_all(adm->id).ok());
   ASSERT_TRUE((*cm)->release(adm->id).ok());
   EXPECT_TRUE((*cm)->take_events().empty());  // off by default
-  (*cm)->enable_kv_events(512, Medium::kRemote);
+  ASSERT_TRUE((*cm)->enable_kv_events(512, Medium::kRemote).ok());
   auto ev = (*cm)->take_events();
   ASSERT_EQ(ev.size(), 1u);  // one chain, one medium: one event
   const auto& s = std::get<metrics::BlockStored>(ev[0]);
@@ -213,6 +213,103 @@ TEST(CacheKvEvents, EnableOnAWarmCacheAnnouncesTheIndex) {
   EXPECT_FALSE(s.parent_block_hash.has_value());
   for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(s.block_hashes[i], (BlockHash{keys[i].hi, keys[i].lo}));
   EXPECT_EQ(s.medium, Medium::kGpu);
+  // Again with the same arguments: nothing changes (no second announcement); with another medium or block size:
+  // refused, and the stream keeps its medium (a block stored on DISK was reported removed from REMOTE).
+  ASSERT_TRUE((*cm)->enable_kv_events(512, Medium::kRemote).ok());
+  EXPECT_TRUE((*cm)->take_events().empty());
+  const Status other_medium = (*cm)->enable_kv_events(512, Medium::kDisk);
+  EXPECT_EQ(other_medium.code(), StatusCode::kFailedPrecondition) << other_medium.to_string();
+  EXPECT_NE(other_medium.message().find("REMOTE"), std::string::npos) << other_medium.to_string();
+  EXPECT_EQ((*cm)->enable_kv_events(16, Medium::kRemote).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*cm)->enable_kv_events(0, Medium::kRemote).code(), StatusCode::kInvalidArgument);
+  CacheConfig storage_only = three_tiers(WritePolicy::kWriteThrough);
+  storage_only.device_blocks = 4;
+  storage_only.host_blocks = 4;
+  storage_only.storage_blocks = 16;
+  auto st = CacheManager::create(storage_only);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  ASSERT_TRUE((*st)->enable_kv_events(512, Medium::kRemote).ok());
+  EXPECT_FALSE((*st)->enable_kv_events(512, Medium::kDisk).ok());
+  for (std::uint64_t round = 0; round < 3; ++round) {
+    const std::uint64_t chain[] = {100 + round, 200 + round, 300 + round, 400 + round};
+    auto a = (*st)->admit(hasher->keys_for_ids(chain), 0);
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    for (int r = 0; r < 4; ++r) {
+      StepPlan p = (*st)->take_plan();
+      if (p.empty()) break;
+      ASSERT_TRUE((*st)->ack_plan(p, Status::Ok()).ok());
+    }
+    ASSERT_TRUE((*st)->commit_all(a->id).ok());
+    ASSERT_TRUE((*st)->release(a->id).ok());
+    for (int r = 0; r < 4; ++r) {
+      StepPlan p = (*st)->take_plan();
+      if (p.empty()) break;
+      ASSERT_TRUE((*st)->ack_plan(p, Status::Ok()).ok());
+    }
+  }
+  std::size_t storage_events = 0;
+  for (const auto& e : (*st)->take_events()) {
+    if (const auto* stored = std::get_if<metrics::BlockStored>(&e)) {
+      EXPECT_NE(stored->medium, Medium::kDisk);
+      storage_events += stored->medium == Medium::kRemote;
+    }
+    if (const auto* removed = std::get_if<metrics::BlockRemoved>(&e)) EXPECT_NE(removed->medium, Medium::kDisk);
+  }
+  EXPECT_GT(storage_events, 0u) << "the write-through storage copies are announced on the medium first given";
+}
+
+// Two managers attached with the same labels add up, as their counters do (each used to overwrite the other's
+// gauges at every export: a scrape showed whichever called last), and a manager that goes takes its share out.
+TEST(CacheMetrics, ManagersWithTheSameLabelsAddUpAndLeaveWithTheirShare) {
+  metrics::Registry reg;  // outlives the managers
+  CacheConfig small = three_tiers(WritePolicy::kWriteBack);
+  small.device_blocks = 8;
+  small.host_blocks = 8;
+  CacheConfig large = small;
+  large.device_blocks = 32;
+  large.host_blocks = 16;
+  auto a = CacheManager::create(small);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE((*a)->attach_metrics(reg, {{"engine", "e0"}}).ok());
+  KeyNamespace ns;
+  ns.model_id = "test/model";
+  ns.block_tokens = 512;
+  auto hasher = KeyHasher::create(ns);
+  auto admit_and_commit = [&](CacheManager& c, std::vector<std::uint64_t> ids) {
+    auto adm = c.admit(hasher->keys_for_ids(ids), 0);
+    ASSERT_TRUE(adm.ok()) << adm.status().to_string();
+    ASSERT_TRUE(c.ack_plan(c.take_plan(), Status::Ok()).ok());
+    ASSERT_TRUE(c.commit_all(adm->id).ok());
+    ASSERT_TRUE(c.release(adm->id).ok());
+  };
+  admit_and_commit(**a, {1, 2, 3});
+  auto has = [&](const std::string& line) {
+    const std::string text = reg.expose();
+    return text.find(line + "\n") != std::string::npos;
+  };
+  {
+    auto b = CacheManager::create(large);
+    ASSERT_TRUE(b.ok());
+    ASSERT_TRUE((*b)->attach_metrics(reg, {{"engine", "e0"}}).ok());
+    admit_and_commit(**b, {7, 8, 9, 10, 11});
+    admit_and_commit(**a, {1, 2, 3, 4});  // a exports after b
+    EXPECT_TRUE(has("kvtier_cache_pool_capacity_blocks{engine=\"e0\",tier=\"device\"} 40")) << reg.expose();
+    EXPECT_TRUE(has("kvtier_cache_pool_capacity_blocks{engine=\"e0\",tier=\"host\"} 24")) << reg.expose();
+    const std::uint64_t nodes = (*a)->stats().nodes + (*b)->stats().nodes;
+    EXPECT_EQ(nodes, 9u);
+    EXPECT_TRUE(has("kvtier_cache_index_blocks{engine=\"e0\"} " + std::to_string(nodes))) << reg.expose();
+    // Both follow lrfu: the lead series counts the managers that follow each expert.
+    EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"device\",policy=\"adaptive\",expert=\"lrfu\"} 2"))
+        << reg.expose();
+    EXPECT_TRUE(has("kvtier_cache_lookup_blocks_total{engine=\"e0\"} 12")) << reg.expose();
+  }
+  // b is gone: its share left the gauges (its counts stay in the counters, which only grow).
+  EXPECT_TRUE(has("kvtier_cache_pool_capacity_blocks{engine=\"e0\",tier=\"device\"} 8")) << reg.expose();
+  EXPECT_TRUE(has("kvtier_cache_index_blocks{engine=\"e0\"} " + std::to_string((*a)->stats().nodes))) << reg.expose();
+  EXPECT_TRUE(has("kvtier_cache_policy_lead{engine=\"e0\",tier=\"device\",policy=\"adaptive\",expert=\"lrfu\"} 1"))
+      << reg.expose();
+  std::move(a).value().reset();
+  EXPECT_TRUE(has("kvtier_cache_pool_capacity_blocks{engine=\"e0\",tier=\"device\"} 0")) << reg.expose();
 }
 
 }  // namespace
@@ -228,7 +325,7 @@ TEST(CacheReset, RefusedWhileBusyThenClearsEverythingAndKeepsCounting) {
   auto cm = CacheManager::create(cfg);
   ASSERT_TRUE(cm.ok());
   CacheManager& c = **cm;
-  c.enable_kv_events(512, Medium::kRemote);
+  ASSERT_TRUE(c.enable_kv_events(512, Medium::kRemote).ok());
   KeyNamespace ns;
   ns.model_id = "test/model";
   ns.block_tokens = 512;
@@ -287,10 +384,10 @@ TEST(CacheMetrics, SeriesFollowTheManagersStats) {
   CacheConfig cfg = three_tiers(WritePolicy::kWriteBack);
   cfg.device_blocks = 8;
   cfg.host_blocks = 8;
+  metrics::Registry reg;  // outlives the manager, as attach_metrics requires
   auto cm = CacheManager::create(cfg);
   ASSERT_TRUE(cm.ok());
   CacheManager& c = **cm;
-  metrics::Registry reg;
   ASSERT_TRUE(c.attach_metrics(reg, {{"engine", "e0"}}).ok());
   EXPECT_EQ(c.attach_metrics(reg).code(), StatusCode::kFailedPrecondition);
   KeyNamespace ns;

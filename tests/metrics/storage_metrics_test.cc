@@ -20,6 +20,7 @@ using namespace testing;
 bool has_line(const std::string& text, const std::string& line) { return text.find(line + "\n") != std::string::npos; }
 
 TEST(StorageMetrics, ItemsBytesLatencyAndQuarantineFollowTheOperations) {
+  metrics::Registry reg;  // outlives the tier, as attach_metrics requires
   auto layout = KvLayout::uniform(2, 1, 4096);
   ASSERT_TRUE(layout.ok());
   constexpr std::uint64_t kBlocks = 8;
@@ -36,7 +37,6 @@ TEST(StorageMetrics, ItemsBytesLatencyAndQuarantineFollowTheOperations) {
   ASSERT_TRUE(backend.ok()) << backend.status().to_string();
   auto tier = StorageTier::create(std::move(backend).value(), *space, 0);
   ASSERT_TRUE(tier.ok()) << tier.status().to_string();
-  metrics::Registry reg;
   ASSERT_TRUE((*tier)->attach_metrics(reg, {{"instance", "i0"}}).ok());
   EXPECT_EQ((*tier)->attach_metrics(reg).code(), StatusCode::kFailedPrecondition);
   const std::uint64_t object = (*tier)->object_bytes();
@@ -76,6 +76,38 @@ TEST(StorageMetrics, ItemsBytesLatencyAndQuarantineFollowTheOperations) {
   // The tier leaves with its hook: scraping afterwards reads nothing freed and keeps the totals.
   tier->reset();
   EXPECT_TRUE(has_line(reg.expose(), "kvtier_storage_quarantined_total{" + l + "} 1"));
+}
+
+// Two tiers attached with the same labels add up (each used to overwrite the other's gauges at every scrape), and
+// a tier that goes takes its share out.
+TEST(StorageMetrics, TiersWithTheSameLabelsAddUpAndLeaveWithTheirShare) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
+  testing::AlignedBuffer region(page * 2);
+  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, 2, region.data(), region.size(), 4096);
+  ASSERT_TRUE(space.ok());
+  metrics::Registry reg;  // outlives the tiers
+  testing::TempDir dir_a, dir_b;
+  auto open = [&](const testing::TempDir& dir, std::uint64_t capacity) {
+    DiskBackendConfig c;
+    c.root = dir.path();
+    c.direct_io = DirectIo::kOff;
+    c.capacity_bytes = capacity;
+    auto b = create_disk_backend(c, StorageTier::storage_options(*layout, "metrics-shares"));
+    EXPECT_TRUE(b.ok()) << b.status().to_string();
+    auto tier = StorageTier::create(std::move(b).value(), *space, 0);
+    EXPECT_TRUE(tier.ok()) << tier.status().to_string();
+    EXPECT_TRUE((*tier)->attach_metrics(reg, {{"instance", "i0"}}).ok());
+    return std::move(tier).value();
+  };
+  auto a = open(dir_a, std::uint64_t{1} << 20);
+  const std::string l = "instance=\"i0\",backend=\"" + std::string(a->backend().name()) + "\"";
+  {
+    auto b = open(dir_b, std::uint64_t{3} << 20);
+    EXPECT_TRUE(has_line(reg.expose(), "kvtier_storage_capacity_bytes{" + l + "} 4194304")) << reg.expose();
+  }
+  EXPECT_TRUE(has_line(reg.expose(), "kvtier_storage_capacity_bytes{" + l + "} 1048576")) << reg.expose();
 }
 
 }  // namespace

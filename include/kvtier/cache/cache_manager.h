@@ -448,8 +448,10 @@ class CacheManager {
   // every one that leaves it (dropped, evicted, invalidated) a BlockRemoved; copies already indexed are
   // announced at once. Consecutive blocks of one chain and medium share an event. `block_size` is the
   // tokens per block reported in BlockStored (token ids are not known here: empty). Off by default
-  // (then no cost but one branch per index change).
-  void enable_kv_events(std::uint32_t block_size, metrics::Medium storage_medium = metrics::Medium::kDisk);
+  // (then no cost but one branch per index change). Calling it again with the same arguments changes nothing;
+  // with another block size or medium it is FailedPrecondition (a consumer would see blocks stored on one medium
+  // removed from another); block_size 0 is InvalidArgument.
+  Status enable_kv_events(std::uint32_t block_size, metrics::Medium storage_medium = metrics::Medium::kDisk);
   // The events since the last call, in order (one step's batch).
   std::vector<metrics::KvEvent> take_events();
   struct CachedBlock {

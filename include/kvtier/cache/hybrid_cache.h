@@ -297,8 +297,9 @@ class HybridCache {
   // A group's CacheManager, read-only (stats, cached_blocks, check_invariants). OutOfRange for a bad index.
   Result<const CacheManager*> group_manager(std::uint32_t group) const;
 
-  // KV events of every group (CacheManager::enable_kv_events with the group's block size).
-  void enable_kv_events(metrics::Medium storage_medium = metrics::Medium::kDisk);
+  // KV events of every group (CacheManager::enable_kv_events with the group's block size; the same rules for a
+  // second call).
+  Status enable_kv_events(metrics::Medium storage_medium = metrics::Medium::kDisk);
   // The events since the last call: group 0's in order, then group 1's, ...
   std::vector<GroupEvent> take_events();
   // Every group's CacheManager::attach_metrics with `labels` plus kv_group="<name>". InvalidArgument when

@@ -90,6 +90,20 @@ class Gauge {
   std::atomic<double> v_{0.0};
 };
 
+// One owner's share of a gauge. Owners attached with the same labels (two cache managers in one process, a storage
+// tier reopened beside the old one) add up, as their counters do, instead of overwriting each other's value at every
+// export: to(v) adds what changed since the last call, and release() takes the owner's share back out when it goes.
+struct GaugeShare {
+  Gauge* g = nullptr;
+  double seen = 0;
+  void to(double v) noexcept {
+    if (g == nullptr || v == seen) return;
+    g->add(v - seen);
+    seen = v;
+  }
+  void release() noexcept { to(0); }
+};
+
 // Fixed upper bounds (strictly increasing, finite); the +Inf bucket is implicit.
 class Histogram {
  public:
