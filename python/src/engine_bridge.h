@@ -86,7 +86,24 @@ struct PyTransferManager {
       }).detach();
       return;
     }
-    s.ignore_error();
+    if (!s.ok()) {
+      // The streams did not drain within transfer.shutdown_timeout: copies may still read or write the host cache,
+      // the registered host memory, the adopted device memory and the engine's tensors, so none of it is freed
+      // (as the manager keeps its own host memory then), and the manager is destroyed on a thread of its own
+      // (destroying its streams waits for their work), so that close() keeps its deadline. close() raises.
+      if (host_memory) new std::shared_ptr<PinnedMemory>(std::move(host_memory));  // never released
+      for (auto& r : host_registrations) (void)r.release();
+      host_registrations.clear();
+      for (auto& b : adopted_device) new Buffer(std::move(b));  // never released
+      adopted_device.clear();
+      if (checksums) (void)checksums.release();
+      keep_alive.inc_ref();  // the engine's tensors stay referenced for the process's life
+      keep_alive = nanobind::list();
+      std::thread([m = std::move(m)]() mutable { m.reset(); }).detach();
+      if (from_close)
+        raise_status(s.with_context("TransferManager.close: its memory is kept (transfers may still use it)"));
+      return;
+    }
     // close() promises the engine's memory back: once no call holds the manager any more (one that does ends
     // with it; the destructor frees the rest then), what it used goes now, not when Python drops this object.
     const bool last = m.use_count() == 1;

@@ -197,3 +197,31 @@ def test_close_gives_the_engines_memory_back():
         kvtier.TransferManager.from_pages(dev, compute, [np.zeros((BLOCKS, 512), np.uint8)] * LAYERS, [512] * LAYERS,
                                           HOST_BLOCKS, host_of=mgr)
     mgr.close()  # idempotent
+
+
+def test_close_keeps_its_deadline_and_says_the_drain_timed_out():
+    """close() with copies that outlast transfer.shutdown_timeout returned None after every queued copy had run (4 s
+    against 0.3 s), and then freed the registered memory and the engine's tensors: on a GPU under copies still in
+    flight. It now raises TimedOutError within the deadline and keeps that memory."""
+    import gc
+    import weakref
+
+    dev = kvtier.host_device(min_delay_us=1_000_000, max_delay_us=1_000_000)  # every device operation takes 1 s
+    compute = dev.create_stream("compute")
+    tensors = [np.zeros((BLOCKS, 512), dtype=np.uint8) for _ in range(LAYERS)]
+    refs = [weakref.ref(t) for t in tensors]
+    mgr = kvtier.TransferManager.from_pages(dev, compute, tensors, [512] * LAYERS, num_host_blocks=HOST_BLOCKS,
+                                            config={"transfer.shutdown_timeout": "300ms"})
+    for i in range(4):
+        mgr.evict([i], [i])
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    with pytest.raises(kvtier.TimedOutError, match="shutdown"):
+        mgr.close()
+    assert time.monotonic() - t0 < 2.5, "close() waited for the copies instead of its deadline"
+    del tensors
+    gc.collect()
+    assert all(r() is not None for r in refs), "the engine's tensors were freed under copies that may still run"
+    mgr.close()  # idempotent: closed
+    with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+        mgr.evict([1], [1])
