@@ -597,12 +597,16 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
         }
       }
     }
-    const std::uint64_t demotions = cache->stats().pressure_demotions;
     auto adm = cache->admit(keys, extra);
-    if (!adm.ok() && cache->stats().pressure_demotions > demotions) {
-      // Write-back: the host had no room for a device block that must keep its copy; dirty host
-      // blocks are being written to storage to make some. Wait for them and try once more.
+    // A refused admission may have queued evictions and demotions (blocks moved down a tier, dirty host blocks
+    // written to storage to make room): once their acks are in, the same admission can succeed (admit()'s
+    // contract). Retry while each round had moves to run; a round that queued nothing cannot make room. (Only a
+    // growth of pressure_demotions was retried, once: a host tier smaller than the device's working set then
+    // refused admissions that a retry serves, and the hit ratio fell below that of no host tier at all.)
+    for (int round = 0; !adm.ok() && adm.status().code() == StatusCode::kResourceExhausted && round < 8; ++round) {
+      const std::uint64_t plans_before = plans_executed;
       KVTIER_RETURN_IF_ERROR(drive(0));
+      if (plans_executed == plans_before) break;
       adm = cache->admit(keys, extra);
     }
     // No device move is in flight here (drive() waits for all of them), so a device block still being copied

@@ -964,6 +964,12 @@ Action register_replay(CLI::App& app) {
                 (unsigned long long)(r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens),
                 (unsigned long long)r.total_tokens, 100.0 * r.token_hit_ratio(), (unsigned long long)r.host_hit_tokens,
                 (unsigned long long)r.storage_hit_tokens);
+    if (r.failed_admissions > 0)
+      std::printf("refused          %llu requests the cache could not admit (computed without it)\n",
+                  (unsigned long long)r.failed_admissions);
+    if (r.truncated_requests > 0)
+      std::printf("truncated        %llu requests longer than the device tier (their first %u blocks cached)\n",
+                  (unsigned long long)r.truncated_requests, r.device_blocks);
     std::printf("bytes moved      D2H %.1f GiB, H2D %.1f GiB (%.1f MiB per block)\n", gib(r.bytes_d2h),
                 gib(r.bytes_h2d), static_cast<double>(a.block_bytes) / double(1 << 20));
     if (a.failure_rate > 0 && inject_rank >= 0 && use_transfer)

@@ -94,6 +94,25 @@ TEST(Replay, SaneNumbersAndBeladyBoundsEveryPolicy) {
   }
 }
 
+// A refused admission whose evictions were queued succeeds once their acks are in (admit()'s contract): the replay
+// retried only after a write-back demotion, so a host tier smaller than the device's working set refused 206 of the
+// first 300 requests at 4 + 1 blocks and its hit ratio fell below that of no host tier at all.
+TEST(Replay, AnAdmissionRefusedWhileItsEvictionsRunIsRetried) {
+  ReplayOptions o;
+  o.device_blocks = 4;
+  o.host_blocks = 0;
+  const std::vector<TraceRequest> head(sample().begin(), sample().begin() + 300);
+  auto alone = replay_trace(head, o);
+  ASSERT_TRUE(alone.ok()) << alone.status().to_string();
+  for (std::uint32_t host : {1u, 2u, 3u}) {
+    o.host_blocks = host;
+    auto r = replay_trace(head, o);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->failed_admissions, 0u) << host << " host blocks";
+    EXPECT_GE(r->hit_ratio(), alone->hit_ratio()) << host << " host blocks";
+  }
+}
+
 // The unbounded ratio is an upper bound of every policy: it counts the keys the cache sees, each chained to its
 // prefix. It counted raw ids, so an id seen before under another prefix was a hit no cache could have.
 TEST(Replay, UnboundedCountsChainedKeysNotRawIds) {
