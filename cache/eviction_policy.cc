@@ -622,8 +622,12 @@ Result<std::unique_ptr<EvictionPolicy>> make_policy(std::string_view name, std::
       std::string arg(name.substr(5));
       char* end = nullptr;
       boost = std::strtod(arg.c_str(), &end);
-      if (arg.empty() || end == nullptr || *end != '\0' || !(boost >= 0))
-        return InvalidArgument(fmt::format("policy '{}': boost '{}' is not a number >= 0", name, arg));
+      // At most a billion admissions: priorities (last access + boost x half-octaves of uses) stay exact in a
+      // double; an infinite boost made every class's priority inf or NaN, and the order ties broken by depth.
+      constexpr double kMaxBoost = 1e9;
+      if (arg.empty() || end == nullptr || *end != '\0' || !(boost >= 0) || !(boost <= kMaxBoost))
+        return InvalidArgument(
+            fmt::format("policy '{}': boost '{}' is not a number in [0, {:g}] (admissions)", name, arg, kMaxBoost));
     }
     return std::unique_ptr<EvictionPolicy>(new LrfuPolicy(boost, capacity));
   }

@@ -147,6 +147,8 @@ std::string_view memory_kind_name(MemoryKind kind) noexcept { return kMemoryKind
 
 Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t block_tokens, TokenOrder token_order) {
   if (layers.empty()) return InvalidArgument("KvLayout needs at least one layer, got 0");
+  if (layers.size() > kMaxLayers)
+    return InvalidArgument(fmt::format("KvLayout takes at most {} layers, got {}", kMaxLayers, layers.size()));
   if (block_tokens == 0) return InvalidArgument("KvLayout block_tokens must be >= 1, got 0");
   KvLayout out;
   out.block_tokens_ = block_tokens;
@@ -189,7 +191,10 @@ Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t
 }
 
 Result<KvLayout> KvLayout::gqa(const GqaShape& s) {
-  if (s.num_layers + s.num_draft_layers == 0) return InvalidArgument("GqaShape has 0 layers");
+  if (std::uint64_t{s.num_layers} + s.num_draft_layers == 0) return InvalidArgument("GqaShape has 0 layers");
+  if (std::uint64_t{s.num_layers} + s.num_draft_layers > kMaxLayers)
+    return InvalidArgument(fmt::format("GqaShape has {} + {} draft layers, at most {} in all", s.num_layers,
+                                       s.num_draft_layers, kMaxLayers));
   if (s.kv_heads == 0 || s.block_tokens == 0 || s.head_dim == 0)
     return InvalidArgument(fmt::format("GqaShape dimensions must be >= 1: kv_heads={} block_tokens={} head_dim={}",
                                        s.kv_heads, s.block_tokens, s.head_dim));
@@ -211,7 +216,10 @@ Result<KvLayout> KvLayout::gqa(const GqaShape& s) {
 }
 
 Result<KvLayout> KvLayout::mla(const MlaShape& s) {
-  if (s.num_layers + s.num_draft_layers == 0) return InvalidArgument("MlaShape has 0 layers");
+  if (std::uint64_t{s.num_layers} + s.num_draft_layers == 0) return InvalidArgument("MlaShape has 0 layers");
+  if (std::uint64_t{s.num_layers} + s.num_draft_layers > kMaxLayers)
+    return InvalidArgument(fmt::format("MlaShape has {} + {} draft layers, at most {} in all", s.num_layers,
+                                       s.num_draft_layers, kMaxLayers));
   if (s.block_tokens == 0 || s.latent_dim == 0)
     return InvalidArgument(
         fmt::format("MlaShape dimensions must be >= 1: block_tokens={} latent_dim={}", s.block_tokens, s.latent_dim));
@@ -236,6 +244,8 @@ Result<KvLayout> KvLayout::uniform(std::uint32_t num_layers, std::uint32_t roles
     return InvalidArgument(fmt::format("uniform layout roles_per_layer must be in [1, 6], got {}", roles_per_layer));
   static constexpr Role kOrder[] = {Role::kKey,        Role::kValue,  Role::kKeyScale,
                                     Role::kValueScale, Role::kLatent, Role::kIndexer};
+  if (num_layers > kMaxLayers)
+    return InvalidArgument(fmt::format("uniform layout takes at most {} layers, got {}", kMaxLayers, num_layers));
   std::vector<LayerLayout> layers(num_layers);
   for (auto& layer : layers)
     for (std::uint32_t r = 0; r < roles_per_layer; ++r)

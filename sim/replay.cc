@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -94,8 +95,14 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
     return NotFound(fmt::format("trace file '{}' does not exist", path));
   if (type == std::filesystem::file_type::directory)
     return InvalidArgument(fmt::format("trace '{}' is a directory, not a trace file", path));
+  errno = 0;
   std::ifstream in(path);
-  if (!in) return NotFound(fmt::format("trace file '{}' cannot be opened", path));
+  if (!in) {
+    // The reason (permission denied, ...): the file exists, so NotFound would send the reader to look for it.
+    const int err = errno;
+    return FailedPrecondition(
+        fmt::format("trace file '{}' cannot be opened: {}", path, err != 0 ? std::strerror(err) : "unknown reason"));
+  }
   std::vector<TraceRequest> out;
   std::string line;
   std::size_t lineno = 0;

@@ -2,6 +2,8 @@
 // registration function and adds it to the list in main.cc.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <functional>
@@ -38,6 +40,19 @@ inline CLI::Validator at_least(int min) {
                                                             : "'" + v + "' is not a number >= " + std::to_string(min);
       },
       "NUMBER >= " + std::to_string(min));
+}
+// A finite number in [lo, hi], named in the message when not (CLI::Range lets NaN through: every comparison with
+// it is false).
+inline CLI::Validator finite_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double d = std::strtod(v.c_str(), &end);
+        return end != v.c_str() && *end == '\0' && d >= lo && d <= hi
+                   ? std::string()
+                   : fmt::format("'{}' is not a number in [{:g}, {:g}]", v, lo, hi);
+      },
+      fmt::format("NUMBER in [{:g}, {:g}]", lo, hi));
 }
 // Counts and sizes that must be at least 1 (a 0 divides by zero or measures nothing), and counts that may be 0.
 inline const CLI::Validator kAtLeastOne = at_least(1);

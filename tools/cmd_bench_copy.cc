@@ -93,7 +93,8 @@ Action register_bench_copy(CLI::App& bench) {
   cmd->add_option("--directions", args->directions, "h2d,d2h,both")->delimiter(',');
   cmd->add_option("--pattern", args->pattern,
                   "random | runs16 | contiguous (contiguous: host ids contiguous, device ids random)");
-  cmd->add_option("--layers", args->layers, "layers per block (each a plane)");
+  cmd->add_option("--layers", args->layers, "layers per block (each a plane)")
+      ->check(CLI::Range(std::uint32_t{1}, KvLayout::kMaxLayers));
   cmd->add_option("--roles", args->roles, "roles per layer (1..6)");
   cmd->add_flag("--json", args->json, "one JSON object per line");
   cmd->add_flag("!--no-verify", args->verify, "skip the byte-exact verification run");

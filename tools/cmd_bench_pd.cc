@@ -1533,7 +1533,9 @@ Action register_bench_pd(CLI::App& bench) {
   cmd->add_option("--block-sizes", a->block_sizes, "bytes per block (one role per layer)")
       ->delimiter(',')
       ->check(kAtLeastOne);
-  cmd->add_option("--layers", a->layers, "layers per transfer")->check(kAtLeastOne);
+  cmd->add_option("--layers", a->layers, "layers per transfer")
+      ->check(kAtLeastOne)
+      ->check(CLI::Range(std::uint32_t{1}, KvLayout::kMaxLayers));
   cmd->add_option("--layer-bytes", a->layer_bytes, "payload of one layer (sets the block count, >= 4 blocks)");
   cmd->add_option("--iters", a->iters, "measured transfers (after one warm-up)")->check(kAtLeastOne);
   cmd->add_flag("--json", a->json, "one JSON object per line");

@@ -459,7 +459,7 @@ Action register_bench_transfer(CLI::App& bench) {
   cmd->add_option("--reps", args->reps, "repetitions (p50)")->capture_default_str()->check(kAtLeastOne);
   cmd->add_option("--compute-ratio", args->compute_ratio, "per-layer compute time / per-layer copy time")
       ->capture_default_str()
-      ->check(CLI::Range(1e-6, 1e6));
+      ->check(finite_in(1e-6, 1e6));
   auto* strategy_opt =
       cmd->add_option("--strategy", args->strategy,
                       "copy strategy of loads and evictions: auto, dma_per_run, dma_batch, sm_kernel (overrides "

@@ -378,6 +378,24 @@ Action register_replay(CLI::App& app) {
         if (k.name == "cache.host_policy" && k.value != k.default_value) host_policy_set = true;
     }
     auto given = [&](const char* flag) { return cmd->get_option(flag)->count() > 0; };
+    auto bad = [](const std::string& what) {
+      std::fprintf(stderr, "kvtier replay: %s\n", what.c_str());
+      return 2;
+    };
+    // A flag given an empty value, or 0 where 0 is what "not given" looks like, was taken as not given (no storage
+    // tier, a plain replay instead of a sweep, the default host tier): refused instead.
+    for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"--sweep", &a.sweep},
+                                      {"--storage", &a.storage},
+                                      {"--out", &a.out},
+                                      {"--kv-events", &a.kv_events},
+                                      {"--kv-events-replay", &a.kv_events_replay},
+                                      {"--metrics-out", &a.metrics_out}})
+      if (given(flag) && value->empty()) return bad(fmt::format("{} is given an empty value", flag));
+    if (given("--device-tokens") && a.device_tokens == 0)
+      return bad("--device-tokens must be at least one block's tokens, got 0");
+    if (given("--host-tokens") && a.host_tokens == 0)
+      return bad("--host-tokens must be at least one block's tokens, got 0 (--host-blocks 0 for no host tier)");
+    if (given("--metrics-port") && a.metrics_port == 0) return bad("--metrics-port must be 1..65535, got 0");
     if (!given("--device-blocks")) a.device_blocks = env_cache.device_blocks;
     if (!given("--host-blocks")) a.host_blocks = env_cache.host_blocks;
     if (!given("--storage-blocks")) a.storage_blocks = env_cache.storage_blocks;
@@ -388,10 +406,6 @@ Action register_replay(CLI::App& app) {
       std::fprintf(stderr, "kvtier replay: --block-tokens must be >= 1\n");
       return 2;
     }
-    auto bad = [](const std::string& what) {
-      std::fprintf(stderr, "kvtier replay: %s\n", what.c_str());
-      return 2;
-    };
     constexpr std::uint64_t kMaxBlocks = 0xFFFFFFFEu;  // block ids are 32-bit, 2^32-1 is "no block"
     if (a.device_tokens) {
       const std::uint64_t blocks = a.device_tokens / a.block_tokens;
@@ -654,6 +668,10 @@ Action register_replay(CLI::App& app) {
       return 2;
     }
     if (a.tp == 0) return std::fprintf(stderr, "kvtier replay: --tp must be >= 1, got 0\n"), 2;
+    // Each rank is a TransferManager with its own streams and threads: thousands of ranks exhausted the
+    // machine's threads before anything failed. Tensor-parallel degrees are at most a few dozen.
+    constexpr std::uint32_t kMaxTp = 64;
+    if (a.tp > kMaxTp) return std::fprintf(stderr, "kvtier replay: --tp %u: at most %u ranks\n", a.tp, kMaxTp), 2;
     if (a.failure_rank >= 0 && std::uint64_t(a.failure_rank) >= a.tp)
       return std::fprintf(stderr, "kvtier replay: --failure-rank %lld must be < --tp %u (ranks 0..%u)\n",
                           (long long)a.failure_rank, a.tp, a.tp - 1),

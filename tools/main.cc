@@ -2,7 +2,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <iostream>
+#include <new>
 #include <vector>
 
 #include "kvtier/cache/config_knobs.h"
@@ -55,12 +57,22 @@ int main(int argc, char** argv) {
   // A misspelt KVTIER_* setting would otherwise change nothing, silently.
   for (const std::string& message : kvtier::cache::unrecognized_env_vars(environ))
     kvtier::log(kvtier::LogLevel::kWarning, "config", message);
-  for (auto& action : actions)
-    if (action) {
-      // Each registrar returns an action that checks whether its own subcommand was selected.
-      int rc = action();
-      if (rc >= 0) return rc == 0 ? report_written() : rc;
-    }
+  // The library reports through Status; what can still throw here is the standard library running out of memory
+  // for sizes the flags allowed (a clear error and status 1, not std::terminate's abort).
+  try {
+    for (auto& action : actions)
+      if (action) {
+        // Each registrar returns an action that checks whether its own subcommand was selected.
+        int rc = action();
+        if (rc >= 0) return rc == 0 ? report_written() : rc;
+      }
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "kvtier: out of memory (smaller sizes or counts in the flags)\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvtier: internal error: %s\n", e.what());
+    return 1;
+  }
   std::fprintf(stderr, "kvtier: no subcommand ran\n");
   return 2;
 }

@@ -82,6 +82,14 @@ TEST(Policy, UnknownNamesAndMissingOracleAreErrors) {
   EXPECT_EQ(make_policy("belady", 4).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(make_policy("lrfu:x", 4).status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(make_policy("lrfu:100", 4).ok());
+  // Boosts that are not finite, or so large that priorities lose their order in a double, were accepted and
+  // degenerated the policy into ties broken by depth.
+  for (const char* bad : {"lrfu:inf", "lrfu:nan", "lrfu:1e308", "lrfu:1e10", "lrfu:-1", "duel:lrfu:inf+arc"}) {
+    auto p = make_policy(bad, 4);
+    EXPECT_EQ(p.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(p.status().message().find("boost"), std::string::npos) << p.status().to_string();
+  }
+  EXPECT_TRUE(make_policy("lrfu:1e9", 4).ok());
 }
 
 // A tiny cache of `cap` entries over integer keys driven by one policy.

@@ -135,6 +135,15 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--rank-deadline-ms 0", {"--rank-deadline-ms", "'0'"}},
       {"--write-through-threshold 0", {"--write-through-threshold", "got 0"}},
       {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}},  // arrivals at inf: NaN depths, exit 0
+      // Given, but empty or 0 where that is what "not given" looks like: taken as not given (a default host tier,
+      // a plain replay instead of a sweep, no storage tier), exit 0.
+      {"--device-tokens 0", {"--device-tokens", "got 0"}},
+      {"--host-tokens 0", {"--host-tokens", "got 0"}},
+      {"--sweep ''", {"--sweep is given an empty value"}},
+      {"--storage ''", {"--storage is given an empty value"}},
+      {"--metrics-out ''", {"--metrics-out is given an empty value"}},
+      {"--metrics-port 0", {"--metrics-port", "got 0"}},
+      {"--policy lrfu:inf", {"lrfu:inf", "boost"}},  // accepted: priorities inf or NaN, ties broken by depth
   };
   for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
 }
@@ -415,6 +424,8 @@ TEST_F(ReplayCli, TensorParallelRanksOnTheHostBackend) {
 TEST_F(ReplayCli, TensorParallelBadInput) {
   const std::string base = "replay " + kSample + " --max-requests 5 --transfer host";
   expect_error(run(base + " --tp 0"), {"--tp must be >= 1, got 0"}, "tp 0");
+  // Each rank's manager has its own threads: --tp 65536 exhausted the machine's threads.
+  expect_error(run(base + " --tp 65"), {"--tp 65", "at most 64"}, "tp beyond any machine");
   expect_error(run(base + " --tp 2 --block-bytes 4097"), {"--block-bytes 4097 is not divisible by --tp 2"},
                "block bytes not divisible");
   expect_error(run(base + " --tp 2 --failure-rank 2 --failure-rate 0.1"), {"--failure-rank 2 must be < --tp 2"},
@@ -490,7 +501,12 @@ TEST(BenchCli, CountsAndSizesOfZeroAreRefusedNamingTheFlag) {
       {"bench transfer --backend host --reps 0", "--reps: '0'"},
       {"bench transfer --backend host --gemm-iters 0", "--gemm-iters: '0'"},
       {"bench transfer --backend host --gemm-n 100", "--gemm-n 100"},
-      {"bench storage --skip-disk --redis 127.0.0.1:1 --redis-value-kib 0", "--redis-value-kib: '0'"}};
+      {"bench storage --skip-disk --redis 127.0.0.1:1 --redis-value-kib 0", "--redis-value-kib: '0'"},
+      // Unbounded: a vector of 2^32 layers before any check, std::bad_alloc and an abort.
+      {"bench pd --lanes ipc --layers 4294967295 --no-perftest --iters 1", "--layers"},
+      {"bench copy --backend host --layers 4294967295", "--layers"},
+      // NaN passed CLI::Range (every comparison with it is false): a calibration cast from NaN, exit 0.
+      {"bench transfer --backend host --compute-ratio nan", "--compute-ratio: 'nan'"}};
   for (const auto& [args, named] : cases) {
     const CliRun r = run(args);
     EXPECT_NE(r.rc, 0) << args << ": " << r.out;

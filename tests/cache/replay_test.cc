@@ -2,9 +2,14 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 
 #include "kvtier/backend/plan_executor.h"
@@ -29,6 +34,25 @@ TEST(Replay, LoadsTheCommittedSample) {
   EXPECT_EQ(sample()[0].hash_ids.size(), 14u);
   EXPECT_EQ(sample()[0].input_length, 6758u);
   EXPECT_EQ(load_mooncake_trace("/nonexistent.jsonl").status().code(), StatusCode::kNotFound);
+}
+
+// A trace that exists but cannot be opened was reported NotFound ("cannot be opened", no reason). A unix socket
+// stands in for an unreadable file (permissions do not hold for root): opening it fails with ENXIO.
+TEST(Replay, ATraceThatExistsButCannotBeOpenedSaysWhy) {
+  const auto path = std::filesystem::temp_directory_path() / fmt::format("kvtier_trace_{}.sock", ::getpid());
+  std::filesystem::remove(path);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(path.string().size(), sizeof(addr.sun_path));
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0) << std::strerror(errno);
+  auto t = load_mooncake_trace(path.string());
+  EXPECT_EQ(t.status().code(), StatusCode::kFailedPrecondition) << t.status().to_string();
+  EXPECT_NE(t.status().message().find(std::strerror(ENXIO)), std::string::npos) << t.status().to_string();
+  ::close(fd);
+  std::filesystem::remove(path);
 }
 
 TEST(Replay, RejectsMalformedLines) {

@@ -145,6 +145,9 @@ class KvLayout {
   // Every layer has exactly one role of `block_bytes` (a synthetic layout for
   // benchmarks and tests).
   static Result<KvLayout> uniform(std::uint32_t num_layers, std::uint32_t roles_per_layer, std::uint64_t block_bytes);
+  // The most layers a layout takes (the largest models have a few hundred; a count past this is a mistake, and
+  // every per-layer table would be allocated before anything else refused it).
+  static constexpr std::uint32_t kMaxLayers = 4096;
 
   std::uint32_t num_layers() const noexcept { return static_cast<std::uint32_t>(layers_.size()); }
   const LayerLayout& layer(std::uint32_t l) const { return layers_[l]; }
