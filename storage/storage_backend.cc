@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <unordered_map>
 
 #include "kvtier/core/config.h"
 #include "kvtier/core/deadline.h"
@@ -238,6 +239,16 @@ Status check_batch_buffers(const StorageBatch& batch) {
     if (batch.items[i].buffer == nullptr && batch.items[i].bytes > 0)
       return InvalidArgument(
           fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i, batch.items[i].bytes));
+  if (batch.op == StorageOp::kPut && batch.items.size() > 1) {
+    std::unordered_map<StorageKey, std::size_t, StorageKeyHash> first;
+    first.reserve(batch.items.size());
+    for (std::size_t i = 0; i < batch.items.size(); ++i)
+      if (auto [it, fresh] = first.emplace(batch.items[i].key, i); !fresh)
+        return InvalidArgument(
+            fmt::format("put items {} and {} name one key {} (a batch's puts run at once: which "
+                        "would stay is not defined)",
+                        it->second, i, batch.items[i].key.to_string()));
+  }
   return Status::Ok();
 }
 

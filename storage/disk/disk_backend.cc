@@ -238,6 +238,7 @@ StorageCaps DiskBackend::caps() const noexcept {
 }
 
 Result<StorageTicket> DiskBackend::post(StorageBatch batch) {
+  KVTIER_RETURN_IF_ERROR(check_batch_buffers(batch));
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
     const StorageItem& it = batch.items[i];
     if ((batch.op == StorageOp::kGet || batch.op == StorageOp::kPut) && it.buffer == nullptr && it.bytes > 0)

@@ -267,6 +267,7 @@ class RedisBackend final : public StorageBackend {
   Status unregister_region(void* ptr) override { return regions_.remove(ptr); }
 
   Result<StorageTicket> post(StorageBatch batch) override {
+    KVTIER_RETURN_IF_ERROR(check_batch_buffers(batch));
     const std::uint64_t max_bytes = caps().max_object_bytes;
     for (std::size_t i = 0; i < batch.items.size(); ++i) {
       const StorageItem& it = batch.items[i];

@@ -23,7 +23,8 @@
 //           visible atomically (a reader sees the whole old or the whole new
 //           object, never a mix) | ResourceExhausted (disk full / object too
 //           large for the capacity) | Unavailable | ...
-//           A put replaces an existing object (last acknowledged put wins).
+//           A put replaces an existing object (last acknowledged put wins). A put
+//           batch names each key at most once (InvalidArgument otherwise).
 //   delete: OK (removed) | NotFound (was absent).
 //
 // Buffers. Items borrow caller memory: the source (put) and destination (get)
@@ -281,7 +282,8 @@ Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch 
                                           std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
 
 // For backends' post(): InvalidArgument naming the first item of a get or put batch that has no buffer for its
-// nonzero size (such a batch is refused whole, nothing posted).
+// nonzero size, or the two items of a put batch that name one key (the items of a batch run concurrently, so
+// which of them would stay is not defined); such a batch is refused whole, nothing posted.
 Status check_batch_buffers(const StorageBatch& batch);
 
 // Creates a backend from a spec string (for tools and configuration):
