@@ -58,6 +58,12 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
   if (config.device_blocks >= kNoBlock || config.host_blocks >= kNoBlock || config.storage_blocks >= kNoBlock)
     return InvalidArgument("cache config: a tier has >= 2^32-1 blocks");
   if (config.write_through_threshold == 0) return InvalidArgument("cache config: write_through_threshold is 0");
+  // Storage is written from host blocks and prefetched into them: without a host tier it took no block, silently.
+  if (config.storage_blocks > 0 && config.host_blocks == 0)
+    return InvalidArgument(fmt::format(
+        "cache config: storage_blocks {} with host_blocks 0: the storage tier is written from and prefetched into "
+        "host blocks (give the host tier blocks, or storage_blocks 0)",
+        config.storage_blocks));
   if (const std::uint64_t need = index_memory_bytes(config), have = physical_memory_bytes(); need > have)
     return ResourceExhausted(fmt::format(
         "cache config: device_blocks {} + host_blocks {} + storage_blocks {} need about {} MiB of index memory, the "

@@ -858,11 +858,15 @@ Action register_replay(CLI::App& app) {
       };
     }
     if (a.progress) progress.emplace(trace->size());
-    if (rm || progress)
+    // --metrics-out: the scrape at the replay's end, taken while its cache manager is there (the manager's gauges
+    // leave the registry with it).
+    std::string final_scrape;
+    if (rm || progress || !a.metrics_out.empty())
       o.on_request = [&](const cache::ReplayResult& r, const cache::CacheManager& cm) {
         (void)cm;
         if (rm) rm->update(r);
         if (progress) progress->update(r, r.seconds > 0);
+        if (r.seconds > 0 && !a.metrics_out.empty()) final_scrape = registry.expose();  // the last call
       };
     auto res = cache::replay_trace(*trace, o);
     o.executor = nullptr;  // Belady and the unbounded bound run on the fake executor
@@ -879,7 +883,7 @@ Action register_replay(CLI::App& app) {
     }
     if (!a.metrics_out.empty()) {
       std::ofstream f(a.metrics_out, std::ios::binary | std::ios::trunc);
-      f << registry.expose();
+      f << (final_scrape.empty() ? registry.expose() : final_scrape);
       if (!f.good())
         return std::fprintf(stderr, "kvtier replay: cannot write --metrics-out %s\n", a.metrics_out.c_str()), 1;
     }

@@ -616,6 +616,14 @@ TEST(CacheManager, ConfigValidation) {
   EXPECT_FALSE(CacheManager::create(testing::with(testing::config(4), [](CacheConfig& cf) {
                  cf.device_watermarks = Watermarks{0.6, 0.5};
                })).ok());
+  // A storage tier without a host tier took no block (storage is written from host blocks): refused, named.
+  auto no_host = CacheManager::create(testing::with(testing::config(4), [](CacheConfig& cf) {
+    cf.host_blocks = 0;
+    cf.storage_blocks = 64;
+  }));
+  EXPECT_EQ(no_host.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_host.status().message().find("storage_blocks 64 with host_blocks 0"), std::string::npos)
+      << no_host.status().to_string();
 }
 
 // A failed admission changes nothing: the case of a 10-block device holding 8 cached blocks,

@@ -189,7 +189,7 @@ TEST_P(CacheProperty, RandomOperationSequencesKeepInvariants) {
   sc.seed = 1000 + variant;
   sc.cfg.device_blocks = 12 + variant % 3 * 8;
   sc.cfg.host_blocks = variant % 4 == 3 ? 0 : 16 + variant % 5 * 8;
-  sc.cfg.storage_blocks = variant % 2 ? 64 : 0;
+  sc.cfg.storage_blocks = variant % 2 && sc.cfg.host_blocks > 0 ? 64 : 0;  // storage needs a host tier
   const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "adaptive"};
   sc.cfg.device_policy = policies[variant % 4];
   sc.cfg.host_policy = policies[(variant + 1) % 4];
@@ -239,7 +239,7 @@ TEST_P(CachePropertySieve, RandomOperationSequencesKeepInvariants) {
   sc.seed = 7000 + variant;
   sc.cfg.device_blocks = 12 + variant % 3 * 8;
   sc.cfg.host_blocks = variant % 4 == 3 ? 0 : 16 + variant % 5 * 8;
-  sc.cfg.storage_blocks = variant % 2 ? 64 : 0;
+  sc.cfg.storage_blocks = variant % 2 && sc.cfg.host_blocks > 0 ? 64 : 0;  // storage needs a host tier
   sc.cfg.device_policy = "sieve";
   sc.cfg.host_policy = variant % 3 == 0 ? "lru" : "sieve";
   sc.cfg.storage_policy = variant % 2 ? "sieve" : "lru";
@@ -267,7 +267,7 @@ TEST_P(CachePropertyReclaimable, IncrementalCountEqualsFullRecountAfterEveryCall
   CacheConfig cfg;
   cfg.device_blocks = 10 + variant % 3 * 7;
   cfg.host_blocks = variant % 4 == 3 ? 0 : 12 + variant % 5 * 6;
-  cfg.storage_blocks = variant % 2 ? 10 + variant % 3 * 30 : 0;
+  cfg.storage_blocks = variant % 2 && cfg.host_blocks > 0 ? 10 + variant % 3 * 30 : 0;  // storage needs a host tier
   const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "sieve"};
   cfg.device_policy = policies[variant % 5];
   cfg.host_policy = policies[(variant + 2) % 5];

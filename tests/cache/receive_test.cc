@@ -327,7 +327,8 @@ class CacheReceiveProperty : public ::testing::TestWithParam<int> {};
 
 TEST_P(CacheReceiveProperty, GuardedBlocksAreNeverServedMovedOrReused) {
   const int variant = GetParam();
-  CacheConfig cfg = testing::config(16 + variant % 3 * 8, variant % 4 == 3 ? 0 : 24, variant % 2 ? 48 : 0);
+  const bool host = variant % 4 != 3;
+  CacheConfig cfg = testing::config(16 + variant % 3 * 8, host ? 24 : 0, host && variant % 2 ? 48 : 0);
   const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "adaptive"};
   cfg.device_policy = policies[variant % 4];
   cfg.write_policy = static_cast<WritePolicy>(variant % 3);

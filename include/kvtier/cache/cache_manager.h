@@ -118,7 +118,7 @@ struct Watermarks {
 struct CacheConfig {
   std::uint32_t device_blocks = 0;   // required >= 1
   std::uint32_t host_blocks = 0;     // 0: no host tier
-  std::uint32_t storage_blocks = 0;  // 0: no storage tier
+  std::uint32_t storage_blocks = 0;  // 0: no storage tier; needs host_blocks > 0 (written from host blocks)
   std::string device_policy =
       "adaptive";  // lrfu, arc and lru dueling: docs/performance.md, "One policy for every trace"
   std::string host_policy = "lru";

@@ -19,8 +19,8 @@
 // checksums"), so one large object is copied by every thread, and a get is reported OK only once every piece
 // verified. Keyed tiers (a tenant secret) authenticate each object in one pass, objects on several threads. A batch's
 // puts are then committed in item order (the room, the evictions and the LRU order are those of one put after the
-// other), so a batch of puts holds up to its own bytes beyond the capacity while it is copied. Puts of one key twice in
-// a batch run one after the other. register_region() only records the region.
+// other), so a batch of puts holds up to its own bytes beyond the capacity while it is copied. A put batch naming one
+// key twice is refused (StorageBackend's contract). register_region() only records the region.
 //
 // Thread-safety: as StorageBackend. Destroying the backend finishes the batch in progress and cancels the rest.
 #pragma once
