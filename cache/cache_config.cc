@@ -16,6 +16,14 @@ Status validate_policy(std::string_view name) {
   return policy.ok() ? Status::Ok() : policy.status();
 }
 
+// The lower tiers' policies: online ones only (belady needs the next-use oracle that only the offline replay sets,
+// and only on the device tier: CacheManager::create refused it later without naming the knob).
+Status validate_lower_tier_policy(std::string_view name) {
+  if (name == "belady")
+    return InvalidArgument("policy 'belady' is the offline replay's device policy (it needs a next-use oracle)");
+  return validate_policy(name);
+}
+
 }  // namespace
 
 void bind_cache_config(ConfigTable& t, CacheConfig& c, const std::string& p) {
@@ -25,8 +33,8 @@ void bind_cache_config(ConfigTable& t, CacheConfig& c, const std::string& p) {
   t.add(p + ".device_policy", &c.device_policy,
         "eviction policy of the device tier: adaptive, lru, s3fifo, sieve, arc, lrfu[:boost], duel:A+B[+...]",
         validate_policy);
-  t.add(p + ".host_policy", &c.host_policy, "eviction policy of the host tier", validate_policy);
-  t.add(p + ".storage_policy", &c.storage_policy, "eviction policy of the storage tier", validate_policy);
+  t.add(p + ".host_policy", &c.host_policy, "eviction policy of the host tier", validate_lower_tier_policy);
+  t.add(p + ".storage_policy", &c.storage_policy, "eviction policy of the storage tier", validate_lower_tier_policy);
   const std::vector<WritePolicy> write_policies{WritePolicy::kWriteThrough, WritePolicy::kWriteThroughSelective,
                                                 WritePolicy::kWriteBack};
   t.add_enum(p + ".write_policy", &c.write_policy, parse_write_policy, write_policy_name, write_policies,

@@ -30,22 +30,23 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto: D2H segments below this use the SM kernel (0: never)");
   t.add(p + ".auto_duplex_dma_min_segment_bytes", &o.auto_duplex_dma_min_segment_bytes,
         "kAuto: in full duplex, batched DMA from this segment size");
-  t.add(p + ".split_kernel_share", &o.split_kernel_share, "split: share of the pairs copied by the SM kernel (0..1)");
+  t.add(p + ".split_kernel_share", &o.split_kernel_share, "split: share of the pairs copied by the SM kernel (0..1)",
+        0.0, 1.0);
   t.add(p + ".split_dma_lanes", &o.split_dma_lanes, "split: lane streams sharing the batched-DMA part (1..16)");
   t.add(p + ".auto_split_h2d_min_segment_bytes", &o.auto_split_h2d_min_segment_bytes,
         "kAuto: H2D (not duplex) uses split from this average segment size");
   t.add(p + ".auto_split_h2d_max_segment_bytes", &o.auto_split_h2d_max_segment_bytes,
         "kAuto: ... below this one (0: never)");
   t.add(p + ".auto_split_h2d_kernel_share", &o.auto_split_h2d_kernel_share,
-        "kAuto split: SM kernel share below auto_split_h2d_large_segment_bytes");
+        "kAuto split: SM kernel share below auto_split_h2d_large_segment_bytes", 0.0, 1.0);
   t.add(p + ".auto_split_h2d_kernel_share_small", &o.auto_split_h2d_kernel_share_small,
-        "kAuto split: SM kernel share below auto_split_h2d_small_segment_bytes");
+        "kAuto split: SM kernel share below auto_split_h2d_small_segment_bytes", 0.0, 1.0);
   t.add(p + ".auto_split_h2d_small_segment_bytes", &o.auto_split_h2d_small_segment_bytes,
         "kAuto split: the small-segment share applies below this average segment size");
   t.add(p + ".auto_split_h2d_large_segment_bytes", &o.auto_split_h2d_large_segment_bytes,
         "kAuto split: the large-segment share and split_dma_lanes lanes from this average segment size");
   t.add(p + ".auto_split_h2d_kernel_share_large", &o.auto_split_h2d_kernel_share_large,
-        "kAuto split: initial SM kernel share from auto_split_h2d_large_segment_bytes");
+        "kAuto split: initial SM kernel share from auto_split_h2d_large_segment_bytes", 0.0, 1.0);
   t.add(p + ".auto_split_adaptive", &o.auto_split_adaptive,
         "kAuto split: tune the kernel share at run time from timed completions");
   t.add(p + ".auto_split_adaptive_gain", &o.auto_split_adaptive_gain,

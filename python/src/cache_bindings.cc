@@ -312,7 +312,11 @@ Borrowed borrow_array(const Array& a, std::size_t index) {
         "buffer at index {} has DLPack device type {}; storage items take memory the CPU addresses (numpy, CPU or "
         "pinned tensors)",
         index, a.device_type())));
-  // C-contiguous, checked here: the bytes are moved as they lie, never through a converted copy.
+  // C-contiguous, checked here: the bytes are moved as they lie, never through a converted copy. An array with a
+  // dimension of size 0 holds no byte, whatever its strides (numpy calls it contiguous): an empty object.
+  bool empty = false;
+  for (std::size_t d = 0; d < a.ndim(); ++d) empty = empty || a.shape(d) == 0;
+  if (empty) return {const_cast<void*>(static_cast<const void*>(a.data())), 0};
   std::int64_t expect = 1;
   for (std::size_t d = a.ndim(); d-- > 0;) {
     if (a.shape(d) != 1 && a.stride(d) != expect)
@@ -450,7 +454,10 @@ void bind_cache(nb::module_& m) {
           "tp_size"_a = 1, "tenant_salt"_a = "", "extra"_a = "")
       .def(
           "keys_for",
-          [](const PyKeyHasher& h, const std::vector<std::int32_t>& tokens) {
+          [](const PyKeyHasher& h, nb::handle tokens_obj) {
+            // Each id checked and named (tokens[i] 2**31 or -1), where nanobind refused the whole call unnamed.
+            const std::vector<std::int64_t> ids = int_list(tokens_obj, "tokens", INT32_MAX);
+            const std::vector<std::int32_t> tokens(ids.begin(), ids.end());
             return key_strings(value_or_raise(h.hasher.keys_for(tokens)));
           },
           "tokens"_a, "Keys (hex) of every full block of the token ids; a partial tail block gets none.")
@@ -458,45 +465,63 @@ void bind_cache(nb::module_& m) {
 
   nb::class_<PyCacheManager>(m, "CacheManager",
                              "Block pools, prefix index, eviction and write policies, step plans "
-                             "(include/kvtier/cache/cache_manager.h). config: knob -> value, as the KVTIER_CACHE_* "
-                             "table of docs/configuration.md without the 'cache.' prefix.")
+                             "(include/kvtier/cache/cache_manager.h). Settings: CacheConfig's defaults, then the "
+                             "KVTIER_CACHE_* environment, then config (knob -> value, as the table of "
+                             "docs/configuration.md, with or without the 'cache.' prefix), then the arguments given.")
       .def(
           "__init__",
           [](PyCacheManager* self, nb::handle device_blocks, nb::handle host_blocks, nb::handle storage_blocks,
-             const std::string& write_policy, const std::string& device_policy, const std::string& host_policy,
-             nb::handle write_through_threshold) {
+             nb::handle write_policy, nb::handle device_policy, nb::handle host_policy,
+             nb::handle write_through_threshold, nb::handle config_obj) {
+            // CacheConfig's defaults, then the KVTIER_CACHE_* environment, then `config`, then the arguments
+            // given (None: not given). Every knob of docs/configuration.md is reachable, look-ahead and
+            // watermarks included, not only the arguments'.
             cache::CacheConfig c;
-            c.device_blocks = u32_arg(device_blocks, "device_blocks");
-            c.host_blocks = u32_arg(host_blocks, "host_blocks");
-            c.storage_blocks = u32_arg(storage_blocks, "storage_blocks");
-            c.write_policy = value_or_raise(cache::parse_write_policy(write_policy));
-            c.device_policy = device_policy;
-            c.host_policy = host_policy;
-            c.write_through_threshold = u32_arg(write_through_threshold, "write_through_threshold");
+            {
+              ConfigTable table;
+              cache::bind_cache_config(table, c);
+              check(table.apply_env(environ).with_context("KVTIER_CACHE_* environment"));
+              for (const auto& [knob, value] : config_arg(config_obj, "config"))
+                check(table.set(knob.rfind("cache.", 0) == 0 ? knob : "cache." + knob, value));
+            }
+            if (!device_blocks.is_none()) c.device_blocks = u32_arg(device_blocks, "device_blocks");
+            if (!host_blocks.is_none()) c.host_blocks = u32_arg(host_blocks, "host_blocks");
+            if (!storage_blocks.is_none()) c.storage_blocks = u32_arg(storage_blocks, "storage_blocks");
+            if (!write_policy.is_none())
+              c.write_policy = value_or_raise(cache::parse_write_policy(str_arg(write_policy, "write_policy")));
+            if (!device_policy.is_none()) c.device_policy = str_arg(device_policy, "device_policy");
+            if (!host_policy.is_none()) c.host_policy = str_arg(host_policy, "host_policy");
+            if (!write_through_threshold.is_none())
+              c.write_through_threshold = u32_arg(write_through_threshold, "write_through_threshold");
             new (self) PyCacheManager();
             self->cm = value_or_raise(cache::CacheManager::create(std::move(c)));
           },
-          "device_blocks"_a.none(), "host_blocks"_a.none() = 0, "storage_blocks"_a.none() = 0,
-          "write_policy"_a = "write_back", "device_policy"_a = "adaptive", "host_policy"_a = "lru",
-          "write_through_threshold"_a.none() = 2)
-      .def("match",
-           [](PyCacheManager& p, const std::vector<std::string>& keys) {
-             auto k = parse_keys(keys);
-             auto lock = lock_gil_safe(p.mu);
-             cache::MatchResult r = p.cm->match(k);
-             nb::dict d;
-             d["device_blocks"] = r.device_blocks;
-             d["host_blocks"] = r.host_blocks;
-             d["storage_blocks"] = r.storage_blocks;
-             d["stopped_at_in_flight"] = r.stopped_at_in_flight;
-             d["device_ids"] = r.device_ids;
-             d["host_ids"] = r.host_ids;
-             d["storage_ids"] = r.storage_ids;
-             return d;
-           })
+          "device_blocks"_a.none() = nb::none(), "host_blocks"_a.none() = nb::none(),
+          "storage_blocks"_a.none() = nb::none(), "write_policy"_a.none() = nb::none(),
+          "device_policy"_a.none() = nb::none(), "host_policy"_a.none() = nb::none(),
+          "write_through_threshold"_a.none() = nb::none(), "config"_a.none() = nb::none())
+      .def(
+          "match",
+          [](PyCacheManager& p, StrListArg keys_arg) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
+            auto k = parse_keys(keys);
+            auto lock = lock_gil_safe(p.mu);
+            cache::MatchResult r = p.cm->match(k);
+            nb::dict d;
+            d["device_blocks"] = r.device_blocks;
+            d["host_blocks"] = r.host_blocks;
+            d["storage_blocks"] = r.storage_blocks;
+            d["stopped_at_in_flight"] = r.stopped_at_in_flight;
+            d["device_ids"] = r.device_ids;
+            d["host_ids"] = r.host_ids;
+            d["storage_ids"] = r.storage_ids;
+            return d;
+          },
+          "keys"_a.none())
       .def(
           "admit",
-          [](PyCacheManager& p, const std::vector<std::string>& keys, nb::handle extra_blocks) {
+          [](PyCacheManager& p, StrListArg keys_arg, nb::handle extra_blocks) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             auto k = parse_keys(keys);
             const std::uint32_t extra = u32_arg(extra_blocks, "extra_blocks");
             auto lock = lock_gil_safe(p.mu);
@@ -511,7 +536,7 @@ void bind_cache(nb::module_& m) {
             d["device_blocks"] = a.device_blocks;
             return d;
           },
-          "keys"_a, "extra_blocks"_a.none() = 0)
+          "keys"_a.none(), "extra_blocks"_a.none() = 0)
       .def(
           "commit",
           [](PyCacheManager& p, nb::handle admission, nb::handle num_computed) {
@@ -544,12 +569,15 @@ void bind_cache(nb::module_& m) {
             return d;
           },
           "admission"_a.none())
-      .def("prefetch",
-           [](PyCacheManager& p, const std::vector<std::string>& keys) {
-             auto k = parse_keys(keys);
-             auto lock = lock_gil_safe(p.mu);
-             return value_or_raise(p.cm->prefetch(k));
-           })
+      .def(
+          "prefetch",
+          [](PyCacheManager& p, StrListArg keys_arg) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
+            auto k = parse_keys(keys);
+            auto lock = lock_gil_safe(p.mu);
+            return value_or_raise(p.cm->prefetch(k));
+          },
+          "keys"_a.none())
       .def(
           "take_plan",
           [](PyCacheManager& p) {
@@ -572,7 +600,7 @@ void bind_cache(nb::module_& m) {
               case cache::MoveKind::kStoragePrefetch: return check(p.cm->ack_storage_prefetches(ids, st));
             }
           },
-          "kind"_a, "dst_blocks"_a, "error"_a = nb::none(),
+          "kind"_a, "dst_blocks"_a.none(), "error"_a = nb::none(),
           "Acknowledges moves of one kind by destination block; error: None (done) or why it failed (the blocks "
           "become misses).")
       .def("stats",
@@ -613,28 +641,30 @@ void bind_cache(nb::module_& m) {
            })
       .def(
           "announce",
-          [](PyCacheManager& p, const std::vector<std::string>& keys, nb::handle conversation_id,
-             nb::handle continuation, nb::handle ttl_steps, nb::handle priority) {
+          [](PyCacheManager& p, StrListArg keys_arg, nb::handle conversation_id, nb::handle continuation,
+             nb::handle ttl_steps, nb::handle priority) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             auto k = parse_keys(keys);
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.cm->announce(k, h));
           },
-          "keys"_a, "conversation_id"_a.none() = 0, "continuation"_a.none() = "unknown", "ttl_steps"_a.none() = 0,
-          "priority"_a.none() = 0,
+          "keys"_a.none(), "conversation_id"_a.none() = 0, "continuation"_a.none() = "unknown",
+          "ttl_steps"_a.none() = 0, "priority"_a.none() = 0,
           "The engine queued a request with these block keys (a hash chain, hex): its cached blocks are kept over "
           "others and prefetched to faster tiers by take_plan(). Hints are optional: conversation_id (0: none), "
           "continuation 'unknown' | 'continues' | 'last_turn', ttl_steps (protection kept after withdraw, in "
           "take_plan() calls), priority (higher first). Returns the announcement's id.")
       .def(
           "extend_announced",
-          [](PyCacheManager& p, nb::handle id, const std::vector<std::string>& keys) {
+          [](PyCacheManager& p, nb::handle id, StrListArg keys_arg) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             const std::uint64_t queued = u64_arg(id, "id");
             auto k = parse_keys(keys);
             auto lock = lock_gil_safe(p.mu);
             check(p.cm->extend_announced(queued, k));
           },
-          "id"_a.none(), "keys"_a, "Appends keys (tokens arrived) to a queued announcement's chain.")
+          "id"_a.none(), "keys"_a.none(), "Appends keys (tokens arrived) to a queued announcement's chain.")
       .def(
           "withdraw",
           [](PyCacheManager& p, nb::handle id) {
@@ -808,7 +838,7 @@ void bind_cache(nb::module_& m) {
             return d;
           },
           "num_tokens"_a.none(), "chains"_a, "extra_tokens"_a.none() = 0, "max_hit_tokens"_a.none() = nb::none(),
-          "save_states_at"_a = nb::make_tuple(),
+          "save_states_at"_a.none() = nb::make_tuple(),
           "Admits a request in every group or in none (ResourceExhaustedError, nothing left admitted). Per group: "
           "the device block of every position (None outside a window), hits, loads, new blocks; state groups: the "
           "state to start from, where to save states, the working block.")
@@ -891,7 +921,7 @@ void bind_cache(nb::module_& m) {
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->apply_completions(std::span<const cache::GroupCompletion>(&c, 1)));
           },
-          "group"_a, "kind"_a, "dst_blocks"_a, "error"_a = nb::none(),
+          "group"_a, "kind"_a, "dst_blocks"_a.none(), "error"_a = nb::none(),
           "Acknowledges one group's moves of one kind by destination block; error: None or why they failed.")
       .def("stats",
            [](PyHybridCache& p) {
@@ -1067,18 +1097,20 @@ void bind_cache(nb::module_& m) {
           "key"_a, "rank"_a = 0, "True when it was removed, False when it was absent.")
       .def(
           "exists_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, IntArg rank) {
+          [](PyStorage& p, StrListArg keys_arg, IntArg rank) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             return run_many(p, storage::StorageOp::kExists, keys, std::nullopt, rank.u32("rank"));
           },
-          "keys"_a, "rank"_a = 0,
+          "keys"_a.none(), "rank"_a = 0,
           "One batch; per key the payload size (int) when present, else the exception object (NotFoundError when "
           "absent), not raised.")
       .def(
           "get_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, IntArg rank) {
+          [](PyStorage& p, StrListArg keys_arg, nb::sequence buffers, IntArg rank) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             return run_many(p, storage::StorageOp::kGet, keys, buffers, rank.u32("rank"));
           },
-          "keys"_a, "buffers"_a, "rank"_a = 0,
+          "keys"_a.none(), "buffers"_a, "rank"_a = 0,
           "Reads each object into its buffer: a writable C-contiguous CPU array (numpy, CPU or pinned torch "
           "tensor; DLPack or buffer protocol) or an (address, nbytes) pair. Per key the payload bytes read (int; "
           "the object was verified before it was reported) or the exception object: NotFoundError (absent), "
@@ -1086,19 +1118,21 @@ void bind_cache(nb::module_& m) {
           "... A buffer whose item failed holds undefined bytes. Returns when every item is done (GIL released).")
       .def(
           "put_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, nb::sequence buffers, IntArg rank) {
+          [](PyStorage& p, StrListArg keys_arg, nb::sequence buffers, IntArg rank) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             return run_many(p, storage::StorageOp::kPut, keys, buffers, rank.u32("rank"));
           },
-          "keys"_a, "buffers"_a, "rank"_a = 0,
+          "keys"_a.none(), "buffers"_a, "rank"_a = 0,
           "Stores each buffer (as get_many's; read only) as the object of its key, replacing any. Per key the bytes "
           "stored (int) or the exception object (ResourceExhaustedError: the tier is full or the object exceeds "
           "its capacity, UnavailableError, ...). Returns when every item is done (GIL released).")
       .def(
           "delete_many",
-          [](PyStorage& p, const std::vector<std::string>& keys, IntArg rank) {
+          [](PyStorage& p, StrListArg keys_arg, IntArg rank) {
+            const std::vector<std::string> keys = keys_arg.get("keys");
             return run_many(p, storage::StorageOp::kDelete, keys, std::nullopt, rank.u32("rank"));
           },
-          "keys"_a, "rank"_a = 0, "Per key 0 when removed, else the exception object (NotFoundError: absent).")
+          "keys"_a.none(), "rank"_a = 0, "Per key 0 when removed, else the exception object (NotFoundError: absent).")
       .def("stats", [](PyStorage& p) {
         storage::StorageStats s = p.get()->stats();
         nb::dict d;

@@ -122,6 +122,59 @@ std::string str_arg(nb::handle value, const char* what) {
   return nb::cast<std::string>(value);
 }
 
+std::map<std::string, std::string> config_arg(nb::handle value, const char* what) {
+  std::map<std::string, std::string> out;
+  if (value.is_none()) return out;
+  if (!nb::isinstance<nb::dict>(value))
+    raise_status(InvalidArgument(
+        fmt::format("{} {} is not a dict of knob -> value", what, nb::cast<std::string>(nb::repr(value)))));
+  for (auto [k, v] : nb::borrow<nb::dict>(value)) {
+    if (!nb::isinstance<nb::str>(k))
+      raise_status(
+          InvalidArgument(fmt::format("{}: knob {} is not a string", what, nb::cast<std::string>(nb::repr(k)))));
+    const std::string knob = nb::cast<std::string>(k);
+    std::string text;
+    if (nb::isinstance<nb::bool_>(v)) {
+      text = nb::cast<bool>(v) ? "true" : "false";
+    } else if (nb::isinstance<nb::str>(v)) {
+      text = nb::cast<std::string>(v);
+    } else if (nb::isinstance<nb::int_>(v) || nb::isinstance<nb::float_>(v)) {
+      text = nb::cast<std::string>(nb::str(v));
+    } else {
+      raise_status(InvalidArgument(
+          fmt::format("{}['{}'] {} is not a string, number or bool", what, knob, nb::cast<std::string>(nb::repr(v)))));
+    }
+    out[knob] = std::move(text);
+  }
+  return out;
+}
+
+std::vector<std::string> str_list(nb::handle value, const char* what) {
+  if (value.is_none() || nb::isinstance<nb::str>(value) || nb::isinstance<nb::bytes>(value) ||
+      PySequence_Check(value.ptr()) == 0)
+    raise_status(InvalidArgument(
+        fmt::format("{} {} is not a sequence of strings", what, nb::cast<std::string>(nb::repr(value)))));
+  const Py_ssize_t n = PySequence_Size(value.ptr());
+  if (n < 0) {
+    PyErr_Clear();
+    raise_status(InvalidArgument(fmt::format("{}: the sequence has no length", what)));
+  }
+  std::vector<std::string> out;
+  out.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    nb::object item = nb::steal(PySequence_GetItem(value.ptr(), i));
+    if (!item.is_valid()) {
+      PyErr_Clear();
+      raise_status(InvalidArgument(fmt::format("{}[{}] cannot be read", what, i)));
+    }
+    if (!nb::isinstance<nb::str>(item))
+      raise_status(
+          InvalidArgument(fmt::format("{}[{}] {} is not a string", what, i, nb::cast<std::string>(nb::repr(item)))));
+    out.push_back(nb::cast<std::string>(item));
+  }
+  return out;
+}
+
 // A Python sequence of integers (a list, a tuple, a numpy array), each checked by int_arg: a value nanobind would
 // refuse (2**63, a float, None) is named with its index rather than a TypeError about the whole call.
 std::vector<std::int64_t> int_list(nb::handle seq, const char* what, std::int64_t high) {

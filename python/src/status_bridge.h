@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -31,6 +32,12 @@ std::uint64_t u64_arg(nanobind::handle value, const char* what);
 std::uint32_t u32_arg(nanobind::handle value, const char* what);
 std::optional<std::uint32_t> opt_u32_arg(nanobind::handle value, const char* what);  // None, or as u32_arg
 std::string str_arg(nanobind::handle value, const char* what);
+// A sequence of strings (a list, a tuple): InvalidArgument naming `what` for anything else (None, a str, bytes) and
+// `what`[i] for an element that is not a string.
+std::vector<std::string> str_list(nanobind::handle value, const char* what);
+// A config mapping (knob -> value) as text: None is empty; keys must be strings, values strings, ints, floats or
+// bools (True / False as "true" / "false"); anything else is InvalidArgument naming the knob and the value.
+std::map<std::string, std::string> config_arg(nanobind::handle value, const char* what);
 // A sequence (list, tuple, numpy array) of integers in [0, high], each named `what[i]` when it is not.
 std::vector<std::int64_t> int_list(nanobind::handle seq, const char* what, std::int64_t high);
 
@@ -44,6 +51,13 @@ struct IntArg {
   }
   std::uint32_t u32(const char* what) const { return u32_arg(value, what); }
   std::uint64_t u64(const char* what) const { return u64_arg(value, what); }
+};
+
+// A list-of-strings parameter handed over unconverted (its signature reads `list[str]`): str_list names a bad value
+// (None, a str split per character, a non-string element) instead of nanobind's "incompatible function arguments".
+struct StrListArg {
+  nanobind::handle value;
+  std::vector<std::string> get(const char* what) const { return str_list(value, what); }
 };
 
 inline void check(const Status& status) {
@@ -99,6 +113,18 @@ struct type_caster<kvtier::python::IntArg> {
     return true;
   }
   static handle from_cpp(const kvtier::python::IntArg& v, rv_policy, cleanup_list*) noexcept {
+    return v.value.inc_ref();
+  }
+};
+template <>
+struct type_caster<kvtier::python::StrListArg> {
+  NB_TYPE_CASTER(kvtier::python::StrListArg, const_name("list[str]"))
+  template <typename Flags>
+  bool from_python(handle src, Flags, cleanup_list*) noexcept {
+    value.value = src;
+    return true;
+  }
+  static handle from_cpp(const kvtier::python::StrListArg& v, rv_policy, cleanup_list*) noexcept {
     return v.value.inc_ref();
   }
 };

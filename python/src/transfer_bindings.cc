@@ -339,7 +339,8 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
                                                   std::optional<std::map<std::string, std::uintptr_t>> host_pointers,
                                                   IntArg num_host_blocks_arg, IntArg num_model_layers_arg,
                                                   IntArg rank_arg, IntArg device_label_arg, IntArg block_tokens_arg,
-                                                  std::map<std::string, std::string> config) {
+                                                  nb::handle config_obj) {
+  const std::map<std::string, std::string> config = config_arg(config_obj, "config");
   const std::uint64_t num_host_blocks = num_host_blocks_arg.u64("num_host_blocks");
   const std::uint32_t num_model_layers = num_model_layers_arg.u32("num_model_layers");
   const int rank = static_cast<int>(rank_arg.in("rank", 0, INT32_MAX));
@@ -410,8 +411,8 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
                                                        std::vector<nb::ndarray<>> tensors,
                                                        std::vector<std::uint64_t> page_bytes,
                                                        IntArg num_host_blocks_arg, IntArg block_tokens_arg,
-                                                       std::map<std::string, std::string> config,
-                                                       nb::object host_of_obj) {
+                                                       nb::handle config_obj, nb::object host_of_obj) {
+  const std::map<std::string, std::string> config = config_arg(config_obj, "config");
   const std::uint64_t num_host_blocks = num_host_blocks_arg.u64("num_host_blocks");
   const std::uint32_t block_tokens = block_tokens_arg.u32("block_tokens");
   PyDevice& pd = device_arg(device_obj, "device");
@@ -628,13 +629,12 @@ void bind_transfer(nb::module_& m) {
                                 "transfer_manager.h for the contract.")
       .def_static("from_tensors", &create_manager, "device"_a, "compute_stream"_a, "device_tensors"_a,
                   "host_pointers"_a.none(), "num_host_blocks"_a, "num_model_layers"_a, "rank"_a = 0,
-                  "device_label"_a = 0, "block_tokens"_a = 64, "config"_a = std::map<std::string, std::string>{},
+                  "device_label"_a = 0, "block_tokens"_a = 64, "config"_a.none() = nb::none(),
                   "Registers the engine's KV tensors (FastDeploy names: key_caches_{layer}_rank{r}.device{d}, ...) "
                   "and its host cache (integer pointers to num_host_blocks blocks per tensor, same per-block "
                   "layout; None: kvtier allocates it). config: knob -> value (docs/configuration.md).")
       .def_static("from_pages", &create_page_manager, "device"_a, "compute_stream"_a, "tensors"_a, "page_bytes"_a,
-                  "num_host_blocks"_a, "block_tokens"_a = 16, "config"_a = std::map<std::string, std::string>{},
-                  "host_of"_a = nb::none(),
+                  "num_host_blocks"_a, "block_tokens"_a = 16, "config"_a.none() = nb::none(), "host_of"_a = nb::none(),
                   "Registers pages of an engine's byte tensors (vLLM's canonical KV caches): tensor i is (num_blocks, "
                   "row_bytes) of one-byte elements, block b's page of page_bytes[i] bytes at the start of its row b. "
                   "kvtier allocates num_host_blocks pinned host blocks, page-first with no padding: host block b "

@@ -225,3 +225,105 @@ def test_close_keeps_its_deadline_and_says_the_drain_timed_out():
     mgr.close()  # idempotent: closed
     with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
         mgr.evict([1], [1])
+
+
+def test_cache_manager_takes_every_knob_from_the_environment_and_config(monkeypatch):
+    """The docstring promised config=, which did not exist, and KVTIER_CACHE_* variables were ignored from Python: the
+    look-ahead, watermarks and storage policy could not be set at all. Defaults, then the environment, then config,
+    then the arguments given."""
+    monkeypatch.setenv("KVTIER_CACHE_HOST_BLOCKS", "16")
+    monkeypatch.setenv("KVTIER_CACHE_DEVICE_POLICY", "lru")
+
+    def tiers(cm):
+        return {t: cm.stats()[t]["capacity"] for t in ("device", "host", "storage")}
+
+    assert tiers(kvtier.CacheManager(8)) == {"device": 8, "host": 16, "storage": 0}
+    assert tiers(kvtier.CacheManager(8, config={"host_blocks": 24, "cache.storage_blocks": 32})) == {
+        "device": 8, "host": 24, "storage": 32}
+    assert tiers(kvtier.CacheManager(8, host_blocks=4, config={"host_blocks": 24})) == {
+        "device": 8, "host": 4, "storage": 0}
+    monkeypatch.setenv("KVTIER_CACHE_DEVICE_BLOCKS", "12")
+    assert tiers(kvtier.CacheManager())["device"] == 12
+    # The look-ahead's prefetch budget (a knob no argument reaches): 0 queues no load for an announced request whose
+    # blocks are on host, the default does.
+    h = kvtier.KeyHasher("m", block_tokens=1)
+    first, second = h.keys_for(list(range(4))), h.keys_for(list(range(100, 108)))
+
+    def serve(cm, keys):
+        adm = cm.admit(keys)
+        for when in ("before", "after"):
+            if when == "after":
+                cm.commit(adm["id"])
+                cm.release(adm["id"])
+            for _ in range(4):
+                plan = cm.take_plan()
+                for kind in ("evictions", "backups", "loads"):
+                    if plan[kind]:
+                        cm.ack(kind, [dst for _, dst, _ in plan[kind]])
+
+    for budget, prefetches in (("0", False), (None, True)):
+        cm = kvtier.CacheManager(8, host_blocks=16, config={} if budget is None else {
+            "lookahead_prefetch_blocks": budget})
+        serve(cm, first)
+        serve(cm, second)  # the first request's blocks go to host
+        assert cm.match(first)["host_blocks"] == 4
+        cm.announce(first)
+        assert bool(cm.take_plan()["loads"]) == prefetches, budget
+    with pytest.raises(kvtier.InvalidArgumentError, match="cache.device_watermarks.low"):
+        kvtier.CacheManager(8, config={"device_watermarks.low": "nan"})
+    with pytest.raises(kvtier.InvalidArgumentError, match="cache.host_policy.*belady"):
+        kvtier.CacheManager(8, host_blocks=8, config={"host_policy": "belady"})
+    with pytest.raises(kvtier.InvalidArgumentError, match="nope"):
+        kvtier.CacheManager(8, config={"nope": 1})
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"config\['host_blocks'\]"):
+        kvtier.CacheManager(8, config={"host_blocks": [1]})
+    with pytest.raises(kvtier.InvalidArgumentError, match="config"):
+        kvtier.CacheManager(8, config=[("host_blocks", 1)])
+    monkeypatch.setenv("KVTIER_CACHE_HOST_BLOCKS", "many")
+    with pytest.raises(kvtier.InvalidArgumentError, match="KVTIER_CACHE"):
+        kvtier.CacheManager(8)
+
+
+def test_lists_and_none_are_named_where_nanobind_refused_the_call():
+    """KeyHasher.keys_for([2**31]), ack(kind, None), admit(None), match("ab") and save_states_at=None raised nanobind's
+    unnamed "incompatible function arguments"; negative token ids were taken."""
+    h = kvtier.KeyHasher("m", block_tokens=1)
+    with pytest.raises(kvtier.OutOfRangeError, match=r"tokens\[0\] 2147483648"):
+        h.keys_for([2**31, 1])
+    with pytest.raises(kvtier.OutOfRangeError, match=r"tokens\[1\] -1"):
+        h.keys_for([1, -1])
+    assert h.keys_for(np.arange(3, dtype=np.int64)) == h.keys_for([0, 1, 2])
+    cm = kvtier.CacheManager(device_blocks=8)
+    with pytest.raises(kvtier.InvalidArgumentError, match="dst_blocks None"):
+        cm.ack("loads", None)
+    for call in (lambda: cm.admit(None), lambda: cm.match("ab"), lambda: cm.prefetch(None)):
+        with pytest.raises(kvtier.InvalidArgumentError, match="keys"):
+            call()
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"keys\[1\] 5 is not a string"):
+        cm.admit([h.keys_for([1])[0], 5])
+    hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=8)])
+    with pytest.raises(kvtier.InvalidArgumentError, match="save_states_at"):
+        hc.admit(32, [["%032x" % 1, "%032x" % 2]], save_states_at=None)
+    # TransferManager's config takes numbers and bools as well as strings; anything else is named.
+    dev = kvtier.host_device()
+    tensors = [np.zeros((BLOCKS, 512), dtype=np.uint8) for _ in range(LAYERS)]
+    mgr = kvtier.TransferManager.from_pages(dev, dev.create_stream("c"), tensors, [512] * LAYERS, HOST_BLOCKS,
+                                            config={"transfer.latency_samples": 5})
+    mgr.close()
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"config\['transfer.latency_samples'\]"):
+        kvtier.TransferManager.from_pages(dev, dev.create_stream("c"), tensors, [512] * LAYERS, HOST_BLOCKS,
+                                          config={"transfer.latency_samples": None})
+
+
+def test_an_empty_numpy_buffer_is_an_empty_object(tmp_path):
+    """put_many / get_many refused np.zeros(0) as "not C-contiguous (dimension 0 has stride 0 elements, 1
+    expected)", though put(key, b"") stores an empty object."""
+    h = kvtier.KeyHasher("m", block_tokens=1)
+    k = h.keys_for([1, 2])
+    for spec in (f"disk:{tmp_path}/d", "memory:?capacity=1M"):
+        s = kvtier.StorageBackend.open(spec)
+        empty = np.zeros(0, np.uint8)
+        assert s.put_many([k[1]], [empty]) == [0]
+        assert s.get(k[1], 16) == b""
+        assert s.get_many([k[1]], [np.zeros((0, 4), np.uint8)]) == [0]
+        s.close()

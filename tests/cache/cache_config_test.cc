@@ -87,14 +87,26 @@ TEST(CacheConfigTable, EveryKnobIsCoveredAndDefaultsAreTheStructs) {
 TEST(CacheConfigTable, EveryKnobRoundTripsFromTextAndEnv) {
   ASSERT_NO_FATAL_FAILURE(kvtier::testing::expect_knobs_round_trip(
       cases(), [](ConfigTable& t, CacheConfig& c) { bind_cache_config(t, c); }));
-  // Every eviction policy name make_policy knows is accepted (belady: the oracle is set in code).
-  for (const char* p : {"lru", "s3fifo", "arc", "lrfu", "lrfu:0", "belady"}) {
+  // Every online eviction policy name make_policy knows is accepted by every tier; belady (the offline replay's,
+  // its oracle set in code) by the device tier only, and refused by the lower tiers' knobs naming them (it was
+  // taken, and CacheManager::create refused it later without naming the knob).
+  for (const char* p : {"lru", "s3fifo", "arc", "lrfu", "lrfu:0", "adaptive"}) {
     CacheConfig c;
     ConfigTable t;
     bind_cache_config(t, c);
     ASSERT_TRUE(t.set("cache.storage_policy", p).ok()) << p;
     EXPECT_EQ(c.storage_policy, p);
   }
+  CacheConfig c;
+  ConfigTable t;
+  bind_cache_config(t, c);
+  EXPECT_TRUE(t.set("cache.device_policy", "belady").ok());
+  for (const char* knob : {"cache.host_policy", "cache.storage_policy"}) {
+    const Status s = t.set(knob, "belady");
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << knob;
+    EXPECT_NE(s.message().find(knob), std::string::npos) << s.to_string();
+  }
+  EXPECT_EQ(c.host_policy, "lru");
 }
 
 std::vector<std::string> bad_values(const KnobInfo& k) {

@@ -59,8 +59,8 @@ const std::map<std::string, Case>& cases() {
 // A non-default value for a nested copy-engine knob, by type.
 std::string nested_value(const KnobInfo& k) {
   if (k.type == "bool") return k.default_value == "true" ? "false" : "true";
-  if (k.type == "double") return k.default_value == "0.5" ? "0.25" : "0.5";
-  return k.default_value == "7" ? "9" : "7";  // uint32 / uint64
+  if (k.type.rfind("double", 0) == 0) return k.default_value == "0.5" ? "0.25" : "0.5";  // plain or [0, 1]
+  return k.default_value == "7" ? "9" : "7";                                             // uint32 / uint64
 }
 
 // Reads a nested knob back from the struct through an independent binding of config.copy_engine.
@@ -165,6 +165,7 @@ TEST(TransferConfig, NestedCopyEngineKnobsLandInCopyEngine) {
 std::vector<std::string> bad_values_for(const std::string& type) {
   if (type == "bool") return {"maybe", "2"};
   if (type == "double") return {"x1", "0.5.5"};
+  if (type.rfind("double [", 0) == 0) return {"x1", "1.5", "-0.1", "nan"};  // a share: [0, 1]
   if (type == "uint32") return {"lots", "-1", "8G"};
   if (type == "uint64") return {"lots", "-1", "1Q"};
   if (type.rfind("enum", 0) == 0) return {"fastest", ""};
