@@ -289,8 +289,10 @@ Status validate_transfer_config(const TransferManagerConfig& c) {
   // The ring is allocated and written whole at create: a large value cost gigabytes, or aborted the process.
   if (c.latency_samples == 0 || c.latency_samples > kMaxLatencySamples)
     return bad("latency_samples", c.latency_samples, fmt::format("must be in [1, {}]", kMaxLatencySamples));
-  if (c.poll_interval.count() <= 0)
-    return bad("poll_interval", fmt::format("{}us", c.poll_interval.count()), "must be > 0");
+  // The progress thread looks at pending work this often, so every completion is seen up to this late: a value in
+  // seconds ("50s" for "50us") made each transfer take that long, with nothing to say why.
+  if (c.poll_interval.count() <= 0 || c.poll_interval > std::chrono::milliseconds(100))
+    return bad("poll_interval", fmt::format("{}us", c.poll_interval.count()), "must be in (0, 100ms]");
   if (c.shutdown_timeout.count() <= 0)
     return bad("shutdown_timeout", fmt::format("{}ms", c.shutdown_timeout.count()), "must be > 0");
   if (c.host_ready_timeout.count() <= 0)

@@ -328,6 +328,8 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
   // Every completion dropped unseen: the cache's plan executor waited for its tasks forever.
   expect_rejected([](TransferManagerConfig& c) { c.max_unpolled_completions = 0; }, "max_unpolled_completions");
   expect_rejected([](TransferManagerConfig& c) { c.poll_interval = 0us; }, "poll_interval");
+  // Every completion seen that late: a typo of "50s" for "50us" made each transfer take 50 s.
+  expect_rejected([](TransferManagerConfig& c) { c.poll_interval = std::chrono::seconds(50); }, "poll_interval");
   expect_rejected([](TransferManagerConfig& c) { c.shutdown_timeout = 0ms; }, "shutdown_timeout");
   expect_rejected([](TransferManagerConfig& c) { c.host_ready_timeout = -1ms; }, "host_ready_timeout");
   expect_rejected([](TransferManagerConfig& c) { c.load_strategy = static_cast<CopyStrategy>(99); }, "load_strategy");

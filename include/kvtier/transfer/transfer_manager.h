@@ -122,7 +122,7 @@
 //                                               (the engine's kAuto without SM kernels, see copy_engine)
 //   copy_engine                      256 slots  options of the manager's own CopyEngine
 //   input_priority / output_priority kHigh/kNormal  stream priorities
-//   poll_interval                    50 us      progress-thread poll period while work is pending
+//   poll_interval                    50 us      progress-thread poll period while work is pending (at most 100 ms)
 //   max_in_flight_tasks              4096       submits beyond -> ResourceExhausted (back off)
 //   retained_finished_tasks          4096       finished tasks kept queryable by id
 //   max_unpolled_completions         65536      completions kept for poll_completions (oldest dropped)
