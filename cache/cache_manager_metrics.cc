@@ -62,7 +62,7 @@ Status CacheManager::attach_metrics(metrics::Registry& reg, const metrics::Label
       KVTIER_ASSIGN_OR_RETURN(
           g, reg.gauge("kvtier_cache_policy_lead",
                        "1 for the expert whose order a tier's eviction policy follows now (a duel's; any other "
-                       "policy is its own one expert), 0 for the others.",
+                       "policy is its own one expert), 0 for the others; managers with the same labels add up.",
                        metrics::with_labels(
                            labels, {{"tier", tier}, {"policy", policies[t]}, {"expert", std::string(expert)}})));
       m->policy_lead[t].push_back(metrics::GaugeShare{g});

@@ -376,7 +376,9 @@ class KvtierOffloadingManager(OffloadingManager):
         self.stats = {"stores": 0, "stored": 0, "store_failures": 0, "evicted": 0, "loads": 0, "refused": 0}
 
     def _new_index(self) -> Any:
-        index = _native.CacheManager(device_blocks=self.capacity_chunks, device_policy=self.policy)
+        # Its settings are this scheduler's alone: a KVTIER_CACHE_* variable meant for an engine's cache (a host
+        # tier, watermarks) would give the index moves that nothing here runs or acknowledges.
+        index = _native.CacheManager(device_blocks=self.capacity_chunks, device_policy=self.policy, env=False)
         index.enable_kv_events(1, "DISK")  # its BlockRemoved events name the chunks its policy evicts
         return index
 

@@ -467,12 +467,13 @@ void bind_cache(nb::module_& m) {
                              "Block pools, prefix index, eviction and write policies, step plans "
                              "(include/kvtier/cache/cache_manager.h). Settings: CacheConfig's defaults, then the "
                              "KVTIER_CACHE_* environment, then config (knob -> value, as the table of "
-                             "docs/configuration.md, with or without the 'cache.' prefix), then the arguments given.")
+                             "docs/configuration.md, with or without the 'cache.' prefix), then the arguments given. "
+                             "env=False leaves the environment out (an index whose every setting the caller owns).")
       .def(
           "__init__",
           [](PyCacheManager* self, nb::handle device_blocks, nb::handle host_blocks, nb::handle storage_blocks,
              nb::handle write_policy, nb::handle device_policy, nb::handle host_policy,
-             nb::handle write_through_threshold, nb::handle config_obj) {
+             nb::handle write_through_threshold, nb::handle config_obj, bool env) {
             // CacheConfig's defaults, then the KVTIER_CACHE_* environment, then `config`, then the arguments
             // given (None: not given). Every knob of docs/configuration.md is reachable, look-ahead and
             // watermarks included, not only the arguments'.
@@ -480,7 +481,7 @@ void bind_cache(nb::module_& m) {
             {
               ConfigTable table;
               cache::bind_cache_config(table, c);
-              check(table.apply_env(environ).with_context("KVTIER_CACHE_* environment"));
+              if (env) check(table.apply_env(environ).with_context("KVTIER_CACHE_* environment"));
               for (const auto& [knob, value] : config_arg(config_obj, "config"))
                 check(table.set(knob.rfind("cache.", 0) == 0 ? knob : "cache." + knob, value));
             }
@@ -499,7 +500,7 @@ void bind_cache(nb::module_& m) {
           "device_blocks"_a.none() = nb::none(), "host_blocks"_a.none() = nb::none(),
           "storage_blocks"_a.none() = nb::none(), "write_policy"_a.none() = nb::none(),
           "device_policy"_a.none() = nb::none(), "host_policy"_a.none() = nb::none(),
-          "write_through_threshold"_a.none() = nb::none(), "config"_a.none() = nb::none())
+          "write_through_threshold"_a.none() = nb::none(), "config"_a.none() = nb::none(), "env"_a = true)
       .def(
           "match",
           [](PyCacheManager& p, StrListArg keys_arg) {
@@ -1125,7 +1126,8 @@ void bind_cache(nb::module_& m) {
           "keys"_a.none(), "buffers"_a, "rank"_a = 0,
           "Stores each buffer (as get_many's; read only) as the object of its key, replacing any. Per key the bytes "
           "stored (int) or the exception object (ResourceExhaustedError: the tier is full or the object exceeds "
-          "its capacity, UnavailableError, ...). Returns when every item is done (GIL released).")
+          "its capacity, UnavailableError, ...). Returns when every item is done (GIL released). A batch that names "
+          "one key twice raises InvalidArgumentError and stores nothing.")
       .def(
           "delete_many",
           [](PyStorage& p, StrListArg keys_arg, IntArg rank) {

@@ -46,6 +46,9 @@ struct PyTransferManager {
   // Shared with the calls running on it with the GIL released: close() from another thread drops this reference
   // and shuts the manager down (those calls then fail cleanly), and the last call to return frees it.
   std::shared_ptr<TransferManager> mgr;
+  // A manager whose shutdown timed out (close()): destroyed with this object, before the device and the compute
+  // stream its streams belong to (members go in reverse order), not while copies may still be queued on them.
+  std::shared_ptr<TransferManager> retired;
   std::unique_ptr<DeviceChecksums> checksums;  // created on first use; destroyed before the device it uses
   KvLayout layout;
   // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
@@ -76,6 +79,10 @@ struct PyTransferManager {
       }
       // The memory the manager copies into goes with it (the host cache is the binding's since from_pages shares
       // it): freed after its shutdown, not under copies still in flight. (The engine's tensors are the engine's.)
+      // The device and the compute stream its streams belong to must outlive it: their Python objects are kept
+      // for the process's life (this object and its references may go before the thread is done).
+      if (device_ref.is_valid()) device_ref.inc_ref();
+      if (compute_ref.is_valid()) compute_ref.inc_ref();
       std::thread([m = std::move(m), host = host_memory, regs = std::move(host_registrations),
                    adopted = std::move(adopted_device)]() mutable {
         m->shutdown().ignore_error();
@@ -89,8 +96,9 @@ struct PyTransferManager {
     if (!s.ok()) {
       // The streams did not drain within transfer.shutdown_timeout: copies may still read or write the host cache,
       // the registered host memory, the adopted device memory and the engine's tensors, so none of it is freed
-      // (as the manager keeps its own host memory then), and the manager is destroyed on a thread of its own
-      // (destroying its streams waits for their work), so that close() keeps its deadline. close() raises.
+      // (as the manager keeps its own host memory then). The manager is kept (`retired`) and destroyed with this
+      // object, before the device and stream it uses: destroying its streams waits for their work, which close()
+      // does not, so that it keeps its deadline. close() raises.
       if (host_memory) new std::shared_ptr<PinnedMemory>(std::move(host_memory));  // never released
       for (auto& r : host_registrations) (void)r.release();
       host_registrations.clear();
@@ -99,7 +107,7 @@ struct PyTransferManager {
       if (checksums) (void)checksums.release();
       keep_alive.inc_ref();  // the engine's tensors stay referenced for the process's life
       keep_alive = nanobind::list();
-      std::thread([m = std::move(m)]() mutable { m.reset(); }).detach();
+      retired = std::move(m);
       if (from_close)
         raise_status(s.with_context("TransferManager.close: its memory is kept (transfers may still use it)"));
       return;

@@ -75,34 +75,33 @@ void bind_errors(nb::module_& m) {
 // An integer argument in [low, high] (a Python int or anything with __index__, not a bool): nanobind's own
 // conversion refuses -1 for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the
 // argument nor the value.
-// `value` as a Python int (InvalidArgument naming it otherwise); `shown` gets its repr for the caller's messages.
-nb::object index_arg(nb::handle value, const char* what, std::string& shown) {
+// `value` as a Python int (InvalidArgument naming it otherwise). Its repr is built only for a message: these run
+// once per element of block and token lists.
+static std::string shown_value(nb::handle value) { return nb::cast<std::string>(nb::repr(value)); }
+nb::object index_arg(nb::handle value, const char* what) {
   PyObject* o = value.ptr();
-  shown = nb::cast<std::string>(nb::repr(value));
   nb::object index = PyBool_Check(o) || !PyIndex_Check(o) ? nb::object() : nb::steal(PyNumber_Index(o));
   if (!index.is_valid()) {
     PyErr_Clear();
-    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown)));
+    raise_status(InvalidArgument(fmt::format("{} {} is not an integer", what, shown_value(value))));
   }
   return index;
 }
 std::int64_t int_arg(nb::handle value, const char* what, std::int64_t low, std::int64_t high) {
-  std::string shown;
-  const nb::object index = index_arg(value, what, shown);
+  const nb::object index = index_arg(value, what);
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0 || v < low || v > high)
-    raise_status(OutOfRange(fmt::format("{} {} is not in [{}, {}]", what, shown, low, high)));
+    raise_status(OutOfRange(fmt::format("{} {} is not in [{}, {}]", what, shown_value(value), low, high)));
   return v;
 }
 // An unsigned 64-bit argument (ids, hashes up to 2**64 - 1).
 std::uint64_t u64_arg(nb::handle value, const char* what) {
-  std::string shown;
-  const nb::object index = index_arg(value, what, shown);
+  const nb::object index = index_arg(value, what);
   const unsigned long long v = PyLong_AsUnsignedLongLong(index.ptr());
   if (PyErr_Occurred() != nullptr) {
     PyErr_Clear();
-    raise_status(OutOfRange(fmt::format("{} {} is not in [0, 2**64 - 1]", what, shown)));
+    raise_status(OutOfRange(fmt::format("{} {} is not in [0, 2**64 - 1]", what, shown_value(value))));
   }
   return v;
 }
@@ -193,6 +192,17 @@ std::vector<std::int64_t> int_list(nb::handle seq, const char* what, std::int64_
     if (!item.is_valid()) {
       PyErr_Clear();
       raise_status(InvalidArgument(fmt::format("{}[{}] cannot be read", what, i)));
+    }
+    // A plain int in range (the common case) without building the element's name; anything else (a numpy
+    // integer, a bool, a value out of range) through int_arg, which names it.
+    if (PyLong_CheckExact(item.ptr())) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
+      if (overflow == 0 && v >= 0 && v <= high) {
+        out.push_back(v);
+        continue;
+      }
+      PyErr_Clear();
     }
     out.push_back(int_arg(item, fmt::format("{}[{}]", what, i).c_str(), 0, high));
   }

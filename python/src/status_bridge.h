@@ -26,7 +26,7 @@ namespace kvtier::python {
 // Integer and string arguments taken as Python objects and checked here: nanobind's own conversion refuses -1
 // for an unsigned argument, or 2**31 for an int32, with a TypeError that names neither the argument nor the
 // value. Each raises InvalidArgument (not an integer / not a string) or OutOfRange naming `what` and the value.
-nanobind::object index_arg(nanobind::handle value, const char* what, std::string& shown);
+nanobind::object index_arg(nanobind::handle value, const char* what);
 std::int64_t int_arg(nanobind::handle value, const char* what, std::int64_t low, std::int64_t high);
 std::uint64_t u64_arg(nanobind::handle value, const char* what);
 std::uint32_t u32_arg(nanobind::handle value, const char* what);

@@ -244,6 +244,8 @@ def test_cache_manager_takes_every_knob_from_the_environment_and_config(monkeypa
         "device": 8, "host": 4, "storage": 0}
     monkeypatch.setenv("KVTIER_CACHE_DEVICE_BLOCKS", "12")
     assert tiers(kvtier.CacheManager())["device"] == 12
+    # env=False: an index whose settings its owner keeps (kvtier.vllm's) takes none of the environment.
+    assert tiers(kvtier.CacheManager(8, env=False)) == {"device": 8, "host": 0, "storage": 0}
     # The look-ahead's prefetch budget (a knob no argument reaches): 0 queues no load for an announced request whose
     # blocks are on host, the default does.
     h = kvtier.KeyHasher("m", block_tokens=1)

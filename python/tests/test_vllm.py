@@ -431,7 +431,14 @@ def test_malformed_keys_job_ids_and_pointers_are_named(tmp_path, connectors):
     assert done and not done[0].success and "have no ptrs" in worker.last_error
 
 
-def test_index_capacity_evicts_lru_deletes_objects_and_refuses_when_all_pinned(tmp_path, connectors):
+# The index's settings are its own: with KVTIER_CACHE_* settings meant for an engine's cache in the environment (a
+# host tier, watermarks), its evictions became demotions that nothing ran or acknowledged.
+@pytest.mark.parametrize("env", [{}, {"KVTIER_CACHE_HOST_BLOCKS": "64", "KVTIER_CACHE_DEVICE_WATERMARKS_LOW": "0.5",
+                                      "KVTIER_CACHE_DEVICE_WATERMARKS_HIGH": "0.9"}], ids=["", "cache_env"])
+def test_index_capacity_evicts_lru_deletes_objects_and_refuses_when_all_pinned(tmp_path, connectors, env,
+                                                                                monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     chunk_on_disk = 4096 + 8192
     c = connectors(extra(tmp_path, capacity=3 * chunk_on_disk), G1, num_blocks=32, events=True)
     assert c.spec.capacity_chunks == 3

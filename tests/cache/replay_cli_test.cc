@@ -135,15 +135,15 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--rank-deadline-ms 0", {"--rank-deadline-ms", "'0'"}},
       {"--write-through-threshold 0", {"--write-through-threshold", "got 0"}},
       {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}},  // arrivals at inf: NaN depths, exit 0
-      // Given, but empty or 0 where that is what "not given" looks like: taken as not given (a default host tier,
-      // a plain replay instead of a sweep, no storage tier), exit 0.
+      // Given, but empty or 0 where that is what "not given" looks like: these were taken as not given (a default
+      // host tier, a plain replay instead of a sweep, no storage tier) and the run exited 0.
       {"--device-tokens 0", {"--device-tokens", "got 0"}},
       {"--host-tokens 0", {"--host-tokens", "got 0"}},
       {"--sweep ''", {"--sweep is given an empty value"}},
       {"--storage ''", {"--storage is given an empty value"}},
       {"--metrics-out ''", {"--metrics-out is given an empty value"}},
       {"--metrics-port 0", {"--metrics-port", "got 0"}},
-      {"--policy lrfu:inf", {"lrfu:inf", "boost"}},  // accepted: priorities inf or NaN, ties broken by depth
+      {"--policy lrfu:inf", {"lrfu:inf", "boost"}},  // was accepted: priorities inf or NaN, ties broken by depth
   };
   for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
 }
