@@ -148,51 +148,46 @@ std::map<std::string, std::string> config_arg(nb::handle value, const char* what
   return out;
 }
 
-std::vector<std::string> str_list(nb::handle value, const char* what) {
-  if (value.is_none() || nb::isinstance<nb::str>(value) || nb::isinstance<nb::bytes>(value) ||
-      PySequence_Check(value.ptr()) == 0)
-    raise_status(InvalidArgument(
-        fmt::format("{} {} is not a sequence of strings", what, nb::cast<std::string>(nb::repr(value)))));
-  const Py_ssize_t n = PySequence_Size(value.ptr());
-  if (n < 0) {
-    PyErr_Clear();
-    raise_status(InvalidArgument(fmt::format("{}: the sequence has no length", what)));
-  }
-  std::vector<std::string> out;
-  out.reserve(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    nb::object item = nb::steal(PySequence_GetItem(value.ptr(), i));
-    if (!item.is_valid()) {
-      PyErr_Clear();
-      raise_status(InvalidArgument(fmt::format("{}[{}] cannot be read", what, i)));
-    }
-    if (!nb::isinstance<nb::str>(item))
-      raise_status(
-          InvalidArgument(fmt::format("{}[{}] {} is not a string", what, i, nb::cast<std::string>(nb::repr(item)))));
-    out.push_back(nb::cast<std::string>(item));
-  }
-  return out;
-}
-
-// A Python sequence of integers (a list, a tuple, a numpy array), each checked by int_arg: a value nanobind would
-// refuse (2**63, a float, None) is named with its index rather than a TypeError about the whole call.
-std::vector<std::int64_t> int_list(nb::handle seq, const char* what, std::int64_t high) {
-  if (nb::isinstance<nb::str>(seq) || nb::isinstance<nb::bytes>(seq) || PySequence_Check(seq.ptr()) == 0)
-    raise_status(InvalidArgument(
-        fmt::format("{} {} is not a sequence of integers", what, nb::cast<std::string>(nb::repr(seq)))));
+namespace {
+// Calls each(i, item) for the items of a Python sequence (a list, a tuple, a numpy array): InvalidArgument naming
+// `what` when `seq` is none (None, a str or bytes, which would be split per character) or has no length, or naming
+// `what`[i] for an item that cannot be read.
+template <typename Each>
+void for_each_item(nb::handle seq, const char* what, const char* of, Each&& each) {
+  if (seq.is_none() || nb::isinstance<nb::str>(seq) || nb::isinstance<nb::bytes>(seq) ||
+      PySequence_Check(seq.ptr()) == 0)
+    raise_status(InvalidArgument(fmt::format("{} {} is not a sequence of {}", what, shown_value(seq), of)));
   const Py_ssize_t n = PySequence_Size(seq.ptr());
   if (n < 0) {
     PyErr_Clear();
     raise_status(InvalidArgument(fmt::format("{}: the sequence has no length", what)));
   }
-  std::vector<std::int64_t> out;
-  out.reserve(static_cast<std::size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     nb::object item = nb::steal(PySequence_GetItem(seq.ptr(), i));
     if (!item.is_valid()) {
       PyErr_Clear();
       raise_status(InvalidArgument(fmt::format("{}[{}] cannot be read", what, i)));
     }
+    each(i, item);
+  }
+}
+}  // namespace
+
+std::vector<std::string> str_list(nb::handle value, const char* what) {
+  std::vector<std::string> out;
+  for_each_item(value, what, "strings", [&](Py_ssize_t i, nb::handle item) {
+    if (!nb::isinstance<nb::str>(item))
+      raise_status(InvalidArgument(fmt::format("{}[{}] {} is not a string", what, i, shown_value(item))));
+    out.push_back(nb::cast<std::string>(item));
+  });
+  return out;
+}
+
+// A Python sequence of integers, each checked by int_arg: a value nanobind would refuse (2**63, a float, None) is
+// named with its index rather than a TypeError about the whole call.
+std::vector<std::int64_t> int_list(nb::handle seq, const char* what, std::int64_t high) {
+  std::vector<std::int64_t> out;
+  for_each_item(seq, what, "integers", [&](Py_ssize_t i, nb::handle item) {
     // A plain int in range (the common case) without building the element's name; anything else (a numpy
     // integer, a bool, a value out of range) through int_arg, which names it.
     if (PyLong_CheckExact(item.ptr())) {
@@ -200,12 +195,12 @@ std::vector<std::int64_t> int_list(nb::handle seq, const char* what, std::int64_
       const long long v = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
       if (overflow == 0 && v >= 0 && v <= high) {
         out.push_back(v);
-        continue;
+        return;
       }
       PyErr_Clear();
     }
     out.push_back(int_arg(item, fmt::format("{}[{}]", what, i).c_str(), 0, high));
-  }
+  });
   return out;
 }
 }  // namespace kvtier::python

@@ -103,29 +103,28 @@ std::chrono::nanoseconds to_timeout(std::optional<double> seconds);
 }  // namespace kvtier::python
 
 namespace nanobind::detail {
-template <>
-struct type_caster<kvtier::python::IntArg> {
-  NB_TYPE_CASTER(kvtier::python::IntArg, const_name("int"))
-  // Every object is taken; the binding's own check names a bad one (the flags' type differs between versions).
+// Parameters handed over unconverted (IntArg, StrListArg): every object is taken, and the binding's own check names
+// a bad one (the flags' type differs between nanobind versions, hence the template). `Label` is what signatures
+// show.
+template <typename Arg, typename Label>
+struct unconverted_arg_caster {
+  NB_TYPE_CASTER(Arg, Label::value)
   template <typename Flags>
   bool from_python(handle src, Flags, cleanup_list*) noexcept {
     value.value = src;
     return true;
   }
-  static handle from_cpp(const kvtier::python::IntArg& v, rv_policy, cleanup_list*) noexcept {
-    return v.value.inc_ref();
-  }
+  static handle from_cpp(const Arg& v, rv_policy, cleanup_list*) noexcept { return v.value.inc_ref(); }
+};
+struct int_arg_name {
+  static constexpr auto value = const_name("int");
+};
+struct str_list_arg_name {
+  static constexpr auto value = const_name("list[str]");
 };
 template <>
-struct type_caster<kvtier::python::StrListArg> {
-  NB_TYPE_CASTER(kvtier::python::StrListArg, const_name("list[str]"))
-  template <typename Flags>
-  bool from_python(handle src, Flags, cleanup_list*) noexcept {
-    value.value = src;
-    return true;
-  }
-  static handle from_cpp(const kvtier::python::StrListArg& v, rv_policy, cleanup_list*) noexcept {
-    return v.value.inc_ref();
-  }
+struct type_caster<kvtier::python::IntArg> : unconverted_arg_caster<kvtier::python::IntArg, int_arg_name> {};
+template <>
+struct type_caster<kvtier::python::StrListArg> : unconverted_arg_caster<kvtier::python::StrListArg, str_list_arg_name> {
 };
 }  // namespace nanobind::detail

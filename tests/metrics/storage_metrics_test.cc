@@ -19,6 +19,18 @@ using namespace testing;
 
 bool has_line(const std::string& text, const std::string& line) { return text.find(line + "\n") != std::string::npos; }
 
+// A pinned-host, page-first space of `blocks` blocks of one layer of 4 KiB.
+struct OneLayerPages {
+  explicit OneLayerPages(std::uint64_t blocks)
+      : layout(KvLayout::uniform(1, 1, 4096).value()),
+        region(BlockSpace::page_first_page_bytes(layout, 4096) * blocks),
+        space(BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, blocks, region.data(), region.size(), 4096)
+                  .value()) {}
+  KvLayout layout;
+  AlignedBuffer region;
+  BlockSpace space;
+};
+
 TEST(StorageMetrics, ItemsBytesLatencyAndQuarantineFollowTheOperations) {
   metrics::Registry reg;  // outlives the tier, as attach_metrics requires
   auto layout = KvLayout::uniform(2, 1, 4096);
@@ -81,12 +93,9 @@ TEST(StorageMetrics, ItemsBytesLatencyAndQuarantineFollowTheOperations) {
 // Two tiers attached with the same labels add up (each used to overwrite the other's gauges at every scrape), and
 // a tier that goes takes its share out.
 TEST(StorageMetrics, TiersWithTheSameLabelsAddUpAndLeaveWithTheirShare) {
-  auto layout = KvLayout::uniform(1, 1, 4096);
-  ASSERT_TRUE(layout.ok());
-  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
-  testing::AlignedBuffer region(page * 2);
-  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, 2, region.data(), region.size(), 4096);
-  ASSERT_TRUE(space.ok());
+  const OneLayerPages pages(2);
+  const KvLayout* layout = &pages.layout;
+  const BlockSpace* space = &pages.space;
   metrics::Registry reg;  // outlives the tiers
   testing::TempDir dir_a, dir_b;
   auto open = [&](const testing::TempDir& dir, std::uint64_t capacity) {
@@ -118,12 +127,9 @@ namespace {
 
 // An object sealed under another secret is refused by the tenant MAC: a counted auth failure, a data_loss item.
 TEST(StorageMetrics, TenantMacRefusalsAreCounted) {
-  auto layout = KvLayout::uniform(1, 1, 4096);
-  ASSERT_TRUE(layout.ok());
-  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
-  testing::AlignedBuffer region(page * 4);
-  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, 4, region.data(), region.size(), 4096);
-  ASSERT_TRUE(space.ok());
+  OneLayerPages pages(4);
+  const KvLayout* layout = &pages.layout;
+  BlockSpace* space = &pages.space;
   testing::fill_random(space->block_ptr(0, 0, 0), 4096, 7);
   testing::TempDir dir;
   DiskBackendConfig c;
@@ -164,12 +170,9 @@ TEST(StorageMetrics, TenantMacRefusalsAreCounted) {
 // A disk backend whose O_DIRECT probe failed runs buffered for its life: the gauge says so (1),
 // and one that got O_DIRECT, or was asked for buffered I/O, says 0.
 TEST(StorageMetrics, DirectIoFallbackIsAGauge) {
-  auto layout = KvLayout::uniform(1, 1, 4096);
-  ASSERT_TRUE(layout.ok());
-  const std::uint64_t page = BlockSpace::page_first_page_bytes(*layout, 4096);
-  testing::AlignedBuffer region(page * 2);
-  auto space = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *layout, 2, region.data(), region.size(), 4096);
-  ASSERT_TRUE(space.ok());
+  const OneLayerPages pages(2);
+  const KvLayout* layout = &pages.layout;
+  const BlockSpace* space = &pages.space;
   for (bool refuse : {true, false}) {
     SCOPED_TRACE(refuse ? "probe refused" : "direct_io off");
     testing::TempDir dir;
