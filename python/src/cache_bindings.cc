@@ -504,8 +504,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "match",
           [](PyCacheManager& p, StrListArg keys_arg) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            auto k = parse_keys(keys);
+            auto k = parse_keys(keys_arg.get("keys"));
             auto lock = lock_gil_safe(p.mu);
             cache::MatchResult r = p.cm->match(k);
             nb::dict d;
@@ -522,8 +521,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "admit",
           [](PyCacheManager& p, StrListArg keys_arg, nb::handle extra_blocks) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            auto k = parse_keys(keys);
+            auto k = parse_keys(keys_arg.get("keys"));
             const std::uint32_t extra = u32_arg(extra_blocks, "extra_blocks");
             auto lock = lock_gil_safe(p.mu);
             cache::Admission a = value_or_raise(p.cm->admit(k, extra));
@@ -573,8 +571,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "prefetch",
           [](PyCacheManager& p, StrListArg keys_arg) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            auto k = parse_keys(keys);
+            auto k = parse_keys(keys_arg.get("keys"));
             auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.cm->prefetch(k));
           },
@@ -644,8 +641,7 @@ void bind_cache(nb::module_& m) {
           "announce",
           [](PyCacheManager& p, StrListArg keys_arg, nb::handle conversation_id, nb::handle continuation,
              nb::handle ttl_steps, nb::handle priority) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            auto k = parse_keys(keys);
+            auto k = parse_keys(keys_arg.get("keys"));
             const cache::RequestHints h = request_hints(conversation_id, continuation, ttl_steps, priority);
             auto lock = lock_gil_safe(p.mu);
             return value_or_raise(p.cm->announce(k, h));
@@ -659,9 +655,8 @@ void bind_cache(nb::module_& m) {
       .def(
           "extend_announced",
           [](PyCacheManager& p, nb::handle id, StrListArg keys_arg) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
             const std::uint64_t queued = u64_arg(id, "id");
-            auto k = parse_keys(keys);
+            auto k = parse_keys(keys_arg.get("keys"));
             auto lock = lock_gil_safe(p.mu);
             check(p.cm->extend_announced(queued, k));
           },
@@ -1099,8 +1094,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "exists_many",
           [](PyStorage& p, StrListArg keys_arg, IntArg rank) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            return run_many(p, storage::StorageOp::kExists, keys, std::nullopt, rank.u32("rank"));
+            return run_many(p, storage::StorageOp::kExists, keys_arg.get("keys"), std::nullopt, rank.u32("rank"));
           },
           "keys"_a.none(), "rank"_a = 0,
           "One batch; per key the payload size (int) when present, else the exception object (NotFoundError when "
@@ -1108,8 +1102,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "get_many",
           [](PyStorage& p, StrListArg keys_arg, nb::sequence buffers, IntArg rank) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            return run_many(p, storage::StorageOp::kGet, keys, buffers, rank.u32("rank"));
+            return run_many(p, storage::StorageOp::kGet, keys_arg.get("keys"), buffers, rank.u32("rank"));
           },
           "keys"_a.none(), "buffers"_a, "rank"_a = 0,
           "Reads each object into its buffer: a writable C-contiguous CPU array (numpy, CPU or pinned torch "
@@ -1120,8 +1113,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "put_many",
           [](PyStorage& p, StrListArg keys_arg, nb::sequence buffers, IntArg rank) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            return run_many(p, storage::StorageOp::kPut, keys, buffers, rank.u32("rank"));
+            return run_many(p, storage::StorageOp::kPut, keys_arg.get("keys"), buffers, rank.u32("rank"));
           },
           "keys"_a.none(), "buffers"_a, "rank"_a = 0,
           "Stores each buffer (as get_many's; read only) as the object of its key, replacing any. Per key the bytes "
@@ -1131,8 +1123,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "delete_many",
           [](PyStorage& p, StrListArg keys_arg, IntArg rank) {
-            const std::vector<std::string> keys = keys_arg.get("keys");
-            return run_many(p, storage::StorageOp::kDelete, keys, std::nullopt, rank.u32("rank"));
+            return run_many(p, storage::StorageOp::kDelete, keys_arg.get("keys"), std::nullopt, rank.u32("rank"));
           },
           "keys"_a.none(), "rank"_a = 0, "Per key 0 when removed, else the exception object (NotFoundError: absent).")
       .def("stats", [](PyStorage& p) {

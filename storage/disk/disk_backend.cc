@@ -241,9 +241,6 @@ Result<StorageTicket> DiskBackend::post(StorageBatch batch) {
   KVTIER_RETURN_IF_ERROR(check_batch_buffers(batch));
   for (std::size_t i = 0; i < batch.items.size(); ++i) {
     const StorageItem& it = batch.items[i];
-    if ((batch.op == StorageOp::kGet || batch.op == StorageOp::kPut) && it.buffer == nullptr && it.bytes > 0)
-      return InvalidArgument(
-          fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i, it.bytes));
     if (batch.op == StorageOp::kPut) {
       // Bounded before any size arithmetic (alignment, header, capacity) can wrap.
       if (it.bytes > format::kMaxPayloadBytes)

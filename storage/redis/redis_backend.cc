@@ -271,9 +271,6 @@ class RedisBackend final : public StorageBackend {
     const std::uint64_t max_bytes = caps().max_object_bytes;
     for (std::size_t i = 0; i < batch.items.size(); ++i) {
       const StorageItem& it = batch.items[i];
-      if ((batch.op == StorageOp::kGet || batch.op == StorageOp::kPut) && it.buffer == nullptr && it.bytes > 0)
-        return InvalidArgument(
-            fmt::format("{} item {}: null buffer for {} bytes", storage_op_name(batch.op), i, it.bytes));
       if (batch.op == StorageOp::kPut) {
         if (it.bytes > max_bytes)
           return InvalidArgument(fmt::format("put item {}: {} bytes > Redis limit {}", i, it.bytes, max_bytes));
