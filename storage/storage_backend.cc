@@ -8,6 +8,7 @@
 
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <unordered_map>
 
@@ -131,8 +132,20 @@ constexpr std::uint64_t kMaxRedisWaitMs = 86'400'000;
 
 Result<std::uint64_t> bounded_param(std::string_view key, std::string_view value, std::uint64_t max,
                                     std::string_view why) {
-  KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(value));
-  if (n > max) return InvalidArgument(fmt::format("{}={} is more than {} ({})", key, value, max, why));
+  // A count or a time in whole units: digits only (a size's suffixes would make "5s" 5 and "1K" workers 1024).
+  std::uint64_t n = 0;
+  const auto [ptr, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
+  if (value.empty() || ec != std::errc() || ptr != value.data() + value.size())
+    return InvalidArgument(
+        fmt::format("parameter {}='{}' is not a whole number (at most {}: {})", key, value, max, why));
+  if (n > max) return InvalidArgument(fmt::format("parameter {}={} is more than {} ({})", key, value, max, why));
+  return n;
+}
+
+// A size parameter (capacity=64G): parse_size's forms, the error naming the parameter.
+Result<std::uint64_t> size_param(std::string_view key, std::string_view value) {
+  auto n = parse_size(value);
+  if (!n.ok()) return InvalidArgument(fmt::format("parameter {}: {}", key, n.status().message()));
   return n;
 }
 
@@ -190,7 +203,9 @@ int hex_value(char c) {
 }  // namespace
 
 Result<std::string> read_tenant_secret_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  // Links are followed (Kubernetes mounts a secret as a link into a ..data directory); what is checked below is the
+  // file they lead to.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return NotFound(fmt::format("tenant secret file '{}': {}", path, std::strerror(errno)));
   struct stat sb {};
   std::string text;
@@ -321,7 +336,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
     c.root = std::string(path);
     for (auto [k, v] : params) {
       if (k == "capacity") {
-        KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, parse_size(v));
+        KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, size_param(k, v));
       } else if (k == "durability") {
         if (v == "process")
           c.durability = Durability::kProcessCrash;
@@ -339,7 +354,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         else
           return InvalidArgument(fmt::format("direct '{}' is not auto|on|off", v));
       } else if (k == "qd") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, bounded_param(k, v, 65536, "io_uring entries"));
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t qd, bounded_param(k, v, 4096, "items in flight on the io_uring ring"));
         c.queue_depth = static_cast<std::uint32_t>(qd);
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));
@@ -391,7 +406,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
       } else if (k == "prefix") {
         c.key_prefix = std::string(v);
       } else if (k == "timeout_ms" || k == "item_deadline_ms" || k == "batch_deadline_ms") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, bounded_param(k, v, kMaxRedisWaitMs, "a day"));
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t ms, bounded_param(k, v, kMaxRedisWaitMs, "milliseconds, a day"));
         (k == "timeout_ms"         ? c.command_timeout
          : k == "item_deadline_ms" ? c.item_deadline
                                    : c.batch_deadline) = std::chrono::milliseconds(ms);
@@ -416,7 +431,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
     MemoryBackendConfig c;
     for (auto [k, v] : params) {
       if (k == "capacity") {
-        KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, parse_size(v));
+        KVTIER_ASSIGN_OR_RETURN(c.capacity_bytes, size_param(k, v));
       } else if (k == "evict") {
         if (v == "on" || v == "1")
           c.evict = true;
@@ -425,8 +440,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         else
           return InvalidArgument(fmt::format("evict '{}' is not on|off", v));
       } else if (k == "threads") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, parse_size(v));
-        if (n > 64) return InvalidArgument(fmt::format("memory spec '{}': threads={} is more than 64", spec, v));
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, bounded_param(k, v, 64, "copy threads"));
         c.threads = static_cast<unsigned>(n);
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));

@@ -290,7 +290,7 @@ StorageStats DiskBackend::stats() const {
   std::lock_guard<std::mutex> lk(index_mu_);
   StorageStats s;
   s.objects = index_.size();
-  s.bytes = used_bytes_ + quarantine_bytes_;
+  s.bytes = used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_;
   s.capacity_bytes = config_.capacity_bytes;
   s.evictions = evictions_;
   s.quarantined = quarantined_;

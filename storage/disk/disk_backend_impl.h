@@ -161,8 +161,7 @@ struct IoOp : Waiter {
   std::uint64_t total = 0;        // bytes to transfer
   std::uint64_t header_size = 0;
   std::uint64_t payload_bytes = 0;
-  std::uint64_t file_bytes = 0;  // bytes this put writes / the index records for a get
-  std::uint64_t disk_bytes = 0;  // file size after the put (a recycled file may be longer)
+  std::uint64_t file_bytes = 0;  // bytes this put writes (a recycled file is cut to it) / the index records for a get
   bool recycled = false;         // the put overwrites a file from the free pool
   bool reader_counted = false;   // a get registered in reading_
   IoOp() : Waiter{Kind::kOp} {}
@@ -228,6 +227,8 @@ class DiskBackend final : public StorageBackend {
   // Ok, or why an object that had to go could not be removed (it stays indexed; nothing more is evicted).
   Status make_room_locked(std::uint64_t incoming);
   void trim_quarantine_locked(std::size_t keep);
+  // Forgets the unauthenticated file of `key` (its bytes no longer counted); true if there was one.
+  bool forget_unauthenticated_locked(const StorageKey& key);
   void adopt_quarantine_locked();
   // Moves file `name` of directory `dirfd` to free/ or unlinks it; an error (naming `shown`) when it is still there.
   Status recycle_or_unlink_locked(int dirfd, const std::string& name, std::uint64_t bytes, const StorageKey& key,
@@ -295,6 +296,13 @@ class DiskBackend final : public StorageBackend {
   std::uint64_t auth_failures_ = 0;
   std::deque<std::pair<std::string, std::uint64_t>> quarantine_files_;  // names in quarantine/, oldest first
   std::uint64_t quarantine_bytes_ = 0;
+  // Object files the rebuild found that do not authenticate with this tenant's secret (rotated, mistyped, none): not
+  // served, left in place in case the secret is fixed, but counted against the capacity and removed before any
+  // indexed object when room is needed (oldest first), so that rotations do not pile up files beyond it. A put of
+  // the same key replaces the file (and its entry here).
+  std::unordered_map<StorageKey, std::uint64_t, StorageKeyHash> unauthenticated_;  // key -> file bytes
+  std::deque<StorageKey> unauthenticated_order_;  // oldest first; keys no longer in unauthenticated_ are skipped
+  std::uint64_t unauthenticated_bytes_ = 0;
   std::uint64_t removed_tmp_ = 0;
   std::uint64_t seq_ = 0;
   std::uint32_t last_header_size_ = 0;

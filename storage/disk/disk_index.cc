@@ -103,6 +103,14 @@ void DiskBackend::trim_quarantine_locked(std::size_t keep) {
   }
 }
 
+bool DiskBackend::forget_unauthenticated_locked(const StorageKey& key) {
+  auto it = unauthenticated_.find(key);
+  if (it == unauthenticated_.end()) return false;
+  unauthenticated_bytes_ -= it->second;
+  unauthenticated_.erase(it);
+  return true;
+}
+
 // Takes over the files an earlier run left in quarantine/ (oldest first), within the bound.
 void DiskBackend::adopt_quarantine_locked() {
   auto names = list_dir(quarantine_fd_.get(), dir_ + "/quarantine");
@@ -131,7 +139,15 @@ Status DiskBackend::make_room_locked(std::uint64_t incoming) {
   while (!quarantine_files_.empty() &&
          used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes)
     trim_quarantine_locked(quarantine_files_.size() - 1);
-  while (!lru_.empty() && used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes) {
+  while (!unauthenticated_order_.empty() &&
+         used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming >
+             config_.capacity_bytes) {
+    const StorageKey key = unauthenticated_order_.front();
+    unauthenticated_order_.pop_front();
+    if (forget_unauthenticated_locked(key)) ::unlinkat(shard_fd(key), object_name(key).c_str(), 0);
+  }
+  while (!lru_.empty() && used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming >
+                              config_.capacity_bytes) {
     const StorageKey victim = lru_.front();
     auto it = index_.find(victim);
     KVTIER_RETURN_IF_ERROR(recycle_or_unlink_locked(shard_fd(victim), object_name(victim), it->second.file_bytes,
@@ -170,7 +186,7 @@ Status DiskBackend::rebuild_index() {
     std::uint64_t payload_bytes;
     std::int64_t mtime_ns;
   };
-  std::vector<Found> found;
+  std::vector<Found> found, not_ours;
   // Objects whose MAC does not verify with this tenant's secret. They are neither indexed (never served) nor
   // quarantined: a misconfigured secret (another file, a rotated one, none) fails every object, and quarantining them
   // lost the store to a typo (the quarantine keeps a few for inspection). Left in place, they come back once the
@@ -207,6 +223,10 @@ Status DiskBackend::rebuild_index() {
       if (!st.ok() && format::is_auth_failure(st)) {
         if (unauthenticated++ == 0) first_unauthenticated = fmt::format("{}: {}", path, st.message());
         ++auth_failures_;
+        struct stat sb {};
+        if (::fstatat(sfd, n.c_str(), &sb, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(sb.st_mode))
+          not_ours.push_back({*key, static_cast<std::uint64_t>(sb.st_size), 0, 0,
+                              static_cast<std::int64_t>(sb.st_mtim.tv_sec) * 1000000000 + sb.st_mtim.tv_nsec});
         continue;
       }
       if (!st.ok()) {
@@ -219,7 +239,8 @@ Status DiskBackend::rebuild_index() {
   if (unauthenticated > 0)
     log_line(
         fmt::format("{} of {} objects do not authenticate with this backend's tenant secret ({}): left in "
-                    "place and not served (a misconfigured storage.tenant.secret_file?); the first: {}",
+                    "place and not served, counted against the capacity and removed first when room is needed (a "
+                    "misconfigured storage.tenant.secret_file?); the first: {}",
                     unauthenticated, unauthenticated + found.size(),
                     options_.tenant_secret.empty() ? "none configured" : "the one configured", first_unauthenticated));
   KVTIER_ASSIGN_OR_RETURN(std::vector<std::string> incoming, list_dir(incoming_fd_.get(), dir_ + "/incoming"));
@@ -238,8 +259,15 @@ Status DiskBackend::rebuild_index() {
     else
       ::unlinkat(free_fd_.get(), n.c_str(), 0);
   }
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; });
+  const auto older = [](const Found& a, const Found& b) { return a.mtime_ns < b.mtime_ns; };
+  std::sort(found.begin(), found.end(), older);
   for (const Found& f : found) insert_locked(f.key, f.file_bytes, f.header_size, f.payload_bytes);
+  std::sort(not_ours.begin(), not_ours.end(), older);
+  for (const Found& f : not_ours) {
+    unauthenticated_.emplace(f.key, f.file_bytes);
+    unauthenticated_order_.push_back(f.key);
+    unauthenticated_bytes_ += f.file_bytes;
+  }
   if (Status s = make_room_locked(0); !s.ok()) log_line(s.to_string());
   if (removed_tmp_ > 0)
     log_line(fmt::format("removed {} uncommitted temporary files in {}", removed_tmp_, dir_), LogLevel::kInfo);

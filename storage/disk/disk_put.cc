@@ -32,7 +32,6 @@ void DiskBackend::start_put(IoOp* op) {
   op->payload_bytes = op->item.bytes;
   const bool direct_payload = direct_ && aligned(op->item.buffer, kAlign) && op->item.bytes % kAlign == 0;
   op->file_bytes = header_size_ + (direct_ ? align_up(op->item.bytes, kAlign) : op->item.bytes);
-  std::uint64_t free_bytes = 0;
   {
     std::lock_guard<std::mutex> lk(index_mu_);
     if (config_.capacity_bytes && op->file_bytes > config_.capacity_bytes)
@@ -41,12 +40,11 @@ void DiskBackend::start_put(IoOp* op) {
     if (Status s = make_room_locked(op->file_bytes); !s.ok())
       return finish(op, s.with_context(fmt::format("put {}", op->item.key.to_string())));
     reserved_bytes_ += op->file_bytes;
-    // Reuse a free file unless it is much larger than this object (the tail would be wasted).
+    // Reuse a free file unless it is much larger than this object (most of it would be cut off).
     if (!free_files_.empty() && free_files_.front().second <= 2 * op->file_bytes + kAlign) {
       op->tmp_dir = free_fd_.get();
       op->tmp_name = std::move(free_files_.front().first);
       op->tmp_path = fmt::format("{}/free/{}", dir_, op->tmp_name);
-      free_bytes = free_files_.front().second;
       free_files_.pop_front();
       op->recycled = true;
     } else if (!free_files_.empty()) {
@@ -54,7 +52,6 @@ void DiskBackend::start_put(IoOp* op) {
       free_files_.pop_front();
     }
   }
-  op->disk_bytes = std::max(op->file_bytes, free_bytes);
   op->bounced = !direct_payload;
   op->header = alloc_aligned(op->bounced ? op->file_bytes : header_size_);
   if (!op->header) return fail_put(op, ResourceExhausted("out of memory for a bounce buffer"));
@@ -77,12 +74,15 @@ void DiskBackend::start_put(IoOp* op) {
   if (op->recycled) {
     struct stat sb {};
     auto fd = open_regular(op->tmp_dir, op->tmp_name, op->tmp_path, O_WRONLY | (direct_ ? O_DIRECT : 0), &sb);
-    // A file with another name (a hard link) is not overwritten: the bytes would show there too.
-    if (fd.ok() && sb.st_nlink == 1) op->fd = std::move(fd).value();
+    // A file with another name (a hard link) is not overwritten: the bytes would show there too. A longer file is
+    // cut to this object's size first: room was made for file_bytes, and the index counts the file's size.
+    if (fd.ok() && sb.st_nlink == 1 &&
+        (static_cast<std::uint64_t>(sb.st_size) <= op->file_bytes ||
+         ::ftruncate(fd->get(), static_cast<off_t>(op->file_bytes)) == 0))
+      op->fd = std::move(fd).value();
     if (op->fd.get() < 0) {
       ::unlinkat(op->tmp_dir, op->tmp_name.c_str(), 0);
       op->recycled = false;
-      op->disk_bytes = op->file_bytes;
     }
   }
   int create_err = 0;
@@ -188,6 +188,7 @@ void DiskBackend::commit_put(IoOp* op) {
       recycle_or_unlink_locked(op->tmp_dir, op->tmp_name, old->second.file_bytes, op->item.key, op->tmp_path)
           .ignore_error();
   }
+  const bool replaced_unauthenticated = old == index_.end() && unauthenticated_.count(op->item.key) != 0;
   if (!exchanged && ::renameat(op->tmp_dir, op->tmp_name.c_str(), sfd, name.c_str()) != 0) {
     Status st = fs_error(errno, fmt::format("rename {} -> {}", op->tmp_path, op->final_path));
     reserved_bytes_ -= op->file_bytes;
@@ -197,7 +198,8 @@ void DiskBackend::commit_put(IoOp* op) {
   }
   op->tmp_name.clear();
   reserved_bytes_ -= op->file_bytes;
-  insert_locked(op->item.key, op->disk_bytes, static_cast<std::uint32_t>(op->header_size), op->payload_bytes);
+  if (replaced_unauthenticated) forget_unauthenticated_locked(op->item.key);  // the rename replaced its file
+  insert_locked(op->item.key, op->file_bytes, static_cast<std::uint32_t>(op->header_size), op->payload_bytes);
   op->header.reset();
   if (config_.durability != Durability::kPowerLoss) return finish(op, Status::Ok(), op->payload_bytes);
   op->stage = IoOp::Stage::kDirSync;

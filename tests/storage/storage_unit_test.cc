@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -235,6 +236,22 @@ TEST(StorageSpec, ParsesAndRejects) {
   EXPECT_EQ(make_storage_backend("disk:/x?bogus=1", {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(make_storage_backend("s3://bucket", {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(make_storage_backend("redis://127.0.0.1:1?timeout_ms=100", {}).status().code(), StatusCode::kUnavailable);
+  // A bad number names its parameter (it named only the value, and called a timeout "a size"); counts and times are
+  // whole numbers (a size's suffix made timeout_ms=5s 5 ms); the disk queue depth is bounded where create bounds it.
+  for (const auto& [spec, says] : std::vector<std::pair<std::string, std::string>>{
+           {"disk:/x?capacity=10Q", "parameter capacity: '10Q' is not a size"},
+           {"disk:/x?capacity=-1", "parameter capacity: '-1' is not a size"},
+           {"disk:/x?qd=abc", "parameter qd='abc' is not a whole number"},
+           {"disk:/x?qd=5000", "parameter qd=5000 is more than 4096"},
+           {"redis://127.0.0.1:1?timeout_ms=5s", "parameter timeout_ms='5s' is not a whole number"},
+           {"redis://127.0.0.1:1?workers=two", "parameter workers='two' is not a whole number"},
+           {"redis://127.0.0.1:1?ttl=1K", "parameter ttl='1K' is not a whole number"},
+           {"memory:?capacity=1G&threads=x", "parameter threads='x' is not a whole number"},
+           {"memory:?capacity=1.5G", "parameter capacity: '1.5G' is not a size"}}) {
+    auto r = make_storage_backend(spec, {});
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << spec;
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << spec << ": " << r.status().to_string();
+  }
 }
 
 // A parameter given twice was taken from its last mention, silently: refused now, named, in every kind of spec
@@ -580,6 +597,55 @@ TEST(DiskBackend, RecycledFilesServeOnlyTheirNewObject) {
   ASSERT_TRUE(r.status.ok());
   EXPECT_EQ(r.bytes, small.size());
   EXPECT_EQ(std::memcmp(dst.data(), small.data(), small.size()), 0);
+}
+
+// A recycled free file longer than its new object used to keep its length: the index counted the longer file, for
+// which no room had been made, and a batch admitted against the object's own size took the tier past its capacity
+// (1,216,512 bytes of objects in a 1 MiB tier here).
+TEST(DiskBackend, ARecycledFileNeverTakesTheTierPastItsCapacity) {
+  TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  c.capacity_bytes = 1 << 20;
+  StorageOptions o;
+  o.ns = "recycle-capacity";
+  const std::string ns_dir = fmt::format("{}/{:016x}-{:016x}", dir.path(), format::namespace_digest(o.ns), 0);
+  auto object_file_bytes = [&] {
+    std::uint64_t sum = 0;
+    for (int s = 0; s < 256; ++s)
+      if (DIR* d = ::opendir(fmt::format("{}/{:02x}", ns_dir, s).c_str())) {
+        while (dirent* e = ::readdir(d)) {
+          struct stat sb {};
+          if (e->d_name[0] != '.' && ::fstatat(::dirfd(d), e->d_name, &sb, 0) == 0) sum += sb.st_size;
+        }
+        ::closedir(d);
+      }
+    return sum;
+  };
+  AlignedBuffer a(600'000), b(400'000), x(210'000), y(200'000), dst(600'000);
+  fill_random(x.data(), x.size(), 3);
+  fill_random(y.data(), y.size(), 4);
+  auto backend = create_disk_backend(c, o);
+  ASSERT_TRUE(backend.ok());
+  ASSERT_TRUE(
+      (*run_batch(**backend, StorageBatch{StorageOp::kPut, {{key_of(2, 1), a.data(), a.size()}}}))[0].status.ok());
+  ASSERT_TRUE(
+      (*run_batch(**backend, StorageBatch{StorageOp::kPut, {{key_of(2, 2), b.data(), b.size()}}}))[0].status.ok());
+  ASSERT_TRUE((*run_batch(**backend, StorageBatch{StorageOp::kDelete, {{key_of(2, 2), nullptr, 0}}}))[0].status.ok());
+  // The 400 KB object's file is free; the first of these two reuses it.
+  auto r = run_batch(**backend, StorageBatch{StorageOp::kPut,
+                                             {{key_of(2, 3), x.data(), x.size()}, {key_of(2, 4), y.data(), y.size()}}});
+  ASSERT_TRUE(r.ok());
+  for (const ItemResult& item : *r) EXPECT_TRUE(item.status.ok()) << item.status.to_string();
+  EXPECT_LE((*backend)->stats().bytes, c.capacity_bytes);
+  EXPECT_LE(object_file_bytes(), c.capacity_bytes);
+  EXPECT_EQ(object_file_bytes(), (*backend)->stats().bytes);
+  for (auto [i, buf] : {std::pair{3, &x}, std::pair{4, &y}}) {
+    ItemResult g = (*run_batch(**backend, StorageBatch{StorageOp::kGet, {{key_of(2, i), dst.data(), dst.size()}}}))[0];
+    ASSERT_TRUE(g.status.ok()) << i << ": " << g.status.to_string();
+    EXPECT_EQ(g.bytes, buf->size());
+    EXPECT_EQ(std::memcmp(dst.data(), buf->data(), buf->size()), 0) << i;
+  }
 }
 
 class StorageTierTest : public ::testing::TestWithParam<bool> {};

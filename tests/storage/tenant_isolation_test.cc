@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -285,10 +286,19 @@ TEST(TenantConfig, SecretFileAndKnobs) {
   ASSERT_EQ(s->size(), 32u);
   EXPECT_EQ(static_cast<std::uint8_t>((*s)[1]), 0x11);
   EXPECT_EQ(static_cast<std::uint8_t>((*s)[31]), 0xff);
-  // Readable by others: refused, like ssh refuses its keys.
+  // Through a link, as Kubernetes mounts secrets (refused as "Too many levels of symbolic links" before).
+  ASSERT_EQ(::mkdir((dir.path() + "/..data").c_str(), 0700), 0);
+  ASSERT_EQ(::rename(path.c_str(), (dir.path() + "/..data/secret").c_str()), 0);
+  ASSERT_EQ(::symlink("..data/secret", path.c_str()), 0);
+  auto linked = read_tenant_secret_file(path);
+  ASSERT_TRUE(linked.ok()) << linked.status().to_string();
+  EXPECT_EQ(*linked, *s);
+  // Readable by others: refused, like ssh refuses its keys (the mode of the file the link leads to).
   ASSERT_EQ(::chmod(path.c_str(), 0644), 0);
   EXPECT_EQ(read_tenant_secret_file(path).status().code(), StatusCode::kFailedPrecondition);
   ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  ASSERT_EQ(::rename((dir.path() + "/..data/secret").c_str(), path.c_str()), 0);
   write_file(path, hex.substr(0, 62), 0600);  // 31 bytes
   auto short_secret = read_tenant_secret_file(path);
   EXPECT_EQ(short_secret.status().code(), StatusCode::kInvalidArgument);
@@ -448,6 +458,51 @@ TEST_F(DiskTenants, ThroughTheLibrary) {
   EXPECT_EQ(backend_a_->stats().objects, 2u);
   EXPECT_EQ(backend_a_->stats().auth_failures, 1u);
   EXPECT_EQ(get(*backend_a_, forged).first.code(), StatusCode::kNotFound);
+}
+
+// Objects that do not authenticate stay in place (above), but they used to count for nothing: every rotation of the
+// secret left the earlier objects beside the new ones, and the directory grew past the capacity without bound (four
+// rotations: four times the capacity on disk, stats() reporting one). They now count against the capacity and go
+// first when room is needed; a put of the same key replaces one.
+TEST_F(DiskTenants, ObjectsOfEarlierSecretsStayWithinTheCapacity) {
+  backend_a_.reset();
+  auto object_file_bytes = [&] {
+    std::uint64_t sum = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(ns_dir(a_)))
+      if (e.is_regular_file() && e.path().extension() == ".kvo") sum += e.file_size();
+    return sum;
+  };
+  const auto v = bytes_of(3, 3000);
+  config_.capacity_bytes = 0;
+  open_a();
+  ASSERT_TRUE(put(*backend_a_, key_of(7, 1000), v).ok());
+  const std::uint64_t one = backend_a_->stats().bytes;
+  ASSERT_GT(one, 0u);
+  ASSERT_TRUE(run_batch(*backend_a_, {StorageOp::kDelete, {{key_of(7, 1000), nullptr, 0}}}).ok());
+  backend_a_.reset();
+  config_.capacity_bytes = 8 * one;
+  for (int round = 0; round < 4; ++round) {
+    a_.tenant_secret = secret_of(static_cast<char>('C' + round));
+    open_a();
+    for (int i = 0; i < 6; ++i) ASSERT_TRUE(put(*backend_a_, key_of(7, round * 10 + i), v).ok()) << round << " " << i;
+    EXPECT_LE(object_file_bytes(), config_.capacity_bytes) << "after rotation " << round;
+    EXPECT_EQ(backend_a_->stats().bytes, object_file_bytes()) << "after rotation " << round;
+    EXPECT_EQ(backend_a_->stats().objects, 6u);
+    backend_a_.reset();
+  }
+  // The last secret's objects are all there; two of the previous one's remain, unserved, and a put of one of their
+  // keys replaces its file without counting it twice.
+  open_a();
+  EXPECT_EQ(backend_a_->stats().objects, 6u);
+  EXPECT_EQ(backend_a_->stats().auth_failures, 2u);
+  for (int i = 0; i < 6; ++i) EXPECT_TRUE(get(*backend_a_, key_of(7, 30 + i)).first.ok()) << i;
+  ASSERT_TRUE(put(*backend_a_, key_of(7, 24), v).ok());
+  ASSERT_TRUE(put(*backend_a_, key_of(7, 25), v).ok());
+  EXPECT_EQ(backend_a_->stats().bytes, object_file_bytes());
+  EXPECT_EQ(backend_a_->stats().bytes, 8 * one);
+  auto [s, d] = get(*backend_a_, key_of(7, 25));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(d, v);
 }
 
 TEST_F(DiskTenants, AroundTheLibrary) {

@@ -37,7 +37,10 @@
 //
 // Capacity: when a put would exceed capacity_bytes (object file bytes incl.
 // headers), least-recently-used objects (by put/get/exists; mtime order after a
-// restart) are removed first. A put larger than the capacity fails with
+// restart) are removed first; before them, quarantined files and object files
+// that do not authenticate with the tenant secret (left in place at the
+// rebuild, unserved, oldest first). A recycled file is cut to its new object's
+// size. A put larger than the capacity fails with
 // ResourceExhausted. Errors: ENOSPC/EFBIG/EDQUOT -> ResourceExhausted, from any
 // call that writes, syncs, renames or creates a file or directory (inodes
 // running out are ENOSPC, at create too); EIO or a short file on read ->
