@@ -417,7 +417,15 @@ class CacheTransferManager:
                 self._compute = self._device.create_stream("engine")
             else:
                 raise _error("InvalidArgument", f"KVTIER_FASTDEPLOY_BACKEND={backend!r} is not auto, host or cuda")
-            host = {k: int(v) for k, v in self._host_cache_kvs_map.items() if v}
+            host = {}
+            for name, ptr in self._host_cache_kvs_map.items():
+                # FastDeploy's host map holds addresses (ints); int() took strings, and a negative or too large one
+                # was reported as a device tensor nanobind could not take.
+                if isinstance(ptr, bool) or not isinstance(ptr, numbers.Integral) or not 0 <= int(ptr) < 1 << 64:
+                    raise _error("InvalidArgument", f"host_cache_kvs_map[{name!r}] = {ptr!r} is not a host address "
+                                 f"(an int in [0, 2**64))")
+                if ptr:
+                    host[name] = int(ptr)
             for name, t in tensors.items():
                 if getattr(getattr(t, "flags", None), "writeable", True) is False:
                     raise _error("InvalidArgument", f"cache_kvs_map[{name!r}] is read-only: loads write into it")
@@ -810,8 +818,10 @@ class PdTransferConnector:
     def wait(self, transfer_id: int, timeout: Optional[float] = -1):
         """FastDeploy's ``wait(handle, timeout=-1)``: until the transfer is final (-1 or None: no deadline).
         Returns the :class:`kvtier.pd.PrefillStatus` / :class:`kvtier.pd.DecodeStatus`."""
-        t = None if timeout is None or timeout < 0 else timeout
-        return self._require().wait(transfer_id, t)
+        from . import pd  # imported on use, as where the endpoint is created
+
+        t = pd._timeout(timeout)  # a number of seconds or None, else an error naming it
+        return self._require().wait(transfer_id, None if t is not None and t < 0 else t)
 
     def forget(self, transfer_id: int) -> None:
         self._require().forget(transfer_id)

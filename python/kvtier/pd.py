@@ -325,6 +325,9 @@ class _Endpoint:
             # bytes(40) would be 40 zero bytes: a secret anyone could guess, accepted without a word.
             raise InvalidArgumentError(
                 f"peer_secret is a {type(peer_secret).__name__}; it must be bytes (32 to 64 of them)")
+        if peer_secret is not None and len(peer_secret) == 0:
+            # An unset variable read as b"" would otherwise mean "no secret": unauthenticated, without a word.
+            raise InvalidArgumentError("peer_secret is empty; give 32 to 64 bytes, or None for no secret")
         secret = b"" if peer_secret is None else bytes(peer_secret)
         self._device = device
         self._streams: Dict[int, Any] = {}  # engine streams adopted on the device, by handle
@@ -440,7 +443,10 @@ class _Endpoint:
     def close(self) -> None:
         """Stops the endpoint and its transport (idempotent). Waits in flight on other threads raise
         ``FailedPreconditionError`` at once, and the endpoint is torn down before this returns (unless a call
-        in flight keeps it for more than 10 s); transfers in flight fail at the peer."""
+        in flight keeps it for more than 10 s); transfers in flight fail at the peer. Arrays of :meth:`kv_pool`
+        still referenced keep only the pool's memory (and the transport that owns it) until they go: the protocol
+        ends at once, and nothing the peer sends lands in them through it any more. ``FailedPreconditionError``
+        while a :class:`Receiver` drives the endpoint (close the receiver first)."""
         self._ep.close()
 
     def __enter__(self):

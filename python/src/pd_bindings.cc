@@ -419,9 +419,15 @@ void bind_pd(nb::module_& m) {
             auto n = e.get();
             nb::dict out;
             for (const PdNative::PoolTensor& pt : n->pool) {
-              // Each array keeps the endpoint's native state (and so the transport's memory) alive.
-              nb::capsule owner(new std::shared_ptr<PdNative>(n),
-                                [](void* p) noexcept { delete static_cast<std::shared_ptr<PdNative>*>(p); });
+              // Each array keeps the endpoint's native state (and so the transport's memory) alive; counted as an
+              // array, not a call, so that close() does not wait for it (PdNative::pool_arrays).
+              auto* ref = new std::shared_ptr<PdNative>(n);
+              n->pool_arrays.fetch_add(1);
+              nb::capsule owner(ref, [](void* p) noexcept {
+                auto* r = static_cast<std::shared_ptr<PdNative>*>(p);
+                (*r)->pool_arrays.fetch_sub(1);
+                delete r;
+              });
               out[pt.name.c_str()] =
                   nb::ndarray<nb::numpy>(pt.data, pt.shape.size(), pt.shape.data(), owner, pt.strides.data(), pt.dtype);
             }
@@ -642,9 +648,10 @@ void bind_pd(nb::module_& m) {
           },
           "transfer_id"_a,
           "Gives up on a transfer now: its layers not final fail, the prefill is told and proves its writes over.")
-      .def("close", &PyPdEndpoint::close,
+      .def("close", &PyPdEndpoint::close_checked,
            "Stops the endpoint and its transport (idempotent). A call in flight on another thread keeps them until "
-           "it returns.");
+           "it returns; kv_pool() arrays keep the transport's memory, not the endpoint. FailedPreconditionError while "
+           "a kvtier.pd.Receiver drives the endpoint.");
 }
 
 }  // namespace kvtier::python

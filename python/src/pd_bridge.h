@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <nanobind/nanobind.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -78,6 +79,11 @@ struct PdNative {
     nb::dlpack::dtype dtype;
   };
   std::vector<PoolTensor> pool;
+  // kv_pool() arrays alive. Each holds a reference to this state for the transport's memory it views; they are not
+  // calls in flight: close() stops the protocol under them (close_protocol) and leaves them the memory, which goes
+  // with the transport once the last of them is gone. Counted up after the array's reference is taken and down
+  // before it is dropped, so it never exceeds the references they hold.
+  std::atomic<int> pool_arrays{0};
 
   Device* device() const { return device_ref.is_none() ? nullptr : &nb::cast<PyDevice&>(device_ref).get(); }
 
@@ -87,6 +93,16 @@ struct PdNative {
     if (decode) decode->abort_waits();
     if (staged_prefill) staged_prefill->abort_waits();
     if (staged_decode) staged_decode->abort_waits();
+  }
+
+  // Ends the protocol: its progress threads stop, transfers that are not final fail at the peers (pd.h, closing), and
+  // nothing of this side moves blocks any more. The transport, its memory and the copy engine stay until the
+  // destructor. Only once no call is in flight.
+  void close_protocol() {
+    prefill.reset();
+    decode.reset();
+    staged_prefill.reset();
+    staged_decode.reset();
   }
 
   // Endpoints first (their progress threads), then the copy engine, the staging (unpinned before the transport
@@ -124,8 +140,20 @@ struct PyPdEndpoint {
   std::string lane;  // "host", "host-direct", "staged", "direct" or "ring"
   std::mutex mu;
   std::shared_ptr<PdNative> native;  // null once closed
+  // kvtier.pd.Receiver objects driving this (decode) endpoint: it cannot be closed under them.
+  std::atomic<int> receivers{0};
 
   ~PyPdEndpoint() { close(); }
+
+  // Endpoint.close() from Python: refused while a Receiver drives the endpoint (it would keep the endpoint working
+  // through its own reference, after a close that waited for it in vain).
+  void close_checked() {
+    if (receivers.load() > 0)
+      raise_status(FailedPrecondition(
+          fmt::format("the {} endpoint '{}' is driven by a kvtier.pd.Receiver: close the receiver first", options.role,
+                      options.name)));
+    close();
+  }
 
   void close() {
     std::shared_ptr<PdNative> n;
@@ -138,10 +166,14 @@ struct PyPdEndpoint {
     // Calls in flight on other threads hold their own reference (the GIL released): their waits return now, so
     // the teardown, which ends the transfers at the peers, happens here and not whenever the last of them would
     // have returned. Bounded: past it, the last holder tears down.
+    // kv_pool() arrays hold references too, but they are not calls: the protocol ends under them.
     n->abort_waits();
+    const auto calls_in_flight = [&] { return n.use_count() > 1 + n->pool_arrays.load(); };
     const auto deadline = std::chrono::steady_clock::now() + kCloseWaitForCalls;
-    while (n.use_count() > 1 && std::chrono::steady_clock::now() < deadline)
+    while (calls_in_flight() && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // No new call can start (native is null), and the counts only fall.
+    if (!calls_in_flight()) n->close_protocol();
     n.reset();
   }
   static constexpr std::chrono::seconds kCloseWaitForCalls{10};

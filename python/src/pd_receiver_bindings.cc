@@ -42,6 +42,7 @@ struct PyPdReceiver {
   PyCacheManager* cache = nullptr;
   PyTransferManager* transfers = nullptr;
   std::shared_ptr<PdNative> endpoint;
+  PyPdEndpoint* endpoint_py = nullptr;  // the object of endpoint_ref: its receivers count while this runs
   std::unique_ptr<cache::TransferPlanExecutor> executor;
   std::unique_ptr<pd::PdReceiver> receiver;
   std::mutex mu;  // receiver calls from Python (the scheduler's methods run one at a time)
@@ -96,6 +97,8 @@ struct PyPdReceiver {
       ep.reset();
     }
     if (transfers != nullptr) transfers->receivers.fetch_sub(1);
+    if (endpoint_py != nullptr) endpoint_py->receivers.fetch_sub(1);
+    endpoint_py = nullptr;
     transfers = nullptr;
     cache = nullptr;
     cache_ref.reset();
@@ -238,6 +241,8 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   out->free_timeout = ro.free_timeout;
   out->transfers = &tm;
   tm.receivers.fetch_add(1);
+  out->endpoint_py = &ep;
+  ep.receivers.fetch_add(1);
   return out;
 }
 

@@ -374,6 +374,20 @@ def test_close_is_final(engine):
     mgr.close()  # idempotent
 
 
+def test_a_bad_host_address_is_named(engine):
+    """The host map holds addresses: a negative or too large one was reported as a device tensor nanobind could not
+    take (with nanobind's signature), and a string escaped evict_to_host_async as a bare ValueError."""
+    name = "value_caches_1_rank0.device0"
+    for bad in (-4096, 1 << 64, "0x7f00", 1.5, True):
+        mgr, dev, host = make(engine)
+        ptrs = {k: engine.ptr(v) for k, v in host.items()}
+        ptrs[name] = bad
+        mgr.set_host_cache_kvs_map(ptrs)
+        assert mgr.evict_to_host_async([1], [1]) is False
+        assert f"host_cache_kvs_map[{name!r}] = {bad!r} is not a host address" in mgr.last_error, mgr.last_error
+        mgr.close()
+
+
 def test_no_host_cache_returns_false(engine):
     mgr = CacheTransferManager(fd_config(2, 0))
     assert mgr.evict_to_host_async([0], [0]) is False
@@ -458,6 +472,8 @@ def test_transfer_connector_moves_kv_between_instances(engine, monkeypatch, mode
     p.begin(to_decode, 31, src)  # send_async: begin, then every layer as the forward writes it
     for layer in range(LAYERS):
         p.layer_ready(31, layer)
+    with pytest.raises(kvtier.InvalidArgumentError, match="timeout '5' is a str"):
+        d.wait(31, "5")  # was a bare TypeError from comparing the string with 0
     st = d.wait(31, timeout=30.0)  # FastDeploy's wait(handle, timeout)
     assert st.error is None and st.leading_loaded_blocks == 3, st
     assert p.wait(31).done

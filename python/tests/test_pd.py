@@ -282,6 +282,11 @@ def test_peer_secret():
             p.add_peer(d.metadata())  # a blob without a MAC at an agent with a secret
     with pytest.raises(kvtier.InvalidArgumentError):
         Prefill(src_kv, transport="loopback", peer_secret=b"short")
+    # An empty secret (an unset variable read as b"") is not "no secret": it was taken as none, and such an endpoint
+    # paired with one that has no secret at all.
+    for empty in (b"", bytearray(), memoryview(b"")):
+        with pytest.raises(kvtier.InvalidArgumentError, match="peer_secret is empty"):
+            Decode(dst_kv, transport="loopback", peer_secret=empty)
 
 
 def test_timeouts(pair):
@@ -1002,6 +1007,24 @@ def test_blocks_of_a_failed_receive_store_what_the_engine_computes_there_later()
 
 
 @needs_cache
+def test_a_decode_endpoint_a_receiver_drives_cannot_be_closed_under_it():
+    """Decode.close() under a Receiver waited 10 s for the receiver's reference, returned, and the endpoint went on
+    receiving through the receiver. It is refused as TransferManager.close() is; after the receiver, it closes."""
+    src_kv, dst_kv = prefill_kv(), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    with Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        rx = Receiver(cache, tm, d)
+        started = time.monotonic()
+        with pytest.raises(kvtier.FailedPreconditionError, match="Receiver"):
+            d.close()
+        assert time.monotonic() - started < 1.0
+        rx.close()
+        d.close()
+        with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+            d.metadata()
+    tm.close()
+
+
 def test_receiver_refusals_name_the_problem():
     src_kv, dst_kv = prefill_kv(), decode_kv()
     dev, tm, cache = receiver_rig(dst_kv)
@@ -1056,6 +1079,39 @@ def test_host_direct_lane_moves_the_pools_byte_exact(transport, mode):
         p.forget(7)
     # The arrays outlive the endpoints that made them.
     assert dst_pool[0][0].view(np.uint8)[dst_blocks[0]].tobytes() == src_pool[0][0].view(np.uint8)[1].tobytes()
+
+
+@pytest.mark.parametrize("transport", list(HOST_DIRECT))
+def test_closing_a_host_direct_endpoint_whose_pool_the_engine_holds(transport):
+    """The engine keeps its KV in kv_pool()'s arrays, which hold the pool's memory. close() used to count them as
+    calls in flight: it waited 10 s for them, then left the endpoint running, and the prefill went on to write every
+    layer into the closed decode's pool and reported the transfer done."""
+    src_kv, dst_kv = prefill_kv(seed=5), decode_kv()
+    lane = dict(lane="host-direct", **HOST_DIRECT[transport])
+    with Prefill(src_kv, **lane, **FAST) as p:
+        d = Decode(dst_kv, **lane, **FAST)
+        dst_pool = d.kv_pool()
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, [0, 1])
+        p.begin(to_decode, 1, [2, 3])
+        started = time.monotonic()
+        d.close()
+        assert time.monotonic() - started < 2.0
+        with pytest.raises(kvtier.FailedPreconditionError, match="closed"):
+            d.status(1)
+        p.layers_ready(1, list(range(LAYERS)))
+        st = p.wait(1, TIMEOUT)
+        assert st.final and not st.done and st.error is not None
+        for layer in range(LAYERS):
+            assert_poisoned(dst_pool, layer, range(DECODE_BLOCKS))
+        # The arrays still read and write the pool's memory.
+        dst_pool[0][0][0] = 1
+        assert (dst_pool[0][0][0] == 1).all()
+    started = time.monotonic()
+    with Prefill(src_kv, **lane, **FAST) as q:
+        pool = q.kv_pool()
+    assert time.monotonic() - started < 2.0
+    assert np.array_equal(pool[1][1].view(np.uint8), src_kv[1][1].view(np.uint8))
 
 
 def test_host_direct_lane_is_checked():
