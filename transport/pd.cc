@@ -20,9 +20,10 @@
 // transfer was begun or started with (by agent name); another decode's 'R' for a begun id is answered with 'X' on
 // every layer. A request that comes before begin() is kept per (id, sender) and both sides heartbeat it, so a prefill
 // whose forward begins later than the lease keeps its lease; it ends with the decode's 'F' (answered with 'Q') or its
-// silence for a lease. A repeated 'R' of a requested transfer is ignored. A closing prefill sends 'X' for what it
-// did not send and 'Q' once its copies have drained; a closing decode fails what is not final ('F') and waits, up to
-// a lease, for 'Q' before its memory may go.
+// silence for a lease. A repeated 'R' of a requested transfer is ignored; an 'R' for a transfer that ended without
+// one (begun after its decode gave up on the id) is answered with 'X' on every layer. A closing prefill sends 'X' for
+// what it did not send and 'Q' once its copies have drained; a closing decode fails what is not final ('F') and waits,
+// up to a lease, for 'Q' before its memory may go.
 //
 // Leases are renewed only by echoes: a heartbeat that echoes our heartbeat n proves the peer was alive when we
 // sent n, so the lease runs from n's send time. A message processed late (queued while this side or the wire
@@ -1463,7 +1464,18 @@ class Prefill final : public PdPrefill, public Endpoint {
       Req r;
       // A request repeated for a transfer that has one (or has ended) is not applied again: its lane buffers may
       // be in use by copies in flight, and its destinations were checked once.
-      if (!parse_request(p, r) || it->second.req || it->second.final) return;
+      if (!parse_request(p, r) || it->second.req) return;
+      if (it->second.final) {
+        // A request for a transfer that ended here without one: its begin() came after the decode had given up on
+        // the id (cancelled and forgotten it) and before this request for the id again. Refused at once, so the
+        // decode's new transfer fails now and not a lease later, when its silence would also have dropped the pair.
+        refuse_early(n.peer, id,
+                     FailedPrecondition(fmt::format(
+                         "prefill transfer {} had ended (begun after decode '{}' gave up on it, before this "
+                         "request for it again reached the prefill); start the transfer under a new id",
+                         id, n.peer)));
+        return;
+      }
       it->second.last_heard = Clock::now();
       apply_request(id, it->second, std::move(r));
       return;

@@ -332,14 +332,17 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
                        [](const Blob::Region& x, const Blob::Region& y) {
                          return x.kind == y.kind && x.base == y.base && x.bytes == y.bytes && x.key == y.key;
                        });
-        if (p.address == b.address && same_regions)
+        // The same blob: a duplicate while its connection is up; once the connection failed (the peer closed it,
+        // as after it gave up on this agent at a lease), loaded again to reconnect.
+        if (p.address == b.address && same_regions && !(p.connected && !p.failed.ok()))
           return AlreadyExists(fmt::format("peer '{}' is already loaded", peer.name));
         previous = static_cast<PeerId>(i);
       }
     }
     if (!previous) break;
     log(LogLevel::kWarning, "transport",
-        fmt::format("peer '{}' loaded again with new metadata (restarted): disconnecting its previous incarnation",
+        fmt::format("peer '{}' loaded again (restarted with new metadata, or its connection failed): disconnecting its "
+                    "previous incarnation",
                     peer.name));
     KVTIER_RETURN_IF_ERROR(disconnect_peer(*previous));
   }
@@ -365,6 +368,7 @@ Result<PeerId> TransportBase::load_peer(std::span<const std::byte> bytes) {
   std::lock_guard lock(mu_);
   // A refused connection leaves a failed record, so the peer's index stays stable for the backend.
   peers_[id].failed = s.ok() ? Status::Ok() : s;
+  peers_[id].connected = s.ok();
   peers_[id].failed.ignore_error();  // the peer's state (as above); s itself is returned below
   if (!s.ok()) {
     peers_[id].info.identity.name += " (failed)";

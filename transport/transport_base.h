@@ -164,6 +164,7 @@ class TransportBase : public Transport {
     std::string address;  // the blob's backend address: a new one under the same name is the peer restarted
     std::vector<Blob::Region> regions;
     KeptStatus failed;
+    bool connected = false;  // backend_connect succeeded (failed may be set later: the connection ended)
     bool disconnected = false;
     bool revoked = false;  // backend_disconnect's answer
   };

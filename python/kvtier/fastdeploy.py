@@ -786,6 +786,10 @@ class PdTransferConnector:
     def add_peer(self, metadata: bytes) -> int:
         return self._require().add_peer(metadata)
 
+    def disconnect_peer(self, peer: int) -> None:
+        """:meth:`kvtier.pd.Prefill.disconnect_peer` (before adding a peer again after a lease expired)."""
+        self._require().disconnect_peer(peer)
+
     # prefill (FastDeploy's send_async)
     def begin(self, peer: int, transfer_id: int, src_blocks: List[int]) -> None:
         self._require("prefill").begin(peer, transfer_id, src_blocks)

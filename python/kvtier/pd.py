@@ -412,6 +412,13 @@ class _Endpoint:
             raise InvalidArgumentError(f"metadata is {type(metadata).__name__}, not bytes")
         return self._ep.add_peer(bytes(metadata))
 
+    def disconnect_peer(self, peer: int) -> None:
+        """Drops a peer (idempotent): its transfers in progress fail, and its name is free for :meth:`add_peer`,
+        which connects afresh. After a lease expired with both sides alive (a paused process), each side has
+        dropped or will drop the other: both call ``disconnect_peer`` on the old peer id, exchange metadata again
+        and go on with the new peer ids (docs/transport.md, "After a lease expired with both sides alive")."""
+        self._ep.disconnect_peer(_peer(peer))
+
     def forget(self, transfer_id: int) -> None:
         """Forgets a final, reclaimable transfer (``FailedPreconditionError`` otherwise)."""
         self._ep.forget(_xid(transfer_id))

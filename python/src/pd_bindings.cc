@@ -477,6 +477,16 @@ void bind_pd(nb::module_& m) {
             return *peer;
           },
           "metadata"_a, "Loads the peer's metadata blob (checked, authenticated with a peer secret); its peer id.")
+      .def(
+          "disconnect_peer",
+          [](PyPdEndpoint& e, std::int64_t peer) {
+            auto n = e.get();
+            if (peer < 0 || peer > UINT32_MAX) raise_status(NotFound(fmt::format("peer {} is not a peer id", peer)));
+            check(released([&] { return n->transport->disconnect_peer(static_cast<transport::PeerId>(peer)); }));
+          },
+          "peer"_a,
+          "Drops a peer: its transfers in progress fail, nothing more goes to it or lands from it where the transport "
+          "can refuse it, and its name is free for add_peer (a fresh connection). Idempotent.")
       // ---- prefill
       .def(
           "begin",

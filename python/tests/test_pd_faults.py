@@ -754,6 +754,122 @@ def test_the_blocks_come_back_when_the_ucx_shared_memory_peer_resumes_after_a_pa
     assert run_stopped_peer(tmp_path, victim, mode, "pause") < 5.0
 
 
+_PAUSED_PAIR_RECOVERS = _SCRIPT_PRELUDE + """
+SHAPE, N, LEASE = (2, 16, 8), 8, 0.5
+TR = {"ipc": dict(transport="ipc"), "tcp": dict(transport="ucx", tls="tcp", net_devices="lo"),
+      "shm": dict(transport="ucx", tls="shm")}
+
+def prefill_proc(conn, tr):
+    p = Prefill(kv(seed=7), **TR[tr], heartbeat_s=0.05, lease_s=LEASE)
+    conn.send_bytes(p.metadata())
+    peer = p.add_peer(conn.recv_bytes())
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "send":
+            p.begin(peer, cmd[1], cmd[2])
+            p.layers_ready(cmd[1], range(3))
+            conn.send("ok")
+        elif cmd[0] == "readd":
+            p.disconnect_peer(peer)
+            p.disconnect_peer(peer)  # idempotent
+            peer = p.add_peer(conn.recv_bytes())
+            conn.send_bytes(p.metadata())
+        elif cmd[0] == "exit":
+            p.close()
+            conn.send("bye")
+            return
+
+if __name__ == "__main__":
+    tr = sys.argv[1]
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=prefill_proc, args=(b, tr), daemon=True)
+    proc.start()
+    src, dst = kv(seed=7), kv(fill=True)
+    d = Decode(dst, **TR[tr], heartbeat_s=0.05, lease_s=LEASE)
+    peer = d.add_peer(a.recv_bytes())
+    a.send_bytes(d.metadata())
+
+    def transfer(xid, sb, db):
+        d.start(peer, xid, db)
+        a.send(("send", xid, sb))
+        assert a.recv() == "ok"
+        st = d.wait(xid, 10, reclaimable=True)
+        d.forget(xid)
+        moved = all(np.array_equal(dst[l][r].view(np.uint8)[x], src[l][r].view(np.uint8)[y])
+                    for l in range(3) for r in range(2) for x, y in zip(db, sb))
+        return st, moved
+
+    st, moved = transfer(1, [0], [0])
+    assert st.error is None and moved, st
+    d.start(peer, 2, [1])  # begun by nobody: the prefill is stopped past the lease
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(3 * LEASE)
+    os.kill(proc.pid, signal.SIGCONT)
+    st = d.wait(2, 10, reclaimable=True)
+    assert st.error is not None, st
+    d.forget(2)
+    # The pair was dropped: what comes next fails, and says so.
+    d.start(peer, 3, [2])
+    st = d.wait(3, 10, reclaimable=True)
+    assert st.error is not None and "disconnected" in str(st.error), st
+    d.forget(3)
+    # Both sides drop the old peer and exchange metadata again: transfers go on.
+    d.disconnect_peer(peer)
+    a.send(("readd",))
+    a.send_bytes(d.metadata())
+    peer = d.add_peer(a.recv_bytes())
+    for xid, sb, db in ((4, [3], [3]), (5, [4, 5], [6, 7])):
+        st, moved = transfer(xid, sb, db)
+        assert st.error is None and moved, (xid, st)
+    a.send(("exit",))
+    assert a.recv() == "bye"
+    d.close()
+    proc.join(10)
+    print("recovered")
+"""
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp", "shm"])
+def test_a_pair_dropped_at_a_lease_with_both_sides_alive_goes_on_after_both_add_each_other_again(tmp_path, transport):
+    """A prefill stopped past the lease (SIGSTOP; a VM migration or swapping does the same) is dropped by its decode
+    (fail closed), and every later transfer of the pair fails. Adding the peer again was refused on ipc and over TCP
+    as a duplicate (AlreadyExists: the prefill had not noticed), so the pair stayed broken between two live
+    processes. disconnect_peer on both sides, then add_peer with fresh metadata, and transfers go on, byte-exact."""
+    script = tmp_path / "paused_pair.py"
+    script.write_text(_PAUSED_PAIR_RECOVERS)
+    r = subprocess.run([sys.executable, str(script), transport], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0 and "recovered" in r.stdout, (r.returncode, r.stdout[-500:], r.stderr[-3000:])
+
+
+def test_a_transfer_id_asked_for_again_after_the_prefill_began_it_as_given_up_fails_at_once():
+    """The decode cancelled a request before the prefill's begin(), forgot it, and started the id again; the
+    prefill took the F, then its begin() (ended as given up), then the new request, which it ignored. The decode
+    failed the new transfer a lease later for the prefill's silence and dropped the pair, so the next transfer
+    failed too. The prefill now refuses such a request at once, and the pair stays."""
+    src_kv, dst_kv = prefill_kv(seed=44), decode_kv()
+    with Prefill(src_kv, transport="loopback", **LONG_LEASE) as p, \
+            Decode(dst_kv, transport="loopback", **LONG_LEASE) as d:
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, [0])
+        d.cancel(1)
+        wait_final(d, 1, reclaimable=True)
+        d.forget(1)
+        time.sleep(0.2)  # the prefill takes the request and the F
+        p.begin(to_decode, 1, [1])
+        assert p.status(1).final and isinstance(p.status(1).error, kvtier.CancelledError)
+        d.start(to_prefill, 1, [0])
+        started = time.monotonic()
+        st = d.wait(1, TIMEOUT, reclaimable=True)
+        assert st.final and st.error is not None and "new id" in str(st.error), st
+        assert time.monotonic() - started < 1.0  # not the 2 s lease
+        assert_poisoned(dst_kv, [0])
+        d.forget(1)
+        p.forget(1)
+        run_transfer(p, d, to_decode, to_prefill, 2, [3, 4], [5, 6])
+        assert_moved(src_kv, dst_kv, [3, 4], [5, 6])
+
+
 def test_a_begin_after_the_decode_cancelled_and_forgot_the_transfer_ends_at_once():
     """The decode cancelled a request the prefill had not begun, and forgot it; the prefill's later begin() of that
     transfer heartbeated a decode that ignores it, so its sources were held for a whole lease."""

@@ -147,6 +147,42 @@ TEST(IpcBackend, APeerThatGoesAwayFailsTransfersWithUnavailableAndNothingHangs) 
   EXPECT_EQ(last.code(), StatusCode::kUnavailable) << last.to_string();
 }
 
+// A peer that dropped this agent (it gave up at a lease while both lived) closed the connection; its metadata, the
+// same as before, was refused as a duplicate (AlreadyExists) however long this agent waited, so the pair could not
+// be connected again without new processes. Once the connection has failed, the same blob reconnects.
+TEST(IpcBackend, APeerThatDroppedThisAgentIsLoadedAgainFromTheSameBlob) {
+  auto a = create_ipc_transport(ident("a")).value();
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> ma(1 << 16), mb(1 << 16, std::byte{2});
+  for (std::size_t i = 0; i < ma.size(); ++i) ma[i] = static_cast<std::byte>(i * 7 + 1);
+  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  const std::vector<std::byte> blob_a = a->export_metadata().value(), blob_b = b->export_metadata().value();
+  PeerId pb = a->load_peer(blob_b).value();
+  PeerId pa = b->load_peer(blob_a).value();
+  ASSERT_TRUE(b->disconnect_peer(pa).ok());
+  // While a has not seen the connection end, the blob is a duplicate; then it loads.
+  Result<PeerId> again = AlreadyExists("not tried");
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    again = a->load_peer(blob_b);
+    if (again.status().code() != StatusCode::kAlreadyExists) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_NE(*again, pb);
+  EXPECT_EQ(a->load_peer(blob_b).status().code(), StatusCode::kAlreadyExists);  // connected again: a duplicate
+  ASSERT_TRUE(b->load_peer(blob_a).ok());                                       // b dropped a: its name is free
+  LocalDesc l{ra, 0, ma.size()};
+  RemoteDesc r{0, 0, ma.size()};
+  auto x = a->post(XferOp::kWrite, *again, {&l, 1}, {&r, 1}, "reconnected");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  auto st = a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  EXPECT_EQ(mb, ma);
+}
+
 // ---- shared windows: a peer must not be able to resize them ---------------------------------------------
 
 // The ipc handshake as the backend speaks it (transport/ipc/ipc_wire.h): kHello {name, address}, kRegion {index, bytes,
