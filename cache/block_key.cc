@@ -29,7 +29,7 @@ std::string BlockKey::hex() const { return fmt::format("{:016x}{:016x}", hi, lo)
 
 Result<BlockKey> BlockKey::from_hex(std::string_view hex) {
   if (hex.size() != 32)
-    return InvalidArgument(fmt::format("block key hex '{}' has {} digits, want 32", hex, hex.size()));
+    return InvalidArgument(fmt::format("block key hex '{}' has {} digits, want 32", shown_value(hex), hex.size()));
   BlockKey k;
   for (std::size_t i = 0; i < 32; ++i) {
     char c = hex[i];
@@ -41,7 +41,7 @@ Result<BlockKey> BlockKey::from_hex(std::string_view hex) {
     else if (c >= 'A' && c <= 'F')
       d = static_cast<std::uint64_t>(c - 'A' + 10);
     else
-      return InvalidArgument(fmt::format("block key hex '{}' has non-hex character at index {}", hex, i));
+      return InvalidArgument(fmt::format("block key hex '{}' has non-hex character at index {}", shown_value(hex), i));
     std::uint64_t& half = i < 16 ? k.hi : k.lo;
     half = (half << 4) | d;
   }

@@ -1,5 +1,7 @@
 #include "kvtier/core/status.h"
 
+#include <fmt/format.h>
+
 #include "kvtier/core/enum_names.h"
 #if KVTIER_STATUS_CHECKED
 #include <execinfo.h>
@@ -89,6 +91,14 @@ KVTIER_DEFINE_STATUS_FACTORY(NotSupported)
 KVTIER_DEFINE_STATUS_FACTORY(DeviceLost)
 KVTIER_DEFINE_STATUS_FACTORY(Internal)
 #undef KVTIER_DEFINE_STATUS_FACTORY
+
+std::string shown_value(std::string_view value, std::size_t max_bytes) {
+  std::string shown;
+  for (const char c : value.substr(0, max_bytes))
+    shown += c >= 0x20 && c <= 0x7e ? std::string(1, c) : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
+  if (value.size() > max_bytes) shown += "...";
+  return shown;
+}
 
 }  // namespace kvtier
 

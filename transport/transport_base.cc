@@ -139,11 +139,8 @@ void merge_contiguous(std::vector<ResolvedOp>& ops) {
 
 Status check_agent_name(std::string_view name) {
   if (sane_name(name)) return Status::Ok();
-  std::string shown;
-  for (char c : name.substr(0, 64))
-    shown += c >= 0x20 && c <= 0x7e ? std::string(1, c) : fmt::format("\\x{:02x}", static_cast<unsigned char>(c));
-  return InvalidArgument(fmt::format("agent name '{}{}' ({} bytes): need 1..{} printable ASCII characters", shown,
-                                     name.size() > 64 ? "..." : "", name.size(), kMaxNameBytes));
+  return InvalidArgument(fmt::format("agent name '{}' ({} bytes): need 1..{} printable ASCII characters",
+                                     shown_value(name), name.size(), kMaxNameBytes));
 }
 
 Status check_peer_secret(std::string_view secret) {

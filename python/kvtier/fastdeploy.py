@@ -565,6 +565,12 @@ class CacheTransferManager:
                 if bad is not None:
                     return self._fail(f"load_layers_to_device_async: host block {bad} holds undefined bytes: "
                                       f"{self._bad_host_blocks[bad]}")
+                # Checked here, where the error can name the list (record_device_access would name itself).
+                n = mgr.num_device_blocks
+                out = next((i for i, b in enumerate(d) if not 0 <= b < n), None)
+                if out is not None:
+                    return self._fail(f"load_layers_to_device_async: device_block_ids[{out}] = {d[out]} is outside "
+                                      f"[0, {n}) (the device cache's blocks)")
                 # The engine's work enqueued so far may still use these blocks.
                 mgr.record_device_access(d, stream, "read")
                 task = mgr.load(layers, h, d)

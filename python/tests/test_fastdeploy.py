@@ -388,6 +388,16 @@ def test_a_bad_host_address_is_named(engine):
         mgr.close()
 
 
+def test_a_device_block_outside_the_cache_is_named_in_a_load(engine):
+    """It was reported as "index 0 of record_device_access", a call of the drop-in the engine never made."""
+    mgr, dev, host = make(engine)
+    assert mgr.load_layers_to_device_async([0], [0, 1], [2, DEV_BLOCKS]) is False
+    assert f"device_block_ids[1] = {DEV_BLOCKS} is outside [0, {DEV_BLOCKS})" in mgr.last_error, mgr.last_error
+    assert mgr.load_layers_to_device_async([0], [0], [-1]) is False
+    assert "device_block_ids[0] = -1 is outside" in mgr.last_error, mgr.last_error
+    mgr.close()
+
+
 def test_no_host_cache_returns_false(engine):
     mgr = CacheTransferManager(fd_config(2, 0))
     assert mgr.evict_to_host_async([0], [0]) is False

@@ -38,6 +38,16 @@ TEST(BlockKey, HexRoundTrip) {
   EXPECT_EQ(*back, k);
   EXPECT_FALSE(BlockKey::from_hex("xyz").ok());
   EXPECT_FALSE(BlockKey::from_hex("0123456789abcdeffedcba987654321g").ok());
+  // A bad key is shown escaped and cut: a 10,000-character key was repeated whole, a NUL byte went out as is.
+  const std::string huge(10000, 'z');
+  const std::string message = BlockKey::from_hex(huge).status().message();
+  EXPECT_LT(message.size(), 200u) << message;
+  EXPECT_NE(message.find("has 10000 digits"), std::string::npos) << message;
+  std::string with_nul = "0123456789abcdeffedcba9876543210";
+  with_nul[5] = '\0';
+  const std::string nul_message = BlockKey::from_hex(with_nul).status().message();
+  EXPECT_NE(nul_message.find("01234\\x006789"), std::string::npos) << nul_message;
+  EXPECT_EQ(nul_message.find('\0'), std::string::npos);
 }
 
 TEST(BlockKey, GoldenVector) {

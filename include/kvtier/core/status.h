@@ -185,6 +185,11 @@ Status NotSupported(std::string message);
 Status DeviceLost(std::string message);
 Status Internal(std::string message);
 
+// A value from outside (a key, a name) as an error message shows it: printable ASCII as is, any other byte as \xNN,
+// cut after `max_bytes` bytes with "...", so a message never carries control characters or megabytes (give the size
+// beside it where it matters).
+std::string shown_value(std::string_view value, std::size_t max_bytes = 64);
+
 // Result<T>: a T or a non-OK Status. Modelled on std::expected.
 template <typename T>
 class [[nodiscard]] Result {
