@@ -487,6 +487,7 @@ class ChunkMover:
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-vllm-store")
         self._load_pool = _LoadQueue("kvtier-vllm-load")
         self._jobs: Dict[int, _Job] = {}
+        self._submitting: set = set()  # job ids between submit()'s check and their entry in _jobs
         self._lock = threading.Lock()
         self._logged: set = set()
         self._closed = False
@@ -751,13 +752,29 @@ class ChunkMover:
         tensors). ``ptrs``: the job's device blocks as vLLM's ``DevicePointers`` has them (``ptrs``, ``sizes``,
         ``group_block_counts``, ``group_data_ref_counts``, ``block_indices``). A job that cannot be planned is
         reported failed by ``finished()``."""
-        ready = None
         with self._lock:
-            if job_id in self._jobs:  # a second job of one id would hide the first one's outcome
+            # A second job of one id would hide the first one's outcome. Reserved here, not only checked: two
+            # threads submitting one id were both accepted while each planned outside the lock.
+            if job_id in self._jobs or job_id in self._submitting:
                 raise InvalidArgumentError(f"kvtier.vllm: job {job_id} is already submitted and not yet finished")
+            self._submitting.add(job_id)
+        try:
+            self._submit(job_id, ptrs, names, delete, is_store, expedited)
+        finally:
+            with self._lock:
+                self._submitting.discard(job_id)
+
+    def _submit(self, job_id: int, ptrs: Any, names: List[str], delete: List[str], is_store: bool,
+                expedited: bool) -> None:
+        ready = None
         try:
             if self._closed:
                 raise _JobFailed("the worker was shut down")
+            if is_store and len(set(names)) != len(names):
+                # One slot per name: the pinned tier took two for it and freed one at the delete (a slot lost for
+                # good); the other tiers refuse such a batch of puts.
+                twice = next(n for n in names if names.count(n) > 1)
+                raise _JobFailed(f"chunk {twice} appears twice in the store job")
             plan = self._plan(ptrs, names, is_store)
             if self._cuda and is_store:
                 ready = torch.cuda.Event()

@@ -343,9 +343,14 @@ class HiCacheKvtier(HiCacheStorage):
     def _fail(self, what: str, err: Exception) -> None:
         reason = f"{what}: {err}"
         self.last_error = reason
-        if reason not in self._logged:
-            self._logged.add(reason)
-            logger.warning("kvtier.sglang: %s (reported as misses)", reason)
+        # Logged once per kind of failure (the call and the error's class and code), not per message: messages name
+        # files and keys, so a failing tier logged every page (5,120 warnings for 2,560 backups on a full disk) and
+        # the set of logged reasons grew with them.
+        kind = (what, type(err).__name__, getattr(err, "code", None))
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("kvtier.sglang: %s (reported as misses; later failures of this kind are not logged, "
+                           "last_error has the latest)", reason)
 
     def _run(self, op: str, names: List[str], buffers=None) -> Optional[list]:
         try:
@@ -669,6 +674,13 @@ class HiCacheKvtier(HiCacheStorage):
         return present.index(False) if False in present else len(present)
 
     # ------------------------------------------------------------------ the rest
+
+    def close(self) -> None:
+        """Releases the tier (a disk tier's directory lock, a Redis tier's connections) once its calls in flight
+        end; idempotent. SGLang calls it when it detaches the backend or its attach fails: without it the old
+        backend kept a disk directory locked until it was collected, and attaching the tier again failed. Later
+        calls report misses."""
+        self.store.close()
 
     def clear(self) -> bool:
         """Not supported: kvtier's tiers are cleared by their operator (the disk namespace directory, the

@@ -41,8 +41,10 @@ or reads and verifies the objects first and scatters them into the KV tensors af
 Failures are misses, never garbage: a job is reported successful only when every object was written
 (store) or read whole, verified and of the chunk's exact size (load). A failed store drops its chunks from
 the index (``complete_store(success=False)``), and the next store job deletes its objects on every rank; a
-failed load is reported failed and vLLM recomputes its blocks (a load of several batches may have scattered
-the batches before the one that failed into them: they are recomputed all the same).
+failed load is reported failed and vLLM recomputes its blocks where its kv_transfer_config says
+``kv_load_failure_policy="recompute"`` (its default, "fail", fails the request; docs/engines.md, "Failures are
+misses"; a load of several batches may have scattered the batches before the one that failed into them: they are
+recomputed all the same).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ from urllib.parse import parse_qsl
 
 from . import _native
 from ._engine_config import split_extra_config
-from .errors import (FailedPreconditionError, InvalidArgumentError, NotFoundError, NotSupportedError,
-                     OutOfRangeError, ResourceExhaustedError)
+from .errors import (FailedPreconditionError, InternalError, InvalidArgumentError, NotFoundError,
+                     NotSupportedError, OutOfRangeError, ResourceExhaustedError)
 
 try:
     import torch  # noqa: F401 (kvtier._chunk_mover's copies)
@@ -109,8 +111,10 @@ if getattr(vllm, "__version__", None) != VLLM_TESTED:
 # kv_connector_extra_config keys that belong to vLLM (its connector, spec factory and base spec).
 _VLLM_KEYS = frozenset({
     "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout", "offload_prompt_only",
-    "self_describing_kv_events", "sync_load_budget_bytes", "kv_load_failure_policy",
+    "self_describing_kv_events", "sync_load_budget_bytes",
 })
+# kv_transfer_config fields that are easily put into kv_connector_extra_config, where vLLM never reads them.
+_TRANSFER_CONFIG_KEYS = frozenset({"kv_load_failure_policy"})
 _OWN_KEYS = frozenset({"storage", "capacity", "namespace", "staging_bytes", "cache.device_policy"})
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 # What one object costs on a disk tier beyond its payload rounded to 4 KiB: its header block, and slack.
@@ -202,7 +206,11 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
         if rest or unknown:
             raise InvalidArgumentError(f"kvtier.vllm: extra_config['storage'] = {spec!r}: the pinned tier takes "
                                        "'pinned:?capacity=<bytes>' and nothing else")
-    ns, knobs, ignored = split_extra_config("kvtier.vllm", extra, _OWN_KEYS | _VLLM_KEYS)
+    ns, knobs, ignored = split_extra_config("kvtier.vllm", extra, _OWN_KEYS | _VLLM_KEYS | _TRANSFER_CONFIG_KEYS)
+    for key in sorted(_TRANSFER_CONFIG_KEYS & set(extra)):
+        logger.warning("kvtier.vllm: %r is a field of kv_transfer_config, not of kv_connector_extra_config: vLLM "
+                       "does not read it here (give it beside kv_connector_extra_config; docs/engines.md, "
+                       "'Failures are misses')", key)
     if ignored:
         logger.warning("kvtier.vllm: ignoring kv_connector_extra_config keys %s (neither kvtier's nor vLLM's)",
                        ignored)
@@ -443,6 +451,12 @@ class KvtierOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for rid in context.new_req_ids:
             self._withdraw(rid)
+        # One scheduler step of the index: hinted retentions (ttl_steps, a conversation that continues) count their
+        # steps in take_plan(), which nothing called here, so they held their chunks for good. The index has one
+        # tier and no watermarks: its plan has no move to run.
+        plan = self._index.take_plan()
+        if any(plan.values()):
+            raise InternalError(f"kvtier.vllm: the chunk index planned moves it cannot run: {plan}")
 
     @_serialized
     def on_request_finished(self, req_context: ReqContext) -> None:

@@ -3,6 +3,7 @@ TransferManager between (num_blocks, row) byte tensors and a storage tier, on th
 where there is one, on a CUDA GPU. Bytes are compared after loads into poisoned blocks; the rows' padding and every
 block not in a job must stay as they were."""
 import ctypes
+import threading
 import time
 import types
 
@@ -275,6 +276,55 @@ def test_a_job_id_in_flight_is_not_reused_and_negative_block_indices_fail(memory
         # A negative first block index was taken modulo the chunk's blocks.
         assert not run(mover, 8, pointers(groups, [[2]], first_blocks=[-1]), ["%032x" % 3], True)
         assert "block index -1 is negative" in mover.last_error
+    finally:
+        mover.shutdown()
+
+
+def test_one_job_id_submitted_from_two_threads_is_accepted_once(memory_tier):
+    """submit() checked the id under its lock and entered the job after planning it outside: two threads submitting
+    one id were both accepted (6 to 15 times in 300), and one job's outcome was never reported."""
+    groups, mover = small_mover(memory_tier, seed=13)
+    try:
+        for trial in range(200):
+            job_id = 1000 + trial
+            outcomes = []
+
+            def submit(block, name):
+                try:
+                    mover.submit(job_id, pointers(groups, [[block]]), [name], [], True)
+                    outcomes.append("accepted")
+                except kvtier.errors.InvalidArgumentError:
+                    outcomes.append("refused")
+
+            threads = [threading.Thread(target=submit, args=(b, "%032x" % (10 * trial + b))) for b in (1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sorted(outcomes) == ["accepted", "refused"], (trial, outcomes)
+            deadline = time.monotonic() + 30
+            while not (done := mover.finished()) and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            assert [f.job_id for f in done] == [job_id], (trial, done)
+    finally:
+        mover.shutdown()
+
+
+def test_a_store_job_naming_one_chunk_twice_fails_and_leaks_no_pinned_slot():
+    """The pinned tier took a slot per name and freed one when the chunk was deleted: a slot lost for good, until
+    every store failed as full. Such a job now fails, as the other tiers refuse such a batch of puts."""
+    kv = tensors("cpu", 1, 8, 256, 256, seed=14)
+    groups = [[(t, 256) for t in kv]]
+    mover = ChunkMover(groups, None, 1, pinned_chunks=2)
+    try:
+        assert not run(mover, 1, pointers(groups, [[1, 2]]), ["a" * 32, "a" * 32], True)
+        assert "appears twice" in mover.last_error
+        assert mover.pinned_chunks == 0 and len(mover._tier.free[0]) == 2
+        assert run(mover, 2, pointers(groups, [[3, 4]]), ["%032x" % 1, "%032x" % 2], True), mover.last_error
+        for t in kv:
+            t[[6, 7]] = 0
+        assert run(mover, 3, pointers(groups, [[6, 7]]), ["%032x" % 1, "%032x" % 2], False), mover.last_error
+        assert all(torch.equal(t[[6, 7]], t[[3, 4]]) for t in kv)
     finally:
         mover.shutdown()
 

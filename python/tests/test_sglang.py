@@ -13,6 +13,7 @@ import dataclasses
 import glob
 import inspect
 import json
+import logging
 import os
 import types
 
@@ -270,6 +271,42 @@ def test_full_tier_refuses_writes_and_evicts_as_misses(tmp_path, zero_copy):
     for i in tail:
         assert pool.page_bytes(20 + i) == want[i]
     assert ctl2.prefetch(keys, list(range(20, 32))) == 0
+
+
+def test_a_failing_tier_logs_each_kind_of_failure_once(tmp_path, caplog):
+    """Failures were logged once per message, and messages name files and keys: a tier too small for any page
+    logged every backup (5,120 warnings for 2,560 backups on a full disk) and kept every message in memory."""
+    pool = HostPool(pages=40, page_size=16, layers=4, heads=4, dim=16, dtype=np.uint8)
+    backend = open_backend(tmp_path / "small", True, **{"storage.disk.capacity_bytes": "4K"})
+    ctl = Controller(backend, pool, True)
+    written(pool, range(40))
+    keys = hashes(40)
+    with caplog.at_level(logging.WARNING, logger="kvtier.sglang"):
+        for i in range(40):
+            assert ctl.backup(keys[i:i + 1], [i]) == 0
+    warnings = [r for r in caplog.records if r.name == "kvtier.sglang" and r.levelno == logging.WARNING]
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
+    assert len(backend._logged) == len(warnings)
+    assert "ResourceExhausted" in backend.last_error
+
+
+def test_close_releases_the_tier_so_it_can_be_attached_again(tmp_path):
+    """SGLang calls close() when it detaches a backend (and when an attach fails); there was none, so the old
+    backend held the disk directory's lock while anything referenced it, and attaching the tier again failed."""
+    pool = HostPool(pages=4, page_size=16, layers=2, heads=2, dim=16, dtype=np.uint8)
+    first = open_backend(tmp_path / "t", True)
+    ctl = Controller(first, pool, True)
+    want = written(pool, [0])
+    assert ctl.backup(hashes(1), [0]) == 1
+    with pytest.raises(kvtier.FailedPreconditionError, match="locked"):
+        open_backend(tmp_path / "t", True)
+    first.close()
+    first.close()  # idempotent
+    assert Controller(first, pool, True).query(hashes(1)) == 0  # a closed backend reports misses
+    again = open_backend(tmp_path / "t", True)
+    pool.clear()
+    assert Controller(again, pool, True).prefetch(hashes(1), [1]) == 1
+    assert pool.page_bytes(1) == want[0]
 
 
 def test_page_of_another_geometry_is_a_miss(tmp_path):

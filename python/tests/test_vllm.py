@@ -524,6 +524,11 @@ def test_extra_config_maps_onto_kvtier_knobs_and_names_bad_values(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
         kv.parse_extra_config({"storage": "disk:/x", "capcity": "1G"})
     assert "capcity" in caplog.text
+    # kv_load_failure_policy belongs to kv_transfer_config: vLLM never reads it here, where it was taken silently.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        kv.parse_extra_config({"storage": "disk:/x", "kv_load_failure_policy": "recompute"})
+    assert "'kv_load_failure_policy' is a field of kv_transfer_config" in caplog.text
     # A capacity of more chunks than the index's 32-bit block ids named only the index's device_blocks.
     with pytest.raises(kvtier.OutOfRangeError, match="capacity .* chunks .* at most 4294967295"):
         kv.KvtierOffloadingSpec(make_config({"storage": "disk:/x?durability=process", "capacity": "999999999T"}, G1))
@@ -755,6 +760,40 @@ def test_request_hints_come_from_vllms_kv_hints_and_bad_ones_are_ignored(tmp_pat
     assert (info["conversation_id"], info["continuation"], info["priority"]) == (9, "last_turn", 3)
     c.manager.on_request_finished(ctx)
     assert c.manager._index.stats()["queued_requests"] == 0 and "hinted" not in c.manager._hints
+
+
+def test_a_hinted_retention_ends_after_its_steps():
+    """A request's ttl_steps (or a conversation that continues) keeps its chunks for that many scheduler steps once
+    it finished. The index counted the steps only in take_plan(), which nothing called here: the chunks stayed
+    protected for good (1,000 steps after a ttl_steps of 2)."""
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+
+    def envelope(payload):
+        return types.SimpleNamespace(actions=[types.SimpleNamespace(action_id="a", action_type=kv.HINT_ACTION,
+                                                                    payload=payload)])
+
+    for payload, steps in (({"ttl_steps": 3}, 3), ({"continuation": "continues"}, None)):
+        m = kv.KvtierOffloadingManager(4)
+        key = make_offload_key(b"k".ljust(32, b"\0"), 0)
+        c = ReqContext(req_id="store")
+        out = m.prepare_store([key], c)
+        m.complete_store(out.keys_to_store, c)
+        hinted = ReqContext(req_id="hinted", kv_hints=envelope(payload))
+        m.on_new_request(hinted)
+        assert m.lookup(key, hinted) is kv.LookupResult.HIT
+        m.on_schedule_end(ScheduleEndContext(new_req_ids=["hinted"], preempted_req_ids=[]))
+        m.on_request_finished(hinted)
+        assert m._index.stats()["retained_requests"] == 1
+        ended_after = None
+        for step in range(1, 2000):
+            m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+            if m._index.stats()["retained_requests"] == 0:
+                ended_after = step
+                break
+        assert ended_after is not None, payload
+        # Counted from the step that scheduled it (its on_schedule_end withdrew the announcement): ttl_steps exactly,
+        # a conversation that continues CacheConfig::lookahead_retain_steps (512).
+        assert 1 + ended_after == (steps if steps is not None else 512), (payload, ended_after)
 
 
 def test_an_unknown_policy_is_named(tmp_path):
