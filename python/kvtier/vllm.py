@@ -353,8 +353,8 @@ def _serialized(method: Any) -> Any:
 class KvtierOffloadingManager(OffloadingManager):
     """The index of offloaded chunks (scheduler side), kept by kvtier's ``CacheManager``.
 
-    Each chunk (``OffloadKey``, under its :func:`object_key`) is one block of a ``CacheManager`` whose pool is the
-    tier's capacity in chunks: the manager's eviction policy (``policy``: lru, s3fifo, sieve, arc, lrfu[:boost], adaptive) chooses
+    Each chunk (``OffloadKey``, under its :func:`object_key`) is one block of its KV cache group's ``CacheManager``,
+    whose pool is the tier's capacity in chunks (the tier holds that many of every group): the manager's eviction policy (``policy``: lru, s3fifo, sieve, arc, lrfu[:boost], adaptive) chooses
     which stored chunk a store evicts, a load in flight pins its chunks (an admission of them, released by
     ``complete_load``), and a store in flight holds its new chunks uncommitted until ``complete_store`` commits
     them (or drops them, on failure). When the chunks that may be evicted are too few for a store,
@@ -370,7 +370,10 @@ class KvtierOffloadingManager(OffloadingManager):
         self.locality = locality
         self.policy = policy
         self._lock = threading.RLock()
-        self._index = self._new_index()  # raises InvalidArgumentError naming a bad policy
+        # One index per KV cache group (an OffloadKey's last 4 bytes), each of capacity_chunks chunks: the tier was
+        # sized for capacity_chunks chunks of every group (a pinned tier has that many slots per group). One index
+        # of them all held capacity_chunks chunks in all, 1/N of the tier with N groups (a hybrid model).
+        self._indexes: Dict[int, Any] = {0: self._new_index()}  # raises InvalidArgumentError naming a bad policy
         self._chunks: Dict[str, bytes] = {}  # object_key -> OffloadKey bytes: stored or being stored
         self._pending: Dict[bytes, int] = {}  # being stored: the admission that holds its block
         self._loads: Dict[bytes, List[int]] = {}  # loads in flight: their admissions
@@ -390,16 +393,35 @@ class KvtierOffloadingManager(OffloadingManager):
         index.enable_kv_events(1, "DISK")  # its BlockRemoved events name the chunks its policy evicts
         return index
 
+    @property
+    def _index(self) -> Any:
+        """The index of KV cache group 0 (the only one of most models)."""
+        return self._indexes[0]
+
+    @staticmethod
+    def _group_of(key: bytes) -> int:
+        """The KV cache group of an OffloadKey (its last 4 bytes, vLLM's make_offload_key)."""
+        return int.from_bytes(key[-4:], "big") if len(key) >= 4 else 0
+
+    def _index_of(self, key: bytes) -> Any:
+        """The index of the key's KV cache group (created on its first chunk)."""
+        group = self._group_of(key)
+        index = self._indexes.get(group)
+        if index is None:
+            index = self._indexes[group] = self._new_index()
+        return index
+
     def _take_evicted(self) -> List[bytes]:
-        """The chunks the index evicted since the last call (the index's events, drained)."""
+        """The chunks the indexes evicted since the last call (their events, drained)."""
         evicted: List[bytes] = []
-        for event in self._index.take_events():
-            if event["type"] != "BlockRemoved":
-                continue
-            for h in event["block_hashes"]:
-                key = self._chunks.pop(bytes(h).hex(), None)
-                if key is not None:
-                    evicted.append(key)
+        for index in self._indexes.values():
+            for event in index.take_events():
+                if event["type"] != "BlockRemoved":
+                    continue
+                for h in event["block_hashes"]:
+                    key = self._chunks.pop(bytes(h).hex(), None)
+                    if key is not None:
+                        evicted.append(key)
         return evicted
 
     def _stored(self, key: bytes) -> bool:
@@ -438,12 +460,12 @@ class KvtierOffloadingManager(OffloadingManager):
             return
         queued = self._queued.setdefault(rid, {})
         if key not in queued:
-            queued[key] = self._index.announce([object_key(key)], **self._hints.get(rid, {}))
+            queued[key] = self._index_of(key).announce([object_key(key)], **self._hints.get(rid, {}))
 
     def _withdraw(self, rid: str) -> None:
-        for qid in self._queued.pop(rid, {}).values():
+        for key, qid in self._queued.pop(rid, {}).items():
             try:
-                self._index.withdraw(qid)
+                self._index_of(key).withdraw(qid)
             except (FailedPreconditionError, NotFoundError):  # withdrawn already, or the index was reset
                 pass
 
@@ -454,9 +476,10 @@ class KvtierOffloadingManager(OffloadingManager):
         # One scheduler step of the index: hinted retentions (ttl_steps, a conversation that continues) count their
         # steps in take_plan(), which nothing called here, so they held their chunks for good. The index has one
         # tier and no watermarks: its plan has no move to run.
-        plan = self._index.take_plan()
-        if any(plan.values()):
-            raise InternalError(f"kvtier.vllm: the chunk index planned moves it cannot run: {plan}")
+        for index in self._indexes.values():
+            plan = index.take_plan()
+            if any(plan.values()):
+                raise InternalError(f"kvtier.vllm: the chunk index planned moves it cannot run: {plan}")
 
     @_serialized
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -479,7 +502,8 @@ class KvtierOffloadingManager(OffloadingManager):
                     f"{'still being stored' if _key_bytes(key) in self._pending else 'not stored'}")
         for key in keys:
             # An admission of a stored chunk is a hit: it counts as a use for the policy and pins the chunk.
-            self._loads.setdefault(_key_bytes(key), []).append(self._index.admit([object_key(key)], 0)["id"])
+            k = _key_bytes(key)
+            self._loads.setdefault(k, []).append(self._index_of(k).admit([object_key(key)], 0)["id"])
         self.stats["loads"] += len(keys)
         return KvtierLoadStoreSpec([object_key(k) for k in keys])
 
@@ -488,7 +512,7 @@ class KvtierOffloadingManager(OffloadingManager):
         for key in keys:
             held = self._loads.get(_key_bytes(key))
             if held:
-                self._index.release(held.pop())
+                self._index_of(_key_bytes(key)).release(held.pop())
                 if not held:
                     del self._loads[_key_bytes(key)]
 
@@ -497,26 +521,34 @@ class KvtierOffloadingManager(OffloadingManager):
         keys = list(dict.fromkeys(keys))
         to_store = [k for k in keys if object_key(k) not in self._chunks]
         # The stored chunks of this call: a use each, and not evicted for the others.
-        held = [self._index.admit([object_key(k)], 0)["id"] for k in keys if self._stored(_key_bytes(k))]
+        held = [(index, index.admit([object_key(k)], 0)["id"])
+                for k in keys if self._stored(_key_bytes(k)) for index in (self._index_of(_key_bytes(k)),)]
         try:
             if not to_store:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]), evicted_keys=[])
-            # Room first, so a refused store evicts nothing: free blocks, then stored chunks no load holds.
-            free = self.capacity_chunks - len(self._chunks)
+            # Room first, so a refused store evicts nothing: per KV cache group, free blocks, then stored chunks no
+            # load holds.
             protected = {_key_bytes(k) for k in keys}
-            movable = sum(1 for k in self._chunks.values()
-                          if k not in self._pending and k not in self._loads and k not in protected)
-            if len(to_store) > free + movable:
+            group_of = self._group_of
+            wanted: Dict[int, int] = {}
+            for k in to_store:
+                wanted[group_of(_key_bytes(k))] = wanted.get(group_of(_key_bytes(k)), 0) + 1
+            room = {g: self.capacity_chunks for g in wanted}
+            for k in self._chunks.values():
+                g = group_of(k)
+                if g in room and (k in self._pending or k in self._loads or k in protected):
+                    room[g] -= 1
+            if any(n > room[g] for g, n in wanted.items()):
                 self.stats["refused"] += len(to_store)
                 return None
             admitted: List[Tuple[OffloadKey, int]] = []
             try:
                 for k in to_store:
-                    admitted.append((k, self._index.admit([object_key(k)], 0)["id"]))
+                    admitted.append((k, self._index_of(_key_bytes(k)).admit([object_key(k)], 0)["id"]))
                     self._chunks[object_key(k)] = _key_bytes(k)
             except ResourceExhaustedError:  # the count above disagreed with the index: refuse, keep the index whole
                 for k, admission in admitted:
-                    self._index.release(admission)
+                    self._index_of(_key_bytes(k)).release(admission)
                     self._chunks.pop(object_key(k), None)
                 self.stats["refused"] += len(to_store)
                 evicted = self._take_evicted()
@@ -527,8 +559,8 @@ class KvtierOffloadingManager(OffloadingManager):
                 self._pending[_key_bytes(k)] = admission
             evicted = self._take_evicted()
         finally:
-            for admission in held:
-                self._index.release(admission)
+            for index, admission in held:
+                index.release(admission)
         self.stats["stores"] += len(to_store)
         self.stats["evicted"] += len(evicted)
         self._event([OffloadKey(k) for k in evicted], removed=True)
@@ -548,14 +580,15 @@ class KvtierOffloadingManager(OffloadingManager):
                 if object_key(key) not in self._chunks:
                     self._orphans.append(object_key(key))
                 continue
+            index = self._index_of(_key_bytes(key))
             if success:
-                self._index.commit(admission)
+                index.commit(admission)
             else:
                 # Failed on some rank: the ranks that wrote the object keep it until a store job deletes it
                 # (a pinned or memory tier would otherwise fill up with objects no index reports).
                 self._chunks.pop(object_key(key), None)
                 self._orphans.append(object_key(key))
-            self._index.release(admission)  # uncommitted: its block returns to the pool
+            index.release(admission)  # uncommitted: its block returns to the pool
             done.append(key)
         self._take_evicted()  # drains the index's own events of these chunks
         if success:
@@ -586,7 +619,7 @@ class KvtierOffloadingManager(OffloadingManager):
         fill it for good), as it does what stores in flight at the reset write. Loads in flight complete against
         nothing."""
         self._orphans.extend(self._chunks.keys())
-        self._index = self._new_index()
+        self._indexes = {0: self._new_index()}
         self._queued.clear()  # the new index holds no announcement
         self._chunks.clear()
         self._pending.clear()
@@ -704,10 +737,13 @@ class KvtierOffloadingSpec(OffloadingSpec):
                 "['capacity'] (bytes per worker, e.g. \"200G\")" + (
                     " or the disk spec's ?capacity=" if self.settings.disk else ""))
         per_chunk = chunk_bytes
+        # A chunk is one object per KV cache group, each with its own header (and on disk its own rounding).
+        extra_groups = len(config.groups) - 1
         if self.settings.disk:
-            per_chunk = -(-chunk_bytes // 4096) * 4096 + _DISK_OBJECT_OVERHEAD
+            per_chunk = (-(-chunk_bytes // 4096) * 4096 + _DISK_OBJECT_OVERHEAD +
+                         extra_groups * (4096 + _DISK_OBJECT_OVERHEAD))
         elif self.settings.memory:
-            per_chunk = chunk_bytes + _MEMORY_OBJECT_OVERHEAD
+            per_chunk = chunk_bytes + (1 + extra_groups) * _MEMORY_OBJECT_OVERHEAD
         # pinned: a chunk takes its bytes (its checksum lives beside it)
         self.capacity_chunks = cap // per_chunk
         if self.capacity_chunks < 1:

@@ -261,6 +261,41 @@ def test_hybrid_groups_keep_keys_per_group(tmp_path, connectors, device, tier):
     assert kv.object_key(make_offload_key(h, 0)) != kv.object_key(make_offload_key(h, 1))
 
 
+@pytest.mark.parametrize("storage", ["pinned:?capacity=8K", "disk"])
+def test_a_hybrid_models_index_holds_the_capacity_of_every_group(tmp_path, connectors, storage):
+    """The index counted each group's chunk as one of capacity_chunks, while the tier held capacity_chunks chunks of
+    every group: with two groups only half the pinned slots (and disk bytes) were ever used. Each group now has its
+    own index of capacity_chunks chunks, and the tier never holds more than its capacity."""
+    groups = [Group(layers=2, page=512, row=512), Group(layers=2, page=512, row=512)]  # 1 KiB per chunk and group
+    e = {"storage": storage} if storage.startswith("pinned") else \
+        extra(tmp_path, capacity=8 * (4096 + 8192))  # room for 8 one-block objects on disk, so 4 whole chunks
+    c = connectors(e, groups, num_blocks=64)
+    n = c.spec.capacity_chunks
+    assert n == 4
+    kvt = c.kv[0]
+    kvt.fill_random(0, range(64))
+    kvt.fill_random(1, range(64))
+    hashes = chunk_hashes(3 * n, storage[:3])
+    req = c.request("r", hashes)
+    for i in range(3 * n):
+        assert c.finish(c.store(req, [i], {0: [i], 1: [i]})) == [True], c.workers[0].last_error
+    held = [i for i, h in enumerate(hashes) if c.lookup(c.request(f"q{i}", [h]))[0] == 1]
+    assert held == list(range(2 * n, 3 * n)), held  # the last n whole chunks: both groups' halves
+    w = c.workers[0]
+    if w.store is None:
+        assert w.pinned_chunks == 2 * n
+    else:
+        assert w.store.stats()["objects"] == 2 * n
+        assert w.store.stats()["bytes"] <= 8 * (4096 + 8192)  # the configured capacity
+    dst = {0: [60, 61, 62, 63], 1: [60, 61, 62, 63]}
+    kvt.poison(0, dst[0])
+    kvt.poison(1, dst[1])
+    assert c.finish(c.load(c.request("back", hashes[2 * n:]), n, dst)) == [True]
+    for g in (0, 1):
+        for s_, d in zip(range(2 * n, 3 * n), dst[g]):
+            assert kvt.block(g, d) == kvt.block(g, s_)
+
+
 def test_tensor_parallel_workers_store_and_load_their_own_bytes(tmp_path, connectors):
     c = connectors(extra(tmp_path), G1, num_blocks=16, world_size=2)
     assert c.worker_specs[0].store is not c.worker_specs[1].store
