@@ -215,14 +215,25 @@ def parse_extra_config(extra: Optional[Mapping[str, Any]]) -> KvtierSettings:
         logger.warning("kvtier.vllm: ignoring kv_connector_extra_config keys %s (neither kvtier's nor vLLM's)",
                        ignored)
     capacity: Optional[int] = None
-    if extra.get("capacity") is not None:
-        capacity = parse_size("capacity", extra["capacity"])
-    elif spec.startswith(("disk:", "memory:", "pinned:")):
+    tier_capacity: Optional[int] = None  # what the tier itself holds, where the spec or a knob says
+    if spec.startswith(("disk:", "memory:", "pinned:")):
         query = dict(parse_qsl(spec.partition("?")[2]))
         if "capacity" in query:
-            capacity = parse_size("storage", query["capacity"], shown="the storage spec's ?capacity")
-        elif "storage.disk.capacity_bytes" in knobs and knobs["storage.disk.capacity_bytes"] not in ("0", ""):
-            capacity = parse_size("storage.disk.capacity_bytes", knobs["storage.disk.capacity_bytes"])
+            tier_capacity = parse_size("storage", query["capacity"], shown="the storage spec's ?capacity")
+        elif (spec.startswith("disk:") and "storage.disk.capacity_bytes" in knobs and
+              knobs["storage.disk.capacity_bytes"] not in ("0", "")):
+            tier_capacity = parse_size("storage.disk.capacity_bytes", knobs["storage.disk.capacity_bytes"])
+    if extra.get("capacity") is not None:
+        capacity = parse_size("capacity", extra["capacity"])
+        if tier_capacity is not None and capacity > tier_capacity:
+            # The index would count chunks the tier has evicted behind it: loads of them fail, and a lost chunk
+            # stays indexed (docs/engines.md, "Failures are misses").
+            raise InvalidArgumentError(
+                f"kvtier.vllm: extra_config['capacity'] = {extra['capacity']!r} ({capacity} bytes) is more than the "
+                f"tier holds ({tier_capacity} bytes, its spec's ?capacity or storage.disk.capacity_bytes): the tier "
+                "would evict chunks the index still counts; give one capacity, or a smaller one here")
+    else:
+        capacity = tier_capacity
     staging = parse_size("staging_bytes", extra.get("staging_bytes", _DEFAULT_STAGING))
     policy = extra.get("cache.device_policy", "lru")
     if not isinstance(policy, str) or not policy:

@@ -378,8 +378,19 @@ def test_object_of_another_size_fails_the_load(tmp_path, connectors):
 
 
 def test_full_tier_fails_the_store_and_the_chunks_stay_misses(tmp_path, connectors):
-    # kvtier.vllm's capacity says yes, the disk tier (1 KiB) refuses every object.
-    c = connectors(extra(tmp_path, **{"storage.disk.capacity_bytes": "1K"}), G1, num_blocks=16, events=True)
+    # The index has room, the tier refuses every object (full: a capacity below what the index was told is refused
+    # at start, so the tier's answer is what a full filesystem gives).
+    c = connectors(extra(tmp_path), G1, num_blocks=16, events=True)
+    store = c.worker_specs[0].store
+
+    class Full:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_many(self, names, bufs):
+            return [kvtier.errors.ResourceExhaustedError("no space left on the tier")] * len(names)
+
+    c.workers[0].store = Full()
     req = c.request("r", chunk_hashes(2))
     c.kv[0].fill_random(0, [1, 2])
     assert c.finish(c.store(req, [0, 1], {0: [1, 2]})) == [False]
@@ -551,6 +562,10 @@ def test_extra_config_maps_onto_kvtier_knobs_and_names_bad_values(tmp_path, capl
         ({"storage": "disk:/x", "storage.disk.qd": [1]}, "storage.disk.qd"),
         ({"storage": "disk:/x", "namespace": 3}, "namespace"),
         ({"storage": "disk:/x?capacity=abc"}, "the storage spec's ?capacity = 'abc'"),
+        # More than the tier holds: the tier evicted behind the index (6 of 12 loads failed), accepted silently.
+        ({"storage": "disk:/x?capacity=1G", "capacity": "2G"}, "is more than the tier holds (1073741824 bytes"),
+        ({"storage": "disk:/x", "storage.disk.capacity_bytes": "1M", "capacity": "2M"}, "is more than the tier"),
+        ({"storage": "memory:?capacity=1M", "capacity": "2M"}, "is more than the tier"),
     ]
     for cfg, needle in bad:
         with pytest.raises(InvalidArgumentError, match=None) as e:
