@@ -249,6 +249,19 @@ def _length(indices: Any) -> int:
     return len(indices)
 
 
+def _none_given(what: str, items: Any) -> None:
+    """A batch of no keys with items for some (host indices, values, targets): their counts disagree, which the
+    calls with keys refuse too (it returned an empty result as if nothing had been asked)."""
+    if items is not None and _length(items) != 0:
+        raise InvalidArgumentError(f"kvtier.sglang: 0 keys but {_length(items)} {what}")
+
+
+def _one_dimension(host_indices: Any) -> None:
+    shape = getattr(host_indices, "shape", None)
+    if shape is not None and len(tuple(shape)) != 1:
+        raise InvalidArgumentError(f"kvtier.sglang: host indices of shape {tuple(shape)}: need one dimension")
+
+
 def _nbytes(t: Any) -> int:
     if isinstance(t, tuple):  # (address, bytes)
         return int(t[1])
@@ -272,6 +285,11 @@ def _keys(keys: Any) -> List[str]:
         if not isinstance(k, str):
             raise InvalidArgumentError(f"kvtier.sglang: key {k!r:.60} at index {i} is a {type(k).__name__}, not a "
                                        "string")
+        try:
+            k.encode()
+        except UnicodeEncodeError:  # a lone surrogate: the object name could not be derived (a bare error before)
+            raise InvalidArgumentError(f"kvtier.sglang: key {k!r:.60} at index {i} is not valid Unicode text (a "
+                                       "lone surrogate)") from None
     return out
 
 
@@ -459,6 +477,7 @@ class HiCacheKvtier(HiCacheStorage):
     def _meta(self, pool: Any, keys: List[str], host_indices: Any) -> Tuple[List[Tuple[int, int]], int]:
         """(address, nbytes) of every segment of every page, and segments per page."""
         page_size = getattr(pool, "page_size", 1) or 1
+        _one_dimension(host_indices)
         if _length(host_indices) != len(keys) * page_size:
             raise InvalidArgumentError(
                 f"kvtier.sglang: {len(keys)} keys but {_length(host_indices)} host indices (page size {page_size})")
@@ -489,6 +508,8 @@ class HiCacheKvtier(HiCacheStorage):
     def _io_pages(self, name: Any, keys: List[str], host_indices: Any, is_set: bool) -> List[bool]:
         keys = _keys(keys)
         if not keys:
+            if host_indices is not None and (hasattr(host_indices, "__len__") or hasattr(host_indices, "numel")):
+                _none_given("host indices", host_indices)
             return []
         if host_indices is None or not (hasattr(host_indices, "__len__") or hasattr(host_indices, "numel")):
             raise InvalidArgumentError(f"kvtier.sglang: host indices {host_indices!r:.60} are not a sequence of "
@@ -514,6 +535,7 @@ class HiCacheKvtier(HiCacheStorage):
     def _io_flat_pages(self, name: Any, pool: Any, keys: List[str], host_indices: Any, is_set: bool) -> List[bool]:
         """Pools without buffer metadata: one object per flat page (get_data_page / set_from_flat_data_page)."""
         page_size = getattr(pool, "page_size", 1) or 1
+        _one_dimension(host_indices)
         if _length(host_indices) != len(keys) * page_size:
             raise InvalidArgumentError(
                 f"kvtier.sglang: {len(keys)} keys but {_length(host_indices)} host indices (page size {page_size})")
@@ -617,6 +639,7 @@ class HiCacheKvtier(HiCacheStorage):
         """Per key its target filled with the page, or None (absent, evicted, corrupt, wrong size)."""
         keys = _keys(keys)
         if not keys:
+            _none_given("target locations", None if target_locations is None else list(target_locations))
             return []
         if target_locations is None:
             pool = getattr(self, "mem_pool_host", None)
@@ -648,6 +671,8 @@ class HiCacheKvtier(HiCacheStorage):
         """Stores pages (``values``, or addresses + sizes); True when every page is stored."""
         keys = _keys(keys)
         if not keys:
+            _none_given("values", None if values is None else list(values))
+            _none_given("target locations", None if target_locations is None else list(target_locations))
             return True
         if values is not None:
             bufs = list(values)

@@ -529,7 +529,7 @@ class KvtierOffloadingManager(OffloadingManager):
 
     @_serialized
     def prepare_store(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> Optional[PrepareStoreOutput]:
-        keys = list(dict.fromkeys(keys))
+        keys = list(dict.fromkeys(OffloadKey(_key_bytes(k)) for k in keys))  # a bytearray key is not hashable
         to_store = [k for k in keys if object_key(k) not in self._chunks]
         # The stored chunks of this call: a use each, and not evicted for the others.
         held = [(index, index.admit([object_key(k)], 0)["id"])

@@ -659,6 +659,21 @@ def test_malformed_batches_raise_naming_what_is_wrong(tmp_path):
     strided = np.zeros((8, 2), np.uint8)[:, 0]
     with pytest.raises(InvalidArgumentError):
         flat.batch_set(["c"], [strided])
+    # No keys with host indices, values or targets: a mismatch like any other (returned [] / True as if nothing had
+    # been asked); indices of two dimensions were counted as one; a lone surrogate key raised UnicodeEncodeError.
+    ps = pool.page_size
+    with pytest.raises(InvalidArgumentError, match=f"0 keys but {ps} host indices"):
+        backend.batch_get_v1([], pool.indices([1]))
+    with pytest.raises(InvalidArgumentError, match="0 keys but 1 values"):
+        flat.batch_set([], [bytearray(4)])
+    with pytest.raises(InvalidArgumentError, match="0 keys but 2 target locations"):
+        flat.batch_get([], [bytearray(4), bytearray(4)])
+    assert backend.batch_get_v1([], pool.indices([])) == [] and flat.batch_set([], []) is True
+    with pytest.raises(InvalidArgumentError, match=r"host indices of shape \(1, "):
+        backend.batch_set_v1(["k"], np.arange(ps).reshape(1, ps))
+    for call in (lambda: backend.batch_exists(["\ud800"]), lambda: flat.batch_set(["\ud800"], [b"x"])):
+        with pytest.raises(InvalidArgumentError, match="lone surrogate"):
+            call()
 
 
 def test_get_without_a_pool_or_targets_names_what_is_missing(tmp_path):
