@@ -597,6 +597,24 @@ class Endpoint {
   }
   std::map<PeerId, Clock::time_point> drop_due_;  // drop_after_last_word: the peer and when it goes regardless
 
+  // disconnect_peer (under mu_): refused while a transfer with `peer` is in progress (its copies into the peer's
+  // memory could still start after the disconnect unmapped it), then as at a lease: this side's copies touching the
+  // peer's memory end first, then the transport drops it.
+  template <typename Xfers, typename InProgress>
+  Status disconnect_locked(PeerId peer, const Xfers& xfers, InProgress in_progress) {
+    for (const auto& [id, x] : xfers)
+      if (x.peer == peer && in_progress(x))
+        return FailedPrecondition(fmt::format(
+            "{}: transfer {} with peer {} is not final: wait for it (or cancel it) before disconnecting the peer",
+            role_, id, peer));
+    if (!wait_direct_copies(peer))
+      return Unavailable(fmt::format("{}: host direct copies touching peer {} did not end in {} s; it stays connected",
+                                     role_, peer, kDirectCopyDrainSeconds));
+    dropped_.insert(peer);
+    drop_due_.erase(peer);
+    return t_.disconnect_peer(peer);
+  }
+
   // The first move of a transfer's bytes on this side (PdTimes::move).
   static void mark_move(PdTimes& times, Clock::time_point now) {
     if (times.move == Clock::time_point{}) times.move = now;
@@ -1198,6 +1216,11 @@ class Prefill final : public PdPrefill, public Endpoint {
 
   void abort_waits() override { abort_all_waits(); }
 
+  Status disconnect_peer(PeerId peer) override {
+    std::lock_guard lock(mu_);
+    return disconnect_locked(peer, xfers_, [](const X& x) { return !x.final; });
+  }
+
   Status forget(TransferId id) override {
     std::lock_guard lock(mu_);
     auto it = xfers_.find(id);
@@ -1471,9 +1494,10 @@ class Prefill final : public PdPrefill, public Endpoint {
         // decode's new transfer fails now and not a lease later, when its silence would also have dropped the pair.
         refuse_early(n.peer, id,
                      FailedPrecondition(fmt::format(
-                         "prefill transfer {} had ended (begun after decode '{}' gave up on it, before this "
-                         "request for it again reached the prefill); start the transfer under a new id",
-                         id, n.peer)));
+                         "prefill transfer {} had ended without a request ({}; as when begun after decode '{}' gave "
+                         "up on it, before this request for it again reached the prefill); start the transfer under "
+                         "a new id",
+                         id, it->second.error.ok() ? std::string("no error") : it->second.error.to_string(), n.peer)));
         return;
       }
       it->second.last_heard = Clock::now();
@@ -2146,6 +2170,11 @@ class Decode final : public PdDecode, public Endpoint {
   }
 
   void abort_waits() override { abort_all_waits(); }
+
+  Status disconnect_peer(PeerId peer) override {
+    std::lock_guard lock(mu_);
+    return disconnect_locked(peer, xfers_, [this](const X& x) { return !all_final(x); });
+  }
 
   Status forget(TransferId id) override {
     std::lock_guard lock(mu_);

@@ -193,6 +193,7 @@ class StagedPrefill final : public PdStagedPrefill {
   }
 
   void abort_waits() override { pd_->abort_waits(); }
+  Status disconnect_peer(PeerId peer) override { return pd_->disconnect_peer(peer); }
 
   Result<PrefillStatus> wait(TransferId id, std::chrono::nanoseconds timeout) override {
     const auto deadline = deadline_after(timeout);
@@ -377,6 +378,7 @@ class StagedDecode final : public PdStagedDecode {
     }
     cv_.notify_all();
   }
+  Status disconnect_peer(PeerId peer) override { return pd_->disconnect_peer(peer); }
   static Status waits_aborted(TransferId id) {
     return FailedPrecondition(
         fmt::format("staged decode: the endpoint is closing; transfer {} is no longer waited for", id));

@@ -419,8 +419,10 @@ class CacheTransferManager:
                 raise _error("InvalidArgument", f"KVTIER_FASTDEPLOY_BACKEND={backend!r} is not auto, host or cuda")
             host = {}
             for name, ptr in self._host_cache_kvs_map.items():
-                # FastDeploy's host map holds addresses (ints); int() took strings, and a negative or too large one
-                # was reported as a device tensor nanobind could not take.
+                # FastDeploy's host map holds addresses (ints; 0 or None: no host tensor of that name); int() took
+                # strings, and a negative or too large one was reported as a device tensor nanobind could not take.
+                if ptr is None:
+                    continue
                 if isinstance(ptr, bool) or not isinstance(ptr, numbers.Integral) or not 0 <= int(ptr) < 1 << 64:
                     raise _error("InvalidArgument", f"host_cache_kvs_map[{name!r}] = {ptr!r} is not a host address "
                                  f"(an int in [0, 2**64))")

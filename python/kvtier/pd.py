@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import numbers
 import operator
 import os
@@ -101,6 +102,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from . import _native
 from .errors import InvalidArgumentError, KvtierError, OutOfRangeError
+
+logger = logging.getLogger("kvtier.pd")
 
 
 def _int(value: Any, what: str) -> int:
@@ -413,8 +416,8 @@ class _Endpoint:
         return self._ep.add_peer(bytes(metadata))
 
     def disconnect_peer(self, peer: int) -> None:
-        """Drops a peer (idempotent): its transfers in progress fail, and its name is free for :meth:`add_peer`,
-        which connects afresh. After a lease expired with both sides alive (a paused process), each side has
+        """Drops a peer (idempotent): its name is free for :meth:`add_peer`, which connects afresh.
+        ``FailedPreconditionError`` while a transfer with the peer is not final (wait for it, or cancel it). After a lease expired with both sides alive (a paused process), each side has
         dropped or will drop the other: both call ``disconnect_peer`` on the old peer id, exchange metadata again
         and go on with the new peer ids (docs/transport.md, "After a lease expired with both sides alive")."""
         self._ep.disconnect_peer(_peer(peer))
@@ -459,8 +462,16 @@ class _Endpoint:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except KvtierError as e:
+            # The body's own exception is what the caller must see (a Receiver still driving the endpoint made
+            # close() raise, which replaced it).
+            logger.warning("kvtier.pd: closing '%s' while %s propagates: %s", self.name, exc_type.__name__, e)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, transport={self._ep.transport!r}, blocks={self.num_blocks})"

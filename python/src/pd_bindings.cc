@@ -482,11 +482,20 @@ void bind_pd(nb::module_& m) {
           [](PyPdEndpoint& e, std::int64_t peer) {
             auto n = e.get();
             if (peer < 0 || peer > UINT32_MAX) raise_status(NotFound(fmt::format("peer {} is not a peer id", peer)));
-            check(released([&] { return n->transport->disconnect_peer(static_cast<transport::PeerId>(peer)); }));
+            const auto id = static_cast<transport::PeerId>(peer);
+            check(released([&] {
+              // Through the endpoint, as its lease expiry does: its copies into the peer's memory end before the
+              // transport unmaps it (the transport's own disconnect crashed a host direct copy in flight).
+              return n->prefill          ? n->prefill->disconnect_peer(id)
+                     : n->decode         ? n->decode->disconnect_peer(id)
+                     : n->staged_prefill ? n->staged_prefill->disconnect_peer(id)
+                                         : n->staged_decode->disconnect_peer(id);
+            }));
           },
           "peer"_a,
-          "Drops a peer: its transfers in progress fail, nothing more goes to it or lands from it where the transport "
-          "can refuse it, and its name is free for add_peer (a fresh connection). Idempotent.")
+          "Drops a peer: nothing more goes to it or lands from it where the transport can refuse it, and its name is "
+          "free for add_peer (a fresh connection). FailedPreconditionError while a transfer with it is not final. "
+          "Idempotent.")
       // ---- prefill
       .def(
           "begin",

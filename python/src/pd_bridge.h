@@ -148,20 +148,23 @@ struct PyPdEndpoint {
   // Endpoint.close() from Python: refused while a Receiver drives the endpoint (it would keep the endpoint working
   // through its own reference, after a close that waited for it in vain).
   void close_checked() {
-    if (receivers.load() > 0)
+    if (!close(/*refuse_if_driven=*/true))
       raise_status(FailedPrecondition(
           fmt::format("the {} endpoint '{}' is driven by a kvtier.pd.Receiver: close the receiver first", options.role,
                       options.name)));
-    close();
   }
 
-  void close() {
+  // False (nothing done) when `refuse_if_driven` and a Receiver drives the endpoint. A Receiver counts itself in
+  // `receivers` before it takes the endpoint (get()), so one being created either is refused the endpoint or is
+  // counted here.
+  bool close(bool refuse_if_driven = false) {
     std::shared_ptr<PdNative> n;
     {
       auto lock = lock_gil_safe(mu);
+      if (refuse_if_driven && native != nullptr && receivers.load() > 0) return false;
       n = std::move(native);
     }
-    if (!n) return;
+    if (!n) return true;
     nb::gil_scoped_release release;  // teardown joins kvtier threads
     // Calls in flight on other threads hold their own reference (the GIL released): their waits return now, so
     // the teardown, which ends the transfers at the peers, happens here and not whenever the last of them would
@@ -175,6 +178,7 @@ struct PyPdEndpoint {
     // No new call can start (native is null), and the counts only fall.
     if (!calls_in_flight()) n->close_protocol();
     n.reset();
+    return true;
   }
   static constexpr std::chrono::seconds kCloseWaitForCalls{10};
 

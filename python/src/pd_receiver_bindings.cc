@@ -49,7 +49,14 @@ struct PyPdReceiver {
   std::chrono::microseconds poll_interval{100};
   std::chrono::milliseconds free_timeout{10000};
 
-  ~PyPdReceiver() { close(/*collected=*/true); }
+  ~PyPdReceiver() {
+    close(/*collected=*/true);
+    release_endpoint();  // also for a receiver whose creation failed after it counted itself
+  }
+  void release_endpoint() {
+    if (endpoint_py != nullptr) endpoint_py->receivers.fetch_sub(1);
+    endpoint_py = nullptr;
+  }
 
   // The receiver first (its reporter thread; open receives end as Cancelled, their blocks stay declared), then
   // the executor; the TransferManager may be closed after.
@@ -97,8 +104,7 @@ struct PyPdReceiver {
       ep.reset();
     }
     if (transfers != nullptr) transfers->receivers.fetch_sub(1);
-    if (endpoint_py != nullptr) endpoint_py->receivers.fetch_sub(1);
-    endpoint_py = nullptr;
+    release_endpoint();
     transfers = nullptr;
     cache = nullptr;
     cache_ref.reset();
@@ -202,6 +208,8 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   if (ep.options.role != "decode")
     raise_status(InvalidArgument(fmt::format("endpoint '{}' is a {} endpoint; a Receiver needs a decode endpoint",
                                              ep.options.name, ep.options.role)));
+  out->endpoint_py = &ep;  // counted before the endpoint is taken: a close() between the two refuses or wins
+  ep.receivers.fetch_add(1);
   out->endpoint = ep.get();
   TransferManager& manager = tm.get();
   PdNative& n = *out->endpoint;
@@ -241,8 +249,6 @@ std::unique_ptr<PyPdReceiver> create_receiver(nb::object cache_obj, nb::object t
   out->free_timeout = ro.free_timeout;
   out->transfers = &tm;
   tm.receivers.fetch_add(1);
-  out->endpoint_py = &ep;
-  ep.receivers.fetch_add(1);
   return out;
 }
 

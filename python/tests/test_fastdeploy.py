@@ -378,6 +378,12 @@ def test_a_bad_host_address_is_named(engine):
     """The host map holds addresses: a negative or too large one was reported as a device tensor nanobind could not
     take (with nanobind's signature), and a string escaped evict_to_host_async as a bare ValueError."""
     name = "value_caches_1_rank0.device0"
+    mgr, dev, host = make(engine)
+    ptrs = {k: engine.ptr(v) for k, v in host.items()}
+    mgr.set_host_cache_kvs_map({**ptrs, "key_caches_9_rank0.device0": None})  # None, like 0: no such host tensor
+    assert mgr.evict_to_host_async([1], [1]) is True, mgr.last_error
+    mgr.sync_output_stream()
+    mgr.close()
     for bad in (-4096, 1 << 64, "0x7f00", 1.5, True):
         mgr, dev, host = make(engine)
         ptrs = {k: engine.ptr(v) for k, v in host.items()}

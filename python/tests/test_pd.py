@@ -1114,6 +1114,50 @@ def test_closing_a_host_direct_endpoint_whose_pool_the_engine_holds(transport):
     assert np.array_equal(pool[1][1].view(np.uint8), src_kv[1][1].view(np.uint8))
 
 
+def test_disconnect_peer_waits_for_transfers_with_the_peer_to_end():
+    """disconnect_peer went straight to the transport, which unmaps the peer's pool: a host direct copy into it in
+    flight segfaulted the process. It is refused while a transfer with the peer is not final, then drops the peer
+    (idempotent), and the pair connects again from fresh metadata."""
+    src_kv, dst_kv = prefill_kv(seed=6), decode_kv()
+    lane = dict(lane="host-direct", **HOST_DIRECT["ucx-shm"])
+    with Prefill(src_kv, **lane, **FAST) as p, Decode(dst_kv, **lane, **FAST) as d:
+        src_pool, dst_pool = p.kv_pool(), d.kv_pool()
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 1, [0, 1])
+        p.begin(to_decode, 1, [2, 3])
+        with pytest.raises(kvtier.FailedPreconditionError, match="transfer 1 with peer .* is not final"):
+            p.disconnect_peer(to_decode)
+        with pytest.raises(kvtier.FailedPreconditionError, match="is not final"):
+            d.disconnect_peer(to_prefill)
+        p.layers_ready(1, list(range(LAYERS)))
+        assert d.wait(1, TIMEOUT, reclaimable=True).error is None
+        assert p.wait(1, TIMEOUT).done
+        p.disconnect_peer(to_decode)
+        p.disconnect_peer(to_decode)
+        d.disconnect_peer(to_prefill)
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 2, [4, 5])
+        p.begin(to_decode, 2, [6, 7])
+        p.layers_ready(2, list(range(LAYERS)))
+        assert d.wait(2, TIMEOUT, reclaimable=True).error is None
+        for layer in range(LAYERS):
+            assert_layer_moved(src_pool, dst_pool, layer, [2, 3, 6, 7], [0, 1, 4, 5])
+
+
+def test_leaving_a_with_block_keeps_the_bodys_exception():
+    """A Receiver still driving the endpoint made close() raise in __exit__, which replaced the body's exception."""
+    dst_kv = decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    rx = None
+    with pytest.raises(KeyError, match="the body's"):
+        with Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+            rx = Receiver(cache, tm, d)
+            raise KeyError("the body's")
+    rx.close()
+    d.close()
+    tm.close()
+
+
 def test_host_direct_lane_is_checked():
     with pytest.raises(kvtier.InvalidArgumentError, match="host-direct"):
         Prefill(prefill_kv(), transport="ipc", lane="host-direct")

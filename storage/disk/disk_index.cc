@@ -137,7 +137,7 @@ void DiskBackend::adopt_quarantine_locked() {
 Status DiskBackend::make_room_locked(std::uint64_t incoming) {
   if (config_.capacity_bytes == 0) return Status::Ok();
   while (!quarantine_files_.empty() &&
-         used_bytes_ + quarantine_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes)
+         used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes)
     trim_quarantine_locked(quarantine_files_.size() - 1);
   while (!unauthenticated_order_.empty() &&
          used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming >

@@ -490,16 +490,21 @@ TEST_F(DiskTenants, ObjectsOfEarlierSecretsStayWithinTheCapacity) {
     EXPECT_EQ(backend_a_->stats().objects, 6u);
     backend_a_.reset();
   }
-  // The last secret's objects are all there; two of the previous one's remain, unserved, and a put of one of their
-  // keys replaces its file without counting it twice.
+  // The last secret's objects are all there; two of the previous one's remain, unserved. With room for one more
+  // object, a put of one of their keys replaces its file (nothing is removed to make room) without counting it twice.
+  config_.capacity_bytes = 9 * one;
   open_a();
   EXPECT_EQ(backend_a_->stats().objects, 6u);
   EXPECT_EQ(backend_a_->stats().auth_failures, 2u);
+  EXPECT_EQ(backend_a_->stats().bytes, 8 * one);
   for (int i = 0; i < 6; ++i) EXPECT_TRUE(get(*backend_a_, key_of(7, 30 + i)).first.ok()) << i;
   ASSERT_TRUE(put(*backend_a_, key_of(7, 24), v).ok());
+  EXPECT_EQ(backend_a_->stats().bytes, 8 * one);
+  EXPECT_EQ(backend_a_->stats().bytes, object_file_bytes());
   ASSERT_TRUE(put(*backend_a_, key_of(7, 25), v).ok());
   EXPECT_EQ(backend_a_->stats().bytes, object_file_bytes());
   EXPECT_EQ(backend_a_->stats().bytes, 8 * one);
+  EXPECT_EQ(backend_a_->stats().objects, 8u);
   auto [s, d] = get(*backend_a_, key_of(7, 25));
   ASSERT_TRUE(s.ok()) << s.to_string();
   EXPECT_EQ(d, v);

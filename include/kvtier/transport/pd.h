@@ -253,6 +253,11 @@ class PdPrefill {
   // later one: for an owner about to destroy the endpoint while other threads wait on it. Transfers are not touched
   // (destroying the endpoint ends them).
   virtual void abort_waits() = 0;
+  // Drops `peer` as a lease expiry does (Transport::disconnect_peer: its name is free for a new load_peer), for
+  // the owner going on with a peer that this side or the other dropped at a lease. kFailedPrecondition while a
+  // transfer with the peer is not final (copies into its memory, mapped here on the host direct lane, may still
+  // start: the disconnect unmaps it); kUnavailable when such copies do not end in time. Idempotent.
+  virtual Status disconnect_peer(PeerId peer) = 0;
 };
 
 // ---- decode side -----------------------------------------------------------------------------------------
@@ -300,6 +305,8 @@ class PdDecode {
   // later one: for an owner about to destroy the endpoint while other threads wait on it. Transfers are not touched
   // (destroying the endpoint ends them).
   virtual void abort_waits() = 0;
+  // As PdPrefill::disconnect_peer (a transfer in progress with the peer: cancel it, or wait, first).
+  virtual Status disconnect_peer(PeerId peer) = 0;
 };
 
 // ---- fault wrapper ---------------------------------------------------------------------------------------

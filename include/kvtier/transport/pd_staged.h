@@ -97,6 +97,8 @@ class PdStagedPrefill {
   virtual std::uint64_t staging_blocks_free() const = 0;
   // As PdPrefill::abort_waits / PdDecode::abort_waits (layer_event included).
   virtual void abort_waits() = 0;
+  // As PdPrefill::disconnect_peer / PdDecode::disconnect_peer.
+  virtual Status disconnect_peer(PeerId peer) = 0;
 };
 
 class PdStagedDecode {
@@ -125,6 +127,8 @@ class PdStagedDecode {
   virtual std::uint64_t staging_blocks_free() const = 0;
   // As PdPrefill::abort_waits / PdDecode::abort_waits (layer_event included).
   virtual void abort_waits() = 0;
+  // As PdPrefill::disconnect_peer / PdDecode::disconnect_peer.
+  virtual Status disconnect_peer(PeerId peer) = 0;
 };
 
 }  // namespace kvtier::transport
