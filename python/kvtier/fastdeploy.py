@@ -59,7 +59,7 @@ import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import _native
-from .errors import DataLossError, InvalidArgumentError, KvtierError, TimedOutError
+from .errors import DataLossError, InvalidArgumentError, KvtierError, OutOfRangeError, TimedOutError
 
 logger = logging.getLogger("kvtier.fastdeploy")
 
@@ -567,14 +567,16 @@ class CacheTransferManager:
                 if bad is not None:
                     return self._fail(f"load_layers_to_device_async: host block {bad} holds undefined bytes: "
                                       f"{self._bad_host_blocks[bad]}")
-                # Checked here, where the error can name the list (record_device_access would name itself).
-                n = mgr.num_device_blocks
-                out = next((i for i, b in enumerate(d) if not 0 <= b < n), None)
-                if out is not None:
+                # The engine's work enqueued so far may still use these blocks.
+                try:
+                    mgr.record_device_access(d, stream, "read")
+                except OutOfRangeError:
+                    # Named as the engine's list, not as an index of record_device_access (a call it never made);
+                    # looked for only on this path, so a load does not walk its ids twice.
+                    n = mgr.num_device_blocks
+                    out = next(i for i, b in enumerate(d) if not 0 <= b < n)
                     return self._fail(f"load_layers_to_device_async: device_block_ids[{out}] = {d[out]} is outside "
                                       f"[0, {n}) (the device cache's blocks)")
-                # The engine's work enqueued so far may still use these blocks.
-                mgr.record_device_access(d, stream, "read")
                 task = mgr.load(layers, h, d)
                 if self._step_synced:  # the first load of a new step: the last step's failures are told
                     self._failed_layers, self._step_synced = {}, False

@@ -532,8 +532,11 @@ class KvtierOffloadingManager(OffloadingManager):
         keys = list(dict.fromkeys(OffloadKey(_key_bytes(k)) for k in keys))  # a bytearray key is not hashable
         to_store = [k for k in keys if object_key(k) not in self._chunks]
         # The stored chunks of this call: a use each, and not evicted for the others.
-        held = [(index, index.admit([object_key(k)], 0)["id"])
-                for k in keys if self._stored(_key_bytes(k)) for index in (self._index_of(_key_bytes(k)),)]
+        held = []  # (index, admission)
+        for k in keys:  # bytes already (above)
+            if self._stored(k):
+                index = self._index_of(k)
+                held.append((index, index.admit([object_key(k)], 0)["id"]))
         try:
             if not to_store:
                 return PrepareStoreOutput(keys_to_store=[], store_spec=KvtierLoadStoreSpec([]), evicted_keys=[])
@@ -543,7 +546,7 @@ class KvtierOffloadingManager(OffloadingManager):
             group_of = self._group_of
             wanted: Dict[int, int] = {}
             for k in to_store:
-                wanted[group_of(_key_bytes(k))] = wanted.get(group_of(_key_bytes(k)), 0) + 1
+                wanted[group_of(k)] = wanted.get(group_of(k), 0) + 1
             room = {g: self.capacity_chunks for g in wanted}
             for k in self._chunks.values():
                 g = group_of(k)
