@@ -1,24 +1,31 @@
 #include "kvtier/copy/copy_config.h"
 
+#include <limits>
+
+#include "copy/kernel_plan.h"
+
 namespace kvtier {
 
 void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::string& p) {
-  t.add(p + ".sm_ctas_h2d", &o.sm_ctas_h2d, "SM kernel CTAs for host->device copies");
-  t.add(p + ".sm_ctas_d2h", &o.sm_ctas_d2h, "SM kernel CTAs for device->host copies");
-  t.add(p + ".sm_ctas_d2d", &o.sm_ctas_d2d, "SM kernel CTAs for device->device copies (and staged DMA)");
-  t.add(p + ".sm_threads_per_cta", &o.sm_threads_per_cta, "SM kernel threads per CTA (multiple of 32, <= 1024)");
-  t.add(p + ".sm_item_bytes", &o.sm_item_bytes, "bytes one warp copies per work item");
+  constexpr std::uint32_t kU32Max = std::numeric_limits<std::uint32_t>::max();
+  t.add(p + ".sm_ctas_h2d", &o.sm_ctas_h2d, "SM kernel CTAs for host->device copies", 1, kU32Max);
+  t.add(p + ".sm_ctas_d2h", &o.sm_ctas_d2h, "SM kernel CTAs for device->host copies", 1, kU32Max);
+  t.add(p + ".sm_ctas_d2d", &o.sm_ctas_d2d, "SM kernel CTAs for device->device copies (and staged DMA)", 1, kU32Max);
+  t.add(p + ".sm_threads_per_cta", &o.sm_threads_per_cta, "SM kernel threads per CTA", 32, 1024, 32);
+  t.add(p + ".sm_item_bytes", &o.sm_item_bytes, "bytes one warp copies per work item", 16, kU32Max - 15, 16);
   t.add(p + ".sm_ctas_landed", &o.sm_ctas_landed,
         "SM kernel CTAs for copies that read back what they wrote (landed checksums; 0: one per SM)");
   t.add(p + ".sm_landed_item_bytes", &o.sm_landed_item_bytes,
-        "largest work item of a copy that reads back what it wrote (multiple of 16)");
+        "largest work item of a copy that reads back what it wrote", 16, kU32Max - 15, 16);
   t.add(p + ".sm_inline_descriptor_max_pairs", &o.sm_inline_descriptor_max_pairs,
-        "kernel launches of at most this many pairs pass descriptors as kernel parameters (0: never, <= 3072)");
+        "kernel launches of at most this many pairs pass descriptors as kernel parameters (0: never)", 0,
+        copy_detail::kInlineMaxPairs);
   t.add(p + ".sm_programmatic_launch", &o.sm_programmatic_launch,
         "SM kernels use programmatic dependent launch (launch overlaps the previous kernel's end; order kept)");
-  t.add(p + ".descriptor_slots", &o.descriptor_slots, "kernel descriptor slots per stream (ring)");
-  t.add(p + ".max_pairs_per_call", &o.max_pairs_per_call, "pairs per kernel launch; larger requests are split");
-  t.add(p + ".batch_max_descriptors", &o.batch_max_descriptors, "segments per cudaMemcpyBatchAsync call");
+  t.add(p + ".descriptor_slots", &o.descriptor_slots, "kernel descriptor slots per stream (ring)", 1, 65536);
+  t.add(p + ".max_pairs_per_call", &o.max_pairs_per_call, "pairs per kernel launch; larger requests are split", 1,
+        kU32Max);
+  t.add(p + ".batch_max_descriptors", &o.batch_max_descriptors, "segments per cudaMemcpyBatchAsync call", 1, kU32Max);
   t.add(p + ".batch_gate_max_segment_bytes", &o.batch_gate_max_segment_bytes,
         "gate H2D batches whose smallest segment is at most this (idle-stream cliff)");
   t.add(p + ".batch_gate_always", &o.batch_gate_always, "gate every H2D batch");
@@ -32,7 +39,7 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto: in full duplex, batched DMA from this segment size");
   t.add(p + ".split_kernel_share", &o.split_kernel_share, "split: share of the pairs copied by the SM kernel (0..1)",
         0.0, 1.0);
-  t.add(p + ".split_dma_lanes", &o.split_dma_lanes, "split: lane streams sharing the batched-DMA part (1..16)");
+  t.add(p + ".split_dma_lanes", &o.split_dma_lanes, "split: lane streams sharing the batched-DMA part", 1, 16);
   t.add(p + ".auto_split_h2d_min_segment_bytes", &o.auto_split_h2d_min_segment_bytes,
         "kAuto: H2D (not duplex) uses split from this average segment size");
   t.add(p + ".auto_split_h2d_max_segment_bytes", &o.auto_split_h2d_max_segment_bytes,
@@ -74,7 +81,7 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
   t.add(p + ".auto_split_duplex_max_segment_bytes", &o.auto_split_duplex_max_segment_bytes,
         "kAuto: ... below this one (0: never)");
   t.add(p + ".staged_slot_bytes", &o.staged_slot_bytes, "staged DMA: device staging slot size");
-  t.add(p + ".staged_slots", &o.staged_slots, "staged DMA: staging slots per stream");
+  t.add(p + ".staged_slots", &o.staged_slots, "staged DMA: staging slots per stream", 1, kU32Max);
   t.add(p + ".staged_max_span_ratio", &o.staged_max_span_ratio,
         "kAuto: staged DMA only when staged bytes <= ratio x payload");
   t.add(p + ".staged_min_host_run_bytes", &o.staged_min_host_run_bytes,

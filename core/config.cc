@@ -139,6 +139,23 @@ void ConfigTable::add(std::string name, std::uint32_t* field, std::string doc) {
       [field] { return std::to_string(*field); });
 }
 
+void ConfigTable::add(std::string name, std::uint32_t* field, std::string doc, std::uint32_t min, std::uint32_t max,
+                      std::uint32_t multiple_of) {
+  std::string type = fmt::format("uint32 [{}, {}]", min, max);
+  if (multiple_of > 1) type += fmt::format(", multiple of {}", multiple_of);
+  add_knob(
+      std::move(name), std::move(type), std::move(doc),
+      [field, min, max, multiple_of](std::string_view v) -> Status {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t x, parse_size(v));
+        if (x < min || x > max) return InvalidArgument(fmt::format("{} is outside [{}, {}]", x, min, max));
+        if (multiple_of > 1 && x % multiple_of != 0)
+          return InvalidArgument(fmt::format("{} is not a multiple of {}", x, multiple_of));
+        *field = static_cast<std::uint32_t>(x);
+        return Status::Ok();
+      },
+      [field] { return std::to_string(*field); });
+}
+
 void ConfigTable::add_mode(std::string name, std::uint32_t* field, std::string doc) {
   add_knob(
       std::move(name), "octal mode", std::move(doc),
@@ -329,31 +346,49 @@ std::vector<std::string> ConfigTable::unrecognized_env(char* const* env) const {
   for (char* const* e = env; *e != nullptr; ++e) {
     const std::string_view entry(*e);
     const std::string_view var = entry.substr(0, entry.find('='));
+    if (var.substr(0, 7) != "KVTIER_") continue;
     const std::string_view family = env_family(var);
-    if (family.empty() || var.size() == family.size()) continue;
     bool known = false, same_family = false;
-    const std::string* nearest = nullptr;
-    std::size_t best = 0;
+    const std::string* nearest = nullptr;      // of the same family
+    const std::string* nearest_any = nullptr;  // of every knob
+    const std::string* extended = nullptr;     // a knob this name extends: KVTIER_METRICS of KVTIER_METRICS_ON
+    std::size_t best = 0, best_any = 0;
     for (const auto& [name, knob] : knobs_) {
       const std::string& k = knob.info.env_var;
       if (k == var) {
         known = true;
         break;
       }
-      if (env_family(k) != family) continue;
-      same_family = true;
       const std::size_t d = edit_distance(var, k);
+      if (nearest_any == nullptr || d < best_any) {
+        nearest_any = &k;
+        best_any = d;
+      }
+      if (var.size() > k.size() && var.substr(0, k.size()) == k && var[k.size()] == '_') extended = &k;
+      if (family.empty() || var.size() == family.size() || env_family(k) != family) continue;
+      same_family = true;
       if (nearest == nullptr || d < best) {
         nearest = &k;
         best = d;
       }
     }
-    if (known || !same_family) continue;
+    if (known) continue;
     // Near: a slip of a few letters, not another word (at most 3 edits, and at most a quarter of the name).
-    if (best <= 3 && best * 4 <= var.size())
-      out.push_back(fmt::format("{} is not a kvtier setting and is ignored (did you mean {}?)", var, *nearest));
-    else
-      out.push_back(fmt::format("{} is not a kvtier setting and is ignored (`kvtier info --config` lists them)", var));
+    auto near = [&](std::size_t d) { return d <= 3 && d * 4 <= var.size(); };
+    if (same_family) {
+      if (near(best))
+        out.push_back(fmt::format("{} is not a kvtier setting and is ignored (did you mean {}?)", var, *nearest));
+      else
+        out.push_back(
+            fmt::format("{} is not a kvtier setting and is ignored (`kvtier info --config` lists them)", var));
+      continue;
+    }
+    // Outside every knob family (KVTIER_METRIC, KVTIER_COPYSM, KVTIER_METRICS_ENABLED): named only when it is
+    // near a knob, since scripts and tests use variables of their own under KVTIER_.
+    if (extended != nullptr)
+      out.push_back(fmt::format("{} is not a kvtier setting and is ignored (did you mean {}?)", var, *extended));
+    else if (nearest_any != nullptr && near(best_any))
+      out.push_back(fmt::format("{} is not a kvtier setting and is ignored (did you mean {}?)", var, *nearest_any));
   }
   return out;
 }

@@ -108,8 +108,13 @@ Status run(PdMode mode) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const PdMode mode = argc > 1 && std::strcmp(argv[1], "pull") == 0 ? PdMode::kPull : PdMode::kPush;
-  const Status st = run(mode);
+  const char* mode_arg = argc > 1 ? argv[1] : "push";
+  if (argc > 2 || (std::strcmp(mode_arg, "push") != 0 && std::strcmp(mode_arg, "pull") != 0)) {
+    std::fprintf(stderr, "prefill_decode: mode '%s' is not 'push' or 'pull' (usage: prefill_decode [push|pull])\n",
+                 mode_arg);
+    return 2;
+  }
+  const Status st = run(std::strcmp(mode_arg, "pull") == 0 ? PdMode::kPull : PdMode::kPush);
   if (!st.ok()) {
     std::fprintf(stderr, "prefill_decode: %s\n", st.to_string().c_str());
     return 1;

@@ -1,4 +1,4 @@
-// vLLM's KV event schema as msgpack: a minimal encoder for the types the schema uses (arrays, strings,
+// vLLM's KV event schema as msgpack: a minimal encoder for the types the schema uses (arrays, maps, strings,
 // integers, float64, bin, nil) and a decoder that accepts exactly those.
 #include "kvtier/metrics/kv_events.h"
 
@@ -15,15 +15,22 @@
 namespace kvtier::metrics {
 
 constexpr EnumName<Medium> kMediumEntries[] = {
-    {Medium::kGpu, "GPU"},
-    {Medium::kCpu, "CPU"},
-    {Medium::kDisk, "DISK"},
-    {Medium::kRemote, "REMOTE"},
+    {Medium::kGpu, "GPU"},       {Medium::kCpu, "CPU"},      {Medium::kDisk, "DISK"},
+    {Medium::kRemote, "REMOTE"}, {Medium::kDisk, "STORAGE"},  // vLLM's name of storage (its locality says local or
+                                                              // remote)
 };
 constexpr auto kMediumNames = enum_table("medium", kMediumEntries, "GPU");
 std::string_view medium_name(Medium m) noexcept { return kMediumNames.name(m); }
 
 Result<Medium> parse_medium(std::string_view name) { return kMediumNames.parse(name); }
+
+constexpr EnumName<EventEncoding> kEncodingEntries[] = {
+    {EventEncoding::kMap, "map"},
+    {EventEncoding::kArray, "array"},
+};
+constexpr auto kEncodingNames = enum_table("kv event encoding", kEncodingEntries, "map");
+std::string_view event_encoding_name(EventEncoding e) noexcept { return kEncodingNames.name(e); }
+Result<EventEncoding> parse_event_encoding(std::string_view name) { return kEncodingNames.parse(name); }
 
 double unix_time_now() noexcept {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -48,6 +55,14 @@ class Writer {
     } else {
       out += '\xdd';
       be(n, 4);
+    }
+  }
+  void map(std::size_t n, bool wide = false) {  // the schema's maps are small
+    if (n < 16 && !wide) {
+      out += static_cast<char>(0x80 | n);
+    } else {
+      out += '\xde';
+      be(n, 2);
     }
   }
   void str(std::string_view s) {
@@ -120,15 +135,40 @@ class Writer {
     else
       nil();
   }
+  // vLLM's medium of the map encoding, and its locality (storage only).
+  static std::string_view vllm_medium(Medium m) {
+    return m == Medium::kGpu ? "GPU" : m == Medium::kCpu ? "CPU" : "STORAGE";
+  }
+  static bool has_locality(const std::optional<Medium>& m) {
+    return m && (*m == Medium::kDisk || *m == Medium::kRemote);
+  }
+  void vllm_medium_field(const std::optional<Medium>& m) {
+    str("medium");
+    if (m)
+      str(vllm_medium(*m));
+    else
+      nil();
+  }
+  void locality_field(const std::optional<Medium>& m) {  // after the fields without defaults, as msgspec orders
+    if (!has_locality(m)) return;
+    str("locality");
+    str(*m == Medium::kRemote ? "REMOTE" : "LOCAL");
+  }
 };
 
 // ---- decoder ------------------------------------------------------------------
 struct Value {
-  enum Kind { kNil, kInt, kFloat, kStr, kBin, kArray } kind = kNil;
-  std::int64_t i = 0;
+  enum Kind { kNil, kBool, kInt, kFloat, kStr, kBin, kArray, kMap } kind = kNil;
+  std::int64_t i = 0;  // int, or bool as 0 / 1
   double f = 0;
-  std::string s;  // str or bin
-  std::vector<Value> items;
+  std::string s;                                      // str or bin
+  std::vector<Value> items;                           // array
+  std::vector<std::pair<std::string, Value>> fields;  // map (string keys)
+  const Value* field(std::string_view name) const {
+    for (const auto& [k, v] : fields)
+      if (k == name) return &v;
+    return nullptr;
+  }
 };
 
 class Reader {
@@ -140,10 +180,24 @@ class Reader {
     Value v;
     if (t < 0x80) return num(static_cast<std::int64_t>(t));
     if (t >= 0xe0) return num(static_cast<std::int8_t>(t));
+    if ((t & 0xf0) == 0x80) return map(t & 0x0f, depth);
     if ((t & 0xf0) == 0x90) return arr(t & 0x0f, depth);
     if ((t & 0xe0) == 0xa0) return bytes(t & 0x1f, Value::kStr);
     switch (t) {
       case 0xc0: return v;
+      case 0xc2:
+      case 0xc3:
+        v.kind = Value::kBool;
+        v.i = t == 0xc3;
+        return v;
+      case 0xde: {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, be(2));
+        return map(n, depth);
+      }
+      case 0xdf: {
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, be(4));
+        return map(n, depth);
+      }
       case 0xc4: {
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, be(1));
         return bytes(n, Value::kBin);
@@ -254,6 +308,19 @@ class Reader {
     }
     return v;
   }
+  Result<Value> map(std::uint64_t n, int depth) {
+    if (n > (b_.size() - pos_) / 2) return err(fmt::format("map of {} entries is longer than the rest", n));
+    Value v;
+    v.kind = Value::kMap;
+    v.fields.reserve(n);
+    for (std::uint64_t i = 0; i < n; ++i) {
+      KVTIER_ASSIGN_OR_RETURN(Value key, value(depth + 1));
+      if (key.kind != Value::kStr) return err("a map key is not a string");
+      KVTIER_ASSIGN_OR_RETURN(Value x, value(depth + 1));
+      v.fields.emplace_back(std::move(key.s), std::move(x));
+    }
+    return v;
+  }
   std::string_view b_;
   std::size_t pos_ = 0;
 };
@@ -283,17 +350,85 @@ Result<std::vector<BlockHash>> to_hashes(const Value& v) {
   return out;
 }
 
-Result<std::optional<Medium>> to_medium(const Value& v) {
+// `locality` (map events only): vLLM's LOCAL or REMOTE for its STORAGE medium.
+Result<std::optional<Medium>> to_medium(const Value& v, const Value* locality = nullptr) {
   if (v.kind == Value::kNil) return std::optional<Medium>{};
   if (v.kind != Value::kStr) return bad("medium is not a string");
   auto m = parse_medium(v.s);
-  if (!m.ok()) return bad(fmt::format("medium '{}' is none of GPU, CPU, DISK, REMOTE", v.s));
+  if (!m.ok()) return bad(fmt::format("medium '{}' is none of GPU, CPU, STORAGE, DISK, REMOTE", shown_value(v.s)));
+  if (v.s == "STORAGE" && locality != nullptr && locality->kind != Value::kNil) {
+    if (locality->kind != Value::kStr || (locality->s != "LOCAL" && locality->s != "REMOTE"))
+      return bad("locality is neither LOCAL nor REMOTE");
+    if (locality->s == "REMOTE") return std::optional<Medium>{Medium::kRemote};
+  }
   return std::optional<Medium>{*m};
 }
 
+Result<std::vector<std::int64_t>> to_token_ids(const Value& v) {
+  if (v.kind != Value::kArray) return bad("token_ids is not an array");
+  std::vector<std::int64_t> out;
+  out.reserve(v.items.size());
+  for (const Value& t : v.items) {
+    if (t.kind != Value::kInt) return bad("a token id is not an integer");
+    out.push_back(t.i);
+  }
+  return out;
+}
+
+Result<std::uint32_t> to_block_size(const Value& v) {
+  if (v.kind != Value::kInt || v.i < 0 || v.i > std::numeric_limits<std::uint32_t>::max())
+    return bad("block_size is not an integer in [0, 2**32 - 1]");
+  return static_cast<std::uint32_t>(v.i);
+}
+
+// An event of the map encoding (kv_events.h): fields by name, those the schema has and kvtier does not
+// (group_idx, lora_name, ...) skipped.
+Result<KvEvent> map_event(const Value& v) {
+  const Value* type = v.field("type");
+  if (type == nullptr || type->kind != Value::kStr) return bad("an event map has no string \"type\"");
+  static const Value kNilValue;
+  auto get = [&](std::string_view name) {
+    const Value* f = v.field(name);
+    return f != nullptr ? f : &kNilValue;
+  };
+  const std::string& tag = type->s;
+  if (tag == "BlockStored") {
+    const Value* hashes = v.field("block_hashes");
+    const Value* block_size = v.field("block_size");
+    if (hashes == nullptr || block_size == nullptr) return bad("BlockStored without block_hashes or block_size");
+    BlockStored e;
+    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(*hashes));
+    if (get("parent_block_hash")->kind != Value::kNil) {
+      KVTIER_ASSIGN_OR_RETURN(BlockHash p, to_hash(*get("parent_block_hash")));
+      e.parent_block_hash = p;
+    }
+    if (const Value* t = v.field("token_ids")) {
+      KVTIER_ASSIGN_OR_RETURN(e.token_ids, to_token_ids(*t));
+    }
+    KVTIER_ASSIGN_OR_RETURN(e.block_size, to_block_size(*block_size));
+    if (get("lora_id")->kind == Value::kInt)
+      e.lora_id = get("lora_id")->i;
+    else if (get("lora_id")->kind != Value::kNil)
+      return bad("lora_id is not an integer or nil");
+    KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(*get("medium"), v.field("locality")));
+    return KvEvent{std::move(e)};
+  }
+  if (tag == "BlockRemoved") {
+    const Value* hashes = v.field("block_hashes");
+    if (hashes == nullptr) return bad("BlockRemoved without block_hashes");
+    BlockRemoved e;
+    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(*hashes));
+    KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(*get("medium"), v.field("locality")));
+    return KvEvent{std::move(e)};
+  }
+  if (tag == "AllBlocksCleared") return KvEvent{AllBlocksCleared{}};
+  return bad(fmt::format("unknown event tag '{}'", shown_value(tag)));
+}
+
 Result<KvEvent> to_event(const Value& v) {
+  if (v.kind == Value::kMap) return map_event(v);
   if (v.kind != Value::kArray || v.items.empty() || v.items[0].kind != Value::kStr)
-    return bad("an event is not a tagged array");
+    return bad("an event is neither a tagged map nor a tagged array");
   const std::string& tag = v.items[0].s;
   const auto& it = v.items;
   if (tag == "BlockStored") {
@@ -304,14 +439,8 @@ Result<KvEvent> to_event(const Value& v) {
       KVTIER_ASSIGN_OR_RETURN(BlockHash p, to_hash(it[2]));
       e.parent_block_hash = p;
     }
-    if (it[3].kind != Value::kArray) return bad("token_ids is not an array");
-    for (const Value& t : it[3].items) {
-      if (t.kind != Value::kInt) return bad("a token id is not an integer");
-      e.token_ids.push_back(t.i);
-    }
-    if (it[4].kind != Value::kInt || it[4].i < 0 || it[4].i > std::numeric_limits<std::uint32_t>::max())
-      return bad("block_size is not an integer in [0, 2**32 - 1]");
-    e.block_size = static_cast<std::uint32_t>(it[4].i);
+    KVTIER_ASSIGN_OR_RETURN(e.token_ids, to_token_ids(it[3]));
+    KVTIER_ASSIGN_OR_RETURN(e.block_size, to_block_size(it[4]));
     if (it[5].kind == Value::kInt)
       e.lora_id = it[5].i;
     else if (it[5].kind != Value::kNil)
@@ -331,46 +460,87 @@ Result<KvEvent> to_event(const Value& v) {
     return KvEvent{std::move(e)};
   }
   if (tag == "AllBlocksCleared") return KvEvent{AllBlocksCleared{}};
-  return bad(fmt::format("unknown event tag '{}'", tag));
+  return bad(fmt::format("unknown event tag '{}'", shown_value(tag)));
 }
 
 }  // namespace
 
-std::string encode_msgpack(const EventBatch& batch) {
+std::string encode_msgpack(const EventBatch& batch, EventEncoding encoding) {
+  const bool as_map = encoding == EventEncoding::kMap;
   Writer w;
-  w.array(batch.data_parallel_rank ? 3 : 2);  // omit_defaults: a None rank is left out
+  // vLLM 0.34 writes a None rank as nil; the earlier array form left it out.
+  w.array(batch.data_parallel_rank || as_map ? 3 : 2);
   w.f64(batch.ts);
   w.array(batch.events.size());
   for (const KvEvent& ev : batch.events) {
     if (const auto* s = std::get_if<BlockStored>(&ev)) {
-      w.array(7);
+      if (as_map) {
+        // msgspec writes the tag first, then the fields in their order; defaults left out (omit_defaults),
+        // fields without a default (lora_id, medium, lora_name) always written. Its header is sized for every
+        // field the struct has (16 with the tag in vLLM 0.34): a map16 header whatever the count.
+        w.map(8 + (Writer::has_locality(s->medium) ? 1 : 0), /*wide=*/true);
+        w.str("type");
+      } else {
+        w.array(7);
+      }
       w.str("BlockStored");
+      if (as_map) w.str("block_hashes");
       w.array(s->block_hashes.size());
       for (const BlockHash& h : s->block_hashes) w.hash(h);
+      if (as_map) w.str("parent_block_hash");
       if (s->parent_block_hash)
         w.hash(*s->parent_block_hash);
       else
         w.nil();
+      if (as_map) w.str("token_ids");
       w.array(s->token_ids.size());
       for (std::int64_t t : s->token_ids) w.sint(t);
+      if (as_map) w.str("block_size");
       w.uint(s->block_size);
+      if (as_map) w.str("lora_id");
       if (s->lora_id)
         w.sint(*s->lora_id);
       else
         w.nil();
-      w.medium(s->medium);
+      if (as_map) {
+        w.vllm_medium_field(s->medium);
+        w.str("lora_name");
+        w.nil();
+        w.locality_field(s->medium);
+      } else {
+        w.medium(s->medium);
+      }
     } else if (const auto* r = std::get_if<BlockRemoved>(&ev)) {
-      w.array(3);
-      w.str("BlockRemoved");
+      if (as_map) {
+        w.map(3 + (Writer::has_locality(r->medium) ? 1 : 0));
+        w.str("type");
+        w.str("BlockRemoved");
+        w.str("block_hashes");
+      } else {
+        w.array(3);
+        w.str("BlockRemoved");
+      }
       w.array(r->block_hashes.size());
       for (const BlockHash& h : r->block_hashes) w.hash(h);
-      w.medium(r->medium);
+      if (as_map) {
+        w.vllm_medium_field(r->medium);
+        w.locality_field(r->medium);
+      } else {
+        w.medium(r->medium);
+      }
+    } else if (as_map) {
+      w.map(1);
+      w.str("type");
+      w.str("AllBlocksCleared");
     } else {
       w.array(1);
       w.str("AllBlocksCleared");
     }
   }
-  if (batch.data_parallel_rank) w.sint(*batch.data_parallel_rank);
+  if (batch.data_parallel_rank)
+    w.sint(*batch.data_parallel_rank);
+  else if (as_map)
+    w.nil();
   return std::move(w.out);
 }
 

@@ -136,7 +136,7 @@ struct ZmqEventPublisher::Impl {
       }
       for (auto& [seq, events] : batch) {
         EventBatch b{unix_time_now(), std::move(events), opt.data_parallel_rank};
-        std::string payload = encode_msgpack(b);
+        std::string payload = encode_msgpack(b, opt.encoding);
         send_frames(pub, {opt.topic, be64(static_cast<std::int64_t>(seq)), payload});
         if (opt.buffer_steps > 0) {
           ring.emplace_back(seq, std::move(payload));

@@ -20,7 +20,8 @@
 # `host` (also part of `pd`): kvtier bench pd over the host lanes (UCX shm and tcp, ipc, and shm-direct, the host
 # direct lane) beside the raw transport.
 # Usage: scripts/gpu-check.sh [tests|bench|probes|python|pd|ring|host|all] [extra kvtier bench copy args...]
-#   GPU_TESTS_ONLY=1: only the test binaries that need a GPU (the CPU ones run in CI).
+#   GPU_TESTS_ONLY=1: only the test binaries that run on the GPU (the CPU ones run in CI): the gpu-labelled ones,
+#   the device conformance suite and the prefill/decode device-lane and ipc tests, whose CUDA cases skip without one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -33,7 +34,8 @@ summary=()
 if [ "$what" = tests ] || [ "$what" = all ]; then
   tests=("$BIN"/*_test)
   if [ "${GPU_TESTS_ONLY:-0}" = 1 ]; then
-    tests=("$BIN"/device_conformance_test "$BIN"/cuda_device_test "$BIN"/copy_gpu_test "$BIN"/transfer_gpu_test)
+    tests=("$BIN"/device_conformance_test "$BIN"/cuda_device_test "$BIN"/copy_gpu_test "$BIN"/transfer_gpu_test
+      "$BIN"/ipc_gpu_test "$BIN"/pd_staged_gpu_test "$BIN"/pd_device_lane_test "$BIN"/pd_ipc_two_process_test)
   fi
   for t in "${tests[@]}"; do
     name=$(basename "$t")

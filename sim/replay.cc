@@ -403,9 +403,14 @@ Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& pr
   const std::size_t n = trace.size();
   std::vector<std::size_t> order(n);
   std::iota(order.begin(), order.end(), std::size_t{0});
-  // A trace is in timestamp order as recorded; a stable sort only guards against one that is not.
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return trace[a].timestamp_ms < trace[b].timestamp_ms; });
+  // Requests arrive in file order, which must be their time order: sorted by time here, the queue model served
+  // another order than the replay without it, and the difference in hit ratio read as the queue's doing.
+  for (std::size_t i = 1; i < n; ++i)
+    if (trace[i].timestamp_ms < trace[i - 1].timestamp_ms)
+      return InvalidArgument(
+          fmt::format("replay: the queue model needs the trace in time order: request {} (timestamp {} ms) comes after "
+                      "request {} (timestamp {} ms)",
+                      i + 1, trace[i].timestamp_ms, i, trace[i - 1].timestamp_ms));
   const std::uint64_t first_ms = n ? trace[order[0]].timestamp_ms : 0;
   auto arrival = [&](std::size_t k) {
     return static_cast<double>(trace[order[k]].timestamp_ms - first_ms) / 1000.0 / o.load_factor;
@@ -413,16 +418,23 @@ Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& pr
   {
     // Every instant of the simulation is at most the last arrival plus all the service: a rate so small
     // that this is not a finite number of seconds would turn times into inf - inf = NaN.
-    double service = 0;
-    for (const TraceRequest& r : trace)
-      service += static_cast<double>(r.input_length) / o.prefill_tokens_per_s +
-                 static_cast<double>(r.output_length) / o.decode_tokens_per_s;
+    double service = 0, longest = -1;
+    std::size_t longest_at = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const TraceRequest& r = trace[i];
+      const double s = static_cast<double>(r.input_length) / o.prefill_tokens_per_s +
+                       static_cast<double>(r.output_length) / o.decode_tokens_per_s;
+      service += s;
+      if (s > longest) longest = s, longest_at = i;
+    }
     const double last = n ? arrival(n - 1) : 0.0;
     if (!std::isfinite(last) || !std::isfinite(last + service) || last + service > 1e15)
       return InvalidArgument(fmt::format(
-          "replay: load_factor {}, prefill_tokens_per_s {} and decode_tokens_per_s {} put this trace's events past "
-          "1e15 s (the last arrival at {} s, {} s of service): rates that small are not a serving instance",
-          o.load_factor, o.prefill_tokens_per_s, o.decode_tokens_per_s, last, service));
+          "replay: the queue model's events would run past 1e15 s: the last arrival at {} s (load_factor {}), {} s "
+          "of service at prefill_tokens_per_s {} and decode_tokens_per_s {}, the longest request {} "
+          "(input_length {}, output_length {}) {} s",
+          last, o.load_factor, service, o.prefill_tokens_per_s, o.decode_tokens_per_s, longest_at + 1,
+          n ? trace[longest_at].input_length : 0, n ? trace[longest_at].output_length : 0, longest));
   }
   // The keys serve() admits (a request longer than the device is cut to what fits), announced as such.
   auto admitted_keys = [&](std::size_t i) {

@@ -89,7 +89,8 @@ Action register_bench_copy(CLI::App& bench) {
                   "minimum device pool, MiB (default 2048 on CUDA so scattered blocks miss L2)");
   cmd->add_option("--reps", args->reps, "timed repetitions (p50 reported)");
   cmd->add_option("--warmup", args->warmup, "untimed repetitions before the timed ones (adaptive kAuto settles)");
-  cmd->add_option("--strategies", args->strategies, "dma_per_run,dma_batch,sm_kernel,staged_dma,auto")->delimiter(',');
+  cmd->add_option("--strategies", args->strategies, "dma_per_run,dma_batch,sm_kernel,staged_dma,split,auto")
+      ->delimiter(',');
   cmd->add_option("--directions", args->directions, "h2d,d2h,both")->delimiter(',');
   cmd->add_option("--pattern", args->pattern,
                   "random | runs16 | contiguous (contiguous: host ids contiguous, device ids random)");

@@ -462,7 +462,7 @@ Action register_bench_transfer(CLI::App& bench) {
       ->check(finite_in(1e-6, 1e6));
   auto* strategy_opt =
       cmd->add_option("--strategy", args->strategy,
-                      "copy strategy of loads and evictions: auto, dma_per_run, dma_batch, sm_kernel (overrides "
+                      "copy strategy of loads and evictions: auto, dma_per_run, dma_batch, sm_kernel, split (overrides "
                       "KVTIER_TRANSFER_LOAD_STRATEGY / _EVICT_STRATEGY)")
           ->capture_default_str();
   cmd->add_option("--gemm-n", args->gemm_n, "GEMM size n (multiple of 128)")

@@ -52,12 +52,20 @@ std::string resolve_trace(const std::string& path) {
   return path;
 }
 
-bool parse_list(const std::string& s, std::vector<std::string>& out) {
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return !out.empty();
+// A comma-separated flag value: items with the spaces around them trimmed. An empty item ("1,,2", "1,", " ")
+// is an error naming the flag (it was dropped silently), as is a value with no item.
+std::optional<std::string> parse_list(std::string_view flag, const std::string& s, std::vector<std::string>& out) {
+  std::size_t start = 0;
+  for (std::size_t n = 1;; ++n) {
+    const std::size_t comma = s.find(',', start);
+    std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const std::size_t first = item.find_first_not_of(" \t"), last = item.find_last_not_of(" \t");
+    if (first == std::string::npos)
+      return fmt::format("{} '{}': item {} is empty (a comma-separated list, e.g. 1000,4000)", flag, s, n);
+    out.push_back(item.substr(first, last - first + 1));
+    if (comma == std::string::npos) return std::nullopt;
+    start = comma + 1;
+  }
 }
 
 // Per expert of a dueling device policy, in order: its name (a view into r.policy) and the share of requests it led.
@@ -243,6 +251,7 @@ Action register_replay(CLI::App& app) {
     bool progress = false;
     std::string kv_events;
     std::string kv_events_replay;
+    std::string kv_events_encoding = "map";
     std::uint32_t tp = 1;
     std::uint32_t tp_gpus = 0;
     std::int64_t failure_rank = -1;
@@ -283,7 +292,8 @@ Action register_replay(CLI::App& app) {
           ->capture_default_str()
           ->check(kAtLeastZero);
   cmd->add_option("--storage", args->storage,
-                  "storage tier moving real, verified bytes: disk:<dir>[?...] or redis://host:port[?...]");
+                  "storage tier moving real, verified bytes: disk:<dir>[?...], redis://host:port[?...] or "
+                  "memory:?capacity=<bytes>");
   cmd->add_option("--storage-blocks", args->storage_blocks, "storage tier capacity in blocks (with --storage)")
       ->capture_default_str();
   cmd->add_flag("--cache-partial-blocks", args->cache_partial, "also index each request's partial last block");
@@ -345,6 +355,10 @@ Action register_replay(CLI::App& app) {
                   "publish KV events (vLLM's schema) on a ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557");
   cmd->add_option("--kv-events-replay", args->kv_events_replay,
                   "ZMQ ROUTER endpoint where a subscriber that missed batches asks for them again");
+  cmd->add_option("--kv-events-encoding", args->kv_events_encoding,
+                  "map: each event a tagged map, as vLLM 0.34 writes them; array: the array_like events of earlier "
+                  "vLLM releases")
+      ->capture_default_str();
 
   return [cmd, args, block_bytes_opt]() -> int {
     if (!cmd->parsed()) return -1;
@@ -465,8 +479,7 @@ Action register_replay(CLI::App& app) {
     std::vector<std::uint32_t> sweep_caps;
     if (!a.sweep.empty()) {
       std::vector<std::string> caps_s;
-      parse_list(a.sweep, caps_s);
-      if (caps_s.empty()) return bad(fmt::format("--sweep '{}' holds no capacity", a.sweep));
+      if (auto err = parse_list("--sweep", a.sweep, caps_s)) return bad(*err);
       for (const auto& c : caps_s) {
         std::uint64_t v = 0;
         const bool digits = c.size() <= 19 && c.find_first_not_of("0123456789") == std::string::npos;
@@ -534,6 +547,9 @@ Action register_replay(CLI::App& app) {
                              given("--storage-blocks") ? "" : " (from KVTIER_CACHE_STORAGE_BLOCKS)"));
     if (!a.kv_events_replay.empty() && a.kv_events.empty())
       return bad("--kv-events-replay needs --kv-events (the endpoint whose events it replays)");
+    if (given("--kv-events-encoding") && a.kv_events.empty()) return bad("--kv-events-encoding needs --kv-events");
+    if (auto e = metrics::parse_event_encoding(a.kv_events_encoding); !e.ok())
+      return bad(fmt::format("--kv-events-encoding: {}", e.status().message()));
     // --transfer none says what the fake executor does: allowed there.
     const bool given_none_transfer = a.transfer == "none";
     const std::vector<const char*> real_run_flags = {given_none_transfer ? "--tp" : "--transfer",
@@ -545,6 +561,7 @@ Action register_replay(CLI::App& app) {
                                                      "--metrics-port",
                                                      "--kv-events",
                                                      "--kv-events-replay",
+                                                     "--kv-events-encoding",
                                                      "--progress"};
     if (a.queue)
       if (const char* f = first_given(real_run_flags))
@@ -572,14 +589,15 @@ Action register_replay(CLI::App& app) {
     if (a.queue) {
       if (!a.sweep.empty() || !a.storage.empty()) return bad("--queue runs the fake executor: no --sweep or --storage");
       std::vector<std::string> load_s;
-      parse_list(a.loads, load_s);
-      if (load_s.empty()) return bad(fmt::format("--load '{}' holds no load factor", a.loads));
+      if (auto err = parse_list("--load", a.loads, load_s)) return bad(*err);
       std::vector<double> loads;
       for (const auto& l : load_s) {
         char* end = nullptr;
-        const double v = std::strtod(l.c_str(), &end);
-        if (end != l.c_str() + l.size() || !(v > 0.0) || !std::isfinite(v))
-          return bad(fmt::format("--load value '{}' is not a finite number > 0", l));
+        // Decimal only: strtod also reads hexadecimal ("0x10" was a load of 16), "inf" and "nan".
+        const bool decimal = l.find_first_not_of("0123456789.eE+-") == std::string::npos;
+        const double v = decimal ? std::strtod(l.c_str(), &end) : 0.0;
+        if (!decimal || end != l.c_str() + l.size() || !(v > 0.0) || !std::isfinite(v))
+          return bad(fmt::format("--load value '{}' is not a finite decimal number > 0", l));
         loads.push_back(v);
       }
       for (auto [flag, v] :
@@ -594,7 +612,7 @@ Action register_replay(CLI::App& app) {
     if (!a.sweep.empty()) {
       std::vector<std::string> pols;
       const std::vector<std::uint32_t>& caps = sweep_caps;
-      parse_list(a.sweep_policies, pols);
+      if (auto err = parse_list("--sweep-policies", a.sweep_policies, pols)) return bad(*err);
       cache::SweepOptions so;
       so.default_policy = a.sweep_default;
       so.max_multiplier = a.sweep_max_multiplier;
@@ -843,6 +861,7 @@ Action register_replay(CLI::App& app) {
       metrics::ZmqPublisherOptions po;
       po.endpoint = a.kv_events;
       po.replay_endpoint = a.kv_events_replay;
+      po.encoding = *metrics::parse_event_encoding(a.kv_events_encoding);  // checked with the flags
       auto p = metrics::ZmqEventPublisher::create(po);
       if (!p.ok())
         return std::fprintf(stderr, "kvtier replay: --kv-events %s: %s\n", a.kv_events.c_str(),

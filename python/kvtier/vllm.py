@@ -275,37 +275,43 @@ def request_hints(envelope: Any) -> Dict[str, Any]:
     payload of any of ``conversation_id`` (an integer, or a string hashed to one), ``continuation`` ("unknown",
     "continues", "last_turn"), ``ttl_steps`` (protection kept after the request leaves the queue, in scheduler
     steps) and ``priority`` (an integer, higher first). Hints are advice: a malformed one is logged and ignored,
-    never fails the request."""
+    never fails the request; the other hints, of the same payload or of other actions, still apply."""
     out: Dict[str, Any] = {}
     for action in getattr(envelope, "actions", None) or ():
         if getattr(action, "action_type", None) != HINT_ACTION:
             continue
         payload = getattr(action, "payload", None) or {}
-        try:
-            if not isinstance(payload, Mapping):
-                raise ValueError(f"payload is a {type(payload).__name__}, not a mapping")
-            if "conversation_id" in payload:
-                cid = payload["conversation_id"]
-                # An integer that fits 64 bits is the id; anything else (a string, a larger integer) is hashed to
-                # one, so that ids differing by 2**64 do not collide.
-                fits = isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid < (1 << 64)
-                out["conversation_id"] = (cid if fits else
-                                          int.from_bytes(hashlib.blake2b(str(cid).encode(), digest_size=8).digest(),
-                                                         "little"))
-            if "continuation" in payload:
-                if payload["continuation"] not in ("unknown", "continues", "last_turn"):
-                    raise ValueError(f"continuation {payload['continuation']!r}")
-                out["continuation"] = payload["continuation"]
-            for name, lo, hi in (("ttl_steps", 0, (1 << 32) - 1), ("priority", -(1 << 31), (1 << 31) - 1)):
-                if name in payload:
-                    v = payload[name]
-                    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                        raise ValueError(f"{name} {v!r}")
+
+        def ignore(what: str) -> None:
+            logger.warning("kvtier.vllm: ignoring a request hint of action %r: %s", getattr(action, "action_id", "?"),
+                           what)
+
+        if not isinstance(payload, Mapping):
+            ignore(f"payload is a {type(payload).__name__}, not a mapping")
+            continue
+        if "conversation_id" in payload:
+            cid = payload["conversation_id"]
+            # An integer that fits 64 bits is the id; anything else (a string, a larger integer) is hashed to one,
+            # so that ids differing by 2**64 do not collide.
+            fits = isinstance(cid, int) and not isinstance(cid, bool) and 0 <= cid < (1 << 64)
+            try:
+                out["conversation_id"] = (cid if fits else int.from_bytes(
+                    hashlib.blake2b(str(cid).encode(), digest_size=8).digest(), "little"))
+            except (ValueError, TypeError, UnicodeError) as e:  # a str() that raises, a lone surrogate
+                ignore(f"conversation_id: {e}")
+        if "continuation" in payload:
+            c = payload["continuation"]
+            if isinstance(c, str) and c in ("unknown", "continues", "last_turn"):
+                out["continuation"] = c
+            else:
+                ignore(f"continuation {c!r} is not 'unknown', 'continues' or 'last_turn'")
+        for name, lo, hi in (("ttl_steps", 0, (1 << 32) - 1), ("priority", -(1 << 31), (1 << 31) - 1)):
+            if name in payload:
+                v = payload[name]
+                if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi:
                     out[name] = v
-        except (ValueError, TypeError) as e:
-            logger.warning("kvtier.vllm: ignoring the request hints of action %r: %s",
-                         getattr(action, "action_id", "?"), e)
-            return {}
+                else:
+                    ignore(f"{name} {v!r} is not an integer in [{lo}, {hi}]")
     return out
 
 
@@ -482,15 +488,16 @@ class KvtierOffloadingManager(OffloadingManager):
 
     @_serialized
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        for rid in context.new_req_ids:
-            self._withdraw(rid)
         # One scheduler step of the index: hinted retentions (ttl_steps, a conversation that continues) count their
-        # steps in take_plan(), which nothing called here, so they held their chunks for good. The index has one
-        # tier and no watermarks: its plan has no move to run.
+        # steps in take_plan(). Counted before this step's withdrawals start their retentions: counted after, a
+        # retention of ttl_steps=N lost one step at once (ttl_steps=1 protected nothing). The index has one tier
+        # and no watermarks: its plan has no move to run.
         for index in self._indexes.values():
             plan = index.take_plan()
             if any(plan.values()):
                 raise InternalError(f"kvtier.vllm: the chunk index planned moves it cannot run: {plan}")
+        for rid in context.new_req_ids:
+            self._withdraw(rid)
 
     @_serialized
     def on_request_finished(self, req_context: ReqContext) -> None:

@@ -46,8 +46,8 @@ metrics::Medium storage_medium_from(const std::string& name) {
   const metrics::Medium m = value_or_raise(metrics::parse_medium(name));
   if (m != metrics::Medium::kDisk && m != metrics::Medium::kRemote)
     raise_status(
-        InvalidArgument(fmt::format("storage_medium '{}': DISK or REMOTE (GPU and CPU are the device and "
-                                    "host tiers' own media)",
+        InvalidArgument(fmt::format("storage_medium '{}': DISK or REMOTE (vLLM's STORAGE is DISK; GPU and CPU are "
+                                    "the device and host tiers' own media)",
                                     name)));
   return m;
 }
@@ -994,7 +994,9 @@ void bind_cache(nb::module_& m) {
                         "(block key, rank) in one namespace.")
       .def_static(
           "open",
-          [](const std::string& spec, const std::string& ns, const std::map<std::string, std::string>& config) {
+          [](const std::string& spec, const std::string& ns, nb::handle config_obj) {
+            // Numbers and bools too, as the other config dicts take them (a Mapping[str, str] refused 128).
+            const std::map<std::string, std::string> config = config_arg(config_obj, "config");
             storage::StorageOptions o;
             o.ns = ns;
             storage::StorageBackendDefaults defaults;
@@ -1013,8 +1015,9 @@ void bind_cache(nb::module_& m) {
             p->name = std::string(p->backend->name());
             return p;
           },
-          "spec"_a, "namespace"_a = "default", "config"_a = std::map<std::string, std::string>(),
-          "spec: disk:<dir>[?capacity=10G&durability=process|power&direct=auto|on|off&tenant=<id>] or "
+          "spec"_a, "namespace"_a = "default", "config"_a.none() = nb::none(),
+          "spec: memory:?capacity=<bytes> (in process, for tests and replays), "
+          "disk:<dir>[?capacity=10G&durability=process|power&direct=auto|on|off&tenant=<id>] or "
           "redis://[[user]:password@]host:port[,host:port...][?prefix=<p>&tenant=<id>...] (make_storage_backend). "
           "config: knob -> value of the storage.disk.*, storage.redis.* and storage.tenant.* knobs "
           "(docs/configuration.md), applied over their KVTIER_STORAGE_* variables; what the spec names wins.")

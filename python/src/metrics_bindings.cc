@@ -173,8 +173,10 @@ void bind_metrics(nb::module_& m) {
       .def(
           "__init__",
           [](PyEventPublisher* self, const std::string& endpoint, const std::string& replay_endpoint,
-             const std::string& topic, IntArg buffer_steps, nb::handle data_parallel_rank) {
+             const std::string& topic, IntArg buffer_steps, nb::handle data_parallel_rank,
+             const std::string& encoding) {
             metrics::ZmqPublisherOptions o;
+            o.encoding = value_or_raise(metrics::parse_event_encoding(encoding));
             o.endpoint = endpoint;
             o.replay_endpoint = replay_endpoint;
             o.topic = topic;
@@ -185,7 +187,9 @@ void bind_metrics(nb::module_& m) {
             self->pub = value_or_raise(metrics::ZmqEventPublisher::create(std::move(o)));
           },
           "endpoint"_a = "tcp://127.0.0.1:5557", "replay_endpoint"_a = "", "topic"_a = "", "buffer_steps"_a = 10000,
-          "data_parallel_rank"_a = nb::none())
+          "data_parallel_rank"_a = nb::none(), "encoding"_a = "map",
+          "encoding: 'map' (each event a tagged map, as vLLM 0.34 writes them; the default) or 'array' (the "
+          "array_like events of earlier vLLM releases).")
       .def_prop_ro("endpoint", [](PyEventPublisher& p) { return p.get()->endpoint(); })
       .def_prop_ro("replay_endpoint", [](PyEventPublisher& p) { return p.get()->replay_endpoint(); })
       .def(

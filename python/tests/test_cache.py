@@ -371,6 +371,7 @@ def test_kv_events_refuse_a_zero_block_size_and_a_tier_medium():
     with pytest.raises(kvtier.InvalidArgumentError, match="storage_medium 'GPU': DISK or REMOTE"):
         cm.enable_kv_events(2, storage_medium="GPU")
     cm.enable_kv_events(2, storage_medium="REMOTE")
+    kvtier.CacheManager(device_blocks=4, host_blocks=8).enable_kv_events(2, storage_medium="STORAGE")  # vLLM's name
     with pytest.raises(kvtier.OutOfRangeError, match="block_size -2"):
         cm.enable_kv_events(-2)
 

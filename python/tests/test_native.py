@@ -433,3 +433,18 @@ def test_close_from_another_thread_while_calls_run():
         t.join(timeout=10.0)
         assert not t.is_alive()
     assert errors == []
+
+
+def test_config_values_and_their_errors_name_the_knob(tmp_path):
+    """A copy-engine value only the engine checked was refused naming its field, not the knob (nor accepted where it
+    was set); StorageBackend.open's config took only strings (128 was nanobind's TypeError), where every other config
+    dict takes numbers and bools."""
+    for knob, value, says in (("transfer.copy_engine.sm_threads_per_cta", 33, "not a multiple of 32"),
+                              ("transfer.copy_engine.split_dma_lanes", 99, r"outside \[1, 16\]")):
+        with pytest.raises(kvtier.InvalidArgumentError, match=rf"'{knob}' = '{value}': .*{says}"):
+            manager(**{knob: value})
+    st = kvtier.StorageBackend.open(f"disk:{tmp_path}/s?durability=process&capacity=1M",
+                                    config={"storage.disk.queue_depth": 128})
+    st.close()
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"config\['storage.disk.queue_depth'\] \[1\]"):
+        kvtier.StorageBackend.open(f"disk:{tmp_path}/t", config={"storage.disk.queue_depth": [1]})

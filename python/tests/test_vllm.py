@@ -781,6 +781,17 @@ def test_request_hints_come_from_vllms_kv_hints_and_bad_ones_are_ignored(tmp_pat
         assert kv.request_hints(envelope({"continuation": "forever"})) == {}
         assert kv.request_hints(envelope({"priority": "high"})) == {}
     assert "forever" in caplog.text and "priority" in caplog.text
+    # A malformed hint is ignored alone: the valid hints of its payload and of other actions still apply (one bad
+    # action threw every hint of the envelope away, the log saying only that one action's were ignored).
+    two = KvHintsEnvelope(protocol_version="1", message_id="m", actions=[
+        KvHintAction(action_id="good", action_type=kv.HINT_ACTION, action_version="1",
+                     payload={"conversation_id": 42, "continuation": "continues"}),
+        KvHintAction(action_id="bad", action_type=kv.HINT_ACTION, action_version="1",
+                     payload={"priority": "high", "ttl_steps": 8})])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.vllm"):
+        assert kv.request_hints(two) == {"conversation_id": 42, "continuation": "continues", "ttl_steps": 8}
+    assert "'bad'" in caplog.text and "priority 'high'" in caplog.text
     # A payload that is not a mapping raised TypeError out of on_new_request; ids past 64 bits kept only their low
     # bits (2**100 became 0, "no conversation").
     def raw(payload):
@@ -841,9 +852,41 @@ def test_a_hinted_retention_ends_after_its_steps():
                 ended_after = step
                 break
         assert ended_after is not None, payload
-        # Counted from the step that scheduled it (its on_schedule_end withdrew the announcement): ttl_steps exactly,
-        # a conversation that continues CacheConfig::lookahead_retain_steps (512).
-        assert 1 + ended_after == (steps if steps is not None else 512), (payload, ended_after)
+        # Counted from the step after the one that scheduled it (its on_schedule_end withdrew the announcement):
+        # ttl_steps exactly, a conversation that continues CacheConfig::lookahead_retain_steps (512). It ended one
+        # step early: the withdrawing call counted a step of the retention too.
+        assert ended_after == (steps if steps is not None else 512), (payload, ended_after)
+
+
+def test_a_retention_of_one_step_protects_through_the_next_step():
+    """ttl_steps=N protected for N-1 steps after the request left the queue: ttl_steps=1 protected nothing, and the
+    next step's stores evicted the hinted request's chunk first."""
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+
+    def key(i):
+        return make_offload_key(i.to_bytes(16, "big"), 0)
+
+    for ttl, kept in ((0, False), (1, True), (2, True)):
+        m = kv.KvtierOffloadingManager(4)
+
+        def step(new=()):
+            m.on_schedule_end(ScheduleEndContext(new_req_ids=list(new), preempted_req_ids=[]))
+
+        def store(keys):
+            c = ReqContext(req_id="w")
+            out = m.prepare_store(keys, c)
+            m.complete_store(out.keys_to_store, c)
+            return [int.from_bytes(k[:16], "big") for k in out.evicted_keys]
+
+        store([key(1), key(2), key(3), key(4)])
+        step()
+        hinted = ReqContext(req_id="r", kv_hints=types.SimpleNamespace(actions=[types.SimpleNamespace(
+            action_id="a", action_type=kv.HINT_ACTION, payload={"ttl_steps": ttl})]))
+        m.on_new_request(hinted)
+        assert m.lookup(key(1), hinted) is kv.LookupResult.HIT  # step N: waiting, its hit chunk announced
+        step(["r"])  # scheduled at the end of step N
+        evicted = store([key(5), key(6), key(7)]) + store([key(8)])  # step N+1: the tier must evict all four
+        assert (1 not in evicted) == kept, (ttl, evicted)
 
 
 def test_an_unknown_policy_is_named(tmp_path):

@@ -4,6 +4,7 @@
 
 #include <map>
 #include <string>
+#include <tuple>
 
 #include "kvtier/core/integration_config.h"
 
@@ -102,6 +103,55 @@ TEST(Config, UnrecognizedEnvNamesMisspeltSettingsOfTheTablesFamilies) {
   EXPECT_EQ(got[1].find("did you mean"), std::string::npos) << "nothing near: " << got[1];
   EXPECT_NE(got[2].find("did you mean KVTIER_CACHE_NAME?"), std::string::npos) << got[2];
   EXPECT_TRUE(t.unrecognized_env(nullptr).empty());
+}
+
+// Names outside every knob family were never looked at: KVTIER_METRIC=0 (for KVTIER_METRICS, a knob of no family)
+// left metrics on without a word. They are named when near a knob or extending one, and left alone otherwise.
+TEST(Config, UnrecognizedEnvNamesSlipsOutsideTheFamilies) {
+  Demo d;
+  ConfigTable t = table_for(d);
+  bool metrics = true;
+  t.add("metrics", &metrics, "metrics on");
+  std::string slip = "KVTIER_METRIC=0", doubled = "KVTIER_METRICSS=0", extended = "KVTIER_METRICS_ENABLED=0",
+              joined = "KVTIER_COPYCTAS=4", foreign = "KVTIER_PYTHON_CUDA=OFF", known = "KVTIER_METRICS=0";
+  char* env[] = {slip.data(), doubled.data(), extended.data(), joined.data(), foreign.data(), known.data(), nullptr};
+  const std::vector<std::string> got = t.unrecognized_env(env);
+  ASSERT_EQ(got.size(), 4u) << ::testing::PrintToString(got);
+  EXPECT_NE(got[0].find("KVTIER_METRIC is not a kvtier setting and is ignored (did you mean KVTIER_METRICS?)"),
+            std::string::npos)
+      << got[0];
+  EXPECT_NE(got[1].find("KVTIER_METRICSS is not"), std::string::npos) << got[1];
+  EXPECT_NE(got[2].find("KVTIER_METRICS_ENABLED is not a kvtier setting and is ignored (did you mean KVTIER_METRICS?)"),
+            std::string::npos)
+      << got[2];
+  EXPECT_NE(got[3].find("did you mean KVTIER_COPY_CTAS?"), std::string::npos) << got[3];
+}
+
+// A range checked only by the knob's consumer let `kvtier info --config` show KVTIER_COPY_SM_THREADS_PER_CTA=33 as
+// set, and the consumer's later refusal named its field, not the knob or the variable.
+TEST(Config, RangedUint32KnobsRefuseWhatTheirConsumerWould) {
+  std::uint32_t threads = 512, lanes = 2;
+  ConfigTable t;
+  t.add("copy.sm_threads_per_cta", &threads, "threads", 32, 1024, 32);
+  t.add("copy.split_dma_lanes", &lanes, "lanes", 1, 16);
+  for (const auto& [knob, value, says] : {std::tuple{"copy.sm_threads_per_cta", "33", "33 is not a multiple of 32"},
+                                          std::tuple{"copy.sm_threads_per_cta", "2048", "2048 is outside [32, 1024]"},
+                                          std::tuple{"copy.sm_threads_per_cta", "0", "0 is outside [32, 1024]"},
+                                          std::tuple{"copy.split_dma_lanes", "99", "99 is outside [1, 16]"}}) {
+    const Status st = t.set(knob, value);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << knob << "=" << value;
+    EXPECT_NE(st.message().find(knob), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(says), std::string::npos) << st.message();
+  }
+  EXPECT_EQ(threads, 512u);
+  EXPECT_EQ(lanes, 2u);
+  std::string bad = "KVTIER_COPY_SPLIT_DMA_LANES=0";
+  char* env[] = {bad.data(), nullptr};
+  const Status st = t.apply_env(env);
+  EXPECT_NE(st.message().find("KVTIER_COPY_SPLIT_DMA_LANES"), std::string::npos) << st.message();
+  ASSERT_TRUE(t.set("copy.sm_threads_per_cta", "64").ok());
+  EXPECT_EQ(threads, 64u);
+  EXPECT_EQ(t.describe().front().type, "uint32 [32, 1024], multiple of 32");
 }
 
 TEST(Config, EnvAndTextApply) {

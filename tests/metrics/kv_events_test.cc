@@ -28,23 +28,152 @@ EventBatch sample() {
 }
 
 TEST(KvEvents, RoundTrip) {
-  EventBatch b = sample();
-  auto d = decode_msgpack(encode_msgpack(b));
-  ASSERT_TRUE(d.ok()) << d.status().to_string();
-  EXPECT_EQ(*d, b);
-  b.data_parallel_rank = 2;
-  d = decode_msgpack(encode_msgpack(b));
-  ASSERT_TRUE(d.ok());
-  EXPECT_EQ(*d, b);
+  for (EventEncoding enc : {EventEncoding::kMap, EventEncoding::kArray}) {
+    EventBatch b = sample();
+    b.events.push_back(BlockStored{{{5, 6}}, BlockHash{1, 2}, {}, 16, std::nullopt, Medium::kRemote});
+    b.events.push_back(BlockRemoved{{{5, 6}}, Medium::kRemote});
+    b.events.push_back(BlockRemoved{{{5, 6}}, std::nullopt});
+    auto d = decode_msgpack(encode_msgpack(b, enc));
+    ASSERT_TRUE(d.ok()) << d.status().to_string();
+    EXPECT_EQ(*d, b) << event_encoding_name(enc);
+    b.data_parallel_rank = 2;
+    d = decode_msgpack(encode_msgpack(b, enc));
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(*d, b) << event_encoding_name(enc);
+  }
 }
 
-// The bytes msgspec writes for vLLM's array_like, tagged structs.
-TEST(KvEvents, WireBytes) {
+// The bytes msgspec writes for vLLM 0.34's tagged structs (maps, the tag first, then the fields in their order,
+// defaults left out), as `msgspec.msgpack.encode(KVEventBatch(ts=1.5, events=[BlockStored(block_hashes=[h],
+// parent_block_hash=None, token_ids=[], block_size=16, lora_id=None, medium="STORAGE", lora_name=None,
+// locality="REMOTE"), AllBlocksCleared()]))` with vLLM's classes.
+TEST(KvEvents, WireBytesAsMaps) {
+  EventBatch b;
+  b.ts = 1.5;
+  b.events.push_back(BlockStored{{{0, 0x0102}}, std::nullopt, {}, 16, std::nullopt, Medium::kRemote});
+  b.events.push_back(AllBlocksCleared{});
+  const std::string got = encode_msgpack(b, EventEncoding::kMap);
+  std::string want;
+  want += "\x93";                                      // [ts, events, rank]
+  want += std::string("\xcb\x3f\xf8\0\0\0\0\0\0", 9);  // float64 1.5
+  want += "\x92";                                      // two events
+  want += std::string("\xde\x00\x09", 3);              // nine entries (a map16 header, as msgspec sizes it)
+  want +=
+      "\xa4"
+      "type"
+      "\xab"
+      "BlockStored";  // the tag first
+  want +=
+      "\xac"
+      "block_hashes"
+      "\x91\xc4\x10" +
+      std::string(14, '\0') + "\x01\x02";
+  want +=
+      "\xb1"
+      "parent_block_hash"
+      "\xc0";
+  want +=
+      "\xa9"
+      "token_ids"
+      "\x90";
+  want +=
+      "\xaa"
+      "block_size"
+      "\x10";
+  want +=
+      "\xa7"
+      "lora_id"
+      "\xc0";
+  want +=
+      "\xa6"
+      "medium"
+      "\xa7"
+      "STORAGE";
+  want +=
+      "\xa9"
+      "lora_name"
+      "\xc0";
+  want +=
+      "\xa8"
+      "locality"
+      "\xa6"
+      "REMOTE";
+  want +=
+      "\x81\xa4"
+      "type"
+      "\xb0"
+      "AllBlocksCleared";
+  want += "\xc0";  // no rank: nil
+  EXPECT_EQ(got, want);
+}
+
+// A map event as vLLM may write it: fields kvtier does not keep (group_idx, extra_keys, a bool), in another order.
+TEST(KvEvents, DecodesMapEventsWithFieldsItDoesNotKeep) {
+  std::string bytes;
+  bytes += "\x92\xcb" + std::string(8, '\0') + "\x91";
+  bytes +=
+      "\x87\xa4"
+      "type"
+      "\xac"
+      "BlockRemoved";
+  bytes +=
+      "\xa9"
+      "group_idx"
+      "\x03";
+  bytes +=
+      "\xaa"
+      "extra_keys"
+      "\x91\x92\xa2"
+      "mm"
+      "\x05";
+  bytes +=
+      "\xa4"
+      "flag"
+      "\xc3";
+  bytes +=
+      "\xa8"
+      "locality"
+      "\xa5"
+      "LOCAL";
+  bytes +=
+      "\xa6"
+      "medium"
+      "\xa7"
+      "STORAGE";
+  bytes +=
+      "\xac"
+      "block_hashes"
+      "\x91\x07";
+  auto d = decode_msgpack(bytes);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  ASSERT_EQ(d->events.size(), 1u);
+  const auto* r = std::get_if<BlockRemoved>(&d->events[0]);
+  ASSERT_NE(r, nullptr);
+  EXPECT_EQ(r->block_hashes, (std::vector<BlockHash>{{0, 7}}));
+  EXPECT_EQ(r->medium, Medium::kDisk);
+  // A locality that is not vLLM's, and a map without its tag, are refused by name.
+  std::string bad_locality = bytes;
+  bad_locality.replace(bad_locality.find("LOCAL"), 5, "THERE");
+  auto e = decode_msgpack(bad_locality);
+  EXPECT_EQ(e.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(e.status().message().find("locality"), std::string::npos) << e.status().message();
+  const std::string untagged = "\x92\xcb" + std::string(8, '\0') +
+                               "\x91\x81\xa1"
+                               "x"
+                               "\x01";
+  EXPECT_NE(decode_msgpack(untagged).status().message().find("\"type\""), std::string::npos);
+  EXPECT_EQ(*parse_medium("STORAGE"), Medium::kDisk);
+  EXPECT_EQ(*parse_event_encoding("array"), EventEncoding::kArray);
+  EXPECT_FALSE(parse_event_encoding("json").ok());
+}
+
+// The bytes msgspec writes for the array_like, tagged structs of earlier vLLM releases.
+TEST(KvEvents, WireBytesAsArrays) {
   EventBatch b;
   b.ts = 1.5;
   b.events.push_back(BlockRemoved{{{0, 0x0102}}, Medium::kGpu});
   b.events.push_back(AllBlocksCleared{});
-  const std::string got = encode_msgpack(b);
+  const std::string got = encode_msgpack(b, EventEncoding::kArray);
   std::string want;
   want += "\x92";                                      // [ts, events] (no rank: omit_defaults)
   want += std::string("\xcb\x3f\xf8\0\0\0\0\0\0", 9);  // float64 1.5

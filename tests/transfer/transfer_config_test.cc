@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -60,7 +61,12 @@ const std::map<std::string, Case>& cases() {
 std::string nested_value(const KnobInfo& k) {
   if (k.type == "bool") return k.default_value == "true" ? "false" : "true";
   if (k.type.rfind("double", 0) == 0) return k.default_value == "0.5" ? "0.25" : "0.5";  // plain or [0, 1]
-  return k.default_value == "7" ? "9" : "7";                                             // uint32 / uint64
+  unsigned long lo = 0, hi = 0, multiple = 1;  // a ranged uint32: a value in range, other than the default
+  if (std::sscanf(k.type.c_str(), "uint32 [%lu, %lu], multiple of %lu", &lo, &hi, &multiple) >= 2) {
+    const unsigned long v = std::to_string(lo + multiple) == k.default_value ? lo : lo + multiple;
+    return std::to_string(v);
+  }
+  return k.default_value == "7" ? "9" : "7";  // uint32 / uint64
 }
 
 // Reads a nested knob back from the struct through an independent binding of config.copy_engine.
@@ -166,7 +172,7 @@ std::vector<std::string> bad_values_for(const std::string& type) {
   if (type == "bool") return {"maybe", "2"};
   if (type == "double") return {"x1", "0.5.5"};
   if (type.rfind("double [", 0) == 0) return {"x1", "1.5", "-0.1", "nan"};  // a share: [0, 1]
-  if (type == "uint32") return {"lots", "-1", "8G"};
+  if (type.rfind("uint32", 0) == 0) return {"lots", "-1", "8G"};            // plain or ranged
   if (type == "uint64") return {"lots", "-1", "1Q"};
   if (type.rfind("enum", 0) == 0) return {"fastest", ""};
   if (type.rfind("duration", 0) == 0) return {"5parsecs", "-1ms", "1.5ms", "1ns"};

@@ -41,6 +41,10 @@ class ConfigTable {
   // Binds a knob to a field; the field's current value is its default.
   void add(std::string name, std::uint64_t* field, std::string doc);
   void add(std::string name, std::uint32_t* field, std::string doc);
+  // A uint32 knob limited to [min, max] and, with multiple_of > 1, to that number's multiples: a value the knob's
+  // consumer would refuse is refused where it is set, naming the knob (and its variable), not later by its field.
+  void add(std::string name, std::uint32_t* field, std::string doc, std::uint32_t min, std::uint32_t max,
+           std::uint32_t multiple_of = 1);
   void add(std::string name, int* field, std::string doc);
   // Permission bits, written in octal with a leading 0 ("0600", "0o600"; at most 0777). Read as a plain
   // integer, "0440" was decimal 440, i.e. 0670: group-writable files from a value meant owner-only; a bare number
@@ -117,8 +121,10 @@ class ConfigTable {
   Status apply_text(std::string_view text);
   // The variables of `env` that look meant for this table but name none of its knobs (apply_env ignores
   // them, so a misspelt one would change nothing, silently): KVTIER_* names whose family (KVTIER_<WORD>_, e.g.
-  // KVTIER_CACHE_) is one of its knobs' families. One message per variable, naming it and, when one is near,
-  // the knob variable it probably meant. Callers log them; apply_env does not (the log reads its own level
+  // KVTIER_CACHE_) is one of its knobs' families, and others near a knob's variable or extending one
+  // (KVTIER_METRIC, KVTIER_METRICS_ON for KVTIER_METRICS; other KVTIER_* names are left alone: scripts and tests
+  // have their own). One message per variable, naming it and, when one is near, the knob variable it probably
+  // meant. Callers log them; apply_env does not (the log reads its own level
   // through a table).
   std::vector<std::string> unrecognized_env(char* const* env) const;
 

@@ -9,11 +9,22 @@
 // 128-bit BlockKeys as 16 bytes (hi then lo, big-endian): a msgpack bin, which
 // vLLM's ExternalBlockHash (bytes | int) accepts.
 //
-// Wire format (msgspec's encoding of vLLM's array_like, tagged structs):
-//   EventBatch = [ts: float64, events: [event...], data_parallel_rank?]
+// Wire format, two encodings (EventEncoding), both msgspec's encoding of vLLM's tagged structs:
+//   EventBatch = [ts: float64, events: [event...], data_parallel_rank?]   (array_like in every vLLM release)
+// kMap (the default), as vLLM 0.34 writes them (KVCacheEvent is tag=True, omit_defaults, not array_like):
+//   BlockStored = {"type": "BlockStored", "block_hashes": [hash...], "parent_block_hash": parent|nil,
+//                  "token_ids": [token_id...], "block_size": n, "lora_id": id|nil, "medium": m|nil,
+//                  "lora_name": nil[, "locality": "LOCAL"|"REMOTE"]}
+//   BlockRemoved = {"type": "BlockRemoved", "block_hashes": [hash...], "medium": m|nil[, "locality": ...]}
+//   AllBlocksCleared = {"type": "AllBlocksCleared"}
+//   Media are vLLM's: "GPU", "CPU", and "STORAGE" for both storage media, told apart by "locality" (LOCAL
+//   for kDisk, REMOTE for kRemote).
+// kArray, the array_like events of earlier vLLM releases (and routers written for them):
 //   BlockStored = ["BlockStored", [hash...], parent|nil, [token_id...], block_size, lora_id|nil, medium|nil]
 //   BlockRemoved = ["BlockRemoved", [hash...], medium|nil]
 //   AllBlocksCleared = ["AllBlocksCleared"]
+//   Media by medium_name(): "GPU", "CPU", "DISK", "REMOTE".
+// decode_msgpack() reads both (per event), and fields it does not know in a map (vLLM's group_idx, ...).
 // The ZMQ publisher (zmq_publisher.h) sends each batch as frames (topic, seq as 8 bytes big-endian, payload).
 //
 // Thread-safety: values; the functions are pure.
@@ -33,7 +44,12 @@ namespace kvtier::metrics {
 
 enum class Medium : std::uint8_t { kGpu, kCpu, kDisk, kRemote };
 std::string_view medium_name(Medium m) noexcept;  // "GPU", "CPU", "DISK", "REMOTE"
+// Also takes vLLM's "STORAGE" (local storage: kDisk).
 Result<Medium> parse_medium(std::string_view name);
+
+enum class EventEncoding : std::uint8_t { kMap, kArray };        // see the wire format above
+std::string_view event_encoding_name(EventEncoding e) noexcept;  // "map", "array"
+Result<EventEncoding> parse_event_encoding(std::string_view name);
 
 struct BlockHash {
   std::uint64_t hi = 0, lo = 0;
@@ -70,8 +86,8 @@ struct EventBatch {
   friend bool operator==(const EventBatch&, const EventBatch&) = default;
 };
 
-// msgpack bytes of a batch, as vLLM's msgspec encoder writes them.
-std::string encode_msgpack(const EventBatch& batch);
+// msgpack bytes of a batch, as vLLM's msgspec encoder writes them (kMap: vLLM 0.34's encoding).
+std::string encode_msgpack(const EventBatch& batch, EventEncoding encoding = EventEncoding::kMap);
 // The inverse, for subscribers and tests. DataLoss naming the offset for bytes that are not such a batch.
 Result<EventBatch> decode_msgpack(std::string_view bytes);
 

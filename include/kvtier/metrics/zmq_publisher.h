@@ -39,6 +39,7 @@ struct ZmqPublisherOptions {
   std::size_t max_queue_batches = 100000;         // publish() refuses beyond (ResourceExhausted)
   std::string topic;                              // vLLM's default is empty
   std::optional<std::int64_t> data_parallel_rank;
+  EventEncoding encoding = EventEncoding::kMap;  // kArray for routers written for vLLM's earlier array events
 };
 
 class ZmqEventPublisher {
