@@ -369,9 +369,22 @@ std::uint32_t commit_in(CacheManager::Impl& s, AdmissionRec& rec, std::uint32_t 
 }  // namespace
 
 Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks,
-                                      std::uint32_t max_hit_blocks) {
+                                      std::uint32_t max_hit_blocks, std::span<const BlockKey> hold) {
   ExportOnReturn exported(*this);
-  return admit_in(*impl_, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, max_hit_blocks);
+  Impl& s = *impl_;
+  std::vector<NodeId> held;
+  held.reserve(hold.size());
+  for (const BlockKey& k : hold)
+    if (const NodeId id = s.map.find(k); id != kNoNode && s.nodes[id].live && !s.nodes[id].detached) {
+      s.pin(id);
+      held.push_back(id);
+    }
+  Result<Admission> out = admit_in(s, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, max_hit_blocks);
+  for (NodeId id : held) {
+    s.unpin(id);
+    s.reclaim_if_dead(id);
+  }
+  return out;
 }
 
 Result<Admission> CacheManager::admit_receive(std::span<const BlockKey> keys, const ReceiveOptions& options) {

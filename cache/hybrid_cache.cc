@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <tuple>
 
 #include "cache/canonical_key.h"
 #include "core/byte_codec.h"
@@ -42,6 +43,12 @@ std::string group_label(const KvGroupConfig& g, std::uint32_t index) {
 }
 
 std::uint32_t ceil_div(std::uint64_t a, std::uint64_t b) { return static_cast<std::uint32_t>((a + b - 1) / b); }
+
+// The first token a window of W tokens reaches from position p: p attends to [p - W + 1, p], itself included (the
+// sliding_window of Hugging Face's and vLLM's models: vLLM keeps cdiv(W - 1, block) blocks before a hit). So a
+// hit at h needs the tokens [window_start(h, W), h), and a block ending at or before window_start(n, W) is read
+// by no token from n on.
+std::uint32_t window_start(std::uint32_t p, std::uint32_t W) { return p >= W ? p - W + 1 : 0; }
 
 }  // namespace
 
@@ -178,6 +185,23 @@ Status HybridCache::validate(const HybridRequest& r) const {
           "hybrid request: {}: {} chain keys for num_tokens {} at block_tokens {}: want {} (one per full block)",
           group_label(c, g), r.chains[g].size(), r.num_tokens, c.block_tokens, want));
     has_state |= c.kind == GroupKind::kState;
+    // A full group's chain is checked by its CacheManager's admit; window and state keys are admitted one by one,
+    // where a repeat is not seen: one block would be served for several positions (or states).
+    if (c.kind != GroupKind::kFull && r.chains[g].size() > 1) {
+      std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint32_t>> sorted;  // (hi, lo, position)
+      sorted.reserve(r.chains[g].size());
+      for (std::uint32_t i = 0; i < r.chains[g].size(); ++i)
+        sorted.emplace_back(r.chains[g][i].hi, r.chains[g][i].lo, i);
+      std::sort(sorted.begin(), sorted.end());
+      for (std::size_t i = 1; i < sorted.size(); ++i) {
+        const auto& [hi, lo, at] = sorted[i];
+        const auto& [prev_hi, prev_lo, prev_at] = sorted[i - 1];
+        if (hi == prev_hi && lo == prev_lo)
+          return InvalidArgument(
+              fmt::format("hybrid request: {}: key {} repeats (positions {} and {}): keys must form a hash chain",
+                          group_label(c, g), BlockKey{hi, lo}.hex(), prev_at, at));
+      }
+    }
   }
   if (!r.save_states_at.empty() && !has_state)
     return InvalidArgument(fmt::format("hybrid request: save_states_at has {} entries but no KV group is a state group",
@@ -190,14 +214,13 @@ Status HybridCache::validate(const HybridRequest& r) const {
     if (i > 0 && t <= r.save_states_at[i - 1])
       return InvalidArgument(fmt::format("hybrid request: save_states_at[{}] = {} after {}: must increase", i, t,
                                          r.save_states_at[i - 1]));
-    for (std::uint32_t g = 0; g < config_.groups.size(); ++g) {
-      const KvGroupConfig& c = config_.groups[g];
-      if (c.kind == GroupKind::kState && t % c.block_tokens != 0)
-        return InvalidArgument(fmt::format(
-            "hybrid request: save_states_at[{}] = {} is not on a block boundary of {} (block_tokens {}): states "
-            "are saved only at block boundaries",
-            i, t, group_label(c, g), c.block_tokens));
-    }
+    // A hit ends on a multiple of the granularity (so on a boundary of every group's blocks): a state saved
+    // elsewhere could never be read.
+    if (t % granularity_ != 0)
+      return InvalidArgument(fmt::format(
+          "hybrid request: save_states_at[{}] = {} is not a multiple of the hit granularity {} (the lcm of the "
+          "groups' block sizes): no hit could start from it",
+          i, t, granularity_));
   }
   return Status::Ok();
 }
@@ -262,7 +285,7 @@ Result<HybridCache::Plan> HybridCache::plan(const HybridRequest& r) const {
         }
         for (std::uint32_t i = 0; i <= K; ++i) {
           const std::uint32_t h = i * L;
-          const std::uint32_t s = h > W ? (h - W) / B : 0, e = h / B;
+          const std::uint32_t s = window_start(h, W) / B, e = h / B;
           gok[i] = bad[e] == bad[s];
           gokf[i] = badf[e] == badf[s];
         }
@@ -328,7 +351,7 @@ Result<HybridCache::Plan> HybridCache::plan(const HybridRequest& r) const {
       }
       case GroupKind::kSlidingWindow: {
         const std::uint32_t W = c.window_tokens;
-        const std::uint32_t first = h > W ? (h - W) / B : 0, end = h / B;
+        const std::uint32_t first = window_start(h, W) / B, end = h / B;
         gr.first_block = first;
         for (Standing want : {Standing::kDevice, Standing::kHost})
           for (std::uint32_t j = first; j < end; ++j)
@@ -371,7 +394,8 @@ Result<HybridCache::Plan> HybridCache::plan(const HybridRequest& r) const {
           gr.subs.push_back(s);
         }
         std::vector<std::uint32_t> saves = r.save_states_at;
-        if (saves.empty() && r.num_tokens >= B) saves.push_back(r.num_tokens / B * B);
+        // By default the last boundary a hit can end at (a multiple of the granularity, so of B too).
+        if (saves.empty() && r.num_tokens >= L) saves.push_back(r.num_tokens / L * L);
         for (std::uint32_t t : saves) {
           if (t <= h) continue;  // the state at the hit, or before it: already cached, or past
           Sub s;
@@ -395,6 +419,13 @@ Result<HybridCache::Plan> HybridCache::plan(const HybridRequest& r) const {
 }
 
 Result<HybridMatch> HybridCache::match(const HybridRequest& request) const {
+  // Nothing to look up is a match of nothing (admit and announce refuse it: they would hold no block).
+  if (std::uint64_t{request.num_tokens} + request.extra_tokens == 0 && request.chains.size() == config_.groups.size() &&
+      request.save_states_at.empty()) {
+    HybridMatch none;
+    none.groups.resize(config_.groups.size());
+    return none;
+  }
   KVTIER_ASSIGN_OR_RETURN(Plan p, plan(request));
   return std::move(p.match);
 }
@@ -467,12 +498,17 @@ Result<HybridAdmission> HybridCache::admit(const HybridRequest& request) {
   for (std::uint32_t g = 0; g < num_groups; ++g) {
     GroupRec& gr = rec.groups[g];
     CacheManager& m = *managers_[g];
+    // The group's host hits are admitted one key at a time: each call's evictions leave the others' host copies
+    // in place (a demotion for the first could take the host block of the next, a hit planned and then gone).
+    std::vector<BlockKey> host_hits;
+    for (const Sub& s : gr.subs)
+      if (s.role != Role::kChain && s.hits > 0 && !s.device_hit) host_hits.push_back(s.key);
     for (Sub& s : gr.subs) {
       Result<Admission> a = [&]() -> Result<Admission> {
         switch (s.role) {
           case Role::kChain: return m.admit(gr.chain_keys, s.extra, s.hits);
           case Role::kExtra: return m.admit({}, s.extra);
-          default: return m.admit(std::span<const BlockKey>(&s.key, 1), 0, s.hits);
+          default: return m.admit(std::span<const BlockKey>(&s.key, 1), 0, s.hits, host_hits);
         }
       }();
       Status failed;
@@ -607,8 +643,8 @@ Status HybridCache::commit(HybridAdmissionId id, std::uint32_t num_computed_toke
             s.committed = true;
             pin(g, s.key);
           }
-          // No token from n on attends to a block that ends at or before n - W: it leaves the request.
-          if (n > c.window_tokens && s.pos < (n - c.window_tokens) / B) KVTIER_RETURN_IF_ERROR(wrap(close(g, gr, s)));
+          // No token from n on attends to a block that ends at or before window_start(n, W): it leaves the request.
+          if (s.pos < window_start(n, c.window_tokens) / B) KVTIER_RETURN_IF_ERROR(wrap(close(g, gr, s)));
           break;
         case Role::kStateIn:
           // The forward read it when it started from the hit: the request holds the running state now.
@@ -802,7 +838,7 @@ Result<HybridQueuedId> HybridCache::announce(const HybridRequest& request, const
         break;
       case GroupKind::kSlidingWindow: {
         const std::uint32_t W = c.window_tokens;
-        for (std::uint32_t j = h > W ? (h - W) / B : 0; j < h / B; ++j) spans.emplace_back(j, j + 1);
+        for (std::uint32_t j = window_start(h, W) / B; j < h / B; ++j) spans.emplace_back(j, j + 1);
         break;
       }
       case GroupKind::kState:
@@ -827,8 +863,12 @@ Result<HybridQueuedId> HybridCache::announce(const HybridRequest& request, const
 
 Status HybridCache::withdraw(HybridQueuedId id) {
   auto it = announced_.find(id);
-  if (it == announced_.end())
-    return NotFound(fmt::format("hybrid withdraw: announcement {} is unknown or already withdrawn", id));
+  if (it == announced_.end()) {
+    // As CacheManager::withdraw tells them apart: an id never handed out, or one withdrawn before.
+    if (id == 0 || id >= next_queued_)
+      return NotFound(fmt::format("hybrid withdraw: announcement {} was never made", id));
+    return FailedPrecondition(fmt::format("hybrid withdraw: announcement {} was withdrawn already", id));
+  }
   const auto made = std::move(it->second);
   announced_.erase(it);
   Status first;

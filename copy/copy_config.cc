@@ -11,7 +11,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
   t.add(p + ".sm_ctas_h2d", &o.sm_ctas_h2d, "SM kernel CTAs for host->device copies", 1, kU32Max);
   t.add(p + ".sm_ctas_d2h", &o.sm_ctas_d2h, "SM kernel CTAs for device->host copies", 1, kU32Max);
   t.add(p + ".sm_ctas_d2d", &o.sm_ctas_d2d, "SM kernel CTAs for device->device copies (and staged DMA)", 1, kU32Max);
-  t.add(p + ".sm_threads_per_cta", &o.sm_threads_per_cta, "SM kernel threads per CTA", 32, 1024, 32);
+  t.add(p + ".sm_threads_per_cta", &o.sm_threads_per_cta, "SM kernel threads per CTA", copy_detail::kWarpThreads,
+        copy_detail::kMaxThreadsPerCta, copy_detail::kWarpThreads);
   t.add(p + ".sm_item_bytes", &o.sm_item_bytes, "bytes one warp copies per work item", 16, kU32Max - 15, 16);
   t.add(p + ".sm_ctas_landed", &o.sm_ctas_landed,
         "SM kernel CTAs for copies that read back what they wrote (landed checksums; 0: one per SM)");
@@ -22,7 +23,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         copy_detail::kInlineMaxPairs);
   t.add(p + ".sm_programmatic_launch", &o.sm_programmatic_launch,
         "SM kernels use programmatic dependent launch (launch overlaps the previous kernel's end; order kept)");
-  t.add(p + ".descriptor_slots", &o.descriptor_slots, "kernel descriptor slots per stream (ring)", 1, 65536);
+  t.add(p + ".descriptor_slots", &o.descriptor_slots, "kernel descriptor slots per stream (ring)", 1,
+        copy_detail::kMaxDescriptorSlots);
   t.add(p + ".max_pairs_per_call", &o.max_pairs_per_call, "pairs per kernel launch; larger requests are split", 1,
         kU32Max);
   t.add(p + ".batch_max_descriptors", &o.batch_max_descriptors, "segments per cudaMemcpyBatchAsync call", 1, kU32Max);
@@ -39,7 +41,8 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
         "kAuto: in full duplex, batched DMA from this segment size");
   t.add(p + ".split_kernel_share", &o.split_kernel_share, "split: share of the pairs copied by the SM kernel (0..1)",
         0.0, 1.0);
-  t.add(p + ".split_dma_lanes", &o.split_dma_lanes, "split: lane streams sharing the batched-DMA part", 1, 16);
+  t.add(p + ".split_dma_lanes", &o.split_dma_lanes, "split: lane streams sharing the batched-DMA part", 1,
+        copy_detail::kMaxSplitDmaLanes);
   t.add(p + ".auto_split_h2d_min_segment_bytes", &o.auto_split_h2d_min_segment_bytes,
         "kAuto: H2D (not duplex) uses split from this average segment size");
   t.add(p + ".auto_split_h2d_max_segment_bytes", &o.auto_split_h2d_max_segment_bytes,

@@ -75,9 +75,9 @@ constexpr auto kDrainTimeout = std::chrono::seconds(120);
 }  // namespace
 
 Status EngineBase::check_options(const CopyEngineOptions& o) {
-  if (o.sm_threads_per_cta == 0 || o.sm_threads_per_cta % 32 != 0 || o.sm_threads_per_cta > 1024)
-    return InvalidArgument(
-        fmt::format("sm_threads_per_cta must be a multiple of 32 in [32, 1024], got {}", o.sm_threads_per_cta));
+  if (o.sm_threads_per_cta == 0 || o.sm_threads_per_cta % kWarpThreads != 0 || o.sm_threads_per_cta > kMaxThreadsPerCta)
+    return InvalidArgument(fmt::format("sm_threads_per_cta must be a multiple of {} in [{}, {}], got {}", kWarpThreads,
+                                       kWarpThreads, kMaxThreadsPerCta, o.sm_threads_per_cta));
   if (o.sm_ctas_h2d == 0 || o.sm_ctas_d2h == 0 || o.sm_ctas_d2d == 0)
     return InvalidArgument(
         fmt::format("sm_ctas_* must be >= 1 (h2d {}, d2h {}, d2d {})", o.sm_ctas_h2d, o.sm_ctas_d2h, o.sm_ctas_d2d));
@@ -91,8 +91,9 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
                                        o.sm_inline_descriptor_max_pairs));
   if (o.descriptor_slots == 0) return InvalidArgument("descriptor_slots must be >= 1, got 0");
   // Each slot holds descriptor arrays: past this the ring cost gigabytes, or aborted the process (bad_alloc).
-  if (o.descriptor_slots > 65536)
-    return InvalidArgument(fmt::format("descriptor_slots must be <= 65536, got {}", o.descriptor_slots));
+  if (o.descriptor_slots > kMaxDescriptorSlots)
+    return InvalidArgument(
+        fmt::format("descriptor_slots must be <= {}, got {}", kMaxDescriptorSlots, o.descriptor_slots));
   if (o.max_pairs_per_call == 0) return InvalidArgument("max_pairs_per_call must be >= 1, got 0");
   if (o.batch_max_descriptors == 0) return InvalidArgument("batch_max_descriptors must be >= 1, got 0");
   if (o.staged_slots == 0) return InvalidArgument("staged_slots must be >= 1, got 0");
@@ -119,8 +120,9 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
   if (!(o.auto_split_adaptive_gain > 0.0 && o.auto_split_adaptive_gain <= 1.0))
     return InvalidArgument(
         fmt::format("auto_split_adaptive_gain must be in (0, 1], got {}", o.auto_split_adaptive_gain));
-  if (o.split_dma_lanes == 0 || o.split_dma_lanes > 16)
-    return InvalidArgument(fmt::format("split_dma_lanes must be in [1, 16], got {}", o.split_dma_lanes));
+  if (o.split_dma_lanes == 0 || o.split_dma_lanes > kMaxSplitDmaLanes)
+    return InvalidArgument(
+        fmt::format("split_dma_lanes must be in [1, {}], got {}", kMaxSplitDmaLanes, o.split_dma_lanes));
   if (!(o.staged_max_span_ratio >= 1.0))  // also rejects NaN
     return InvalidArgument(fmt::format("staged_max_span_ratio must be >= 1.0, got {}", o.staged_max_span_ratio));
   return Status::Ok();

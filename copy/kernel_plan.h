@@ -84,6 +84,14 @@ inline KernelPair kernel_pair(std::uint32_t src, std::uint32_t dst) noexcept {  
 inline constexpr std::uint32_t kInlineMaxPlanes = 8;
 inline constexpr std::uint32_t kInlineMaxPairs = 3072;
 
+// Limits of CopyEngineOptions, checked by EngineBase::check_options and carried by their config knobs
+// (copy_config.cc): a CTA of at most 1024 threads, whole warps; the split strategy's DMA lanes; the descriptor ring
+// (each slot holds descriptor arrays: past this it cost gigabytes, or aborted on bad_alloc).
+inline constexpr std::uint32_t kMaxThreadsPerCta = 1024;
+inline constexpr std::uint32_t kWarpThreads = 32;
+inline constexpr std::uint32_t kMaxSplitDmaLanes = 16;
+inline constexpr std::uint32_t kMaxDescriptorSlots = 65536;
+
 struct KernelArgs {
   const KernelPlane* planes = nullptr;  // num_planes entries (device-readable)
   // Per pair of this launch (device-writable, zeroed before the launch), or

@@ -126,14 +126,26 @@ void ConfigTable::add(std::string name, std::uint64_t* field, std::string doc) {
       [field] { return std::to_string(*field); });
 }
 
+namespace {
+
+// A uint32 knob's value: within [min, max] and a multiple of `multiple_of`.
+Result<std::uint32_t> parse_u32(std::string_view v, std::uint32_t min, std::uint32_t max, std::uint32_t multiple_of) {
+  KVTIER_ASSIGN_OR_RETURN(std::uint64_t x, parse_size(v));
+  if (x > std::numeric_limits<std::uint32_t>::max())
+    return InvalidArgument(fmt::format("{} does not fit in 32 bits", x));
+  if (x < min || x > max) return InvalidArgument(fmt::format("{} is outside [{}, {}]", x, min, max));
+  if (multiple_of > 1 && x % multiple_of != 0)
+    return InvalidArgument(fmt::format("{} is not a multiple of {}", x, multiple_of));
+  return static_cast<std::uint32_t>(x);
+}
+
+}  // namespace
+
 void ConfigTable::add(std::string name, std::uint32_t* field, std::string doc) {
   add_knob(
       std::move(name), "uint32", std::move(doc),
       [field](std::string_view v) -> Status {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t x, parse_size(v));
-        if (x > std::numeric_limits<std::uint32_t>::max())
-          return InvalidArgument(fmt::format("{} does not fit in 32 bits", x));
-        *field = static_cast<std::uint32_t>(x);
+        KVTIER_ASSIGN_OR_RETURN(*field, parse_u32(v, 0, std::numeric_limits<std::uint32_t>::max(), 1));
         return Status::Ok();
       },
       [field] { return std::to_string(*field); });
@@ -146,11 +158,7 @@ void ConfigTable::add(std::string name, std::uint32_t* field, std::string doc, s
   add_knob(
       std::move(name), std::move(type), std::move(doc),
       [field, min, max, multiple_of](std::string_view v) -> Status {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t x, parse_size(v));
-        if (x < min || x > max) return InvalidArgument(fmt::format("{} is outside [{}, {}]", x, min, max));
-        if (multiple_of > 1 && x % multiple_of != 0)
-          return InvalidArgument(fmt::format("{} is not a multiple of {}", x, multiple_of));
-        *field = static_cast<std::uint32_t>(x);
+        KVTIER_ASSIGN_OR_RETURN(*field, parse_u32(v, min, max, multiple_of));
         return Status::Ok();
       },
       [field] { return std::to_string(*field); });

@@ -1,9 +1,9 @@
 // Fuzzes the KV event batch decoder (metrics::decode_msgpack, what subscribers and
 // kvtier.metrics.decode_kv_event_batch run on bytes off the wire) with arbitrary bytes.
 //
-// Invariants: every input returns a Result (no crash, no exception, no allocation beyond what
-// the input's length allows); a batch that decodes encodes again, in both encodings, to bytes
-// that decode to the same batch.
+// Invariants: every input returns a Result (no crash, no exception; memory in proportion to the
+// items actually read, never to a header's count); a batch that decodes encodes again, in both
+// encodings, to bytes that decode to the same events.
 #include <cstddef>
 #include <cstdint>
 #include <string_view>

@@ -158,8 +158,10 @@ class Writer {
 
 // ---- decoder ------------------------------------------------------------------
 struct Value {
-  enum Kind { kNil, kBool, kInt, kFloat, kStr, kBin, kArray, kMap } kind = kNil;
+  // kUint: an unsigned integer above 2**63 - 1 (in u); smaller integers are kInt.
+  enum Kind { kNil, kBool, kInt, kUint, kFloat, kStr, kBin, kArray, kMap } kind = kNil;
   std::int64_t i = 0;  // int, or bool as 0 / 1
+  std::uint64_t u = 0;
   double f = 0;
   std::string s;                                      // str or bin
   std::vector<Value> items;                           // array
@@ -236,9 +238,12 @@ class Reader {
       }
       case 0xcf: {
         KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, be(8));
-        // Every integer field of the schema fits 63 bits: a larger one is refused, not wrapped negative.
-        if (n > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-          return err(fmt::format("unsigned integer {} is above 2**63 - 1", n));
+        // vLLM's integer block hashes use all 64 bits; the fields that are int64 refuse a larger value themselves.
+        if (n > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+          v.kind = Value::kUint;
+          v.u = n;
+          return v;
+        }
         return num(static_cast<std::int64_t>(n));
       }
       case 0xd0: {
@@ -300,8 +305,7 @@ class Reader {
   Result<Value> arr(std::uint64_t n, int depth) {
     if (n > b_.size() - pos_) return err(fmt::format("array of {} items is longer than the rest", n));
     Value v;
-    v.kind = Value::kArray;
-    v.items.reserve(n);
+    v.kind = Value::kArray;  // grown item by item: a header's count is not trusted for an allocation
     for (std::uint64_t i = 0; i < n; ++i) {
       KVTIER_ASSIGN_OR_RETURN(Value x, value(depth + 1));
       v.items.push_back(std::move(x));
@@ -312,7 +316,6 @@ class Reader {
     if (n > (b_.size() - pos_) / 2) return err(fmt::format("map of {} entries is longer than the rest", n));
     Value v;
     v.kind = Value::kMap;
-    v.fields.reserve(n);
     for (std::uint64_t i = 0; i < n; ++i) {
       KVTIER_ASSIGN_OR_RETURN(Value key, value(depth + 1));
       if (key.kind != Value::kStr) return err("a map key is not a string");
@@ -336,7 +339,10 @@ Result<BlockHash> to_hash(const Value& v) {
     }
     return h;
   }
-  if (v.kind == Value::kInt) return BlockHash{0, static_cast<std::uint64_t>(v.i)};  // vLLM's int hashes
+  // vLLM's int hashes (64 bits: the default of VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), negative ones as msgpack wrote
+  // them (two's complement).
+  if (v.kind == Value::kInt) return BlockHash{0, static_cast<std::uint64_t>(v.i)};
+  if (v.kind == Value::kUint) return BlockHash{0, v.u};
   return bad("a block hash is neither 16 bytes nor an integer");
 }
 
@@ -350,117 +356,103 @@ Result<std::vector<BlockHash>> to_hashes(const Value& v) {
   return out;
 }
 
-// `locality` (map events only): vLLM's LOCAL or REMOTE for its STORAGE medium.
-Result<std::optional<Medium>> to_medium(const Value& v, const Value* locality = nullptr) {
+// `locality` (map events only): vLLM's LOCAL or REMOTE for its STORAGE medium. Absent, nil or another string (the
+// schema's type is any string; None means unspecified): local storage, kDisk, rather than a batch refused whole.
+Result<std::optional<Medium>> to_medium(const Value& v, const Value* locality) {
   if (v.kind == Value::kNil) return std::optional<Medium>{};
   if (v.kind != Value::kStr) return bad("medium is not a string");
   auto m = parse_medium(v.s);
-  if (!m.ok()) return bad(fmt::format("medium '{}' is none of GPU, CPU, STORAGE, DISK, REMOTE", shown_value(v.s)));
-  if (v.s == "STORAGE" && locality != nullptr && locality->kind != Value::kNil) {
-    if (locality->kind != Value::kStr || (locality->s != "LOCAL" && locality->s != "REMOTE"))
-      return bad("locality is neither LOCAL nor REMOTE");
-    if (locality->s == "REMOTE") return std::optional<Medium>{Medium::kRemote};
-  }
+  if (!m.ok()) return bad(fmt::format("medium '{}' is none of {}", shown_value(v.s), kMediumNames.accepted()));
+  if (v.s == "STORAGE" && locality != nullptr && locality->kind == Value::kStr && locality->s == "REMOTE")
+    return std::optional<Medium>{Medium::kRemote};
   return std::optional<Medium>{*m};
 }
 
-Result<std::vector<std::int64_t>> to_token_ids(const Value& v) {
-  if (v.kind != Value::kArray) return bad("token_ids is not an array");
-  std::vector<std::int64_t> out;
-  out.reserve(v.items.size());
-  for (const Value& t : v.items) {
-    if (t.kind != Value::kInt) return bad("a token id is not an integer");
-    out.push_back(t.i);
-  }
-  return out;
-}
+// An event's fields, found by position (array form) or by name (map form); null where absent.
+struct EventFields {
+  std::string_view tag;
+  const Value* block_hashes = nullptr;
+  const Value* parent_block_hash = nullptr;
+  const Value* token_ids = nullptr;
+  const Value* block_size = nullptr;
+  const Value* lora_id = nullptr;
+  const Value* medium = nullptr;
+  const Value* locality = nullptr;
+};
 
-Result<std::uint32_t> to_block_size(const Value& v) {
-  if (v.kind != Value::kInt || v.i < 0 || v.i > std::numeric_limits<std::uint32_t>::max())
-    return bad("block_size is not an integer in [0, 2**32 - 1]");
-  return static_cast<std::uint32_t>(v.i);
-}
-
-// An event of the map encoding (kv_events.h): fields by name, those the schema has and kvtier does not
-// (group_idx, lora_name, ...) skipped.
-Result<KvEvent> map_event(const Value& v) {
-  const Value* type = v.field("type");
-  if (type == nullptr || type->kind != Value::kStr) return bad("an event map has no string \"type\"");
-  static const Value kNilValue;
-  auto get = [&](std::string_view name) {
-    const Value* f = v.field(name);
-    return f != nullptr ? f : &kNilValue;
-  };
-  const std::string& tag = type->s;
-  if (tag == "BlockStored") {
-    const Value* hashes = v.field("block_hashes");
-    const Value* block_size = v.field("block_size");
-    if (hashes == nullptr || block_size == nullptr) return bad("BlockStored without block_hashes or block_size");
-    BlockStored e;
-    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(*hashes));
-    if (get("parent_block_hash")->kind != Value::kNil) {
-      KVTIER_ASSIGN_OR_RETURN(BlockHash p, to_hash(*get("parent_block_hash")));
-      e.parent_block_hash = p;
-    }
-    if (const Value* t = v.field("token_ids")) {
-      KVTIER_ASSIGN_OR_RETURN(e.token_ids, to_token_ids(*t));
-    }
-    KVTIER_ASSIGN_OR_RETURN(e.block_size, to_block_size(*block_size));
-    if (get("lora_id")->kind == Value::kInt)
-      e.lora_id = get("lora_id")->i;
-    else if (get("lora_id")->kind != Value::kNil)
-      return bad("lora_id is not an integer or nil");
-    KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(*get("medium"), v.field("locality")));
-    return KvEvent{std::move(e)};
+Result<EventFields> fields_of(const Value& v) {
+  EventFields f;
+  auto at = [&](std::size_t i) { return i < v.items.size() ? &v.items[i] : nullptr; };
+  if (v.kind == Value::kMap) {
+    const Value* type = v.field("type");
+    if (type == nullptr || type->kind != Value::kStr) return bad("an event map has no string \"type\"");
+    f.tag = type->s;
+    f.block_hashes = v.field("block_hashes");
+    f.parent_block_hash = v.field("parent_block_hash");
+    f.token_ids = v.field("token_ids");
+    f.block_size = v.field("block_size");
+    f.lora_id = v.field("lora_id");
+    f.medium = v.field("medium");
+    f.locality = v.field("locality");
+    return f;
   }
-  if (tag == "BlockRemoved") {
-    const Value* hashes = v.field("block_hashes");
-    if (hashes == nullptr) return bad("BlockRemoved without block_hashes");
-    BlockRemoved e;
-    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(*hashes));
-    KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(*get("medium"), v.field("locality")));
-    return KvEvent{std::move(e)};
-  }
-  if (tag == "AllBlocksCleared") return KvEvent{AllBlocksCleared{}};
-  return bad(fmt::format("unknown event tag '{}'", shown_value(tag)));
-}
-
-Result<KvEvent> to_event(const Value& v) {
-  if (v.kind == Value::kMap) return map_event(v);
   if (v.kind != Value::kArray || v.items.empty() || v.items[0].kind != Value::kStr)
     return bad("an event is neither a tagged map nor a tagged array");
-  const std::string& tag = v.items[0].s;
-  const auto& it = v.items;
-  if (tag == "BlockStored") {
-    if (it.size() < 6) return bad(fmt::format("BlockStored has {} fields, wants at least 6", it.size()));
+  f.tag = v.items[0].s;
+  f.block_hashes = at(1);
+  if (f.tag == "BlockStored") {
+    f.parent_block_hash = at(2);
+    f.token_ids = at(3);
+    f.block_size = at(4);
+    f.lora_id = at(5);
+    f.medium = at(6);
+  } else if (f.tag == "BlockRemoved") {
+    f.medium = at(2);
+  }
+  return f;
+}
+
+// Both forms ask for the same fields: BlockStored's hashes, parent, token ids, block size and lora id (its medium
+// may be left out, as the array form of the earliest releases did), BlockRemoved's hashes.
+Result<KvEvent> to_event(const Value& v) {
+  KVTIER_ASSIGN_OR_RETURN(EventFields f, fields_of(v));
+  static const Value kNilValue;
+  const Value& medium = f.medium != nullptr ? *f.medium : kNilValue;
+  if (f.tag == "BlockStored") {
+    if (f.block_hashes == nullptr || f.parent_block_hash == nullptr || f.token_ids == nullptr ||
+        f.block_size == nullptr || f.lora_id == nullptr)
+      return bad("BlockStored without one of block_hashes, parent_block_hash, token_ids, block_size, lora_id");
     BlockStored e;
-    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(it[1]));
-    if (it[2].kind != Value::kNil) {
-      KVTIER_ASSIGN_OR_RETURN(BlockHash p, to_hash(it[2]));
+    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(*f.block_hashes));
+    if (f.parent_block_hash->kind != Value::kNil) {
+      KVTIER_ASSIGN_OR_RETURN(BlockHash p, to_hash(*f.parent_block_hash));
       e.parent_block_hash = p;
     }
-    KVTIER_ASSIGN_OR_RETURN(e.token_ids, to_token_ids(it[3]));
-    KVTIER_ASSIGN_OR_RETURN(e.block_size, to_block_size(it[4]));
-    if (it[5].kind == Value::kInt)
-      e.lora_id = it[5].i;
-    else if (it[5].kind != Value::kNil)
-      return bad("lora_id is not an integer or nil");
-    if (it.size() > 6) {
-      KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(it[6]));
+    if (f.token_ids->kind != Value::kArray) return bad("token_ids is not an array");
+    for (const Value& t : f.token_ids->items) {
+      if (t.kind != Value::kInt) return bad("a token id is not an integer in [-2**63, 2**63 - 1]");
+      e.token_ids.push_back(t.i);
     }
+    if (f.block_size->kind != Value::kInt || f.block_size->i < 0 ||
+        f.block_size->i > std::numeric_limits<std::uint32_t>::max())
+      return bad("block_size is not an integer in [0, 2**32 - 1]");
+    e.block_size = static_cast<std::uint32_t>(f.block_size->i);
+    if (f.lora_id->kind == Value::kInt)
+      e.lora_id = f.lora_id->i;
+    else if (f.lora_id->kind != Value::kNil)
+      return bad("lora_id is not an integer in [-2**63, 2**63 - 1] or nil");
+    KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(medium, f.locality));
     return KvEvent{std::move(e)};
   }
-  if (tag == "BlockRemoved") {
-    if (it.size() < 2) return bad("BlockRemoved without block_hashes");
+  if (f.tag == "BlockRemoved") {
+    if (f.block_hashes == nullptr) return bad("BlockRemoved without block_hashes");
     BlockRemoved e;
-    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(it[1]));
-    if (it.size() > 2) {
-      KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(it[2]));
-    }
+    KVTIER_ASSIGN_OR_RETURN(e.block_hashes, to_hashes(*f.block_hashes));
+    KVTIER_ASSIGN_OR_RETURN(e.medium, to_medium(medium, f.locality));
     return KvEvent{std::move(e)};
   }
-  if (tag == "AllBlocksCleared") return KvEvent{AllBlocksCleared{}};
-  return bad(fmt::format("unknown event tag '{}'", shown_value(tag)));
+  if (f.tag == "AllBlocksCleared") return KvEvent{AllBlocksCleared{}};
+  return bad(fmt::format("unknown event tag '{}'", shown_value(f.tag)));
 }
 
 }  // namespace
@@ -468,8 +460,9 @@ Result<KvEvent> to_event(const Value& v) {
 std::string encode_msgpack(const EventBatch& batch, EventEncoding encoding) {
   const bool as_map = encoding == EventEncoding::kMap;
   Writer w;
-  // vLLM 0.34 writes a None rank as nil; the earlier array form left it out.
-  w.array(batch.data_parallel_rank || as_map ? 3 : 2);
+  // msgspec writes every field of the array_like batch, a None rank as nil (omit_defaults does not apply to
+  // arrays), in both forms.
+  w.array(3);
   w.f64(batch.ts);
   w.array(batch.events.size());
   for (const KvEvent& ev : batch.events) {
@@ -539,7 +532,7 @@ std::string encode_msgpack(const EventBatch& batch, EventEncoding encoding) {
   }
   if (batch.data_parallel_rank)
     w.sint(*batch.data_parallel_rank);
-  else if (as_map)
+  else
     w.nil();
   return std::move(w.out);
 }
@@ -555,6 +548,8 @@ Result<EventBatch> decode_msgpack(std::string_view bytes) {
     b.ts = v.items[0].f;
   else if (v.items[0].kind == Value::kInt)
     b.ts = static_cast<double>(v.items[0].i);
+  else if (v.items[0].kind == Value::kUint)
+    b.ts = static_cast<double>(v.items[0].u);
   else
     return bad("ts is not a number");
   if (v.items[1].kind != Value::kArray) return bad("events is not an array");
@@ -566,7 +561,7 @@ Result<EventBatch> decode_msgpack(std::string_view bytes) {
     if (v.items[2].kind == Value::kInt)
       b.data_parallel_rank = v.items[2].i;
     else if (v.items[2].kind != Value::kNil)
-      return bad("data_parallel_rank is not an integer");
+      return bad("data_parallel_rank is not an integer in [-2**63, 2**63 - 1]");
   }
   return b;
 }

@@ -14,7 +14,6 @@
 #include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <queue>
 #include <thread>
 #include <unordered_map>
@@ -231,6 +230,18 @@ bool ReplayStorage::check_pattern(const BlockKey& key, std::span<const std::byte
   return std::memcmp(want.data(), bytes.data(), bytes.size()) == 0;
 }
 
+Status check_queue_trace(const std::vector<TraceRequest>& trace) {
+  // Sorted by time instead, the queue model served another order than the replay without it, and the difference
+  // in hit ratio read as the queue's doing.
+  for (std::size_t i = 1; i < trace.size(); ++i)
+    if (trace[i].timestamp_ms < trace[i - 1].timestamp_ms)
+      return InvalidArgument(
+          fmt::format("replay: the queue model needs the trace in time order: request {} (timestamp {} ms) comes after "
+                      "request {} (timestamp {} ms)",
+                      i + 1, trace[i].timestamp_ms, i, trace[i - 1].timestamp_ms));
+  return Status::Ok();
+}
+
 namespace {
 
 // The device side of the real-bytes replay where there is no device memory: a FakePlanExecutor whose D2H moves
@@ -401,19 +412,10 @@ template <class Serve, class Step>
 Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& prep, const ReplayOptions& o,
                       CacheManager& cache, Serve& serve, Step step, ReplayResult& res) {
   const std::size_t n = trace.size();
-  std::vector<std::size_t> order(n);
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  // Requests arrive in file order, which must be their time order: sorted by time here, the queue model served
-  // another order than the replay without it, and the difference in hit ratio read as the queue's doing.
-  for (std::size_t i = 1; i < n; ++i)
-    if (trace[i].timestamp_ms < trace[i - 1].timestamp_ms)
-      return InvalidArgument(
-          fmt::format("replay: the queue model needs the trace in time order: request {} (timestamp {} ms) comes after "
-                      "request {} (timestamp {} ms)",
-                      i + 1, trace[i].timestamp_ms, i, trace[i - 1].timestamp_ms));
-  const std::uint64_t first_ms = n ? trace[order[0]].timestamp_ms : 0;
+  KVTIER_RETURN_IF_ERROR(check_queue_trace(trace));  // requests arrive in file order
+  const std::uint64_t first_ms = n ? trace[0].timestamp_ms : 0;
   auto arrival = [&](std::size_t k) {
-    return static_cast<double>(trace[order[k]].timestamp_ms - first_ms) / 1000.0 / o.load_factor;
+    return static_cast<double>(trace[k].timestamp_ms - first_ms) / 1000.0 / o.load_factor;
   };
   {
     // Every instant of the simulation is at most the last arrival plus all the service: a rate so small
@@ -462,7 +464,7 @@ Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& pr
     while (!finishes.empty() && finishes.top() <= now) finishes.pop();
     bool announced = false;
     while (next < n && arrival(next) <= now) {
-      const std::size_t i = order[next++];
+      const std::size_t i = next++;
       QueuedId id = 0;
       if (o.lookahead) {
         KVTIER_ASSIGN_OR_RETURN(id, cache.announce(admitted_keys(i)));

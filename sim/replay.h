@@ -229,8 +229,11 @@ struct ReplayResult {
 };
 
 // InvalidArgument, naming the value, for queue-model options out of range (checked only with queue_model)
-// and for lookahead without queue_model.
+// and for lookahead without queue_model; with queue_model also for a trace out of time order (check_queue_trace).
 Result<ReplayResult> replay_trace(const std::vector<TraceRequest>& trace, const ReplayOptions& options);
+// The queue model's requests arrive in file order: InvalidArgument naming the first request whose timestamp is
+// earlier than the one before it.
+Status check_queue_trace(const std::vector<TraceRequest>& trace);
 // Single tier of capacity_blocks through the cache manager with the oracle policy "belady" (MIN
 // without bypass, see above); other fields of `options` as given.
 Result<ReplayResult> replay_belady(const std::vector<TraceRequest>& trace, std::uint32_t capacity_blocks,

@@ -54,14 +54,15 @@ std::string resolve_trace(const std::string& path) {
 
 // A comma-separated flag value: items with the spaces around them trimmed. An empty item ("1,,2", "1,", " ")
 // is an error naming the flag (it was dropped silently), as is a value with no item.
-std::optional<std::string> parse_list(std::string_view flag, const std::string& s, std::vector<std::string>& out) {
+std::optional<std::string> parse_list(std::string_view flag, const std::string& s, std::vector<std::string>& out,
+                                      std::string_view example) {
   std::size_t start = 0;
   for (std::size_t n = 1;; ++n) {
     const std::size_t comma = s.find(',', start);
     std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     const std::size_t first = item.find_first_not_of(" \t"), last = item.find_last_not_of(" \t");
     if (first == std::string::npos)
-      return fmt::format("{} '{}': item {} is empty (a comma-separated list, e.g. 1000,4000)", flag, s, n);
+      return fmt::format("{} '{}': item {} is empty (a comma-separated list, e.g. {})", flag, s, n, example);
     out.push_back(item.substr(first, last - first + 1));
     if (comma == std::string::npos) return std::nullopt;
     start = comma + 1;
@@ -132,6 +133,7 @@ int run_load_table(const std::vector<cache::TraceRequest>& trace, const std::str
     std::fprintf(stderr, "kvtier replay: %s\n", s.to_string().c_str());
     return 1;
   };
+  if (Status st = cache::check_queue_trace(trace); !st.ok()) return fail(st);  // before the reference replay
   auto reference = cache::replay_trace(trace, base);
   if (!reference.ok()) return fail(reference.status());
   struct Row {
@@ -479,7 +481,7 @@ Action register_replay(CLI::App& app) {
     std::vector<std::uint32_t> sweep_caps;
     if (!a.sweep.empty()) {
       std::vector<std::string> caps_s;
-      if (auto err = parse_list("--sweep", a.sweep, caps_s)) return bad(*err);
+      if (auto err = parse_list("--sweep", a.sweep, caps_s, "1000,4000")) return bad(*err);
       for (const auto& c : caps_s) {
         std::uint64_t v = 0;
         const bool digits = c.size() <= 19 && c.find_first_not_of("0123456789") == std::string::npos;
@@ -589,7 +591,7 @@ Action register_replay(CLI::App& app) {
     if (a.queue) {
       if (!a.sweep.empty() || !a.storage.empty()) return bad("--queue runs the fake executor: no --sweep or --storage");
       std::vector<std::string> load_s;
-      if (auto err = parse_list("--load", a.loads, load_s)) return bad(*err);
+      if (auto err = parse_list("--load", a.loads, load_s, "0.5,1,2")) return bad(*err);
       std::vector<double> loads;
       for (const auto& l : load_s) {
         char* end = nullptr;
@@ -612,7 +614,7 @@ Action register_replay(CLI::App& app) {
     if (!a.sweep.empty()) {
       std::vector<std::string> pols;
       const std::vector<std::uint32_t>& caps = sweep_caps;
-      if (auto err = parse_list("--sweep-policies", a.sweep_policies, pols)) return bad(*err);
+      if (auto err = parse_list("--sweep-policies", a.sweep_policies, pols, "lru,adaptive")) return bad(*err);
       cache::SweepOptions so;
       so.default_policy = a.sweep_default;
       so.max_multiplier = a.sweep_max_multiplier;

@@ -297,7 +297,7 @@ def request_hints(envelope: Any) -> Dict[str, Any]:
             try:
                 out["conversation_id"] = (cid if fits else int.from_bytes(
                     hashlib.blake2b(str(cid).encode(), digest_size=8).digest(), "little"))
-            except (ValueError, TypeError, UnicodeError) as e:  # a str() that raises, a lone surrogate
+            except (ValueError, TypeError) as e:  # a str() that raises; a lone surrogate (UnicodeError)
                 ignore(f"conversation_id: {e}")
         if "continuation" in payload:
             c = payload["continuation"]

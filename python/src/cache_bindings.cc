@@ -178,7 +178,10 @@ cache::KvGroupConfig group_config(const nb::dict& d, std::size_t index) {
   g.cache.device_blocks = get_u32("device_blocks", 0);
   g.cache.host_blocks = get_u32("host_blocks", 0);
   g.cache.storage_blocks = get_u32("storage_blocks", 0);
-  g.cache.write_policy = value_or_raise(cache::parse_write_policy(get_str("write_policy", "write_back")));
+  auto write_policy = cache::parse_write_policy(get_str("write_policy", "write_back"));
+  if (!write_policy.ok())
+    raise_status(write_policy.status().with_context(fmt::format("group {} ('{}')", index, g.name)));
+  g.cache.write_policy = *write_policy;
   g.cache.device_policy = get_str("device_policy", "adaptive");
   g.cache.host_policy = get_str("host_policy", "lru");
   return g;

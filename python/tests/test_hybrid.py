@@ -148,8 +148,10 @@ def test_an_announced_request_is_protected_in_every_group_until_withdrawn():
     s = hc.stats()["groups"]
     assert s[0]["queued_requests"] == 0 and s[1]["queued_requests"] == 0
     assert s[0]["protected_blocks"][0] == 0
-    with pytest.raises(kvtier.NotFoundError):
+    with pytest.raises(kvtier.FailedPreconditionError, match="withdrawn already"):  # as CacheManager.withdraw
         hc.withdraw(q)
+    with pytest.raises(kvtier.NotFoundError, match="never made"):
+        hc.withdraw(q + 1000)
     with pytest.raises(kvtier.InvalidArgumentError, match="hybrid announce"):
         hc.announce(len(prompt), [chain])
 
@@ -163,3 +165,105 @@ def test_group_numbers_of_the_wrong_kind_are_named():
             kvtier.HybridCache([g])
     with pytest.raises(kvtier.InvalidArgumentError, match="key 1 is not a string"):
         kvtier.HybridCache([{1: 2}])
+
+
+# ---- faults an adversarial pass found ------------------------------------------------------------------------------
+
+def _keys(tokens, block):
+    return kvtier.KeyHasher("hybrid-faults", block_tokens=block).keys_for(tokens)
+
+
+def _ack_all(hc):
+    for g, plan in enumerate(hc.take_plan()):
+        for kind, moves in plan.items():
+            if moves:
+                hc.ack(g, kind, [m[1] for m in moves])
+
+
+def test_a_window_served_from_a_full_host_tier_is_admitted_and_keeps_its_blocks():
+    """A sliding window's host hits were admitted one key at a time: the device block allocated for the first
+    evicted a device block to the (full) host tier, which dropped the second planned host hit. The admission was
+    refused ("retry after the plan's acks"), and the prefix was gone for good (its hit fell from 16 to 0)."""
+    hc = kvtier.HybridCache([dict(name="g", kind="sliding_window", block_tokens=4, window_tokens=8,
+                                  device_blocks=4, host_blocks=2)])
+
+    def run(tokens):
+        a = hc.admit(len(tokens), [_keys(tokens, 4)])
+        _ack_all(hc)
+        hc.commit(a["id"], len(tokens))
+        hc.release(a["id"])
+        _ack_all(hc)
+
+    prompt = list(range(16))
+    run(prompt)
+    run(list(range(500, 508)))
+    run(list(range(600, 608)))  # the prompt's window blocks (2 and 3) now fill the host tier
+    longer = prompt + list(range(900, 904))
+    chain = _keys(longer, 4)
+    assert hc.match(20, [chain])["hit_tokens"] == 16
+    a = hc.admit(20, [chain])
+    assert a["hit_tokens"] == 16 and a["groups"][0]["loaded_blocks"] == 2
+    _ack_all(hc)
+    hc.commit(a["id"], 20)
+    hc.release(a["id"])
+    hc.check_invariants()
+
+
+def test_the_default_state_save_is_where_a_hit_can_end():
+    """With an attention group of 8-token blocks and a state group of 4, hits are multiples of 8: the default save at
+    the last 4-token boundary (12 of 12 tokens) could never be read, and explicit saves off the 8-token grid were
+    accepted."""
+    hc = kvtier.HybridCache([dict(name="att", kind="full", block_tokens=8, device_blocks=32),
+                             dict(name="mamba", kind="state", block_tokens=4, device_blocks=32)])
+    assert hc.hit_granularity == 8
+    prompt = list(range(12))
+    a = hc.admit(12, [_keys(prompt, 8), _keys(prompt, 4)])
+    assert [t for t, _ in a["groups"][1]["state_saves"]] == [8]
+    hc.commit(a["id"], 12)
+    hc.release(a["id"])
+    longer = prompt + list(range(100, 112))
+    assert hc.match(24, [_keys(longer, 8), _keys(longer, 4)])["hit_tokens"] == 8
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"save_states_at\[0\] = 4 is not a multiple of the hit "
+                                                          r"granularity 8"):
+        hc.admit(24, [_keys(longer, 8), _keys(longer, 4)], save_states_at=[4, 16])
+
+
+def test_repeated_keys_are_refused_in_window_and_state_groups():
+    """A full group refused a chain repeating a key; a window or state group took it and then reported a hit of 16
+    tokens served by one block."""
+    k = _keys(list(range(4)), 4)[0]
+    for kind in ("full", "sliding_window", "state"):
+        g = dict(name="g", kind=kind, block_tokens=4, device_blocks=16)
+        if kind == "sliding_window":
+            g["window_tokens"] = 8
+        hc = kvtier.HybridCache([g])
+        with pytest.raises(kvtier.InvalidArgumentError, match="repeats"):
+            hc.admit(16, [[k, k, k, k]])
+        if kind != "full":  # a full group's chain is checked where it is admitted
+            with pytest.raises(kvtier.InvalidArgumentError, match="repeats"):
+                hc.match(16, [[k, k, k, k]])
+
+
+def test_a_window_needs_what_its_first_recomputed_token_attends_to():
+    """A window of W tokens attends to W tokens, the token itself included (vLLM keeps cdiv(W - 1, B) blocks before a
+    hit): with W = 5 and 4-token blocks a hit of 8 needs block 1 only. kvtier asked for blocks 0 and 1."""
+    hc = kvtier.HybridCache([dict(name="swa", kind="sliding_window", block_tokens=4, window_tokens=5,
+                                  device_blocks=5, device_policy="lru")])
+    prompt = list(range(12))
+    chain = _keys(prompt, 4)
+    a = hc.admit(12, [chain])
+    hc.commit(a["id"], 12)
+    hc.release(a["id"])
+    b = hc.admit(12, [chain], max_hit_tokens=8)
+    assert b["hit_tokens"] == 8 and b["groups"][0]["first_block"] == 1
+
+
+def test_bad_group_settings_name_the_group_and_matching_nothing_is_no_error():
+    base = dict(name="full", kind="full", block_tokens=16, device_blocks=8)
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"group 1 \('swa'\).*'writeback'"):
+        kvtier.HybridCache([base, dict(name="swa", kind="sliding_window", block_tokens=16, window_tokens=64,
+                                       device_blocks=8, write_policy="writeback")])
+    hc = kvtier.HybridCache([base])
+    assert hc.match(0, [[]])["hit_tokens"] == 0
+    with pytest.raises(kvtier.InvalidArgumentError, match="nothing to admit"):
+        hc.admit(0, [[]])

@@ -128,19 +128,21 @@ def test_the_array_encoding_is_the_earlier_form(vk):
 
 
 def test_kvtier_reads_what_vllm_writes(vk):
-    h1, h2 = bytes(range(16)), 12345
+    # vLLM's default hashes are integers of all 64 bits (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES): half of them are
+    # above 2**63 - 1, which refused the whole batch.
+    h1, h2, h3, h4 = bytes(range(16)), 12345, 2**64 - 1, 2**63
     batch = vk["KVEventBatch"](
         ts=2.5,
         events=[
             vk["BlockStored"](
-                block_hashes=[h1, h2],
-                parent_block_hash=None,
+                block_hashes=[h1, h2, h3],
+                parent_block_hash=h4,
                 token_ids=[1, 2, 3],
                 block_size=16,
                 lora_id=None,
                 medium="GPU",
                 lora_name="adapter",
-                extra_keys=[("mm", 3), None],
+                extra_keys=[("mm", 3), None, ("mm", 2**64 - 1)],
                 group_idx=1,
                 kv_cache_spec_kind="full_attention",
             ),
@@ -153,7 +155,8 @@ def test_kvtier_reads_what_vllm_writes(vk):
     assert got["ts"] == 2.5 and got["data_parallel_rank"] == 3
     stored, removed, cleared = got["events"]
     assert stored["type"] == "BlockStored" and stored["token_ids"] == [1, 2, 3] and stored["medium"] == "GPU"
-    assert stored["block_hashes"] == [h1, (12345).to_bytes(16, "big")]
+    assert stored["block_hashes"] == [h1, h2.to_bytes(16, "big"), h3.to_bytes(16, "big")]
+    assert stored["parent_block_hash"] == h4.to_bytes(16, "big")
     assert removed == {"type": "BlockRemoved", "block_hashes": [h1], "medium": "REMOTE"}
     assert cleared == {"type": "AllBlocksCleared"}
 

@@ -381,7 +381,7 @@ def test_event_batches_with_integers_out_of_range_or_an_unknown_medium_are_refus
     assert ok["events"][0]["block_size"] == 16 and ok["data_parallel_rank"] == 3
     with pytest.raises(kvtier.DataLossError, match="block_size"):
         decode(stored(2**32 + 5, 3))
-    with pytest.raises(kvtier.DataLossError, match="above 2\\*\\*63 - 1"):
+    with pytest.raises(kvtier.DataLossError, match="data_parallel_rank is not an integer in \\[-2\\*\\*63, 2\\*\\*63 - 1\\]"):
         decode(stored(16, 2**63 + 1))
     with pytest.raises(kvtier.DataLossError, match="medium 'cpu_offload'"):
         decode(stored(16, 3, "cpu_offload"))

@@ -664,6 +664,57 @@ TEST(HybridCache, EvictionsAndTierWritesPerGroup) {
 }
 
 // A failed load in one group fails the admission (recompute), the group named.
+// A window's host hits are admitted one key at a time. With the host tier full of them, the device block allocated
+// for the first demoted a device block to host, which dropped the next planned host hit: the admission was refused
+// ("retry after the plan's acks") and the prefix was gone for good (its hit fell from 16 tokens to 0).
+TEST(HybridCache, AWindowServedFromAFullHostTierIsAdmittedAndKeepsItsBlocks) {
+  HybridConfig c;
+  c.groups.push_back(group("swa", GroupKind::kSlidingWindow, 4, 8, /*device=*/4, /*host=*/2));
+  auto h = make(c);
+  ASSERT_TRUE(h);
+  Fakes f(1);
+  Prompt a(*h, tokens(16, 1));
+  serve(*h, *f.exec, a.request());
+  serve(*h, *f.exec, Prompt(*h, tokens(8, 2)).request());
+  serve(*h, *f.exec, Prompt(*h, tokens(8, 3)).request());  // a's window blocks (2 and 3) fill the host tier
+  EXPECT_EQ(manager(*h, 0).stats().tiers[static_cast<int>(Tier::kHost)].used, 2u);
+  Prompt b(*h, concat(a.ids, tokens(4, 4)));
+  auto m = h->match(b.request());
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->hit_tokens, 16u);
+  auto bb = h->admit(b.request());
+  ASSERT_TRUE(bb.ok()) << bb.status().to_string();
+  EXPECT_EQ(bb->hit_tokens, 16u);
+  EXPECT_EQ(bb->groups[0].loaded_blocks, 2u);
+  run_plan(*h, *f.exec);
+  ASSERT_OK(h->commit(bb->id, 20));
+  ASSERT_OK(h->release(bb->id));
+  EXPECT_HYBRID_INVARIANTS(*h);
+  auto again = h->match(b.request());
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->hit_tokens, 20u - 20u % h->hit_granularity());
+}
+
+// A window of W tokens is what a token attends to, itself included (vLLM keeps cdiv(W - 1, B) blocks before a hit):
+// with W = 5 and 4-token blocks, a hit of 8 tokens needs block 1 only (tokens 4..7); kvtier asked for block 0 too.
+TEST(HybridCache, AWindowNeedsWhatItsFirstRecomputedTokenAttendsTo) {
+  HybridConfig c;
+  c.groups.push_back(group("swa", GroupKind::kSlidingWindow, 4, 5, /*device=*/8));
+  auto h = make(c);
+  ASSERT_TRUE(h);
+  Fakes f(1);
+  Prompt a(*h, tokens(12, 1));
+  serve(*h, *f.exec, a.request());
+  HybridRequest r = a.request();
+  r.max_hit_tokens = 8;
+  auto aa = h->admit(r);
+  ASSERT_TRUE(aa.ok()) << aa.status().to_string();
+  EXPECT_EQ(aa->hit_tokens, 8u);
+  EXPECT_EQ(aa->groups[0].first_block, 1u);
+  EXPECT_EQ(aa->groups[0].device_blocks[0], kNoBlock);
+  ASSERT_OK(h->release(aa->id));
+}
+
 TEST(HybridCache, FailedLoadFailsTheAdmission) {
   auto h = make(jamba(/*state_device=*/8, /*attn_device=*/16, /*host=*/64));
   ASSERT_TRUE(h);
@@ -827,7 +878,11 @@ TEST(HybridCache, BadInputIsAnErrorNamingTheValue) {
              "KV group 0 (\"full\"): 12 chain keys for num_tokens 220 at block_tokens 16: want 13");
   r = a.request();
   r.save_states_at = {100};
-  expect_err(h->admit(r).status(), StatusCode::kInvalidArgument, "save_states_at[0] = 100 is not on a block boundary");
+  expect_err(h->admit(r).status(), StatusCode::kInvalidArgument,
+             "save_states_at[0] = 100 is not a multiple of the hit granularity 64");
+  r.save_states_at = {128, 160};  // 160: on the window group's 32-token grid, not on the 64-token one of hits
+  expect_err(h->admit(r).status(), StatusCode::kInvalidArgument,
+             "save_states_at[1] = 160 is not a multiple of the hit granularity 64");
   r.save_states_at = {256};
   expect_err(h->admit(r).status(), StatusCode::kInvalidArgument, "save_states_at[0] = 256");
   r = HybridRequest{};
@@ -913,7 +968,7 @@ TEST(HybridCache, AnnouncedRequestsArePrefetchedAndProtectedPerGroup) {
   // Scheduled: withdrawn first, then admitted with the whole prompt served from device.
   ASSERT_OK(h->withdraw(*q));
   EXPECT_EQ(h->announced(), 0u);
-  EXPECT_EQ(h->withdraw(*q).code(), StatusCode::kNotFound);
+  EXPECT_EQ(h->withdraw(*q).code(), StatusCode::kFailedPrecondition);  // withdrawn already (NotFound: never made)
   auto adm = h->admit(a.request());
   ASSERT_TRUE(adm.ok()) << adm.status().to_string();
   EXPECT_EQ(adm->hit_tokens, 256u);

@@ -359,8 +359,12 @@ class CacheManager {
   // compute into even when cached (the Admission counts them as new), for a
   // caller whose forward pass starts earlier than this cache could serve
   // (a hybrid model whose other KV groups served less: hybrid_cache.h).
+  // `hold`: other indexed keys whose copies this call's evictions must leave in place, as if pinned for its
+  // duration (a caller that admits several root-level entries one call at a time, such as a hybrid window's
+  // host hits: without it, a block demoted for the first could drop the host copy of the next). Where a demotion
+  // finds no other host block, the device victim is dropped instead, or the call is refused as above.
   Result<Admission> admit(std::span<const BlockKey> keys, std::uint32_t extra_blocks = 0,
-                          std::uint32_t max_hit_blocks = kNoHitLimit);
+                          std::uint32_t max_hit_blocks = kNoHitLimit, std::span<const BlockKey> hold = {});
 
   // After the forward pass: the first `num_computed` keys of the admission
   // hold data; the new ones join the index (still pinned by the admission).

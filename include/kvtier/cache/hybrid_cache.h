@@ -25,8 +25,9 @@
 // counts as served when it is settled on device or host: host copies are
 // loaded by the plan; storage-only copies are not served, as in CacheManager):
 //   - full: every block of [0, h);
-//   - sliding window (window W): the blocks overlapping [h - W, h), the window
-//     the first recomputed token attends to;
+//   - sliding window (window W): the blocks overlapping [h - W + 1, h), what the
+//     first recomputed token attends to besides itself (a token at p attends to
+//     [p - W + 1, p], the sliding_window of Hugging Face's and vLLM's models);
 //   - state: the state saved at h (h = 0 needs none: the zero state).
 // h is a multiple of hit_granularity(), the lcm of every group's block size
 // (a hit ends on a block boundary of every group: blocks are whole, states
@@ -45,7 +46,7 @@
 //     (first_block) on; positions before it hold no block (kNoBlock: they are
 //     neither matched, nor loaded, nor allocated). commit(id, n) releases the
 //     blocks that no later token's window reaches (those ending at or before
-//     n - W): unpinned, still indexed, so a later request whose hit falls
+//     n - W + 1): unpinned, still indexed, so a later request whose hit falls
 //     within a window of them can use them until the eviction policy takes them.
 //   - state: the state at the hit (state_in, loaded if on host), one fresh
 //     block per boundary the forward saves (state_saves: every entry of
@@ -120,8 +121,9 @@ struct KvGroupConfig {
   std::string name;                   // unique, non-empty: messages and the kv_group metrics label
   GroupKind kind = GroupKind::kFull;  // what the group keeps: blocks of every token, a window of them, a state
   std::uint32_t block_tokens = 0;     // tokens per block (state: tokens between boundaries); >= 1
-  std::uint32_t window_tokens = 0;    // kSlidingWindow: the attention window in tokens, >= 1; otherwise 0
-  CacheConfig cache;                  // this group's pools, policies, write policy
+  std::uint32_t window_tokens = 0;  // kSlidingWindow: the model's sliding_window (a token attends to this many, itself
+                                    // included), >= 1; otherwise 0
+  CacheConfig cache;                // this group's pools, policies, write policy
 };
 
 struct HybridConfig {
@@ -275,7 +277,8 @@ class HybridCache {
   Result<HybridQueuedId> announce(const HybridRequest& request, const RequestHints& hints = {});
   // The request left the queue (scheduled: call it before admit(), or cancelled): every group's announcement
   // is withdrawn (CacheManager::withdraw: kContinues / ttl_steps become retentions). NotFound for an id never
-  // announced or already withdrawn; a group's error names the group (the other groups are still withdrawn).
+  // announced, FailedPrecondition for one withdrawn already (as CacheManager::withdraw); a group's error names the
+  // group (the other groups are still withdrawn).
   Status withdraw(HybridQueuedId id);
   // Announcements not yet withdrawn.
   std::size_t announced() const noexcept { return announced_.size(); }

@@ -27,7 +27,8 @@ namespace kvtier {
 struct KnobInfo {
   std::string name;     // e.g. "copy.sm_ctas_h2d"
   std::string env_var;  // e.g. "KVTIER_COPY_SM_CTAS_H2D"
-  // "uint64", "uint32", "int", "double", "bool", "string", "octal mode", "duration (<unit>)" or "enum: a, b, c".
+  // "uint64", "uint32", "uint32 [min, max]" (", multiple of m"), "int", "double", "double [min, max]", "bool",
+  // "string", "octal mode", "duration (<unit>)" or "enum: a, b, c".
   std::string type;
   std::string default_value;
   std::string value;  // current value

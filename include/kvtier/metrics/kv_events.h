@@ -10,7 +10,7 @@
 // vLLM's ExternalBlockHash (bytes | int) accepts.
 //
 // Wire format, two encodings (EventEncoding), both msgspec's encoding of vLLM's tagged structs:
-//   EventBatch = [ts: float64, events: [event...], data_parallel_rank?]   (array_like in every vLLM release)
+//   EventBatch = [ts: float64, events: [event...], data_parallel_rank|nil]   (array_like in every vLLM release)
 // kMap (the default), as vLLM 0.34 writes them (KVCacheEvent is tag=True, omit_defaults, not array_like):
 //   BlockStored = {"type": "BlockStored", "block_hashes": [hash...], "parent_block_hash": parent|nil,
 //                  "token_ids": [token_id...], "block_size": n, "lora_id": id|nil, "medium": m|nil,
@@ -18,13 +18,15 @@
 //   BlockRemoved = {"type": "BlockRemoved", "block_hashes": [hash...], "medium": m|nil[, "locality": ...]}
 //   AllBlocksCleared = {"type": "AllBlocksCleared"}
 //   Media are vLLM's: "GPU", "CPU", and "STORAGE" for both storage media, told apart by "locality" (LOCAL
-//   for kDisk, REMOTE for kRemote).
+//   for kDisk, REMOTE for kRemote). Read back, a STORAGE event whose locality is absent, nil or another string
+//   is kDisk.
 // kArray, the array_like events of earlier vLLM releases (and routers written for them):
 //   BlockStored = ["BlockStored", [hash...], parent|nil, [token_id...], block_size, lora_id|nil, medium|nil]
 //   BlockRemoved = ["BlockRemoved", [hash...], medium|nil]
 //   AllBlocksCleared = ["AllBlocksCleared"]
 //   Media by medium_name(): "GPU", "CPU", "DISK", "REMOTE".
-// decode_msgpack() reads both (per event), and fields it does not know in a map (vLLM's group_idx, ...).
+// decode_msgpack() reads both (per event), skips the map fields it does not keep (vLLM's group_idx, extra_keys,
+// ...), and takes integer block hashes of all 64 bits (vLLM's default) as BlockHash{0, hash}.
 // The ZMQ publisher (zmq_publisher.h) sends each batch as frames (topic, seq as 8 bytes big-endian, payload).
 //
 // Thread-safety: values; the functions are pure.
