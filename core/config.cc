@@ -298,9 +298,24 @@ Status ConfigTable::out_of_range(std::int64_t count) {
   return InvalidArgument(fmt::format("{} does not fit in the field", count));
 }
 
+namespace {
+std::size_t edit_distance(std::string_view a, std::string_view b);
+}  // namespace
+
 Status ConfigTable::set(std::string_view name, std::string_view value) {
   auto it = knobs_.find(name);
-  if (it == knobs_.end()) return InvalidArgument(fmt::format("unknown config knob '{}'", name));
+  if (it == knobs_.end()) {
+    // A slip of a few letters names the knob it was probably meant to be, as unrecognized_env does.
+    const std::string* nearest = nullptr;
+    std::size_t best = 0;
+    for (const auto& [known, knob] : knobs_) {
+      const std::size_t d = edit_distance(name, known);
+      if (nearest == nullptr || d < best) nearest = &known, best = d;
+    }
+    if (nearest != nullptr && best <= 3 && best * 4 <= name.size())
+      return InvalidArgument(fmt::format("unknown config knob '{}' (did you mean '{}'?)", name, *nearest));
+    return InvalidArgument(fmt::format("unknown config knob '{}'", name));
+  }
   Status s = it->second.setter(value);
   if (!s.ok() && it->second.secret) return InvalidArgument(fmt::format("config knob '{}': {}", name, s.message()));
   if (!s.ok()) return InvalidArgument(fmt::format("config knob '{}' = '{}': {}", name, value, s.message()));

@@ -163,15 +163,17 @@ struct Value {
   std::int64_t i = 0;  // int, or bool as 0 / 1
   std::uint64_t u = 0;
   double f = 0;
-  std::string s;                                      // str or bin
-  std::vector<Value> items;                           // array
-  std::vector<std::pair<std::string, Value>> fields;  // map (string keys)
-  const Value* field(std::string_view name) const {
-    for (const auto& [k, v] : fields)
-      if (k == name) return &v;
-    return nullptr;
-  }
+  std::string s;                  // str or bin
+  std::vector<Value> items;       // array; a map's values
+  std::vector<std::string> keys;  // a map's keys (strings), one per value in items
+  const Value* field(std::string_view name) const;
 };
+
+const Value* Value::field(std::string_view name) const {
+  for (std::size_t i = 0; i < keys.size(); ++i)
+    if (keys[i] == name) return &items[i];
+  return nullptr;
+}
 
 class Reader {
  public:
@@ -320,7 +322,8 @@ class Reader {
       KVTIER_ASSIGN_OR_RETURN(Value key, value(depth + 1));
       if (key.kind != Value::kStr) return err("a map key is not a string");
       KVTIER_ASSIGN_OR_RETURN(Value x, value(depth + 1));
-      v.fields.emplace_back(std::move(key.s), std::move(x));
+      v.keys.push_back(std::move(key.s));
+      v.items.push_back(std::move(x));
     }
     return v;
   }

@@ -154,6 +154,20 @@ TEST(Config, RangedUint32KnobsRefuseWhatTheirConsumerWould) {
   EXPECT_EQ(t.describe().front().type, "uint32 [32, 1024], multiple of 32");
 }
 
+// An unknown knob set by name (a config file, a Python config dict) names the one it was probably meant to be.
+TEST(Config, AnUnknownKnobNamesTheNearestOne) {
+  Demo d;
+  ConfigTable t = table_for(d);
+  Status s = t.set("copy.chunk_byts", "4");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("unknown config knob 'copy.chunk_byts' (did you mean 'copy.chunk_bytes'?)"),
+            std::string::npos)
+      << s.message();
+  s = t.set("network.mtu", "4");
+  EXPECT_NE(s.message().find("unknown config knob 'network.mtu'"), std::string::npos) << s.message();
+  EXPECT_EQ(s.message().find("did you mean"), std::string::npos) << s.message();
+}
+
 TEST(Config, EnvAndTextApply) {
   Demo d;
   ConfigTable t = table_for(d);
