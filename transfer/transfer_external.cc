@@ -32,6 +32,10 @@ Status TransferManagerImpl::check_not_external_locked(std::span<const BlockId> b
 }
 
 Status TransferManagerImpl::wait_device_blocks_free(std::span<const BlockId> blocks, Stream& stream) {
+  // Checked here, not only by the device when there is something to wait for: whether a wrong stream was refused
+  // depended on the blocks' state at the moment.
+  if (&stream.device() != &device_)
+    return InvalidArgument("wait_device_blocks_free: the stream belongs to another Device");
   KVTIER_RETURN_IF_ERROR(dev_hazards_->check_ids(blocks, "wait_device_blocks_free"));
   {
     std::lock_guard<std::mutex> submit(submit_mu_);

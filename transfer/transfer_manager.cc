@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kvtier/core/config.h"
 #include "kvtier/core/deadline.h"
 #include "kvtier/core/enum_names.h"
 #include "transfer/transfer_manager_impl.h"
@@ -128,7 +129,12 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
       return InvalidArgument("TransferManager: the CopyEngine given belongs to another Device");
     engine_ = engine;
   } else {
-    KVTIER_ASSIGN_OR_RETURN(owned_engine_, CopyEngine::create(device_, config_.copy_engine));
+    auto created = CopyEngine::create(device_, config_.copy_engine);
+    if (!created.ok())  // its options are the transfer.copy_engine.* knobs
+      return created.status().with_context(
+          "TransferManagerConfig.copy_engine (knobs transfer.copy_engine.*, "
+          "KVTIER_TRANSFER_COPY_ENGINE_*)");
+    owned_engine_ = std::move(created).value();
     engine_ = owned_engine_.get();
   }
   KVTIER_ASSIGN_OR_RETURN(pool_, EventPool::create(device_, 2 * layout.num_layers() + 8, config_.event_pool_max_free));
@@ -277,8 +283,11 @@ Status TransferManagerImpl::shutdown() {
 constexpr std::size_t kMaxLatencySamples = std::size_t{1} << 20;
 
 Status validate_transfer_config(const TransferManagerConfig& c) {
+  // Names the field and the knob that sets it (bind_transfer_manager_config: transfer.<field>,
+  // KVTIER_TRANSFER_<FIELD>).
   auto bad = [](std::string_view field, auto value, std::string_view rule) {
-    return InvalidArgument(fmt::format("TransferManagerConfig.{} = {} ({})", field, value, rule));
+    return InvalidArgument(fmt::format("TransferManagerConfig.{} = {} ({}; knob transfer.{}, {})", field, value, rule,
+                                       field, ConfigTable::env_var_for(fmt::format("transfer.{}", field))));
   };
   if (c.max_in_flight_tasks == 0) return bad("max_in_flight_tasks", 0, "must be >= 1: every submit would fail");
   if (c.retained_finished_tasks == 0) return bad("retained_finished_tasks", 0, "must be >= 1");

@@ -94,6 +94,13 @@ struct TaskRec {
   }
 };
 
+// A callback to run with the lock released: a layer's on_layer, or (done_of set) its task's on_done.
+struct Callback {
+  std::function<void()> run;
+  std::shared_ptr<TaskRec> done_of;
+};
+using Callbacks = std::vector<Callback>;
+
 struct PendingEntry {
   std::shared_ptr<TaskRec> task;
   std::size_t slot = 0;
@@ -244,10 +251,16 @@ class TransferManagerImpl final : public TransferManager {
   void stop_workers();
   void progress_loop();
   // Settles whatever completed; returns true if anything changed.
-  bool progress_once(std::vector<std::function<void()>>& fire);
+  bool progress_once(Callbacks& fire);
   // Runs the callbacks collected while settling, then makes the settled slots
-  // and tasks visible to host waiters.
-  void fire_and_publish(std::vector<std::function<void()>>& fire);
+  // and tasks visible to host waiters. A callback may host-wait (a later layer
+  // of its own task, another task): the progress thread then settles and fires
+  // a nested batch inside it. A task with a callback still running in an
+  // enclosing batch (firing_) is neither published nor given its on_done there:
+  // both wait (deferred_done_, deferred_publish_) until the last such callback
+  // returned, so on_done runs after every on_layer of its task and wait()
+  // returns after both.
+  void fire_and_publish(Callbacks& fire);
   bool on_progress_thread() const noexcept {
     return progress_id_.load(std::memory_order_acquire) == std::this_thread::get_id();
   }
@@ -268,9 +281,8 @@ class TransferManagerImpl final : public TransferManager {
   bool wait_state(std::unique_lock<std::mutex>& lock, Clock::time_point deadline, Pred pred);
   // Caller holds mu_. Returns false if a source is still unsettled.
   bool sources_settled(const TaskRec& t) const;
-  void finalize_slot_locked(const std::shared_ptr<TaskRec>& t, std::size_t slot, Status copy_status,
-                            std::vector<std::function<void()>>& fire);
-  void finalize_task_locked(const std::shared_ptr<TaskRec>& t, std::vector<std::function<void()>>& fire);
+  void finalize_slot_locked(const std::shared_ptr<TaskRec>& t, std::size_t slot, Status copy_status, Callbacks& fire);
+  void finalize_task_locked(const std::shared_ptr<TaskRec>& t, Callbacks& fire);
   DirCounters& dir(TaskKind k) { return k == TaskKind::kEvict ? evict_ : k == TaskKind::kLoad ? load_ : external_; }
   const std::shared_ptr<TaskRec>* find_locked(TaskId id) const {
     auto it = tasks_.find(id);
@@ -341,6 +353,11 @@ class TransferManagerImpl final : public TransferManager {
   // Settled since the last fire_and_publish (guarded by mu_).
   std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> settled_slots_;
   std::vector<std::shared_ptr<TaskRec>> settled_tasks_;
+  // The progress thread's own (no lock): per task, how many of the batches being fired (nested ones included) hold
+  // one of its callbacks; the on_done callbacks and the publications waiting for those to return.
+  std::unordered_map<const TaskRec*, std::uint32_t> firing_;
+  std::vector<std::pair<std::shared_ptr<TaskRec>, Callback>> deferred_done_;
+  std::vector<std::shared_ptr<TaskRec>> deferred_publish_;
   std::uint64_t latency_count_ = 0;
   // Set once by attach_metrics (under mu_); read by the progress thread under mu_.
   std::unique_ptr<TransferMetricSeries> metrics_;

@@ -21,7 +21,7 @@ bool TransferManagerImpl::sources_settled(const TaskRec& t) const {
 }
 
 void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& tp, std::size_t slot, Status copy_status,
-                                               std::vector<std::function<void()>>& fire) {
+                                               Callbacks& fire) {
   TaskRec& t = *tp;
   const auto now = Clock::now();
   Status st = std::move(copy_status);
@@ -62,14 +62,13 @@ void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& t
       auto cb = t.on_layer;
       std::uint32_t layer = t.layers[slot];
       // A notification: the outcome stays in the task's record, so a callback that ignores it loses nothing.
-      fire.push_back([cb, layer, kept = KeptStatus(st)] { cb(layer, kept); });
+      fire.push_back({[cb, layer, kept = KeptStatus(st)] { cb(layer, kept); }, nullptr});
     }
   }
   if (t.slots_final == t.num_slots()) finalize_task_locked(tp, fire);
 }
 
-void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& tp,
-                                               std::vector<std::function<void()>>& fire) {
+void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& tp, Callbacks& fire) {
   TaskRec& t = *tp;
   Status first;
   for (const auto& s : t.slot_status)
@@ -144,11 +143,11 @@ void TransferManagerImpl::finalize_task_locked(const std::shared_ptr<TaskRec>& t
     auto cb = t.on_done;
     TaskId id = t.id;
     // A notification, as the layer's: the outcome stays in its completion queue and the task's record.
-    fire.push_back([cb, id, kept = KeptStatus(first)] { cb(id, kept); });
+    fire.push_back({[cb, id, kept = KeptStatus(first)] { cb(id, kept); }, tp});
   }
 }
 
-bool TransferManagerImpl::progress_once(std::vector<std::function<void()>>& fire) {
+bool TransferManagerImpl::progress_once(Callbacks& fire) {
   bool any = false;
   bool progressed = true;
   while (progressed) {
@@ -187,7 +186,7 @@ bool TransferManagerImpl::progress_once(std::vector<std::function<void()>>& fire
 }
 
 void TransferManagerImpl::progress_loop() {
-  std::vector<std::function<void()>> fire;
+  Callbacks fire;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -237,21 +236,70 @@ void TransferManagerImpl::progress_loop() {
   }
 }
 
-void TransferManagerImpl::fire_and_publish(std::vector<std::function<void()>>& fire) {
-  for (auto& f : fire) {
+void TransferManagerImpl::fire_and_publish(Callbacks& fire) {
+  auto run = [](Callback& c) {
     try {
-      f();
+      c.run();
     } catch (...) {
       // A callback must not take the progress thread down.
     }
+  };
+  // This batch's tasks (an enclosing batch's were set aside by wait_state): each counts in firing_ while the batch's
+  // callbacks run.
+  std::vector<const TaskRec*> mine;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [t, slot] : settled_slots_) mine.push_back(t.get());
+  }
+  for (const TaskRec* t : mine) ++firing_[t];
+  for (Callback& c : fire) {
+    // The task's on_done waits while an enclosing batch still runs one of its callbacks (this one's own count is
+    // its part of firing_): a wait inside that callback settled the task's last layers here.
+    if (c.done_of) {
+      const std::uint32_t own = static_cast<std::uint32_t>(std::count(mine.begin(), mine.end(), c.done_of.get()));
+      if (auto it = firing_.find(c.done_of.get()); it != firing_.end() && it->second > own) {
+        deferred_done_.emplace_back(c.done_of, std::move(c));
+        continue;
+      }
+    }
+    run(c);
   }
   fire.clear();
+  for (const TaskRec* t : mine)
+    if (auto it = firing_.find(t); it != firing_.end() && --it->second == 0) firing_.erase(it);
+  // On_done callbacks deferred by nested batches whose tasks no enclosing batch holds any more: run now, in order.
+  for (std::size_t i = 0; i < deferred_done_.size();) {
+    if (firing_.count(deferred_done_[i].first.get()) != 0) {
+      ++i;
+      continue;
+    }
+    auto [task, c] = std::move(deferred_done_[i]);
+    deferred_done_.erase(deferred_done_.begin() + static_cast<std::ptrdiff_t>(i));
+    run(c);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [t, slot] : settled_slots_) t->slot_visible[slot] = true;
-    for (auto& t : settled_tasks_) {
+    auto publish = [&](const std::shared_ptr<TaskRec>& t) {
       t->visible = true;
       pending_ids_.erase(t->id);
+    };
+    for (auto& t : settled_tasks_) {
+      if (firing_.count(t.get()) != 0)
+        deferred_publish_.push_back(t);  // an enclosing batch still runs one of its callbacks
+      else
+        publish(t);
+    }
+    for (std::size_t i = 0; i < deferred_publish_.size();) {
+      const TaskRec* t = deferred_publish_[i].get();
+      const bool done_pending =
+          std::any_of(deferred_done_.begin(), deferred_done_.end(), [t](const auto& d) { return d.first.get() == t; });
+      if (firing_.count(t) != 0 || done_pending) {
+        ++i;
+        continue;
+      }
+      publish(deferred_publish_[i]);
+      deferred_publish_.erase(deferred_publish_.begin() + static_cast<std::ptrdiff_t>(i));
     }
     settled_slots_.clear();
     settled_tasks_.clear();

@@ -113,7 +113,7 @@ bool TransferManagerImpl::wait_state(std::unique_lock<std::mutex>& lock, Clock::
     settled_slots_.clear();
     settled_tasks_.clear();
     lock.unlock();
-    std::vector<std::function<void()>> fire;
+    Callbacks fire;
     const bool any = progress_once(fire);
     if (any) fire_and_publish(fire);
     lock.lock();

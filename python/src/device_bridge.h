@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,7 +25,24 @@ struct PyStream {
   nanobind::object device_ref;  // keeps the PyDevice alive
   std::unique_ptr<Stream> stream;
   bool adopted = false;
+
+  PyStream() = default;
+  PyStream(PyStream&&) = default;
+  PyStream& operator=(PyStream&&) = default;
+  // A stream's destructor waits for its queued work (the host backend drains it): without the GIL, so a dropped
+  // stream with work queued does not stop every other Python thread meanwhile.
+  ~PyStream() {
+    if (stream && PyGILState_Check()) {
+      nanobind::gil_scoped_release release;
+      stream.reset();
+    }
+  }
 };
+
+// A dict of name -> tensor (DLPack: numpy, torch, ...). InvalidArgument naming the entry for a value that is not a
+// tensor or is read-only (kvtier registers tensors it writes into), where nanobind's conversion of the whole
+// argument raised a TypeError that named neither.
+std::map<std::string, nanobind::ndarray<>> tensor_map_arg(nanobind::handle value, const char* what);
 
 // The engine's tensor as kvtier sees it (data, dtype, shape, strides), checked against the backend of `device`.
 Result<TensorDesc> describe_tensor(const std::string& name, const nanobind::ndarray<>& a, const Device& device);

@@ -369,10 +369,10 @@ void bind_pd(nb::module_& m) {
                            "See kvtier.pd and include/kvtier/transport/pd.h for the contract.")
       .def_static(
           "create",
-          [](const std::string& role, std::map<std::string, nb::ndarray<>> tensors, const std::string& transport,
-             const std::string& name, std::uint32_t num_model_layers, nb::object device, nb::bytes peer_secret,
-             const std::string& tls, const std::string& net_devices, double heartbeat_s, double lease_s, int rank,
-             int device_label, std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane,
+          [](const std::string& role, nb::handle tensors_obj, const std::string& transport, const std::string& name,
+             std::uint32_t num_model_layers, nb::object device, nb::bytes peer_secret, const std::string& tls,
+             const std::string& net_devices, double heartbeat_s, double lease_s, int rank, int device_label,
+             std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane,
              const std::string& verify, std::uint32_t ring_slots, std::uint64_t ring_slot_bytes,
              const std::string& ring_copy, const std::string& read_back) {
             EndpointOptions o;
@@ -397,7 +397,7 @@ void bind_pd(nb::module_& m) {
             o.read_back = read_back;
             if (!device.is_none() && !nb::isinstance<PyDevice>(device))
               raise_status(InvalidArgument("device is not a kvtier Device (kvtier.cuda_device() / host_device())"));
-            return create_endpoint(std::move(tensors), std::move(device), std::move(o));
+            return create_endpoint(tensor_map_arg(tensors_obj, "tensors"), std::move(device), std::move(o));
           },
           "role"_a, "tensors"_a, "transport"_a, "name"_a, "num_model_layers"_a, "device"_a = nb::none(),
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,

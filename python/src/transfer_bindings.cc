@@ -229,6 +229,28 @@ Result<TensorDesc> describe_any_tensor(const std::string& name, const nb::ndarra
 
 }  // namespace
 
+std::map<std::string, nb::ndarray<>> tensor_map_arg(nb::handle value, const char* what) {
+  if (!nb::isinstance<nb::dict>(value))
+    raise_status(InvalidArgument(fmt::format("{} {} is not a dict of name -> tensor", what, shown_value(value))));
+  std::map<std::string, nb::ndarray<>> out;
+  for (auto [k, v] : nb::borrow<nb::dict>(value)) {
+    if (!nb::isinstance<nb::str>(k))
+      raise_status(InvalidArgument(fmt::format("{}: key {} is not a string", what, shown_value(k))));
+    const std::string name = nb::cast<std::string>(k);
+    nb::ndarray<> a;
+    if (!nb::try_cast(v, a)) {
+      nb::ndarray<nb::ro> read_only;
+      if (nb::try_cast(v, read_only))
+        raise_status(InvalidArgument(fmt::format(
+            "{}['{}'] is read-only: kvtier registers KV tensors it writes into (pass a writable one)", what, name)));
+      raise_status(InvalidArgument(fmt::format("{}['{}'] is a {}, not a tensor (numpy, torch or another DLPack array)",
+                                               what, name, nb::cast<std::string>(v.type().attr("__name__")))));
+    }
+    out.emplace(name, std::move(a));
+  }
+  return out;
+}
+
 // The engine's tensor as kvtier sees it, checked against the backend.
 Result<TensorDesc> describe_tensor(const std::string& name, const nb::ndarray<>& a, const Device& device) {
   KVTIER_ASSIGN_OR_RETURN(TensorDesc t, describe_any_tensor(name, a));
@@ -334,13 +356,13 @@ PyStream& stream_arg(nb::handle value, const char* what) {
   return nb::cast<PyStream&>(value);
 }
 
-std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::object compute_obj,
-                                                  std::map<std::string, nb::ndarray<>> tensors,
+std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::object compute_obj, nb::handle tensors_obj,
                                                   std::optional<std::map<std::string, std::uintptr_t>> host_pointers,
                                                   IntArg num_host_blocks_arg, IntArg num_model_layers_arg,
                                                   IntArg rank_arg, IntArg device_label_arg, IntArg block_tokens_arg,
                                                   nb::handle config_obj) {
   const std::map<std::string, std::string> config = config_arg(config_obj, "config");
+  std::map<std::string, nb::ndarray<>> tensors = tensor_map_arg(tensors_obj, "device_tensors");
   const std::uint64_t num_host_blocks = num_host_blocks_arg.u64("num_host_blocks");
   const std::uint32_t num_model_layers = num_model_layers_arg.u32("num_model_layers");
   const int rank = static_cast<int>(rank_arg.in("rank", 0, INT32_MAX));
@@ -571,7 +593,10 @@ void bind_transfer(nb::module_& m) {
           },
           "n"_a,
           "Host backend, for tests: the n-th data operation (copy, fill, kernel) to start from now (1-based) fails "
-          "and poisons its destination, as a failed GPU copy would leave it undefined.");
+          "and poisons its destination, as a failed GPU copy would leave it undefined. The failure is sticky, as a "
+          "CUDA copy error is: the stream it ran on fails every later operation, and so does a stream that waited "
+          "on it (a compute stream after wait_for_layer); a test of what follows a failure uses a new manager and "
+          "a new compute stream.");
 
   nb::class_<PyStream>(m, "Stream")
       .def_prop_ro("id", [](const PyStream& s) { return s.stream->id(); })
@@ -714,7 +739,7 @@ void bind_transfer(nb::module_& m) {
             }
             return value_or_raise(std::move(id));
           },
-          "device_blocks"_a, "host_blocks"_a, "after"_a = nb::none(), "on_done"_a = nb::none(),
+          "device_blocks"_a.none(), "host_blocks"_a.none(), "after"_a = nb::none(), "on_done"_a = nb::none(),
           "device_blocks[i] -> host_blocks[i], every layer and role, after the work enqueued so far on `after` "
           "(default: the compute stream). Returns the task id at once. on_done(task, error_or_None).")
       .def(
@@ -736,7 +761,8 @@ void bind_transfer(nb::module_& m) {
             }
             return value_or_raise(std::move(id));
           },
-          "layers"_a, "host_blocks"_a, "device_blocks"_a, "on_layer"_a = nb::none(), "on_done"_a = nb::none(),
+          "layers"_a.none(), "host_blocks"_a.none(), "device_blocks"_a.none(), "on_layer"_a = nb::none(),
+          "on_done"_a = nb::none(),
           "host_blocks[i] -> device_blocks[i] for `layers` in order ([]: all). on_layer(layer, error_or_None) once "
           "per layer when it is final.")
       .def(

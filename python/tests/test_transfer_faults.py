@@ -329,3 +329,73 @@ def test_an_empty_numpy_buffer_is_an_empty_object(tmp_path):
         assert s.get(k[1], 16) == b""
         assert s.get_many([k[1]], [np.zeros((0, 4), np.uint8)]) == [0]
         s.close()
+
+
+def test_none_block_lists_and_read_only_tensors_are_named():
+    """evict(None, ...) and load(None, ...) raised nanobind's TypeError ("incompatible function arguments"), and a
+    read-only KV tensor refused by from_tensors named no tensor."""
+    dev = kvtier.host_device()
+    compute = dev.create_stream("c")
+
+    def kv(read_only=None):
+        out = {f"{role}_0_rank0.device0": np.zeros((4, 64), np.uint8) for role in ("key_caches", "value_caches")}
+        if read_only:
+            out[read_only].flags.writeable = False
+        return out
+
+    host = kv()
+    pointers = {k: v.ctypes.data for k, v in host.items()}
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, kv(), pointers, 4, 1)
+    try:
+        with pytest.raises(kvtier.InvalidArgumentError, match="device"):
+            mgr.evict(None, [0])
+        with pytest.raises(kvtier.InvalidArgumentError, match="host"):
+            mgr.evict([0], None)
+        with pytest.raises(kvtier.InvalidArgumentError, match="layer None is not a sequence"):
+            mgr.load(None, None, [0])
+    finally:
+        mgr.close()
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"device_tensors\['value_caches_0_rank0.device0'\] is "
+                                                          r"read-only"):
+        kvtier.TransferManager.from_tensors(dev, compute, kv("value_caches_0_rank0.device0"), pointers, 4, 1)
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"device_tensors\['key_caches_0_rank0.device0'\] is a "
+                                                          r"list"):
+        kvtier.TransferManager.from_tensors(dev, compute, {**kv(), "key_caches_0_rank0.device0": [1, 2]}, pointers,
+                                            4, 1)
+
+
+def test_a_dropped_stream_with_work_queued_lets_other_threads_run():
+    """A Stream's destructor waits for its queued work (host backend): it ran with the GIL held, so every other
+    Python thread stopped for as long as that work took (0 ticks of another thread in 1.35 s)."""
+    import threading
+    import time
+
+    dev = kvtier.host_device(min_delay_us=400_000, max_delay_us=400_000)
+    compute = dev.create_stream("compute")
+    d, h = arrays(BLOCKS), arrays(HOST_BLOCKS)
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()},
+                                              HOST_BLOCKS, LAYERS)
+    stream = dev.create_stream("busy")
+    with pytest.raises(kvtier.TimedOutError):
+        mgr.device_checksums([0], stream, timeout=0.05)  # leaves its work queued on the stream
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        time.sleep(0.05)
+        start = time.monotonic()
+        del stream
+        end = time.monotonic()
+    finally:
+        stop.set()
+        t.join()
+        mgr.close()
+    during = [x for x in ticks if start < x < end]
+    assert end - start < 0.1 or len(during) >= 5, (end - start, len(during))

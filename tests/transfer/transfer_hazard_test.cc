@@ -277,6 +277,58 @@ TEST(TransferLifecycle, CallbackMayWaitForAnotherTask) {
   ASSERT_TRUE(rig.mgr().wait(*second, 10s).ok());
 }
 
+// A layer's callback that host-waits for a later layer of its own task: the progress thread settles and fires the
+// rest of the task inside that callback. The task was then published (and its on_done run) while the first
+// callback still ran, so wait() and wait_all() returned before the callbacks of what they waited for had run.
+TEST(TransferLifecycle, WaitReturnsAfterACallbackThatWaitedForItsOwnTask) {
+  for (bool use_wait_all : {false, true}) {
+    SCOPED_TRACE(use_wait_all ? "wait_all" : "wait");
+    auto dev = make_host(109, 2000);  // layers settle one by one
+    TransferRig rig(*dev, options());
+    ASSERT_TRUE(rig.init().ok());
+    seed_host_block(rig, 0, 1);
+    std::atomic<TaskId> id{0};
+    std::atomic<bool> first_layer_returned{false}, done_after_layers{false}, done_ran{false};
+    std::atomic<int> layers_seen{0};
+    const std::uint32_t last_layer = options().layout.num_layers() - 1;
+    LoadOptions o;
+    o.on_layer = [&](std::uint32_t layer, const Status&) {
+      ++layers_seen;
+      if (layer != 0) return;
+      while (id.load() == 0) std::this_thread::yield();
+      EXPECT_TRUE(rig.mgr().wait_layer_host(id.load(), last_layer, 10s).ok());
+      std::this_thread::sleep_for(100ms);
+      first_layer_returned = true;
+    };
+    o.on_done = [&](TaskId, const Status&) {
+      done_after_layers = first_layer_returned.load() && layers_seen.load() == static_cast<int>(last_layer) + 1;
+      done_ran = true;
+    };
+    auto t = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({3}), o);
+    ASSERT_TRUE(t.ok());
+    id = *t;
+    ASSERT_TRUE((use_wait_all ? rig.mgr().wait_all(20s) : rig.mgr().wait(*t, 20s)).ok());
+    EXPECT_TRUE(first_layer_returned) << "returned while layer 0's callback still ran";
+    EXPECT_TRUE(done_ran) << "returned before on_done ran";
+    EXPECT_TRUE(done_after_layers) << "on_done ran before every on_layer had returned";
+  }
+}
+
+// A stream of another Device was refused only when there was something to wait for (the device's own check): with
+// the blocks free the call succeeded, so a caller's bug showed only under load.
+TEST(TransferLifecycle, WaitDeviceBlocksFreeRefusesAnotherDevicesStreamAlways) {
+  auto dev = make_host(110, 0);
+  auto other = make_host(111, 0);
+  TransferRig rig(*dev, options());
+  ASSERT_TRUE(rig.init().ok());
+  auto foreign = other->create_stream();
+  ASSERT_TRUE(foreign.ok());
+  const Status st = rig.mgr().wait_device_blocks_free(ids({0}), **foreign);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find("another Device"), std::string::npos) << st.to_string();
+  EXPECT_TRUE(rig.mgr().wait_device_blocks_free(ids({0}), rig.compute()).ok());
+}
+
 // ------------------------------------------------------------ defect 7
 // "Wait forever" (nanoseconds::max()) must wait, not time out at once.
 TEST(TransferLifecycle, UnboundedTimeoutsWait) {
@@ -342,6 +394,21 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
   Status s = rig.init();
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find("max_in_flight_tasks"), std::string::npos) << s.to_string();
+
+  // The knob and its variable are named (the message named only the struct's field), and so are the copy engine's
+  // knobs when its options are what create() refuses (the message named neither).
+  TransferManagerConfig c;
+  c.latency_samples = 0;
+  const Status named = validate_transfer_config(c);
+  EXPECT_NE(named.message().find("knob transfer.latency_samples, KVTIER_TRANSFER_LATENCY_SAMPLES"), std::string::npos)
+      << named.to_string();
+  RigOptions e = options();
+  e.config.copy_engine.auto_split_adaptive_gain = 0;
+  TransferRig engine_rig(*dev, e);
+  const Status refused = engine_rig.init();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.to_string();
+  EXPECT_NE(refused.message().find("transfer.copy_engine"), std::string::npos) << refused.to_string();
+  EXPECT_NE(refused.message().find("auto_split_adaptive_gain"), std::string::npos) << refused.to_string();
 }
 
 // ------------------------------------------------------------ randomized
