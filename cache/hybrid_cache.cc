@@ -421,7 +421,8 @@ Result<HybridCache::Plan> HybridCache::plan(const HybridRequest& r) const {
 Result<HybridMatch> HybridCache::match(const HybridRequest& request) const {
   // Nothing to look up is a match of nothing (admit and announce refuse it: they would hold no block).
   if (std::uint64_t{request.num_tokens} + request.extra_tokens == 0 && request.chains.size() == config_.groups.size() &&
-      request.save_states_at.empty()) {
+      request.save_states_at.empty() &&
+      std::all_of(request.chains.begin(), request.chains.end(), [](const auto& c) { return c.empty(); })) {
     HybridMatch none;
     none.groups.resize(config_.groups.size());
     return none;

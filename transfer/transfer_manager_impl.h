@@ -94,10 +94,10 @@ struct TaskRec {
   }
 };
 
-// A callback to run with the lock released: a layer's on_layer, or (done_of set) its task's on_done.
+// A callback to run with the lock released: a layer's on_layer or a task's on_done, with its task.
 struct Callback {
   std::function<void()> run;
-  std::shared_ptr<TaskRec> done_of;
+  std::shared_ptr<TaskRec> task;
 };
 using Callbacks = std::vector<Callback>;
 
@@ -255,12 +255,14 @@ class TransferManagerImpl final : public TransferManager {
   // Runs the callbacks collected while settling, then makes the settled slots
   // and tasks visible to host waiters. A callback may host-wait (a later layer
   // of its own task, another task): the progress thread then settles and fires
-  // a nested batch inside it. A task with a callback still running in an
-  // enclosing batch (firing_) is neither published nor given its on_done there:
-  // both wait (deferred_done_, deferred_publish_) until the last such callback
-  // returned, so on_done runs after every on_layer of its task and wait()
-  // returns after both.
+  // a nested batch inside it. A task with a callback not yet returned in an
+  // enclosing batch is "held" (firing_): its callbacks of the nested batch, and
+  // the publication of its slots and of itself, wait (deferred_*) until it is
+  // not, so a task's callbacks run in order, one at a time, on_done last, and a
+  // host wait on another thread returns after them.
   void fire_and_publish(Callbacks& fire);
+  // Runs the deferred callbacks of tasks no longer held (each holds its task while it runs), in order.
+  void run_released_callbacks();
   bool on_progress_thread() const noexcept {
     return progress_id_.load(std::memory_order_acquire) == std::this_thread::get_id();
   }
@@ -353,11 +355,13 @@ class TransferManagerImpl final : public TransferManager {
   // Settled since the last fire_and_publish (guarded by mu_).
   std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> settled_slots_;
   std::vector<std::shared_ptr<TaskRec>> settled_tasks_;
-  // The progress thread's own (no lock): per task, how many of the batches being fired (nested ones included) hold
-  // one of its callbacks; the on_done callbacks and the publications waiting for those to return.
+  // The progress thread's own (fire_and_publish): per task, its callbacks of the batches being fired (nested ones
+  // included) that have not returned yet; the callbacks, slots and tasks of held tasks, waiting (deferred_slots_ and
+  // deferred_tasks_ are read under mu_ where they are published).
   std::unordered_map<const TaskRec*, std::uint32_t> firing_;
-  std::vector<std::pair<std::shared_ptr<TaskRec>, Callback>> deferred_done_;
-  std::vector<std::shared_ptr<TaskRec>> deferred_publish_;
+  Callbacks deferred_callbacks_;
+  std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> deferred_slots_;
+  std::vector<std::shared_ptr<TaskRec>> deferred_tasks_;
   std::uint64_t latency_count_ = 0;
   // Set once by attach_metrics (under mu_); read by the progress thread under mu_.
   std::unique_ptr<TransferMetricSeries> metrics_;

@@ -62,7 +62,7 @@ void TransferManagerImpl::finalize_slot_locked(const std::shared_ptr<TaskRec>& t
       auto cb = t.on_layer;
       std::uint32_t layer = t.layers[slot];
       // A notification: the outcome stays in the task's record, so a callback that ignores it loses nothing.
-      fire.push_back({[cb, layer, kept = KeptStatus(st)] { cb(layer, kept); }, nullptr});
+      fire.push_back({[cb, layer, kept = KeptStatus(st)] { cb(layer, kept); }, tp});
     }
   }
   if (t.slots_final == t.num_slots()) finalize_task_locked(tp, fire);
@@ -236,75 +236,90 @@ void TransferManagerImpl::progress_loop() {
   }
 }
 
+namespace {
+
+void run_callback(Callback& c) {
+  try {
+    c.run();
+  } catch (...) {
+    // A callback must not take the progress thread down.
+  }
+}
+
+}  // namespace
+
 void TransferManagerImpl::fire_and_publish(Callbacks& fire) {
-  auto run = [](Callback& c) {
-    try {
-      c.run();
-    } catch (...) {
-      // A callback must not take the progress thread down.
-    }
-  };
-  // This batch's tasks (an enclosing batch's were set aside by wait_state): each counts in firing_ while the batch's
-  // callbacks run.
-  std::vector<const TaskRec*> mine;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [t, slot] : settled_slots_) mine.push_back(t.get());
-  }
-  for (const TaskRec* t : mine) ++firing_[t];
-  for (Callback& c : fire) {
-    // The task's on_done waits while an enclosing batch still runs one of its callbacks (this one's own count is
-    // its part of firing_): a wait inside that callback settled the task's last layers here.
-    if (c.done_of) {
-      const std::uint32_t own = static_cast<std::uint32_t>(std::count(mine.begin(), mine.end(), c.done_of.get()));
-      if (auto it = firing_.find(c.done_of.get()); it != firing_.end() && it->second > own) {
-        deferred_done_.emplace_back(c.done_of, std::move(c));
-        continue;
-      }
-    }
-    run(c);
-  }
-  fire.clear();
-  for (const TaskRec* t : mine)
+  auto held = [&](const TaskRec* t) { return firing_.count(t) != 0; };
+  auto release = [&](const TaskRec* t) {
     if (auto it = firing_.find(t); it != firing_.end() && --it->second == 0) firing_.erase(it);
-  // On_done callbacks deferred by nested batches whose tasks no enclosing batch holds any more: run now, in order.
-  for (std::size_t i = 0; i < deferred_done_.size();) {
-    if (firing_.count(deferred_done_[i].first.get()) != 0) {
-      ++i;
-      continue;
-    }
-    auto [task, c] = std::move(deferred_done_[i]);
-    deferred_done_.erase(deferred_done_.begin() + static_cast<std::ptrdiff_t>(i));
-    run(c);
-  }
+  };
+  // Callbacks of tasks held by an enclosing batch (this batch runs inside one of its callbacks) wait for it.
+  Callbacks now;
+  now.reserve(fire.size());
+  for (Callback& c : fire) (held(c.task.get()) ? deferred_callbacks_ : now).push_back(std::move(c));
+  fire.clear();
+  std::vector<std::pair<std::shared_ptr<TaskRec>, std::size_t>> slots;
+  std::vector<std::shared_ptr<TaskRec>> tasks;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [t, slot] : settled_slots_) t->slot_visible[slot] = true;
-    auto publish = [&](const std::shared_ptr<TaskRec>& t) {
-      t->visible = true;
-      pending_ids_.erase(t->id);
-    };
-    for (auto& t : settled_tasks_) {
-      if (firing_.count(t.get()) != 0)
-        deferred_publish_.push_back(t);  // an enclosing batch still runs one of its callbacks
-      else
-        publish(t);
-    }
-    for (std::size_t i = 0; i < deferred_publish_.size();) {
-      const TaskRec* t = deferred_publish_[i].get();
-      const bool done_pending =
-          std::any_of(deferred_done_.begin(), deferred_done_.end(), [t](const auto& d) { return d.first.get() == t; });
-      if (firing_.count(t) != 0 || done_pending) {
-        ++i;
-        continue;
-      }
-      publish(deferred_publish_[i]);
-      deferred_publish_.erase(deferred_publish_.begin() + static_cast<std::ptrdiff_t>(i));
-    }
+    for (auto& e : settled_slots_) (held(e.first.get()) ? deferred_slots_ : slots).push_back(std::move(e));
+    for (auto& t : settled_tasks_) (held(t.get()) ? deferred_tasks_ : tasks).push_back(std::move(t));
     settled_slots_.clear();
     settled_tasks_.clear();
   }
+  // Each callback holds its task until it returned (counted before any runs: one may wait, and the batch it nests
+  // must see the task's later callbacks here as pending).
+  for (const Callback& c : now) ++firing_[c.task.get()];
+  for (Callback& c : now) {
+    run_callback(c);
+    release(c.task.get());
+  }
+  run_released_callbacks();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto publish_task = [&](const std::shared_ptr<TaskRec>& t) {
+      t->visible = true;
+      pending_ids_.erase(t->id);
+    };
+    for (auto& [t, slot] : slots) t->slot_visible[slot] = true;
+    for (auto& t : tasks) publish_task(t);
+    // What waited for a task that is no longer held and has no callback left to run.
+    auto waits = [&](const TaskRec* t) {
+      return held(t) || std::any_of(deferred_callbacks_.begin(), deferred_callbacks_.end(),
+                                    [t](const Callback& c) { return c.task.get() == t; });
+    };
+    std::erase_if(deferred_slots_, [&](const auto& e) {
+      if (waits(e.first.get())) return false;
+      e.first->slot_visible[e.second] = true;
+      return true;
+    });
+    std::erase_if(deferred_tasks_, [&](const std::shared_ptr<TaskRec>& t) {
+      if (waits(t.get())) return false;
+      publish_task(t);
+      return true;
+    });
+  }
   state_cv_.notify_all();
+}
+
+void TransferManagerImpl::run_released_callbacks() {
+  for (std::size_t i = 0; i < deferred_callbacks_.size();) {
+    const TaskRec* t = deferred_callbacks_[i].task.get();
+    // In order per task: an earlier one of the same task still deferred (held) keeps this one waiting too.
+    const bool earlier =
+        std::any_of(deferred_callbacks_.begin(), deferred_callbacks_.begin() + static_cast<std::ptrdiff_t>(i),
+                    [t](const Callback& c) { return c.task.get() == t; });
+    if (firing_.count(t) != 0 || earlier) {
+      ++i;
+      continue;
+    }
+    Callback c = std::move(deferred_callbacks_[i]);
+    deferred_callbacks_.erase(deferred_callbacks_.begin() + static_cast<std::ptrdiff_t>(i));
+    ++firing_[t];  // a wait inside it must see the task held
+    run_callback(c);
+    if (auto it = firing_.find(t); it != firing_.end() && --it->second == 0) firing_.erase(it);
+    i = 0;  // the callback may have nested batches that deferred (or released) others
+  }
 }
 
 }  // namespace kvtier::transfer_detail

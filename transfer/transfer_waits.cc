@@ -14,6 +14,8 @@
 namespace kvtier::transfer_detail {
 
 Status TransferManagerImpl::wait_for_layer(TaskId id, std::uint32_t layer, Stream& stream) {
+  // Checked first: a layer already final returns before the device would have seen the stream.
+  if (&stream.device() != &device_) return InvalidArgument("wait_for_layer: the stream belongs to another Device");
   EventLease event;
   std::shared_ptr<TaskRec> task;
   std::size_t k = 0;

@@ -32,7 +32,13 @@ struct PyStream {
   // A stream's destructor waits for its queued work (the host backend drains it): without the GIL, so a dropped
   // stream with work queued does not stop every other Python thread meanwhile.
   ~PyStream() {
-    if (stream && PyGILState_Check()) {
+    // Not while the interpreter finalizes: a callback thread taking the released GIL then would exit.
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (stream && PyGILState_Check() && !finalizing) {
       nanobind::gil_scoped_release release;
       stream.reset();
     }

@@ -144,7 +144,9 @@ struct PyPdReceiver {
         const Status& st = status_of(got);
         if (st.code() != StatusCode::kTimedOut || std::chrono::steady_clock::now() >= deadline) return got;
       }
-      std::this_thread::yield();  // let a thread waiting for either lock in
+      // Let a thread waiting for either lock in: a yield was not enough (a mutex is not fair: this loop took the lock
+      // again before the woken waiter ran, and a scheduler's cache call waited out the whole finish() on 16 cores).
+      std::this_thread::sleep_for(poll_interval);
     }
   }
   static const Status& status_of(const Status& s) { return s; }

@@ -236,13 +236,15 @@ std::map<std::string, nb::ndarray<>> tensor_map_arg(nb::handle value, const char
   for (auto [k, v] : nb::borrow<nb::dict>(value)) {
     if (!nb::isinstance<nb::str>(k))
       raise_status(InvalidArgument(fmt::format("{}: key {} is not a string", what, shown_value(k))));
-    const std::string name = nb::cast<std::string>(k);
+    std::string name;
+    if (!nb::try_cast(k, name))  // a lone surrogate has no UTF-8 form
+      raise_status(InvalidArgument(fmt::format("{}: key {} is not valid UTF-8", what, shown_value(k))));
     nb::ndarray<> a;
     if (!nb::try_cast(v, a)) {
       nb::ndarray<nb::ro> read_only;
       if (nb::try_cast(v, read_only))
         raise_status(InvalidArgument(fmt::format(
-            "{}['{}'] is read-only: kvtier registers KV tensors it writes into (pass a writable one)", what, name)));
+            "{}['{}'] is read-only: kvtier registers KV tensors writable (pass a writable one)", what, name)));
       raise_status(InvalidArgument(fmt::format("{}['{}'] is a {}, not a tensor (numpy, torch or another DLPack array)",
                                                what, name, nb::cast<std::string>(v.type().attr("__name__")))));
     }

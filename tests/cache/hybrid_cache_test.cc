@@ -663,7 +663,6 @@ TEST(HybridCache, EvictionsAndTierWritesPerGroup) {
   EXPECT_HYBRID_INVARIANTS(*h);
 }
 
-// A failed load in one group fails the admission (recompute), the group named.
 // A window's host hits are admitted one key at a time. With the host tier full of them, the device block allocated
 // for the first demoted a device block to host, which dropped the next planned host hit: the admission was refused
 // ("retry after the plan's acks") and the prefix was gone for good (its hit fell from 16 tokens to 0).
@@ -715,6 +714,7 @@ TEST(HybridCache, AWindowNeedsWhatItsFirstRecomputedTokenAttendsTo) {
   ASSERT_OK(h->release(aa->id));
 }
 
+// A failed load in one group fails the admission (recompute), the group named.
 TEST(HybridCache, FailedLoadFailsTheAdmission) {
   auto h = make(jamba(/*state_device=*/8, /*attn_device=*/16, /*host=*/64));
   ASSERT_TRUE(h);

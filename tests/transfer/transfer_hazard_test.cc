@@ -277,31 +277,41 @@ TEST(TransferLifecycle, CallbackMayWaitForAnotherTask) {
   ASSERT_TRUE(rig.mgr().wait(*second, 10s).ok());
 }
 
-// A layer's callback that host-waits for a later layer of its own task: the progress thread settles and fires the
-// rest of the task inside that callback. The task was then published (and its on_done run) while the first
-// callback still ran, so wait() and wait_all() returned before the callbacks of what they waited for had run.
+// A layer's callback that host-waits for a later layer of its own task: the progress thread settles the rest of the
+// task inside that callback. The task was then published (and its later callbacks and on_done run) while the first
+// callback still ran, so wait() and wait_all() returned before the callbacks of what they waited for had run, and
+// on_done ran before on_layer(0) returned. The task's later callbacks now wait for it: in order, on_done last.
 TEST(TransferLifecycle, WaitReturnsAfterACallbackThatWaitedForItsOwnTask) {
   for (bool use_wait_all : {false, true}) {
     SCOPED_TRACE(use_wait_all ? "wait_all" : "wait");
-    auto dev = make_host(109, 2000);  // layers settle one by one
+    auto dev = make_host(109, 0);
+    dev->set_delays(std::chrono::milliseconds(2), std::chrono::milliseconds(2));  // layers settle one by one
     TransferRig rig(*dev, options());
     ASSERT_TRUE(rig.init().ok());
     seed_host_block(rig, 0, 1);
     std::atomic<TaskId> id{0};
-    std::atomic<bool> first_layer_returned{false}, done_after_layers{false}, done_ran{false};
-    std::atomic<int> layers_seen{0};
+    std::atomic<bool> first_layer_returned{false}, done_ran{false}, done_after_layers{false};
+    std::mutex order_mu;
+    std::vector<int> order;  // layers' callbacks in the order they ran; -1: on_done
     const std::uint32_t last_layer = options().layout.num_layers() - 1;
     LoadOptions o;
     o.on_layer = [&](std::uint32_t layer, const Status&) {
-      ++layers_seen;
+      {
+        std::lock_guard lock(order_mu);
+        order.push_back(static_cast<int>(layer));
+      }
       if (layer != 0) return;
       while (id.load() == 0) std::this_thread::yield();
       EXPECT_TRUE(rig.mgr().wait_layer_host(id.load(), last_layer, 10s).ok());
+      const TaskInfo info = *rig.mgr().task_info(id.load());
+      EXPECT_EQ(info.state, TaskState::kDone) << "the wait settled the task's later layers here";
       std::this_thread::sleep_for(100ms);
       first_layer_returned = true;
     };
     o.on_done = [&](TaskId, const Status&) {
-      done_after_layers = first_layer_returned.load() && layers_seen.load() == static_cast<int>(last_layer) + 1;
+      std::lock_guard lock(order_mu);
+      done_after_layers = first_layer_returned.load() && order.size() == last_layer + 1;
+      order.push_back(-1);
       done_ran = true;
     };
     auto t = rig.mgr().load_layers_to_device_async({}, ids({1}), ids({3}), o);
@@ -311,6 +321,11 @@ TEST(TransferLifecycle, WaitReturnsAfterACallbackThatWaitedForItsOwnTask) {
     EXPECT_TRUE(first_layer_returned) << "returned while layer 0's callback still ran";
     EXPECT_TRUE(done_ran) << "returned before on_done ran";
     EXPECT_TRUE(done_after_layers) << "on_done ran before every on_layer had returned";
+    std::vector<int> want;
+    for (std::uint32_t l = 0; l <= last_layer; ++l) want.push_back(static_cast<int>(l));
+    want.push_back(-1);
+    std::lock_guard lock(order_mu);
+    EXPECT_EQ(order, want) << "the callbacks ran out of layer order";
   }
 }
 

@@ -50,8 +50,8 @@
 //     within a window of them can use them until the eviction policy takes them.
 //   - state: the state at the hit (state_in, loaded if on host), one fresh
 //     block per boundary the forward saves (state_saves: every entry of
-//     save_states_at past the hit, by default only the last block boundary at
-//     or before num_tokens), and one unkeyed working block for the running
+//     save_states_at past the hit, by default only the last multiple of
+//     hit_granularity() at or before num_tokens), and one unkeyed working block for the running
 //     state (state_work, never indexed: it changes at every token). commit(id, n)
 //     indexes the saves at or before n and unpins them (the request does not
 //     read them again), and unpins state_in once n passes the hit.
@@ -145,9 +145,9 @@ struct HybridRequest {
   std::uint32_t extra_tokens = 0;
   // Upper bound of the hit, e.g. num_tokens - 1 to recompute the last prompt token for its logits.
   std::uint32_t max_hit_tokens = kNoHitLimit;
-  // State groups: token counts (each a multiple of every state group's block_tokens, increasing, at most
+  // State groups: token counts (each a multiple of hit_granularity(), where a hit can end; increasing, at most
   // num_tokens) after which the forward saves the state, e.g. the ends of prefill chunks. Points at or before
-  // the hit are skipped. Empty: the last block boundary at or before num_tokens.
+  // the hit are skipped. Empty: the last multiple of hit_granularity() at or before num_tokens.
   std::vector<std::uint32_t> save_states_at;
 };
 

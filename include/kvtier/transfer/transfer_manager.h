@@ -78,11 +78,13 @@
 // waited for ran. Callbacks should be short and may call any query/submit
 // method of the manager. A callback may host-wait for another task (or for a
 // later layer of its own): the waiting callback then drives completion itself
-// on the progress thread, so the wait ends when the copy does (callbacks of
-// what completes meanwhile run nested inside it); a task already final whose
-// callbacks are queued behind the running one returns its status at once. A
-// callback must not call shutdown() (FailedPrecondition) or destroy the
-// manager.
+// on the progress thread, so the wait ends when the copy does; a wait inside a
+// callback returns once what it waits for is final, not after its callbacks.
+// Callbacks of tasks that complete meanwhile run nested inside the waiting
+// one, except those of a task that has a callback not yet returned (the
+// waiting one, or one queued behind it): those run after it, in order, and
+// host waits on other threads for that task return after them. A callback
+// must not call shutdown() (FailedPrecondition) or destroy the manager.
 //
 // Submission (config.async_submit, default on). A submit call validates the
 // request (ids, lengths, duplicates, the CopyEngine's checks), takes the
@@ -381,7 +383,8 @@ class TransferManager {
   virtual Result<bool> is_device_block_free(BlockId block) = 0;
   virtual Result<bool> is_host_block_free(BlockId block) = 0;
   // `stream` waits (on the device) until the blocks are free to overwrite. FailedPrecondition for a block
-  // declared by an external write (its end is a peer's, not a device point).
+  // declared by an external write (its end is a peer's, not a device point); InvalidArgument for a stream of
+  // another Device.
   virtual Status wait_device_blocks_free(std::span<const BlockId> blocks, Stream& stream) = 0;
   // The calling thread waits until the host blocks are free (e.g. before a
   // storage read overwrites them with the CPU), or TimedOut.
