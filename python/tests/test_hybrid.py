@@ -167,7 +167,7 @@ def test_group_numbers_of_the_wrong_kind_are_named():
         kvtier.HybridCache([{1: 2}])
 
 
-# ---- faults an adversarial pass found ------------------------------------------------------------------------------
+# ---- faults: host hits lost to their own demotions, repeated keys, the window's width, state saves, errors ---------
 
 def _keys(tokens, block):
     return kvtier.KeyHasher("hybrid-faults", block_tokens=block).keys_for(tokens)
