@@ -300,6 +300,8 @@ Status ConfigTable::out_of_range(std::int64_t count) {
 
 namespace {
 std::size_t edit_distance(std::string_view a, std::string_view b);
+// A slip of a few letters, not another word: at most 3 edits, and at most a quarter of the name.
+bool is_slip(std::size_t edits, std::size_t name_size) { return edits <= 3 && edits * 4 <= name_size; }
 }  // namespace
 
 Status ConfigTable::set(std::string_view name, std::string_view value) {
@@ -312,7 +314,7 @@ Status ConfigTable::set(std::string_view name, std::string_view value) {
       const std::size_t d = edit_distance(name, known);
       if (nearest == nullptr || d < best) nearest = &known, best = d;
     }
-    if (nearest != nullptr && best <= 3 && best * 4 <= name.size())
+    if (nearest != nullptr && is_slip(best, name.size()))
       return InvalidArgument(fmt::format("unknown config knob '{}' (did you mean '{}'?)", name, *nearest));
     return InvalidArgument(fmt::format("unknown config knob '{}'", name));
   }
@@ -396,8 +398,7 @@ std::vector<std::string> ConfigTable::unrecognized_env(char* const* env) const {
       }
     }
     if (known) continue;
-    // Near: a slip of a few letters, not another word (at most 3 edits, and at most a quarter of the name).
-    auto near = [&](std::size_t d) { return d <= 3 && d * 4 <= var.size(); };
+    auto near = [&](std::size_t d) { return is_slip(d, var.size()); };
     if (same_family) {
       if (near(best))
         out.push_back(fmt::format("{} is not a kvtier setting and is ignored (did you mean {}?)", var, *nearest));
