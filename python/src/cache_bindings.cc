@@ -257,6 +257,41 @@ void put_tier_stats(nb::dict& d, const cache::CacheStats& s) {
   }
 }
 
+// Every counter of a CacheManager (or of one HybridCache group) as a dict: its tiers and the counters of
+// cache::CacheStats under their own names.
+nb::dict cache_stats_dict(const cache::CacheStats& s) {
+  nb::dict d;
+  put_tier_stats(d, s);
+  d["nodes"] = s.nodes;
+  d["admissions"] = s.admissions;
+  d["admission_failures"] = s.admission_failures;
+  d["evictions_d2h"] = s.evictions_d2h;
+  d["loads_h2d"] = s.loads_h2d;
+  d["backups_d2h"] = s.backups_d2h;
+  d["drops_device"] = s.drops_device;
+  d["drops_host"] = s.drops_host;
+  d["storage_writes"] = s.storage_writes;
+  d["storage_prefetches"] = s.storage_prefetches;
+  d["failed_transfers"] = s.failed_transfers;
+  d["invalidated_blocks"] = s.invalidated_blocks;
+  d["received_blocks"] = s.received_blocks;
+  d["received_loaded_blocks"] = s.received_loaded_blocks;
+  d["received_committed_blocks"] = s.received_committed_blocks;
+  d["quarantined_blocks"] = s.quarantined_blocks;
+  d["receiving_device_blocks"] = s.receiving_device_blocks;
+  d["quarantined_device_blocks"] = s.quarantined_device_blocks;
+  d["lookup_blocks"] = s.lookup_blocks;
+  d["hit_blocks"] = nb::make_tuple(s.hit_blocks[0], s.hit_blocks[1], s.hit_blocks[2]);
+  d["resets"] = s.resets;
+  d["queued_requests"] = s.queued_requests;
+  d["retained_requests"] = s.retained_requests;
+  d["protected_blocks"] = nb::make_tuple(s.protected_blocks[0], s.protected_blocks[1], s.protected_blocks[2]);
+  d["lookahead_loads"] = s.lookahead_loads;
+  d["lookahead_fetches"] = s.lookahead_fetches;
+  d["protected_evictions"] = s.protected_evictions;
+  return d;
+}
+
 nb::object group_or_none(std::uint32_t g) {
   if (g == cache::kNoGroup) return nb::none();
   return nb::int_(g);
@@ -608,37 +643,7 @@ void bind_cache(nb::module_& m) {
            [](PyCacheManager& p) {
              auto lock = lock_gil_safe(p.mu);
              cache::CacheStats s = p.cm->stats();
-             nb::dict d;
-             put_tier_stats(d, s);
-             d["nodes"] = s.nodes;
-             d["admissions"] = s.admissions;
-             d["admission_failures"] = s.admission_failures;
-             d["evictions_d2h"] = s.evictions_d2h;
-             d["loads_h2d"] = s.loads_h2d;
-             d["backups_d2h"] = s.backups_d2h;
-             d["drops_device"] = s.drops_device;
-             d["drops_host"] = s.drops_host;
-             d["storage_writes"] = s.storage_writes;
-             d["storage_prefetches"] = s.storage_prefetches;
-             d["failed_transfers"] = s.failed_transfers;
-             d["invalidated_blocks"] = s.invalidated_blocks;
-             d["received_blocks"] = s.received_blocks;
-             d["received_loaded_blocks"] = s.received_loaded_blocks;
-             d["received_committed_blocks"] = s.received_committed_blocks;
-             d["quarantined_blocks"] = s.quarantined_blocks;
-             d["receiving_device_blocks"] = s.receiving_device_blocks;
-             d["quarantined_device_blocks"] = s.quarantined_device_blocks;
-             d["lookup_blocks"] = s.lookup_blocks;
-             d["hit_blocks"] = nb::make_tuple(s.hit_blocks[0], s.hit_blocks[1], s.hit_blocks[2]);
-             d["resets"] = s.resets;
-             d["queued_requests"] = s.queued_requests;
-             d["retained_requests"] = s.retained_requests;
-             d["protected_blocks"] =
-                 nb::make_tuple(s.protected_blocks[0], s.protected_blocks[1], s.protected_blocks[2]);
-             d["lookahead_loads"] = s.lookahead_loads;
-             d["lookahead_fetches"] = s.lookahead_fetches;
-             d["protected_evictions"] = s.protected_evictions;
-             return d;
+             return cache_stats_dict(s);
            })
       .def(
           "announce",
@@ -934,16 +939,7 @@ void bind_cache(nb::module_& m) {
              d["hit_tokens"] = s.hit_tokens;
              nb::list groups;
              for (const auto& g : s.groups) {
-               nb::dict gd;
-               put_tier_stats(gd, g);
-               gd["evictions_d2h"] = g.evictions_d2h;
-               gd["loads_h2d"] = g.loads_h2d;
-               gd["hit_blocks"] = nb::make_tuple(g.hit_blocks[0], g.hit_blocks[1], g.hit_blocks[2]);
-               gd["queued_requests"] = g.queued_requests;
-               gd["protected_blocks"] =
-                   nb::make_tuple(g.protected_blocks[0], g.protected_blocks[1], g.protected_blocks[2]);
-               gd["lookahead_loads"] = g.lookahead_loads;
-               groups.append(gd);
+               groups.append(cache_stats_dict(g));
              }
              d["groups"] = groups;
              return d;

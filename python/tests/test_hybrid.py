@@ -62,6 +62,16 @@ def test_sliding_window_and_full_attention_hit_together_and_the_window_slides():
     s = hc.stats()
     assert s["admissions"] == 2 and s["hit_tokens"] == 8 * BLOCK
     assert len(s["groups"]) == 2
+    # Each group reports every counter a CacheManager does, counting that group's own work.
+    plain = kvtier.CacheManager(device_blocks=4).stats()
+    full_stats, swa_stats = s["groups"]
+    for g in (full_stats, swa_stats):
+        assert set(g) == set(plain), set(plain) ^ set(g)
+        assert g["admission_failures"] == 0 and g["device"]["used"] == 9
+    assert full_stats["admissions"] == 2 and full_stats["lookup_blocks"] == 8 + 9
+    assert full_stats["hit_blocks"] == (8, 0, 0)
+    # The window group admits key by key (docs/python.md): of its lookups two hit, the window before the hit.
+    assert swa_stats["admissions"] > 2 and swa_stats["hit_blocks"] == (2, 0, 0)
     hc.check_invariants()
 
 
