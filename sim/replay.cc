@@ -1,6 +1,7 @@
 #include "sim/replay.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -22,6 +23,7 @@
 #include "cache/splitmix.h"
 #include "kvtier/cache/storage_executor.h"
 #include "kvtier/cache/transfer_executor.h"
+#include "kvtier/storage/storage_config.h"
 #include "kvtier/testing/plan_executors.h"
 
 namespace kvtier::cache {
@@ -179,7 +181,8 @@ Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(const BackendFactor
 Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(std::string_view spec, std::uint32_t host_blocks,
                                                              std::uint64_t block_bytes) {
   std::string sp(spec);
-  return create([sp](storage::StorageOptions o) { return storage::make_storage_backend(sp, std::move(o)); },
+  // The storage knobs' KVTIER_STORAGE_* variables apply, as for StorageBackend.open (they were ignored here).
+  return create([sp](storage::StorageOptions o) { return storage::open_storage_backend(sp, std::move(o), environ); },
                 host_blocks, block_bytes);
 }
 

@@ -78,7 +78,8 @@ class ReplayStorage {
   using BackendFactory = std::function<Result<std::unique_ptr<storage::StorageBackend>>(storage::StorageOptions)>;
   static Result<std::unique_ptr<ReplayStorage>> create(const BackendFactory& make_backend, std::uint32_t host_blocks,
                                                        std::uint64_t block_bytes);
-  // `spec` as make_storage_backend: disk:<dir>[?...] or redis://host:port[?...].
+  // `spec` as make_storage_backend: disk:<dir>[?...] or redis://host:port[?...], over the storage knobs'
+  // KVTIER_STORAGE_* variables (open_storage_backend).
   static Result<std::unique_ptr<ReplayStorage>> create(std::string_view spec, std::uint32_t host_blocks,
                                                        std::uint64_t block_bytes);
   // Three tiers with real bytes: the storage tier over an existing host space (the TransferManager's

@@ -17,14 +17,14 @@ void bind_redis_backend_config(ConfigTable& t, RedisBackendConfig& c, const std:
         "Redis: create (connect, AUTH, PING / CLUSTER SLOTS over every seed, retries) fails after this");
   t.add(p + ".max_retries", &c.max_retries,
         "Redis: retries of an item after I/O errors and TRYAGAIN (within the deadlines)");
-  t.add(p + ".workers", &c.workers, "Redis: worker threads (connections per node)");
-  t.add(p + ".max_batch_items", &c.max_batch_items, "Redis: items per pipelined sub-batch");
+  t.add(p + ".workers", &c.workers, "Redis: worker threads (connections per node)", 1, kMaxRedisWorkers);
+  t.add(p + ".max_batch_items", &c.max_batch_items, "Redis: items per pipelined sub-batch", 1, kMaxRedisBatchItems);
   t.add(p + ".ttl_seconds", &c.ttl_seconds, "Redis: expiry of every put (0: none)");
 }
 
 void bind_disk_backend_config(ConfigTable& t, DiskBackendConfig& c, const std::string& p) {
   t.add(p + ".capacity_bytes", &c.capacity_bytes, "disk: capacity incl. headers (0: unlimited)");
-  t.add(p + ".queue_depth", &c.queue_depth, "disk: items in flight on the io_uring ring");
+  t.add(p + ".queue_depth", &c.queue_depth, "disk: items in flight on the io_uring ring", 1, kMaxDiskQueueDepth);
   t.add(p + ".verify_payload_on_open", &c.verify_payload_on_open,
         "disk: verify every payload checksum while rebuilding the index");
   t.add(p + ".max_free_files", &c.max_free_files, "disk: recycled-file pool size");
@@ -54,6 +54,20 @@ Status apply_tenant_config(const TenantConfig& c, StorageOptions& options) {
   KVTIER_RETURN_IF_ERROR(format::check_tenant_options(o).with_context("storage.tenant.id"));
   options = std::move(o);
   return Status::Ok();
+}
+
+Result<std::unique_ptr<StorageBackend>> open_storage_backend(std::string_view spec, StorageOptions options, char** env,
+                                                             const std::map<std::string, std::string>& knobs) {
+  StorageBackendDefaults defaults;
+  TenantConfig tenant;
+  ConfigTable table;
+  bind_disk_backend_config(table, defaults.disk);
+  bind_redis_backend_config(table, defaults.redis);
+  bind_tenant_config(table, tenant);
+  if (env != nullptr) KVTIER_RETURN_IF_ERROR(table.apply_env(env).with_context("KVTIER_STORAGE_* environment"));
+  for (const auto& [k, v] : knobs) KVTIER_RETURN_IF_ERROR(table.set(k, v));
+  KVTIER_RETURN_IF_ERROR(apply_tenant_config(tenant, options));
+  return make_storage_backend(spec, std::move(options), defaults);
 }
 
 }  // namespace kvtier::storage

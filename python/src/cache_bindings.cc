@@ -998,19 +998,9 @@ void bind_cache(nb::module_& m) {
             const std::map<std::string, std::string> config = config_arg(config_obj, "config");
             storage::StorageOptions o;
             o.ns = ns;
-            storage::StorageBackendDefaults defaults;
-            storage::TenantConfig tenant;
-            {
-              ConfigTable table;
-              storage::bind_disk_backend_config(table, defaults.disk);
-              storage::bind_redis_backend_config(table, defaults.redis);
-              storage::bind_tenant_config(table, tenant);
-              check(table.apply_env(environ).with_context("KVTIER_STORAGE_* environment"));
-              for (const auto& [k, v] : config) check(table.set(k, v));
-            }
-            check(storage::apply_tenant_config(tenant, o));
             auto p = std::make_unique<PyStorage>();
-            p->backend = value_or_raise(released([&] { return storage::make_storage_backend(spec, o, defaults); }));
+            p->backend =
+                value_or_raise(released([&] { return storage::open_storage_backend(spec, o, environ, config); }));
             p->name = std::string(p->backend->name());
             return p;
           },

@@ -7,6 +7,7 @@ import glob
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -150,6 +151,29 @@ def test_redis_parameters_past_their_range_are_refused_by_name(param, value):
 def test_a_disk_queue_depth_past_its_range_is_refused_by_name(tmp_path):
     with pytest.raises(kvtier.InvalidArgumentError, match="qd=4294967296"):
         disk(str(tmp_path / "d"), "?qd=4294967296")
+
+
+@pytest.mark.parametrize("knob,value", [("storage.disk.queue_depth", 0), ("storage.disk.queue_depth", 4097),
+                                        ("storage.redis.workers", 0), ("storage.redis.workers", 257),
+                                        ("storage.redis.max_batch_items", 0)])
+def test_storage_knobs_past_their_range_are_refused_naming_the_knob(tmp_path, knob, value):
+    """The backends refused these with their field's name only ('max_batch_items 0'); the knob is named now, and
+    its variable when the variable set it."""
+    spec = f"disk:{tmp_path}/d" if knob.startswith("storage.disk") else "redis://127.0.0.1:1"
+    with pytest.raises(kvtier.InvalidArgumentError, match=knob.replace(".", r"\.")):
+        kvtier.StorageBackend.open(spec, config={knob: value})
+    var = "KVTIER_" + knob.upper().replace(".", "_")
+    code = f"import kvtier\ntry:\n kvtier.StorageBackend.open({spec!r})\nexcept kvtier.InvalidArgumentError as e:\n print(e)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, var: str(value)}, capture_output=True,
+                         text=True, timeout=60)
+    assert var in out.stdout, (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("mode", ["0400", "0200", "0000"])
+def test_a_file_mode_without_the_owners_read_and_write_is_refused(tmp_path, mode):
+    """Accepted before: puts were acknowledged, and for a non-root user every get and the next open failed."""
+    with pytest.raises(kvtier.InvalidArgumentError, match="storage.disk.file_mode"):
+        kvtier.StorageBackend.open(f"disk:{tmp_path}/d", config={"storage.disk.file_mode": mode})
 
 
 def test_a_password_in_a_spec_is_never_shown():

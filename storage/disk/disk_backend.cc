@@ -29,6 +29,32 @@
 namespace kvtier::storage::disk {
 namespace {
 
+// An error of the root's own path: FailedPrecondition, naming the path, where retrying cannot help (a component
+// that is a file, a missing link target, a name too long, no permission, a read-only filesystem): the operator
+// must change the path or the system. Other errors (I/O, out of space) as fs_error().
+Status root_error(int err, const std::string& what, const std::string& path) {
+  switch (err) {
+    case ENOTDIR:
+    case ENOENT:
+    case ENAMETOOLONG:
+    case ELOOP:
+    case EACCES:
+    case EPERM:
+    case EROFS:
+    case EEXIST: {
+      std::string why = errno_text(err);
+      struct stat lsb {};
+      struct stat sb {};
+      if (::lstat(path.c_str(), &lsb) == 0 && S_ISLNK(lsb.st_mode) && ::stat(path.c_str(), &sb) != 0)
+        why = fmt::format("a symbolic link whose target does not resolve ({})", errno_text(errno));
+      else if (err == EEXIST || err == ENOTDIR)
+        why = fmt::format("{}: a component of the path is not a directory", errno_text(err));
+      return FailedPrecondition(fmt::format("disk root {}: {}: {}", path, what, why));
+    }
+    default: return fs_error(err, fmt::format("{} {}", what, path));
+  }
+}
+
 // Only for the root's own path, which the operator chose; below the root every directory is
 // created and opened through its parent's fd (open_owned_dir()).
 Status mkdir_p(const std::string& path, mode_t mode, DiskFaultInjector* faults) {
@@ -39,7 +65,7 @@ Status mkdir_p(const std::string& path, mode_t mode, DiskFaultInjector* faults) 
     cur = path.substr(0, pos);
     if (cur.empty()) continue;
     if (const int rc = mkdir_at(faults, AT_FDCWD, cur.c_str(), mode); rc != 0 && rc != -EEXIST)
-      return fs_error(-rc, fmt::format("mkdir {}", cur));
+      return root_error(-rc, "mkdir", cur);
   }
   return Status::Ok();
 }
@@ -57,7 +83,7 @@ Result<ScopedFd> open_root(const std::string& root, mode_t mode, DiskFaultInject
         "disk root {} is a symbolic link owned by uid {}, not by this process (uid {})", root, lsb.st_uid, me));
   KVTIER_RETURN_IF_ERROR(mkdir_p(root, mode, faults));
   ScopedFd fd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (fd.get() < 0) return Unavailable(fmt::format("open disk root {}: {}", root, errno_text(errno)));
+  if (fd.get() < 0) return root_error(errno, "open", root);
   struct stat sb {};
   if (::fstat(fd.get(), &sb) != 0) return Unavailable(fmt::format("fstat {}: {}", root, errno_text(errno)));
   if (sb.st_uid != me && sb.st_uid != 0)
@@ -155,16 +181,25 @@ DiskBackend::~DiskBackend() {
 
 Status DiskBackend::init() {
   if (config_.root.empty()) return InvalidArgument("disk backend: empty root directory");
-  if (config_.queue_depth == 0 || config_.queue_depth > 4096)
-    return InvalidArgument(fmt::format("disk backend: queue_depth {} not in [1, 4096]", config_.queue_depth));
+  if (config_.queue_depth == 0 || config_.queue_depth > kMaxDiskQueueDepth)
+    return InvalidArgument(fmt::format("disk backend: queue_depth (storage.disk.queue_depth) {} not in [1, {}]",
+                                       config_.queue_depth, kMaxDiskQueueDepth));
   KVTIER_RETURN_IF_ERROR(format::check_tenant_options(options_).with_context("disk backend"));
   // A tenant's namespaces live in a directory of its own (created dir_mode, 0700 by default).
   const std::string base = options_.tenant.empty() ? config_.root : config_.root + "/" + options_.tenant;
   dir_ = fmt::format("{}/{:016x}-{:016x}", base, ns_digest_, options_.layout_fingerprint);
-  if ((config_.file_mode & ~0777u) != 0 || (config_.dir_mode & ~0777u) != 0 || (config_.dir_mode & 0700u) != 0700u)
-    return InvalidArgument(
-        fmt::format("disk backend: file_mode {:o} / dir_mode {:o} not permission bits (dir_mode needs 0700)",
-                    config_.file_mode, config_.dir_mode));
+  // The owner reads and writes every file it creates (LOCK is reopened read-write, objects are read back) and
+  // searches, lists and changes its directories: less would accept puts that no get can read.
+  if ((config_.file_mode & ~0777u) != 0 || (config_.file_mode & 0600u) != 0600u)
+    return InvalidArgument(fmt::format(
+        "disk backend: file_mode (storage.disk.file_mode) {:04o}: permission bits of at most 0777 that include "
+        "the owner's read and write (0600)",
+        config_.file_mode));
+  if ((config_.dir_mode & ~0777u) != 0 || (config_.dir_mode & 0700u) != 0700u)
+    return InvalidArgument(fmt::format(
+        "disk backend: dir_mode (storage.disk.dir_mode) {:04o}: permission bits of at most 0777 that include the "
+        "owner's read, write and search (0700)",
+        config_.dir_mode));
   KVTIER_RETURN_IF_ERROR(open_directories());
   max_free_files_ = config_.max_free_files;
   const int lock = create_at(config_.fault_injector.get(), DiskFaultOp::kCreate, dir_fd_.get(), "LOCK",

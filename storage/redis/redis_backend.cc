@@ -157,9 +157,13 @@ class RedisBackend final : public StorageBackend {
     ScopedSigpipeBlock no_sigpipe;
     if (config_.endpoints.empty()) return InvalidArgument("redis backend: no endpoints");
     KVTIER_RETURN_IF_ERROR(format::check_tenant_options(options_).with_context("redis backend"));
-    if (config_.workers == 0 || config_.workers > 256)
-      return InvalidArgument(fmt::format("redis backend: workers {} not in [1, 256]", config_.workers));
-    if (config_.max_batch_items == 0) return InvalidArgument("redis backend: max_batch_items 0");
+    if (config_.workers == 0 || config_.workers > kMaxRedisWorkers)
+      return InvalidArgument(fmt::format("redis backend: workers (storage.redis.workers) {} not in [1, {}]",
+                                         config_.workers, kMaxRedisWorkers));
+    if (config_.max_batch_items == 0 || config_.max_batch_items > kMaxRedisBatchItems)
+      return InvalidArgument(
+          fmt::format("redis backend: max_batch_items (storage.redis.max_batch_items) {} not in [1, {}]",
+                      config_.max_batch_items, kMaxRedisBatchItems));
     if (config_.item_deadline.count() <= 0 || config_.batch_deadline.count() <= 0)
       return InvalidArgument(fmt::format("redis backend: item_deadline {} ms and batch_deadline {} ms must be > 0",
                                          config_.item_deadline.count(), config_.batch_deadline.count()));
@@ -704,6 +708,15 @@ class RedisBackend final : public StorageBackend {
       const std::string_view msg(r->str, r->len);
       int slot = -1;
       std::string node;
+      const bool redirect = msg.starts_with("MOVED") || msg.starts_with("ASK");
+      if (redirect && !cluster_) {
+        // A cluster node (or a proxy) opened as a single server: there is no slot map to follow the redirect with.
+        w.done = true;
+        w.last = FailedPrecondition(fmt::format(
+            "redis {} {}: the server answered '{}': it is a cluster node; open it with cluster=on (or auto)",
+            storage_op_name(op), w.key, msg));
+        return false;
+      }
       if (parse_redirect(msg, "MOVED", &slot, &node)) {
         ++redirects_;
         note_moved(slot, node);
@@ -727,6 +740,13 @@ class RedisBackend final : public StorageBackend {
         w.last = FailedPrecondition(fmt::format("redis: {}", msg));
       else if (msg.starts_with("OOM"))
         w.last = ResourceExhausted(fmt::format("redis: {}", msg));
+      else if (msg.starts_with("WRONGTYPE"))
+        // Someone else's value of another type under this block's key: no object of ours (a put replaces it).
+        w.last = op == StorageOp::kGet
+                     ? DataLoss(fmt::format("key {}: the Redis key holds a value of another type, not an object",
+                                            w.item.key.to_string()))
+                     : NotFound(fmt::format("key {} not stored (the Redis key holds a value of another type)",
+                                            w.item.key.to_string()));
       else
         w.last = Internal(fmt::format("redis {} {}: {}", storage_op_name(op), w.key, msg));
       return false;

@@ -85,6 +85,28 @@ TEST(StorageReplay, DiskTierWriteBackServesVerifiedHits) {
   EXPECT_GT(r->hit_ratio(), base->hit_ratio());
 }
 
+// The storage knobs' variables apply to a replay's storage tier, as to StorageBackend.open: a bad one is refused
+// naming it (it was ignored, so a capacity set by KVTIER_STORAGE_DISK_CAPACITY_BYTES was not applied either).
+TEST(StorageReplay, TheStorageKnobsVariablesApply) {
+  TempDir dir;
+  ReplayOptions o = small_tiers(nullptr);
+  ASSERT_EQ(::setenv("KVTIER_STORAGE_DISK_QUEUE_DEPTH", "banana", 1), 0);
+  auto bad = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  ::unsetenv("KVTIER_STORAGE_DISK_QUEUE_DEPTH");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("KVTIER_STORAGE_DISK_QUEUE_DEPTH"), std::string::npos)
+      << bad.status().to_string();
+  ASSERT_EQ(::setenv("KVTIER_STORAGE_DISK_QUEUE_DEPTH", "5000", 1), 0);  // over the ring's limit
+  auto over = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  ::unsetenv("KVTIER_STORAGE_DISK_QUEUE_DEPTH");
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("KVTIER_STORAGE_DISK_QUEUE_DEPTH"), std::string::npos)
+      << over.status().to_string();
+  auto good = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  EXPECT_TRUE(good.ok()) << good.status().to_string();
+}
+
 TEST(StorageReplay, DiskTierWriteThrough) {
   TempDir dir;
   auto trace = sample(300);

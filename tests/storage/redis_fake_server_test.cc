@@ -244,6 +244,39 @@ TEST_P(RedisFakeServerTest, ANegativeLengthIsAnErrorNotASize) {
   EXPECT_EQ(r.bytes, 0u);
 }
 
+// A redirect answered to a backend opened as a single server (a cluster node named with cluster=off, or a proxy):
+// a FailedPrecondition per item naming the remedy. It crashed the process (the single mode has no slot map).
+TEST(RedisFakeServerCreate, ARedirectToASingleServerBackendIsAnErrorNotACrash) {
+  FakeRedis server(FakeRedis::Mode::kServe);
+  ASSERT_EQ(server.error(), "");
+  auto b = create_redis_backend(config_for(server, RedisMode::kSingle), StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  std::vector<std::byte> v(512);
+  fill_random(v.data(), v.size(), 5);
+  for (const char* redirect : {"-MOVED 3999 127.0.0.1:7001\r\n", "-ASK 3999 127.0.0.1:7001\r\n"}) {
+    server.canned_reply("SET", redirect);
+    server.canned_reply("GETRANGE", redirect);
+    for (StorageOp op : {StorageOp::kPut, StorageOp::kGet}) {
+      auto r = one(**b, op, key_of(0x31, 2), v.data(), v.size());
+      EXPECT_EQ(r.status.code(), StatusCode::kFailedPrecondition) << r.status.to_string();
+      EXPECT_NE(r.status.message().find("cluster=on"), std::string::npos) << r.status.to_string();
+    }
+  }
+}
+
+// A value of another type under a block's key (WRONGTYPE): a get is DataLoss and an exists a miss, as for any
+// value that is not an object; it was InternalError, the class that says the backend is unusable.
+TEST_P(RedisFakeServerTest, AValueOfAnotherTypeIsNoObject) {
+  server_.canned_reply("GETRANGE", "-WRONGTYPE Operation against a key holding the wrong kind of value\r\n");
+  server_.canned_reply("STRLEN", "-WRONGTYPE Operation against a key holding the wrong kind of value\r\n");
+  const StorageKey k = key_of(0x78, 1);
+  auto got = one(*backend_, StorageOp::kGet, k, dst_.data(), dst_.size());
+  EXPECT_EQ(got.status.code(), StatusCode::kDataLoss) << got.status.to_string();
+  EXPECT_EQ(got.bytes, 0u);
+  auto exists = one(*backend_, StorageOp::kExists, k, nullptr, 0);
+  EXPECT_EQ(exists.status.code(), StatusCode::kNotFound) << exists.status.to_string();
+}
+
 // A server that says it is not a cluster: kAuto uses it as one node,
 // kCluster refuses at once with the server's answer.
 TEST(RedisFakeServerCreate, NonClusterServerAutoFallsBackClusterRefuses) {

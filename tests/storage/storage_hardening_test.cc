@@ -348,7 +348,38 @@ TEST_F(DiskHardening, FilesAndDirectoriesAreOwnerOnlyByDefault) {
   EXPECT_EQ(mode_of(ns_dir_), 0750u);
   config_.file_mode = 01777;
   EXPECT_EQ(create_disk_backend(config_, options_).status().code(), StatusCode::kInvalidArgument);
+  // Modes that leave the owner unable to read back what it stored, or to reopen LOCK, are refused up front
+  // (they were accepted: puts acknowledged, every get and the next open failing with EACCES for a non-root user).
+  for (std::uint32_t bad : {0400u, 0200u, 0000u, 0644u & 0244u}) {
+    config_.file_mode = bad;
+    const Status s = create_disk_backend(config_, options_).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << fmt::format("{:o}", bad);
+    EXPECT_NE(s.message().find("storage.disk.file_mode"), std::string::npos) << s.to_string();
+  }
+  config_.file_mode = 0600;
+  config_.dir_mode = 0500;
+  const Status dir = create_disk_backend(config_, options_).status();
+  EXPECT_EQ(dir.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(dir.message().find("storage.disk.dir_mode"), std::string::npos) << dir.to_string();
   ::umask(old_umask);
+}
+
+// A root path that cannot work until the operator changes it is FailedPrecondition naming the path (it was
+// Unavailable, which a caller retries): a file, a path under a file, a link to nothing, a name too long.
+TEST_F(DiskHardening, RootPathsThatNoRetryCanFixAreFailedPrecondition) {
+  const std::string file = dir_.path() + "/a-file";
+  ASSERT_EQ(::close(::open(file.c_str(), O_CREAT | O_WRONLY, 0600)), 0);
+  const std::string dangling = dir_.path() + "/dangling";
+  ASSERT_EQ(::symlink((dir_.path() + "/nowhere/else").c_str(), dangling.c_str()), 0);
+  const std::string too_long = dir_.path() + "/" + std::string(300, 'x');
+  for (const std::string& root : {file, file + "/below", dangling, too_long}) {
+    config_.root = root;
+    const Status s = create_disk_backend(config_, options_).status();
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << root << ": " << s.to_string();
+    EXPECT_NE(s.message().find(root.substr(0, 40)), std::string::npos) << s.to_string();
+  }
+  config_.root = dangling;
+  EXPECT_NE(create_disk_backend(config_, options_).status().message().find("symbolic link"), std::string::npos);
 }
 
 // Sizes whose sum with the header wraps below the stored length: the parser rejects them before

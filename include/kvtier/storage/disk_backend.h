@@ -73,6 +73,9 @@ enum class DirectIo : std::uint8_t {
   kOff,   // buffered I/O
 };
 
+// The ring's largest depth (create() refuses more; the storage.disk.queue_depth knob too).
+inline constexpr std::uint32_t kMaxDiskQueueDepth = 4096;
+
 struct DiskBackendConfig {
   std::string root;                  // created if absent
   std::uint64_t capacity_bytes = 0;  // 0 = unlimited
@@ -86,7 +89,8 @@ struct DiskBackendConfig {
   std::uint32_t max_quarantine_files = 64;
   // Permissions of the files and directories the backend creates (the process umask still
   // applies): owner only by default, so other local users cannot read or plant blocks. Shared
-  // access between the processes of one deployment: a common group and 0640 / 0750.
+  // access between the processes of one deployment: a common group and 0640 / 0750. The owner needs read and
+  // write on files (0600) and everything on directories (0700): create() refuses less.
   std::uint32_t file_mode = 0600;
   std::uint32_t dir_mode = 0700;
   // Tests only (disk_fault.h): sees every I/O completion first and may turn it into an error or a

@@ -59,6 +59,10 @@ namespace kvtier::storage {
 
 enum class RedisMode : std::uint8_t { kAuto, kSingle, kCluster };
 
+// Limits of RedisBackendConfig's counts (create() refuses values outside them; the storage.redis.* knobs too).
+inline constexpr std::uint32_t kMaxRedisWorkers = 256;
+inline constexpr std::uint32_t kMaxRedisBatchItems = 65536;
+
 struct RedisBackendConfig {
   std::vector<std::string> endpoints;  // "host:port": the server, or cluster seed nodes
   std::string username;                // optional (Redis 6 ACL user)

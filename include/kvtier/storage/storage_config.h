@@ -6,6 +6,7 @@
 // Thread-safety: as ConfigTable: bind and apply on one thread.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -40,6 +41,12 @@ struct StorageBackendDefaults {
 Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view spec, StorageOptions options,
                                                              const StorageBackendDefaults& defaults);
 std::string redact_storage_spec(std::string_view spec);
+
+// make_storage_backend() from the knobs: the storage.disk.*, storage.redis.* and storage.tenant.* knobs from their
+// KVTIER_STORAGE_* variables in `env` (nullptr: none; a bad value is InvalidArgument naming the variable), then
+// `knobs` (knob -> value), then what the spec names. The tenant knobs set options.tenant and tenant_secret.
+Result<std::unique_ptr<StorageBackend>> open_storage_backend(std::string_view spec, StorageOptions options, char** env,
+                                                             const std::map<std::string, std::string>& knobs = {});
 
 // Sets options.tenant and options.tenant_secret from `config` (the file is read here) and checks
 // them (format::check_tenant_options). Leaves `options` unchanged on error.
