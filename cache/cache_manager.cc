@@ -380,6 +380,19 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
       held.push_back(id);
     }
   Result<Admission> out = admit_in(s, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, max_hit_blocks);
+  // A refusal no ack can end: nothing in flight or queued frees a host block (no demotion pending), so the device
+  // victims that need one wait for good, while this request's own host hits, pinned by it, may be what fills the
+  // host. Served without its host hits (recomputed: their host copies may then be demoted to make room) rather than
+  // refused at every retry.
+  if (!out.ok() && out.status().code() == StatusCode::kResourceExhausted && s.pending_demotions == 0 &&
+      s.plan.storage_writes.empty()) {
+    const MatchResult m = s.match_nodes(keys, nullptr);
+    if (m.host_blocks > 0 && max_hit_blocks > m.device_blocks) {
+      Result<Admission> without_host_hits =
+          admit_in(s, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, m.device_blocks);
+      if (without_host_hits.ok() || s.pending_demotions > 0) out = std::move(without_host_hits);
+    }
+  }
   for (NodeId id : held) {
     s.unpin(id);
     s.reclaim_if_dead(id);
@@ -421,6 +434,19 @@ Status CacheManager::commit(AdmissionId id, std::uint32_t num_computed) {
                       "release and admit again",
                       pos, rec.blocks[pos], id));
   }
+  // What the forward computed past the hit rests on the hit's loads: committed before their acks, a block computed
+  // on a load that then failed would stay indexed (in whatever tier it went to since) and be served.
+  if (num_computed > std::max(rec.committed, rec.hit_blocks))
+    for (std::uint32_t i = 0; i < rec.hit_blocks; ++i)
+      if (s.nodes[rec.pos_node[i]].state == NodeState::kLoading) {
+        std::uint32_t loading = 0;
+        for (std::uint32_t j = i; j < rec.hit_blocks; ++j)
+          loading += s.nodes[rec.pos_node[j]].state == NodeState::kLoading ? 1 : 0;
+        return FailedPrecondition(fmt::format(
+            "commit: {} hit blocks of admission {} are still loading (key position {} first): ack the loads "
+            "(admission_status() ready) before committing blocks computed on them",
+            loading, id, i));
+      }
   commit_in(s, rec, num_computed);
   return Status::Ok();
 }

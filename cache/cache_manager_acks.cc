@@ -406,6 +406,8 @@ Status ack_moves(Impl& s, AckKind kind, std::span<const BlockId> blocks, const S
       --s.lookahead_in_flight[r.lands_in];
     }
     if (n.detached) {
+      // A failed move counts whether or not an earlier failure of this ack already invalidated the block.
+      if (!status.ok()) ++s.st.failed_transfers;
       release_reading_replacement(s, id);
       s.reclaim_if_dead(id);
     } else if (n.retreat_on_ack)

@@ -461,6 +461,10 @@ struct CacheManager::Impl {
     owner[t][b] = id;
   }
   void free_block(int t, BlockId b) {
+    // A storage slot given up, whatever the reason (room, an invalidation, a failed write or prefetch): the
+    // executor may delete its object, so the backend holds no more objects than the tier has slots.
+    if (t == kSto && owner[t][b] != kNoNode)
+      plan.storage_drops.push_back(BlockMove{b, kNoBlock, nodes[owner[t][b]].key});
     owner[t][b] = kNoNode;
     pools[t].free(b).ignore_error();  // ids come from our own bookkeeping
   }

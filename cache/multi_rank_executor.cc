@@ -49,7 +49,14 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
             "its move was acknowledged)",
             move_kind_name(kind), m.dst));
     }
-  if (refs.empty()) return Status::Ok();
+  if (refs.empty()) {
+    // Only dropped storage slots (nothing to acknowledge): every rank deletes its own objects of them.
+    if (!plan.storage_drops.empty())
+      for (std::uint32_t r = 0; r < ranks(); ++r)
+        KVTIER_RETURN_IF_ERROR(
+            ranks_[r]->execute(plan).with_context(fmt::format("rank {} of {}: execute", r, ranks())));
+    return Status::Ok();
+  }
   const Clock::time_point deadline = now() + options_.move_deadline;
   const std::uint32_t n = ranks();
   for (const auto& [kind, moves] : lists)

@@ -2,13 +2,69 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
+#include <unordered_set>
+
 namespace kvtier::cache {
 
 storage::StorageKey storage_key(const BlockKey& key) { return storage::StorageKey::from_u64(key.hi, key.lo, 0); }
 
+namespace {
+// How long a write waits for an earlier delete of its key (a delete is one backend call per key).
+constexpr auto kRemovalWait = std::chrono::seconds(30);
+}  // namespace
+
+void StoragePlanExecutor::remove(const std::vector<BlockMove>& drops) {
+  if (drops.empty() || !remove_dropped_) return;
+  Removal r;
+  std::vector<storage::StorageKey> keys;
+  keys.reserve(drops.size());
+  for (const BlockMove& m : drops) {
+    r.keys.push_back(m.key);
+    keys.push_back(storage_key(m.key));
+  }
+  auto op = tier_.remove(keys);
+  if (!op.ok()) {  // nothing posted: the objects stay (a later delete or the backend's own capacity takes them)
+    failed_removals_ += drops.size();
+    return;
+  }
+  r.op = std::move(*op);
+  r.posted = true;
+  removals_.push_back(std::move(r));
+}
+
+// Harvests finished deletes; with `wait`, waits for every one first (bounded: a delete still pending after
+// kRemovalWait is left to the next poll, and the write behind it may then land before it: a miss later, never
+// another key's bytes).
+void StoragePlanExecutor::settle_removals(bool wait) {
+  std::vector<Removal> keep;
+  for (Removal& r : removals_) {
+    if (wait) r.op.wait(kRemovalWait).ignore_error();
+    if (!r.op.poll()) {
+      keep.push_back(std::move(r));
+      continue;
+    }
+    for (std::size_t i = 0; i < r.keys.size(); ++i) {
+      if (r.op.status(i).ok())
+        ++removed_objects_;
+      else
+        ++failed_removals_;
+    }
+  }
+  removals_ = std::move(keep);
+}
+
 void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& moves) {
   if (moves.empty()) return;
   const bool write = kind == MoveKind::kStorageWrite;
+  if (write && !removals_.empty()) {
+    // A key dropped and written again: its delete must be over before the new object is written.
+    std::unordered_set<BlockKey, BlockKeyHash> removing;
+    for (const Removal& r : removals_) removing.insert(r.keys.begin(), r.keys.end());
+    if (std::any_of(moves.begin(), moves.end(), [&](const BlockMove& m) { return removing.count(m.key) != 0; }))
+      settle_removals(true);
+  }
   std::vector<storage::StorageKey> keys;
   std::vector<std::uint64_t> host;
   Pending p{kind, {}, {}, Status::Ok()};
@@ -34,12 +90,14 @@ Status StoragePlanExecutor::execute(const StepPlan& plan) {
     return FailedPrecondition(fmt::format(
         "StoragePlanExecutor: plan holds {} evictions, {} backups, {} loads (device moves: use CompositePlanExecutor)",
         plan.evictions.size(), plan.backups.size(), plan.loads.size()));
+  remove(plan.storage_drops);
   submit(MoveKind::kStorageWrite, plan.storage_writes);
   submit(MoveKind::kStoragePrefetch, plan.storage_prefetches);
   return Status::Ok();
 }
 
 std::vector<Completion> StoragePlanExecutor::poll() {
+  settle_removals(false);
   std::vector<Completion> out;
   std::vector<Pending> keep;
   for (Pending& p : pending_) {
@@ -78,6 +136,7 @@ Status CompositePlanExecutor::execute(const StepPlan& plan) {
   dev.loads = plan.loads;
   sto.storage_writes = plan.storage_writes;
   sto.storage_prefetches = plan.storage_prefetches;
+  sto.storage_drops = plan.storage_drops;
   if (!dev.empty()) KVTIER_RETURN_IF_ERROR(transfers_.execute(dev));
   if (!sto.empty()) KVTIER_RETURN_IF_ERROR(storage_.execute(sto));
   return Status::Ok();

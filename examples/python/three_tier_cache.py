@@ -63,6 +63,10 @@ class Engine:
                 src, dst = [m[0] for m in plan[kind]], [m[1] for m in plan[kind]]
                 self.tm.wait(self.tm.evict(src, dst), timeout=30)
                 self.cache.ack(kind, dst)
+        # Storage slots the cache gave up: their objects go first (so the store holds no more objects than the
+        # tier has slots, and a key written again below is not deleted after its write). Not acknowledged.
+        if plan["storage_drops"]:
+            self.store.delete_many([m[2] for m in plan["storage_drops"]])  # per key 0, or the error (NotFoundError: absent)
         # Storage objects are named by the block's key; writes read host block src (acked by storage slot dst),
         # prefetches write host block dst. Per item: the bytes moved (int) or the error (a miss, never served).
         for kind, call, host in (("storage_writes", self.store.put_many, 0), ("storage_prefetches",

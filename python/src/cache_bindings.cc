@@ -89,7 +89,10 @@ Status ack_status(const std::optional<std::string>& error) {
 
 nb::list moves(const std::vector<cache::BlockMove>& v) {
   nb::list out;
-  for (const auto& m : v) out.append(nb::make_tuple(m.src, m.dst, m.key.hex()));
+  // A dropped storage slot has no destination: None.
+  for (const auto& m : v)
+    out.append(nb::make_tuple(m.src, m.dst == cache::kNoBlock ? nb::object(nb::none()) : nb::object(nb::int_(m.dst)),
+                              m.key.hex()));
   return out;
 }
 
@@ -214,6 +217,9 @@ HybridRequestArgs hybrid_request(std::uint32_t num_tokens, const std::vector<std
   return a;
 }
 
+// A plan's storage_drops: ack() takes them and does nothing (they are not acknowledged).
+constexpr std::string_view kDropsKind = "storage_drops";
+
 // The ack kinds of CacheManager.ack / HybridCache.ack: the StepPlan lists by name.
 cache::MoveKind move_kind(const std::string& kind) {
   if (kind == "evictions") return cache::MoveKind::kEviction;
@@ -270,6 +276,9 @@ nb::dict cache_stats_dict(const cache::CacheStats& s) {
   d["backups_d2h"] = s.backups_d2h;
   d["drops_device"] = s.drops_device;
   d["drops_host"] = s.drops_host;
+  d["drops_storage"] = s.drops_storage;
+  d["lost_host_drops"] = s.lost_host_drops;
+  d["pressure_demotions"] = s.pressure_demotions;
   d["storage_writes"] = s.storage_writes;
   d["storage_prefetches"] = s.storage_prefetches;
   d["failed_transfers"] = s.failed_transfers;
@@ -308,6 +317,7 @@ nb::dict step_plan_dict(const cache::StepPlan& plan) {
   d["loads"] = moves(plan.loads);
   d["storage_writes"] = moves(plan.storage_writes);
   d["storage_prefetches"] = moves(plan.storage_prefetches);
+  d["storage_drops"] = moves(plan.storage_drops);
   return d;
 }
 
@@ -624,6 +634,7 @@ void bind_cache(nb::module_& m) {
       .def(
           "ack",
           [](PyCacheManager& p, const std::string& kind, nb::handle dst_blocks, std::optional<std::string> error) {
+            if (kind == kDropsKind) return;  // nothing to acknowledge (a loop over every list of a plan works)
             const cache::MoveKind k = move_kind(kind);
             auto ids = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             Status st = ack_status(error);
@@ -638,7 +649,7 @@ void bind_cache(nb::module_& m) {
           },
           "kind"_a, "dst_blocks"_a.none(), "error"_a = nb::none(),
           "Acknowledges moves of one kind by destination block; error: None (done) or why it failed (the blocks "
-          "become misses).")
+          "become misses). 'storage_drops' needs no ack: taken and ignored.")
       .def("stats",
            [](PyCacheManager& p) {
              auto lock = lock_gil_safe(p.mu);
@@ -919,6 +930,7 @@ void bind_cache(nb::module_& m) {
              std::optional<std::string> error) {
             cache::GroupCompletion c;
             c.group = u32_arg(group, "group");
+            if (kind == kDropsKind) return;  // nothing to acknowledge
             c.completion.kind = move_kind(kind);
             c.completion.dst = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             c.completion.status = ack_status(error);

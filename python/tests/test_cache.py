@@ -209,6 +209,40 @@ def test_a_prefetch_starts_no_demotion_and_drops_no_last_copy():
     assert not any(plan["storage_writes"] for plan in plans), "the prefetch queued a demotion"
 
 
+def test_storage_slots_given_up_come_in_the_plan_to_delete():
+    """The plan named no storage slot the cache gave up, so an engine's store kept every object ever written (a tier
+    of 2,000 blocks left 15,120 files). Now each such slot comes once in storage_drops, as (slot, None, key)."""
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=2, storage_blocks=4, write_policy="write_back")
+    written, dropped = [], []
+
+    def settle():
+        plan = _settle(cm)
+        written.extend(k for _, _, k in plan["storage_writes"])
+        dropped.extend(plan["storage_drops"])
+
+    for i in range(30):
+        for _ in range(8):
+            try:
+                a = cm.admit(hasher.keys_for([10 * i, 10 * i + 1]))
+                break
+            except kvtier.ResourceExhaustedError:
+                settle()
+        settle()
+        cm.commit(a["id"])
+        cm.release(a["id"])
+        settle()
+    assert len(written) > 12 and dropped, "the tier of 4 blocks turned over without a drop"
+    assert len(dropped) + cm.stats()["storage"]["used"] == len(written)
+    assert cm.stats()["drops_storage"] <= len(dropped)
+    cm.ack("storage_drops", [m[1] for m in dropped])  # a loop that acks every list of a plan: nothing to do
+    for slot, dst, key in dropped:
+        assert dst is None and 0 <= slot < 4
+        assert cm.match([key])["storage_blocks"] == 0, key
+    assert len({k for _, _, k in dropped}) == len(dropped), "a slot dropped twice"
+    cm.check_invariants()
+
+
 def test_prefetch_reaches_announcements_behind_many_uncached_ones():
     """Each call looks at a bounded number of keys; it walked from the head every time, so an announcement behind
     1,024 uncached ones (a key each) was never prefetched while they stayed queued."""
@@ -608,4 +642,101 @@ def test_a_host_copy_a_load_reads_stays_pinned_when_a_second_load_of_it_fails():
     cm.check_invariants()
     _new_requests_never_write(cm, hasher, h_b)
     cm.ack("loads", [d_b])
+    cm.check_invariants()
+
+
+@pytest.mark.parametrize("parent_first", [True, False])
+def test_failed_transfers_counts_every_failed_ack_in_any_order(parent_first):
+    """Two failed loads of one chain in one ack counted 1 when the parent came first (its failure had already
+    invalidated the child) and 2 the other way."""
+    key = lambda i: "%032x" % (i + 1)  # noqa: E731
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=4, device_policy="lru", env=False)
+    a = cm.admit([key(0), key(1)])
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    b = cm.admit([key(5), key(6)])
+    p = cm.take_plan()  # evicts key 0 and 1 to host
+    cm.ack("evictions", [m[1] for m in p["evictions"]])
+    cm.commit(b["id"])
+    cm.release(b["id"])
+    c = cm.admit([key(0), key(1)])
+    p = cm.take_plan()  # loads them back
+    cm.ack("evictions", [m[1] for m in p["evictions"]])
+    loads = {m[2]: m[1] for m in p["loads"]}
+    order = [loads[key(0)], loads[key(1)]] if parent_first else [loads[key(1)], loads[key(0)]]
+    cm.ack("loads", order, "copy failed")
+    assert cm.stats()["failed_transfers"] == 2
+    assert cm.admission_status(c["id"])["failed"]
+    cm.release(c["id"])
+    cm.check_invariants()
+
+
+@pytest.mark.parametrize("load_fails", [False, True])
+def test_blocks_computed_past_a_loading_hit_are_committed_only_after_its_ack(load_fails):
+    """commit() indexed blocks computed on a host hit whose load was not acked yet; when that load then failed, the
+    block computed on it stayed indexed (and moved down the tiers) and was served. Now commit past the hit is
+    refused while a hit is loading; after a failed load nothing past it is indexed."""
+    key = lambda i: "%032x" % (i + 1)  # noqa: E731
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=4, device_policy="lru", env=False)
+    a = cm.admit([key(0)])
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    b = cm.admit([key(5), key(6)])
+    p = cm.take_plan()  # key 0 to host
+    cm.ack("evictions", [m[1] for m in p["evictions"]])
+    cm.commit(b["id"])
+    cm.release(b["id"])
+    c = cm.admit([key(0), key(1)])  # key 0: a host hit, loading; key 1: computed by the forward
+    assert c["host_hit_blocks"] == 1
+    p = cm.take_plan()
+    cm.ack("evictions", [m[1] for m in p["evictions"]])
+    with pytest.raises(kvtier.FailedPreconditionError, match="still loading"):
+        cm.commit(c["id"])
+    cm.commit(c["id"], 1)  # the hit itself: nothing computed on it
+    cm.ack("loads", [m[1] for m in p["loads"]], "copy failed" if load_fails else None)
+    cm.commit(c["id"])
+    cm.release(c["id"])
+    m = cm.match([key(0), key(1)])
+    assert m["device_blocks"] + m["host_blocks"] == (1 if load_fails else 2), m
+    cm.check_invariants()
+
+
+def test_a_request_whose_own_host_hits_fill_the_host_is_admitted_after_a_demotion():
+    """The device block D is the last copy of a block whose child is in storage only (it can only go to host), and
+    the host's one block holds Y, which the request [Y, N] pins as its own host hit: admit() was refused at every
+    retry with nothing in flight. Now the refusal serves the request without its host hits, which lets Y's host
+    copy be demoted; after that write's ack the request is admitted."""
+    key = lambda i: "%032x" % (i + 1)  # noqa: E731
+    d, s, x, y, z, n = key(0), key(1), key(10), key(20), key(30), key(40)
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=1, storage_blocks=2, write_policy="write_back",
+                             device_policy="lru", host_policy="lru", env=False)
+
+    def settle():
+        for _ in range(4):
+            p = cm.take_plan()
+            if not any(p.values()):
+                return
+            for kind, moves in p.items():  # storage_drops included: ack() takes them and does nothing
+                if moves:
+                    cm.ack(kind, [m[1] for m in moves])
+
+    def step(keys):
+        a = cm.admit(keys)
+        settle()
+        cm.commit(a["id"])
+        cm.release(a["id"])
+
+    for keys in ([d, s], [x], [y], [d], [z]):
+        step(keys)
+    assert cm.match([d, s])["storage_blocks"] == 1 and cm.match([y])["host_blocks"] == 1
+    for attempt in range(4):
+        try:
+            a = cm.admit([y, n])
+            break
+        except kvtier.ResourceExhaustedError:
+            settle()
+    else:
+        raise AssertionError("refused at every retry")
+    assert attempt <= 1 and a["new_blocks"] == 2, a  # Y went to storage meanwhile: computed again with N
+    cm.release(a["id"])
     cm.check_invariants()

@@ -49,4 +49,12 @@ inline std::vector<BlockId> dsts(const std::vector<BlockMove>& moves) {
     EXPECT_TRUE(inv_.ok()) << inv_.to_string();         \
   } while (0)
 
+// commit()'s outcome in a random sequence: OK, or refused because a hit block of the admission is still loading
+// (what the forward computed past the hit is committed after the loads' acks).
+inline bool committed_or_loading(const CacheManager& c, AdmissionId id, const Status& st) {
+  if (st.ok()) return true;
+  auto as = c.admission_status(id);
+  return st.code() == StatusCode::kFailedPrecondition && as.ok() && as->loading_blocks > 0;
+}
+
 }  // namespace kvtier::cache::testing

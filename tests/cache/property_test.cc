@@ -138,7 +138,8 @@ void run_scenario(const Scenario& sc, int steps) {
       auto it = live.begin();
       std::advance(it, rng() % live.size());
       auto n = static_cast<std::uint32_t>(rng() % (keys[it->second].size() + 1));
-      ASSERT_TRUE(c->commit(it->first, n).ok());
+      const Status st = c->commit(it->first, n);
+      ASSERT_TRUE(testing::committed_or_loading(*c, it->first, st)) << st.to_string();
     } else if (op < 8 && !live.empty()) {  // release
       auto it = live.begin();
       std::advance(it, rng() % live.size());

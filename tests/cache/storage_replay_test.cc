@@ -107,6 +107,26 @@ TEST(StorageReplay, TheStorageKnobsVariablesApply) {
   EXPECT_TRUE(good.ok()) << good.status().to_string();
 }
 
+// The backend holds no more of the replay's objects than its storage tier has slots: the objects of slots the
+// cache gives up are deleted (before, every block ever written stayed: 15,120 files under a tier of 2,000).
+TEST(StorageReplay, DroppedStorageSlotsLeaveNoObjectsBehind) {
+  TempDir dir;
+  auto trace = sample(500);
+  ReplayOptions o = small_tiers(nullptr);
+  o.storage_blocks = 400;  // far below what the 500 requests write
+  auto rs = ReplayStorage::create("disk:" + dir.path(), o.host_blocks, o.block_bytes);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  o.storage = rs->get();
+  auto r = replay_trace(trace, o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  expect_clean(*r);
+  ASSERT_GT(r->storage_writes, 3u * o.storage_blocks);  // the tier turned over several times
+  EXPECT_GT(r->storage_hit_blocks, 0u);
+  const storage::StorageStats st = (*rs)->tier().backend().stats();
+  EXPECT_LE(st.objects, o.storage_blocks) << r->storage_writes << " writes";
+  EXPECT_GT(st.objects, 0u);
+}
+
 TEST(StorageReplay, DiskTierWriteThrough) {
   TempDir dir;
   auto trace = sample(300);
@@ -179,6 +199,59 @@ TEST(StorageReplay, RedisTier) {
 
 // The executor on its own: a stored block round-trips; a corrupted object is a failed completion
 // that the cache turns into a miss.
+// A plan that drops a key's slot and writes the key again (into another slot): the delete lands first, so the new
+// object is there afterwards; a dropped key alone is deleted; remove_dropped = false keeps it.
+TEST(StoragePlanExecutor, DropsDeleteTheirObjectsButNeverOneWrittenAgain) {
+  TempDir dir;
+  constexpr std::uint32_t kHost = 8;
+  auto rs = ReplayStorage::create("disk:" + dir.path(), kHost, 4096);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  StoragePlanExecutor sto((*rs)->tier());
+  const BlockKey kept{0x1111, 0x2222}, gone{0x3333, 0x4444};
+  auto run = [&](StoragePlanExecutor& ex, const StepPlan& plan) {
+    ASSERT_TRUE(ex.execute(plan).ok());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    std::vector<Completion> done;
+    while (ex.in_flight() && std::chrono::steady_clock::now() < deadline) {
+      for (Completion& c : ex.poll()) {
+        EXPECT_TRUE(c.status.ok()) << c.status.to_string();
+        done.push_back(std::move(c));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    ASSERT_EQ(ex.in_flight(), 0u);
+  };
+  auto stored = [&](const BlockKey& k) {
+    const storage::StorageKey sk[1] = {storage_key(k)};
+    auto op = (*rs)->tier().exists(sk);
+    EXPECT_TRUE(op.ok());
+    EXPECT_TRUE(op->wait().ok());
+    return op->status(0).ok();
+  };
+  ReplayStorage::fill_pattern(kept, (*rs)->host_block(0));
+  ReplayStorage::fill_pattern(gone, (*rs)->host_block(1));
+  StepPlan first;
+  first.storage_writes = {BlockMove{0, 5, kept}, BlockMove{1, 6, gone}};
+  run(sto, first);
+  ASSERT_TRUE(stored(kept) && stored(gone));
+  // Both slots given up; `kept` is written again in the same plan (as after an invalidation and a recompute).
+  StepPlan second;
+  second.storage_drops = {BlockMove{5, kNoBlock, kept}, BlockMove{6, kNoBlock, gone}};
+  second.storage_writes = {BlockMove{0, 7, kept}};
+  run(sto, second);
+  EXPECT_TRUE(stored(kept));
+  EXPECT_FALSE(stored(gone));
+  EXPECT_EQ(sto.removed_objects(), 2u);
+  EXPECT_EQ(sto.failed_removals(), 0u);
+  // An executor that keeps dropped objects (a backend shared with other caches).
+  StoragePlanExecutor keeping((*rs)->tier(), /*remove_dropped=*/false);
+  StepPlan third;
+  third.storage_drops = {BlockMove{7, kNoBlock, kept}};
+  run(keeping, third);
+  EXPECT_TRUE(stored(kept));
+  EXPECT_EQ(keeping.removed_objects(), 0u);
+}
+
 TEST(StoragePlanExecutor, PrefetchOfCorruptedObjectIsAMiss) {
   TempDir dir;
   constexpr std::uint32_t kHost = 8;

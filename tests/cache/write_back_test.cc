@@ -7,12 +7,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "kvtier/backend/plan_executor.h"
 #include "kvtier/cache/cache_manager.h"
@@ -102,6 +104,37 @@ TEST(WriteBackPressure, DirtyHostBlockIsWrittenToStorageBeforeItsBlockIsFreed) {
   ASSERT_TRUE(c->ack_plan(l, Status::Ok()).ok());
   EXPECT_EQ(c->admission_status(again->id)->ready_blocks, 2u);
   ASSERT_TRUE(c->release(again->id).ok());
+  EXPECT_INVARIANTS(*c);
+}
+
+// Every storage slot the cache gives up is in a plan's storage_drops with its key, once: room for newer blocks
+// and failed writes alike (an executor deletes their objects; before, nothing told it and the backend grew).
+TEST(WriteBackPressure, EveryStorageSlotGivenUpIsInAPlansDrops) {
+  auto c = make_cache(write_back(2, 2, 4));
+  std::vector<BlockKey> dropped;
+  std::uint64_t writes = 0;
+  for (std::uint64_t i = 0; i < 40; ++i) {
+    // Every fifth request's storage writes fail: their slots are given up at the ack.
+    const Status ack = i % 5 == 4 ? Unavailable("disk gone") : Status::Ok();
+    StepPlan p = run_acked(*c, path({100 + 2 * i, 101 + 2 * i}), ack);
+    writes += p.storage_writes.size();
+    for (const BlockMove& d : p.storage_drops) {
+      EXPECT_EQ(d.dst, kNoBlock);
+      EXPECT_LT(d.src, 4u) << "a storage slot";
+      dropped.push_back(d.key);
+    }
+    StepPlan after = c->take_plan();  // drops made by the acks
+    for (const BlockMove& d : after.storage_drops) dropped.push_back(d.key);
+    EXPECT_EQ(after.size(), 0u);
+  }
+  ASSERT_GT(writes, 20u);
+  const CacheStats st = c->stats();
+  EXPECT_GE(dropped.size(), st.drops_storage);
+  EXPECT_EQ(dropped.size() + st.tiers[2].used, writes) << "every slot written is held or was dropped";
+  for (const BlockKey& k : dropped) EXPECT_EQ(c->match(std::vector<BlockKey>{k}).storage_blocks, 0u);
+  std::sort(dropped.begin(), dropped.end(),
+            [](const BlockKey& a, const BlockKey& b) { return std::tie(a.hi, a.lo) < std::tie(b.hi, b.lo); });
+  EXPECT_EQ(std::adjacent_find(dropped.begin(), dropped.end()), dropped.end()) << "a slot dropped twice";
   EXPECT_INVARIANTS(*c);
 }
 

@@ -228,10 +228,16 @@ struct StepPlan {
   std::vector<BlockMove> loads;               // host -> device
   std::vector<BlockMove> storage_writes;      // host -> storage slot (dst = storage slot id)
   std::vector<BlockMove> storage_prefetches;  // storage slot -> host
+  // Storage slots the cache gave up (src = the slot, dst = kNoBlock, key): the tier no longer holds the key, so
+  // its object may be deleted from the backend (StoragePlanExecutor does), which keeps the backend's use within
+  // storage_blocks objects; an executor that shares the backend with other caches may keep them instead. Not
+  // acknowledged. A later write of the same key in this or a later plan must land after the delete.
+  std::vector<BlockMove> storage_drops;
   bool empty() const noexcept {
     return evictions.empty() && backups.empty() && loads.empty() && storage_writes.empty() &&
-           storage_prefetches.empty();
+           storage_prefetches.empty() && storage_drops.empty();
   }
+  // The moves to acknowledge (storage_drops are not).
   std::size_t size() const noexcept {
     return evictions.size() + backups.size() + loads.size() + storage_writes.size() + storage_prefetches.size();
   }
@@ -369,7 +375,9 @@ class CacheManager {
   // After the forward pass: the first `num_computed` keys of the admission
   // hold data; the new ones join the index (still pinned by the admission).
   // A key computed while another copy appeared, or below a block that went
-  // in flight, is not indexed; its block is freed by release().
+  // in flight, is not indexed; its block is freed by release(). Keys past the
+  // hit are refused (FailedPrecondition) while a hit block is still loading:
+  // ack the loads first (after a failed one, nothing past it is indexed).
   Status commit(AdmissionId id, std::uint32_t num_computed);
   Status commit_all(AdmissionId id);
 

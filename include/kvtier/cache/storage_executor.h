@@ -6,7 +6,13 @@
 //   storage_writes     -> StorageTier::write(keys, src host blocks), acked by
 //                         storage slot (BlockMove::dst) with MoveKind::kStorageWrite;
 //   storage_prefetches -> StorageTier::read(keys, dst host blocks), acked by
-//                         host block with MoveKind::kStoragePrefetch.
+//                         host block with MoveKind::kStoragePrefetch;
+//   storage_drops      -> StorageTier::remove(keys), posted before the plan's
+//                         writes, not acked (with remove_dropped, the default):
+//                         the backend then holds no more of this cache's
+//                         objects than its storage tier has slots. A write of a
+//                         key whose delete is still in flight waits for it
+//                         (bounded), so the delete never removes the new object.
 // Objects are named by the move's BlockKey (StorageKey::from_u64(hi, lo),
 // rank set by the tier), not by the cache's storage slot: slots only count
 // capacity. A block whose read fails (NotFound, DataLoss after a checksum
@@ -27,6 +33,7 @@
 #include <vector>
 
 #include "kvtier/backend/plan_executor.h"
+#include "kvtier/cache/block_key.h"
 #include "kvtier/storage/storage_tier.h"
 
 namespace kvtier::cache {
@@ -35,19 +42,25 @@ storage::StorageKey storage_key(const BlockKey& key);
 
 class StoragePlanExecutor final : public PlanExecutor {
  public:
-  // `tier` must outlive the executor; its host space is the cache's host tier.
-  explicit StoragePlanExecutor(storage::StorageTier& tier) : tier_(tier) {}
+  // `tier` must outlive the executor; its host space is the cache's host tier. remove_dropped = false keeps the
+  // objects of dropped slots (a backend shared with other caches that evicts by itself: a capacity, a TTL).
+  explicit StoragePlanExecutor(storage::StorageTier& tier, bool remove_dropped = true)
+      : tier_(tier), remove_dropped_(remove_dropped) {}
   ~StoragePlanExecutor() override = default;
 
   // FailedPrecondition (nothing submitted) when the plan holds device moves.
   Status execute(const StepPlan& plan) override;
   std::vector<Completion> poll() override;
 
-  std::size_t in_flight() const noexcept { return pending_.size(); }
+  // Batches not completed yet: moves, and deletes of dropped objects.
+  std::size_t in_flight() const noexcept { return pending_.size() + removals_.size(); }
   std::uint64_t bytes_written() const noexcept { return bytes_written_; }
   std::uint64_t bytes_read() const noexcept { return bytes_read_; }
   std::uint64_t failed_writes() const noexcept { return failed_writes_; }
   std::uint64_t failed_reads() const noexcept { return failed_reads_; }
+  // Objects of dropped slots deleted; deletes that failed (the object missing included: a failed write's).
+  std::uint64_t removed_objects() const noexcept { return removed_objects_; }
+  std::uint64_t failed_removals() const noexcept { return failed_removals_; }
 
  private:
   struct Pending {
@@ -56,11 +69,21 @@ class StoragePlanExecutor final : public PlanExecutor {
     storage::StorageTierOp op;
     KeptStatus post_error;  // set when the batch never reached the backend
   };
+  struct Removal {
+    std::vector<BlockKey> keys;
+    storage::StorageTierOp op;
+    bool posted = false;
+  };
   void submit(MoveKind kind, const std::vector<BlockMove>& moves);
+  void remove(const std::vector<BlockMove>& drops);
+  void settle_removals(bool wait);
 
   storage::StorageTier& tier_;
+  bool remove_dropped_ = true;
   std::vector<Pending> pending_;
+  std::vector<Removal> removals_;
   std::uint64_t bytes_written_ = 0, bytes_read_ = 0, failed_writes_ = 0, failed_reads_ = 0;
+  std::uint64_t removed_objects_ = 0, failed_removals_ = 0;
 };
 
 class CompositePlanExecutor final : public PlanExecutor {
