@@ -115,12 +115,21 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
     if (got == LineRead::kTooLong)
       return InvalidArgument(fmt::format("{}:{}: a line longer than {} MiB (no newline: not a JSON-lines trace?)", path,
                                          lineno, kMaxTraceLineBytes >> 20));
+    if (lineno == 1 && line.size() >= 2 && static_cast<unsigned char>(line[0]) == 0x1f &&
+        static_cast<unsigned char>(line[1]) == 0x8b)
+      return InvalidArgument(fmt::format("{}: a gzip-compressed file, not JSON lines: decompress it first", path));
     if (const auto nul = line.find('\0'); nul != std::string::npos)
       return InvalidArgument(fmt::format("{}:{}: a NUL byte at column {}", path, lineno, nul + 1));
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object())
-      return InvalidArgument(fmt::format("{}:{}: not a JSON object", path, lineno));
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      // The parser's reason and byte (a truncated last line, a comment, invalid UTF-8, ...).
+      return InvalidArgument(fmt::format("{}:{}: not JSON: {}", path, lineno, e.what()));
+    }
+    if (!j.is_object())
+      return InvalidArgument(fmt::format("{}:{}: not a JSON object but {}", path, lineno, j.type_name()));
     TraceRequest r;
     auto field = [&](const char* k, std::uint64_t& dst, bool required) -> Status {
       auto it = j.find(k);
@@ -1001,17 +1010,20 @@ std::string sweep_markdown(const SweepTable& t, std::uint32_t block_tokens) {
   if (has_def) out += "---|---:|";
   out += "\n";
   const std::size_t bound = t.policies.size() - 1;
-  auto share = [&](double v, double of) { return of > 0 ? 100.0 * v / of : 100.0; };
+  // A share of nothing is not 100 %: "n/a" where the reference (MIN, the bound) is 0.
+  auto share = [&](double v, double of) -> std::string {
+    return of > 0 ? fmt::format("{:.1f}%", 100.0 * v / of) : std::string("n/a");
+  };
   for (std::size_t c = 0; c < t.capacities.size(); ++c) {
     const double min_bypass = t.results[bound][c].hit_ratio();
     out += fmt::format("| {} | {} |", t.capacities[c], std::uint64_t{t.capacities[c]} * block_tokens);
     for (std::size_t p = 0; p < t.policies.size(); ++p) out += fmt::format(" {:.4f} |", t.results[p][c].hit_ratio());
     const std::size_t b = best_policy(t, c);
-    out += fmt::format(" {} | {:.1f}% |", t.policies[b], share(t.results[b][c].hit_ratio(), min_bypass));
-    if (has_def) out += fmt::format(" {:.1f}% |", share(t.results[def][c].hit_ratio(), min_bypass));
+    out += fmt::format(" {} | {} |", t.policies[b], share(t.results[b][c].hit_ratio(), min_bypass));
+    if (has_def) out += fmt::format(" {} |", share(t.results[def][c].hit_ratio(), min_bypass));
     if (has_cv) out += fmt::format(" {:.4f} |", t.class_ttl[c].cross_validated);
     if (has_def && has_cv)
-      out += fmt::format(" {:.1f}% |", share(t.results[def][c].hit_ratio(), t.class_ttl[c].cross_validated));
+      out += fmt::format(" {} |", share(t.results[def][c].hit_ratio(), t.class_ttl[c].cross_validated));
     if (has_def) {
       const std::size_t peer = best_peer(t, c);
       if (peer < t.policies.size())

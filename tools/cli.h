@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <string_view>
 
 namespace kvtier::cli {
 
@@ -57,5 +58,31 @@ inline CLI::Validator finite_in(double lo, double hi) {
 // Counts and sizes that must be at least 1 (a 0 divides by zero or measures nothing), and counts that may be 0.
 inline const CLI::Validator kAtLeastOne = at_least(1);
 inline const CLI::Validator kAtLeastZero = at_least(0);
+
+// A decimal integer: CLI11 reads integers in the base their prefix implies, so "--block-tokens 0512" was 330 (octal)
+// and "--device-blocks 0x10" 16, where the replay's list flags refuse both; and an unsigned option took "-4" as
+// 2^64 - 4. Leading zeros, other bases and (`is_signed` false) signs are refused, naming the value.
+inline CLI::Validator decimal_integer(bool is_signed) {
+  return CLI::Validator(
+      [is_signed](std::string& v) -> std::string {
+        const std::size_t i = is_signed && v.size() > 1 && (v[0] == '-' || v[0] == '+') ? 1 : 0;
+        const std::string_view digits = std::string_view(v).substr(i);
+        const bool ok = !digits.empty() && digits.find_first_not_of("0123456789") == std::string_view::npos &&
+                        (digits.size() == 1 || digits[0] != '0');
+        return ok ? std::string()
+                  : fmt::format("'{}' is not a {}decimal integer (no leading zeros, no other base)", v,
+                                is_signed ? "" : "non-negative ");
+      },
+      "");
+}
+
+// Puts decimal_integer on every integer option of `app` and its subcommands (their type name says INT or UINT).
+inline void require_decimal_integers(CLI::App& app) {
+  for (CLI::Option* o : app.get_options()) {
+    if (o->get_type_name() == "INT") o->check(decimal_integer(true));
+    if (o->get_type_name() == "UINT") o->check(decimal_integer(false));
+  }
+  for (CLI::App* sub : app.get_subcommands({})) require_decimal_integers(*sub);
+}
 
 }  // namespace kvtier::cli

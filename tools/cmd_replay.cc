@@ -493,7 +493,20 @@ Action register_replay(CLI::App& app) {
           return bad(fmt::format("--sweep lists capacity {} twice", v));
         sweep_caps.push_back(static_cast<std::uint32_t>(v));
       }
+      // In capacity order: the table's rows and the plot's lines read left to right (the plot zigzagged).
+      std::sort(sweep_caps.begin(), sweep_caps.end());
     }
+    // Output paths are checked before the work, not after it (a sweep of minutes lost to a typo in --out).
+    const auto writable = [](const std::string& file) {
+      const std::filesystem::path p(file);
+      const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+      std::error_code ec;
+      return std::filesystem::is_directory(dir, ec) && ::access(dir.c_str(), W_OK) == 0;
+    };
+    if (!a.sweep.empty() && !writable(a.out + ".md"))
+      return bad(fmt::format("--out {}: its directory does not exist or cannot be written", a.out));
+    if (!a.metrics_out.empty() && !writable(a.metrics_out))
+      return bad(fmt::format("--metrics-out {}: its directory does not exist or cannot be written", a.metrics_out));
     std::string path = resolve_trace(a.trace);
     auto trace = cache::load_mooncake_trace(path, a.max_requests);
     if (!trace.ok()) {
@@ -574,6 +587,13 @@ Action register_replay(CLI::App& app) {
         return bad(fmt::format("--sweep replays one device tier per capacity on the fake executor: no {}", f));
       if (given("--policy"))
         return bad("--sweep runs every policy of --sweep-policies (and --sweep-default): no --policy");
+      if (const char* f =
+              first_given({"--device-blocks", "--host-blocks", "--device-tokens", "--host-tokens", "--write-policy",
+                           "--write-through-threshold", "--failure-rate", "--seed", "--block-bytes"}))
+        return bad(
+            fmt::format("--sweep replays one device tier of each --sweep capacity, with nothing to write "
+                        "back or fail: no {}",
+                        f));
     }
     if (a.policy == "belady" && a.sweep.empty() && !a.queue) {
       // Belady is an offline bound: one tier (device plus host capacity) on the fake executor.

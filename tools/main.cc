@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   actions.push_back(kvtier::cli::register_info(app));
   actions.push_back(kvtier::cli::register_replay(app));
   actions.push_back(kvtier::cli::register_bench(app));
+  kvtier::cli::require_decimal_integers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

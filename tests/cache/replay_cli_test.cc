@@ -151,6 +151,16 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--queue --load inf", {"--load value 'inf'"}},
       {"--sweep 100,,200", {"--sweep '100,,200'", "item 2 is empty"}},
       {"--sweep 100 --sweep-policies lru,", {"--sweep-policies 'lru,'", "item 2 is empty"}},
+      // Integers in another base: "0512" was read as octal (330 tokens per block), "0x10" as 16.
+      {"--block-tokens 0512", {"--block-tokens", "'0512'", "decimal"}},
+      {"--device-blocks 0x10", {"--device-blocks", "'0x10'", "decimal"}},
+      // --sweep replays one device tier per capacity: these were ignored (the same output without them).
+      {"--sweep 64 --device-blocks 100", {"--sweep", "no --device-blocks"}},
+      {"--sweep 64 --host-blocks 100", {"--sweep", "no --host-blocks"}},
+      {"--sweep 64 --seed 3", {"--sweep", "no --seed"}},
+      // Output paths are checked first: a sweep ran to its end and then could not write.
+      {"--sweep 64 --out /nonexistent/dir/x", {"--out /nonexistent/dir/x", "cannot be written"}},
+      {"--metrics-out /nonexistent/dir/m.prom", {"--metrics-out /nonexistent/dir/m.prom", "cannot be written"}},
   };
   for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
 }
@@ -174,7 +184,11 @@ TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
       {{ok, ok, R"({"timestamp": 1, "input_length": 512, "hash_ids": [1, "x"]})"}, {":3:", "hash_ids[1] is \"x\""}},
       {{R"({"timestamp": 1, "input_length": 512, "hash_ids": [-1]})"}, {":1:", "hash_ids[0] is -1"}},
       {{R"({"timestamp": 1, "input_length": 512, "hash_ids": 7})"}, {":1:", "hash_ids"}},
-      {{"not json"}, {":1:", "not a JSON object"}},
+      // The parser's reason is shown (every failure was "not a JSON object"); a JSON value that is no object says so.
+      {{"not json"}, {":1:", "not JSON", "syntax error"}},
+      {{ok, R"({"timestamp": 1, "input_length": 512, "hash_ids": [1])"}, {":2:", "not JSON", "unexpected end"}},
+      {{"[1, 2]"}, {":1:", "not a JSON object but array"}},
+      {{std::string("\x1f\x8b\x08\x00") + "compressed"}, {"gzip-compressed", "decompress"}},
       {{R"({"timestamp": 0, "input_length": 18446744073709551615, "hash_ids": [1]})",
         R"({"timestamp": 0, "input_length": 1, "hash_ids": [1]})"},
        {":2:", "exceed 2^64-1"}},
