@@ -110,7 +110,7 @@ Status CacheManager::reset() {
   Impl& s = *impl_;
   if (!s.admissions.empty())
     return FailedPrecondition(fmt::format("reset: {} admissions are open (release them first)", s.admissions.size()));
-  if (!s.plan.empty()) return FailedPrecondition("reset: moves are queued (take_plan() and ack them first)");
+  if (s.plan.size() != 0) return FailedPrecondition("reset: moves are queued (take_plan() and ack them first)");
   if (!s.quarantine.empty())
     return FailedPrecondition(
         fmt::format("reset: {} device blocks of failed receives are quarantined (admission {} among them): "
@@ -139,6 +139,11 @@ Status CacheManager::reset() {
   fresh->step = s.step;
   fresh->epoch = s.epoch + 1;
   fresh->next_queued = s.next_queued;
+  // The storage tier forgets every slot: their objects go too (the drops not taken yet, and one per slot held).
+  fresh->plan.storage_drops = std::move(s.plan.storage_drops);
+  for (BlockId b = 0; b < s.owner[kSto].size(); ++b)
+    if (const NodeId id = s.owner[kSto][b]; id != kNoNode)
+      fresh->plan.storage_drops.push_back(BlockMove{b, kNoBlock, s.nodes[id].key});
   impl_ = std::move(fresh);
   return Status::Ok();
 }
@@ -197,6 +202,7 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
   KVTIER_RETURN_IF_ERROR(s.check_chain(keys, "admit"));
   ++s.clock;
   ++s.st.admissions;
+  s.refused_for_host_room = false;
   std::vector<NodeId> matched;
   MatchResult m = match ? s.match_nodes(keys, &matched) : MatchResult{};
   if (m.total() > max_hit_blocks) {
@@ -239,6 +245,7 @@ Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys
   if (!s.ensure_device_free(need)) {
     unpin();
     ++s.st.admission_failures;
+    s.refused_for_host_room = true;
     return ResourceExhausted(fmt::format(
         "admission needs {} free device blocks, {} free: the evictable ones wait for host blocks (in flight or "
         "being written to storage)",
@@ -380,17 +387,19 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
       held.push_back(id);
     }
   Result<Admission> out = admit_in(s, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, max_hit_blocks);
-  // A refusal no ack can end: nothing in flight or queued frees a host block (no demotion pending), so the device
-  // victims that need one wait for good, while this request's own host hits, pinned by it, may be what fills the
-  // host. Served without its host hits (recomputed: their host copies may then be demoted to make room) rather than
-  // refused at every retry.
-  if (!out.ok() && out.status().code() == StatusCode::kResourceExhausted && s.pending_demotions == 0 &&
-      s.plan.storage_writes.empty()) {
+  // A refusal no ack can end: the device victims wait for host blocks, and every host block in use is one of this
+  // request's own host hits, pinned by it (nothing else holds one: no move in flight, no other request). Served
+  // without its host hits (recomputed: their host copies may then be demoted to make room) rather than refused at
+  // every retry; one admission and one refusal are counted for the call.
+  if (!out.ok() && s.refused_for_host_room && s.has_tier(kHst)) {
     const MatchResult m = s.match_nodes(keys, nullptr);
-    if (m.host_blocks > 0 && max_hit_blocks > m.device_blocks) {
+    const std::uint32_t host_hits = std::min(m.host_blocks, max_hit_blocks - std::min(max_hit_blocks, m.device_blocks));
+    if (host_hits > 0 && host_hits >= s.pools[kHst].num_used()) {
+      --s.st.admissions;
+      --s.st.admission_failures;
       Result<Admission> without_host_hits =
           admit_in(s, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, m.device_blocks);
-      if (without_host_hits.ok() || s.pending_demotions > 0) out = std::move(without_host_hits);
+      out = std::move(without_host_hits);
     }
   }
   for (NodeId id : held) {

@@ -283,6 +283,7 @@ struct CacheManager::Impl {
                      std::size_t first_pos = 0) const;
   std::deque<BlockId> host_run;  // pre-allocated contiguous host blocks for an eviction batch
   std::uint32_t pending_demotions = 0;
+  bool refused_for_host_room = false;        // the last admit_in() refused: its device victims wait for host blocks
   std::uint64_t failed_writes_in_a_row = 0;  // storage writes failed since the last one that succeeded
   std::unique_ptr<UseHistory> history;
   // KV events (enable_kv_events()): emitted by announce() wherever a settled copy joins or leaves the index.
@@ -462,9 +463,15 @@ struct CacheManager::Impl {
   }
   void free_block(int t, BlockId b) {
     // A storage slot given up, whatever the reason (room, an invalidation, a failed write or prefetch): the
-    // executor may delete its object, so the backend holds no more objects than the tier has slots.
-    if (t == kSto && owner[t][b] != kNoNode)
-      plan.storage_drops.push_back(BlockMove{b, kNoBlock, nodes[owner[t][b]].key});
+    // executor may delete its object, so the backend holds no more objects than the tier has slots. Not where the
+    // key is indexed by another node now (this one was invalidated and the key computed again): that node's storage
+    // copy, or its write, is the same object.
+    if (t == kSto && owner[t][b] != kNoNode) {
+      const NodeId holder = owner[t][b];
+      const NodeId current = map.find(nodes[holder].key);
+      if (current == kNoNode || current == holder)
+        plan.storage_drops.push_back(BlockMove{b, kNoBlock, nodes[holder].key});
+    }
     owner[t][b] = kNoNode;
     pools[t].free(b).ignore_error();  // ids come from our own bookkeeping
   }

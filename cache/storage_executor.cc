@@ -3,17 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <unordered_set>
 
 namespace kvtier::cache {
 
 storage::StorageKey storage_key(const BlockKey& key) { return storage::StorageKey::from_u64(key.hi, key.lo, 0); }
-
-namespace {
-// How long a write waits for an earlier delete of its key (a delete is one backend call per key).
-constexpr auto kRemovalWait = std::chrono::seconds(30);
-}  // namespace
 
 void StoragePlanExecutor::remove(const std::vector<BlockMove>& drops) {
   if (drops.empty() || !remove_dropped_) return;
@@ -34,13 +28,10 @@ void StoragePlanExecutor::remove(const std::vector<BlockMove>& drops) {
   removals_.push_back(std::move(r));
 }
 
-// Harvests finished deletes; with `wait`, waits for every one first (bounded: a delete still pending after
-// kRemovalWait is left to the next poll, and the write behind it may then land before it: a miss later, never
-// another key's bytes).
-void StoragePlanExecutor::settle_removals(bool wait) {
+// Harvests finished deletes, then posts the writes that waited for them.
+void StoragePlanExecutor::settle_removals() {
   std::vector<Removal> keep;
   for (Removal& r : removals_) {
-    if (wait) r.op.wait(kRemovalWait).ignore_error();
     if (!r.op.poll()) {
       keep.push_back(std::move(r));
       continue;
@@ -53,17 +44,26 @@ void StoragePlanExecutor::settle_removals(bool wait) {
     }
   }
   removals_ = std::move(keep);
+  if (waiting_writes_.empty()) return;
+  std::vector<BlockMove> ready = std::move(waiting_writes_);
+  waiting_writes_.clear();
+  submit(MoveKind::kStorageWrite, ready);  // those whose delete is still pending wait again
 }
 
 void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& moves) {
   if (moves.empty()) return;
   const bool write = kind == MoveKind::kStorageWrite;
   if (write && !removals_.empty()) {
-    // A key dropped and written again: its delete must be over before the new object is written.
+    // A key dropped and written again: its write is posted once its delete is over (by poll()), so the delete never
+    // removes the new object; execute() does not wait for it.
     std::unordered_set<BlockKey, BlockKeyHash> removing;
     for (const Removal& r : removals_) removing.insert(r.keys.begin(), r.keys.end());
-    if (std::any_of(moves.begin(), moves.end(), [&](const BlockMove& m) { return removing.count(m.key) != 0; }))
-      settle_removals(true);
+    if (std::any_of(moves.begin(), moves.end(), [&](const BlockMove& m) { return removing.count(m.key) != 0; })) {
+      std::vector<BlockMove> now;
+      for (const BlockMove& m : moves) (removing.count(m.key) != 0 ? waiting_writes_ : now).push_back(m);
+      submit(kind, now);
+      return;
+    }
   }
   std::vector<storage::StorageKey> keys;
   std::vector<std::uint64_t> host;
@@ -97,7 +97,7 @@ Status StoragePlanExecutor::execute(const StepPlan& plan) {
 }
 
 std::vector<Completion> StoragePlanExecutor::poll() {
-  settle_removals(false);
+  settle_removals();
   std::vector<Completion> out;
   std::vector<Pending> keep;
   for (Pending& p : pending_) {

@@ -76,11 +76,14 @@ inline CLI::Validator decimal_integer(bool is_signed) {
       "");
 }
 
-// Puts decimal_integer on every integer option of `app` and its subcommands (their type name says INT or UINT).
+// Puts decimal_integer on every integer option of `app` and its subcommands: their type name says INT or UINT
+// (followed by ":" and the descriptions of validators already set, as in "UINT:NUMBER >= 0").
 inline void require_decimal_integers(CLI::App& app) {
   for (CLI::Option* o : app.get_options()) {
-    if (o->get_type_name() == "INT") o->check(decimal_integer(true));
-    if (o->get_type_name() == "UINT") o->check(decimal_integer(false));
+    const std::string type = o->get_type_name();
+    const std::string base = type.substr(0, type.find(':'));
+    if (base == "INT") o->check(decimal_integer(true));
+    if (base == "UINT") o->check(decimal_integer(false));
   }
   for (CLI::App* sub : app.get_subcommands({})) require_decimal_integers(*sub);
 }

@@ -513,6 +513,26 @@ Action register_replay(CLI::App& app) {
       std::fprintf(stderr, "kvtier replay: %s\n", trace.status().to_string().c_str());
       return 1;
     }
+    // A trace's hash ids are one per block of its own block size: where most requests hold another count than
+    // their tokens need at --block-tokens, the flag is likely not the trace's (the report then mixes a hit ratio of
+    // blocks with token counts of another size). Warned, not refused: a trace may hash only part of its input.
+    {
+      std::size_t off = 0, with_ids = 0;
+      std::uint64_t ids = 0, tokens = 0;
+      for (const cache::TraceRequest& r : *trace) {
+        if (r.hash_ids.empty() || r.input_length == 0) continue;
+        ++with_ids;
+        ids += r.hash_ids.size();
+        tokens += r.input_length;
+        if (r.hash_ids.size() != (r.input_length + a.block_tokens - 1) / a.block_tokens) ++off;
+      }
+      if (with_ids > 0 && off * 2 > with_ids)
+        std::fprintf(stderr,
+                     "kvtier replay: warning: %zu of %zu requests hold another number of hash ids than their "
+                     "input_length needs at --block-tokens %u (%.0f tokens per hash id on average): is the trace's "
+                     "block size another?\n",
+                     off, with_ids, a.block_tokens, static_cast<double>(tokens) / static_cast<double>(ids));
+    }
     auto wp = cache::parse_write_policy(a.write_policy);
     if (!wp.ok()) {
       std::fprintf(stderr, "kvtier replay: %s\n", wp.status().to_string().c_str());

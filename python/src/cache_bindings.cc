@@ -227,8 +227,10 @@ cache::MoveKind move_kind(const std::string& kind) {
   if (kind == "loads") return cache::MoveKind::kLoad;
   if (kind == "storage_writes") return cache::MoveKind::kStorageWrite;
   if (kind == "storage_prefetches") return cache::MoveKind::kStoragePrefetch;
-  raise_status(InvalidArgument(
-      fmt::format("ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches", kind)));
+  raise_status(InvalidArgument(fmt::format(
+      "ack kind '{}' is not one of evictions, backups, loads, storage_writes, storage_prefetches (storage_drops: "
+      "nothing to acknowledge)",
+      kind)));
 }
 
 cache::Continuation parse_continuation(const std::string& name) {
@@ -1010,9 +1012,16 @@ void bind_cache(nb::module_& m) {
             const std::map<std::string, std::string> config = config_arg(config_obj, "config");
             storage::StorageOptions o;
             o.ns = ns;
+            // The environment as it is now, read with the GIL held (os.environ's setenv in another thread may
+            // move `environ` while the backend opens without the GIL).
+            std::vector<std::string> env_copy;
+            for (char** e = environ; *e != nullptr; ++e) env_copy.emplace_back(*e);
+            std::vector<char*> env;
+            for (std::string& v : env_copy) env.push_back(v.data());
+            env.push_back(nullptr);
             auto p = std::make_unique<PyStorage>();
             p->backend =
-                value_or_raise(released([&] { return storage::open_storage_backend(spec, o, environ, config); }));
+                value_or_raise(released([&] { return storage::open_storage_backend(spec, o, env.data(), config); }));
             p->name = std::string(p->backend->name());
             return p;
           },

@@ -740,3 +740,114 @@ def test_a_request_whose_own_host_hits_fill_the_host_is_admitted_after_a_demotio
     assert attempt <= 1 and a["new_blocks"] == 2, a  # Y went to storage meanwhile: computed again with N
     cm.release(a["id"])
     cm.check_invariants()
+
+
+def _keys(*ids):
+    return ["%032x" % (0x1000 + i) for i in ids]
+
+
+def _ack_plan(cm, plan, error=None):
+    for kind, moves in plan.items():
+        if moves:
+            cm.ack(kind, [m[1] for m in moves], error)
+
+
+def _run(cm, keys):
+    a = cm.admit(keys)
+    _ack_plan(cm, cm.take_plan())
+    cm.commit(a["id"])
+    cm.release(a["id"])
+
+
+def test_a_refusal_that_an_ack_in_flight_ends_keeps_the_host_hit():
+    """The retry without host hits must not fire while a move in flight holds a host block (here an eviction): its
+    ack ends the refusal, and serving the request without its hit dropped the hit's only copy."""
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=2, device_policy="lru", host_policy="lru", env=False)
+    _run(cm, _keys(1))
+    _run(cm, _keys(2, 3))  # key 1 to host
+    a = cm.admit(_keys(4))
+    in_flight = cm.take_plan()  # an eviction to host, not acked yet
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    before = cm.stats()
+    with pytest.raises(kvtier.ResourceExhaustedError):
+        cm.admit(_keys(1, 5))
+    after = cm.stats()
+    assert (after["admissions"] - before["admissions"], after["admission_failures"] - before["admission_failures"]) \
+        == (1, 1), "one refused call counts once"
+    assert cm.match(_keys(1))["host_blocks"] == 1 and after["lost_host_drops"] == 0
+    _ack_plan(cm, in_flight)
+    b = cm.admit(_keys(1, 5))
+    assert b["host_hit_blocks"] == 1
+    cm.release(b["id"])
+    cm.check_invariants()
+
+
+def test_a_dropped_slot_of_an_invalidated_block_never_names_the_key_stored_again():
+    """A block invalidated while an admission pinned it, then computed and stored again by another request: when the
+    pin went, the old storage slot was dropped under the key, and an executor deleted the new object."""
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=4, storage_blocks=64, write_policy="write_through",
+                             device_policy="lru", host_policy="lru", env=False)
+    x = _keys(1)
+
+    def settle(failing=()):
+        drops = []
+        for _ in range(6):
+            p = cm.take_plan()
+            if not any(p.values()):
+                break
+            drops += [k for _, _, k in p["storage_drops"]]
+            for kind, moves in p.items():
+                if moves:
+                    cm.ack(kind, [m[1] for m in moves], "copy failed" if kind in failing else None)
+        return drops
+
+    a = cm.admit(x)
+    settle()
+    cm.commit(a["id"])
+    cm.release(a["id"])
+    for keys in (_keys(50), _keys(51, 52)):  # x off the device
+        _run(cm, keys)
+        settle()
+    a1 = cm.admit(x)
+    assert a1["host_hit_blocks"] == 1
+    settle(failing=("loads",))
+    cm.release(a1["id"])
+    settle()
+    a2 = cm.admit(x)  # a second failed load: x is invalidated while a2 pins it
+    settle(failing=("loads",))
+    b = cm.admit(x)  # x computed again, and stored (write-through)
+    settle()
+    cm.commit(b["id"])
+    cm.release(b["id"])
+    settle()
+    cm.release(a2["id"])
+    assert x[0] not in settle(), "the old slot's drop named the key whose new object is stored"
+    m = cm.match(x)
+    assert m["device_blocks"] + m["host_blocks"] + m["storage_blocks"] == 1
+    cm.check_invariants()
+
+
+def test_reset_gives_up_every_storage_slot_in_the_next_plan():
+    """reset() forgot the storage tier's slots with their objects left in the backend (and refused while only drops
+    were pending, with nothing to acknowledge)."""
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=2, storage_blocks=8, write_policy="write_through", env=False)
+    written = set()
+    for i in range(4):
+        a = cm.admit(_keys(10 * i))
+        p = cm.take_plan()
+        _ack_plan(cm, p)
+        cm.commit(a["id"])
+        cm.release(a["id"])
+        for _ in range(3):
+            p = cm.take_plan()
+            written |= {k for _, _, k in p["storage_writes"]}
+            _ack_plan(cm, p)
+    held = cm.stats()["storage"]["used"]
+    assert held > 0
+    cm.reset()
+    p = cm.take_plan()
+    assert len(p["storage_drops"]) == held and {k for _, _, k in p["storage_drops"]} <= written
+    assert sum(len(v) for k, v in p.items() if k != "storage_drops") == 0
+    cm.reset()  # nothing pending: fine again
+    cm.check_invariants()

@@ -298,6 +298,12 @@ Status DiskBackend::check_object_file(int dirfd, const std::string& name, const 
   if (!h.ok()) return h.status().code() == StatusCode::kOutOfRange ? DataLoss(h.status().message()) : h.status();
   KVTIER_RETURN_IF_ERROR(format::check_identity(*h, ns_digest_, options_.layout_fingerprint, key));
   KVTIER_RETURN_IF_ERROR(format::check_object_size(*h, static_cast<std::uint64_t>(sb.st_size), false));
+  // A put writes the header and the payload (aligned up for O_DIRECT) and cuts a recycled file to that: a longer
+  // file holds bytes no put wrote, and indexed it would be charged its whole size (one such file emptied a tier).
+  const std::uint64_t most = h->header_size + align_up(h->payload_bytes, kAlign);
+  if (static_cast<std::uint64_t>(sb.st_size) > most)
+    return DataLoss(fmt::format("file of {} bytes, more than its object's header {} + payload {} take ({})",
+                                static_cast<std::uint64_t>(sb.st_size), h->header_size, h->payload_bytes, most));
   if (config_.verify_payload_on_open) {
     // Through a fixed buffer: the payload may be far larger than what memory allows at once.
     constexpr std::uint64_t kChunk = std::uint64_t{1} << 20;

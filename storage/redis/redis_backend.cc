@@ -604,6 +604,9 @@ class RedisBackend final : public StorageBackend {
       int slot;
       std::string to;
       if (r->type == REDIS_REPLY_ERROR && parse_redirect(std::string_view(r->str, r->len), "MOVED", &slot, &to)) {
+        if (!cluster_)  // no slot map in single mode (as for items: handle())
+          return FailedPrecondition(
+              fmt::format("{} on {}: a redirect to {}: a cluster node; open it with cluster=on", args[0], node, to));
         note_moved(slot, to);
         node = to;
         continue;

@@ -154,6 +154,8 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       // Integers in another base: "0512" was read as octal (330 tokens per block), "0x10" as 16.
       {"--block-tokens 0512", {"--block-tokens", "'0512'", "decimal"}},
       {"--device-blocks 0x10", {"--device-blocks", "'0x10'", "decimal"}},
+      {"--max-requests 010", {"--max-requests", "'010'", "decimal"}},  // flags with a range check too (8 requests)
+      {"--host-tokens 01000", {"--host-tokens", "'01000'", "decimal"}},
       // --sweep replays one device tier per capacity: these were ignored (the same output without them).
       {"--sweep 64 --device-blocks 100", {"--sweep", "no --device-blocks"}},
       {"--sweep 64 --host-blocks 100", {"--sweep", "no --host-blocks"}},
@@ -218,6 +220,25 @@ TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
   expect_error(run("replay --transfer none /dev/zero"), {"/dev/zero:1:", "longer than 256 MiB"}, "/dev/zero");
   expect_error(run("replay --transfer none '" + dir_ + "/missing.jsonl'"), {"missing.jsonl", "does not exist"},
                "a missing trace");
+}
+
+// Hash ids of another block size than --block-tokens: the report mixed a hit ratio of 16-token blocks with token
+// counts of 512-token ones ("hit ratio 0.0311", "prefill saved 99.50 %") without a word. A warning names it now; a
+// trace of the flag's size gets none.
+TEST_F(ReplayCli, HashIdsOfAnotherBlockSizeAreWarnedAbout) {
+  std::vector<std::string> lines;
+  for (int i = 0; i < 8; ++i) {
+    std::string ids;
+    for (int b = 0; b < 32; ++b) ids += (b ? "," : "") + std::to_string(b < 16 ? b : 1000 * i + b);
+    lines.push_back(R"({"timestamp": )" + std::to_string(i) + R"(, "input_length": 512, "hash_ids": [)" + ids + "]}");
+  }
+  const CliRun sixteen = run("replay --transfer none --host-blocks 0 " + trace("sixteen.jsonl", lines));
+  EXPECT_EQ(sixteen.rc, 0) << sixteen.out;
+  EXPECT_NE(sixteen.out.find("warning: 8 of 8 requests"), std::string::npos) << sixteen.out;
+  EXPECT_NE(sixteen.out.find("16 tokens per hash id"), std::string::npos) << sixteen.out;
+  const CliRun fits = run("replay --transfer none --host-blocks 0 --block-tokens 16 " + trace("fits.jsonl", lines));
+  EXPECT_EQ(fits.rc, 0) << fits.out;
+  EXPECT_EQ(fits.out.find("warning"), std::string::npos) << fits.out;
 }
 
 TEST_F(ReplayCli, LargeValidValuesAreKeptExactly) {

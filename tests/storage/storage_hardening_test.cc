@@ -364,6 +364,27 @@ TEST_F(DiskHardening, FilesAndDirectoriesAreOwnerOnlyByDefault) {
   ::umask(old_umask);
 }
 
+// An object file longer than any put writes (header + payload, aligned up) is quarantined at the rebuild, not
+// indexed at its length: one file extended to 2 MiB under a 1 MiB capacity made the rebuild evict every object.
+TEST_F(DiskHardening, AFileLongerThanItsObjectIsQuarantinedNotCharged) {
+  store(20);
+  ASSERT_EQ(::truncate(object_path(key_of(7, 3)).c_str(), 2 << 20), 0);
+  config_.capacity_bytes = 1 << 20;
+  auto b = create_disk_backend(config_, options_);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  const StorageStats st = (*b)->stats();
+  EXPECT_EQ(st.objects, 19u);
+  EXPECT_EQ(st.quarantined, 1u);
+  AlignedBuffer dst(8192);
+  for (int i = 0; i < 20; ++i) {
+    const Status s = get(**b, key_of(7, i), dst);
+    if (i == 3)
+      EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.to_string();
+    else
+      EXPECT_TRUE(s.ok()) << i << ": " << s.to_string();
+  }
+}
+
 // A root path that cannot work until the operator changes it is FailedPrecondition naming the path (it was
 // Unavailable, which a caller retries): a file, a path under a file, a link to nothing, a name too long.
 TEST_F(DiskHardening, RootPathsThatNoRetryCanFixAreFailedPrecondition) {

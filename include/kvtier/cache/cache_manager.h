@@ -475,10 +475,11 @@ class CacheManager {
   std::vector<CachedBlock> cached_blocks() const;
 
   // Forgets every cached block (vLLM's reset_prefix_cache): device and host blocks return to their pools, the
-  // index and the policies start empty, storage objects stay in their backend but are no longer indexed. With
-  // KV events on, an AllBlocksCleared follows the events queued so far. Counters (stats()) keep counting.
+  // index and the policies start empty; every storage slot is given up, so the next take_plan() lists them all in
+  // storage_drops (an executor deletes their objects, so none outlives the reset in the backend). With KV events
+  // on, an AllBlocksCleared follows the events queued so far. Counters (stats()) keep counting.
   // FailedPrecondition, changing nothing, while an admission is open, a move is queued or in flight, or a
-  // failed receive's blocks are quarantined.
+  // failed receive's blocks are quarantined (storage drops not taken yet do not count: they carry over).
   Status reset();
 
   // Metrics (metrics/registry.h): exports stats() into `registry`, every series carrying `labels`:

@@ -11,8 +11,9 @@
 //                         writes, not acked (with remove_dropped, the default):
 //                         the backend then holds no more of this cache's
 //                         objects than its storage tier has slots. A write of a
-//                         key whose delete is still in flight waits for it
-//                         (bounded), so the delete never removes the new object.
+//                         key whose delete is still in flight is posted by the
+//                         poll() that sees the delete done (execute() does not
+//                         block), so the delete never removes the new object.
 // Objects are named by the move's BlockKey (StorageKey::from_u64(hi, lo),
 // rank set by the tier), not by the cache's storage slot: slots only count
 // capacity. A block whose read fails (NotFound, DataLoss after a checksum
@@ -52,8 +53,8 @@ class StoragePlanExecutor final : public PlanExecutor {
   Status execute(const StepPlan& plan) override;
   std::vector<Completion> poll() override;
 
-  // Batches not completed yet: moves, and deletes of dropped objects.
-  std::size_t in_flight() const noexcept { return pending_.size() + removals_.size(); }
+  // Work not completed yet: batches of moves, deletes of dropped objects, writes waiting for a delete.
+  std::size_t in_flight() const noexcept { return pending_.size() + removals_.size() + waiting_writes_.size(); }
   std::uint64_t bytes_written() const noexcept { return bytes_written_; }
   std::uint64_t bytes_read() const noexcept { return bytes_read_; }
   std::uint64_t failed_writes() const noexcept { return failed_writes_; }
@@ -76,12 +77,13 @@ class StoragePlanExecutor final : public PlanExecutor {
   };
   void submit(MoveKind kind, const std::vector<BlockMove>& moves);
   void remove(const std::vector<BlockMove>& drops);
-  void settle_removals(bool wait);
+  void settle_removals();
 
   storage::StorageTier& tier_;
   bool remove_dropped_ = true;
   std::vector<Pending> pending_;
   std::vector<Removal> removals_;
+  std::vector<BlockMove> waiting_writes_;  // writes of keys whose delete is in flight
   std::uint64_t bytes_written_ = 0, bytes_read_ = 0, failed_writes_ = 0, failed_reads_ = 0;
   std::uint64_t removed_objects_ = 0, failed_removals_ = 0;
 };
