@@ -199,10 +199,10 @@ namespace {
 Result<Admission> admit_in(CacheManager::Impl& s, std::span<const BlockKey> keys, std::uint32_t extra_blocks,
                            bool match, AdmissionRec::Recv recv, std::uint32_t received_extra,
                            std::uint32_t max_hit_blocks = kNoHitLimit) {
+  s.refused_for_host_room = false;
   KVTIER_RETURN_IF_ERROR(s.check_chain(keys, "admit"));
   ++s.clock;
   ++s.st.admissions;
-  s.refused_for_host_room = false;
   std::vector<NodeId> matched;
   MatchResult m = match ? s.match_nodes(keys, &matched) : MatchResult{};
   if (m.total() > max_hit_blocks) {
@@ -387,11 +387,12 @@ Result<Admission> CacheManager::admit(std::span<const BlockKey> keys, std::uint3
       held.push_back(id);
     }
   Result<Admission> out = admit_in(s, keys, extra_blocks, /*match=*/true, AdmissionRec::Recv::kNone, 0, max_hit_blocks);
-  // A refusal no ack can end: the device victims wait for host blocks, and every host block in use is one of this
-  // request's own host hits, pinned by it (nothing else holds one: no move in flight, no other request). Served
-  // without its host hits (recomputed: their host copies may then be demoted to make room) rather than refused at
-  // every retry; one admission and one refusal are counted for the call.
-  if (!out.ok() && s.refused_for_host_room && s.has_tier(kHst)) {
+  // A refusal no ack or release can end: the device victims wait for host blocks, every host block in use is one of
+  // this request's own host hits, pinned by it (no move in flight holds one), and no other admission is open or
+  // quarantined (whose release would free device blocks). Served without its host hits (recomputed: their host
+  // copies may then be demoted to make room) rather than refused at every retry; one admission and one refusal are
+  // counted for the call.
+  if (!out.ok() && s.refused_for_host_room && s.has_tier(kHst) && s.admissions.empty() && s.quarantine.empty()) {
     const MatchResult m = s.match_nodes(keys, nullptr);
     const std::uint32_t host_hits = std::min(m.host_blocks, max_hit_blocks - std::min(max_hit_blocks, m.device_blocks));
     if (host_hits > 0 && host_hits >= s.pools[kHst].num_used()) {

@@ -463,13 +463,14 @@ struct CacheManager::Impl {
   }
   void free_block(int t, BlockId b) {
     // A storage slot given up, whatever the reason (room, an invalidation, a failed write or prefetch): the
-    // executor may delete its object, so the backend holds no more objects than the tier has slots. Not where the
-    // key is indexed by another node now (this one was invalidated and the key computed again): that node's storage
-    // copy, or its write, is the same object.
+    // executor may delete its object, so the backend holds no more objects than the tier has slots. Not where
+    // another node indexes the key now with a storage slot of its own (this one was invalidated and the key computed
+    // and stored again): that copy, or its write, is the same object. A node of the key without one writes it, if
+    // ever, in a later plan, after the delete.
     if (t == kSto && owner[t][b] != kNoNode) {
       const NodeId holder = owner[t][b];
       const NodeId current = map.find(nodes[holder].key);
-      if (current == kNoNode || current == holder)
+      if (current == kNoNode || current == holder || nodes[current].block[kSto] == kNoBlock)
         plan.storage_drops.push_back(BlockMove{b, kNoBlock, nodes[holder].key});
     }
     owner[t][b] = kNoNode;

@@ -45,9 +45,17 @@ void StoragePlanExecutor::settle_removals() {
   }
   removals_ = std::move(keep);
   if (waiting_writes_.empty()) return;
-  std::vector<BlockMove> ready = std::move(waiting_writes_);
+  std::vector<BlockMove> waiting = std::move(waiting_writes_);
   waiting_writes_.clear();
-  submit(MoveKind::kStorageWrite, ready);  // those whose delete is still pending wait again
+  // Those whose delete is still pending wait again; two writes of one key (an invalidated block's and the key's
+  // new one) go in separate batches, a batch naming a key twice being refused whole.
+  while (!waiting.empty()) {
+    std::unordered_set<BlockKey, BlockKeyHash> seen;
+    std::vector<BlockMove> batch, later;
+    for (const BlockMove& m : waiting) (seen.insert(m.key).second ? batch : later).push_back(m);
+    submit(MoveKind::kStorageWrite, batch);
+    waiting = std::move(later);
+  }
 }
 
 void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& moves) {

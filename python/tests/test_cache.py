@@ -851,3 +851,95 @@ def test_reset_gives_up_every_storage_slot_in_the_next_plan():
     assert sum(len(v) for k, v in p.items() if k != "storage_drops") == 0
     cm.reset()  # nothing pending: fine again
     cm.check_invariants()
+
+
+def test_a_bad_chain_after_a_refusal_for_host_room_counts_nothing_twice():
+    """The retry's flag outlived a refusal: a later admit() with a broken chain ran the retry branch, which took back
+    an admission and a refusal it never counted (admission_failures wrapped to 2^64 - 1)."""
+    key = lambda i: "%032x" % (i + 1)  # noqa: E731
+    d, s, x, y, z, n, w = key(0), key(1), key(10), key(20), key(30), key(40), key(50)
+    cm = kvtier.CacheManager(device_blocks=3, host_blocks=1, storage_blocks=2, write_policy="write_back",
+                             device_policy="lru", host_policy="lru", env=False)
+
+    def settle():
+        for _ in range(6):
+            p = cm.take_plan()
+            if not any(p.values()):
+                return
+            _ack_plan(cm, p)
+
+    b = cm.admit([w])  # another request, open throughout
+    settle()
+    for keys in ([d, s], [x], [y], [d], [z]):
+        a = cm.admit(keys)
+        settle()
+        cm.commit(a["id"])
+        cm.release(a["id"])
+    with pytest.raises(kvtier.ResourceExhaustedError):
+        cm.admit([y, n])
+    settle()
+    for _ in range(3):
+        before = cm.stats()
+        with pytest.raises(kvtier.KvtierError):
+            cm.admit([y, s])  # s is indexed below d, not y: not a hash chain
+        after = cm.stats()
+        assert after["admissions"] == before["admissions"]
+        assert after["admission_failures"] == before["admission_failures"]
+    cm.release(b["id"])
+    cm.check_invariants()
+
+
+def test_no_object_outlives_its_slot_when_the_key_indexed_again_never_reaches_storage(tmp_path):
+    """An invalidated block's storage slot freed while its key was indexed again, device only: no drop was emitted,
+    and when the new block never reached storage the object stayed in the backend with no slot, past a reset."""
+    store = kvtier.StorageBackend.open(f"disk:{tmp_path}/s", namespace="o")
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=4, storage_blocks=64, write_policy="write_through",
+                             device_policy="lru", host_policy="lru", env=False)
+    x = _keys(1)
+
+    def settle(failing=()):
+        for _ in range(6):
+            p = cm.take_plan()
+            if not any(p.values()):
+                break
+            drops = list(dict.fromkeys(k for _, _, k in p["storage_drops"]))
+            if drops:
+                store.delete_many(drops)
+            for _, _, k in p["storage_writes"]:
+                if "storage_writes" not in failing:
+                    store.put_many([k], [bytes(64)])
+            for kind, moves in p.items():
+                if moves and kind != "storage_drops":
+                    cm.ack(kind, [m[1] for m in moves], "copy failed" if kind in failing else None)
+
+    def run(keys, failing=()):
+        a = cm.admit(keys)
+        settle(failing)
+        cm.commit(a["id"])
+        settle(failing)
+        cm.release(a["id"])
+        settle(failing)
+
+    run(x)
+    for keys in (_keys(50), _keys(51, 52)):
+        run(keys)
+    a1 = cm.admit(x)
+    settle(failing=("loads",))
+    cm.release(a1["id"])
+    settle()
+    a2 = cm.admit(x)
+    settle(failing=("loads",))  # x invalidated while a2 pins it
+    b = cm.admit(x)
+    settle()
+    cm.commit(b["id"])
+    settle(failing=("backups",))  # x again, on the device only
+    cm.release(b["id"])
+    cm.release(a2["id"])
+    settle()
+    cm.reset()
+    settle()
+    assert cm.stats()["storage"]["used"] == 0
+    assert store.stats()["objects"] == 0
+    assert isinstance(store.exists_many(x)[0], kvtier.NotFoundError)
+    cm.check_invariants()
+    store.close()
