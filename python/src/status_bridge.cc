@@ -178,7 +178,14 @@ std::vector<std::string> str_list(nb::handle value, const char* what) {
   for_each_item(value, what, "strings", [&](Py_ssize_t i, nb::handle item) {
     if (!nb::isinstance<nb::str>(item))
       raise_status(InvalidArgument(fmt::format("{}[{}] {} is not a string", what, i, shown_value(item))));
-    out.push_back(nb::cast<std::string>(item));
+    // A str that has no UTF-8 form (a lone surrogate such as '\ud800') was std::bad_cast, naming nothing.
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(item.ptr(), &size);
+    if (utf8 == nullptr) {
+      PyErr_Clear();
+      raise_status(InvalidArgument(fmt::format("{}[{}] is not valid UTF-8 (a lone surrogate?)", what, i)));
+    }
+    out.emplace_back(utf8, static_cast<std::size_t>(size));
   });
   return out;
 }

@@ -943,3 +943,12 @@ def test_no_object_outlives_its_slot_when_the_key_indexed_again_never_reaches_st
     assert isinstance(store.exists_many(x)[0], kvtier.NotFoundError)
     cm.check_invariants()
     store.close()
+
+
+@pytest.mark.parametrize("call", ["admit", "match", "announce", "prefetch"])
+def test_a_key_without_a_utf8_form_is_named(call):
+    """A key holding a lone surrogate was RuntimeError('std::bad_cast'), naming neither the call nor the key."""
+    cm = kvtier.CacheManager(device_blocks=4, env=False)
+    bad = "\ud800" + "0" * 31
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"\[1\] is not valid UTF-8"):
+        getattr(cm, call)(["0" * 32, bad])
