@@ -124,8 +124,9 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      // The parser's reason and byte (a truncated last line, a comment, invalid UTF-8, ...).
+    } catch (const nlohmann::json::exception& e) {
+      // The parser's reason and byte (a truncated last line, a comment, invalid UTF-8, ...), or a number it cannot
+      // hold (out_of_range: "1e9551615").
       return InvalidArgument(fmt::format("{}:{}: not JSON: {}", path, lineno, e.what()));
     }
     if (!j.is_object())

@@ -190,6 +190,8 @@ TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
       {{"not json"}, {":1:", "not JSON", "syntax error"}},
       {{ok, R"({"timestamp": 1, "input_length": 512, "hash_ids": [1])"}, {":2:", "not JSON", "unexpected end"}},
       {{"[1, 2]"}, {":1:", "not a JSON object but array"}},
+      // A number JSON cannot hold is the parser's out_of_range, not a parse_error: it ended the process.
+      {{R"({"timestamp": 1844674407370E9551615, "input_length": 4, "hash_ids": [1]})"}, {":1:", "number overflow"}},
       {{std::string("\x1f\x8b\x08\x00") + "compressed"}, {"gzip-compressed", "decompress"}},
       {{R"({"timestamp": 0, "input_length": 18446744073709551615, "hash_ids": [1]})",
         R"({"timestamp": 0, "input_length": 1, "hash_ids": [1]})"},
