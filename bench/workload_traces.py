@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Synthetic Mooncake-format traces of three workload shapes, to check eviction policies beyond the real traces.
+"""Synthetic Mooncake-format traces of four workload shapes, to check eviction policies beyond the real traces.
 
 Every trace is deterministic for its seed, one request every 200 ms, blocks of 512 tokens (`input_length` is
 512 x the block count, so that every block is full):
@@ -10,6 +10,11 @@ Every trace is deterministic for its seed, one request every 200 ms, blocks of 5
          from old sessions mislead.
   scan   half the requests re-read one of 20 hot prefixes of 30 blocks (plus 2 blocks of their own), half are
          one-time prompts of 20-80 blocks: scan resistance pays.
+  chat   conversations under 200 system prompts of 2-8 blocks picked with Pareto(1.2) popularity: 55 % of requests
+         open a conversation (1-20 blocks of its own), 45 % continue one of the last 5,000 (half of them a recent one,
+         an exponential 300 conversations back) with 1-6 more blocks, re-reading its whole context, up to 240 blocks.
+         Few prefixes are shared by many conversations whose own blocks are seen once: the shape that filled ARC's
+         second list with parents (docs/performance.md, "Victim walks past parents").
 
 Usage: bench/workload_traces.py OUT_DIR [--requests 12000] [--seed 7]
 then e.g. kvtier replay OUT_DIR/agent.jsonl --sweep 500,2000,8000 --sweep-policies lru,s3fifo,sieve,arc,lrfu,adaptive
@@ -63,6 +68,23 @@ def scan(rng, keys, n):
             yield keys.fresh(rng.randint(20, 80)), 50
 
 
+def chat(rng, keys, n):
+    systems = [keys.fresh(rng.randint(2, 8)) for _ in range(200)]
+    conversations = []
+    for _ in range(n):
+        if conversations and rng.random() < 0.45:
+            back = len(conversations) - 1 - min(len(conversations) - 1, int(rng.expovariate(1 / 300)))
+            k = rng.randrange(len(conversations)) if rng.random() < 0.5 else back
+            conversations[k] = (conversations[k] + keys.fresh(rng.randint(1, 6)))[:240]
+            yield list(conversations[k]), rng.randint(1, 800)
+        else:
+            system = systems[min(len(systems) - 1, int(rng.paretovariate(1.2)) - 1)]
+            conversations.append(system + keys.fresh(rng.randint(1, 20)))
+            if len(conversations) > 5000:
+                conversations.pop(0)
+            yield list(conversations[-1]), rng.randint(1, 800)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir")
@@ -72,7 +94,7 @@ def main():
     if a.requests < 1:
         ap.error(f"--requests {a.requests}: need at least 1")
     os.makedirs(a.out_dir, exist_ok=True)
-    for name, make in (("rag", rag), ("agent", agent), ("scan", scan)):
+    for name, make in (("rag", rag), ("agent", agent), ("scan", scan), ("chat", chat)):
         rng = random.Random(f"{a.seed}:{name}")
         path = os.path.join(a.out_dir, f"{name}.jsonl")
         with open(path, "w") as f:

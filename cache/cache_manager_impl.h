@@ -234,6 +234,7 @@ struct CacheManager::Impl {
     AccessInfo i = info(id);
     i.accessed = accessed;
     policy[t]->insert(id, i);
+    if (t == kDev && nodes[id].child_tier[kDev] > 0) policy[kDev]->set_blocked(id, true);
   }
   // The resident copy in tier t was hit: protected copies are outside the policy until protection ends.
   void track_touch(NodeId id, int t) {
@@ -324,10 +325,20 @@ struct CacheManager::Impl {
     int t = eventual_tier(n);
     if (t == n.counted_tier) return;
     Node& p = nodes[n.parent];
+    const bool parent_blocked = p.child_tier[kDev] > 0;
     --p.child_tier[n.counted_tier];
     ++p.child_tier[t];
     n.counted_tier = static_cast<std::uint8_t>(t);
     sync_host_drop(n.parent);
+    sync_device_blocked(n.parent, parent_blocked);
+  }
+
+  // A device copy with children on (or bound for) the device cannot go (device_evictable): the device policy is told
+  // when a node starts or stops being such a parent, so its victim walk can leave it out. `was` is whether it was one
+  // before its counts changed.
+  void sync_device_blocked(NodeId id, bool was) {
+    const bool is = nodes[id].child_tier[kDev] > 0;
+    if (is != was && id != kRoot) policy[kDev]->set_blocked(id, is);
   }
 
   // ---- reclaimable device blocks (incremental) ------------------------------
@@ -433,7 +444,9 @@ struct CacheManager::Impl {
     if (n.parent == kNoNode) return;
     if (holds(n)) add_held_below(n.parent, false);
     Node& p = nodes[n.parent];
+    const bool parent_blocked = p.child_tier[kDev] > 0;
     --p.child_tier[n.counted_tier];
+    sync_device_blocked(n.parent, parent_blocked);
     if (n.prev_sib != kNoNode)
       nodes[n.prev_sib].next_sib = n.next_sib;
     else
@@ -452,7 +465,9 @@ struct CacheManager::Impl {
     n.next_sib = p.first_child;
     if (p.first_child != kNoNode) nodes[p.first_child].prev_sib = id;
     p.first_child = id;
+    const bool parent_blocked = p.child_tier[kDev] > 0;
     ++p.child_tier[n.counted_tier];
+    sync_device_blocked(parent, parent_blocked);
     if (holds(n)) add_held_below(parent, true);
     sync_host_drop(parent);
   }

@@ -12,61 +12,19 @@
 
 #include "cache/ghost_fifo.h"
 #include "cache/key_index.h"
+#include "cache/node_lists.h"
 
 namespace kvtier::cache {
 namespace {
 
-// Several intrusive doubly linked lists over node ids; a node is in at most one.
-class NodeLists {
+// A policy ordered by NodeLists, which parks blocked copies as its walks pass them.
+class ListPolicy : public EvictionPolicy {
  public:
-  static constexpr std::uint8_t kNone = 0xFF;
-  explicit NodeLists(int num_lists) : head_(num_lists, kNoNode), tail_(num_lists, kNoNode), size_(num_lists, 0) {}
-
-  void grow(NodeId n) {
-    if (n >= prev_.size()) {
-      std::size_t sz = std::max<std::size_t>(n + 1, prev_.size() * 2);
-      prev_.resize(sz, kNoNode);
-      next_.resize(sz, kNoNode);
-      list_.resize(sz, kNone);
-    }
-  }
-  std::uint8_t list_of(NodeId n) const { return n < list_.size() ? list_[n] : kNone; }
-  void push_head(int l, NodeId n) {
-    grow(n);
-    list_[n] = static_cast<std::uint8_t>(l);
-    prev_[n] = kNoNode;
-    next_[n] = head_[l];
-    if (head_[l] != kNoNode) prev_[head_[l]] = n;
-    head_[l] = n;
-    if (tail_[l] == kNoNode) tail_[l] = n;
-    ++size_[l];
-  }
-  void unlink(NodeId n) {
-    int l = list_[n];
-    if (prev_[n] != kNoNode)
-      next_[prev_[n]] = next_[n];
-    else
-      head_[l] = next_[n];
-    if (next_[n] != kNoNode)
-      prev_[next_[n]] = prev_[n];
-    else
-      tail_[l] = prev_[n];
-    list_[n] = kNone;
-    --size_[l];
-  }
-  void move_head(int l, NodeId n) {
-    unlink(n);
-    push_head(l, n);
-  }
-  NodeId tail(int l) const { return tail_[l]; }
-  NodeId prev(NodeId n) const { return prev_[n]; }
-  std::size_t size(int l) const { return size_[l]; }
-
- private:
-  std::vector<NodeId> head_, tail_;
-  std::vector<std::size_t> size_;
-  std::vector<NodeId> prev_, next_;
-  std::vector<std::uint8_t> list_;
+  // Puts every parked copy back in its place: for an expert of a duel that stops leading (its victim() is no longer
+  // asked, so nothing would be near its parked copies' places when they are unblocked).
+  virtual void unpark_all() = 0;
+  // Blocked copies are those whose byte in *flags has a bit of `mask`, which a duel keeps for all its experts.
+  virtual void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) = 0;
 };
 
 std::uint64_t fingerprint(const AccessInfo& info) {
@@ -74,7 +32,7 @@ std::uint64_t fingerprint(const AccessInfo& info) {
 }
 
 // ---- LRU -----------------------------------------------------------------
-class LruPolicy final : public EvictionPolicy {
+class LruPolicy final : public ListPolicy {
  public:
   LruPolicy() : lists_(1) {}
   std::string name() const override { return "lru"; }
@@ -89,9 +47,14 @@ class LruPolicy final : public EvictionPolicy {
     if (lists_.list_of(n) != NodeLists::kNone) lists_.unlink(n);
   }
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
-    for (NodeId n = lists_.tail(0); n != kNoNode; n = lists_.prev(n))
+    for (NodeId n = lists_.skip_blocked(lists_.tail(0)); n != kNoNode; n = lists_.skip_blocked(lists_.prev(n)))
       if (evictable(n)) return n;
     return kNoNode;
+  }
+  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
+  void unpark_all() override { lists_.unpark_all(); }
+  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) override {
+    lists_.follow_blocked(flags, mask);
   }
   std::size_t size() const override { return lists_.size(0); }
   bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
@@ -235,7 +198,7 @@ class SievePolicy final : public EvictionPolicy {
 };
 
 // ---- ARC -----------------------------------------------------------------
-class ArcPolicy final : public EvictionPolicy {
+class ArcPolicy final : public ListPolicy {
  public:
   explicit ArcPolicy(std::uint32_t capacity) : lists_(2), c_(std::max<std::uint32_t>(capacity, 1)), ghosts_(c_) {}
   std::string name() const override { return "arc"; }
@@ -267,9 +230,15 @@ class ArcPolicy final : public EvictionPolicy {
     bool t1_first = lists_.size(kT1) > 0 && static_cast<double>(lists_.size(kT1)) >= std::max(p_, 1.0);
     int order[2] = {t1_first ? kT1 : kT2, t1_first ? kT2 : kT1};
     for (int l : order)
-      for (NodeId n = lists_.tail(l); n != kNoNode; n = lists_.prev(n))
+      for (NodeId n = lists_.skip_blocked(lists_.tail(l)); n != kNoNode; n = lists_.skip_blocked(lists_.prev(n)))
         if (evictable(n)) return n;
     return kNoNode;
+  }
+  // Blocked copies still count in |T1| and |T2|, which steer ARC's choice of list.
+  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
+  void unpark_all() override { lists_.unpark_all(); }
+  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) override {
+    lists_.follow_blocked(flags, mask);
   }
   std::size_t size() const override { return lists_.size(kT1) + lists_.size(kT2); }
   bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
@@ -296,7 +265,10 @@ class PriorityPolicy : public EvictionPolicy {
   }
   void erase(NodeId n) override {
     if (!contains(n)) return;
-    order_.erase(entry_[n]);
+    if (present_[n] == kInOrder)
+      order_.erase(entry_[n]);
+    else
+      --blocked_;
     present_[n] = 0;
   }
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
@@ -304,7 +276,17 @@ class PriorityPolicy : public EvictionPolicy {
       if (evictable(std::get<2>(e))) return std::get<2>(e);
     return kNoNode;
   }
-  std::size_t size() const override { return order_.size(); }
+  // A blocked copy keeps its entry (updated by touch()) out of the order until it is unblocked.
+  void set_blocked(NodeId n, bool blocked) override {
+    if (!contains(n) || (present_[n] == kBlocked) == blocked) return;
+    if (blocked)
+      order_.erase(entry_[n]);
+    else
+      order_.insert(entry_[n]);
+    present_[n] = blocked ? kBlocked : kInOrder;
+    blocked_ = blocked ? blocked_ + 1 : blocked_ - 1;
+  }
+  std::size_t size() const override { return order_.size() + blocked_; }
   bool contains(NodeId n) const override { return n < present_.size() && present_[n]; }
 
  protected:
@@ -319,20 +301,26 @@ class PriorityPolicy : public EvictionPolicy {
       present_.resize(sz, 0);
       entry_.resize(sz);
     }
-    if (present_[n]) order_.erase(entry_[n]);
+    if (present_[n] == kBlocked) {  // stays out of the order until unblocked
+      entry_[n] = Entry{prio, -static_cast<std::int64_t>(depth), n};
+      return;
+    }
+    if (present_[n] == kInOrder) order_.erase(entry_[n]);
     entry_[n] = Entry{prio, -static_cast<std::int64_t>(depth), n};
     order_.insert(entry_[n]);
-    present_[n] = 1;
+    present_[n] = kInOrder;
   }
+  static constexpr std::uint8_t kInOrder = 1, kBlocked = 2;  // present_: 0 untracked
   std::set<Entry> order_;
   std::vector<Entry> entry_;
   std::vector<std::uint8_t> present_;
+  std::size_t blocked_ = 0;
 };
 
 // LRFU: priority = last access + boost * log2(uses), evict the lowest. Uses are quantized to
 // half-octave classes, one LRU list per class (within a class, list order is priority order),
 // so every operation is O(1) and victim() merges the class tails (O(classes) per step).
-class LrfuPolicy final : public EvictionPolicy {
+class LrfuPolicy final : public ListPolicy {
  public:
   LrfuPolicy(double boost, std::uint32_t capacity) : boost_(boost), lists_(kClasses) {}
   std::string name() const override { return boost_ == kDefaultLrfuBoost ? "lrfu" : fmt::format("lrfu:{}", boost_); }
@@ -345,7 +333,7 @@ class LrfuPolicy final : public EvictionPolicy {
   }
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
     NodeId cur[kClasses];
-    for (int c = 0; c < kClasses; ++c) cur[c] = lists_.tail(c);
+    for (int c = 0; c < kClasses; ++c) cur[c] = lists_.skip_blocked(lists_.tail(c));
     for (;;) {
       int best = -1;
       double best_prio = 0;
@@ -359,8 +347,13 @@ class LrfuPolicy final : public EvictionPolicy {
       }
       if (best < 0) return kNoNode;
       if (evictable(cur[best])) return cur[best];
-      cur[best] = lists_.prev(cur[best]);
+      cur[best] = lists_.skip_blocked(lists_.prev(cur[best]));
     }
+  }
+  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
+  void unpark_all() override { lists_.unpark_all(); }
+  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) override {
+    lists_.follow_blocked(flags, mask);
   }
   std::size_t size() const override {
     std::size_t n = 0;
@@ -380,8 +373,10 @@ class LrfuPolicy final : public EvictionPolicy {
     }
     last_[n] = info.now;
     depth_[n] = info.depth;
-    if (contains(n)) lists_.unlink(n);
-    lists_.push_head(cls, n);
+    if (contains(n))
+      lists_.move_head(cls, n);
+    else
+      lists_.push_head(cls, n);
   }
   double boost_;
   NodeLists lists_;
@@ -479,10 +474,19 @@ class DuelingPolicy final : public EvictionPolicy {
     lead_over_leader_.assign(real_.size(), 0);
     window_ = kWindowPerBlock * static_cast<double>(cap);
     decay_ = 1.0 - 1.0 / window_;
+    for (auto& e : real_) {
+      auto* lists = dynamic_cast<ListPolicy*>(e.get());
+      if (lists != nullptr) lists->follow_blocked(&state_, kBlocked);
+      follows_blocked_.push_back(lists != nullptr);
+    }
   }
   std::string name() const override { return name_; }
   void insert(NodeId n, const AccessInfo& info) override {
     if (info.accessed) observe(info);
+    if (!contains(n)) {
+      if (n >= state_.size()) state_.resize(std::max<std::size_t>(std::size_t{n} + 1, state_.size() * 2), 0);
+      state_[n] = kTracked;
+    }
     for (auto& e : real_) e->insert(n, info);
   }
   void touch(NodeId n, const AccessInfo& info) override {
@@ -491,11 +495,21 @@ class DuelingPolicy final : public EvictionPolicy {
     for (auto& e : real_) e->touch(n, info);
   }
   void erase(NodeId n) override {
+    if (!contains(n)) return;
     for (auto& e : real_) e->erase(n);
+    state_[n] = 0;
+  }
+  // One bit for every expert (experts that keep lists read it in state_; others are told). Only the leader walks, so
+  // only it may have n parked: the others put theirs back when they stopped leading (lead_to).
+  void set_blocked(NodeId n, bool blocked) override {
+    if (!contains(n) || ((state_[n] & kBlocked) != 0) == blocked) return;
+    state_[n] = blocked ? kTracked | kBlocked : kTracked;
+    for (std::size_t i = 0; i < real_.size(); ++i)
+      if (!follows_blocked_[i] || (i == leader_ && !blocked)) real_[i]->set_blocked(n, blocked);
   }
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override { return real_[leader_]->victim(evictable); }
   std::size_t size() const override { return real_[0]->size(); }
-  bool contains(NodeId n) const override { return real_[0]->contains(n); }
+  bool contains(NodeId n) const override { return n < state_.size() && (state_[n] & kTracked); }
   Lead lead() const override { return {static_cast<std::uint32_t>(leader_), switches_}; }
 
   // The shadows' hits are averaged over about this many accesses per block of capacity; no switch before that many.
@@ -520,8 +534,7 @@ class DuelingPolicy final : public EvictionPolicy {
     std::size_t best = leader_;
     for (std::size_t i = 0; i < score_.size(); ++i)
       if (score_[i] > score_[best]) best = i;
-    if (best != leader_) ++switches_;
-    leader_ = best;
+    if (best != leader_) lead_to(best);
   }
   // Before the first window has passed the averaged scores say little, but a trace shorter than the window (or a
   // long first phase) would otherwise keep the first expert throughout. A sign test on the accesses where an expert
@@ -538,18 +551,27 @@ class DuelingPolicy final : public EvictionPolicy {
       if (disagree_[i] < kEarlyMinDisagreements || lead_over_leader_[i] <= 0 ||
           static_cast<double>(lead_over_leader_[i]) * static_cast<double>(lead_over_leader_[i]) < kEarlyZ * kEarlyZ * n)
         continue;
-      leader_ = i;
-      ++switches_;
+      lead_to(i);
       std::fill(disagree_.begin(), disagree_.end(), 0);
       std::fill(lead_over_leader_.begin(), lead_over_leader_.end(), 0);
       return;
     }
+  }
+  void lead_to(std::size_t expert) {
+    if (auto* former = dynamic_cast<ListPolicy*>(real_[leader_].get())) former->unpark_all();
+    leader_ = expert;
+    ++switches_;
   }
   static constexpr double kEarlyZ = 10.0;
   static constexpr std::uint64_t kEarlyMinDisagreements = 256;
 
   std::string name_;
   std::vector<std::unique_ptr<EvictionPolicy>> real_;
+  // Per node: kTracked (every expert tracks it; one byte to ask, not an expert's lists), kBlocked (set_blocked; the
+  // experts that keep lists read it there).
+  static constexpr std::uint8_t kTracked = 1, kBlocked = 2;
+  std::vector<std::uint8_t> state_;
+  std::vector<bool> follows_blocked_;  // per expert: reads kBlocked in state_ (ListPolicy)
   std::vector<ShadowCache> shadows_;
   std::vector<std::uint64_t> disagree_;         // per expert: accesses where it and the leader disagreed (early)
   std::vector<std::int64_t> lead_over_leader_;  // per expert: its hits minus the leader's on those accesses

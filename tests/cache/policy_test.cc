@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <random>
 #include <unordered_map>
 #include <vector>
 
@@ -445,6 +446,104 @@ TEST(Policy, DuelWithoutKeysAndWithSampledShadows) {
   for (NodeId n = 0; n < k.size(); n += 2) big->erase(n);
   const NodeId v = big->victim([](NodeId n) { return n == 49999; });
   EXPECT_EQ(v, 49999u);
+}
+
+// set_blocked is a hint that leaves victims unchanged: a policy told which copies are blocked returns, under random
+// inserts, hits, erasures, blocks and unblocks, exactly the victims of the same policy left to find out through the
+// predicate alone (which rejects the blocked copies and, at random, pinned ones).
+TEST(Policy, BlockedCopiesLeaveTheWalkButNotTheOrder) {
+  std::unordered_map<std::uint64_t, std::uint64_t> next_use;
+  auto oracle = [&](const BlockKey& k, std::uint64_t) { return next_use[k.lo]; };
+  for (const char* name : {"lru", "arc", "lrfu", "lrfu:3", "s3fifo", "sieve", "adaptive", "duel:lru+arc", "belady"}) {
+    std::uint64_t switches = 0;
+    for (std::uint32_t seed = 1; seed <= 4; ++seed) {
+      constexpr NodeId kNodes = 400;
+      auto told = make(name, 120, oracle), untold = make(name, 120, oracle);
+      std::mt19937 rng(seed);
+      std::vector<BlockKey> key(kNodes);
+      for (NodeId n = 0; n < kNodes; ++n) key[n] = BlockKey{n, n * 0x9E3779B97F4A7C15ull + seed};
+      std::vector<std::uint8_t> tracked(kNodes, 0), blocked(kNodes, 0), pinned(kNodes, 0);
+      std::uint64_t now = 0;
+      std::uint64_t victims = 0, blocks = 0;
+      for (int step = 0; step < 20000; ++step) {
+        const NodeId n = rng() % kNodes;
+        const int op = static_cast<int>(rng() % 10);
+        const AccessInfo info = at(++now, &key[n], rng() % 6, 1 + rng() % 8);
+        next_use[n] = now + rng() % 500;
+        if (op < 5) {  // lru's touch() of an untracked copy inserts it, as insert() does
+          if (op < 3) {
+            told->insert(n, info);
+            untold->insert(n, info);
+          } else {
+            told->touch(n, info);
+            untold->touch(n, info);
+          }
+          if (!tracked[n] && told->contains(n)) blocked[n] = 0;  // an untracked copy inserted starts unblocked
+          tracked[n] = told->contains(n);
+        } else if (op < 6) {
+          told->erase(n);
+          untold->erase(n);
+          tracked[n] = blocked[n] = 0;
+        } else if (op < 8) {
+          if (tracked[n]) {
+            blocked[n] = !blocked[n];
+            blocks += blocked[n];
+          }
+          told->set_blocked(n, blocked[n]);  // an untracked n: no-op
+        } else {
+          if (rng() % 4 == 0) pinned[rng() % kNodes] ^= 1;
+          auto may_go = [&](NodeId x) { return !blocked[x] && !pinned[x]; };
+          const NodeId a = told->victim(may_go), b = untold->victim(may_go);
+          ASSERT_EQ(a, b) << name << " seed " << seed << " step " << step;
+          if (a != kNoNode) {
+            ++victims;
+            ASSERT_TRUE(tracked[a] && !blocked[a]) << name << " step " << step;
+            if (op == 9) {
+              told->erase(a);
+              untold->erase(a);
+              tracked[a] = blocked[a] = 0;
+            }
+          }
+        }
+        ASSERT_EQ(told->size(), untold->size()) << name << " step " << step;
+        ASSERT_EQ(told->contains(n), untold->contains(n)) << name << " step " << step;
+      }
+      EXPECT_GT(victims, 1000u) << name;
+      EXPECT_GT(blocks, 1000u) << name;
+      switches += told->lead().switches;
+    }
+    // A duel's lead changed hands (its former leader put its parked copies back), on the same victims.
+    if (policy_experts(name).size() > 1) {
+      EXPECT_GT(switches, 0u) << name;
+    }
+  }
+}
+
+// What the hint is for: a walk passes no blocked copy. Thousands of parents, all blocked, sit where the walk starts
+// (ARC: its second list, which it walks first while its first is below target; the others: the oldest copies).
+TEST(Policy, AVictimWalkPassesNoBlockedCopy) {
+  for (const char* name : {"lru", "arc", "lrfu", "adaptive", "belady"}) {
+    auto p = make(name, 20000, [](const BlockKey& k, std::uint64_t) { return UINT64_MAX - k.lo; });
+    constexpr NodeId kParents = 10000, kLeaves = 8;
+    std::vector<BlockKey> key(kParents + kLeaves);
+    std::uint64_t now = 0;
+    for (NodeId n = 0; n < key.size(); ++n) key[n] = BlockKey{n, n};
+    for (NodeId n = 0; n < kParents; ++n) p->insert(n, at(++now, &key[n]));
+    for (NodeId n = 0; n < kParents; ++n) p->touch(n, at(++now, &key[n], 1));  // seen twice: ARC's T2
+    for (NodeId n = 0; n < kParents; ++n) p->set_blocked(n, true);
+    for (NodeId n = kParents; n < key.size(); ++n) p->insert(n, at(++now, &key[n]));
+    std::size_t asked = 0;
+    const NodeId v = p->victim([&](NodeId n) {
+      ++asked;
+      return n >= kParents;
+    });
+    EXPECT_GE(v, kParents) << name;
+    EXPECT_LE(asked, 2u) << name << ": the walk asked about " << asked << " copies";
+    // Unblocked, a parent is back at its place: the oldest (lru), and found again by the walk.
+    p->set_blocked(0, false);
+    EXPECT_EQ(p->victim([](NodeId n) { return n == 0; }), 0u) << name;
+    EXPECT_EQ(p->size(), key.size()) << name;
+  }
 }
 
 }  // namespace

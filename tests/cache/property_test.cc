@@ -192,8 +192,8 @@ TEST_P(CacheProperty, RandomOperationSequencesKeepInvariants) {
   sc.cfg.host_blocks = variant % 4 == 3 ? 0 : 16 + variant % 5 * 8;
   sc.cfg.storage_blocks = variant % 2 && sc.cfg.host_blocks > 0 ? 64 : 0;  // storage needs a host tier
   const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "adaptive"};
-  sc.cfg.device_policy = policies[variant % 4];
-  sc.cfg.host_policy = policies[(variant + 1) % 4];
+  sc.cfg.device_policy = policies[variant % 5];  // every one of them (% 4 never chose the default, adaptive)
+  sc.cfg.host_policy = policies[(variant + 1) % 5];
   sc.cfg.write_policy = static_cast<WritePolicy>(variant % 3);
   sc.cfg.write_through_threshold = 1 + variant % 2;
   if (variant % 2) sc.cfg.host_watermarks = {0.25, 0.5};
@@ -218,8 +218,8 @@ TEST_P(CachePropertyWriteBackPressure, RandomOperationSequencesKeepInvariants) {
   sc.cfg.host_blocks = 8 + variant % 4 * 8;
   sc.cfg.storage_blocks = variant % 5 == 4 ? 12 : 64;
   const char* policies[] = {"lru", "s3fifo", "arc", "lrfu", "adaptive"};
-  sc.cfg.device_policy = policies[variant % 4];
-  sc.cfg.host_policy = policies[(variant / 4) % 4];
+  sc.cfg.device_policy = policies[variant % 5];
+  sc.cfg.host_policy = policies[(variant / 5) % 4];
   sc.cfg.write_policy = WritePolicy::kWriteBack;
   if (variant % 5 == 1) sc.cfg.device_watermarks = {0.1, 0.3};
   sc.failure_rate = variant % 3 == 0 ? 0.0 : 0.1;

@@ -9,7 +9,8 @@
 // deepest first; so recency-ordered policies meet a leaf before its parent.
 //
 // Policies (make_policy names):
-//   lru        least recently used (intrusive list, O(1); victim() scans past non-evictable nodes).
+//   lru        least recently used (intrusive list, O(1); victim() walks past non-evictable nodes, once past a
+//              blocked one: set_blocked).
 //              With the manager's leaf-only predicate this is leaf-first LRU, the order in which vLLM
 //              (free-block queue, a request's blocks freed deepest first) and SGLang (radix tree, least
 //              recently used evictable leaf) evict: accesses are reported deepest first, so a parent is
@@ -106,6 +107,17 @@ class EvictionPolicy {
   virtual void erase(NodeId n) = 0;
   // The next victim among tracked nodes with evictable(n), kNoNode if none. Does not erase it.
   virtual NodeId victim(FunctionRef<bool(NodeId)> evictable) = 0;
+  // A hint from the caller: until set_blocked(n, false), every evictable predicate it passes rejects the tracked
+  // copy n (the CacheManager blocks a device copy while it has children on the device: only leaves may go). A
+  // policy may leave blocked copies out of its victim() walk, but must return the same victim it would have found
+  // walking past them, and keep a blocked copy's place in its order (touch() and erase() work as usual). The
+  // default ignores the hint. Without it, a walk passes every parent whose children are still resident, on every
+  // call: ARC's second list fills with shared prefixes whose requests' own blocks sit in its first. An untracked
+  // copy that insert() adds starts unblocked. No-op for an untracked n.
+  virtual void set_blocked(NodeId n, bool blocked) {
+    (void)n;
+    (void)blocked;
+  }
   virtual std::size_t size() const = 0;
   virtual bool contains(NodeId n) const = 0;
 
