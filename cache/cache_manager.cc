@@ -58,6 +58,12 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
   if (config.device_blocks >= kNoBlock || config.host_blocks >= kNoBlock || config.storage_blocks >= kNoBlock)
     return InvalidArgument("cache config: a tier has >= 2^32-1 blocks");
   if (config.write_through_threshold == 0) return InvalidArgument("cache config: write_through_threshold is 0");
+  // A value outside the enum (a cast, an uninitialized field) planned neither evictions nor backups: blocks dropped.
+  if (write_policy_name(config.write_policy) == "?")
+    return InvalidArgument(
+        fmt::format("cache config: write_policy {} is none of write_back, write_through, "
+                    "write_through_selective",
+                    static_cast<int>(config.write_policy)));
   // Storage is written from host blocks and prefetched into them: without a host tier it took no block, silently.
   if (config.storage_blocks > 0 && config.host_blocks == 0)
     return InvalidArgument(fmt::format(
@@ -70,7 +76,7 @@ Result<std::unique_ptr<CacheManager>> CacheManager::create(CacheConfig config) {
         "machine has {} MiB",
         config.device_blocks, config.host_blocks, config.storage_blocks, need >> 20, have >> 20));
   for (const Watermarks* w : {&config.device_watermarks, &config.host_watermarks})
-    if (w->low < 0 || w->high > 1 || w->low > w->high)
+    if (!(w->low >= 0 && w->high <= 1 && w->low <= w->high))  // NaN fails every comparison: refused too
       return InvalidArgument(
           fmt::format("cache config: watermarks low {} high {} must satisfy 0 <= low <= high <= 1", w->low, w->high));
   if (!(config.lookahead_max_fraction >= 0 && config.lookahead_max_fraction <= 1))
@@ -100,6 +106,10 @@ Status CacheManager::init_state(Impl& s, const CacheConfig& config) {
   s.host_drop.reserve(expect);
   s.nodes.emplace_back();
   s.host_drop.push_back(0);
+  for (auto& told : s.told_blocked) {
+    told.reserve(expect);
+    told.push_back(0);
+  }
   s.nodes[0].live = true;
   s.nodes[0].counted_tier = kDev;
   return Status::Ok();

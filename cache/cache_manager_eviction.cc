@@ -297,8 +297,9 @@ std::uint32_t CacheManager::Impl::recount_reclaimable_device_blocks() const {
 // Host eviction for watermarks: drop or demote to storage.
 bool CacheManager::Impl::evict_one_host_background() {
   std::vector<NodeId> skipped;
-  auto pred = [&](NodeId id) {
-    return host_candidate(id) && std::find(skipped.begin(), skipped.end(), id) == skipped.end();
+  auto pred = [&](NodeId id) {  // a blocked copy would be skipped below: neither dropped nor demoted
+    return host_candidate(id) && !blocked_in(nodes[id], kHst) &&
+           std::find(skipped.begin(), skipped.end(), id) == skipped.end();
   };
   for (int attempt = 0; attempt < 64; ++attempt) {
     NodeId v = victim(kHst, pred);

@@ -234,7 +234,8 @@ struct CacheManager::Impl {
     AccessInfo i = info(id);
     i.accessed = accessed;
     policy[t]->insert(id, i);
-    if (t == kDev && nodes[id].child_tier[kDev] > 0) policy[kDev]->set_blocked(id, true);
+    told_blocked[t][id] = blocked_in(nodes[id], t);  // the policy takes it unblocked
+    if (told_blocked[t][id]) policy[t]->set_blocked(id, true);
   }
   // The resident copy in tier t was hit: protected copies are outside the policy until protection ends.
   void track_touch(NodeId id, int t) {
@@ -325,20 +326,10 @@ struct CacheManager::Impl {
     int t = eventual_tier(n);
     if (t == n.counted_tier) return;
     Node& p = nodes[n.parent];
-    const bool parent_blocked = p.child_tier[kDev] > 0;
     --p.child_tier[n.counted_tier];
     ++p.child_tier[t];
     n.counted_tier = static_cast<std::uint8_t>(t);
     sync_host_drop(n.parent);
-    sync_device_blocked(n.parent, parent_blocked);
-  }
-
-  // A device copy with children on (or bound for) the device cannot go (device_evictable): the device policy is told
-  // when a node starts or stops being such a parent, so its victim walk can leave it out. `was` is whether it was one
-  // before its counts changed.
-  void sync_device_blocked(NodeId id, bool was) {
-    const bool is = nodes[id].child_tier[kDev] > 0;
-    if (is != was && id != kRoot) policy[kDev]->set_blocked(id, is);
   }
 
   // ---- reclaimable device blocks (incremental) ------------------------------
@@ -380,7 +371,34 @@ struct CacheManager::Impl {
   // many per call). Updated with the reclaim flags, and for a parent whose children change.
   std::vector<std::uint8_t> host_drop;
   void sync_host_drop(NodeId id) {
-    if (id != kRoot && id != kNoNode) host_drop[id] = host_droppable(id);
+    if (id == kRoot || id == kNoNode) return;
+    host_drop[id] = host_droppable(id);
+    sync_blocked(id);
+  }
+
+  // ---- blocked copies ------------------------------------------------------
+  // A copy that no victim predicate of its tier accepts while the tree around it stays as it is, whatever its pins
+  // and moves: a device copy with children on (or bound for) the device (only leaves go); a host copy that can be
+  // neither dropped (its children need it) nor demoted; a storage copy that cannot be dropped. Each tier's policy is
+  // told when a copy it tracks starts or stops being one (EvictionPolicy::set_blocked), so its victim walks leave
+  // such copies out instead of passing every shared prefix on every eviction. Kept where host_drop is (the same
+  // changes of a node's copies, state and children), and when a copy enters a policy (track_insert).
+  bool blocked_in(const Node& n, int t) const {
+    if (t == kDev) return n.child_tier[kDev] > 0;
+    if (t == kHst) return !can_drop(n, kHst) && !host_demotable(n);
+    return !can_drop(n, kSto);
+  }
+  // told_blocked[t][id]: what tier t's policy was last told of id; current while the policy tracks id.
+  std::array<std::vector<std::uint8_t>, kNumTiers> told_blocked;
+  void sync_blocked(NodeId id) {
+    const Node& n = nodes[id];
+    for (int t = 0; t < kNumTiers; ++t) {
+      if (!(n.present & bit(t))) continue;  // not tracked: track_insert tells the policy when it is
+      const bool blocked = blocked_in(n, t);
+      if (blocked == (told_blocked[t][id] != 0)) continue;
+      told_blocked[t][id] = blocked;
+      policy[t]->set_blocked(id, blocked);
+    }
   }
   // A pin taken or dropped by an admission.
   void pin(NodeId id) {
@@ -417,10 +435,12 @@ struct CacheManager::Impl {
       free_nodes.pop_back();
       nodes[id] = Node{};
       host_drop[id] = 0;
+      for (auto& told : told_blocked) told[id] = 0;
     } else {
       id = static_cast<NodeId>(nodes.size());
       nodes.emplace_back();
       host_drop.push_back(0);
+      for (auto& told : told_blocked) told.push_back(0);
     }
     Node& n = nodes[id];
     n.key = key;
@@ -444,9 +464,7 @@ struct CacheManager::Impl {
     if (n.parent == kNoNode) return;
     if (holds(n)) add_held_below(n.parent, false);
     Node& p = nodes[n.parent];
-    const bool parent_blocked = p.child_tier[kDev] > 0;
     --p.child_tier[n.counted_tier];
-    sync_device_blocked(n.parent, parent_blocked);
     if (n.prev_sib != kNoNode)
       nodes[n.prev_sib].next_sib = n.next_sib;
     else
@@ -465,9 +483,7 @@ struct CacheManager::Impl {
     n.next_sib = p.first_child;
     if (p.first_child != kNoNode) nodes[p.first_child].prev_sib = id;
     p.first_child = id;
-    const bool parent_blocked = p.child_tier[kDev] > 0;
     ++p.child_tier[n.counted_tier];
-    sync_device_blocked(parent, parent_blocked);
     if (holds(n)) add_held_below(parent, true);
     sync_host_drop(parent);
   }

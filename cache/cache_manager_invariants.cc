@@ -202,6 +202,9 @@ Status CacheManager::check_invariants() const {
       if (tracked != (resident && !wanted) || in_parked != (resident && wanted))
         return Internal(fmt::format("node {}: {} policy tracking {}, parked {}, resident {}, protected by {}", id,
                                     tier_name(Tier(t)), tracked, in_parked, resident, wanted));
+      if (tracked && (s.told_blocked[t][id] != 0) != s.blocked_in(n, t))
+        return Internal(fmt::format("node {}: {} policy told blocked {}, its copies and children give {}", id,
+                                    tier_name(Tier(t)), s.told_blocked[t][id] != 0, s.blocked_in(n, t)));
       parked[t] += in_parked;
     }
     if (n.detached) {
@@ -247,6 +250,9 @@ Status CacheManager::check_invariants() const {
   }
   if (s.host_drop.size() != s.nodes.size())
     return Internal(fmt::format("{} host drop flags for {} nodes", s.host_drop.size(), s.nodes.size()));
+  for (const auto& told : s.told_blocked)
+    if (told.size() != s.nodes.size())
+      return Internal(fmt::format("{} blocked flags for {} nodes", told.size(), s.nodes.size()));
   for (NodeId id = 1; id < s.nodes.size(); ++id)
     if ((s.host_drop[id] != 0) != s.host_droppable(id))
       return Internal(fmt::format("node {}: host drop flag {}, its state gives {}", id, s.host_drop[id] != 0,

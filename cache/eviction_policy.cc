@@ -320,7 +320,7 @@ class PriorityPolicy : public EvictionPolicy {
 // LRFU: priority = last access + boost * log2(uses), evict the lowest. Uses are quantized to
 // half-octave classes, one LRU list per class (within a class, list order is priority order),
 // so every operation is O(1) and victim() merges the class tails (O(classes) per step).
-class LrfuPolicy final : public ListPolicy {
+class LrfuPolicy final : public EvictionPolicy {
  public:
   LrfuPolicy(double boost, std::uint32_t capacity) : boost_(boost), lists_(kClasses) {}
   std::string name() const override { return boost_ == kDefaultLrfuBoost ? "lrfu" : fmt::format("lrfu:{}", boost_); }
@@ -333,7 +333,7 @@ class LrfuPolicy final : public ListPolicy {
   }
   NodeId victim(FunctionRef<bool(NodeId)> evictable) override {
     NodeId cur[kClasses];
-    for (int c = 0; c < kClasses; ++c) cur[c] = lists_.skip_blocked(lists_.tail(c));
+    for (int c = 0; c < kClasses; ++c) cur[c] = lists_.tail(c);
     for (;;) {
       int best = -1;
       double best_prio = 0;
@@ -347,14 +347,12 @@ class LrfuPolicy final : public ListPolicy {
       }
       if (best < 0) return kNoNode;
       if (evictable(cur[best])) return cur[best];
-      cur[best] = lists_.skip_blocked(lists_.prev(cur[best]));
+      cur[best] = lists_.prev(cur[best]);
     }
   }
-  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
-  void unpark_all() override { lists_.unpark_all(); }
-  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) override {
-    lists_.follow_blocked(flags, mask);
-  }
+  // set_blocked is ignored: the merge breaks ties of priority by depth, which a class list's order does not follow
+  // (two copies last used at one tick sit in push order), so a blocked copy taken out of its list could let the one
+  // behind it win a tie that the blocked one would have lost, and change the victim.
   std::size_t size() const override {
     std::size_t n = 0;
     for (int c = 0; c < kClasses; ++c) n += lists_.size(c);
@@ -480,6 +478,9 @@ class DuelingPolicy final : public EvictionPolicy {
       follows_blocked_.push_back(lists != nullptr);
     }
   }
+  // The list experts keep a pointer to state_.
+  DuelingPolicy(const DuelingPolicy&) = delete;
+  DuelingPolicy& operator=(const DuelingPolicy&) = delete;
   std::string name() const override { return name_; }
   void insert(NodeId n, const AccessInfo& info) override {
     if (info.accessed) observe(info);

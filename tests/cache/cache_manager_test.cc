@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 
 #include "kvtier/backend/plan_executor.h"
@@ -625,6 +626,18 @@ TEST(CacheManager, ConfigValidation) {
   EXPECT_EQ(no_host.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(no_host.status().message().find("storage_blocks 64 with host_blocks 0"), std::string::npos)
       << no_host.status().to_string();
+  // Set in the struct, not through the config table: a write policy outside the enum planned neither evictions nor
+  // backups (blocks dropped), and NaN watermarks passed every comparison.
+  auto bad_policy = CacheManager::create(
+      testing::with(testing::config(4), [](CacheConfig& cf) { cf.write_policy = static_cast<WritePolicy>(42); }));
+  EXPECT_EQ(bad_policy.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad_policy.status().message().find("write_policy 42"), std::string::npos)
+      << bad_policy.status().to_string();
+  for (const Watermarks w : {Watermarks{std::nan(""), 0.5}, Watermarks{0.1, std::nan("")}})
+    EXPECT_EQ(CacheManager::create(testing::with(testing::config(4), [&](CacheConfig& cf) { cf.host_watermarks = w; }))
+                  .status()
+                  .code(),
+              StatusCode::kInvalidArgument);
 }
 
 // A failed admission changes nothing: the case of a 10-block device holding 8 cached blocks,

@@ -1,14 +1,14 @@
 // The eviction policies' recency lists (cache/node_lists.h) against a reference model under random pushes, moves,
 // unlinks, blocks, unblocks, victim walks that park the blocked nodes they pass, and unpark_all() merges; with a
 // small stamp limit, so that the clock is renumbered again and again in the middle of it all.
+#include "cache/node_lists.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
-
-#include "cache/node_lists.h"
 
 namespace kvtier::cache {
 namespace {
