@@ -181,6 +181,11 @@ Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t
       h.u64(static_cast<std::uint64_t>(role.dtype));
       h.u64(role.block_bytes);
       h.str(role.name);
+      // The sum is every block's size and every offset in it: a wrap made 2 x 2^63 a block of 0 bytes.
+      if (role.block_bytes > kMaxBlockBytes - out.total_block_bytes_)
+        return InvalidArgument(
+            fmt::format("KvLayout layer {} role {} ({}): block_bytes {} takes the block past {} bytes", l, r,
+                        role_name(role.role), role.block_bytes, kMaxBlockBytes));
       out.total_block_bytes_ += role.block_bytes;
       ++out.num_planes_;
     }

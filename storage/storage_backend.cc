@@ -95,6 +95,14 @@ bool Completion::wait_for(std::chrono::nanoseconds timeout) const {
 
 }  // namespace detail
 
+ItemResult StorageTicket::item(std::size_t i) const {
+  if (c_ == nullptr)
+    return {
+        FailedPrecondition(fmt::format("item {} of an empty storage ticket (default-constructed or moved from)", i)),
+        0};
+  return c_->item(i);
+}
+
 StorageTicket StorageTicket::create(StorageOp op, std::size_t n) {
   StorageTicket t;
   t.c_ = std::make_shared<detail::Completion>(op, n);
@@ -249,7 +257,15 @@ Result<std::string> read_tenant_secret_file(const std::string& path) {
 }
 
 Status check_batch_buffers(const StorageBatch& batch) {
-  if (batch.op != StorageOp::kGet && batch.op != StorageOp::kPut) return Status::Ok();
+  switch (batch.op) {
+    case StorageOp::kExists:
+    case StorageOp::kDelete: return Status::Ok();
+    case StorageOp::kGet:
+    case StorageOp::kPut: break;
+    default:  // the disk backend's I/O thread had no case for it: the batch never completed
+      return InvalidArgument(
+          fmt::format("unknown storage op {} (exists 0, get 1, put 2, delete 3)", static_cast<int>(batch.op)));
+  }
   for (std::size_t i = 0; i < batch.items.size(); ++i)
     if (batch.items[i].buffer == nullptr && batch.items[i].bytes > 0)
       return InvalidArgument(
@@ -440,7 +456,7 @@ Result<std::unique_ptr<StorageBackend>> make_storage_backend(std::string_view sp
         else
           return InvalidArgument(fmt::format("evict '{}' is not on|off", v));
       } else if (k == "threads") {
-        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, bounded_param(k, v, 64, "copy threads"));
+        KVTIER_ASSIGN_OR_RETURN(std::uint64_t n, bounded_param(k, v, kMaxMemoryBackendThreads, "copy threads"));
         c.threads = static_cast<unsigned>(n);
       } else {
         KVTIER_ASSIGN_OR_RETURN(bool tenant_param, apply_tenant_param(k, v, options));

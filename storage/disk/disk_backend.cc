@@ -181,6 +181,13 @@ DiskBackend::~DiskBackend() {
 
 Status DiskBackend::init() {
   if (config_.root.empty()) return InvalidArgument("disk backend: empty root directory");
+  // Values outside the enums (a cast, an uninitialized field) were taken as the weakest setting without a word.
+  if (config_.durability != Durability::kProcessCrash && config_.durability != Durability::kPowerLoss)
+    return InvalidArgument(fmt::format("disk backend: durability {} is none of process (0), power (1)",
+                                       static_cast<int>(config_.durability)));
+  if (config_.direct_io != DirectIo::kAuto && config_.direct_io != DirectIo::kOn && config_.direct_io != DirectIo::kOff)
+    return InvalidArgument(fmt::format("disk backend: direct_io {} is none of auto (0), on (1), off (2)",
+                                       static_cast<int>(config_.direct_io)));
   if (config_.queue_depth == 0 || config_.queue_depth > kMaxDiskQueueDepth)
     return InvalidArgument(fmt::format("disk backend: queue_depth (storage.disk.queue_depth) {} not in [1, {}]",
                                        config_.queue_depth, kMaxDiskQueueDepth));

@@ -225,7 +225,8 @@ class DiskBackend final : public StorageBackend {
   void insert_locked(const StorageKey& key, std::uint64_t file_bytes, std::uint32_t header_size,
                      std::uint64_t payload_bytes);
   // Ok, or why an object that had to go could not be removed (it stays indexed; nothing more is evicted).
-  Status make_room_locked(std::uint64_t incoming);
+  // `keep`: an object that stays even if it is the least recently used (the put that just landed).
+  Status make_room_locked(std::uint64_t incoming, const StorageKey* keep = nullptr);
   void trim_quarantine_locked(std::size_t keep);
   // Forgets the unauthenticated file of `key` (its bytes no longer counted); true if there was one.
   bool forget_unauthenticated_locked(const StorageKey& key);

@@ -134,7 +134,7 @@ void DiskBackend::adopt_quarantine_locked() {
 // Deletes quarantined files, then LRU objects, until `incoming` more bytes fit. Objects being
 // read stay readable (open fds). An object whose file cannot be removed stays indexed (it would be served
 // again after a restart, and its bytes still take the disk): the eviction stops there with that error.
-Status DiskBackend::make_room_locked(std::uint64_t incoming) {
+Status DiskBackend::make_room_locked(std::uint64_t incoming, const StorageKey* keep) {
   if (config_.capacity_bytes == 0) return Status::Ok();
   while (!quarantine_files_.empty() &&
          used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming > config_.capacity_bytes)
@@ -146,8 +146,9 @@ Status DiskBackend::make_room_locked(std::uint64_t incoming) {
     unauthenticated_order_.pop_front();
     if (forget_unauthenticated_locked(key)) ::unlinkat(shard_fd(key), object_name(key).c_str(), 0);
   }
-  while (!lru_.empty() && used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming >
-                              config_.capacity_bytes) {
+  while (!lru_.empty() && !(keep != nullptr && lru_.front() == *keep) &&
+         used_bytes_ + quarantine_bytes_ + unauthenticated_bytes_ + reserved_bytes_ + incoming >
+             config_.capacity_bytes) {
     const StorageKey victim = lru_.front();
     auto it = index_.find(victim);
     KVTIER_RETURN_IF_ERROR(recycle_or_unlink_locked(shard_fd(victim), object_name(victim), it->second.file_bytes,

@@ -200,6 +200,11 @@ void DiskBackend::commit_put(IoOp* op) {
   reserved_bytes_ -= op->file_bytes;
   if (replaced_unauthenticated) forget_unauthenticated_locked(op->item.key);  // the rename replaced its file
   insert_locked(op->item.key, op->file_bytes, static_cast<std::uint32_t>(op->header_size), op->payload_bytes);
+  // Room was made when this put started, counting the puts in flight then; puts that started before any of them
+  // landed found nothing to evict (every object of the batch was still being written) and went over the capacity.
+  // Now that this one is an object, older objects go until the tier fits again (the object written stays, whatever
+  // its own write cost the others; a failed removal only leaves the tier over until the next put).
+  make_room_locked(0, &op->item.key).ignore_error();
   op->header.reset();
   if (config_.durability != Durability::kPowerLoss) return finish(op, Status::Ok(), op->payload_bytes);
   op->stage = IoOp::Stage::kDirSync;

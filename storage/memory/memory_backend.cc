@@ -475,6 +475,10 @@ class MemoryBackend final : public StorageBackend {
 Result<std::unique_ptr<StorageBackend>> create_memory_backend(MemoryBackendConfig config, StorageOptions options) {
   if (config.capacity_bytes == 0)
     return InvalidArgument("memory backend: capacity_bytes is 0 (give the tier a capacity, e.g. memory:?capacity=64G)");
+  // The header's bound was documented but not checked: 100,000 threads failed deep in thread creation as "Internal".
+  if (config.threads > kMaxMemoryBackendThreads)
+    return InvalidArgument(fmt::format("memory backend: threads {} not in [0, {}] (0: one per two cores)",
+                                       config.threads, kMaxMemoryBackendThreads));
   KVTIER_RETURN_IF_ERROR(format::check_tenant_options(options));
   auto b = std::make_unique<MemoryBackend>(config, std::move(options));
   KVTIER_RETURN_IF_ERROR(b->start());

@@ -72,6 +72,18 @@ TEST(KvLayout, RejectsBadDescriptions) {
   EXPECT_TRUE(KvLayout::create({unnamed}, 16).ok());
 }
 
+// The roles' sizes summed past 2^64: uniform(2, 2, 2^63) was a layout of 0 bytes per block.
+TEST(KvLayout, RejectsBlocksWhoseSizeWraps) {
+  const auto wrapped = KvLayout::uniform(2, 2, std::uint64_t{1} << 63);
+  ASSERT_FALSE(wrapped.ok());
+  EXPECT_EQ(wrapped.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wrapped.status().message().find("9223372036854775808"), std::string::npos) << wrapped.status().to_string();
+  EXPECT_FALSE(KvLayout::uniform(1, 1, KvLayout::kMaxBlockBytes + 1).ok());
+  const auto largest = KvLayout::uniform(1, 1, KvLayout::kMaxBlockBytes);
+  ASSERT_TRUE(largest.ok()) << largest.status().to_string();
+  EXPECT_EQ(largest->total_block_bytes(), KvLayout::kMaxBlockBytes);
+}
+
 TEST(KvLayout, FingerprintDistinguishesLayouts) {
   GqaShape a;
   GqaShape b = a;

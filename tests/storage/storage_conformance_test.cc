@@ -301,6 +301,50 @@ TEST_P(StorageConformance, BatchPartialFailures) {
   EXPECT_TRUE(empty->poll());
 }
 
+// An op that is none of StorageOp's: the disk backend accepted it, its I/O thread had no case for it, and the batch
+// never completed (wait() timed out, and destroying the backend hung).
+TEST_P(StorageConformance, AnUnknownOpIsRefusedAtPost) {
+  auto posted = backend_->post(StorageBatch{static_cast<StorageOp>(42), {{key_of(salt_, 1), nullptr, 0}}});
+  ASSERT_FALSE(posted.ok());
+  EXPECT_EQ(posted.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(posted.status().message().find("42"), std::string::npos) << posted.status().to_string();
+}
+
+// A batch of puts larger than a local tier's capacity: each put made room when it started, but the batch's own
+// objects were all still being written, so there was nothing to evict, and the disk tier ended at up to 5x its
+// capacity (40 puts of 4 KiB into 64 KiB kept all 40). The oldest objects go as the newer ones land.
+TEST_P(StorageConformance, ABatchLargerThanTheCapacityLeavesTheTierWithinIt) {
+  if (GetParam().base != BackendKind::kDiskDirect && GetParam().base != BackendKind::kDiskBuffered &&
+      GetParam().base != BackendKind::kMemory)
+    GTEST_SKIP() << "a Redis server manages its own memory";
+  constexpr std::uint64_t kCapacity = 64 * 1024, kObject = 4096;
+  harness_->set_capacity(kCapacity);
+  reopen();
+  for (std::size_t batch : {1u, 20u, 24u, 40u, 200u}) {
+    std::vector<std::vector<std::byte>> values(batch, std::vector<std::byte>(kObject));
+    std::vector<StorageItem> puts;
+    for (std::size_t i = 0; i < batch; ++i) {
+      fill_random(values[i].data(), kObject, salt_ + 1000 * batch + i);
+      puts.push_back({key_of(salt_, 1000 * batch + i), values[i].data(), kObject});
+    }
+    for (auto& r : run(StorageOp::kPut, puts)) ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    const StorageStats st = backend_->stats();
+    EXPECT_LE(st.bytes, kCapacity) << "batch of " << batch << ": " << st.objects << " objects";
+    // The batch's puts land in any order: the last to land stays; whatever stays reads back whole.
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < batch; ++i) {
+      std::vector<std::byte> back(kObject);
+      const ItemResult got = get1(puts[i].key, back.data(), back.size());
+      if (got.status.code() == StatusCode::kNotFound) continue;
+      ASSERT_TRUE(got.status.ok()) << got.status.to_string();
+      EXPECT_EQ(std::memcmp(back.data(), values[i].data(), kObject), 0) << "item " << i;
+      ++kept;
+    }
+    EXPECT_GE(kept, 1u) << "batch of " << batch;
+    EXPECT_LE(kept, st.objects) << "batch of " << batch;
+  }
+}
+
 TEST_P(StorageConformance, OverwriteReplacesWholeObject) {
   const StorageKey k = key_of(salt_, 5);
   std::vector<std::byte> a(70000), b(5000), dst(70000);

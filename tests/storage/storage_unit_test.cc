@@ -766,5 +766,50 @@ TEST(StorageTicket, WaitWithoutALimitWaitsForTheBatch) {
   EXPECT_TRUE(ticket.poll());
 }
 
+// An empty ticket (default-constructed or moved from) answered size(), poll() and wait(), but item() and op()
+// dereferenced its null completion (SIGSEGV).
+TEST(StorageTicket, AnEmptyTicketAnswersEveryCall) {
+  StorageTicket moved = StorageTicket::create(StorageOp::kGet, 2);
+  StorageTicket taker = std::move(moved);
+  for (const StorageTicket* t :
+       {static_cast<const StorageTicket*>(&moved), static_cast<const StorageTicket*>(nullptr)}) {
+    StorageTicket empty;
+    const StorageTicket& ticket = t != nullptr ? *t : empty;
+    EXPECT_FALSE(ticket.valid());
+    EXPECT_EQ(ticket.size(), 0u);
+    EXPECT_EQ(ticket.item(0).status.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(ticket.item(0).status.message().find("empty storage ticket"), std::string::npos);
+    EXPECT_FALSE(ticket.item_done(0));
+    EXPECT_EQ(ticket.op(), StorageOp::kExists);
+  }
+  EXPECT_EQ(taker.op(), StorageOp::kGet);
+  EXPECT_EQ(taker.item(2).status.code(), StatusCode::kOutOfRange);
+}
+
+// Config structs set directly, past the spec parser's checks: enum values outside their enums were taken as the
+// weakest setting without a word, and a thread count past the documented 64 failed as Internal, naming nothing.
+TEST(StorageConfig, ValuesOutsideTheirRangeAreRefusedByName) {
+  TempDir dir;
+  DiskBackendConfig disk;
+  disk.root = dir.path();
+  disk.durability = static_cast<Durability>(9);
+  auto d = create_disk_backend(disk, StorageOptions{});
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("durability 9"), std::string::npos) << d.status().to_string();
+  disk.durability = Durability::kProcessCrash;
+  disk.direct_io = static_cast<DirectIo>(9);
+  d = create_disk_backend(disk, StorageOptions{});
+  EXPECT_EQ(d.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("direct_io 9"), std::string::npos) << d.status().to_string();
+  MemoryBackendConfig memory;
+  memory.capacity_bytes = 1 << 20;
+  memory.threads = 100000;
+  auto m = create_memory_backend(memory, StorageOptions{});
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("threads 100000"), std::string::npos) << m.status().to_string();
+  memory.threads = kMaxMemoryBackendThreads;
+  EXPECT_TRUE(create_memory_backend(memory, StorageOptions{}).ok());
+}
+
 }  // namespace
 }  // namespace kvtier::storage

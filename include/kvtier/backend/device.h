@@ -268,7 +268,7 @@ class Device {
     std::uintptr_t first = 0;
     std::uintptr_t last = 0;
   };
-  virtual Registration registration_of(const void* p) const { return {}; }
+  virtual Registration registration_of(const void* /*p*/) const { return {}; }
 
  protected:
   Device() = default;

@@ -166,14 +166,15 @@ class StorageTicket {
   const std::shared_ptr<detail::Completion>& completion() const noexcept { return c_; }
 
   bool valid() const noexcept { return c_ != nullptr; }
-  StorageOp op() const noexcept { return c_->op(); }
+  // An empty ticket (default-constructed or moved from): op() kExists, no items (item() FailedPrecondition).
+  StorageOp op() const noexcept { return c_ ? c_->op() : StorageOp::kExists; }
   std::size_t size() const noexcept { return c_ ? c_->size() : 0; }
   // Non-blocking: true when every item has completed.
   bool poll() const noexcept { return c_ == nullptr || c_->done(); }
   std::size_t remaining() const noexcept { return c_ ? c_->remaining() : 0; }
-  bool item_done(std::size_t i) const { return c_->item_done(i); }
-  // Result of item i (status kCancelled "not completed" while pending).
-  ItemResult item(std::size_t i) const { return c_->item(i); }
+  bool item_done(std::size_t i) const { return c_ != nullptr && c_->item_done(i); }
+  // Result of item i (status kCancelled "not completed" while pending; OutOfRange past the batch).
+  ItemResult item(std::size_t i) const;
   std::vector<ItemResult> results() const { return c_ ? c_->snapshot() : std::vector<ItemResult>{}; }
   // Blocks until done or timeout: OK when done, TimedOut otherwise (the work
   // continues; poll again later).
@@ -237,7 +238,7 @@ class StorageBackend {
 
   // Best effort: items not yet started complete with kCancelled. Backends
   // without caps().cancellable return NotSupported.
-  virtual Status cancel(const StorageTicket& ticket) { return NotSupported("cancel"); }
+  virtual Status cancel(const StorageTicket& /*ticket*/) { return NotSupported("cancel"); }
 
   virtual StorageStats stats() const { return {}; }
 
@@ -245,11 +246,11 @@ class StorageBackend {
   // `offset` (counted from the start of the stored object, header included)
   // in place, bypassing the checksum, to simulate bit rot or a torn write.
   // Synchronous. NotSupported where the backend cannot reach its bytes.
-  virtual Status corrupt_stored_object(const StorageKey& key, std::uint64_t offset, std::uint8_t xor_mask) {
+  virtual Status corrupt_stored_object(const StorageKey& /*key*/, std::uint64_t /*offset*/, std::uint8_t /*xor_mask*/) {
     return NotSupported("corrupt_stored_object");
   }
   // Size of the stored object incl. header (for corrupt_stored_object).
-  virtual Result<std::uint64_t> stored_object_bytes(const StorageKey& key) {
+  virtual Result<std::uint64_t> stored_object_bytes(const StorageKey& /*key*/) {
     return NotSupported("stored_object_bytes");
   }
 };
@@ -281,9 +282,9 @@ class StorageBackendWrapper : public StorageBackend {
 Result<std::vector<ItemResult>> run_batch(StorageBackend& backend, StorageBatch batch,
                                           std::chrono::milliseconds timeout = std::chrono::milliseconds(60000));
 
-// For backends' post(): InvalidArgument naming the first item of a get or put batch that has no buffer for its
-// nonzero size, or the two items of a put batch that name one key (the items of a batch run concurrently, so
-// which of them would stay is not defined); such a batch is refused whole, nothing posted.
+// For backends' post(): InvalidArgument for an op that is none of StorageOp's, naming the first item of a get or put
+// batch that has no buffer for its nonzero size, or the two items of a put batch that name one key (the items of a
+// batch run concurrently, so which of them would stay is not defined); such a batch is refused whole, nothing posted.
 Status check_batch_buffers(const StorageBatch& batch);
 
 // Creates a backend from a spec string (for tools and configuration):

@@ -148,6 +148,9 @@ class KvLayout {
   // The most layers a layout takes (the largest models have a few hundred; a count past this is a mistake, and
   // every per-layer table would be allocated before anything else refused it).
   static constexpr std::uint32_t kMaxLayers = 4096;
+  // The most bytes one block of all layers and roles takes (create() refuses more): a 7B model's 512-token block
+  // is 64 MiB; past a TiB the sizes are a mistake, and their sum could wrap.
+  static constexpr std::uint64_t kMaxBlockBytes = std::uint64_t{1} << 40;
 
   std::uint32_t num_layers() const noexcept { return static_cast<std::uint32_t>(layers_.size()); }
   const LayerLayout& layer(std::uint32_t l) const { return layers_[l]; }

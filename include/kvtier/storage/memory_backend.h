@@ -38,6 +38,7 @@ struct MemoryBackendConfig {
   // Threads that copy a batch's items: 0 = one per two cores, at most 8 (1 on two cores); else 1..64.
   unsigned threads = 0;
 };
+inline constexpr unsigned kMaxMemoryBackendThreads = 64;
 
 // InvalidArgument for a zero capacity, more than 64 threads or bad tenant options (naming them).
 Result<std::unique_ptr<StorageBackend>> create_memory_backend(MemoryBackendConfig config, StorageOptions options);
