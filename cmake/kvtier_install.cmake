@@ -25,7 +25,9 @@ endif()
 install(TARGETS ${_kvtier_exported} EXPORT kvtierTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/kvtier DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# kvtier/testing/ belongs to the test doubles (kvtier_testing), which are not installed.
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/kvtier DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+        PATTERN testing EXCLUDE)
 install(EXPORT kvtierTargets NAMESPACE kvtier:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvtier)
 
 set(KVTIER_CONFIG_CUDA ${KVTIER_CUDA})

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <limits>
 #include <set>
 #include <utility>
@@ -195,6 +196,17 @@ Result<KvLayout> KvLayout::create(std::vector<LayerLayout> layers, std::uint32_t
   return out;
 }
 
+namespace {
+// The product of `factors` into `out`, false when it passes KvLayout::kMaxBlockBytes (or 2^64).
+bool shape_bytes(std::initializer_list<std::uint64_t> factors, std::uint64_t& out) {
+  std::uint64_t product = 1;
+  for (std::uint64_t f : factors)
+    if (__builtin_mul_overflow(product, f, &product) || product > KvLayout::kMaxBlockBytes) return false;
+  out = product;
+  return true;
+}
+}  // namespace
+
 Result<KvLayout> KvLayout::gqa(const GqaShape& s) {
   if (std::uint64_t{s.num_layers} + s.num_draft_layers == 0) return InvalidArgument("GqaShape has 0 layers");
   if (std::uint64_t{s.num_layers} + s.num_draft_layers > kMaxLayers)
@@ -203,8 +215,13 @@ Result<KvLayout> KvLayout::gqa(const GqaShape& s) {
   if (s.kv_heads == 0 || s.block_tokens == 0 || s.head_dim == 0)
     return InvalidArgument(fmt::format("GqaShape dimensions must be >= 1: kv_heads={} block_tokens={} head_dim={}",
                                        s.kv_heads, s.block_tokens, s.head_dim));
-  const std::uint64_t kv_bytes = std::uint64_t{s.kv_heads} * s.block_tokens * s.head_dim * dtype_bytes(s.dtype);
-  const std::uint64_t scale_bytes = std::uint64_t{s.kv_heads} * s.block_tokens * dtype_bytes(s.scale_dtype);
+  // Products of 32-bit dimensions can pass 2^64 (and wrap into a size create() accepts): bounded first.
+  std::uint64_t kv_bytes = 0, scale_bytes = 0;
+  if (!shape_bytes({s.kv_heads, s.block_tokens, s.head_dim, dtype_bytes(s.dtype)}, kv_bytes) ||
+      !shape_bytes({s.kv_heads, s.block_tokens, dtype_bytes(s.scale_dtype)}, scale_bytes))
+    return InvalidArgument(
+        fmt::format("GqaShape kv_heads={} block_tokens={} head_dim={}: a block takes more than {} bytes", s.kv_heads,
+                    s.block_tokens, s.head_dim, kMaxBlockBytes));
   std::vector<LayerLayout> layers;
   for (std::uint32_t l = 0; l < s.num_layers + s.num_draft_layers; ++l) {
     LayerLayout layer;
@@ -228,17 +245,19 @@ Result<KvLayout> KvLayout::mla(const MlaShape& s) {
   if (s.block_tokens == 0 || s.latent_dim == 0)
     return InvalidArgument(
         fmt::format("MlaShape dimensions must be >= 1: block_tokens={} latent_dim={}", s.block_tokens, s.latent_dim));
+  std::uint64_t latent_bytes = 0, indexer_bytes = 0;
+  if (!shape_bytes({s.block_tokens, s.latent_dim, dtype_bytes(s.dtype)}, latent_bytes) ||
+      !shape_bytes({s.block_tokens, s.indexer_dim, dtype_bytes(s.indexer_dtype)}, indexer_bytes))
+    return InvalidArgument(
+        fmt::format("MlaShape block_tokens={} latent_dim={} indexer_dim={}: a block takes more "
+                    "than {} bytes",
+                    s.block_tokens, s.latent_dim, s.indexer_dim, kMaxBlockBytes));
   std::vector<LayerLayout> layers;
   for (std::uint32_t l = 0; l < s.num_layers + s.num_draft_layers; ++l) {
     LayerLayout layer;
     layer.draft = l >= s.num_layers;
-    layer.roles.push_back(
-        {Role::kLatent, s.dtype, std::uint64_t{s.block_tokens} * s.latent_dim * dtype_bytes(s.dtype), {}});
-    if (s.indexer_dim > 0)
-      layer.roles.push_back({Role::kIndexer,
-                             s.indexer_dtype,
-                             std::uint64_t{s.block_tokens} * s.indexer_dim * dtype_bytes(s.indexer_dtype),
-                             {}});
+    layer.roles.push_back({Role::kLatent, s.dtype, latent_bytes, {}});
+    if (s.indexer_dim > 0) layer.roles.push_back({Role::kIndexer, s.indexer_dtype, indexer_bytes, {}});
     layers.push_back(std::move(layer));
   }
   return create(std::move(layers), s.block_tokens, TokenOrder::kOpaque);

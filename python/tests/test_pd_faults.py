@@ -763,13 +763,23 @@ def prefill_proc(conn, tr):
     p = Prefill(kv(seed=7), **TR[tr], heartbeat_s=0.05, lease_s=LEASE)
     conn.send_bytes(p.metadata())
     peer = p.add_peer(conn.recv_bytes())
+    begun = []
     while True:
         cmd = conn.recv()
         if cmd[0] == "send":
             p.begin(peer, cmd[1], cmd[2])
             p.layers_ready(cmd[1], range(3))
+            begun.append(cmd[1])
             conn.send("ok")
         elif cmd[0] == "readd":
+            # disconnect_peer refuses while a transfer with the peer is not final (it unmaps the peer's memory): wait
+            # for each first, as the docs say. Transfer 1 may still wait for the decode's word here (the stop came
+            # right after it), and it ends at the latest when the lease finds the dropped peer silent.
+            for xid in begun:
+                st = p.wait(xid, 10)
+                assert st.final, (xid, st)
+                p.forget(xid)
+            begun.clear()
             p.disconnect_peer(peer)
             p.disconnect_peer(peer)  # idempotent
             peer = p.add_peer(conn.recv_bytes())
@@ -785,6 +795,7 @@ if __name__ == "__main__":
     a, b = ctx.Pipe()
     proc = ctx.Process(target=prefill_proc, args=(b, tr), daemon=True)
     proc.start()
+    b.close()  # the child's end: a prefill that dies makes recv() raise EOFError instead of waiting forever
     src, dst = kv(seed=7), kv(fill=True)
     d = Decode(dst, **TR[tr], heartbeat_s=0.05, lease_s=LEASE)
     peer = d.add_peer(a.recv_bytes())

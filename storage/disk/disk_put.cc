@@ -204,7 +204,8 @@ void DiskBackend::commit_put(IoOp* op) {
   // landed found nothing to evict (every object of the batch was still being written) and went over the capacity.
   // Now that this one is an object, older objects go until the tier fits again (the object written stays, whatever
   // its own write cost the others; a failed removal only leaves the tier over until the next put).
-  make_room_locked(0, &op->item.key).ignore_error();
+  if (Status s = make_room_locked(0, &op->item.key); !s.ok())
+    log_line(fmt::format("over its capacity after put {}: {}", op->item.key.to_string(), s.to_string()));
   op->header.reset();
   if (config_.durability != Durability::kPowerLoss) return finish(op, Status::Ok(), op->payload_bytes);
   op->stage = IoOp::Stage::kDirSync;

@@ -121,6 +121,8 @@ Status FaultInjectingBackend::cancel(const StorageTicket& ticket) {
 }
 
 Result<StorageTicket> FaultInjectingBackend::post(StorageBatch batch) {
+  // Refused whole before any fault is drawn or any key corrupted, as the backend it wraps would refuse it.
+  KVTIER_RETURN_IF_ERROR(check_batch_buffers(batch));
   StorageTicket outer = StorageTicket::create(batch.op, batch.items.size());
   Impl::Watch w;
   w.outer = outer.completion();

@@ -81,7 +81,19 @@ TEST(KvLayout, RejectsBlocksWhoseSizeWraps) {
   EXPECT_FALSE(KvLayout::uniform(1, 1, KvLayout::kMaxBlockBytes + 1).ok());
   const auto largest = KvLayout::uniform(1, 1, KvLayout::kMaxBlockBytes);
   ASSERT_TRUE(largest.ok()) << largest.status().to_string();
-  EXPECT_EQ(largest->total_block_bytes(), KvLayout::kMaxBlockBytes);
+  EXPECT_EQ(largest->total_block_bytes(),
+            KvLayout::kMaxBlockBytes);  // A shape's product of dimensions wrapped past 2^64 into a size create() took
+                                        // (65536 x 65536 x (2^31 + 1) x 2
+  // bytes came out as 8 GiB).
+  GqaShape gqa;
+  gqa.kv_heads = 65536;
+  gqa.block_tokens = 65536;
+  gqa.head_dim = (1u << 31) + 1;
+  EXPECT_EQ(KvLayout::gqa(gqa).status().code(), StatusCode::kInvalidArgument);
+  MlaShape mla;
+  mla.block_tokens = 1u << 31;
+  mla.latent_dim = 1u << 31;
+  EXPECT_EQ(KvLayout::mla(mla).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(KvLayout, FingerprintDistinguishesLayouts) {
