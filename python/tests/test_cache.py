@@ -711,18 +711,9 @@ def test_a_request_whose_own_host_hits_fill_the_host_is_admitted_after_a_demotio
     cm = kvtier.CacheManager(device_blocks=2, host_blocks=1, storage_blocks=2, write_policy="write_back",
                              device_policy="lru", host_policy="lru", env=False)
 
-    def settle():
-        for _ in range(4):
-            p = cm.take_plan()
-            if not any(p.values()):
-                return
-            for kind, moves in p.items():  # storage_drops included: ack() takes them and does nothing
-                if moves:
-                    cm.ack(kind, [m[1] for m in moves])
-
     def step(keys):
         a = cm.admit(keys)
-        settle()
+        _settle_until_empty(cm, 4)
         cm.commit(a["id"])
         cm.release(a["id"])
 
@@ -734,7 +725,7 @@ def test_a_request_whose_own_host_hits_fill_the_host_is_admitted_after_a_demotio
             a = cm.admit([y, n])
             break
         except kvtier.ResourceExhaustedError:
-            settle()
+            _settle_until_empty(cm, 4)
     else:
         raise AssertionError("refused at every retry")
     assert attempt <= 1 and a["new_blocks"] == 2, a  # Y went to storage meanwhile: computed again with N
@@ -750,6 +741,15 @@ def _ack_plan(cm, plan, error=None):
     for kind, moves in plan.items():
         if moves:
             cm.ack(kind, [m[1] for m in moves], error)
+
+
+def _settle_until_empty(cm, rounds):
+    """Takes and acks plans (storage_drops included: ack() takes them and does nothing) until one is empty."""
+    for _ in range(rounds):
+        plan = cm.take_plan()
+        if not any(plan.values()):
+            return
+        _ack_plan(cm, plan)
 
 
 def _run(cm, keys):
@@ -861,23 +861,16 @@ def test_a_bad_chain_after_a_refusal_for_host_room_counts_nothing_twice():
     cm = kvtier.CacheManager(device_blocks=3, host_blocks=1, storage_blocks=2, write_policy="write_back",
                              device_policy="lru", host_policy="lru", env=False)
 
-    def settle():
-        for _ in range(6):
-            p = cm.take_plan()
-            if not any(p.values()):
-                return
-            _ack_plan(cm, p)
-
     b = cm.admit([w])  # another request, open throughout
-    settle()
+    _settle_until_empty(cm, 6)
     for keys in ([d, s], [x], [y], [d], [z]):
         a = cm.admit(keys)
-        settle()
+        _settle_until_empty(cm, 6)
         cm.commit(a["id"])
         cm.release(a["id"])
     with pytest.raises(kvtier.ResourceExhaustedError):
         cm.admit([y, n])
-    settle()
+    _settle_until_empty(cm, 6)
     for _ in range(3):
         before = cm.stats()
         with pytest.raises(kvtier.KvtierError):
