@@ -17,14 +17,20 @@
 namespace kvtier::cache {
 namespace {
 
-// A policy ordered by NodeLists, which parks blocked copies as its walks pass them.
+// A policy ordered by NodeLists, which parks blocked copies as its walks pass them (victim() walks with
+// lists_.skip_blocked).
 class ListPolicy : public EvictionPolicy {
  public:
+  explicit ListPolicy(int num_lists) : lists_(num_lists) {}
+  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
   // Puts every parked copy back in its place: for an expert of a duel that stops leading (its victim() is no longer
   // asked, so nothing would be near its parked copies' places when they are unblocked).
-  virtual void unpark_all() = 0;
+  void unpark_all() { lists_.unpark_all(); }
   // Blocked copies are those whose byte in *flags has a bit of `mask`, which a duel keeps for all its experts.
-  virtual void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) = 0;
+  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) { lists_.follow_blocked(flags, mask); }
+
+ protected:
+  NodeLists lists_;
 };
 
 std::uint64_t fingerprint(const AccessInfo& info) {
@@ -34,7 +40,7 @@ std::uint64_t fingerprint(const AccessInfo& info) {
 // ---- LRU -----------------------------------------------------------------
 class LruPolicy final : public ListPolicy {
  public:
-  LruPolicy() : lists_(1) {}
+  LruPolicy() : ListPolicy(1) {}
   std::string name() const override { return "lru"; }
   void insert(NodeId n, const AccessInfo&) override {
     if (lists_.list_of(n) == NodeLists::kNone)
@@ -51,16 +57,8 @@ class LruPolicy final : public ListPolicy {
       if (evictable(n)) return n;
     return kNoNode;
   }
-  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
-  void unpark_all() override { lists_.unpark_all(); }
-  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) override {
-    lists_.follow_blocked(flags, mask);
-  }
   std::size_t size() const override { return lists_.size(0); }
   bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
-
- private:
-  NodeLists lists_;
 };
 
 // ---- S3-FIFO -------------------------------------------------------------
@@ -200,7 +198,7 @@ class SievePolicy final : public EvictionPolicy {
 // ---- ARC -----------------------------------------------------------------
 class ArcPolicy final : public ListPolicy {
  public:
-  explicit ArcPolicy(std::uint32_t capacity) : lists_(2), c_(std::max<std::uint32_t>(capacity, 1)), ghosts_(c_) {}
+  explicit ArcPolicy(std::uint32_t capacity) : ListPolicy(2), c_(std::max<std::uint32_t>(capacity, 1)), ghosts_(c_) {}
   std::string name() const override { return "arc"; }
   void insert(NodeId n, const AccessInfo& info) override {
     if (contains(n)) return touch(n, info);
@@ -234,12 +232,7 @@ class ArcPolicy final : public ListPolicy {
         if (evictable(n)) return n;
     return kNoNode;
   }
-  // Blocked copies still count in |T1| and |T2|, which steer ARC's choice of list.
-  void set_blocked(NodeId n, bool blocked) override { lists_.set_blocked(n, blocked); }
-  void unpark_all() override { lists_.unpark_all(); }
-  void follow_blocked(const std::vector<std::uint8_t>* flags, std::uint8_t mask) override {
-    lists_.follow_blocked(flags, mask);
-  }
+  // Blocked copies still count in |T1| and |T2| (NodeLists::size), which steer ARC's choice of list.
   std::size_t size() const override { return lists_.size(kT1) + lists_.size(kT2); }
   bool contains(NodeId n) const override { return lists_.list_of(n) != NodeLists::kNone; }
 
@@ -249,7 +242,6 @@ class ArcPolicy final : public ListPolicy {
   void grow(NodeId n) {
     if (n >= fp_.size()) fp_.resize(std::max<std::size_t>(n + 1, fp_.size() * 2), 0);
   }
-  NodeLists lists_;
   std::uint32_t c_;
   double p_ = 0;
   GhostFifo ghosts_;  // B1 and B2 in one table: one probe per insert
