@@ -17,7 +17,14 @@ harnesses=("$@")
 seconds=${KVTIER_FUZZ_SECONDS:-12}
 timeout_s=${KVTIER_FUZZ_TIMEOUT:-10}
 rss_mb=${KVTIER_FUZZ_RSS_MB:-2048}
-out=${KVTIER_FUZZ_OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvtier-fuzz.XXXXXX")}
+# A scratch directory of our own is removed after a clean run; one the caller named is kept.
+if [ -n "${KVTIER_FUZZ_OUT:-}" ]; then
+  out=$KVTIER_FUZZ_OUT
+  own_out=0
+else
+  out=$(mktemp -d "${TMPDIR:-/tmp}/kvtier-fuzz.XXXXXX")
+  own_out=1
+fi
 mkdir -p "$out"
 
 start=$(date +%s)
@@ -29,9 +36,10 @@ echo "run-fuzzers: built in $((built - start)) s"
 # One harness per core at a time (each is single-threaded); logs are printed in harness order.
 run_one() {  # harness
   local h=$1 bin=build/asan/fuzz/$1 seeds=fuzz/corpus/${1#fuzz_}
-  mkdir -p "$out/$h/corpus" "$out/$h/artifacts"
+  mkdir -p "$out/$h/corpus" "$out/$h/artifacts" "$out/$h/tmp"
   # -max_total_time bounds the run; the outer timeout only catches a harness that ignores it.
-  timeout --kill-after=10 $((seconds + timeout_s + 60)) "$bin" \
+  # The harnesses' own files (a disk tier's directory, a trace file) go under the scratch directory.
+  TMPDIR="$out/$h/tmp" timeout --kill-after=10 $((seconds + timeout_s + 60)) "$bin" \
     -max_total_time="$seconds" -timeout="$timeout_s" -rss_limit_mb="$rss_mb" -max_len=16384 \
     -print_final_stats=1 -artifact_prefix="$out/$h/artifacts/" \
     "$out/$h/corpus" "$seeds" >"$out/$h/log" 2>&1
@@ -73,3 +81,4 @@ if [ ${#failed[@]} -gt 0 ]; then
   exit 1
 fi
 echo "run-fuzzers: all harnesses ran clean (${harnesses[*]})"
+[ "$own_out" = 0 ] || rm -rf "$out"
