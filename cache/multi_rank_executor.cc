@@ -50,12 +50,15 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
             move_kind_name(kind), m.dst));
     }
   if (refs.empty()) {
-    // Only dropped storage slots (nothing to acknowledge): every rank deletes its own objects of them.
+    // Only dropped storage slots (nothing to acknowledge): every rank deletes its own objects of them, also after
+    // another rank failed to (each rank's objects are its own; the first error is returned).
+    Status first = Status::Ok();
     if (!plan.storage_drops.empty())
-      for (std::uint32_t r = 0; r < ranks(); ++r)
-        KVTIER_RETURN_IF_ERROR(
-            ranks_[r]->execute(plan).with_context(fmt::format("rank {} of {}: execute", r, ranks())));
-    return Status::Ok();
+      for (std::uint32_t r = 0; r < ranks(); ++r) {
+        Status st = ranks_[r]->execute(plan);
+        if (!st.ok() && first.ok()) first = st.with_context(fmt::format("rank {} of {}: execute", r, ranks()));
+      }
+    return first;
   }
   const Clock::time_point deadline = now() + options_.move_deadline;
   const std::uint32_t n = ranks();
@@ -74,6 +77,15 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
     for (const MoveRef& ref : refs) {
       pending_.erase(ref);
       for (std::uint32_t q = 0; q <= r; ++q) ++dropped_[q][ref];
+    }
+    // The cache has given up the plan's storage slots whatever happens to its moves: the ranks after r delete
+    // their objects of them all the same, or those objects would stay in their backends with no key pointing at
+    // them. (Rank r's own share is left: its execute() failed, and what it posted is unknown.)
+    if (!plan.storage_drops.empty()) {
+      StepPlan drops_only;
+      drops_only.storage_drops = plan.storage_drops;
+      for (std::uint32_t q = r + 1; q < n; ++q)
+        if (!ranks_[q]->execute(drops_only).ok()) ++stats_[q].failed_drop_plans;
     }
     for (const auto& [kind, moves] : lists) {
       if (moves->empty()) continue;

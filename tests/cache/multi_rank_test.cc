@@ -275,6 +275,47 @@ TEST(MultiRank, ExecuteFailureOnRankKFailsTheMovesForAll) {
   EXPECT_TRUE(m->poll().empty());
 }
 
+// The cache gives up a plan's storage slots whatever becomes of its moves: when rank k's execute() fails, the ranks
+// after it still delete their objects of those slots (each rank's objects are its own), or they would stay in their
+// backends with no key pointing at them.
+TEST(MultiRank, RanksAfterAFailedExecuteStillDeleteTheDroppedStorageObjects) {
+  ScriptedRank r0, r1, r2, r3;
+  r1.execute_error = Unavailable("copy engine gone");
+  r3.execute_error = Unavailable("backend closed");
+  auto m = make_multi({&r0, &r1, &r2, &r3});
+  StepPlan p = plan_of({5}, {1});
+  p.storage_drops.push_back(BlockMove{40, kNoBlock, BlockKey{40, 3}});
+  p.storage_drops.push_back(BlockMove{41, kNoBlock, BlockKey{41, 3}});
+  Status st = m->execute(p);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("rank 1 of 4"), std::string::npos) << st.to_string();
+  ASSERT_EQ(r0.plans.size(), 1u);
+  EXPECT_EQ(r0.plans[0].loads.size(), 1u);
+  ASSERT_EQ(r2.plans.size(), 1u) << "rank 2 gets the plan's storage drops";
+  EXPECT_EQ(r2.plans[0].size(), 0u) << "and none of its moves";
+  ASSERT_EQ(r2.plans[0].storage_drops.size(), 2u);
+  EXPECT_EQ(r2.plans[0].storage_drops[1].src, 41u);
+  EXPECT_EQ(r3.executed, 1);
+  EXPECT_EQ(m->rank_stats(3).failed_drop_plans, 1u);
+  EXPECT_EQ(m->rank_stats(2).failed_drop_plans, 0u);
+  Reported got;
+  collect(m->poll(), got);
+  EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 5, false}, {MoveKind::kEviction, 1, false}}));
+
+  // A plan of drops alone goes to every rank even when one refuses it; the first refusal is returned.
+  ScriptedRank q0, q1, q2;
+  q0.execute_error = Unavailable("disk gone");
+  auto d = make_multi({&q0, &q1, &q2});
+  StepPlan drops;
+  drops.storage_drops.push_back(BlockMove{7, kNoBlock, BlockKey{7, 3}});
+  Status ds = d->execute(drops);
+  EXPECT_EQ(ds.code(), StatusCode::kUnavailable);
+  EXPECT_NE(ds.message().find("rank 0 of 3"), std::string::npos) << ds.to_string();
+  EXPECT_EQ(q1.plans.size(), 1u);
+  EXPECT_EQ(q2.plans.size(), 1u);
+  EXPECT_EQ(d->in_flight(), 0u);
+}
+
 TEST(MultiRank, ShardPatternsDependOnTheRank) {
   std::vector<std::byte> r0(64), r0_default(64), r1(64);
   TransferPlanExecutor::fill_key_pattern(BlockKey{7, 9}, r0.data(), 64, 0);

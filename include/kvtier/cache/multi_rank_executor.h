@@ -35,7 +35,9 @@
 // same block.
 //
 // execute() failure. When rank k's execute() fails, ranks k+1.. are not handed
-// the plan; execute() returns rank k's error (naming the rank) and every move
+// the plan's moves, only its storage_drops (the cache has given those slots up
+// whatever becomes of the moves, so each rank still deletes its objects of
+// them); execute() returns rank k's error (naming the rank) and every move
 // of the plan is reported failed, with that error, at the next poll(), so the
 // cache acknowledges them as misses on all ranks. Reports the ranks 0..k still
 // make for those moves are dropped. A plan whose destination collides with a
@@ -73,6 +75,9 @@ class MultiRankPlanExecutor final : public PlanExecutor {
     std::uint64_t missing_reports = 0;  // moves that timed out without this rank's report
     std::uint64_t late_reports = 0;     // reports of moves already timed out or failed at execute(), dropped
     std::uint64_t unknown_reports = 0;  // reports of no move in flight (ignored)
+    // Storage drops handed to this rank after an earlier rank's execute() failed, which this rank refused too
+    // (execute() returns the first rank's error only).
+    std::uint64_t failed_drop_plans = 0;
   };
 
   // InvalidArgument when `ranks` is empty, holds a null executor (naming its
