@@ -44,7 +44,21 @@ std::string human_bytes(std::uint64_t b) {
   return fmt::format("{}B", b);
 }
 
-std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return a <= 1 ? v : (v + a - 1) / a * a; }
+// Saturating at UINT64_MAX: a size that does not fit stays too large to fit anything, instead of wrapping to a small
+// one that a later check would take for valid.
+constexpr std::uint64_t kSaturated = std::numeric_limits<std::uint64_t>::max();
+std::uint64_t add_sat(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t out = 0;
+  return __builtin_add_overflow(a, b, &out) ? kSaturated : out;
+}
+std::uint64_t mul_sat(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t out = 0;
+  return __builtin_mul_overflow(a, b, &out) ? kSaturated : out;
+}
+std::uint64_t align_up(std::uint64_t v, std::uint64_t a) {
+  if (a <= 1 || v % a == 0) return v;
+  return mul_sat(v / a + 1, a);
+}
 
 }  // namespace
 
@@ -395,7 +409,7 @@ Result<BlockSpace> BlockSpace::make(MemoryKind kind, int device_ordinal, KvLayou
 
 std::uint64_t BlockSpace::layer_first_region_bytes(const KvLayout& layout, std::uint32_t l, std::uint32_t r,
                                                    std::uint64_t num_blocks) {
-  return layout.block_bytes(l, r) * num_blocks;
+  return mul_sat(layout.block_bytes(l, r), num_blocks);
 }
 
 Result<BlockSpace> BlockSpace::layer_first(MemoryKind kind, int device_ordinal, KvLayout layout,
@@ -410,8 +424,14 @@ Result<BlockSpace> BlockSpace::layer_first(MemoryKind kind, int device_ordinal, 
       return InvalidArgument(fmt::format("layer_first: layer {} has {} bases, layout has {} roles", l, bases[l].size(),
                                          layout.num_roles(l)));
     for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+      const std::uint64_t bytes = layer_first_region_bytes(layout, l, r, num_blocks);
+      if (bytes == kSaturated)
+        return InvalidArgument(
+            fmt::format("layer_first: {} blocks x {} bytes (layer {}, role {}) exceed the address "
+                        "space",
+                        num_blocks, layout.block_bytes(l, r), l, r));
       planes[l].push_back({static_cast<std::byte*>(bases[l][r]), layout.block_bytes(l, r)});
-      sizes[l].push_back(layer_first_region_bytes(layout, l, r, num_blocks));
+      sizes[l].push_back(bytes);
     }
   }
   return from_planes(kind, device_ordinal, std::move(layout), num_blocks, std::move(planes), std::move(sizes));
@@ -422,7 +442,7 @@ std::uint64_t BlockSpace::page_first_page_bytes(const KvLayout& layout, std::uin
   std::uint64_t offset = 0;
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
     for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
-      offset = align_up(offset, role_alignment) + layout.block_bytes(l, r);
+      offset = add_sat(align_up(offset, role_alignment), layout.block_bytes(l, r));
   return align_up(offset, page_alignment);
 }
 
@@ -434,6 +454,10 @@ Result<BlockSpace> BlockSpace::page_first(MemoryKind kind, int device_ordinal, K
     return InvalidArgument(
         fmt::format("page_first: alignments must be >= 1 (page {}, role {})", page_alignment, role_alignment));
   const std::uint64_t page = page_first_page_bytes(layout, page_alignment, role_alignment);
+  if (page == kSaturated)
+    return InvalidArgument(
+        fmt::format("page_first: a page of the layout aligned to {} (roles to {}) exceeds the address space",
+                    page_alignment, role_alignment));
   std::uint64_t needed = 0;
   if (__builtin_mul_overflow(page, num_blocks, &needed))
     return InvalidArgument(

@@ -177,7 +177,10 @@ Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create(const BackendFactor
   std::unique_ptr<ReplayStorage> rs(new ReplayStorage());
   rs->host_blocks_ = host_blocks;
   rs->block_bytes_ = block_bytes;
-  const std::uint64_t region = BlockSpace::page_first_page_bytes(layout, kAlign) * host_blocks;
+  std::uint64_t region = 0;
+  if (__builtin_mul_overflow(BlockSpace::page_first_page_bytes(layout, kAlign), std::uint64_t{host_blocks}, &region))
+    return InvalidArgument(
+        fmt::format("replay storage: {} host blocks of {} bytes exceed the address space", host_blocks, block_bytes));
   rs->memory_.reset(std::aligned_alloc(kAlign, region));
   if (!rs->memory_) return ResourceExhausted(fmt::format("replay storage: cannot allocate {} host bytes", region));
   std::memset(rs->memory_.get(), 0, region);

@@ -86,14 +86,25 @@ Status TransferManagerImpl::init(KvCacheRegistration reg, CopyEngine* engine) {
     if (h.num_blocks > kMaxBlockId + 1)
       return InvalidArgument(fmt::format("TransferManager: host cache of {} blocks: at most {} (32-bit block ids)",
                                          h.num_blocks, kMaxBlockId + 1));
+    // Every sum and product checked: a host cache whose size does not fit in 64 bits is refused, not allocated
+    // at its wrapped (small) size.
     std::uint64_t bytes = 0;
+    bool fits = true;
     if (h.arrangement == HostCacheSpec::Arrangement::kLayerFirst) {
       for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
-        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
-          bytes += (BlockSpace::layer_first_region_bytes(layout, l, r, h.num_blocks) + 255) / 256 * 256;
+        for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+          const std::uint64_t region = BlockSpace::layer_first_region_bytes(layout, l, r, h.num_blocks);
+          std::uint64_t padded = 0;
+          fits = fits && !__builtin_add_overflow(region, 255, &padded) &&
+                 !__builtin_add_overflow(bytes, padded / 256 * 256, &bytes);
+        }
     } else {
-      bytes = BlockSpace::page_first_page_bytes(layout, h.page_alignment) * h.num_blocks;
+      fits = !__builtin_mul_overflow(BlockSpace::page_first_page_bytes(layout, h.page_alignment), h.num_blocks, &bytes);
     }
+    if (!fits)
+      return InvalidArgument(fmt::format(
+          "TransferManager: a host cache of {} blocks of this layout ({}, page_alignment {}) exceeds the address space",
+          h.num_blocks, layout.describe(), h.page_alignment));
     auto mem = device_.allocate_pinned(bytes, h.pinned);
     if (!mem.ok())
       return mem.status().with_context(fmt::format("TransferManager: pinned host cache of {} bytes", bytes));

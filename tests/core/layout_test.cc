@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <iterator>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -189,6 +190,31 @@ TEST(BlockSpace, RegionSizeCheckDoesNotWrap) {
   auto page = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, (std::uint64_t{1} << 31) - 1, mem.data(),
                                      mem.size(), std::uint64_t{1} << 40);
   EXPECT_EQ(page.status().code(), StatusCode::kInvalidArgument);
+  // Alignments near 2^64 round up without wrapping (the page was 0 bytes, which any region fitted), and a page past
+  // 2^64 saturates.
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  const std::uint64_t near_max = kMax - 99;
+  EXPECT_EQ(BlockSpace::page_first_page_bytes(layout, near_max), near_max);
+  EXPECT_EQ(BlockSpace::page_first_page_bytes(layout, 1, near_max), 256u)
+      << "one role starts at 0, aligned to anything";
+  auto aligned = BlockSpace::page_first(MemoryKind::kPinnedHost, 0, layout, 1, mem.data(), mem.size(), near_max);
+  EXPECT_EQ(aligned.status().code(), StatusCode::kInvalidArgument);
+  auto two_roles = KvLayout::uniform(1, 2, 256);
+  ASSERT_TRUE(two_roles.ok());
+  EXPECT_EQ(BlockSpace::page_first_page_bytes(*two_roles, 1, near_max), kMax);
+  auto saturated =
+      BlockSpace::page_first(MemoryKind::kPinnedHost, 0, *two_roles, 1, mem.data(), mem.size(), 1, near_max);
+  EXPECT_EQ(saturated.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(saturated.status().message().find("exceeds the address space"), std::string::npos)
+      << saturated.status().to_string();
+  // A layer-first region of blocks x block bytes past 2^64.
+  auto big = KvLayout::uniform(1, 1, std::uint64_t{1} << 40);
+  ASSERT_TRUE(big.ok()) << big.status().to_string();
+  EXPECT_EQ(BlockSpace::layer_first_region_bytes(*big, 0, 0, std::uint64_t{1} << 30), kMax);
+  auto region = BlockSpace::layer_first(MemoryKind::kDevice, 0, *big, std::uint64_t{1} << 30, {{mem.data()}});
+  EXPECT_EQ(region.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(region.status().message().find("exceed the address space"), std::string::npos)
+      << region.status().to_string();
 }
 
 // Every element type has a name that parses back to it and the size its name says; the values of the

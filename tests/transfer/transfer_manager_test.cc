@@ -697,6 +697,32 @@ TEST(TransferManager, CreateRejectsMismatchedRegistration) {
     ASSERT_TRUE(m.ok()) << m.status().to_string();
     EXPECT_EQ((*m)->host_space().page_bytes(), 4096u);
   }
+  // A host cache whose size does not fit in 64 bits is refused by name; it was allocated at its wrapped size (a
+  // page alignment near 2^64 rounded the page to 0 bytes; large blocks times 2^32 blocks wrapped the sum).
+  {
+    auto space = BlockSpace::layer_first(MemoryKind::kDevice, 0, layout, 8, bases);
+    KvCacheRegistration reg{*space, {}};
+    reg.host.num_blocks = 4;
+    reg.host.arrangement = HostCacheSpec::Arrangement::kPageFirst;
+    reg.host.page_alignment = (std::uint64_t{1} << 63) + 1;
+    auto m = TransferManager::create(*dev, **compute, reg);
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(m.status().message().find("exceeds the address space"), std::string::npos) << m.status().to_string();
+  }
+  {
+    auto huge = KvLayout::uniform(1, 1, std::uint64_t{1} << 39);
+    ASSERT_TRUE(huge.ok()) << huge.status().to_string();
+    std::vector<std::byte> one(16);
+    // Never touched: create() refuses before it copies anything.
+    auto space =
+        BlockSpace::from_planes(MemoryKind::kDevice, 0, *huge, 1, {{Plane{one.data(), std::uint64_t{1} << 39}}});
+    ASSERT_TRUE(space.ok()) << space.status().to_string();
+    KvCacheRegistration reg{*space, {}};
+    reg.host.num_blocks = std::uint64_t{1} << 32;
+    auto m = TransferManager::create(*dev, **compute, reg);
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(m.status().message().find("exceeds the address space"), std::string::npos) << m.status().to_string();
+  }
 }
 
 }  // namespace

@@ -234,7 +234,7 @@ class BlockSpace {
   // One region per (layer, role), block stride = block_bytes.
   static Result<BlockSpace> layer_first(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
                                         std::vector<std::vector<void*>> bases);
-  // Bytes a layer-first region of (l, r) needs.
+  // Bytes a layer-first region of (l, r) needs; UINT64_MAX when that does not fit in 64 bits.
   static std::uint64_t layer_first_region_bytes(const KvLayout& layout, std::uint32_t l, std::uint32_t r,
                                                 std::uint64_t num_blocks);
   // One page per block holding every layer and role in (layer, role) order,
@@ -243,6 +243,7 @@ class BlockSpace {
   static Result<BlockSpace> page_first(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
                                        void* base, std::uint64_t region_bytes, std::uint64_t page_alignment = 1,
                                        std::uint64_t role_alignment = 1);
+  // Bytes of one page-first page; UINT64_MAX when that does not fit in 64 bits.
   static std::uint64_t page_first_page_bytes(const KvLayout& layout, std::uint64_t page_alignment = 1,
                                              std::uint64_t role_alignment = 1);
 
