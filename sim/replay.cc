@@ -132,6 +132,7 @@ Result<std::vector<TraceRequest>> load_mooncake_trace(const std::string& path, s
     if (!j.is_object())
       return InvalidArgument(fmt::format("{}:{}: not a JSON object but {}", path, lineno, j.type_name()));
     TraceRequest r;
+    r.line = lineno;
     auto field = [&](const char* k, std::uint64_t& dst, bool required) -> Status {
       auto it = j.find(k);
       if (it == j.end())
@@ -249,12 +250,16 @@ bool ReplayStorage::check_pattern(const BlockKey& key, std::span<const std::byte
 Status check_queue_trace(const std::vector<TraceRequest>& trace) {
   // Sorted by time instead, the queue model served another order than the replay without it, and the difference
   // in hit ratio read as the queue's doing.
+  // Named by the file's line where the requests came from one (blank lines make the two differ).
+  auto where = [&](std::size_t i) {
+    return trace[i].line != 0
+               ? fmt::format("request {} (line {}, timestamp {} ms)", i + 1, trace[i].line, trace[i].timestamp_ms)
+               : fmt::format("request {} (timestamp {} ms)", i + 1, trace[i].timestamp_ms);
+  };
   for (std::size_t i = 1; i < trace.size(); ++i)
     if (trace[i].timestamp_ms < trace[i - 1].timestamp_ms)
-      return InvalidArgument(
-          fmt::format("replay: the queue model needs the trace in time order: request {} (timestamp {} ms) comes after "
-                      "request {} (timestamp {} ms)",
-                      i + 1, trace[i].timestamp_ms, i, trace[i - 1].timestamp_ms));
+      return InvalidArgument(fmt::format("replay: the queue model needs the trace in time order: {} comes after {}",
+                                         where(i), where(i - 1)));
   return Status::Ok();
 }
 
@@ -449,9 +454,10 @@ Status simulate_queue(const std::vector<TraceRequest>& trace, const Prepared& pr
     if (!std::isfinite(last) || !std::isfinite(last + service) || last + service > 1e15)
       return InvalidArgument(fmt::format(
           "replay: the queue model's events would run past 1e15 s: the last arrival at {} s (load_factor {}), {} s "
-          "of service at prefill_tokens_per_s {} and decode_tokens_per_s {}, the longest request {} "
+          "of service at prefill_tokens_per_s {} and decode_tokens_per_s {}, the longest request {}{} "
           "(input_length {}, output_length {}) {} s",
           last, o.load_factor, service, o.prefill_tokens_per_s, o.decode_tokens_per_s, longest_at + 1,
+          n && trace[longest_at].line ? fmt::format(" (line {})", trace[longest_at].line) : std::string(),
           n ? trace[longest_at].input_length : 0, n ? trace[longest_at].output_length : 0, longest));
   }
   // The keys serve() admits (a request longer than the device is cut to what fits), announced as such.

@@ -60,6 +60,7 @@ struct TraceRequest {
   std::uint64_t input_length = 0;   // tokens
   std::uint64_t output_length = 0;  // tokens (optional in the file: 0)
   std::vector<std::uint64_t> hash_ids;
+  std::uint64_t line = 0;  // the file's line it was read from (1-based; 0: not read from a file)
 };
 
 // max_requests 0: all. Every field is an integer in 0..2^64-1 (output_length may be left out); errors

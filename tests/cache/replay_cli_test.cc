@@ -207,16 +207,19 @@ TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
   // The queue model: a trace out of time order was sorted there but not in the replay it is compared with (a hit
   // ratio that moved for no reason of the queue's), and a huge output_length was blamed on the service rates.
   const std::string unordered =
-      trace("unordered.jsonl", {R"({"timestamp": 0, "input_length": 512, "hash_ids": [1]})",
+      trace("unordered.jsonl", {R"({"timestamp": 0, "input_length": 512, "hash_ids": [1]})", "",
                                 R"({"timestamp": 10000, "input_length": 512, "hash_ids": [2]})",
                                 R"({"timestamp": 5000, "input_length": 512, "hash_ids": [1]})"});
+  // Named by request and by the file's line (the blank line makes them differ).
   expect_error(run("replay --transfer none --host-blocks 0 --queue " + unordered),
-               {"time order", "request 3 (timestamp 5000 ms)", "request 2 (timestamp 10000 ms)"}, "unordered");
+               {"time order", "request 3 (line 4, timestamp 5000 ms)", "request 2 (line 3, timestamp 10000 ms)"},
+               "unordered");
   const std::string long_output =
-      trace("long_output.jsonl", {ok, R"({"timestamp": 1, "input_length": 512, "output_length": 1000000000000000000, )"
-                                      R"("hash_ids": [1]})"});
+      trace("long_output.jsonl", {ok, "",
+                                  R"({"timestamp": 1, "input_length": 512, "output_length": )"
+                                  R"(1000000000000000000, "hash_ids": [1]})"});
   expect_error(run("replay --transfer none --host-blocks 0 --queue " + long_output),
-               {"1e15 s", "request 2", "output_length 1000000000000000000"}, "long output");
+               {"1e15 s", "request 2 (line 3)", "output_length 1000000000000000000"}, "long output");
   expect_error(run("replay --transfer none '" + dir_ + "'"), {dir_, "is a directory"}, "a directory as the trace");
   // A source without newlines was read into memory whole (until none was left).
   expect_error(run("replay --transfer none /dev/zero"), {"/dev/zero:1:", "longer than 256 MiB"}, "/dev/zero");
