@@ -534,10 +534,7 @@ Action register_replay(CLI::App& app) {
                      off, with_ids, a.block_tokens, static_cast<double>(tokens) / static_cast<double>(ids));
     }
     auto wp = cache::parse_write_policy(a.write_policy);
-    if (!wp.ok()) {
-      std::fprintf(stderr, "kvtier replay: %s\n", wp.status().to_string().c_str());
-      return 2;
-    }
+    if (!wp.ok()) return bad(fmt::format("--write-policy {}: {}", a.write_policy, wp.status().message()));
     cache::ReplayOptions o;
     o.device_blocks = a.device_blocks;
     o.host_blocks = a.host_blocks;
@@ -614,6 +611,25 @@ Action register_replay(CLI::App& app) {
             fmt::format("--sweep replays one device tier of each --sweep capacity, with nothing to write "
                         "back or fail: no {}",
                         f));
+    }
+    // Policy names are checked here, so a misspelt one is a usage error (exit 2) before the trace is read, not a
+    // failure of the run (exit 1) after it. belady's oracle is the replay's; any oracle makes the name check.
+    {
+      auto check_policy = [&](const char* flag, const std::string& name) -> std::optional<std::string> {
+        auto made = cache::make_policy(name, 1, [](const cache::BlockKey&, std::uint64_t) { return std::uint64_t{0}; });
+        if (made.ok()) return std::nullopt;
+        return fmt::format("{} {}: {}", flag, name, made.status().message());
+      };
+      std::vector<std::pair<const char*, std::string>> names = {{"--policy", a.policy}};
+      if (given("--sweep-default")) names.emplace_back("--sweep-default", a.sweep_default);
+      if (given("--sweep-policies"))
+        for (std::size_t at = 0; at <= a.sweep_policies.size();) {
+          const std::size_t comma = std::min(a.sweep_policies.find(',', at), a.sweep_policies.size());
+          if (comma > at) names.emplace_back("--sweep-policies", a.sweep_policies.substr(at, comma - at));
+          at = comma + 1;
+        }
+      for (const auto& [flag, name] : names)
+        if (auto err = check_policy(flag, name)) return bad(*err);
     }
     if (a.policy == "belady" && a.sweep.empty() && !a.queue) {
       // Belady is an offline bound: one tier (device plus host capacity) on the fake executor.

@@ -38,10 +38,15 @@ int main(int argc, char** argv) {
   actions.push_back(kvtier::cli::register_replay(app));
   actions.push_back(kvtier::cli::register_bench(app));
   kvtier::cli::require_decimal_integers(app);
+  app.footer(
+      "Exit status: 0 done; 1 the run failed (an error while running, a report that could not be written); 2 usage "
+      "(a bad flag, value, setting or KVTIER_* variable).");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version print and end with 0; every other parse error is a usage error, 2 (CLI11's own codes,
+    // 105-114, said nothing a caller could rely on).
+    return app.exit(e) == 0 ? 0 : 2;
   }
   {
     // Every subcommand logs at KVTIER_LOG_LEVEL (log.level); a bad value is a usage error here, where the

@@ -86,6 +86,7 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
   struct Case {
     std::string args;
     std::vector<std::string> says;
+    int rc = 2;  // a usage error, unless the run itself fails on what the flag did
   };
   const std::vector<Case> cases = {
       {"--sweep -5", {"--sweep", "'-5'"}},  // once parsed as 4294967291: a hang
@@ -134,7 +135,7 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--tp 2 --rank-deadline-ms 10000000000000", {"--rank-deadline-ms", "10000000000000"}},
       {"--rank-deadline-ms 0", {"--rank-deadline-ms", "'0'"}},
       {"--write-through-threshold 0", {"--write-through-threshold", "got 0"}},
-      {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}},  // arrivals at inf: NaN depths, exit 0
+      {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}, 1},  // arrivals at inf: NaN depths, exit 0
       // Given, but empty or 0 where that is what "not given" looks like: these were taken as not given (a default
       // host tier, a plain replay instead of a sweep, no storage tier) and the run exited 0.
       {"--device-tokens 0", {"--device-tokens", "got 0"}},
@@ -163,8 +164,30 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       // Output paths are checked first: a sweep ran to its end and then could not write.
       {"--sweep 64 --out /nonexistent/dir/x", {"--out /nonexistent/dir/x", "cannot be written"}},
       {"--metrics-out /nonexistent/dir/m.prom", {"--metrics-out /nonexistent/dir/m.prom", "cannot be written"}},
+      // Policy names are checked before the run: a misspelt one exited 1 (a failed run) once the trace was read.
+      {"--policy bogus", {"--policy bogus", "unknown eviction policy 'bogus'"}},
+      {"--sweep 64 --sweep-default nope", {"--sweep-default nope", "unknown eviction policy"}},
+      {"--sweep 64 --sweep-policies lru,bogus", {"--sweep-policies bogus", "unknown eviction policy"}},
+      // A value outside a flag's choices exited with CLI11's own code (114), not the usage status.
+      {"--write-policy sometimes", {"--write-policy"}},
   };
-  for (const Case& c : cases) expect_error(run("replay --max-requests 20 " + kSample + " " + c.args), c.says, c.args);
+  for (const Case& c : cases) {
+    CliRun r = run("replay --max-requests 20 " + kSample + " " + c.args);
+    expect_error(r, c.says, c.args);
+    EXPECT_EQ(r.rc, c.rc) << c.args << ": a bad flag is a usage error (exit status 2): " << r.out;
+  }
+}
+
+// The exit status: 0 done, 1 a failed run, 2 usage; CLI11's parse errors returned its own codes (105-114).
+TEST_F(ReplayCli, ExitStatusSaysUsageOrFailure) {
+  EXPECT_EQ(run("nosuch").rc, 2);
+  EXPECT_EQ(run("replay --device-blocks x " + kSample).rc, 2);
+  EXPECT_EQ(run("replay --no-such-flag " + kSample).rc, 2);
+  CliRun help = run("--help");
+  EXPECT_EQ(help.rc, 0) << help.out;
+  EXPECT_NE(help.out.find("Exit status"), std::string::npos) << help.out;
+  CliRun missing = run("replay --transfer none '" + dir_ + "/missing.jsonl'");
+  EXPECT_EQ(missing.rc, 1) << "a trace that cannot be read fails the run: " << missing.out;
 }
 
 TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {
