@@ -130,7 +130,7 @@ struct PyStorage {
 // ---------------------------------------------------------------- hybrid models
 
 struct PyHybridCache {
-  std::mutex mu;
+  PyCallMutex mu;
   std::unique_ptr<cache::HybridCache> hc;
 };
 
@@ -458,12 +458,17 @@ nb::list run_many(PyStorage& p, storage::StorageOp op, const std::vector<std::st
       keep.writable.reserve(n);
     else
       keep.read_only.reserve(n);
-    std::size_t i = 0;
-    for (nb::handle h : *buffers) {
+    // By index, 0..n-1: iterating wrote past b.items when the sequence's iteration yielded more than its len() (a
+    // custom Sequence, or a list another thread grew while an item's __dlpack__ ran Python code).
+    for (std::size_t i = 0; i < n; ++i) {
+      nb::object h = nb::steal(PySequence_GetItem(buffers->ptr(), static_cast<Py_ssize_t>(i)));
+      if (!h.is_valid()) {
+        PyErr_Clear();
+        raise_status(InvalidArgument(fmt::format("buffers[{}] cannot be read", i)));
+      }
       Borrowed m = borrow_buffer(h, op == storage::StorageOp::kGet, i, keep);
       b.items[i].buffer = m.data;
       b.items[i].bytes = m.bytes;
-      ++i;
     }
   }
   if (b.items.empty()) return nb::list();

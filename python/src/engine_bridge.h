@@ -21,7 +21,7 @@
 namespace kvtier::python {
 
 struct PyCacheManager {
-  std::mutex mu;  // every call of cm
+  PyCallMutex mu;  // every call of cm
   std::unique_ptr<cache::CacheManager> cm;
 };
 
@@ -65,6 +65,7 @@ struct PyTransferManager {
   // a joinable thread destroyed). close() then raises and keeps the manager; a Python object collected inside a
   // callback hands the manager to a thread of its own, which shuts it down once the callback has returned.
   void shutdown(bool from_close) {
+    release_deferred();
     std::shared_ptr<TransferManager> m = std::move(mgr);
     if (!m) return;
     Status s;
@@ -78,18 +79,20 @@ struct PyTransferManager {
         raise_status(s);
       }
       // The memory the manager copies into goes with it (the host cache is the binding's since from_pages shares
-      // it): freed after its shutdown, not under copies still in flight. (The engine's tensors are the engine's.)
-      // The device and the compute stream its streams belong to must outlive it: their Python objects are kept
-      // for the process's life (this object and its references may go before the thread is done).
-      if (device_ref.is_valid()) device_ref.inc_ref();
-      if (compute_ref.is_valid()) compute_ref.inc_ref();
+      // it): freed after its shutdown, not under copies still in flight. So do the engine's tensors (copies still
+      // queued write them: they were released with this object, a use after free) and the device and compute
+      // stream that its streams belong to: the thread hands their references back once the manager is gone, and
+      // the next release_deferred() drops them with the GIL.
+      PyObject* refs[] = {keep_alive.release().ptr(), device_ref.release().ptr(), compute_ref.release().ptr()};
+      keep_alive = nanobind::list();
       std::thread([m = std::move(m), host = host_memory, regs = std::move(host_registrations),
-                   adopted = std::move(adopted_device)]() mutable {
+                   adopted = std::move(adopted_device), refs]() mutable {
         m->shutdown().ignore_error();
         m.reset();
         regs.clear();
         host.reset();
         adopted.clear();
+        for (PyObject* r : refs) defer_release(r);
       }).detach();
       return;
     }

@@ -580,8 +580,9 @@ void bind_pd(nb::module_& m) {
             const TransferId x = to_xid(id);
             const std::uint32_t l = to_layer(layer);
             const auto t = to_timeout(timeout);
-            auto s = value_or_raise(released(
-                [&] { return n->decode ? n->decode->wait_layer(x, l, t) : n->staged_decode->wait_layer(x, l, t); }));
+            auto s = value_or_raise(wait_interruptible(t, [&](std::chrono::nanoseconds slice) {
+              return n->decode ? n->decode->wait_layer(x, l, slice) : n->staged_decode->wait_layer(x, l, slice);
+            }));
             return std::string(transport::layer_state_name(s));
           },
           "transfer_id"_a, "layer"_a, "timeout"_a.none(), "Until the layer is final: 'loaded', 'partial' or 'failed'.")
@@ -596,7 +597,8 @@ void bind_pd(nb::module_& m) {
               const TransferId x = to_xid(id);
               const std::uint32_t l = to_layer(layer);
               const auto t = to_timeout(timeout);
-              check(released([&]() { return n->decode->wait_layer(x, l, t).status(); }));
+              check(wait_interruptible(
+                  t, [&](std::chrono::nanoseconds slice) { return n->decode->wait_layer(x, l, slice).status(); }));
               return;
             }
             if (!n->staged_decode)
@@ -637,10 +639,11 @@ void bind_pd(nb::module_& m) {
             const TransferId x = to_xid(id);
             const auto t = to_timeout(timeout);
             if (e.is_prefill())
-              return prefill_dict(value_or_raise(
-                  released([&] { return n->prefill ? n->prefill->wait(x, t) : n->staged_prefill->wait(x, t); })));
-            return decode_dict(value_or_raise(released([&] {
-              return n->decode ? n->decode->wait(x, t, reclaimable) : n->staged_decode->wait(x, t, reclaimable);
+              return prefill_dict(value_or_raise(wait_interruptible(t, [&](std::chrono::nanoseconds slice) {
+                return n->prefill ? n->prefill->wait(x, slice) : n->staged_prefill->wait(x, slice);
+              })));
+            return decode_dict(value_or_raise(wait_interruptible(t, [&](std::chrono::nanoseconds slice) {
+              return n->decode ? n->decode->wait(x, slice, reclaimable) : n->staged_decode->wait(x, slice, reclaimable);
             })));
           },
           "transfer_id"_a, "timeout"_a.none(), "reclaimable"_a = false,

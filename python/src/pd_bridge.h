@@ -138,7 +138,7 @@ struct PyPdEndpoint {
   std::uint64_t block_bytes = 0;
   bool staged = false;
   std::string lane;  // "host", "host-direct", "staged", "direct" or "ring"
-  std::mutex mu;
+  PyCallMutex mu;
   std::shared_ptr<PdNative> native;  // null once closed
   // kvtier.pd.Receiver objects driving this (decode) endpoint: it cannot be closed under them.
   std::atomic<int> receivers{0};

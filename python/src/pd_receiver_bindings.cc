@@ -45,7 +45,7 @@ struct PyPdReceiver {
   PyPdEndpoint* endpoint_py = nullptr;  // the object of endpoint_ref: its receivers count while this runs
   std::unique_ptr<cache::TransferPlanExecutor> executor;
   std::unique_ptr<pd::PdReceiver> receiver;
-  std::mutex mu;  // receiver calls from Python (the scheduler's methods run one at a time)
+  PyCallMutex mu;  // receiver calls from Python (the scheduler's methods run one at a time)
   std::chrono::microseconds poll_interval{100};
   std::chrono::milliseconds free_timeout{10000};
 

@@ -173,6 +173,26 @@ void for_each_item(nb::handle seq, const char* what, const char* of, Each&& each
 }
 }  // namespace
 
+namespace {
+std::mutex g_deferred_mu;
+std::vector<PyObject*> g_deferred;
+}  // namespace
+
+void defer_release(PyObject* owned) {
+  if (owned == nullptr) return;
+  std::lock_guard lock(g_deferred_mu);
+  g_deferred.push_back(owned);
+}
+
+void release_deferred() {
+  std::vector<PyObject*> drop;
+  {
+    std::lock_guard lock(g_deferred_mu);
+    drop.swap(g_deferred);
+  }
+  for (PyObject* o : drop) Py_DECREF(o);
+}
+
 std::vector<std::string> str_list(nb::handle value, const char* what) {
   std::vector<std::string> out;
   for_each_item(value, what, "strings", [&](Py_ssize_t i, nb::handle item) {

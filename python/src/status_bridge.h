@@ -8,14 +8,17 @@
 
 #include <nanobind/nanobind.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "kvtier/core/deadline.h"
 #include "kvtier/core/status.h"
 
 namespace kvtier::python {
@@ -79,17 +82,77 @@ auto released(F&& f) {
   return f();
 }
 
+inline const Status& status_of(const Status& s) { return s; }
+template <typename T>
+const Status& status_of(const Result<T>& r) {
+  return r.status();
+}
+
+// A wait with the GIL released that Ctrl-C can end. A wait without a deadline (timeout None) runs in slices of
+// kSignalCheckSlice: between two, the GIL is taken back and pending signals are handled, so KeyboardInterrupt (or a
+// signal handler's exception) is raised within a slice instead of never. `wait(t)` waits up to t and returns
+// kTimedOut when t ran out. A bounded wait runs whole (its TimedOut message names the caller's timeout).
+inline constexpr std::chrono::milliseconds kSignalCheckSlice{50};
+template <typename F>
+auto wait_interruptible(std::chrono::nanoseconds timeout, F&& wait) -> decltype(wait(timeout)) {
+  if (!is_unbounded(timeout)) return released([&] { return wait(timeout); });
+  for (;;) {
+    auto r = released([&] { return wait(std::chrono::nanoseconds(kSignalCheckSlice)); });
+    if (status_of(r).code() != StatusCode::kTimedOut) return r;
+    if (PyErr_CheckSignals() != 0) throw nanobind::python_error();
+  }
+}
+
+// A wrapper's mutex that knows which thread holds it. A call that holds it builds Python objects (its result, an
+// exception); allocating them may run the garbage collector, and a finalizer it runs (an engine's __del__ that
+// releases an admission, a weakref callback) may call the same wrapper on the same thread. With a plain mutex that
+// call waited for itself forever; lock_gil_safe() raises instead.
+class PyCallMutex {
+ public:
+  void lock() {
+    mu_.lock();
+    owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  }
+  bool try_lock() {
+    if (!mu_.try_lock()) return false;
+    owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    return true;
+  }
+  void unlock() {
+    owner_.store(std::thread::id(), std::memory_order_relaxed);
+    mu_.unlock();
+  }
+  // Only this thread writes its own id, so a relaxed load tells exactly whether it holds the mutex.
+  bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
+
+ private:
+  std::mutex mu_;
+  std::atomic<std::thread::id> owner_{};
+};
+
 // Locks a wrapper's mutex from a call that holds the GIL, without waiting for it with the GIL held: the thread
 // that holds the mutex may need the GIL to go on (it builds the result's Python objects or raises, and Python may
-// hand the GIL to another thread meanwhile), so waiting with the GIL held could deadlock both.
-inline std::unique_lock<std::mutex> lock_gil_safe(std::mutex& mu) {
-  std::unique_lock<std::mutex> lock(mu, std::try_to_lock);
+// hand the GIL to another thread meanwhile), so waiting with the GIL held could deadlock both. A call made while
+// this thread already holds it (from a finalizer the garbage collector ran inside another call of the same object)
+// raises FailedPreconditionError.
+inline std::unique_lock<PyCallMutex> lock_gil_safe(PyCallMutex& mu) {
+  std::unique_lock<PyCallMutex> lock(mu, std::try_to_lock);
   if (!lock.owns_lock()) {
+    if (mu.held_by_this_thread())
+      raise_status(FailedPrecondition(
+          "called again on the thread of a call of the same object that has not returned (from a __del__ or "
+          "weakref callback that the garbage collector ran inside it?): call it from outside that call"));
     nanobind::gil_scoped_release release;
     lock.lock();
   }
   return lock;
 }
+
+// References that a thread without the GIL gives up (one that must not take it: a detached thread may still run
+// while the interpreter exits): defer_release() takes one, thread-safe, and the next release_deferred() (with the
+// GIL: a TransferManager's creation or shutdown calls it) drops them. What is left at exit is never dropped.
+void defer_release(PyObject* owned);
+void release_deferred();
 
 // The exception object of `status` (not raised): None for OK, kvtier.errors' class otherwise.
 nanobind::object exception_object(const Status& status);

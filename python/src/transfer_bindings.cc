@@ -373,6 +373,7 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
   PyDevice& pd = device_arg(device_obj, "device");
   PyStream& compute = stream_arg(compute_obj, "compute_stream");
   Device& device = pd.get();
+  release_deferred();  // what managers dropped inside their callbacks left behind
   auto out = std::make_unique<PyTransferManager>();
   out->device_ref = device_obj;
   out->compute_ref = compute_obj;
@@ -464,6 +465,7 @@ std::unique_ptr<PyTransferManager> create_page_manager(nb::object device_obj, nb
     shared_host = host_of.host_memory;
     shared_layout = host_of.layout;
   }
+  release_deferred();  // what managers dropped inside their callbacks left behind
   auto out = std::make_unique<PyTransferManager>();
   out->device_ref = device_obj;
   out->compute_ref = compute_obj;
@@ -792,7 +794,8 @@ void bind_transfer(nb::module_& m) {
             const TaskId task = u64_arg(task_arg, "task");
             const std::uint32_t layer = u32_arg(layer_arg, "layer");
             auto tm = p.hold();
-            check(released([&] { return tm->wait_layer_host(task, layer, to_timeout(timeout)); }));
+            check(wait_interruptible(to_timeout(timeout),
+                                     [&](std::chrono::nanoseconds t) { return tm->wait_layer_host(task, layer, t); }));
           },
           "task"_a, "layer"_a, "timeout"_a = nb::none())
       .def(
@@ -800,14 +803,15 @@ void bind_transfer(nb::module_& m) {
           [](PyTransferManager& p, nb::handle task_arg, std::optional<double> timeout) {
             const TaskId task = u64_arg(task_arg, "task");
             auto tm = p.hold();
-            check(released([&] { return tm->wait(task, to_timeout(timeout)); }));
+            check(
+                wait_interruptible(to_timeout(timeout), [&](std::chrono::nanoseconds t) { return tm->wait(task, t); }));
           },
           "task"_a, "timeout"_a = nb::none(), "Blocks (GIL released) until the task is final; raises its error.")
       .def(
           "wait_all",
           [](PyTransferManager& p, std::optional<double> timeout) {
             auto tm = p.hold();
-            check(released([&] { return tm->wait_all(to_timeout(timeout)); }));
+            check(wait_interruptible(to_timeout(timeout), [&](std::chrono::nanoseconds t) { return tm->wait_all(t); }));
           },
           "timeout"_a = nb::none())
       .def(
@@ -815,7 +819,8 @@ void bind_transfer(nb::module_& m) {
           [](PyTransferManager& p, nb::handle blocks, std::optional<double> timeout) {
             auto b = to_ids(blocks, "host");
             auto tm = p.hold();
-            check(released([&] { return tm->wait_host_blocks_free(b, to_timeout(timeout)); }));
+            check(wait_interruptible(to_timeout(timeout),
+                                     [&](std::chrono::nanoseconds t) { return tm->wait_host_blocks_free(b, t); }));
           },
           "host_blocks"_a, "timeout"_a = nb::none())
       .def(

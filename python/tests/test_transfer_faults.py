@@ -399,3 +399,134 @@ def test_a_dropped_stream_with_work_queued_lets_other_threads_run():
         mgr.close()
     during = [x for x in ticks if start < x < end]
     assert end - start < 0.1 or len(during) >= 5, (end - start, len(during))
+
+
+def _run_script(code, timeout=60):
+    """Runs `code` in a fresh interpreter (a crash or a hang there must not take pytest with it)."""
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_manager_dropped_inside_its_callback_keeps_the_engines_tensors_until_its_copies_end():
+    """The last reference dropped inside on_done hands the manager to a thread that drains its queued copies; the
+    engine's arrays were released at once, so those copies wrote freed (unmapped) memory: a segfault."""
+    code = """
+import gc, threading, time, numpy as np, kvtier
+BB = 4 << 20  # large enough that numpy maps each array on its own: a freed one is unmapped
+dev = kvtier.host_device(min_delay_us=20000, max_delay_us=20000)
+compute = dev.create_stream("compute")
+d = {f"{r}_{l}_rank0.device0": np.zeros((8, BB), np.uint8) for l in range(2) for r in ("key_caches", "value_caches")}
+holder = {"m": kvtier.TransferManager.from_tensors(dev, compute, d, None, 8, 2)}
+del d
+m = holder["m"]
+done = threading.Event()
+def drop(task, err):
+    holder.clear()
+    gc.collect()
+    done.set()
+m.evict([0], [0], on_done=drop)
+for i in range(8):
+    m.load([], [0], [i])
+del m
+assert done.wait(10)
+time.sleep(2)
+# A later manager's creation drops what the drained one left behind.
+m2 = kvtier.TransferManager.from_tensors(dev, compute, {f"{r}_0_rank0.device0": np.zeros((2, 64), np.uint8)
+                                                        for r in ("key_caches", "value_caches")}, None, 2, 1)
+m2.close()
+print("survived")
+"""
+    r = _run_script(code)
+    assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_a_finalizer_that_calls_the_cache_manager_inside_one_of_its_calls_raises_instead_of_hanging():
+    """Building a call's result (or its exception) may run the garbage collector, and a finalizer it runs may call
+    the same CacheManager on the same thread: that call waited for its own mutex forever."""
+    code = """
+import gc, kvtier
+cm = kvtier.CacheManager(device_blocks=4, host_blocks=4)
+h = kvtier.KeyHasher("m", block_tokens=4)
+small, big = h.keys_for(list(range(8))), h.keys_for(list(range(100, 200)))
+seen = []
+class Request:
+    def __init__(self, adm):
+        self.adm, self.me = adm, self  # a cycle: only the cyclic collector frees it
+    def __del__(self):
+        try:
+            cm.release(self.adm)
+            seen.append("released")
+        except kvtier.FailedPreconditionError as e:
+            seen.append(str(e))
+Request(cm.admit(small)["id"])
+gc.set_threshold(1)
+try:
+    cm.admit(big)
+except kvtier.KvtierError as e:
+    print("raised", type(e).__name__)
+gc.set_threshold(700)
+gc.collect()
+print(seen)
+cm.check_invariants()
+print("done")
+"""
+    r = _run_script(code, timeout=60)
+    assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "released" in r.stdout or "called again on the thread" in r.stdout, r.stdout
+
+
+def test_storage_buffers_are_read_by_index_not_by_iteration(tmp_path):
+    """get_many/put_many checked len(buffers) and then iterated: a sequence that yields more than its len() was
+    written past the end of the batch (heap corruption, a segfault later)."""
+    code = """
+import numpy as np, kvtier
+s = kvtier.StorageBackend.open("memory:?capacity=1000000")
+key = "%032x" % 1
+s.put_many([key], [np.arange(512, dtype=np.uint8)])
+class Bufs:
+    def __init__(self, items): self.items = items
+    def __len__(self): return 1
+    def __getitem__(self, i):
+        if i >= 1: raise IndexError(i)
+        return self.items[i]
+    def __iter__(self): return iter(self.items)
+bufs = [np.zeros(512, np.uint8) for _ in range(64)]
+for _ in range(20):
+    print(s.get_many([key], Bufs(bufs)))
+assert np.array_equal(bufs[0], np.arange(512, dtype=np.uint8))
+assert not bufs[1].any()
+s.close()
+print("ok")
+"""
+    r = _run_script(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_ctrl_c_ends_a_wait_without_a_deadline():
+    """Waits release the GIL and blocked in C++ for their whole timeout: with timeout=None on a stream that does not
+    finish, SIGINT was handled only once the work ended (16 s for an 8 s copy per block)."""
+    import signal
+    import threading
+
+    dev = kvtier.host_device(min_delay_us=3_000_000, max_delay_us=3_000_000)
+    compute = dev.create_stream("compute")
+    d, h = arrays(BLOCKS), arrays(HOST_BLOCKS)
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()},
+                                              HOST_BLOCKS, LAYERS)
+    task = mgr.evict([0], [0])
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait(task)
+        assert time.monotonic() - start < 2.0, time.monotonic() - start
+        # Bounded waits still time out with their own timeout in the message.
+        with pytest.raises(kvtier.TimedOutError, match="after 20000 us"):
+            mgr.wait(task, 0.02)
+        mgr.wait(task, 30.0)
+        assert np.array_equal(h["key_caches_0_rank0.device0"][0], d["key_caches_0_rank0.device0"][0])
+    finally:
+        timer.cancel()
+        mgr.close()
