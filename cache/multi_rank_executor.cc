@@ -8,6 +8,8 @@
 #include <string>
 #include <utility>
 
+#include "kvtier/core/deadline.h"
+
 namespace kvtier::cache {
 namespace {
 
@@ -60,7 +62,7 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
       }
     return first;
   }
-  const Clock::time_point deadline = now() + options_.move_deadline;
+  const Clock::time_point deadline = deadline_after(options_.move_deadline, now());  // saturated: no overflow
   const std::uint32_t n = ranks();
   for (const auto& [kind, moves] : lists)
     for (const BlockMove& m : *moves) {

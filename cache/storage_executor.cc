@@ -94,11 +94,27 @@ void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& mo
 }
 
 Status StoragePlanExecutor::execute(const StepPlan& plan) {
-  if (!plan.evictions.empty() || !plan.backups.empty() || !plan.loads.empty())
-    return FailedPrecondition(fmt::format(
+  remove(plan.storage_drops);  // the cache gave those slots up whatever becomes of the plan
+  if (!plan.evictions.empty() || !plan.backups.empty() || !plan.loads.empty()) {
+    // Refused whole; every move of it is reported failed at the next poll(), as a failed submission is (the cache
+    // acknowledges them as misses instead of waiting for them forever).
+    Status refused = FailedPrecondition(fmt::format(
         "StoragePlanExecutor: plan holds {} evictions, {} backups, {} loads (device moves: use CompositePlanExecutor)",
         plan.evictions.size(), plan.backups.size(), plan.loads.size()));
-  remove(plan.storage_drops);
+    const std::pair<MoveKind, const std::vector<BlockMove>*> kinds[] = {
+        {MoveKind::kEviction, &plan.evictions},
+        {MoveKind::kBackup, &plan.backups},
+        {MoveKind::kLoad, &plan.loads},
+        {MoveKind::kStorageWrite, &plan.storage_writes},
+        {MoveKind::kStoragePrefetch, &plan.storage_prefetches}};
+    for (const auto& [kind, moves] : kinds) {
+      if (moves->empty()) continue;
+      Pending p{kind, {}, {}, refused};
+      for (const BlockMove& m : *moves) p.dst.push_back(m.dst);
+      pending_.push_back(std::move(p));
+    }
+    return refused;
+  }
   submit(MoveKind::kStorageWrite, plan.storage_writes);
   submit(MoveKind::kStoragePrefetch, plan.storage_prefetches);
   return Status::Ok();
@@ -112,7 +128,7 @@ std::vector<Completion> StoragePlanExecutor::poll() {
     const bool write = p.kind == MoveKind::kStorageWrite;
     std::uint64_t& failed = write ? failed_writes_ : failed_reads_;
     if (!p.post_error.ok()) {
-      failed += p.dst.size();
+      if (write || p.kind == MoveKind::kStoragePrefetch) failed += p.dst.size();  // not a refused plan's device moves
       out.push_back(Completion{p.kind, std::move(p.dst), p.post_error});
       continue;
     }
@@ -145,9 +161,17 @@ Status CompositePlanExecutor::execute(const StepPlan& plan) {
   sto.storage_writes = plan.storage_writes;
   sto.storage_prefetches = plan.storage_prefetches;
   sto.storage_drops = plan.storage_drops;
-  if (!dev.empty()) KVTIER_RETURN_IF_ERROR(transfers_.execute(dev));
-  if (!sto.empty()) KVTIER_RETURN_IF_ERROR(storage_.execute(sto));
-  return Status::Ok();
+  // Both halves run whatever the other's outcome: each reports every move of its half at a later poll() (a refused
+  // or failed submission as failed moves), so every move of the plan is reported once. Returning after a failed
+  // transfer half left the storage writes and prefetches unreported (host blocks fetching and slots storing
+  // forever) and the drops never posted. The first error is returned.
+  Status first = Status::Ok();
+  if (!dev.empty()) first = transfers_.execute(dev);
+  if (!sto.empty()) {
+    Status st = storage_.execute(sto);
+    if (first.ok()) first = std::move(st);
+  }
+  return first;
 }
 
 std::vector<Completion> CompositePlanExecutor::poll() {

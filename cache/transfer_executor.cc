@@ -171,6 +171,9 @@ void TransferPlanExecutor::check_loaded(const Pending& p) {
 std::vector<Completion> TransferPlanExecutor::poll() {
   std::vector<Completion> out = std::move(unsubmitted_);
   unsubmitted_.clear();
+  // No queue of its own yet (nothing submitted, or opening it failed): queue 0 is the manager's default one, the
+  // engine's, whose completions this executor would have taken and dropped.
+  if (queue_ == 0) return out;
   for (TaskCompletion& c : manager_.poll_completions(queue_)) {
     auto it = pending_.find(c.id);
     if (it == pending_.end()) continue;  // not submitted by this executor

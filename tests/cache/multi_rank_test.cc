@@ -316,6 +316,29 @@ TEST(MultiRank, RanksAfterAFailedExecuteStillDeleteTheDroppedStorageObjects) {
   EXPECT_EQ(d->in_flight(), 0u);
 }
 
+// A move deadline of nanoseconds::max() ("no deadline") overflowed now + deadline: every move timed out at once.
+// A rank outside 0..ranks()-1 has no stats (it threw std::out_of_range across the C++ API).
+TEST(MultiRank, AnUnboundedDeadlineNeverTimesOutAndABadRankHasNoStats) {
+  ScriptedRank r0, r1;
+  FakeClock clock;
+  MultiRankPlanExecutor::Options o;
+  o.move_deadline = std::chrono::nanoseconds::max();
+  o.now = clock.fn();
+  auto m = MultiRankPlanExecutor::create({&r0, &r1}, o);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  ASSERT_TRUE((*m)->execute(plan_of({5}, {})).ok());
+  clock.t += std::chrono::hours(24 * 365);
+  EXPECT_TRUE((*m)->poll().empty());
+  EXPECT_EQ((*m)->timed_out_moves(), 0u);
+  r0.report(MoveKind::kLoad, {5});
+  r1.report(MoveKind::kLoad, {5});
+  Reported got;
+  collect((*m)->poll(), got);
+  EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 5, true}}));
+  EXPECT_EQ((*m)->rank_stats(7).failed_moves, 0u);
+  EXPECT_EQ((*m)->rank_stats(7).late_reports, 0u);
+}
+
 TEST(MultiRank, ShardPatternsDependOnTheRank) {
   std::vector<std::byte> r0(64), r0_default(64), r1(64);
   TransferPlanExecutor::fill_key_pattern(BlockKey{7, 9}, r0.data(), 64, 0);

@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 #include <string>
+#include <tuple>
 #include <thread>
 
 #include "kvtier/cache/storage_executor.h"
@@ -250,6 +252,82 @@ TEST(StoragePlanExecutor, DropsDeleteTheirObjectsButNeverOneWrittenAgain) {
   run(keeping, third);
   EXPECT_TRUE(stored(kept));
   EXPECT_EQ(keeping.removed_objects(), 0u);
+}
+
+// A device executor whose execute() fails: it reports the moves it was handed failed at its next poll(), as
+// TransferPlanExecutor does after a failed submission.
+class RefusingDeviceExecutor final : public PlanExecutor {
+ public:
+  Status execute(const StepPlan& plan) override {
+    for (const auto* l : {&plan.evictions, &plan.backups, &plan.loads})
+      for (const BlockMove& m : *l)
+        failed.push_back(Completion{l == &plan.loads ? MoveKind::kLoad : MoveKind::kEviction, {m.dst}, error});
+    return error;
+  }
+  std::vector<Completion> poll() override { return std::move(failed); }
+  Status error = ResourceExhausted("too many tasks in flight");
+  std::vector<Completion> failed;
+};
+
+// Both halves of a plan run whatever the other's outcome: a failed transfer half returned before the storage half
+// was handed its writes, prefetches and drops, which were then never reported (slots storing and host blocks
+// fetching forever) nor deleted. And a StoragePlanExecutor handed device moves reports every move failed.
+TEST(StoragePlanExecutor, AFailedTransferHalfLeavesTheStorageHalfRunning) {
+  TempDir dir;
+  auto rs = ReplayStorage::create("disk:" + dir.path(), 8, 4096);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  StoragePlanExecutor sto((*rs)->tier());
+  RefusingDeviceExecutor dev;
+  CompositePlanExecutor exec(dev, sto);
+  const BlockKey kept{0x1111, 0x2222}, gone{0x3333, 0x4444};
+  ReplayStorage::fill_pattern(kept, (*rs)->host_block(0));
+  ReplayStorage::fill_pattern(gone, (*rs)->host_block(1));
+  auto drain = [&](PlanExecutor& ex, StoragePlanExecutor& s) {
+    std::multiset<std::tuple<MoveKind, BlockId, bool>> got;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    do {
+      for (const Completion& c : ex.poll())
+        for (BlockId b : c.dst) got.insert({c.kind, b, c.status.ok()});
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    } while (s.in_flight() && std::chrono::steady_clock::now() < deadline);
+    for (const Completion& c : ex.poll())
+      for (BlockId b : c.dst) got.insert({c.kind, b, c.status.ok()});
+    return got;
+  };
+  auto stored = [&](const BlockKey& k) {
+    const storage::StorageKey sk[1] = {storage_key(k)};
+    auto op = (*rs)->tier().exists(sk);
+    EXPECT_TRUE(op.ok());
+    EXPECT_TRUE(op->wait().ok());
+    return op->status(0).ok();
+  };
+  StepPlan first;
+  first.storage_writes = {BlockMove{1, 6, gone}};
+  ASSERT_TRUE(exec.execute(first).ok());
+  drain(exec, sto);
+  ASSERT_TRUE(stored(gone));
+
+  StepPlan plan;
+  plan.loads = {BlockMove{3, 2, BlockKey{9, 9}}};
+  plan.storage_writes = {BlockMove{0, 5, kept}};
+  plan.storage_drops = {BlockMove{6, kNoBlock, gone}};
+  Status st = exec.execute(plan);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.to_string();
+  const auto got = drain(exec, sto);
+  EXPECT_EQ(got, (std::multiset<std::tuple<MoveKind, BlockId, bool>>{{MoveKind::kLoad, 2, false},
+                                                                     {MoveKind::kStorageWrite, 5, true}}));
+  EXPECT_TRUE(stored(kept)) << "the storage write of the plan ran";
+  EXPECT_FALSE(stored(gone)) << "the plan's drop was deleted";
+
+  // Handed device moves, the storage executor refuses the plan and reports each of its moves failed once.
+  StoragePlanExecutor alone((*rs)->tier());
+  StepPlan mixed;
+  mixed.loads = {BlockMove{3, 2, BlockKey{9, 9}}};
+  mixed.storage_prefetches = {BlockMove{5, 4, kept}};
+  EXPECT_EQ(alone.execute(mixed).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(drain(alone, alone), (std::multiset<std::tuple<MoveKind, BlockId, bool>>{
+                                     {MoveKind::kLoad, 2, false}, {MoveKind::kStoragePrefetch, 4, false}}));
+  EXPECT_EQ(alone.failed_reads(), 1u);
 }
 
 TEST(StoragePlanExecutor, PrefetchOfCorruptedObjectIsAMiss) {

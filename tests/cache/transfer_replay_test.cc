@@ -205,5 +205,19 @@ TEST(TransferPlanExecutorTest, AnEnginePollingTheSameManagerTakesNothingOfIt) {
   EXPECT_TRUE(own[0].status.ok()) << own[0].status.to_string();
 }
 
+// Before its first plan the executor has no completion queue of its own: its poll() took the manager's default
+// queue, the engine's, and dropped what it found there.
+TEST(TransferPlanExecutorTest, APollBeforeTheFirstPlanTakesNothingOfTheEngines) {
+  Rig rig;
+  make_rig(rig, 4, 8, false);
+  auto engine_task = rig.manager->evict_to_host_async(std::vector<BlockId>{1}, std::vector<BlockId>{6});
+  ASSERT_TRUE(engine_task.ok()) << engine_task.status().to_string();
+  ASSERT_TRUE(rig.manager->wait_all(std::chrono::seconds(10)).ok());
+  EXPECT_TRUE(rig.executor->poll().empty());
+  const auto engine = rig.manager->poll_completions();
+  ASSERT_EQ(engine.size(), 1u) << "the engine's completion was taken by the executor's poll";
+  EXPECT_EQ(engine[0].id, *engine_task);
+}
+
 }  // namespace
 }  // namespace kvtier::cache

@@ -89,7 +89,8 @@ class MultiRankPlanExecutor final : public PlanExecutor {
 
   std::uint32_t ranks() const noexcept { return static_cast<std::uint32_t>(ranks_.size()); }
   std::size_t in_flight() const noexcept { return pending_.size() + ready_.size(); }
-  const RankStats& rank_stats(std::uint32_t rank) const { return stats_.at(rank); }
+  // A rank outside 0..ranks()-1 has none (all zero).
+  RankStats rank_stats(std::uint32_t rank) const noexcept { return rank < stats_.size() ? stats_[rank] : RankStats{}; }
   std::uint64_t completed_moves() const noexcept { return completed_moves_; }  // reported OK by every rank
   std::uint64_t failed_moves() const noexcept { return failed_moves_; }        // failed, timed out included
   std::uint64_t timed_out_moves() const noexcept { return timed_out_moves_; }

@@ -25,7 +25,9 @@
 // and storage writes/prefetches to another, and merges their completions. No
 // ordering is needed between the two halves of one plan: the cache only
 // writes settled host blocks to storage and only prefetches into fresh host
-// blocks that no device move touches.
+// blocks that no device move touches. Both halves are handed their part even
+// when the other's execute() fails (the first error is returned), so every
+// move of the plan is reported once by poll() and the drops are posted.
 //
 // Thread-safety: none; driven by the scheduler thread that owns the CacheManager.
 #pragma once
@@ -49,7 +51,8 @@ class StoragePlanExecutor final : public PlanExecutor {
       : tier_(tier), remove_dropped_(remove_dropped) {}
   ~StoragePlanExecutor() override = default;
 
-  // FailedPrecondition (nothing submitted) when the plan holds device moves.
+  // FailedPrecondition when the plan holds device moves: nothing is submitted but its drops, and every move of it
+  // is reported failed (with that error) at the next poll().
   Status execute(const StepPlan& plan) override;
   std::vector<Completion> poll() override;
 
