@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <unordered_set>
+
+#include "kvtier/core/deadline.h"
 
 namespace kvtier::cache {
 
@@ -58,9 +61,48 @@ void StoragePlanExecutor::settle_removals() {
   }
 }
 
+// Posts the waiting prefetches whose host block is free now; fails those past their deadline.
+void StoragePlanExecutor::settle_prefetches() {
+  if (waiting_prefetches_.empty()) return;
+  std::vector<WaitingPrefetch> waiting = std::move(waiting_prefetches_);
+  waiting_prefetches_.clear();
+  std::vector<BlockMove> now;
+  const auto t = std::chrono::steady_clock::now();
+  for (WaitingPrefetch& w : waiting) {
+    Result<bool> free = host_block_free_(w.move.dst);
+    if (free.ok() && *free) {
+      now.push_back(w.move);
+    } else if (!free.ok() || t >= w.deadline) {
+      Status why = free.ok() ? Unavailable(fmt::format("storage prefetch into host block {}: an earlier move still "
+                                                       "writes the block after {} ms",
+                                                       w.move.dst, guard_max_wait_.count() / 1000000))
+                             : free.status().with_context(
+                                   fmt::format("storage prefetch into host block {}: is the block free", w.move.dst));
+      pending_.push_back(Pending{MoveKind::kStoragePrefetch, {w.move.dst}, {}, std::move(why)});
+    } else {
+      waiting_prefetches_.push_back(std::move(w));
+    }
+  }
+  post(MoveKind::kStoragePrefetch, now);
+}
+
 void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& moves) {
   if (moves.empty()) return;
   const bool write = kind == MoveKind::kStorageWrite;
+  if (!write && host_block_free_) {
+    // A prefetch into a host block that an earlier (timed-out) move may still write waits for it (poll()).
+    std::vector<BlockMove> now;
+    const auto deadline = deadline_after(guard_max_wait_);
+    for (const BlockMove& m : moves) {
+      Result<bool> free = host_block_free_(m.dst);
+      if (free.ok() && *free)
+        now.push_back(m);
+      else
+        waiting_prefetches_.push_back(WaitingPrefetch{m, deadline});
+    }
+    post(kind, now);
+    return;
+  }
   if (write && !removals_.empty()) {
     // A key dropped and written again: its write is posted once its delete is over (by poll()), so the delete never
     // removes the new object; execute() does not wait for it.
@@ -69,10 +111,16 @@ void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& mo
     if (std::any_of(moves.begin(), moves.end(), [&](const BlockMove& m) { return removing.count(m.key) != 0; })) {
       std::vector<BlockMove> now;
       for (const BlockMove& m : moves) (removing.count(m.key) != 0 ? waiting_writes_ : now).push_back(m);
-      submit(kind, now);
+      post(kind, now);
       return;
     }
   }
+  post(kind, moves);
+}
+
+void StoragePlanExecutor::post(MoveKind kind, const std::vector<BlockMove>& moves) {
+  if (moves.empty()) return;
+  const bool write = kind == MoveKind::kStorageWrite;
   std::vector<storage::StorageKey> keys;
   std::vector<std::uint64_t> host;
   Pending p{kind, {}, {}, Status::Ok()};
@@ -122,6 +170,7 @@ Status StoragePlanExecutor::execute(const StepPlan& plan) {
 
 std::vector<Completion> StoragePlanExecutor::poll() {
   settle_removals();
+  settle_prefetches();
   std::vector<Completion> out;
   std::vector<Pending> keep;
   for (Pending& p : pending_) {

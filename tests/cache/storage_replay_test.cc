@@ -7,10 +7,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <set>
 #include <string>
-#include <tuple>
 #include <thread>
+#include <tuple>
 
 #include "kvtier/cache/storage_executor.h"
 #include "kvtier/testing/fault_injection.h"
@@ -328,6 +329,63 @@ TEST(StoragePlanExecutor, AFailedTransferHalfLeavesTheStorageHalfRunning) {
   EXPECT_EQ(drain(alone, alone), (std::multiset<std::tuple<MoveKind, BlockId, bool>>{
                                      {MoveKind::kLoad, 2, false}, {MoveKind::kStoragePrefetch, 4, false}}));
   EXPECT_EQ(alone.failed_reads(), 1u);
+}
+
+// A MultiRankPlanExecutor acknowledges a move that timed out on a silent rank, and the cache may then prefetch into
+// that host block while the rank's late device->host copy can still land there (overwriting what the prefetch
+// read: another key's bytes served as this one's). With the guard, the prefetch waits until the block is free, and
+// fails (a miss) if it never becomes free.
+TEST(StoragePlanExecutor, APrefetchWaitsForTheLateCopyIntoItsHostBlock) {
+  TempDir dir;
+  auto rs = ReplayStorage::create("disk:" + dir.path(), 8, 4096);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  StoragePlanExecutor sto((*rs)->tier());
+  std::set<BlockId> busy = {4, 6};
+  std::vector<BlockId> asked;
+  sto.guard_host_blocks(
+      [&](BlockId b) -> Result<bool> {
+        asked.push_back(b);
+        if (b == 7) return Unavailable("manager closed");
+        return busy.count(b) == 0;
+      },
+      std::chrono::milliseconds(200));
+  const BlockKey a{0x10, 0x20}, b{0x30, 0x40}, c{0x50, 0x60}, d{0x70, 0x80};
+  ReplayStorage::fill_pattern(a, (*rs)->host_block(0));
+  StepPlan writes;
+  writes.storage_writes = {BlockMove{0, 1, a}};
+  ASSERT_TRUE(sto.execute(writes).ok());
+  while (sto.in_flight()) sto.poll();
+  for (const BlockKey& k : {b, c, d}) {
+    ReplayStorage::fill_pattern(k, (*rs)->host_block(0));
+    StepPlan w;
+    w.storage_writes = {BlockMove{0, 2, k}};
+    ASSERT_TRUE(sto.execute(w).ok());
+    while (sto.in_flight()) sto.poll();
+  }
+  for (BlockId h : {3, 4, 6, 7}) std::memset((*rs)->host_block(h).data(), 0x5A, 4096);
+  StepPlan plan;
+  plan.storage_prefetches = {BlockMove{1, 3, a}, BlockMove{2, 4, b}, BlockMove{2, 6, c}, BlockMove{2, 7, d}};
+  ASSERT_TRUE(sto.execute(plan).ok());
+  std::map<BlockId, bool> done;
+  auto collect = [&] {
+    for (const Completion& comp : sto.poll())
+      for (BlockId h : comp.dst) done[h] = comp.status.ok();
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done.count(3) && std::chrono::steady_clock::now() < until) collect();
+  ASSERT_TRUE(done.count(3) && done[3]) << "a free block's prefetch went at once";
+  EXPECT_EQ(done.count(4), 0u) << "the prefetch into a busy block was posted";
+  EXPECT_TRUE((*rs)->check_pattern(a, (*rs)->host_block(3)));
+  EXPECT_EQ(std::to_integer<int>((*rs)->host_block(4)[0]), 0x5A) << "a busy block was written";
+  busy.erase(4);  // the late copy into 4 landed; 6 stays busy
+  while (sto.in_flight() && std::chrono::steady_clock::now() < until) collect();
+  collect();
+  EXPECT_TRUE(done.count(4) && done[4]);
+  EXPECT_TRUE((*rs)->check_pattern(b, (*rs)->host_block(4)));
+  EXPECT_TRUE(done.count(6) && !done[6]) << "a block that never became free fails its prefetch (a miss)";
+  EXPECT_TRUE(done.count(7) && !done[7]) << "a guard that cannot tell fails the prefetch";
+  EXPECT_EQ(std::to_integer<int>((*rs)->host_block(6)[0]), 0x5A);
+  EXPECT_EQ(sto.in_flight(), 0u);
 }
 
 TEST(StoragePlanExecutor, PrefetchOfCorruptedObjectIsAMiss) {

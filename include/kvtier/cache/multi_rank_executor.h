@@ -28,7 +28,10 @@
 //  - storage moves (StorageTier reads into a host block) are not ordered by the
 //    TransferManager: keep move_deadline above the storage backend's own
 //    operation deadline, so a storage op has ended (success or error) before
-//    its move times out.
+//    its move times out; and give each rank's StoragePlanExecutor its
+//    TransferManager's is_host_block_free as guard_host_blocks(), so that a
+//    prefetch into a host block whose timed-out device->host copy may still
+//    land waits for that copy instead of racing it.
 // The late report of a timed-out move is dropped (each rank's reports of one
 // destination block arrive in submission order, which the hazards above and
 // the executors here guarantee), so it is never taken for a newer move to the

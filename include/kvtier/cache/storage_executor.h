@@ -32,7 +32,9 @@
 // Thread-safety: none; driven by the scheduler thread that owns the CacheManager.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kvtier/backend/plan_executor.h"
@@ -57,7 +59,20 @@ class StoragePlanExecutor final : public PlanExecutor {
   std::vector<Completion> poll() override;
 
   // Work not completed yet: batches of moves, deletes of dropped objects, writes waiting for a delete.
-  std::size_t in_flight() const noexcept { return pending_.size() + removals_.size() + waiting_writes_.size(); }
+  // Prefetches write host blocks; the cache hands one a block only once the block's earlier moves were
+  // acknowledged, but a MultiRankPlanExecutor acknowledges a move that timed out on a silent rank while that rank's
+  // copy may still land in the block (a device->host copy of an eviction). Given a guard (each rank: its
+  // TransferManager's is_host_block_free), a prefetch into a block the guard says is not free waits (poll() looks
+  // again) and fails with Unavailable after `max_wait`, so the late copy can never overwrite what it read.
+  void guard_host_blocks(std::function<Result<bool>(BlockId)> is_free,
+                         std::chrono::nanoseconds max_wait = std::chrono::seconds(60)) {
+    host_block_free_ = std::move(is_free);
+    guard_max_wait_ = max_wait;
+  }
+
+  std::size_t in_flight() const noexcept {
+    return pending_.size() + removals_.size() + waiting_writes_.size() + waiting_prefetches_.size();
+  }
   std::uint64_t bytes_written() const noexcept { return bytes_written_; }
   std::uint64_t bytes_read() const noexcept { return bytes_read_; }
   std::uint64_t failed_writes() const noexcept { return failed_writes_; }
@@ -78,15 +93,24 @@ class StoragePlanExecutor final : public PlanExecutor {
     storage::StorageTierOp op;
     bool posted = false;
   };
-  void submit(MoveKind kind, const std::vector<BlockMove>& moves);
+  struct WaitingPrefetch {
+    BlockMove move;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  void submit(MoveKind kind, const std::vector<BlockMove>& moves);  // waits where it must, then post()
+  void post(MoveKind kind, const std::vector<BlockMove>& moves);    // to the backend now
   void remove(const std::vector<BlockMove>& drops);
   void settle_removals();
+  void settle_prefetches();
 
   storage::StorageTier& tier_;
   bool remove_dropped_ = true;
   std::vector<Pending> pending_;
   std::vector<Removal> removals_;
   std::vector<BlockMove> waiting_writes_;  // writes of keys whose delete is in flight
+  std::function<Result<bool>(BlockId)> host_block_free_;
+  std::chrono::nanoseconds guard_max_wait_{0};
+  std::vector<WaitingPrefetch> waiting_prefetches_;  // into host blocks an earlier move may still write
   std::uint64_t bytes_written_ = 0, bytes_read_ = 0, failed_writes_ = 0, failed_reads_ = 0;
   std::uint64_t removed_objects_ = 0, failed_removals_ = 0;
 };
