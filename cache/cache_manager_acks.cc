@@ -471,12 +471,18 @@ Status CacheManager::ack_plan(const StepPlan& plan, const Status& status) {
     for (const BlockMove& m : v) out.push_back(m.dst);
     return out;
   };
-  KVTIER_RETURN_IF_ERROR(ack_evictions(dsts(plan.evictions), status));
-  KVTIER_RETURN_IF_ERROR(ack_backups(dsts(plan.backups), status));
-  KVTIER_RETURN_IF_ERROR(ack_loads(dsts(plan.loads), status));
-  KVTIER_RETURN_IF_ERROR(ack_storage_writes(dsts(plan.storage_writes), status));
-  KVTIER_RETURN_IF_ERROR(ack_storage_prefetches(dsts(plan.storage_prefetches), status));
-  return Status::Ok();
+  // Every kind is acknowledged even after another's ack failed (a kind left out stayed in flight forever); the
+  // first error is returned.
+  Status first = Status::Ok();
+  auto keep_first = [&](Status st) {
+    if (!st.ok() && first.ok()) first = std::move(st);
+  };
+  keep_first(ack_evictions(dsts(plan.evictions), status));
+  keep_first(ack_backups(dsts(plan.backups), status));
+  keep_first(ack_loads(dsts(plan.loads), status));
+  keep_first(ack_storage_writes(dsts(plan.storage_writes), status));
+  keep_first(ack_storage_prefetches(dsts(plan.storage_prefetches), status));
+  return first;
 }
 
 }  // namespace kvtier::cache

@@ -717,8 +717,12 @@ Status HybridCache::ack_plan(const HybridPlan& plan, const Status& status) {
   if (plan.groups.size() != managers_.size())
     return InvalidArgument(
         fmt::format("hybrid ack_plan: plan has {} group plans for {} KV groups", plan.groups.size(), managers_.size()));
-  for (std::uint32_t g = 0; g < plan.groups.size(); ++g) KVTIER_RETURN_IF_ERROR(ack_plan(g, plan.groups[g], status));
-  return Status::Ok();
+  Status first = Status::Ok();  // every group acknowledged; the first error returned
+  for (std::uint32_t g = 0; g < plan.groups.size(); ++g) {
+    Status s = ack_plan(g, plan.groups[g], status);
+    if (!s.ok() && first.ok()) first = std::move(s);
+  }
+  return first;
 }
 
 Status HybridCache::apply_completions(std::span<const GroupCompletion> completions) {
@@ -728,11 +732,14 @@ Status HybridCache::apply_completions(std::span<const GroupCompletion> completio
                                     completions[i].group, managers_.size()));
   std::vector<std::vector<Completion>> per_group(managers_.size());
   for (const GroupCompletion& c : completions) per_group[c.group].push_back(c.completion);
+  Status first = Status::Ok();  // every group's completions applied; the first error returned
   for (std::uint32_t g = 0; g < per_group.size(); ++g)
-    if (!per_group[g].empty())
-      KVTIER_RETURN_IF_ERROR(cache::apply_completions(*managers_[g], per_group[g])
-                                 .with_context(fmt::format("hybrid ack: {}", group_label(config_.groups[g], g))));
-  return Status::Ok();
+    if (!per_group[g].empty()) {
+      Status s = cache::apply_completions(*managers_[g], per_group[g]);
+      if (!s.ok() && first.ok())
+        first = s.with_context(fmt::format("hybrid ack: {}", group_label(config_.groups[g], g)));
+    }
+  return first;
 }
 
 HybridStats HybridCache::stats() const {
@@ -889,11 +896,15 @@ Status HybridPlanExecutor::execute(const HybridPlan& plan) {
     if (!plan.groups[g].empty() && executors_[g] == nullptr)
       return InvalidArgument(
           fmt::format("hybrid executor: group {} has {} moves and no executor", g, plan.groups[g].size()));
+  // Every group gets its plan even after another's execute() failed: each executor reports its own moves (failed
+  // ones included) at a later poll(), and a group left out never would. The first error is returned.
+  Status first = Status::Ok();
   for (std::uint32_t g = 0; g < plan.groups.size(); ++g)
-    if (!plan.groups[g].empty())
-      KVTIER_RETURN_IF_ERROR(
-          executors_[g]->execute(plan.groups[g]).with_context(fmt::format("hybrid executor: group {}", g)));
-  return Status::Ok();
+    if (!plan.groups[g].empty()) {
+      Status s = executors_[g]->execute(plan.groups[g]);
+      if (!s.ok() && first.ok()) first = s.with_context(fmt::format("hybrid executor: group {}", g));
+    }
+  return first;
 }
 
 std::vector<GroupCompletion> HybridPlanExecutor::poll() {

@@ -919,6 +919,26 @@ TEST(HybridCache, BadInputIsAnErrorNamingTheValue) {
   EXPECT_HYBRID_INVARIANTS(*h);
 }
 
+// A group whose executor refuses its plan no longer keeps the groups after it from getting theirs (their moves were
+// never submitted nor reported: in flight in their caches forever); the first error is returned.
+TEST(HybridCache, EveryGroupGetsItsPlanAfterAnotherGroupsExecutorFails) {
+  class Refusing final : public PlanExecutor {
+   public:
+    Status execute(const StepPlan&) override { return Unavailable("copy engine gone"); }
+    std::vector<Completion> poll() override { return {}; }
+  } refusing;
+  FakePlanExecutor first, last;
+  HybridPlanExecutor exec({&first, &refusing, &last});
+  HybridPlan p;
+  p.groups.resize(3);
+  for (auto& g : p.groups) g.loads.push_back(BlockMove{0, 1, BlockKey{1, 2}});
+  Status st = exec.execute(p);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("group 1"), std::string::npos) << st.to_string();
+  EXPECT_EQ(first.in_flight(), 1u);
+  EXPECT_EQ(last.in_flight(), 1u) << "the group after the failing one got its plan";
+}
+
 // Look-ahead: an announced request's blocks are prefetched from host in every group (the full group's chain,
 // the window's blocks before the hit, the state at it, nothing else), stay through a flood of other requests
 // while announced, and are left to the policies again once withdrawn.

@@ -52,6 +52,40 @@ StepPlan run_acked(CacheManager& c, const std::vector<BlockKey>& keys, const Sta
   return p;
 }
 
+// An acknowledgement that fails (a completion naming no move in flight) no longer stops the others: the executor
+// has forgotten them all, so apply_completions() and ack_plan() that returned at the first error left the rest in
+// flight in the cache forever (reset() refused, blocks never freed).
+TEST(Acknowledgements, AFailedAckLeavesTheOthersApplied) {
+  auto c = make_cache(testing::config(2, 4));
+  ASSERT_TRUE(c);
+  run_acked(*c, path({1, 2}));
+  const std::vector<BlockKey> second = path({10, 11});
+  auto a = c->admit(second);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  StepPlan plan = c->take_plan();
+  ASSERT_FALSE(plan.evictions.empty());
+  const std::vector<BlockId> evicted = dsts(plan.evictions);
+  const std::vector<Completion> done = {Completion{MoveKind::kLoad, {77}, Status::Ok()},
+                                        Completion{MoveKind::kEviction, evicted, Status::Ok()}};
+  EXPECT_FALSE(apply_completions(*c, done).ok()) << "no load into block 77 is in flight";
+  EXPECT_FALSE(c->ack_evictions(evicted, Status::Ok()).ok()) << "the evictions were acknowledged by the call above";
+  EXPECT_TRUE(c->check_invariants().ok());
+  ASSERT_TRUE(c->commit_all(a->id).ok());
+  ASSERT_TRUE(c->release(a->id).ok());
+
+  // ack_plan: a kind whose ack fails (here: evictions acknowledged twice) no longer keeps the later kinds in flight.
+  const std::vector<BlockKey> third = path({1, 2});  // on host now: loads, and evictions of the second path
+  auto b = c->admit(third);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  StepPlan p2 = c->take_plan();
+  ASSERT_FALSE(p2.evictions.empty());
+  ASSERT_TRUE(c->ack_evictions(dsts(p2.evictions), Status::Ok()).ok());
+  EXPECT_FALSE(c->ack_plan(p2, Status::Ok()).ok());
+  ASSERT_FALSE(p2.loads.empty());
+  EXPECT_FALSE(c->ack_loads(dsts(p2.loads), Status::Ok()).ok()) << "the loads were acknowledged by ack_plan";
+  EXPECT_TRUE(c->check_invariants().ok());
+}
+
 TEST(WriteBackPressure, DirtyHostBlockIsWrittenToStorageBeforeItsBlockIsFreed) {
   auto c = make_cache(write_back(2, 4, 16));
   auto a = path({1, 2}), b = path({3, 4}), cc = path({5, 6}), d = path({7, 8});

@@ -37,7 +37,7 @@ class PlanExecutor {
   virtual std::vector<Completion> poll() = 0;
 };
 
-// Acks each completion on `cache`; stops at the first ack error.
+// Acks each completion on `cache`, every one even after an ack error; returns the first error.
 Status apply_completions(CacheManager& cache, const std::vector<Completion>& completions);
 
 }  // namespace kvtier::cache
