@@ -48,14 +48,14 @@ void StoragePlanExecutor::settle_removals() {
   }
   removals_ = std::move(keep);
   if (waiting_writes_.empty()) return;
-  std::vector<BlockMove> waiting = std::move(waiting_writes_);
+  std::vector<SeqMove> waiting = std::move(waiting_writes_);
   waiting_writes_.clear();
   // Those whose delete is still pending wait again; two writes of one key (an invalidated block's and the key's
   // new one) go in separate batches, a batch naming a key twice being refused whole.
   while (!waiting.empty()) {
     std::unordered_set<BlockKey, BlockKeyHash> seen;
-    std::vector<BlockMove> batch, later;
-    for (const BlockMove& m : waiting) (seen.insert(m.key).second ? batch : later).push_back(m);
+    std::vector<SeqMove> batch, later;
+    for (const SeqMove& m : waiting) (seen.insert(m.move.key).second ? batch : later).push_back(m);
     submit(MoveKind::kStorageWrite, batch);
     waiting = std::move(later);
   }
@@ -66,19 +66,21 @@ void StoragePlanExecutor::settle_prefetches() {
   if (waiting_prefetches_.empty()) return;
   std::vector<WaitingPrefetch> waiting = std::move(waiting_prefetches_);
   waiting_prefetches_.clear();
-  std::vector<BlockMove> now;
+  std::vector<SeqMove> now;
   const auto t = std::chrono::steady_clock::now();
   for (WaitingPrefetch& w : waiting) {
-    Result<bool> free = host_block_free_(w.move.dst);
+    const BlockId h = w.move.move.dst;
+    Result<bool> free = host_block_free_(h);
     if (free.ok() && *free) {
       now.push_back(w.move);
     } else if (!free.ok() || t >= w.deadline) {
-      Status why = free.ok() ? Unavailable(fmt::format("storage prefetch into host block {}: an earlier move still "
-                                                       "writes the block after {} ms",
-                                                       w.move.dst, guard_max_wait_.count() / 1000000))
-                             : free.status().with_context(
-                                   fmt::format("storage prefetch into host block {}: is the block free", w.move.dst));
-      pending_.push_back(Pending{MoveKind::kStoragePrefetch, {w.move.dst}, {}, std::move(why)});
+      Status why =
+          free.ok()
+              ? Unavailable(fmt::format("storage prefetch into host block {}: an earlier move still "
+                                        "writes the block after {} ms",
+                                        h, guard_max_wait_.count() / 1000000))
+              : free.status().with_context(fmt::format("storage prefetch into host block {}: is the block free", h));
+      fail(MoveKind::kStoragePrefetch, {w.move}, why);
     } else {
       waiting_prefetches_.push_back(std::move(w));
     }
@@ -86,15 +88,26 @@ void StoragePlanExecutor::settle_prefetches() {
   post(MoveKind::kStoragePrefetch, now);
 }
 
-void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& moves) {
+std::vector<StoragePlanExecutor::SeqMove> StoragePlanExecutor::number(MoveKind kind,
+                                                                      const std::vector<BlockMove>& moves) {
+  std::vector<SeqMove> out;
+  out.reserve(moves.size());
+  for (const BlockMove& m : moves) {
+    out.push_back(SeqMove{m, next_seq_});
+    order_[{kind, m.dst}].push_back(next_seq_++);
+  }
+  return out;
+}
+
+void StoragePlanExecutor::submit(MoveKind kind, const std::vector<SeqMove>& moves) {
   if (moves.empty()) return;
   const bool write = kind == MoveKind::kStorageWrite;
   if (!write && host_block_free_) {
     // A prefetch into a host block that an earlier (timed-out) move may still write waits for it (poll()).
-    std::vector<BlockMove> now;
+    std::vector<SeqMove> now;
     const auto deadline = deadline_after(guard_max_wait_);
-    for (const BlockMove& m : moves) {
-      Result<bool> free = host_block_free_(m.dst);
+    for (const SeqMove& m : moves) {
+      Result<bool> free = host_block_free_(m.move.dst);
       if (free.ok() && *free)
         now.push_back(m);
       else
@@ -108,29 +121,29 @@ void StoragePlanExecutor::submit(MoveKind kind, const std::vector<BlockMove>& mo
     // removes the new object; execute() does not wait for it.
     std::unordered_set<BlockKey, BlockKeyHash> removing;
     for (const Removal& r : removals_) removing.insert(r.keys.begin(), r.keys.end());
-    if (std::any_of(moves.begin(), moves.end(), [&](const BlockMove& m) { return removing.count(m.key) != 0; })) {
-      std::vector<BlockMove> now;
-      for (const BlockMove& m : moves) (removing.count(m.key) != 0 ? waiting_writes_ : now).push_back(m);
-      post(kind, now);
-      return;
-    }
+    std::vector<SeqMove> now;
+    for (const SeqMove& m : moves) (removing.count(m.move.key) != 0 ? waiting_writes_ : now).push_back(m);
+    post(kind, now);
+    return;
   }
   post(kind, moves);
 }
 
-void StoragePlanExecutor::post(MoveKind kind, const std::vector<BlockMove>& moves) {
+void StoragePlanExecutor::post(MoveKind kind, const std::vector<SeqMove>& moves) {
   if (moves.empty()) return;
   const bool write = kind == MoveKind::kStorageWrite;
   std::vector<storage::StorageKey> keys;
   std::vector<std::uint64_t> host;
-  Pending p{kind, {}, {}, Status::Ok()};
+  Pending p{kind, {}, {}, {}, Status::Ok()};
   keys.reserve(moves.size());
   host.reserve(moves.size());
   p.dst.reserve(moves.size());
-  for (const BlockMove& m : moves) {
-    keys.push_back(storage_key(m.key));
-    host.push_back(write ? m.src : m.dst);  // the host block: source of a write, destination of a read
-    p.dst.push_back(m.dst);
+  p.seq.reserve(moves.size());
+  for (const SeqMove& m : moves) {
+    keys.push_back(storage_key(m.move.key));
+    host.push_back(write ? m.move.src : m.move.dst);  // the host block: source of a write, destination of a read
+    p.dst.push_back(m.move.dst);
+    p.seq.push_back(m.seq);
   }
   auto op = write ? tier_.write(keys, host) : tier_.read(keys, host);
   if (op.ok())
@@ -138,6 +151,17 @@ void StoragePlanExecutor::post(MoveKind kind, const std::vector<BlockMove>& move
   else
     p.post_error =
         op.status().with_context(fmt::format("storage {} of {} blocks", write ? "write" : "prefetch", moves.size()));
+  pending_.push_back(std::move(p));
+}
+
+// Reported failed at the next poll(), in order with the other moves of their destinations.
+void StoragePlanExecutor::fail(MoveKind kind, const std::vector<SeqMove>& moves, const Status& why) {
+  if (moves.empty()) return;
+  Pending p{kind, {}, {}, {}, why};
+  for (const SeqMove& m : moves) {
+    p.dst.push_back(m.move.dst);
+    p.seq.push_back(m.seq);
+  }
   pending_.push_back(std::move(p));
 }
 
@@ -155,51 +179,67 @@ Status StoragePlanExecutor::execute(const StepPlan& plan) {
         {MoveKind::kLoad, &plan.loads},
         {MoveKind::kStorageWrite, &plan.storage_writes},
         {MoveKind::kStoragePrefetch, &plan.storage_prefetches}};
-    for (const auto& [kind, moves] : kinds) {
-      if (moves->empty()) continue;
-      Pending p{kind, {}, {}, refused};
-      for (const BlockMove& m : *moves) p.dst.push_back(m.dst);
-      pending_.push_back(std::move(p));
-    }
+    for (const auto& [kind, moves] : kinds) fail(kind, number(kind, *moves), refused);
     return refused;
   }
-  submit(MoveKind::kStorageWrite, plan.storage_writes);
-  submit(MoveKind::kStoragePrefetch, plan.storage_prefetches);
+  submit(MoveKind::kStorageWrite, number(MoveKind::kStorageWrite, plan.storage_writes));
+  submit(MoveKind::kStoragePrefetch, number(MoveKind::kStoragePrefetch, plan.storage_prefetches));
   return Status::Ok();
+}
+
+void StoragePlanExecutor::finish(MoveKind kind, BlockId dst, std::uint64_t seq, Status status) {
+  const bool write = kind == MoveKind::kStorageWrite;
+  if (status.ok())
+    (write ? bytes_written_ : bytes_read_) += tier_.object_bytes();
+  else if (write)
+    ++failed_writes_;
+  else if (kind == MoveKind::kStoragePrefetch)
+    ++failed_reads_;  // (not a refused plan's device moves)
+  finished_.emplace(seq, Finished{kind, dst, std::move(status)});
+}
+
+// Reports every finished move that no earlier move of its destination is still ahead of: batches complete in any
+// order (a write that waited for a delete, a slower read), so a later move to a destination may finish first.
+std::vector<Completion> StoragePlanExecutor::release_in_order() {
+  std::vector<Completion> out;
+  // One pass in submission order: a move released here can only let later ones of its destination go, which come
+  // after it in this pass.
+  for (auto it = finished_.begin(); it != finished_.end();) {
+    auto o = order_.find({it->second.kind, it->second.dst});
+    if (o == order_.end() || o->second.empty() || o->second.front() != it->first) {
+      ++it;
+      continue;
+    }
+    o->second.pop_front();
+    if (o->second.empty()) order_.erase(o);
+    Finished& f = it->second;
+    // In order in the returned list too; neighbouring successes of one kind share a completion.
+    if (f.status.ok() && !out.empty() && out.back().kind == f.kind && out.back().status.ok())
+      out.back().dst.push_back(f.dst);
+    else
+      out.push_back(Completion{f.kind, {f.dst}, std::move(f.status)});
+    it = finished_.erase(it);
+  }
+  return out;
 }
 
 std::vector<Completion> StoragePlanExecutor::poll() {
   settle_removals();
   settle_prefetches();
-  std::vector<Completion> out;
   std::vector<Pending> keep;
   for (Pending& p : pending_) {
-    const bool write = p.kind == MoveKind::kStorageWrite;
-    std::uint64_t& failed = write ? failed_writes_ : failed_reads_;
     if (!p.post_error.ok()) {
-      if (write || p.kind == MoveKind::kStoragePrefetch) failed += p.dst.size();  // not a refused plan's device moves
-      out.push_back(Completion{p.kind, std::move(p.dst), p.post_error});
+      for (std::size_t i = 0; i < p.dst.size(); ++i) finish(p.kind, p.dst[i], p.seq[i], p.post_error);
       continue;
     }
     if (!p.op.poll()) {
       keep.push_back(std::move(p));
       continue;
     }
-    Completion ok{p.kind, {}, Status::Ok()};
-    for (std::size_t i = 0; i < p.dst.size(); ++i) {
-      Status st = p.op.status(i);
-      if (st.ok()) {
-        ok.dst.push_back(p.dst[i]);
-        (write ? bytes_written_ : bytes_read_) += tier_.object_bytes();
-      } else {
-        ++failed;
-        out.push_back(Completion{p.kind, {p.dst[i]}, std::move(st)});
-      }
-    }
-    if (!ok.dst.empty()) out.push_back(std::move(ok));
+    for (std::size_t i = 0; i < p.dst.size(); ++i) finish(p.kind, p.dst[i], p.seq[i], p.op.status(i));
   }
   pending_ = std::move(keep);
-  return out;
+  return release_in_order();
 }
 
 Status CompositePlanExecutor::execute(const StepPlan& plan) {

@@ -28,6 +28,10 @@ NB_MODULE(_native, m) {
   kvtier::python::bind_log(m);
   kvtier::python::bind_metrics(m);
   kvtier::python::bind_pd(m);
+  // References handed back by managers that a callback dropped (defer_release) are dropped at exit too, before
+  // nanobind's leak check, which otherwise reported their device and stream as leaked.
+  m.def("_release_deferred", [] { kvtier::python::release_deferred(); });
+  nb::module_::import_("atexit").attr("register")(m.attr("_release_deferred"));
 #ifdef KVTIER_PYTHON_WITH_CACHE
   kvtier::python::bind_cache(m);
   kvtier::python::bind_pd_receiver(m);

@@ -431,14 +431,13 @@ for i in range(8):
 del m
 assert done.wait(10)
 time.sleep(2)
-# A later manager's creation drops what the drained one left behind.
-m2 = kvtier.TransferManager.from_tensors(dev, compute, {f"{r}_0_rank0.device0": np.zeros((2, 64), np.uint8)
-                                                        for r in ("key_caches", "value_caches")}, None, 2, 1)
-m2.close()
 print("survived")
 """
     r = _run_script(code)
     assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    # What the drained manager handed back (the device, the stream, the tensors) is dropped by exit: nanobind's
+    # leak check reported the device and stream as leaked instances.
+    assert "leaked" not in r.stderr, r.stderr[-2000:]
 
 
 def test_a_finalizer_that_calls_the_cache_manager_inside_one_of_its_calls_raises_instead_of_hanging():

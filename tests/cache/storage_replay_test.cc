@@ -388,6 +388,41 @@ TEST(StoragePlanExecutor, APrefetchWaitsForTheLateCopyIntoItsHostBlock) {
   EXPECT_EQ(sto.in_flight(), 0u);
 }
 
+// Reports leave per destination in submission order: a MultiRankPlanExecutor drops the late report of a timed-out
+// move by count, so a newer move to the same slot that finished first had its status taken for the old one's (a
+// write that failed on this rank acknowledged as stored on all).
+TEST(StoragePlanExecutor, ReportsOfOneDestinationLeaveInSubmissionOrder) {
+  TempDir dir;
+  auto rs = ReplayStorage::create("disk:" + dir.path(), 8, 4096);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  StoragePlanExecutor sto((*rs)->tier());
+  const BlockKey k1{0xA1, 0xB1}, k2{0xA2, 0xB2};
+  ReplayStorage::fill_pattern(k1, (*rs)->host_block(0));
+  StepPlan first;
+  first.storage_writes = {BlockMove{0, 9, k1}};
+  ASSERT_TRUE(sto.execute(first).ok());
+  while (sto.in_flight()) sto.poll();
+  // k1's slot given up and k1 written again into slot 5: that write waits for the delete (poll() posts it).
+  StepPlan again;
+  again.storage_drops = {BlockMove{9, kNoBlock, k1}};
+  again.storage_writes = {BlockMove{0, 5, k1}};
+  ASSERT_TRUE(sto.execute(again).ok());
+  // Slot 5 reused at once (as after a timeout): a write that fails at once (host block 99 does not exist).
+  StepPlan reuse;
+  reuse.storage_writes = {BlockMove{99, 5, k2}};
+  ASSERT_TRUE(sto.execute(reuse).ok());
+  std::vector<bool> slot5;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (sto.in_flight() && std::chrono::steady_clock::now() < until) {
+    for (const Completion& c : sto.poll())
+      for (BlockId b : c.dst)
+        if (b == 5) slot5.push_back(c.status.ok());
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  EXPECT_EQ(slot5, (std::vector<bool>{true, false})) << "k1's write first (OK), then k2's (failed)";
+  EXPECT_EQ(sto.in_flight(), 0u);
+}
+
 TEST(StoragePlanExecutor, PrefetchOfCorruptedObjectIsAMiss) {
   TempDir dir;
   constexpr std::uint32_t kHost = 8;

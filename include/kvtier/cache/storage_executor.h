@@ -20,6 +20,10 @@
 // mismatch, Unavailable, ...) completes with that status, so the cache turns
 // it into a miss; its host block holds undefined bytes and is never served.
 // A batch that cannot be posted completes (at the next poll) with the post error.
+// poll() reports the moves of one destination (kind and block) in the order
+// execute() was handed them, also when a later one finishes first (a write
+// that waited for a delete): MultiRankPlanExecutor relies on it to tell the
+// late report of a timed-out move from a newer move's.
 //
 // CompositePlanExecutor routes evictions, backups and loads to one executor
 // and storage writes/prefetches to another, and merges their completions. No
@@ -34,7 +38,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "kvtier/backend/plan_executor.h"
@@ -71,7 +78,7 @@ class StoragePlanExecutor final : public PlanExecutor {
   }
 
   std::size_t in_flight() const noexcept {
-    return pending_.size() + removals_.size() + waiting_writes_.size() + waiting_prefetches_.size();
+    return pending_.size() + removals_.size() + waiting_writes_.size() + waiting_prefetches_.size() + finished_.size();
   }
   std::uint64_t bytes_written() const noexcept { return bytes_written_; }
   std::uint64_t bytes_read() const noexcept { return bytes_read_; }
@@ -82,11 +89,22 @@ class StoragePlanExecutor final : public PlanExecutor {
   std::uint64_t failed_removals() const noexcept { return failed_removals_; }
 
  private:
+  // A move and its place in submission order (execute() numbers every move it is handed).
+  struct SeqMove {
+    BlockMove move;
+    std::uint64_t seq = 0;
+  };
   struct Pending {
     MoveKind kind;
     std::vector<BlockId> dst;
+    std::vector<std::uint64_t> seq;  // per dst
     storage::StorageTierOp op;
     KeptStatus post_error;  // set when the batch never reached the backend
+  };
+  struct Finished {
+    MoveKind kind;
+    BlockId dst;
+    KeptStatus status;
   };
   struct Removal {
     std::vector<BlockKey> keys;
@@ -94,23 +112,33 @@ class StoragePlanExecutor final : public PlanExecutor {
     bool posted = false;
   };
   struct WaitingPrefetch {
-    BlockMove move;
+    SeqMove move;
     std::chrono::steady_clock::time_point deadline;
   };
-  void submit(MoveKind kind, const std::vector<BlockMove>& moves);  // waits where it must, then post()
-  void post(MoveKind kind, const std::vector<BlockMove>& moves);    // to the backend now
+  std::vector<SeqMove> number(MoveKind kind, const std::vector<BlockMove>& moves);
+  void submit(MoveKind kind, const std::vector<SeqMove>& moves);  // waits where it must, then post()
+  void post(MoveKind kind, const std::vector<SeqMove>& moves);    // to the backend now
+  void fail(MoveKind kind, const std::vector<SeqMove>& moves, const Status& why);
   void remove(const std::vector<BlockMove>& drops);
   void settle_removals();
   void settle_prefetches();
+  void finish(MoveKind kind, BlockId dst, std::uint64_t seq, Status status);
+  std::vector<Completion> release_in_order();
 
   storage::StorageTier& tier_;
   bool remove_dropped_ = true;
   std::vector<Pending> pending_;
   std::vector<Removal> removals_;
-  std::vector<BlockMove> waiting_writes_;  // writes of keys whose delete is in flight
+  std::vector<SeqMove> waiting_writes_;  // writes of keys whose delete is in flight
   std::function<Result<bool>(BlockId)> host_block_free_;
   std::chrono::nanoseconds guard_max_wait_{0};
   std::vector<WaitingPrefetch> waiting_prefetches_;  // into host blocks an earlier move may still write
+  // Reports go out per destination in submission order (what MultiRankPlanExecutor relies on to drop the late
+  // report of a timed-out move rather than a newer move's): the moves still unreported per (kind, destination), in
+  // order, and those finished but held behind an earlier one of their destination.
+  std::uint64_t next_seq_ = 0;
+  std::map<std::pair<MoveKind, BlockId>, std::deque<std::uint64_t>> order_;
+  std::map<std::uint64_t, Finished> finished_;
   std::uint64_t bytes_written_ = 0, bytes_read_ = 0, failed_writes_ = 0, failed_reads_ = 0;
   std::uint64_t removed_objects_ = 0, failed_removals_ = 0;
 };
