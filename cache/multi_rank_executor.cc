@@ -75,10 +75,15 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
     Status st = ranks_[r]->execute(plan);
     if (st.ok()) continue;
     Status err = st.with_context(fmt::format("rank {} of {}: execute", r, n));
-    // Ranks 0..r got the plan (rank r perhaps in part): drop their reports of these moves.
+    // Every move fails with rank r's error, but not before ranks 0..r reported it (or its deadline passed): they
+    // got the plan (rank r perhaps in part, and an executor reports what it was handed, failed or not), so their
+    // copies and storage reads may still write its blocks, and a failure acknowledged at once let the cache hand
+    // those blocks to other moves under them. The ranks after r never got it: counted as reported.
     for (const MoveRef& ref : refs) {
-      pending_.erase(ref);
-      for (std::uint32_t q = 0; q <= r; ++q) ++dropped_[q][ref];
+      Entry& e = pending_[ref];
+      e.status = err;
+      for (std::uint32_t q = r + 1; q < n; ++q) e.reported[q] = true;
+      e.count = n - (r + 1);
     }
     // The cache has given up the plan's storage slots whatever happens to its moves: the ranks after r delete
     // their objects of them all the same, or those objects would stay in their backends with no key pointing at
@@ -88,13 +93,6 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
       drops_only.storage_drops = plan.storage_drops;
       for (std::uint32_t q = r + 1; q < n; ++q)
         if (!ranks_[q]->execute(drops_only).ok()) ++stats_[q].failed_drop_plans;
-    }
-    for (const auto& [kind, moves] : lists) {
-      if (moves->empty()) continue;
-      Completion c{kind, {}, err};
-      for (const BlockMove& m : *moves) c.dst.push_back(m.dst);
-      failed_moves_ += moves->size();
-      ready_.push_back(std::move(c));
     }
     return err;
   }
@@ -115,8 +113,7 @@ void MultiRankPlanExecutor::finish(const MoveRef& ref, Status status, std::vecto
 }
 
 std::vector<Completion> MultiRankPlanExecutor::poll() {
-  std::vector<Completion> out = std::move(ready_);
-  ready_.clear();
+  std::vector<Completion> out;
   const std::uint32_t n = ranks();
   for (std::uint32_t r = 0; r < n; ++r) {
     for (const Completion& c : ranks_[r]->poll()) {

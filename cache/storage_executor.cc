@@ -70,7 +70,7 @@ void StoragePlanExecutor::settle_prefetches() {
   const auto t = std::chrono::steady_clock::now();
   for (WaitingPrefetch& w : waiting) {
     const BlockId h = w.move.move.dst;
-    Result<bool> free = host_block_free_(h);
+    Result<bool> free = host_block_free_ ? host_block_free_(h) : Result<bool>(true);
     if (free.ok() && *free) {
       now.push_back(w.move);
     } else if (!free.ok() || t >= w.deadline) {

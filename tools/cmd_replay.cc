@@ -507,6 +507,28 @@ Action register_replay(CLI::App& app) {
       return bad(fmt::format("--out {}: its directory does not exist or cannot be written", a.out));
     if (!a.metrics_out.empty() && !writable(a.metrics_out))
       return bad(fmt::format("--metrics-out {}: its directory does not exist or cannot be written", a.metrics_out));
+    // The policy names this mode uses are checked before the trace is read, so a misspelt one is a usage error
+    // (exit 2), not a failure of the run (exit 1) after reading it. belady's oracle is the replay's; any oracle
+    // makes the name check. A sweep runs belady and min-bypass by itself (listed, they are skipped there).
+    {
+      auto check_policy = [&](const char* flag, const std::string& name) -> std::optional<std::string> {
+        auto made = cache::make_policy(name, 1, [](const cache::BlockKey&, std::uint64_t) { return std::uint64_t{0}; });
+        if (made.ok()) return std::nullopt;
+        return fmt::format("{} {}: {}", flag, name, made.status().message());
+      };
+      std::vector<std::pair<const char*, std::string>> names;
+      if (a.sweep.empty()) {
+        names.emplace_back("--policy", a.policy);
+      } else {
+        if (given("--sweep-default")) names.emplace_back("--sweep-default", a.sweep_default);
+        std::vector<std::string> listed;
+        if (given("--sweep-policies") && !parse_list("--sweep-policies", a.sweep_policies, listed, "lru,adaptive"))
+          for (std::string& name : listed)
+            if (name != "belady" && name != "min-bypass") names.emplace_back("--sweep-policies", std::move(name));
+      }
+      for (const auto& [flag, name] : names)
+        if (auto err = check_policy(flag, name)) return bad(*err);
+    }
     std::string path = resolve_trace(a.trace);
     auto trace = cache::load_mooncake_trace(path, a.max_requests);
     if (!trace.ok()) {
@@ -611,25 +633,6 @@ Action register_replay(CLI::App& app) {
             fmt::format("--sweep replays one device tier of each --sweep capacity, with nothing to write "
                         "back or fail: no {}",
                         f));
-    }
-    // Policy names are checked here, so a misspelt one is a usage error (exit 2) before the trace is read, not a
-    // failure of the run (exit 1) after it. belady's oracle is the replay's; any oracle makes the name check.
-    {
-      auto check_policy = [&](const char* flag, const std::string& name) -> std::optional<std::string> {
-        auto made = cache::make_policy(name, 1, [](const cache::BlockKey&, std::uint64_t) { return std::uint64_t{0}; });
-        if (made.ok()) return std::nullopt;
-        return fmt::format("{} {}: {}", flag, name, made.status().message());
-      };
-      std::vector<std::pair<const char*, std::string>> names = {{"--policy", a.policy}};
-      if (given("--sweep-default")) names.emplace_back("--sweep-default", a.sweep_default);
-      if (given("--sweep-policies"))
-        for (std::size_t at = 0; at <= a.sweep_policies.size();) {
-          const std::size_t comma = std::min(a.sweep_policies.find(',', at), a.sweep_policies.size());
-          if (comma > at) names.emplace_back("--sweep-policies", a.sweep_policies.substr(at, comma - at));
-          at = comma + 1;
-        }
-      for (const auto& [flag, name] : names)
-        if (auto err = check_policy(flag, name)) return bad(*err);
     }
     if (a.policy == "belady" && a.sweep.empty() && !a.queue) {
       // Belady is an offline bound: one tier (device plus host capacity) on the fake executor.

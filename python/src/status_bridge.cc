@@ -174,21 +174,31 @@ void for_each_item(nb::handle seq, const char* what, const char* of, Each&& each
 }  // namespace
 
 namespace {
-std::mutex g_deferred_mu;
-std::vector<PyObject*> g_deferred;
+// Never destroyed: a detached shutdown thread may hand references back while the process exits, after static
+// destructors ran.
+struct Deferred {
+  std::mutex mu;
+  std::vector<PyObject*> refs;
+};
+Deferred& deferred() {
+  static Deferred* d = new Deferred();
+  return *d;
+}
 }  // namespace
 
 void defer_release(PyObject* owned) {
   if (owned == nullptr) return;
-  std::lock_guard lock(g_deferred_mu);
-  g_deferred.push_back(owned);
+  Deferred& d = deferred();
+  std::lock_guard lock(d.mu);
+  d.refs.push_back(owned);
 }
 
 void release_deferred() {
   std::vector<PyObject*> drop;
   {
-    std::lock_guard lock(g_deferred_mu);
-    drop.swap(g_deferred);
+    Deferred& d = deferred();
+    std::lock_guard lock(d.mu);
+    drop.swap(d.refs);
   }
   for (PyObject* o : drop) Py_DECREF(o);
 }

@@ -91,14 +91,19 @@ const Status& status_of(const Result<T>& r) {
 // A wait with the GIL released that Ctrl-C can end. A wait without a deadline (timeout None) runs in slices of
 // kSignalCheckSlice: between two, the GIL is taken back and pending signals are handled, so KeyboardInterrupt (or a
 // signal handler's exception) is raised within a slice instead of never. `wait(t)` waits up to t and returns
-// kTimedOut when t ran out. A bounded wait runs whole (its TimedOut message names the caller's timeout).
+// kTimedOut when t ran out; a TimedOut that comes back before its slice has passed is the outcome of what was
+// waited for (a task that itself ended TimedOut) and is returned. A bounded wait runs whole (its TimedOut message
+// names the caller's timeout). Only for waits whose target is fixed when the call starts (one task, one layer):
+// each slice looks again.
 inline constexpr std::chrono::milliseconds kSignalCheckSlice{50};
 template <typename F>
 auto wait_interruptible(std::chrono::nanoseconds timeout, F&& wait) -> decltype(wait(timeout)) {
   if (!is_unbounded(timeout)) return released([&] { return wait(timeout); });
   for (;;) {
+    const auto start = std::chrono::steady_clock::now();
     auto r = released([&] { return wait(std::chrono::nanoseconds(kSignalCheckSlice)); });
-    if (status_of(r).code() != StatusCode::kTimedOut) return r;
+    if (status_of(r).code() != StatusCode::kTimedOut || std::chrono::steady_clock::now() - start < kSignalCheckSlice)
+      return r;
     if (PyErr_CheckSignals() != 0) throw nanobind::python_error();
   }
 }

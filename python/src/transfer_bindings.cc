@@ -811,7 +811,7 @@ void bind_transfer(nb::module_& m) {
           "wait_all",
           [](PyTransferManager& p, std::optional<double> timeout) {
             auto tm = p.hold();
-            check(wait_interruptible(to_timeout(timeout), [&](std::chrono::nanoseconds t) { return tm->wait_all(t); }));
+            check(released([&] { return tm->wait_all(to_timeout(timeout)); }));  // its target is taken per call
           },
           "timeout"_a = nb::none())
       .def(
@@ -819,8 +819,7 @@ void bind_transfer(nb::module_& m) {
           [](PyTransferManager& p, nb::handle blocks, std::optional<double> timeout) {
             auto b = to_ids(blocks, "host");
             auto tm = p.hold();
-            check(wait_interruptible(to_timeout(timeout),
-                                     [&](std::chrono::nanoseconds t) { return tm->wait_host_blocks_free(b, t); }));
+            check(released([&] { return tm->wait_host_blocks_free(b, to_timeout(timeout)); }));
           },
           "host_blocks"_a, "timeout"_a = nb::none())
       .def(

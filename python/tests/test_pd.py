@@ -1277,3 +1277,39 @@ def test_a_closed_receiver_the_program_still_references_holds_nothing_at_exit():
         "rx = Receiver(cache, tm, d)\n"
         "rx.close(); d.close(); tm.close()\n")
     assert_exits_without_leaks(script)
+
+
+def test_an_unbounded_wait_returns_a_layer_that_itself_timed_out():
+    """A wait with timeout=None runs in 50 ms slices (so Ctrl-C works); a layer that ended TimedOut (its receive
+    timed out: no prefill ever began) answered every slice with TimedOut at once, and the wait spun forever instead
+    of raising it."""
+    import threading
+
+    src_kv, dst_kv = prefill_kv(seed=11), decode_kv()
+    dev, tm, cache = receiver_rig(dst_kv)
+    with Prefill(src_kv, transport="loopback", **FAST) as p, \
+            Decode(dst_kv, transport="loopback", device=dev, **FAST) as d:
+        to_decode, to_prefill = connect(p, d)
+        rx = Receiver(cache, tm, d, receive_timeout=0.3)
+        r = rx.start(to_prefill, 7, chain(4), "push")
+        deadline = time.monotonic() + 10
+        while rx.active and time.monotonic() < deadline:
+            rx.poll()
+            time.sleep(0.05)
+        outcome = {}
+
+        def wait():
+            try:
+                tm.wait_layer_host(r.task, 0)  # timeout=None
+                outcome["r"] = "returned"
+            except kvtier.KvtierError as e:
+                outcome["r"] = e
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), "the unbounded wait still spins"
+        assert isinstance(outcome["r"], kvtier.TimedOutError), outcome
+        with pytest.raises(kvtier.TimedOutError):
+            tm.wait(r.task)
+        rx.close()

@@ -472,7 +472,8 @@ print("done")
 """
     r = _run_script(code, timeout=60)
     assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    assert "released" in r.stdout or "called again on the thread" in r.stdout, r.stdout
+    # The collector ran inside admit() (threshold 1): the finalizer's call was the re-entry, and it raised.
+    assert "called again on the thread" in r.stdout, r.stdout
 
 
 def test_storage_buffers_are_read_by_index_not_by_iteration(tmp_path):

@@ -257,22 +257,42 @@ TEST(MultiRank, SilentRankTimesOutTheMoveWithoutBlocking) {
 TEST(MultiRank, ExecuteFailureOnRankKFailsTheMovesForAll) {
   ScriptedRank r0, r1, r2;
   r1.execute_error = Unavailable("copy engine gone");
-  auto m = make_multi({&r0, &r1, &r2});
+  FakeClock clock;
+  auto m = make_multi({&r0, &r1, &r2}, &clock);
   Status st = m->execute(plan_of({5, 6}, {1}));
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
   EXPECT_NE(st.message().find("rank 1 of 3"), std::string::npos) << st.to_string();
   EXPECT_EQ(r0.plans.size(), 1u);
   EXPECT_EQ(r2.executed, 0) << "ranks after the failing one are not handed the plan";
-  r0.report(MoveKind::kLoad, {5, 6});  // rank 0 ran the plan: its reports are dropped
+  // Rank 0 ran the plan and rank 1 may have run part of it: until both reported, their copies may still write the
+  // blocks, so no move is acknowledged (it was at once, and the cache reused the blocks under those copies).
+  r0.report(MoveKind::kLoad, {5, 6});
   r0.report(MoveKind::kEviction, {1});
+  EXPECT_TRUE(m->poll().empty());
+  r1.report(MoveKind::kLoad, {5, 6}, Unavailable("not submitted"));  // as an executor reports a failed submission
+  r1.report(MoveKind::kEviction, {1}, Unavailable("not submitted"));
   Reported got;
   std::vector<Completion> done = m->poll();
   collect(done, got);
   EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 5, false}, {MoveKind::kLoad, 6, false}, {MoveKind::kEviction, 1, false}}));
   for (const Completion& c : done) EXPECT_NE(c.status.message().find("copy engine gone"), std::string::npos);
-  EXPECT_EQ(m->rank_stats(0).late_reports, 3u);
+  EXPECT_EQ(m->rank_stats(0).late_reports, 0u);
   EXPECT_EQ(m->in_flight(), 0u);
   EXPECT_TRUE(m->poll().empty());
+
+  // A failing rank that reports nothing: its moves fail at their deadline (naming it), not before.
+  ScriptedRank q0, q1;
+  q1.execute_error = Unavailable("copy engine gone");
+  FakeClock c2;
+  auto s = make_multi({&q0, &q1}, &c2, std::chrono::seconds(5));
+  EXPECT_FALSE(s->execute(plan_of({3}, {})).ok());
+  q0.report(MoveKind::kLoad, {3});
+  EXPECT_TRUE(s->poll().empty());
+  c2.t += std::chrono::seconds(6);
+  Reported late;
+  collect(s->poll(), late);
+  EXPECT_EQ(late, (Reported{{MoveKind::kLoad, 3, false}}));
+  EXPECT_EQ(s->in_flight(), 0u);
 }
 
 // The cache gives up a plan's storage slots whatever becomes of its moves: when rank k's execute() fails, the ranks
@@ -298,6 +318,10 @@ TEST(MultiRank, RanksAfterAFailedExecuteStillDeleteTheDroppedStorageObjects) {
   EXPECT_EQ(r3.executed, 1);
   EXPECT_EQ(m->rank_stats(3).failed_drop_plans, 1u);
   EXPECT_EQ(m->rank_stats(2).failed_drop_plans, 0u);
+  r0.report(MoveKind::kLoad, {5});
+  r0.report(MoveKind::kEviction, {1});
+  r1.report(MoveKind::kLoad, {5}, Unavailable("not submitted"));
+  r1.report(MoveKind::kEviction, {1}, Unavailable("not submitted"));
   Reported got;
   collect(m->poll(), got);
   EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 5, false}, {MoveKind::kEviction, 1, false}}));

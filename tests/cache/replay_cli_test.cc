@@ -135,7 +135,7 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--tp 2 --rank-deadline-ms 10000000000000", {"--rank-deadline-ms", "10000000000000"}},
       {"--rank-deadline-ms 0", {"--rank-deadline-ms", "'0'"}},
       {"--write-through-threshold 0", {"--write-through-threshold", "got 0"}},
-      {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}, 1},  // arrivals at inf: NaN depths, exit 0
+      {"--queue --load 1e-320", {"load_factor 1e-320", "1e15 s"}, 1},  // arrivals at inf: NaN depths (it exited 0)
       // Given, but empty or 0 where that is what "not given" looks like: these were taken as not given (a default
       // host tier, a plain replay instead of a sweep, no storage tier) and the run exited 0.
       {"--device-tokens 0", {"--device-tokens", "got 0"}},
@@ -188,6 +188,16 @@ TEST_F(ReplayCli, ExitStatusSaysUsageOrFailure) {
   EXPECT_NE(help.out.find("Exit status"), std::string::npos) << help.out;
   CliRun missing = run("replay --transfer none '" + dir_ + "/missing.jsonl'");
   EXPECT_EQ(missing.rc, 1) << "a trace that cannot be read fails the run: " << missing.out;
+  // A misspelt policy is named before the trace is read (a missing trace is not what it reports).
+  CliRun policy = run("replay --transfer none --policy bogus '" + dir_ + "/missing.jsonl'");
+  EXPECT_EQ(policy.rc, 2) << policy.out;
+  EXPECT_NE(policy.out.find("--policy bogus"), std::string::npos) << policy.out;
+  // What a sweep accepts stays accepted: spaces after commas, and the bounds it runs anyway.
+  for (const std::string list : {"'lru, arc'", "lru,min-bypass", "lru,belady"}) {
+    CliRun sweep =
+        run("replay --max-requests 20 --sweep 8,16 --out " + dir_ + "/s --sweep-policies " + list + " " + kSample);
+    EXPECT_EQ(sweep.rc, 0) << list << ": " << sweep.out;
+  }
 }
 
 TEST_F(ReplayCli, BadTracesNameTheLineAndTheValue) {

@@ -31,7 +31,8 @@
 //    its move times out; and give each rank's StoragePlanExecutor its
 //    TransferManager's is_host_block_free as guard_host_blocks(), so that a
 //    prefetch into a host block whose timed-out device->host copy may still
-//    land waits for that copy instead of racing it.
+//    land waits for that copy instead of racing it (with the guard's max_wait
+//    plus the backend's deadline below move_deadline).
 // The late report of a timed-out move is dropped (each rank's reports of one
 // destination block arrive in submission order, which the hazards above and
 // the executors here guarantee), so it is never taken for a newer move to the
@@ -41,9 +42,10 @@
 // the plan's moves, only its storage_drops (the cache has given those slots up
 // whatever becomes of the moves, so each rank still deletes its objects of
 // them); execute() returns rank k's error (naming the rank) and every move
-// of the plan is reported failed, with that error, at the next poll(), so the
-// cache acknowledges them as misses on all ranks. Reports the ranks 0..k still
-// make for those moves are dropped. A plan whose destination collides with a
+// of the plan is reported failed, with that error, once ranks 0..k reported
+// it (an executor reports every move it was handed, failed or not) or its
+// deadline passed: their copies may still write its blocks until then. The
+// cache acknowledges them as misses on all ranks. A plan whose destination collides with a
 // move still in flight (kind and block) is refused (InvalidArgument) before any
 // rank sees it.
 //
@@ -91,7 +93,7 @@ class MultiRankPlanExecutor final : public PlanExecutor {
   std::vector<Completion> poll() override;
 
   std::uint32_t ranks() const noexcept { return static_cast<std::uint32_t>(ranks_.size()); }
-  std::size_t in_flight() const noexcept { return pending_.size() + ready_.size(); }
+  std::size_t in_flight() const noexcept { return pending_.size(); }
   // A rank outside 0..ranks()-1 has none (all zero).
   RankStats rank_stats(std::uint32_t rank) const noexcept { return rank < stats_.size() ? stats_[rank] : RankStats{}; }
   std::uint64_t completed_moves() const noexcept { return completed_moves_; }  // reported OK by every rank
@@ -119,7 +121,6 @@ class MultiRankPlanExecutor final : public PlanExecutor {
   Options options_;
   std::map<MoveRef, Entry> pending_;
   std::vector<std::map<MoveRef, std::uint32_t>> dropped_;  // per rank: reports still to drop
-  std::vector<Completion> ready_;                          // failed at execute(), reported at the next poll
   std::vector<RankStats> stats_;
   std::uint64_t seq_ = 0, completed_moves_ = 0, failed_moves_ = 0, timed_out_moves_ = 0;
 };

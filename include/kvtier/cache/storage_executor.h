@@ -65,18 +65,22 @@ class StoragePlanExecutor final : public PlanExecutor {
   Status execute(const StepPlan& plan) override;
   std::vector<Completion> poll() override;
 
-  // Work not completed yet: batches of moves, deletes of dropped objects, writes waiting for a delete.
   // Prefetches write host blocks; the cache hands one a block only once the block's earlier moves were
   // acknowledged, but a MultiRankPlanExecutor acknowledges a move that timed out on a silent rank while that rank's
   // copy may still land in the block (a device->host copy of an eviction). Given a guard (each rank: its
   // TransferManager's is_host_block_free), a prefetch into a block the guard says is not free waits (poll() looks
-  // again) and fails with Unavailable after `max_wait`, so the late copy can never overwrite what it read.
+  // again) and fails with Unavailable after `max_wait`, so the late copy can never overwrite what it read. Under a
+  // MultiRankPlanExecutor keep max_wait plus the backend's operation deadline below its move_deadline: a prefetch
+  // still waiting when its move times out would otherwise be posted later, into a block the cache gave to another
+  // move. A null guard posts waiting prefetches as they are.
   void guard_host_blocks(std::function<Result<bool>(BlockId)> is_free,
-                         std::chrono::nanoseconds max_wait = std::chrono::seconds(60)) {
+                         std::chrono::nanoseconds max_wait = std::chrono::seconds(5)) {
     host_block_free_ = std::move(is_free);
     guard_max_wait_ = max_wait;
   }
 
+  // Work not completed yet: batches of moves, deletes of dropped objects, writes waiting for a delete, prefetches
+  // waiting for their host block, finished moves held behind an earlier one of their destination.
   std::size_t in_flight() const noexcept {
     return pending_.size() + removals_.size() + waiting_writes_.size() + waiting_prefetches_.size() + finished_.size();
   }
