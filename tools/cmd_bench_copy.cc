@@ -68,8 +68,26 @@ Status check_args(const BenchCopyArgs& a) {
   if (a.warmup < 0) return InvalidArgument(fmt::format("--warmup must be >= 0, got {}", a.warmup));
   if (a.layers < 1 || a.roles < 1 || a.roles > 6)
     return InvalidArgument(fmt::format("--layers must be >= 1 and --roles in [1, 6] (got {}, {})", a.layers, a.roles));
+  // A block of every layer and role must be a size kvtier takes (KvLayout::kMaxBlockBytes): bigger products
+  // wrapped to small or zero sizes (a division by zero, a 0-byte pool).
+  const std::uint64_t max_kib = KvLayout::kMaxBlockBytes / 1024 / (std::uint64_t{a.layers} * a.roles);
   for (auto k : a.block_kib)
-    if (k == 0) return InvalidArgument("--block-sizes entries must be >= 1 KiB");
+    if (k == 0 || k > max_kib)
+      return InvalidArgument(
+          fmt::format("--block-sizes {}: each entry must be 1..{} KiB ({} layers x {} roles of a "
+                      "block at most {} bytes)",
+                      k, max_kib, a.layers, a.roles, KvLayout::kMaxBlockBytes));
+  constexpr std::uint64_t kMaxMib = std::uint64_t{1} << 30;  // 1 PiB: past it `<< 20` wraps
+  if (a.total_mib > kMaxMib) return InvalidArgument(fmt::format("--total-mib {}: at most {}", a.total_mib, kMaxMib));
+  if (a.pool_min_mib > kMaxMib)
+    return InvalidArgument(fmt::format("--pool-min-mib {}: at most {}", a.pool_min_mib, kMaxMib));
+  if (a.staged_slot_mib > kMaxMib)
+    return InvalidArgument(fmt::format("--staged-slot-mib {}: at most {}", a.staged_slot_mib, kMaxMib));
+  constexpr std::uint64_t kMaxKib = std::uint64_t{1} << 40;
+  if (a.sm_item_kib > kMaxKib)
+    return InvalidArgument(fmt::format("--sm-item-kib {}: at most {}", a.sm_item_kib, kMaxKib));
+  if (a.gate_max_kib > kMaxKib)
+    return InvalidArgument(fmt::format("--gate-max-kib {}: at most {}", a.gate_max_kib, kMaxKib));
   return Status::Ok();
 }
 
@@ -144,8 +162,15 @@ Action register_bench_copy(CLI::App& bench) {
     // staged_dma needs dense host runs; on random host ids it degenerates to a
     // chunk per pair, so the default list leaves it out for that pattern.
     if (cmd->count("--strategies") == 0 && a.pattern == "random") std::erase(a.strategies, std::string("staged_dma"));
-    if (Status st = bench_copy_detail::check_args(a); !st.ok()) {
+    if (Status st = bench_copy_detail::check_args(*args); !st.ok()) {
       std::fprintf(stderr, "kvtier bench copy: %s\n", st.to_string().c_str());
+      return 2;
+    }
+    // The engine's options as the flags and KVTIER_COPY_* set them, checked before the device opens: a bad one
+    // was found by the engine later and exited 1 (a failed run) instead of 2.
+    if (Status st = check_copy_engine_options(a.engine); !st.ok()) {
+      std::fprintf(stderr, "kvtier bench copy: a copy-engine flag or KVTIER_COPY_* setting: %s\n",
+                   st.to_string().c_str());
       return 2;
     }
     auto device = bench_copy_detail::open_device(a.backend);

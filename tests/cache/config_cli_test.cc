@@ -153,6 +153,43 @@ TEST_F(ConfigCli, BenchCopyEnvThenFlags) {
   EXPECT_NE(bad.out.find("KVTIER_COPY_AUTO_SPLIT_ADAPTIVE"), std::string::npos) << bad.out;
 }
 
+// Bad benchmark flags are usage errors (exit 2) named before anything runs: runs16 with fewer than 4 blocks
+// segfaulted (its pools had no run of 16), a huge block size divided by zero, --total-mib past 2^44 wrapped to 0 MiB
+// (exit 0), copy-engine flags exited 1 naming internal knobs, bench transfer ran an unknown backend on the host and
+// ran the good shapes before failing on a bad one (exit 1), and a failed verification exited 3.
+TEST_F(ConfigCli, BenchFlagsAreCheckedBeforeAnythingRuns) {
+  const std::string copy = "bench copy --backend host --reps 1 --warmup 0 --strategies dma_batch --directions h2d ";
+  CliRun runs16 = run("", copy + "--pattern runs16 --block-sizes 1024 --total-mib 1 --json", Capture::kStdout);
+  EXPECT_EQ(runs16.rc, 0) << runs16.out;
+  EXPECT_FALSE(json_of(runs16).is_null());
+  struct Bad {
+    std::string args;
+    std::string says;
+  };
+  const std::vector<Bad> bad = {
+      {copy + "--total-mib 1 --block-sizes 18014398509481984", "--block-sizes 18014398509481984"},
+      {copy + "--layers 4096 --roles 6 --block-sizes 1048576", "--block-sizes 1048576"},
+      {copy + "--total-mib 17592186044416", "--total-mib 17592186044416"},
+      {copy + "--pool-min-mib 17592186044416", "--pool-min-mib"},
+      {copy + "--sm-item-kib 4398046511105", "--sm-item-kib"},
+      {copy + "--sm-threads 7", "sm_threads_per_cta"},
+      {copy + "--split-kernel-share nan", "split_kernel_share"},
+      {"bench transfer --backend bogus", "--backend 'bogus'"},
+      {"bench transfer --backend host --shape gqa,foo", "--shape 'foo'"},
+      {"bench transfer --backend host --shape gqa,gqa", "'gqa' twice"},
+      {"bench transfer --backend host --compute-ratio 1000000", "--compute-ratio"},
+  };
+  for (const Bad& b : bad) {
+    CliRun r = run("", b.args, Capture::kBoth);
+    EXPECT_EQ(r.rc, 2) << b.args << ": " << r.out;
+    EXPECT_NE(r.out.find(b.says), std::string::npos) << b.args << ": " << r.out;
+  }
+  CliRun shapes = run("", "bench transfer --backend host --shape gqa,mla --blocks 4 --reps 1 --gemm-iters 1 --json",
+                      Capture::kStdout);
+  EXPECT_EQ(shapes.rc, 0) << shapes.out;
+  EXPECT_NE(shapes.out.find("\"mla\""), std::string::npos) << "both shapes of a comma list ran: " << shapes.out;
+}
+
 // A misspelt setting of any table is reported on stderr with the knob it was probably meant for; the command still
 // runs (a warning, as the variable changes nothing), and correct or foreign variables say nothing.
 TEST_F(ConfigCli, MisspeltSettingsAreNamedWithTheKnobMeant) {
