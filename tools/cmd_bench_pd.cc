@@ -1618,6 +1618,14 @@ Action register_bench_pd(CLI::App& bench) {
         return 2;
       }
     }
+    // A pool per side (direct lane) of at most 1 TiB: a larger one ended in "internal error: cannot create
+    // std::vector larger than max_size()" (exit 1) instead of a usage error.
+    if (a->pool_bytes > KvLayout::kMaxBlockBytes) {
+      std::fprintf(stderr, "kvtier bench pd: --pool-bytes %llu is above %llu\n",
+                   static_cast<unsigned long long>(a->pool_bytes),
+                   static_cast<unsigned long long>(KvLayout::kMaxBlockBytes));
+      return 2;
+    }
     if (a->ring_slots == 0 || a->ring_slots > transport::PdOptions::kMaxRingSlots) {
       std::fprintf(stderr, "kvtier bench pd: --ring-slots %u is not in [1, %u]\n", a->ring_slots,
                    transport::PdOptions::kMaxRingSlots);

@@ -419,6 +419,14 @@ Action register_bench_storage(CLI::App& bench) {
       std::fprintf(stderr, "kvtier bench storage: bad arguments (see --help)\n");
       return 2;
     }
+    if (!a.skip_disk && a.dir.empty()) {
+      std::fprintf(stderr, "kvtier bench storage: --dir is empty (a directory on the disk to measure)\n");
+      return 2;
+    }
+    if (a.redis_workers == 0) {
+      std::fprintf(stderr, "kvtier bench storage: --redis-workers must be >= 1, got 0\n");
+      return 2;
+    }
     if (a.skip_disk && a.redis.empty() && a.redis_cluster.empty()) {
       std::fprintf(stderr,
                    "kvtier bench storage: --skip-disk leaves nothing to measure: give --redis HOST:PORT or "

@@ -178,6 +178,9 @@ TEST_F(ConfigCli, BenchFlagsAreCheckedBeforeAnythingRuns) {
       {"bench transfer --backend host --shape gqa,foo", "--shape 'foo'"},
       {"bench transfer --backend host --shape gqa,gqa", "'gqa' twice"},
       {"bench transfer --backend host --compute-ratio 1000000", "--compute-ratio"},
+      {"bench storage --dir ''", "--dir is empty"},
+      {"bench storage --dir /tmp --redis-workers 0", "--redis-workers"},
+      {"bench pd --lanes tcp --pool-bytes 18446744073709551615", "--pool-bytes"},
   };
   for (const Bad& b : bad) {
     CliRun r = run("", b.args, Capture::kBoth);
