@@ -154,14 +154,16 @@ class ShapeBench {
     reg.device = std::move(space);
     reg.host.num_blocks = host_blocks;
     KVTIER_ASSIGN_OR_RETURN(mgr_, TransferManager::create(dev_, *compute_, std::move(reg), a_.transfer));
-    // Host blocks hold a pattern (first 8 bytes of each word = its address), device blocks zero.
+    // Host blocks hold a pattern in every 8-byte word (its address, mixed), device blocks zero: verify_sample()
+    // compares whole blocks, so a copy that lost any part of one shows (one word per 4 KiB let a copy that dropped
+    // the rest of each page pass over zeroed memory).
     const BlockSpace& hs = mgr_->host_space();
     for (std::uint32_t l = 0; l < layout_.num_layers(); ++l)
       for (std::uint32_t r = 0; r < layout_.num_roles(l); ++r)
         for (std::uint64_t b = 0; b < host_blocks; ++b) {
           std::byte* q = hs.block_ptr(l, r, b);
           const std::uint64_t bb = layout_.block_bytes(l, r);
-          for (std::uint64_t i = 0; i + 8 <= bb; i += 4096) {
+          for (std::uint64_t i = 0; i + 8 <= bb; i += 8) {
             std::uint64_t v = reinterpret_cast<std::uintptr_t>(q + i) * 0x9E3779B97F4A7C15ull;
             std::memcpy(q + i, &v, 8);
           }
