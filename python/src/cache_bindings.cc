@@ -604,6 +604,13 @@ void bind_cache(nb::module_& m) {
           "release",
           [](PyCacheManager& p, nb::handle admission) {
             const std::uint64_t id = u64_arg(admission, "admission");
+            if (p.mu.held_by_this_thread()) {
+              // From a finalizer the garbage collector ran inside another call of this cache: applied when the
+              // next call takes the cache (an engine's request object released in __del__ is a common pattern).
+              cache::CacheManager* cm = p.cm.get();
+              p.mu.defer([cm, id] { cm->release(id).ignore_error(); });
+              return;
+            }
             auto lock = lock_gil_safe(p.mu);
             check(p.cm->release(id));
           },
@@ -902,6 +909,11 @@ void bind_cache(nb::module_& m) {
           "release",
           [](PyHybridCache& p, nb::handle admission) {
             const std::uint64_t id = u64_arg(admission, "admission");
+            if (p.mu.held_by_this_thread()) {  // from a finalizer inside another call: as CacheManager.release
+              cache::HybridCache* hc = p.hc.get();
+              p.mu.defer([hc, id] { hc->release(id).ignore_error(); });
+              return;
+            }
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->release(id));
           },

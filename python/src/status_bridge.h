@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -129,10 +130,20 @@ class PyCallMutex {
   }
   // Only this thread writes its own id, so a relaxed load tells exactly whether it holds the mutex.
   bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
+  // Work that a call made while this thread holds the mutex leaves to the next call that takes it (no Python in
+  // it): release() from a finalizer the garbage collector ran inside another call. Only the holder touches it.
+  void defer(std::function<void()> work) { deferred_.push_back(std::move(work)); }
+  void run_deferred() {
+    if (deferred_.empty()) return;
+    std::vector<std::function<void()>> work = std::move(deferred_);
+    deferred_.clear();
+    for (auto& w : work) w();
+  }
 
  private:
   std::mutex mu_;
   std::atomic<std::thread::id> owner_{};
+  std::vector<std::function<void()>> deferred_;
 };
 
 // Locks a wrapper's mutex from a call that holds the GIL, without waiting for it with the GIL held: the thread
@@ -150,6 +161,7 @@ inline std::unique_lock<PyCallMutex> lock_gil_safe(PyCallMutex& mu) {
     nanobind::gil_scoped_release release;
     lock.lock();
   }
+  mu.run_deferred();
   return lock;
 }
 

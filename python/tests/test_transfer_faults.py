@@ -440,9 +440,10 @@ print("survived")
     assert "leaked" not in r.stderr, r.stderr[-2000:]
 
 
-def test_a_finalizer_that_calls_the_cache_manager_inside_one_of_its_calls_raises_instead_of_hanging():
+def test_a_finalizer_that_calls_the_cache_manager_inside_one_of_its_calls_does_not_hang():
     """Building a call's result (or its exception) may run the garbage collector, and a finalizer it runs may call
-    the same CacheManager on the same thread: that call waited for its own mutex forever."""
+    the same CacheManager on the same thread: that call waited for its own mutex forever. Now release() there is
+    applied by the next call, and other calls raise FailedPreconditionError."""
     code = """
 import gc, kvtier
 cm = kvtier.CacheManager(device_blocks=4, host_blocks=4)
@@ -456,9 +457,11 @@ class Request:
         try:
             cm.release(self.adm)
             seen.append("released")
+            cm.stats()
         except kvtier.FailedPreconditionError as e:
-            seen.append(str(e))
-Request(cm.admit(small)["id"])
+            seen.append("refused: " + str(e))
+first = cm.admit(small)["id"]
+Request(first)
 gc.set_threshold(1)
 try:
     cm.admit(big)
@@ -467,13 +470,21 @@ except kvtier.KvtierError as e:
 gc.set_threshold(700)
 gc.collect()
 print(seen)
+# The release made inside admit() is applied by the next call: the admission is gone.
+try:
+    cm.admission_status(first)
+    print("still open")
+except kvtier.NotFoundError:
+    print("released")
 cm.check_invariants()
 print("done")
 """
     r = _run_script(code, timeout=60)
     assert r.returncode == 0 and "done" in r.stdout, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    # The collector ran inside admit() (threshold 1): the finalizer's call was the re-entry, and it raised.
-    assert "called again on the thread" in r.stdout, r.stdout
+    # The collector ran inside admit() (threshold 1): the finalizer's release was deferred, its stats() call (any
+    # other call) refused, and the next call applied the release.
+    assert "'released', 'refused: FailedPrecondition: called again on the thread" in r.stdout, r.stdout
+    assert "released\ndone" in r.stdout, r.stdout
 
 
 def test_storage_buffers_are_read_by_index_not_by_iteration(tmp_path):
