@@ -130,12 +130,15 @@ class BenchCopy {
   std::uint64_t blocks_for(std::uint64_t bb) const {
     return std::max<std::uint64_t>(1, total_bytes() / (bb * planes()));
   }
-  // Each half holds at least 16 blocks: the runs16 pattern picks runs of 16 (a smaller half had none to pick from).
+  // With the runs16 pattern each half holds at least 16 blocks: it picks runs of 16 (a smaller half had none).
+  std::uint64_t min_half() const { return a_.pattern == "runs16" ? 16 : 1; }
   std::uint64_t dev_half_for(std::uint64_t bb) const {
     const std::uint64_t unit = bb * planes();
-    return std::max<std::uint64_t>({16, 4 * blocks_for(bb), (pool_min_bytes() / 2 + unit - 1) / unit});
+    return std::max<std::uint64_t>({min_half(), 4 * blocks_for(bb), (pool_min_bytes() / 2 + unit - 1) / unit});
   }
-  std::uint64_t host_half_for(std::uint64_t bb) const { return std::max<std::uint64_t>(16, 4 * blocks_for(bb)); }
+  std::uint64_t host_half_for(std::uint64_t bb) const {
+    return std::max<std::uint64_t>(min_half(), 4 * blocks_for(bb));
+  }
 
   Status setup();
 

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -83,9 +84,11 @@ Status check_args(const BenchCopyArgs& a) {
     return InvalidArgument(fmt::format("--pool-min-mib {}: at most {}", a.pool_min_mib, kMaxMib));
   if (a.staged_slot_mib > kMaxMib)
     return InvalidArgument(fmt::format("--staged-slot-mib {}: at most {}", a.staged_slot_mib, kMaxMib));
+  // sm_item_bytes is 32-bit: its KiB times 1024 must fit (4194305 wrapped to 1024-byte items).
+  constexpr std::uint64_t kMaxItemKib = std::numeric_limits<std::uint32_t>::max() / 1024;
+  if (std::uint64_t{a.sm_item_kib} > kMaxItemKib)
+    return InvalidArgument(fmt::format("--sm-item-kib {}: at most {}", a.sm_item_kib, kMaxItemKib));
   constexpr std::uint64_t kMaxKib = std::uint64_t{1} << 40;
-  if (a.sm_item_kib > kMaxKib)
-    return InvalidArgument(fmt::format("--sm-item-kib {}: at most {}", a.sm_item_kib, kMaxKib));
   if (a.gate_max_kib > kMaxKib)
     return InvalidArgument(fmt::format("--gate-max-kib {}: at most {}", a.gate_max_kib, kMaxKib));
   return Status::Ok();

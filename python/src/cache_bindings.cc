@@ -29,6 +29,7 @@
 #include "kvtier/cache/config_knobs.h"
 #include "kvtier/cache/hybrid_cache.h"
 #include "kvtier/core/config.h"
+#include "kvtier/core/log.h"
 #include "kvtier/storage/storage_config.h"
 #include "metrics_bridge.h"
 #include "status_bridge.h"
@@ -608,7 +609,11 @@ void bind_cache(nb::module_& m) {
               // From a finalizer the garbage collector ran inside another call of this cache: applied when the
               // next call takes the cache (an engine's request object released in __del__ is a common pattern).
               cache::CacheManager* cm = p.cm.get();
-              p.mu.defer([cm, id] { cm->release(id).ignore_error(); });
+              p.mu.defer([cm, id] {
+                if (Status st = cm->release(id); !st.ok())
+                  log(LogLevel::kWarning, "python",
+                      fmt::format("release({}) from a finalizer: {}", id, st.to_string()));
+              });
               return;
             }
             auto lock = lock_gil_safe(p.mu);
@@ -911,7 +916,11 @@ void bind_cache(nb::module_& m) {
             const std::uint64_t id = u64_arg(admission, "admission");
             if (p.mu.held_by_this_thread()) {  // from a finalizer inside another call: as CacheManager.release
               cache::HybridCache* hc = p.hc.get();
-              p.mu.defer([hc, id] { hc->release(id).ignore_error(); });
+              p.mu.defer([hc, id] {
+                if (Status st = hc->release(id); !st.ok())
+                  log(LogLevel::kWarning, "python",
+                      fmt::format("release({}) from a finalizer: {}", id, st.to_string()));
+              });
               return;
             }
             auto lock = lock_gil_safe(p.mu);

@@ -86,7 +86,8 @@ struct PyPdReceiver {
         }
       }
       std::unique_lock cache_lock(cache->mu, std::defer_lock);
-      if (collected ? cache_lock.try_lock() : (cache_lock.lock(), true)) {
+      // Collected inside a call of the cache on this thread: try_lock on a mutex this thread holds is undefined.
+      if (collected ? (!cache->mu.held_by_this_thread() && cache_lock.try_lock()) : (cache_lock.lock(), true)) {
         // What ended is completed into the cache (a receive that landed and was not polled yet was lost with the
         // receiver), and the cache's moves in flight are acked before the executor goes (unacked, they stayed in
         // flight for good).

@@ -125,19 +125,27 @@ class PyCallMutex {
     return true;
   }
   void unlock() {
+    run_deferred();  // the interrupted call is over: what its finalizers left runs now (no Python in it)
     owner_.store(std::thread::id(), std::memory_order_relaxed);
     mu_.unlock();
   }
   // Only this thread writes its own id, so a relaxed load tells exactly whether it holds the mutex.
   bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
-  // Work that a call made while this thread holds the mutex leaves to the next call that takes it (no Python in
-  // it): release() from a finalizer the garbage collector ran inside another call. Only the holder touches it.
+  // Work that a call made while this thread holds the mutex leaves for when the interrupted call ends (unlock();
+  // no Python in it, no GIL needed): release() from a finalizer the garbage collector ran inside another call.
+  // Only the holder touches it. Each item runs on its own: one that throws does not drop the others.
   void defer(std::function<void()> work) { deferred_.push_back(std::move(work)); }
-  void run_deferred() {
-    if (deferred_.empty()) return;
-    std::vector<std::function<void()>> work = std::move(deferred_);
-    deferred_.clear();
-    for (auto& w : work) w();
+  void run_deferred() noexcept {
+    while (!deferred_.empty()) {
+      std::vector<std::function<void()>> work = std::move(deferred_);
+      deferred_.clear();
+      for (auto& w : work) {
+        try {
+          w();
+        } catch (...) {  // (std::bad_alloc: this item is lost, the others run)
+        }
+      }
+    }
   }
 
  private:
@@ -161,7 +169,6 @@ inline std::unique_lock<PyCallMutex> lock_gil_safe(PyCallMutex& mu) {
     nanobind::gil_scoped_release release;
     lock.lock();
   }
-  mu.run_deferred();
   return lock;
 }
 

@@ -526,6 +526,9 @@ def test_ctrl_c_ends_a_wait_without_a_deadline():
     mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()},
                                               HOST_BLOCKS, LAYERS)
     task = mgr.evict([0], [0])
+    # A process started in the background by a shell inherits SIGINT ignored, and Python then installs no handler:
+    # the test installs Python's own.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
     start = time.monotonic()
     timer.start()
@@ -540,4 +543,5 @@ def test_ctrl_c_ends_a_wait_without_a_deadline():
         assert np.array_equal(h["key_caches_0_rank0.device0"][0], d["key_caches_0_rank0.device0"][0])
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
         mgr.close()

@@ -171,7 +171,10 @@ TEST_F(ConfigCli, BenchFlagsAreCheckedBeforeAnythingRuns) {
       {copy + "--layers 4096 --roles 6 --block-sizes 1048576", "--block-sizes 1048576"},
       {copy + "--total-mib 17592186044416", "--total-mib 17592186044416"},
       {copy + "--pool-min-mib 17592186044416", "--pool-min-mib"},
-      {copy + "--sm-item-kib 4398046511105", "--sm-item-kib"},
+      {copy + "--sm-item-kib 4194304", "--sm-item-kib 4194304"},  // 32-bit bytes: wrapped to 0
+      {copy + "--sm-item-kib 4194305", "--sm-item-kib 4194305"},  // wrapped to 1024-byte items, exit 0
+      {copy + "--gate-max-kib 18014398509481985", "--gate-max-kib"},
+      {copy + "--staged-slot-mib 17592186044417", "--staged-slot-mib"},
       {copy + "--sm-threads 7", "sm_threads_per_cta"},
       {copy + "--split-kernel-share nan", "split_kernel_share"},
       {"bench transfer --backend bogus", "--backend 'bogus'"},
