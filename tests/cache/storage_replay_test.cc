@@ -341,10 +341,8 @@ TEST(StoragePlanExecutor, APrefetchWaitsForTheLateCopyIntoItsHostBlock) {
   ASSERT_TRUE(rs.ok()) << rs.status().to_string();
   StoragePlanExecutor sto((*rs)->tier());
   std::set<BlockId> busy = {4, 6};
-  std::vector<BlockId> asked;
   sto.guard_host_blocks(
       [&](BlockId b) -> Result<bool> {
-        asked.push_back(b);
         if (b == 7) return Unavailable("manager closed");
         return busy.count(b) == 0;
       },
