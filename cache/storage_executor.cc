@@ -82,7 +82,7 @@ void StoragePlanExecutor::settle_prefetches() {
               : free.status().with_context(fmt::format("storage prefetch into host block {}: is the block free", h));
       fail(MoveKind::kStoragePrefetch, {w.move}, why);
     } else {
-      waiting_prefetches_.push_back(std::move(w));
+      waiting_prefetches_.push_back(w);
     }
   }
   post(MoveKind::kStoragePrefetch, now);

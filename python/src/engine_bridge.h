@@ -83,16 +83,20 @@ struct PyTransferManager {
       // queued write them: they were released with this object, a use after free) and the device and compute
       // stream that its streams belong to: the thread hands their references back once the manager is gone, and
       // the next release_deferred() drops them with the GIL.
-      PyObject* refs[] = {keep_alive.release().ptr(), device_ref.release().ptr(), compute_ref.release().ptr()};
+      PyObject* tensors = keep_alive.release().ptr();
+      PyObject* device = device_ref.release().ptr();
+      PyObject* compute = compute_ref.release().ptr();
       keep_alive = nanobind::list();
       std::thread([m = std::move(m), host = host_memory, regs = std::move(host_registrations),
-                   adopted = std::move(adopted_device), refs]() mutable {
+                   adopted = std::move(adopted_device), tensors, device, compute]() mutable {
         m->shutdown().ignore_error();
         m.reset();
         regs.clear();
         host.reset();
         adopted.clear();
-        for (PyObject* r : refs) defer_release(r);
+        defer_release(tensors);
+        defer_release(device);
+        defer_release(compute);
       }).detach();
       return;
     }
