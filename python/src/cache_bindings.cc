@@ -42,6 +42,19 @@ using namespace nb::literals;
 namespace kvtier::python {
 namespace {
 
+// release() called while this thread holds the cache's mutex: from a finalizer the garbage collector ran inside
+// another call of the same cache (an engine's request object released in __del__ is a common pattern). Queued to
+// run when the interrupted call unlocks (an error is logged); true when it was queued.
+template <typename Cache>
+bool defer_release_of(PyCallMutex& mu, Cache& cache, std::uint64_t id) {
+  if (!mu.held_by_this_thread()) return false;
+  mu.defer([&cache, id] {
+    if (Status st = cache.release(id); !st.ok())
+      log(LogLevel::kWarning, "python", fmt::format("release({}) from a finalizer: {}", id, st.to_string()));
+  });
+  return true;
+}
+
 // The medium KV events name the storage tier by: DISK or REMOTE (GPU and CPU are the device and host tiers').
 metrics::Medium storage_medium_from(const std::string& name) {
   const metrics::Medium m = value_or_raise(metrics::parse_medium(name));
@@ -605,17 +618,7 @@ void bind_cache(nb::module_& m) {
           "release",
           [](PyCacheManager& p, nb::handle admission) {
             const std::uint64_t id = u64_arg(admission, "admission");
-            if (p.mu.held_by_this_thread()) {
-              // From a finalizer the garbage collector ran inside another call of this cache: applied when the
-              // next call takes the cache (an engine's request object released in __del__ is a common pattern).
-              cache::CacheManager* cm = p.cm.get();
-              p.mu.defer([cm, id] {
-                if (Status st = cm->release(id); !st.ok())
-                  log(LogLevel::kWarning, "python",
-                      fmt::format("release({}) from a finalizer: {}", id, st.to_string()));
-              });
-              return;
-            }
+            if (defer_release_of(p.mu, *p.cm, id)) return;
             auto lock = lock_gil_safe(p.mu);
             check(p.cm->release(id));
           },
@@ -914,15 +917,7 @@ void bind_cache(nb::module_& m) {
           "release",
           [](PyHybridCache& p, nb::handle admission) {
             const std::uint64_t id = u64_arg(admission, "admission");
-            if (p.mu.held_by_this_thread()) {  // from a finalizer inside another call: as CacheManager.release
-              cache::HybridCache* hc = p.hc.get();
-              p.mu.defer([hc, id] {
-                if (Status st = hc->release(id); !st.ok())
-                  log(LogLevel::kWarning, "python",
-                      fmt::format("release({}) from a finalizer: {}", id, st.to_string()));
-              });
-              return;
-            }
+            if (defer_release_of(p.mu, *p.hc, id)) return;
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->release(id));
           },

@@ -136,14 +136,12 @@ class PyCallMutex {
   // Only the holder touches it. Each item runs on its own: one that throws does not drop the others.
   void defer(std::function<void()> work) { deferred_.push_back(std::move(work)); }
   void run_deferred() noexcept {
-    while (!deferred_.empty()) {
-      std::vector<std::function<void()>> work = std::move(deferred_);
-      deferred_.clear();
-      for (auto& w : work) {
-        try {
-          w();
-        } catch (...) {  // (std::bad_alloc: this item is lost, the others run)
-        }
+    std::vector<std::function<void()>> work;
+    work.swap(deferred_);  // (the items run no Python, so none adds more)
+    for (auto& w : work) {
+      try {
+        w();
+      } catch (...) {  // (std::bad_alloc: this item is lost, the others run)
       }
     }
   }
