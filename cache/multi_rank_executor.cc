@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -42,15 +43,14 @@ MultiRankPlanExecutor::MultiRankPlanExecutor(std::vector<PlanExecutor*> ranks, O
 Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
   const auto lists = move_lists(plan);
   std::set<MoveRef> refs;
+  std::optional<MoveRef> collision;
   for (const auto& [kind, moves] : lists)
     for (const BlockMove& m : *moves) {
       const MoveRef ref{kind, m.dst};
-      if (pending_.count(ref) || !refs.insert(ref).second)
-        return InvalidArgument(fmt::format(
-            "MultiRankPlanExecutor: {} move to block {} is already in flight (a destination is reused before "
-            "its move was acknowledged)",
-            move_kind_name(kind), m.dst));
+      const bool repeated = !refs.insert(ref).second;
+      if ((repeated || pending_.count(ref) != 0) && !collision) collision = ref;
     }
+  if (collision) return refuse(refs, *collision);
   if (refs.empty()) {
     // Only dropped storage slots (nothing to acknowledge): every rank deletes its own objects of them, also after
     // another rank failed to (each rank's objects are its own; the first error is returned).
@@ -99,6 +99,27 @@ Status MultiRankPlanExecutor::execute(const StepPlan& plan) {
   return Status::Ok();
 }
 
+// No rank saw the plan. Its moves are still acknowledged (a plan taken from the cache and never reported would
+// keep its blocks in flight for good): those to a destination nothing else is moving fail at the next poll(); one
+// to a destination that is in flight cannot be told apart from the move already there (both have its ack key), so
+// that move is reported failed when the ranks report it: the block becomes a miss instead of being trusted by
+// two records of the cache.
+Status MultiRankPlanExecutor::refuse(const std::set<MoveRef>& refs, const MoveRef& collision) {
+  Status err = InvalidArgument(fmt::format(
+      "MultiRankPlanExecutor: {} move to block {} is already in flight (a destination is reused before its move "
+      "was acknowledged); the plan was handed to no rank and its moves are reported failed",
+      move_kind_name(collision.kind), collision.dst));
+  for (const MoveRef& ref : refs) {
+    auto it = pending_.find(ref);
+    if (it != pending_.end()) {
+      if (it->second.status.ok()) it->second.status = err;
+    } else {
+      refused_.emplace_back(ref, err);
+    }
+  }
+  return err;
+}
+
 void MultiRankPlanExecutor::finish(const MoveRef& ref, Status status, std::vector<Completion>& out) {
   if (status.ok()) {
     ++completed_moves_;
@@ -114,6 +135,8 @@ void MultiRankPlanExecutor::finish(const MoveRef& ref, Status status, std::vecto
 
 std::vector<Completion> MultiRankPlanExecutor::poll() {
   std::vector<Completion> out;
+  for (auto& [ref, status] : refused_) finish(ref, std::move(status), out);
+  refused_.clear();
   const std::uint32_t n = ranks();
   for (std::uint32_t r = 0; r < n; ++r) {
     for (const Completion& c : ranks_[r]->poll()) {

@@ -48,10 +48,28 @@ void StoragePlanExecutor::settle_removals() {
   }
   removals_ = std::move(keep);
   if (waiting_writes_.empty()) return;
-  std::vector<SeqMove> waiting = std::move(waiting_writes_);
+  std::vector<WaitingWrite> still = std::move(waiting_writes_);
   waiting_writes_.clear();
-  // Those whose delete is still pending wait again; two writes of one key (an invalidated block's and the key's
-  // new one) go in separate batches, a batch naming a key twice being refused whole.
+  // Those whose delete is still pending wait again, up to their deadline: then they fail (the slot is a miss) and
+  // are never posted, since the delete may still end after them and remove the new object.
+  std::unordered_set<BlockKey, BlockKeyHash> removing;
+  for (const Removal& r : removals_) removing.insert(r.keys.begin(), r.keys.end());
+  const auto t = std::chrono::steady_clock::now();
+  std::vector<SeqMove> waiting;
+  for (WaitingWrite& w : still) {
+    if (removing.count(w.move.move.key) == 0) {
+      waiting.push_back(w.move);
+    } else if (t >= w.deadline) {
+      fail(MoveKind::kStorageWrite, {w.move},
+           TimedOut(fmt::format("storage write of slot {}: the delete of its key's previous object has not ended "
+                                "after {} ms (a write posted before it ends could be removed by it)",
+                                w.move.move.dst, max_delete_wait_.count() / 1000000)));
+    } else {
+      waiting_writes_.push_back(w);
+    }
+  }
+  // Two writes of one key (an invalidated block's and the key's new one) go in separate batches, a batch naming a
+  // key twice being refused whole.
   while (!waiting.empty()) {
     std::unordered_set<BlockKey, BlockKeyHash> seen;
     std::vector<SeqMove> batch, later;
@@ -122,7 +140,13 @@ void StoragePlanExecutor::submit(MoveKind kind, const std::vector<SeqMove>& move
     std::unordered_set<BlockKey, BlockKeyHash> removing;
     for (const Removal& r : removals_) removing.insert(r.keys.begin(), r.keys.end());
     std::vector<SeqMove> now;
-    for (const SeqMove& m : moves) (removing.count(m.move.key) != 0 ? waiting_writes_ : now).push_back(m);
+    const auto deadline = deadline_after(max_delete_wait_);
+    for (const SeqMove& m : moves) {
+      if (removing.count(m.move.key) != 0)
+        waiting_writes_.push_back(WaitingWrite{m, deadline});
+      else
+        now.push_back(m);
+    }
     post(kind, now);
     return;
   }

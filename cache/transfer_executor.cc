@@ -29,6 +29,10 @@ TransferPlanExecutor::TransferPlanExecutor(TransferManager& manager, Device& dev
 
 TransferPlanExecutor::~TransferPlanExecutor() {
   if (queue_ != 0) manager_.close_completion_queue(queue_).ignore_error();
+  if (!retired_staging_.empty() && !device_.synchronize(compute_, options_.prefill_timeout).ok()) {
+    // Copies that never ran may read them still: better a leak than a read of freed memory.
+    for (std::vector<std::byte>& buffer : retired_staging_) (void)new std::vector<std::byte>(std::move(buffer));
+  }
 }
 
 Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
@@ -45,23 +49,35 @@ Status TransferPlanExecutor::prefill(const std::vector<BlockMove>& moves) {
   std::vector<BlockId> blocks;
   for (const BlockMove* m : todo) blocks.push_back(m->src);
   KVTIER_RETURN_IF_ERROR(manager_.wait_device_blocks_free(blocks, compute_));
+  // The blocks' bytes are unknown until the step's copies are known to have run.
+  for (const BlockMove* m : todo) holds_.erase(m->src);
   // One staging image per block; kept until the compute stream passed the copies.
   staging_.resize(todo.size() * block_bytes);
-  for (std::size_t i = 0; i < todo.size(); ++i) {
+  Status st = Status::Ok();
+  for (std::size_t i = 0; i < todo.size() && st.ok(); ++i) {
     std::byte* image = staging_.data() + i * block_bytes;
     fill_key_pattern(todo[i]->key, image, block_bytes, options_.rank);
     std::uint64_t offset = 0;
-    for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
-      for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
+    for (std::uint32_t l = 0; l < layout.num_layers() && st.ok(); ++l)
+      for (std::uint32_t r = 0; r < layout.num_roles(l) && st.ok(); ++r) {
         const std::uint64_t n = layout.block_bytes(l, r);
-        KVTIER_RETURN_IF_ERROR(device_.memcpy_async(space_.block_ptr(l, r, todo[i]->src), image + offset, n, compute_)
-                                   .with_context(fmt::format("prefill of device block {}", todo[i]->src)));
+        st = device_.memcpy_async(space_.block_ptr(l, r, todo[i]->src), image + offset, n, compute_)
+                 .with_context(fmt::format("prefill of device block {}", todo[i]->src));
         offset += n;
       }
-    holds_[todo[i]->src] = todo[i]->key;
   }
   // The staging buffer is reused by the next step: wait for the compute stream.
-  return device_.synchronize(compute_, std::chrono::seconds(60));
+  if (st.ok()) st = device_.synchronize(compute_, options_.prefill_timeout);
+  if (!st.ok()) {
+    // Copies queued on the compute stream may still read the buffer: it is retired, never written again, and freed
+    // once a later wait shows the stream past them (or when the executor goes).
+    retired_staging_.push_back(std::move(staging_));
+    staging_ = {};
+    return st;
+  }
+  retired_staging_.clear();  // the stream passed every earlier copy too
+  for (const BlockMove* m : todo) holds_[m->src] = m->key;
+  return Status::Ok();
 }
 
 Status TransferPlanExecutor::submit_d2h(MoveKind kind, const std::vector<BlockMove>& moves) {

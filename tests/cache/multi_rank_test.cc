@@ -138,6 +138,38 @@ TEST(MultiRank, RefusesADestinationStillInFlightBeforeAnyRankSeesIt) {
   EXPECT_EQ(r1.plans.size(), 1u);
 }
 
+// A refused plan is still acknowledged: a move that collides with nothing fails at the next poll (it was taken
+// from the cache: unreported, its block stayed in flight for good), and the move already in flight to the
+// colliding destination is reported failed when its ranks report it (the two cannot be told apart).
+TEST(MultiRank, ARefusedPlansMovesAreReportedFailed) {
+  ScriptedRank r0, r1;
+  auto m = make_multi({&r0, &r1});
+  ASSERT_TRUE(m->execute(plan_of({5}, {})).ok());
+  Status st = m->execute(plan_of({5, 6}, {9}));
+  ASSERT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("reported failed"), std::string::npos) << st.to_string();
+  Reported got;
+  collect(m->poll(), got);
+  EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 6, false}, {MoveKind::kEviction, 9, false}}));
+  EXPECT_EQ(m->in_flight(), 1u);
+  r0.report(MoveKind::kLoad, {5});
+  r1.report(MoveKind::kLoad, {5});
+  got.clear();
+  collect(m->poll(), got);
+  EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 5, false}})) << "the colliding destination is a miss";
+  EXPECT_EQ(m->in_flight(), 0u);
+  // A plan naming one destination twice is refused the same way and reported once.
+  Status twice = m->execute(plan_of({7, 7}, {}));
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  got.clear();
+  collect(m->poll(), got);
+  EXPECT_EQ(got, (Reported{{MoveKind::kLoad, 7, false}}));
+  EXPECT_EQ(r0.plans.size(), 1u) << "no rank saw a refused plan";
+  // Afterwards the destinations are free again.
+  ASSERT_TRUE(m->execute(plan_of({5, 6, 7}, {})).ok());
+  EXPECT_EQ(m->in_flight(), 3u);
+}
+
 // A failure on one rank is a failure for all: the cache turns the block into a miss.
 TEST(MultiRank, FailureOnOneRankMakesTheBlockAMissOnAll) {
   FakePlanExecutor ok_rank;

@@ -421,6 +421,90 @@ TEST(StoragePlanExecutor, ReportsOfOneDestinationLeaveInSubmissionOrder) {
   EXPECT_EQ(sto.in_flight(), 0u);
 }
 
+// A backend whose deletes never end until the test lets them (a stuck server, a hung disk): each delete batch
+// gets a ticket of its own that the test completes later.
+class StuckDeletes final : public storage::StorageBackendWrapper {
+ public:
+  using StorageBackendWrapper::StorageBackendWrapper;
+  Result<storage::StorageTicket> post(storage::StorageBatch batch) override {
+    if (batch.op != storage::StorageOp::kDelete) return inner_->post(std::move(batch));
+    storage::StorageTicket t = storage::StorageTicket::create(batch.op, batch.items.size());
+    held.push_back({std::move(batch), t.completion()});
+    return t;
+  }
+  // Runs the held deletes on the inner backend and completes their tickets with its results.
+  void release() {
+    for (auto& [batch, completion] : held) {
+      auto r = storage::run_batch(*inner_, batch);
+      for (std::size_t i = 0; i < batch.items.size(); ++i)
+        completion->complete(i, r.ok() ? Status((*r)[i].status) : r.status());
+    }
+    held.clear();
+  }
+  std::vector<std::pair<storage::StorageBatch, std::shared_ptr<storage::detail::Completion>>> held;
+};
+
+// A write of a key whose previous object's delete never ends used to wait for it forever (its slot storing for
+// good, the executor never idle). It now fails after max_delete_wait and is never posted, so the stuck delete
+// cannot remove it either; once the delete ends, writes of the key are posted again.
+TEST(StoragePlanExecutor, AWriteBehindAStuckDeleteFailsAfterItsDeadline) {
+  TempDir dir;
+  StuckDeletes* stuck = nullptr;
+  auto rs = ReplayStorage::create(
+      [&](storage::StorageOptions so) -> Result<std::unique_ptr<storage::StorageBackend>> {
+        KVTIER_ASSIGN_OR_RETURN(auto b, storage::make_storage_backend("disk:" + dir.path(), std::move(so)));
+        auto w = std::make_unique<StuckDeletes>(std::move(b));
+        stuck = w.get();
+        return std::unique_ptr<storage::StorageBackend>(std::move(w));
+      },
+      8, 4096);
+  ASSERT_TRUE(rs.ok()) << rs.status().to_string();
+  ASSERT_NE(stuck, nullptr);
+  StoragePlanExecutor sto((*rs)->tier());
+  sto.set_max_delete_wait(std::chrono::milliseconds(50));
+  const BlockKey k{0xC1, 0xD1};
+  ReplayStorage::fill_pattern(k, (*rs)->host_block(0));
+  auto drain = [&](std::chrono::seconds limit) {
+    std::vector<std::pair<BlockId, bool>> got;
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < until) {
+      for (const Completion& c : sto.poll())
+        for (BlockId b : c.dst) got.emplace_back(b, c.status.ok());
+      if (sto.in_flight() == 0 || sto.in_flight() == 1 /* the stuck delete */) {
+        if (!got.empty()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return got;
+  };
+  StepPlan first;
+  first.storage_writes = {BlockMove{0, 3, k}};
+  ASSERT_TRUE(sto.execute(first).ok());
+  EXPECT_EQ(drain(std::chrono::seconds(30)), (std::vector<std::pair<BlockId, bool>>{{3, true}}));
+  // The slot given up and the key written again: the delete hangs.
+  StepPlan again;
+  again.storage_drops = {BlockMove{3, kNoBlock, k}};
+  again.storage_writes = {BlockMove{0, 4, k}};
+  ASSERT_TRUE(sto.execute(again).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(drain(std::chrono::seconds(10)), (std::vector<std::pair<BlockId, bool>>{{4, false}}))
+      << "the write behind the stuck delete is reported failed";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  EXPECT_EQ(sto.in_flight(), 1u) << "only the delete itself is still out";
+  // The delete ends; the key's next write is posted and lands (the delete did not remove it).
+  stuck->release();
+  StepPlan third;
+  third.storage_writes = {BlockMove{0, 5, k}};
+  ASSERT_TRUE(sto.execute(third).ok());
+  EXPECT_EQ(drain(std::chrono::seconds(30)), (std::vector<std::pair<BlockId, bool>>{{5, true}}));
+  EXPECT_EQ(sto.in_flight(), 0u);
+  const storage::StorageKey sk[1] = {storage_key(k)};
+  auto op = (*rs)->tier().exists(sk);
+  ASSERT_TRUE(op.ok());
+  ASSERT_TRUE(op->wait().ok());
+  EXPECT_TRUE(op->status(0).ok()) << "the object written after the delete is there";
+}
+
 TEST(StoragePlanExecutor, PrefetchOfCorruptedObjectIsAMiss) {
   TempDir dir;
   constexpr std::uint32_t kHost = 8;

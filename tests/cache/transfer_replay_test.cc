@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <map>
 #include <string>
 
@@ -217,6 +218,59 @@ TEST(TransferPlanExecutorTest, APollBeforeTheFirstPlanTakesNothingOfTheEngines) 
   const auto engine = rig.manager->poll_completions();
   ASSERT_EQ(engine.size(), 1u) << "the engine's completion was taken by the executor's poll";
   EXPECT_EQ(engine[0].id, *engine_task);
+}
+
+// A step whose prefill copies did not run in time fails, and the buffer those queued copies read is never written
+// again: the next step's prefill wrote its own patterns into the same buffer, so the late copies of the failed
+// step filled its blocks with another key's bytes.
+TEST(TransferPlanExecutorTest, AFailedPrefillsStagingIsNeverReused) {
+  Rig rig;
+  make_rig(rig, 4, 8, false);
+  TransferPlanExecutor::Options o;
+  o.prefill_timeout = std::chrono::milliseconds(30);
+  rig.executor = std::make_unique<TransferPlanExecutor>(*rig.manager, *rig.device, *rig.compute, rig.space, o);
+  std::promise<void> go;
+  std::shared_future<void> gate = go.get_future().share();
+  ASSERT_TRUE(rig.device->launch_host_callback(*rig.compute, [gate](const Status&) { gate.wait(); }).ok());
+  const BlockKey a{0xAA, 1}, b{0xBB, 2};
+  StepPlan first, second;
+  first.evictions.push_back(BlockMove{0, 5, a});
+  second.evictions.push_back(BlockMove{1, 6, b});
+  Status s1 = rig.executor->execute(first);
+  EXPECT_EQ(s1.code(), StatusCode::kTimedOut) << s1.to_string();
+  Status s2 = rig.executor->execute(second);
+  EXPECT_EQ(s2.code(), StatusCode::kTimedOut) << s2.to_string();
+  std::map<BlockId, bool> reported;
+  for (const Completion& c : rig.executor->poll())
+    for (BlockId d : c.dst) reported[d] = c.status.ok();
+  EXPECT_EQ(reported, (std::map<BlockId, bool>{{5, false}, {6, false}}));
+  go.set_value();
+  ASSERT_TRUE(rig.device->synchronize(*rig.compute, std::chrono::seconds(10)).ok());
+  const std::uint64_t bytes = rig.space.layout().total_block_bytes();
+  auto device_block = [&](BlockId blk) {
+    std::vector<std::byte> got(bytes);
+    std::uint64_t off = 0;
+    for (std::uint32_t l = 0; l < rig.space.layout().num_layers(); ++l)
+      for (std::uint32_t r = 0; r < rig.space.layout().num_roles(l); ++r) {
+        const std::uint64_t n = rig.space.layout().block_bytes(l, r);
+        EXPECT_TRUE(rig.device->memcpy_sync(got.data() + off, rig.space.block_ptr(l, r, blk), n).ok());
+        off += n;
+      }
+    return got;
+  };
+  std::vector<std::byte> want_a(bytes), want_b(bytes);
+  TransferPlanExecutor::fill_key_pattern(a, want_a.data(), bytes);
+  TransferPlanExecutor::fill_key_pattern(b, want_b.data(), bytes);
+  EXPECT_TRUE(device_block(0) == want_a) << "the failed step's late copy read the next step's staging";
+  EXPECT_TRUE(device_block(1) == want_b);
+  // The executor goes on: a step after the stream caught up moves and is reported OK.
+  StepPlan third;
+  third.evictions.push_back(BlockMove{2, 7, BlockKey{0xCC, 3}});
+  ASSERT_TRUE(rig.executor->execute(third).ok());
+  ASSERT_TRUE(rig.manager->wait_all(std::chrono::seconds(10)).ok());
+  const auto done = rig.executor->poll();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status.to_string();
 }
 
 }  // namespace

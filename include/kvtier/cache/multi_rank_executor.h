@@ -46,8 +46,11 @@
 // it (an executor reports every move it was handed, failed or not) or its
 // deadline passed: their copies may still write its blocks until then. The
 // cache acknowledges them as misses on all ranks. A plan whose destination collides with a
-// move still in flight (kind and block) is refused (InvalidArgument) before any
-// rank sees it.
+// move still in flight (kind and block), or names one destination twice, is
+// refused (InvalidArgument) before any rank sees it, and still acknowledged:
+// its other moves are reported failed by the next poll(), and the move already
+// in flight to the colliding destination (indistinguishable by its ack key) is
+// reported failed when its ranks report it, so the block is a miss.
 //
 // Thread-safety: none; driven by the scheduler thread that owns the
 // CacheManager. The rank executors must outlive this executor.
@@ -59,6 +62,8 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "kvtier/backend/plan_executor.h"
@@ -116,12 +121,14 @@ class MultiRankPlanExecutor final : public PlanExecutor {
   MultiRankPlanExecutor(std::vector<PlanExecutor*> ranks, Options options);
   Clock::time_point now() const { return options_.now ? options_.now() : Clock::now(); }
   void finish(const MoveRef& ref, Status status, std::vector<Completion>& out);
+  Status refuse(const std::set<MoveRef>& refs, const MoveRef& collision);
 
   std::vector<PlanExecutor*> ranks_;
   Options options_;
   std::map<MoveRef, Entry> pending_;
   std::vector<std::map<MoveRef, std::uint32_t>> dropped_;  // per rank: reports still to drop
   std::vector<RankStats> stats_;
+  std::vector<std::pair<MoveRef, KeptStatus>> refused_;  // moves of refused plans, failed at the next poll()
   std::uint64_t seq_ = 0, completed_moves_ = 0, failed_moves_ = 0, timed_out_moves_ = 0;
 };
 

@@ -13,7 +13,9 @@
 //                         objects than its storage tier has slots. A write of a
 //                         key whose delete is still in flight is posted by the
 //                         poll() that sees the delete done (execute() does not
-//                         block), so the delete never removes the new object.
+//                         block), so the delete never removes the new object;
+//                         a write still waiting after max_delete_wait fails
+//                         (TimedOut: the slot is a miss) and is never posted.
 // Objects are named by the move's BlockKey (StorageKey::from_u64(hi, lo),
 // rank set by the tier), not by the cache's storage slot: slots only count
 // capacity. A block whose read fails (NotFound, DataLoss after a checksum
@@ -79,6 +81,14 @@ class StoragePlanExecutor final : public PlanExecutor {
     guard_max_wait_ = max_wait;
   }
 
+  // How long a write of a key waits for the delete of that key's previous object (a dropped slot's) before it
+  // fails with TimedOut; > 0. Deletes themselves have no deadline here (the backend's own, where it has one): one
+  // that never ends keeps failing its key's writes, never lets them race it. Under a MultiRankPlanExecutor keep it
+  // plus the backend's operation deadline below its move_deadline.
+  void set_max_delete_wait(std::chrono::nanoseconds max_wait) {
+    max_delete_wait_ = max_wait > std::chrono::nanoseconds::zero() ? max_wait : std::chrono::nanoseconds(1);
+  }
+
   // Work not completed yet: batches of moves, deletes of dropped objects, writes waiting for a delete, prefetches
   // waiting for their host block, finished moves held behind an earlier one of their destination.
   std::size_t in_flight() const noexcept {
@@ -115,6 +125,10 @@ class StoragePlanExecutor final : public PlanExecutor {
     storage::StorageTierOp op;
     bool posted = false;
   };
+  struct WaitingWrite {
+    SeqMove move;
+    std::chrono::steady_clock::time_point deadline;
+  };
   struct WaitingPrefetch {
     SeqMove move;
     std::chrono::steady_clock::time_point deadline;
@@ -133,7 +147,8 @@ class StoragePlanExecutor final : public PlanExecutor {
   bool remove_dropped_ = true;
   std::vector<Pending> pending_;
   std::vector<Removal> removals_;
-  std::vector<SeqMove> waiting_writes_;  // writes of keys whose delete is in flight
+  std::vector<WaitingWrite> waiting_writes_;  // writes of keys whose delete is in flight
+  std::chrono::nanoseconds max_delete_wait_ = std::chrono::seconds(10);
   std::function<Result<bool>(BlockId)> host_block_free_;
   std::chrono::nanoseconds guard_max_wait_{0};
   std::vector<WaitingPrefetch> waiting_prefetches_;  // into host blocks an earlier move may still write

@@ -29,6 +29,7 @@
 // Thread-safety: driven by the one scheduler thread that owns the CacheManager.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <set>
 #include <unordered_map>
@@ -46,6 +47,10 @@ class TransferPlanExecutor final : public PlanExecutor {
     // Tensor-parallel rank whose shard this executor moves: the pattern of a
     // key depends on it, so a shard of another rank is caught as a mismatch.
     std::uint32_t rank = 0;
+    // How long a step's prefill waits for the compute stream to pass its copies. On a timeout or an error the step
+    // fails (its moves are reported failed), the blocks hold no known key, and the staging buffer the queued copies
+    // read is retired, never reused.
+    std::chrono::nanoseconds prefill_timeout = std::chrono::seconds(60);
   };
   // `device_space` is the device cache registered with `manager`; `compute`
   // the stream the manager was created with. All must outlive the executor.
@@ -94,6 +99,7 @@ class TransferPlanExecutor final : public PlanExecutor {
   std::vector<Completion> unsubmitted_;          // moves of a failed execute(), failed at the next poll()
   std::unordered_map<BlockId, BlockKey> holds_;  // device block -> key whose bytes it holds
   std::vector<std::byte> staging_;
+  std::vector<std::vector<std::byte>> retired_staging_;  // of failed steps: queued copies may read them still
   std::uint64_t verified_ = 0, verification_failures_ = 0, bytes_d2h_ = 0, bytes_h2d_ = 0, failed_tasks_ = 0;
 };
 
