@@ -305,9 +305,11 @@ Status BenchCopy::run_size(std::uint64_t bb) {
       rh.full_duplex = rd.full_duplex = dir == Dir::kBoth;
       CopyReport rep_h, rep_d;
       // --pieces: the request as that many copies back to back (the report
-      // is the last piece's).
+      // is the last piece's, but its segments are those of every piece: with
+      // more pieces than blocks some pieces are empty and never run).
       auto copy_pieces = [&](const CopyRequest& whole, Stream& s, CopyReport& out) -> Status {
         const std::size_t n = whole.src_blocks.size(), k = std::max<std::uint32_t>(1, a_.pieces);
+        std::uint64_t segments = 0;
         for (std::size_t i = 0; i < k; ++i) {
           const std::size_t b = n * i / k, e = n * (i + 1) / k;
           if (b == e) continue;
@@ -317,7 +319,9 @@ Status BenchCopy::run_size(std::uint64_t bb) {
           auto r = engine_->copy(part, s);
           if (!r.ok()) return r.status();
           out = *r;
+          segments += r->segments;
         }
+        out.segments = segments;
         return Status::Ok();
       };
       auto copy_h = [&]() -> Status { return copy_pieces(rh, *stream_a_, rep_h); };
@@ -419,8 +423,8 @@ void BenchCopy::emit(const Row& r) const {
     j["cpu_ms"] = r.cpu_ms;
     j["cpu_ms_per_gb"] = r.bytes > 0 ? r.cpu_ms / (static_cast<double>(r.bytes) * 1e-9) : 0.0;
     // Enqueue time per descriptor (DMA segment or kernel item) on the submitting thread.
-    // (segments are the last piece's: with --pieces, every piece has about as many)
-    const double descriptors = static_cast<double>(r.segments) * std::max<std::uint32_t>(1, a_.pieces);
+    // (segments of every piece of the request)
+    const double descriptors = static_cast<double>(r.segments);
     j["host_us_per_descriptor"] = descriptors > 0 ? r.host_api_ms * 1e3 / descriptors : 0.0;
     j["prequeued"] = a_.prequeue;
     j["pieces"] = a_.pieces;

@@ -183,12 +183,39 @@ TEST_F(ConfigCli, BenchFlagsAreCheckedBeforeAnythingRuns) {
       {"bench transfer --backend host --compute-ratio 1000000", "--compute-ratio"},
       {"bench storage --dir ''", "--dir is empty"},
       {"bench storage --dir /tmp --redis-workers 0", "--redis-workers"},
-      {"bench pd --lanes tcp --pool-bytes 18446744073709551615", "--pool-bytes"},
+      {"bench pd --lanes direct-inproc --pool-bytes 18446744073709551615", "--pool-bytes 18446744073709551615"},
+      // A lane's flags on a run without that lane changed nothing (they ran the host lanes as if configured).
+      {"bench pd --lanes tcp,shm --ring-slots 8", "--ring-slots is for the ring lane only, and --lanes is tcp,shm"},
+      {"bench pd --lanes shm --ring-copy sm_kernel", "--ring-copy is for the ring lane"},
+      {"bench pd --lanes direct-inproc --ring-slot-bytes 4096", "--ring-slot-bytes is for the ring lane"},
+      {"bench pd --lanes tcp --lane-verify receiver", "--lane-verify is for the direct and direct-inproc lanes"},
+      {"bench pd --lanes shm --decode-wait final", "--decode-wait is for the direct"},
+      {"bench pd --lanes tcp --pool-bytes 1048576", "--pool-bytes is for the direct"},
   };
   for (const Bad& b : bad) {
     CliRun r = run("", b.args, Capture::kBoth);
     EXPECT_EQ(r.rc, 2) << b.args << ": " << r.out;
     EXPECT_NE(r.out.find(b.says), std::string::npos) << b.args << ": " << r.out;
+  }
+  // --pieces beyond the block count: the descriptors per piece were multiplied by every piece asked for, empty
+  // ones included, so host_us_per_descriptor came out several times too small. It is the enqueue time over the
+  // segments of the pieces that ran, which the row's `segments` now counts.
+  for (const char* pieces : {"1", "4", "64"}) {
+    CliRun p = run("",
+                   copy + "--block-sizes 256 --total-mib 1 --layers 1 --roles 1 --json --pieces " +
+                       std::string(pieces),
+                   Capture::kStdout);
+    ASSERT_EQ(p.rc, 0) << p.out;
+    const auto row = json_of(p);
+    ASSERT_TRUE(row.contains("segments") && row.contains("host_api_ms")) << p.out;
+    const double segments = row["segments"].get<double>();
+    if (std::string(pieces) == "1")
+      EXPECT_TRUE(segments >= 1 && segments <= 4) << p.out;
+    else
+      EXPECT_EQ(segments, 4.0) << "4 blocks: 4 pieces of one block run, whatever was asked: " << p.out;
+    EXPECT_NEAR(row["host_us_per_descriptor"].get<double>(), row["host_api_ms"].get<double>() * 1e3 / segments,
+                1e-9)
+        << p.out;
   }
   CliRun shapes = run("", "bench transfer --backend host --shape gqa,mla --blocks 4 --reps 1 --gemm-iters 1 --json",
                       Capture::kStdout);
