@@ -280,6 +280,8 @@ class Endpoint {
 
   Status init(std::string_view role) {
     role_ = role;
+    if (options_.request_wait.count() <= 0)
+      return InvalidArgument(fmt::format("{}: request_wait {} ms: must be > 0", role, options_.request_wait.count()));
     if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
       return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
                                          options_.heartbeat.count(), options_.lease.count()));
@@ -1344,6 +1346,12 @@ class Prefill final : public PdPrefill, public Endpoint {
                                             lane_kind_name(r.lane), lane_kind_name(lane_kind()))));
       return;
     }
+    if (r.strides.size() != blocks_.layout().num_planes()) {
+      // Every lane's descriptors index the strides by plane: a short list was read past its end.
+      refuse(InvalidArgument(fmt::format("decode sent {} plane strides for {} planes", r.strides.size(),
+                                         blocks_.layout().num_planes())));
+      return;
+    }
     if (r.lane == 3) {
       auto ring = map_peer_ring(x.peer, r.ring_slots, r.ring_slot_bytes);
       auto lane = ring.ok() ? make_lane(x.src, r.dst) : Result<std::unique_ptr<LaneBuffers>>(ring.status());
@@ -1485,9 +1493,23 @@ class Prefill final : public PdPrefill, public Endpoint {
     }
     if (type == 'R') {
       Req r;
-      // A request repeated for a transfer that has one (or has ended) is not applied again: its lane buffers may
-      // be in use by copies in flight, and its destinations were checked once.
-      if (!parse_request(p, r) || it->second.req) return;
+      if (!parse_request(p, r)) return;
+      if (it->second.req) {
+        // A request repeated for a running transfer is not applied again: its lane buffers may be in use by copies
+        // in flight, and its destinations were checked once. One for a transfer that has ended is the decode's
+        // start() of the id again (it forgot the old one): dropped, it left the new transfer and a later begin() of
+        // the id waiting for each other. Refused at once, and a begin() of the id before another request ends at
+        // once too.
+        if (it->second.final) {
+          refuse_early(n.peer, id,
+                       FailedPrecondition(fmt::format(
+                           "prefill transfer {} has ended (it was requested before) and is not forgotten yet; start "
+                           "the transfer under a new id",
+                           id)));
+          note_given_up({id, n.peer});
+        }
+        return;
+      }
       if (it->second.final) {
         // A request for a transfer that ended here without one: its begin() came after the decode had given up on
         // the id (cancelled and forgotten it) and before this request for the id again. Refused at once, so the
@@ -1646,7 +1668,10 @@ class Prefill final : public PdPrefill, public Endpoint {
           l.xfer.reset();
           continue;
         }
-        if (st->state == XferState::kFailed) fail(x, id, st->error);
+        // The layers not sent yet will not be: the decode is told now ('X'), not by its lease a second later
+        // (which also disconnected this prefill).
+        if (st->state == XferState::kFailed && !x.final)
+          fail_unsent(x, id, st->error.with_context(fmt::format("layer {} write", li)));
         if (st->state != XferState::kInProgress && st->quiescent) {
           x.times.moved = Clock::now();
           t_.release(*l.xfer).ignore_error();
@@ -1671,7 +1696,18 @@ class Prefill final : public PdPrefill, public Endpoint {
         }
         continue;
       }
-      if (now - x.last_heard > options_.lease && !bytes_moving(x.peer, now)) {
+      if (!x.req) {
+        // Begun before the decode's start(): nothing is written before its request, and the decode does not know
+        // the transfer yet, so its silence about it is no sign of death (the lease rule below disconnected a healthy
+        // decode whose start() came a lease after begin()). It waits up to request_wait, then fails alone.
+        if (now - x.times.started > options_.request_wait) {
+          fail(x, id,
+               TimedOut(fmt::format("no request from decode '{}' within {} ms of begin()", x.peer_name,
+                                            options_.request_wait.count())));
+          x.fin_heard = true;  // nothing was or will be written there, nothing is read: the sources are reclaimable
+          continue;
+        }
+      } else if (now - x.last_heard > options_.lease && !bytes_moving(x.peer, now)) {
         fail(x, id,
              Unavailable(fmt::format("decode side silent for more than the lease ({} ms)", options_.lease.count())));
         // Writes in flight to a silent decode side may never complete (a dead peer on a lane without failure
@@ -1976,7 +2012,7 @@ class Prefill final : public PdPrefill, public Endpoint {
     auto posted = t_.post(XferOp::kWrite, x.peer, ld, rd, m.str());
     if (!posted.ok()) {
       t_.send_notification(x.peer, Msg('X', id).u32(li).text(posted.status().to_string()).str()).ignore_error();
-      fail(x, id, posted.status().with_context(fmt::format("layer {} write", li)));
+      fail_unsent(x, id, posted.status().with_context(fmt::format("layer {} write", li)));
       return;
     }
     l.xfer = *posted;
@@ -2103,6 +2139,9 @@ class Decode final : public PdDecode, public Endpoint {
       x.block_layer_ok.assign(x.dst.size() * x.layers.size(), 0);
       x.reads.resize(x.layers.size());
       x.last_heard = x.last_sent = x.times.started = Clock::now();
+      // Counted as sent from here: a cancel() on another thread before the send below returns must not make the
+      // blocks reclaimable (and forgettable) while the request is on its way to a prefill that will write them.
+      x.request_sent = true;
       if (ring_lane()) {
         x.pieces_per_layer = static_cast<std::uint32_t>((x.dst.size() + ring_.per_slot - 1) / ring_.per_slot);
         x.pieces.assign(std::size_t{x.pieces_per_layer} * x.layers.size(), Piece{});
@@ -2114,11 +2153,15 @@ class Decode final : public PdDecode, public Endpoint {
     Status s = t_.send_notification(prefill, m.str());
     {
       std::lock_guard lock(mu_);
-      X& x = xfers_[id];
+      // Another thread may have cancelled and forgotten the transfer between the two locks: operator[] re-created
+      // it empty (peer 0, no layers) and sent its 'F' to whichever peer had id 0.
+      auto found = xfers_.find(id);
+      if (found == xfers_.end()) return s;
+      X& x = found->second;
       if (!s.ok()) {
+        x.request_sent = false;  // the transport did not take it: no prefill knows these destinations
         fail_rest(x, s);
       } else {
-        x.request_sent = true;
         x.times.request = handed;
         // Slots are granted in order, after the request (the prefill ignores grants of transfers it does not know).
         for (std::size_t u = 0; u < x.pieces.size(); ++u) ring_waiting_.emplace_back(id, u);
@@ -2530,7 +2573,10 @@ class Decode final : public PdDecode, public Endpoint {
             return;
           }
           if (landed.size() != ck.size()) {
-            compare_layer(id, x, layer, ck, nullptr);
+            if (x.layers[layer] == LayerState::kPending)
+              fail_layer(x, layer,
+                         DataLoss(fmt::format("transfer {} layer {}: {} checksums of what was read, {} of what landed",
+                                              id, layer, ck.size(), landed.size())));
             return;
           }
           compare_layer(id, x, layer, ck, landed.data());
@@ -2607,6 +2653,12 @@ class Decode final : public PdDecode, public Endpoint {
             return;
           }
           start_lane_layer(id, x, layer, std::move(ck), &*x.lane->peer);
+          return;
+        }
+        if (strides.size() != blocks_.layout().num_planes()) {
+          fail_layer(x, layer,
+                     InvalidArgument(fmt::format("transfer {} layer {}: prefill sent {} plane strides for {} planes",
+                                                 id, layer, strides.size(), blocks_.layout().num_planes())));
           return;
         }
         std::vector<LocalDesc> ld;

@@ -1103,6 +1103,152 @@ TEST(Pd, HostDirectDestinationsOutsideThePeersRegionsAreRefusedBeforeAnyByteMove
     for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(rig.dec_mem.space.block_ptr(l, 0, b)[0], std::byte{0xee});
 }
 
+// The prefill's begin() may come well before the decode's start() (the router tells the prefill first; the decode
+// schedules the request later). The prefill applied its lease to the decode from begin(): a lease later it failed the
+// transfer as "decode side silent" and disconnected the healthy decode. Now it waits for the request, up to
+// request_wait, and a transfer that never gets one fails alone, the decode left connected.
+TEST(Pd, ABeginLongBeforeTheDecodesStartWaitsForItsRequest) {
+  PdOptions o;
+  o.lease = 150ms;
+  o.heartbeat = 30ms;
+  o.request_wait = 5s;
+  Rig rig({}, {}, o, o);
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 8, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(8, l).ok());
+  std::this_thread::sleep_for(450ms);  // three leases
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 8, PdMode::kPush, kDst).ok());
+  auto fin = rig.dec->wait(8, 5s, true);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_TRUE(fin->error.ok()) << fin->error.to_string();
+  EXPECT_EQ(fin->leading_loaded_blocks(), 4u);
+  for (std::size_t i = 0; i < 4; ++i)
+    for (std::uint32_t l = 0; l < 4; ++l) EXPECT_TRUE(layer_matches(rig.dec_mem.space, kDst[i], l, kSrc[i]));
+  EXPECT_FALSE(rig.pre_t->peer_revoked(rig.to_dec));
+  // A transfer whose request never comes fails after request_wait, reclaimable, and the pair stays usable.
+  PdOptions shortwait = o;
+  shortwait.request_wait = 100ms;
+  Rig rig2({}, {}, shortwait, shortwait);
+  ASSERT_TRUE(rig2.pre->begin(rig2.to_dec, 9, kSrc).ok());
+  auto pf = rig2.pre->wait(9, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_EQ(pf->error.code(), StatusCode::kTimedOut) << pf->error.to_string();
+  EXPECT_NE(pf->error.message().find("no request from decode"), std::string::npos) << pf->error.to_string();
+  EXPECT_TRUE(rig2.pre->forget(9).ok());
+  EXPECT_FALSE(rig2.pre_t->peer_revoked(rig2.to_dec));
+  ASSERT_TRUE(rig2.pre->begin(rig2.to_dec, 10, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig2.pre->layer_ready(10, l).ok());
+  ASSERT_TRUE(rig2.dec->start(rig2.to_pre, 10, PdMode::kPush, kDst).ok());
+  auto fin2 = rig2.dec->wait(10, 5s, true);
+  ASSERT_TRUE(fin2.ok()) << fin2.status().to_string();
+  EXPECT_EQ(fin2->leading_loaded_blocks(), 4u) << fin2->error.to_string();
+  // request_wait must be positive.
+  PdOptions bad;
+  bad.request_wait = 0ms;
+  auto refused = PdPrefill::create(*rig2.pre_t, rig2.pre_mem.space, bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("request_wait"), std::string::npos) << refused.status().to_string();
+}
+
+// A write the prefill could not post: it told the decode about that layer only, so the decode waited a lease for
+// the others, failed them as "prefill side silent" and disconnected the prefill. Every unsent layer is now refused
+// at once, and the pair stays connected.
+TEST(Pd, AFailedWriteTellsTheDecodeOfEveryLayerThatWillNotCome) {
+  PdOptions o;
+  o.lease = 2s;
+  o.heartbeat = 100ms;
+  LoopbackOptions failing;
+  std::atomic<int> writes{0};
+  failing.post_fault = [&](XferOp op) {
+    return op == XferOp::kWrite && writes.fetch_add(1) == 0 ? Unavailable("injected: the first write fails")
+                                                            : Status::Ok();
+  };
+  Rig rig({}, {}, o, o, failing);
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 6, PdMode::kPush, kDst).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 6, kSrc).ok());
+  ASSERT_TRUE(rig.pre->layer_ready(6, 0).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto fin = rig.dec->wait(6, 1500ms, false);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string() << " (the decode waited for its lease)";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  for (std::uint32_t l = 0; l < 4; ++l) EXPECT_EQ(fin->layers[l], LayerState::kFailed) << l;
+  EXPECT_FALSE(fin->error.ok());
+  EXPECT_FALSE(rig.dec_t->peer_revoked(rig.to_pre));
+  EXPECT_FALSE(rig.pre_t->peer_revoked(rig.to_dec));
+}
+
+// The decode forgot a finished transfer and started its id again while the prefill had not forgotten its side yet:
+// the new request was dropped, and the new transfer and a later begin() of the id waited for each other with nothing
+// to end it. The request is refused at once, and the prefill's next begin() of the id ends at once too.
+TEST(Pd, ARequestForAnEndedTransferIsRefusedNotDropped) {
+  Rig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 7, kSrc).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(7, l).ok());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 7, PdMode::kPush, kDst).ok());
+  auto first = rig.dec->wait(7, 5s, true);
+  ASSERT_TRUE(first.ok() && first->error.ok());
+  ASSERT_TRUE(rig.dec->forget(7).ok());
+  auto pre_done = rig.pre->wait(7, 5s);
+  ASSERT_TRUE(pre_done.ok() && pre_done->done);
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 7, PdMode::kPush, kDst).ok());  // the prefill's 7 is not forgotten
+  auto again = rig.dec->wait(7, 5s, false);
+  ASSERT_TRUE(again.ok()) << again.status().to_string() << " (the new transfer was never failed)";
+  EXPECT_NE(again->error.message().find("start the transfer under a new id"), std::string::npos)
+      << again->error.to_string();
+  ASSERT_TRUE(rig.pre->forget(7).ok());
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 7, kSrc).ok());
+  auto late = rig.pre->wait(7, 2s);
+  ASSERT_TRUE(late.ok()) << late.status().to_string() << " (the later begin() was left waiting)";
+  EXPECT_FALSE(late->done);
+  EXPECT_EQ(late->error.code(), StatusCode::kCancelled) << late->error.to_string();
+}
+
+// A request whose plane strides are fewer than the layout's planes (a crafted or broken peer): the transport lane
+// indexed the list by plane and read past its end (a segfault with an empty list). Refused instead, naming both counts.
+TEST(Pd, ARequestWithTooFewPlaneStridesIsRefused) {
+  Rig rig;
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 11, kSrc).ok());
+  codec::ByteWriter<std::string> r;
+  r.u8('R');
+  r.u64(11);
+  r.u8(0);  // push
+  r.u8(0);  // the transport lane
+  r.u64s(std::vector<std::uint64_t>{0, 2, 6, 4});
+  r.u64s(std::vector<std::uint64_t>{});
+  ASSERT_TRUE(rig.dec_t->send_notification(rig.to_pre, std::move(r.out)).ok());
+  for (std::uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(rig.pre->layer_ready(11, l).ok());
+  auto pf = rig.pre->wait(11, 5s);
+  ASSERT_TRUE(pf.ok()) << pf.status().to_string();
+  EXPECT_FALSE(pf->done);
+  EXPECT_EQ(pf->error.code(), StatusCode::kInvalidArgument) << pf->error.to_string();
+  EXPECT_NE(pf->error.message().find("0 plane strides for 8 planes"), std::string::npos) << pf->error.to_string();
+}
+
+// A read-back notification whose two checksum lists differ in length (a crafted or broken prefill) on the host
+// direct lane: the decode compared the announced checksums against a null list (a segfault). The layer fails.
+TEST(Pd, AReadBackWithMismatchedChecksumListsFailsTheLayer) {
+  Rig rig({}, {}, host_direct_options(), host_direct_options());
+  ASSERT_TRUE(rig.dec->start(rig.to_pre, 12, PdMode::kPush, kDst).ok());
+  codec::ByteWriter<std::string> w;
+  w.u8('W');
+  w.u64(12);
+  w.u32(0);
+  w.u64s(std::vector<std::uint64_t>{1, 2, 3, 4});  // one per block
+  w.u64s(std::vector<std::uint64_t>{});            // what landed: none
+  ASSERT_TRUE(rig.pre_t->send_notification(rig.to_dec, std::move(w.out)).ok());
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  Result<DecodeStatus> st = rig.dec->status(12);
+  while (st.ok() && st->layers[0] == LayerState::kPending && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(1ms);
+    st = rig.dec->status(12);
+  }
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->layers[0], LayerState::kFailed);
+  EXPECT_EQ(st->error.code(), StatusCode::kDataLoss) << st->error.to_string();
+  EXPECT_NE(st->error.message().find("4 checksums of what was read, 0 of what landed"), std::string::npos)
+      << st->error.to_string();
+  ASSERT_TRUE(rig.dec->cancel(12).ok());
+}
+
 // Over UCX's TCP data path a transfer's bytes and the heartbeats shared one connection, and UCX's progress
 // thread held its lock for as long as bytes kept flowing: a transfer longer than the lease failed with both sides
 // alive (1 GB at a 200 ms lease; at the default 1 s lease a few GB on loopback). Here transfers of two to four

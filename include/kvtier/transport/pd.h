@@ -134,6 +134,11 @@ std::string_view layer_state_name(LayerState state) noexcept;
 struct PdOptions {
   std::chrono::milliseconds heartbeat{100};
   std::chrono::milliseconds lease{1000};
+  // Prefill: how long a transfer begun before its decode's start() waits for the decode's request (> 0). The lease
+  // does not apply until the request has come (the decode does not know the transfer before its start(), so it is
+  // not silent about it); past this wait the transfer fails with kTimedOut, nothing written, its sources
+  // reclaimable, the decode peer left connected.
+  std::chrono::milliseconds request_wait{60000};
   // The layout fingerprint the transport's identity carries (and load_peer compares): 0, the blocks' own
   // KvLayout::fingerprint(); otherwise one that covers it and more that both sides must agree on, which a caller
   // that knows more than the layout adds (kvtier.pd: each tensor's per-block shape and the tensor-parallel rank).
