@@ -143,6 +143,34 @@ Status check_agent_name(std::string_view name) {
                                      shown_value(name), name.size(), kMaxNameBytes));
 }
 
+std::string handshake_challenge() {
+  ensure_sodium();
+  std::string c(kHandshakeChallengeBytes, '\0');
+  randombytes_buf(c.data(), c.size());
+  return c;
+}
+
+std::string handshake_proof(std::string_view secret, std::string_view challenge, std::string_view initiator,
+                            std::string_view initiator_address, std::string_view owner) {
+  ensure_sodium();
+  // A different personalisation from the blob's: a proof is never valid as a blob MAC, or the reverse.
+  static constexpr unsigned char kPersonal[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-ipc-hi1";
+  codec::ByteWriter<std::string> w;  // length-prefixed fields: no two field lists hash alike
+  w.str(challenge).str(initiator).str(initiator_address).str(owner);
+  crypto_generichash_state st;
+  crypto_generichash_blake2b_init_salt_personal(&st, reinterpret_cast<const unsigned char*>(secret.data()),
+                                                secret.size(), kBlobMacBytes, nullptr, kPersonal);
+  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(w.out.data()), w.out.size());
+  std::string out(kBlobMacBytes, '\0');
+  crypto_generichash_final(&st, reinterpret_cast<unsigned char*>(out.data()), out.size());
+  sodium_memzero(&st, sizeof(st));
+  return out;
+}
+
+bool handshake_proof_matches(std::string_view got, std::string_view want) {
+  return got.size() == want.size() && sodium_memcmp(got.data(), want.data(), want.size()) == 0;
+}
+
 Status check_peer_secret(std::string_view secret) {
   if (secret.empty() || (secret.size() >= kMinPeerSecretBytes && secret.size() <= kMaxPeerSecretBytes))
     return Status::Ok();

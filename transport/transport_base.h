@@ -54,6 +54,16 @@ inline constexpr std::size_t kMaxNameBytes = 256;
 
 // kInvalidArgument unless `secret` is empty (no secret) or kMinPeerSecretBytes..kMaxPeerSecretBytes long.
 Status check_peer_secret(std::string_view secret);
+// A connection's handshake under a peer secret (the ipc backend): the owner sends a fresh random challenge
+// (kHandshakeChallengeBytes), the initiator answers with this keyed BLAKE2b MAC over the challenge, its own name and
+// address and the owner's name. Only an agent holding the secret can answer, and an answer is good for one
+// challenge, one initiator and one owner.
+inline constexpr std::size_t kHandshakeChallengeBytes = 32;
+std::string handshake_challenge();
+std::string handshake_proof(std::string_view secret, std::string_view challenge, std::string_view initiator,
+                            std::string_view initiator_address, std::string_view owner);
+// Constant-time comparison of a received proof with the expected one.
+bool handshake_proof_matches(std::string_view got, std::string_view want);
 // An agent's own name as its peers will check it in its blob: 1 to 256 printable ASCII characters. Each
 // create_*_transport refuses another name at once, naming it, instead of leaving the refusal to every peer.
 Status check_agent_name(std::string_view name);

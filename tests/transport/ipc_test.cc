@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -430,6 +431,104 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
   ASSERT_TRUE(st.ok()) << st.status().to_string();
   ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
   EXPECT_EQ(mb, ma);
+}
+
+// The owner's socket is abstract (no file permissions) and its name is in the blob and in /proc/net/unix. It served
+// every connector: a hello under any name got every registered region's window (read and write of the pool) and
+// the right to send notifications under that name, the peer secret notwithstanding. Under a secret a connector must
+// now answer a fresh challenge with it; a raw connector that cannot gets no window.
+TEST(IpcHandshake, UnderAPeerSecretAConnectorWithoutItGetsNoWindow) {
+  const std::string secret(32, 's');
+  IpcOptions o;
+  o.peer_secret = secret;
+  auto b = create_ipc_transport(ident("b"), o).value();
+  std::vector<std::byte> mb(1 << 16, std::byte{7});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  const auto blob = b->export_metadata().value();
+  auto decoded = detail::decode_blob(blob, secret).value();
+  const std::string sock_name = decoded.address.substr(decoded.address.find("sock=") + 5);
+  for (const std::string proof : {std::string(), std::string(32, 'x')}) {
+    const int sock = abstract_socket(sock_name, false);
+    ASSERT_GE(sock, 0);
+    timeval tv{10, 0};
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    codec::ByteWriter<std::string> hello;
+    hello.u32(kHello);
+    hello.str("intruder");
+    hello.str("");
+    ASSERT_TRUE(send_with_fd(sock, hello.out, -1));
+    std::string m;
+    int fd = -1;
+    ASSERT_TRUE(recv_with_fd(sock, m, fd)) << "no challenge";
+    EXPECT_LT(fd, 0);
+    codec::ByteReader first{std::string_view(m)};
+    std::uint32_t type = 0;
+    ASSERT_TRUE(first.u32(type));
+    EXPECT_EQ(type, ipc_wire::kChallenge) << "the owner handed out regions before any proof";
+    codec::ByteWriter<std::string> answer;
+    answer.u32(ipc_wire::kProof);
+    answer.str(proof);
+    send_with_fd(sock, answer.out, -1);
+    // The owner ends the connection: no region, no window.
+    bool got_window = false;
+    while (recv_with_fd(sock, m, fd)) {
+      if (fd >= 0) {
+        got_window = true;
+        close(fd);
+      }
+    }
+    EXPECT_FALSE(got_window);
+    close(sock);
+  }
+  // Agents holding the secret still connect and move bytes.
+  auto a = create_ipc_transport(ident("a"), o).value();
+  std::vector<std::byte> ma(1 << 16, std::byte{0x3c});
+  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
+  PeerId pb = a->load_peer(blob).value();
+  LocalDesc l{ra, 0, ma.size()};
+  RemoteDesc r{0, 0, ma.size()};
+  auto x = a->post(XferOp::kWrite, pb, {&l, 1}, {&r, 1}, "after");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  auto st = a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  EXPECT_EQ(mb, ma);
+}
+
+// Without a secret the owner serves only processes of its own user: another user's process on the host got every
+// window. (Needs root, to connect as another user from a child process.)
+TEST(IpcHandshake, WithoutASecretAnotherUsersProcessGetsNoWindow) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to connect as another user";
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> mb(1 << 16, std::byte{7});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  auto decoded = detail::decode_blob(b->export_metadata().value()).value();
+  const std::string sock_name = decoded.address.substr(decoded.address.find("sock=") + 5);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // 2: could not switch user or connect; 3: served a window; 0: refused.
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    const int sock = abstract_socket(sock_name, false);
+    if (sock < 0) _exit(2);
+    timeval tv{10, 0};
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    codec::ByteWriter<std::string> hello;
+    hello.u32(kHello);
+    hello.str("other-user");
+    hello.str("");
+    if (!send_with_fd(sock, hello.out, -1)) _exit(0);
+    std::string m;
+    int fd = -1;
+    while (recv_with_fd(sock, m, fd))
+      if (fd >= 0) _exit(3);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: the child could not switch user; 3: it was served a window";
+  // A process of the owner's own user is served (IpcWindows' tests above connect the same way).
 }
 
 // ---- path selection -------------------------------------------------------------------------------------

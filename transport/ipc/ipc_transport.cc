@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "core/byte_codec.h"
+#include "kvtier/core/log.h"
 #include "kvtier/transport/ipc.h"
 #include "transport/ipc/ipc_wire.h"
 #include "transport/transport_base.h"
@@ -50,8 +51,10 @@ namespace {
 
 using namespace std::chrono_literals;
 
+using ipc_wire::kChallenge;
 using ipc_wire::kHello;
 using ipc_wire::kNotify;
+using ipc_wire::kProof;
 using ipc_wire::kRead;
 using ipc_wire::kRegion;
 using ipc_wire::kRegionsEnd;
@@ -399,6 +402,25 @@ class IpcTransport final : public detail::TransportBase {
       std::uint8_t live = 0;
       static_cast<void>(p.u32(type));  // a short message leaves type 0, which is refused below
       if (type == kRegionsEnd) break;
+      if (type == kChallenge) {
+        std::string challenge;
+        if (passed >= 0) close(passed);
+        if (!p.str(challenge) || challenge.size() != detail::kHandshakeChallengeBytes) {
+          s = Internal(fmt::format("peer '{}' sent a malformed challenge", blob.identity.name));
+          break;
+        }
+        if (options_.peer_secret.empty()) {
+          s = FailedPrecondition(fmt::format(
+              "peer '{}' asks for the peer secret's proof, and this agent has no peer secret", blob.identity.name));
+          break;
+        }
+        Buf proof;
+        proof.u32(kProof);
+        proof.str(detail::handshake_proof(options_.peer_secret, challenge, identity().name, own_address,
+                                          blob.identity.name));
+        if (!send_msg(fd, proof.out)) s = Unavailable(fmt::format("peer '{}' closed during the handshake", blob.identity.name));
+        continue;
+      }
       if (type != kRegion || !p.u32(index) || !p.u64(bytes) || !p.u8(live)) {
         if (passed >= 0) close(passed);
         s = Internal(fmt::format("peer '{}' sent a malformed handshake message (type {})", blob.identity.name, type));
@@ -890,6 +912,44 @@ class IpcTransport final : public detail::TransportBase {
     }
   }
 
+  // Whom this owner serves. Its socket is abstract (no file permissions) and its name is in the blob and in
+  // /proc/net/unix, and whoever is served gets every registered region's window and may send notifications under
+  // any name: without a peer secret only processes of this process's user (SO_PEERCRED); with one only an agent
+  // that answers a fresh challenge with the secret (handshake_proof), whatever its user.
+  bool admit(int fd, const std::string& name, const std::string& address) {
+    if (options_.peer_secret.empty()) {
+      ucred cred{};
+      socklen_t len = sizeof(cred);
+      if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.uid == geteuid()) return true;
+      log(LogLevel::kWarning, "transport",
+          fmt::format("ipc '{}': refused a connection calling itself '{}' from user {} (this agent has no peer "
+                      "secret, so only its own user {} is served)",
+                      identity().name, name, cred.uid, geteuid()));
+      return false;
+    }
+    // The handshake is bounded: a connector that never answers must not hold this thread.
+    timeval tv{10, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    const std::string challenge = detail::handshake_challenge();
+    Buf c;
+    c.u32(kChallenge);
+    c.str(challenge);
+    std::string m, proof;
+    std::uint32_t type = 0;
+    bool ok = send_msg(fd, c.out) && recv_msg(fd, m);
+    Parse p(m);
+    ok = ok && p.u32(type) && type == kProof && p.str(proof) &&
+         detail::handshake_proof_matches(
+             proof, detail::handshake_proof(options_.peer_secret, challenge, name, address, identity().name));
+    timeval none{0, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+    if (!ok)
+      log(LogLevel::kWarning, "transport",
+          fmt::format("ipc '{}': refused a connection calling itself '{}': it did not prove the peer secret",
+                      identity().name, name));
+    return ok;
+  }
+
   void serve(int fd) {
     std::string m;
     std::string peer_name;
@@ -901,6 +961,7 @@ class IpcTransport final : public detail::TransportBase {
       if (!hello) {
         std::string peer_address;
         if (type != kHello || !p.str(peer_name) || !p.str(peer_address)) return;
+        if (!admit(fd, peer_name, peer_address)) return;
         hello = true;
         {
           std::lock_guard lock(regions_mu_);

@@ -16,6 +16,10 @@ enum MsgType : std::uint32_t {
   kRead = 5,        // initiator -> owner: {xfer, ranges}
   kNotify = 6,      // initiator -> owner: {kind, message}
   kReply = 7,       // owner -> initiator: {xfer, code, message}
+  // Under a peer secret, between kHello and the regions: the owner's challenge and the initiator's proof
+  // (transport_base.h, handshake_proof). Without a secret the owner serves only processes of its own user.
+  kChallenge = 8,  // owner -> initiator: {challenge}
+  kProof = 9,      // initiator -> owner: {proof}
 };
 
 // Sends one message, optionally with a file descriptor (-1: none). False when the connection is gone.
