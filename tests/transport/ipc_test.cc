@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <future>
 #include <random>
 #include <thread>
 
@@ -213,13 +214,15 @@ int abstract_socket(const std::string& name, bool listen_on) {
 // A crafted owner: it advertises one region of `claimed` bytes and hands over `window` as its shared window.
 class FakeIpcOwner {
  public:
-  FakeIpcOwner(int window, std::uint64_t claimed) : window_(window), claimed_(claimed) {
+  // `reads`: false for an owner that stops reading once the handshake is done (a paused process).
+  FakeIpcOwner(int window, std::uint64_t claimed, bool reads = true) : window_(window), claimed_(claimed), reads_(reads) {
     std::random_device rd;
     sock_ = fmt::format("kvtier-fake-owner-{}-{:08x}", getpid(), rd());
     listen_fd_ = abstract_socket(sock_, true);
     thread_ = std::thread([this] { serve(); });
   }
   ~FakeIpcOwner() {
+    stop_.store(true);
     shutdown(listen_fd_, SHUT_RDWR);
     if (conn_fd_.load() >= 0) shutdown(conn_fd_.load(), SHUT_RDWR);
     thread_.join();
@@ -255,6 +258,10 @@ class FakeIpcOwner {
     end.u32(kRegionsEnd);
     send_with_fd(fd, end.out, -1);
     // Stay connected until the test ends (the loader's receiver reads until the connection closes).
+    if (!reads_) {
+      while (!stop_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
     while (recv_with_fd(fd, m, ignored)) {
       if (ignored >= 0) close(ignored);
     }
@@ -262,6 +269,8 @@ class FakeIpcOwner {
 
   int window_;
   std::uint64_t claimed_;
+  bool reads_ = true;
+  std::atomic<bool> stop_{false};
   std::string sock_;
   int listen_fd_ = -1;
   std::atomic<int> conn_fd_{-1};
@@ -493,6 +502,40 @@ TEST(IpcHandshake, UnderAPeerSecretAConnectorWithoutItGetsNoWindow) {
   ASSERT_TRUE(st.ok()) << st.status().to_string();
   ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
   EXPECT_EQ(mb, ma);
+}
+
+// A peer that stops reading (paused, stopped in a debugger): the one worker that sends to every peer blocked in
+// sendmsg for good once the socket's buffer was full, and disconnect_peer() then waited for that sender's lock
+// forever. Sends are bounded (send_timeout: the peer is taken as gone) and the disconnect no longer waits for them.
+TEST(IpcBackend, APeerThatStopsReadingBlocksNeitherTheAgentNorItsDisconnect) {
+  constexpr std::uint64_t kBytes = 1 << 16;
+  const int window = memfd_of(kBytes, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  ASSERT_GE(window, 0);
+  FakeIpcOwner owner(window, kBytes, /*reads=*/false);
+  IpcOptions o;
+  o.send_timeout = std::chrono::milliseconds(300);
+  auto a = create_ipc_transport(ident("a"), o).value();
+  auto peer = a->load_peer(owner.blob());
+  ASSERT_TRUE(peer.ok()) << peer.status().to_string();
+  const std::string big(64 << 10, 'n');
+  for (int i = 0; i < 512; ++i) (void)a->send_notification(*peer, big);  // 32 MiB: more than any socket buffer holds
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));          // the worker is blocked by now
+  auto done = std::async(std::launch::async, [&] { return a->disconnect_peer(*peer); });
+  ASSERT_EQ(done.wait_for(std::chrono::seconds(5)), std::future_status::ready) << "disconnect_peer() hung";
+  (void)done.get();
+  // Another peer is served again (its messages were stuck behind the blocked send).
+  auto b = create_ipc_transport(ident("b")).value();
+  std::vector<std::byte> mb(kBytes, std::byte{1});
+  ASSERT_TRUE(b->register_memory({MemoryKind::kPinnedHost, 0, mb.data(), mb.size()}).ok());
+  PeerId pb = a->load_peer(b->export_metadata().value()).value();
+  ASSERT_TRUE(a->send_notification(pb, "after").ok());
+  auto n = b->wait_notifications(std::chrono::seconds(5));
+  ASSERT_TRUE(n.ok()) << n.status().to_string();
+  ASSERT_EQ(n->size(), 1u);
+  EXPECT_EQ((*n)[0].message, "after");
+  IpcOptions bad;
+  bad.send_timeout = std::chrono::milliseconds(0);
+  EXPECT_EQ(create_ipc_transport(ident("c"), bad).status().code(), StatusCode::kInvalidArgument);
 }
 
 // Without a secret the owner serves only processes of its own user: another user's process on the host got every

@@ -78,10 +78,16 @@ struct Range {
   std::uint64_t bytes = 0;
 };
 
-void set_buffers(int fd) {
+// Buffers for the largest message, and a bound on each send: a peer that stops reading (paused, stopped in a
+// debugger, swapping) would otherwise block the sender for good, and with it the one worker that sends to every
+// peer (their heartbeats included) and whoever waits for that sender's lock.
+void set_buffers(int fd, std::chrono::milliseconds send_timeout) {
   const int sz = static_cast<int>(kMaxMessage + 4096);
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+  const auto ms = send_timeout.count();
+  timeval tv{static_cast<time_t>(ms / 1000), static_cast<suseconds_t>((ms % 1000) * 1000)};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 sockaddr_un abstract_addr(const std::string& name, socklen_t& len) {
@@ -365,7 +371,7 @@ class IpcTransport final : public detail::TransportBase {
                                             a.host.pid_ns, identity().name, host_.pid_ns));
     const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0) return Internal(fmt::format("ipc socket: {}", std::strerror(errno)));
-    set_buffers(fd);
+    set_buffers(fd, options_.send_timeout);
     socklen_t len = 0;
     sockaddr_un sa = abstract_addr(a.sock, len);
     if (connect(fd, reinterpret_cast<sockaddr*>(&sa), len) != 0) {
@@ -506,11 +512,9 @@ class IpcTransport final : public detail::TransportBase {
         }
     }
     for (int fd : fds) shutdown(fd, SHUT_RDWR);
-    // Our own connection: its receiver sees the end and fails what still waits on the peer.
-    {
-      std::lock_guard lock(conn->send_mu);
-      shutdown(conn->fd, SHUT_RDWR);
-    }
+    // Our own connection: its receiver sees the end and fails what still waits on the peer. Not under send_mu: a
+    // send blocked on a peer that stopped reading holds it, and the shutdown is what ends that send.
+    shutdown(conn->fd, SHUT_RDWR);
     return backend_revoked(peer);
   }
   // Host windows: this agent copies the peer's writes itself and stopped at the disconnect. CUDA regions and
@@ -610,9 +614,14 @@ class IpcTransport final : public detail::TransportBase {
     return peer < conns_.size() ? conns_[peer] : nullptr;
   }
 
+  // A send that fails (the peer gone, or not reading for send_timeout) ends the connection: its receiver sees the
+  // end and fails the peer, rather than later messages going out with one missing between them.
   bool send_on(Conn& c, const std::string& m) {
     std::lock_guard lock(c.send_mu);
-    return !c.dead.load() && send_msg(c.fd, m);
+    if (c.dead.load()) return false;
+    if (send_msg(c.fd, m)) return true;
+    shutdown(c.fd, SHUT_RDWR);
+    return false;
   }
 
   // Ends a transfer: outcome, then quiescence (this side no longer touches its memory).
@@ -900,7 +909,7 @@ class IpcTransport final : public detail::TransportBase {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         return;  // shut down
       }
-      set_buffers(fd);
+      set_buffers(fd, options_.send_timeout);
       std::lock_guard lock(servers_mu_);
       server_fds_.push_back(fd);
       servers_.emplace_back([this, fd] {
@@ -1092,6 +1101,9 @@ Result<HostIdentity> ipc_blob_host(std::span<const std::byte> blob, std::string_
 Result<std::unique_ptr<Transport>> create_ipc_transport(AgentIdentity identity, IpcOptions options) {
   KVTIER_RETURN_IF_ERROR(detail::check_agent_name(identity.name));
   KVTIER_RETURN_IF_ERROR(detail::check_peer_secret(options.peer_secret));
+  if (options.send_timeout.count() <= 0 || options.send_timeout > std::chrono::hours(24))
+    return InvalidArgument(
+        fmt::format("ipc send_timeout {} ms: must be in (0, 86,400,000] ms", options.send_timeout.count()));
   if (identity.tp_size == 0 || identity.tp_rank >= identity.tp_size)
     return InvalidArgument(
         fmt::format("tensor-parallel rank {} of size {}: need rank < size", identity.tp_rank, identity.tp_size));

@@ -50,6 +50,9 @@ struct IpcOptions {
   int cuda_device = 0;  // the ordinal this agent's copies run on (kCuda)
   // A CUDA copy not complete by then fails its transfer, which stays non-quiescent (fail closed).
   std::chrono::milliseconds copy_timeout{60000};
+  // A message to a peer that does not read it within this time (> 0; the peer paused, stopped, swapping) ends the
+  // connection to that peer (its transfers fail, kUnavailable) instead of blocking every other peer's messages.
+  std::chrono::milliseconds send_timeout{5000};
   // Overrides the host identity the agent advertises and compares against (tests of the refusal).
   std::function<Result<HostIdentity>()> host_identity;
   // See "Trust" in transport.h: 32..64 raw bytes shared by the agents that may talk to each other; empty: none.
