@@ -230,7 +230,9 @@ struct PrefillStatus {
 
 class PdPrefill {
  public:
-  // Polled (never blocking) by the progress thread; true once the layer's data is in place.
+  // Polled (never blocking) by the progress thread, and once by layer_ready() on the caller's thread; true once the
+  // layer's data is in place. It runs with the endpoint's lock held: it must not call this endpoint (a call would
+  // deadlock) nor wait for a thread that does.
   using ReadyFn = std::function<Result<bool>()>;
 
   virtual ~PdPrefill() = default;
