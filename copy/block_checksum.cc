@@ -1,4 +1,6 @@
 // CPU reference of the block checksum the SM kernel computes (copy_engine.h: block_checksum()).
+#include <fmt/format.h>
+
 #include <cstring>
 
 #include "copy/kernel_plan.h"
@@ -6,9 +8,14 @@
 
 namespace kvtier {
 
-std::uint64_t block_checksum(const BlockSpace& space, BlockId block, std::span<const std::uint32_t> layers,
-                             RoleMask roles) {
+Result<std::uint64_t> block_checksum(const BlockSpace& space, BlockId block, std::span<const std::uint32_t> layers,
+                                     RoleMask roles) {
   const KvLayout& layout = space.layout();
+  if (block >= space.num_blocks())
+    return OutOfRange(fmt::format("block_checksum: block {} of a space of {} blocks", block, space.num_blocks()));
+  for (std::uint32_t l : layers)
+    if (l >= layout.num_layers())
+      return OutOfRange(fmt::format("block_checksum: layer {} of a layout of {} layers", l, layout.num_layers()));
   std::uint64_t sum = 0;
   std::uint32_t plane_index = 0;
   auto fold_layer = [&](std::uint32_t l) {

@@ -38,6 +38,7 @@ Result<DescriptorSlot*> EngineBase::acquire_slot(StreamState& st, std::uint64_t 
     const std::uint64_t cap = std::max({bytes, slot.capacity * 2, kMinSlotBytes});
     slot.staging.reset();
     slot.device.reset();
+    slot.capacity = 0;  // until both are there again: a failed allocation must not leave a slot that seems to fit
     KVTIER_ASSIGN_OR_RETURN(slot.staging, device_.allocate_pinned(cap));
     if (options_.sm_descriptors_in_device_memory) {
       KVTIER_ASSIGN_OR_RETURN(slot.device, device_.allocate_device(cap));

@@ -126,13 +126,18 @@ Status EngineBase::run_split(StreamState& st, Stream& stream, const CopyRequest&
         break;
       }
     if (timing != nullptr && !timing->fork) {
+      // Made whole or not at all: `fork` marks the slot as having its events, so a slot left with `fork` and
+      // without the others (an event creation failed) was used later through their null pointers.
       const EventOptions timed{.timing = true};
-      KVTIER_ASSIGN_OR_RETURN(timing->fork, device_.create_event(timed));
-      KVTIER_ASSIGN_OR_RETURN(timing->kernel_end, device_.create_event(timed));
-      timing->lane_end.resize(ss->lanes.size());
-      for (auto& lane_end : timing->lane_end) {
-        KVTIER_ASSIGN_OR_RETURN(lane_end, device_.create_event(timed));
+      KVTIER_ASSIGN_OR_RETURN(auto fork, device_.create_event(timed));
+      KVTIER_ASSIGN_OR_RETURN(auto kernel_end, device_.create_event(timed));
+      std::vector<std::unique_ptr<Event>> lane_end(ss->lanes.size());
+      for (auto& e : lane_end) {
+        KVTIER_ASSIGN_OR_RETURN(e, device_.create_event(timed));
       }
+      timing->kernel_end = std::move(kernel_end);
+      timing->lane_end = std::move(lane_end);
+      timing->fork = std::move(fork);
     }
   }
   JoinLanes join{device_, stream, ss};

@@ -81,6 +81,7 @@ struct Core {
   std::atomic<std::int64_t> min_delay_us;
   std::atomic<std::int64_t> max_delay_us;
   std::atomic<std::uint64_t> operations_executed{0};
+  std::atomic<std::uint64_t> failing_allocations{0};  // the next this many allocations fail (fail_allocations)
   std::atomic<std::uint64_t> streams_created{0};
   mutable std::mutex predicate_mu;
   std::shared_ptr<const FailurePredicate> failure_predicate;  // guarded by predicate_mu
@@ -465,8 +466,22 @@ Result<std::unique_ptr<Event>> HostDevice::create_event(const EventOptions& opti
   return std::unique_ptr<Event>(std::make_unique<HostEvent>(impl_->core.get(), options.timing));
 }
 
+namespace {
+// fail_allocations(): takes one of the failures still to give, if any.
+bool take_failing_allocation(std::atomic<std::uint64_t>& left) {
+  std::uint64_t n = left.load();
+  while (n != 0 && !left.compare_exchange_weak(n, n - 1)) {
+  }
+  return n != 0;
+}
+}  // namespace
+
+void HostDevice::fail_allocations(std::uint64_t n) { impl_->core->failing_allocations.store(n); }
+
 Result<Buffer> HostDevice::allocate_device(std::uint64_t bytes) {
   if (bytes == 0) return InvalidArgument("allocate_device: bytes is 0");
+  if (take_failing_allocation(impl_->core->failing_allocations))
+    return ResourceExhausted(fmt::format("allocate_device: {} bytes: injected failure", bytes));
   if (bytes > UINT64_MAX - kDeviceAlignment) {
     return InvalidArgument(fmt::format("allocate_device: bytes {} too large", bytes));
   }
@@ -481,6 +496,8 @@ Result<Buffer> HostDevice::allocate_device(std::uint64_t bytes) {
 }
 
 Result<std::unique_ptr<PinnedMemory>> HostDevice::allocate_pinned(std::uint64_t bytes, const PinnedOptions& options) {
+  if (take_failing_allocation(impl_->core->failing_allocations))
+    return ResourceExhausted(fmt::format("allocate_pinned: {} bytes: injected failure", bytes));
   return detail::allocate_pinned_memory(bytes, options, detail::ChunkRegistrar{});
 }
 

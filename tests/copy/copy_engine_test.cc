@@ -79,6 +79,64 @@ TEST_F(CopyEngineTest, FailedCopyIsReportedByTheStream) {
   }
 }
 
+// A kernel descriptor slot that had to grow when memory ran out kept its old capacity with its buffers freed: the next
+// request small enough for that capacity wrote its descriptors through a null staging buffer (a segfault). The slot
+// now counts as empty until both buffers are there again; the failed copy is refused, later ones move their bytes.
+TEST_F(CopyEngineTest, AFailedDescriptorSlotGrowthLeavesNoBrokenSlot) {
+  CopyEngineOptions o;
+  o.descriptor_slots = 1;
+  o.sm_inline_descriptor_max_pairs = 0;  // every kernel copy takes its descriptors from the slot
+  ASSERT_TRUE(make_engine(o).ok());
+  auto layout = KvLayout::uniform(1, 1, 256);
+  ASSERT_TRUE(layout.ok());
+  constexpr std::uint64_t kBlocks = 8192;
+  auto dev = layer_first(MemoryKind::kDevice, *layout, kBlocks);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, kBlocks);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 31);
+  fill_poison(*host);
+  auto copy = [&](std::vector<BlockId> ids) {
+    return engine_->copy(CopyRequest{&dev->space, &host->space, ids, ids, {}, kAllRoles, CopyStrategy::kSmKernel},
+                         *stream_);
+  };
+  std::vector<BlockId> one{0}, many, again{2};
+  for (BlockId b = 4; b < kBlocks; b += 2) many.push_back(b);  // scattered: one descriptor each
+  ASSERT_TRUE(copy(one).ok());
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  host_of(*device_).fail_allocations(1);
+  auto refused = copy(many);
+  ASSERT_FALSE(refused.ok()) << "the slot's growth did not fail: the test did not reach the fault";
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status().to_string();
+  host_of(*device_).fail_allocations(0);
+  ASSERT_TRUE(copy(again).ok());
+  ASSERT_TRUE(copy(many).ok());
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  model_copy(*dev, *host, CopyRequest{&dev->space, &host->space, one, one, {}, kAllRoles, CopyStrategy::kSmKernel});
+  model_copy(*dev, *host,
+             CopyRequest{&dev->space, &host->space, again, again, {}, kAllRoles, CopyStrategy::kSmKernel});
+  model_copy(*dev, *host, CopyRequest{&dev->space, &host->space, many, many, {}, kAllRoles, CopyStrategy::kSmKernel});
+  expect_matches_model(*host);
+}
+
+// block_checksum() read outside the space for a block or a layer it does not have (a crash or a garbage value).
+TEST_F(CopyEngineTest, BlockChecksumRefusesABlockOrLayerTheSpaceLacks) {
+  auto layout = KvLayout::uniform(2, 2, 64);
+  ASSERT_TRUE(layout.ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 4);
+  ASSERT_TRUE(host);
+  fill_random(*host, 5);
+  EXPECT_TRUE(block_checksum(host->space, 3).ok());
+  auto block = block_checksum(host->space, 4);
+  EXPECT_EQ(block.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(block.status().message().find("block 4 of a space of 4 blocks"), std::string::npos)
+      << block.status().to_string();
+  const std::uint32_t bad_layer[] = {0, 2};
+  auto layer = block_checksum(host->space, 0, bad_layer);
+  EXPECT_EQ(layer.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(layer.status().message().find("layer 2 of a layout of 2 layers"), std::string::npos)
+      << layer.status().to_string();
+}
+
 // Staged DMA with random per-operation delays on every stream (the caller's
 // and the engine's aux stream): a missing wait between DMA and kernel, on
 // slot reuse, at copy() entry (D2H reading freshly written device blocks) or

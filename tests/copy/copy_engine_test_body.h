@@ -1468,7 +1468,11 @@ class CopyChecksumTest : public CopyEngineTest {
                                        std::span<const std::uint32_t> layers, RoleMask roles = kAllRoles) {
     const BlockSpace m = mirror_space(ts);
     std::vector<std::uint64_t> v;
-    for (BlockId id : ids) v.push_back(block_checksum(m, static_cast<std::uint64_t>(id), layers, roles));
+    for (BlockId id : ids) {
+      auto sum = block_checksum(m, id, layers, roles);
+      EXPECT_TRUE(sum.ok()) << sum.status().to_string();
+      v.push_back(sum.value_or(0));
+    }
     return v;
   }
   std::vector<Buffer> buffers_;

@@ -383,9 +383,10 @@ struct CopyRequest {
 // probability about 2^-64. It is what CopyRequest::checksums and
 // CopyEngine::checksum() compute on the device; this is the CPU reference
 // (the memory must be CPU-readable). Blocks whose size is not a multiple of
-// 16 fold their last partial word zero-padded.
-std::uint64_t block_checksum(const BlockSpace& space, BlockId block, std::span<const std::uint32_t> layers = {},
-                             RoleMask roles = kAllRoles);
+// 16 fold their last partial word zero-padded. kOutOfRange for a block or a
+// layer the space does not have (naming it).
+Result<std::uint64_t> block_checksum(const BlockSpace& space, BlockId block,
+                                     std::span<const std::uint32_t> layers = {}, RoleMask roles = kAllRoles);
 
 struct CopyReport {
   CopyStrategy strategy = CopyStrategy::kAuto;  // what actually ran

@@ -119,6 +119,9 @@ class HostDevice final : public Device {
   // counted from operations_executed() at the call. n == 0 clears. Replaces
   // any predicate.
   void fail_nth_operation(std::uint64_t n);
+  // The next `n` calls of allocate_device / allocate_pinned fail with kResourceExhausted (0: none), as when the GPU
+  // or the host is out of memory.
+  void fail_allocations(std::uint64_t n);
   void set_delays(std::chrono::microseconds min_delay, std::chrono::microseconds max_delay);
   // Every data operation on a stream whose name starts with `name_prefix`
   // sleeps `delay` before it runs (on top of set_delays), e.g. to make one
