@@ -246,6 +246,17 @@ Status validate_request(const CopyRequest& r, int device_ordinal, bool read_only
     return InvalidArgument(fmt::format("invalid copy strategy value {}", static_cast<int>(r.strategy)));
 
   KVTIER_RETURN_IF_ERROR(validate_layers(r));
+  if (!read_only)
+    for (const BlockSpace* s : {r.src, r.dst}) {
+      // Every layer of a layer slot is the same bytes: a copy of several layers into one wrote each over the last
+      // (and out of one copied one layer's bytes into every destination layer), reporting success.
+      const std::size_t selected = r.layers.empty() ? layout.num_layers() : r.layers.size();
+      if (s->layers_share_memory() && selected != 1)
+        return InvalidArgument(fmt::format(
+            "the {} BlockSpace holds one layer at a time (a layer slot): the copy selects {} layers, it must "
+            "select one",
+            s == r.src ? "src" : "dst", selected));
+    }
 
   if (r.src_blocks.empty()) return Status::Ok();
   KVTIER_RETURN_IF_ERROR(check_ids(r.src_blocks, r.src->num_blocks(), "src"));

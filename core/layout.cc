@@ -404,6 +404,7 @@ Result<BlockSpace> BlockSpace::make(MemoryKind kind, int device_ordinal, KvLayou
   out.layout_ = std::move(layout);
   out.num_blocks_ = num_blocks;
   out.planes_ = std::move(planes);
+  out.layers_share_memory_ = layers_share;
   return out;
 }
 

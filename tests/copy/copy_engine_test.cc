@@ -137,6 +137,42 @@ TEST_F(CopyEngineTest, BlockChecksumRefusesABlockOrLayerTheSpaceLacks) {
       << layer.status().to_string();
 }
 
+// A layer slot (BlockSpace::layer_slot: every layer's planes in the same memory) must be copied one layer at a
+// time. A copy of every layer into one was accepted: each layer overwrote the last and the copy reported success.
+TEST_F(CopyEngineTest, ALayerSlotTakesOneLayerPerCopy) {
+  auto layout = KvLayout::uniform(2, 1, 128);
+  ASSERT_TRUE(layout.ok());
+  constexpr std::uint64_t kBlocks = 4;
+  auto dev = layer_first(MemoryKind::kDevice, *layout, kBlocks);
+  ASSERT_TRUE(dev);
+  fill_random(*dev, 9);
+  auto slot_mem = device_->allocate_pinned(kBlocks * 128);
+  ASSERT_TRUE(slot_mem.ok());
+  std::memset((*slot_mem)->data(), 0x5A, kBlocks * 128);
+  std::vector<std::vector<Plane>> planes(2, std::vector<Plane>{Plane{(*slot_mem)->data(), 128}});
+  auto slot = BlockSpace::layer_slot(MemoryKind::kPinnedHost, 0, *layout, kBlocks, planes);
+  ASSERT_TRUE(slot.ok()) << slot.status().to_string();
+  EXPECT_TRUE(slot->layers_share_memory());
+  EXPECT_FALSE(dev->space.layers_share_memory());
+  const std::vector<BlockId> ids{0, 1, 2, 3};
+  for (std::vector<std::uint32_t> layers : {std::vector<std::uint32_t>{}, std::vector<std::uint32_t>{0, 1}}) {
+    auto all = engine_->copy(CopyRequest{&dev->space, &*slot, ids, ids, layers, kAllRoles, CopyStrategy::kAuto},
+                             *stream_);
+    ASSERT_FALSE(all.ok()) << layers.size() << " layers into a layer slot were accepted";
+    EXPECT_EQ(all.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(all.status().message().find("select one"), std::string::npos) << all.status().to_string();
+    auto out = engine_->copy(CopyRequest{&*slot, &dev->space, ids, ids, layers, kAllRoles, CopyStrategy::kAuto},
+                             *stream_);
+    EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << "out of a layer slot, several layers";
+  }
+  const std::uint32_t one[] = {1};
+  ASSERT_TRUE(
+      engine_->copy(CopyRequest{&dev->space, &*slot, ids, ids, one, kAllRoles, CopyStrategy::kAuto}, *stream_).ok());
+  ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
+  for (BlockId b : ids)
+    EXPECT_EQ(std::memcmp(slot->block_ptr(1, 0, b), dev->mirror_of(dev->space.block_ptr(1, 0, b)), 128), 0) << b;
+}
+
 // Staged DMA with random per-operation delays on every stream (the caller's
 // and the engine's aux stream): a missing wait between DMA and kernel, on
 // slot reuse, at copy() entry (D2H reading freshly written device blocks) or

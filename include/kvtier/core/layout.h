@@ -258,6 +258,8 @@ class BlockSpace {
   }
   // Page-first spaces: bytes of one page (0 otherwise).
   std::uint64_t page_bytes() const noexcept { return page_bytes_; }
+  // A layer_slot space: its layers' planes share memory, so a copy into or out of it selects exactly one layer.
+  bool layers_share_memory() const noexcept { return layers_share_memory_; }
 
  private:
   static Result<BlockSpace> make(MemoryKind kind, int device_ordinal, KvLayout layout, std::uint64_t num_blocks,
@@ -270,6 +272,7 @@ class BlockSpace {
   std::uint64_t num_blocks_ = 0;
   std::vector<std::vector<Plane>> planes_;
   std::uint64_t page_bytes_ = 0;
+  bool layers_share_memory_ = false;
 };
 
 }  // namespace kvtier
