@@ -361,7 +361,9 @@ Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) 
       // accepts only 512-1023 pending copies per stream: a larger gated batch
       // blocks inside cudaMemcpyBatchAsync until the gate's watchdog fires
       // (measured 0.1 GB/s at 65536 x 4 KiB). Such batches go ungated.
-      report.gated = supports_gate() && dir == CopyDirection::kHostToDevice &&
+      // Never on the legacy default stream (an adopted handle 0, torch's default): it cannot be gated, and a
+      // gated batch there failed instead of running ungated.
+      report.gated = supports_gate() && stream.native_handle() != nullptr && dir == CopyDirection::kHostToDevice &&
                      sc.segments.size() <= kMaxGatedBatchDescriptors &&
                      (options_.batch_gate_always || min_segment <= options_.batch_gate_max_segment_bytes);
       status = run_batch(*st, stream, sc.segments, dir, report.gated);

@@ -485,6 +485,29 @@ TEST_F(CopyEngineTest, EveryStrategyEverySizeEveryDirection) {
   }
 }
 
+// An engine's stream that is the legacy default stream (an adopted handle 0, as for torch's default stream): a
+// host->device batch of small segments, which the engine gates, failed there ("the legacy default stream cannot be
+// gated") instead of running ungated. (Backends without native streams skip.)
+TEST_F(CopyEngineTest, ASmallBatchOnTheLegacyDefaultStreamRunsUngated) {
+  auto legacy = device_->adopt_stream(nullptr, "legacy-default");
+  if (!legacy.ok()) GTEST_SKIP() << "no native streams: " << legacy.status().to_string();
+  auto layout = KvLayout::uniform(2, 2, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 16);
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 16);
+  ASSERT_TRUE(host && dev);
+  fill_random(*host, 41);
+  fill_poison(*dev);
+  const std::vector<BlockId> s{1, 5, 9, 13}, d{0, 4, 8, 12};  // scattered 4 KiB segments: a gated batch elsewhere
+  const CopyRequest r{&host->space, &dev->space, s, d, {}, kAllRoles, CopyStrategy::kDmaBatch};
+  auto rep = engine_->copy(r, **legacy);
+  ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+  EXPECT_FALSE(rep->gated);
+  ASSERT_TRUE(device_->synchronize(**legacy, kWait).ok());
+  model_copy(*host, *dev, r);
+  expect_matches_model(*dev);
+}
+
 TEST_F(CopyEngineTest, MisalignedPlanesUseNarrowAccesses) {
   auto layout = KvLayout::uniform(1, 2, 4097);
   ASSERT_TRUE(layout.ok());
