@@ -100,6 +100,7 @@ bool EngineBase::staged_preferred(const CopyRequest& r, const PlanSummary& s, Pl
 
 CopyStrategy EngineBase::choose(const CopyRequest& request) const {
   if (!validate(request).ok() || request.src_blocks.empty()) return CopyStrategy::kDmaPerRun;
+  if (request.checksums != nullptr) return CopyStrategy::kSmKernel;  // what copy() runs for a checksummed request
   PlanScratch scratch;
   select_planes(request, scratch.planes);
   find_runs(request.src_blocks, request.dst_blocks, scratch.runs);

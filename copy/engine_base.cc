@@ -141,8 +141,30 @@ EngineBase::~EngineBase() {
   }
 }
 
+// What a checksummed request must be, checked by validate() and copy() alike.
+Status EngineBase::check_checksum_request(const CopyRequest& r) {
+  if (r.checksums != nullptr && r.strategy != CopyStrategy::kAuto && r.strategy != CopyStrategy::kSmKernel)
+    return InvalidArgument(
+        fmt::format("a checksummed copy runs the sm_kernel strategy, not {}", copy_strategy_name(r.strategy)));
+  if (r.checksums != nullptr && copy_direction(r.src->kind(), r.dst->kind()) == CopyDirection::kHostToHost)
+    return NotSupported("a checksummed copy needs device memory on at least one side (the SM kernel computes it)");
+  if (r.landed_checksums != nullptr && r.checksums == nullptr)
+    return InvalidArgument(
+        "landed_checksums of a copy without checksums (the kernel that reads back its writes is "
+        "the checksummed one)");
+  if (r.landed_checksums != nullptr && r.landed_checksums == r.checksums)
+    return InvalidArgument("landed_checksums and checksums are the same array; each needs its own");
+  return Status::Ok();
+}
+
 Status EngineBase::validate(const CopyRequest& request) const {
   KVTIER_RETURN_IF_ERROR(validate_request(request, device_.ordinal()));
+  KVTIER_RETURN_IF_ERROR(check_checksum_request(request));
+  if (request.checksums != nullptr && !request.src_blocks.empty()) {
+    PlanScratch sc;
+    select_planes(request, sc.planes);
+    return check_checksum_alignment(sc.planes);
+  }
   if (request.strategy == CopyStrategy::kStagedDma && !request.src_blocks.empty()) {
     // Whether every pair fits a staging slot (copy() rejects it otherwise).
     PlanScratch sc;
@@ -287,17 +309,7 @@ Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) 
   if (&stream.device() != &device_)
     return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
                                        stream.id(), stream.device().name(), device_.name()));
-  if (r.checksums != nullptr && r.strategy != CopyStrategy::kAuto && r.strategy != CopyStrategy::kSmKernel)
-    return InvalidArgument(
-        fmt::format("a checksummed copy runs the sm_kernel strategy, not {}", copy_strategy_name(r.strategy)));
-  if (r.checksums != nullptr && copy_direction(r.src->kind(), r.dst->kind()) == CopyDirection::kHostToHost)
-    return NotSupported("a checksummed copy needs device memory on at least one side (the SM kernel computes it)");
-  if (r.landed_checksums != nullptr && r.checksums == nullptr)
-    return InvalidArgument(
-        "landed_checksums of a copy without checksums (the kernel that reads back its writes is "
-        "the checksummed one)");
-  if (r.landed_checksums != nullptr && r.landed_checksums == r.checksums)
-    return InvalidArgument("landed_checksums and checksums are the same array; each needs its own");
+  KVTIER_RETURN_IF_ERROR(check_checksum_request(r));
   CopyReport report;
   report.direction = copy_direction(r.src->kind(), r.dst->kind());
   report.strategy = r.strategy;

@@ -157,6 +157,7 @@ class EngineBase : public CopyEngine {
   Result<CopyReport> copy(const PreparedCopy& prepared, std::span<const std::uint32_t> layers, Stream& stream,
                           std::uint64_t* checksums, std::uint64_t* landed_checksums) override;
   CopyStrategy choose(const CopyRequest& request) const override;
+  static Status check_checksum_request(const CopyRequest& r);
   Result<CopyReport> checksum(const BlockSpace& space, std::span<const BlockId> blocks,
                               std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
                               Stream& stream) override;

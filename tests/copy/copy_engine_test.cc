@@ -173,6 +173,43 @@ TEST_F(CopyEngineTest, ALayerSlotTakesOneLayerPerCopy) {
     EXPECT_EQ(std::memcmp(slot->block_ptr(1, 0, b), dev->mirror_of(dev->space.block_ptr(1, 0, b)), 128), 0) << b;
 }
 
+// validate() said OK to checksummed requests that copy() refuses (a DMA strategy, host to host, landed checksums
+// without checksums, one array for both), and choose() named a strategy copy() would not run for them.
+TEST_F(CopyEngineTest, ValidateRefusesTheChecksummedRequestsCopyRefuses) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 4);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 4);
+  auto host2 = layer_first(MemoryKind::kPinnedHost, *layout, 4);
+  ASSERT_TRUE(dev && host && host2);
+  auto sums = device_->allocate_device(4 * sizeof(std::uint64_t));
+  auto sums2 = device_->allocate_device(4 * sizeof(std::uint64_t));
+  ASSERT_TRUE(sums.ok() && sums2.ok());
+  auto* ck = static_cast<std::uint64_t*>(sums->data());
+  auto* ck2 = static_cast<std::uint64_t*>(sums2->data());
+  const std::vector<BlockId> ids{0, 1, 2, 3};
+  auto req = [&](TestSpace& from, TestSpace& to, CopyStrategy strategy, std::uint64_t* c, std::uint64_t* landed) {
+    CopyRequest r{&from.space, &to.space, ids, ids, {}, kAllRoles, strategy};
+    r.checksums = c;
+    r.landed_checksums = landed;
+    return r;
+  };
+  const CopyRequest bad[] = {req(*dev, *host, CopyStrategy::kDmaBatch, ck, nullptr),
+                             req(*host, *host2, CopyStrategy::kAuto, ck, nullptr),
+                             req(*dev, *host, CopyStrategy::kSmKernel, nullptr, ck2),
+                             req(*dev, *host, CopyStrategy::kSmKernel, ck, ck)};
+  for (const CopyRequest& r : bad) {
+    const Status v = engine_->validate(r);
+    auto c = engine_->copy(r, *stream_);
+    EXPECT_FALSE(c.ok());
+    EXPECT_FALSE(v.ok()) << "validate() accepted what copy() refuses: " << c.status().to_string();
+    EXPECT_EQ(v.code(), c.status().code()) << v.to_string() << " / " << c.status().to_string();
+  }
+  const CopyRequest good = req(*dev, *host, CopyStrategy::kAuto, ck, nullptr);
+  EXPECT_TRUE(engine_->validate(good).ok());
+  EXPECT_EQ(engine_->choose(good), CopyStrategy::kSmKernel);
+}
+
 // Staged DMA with random per-operation delays on every stream (the caller's
 // and the engine's aux stream): a missing wait between DMA and kernel, on
 // slot reuse, at copy() entry (D2H reading freshly written device blocks) or
