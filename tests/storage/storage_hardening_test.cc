@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <array>
 #include <limits>
 #include <string>
 #include <thread>
@@ -437,6 +438,30 @@ TEST_F(DiskHardening, HugePutIsRefused) {
     EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << bytes;
   }
   EXPECT_EQ((*b)->stats().objects, 0u);
+}
+
+// The memory backend added the header to the payload size unchecked: a payload near 2^64 wrapped the object's size
+// to a few bytes, which passed the capacity check, and the header (or, with a tenant secret, the whole payload) was
+// written far past a 72-byte allocation. Refused now, naming the size; nothing is stored.
+TEST(MemoryHardening, APayloadSizeNear2To64IsRefusedNotWrapped) {
+  for (const std::string secret : {std::string(), std::string(32, 't')}) {
+    StorageOptions o;
+    o.tenant = secret.empty() ? "" : "t";
+    o.tenant_secret = secret;
+    auto b = make_storage_backend("memory:?capacity=1M", o);
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    std::array<std::byte, 16> v{};
+    for (std::uint64_t bytes : {std::numeric_limits<std::uint64_t>::max() - 7, std::uint64_t{1} << 63}) {
+      auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(5, 1), v.data(), bytes}}});
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      EXPECT_EQ((*r)[0].status.code(), StatusCode::kResourceExhausted) << (*r)[0].status.to_string();
+      EXPECT_NE((*r)[0].status.message().find(std::to_string(bytes)), std::string::npos)
+          << (*r)[0].status.to_string();
+    }
+    auto e = run_batch(**b, StorageBatch{StorageOp::kExists, {{key_of(5, 1), nullptr, 0}}});
+    ASSERT_TRUE(e.ok());
+    EXPECT_EQ((*e)[0].status.code(), StatusCode::kNotFound);
+  }
 }
 
 // A directory outside the store, full of files a planted link could hand the backend. Every file's
