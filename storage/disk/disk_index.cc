@@ -168,10 +168,16 @@ Status DiskBackend::recycle_or_unlink_locked(int dirfd, const std::string& name,
                                              const StorageKey& key, std::string_view shown) {
   auto r = reading_.find(key);
   if (free_files_.size() < max_free_files_ && (r == reading_.end() || r->second == 0)) {
-    std::string dst = fmt::format("{}.{}", ::getpid(), ++seq_);
-    if (::renameat(dirfd, name.c_str(), free_fd_.get(), dst.c_str()) == 0) {
-      free_files_.emplace_back(std::move(dst), bytes);
-      return Status::Ok();
+    // Never over a free file already there: names repeat across instances (a reopened tier, a restarted container
+    // with the same pid), and a replaced name listed twice handed one inode to two puts at once (an acknowledged
+    // put lost, or another key's bytes served under it). Taken names are skipped.
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      std::string dst = fmt::format("{}.{}", ::getpid(), ++seq_);
+      if (::renameat2(dirfd, name.c_str(), free_fd_.get(), dst.c_str(), RENAME_NOREPLACE) == 0) {
+        free_files_.emplace_back(std::move(dst), bytes);
+        return Status::Ok();
+      }
+      if (errno != EEXIST) break;  // the file system cannot refuse to replace (EINVAL), or the file is gone
     }
   }
   if (::unlinkat(dirfd, name.c_str(), 0) != 0 && errno != ENOENT)

@@ -464,6 +464,51 @@ TEST(MemoryHardening, APayloadSizeNear2To64IsRefusedNotWrapped) {
   }
 }
 
+// Free files are named "<pid>.<n>" with n counted from 1 by each backend instance, and a rebuild adopts those
+// already there. A later instance with the same pid (a tier reopened in one process, a container restarted as pid
+// 1) recycled a deleted object onto a name in use, replacing that file: the name was listed twice, two puts took
+// the one inode, and an acknowledged put came back as DataLoss (or another put's bytes). Each name is used once.
+TEST_F(DiskHardening, AFreeFileNameIsNeverHandedOutTwice) {
+  config_.direct_io = DirectIo::kOff;
+  AlignedBuffer v(64 << 10);
+  {
+    auto b0 = create_disk_backend(config_, options_);
+    ASSERT_TRUE(b0.ok()) << b0.status().to_string();
+    for (int i = 1; i <= 2; ++i) {
+      fill_random(v.data(), v.size(), 100 + i);
+      auto r = run_batch(**b0, StorageBatch{StorageOp::kPut, {{key_of(11, i), v.data(), v.size()}}});
+      ASSERT_TRUE(r.ok() && (*r)[0].status.ok());
+    }
+  }
+  auto remove = [&](StorageBackend& backend, const StorageKey& k) {
+    auto r = run_batch(backend, StorageBatch{StorageOp::kDelete, {{k, nullptr, 0}}});
+    ASSERT_TRUE(r.ok() && (*r)[0].status.ok()) << (r.ok() ? (*r)[0].status.to_string() : r.status().to_string());
+  };
+  {
+    auto b1 = create_disk_backend(config_, options_);  // its delete names the free file "<pid>.1"
+    ASSERT_TRUE(b1.ok()) << b1.status().to_string();
+    remove(**b1, key_of(11, 1));
+  }
+  // The next instance adopts "<pid>.1" and names its own first free file the same.
+  auto b = create_disk_backend(config_, options_);
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  remove(**b, key_of(11, 2));
+  AlignedBuffer a(64 << 10), d(64 << 10);
+  fill_random(a.data(), a.size(), 201);
+  fill_random(d.data(), d.size(), 202);
+  auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(12, 1), a.data(), a.size()},
+                                                         {key_of(12, 2), d.data(), d.size()}}});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status.to_string();
+  EXPECT_TRUE((*r)[1].status.ok()) << (*r)[1].status.to_string();
+  for (const auto& [k, want] : {std::pair{key_of(12, 1), &a}, std::pair{key_of(12, 2), &d}}) {
+    AlignedBuffer got(64 << 10);
+    Status st = get(**b, k, got);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(std::memcmp(got.data(), want->data(), got.size()), 0);
+  }
+}
+
 // A directory outside the store, full of files a planted link could hand the backend. Every file's
 // name and bytes are recorded, so a test can assert that not one was deleted, changed or moved.
 class OutsideFiles {
