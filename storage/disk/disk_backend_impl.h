@@ -148,6 +148,11 @@ struct IoOp : Waiter {
   StorageItem item;
   Stage stage = Stage::kWrite;
   ScopedFd fd;
+  // A get: the file it opened (device, inode), so that a failed read quarantines that file, not one a put has
+  // put under the name since. read_file_known false: nothing was opened.
+  dev_t read_dev = 0;
+  ino_t read_ino = 0;
+  bool read_file_known = false;
   int tmp_dir = -1;        // incoming/ or free/ (a DiskBackend member fd; not owned)
   std::string tmp_name;    // the file written, in tmp_dir
   std::string tmp_path;    // the same, for messages

@@ -159,6 +159,50 @@ TEST_P(DiskFault, ReadErrorIsAMissNeverBytes) {
   expect_recovers(acked, salt, {2});
 }
 
+// A get that fails (here a read error) on a file that a put replaced while the get was reading it: quarantine went
+// by the key's name, so it took the put's new, acknowledged object and left the key a miss. The file that failed
+// has left the directory already; the new object stays and is served.
+TEST_P(DiskFault, AGetThatFailsAfterAReplacingPutLeavesTheNewObject) {
+  const StorageKey k = key_of(77, 1);
+  constexpr std::size_t kOld = 8 << 20;
+  AlignedBuffer old_value(kOld);
+  fill_random(old_value.data(), kOld, 1);
+  {
+    auto t = backend_->post(StorageBatch{StorageOp::kPut, {{k, old_value.data(), kOld}}});
+    ASSERT_TRUE(t.ok() && t->wait(std::chrono::seconds(30)).ok() && t->item(0).status.ok());
+  }
+  // The get's reads come back a thousandth at a time (the backend resubmits the rest), and a later one fails: the
+  // replacing put below commits meanwhile.
+  DiskFaultRule fail;
+  fail.op = DiskFaultOp::kRead;
+  fail.key = k;
+  fail.nth = GetParam() == DirectIo::kOff ? 1000 : 300;  // direct reads here take milliseconds each
+  faults_->add(fail);
+  DiskFaultRule trickle;
+  trickle.op = DiskFaultOp::kRead;
+  trickle.action = DiskFaultAction::kShort;
+  trickle.keep = 0.001;
+  trickle.align = short_align();
+  trickle.key = k;
+  faults_->add(trickle);
+  AlignedBuffer into(kOld);
+  auto get_ticket = backend_->post(StorageBatch{StorageOp::kGet, {{k, into.data(), kOld}}});
+  ASSERT_TRUE(get_ticket.ok());
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (faults_->injected(DiskFaultOp::kRead) < 10 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  ASSERT_GE(faults_->injected(DiskFaultOp::kRead), 10u) << "the get's reads did not start";
+  const Bytes new_value = payload(2, 4096);
+  ASSERT_TRUE(put(k, new_value).ok());
+  ASSERT_FALSE(get_ticket->poll()) << "the get ended before the put: the test did not reach the race";
+  ASSERT_TRUE(get_ticket->wait(std::chrono::seconds(30)).ok());
+  EXPECT_EQ(get_ticket->item(0).status.code(), StatusCode::kDataLoss) << get_ticket->item(0).status.to_string();
+  faults_->clear();
+  auto got = get(k);
+  ASSERT_TRUE(got.ok()) << "the acknowledged replacement was quarantined: " << got.status().to_string();
+  EXPECT_EQ(*got, new_value);
+}
+
 TEST_P(DiskFault, RandomReadErrorsServeOnlyExactBytes) {
   const std::uint64_t salt = 12;
   auto acked = put_acknowledged(8, salt);
