@@ -102,9 +102,9 @@ bool CacheManager::Impl::start_demotion(NodeId v) {
 // (kFree); otherwise the first dirty candidate is demoted, its block frees at the write's ack
 // (kPending). A dirty copy is dropped only when storage cannot take it.
 CacheManager::Impl::Room CacheManager::Impl::make_host_room() {
-  if (speculative && write_back_to_storage()) {
-    // A prefetch's room: a host copy that has another copy (device or storage); no demotion is started (storage
-    // I/O for a bet on a queued request) and no dirty copy dropped.
+  if (speculative) {
+    // A prefetch's room, whatever the write policy and tiers: a host copy that has another copy (device or
+    // storage); no demotion is started (storage I/O for a bet on a queued request) and no last copy dropped.
     NodeId v = victim(
         kHst,
         [this](NodeId id) { return host_candidate(id) && nodes[id].present != bit(kHst) && can_drop(nodes[id], kHst); },
@@ -208,14 +208,21 @@ bool CacheManager::Impl::evict_one_device() {
       ++st.drops_device;
       return true;
     }
+    // A prefetch (a bet on a queued request) never drops a last copy: a device-only victim goes only to a free host
+    // block, else it stays.
+    const bool last_copy = speculative && n.present == bit(kDev);
     bool must_keep = num_children(n) > 0 && !can_drop(n, kDev);
-    if (has_tier(kHst) && (cfg.write_policy == WritePolicy::kWriteBack || must_keep) && !host_full) {
+    if (has_tier(kHst) && (cfg.write_policy == WritePolicy::kWriteBack || must_keep || last_copy) && !host_full) {
       auto hb = take_host_block();
       if (hb.ok()) {
         evict_to_host(v, *hb);
         return true;
       }
       host_full = true;
+    }
+    if (last_copy) {
+      skipped.push_back(v);
+      continue;
     }
     if (can_drop(n, kDev)) {
       if (!(host_full && write_back_down)) {

@@ -81,6 +81,9 @@ class CudaCopyEngine final : public EngineBase {
         for (const Segment& seg : copy) std::memcpy(seg.dst, seg.src, seg.bytes);
       });
     }
+    // cudaMemcpyBatchAsync refuses the legacy default stream (an adopted handle 0, torch's default stream) with
+    // cudaErrorInvalidValue: the segments go one copy each there, in stream order as the batch would.
+    if (cuda_detail::native(stream) == nullptr) return run_per_run(st, stream, segments, dir);
     KVTIER_CUDA_GUARD(device_.ordinal());
     auto& cs = static_cast<CudaStreamState&>(*st.backend);
     const cudaStream_t s = cuda_detail::native(stream);

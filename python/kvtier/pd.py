@@ -316,7 +316,7 @@ class _Endpoint:
                  staging_blocks: int = 0, num_model_layers: Optional[int] = None, rank: int = 0,
                  device_label: int = 0, block_tokens: int = 64, lane: str = "auto", verify: str = "mover",
                  ring_slots: int = 4, ring_slot_bytes: int = 32 << 20, ring_copy: str = "auto",
-                 read_back: str = "copy"):
+                 read_back: str = "copy", request_wait_s: float = 60.0):
         tensors = _name_map(kv, rank, device_label)
         _check_tensors(tensors)
         self._pairs = None if isinstance(kv, Mapping) else len(kv)  # kv_pool() answers in the caller's form
@@ -343,7 +343,7 @@ class _Endpoint:
             staging_blocks=_ranged(staging_blocks, "staging_blocks", 0, (1 << 64) - 1), lane=lane, verify=verify,
             ring_slots=_count(ring_slots, "ring_slots"),
             ring_slot_bytes=_ranged(ring_slot_bytes, "ring_slot_bytes", 0, (1 << 64) - 1), ring_copy=ring_copy,
-            read_back=read_back)
+            read_back=read_back, request_wait_s=_seconds(request_wait_s, "request_wait_s"))
         _open_endpoints.add(self)
 
     # ---- identity and peers

@@ -222,6 +222,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   if (!ring_copy.ok()) raise_status(ring_copy.status().with_context("ring_copy"));
   const auto heartbeat = to_ms(o.heartbeat_s, "heartbeat");
   const auto lease = to_ms(o.lease_s, "lease");
+  const auto request_wait = to_ms(o.request_wait_s, "request_wait");
   auto n = std::make_shared<PdNative>();
   n->device_ref = device_obj;
   nb::list keep_alive;
@@ -253,6 +254,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     pd.pairing_fingerprint = pairing;
     pd.heartbeat = heartbeat;
     pd.lease = lease;
+    pd.request_wait = request_wait;
     if (device == nullptr && o.lane == "host-direct") {
       // The host direct lane: the pool lives in the transport's memory (UCX maps it into the peer), a copy of the
       // engine's tensors, one after another; the engine uses it through kv_pool().
@@ -374,7 +376,7 @@ void bind_pd(nb::module_& m) {
              const std::string& net_devices, double heartbeat_s, double lease_s, int rank, int device_label,
              std::uint32_t block_tokens, std::uint64_t staging_blocks, const std::string& lane,
              const std::string& verify, std::uint32_t ring_slots, std::uint64_t ring_slot_bytes,
-             const std::string& ring_copy, const std::string& read_back) {
+             const std::string& ring_copy, const std::string& read_back, double request_wait_s) {
             EndpointOptions o;
             o.role = role;
             o.transport = transport;
@@ -384,6 +386,7 @@ void bind_pd(nb::module_& m) {
             o.net_devices = net_devices;
             o.heartbeat_s = heartbeat_s;
             o.lease_s = lease_s;
+            o.request_wait_s = request_wait_s;
             o.num_model_layers = num_model_layers;
             o.rank = rank;
             o.device_label = device_label;
@@ -403,7 +406,7 @@ void bind_pd(nb::module_& m) {
           "peer_secret"_a = nb::bytes(""), "tls"_a = "", "net_devices"_a = "", "heartbeat_s"_a = 0.1, "lease_s"_a = 1.0,
           "rank"_a = 0, "device_label"_a = 0, "block_tokens"_a = 64, "staging_blocks"_a = 0, "lane"_a = "auto",
           "verify"_a = "mover", "ring_slots"_a = 4, "ring_slot_bytes"_a = std::uint64_t{32} << 20,
-          "ring_copy"_a = "auto", "read_back"_a = "copy",
+          "ring_copy"_a = "auto", "read_back"_a = "copy", "request_wait_s"_a = 60.0,
           "An endpoint over the engine's tensors (FastDeploy's name map). device=None: host memory, the protocol "
           "on the tensors; a Device: its memory, staged through pinned host memory, or with lane='direct' moved by "
           "the copy kernel straight between the two pools (ipc on CUDA, loopback), or with lane='ring' through the "

@@ -32,6 +32,7 @@ struct EndpointOptions {
   std::string tls;
   std::string net_devices;
   double heartbeat_s = 0.1;
+  double request_wait_s = 60.0;  // PdOptions::request_wait (the prefill side's wait for a request after begin())
   double lease_s = 1.0;
   std::uint32_t num_model_layers = 0;
   int rank = 0;

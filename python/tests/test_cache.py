@@ -209,6 +209,32 @@ def test_a_prefetch_starts_no_demotion_and_drops_no_last_copy():
     assert not any(plan["storage_writes"] for plan in plans), "the prefetch queued a demotion"
 
 
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+def test_a_prefetch_drops_no_last_copy_without_a_storage_tier(write_policy):
+    """The prefetch's guards held only for write-back with a storage tier: with device and host tiers alone, a
+    look-ahead load of an announced host block dropped a device block that was on no other tier."""
+    hasher = kvtier.KeyHasher("m", block_tokens=1)
+    cm = kvtier.CacheManager(device_blocks=2, host_blocks=1, write_policy=write_policy,
+                             config={"lookahead_max_fraction": 1.0, "device_policy": "lru", "host_policy": "lru"},
+                             env=False)
+    x, w, y = hasher.keys_for([1]), hasher.keys_for([2]), hasher.keys_for([3])
+    for keys in (x, w, y):  # y's admission moves x to the host (write-back) or drops x's device copy
+        a = _serve(cm, keys)
+        cm.commit(a["id"])
+        cm.release(a["id"])
+        _settle(cm)
+    held = {k: sum(cm.match(keys)[t] for t in ("device_blocks", "host_blocks")) for k, keys in
+            (("x", x), ("w", w), ("y", y))}
+    cm.announce(x)
+    _settle(cm)
+    _settle(cm)
+    for name, keys in (("w", w), ("y", y)):
+        if held[name]:
+            m = cm.match(keys)
+            assert m["device_blocks"] + m["host_blocks"] == 1, f"the prefetch of x destroyed {name}'s only copy"
+    cm.check_invariants()
+
+
 def test_storage_slots_given_up_come_in_the_plan_to_delete():
     """The plan named no storage slot the cache gave up, so an engine's store kept every object ever written (a tier
     of 2,000 blocks left 15,120 files). Now each such slot comes once in storage_drops, as (slot, None, key)."""

@@ -191,6 +191,28 @@ def test_layers_ready_before_the_decode_starts(pair):
         assert_layer_moved(src_kv, dst_kv, layer, [6, 7], [0, 1])
 
 
+def test_a_begin_long_before_the_decodes_start_still_moves(pair):
+    """The prefill's begin() three leases before the decode's start(): it used to fail the transfer as "decode side
+    silent" and disconnect the decode; it waits for the request (request_wait_s), and a transfer whose request never
+    comes fails alone after it."""
+    p, d, src_kv, dst_kv, to_decode, to_prefill = pair
+    p.begin(to_decode, 21, [2, 3])
+    p.layers_ready(21, range(LAYERS))
+    time.sleep(3 * FAST["lease_s"])
+    d.start(to_prefill, 21, [4, 5], mode="push")
+    assert d.wait(21, TIMEOUT).layers == ["loaded"] * LAYERS
+    for layer in range(LAYERS):
+        assert_layer_moved(src_kv, dst_kv, layer, [2, 3], [4, 5])
+    with Prefill(prefill_kv(), transport="loopback", request_wait_s=0.2, **FAST) as p2, \
+            Decode(decode_kv(), transport="loopback", **FAST) as d2:
+        to_d2, _ = connect(p2, d2)
+        p2.begin(to_d2, 1, [0])
+        st = p2.wait(1, TIMEOUT)
+        assert not st.done and "no request from decode" in str(st.error)
+    with pytest.raises(kvtier.InvalidArgumentError, match="request_wait"):
+        Prefill(prefill_kv(), transport="loopback", request_wait_s=0)
+
+
 def test_name_map_and_list_describe_the_same_layout():
     src_kv = prefill_kv()
     names = {}
