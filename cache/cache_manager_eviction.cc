@@ -125,6 +125,8 @@ CacheManager::Impl::Room CacheManager::Impl::make_host_room() {
     return ++dirty_seen >= kCleanVictimWindow;  // stop scanning: no clean copy near the tail
   };
   NodeId v = victim(kHst, pred, /*allow_protected=*/false);
+  // The scan stopped on its window's last dirty copy: no unprotected clean copy either.
+  if (v != kNoNode && nodes[v].present == bit(kHst)) v = kNoNode;
   // No unprotected clean copy: a protected clean one before any demotion (dropping it loses nothing and frees a
   // block now, where a demotion frees one only at its ack and the admission asking for room would be refused:
   // protection is a preference, never a refusal). Protected dirty copies only when the policy offers no dirty

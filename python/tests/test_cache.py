@@ -184,6 +184,57 @@ def test_an_announcement_never_makes_an_admission_fail():
     scenario(True)  # raised ResourceExhaustedError ("the evictable ones wait for host blocks")
 
 
+def test_an_announcement_never_makes_an_admission_fail_past_the_dirty_window():
+    """As above, with more than the scan's window of dirty host copies ahead of the announced clean one: the scan
+    stopped on its window's last dirty copy, so the protected clean copy was never considered, a demotion started
+    instead and the admission that needed a host block now was refused."""
+    def key(i):
+        return "%032x" % (0x1000 + i)
+
+    def run(announce_c):
+        cfg = {"lookahead_prefetch_blocks": 0, "device_policy": "lru", "host_policy": "lru", "storage_policy": "lru"}
+        cm = kvtier.CacheManager(device_blocks=4, host_blocks=70, storage_blocks=300, write_policy="write_back",
+                                 config=cfg, env=False)
+
+        def pump(skip_loads=False):
+            plan = cm.take_plan()
+            for kind in ("evictions", "backups", "loads", "storage_writes", "storage_prefetches"):
+                if plan[kind] and not (skip_loads and kind == "loads"):
+                    cm.ack(kind, [dst for _, dst, _ in plan[kind]])
+
+        def serve(keys):
+            a = cm.admit(keys)
+            cm.commit(a["id"])
+            cm.release(a["id"])
+            pump()
+
+        n = iter(range(100, 1000))
+        c, d, m, mc = key(1), key(2), key(3), key(4)
+        serve([c, d])
+        for _ in range(4):
+            serve([key(next(n))])  # d, then c, evicted to host
+        a = cm.admit([c])  # c loaded: on device and host (a clean host copy)
+        pump()
+        cm.release(a["id"])
+        a = cm.admit([c, d])  # d's load left in flight holds c's device copy
+        pump(skip_loads=True)
+        cm.release(a["id"])
+        serve([m, mc])
+        cm.announce([m])
+        last = None
+        while cm.stats()["host"]["used"] < 70:  # dirty host-only copies ahead of c
+            last = key(next(n))
+            serve([last])
+        cm.admit([last])  # a running request pins the last one
+        if announce_c:
+            cm.announce([c])
+        cm.admit([key(next(n))])  # needs a host block now
+        cm.check_invariants()
+
+    run(False)
+    run(True)  # raised ResourceExhaustedError ("evictable ones wait for host blocks")
+
+
 def test_a_prefetch_starts_no_demotion_and_drops_no_last_copy():
     """A look-ahead load is a bet on a queued request: with write-back to storage and a full host it demoted an
     unprotected dirty host copy and dropped a device block that was on no other tier to make room."""

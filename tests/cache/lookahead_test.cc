@@ -484,22 +484,39 @@ TEST(LookaheadPrefetch, AFailedLoadAboveOthersKeepsEveryHostCopy) {
   }
 }
 
-// A prefetched block that is not admitted and then evicted is a lower-tier copy or a miss, as any block.
+// A prefetched block that is not admitted and then evicted is a lower-tier copy or a miss, as any block. (The host has
+// room for the device blocks the prefetch moves aside: a prefetch never drops a last copy to make room.)
 TEST(LookaheadPrefetch, PrefetchedBlockEvictedBeforeUseIsAMiss) {
   const auto a = path({1, 2, 3, 4});
-  auto m = make_cache(lookahead_config(4, 4, 0));
+  auto m = make_cache(lookahead_config(4, 8, 0));
   run_request(*m, a);
   run_request(*m, path({10, 11, 12, 13}));  // a -> host
   auto q = m->announce(a);
   ASSERT_TRUE(q.ok());
   settle(*m);
   ASSERT_EQ(m->match(a).device_blocks, 4u);
+  EXPECT_EQ(m->match(path({10, 11, 12, 13})).host_blocks, 4u) << "moved aside to the host, not dropped";
   ASSERT_TRUE(m->withdraw(*q).ok());        // cancelled: an ordinary cached device block now
   run_request(*m, path({20, 21, 22, 23}));  // a -> host
   EXPECT_EQ(m->match(a).host_blocks, 4u);
-  run_request(*m, path({30, 31, 32, 33}));  // host full: a's host copies dropped
+  for (std::uint64_t i = 3; i < 6 && m->match(a).total() != 0; ++i)
+    run_request(*m, path({10 * i, 10 * i + 1, 10 * i + 2, 10 * i + 3}));  // host full: a's host copies dropped
   EXPECT_EQ(m->match(a).total(), 0u);
   EXPECT_EQ(run_request(*m, a).new_blocks, 4u);
+  EXPECT_INVARIANTS(*m);
+}
+
+// With no room anywhere but what dropping a last copy would give, a prefetch waits: the device-only blocks stay.
+TEST(LookaheadPrefetch, APrefetchDropsNoLastCopyForRoom) {
+  const auto a = path({1, 2, 3, 4}), b = path({10, 11, 12, 13});
+  auto m = make_cache(lookahead_config(4, 4, 0));
+  run_request(*m, a);
+  run_request(*m, b);  // a -> host (full), b on the device only
+  auto q = m->announce(a);
+  ASSERT_TRUE(q.ok());
+  settle(*m);
+  EXPECT_EQ(m->match(b).device_blocks, 4u) << "the prefetch dropped b's only copies";
+  EXPECT_EQ(m->match(a).host_blocks, 4u);
   EXPECT_INVARIANTS(*m);
 }
 
