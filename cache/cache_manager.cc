@@ -663,6 +663,16 @@ StepPlan CacheManager::take_plan() {
 
 std::uint32_t CacheManager::reclaimable_device_blocks() const { return impl_->reclaimable_now; }
 
+std::uint32_t CacheManager::reclaimable_device_blocks_of(std::span<const BlockKey> keys) const {
+  const Impl& s = *impl_;
+  std::uint32_t n = 0;
+  for (const BlockKey& k : keys)
+    if (const NodeId id = s.map.find(k); id != kNoNode && s.nodes[id].live && !s.nodes[id].detached &&
+                                         counts_reclaimable(s.nodes[id]))
+      ++n;
+  return n;
+}
+
 CacheStats CacheManager::stats() const {
   const Impl& s = *impl_;
   CacheStats out = s.st;

@@ -160,7 +160,7 @@ Status CacheManager::extend_announced(QueuedId id, std::span<const BlockKey> mor
   return Status::Ok();
 }
 
-Status CacheManager::withdraw(QueuedId id) {
+Status CacheManager::withdraw(QueuedId id, bool retain_per_hints) {
   ExportOnReturn exported(*this);
   Impl& s = *impl_;
   auto it = s.announcements.find(id);
@@ -172,7 +172,7 @@ Status CacheManager::withdraw(QueuedId id) {
                     a.expires_at - s.step));
   const RequestHints& h = a.hints;
   std::uint64_t retain = 0;
-  if (h.continuation != Continuation::kLastTurn)
+  if (retain_per_hints && h.continuation != Continuation::kLastTurn)
     retain = h.ttl_steps > 0                              ? h.ttl_steps
              : h.continuation == Continuation::kContinues ? s.cfg.lookahead_retain_steps
                                                           : 0;

@@ -477,14 +477,17 @@ Result<HybridAdmission> HybridCache::admit(const HybridRequest& request) {
     }
     const std::uint32_t free_now = dev.capacity - dev.used;
     if (gr.need <= free_now) continue;
-    std::uint32_t own_unpinned = 0;
-    auto count = [&](const BlockKey& key) { own_unpinned += pins_[g].count(key) == 0 ? 1 : 0; };
+    // Only hits counted as reclaimable now are taken from that count: a hit with a move in flight below it (a
+    // backup, a storage write, a load) was never in it, and subtracting it too refused requests the group could
+    // serve.
+    std::vector<BlockKey> own;
     for (const Sub& s : gr.subs) {
       if (s.role == Role::kChain)
-        for (std::uint32_t i = 0; i < gr.chain_device_hits; ++i) count(gr.chain_keys[i]);
+        own.insert(own.end(), gr.chain_keys.begin(), gr.chain_keys.begin() + gr.chain_device_hits);
       else if (s.device_hit)
-        count(s.key);
+        own.push_back(s.key);
     }
+    const std::uint32_t own_unpinned = m.reclaimable_device_blocks_of(own);
     const std::uint32_t reclaimable = m.reclaimable_device_blocks();
     const std::uint32_t evictable = reclaimable > own_unpinned ? reclaimable - own_unpinned : 0;
     if (free_now + evictable < gr.need) {
@@ -830,7 +833,8 @@ Result<HybridQueuedId> HybridCache::announce(const HybridRequest& request, const
   std::vector<std::pair<std::uint32_t, QueuedId>> made;
   auto undo = [&] {
     for (const auto& [g, q] : made)
-      managers_[g]->withdraw(q).ignore_error();  // announced by this call a moment ago: nothing can refuse it
+      // Announced by this call a moment ago: nothing can refuse it. Taken back, not scheduled: no retention.
+      managers_[g]->withdraw(q, /*retain=*/false).ignore_error();
   };
   std::vector<BlockKey> keys;
   for (std::uint32_t g = 0; g < num_groups(); ++g) {

@@ -277,3 +277,43 @@ def test_bad_group_settings_name_the_group_and_matching_nothing_is_no_error():
     assert hc.match(0, [[]])["hit_tokens"] == 0
     with pytest.raises(kvtier.InvalidArgumentError, match="nothing to admit"):
         hc.admit(0, [[]])
+
+
+def test_a_request_the_group_can_serve_is_not_refused_for_hits_behind_moves_in_flight():
+    """The room check subtracted every unpinned device hit of the request from the group's reclaimable count, also
+    hits that were never in it (a backup in flight below them): a request the group could serve was refused until
+    those acks came, where CacheManager.admit on the same state admitted it."""
+    hc = kvtier.HybridCache([dict(name="g", kind="full", block_tokens=1, device_blocks=6, host_blocks=8,
+                                  write_policy="write_through")])
+    chain = _keys(list(range(6)), 1)
+    a = hc.admit(2, [chain[:2]])
+    hc.commit(a["id"], 2)
+    hc.release(a["id"])
+    held = hc.take_plan()  # the two backups handed out, not acked: k1, k2 not reclaimable yet
+    assert held[0]["backups"], held
+    b = hc.admit(1, [_keys([900], 1)])
+    hc.commit(b["id"], 1)
+    hc.release(b["id"])
+    for g, plan in enumerate(hc.take_plan()):
+        for kind, moves in plan.items():
+            if moves:
+                hc.ack(g, kind, [m[1] for m in moves])
+    c = hc.admit(6, [chain])  # 3 free, k9 reclaimable, k1 and k2 its own hits: room for the 4 new ones
+    assert c["hit_tokens"] == 2, c
+    hc.release(c["id"])
+    hc.check_invariants()
+
+
+def test_a_refused_announcement_leaves_no_retention_behind():
+    """An announcement another group refused was taken back from the groups that had taken it with withdraw(),
+    which under a 'continues' hint turned it into a retention: the refused call left protections behind."""
+    hc = kvtier.HybridCache([
+        dict(name="swa", kind="sliding_window", block_tokens=1, window_tokens=2, device_blocks=16),
+        dict(name="full", kind="full", block_tokens=1, device_blocks=16),
+    ])
+    w, f = _keys([1, 2, 3], 1), _keys([7, 8, 9], 1)
+    with pytest.raises(kvtier.InvalidArgumentError):  # the full group refuses its chain (a key repeated)
+        hc.announce(3, [w, [f[0], f[1], f[0]]], conversation_id=7, continuation="continues")
+    for g in hc.stats()["groups"]:
+        assert g["queued_requests"] == 0 and g.get("retained_requests", 0) == 0, g
+    hc.check_invariants()

@@ -426,8 +426,10 @@ class CacheManager {
   // The request left the queue (scheduled: call it before admit(), or cancelled). Protection ends, or, with
   // kContinues / ttl_steps, becomes a retention (see Hints). admit() does not depend on it: a request admitted
   // while still announced is served the same; its blocks just stay protected until the withdraw. NotFound for
-  // an id never announced, FailedPrecondition for one already withdrawn (retained or expired).
-  Status withdraw(QueuedId id);
+  // an id never announced, FailedPrecondition for one already withdrawn (retained or expired). retain = false:
+  // protection ends now whatever the hints said (an announcement taken back as if it had not been made, as
+  // HybridCache does for the groups of an announcement another group refused).
+  Status withdraw(QueuedId id, bool retain = true);
   // An announcement's state. NotFound for an id never announced; FailedPrecondition once withdrawn without
   // retention, or once its retention ended.
   Result<AnnouncementInfo> announcement(QueuedId id) const;
@@ -451,6 +453,9 @@ class CacheManager {
   // with nothing pinned or in flight on the device below them (the bound admit() checks). O(1): kept up to
   // date on every change (check_invariants() compares it with a full recount).
   std::uint32_t reclaimable_device_blocks() const;
+  // How many of `keys` name device copies counted in reclaimable_device_blocks() now (a request's own hits, which
+  // admitting it pins: a caller checking room subtracts these, and only these). O(keys).
+  std::uint32_t reclaimable_device_blocks_of(std::span<const BlockKey> keys) const;
   // Internal, O(nodes): tree links, tier order, in-flight bookkeeping, pool ownership, reference counts, the
   // count of reclaimable device blocks.
   Status check_invariants() const;
