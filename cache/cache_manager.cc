@@ -667,8 +667,8 @@ std::uint32_t CacheManager::reclaimable_device_blocks_of(std::span<const BlockKe
   const Impl& s = *impl_;
   std::uint32_t n = 0;
   for (const BlockKey& k : keys)
-    if (const NodeId id = s.map.find(k); id != kNoNode && s.nodes[id].live && !s.nodes[id].detached &&
-                                         counts_reclaimable(s.nodes[id]))
+    if (const NodeId id = s.map.find(k);
+        id != kNoNode && s.nodes[id].live && !s.nodes[id].detached && counts_reclaimable(s.nodes[id]))
       ++n;
   return n;
 }

@@ -1348,8 +1348,8 @@ class Prefill final : public PdPrefill, public Endpoint {
     }
     if (r.strides.size() != blocks_.layout().num_planes()) {
       // Every lane's descriptors index the strides by plane: a short list was read past its end.
-      refuse(InvalidArgument(fmt::format("decode sent {} plane strides for {} planes", r.strides.size(),
-                                         blocks_.layout().num_planes())));
+      refuse(InvalidArgument(
+          fmt::format("decode sent {} plane strides for {} planes", r.strides.size(), blocks_.layout().num_planes())));
       return;
     }
     if (r.lane == 3) {
@@ -1703,7 +1703,7 @@ class Prefill final : public PdPrefill, public Endpoint {
         if (now - x.times.started > options_.request_wait) {
           fail(x, id,
                TimedOut(fmt::format("no request from decode '{}' within {} ms of begin()", x.peer_name,
-                                            options_.request_wait.count())));
+                                    options_.request_wait.count())));
           x.fin_heard = true;  // nothing was or will be written there, nothing is read: the sources are reclaimable
           continue;
         }

@@ -53,7 +53,7 @@ void DiskBackend::start_get(IoOp* op) {
     return finish(op, fd.status());
   }
   op->fd = std::move(fd).value();
-  if (struct stat sb {}; ::fstat(op->fd.get(), &sb) == 0) {
+  if (struct stat sb{}; ::fstat(op->fd.get(), &sb) == 0) {
     op->read_dev = sb.st_dev;
     op->read_ino = sb.st_ino;
     op->read_file_known = true;
@@ -121,10 +121,10 @@ void DiskBackend::quarantine_get(IoOp* op, Status st) {
     // Quarantine works by name. A put that replaced the object while this get read the old file has put a new,
     // acknowledged file under the name (the old one left the directory): that one is not what failed here.
     struct stat now {};
-    const bool replaced = op->read_file_known &&
-                          ::fstatat(shard_fd(op->item.key), object_name(op->item.key).c_str(), &now,
-                                    AT_SYMLINK_NOFOLLOW) == 0 &&
-                          (now.st_dev != op->read_dev || now.st_ino != op->read_ino);
+    const bool replaced =
+        op->read_file_known &&
+        ::fstatat(shard_fd(op->item.key), object_name(op->item.key).c_str(), &now, AT_SYMLINK_NOFOLLOW) == 0 &&
+        (now.st_dev != op->read_dev || now.st_ino != op->read_ino);
     if (replaced) {
       log_line(fmt::format("{} failed a get ({}), but a put replaced it meanwhile: the new object stays",
                            op->final_path, st.to_string()));

@@ -336,9 +336,10 @@ class MemoryBackend final : public StorageBackend {
     // Compared before adding: a payload near 2^64 wrapped the sum to a few bytes, which passed this check and had
     // the header and the payload written far past the allocation.
     if (item.bytes > config_.capacity_bytes || config_.capacity_bytes - item.bytes < header)
-      return ResourceExhausted(fmt::format("object of payload {} bytes (header {}) exceeds the memory tier's capacity "
-                                           "of {}",
-                                           item.bytes, header, config_.capacity_bytes));
+      return ResourceExhausted(
+          fmt::format("object of payload {} bytes (header {}) exceeds the memory tier's capacity "
+                      "of {}",
+                      item.bytes, header, config_.capacity_bytes));
     const std::uint64_t total = std::uint64_t{header} + item.bytes;
     if (total > config_.capacity_bytes)
       return ResourceExhausted(fmt::format("object of {} bytes (payload {}) exceeds the memory tier's capacity of {}",

@@ -201,10 +201,9 @@ TEST_F(ConfigCli, BenchFlagsAreCheckedBeforeAnythingRuns) {
   // ones included, so host_us_per_descriptor came out several times too small. It is the enqueue time over the
   // segments of the pieces that ran, which the row's `segments` now counts.
   for (const char* pieces : {"1", "4", "64"}) {
-    CliRun p = run("",
-                   copy + "--block-sizes 256 --total-mib 1 --layers 1 --roles 1 --json --pieces " +
-                       std::string(pieces),
-                   Capture::kStdout);
+    CliRun p =
+        run("", copy + "--block-sizes 256 --total-mib 1 --layers 1 --roles 1 --json --pieces " + std::string(pieces),
+            Capture::kStdout);
     ASSERT_EQ(p.rc, 0) << p.out;
     const auto row = json_of(p);
     ASSERT_TRUE(row.contains("segments") && row.contains("host_api_ms")) << p.out;
@@ -213,8 +212,7 @@ TEST_F(ConfigCli, BenchFlagsAreCheckedBeforeAnythingRuns) {
       EXPECT_TRUE(segments >= 1 && segments <= 4) << p.out;
     else
       EXPECT_EQ(segments, 4.0) << "4 blocks: 4 pieces of one block run, whatever was asked: " << p.out;
-    EXPECT_NEAR(row["host_us_per_descriptor"].get<double>(), row["host_api_ms"].get<double>() * 1e3 / segments,
-                1e-9)
+    EXPECT_NEAR(row["host_us_per_descriptor"].get<double>(), row["host_api_ms"].get<double>() * 1e3 / segments, 1e-9)
         << p.out;
   }
   CliRun shapes = run("", "bench transfer --backend host --shape gqa,mla --blocks 4 --reps 1 --gemm-iters 1 --json",

@@ -112,8 +112,7 @@ TEST_F(CopyEngineTest, AFailedDescriptorSlotGrowthLeavesNoBrokenSlot) {
   ASSERT_TRUE(copy(many).ok());
   ASSERT_TRUE(device_->synchronize(*stream_, kWait).ok());
   model_copy(*dev, *host, CopyRequest{&dev->space, &host->space, one, one, {}, kAllRoles, CopyStrategy::kSmKernel});
-  model_copy(*dev, *host,
-             CopyRequest{&dev->space, &host->space, again, again, {}, kAllRoles, CopyStrategy::kSmKernel});
+  model_copy(*dev, *host, CopyRequest{&dev->space, &host->space, again, again, {}, kAllRoles, CopyStrategy::kSmKernel});
   model_copy(*dev, *host, CopyRequest{&dev->space, &host->space, many, many, {}, kAllRoles, CopyStrategy::kSmKernel});
   expect_matches_model(*host);
 }
@@ -156,13 +155,13 @@ TEST_F(CopyEngineTest, ALayerSlotTakesOneLayerPerCopy) {
   EXPECT_FALSE(dev->space.layers_share_memory());
   const std::vector<BlockId> ids{0, 1, 2, 3};
   for (std::vector<std::uint32_t> layers : {std::vector<std::uint32_t>{}, std::vector<std::uint32_t>{0, 1}}) {
-    auto all = engine_->copy(CopyRequest{&dev->space, &*slot, ids, ids, layers, kAllRoles, CopyStrategy::kAuto},
-                             *stream_);
+    auto all =
+        engine_->copy(CopyRequest{&dev->space, &*slot, ids, ids, layers, kAllRoles, CopyStrategy::kAuto}, *stream_);
     ASSERT_FALSE(all.ok()) << layers.size() << " layers into a layer slot were accepted";
     EXPECT_EQ(all.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(all.status().message().find("select one"), std::string::npos) << all.status().to_string();
-    auto out = engine_->copy(CopyRequest{&*slot, &dev->space, ids, ids, layers, kAllRoles, CopyStrategy::kAuto},
-                             *stream_);
+    auto out =
+        engine_->copy(CopyRequest{&*slot, &dev->space, ids, ids, layers, kAllRoles, CopyStrategy::kAuto}, *stream_);
     EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << "out of a layer slot, several layers";
   }
   const std::uint32_t one[] = {1};
@@ -194,10 +193,9 @@ TEST_F(CopyEngineTest, ValidateRefusesTheChecksummedRequestsCopyRefuses) {
     r.landed_checksums = landed;
     return r;
   };
-  const CopyRequest bad[] = {req(*dev, *host, CopyStrategy::kDmaBatch, ck, nullptr),
-                             req(*host, *host2, CopyStrategy::kAuto, ck, nullptr),
-                             req(*dev, *host, CopyStrategy::kSmKernel, nullptr, ck2),
-                             req(*dev, *host, CopyStrategy::kSmKernel, ck, ck)};
+  const CopyRequest bad[] = {
+      req(*dev, *host, CopyStrategy::kDmaBatch, ck, nullptr), req(*host, *host2, CopyStrategy::kAuto, ck, nullptr),
+      req(*dev, *host, CopyStrategy::kSmKernel, nullptr, ck2), req(*dev, *host, CopyStrategy::kSmKernel, ck, ck)};
   for (const CopyRequest& r : bad) {
     const Status v = engine_->validate(r);
     auto c = engine_->copy(r, *stream_);

@@ -10,10 +10,10 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <future>
-#include <array>
 #include <limits>
 #include <string>
 #include <thread>
@@ -455,8 +455,7 @@ TEST(MemoryHardening, APayloadSizeNear2To64IsRefusedNotWrapped) {
       auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(5, 1), v.data(), bytes}}});
       ASSERT_TRUE(r.ok()) << r.status().to_string();
       EXPECT_EQ((*r)[0].status.code(), StatusCode::kResourceExhausted) << (*r)[0].status.to_string();
-      EXPECT_NE((*r)[0].status.message().find(std::to_string(bytes)), std::string::npos)
-          << (*r)[0].status.to_string();
+      EXPECT_NE((*r)[0].status.message().find(std::to_string(bytes)), std::string::npos) << (*r)[0].status.to_string();
     }
     auto e = run_batch(**b, StorageBatch{StorageOp::kExists, {{key_of(5, 1), nullptr, 0}}});
     ASSERT_TRUE(e.ok());
@@ -496,8 +495,8 @@ TEST_F(DiskHardening, AFreeFileNameIsNeverHandedOutTwice) {
   AlignedBuffer a(64 << 10), d(64 << 10);
   fill_random(a.data(), a.size(), 201);
   fill_random(d.data(), d.size(), 202);
-  auto r = run_batch(**b, StorageBatch{StorageOp::kPut, {{key_of(12, 1), a.data(), a.size()},
-                                                         {key_of(12, 2), d.data(), d.size()}}});
+  auto r = run_batch(
+      **b, StorageBatch{StorageOp::kPut, {{key_of(12, 1), a.data(), a.size()}, {key_of(12, 2), d.data(), d.size()}}});
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status.to_string();
   EXPECT_TRUE((*r)[1].status.ok()) << (*r)[1].status.to_string();

@@ -6,10 +6,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -215,7 +215,8 @@ int abstract_socket(const std::string& name, bool listen_on) {
 class FakeIpcOwner {
  public:
   // `reads`: false for an owner that stops reading once the handshake is done (a paused process).
-  FakeIpcOwner(int window, std::uint64_t claimed, bool reads = true) : window_(window), claimed_(claimed), reads_(reads) {
+  FakeIpcOwner(int window, std::uint64_t claimed, bool reads = true)
+      : window_(window), claimed_(claimed), reads_(reads) {
     std::random_device rd;
     sock_ = fmt::format("kvtier-fake-owner-{}-{:08x}", getpid(), rd());
     listen_fd_ = abstract_socket(sock_, true);
@@ -519,7 +520,7 @@ TEST(IpcBackend, APeerThatStopsReadingBlocksNeitherTheAgentNorItsDisconnect) {
   ASSERT_TRUE(peer.ok()) << peer.status().to_string();
   const std::string big(64 << 10, 'n');
   for (int i = 0; i < 512; ++i) (void)a->send_notification(*peer, big);  // 32 MiB: more than any socket buffer holds
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));          // the worker is blocked by now
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));           // the worker is blocked by now
   auto done = std::async(std::launch::async, [&] { return a->disconnect_peer(*peer); });
   ASSERT_EQ(done.wait_for(std::chrono::seconds(5)), std::future_status::ready) << "disconnect_peer() hung";
   (void)done.get();

@@ -422,9 +422,10 @@ class IpcTransport final : public detail::TransportBase {
         }
         Buf proof;
         proof.u32(kProof);
-        proof.str(detail::handshake_proof(options_.peer_secret, challenge, identity().name, own_address,
-                                          blob.identity.name));
-        if (!send_msg(fd, proof.out)) s = Unavailable(fmt::format("peer '{}' closed during the handshake", blob.identity.name));
+        proof.str(
+            detail::handshake_proof(options_.peer_secret, challenge, identity().name, own_address, blob.identity.name));
+        if (!send_msg(fd, proof.out))
+          s = Unavailable(fmt::format("peer '{}' closed during the handshake", blob.identity.name));
         continue;
       }
       if (type != kRegion || !p.u32(index) || !p.u64(bytes) || !p.u8(live)) {

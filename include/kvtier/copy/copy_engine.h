@@ -385,8 +385,8 @@ struct CopyRequest {
 // (the memory must be CPU-readable). Blocks whose size is not a multiple of
 // 16 fold their last partial word zero-padded. kOutOfRange for a block or a
 // layer the space does not have (naming it).
-Result<std::uint64_t> block_checksum(const BlockSpace& space, BlockId block,
-                                     std::span<const std::uint32_t> layers = {}, RoleMask roles = kAllRoles);
+Result<std::uint64_t> block_checksum(const BlockSpace& space, BlockId block, std::span<const std::uint32_t> layers = {},
+                                     RoleMask roles = kAllRoles);
 
 struct CopyReport {
   CopyStrategy strategy = CopyStrategy::kAuto;  // what actually ran
