@@ -395,6 +395,24 @@ TEST(IpcWindows, WindowsHandedToPeersAreSealedAgainstResizing) {
   close(sock);
 }
 
+// A well-behaved peer (options `o`) loads `blob` and WRITEs 64 KiB into its first region, `owner_memory`:
+// it lands byte-exact.
+void expect_a_write_lands(const std::vector<std::byte>& blob, const std::vector<std::byte>& owner_memory,
+                          const IpcOptions& o) {
+  auto a = create_ipc_transport(ident("a"), o).value();
+  std::vector<std::byte> ma(owner_memory.size(), std::byte{0x3c});
+  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
+  PeerId pb = a->load_peer(blob).value();
+  LocalDesc l{ra, 0, ma.size()};
+  RemoteDesc r{0, 0, ma.size()};
+  auto x = a->post(XferOp::kWrite, pb, {&l, 1}, {&r, 1}, "after");
+  ASSERT_TRUE(x.ok()) << x.status().to_string();
+  auto st = a->wait(*x, 10s);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
+  EXPECT_EQ(owner_memory, ma);
+}
+
 // A request whose range count is far beyond what its message holds used to size an allocation from it (about
 // 96 GiB for 2^32 - 1 ranges). The owner drops such a request (and the connection that sent it) and keeps serving.
 TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsServing) {
@@ -429,18 +447,7 @@ TEST(IpcWindows, ARequestClaimingMoreRangesThanItHoldsIsDroppedAndTheOwnerKeepsS
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
   close(sock);
   // And still serves a well-behaved peer: a WRITE lands byte-exact.
-  auto a = create_ipc_transport(ident("a")).value();
-  std::vector<std::byte> ma(1 << 16, std::byte{0x3c});
-  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
-  PeerId pb = a->load_peer(blob).value();
-  LocalDesc l{ra, 0, ma.size()};
-  RemoteDesc r{0, 0, ma.size()};
-  auto x = a->post(XferOp::kWrite, pb, {&l, 1}, {&r, 1}, "after");
-  ASSERT_TRUE(x.ok()) << x.status().to_string();
-  auto st = a->wait(*x, 10s);
-  ASSERT_TRUE(st.ok()) << st.status().to_string();
-  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
-  EXPECT_EQ(mb, ma);
+  expect_a_write_lands(blob, mb, {});
 }
 
 // The owner's socket is abstract (no file permissions) and its name is in the blob and in /proc/net/unix. It served
@@ -491,18 +498,7 @@ TEST(IpcHandshake, UnderAPeerSecretAConnectorWithoutItGetsNoWindow) {
     close(sock);
   }
   // Agents holding the secret still connect and move bytes.
-  auto a = create_ipc_transport(ident("a"), o).value();
-  std::vector<std::byte> ma(1 << 16, std::byte{0x3c});
-  RegionId ra = a->register_memory({MemoryKind::kPinnedHost, 0, ma.data(), ma.size()}).value();
-  PeerId pb = a->load_peer(blob).value();
-  LocalDesc l{ra, 0, ma.size()};
-  RemoteDesc r{0, 0, ma.size()};
-  auto x = a->post(XferOp::kWrite, pb, {&l, 1}, {&r, 1}, "after");
-  ASSERT_TRUE(x.ok()) << x.status().to_string();
-  auto st = a->wait(*x, 10s);
-  ASSERT_TRUE(st.ok()) << st.status().to_string();
-  ASSERT_EQ(st->state, XferState::kDone) << st->error.to_string();
-  EXPECT_EQ(mb, ma);
+  expect_a_write_lands(blob, mb, o);
 }
 
 // A peer that stops reading (paused, stopped in a debugger): the one worker that sends to every peer blocked in
