@@ -154,7 +154,7 @@ TEST_F(CopyEngineTest, ALayerSlotTakesOneLayerPerCopy) {
   EXPECT_TRUE(slot->layers_share_memory());
   EXPECT_FALSE(dev->space.layers_share_memory());
   const std::vector<BlockId> ids{0, 1, 2, 3};
-  for (std::vector<std::uint32_t> layers : {std::vector<std::uint32_t>{}, std::vector<std::uint32_t>{0, 1}}) {
+  for (const std::vector<std::uint32_t>& layers : {std::vector<std::uint32_t>{}, std::vector<std::uint32_t>{0, 1}}) {
     auto all =
         engine_->copy(CopyRequest{&dev->space, &*slot, ids, ids, layers, kAllRoles, CopyStrategy::kAuto}, *stream_);
     ASSERT_FALSE(all.ok()) << layers.size() << " layers into a layer slot were accepted";

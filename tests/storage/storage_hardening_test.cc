@@ -444,7 +444,7 @@ TEST_F(DiskHardening, HugePutIsRefused) {
 // to a few bytes, which passed the capacity check, and the header (or, with a tenant secret, the whole payload) was
 // written far past a 72-byte allocation. Refused now, naming the size; nothing is stored.
 TEST(MemoryHardening, APayloadSizeNear2To64IsRefusedNotWrapped) {
-  for (const std::string secret : {std::string(), std::string(32, 't')}) {
+  for (const std::string& secret : {std::string(), std::string(32, 't')}) {
     StorageOptions o;
     o.tenant = secret.empty() ? "" : "t";
     o.tenant_secret = secret;

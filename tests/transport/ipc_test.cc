@@ -464,7 +464,7 @@ TEST(IpcHandshake, UnderAPeerSecretAConnectorWithoutItGetsNoWindow) {
   const auto blob = b->export_metadata().value();
   auto decoded = detail::decode_blob(blob, secret).value();
   const std::string sock_name = decoded.address.substr(decoded.address.find("sock=") + 5);
-  for (const std::string proof : {std::string(), std::string(32, 'x')}) {
+  for (const std::string& proof : {std::string(), std::string(32, 'x')}) {
     const int sock = abstract_socket(sock_name, false);
     ASSERT_GE(sock, 0);
     timeval tv{10, 0};
