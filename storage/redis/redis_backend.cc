@@ -362,6 +362,9 @@ class RedisBackend final : public StorageBackend {
     std::uint64_t stored_len = 0;  // exists: the value's length (STRLEN)
     // delete: only while the value is still these bytes (kDeleteIfUnchanged); empty: unconditional DEL.
     std::string expect;
+    // An attempt was sent and its reply never read (timeout, reset): the server may have applied it. A retried
+    // delete that then finds nothing to delete is the first attempt's success, not a missing key.
+    bool maybe_applied = false;
   };
   // A value that failed verification: its key and the bytes read, so that only those bytes are deleted.
   struct Quarantined {
@@ -766,8 +769,8 @@ class RedisBackend final : public StorageBackend {
         w.last =
             r->type != REDIS_REPLY_INTEGER
                 ? Internal(w.expect.empty() ? "DEL: unexpected reply" : "EVAL (delete if unchanged): unexpected reply")
-            : r->integer > 0   ? Status::Ok()
-            : w.expect.empty() ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
+            : r->integer > 0 || w.maybe_applied ? Status::Ok()
+            : w.expect.empty()                  ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
                                : NotFound(fmt::format("key {} is gone or holds other bytes", w.item.key.to_string()));
         return false;
       case StorageOp::kExists:
@@ -916,7 +919,10 @@ class RedisBackend final : public StorageBackend {
                       ? TimedOut(fmt::format("redis {} on {}: deadline passed ({})", storage_op_name(op), node, what))
                       : Unavailable(fmt::format("redis {} on {}: {}", storage_op_name(op), node, what));
               for (std::size_t j = i; j < items.size(); ++j)
-                if (!items[j]->done) items[j]->last = st;
+                if (!items[j]->done) {
+                  items[j]->last = st;
+                  items[j]->maybe_applied = true;
+                }
               broken = true;  // replies still pending (or half read) on the connection: it cannot be reused
               break;
             }

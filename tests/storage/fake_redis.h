@@ -139,6 +139,12 @@ class FakeRedis {
     std::lock_guard<std::mutex> lk(mu_);
     drops_[cmd] = {skip, n};
   }
+  // kServe: the next n commands named cmd are applied, then the connection closes (RST) before the answer: a
+  // reply lost to a timeout or a reset after the server did the work.
+  void lose_reply_next(const std::string& cmd, int n) {
+    std::lock_guard<std::mutex> lk(mu_);
+    losses_[cmd] = n;
+  }
   // kServe: replies to commands named cmd are sent one byte at a time, per_byte apart: a server
   // (or a network) that keeps a reply arriving, too slowly for it ever to finish in time.
   void trickle(const std::string& cmd, std::chrono::milliseconds per_byte) {
@@ -241,6 +247,11 @@ class FakeRedis {
           return;  // the handler's UniqueFd closes: RST, the command neither applied nor answered
         }
         const std::string out = reply(args);
+        if (take_loss(args)) {
+          const linger rst{1, 0};
+          ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &rst, sizeof rst);
+          return;  // applied, never answered
+        }
         const std::chrono::milliseconds pause = trickle_for(args);
         if (!(pause.count() > 0 ? send_slowly(fd, out, pause) : send_all(fd, out))) return;
         reply_bytes_ += out.size();
@@ -263,6 +274,14 @@ class FakeRedis {
         std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
             std::chrono::milliseconds(10), next - std::chrono::steady_clock::now()));
     }
+    return true;
+  }
+
+  bool take_loss(const std::vector<std::string>& a) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = a.empty() ? losses_.end() : losses_.find(a[0]);
+    if (it == losses_.end() || it->second == 0) return false;
+    --it->second;
     return true;
   }
 
@@ -349,6 +368,7 @@ class FakeRedis {
     int skip = 0, drop = 0;
   };
   std::map<std::string, Drops> drops_;
+  std::map<std::string, int> losses_;
   std::map<std::string, int> counts_;
   std::map<std::string, std::chrono::milliseconds> trickles_;
   std::map<std::string, std::string> canned_;

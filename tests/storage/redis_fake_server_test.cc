@@ -69,6 +69,19 @@ class RedisFakeServerTest : public ::testing::TestWithParam<RedisMode> {
   std::vector<std::byte> value_, dst_;
 };
 
+// A delete whose reply was lost after the server removed the key (a timeout, a reset connection): the retry found
+// nothing to delete and reported NotFound, although the delete had done its work. It is OK now.
+TEST_P(RedisFakeServerTest, ADeleteWhoseReplyWasLostIsNotReportedNotFound) {
+  const StorageKey k = key_of(61, 1);
+  ASSERT_TRUE(one(*backend_, StorageOp::kPut, k, value_.data(), value_.size()).status.ok());
+  server_.lose_reply_next("DEL", 1);
+  const ItemResult del = one(*backend_, StorageOp::kDelete, k, nullptr, 0);
+  EXPECT_TRUE(del.status.ok()) << del.status.to_string();
+  EXPECT_EQ(one(*backend_, StorageOp::kExists, k, nullptr, 0).status.code(), StatusCode::kNotFound);
+  // A delete of a key that is not there, with no reply lost, is still NotFound.
+  EXPECT_EQ(one(*backend_, StorageOp::kDelete, key_of(61, 2), nullptr, 0).status.code(), StatusCode::kNotFound);
+}
+
 // The connection drops on the quarantine DEL (as when an operator or a
 // failover kills clients right after the GET): the DEL is retried on a fresh
 // connection, and the bad object is gone when the get completes.
