@@ -59,16 +59,23 @@ bool ensure_sodium() {
   return rc >= 0;
 }
 
-std::array<unsigned char, kBlobMacBytes> blob_mac(std::span<const std::byte> bytes, std::string_view secret) {
+// Keyed BLAKE2b of `bytes` under `secret` with a personalisation per use, so a MAC of one use is never valid as
+// another's.
+std::array<unsigned char, kBlobMacBytes> keyed_mac(std::span<const std::byte> bytes, std::string_view secret,
+                                                   const unsigned char* personal) {
   ensure_sodium();
   crypto_generichash_state st;
   crypto_generichash_blake2b_init_salt_personal(&st, reinterpret_cast<const unsigned char*>(secret.data()),
-                                                secret.size(), kBlobMacBytes, nullptr, kPersonalPeerBlob);
+                                                secret.size(), kBlobMacBytes, nullptr, personal);
   crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
   std::array<unsigned char, kBlobMacBytes> out{};
   crypto_generichash_final(&st, out.data(), out.size());
   sodium_memzero(&st, sizeof(st));
   return out;
+}
+
+std::array<unsigned char, kBlobMacBytes> blob_mac(std::span<const std::byte> bytes, std::string_view secret) {
+  return keyed_mac(bytes, secret, kPersonalPeerBlob);
 }
 
 // Names end up in messages and logs: printable ASCII only, bounded.
@@ -152,19 +159,12 @@ std::string handshake_challenge() {
 
 std::string handshake_proof(std::string_view secret, std::string_view challenge, std::string_view initiator,
                             std::string_view initiator_address, std::string_view owner) {
-  ensure_sodium();
   // A different personalisation from the blob's: a proof is never valid as a blob MAC, or the reverse.
   static constexpr unsigned char kPersonal[crypto_generichash_blake2b_PERSONALBYTES] = "kvtier-ipc-hi1";
   codec::ByteWriter<std::string> w;  // length-prefixed fields: no two field lists hash alike
   w.str(challenge).str(initiator).str(initiator_address).str(owner);
-  crypto_generichash_state st;
-  crypto_generichash_blake2b_init_salt_personal(&st, reinterpret_cast<const unsigned char*>(secret.data()),
-                                                secret.size(), kBlobMacBytes, nullptr, kPersonal);
-  crypto_generichash_update(&st, reinterpret_cast<const unsigned char*>(w.out.data()), w.out.size());
-  std::string out(kBlobMacBytes, '\0');
-  crypto_generichash_final(&st, reinterpret_cast<unsigned char*>(out.data()), out.size());
-  sodium_memzero(&st, sizeof(st));
-  return out;
+  const auto mac = keyed_mac(std::as_bytes(std::span<const char>(w.out.data(), w.out.size())), secret, kPersonal);
+  return std::string(reinterpret_cast<const char*>(mac.data()), mac.size());
 }
 
 bool handshake_proof_matches(std::string_view got, std::string_view want) {

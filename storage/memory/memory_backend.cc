@@ -341,9 +341,6 @@ class MemoryBackend final : public StorageBackend {
                       "of {}",
                       item.bytes, header, config_.capacity_bytes));
     const std::uint64_t total = std::uint64_t{header} + item.bytes;
-    if (total > config_.capacity_bytes)
-      return ResourceExhausted(fmt::format("object of {} bytes (payload {}) exceeds the memory tier's capacity of {}",
-                                           total, item.bytes, config_.capacity_bytes));
     auto object = std::make_shared<Object>();
     object->data = take_spare(total);
     if (!object->data) object->data.reset(new (std::nothrow) std::byte[total]);
