@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 harnesses=("$@")
-[ ${#harnesses[@]} -gt 0 ] || harnesses=(fuzz_disk_object fuzz_redis_value fuzz_trace fuzz_config fuzz_kv_events)
+[ ${#harnesses[@]} -gt 0 ] || harnesses=(fuzz_disk_object fuzz_redis_value fuzz_trace fuzz_config fuzz_kv_events fuzz_pd_blob fuzz_pd_messages)
 seconds=${KVTIER_FUZZ_SECONDS:-12}
 timeout_s=${KVTIER_FUZZ_TIMEOUT:-10}
 rss_mb=${KVTIER_FUZZ_RSS_MB:-2048}
