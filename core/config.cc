@@ -428,8 +428,15 @@ Status ConfigTable::apply_text(std::string_view text) {
     line = trim(line);
     if (line.empty()) continue;
     std::size_t eq = line.find('=');
-    if (eq == std::string_view::npos)
+    if (eq == std::string_view::npos) {
+      // A secret's line ("name value", the '=' forgotten) is not echoed: errors end up in logs.
+      const std::string_view first = line.substr(0, line.find_first_of(" \t"));
+      if (auto k = knobs_.find(first); k != knobs_.end() && k->second.secret)
+        return InvalidArgument(
+            fmt::format("config line {}: expected 'name = value' for the secret knob '{}' (its value is not shown)",
+                        line_no, first));
       return InvalidArgument(fmt::format("config line {}: expected 'name = value', got '{}'", line_no, line));
+    }
     KVTIER_RETURN_IF_ERROR(
         set(trim(line.substr(0, eq)), trim(line.substr(eq + 1))).with_context(fmt::format("config line {}", line_no)));
   }

@@ -24,12 +24,18 @@ std::function<Status(std::string_view)> one_of(std::initializer_list<std::string
   };
 }
 
-// Checks hex without echoing it: the value is a secret.
+// Checks hex without echoing it: the value is a secret. Empty (no secret), or the 32 to 64 bytes a peer secret
+// needs (transport_base.h, check_peer_secret): a shorter one was accepted here and refused only when the first
+// prefill/decode endpoint was made.
 Status check_hex_secret(std::string_view v) {
   if (v.size() % 2 != 0) return InvalidArgument(fmt::format("not hex: an odd number ({}) of digits", v.size()));
+
   for (std::size_t i = 0; i < v.size(); ++i)
     if (!std::isxdigit(static_cast<unsigned char>(v[i])))
       return InvalidArgument(fmt::format("not hex: character {} is not a hex digit", i));
+  if (!v.empty() && (v.size() < 64 || v.size() > 128))
+    return InvalidArgument(fmt::format("{} hex digits ({} bytes); a peer secret needs 64 to 128 (32 to 64 bytes)",
+                                       v.size(), v.size() / 2));
   return Status::Ok();
 }
 

@@ -76,7 +76,8 @@ std::unique_ptr<Transport>& loopback() {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size < 1) return 0;
   const bool reseal = data[0] & 1;
-  std::vector<std::byte> blob(reinterpret_cast<const std::byte*>(data) + 1, reinterpret_cast<const std::byte*>(data) + size);
+  std::vector<std::byte> blob(reinterpret_cast<const std::byte*>(data) + 1,
+                              reinterpret_cast<const std::byte*>(data) + size);
   if (reseal && blob.size() >= 20) {
     const std::uint64_t sum = XXH3_64bits(blob.data(), blob.size() - 8);
     codec::store_le<std::uint64_t>(blob.data() + blob.size() - 8, sum);

@@ -79,9 +79,11 @@ struct Rig {
     static int seq = 0;
     const int n = ++seq;
     PdOptions opt;
-    opt.heartbeat = 5ms;
-    opt.lease = 100ms;
-    opt.request_wait = 100ms;
+    // Leases long enough that a machine busy with other harnesses (CI runs one per core, under ASan) never
+    // starves a heartbeat past one: a lease that ran out would fail the fresh transfer for the wrong reason.
+    opt.heartbeat = 20ms;
+    opt.lease = 1000ms;
+    opt.request_wait = 1000ms;
     opt.idle_wait = 200us;
     opt.checksum_helpers = 0;
     BlockSpace pre_space = pre_mem.space, dec_space = dec_mem.space;
@@ -137,17 +139,14 @@ std::string craft(Input& in) {
   w.u64(pick_id(in));
   for (int fields = 0; fields < 12; ++fields) {
     switch (in.u8() % 8) {
-      case 0:
-        return w.out;
+      case 0: return w.out;
       case 1:
         w.u8(in.u8() % 5);  // a mode or lane byte
         break;
       case 2:
         w.u32(in.u8() % (kLayers + 2));  // a layer, piece or slot
         break;
-      case 3:
-        w.u32(in.u32());
-        break;
+      case 3: w.u32(in.u32()); break;
       case 4: {  // a list of small numbers: block ids, strides in blocks
         std::vector<std::uint64_t> v(in.u8() % 9);
         for (auto& x : v) x = pick_block(in, kNamed);
@@ -160,9 +159,7 @@ std::string craft(Input& in) {
         w.u64s(v);
         break;
       }
-      case 6:
-        w.u64(in.u64());
-        break;
+      case 6: w.u64(in.u64()); break;
       default: {  // raw bytes, any length field included
         const std::uint8_t n = in.u8() % 24;
         for (std::uint8_t i = 0; i < n; ++i) w.u8(in.u8());
@@ -201,18 +198,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Rig rig(in.u8() % 4);
   for (int ops = 0; ops < 48 && !in.done(); ++ops) {
     switch (in.u8() % 10) {
-      case 0:
-        rig.pre->begin(rig.to_dec, pick_id(in), pick_blocks(in, kPreBlocks)).ignore_error();
-        break;
+      case 0: rig.pre->begin(rig.to_dec, pick_id(in), pick_blocks(in, kPreBlocks)).ignore_error(); break;
       case 1: {
         const TransferId id = pick_id(in);
         const PdMode mode = in.u8() & 1 ? PdMode::kPull : PdMode::kPush;
         rig.dec->start(rig.to_pre, id, mode, pick_blocks(in, kNamed)).ignore_error();
         break;
       }
-      case 2:
-        rig.pre->layer_ready(pick_id(in), in.u8() % (kLayers + 1)).ignore_error();
-        break;
+      case 2: rig.pre->layer_ready(pick_id(in), in.u8() % (kLayers + 1)).ignore_error(); break;
       case 3:
       case 4:  // in the decode's name to the prefill
         rig.dec_t->send_notification(rig.to_pre, craft(in)).ignore_error();
@@ -221,18 +214,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       case 6:  // in the prefill's name to the decode
         rig.pre_t->send_notification(rig.to_dec, craft(in)).ignore_error();
         break;
-      case 7:
-        rig.dec->cancel(pick_id(in)).ignore_error();
-        break;
+      case 7: rig.dec->cancel(pick_id(in)).ignore_error(); break;
       case 8:
         if (in.u8() & 1)
           rig.pre->forget(pick_id(in)).ignore_error();
         else
           rig.dec->forget(pick_id(in)).ignore_error();
         break;
-      default:
-        rig.dec->wait_layer(pick_id(in), in.u8() % kLayers, 1ms).status().ignore_error();
-        break;
+      default: rig.dec->wait_layer(pick_id(in), in.u8() % kLayers, 1ms).status().ignore_error(); break;
     }
   }
   // Let the progress threads handle what is queued.

@@ -190,6 +190,9 @@ TEST(Config, EnvAndTextApply) {
     }
 }
 
+// A peer secret of 32 bytes in hex, mixed case.
+const std::string kSecretHex = std::string(32, 'A') + std::string(32, 'b');
+
 // The engine integrations' knobs (kvtier.fastdeploy reads them through kvtier._native): the defaults the Python
 // code had, the KVTIER_* names it read, and bad values rejected naming the value, except the secret's.
 TEST(IntegrationConfig, DefaultsNamesAndValidation) {
@@ -217,13 +220,13 @@ TEST(IntegrationConfig, DefaultsNamesAndValidation) {
   EXPECT_TRUE(c.metrics);
 
   std::string a = "KVTIER_FASTDEPLOY_BACKEND=host", b = "KVTIER_METRICS=0", d = "KVTIER_FASTDEPLOY_SYNC_TIMEOUT=2.5",
-              e = "KVTIER_FASTDEPLOY_PD_SECRET=ABab01";
+              e = "KVTIER_FASTDEPLOY_PD_SECRET=" + kSecretHex;
   char* env[] = {a.data(), b.data(), d.data(), e.data(), nullptr};
   ASSERT_TRUE(t.apply_env(env).ok());
   EXPECT_EQ(c.fastdeploy_backend, "host");
   EXPECT_FALSE(c.metrics);
   EXPECT_DOUBLE_EQ(c.fastdeploy_sync_timeout_s, 2.5);
-  EXPECT_EQ(c.fastdeploy_pd_secret, "ABab01");
+  EXPECT_EQ(c.fastdeploy_pd_secret, kSecretHex);
 
   Status s = t.set("fastdeploy.backend", "gpu");
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
@@ -241,9 +244,35 @@ TEST(IntegrationConfig, DefaultsNamesAndValidation) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message().find("s3cretvalue"), std::string::npos) << s.to_string();
   EXPECT_NE(s.message().find("fastdeploy.pd_secret"), std::string::npos) << s.to_string();
-  EXPECT_EQ(c.fastdeploy_pd_secret, "ABab01");
-  EXPECT_EQ(t.markdown().find("ABab01"), std::string::npos);  // `kvtier info --config` shows "(set)"
+  EXPECT_EQ(c.fastdeploy_pd_secret, kSecretHex);
+  EXPECT_EQ(t.markdown().find(kSecretHex), std::string::npos);  // `kvtier info --config` shows "(set)"
   EXPECT_NE(t.markdown().find("(set)"), std::string::npos);
+}
+
+// The peer secret's length is checked where it is configured (it was only refused when the first prefill/decode
+// endpoint was made), and a config line that names the secret knob but forgot its '=' is not echoed.
+TEST(IntegrationConfig, PeerSecretLengthCheckedAndNeverEchoed) {
+  IntegrationConfig c;
+  ConfigTable t;
+  bind_integration_config(t, c);
+  for (const std::string bad : {std::string("ABab01"), std::string(62, 'a'), std::string(130, 'a')}) {
+    Status s = t.set("fastdeploy.pd_secret", bad);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad.size();
+    EXPECT_NE(s.message().find("64 to 128"), std::string::npos) << s.to_string();
+    EXPECT_EQ(s.message().find(bad), std::string::npos) << s.to_string();
+  }
+  EXPECT_TRUE(c.fastdeploy_pd_secret.empty());
+  EXPECT_TRUE(t.set("fastdeploy.pd_secret", std::string(128, 'f')).ok());
+  EXPECT_TRUE(t.set("fastdeploy.pd_secret", "").ok());  // none
+
+  Status s = t.apply_text("fastdeploy.pd_secret " + kSecretHex + "\n");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("line 1"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("fastdeploy.pd_secret"), std::string::npos) << s.to_string();
+  EXPECT_EQ(s.message().find(kSecretHex), std::string::npos) << s.to_string();
+  // Other lines without '=' are still shown, so a slip can be found.
+  s = t.apply_text("metrics off\n");
+  EXPECT_NE(s.message().find("'metrics off'"), std::string::npos) << s.to_string();
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <new>
 #include <string>
 
 namespace kvtier {
@@ -67,6 +68,34 @@ TEST(Result, MoveOnlyValues) {
   Result<std::string> copy_src = std::string("abc");
   Result<std::string> copy = copy_src;
   EXPECT_EQ(*copy, "abc");
+}
+
+// Assigning a Result whose value's copy throws (std::bad_alloc in a copied vector, say): the target marked itself as
+// holding a value before constructing it, so its destructor destroyed an object that was never made.
+struct ThrowingCopy {
+  static inline int live = 0;
+  bool throw_on_copy = false;
+  ThrowingCopy() { ++live; }
+  ThrowingCopy(const ThrowingCopy& o) : throw_on_copy(o.throw_on_copy) {
+    if (throw_on_copy) throw std::bad_alloc();
+    ++live;
+  }
+  ThrowingCopy& operator=(const ThrowingCopy&) = default;
+  ~ThrowingCopy() { --live; }
+};
+
+TEST(Result, AssignmentWhoseCopyThrowsLeavesNoValueBehind) {
+  {
+    Result<ThrowingCopy> src(ThrowingCopy{});
+    ASSERT_TRUE(src.ok());
+    src.value().throw_on_copy = true;
+    Result<ThrowingCopy> dst(ThrowingCopy{});
+    EXPECT_EQ(ThrowingCopy::live, 2);
+    EXPECT_THROW(dst = src, std::bad_alloc);
+    EXPECT_FALSE(dst.ok());
+    EXPECT_EQ(ThrowingCopy::live, 1);  // src's; dst's old value destroyed, none made
+  }
+  EXPECT_EQ(ThrowingCopy::live, 0);  // was -1: ~Result destroyed dst's value that was never constructed
 }
 
 TEST(Result, OkStatusWithoutValueIsInternalError) {

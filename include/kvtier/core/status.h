@@ -224,8 +224,11 @@ class [[nodiscard]] Result {
       status_.mark_checked();  // assigning over it is not checked (see the file comment)
       reset();
       status_ = other.status_;
-      has_value_ = other.has_value_;
-      if (has_value_) new (&value_) T(other.value_);
+      // has_value_ only once T exists: a constructor that throws leaves no value for ~Result to destroy.
+      if (other.has_value_) {
+        new (&value_) T(other.value_);
+        has_value_ = true;
+      }
     }
     return *this;
   }
@@ -234,8 +237,11 @@ class [[nodiscard]] Result {
       status_.mark_checked();  // assigning over it is not checked (see the file comment)
       reset();
       status_ = std::move(other.status_);
-      has_value_ = other.has_value_;
-      if (has_value_) new (&value_) T(std::move(other.value_));
+      // has_value_ only once T exists: a constructor that throws leaves no value for ~Result to destroy.
+      if (other.has_value_) {
+        new (&value_) T(std::move(other.value_));
+        has_value_ = true;
+      }
     }
     return *this;
   }
