@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 
 from . import _native
@@ -35,6 +36,12 @@ def _pump() -> None:
             logging.getLogger("kvtier." + component.replace("/", ".")).log(level, "%s", message)
 
 
+def _start_pump() -> None:
+    global _thread
+    _thread = threading.Thread(target=_pump, name="kvtier-log", daemon=True)
+    _thread.start()
+
+
 def install() -> None:
     """Starts routing (idempotent; kvtier's __init__ calls it)."""
     global _started
@@ -42,11 +49,21 @@ def install() -> None:
         if _started:
             return
         _native._install_log_sink()
-        global _thread
-        _thread = threading.Thread(target=_pump, name="kvtier-log", daemon=True)
-        _thread.start()
+        _start_pump()
         atexit.register(_shutdown)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
         _started = True
+
+
+def _after_fork_in_child() -> None:
+    # The pump thread does not survive fork(): without a new one the child's lines were queued and never
+    # delivered. The queue is replaced too: a thread of the parent may have held its mutex at the fork.
+    global _lock, _stop
+    _lock = threading.Lock()
+    _stop = threading.Event()
+    _native._reset_log_queue_after_fork()
+    _start_pump()
 
 
 def _shutdown() -> None:

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "kvtier/backend/device.h"
@@ -56,5 +57,9 @@ Result<TensorDesc> describe_tensor(const std::string& name, const nanobind::ndar
 Result<TensorDesc> describe_host_tensor(const std::string& name, const nanobind::ndarray<>& a);
 // Bytes from the tensor's first block to the end of its last one.
 std::uint64_t tensor_extent_bytes(const TensorDesc& t);
+// The names of a FastDeploy tensor map that `layout` uses for this rank and device label (registration.h,
+// seed_tensor_name). A map may hold other tensors (other ranks', names the layout does not know): those are kept
+// alive but never adopted, copied or sized, since nothing checked their shapes and strides.
+std::set<std::string> layout_tensor_names(const KvLayout& layout, int rank, int device_label);
 
 }  // namespace kvtier::python

@@ -27,11 +27,49 @@ struct PyCacheManager {
 
 // Block checksums of a manager's device blocks computed on its device (TransferManager.device_checksums): an engine
 // of their own and scratch memory for the sums, grown as needed.
+//
+// A call whose wait fails (its timeout passed) leaves its checksum kernel and read-back queued on the caller's
+// stream: their scratch is retired, never reused or freed under them (a later call on another stream read another
+// call's sums; a larger call freed the memory a queued copy still wrote). A retired pair is freed once an event
+// recorded behind its work has completed, and left allocated for good when that cannot be proven.
 struct DeviceChecksums {
+  struct Scratch {
+    Buffer sums;                         // device memory, 8 bytes per block
+    std::unique_ptr<PinnedMemory> host;  // where they are read back
+    std::unique_ptr<Event> done;         // retired: recorded behind the work that uses them
+  };
   std::mutex mu;
   std::unique_ptr<CopyEngine> engine;
-  Buffer sums;                         // device memory, 8 bytes per block
-  std::unique_ptr<PinnedMemory> host;  // where they are read back
+  Device* device = nullptr;  // the manager's, set with the engine
+  Scratch scratch;
+  std::vector<Scratch> retired;
+
+  // Frees the retired scratch whose work is over (under mu).
+  void sweep() {
+    std::erase_if(retired, [this](Scratch& r) {
+      auto over = device->query(*r.done);
+      return over.ok() && *over;
+    });
+  }
+  // Retires the current scratch behind what is queued on `stream` (under mu). If no event can be recorded there,
+  // the memory is never freed: nothing proves the queued work is over.
+  void retire(Stream& stream) {
+    Scratch r = std::move(scratch);
+    scratch = Scratch{};
+    auto ev = device->create_event(EventOptions{});
+    if (ev.ok() && device->record(**ev, stream).ok()) {
+      r.done = std::move(ev).value();
+      retired.push_back(std::move(r));
+    } else {
+      ev.status().ignore_error();
+      new Scratch(std::move(r));  // deliberately leaked
+    }
+  }
+  ~DeviceChecksums() {
+    if (device == nullptr) return;
+    sweep();
+    for (Scratch& r : retired) new Scratch(std::move(r));  // still in use by queued work: leaked, never freed
+  }
 };
 
 struct PyTransferManager {
@@ -54,7 +92,21 @@ struct PyTransferManager {
   // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
   std::atomic<int> receivers{0};
 
-  ~PyTransferManager() { shutdown(/*from_close=*/false); }
+  ~PyTransferManager() {
+    shutdown(/*from_close=*/false);
+    // A manager whose shutdown timed out waits for its streams' work as it goes (the host backend drains them):
+    // without the GIL, so every other Python thread does not stop meanwhile (15.8 s of a frozen interpreter for
+    // 8 s copies). Not while the interpreter finalizes (as ~PyStream).
+#if PY_VERSION_HEX >= 0x030D0000
+    const bool finalizing = Py_IsFinalizing();
+#else
+    const bool finalizing = _Py_IsFinalizing();
+#endif
+    if (retired && PyGILState_Check() && !finalizing) {
+      nanobind::gil_scoped_release release;
+      retired.reset();
+    }
+  }
   void close() {
     if (receivers.load() > 0)
       raise_status(FailedPrecondition("the TransferManager drives a kvtier.pd.Receiver: close the receiver first"));

@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -32,11 +33,11 @@ struct LogQueue {
   bool stopping = false;  // the interpreter is exiting: waits return at once
 };
 
-// Never destroyed: kvtier threads may log after the interpreter is gone.
-LogQueue& queue() {
-  static auto* q = new LogQueue();
-  return *q;
-}
+// Never destroyed: kvtier threads may log after the interpreter is gone. Replaced in a forked child
+// (_reset_log_queue_after_fork): the parent's mutex may have been held by one of its threads at the fork, and the
+// child has no such thread to release it.
+std::atomic<LogQueue*> g_queue{new LogQueue()};
+LogQueue& queue() { return *g_queue.load(std::memory_order_acquire); }
 
 int python_level(LogLevel l) {
   switch (l) {
@@ -66,6 +67,10 @@ void bind_log(nb::module_& m) {
       q.cv.notify_one();
     });
   });
+  m.def(
+      "_reset_log_queue_after_fork",
+      [] { g_queue.store(new LogQueue(), std::memory_order_release); },  // the parent's queue is left as it was
+      "In a forked child, before its pump thread starts: a fresh, empty queue.");
   m.def("_restore_default_log_sink", [] {
     nb::gil_scoped_release release;
     set_log_sink(nullptr);

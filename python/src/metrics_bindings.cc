@@ -163,8 +163,10 @@ void bind_metrics(nb::module_& m) {
           "port"_a = 0, "Serves the process registry on 127.0.0.1:port (0: an ephemeral port).")
       .def_prop_ro("port", [](PyMetricsServer& p) { return p.server ? p.server->port() : 0; })
       .def("stop", [](PyMetricsServer& p) {
+        // Taken with the GIL held: two threads stopping at once (or one reading .port) each saw the old pointer.
+        auto server = std::move(p.server);
         nb::gil_scoped_release release;
-        p.server.reset();
+        server.reset();
       });
 
   nb::class_<PyEventPublisher>(m, "KvEventPublisher",

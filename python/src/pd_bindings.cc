@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -232,7 +233,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   for (auto& [name, array] : tensors) {
     descs[name] = value_or_raise(device ? describe_tensor(name, array, *device) : describe_host_tensor(name, array));
     keep_alive.append(nb::cast(array));
-    if (o.lane == "host-direct") {
+    if (o.lane == "host-direct") {  // the layout's tensors are kept below
       PdNative::PoolTensor pt;
       pt.name = name;
       for (std::size_t d = 0; d < array.ndim(); ++d) {
@@ -248,6 +249,11 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
                             layout_from_name_map(descs, o.num_model_layers, o.rank, o.device_label, o.block_tokens));
     KVTIER_ASSIGN_OR_RETURN(BlockSpace space, device_space_from_name_map(descs, n->layout, o.rank, o.device_label,
                                                                          device ? device->ordinal() : 0));
+    // Only the layout's tensors are paired, sized, copied or adopted: the others' shapes and strides were never
+    // checked, and another rank's tensors in one side's map must not refuse the pairing.
+    const std::set<std::string> used = layout_tensor_names(n->layout, o.rank, o.device_label);
+    std::erase_if(n->pool, [&](const PdNative::PoolTensor& pt) { return !used.contains(pt.name); });
+    std::erase_if(descs, [&](const auto& entry) { return !used.contains(entry.first); });
     const std::uint64_t pairing = pairing_fingerprint(n->layout, descs, o.rank);
     KVTIER_ASSIGN_OR_RETURN(n->transport, make_transport(o, pairing, device));
     transport::PdOptions pd;

@@ -118,6 +118,17 @@ struct PyPdReceiver {
     return *receiver;
   }
 
+  // With the GIL held, before a call that takes the receiver's or the cache's mutex with the GIL released: a call
+  // made on the thread of a call of either that has not returned (a __del__ the garbage collector ran inside
+  // cache.admit(), say) waited for itself forever. Refused instead, as lock_gil_safe() does.
+  void refuse_reentry() const {
+    if (mu.held_by_this_thread() || (cache != nullptr && cache->mu.held_by_this_thread()))
+      raise_status(FailedPrecondition(
+          "kvtier.pd.Receiver called on the thread of a call of it or of its CacheManager that has not returned "
+          "(from a __del__ or weakref callback that the garbage collector ran inside it?): call it from outside "
+          "that call"));
+  }
+
   // Applies the executor's completed moves to the cache (under the cache's lock).
   Status apply_moves() {
     std::lock_guard lock(cache->mu);
@@ -276,6 +287,7 @@ void bind_pd_receiver(nb::module_& m) {
             q.options.extra_blocks = extra_blocks;
             q.options.received_extra_blocks = received_extra_blocks;
             q.options.match_prefix = match_prefix;
+            r.refuse_reentry();
             auto lock = lock_gil_safe(r.mu);
             pd::PdReceiver& rx = r.get();
             pd::Receive got = value_or_raise(released([&]() -> Result<pd::Receive> {
@@ -292,6 +304,7 @@ void bind_pd_receiver(nb::module_& m) {
           "match_prefix"_a = false)
       .def("poll",
            [](PyPdReceiver& r) {
+             r.refuse_reentry();
              auto lock = lock_gil_safe(r.mu);
              pd::PdReceiver& rx = r.get();
              auto outcomes = value_or_raise(released([&]() -> Result<std::vector<pd::ReceiveOutcome>> {
@@ -307,6 +320,7 @@ void bind_pd_receiver(nb::module_& m) {
           "finish",
           [](PyPdReceiver& r, std::uint64_t transfer_id, std::optional<double> timeout_s) {
             const auto limit = to_timeout(timeout_s);
+            r.refuse_reentry();
             auto o = value_or_raise(released([&]() -> Result<pd::ReceiveOutcome> {
               auto got = r.wait_in_slices(limit, [&](pd::PdReceiver& rx, std::chrono::nanoseconds slice) {
                 return rx.finish(transfer_id, slice);
@@ -323,6 +337,7 @@ void bind_pd_receiver(nb::module_& m) {
           "drain",
           [](PyPdReceiver& r, std::optional<double> timeout_s) {
             const auto limit = to_timeout(timeout_s);
+            r.refuse_reentry();
             check(released([&]() -> Status {
               Status st = r.wait_in_slices(
                   limit, [&](pd::PdReceiver& rx, std::chrono::nanoseconds slice) { return rx.drain(slice); });
@@ -368,7 +383,11 @@ void bind_pd_receiver(nb::module_& m) {
              return d;
            })
       .def(
-          "close", [](PyPdReceiver& r) { r.close(); },
+          "close",
+          [](PyPdReceiver& r) {
+            r.refuse_reentry();
+            r.close();
+          },
           "Stops the receiver (idempotent). Receives still open are cancelled (they end as Cancelled at the peer) "
           "and their blocks return to the cache once the peer can no longer write them, waiting up to "
           "free_timeout_s; a receive not provably quiet by then keeps its blocks guarded for good.");

@@ -294,6 +294,14 @@ std::uint64_t tensor_extent_bytes(const TensorDesc& t) {
   return ((static_cast<std::uint64_t>(t.shape[0]) - 1) * stride + elems) * dtype_bytes(t.dtype);
 }
 
+std::set<std::string> layout_tensor_names(const KvLayout& layout, int rank, int device_label) {
+  std::set<std::string> names;
+  for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
+    for (const RoleLayout& role : layout.layer(l).roles)
+      names.insert(seed_tensor_name(role.role, role.name, l, rank, device_label));
+  return names;
+}
+
 namespace {
 
 // ---------------------------------------------------------------- manager
@@ -401,7 +409,9 @@ std::unique_ptr<PyTransferManager> create_manager(nb::object device_obj, nb::obj
                                                        out->layout, rank, device_label, device.ordinal()));
     // Engine memory: device ranges made known to the backend; host ranges
     // pinned (registered, or borrowed when already pinned).
+    const std::set<std::string> used = layout_tensor_names(out->layout, rank, device_label);
     for (const auto& [name, t] : descs) {
+      if (!used.contains(name)) continue;         // not the layout's: never moved
       if (tensor_extent_bytes(t) == 0) continue;  // no blocks: nothing of it is ever copied
       auto b = device.adopt_device_memory(t.data, tensor_extent_bytes(t));
       if (!b.ok()) return b.status().with_context(fmt::format("device tensor '{}'", name));
@@ -680,27 +690,34 @@ void bind_transfer(nb::module_& m) {
             if (!p.checksums) p.checksums = std::make_unique<DeviceChecksums>();
             DeviceChecksums& c = *p.checksums;
             std::vector<std::uint64_t> out(ids.size());
+            const auto wait_for = to_timeout(timeout);  // a bad timeout is refused before anything is queued
             check(released([&]() -> Status {
               std::lock_guard lock(c.mu);
               Device& device = tm.device();
               const std::uint64_t bytes = std::max<std::uint64_t>(8, 8 * ids.size());
               if (!c.engine) {
                 KVTIER_ASSIGN_OR_RETURN(c.engine, CopyEngine::create(device));
+                c.device = &device;
               }
-              if (c.sums.size() < bytes) {
-                c.sums = Buffer();
-                c.host.reset();
-                KVTIER_ASSIGN_OR_RETURN(c.sums, device.allocate_device(bytes));
-                KVTIER_ASSIGN_OR_RETURN(c.host, device.allocate_pinned(bytes));
-                KVTIER_RETURN_IF_ERROR(c.host->wait_ready(std::chrono::seconds(60)));
+              c.sweep();
+              DeviceChecksums::Scratch& sc = c.scratch;
+              if (sc.sums.size() < bytes || !sc.host) {
+                sc.sums = Buffer();
+                sc.host.reset();
+                KVTIER_ASSIGN_OR_RETURN(sc.sums, device.allocate_device(bytes));
+                KVTIER_ASSIGN_OR_RETURN(sc.host, device.allocate_pinned(bytes));
+                KVTIER_RETURN_IF_ERROR(sc.host->wait_ready(std::chrono::seconds(60)));
               }
               if (ids.empty()) return Status::Ok();
-              auto* sums = static_cast<std::uint64_t*>(c.sums.data());
-              KVTIER_RETURN_IF_ERROR(
-                  c.engine->checksum(tm.device_space(), ids, {}, kAllRoles, sums, *stream.stream).status());
-              KVTIER_RETURN_IF_ERROR(device.memcpy_async(c.host->data(), sums, 8 * ids.size(), *stream.stream));
-              KVTIER_RETURN_IF_ERROR(device.synchronize(*stream.stream, to_timeout(timeout)));
-              std::memcpy(out.data(), c.host->data(), 8 * ids.size());
+              auto* sums = static_cast<std::uint64_t*>(sc.sums.data());
+              Status s = c.engine->checksum(tm.device_space(), ids, {}, kAllRoles, sums, *stream.stream).status();
+              if (s.ok()) s = device.memcpy_async(sc.host->data(), sums, 8 * ids.size(), *stream.stream);
+              if (s.ok()) s = device.synchronize(*stream.stream, wait_for);
+              if (!s.ok()) {
+                c.retire(*stream.stream);  // whatever was queued may still write them
+                return s;
+              }
+              std::memcpy(out.data(), sc.host->data(), 8 * ids.size());
               return Status::Ok();
             }));
             return out;

@@ -313,6 +313,38 @@ def test_kvtier_log_reaches_python_logging(caplog):
         kvtier.set_log_level(old)
 
 
+def test_kvtier_log_reaches_python_logging_in_a_forked_child():
+    """The pump thread that moves kvtier's lines into logging does not survive fork(): a child's lines were queued
+    and never delivered (and a queue mutex a parent thread held at the fork would have hung its first line)."""
+    import os
+    import subprocess
+    import sys
+
+    code = r"""
+import logging, os, sys, threading
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(process)d %(name)s %(message)s")
+import kvtier
+kvtier._native._log("warning", "test", "from parent")
+kvtier._logging.flush(2.0)
+pid = os.fork()
+if pid == 0:
+    kvtier._native._log("warning", "test", "from child")
+    kvtier._logging.flush(2.0)
+    print("child pump alive:", any(t.name == "kvtier-log" and t.is_alive() for t in threading.enumerate()),
+          flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", status, flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "kvtier.test from parent" in out.stdout, out.stdout
+    assert "kvtier.test from child" in out.stdout, out.stdout
+    assert "child pump alive: True" in out.stdout, out.stdout
+    assert "child exit 0" in out.stdout, out.stdout
+
+
 def test_misspelt_settings_are_named_at_import():
     # A KVTIER_* variable that names no setting changes nothing; importing kvtier says so on the
     # "kvtier.config" logger, with the setting it was probably meant to be.

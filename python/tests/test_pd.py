@@ -1103,6 +1103,38 @@ def test_host_direct_lane_moves_the_pools_byte_exact(transport, mode):
     assert dst_pool[0][0].view(np.uint8)[dst_blocks[0]].tobytes() == src_pool[0][0].view(np.uint8)[1].tobytes()
 
 
+@pytest.mark.parametrize("lane", ["host", "host-direct"])
+def test_tensors_of_the_map_the_layout_does_not_use_are_left_alone(lane):
+    """A name map may hold tensors the layout does not use (another rank's, names it does not know). On the host
+    direct lane each was sized from its first dimension alone and copied into the pool: a negative stride wrapped
+    the size (a segfault in the copy), a transposed one was copied short (its pool view read past its slot). They are
+    neither copied nor paired now (another rank's tensors in one side's map refused the pairing), and the layout's
+    tensors move byte-exact."""
+    from kvtier.pd import _name_map
+
+    src_names, dst_names = _name_map(prefill_kv(seed=9), 0, 0), _name_map(decode_kv(), 0, 0)
+    src_names["extra_reversed"] = np.zeros((4, 8), np.uint8)[::-1]
+    src_names["extra_transposed"] = np.arange(64, dtype=np.int32).reshape(16, 4).T
+    src_names["key_caches_0_rank1.device0"] = np.zeros((3, 5), np.float16)  # another rank's
+    lane_kw = dict(lane=lane, **HOST_DIRECT["loopback"]) if lane == "host-direct" else dict(transport="loopback")
+    with Prefill(src_names, **lane_kw, **FAST) as p, Decode(dst_names, **lane_kw, **FAST) as d:
+        src, dst = (p.kv_pool(), d.kv_pool()) if lane == "host-direct" else (src_names, dst_names)
+        if lane == "host-direct":
+            assert not {"extra_reversed", "extra_transposed", "key_caches_0_rank1.device0"} & set(src)
+        to_decode, to_prefill = connect(p, d)
+        d.start(to_prefill, 3, [4, 0])
+        p.begin(to_decode, 3, [2, 5])
+        p.layers_ready(3, list(range(LAYERS)))
+        st = d.wait(3, TIMEOUT, reclaimable=True)
+        assert st.final and st.error is None and st.leading_loaded_blocks == 2
+        for layer in range(LAYERS):
+            for role in ("key_caches", "value_caches"):
+                name = f"{role}_{layer}_rank0.device0"
+                for s_block, d_block in ((2, 4), (5, 0)):
+                    assert dst[name].view(np.uint8)[d_block].tobytes() == src[name].view(np.uint8)[s_block].tobytes()
+        assert p.wait(3, TIMEOUT).done
+
+
 @pytest.mark.parametrize("transport", list(HOST_DIRECT))
 def test_closing_a_host_direct_endpoint_whose_pool_the_engine_holds(transport):
     """The engine keeps its KV in kv_pool()'s arrays, which hold the pool's memory. close() used to count them as

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -364,6 +365,52 @@ def test_none_block_lists_and_read_only_tensors_are_named():
                                             4, 1)
 
 
+_CHECKSUMS_AFTER_TIMEOUTS = r"""
+import sys
+import numpy as np
+import kvtier
+sys.path.insert(0, sys.argv[1])
+from test_transfer_faults import BLOCKS, HOST_BLOCKS, LAYERS, arrays
+
+dev = kvtier.host_device(seed=1, min_delay_us=0, max_delay_us=30_000)
+compute = dev.create_stream("compute")
+d, h = arrays(BLOCKS, seed=3), arrays(HOST_BLOCKS, fill=0xEE)
+mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()}, HOST_BLOCKS,
+                                          LAYERS)
+a, b = dev.create_stream("a"), dev.create_stream("b")
+ref = [mgr.device_checksums([blk], compute, 10.0)[0] for blk in range(BLOCKS)]
+assert len(set(ref)) == BLOCKS
+wrong = 0
+for trial in range(30):
+    try:
+        mgr.device_checksums([0], a, 0.0)  # times out with its work queued on a
+    except kvtier.TimedOutError:
+        pass
+    wrong += mgr.device_checksums([1], b, 10.0)[0] != ref[1]
+    if trial % 10 == 9:  # a larger call grows the scratch while queued work may still write the old one
+        got = mgr.device_checksums(list(range(BLOCKS)), b, 10.0)
+        wrong += got != ref
+try:
+    mgr.device_checksums([0], a, float("nan"))  # refused before anything is queued
+except ValueError:
+    pass
+print("wrong", wrong)
+mgr.close()
+"""
+
+
+def test_checksums_after_a_timed_out_call_are_right_and_exit_is_clean():
+    """A device_checksums call that timed out left its kernel and read-back queued on its stream over the shared
+    scratch: the next call on another stream read another block's sums (33 of 40 wrong), a larger call freed the
+    scratch under the queued copy, and the process crashed at exit on a stream worker. The scratch of a failed call
+    is retired behind an event now."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _CHECKSUMS_AFTER_TIMEOUTS, here], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrong 0" in r.stdout, r.stdout
+
+
 def test_a_dropped_stream_with_work_queued_lets_other_threads_run():
     """A Stream's destructor waits for its queued work (host backend): it ran with the GIL held, so every other
     Python thread stopped for as long as that work took (0 ticks of another thread in 1.35 s)."""
@@ -545,3 +592,97 @@ def test_ctrl_c_ends_a_wait_without_a_deadline():
         timer.cancel()
         signal.signal(signal.SIGINT, previous)
         mgr.close()
+
+
+def test_dropping_a_manager_whose_close_timed_out_lets_other_threads_run():
+    """close() that timed out keeps the manager until the object goes; its destruction waits for the queued copies
+    (host backend) and ran with the GIL held: no other Python thread ran for as long as the copies took."""
+    import gc
+    import threading
+
+    dev = kvtier.host_device(min_delay_us=1_500_000, max_delay_us=1_500_000)
+    compute = dev.create_stream("compute")
+    d, h = arrays(BLOCKS), arrays(HOST_BLOCKS)
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, d, {k: v.ctypes.data for k, v in h.items()},
+                                              HOST_BLOCKS, LAYERS, config={"transfer.shutdown_timeout": "200ms"})
+    mgr.evict([0], [0])
+    with pytest.raises(kvtier.TimedOutError):
+        mgr.close()
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        time.sleep(0.05)
+        start = time.monotonic()
+        del mgr
+        gc.collect()
+        end = time.monotonic()
+    finally:
+        stop.set()
+        t.join()
+    inside = [x for x in ticks if start - 0.05 <= x <= end + 0.05]
+    gaps = [b - a for a, b in zip(inside, inside[1:])]
+    assert end - start > 0.5, "the queued copies were expected to still be running"
+    assert gaps and max(gaps) < 0.5, f"another thread stalled {max(gaps or [0]):.2f} s of {end - start:.2f} s"
+
+
+_RECEIVER_FROM_A_FINALIZER = r"""
+import gc, sys, numpy as np, kvtier, kvtier.pd as pd
+LAYERS, NB = 2, 4
+dst = [(np.zeros((NB, 4, 16), np.float16), np.zeros((NB, 4, 16), np.float16)) for _ in range(LAYERS)]
+dev = kvtier.host_device()
+compute = dev.create_stream("compute")
+tm = kvtier.TransferManager.from_tensors(dev, compute, pd._name_map(dst, 0, 0), None, 4, LAYERS)
+cache = kvtier.CacheManager(device_blocks=NB, host_blocks=4)
+d = pd.Decode(dst, transport="loopback", device=dev, heartbeat_s=0.05, lease_s=0.5)
+rx = pd.Receiver(cache, tm, d)
+big = kvtier.KeyHasher("m", block_tokens=4).keys_for(list(range(100, 200)))
+outcome = []
+
+class Req:
+    def __init__(self):
+        self.me = self  # a cycle: only the collector frees it
+
+    def __del__(self):
+        try:
+            cache.stats()
+            inside = False
+        except kvtier.FailedPreconditionError:
+            inside = True
+        try:
+            getattr(rx, sys.argv[1])()
+            outcome.append((inside, "returned"))
+        except kvtier.FailedPreconditionError as e:
+            outcome.append((inside, "refused: " + str(e)))
+
+Req()
+gc.set_threshold(1)
+try:
+    cache.admit(big)
+except kvtier.KvtierError:
+    pass
+gc.set_threshold(700)
+gc.collect()
+print(outcome)
+assert any(o[0] for o in outcome), ("the finalizer did not run inside the cache call", outcome)
+assert all(o[1] == "returned" for o in outcome if not o[0]), outcome
+assert all(o[1].startswith("refused") and "__del__" in o[1] for o in outcome if o[0]), outcome
+rx.close(); d.close(); tm.close()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("call", ["poll", "close"])
+def test_a_receiver_called_from_a_finalizer_inside_a_cache_call_is_refused_not_deadlocked(call):
+    """kvtier.pd.Receiver's calls took the cache's mutex with the GIL released: called from a __del__ the garbage
+    collector ran inside cache.admit() (which holds it), the thread waited for itself forever."""
+    r = subprocess.run([sys.executable, "-c", _RECEIVER_FROM_A_FINALIZER, call], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
