@@ -103,10 +103,17 @@ class HostCopyEngine final : public EngineBase {
     for (std::size_t i = 0; i < segments.size(); i += chunk) {
       const std::size_t n = std::min(chunk, segments.size() - i);
       std::vector<Segment> copy(segments.begin() + i, segments.begin() + i + n);
-      KVTIER_RETURN_IF_ERROR(host_.enqueue_task(stream, [copy = std::move(copy)]() -> Status {
-        for (const Segment& s : copy) std::memcpy(s.dst, s.src, s.bytes);
-        return Status::Ok();
-      }));
+      // Named by its first destination, as a kernel's launch is: failure injection that picks operations by
+      // where they write reaches batched DMAs too (a failed batch writes nothing but the poison, as on a GPU).
+      void* first_dst = copy.front().dst;
+      const std::uint64_t first_bytes = copy.front().bytes;
+      KVTIER_RETURN_IF_ERROR(host_.enqueue_task(
+          stream,
+          [copy = std::move(copy)]() -> Status {
+            for (const Segment& s : copy) std::memcpy(s.dst, s.src, s.bytes);
+            return Status::Ok();
+          },
+          first_dst, first_bytes));
     }
     return Status::Ok();
   }

@@ -186,7 +186,17 @@ Status execute_data_op(Core& core, std::mt19937_64* rng, std::string_view where,
     core.sleep_if_delayed(&Core::run_delay, where);
   }
   const std::uint64_t n = core.operations_executed.fetch_add(1, std::memory_order_relaxed) + 1;
-  if (auto predicate = core.predicate(); predicate && (*predicate)(n, op.dst, op.bytes)) {
+  bool inject = false;
+  if (auto predicate = core.predicate(); predicate) {
+    // The caller's hook: one that throws fails the operation instead of ending the process on a stream worker.
+    try {
+      inject = (*predicate)(n, op.dst, op.bytes);
+    } catch (...) {
+      return Internal(fmt::format("failure predicate threw on {} #{} on {}: {}", op_name(op.kind), n, where,
+                                  exception_text(std::current_exception())));
+    }
+  }
+  if (inject) {
     if (core.options.poison_on_failure && op.dst != nullptr && op.bytes > 0) {
       std::memset(op.dst, kFailurePoison, op.bytes);
     }

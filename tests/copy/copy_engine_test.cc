@@ -79,6 +79,38 @@ TEST_F(CopyEngineTest, FailedCopyIsReportedByTheStream) {
   }
 }
 
+// A failure predicate that picks operations by their destination (as the transfer suites' do) fails a copy of
+// every strategy into that memory. A batched DMA ran as a task without a destination, so no such predicate could
+// ever fail it (the failure scenarios covered per-run DMA and kernels only), and its destination was not poisoned.
+TEST_F(CopyEngineTest, ADestinationKeyedFailureFailsEveryStrategy) {
+  auto layout = KvLayout::uniform(1, 1, 4096);
+  ASSERT_TRUE(layout.ok());
+  auto dev = layer_first(MemoryKind::kDevice, *layout, 8);
+  auto host = layer_first(MemoryKind::kPinnedHost, *layout, 8);
+  ASSERT_TRUE(dev && host);
+  fill_random(*dev, 7);
+  const std::byte* lo = host->space.plane(0, 0).base;
+  const std::byte* hi = lo + 8 * 4096;
+  std::vector<BlockId> s{0, 2, 5}, d{1, 3, 6};
+  for (CopyStrategy strategy : {CopyStrategy::kDmaPerRun, CopyStrategy::kDmaBatch, CopyStrategy::kSmKernel,
+                                CopyStrategy::kStagedDma, CopyStrategy::kSplit}) {
+    SCOPED_TRACE(copy_strategy_name(strategy));
+    fill_poison(*host);
+    host_of(*device_).set_failure_predicate([lo, hi](std::uint64_t, const void* dst, std::uint64_t) {
+      const auto* p = static_cast<const std::byte*>(dst);
+      return p != nullptr && p >= lo && p < hi;
+    });
+    auto rep = engine_->copy(CopyRequest{&dev->space, &host->space, s, d, {}, kAllRoles, strategy}, *stream_);
+    ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+    EXPECT_FALSE(device_->synchronize(*stream_, kWait).ok()) << "a copy into the failing memory succeeded";
+    host_of(*device_).set_failure_predicate(nullptr);
+    host_of(*device_).clear_stream_error(*stream_);
+    // The failed copy left no block of the source behind as if it had landed.
+    for (std::size_t i = 0; i < d.size(); ++i)
+      EXPECT_NE(std::memcmp(host->space.block_ptr(0, 0, d[i]), dev->space.block_ptr(0, 0, s[i]), 4096), 0) << i;
+  }
+}
+
 // A kernel descriptor slot that had to grow when memory ran out kept its old capacity with its buffers freed: the next
 // request small enough for that capacity wrote its descriptors through a null staging buffer (a segfault). The slot
 // now counts as empty until both buffers are there again; the failed copy is refused, later ones move their bytes.

@@ -195,6 +195,24 @@ TEST_F(HostDeviceTest, PredicateSelectsByDestination) {
   EXPECT_EQ(seen, (std::vector<std::uint64_t>{1, 2}));
 }
 
+// A failure predicate is the caller's code: one that throws failed nothing and ended the process (std::terminate on
+// the stream's worker; through memcpy_sync the exception left the C++ API). The operation fails with kInternal.
+TEST_F(HostDeviceTest, APredicateThatThrowsFailsTheOperation) {
+  constexpr std::uint64_t kBytes = 256;
+  ASSERT_OK_AND_ASSIGN(Buffer dst, dev().allocate_device(kBytes));
+  std::vector<std::byte> src(kBytes);
+  dev().set_failure_predicate(
+      [](std::uint64_t, const void*, std::uint64_t) -> bool { throw std::runtime_error("predicate bug"); });
+  ASSERT_OK_AND_ASSIGN(auto s, dev().create_stream());
+  ASSERT_OK(dev().memcpy_async(dst.data(), src.data(), kBytes, *s));
+  Status st = dev().synchronize(*s, kLong);
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.to_string();
+  EXPECT_NE(st.message().find("predicate bug"), std::string::npos) << st.to_string();
+  Status sync = dev().memcpy_sync(dst.data(), src.data(), kBytes);
+  EXPECT_EQ(sync.code(), StatusCode::kInternal) << sync.to_string();
+  dev().set_failure_predicate(nullptr);
+}
+
 // A stream that waits on failed work inherits the failure; one that does not
 // stays healthy; fences before the wait stay healthy.
 TEST_F(HostDeviceTest, FailurePropagatesThroughWait) {
