@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "core/byte_codec.h"
 #include "kvtier/cache/cache_manager.h"
 #include "kvtier/device/host_device.h"
+#include "kvtier/transport/ipc.h"
 #include "sanitizers.h"
 #include "transport/pd_test_util.h"
 
@@ -1257,7 +1259,7 @@ TEST(Pd, AReadBackWithMismatchedChecksumListsFailsTheLayer) {
 // what a busy machine may keep a thread from running: at 50 ms a build beside ThreadSanitizer's run starved the
 // heartbeats past it. KVTIER_TEST_LEASE_MS, KVTIER_TEST_MIB: other settings for a manual run (2 GiB at the
 // default 1 s also passes).
-TEST(PdUcxTcp, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
+void transfer_longer_than_the_lease(const std::function<Result<std::unique_ptr<Transport>>(std::string)>& make) {
 #if defined(KVTIER_TEST_TSAN)
   constexpr std::uint64_t kMib = 256, kLeaseMs = 400;
 #elif defined(KVTIER_TEST_ASAN)
@@ -1275,10 +1277,8 @@ TEST(PdUcxTcp, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
   o.lease = std::chrono::milliseconds(lease_env != nullptr ? std::strtoull(lease_env, nullptr, 10) : kLeaseMs);
   o.heartbeat = std::max(o.lease / 20, std::chrono::milliseconds(1));
   const int seq = ++g_seq;
-  auto pre_t =
-      create_ucx_transport({fmt::format("pre-tcp{}", seq), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
-  auto dec_t =
-      create_ucx_transport({fmt::format("dec-tcp{}", seq), layout.fingerprint(), 1, 0}, UcxOptions{"tcp", "lo", {}});
+  auto pre_t = make(fmt::format("pre-long{}", seq));
+  auto dec_t = make(fmt::format("dec-long{}", seq));
   ASSERT_TRUE(pre_t.ok() && dec_t.ok()) << pre_t.status().to_string() << dec_t.status().to_string();
   auto pre = PdPrefill::create(**pre_t, pre_mem.space, o);
   auto dec = PdDecode::create(**dec_t, dec_mem.space, o);
@@ -1313,6 +1313,23 @@ TEST(PdUcxTcp, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
     for (std::uint32_t l = 0; l < 4; ++l)
       for (std::uint32_t r = 0; r < 2; ++r) std::memset(dec_mem.space.block_ptr(l, r, 0), 0xee, n << 20);
   }
+}
+
+TEST(PdUcxTcp, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
+  transfer_longer_than_the_lease([](std::string name) {
+    return create_ucx_transport({std::move(name), pd_layout(4, 1 << 20).fingerprint(), 1, 0},
+                                UcxOptions{"tcp", "lo", {}});
+  });
+}
+
+// The same over the ipc transport (FastDeploy's drop-in default): its one ordered connection per direction carries
+// the heartbeats behind a transfer's requests and replies, and it reported no progress of its own, so a push or
+// pull whose layers were all ready at once failed with both sides alive after a lease of back-to-back copies (2 GiB
+// at the default 1 s lease: 8-12 of 32 layers arrived).
+TEST(PdIpc, ATransferLongerThanTheLeaseIsNotFailedByItsOwnBytes) {
+  transfer_longer_than_the_lease([](std::string name) {
+    return create_ipc_transport({std::move(name), pd_layout(4, 1 << 20).fingerprint(), 1, 0});
+  });
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -350,6 +351,39 @@ class IpcTransport final : public detail::TransportBase {
     return format_address(Address{host_, std::to_string(getpid()), sock_name_});
   }
 
+  // Every message of a peer read off either connection with it (its requests and notifications on the connection it
+  // opened, its replies on ours), when it is read, not when anyone processes it, and "now" while a thread here
+  // copies the bytes of one of its requests or replies: a long transfer's requests and replies keep coming while
+  // the heartbeats wait behind them on the one ordered connection, and a copy of a whole layer's window keeps the
+  // thread that would read them busy for longer than a lease (Transport's contract).
+  std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const override {
+    auto info = peer_info(peer);
+    if (!info.ok()) return std::nullopt;
+    std::lock_guard lock(progress_mu_);
+    auto it = progress_by_name_.find(info->identity.name);
+    if (it == progress_by_name_.end()) return std::nullopt;
+    return it->second.copying > 0 ? std::chrono::steady_clock::now() : it->second.last;
+  }
+  void note_progress(const std::string& name, int copying = 0) {
+    const auto now = std::chrono::steady_clock::now();
+    std::lock_guard lock(progress_mu_);
+    Progress& p = progress_by_name_[name];
+    p.last = now;
+    p.copying += copying;
+  }
+  // While it lives, a thread here copies bytes of a transfer with the peer.
+  class CopyingFor {
+   public:
+    CopyingFor(IpcTransport& t, const std::string& name) : t_(t), name_(name) { t_.note_progress(name_, +1); }
+    ~CopyingFor() { t_.note_progress(name_, -1); }
+    CopyingFor(const CopyingFor&) = delete;
+    CopyingFor& operator=(const CopyingFor&) = delete;
+
+   private:
+    IpcTransport& t_;
+    const std::string& name_;
+  };
+
   Status backend_check_blob(const detail::Blob& blob) override {
     for (std::size_t i = 0; i < blob.regions.size(); ++i) {
       const std::string& key = blob.regions[i].key;
@@ -495,6 +529,32 @@ class IpcTransport final : public detail::TransportBase {
     jobs_.push_back(job);
     jobs_cv_.notify_all();
     return Status::Ok();
+  }
+
+  // Heartbeats: straight onto the connection from the caller's thread, ahead of the posts the worker has queued
+  // (behind a layer's copy into the peer's window they left only after it, and a peer waiting for them took this
+  // side for dead). Never blocks: when the worker is sending or the peer's socket is full, it goes through the
+  // worker like any message.
+  Status backend_send_urgent(PeerId peer, std::string message) override {
+    auto conn = conn_of(peer);
+    if (!conn) return NotFound(fmt::format("peer {} is not connected", peer));
+    Buf m;
+    m.u32(kNotify);
+    m.u8(static_cast<std::uint8_t>(NotifKind::kMessage));
+    m.str(message);
+    {
+      std::unique_lock lock(conn->send_mu, std::try_to_lock);
+      if (lock.owns_lock() && !conn->dead.load()) {
+        switch (ipc_wire::try_send_msg(conn->fd, m.out)) {
+          case ipc_wire::TrySend::kSent: return Status::Ok();
+          case ipc_wire::TrySend::kFailed:
+            shutdown(conn->fd, SHUT_RDWR);  // as send_on: the receiver sees the end and fails the peer
+            return Unavailable(fmt::format("peer '{}' is gone", conn->name));
+          case ipc_wire::TrySend::kWouldBlock: break;
+        }
+      }
+    }
+    return backend_send(peer, NotifKind::kMessage, std::move(message));
   }
 
   bool backend_disconnect(PeerId peer) override {
@@ -847,6 +907,7 @@ class IpcTransport final : public detail::TransportBase {
   void receive_loop(std::shared_ptr<Conn> conn) {
     std::string m;
     while (recv_msg(conn->fd, m)) {
+      note_progress(conn->name);
       Parse p(m);
       std::uint32_t type = 0, code = 0;
       std::uint64_t id = 0;
@@ -868,7 +929,11 @@ class IpcTransport final : public detail::TransportBase {
           complete(id, Aborted(fmt::format("transfer {} was aborted", id)));
           continue;
         }
-        Status cs = copy_ops(*job, false, 1);
+        Status cs;
+        {
+          CopyingFor busy(*this, conn->name);
+          cs = copy_ops(*job, false, 1);
+        }
         if (!cs.ok()) {
           fail_copy(*job, std::move(cs));
           continue;
@@ -980,6 +1045,7 @@ class IpcTransport final : public detail::TransportBase {
         if (!send_regions(fd)) return;
         continue;
       }
+      note_progress(peer_name);
       if (type == kNotify) {
         std::uint8_t kind = 0;
         std::string text;
@@ -1004,6 +1070,7 @@ class IpcTransport final : public detail::TransportBase {
       if (type == kWrite && !p.str(notification)) return;
       Status s;
       {
+        CopyingFor busy(*this, peer_name);
         std::lock_guard lock(regions_mu_);
         if (served_[fd].revoked) return;  // disconnected: this peer's requests no longer touch our memory
         for (const auto& r : ranges) {
@@ -1074,6 +1141,13 @@ class IpcTransport final : public detail::TransportBase {
 
   mutable std::mutex conns_mu_;
   std::vector<std::shared_ptr<Conn>> conns_;
+
+  struct Progress {
+    std::chrono::steady_clock::time_point last;  // a message of the peer read, or a copy for it ended
+    int copying = 0;                             // threads copying for it now (CopyingFor)
+  };
+  mutable std::mutex progress_mu_;
+  std::map<std::string, Progress> progress_by_name_;  // last_progress, by agent name
 
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;

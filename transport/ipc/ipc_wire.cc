@@ -32,6 +32,16 @@ bool send_msg(int fd, const std::string& m, int pass_fd) {
   }
 }
 
+TrySend try_send_msg(int fd, const std::string& m) {
+  for (;;) {
+    const ssize_t n = send(fd, m.data(), m.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(m.size())) return TrySend::kSent;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return TrySend::kWouldBlock;
+    return TrySend::kFailed;
+  }
+}
+
 bool recv_msg(int fd, std::string& m, int* got_fd) {
   if (got_fd) *got_fd = -1;
   for (;;) {

@@ -24,6 +24,10 @@ enum MsgType : std::uint32_t {
 
 // Sends one message, optionally with a file descriptor (-1: none). False when the connection is gone.
 bool send_msg(int fd, const std::string& m, int pass_fd = -1);
+// Sends one message without waiting: kWouldBlock when the socket's buffer cannot take it now (the peer is not
+// reading), kFailed when the connection is gone.
+enum class TrySend : std::uint8_t { kSent, kWouldBlock, kFailed };
+TrySend try_send_msg(int fd, const std::string& m);
 // Receives one message, and the descriptor that came with it into *got_fd (-1: none; closed when got_fd is null).
 // False at the connection's end or on error.
 bool recv_msg(int fd, std::string& m, int* got_fd = nullptr);
