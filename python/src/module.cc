@@ -23,6 +23,8 @@ void bind_pd_receiver(nb::module_& m);
 
 NB_MODULE(_native, m) {
   m.doc() = "kvtier native extension (see the kvtier package)";
+  kvtier::python::g_main_thread_ident.store(
+      nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident")));
   kvtier::python::bind_errors(m);
   kvtier::python::bind_transfer(m);
   kvtier::python::bind_log(m);

@@ -74,12 +74,42 @@ T value_or_raise(Result<T>&& result) {
   return std::move(result).value();
 }
 
+// Whether the interpreter has begun to finalize (safe without the GIL: the runtime's flag is read atomically).
+inline bool interpreter_finalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+// The ident (PyThread_get_thread_ident) of the interpreter's main thread, set when the module is imported.
+inline std::atomic<unsigned long> g_main_thread_ident{0};
+
+// The GIL released for a C++ call, and taken back after it. A thread other than the main one that takes the GIL
+// back once the interpreter finalizes is ended by CPython inside these C++ frames (std::terminate: the process
+// aborted at exit while a daemon thread waited in kvtier); such a thread waits, without the GIL, for the process
+// to end instead. Python code never runs on it again then, as CPython would have ended it.
+class GilReleased {
+ public:
+  GilReleased() : state_(PyEval_SaveThread()) {}
+  ~GilReleased() {
+    while (interpreter_finalizing() && PyThread_get_thread_ident() != g_main_thread_ident.load())
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    PyEval_RestoreThread(state_);
+  }
+  GilReleased(const GilReleased&) = delete;
+  GilReleased& operator=(const GilReleased&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
 // Runs `f` with the GIL released. Its result is turned into a Python
 // exception only after the GIL is back (raise_status needs it):
 // check(released([&] { return ...; })).
 template <typename F>
 auto released(F&& f) {
-  nanobind::gil_scoped_release release;
+  GilReleased release;
   return f();
 }
 

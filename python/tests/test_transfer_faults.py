@@ -686,3 +686,34 @@ def test_a_receiver_called_from_a_finalizer_inside_a_cache_call_is_refused_not_d
     r = subprocess.run([sys.executable, "-c", _RECEIVER_FROM_A_FINALIZER, call], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])
+
+
+_EXIT_WHILE_A_DAEMON_THREAD_WAITS = r"""
+import sys, threading, time
+import numpy as np
+import kvtier
+
+dev = kvtier.host_device(min_delay_us=3_000_000, max_delay_us=3_000_000)  # each copy takes 3 s
+stream = dev.create_stream()
+kv = {f"{r}_0_rank0.device0": np.zeros((8, 64), np.uint8) for r in ("key_caches", "value_caches")}
+tm = kvtier.TransferManager.from_tensors(dev, stream, kv, None, 8, 1)
+task = tm.load([], [0, 1], [0, 1])
+if sys.argv[1] == "wait":
+    target = lambda: tm.wait(task, timeout=None)
+else:
+    target = lambda: tm.wait_layer_host(task, 0, timeout=None)
+threading.Thread(target=target, daemon=True).start()  # an engine's watcher thread
+time.sleep(0.3)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_layer_host"])
+def test_exit_while_a_daemon_thread_waits_without_a_deadline_is_clean(call):
+    """A wait without a deadline takes the GIL back every 50 ms to look for Ctrl-C; once the interpreter finalized,
+    CPython ended that thread inside kvtier's C++ frames: 'terminate called without an active exception', the
+    process aborted (exit 134) in 6 of 6 runs."""
+    r = subprocess.run([sys.executable, "-c", _EXIT_WHILE_A_DAEMON_THREAD_WAITS, call], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "exiting" in r.stdout and "terminate" not in r.stderr, r.stderr[-2000:]
