@@ -127,9 +127,12 @@ const Status& status_of(const Result<T>& r) {
 // names the caller's timeout). Only for waits whose target is fixed when the call starts (one task, one layer):
 // each slice looks again.
 inline constexpr std::chrono::milliseconds kSignalCheckSlice{50};
+// Python runs signal handlers on the main thread only: another thread's wait runs whole (each slice's return to
+// the GIL gained it nothing, and taking the GIL back every slice raced with the interpreter's finalization).
 template <typename F>
 auto wait_interruptible(std::chrono::nanoseconds timeout, F&& wait) -> decltype(wait(timeout)) {
-  if (!is_unbounded(timeout)) return released([&] { return wait(timeout); });
+  if (!is_unbounded(timeout) || PyThread_get_thread_ident() != g_main_thread_ident.load())
+    return released([&] { return wait(timeout); });
   for (;;) {
     const auto start = std::chrono::steady_clock::now();
     auto r = released([&] { return wait(std::chrono::nanoseconds(kSignalCheckSlice)); });
