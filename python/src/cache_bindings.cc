@@ -120,8 +120,13 @@ struct PyStorage {
   std::mutex mu;
   std::shared_ptr<storage::StorageBackend> backend;  // null once closed
   std::string name;                                  // kept for after close()
+  MadeInProcess made;
 
+  ~PyStorage() {
+    if (made.in_child()) leak_in_child(backend);
+  }
   std::shared_ptr<storage::StorageBackend> get() {
+    made.check(fmt::format("the storage backend '{}'", name));
     std::shared_ptr<storage::StorageBackend> b;
     {
       std::lock_guard lock(mu);
@@ -131,6 +136,7 @@ struct PyStorage {
     return b;
   }
   void close() {
+    made.check(fmt::format("the storage backend '{}'", name));
     std::shared_ptr<storage::StorageBackend> b;
     {
       std::lock_guard lock(mu);

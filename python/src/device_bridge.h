@@ -19,7 +19,11 @@ namespace kvtier::python {
 
 struct PyDevice {
   std::unique_ptr<Device> device;
+  MadeInProcess made;
   Device& get() const { return *device; }
+  ~PyDevice() {
+    if (made.in_child()) leak_in_child(device);
+  }
 };
 
 struct PyStream {
@@ -32,7 +36,12 @@ struct PyStream {
   PyStream& operator=(PyStream&&) = default;
   // A stream's destructor waits for its queued work (the host backend drains it): without the GIL, so a dropped
   // stream with work queued does not stop every other Python thread meanwhile.
+  MadeInProcess made;
   ~PyStream() {
+    if (made.in_child()) {
+      leak_in_child(stream);
+      return;
+    }
     // Not while the interpreter finalizes: a callback thread taking the released GIL then would exit.
 #if PY_VERSION_HEX >= 0x030D0000
     const bool finalizing = Py_IsFinalizing();

@@ -92,7 +92,17 @@ struct PyTransferManager {
   // kvtier.pd.Receiver objects driving this manager: it cannot be closed under them.
   std::atomic<int> receivers{0};
 
+  MadeInProcess made;
   ~PyTransferManager() {
+    if (made.in_child()) {
+      leak_in_child(mgr);
+      leak_in_child(retired);
+      leak_in_child(checksums);
+      leak_in_child(host_registrations);
+      leak_in_child(host_memory);
+      leak_in_child(adopted_device);
+      return;
+    }
     shutdown(/*from_close=*/false);
     // A manager whose shutdown timed out waits for its streams' work as it goes (the host backend drains them):
     // without the GIL, so every other Python thread does not stop meanwhile (15.8 s of a frozen interpreter for
@@ -108,6 +118,7 @@ struct PyTransferManager {
     }
   }
   void close() {
+    made.check("the TransferManager");
     if (receivers.load() > 0)
       raise_status(FailedPrecondition("the TransferManager drives a kvtier.pd.Receiver: close the receiver first"));
     shutdown(/*from_close=*/true);
@@ -190,6 +201,7 @@ struct PyTransferManager {
   TransferManager& get() { return *hold(); }
   // With the GIL held (it raises): the reference a call keeps while it runs with the GIL released.
   std::shared_ptr<TransferManager> hold() {
+    made.check("the TransferManager");
     if (!mgr) raise_status(FailedPrecondition("the TransferManager was closed"));
     return mgr;
   }

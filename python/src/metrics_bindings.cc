@@ -90,13 +90,22 @@ namespace {
 
 struct PyMetricsServer {
   std::unique_ptr<metrics::MetricsServer> server;
+  MadeInProcess made;
+  ~PyMetricsServer() {
+    if (made.in_child()) leak_in_child(server);
+  }
 };
 
 // Calls hold their own reference (taken with the GIL held), so a shutdown() on another thread, which drops
 // the object's, never frees the publisher under them.
 struct PyEventPublisher {
   std::shared_ptr<metrics::ZmqEventPublisher> pub;
+  MadeInProcess made;
+  ~PyEventPublisher() {
+    if (made.in_child()) leak_in_child(pub);
+  }
   std::shared_ptr<metrics::ZmqEventPublisher> get() {
+    made.check("the KV event publisher");
     if (!pub) raise_status(FailedPrecondition("the KV event publisher was shut down"));
     return pub;
   }
@@ -163,6 +172,7 @@ void bind_metrics(nb::module_& m) {
           "port"_a = 0, "Serves the process registry on 127.0.0.1:port (0: an ephemeral port).")
       .def_prop_ro("port", [](PyMetricsServer& p) { return p.server ? p.server->port() : 0; })
       .def("stop", [](PyMetricsServer& p) {
+        p.made.check("the metrics server");
         // Taken with the GIL held: two threads stopping at once (or one reading .port) each saw the old pointer.
         auto server = std::move(p.server);
         nb::gil_scoped_release release;
@@ -212,6 +222,7 @@ void bind_metrics(nb::module_& m) {
           [](PyEventPublisher& p, double timeout) {
             // The timeout checked first: a bad one (NaN) must not leave the publisher taken and not shut down.
             const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
+            p.made.check("the KV event publisher");
             // Taken out with the GIL held: a second caller finds it gone and returns.
             const std::shared_ptr<metrics::ZmqEventPublisher> pub = std::move(p.pub);
             if (!pub) return;

@@ -144,7 +144,14 @@ struct PyPdEndpoint {
   // kvtier.pd.Receiver objects driving this (decode) endpoint: it cannot be closed under them.
   std::atomic<int> receivers{0};
 
-  ~PyPdEndpoint() { close(); }
+  MadeInProcess made;
+  ~PyPdEndpoint() {
+    if (made.in_child()) {
+      leak_in_child(native);
+      return;
+    }
+    close();
+  }
 
   // Endpoint.close() from Python: refused while a Receiver drives the endpoint (it would keep the endpoint working
   // through its own reference, after a close that waited for it in vain).
@@ -159,6 +166,7 @@ struct PyPdEndpoint {
   // `receivers` before it takes the endpoint (get()), so one being created either is refused the endpoint or is
   // counted here.
   bool close(bool refuse_if_driven = false) {
+    made.check(fmt::format("the {} endpoint '{}'", options.role, options.name));
     std::shared_ptr<PdNative> n;
     {
       auto lock = lock_gil_safe(mu);
@@ -184,6 +192,7 @@ struct PyPdEndpoint {
   static constexpr std::chrono::seconds kCloseWaitForCalls{10};
 
   std::shared_ptr<PdNative> get() {
+    made.check(fmt::format("the {} endpoint '{}'", options.role, options.name));
     std::shared_ptr<PdNative> n;
     {
       auto lock = lock_gil_safe(mu);

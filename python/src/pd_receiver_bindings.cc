@@ -49,7 +49,14 @@ struct PyPdReceiver {
   std::chrono::microseconds poll_interval{100};
   std::chrono::milliseconds free_timeout{10000};
 
+  MadeInProcess made;
   ~PyPdReceiver() {
+    if (made.in_child()) {
+      leak_in_child(receiver);
+      leak_in_child(executor);
+      leak_in_child(endpoint);
+      return;
+    }
     close(/*collected=*/true);
     release_endpoint();  // also for a receiver whose creation failed after it counted itself
   }
@@ -122,6 +129,7 @@ struct PyPdReceiver {
   // made on the thread of a call of either that has not returned (a __del__ the garbage collector ran inside
   // cache.admit(), say) waited for itself forever. Refused instead, as lock_gil_safe() does.
   void refuse_reentry() const {
+    made.check("the kvtier.pd.Receiver");
     if (mu.held_by_this_thread() || (cache != nullptr && cache->mu.held_by_this_thread()))
       raise_status(FailedPrecondition(
           "kvtier.pd.Receiver called on the thread of a call of it or of its CacheManager that has not returned "

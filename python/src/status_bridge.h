@@ -6,7 +6,9 @@
 // the Status code name and the full message.
 #pragma once
 
+#include <fmt/format.h>
 #include <nanobind/nanobind.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -72,6 +74,30 @@ template <typename T>
 T value_or_raise(Result<T>&& result) {
   if (!result.ok()) raise_status(result.status());
   return std::move(result).value();
+}
+
+// Objects made before fork(): their threads (streams' workers, progress threads, a transport's) exist only in
+// the parent, and a mutex one of them held at the fork stays held in the child. In a child, such an object's
+// calls raise FailedPrecondition, and its destructor leaves what it owns alone (leak_in_child) instead of joining
+// threads that are not there (the child hung or crashed at exit).
+class MadeInProcess {
+ public:
+  bool in_child() const noexcept { return ::getpid() != pid_; }
+  void check(std::string_view what) const {
+    if (in_child())
+      raise_status(FailedPrecondition(fmt::format(
+          "{} was made in process {} before fork(); its threads are not in this child process ({}): make a new one "
+          "here",
+          what, pid_, ::getpid())));
+  }
+
+ private:
+  pid_t pid_ = ::getpid();
+};
+// Never destroyed: what an object made before fork() owns, left alone in the child.
+template <typename T>
+void leak_in_child(T& owned) {
+  new T(std::move(owned));
 }
 
 // Whether the interpreter has begun to finalize (safe without the GIL: the runtime's flag is read atomically).
