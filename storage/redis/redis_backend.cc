@@ -326,7 +326,7 @@ class RedisBackend final : public StorageBackend {
 
   Result<std::uint64_t> stored_object_bytes(const StorageKey& key) override {
     KVTIER_ASSIGN_OR_RETURN(ReplyPtr r, admin_command(key, {"STRLEN"}));
-    if (r->type != REDIS_REPLY_INTEGER) return Internal("STRLEN: unexpected reply");
+    if (r->type != REDIS_REPLY_INTEGER) return DataLoss(fmt::format("STRLEN: reply of type {} (out of spec)", r->type));
     if (r->integer == 0) return NotFound(fmt::format("key {} not stored", key.to_string()));
     return static_cast<std::uint64_t>(r->integer);
   }
@@ -500,7 +500,9 @@ class RedisBackend final : public StorageBackend {
       if (is_auth_error(msg)) return FailedPrecondition(fmt::format("CLUSTER SLOTS on {} refused: {}", node, msg));
       return NotSupported(msg);
     }
-    if (r->type != REDIS_REPLY_ARRAY) return Internal("CLUSTER SLOTS: unexpected reply type");
+    if (r->type != REDIS_REPLY_ARRAY)
+      return DataLoss(
+          fmt::format("CLUSTER SLOTS on {}: a reply of type {}, not an array (out of spec)", node, r->type));
     const std::string seed_host = parse_host_port(node).value().first;
     SlotMap map;
     // The reply is the server's (or whatever answers on its port): every field is checked before it indexes.
@@ -754,28 +756,32 @@ class RedisBackend final : public StorageBackend {
                      : NotFound(fmt::format("key {} not stored (the Redis key holds a value of another type)",
                                             w.item.key.to_string()));
       else
-        w.last = Internal(fmt::format("redis {} {}: {}", storage_op_name(op), w.key, msg));
+        // Any other refusal (a command unknown or disabled there, scripting off): the server's answer, not a
+        // fault of kvtier's; not retried.
+        w.last =
+            FailedPrecondition(fmt::format("redis {} {}: the server refused: {}", storage_op_name(op), w.key, msg));
       return false;
     }
     w.done = true;
     switch (op) {
       case StorageOp::kPut:
-        w.last = r->type == REDIS_REPLY_STATUS ? Status::Ok() : Internal("SET: unexpected reply");
+        w.last = r->type == REDIS_REPLY_STATUS ? Status::Ok() : DataLoss("SET: reply out of spec");
         w.cmd.clear();
         w.cmd.shrink_to_fit();
         w.cmd_tail.clear();
         return false;
       case StorageOp::kDelete:
-        w.last =
-            r->type != REDIS_REPLY_INTEGER
-                ? Internal(w.expect.empty() ? "DEL: unexpected reply" : "EVAL (delete if unchanged): unexpected reply")
-            : r->integer > 0 || w.maybe_applied ? Status::Ok()
-            : w.expect.empty()                  ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
-                               : NotFound(fmt::format("key {} is gone or holds other bytes", w.item.key.to_string()));
+        w.last = r->type != REDIS_REPLY_INTEGER
+                     ? DataLoss(w.expect.empty() ? "DEL: reply out of spec"
+                                                 : "EVAL (delete if unchanged): reply out of spec")
+                 : r->integer > 0 || w.maybe_applied ? Status::Ok()
+                 : w.expect.empty()
+                     ? NotFound(fmt::format("key {} not stored", w.item.key.to_string()))
+                     : NotFound(fmt::format("key {} is gone or holds other bytes", w.item.key.to_string()));
         return false;
       case StorageOp::kExists:
         if (r->type != REDIS_REPLY_INTEGER || r->integer < 0) {
-          w.last = Internal(fmt::format("STRLEN {}: unexpected reply", w.key));
+          w.last = DataLoss(fmt::format("STRLEN {}: reply out of spec", w.key));
         } else if (r->integer == 0) {
           w.last = NotFound(fmt::format("key {} not stored", w.item.key.to_string()));
         } else {
@@ -793,7 +799,7 @@ class RedisBackend final : public StorageBackend {
           return false;
         }
         if (r->type != REDIS_REPLY_STRING) {
-          w.last = Internal("GETRANGE: unexpected reply");
+          w.last = DataLoss("GETRANGE: reply out of spec");
           return false;
         }
         if (r->len > value_limit(w.item.bytes)) {
@@ -1004,9 +1010,7 @@ class RedisBackend final : public StorageBackend {
     std::vector<std::size_t> refused;
     for (std::size_t i = 0; i < dels.size(); ++i) {
       const Work& d = dels[i];
-      if (d.expect.empty() ||
-          (d.last.code() != StatusCode::kFailedPrecondition && d.last.code() != StatusCode::kInternal))
-        continue;
+      if (d.expect.empty() || d.last.code() != StatusCode::kFailedPrecondition) continue;
       if (!eval_refused_.exchange(true))
         log_line(
             fmt::format("the server refused EVAL ({}): objects that fail verification are deleted with a plain "

@@ -248,13 +248,48 @@ TEST(RedisFakeServerCreate, ClusterSlotsOutOfSpecAreRefusedNamingTheEntry) {
   }
 }
 
-// STRLEN answering a negative length became a size of 2^64 - n.
+// STRLEN answering a negative length became a size of 2^64 - n. A reply out of spec is the server's (or
+// whatever answers on its port) fault, not kvtier's: kDataLoss, not kInternal (which Python raises as a
+// FatalError, "the backend is unusable").
 TEST_P(RedisFakeServerTest, ANegativeLengthIsAnErrorNotASize) {
   server_.canned_reply("STRLEN", ":-5\r\n");
   const StorageKey k = key_of(0x77, 1);
   auto r = one(*backend_, StorageOp::kExists, k, nullptr, 0);
-  EXPECT_EQ(r.status.code(), StatusCode::kInternal) << r.status.to_string();
+  EXPECT_EQ(r.status.code(), StatusCode::kDataLoss) << r.status.to_string();
   EXPECT_EQ(r.bytes, 0u);
+}
+
+// Replies of a type the command never answers (kDataLoss), and an error reply kvtier does not know (a refusal,
+// kFailedPrecondition): the server's doing, so never kInternal. CLUSTER SLOTS answered with a status (a server that
+// answers PING only) failed the open with InternalError.
+TEST(RedisFakeServerCreate, RepliesOutOfSpecAreNotInternalErrors) {
+  {
+    FakeRedis server(FakeRedis::Mode::kServe);
+    ASSERT_EQ(server.error(), "");
+    server.canned_reply("CLUSTER", "+OK\r\n");
+    RedisBackendConfig c = config_for(server, RedisMode::kCluster);
+    c.max_retries = 0;
+    auto b = create_redis_backend(c, StorageOptions{});
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), StatusCode::kDataLoss) << b.status().to_string();
+    EXPECT_NE(b.status().message().find("CLUSTER SLOTS"), std::string::npos) << b.status().to_string();
+  }
+  FakeRedis server(FakeRedis::Mode::kServe);
+  ASSERT_EQ(server.error(), "");
+  auto b = create_redis_backend(config_for(server, RedisMode::kSingle), StorageOptions{});
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  std::vector<std::byte> v(512), d(512);
+  const StorageKey k = key_of(0x9b1, 1);
+  server.canned_reply("SET", ":1\r\n");
+  auto put = one(**b, StorageOp::kPut, k, v.data(), v.size());
+  EXPECT_EQ(put.status.code(), StatusCode::kDataLoss) << put.status.to_string();
+  server.canned_reply("SET", "-ERR something this client never heard of\r\n");
+  put = one(**b, StorageOp::kPut, k, v.data(), v.size());
+  EXPECT_EQ(put.status.code(), StatusCode::kFailedPrecondition) << put.status.to_string();
+  EXPECT_NE(put.status.message().find("never heard of"), std::string::npos) << put.status.to_string();
+  server.canned_reply("GETRANGE", ":7\r\n");
+  auto get = one(**b, StorageOp::kGet, k, d.data(), d.size());
+  EXPECT_EQ(get.status.code(), StatusCode::kDataLoss) << get.status.to_string();
 }
 
 // A redirect answered to a backend opened as a single server (a cluster node named with cluster=off, or a proxy):
