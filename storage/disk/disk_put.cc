@@ -150,6 +150,15 @@ void DiskBackend::on_op_cqe(IoOp* op, int res) {
       if (res < 0) return fail_put(op, fs_error(-res, fmt::format("write {}", op->tmp_path)));
       if (res == 0) return fail_put(op, ResourceExhausted(fmt::format("write {}: no progress", op->tmp_path)));
       if (op->file_offset + static_cast<std::uint64_t>(res) < op->total) {
+        const std::uint64_t reached = op->file_offset + static_cast<std::uint64_t>(res);
+        // Under O_DIRECT a write stops off a block boundary only where the file cannot grow further (a file size
+        // limit, RLIMIT_FSIZE, cuts it at the limit): the rest, at an unaligned offset, would be refused with
+        // EINVAL and reported as that, not as the want of room it is.
+        if (direct_ && reached % kAlign != 0)
+          return fail_put(op,
+                          ResourceExhausted(fmt::format(
+                              "write {}: the file stopped growing at {} of {} bytes (a file size limit, or no room)",
+                              op->tmp_path, reached, op->total)));
         advance(op, static_cast<std::uint64_t>(res));
         return submit_rw(op);
       }

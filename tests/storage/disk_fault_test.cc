@@ -311,6 +311,37 @@ TEST_P(DiskFault, ShortWritesAreCompleted) {
   expect_recovers(acked, salt);
 }
 
+// A file size limit (RLIMIT_FSIZE) stops an O_DIRECT write at the limit, off a block boundary: the backend wrote the
+// rest at that unaligned offset, which O_DIRECT refuses, and failed the put with kUnavailable "Invalid argument".
+// It is kResourceExhausted now (as EFBIG at a block boundary was), nothing is stored and no temporary is left;
+// buffered I/O writes the rest.
+TEST_P(DiskFault, AWriteCutOffABlockBoundaryIsOutOfRoomUnderDirectIo) {
+  const std::uint64_t salt = 18;
+  const StorageKey k = key_of(salt, 1);
+  DiskFaultRule r;
+  r.op = DiskFaultOp::kWrite;
+  r.action = DiskFaultAction::kShort;
+  r.keep = 0.37;
+  r.align = 1;
+  r.key = k;
+  r.max_hits = 1;
+  faults_->add(r);
+  const Bytes v = payload(salt, 40000);
+  Status s = put(k, v);
+  ASSERT_EQ(faults_->injected(DiskFaultOp::kWrite), 1u);
+  if (backend_->stats().direct_io_fallback == 0 && GetParam() != DirectIo::kOff) {
+    EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.to_string();
+    EXPECT_NE(s.message().find("stopped growing"), std::string::npos) << s.to_string();
+    EXPECT_EQ(get(k).status().code(), StatusCode::kNotFound);
+  } else {
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    auto got = get(k);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    EXPECT_EQ(*got, v);
+  }
+  EXPECT_TRUE(leftover_temporaries().empty());
+}
+
 TEST_P(DiskFault, TornWriteIsNotAcknowledgedNorServed) {
   const std::uint64_t salt = 16;
   auto acked = put_acknowledged(4, salt);
