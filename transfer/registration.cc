@@ -222,6 +222,13 @@ Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& t
                                 rank, device_label, tensors.size(),
                                 seed_tensor_name(Role::kKey, "", 0, rank, device_label)));
   const std::uint32_t num_layers = layers.rbegin()->first + 1;
+  // Layers at or above num_model_layers are draft (MTP) layers: 0 would take every layer for one, so a layer
+  // count read as 0 went unnoticed.
+  if (num_model_layers == 0)
+    return InvalidArgument(fmt::format(
+        "num_model_layers 0: the model has at least one layer (the map holds KV tensors of {} layers; those at or "
+        "above num_model_layers are draft layers)",
+        num_layers));
   if (num_layers < num_model_layers)
     return NotFound(fmt::format("KV tensors of layers {}..{} are missing (the model has {} layers)", num_layers,
                                 num_model_layers - 1, num_model_layers));

@@ -75,6 +75,21 @@ TEST(Registration, NameMapGqaWithScalesAndDraft) {
   EXPECT_EQ(space->plane(3, 2).base, static_cast<std::byte*>(m.tensors.at("key_cache_scales_3_rank1.device4").data));
 }
 
+// Layers at or above num_model_layers are draft (MTP) layers. 0 took every layer of the map for one, without a word
+// (a layer count read as 0); refused naming the value. Fewer than the map's layers is a model with draft layers.
+TEST(Registration, ZeroModelLayersIsRefused) {
+  KvLayout layout = gqa(4, false, 0);
+  NameMap m = seed_map(layout, 0, 0, 8, false);
+  auto zero = layout_from_name_map(m.tensors, 0, 0, 0, 4);
+  ASSERT_FALSE(zero.ok());
+  EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("num_model_layers 0"), std::string::npos) << zero.status().to_string();
+  auto with_draft = layout_from_name_map(m.tensors, 3, 0, 0, 4);
+  ASSERT_TRUE(with_draft.ok()) << with_draft.status().to_string();
+  EXPECT_TRUE(with_draft->layer(3).draft);
+  EXPECT_FALSE(with_draft->layer(2).draft);
+}
+
 TEST(Registration, NameMapMlaWithIndexer) {
   MlaShape s;
   s.num_layers = 2;
