@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -255,9 +256,12 @@ class CudaDevice final : public Device {
   Result<std::unique_ptr<PinnedMemory>> register_host(void* data, std::uint64_t bytes,
                                                       const PinnedOptions& options) override {
     KVTIER_RETURN_IF_ERROR(check_host_pointer_access("register_host"));
-    if (data != nullptr && bytes != 0 && already_pinned(data, bytes)) {
+    if (data != nullptr && bytes != 0 && already_pinned(data, bytes) &&
+        !pinned_chunks().covers(data, bytes, options.chunk_bytes)) {
       // Pinned by its owner (cudaHostAlloc, torch pin_memory): borrowed as
       // is; registering it again would fail, unregistering it is the owner's.
+      // A range kvtier registered itself, chunk for chunk, is shared instead
+      // (the registrar counts its chunks).
       return detail::register_host_memory(data, bytes, options, detail::ChunkRegistrar{});
     }
     return detail::register_host_memory(data, bytes, options, registrar());
@@ -317,10 +321,15 @@ class CudaDevice final : public Device {
     const auto context = [&] { return fmt::format("memcpy_sync(dst={}, src={}, bytes={})", dst, src, bytes); };
     // Cut at registration ends like memcpy_async (found on the H200 by
     // DmaStrategiesCutAtPinnedRegistrationEnds, which fills such memory).
-    KVTIER_RETURN_IF_ERROR(split_memcpy(dst, src, bytes, sync_stream_, "memcpy_sync"));
+    Status split = split_memcpy(dst, src, bytes, sync_stream_, "memcpy_sync");
     // Concurrent memcpy_sync calls share the stream: each waits for its own
-    // copy and possibly others queued before it (correct, serialised).
-    KVTIER_CUDA_TRY_CTX(cudaStreamSynchronize(sync_stream_), context());
+    // copy and possibly others queued before it (correct, serialised). Also
+    // when a later piece failed to enqueue: the earlier pieces are in flight,
+    // and a synchronous call must not return while they still use the
+    // caller's buffers.
+    const cudaError_t synced = cudaStreamSynchronize(sync_stream_);
+    KVTIER_RETURN_IF_ERROR(split);
+    KVTIER_CUDA_TRY_CTX(synced, context());
     return Status::Ok();
   }
 
@@ -443,14 +452,20 @@ class CudaDevice final : public Device {
   struct ChunkMap {
     std::mutex mu;
     std::map<std::uintptr_t, std::uintptr_t> chunks;
+    std::map<std::uintptr_t, int> refs;  // registrations of this device holding the chunk
     void add(const void* p, std::uint64_t bytes) {
       const auto a = reinterpret_cast<std::uintptr_t>(p);
       std::lock_guard<std::mutex> lock(mu);
       chunks[a] = a + bytes;
+      ++refs[a];
     }
     void remove(const void* p) noexcept {
+      const auto a = reinterpret_cast<std::uintptr_t>(p);
       std::lock_guard<std::mutex> lock(mu);
-      chunks.erase(reinterpret_cast<std::uintptr_t>(p));
+      auto r = refs.find(a);
+      if (r != refs.end() && --r->second > 0) return;
+      if (r != refs.end()) refs.erase(r);
+      chunks.erase(a);
     }
     // The registered chunk holding p ({0, 0}: none).
     std::pair<std::uintptr_t, std::uintptr_t> chunk_of(const void* p) {
@@ -520,6 +535,37 @@ class CudaDevice final : public Device {
     return Status::Ok();
   }
 
+  // The chunks kvtier registered (cudaHostRegister, Portable: one registration serves every device), process-wide
+  // and counted: a second registration of the same range (another CudaDevice, or this one again: two managers
+  // over one host cache) shares them, and the last one to go unregisters. Borrowed as "already pinned" instead,
+  // it lost its pinning when the first went (kernels then faulted reading it through UVA) and knew none of the
+  // chunk ends its copies must be cut at.
+  struct PinnedChunks {
+    std::mutex mu;
+    std::map<std::uintptr_t, std::pair<std::uint64_t, int>> chunks;  // base -> (bytes, registrations)
+    // True when every chunk that register_host_memory (device/pinned.cc) cuts [data, data + bytes) into at
+    // `chunk_bytes` is one of these, exactly: boundaries at multiples of the chunk (chunk_bytes rounded down to
+    // pages, at least one page) counted from the page holding `data`.
+    bool covers(const void* data, std::uint64_t bytes, std::uint64_t chunk_bytes) {
+      const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+      const std::uint64_t chunk = std::max(page, chunk_bytes / page * page);
+      const auto begin = reinterpret_cast<std::uintptr_t>(data);
+      const std::uintptr_t end = begin + bytes, origin = begin / page * page;
+      std::lock_guard<std::mutex> lock(mu);
+      for (std::uintptr_t cursor = begin; cursor < end;) {
+        const std::uintptr_t stop = std::min<std::uintptr_t>(end, origin + ((cursor - origin) / chunk + 1) * chunk);
+        auto it = chunks.find(cursor);
+        if (it == chunks.end() || it->second.first != stop - cursor) return false;
+        cursor = stop;
+      }
+      return true;
+    }
+  };
+  static PinnedChunks& pinned_chunks() {
+    static auto* p = new PinnedChunks();  // never destroyed: registrations may outlive static destruction
+    return *p;
+  }
+
   detail::ChunkRegistrar registrar() const {
     const int ordinal = ordinal_;
     std::shared_ptr<ChunkMap> map = chunk_map_;
@@ -527,16 +573,30 @@ class CudaDevice final : public Device {
     // Portable: usable from every device's context; Mapped: reachable by
     // kernels (at the host address, checked above).
     r.register_chunk = [ordinal, map](void* ptr, std::uint64_t bytes) -> Status {
+      PinnedChunks& pc = pinned_chunks();
+      std::lock_guard<std::mutex> lock(pc.mu);
+      const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+      if (auto it = pc.chunks.find(a); it != pc.chunks.end() && it->second.first == bytes) {
+        ++it->second.second;
+        map->add(ptr, bytes);
+        return Status::Ok();
+      }
       DeviceGuard guard(ordinal);
       KVTIER_RETURN_IF_ERROR(guard.status());
       KVTIER_CUDA_TRY_CTX(
           cudaHostRegister(ptr, bytes, cudaHostRegisterDefault | cudaHostRegisterPortable | cudaHostRegisterMapped),
           fmt::format("cudaHostRegister(ptr={}, bytes={}) for device {}", ptr, bytes, ordinal));
+      pc.chunks[a] = {bytes, 1};
       map->add(ptr, bytes);
       return Status::Ok();
     };
     r.unregister_chunk = [ordinal, map](void* ptr, std::uint64_t /*bytes*/) noexcept {
       map->remove(ptr);
+      PinnedChunks& pc = pinned_chunks();
+      std::lock_guard<std::mutex> lock(pc.mu);
+      auto it = pc.chunks.find(reinterpret_cast<std::uintptr_t>(ptr));
+      if (it != pc.chunks.end() && --it->second.second > 0) return;  // another registration still holds it
+      if (it != pc.chunks.end()) pc.chunks.erase(it);
       DeviceGuard guard(ordinal);
       if (cudaHostUnregister(ptr) != cudaSuccess) static_cast<void>(cudaGetLastError());
     };

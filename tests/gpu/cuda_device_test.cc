@@ -385,6 +385,48 @@ TEST_F(CudaDeviceTest, RegisterHostBorrowedMemory) {
   EXPECT_TRUE(again.ok()) << again.status().to_string();
 }
 
+// The same host range registered twice, by two CudaDevices (two managers over one host cache): the second found it
+// "already pinned" and borrowed it, so the first registration's end unpinned it under the second (kernels reading
+// it through UVA then fault) and the second knew no chunk ends (a copy across one failed with
+// cudaErrorInvalidValue). The second shares the first's chunks now; the range stays pinned until both are gone.
+TEST_F(CudaDeviceTest, ARangeRegisteredTwiceStaysPinnedUntilBothRegistrationsGo) {
+  const std::uint64_t n = 4 * 64 * 1024;
+  void* raw = std::aligned_alloc(4096, n);
+  ASSERT_NE(raw, nullptr);
+  std::unique_ptr<void, decltype(&std::free)> owner(raw, &std::free);
+  auto* bytes = static_cast<std::byte*>(raw);
+  auto other = create_cuda_device(0);
+  ASSERT_TRUE(other.ok()) << other.status().to_string();
+  PinnedOptions options;
+  options.chunk_bytes = 64 * 1024;
+  auto first = device_->register_host(raw, n, options);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  auto second = (*other)->register_host(raw, n, options);
+  ASSERT_TRUE(second.ok()) << second.status().to_string();
+  const auto reg = (*other)->registration_of(bytes + 100);
+  EXPECT_NE(reg.last, 0u) << "the second registration knows no chunk of the range";
+  first->reset();  // the first registration goes
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, bytes + 70000), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeHost) << "the range was unpinned under the second registration";
+  // A copy that crosses a chunk end, on the second device: cut there, byte-exact.
+  const auto data = random_bytes(8192, 21);
+  Buffer d = device_buffer(8192);
+  auto s = (*other)->create_stream();
+  ASSERT_TRUE(s.ok());
+  std::memcpy(bytes + 60 * 1024, data.data(), 8192);
+  ASSERT_TRUE((*other)->memcpy_async(d.data(), bytes + 60 * 1024, 8192, **s).ok());
+  std::memset(bytes + 60 * 1024, static_cast<int>(kHostPoison), 8192);
+  const Status back = (*other)->memcpy_async(bytes + 60 * 1024, d.data(), 8192, **s);
+  ASSERT_TRUE(back.ok()) << back.to_string();
+  ASSERT_TRUE((*other)->synchronize(**s, 30s).ok());
+  EXPECT_EQ(first_mismatch(bytes + 60 * 1024, data.data(), 8192), -1);
+  s->reset();
+  second->reset();  // the last one: unpinned now
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, bytes + 70000), cudaSuccess);
+  EXPECT_NE(attr.type, cudaMemoryTypeHost);
+}
+
 TEST_F(CudaDeviceTest, EventOrdersWorkAcrossStreams) {
   const std::uint64_t n = kMiB;
   const auto data = random_bytes(n, 11);
