@@ -434,6 +434,8 @@ class _Endpoint:
         if self._device is None:
             raise InvalidArgumentError(f"a stream was given to endpoint '{self.name}', which was created without a "
                                        f"device (host memory needs no stream)")
+        if isinstance(stream, bool):  # an int to Python, and True would be handle 1: the legacy default stream
+            raise InvalidArgumentError(f"stream {stream!r} is a bool, not a stream or a CUDA stream handle")
         if isinstance(stream, int):
             handle = stream
         else:
@@ -445,6 +447,8 @@ class _Endpoint:
                 raise InvalidArgumentError(f"stream {stream!r} is not a kvtier Stream, a torch or cupy stream, or a "
                                            f"CUDA stream handle")
             handle = int(handle)
+        if not 0 <= handle < 1 << 64:
+            raise InvalidArgumentError(f"stream handle {handle} is not a CUDA stream handle (0 to 2**64 - 1)")
         s = self._streams.get(handle)
         if s is None:
             s = self._streams[handle] = self._device.adopt_stream(handle, f"engine-{handle:#x}")

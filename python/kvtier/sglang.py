@@ -345,11 +345,18 @@ class HiCacheKvtier(HiCacheStorage):
 
     # ------------------------------------------------------------------ keys and batches
 
+    # The host pool's geometry as SGLang's pools carry it (MHA: heads and head size; MLA: the latent and rope
+    # sizes): part of every object's name, so a model of another geometry under the same served name (whose pages
+    # may have the same byte size: 8 heads x 64 against 4 x 128) misses instead of loading the other model's bytes.
+    _GEOMETRY = ("layer_num", "start_layer", "page_size", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
+                 "v_head_dim", "size_per_token")
+
     def _pool_desc(self, pool: Any, name: Any) -> str:
-        """What a page's objects are named after besides its key: the pool, its layout and dtype. (Not its
-        geometry: an object of another size, a pool of another head count or page size, is written again by a
-        backup and is a miss to a get.)"""
-        return f"{name}|{getattr(pool, 'layout', '')}|{getattr(pool, 'dtype', '')}"
+        """What a page's objects are named after besides its key: the pool, its layout, dtype and geometry (the
+        attributes of _GEOMETRY it has). Weights changed under the same geometry are not seen: a new model needs its
+        own model_name or namespace (docs/engines.md)."""
+        geometry = ",".join(f"{a}={getattr(pool, a)}" for a in self._GEOMETRY if getattr(pool, a, None) is not None)
+        return f"{name}|{getattr(pool, 'layout', '')}|{getattr(pool, 'dtype', '')}|{geometry}"
 
     def _names(self, keys: List[str], desc: str, segments: int) -> List[str]:
         out = []

@@ -714,6 +714,18 @@ def test_a_default_stream_handle_of_zero_is_a_stream():
         assert "native streams" in str(e.value), str(e.value)
 
 
+def test_stream_handles_that_are_not_handles_are_named():
+    """stream=True was taken as handle 1 (cudaStreamLegacy on CUDA: silently another stream than the engine's), and a
+    negative or too large handle raised nanobind's TypeError naming nothing."""
+    dev = kvtier.host_device()
+    with Prefill(prefill_kv(), transport="loopback", device=dev, **FAST) as p:
+        with pytest.raises(kvtier.InvalidArgumentError, match="stream True is a bool"):
+            p.layer_ready(1, 0, stream=True)
+        for bad in (-1, 1 << 70):
+            with pytest.raises(kvtier.InvalidArgumentError, match=f"stream handle {bad} is not a CUDA stream handle"):
+                p.layer_ready(1, 0, stream=bad)
+
+
 # ---------------------------------------------------------------- two processes (ipc)
 
 

@@ -336,6 +336,22 @@ def test_page_of_another_geometry_is_a_miss(tmp_path):
     assert Controller(backend2, smaller, True).prefetch(hashes(1), [1]) == 0
 
 
+def test_a_model_of_another_geometry_with_pages_of_the_same_size_misses(tmp_path):
+    """A model of other heads and head size under the same served name (8 heads x 64 against 4 x 128: pages of the
+    same byte size) loaded the first model's pages as hits: objects were named by pool, layout and dtype only."""
+    first = HostPool(pages=4, heads=8, dim=64)
+    written(first, [0, 1])
+    assert Controller(open_backend(tmp_path), first, True).backup(hashes(2), [0, 1]) == 2
+    other = HostPool(pages=4, heads=4, dim=128)
+    assert other.page_bytes(0) is not None and len(other.page_bytes(0)) == len(first.page_bytes(0))
+    backend = open_backend(tmp_path)
+    ctl = Controller(backend, other, True)
+    other.clear(0x55)
+    assert backend.batch_exists(hashes(2)) == 0
+    assert ctl.prefetch(hashes(2), [2, 3]) == 0
+    assert other.page_bytes(2) == bytes([0x55]) * len(other.page_bytes(2))
+
+
 def test_a_flat_page_of_another_geometry_is_written_again(tmp_path):
     """The flat path names pages by key only: a page stored by a pool of another geometry was reported present,
     never rewritten, and never loaded."""
