@@ -201,6 +201,7 @@ class CacheTransferManager:
         # the new native manager does not know them, so a load of one fails here until an eviction rewrites it.
         self._bad_host_blocks: Dict[int, str] = {}
         self._evict_hosts: Dict[int, List[int]] = {}  # eviction task -> its host blocks
+        self._host_writer: Dict[int, int] = {}  # host block -> the last eviction task submitted into it
         # Per layer, the loads not yet seen finished, in submission order: a wait covers all of them (a later
         # load of the layer does not make an earlier, failed one's blocks good).
         self._layer_tasks: Dict[int, List[int]] = {}
@@ -453,10 +454,7 @@ class CacheTransferManager:
                 try:
                     mgr.wait(task, self._sync_timeout)
                 except KvtierError as e:
-                    why = f"eviction task {task} failed: {e}"
-                    for h in self._evict_hosts.get(task, ()):
-                        self._bad_host_blocks[h] = why
-                    self._fail(f"set_cache_kvs_map/close: {why}")
+                    self._eviction_failed(task, f"eviction task {task} failed: {e}", "set_cache_kvs_map/close")
             for layer, tasks in self._layer_tasks.items():
                 for task in tasks:
                     try:
@@ -470,7 +468,7 @@ class CacheTransferManager:
                     self._fail(f"set_cache_kvs_map/close: load task {task}: {e}")
             mgr.close()
         self._loads, self._evicts, self._layer_tasks, self._last_submitted = [], [], {}, None
-        self._evict_hosts, self._step_synced = {}, False
+        self._evict_hosts, self._host_writer, self._step_synced = {}, {}, False
         self._streams, self._compute, self._device = {}, None, None
 
     def close(self) -> None:
@@ -527,11 +525,13 @@ class CacheTransferManager:
                 mgr = self._require_manager()
                 stream = self._stream_for(None)
                 d, h = self._ids(device_block_ids), self._ids(host_block_ids)
+                self._prune(mgr)
                 task = mgr.evict(d, h, after=stream)
                 self._evicts.append(task)
                 self._evict_hosts[task] = h
                 for b in h:  # the manager knows what this eviction leaves there
                     self._bad_host_blocks.pop(b, None)
+                    self._host_writer[b] = task
                 if self._fence_evictions:
                     # FastDeploy hands evicted ids to new requests at once: the engine's
                     # later work waits (on the GPU) until the copy has read them.
@@ -577,6 +577,7 @@ class CacheTransferManager:
                     out = next(i for i, b in enumerate(d) if not 0 <= b < n)
                     return self._fail(f"load_layers_to_device_async: device_block_ids[{out}] = {d[out]} is outside "
                                       f"[0, {n}) (the device cache's blocks)")
+                self._prune(mgr)
                 task = mgr.load(layers, h, d)
                 if self._step_synced:  # the first load of a new step: the last step's failures are told
                     self._failed_layers, self._step_synced = {}, False
@@ -595,6 +596,69 @@ class CacheTransferManager:
         else:
             self._last_submitted = (task, layers[-1] if layers else mgr.num_layers - 1)
         return True
+
+    def _eviction_failed(self, task: int, why: str, what: str) -> None:
+        """A failed eviction: its host blocks that no later eviction was submitted into hold undefined bytes (a
+        manager made after the maps are registered again does not know it, so loads of them are refused here)."""
+        for h in self._evict_hosts.pop(task, ()):
+            if self._host_writer.get(h) == task:
+                self._bad_host_blocks[h] = why
+                del self._host_writer[h]
+        self._fail(f"{what}: {why}")
+
+    def _eviction_ended(self, task: int) -> None:
+        for h in self._evict_hosts.pop(task, ()):
+            if self._host_writer.get(h) == task:
+                del self._host_writer[h]
+
+    def _prune(self, mgr: Any) -> None:
+        """Forgets the transfers that have ended (under the lock, at each submission). An engine that never calls
+        sync_input_stream / sync_output_stream (the per-layer waits order its forward on the GPU) kept every task:
+        each wait walked all of them, and once a task left the manager's bounded history of finished ones
+        (transfer.retained_finished_tasks) a load that had succeeded was reported failed. An ended task's outcome
+        is recorded as a wait would record it: a failed load fails its layers' waits for the step, a failed
+        eviction's host blocks are refused to loads after the maps are registered again."""
+        pending = []
+        for task in self._evicts:
+            try:
+                info = mgr.task_info(task)
+            except KvtierError as e:  # no longer retained: its outcome is unknown
+                self._eviction_failed(task, f"eviction task {task}: {e}", "evict_to_host_async")
+                continue
+            if info["state"] == "pending":
+                pending.append(task)
+            elif info["state"] == "failed":
+                self._eviction_failed(task, f"eviction task {task} failed: {info['status']}", "evict_to_host_async")
+            else:
+                self._eviction_ended(task)
+        self._evicts = pending
+        ended = set()
+        pending = []
+        for task in self._loads:
+            try:
+                info = mgr.task_info(task)
+            except KvtierError as e:
+                for layer, tasks in self._layer_tasks.items():
+                    if task in tasks:
+                        self._layer_failed(layer, task, e)
+                ended.add(task)
+                continue
+            if info["state"] == "pending":
+                pending.append(task)
+                continue
+            ended.add(task)
+            if info["state"] == "failed":
+                for layer, state in zip(info["layers"], info["layer_states"]):
+                    if state == "failed":
+                        self._layer_failed(layer, task, _error("DataLoss", str(info["status"])))
+        self._loads = pending
+        if ended:
+            for layer in list(self._layer_tasks):
+                left = [t for t in self._layer_tasks[layer] if t not in ended]
+                if left:
+                    self._layer_tasks[layer] = left
+                else:
+                    del self._layer_tasks[layer]
 
     # ============ Layer waits (added) ============
 
@@ -695,7 +759,15 @@ class CacheTransferManager:
     def sync_output_stream(self) -> None:
         """Waits for every pending eviction (D2H). A failure is logged and kept in ``last_error``."""
         with self._lock:
-            self._sync(self._evicts, "sync_output_stream")
+            if self._mgr is None:
+                return
+            pending, self._evicts = self._evicts, []
+            for task in pending:
+                try:
+                    self._mgr.wait(task, self._sync_timeout)
+                    self._eviction_ended(task)
+                except KvtierError as e:
+                    self._eviction_failed(task, f"eviction task {task} failed: {e}", "sync_output_stream")
 
     def record_input_stream_event(self) -> Any:
         """The completion of the most recently submitted layer, as a :class:`LayerEvent` (None if none)."""

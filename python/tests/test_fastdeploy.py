@@ -569,3 +569,35 @@ def test_kvtier_info_lists_the_integration_knobs():
                 "KVTIER_FASTDEPLOY_PD_ROLE", "KVTIER_FASTDEPLOY_PD_SECRET", "KVTIER_FASTDEPLOY_PD_TRANSPORT",
                 "KVTIER_FASTDEPLOY_PD_TLS", "KVTIER_FASTDEPLOY_PD_NET_DEVICES", "`KVTIER_METRICS`"):
         assert var in out
+
+
+def test_an_engine_that_never_syncs_keeps_no_tasks_and_no_false_failures(engine, caplog):
+    """An engine whose forward waits per layer (wait_for_layer on the GPU, or wait_layer_host) and never calls
+    sync_input_stream / sync_output_stream: the drop-in kept every task, each wait walked all of them, and once the
+    native manager had forgotten the oldest (retained_finished_tasks) a wait raised DataLossError for a load that had
+    succeeded; evictions' host lists grew without bound even with syncs. Ended tasks are forgotten at each submission
+    now, their outcome recorded as a wait would."""
+    mgr, dev, host = make(engine)
+    caplog.set_level(logging.ERROR, logger="kvtier")
+    assert mgr.evict_to_host_async([0], [0])
+    mgr.sync_output_stream()
+    steps = 4200 if engine.backend == "host" else 600
+    for i in range(steps):
+        assert mgr.load_layers_to_device_async(list(range(LAYERS)), [0], [1]), mgr.last_error
+        for layer in range(LAYERS):
+            if i % 2:
+                mgr.wait_for_layer(layer)
+            else:
+                assert mgr.wait_layer_host(layer, 10.0), mgr.last_error
+        if i % 3 == 0:
+            assert mgr.evict_to_host_async([2], [1 + i % (HOST_BLOCKS - 1)]), mgr.last_error
+        assert len(mgr._loads) <= 2 and len(mgr._evicts) <= 2, (i, len(mgr._loads), len(mgr._evicts))
+        assert len(mgr._evict_hosts) <= 2 and sum(map(len, mgr._layer_tasks.values())) <= 2 * LAYERS
+    mgr.sync_output_stream()
+    mgr.sync_input_stream()
+    engine.sync()
+    assert not mgr._evict_hosts
+    for name in dev:
+        assert engine.numpy(dev[name])[1].tobytes() == engine.numpy(host[name])[0].tobytes()
+    mgr.close()
+    assert not [r for r in caplog.records if "NotFound" in r.getMessage()], caplog.text[-2000:]
