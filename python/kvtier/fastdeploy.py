@@ -202,6 +202,9 @@ class CacheTransferManager:
         self._bad_host_blocks: Dict[int, str] = {}
         self._evict_hosts: Dict[int, List[int]] = {}  # eviction task -> its host blocks
         self._host_writer: Dict[int, int] = {}  # host block -> the last eviction task submitted into it
+        # Host blocks whose last eviction failed, seen before the maps are registered again: the native manager
+        # refuses loads of them itself; they join _bad_host_blocks when it goes.
+        self._failed_hosts: Dict[int, str] = {}
         # Per layer, the loads not yet seen finished, in submission order: a wait covers all of them (a later
         # load of the layer does not make an earlier, failed one's blocks good).
         self._layer_tasks: Dict[int, List[int]] = {}
@@ -455,6 +458,7 @@ class CacheTransferManager:
                     mgr.wait(task, self._sync_timeout)
                 except KvtierError as e:
                     self._eviction_failed(task, f"eviction task {task} failed: {e}", "set_cache_kvs_map/close")
+            self._bad_host_blocks.update(self._failed_hosts)
             for layer, tasks in self._layer_tasks.items():
                 for task in tasks:
                     try:
@@ -468,7 +472,7 @@ class CacheTransferManager:
                     self._fail(f"set_cache_kvs_map/close: load task {task}: {e}")
             mgr.close()
         self._loads, self._evicts, self._layer_tasks, self._last_submitted = [], [], {}, None
-        self._evict_hosts, self._host_writer, self._step_synced = {}, {}, False
+        self._evict_hosts, self._host_writer, self._failed_hosts, self._step_synced = {}, {}, {}, False
         self._streams, self._compute, self._device = {}, None, None
 
     def close(self) -> None:
@@ -531,6 +535,7 @@ class CacheTransferManager:
                 self._evict_hosts[task] = h
                 for b in h:  # the manager knows what this eviction leaves there
                     self._bad_host_blocks.pop(b, None)
+                    self._failed_hosts.pop(b, None)
                     self._host_writer[b] = task
                 if self._fence_evictions:
                     # FastDeploy hands evicted ids to new requests at once: the engine's
@@ -602,7 +607,7 @@ class CacheTransferManager:
         manager made after the maps are registered again does not know it, so loads of them are refused here)."""
         for h in self._evict_hosts.pop(task, ()):
             if self._host_writer.get(h) == task:
-                self._bad_host_blocks[h] = why
+                self._failed_hosts[h] = why
                 del self._host_writer[h]
         self._fail(f"{what}: {why}")
 

@@ -285,6 +285,25 @@ def test_a_failed_load_is_not_hidden_by_a_later_load_of_the_same_layer(engine):
     mgr.close()
 
 
+def test_a_failed_eviction_forgotten_by_a_later_submission_still_refuses_its_block_after_registering_again(engine):
+    """Ended transfers are forgotten at each submission: a failed eviction so forgotten before the maps are registered
+    again must still leave its host block refused to loads by the new native manager."""
+    mgr, dev, host = _host_engine_with_failure_injection(engine)
+    assert mgr.evict_to_host_async([0], [0]) is True
+    mgr.sync_output_stream()
+    mgr._device.fail_nth_operation(1)
+    assert mgr.evict_to_host_async([1], [2]) is True  # fails: host block 2's bytes are undefined
+    mgr.sync_output_stream()
+    assert mgr.load_layers_to_device_async([0, 1, 2], [0], [5]) is True  # a submission: forgets the ended ones
+    assert not mgr._evicts and not mgr._evict_hosts
+    mgr.set_cache_kvs_map(dev)  # the same tensors, registered again
+    assert mgr.load_layers_to_device_async([0, 1, 2], [2], [6]) is False
+    assert "host block 2 holds undefined bytes" in mgr.last_error
+    assert mgr.load_layers_to_device_async([0, 1, 2], [0], [6]) is True
+    assert mgr.wait_layer_host(0, 5.0) is True
+    mgr.close()
+
+
 def test_failures_in_flight_survive_registering_the_maps_again(engine):
     """set_cache_kvs_map() closed the native manager, which drained the transfers and dropped their errors: a
     failed eviction's host block then loaded as good (wrong bytes, last_error None), and a failed load's layer
