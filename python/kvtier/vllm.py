@@ -393,6 +393,10 @@ class KvtierOffloadingManager(OffloadingManager):
         self._indexes: Dict[int, Any] = {0: self._new_index()}  # raises InvalidArgumentError naming a bad policy
         self._chunks: Dict[str, bytes] = {}  # object_key -> OffloadKey bytes: stored or being stored
         self._pending: Dict[bytes, int] = {}  # being stored: the admission that holds its block
+        # Stores in flight when reset_cache() ran, per key: their completions come first (the workers run stores in
+        # submission order), and they belong to no chunk of the index; a store of the same key after the reset
+        # must not be completed by them.
+        self._stale: Dict[bytes, int] = {}
         self._loads: Dict[bytes, List[int]] = {}  # loads in flight: their admissions
         self._orphans: List[str] = []  # evicted objects the next store job deletes
         # Look-ahead: the stored chunks of requests vLLM looked up but has not scheduled yet, announced to the index
@@ -595,7 +599,15 @@ class KvtierOffloadingManager(OffloadingManager):
     def complete_store(self, keys: Iterable[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         done: List[OffloadKey] = []
         for key in keys:
-            admission = self._pending.pop(_key_bytes(key), None)
+            k = _key_bytes(key)
+            if self._stale.get(k):  # a store from before reset_cache(), though the key is being stored again
+                self._stale[k] -= 1
+                if not self._stale[k]:
+                    del self._stale[k]
+                if object_key(key) not in self._chunks:
+                    self._orphans.append(object_key(key))
+                continue
+            admission = self._pending.pop(k, None)
             if admission is None:
                 # A store from before reset_cache(): whatever it wrote belongs to no chunk of this index.
                 if object_key(key) not in self._chunks:
@@ -640,6 +652,8 @@ class KvtierOffloadingManager(OffloadingManager):
         fill it for good), as it does what stores in flight at the reset write. Loads in flight complete against
         nothing."""
         self._orphans.extend(self._chunks.keys())
+        for k in self._pending:
+            self._stale[k] = self._stale.get(k, 0) + 1
         self._indexes = {0: self._new_index()}
         self._queued.clear()  # the new index holds no announcement
         self._chunks.clear()

@@ -531,6 +531,30 @@ def test_reset_cache_forgets_every_chunk(tmp_path, connectors):
     assert c.lookup(req) == (0, [LookupResult.MISS])
 
 
+def test_a_store_in_flight_at_reset_does_not_complete_the_next_store_of_its_chunk():
+    """reset_cache() while a store job J1 of chunk K was in flight, then a store J2 of K: J1's complete_store took J2's
+    pending entry and committed it (K a hit while J2 still wrote it), and J2's failure was then ignored: K stayed
+    indexed with no object behind it, and every load of it failed."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    m = kv.KvtierOffloadingSpec(make_config({"storage": "memory:?capacity=1M", "capacity": "64K"}, G1)).get_manager()
+    key = make_offload_key((7).to_bytes(16, "big"), 0)
+    r1, r2 = ReqContext(req_id="r1"), ReqContext(req_id="r2")
+    j1 = m.prepare_store([key], r1)
+    assert len(j1.keys_to_store) == 1
+    m.reset_cache()
+    j2 = m.prepare_store([key], r2)
+    assert len(j2.keys_to_store) == 1
+    m.complete_store(j1.keys_to_store, r1, True)
+    assert m.lookup(key, r1) == LookupResult.HIT_PENDING  # J2 still writes it
+    m.complete_store(j2.keys_to_store, r2, False)
+    assert m.lookup(key, r1) == LookupResult.MISS
+    # Once J2 succeeds instead, the chunk is a hit.
+    j3 = m.prepare_store([key], r2)
+    m.complete_store(j3.keys_to_store, r2, True)
+    assert m.lookup(key, r1) == LookupResult.HIT
+
+
 def test_events_announce_stored_and_evicted_chunks(tmp_path, connectors):
     c = connectors(extra(tmp_path), G1, num_blocks=8, events=True)
     req = c.request("r", chunk_hashes(2))
