@@ -79,6 +79,18 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
+def _count_field(value: Any, name: str) -> int:
+    """A block count of FastDeploy's config: None is 0; a string, float or negative number is refused here, naming
+    it, rather than failing later inside a call with a bare TypeError."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"cache_config.{name} is {value!r} ({type(value).__name__}), not an integer")
+    if value < 0:
+        raise InvalidArgumentError(f"cache_config.{name} is {value}, not a block count (0 or more)")
+    return int(value)
+
+
 def _dlpack_device(t: Any):
     if hasattr(t, "__dlpack_device__"):
         kind, index = t.__dlpack_device__()
@@ -174,7 +186,7 @@ class CacheTransferManager:
         self._device_id = device_id
         self._num_layers = config.model_config.num_hidden_layers
         self._cache_dtype = self.cache_config.cache_dtype
-        self._num_host_blocks = _attr(self.cache_config, "num_cpu_blocks") or 0
+        self._num_host_blocks = _count_field(_attr(self.cache_config, "num_cpu_blocks"), "num_cpu_blocks")
         self._block_tokens = int(_attr(self.cache_config, "block_size", 64) or 64)
 
         self._lock = threading.RLock()

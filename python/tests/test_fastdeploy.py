@@ -620,3 +620,12 @@ def test_an_engine_that_never_syncs_keeps_no_tasks_and_no_false_failures(engine,
         assert engine.numpy(dev[name])[1].tobytes() == engine.numpy(host[name])[0].tobytes()
     mgr.close()
     assert not [r for r in caplog.records if "NotFound" in r.getMessage()], caplog.text[-2000:]
+
+
+@pytest.mark.parametrize("value, named", [("8", "'8' (str)"), (8.0, "8.0 (float)"), (-1, "-1"), (True, "True")])
+def test_a_host_block_count_of_the_wrong_type_is_refused_naming_it(value, named):
+    """num_cpu_blocks read from a config file as "8" was taken: evictions then raised a bare TypeError ('<=' between
+    str and int), and -1 was reported as "num_cpu_blocks is 0"."""
+    with pytest.raises(kvtier.InvalidArgumentError, match=re.escape(f"cache_config.num_cpu_blocks is {named}")):
+        CacheTransferManager(fd_config(LAYERS, value), local_rank=0, device_id=0)
+    assert CacheTransferManager(fd_config(LAYERS, None), local_rank=0, device_id=0) is not None
