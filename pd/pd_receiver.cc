@@ -236,6 +236,12 @@ class Receiver final : public PdReceiver {
       // The endpoints refuse before the request leaves (a failed send is reported in the transfer's status
       // instead): nobody can write the blocks.
       tm_.end_external_write(r.task, s, /*quiescent=*/true).ignore_error();
+      // Its failure stays in the blocks' history once the write is final: they go back declared rewritten by the
+      // engine's compute stream, as the blocks of a finished receive that did not land do. Left failed, the next
+      // eviction of what the engine computes there failed with DataLoss (a refusal as routine as the staged pool's
+      // back-pressure dropped cached blocks later).
+      tm_.wait(r.task, std::chrono::seconds(5)).ignore_error();
+      tm_.record_device_access(blocks, tm_.compute_stream(), TransferManager::DeviceAccess::kOverwrite).ignore_error();
       return undo_admission(s.with_context(what + ": the decode endpoint's start"));
     }
     return r;

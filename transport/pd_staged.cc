@@ -76,10 +76,16 @@ Status check_spaces(std::string_view role, const Device& device, const BlockSpac
 class StagingPool {
  public:
   // `n`: the staging space's num_blocks (at most INT32_MAX, BlockSpace::make).
-  explicit StagingPool(std::uint64_t n) {
+  explicit StagingPool(std::uint64_t n) : total_(n) {
     for (std::uint64_t i = n; i > 0; --i) free_.push_back(static_cast<BlockId>(i - 1));
   }
   Result<std::vector<BlockId>> take(std::size_t n) {
+    // More than the whole pool is no back-pressure (no forget() makes room for it): refused as the caller's.
+    if (n > total_)
+      return InvalidArgument(
+          fmt::format("staging pool: {} blocks asked, the pool holds {} in all (a transfer must "
+                      "fit the staging space)",
+                      n, total_));
     if (n > free_.size())
       return ResourceExhausted(fmt::format("staging pool: {} blocks asked, {} free", n, free_.size()));
     std::vector<BlockId> out(free_.end() - static_cast<std::ptrdiff_t>(n), free_.end());
@@ -90,6 +96,7 @@ class StagingPool {
   std::uint64_t free() const { return free_.size(); }
 
  private:
+  std::uint64_t total_ = 0;
   std::vector<BlockId> free_;
 };
 

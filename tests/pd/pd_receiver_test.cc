@@ -554,5 +554,30 @@ TEST(PdReceiver, RefusalsAndUnreachablePeersLeaveNothingHeld) {
   EXPECT_TRUE(rig.cache->check_invariants().ok());
 }
 
+// A receive the decode endpoint refuses at start() (a peer it does not know; the staged pool's back-pressure) ended
+// its external write failed, and that failure stayed in the blocks' history: the next eviction of what the engine
+// computed in them failed with DataLoss ("holds bytes of failed task"), and the cache dropped them.
+TEST(PdReceiver, BlocksOfARefusedStartEvictCleanlyLater) {
+  for (bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged" : "direct");
+    Rig rig({}, {}, staged);
+    ReceiveRequest lost = rig.request(21, PdMode::kPush, cache::testing::path({90, 91}));
+    lost.prefill = 9999;
+    EXPECT_EQ(rig.rx->start(lost).status().code(), StatusCode::kNotFound);
+    if (staged) {  // more blocks than the staging pool (6) holds: refused by the endpoint
+      auto big = rig.rx->start(rig.request(22, PdMode::kPush, cache::testing::path({1, 2, 3, 4, 5, 6, 7})));
+      EXPECT_FALSE(big.ok());
+    }
+    ASSERT_TRUE(rig.tm->wait_all(5s).ok());
+    for (BlockId b = 0; b < kDeviceBlocks && b < kHostBlocks; ++b) {
+      const BlockId one[] = {b};
+      auto task = rig.tm->evict_to_host_async(one, one);
+      ASSERT_TRUE(task.ok()) << task.status().to_string();
+      Status st = rig.tm->wait(*task, 5s);
+      EXPECT_TRUE(st.ok()) << "block " << b << ": " << st.to_string();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvtier::pd

@@ -114,6 +114,21 @@ TEST_P(StagedModes, LayersOutOfOrderArriveByteExactInDeviceMemory) {
 INSTANTIATE_TEST_SUITE_P(Modes, StagedModes, ::testing::Values(PdMode::kPush, PdMode::kPull),
                          [](const auto& info) { return std::string(pd_mode_name(info.param)); });
 
+// A transfer of more blocks than the whole staging pool holds was refused as back-pressure (kResourceExhausted:
+// "retry after a forget()"), which no forget() could ever satisfy: a scheduler retried it forever. It is the
+// caller's error, naming both counts.
+TEST(PdStaged, ATransferLargerThanTheWholeStagingPoolIsRefusedAsInvalid) {
+  Rig rig;
+  const std::vector<BlockId> seven = {0, 1, 2, 3, 4, 5, 6};
+  Status s = rig.pre->begin(rig.to_dec, 3, seven);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("7 blocks asked, the pool holds 6"), std::string::npos) << s.to_string();
+  s = rig.dec->start(rig.to_pre, 3, PdMode::kPush, seven);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_EQ(rig.pre->staging_blocks_free(), 6u);
+  EXPECT_EQ(rig.dec->staging_blocks_free(), 6u);
+}
+
 TEST(PdStaged, TheStagingPoolPushesBackAndRefillsOnForget) {
   Rig rig;
   ASSERT_TRUE(rig.pre->begin(rig.to_dec, 1, kSrc).ok());
