@@ -227,7 +227,7 @@ class Receiver final : public PdReceiver {
         r.admission.device_blocks.begin() + r.admission.receive_begin,
         r.admission.device_blocks.begin() + r.admission.receive_begin + r.admission.receive_blocks);
     ExternalWriteOptions wo;
-    wo.free_timeout = options_.free_timeout;
+    wo.free_timeout = clamp_timeout(options_.free_timeout);  // milliseconds::max() overflowed in nanoseconds
     auto task = tm_.begin_external_write({}, blocks, wo);
     if (!task.ok()) return undo_admission(task.status().with_context(what + ": begin_external_write"));
     r.task = *task;
@@ -265,7 +265,8 @@ class Receiver final : public PdReceiver {
         watching = watching || !e.reclaimable;
       }
       // Idle: start() and the destructor notify; the bound only keeps every wait finite.
-      cv_.wait_for(lock, watching ? std::chrono::duration_cast<std::chrono::nanoseconds>(options_.poll_interval)
+      cv_.wait_for(lock, watching ? std::min<std::chrono::nanoseconds>(clamp_timeout(options_.poll_interval),
+                                                                       std::chrono::milliseconds(50))
                                   : std::chrono::nanoseconds(std::chrono::milliseconds(50)));
     }
   }

@@ -146,6 +146,9 @@ class StagedPrefill final : public PdStagedPrefill {
 
   Status init(Transport& t) {
     KVTIER_RETURN_IF_ERROR(check_spaces("staged prefill", device_, dev_, staging_));
+    if (options_.poll_interval.count() <= 0)  // wait() sleeps it between looks: 0 was a busy loop
+      return InvalidArgument(
+          fmt::format("staged prefill: poll_interval {} us must be > 0", options_.poll_interval.count()));
     KVTIER_ASSIGN_OR_RETURN(stream_, device_.create_stream({StreamPriority::kHigh, "pd-stage-d2h"}));
     KVTIER_ASSIGN_OR_RETURN(pd_, PdPrefill::create(t, staging_, options_.pd));
     return Status::Ok();
@@ -216,7 +219,11 @@ class StagedPrefill final : public PdStagedPrefill {
       if (Clock::now() >= deadline)
         return TimedOut(fmt::format("staged prefill transfer {}: staging copies not complete after {} ms", id,
                                     std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count()));
-      std::this_thread::sleep_for(options_.poll_interval);
+      // No longer than the time left (a poll interval past the deadline was an overshoot).
+      const auto rest = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now());
+      std::this_thread::sleep_for(std::clamp<std::chrono::nanoseconds>(
+          rest, std::chrono::nanoseconds(0),
+          std::max<std::chrono::nanoseconds>(clamp_timeout(options_.poll_interval), std::chrono::microseconds(1))));
     }
   }
 
@@ -527,7 +534,7 @@ class StagedDecode final : public PdStagedDecode {
       for (auto& [id, x] : xfers_) busy = advance(id, x) || busy;
       cv_.notify_all();
       if (busy)
-        cv_.wait_for(lock, options_.poll_interval);
+        cv_.wait_for(lock, clamp_timeout(options_.poll_interval));
       else
         cv_.wait_for(lock, std::chrono::milliseconds(2));
     }

@@ -554,6 +554,26 @@ TEST(PdReceiver, RefusalsAndUnreachablePeersLeaveNothingHeld) {
   EXPECT_TRUE(rig.cache->check_invariants().ok());
 }
 
+// Durations at the limit of their type: a free_timeout of milliseconds::max() overflowed when made nanoseconds, and
+// every start() failed "free_timeout -1000000 ns is negative"; a huge poll interval made the reporter wait unbounded.
+TEST(PdReceiver, TimeoutsAtTheirTypesLimitWork) {
+  Rig rig;
+  ReceiverOptions ro;
+  ro.free_timeout = std::chrono::milliseconds::max();
+  ro.poll_interval = std::chrono::microseconds::max();
+  ro.receive_timeout = std::chrono::milliseconds::max();
+  rig.rx.reset();
+  rig.rx = PdReceiver::create(*rig.cache, *rig.tm, *rig.exec, *rig.dec, ro).value();
+  ASSERT_TRUE(rig.pre->begin(rig.to_dec, 31, {kSrc[0], kSrc[1]}).ok());
+  auto rcv = rig.rx->start(rig.request(31, PdMode::kPush, cache::testing::path({140, 141})));
+  ASSERT_TRUE(rcv.ok()) << rcv.status().to_string();
+  for (std::uint32_t l = 0; l < kLayers; ++l) ASSERT_TRUE(rig.pre->layer_ready(31, l).ok());
+  auto fin = rig.rx->finish(31, 5s);
+  ASSERT_TRUE(fin.ok()) << fin.status().to_string();
+  EXPECT_EQ(fin->loaded_blocks, 2u);
+  ASSERT_TRUE(rig.cache->release(rcv->admission.id).ok());
+}
+
 // A receive the decode endpoint refuses at start() (a peer it does not know; the staged pool's back-pressure) ended
 // its external write failed, and that failure stayed in the blocks' history: the next eviction of what the engine
 // computed in them failed with DataLoss ("holds bytes of failed task"), and the cache dropped them.
