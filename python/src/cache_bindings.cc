@@ -142,7 +142,7 @@ struct PyStorage {
       std::lock_guard lock(mu);
       b = std::move(backend);
     }
-    nb::gil_scoped_release release;  // a backend's teardown joins its threads
+    GilReleased release;  // a backend's teardown joins its threads
     b.reset();
   }
 };

@@ -49,7 +49,7 @@ struct PyStream {
     const bool finalizing = _Py_IsFinalizing();
 #endif
     if (stream && PyGILState_Check() && !finalizing) {
-      nanobind::gil_scoped_release release;
+      GilReleased release;
       stream.reset();
     }
   }

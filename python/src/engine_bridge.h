@@ -113,7 +113,7 @@ struct PyTransferManager {
     const bool finalizing = _Py_IsFinalizing();
 #endif
     if (retired && PyGILState_Check() && !finalizing) {
-      nanobind::gil_scoped_release release;
+      GilReleased release;
       retired.reset();
     }
   }
@@ -133,7 +133,7 @@ struct PyTransferManager {
     if (!m) return;
     Status s;
     {
-      nanobind::gil_scoped_release release;  // callbacks in flight need the GIL to finish
+      GilReleased release;  // callbacks in flight need the GIL to finish
       s = m->shutdown();
     }
     if (s.code() == StatusCode::kFailedPrecondition) {
@@ -186,7 +186,7 @@ struct PyTransferManager {
     // with it; the destructor frees the rest then), what it used goes now, not when Python drops this object.
     const bool last = m.use_count() == 1;
     {
-      nanobind::gil_scoped_release release;
+      GilReleased release;
       m.reset();
       if (from_close && last) {
         checksums.reset();

@@ -72,7 +72,7 @@ void bind_log(nb::module_& m) {
       [] { g_queue.store(new LogQueue(), std::memory_order_release); },  // the parent's queue is left as it was
       "In a forked child, before its pump thread starts: a fresh, empty queue.");
   m.def("_restore_default_log_sink", [] {
-    nb::gil_scoped_release release;
+    GilReleased release;
     set_log_sink(nullptr);
   });
   m.def(
@@ -81,7 +81,7 @@ void bind_log(nb::module_& m) {
         std::deque<std::tuple<int, std::string, std::string>> out;
         std::uint64_t dropped = 0;
         {
-          nb::gil_scoped_release release;
+          GilReleased release;
           LogQueue& q = queue();
           std::unique_lock lock(q.mu);
           q.cv.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return !q.lines.empty() || q.stopping; });
@@ -117,7 +117,7 @@ void bind_log(nb::module_& m) {
       "_log",
       [](const std::string& level, const std::string& component, const std::string& message) {
         LogLevel l = value_or_raise(parse_log_level(level));
-        nb::gil_scoped_release release;
+        GilReleased release;
         log(l, component, message);
       },
       "Logs a line through kvtier's sink (tests).");

@@ -145,7 +145,7 @@ void bind_metrics(nb::module_& m) {
       [] {
         std::vector<metrics::FamilySnapshot> snap;
         {
-          nb::gil_scoped_release release;
+          GilReleased release;
           snap = metrics::default_registry().snapshot();
         }
         return snapshot_to_python(snap);
@@ -155,7 +155,7 @@ void bind_metrics(nb::module_& m) {
   m.def(
       "metrics_text",
       [] {
-        nb::gil_scoped_release release;
+        GilReleased release;
         return metrics::default_registry().expose();
       },
       "The process registry as Prometheus text exposition (format 0.0.4).");
@@ -175,7 +175,7 @@ void bind_metrics(nb::module_& m) {
         p.made.check("the metrics server");
         // Taken with the GIL held: two threads stopping at once (or one reading .port) each saw the old pointer.
         auto server = std::move(p.server);
-        nb::gil_scoped_release release;
+        GilReleased release;
         server.reset();
       });
 
@@ -211,7 +211,7 @@ void bind_metrics(nb::module_& m) {
             const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(to_timeout(timeout));
             Status st;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               st = pub->flush(limit);
             }
             check(st);
@@ -228,7 +228,7 @@ void bind_metrics(nb::module_& m) {
             if (!pub) return;
             Status st;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               st = pub->shutdown(limit);
             }
             check(st);

@@ -33,6 +33,10 @@ NB_MODULE(_native, m) {
   // References handed back by managers that a callback dropped (defer_release) are dropped at exit too, before
   // nanobind's leak check, which otherwise reported their device and stream as leaked.
   m.def("_release_deferred", [] { kvtier::python::release_deferred(); });
+  // Registered first, so it runs after every later atexit hook (the user's, kvtier's own), while those may still
+  // call kvtier from any thread; then no thread but the main one takes the GIL from C++ again (status_bridge.h).
+  m.def("_close_gil_gate", [] { kvtier::python::gil_gate().close_for_exit(std::chrono::seconds(2)); });
+  nb::module_::import_("atexit").attr("register")(m.attr("_close_gil_gate"));
   nb::module_::import_("atexit").attr("register")(m.attr("_release_deferred"));
 #ifdef KVTIER_PYTHON_WITH_CACHE
   kvtier::python::bind_cache(m);

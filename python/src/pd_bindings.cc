@@ -343,7 +343,7 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
   });
   if (!st.ok()) {
     {
-      nb::gil_scoped_release release;
+      GilReleased release;
       n.reset();
     }
     // The name as the error shows it: a name refused for its length is not repeated whole (100 KB of it).

@@ -123,7 +123,12 @@ struct PdNative {
       (void)keep_alive.release();
       return;
     }
-    nb::gil_scoped_acquire gil;
+    GilAcquired gil;
+    if (!gil.held()) {  // the process is exiting: leak rather than take the GIL
+      (void)device_ref.release();
+      (void)keep_alive.release();
+      return;
+    }
     device_ref.reset();
     keep_alive.reset();
   }
@@ -174,7 +179,7 @@ struct PyPdEndpoint {
       n = std::move(native);
     }
     if (!n) return true;
-    nb::gil_scoped_release release;  // teardown joins kvtier threads
+    GilReleased release;  // teardown joins kvtier threads
     // Calls in flight on other threads hold their own reference (the GIL released): their waits return now, so
     // the teardown, which ends the transfers at the peers, happens here and not whenever the last of them would
     // have returned. Bounded: past it, the last holder tears down.

@@ -76,7 +76,7 @@ struct PyPdReceiver {
     if (!receiver && !executor) return;
     std::shared_ptr<PdNative> ep = std::move(endpoint);
     {
-      nb::gil_scoped_release release;  // teardown joins kvtier threads
+      GilReleased release;  // teardown joins kvtier threads
       // Receives still open are cancelled and, once their peer can write them no more (bounded by free_timeout),
       // completed into the cache, so their blocks come back; destroyed open, they stayed declared for good.
       if (!collected && receiver) {

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -111,23 +112,96 @@ inline bool interpreter_finalizing() noexcept {
 // The ident (PyThread_get_thread_ident) of the interpreter's main thread, set when the module is imported.
 inline std::atomic<unsigned long> g_main_thread_ident{0};
 
-// The GIL released for a C++ call, and taken back after it. A thread other than the main one that takes the GIL
-// back once the interpreter finalizes is ended by CPython inside these C++ frames (std::terminate: the process
-// aborted at exit while a daemon thread waited in kvtier); such a thread waits, without the GIL, for the process
-// to end instead. Python code never runs on it again then, as CPython would have ended it.
+// Where a thread other than the main one takes the GIL from C++ (a kvtier call returning, a callback on a kvtier
+// thread). Once the interpreter finalizes, CPython ends such a thread inside the C++ frames it takes the GIL from
+// (std::terminate: the process aborted at exit while a daemon thread was in kvtier). A check of "finalizing" before
+// taking the GIL left a window: finalization could begin while the thread waited for the GIL. So the gate closes
+// earlier, at exit (an atexit hook, close_for_exit(), before finalization), and waits, the GIL released, for the
+// threads already on their way in; from then on a thread that would take the GIL stays out: a returning call waits
+// without it for the process to end (Python code never runs on it again, as CPython would have ended it), and a
+// callback is skipped. The main thread always goes through.
+class GilGate {
+ public:
+  // False: closed for exit; the caller must not take the GIL. True: it may, and calls entered() once it has it.
+  bool enter() {
+    if (on_main_thread()) return true;
+    std::lock_guard lock(mu_);
+    if (exiting_) return false;
+    ++entering_;
+    return true;
+  }
+  void entered() {
+    if (on_main_thread()) return;
+    std::lock_guard lock(mu_);
+    --entering_;
+    cv_.notify_all();
+  }
+  // With the GIL held, at exit: closes the gate, then lets the threads already entering take the GIL (bounded).
+  void close_for_exit(std::chrono::milliseconds limit) {
+    {
+      std::lock_guard lock(mu_);
+      exiting_ = true;
+    }
+    PyThreadState* st = PyEval_SaveThread();
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait_for(lock, limit, [this] { return entering_ == 0; });
+    }
+    PyEval_RestoreThread(st);
+  }
+  static bool on_main_thread() { return PyThread_get_thread_ident() == g_main_thread_ident.load(); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool exiting_ = false;
+  int entering_ = 0;
+};
+inline GilGate& gil_gate() {
+  static auto* g = new GilGate();  // never destroyed: threads may pass it during and after finalization
+  return *g;
+}
+// A thread that may not take the GIL back: it waits, without it, for the process to end.
+[[noreturn]] inline void park_until_exit() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// The GIL released for a C++ call, and taken back after it through the gate (above).
 class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-    while (interpreter_finalizing() && PyThread_get_thread_ident() != g_main_thread_ident.load())
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!gil_gate().enter()) park_until_exit();
     PyEval_RestoreThread(state_);
+    gil_gate().entered();
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;
 
  private:
   PyThreadState* state_;
+};
+
+// The GIL taken on a kvtier thread (a callback), through the gate: held() false once the process is exiting, and
+// the caller then does without Python (skips the callback, leaves the object it would have dropped).
+class GilAcquired {
+ public:
+  GilAcquired() {
+    if (!gil_gate().enter()) return;
+    state_ = PyGILState_Ensure();
+    held_ = true;
+    gil_gate().entered();
+  }
+  ~GilAcquired() {
+    if (held_) PyGILState_Release(state_);
+  }
+  bool held() const { return held_; }
+  GilAcquired(const GilAcquired&) = delete;
+  GilAcquired& operator=(const GilAcquired&) = delete;
+
+ private:
+  PyGILState_STATE state_{};
+  bool held_ = false;
 };
 
 // Runs `f` with the GIL released. Its result is turned into a Python
@@ -223,7 +297,7 @@ inline std::unique_lock<PyCallMutex> lock_gil_safe(PyCallMutex& mu) {
       raise_status(FailedPrecondition(
           "called again on the thread of a call of the same object that has not returned (from a __del__ or "
           "weakref callback that the garbage collector ran inside it?): call it from outside that call"));
-    nanobind::gil_scoped_release release;
+    GilReleased release;
     lock.lock();
   }
   return lock;

@@ -74,7 +74,11 @@ struct PyCallable {
       (void)fn.release();  // the interpreter is gone: leak rather than crash
       return;
     }
-    nb::gil_scoped_acquire gil;
+    GilAcquired gil;
+    if (!gil.held()) {
+      (void)fn.release();  // the process is exiting: leak rather than take the GIL
+      return;
+    }
     fn.reset();
   }
   nb::object fn;
@@ -118,7 +122,8 @@ LayerCallback wrap_layer_callback(std::shared_ptr<PyCallable> holder) {
   if (!holder) return {};
   return [holder](std::uint32_t layer, const Status& st) {
     if (!Py_IsInitialized()) return;
-    nb::gil_scoped_acquire gil;
+    GilAcquired gil;
+    if (!gil.held()) return;             // the process is exiting
     if (!holder->fn.is_valid()) return;  // released when its task finished
     try {
       holder->fn(layer, error_object(st));
@@ -134,7 +139,8 @@ TaskCallback wrap_task_callback(nb::object fn, std::shared_ptr<PyCallable> also_
   if (!holder && !also_release) return {};
   return [holder, also_release](TaskId id, const Status& st) {
     if (!Py_IsInitialized()) return;
-    nb::gil_scoped_acquire gil;
+    GilAcquired gil;
+    if (!gil.held()) return;  // the process is exiting: the callables stay (their holders leak them)
     if (holder && holder->fn.is_valid()) {
       try {
         holder->fn(id, error_object(st));
@@ -587,7 +593,7 @@ void bind_transfer(nb::module_& m) {
           [](PyDevice& d, PyStream& s, std::optional<double> timeout) {
             Status st;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               st = d.get().synchronize(*s.stream, to_timeout(timeout));
             }
             check(st);
@@ -650,7 +656,7 @@ void bind_transfer(nb::module_& m) {
             raise_status(InvalidArgument(fmt::format("piece_checksums: buffer {} is a null pointer", i)));
           spans.emplace_back(reinterpret_cast<const void*>(buffers[i].first), buffers[i].second);
         }
-        nb::gil_scoped_release release;
+        GilReleased release;
         return piece_checksums(spans);
       },
       "buffers"_a,
@@ -755,7 +761,7 @@ void bind_transfer(nb::module_& m) {
             Result<TaskId> id = Internal("not run");
             auto tm = p.hold();
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               id = tm->evict_to_host_async(d, h, o);
             }
             return value_or_raise(std::move(id));
@@ -777,7 +783,7 @@ void bind_transfer(nb::module_& m) {
             Result<TaskId> id = Internal("not run");
             auto tm = p.hold();
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               id = tm->load_layers_to_device_async(l, h, d, std::move(o));
             }
             return value_or_raise(std::move(id));
@@ -873,7 +879,7 @@ void bind_transfer(nb::module_& m) {
              Result<TaskInfo> info = Internal("not run");
              auto tm = p.hold();
              {
-               nb::gil_scoped_release release;
+               GilReleased release;
                info = tm->task_info(task);
              }
              return task_info_dict(value_or_raise(std::move(info)));
@@ -884,7 +890,7 @@ void bind_transfer(nb::module_& m) {
              Result<FailedBlocks> f = Internal("not run");
              auto tm = p.hold();
              {
-               nb::gil_scoped_release release;
+               GilReleased release;
                f = tm->failed_blocks(task);
              }
              FailedBlocks v = value_or_raise(std::move(f));
@@ -898,7 +904,7 @@ void bind_transfer(nb::module_& m) {
              std::vector<TaskCompletion> done;
              auto tm = p.hold();
              {
-               nb::gil_scoped_release release;
+               GilReleased release;
                done = tm->poll_completions();
              }
              nb::list out;
@@ -920,7 +926,7 @@ void bind_transfer(nb::module_& m) {
              std::string json;
              auto tm = p.hold();
              {
-               nb::gil_scoped_release release;
+               GilReleased release;
                json = tm->stats().to_json();
              }
              return parse_json(json);
@@ -943,7 +949,7 @@ void bind_transfer(nb::module_& m) {
             const std::shared_ptr<TransferManager> tm = p.hold();
             Status st;
             {
-              nb::gil_scoped_release release;
+              GilReleased release;
               st = tm->shutdown();
             }
             check(st);

@@ -546,3 +546,38 @@ def test_a_forked_child_exits_cleanly_and_refuses_the_parents_objects(what):
     assert "child exit 0" in r.stdout, (r.stdout, r.stderr[-2000:])
     if what == "tm_close_in_child":
         assert "child: refused:" in r.stdout and "before fork()" in r.stdout, r.stdout
+
+
+_EXIT_WHILE_THREADS_CROSS_INTO_KVTIER = r"""
+import sys, threading, time
+import numpy as np
+import kvtier
+
+store = kvtier.StorageBackend.open("memory:?capacity=64M", "exit-test", {})
+names = [f"{i:032x}" for i in range(8)]
+store.put_many(names, [np.full(1 << 16, i, np.uint8) for i in range(8)])
+
+def loop():
+    dst = [np.empty(1 << 16, np.uint8) for _ in range(8)]
+    while True:  # in and out of kvtier (the GIL released and taken back) as fast as it goes
+        store.get_many(names, dst)
+
+for _ in range(6):
+    threading.Thread(target=loop, daemon=True).start()
+time.sleep(0.05)
+print("exiting", flush=True)
+"""
+
+
+def test_exit_while_daemon_threads_go_in_and_out_of_kvtier_is_clean():
+    """A thread returning from a kvtier call checked that the interpreter was not finalizing, then waited for the GIL
+    while finalization began: CPython ended it inside kvtier's C++ frames (std::terminate, exit 134 in about 1 run of
+    13). The gate closes at exit, before finalization, and waits for the threads already on their way in."""
+    import subprocess
+    import sys
+
+    for run in range(8):
+        r = subprocess.run([sys.executable, "-c", _EXIT_WHILE_THREADS_CROSS_INTO_KVTIER], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, (run, r.returncode, r.stderr[-2000:])
+        assert "terminate" not in r.stderr, (run, r.stderr[-2000:])
