@@ -482,6 +482,7 @@ class StagedDecode final : public PdStagedDecode {
     bool enqueued = false;                    // the staging -> device copy is on the stream
     std::unique_ptr<Event> event;             // recorded behind that copy
     KeptStatus error;
+    KeptStatus enqueue_error;  // the copy failed while being queued: the layer fails once what was queued is over
   };
   struct X {
     std::vector<BlockId> dst;
@@ -565,16 +566,34 @@ class StagedDecode final : public PdStagedDecode {
         }
         Status s = enqueue_copy(x, li);
         if (!s.ok()) {
-          finish_failed(x, l, s.with_context(fmt::format("transfer {} layer {} staging copy", id, li)));
-          continue;
+          // A copy can fail part way through being queued (a descriptor slot that could not grow, one DMA of
+          // several refused): what was queued still writes the destinations. The layer fails, but is final (and
+          // its blocks can go back) only once that work is over: an event behind it, or, where none can be
+          // recorded, the stream drained (bounded; past it, the stream's work is assumed dead).
+          s = s.with_context(fmt::format("transfer {} layer {} staging copy", id, li));
+          if (device_.record(*l.event, *stream_).ok()) {
+            l.enqueue_error = std::move(s);
+            l.enqueued = true;
+            l.phase = Phase::kCopying;
+          } else {
+            device_.synchronize(*stream_, std::chrono::seconds(30)).ignore_error();
+            finish_failed(x, l, std::move(s));
+            continue;
+          }
+        } else {
+          l.enqueued = true;
+          l.phase = Phase::kCopying;
         }
-        l.enqueued = true;
-        l.phase = Phase::kCopying;
       }
       if (l.phase == Phase::kCopying) {
         auto done = device_.query(*l.event);
         if (!done.ok()) {
-          finish_failed(x, l, done.status().with_context(fmt::format("transfer {} layer {} staging copy", id, li)));
+          finish_failed(x, l,
+                        l.enqueue_error.ok()
+                            ? done.status().with_context(fmt::format("transfer {} layer {} staging copy", id, li))
+                            : Status(l.enqueue_error));
+        } else if (*done && !l.enqueue_error.ok()) {
+          finish_failed(x, l, Status(l.enqueue_error));
         } else if (*done) {
           l.phase = Phase::kFinal;
           l.state = l.wire;
