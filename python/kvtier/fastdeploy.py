@@ -440,7 +440,11 @@ class CacheTransferManager:
                 if ptr is None:
                     continue
                 if isinstance(ptr, bool) or not isinstance(ptr, numbers.Integral) or not 0 <= int(ptr) < 1 << 64:
-                    raise _error("InvalidArgument", f"host_cache_kvs_map[{name!r}] = {ptr!r} is not a host address "
+                    # Named by a short repr: an array given instead of its address put thousands of characters of
+                    # its repr into last_error and the log.
+                    shown = repr(ptr) if isinstance(ptr, (numbers.Number, str, bytes)) and len(repr(ptr)) <= 64 \
+                        else f"a {type(ptr).__name__}"
+                    raise _error("InvalidArgument", f"host_cache_kvs_map[{name!r}] = {shown} is not a host address "
                                  f"(an int in [0, 2**64))")
                 if ptr:
                     host[name] = int(ptr)

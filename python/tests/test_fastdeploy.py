@@ -629,3 +629,15 @@ def test_a_host_block_count_of_the_wrong_type_is_refused_naming_it(value, named)
     with pytest.raises(kvtier.InvalidArgumentError, match=re.escape(f"cache_config.num_cpu_blocks is {named}")):
         CacheTransferManager(fd_config(LAYERS, value), local_rank=0, device_id=0)
     assert CacheTransferManager(fd_config(LAYERS, None), local_rank=0, device_id=0) is not None
+
+
+def test_host_arrays_instead_of_addresses_are_named_briefly(engine):
+    """The host map takes integer addresses; arrays given instead put their whole repr (8,199 characters) into
+    last_error and the log on the first eviction."""
+    mgr, dev, host = make(engine)
+    name = next(iter(host))
+    mgr.set_host_cache_kvs_map({**{k: engine.ptr(v) for k, v in host.items()}, name: np.zeros((4096,), np.uint8)})
+    assert mgr.evict_to_host_async([1], [1]) is False
+    assert f"host_cache_kvs_map[{name!r}] = a ndarray is not a host address" in mgr.last_error, mgr.last_error
+    assert len(mgr.last_error) < 400, len(mgr.last_error)
+    mgr.close()
