@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -48,6 +49,35 @@ TEST(IpcHostIdentity, ComesFromProcAndTravelsInTheBlob) {
   auto got = ipc_blob_host(*blob);
   ASSERT_TRUE(got.ok()) << got.status().to_string();
   EXPECT_EQ(*got, *h);
+}
+
+// A process out of file descriptors: the ipc backend's socket, window and host identity calls failed as kInternal
+// (Python's FatalError: "the library is broken") or as "no procfs?". Each says the open-file limit now
+// (kResourceExhausted). In a child process, whose descriptors are used up to its limit.
+TEST(IpcBackend, OutOfFileDescriptorsIsResourceExhaustedNamingTheLimit) {
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    rlimit lim{64, 64};
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(10);
+    while (::open("/dev/null", O_RDONLY | O_CLOEXEC) >= 0) {
+    }
+    auto host = local_host_identity();
+    if (host.ok() || host.status().code() != StatusCode::kResourceExhausted ||
+        host.status().message().find("open-file limit") == std::string::npos)
+      _exit(11);
+    IpcOptions o;  // a fixed identity, so that the transport's own descriptors are what runs out
+    o.host_identity = [] { return Result<HostIdentity>(HostIdentity{"boot", "pid:[1]"}); };
+    auto t = create_ipc_transport(ident("nofd"), o);
+    if (t.ok() || t.status().code() != StatusCode::kResourceExhausted ||
+        t.status().message().find("open-file limit") == std::string::npos)
+      _exit(12);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10: setrlimit, 11: the host identity, 12: the transport";
 }
 
 TEST(IpcBlob, APeerOnAnotherHostIsRefusedNamingBothBootIds) {

@@ -1,10 +1,10 @@
 // Host identity of an agent and the choice between the ipc backend and the staged / UCX path.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 
 #include "kvtier/transport/ipc.h"
 
@@ -12,9 +12,25 @@ namespace kvtier::transport {
 
 Result<HostIdentity> local_host_identity() {
   HostIdentity h;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  if (!(in >> h.boot_id) || h.boot_id.empty())
-    return Unavailable("cannot read /proc/sys/kernel/random/boot_id (no procfs?)");
+  const int fd = ::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    // Out of descriptors is no missing procfs: said so, as every other call that needs one does.
+    if (err == EMFILE || err == ENFILE)
+      return ResourceExhausted(fmt::format(
+          "cannot open /proc/sys/kernel/random/boot_id: {} (the open-file limit, ulimit -n / RLIMIT_NOFILE, is "
+          "reached)",
+          std::strerror(err)));
+    return Unavailable(fmt::format("cannot read /proc/sys/kernel/random/boot_id: {} (no procfs?)", std::strerror(err)));
+  }
+  char id[128];
+  const ssize_t got = ::read(fd, id, sizeof(id) - 1);
+  ::close(fd);
+  if (got > 0) {
+    h.boot_id.assign(id, static_cast<std::size_t>(got));
+    while (!h.boot_id.empty() && (h.boot_id.back() == '\n' || h.boot_id.back() == ' ')) h.boot_id.pop_back();
+  }
+  if (h.boot_id.empty()) return Unavailable("cannot read /proc/sys/kernel/random/boot_id (no procfs?)");
   char buf[256];
   const ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof(buf) - 1);
   if (n <= 0) return Unavailable(fmt::format("cannot read /proc/self/ns/pid: {}", std::strerror(errno)));

@@ -73,6 +73,18 @@ constexpr std::size_t kMaxMessage = 4u << 20;
 using Buf = codec::ByteWriter<std::string>;
 using Parse = codec::ByteReader;
 
+// A system call that made no descriptor or mapping: out of descriptors (the process's or the system's open-file
+// limit) or memory is kResourceExhausted, naming the limit (it was kInternal: "the library is broken"), anything else
+// kInternal.
+Status os_error(std::string_view what, int err) {
+  if (err == EMFILE || err == ENFILE)
+    return ResourceExhausted(
+        fmt::format("{}: {} (the open-file limit, ulimit -n / RLIMIT_NOFILE, is reached)", what, std::strerror(err)));
+  if (err == ENOMEM || err == ENOSPC || err == ENOBUFS)
+    return ResourceExhausted(fmt::format("{}: {}", what, std::strerror(err)));
+  return Internal(fmt::format("{}: {}", what, std::strerror(err)));
+}
+
 struct Range {
   std::uint32_t region = 0;
   std::uint64_t offset = 0;
@@ -193,11 +205,11 @@ class IpcTransport final : public detail::TransportBase {
     std::random_device rd;
     sock_name_ = fmt::format("kvtier-ipc-{}-{:016x}", getpid(), (std::uint64_t{rd()} << 32) ^ rd());
     listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (listen_fd_ < 0) return Internal(fmt::format("ipc socket: {}", std::strerror(errno)));
+    if (listen_fd_ < 0) return os_error("ipc socket", errno);
     socklen_t len = 0;
     sockaddr_un a = abstract_addr(sock_name_, len);
     if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), len) != 0 || listen(listen_fd_, 64) != 0)
-      return Internal(fmt::format("ipc socket @{}: {}", sock_name_, std::strerror(errno)));
+      return os_error(fmt::format("ipc socket @{}", sock_name_), errno);
     try {
       listener_ = std::thread([this] { accept_loop(); });
       worker_ = std::thread([this] { work_loop(); });
@@ -313,7 +325,7 @@ class IpcTransport final : public detail::TransportBase {
   };
   static Result<Window> make_window(std::uint64_t bytes, const std::string& name) {
     const int fd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd < 0) return Internal(fmt::format("memfd_create: {}", std::strerror(errno)));
+    if (fd < 0) return os_error("memfd_create", errno);
     if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
       const int e = errno;
       close(fd);
@@ -404,7 +416,7 @@ class IpcTransport final : public detail::TransportBase {
       return FailedPrecondition(fmt::format("peer '{}' is in pid namespace {}, local '{}' in {}", blob.identity.name,
                                             a.host.pid_ns, identity().name, host_.pid_ns));
     const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (fd < 0) return Internal(fmt::format("ipc socket: {}", std::strerror(errno)));
+    if (fd < 0) return os_error("ipc socket", errno);
     set_buffers(fd, options_.send_timeout);
     socklen_t len = 0;
     sockaddr_un sa = abstract_addr(a.sock, len);
@@ -446,7 +458,7 @@ class IpcTransport final : public detail::TransportBase {
         std::string challenge;
         if (passed >= 0) close(passed);
         if (!p.str(challenge) || challenge.size() != detail::kHandshakeChallengeBytes) {
-          s = Internal(fmt::format("peer '{}' sent a malformed challenge", blob.identity.name));
+          s = InvalidArgument(fmt::format("peer '{}' sent a malformed challenge", blob.identity.name));
           break;
         }
         if (options_.peer_secret.empty()) {
@@ -464,7 +476,8 @@ class IpcTransport final : public detail::TransportBase {
       }
       if (type != kRegion || !p.u32(index) || !p.u64(bytes) || !p.u8(live)) {
         if (passed >= 0) close(passed);
-        s = Internal(fmt::format("peer '{}' sent a malformed handshake message (type {})", blob.identity.name, type));
+        s = InvalidArgument(
+            fmt::format("peer '{}' sent a malformed handshake message (type {})", blob.identity.name, type));
         break;
       }
       if (live && passed < 0 && index < conn->windows.size() && bytes == blob.regions[index].bytes && bytes > 0 &&
