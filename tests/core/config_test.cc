@@ -255,7 +255,7 @@ TEST(IntegrationConfig, PeerSecretLengthCheckedAndNeverEchoed) {
   IntegrationConfig c;
   ConfigTable t;
   bind_integration_config(t, c);
-  for (const std::string bad : {std::string("ABab01"), std::string(62, 'a'), std::string(130, 'a')}) {
+  for (const std::string& bad : {std::string("ABab01"), std::string(62, 'a'), std::string(130, 'a')}) {
     Status s = t.set("fastdeploy.pd_secret", bad);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad.size();
     EXPECT_NE(s.message().find("64 to 128"), std::string::npos) << s.to_string();
