@@ -416,6 +416,7 @@ TEST_F(CudaDeviceTest, ARangeRegisteredTwiceStaysPinnedUntilBothRegistrationsGo)
   ASSERT_TRUE(s.ok());
   std::memcpy(bytes + 60 * 1024, data.data(), 8192);
   ASSERT_TRUE((*other)->memcpy_async(d.data(), bytes + 60 * 1024, 8192, **s).ok());
+  ASSERT_TRUE((*other)->synchronize(**s, 30s).ok());  // the source is poisoned next
   std::memset(bytes + 60 * 1024, static_cast<int>(kHostPoison), 8192);
   const Status back = (*other)->memcpy_async(bytes + 60 * 1024, d.data(), 8192, **s);
   ASSERT_TRUE(back.ok()) << back.to_string();
