@@ -262,6 +262,23 @@ Result<Blob> decode_blob(std::span<const std::byte> all, std::string_view secret
   return b;
 }
 
+std::optional<std::chrono::steady_clock::time_point> TransportBase::last_progress(PeerId peer) const {
+  auto info = peer_info(peer);
+  if (!info.ok()) return std::nullopt;
+  std::lock_guard lock(progress_mu_);
+  auto it = progress_by_name_.find(info->identity.name);
+  if (it == progress_by_name_.end()) return std::nullopt;
+  return it->second.copying > 0 ? std::chrono::steady_clock::now() : it->second.last;
+}
+
+void TransportBase::note_peer_progress(const std::string& name, int copying) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard lock(progress_mu_);
+  PeerProgress& p = progress_by_name_[name];
+  p.last = now;
+  p.copying += copying;
+}
+
 Result<RegionId> TransportBase::register_memory(const MemoryRegion& region) {
   if (region.base == nullptr || region.bytes == 0)
     return InvalidArgument(

@@ -10,6 +10,8 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -107,8 +109,15 @@ class TransportBase : public Transport {
   std::vector<Notification> take_notifications() override;
   Result<std::vector<Notification>> wait_notifications(std::chrono::nanoseconds timeout) override;
   void wake_notification_waiter() override;
+  // What the backend noted with note_peer_progress (by the peer's agent name): "now" while a copy for the peer runs,
+  // else when the last of its bytes or messages was read; nullopt where nothing was noted.
+  std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const override;
 
  protected:
+  // Evidence that the peer named `name` is alive (Transport::last_progress), taken when the backend reads its bytes
+  // or messages, not when anyone processes them. `copying`: +1 when a copy of bytes of a transfer with the peer
+  // begins here, -1 when it ends (a copy in progress counts as progress throughout).
+  void note_peer_progress(const std::string& name, int copying = 0);
   // ---- hooks ----
   // Registers the region with the backend; returns its remote key (packed into the blob).
   virtual Result<std::string> backend_register(RegionId id, const MemoryRegion& region) = 0;
@@ -185,6 +194,13 @@ class TransportBase : public Transport {
     std::vector<RegionId> regions;  // distinct local regions used
     std::string notification;
   };
+
+  struct PeerProgress {
+    std::chrono::steady_clock::time_point last;
+    int copying = 0;
+  };
+  mutable std::mutex progress_mu_;
+  std::unordered_map<std::string, PeerProgress> progress_by_name_;  // note_peer_progress
 
   const AgentIdentity identity_;
   const std::string peer_secret_;

@@ -14,6 +14,7 @@
 #include "kvtier/backend/device.h"
 #include "kvtier/core/status.h"
 #include "kvtier/transfer/registration.h"
+#include "status_bridge.h"
 
 namespace kvtier::python {
 
@@ -43,11 +44,7 @@ struct PyStream {
       return;
     }
     // Not while the interpreter finalizes: a callback thread taking the released GIL then would exit.
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
+    const bool finalizing = interpreter_finalizing();
     if (stream && PyGILState_Check() && !finalizing) {
       GilReleased release;
       stream.reset();

@@ -107,11 +107,7 @@ struct PyTransferManager {
     // A manager whose shutdown timed out waits for its streams' work as it goes (the host backend drains them):
     // without the GIL, so every other Python thread does not stop meanwhile (15.8 s of a frozen interpreter for
     // 8 s copies). Not while the interpreter finalizes (as ~PyStream).
-#if PY_VERSION_HEX >= 0x030D0000
-    const bool finalizing = Py_IsFinalizing();
-#else
-    const bool finalizing = _Py_IsFinalizing();
-#endif
+    const bool finalizing = interpreter_finalizing();
     if (retired && PyGILState_Check() && !finalizing) {
       GilReleased release;
       retired.reset();

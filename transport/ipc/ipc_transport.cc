@@ -28,7 +28,6 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
-#include <optional>
 #include <random>
 #include <thread>
 
@@ -363,31 +362,15 @@ class IpcTransport final : public detail::TransportBase {
     return format_address(Address{host_, std::to_string(getpid()), sock_name_});
   }
 
-  // Every message of a peer read off either connection with it (its requests and notifications on the connection it
-  // opened, its replies on ours), when it is read, not when anyone processes it, and "now" while a thread here
-  // copies the bytes of one of its requests or replies: a long transfer's requests and replies keep coming while
-  // the heartbeats wait behind them on the one ordered connection, and a copy of a whole layer's window keeps the
-  // thread that would read them busy for longer than a lease (Transport's contract).
-  std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const override {
-    auto info = peer_info(peer);
-    if (!info.ok()) return std::nullopt;
-    std::lock_guard lock(progress_mu_);
-    auto it = progress_by_name_.find(info->identity.name);
-    if (it == progress_by_name_.end()) return std::nullopt;
-    return it->second.copying > 0 ? std::chrono::steady_clock::now() : it->second.last;
-  }
-  void note_progress(const std::string& name, int copying = 0) {
-    const auto now = std::chrono::steady_clock::now();
-    std::lock_guard lock(progress_mu_);
-    Progress& p = progress_by_name_[name];
-    p.last = now;
-    p.copying += copying;
-  }
-  // While it lives, a thread here copies bytes of a transfer with the peer.
+  // A peer's progress (TransportBase::last_progress): every message of it read off either connection with it (its
+  // requests and notifications on the connection it opened, its replies on ours), and the copies of its requests
+  // or replies while they run. A long transfer's requests and replies keep coming while the heartbeats wait behind
+  // them on the one ordered connection, and a copy of a whole layer's window keeps the thread that would read them
+  // busy for longer than a lease. While a CopyingFor lives, a thread here copies bytes of a transfer with the peer.
   class CopyingFor {
    public:
-    CopyingFor(IpcTransport& t, const std::string& name) : t_(t), name_(name) { t_.note_progress(name_, +1); }
-    ~CopyingFor() { t_.note_progress(name_, -1); }
+    CopyingFor(IpcTransport& t, const std::string& name) : t_(t), name_(name) { t_.note_peer_progress(name_, +1); }
+    ~CopyingFor() { t_.note_peer_progress(name_, -1); }
     CopyingFor(const CopyingFor&) = delete;
     CopyingFor& operator=(const CopyingFor&) = delete;
 
@@ -920,7 +903,7 @@ class IpcTransport final : public detail::TransportBase {
   void receive_loop(std::shared_ptr<Conn> conn) {
     std::string m;
     while (recv_msg(conn->fd, m)) {
-      note_progress(conn->name);
+      note_peer_progress(conn->name);
       Parse p(m);
       std::uint32_t type = 0, code = 0;
       std::uint64_t id = 0;
@@ -1058,7 +1041,7 @@ class IpcTransport final : public detail::TransportBase {
         if (!send_regions(fd)) return;
         continue;
       }
-      note_progress(peer_name);
+      note_peer_progress(peer_name);
       if (type == kNotify) {
         std::uint8_t kind = 0;
         std::string text;
@@ -1154,13 +1137,6 @@ class IpcTransport final : public detail::TransportBase {
 
   mutable std::mutex conns_mu_;
   std::vector<std::shared_ptr<Conn>> conns_;
-
-  struct Progress {
-    std::chrono::steady_clock::time_point last;  // a message of the peer read, or a copy for it ended
-    int copying = 0;                             // threads copying for it now (CopyingFor)
-  };
-  mutable std::mutex progress_mu_;
-  std::map<std::string, Progress> progress_by_name_;  // last_progress, by agent name
 
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_;

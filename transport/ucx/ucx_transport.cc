@@ -724,21 +724,6 @@ class UcxTransport final : public detail::TransportBase {
     return Status::Ok();
   }
 
-  void note_progress(const std::string& name) {
-    const auto now = std::chrono::steady_clock::now();
-    std::lock_guard lock(progress_mu_);
-    progress_by_name_[name] = now;
-  }
-
-  std::optional<std::chrono::steady_clock::time_point> last_progress(PeerId peer) const override {
-    auto info = peer_info(peer);
-    if (!info.ok()) return std::nullopt;
-    std::lock_guard lock(progress_mu_);
-    auto it = progress_by_name_.find(info->identity.name);
-    if (it == progress_by_name_.end()) return std::nullopt;
-    return it->second;
-  }
-
   Status backend_send_urgent(PeerId peer, std::string message) override {
     {
       std::lock_guard lock(ucx_mu_);
@@ -1101,7 +1086,7 @@ class UcxTransport final : public detail::TransportBase {
       if (!rndv) {
         if (length != 0) std::memcpy(dest, data, length);
         ++in.landed;
-        note_progress(sender);
+        note_peer_progress(sender);
         settle(sender);
         return UCS_OK;
       }
@@ -1127,7 +1112,7 @@ class UcxTransport final : public detail::TransportBase {
       if (!rndv) {
         if (length != 0) std::memcpy(pd->ops[index].local_ptr, data, length);
         ++pd->landed_count;
-        if (pd->peer < peers_.size() && peers_[pd->peer]) note_progress(peers_[pd->peer]->name);
+        if (pd->peer < peers_.size() && peers_[pd->peer]) note_peer_progress(peers_[pd->peer]->name);
         advance(pd);
         return UCS_OK;
       }
@@ -1192,7 +1177,7 @@ class UcxTransport final : public detail::TransportBase {
       if (op.request != nullptr) --it->second.in_flight;
       if (st == UCS_OK) {
         ++it->second.landed;
-        note_progress(op.sender);
+        note_peer_progress(op.sender);
       } else if (it->second.error.ok()) {
         it->second.error = request_error(fmt::format("write {} of '{}'", op.xfer, op.sender), st);
       }
@@ -1338,7 +1323,7 @@ class UcxTransport final : public detail::TransportBase {
     UcxTransport* self = s->self;
     ucp_request_free(request);
     self->outstanding_.fetch_sub(1);
-    if (st == UCS_OK) self->note_progress(s->sender);  // the reader takes our answers: it is alive
+    if (st == UCS_OK) self->note_peer_progress(s->sender);  // the reader takes our answers: it is alive
     self->serves_.erase(s->pos);
   }
 
@@ -1346,7 +1331,7 @@ class UcxTransport final : public detail::TransportBase {
   void enqueue(Queued q) {
     auto& line = fifo_[q.note.peer];
     const std::string sender = q.note.peer;
-    note_progress(sender);  // read off its connection now: the peer was alive moments ago
+    note_peer_progress(sender);  // read off its connection now: the peer was alive moments ago
     line.push_back(std::move(q));
     settle(sender);
   }
@@ -1506,7 +1491,7 @@ class UcxTransport final : public detail::TransportBase {
     pd->requests.erase(request);  // a set: a transfer of 200,000 descriptors erased from a vector was quadratic
     ucp_request_free(request);
     if (st != UCS_OK && pd->error.ok()) pd->error = request_error(what, st);
-    if (st == UCS_OK && pd->peer < peers_.size() && peers_[pd->peer]) note_progress(peers_[pd->peer]->name);
+    if (st == UCS_OK && pd->peer < peers_.size() && peers_[pd->peer]) note_peer_progress(peers_[pd->peer]->name);
   }
 
   static void on_op_done(void* request, ucs_status_t st, void* user) {
@@ -1697,10 +1682,6 @@ class UcxTransport final : public detail::TransportBase {
   std::list<SendBuf> sends_;
   // Close requests of urgent endpoints closed by backend_disconnect, freed at shutdown (one per disconnect).
   std::vector<void*> urgent_closing_;
-  // Per peer agent name: when bytes of a transfer with it last moved (last_progress). Written with ucx_mu_ held,
-  // read without it.
-  mutable std::mutex progress_mu_;
-  std::unordered_map<std::string, std::chrono::steady_clock::time_point> progress_by_name_;
   // The active-message data path (see UcxDataPath).
   const bool am_mode_;                                           // this agent's regions take active messages
   std::unordered_map<RegionId, LocalRegion> local_;              // its regions, with their tokens
