@@ -2,6 +2,8 @@
 // BlockStored / BlockRemoved events, merging consecutive blocks of one chain and medium.
 #include <fmt/format.h>
 
+#include <iterator>
+
 #include "cache/cache_manager_impl.h"
 
 namespace kvtier::cache {
@@ -72,6 +74,13 @@ std::vector<metrics::KvEvent> CacheManager::take_events() {
   std::vector<metrics::KvEvent> out;
   out.swap(impl_->events);
   return out;
+}
+
+void CacheManager::return_events(std::vector<metrics::KvEvent> events) {
+  if (events.empty()) return;
+  std::vector<metrics::KvEvent>& queued = impl_->events;
+  events.insert(events.end(), std::make_move_iterator(queued.begin()), std::make_move_iterator(queued.end()));
+  queued.swap(events);
 }
 
 std::vector<CacheManager::CachedBlock> CacheManager::cached_blocks() const {

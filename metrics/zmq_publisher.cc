@@ -238,7 +238,7 @@ ZmqEventPublisher::~ZmqEventPublisher() { shutdown().ignore_error(); }
 const std::string& ZmqEventPublisher::endpoint() const noexcept { return impl_->endpoint; }
 const std::string& ZmqEventPublisher::replay_endpoint() const noexcept { return impl_->replay_endpoint; }
 
-Result<std::uint64_t> ZmqEventPublisher::publish(std::vector<KvEvent> events) {
+Result<std::uint64_t> ZmqEventPublisher::publish(std::vector<KvEvent>&& events) {
   std::lock_guard lk(impl_->mu);
   if (impl_->stopping) return FailedPrecondition("zmq publisher: publish() after shutdown()");
   if (events.empty()) return impl_->next_seq;

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -931,10 +932,16 @@ Action register_replay(CLI::App& app) {
       publisher = std::move(*p);
       std::fprintf(stderr, "kvtier replay: publishing KV events on %s\n", publisher->endpoint().c_str());
       o.kv_events_storage_medium = a.storage.rfind("redis", 0) == 0 ? metrics::Medium::kRemote : metrics::Medium::kDisk;
-      o.on_kv_events = [&publisher](std::vector<metrics::KvEvent> events) {
-        // A full queue (a stalled publisher thread) drops the batch; subscribers see the gap in the
-        // sequence numbers and can ask the replay socket.
-        publisher->publish(std::move(events)).status().ignore_error();
+      o.on_kv_events = [&publisher,
+                        refused = std::vector<metrics::KvEvent>()](std::vector<metrics::KvEvent> events) mutable {
+        // A full queue (a stalled publisher thread) refuses the batch and leaves it here: it goes out in front of
+        // the next step's events, so subscribers see every change, later, and no gap.
+        if (!refused.empty()) {
+          refused.insert(refused.end(), std::make_move_iterator(events.begin()), std::make_move_iterator(events.end()));
+          events.swap(refused);
+          refused.clear();
+        }
+        if (!publisher->publish(std::move(events)).ok()) refused = std::move(events);
       };
     }
     if (a.progress) progress.emplace(trace->size());

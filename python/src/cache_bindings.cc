@@ -790,11 +790,20 @@ void bind_cache(nb::module_& m) {
               ev = p.cm->take_events();
             }
             if (ev.empty()) return nb::none();
-            return nb::int_(value_or_raise(pub->publish(std::move(ev))));
+            Result<std::uint64_t> seq = pub->publish(std::move(ev));
+            if (!seq.ok()) {
+              // Refused (a full queue, a publisher shut down meanwhile): the batch is still in `ev`; it goes back in
+              // front of the manager's queue, so the next call sends it.
+              auto lock = lock_gil_safe(p.mu);
+              p.cm->return_events(std::move(ev));
+            }
+            return nb::int_(value_or_raise(std::move(seq)));
           },
           "publisher"_a,
           "Takes the events since the last call and publishes them as one batch on a KvEventPublisher; returns "
-          "its sequence number, or None when there was nothing to send.");
+          "its sequence number, or None when there was nothing to send. When the publisher refuses the batch "
+          "(ResourceExhaustedError: its queue is full; FailedPreconditionError: it was shut down) the events stay "
+          "in this manager and the next call sends them.");
 
   nb::class_<PyHybridCache>(m, "HybridCache",
                             "Hybrid models' KV groups (full attention, sliding window, Mamba / linear-attention "

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 #include <utility>
@@ -187,6 +188,42 @@ TEST(CacheKvEvents, RebuildEqualsIndexEveryStepWriteBackWithFailures) {
   auto trace = trace_head(400);
   ASSERT_FALSE(trace.empty());
   check_rebuild(trace, three_tiers(WritePolicy::kWriteBack), 5);
+}
+
+// Events a consumer refused go back in front of the manager's queue: the next take returns them first, then what
+// happened since, so a publisher that refused a batch loses nothing (Python's publish_events does this).
+TEST(CacheKvEvents, ReturnedEventsComeBackFirstInOrder) {
+  auto cm = CacheManager::create(three_tiers(WritePolicy::kWriteThrough));
+  ASSERT_TRUE(cm.ok()) << cm.status().to_string();
+  ASSERT_TRUE((*cm)->enable_kv_events(512, Medium::kDisk).ok());
+  KeyNamespace ns;
+  ns.model_id = "test/model";
+  ns.block_tokens = 512;
+  auto hasher = KeyHasher::create(ns);
+  auto store = [&](std::uint64_t first) {
+    const std::uint64_t ids[] = {first, first + 1};
+    auto keys = hasher->keys_for_ids(ids);
+    auto adm = (*cm)->admit(keys, 0);
+    ASSERT_TRUE(adm.ok()) << adm.status().to_string();
+    ASSERT_TRUE((*cm)->commit_all(adm->id).ok());
+    ASSERT_TRUE((*cm)->release(adm->id).ok());
+  };
+  store(100);
+  std::vector<metrics::KvEvent> first = (*cm)->take_events();
+  ASSERT_FALSE(first.empty());
+  store(200);
+  std::vector<metrics::KvEvent> second = (*cm)->take_events();
+  ASSERT_FALSE(second.empty());
+  (*cm)->return_events(second);  // refused later, returned first: the order is the caller's
+  (*cm)->return_events(first);
+  store(300);
+  std::vector<metrics::KvEvent> expected = first;
+  expected.insert(expected.end(), second.begin(), second.end());
+  const std::vector<metrics::KvEvent> all = (*cm)->take_events();
+  ASSERT_GT(all.size(), expected.size());  // the third chain's events follow
+  EXPECT_TRUE(std::equal(expected.begin(), expected.end(), all.begin()));
+  (*cm)->return_events({});
+  EXPECT_TRUE((*cm)->take_events().empty());
 }
 
 // Enabling events on a warm cache announces what is already indexed.

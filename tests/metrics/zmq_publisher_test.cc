@@ -115,6 +115,25 @@ TEST(ZmqPublisher, LateSubscriberCatchesUpThroughReplay) {
   EXPECT_EQ((*pub)->publish(step_events(0)).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// A refused batch stayed in publish()'s by-value parameter and was destroyed: the caller had nothing to send again,
+// so the consumer never heard of those changes. Now a refusal leaves the batch with the caller.
+TEST(ZmqPublisher, RefusedBatchStaysWithTheCaller) {
+  if (!zmq_available()) GTEST_SKIP() << "libzmq.so.5 is not installed";
+  ZmqPublisherOptions o;
+  o.endpoint = "tcp://127.0.0.1:*";
+  auto pub = ZmqEventPublisher::create(o);
+  ASSERT_TRUE(pub.ok()) << pub.status().to_string();
+  std::vector<KvEvent> batch = step_events(0);
+  auto first = (*pub)->publish(std::move(batch));
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  EXPECT_EQ(*first, 0u);
+  ASSERT_TRUE((*pub)->shutdown().ok());
+  batch = step_events(1);
+  auto refused = (*pub)->publish(std::move(batch));
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(batch, step_events(1));  // NOLINT(bugprone-use-after-move): a refusal does not move from it
+}
+
 // flush() waited with condition_variable::wait_for, whose now + timeout overflows for "forever"
 // (milliseconds::max(), what Python's flush(1e300) became): it reported TimedOut at once while batches were queued.
 TEST(ZmqPublisher, FlushWithoutALimitWaitsForTheQueue) {

@@ -471,6 +471,11 @@ class CacheManager {
   Status enable_kv_events(std::uint32_t block_size, metrics::Medium storage_medium = metrics::Medium::kDisk);
   // The events since the last call, in order (one step's batch).
   std::vector<metrics::KvEvent> take_events();
+  // Puts events that take_events() returned back in front of any taken since, for a caller whose consumer refused
+  // them (a full or closed publisher): the next take_events() returns them first, in their order. Events that
+  // did not come from this manager's take_events() must not be returned (consumers would see changes that never
+  // happened).
+  void return_events(std::vector<metrics::KvEvent> events);
   struct CachedBlock {
     BlockKey key;
     Tier tier;

@@ -50,8 +50,10 @@ class ZmqEventPublisher {
   ZmqEventPublisher& operator=(const ZmqEventPublisher&) = delete;
 
   // Queues one batch (one step's events; an empty list is not sent). Returns its sequence number.
-  // ResourceExhausted when max_queue_batches are queued; FailedPrecondition after shutdown().
-  Result<std::uint64_t> publish(std::vector<KvEvent> events);
+  // ResourceExhausted when max_queue_batches are queued; FailedPrecondition after shutdown(). `events` is moved
+  // from only when the batch is queued: a refused batch stays with the caller (CacheManager::return_events puts
+  // events taken from a cache back), so a refusal loses nothing and uses no sequence number.
+  Result<std::uint64_t> publish(std::vector<KvEvent>&& events);
   // The endpoints actually bound (ephemeral ports resolved).
   const std::string& endpoint() const noexcept;
   const std::string& replay_endpoint() const noexcept;
