@@ -233,6 +233,29 @@ Result<TensorDesc> describe_any_tensor(const std::string& name, const nb::ndarra
   return t;
 }
 
+// str(value.dtype) for an array-like whose dtype DLPack cannot carry (numpy's object, string, structured, datetime
+// dtypes), "" for anything without one. Through the C API, clearing what a failed lookup raised: nanobind's
+// attribute helpers throw, and the failed import before this may have left an error behind.
+std::string dtype_name_of(nb::handle value) {
+  PyErr_Clear();
+  PyObject* dtype = PyObject_GetAttrString(value.ptr(), "dtype");
+  if (dtype == nullptr) {
+    PyErr_Clear();
+    return {};
+  }
+  PyObject* text = PyObject_Str(dtype);
+  Py_DECREF(dtype);
+  std::string out;
+  if (text != nullptr) {
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(text, &size);
+    if (utf8 != nullptr) out.assign(utf8, static_cast<std::size_t>(std::min<Py_ssize_t>(size, 200)));
+    Py_DECREF(text);
+  }
+  PyErr_Clear();
+  return out;
+}
+
 }  // namespace
 
 std::map<std::string, nb::ndarray<>> tensor_map_arg(nb::handle value, const char* what) {
@@ -251,6 +274,12 @@ std::map<std::string, nb::ndarray<>> tensor_map_arg(nb::handle value, const char
       if (nb::try_cast(v, read_only))
         raise_status(InvalidArgument(fmt::format(
             "{}['{}'] is read-only: kvtier registers KV tensors writable (pass a writable one)", what, name)));
+      const std::string dtype = dtype_name_of(v);
+      if (!dtype.empty())
+        raise_status(
+            InvalidArgument(fmt::format("{}['{}'] is a {} of dtype {}, which DLPack cannot carry (kvtier takes numeric "
+                                        "dtypes: integer, float, complex, bool)",
+                                        what, name, nb::cast<std::string>(v.type().attr("__name__")), dtype)));
       raise_status(InvalidArgument(fmt::format("{}['{}'] is a {}, not a tensor (numpy, torch or another DLPack array)",
                                                what, name, nb::cast<std::string>(v.type().attr("__name__")))));
     }

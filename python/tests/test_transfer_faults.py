@@ -365,6 +365,33 @@ def test_none_block_lists_and_read_only_tensors_are_named():
                                             4, 1)
 
 
+
+def test_an_array_whose_dtype_dlpack_cannot_carry_is_named_with_its_dtype():
+    """A numpy array of object, string, structured or datetime dtype was refused as "is a ndarray, not a tensor",
+    which reads as if numpy arrays were not accepted at all."""
+    dev = kvtier.host_device()
+    compute = dev.create_stream("c")
+    good = {f"{role}_0_rank0.device0": np.zeros((4, 64), np.uint8) for role in ("key_caches", "value_caches")}
+    pointers = {k: v.ctypes.data for k, v in good.items()}
+    for bad, shown in ((np.zeros(4, dtype=object), "object"), (np.zeros(4, dtype="U3"), "<U3"),
+                       (np.zeros(4, dtype="datetime64[s]"), r"datetime64\[s\]"),
+                       (np.zeros(4, dtype=[("a", "i4"), ("b", "f4")]), "a")):
+        tensors = {**good, "value_caches_0_rank0.device0": bad}
+        with pytest.raises(kvtier.InvalidArgumentError,
+                           match=r"device_tensors\['value_caches_0_rank0.device0'\] is a ndarray of dtype .*" + shown
+                           + r".*DLPack cannot carry"):
+            kvtier.TransferManager.from_tensors(dev, compute, tensors, pointers, 4, 1)
+    # Objects with a dtype attribute that is not an array's keep the plain message, and the interpreter is fine.
+    class Odd:
+        dtype = property(lambda self: 1 / 0)
+
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"is a Odd, not a tensor"):
+        kvtier.TransferManager.from_tensors(dev, compute, {**good, "key_caches_0_rank0.device0": Odd()}, pointers, 4,
+                                            1)
+    mgr = kvtier.TransferManager.from_tensors(dev, compute, good, pointers, 4, 1)
+    mgr.close()
+
+
 _CHECKSUMS_AFTER_TIMEOUTS = r"""
 import sys
 import numpy as np
