@@ -15,6 +15,8 @@ namespace kvtier::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::fill_pattern;
+using testing::matches_pattern;
 using testing::pattern;
 using testing::pd_layout;
 
@@ -31,9 +33,13 @@ struct DevBlocks {
       for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
         Buffer b = dev.allocate_device(BlockSpace::layer_first_region_bytes(layout, l, r, kBlocks)).value();
         auto* p = b.bytes_ptr();
-        for (std::uint64_t blk = 0; blk < kBlocks; ++blk)
-          for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
-            p[blk * layout.block_bytes(l, r) + i] = fill ? pattern(l, r, blk, i) : std::byte{0xee};
+        for (std::uint64_t blk = 0; blk < kBlocks; ++blk) {
+          std::byte* block = p + blk * layout.block_bytes(l, r);
+          if (fill)
+            fill_pattern(block, l, r, blk, layout.block_bytes(l, r));
+          else
+            std::memset(block, 0xee, layout.block_bytes(l, r));
+        }
         bases[l].push_back(b.data());
         d.mem.push_back(std::move(b));
       }
@@ -45,8 +51,7 @@ struct DevBlocks {
 // Host-backend device memory is RAM: compared in place.
 bool matches(const BlockSpace& s, std::uint64_t dst, std::uint32_t l, std::uint64_t src) {
   for (std::uint32_t r = 0; r < s.layout().num_roles(l); ++r)
-    for (std::uint64_t i = 0; i < s.layout().block_bytes(l, r); ++i)
-      if (s.block_ptr(l, r, dst)[i] != pattern(l, r, src, i)) return false;
+    if (!matches_pattern(s.block_ptr(l, r, dst), l, r, src, s.layout().block_bytes(l, r))) return false;
   return true;
 }
 

@@ -34,6 +34,8 @@ namespace kvtier::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::fill_pattern;
+using testing::matches_pattern;
 using testing::pattern;
 using testing::pd_layout;
 
@@ -78,8 +80,7 @@ struct DeviceBlocks {
         KVTIER_RETURN_IF_ERROR(dev.memcpy_sync(b.data(), m, bytes));  // poisoned device memory
         if (pattern_in_mirror)
           for (std::uint64_t blk = 0; blk < kBlocks; ++blk)
-            for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
-              m[blk * layout.block_bytes(l, r) + i] = pattern(l, r, blk, i);
+            fill_pattern(m + blk * layout.block_bytes(l, r), l, r, blk, layout.block_bytes(l, r));
         bases[l].push_back(b.data());
         d.planes.push_back(std::move(b));
       }
@@ -342,9 +343,7 @@ struct DecodeRig {
     }
     if (!dev->synchronize(*compute, 10s).ok()) return false;
     for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
-      const std::byte* m = blocks.host.space.block_ptr(l, r, dst);
-      for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
-        if (m[i] != pattern(l, r, src, i)) return false;
+      if (!matches_pattern(blocks.host.space.block_ptr(l, r, dst), l, r, src, layout.block_bytes(l, r))) return false;
     }
     return true;
   }

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -80,12 +81,43 @@ inline KvLayout pd_layout(std::uint32_t layers = 4, std::uint64_t block_bytes = 
   return KvLayout::uniform(layers, 2, block_bytes).value();
 }
 
-inline std::byte pattern(std::uint32_t l, std::uint32_t r, std::uint64_t b, std::uint64_t i) {
-  std::uint64_t x = (static_cast<std::uint64_t>(l) << 48) ^ (static_cast<std::uint64_t>(r) << 40) ^ (b << 24) ^ i;
+// The reference bytes of (layer l, role r, block b): byte i is byte i % 8 of a hash of (l, r, b, i / 8), so a
+// block is filled and checked a 64-bit word at a time (byte by byte, filling and checking the 256 MiB of the lease
+// test took about 50 s of pd_test's 120 s under AddressSanitizer).
+inline std::uint64_t pattern_word(std::uint32_t l, std::uint32_t r, std::uint64_t b, std::uint64_t word) {
+  std::uint64_t x = (static_cast<std::uint64_t>(l) << 48) ^ (static_cast<std::uint64_t>(r) << 40) ^ (b << 24) ^ word;
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdULL;
   x ^= x >> 29;
-  return static_cast<std::byte>(x);
+  return x;
+}
+
+inline std::byte pattern(std::uint32_t l, std::uint32_t r, std::uint64_t b, std::uint64_t i) {
+  return static_cast<std::byte>(pattern_word(l, r, b, i / 8) >> (8 * (i % 8)));
+}
+
+// Writes the reference bytes of (l, r, b) to p[0, bytes).
+inline void fill_pattern(std::byte* p, std::uint32_t l, std::uint32_t r, std::uint64_t b, std::uint64_t bytes) {
+  std::uint64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    const std::uint64_t w = pattern_word(l, r, b, i / 8);
+    std::memcpy(p + i, &w, 8);
+  }
+  for (; i < bytes; ++i) p[i] = pattern(l, r, b, i);
+}
+
+// True when p[0, bytes) holds the reference bytes of (l, r, b).
+inline bool matches_pattern(const std::byte* p, std::uint32_t l, std::uint32_t r, std::uint64_t b,
+                            std::uint64_t bytes) {
+  std::uint64_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    std::uint64_t w = 0;
+    std::memcpy(&w, p + i, 8);
+    if (w != pattern_word(l, r, b, i / 8)) return false;
+  }
+  for (; i < bytes; ++i)
+    if (p[i] != pattern(l, r, b, i)) return false;
+  return true;
 }
 
 // Host-backend device memory is RAM: the same blocks viewed as device memory (the device and ring lanes).
@@ -112,9 +144,11 @@ struct HostBlocks {
         const std::uint64_t bytes = layout.block_bytes(l, r) * num_blocks;
         h.storage[l].emplace_back(new std::byte[bytes]);
         std::byte* p = h.storage[l].back().get();
-        for (std::uint64_t b = 0; b < num_blocks; ++b)
-          for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
-            p[b * layout.block_bytes(l, r) + i] = fill ? pattern(l, r, b, i) : poison;
+        if (fill)
+          for (std::uint64_t b = 0; b < num_blocks; ++b)
+            fill_pattern(p + b * layout.block_bytes(l, r), l, r, b, layout.block_bytes(l, r));
+        else
+          std::memset(p, static_cast<int>(poison), bytes);
         bases[l].push_back(p);
       }
     h.space = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, layout, num_blocks, bases).value();
@@ -125,11 +159,8 @@ struct HostBlocks {
 // True when decode block `dst` holds, in layer l, what prefill block `src` holds.
 inline bool layer_matches(const BlockSpace& decode, std::uint64_t dst, std::uint32_t l, std::uint64_t src) {
   const KvLayout& layout = decode.layout();
-  for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
-    const std::byte* p = decode.block_ptr(l, r, dst);
-    for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
-      if (p[i] != pattern(l, r, src, i)) return false;
-  }
+  for (std::uint32_t r = 0; r < layout.num_roles(l); ++r)
+    if (!matches_pattern(decode.block_ptr(l, r, dst), l, r, src, layout.block_bytes(l, r))) return false;
   return true;
 }
 

@@ -116,9 +116,13 @@ Result<BlockSpace> transport_blocks(Transport& t, const KvLayout& layout, std::u
   for (std::uint32_t l = 0; l < layout.num_layers(); ++l)
     for (std::uint32_t r = 0; r < layout.num_roles(l); ++r) {
       std::byte* p = mem.data() + at;
-      for (std::uint64_t b = 0; b < num_blocks; ++b)
-        for (std::uint64_t i = 0; i < layout.block_bytes(l, r); ++i)
-          p[b * layout.block_bytes(l, r) + i] = fill ? testing::pattern(l, r, b, i) : std::byte{0xee};
+      for (std::uint64_t b = 0; b < num_blocks; ++b) {
+        std::byte* block = p + b * layout.block_bytes(l, r);
+        if (fill)
+          testing::fill_pattern(block, l, r, b, layout.block_bytes(l, r));
+        else
+          std::memset(block, 0xee, layout.block_bytes(l, r));
+      }
       bases[l].push_back(p);
       at += layout.block_bytes(l, r) * num_blocks;
     }
