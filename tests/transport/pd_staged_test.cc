@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "kvtier/device/host_device.h"
@@ -164,6 +165,90 @@ TEST(PdStaged, TheStagingPoolPushesBackAndRefillsOnForget) {
   EXPECT_EQ(fin->leading_loaded_blocks(), 3u);
   for (std::uint32_t l = 0; l < 4; ++l)
     for (std::uint64_t i = 0; i < 3; ++i) EXPECT_TRUE(matches(rig.dec_mem.space, 1 + 2 * i, l, 2 * i));
+}
+
+// An engine that queues the first half of a copy into device memory, then refuses the rest, as a real one can part
+// way through (a descriptor slot that could not grow, one DMA of several refused): what it queued still writes the
+// destinations after copy() has returned the error.
+class QueuesHalfThenFails final : public CopyEngine {
+ public:
+  explicit QueuesHalfThenFails(CopyEngine& inner) : inner_(inner) {}
+  Status validate(const CopyRequest& r) const override { return inner_.validate(r); }
+  Result<CopyReport> copy(const CopyRequest& r, Stream& stream) override {
+    if (r.dst == nullptr || r.dst->kind() != MemoryKind::kDevice) return inner_.copy(r, stream);
+    CopyRequest half = r;
+    half.src_blocks = r.src_blocks.first(r.src_blocks.size() / 2);
+    half.dst_blocks = r.dst_blocks.first(r.dst_blocks.size() / 2);
+    auto queued = inner_.copy(half, stream);
+    if (!queued.ok()) return queued.status();
+    ++refused_;
+    return Internal(fmt::format("queued {} of {} blocks, then refused the rest (test)", half.src_blocks.size(),
+                                r.src_blocks.size()));
+  }
+  Result<PreparedCopy> prepare(const CopyRequest& r) const override { return inner_.prepare(r); }
+  Result<CopyReport> copy(const PreparedCopy& p, std::span<const std::uint32_t> layers, Stream& stream,
+                          std::uint64_t* checksums, std::uint64_t* landed) override {
+    return inner_.copy(p, layers, stream, checksums, landed);
+  }
+  CopyStrategy choose(const CopyRequest& r) const override { return inner_.choose(r); }
+  Result<CopyReport> checksum(const BlockSpace& space, std::span<const BlockId> blocks,
+                              std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
+                              Stream& stream) override {
+    return inner_.checksum(space, blocks, layers, roles, out, stream);
+  }
+  Status forget_stream(Stream& stream) override { return inner_.forget_stream(stream); }
+  const CopyEngineOptions& options() const noexcept override { return inner_.options(); }
+  Device& device() const noexcept override { return inner_.device(); }
+  int refused() const { return refused_.load(); }
+
+ private:
+  CopyEngine& inner_;
+  std::atomic<int> refused_{0};
+};
+
+// A decode's staging copy that fails part way through being queued: the layer is failed, but only once what was
+// queued has landed, so the engine never gets back blocks a queued copy still writes. Every operation of the host
+// device takes 150 ms here, so a layer failed at once would find the queued half still poisoned.
+TEST(PdStaged, ACopyRefusedPartWayThroughQueueingFailsItsLayerOnlyOnceTheQueuedPartLanded) {
+  HostDeviceOptions slow;
+  slow.min_delay = slow.max_delay = std::chrono::milliseconds(150);
+  auto dev = HostDevice::create(slow).value();
+  auto engine = CopyEngine::create(*dev).value();
+  QueuesHalfThenFails failing(*engine);
+  const KvLayout layout = pd_layout();
+  DevBlocks pre_mem = DevBlocks::make(*dev, layout, true);
+  DevBlocks dec_mem = DevBlocks::make(*dev, layout, false);
+  StagingSpace pre_st = StagingSpace::allocate(*dev, layout, 6).value();
+  StagingSpace dec_st = StagingSpace::allocate(*dev, layout, 6).value();
+  const int n = ++g_seq;
+  auto pre_t = create_loopback_transport({fmt::format("hpre{}", n), layout.fingerprint(), 1, 0}).value();
+  auto dec_t = create_loopback_transport({fmt::format("hdec{}", n), layout.fingerprint(), 1, 0}).value();
+  auto pre = PdStagedPrefill::create(*pre_t, *dev, *engine, pre_mem.space, pre_st.space).value();
+  auto dec = PdStagedDecode::create(*dec_t, *dev, failing, dec_mem.space, dec_st.space).value();
+  const PeerId to_dec = pre_t->load_peer(dec_t->export_metadata().value()).value();
+  const PeerId to_pre = dec_t->load_peer(pre_t->export_metadata().value()).value();
+
+  ASSERT_TRUE(pre->begin(to_dec, 9, kSrc).ok());
+  ASSERT_TRUE(dec->start(to_pre, 9, PdMode::kPush, kDst).ok());
+  ASSERT_TRUE(pre->layer_ready(9, 0).ok());
+  auto ls = dec->wait_layer(9, 0, 30s);
+  ASSERT_TRUE(ls.ok()) << ls.status().to_string();
+  EXPECT_EQ(*ls, LayerState::kFailed);
+  EXPECT_EQ(failing.refused(), 1);
+  // By the time the layer reads failed, the half that was queued has landed whole; the other half was never
+  // written (its destinations keep their poison) and nothing of the layer is reported loaded.
+  const std::size_t queued = kDst.size() / 2;
+  for (std::size_t i = 0; i < queued; ++i) EXPECT_TRUE(matches(dec_mem.space, kDst[i], 0, kSrc[i])) << i;
+  for (std::size_t i = queued; i < kDst.size(); ++i)
+    EXPECT_EQ(dec_mem.space.block_ptr(0, 0, kDst[i])[0], std::byte{0xee}) << i;
+  auto st = dec->status(9);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_EQ(st->layers[0], LayerState::kFailed);
+  EXPECT_NE(st->error.message().find("queued 2 of 4 blocks"), std::string::npos) << st->error.to_string();
+  EXPECT_EQ(st->leading_loaded_blocks(), 0u);
+  ASSERT_TRUE(dec->cancel(9).ok());
+  pre.reset();
+  dec.reset();
 }
 
 TEST(PdStaged, BadInputIsRefused) {
