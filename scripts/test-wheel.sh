@@ -10,6 +10,8 @@
 #                  downloads, so CI does it while it builds); the next run with a wheel then uses that
 #                  environment once, installs the wheel into it and makes it anew afterwards
 #   PYTHON   interpreter of the environment (default python3; its version must match the wheel's tag)
+#   KVTIER_PYTEST_PROCESSES   1: one pytest process (default 2: the suite split in two by file, run side by side;
+#            with pytest args given it is always one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -106,4 +108,31 @@ for elf in elves:
 print("test-wheel: kvtier", kvtier.__version__, "from", pkg, "backend", kvtier.open_device().backend)
 EOF
 cd python/tests
-"../../$env/bin/python" -m pytest -q -p no:cacheprovider "$@" .
+pytest=("../../$env/bin/python" -m pytest -q -p no:cacheprovider)
+if [ $# -gt 0 ] || [ "${KVTIER_PYTEST_PROCESSES:-2}" = 1 ]; then
+  "${pytest[@]}" "$@" .
+  exit
+fi
+# Two pytest processes over disjoint sets of files: most of the suite's time is waiting (deadlines, peer processes,
+# injected pauses), so two processes share two cores well. The prefill/decode fault suite (peer processes killed and
+# paused past their leases: about half of the suite's time, nearly all of it waiting) in one, the rest in the other;
+# each prints its own report, and the run fails if either does.
+faults=(test_pd_faults*.py)
+if [ ! -f "${faults[0]}" ]; then
+  "${pytest[@]}" .
+  exit
+fi
+rest=(.)
+for f in "${faults[@]}"; do rest+=(--ignore="$f"); done
+log=$(mktemp -d)
+"${pytest[@]}" "${faults[@]}" >"$log/faults.txt" 2>&1 &
+faults_pid=$!
+rc_rest=0 rc_faults=0
+"${pytest[@]}" "${rest[@]}" >"$log/rest.txt" 2>&1 || rc_rest=$?
+wait "$faults_pid" || rc_faults=$?
+echo "=== pytest: every file but ${faults[*]}"
+cat "$log/rest.txt"
+echo "=== pytest: ${faults[*]}"
+cat "$log/faults.txt"
+rm -rf "$log"
+[ $rc_rest = 0 ] && [ $rc_faults = 0 ]
