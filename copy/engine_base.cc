@@ -307,8 +307,11 @@ Result<CopyReport> EngineBase::copy(const PreparedCopy& prepared, std::span<cons
 // The body of copy() for a request that passed validation.
 Result<CopyReport> EngineBase::copy_valid(const CopyRequest& r, Stream& stream) {
   if (&stream.device() != &device_)
-    return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
-                                       stream.id(), stream.device().name(), device_.name()));
+    return InvalidArgument(
+        fmt::format("stream {} belongs to another device ('{}' at {}) than this copy engine's "
+                    "('{}' at {})",
+                    stream.id(), stream.device().name(), static_cast<const void*>(&stream.device()), device_.name(),
+                    static_cast<const void*>(&device_)));
   KVTIER_RETURN_IF_ERROR(check_checksum_request(r));
   CopyReport report;
   report.direction = copy_direction(r.src->kind(), r.dst->kind());
@@ -410,8 +413,11 @@ Result<CopyReport> EngineBase::checksum(const BlockSpace& space, std::span<const
                                         std::span<const std::uint32_t> layers, RoleMask roles, std::uint64_t* out,
                                         Stream& stream) {
   if (&stream.device() != &device_)
-    return InvalidArgument(fmt::format("stream {} belongs to device '{}', not to this copy engine's device '{}'",
-                                       stream.id(), stream.device().name(), device_.name()));
+    return InvalidArgument(
+        fmt::format("stream {} belongs to another device ('{}' at {}) than this copy engine's "
+                    "('{}' at {})",
+                    stream.id(), stream.device().name(), static_cast<const void*>(&stream.device()), device_.name(),
+                    static_cast<const void*>(&device_)));
   if (space.kind() != MemoryKind::kDevice)
     return NotSupported("checksum() reads device memory with the SM kernel; use block_checksum() on host memory");
   if (out == nullptr && !blocks.empty()) return InvalidArgument("checksum() needs an output array, got nullptr");

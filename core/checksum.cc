@@ -18,7 +18,11 @@ std::uint64_t combine(std::span<const std::uint64_t> digests) {
   return detail::xxh3_64(le.data(), le.size());
 }
 
-std::uint64_t num_pieces(std::uint64_t bytes) { return (bytes + kChecksumPieceBytes - 1) / kChecksumPieceBytes; }
+// Rounded up without forming bytes + piece - 1, which wraps for sizes within a piece of 2^64 (and gave 0 pieces:
+// the empty buffer's checksum).
+std::uint64_t num_pieces(std::uint64_t bytes) {
+  return bytes / kChecksumPieceBytes + (bytes % kChecksumPieceBytes != 0 ? 1 : 0);
+}
 
 std::uint64_t piece_digest(const void* data, std::uint64_t bytes, std::uint64_t piece) {
   const std::uint64_t off = piece * kChecksumPieceBytes;

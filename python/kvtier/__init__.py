@@ -107,6 +107,11 @@ __version__ = "0.1.0"
 
 def open_device(prefer_cuda: bool = True, ordinal: int = 0) -> Device:
     """A CUDA device when one is visible (and ``prefer_cuda``), else the host backend."""
+    if isinstance(prefer_cuda, str) or prefer_cuda not in (True, False):
+        raise errors.InvalidArgumentError(f"prefer_cuda {prefer_cuda!r} is a {type(prefer_cuda).__name__}, not a bool")
+    if isinstance(ordinal, bool) or not hasattr(type(ordinal), "__index__") or int(ordinal) < 0:
+        raise errors.InvalidArgumentError(f"ordinal {ordinal!r} is not a device ordinal (an integer, 0 or more)")
+    ordinal = int(ordinal)
     if prefer_cuda and cuda_compiled() and cuda_device_count() > ordinal:
         return cuda_device(ordinal)
     return host_device()

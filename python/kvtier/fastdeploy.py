@@ -79,16 +79,24 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
-def _count_field(value: Any, name: str) -> int:
-    """A block count of FastDeploy's config: None is 0; a string, float or negative number is refused here, naming
-    it, rather than failing later inside a call with a bare TypeError."""
+def _count_field(value: Any, name: str, section: str = "cache_config") -> int:
+    """A count of FastDeploy's config (blocks, layers, tokens per block): None is 0; a string, float or negative
+    number is refused here, naming it, rather than failing later inside a call with a bare TypeError (or, for a
+    float, being cut to an integer without a word)."""
     if value is None:
         return 0
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"cache_config.{name} is {value!r} ({type(value).__name__}), not an integer")
+        raise InvalidArgumentError(f"{section}.{name} is {value!r} ({type(value).__name__}), not an integer")
     if value < 0:
-        raise InvalidArgumentError(f"cache_config.{name} is {value}, not a block count (0 or more)")
+        raise InvalidArgumentError(f"{section}.{name} is {value}, not a count (0 or more)")
     return int(value)
+
+
+def _kv_map(value: Any, what: str) -> Dict[str, Any]:
+    """A cache map as the engine passes it: a mapping of tensor names; anything else is refused, naming its type."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"{what}: {type(value).__name__} {value!r:.60}, not a mapping of names to tensors")
+    return value
 
 
 def _dlpack_device(t: Any):
@@ -184,10 +192,10 @@ class CacheTransferManager:
 
         self._local_rank = local_rank
         self._device_id = device_id
-        self._num_layers = config.model_config.num_hidden_layers
+        self._num_layers = _count_field(config.model_config.num_hidden_layers, "num_hidden_layers", "model_config")
         self._cache_dtype = self.cache_config.cache_dtype
         self._num_host_blocks = _count_field(_attr(self.cache_config, "num_cpu_blocks"), "num_cpu_blocks")
-        self._block_tokens = int(_attr(self.cache_config, "block_size", 64) or 64)
+        self._block_tokens = _count_field(_attr(self.cache_config, "block_size", 64), "block_size") or 64
 
         self._lock = threading.RLock()
         self._cache_kvs_map: Dict[str, Any] = {}
@@ -246,6 +254,7 @@ class CacheTransferManager:
         with self._lock:
             if self._closed:
                 raise _error("FailedPrecondition", "set_cache_kvs_map: the CacheTransferManager was closed")
+            cache_kvs_map = _kv_map(cache_kvs_map, "set_cache_kvs_map")
             self._close_manager()
             self._cache_kvs_map = cache_kvs_map
             self._build_device_layer_indices()
@@ -277,6 +286,7 @@ class CacheTransferManager:
         with self._lock:
             if self._closed:
                 raise _error("FailedPrecondition", "set_host_cache_kvs_map: the CacheTransferManager was closed")
+            host_cache_kvs_map = _kv_map(host_cache_kvs_map, "set_host_cache_kvs_map")
             self._close_manager()
             self._host_cache_kvs_map = host_cache_kvs_map
             self._build_host_layer_indices()

@@ -97,6 +97,7 @@ import os
 import re
 import socket
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
@@ -500,6 +501,8 @@ class Prefill(_Endpoint):
         """Declares every layer of ``layers`` ready now, in one call (the forward pass that computed them has
         finished): the device lane moves those whose destinations it knows as one copy, where ``layer_ready`` layer
         by layer launches each alone. Every layer is checked before any is declared."""
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise InvalidArgumentError(f"layers {layers!r} is a {type(layers).__name__}, not a sequence of layer indices")
         self._ep.layers_ready(_xid(transfer_id), [_layer(l) for l in layers])
 
     def status(self, transfer_id: int) -> PrefillStatus:

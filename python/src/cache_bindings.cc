@@ -662,9 +662,10 @@ void bind_cache(nb::module_& m) {
       .def(
           "ack",
           [](PyCacheManager& p, const std::string& kind, nb::handle dst_blocks, std::optional<std::string> error) {
+            // Checked for every kind, drops included: a wrong argument is a caller's bug wherever it is passed.
+            auto ids = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             if (kind == kDropsKind) return;  // nothing to acknowledge (a loop over every list of a plan works)
             const cache::MoveKind k = move_kind(kind);
-            auto ids = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             Status st = ack_status(error);
             auto lock = lock_gil_safe(p.mu);
             switch (k) {
@@ -968,9 +969,9 @@ void bind_cache(nb::module_& m) {
              std::optional<std::string> error) {
             cache::GroupCompletion c;
             c.group = u32_arg(group, "group");
+            c.completion.dst = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             if (kind == kDropsKind) return;  // nothing to acknowledge
             c.completion.kind = move_kind(kind);
-            c.completion.dst = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             c.completion.status = ack_status(error);
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->apply_completions(std::span<const cache::GroupCompletion>(&c, 1)));

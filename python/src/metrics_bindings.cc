@@ -40,8 +40,12 @@ std::string label_text(nb::handle s, const std::string& what) {
 metrics::Labels labels_from(const nb::dict& d) {
   metrics::Labels out;
   for (auto [k, v] : d) {
-    if (!nb::isinstance<nb::str>(k) || !nb::isinstance<nb::str>(v))
-      raise_status(InvalidArgument("metric labels must map str to str"));
+    if (!nb::isinstance<nb::str>(k))
+      raise_status(InvalidArgument(fmt::format("metric labels must map str to str: a key is a {} ({})",
+                                               nb::inst_name(k).c_str(), nb::repr(k).c_str())));
+    if (!nb::isinstance<nb::str>(v))
+      raise_status(InvalidArgument(fmt::format("metric labels must map str to str: label {} is a {} ({})",
+                                               nb::repr(k).c_str(), nb::inst_name(v).c_str(), nb::repr(v).c_str())));
     std::string name = label_text(k, "name");
     std::string value = label_text(v, fmt::format("'{}' value", name));
     out.emplace_back(std::move(name), std::move(value));

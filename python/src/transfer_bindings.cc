@@ -114,8 +114,13 @@ nb::object error_object(const Status& st) {
 // manager's history of finished tasks: a callback that refers to the manager (a closure over it) would otherwise
 // keep it, its threads and its memory alive through a cycle that runs through C++, which Python's collector
 // cannot see.
-std::shared_ptr<PyCallable> callable_or_null(nb::object fn) {
-  return fn.is_none() ? nullptr : std::make_shared<PyCallable>(std::move(fn));
+// `what` names the argument: a value that cannot be called is refused when the task is submitted, not found out
+// later as a logged callback error.
+std::shared_ptr<PyCallable> callable_or_null(nb::object fn, const char* what) {
+  if (fn.is_none()) return nullptr;
+  if (PyCallable_Check(fn.ptr()) == 0)
+    raise_status(InvalidArgument(fmt::format("{} is a {}, not a callable (or None)", what, nb::inst_name(fn).c_str())));
+  return std::make_shared<PyCallable>(std::move(fn));
 }
 
 LayerCallback wrap_layer_callback(std::shared_ptr<PyCallable> holder) {
@@ -135,7 +140,7 @@ LayerCallback wrap_layer_callback(std::shared_ptr<PyCallable> holder) {
 
 // `also_release`: the same task's on_layer callable, released with this one.
 TaskCallback wrap_task_callback(nb::object fn, std::shared_ptr<PyCallable> also_release = nullptr) {
-  auto holder = callable_or_null(std::move(fn));
+  auto holder = callable_or_null(std::move(fn), "on_done");
   if (!holder && !also_release) return {};
   return [holder, also_release](TaskId id, const Status& st) {
     if (!Py_IsInitialized()) return;
@@ -683,6 +688,11 @@ void bind_transfer(nb::module_& m) {
         for (std::size_t i = 0; i < buffers.size(); ++i) {
           if (buffers[i].first == 0 && buffers[i].second != 0)
             raise_status(InvalidArgument(fmt::format("piece_checksums: buffer {} is a null pointer", i)));
+          if (buffers[i].first > UINTPTR_MAX - buffers[i].second)
+            raise_status(
+                InvalidArgument(fmt::format("piece_checksums: buffer {} (address {:#x}, {} bytes) wraps "
+                                            "around the address space",
+                                            i, buffers[i].first, buffers[i].second)));
           spans.emplace_back(reinterpret_cast<const void*>(buffers[i].first), buffers[i].second);
         }
         GilReleased release;
@@ -706,7 +716,9 @@ void bind_transfer(nb::module_& m) {
                   "device_label"_a = 0, "block_tokens"_a = 64, "config"_a.none() = nb::none(),
                   "Registers the engine's KV tensors (FastDeploy names: key_caches_{layer}_rank{r}.device{d}, ...) "
                   "and its host cache (integer pointers to num_host_blocks blocks per tensor, same per-block "
-                  "layout; None: kvtier allocates it). config: knob -> value (docs/configuration.md).")
+                  "layout; None: kvtier allocates it). Integer pointers keep nothing alive: their memory must "
+                  "outlive every copy queued into or out of it, after the manager is dropped too (close() waits for "
+                  "them). config: knob -> value (docs/configuration.md).")
       .def_static("from_pages", &create_page_manager, "device"_a, "compute_stream"_a, "tensors"_a, "page_bytes"_a,
                   "num_host_blocks"_a, "block_tokens"_a = 16, "config"_a.none() = nb::none(), "host_of"_a = nb::none(),
                   "Registers pages of an engine's byte tensors (vLLM's canonical KV caches): tensor i is (num_blocks, "
@@ -803,7 +815,7 @@ void bind_transfer(nb::module_& m) {
           [](PyTransferManager& p, nb::handle layers, nb::handle host_blocks, nb::handle device_blocks,
              nb::object on_layer, nb::object on_done) {
             LoadOptions o;
-            auto layer_callable = callable_or_null(std::move(on_layer));
+            auto layer_callable = callable_or_null(std::move(on_layer), "on_layer");
             o.on_layer = wrap_layer_callback(layer_callable);
             o.on_done = wrap_task_callback(std::move(on_done), layer_callable);
             auto l = to_layers(layers);

@@ -641,3 +641,23 @@ def test_host_arrays_instead_of_addresses_are_named_briefly(engine):
     assert f"host_cache_kvs_map[{name!r}] = a ndarray is not a host address" in mgr.last_error, mgr.last_error
     assert len(mgr.last_error) < 400, len(mgr.last_error)
     mgr.close()
+
+
+def test_config_fields_and_maps_of_the_wrong_type_are_named():
+    """Found by probing: num_hidden_layers '2' failed later inside range() with a bare TypeError; block_size 16.7 was
+    cut to 16 and -4 accepted until the first transfer; set_cache_kvs_map('x') stored the string, and the next
+    evict_to_host_async raised AttributeError instead of returning False with last_error."""
+    for field, value in [("num_hidden_layers", "2"), ("num_hidden_layers", 2.0)]:
+        cfg = fd_config(LAYERS, HOST_BLOCKS)
+        setattr(cfg.model_config, field, value)
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"model_config.{field} is {value!r}"):
+            CacheTransferManager(cfg)
+    for value in (16.7, "16", -4):
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"cache_config.block_size is {value!r}"):
+            CacheTransferManager(fd_config(LAYERS, HOST_BLOCKS, block_size=value))
+    mgr = CacheTransferManager(fd_config(LAYERS, HOST_BLOCKS))
+    for setter in (mgr.set_cache_kvs_map, mgr.set_host_cache_kvs_map):
+        with pytest.raises(kvtier.InvalidArgumentError, match="str 'x', not a mapping"):
+            setter("x")
+    assert mgr.cache_kvs_map == {}  # nothing of the refused map was kept
+    assert mgr.evict_to_host_async([0], [0]) is False and mgr.last_error

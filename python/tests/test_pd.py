@@ -124,6 +124,9 @@ def test_layers_ready_in_one_call(pair, mode):
         p.layers_ready(12, [0, LAYERS])
     with pytest.raises(kvtier.AlreadyExistsError, match="listed twice"):
         p.layers_ready(12, [1, 1])
+    for bad in (None, 3, "012"):  # a bare TypeError from a list comprehension before
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"layers {bad!r} is a {type(bad).__name__}, not a"):
+            p.layers_ready(12, bad)
     assert d.status(12).layers == ["pending"] * LAYERS  # the refused calls declared nothing
     p.layers_ready(12, range(LAYERS))
     st = d.wait(12, TIMEOUT, reclaimable=True)

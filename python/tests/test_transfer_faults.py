@@ -113,6 +113,44 @@ def test_cache_manager_ack_integers_and_odd_metric_labels_are_named():
     mgr.close()
 
 
+def test_arguments_found_wrong_only_later_are_refused_at_the_call():
+    """Found by probing the API with wrong arguments: a callback that cannot be called was taken and failed only as a
+    logged callback error later; ack of 'storage_drops' took any dst_blocks; a metric label of another type than str
+    was refused without naming it; piece_checksums of a range that wraps around the address space returned the empty
+    buffer's checksum (its piece count wrapped to 0); open_device(ordinal=-1) gave a host device without a word."""
+    mgr, d, h = manager()
+    with pytest.raises(kvtier.InvalidArgumentError, match="on_layer is a int, not a callable"):
+        mgr.load([], [0], [0], on_layer=5)
+    with pytest.raises(kvtier.InvalidArgumentError, match="on_done is a str, not a callable"):
+        mgr.load([], [0], [0], on_done="x")
+    with pytest.raises(kvtier.InvalidArgumentError, match="on_done is a str, not a callable"):
+        mgr.evict([0], [0], on_done="x")
+    mgr.wait(mgr.evict([0], [1], on_done=lambda task, err: None), 10.0)  # callables and None still work
+    assert np.array_equal(h["key_caches_0_rank0.device0"][1], d["key_caches_0_rank0.device0"][0])
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"a key is a int \(1\)"):
+        mgr.attach_metrics({1: "x"})
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"label 'a' is a NoneType \(None\)"):
+        mgr.attach_metrics({"a": None})
+    mgr.close()
+    cm = kvtier.CacheManager(device_blocks=8)
+    with pytest.raises(kvtier.InvalidArgumentError, match="dst_blocks"):
+        cm.ack("storage_drops", "garbage")
+    cm.ack("storage_drops", [])  # a plan's drop list is still taken and ignored
+    hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=8)])
+    with pytest.raises(kvtier.InvalidArgumentError, match="dst_blocks"):
+        hc.ack(0, "storage_drops", "garbage")
+    a = np.arange(16, dtype=np.uint8)
+    with pytest.raises(kvtier.InvalidArgumentError, match="buffer 1 .* wraps around"):
+        kvtier._native.piece_checksums([(a.ctypes.data, 16), (a.ctypes.data, 2**64 - 5)])
+    assert kvtier._native.piece_checksums([(a.ctypes.data, 16)]) != kvtier._native.piece_checksums([(a.ctypes.data, 0)])
+    for bad in (-1, 1.5, "0", True):
+        with pytest.raises(kvtier.InvalidArgumentError, match="ordinal"):
+            kvtier.open_device(ordinal=bad)
+    with pytest.raises(kvtier.InvalidArgumentError, match="prefer_cuda 'x'"):
+        kvtier.open_device("x")
+    assert kvtier.open_device(False, np.int64(0)).backend == "host"
+
+
 def test_hybrid_cache_integers_are_named():
     hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=8)])
     with pytest.raises(kvtier.OutOfRangeError, match="group -1"):
