@@ -125,6 +125,10 @@ def test_arguments_found_wrong_only_later_are_refused_at_the_call():
         mgr.load([], [0], [0], on_done="x")
     with pytest.raises(kvtier.InvalidArgumentError, match="on_done is a str, not a callable"):
         mgr.evict([0], [0], on_done="x")
+    # A stream of another host device: both are named 'host-sim', so the message tells them apart by address.
+    other = kvtier.host_device().create_stream("elsewhere")
+    with pytest.raises(kvtier.InvalidArgumentError, match=r"another device \('host-sim' at 0x[0-9a-f]+\) than"):
+        mgr.device_checksums([0], other, 10.0)
     mgr.wait(mgr.evict([0], [1], on_done=lambda task, err: None), 10.0)  # callables and None still work
     assert np.array_equal(h["key_caches_0_rank0.device0"][1], d["key_caches_0_rank0.device0"][0])
     with pytest.raises(kvtier.InvalidArgumentError, match=r"a key is a int \(1\)"):
