@@ -221,7 +221,10 @@ Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create_over(const BackendF
 
 Result<std::unique_ptr<ReplayStorage>> ReplayStorage::create_over(std::string_view spec, const BlockSpace& host) {
   std::string sp(spec);
-  return create_over([sp](storage::StorageOptions o) { return storage::make_storage_backend(sp, std::move(o)); }, host);
+  // The storage knobs' KVTIER_STORAGE_* variables apply here too, as in create() (they were ignored on this path: a
+  // replay with real transfers took neither a valid capacity nor refused a malformed one).
+  return create_over(
+      [sp](storage::StorageOptions o) { return storage::open_storage_backend(sp, std::move(o), environ); }, host);
 }
 
 std::span<std::byte> ReplayStorage::host_block(std::uint64_t b) const {

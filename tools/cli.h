@@ -61,29 +61,52 @@ inline const CLI::Validator kAtLeastZero = at_least(0);
 
 // A decimal integer: CLI11 reads integers in the base their prefix implies, so "--block-tokens 0512" was 330 (octal)
 // and "--device-blocks 0x10" 16, where the replay's list flags refuse both; and an unsigned option took "-4" as
-// 2^64 - 4. Leading zeros, other bases and (`is_signed` false) signs are refused, naming the value.
+// 2^64 - 4. Leading zeros, other bases and (`is_signed` false) signs are refused, naming the value. So is a value
+// beyond 64 bits: CLI11 saturates those for 64-bit options ("--seed 18446744073709551616" ran as 2^64 - 1, and an
+// error then named the saturated value, not the one typed); narrower options it refuses itself.
 inline CLI::Validator decimal_integer(bool is_signed) {
   return CLI::Validator(
       [is_signed](std::string& v) -> std::string {
+        const bool negative = is_signed && v.size() > 1 && v[0] == '-';
         const std::size_t i = is_signed && v.size() > 1 && (v[0] == '-' || v[0] == '+') ? 1 : 0;
         const std::string_view digits = std::string_view(v).substr(i);
         const bool ok = !digits.empty() && digits.find_first_not_of("0123456789") == std::string_view::npos &&
                         (digits.size() == 1 || digits[0] != '0');
-        return ok ? std::string()
-                  : fmt::format("'{}' is not a {}decimal integer (no leading zeros, no other base)", v,
-                                is_signed ? "" : "non-negative ");
+        if (!ok)
+          return fmt::format("'{}' is not a {}decimal integer (no leading zeros, no other base)", v,
+                             is_signed ? "" : "non-negative ");
+        // Without leading zeros, equal lengths compare as numbers do.
+        const std::string_view limit = !is_signed ? "18446744073709551615"
+                                       : negative ? "9223372036854775808"
+                                                  : "9223372036854775807";
+        if (digits.size() > limit.size() || (digits.size() == limit.size() && digits > limit))
+          return fmt::format("'{}' is out of range for a {}-bit integer", v, is_signed ? "signed 64" : "64");
+        return std::string();
       },
       "");
 }
 
-// Puts decimal_integer on every integer option of `app` and its subcommands: their type name says INT or UINT
-// (followed by ":" and the descriptions of validators already set, as in "UINT:NUMBER >= 0").
+// A number given as an empty string: CLI11 reads "" as 0 for a floating-point option ("--failure-rate ''" ran with
+// no failures, exit 0), and a range check then named 0, not what was given.
+inline CLI::Validator non_empty_number() {
+  return CLI::Validator(
+      [](std::string& v) -> std::string {
+        return v.find_first_not_of(" \t") == std::string::npos ? fmt::format("'{}' is not a number (empty)", v)
+                                                               : std::string();
+      },
+      "");
+}
+
+// Puts decimal_integer on every integer option of `app` and its subcommands, and non_empty_number on every
+// floating-point one: their type name says INT, UINT or FLOAT (followed by ":" and the descriptions of validators
+// already set, as in "UINT:NUMBER >= 0").
 inline void require_decimal_integers(CLI::App& app) {
   for (CLI::Option* o : app.get_options()) {
     const std::string type = o->get_type_name();
     const std::string base = type.substr(0, type.find(':'));
     if (base == "INT") o->check(decimal_integer(true));
     if (base == "UINT") o->check(decimal_integer(false));
+    if (base == "FLOAT") o->check(non_empty_number());
   }
   for (CLI::App* sub : app.get_subcommands({})) require_decimal_integers(*sub);
 }

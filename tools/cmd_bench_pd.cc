@@ -41,6 +41,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1117,9 +1118,15 @@ Result<double> run_decode(const PdArgs& a, const std::string& lane, PdMode mode,
                     in_fd = std::to_string(down[0]), out_fd = std::to_string(up[1]);
   const std::string mode_s(transport::pd_mode_name(mode));
   const std::string backend = a.backend;
+  const pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) return Internal("fork");
   if (pid == 0) {
+    // The prefill dies with the bench: killed (a timeout, Ctrl-C twice) the bench left it running on its own,
+    // holding its pool (4 GiB at --layer-bytes 4294967296) until its transfers timed out. Kept across execve; the
+    // check after it covers a parent that died before it took effect.
+    (void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
     close(down[1]);
     close(up[0]);
     // The prefill on another GPU (the ring lane's case: two GPUs whose pools are not mapped into each other).

@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import logging
 import numbers
+import operator
 from abc import ABC, abstractmethod
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple
@@ -454,8 +455,14 @@ class HiCacheKvtier(HiCacheStorage):
         memory that is not the pool's, or slots other than the ones named."""
         size = getattr(pool, "size", None)
         n = _length(host_indices)
-        if not isinstance(size, int) or isinstance(size, bool) or n == 0:
+        if size is None or n == 0:  # a pool that does not say its size cannot be checked against it
             return
+        # A numpy or torch integer is a size like any other: an `isinstance(size, int)` test had turned the check off
+        # for them, and a load then wrote past the pool's end without a word.
+        if isinstance(size, bool) or not hasattr(type(size), "__index__"):
+            raise InvalidArgumentError(f"kvtier.sglang: the host pool's size {size!r} ({type(size).__name__}) is not "
+                                       "a slot count")
+        size = operator.index(size)
         import numpy as np
 
         page_size = getattr(pool, "page_size", 1) or 1

@@ -148,7 +148,9 @@ def parse_size(key: str, value: Any, shown: Optional[str] = None) -> int:
             t = t[:-1]
         unit = t[-1:] if t[-1:].isalpha() else ""
         digits = t[:-1] if unit else t
-        if unit not in _UNITS or not digits.isdigit():
+        # ASCII digits only: str.isdigit() also takes superscripts ("²", which int() then refuses with a bare
+        # ValueError) and other scripts' digits ("٣", which int() reads as 3).
+        if unit not in _UNITS or not (digits.isascii() and digits.isdigit()):
             raise InvalidArgumentError(
                 f"kvtier.vllm: {what} = {value!r} is not a size (examples: 4096, 64K, 1M, 200G)")
         n = int(digits) * _UNITS[unit]

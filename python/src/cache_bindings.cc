@@ -240,6 +240,15 @@ HybridRequestArgs hybrid_request(std::uint32_t num_tokens, const std::vector<std
 // A plan's storage_drops: ack() takes them and does nothing (they are not acknowledged).
 constexpr std::string_view kDropsKind = "storage_drops";
 
+// The dst_blocks ack() is given with storage_drops: the plan's own list (None for each drop's destination) or any
+// other sequence, never a str, bytes or a scalar (a caller's bug, which was taken silently).
+void check_drops_list(nb::handle seq) {
+  if (seq.is_none() || nb::isinstance<nb::str>(seq) || nb::isinstance<nb::bytes>(seq) ||
+      PySequence_Check(seq.ptr()) == 0)
+    raise_status(InvalidArgument(fmt::format("dst_blocks of storage_drops is a {}, not a sequence (a plan's list)",
+                                             nb::inst_name(seq).c_str())));
+}
+
 // The ack kinds of CacheManager.ack / HybridCache.ack: the StepPlan lists by name.
 cache::MoveKind move_kind(const std::string& kind) {
   if (kind == "evictions") return cache::MoveKind::kEviction;
@@ -662,10 +671,11 @@ void bind_cache(nb::module_& m) {
       .def(
           "ack",
           [](PyCacheManager& p, const std::string& kind, nb::handle dst_blocks, std::optional<std::string> error) {
-            // Checked for every kind, drops included: a wrong argument is a caller's bug wherever it is passed.
-            auto ids = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
-            if (kind == kDropsKind) return;  // nothing to acknowledge (a loop over every list of a plan works)
+            // Nothing to acknowledge for drops (a loop over every list of a plan works: their destinations are None),
+            // but what is passed must still be such a list.
+            if (kind == kDropsKind) return check_drops_list(dst_blocks);
             const cache::MoveKind k = move_kind(kind);
+            auto ids = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             Status st = ack_status(error);
             auto lock = lock_gil_safe(p.mu);
             switch (k) {
@@ -969,9 +979,9 @@ void bind_cache(nb::module_& m) {
              std::optional<std::string> error) {
             cache::GroupCompletion c;
             c.group = u32_arg(group, "group");
-            c.completion.dst = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
-            if (kind == kDropsKind) return;  // nothing to acknowledge
+            if (kind == kDropsKind) return check_drops_list(dst_blocks);  // nothing to acknowledge
             c.completion.kind = move_kind(kind);
+            c.completion.dst = to_block_ids(int_list(dst_blocks, "dst_blocks", static_cast<std::int64_t>(kMaxBlockId)));
             c.completion.status = ack_status(error);
             auto lock = lock_gil_safe(p.mu);
             check(p.hc->apply_completions(std::span<const cache::GroupCompletion>(&c, 1)));

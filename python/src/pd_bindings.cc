@@ -194,6 +194,20 @@ void check_stream(const PdNative& n, const PyStream& stream, const std::string& 
                     stream.stream->id(), endpoint)));
 }
 
+// Whether a UCX TLS list (UCX_TLS syntax: names separated by commas; empty is UCX's default, "^..." excludes) can
+// include a transport that maps the peer's memory into this process, as the host direct lane needs.
+bool ucx_tls_may_map(std::string_view tls) {
+  if (tls.empty() || tls.front() == '^') return true;
+  for (std::size_t at = 0; at <= tls.size();) {
+    const std::size_t comma = std::min(tls.find(',', at), tls.size());
+    const std::string_view name = tls.substr(at, comma - at);
+    for (std::string_view maps : {"all", "sm", "shm", "posix", "sysv", "xpmem"})
+      if (name == maps) return true;
+    at = comma + 1;
+  }
+  return false;
+}
+
 std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<>> tensors, nb::object device_obj,
                                               EndpointOptions o) {
   if (o.role != "prefill" && o.role != "decode")
@@ -207,6 +221,11 @@ std::unique_ptr<PyPdEndpoint> create_endpoint(std::map<std::string, nb::ndarray<
     raise_status(InvalidArgument(fmt::format(
         "lane 'host-direct' needs a transport that maps the peer's pool here: ucx (tls='shm') or loopback, not {}",
         o.transport)));
+  if (o.lane == "host-direct" && o.transport == "ucx" && !ucx_tls_may_map(o.tls))
+    raise_status(InvalidArgument(fmt::format(
+        "lane 'host-direct' over ucx needs a shared-memory transport in tls (shm, sm, posix, sysv, xpmem or all); "
+        "tls '{}' reaches the peer through active messages only, so every transfer would fail",
+        o.tls)));
   if (auto v = transport::parse_lane_verify(o.verify); !v.ok()) raise_status(v.status());
   if (o.read_back != "copy" && o.read_back != "pass")
     raise_status(InvalidArgument(fmt::format("read_back '{}' is not copy or pass", o.read_back)));

@@ -1083,6 +1083,14 @@ HOST_DIRECT = {
 }
 
 
+def test_host_direct_lane_over_ucx_without_shared_memory_is_refused_at_construction():
+    """tls="tcp" reaches the peer through active messages only: the endpoint was made and paired, then every
+    transfer failed ("not mapped here")."""
+    for tls in ("tcp", "tcp,self"):
+        with pytest.raises(kvtier.InvalidArgumentError, match=f"tls '{tls}' reaches the peer through active messages"):
+            Prefill(prefill_kv(), lane="host-direct", transport="ucx", tls=tls, **FAST)
+
+
 @pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("transport", list(HOST_DIRECT))
 def test_host_direct_lane_moves_the_pools_byte_exact(transport, mode):

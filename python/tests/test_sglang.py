@@ -633,6 +633,17 @@ def test_host_indices_outside_the_pool_and_mismatched_lists_are_refused(tmp_path
             backend.batch_set_v1(["k"], bad)
         with pytest.raises(InvalidArgumentError, match=f"page at host index {named} "):
             backend.batch_get_v1(["k"], bad)
+    # A pool whose size is a numpy integer (or any integer type but int) was not checked at all: a load wrote past
+    # its end and returned True. Its size is a size; one that is no integer is named.
+    plain_size = pool.size
+    pool.size = np.int64(plain_size)
+    far = np.arange(10**6, 10**6 + ps)
+    with pytest.raises(InvalidArgumentError, match=rf"page at host index {10**6} .* outside the host pool of {plain_size}"):
+        backend.batch_get_v1(["k"], far)
+    pool.size = "32"
+    with pytest.raises(InvalidArgumentError, match=r"the host pool's size '32' \(str\) is not a slot count"):
+        backend.batch_get_v1(["k"], pool.indices([1]))
+    pool.size = plain_size
     gap = np.concatenate([np.arange(0, 2), np.arange(5, 5 + ps - 2)])
     with pytest.raises(InvalidArgumentError, match="host index 5 at position 2 does not continue its page"):
         backend.batch_get_v1(["k"], gap)

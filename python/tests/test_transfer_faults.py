@@ -139,7 +139,7 @@ def test_arguments_found_wrong_only_later_are_refused_at_the_call():
     cm = kvtier.CacheManager(device_blocks=8)
     with pytest.raises(kvtier.InvalidArgumentError, match="dst_blocks"):
         cm.ack("storage_drops", "garbage")
-    cm.ack("storage_drops", [])  # a plan's drop list is still taken and ignored
+    cm.ack("storage_drops", [None, None])  # a plan's drop list (None for each destination) is still taken and ignored
     hc = kvtier.HybridCache([dict(name="full", kind="full", block_tokens=16, device_blocks=8)])
     with pytest.raises(kvtier.InvalidArgumentError, match="dst_blocks"):
         hc.ack(0, "storage_drops", "garbage")

@@ -582,6 +582,9 @@ def test_extra_config_maps_onto_kvtier_knobs_and_names_bad_values(tmp_path, capl
         ({"storage": "s3://bucket"}, "'s3://bucket'"),
         ({"storage": "disk:/x", "capacity": "12X"}, "'12X'"),
         ({"storage": "disk:/x", "capacity": -1}, "-1"),
+        # Digits other than ASCII: a superscript raised a bare ValueError, an Arabic-Indic three was read as 3 bytes.
+        ({"storage": "disk:/x", "capacity": "\u00b2"}, "is not a size"),
+        ({"storage": "disk:/x", "capacity": "\u0663"}, "is not a size"),
         ({"storage": "disk:/x", "storage.cache.host_blocks": 3}, "storage.cache.host_blocks"),
         ({"storage": "disk:/x", "storage.disk.qd": [1]}, "storage.disk.qd"),
         ({"storage": "disk:/x", "namespace": 3}, "namespace"),

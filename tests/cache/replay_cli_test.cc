@@ -103,6 +103,12 @@ TEST_F(ReplayCli, BadFlagsNameTheFlagAndTheValue) {
       {"--failure-rate 2", {"--failure-rate", "got 2"}},
       {"--failure-rate -1", {"--failure-rate", "got -1"}},
       {"--failure-rate nan", {"--failure-rate", "nan"}},
+      {"--failure-rate ''", {"--failure-rate", "empty"}},  // read as 0: a run without failures, exit 0
+      {"--sweep 100 --sweep-max-multiplier ''", {"--sweep-max-multiplier", "empty"}},  // named "got 0"
+      // Beyond 64 bits: CLI11 saturated these (the seed ran as 2^64 - 1; errors named 18446744073709551615).
+      {"--seed 18446744073709551616", {"--seed", "'18446744073709551616' is out of range"}},
+      {"--max-requests 99999999999999999999999", {"--max-requests", "out of range"}},
+      {"--block-bytes 18446744073709551616", {"--block-bytes", "'18446744073709551616' is out of range"}},
       {"--max-requests -3", {"--max-requests", "-3"}},
       {"--block-bytes 0", {"--block-bytes", "got 0"}},
       {"--block-bytes -1", {"--block-bytes", "-1"}},
@@ -371,6 +377,20 @@ TEST_F(ReplayCli, ThreeTiersWithADiskTier) {
   ASSERT_EQ(text.rc, 0) << text.out;
   for (const char* s : {"device->host", "host->device", "host->storage", "storage->host", "0 mismatches"})
     EXPECT_NE(text.out.find(s), std::string::npos) << s << " in: " << text.out;
+}
+
+// With real transfers the storage tier is made over the transfer manager's host space (ReplayStorage::create_over),
+// a path that ignored the KVTIER_STORAGE_* variables: a malformed one was not refused and a valid capacity not
+// applied. Now a bad one fails the run naming the variable, as it does with the fake executor.
+TEST_F(ReplayCli, StorageKnobVariablesApplyWithRealTransfers) {
+  for (const char* transfer : {"--transfer host", "--transfer none"}) {
+    setenv("KVTIER_STORAGE_DISK_QUEUE_DEPTH", "banana", 1);
+    CliRun r = run("replay --device-blocks 16 --host-blocks 64 --max-requests 20 " + std::string(transfer) +
+                   " --storage 'disk:" + dir_ + "/knobs?durability=process&direct=off' " + kSample);
+    unsetenv("KVTIER_STORAGE_DISK_QUEUE_DEPTH");
+    EXPECT_NE(r.rc, 0) << transfer << ": " << r.out;
+    EXPECT_NE(r.out.find("KVTIER_STORAGE_DISK_QUEUE_DEPTH"), std::string::npos) << transfer << ": " << r.out;
+  }
 }
 
 TEST_F(ReplayCli, ThreeTiersWithARedisTier) {
