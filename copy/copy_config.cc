@@ -84,7 +84,7 @@ void bind_copy_engine_options(ConfigTable& t, CopyEngineOptions& o, const std::s
   t.add(p + ".auto_split_duplex_max_segment_bytes", &o.auto_split_duplex_max_segment_bytes,
         "kAuto: ... below this one (0: never)");
   t.add(p + ".staged_slot_bytes", &o.staged_slot_bytes, "staged DMA: device staging slot size");
-  t.add(p + ".staged_slots", &o.staged_slots, "staged DMA: staging slots per stream", 1, kU32Max);
+  t.add(p + ".staged_slots", &o.staged_slots, "staged DMA: staging slots per stream", 1, copy_detail::kMaxStagedSlots);
   t.add(p + ".staged_max_span_ratio", &o.staged_max_span_ratio,
         "kAuto: staged DMA only when staged bytes <= ratio x payload");
   t.add(p + ".staged_min_host_run_bytes", &o.staged_min_host_run_bytes,

@@ -97,8 +97,14 @@ Status EngineBase::check_options(const CopyEngineOptions& o) {
   if (o.max_pairs_per_call == 0) return InvalidArgument("max_pairs_per_call must be >= 1, got 0");
   if (o.batch_max_descriptors == 0) return InvalidArgument("batch_max_descriptors must be >= 1, got 0");
   if (o.staged_slots == 0) return InvalidArgument("staged_slots must be >= 1, got 0");
+  if (o.staged_slots > kMaxStagedSlots)
+    return InvalidArgument(fmt::format("staged_slots must be <= {}, got {}", kMaxStagedSlots, o.staged_slots));
   if (o.staged_slot_bytes < kStagedAlign)
     return InvalidArgument(fmt::format("staged_slot_bytes must be >= {}, got {}", kStagedAlign, o.staged_slot_bytes));
+  // The staging of one stream is staged_slots x staged_slot_bytes of device memory: that product must exist.
+  if (o.staged_slot_bytes > UINT64_MAX / o.staged_slots)
+    return InvalidArgument(
+        fmt::format("staged_slots {} x staged_slot_bytes {} overflows 64 bits", o.staged_slots, o.staged_slot_bytes));
   if (!(o.split_kernel_share >= 0.0 && o.split_kernel_share <= 1.0))  // also rejects NaN
     return InvalidArgument(fmt::format("split_kernel_share must be in [0, 1], got {}", o.split_kernel_share));
   for (const auto& [name, v] : {std::pair{"auto_split_h2d_kernel_share", o.auto_split_h2d_kernel_share},

@@ -91,6 +91,10 @@ inline constexpr std::uint32_t kMaxThreadsPerCta = 1024;
 inline constexpr std::uint32_t kWarpThreads = 32;
 inline constexpr std::uint32_t kMaxSplitDmaLanes = 16;
 inline constexpr std::uint32_t kMaxDescriptorSlots = 65536;
+// Staged DMA slots per caller stream: each is a staging buffer of staged_slot_bytes of device memory and two events;
+// a few keep the pipeline full. Any count was taken, and the first staged copy aborted the process sizing the slot
+// array (bad_alloc at 2^32 - 1).
+inline constexpr std::uint32_t kMaxStagedSlots = 256;
 
 struct KernelArgs {
   const KernelPlane* planes = nullptr;  // num_planes entries (device-readable)

@@ -183,7 +183,14 @@ std::uint32_t header_bytes(const StorageOptions& options, std::uint32_t alignmen
 
 Status check_payload_size(const StorageOptions& options, std::uint64_t payload_bytes) {
   std::uint64_t end = 0;
-  for (const auto& r : options.roles) end = std::max(end, r.offset + r.bytes);
+  for (std::size_t i = 0; i < options.roles.size(); ++i) {
+    const auto& r = options.roles[i];
+    // A role whose end wraps around 2^64 passed here (its end read as small) and was written; every reader then
+    // refused the object as corrupt and quarantined it: a put reported done whose block was lost.
+    if (r.bytes > UINT64_MAX - r.offset)
+      return InvalidArgument(fmt::format("roles[{}]: offset {} + {} bytes wraps around 2^64", i, r.offset, r.bytes));
+    end = std::max(end, r.offset + r.bytes);
+  }
   if (payload_bytes < end)
     return InvalidArgument(
         fmt::format("payload of {} bytes is smaller than the roles table needs ({} bytes)", payload_bytes, end));

@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 
 #include "storage/object_format.h"
 #include "storage/storage_tier_metrics.h"
@@ -84,6 +87,33 @@ void StorageTier::scatter(const std::byte* src, std::uint64_t block) const {
     }
 }
 
+// The staging of a batch whose host blocks are not packed page-first: one object per key. Its size comes from the
+// caller's key count (repeats allowed): a product that wraps or memory that cannot be had is an error, not an
+// exception out of the API (a read of 4,096 keys of 1 GiB objects aborted the process).
+Status StorageTier::size_staging(StorageTierOp& op, std::size_t keys, const char* what) const {
+  // More objects than the host space has blocks can only be repeats, and would stage more than the space holds.
+  if (keys > host_.num_blocks())
+    return InvalidArgument(
+        fmt::format("storage tier {}: {} keys in one staged batch, more than the host space's {} "
+                    "blocks",
+                    what, keys, host_.num_blocks()));
+  if (keys != 0 && object_bytes_ > SIZE_MAX / keys)
+    return ResourceExhausted(fmt::format("storage tier {}: staging {} objects of {} bytes overflows the address space",
+                                         what, keys, object_bytes_));
+  try {
+    op.staging_.resize(object_bytes_ * keys);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhausted(
+        fmt::format("storage tier {}: cannot allocate {} bytes of staging for {} objects of {} "
+                    "bytes (post fewer keys at once)",
+                    what, object_bytes_ * keys, keys, object_bytes_));
+  } catch (const std::length_error&) {
+    return ResourceExhausted(fmt::format("storage tier {}: staging {} objects of {} bytes exceeds a vector's limit",
+                                         what, keys, object_bytes_));
+  }
+  return Status::Ok();
+}
+
 Result<StorageTierOp> StorageTier::write(std::span<const StorageKey> keys, std::span<const std::uint64_t> host_blocks) {
   KVTIER_RETURN_IF_ERROR(check(keys, host_blocks));
   StorageTierOp op;
@@ -91,7 +121,7 @@ Result<StorageTierOp> StorageTier::write(std::span<const StorageKey> keys, std::
   op.op_ = StorageOp::kPut;
   op.blocks_.assign(host_blocks.begin(), host_blocks.end());
   op.staged_ = !zero_copy_;
-  if (op.staged_) op.staging_.resize(object_bytes_ * keys.size());
+  if (op.staged_) KVTIER_RETURN_IF_ERROR(size_staging(op, keys.size(), "write"));
   StorageBatch b;
   b.op = StorageOp::kPut;
   for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -114,7 +144,7 @@ Result<StorageTierOp> StorageTier::read(std::span<const StorageKey> keys, std::s
   op.op_ = StorageOp::kGet;
   op.blocks_.assign(host_blocks.begin(), host_blocks.end());
   op.staged_ = !zero_copy_;
-  if (op.staged_) op.staging_.resize(object_bytes_ * keys.size());
+  if (op.staged_) KVTIER_RETURN_IF_ERROR(size_staging(op, keys.size(), "read"));
   StorageBatch b;
   b.op = StorageOp::kGet;
   for (std::size_t i = 0; i < keys.size(); ++i) {

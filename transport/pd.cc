@@ -274,6 +274,9 @@ class ChecksumQueue {
   std::thread thread_;
 };
 
+// The longest request_wait, lease and heartbeat an endpoint takes.
+constexpr std::chrono::milliseconds kMaxPdTimeout = std::chrono::hours(24);
+
 class Endpoint {
  public:
   Endpoint(Transport& t, BlockSpace blocks, PdOptions options) : t_(t), blocks_(std::move(blocks)), options_(options) {}
@@ -282,6 +285,14 @@ class Endpoint {
     role_ = role;
     if (options_.request_wait.count() <= 0)
       return InvalidArgument(fmt::format("{}: request_wait {} ms: must be > 0", role, options_.request_wait.count()));
+    // At most a day, as the transports' own timeouts: these are compared with nanosecond clocks, where a value of
+    // centuries (milliseconds::max() meant as "never") overflowed to a negative time and failed every transfer at
+    // once ("silent for more than the lease (9223372036854775807 ms)").
+    for (const auto& [name, value] : {std::pair{"request_wait", options_.request_wait},
+                                      std::pair{"lease", options_.lease}, std::pair{"heartbeat", options_.heartbeat}})
+      if (value > kMaxPdTimeout)
+        return InvalidArgument(
+            fmt::format("{}: {} {} ms: at most {} ms (a day)", role, name, value.count(), kMaxPdTimeout.count()));
     if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
       return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
                                          options_.heartbeat.count(), options_.lease.count()));

@@ -759,6 +759,16 @@ TEST(CopyConfig, OptionsAreCheckedWithoutADevice) {
   EXPECT_EQ(bad_item.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad_item.message().find("sm_landed_item_bytes"), std::string::npos) << bad_item.message();
   EXPECT_NE(bad_item.message().find("17"), std::string::npos) << bad_item.message();
+  // Any staged slot count was taken, and the first staged copy aborted the process (bad_alloc sizing the slots).
+  o = CopyEngineOptions{};
+  o.staged_slots = 0xFFFFFFFFu;
+  const Status slots = check_copy_engine_options(o);
+  EXPECT_EQ(slots.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(slots.message().find("staged_slots must be <="), std::string::npos) << slots.message();
+  o = CopyEngineOptions{};
+  o.staged_slots = 256;
+  o.staged_slot_bytes = UINT64_MAX / 128;
+  EXPECT_NE(check_copy_engine_options(o).message().find("overflows"), std::string::npos);
   o = CopyEngineOptions{};
   o.sm_threads_per_cta = 1056;
   EXPECT_EQ(check_copy_engine_options(o).code(), StatusCode::kInvalidArgument);

@@ -108,6 +108,13 @@ TEST(ObjectFormat, EncodeDecodeVerify) {
   EXPECT_EQ(format::decode_header(hdr.data(), 100, &needed).status().code(), StatusCode::kOutOfRange);
   EXPECT_EQ(needed, hs);
   EXPECT_EQ(format::check_payload_size(o, 100).code(), StatusCode::kInvalidArgument);
+  // A role whose end wraps around 2^64 read as ending early and was accepted: the object was written, and every
+  // read then quarantined it as corrupt.
+  StorageOptions wrap;
+  wrap.roles = {ObjectSchemaRole{0, 0, 0, UINT64_MAX - 7, 16}};
+  const Status wrapped = format::check_payload_size(wrap, 16);
+  EXPECT_EQ(wrapped.code(), StatusCode::kInvalidArgument) << wrapped.to_string();
+  EXPECT_NE(wrapped.message().find("wraps around"), std::string::npos) << wrapped.to_string();
 }
 
 // encode_object (the header and the payload copied in one pass) writes the bytes encode_header + a copy write,
@@ -732,6 +739,36 @@ TEST_P(StorageTierTest, WriteReadBlocksByKey) {
   auto b3 = create_disk_backend(other_dir, StorageTier::storage_options(*other, "tier-test"));
   ASSERT_TRUE(b3.ok());
   EXPECT_EQ(StorageTier::create(std::move(b3).value(), *dst_space, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A staged batch (host blocks not packed page-first) stages one object per key, sized from the caller's key count:
+// 4,096 keys of 1 GiB objects threw bad_alloc out of read() and aborted the process. More keys than the host space
+// has blocks are refused before anything is allocated (the planes here are never touched).
+TEST(StorageTierStaging, AStagedBatchBeyondTheHostSpaceIsRefusedNotAllocated) {
+  auto layout = KvLayout::uniform(1, 2, std::uint64_t{1} << 30);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  std::vector<std::vector<void*>> bases = {
+      {reinterpret_cast<void*>(std::uintptr_t{1} << 40), reinterpret_cast<void*>(std::uintptr_t{2} << 40)}};
+  auto space = BlockSpace::layer_first(MemoryKind::kPinnedHost, 0, *layout, 2, bases);
+  ASSERT_TRUE(space.ok()) << space.status().to_string();
+  TempDir dir;
+  DiskBackendConfig c;
+  c.root = dir.path();
+  auto backend = create_disk_backend(c, StorageTier::storage_options(*layout, "tier-staging"));
+  ASSERT_TRUE(backend.ok()) << backend.status().to_string();
+  auto tier = StorageTier::create(std::move(backend).value(), *space, 0);
+  ASSERT_TRUE(tier.ok()) << tier.status().to_string();
+  ASSERT_FALSE((*tier)->zero_copy());
+  std::vector<StorageKey> keys(4096, key_of(1, 0));
+  std::vector<std::uint64_t> blocks(4096, 0);
+  for (bool read : {true, false}) {
+    auto op = read ? (*tier)->read(keys, blocks) : (*tier)->write(keys, blocks);
+    ASSERT_FALSE(op.ok());
+    EXPECT_EQ(op.status().code(), StatusCode::kInvalidArgument) << op.status().to_string();
+    EXPECT_NE(op.status().message().find("4096 keys in one staged batch, more than the host space's 2 blocks"),
+              std::string::npos)
+        << op.status().to_string();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(HostLayouts, StorageTierTest, ::testing::Values(true, false),

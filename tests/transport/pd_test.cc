@@ -1149,6 +1149,21 @@ TEST(Pd, ABeginLongBeforeTheDecodesStartWaitsForItsRequest) {
   auto refused = PdPrefill::create(*rig2.pre_t, rig2.pre_mem.space, bad);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("request_wait"), std::string::npos) << refused.status().to_string();
+  // "Never" as milliseconds::max() overflowed the nanosecond clocks it is compared with: the transfer failed at once
+  // ("no request ... within 9223372036854775807 ms", "silent for more than the lease"). Now refused, named.
+  for (int which = 0; which < 2; ++which) {
+    PdOptions huge;
+    (which == 0 ? huge.request_wait : huge.lease) = std::chrono::milliseconds::max();
+    auto made = PdPrefill::create(*rig2.pre_t, rig2.pre_mem.space, huge);
+    ASSERT_FALSE(made.ok());
+    EXPECT_EQ(made.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(made.status().message().find(which == 0 ? "request_wait 9223372036854775807 ms: at most"
+                                                      : "lease 9223372036854775807 ms: at most"),
+              std::string::npos)
+        << made.status().to_string();
+    auto made_decode = PdDecode::create(*rig2.dec_t, rig2.dec_mem.space, huge);
+    EXPECT_FALSE(made_decode.ok());
+  }
 }
 
 // A write the prefill could not post: it told the decode about that layer only, so the decode waited a lease for

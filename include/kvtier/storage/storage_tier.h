@@ -140,6 +140,7 @@ class StorageTier {
   friend class StorageTierOp;
   StorageTier(std::unique_ptr<StorageBackend> backend, BlockSpace host, std::uint32_t rank);
   Status check(std::span<const StorageKey> keys, std::span<const std::uint64_t> host_blocks) const;
+  Status size_staging(StorageTierOp& op, std::size_t keys, const char* what) const;
   void gather(std::uint64_t block, std::byte* dst) const;
   void scatter(const std::byte* src, std::uint64_t block) const;
   StorageKey with_rank(StorageKey k) const {
