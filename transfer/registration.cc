@@ -7,6 +7,20 @@
 namespace kvtier {
 namespace {
 
+// The bytes of one block of a tensor [num_blocks, ...] (dimensions 1.. times the dtype's size), its dimensions already
+// checked positive. The products wrapped: a shape [4, 2^62 + 16] of fp32 read as 64-byte blocks and registered.
+Result<std::uint64_t> tensor_block_bytes(const TensorDesc& t, std::string_view name) {
+  std::uint64_t bytes = dtype_bytes(t.dtype);
+  for (std::size_t i = 1; i < t.shape.size(); ++i)
+    if (__builtin_mul_overflow(bytes, static_cast<std::uint64_t>(t.shape[i]), &bytes) ||
+        bytes > KvLayout::kMaxBlockBytes)
+      return InvalidArgument(
+          fmt::format("KV tensor '{}': a block of dimensions 1..{} is more than {} bytes (at "
+                      "dimension {} = {})",
+                      name, t.shape.size() - 1, KvLayout::kMaxBlockBytes, i, t.shape[i]));
+  return bytes;
+}
+
 std::string_view seed_prefix(Role role, std::string_view other_name) {
   switch (role) {
     case Role::kKey: return "key_caches";
@@ -121,9 +135,8 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
       if (!dtype_compatible(t.dtype, role.dtype))
         return InvalidArgument(fmt::format("KV tensor '{}' has dtype {}; the layout says {} for {} of layer {}", name,
                                            dtype_name(t.dtype), dtype_name(role.dtype), role_name(role.role), l));
-      std::uint64_t elems = 1;
-      for (std::size_t i = 1; i < t.shape.size(); ++i) elems *= static_cast<std::uint64_t>(t.shape[i]);
-      std::uint64_t bytes = elems * dtype_bytes(t.dtype);
+      KVTIER_ASSIGN_OR_RETURN(const std::uint64_t bytes, tensor_block_bytes(t, name));
+      const std::uint64_t elems = dtype_bytes(t.dtype) != 0 ? bytes / dtype_bytes(t.dtype) : 0;
       if (bytes != role.block_bytes) {
         std::string dims;
         for (std::size_t i = 0; i < t.shape.size(); ++i) dims += fmt::format("{}{}", i ? ", " : "", t.shape[i]);
@@ -147,7 +160,7 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
               fmt::format("KV tensor '{}' has {} strides for {} dimensions", name, t.strides.size(), t.shape.size()));
         // Each block must be one contiguous run of bytes: dims 1.. C-contiguous
         // (a dimension of extent 1 may have any stride).
-        std::int64_t want = 1;
+        std::int64_t want = 1;  // no overflow: the product of dimensions 1.. is a block's elements, checked above
         for (std::size_t i = t.shape.size(); i-- > 1;) {
           if (t.shape[i] != 1 && t.strides[i] != want)
             return InvalidArgument(fmt::format(
@@ -161,7 +174,10 @@ Result<BlockSpace> device_space_from_name_map(const std::map<std::string, Tensor
               "KV tensor '{}' block stride {} elements is smaller than a block ({} elements): blocks overlap or dim 0 "
               "is not the block index",
               name, t.strides[0], elems));
-        stride = static_cast<std::uint64_t>(t.strides[0]) * dtype_bytes(t.dtype);
+        // A stride of 2^62 elements wrapped to a few bytes, which then passed as a block stride.
+        if (__builtin_mul_overflow(static_cast<std::uint64_t>(t.strides[0]), dtype_bytes(t.dtype), &stride))
+          return InvalidArgument(
+              fmt::format("KV tensor '{}' block stride {} elements overflows 64 bits in bytes", name, t.strides[0]));
       }
       if (stride < bytes)
         return InvalidArgument(fmt::format("KV tensor '{}' block stride {} < block bytes {}", name, stride, bytes));
@@ -213,6 +229,7 @@ Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& t
     for (std::size_t i = 0; i < desc.shape.size(); ++i)
       if (desc.shape[i] <= 0)
         return InvalidArgument(fmt::format("KV tensor '{}' has dimension {} = {}", n, i, desc.shape[i]));
+    KVTIER_RETURN_IF_ERROR(tensor_block_bytes(desc, n).status());
     layers[tl].roles[role->second] = &desc;
     layers[tl].names[role->second] = n;
     any_value = any_value || role->second == Role::kValue;
@@ -248,10 +265,9 @@ Result<KvLayout> layout_from_name_map(const std::map<std::string, TensorDesc>& t
     LayerLayout ll;
     ll.draft = l >= num_model_layers;
     for (const auto& [role, desc] : f.roles) {
-      std::uint64_t elems = 1;
-      for (std::size_t i = 1; i < desc->shape.size(); ++i) elems *= static_cast<std::uint64_t>(desc->shape[i]);
+      const std::uint64_t bytes = *tensor_block_bytes(*desc, "");  // checked as the tensor was found
       const Role r = role == Role::kKey && !any_value ? Role::kLatent : role;
-      ll.roles.push_back(RoleLayout{r, desc->dtype, elems * dtype_bytes(desc->dtype), ""});
+      ll.roles.push_back(RoleLayout{r, desc->dtype, bytes, ""});
     }
     out.push_back(std::move(ll));
   }

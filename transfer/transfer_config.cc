@@ -38,9 +38,10 @@ void bind_transfer_manager_config(ConfigTable& t, TransferManagerConfig& c, cons
   t.add(p + ".max_unpolled_completions", &c.max_unpolled_completions,
         "completions kept for poll_completions (oldest dropped)");
   t.add(p + ".latency_samples", &c.latency_samples, "ring of per-layer load latencies (p50/p99)");
-  t.add(p + ".shutdown_timeout", &c.shutdown_timeout, "per-stream drain limit in shutdown()");
+  t.add(p + ".shutdown_timeout", &c.shutdown_timeout, "per-stream drain limit in shutdown() (at most 24h)");
   t.add(p + ".event_pool_max_free", &c.event_pool_max_free, "returned events kept for reuse");
-  t.add(p + ".host_ready_timeout", &c.host_ready_timeout, "wait for kvtier-allocated pinned host memory at create");
+  t.add(p + ".host_ready_timeout", &c.host_ready_timeout,
+        "wait for kvtier-allocated pinned host memory at create (at most 24h)");
   t.add(p + ".async_submit", &c.async_submit, "enqueue copies on submission threads (false: on the caller's thread)");
 }
 

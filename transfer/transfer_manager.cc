@@ -313,10 +313,12 @@ Status validate_transfer_config(const TransferManagerConfig& c) {
   // seconds ("50s" for "50us") made each transfer take that long, with nothing to say why.
   if (c.poll_interval.count() <= 0 || c.poll_interval > std::chrono::milliseconds(100))
     return bad("poll_interval", fmt::format("{}us", c.poll_interval.count()), "must be in (0, 100ms]");
-  if (c.shutdown_timeout.count() <= 0)
-    return bad("shutdown_timeout", fmt::format("{}ms", c.shutdown_timeout.count()), "must be > 0");
-  if (c.host_ready_timeout.count() <= 0)
-    return bad("host_ready_timeout", fmt::format("{}ms", c.host_ready_timeout.count()), "must be > 0");
+  // At most a day: shutdown() waits twice this in nanoseconds, and milliseconds::max() ("never") overflowed to a
+  // negative wait, so a shutdown with work pending timed out at once.
+  if (c.shutdown_timeout.count() <= 0 || c.shutdown_timeout > std::chrono::hours(24))
+    return bad("shutdown_timeout", fmt::format("{}ms", c.shutdown_timeout.count()), "must be in (0, 24h]");
+  if (c.host_ready_timeout.count() <= 0 || c.host_ready_timeout > std::chrono::hours(24))
+    return bad("host_ready_timeout", fmt::format("{}ms", c.host_ready_timeout.count()), "must be in (0, 24h]");
   for (auto [field, st] : {std::pair{"evict_strategy", c.evict_strategy}, std::pair{"load_strategy", c.load_strategy}})
     if (static_cast<unsigned>(st) >= static_cast<unsigned>(kNumCopyStrategies))
       return bad(field, static_cast<int>(st), "not a CopyStrategy");

@@ -116,12 +116,24 @@ constexpr EnumName<LayerState> kLayerStateEntries[] = {
 constexpr auto kLayerStateNames = enum_table("layer state", kLayerStateEntries);
 std::string_view layer_state_name(LayerState state) noexcept { return kLayerStateNames.name(state); }
 
-std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block) {
+namespace {
+// block_layer_checksum for a layer and block already checked (the protocol's own lists).
+std::uint64_t layer_checksum_of(const BlockSpace& space, std::uint32_t layer, BlockId block) {
   kvtier::detail::Xxh3 h;
   const KvLayout& layout = space.layout();
   for (std::uint32_t r = 0; r < layout.num_roles(layer); ++r)
     h.update(space.block_ptr(layer, r, block), layout.block_bytes(layer, r));
   return h.digest();
+}
+}  // namespace
+
+Result<std::uint64_t> block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block) {
+  if (layer >= space.layout().num_layers())
+    return OutOfRange(
+        fmt::format("block_layer_checksum: layer {} >= num_layers {}", layer, space.layout().num_layers()));
+  if (block >= space.num_blocks())
+    return OutOfRange(fmt::format("block_layer_checksum: block {} >= num_blocks {}", block, space.num_blocks()));
+  return layer_checksum_of(space, layer, static_cast<BlockId>(block));
 }
 
 std::uint32_t DecodeStatus::leading_loaded_blocks() const {
@@ -1071,7 +1083,8 @@ class Endpoint {
   // is large enough to pay for waking them (chunks of at least 256 KiB).
   void layer_checksums(std::uint32_t layer, const std::vector<std::uint64_t>& blocks, std::uint64_t* out) const {
     split_over_helpers(blocks.size(), layer_bytes(layer, 1), [&](std::size_t begin, std::size_t end) {
-      for (std::size_t i = begin; i < end; ++i) out[i] = block_layer_checksum(blocks_, layer, blocks[i]);
+      for (std::size_t i = begin; i < end; ++i)
+        out[i] = layer_checksum_of(blocks_, layer, static_cast<BlockId>(blocks[i]));
     });
   }
   // body(begin, end) over blocks [0, n) of `block_bytes` each, split over the checksum helpers in chunks of at least

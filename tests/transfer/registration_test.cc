@@ -77,6 +77,35 @@ TEST(Registration, NameMapGqaWithScalesAndDraft) {
 
 // Layers at or above num_model_layers are draft (MTP) layers. 0 took every layer of the map for one, without a word
 // (a layer count read as 0); refused naming the value. Fewer than the map's layers is a model with draft layers.
+// Shapes and strides whose byte counts wrap 64 bits: [4, 2^62 + 16] of fp32 read as 64-byte blocks, and a block
+// stride of 2^62 + 16 elements as 64 bytes; both were registered. Each is refused, naming the tensor.
+TEST(Registration, ShapesAndStridesThatWrapAreRefused) {
+  const std::int64_t wraps = (std::int64_t{1} << 62) + 16;
+  std::map<std::string, TensorDesc> tensors;
+  std::vector<std::byte> backing(4096);
+  for (const char* name : {"key_caches_0_rank0.device0", "value_caches_0_rank0.device0"}) {
+    TensorDesc t;
+    t.data = backing.data();
+    t.shape = {4, wraps};
+    t.dtype = DType::kFp32;
+    tensors[name] = t;
+  }
+  auto layout = layout_from_name_map(tensors, 1, 0, 0, 4);
+  ASSERT_FALSE(layout.ok());
+  EXPECT_EQ(layout.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(layout.status().message().find("is more than"), std::string::npos) << layout.status().to_string();
+  // A sane shape with a block stride that wraps in bytes.
+  for (auto& [name, t] : tensors) {
+    t.shape = {4, 16};
+    t.strides = {wraps, 1};
+  }
+  auto good_layout = layout_from_name_map(tensors, 1, 0, 0, 4);
+  ASSERT_TRUE(good_layout.ok()) << good_layout.status().to_string();
+  auto space = device_space_from_name_map(tensors, *good_layout, 0, 0, /*device_ordinal=*/0);
+  ASSERT_FALSE(space.ok());
+  EXPECT_NE(space.status().message().find("overflows 64 bits"), std::string::npos) << space.status().to_string();
+}
+
 TEST(Registration, ZeroModelLayersIsRefused) {
   KvLayout layout = gqa(4, false, 0);
   NameMap m = seed_map(layout, 0, 0, 8, false);

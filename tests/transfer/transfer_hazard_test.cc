@@ -398,6 +398,11 @@ TEST(TransferLifecycle, ConfigValuesAreValidated) {
   // Every completion seen that late: a typo of "50s" for "50us" made each transfer take 50 s.
   expect_rejected([](TransferManagerConfig& c) { c.poll_interval = std::chrono::seconds(50); }, "poll_interval");
   expect_rejected([](TransferManagerConfig& c) { c.shutdown_timeout = 0ms; }, "shutdown_timeout");
+  // "Never" overflowed shutdown()'s nanosecond wait (twice the timeout): a shutdown timed out at once.
+  expect_rejected([](TransferManagerConfig& c) { c.shutdown_timeout = std::chrono::milliseconds::max(); },
+                  "shutdown_timeout");
+  expect_rejected([](TransferManagerConfig& c) { c.host_ready_timeout = std::chrono::milliseconds::max(); },
+                  "host_ready_timeout");
   expect_rejected([](TransferManagerConfig& c) { c.host_ready_timeout = -1ms; }, "host_ready_timeout");
   expect_rejected([](TransferManagerConfig& c) { c.load_strategy = static_cast<CopyStrategy>(99); }, "load_strategy");
   EXPECT_TRUE(validate_transfer_config(TransferManagerConfig{}).ok());

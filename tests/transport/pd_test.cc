@@ -1109,6 +1109,26 @@ TEST(Pd, HostDirectDestinationsOutsideThePeersRegionsAreRefusedBeforeAnyByteMove
 // schedules the request later). The prefill applied its lease to the decode from begin(): a lease later it failed the
 // transfer as "decode side silent" and disconnected the healthy decode. Now it waits for the request, up to
 // request_wait, and a transfer that never gets one fails alone, the decode left connected.
+// block_layer_checksum read any layer and block it was given: a layer past the layout read the role table out of
+// bounds (a crash), block 2^32 was cut to block 0, block num_blocks read past the region. Each is OutOfRange now.
+TEST(Pd, BlockLayerChecksumRefusesALayerOrBlockOutsideTheSpace) {
+  const KvLayout layout = KvLayout::uniform(2, 2, 4096).value();
+  HostBlocks mem = HostBlocks::make(layout, 4, true);
+  auto good = block_layer_checksum(mem.space, 1, 3);
+  ASSERT_TRUE(good.ok()) << good.status().to_string();
+  auto other = block_layer_checksum(mem.space, 1, 2);
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(*good, *other);
+  for (const auto& [layer, block] :
+       {std::pair<std::uint32_t, std::uint64_t>{7, 0}, {0, 4}, {0, std::uint64_t{1} << 32}}) {
+    auto bad = block_layer_checksum(mem.space, layer, block);
+    ASSERT_FALSE(bad.ok()) << layer << " " << block;
+    EXPECT_EQ(bad.status().code(), StatusCode::kOutOfRange);
+    EXPECT_NE(bad.status().message().find(layer == 7 ? "layer 7" : fmt::format("block {}", block)), std::string::npos)
+        << bad.status().to_string();
+  }
+}
+
 TEST(Pd, ABeginLongBeforeTheDecodesStartWaitsForItsRequest) {
   PdOptions o;
   o.lease = 150ms;

@@ -200,8 +200,9 @@ Result<PdOptions::LaneVerify> parse_lane_verify(std::string_view name);
 // with the engine's default ring a few transfers in flight would make the progress thread wait for the GPU.
 CopyEngineOptions lane_engine_options();
 
-// The checksum of one block of one layer (xxh3-64 over its roles in order).
-std::uint64_t block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
+// The checksum of one block of one layer (xxh3-64 over its roles in order); OutOfRange for a layer or block outside
+// the space.
+Result<std::uint64_t> block_layer_checksum(const BlockSpace& space, std::uint32_t layer, std::uint64_t block);
 
 // When a transfer's steps happened on one side (steady_clock, which is system-wide on Linux, so the two sides'
 // times compare across processes of one host; a default time_point: not yet, or not a step of this lane). What
