@@ -644,7 +644,7 @@ def test_host_arrays_instead_of_addresses_are_named_briefly(engine):
 
 
 def test_config_fields_and_maps_of_the_wrong_type_are_named():
-    """Found by probing: num_hidden_layers '2' failed later inside range() with a bare TypeError; block_size 16.7 was
+    """num_hidden_layers '2' failed later inside range() with a bare TypeError; block_size 16.7 was
     cut to 16 and -4 accepted until the first transfer; set_cache_kvs_map('x') stored the string, and the next
     evict_to_host_async raised AttributeError instead of returning False with last_error."""
     for field, value in [("num_hidden_layers", "2"), ("num_hidden_layers", 2.0)]:

@@ -114,7 +114,7 @@ def test_cache_manager_ack_integers_and_odd_metric_labels_are_named():
 
 
 def test_arguments_found_wrong_only_later_are_refused_at_the_call():
-    """Found by probing the API with wrong arguments: a callback that cannot be called was taken and failed only as a
+    """Wrong arguments taken without a word: a callback that cannot be called was taken and failed only as a
     logged callback error later; ack of 'storage_drops' took any dst_blocks; a metric label of another type than str
     was refused without naming it; piece_checksums of a range that wraps around the address space returned the empty
     buffer's checksum (its piece count wrapped to 0); open_device(ordinal=-1) gave a host device without a word."""
