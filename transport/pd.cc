@@ -289,31 +289,38 @@ class ChecksumQueue {
 // The longest request_wait, lease and heartbeat an endpoint takes.
 constexpr std::chrono::milliseconds kMaxPdTimeout = std::chrono::hours(24);
 
+// The timing options, checked before an endpoint is made: a refused endpoint is still destroyed, and its close
+// waits up to a lease (a lease of milliseconds::max() overflowed there as it did everywhere it met a clock).
+Status check_timing(std::string_view role, const PdOptions& o) {
+  if (o.request_wait.count() <= 0)
+    return InvalidArgument(fmt::format("{}: request_wait {} ms: must be > 0", role, o.request_wait.count()));
+  // At most a day, as the transports' own timeouts: these are compared with nanosecond clocks, where a value of
+  // centuries (milliseconds::max() meant as "never") overflowed to a negative time and failed every transfer at
+  // once ("silent for more than the lease (9223372036854775807 ms)").
+  for (const auto& [name, value] :
+       {std::pair{"request_wait", o.request_wait}, std::pair{"lease", o.lease}, std::pair{"heartbeat", o.heartbeat}})
+    if (value > kMaxPdTimeout)
+      return InvalidArgument(
+          fmt::format("{}: {} {} ms: at most {} ms (a day)", role, name, value.count(), kMaxPdTimeout.count()));
+  if (o.heartbeat.count() <= 0 || o.lease <= o.heartbeat)
+    return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
+                                       o.heartbeat.count(), o.lease.count()));
+  if (o.idle_wait.count() <= 0 || o.idle_wait > o.heartbeat)
+    return InvalidArgument(fmt::format("{}: idle_wait {} us: need 0 < idle_wait <= heartbeat ({} ms)", role,
+                                       o.idle_wait.count(), o.heartbeat.count()));
+  if (o.busy_wait.count() < 0 || o.busy_wait > o.idle_wait)
+    return InvalidArgument(fmt::format("{}: busy_wait {} us: need 0 <= busy_wait <= idle_wait ({} us)", role,
+                                       o.busy_wait.count(), o.idle_wait.count()));
+  return Status::Ok();
+}
+
 class Endpoint {
  public:
   Endpoint(Transport& t, BlockSpace blocks, PdOptions options) : t_(t), blocks_(std::move(blocks)), options_(options) {}
 
   Status init(std::string_view role) {
     role_ = role;
-    if (options_.request_wait.count() <= 0)
-      return InvalidArgument(fmt::format("{}: request_wait {} ms: must be > 0", role, options_.request_wait.count()));
-    // At most a day, as the transports' own timeouts: these are compared with nanosecond clocks, where a value of
-    // centuries (milliseconds::max() meant as "never") overflowed to a negative time and failed every transfer at
-    // once ("silent for more than the lease (9223372036854775807 ms)").
-    for (const auto& [name, value] : {std::pair{"request_wait", options_.request_wait},
-                                      std::pair{"lease", options_.lease}, std::pair{"heartbeat", options_.heartbeat}})
-      if (value > kMaxPdTimeout)
-        return InvalidArgument(
-            fmt::format("{}: {} {} ms: at most {} ms (a day)", role, name, value.count(), kMaxPdTimeout.count()));
-    if (options_.heartbeat.count() <= 0 || options_.lease <= options_.heartbeat)
-      return InvalidArgument(fmt::format("{}: heartbeat {} ms and lease {} ms: need 0 < heartbeat < lease", role,
-                                         options_.heartbeat.count(), options_.lease.count()));
-    if (options_.idle_wait.count() <= 0 || options_.idle_wait > options_.heartbeat)
-      return InvalidArgument(fmt::format("{}: idle_wait {} us: need 0 < idle_wait <= heartbeat ({} ms)", role,
-                                         options_.idle_wait.count(), options_.heartbeat.count()));
-    if (options_.busy_wait.count() < 0 || options_.busy_wait > options_.idle_wait)
-      return InvalidArgument(fmt::format("{}: busy_wait {} us: need 0 <= busy_wait <= idle_wait ({} us)", role,
-                                         options_.busy_wait.count(), options_.idle_wait.count()));
+    KVTIER_RETURN_IF_ERROR(check_timing(role, options_));
     if (options_.engine != nullptr) {
       Device& dev = options_.engine->device();
       if (blocks_.kind() != MemoryKind::kDevice || blocks_.device_ordinal() != dev.ordinal())
@@ -3119,12 +3126,14 @@ class Decode final : public PdDecode, public Endpoint {
 }  // namespace
 
 Result<std::unique_ptr<PdPrefill>> PdPrefill::create(Transport& transport, BlockSpace blocks, PdOptions options) {
+  KVTIER_RETURN_IF_ERROR(check_timing("prefill", options));
   auto p = std::make_unique<Prefill>(transport, std::move(blocks), options);
   KVTIER_RETURN_IF_ERROR(p->init("prefill"));
   return std::unique_ptr<PdPrefill>(std::move(p));
 }
 
 Result<std::unique_ptr<PdDecode>> PdDecode::create(Transport& transport, BlockSpace blocks, PdOptions options) {
+  KVTIER_RETURN_IF_ERROR(check_timing("decode", options));
   auto d = std::make_unique<Decode>(transport, std::move(blocks), options);
   KVTIER_RETURN_IF_ERROR(d->init("decode"));
   return std::unique_ptr<PdDecode>(std::move(d));
