@@ -579,6 +579,9 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
       KVTIER_RETURN_IF_ERROR(exec->execute(plan));
     }
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    // The moves run on other threads (the host backend's streams, storage workers) that need the cores this loop
+    // would spin on: a few yields catch a move about to end, then sleeps from 5 us, doubling up to 200 us.
+    std::chrono::microseconds pause{0};
     for (int spins = 0;; ++spins) {
       KVTIER_RETURN_IF_ERROR(poll_and_apply());
       const bool storage_idle = !real || real->storage_in_flight() == 0;
@@ -589,12 +592,18 @@ Result<ReplayResult> run(const std::vector<TraceRequest>& trace, const Prepared&
         loads_done = as.loading_blocks == 0;
       }
       if (storage_idle && device_idle && loads_done) return Status::Ok();
-      if (spins > 1000000 && std::chrono::steady_clock::now() > deadline)
+      if (spins >= 16 && std::chrono::steady_clock::now() > deadline)
         return TimedOut(
             fmt::format("replay: moves of admission {} never completed ({} device moves, {} storage "
                         "moves in flight)",
                         wait_for, device_moves_out, real ? real->storage_in_flight() : 0));
-      if (!storage_idle || !device_idle) std::this_thread::yield();
+      if (storage_idle && device_idle) continue;  // nothing in flight to wait for
+      if (spins < 16) {
+        std::this_thread::yield();
+      } else {
+        pause = std::clamp(pause * 2, std::chrono::microseconds(5), std::chrono::microseconds(200));
+        std::this_thread::sleep_for(pause);
+      }
     }
   };
 

@@ -53,7 +53,7 @@ TEST(NodeLists, ParkedNodesReturnToTheirPlaces) {
             std::vector<std::uint8_t>(kNodes, 0)};
     std::mt19937 rng(seed);
     std::size_t parked_seen = 0, merges = 0;
-    for (int step = 0; step < 30000; ++step) {
+    for (int step = 0; step < 12000; ++step) {
       const NodeId n = rng() % kNodes;
       const int l = static_cast<int>(rng() % kLists);
       const int op = static_cast<int>(rng() % 12);
