@@ -319,8 +319,7 @@ class Endpoint {
   Endpoint(Transport& t, BlockSpace blocks, PdOptions options) : t_(t), blocks_(std::move(blocks)), options_(options) {}
 
   Status init(std::string_view role) {
-    role_ = role;
-    KVTIER_RETURN_IF_ERROR(check_timing(role, options_));
+    role_ = role;  // the timing options were checked by create(), before the endpoint was made
     if (options_.engine != nullptr) {
       Device& dev = options_.engine->device();
       if (blocks_.kind() != MemoryKind::kDevice || blocks_.device_ordinal() != dev.ordinal())
